@@ -1,0 +1,138 @@
+//! [`Allocator`]: every device of a process, each behind its own lock.
+//!
+//! Devices are created on first use through a factory, so a process that
+//! touches only GPU 0 never initializes the others. Every call takes the
+//! device's `parking_lot::Mutex` once; nothing else is shared on the hot path.
+
+use parking_lot::{Mutex, MutexGuard};
+
+use crate::backend::{Backend, BackendError, DevicePtr, StreamId};
+use crate::capture::StreamFilter;
+use crate::config::Config;
+use crate::device::DeviceAllocator;
+use crate::error::AllocError;
+use crate::pool::PoolKey;
+use crate::snapshot::SegmentSnapshot;
+use crate::stats::DeviceStats;
+
+/// Creates the backend of a device on first use.
+pub type BackendFactory<B> = Box<dyn Fn(u32) -> Result<B, BackendError> + Send + Sync>;
+
+/// The caching allocator of a process: one [`DeviceAllocator`] per device.
+pub struct Allocator<B: Backend> {
+    config: Config,
+    devices: Vec<Mutex<Option<DeviceAllocator<B>>>>,
+    factory: BackendFactory<B>,
+}
+
+impl<B: Backend> Allocator<B> {
+    /// An allocator for `device_count` devices whose backends `factory` creates.
+    pub fn new(config: Config, device_count: usize, factory: BackendFactory<B>) -> Self {
+        Allocator { config, devices: (0..device_count).map(|_| Mutex::new(None)).collect(), factory }
+    }
+
+    /// The configuration every device starts with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Number of devices.
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// Locks device `device`, creating it on first use.
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidDevice`], or the backend's failure to start.
+    pub fn lock(&self, device: i64) -> Result<MappedDevice<'_, B>, AllocError> {
+        let slot = usize::try_from(device)
+            .ok()
+            .and_then(|d| self.devices.get(d))
+            .ok_or(AllocError::InvalidDevice { device, count: self.devices.len() })?;
+        let mut guard = slot.lock();
+        if guard.is_none() {
+            let backend = (self.factory)(device as u32)?;
+            *guard = Some(DeviceAllocator::new(device as u32, backend, self.config.clone()));
+        }
+        Ok(MutexGuard::map(guard, |d| d.as_mut().expect("created above")))
+    }
+
+    /// Runs `f` on every device that has been created.
+    pub fn for_each_created(&self, mut f: impl FnMut(&mut DeviceAllocator<B>) -> Result<(), AllocError>) -> Result<(), AllocError> {
+        for slot in &self.devices {
+            if let Some(d) = slot.lock().as_mut() {
+                f(d)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`DeviceAllocator::malloc`] on a device.
+    #[inline]
+    pub fn malloc(&self, device: i64, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
+        self.lock(device)?.malloc(size, stream)
+    }
+
+    /// [`DeviceAllocator::free`] on a device.
+    #[inline]
+    pub fn free(&self, device: i64, ptr: DevicePtr) -> Result<(), AllocError> {
+        self.lock(device)?.free(ptr)
+    }
+
+    /// [`DeviceAllocator::record_stream`] on a device.
+    pub fn record_stream(&self, device: i64, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+        self.lock(device)?.record_stream(ptr, stream)
+    }
+
+    /// `empty_cache` on every created device.
+    pub fn empty_cache(&self) -> Result<(), AllocError> {
+        self.for_each_created(|d| d.empty_cache())
+    }
+
+    /// A device's stats; all zero for a device not created yet.
+    pub fn stats(&self, device: i64) -> Result<DeviceStats, AllocError> {
+        Ok(self.lock(device)?.stats().clone())
+    }
+
+    /// `reset_peak_memory_stats` on a device.
+    pub fn reset_peak_stats(&self, device: i64) -> Result<(), AllocError> {
+        self.lock(device)?.reset_peak_stats();
+        Ok(())
+    }
+
+    /// `reset_accumulated_memory_stats` on a device.
+    pub fn reset_accumulated_stats(&self, device: i64) -> Result<(), AllocError> {
+        self.lock(device)?.reset_accumulated_stats();
+        Ok(())
+    }
+
+    /// `set_per_process_memory_fraction` on a device.
+    pub fn set_memory_fraction(&self, device: i64, fraction: f64) -> Result<(), AllocError> {
+        self.lock(device)?.set_memory_fraction(fraction)
+    }
+
+    /// A device's segments and blocks.
+    pub fn snapshot(&self, device: i64) -> Result<Vec<SegmentSnapshot>, AllocError> {
+        Ok(self.lock(device)?.snapshot())
+    }
+
+    /// [`DeviceAllocator::begin_allocate_to_pool`] on a device.
+    pub fn begin_allocate_to_pool(&self, device: i64, pool: PoolKey, filter: Option<StreamFilter>) -> Result<(), AllocError> {
+        self.lock(device)?.begin_allocate_to_pool(pool, filter);
+        Ok(())
+    }
+
+    /// [`DeviceAllocator::end_allocate_to_pool`] on a device.
+    pub fn end_allocate_to_pool(&self, device: i64, pool: PoolKey) -> Result<(), AllocError> {
+        self.lock(device)?.end_allocate_to_pool(pool)
+    }
+
+    /// [`DeviceAllocator::release_pool`] on a device.
+    pub fn release_pool(&self, device: i64, pool: PoolKey) -> Result<(), AllocError> {
+        self.lock(device)?.release_pool(pool)
+    }
+}
+
+/// A locked device.
+pub type MappedDevice<'a, B> = parking_lot::MappedMutexGuard<'a, DeviceAllocator<B>>;

@@ -1,0 +1,115 @@
+//! Where device memory and stream ordering come from.
+//!
+//! The policy code talks only to [`Backend`], so it runs on the simulated
+//! device ([`SimBackend`]) in tests, benchmarks and trace replay, and on the
+//! CUDA driver (`CudaBackend`, feature `cuda`) inside PyTorch.
+
+pub mod sim;
+
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+pub mod cuda;
+
+use std::fmt;
+
+pub use sim::SimBackend;
+
+/// A device address. Opaque: never dereferenced on the host. 0 is "null".
+pub type DevicePtr = u64;
+/// A stream, as the raw `cudaStream_t` value PyTorch passes (0 is the legacy default stream).
+pub type StreamId = u64;
+/// An event handle issued by a backend.
+pub type EventId = u64;
+
+/// Free and total bytes of the device (`cudaMemGetInfo`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemInfo {
+    /// Bytes the driver could still hand out.
+    pub free: u64,
+    /// Bytes of device memory in all.
+    pub total: u64,
+}
+
+/// What a backend call can fail with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// The device has no room for `requested` bytes *now*; releasing cached
+    /// memory and retrying may help.
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: u64,
+    },
+    /// A driver call failed for another reason; retrying will not help.
+    Driver {
+        /// The driver function that failed.
+        call: &'static str,
+        /// Its numeric result code.
+        code: i64,
+        /// The driver's name for the code.
+        name: String,
+    },
+    /// No driver could be loaded (no `libcuda.so`) or no such device.
+    Unavailable(String),
+}
+
+impl fmt::Display for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BackendError::OutOfMemory { requested } => {
+                write!(f, "device out of memory allocating {requested} bytes")
+            }
+            BackendError::Driver { call, code, name } => write!(f, "{call} failed: {name} ({code})"),
+            BackendError::Unavailable(why) => write!(f, "CUDA unavailable: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for BackendError {}
+
+/// A source of device memory and of stream-ordering events.
+///
+/// Contract for all methods (stated once): sizes are non-zero multiples of
+/// 512; pointers are opaque and never dereferenced; `release` receives only a
+/// `(ptr, size)` pair that `allocate` returned and that was not released
+/// since; events are used only through the methods here, and destroyed once.
+/// A backend belongs to one device and is called under that device's lock.
+///
+/// # Reentrancy
+/// Implementations must not call back into the allocator (no Python, no torch).
+pub trait Backend: Send {
+    /// Alignment of every pointer `allocate` returns (cudaMalloc: 256).
+    fn alignment(&self) -> u64;
+
+    /// Free and total device memory.
+    fn mem_info(&mut self) -> Result<MemInfo, BackendError>;
+
+    /// Obtains a new segment of exactly `size` bytes.
+    ///
+    /// `capturing` is true while a CUDA graph is being captured on some
+    /// stream: the CUDA backend then allocates in relaxed capture mode so the
+    /// capture is not invalidated.
+    ///
+    /// # Errors
+    /// [`BackendError::OutOfMemory`] when the device is full now.
+    fn allocate(&mut self, size: u64, capturing: bool) -> Result<DevicePtr, BackendError>;
+
+    /// Returns a segment. Work still queued on any stream that used it is
+    /// waited for by the backend (cudaFree synchronizes the device).
+    fn release(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError>;
+
+    /// Records an event marking all work enqueued on `stream` so far.
+    fn record_event(&mut self, stream: StreamId) -> Result<EventId, BackendError>;
+
+    /// Non-blocking: has the device passed this event?
+    fn event_done(&mut self, event: EventId) -> Result<bool, BackendError>;
+
+    /// Blocks the host until the event has completed (OOM and empty_cache paths only).
+    fn wait_event(&mut self, event: EventId) -> Result<(), BackendError>;
+
+    /// Makes all future work on `stream` wait for `event` (no host blocking).
+    fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<(), BackendError>;
+
+    /// Destroys (or recycles) an event. Pending waits on it stay valid.
+    fn destroy_event(&mut self, event: EventId);
+}

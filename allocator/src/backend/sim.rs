@@ -1,0 +1,446 @@
+//! A simulated device: a capacity, an address space with realistic reuse,
+//! virtual-memory ranges mapped in pages, events completed by hand, fault
+//! injection and call counters.
+//!
+//! Stream progress is manual. Every stream has a count of work items
+//! *submitted* ([`SimBackend::launch`] and every recorded event add one) and
+//! of items *completed* ([`SimBackend::complete`]). An event is done once its
+//! stream has completed past it. `stream_wait_event` records that a stream's
+//! later work is ordered after another stream's work, which is what
+//! [`SimBackend::is_ordered_after`] answers; tests use it to prove that no
+//! block reached a second stream before the first one was done with it.
+//!
+//! The simulator panics on any contract violation: releasing an unknown
+//! pointer or with the wrong size, using a destroyed event, unmapping what is
+//! not mapped, or (while [`SimBackend::set_capturing`] is on) any call that a
+//! CUDA graph capture forbids.
+
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap;
+
+use super::{Backend, BackendError, DevicePtr, EventId, MemInfo, StreamId};
+
+/// Where simulated allocations start (looks like a CUDA address, never 0).
+const BASE: u64 = 0x7f00_0000_0000;
+/// Where simulated virtual reservations start, far from allocations.
+const VMM_BASE: u64 = 0x9f00_0000_0000;
+
+/// How many times each backend entry point was called.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SimCounters {
+    /// Successful `allocate` calls.
+    pub allocate: u64,
+    /// `allocate` calls that failed (capacity or injected fault).
+    pub allocate_failed: u64,
+    /// `allocate` calls made with `capturing = true`.
+    pub allocate_capturing: u64,
+    /// `release` calls.
+    pub release: u64,
+    /// Pages mapped.
+    pub map: u64,
+    /// Pages unmapped.
+    pub unmap: u64,
+    /// Events recorded.
+    pub record_event: u64,
+    /// Non-blocking event queries.
+    pub event_query: u64,
+    /// Blocking event waits.
+    pub wait_event: u64,
+    /// Stream-wait-event calls.
+    pub stream_wait_event: u64,
+    /// Events destroyed.
+    pub destroy_event: u64,
+}
+
+#[derive(Default, Clone)]
+struct SimStream {
+    submitted: u64,
+    completed: u64,
+    /// For each other stream: the sequence number this stream's future work waits for.
+    waits: FxHashMap<StreamId, u64>,
+}
+
+struct Reservation {
+    size: u64,
+    /// Mapped page offsets within the reservation.
+    mapped: BTreeMap<u64, ()>,
+}
+
+/// The simulated device. See the module docs.
+pub struct SimBackend {
+    capacity: u64,
+    alignment: u64,
+    page: u64,
+    used: u64,
+    next_addr: u64,
+    /// Released address ranges, by start: reused first-fit like a driver would.
+    holes: BTreeMap<u64, u64>,
+    live: BTreeMap<DevicePtr, u64>,
+    next_va: u64,
+    reservations: BTreeMap<DevicePtr, Reservation>,
+    streams: FxHashMap<StreamId, SimStream>,
+    events: FxHashMap<EventId, (StreamId, u64)>,
+    next_event: EventId,
+    fail_allocate_at: Option<u64>,
+    fail_map_at: Option<u64>,
+    allocate_calls: u64,
+    map_calls: u64,
+    capturing: bool,
+    /// Call counters.
+    pub counters: SimCounters,
+}
+
+impl SimBackend {
+    /// A device of `capacity` bytes whose allocations are aligned to 512 B.
+    pub fn new(capacity: u64) -> SimBackend {
+        SimBackend::with_alignment(capacity, 512)
+    }
+
+    /// A device with a chosen allocation alignment (a power of two).
+    pub fn with_alignment(capacity: u64, alignment: u64) -> SimBackend {
+        assert!(alignment.is_power_of_two(), "alignment {alignment} is not a power of two");
+        SimBackend {
+            capacity,
+            alignment,
+            page: 2 << 20,
+            used: 0,
+            next_addr: BASE,
+            holes: BTreeMap::new(),
+            live: BTreeMap::new(),
+            next_va: VMM_BASE,
+            reservations: BTreeMap::new(),
+            streams: FxHashMap::default(),
+            events: FxHashMap::default(),
+            next_event: 1,
+            fail_allocate_at: None,
+            fail_map_at: None,
+            allocate_calls: 0,
+            map_calls: 0,
+            capturing: false,
+            counters: SimCounters::default(),
+        }
+    }
+
+    /// Device capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Bytes currently allocated or mapped.
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    /// Number of live allocations.
+    pub fn live_allocations(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Makes the `n`th `allocate` call from now (1-based) fail with out-of-memory.
+    pub fn fail_allocate_at(&mut self, n: u64) {
+        self.fail_allocate_at = Some(self.allocate_calls + n);
+    }
+
+    /// Makes the `n`th page map from now (1-based) fail with out-of-memory.
+    pub fn fail_map_at(&mut self, n: u64) {
+        self.fail_map_at = Some(self.map_calls + n);
+    }
+
+    /// While on, any call a CUDA graph capture forbids panics: event queries
+    /// and waits, `release`, and `allocate` without the `capturing` flag.
+    pub fn set_capturing(&mut self, on: bool) {
+        self.capturing = on;
+    }
+
+    /// Submits one work item on `stream` (a kernel); returns its sequence number.
+    pub fn launch(&mut self, stream: StreamId) -> u64 {
+        let s = self.streams.entry(stream).or_default();
+        s.submitted += 1;
+        s.submitted
+    }
+
+    /// Completes everything submitted on `stream` so far.
+    pub fn complete(&mut self, stream: StreamId) {
+        let s = self.streams.entry(stream).or_default();
+        s.completed = s.submitted;
+    }
+
+    /// Completes all work on every stream.
+    pub fn complete_all(&mut self) {
+        for s in self.streams.values_mut() {
+            s.completed = s.submitted;
+        }
+    }
+
+    /// Whether work submitted on `earlier` up to `seq` is complete, or is
+    /// ordered before all future work on `later` (same stream, or a
+    /// stream-wait-event on an event at or after `seq`).
+    pub fn is_ordered_after(&self, later: StreamId, earlier: StreamId, seq: u64) -> bool {
+        if later == earlier {
+            return true;
+        }
+        let Some(e) = self.streams.get(&earlier) else { return true };
+        e.completed >= seq
+            || self
+                .streams
+                .get(&later)
+                .and_then(|l| l.waits.get(&earlier))
+                .is_some_and(|&w| w >= seq)
+    }
+
+    /// Events recorded and not yet destroyed.
+    pub fn live_events(&self) -> usize {
+        self.events.len()
+    }
+
+    fn forbid_in_capture(&self, what: &str) {
+        assert!(!self.capturing, "SimBackend: {what} called during CUDA graph capture");
+    }
+
+    fn event(&self, event: EventId) -> (StreamId, u64) {
+        *self
+            .events
+            .get(&event)
+            .unwrap_or_else(|| panic!("SimBackend: unknown or destroyed event {event}"))
+    }
+
+    fn take_address(&mut self, size: u64) -> u64 {
+        let hole = self.holes.iter().find(|&(_, &len)| len >= size).map(|(&s, &l)| (s, l));
+        match hole {
+            Some((start, len)) => {
+                self.holes.remove(&start);
+                if len > size {
+                    self.holes.insert(start + size, len - size);
+                }
+                start
+            }
+            None => {
+                let p = self.next_addr;
+                self.next_addr += size.div_ceil(self.alignment) * self.alignment;
+                p
+            }
+        }
+    }
+
+    fn give_back_address(&mut self, ptr: u64, size: u64) {
+        let mut start = ptr;
+        let mut len = size.div_ceil(self.alignment) * self.alignment;
+        if let Some((&s, &l)) = self.holes.range(..ptr).next_back()
+            && s + l == ptr
+        {
+            self.holes.remove(&s);
+            start = s;
+            len += l;
+        }
+        let end = ptr + size.div_ceil(self.alignment) * self.alignment;
+        if let Some(l) = self.holes.remove(&end) {
+            len += l;
+        }
+        self.holes.insert(start, len);
+    }
+
+    // ---- Virtual memory: what expandable segments need ----
+
+    /// Granularity of [`map`](Self::map) and [`unmap`](Self::unmap) (2 MiB).
+    pub fn page_size(&self) -> u64 {
+        self.page
+    }
+
+    /// Reserves `size` bytes of virtual address space (no physical memory).
+    pub fn reserve(&mut self, size: u64) -> DevicePtr {
+        assert!(size > 0 && size % self.page == 0, "SimBackend: reserve of {size} is not whole pages");
+        let va = self.next_va;
+        self.next_va += size + self.page;
+        self.reservations.insert(va, Reservation { size, mapped: BTreeMap::new() });
+        va
+    }
+
+    /// Frees a reservation; every page in it must be unmapped.
+    pub fn free_reservation(&mut self, va: DevicePtr, size: u64) {
+        let r = self.reservations.remove(&va).unwrap_or_else(|| panic!("SimBackend: unknown reservation {va:#x}"));
+        assert_eq!(r.size, size, "SimBackend: reservation {va:#x} freed with the wrong size");
+        assert!(r.mapped.is_empty(), "SimBackend: reservation {va:#x} freed with pages still mapped");
+    }
+
+    fn reservation_of(&mut self, ptr: DevicePtr, size: u64) -> (&mut Reservation, u64) {
+        let (&va, r) = self
+            .reservations
+            .range_mut(..=ptr)
+            .next_back()
+            .unwrap_or_else(|| panic!("SimBackend: {ptr:#x} is in no reservation"));
+        assert!(ptr + size <= va + r.size, "SimBackend: range {ptr:#x}+{size} leaves its reservation");
+        (r, ptr - va)
+    }
+
+    /// Maps physical pages over `[ptr, ptr + size)` of a reservation.
+    ///
+    /// # Errors
+    /// [`BackendError::OutOfMemory`] when the pages do not fit the capacity or a fault was injected.
+    pub fn map(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        assert!(size > 0 && size % self.page == 0 && ptr % self.page == 0, "SimBackend: map of a partial page");
+        self.map_calls += 1;
+        if self.fail_map_at == Some(self.map_calls) || self.used + size > self.capacity {
+            return Err(BackendError::OutOfMemory { requested: size });
+        }
+        let page = self.page;
+        let (r, off) = self.reservation_of(ptr, size);
+        for p in (off..off + size).step_by(page as usize) {
+            assert!(r.mapped.insert(p, ()).is_none(), "SimBackend: page at offset {p:#x} mapped twice");
+        }
+        self.used += size;
+        self.counters.map += size / page;
+        Ok(())
+    }
+
+    /// Unmaps pages previously mapped with [`map`](Self::map).
+    pub fn unmap(&mut self, ptr: DevicePtr, size: u64) {
+        assert!(size > 0 && size % self.page == 0 && ptr % self.page == 0, "SimBackend: unmap of a partial page");
+        let page = self.page;
+        let (r, off) = self.reservation_of(ptr, size);
+        for p in (off..off + size).step_by(page as usize) {
+            assert!(r.mapped.remove(&p).is_some(), "SimBackend: page at offset {p:#x} unmapped but not mapped");
+        }
+        self.used -= size;
+        self.counters.unmap += size / page;
+    }
+}
+
+impl Backend for SimBackend {
+    fn alignment(&self) -> u64 {
+        self.alignment
+    }
+
+    fn mem_info(&mut self) -> Result<MemInfo, BackendError> {
+        Ok(MemInfo { free: self.capacity - self.used, total: self.capacity })
+    }
+
+    fn allocate(&mut self, size: u64, capturing: bool) -> Result<DevicePtr, BackendError> {
+        assert!(size > 0, "SimBackend: allocate of 0 bytes");
+        if !capturing {
+            self.forbid_in_capture("allocate without the capturing flag");
+        }
+        self.allocate_calls += 1;
+        if self.fail_allocate_at == Some(self.allocate_calls) || self.used + size > self.capacity {
+            self.counters.allocate_failed += 1;
+            return Err(BackendError::OutOfMemory { requested: size });
+        }
+        let ptr = self.take_address(size);
+        self.live.insert(ptr, size);
+        self.used += size;
+        self.counters.allocate += 1;
+        self.counters.allocate_capturing += u64::from(capturing);
+        Ok(ptr)
+    }
+
+    fn release(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        self.forbid_in_capture("release");
+        let got = self.live.remove(&ptr).unwrap_or_else(|| panic!("SimBackend: release of unknown pointer {ptr:#x}"));
+        assert_eq!(got, size, "SimBackend: {ptr:#x} allocated with {got} bytes, released with the wrong size {size}");
+        self.used -= size;
+        self.give_back_address(ptr, size);
+        self.counters.release += 1;
+        Ok(())
+    }
+
+    fn record_event(&mut self, stream: StreamId) -> Result<EventId, BackendError> {
+        let seq = self.launch(stream);
+        let id = self.next_event;
+        self.next_event += 1;
+        self.events.insert(id, (stream, seq));
+        self.counters.record_event += 1;
+        Ok(id)
+    }
+
+    fn event_done(&mut self, event: EventId) -> Result<bool, BackendError> {
+        self.forbid_in_capture("event query");
+        let (stream, seq) = self.event(event);
+        self.counters.event_query += 1;
+        Ok(self.streams[&stream].completed >= seq)
+    }
+
+    fn wait_event(&mut self, event: EventId) -> Result<(), BackendError> {
+        self.forbid_in_capture("event wait");
+        let (stream, seq) = self.event(event);
+        let s = self.streams.get_mut(&stream).expect("stream of a recorded event");
+        s.completed = s.completed.max(seq);
+        self.counters.wait_event += 1;
+        Ok(())
+    }
+
+    fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
+        let (from, seq) = self.event(event);
+        let w = self.streams.entry(stream).or_default().waits.entry(from).or_insert(0);
+        *w = (*w).max(seq);
+        self.counters.stream_wait_event += 1;
+        Ok(())
+    }
+
+    fn destroy_event(&mut self, event: EventId) {
+        assert!(self.events.remove(&event).is_some(), "SimBackend: destroy of unknown event {event}");
+        self.counters.destroy_event += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reuses_released_ranges_first_fit() {
+        let mut s = SimBackend::new(100 << 20);
+        let a = s.allocate(4 << 20, false).unwrap();
+        let b = s.allocate(4 << 20, false).unwrap();
+        s.release(a, 4 << 20).unwrap();
+        let c = s.allocate(2 << 20, false).unwrap();
+        assert_eq!(c, a, "a hole is reused");
+        assert!(b > a);
+        assert_eq!(s.allocate(200 << 20, false), Err(BackendError::OutOfMemory { requested: 200 << 20 }));
+        s.fail_allocate_at(1);
+        assert!(s.allocate(512, false).is_err());
+        assert!(s.allocate(512, false).is_ok());
+    }
+
+    #[test]
+    fn events_complete_by_hand() {
+        let mut s = SimBackend::new(1 << 30);
+        let e = s.record_event(7).unwrap();
+        assert!(!s.event_done(e).unwrap());
+        assert!(!s.is_ordered_after(8, 7, 1));
+        s.stream_wait_event(8, e).unwrap();
+        assert!(s.is_ordered_after(8, 7, 1));
+        s.complete(7);
+        assert!(s.event_done(e).unwrap());
+        s.destroy_event(e);
+        assert_eq!(s.live_events(), 0);
+    }
+
+    #[test]
+    fn virtual_memory_pages() {
+        let mut s = SimBackend::new(8 << 20);
+        let va = s.reserve(64 << 20);
+        s.map(va, 4 << 20).unwrap();
+        s.map(va + (4 << 20), 4 << 20).unwrap();
+        assert!(s.map(va + (8 << 20), 2 << 20).is_err(), "capacity is honoured");
+        s.unmap(va, 8 << 20);
+        s.free_reservation(va, 64 << 20);
+        assert_eq!(s.used(), 0);
+    }
+
+    #[test]
+    #[should_panic(expected = "wrong")]
+    fn wrong_size_release_panics() {
+        let mut s = SimBackend::new(1 << 30);
+        let a = s.allocate(1024, false).unwrap();
+        let _ = s.release(a, 512);
+    }
+
+    #[test]
+    #[should_panic(expected = "during CUDA graph capture")]
+    fn capture_forbids_queries() {
+        let mut s = SimBackend::new(1 << 30);
+        let e = s.record_event(1).unwrap();
+        s.set_capturing(true);
+        let _ = s.event_done(e);
+    }
+}

@@ -1,0 +1,321 @@
+//! Allocator configuration, parsed from PyTorch's `key:value,key:[a:b,>:c]` syntax.
+//!
+//! The string comes from `GPUALLOC_CONF` (or `install(config=...)`). Every key
+//! the allocator understands is listed in [`KEYS`], with its meaning; an
+//! unknown key or a bad value is a [`ConfigError`] that names it. Nothing is
+//! silently ignored.
+//!
+//! | key | value | default | meaning |
+//! | --- | --- | --- | --- |
+//! | `max_split_size_mb` | integer ≥ 20 | unlimited | blocks at least this large are never split ("oversize") |
+//! | `max_non_split_rounding_mb` | integer | 20 | how much larger than an oversize request a cached oversize block may be |
+//! | `garbage_collection_threshold` | 0 < x < 1 | off | with a memory limit set, free old cached segments once reserved passes x × limit |
+//! | `roundup_power2_divisions` | d, or `[256:1,512:2,>:8]` | 0 | round sizes to one of d steps per power-of-two interval (sizes in MB; d a power of two or 0) |
+//! | `large_segment_size_mb` | integer ≥ 2, even | 20 | segment size for requests of 1–10 MiB |
+//! | `per_process_memory_fraction` | 0 < x ≤ 1 | 1 | cap reserved memory at x × device memory |
+//! | `memory_limit` | bytes, with K/M/G/T(iB) suffix | none | cap reserved memory at this many bytes |
+//! | `cross_stream_reuse` | `true`/`false` | true | let a stream take another stream's cached block (ordered by an event) instead of growing |
+//! | `expandable_segments` | `false` | false | accepted for compatibility; `true` is refused until expandable segments land |
+
+use std::fmt;
+
+use crate::size_class::{POWER2_INTERVALS, power2_bucket};
+
+/// Every key [`Config::parse`] accepts, with a one-line description.
+pub const KEYS: &[(&str, &str)] = &[
+    ("max_split_size_mb", "blocks of at least this many MiB are never split (>= 20)"),
+    ("max_non_split_rounding_mb", "slack allowed when an oversize block serves an oversize request (MiB)"),
+    ("garbage_collection_threshold", "fraction of the memory limit above which old cached segments are freed (0 < x < 1)"),
+    ("roundup_power2_divisions", "steps per power-of-two interval: one value or [MB:d,...,>:d]"),
+    ("large_segment_size_mb", "segment size for requests between 1 and 10 MiB (MiB, even, >= 2)"),
+    ("per_process_memory_fraction", "cap on reserved memory as a fraction of the device (0 < x <= 1)"),
+    ("memory_limit", "cap on reserved memory in bytes (suffixes K, M, G, T, KiB, MiB, GiB, TiB)"),
+    ("cross_stream_reuse", "reuse another stream's cached blocks, ordered by an event, before growing (true/false)"),
+    ("expandable_segments", "only false for now"),
+];
+
+const MIB: u64 = 1 << 20;
+
+/// A validated allocator configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// Blocks at least this large are "oversize": never split. `u64::MAX` when unset.
+    pub max_split_size: u64,
+    /// Slack allowed between an oversize request and the cached block serving it.
+    pub max_non_split_rounding: u64,
+    /// `garbage_collection_threshold`, 0 when off.
+    pub gc_threshold: f64,
+    /// `roundup_power2_divisions` per bucket (1 MiB, 2 MiB, ... 32 GiB and up).
+    pub power2_divisions: [u64; POWER2_INTERVALS],
+    /// Segment size for requests of 1–10 MiB.
+    pub large_segment_size: u64,
+    /// Fraction of device memory that reserved memory may reach.
+    pub memory_fraction: Option<f64>,
+    /// Absolute cap on reserved memory.
+    pub memory_limit: Option<u64>,
+    /// Whether a stream may take another stream's cached block before growing.
+    pub cross_stream_reuse: bool,
+    /// The string this configuration was parsed from.
+    pub source: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            max_split_size: u64::MAX,
+            max_non_split_rounding: 20 * MIB,
+            gc_threshold: 0.0,
+            power2_divisions: [0; POWER2_INTERVALS],
+            large_segment_size: 20 * MIB,
+            memory_fraction: None,
+            memory_limit: None,
+            cross_stream_reuse: true,
+            source: String::new(),
+        }
+    }
+}
+
+/// A configuration string that could not be used; names the key and the value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The offending key (or the whole entry when no key could be read).
+    pub key: String,
+    /// What was wrong with it.
+    pub reason: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "gpualloc config: `{}`: {}", self.key, self.reason)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(key: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError { key: key.to_string(), reason: reason.into() }
+}
+
+impl Config {
+    /// Reads `GPUALLOC_CONF`; an unset or empty variable gives the defaults.
+    pub fn from_env() -> Result<Config, ConfigError> {
+        Config::parse(&std::env::var("GPUALLOC_CONF").unwrap_or_default())
+    }
+
+    /// Parses `key:value,key:[a:b,>:c]`. Whitespace around tokens is ignored.
+    pub fn parse(s: &str) -> Result<Config, ConfigError> {
+        let mut c = Config { source: s.to_string(), ..Config::default() };
+        for entry in split_top_level(s)? {
+            let entry = entry.trim();
+            if entry.is_empty() {
+                continue;
+            }
+            let (key, value) = entry
+                .split_once(':')
+                .ok_or_else(|| err(entry, "expected key:value"))?;
+            c.set(key.trim(), value.trim())?;
+        }
+        Ok(c)
+    }
+
+    fn set(&mut self, key: &str, v: &str) -> Result<(), ConfigError> {
+        match key {
+            "max_split_size_mb" => {
+                let mb = parse_u64(key, v)?;
+                if mb < 20 {
+                    return Err(err(key, format!("{mb} is below the minimum of 20")));
+                }
+                self.max_split_size = mb.saturating_mul(MIB);
+            }
+            "max_non_split_rounding_mb" => self.max_non_split_rounding = parse_u64(key, v)?.saturating_mul(MIB),
+            "garbage_collection_threshold" => {
+                let x = parse_f64(key, v)?;
+                if !(x > 0.0 && x < 1.0) {
+                    return Err(err(key, format!("{v} is not strictly between 0 and 1")));
+                }
+                self.gc_threshold = x;
+            }
+            "roundup_power2_divisions" => self.power2_divisions = parse_divisions(key, v)?,
+            "large_segment_size_mb" => {
+                let mb = parse_u64(key, v)?;
+                if mb < 2 || mb % 2 != 0 {
+                    return Err(err(key, format!("{mb} must be an even number of MiB, at least 2")));
+                }
+                self.large_segment_size = mb * MIB;
+            }
+            "per_process_memory_fraction" => {
+                let x = parse_f64(key, v)?;
+                if !(x > 0.0 && x <= 1.0) {
+                    return Err(err(key, format!("{v} is not in (0, 1]")));
+                }
+                self.memory_fraction = Some(x);
+            }
+            "memory_limit" => self.memory_limit = Some(parse_bytes(key, v)?),
+            "cross_stream_reuse" => self.cross_stream_reuse = parse_bool(key, v)?,
+            "expandable_segments" => {
+                if parse_bool(key, v)? {
+                    return Err(err(key, "expandable segments are not available in this version; use false"));
+                }
+            }
+            _ => {
+                let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
+                return Err(err(key, format!("unknown key; known keys: {}", known.join(", "))));
+            }
+        }
+        Ok(())
+    }
+
+    /// The `roundup_power2_divisions` value for a size's bucket.
+    pub fn power2_divisions_for(&self, size: u64) -> u64 {
+        self.power2_divisions[power2_bucket(size)]
+    }
+}
+
+/// Splits on commas that are not inside brackets.
+fn split_top_level(s: &str) -> Result<Vec<&str>, ConfigError> {
+    let (mut depth, mut start, mut out) = (0i32, 0usize, Vec::new());
+    for (i, ch) in s.char_indices() {
+        match ch {
+            '[' => depth += 1,
+            ']' => {
+                depth -= 1;
+                if depth < 0 {
+                    return Err(err(s, "unbalanced ']'"));
+                }
+            }
+            ',' if depth == 0 => {
+                out.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if depth != 0 {
+        return Err(err(s, "unbalanced '['"));
+    }
+    out.push(&s[start..]);
+    Ok(out)
+}
+
+fn parse_u64(key: &str, v: &str) -> Result<u64, ConfigError> {
+    v.parse().map_err(|_| err(key, format!("`{v}` is not a non-negative integer")))
+}
+
+fn parse_f64(key: &str, v: &str) -> Result<f64, ConfigError> {
+    v.parse().map_err(|_| err(key, format!("`{v}` is not a number")))
+}
+
+fn parse_bool(key: &str, v: &str) -> Result<bool, ConfigError> {
+    match v.to_ascii_lowercase().as_str() {
+        "true" | "1" => Ok(true),
+        "false" | "0" => Ok(false),
+        _ => Err(err(key, format!("`{v}` is not true or false"))),
+    }
+}
+
+/// Parses a byte count such as `40000000`, `24GiB`, `512M` or `1.5G`.
+pub fn parse_bytes(key: &str, v: &str) -> Result<u64, ConfigError> {
+    let t = v.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => return Err(err(key, format!("unknown unit `{other}` in `{v}`"))),
+    };
+    let x: f64 = num.trim().parse().map_err(|_| err(key, format!("`{v}` is not a byte count")))?;
+    if !(x >= 0.0) || !x.is_finite() {
+        return Err(err(key, format!("`{v}` is not a byte count")));
+    }
+    Ok((x * scale as f64) as u64)
+}
+
+fn parse_divisions(key: &str, v: &str) -> Result<[u64; POWER2_INTERVALS], ConfigError> {
+    let check = |d: u64| -> Result<u64, ConfigError> {
+        if d == 0 || d.is_power_of_two() {
+            Ok(d)
+        } else {
+            Err(err(key, format!("divisor {d} is not a power of two or 0")))
+        }
+    };
+    let mut out = [0u64; POWER2_INTERVALS];
+    if let Some(list) = v.strip_prefix('[') {
+        let list = list.strip_suffix(']').ok_or_else(|| err(key, format!("`{v}` lacks a closing ']'")))?;
+        let mut last_set: Option<usize> = None;
+        for item in list.split(',') {
+            let (k, d) = item
+                .split_once(':')
+                .ok_or_else(|| err(key, format!("list entry `{item}` is not size:divisor")))?;
+            let d = check(parse_u64(key, d.trim())?)?;
+            if k.trim() == ">" {
+                let from = last_set.map_or(0, |i| i + 1);
+                for slot in out.iter_mut().skip(from) {
+                    *slot = d;
+                }
+                last_set = Some(POWER2_INTERVALS - 1);
+            } else {
+                let mb = parse_u64(key, k.trim())?;
+                if !mb.is_power_of_two() {
+                    return Err(err(key, format!("size {mb} MB is not a power of two")));
+                }
+                let idx = power2_bucket(mb.saturating_mul(MIB));
+                out[idx] = d;
+                last_set = Some(idx);
+            }
+        }
+    } else {
+        out = [check(parse_u64(key, v)?)?; POWER2_INTERVALS];
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_key() {
+        let c = Config::parse(
+            "max_split_size_mb:64, garbage_collection_threshold:0.6,roundup_power2_divisions:[256:1,512:2,1024:4,>:8],\
+             large_segment_size_mb:32,per_process_memory_fraction:0.5,memory_limit:24GiB,cross_stream_reuse:false,\
+             max_non_split_rounding_mb:40,expandable_segments:false",
+        )
+        .unwrap();
+        assert_eq!(c.max_split_size, 64 * MIB);
+        assert_eq!(c.gc_threshold, 0.6);
+        assert_eq!(c.power2_divisions_for(256 * MIB), 1);
+        assert_eq!(c.power2_divisions_for(512 * MIB), 2);
+        assert_eq!(c.power2_divisions_for(1024 * MIB), 4);
+        assert_eq!(c.power2_divisions_for(4096 * MIB), 8);
+        assert_eq!(c.power2_divisions_for(MIB), 0);
+        assert_eq!(c.large_segment_size, 32 * MIB);
+        assert_eq!(c.memory_fraction, Some(0.5));
+        assert_eq!(c.memory_limit, Some(24 << 30));
+        assert!(!c.cross_stream_reuse);
+        assert_eq!(c.max_non_split_rounding, 40 * MIB);
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        for (s, key) in [
+            ("bogus:1", "bogus"),
+            ("max_split_size_mb:10", "max_split_size_mb"),
+            ("garbage_collection_threshold:1.5", "garbage_collection_threshold"),
+            ("roundup_power2_divisions:3", "roundup_power2_divisions"),
+            ("roundup_power2_divisions:[300:2]", "roundup_power2_divisions"),
+            ("memory_limit:12XB", "memory_limit"),
+            ("cross_stream_reuse:maybe", "cross_stream_reuse"),
+            ("expandable_segments:true", "expandable_segments"),
+        ] {
+            let e = Config::parse(s).unwrap_err();
+            assert_eq!(e.key, key, "{s}: {e}");
+            assert!(e.to_string().contains(key));
+        }
+        assert!(Config::parse("max_split_size_mb").is_err());
+        assert!(Config::parse("roundup_power2_divisions:[1:2").is_err());
+        assert_eq!(Config::parse("").unwrap(), Config::default());
+    }
+}

@@ -1,0 +1,590 @@
+//! The per-device state machine: PyTorch's `DeviceCachingAllocator`.
+//!
+//! One `DeviceAllocator` owns one device's backend, blocks, segments, pools,
+//! pending events and stats, and is used under one lock (see `Allocator`).
+//! This file holds the hot path (`malloc`, `free`, event processing);
+//! `release.rs` the paths that give memory back (OOM, `empty_cache`, GC) and
+//! `capture.rs` the private pools of CUDA graph capture.
+//!
+//! Note [Cross-stream reuse]
+//! Rationale: PyTorch never reuses a cached block on another stream, so with
+//! several streams each keeps its own cache and reserved memory grows.
+//! Approach: when a stream finds nothing in its own free list and would
+//! otherwise grow the pool, it may take the best-fitting block cached by
+//! another stream. The owning stream records an event, and the taking stream
+//! waits on it (`stream_wait_event`, no host blocking), so every kernel that
+//! used the block finishes before any kernel of the new owner starts. No
+//! driver call is made on an ordinary free. Limitation: blocks of different
+//! streams in one segment merge only once they are owned by the same stream.
+
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
+
+use crate::backend::{Backend, DevicePtr, EventId, StreamId};
+use crate::block::{Block, BlockArena, BlockId, BlockState, PoolId};
+use crate::capture::PrivatePools;
+use crate::config::Config;
+use crate::error::AllocError;
+use crate::pool::Pool;
+use crate::segment::{Segment, SegmentArena};
+use crate::size_class::{PoolKind, allocation_size, round_size};
+use crate::stats::DeviceStats;
+use crate::trace::{Action, DeviceTrace, pool_code};
+
+/// Pool id of the default small pool.
+pub(crate) const SMALL: PoolId = 0;
+/// Pool id of the default large pool.
+pub(crate) const LARGE: PoolId = 1;
+
+/// One device's caching allocator.
+pub struct DeviceAllocator<B: Backend> {
+    pub(crate) device: u32,
+    pub(crate) backend: B,
+    pub(crate) config: Config,
+    pub(crate) blocks: BlockArena,
+    pub(crate) segments: SegmentArena,
+    /// Pool table: `SMALL`, `LARGE`, then the private pools' pools.
+    pub(crate) pools: Vec<Pool>,
+    /// Allocated and pending-free blocks by address.
+    pub(crate) live: FxHashMap<DevicePtr, BlockId>,
+    /// Per stream, events recorded at free time, oldest first.
+    pub(crate) pending: FxHashMap<StreamId, VecDeque<(EventId, BlockId)>>,
+    /// Events outstanding over all streams (0 keeps the hot path short).
+    pub(crate) pending_count: usize,
+    /// Blocks with stream uses freed during a capture, finished after it.
+    pub(crate) deferred: Vec<BlockId>,
+    pub(crate) private: PrivatePools,
+    pub(crate) stats: DeviceStats,
+    /// Device capacity, read once from the backend when a fraction needs it.
+    pub(crate) total_memory: Option<u64>,
+    /// Fraction set at run time (`set_per_process_memory_fraction`).
+    pub(crate) fraction: Option<f64>,
+    /// Byte limit set at run time.
+    pub(crate) byte_limit: Option<u64>,
+    pub(crate) trace: Option<DeviceTrace>,
+}
+
+impl<B: Backend> DeviceAllocator<B> {
+    /// A device allocator over `backend`.
+    pub fn new(device: u32, backend: B, config: Config) -> Self {
+        let mut stats = DeviceStats::default();
+        stats.max_split_size = if config.max_split_size == u64::MAX { -1 } else { config.max_split_size as i64 };
+        DeviceAllocator {
+            device,
+            backend,
+            fraction: config.memory_fraction,
+            byte_limit: config.memory_limit,
+            config,
+            blocks: BlockArena::default(),
+            segments: SegmentArena::default(),
+            pools: vec![Pool::new(PoolKind::Small, None), Pool::new(PoolKind::Large, None)],
+            live: FxHashMap::default(),
+            pending: FxHashMap::default(),
+            pending_count: 0,
+            deferred: Vec::new(),
+            private: PrivatePools::default(),
+            stats,
+            total_memory: None,
+            trace: None,
+        }
+    }
+
+    /// The backend, for inspection (tests drive the simulator through it).
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The backend, mutably (tests complete simulated events through it).
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The stats, PyTorch's `DeviceStats`.
+    pub fn stats(&self) -> &DeviceStats {
+        &self.stats
+    }
+
+    /// `reset_peak_memory_stats`.
+    pub fn reset_peak_stats(&mut self) {
+        self.stats.reset_peak();
+    }
+
+    /// `reset_accumulated_memory_stats`.
+    pub fn reset_accumulated_stats(&mut self) {
+        self.stats.reset_accumulated();
+    }
+
+    #[inline]
+    pub(crate) fn record(&mut self, action: Action, stream: StreamId, addr: DevicePtr, size: u64, aux: u64) {
+        if let Some(t) = &mut self.trace {
+            t.record(action, stream, addr, size, aux);
+        }
+    }
+
+    /// Allocates `size` bytes for use on `stream`. Size 0 gives the null pointer.
+    ///
+    /// # Errors
+    /// [`AllocError::OutOfMemory`] when nothing fits now even after releasing
+    /// the cache; [`AllocError::TooLarge`] when it never could;
+    /// [`AllocError::Backend`] for driver failures.
+    pub fn malloc(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let capturing = self.private.capturing();
+        if capturing {
+            // Event queries are illegal during capture.
+        } else if self.pending_count > 0 || !self.deferred.is_empty() {
+            self.process_events()?;
+        }
+        let rounded = round_size(size, &self.config);
+        let pool = self.pool_for(rounded, stream);
+        let block = match self.get_free_block(pool, stream, rounded) {
+            Some(b) => b,
+            None => self.malloc_slow(pool, stream, size, rounded, capturing)?,
+        };
+        Ok(self.alloc_found_block(block, pool, stream, size, rounded))
+    }
+
+    /// The allocation path when the stream's own cache has no fit.
+    fn malloc_slow(
+        &mut self,
+        pool: PoolId,
+        stream: StreamId,
+        size: u64,
+        rounded: u64,
+        capturing: bool,
+    ) -> Result<BlockId, AllocError> {
+        let alloc_size = allocation_size(rounded, &self.config);
+        if !capturing && self.config.cross_stream_reuse
+            && let Some(b) = self.take_from_other_stream(pool, stream, rounded)?
+        {
+            return Ok(b);
+        }
+        if self.config.gc_threshold > 0.0 && !capturing {
+            self.garbage_collect()?;
+        }
+        let mut cause = match self.alloc_block(pool, alloc_size, stream, capturing) {
+            Ok(b) => return Ok(b),
+            Err(AllocError::OutOfMemory(r)) => r.cause,
+            Err(e) => return Err(e),
+        };
+        if !capturing {
+            // PyTorch's order: release oversize cached blocks, retry; then
+            // wait for every event, release every unsplit cached segment, retry.
+            if self.release_available_cached_blocks(pool, rounded)? {
+                match self.alloc_block(pool, alloc_size, stream, false) {
+                    Ok(b) => return Ok(b),
+                    Err(AllocError::OutOfMemory(_)) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            self.release_cached_blocks()?;
+            self.stats.num_alloc_retries += 1;
+            match self.alloc_block(pool, alloc_size, stream, false) {
+                Ok(b) => return Ok(b),
+                Err(AllocError::OutOfMemory(r)) => cause = r.cause,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(self.out_of_memory(stream, size, alloc_size, cause))
+    }
+
+    /// PyTorch's `get_pool`: the innermost private-pool scope whose filter
+    /// accepts the stream, else the default pool of the size's kind.
+    #[inline]
+    fn pool_for(&self, rounded: u64, stream: StreamId) -> PoolId {
+        let kind = PoolKind::of(rounded);
+        if let Some(p) = self.private.pool_for(stream, kind) {
+            return p;
+        }
+        match kind {
+            PoolKind::Small => SMALL,
+            PoolKind::Large => LARGE,
+        }
+    }
+
+    /// Whether a cached block of `candidate` bytes may serve a rounded request
+    /// (PyTorch's oversize rules).
+    #[inline]
+    fn oversize_ok(&self, rounded: u64, candidate: u64) -> bool {
+        let max_split = self.config.max_split_size;
+        if rounded < max_split && candidate >= max_split {
+            return false;
+        }
+        !(rounded >= max_split && candidate >= rounded.saturating_add(self.config.max_non_split_rounding))
+    }
+
+    /// Best fit in the stream's own free list, removed from the index.
+    #[inline]
+    fn get_free_block(&mut self, pool: PoolId, stream: StreamId, rounded: u64) -> Option<BlockId> {
+        let p = &mut self.pools[pool as usize];
+        p.lookups += 1;
+        let key = p.best_fit(stream, rounded)?;
+        if !self.oversize_ok(rounded, key.1) {
+            return None;
+        }
+        self.pools[pool as usize].free.remove(&key);
+        Some(key.3)
+    }
+
+    /// See Note [Cross-stream reuse].
+    fn take_from_other_stream(
+        &mut self,
+        pool: PoolId,
+        stream: StreamId,
+        rounded: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let Some(key) = self.pools[pool as usize].best_fit_other_stream(stream, rounded, |c| self.oversize_ok(rounded, c))
+        else {
+            return Ok(None);
+        };
+        let owner = key.0;
+        let event = self.backend.record_event(owner)?;
+        let waited = self.backend.stream_wait_event(stream, event);
+        self.backend.destroy_event(event);
+        waited?;
+        self.pools[pool as usize].free.remove(&key);
+        self.blocks[key.3].stream = stream;
+        self.stats.num_cross_stream_reuse += 1;
+        self.record(Action::StreamReuse, stream, key.2, key.1, owner);
+        Ok(Some(key.3))
+    }
+
+    /// The memory limit in force, if any: the smaller of the byte limit and
+    /// the fraction of device memory.
+    pub(crate) fn limit(&mut self) -> Result<Option<u64>, AllocError> {
+        let by_fraction = match self.fraction {
+            Some(f) if f < 1.0 => {
+                let total = match self.total_memory {
+                    Some(t) => t,
+                    None => {
+                        let t = self.backend.mem_info()?.total;
+                        self.total_memory = Some(t);
+                        t
+                    }
+                };
+                Some((total as f64 * f) as u64)
+            }
+            _ => None,
+        };
+        Ok(match (by_fraction, self.byte_limit) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        })
+    }
+
+    /// Obtains a new segment for `pool` from the backend, honouring the limit.
+    /// The returned block is free and outside the free index.
+    pub(crate) fn alloc_block(
+        &mut self,
+        pool: PoolId,
+        size: u64,
+        stream: StreamId,
+        capturing: bool,
+    ) -> Result<BlockId, AllocError> {
+        let reserved = self.stats.reserved_bytes.all.current as u64;
+        if let Some(limit) = self.limit()?
+            && reserved + size > limit
+        {
+            return Err(AllocError::OutOfMemory(Box::new(self.report(0, size, None))));
+        }
+        let ptr = match self.backend.allocate(size, capturing) {
+            Ok(p) => p,
+            Err(crate::backend::BackendError::OutOfMemory { .. }) => {
+                let cause = Some(crate::backend::BackendError::OutOfMemory { requested: size });
+                return Err(AllocError::OutOfMemory(Box::new(self.report(0, size, cause))));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let kind = self.pools[pool as usize].kind;
+        let block = self.blocks.insert(Block {
+            ptr,
+            size,
+            requested: 0,
+            stream,
+            segment: 0,
+            pool,
+            prev: None,
+            next: None,
+            state: BlockState::Free,
+            stream_uses: Vec::new(),
+            event_count: 0,
+            gc_base: 0,
+        });
+        let seg = self.segments.insert(Segment { ptr, size, kind, pool, stream, first: block });
+        self.blocks[block].segment = seg;
+        self.private.segment_added(pool);
+        self.stats.segment.update(kind, 1);
+        self.stats.reserved_bytes.update(kind, size as i64);
+        self.stats.num_device_alloc += 1;
+        if size >= self.config.max_split_size {
+            self.stats.oversize_segments.update(1);
+        }
+        let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
+        self.record(Action::SegmentAlloc, stream, ptr, size, code);
+        Ok(block)
+    }
+
+    /// PyTorch's `should_split`.
+    #[inline]
+    fn should_split(&self, kind: PoolKind, block_size: u64, rounded: u64) -> bool {
+        let remaining = block_size - rounded;
+        match kind {
+            PoolKind::Small => remaining >= crate::size_class::MIN_BLOCK_SIZE,
+            PoolKind::Large => rounded < self.config.max_split_size && remaining > crate::size_class::SMALL_SIZE,
+        }
+    }
+
+    /// Hands out a found block: splits off the remainder when worth it,
+    /// updates stats and the trace. PyTorch's `alloc_found_block`.
+    fn alloc_found_block(&mut self, id: BlockId, pool: PoolId, stream: StreamId, size: u64, rounded: u64) -> DevicePtr {
+        let kind = self.pools[pool as usize].kind;
+        let already_split = self.blocks[id].is_split();
+        let block_size = self.blocks[id].size;
+        if self.should_split(kind, block_size, rounded) {
+            let b = &self.blocks[id];
+            let rest = Block {
+                ptr: b.ptr + rounded,
+                size: block_size - rounded,
+                requested: 0,
+                stream: b.stream,
+                segment: b.segment,
+                pool,
+                prev: Some(id),
+                next: b.next,
+                state: BlockState::Free,
+                stream_uses: Vec::new(),
+                event_count: 0,
+                gc_base: self.pools[pool as usize].lookups,
+            };
+            let (rest_ptr, rest_size, rest_stream) = (rest.ptr, rest.size, rest.stream);
+            let rest_id = self.blocks.insert(rest);
+            if let Some(n) = self.blocks[id].next {
+                self.blocks[n].prev = Some(rest_id);
+            }
+            self.blocks[id].next = Some(rest_id);
+            self.blocks[id].size = rounded;
+            self.pools[pool as usize].free.insert((rest_stream, rest_size, rest_ptr, rest_id));
+            if already_split {
+                self.stats.inactive_split_bytes.update(kind, -(rounded as i64));
+            } else {
+                self.stats.inactive_split_bytes.update(kind, rest_size as i64);
+                self.stats.inactive_split.update(kind, 1);
+            }
+        } else if already_split {
+            self.stats.inactive_split_bytes.update(kind, -(block_size as i64));
+            self.stats.inactive_split.update(kind, -1);
+        }
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Allocated;
+        b.requested = size;
+        b.stream = stream;
+        let (ptr, bsize) = (b.ptr, b.size);
+        self.live.insert(ptr, id);
+        let s = &mut self.stats;
+        s.allocation.update(kind, 1);
+        s.allocated_bytes.update(kind, bsize as i64);
+        s.requested_bytes.update(kind, size as i64);
+        s.active.update(kind, 1);
+        s.active_bytes.update(kind, bsize as i64);
+        if bsize >= self.config.max_split_size {
+            s.oversize_allocations.update(1);
+        }
+        self.private.block_allocated(pool);
+        self.record(Action::Alloc, stream, ptr, size, bsize);
+        ptr
+    }
+
+    /// Frees a block. Reusable at once on its stream, unless other streams
+    /// used it (`record_stream`): then it waits for an event on each.
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidPointer`] for a pointer not allocated here.
+    pub fn free(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        let Some(&id) = self.live.get(&ptr) else {
+            return Err(AllocError::InvalidPointer { ptr, device: self.device });
+        };
+        if self.blocks[id].state != BlockState::Allocated {
+            return Err(AllocError::InvalidPointer { ptr, device: self.device });
+        }
+        let b = &mut self.blocks[id];
+        b.state = BlockState::PendingFree;
+        let (size, requested, stream, pool) = (b.size, b.requested, b.stream, b.pool);
+        let kind = self.pools[pool as usize].kind;
+        self.stats.allocation.update(kind, -1);
+        self.stats.allocated_bytes.update(kind, -(size as i64));
+        if size >= self.config.max_split_size {
+            self.stats.oversize_allocations.update(-1);
+        }
+        self.private.block_freed(pool);
+        self.record(Action::FreeRequested, stream, ptr, requested, size);
+        if self.blocks[id].stream_uses.is_empty() {
+            self.free_block(id);
+        } else if self.private.capturing() {
+            self.deferred.push(id);
+        } else {
+            self.insert_events(id)?;
+        }
+        Ok(())
+    }
+
+    /// Records one event on each stream that used the block.
+    fn insert_events(&mut self, id: BlockId) -> Result<(), AllocError> {
+        let uses = std::mem::take(&mut self.blocks[id].stream_uses);
+        for s in uses {
+            let ev = self.backend.record_event(s)?;
+            self.blocks[id].event_count += 1;
+            self.pending.entry(s).or_default().push_back((ev, id));
+            self.pending_count += 1;
+        }
+        if self.blocks[id].event_count == 0 {
+            self.free_block(id);
+        }
+        Ok(())
+    }
+
+    /// Marks a block as also used on `stream` (`Tensor.record_stream`).
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidPointer`] for a pointer not allocated here.
+    pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+        let Some(&id) = self.live.get(&ptr) else {
+            return Err(AllocError::InvalidPointer { ptr, device: self.device });
+        };
+        let b = &mut self.blocks[id];
+        if b.state == BlockState::Allocated && b.stream != stream && !b.stream_uses.contains(&stream) {
+            b.stream_uses.push(stream);
+            self.record(Action::RecordStream, stream, ptr, 0, 0);
+        }
+        Ok(())
+    }
+
+    /// Polls each stream's events in order up to the first one not done and
+    /// frees the blocks whose last event completed. Also finishes blocks
+    /// whose free was deferred by a capture.
+    pub(crate) fn process_events(&mut self) -> Result<(), AllocError> {
+        for id in std::mem::take(&mut self.deferred) {
+            self.insert_events(id)?;
+        }
+        if self.pending_count == 0 {
+            return Ok(());
+        }
+        let streams: Vec<StreamId> = self.pending.keys().copied().collect();
+        for s in streams {
+            loop {
+                let Some(&(ev, id)) = self.pending.get(&s).and_then(|q| q.front()) else { break };
+                if !self.backend.event_done(ev)? {
+                    break;
+                }
+                self.pending.get_mut(&s).expect("queue").pop_front();
+                self.complete_event(ev, id);
+            }
+        }
+        self.pending.retain(|_, q| !q.is_empty());
+        Ok(())
+    }
+
+    fn complete_event(&mut self, ev: EventId, id: BlockId) {
+        self.backend.destroy_event(ev);
+        self.pending_count -= 1;
+        let b = &mut self.blocks[id];
+        b.event_count -= 1;
+        if b.event_count == 0 {
+            self.free_block(id);
+        }
+    }
+
+    /// Waits for every outstanding event and frees the blocks
+    /// (`synchronize_and_free_events`).
+    pub(crate) fn synchronize_and_free_events(&mut self) -> Result<(), AllocError> {
+        for id in std::mem::take(&mut self.deferred) {
+            self.insert_events(id)?;
+        }
+        self.stats.num_sync_all_streams += 1;
+        for (_, q) in std::mem::take(&mut self.pending) {
+            for (ev, id) in q {
+                self.backend.wait_event(ev)?;
+                self.complete_event(ev, id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Returns a block to its pool, merging it with free neighbours of the
+    /// same stream. PyTorch's `free_block`.
+    pub(crate) fn free_block(&mut self, id: BlockId) {
+        let (pool, ptr, stream, requested, size) = {
+            let b = &self.blocks[id];
+            (b.pool, b.ptr, b.stream, b.requested, b.size)
+        };
+        let kind = self.pools[pool as usize].kind;
+        let mut net_blocks = 0i64;
+        let mut net_bytes = 0i64;
+        for neighbour in [self.blocks[id].prev, self.blocks[id].next].into_iter().flatten() {
+            let subsumed = self.try_merge(id, neighbour);
+            if subsumed > 0 {
+                net_blocks -= 1;
+                net_bytes -= subsumed as i64;
+            }
+        }
+        self.live.remove(&ptr);
+        let lookups = self.pools[pool as usize].lookups;
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Free;
+        b.requested = 0;
+        b.gc_base = lookups;
+        let key = (b.stream, b.size, b.ptr, id);
+        if b.is_split() {
+            net_blocks += 1;
+            net_bytes += b.size as i64;
+        }
+        self.pools[pool as usize].free.insert(key);
+        self.stats.inactive_split.update(kind, net_blocks);
+        self.stats.inactive_split_bytes.update(kind, net_bytes);
+        self.stats.active.update(kind, -1);
+        self.stats.active_bytes.update(kind, -(size as i64));
+        self.stats.requested_bytes.update(kind, -(requested as i64));
+        self.record(Action::FreeCompleted, stream, ptr, requested, size);
+    }
+
+    /// Merges a free neighbour into `dst`; returns the bytes subsumed (0 if not mergeable).
+    fn try_merge(&mut self, dst: BlockId, src: BlockId) -> u64 {
+        let (s, d) = (&self.blocks[src], &self.blocks[dst]);
+        if s.state != BlockState::Free || s.stream != d.stream {
+            return 0;
+        }
+        let (src_size, src_ptr, src_stream, src_pool) = (s.size, s.ptr, s.stream, s.pool);
+        self.pools[src_pool as usize].free.remove(&(src_stream, src_size, src_ptr, src));
+        if self.blocks[dst].prev == Some(src) {
+            let prev = self.blocks[src].prev;
+            let d = &mut self.blocks[dst];
+            d.ptr = src_ptr;
+            d.prev = prev;
+            if let Some(p) = prev {
+                self.blocks[p].next = Some(dst);
+            } else {
+                let seg = self.blocks[dst].segment;
+                self.segments.get_mut(seg).first = dst;
+            }
+        } else {
+            let next = self.blocks[src].next;
+            self.blocks[dst].next = next;
+            if let Some(n) = next {
+                self.blocks[n].prev = Some(dst);
+            }
+        }
+        self.blocks[dst].size += src_size;
+        self.blocks.remove(src);
+        src_size
+    }
+}

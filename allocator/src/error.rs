@@ -1,0 +1,169 @@
+//! Allocation errors: "can never fit" apart from "not now", with the numbers.
+
+use std::fmt;
+
+use crate::backend::{BackendError, DevicePtr};
+
+/// Everything the allocator knew when an allocation failed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OomReport {
+    /// Device index.
+    pub device: u32,
+    /// Bytes the caller asked for.
+    pub requested: u64,
+    /// The segment size that was needed from the device.
+    pub needed: u64,
+    /// Bytes in live allocations.
+    pub allocated: u64,
+    /// Bytes held from the device.
+    pub reserved: u64,
+    /// Bytes of live allocations in private (CUDA graph) pools.
+    pub private_pools_allocated: u64,
+    /// Free bytes on the device, as the driver reports them.
+    pub device_free: u64,
+    /// Device capacity.
+    pub device_total: u64,
+    /// The memory limit in force (fraction or bytes), if any.
+    pub limit: Option<u64>,
+    /// The largest cached free block.
+    pub largest_free_block: u64,
+    /// `1 - largest free block / total cached free bytes`.
+    pub external_fragmentation: f64,
+    /// `1 - allocated / reserved`.
+    pub unallocated_fraction: f64,
+    /// Why the backend refused, when it did.
+    pub cause: Option<BackendError>,
+}
+
+/// Why an allocator call failed.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum AllocError {
+    /// Not now: the device (or the memory limit) has no room at the moment,
+    /// even after releasing cached memory. Freeing tensors and retrying may
+    /// succeed.
+    OutOfMemory(Box<OomReport>),
+    /// Never: the request exceeds the device's capacity (or the memory
+    /// limit) even with nothing else allocated.
+    TooLarge {
+        /// Bytes asked for.
+        requested: u64,
+        /// The segment size it would need.
+        needed: u64,
+        /// The most any allocation can get: capacity or limit.
+        max: u64,
+    },
+    /// The pointer was not handed out by this allocator on this device, or
+    /// was freed already.
+    InvalidPointer {
+        /// The pointer.
+        ptr: DevicePtr,
+        /// The device it was presented to.
+        device: u32,
+    },
+    /// No such device.
+    InvalidDevice {
+        /// The index given.
+        device: i64,
+        /// How many devices there are.
+        count: usize,
+    },
+    /// A private pool id that was never begun, or was released already.
+    UnknownPool {
+        /// The pool id.
+        pool: (u64, u64),
+    },
+    /// The backend failed in a way retrying will not fix.
+    Backend(BackendError),
+}
+
+impl AllocError {
+    /// Whether this is an out-of-memory condition (either kind).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, AllocError::OutOfMemory(_) | AllocError::TooLarge { .. })
+    }
+}
+
+/// Formats bytes the way PyTorch's messages do (`1.50 GiB`).
+pub fn format_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{b} bytes") } else { format!("{v:.2} {}", UNITS[u]) }
+}
+
+impl fmt::Display for AllocError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AllocError::OutOfMemory(r) => {
+                let b = format_bytes;
+                write!(
+                    f,
+                    "CUDA out of memory (gpualloc). Tried to allocate {} (segment of {}). GPU {} has a total capacity of {} of which {} is free.",
+                    b(r.requested),
+                    b(r.needed),
+                    r.device,
+                    b(r.device_total),
+                    b(r.device_free)
+                )?;
+                if let Some(l) = r.limit {
+                    write!(f, " gpualloc's memory limit is {}.", b(l))?;
+                }
+                write!(
+                    f,
+                    " Of the reserved memory {} is allocated by PyTorch",
+                    b(r.allocated)
+                )?;
+                if r.private_pools_allocated > 0 {
+                    write!(f, " ({} in private pools)", b(r.private_pools_allocated))?;
+                }
+                write!(
+                    f,
+                    " and {} is reserved but unallocated ({:.1}% of reserved {}); the largest cached free block is {} (external fragmentation {:.1}%).",
+                    b(r.reserved.saturating_sub(r.allocated)),
+                    r.unallocated_fraction * 100.0,
+                    b(r.reserved),
+                    b(r.largest_free_block),
+                    r.external_fragmentation * 100.0
+                )?;
+                if r.reserved > r.allocated && r.reserved - r.allocated >= r.needed {
+                    write!(
+                        f,
+                        " Enough memory is cached but fragmented: try max_split_size_mb, or replay the trace with `gpualloc replay` to compare configurations."
+                    )?;
+                }
+                if let Some(c) = &r.cause {
+                    write!(f, " (backend: {c})")?;
+                }
+                Ok(())
+            }
+            AllocError::TooLarge { requested, needed, max } => write!(
+                f,
+                "CUDA out of memory (gpualloc). Tried to allocate {} (segment of {}), which can never fit: the most this device can hold is {}.",
+                format_bytes(*requested),
+                format_bytes(*needed),
+                format_bytes(*max)
+            ),
+            AllocError::InvalidPointer { ptr, device } => {
+                write!(f, "gpualloc: pointer {ptr:#x} was not allocated by gpualloc on device {device}, or was freed already")
+            }
+            AllocError::InvalidDevice { device, count } => {
+                write!(f, "gpualloc: invalid device {device} ({count} devices)")
+            }
+            AllocError::UnknownPool { pool } => write!(f, "gpualloc: unknown private pool ({}, {})", pool.0, pool.1),
+            AllocError::Backend(e) => write!(f, "gpualloc: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for AllocError {}
+
+impl From<BackendError> for AllocError {
+    fn from(e: BackendError) -> Self {
+        AllocError::Backend(e)
+    }
+}

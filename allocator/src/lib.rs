@@ -1,0 +1,64 @@
+//! gpualloc: a CUDA caching allocator with PyTorch's policy, a simulated
+//! device, and a full record of every allocation.
+//!
+//! # The key design decision
+//!
+//! The policy never names CUDA. A [`DeviceAllocator`] is generic over a
+//! [`Backend`], the few primitives a device offers (allocate, release,
+//! events, memory info), so every rule is tested, property-tested,
+//! benchmarked and replayed on [`SimBackend`], a simulated device whose
+//! streams advance only when a test says so. The CUDA backend (feature
+//! `cuda`) is the only code here that may use `unsafe`.
+//!
+//! # The policy, in PyTorch's words
+//!
+//! Sizes round up to 512 B (optionally to power-of-two divisions). Requests
+//! of at most 1 MiB come from the small pool, carved from 2 MiB segments;
+//! requests below 10 MiB get 20 MiB segments; larger ones get a segment of
+//! their size rounded to 2 MiB. A request takes the best-fitting cached
+//! block *of its own stream* (one free list per stream); the remainder is
+//! split off when worth keeping (≥ 512 B small, > 1 MiB large) and blocks of
+//! at least `max_split_size` are never split. A freed block merges with its
+//! free neighbours in the same segment, never across segments, and is
+//! reusable at once on its stream; blocks used on other streams
+//! (`record_stream`) wait for an event on each, polled lazily on the
+//! allocation path. Before growing, a stream may take another stream's
+//! cached block, ordered by an event (Note [Cross-stream reuse] in
+//! `device.rs`), which PyTorch never does. When the device is full:
+//! release oversize cached blocks and retry; wait for every event, release
+//! every unsplit cached segment and retry; then fail with an
+//! [`AllocError::OutOfMemory`] that carries the numbers. During CUDA graph
+//! capture allocations come from private pools (`capture.rs`).
+//!
+//! Stats use PyTorch's names ([`DeviceStats`]); fragmentation figures are
+//! methods computed from the blocks, never stored.
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod allocator;
+pub mod backend;
+mod block;
+mod capture;
+pub mod config;
+mod device;
+pub mod error;
+mod invariants;
+mod pool;
+mod release;
+pub mod size_class;
+mod segment;
+mod snapshot;
+pub mod stats;
+pub mod trace;
+
+pub use allocator::Allocator;
+pub use backend::{Backend, BackendError, DevicePtr, EventId, MemInfo, SimBackend, StreamId};
+pub use block::BlockState;
+pub use capture::StreamFilter;
+pub use config::{Config, ConfigError};
+pub use device::DeviceAllocator;
+pub use error::{AllocError, OomReport};
+pub use pool::PoolKey;
+pub use snapshot::{BlockSnapshot, SegmentSnapshot};
+pub use stats::{DeviceStats, Stat, StatArray};

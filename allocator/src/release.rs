@@ -1,0 +1,226 @@
+//! Giving memory back: `empty_cache`, the out-of-memory retries, garbage
+//! collection, memory limits, and the fragmentation figures used in reports.
+
+use crate::backend::{Backend, BackendError, StreamId};
+use crate::block::{BlockId, BlockState, PoolId};
+use crate::device::{DeviceAllocator, LARGE, SMALL};
+use crate::error::{AllocError, OomReport};
+use crate::size_class::PoolKind;
+use crate::trace::{Action, pool_code};
+
+impl<B: Backend> DeviceAllocator<B> {
+    /// Releases every cached segment that is entirely free, after waiting for
+    /// outstanding events. Does nothing during a CUDA graph capture.
+    ///
+    /// # Errors
+    /// [`AllocError::Backend`] when the driver fails.
+    pub fn empty_cache(&mut self) -> Result<(), AllocError> {
+        if self.private.capturing() {
+            return Ok(());
+        }
+        let before = self.stats.reserved_bytes.all.current;
+        self.release_cached_blocks()?;
+        let released = (before - self.stats.reserved_bytes.all.current) as u64;
+        self.record(Action::EmptyCache, 0, 0, released, 0);
+        Ok(())
+    }
+
+    /// Sets the memory limit as a fraction of device memory
+    /// (`set_per_process_memory_fraction`).
+    pub fn set_memory_fraction(&mut self, fraction: f64) -> Result<(), AllocError> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(AllocError::Backend(BackendError::Unavailable(format!(
+                "memory fraction {fraction} is not in (0, 1]"
+            ))));
+        }
+        self.fraction = Some(fraction);
+        Ok(())
+    }
+
+    /// The fraction set by [`set_memory_fraction`](Self::set_memory_fraction), 1.0 when none.
+    pub fn memory_fraction(&self) -> f64 {
+        self.fraction.unwrap_or(1.0)
+    }
+
+    /// Sets (or clears) a memory limit in bytes.
+    pub fn set_memory_limit(&mut self, bytes: Option<u64>) {
+        self.byte_limit = bytes;
+    }
+
+    /// `release_cached_blocks`: wait for events, then release every unsplit
+    /// cached segment of the default pools and of private pools no longer in use.
+    pub(crate) fn release_cached_blocks(&mut self) -> Result<(), AllocError> {
+        self.synchronize_and_free_events()?;
+        let mut pools = vec![SMALL, LARGE];
+        pools.extend(self.private.freeable_pools());
+        for pool in pools {
+            let whole: Vec<BlockId> = self.pools[pool as usize]
+                .free
+                .iter()
+                .filter(|k| !self.blocks[k.3].is_split())
+                .map(|k| k.3)
+                .collect();
+            for id in whole {
+                self.release_segment(id)?;
+            }
+        }
+        self.private.erase_empty();
+        Ok(())
+    }
+
+    /// `release_available_cached_blocks`: with `max_split_size` set, release
+    /// one oversize cached block large enough for the request, or else the
+    /// largest oversize blocks of the stream until enough is released.
+    pub(crate) fn release_available_cached_blocks(&mut self, pool: PoolId, rounded: u64) -> Result<bool, AllocError> {
+        let max_split = self.config.max_split_size;
+        if max_split == u64::MAX {
+            return Ok(false);
+        }
+        let want = rounded.max(max_split);
+        let p = &self.pools[pool as usize];
+        let mut oversize: Vec<(u64, BlockId)> = p
+            .free
+            .iter()
+            .filter(|k| k.1 >= max_split && !self.blocks[k.3].is_split())
+            .map(|k| (k.1, k.3))
+            .collect();
+        oversize.sort_unstable();
+        if let Some(&(_, id)) = oversize.iter().find(|(s, _)| *s >= want) {
+            self.release_segment(id)?;
+            return Ok(true);
+        }
+        let mut released = 0;
+        while released < want {
+            let Some((s, id)) = oversize.pop() else { break };
+            self.release_segment(id)?;
+            released += s;
+        }
+        Ok(released >= want)
+    }
+
+    /// Garbage collection (`garbage_collection_threshold`): while reserved
+    /// memory exceeds the threshold times the limit, release whole cached
+    /// large segments whose age (lookups since cached) is at least the average.
+    pub(crate) fn garbage_collect(&mut self) -> Result<(), AllocError> {
+        let Some(limit) = self.limit()? else { return Ok(()) };
+        let threshold = (self.config.gc_threshold * limit as f64) as i64;
+        let reserved = self.stats.reserved_bytes.all.current;
+        if reserved <= threshold {
+            return Ok(());
+        }
+        let target = (reserved - threshold) as u64;
+        let mut reclaimed = 0u64;
+        while reclaimed < target {
+            let now = self.pools[LARGE as usize].lookups;
+            let cands: Vec<(u64, u64, BlockId)> = self.pools[LARGE as usize]
+                .free
+                .iter()
+                .filter(|k| !self.blocks[k.3].is_split())
+                .map(|k| (now - self.blocks[k.3].gc_base, k.1, k.3))
+                .collect();
+            if cands.is_empty() {
+                break;
+            }
+            let avg = cands.iter().map(|c| c.0).sum::<u64>() / cands.len() as u64;
+            for (age, size, id) in cands {
+                if age >= avg && reclaimed < target {
+                    self.release_segment(id)?;
+                    reclaimed += size;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Returns a cached block that spans its whole segment to the backend.
+    pub(crate) fn release_segment(&mut self, id: BlockId) -> Result<(), AllocError> {
+        let b = &self.blocks[id];
+        debug_assert!(b.state == BlockState::Free && !b.is_split());
+        let (ptr, size, stream, pool, seg) = (b.ptr, b.size, b.stream, b.pool, b.segment);
+        self.backend.release(ptr, size)?;
+        self.pools[pool as usize].free.remove(&(stream, size, ptr, id));
+        let kind = self.pools[pool as usize].kind;
+        let seg_stream = self.segments.remove(seg).stream;
+        self.blocks.remove(id);
+        self.stats.segment.update(kind, -1);
+        self.stats.reserved_bytes.update(kind, -(size as i64));
+        self.stats.num_device_free += 1;
+        if size >= self.config.max_split_size {
+            self.stats.oversize_segments.update(-1);
+        }
+        let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
+        self.private.segment_removed(pool);
+        self.record(Action::SegmentFree, seg_stream, ptr, size, code);
+        Ok(())
+    }
+
+    /// Builds the out-of-memory error, counts it and traces it.
+    pub(crate) fn out_of_memory(
+        &mut self,
+        stream: StreamId,
+        requested: u64,
+        needed: u64,
+        cause: Option<BackendError>,
+    ) -> AllocError {
+        let report = self.report(requested, needed, cause);
+        self.stats.num_ooms += 1;
+        self.record(Action::Oom, stream, 0, requested, report.device_free);
+        let max = report.limit.unwrap_or(report.device_total).min(report.device_total.max(1));
+        if report.device_total > 0 && needed > max {
+            return AllocError::TooLarge { requested, needed, max };
+        }
+        AllocError::OutOfMemory(Box::new(report))
+    }
+
+    /// The figures of an out-of-memory report, as of now.
+    pub(crate) fn report(&mut self, requested: u64, needed: u64, cause: Option<BackendError>) -> OomReport {
+        let info = self.backend.mem_info().unwrap_or_default();
+        let limit = self.limit().ok().flatten();
+        OomReport {
+            device: self.device,
+            requested,
+            needed,
+            allocated: self.stats.allocated_bytes.all.current as u64,
+            reserved: self.stats.reserved_bytes.all.current as u64,
+            private_pools_allocated: self.private_pools_allocated_bytes(),
+            device_free: info.free,
+            device_total: info.total,
+            limit,
+            largest_free_block: self.largest_free_block(),
+            external_fragmentation: self.external_fragmentation(),
+            unallocated_fraction: self.unallocated_fraction(),
+            cause,
+        }
+    }
+
+    fn private_pools_allocated_bytes(&self) -> u64 {
+        self.live
+            .values()
+            .map(|&id| &self.blocks[id])
+            .filter(|b| b.state == BlockState::Allocated && b.pool > LARGE)
+            .map(|b| b.size)
+            .sum()
+    }
+
+    /// The largest cached free block, over every pool and stream.
+    pub fn largest_free_block(&self) -> u64 {
+        self.pools.iter().map(|p| p.free_bytes_and_largest().1).max().unwrap_or(0)
+    }
+
+    /// Bytes cached in free blocks, over every pool and stream.
+    pub fn cached_free_bytes(&self) -> u64 {
+        self.pools.iter().map(|p| p.free_bytes_and_largest().0).sum()
+    }
+
+    /// `1 - largest free block / cached free bytes` (0 with nothing cached).
+    pub fn external_fragmentation(&self) -> f64 {
+        let total = self.cached_free_bytes();
+        if total == 0 { 0.0 } else { 1.0 - self.largest_free_block() as f64 / total as f64 }
+    }
+
+    /// `1 - allocated / reserved` (0 with nothing reserved).
+    pub fn unallocated_fraction(&self) -> f64 {
+        let r = self.stats.reserved_bytes.all.current;
+        if r == 0 { 0.0 } else { 1.0 - self.stats.allocated_bytes.all.current as f64 / r as f64 }
+    }
+}
