@@ -4,6 +4,8 @@
 //! touches only GPU 0 never initializes the others. Every call takes the
 //! device's `parking_lot::Mutex` once; nothing else is shared on the hot path.
 
+use std::sync::Arc;
+
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::backend::{Backend, BackendError, DevicePtr, StreamId};
@@ -14,21 +16,29 @@ use crate::error::AllocError;
 use crate::pool::PoolKey;
 use crate::snapshot::SegmentSnapshot;
 use crate::stats::DeviceStats;
+use crate::trace::recorder::Recorder;
 
 /// Creates the backend of a device on first use.
 pub type BackendFactory<B> = Box<dyn Fn(u32) -> Result<B, BackendError> + Send + Sync>;
 
 /// The caching allocator of a process: one [`DeviceAllocator`] per device.
 pub struct Allocator<B: Backend> {
-    config: Config,
-    devices: Vec<Mutex<Option<DeviceAllocator<B>>>>,
-    factory: BackendFactory<B>,
+    pub(crate) config: Config,
+    pub(crate) devices: Vec<Mutex<Option<DeviceAllocator<B>>>>,
+    pub(crate) factory: BackendFactory<B>,
+    /// The trace recorder while tracing; devices created later join it.
+    pub(crate) recorder: Mutex<Option<Arc<Recorder>>>,
 }
 
 impl<B: Backend> Allocator<B> {
     /// An allocator for `device_count` devices whose backends `factory` creates.
     pub fn new(config: Config, device_count: usize, factory: BackendFactory<B>) -> Self {
-        Allocator { config, devices: (0..device_count).map(|_| Mutex::new(None)).collect(), factory }
+        Allocator {
+            config,
+            devices: (0..device_count).map(|_| Mutex::new(None)).collect(),
+            factory,
+            recorder: Mutex::new(None),
+        }
     }
 
     /// The configuration every device starts with.
@@ -53,7 +63,11 @@ impl<B: Backend> Allocator<B> {
         let mut guard = slot.lock();
         if guard.is_none() {
             let backend = (self.factory)(device as u32)?;
-            *guard = Some(DeviceAllocator::new(device as u32, backend, self.config.clone()));
+            let mut dev = DeviceAllocator::new(device as u32, backend, self.config.clone());
+            if let Some(r) = &*self.recorder.lock() {
+                dev.trace = Some(r.device_trace(device as u32));
+            }
+            *guard = Some(dev);
         }
         Ok(MutexGuard::map(guard, |d| d.as_mut().expect("created above")))
     }

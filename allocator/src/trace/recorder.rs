@@ -33,3 +33,13 @@ impl DeviceTrace {
         });
     }
 }
+
+/// The process-wide recorder (first cut: hands out in-memory buffers).
+pub struct Recorder {}
+
+impl Recorder {
+    /// The buffer a newly created device records into.
+    pub fn device_trace(&self, device: u32) -> DeviceTrace {
+        DeviceTrace::in_memory(device)
+    }
+}

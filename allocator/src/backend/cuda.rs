@@ -1,0 +1,1 @@
+//! The CUDA driver backend (being written).
