@@ -59,7 +59,10 @@ impl<B: Backend> Allocator<B> {
         let slot = usize::try_from(device)
             .ok()
             .and_then(|d| self.devices.get(d))
-            .ok_or(AllocError::InvalidDevice { device, count: self.devices.len() })?;
+            .ok_or(AllocError::InvalidDevice {
+                device,
+                count: self.devices.len(),
+            })?;
         let mut guard = slot.lock();
         if guard.is_none() {
             let backend = (self.factory)(device as u32)?;
@@ -69,11 +72,16 @@ impl<B: Backend> Allocator<B> {
             }
             *guard = Some(dev);
         }
-        Ok(MutexGuard::map(guard, |d| d.as_mut().expect("created above")))
+        Ok(MutexGuard::map(guard, |d| {
+            d.as_mut().expect("created above")
+        }))
     }
 
     /// Runs `f` on every device that has been created.
-    pub fn for_each_created(&self, mut f: impl FnMut(&mut DeviceAllocator<B>) -> Result<(), AllocError>) -> Result<(), AllocError> {
+    pub fn for_each_created(
+        &self,
+        mut f: impl FnMut(&mut DeviceAllocator<B>) -> Result<(), AllocError>,
+    ) -> Result<(), AllocError> {
         for slot in &self.devices {
             if let Some(d) = slot.lock().as_mut() {
                 f(d)?;
@@ -84,7 +92,12 @@ impl<B: Backend> Allocator<B> {
 
     /// [`DeviceAllocator::malloc`] on a device.
     #[inline]
-    pub fn malloc(&self, device: i64, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
+    pub fn malloc(
+        &self,
+        device: i64,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<DevicePtr, AllocError> {
         self.lock(device)?.malloc(size, stream)
     }
 
@@ -95,7 +108,12 @@ impl<B: Backend> Allocator<B> {
     }
 
     /// [`DeviceAllocator::record_stream`] on a device.
-    pub fn record_stream(&self, device: i64, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+    pub fn record_stream(
+        &self,
+        device: i64,
+        ptr: DevicePtr,
+        stream: StreamId,
+    ) -> Result<(), AllocError> {
         self.lock(device)?.record_stream(ptr, stream)
     }
 
@@ -132,7 +150,12 @@ impl<B: Backend> Allocator<B> {
     }
 
     /// [`DeviceAllocator::begin_allocate_to_pool`] on a device.
-    pub fn begin_allocate_to_pool(&self, device: i64, pool: PoolKey, filter: Option<StreamFilter>) -> Result<(), AllocError> {
+    pub fn begin_allocate_to_pool(
+        &self,
+        device: i64,
+        pool: PoolKey,
+        filter: Option<StreamFilter>,
+    ) -> Result<(), AllocError> {
         self.lock(device)?.begin_allocate_to_pool(pool, filter);
         Ok(())
     }

@@ -62,7 +62,11 @@ impl PrivatePools {
         if self.scopes.is_empty() {
             return None;
         }
-        let scope = self.scopes.iter().rev().find(|s| s.filter.as_ref().is_none_or(|f| f(stream)))?;
+        let scope = self
+            .scopes
+            .iter()
+            .rev()
+            .find(|s| s.filter.as_ref().is_none_or(|f| f(stream)))?;
         let p = self.pools.iter().find(|p| p.key == scope.key)?;
         Some(match kind {
             PoolKind::Small => p.small,
@@ -71,47 +75,64 @@ impl PrivatePools {
     }
 
     fn owner_mut(&mut self, pool: PoolId) -> Option<&mut PrivatePool> {
-        self.pools.iter_mut().find(|p| p.small == pool || p.large == pool)
+        self.pools
+            .iter_mut()
+            .find(|p| p.small == pool || p.large == pool)
     }
 
     pub fn index_of(&self, pool: PoolId) -> Option<u32> {
         if pool <= LARGE {
             return None;
         }
-        self.pools.iter().find(|p| p.small == pool || p.large == pool).map(|p| p.index)
+        self.pools
+            .iter()
+            .find(|p| p.small == pool || p.large == pool)
+            .map(|p| p.index)
     }
 
     #[inline]
     pub fn segment_added(&mut self, pool: PoolId) {
-        if pool > LARGE && let Some(p) = self.owner_mut(pool) {
+        if pool > LARGE
+            && let Some(p) = self.owner_mut(pool)
+        {
             p.segments += 1;
         }
     }
 
     #[inline]
     pub fn segment_removed(&mut self, pool: PoolId) {
-        if pool > LARGE && let Some(p) = self.owner_mut(pool) {
+        if pool > LARGE
+            && let Some(p) = self.owner_mut(pool)
+        {
             p.segments -= 1;
         }
     }
 
     #[inline]
     pub fn block_allocated(&mut self, pool: PoolId) {
-        if pool > LARGE && let Some(p) = self.owner_mut(pool) {
+        if pool > LARGE
+            && let Some(p) = self.owner_mut(pool)
+        {
             p.allocated += 1;
         }
     }
 
     #[inline]
     pub fn block_freed(&mut self, pool: PoolId) {
-        if pool > LARGE && let Some(p) = self.owner_mut(pool) {
+        if pool > LARGE
+            && let Some(p) = self.owner_mut(pool)
+        {
             p.allocated -= 1;
         }
     }
 
     /// Pools of private pools that nothing holds any more.
     pub fn freeable_pools(&self) -> Vec<PoolId> {
-        self.pools.iter().filter(|p| p.use_count == 0).flat_map(|p| [p.small, p.large]).collect()
+        self.pools
+            .iter()
+            .filter(|p| p.use_count == 0)
+            .flat_map(|p| [p.small, p.large])
+            .collect()
     }
 
     /// Forgets released private pools that hold no segment.
@@ -128,7 +149,10 @@ impl PrivatePools {
 
     /// Private pools alive: `(id, use count, segments, live allocations)`.
     pub fn list(&self) -> Vec<(PoolKey, u32, usize, usize)> {
-        self.pools.iter().map(|p| (p.key, p.use_count, p.segments, p.allocated)).collect()
+        self.pools
+            .iter()
+            .map(|p| (p.key, p.use_count, p.segments, p.allocated))
+            .collect()
     }
 }
 
@@ -151,7 +175,15 @@ impl<B: Backend> DeviceAllocator<B> {
             self.pools[large as usize] = Pool::new(PoolKind::Large, Some(key));
             let index = self.private.next_index;
             self.private.next_index += 1;
-            self.private.pools.push(PrivatePool { key, index, small, large, use_count: 1, segments: 0, allocated: 0 });
+            self.private.pools.push(PrivatePool {
+                key,
+                index,
+                small,
+                large,
+                use_count: 1,
+                segments: 0,
+                allocated: 0,
+            });
         }
         self.private.scopes.push(Scope { key, filter });
     }
@@ -161,7 +193,12 @@ impl<B: Backend> DeviceAllocator<B> {
     /// # Errors
     /// [`AllocError::UnknownPool`] when no scope of that pool is open.
     pub fn end_allocate_to_pool(&mut self, key: PoolKey) -> Result<(), AllocError> {
-        let pos = self.private.scopes.iter().rposition(|s| s.key == key).ok_or(AllocError::UnknownPool { pool: key })?;
+        let pos = self
+            .private
+            .scopes
+            .iter()
+            .rposition(|s| s.key == key)
+            .ok_or(AllocError::UnknownPool { pool: key })?;
         self.private.scopes.remove(pos);
         Ok(())
     }
@@ -184,8 +221,11 @@ impl<B: Backend> DeviceAllocator<B> {
         let (freeable, small, large) = (p.use_count == 0, p.small, p.large);
         if freeable && !self.private.capturing() {
             for pool in [small, large] {
-                let whole: Vec<_> =
-                    self.pools[pool as usize].free.iter().filter(|k| !self.blocks[k.3].is_split()).map(|k| k.3).collect();
+                let whole: Vec<_> = self.pools[pool as usize]
+                    .iter()
+                    .filter(|k| !self.blocks[k.3].is_split())
+                    .map(|k| k.3)
+                    .collect();
                 for id in whole {
                     self.release_segment(id)?;
                 }

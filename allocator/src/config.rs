@@ -23,14 +23,38 @@ use crate::size_class::{POWER2_INTERVALS, power2_bucket};
 
 /// Every key [`Config::parse`] accepts, with a one-line description.
 pub const KEYS: &[(&str, &str)] = &[
-    ("max_split_size_mb", "blocks of at least this many MiB are never split (>= 20)"),
-    ("max_non_split_rounding_mb", "slack allowed when an oversize block serves an oversize request (MiB)"),
-    ("garbage_collection_threshold", "fraction of the memory limit above which old cached segments are freed (0 < x < 1)"),
-    ("roundup_power2_divisions", "steps per power-of-two interval: one value or [MB:d,...,>:d]"),
-    ("large_segment_size_mb", "segment size for requests between 1 and 10 MiB (MiB, even, >= 2)"),
-    ("per_process_memory_fraction", "cap on reserved memory as a fraction of the device (0 < x <= 1)"),
-    ("memory_limit", "cap on reserved memory in bytes (suffixes K, M, G, T, KiB, MiB, GiB, TiB)"),
-    ("cross_stream_reuse", "reuse another stream's cached blocks, ordered by an event, before growing (true/false)"),
+    (
+        "max_split_size_mb",
+        "blocks of at least this many MiB are never split (>= 20)",
+    ),
+    (
+        "max_non_split_rounding_mb",
+        "slack allowed when an oversize block serves an oversize request (MiB)",
+    ),
+    (
+        "garbage_collection_threshold",
+        "fraction of the memory limit above which old cached segments are freed (0 < x < 1)",
+    ),
+    (
+        "roundup_power2_divisions",
+        "steps per power-of-two interval: one value or [MB:d,...,>:d]",
+    ),
+    (
+        "large_segment_size_mb",
+        "segment size for requests between 1 and 10 MiB (MiB, even, >= 2)",
+    ),
+    (
+        "per_process_memory_fraction",
+        "cap on reserved memory as a fraction of the device (0 < x <= 1)",
+    ),
+    (
+        "memory_limit",
+        "cap on reserved memory in bytes (suffixes K, M, G, T, KiB, MiB, GiB, TiB)",
+    ),
+    (
+        "cross_stream_reuse",
+        "reuse another stream's cached blocks, ordered by an event, before growing (true/false)",
+    ),
     ("expandable_segments", "only false for now"),
 ];
 
@@ -93,7 +117,10 @@ impl fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 fn err(key: &str, reason: impl Into<String>) -> ConfigError {
-    ConfigError { key: key.to_string(), reason: reason.into() }
+    ConfigError {
+        key: key.to_string(),
+        reason: reason.into(),
+    }
 }
 
 impl Config {
@@ -104,7 +131,10 @@ impl Config {
 
     /// Parses `key:value,key:[a:b,>:c]`. Whitespace around tokens is ignored.
     pub fn parse(s: &str) -> Result<Config, ConfigError> {
-        let mut c = Config { source: s.to_string(), ..Config::default() };
+        let mut c = Config {
+            source: s.to_string(),
+            ..Config::default()
+        };
         for entry in split_top_level(s)? {
             let entry = entry.trim();
             if entry.is_empty() {
@@ -127,7 +157,9 @@ impl Config {
                 }
                 self.max_split_size = mb.saturating_mul(MIB);
             }
-            "max_non_split_rounding_mb" => self.max_non_split_rounding = parse_u64(key, v)?.saturating_mul(MIB),
+            "max_non_split_rounding_mb" => {
+                self.max_non_split_rounding = parse_u64(key, v)?.saturating_mul(MIB)
+            }
             "garbage_collection_threshold" => {
                 let x = parse_f64(key, v)?;
                 if !(x > 0.0 && x < 1.0) {
@@ -139,7 +171,10 @@ impl Config {
             "large_segment_size_mb" => {
                 let mb = parse_u64(key, v)?;
                 if mb < 2 || mb % 2 != 0 {
-                    return Err(err(key, format!("{mb} must be an even number of MiB, at least 2")));
+                    return Err(err(
+                        key,
+                        format!("{mb} must be an even number of MiB, at least 2"),
+                    ));
                 }
                 self.large_segment_size = mb * MIB;
             }
@@ -154,12 +189,18 @@ impl Config {
             "cross_stream_reuse" => self.cross_stream_reuse = parse_bool(key, v)?,
             "expandable_segments" => {
                 if parse_bool(key, v)? {
-                    return Err(err(key, "expandable segments are not available in this version; use false"));
+                    return Err(err(
+                        key,
+                        "expandable segments are not available in this version; use false",
+                    ));
                 }
             }
             _ => {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
-                return Err(err(key, format!("unknown key; known keys: {}", known.join(", "))));
+                return Err(err(
+                    key,
+                    format!("unknown key; known keys: {}", known.join(", ")),
+                ));
             }
         }
         Ok(())
@@ -198,11 +239,13 @@ fn split_top_level(s: &str) -> Result<Vec<&str>, ConfigError> {
 }
 
 fn parse_u64(key: &str, v: &str) -> Result<u64, ConfigError> {
-    v.parse().map_err(|_| err(key, format!("`{v}` is not a non-negative integer")))
+    v.parse()
+        .map_err(|_| err(key, format!("`{v}` is not a non-negative integer")))
 }
 
 fn parse_f64(key: &str, v: &str) -> Result<f64, ConfigError> {
-    v.parse().map_err(|_| err(key, format!("`{v}` is not a number")))
+    v.parse()
+        .map_err(|_| err(key, format!("`{v}` is not a number")))
 }
 
 fn parse_bool(key: &str, v: &str) -> Result<bool, ConfigError> {
@@ -226,8 +269,11 @@ pub fn parse_bytes(key: &str, v: &str) -> Result<u64, ConfigError> {
         "t" | "tb" | "tib" => 1 << 40,
         other => return Err(err(key, format!("unknown unit `{other}` in `{v}`"))),
     };
-    let x: f64 = num.trim().parse().map_err(|_| err(key, format!("`{v}` is not a byte count")))?;
-    if !(x >= 0.0) || !x.is_finite() {
+    let x: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| err(key, format!("`{v}` is not a byte count")))?;
+    if x.is_nan() || x < 0.0 || !x.is_finite() {
         return Err(err(key, format!("`{v}` is not a byte count")));
     }
     Ok((x * scale as f64) as u64)
@@ -243,7 +289,9 @@ fn parse_divisions(key: &str, v: &str) -> Result<[u64; POWER2_INTERVALS], Config
     };
     let mut out = [0u64; POWER2_INTERVALS];
     if let Some(list) = v.strip_prefix('[') {
-        let list = list.strip_suffix(']').ok_or_else(|| err(key, format!("`{v}` lacks a closing ']'")))?;
+        let list = list
+            .strip_suffix(']')
+            .ok_or_else(|| err(key, format!("`{v}` lacks a closing ']'")))?;
         let mut last_set: Option<usize> = None;
         for item in list.split(',') {
             let (k, d) = item
@@ -303,9 +351,15 @@ mod tests {
         for (s, key) in [
             ("bogus:1", "bogus"),
             ("max_split_size_mb:10", "max_split_size_mb"),
-            ("garbage_collection_threshold:1.5", "garbage_collection_threshold"),
+            (
+                "garbage_collection_threshold:1.5",
+                "garbage_collection_threshold",
+            ),
             ("roundup_power2_divisions:3", "roundup_power2_divisions"),
-            ("roundup_power2_divisions:[300:2]", "roundup_power2_divisions"),
+            (
+                "roundup_power2_divisions:[300:2]",
+                "roundup_power2_divisions",
+            ),
             ("memory_limit:12XB", "memory_limit"),
             ("cross_stream_reuse:maybe", "cross_stream_reuse"),
             ("expandable_segments:true", "expandable_segments"),

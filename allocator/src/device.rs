@@ -68,8 +68,14 @@ pub struct DeviceAllocator<B: Backend> {
 impl<B: Backend> DeviceAllocator<B> {
     /// A device allocator over `backend`.
     pub fn new(device: u32, backend: B, config: Config) -> Self {
-        let mut stats = DeviceStats::default();
-        stats.max_split_size = if config.max_split_size == u64::MAX { -1 } else { config.max_split_size as i64 };
+        let stats = DeviceStats {
+            max_split_size: if config.max_split_size == u64::MAX {
+                -1
+            } else {
+                config.max_split_size as i64
+            },
+            ..DeviceStats::default()
+        };
         DeviceAllocator {
             device,
             backend,
@@ -78,7 +84,10 @@ impl<B: Backend> DeviceAllocator<B> {
             config,
             blocks: BlockArena::default(),
             segments: SegmentArena::default(),
-            pools: vec![Pool::new(PoolKind::Small, None), Pool::new(PoolKind::Large, None)],
+            pools: vec![
+                Pool::new(PoolKind::Small, None),
+                Pool::new(PoolKind::Large, None),
+            ],
             live: FxHashMap::default(),
             pending: FxHashMap::default(),
             pending_count: 0,
@@ -121,7 +130,14 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     #[inline]
-    pub(crate) fn record(&mut self, action: Action, stream: StreamId, addr: DevicePtr, size: u64, aux: u64) {
+    pub(crate) fn record(
+        &mut self,
+        action: Action,
+        stream: StreamId,
+        addr: DevicePtr,
+        size: u64,
+        aux: u64,
+    ) {
         if let Some(t) = &mut self.trace {
             t.record(action, stream, addr, size, aux);
         }
@@ -162,7 +178,8 @@ impl<B: Backend> DeviceAllocator<B> {
         capturing: bool,
     ) -> Result<BlockId, AllocError> {
         let alloc_size = allocation_size(rounded, &self.config);
-        if !capturing && self.config.cross_stream_reuse
+        if !capturing
+            && self.config.cross_stream_reuse
             && let Some(b) = self.take_from_other_stream(pool, stream, rounded)?
         {
             return Ok(b);
@@ -218,7 +235,8 @@ impl<B: Backend> DeviceAllocator<B> {
         if rounded < max_split && candidate >= max_split {
             return false;
         }
-        !(rounded >= max_split && candidate >= rounded.saturating_add(self.config.max_non_split_rounding))
+        !(rounded >= max_split
+            && candidate >= rounded.saturating_add(self.config.max_non_split_rounding))
     }
 
     /// Best fit in the stream's own free list, removed from the index.
@@ -230,7 +248,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if !self.oversize_ok(rounded, key.1) {
             return None;
         }
-        self.pools[pool as usize].free.remove(&key);
+        self.pools[pool as usize].remove(key);
         Some(key.3)
     }
 
@@ -241,7 +259,8 @@ impl<B: Backend> DeviceAllocator<B> {
         stream: StreamId,
         rounded: u64,
     ) -> Result<Option<BlockId>, AllocError> {
-        let Some(key) = self.pools[pool as usize].best_fit_other_stream(stream, rounded, |c| self.oversize_ok(rounded, c))
+        let Some(key) = self.pools[pool as usize]
+            .best_fit_other_stream(stream, rounded, |c| self.oversize_ok(rounded, c))
         else {
             return Ok(None);
         };
@@ -250,7 +269,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let waited = self.backend.stream_wait_event(stream, event);
         self.backend.destroy_event(event);
         waited?;
-        self.pools[pool as usize].free.remove(&key);
+        self.pools[pool as usize].remove(key);
         self.blocks[key.3].stream = stream;
         self.stats.num_cross_stream_reuse += 1;
         self.record(Action::StreamReuse, stream, key.2, key.1, owner);
@@ -293,13 +312,17 @@ impl<B: Backend> DeviceAllocator<B> {
         if let Some(limit) = self.limit()?
             && reserved + size > limit
         {
-            return Err(AllocError::OutOfMemory(Box::new(self.report(0, size, None))));
+            return Err(AllocError::OutOfMemory(Box::new(
+                self.report(0, size, None),
+            )));
         }
         let ptr = match self.backend.allocate(size, capturing) {
             Ok(p) => p,
             Err(crate::backend::BackendError::OutOfMemory { .. }) => {
                 let cause = Some(crate::backend::BackendError::OutOfMemory { requested: size });
-                return Err(AllocError::OutOfMemory(Box::new(self.report(0, size, cause))));
+                return Err(AllocError::OutOfMemory(Box::new(
+                    self.report(0, size, cause),
+                )));
             }
             Err(e) => return Err(e.into()),
         };
@@ -318,7 +341,14 @@ impl<B: Backend> DeviceAllocator<B> {
             event_count: 0,
             gc_base: 0,
         });
-        let seg = self.segments.insert(Segment { ptr, size, kind, pool, stream, first: block });
+        let seg = self.segments.insert(Segment {
+            ptr,
+            size,
+            kind,
+            pool,
+            stream,
+            first: block,
+        });
         self.blocks[block].segment = seg;
         self.private.segment_added(pool);
         self.stats.segment.update(kind, 1);
@@ -338,13 +368,22 @@ impl<B: Backend> DeviceAllocator<B> {
         let remaining = block_size - rounded;
         match kind {
             PoolKind::Small => remaining >= crate::size_class::MIN_BLOCK_SIZE,
-            PoolKind::Large => rounded < self.config.max_split_size && remaining > crate::size_class::SMALL_SIZE,
+            PoolKind::Large => {
+                rounded < self.config.max_split_size && remaining > crate::size_class::SMALL_SIZE
+            }
         }
     }
 
     /// Hands out a found block: splits off the remainder when worth it,
     /// updates stats and the trace. PyTorch's `alloc_found_block`.
-    fn alloc_found_block(&mut self, id: BlockId, pool: PoolId, stream: StreamId, size: u64, rounded: u64) -> DevicePtr {
+    fn alloc_found_block(
+        &mut self,
+        id: BlockId,
+        pool: PoolId,
+        stream: StreamId,
+        size: u64,
+        rounded: u64,
+    ) -> DevicePtr {
         let kind = self.pools[pool as usize].kind;
         let already_split = self.blocks[id].is_split();
         let block_size = self.blocks[id].size;
@@ -371,15 +410,21 @@ impl<B: Backend> DeviceAllocator<B> {
             }
             self.blocks[id].next = Some(rest_id);
             self.blocks[id].size = rounded;
-            self.pools[pool as usize].free.insert((rest_stream, rest_size, rest_ptr, rest_id));
+            self.pools[pool as usize].insert((rest_stream, rest_size, rest_ptr, rest_id));
             if already_split {
-                self.stats.inactive_split_bytes.update(kind, -(rounded as i64));
+                self.stats
+                    .inactive_split_bytes
+                    .update(kind, -(rounded as i64));
             } else {
-                self.stats.inactive_split_bytes.update(kind, rest_size as i64);
+                self.stats
+                    .inactive_split_bytes
+                    .update(kind, rest_size as i64);
                 self.stats.inactive_split.update(kind, 1);
             }
         } else if already_split {
-            self.stats.inactive_split_bytes.update(kind, -(block_size as i64));
+            self.stats
+                .inactive_split_bytes
+                .update(kind, -(block_size as i64));
             self.stats.inactive_split.update(kind, -1);
         }
         let b = &mut self.blocks[id];
@@ -412,10 +457,16 @@ impl<B: Backend> DeviceAllocator<B> {
             return Ok(());
         }
         let Some(&id) = self.live.get(&ptr) else {
-            return Err(AllocError::InvalidPointer { ptr, device: self.device });
+            return Err(AllocError::InvalidPointer {
+                ptr,
+                device: self.device,
+            });
         };
         if self.blocks[id].state != BlockState::Allocated {
-            return Err(AllocError::InvalidPointer { ptr, device: self.device });
+            return Err(AllocError::InvalidPointer {
+                ptr,
+                device: self.device,
+            });
         }
         let b = &mut self.blocks[id];
         b.state = BlockState::PendingFree;
@@ -459,10 +510,16 @@ impl<B: Backend> DeviceAllocator<B> {
     /// [`AllocError::InvalidPointer`] for a pointer not allocated here.
     pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
         let Some(&id) = self.live.get(&ptr) else {
-            return Err(AllocError::InvalidPointer { ptr, device: self.device });
+            return Err(AllocError::InvalidPointer {
+                ptr,
+                device: self.device,
+            });
         };
         let b = &mut self.blocks[id];
-        if b.state == BlockState::Allocated && b.stream != stream && !b.stream_uses.contains(&stream) {
+        if b.state == BlockState::Allocated
+            && b.stream != stream
+            && !b.stream_uses.contains(&stream)
+        {
             b.stream_uses.push(stream);
             self.record(Action::RecordStream, stream, ptr, 0, 0);
         }
@@ -481,8 +538,7 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         let streams: Vec<StreamId> = self.pending.keys().copied().collect();
         for s in streams {
-            loop {
-                let Some(&(ev, id)) = self.pending.get(&s).and_then(|q| q.front()) else { break };
+            while let Some(&(ev, id)) = self.pending.get(&s).and_then(|q| q.front()) {
                 if !self.backend.event_done(ev)? {
                     break;
                 }
@@ -530,7 +586,10 @@ impl<B: Backend> DeviceAllocator<B> {
         let kind = self.pools[pool as usize].kind;
         let mut net_blocks = 0i64;
         let mut net_bytes = 0i64;
-        for neighbour in [self.blocks[id].prev, self.blocks[id].next].into_iter().flatten() {
+        for neighbour in [self.blocks[id].prev, self.blocks[id].next]
+            .into_iter()
+            .flatten()
+        {
             let subsumed = self.try_merge(id, neighbour);
             if subsumed > 0 {
                 net_blocks -= 1;
@@ -548,7 +607,7 @@ impl<B: Backend> DeviceAllocator<B> {
             net_blocks += 1;
             net_bytes += b.size as i64;
         }
-        self.pools[pool as usize].free.insert(key);
+        self.pools[pool as usize].insert(key);
         self.stats.inactive_split.update(kind, net_blocks);
         self.stats.inactive_split_bytes.update(kind, net_bytes);
         self.stats.active.update(kind, -1);
@@ -564,7 +623,7 @@ impl<B: Backend> DeviceAllocator<B> {
             return 0;
         }
         let (src_size, src_ptr, src_stream, src_pool) = (s.size, s.ptr, s.stream, s.pool);
-        self.pools[src_pool as usize].free.remove(&(src_stream, src_size, src_ptr, src));
+        self.pools[src_pool as usize].remove((src_stream, src_size, src_ptr, src));
         if self.blocks[dst].prev == Some(src) {
             let prev = self.blocks[src].prev;
             let d = &mut self.blocks[dst];

@@ -80,7 +80,10 @@ pub enum AllocError {
 impl AllocError {
     /// Whether this is an out-of-memory condition (either kind).
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(self, AllocError::OutOfMemory(_) | AllocError::TooLarge { .. })
+        matches!(
+            self,
+            AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }
+        )
     }
 }
 
@@ -93,7 +96,11 @@ pub fn format_bytes(b: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 { format!("{b} bytes") } else { format!("{v:.2} {}", UNITS[u]) }
+    if u == 0 {
+        format!("{b} bytes")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
 }
 
 impl fmt::Display for AllocError {
@@ -141,7 +148,11 @@ impl fmt::Display for AllocError {
                 }
                 Ok(())
             }
-            AllocError::TooLarge { requested, needed, max } => write!(
+            AllocError::TooLarge {
+                requested,
+                needed,
+                max,
+            } => write!(
                 f,
                 "CUDA out of memory (gpualloc). Tried to allocate {} (segment of {}), which can never fit: the most this device can hold is {}.",
                 format_bytes(*requested),
@@ -149,12 +160,17 @@ impl fmt::Display for AllocError {
                 format_bytes(*max)
             ),
             AllocError::InvalidPointer { ptr, device } => {
-                write!(f, "gpualloc: pointer {ptr:#x} was not allocated by gpualloc on device {device}, or was freed already")
+                write!(
+                    f,
+                    "gpualloc: pointer {ptr:#x} was not allocated by gpualloc on device {device}, or was freed already"
+                )
             }
             AllocError::InvalidDevice { device, count } => {
                 write!(f, "gpualloc: invalid device {device} ({count} devices)")
             }
-            AllocError::UnknownPool { pool } => write!(f, "gpualloc: unknown private pool ({}, {})", pool.0, pool.1),
+            AllocError::UnknownPool { pool } => {
+                write!(f, "gpualloc: unknown private pool ({}, {})", pool.0, pool.1)
+            }
             AllocError::Backend(e) => write!(f, "gpualloc: {e}"),
         }
     }

@@ -32,29 +32,47 @@ impl<B: Backend> DeviceAllocator<B> {
                 let b = &self.blocks[id];
                 seen_blocks += 1;
                 if b.segment != seg_id || b.prev != prev {
-                    return Err(format!("block {id} at {:#x} has broken links in segment {seg_id}", b.ptr));
+                    return Err(format!(
+                        "block {id} at {:#x} has broken links in segment {seg_id}",
+                        b.ptr
+                    ));
                 }
                 if b.ptr != addr {
-                    return Err(format!("segment {seg_id}: gap or overlap at {addr:#x} (block starts at {:#x})", b.ptr));
+                    return Err(format!(
+                        "segment {seg_id}: gap or overlap at {addr:#x} (block starts at {:#x})",
+                        b.ptr
+                    ));
                 }
                 if b.size == 0 || b.size % 512 != 0 {
                     return Err(format!("block {id} has size {}", b.size));
                 }
                 if b.pool != seg.pool {
-                    return Err(format!("block {id} is in pool {} but its segment in pool {}", b.pool, seg.pool));
+                    return Err(format!(
+                        "block {id} is in pool {} but its segment in pool {}",
+                        b.pool, seg.pool
+                    ));
                 }
                 if let Some(p) = prev {
                     let pb = &self.blocks[p];
-                    if pb.state == BlockState::Free && b.state == BlockState::Free && pb.stream == b.stream {
-                        return Err(format!("adjacent free blocks {p} and {id} of stream {} were not merged", b.stream));
+                    if pb.state == BlockState::Free
+                        && b.state == BlockState::Free
+                        && pb.stream == b.stream
+                    {
+                        return Err(format!(
+                            "adjacent free blocks {p} and {id} of stream {} were not merged",
+                            b.stream
+                        ));
                     }
                 }
                 let kind = seg.kind;
                 match b.state {
                     BlockState::Free => {
                         free_blocks += 1;
-                        if !self.pools[b.pool as usize].free.contains(&(b.stream, b.size, b.ptr, id)) {
-                            return Err(format!("free block {id} at {:#x} is missing from its pool's index", b.ptr));
+                        if !self.pools[b.pool as usize].contains((b.stream, b.size, b.ptr, id)) {
+                            return Err(format!(
+                                "free block {id} at {:#x} is missing from its pool's index",
+                                b.ptr
+                            ));
                         }
                         if split {
                             recount.inactive_split.update(kind, 1);
@@ -63,7 +81,10 @@ impl<B: Backend> DeviceAllocator<B> {
                     }
                     BlockState::Allocated | BlockState::PendingFree => {
                         if self.live.get(&b.ptr) != Some(&id) {
-                            return Err(format!("live block {id} at {:#x} is missing from the address map", b.ptr));
+                            return Err(format!(
+                                "live block {id} at {:#x} is missing from the address map",
+                                b.ptr
+                            ));
                         }
                         recount.active.update(kind, 1);
                         recount.active_bytes.update(kind, b.size as i64);
@@ -84,42 +105,75 @@ impl<B: Backend> DeviceAllocator<B> {
                 cur = b.next;
             }
             if addr != seg.ptr + seg.size {
-                return Err(format!("segment {seg_id} blocks end at {addr:#x}, segment at {:#x}", seg.ptr + seg.size));
+                return Err(format!(
+                    "segment {seg_id} blocks end at {addr:#x}, segment at {:#x}",
+                    seg.ptr + seg.size
+                ));
             }
         }
         if seen_blocks != self.blocks.len() {
-            return Err(format!("{} blocks in the arena, {seen_blocks} reachable from segments", self.blocks.len()));
+            return Err(format!(
+                "{} blocks in the arena, {seen_blocks} reachable from segments",
+                self.blocks.len()
+            ));
         }
-        let indexed: usize = self.pools.iter().map(|p| p.free.len()).sum();
+        let indexed: usize = self.pools.iter().map(|p| p.len()).sum();
         if indexed != free_blocks {
-            return Err(format!("free index holds {indexed} entries for {free_blocks} free blocks"));
+            return Err(format!(
+                "free index holds {indexed} entries for {free_blocks} free blocks"
+            ));
         }
         if self.live.len() + free_blocks != seen_blocks {
-            return Err(format!("address map holds {} blocks, expected {}", self.live.len(), seen_blocks - free_blocks));
+            return Err(format!(
+                "address map holds {} blocks, expected {}",
+                self.live.len(),
+                seen_blocks - free_blocks
+            ));
         }
         let queued: usize = self.pending.values().map(|q| q.len()).sum();
-        let expected: u32 = self.live.values().map(|&id| self.blocks[id].event_count).sum();
+        let expected: u32 = self
+            .live
+            .values()
+            .map(|&id| self.blocks[id].event_count)
+            .sum();
         if queued != self.pending_count || queued as u32 != expected {
-            return Err(format!("{queued} queued events, count says {}, blocks expect {expected}", self.pending_count));
+            return Err(format!(
+                "{queued} queued events, count says {}, blocks expect {expected}",
+                self.pending_count
+            ));
         }
         let s = &self.stats;
         for (name, got, want) in [
             ("allocation", &s.allocation, &recount.allocation),
-            ("allocated_bytes", &s.allocated_bytes, &recount.allocated_bytes),
+            (
+                "allocated_bytes",
+                &s.allocated_bytes,
+                &recount.allocated_bytes,
+            ),
             ("requested_bytes", &s.requested_bytes, &recount.requested),
             ("active", &s.active, &recount.active),
             ("active_bytes", &s.active_bytes, &recount.active_bytes),
             ("segment", &s.segment, &recount.segment),
             ("reserved_bytes", &s.reserved_bytes, &recount.reserved),
             ("inactive_split", &s.inactive_split, &recount.inactive_split),
-            ("inactive_split_bytes", &s.inactive_split_bytes, &recount.inactive_split_bytes),
+            (
+                "inactive_split_bytes",
+                &s.inactive_split_bytes,
+                &recount.inactive_split_bytes,
+            ),
         ] {
             for ((pool, g), (_, w)) in got.named().into_iter().zip(want.named()) {
                 if g.current != w.current {
-                    return Err(format!("{name}.{pool}.current is {} but a recount gives {}", g.current, w.current));
+                    return Err(format!(
+                        "{name}.{pool}.current is {} but a recount gives {}",
+                        g.current, w.current
+                    ));
                 }
                 if g.peak < g.current {
-                    return Err(format!("{name}.{pool}: peak {} below current {}", g.peak, g.current));
+                    return Err(format!(
+                        "{name}.{pool}: peak {} below current {}",
+                        g.peak, g.current
+                    ));
                 }
             }
         }

@@ -1,9 +1,17 @@
 //! Pools: the best-fit index of cached blocks.
 //!
-//! A pool's free index is ordered by `(stream, size, address)`, so it is one
-//! free list per stream, as in PyTorch: the best fit for a stream is the first
-//! entry at or after `(stream, size)`. Another stream's blocks are found by
-//! jumping from stream to stream (see `best_fit_other_stream`).
+//! A pool keeps one ordered set of cached blocks per stream, as PyTorch's
+//! `(stream, size, address)` ordering does: the best fit for a stream is the
+//! first entry at or after the request's size in that stream's set. Another
+//! stream's blocks are searched only on the slow path (`best_fit_other_stream`).
+//!
+//! Note [Packed free keys]
+//! The hot path is dominated by ordered-set inserts and removals (a split
+//! inserts the remainder, a free removes it again when merging). Each entry
+//! is packed into one `u128`, `size / 512` (40 bits) then address (57 bits)
+//! then block id (31 bits), so comparisons are single integer compares and
+//! the set's nodes move half the bytes of a tuple key. The order is the
+//! tuple order `(size, address)`, so best fit is unchanged.
 
 use std::collections::BTreeSet;
 
@@ -11,18 +19,42 @@ use crate::backend::{DevicePtr, StreamId};
 use crate::block::BlockId;
 use crate::size_class::PoolKind;
 
-/// A free-index key: stream first, then size, then address.
+/// A cached block as the index sees it: `(stream, size, address, block)`.
 pub(crate) type FreeKey = (StreamId, u64, DevicePtr, BlockId);
 
 /// A private pool's identity: PyTorch's `MempoolId_t`.
 pub type PoolKey = (u64, u64);
 
+const ID_BITS: u32 = 31;
+const PTR_BITS: u32 = 57;
+
+#[inline]
+fn pack(size: u64, ptr: DevicePtr, id: BlockId) -> u128 {
+    debug_assert!(
+        size % 512 == 0 && (size >> 9) < (1 << 40),
+        "size {size} cannot be packed"
+    );
+    debug_assert!(
+        ptr < (1 << PTR_BITS) && id < (1 << ID_BITS),
+        "address {ptr:#x} or id {id} cannot be packed"
+    );
+    (u128::from(size >> 9) << (PTR_BITS + ID_BITS)) | (u128::from(ptr) << ID_BITS) | u128::from(id)
+}
+
+#[inline]
+fn unpack(stream: StreamId, k: u128) -> FreeKey {
+    let size = ((k >> (PTR_BITS + ID_BITS)) as u64) << 9;
+    let ptr = ((k >> ID_BITS) as u64) & ((1 << PTR_BITS) - 1);
+    (stream, size, ptr, (k as u32) & ((1 << ID_BITS) - 1))
+}
+
 /// One pool of cached blocks.
 pub(crate) struct Pool {
     /// Small or large blocks.
     pub kind: PoolKind,
-    /// Cached blocks. Invariant: exactly the `Free` blocks whose `pool` is this one.
-    pub free: BTreeSet<FreeKey>,
+    /// Cached blocks per stream. Invariant: exactly the `Free` blocks whose
+    /// `pool` is this one, each under its current stream, size and address.
+    lists: Vec<(StreamId, BTreeSet<u128>)>,
     /// Best-fit lookups so far (the clock of garbage collection ages).
     pub lookups: u64,
     /// The private pool this belongs to, if any.
@@ -31,47 +63,115 @@ pub(crate) struct Pool {
 
 impl Pool {
     pub fn new(kind: PoolKind, private: Option<PoolKey>) -> Pool {
-        Pool { kind, free: BTreeSet::new(), lookups: 0, private }
+        Pool {
+            kind,
+            lists: Vec::new(),
+            lookups: 0,
+            private,
+        }
+    }
+
+    #[inline]
+    fn list(&self, stream: StreamId) -> Option<&BTreeSet<u128>> {
+        self.lists.iter().find(|l| l.0 == stream).map(|l| &l.1)
+    }
+
+    #[inline]
+    fn list_mut(&mut self, stream: StreamId) -> &mut BTreeSet<u128> {
+        let i = match self.lists.iter().position(|l| l.0 == stream) {
+            Some(i) => i,
+            None => {
+                self.lists.push((stream, BTreeSet::new()));
+                self.lists.len() - 1
+            }
+        };
+        &mut self.lists[i].1
+    }
+
+    /// Caches a block.
+    #[inline]
+    pub fn insert(&mut self, (stream, size, ptr, id): FreeKey) {
+        self.list_mut(stream).insert(pack(size, ptr, id));
+    }
+
+    /// Removes a cached block; returns whether it was there.
+    #[inline]
+    pub fn remove(&mut self, (stream, size, ptr, id): FreeKey) -> bool {
+        self.list_mut(stream).remove(&pack(size, ptr, id))
+    }
+
+    /// Whether a block is cached under exactly this key.
+    pub fn contains(&self, (stream, size, ptr, id): FreeKey) -> bool {
+        self.list(stream)
+            .is_some_and(|l| l.contains(&pack(size, ptr, id)))
+    }
+
+    /// Number of cached blocks.
+    pub fn len(&self) -> usize {
+        self.lists.iter().map(|l| l.1.len()).sum()
+    }
+
+    /// Every cached block, stream by stream, smallest first within a stream.
+    pub fn iter(&self) -> impl Iterator<Item = FreeKey> + '_ {
+        self.lists
+            .iter()
+            .flat_map(|(s, l)| l.iter().map(move |&k| unpack(*s, k)))
     }
 
     /// The smallest cached block of `stream` with at least `size` bytes.
     #[inline]
     pub fn best_fit(&self, stream: StreamId, size: u64) -> Option<FreeKey> {
-        self.free
-            .range((stream, size, 0, 0)..)
+        let l = self.list(stream)?;
+        l.range(pack(size.div_ceil(512) * 512, 0, 0)..)
             .next()
-            .copied()
-            .filter(|k| k.0 == stream)
+            .map(|&k| unpack(stream, k))
     }
 
     /// The smallest block of at least `size` bytes cached by a stream other
-    /// than `stream`, satisfying `accept`.
+    /// than `stream`, satisfying `accept` (ties go to the lower address).
     pub fn best_fit_other_stream(
         &self,
         stream: StreamId,
         size: u64,
         accept: impl Fn(u64) -> bool,
     ) -> Option<FreeKey> {
-        let mut best: Option<FreeKey> = None;
-        let mut cursor = self.free.iter().next().map(|k| k.0);
-        while let Some(s) = cursor {
-            if s != stream
-                && let Some(k) = self.best_fit(s, size)
-                && accept(k.1)
-                && best.is_none_or(|b| k.1 < b.1)
-            {
-                best = Some(k);
-            }
-            cursor = match s.checked_add(1) {
-                Some(n) => self.free.range((n, 0, 0, 0)..).next().map(|k| k.0),
-                None => None,
-            };
-        }
-        best
+        self.lists
+            .iter()
+            .filter(|l| l.0 != stream)
+            .filter_map(|l| self.best_fit(l.0, size))
+            .filter(|k| accept(k.1))
+            .min_by_key(|k| (k.1, k.2))
     }
 
     /// Total cached bytes and the largest cached block.
     pub fn free_bytes_and_largest(&self) -> (u64, u64) {
-        self.free.iter().fold((0, 0), |(t, m), k| (t + k.1, m.max(k.1)))
+        self.iter().fold((0, 0), |(t, m), k| (t + k.1, m.max(k.1)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packing_round_trips_and_orders_like_the_tuple() {
+        let a = (5u64, 512 * 3, 0x7f00_0000_0000u64, 7u32);
+        assert_eq!(unpack(5, pack(a.1, a.2, a.3)), a);
+        assert!(pack(1024, 0x10_0000, 9) < pack(1536, 0x1000, 1));
+        assert!(pack(1024, 0x1000, 9) < pack(1024, 0x2000, 1));
+        let mut p = Pool::new(PoolKind::Small, None);
+        p.insert((1, 2048, 0x2000, 1));
+        p.insert((1, 1024, 0x9000, 2));
+        p.insert((2, 1024, 0x1000, 3));
+        assert_eq!(p.best_fit(1, 1000), Some((1, 1024, 0x9000, 2)));
+        assert_eq!(p.best_fit(1, 1536), Some((1, 2048, 0x2000, 1)));
+        assert_eq!(p.best_fit(3, 512), None);
+        assert_eq!(
+            p.best_fit_other_stream(1, 512, |_| true),
+            Some((2, 1024, 0x1000, 3))
+        );
+        assert!(p.remove((1, 1024, 0x9000, 2)));
+        assert!(!p.contains((1, 1024, 0x9000, 2)));
+        assert_eq!(p.len(), 2);
     }
 }

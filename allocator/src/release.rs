@@ -55,7 +55,6 @@ impl<B: Backend> DeviceAllocator<B> {
         pools.extend(self.private.freeable_pools());
         for pool in pools {
             let whole: Vec<BlockId> = self.pools[pool as usize]
-                .free
                 .iter()
                 .filter(|k| !self.blocks[k.3].is_split())
                 .map(|k| k.3)
@@ -71,7 +70,11 @@ impl<B: Backend> DeviceAllocator<B> {
     /// `release_available_cached_blocks`: with `max_split_size` set, release
     /// one oversize cached block large enough for the request, or else the
     /// largest oversize blocks of the stream until enough is released.
-    pub(crate) fn release_available_cached_blocks(&mut self, pool: PoolId, rounded: u64) -> Result<bool, AllocError> {
+    pub(crate) fn release_available_cached_blocks(
+        &mut self,
+        pool: PoolId,
+        rounded: u64,
+    ) -> Result<bool, AllocError> {
         let max_split = self.config.max_split_size;
         if max_split == u64::MAX {
             return Ok(false);
@@ -79,7 +82,6 @@ impl<B: Backend> DeviceAllocator<B> {
         let want = rounded.max(max_split);
         let p = &self.pools[pool as usize];
         let mut oversize: Vec<(u64, BlockId)> = p
-            .free
             .iter()
             .filter(|k| k.1 >= max_split && !self.blocks[k.3].is_split())
             .map(|k| (k.1, k.3))
@@ -102,7 +104,9 @@ impl<B: Backend> DeviceAllocator<B> {
     /// memory exceeds the threshold times the limit, release whole cached
     /// large segments whose age (lookups since cached) is at least the average.
     pub(crate) fn garbage_collect(&mut self) -> Result<(), AllocError> {
-        let Some(limit) = self.limit()? else { return Ok(()) };
+        let Some(limit) = self.limit()? else {
+            return Ok(());
+        };
         let threshold = (self.config.gc_threshold * limit as f64) as i64;
         let reserved = self.stats.reserved_bytes.all.current;
         if reserved <= threshold {
@@ -113,7 +117,6 @@ impl<B: Backend> DeviceAllocator<B> {
         while reclaimed < target {
             let now = self.pools[LARGE as usize].lookups;
             let cands: Vec<(u64, u64, BlockId)> = self.pools[LARGE as usize]
-                .free
                 .iter()
                 .filter(|k| !self.blocks[k.3].is_split())
                 .map(|k| (now - self.blocks[k.3].gc_base, k.1, k.3))
@@ -138,7 +141,7 @@ impl<B: Backend> DeviceAllocator<B> {
         debug_assert!(b.state == BlockState::Free && !b.is_split());
         let (ptr, size, stream, pool, seg) = (b.ptr, b.size, b.stream, b.pool, b.segment);
         self.backend.release(ptr, size)?;
-        self.pools[pool as usize].free.remove(&(stream, size, ptr, id));
+        self.pools[pool as usize].remove((stream, size, ptr, id));
         let kind = self.pools[pool as usize].kind;
         let seg_stream = self.segments.remove(seg).stream;
         self.blocks.remove(id);
@@ -165,15 +168,27 @@ impl<B: Backend> DeviceAllocator<B> {
         let report = self.report(requested, needed, cause);
         self.stats.num_ooms += 1;
         self.record(Action::Oom, stream, 0, requested, report.device_free);
-        let max = report.limit.unwrap_or(report.device_total).min(report.device_total.max(1));
+        let max = report
+            .limit
+            .unwrap_or(report.device_total)
+            .min(report.device_total.max(1));
         if report.device_total > 0 && needed > max {
-            return AllocError::TooLarge { requested, needed, max };
+            return AllocError::TooLarge {
+                requested,
+                needed,
+                max,
+            };
         }
         AllocError::OutOfMemory(Box::new(report))
     }
 
     /// The figures of an out-of-memory report, as of now.
-    pub(crate) fn report(&mut self, requested: u64, needed: u64, cause: Option<BackendError>) -> OomReport {
+    pub(crate) fn report(
+        &mut self,
+        requested: u64,
+        needed: u64,
+        cause: Option<BackendError>,
+    ) -> OomReport {
         let info = self.backend.mem_info().unwrap_or_default();
         let limit = self.limit().ok().flatten();
         OomReport {
@@ -204,23 +219,38 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// The largest cached free block, over every pool and stream.
     pub fn largest_free_block(&self) -> u64 {
-        self.pools.iter().map(|p| p.free_bytes_and_largest().1).max().unwrap_or(0)
+        self.pools
+            .iter()
+            .map(|p| p.free_bytes_and_largest().1)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Bytes cached in free blocks, over every pool and stream.
     pub fn cached_free_bytes(&self) -> u64 {
-        self.pools.iter().map(|p| p.free_bytes_and_largest().0).sum()
+        self.pools
+            .iter()
+            .map(|p| p.free_bytes_and_largest().0)
+            .sum()
     }
 
     /// `1 - largest free block / cached free bytes` (0 with nothing cached).
     pub fn external_fragmentation(&self) -> f64 {
         let total = self.cached_free_bytes();
-        if total == 0 { 0.0 } else { 1.0 - self.largest_free_block() as f64 / total as f64 }
+        if total == 0 {
+            0.0
+        } else {
+            1.0 - self.largest_free_block() as f64 / total as f64
+        }
     }
 
     /// `1 - allocated / reserved` (0 with nothing reserved).
     pub fn unallocated_fraction(&self) -> f64 {
         let r = self.stats.reserved_bytes.all.current;
-        if r == 0 { 0.0 } else { 1.0 - self.stats.allocated_bytes.all.current as f64 / r as f64 }
+        if r == 0 {
+            0.0
+        } else {
+            1.0 - self.stats.allocated_bytes.all.current as f64 / r as f64
+        }
     }
 }

@@ -46,14 +46,21 @@ impl SegmentArena {
 
     pub fn remove(&mut self, id: u32) -> Segment {
         self.vacant.push(id);
-        self.slots[id as usize].take().expect("segment removed twice")
+        self.slots[id as usize]
+            .take()
+            .expect("segment removed twice")
     }
 
     pub fn get_mut(&mut self, id: u32) -> &mut Segment {
-        self.slots[id as usize].as_mut().expect("dangling segment id")
+        self.slots[id as usize]
+            .as_mut()
+            .expect("dangling segment id")
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (u32, &Segment)> {
-        self.slots.iter().enumerate().filter_map(|(i, s)| s.as_ref().map(|s| (i as u32, s)))
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().map(|s| (i as u32, s)))
     }
 }

@@ -116,7 +116,10 @@ mod tests {
         assert_eq!(allocation_size((10 << 20) + 1, &c), 12 << 20);
         assert_eq!(roundup_power2_next_division(1200, 4), 1536); // 1280, then the 512 B grain
         assert_eq!(roundup_power2_next_division(1 << 21, 4), 1 << 21);
-        assert_eq!(roundup_power2_next_division((1 << 21) + 1, 4), (1 << 21) + (1 << 19));
+        assert_eq!(
+            roundup_power2_next_division((1 << 21) + 1, 4),
+            (1 << 21) + (1 << 19)
+        );
         let c = Config::parse("roundup_power2_divisions:4").unwrap();
         assert_eq!(round_size((1 << 21) + 1, &c), (1 << 21) + (1 << 19));
         assert_eq!(round_size(1000, &c), 1024);

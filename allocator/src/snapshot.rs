@@ -61,7 +61,12 @@ impl<B: Backend> DeviceAllocator<B> {
                 let mut cur = Some(seg.first);
                 while let Some(id) = cur {
                     let b = &self.blocks[id];
-                    blocks.push(BlockSnapshot { address: b.ptr, size: b.size, requested_size: b.requested, state: b.state });
+                    blocks.push(BlockSnapshot {
+                        address: b.ptr,
+                        size: b.size,
+                        requested_size: b.requested,
+                        state: b.state,
+                    });
                     cur = b.next;
                 }
                 SegmentSnapshot {

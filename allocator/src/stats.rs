@@ -59,7 +59,11 @@ impl StatArray {
 
     /// The three stats with PyTorch's pool names.
     pub fn named(&self) -> [(&'static str, &Stat); 3] {
-        [("all", &self.all), ("small_pool", &self.small_pool), ("large_pool", &self.large_pool)]
+        [
+            ("all", &self.all),
+            ("small_pool", &self.small_pool),
+            ("large_pool", &self.large_pool),
+        ]
     }
 
     fn for_each(&mut self, f: impl Fn(&mut Stat)) {
@@ -148,13 +152,26 @@ impl DeviceStats {
         let mut out = Vec::with_capacity(128);
         for (name, arr) in self.arrays() {
             for (pool, s) in arr.named() {
-                for (field, v) in [("current", s.current), ("peak", s.peak), ("allocated", s.allocated), ("freed", s.freed)] {
+                for (field, v) in [
+                    ("current", s.current),
+                    ("peak", s.peak),
+                    ("allocated", s.allocated),
+                    ("freed", s.freed),
+                ] {
                     out.push((format!("{name}.{pool}.{field}"), v));
                 }
             }
         }
-        for (name, s) in [("oversize_allocations", &self.oversize_allocations), ("oversize_segments", &self.oversize_segments)] {
-            for (field, v) in [("current", s.current), ("peak", s.peak), ("allocated", s.allocated), ("freed", s.freed)] {
+        for (name, s) in [
+            ("oversize_allocations", &self.oversize_allocations),
+            ("oversize_segments", &self.oversize_segments),
+        ] {
+            for (field, v) in [
+                ("current", s.current),
+                ("peak", s.peak),
+                ("allocated", s.allocated),
+                ("freed", s.freed),
+            ] {
                 out.push((format!("{name}.{field}"), v));
             }
         }
@@ -215,7 +232,15 @@ mod tests {
         s.update(10);
         s.update(-4);
         s.update(2);
-        assert_eq!(s, Stat { current: 8, peak: 10, allocated: 12, freed: 4 });
+        assert_eq!(
+            s,
+            Stat {
+                current: 8,
+                peak: 10,
+                allocated: 12,
+                freed: 4
+            }
+        );
     }
 
     #[test]

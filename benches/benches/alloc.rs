@@ -1,1 +1,124 @@
-fn main() {}
+//! Allocator hot-path benchmarks on the simulated device.
+//!
+//! - `pair/live=N`: one alloc+free pair on a warm cache with N other blocks live;
+//! - `churn`: a window of live blocks of mixed sizes, oldest freed first;
+//! - `split_coalesce`: allocations that split one segment and frees that merge it back;
+//! - `threads/T`: T threads sharing one device through `Allocator` (the lock).
+
+use std::hint::black_box;
+use std::sync::Arc;
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use gpualloc::{Allocator, Config, DeviceAllocator, SimBackend};
+
+const CAPACITY: u64 = 1 << 40;
+
+fn device() -> DeviceAllocator<SimBackend> {
+    DeviceAllocator::new(0, SimBackend::new(CAPACITY), Config::default())
+}
+
+/// A deterministic generator of mixed tensor sizes (xorshift).
+struct Sizes(u64);
+
+impl Sizes {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        match self.0 % 10 {
+            0..=5 => 512 + self.0 % (256 << 10),     // small activations
+            6..=8 => (1 << 20) + self.0 % (8 << 20), // medium
+            _ => (10 << 20) + self.0 % (64 << 20),   // large
+        }
+    }
+}
+
+fn pair_with_live(c: &mut Criterion) {
+    let mut g = c.benchmark_group("pair");
+    g.throughput(Throughput::Elements(1));
+    for live in [0usize, 1_000, 10_000, 100_000] {
+        let mut d = device();
+        let mut sizes = Sizes(0x9e3779b97f4a7c15);
+        let held: Vec<u64> = (0..live)
+            .map(|_| d.malloc(sizes.next() % (512 << 10) + 1, 0).unwrap())
+            .collect();
+        // Warm: the pair's own block is cached.
+        let p = d.malloc(4096, 0).unwrap();
+        d.free(p).unwrap();
+        g.bench_with_input(BenchmarkId::new("live", live), &live, |b, _| {
+            b.iter(|| {
+                let p = d.malloc(black_box(4096), 0).unwrap();
+                d.free(black_box(p)).unwrap();
+            })
+        });
+        black_box(held);
+    }
+    g.finish();
+}
+
+fn churn(c: &mut Criterion) {
+    let mut d = device();
+    let mut sizes = Sizes(42);
+    let mut window: std::collections::VecDeque<u64> = (0..256)
+        .map(|_| d.malloc(sizes.next(), 0).unwrap())
+        .collect();
+    let mut g = c.benchmark_group("churn");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("mixed_window_256", |b| {
+        b.iter(|| {
+            let p = d.malloc(sizes.next(), 0).unwrap();
+            window.push_back(p);
+            d.free(window.pop_front().unwrap()).unwrap();
+        })
+    });
+    g.finish();
+}
+
+fn split_coalesce(c: &mut Criterion) {
+    let mut d = device();
+    let mut g = c.benchmark_group("split_coalesce");
+    g.throughput(Throughput::Elements(8));
+    g.bench_function("8_pieces_of_a_small_segment", |b| {
+        b.iter(|| {
+            let ps: [u64; 8] =
+                std::array::from_fn(|i| d.malloc((((i as u64) + 1) * 16) << 10, 0).unwrap());
+            // Free in an order that merges from both sides.
+            for i in [1usize, 3, 5, 7, 0, 2, 4, 6] {
+                d.free(ps[i]).unwrap();
+            }
+        })
+    });
+    g.finish();
+}
+
+fn threads(c: &mut Criterion) {
+    let mut g = c.benchmark_group("threads");
+    for t in [1usize, 2, 4] {
+        let a = Arc::new(Allocator::new(
+            Config::default(),
+            1,
+            Box::new(|_| Ok(SimBackend::new(CAPACITY))),
+        ));
+        g.throughput(Throughput::Elements(t as u64 * 1000));
+        g.bench_with_input(BenchmarkId::from_parameter(t), &t, |b, &t| {
+            b.iter(|| {
+                std::thread::scope(|s| {
+                    for k in 0..t {
+                        let a = &a;
+                        s.spawn(move || {
+                            let stream = k as u64;
+                            for _ in 0..1000 {
+                                let p = a.malloc(0, 8192, stream).unwrap();
+                                a.free(0, p).unwrap();
+                            }
+                        });
+                    }
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, pair_with_live, churn, split_coalesce, threads);
+criterion_main!(benches);

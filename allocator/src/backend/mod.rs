@@ -59,7 +59,9 @@ impl fmt::Display for BackendError {
             BackendError::OutOfMemory { requested } => {
                 write!(f, "device out of memory allocating {requested} bytes")
             }
-            BackendError::Driver { call, code, name } => write!(f, "{call} failed: {name} ({code})"),
+            BackendError::Driver { call, code, name } => {
+                write!(f, "{call} failed: {name} ({code})")
+            }
             BackendError::Unavailable(why) => write!(f, "CUDA unavailable: {why}"),
         }
     }

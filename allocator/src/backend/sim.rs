@@ -99,7 +99,10 @@ impl SimBackend {
 
     /// A device with a chosen allocation alignment (a power of two).
     pub fn with_alignment(capacity: u64, alignment: u64) -> SimBackend {
-        assert!(alignment.is_power_of_two(), "alignment {alignment} is not a power of two");
+        assert!(
+            alignment.is_power_of_two(),
+            "alignment {alignment} is not a power of two"
+        );
         SimBackend {
             capacity,
             alignment,
@@ -180,7 +183,9 @@ impl SimBackend {
         if later == earlier {
             return true;
         }
-        let Some(e) = self.streams.get(&earlier) else { return true };
+        let Some(e) = self.streams.get(&earlier) else {
+            return true;
+        };
         e.completed >= seq
             || self
                 .streams
@@ -195,7 +200,10 @@ impl SimBackend {
     }
 
     fn forbid_in_capture(&self, what: &str) {
-        assert!(!self.capturing, "SimBackend: {what} called during CUDA graph capture");
+        assert!(
+            !self.capturing,
+            "SimBackend: {what} called during CUDA graph capture"
+        );
     }
 
     fn event(&self, event: EventId) -> (StreamId, u64) {
@@ -206,7 +214,11 @@ impl SimBackend {
     }
 
     fn take_address(&mut self, size: u64) -> u64 {
-        let hole = self.holes.iter().find(|&(_, &len)| len >= size).map(|(&s, &l)| (s, l));
+        let hole = self
+            .holes
+            .iter()
+            .find(|&(_, &len)| len >= size)
+            .map(|(&s, &l)| (s, l));
         match hole {
             Some((start, len)) => {
                 self.holes.remove(&start);
@@ -249,18 +261,36 @@ impl SimBackend {
 
     /// Reserves `size` bytes of virtual address space (no physical memory).
     pub fn reserve(&mut self, size: u64) -> DevicePtr {
-        assert!(size > 0 && size % self.page == 0, "SimBackend: reserve of {size} is not whole pages");
+        assert!(
+            size > 0 && size % self.page == 0,
+            "SimBackend: reserve of {size} is not whole pages"
+        );
         let va = self.next_va;
         self.next_va += size + self.page;
-        self.reservations.insert(va, Reservation { size, mapped: BTreeMap::new() });
+        self.reservations.insert(
+            va,
+            Reservation {
+                size,
+                mapped: BTreeMap::new(),
+            },
+        );
         va
     }
 
     /// Frees a reservation; every page in it must be unmapped.
     pub fn free_reservation(&mut self, va: DevicePtr, size: u64) {
-        let r = self.reservations.remove(&va).unwrap_or_else(|| panic!("SimBackend: unknown reservation {va:#x}"));
-        assert_eq!(r.size, size, "SimBackend: reservation {va:#x} freed with the wrong size");
-        assert!(r.mapped.is_empty(), "SimBackend: reservation {va:#x} freed with pages still mapped");
+        let r = self
+            .reservations
+            .remove(&va)
+            .unwrap_or_else(|| panic!("SimBackend: unknown reservation {va:#x}"));
+        assert_eq!(
+            r.size, size,
+            "SimBackend: reservation {va:#x} freed with the wrong size"
+        );
+        assert!(
+            r.mapped.is_empty(),
+            "SimBackend: reservation {va:#x} freed with pages still mapped"
+        );
     }
 
     fn reservation_of(&mut self, ptr: DevicePtr, size: u64) -> (&mut Reservation, u64) {
@@ -269,7 +299,10 @@ impl SimBackend {
             .range_mut(..=ptr)
             .next_back()
             .unwrap_or_else(|| panic!("SimBackend: {ptr:#x} is in no reservation"));
-        assert!(ptr + size <= va + r.size, "SimBackend: range {ptr:#x}+{size} leaves its reservation");
+        assert!(
+            ptr + size <= va + r.size,
+            "SimBackend: range {ptr:#x}+{size} leaves its reservation"
+        );
         (r, ptr - va)
     }
 
@@ -278,7 +311,10 @@ impl SimBackend {
     /// # Errors
     /// [`BackendError::OutOfMemory`] when the pages do not fit the capacity or a fault was injected.
     pub fn map(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
-        assert!(size > 0 && size % self.page == 0 && ptr % self.page == 0, "SimBackend: map of a partial page");
+        assert!(
+            size > 0 && size % self.page == 0 && ptr % self.page == 0,
+            "SimBackend: map of a partial page"
+        );
         self.map_calls += 1;
         if self.fail_map_at == Some(self.map_calls) || self.used + size > self.capacity {
             return Err(BackendError::OutOfMemory { requested: size });
@@ -286,7 +322,10 @@ impl SimBackend {
         let page = self.page;
         let (r, off) = self.reservation_of(ptr, size);
         for p in (off..off + size).step_by(page as usize) {
-            assert!(r.mapped.insert(p, ()).is_none(), "SimBackend: page at offset {p:#x} mapped twice");
+            assert!(
+                r.mapped.insert(p, ()).is_none(),
+                "SimBackend: page at offset {p:#x} mapped twice"
+            );
         }
         self.used += size;
         self.counters.map += size / page;
@@ -295,11 +334,17 @@ impl SimBackend {
 
     /// Unmaps pages previously mapped with [`map`](Self::map).
     pub fn unmap(&mut self, ptr: DevicePtr, size: u64) {
-        assert!(size > 0 && size % self.page == 0 && ptr % self.page == 0, "SimBackend: unmap of a partial page");
+        assert!(
+            size > 0 && size % self.page == 0 && ptr % self.page == 0,
+            "SimBackend: unmap of a partial page"
+        );
         let page = self.page;
         let (r, off) = self.reservation_of(ptr, size);
         for p in (off..off + size).step_by(page as usize) {
-            assert!(r.mapped.remove(&p).is_some(), "SimBackend: page at offset {p:#x} unmapped but not mapped");
+            assert!(
+                r.mapped.remove(&p).is_some(),
+                "SimBackend: page at offset {p:#x} unmapped but not mapped"
+            );
         }
         self.used -= size;
         self.counters.unmap += size / page;
@@ -312,7 +357,10 @@ impl Backend for SimBackend {
     }
 
     fn mem_info(&mut self) -> Result<MemInfo, BackendError> {
-        Ok(MemInfo { free: self.capacity - self.used, total: self.capacity })
+        Ok(MemInfo {
+            free: self.capacity - self.used,
+            total: self.capacity,
+        })
     }
 
     fn allocate(&mut self, size: u64, capturing: bool) -> Result<DevicePtr, BackendError> {
@@ -335,8 +383,14 @@ impl Backend for SimBackend {
 
     fn release(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
         self.forbid_in_capture("release");
-        let got = self.live.remove(&ptr).unwrap_or_else(|| panic!("SimBackend: release of unknown pointer {ptr:#x}"));
-        assert_eq!(got, size, "SimBackend: {ptr:#x} allocated with {got} bytes, released with the wrong size {size}");
+        let got = self
+            .live
+            .remove(&ptr)
+            .unwrap_or_else(|| panic!("SimBackend: release of unknown pointer {ptr:#x}"));
+        assert_eq!(
+            got, size,
+            "SimBackend: {ptr:#x} allocated with {got} bytes, released with the wrong size {size}"
+        );
         self.used -= size;
         self.give_back_address(ptr, size);
         self.counters.release += 1;
@@ -362,7 +416,10 @@ impl Backend for SimBackend {
     fn wait_event(&mut self, event: EventId) -> Result<(), BackendError> {
         self.forbid_in_capture("event wait");
         let (stream, seq) = self.event(event);
-        let s = self.streams.get_mut(&stream).expect("stream of a recorded event");
+        let s = self
+            .streams
+            .get_mut(&stream)
+            .expect("stream of a recorded event");
         s.completed = s.completed.max(seq);
         self.counters.wait_event += 1;
         Ok(())
@@ -370,14 +427,23 @@ impl Backend for SimBackend {
 
     fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
         let (from, seq) = self.event(event);
-        let w = self.streams.entry(stream).or_default().waits.entry(from).or_insert(0);
+        let w = self
+            .streams
+            .entry(stream)
+            .or_default()
+            .waits
+            .entry(from)
+            .or_insert(0);
         *w = (*w).max(seq);
         self.counters.stream_wait_event += 1;
         Ok(())
     }
 
     fn destroy_event(&mut self, event: EventId) {
-        assert!(self.events.remove(&event).is_some(), "SimBackend: destroy of unknown event {event}");
+        assert!(
+            self.events.remove(&event).is_some(),
+            "SimBackend: destroy of unknown event {event}"
+        );
         self.counters.destroy_event += 1;
     }
 }
@@ -395,7 +461,12 @@ mod tests {
         let c = s.allocate(2 << 20, false).unwrap();
         assert_eq!(c, a, "a hole is reused");
         assert!(b > a);
-        assert_eq!(s.allocate(200 << 20, false), Err(BackendError::OutOfMemory { requested: 200 << 20 }));
+        assert_eq!(
+            s.allocate(200 << 20, false),
+            Err(BackendError::OutOfMemory {
+                requested: 200 << 20
+            })
+        );
         s.fail_allocate_at(1);
         assert!(s.allocate(512, false).is_err());
         assert!(s.allocate(512, false).is_ok());
@@ -421,7 +492,10 @@ mod tests {
         let va = s.reserve(64 << 20);
         s.map(va, 4 << 20).unwrap();
         s.map(va + (4 << 20), 4 << 20).unwrap();
-        assert!(s.map(va + (8 << 20), 2 << 20).is_err(), "capacity is honoured");
+        assert!(
+            s.map(va + (8 << 20), 2 << 20).is_err(),
+            "capacity is honoured"
+        );
         s.unmap(va, 8 << 20);
         s.free_reservation(va, 64 << 20);
         assert_eq!(s.used(), 0);
