@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Runs every test that needs no GPU: the Rust workspace (unit, property,
+# scenario, C ABI and CLI tests) and the Python package's tests on the
+# simulated backend. This is the command README.md gives and .ci/run runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cargo build --release -p gpualloc-capi
+cargo test --workspace
+
+if [ -d python-shim/tests ]; then
+  GPUALLOC_LIBRARY="$PWD/target/release/libgpualloc.so" PYTHONPATH="$PWD/python-shim" \
+    python3 -m unittest discover -s python-shim/tests -t python-shim -v
+fi
