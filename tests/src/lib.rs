@@ -1,1 +1,608 @@
 //! Shared helpers of the integration tests.
+//!
+//! [`Checked`] wraps a [`DeviceAllocator`] over a [`SimBackend`]. Every
+//! method does one operation and then checks, from scratch:
+//! - `check_invariants()` is `Ok`;
+//! - the stats match a recount from the test's own model (live allocations,
+//!   their block sizes, the snapshot, `sim.used()`);
+//! - no two live allocations overlap;
+//! - nothing is handed to a stream before every earlier user of its bytes is
+//!   ordered before that stream (see [`Checked::ordered`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpualloc::{
+    AllocError, BlockState, Config, DeviceAllocator, DevicePtr, PoolKey, SegmentSnapshot,
+    SimBackend, StreamId,
+    size_class::{PoolKind, round_size},
+};
+
+/// One KiB.
+pub const KIB: u64 = 1 << 10;
+/// One MiB.
+pub const MIB: u64 = 1 << 20;
+/// One GiB.
+pub const GIB: u64 = 1 << 30;
+
+/// A stream the tests never touch: the simulator reports only completions for it.
+const PROBE: StreamId = u64::MAX - 17;
+
+/// Parses a configuration string, panicking with the error.
+pub fn cfg(s: &str) -> Config {
+    Config::parse(s).unwrap_or_else(|e| panic!("config {s:?}: {e}"))
+}
+
+/// A live allocation as the test sees it.
+#[derive(Clone, Debug)]
+pub struct Live {
+    /// Bytes asked for.
+    pub size: u64,
+    /// Bytes of the block handed out (from the snapshot).
+    pub block: u64,
+    /// The allocation stream.
+    pub stream: StreamId,
+    /// Streams added with `record_stream`.
+    pub recorded: BTreeSet<StreamId>,
+    /// Per stream, the sequence number of the last work that used it.
+    pub users: BTreeMap<StreamId, u64>,
+    /// Small or large pool.
+    pub kind: PoolKind,
+}
+
+/// A freed byte range and the work that last used it.
+#[derive(Clone, Debug)]
+struct Freed {
+    start: u64,
+    end: u64,
+    users: Vec<(StreamId, u64)>,
+}
+
+/// A device allocator on a simulated device, checked after every operation.
+pub struct Checked {
+    /// The allocator under test.
+    pub dev: DeviceAllocator<SimBackend>,
+    /// Live allocations by address.
+    pub live: BTreeMap<DevicePtr, Live>,
+    freed: Vec<Freed>,
+    streams: BTreeSet<StreamId>,
+    /// Stream-wait-event values last read from the simulator: `(later, earlier) -> seq`.
+    waits: BTreeMap<(StreamId, StreamId), u64>,
+    /// Transitive ordering: `(later, earlier) -> seq` such that every future
+    /// work item of `later` runs after `earlier`'s items up to `seq`.
+    clock: BTreeMap<(StreamId, StreamId), u64>,
+    open_scopes: Vec<PoolKey>,
+    byte_limit: Option<u64>,
+    fraction: Option<f64>,
+}
+
+impl Checked {
+    /// A checked allocator on a simulated device of `capacity` bytes.
+    pub fn new(capacity: u64, config: Config) -> Checked {
+        let (byte_limit, fraction) = (config.memory_limit, config.memory_fraction);
+        let c = Checked {
+            dev: DeviceAllocator::new(0, SimBackend::new(capacity), config),
+            live: BTreeMap::new(),
+            freed: Vec::new(),
+            streams: BTreeSet::new(),
+            waits: BTreeMap::new(),
+            clock: BTreeMap::new(),
+            open_scopes: Vec::new(),
+            byte_limit,
+            fraction,
+        };
+        c.check();
+        c
+    }
+
+    /// Same, with a configuration string.
+    pub fn with(capacity: u64, config: &str) -> Checked {
+        Checked::new(capacity, cfg(config))
+    }
+
+    /// The simulator.
+    pub fn sim(&self) -> &SimBackend {
+        self.dev.backend()
+    }
+
+    /// The simulator, mutably. Changes made through it are not checked until the next operation.
+    pub fn sim_mut(&mut self) -> &mut SimBackend {
+        self.dev.backend_mut()
+    }
+
+    /// The stats.
+    pub fn stats(&self) -> &gpualloc::DeviceStats {
+        self.dev.stats()
+    }
+
+    /// One stat by its PyTorch key.
+    pub fn stat(&self, key: &str) -> i64 {
+        self.stats()
+            .flat()
+            .into_iter()
+            .find(|(k, _)| k == key)
+            .unwrap_or_else(|| panic!("no stat {key}"))
+            .1
+    }
+
+    /// The snapshot.
+    pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
+        self.dev.snapshot()
+    }
+
+    /// Reserved bytes.
+    pub fn reserved(&self) -> u64 {
+        self.stats().reserved_bytes.all.current as u64
+    }
+
+    /// Number of segments.
+    pub fn segments(&self) -> usize {
+        self.snapshot().len()
+    }
+
+    /// The memory limit the test believes is in force.
+    pub fn limit(&self) -> Option<u64> {
+        let cap = self.sim().capacity();
+        let by_fraction = self
+            .fraction
+            .filter(|f| *f < 1.0)
+            .map(|f| (cap as f64 * f) as u64);
+        match (by_fraction, self.byte_limit) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Runs one operation on the allocator, then updates the ordering model.
+    fn op<R>(&mut self, f: impl FnOnce(&mut DeviceAllocator<SimBackend>) -> R) -> R {
+        let released = self.sim().counters.release;
+        let waited = self.sim().counters.stream_wait_event;
+        let allocated = self.sim().counters.allocate;
+        let r = f(&mut self.dev);
+        if self.sim().counters.release > released {
+            // cudaFree synchronizes the device: all earlier work is done.
+            self.freed.clear();
+        }
+        if self.sim().counters.stream_wait_event > waited {
+            self.update_clock();
+        }
+        if self.sim().counters.allocate > allocated
+            && let Some(limit) = self.limit()
+        {
+            assert!(
+                self.sim().used() <= limit,
+                "backend asked beyond the limit: used {} > limit {limit}",
+                self.sim().used()
+            );
+        }
+        r
+    }
+
+    /// The largest `seq` with `is_ordered_after(later, earlier, seq)`.
+    fn ordered_upto(&self, later: StreamId, earlier: StreamId) -> u64 {
+        let sim = self.sim();
+        if sim.is_ordered_after(later, earlier, u64::MAX) {
+            return u64::MAX;
+        }
+        let (mut lo, mut hi) = (0u64, u64::MAX);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if sim.is_ordered_after(later, earlier, mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// Reads new stream-wait-event dependencies from the simulator and
+    /// closes them transitively: a stream that waits on an event of `y`
+    /// recorded now is ordered after everything `y` was ordered after.
+    fn update_clock(&mut self) {
+        let before = self.clock.clone();
+        let streams: Vec<StreamId> = self.streams.iter().copied().collect();
+        for &x in &streams {
+            for &y in &streams {
+                if x == y {
+                    continue;
+                }
+                let done = self.ordered_upto(PROBE, y);
+                let upto = self.ordered_upto(x, y);
+                if upto == u64::MAX || upto <= done {
+                    continue;
+                }
+                let old = self.waits.get(&(x, y)).copied().unwrap_or(0);
+                if upto > old {
+                    self.waits.insert((x, y), upto);
+                    let e = self.clock.entry((x, y)).or_insert(0);
+                    *e = (*e).max(upto);
+                    for (&(l, z), &s) in &before {
+                        if l == y && z != x {
+                            let e = self.clock.entry((x, z)).or_insert(0);
+                            *e = (*e).max(s);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether all future work on `later` runs after work on `earlier` up to `seq`.
+    pub fn ordered(&self, later: StreamId, earlier: StreamId, seq: u64) -> bool {
+        self.sim().is_ordered_after(later, earlier, seq)
+            || self.clock.get(&(later, earlier)).is_some_and(|&s| s >= seq)
+    }
+
+    /// Allocates; on success registers and checks the new allocation.
+    pub fn malloc(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
+        self.streams.insert(stream);
+        let ooms = self.stats().num_ooms;
+        let r = self.op(|d| d.malloc(size, stream));
+        match &r {
+            Ok(0) => assert_eq!(size, 0, "null pointer for {size} bytes"),
+            Ok(p) => self.register(*p, size, stream),
+            Err(e) => {
+                assert!(e.is_out_of_memory(), "malloc({size}) failed with {e:?}");
+                assert_eq!(
+                    self.stats().num_ooms,
+                    ooms + 1,
+                    "num_ooms counts every out-of-memory error"
+                );
+                if let AllocError::OutOfMemory(r) = e {
+                    assert_eq!(r.requested, size);
+                    assert_eq!(r.allocated, self.stats().allocated_bytes.all.current as u64);
+                    assert_eq!(r.reserved, self.reserved());
+                    assert_eq!(r.device_free, self.sim().capacity() - self.sim().used());
+                    assert_eq!(r.device_total, self.sim().capacity());
+                }
+            }
+        }
+        self.check();
+        r
+    }
+
+    /// Allocates, panicking on failure.
+    #[track_caller]
+    pub fn alloc(&mut self, size: u64, stream: StreamId) -> DevicePtr {
+        self.malloc(size, stream)
+            .unwrap_or_else(|e| panic!("malloc({size}, {stream}): {e}"))
+    }
+
+    fn register(&mut self, p: DevicePtr, size: u64, stream: StreamId) {
+        let (block, kind, state, requested) = self
+            .find_block(p)
+            .unwrap_or_else(|| panic!("{p:#x} handed out but not in the snapshot"));
+        assert_eq!(state, BlockState::Allocated);
+        assert_eq!(requested, size);
+        let config = self.dev.config();
+        let rounded = round_size(size, config);
+        assert!(
+            block >= rounded,
+            "block of {block} for a request rounded to {rounded}"
+        );
+        assert_eq!(
+            kind,
+            PoolKind::of(rounded),
+            "{size} B served from the {kind:?} pool"
+        );
+        let slack = block - rounded;
+        match kind {
+            PoolKind::Small => assert_eq!(slack, 0, "small blocks are split to the rounded size"),
+            PoolKind::Large if rounded < config.max_split_size => {
+                assert!(
+                    slack <= MIB,
+                    "a remainder of {slack} B > 1 MiB was not split off"
+                )
+            }
+            PoolKind::Large => assert!(
+                slack < config.max_non_split_rounding.max(2 * MIB),
+                "oversize block of {block} B for {rounded} B"
+            ),
+        }
+        let end = p + block;
+        if let Some((&q, l)) = self.live.range(..end).next_back() {
+            assert!(
+                q + l.block <= p,
+                "{p:#x}+{block} overlaps live {q:#x}+{}",
+                l.block
+            );
+        }
+        // Safety: every earlier user of these bytes is ordered before `stream`.
+        let mut kept = Vec::with_capacity(self.freed.len());
+        for f in std::mem::take(&mut self.freed) {
+            if f.end <= p || f.start >= end {
+                kept.push(f);
+                continue;
+            }
+            for &(u, seq) in &f.users {
+                assert!(
+                    self.ordered(stream, u, seq),
+                    "{p:#x}+{block} handed to stream {stream} while work {seq} of stream {u} on {:#x}..{:#x} may still run",
+                    f.start,
+                    f.end
+                );
+            }
+            if f.start < p {
+                kept.push(Freed {
+                    start: f.start,
+                    end: p,
+                    users: f.users.clone(),
+                });
+            }
+            if f.end > end {
+                kept.push(Freed {
+                    start: end,
+                    end: f.end,
+                    users: f.users,
+                });
+            }
+        }
+        self.freed = kept;
+        self.live.insert(
+            p,
+            Live {
+                size,
+                block,
+                stream,
+                recorded: BTreeSet::new(),
+                users: BTreeMap::new(),
+                kind,
+            },
+        );
+    }
+
+    /// The block at `p`: size, pool kind, state, requested size.
+    pub fn find_block(&self, p: DevicePtr) -> Option<(u64, PoolKind, BlockState, u64)> {
+        self.snapshot().into_iter().find_map(|s| {
+            let kind = s.kind;
+            s.blocks
+                .into_iter()
+                .find(|b| b.address == p)
+                .map(|b| (b.size, kind, b.state, b.requested_size))
+        })
+    }
+
+    /// Frees a live allocation (or 0).
+    pub fn free(&mut self, p: DevicePtr) -> Result<(), AllocError> {
+        let r = self.op(|d| d.free(p));
+        if r.is_ok()
+            && let Some(l) = self.live.remove(&p)
+        {
+            self.freed.push(Freed {
+                start: p,
+                end: p + l.block,
+                users: l.users.into_iter().collect(),
+            });
+        }
+        self.check();
+        r
+    }
+
+    /// Frees, panicking on failure.
+    #[track_caller]
+    pub fn release(&mut self, p: DevicePtr) {
+        self.free(p).unwrap_or_else(|e| panic!("free({p:#x}): {e}"));
+    }
+
+    /// `record_stream`.
+    pub fn record_stream(&mut self, p: DevicePtr, stream: StreamId) {
+        self.streams.insert(stream);
+        self.op(|d| d.record_stream(p, stream))
+            .unwrap_or_else(|e| panic!("record_stream({p:#x}): {e}"));
+        if let Some(l) = self.live.get_mut(&p)
+            && l.stream != stream
+        {
+            l.recorded.insert(stream);
+        }
+        self.check();
+    }
+
+    /// Launches work that uses allocation `p` on `stream` (its allocation
+    /// stream or one recorded with `record_stream`); returns the sequence number.
+    #[track_caller]
+    pub fn use_on(&mut self, p: DevicePtr, stream: StreamId) -> u64 {
+        let l = self.live.get(&p).expect("use of a live allocation");
+        assert!(
+            l.stream == stream || l.recorded.contains(&stream),
+            "test bug: use on an unrecorded stream"
+        );
+        let seq = self.launch(stream);
+        let l = self.live.get_mut(&p).expect("live");
+        l.users.insert(stream, seq);
+        seq
+    }
+
+    /// Launches unrelated work on a stream.
+    pub fn launch(&mut self, stream: StreamId) -> u64 {
+        self.streams.insert(stream);
+        self.sim_mut().launch(stream)
+    }
+
+    /// Completes all work submitted on a stream.
+    pub fn complete(&mut self, stream: StreamId) {
+        self.streams.insert(stream);
+        self.sim_mut().complete(stream);
+        self.check();
+    }
+
+    /// Completes all work.
+    pub fn complete_all(&mut self) {
+        self.sim_mut().complete_all();
+        self.check();
+    }
+
+    /// `empty_cache`.
+    pub fn empty_cache(&mut self) {
+        self.op(|d| d.empty_cache())
+            .unwrap_or_else(|e| panic!("empty_cache: {e}"));
+        self.check();
+    }
+
+    /// Sets or clears the byte limit.
+    pub fn set_memory_limit(&mut self, bytes: Option<u64>) {
+        self.byte_limit = bytes;
+        self.op(|d| d.set_memory_limit(bytes));
+        self.check();
+    }
+
+    /// Sets the memory fraction.
+    pub fn set_memory_fraction(&mut self, f: f64) -> Result<(), AllocError> {
+        let r = self.op(|d| d.set_memory_fraction(f));
+        if r.is_ok() {
+            self.fraction = Some(f);
+        }
+        self.check();
+        r
+    }
+
+    /// Opens an allocation scope for pool `key` (all streams when `stream`
+    /// is `None`) and turns the simulator's capture checks on.
+    pub fn begin_pool(&mut self, key: PoolKey, stream: Option<StreamId>) {
+        let filter: Option<gpualloc::StreamFilter> = stream.map(|s| Box::new(move |x| x == s) as _);
+        self.op(|d| d.begin_allocate_to_pool(key, filter));
+        self.open_scopes.push(key);
+        self.sim_mut().set_capturing(true);
+        self.check();
+    }
+
+    /// Closes the innermost scope of `key`; capture checks go off with the last scope.
+    pub fn end_pool(&mut self, key: PoolKey) {
+        self.op(|d| d.end_allocate_to_pool(key))
+            .unwrap_or_else(|e| panic!("end_allocate_to_pool: {e}"));
+        let pos = self
+            .open_scopes
+            .iter()
+            .rposition(|k| *k == key)
+            .expect("test bug: scope not open");
+        self.open_scopes.remove(pos);
+        if self.open_scopes.is_empty() {
+            self.sim_mut().set_capturing(false);
+        }
+        self.check();
+    }
+
+    /// `release_pool`.
+    pub fn release_pool(&mut self, key: PoolKey) -> Result<(), AllocError> {
+        let r = self.op(|d| d.release_pool(key));
+        self.check();
+        r
+    }
+
+    /// Whether a scope is open.
+    pub fn capturing(&self) -> bool {
+        !self.open_scopes.is_empty()
+    }
+
+    /// Checks the invariants and the stats against the test's model.
+    #[track_caller]
+    pub fn check(&self) {
+        if let Err(e) = self.dev.check_invariants() {
+            panic!("check_invariants: {e}");
+        }
+        let snap = self.snapshot();
+        let s = self.stats();
+        let mut allocated = BTreeMap::new();
+        let (mut pending, mut pending_requested, mut pending_bytes) = (0i64, 0i64, 0i64);
+        for seg in &snap {
+            let mut at = seg.address;
+            for b in &seg.blocks {
+                assert_eq!(b.address, at, "snapshot blocks tile the segment");
+                at += b.size;
+                match b.state {
+                    BlockState::Allocated => {
+                        allocated.insert(b.address, (b.size, b.requested_size, seg.kind));
+                    }
+                    BlockState::PendingFree => {
+                        pending += 1;
+                        pending_requested += b.requested_size as i64;
+                        pending_bytes += b.size as i64;
+                    }
+                    BlockState::Free => {}
+                }
+            }
+            assert_eq!(at, seg.address + seg.total_size);
+        }
+        assert_eq!(
+            allocated.len(),
+            self.live.len(),
+            "allocated blocks vs live allocations"
+        );
+        let (mut bytes, mut requested, mut small_bytes) = (0i64, 0i64, 0i64);
+        for (p, l) in &self.live {
+            let &(size, req, kind) = allocated
+                .get(p)
+                .unwrap_or_else(|| panic!("live {p:#x} not allocated in the snapshot"));
+            assert_eq!(
+                (size, req, kind),
+                (l.block, l.size, l.kind),
+                "block of live {p:#x}"
+            );
+            bytes += size as i64;
+            requested += req as i64;
+            if kind == PoolKind::Small {
+                small_bytes += size as i64;
+            }
+        }
+        assert_eq!(
+            s.allocation.all.current,
+            self.live.len() as i64,
+            "allocation.all.current"
+        );
+        assert_eq!(
+            s.allocated_bytes.all.current, bytes,
+            "allocated_bytes.all.current"
+        );
+        assert_eq!(
+            s.allocated_bytes.small_pool.current, small_bytes,
+            "allocated_bytes.small_pool.current"
+        );
+        assert_eq!(
+            s.requested_bytes.all.current,
+            requested + pending_requested,
+            "requested_bytes.all.current"
+        );
+        assert_eq!(
+            s.active.all.current,
+            self.live.len() as i64 + pending,
+            "active.all.current"
+        );
+        assert_eq!(
+            s.active_bytes.all.current,
+            bytes + pending_bytes,
+            "active_bytes.all.current"
+        );
+        assert_eq!(
+            s.reserved_bytes.all.current as u64,
+            self.sim().used(),
+            "reserved_bytes vs sim.used()"
+        );
+        assert_eq!(
+            s.segment.all.current,
+            snap.len() as i64,
+            "segment.all.current vs snapshot"
+        );
+        assert_eq!(
+            self.sim().live_allocations(),
+            snap.len(),
+            "backend allocations vs segments"
+        );
+        let reserved: u64 = snap.iter().map(|x| x.total_size).sum();
+        assert_eq!(reserved, self.sim().used());
+        for st in [
+            &s.allocated_bytes,
+            &s.reserved_bytes,
+            &s.allocation,
+            &s.segment,
+        ] {
+            assert_eq!(
+                st.all.current,
+                st.small_pool.current + st.large_pool.current
+            );
+            assert!(st.all.peak >= st.all.current);
+        }
+        let private = snap.iter().filter(|x| x.pool_id != (0, 0)).count();
+        if !self.capturing() && self.dev.private_pools().is_empty() {
+            assert_eq!(private, 0, "segments of private pools that no longer exist");
+        }
+    }
+}

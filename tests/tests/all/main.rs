@@ -1,0 +1,9 @@
+//! Integration tests of gpualloc on the simulated device: one binary.
+//!
+//! - `properties`: random operation sequences under several configurations,
+//!   with every invariant, the accounting and stream safety checked after
+//!   each operation;
+//! - `scenarios`: one file per rule of PyTorch's caching allocator.
+
+mod properties;
+mod scenarios;

@@ -1,0 +1,66 @@
+//! gpualloc's cross-stream reuse (Note [Cross-stream reuse] in device.rs)
+//! must keep every invariant of PyTorch's allocator: coalesced free
+//! neighbours, and segments that `empty_cache` can give back once free.
+
+use gpualloc_tests::{Checked, MIB};
+
+const A: u64 = 7;
+const B: u64 = 9;
+
+/// Bug: the remainder split off a block taken from another stream now
+/// belongs to the taking stream but is not merged with a free neighbour of
+/// that stream: `check_invariants` reports unmerged adjacent free blocks.
+#[test]
+fn split_remainder_of_a_taken_block_merges_with_its_free_neighbour() {
+    let mut c = Checked::with(1 << 30, "");
+    // One 20 MiB segment of stream A: [a1 2][a2 12][6 free A].
+    let a1 = c.alloc(2 * MIB, A);
+    let a2 = c.alloc(12 * MIB, A);
+    // B has no cache: it takes A's 6 MiB remainder: [a1][a2][b1 2 B][4 free B].
+    let b1 = c.alloc(2 * MIB, B);
+    assert_eq!(c.segments(), 1);
+    c.release(b1); // [a1][a2][6 free B]
+    c.release(a2); // [a1][12 free A][6 free B]
+    // B needs 8 MiB: its own 6 MiB block is too small, so it takes A's 12 MiB
+    // block and splits it: [a1][8 B][4 free B][6 free B] must merge the last two.
+    let b2 = c.alloc(8 * MIB, B);
+    c.release(b2);
+    c.release(a1);
+}
+
+/// Bug (a consequence of merging only same-stream neighbours): once a
+/// segment's blocks were handed to two streams, it can never be released,
+/// even after every block is freed, the streams are idle and `empty_cache`
+/// runs. PyTorch's `empty_cache` returns every fully free segment.
+#[test]
+fn empty_cache_releases_a_segment_shared_by_two_streams_once_all_is_free() {
+    let mut c = Checked::with(1 << 30, "");
+    let a = c.alloc(1000, A); // 2 MiB small segment of stream A
+    let b = c.alloc(1000, B); // B takes A's cached remainder
+    assert_eq!(c.segments(), 1);
+    c.release(a);
+    c.release(b);
+    c.complete_all();
+    c.empty_cache();
+    assert_eq!(
+        c.reserved(),
+        0,
+        "a fully free segment stays reserved: {:?}",
+        c.snapshot()
+    );
+}
+
+/// The same leak turns into a spurious out-of-memory error: the OOM path
+/// cannot release the shared segment either.
+#[test]
+fn out_of_memory_path_can_release_a_segment_shared_by_two_streams() {
+    let mut c = Checked::with(24 * MIB, "");
+    let a = c.alloc(2 * MIB, A); // 20 MiB segment of A
+    let b = c.alloc(2 * MIB, B); // B takes A's remainder
+    c.release(a);
+    c.release(b);
+    // Nothing is allocated. 19 MiB fits in neither cached piece (2 and 18
+    // MiB) and needs a 20 MiB segment, which fits once the old one goes.
+    let r = c.malloc(19 * MIB, A);
+    assert!(r.is_ok(), "nothing allocated, yet: {}", r.unwrap_err());
+}
