@@ -1,1 +1,279 @@
-//! placeholder
+//! libgpualloc.so: gpualloc's C ABI.
+//!
+//! `gpualloc_malloc` / `gpualloc_free` have exactly the signatures
+//! `torch.cuda.memory.CUDAPluggableAllocator` loads; `gpualloc_record_stream`,
+//! `gpualloc_empty_cache` and `gpualloc_set_memory_fraction` have exactly the
+//! signatures of its hooks. The rest is control and introspection: stats
+//! (a versioned struct, and every PyTorch-named stat as a flat array),
+//! snapshots (JSON), out-of-memory details, CUDA graph pools, tracing.
+//!
+//! Conventions (see `boundary.rs`): control functions return `int`
+//! (`GPUALLOC_OK` or a negative `GPUALLOC_ERR_*`) and clear the calling
+//! thread's last error at entry; `gpualloc_last_error()` explains a failure.
+//! Nothing unwinds across the boundary. The header `include/gpualloc.h` is
+//! generated from this crate by cbindgen.
+
+mod boundary;
+mod global;
+mod oom;
+mod pools;
+mod snapshot;
+mod stats;
+mod trace;
+mod trace_pending;
+
+use std::ffi::{c_char, c_double, c_int, c_void};
+
+use boundary::{Error, ffi_boundary, status, str_arg, void_call, write_out};
+use global::{BackendKind, global};
+
+pub use boundary::*;
+pub use oom::*;
+pub use pools::*;
+pub use snapshot::*;
+pub use stats::*;
+pub use trace::*;
+
+/// CUDA's stream handle (`struct CUstream_st *`); NULL is the legacy default stream.
+#[allow(non_camel_case_types)]
+pub type cudaStream_t = *mut c_void;
+
+/// Starts the allocator with a configuration string in `GPUALLOC_CONF`'s
+/// syntax (`"max_split_size_mb:128,memory_limit:20GiB"`); NULL reads
+/// `GPUALLOC_CONF`. Call before the first allocation: afterwards only the
+/// configuration already in force is accepted (`GPUALLOC_ERR_ALREADY_INITIALIZED`
+/// otherwise). A bad configuration is `GPUALLOC_ERR_CONFIG` and leaves the
+/// allocator uninitialized, so a corrected call may follow.
+///
+/// # Safety
+/// `config` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_init(config: *const c_char) -> c_int {
+    status(|| {
+        let cfg = if config.is_null() {
+            None
+        } else {
+            Some(str_arg(config, "config")?)
+        };
+        global::init(cfg).map(|_| ())
+    })
+}
+
+/// 1 when the allocator has been created, else 0. Creates nothing.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_is_initialized() -> c_int {
+    c_int::from(global::existing().is_some())
+}
+
+/// `"cuda"` or `"sim"`: the backend in use (creating the allocator if
+/// needed), or NULL when it cannot start (see `gpualloc_last_error`).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_backend_name() -> *const c_char {
+    boundary::clear_last_error();
+    ffi_boundary(
+        |_| std::ptr::null(),
+        || {
+            Ok(match global()?.kind {
+                BackendKind::Cuda => c"cuda".as_ptr(),
+                BackendKind::Sim => c"sim".as_ptr(),
+            })
+        },
+    )
+}
+
+/// The library version, e.g. `"0.1.0"`.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// The number of devices, or a negative `GPUALLOC_ERR_*`.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_device_count() -> c_int {
+    boundary::clear_last_error();
+    ffi_boundary(
+        |code| code,
+        || Ok(c_int::try_from(global()?.alloc.device_count()).unwrap_or(c_int::MAX)),
+    )
+}
+
+/// The calling thread's last error message, or NULL. The string stays valid
+/// until the thread's next failing or control call.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_last_error() -> *const c_char {
+    boundary::last_error_ptr()
+}
+
+/// Allocates `size` bytes on `device` for use on `stream` (PyTorch's
+/// pluggable `alloc`). Returns NULL for size 0, and NULL with the last error
+/// set (and `gpualloc_last_oom` filled when out of memory) on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_malloc(size: usize, device: c_int, stream: cudaStream_t) -> *mut c_void {
+    ffi_boundary(
+        |_| std::ptr::null_mut(),
+        || {
+            let p =
+                global()?
+                    .alloc
+                    .malloc(i64::from(device), size as u64, stream as usize as u64)?;
+            Ok(p as usize as *mut c_void)
+        },
+    )
+}
+
+/// Frees a pointer from `gpualloc_malloc` (PyTorch's pluggable `free`).
+/// `size` and `stream` are ignored: the allocator knows both. NULL is a no-op.
+/// A pointer gpualloc does not know is reported on stderr and in the last error.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_free(
+    ptr: *mut c_void,
+    size: usize,
+    device: c_int,
+    stream: cudaStream_t,
+) {
+    let _ = (size, stream);
+    ffi_boundary(
+        |_| {
+            if let Some(msg) = last_error_string() {
+                eprintln!("{msg}");
+            }
+        },
+        || {
+            Ok(global()?
+                .alloc
+                .free(i64::from(device), ptr as usize as u64)?)
+        },
+    );
+}
+
+fn last_error_string() -> Option<String> {
+    let p = boundary::last_error_ptr();
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: a non-NULL last error is this thread's live, NUL-terminated CString.
+    let s = unsafe { std::ffi::CStr::from_ptr(p) };
+    Some(s.to_string_lossy().into_owned())
+}
+
+/// Marks `ptr` as used on `stream` too (`Tensor.record_stream`; PyTorch's
+/// `record_stream` hook): its memory is reused only after the work queued on
+/// `stream` at free time completes. The device is found from the pointer.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_record_stream(ptr: *mut c_void, stream: cudaStream_t) {
+    void_call(|| record_stream(ptr, stream));
+}
+
+fn record_stream(ptr: *mut c_void, stream: cudaStream_t) -> Result<(), Error> {
+    if ptr.is_null() {
+        return Ok(());
+    }
+    let g = global()?;
+    let (ptr, stream) = (ptr as usize as u64, stream as usize as u64);
+    let mut found = false;
+    g.alloc.for_each_created(|d| {
+        if !found {
+            match d.record_stream(ptr, stream) {
+                Ok(()) => found = true,
+                Err(gpualloc::AllocError::InvalidPointer { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    })?;
+    if !found {
+        return Err(Error::new(
+            GPUALLOC_ERR_INVALID_POINTER,
+            format!("gpualloc: record_stream: pointer {ptr:#x} was not allocated by gpualloc"),
+        ));
+    }
+    Ok(())
+}
+
+/// Returns every cached, entirely free segment to the device
+/// (`torch.cuda.empty_cache`; PyTorch's `reset` hook).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_empty_cache() {
+    void_call(|| Ok(global()?.alloc.empty_cache()?));
+}
+
+/// Caps reserved memory on `device` at `fraction` of its capacity
+/// (`set_per_process_memory_fraction`; PyTorch's `memory_fraction` hook,
+/// hence the argument order).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_set_memory_fraction(fraction: c_double, device: c_int) {
+    void_call(|| {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(Error::invalid(format!(
+                "gpualloc: memory fraction {fraction} is not in (0, 1]"
+            )));
+        }
+        Ok(global()?
+            .alloc
+            .set_memory_fraction(i64::from(device), fraction)?)
+    });
+}
+
+/// The fraction set for `device` (1.0 when none) into `*out`.
+///
+/// # Safety
+/// `out` is NULL or points to a writable double.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_get_memory_fraction(device: c_int, out: *mut c_double) -> c_int {
+    status(|| {
+        let f = global()?.alloc.lock(i64::from(device))?.memory_fraction();
+        write_out(out, f, "out")
+    })
+}
+
+/// Caps reserved memory on `device` at `bytes` (0 removes the byte limit).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_set_memory_limit(device: c_int, bytes: u64) -> c_int {
+    status(|| {
+        global()?
+            .alloc
+            .lock(i64::from(device))?
+            .set_memory_limit((bytes > 0).then_some(bytes));
+        Ok(())
+    })
+}
+
+/// Free and total bytes of `device`, as the driver reports them.
+///
+/// # Safety
+/// `free_bytes` and `total_bytes` are NULL or point to writable uint64_t.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_mem_info(
+    device: c_int,
+    free_bytes: *mut u64,
+    total_bytes: *mut u64,
+) -> c_int {
+    use gpualloc::Backend;
+    status(|| {
+        let info = global()?
+            .alloc
+            .lock(i64::from(device))?
+            .backend_mut()
+            .mem_info()?;
+        write_out(free_bytes, info.free, "free_bytes")?;
+        write_out(total_bytes, info.total, "total_bytes")
+    })
+}
+
+/// Checks `device`'s internal invariants (tests, debugging): blocks tile
+/// segments, free lists agree with blocks, stats agree with both.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_check_invariants(device: c_int) -> c_int {
+    status(|| {
+        global()?
+            .alloc
+            .lock(i64::from(device))?
+            .check_invariants()
+            .map_err(|e| {
+                Error::new(
+                    GPUALLOC_ERR_INVARIANT,
+                    format!("gpualloc: invariant violated: {e}"),
+                )
+            })
+    })
+}

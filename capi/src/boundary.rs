@@ -1,0 +1,234 @@
+//! The FFI boundary: status codes, the thread-local last error, and the one
+//! helper every export goes through.
+//!
+//! Rules, stated once:
+//! - Nothing unwinds across the boundary: [`ffi_boundary`] runs the body under
+//!   `catch_unwind` and turns a panic into [`GPUALLOC_ERR_PANIC`].
+//! - A failure stores a message in the calling thread's last error
+//!   (`gpualloc_last_error`). Control functions clear it at entry, so after
+//!   any control call a non-NULL last error means that call failed.
+//!   `gpualloc_malloc` and `gpualloc_free` (the hot path) never clear it: it
+//!   is meaningful after `gpualloc_malloc` returned NULL for a non-zero size.
+//! - Nothing is formatted or allocated on success.
+
+use std::cell::{Cell, RefCell};
+use std::ffi::{CString, c_char, c_int};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use gpualloc::{AllocError, BackendError, ConfigError};
+
+use crate::oom::GpuallocOomInfo;
+
+/// Success.
+pub const GPUALLOC_OK: c_int = 0;
+/// Out of memory: now (`GpuallocOomInfo.kind == 1`) or ever (`kind == 2`).
+pub const GPUALLOC_ERR_OUT_OF_MEMORY: c_int = -1;
+/// A bad argument (NULL pointer, bad fraction, invalid UTF-8, ...).
+pub const GPUALLOC_ERR_INVALID_ARGUMENT: c_int = -2;
+/// A pointer not allocated by gpualloc on that device, or freed already.
+pub const GPUALLOC_ERR_INVALID_POINTER: c_int = -3;
+/// No such device.
+pub const GPUALLOC_ERR_INVALID_DEVICE: c_int = -4;
+/// A private pool id never begun, or released already.
+pub const GPUALLOC_ERR_UNKNOWN_POOL: c_int = -5;
+/// A CUDA driver call failed.
+pub const GPUALLOC_ERR_BACKEND: c_int = -6;
+/// No usable CUDA driver or device.
+pub const GPUALLOC_ERR_UNAVAILABLE: c_int = -7;
+/// A bad configuration string (`GPUALLOC_CONF` or `gpualloc_init`).
+pub const GPUALLOC_ERR_CONFIG: c_int = -8;
+/// `gpualloc_init` after the allocator started with another configuration.
+pub const GPUALLOC_ERR_ALREADY_INITIALIZED: c_int = -9;
+/// The caller's buffer is too small; the size needed was written back.
+pub const GPUALLOC_ERR_BUFFER_TOO_SMALL: c_int = -10;
+/// An I/O error (trace files).
+pub const GPUALLOC_ERR_IO: c_int = -11;
+/// A bug inside gpualloc was caught at the boundary.
+pub const GPUALLOC_ERR_PANIC: c_int = -12;
+/// Nothing to report (`gpualloc_last_oom` without an earlier OOM).
+pub const GPUALLOC_ERR_NOT_FOUND: c_int = -13;
+/// An internal consistency check failed (`gpualloc_check_invariants`).
+pub const GPUALLOC_ERR_INVARIANT: c_int = -14;
+
+/// A failure on its way to the caller: a status code and a message.
+#[derive(Debug)]
+pub(crate) struct Error {
+    pub code: c_int,
+    pub message: String,
+    pub oom: Option<Box<GpuallocOomInfo>>,
+}
+
+impl Error {
+    pub fn new(code: c_int, message: impl Into<String>) -> Error {
+        Error {
+            code,
+            message: message.into(),
+            oom: None,
+        }
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Error {
+        Error::new(GPUALLOC_ERR_INVALID_ARGUMENT, message)
+    }
+}
+
+impl From<AllocError> for Error {
+    fn from(e: AllocError) -> Error {
+        let code = match &e {
+            AllocError::OutOfMemory(_) | AllocError::TooLarge { .. } => GPUALLOC_ERR_OUT_OF_MEMORY,
+            AllocError::InvalidPointer { .. } => GPUALLOC_ERR_INVALID_POINTER,
+            AllocError::InvalidDevice { .. } => GPUALLOC_ERR_INVALID_DEVICE,
+            AllocError::UnknownPool { .. } => GPUALLOC_ERR_UNKNOWN_POOL,
+            AllocError::Backend(b) => return b.clone().into(),
+            _ => GPUALLOC_ERR_BACKEND,
+        };
+        let oom = GpuallocOomInfo::from_error(&e).map(Box::new);
+        Error {
+            code,
+            message: e.to_string(),
+            oom,
+        }
+    }
+}
+
+impl From<BackendError> for Error {
+    fn from(e: BackendError) -> Error {
+        let code = match &e {
+            BackendError::OutOfMemory { .. } => GPUALLOC_ERR_OUT_OF_MEMORY,
+            BackendError::Unavailable(_) => GPUALLOC_ERR_UNAVAILABLE,
+            _ => GPUALLOC_ERR_BACKEND,
+        };
+        Error::new(code, format!("gpualloc: {e}"))
+    }
+}
+
+impl From<ConfigError> for Error {
+    fn from(e: ConfigError) -> Error {
+        Error::new(GPUALLOC_ERR_CONFIG, e.to_string())
+    }
+}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Error {
+        Error::new(GPUALLOC_ERR_IO, format!("gpualloc: {e}"))
+    }
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
+    static LAST_OOM: Cell<Option<GpuallocOomInfo>> = const { Cell::new(None) };
+}
+
+fn set_last_error(e: Error) {
+    let msg = CString::new(e.message.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|l| *l.borrow_mut() = Some(msg));
+    if let Some(oom) = e.oom {
+        LAST_OOM.with(|o| o.set(Some(*oom)));
+    }
+}
+
+/// Forgets the calling thread's last error (control functions call it first).
+#[inline]
+pub(crate) fn clear_last_error() {
+    LAST_ERROR.with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            *l = None;
+        }
+    });
+}
+
+/// The calling thread's last error message, or NULL.
+pub(crate) fn last_error_ptr() -> *const c_char {
+    LAST_ERROR.with(|l| l.borrow().as_ref().map_or(std::ptr::null(), |s| s.as_ptr()))
+}
+
+/// The calling thread's last out-of-memory report.
+pub(crate) fn last_oom() -> Option<GpuallocOomInfo> {
+    LAST_OOM.with(|o| o.get())
+}
+
+/// Runs `f` so that no panic escapes: an `Err` or a panic stores the last
+/// error and yields `on_error(code)`.
+#[inline]
+pub(crate) fn ffi_boundary<T>(
+    on_error: impl FnOnce(c_int) -> T,
+    f: impl FnOnce() -> Result<T, Error>,
+) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => {
+            let code = e.code;
+            set_last_error(e);
+            on_error(code)
+        }
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_string());
+            set_last_error(Error::new(
+                GPUALLOC_ERR_PANIC,
+                format!("gpualloc: internal error (panic): {what}"),
+            ));
+            on_error(GPUALLOC_ERR_PANIC)
+        }
+    }
+}
+
+/// A control call returning a status: clears the last error, runs `f`
+/// through [`ffi_boundary`], and gives `GPUALLOC_OK` or the error code.
+#[inline]
+pub(crate) fn status(f: impl FnOnce() -> Result<(), Error>) -> c_int {
+    clear_last_error();
+    ffi_boundary(|code| code, || f().map(|()| GPUALLOC_OK))
+}
+
+/// A void control call (a PyTorch hook): like [`status`], the outcome is in
+/// the last error only.
+#[inline]
+pub(crate) fn void_call(f: impl FnOnce() -> Result<(), Error>) {
+    clear_last_error();
+    ffi_boundary(|_| (), f);
+}
+
+/// Writes `v` through an out-pointer, refusing NULL.
+pub(crate) fn write_out<T>(out: *mut T, v: T, what: &str) -> Result<(), Error> {
+    if out.is_null() {
+        return Err(Error::invalid(format!("gpualloc: {what} is NULL")));
+    }
+    // SAFETY: non-NULL checked above; the caller promises (header docs) that
+    // a non-NULL out-pointer points to writable storage of its type.
+    unsafe { out.write(v) };
+    Ok(())
+}
+
+/// A NUL-terminated UTF-8 string argument.
+pub(crate) fn str_arg<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error> {
+    if p.is_null() {
+        return Err(Error::invalid(format!("gpualloc: {what} is NULL")));
+    }
+    // SAFETY: non-NULL checked above; the caller promises a NUL-terminated
+    // string that stays valid for the duration of the call.
+    let c = unsafe { std::ffi::CStr::from_ptr(p) };
+    c.to_str()
+        .map_err(|_| Error::invalid(format!("gpualloc: {what} is not valid UTF-8")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panics_become_status_codes() {
+        let code = status(|| panic!("boom"));
+        assert_eq!(code, GPUALLOC_ERR_PANIC);
+        // SAFETY: the pointer is the thread's own live CString.
+        let msg = unsafe { std::ffi::CStr::from_ptr(last_error_ptr()) }
+            .to_str()
+            .unwrap();
+        assert!(msg.contains("boom"), "{msg}");
+        assert_eq!(status(|| Ok(())), GPUALLOC_OK);
+        assert!(last_error_ptr().is_null());
+    }
+}

@@ -1,0 +1,94 @@
+//! Trace control: start and stop recording every allocation to a file,
+//! name phases (`forward`, `checkpoint`, ...) and mark points in time.
+
+use std::ffi::{c_char, c_int};
+use std::path::Path;
+
+use gpualloc::{Allocator, Backend};
+
+use crate::boundary::{ffi_boundary, status, str_arg};
+use crate::global::global;
+#[allow(unused_imports)] // unused once the core has the methods
+use crate::trace_pending::PendingTraceApi;
+
+/// Starts tracing if the environment asks for it (`GPUALLOC_TRACE=path`).
+/// A trace that cannot start must not stop the program: it is reported on
+/// stderr and the allocator runs untraced.
+pub(crate) fn from_env<B: Backend>(alloc: &Allocator<B>) {
+    if let Err(e) = alloc.trace_from_env() {
+        eprintln!("gpualloc: GPUALLOC_TRACE: could not start tracing: {e}");
+    }
+}
+
+/// Starts recording every allocator event of the process to `path`
+/// (a gpualloc trace file; `gpualloc report` reads it).
+///
+/// # Safety
+/// `path` is a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_trace_start(path: *const c_char) -> c_int {
+    status(|| {
+        let path = str_arg(path, "path")?;
+        Ok(global()?.alloc.trace_start(Path::new(path))?)
+    })
+}
+
+/// Stops tracing, flushes and closes the file.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_trace_stop() -> c_int {
+    status(|| {
+        global()?.alloc.trace_stop()?;
+        Ok(())
+    })
+}
+
+/// Writes everything recorded so far to the trace file.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_trace_flush() -> c_int {
+    status(|| Ok(global()?.alloc.trace_flush()?))
+}
+
+/// 1 while tracing, 0 when not, negative on error.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_is_tracing() -> c_int {
+    crate::boundary::clear_last_error();
+    ffi_boundary(
+        |code| code,
+        || Ok(c_int::from(global()?.alloc.is_tracing())),
+    )
+}
+
+/// Enters a named phase (nestable); recorded in the trace.
+///
+/// # Safety
+/// `name` is a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_phase_push(name: *const c_char) -> c_int {
+    status(|| {
+        let name = str_arg(name, "name")?;
+        global()?.alloc.phase_push(name);
+        Ok(())
+    })
+}
+
+/// Leaves the innermost phase.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_phase_pop() -> c_int {
+    status(|| {
+        global()?.alloc.phase_pop();
+        Ok(())
+    })
+}
+
+/// Records a named point in time (`"epoch 3"`).
+///
+/// # Safety
+/// `name` is a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_mark(name: *const c_char) -> c_int {
+    status(|| {
+        let name = str_arg(name, "name")?;
+        global()?.alloc.mark(name);
+        Ok(())
+    })
+}

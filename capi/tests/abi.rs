@@ -1,0 +1,188 @@
+//! Compiles `tests/c/abi_test.c` with `gcc -Wall -Wextra -Werror` against the
+//! generated header, links it to the libgpualloc.so cargo built for this
+//! test run, and runs it on the simulated backend. The C program exercises
+//! the whole ABI and prints `ALL OK` when every check passed.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The directory cargo put this profile's artifacts in (`target/debug`).
+fn artifact_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/abi-<hash>
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>")
+        .to_path_buf()
+}
+
+/// Builds libgpualloc.so with the profile of this test run (`cargo test`
+/// compiles the crate only as a test harness, not as the cdylib) and
+/// returns its path.
+fn library() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let dir = artifact_dir();
+            let target_dir = dir.parent().expect("target dir");
+            let mut cmd = Command::new(env!("CARGO"));
+            cmd.args(["build", "-p", "gpualloc-capi", "--target-dir"])
+                .arg(target_dir);
+            if dir.file_name().is_some_and(|n| n == "release") {
+                cmd.arg("--release");
+            }
+            let status = cmd.status().expect("run cargo build");
+            assert!(status.success(), "cargo build -p gpualloc-capi failed");
+            let lib = dir.join("libgpualloc.so");
+            assert!(lib.exists(), "{} not found", lib.display());
+            lib
+        })
+        .clone()
+}
+
+#[test]
+fn c_program_exercises_the_whole_abi() {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let lib = library();
+    let out = std::env::temp_dir().join(format!("gpualloc-abi-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let exe = out.join("abi_test");
+    let gcc = Command::new("gcc")
+        .args([
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-pedantic",
+            "-O1",
+            "-pthread",
+        ])
+        .arg("-I")
+        .arg(manifest.join("include"))
+        .arg(manifest.join("tests/c/abi_test.c"))
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(lib.parent().unwrap())
+        .arg("-lgpualloc")
+        .output()
+        .expect("gcc is installed");
+    assert!(
+        gcc.status.success(),
+        "gcc failed:\n{}",
+        String::from_utf8_lossy(&gcc.stderr)
+    );
+
+    let trace = out.join("abi.gtrace");
+    let run = Command::new(&exe)
+        .env("LD_LIBRARY_PATH", lib.parent().unwrap())
+        .env("GPUALLOC_BACKEND", "sim")
+        .env("GPUALLOC_SIM_DEVICES", "2")
+        .env("GPUALLOC_SIM_CAPACITY", "1GiB")
+        .env("GPUALLOC_ABI_TRACE", &trace)
+        .env_remove("GPUALLOC_CONF")
+        .env_remove("GPUALLOC_TRACE")
+        .output()
+        .expect("run the C program");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "abi_test failed ({}):\n{stdout}\n{stderr}",
+        run.status
+    );
+    for section in [
+        "init",
+        "malloc_free",
+        "stats",
+        "record_stream_empty_cache",
+        "limits_oom",
+        "snapshot",
+        "pools",
+        "trace",
+        "threads",
+    ] {
+        assert!(
+            stdout.lines().any(|l| l == format!("ok {section}")),
+            "section {section} did not pass:\n{stdout}"
+        );
+    }
+    assert!(stdout.trim_end().ends_with("ALL OK"), "{stdout}");
+    // The bad free was reported, not fatal.
+    assert!(stderr.contains("not allocated by gpualloc"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// A bad GPUALLOC_CONF is an error value on every call, never an abort.
+#[test]
+fn bad_environment_is_an_error_not_an_abort() {
+    let lib = library();
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = std::env::temp_dir().join(format!("gpualloc-abi-env-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let src = out.join("env_test.c");
+    std::fs::write(
+        &src,
+        r#"#include "gpualloc.h"
+#include <stdio.h>
+int main(void) {
+  void *p = gpualloc_malloc(1024, 0, 0);
+  const char *e = gpualloc_last_error();
+  printf("ptr=%p err=%s\n", p, e ? e : "none");
+  printf("name=%s\n", gpualloc_backend_name() ? "yes" : "null");
+  return p == NULL ? 0 : 1;
+}
+"#,
+    )
+    .unwrap();
+    let exe = out.join("env_test");
+    let gcc = Command::new("gcc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror"])
+        .arg("-I")
+        .arg(manifest.join("include"))
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(lib.parent().unwrap())
+        .arg("-lgpualloc")
+        .output()
+        .unwrap();
+    assert!(
+        gcc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&gcc.stderr)
+    );
+    for (vars, expect) in [
+        (
+            vec![
+                ("GPUALLOC_BACKEND", "sim"),
+                ("GPUALLOC_CONF", "no_such_key:1"),
+            ],
+            "no_such_key",
+        ),
+        (vec![("GPUALLOC_BACKEND", "tpu")], "GPUALLOC_BACKEND"),
+        (
+            vec![
+                ("GPUALLOC_BACKEND", "sim"),
+                ("GPUALLOC_SIM_CAPACITY", "lots"),
+            ],
+            "GPUALLOC_SIM_CAPACITY",
+        ),
+    ] {
+        let mut cmd = Command::new(&exe);
+        cmd.env("LD_LIBRARY_PATH", lib.parent().unwrap())
+            .env_remove("GPUALLOC_CONF");
+        for (k, v) in &vars {
+            cmd.env(k, v);
+        }
+        let run = cmd.output().unwrap();
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        assert!(run.status.success(), "{vars:?}: {}\n{stdout}", run.status);
+        assert!(
+            stdout.contains("name=null") && stdout.contains(expect),
+            "{vars:?}: {stdout}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
