@@ -134,6 +134,11 @@ impl Checked {
         self.stats().reserved_bytes.all.current as u64
     }
 
+    /// The largest cached free block.
+    pub fn largest(&self) -> u64 {
+        self.dev.largest_free_block()
+    }
+
     /// Number of segments.
     pub fn segments(&self) -> usize {
         self.snapshot().len()

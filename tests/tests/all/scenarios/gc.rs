@@ -1,0 +1,93 @@
+//! `garbage_collection_threshold` (reference 1.8 GC): with a memory limit,
+//! once reserved memory passes threshold x limit, a malloc that misses the
+//! cache first releases old whole cached large segments, without syncing.
+
+use gpualloc_tests::{Checked, MIB};
+
+/// 200 MiB device at fraction 0.5: a 100 MiB limit, GC above 50 MiB.
+const CONF: &str = "garbage_collection_threshold:0.5,per_process_memory_fraction:0.5";
+
+#[test]
+fn old_cached_segments_are_released_past_the_threshold() {
+    let mut c = Checked::with(200 * MIB, CONF);
+    let keep = c.alloc(40 * MIB, 0);
+    let old = c.alloc(20 * MIB, 0);
+    c.release(old); // reserved 60 MiB > 50 MiB, 20 MiB cached
+    let frees = c.stats().num_device_free;
+    c.alloc(24 * MIB, 0); // misses the cache (20 < 24)
+    assert_eq!(
+        c.stats().num_device_free,
+        frees + 1,
+        "GC released the cached segment"
+    );
+    assert_eq!(c.reserved(), 64 * MIB);
+    assert_eq!(c.stats().num_sync_all_streams, 0, "GC does not synchronize");
+    assert_eq!(c.stats().num_alloc_retries, 0, "no OOM path was needed");
+    c.release(keep);
+}
+
+#[test]
+fn no_collection_below_the_threshold() {
+    let mut c = Checked::with(200 * MIB, CONF);
+    let a = c.alloc(20 * MIB, 0);
+    c.release(a);
+    c.alloc(24 * MIB, 0); // reserved 20 MiB <= 50 MiB before the miss
+    assert_eq!(c.stats().num_device_free, 0);
+    assert_eq!(c.reserved(), 44 * MIB);
+}
+
+#[test]
+fn no_collection_without_a_limit() {
+    let mut c = Checked::with(200 * MIB, "garbage_collection_threshold:0.5");
+    c.alloc(80 * MIB, 0);
+    let a = c.alloc(20 * MIB, 0);
+    c.release(a);
+    c.alloc(24 * MIB, 0);
+    assert_eq!(
+        c.stats().num_device_free,
+        0,
+        "no fraction or limit: GC is off"
+    );
+}
+
+#[test]
+fn split_segments_and_the_small_pool_are_not_collected() {
+    let mut c = Checked::with(200 * MIB, CONF);
+    c.alloc(40 * MIB, 0);
+    let small = c.alloc(4096, 0);
+    let split = c.alloc(2 * MIB, 0); // a 20 MiB segment, split
+    c.alloc(4 * MIB, 0); // keeps the segment split
+    c.release(split);
+    c.release(small);
+    c.alloc(30 * MIB, 0); // reserved 62 MiB > 50 MiB; nothing whole is cached
+    assert_eq!(c.stats().num_device_free, 0);
+}
+
+/// Bug: GC releases blocks whose age is at or above the *average* age.
+/// With ages 2 (14 MiB) and 1 (12 MiB) the average is 1.5, so only the
+/// older block qualifies, and releasing it (14 MiB) reaches the 12 MiB
+/// target. gpualloc truncates the average to 1 and releases the younger,
+/// smaller block first (it walks blocks by size).
+#[test]
+fn only_blocks_at_least_as_old_as_the_average_are_collected() {
+    let mut c = Checked::with(200 * MIB, CONF);
+    c.alloc(20 * MIB, 0);
+    let older = c.alloc(14 * MIB, 0);
+    let younger = c.alloc(12 * MIB, 0);
+    c.release(older); // cached at lookup 3
+    c.alloc(16 * MIB, 0); // lookup 4 misses; reserved 46 MiB: no GC yet
+    c.release(younger); // cached at lookup 4
+    // Lookup 5 misses with reserved 62 MiB: ages 2 and 1, target 12 MiB.
+    c.alloc(18 * MIB, 0);
+    let cached: Vec<u64> = c
+        .snapshot()
+        .iter()
+        .filter(|s| s.blocks.len() == 1 && s.blocks[0].state == gpualloc::BlockState::Free)
+        .map(|s| s.total_size)
+        .collect();
+    assert_eq!(
+        cached,
+        vec![12 * MIB],
+        "the older 14 MiB block goes, the younger stays"
+    );
+}

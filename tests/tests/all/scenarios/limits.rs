@@ -1,0 +1,100 @@
+//! Memory limits (reference 1.8 `alloc_block`): a byte limit or a fraction
+//! of the device is honoured before the backend is asked.
+
+use gpualloc::AllocError;
+use gpualloc_tests::{Checked, MIB};
+
+#[test]
+fn byte_limit_refuses_before_calling_the_backend() {
+    let mut c = Checked::with(1 << 30, "memory_limit:64MiB");
+    c.alloc(40 * MIB, 0);
+    let calls = (c.sim().counters.allocate, c.sim().counters.allocate_failed);
+    match c.malloc(40 * MIB, 0) {
+        Err(AllocError::OutOfMemory(r)) => {
+            assert_eq!(r.limit, Some(64 * MIB));
+            assert_eq!(r.reserved, 40 * MIB);
+        }
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    assert_eq!(
+        (c.sim().counters.allocate, c.sim().counters.allocate_failed),
+        calls,
+        "no backend call"
+    );
+    assert!(c.reserved() <= 64 * MIB);
+}
+
+#[test]
+fn request_over_the_limit_is_too_large() {
+    let mut c = Checked::with(1 << 30, "memory_limit:64MiB");
+    match c.malloc(100 * MIB, 0) {
+        Err(AllocError::TooLarge {
+            requested,
+            needed,
+            max,
+        }) => {
+            assert_eq!((requested, needed, max), (100 * MIB, 100 * MIB, 64 * MIB));
+        }
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    assert_eq!(
+        c.sim().counters.allocate + c.sim().counters.allocate_failed,
+        0
+    );
+}
+
+#[test]
+fn fraction_limits_reserved_memory() {
+    let mut c = Checked::with(256 * MIB, "");
+    c.set_memory_fraction(0.25).unwrap();
+    assert_eq!(c.dev.memory_fraction(), 0.25);
+    c.alloc(40 * MIB, 0);
+    assert!(c.malloc(30 * MIB, 0).is_err(), "40 + 30 > 64 MiB");
+    assert_eq!(
+        c.sim().counters.allocate_failed,
+        0,
+        "refused before the backend"
+    );
+    c.alloc(20 * MIB, 0); // 40 + 20 <= 64
+    c.set_memory_fraction(1.0).unwrap();
+    c.alloc(30 * MIB, 0);
+}
+
+#[test]
+fn fraction_from_the_config() {
+    let mut c = Checked::with(100 * MIB, "per_process_memory_fraction:0.5");
+    c.alloc(40 * MIB, 0);
+    assert!(c.malloc(12 * MIB, 0).is_err());
+    assert_eq!(c.sim().counters.allocate_failed, 0);
+}
+
+#[test]
+fn invalid_fractions_are_refused() {
+    let mut c = Checked::with(100 * MIB, "");
+    for f in [0.0, -0.5, 1.5, f64::NAN] {
+        assert!(c.set_memory_fraction(f).is_err(), "{f}");
+    }
+    assert_eq!(c.dev.memory_fraction(), 1.0);
+}
+
+#[test]
+fn lowered_limit_is_met_by_releasing_the_cache() {
+    let mut c = Checked::with(1 << 30, "");
+    let a = c.alloc(30 * MIB, 0);
+    c.release(a);
+    c.set_memory_limit(Some(50 * MIB));
+    // 40 MiB does not fit the cached 30 MiB block, and 30 + 40 > 50: the
+    // OOM path releases the cache and the retry fits.
+    let failed = c.sim().counters.allocate_failed;
+    let p = c.alloc(40 * MIB, 0);
+    assert_ne!(p, 0);
+    assert_eq!(
+        c.sim().counters.allocate_failed,
+        failed,
+        "the limit refused, not the backend"
+    );
+    assert_eq!(c.stats().num_alloc_retries, 1);
+    assert_eq!(c.reserved(), 40 * MIB);
+    c.set_memory_limit(None);
+    c.alloc(200 * MIB, 0);
+}
