@@ -25,6 +25,8 @@ pub enum BlockState {
     /// Freed by the caller, waiting for events on the streams that used it
     /// (`record_stream`) before it becomes reusable (`active_pending_free`).
     PendingFree,
+    /// Address space of an expandable segment with no memory behind it.
+    Unmapped,
 }
 
 /// One block. Field invariants are stated per field.

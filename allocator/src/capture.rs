@@ -223,7 +223,7 @@ impl<B: Backend> DeviceAllocator<B> {
             for pool in [small, large] {
                 let whole: Vec<_> = self.pools[pool as usize]
                     .iter()
-                    .filter(|k| !self.blocks[k.3].is_split())
+                    .filter(|k| self.is_whole_segment(k.3))
                     .map(|k| k.3)
                     .collect();
                 for id in whole {

@@ -15,7 +15,9 @@
 //! | `per_process_memory_fraction` | 0 < x ≤ 1 | 1 | cap reserved memory at x × device memory |
 //! | `memory_limit` | bytes, with K/M/G/T(iB) suffix | none | cap reserved memory at this many bytes |
 //! | `cross_stream_reuse` | `true`/`false` | true | let a stream take another stream's cached block (ordered by an event) instead of growing |
-//! | `expandable_segments` | `false` | false | accepted for compatibility; `true` is refused until expandable segments land |
+//! | `expandable_segments` | `true`/`false` | false | map pages into one growing address range per (pool, stream) instead of separate segments |
+//! | `expandable_page_mb` | integer ≥ 2, even | 2 | mapping granularity of large-pool expandable segments (PyTorch uses the 20 MiB segment size) |
+//! | `defragment` | `true`/`false` | true | with expandable segments: before reserved memory would pass its peak, unmap free pages so they can be mapped where they fit |
 
 use std::fmt;
 
@@ -55,7 +57,18 @@ pub const KEYS: &[(&str, &str)] = &[
         "cross_stream_reuse",
         "reuse another stream's cached blocks, ordered by an event, before growing (true/false)",
     ),
-    ("expandable_segments", "only false for now"),
+    (
+        "expandable_page_mb",
+        "page size of large-pool expandable segments in MiB (even, >= 2)",
+    ),
+    (
+        "defragment",
+        "with expandable segments, unmap free pages before reserved memory passes its peak (true/false)",
+    ),
+    (
+        "expandable_segments",
+        "grow one virtual address range per pool and stream by mapping pages (true/false)",
+    ),
 ];
 
 const MIB: u64 = 1 << 20;
@@ -79,6 +92,12 @@ pub struct Config {
     pub memory_limit: Option<u64>,
     /// Whether a stream may take another stream's cached block before growing.
     pub cross_stream_reuse: bool,
+    /// Whether the default pools use expandable segments.
+    pub expandable_segments: bool,
+    /// With expandable segments: unmap free pages before reserved memory passes its peak.
+    pub defragment: bool,
+    /// Mapping granularity of large-pool expandable segments.
+    pub expandable_page: u64,
     /// The string this configuration was parsed from.
     pub source: String,
 }
@@ -94,6 +113,9 @@ impl Default for Config {
             memory_fraction: None,
             memory_limit: None,
             cross_stream_reuse: true,
+            expandable_segments: false,
+            defragment: true,
+            expandable_page: 2 * MIB,
             source: String::new(),
         }
     }
@@ -187,13 +209,17 @@ impl Config {
             }
             "memory_limit" => self.memory_limit = Some(parse_bytes(key, v)?),
             "cross_stream_reuse" => self.cross_stream_reuse = parse_bool(key, v)?,
-            "expandable_segments" => {
-                if parse_bool(key, v)? {
+            "expandable_segments" => self.expandable_segments = parse_bool(key, v)?,
+            "defragment" => self.defragment = parse_bool(key, v)?,
+            "expandable_page_mb" => {
+                let mb = parse_u64(key, v)?;
+                if mb < 2 || mb % 2 != 0 {
                     return Err(err(
                         key,
-                        "expandable segments are not available in this version; use false",
+                        format!("{mb} must be an even number of MiB, at least 2"),
                     ));
                 }
+                self.expandable_page = mb * MIB;
             }
             _ => {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
@@ -362,7 +388,7 @@ mod tests {
             ),
             ("memory_limit:12XB", "memory_limit"),
             ("cross_stream_reuse:maybe", "cross_stream_reuse"),
-            ("expandable_segments:true", "expandable_segments"),
+            ("expandable_segments:yes", "expandable_segments"),
         ] {
             let e = Config::parse(s).unwrap_err();
             assert_eq!(e.key, key, "{s}: {e}");

@@ -63,11 +63,15 @@ pub struct DeviceAllocator<B: Backend> {
     /// Byte limit set at run time.
     pub(crate) byte_limit: Option<u64>,
     pub(crate) trace: Option<DeviceTrace>,
+    /// Whether the default pools use expandable segments (configured and
+    /// supported by the backend).
+    pub(crate) expandable: bool,
 }
 
 impl<B: Backend> DeviceAllocator<B> {
     /// A device allocator over `backend`.
-    pub fn new(device: u32, backend: B, config: Config) -> Self {
+    pub fn new(device: u32, mut backend: B, config: Config) -> Self {
+        let expandable = config.expandable_segments && backend.vmm_granularity().is_some();
         let stats = DeviceStats {
             max_split_size: if config.max_split_size == u64::MAX {
                 -1
@@ -96,6 +100,7 @@ impl<B: Backend> DeviceAllocator<B> {
             stats,
             total_memory: None,
             trace: None,
+            expandable,
         }
     }
 
@@ -178,8 +183,11 @@ impl<B: Backend> DeviceAllocator<B> {
         capturing: bool,
     ) -> Result<BlockId, AllocError> {
         let alloc_size = allocation_size(rounded, &self.config);
+        // Expandable segments reclaim other streams' free pages by unmapping
+        // them instead (Note [Defragmentation]).
         if !capturing
             && self.config.cross_stream_reuse
+            && !self.is_expandable(pool)
             && let Some(b) = self.take_from_other_stream(pool, stream, rounded)?
         {
             return Ok(b);
@@ -187,7 +195,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if self.config.gc_threshold > 0.0 && !capturing {
             self.garbage_collect()?;
         }
-        let mut cause = match self.alloc_block(pool, alloc_size, stream, capturing) {
+        let mut cause = match self.grow(pool, alloc_size, rounded, stream, capturing) {
             Ok(b) => return Ok(b),
             Err(AllocError::OutOfMemory(r)) => r.cause,
             Err(e) => return Err(e),
@@ -196,7 +204,7 @@ impl<B: Backend> DeviceAllocator<B> {
             // PyTorch's order: release oversize cached blocks, retry; then
             // wait for every event, release every unsplit cached segment, retry.
             if self.release_available_cached_blocks(pool, rounded)? {
-                match self.alloc_block(pool, alloc_size, stream, false) {
+                match self.grow(pool, alloc_size, rounded, stream, false) {
                     Ok(b) => return Ok(b),
                     Err(AllocError::OutOfMemory(_)) => {}
                     Err(e) => return Err(e),
@@ -204,7 +212,7 @@ impl<B: Backend> DeviceAllocator<B> {
             }
             self.release_cached_blocks()?;
             self.stats.num_alloc_retries += 1;
-            match self.alloc_block(pool, alloc_size, stream, false) {
+            match self.grow(pool, alloc_size, rounded, stream, false) {
                 Ok(b) => return Ok(b),
                 Err(AllocError::OutOfMemory(r)) => cause = r.cause,
                 Err(e) => return Err(e),
@@ -280,23 +288,30 @@ impl<B: Backend> DeviceAllocator<B> {
     /// the fraction of device memory.
     pub(crate) fn limit(&mut self) -> Result<Option<u64>, AllocError> {
         let by_fraction = match self.fraction {
-            Some(f) if f < 1.0 => {
-                let total = match self.total_memory {
-                    Some(t) => t,
-                    None => {
-                        let t = self.backend.mem_info()?.total;
-                        self.total_memory = Some(t);
-                        t
-                    }
-                };
-                Some((total as f64 * f) as u64)
-            }
+            Some(f) if f < 1.0 => Some((self.device_total()? as f64 * f) as u64),
             _ => None,
         };
         Ok(match (by_fraction, self.byte_limit) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         })
+    }
+
+    /// Adds memory to `pool` for a rounded request: pages in the stream's
+    /// expandable segment, or a new segment of `alloc_size` bytes.
+    fn grow(
+        &mut self,
+        pool: PoolId,
+        alloc_size: u64,
+        rounded: u64,
+        stream: StreamId,
+        capturing: bool,
+    ) -> Result<BlockId, AllocError> {
+        if self.is_expandable(pool) {
+            self.map_expandable(pool, stream, rounded, capturing)
+        } else {
+            self.alloc_block(pool, alloc_size, stream, capturing)
+        }
     }
 
     /// Obtains a new segment for `pool` from the backend, honouring the limit.
@@ -348,6 +363,8 @@ impl<B: Backend> DeviceAllocator<B> {
             pool,
             stream,
             first: block,
+            expandable: false,
+            mapped: size,
         });
         self.blocks[block].segment = seg;
         self.private.segment_added(pool);
@@ -364,8 +381,11 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// PyTorch's `should_split`.
     #[inline]
-    fn should_split(&self, kind: PoolKind, block_size: u64, rounded: u64) -> bool {
+    fn should_split(&self, pool: PoolId, kind: PoolKind, block_size: u64, rounded: u64) -> bool {
         let remaining = block_size - rounded;
+        if self.is_expandable(pool) {
+            return remaining >= crate::size_class::MIN_BLOCK_SIZE;
+        }
         match kind {
             PoolKind::Small => remaining >= crate::size_class::MIN_BLOCK_SIZE,
             PoolKind::Large => {
@@ -385,9 +405,11 @@ impl<B: Backend> DeviceAllocator<B> {
         rounded: u64,
     ) -> DevicePtr {
         let kind = self.pools[pool as usize].kind;
-        let already_split = self.blocks[id].is_split();
+        // Expandable blocks are never counted as inactive splits (PyTorch).
+        let counted = !self.is_expandable(pool);
+        let already_split = counted && self.blocks[id].is_split();
         let block_size = self.blocks[id].size;
-        if self.should_split(kind, block_size, rounded) {
+        if self.should_split(pool, kind, block_size, rounded) {
             let b = &self.blocks[id];
             let rest = Block {
                 ptr: b.ptr + rounded,
@@ -411,7 +433,8 @@ impl<B: Backend> DeviceAllocator<B> {
             self.blocks[id].next = Some(rest_id);
             self.blocks[id].size = rounded;
             self.pools[pool as usize].insert((rest_stream, rest_size, rest_ptr, rest_id));
-            if already_split {
+            if !counted {
+            } else if already_split {
                 self.stats
                     .inactive_split_bytes
                     .update(kind, -(rounded as i64));
@@ -608,8 +631,10 @@ impl<B: Backend> DeviceAllocator<B> {
             net_bytes += b.size as i64;
         }
         self.pools[pool as usize].insert(key);
-        self.stats.inactive_split.update(kind, net_blocks);
-        self.stats.inactive_split_bytes.update(kind, net_bytes);
+        if !self.is_expandable(pool) {
+            self.stats.inactive_split.update(kind, net_blocks);
+            self.stats.inactive_split_bytes.update(kind, net_bytes);
+        }
         self.stats.active.update(kind, -1);
         self.stats.active_bytes.update(kind, -(size as i64));
         self.stats.requested_bytes.update(kind, -(requested as i64));

@@ -20,14 +20,17 @@ impl<B: Backend> DeviceAllocator<B> {
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut seen_blocks = 0usize;
         let mut free_blocks = 0usize;
+        let mut unmapped_blocks = 0usize;
         let mut recount = Recount::default();
         for (seg_id, seg) in self.segments.iter() {
-            recount.segment.update(seg.kind, 1);
-            recount.reserved.update(seg.kind, seg.size as i64);
+            if !seg.expandable {
+                recount.segment.update(seg.kind, 1);
+            }
+            let mut mapped = 0u64;
             let mut cur = Some(seg.first);
             let mut addr = seg.ptr;
             let mut prev: Option<u32> = None;
-            let split = self.blocks[seg.first].next.is_some();
+            let split = !seg.expandable && self.blocks[seg.first].next.is_some();
             while let Some(id) = cur {
                 let b = &self.blocks[id];
                 seen_blocks += 1;
@@ -54,6 +57,11 @@ impl<B: Backend> DeviceAllocator<B> {
                 }
                 if let Some(p) = prev {
                     let pb = &self.blocks[p];
+                    if pb.state == BlockState::Unmapped && b.state == BlockState::Unmapped {
+                        return Err(format!(
+                            "adjacent unmapped blocks {p} and {id} were not merged"
+                        ));
+                    }
                     if pb.state == BlockState::Free
                         && b.state == BlockState::Free
                         && pb.stream == b.stream
@@ -65,7 +73,19 @@ impl<B: Backend> DeviceAllocator<B> {
                     }
                 }
                 let kind = seg.kind;
+                if b.state != BlockState::Unmapped {
+                    mapped += b.size;
+                }
                 match b.state {
+                    BlockState::Unmapped => {
+                        unmapped_blocks += 1;
+                        if !seg.expandable {
+                            return Err(format!("unmapped block {id} in plain segment {seg_id}"));
+                        }
+                        if self.live.contains_key(&b.ptr) && self.live[&b.ptr] == id {
+                            return Err(format!("unmapped block {id} is in the address map"));
+                        }
+                    }
                     BlockState::Free => {
                         free_blocks += 1;
                         if !self.pools[b.pool as usize].contains((b.stream, b.size, b.ptr, id)) {
@@ -104,6 +124,13 @@ impl<B: Backend> DeviceAllocator<B> {
                 prev = Some(id);
                 cur = b.next;
             }
+            if mapped != seg.mapped {
+                return Err(format!(
+                    "segment {seg_id} records {} bytes mapped, its blocks {mapped}",
+                    seg.mapped
+                ));
+            }
+            recount.reserved.update(seg.kind, mapped as i64);
             if addr != seg.ptr + seg.size {
                 return Err(format!(
                     "segment {seg_id} blocks end at {addr:#x}, segment at {:#x}",
@@ -123,11 +150,11 @@ impl<B: Backend> DeviceAllocator<B> {
                 "free index holds {indexed} entries for {free_blocks} free blocks"
             ));
         }
-        if self.live.len() + free_blocks != seen_blocks {
+        if self.live.len() + free_blocks + unmapped_blocks != seen_blocks {
             return Err(format!(
                 "address map holds {} blocks, expected {}",
                 self.live.len(),
-                seen_blocks - free_blocks
+                seen_blocks - free_blocks - unmapped_blocks
             ));
         }
         let queued: usize = self.pending.values().map(|q| q.len()).sum();

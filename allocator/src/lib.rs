@@ -43,6 +43,7 @@ mod capture;
 pub mod config;
 mod device;
 pub mod error;
+mod expandable;
 mod invariants;
 mod pool;
 mod release;

@@ -59,6 +59,8 @@ pub(crate) struct Pool {
     pub lookups: u64,
     /// The private pool this belongs to, if any.
     pub private: Option<PoolKey>,
+    /// The expandable segment of each stream, when expandable segments are on.
+    pub expandable: Vec<(StreamId, u32)>,
 }
 
 impl Pool {
@@ -68,6 +70,7 @@ impl Pool {
             lists: Vec::new(),
             lookups: 0,
             private,
+            expandable: Vec::new(),
         }
     }
 

@@ -51,12 +51,15 @@ impl<B: Backend> DeviceAllocator<B> {
     /// cached segment of the default pools and of private pools no longer in use.
     pub(crate) fn release_cached_blocks(&mut self) -> Result<(), AllocError> {
         self.synchronize_and_free_events()?;
+        if self.expandable {
+            self.unmap_free_pages()?;
+        }
         let mut pools = vec![SMALL, LARGE];
         pools.extend(self.private.freeable_pools());
         for pool in pools {
             let whole: Vec<BlockId> = self.pools[pool as usize]
                 .iter()
-                .filter(|k| !self.blocks[k.3].is_split())
+                .filter(|k| self.is_whole_segment(k.3))
                 .map(|k| k.3)
                 .collect();
             for id in whole {
@@ -83,7 +86,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let p = &self.pools[pool as usize];
         let mut oversize: Vec<(u64, BlockId)> = p
             .iter()
-            .filter(|k| k.1 >= max_split && !self.blocks[k.3].is_split())
+            .filter(|k| k.1 >= max_split && self.is_whole_segment(k.3))
             .map(|k| (k.1, k.3))
             .collect();
         oversize.sort_unstable();
@@ -118,7 +121,7 @@ impl<B: Backend> DeviceAllocator<B> {
             let now = self.pools[LARGE as usize].lookups;
             let cands: Vec<(u64, u64, BlockId)> = self.pools[LARGE as usize]
                 .iter()
-                .filter(|k| !self.blocks[k.3].is_split())
+                .filter(|k| self.is_whole_segment(k.3))
                 .map(|k| (now - self.blocks[k.3].gc_base, k.1, k.3))
                 .collect();
             if cands.is_empty() {
@@ -133,6 +136,12 @@ impl<B: Backend> DeviceAllocator<B> {
             }
         }
         Ok(())
+    }
+
+    /// Whether a block spans a whole plain segment (and so can be released).
+    pub(crate) fn is_whole_segment(&self, id: BlockId) -> bool {
+        let b = &self.blocks[id];
+        !b.is_split() && !self.segments.get(b.segment).expandable
     }
 
     /// Returns a cached block that spans its whole segment to the backend.

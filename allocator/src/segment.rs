@@ -24,6 +24,11 @@ pub(crate) struct Segment {
     pub stream: StreamId,
     /// Its lowest block.
     pub first: BlockId,
+    /// An expandable segment: a reserved address range whose pages are
+    /// mapped on demand (blocks in `Unmapped` state cover the rest).
+    pub expandable: bool,
+    /// Bytes mapped (expandable), or `size` (plain).
+    pub mapped: u64,
 }
 
 /// A free-list arena of segments.
@@ -49,6 +54,16 @@ impl SegmentArena {
         self.slots[id as usize]
             .take()
             .expect("segment removed twice")
+    }
+
+    pub fn get(&self, id: u32) -> &Segment {
+        self.slots[id as usize]
+            .as_ref()
+            .expect("dangling segment id")
+    }
+
+    pub fn get_checked(&self, id: u32) -> Option<&Segment> {
+        self.slots.get(id as usize).and_then(|s| s.as_ref())
     }
 
     pub fn get_mut(&mut self, id: u32) -> &mut Segment {

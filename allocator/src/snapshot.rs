@@ -26,7 +26,7 @@ impl BlockSnapshot {
         match self.state {
             BlockState::Allocated => "active_allocated",
             BlockState::PendingFree => "active_pending_free",
-            BlockState::Free => "inactive",
+            BlockState::Free | BlockState::Unmapped => "inactive",
         }
     }
 }
@@ -46,6 +46,8 @@ pub struct SegmentSnapshot {
     pub kind: PoolKind,
     /// Private pool id, `(0, 0)` for the default pools.
     pub pool_id: PoolKey,
+    /// Part of an expandable segment (one mapped run of it).
+    pub expandable: bool,
     /// Blocks in address order, tiling the segment.
     pub blocks: Vec<BlockSnapshot>,
 }
@@ -53,33 +55,39 @@ pub struct SegmentSnapshot {
 impl<B: Backend> DeviceAllocator<B> {
     /// Every segment, sorted by address.
     pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
-        let mut out: Vec<SegmentSnapshot> = self
-            .segments
-            .iter()
-            .map(|(_, seg)| {
-                let mut blocks = Vec::new();
-                let mut cur = Some(seg.first);
-                while let Some(id) = cur {
-                    let b = &self.blocks[id];
-                    blocks.push(BlockSnapshot {
-                        address: b.ptr,
-                        size: b.size,
-                        requested_size: b.requested,
-                        state: b.state,
-                    });
-                    cur = b.next;
+        let mut out = Vec::new();
+        for (_, seg) in self.segments.iter() {
+            let pool_id = self.pools[seg.pool as usize].private.unwrap_or((0, 0));
+            let mut run: Option<SegmentSnapshot> = None;
+            let mut cur = Some(seg.first);
+            while let Some(id) = cur {
+                let b = &self.blocks[id];
+                cur = b.next;
+                if b.state == BlockState::Unmapped {
+                    // An expandable segment shows as one segment per mapped run.
+                    out.extend(run.take());
+                    continue;
                 }
-                SegmentSnapshot {
+                let r = run.get_or_insert_with(|| SegmentSnapshot {
                     device: self.device,
-                    address: seg.ptr,
-                    total_size: seg.size,
+                    address: b.ptr,
+                    total_size: 0,
                     stream: seg.stream,
                     kind: seg.kind,
-                    pool_id: self.pools[seg.pool as usize].private.unwrap_or((0, 0)),
-                    blocks,
-                }
-            })
-            .collect();
+                    pool_id,
+                    expandable: seg.expandable,
+                    blocks: Vec::new(),
+                });
+                r.total_size += b.size;
+                r.blocks.push(BlockSnapshot {
+                    address: b.ptr,
+                    size: b.size,
+                    requested_size: b.requested,
+                    state: b.state,
+                });
+            }
+            out.extend(run);
+        }
         out.sort_by_key(|s| s.address);
         out
     }

@@ -114,4 +114,49 @@ pub trait Backend: Send {
 
     /// Destroys (or recycles) an event. Pending waits on it stay valid.
     fn destroy_event(&mut self, event: EventId);
+
+    // ---- Virtual memory, for expandable segments. Optional: the defaults
+    // say "unsupported" and the allocator falls back to plain segments. ----
+
+    /// Granularity of [`map`](Self::map), or `None` without virtual memory support.
+    fn vmm_granularity(&mut self) -> Option<u64> {
+        None
+    }
+
+    /// Reserves `size` bytes of address space (no memory behind it).
+    fn reserve(&mut self, size: u64) -> Result<DevicePtr, BackendError> {
+        let _ = size;
+        Err(BackendError::Unavailable(
+            "virtual memory is not supported by this backend".into(),
+        ))
+    }
+
+    /// Frees a reservation whose pages are all unmapped.
+    fn free_reservation(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        let _ = (ptr, size);
+        Err(BackendError::Unavailable(
+            "virtual memory is not supported by this backend".into(),
+        ))
+    }
+
+    /// Backs `[ptr, ptr + size)` of a reservation with new physical memory.
+    /// `capturing` as for [`allocate`](Self::allocate).
+    ///
+    /// # Errors
+    /// [`BackendError::OutOfMemory`] when the device is full now.
+    fn map(&mut self, ptr: DevicePtr, size: u64, capturing: bool) -> Result<(), BackendError> {
+        let _ = (ptr, size, capturing);
+        Err(BackendError::Unavailable(
+            "virtual memory is not supported by this backend".into(),
+        ))
+    }
+
+    /// Returns the memory behind `[ptr, ptr + size)` (mapped earlier, possibly
+    /// in several calls). Waits for work already queued on the device first.
+    fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        let _ = (ptr, size);
+        Err(BackendError::Unavailable(
+            "virtual memory is not supported by this backend".into(),
+        ))
+    }
 }

@@ -252,47 +252,6 @@ impl SimBackend {
         self.holes.insert(start, len);
     }
 
-    // ---- Virtual memory: what expandable segments need ----
-
-    /// Granularity of [`map`](Self::map) and [`unmap`](Self::unmap) (2 MiB).
-    pub fn page_size(&self) -> u64 {
-        self.page
-    }
-
-    /// Reserves `size` bytes of virtual address space (no physical memory).
-    pub fn reserve(&mut self, size: u64) -> DevicePtr {
-        assert!(
-            size > 0 && size % self.page == 0,
-            "SimBackend: reserve of {size} is not whole pages"
-        );
-        let va = self.next_va;
-        self.next_va += size + self.page;
-        self.reservations.insert(
-            va,
-            Reservation {
-                size,
-                mapped: BTreeMap::new(),
-            },
-        );
-        va
-    }
-
-    /// Frees a reservation; every page in it must be unmapped.
-    pub fn free_reservation(&mut self, va: DevicePtr, size: u64) {
-        let r = self
-            .reservations
-            .remove(&va)
-            .unwrap_or_else(|| panic!("SimBackend: unknown reservation {va:#x}"));
-        assert_eq!(
-            r.size, size,
-            "SimBackend: reservation {va:#x} freed with the wrong size"
-        );
-        assert!(
-            r.mapped.is_empty(),
-            "SimBackend: reservation {va:#x} freed with pages still mapped"
-        );
-    }
-
     fn reservation_of(&mut self, ptr: DevicePtr, size: u64) -> (&mut Reservation, u64) {
         let (&va, r) = self
             .reservations
@@ -306,48 +265,9 @@ impl SimBackend {
         (r, ptr - va)
     }
 
-    /// Maps physical pages over `[ptr, ptr + size)` of a reservation.
-    ///
-    /// # Errors
-    /// [`BackendError::OutOfMemory`] when the pages do not fit the capacity or a fault was injected.
-    pub fn map(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
-        assert!(
-            size > 0 && size % self.page == 0 && ptr % self.page == 0,
-            "SimBackend: map of a partial page"
-        );
-        self.map_calls += 1;
-        if self.fail_map_at == Some(self.map_calls) || self.used + size > self.capacity {
-            return Err(BackendError::OutOfMemory { requested: size });
-        }
-        let page = self.page;
-        let (r, off) = self.reservation_of(ptr, size);
-        for p in (off..off + size).step_by(page as usize) {
-            assert!(
-                r.mapped.insert(p, ()).is_none(),
-                "SimBackend: page at offset {p:#x} mapped twice"
-            );
-        }
-        self.used += size;
-        self.counters.map += size / page;
-        Ok(())
-    }
-
-    /// Unmaps pages previously mapped with [`map`](Self::map).
-    pub fn unmap(&mut self, ptr: DevicePtr, size: u64) {
-        assert!(
-            size > 0 && size % self.page == 0 && ptr % self.page == 0,
-            "SimBackend: unmap of a partial page"
-        );
-        let page = self.page;
-        let (r, off) = self.reservation_of(ptr, size);
-        for p in (off..off + size).step_by(page as usize) {
-            assert!(
-                r.mapped.remove(&p).is_some(),
-                "SimBackend: page at offset {p:#x} unmapped but not mapped"
-            );
-        }
-        self.used -= size;
-        self.counters.unmap += size / page;
+    /// Pages currently mapped, over all reservations.
+    pub fn mapped_pages(&self) -> usize {
+        self.reservations.values().map(|r| r.mapped.len()).sum()
     }
 }
 
@@ -446,6 +366,90 @@ impl Backend for SimBackend {
         );
         self.counters.destroy_event += 1;
     }
+
+    fn vmm_granularity(&mut self) -> Option<u64> {
+        Some(self.page)
+    }
+
+    fn reserve(&mut self, size: u64) -> Result<DevicePtr, BackendError> {
+        assert!(
+            size > 0 && size % self.page == 0,
+            "SimBackend: reserve of {size} is not whole pages"
+        );
+        let va = self.next_va;
+        self.next_va += size + self.page;
+        self.reservations.insert(
+            va,
+            Reservation {
+                size,
+                mapped: BTreeMap::new(),
+            },
+        );
+        Ok(va)
+    }
+
+    fn free_reservation(&mut self, va: DevicePtr, size: u64) -> Result<(), BackendError> {
+        self.forbid_in_capture("free_reservation");
+        let r = self
+            .reservations
+            .remove(&va)
+            .unwrap_or_else(|| panic!("SimBackend: unknown reservation {va:#x}"));
+        assert_eq!(
+            r.size, size,
+            "SimBackend: reservation {va:#x} freed with the wrong size"
+        );
+        assert!(
+            r.mapped.is_empty(),
+            "SimBackend: reservation {va:#x} freed with pages still mapped"
+        );
+        Ok(())
+    }
+
+    fn map(&mut self, ptr: DevicePtr, size: u64, capturing: bool) -> Result<(), BackendError> {
+        assert!(
+            size > 0 && size % self.page == 0 && ptr % self.page == 0,
+            "SimBackend: map of a partial page"
+        );
+        if !capturing {
+            self.forbid_in_capture("map without the capturing flag");
+        }
+        self.map_calls += 1;
+        if self.fail_map_at == Some(self.map_calls) || self.used + size > self.capacity {
+            return Err(BackendError::OutOfMemory { requested: size });
+        }
+        let page = self.page;
+        let (r, off) = self.reservation_of(ptr, size);
+        for p in (off..off + size).step_by(page as usize) {
+            assert!(
+                r.mapped.insert(p, ()).is_none(),
+                "SimBackend: page at offset {p:#x} mapped twice"
+            );
+        }
+        self.used += size;
+        self.counters.map += size / page;
+        Ok(())
+    }
+
+    fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        assert!(
+            size > 0 && size % self.page == 0 && ptr % self.page == 0,
+            "SimBackend: unmap of a partial page"
+        );
+        self.forbid_in_capture("unmap");
+        let page = self.page;
+        let (r, off) = self.reservation_of(ptr, size);
+        for p in (off..off + size).step_by(page as usize) {
+            assert!(
+                r.mapped.remove(&p).is_some(),
+                "SimBackend: page at offset {p:#x} unmapped but not mapped"
+            );
+        }
+        self.used -= size;
+        self.counters.unmap += size / page;
+        // Unmapping waits for all queued work, as the CUDA backend does.
+        self.complete_all();
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -489,15 +493,15 @@ mod tests {
     #[test]
     fn virtual_memory_pages() {
         let mut s = SimBackend::new(8 << 20);
-        let va = s.reserve(64 << 20);
-        s.map(va, 4 << 20).unwrap();
-        s.map(va + (4 << 20), 4 << 20).unwrap();
+        let va = s.reserve(64 << 20).unwrap();
+        s.map(va, 4 << 20, false).unwrap();
+        s.map(va + (4 << 20), 4 << 20, false).unwrap();
         assert!(
-            s.map(va + (8 << 20), 2 << 20).is_err(),
+            s.map(va + (8 << 20), 2 << 20, false).is_err(),
             "capacity is honoured"
         );
-        s.unmap(va, 8 << 20);
-        s.free_reservation(va, 64 << 20);
+        s.unmap(va, 8 << 20).unwrap();
+        s.free_reservation(va, 64 << 20).unwrap();
         assert_eq!(s.used(), 0);
     }
 

@@ -1,0 +1,561 @@
+//! Expandable segments: one reserved address range per (pool, stream), with
+//! physical pages mapped at the lowest place a request fits.
+//!
+//! Note [Expandable segments]
+//! Rationale: plain segments never merge, so a cache full of freed 20 MiB
+//! segments cannot serve a 30 MiB request and the pool grows; this is how
+//! PyTorch reaches 1.8x reserved over allocated on multi-scale training.
+//! Approach (PyTorch's `expandable_segments:True`): reserve about 1.125x the
+//! device's memory of address space per (pool, stream) and map pages (2 MiB;
+//! `expandable_page_mb` in the large pool, where PyTorch uses 20 MiB) on demand at
+//! the lowest address where a free block plus the unmapped space after it
+//! can hold the request. Freed space therefore stays contiguous with new
+//! space. Free whole pages are unmapped by `empty_cache` and on the
+//! out-of-memory path; a reservation with nothing mapped is freed.
+//!
+//! Note [Defragmentation]
+//! Expandable segments alone leave long-lived blocks scattered among freed
+//! ones; the free pages around them stay mapped, so reserved memory keeps
+//! the high-water mark of every layout seen. With `defragment:true` (the
+//! default), whenever mapping would raise reserved memory above its peak
+//! while free whole pages exist, those pages are unmapped first; the holes
+//! they leave are filled by later mappings at the lowest fitting address.
+//! The cost is an unmap (which waits for queued work) only at a new peak,
+//! never in steady state below it.
+//!
+//! Limitations: private (graph) pools use plain segments; blocks in
+//! expandable segments are never counted as `inactive_split`, and the
+//! `segment` stat counts only plain segments, as in PyTorch.
+
+use crate::backend::{Backend, BackendError, StreamId};
+use crate::block::{Block, BlockId, BlockState, PoolId, SegmentId};
+use crate::device::{DeviceAllocator, LARGE, SMALL};
+use crate::error::AllocError;
+use crate::segment::Segment;
+use crate::size_class::{PoolKind, SMALL_BUFFER};
+use crate::trace::{Action, pool_code};
+
+impl<B: Backend> DeviceAllocator<B> {
+    /// Whether blocks of `pool` live in expandable segments.
+    #[inline]
+    pub(crate) fn is_expandable(&self, pool: PoolId) -> bool {
+        self.expandable && pool <= LARGE
+    }
+
+    /// The mapping granularity of a pool's expandable segments.
+    fn page_size(&mut self, kind: PoolKind) -> u64 {
+        let want = match kind {
+            PoolKind::Small => SMALL_BUFFER,
+            PoolKind::Large => self.config.expandable_page,
+        };
+        let g = self.backend.vmm_granularity().unwrap_or(want).max(1);
+        want.div_ceil(g) * g
+    }
+
+    /// The expandable segment of `(pool, stream)`, reserved on first use.
+    fn expandable_segment(
+        &mut self,
+        pool: PoolId,
+        stream: StreamId,
+    ) -> Result<SegmentId, AllocError> {
+        if let Some(&(_, seg)) = self.pools[pool as usize]
+            .expandable
+            .iter()
+            .find(|e| e.0 == stream)
+        {
+            return Ok(seg);
+        }
+        let kind = self.pools[pool as usize].kind;
+        let page = self.page_size(kind);
+        let total = self.device_total()?;
+        let size = (total + total / 8).div_ceil(page) * page;
+        let ptr = self.backend.reserve(size)?;
+        let block = self.blocks.insert(Block {
+            ptr,
+            size,
+            requested: 0,
+            stream,
+            segment: 0,
+            pool,
+            prev: None,
+            next: None,
+            state: BlockState::Unmapped,
+            stream_uses: Vec::new(),
+            event_count: 0,
+            gc_base: 0,
+        });
+        let seg = self.segments.insert(Segment {
+            ptr,
+            size,
+            kind,
+            pool,
+            stream,
+            first: block,
+            expandable: true,
+            mapped: 0,
+        });
+        self.blocks[block].segment = seg;
+        self.pools[pool as usize].expandable.push((stream, seg));
+        Ok(seg)
+    }
+
+    /// Device capacity, read once from the backend.
+    pub(crate) fn device_total(&mut self) -> Result<u64, AllocError> {
+        if let Some(t) = self.total_memory {
+            return Ok(t);
+        }
+        let t = self.backend.mem_info()?.total;
+        self.total_memory = Some(t);
+        Ok(t)
+    }
+
+    /// Maps pages into the stream's expandable segment so that a free block
+    /// of at least `rounded` bytes exists; returns it, outside the free index.
+    pub(crate) fn map_expandable(
+        &mut self,
+        pool: PoolId,
+        stream: StreamId,
+        rounded: u64,
+        capturing: bool,
+    ) -> Result<BlockId, AllocError> {
+        let seg = self.expandable_segment(pool, stream)?;
+        let kind = self.pools[pool as usize].kind;
+        let page = self.page_size(kind);
+        if self.config.defragment && !capturing {
+            // See Note [Defragmentation]: never raise the peak while free
+            // pages sit idle elsewhere.
+            let reserved = self.stats.reserved_bytes.all.current;
+            let idle = self.cached_free_bytes();
+            if reserved + page as i64 > self.stats.reserved_bytes.all.peak && idle >= page {
+                self.unmap_free_pages()?;
+            }
+        }
+        let seg = match self.segments.get_checked(seg) {
+            Some(s) if s.expandable && s.pool == pool && s.stream == stream => seg,
+            _ => self.expandable_segment(pool, stream)?,
+        };
+        let mut found = None;
+        let mut cur = Some(self.segments.get(seg).first);
+        while let Some(id) = cur {
+            let b = &self.blocks[id];
+            if b.state == BlockState::Unmapped {
+                let prev_free = b.prev.filter(|&p| {
+                    self.blocks[p].state == BlockState::Free && self.blocks[p].stream == stream
+                });
+                let have = prev_free.map_or(0, |p| self.blocks[p].size);
+                let bytes = rounded.saturating_sub(have).max(1).div_ceil(page) * page;
+                if bytes <= b.size {
+                    found = Some((id, prev_free, bytes));
+                    break;
+                }
+            }
+            cur = b.next;
+        }
+        let Some((unmapped, prev_free, bytes)) = found else {
+            let cause = Some(BackendError::OutOfMemory { requested: rounded });
+            return Err(AllocError::OutOfMemory(Box::new(
+                self.report(0, rounded, cause),
+            )));
+        };
+        let reserved = self.stats.reserved_bytes.all.current as u64;
+        if let Some(limit) = self.limit()?
+            && reserved + bytes > limit
+        {
+            return Err(AllocError::OutOfMemory(Box::new(
+                self.report(0, bytes, None),
+            )));
+        }
+        let ptr = self.blocks[unmapped].ptr;
+        match self.backend.map(ptr, bytes, capturing) {
+            Ok(()) => {}
+            Err(BackendError::OutOfMemory { requested }) => {
+                let cause = Some(BackendError::OutOfMemory { requested });
+                return Err(AllocError::OutOfMemory(Box::new(
+                    self.report(0, bytes, cause),
+                )));
+            }
+            Err(e) => return Err(e.into()),
+        }
+        let mapped = self.carve_front(unmapped, bytes, BlockState::Free);
+        self.blocks[mapped].gc_base = self.pools[pool as usize].lookups;
+        self.segments.get_mut(seg).mapped += bytes;
+        self.stats.reserved_bytes.update(kind, bytes as i64);
+        self.stats.num_device_alloc += 1;
+        self.record(
+            Action::SegmentMap,
+            stream,
+            ptr,
+            bytes,
+            pool_code(None, kind == PoolKind::Large),
+        );
+        // Join the new pages with free neighbours of the same stream.
+        let mut block = mapped;
+        if let Some(p) = prev_free {
+            self.unindex(p);
+            block = self.absorb_next(p);
+        }
+        if let Some(n) = self.blocks[block].next
+            && self.blocks[n].state == BlockState::Free
+            && self.blocks[n].stream == stream
+        {
+            self.unindex(n);
+            block = self.absorb_next(block);
+        }
+        Ok(block)
+    }
+
+    /// Splits `bytes` off the front of block `id` as a new block in `state`
+    /// (or changes the whole block when it is exactly that size); returns it.
+    fn carve_front(&mut self, id: BlockId, bytes: u64, state: BlockState) -> BlockId {
+        let b = &self.blocks[id];
+        if b.size == bytes {
+            self.blocks[id].state = state;
+            return id;
+        }
+        let front = Block {
+            ptr: b.ptr,
+            size: bytes,
+            requested: 0,
+            stream: b.stream,
+            segment: b.segment,
+            pool: b.pool,
+            prev: b.prev,
+            next: Some(id),
+            state,
+            stream_uses: Vec::new(),
+            event_count: 0,
+            gc_base: b.gc_base,
+        };
+        let (prev, seg) = (b.prev, b.segment);
+        let f = self.blocks.insert(front);
+        match prev {
+            Some(p) => self.blocks[p].next = Some(f),
+            None => self.segments.get_mut(seg).first = f,
+        }
+        let b = &mut self.blocks[id];
+        b.prev = Some(f);
+        b.ptr += bytes;
+        b.size -= bytes;
+        f
+    }
+
+    /// Merges the block after `id` into `id`; returns `id`.
+    fn absorb_next(&mut self, id: BlockId) -> BlockId {
+        let n = self.blocks[id].next.expect("a next block to absorb");
+        let (size, next) = (self.blocks[n].size, self.blocks[n].next);
+        self.blocks[id].size += size;
+        self.blocks[id].next = next;
+        if let Some(nn) = next {
+            self.blocks[nn].prev = Some(id);
+        }
+        self.blocks.remove(n);
+        id
+    }
+
+    /// Removes a free block from its pool's index.
+    fn unindex(&mut self, id: BlockId) {
+        let b = &self.blocks[id];
+        let key = (b.stream, b.size, b.ptr, id);
+        let removed = self.pools[b.pool as usize].remove(key);
+        debug_assert!(removed, "free block {id} was not indexed");
+    }
+
+    /// Unmaps every whole page inside free blocks of the default pools'
+    /// expandable segments, and frees reservations left with nothing mapped.
+    pub(crate) fn unmap_free_pages(&mut self) -> Result<(), AllocError> {
+        let segs: Vec<(PoolId, SegmentId)> = [SMALL, LARGE]
+            .into_iter()
+            .flat_map(|p| {
+                self.pools[p as usize]
+                    .expandable
+                    .iter()
+                    .map(move |e| (p, e.1))
+            })
+            .collect();
+        for (pool, seg) in segs {
+            let kind = self.pools[pool as usize].kind;
+            let page = self.page_size(kind);
+            let base = self.segments.get(seg).ptr;
+            let mut free = Vec::new();
+            let mut cur = Some(self.segments.get(seg).first);
+            while let Some(id) = cur {
+                if self.blocks[id].state == BlockState::Free {
+                    free.push(id);
+                }
+                cur = self.blocks[id].next;
+            }
+            for id in free {
+                let (ptr, size, stream) = (
+                    self.blocks[id].ptr,
+                    self.blocks[id].size,
+                    self.blocks[id].stream,
+                );
+                let lo = base + (ptr - base).div_ceil(page) * page;
+                let hi = base + (ptr + size - base) / page * page;
+                if hi <= lo {
+                    continue;
+                }
+                self.backend.unmap(lo, hi - lo)?;
+                self.unindex(id);
+                let mut mid = id;
+                if lo > ptr {
+                    let head = self.carve_front(mid, lo - ptr, BlockState::Free);
+                    self.reindex(head);
+                }
+                if hi < ptr + size {
+                    let tail_start = hi - lo;
+                    let m = self.carve_front(mid, tail_start, BlockState::Unmapped);
+                    self.reindex(mid);
+                    mid = m;
+                } else {
+                    self.blocks[mid].state = BlockState::Unmapped;
+                }
+                if let Some(n) = self.blocks[mid].next
+                    && self.blocks[n].state == BlockState::Unmapped
+                {
+                    self.absorb_next(mid);
+                }
+                if let Some(p) = self.blocks[mid].prev
+                    && self.blocks[p].state == BlockState::Unmapped
+                {
+                    self.absorb_next(p);
+                }
+                self.segments.get_mut(seg).mapped -= hi - lo;
+                self.stats.reserved_bytes.update(kind, -((hi - lo) as i64));
+                self.stats.num_device_free += 1;
+                self.record(
+                    Action::SegmentUnmap,
+                    stream,
+                    lo,
+                    hi - lo,
+                    pool_code(None, kind == PoolKind::Large),
+                );
+            }
+            if self.segments.get(seg).mapped == 0 {
+                let s = self.segments.remove(seg);
+                debug_assert!(self.blocks[s.first].next.is_none());
+                self.blocks.remove(s.first);
+                self.pools[pool as usize].expandable.retain(|e| e.1 != seg);
+                self.backend.free_reservation(s.ptr, s.size)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts a free block (back) into its pool's index.
+    fn reindex(&mut self, id: BlockId) {
+        let b = &self.blocks[id];
+        let key = (b.stream, b.size, b.ptr, id);
+        self.pools[b.pool as usize].insert(key);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Backend, Config, DeviceAllocator, SimBackend};
+
+    fn dev(conf: &str) -> DeviceAllocator<SimBackend> {
+        DeviceAllocator::new(0, SimBackend::new(8 << 30), Config::parse(conf).unwrap())
+    }
+
+    fn ok(d: &DeviceAllocator<SimBackend>) {
+        d.check_invariants()
+            .unwrap_or_else(|e| panic!("invariant broken: {e}"));
+    }
+
+    #[test]
+    fn grows_by_pages_and_reuses_contiguous_space() {
+        let mut d = dev("expandable_segments:true,defragment:false,expandable_page_mb:20");
+        let a = d.malloc(30 << 20, 0).unwrap();
+        ok(&d);
+        assert_eq!(
+            d.stats().reserved_bytes.all.current,
+            40 << 20,
+            "two 20 MiB pages"
+        );
+        assert_eq!(
+            d.stats().segment.all.current,
+            0,
+            "expandable segments are not counted as segments"
+        );
+        let b = d.malloc(5 << 20, 0).unwrap();
+        ok(&d);
+        assert_eq!(b, a + (30 << 20), "carved from the mapped tail");
+        d.free(a).unwrap();
+        ok(&d);
+        // 40 MiB wanted: the free 30 MiB at the front cannot grow (b follows),
+        // so pages are mapped after b; b's tail and new pages join.
+        let c = d.malloc(40 << 20, 0).unwrap();
+        ok(&d);
+        assert_eq!(c, b + (5 << 20));
+        d.free(b).unwrap();
+        d.free(c).unwrap();
+        ok(&d);
+        // Everything free is one block: a 75 MiB request fits without growing.
+        let before = d.stats().reserved_bytes.all.current;
+        let e = d.malloc(75 << 20, 0).unwrap();
+        assert_eq!(e, a);
+        assert_eq!(d.stats().reserved_bytes.all.current, before);
+        d.free(e).unwrap();
+        d.empty_cache().unwrap();
+        ok(&d);
+        assert_eq!(d.stats().reserved_bytes.all.current, 0);
+        assert_eq!(d.backend().used(), 0);
+        assert_eq!(d.backend().mapped_pages(), 0);
+    }
+
+    #[test]
+    fn empty_cache_unmaps_only_whole_free_pages() {
+        let mut d = dev("expandable_segments:true,expandable_page_mb:20");
+        let a = d.malloc(10 << 20, 0).unwrap();
+        let b = d.malloc(25 << 20, 0).unwrap();
+        let c = d.malloc(2 << 20, 0).unwrap();
+        ok(&d);
+        d.free(b).unwrap();
+        d.empty_cache().unwrap();
+        ok(&d);
+        // a: [0,10) c: [35,37) with 20 MiB pages [0,20) [20,40): both pages hold live memory.
+        assert_eq!(d.stats().reserved_bytes.all.current, 40 << 20);
+        d.free(c).unwrap();
+        d.empty_cache().unwrap();
+        ok(&d);
+        assert_eq!(d.stats().reserved_bytes.all.current, 20 << 20);
+        d.free(a).unwrap();
+        d.empty_cache().unwrap();
+        ok(&d);
+        assert_eq!(d.backend().used(), 0);
+    }
+
+    #[test]
+    fn falls_back_to_plain_segments_without_virtual_memory() {
+        struct NoVmm(SimBackend);
+        impl Backend for NoVmm {
+            fn alignment(&self) -> u64 {
+                self.0.alignment()
+            }
+            fn mem_info(&mut self) -> Result<crate::MemInfo, crate::BackendError> {
+                self.0.mem_info()
+            }
+            fn allocate(&mut self, size: u64, c: bool) -> Result<u64, crate::BackendError> {
+                self.0.allocate(size, c)
+            }
+            fn release(&mut self, ptr: u64, size: u64) -> Result<(), crate::BackendError> {
+                self.0.release(ptr, size)
+            }
+            fn record_event(&mut self, s: u64) -> Result<u64, crate::BackendError> {
+                self.0.record_event(s)
+            }
+            fn event_done(&mut self, e: u64) -> Result<bool, crate::BackendError> {
+                self.0.event_done(e)
+            }
+            fn wait_event(&mut self, e: u64) -> Result<(), crate::BackendError> {
+                self.0.wait_event(e)
+            }
+            fn stream_wait_event(&mut self, s: u64, e: u64) -> Result<(), crate::BackendError> {
+                self.0.stream_wait_event(s, e)
+            }
+            fn destroy_event(&mut self, e: u64) {
+                self.0.destroy_event(e)
+            }
+        }
+        let mut d = DeviceAllocator::new(
+            0,
+            NoVmm(SimBackend::new(1 << 30)),
+            Config::parse("expandable_segments:true").unwrap(),
+        );
+        d.malloc(30 << 20, 0).unwrap();
+        assert_eq!(d.stats().segment.all.current, 1);
+        d.check_invariants().unwrap();
+    }
+
+    /// Multi-scale pattern: each step allocates a batch of activations whose
+    /// sizes depend on a random input scale, then frees them.
+    fn multiscale_peak(conf: &str) -> (i64, i64, i64) {
+        let mut d = dev(conf);
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut keep = Vec::new();
+        for _ in 0..200 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let scale = 320 + (x % 10) * 32;
+            let mut step = Vec::new();
+            for layer in 0..12u64 {
+                let bytes = scale * scale * (16 << (layer % 4)) + (x % 4096);
+                step.push(d.malloc(bytes, 0).unwrap());
+            }
+            if x % 7 == 0 {
+                keep.push(d.malloc(scale * 4096, 0).unwrap());
+            }
+            for p in step {
+                d.free(p).unwrap();
+            }
+        }
+        d.check_invariants().unwrap();
+        let s = d.stats();
+        (
+            s.reserved_bytes.all.peak,
+            s.allocated_bytes.all.peak,
+            s.requested_bytes.all.peak,
+        )
+    }
+
+    #[test]
+    fn expandable_segments_cut_fragmentation_on_multiscale_shapes() {
+        let (plain_r, plain_a, plain_q) = multiscale_peak("");
+        let (exp_r, exp_a, exp_q) = multiscale_peak("expandable_segments:true");
+        let (pt_r, pt_a, _) =
+            multiscale_peak("expandable_segments:true,defragment:false,expandable_page_mb:20");
+        assert_eq!(plain_q, exp_q, "the same requests");
+        let (plain, exp) = (plain_r as f64 / plain_a as f64, exp_r as f64 / exp_a as f64);
+        assert!(exp < plain, "expandable {exp:.3} vs plain {plain:.3}");
+        let pytorch_like = pt_r as f64 / pt_a as f64;
+        assert!(
+            exp < pytorch_like,
+            "gpualloc {exp:.3} vs PyTorch-like expandable {pytorch_like:.3}"
+        );
+        assert!(
+            exp < 1.08,
+            "expandable reserved/allocated {exp:.3} (plain {plain:.3})"
+        );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        #[test]
+        fn random_ops_keep_invariants(
+            ops in proptest::collection::vec((0u8..10, 1u64..(48 << 20), 0u64..3), 1..120),
+            defrag in proptest::bool::ANY,
+        ) {
+            let conf = format!("expandable_segments:true,defragment:{defrag}");
+            let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::parse(&conf).unwrap());
+            let mut live: Vec<(u64, u64)> = Vec::new();
+            for (op, size, stream) in ops {
+                match op {
+                    0..=5 => {
+                        if let Ok(p) = d.malloc(size, stream) {
+                            for &(q, qs) in &live {
+                                proptest::prop_assert!(p + size <= q || q + qs <= p, "overlap");
+                            }
+                            live.push((p, size));
+                        }
+                    }
+                    6..=8 if !live.is_empty() => {
+                        let (p, _) = live.swap_remove((size as usize) % live.len());
+                        d.free(p).unwrap();
+                    }
+                    _ => d.empty_cache().unwrap(),
+                }
+                ok(&d);
+                proptest::prop_assert_eq!(d.stats().reserved_bytes.all.current as u64, d.backend().used());
+            }
+            for (p, _) in live {
+                d.free(p).unwrap();
+            }
+            d.empty_cache().unwrap();
+            ok(&d);
+            proptest::prop_assert_eq!(d.backend().used(), 0);
+            proptest::prop_assert_eq!(d.backend().mapped_pages(), 0);
+        }
+    }
+}
