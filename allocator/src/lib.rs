@@ -47,6 +47,7 @@ mod expandable;
 mod invariants;
 mod pool;
 mod release;
+pub mod replay;
 mod segment;
 pub mod size_class;
 mod snapshot;

@@ -1,7 +1,28 @@
-//! The allocation trace: vocabulary, recorder, file format.
+//! The allocation trace: vocabulary, recorder, file format, reader and writer.
+//!
+//! The key decision: a trace is a stream of self-contained, checksummed
+//! blocks of delta-encoded records. Blocks make a killed process's file
+//! readable up to its last block and let the reader stream with memory
+//! bounded by one block; deltas keep an event near 10 bytes on disk.
 
+mod control;
 mod event;
+pub mod format;
+pub mod reader;
 pub mod recorder;
+pub mod writer;
 
+pub use control::TRACE_ENV;
 pub use event::{Action, TraceEvent, pool_code};
-pub use recorder::DeviceTrace;
+pub use format::{TraceEnd, TraceError, TraceErrorKind, TraceHeader};
+pub use reader::TraceReader;
+pub use recorder::{DeviceTrace, Recorder, TraceOptions, TraceSummary, thread_id};
+pub use writer::TraceWriter;
+
+/// A fresh temporary file path for tests in this crate.
+#[cfg(test)]
+pub(crate) fn control_tests_path(name: &str) -> std::path::PathBuf {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    std::env::temp_dir().join(format!("gpualloc-{}-{n}-{name}.gtrace", std::process::id()))
+}

@@ -1,45 +1,526 @@
-//! Recording: per-device buffers filled under the device lock.
-//! (First cut: buffers only; the writer thread and file format follow.)
+//! Recording: per-device buffers filled under the device lock, handed whole
+//! to one writer thread.
+//!
+//! The allocating thread does no I/O and never blocks: [`DeviceTrace::record`]
+//! reads the cycle counter, pushes 48 bytes into a preallocated `Vec`, and
+//! when the buffer is full offers it to the writer through a bounded channel
+//! with `try_send`. If the channel is full the buffer's events are counted as
+//! dropped and the buffer is reused; the count travels with the next buffer
+//! that gets through and is written into the trace as a DROPPED block.
+//! Memory is bounded by `channel_blocks + 1` buffers per device plus the
+//! recycled spares. Timestamps are raw counter values (`quanta`, the TSC where
+//! it is invariant) converted to nanoseconds by the writer thread.
+
+use std::cell::Cell;
+use std::fs::File;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender, TrySendError};
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
 
 use crate::backend::{DevicePtr, StreamId};
+use crate::trace::format::TraceHeader;
+use crate::trace::writer::TraceWriter;
 use crate::trace::{Action, TraceEvent};
+
+/// How a trace is recorded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TraceOptions {
+    /// Events per device buffer (one block in the file).
+    pub buffer_events: usize,
+    /// Full buffers that may wait for the writer before events are dropped.
+    pub channel_blocks: usize,
+    /// Wait for the writer instead of dropping (offline generators and tests only:
+    /// an allocating thread may then block).
+    pub lossless: bool,
+}
+
+impl Default for TraceOptions {
+    fn default() -> Self {
+        TraceOptions {
+            buffer_events: 4096,
+            channel_blocks: 64,
+            lossless: false,
+        }
+    }
+}
+
+/// What [`trace_stop`](crate::Allocator::trace_stop) reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceSummary {
+    /// Events written to the file.
+    pub events: u64,
+    /// Events recorded but not written (writer behind, or an I/O error).
+    pub dropped: u64,
+    /// Bytes of the file.
+    pub bytes: u64,
+}
+
+pub(crate) enum Msg {
+    Events {
+        device: u32,
+        events: Vec<TraceEvent>,
+        dropped: u64,
+    },
+    Flush(Sender<io::Result<()>>),
+    Stop,
+}
+
+static NEXT_THREAD: AtomicU32 = AtomicU32::new(1);
+thread_local! {
+    static THREAD: Cell<u32> = const { Cell::new(0) };
+}
+
+/// A small integer naming the calling thread (1, 2, ... in order of first use).
+#[inline]
+pub fn thread_id() -> u32 {
+    THREAD.with(|t| {
+        let id = t.get();
+        if id != 0 {
+            return id;
+        }
+        let id = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+        t.set(id);
+        id
+    })
+}
+
+struct Sink {
+    tx: Sender<Msg>,
+    spare: Receiver<Vec<TraceEvent>>,
+    lossless: bool,
+}
 
 /// One device's trace buffer.
 pub struct DeviceTrace {
     device: u32,
-    start: std::time::Instant,
-    /// Buffered events.
-    pub events: Vec<TraceEvent>,
+    buf: Vec<TraceEvent>,
+    cap: usize,
+    clock: quanta::Clock,
+    start_raw: u64,
+    sink: Option<Sink>,
+    /// Dropped since the last buffer that reached the writer.
+    dropped_pending: u64,
+    dropped_total: u64,
+    dropped_synced: u64,
 }
 
 impl DeviceTrace {
-    /// An in-memory buffer for `device`.
+    /// A buffer for `device` that keeps every event in memory (tests, tools).
     pub fn in_memory(device: u32) -> DeviceTrace {
-        DeviceTrace { device, start: std::time::Instant::now(), events: Vec::new() }
+        let clock = quanta::Clock::new();
+        let start_raw = clock.raw();
+        DeviceTrace {
+            device,
+            buf: Vec::new(),
+            cap: usize::MAX,
+            clock,
+            start_raw,
+            sink: None,
+            dropped_pending: 0,
+            dropped_total: 0,
+            dropped_synced: 0,
+        }
     }
 
-    /// Appends one event.
+    /// Appends one event. Never blocks (unless the trace is lossless) and
+    /// never does I/O.
     #[inline]
-    pub fn record(&mut self, action: Action, stream: StreamId, addr: DevicePtr, size: u64, aux: u64) {
-        self.events.push(TraceEvent {
-            time_ns: self.start.elapsed().as_nanos() as u64,
+    pub fn record(
+        &mut self,
+        action: Action,
+        stream: StreamId,
+        addr: DevicePtr,
+        size: u64,
+        aux: u64,
+    ) {
+        // A completion in the same call as its request shares its timestamp.
+        let time = match self.buf.last() {
+            Some(l)
+                if action == Action::FreeCompleted
+                    && l.action == Action::FreeRequested
+                    && l.addr == addr =>
+            {
+                l.time_ns
+            }
+            _ => self.clock.raw(),
+        };
+        self.buf.push(TraceEvent {
+            time_ns: time,
             action,
             device: self.device,
             stream,
             addr,
             size,
             aux,
-            thread: 0,
+            thread: thread_id(),
         });
+        if self.buf.len() >= self.cap {
+            self.hand_off();
+        }
+    }
+
+    /// Events this buffer could not hand to the writer, since it was created.
+    pub fn dropped(&self) -> u64 {
+        self.dropped_total
+    }
+
+    /// Dropped events not yet reported through this method (for
+    /// `DeviceStats::num_trace_dropped`).
+    pub fn take_unsynced_drops(&mut self) -> u64 {
+        let n = self.dropped_total - self.dropped_synced;
+        self.dropped_synced = self.dropped_total;
+        n
+    }
+
+    /// The events buffered so far, timestamps in nanoseconds since the
+    /// buffer was created (in-memory buffers keep everything).
+    pub fn take_events(&mut self) -> Vec<TraceEvent> {
+        let mut v = std::mem::take(&mut self.buf);
+        for e in &mut v {
+            e.time_ns = self.clock.delta_as_nanos(self.start_raw, e.time_ns);
+        }
+        v
+    }
+
+    #[cold]
+    fn hand_off(&mut self) {
+        let Some(sink) = &self.sink else { return };
+        let fresh = sink
+            .spare
+            .try_recv()
+            .unwrap_or_else(|_| Vec::with_capacity(self.cap));
+        let full = std::mem::replace(&mut self.buf, fresh);
+        let msg = Msg::Events {
+            device: self.device,
+            events: full,
+            dropped: self.dropped_pending,
+        };
+        let refused = if sink.lossless {
+            sink.tx.send(msg).err().map(|e| e.0)
+        } else {
+            match sink.tx.try_send(msg) {
+                Ok(()) => None,
+                Err(TrySendError::Full(m) | TrySendError::Disconnected(m)) => Some(m),
+            }
+        };
+        match refused {
+            None => self.dropped_pending = 0,
+            Some(Msg::Events { mut events, .. }) => {
+                let n = events.len() as u64;
+                self.dropped_pending += n;
+                self.dropped_total += n;
+                events.clear();
+                self.buf = events;
+            }
+            Some(_) => unreachable!("only events are sent here"),
+        }
+    }
+
+    /// The buffered events and the pending drop count as a message (flush, stop).
+    pub(crate) fn take_batch(&mut self) -> Option<Msg> {
+        if self.buf.is_empty() && self.dropped_pending == 0 {
+            return None;
+        }
+        let fresh = self
+            .sink
+            .as_ref()
+            .and_then(|s| s.spare.try_recv().ok())
+            .unwrap_or_default();
+        let events = std::mem::replace(&mut self.buf, fresh);
+        let dropped = std::mem::take(&mut self.dropped_pending);
+        Some(Msg::Events {
+            device: self.device,
+            events,
+            dropped,
+        })
+    }
+
+    /// Hands everything buffered to the writer, waiting if the channel is full.
+    pub(crate) fn finish(mut self) {
+        self.send_rest();
+    }
+
+    fn send_rest(&mut self) {
+        let Some(tx) = self.sink.as_ref().map(|s| s.tx.clone()) else {
+            return;
+        };
+        if let Some(Msg::Events {
+            events, dropped, ..
+        }) = self.take_batch()
+        {
+            let n = events.len() as u64;
+            if tx
+                .send(Msg::Events {
+                    device: self.device,
+                    events,
+                    dropped,
+                })
+                .is_err()
+            {
+                self.dropped_total += n;
+            }
+        }
     }
 }
 
-/// The process-wide recorder (first cut: hands out in-memory buffers).
-pub struct Recorder {}
+impl Drop for DeviceTrace {
+    fn drop(&mut self) {
+        self.send_rest();
+    }
+}
+
+struct Strings {
+    ids: FxHashMap<String, u64>,
+    table: Vec<String>,
+}
+
+/// Process-wide state of a running trace.
+pub struct Recorder {
+    opts: TraceOptions,
+    clock: quanta::Clock,
+    start_raw: u64,
+    tx: Sender<Msg>,
+    spare: Receiver<Vec<TraceEvent>>,
+    strings: Arc<Mutex<Strings>>,
+    phases: Mutex<Vec<u64>>,
+    writer: Mutex<Option<JoinHandle<io::Result<TraceSummary>>>>,
+    path: std::path::PathBuf,
+}
 
 impl Recorder {
-    /// The buffer a newly created device records into.
+    /// Creates the file, writes the header, and starts the writer thread.
+    pub fn start(
+        path: &Path,
+        config: &str,
+        device_count: u32,
+        opts: TraceOptions,
+    ) -> io::Result<Recorder> {
+        let opts = TraceOptions {
+            buffer_events: opts.buffer_events.max(1),
+            ..opts
+        };
+        let file = File::create(path)?;
+        let start_unix_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let header = TraceHeader {
+            start_unix_ns,
+            device_count,
+            pid: std::process::id(),
+            config: config.to_string(),
+            producer: concat!("gpualloc ", env!("CARGO_PKG_VERSION")).to_string(),
+        };
+        let writer = TraceWriter::new(file, &header)?;
+        let clock = quanta::Clock::new();
+        let start_raw = clock.raw();
+        let (tx, rx) = crossbeam_channel::bounded(opts.channel_blocks);
+        let (spare_tx, spare) = crossbeam_channel::bounded(opts.channel_blocks);
+        let strings = Arc::new(Mutex::new(Strings {
+            ids: FxHashMap::default(),
+            table: Vec::new(),
+        }));
+        let ctx = WriterCtx {
+            clock: clock.clone(),
+            start_raw,
+            strings: strings.clone(),
+            spare: spare_tx,
+        };
+        let handle = std::thread::Builder::new()
+            .name("gpualloc-trace".into())
+            .spawn(move || ctx.run(writer, rx))?;
+        Ok(Recorder {
+            opts,
+            clock,
+            start_raw,
+            tx,
+            spare,
+            strings,
+            phases: Mutex::new(Vec::new()),
+            writer: Mutex::new(Some(handle)),
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// The file being written.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The buffer a device records into. A device that joins while phases
+    /// are open starts with their `phase_push` events.
     pub fn device_trace(&self, device: u32) -> DeviceTrace {
-        DeviceTrace::in_memory(device)
+        let mut t = DeviceTrace {
+            device,
+            buf: Vec::with_capacity(self.opts.buffer_events),
+            cap: self.opts.buffer_events,
+            clock: self.clock.clone(),
+            start_raw: self.start_raw,
+            sink: Some(Sink {
+                tx: self.tx.clone(),
+                spare: self.spare.clone(),
+                lossless: self.opts.lossless,
+            }),
+            dropped_pending: 0,
+            dropped_total: 0,
+            dropped_synced: 0,
+        };
+        for &id in self.phases.lock().iter() {
+            t.record(Action::PhasePush, 0, 0, 0, id);
+        }
+        t
+    }
+
+    /// The string id of `s`, adding it to the table.
+    pub fn intern(&self, s: &str) -> u64 {
+        let mut st = self.strings.lock();
+        if let Some(&id) = st.ids.get(s) {
+            return id;
+        }
+        let id = st.table.len() as u64;
+        st.table.push(s.to_string());
+        st.ids.insert(s.to_string(), id);
+        id
+    }
+
+    /// Opens a phase; returns its string id.
+    pub(crate) fn push_phase(&self, name: &str) -> u64 {
+        let id = self.intern(name);
+        self.phases.lock().push(id);
+        id
+    }
+
+    /// Closes the innermost phase; its id, or `None` when none is open.
+    pub(crate) fn pop_phase(&self) -> Option<u64> {
+        self.phases.lock().pop()
+    }
+
+    /// Sends a message, waiting for room (control paths only).
+    pub(crate) fn send(&self, msg: Msg) {
+        let _ = self.tx.send(msg);
+    }
+
+    /// Waits until everything sent so far is written and flushed.
+    pub(crate) fn flush(&self) -> io::Result<()> {
+        let (ack_tx, ack) = crossbeam_channel::bounded(1);
+        self.tx
+            .send(Msg::Flush(ack_tx))
+            .map_err(|_| io::Error::other("gpualloc trace writer has stopped"))?;
+        ack.recv()
+            .map_err(|_| io::Error::other("gpualloc trace writer has stopped"))?
+    }
+
+    /// Stops the writer: writes the END block, closes the file.
+    pub(crate) fn stop(&self) -> io::Result<TraceSummary> {
+        let Some(handle) = self.writer.lock().take() else {
+            return Err(io::Error::other("gpualloc trace already stopped"));
+        };
+        let _ = self.tx.send(Msg::Stop);
+        handle
+            .join()
+            .map_err(|_| io::Error::other("gpualloc trace writer panicked"))?
+    }
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+struct WriterCtx {
+    clock: quanta::Clock,
+    start_raw: u64,
+    strings: Arc<Mutex<Strings>>,
+    spare: Sender<Vec<TraceEvent>>,
+}
+
+impl WriterCtx {
+    fn run(self, mut w: TraceWriter<File>, rx: Receiver<Msg>) -> io::Result<TraceSummary> {
+        let mut failed: Option<io::Error> = None;
+        let mut lost = 0u64;
+        let mut last_ns = 0u64;
+        for msg in rx.iter() {
+            match msg {
+                Msg::Events {
+                    device,
+                    mut events,
+                    dropped,
+                } => {
+                    for e in &mut events {
+                        e.time_ns = self.clock.delta_as_nanos(self.start_raw, e.time_ns);
+                    }
+                    if let Some(l) = events.last() {
+                        last_ns = last_ns.max(l.time_ns);
+                    }
+                    if failed.is_none() {
+                        let r = self.write(&mut w, device, &events, dropped, last_ns);
+                        if let Err(e) = r {
+                            failed = Some(e);
+                        }
+                    }
+                    if failed.is_some() {
+                        lost += events.len() as u64 + dropped;
+                    }
+                    events.clear();
+                    let _ = self.spare.try_send(events);
+                }
+                Msg::Flush(ack) => {
+                    let r = match &failed {
+                        Some(e) => Err(io::Error::new(e.kind(), e.to_string())),
+                        None => w.flush(),
+                    };
+                    let _ = ack.send(r);
+                }
+                Msg::Stop => break,
+            }
+        }
+        if let Some(e) = failed {
+            return Err(io::Error::new(
+                e.kind(),
+                format!("{e} ({lost} trace events could not be written)"),
+            ));
+        }
+        self.sync_strings(&mut w)?;
+        let end_ns = self
+            .clock
+            .delta_as_nanos(self.start_raw, self.clock.raw())
+            .max(last_ns);
+        let (events, dropped) = (w.events(), w.dropped());
+        let (file, _) = w.finish(Some(end_ns))?;
+        let bytes = file.metadata().map(|m| m.len()).unwrap_or(0);
+        Ok(TraceSummary {
+            events,
+            dropped,
+            bytes,
+        })
+    }
+
+    fn write(
+        &self,
+        w: &mut TraceWriter<File>,
+        device: u32,
+        events: &[TraceEvent],
+        dropped: u64,
+        now: u64,
+    ) -> io::Result<()> {
+        self.sync_strings(w)?;
+        if dropped > 0 {
+            w.write_dropped(device, dropped, now)?;
+        }
+        w.write_events(device, events)
+    }
+
+    fn sync_strings(&self, w: &mut TraceWriter<File>) -> io::Result<()> {
+        let new: Vec<String> = {
+            let st = self.strings.lock();
+            st.table[w.string_count() as usize..].to_vec()
+        };
+        w.write_strings(&new)
     }
 }

@@ -1,0 +1,538 @@
+//! What-if replay: a recorded allocation sequence through this allocator's
+//! policy on a simulated device of any capacity and configuration.
+//!
+//! # The key decision: mirror the recording's stream progress, not its layout
+//!
+//! Only the caller's actions are replayed: `alloc` (with the requested size),
+//! `free_requested`, `record_stream`, `empty_cache`, and requests that failed
+//! (`oom`: tried again, and given back at once if they fit now). Segments, splits and
+//! reuse are decided afresh by the replayed policy. Each recorded address is
+//! mapped to the address the replay handed out; frees go through that map, and
+//! frees of addresses the trace never allocated (a trace started mid-run, or
+//! an allocation that failed in the replay) are skipped and counted.
+//!
+//! Blocks used on other streams stay pending until their events complete; the
+//! recording's `free_completed` of such a block says when the device got
+//! there. The replay then completes exactly that block's events on the
+//! simulator and polls, as the recorded allocator did at the start of its next
+//! call, so reuse happens at the same point. When the recorded completions
+//! came from the allocator's own out-of-memory path or `empty_cache` (a
+//! `segment_free`, `oom` or `empty_cache` follows them in the same call), the
+//! replay leaves them to its own identical path instead. A trace recorded by
+//! gpualloc on the simulator therefore reproduces its peak reserved exactly
+//! under the same configuration and capacity.
+
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap;
+
+use crate::backend::{Backend, DevicePtr, SimBackend, StreamId};
+use crate::config::Config;
+use crate::device::DeviceAllocator;
+use crate::error::AllocError;
+use crate::trace::{Action, TraceEvent};
+
+/// The first allocation that failed in a replay.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplayOom {
+    /// Device.
+    pub device: u32,
+    /// Index of the failing `alloc` event in the trace (0-based, over all devices).
+    pub event_index: u64,
+    /// Its time, nanoseconds since the trace start.
+    pub time_ns: u64,
+    /// Bytes requested.
+    pub requested: u64,
+    /// Allocated bytes at the failure.
+    pub allocated: u64,
+    /// Reserved bytes at the failure.
+    pub reserved: u64,
+    /// Largest cached free block at the failure.
+    pub largest_free_block: u64,
+    /// String id of the innermost open phase, if any.
+    pub phase: Option<u64>,
+    /// The allocator's error message.
+    pub message: String,
+}
+
+/// Figures of one device's replay.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DeviceReplay {
+    /// Device index.
+    pub device: u32,
+    /// Highest reserved bytes.
+    pub peak_reserved: u64,
+    /// Highest allocated bytes.
+    pub peak_allocated: u64,
+    /// Highest active bytes (allocated plus pending frees).
+    pub peak_active: u64,
+    /// Allocated bytes when reserved peaked.
+    pub allocated_at_peak_reserved: u64,
+    /// `1 - largest free block / cached free bytes` when reserved peaked.
+    pub external_fragmentation_at_peak: f64,
+    /// `1 - allocated / reserved` when reserved peaked.
+    pub unallocated_fraction_at_peak: f64,
+    /// Mean of `1 - allocated / reserved` after each allocation.
+    pub mean_unallocated_fraction: f64,
+    /// Reserved bytes at the end.
+    pub final_reserved: u64,
+    /// Allocated bytes at the end.
+    pub final_allocated: u64,
+    /// Allocations replayed successfully.
+    pub allocs: u64,
+    /// Allocations that failed.
+    pub ooms: u64,
+    /// Segments obtained from the simulated device.
+    pub device_allocs: u64,
+    /// Segments released to it.
+    pub device_frees: u64,
+    /// Allocations that needed the release-and-retry path.
+    pub alloc_retries: u64,
+    /// The first failed allocation.
+    pub first_oom: Option<ReplayOom>,
+}
+
+/// What a replay measured: per device, and totals over devices.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ReplayResult {
+    /// Capacity of each simulated device.
+    pub capacity: u64,
+    /// Events read.
+    pub events: u64,
+    /// Sum over devices of each device's peak reserved.
+    pub peak_reserved: u64,
+    /// Sum over devices of each device's peak allocated.
+    pub peak_allocated: u64,
+    /// Failed allocations, all devices.
+    pub ooms: u64,
+    /// The earliest failed allocation over all devices.
+    pub first_oom: Option<ReplayOom>,
+    /// Frees (and `record_stream`s) of addresses the trace never allocated:
+    /// the trace started after they were allocated.
+    pub unknown_frees: u64,
+    /// Frees of allocations that had failed in the replay.
+    pub frees_of_failed: u64,
+    /// Per-device figures, by device index.
+    pub devices: Vec<DeviceReplay>,
+}
+
+struct Live {
+    ptr: Option<DevicePtr>,
+    used_on_other_streams: bool,
+}
+
+struct DeviceRun {
+    dev: DeviceAllocator<SimBackend>,
+    out: DeviceReplay,
+    /// Recorded address → replayed allocation (`None`: failed in the replay).
+    live: FxHashMap<DevicePtr, Live>,
+    /// Recorded address → replayed address of blocks freed with stream uses.
+    pending: FxHashMap<DevicePtr, DevicePtr>,
+    /// Internal events of one recorded call, held back to see how it ends.
+    window: Vec<(u64, TraceEvent)>,
+    phases: Vec<u64>,
+    unalloc_sum: f64,
+}
+
+/// Replays `events` on simulated devices of `capacity` bytes with `config`.
+pub fn replay(
+    events: impl Iterator<Item = TraceEvent>,
+    capacity: u64,
+    config: &Config,
+) -> ReplayResult {
+    let mut runs: BTreeMap<u32, DeviceRun> = BTreeMap::new();
+    let mut r = ReplayResult {
+        capacity,
+        ..ReplayResult::default()
+    };
+    for (i, e) in events.enumerate() {
+        r.events += 1;
+        let run = runs
+            .entry(e.device)
+            .or_insert_with(|| DeviceRun::new(e.device, capacity, config));
+        run.event(i as u64, e, &mut r);
+    }
+    for (_, mut run) in runs {
+        run.close_window(&mut r);
+        let s = run.dev.stats().clone();
+        let o = &mut run.out;
+        o.final_reserved = s.reserved_bytes.all.current as u64;
+        o.final_allocated = s.allocated_bytes.all.current as u64;
+        o.peak_reserved = o.peak_reserved.max(s.reserved_bytes.all.peak as u64);
+        o.peak_allocated = s.allocated_bytes.all.peak as u64;
+        o.peak_active = s.active_bytes.all.peak as u64;
+        o.device_allocs = s.num_device_alloc as u64;
+        o.device_frees = s.num_device_free as u64;
+        o.alloc_retries = s.num_alloc_retries as u64;
+        o.mean_unallocated_fraction = if o.allocs == 0 {
+            0.0
+        } else {
+            run.unalloc_sum / o.allocs as f64
+        };
+        r.peak_reserved += o.peak_reserved;
+        r.peak_allocated += o.peak_allocated;
+        r.ooms += o.ooms;
+        if let Some(f) = &o.first_oom
+            && r.first_oom
+                .as_ref()
+                .is_none_or(|g| f.event_index < g.event_index)
+        {
+            r.first_oom = Some(f.clone());
+        }
+        r.devices.push(run.out);
+    }
+    r
+}
+
+/// Whether an action is a call made by the allocator's user (it starts a new recorded call).
+fn is_call(a: Action) -> bool {
+    matches!(
+        a,
+        Action::Alloc
+            | Action::FreeRequested
+            | Action::RecordStream
+            | Action::EmptyCache
+            | Action::PhasePush
+            | Action::PhasePop
+            | Action::Mark
+    )
+}
+
+impl DeviceRun {
+    fn new(device: u32, capacity: u64, config: &Config) -> DeviceRun {
+        DeviceRun {
+            dev: DeviceAllocator::new(device, SimBackend::new(capacity), config.clone()),
+            out: DeviceReplay {
+                device,
+                ..DeviceReplay::default()
+            },
+            live: FxHashMap::default(),
+            pending: FxHashMap::default(),
+            window: Vec::new(),
+            phases: Vec::new(),
+            unalloc_sum: 0.0,
+        }
+    }
+
+    fn event(&mut self, i: u64, e: TraceEvent, r: &mut ReplayResult) {
+        if !self.window.is_empty() {
+            if is_call(e.action) || e.action == Action::Oom {
+                let ends_in_release = e.action == Action::EmptyCache || e.action == Action::Oom;
+                self.close_window_with(ends_in_release, r);
+            } else {
+                self.window.push((i, e));
+                return;
+            }
+        }
+        if e.action == Action::FreeCompleted && self.pending.contains_key(&e.addr) {
+            self.window.push((i, e));
+            return;
+        }
+        self.apply(i, e, r);
+    }
+
+    fn close_window(&mut self, r: &mut ReplayResult) {
+        self.close_window_with(false, r);
+    }
+
+    /// Ends a held-back call: completes its `free_completed` blocks now
+    /// unless the call was a release path, then applies its events.
+    fn close_window_with(&mut self, ends_in_release: bool, r: &mut ReplayResult) {
+        let window = std::mem::take(&mut self.window);
+        let release_path =
+            ends_in_release || window.iter().any(|(_, e)| e.action == Action::SegmentFree);
+        if !release_path {
+            for (_, e) in &window {
+                if e.action == Action::FreeCompleted
+                    && let Some(ptr) = self.pending.remove(&e.addr)
+                {
+                    self.complete_events_of(ptr);
+                }
+            }
+            let _ = self.dev.process_events();
+        }
+        for (i, e) in window {
+            self.apply(i, e, r);
+        }
+    }
+
+    /// Makes every event the block at `ptr` waits on complete in the simulator.
+    fn complete_events_of(&mut self, ptr: DevicePtr) {
+        let Some(&id) = self.dev.live.get(&ptr) else {
+            return;
+        };
+        let events: Vec<u64> = self
+            .dev
+            .pending
+            .values()
+            .flat_map(|q| q.iter().filter(|(_, b)| *b == id).map(|(ev, _)| *ev))
+            .collect();
+        for ev in events {
+            let _ = self.dev.backend.wait_event(ev);
+        }
+    }
+
+    fn apply(&mut self, i: u64, e: TraceEvent, r: &mut ReplayResult) {
+        match e.action {
+            Action::Alloc => self.alloc(i, e),
+            Action::FreeRequested => match self.live.remove(&e.addr) {
+                Some(Live {
+                    ptr: Some(p),
+                    used_on_other_streams,
+                }) => {
+                    if self.dev.free(p).is_ok()
+                        && used_on_other_streams
+                        && self.dev.live.contains_key(&p)
+                    {
+                        self.pending.insert(e.addr, p);
+                    }
+                }
+                Some(Live { ptr: None, .. }) => r.frees_of_failed += 1,
+                None => r.unknown_frees += 1,
+            },
+            Action::FreeCompleted => {
+                self.pending.remove(&e.addr);
+            }
+            Action::RecordStream => match self.live.get_mut(&e.addr) {
+                Some(l) => {
+                    if let Some(p) = l.ptr {
+                        l.used_on_other_streams = true;
+                        let _ = self.dev.record_stream(p, e.stream);
+                    }
+                }
+                None => r.unknown_frees += 1,
+            },
+            Action::EmptyCache => {
+                let _ = self.dev.empty_cache();
+            }
+            Action::Oom => self.failed_alloc(i, e),
+            Action::PhasePush => self.phases.push(e.aux),
+            Action::PhasePop => {
+                self.phases.pop();
+            }
+            _ => {}
+        }
+        self.observe_reserved();
+    }
+
+    fn alloc(&mut self, i: u64, e: TraceEvent) {
+        let result = self.dev.malloc(e.size, e.stream as StreamId);
+        let ptr = match result {
+            Ok(p) => {
+                self.out.allocs += 1;
+                let s = self.dev.stats();
+                let reserved = s.reserved_bytes.all.current;
+                if reserved > 0 {
+                    self.unalloc_sum +=
+                        1.0 - s.allocated_bytes.all.current as f64 / reserved as f64;
+                }
+                Some(p)
+            }
+            Err(err) => {
+                self.out.ooms += 1;
+                if self.out.first_oom.is_none() {
+                    self.out.first_oom = Some(self.oom(i, e, &err));
+                }
+                None
+            }
+        };
+        self.live.insert(
+            e.addr,
+            Live {
+                ptr,
+                used_on_other_streams: false,
+            },
+        );
+    }
+
+    /// A request that failed in the recording is tried again: it fails again
+    /// (counted), or fits and is given back at once, as the program never
+    /// got it.
+    fn failed_alloc(&mut self, i: u64, e: TraceEvent) {
+        match self.dev.malloc(e.size, e.stream as StreamId) {
+            Ok(p) => {
+                let _ = self.dev.free(p);
+            }
+            Err(err) => {
+                self.out.ooms += 1;
+                if self.out.first_oom.is_none() {
+                    self.out.first_oom = Some(self.oom(i, e, &err));
+                }
+            }
+        }
+    }
+
+    fn oom(&self, i: u64, e: TraceEvent, err: &AllocError) -> ReplayOom {
+        let s = self.dev.stats();
+        ReplayOom {
+            device: e.device,
+            event_index: i,
+            time_ns: e.time_ns,
+            requested: e.size,
+            allocated: s.allocated_bytes.all.current as u64,
+            reserved: s.reserved_bytes.all.current as u64,
+            largest_free_block: self.dev.largest_free_block(),
+            phase: self.phases.last().copied(),
+            message: err.to_string(),
+        }
+    }
+
+    fn observe_reserved(&mut self) {
+        let s = self.dev.stats();
+        let reserved = s.reserved_bytes.all.current as u64;
+        if reserved > self.out.peak_reserved {
+            let allocated = s.allocated_bytes.all.current as u64;
+            self.out.peak_reserved = reserved;
+            self.out.allocated_at_peak_reserved = allocated;
+            self.out.unallocated_fraction_at_peak = self.dev.unallocated_fraction();
+            self.out.external_fragmentation_at_peak = self.dev.external_fragmentation();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allocator::Allocator;
+    use crate::trace::TraceReader;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    /// Drives an allocator on the simulator with tracing on: mixed sizes,
+    /// three streams, `record_stream` with completions at random points,
+    /// `empty_cache`, and a capacity small enough to hit the release paths.
+    fn record(
+        seed: u64,
+        capacity: u64,
+        conf: &str,
+        steps: usize,
+    ) -> (Vec<TraceEvent>, u64, u64, u64) {
+        let config = Config::parse(conf).unwrap();
+        let a = Allocator::new(config, 1, Box::new(move |_| Ok(SimBackend::new(capacity))));
+        let path = crate::trace::control_tests_path(&format!("replay-{seed}"));
+        a.trace_start(&path).unwrap();
+        let mut rng = Rng(seed | 1);
+        let mut live: Vec<(u64, u64)> = Vec::new();
+        for step in 0..steps {
+            if step % 97 == 0 {
+                a.phase_push("step");
+            }
+            match rng.below(100) {
+                0..=47 => {
+                    let size = match rng.below(4) {
+                        0 => 1 + rng.below(4096),
+                        1 => 1 + rng.below(1 << 20),
+                        2 => (1 << 20) + rng.below(9 << 20),
+                        _ => (10 << 20) + rng.below(60 << 20),
+                    };
+                    let stream = rng.below(3);
+                    if let Ok(p) = a.malloc(0, size, stream) {
+                        live.push((p, stream));
+                        if rng.below(5) == 0 {
+                            a.record_stream(0, p, (stream + 1) % 3).unwrap();
+                        }
+                    }
+                }
+                48..=92 if !live.is_empty() => {
+                    let (p, _) = live.swap_remove(rng.below(live.len() as u64) as usize);
+                    a.free(0, p).unwrap();
+                }
+                93..=97 => a.lock(0).unwrap().backend_mut().complete(rng.below(3)),
+                98 => a.empty_cache().unwrap(),
+                _ => a.mark("tick"),
+            }
+            if step % 97 == 96 {
+                a.phase_pop();
+            }
+        }
+        a.trace_stop().unwrap();
+        let s = a.stats(0).unwrap();
+        let mut r = TraceReader::open(&path).unwrap();
+        let evs: Vec<TraceEvent> = r.events().collect();
+        assert!(r.error().is_none());
+        std::fs::remove_file(&path).unwrap();
+        (
+            evs,
+            s.reserved_bytes.all.peak as u64,
+            s.allocated_bytes.all.peak as u64,
+            s.num_ooms as u64,
+        )
+    }
+
+    #[test]
+    fn a_recorded_trace_reproduces_its_peaks_exactly() {
+        let mut recorded_ooms = 0;
+        for (seed, capacity, conf) in [
+            (1, 4u64 << 30, ""),
+            (2, 600 << 20, ""),
+            (3, 400 << 20, "max_split_size_mb:40"),
+            (
+                4,
+                300 << 20,
+                "roundup_power2_divisions:4,cross_stream_reuse:false",
+            ),
+            (
+                5,
+                250 << 20,
+                "garbage_collection_threshold:0.5,memory_limit:200MiB",
+            ),
+        ] {
+            let (evs, peak_reserved, peak_allocated, ooms) = record(seed, capacity, conf, 4000);
+            assert!(evs.iter().any(|e| e.action == Action::RecordStream));
+            let r = replay(evs.into_iter(), capacity, &Config::parse(conf).unwrap());
+            assert_eq!(
+                r.peak_reserved, peak_reserved,
+                "seed {seed} ({conf}): peak reserved"
+            );
+            assert_eq!(
+                r.peak_allocated, peak_allocated,
+                "seed {seed}: peak allocated"
+            );
+            assert_eq!(r.ooms, ooms, "seed {seed}: out-of-memory count");
+            assert_eq!(r.unknown_frees, 0);
+            recorded_ooms += ooms;
+        }
+        assert!(
+            recorded_ooms > 0,
+            "the small capacities exercise the out-of-memory paths"
+        );
+    }
+
+    #[test]
+    fn replay_is_deterministic_and_capacity_matters() {
+        let (evs, ..) = record(9, 1 << 30, "", 3000);
+        let c = Config::default();
+        let a = replay(evs.iter().copied(), 1 << 30, &c);
+        let b = replay(evs.iter().copied(), 1 << 30, &c);
+        assert_eq!(a, b);
+        assert!(a.first_oom.is_none());
+        let small = replay(evs.iter().copied(), a.peak_allocated / 2, &c);
+        let oom = small.first_oom.expect("half the peak cannot fit");
+        assert!(small.ooms > 0 && oom.requested > 0 && oom.message.contains("out of memory"));
+        assert!(small.peak_reserved <= a.peak_allocated / 2);
+    }
+
+    #[test]
+    fn a_trace_that_starts_mid_run_skips_unknown_frees() {
+        let (evs, ..) = record(11, 1 << 30, "", 2000);
+        let first_free = evs
+            .iter()
+            .position(|e| e.action == Action::FreeRequested)
+            .unwrap();
+        let tail: Vec<TraceEvent> = evs[first_free..].to_vec();
+        let r = replay(tail.into_iter(), 1 << 30, &Config::default());
+        assert!(r.unknown_frees > 0);
+        assert!(r.devices[0].allocs > 0);
+    }
+}

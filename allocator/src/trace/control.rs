@@ -1,0 +1,392 @@
+//! Starting, flushing and stopping a trace on a running [`Allocator`], and
+//! the phase and mark annotations. Every function here takes device locks
+//! one at a time and never while holding the recorder slot, so it cannot
+//! deadlock with `Allocator::lock`, which takes them in the other order.
+
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::allocator::Allocator;
+use crate::backend::Backend;
+use crate::device::DeviceAllocator;
+use crate::trace::Action;
+use crate::trace::recorder::{Recorder, TraceOptions, TraceSummary};
+
+/// The environment variable that starts a trace at initialization; `{pid}`
+/// in its value is replaced by the process id.
+pub const TRACE_ENV: &str = "GPUALLOC_TRACE";
+
+impl<B: Backend> Allocator<B> {
+    /// Starts tracing to `path` with the default [`TraceOptions`].
+    ///
+    /// # Errors
+    /// `AlreadyExists` when a trace is running; the file's creation error.
+    pub fn trace_start(&self, path: &Path) -> io::Result<()> {
+        self.trace_start_with(path, TraceOptions::default())
+    }
+
+    /// Starts tracing to `path`: writes the header (configuration string,
+    /// device count, start time) and attaches a buffer to every device,
+    /// including devices created later.
+    ///
+    /// # Errors
+    /// `AlreadyExists` when a trace is running; the file's creation error.
+    pub fn trace_start_with(&self, path: &Path, opts: TraceOptions) -> io::Result<()> {
+        let rec = {
+            let mut slot = self.recorder.lock();
+            if let Some(r) = &*slot {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("gpualloc is already tracing to {}", r.path().display()),
+                ));
+            }
+            let rec = Arc::new(Recorder::start(
+                path,
+                &self.config.source,
+                self.devices.len() as u32,
+                opts,
+            )?);
+            *slot = Some(rec.clone());
+            rec
+        };
+        self.each_device(|d| {
+            if d.trace.is_none() {
+                d.trace = Some(rec.device_trace(d.device));
+            }
+        });
+        Ok(())
+    }
+
+    /// Starts a trace when `GPUALLOC_TRACE` names a file; `Ok(false)` when unset.
+    ///
+    /// # Errors
+    /// As [`trace_start`](Self::trace_start).
+    pub fn trace_from_env(&self) -> io::Result<bool> {
+        match std::env::var_os(TRACE_ENV) {
+            Some(v) if !v.is_empty() && !self.is_tracing() => {
+                let path = v
+                    .to_string_lossy()
+                    .replace("{pid}", &std::process::id().to_string());
+                self.trace_start(Path::new(&path))?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Whether a trace is being recorded.
+    pub fn is_tracing(&self) -> bool {
+        self.recorder.lock().is_some()
+    }
+
+    /// Hands every device's buffer to the writer and waits until it is written.
+    ///
+    /// # Errors
+    /// `NotFound` when not tracing; the writer's I/O error.
+    pub fn trace_flush(&self) -> io::Result<()> {
+        let rec = self.current_recorder()?;
+        let mut batches = Vec::new();
+        self.each_device(|d| {
+            if let Some(b) = d.trace.as_mut().and_then(|t| t.take_batch()) {
+                batches.push(b);
+            }
+        });
+        for b in batches {
+            rec.send(b);
+        }
+        rec.flush()
+    }
+
+    /// Stops tracing: flushes every buffer, writes the END block, joins the
+    /// writer and detaches the devices.
+    ///
+    /// # Errors
+    /// `NotFound` when not tracing; the writer's I/O error.
+    pub fn trace_stop(&self) -> io::Result<TraceSummary> {
+        let rec = self.recorder.lock().take().ok_or_else(not_tracing)?;
+        let mut traces = Vec::new();
+        self.each_device(|d| traces.extend(d.trace.take()));
+        for t in traces {
+            t.finish();
+        }
+        rec.stop()
+    }
+
+    /// Opens a named phase on every device (no-op when not tracing).
+    pub fn phase_push(&self, name: &str) {
+        if let Some(rec) = self.recorder.lock().clone() {
+            let id = rec.push_phase(name);
+            self.record_everywhere(Action::PhasePush, id);
+        }
+    }
+
+    /// Closes the innermost phase (no-op when not tracing or none is open).
+    pub fn phase_pop(&self) {
+        if let Some(rec) = self.recorder.lock().clone()
+            && let Some(id) = rec.pop_phase()
+        {
+            self.record_everywhere(Action::PhasePop, id);
+        }
+    }
+
+    /// Records a named point in time on every device (no-op when not tracing).
+    pub fn mark(&self, name: &str) {
+        if let Some(rec) = self.recorder.lock().clone() {
+            let id = rec.intern(name);
+            self.record_everywhere(Action::Mark, id);
+        }
+    }
+
+    fn record_everywhere(&self, action: Action, id: u64) {
+        self.each_device(|d| {
+            if let Some(t) = d.trace.as_mut() {
+                t.record(action, 0, 0, 0, id);
+            }
+        });
+    }
+
+    fn current_recorder(&self) -> io::Result<Arc<Recorder>> {
+        self.recorder.lock().clone().ok_or_else(not_tracing)
+    }
+
+    /// Runs `f` on every created device, one lock at a time, then publishes
+    /// the device's newly dropped trace events in its stats.
+    fn each_device(&self, mut f: impl FnMut(&mut DeviceAllocator<B>)) {
+        for slot in &self.devices {
+            if let Some(d) = slot.lock().as_mut() {
+                sync_drops(d);
+                f(d);
+                sync_drops(d);
+            }
+        }
+    }
+}
+
+fn sync_drops<B: Backend>(d: &mut DeviceAllocator<B>) {
+    if let Some(t) = d.trace.as_mut() {
+        d.stats.num_trace_dropped += t.take_unsynced_drops() as i64;
+    }
+}
+
+fn not_tracing() -> io::Error {
+    io::Error::new(io::ErrorKind::NotFound, "gpualloc is not tracing")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::backend::SimBackend;
+    use crate::config::Config;
+    use crate::trace::{TraceEvent, TraceReader};
+
+    fn temp_path(name: &str) -> PathBuf {
+        crate::trace::control_tests_path(name)
+    }
+
+    fn sim(devices: usize) -> Allocator<SimBackend> {
+        Allocator::new(
+            Config::parse("max_split_size_mb:40").unwrap(),
+            devices,
+            Box::new(|_| Ok(SimBackend::new(1 << 30))),
+        )
+    }
+
+    fn read(
+        path: &Path,
+    ) -> (
+        TraceReader<std::io::BufReader<std::fs::File>>,
+        Vec<TraceEvent>,
+    ) {
+        let mut r = TraceReader::open(path).unwrap();
+        let evs: Vec<TraceEvent> = r.events().collect();
+        assert!(r.error().is_none(), "{:?}", r.error());
+        (r, evs)
+    }
+
+    #[test]
+    fn records_calls_phases_and_marks_in_order() {
+        let a = sim(2);
+        let path = temp_path("order");
+        a.phase_push("ignored: not tracing");
+        a.trace_start(&path).unwrap();
+        assert!(a.is_tracing());
+        assert_eq!(
+            a.trace_start(&path).unwrap_err().kind(),
+            io::ErrorKind::AlreadyExists
+        );
+        a.phase_push("forward");
+        let p = a.malloc(0, 1000, 0).unwrap();
+        a.mark("step 1");
+        a.free(0, p).unwrap();
+        a.phase_pop();
+        a.phase_push("late");
+        let q = a.malloc(1, 3 << 20, 0).unwrap(); // device 1 joins with the open phase
+        a.free(1, q).unwrap();
+        a.phase_pop();
+        let summary = a.trace_stop().unwrap();
+        assert!(!a.is_tracing());
+        assert_eq!(a.trace_stop().unwrap_err().kind(), io::ErrorKind::NotFound);
+        let (r, evs) = read(&path);
+        assert_eq!(r.header().config, "max_split_size_mb:40");
+        assert_eq!(r.header().device_count, 2);
+        assert_eq!(summary.events, evs.len() as u64);
+        assert_eq!(summary.bytes, std::fs::metadata(&path).unwrap().len());
+        assert_eq!(summary.dropped, 0);
+        let name = |e: &TraceEvent| r.string(e.aux).unwrap().to_string();
+        let dev0: Vec<String> = evs
+            .iter()
+            .filter(|e| e.device == 0)
+            .map(|e| match e.action {
+                Action::PhasePush | Action::PhasePop | Action::Mark => {
+                    format!("{}:{}", e.action.name(), name(e))
+                }
+                a => a.name().to_string(),
+            })
+            .collect();
+        assert_eq!(
+            dev0,
+            [
+                "phase_push:forward",
+                "segment_alloc",
+                "alloc",
+                "mark:step 1",
+                "free_requested",
+                "free_completed",
+                "phase_pop:forward",
+                "phase_push:late",
+                "phase_pop:late"
+            ]
+        );
+        let alloc = evs.iter().find(|e| e.action == Action::Alloc).unwrap();
+        assert_eq!((alloc.addr, alloc.size, alloc.aux), (p, 1000, 1024));
+        assert_eq!(alloc.thread, crate::trace::thread_id());
+        let dev1: Vec<Action> = evs
+            .iter()
+            .filter(|e| e.device == 1)
+            .map(|e| e.action)
+            .collect();
+        assert_eq!(
+            dev1.first(),
+            Some(&Action::PhasePush),
+            "a late device starts inside the open phase"
+        );
+        assert!(
+            evs.windows(2)
+                .all(|w| w[0].device != w[1].device || w[0].time_ns <= w[1].time_ns)
+        );
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn flush_writes_everything_recorded_so_far() {
+        let a = sim(1);
+        let path = temp_path("flush");
+        a.trace_start(&path).unwrap();
+        for _ in 0..10 {
+            let p = a.malloc(0, 4096, 0).unwrap();
+            a.free(0, p).unwrap();
+        }
+        a.trace_flush().unwrap();
+        let (r, evs) = read(&path);
+        assert!(r.end().is_none(), "still running: no END block yet");
+        assert_eq!(evs.iter().filter(|e| e.action == Action::Alloc).count(), 10);
+        a.trace_stop().unwrap();
+        let (r, _) = read(&path);
+        assert!(r.end().is_some());
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn dropped_events_are_counted_in_the_trace_and_the_stats() {
+        let a = sim(1);
+        let path = temp_path("drops");
+        // One-event buffers and a one-slot channel: with the writer parked on a
+        // flush acknowledgement nobody reads, every later buffer is refused.
+        a.trace_start_with(
+            &path,
+            TraceOptions {
+                buffer_events: 1,
+                channel_blocks: 1,
+                lossless: false,
+            },
+        )
+        .unwrap();
+        let rec = a.current_recorder().unwrap();
+        let (ack_tx, ack_rx) = crossbeam_channel::bounded(0);
+        rec.send(super::super::recorder::Msg::Flush(ack_tx));
+        for _ in 0..50 {
+            let p = a.malloc(0, 4096, 0).unwrap();
+            a.free(0, p).unwrap();
+        }
+        ack_rx.recv().unwrap().unwrap();
+        let summary = a.trace_stop().unwrap();
+        let dropped = a.stats(0).unwrap().num_trace_dropped;
+        assert!(dropped > 0, "the writer could not keep up");
+        assert_eq!(summary.dropped, dropped as u64);
+        let (r, evs) = read(&path);
+        assert_eq!(r.dropped().values().sum::<u64>(), dropped as u64);
+        assert_eq!(r.end().unwrap().dropped, dropped as u64);
+        assert_eq!(
+            evs.len() as u64 + dropped as u64,
+            50 * 3 + 1,
+            "written + dropped = recorded"
+        );
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    /// Run in a child process with `GPUALLOC_TRACE` set (setting variables
+    /// in this process would need `unsafe`): starts, records, stops.
+    #[test]
+    fn env_child() {
+        let a = sim(1);
+        let Some(want) = std::env::var_os(TRACE_ENV) else {
+            return;
+        };
+        assert!(a.trace_from_env().unwrap());
+        assert!(
+            !a.trace_from_env().unwrap(),
+            "already tracing: no second start"
+        );
+        let p = a.malloc(0, 512, 0).unwrap();
+        a.free(0, p).unwrap();
+        let s = a.trace_stop().unwrap();
+        assert_eq!(s.events, 4);
+        assert!(
+            Path::new(
+                &want
+                    .to_string_lossy()
+                    .replace("{pid}", &std::process::id().to_string())
+            )
+            .exists()
+        );
+    }
+
+    #[test]
+    fn starts_from_the_environment() {
+        assert!(!sim(1).trace_from_env().unwrap() || std::env::var_os(TRACE_ENV).is_some());
+        let dir = temp_path("env");
+        std::fs::create_dir_all(&dir).unwrap();
+        let pattern = dir.join("run-{pid}.gtrace");
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "trace::control::tests::env_child", "--nocapture"])
+            .env(TRACE_ENV, &pattern)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(files.len(), 1, "{{pid}} was replaced: {files:?}");
+        let (_, evs) = read(&files[0]);
+        assert_eq!(evs.len(), 4);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,666 @@
+//! [`TraceReader`]: streams a `.gtrace` file block by block.
+//!
+//! Memory is bounded by one block. Every length is checked against what is
+//! left before anything is allocated, every block against its crc32, so a
+//! truncated or damaged file yields the events of its intact prefix followed
+//! by one [`TraceError`] that says where and what; the reader never panics.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{self, BufReader, Read};
+use std::path::Path;
+
+use crate::trace::format::{
+    self, BLOCK_HEADER_LEN, BLOCK_MAGIC, MAGIC, MAX_BLOCK_LEN, MAX_HEADER_LEN, TraceEnd,
+    TraceError, TraceErrorKind, TraceHeader, VERSION, kind, tag,
+};
+use crate::trace::{Action, TraceEvent};
+
+/// Reads a trace: the header at creation, then blocks on demand.
+pub struct TraceReader<R: Read> {
+    src: R,
+    offset: u64,
+    header: TraceHeader,
+    strings: Vec<String>,
+    dropped: BTreeMap<u32, u64>,
+    end: Option<TraceEnd>,
+    payload: Vec<u8>,
+    error: Option<TraceError>,
+    finished: bool,
+    events_read: u64,
+}
+
+impl TraceReader<BufReader<File>> {
+    /// Opens a trace file and reads its header.
+    pub fn open(path: &Path) -> Result<Self, TraceError> {
+        let f = File::open(path).map_err(|e| TraceError::new(0, TraceErrorKind::Io(e)))?;
+        TraceReader::new(BufReader::with_capacity(1 << 20, f))
+    }
+}
+
+impl<R: Read> TraceReader<R> {
+    /// Reads the header from `src`.
+    pub fn new(mut src: R) -> Result<Self, TraceError> {
+        let mut fixed = [0u8; 14];
+        let got = read_full(&mut src, &mut fixed)
+            .map_err(|e| TraceError::new(0, TraceErrorKind::Io(e)))?;
+        if got < 8 || fixed[..8] != MAGIC {
+            return Err(TraceError::new(
+                0,
+                TraceErrorKind::NotATrace {
+                    found: fixed[..got.min(8)].to_vec(),
+                },
+            ));
+        }
+        if got < 14 {
+            return Err(TraceError::new(
+                0,
+                TraceErrorKind::Truncated {
+                    what: "header",
+                    needed: 14,
+                    available: got as u64,
+                },
+            ));
+        }
+        let version = u16::from_le_bytes([fixed[8], fixed[9]]);
+        if version != VERSION {
+            return Err(TraceError::new(
+                8,
+                TraceErrorKind::UnsupportedVersion { found: version },
+            ));
+        }
+        let len = u32::from_le_bytes(fixed[10..14].try_into().expect("4 bytes"));
+        if len > MAX_HEADER_LEN {
+            return Err(TraceError::malformed(
+                10,
+                format!("header length {len} exceeds the limit {MAX_HEADER_LEN}"),
+            ));
+        }
+        let mut body = vec![0u8; len as usize + 4];
+        let got = read_full(&mut src, &mut body)
+            .map_err(|e| TraceError::new(14, TraceErrorKind::Io(e)))?;
+        if got < body.len() {
+            return Err(TraceError::new(
+                14,
+                TraceErrorKind::Truncated {
+                    what: "header",
+                    needed: body.len() as u64,
+                    available: got as u64,
+                },
+            ));
+        }
+        let stored = u32::from_le_bytes(body[len as usize..].try_into().expect("4 bytes"));
+        body.truncate(len as usize);
+        let computed = crc32fast::hash(&body);
+        if stored != computed {
+            return Err(TraceError::new(
+                14,
+                TraceErrorKind::Checksum {
+                    what: "header",
+                    stored,
+                    computed,
+                },
+            ));
+        }
+        let header = parse_header(&body)
+            .ok_or_else(|| TraceError::malformed(14, "header fields do not parse"))?;
+        Ok(TraceReader {
+            src,
+            offset: 14 + u64::from(len) + 4,
+            header,
+            strings: Vec::new(),
+            dropped: BTreeMap::new(),
+            end: None,
+            payload: Vec::with_capacity(1 << 16),
+            error: None,
+            finished: false,
+            events_read: 0,
+        })
+    }
+
+    /// The header.
+    pub fn header(&self) -> &TraceHeader {
+        &self.header
+    }
+
+    /// Bytes consumed so far.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The string table read so far (index = string id).
+    pub fn strings(&self) -> &[String] {
+        &self.strings
+    }
+
+    /// A string by id, if it has been read.
+    pub fn string(&self, id: u64) -> Option<&str> {
+        self.strings
+            .get(usize::try_from(id).ok()?)
+            .map(String::as_str)
+    }
+
+    /// Dropped-event counts read so far, per device.
+    pub fn dropped(&self) -> &BTreeMap<u32, u64> {
+        &self.dropped
+    }
+
+    /// The END block's totals, once read (absent from traces whose process
+    /// stopped without `trace_stop`).
+    pub fn end(&self) -> Option<&TraceEnd> {
+        self.end.as_ref()
+    }
+
+    /// Events decoded so far.
+    pub fn events_read(&self) -> u64 {
+        self.events_read
+    }
+
+    /// The error that stopped [`events`](Self::events), if any.
+    pub fn error(&self) -> Option<&TraceError> {
+        self.error.as_ref()
+    }
+
+    /// Takes the error that stopped [`events`](Self::events).
+    pub fn take_error(&mut self) -> Option<TraceError> {
+        self.error.take()
+    }
+
+    /// Reads blocks until one holds events; fills `out` (cleared first) with
+    /// them. `Ok(false)` at the end of the file.
+    pub fn next_events(&mut self, out: &mut Vec<TraceEvent>) -> Result<bool, TraceError> {
+        out.clear();
+        while !self.finished {
+            let start = self.offset;
+            let mut head = [0u8; BLOCK_HEADER_LEN];
+            let got = read_full(&mut self.src, &mut head).map_err(|e| self.io(e))?;
+            if got == 0 {
+                self.finished = true;
+                break;
+            }
+            if got < BLOCK_HEADER_LEN {
+                self.finished = true;
+                return Err(TraceError::new(
+                    start,
+                    TraceErrorKind::Truncated {
+                        what: "block header",
+                        needed: BLOCK_HEADER_LEN as u64,
+                        available: got as u64,
+                    },
+                ));
+            }
+            if head[..2] != BLOCK_MAGIC {
+                self.finished = true;
+                return Err(TraceError::malformed(
+                    start,
+                    format!(
+                        "expected block magic {:02x?}, found {:02x?}",
+                        BLOCK_MAGIC,
+                        &head[..2]
+                    ),
+                ));
+            }
+            let block_kind = head[2];
+            let device = u32::from_le_bytes(head[4..8].try_into().expect("4 bytes"));
+            let len = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
+            let stored = u32::from_le_bytes(head[12..16].try_into().expect("4 bytes"));
+            if len > MAX_BLOCK_LEN {
+                self.finished = true;
+                return Err(TraceError::malformed(
+                    start,
+                    format!("block length {len} exceeds the limit {MAX_BLOCK_LEN}"),
+                ));
+            }
+            self.payload.resize(len as usize, 0);
+            let got = read_full(&mut self.src, &mut self.payload).map_err(|e| self.io(e))?;
+            if got < len as usize {
+                self.finished = true;
+                return Err(TraceError::new(
+                    start,
+                    TraceErrorKind::Truncated {
+                        what: "block payload",
+                        needed: u64::from(len),
+                        available: got as u64,
+                    },
+                ));
+            }
+            let mut h = crc32fast::Hasher::new();
+            h.update(&head[..12]);
+            h.update(&self.payload);
+            let computed = h.finalize();
+            if computed != stored {
+                self.finished = true;
+                return Err(TraceError::new(
+                    start,
+                    TraceErrorKind::Checksum {
+                        what: "block",
+                        stored,
+                        computed,
+                    },
+                ));
+            }
+            self.offset += (BLOCK_HEADER_LEN + len as usize) as u64;
+            if let Err(why) = self.apply_block(block_kind, device, out) {
+                out.clear();
+                self.finished = true;
+                return Err(TraceError::malformed(
+                    start,
+                    format!("{why} in a block of kind {block_kind}"),
+                ));
+            }
+            if !out.is_empty() {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    fn apply_block(
+        &mut self,
+        block_kind: u8,
+        device: u32,
+        out: &mut Vec<TraceEvent>,
+    ) -> Result<(), String> {
+        let mut p = 0;
+        match block_kind {
+            kind::EVENTS => {
+                decode_events(&self.payload, device, out)?;
+                self.events_read += out.len() as u64;
+            }
+            kind::STRINGS => self.read_strings()?,
+            kind::DROPPED => {
+                let n = format::get_varint(&self.payload, &mut p).ok_or("bad dropped count")?;
+                *self.dropped.entry(device).or_default() += n;
+            }
+            kind::END => {
+                let mut next = || format::get_varint(&self.payload, &mut p).ok_or("bad totals");
+                self.end = Some(TraceEnd {
+                    events: next()?,
+                    dropped: next()?,
+                    end_ns: next()?,
+                });
+            }
+            _ => {} // Unknown kinds are skipped: later minor additions stay readable.
+        }
+        Ok(())
+    }
+
+    /// An iterator over every event; on error it stops and keeps the error
+    /// for [`error`](Self::error).
+    pub fn events(&mut self) -> Events<'_, R> {
+        Events {
+            reader: self,
+            buf: Vec::new(),
+            pos: 0,
+        }
+    }
+
+    fn io(&mut self, e: io::Error) -> TraceError {
+        self.finished = true;
+        TraceError::new(self.offset, TraceErrorKind::Io(e))
+    }
+
+    fn read_strings(&mut self) -> Result<(), String> {
+        let p = &self.payload;
+        let mut pos = 0;
+        let n = format::get_varint(p, &mut pos).ok_or("bad string count")?;
+        for _ in 0..n {
+            let id = format::get_varint(p, &mut pos).ok_or("bad string id")?;
+            if id != self.strings.len() as u64 {
+                return Err(format!(
+                    "string id {id} out of order (expected {})",
+                    self.strings.len()
+                ));
+            }
+            let len = format::get_varint(p, &mut pos).ok_or("bad string length")?;
+            let end = pos
+                .checked_add(usize::try_from(len).map_err(|_| "string too long")?)
+                .filter(|&e| e <= p.len());
+            let end = end.ok_or("string runs past the block")?;
+            let s = std::str::from_utf8(&p[pos..end]).map_err(|_| "string is not UTF-8")?;
+            self.strings.push(s.to_string());
+            pos = end;
+        }
+        Ok(())
+    }
+}
+
+/// Iterator returned by [`TraceReader::events`].
+pub struct Events<'a, R: Read> {
+    reader: &'a mut TraceReader<R>,
+    buf: Vec<TraceEvent>,
+    pos: usize,
+}
+
+impl<R: Read> Events<'_, R> {
+    /// The reader (string table, offset, errors).
+    pub fn reader(&self) -> &TraceReader<R> {
+        self.reader
+    }
+}
+
+impl<R: Read> Iterator for Events<'_, R> {
+    type Item = TraceEvent;
+
+    #[inline]
+    fn next(&mut self) -> Option<TraceEvent> {
+        if self.pos == self.buf.len() {
+            self.pos = 0;
+            match self.reader.next_events(&mut self.buf) {
+                Ok(true) => {}
+                Ok(false) => return None,
+                Err(e) => {
+                    self.buf.clear();
+                    self.reader.error = Some(e);
+                    return None;
+                }
+            }
+        }
+        let e = self.buf[self.pos];
+        self.pos += 1;
+        Some(e)
+    }
+}
+
+fn read_full(src: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match src.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+fn parse_header(b: &[u8]) -> Option<TraceHeader> {
+    let start_unix_ns = u64::from_le_bytes(b.get(0..8)?.try_into().ok()?);
+    let device_count = u32::from_le_bytes(b.get(8..12)?.try_into().ok()?);
+    let pid = u32::from_le_bytes(b.get(12..16)?.try_into().ok()?);
+    let mut pos = 16;
+    let config = get_str(b, &mut pos)?;
+    let producer = get_str(b, &mut pos)?;
+    Some(TraceHeader {
+        start_unix_ns,
+        device_count,
+        pid,
+        config,
+        producer,
+    })
+}
+
+fn get_str(b: &[u8], pos: &mut usize) -> Option<String> {
+    let len = usize::try_from(format::get_varint(b, pos)?).ok()?;
+    let end = pos.checked_add(len)?;
+    let s = std::str::from_utf8(b.get(*pos..end)?).ok()?.to_string();
+    *pos = end;
+    Some(s)
+}
+
+/// Decodes one events payload into `out`.
+pub(crate) fn decode_events(
+    p: &[u8],
+    device: u32,
+    out: &mut Vec<TraceEvent>,
+) -> Result<(), String> {
+    let mut pos = 0;
+    let n = format::get_varint(p, &mut pos).ok_or("bad event count")?;
+    // Every record takes at least two bytes: a bound before reserving.
+    if n > (p.len() as u64) / 2 + 1 {
+        return Err(format!(
+            "event count {n} does not fit a payload of {} bytes",
+            p.len()
+        ));
+    }
+    let mut time = format::get_varint(p, &mut pos).ok_or("bad base time")?;
+    out.reserve(n as usize);
+    let (mut stream, mut thread, mut addr, mut size, mut aux) = (0u64, 0u32, 0u64, 0u64, 0u64);
+    for i in 0..n {
+        let t = *p
+            .get(pos)
+            .ok_or_else(|| format!("record {i} of {n} missing"))?;
+        pos += 1;
+        let action = Action::from_code(t & tag::ACTION)
+            .ok_or_else(|| format!("unknown action code {}", t & tag::ACTION))?;
+        let field = |pos: &mut usize, what: &str| {
+            format::get_varint(p, pos).ok_or_else(|| format!("record {i}: bad {what}"))
+        };
+        time = time.wrapping_add(format::unzigzag(field(&mut pos, "time")?) as u64);
+        if t & tag::SAME_STREAM == 0 {
+            stream = field(&mut pos, "stream")?;
+        }
+        if t & tag::SAME_THREAD == 0 {
+            thread = u32::try_from(field(&mut pos, "thread")?)
+                .map_err(|_| format!("record {i}: thread id too large"))?;
+        }
+        if t & tag::REPEAT == 0 {
+            addr = addr.wrapping_add(format::unzigzag(field(&mut pos, "address")?) as u64);
+            size = field(&mut pos, "size")?;
+            let a = field(&mut pos, "aux")?;
+            aux = if format::aux_is_block_size(action as u8) {
+                size.wrapping_add(format::unzigzag(a) as u64)
+            } else {
+                a
+            };
+        }
+        out.push(TraceEvent {
+            time_ns: time,
+            action,
+            device,
+            stream,
+            addr,
+            size,
+            aux,
+            thread,
+        });
+    }
+    if pos != p.len() {
+        return Err(format!("{} stray bytes after {n} records", p.len() - pos));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::trace::writer::TraceWriter;
+
+    fn header() -> TraceHeader {
+        TraceHeader {
+            start_unix_ns: 1_700_000_000_000_000_000,
+            device_count: 2,
+            pid: 42,
+            config: "max_split_size_mb:64".into(),
+            producer: "test".into(),
+        }
+    }
+
+    fn event_strategy() -> impl Strategy<Value = TraceEvent> {
+        (
+            0u8..14,
+            0u32..3,
+            prop_oneof![Just(0u64), Just(7), any::<u64>()],
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            0u32..4,
+            0u64..10_000,
+        )
+            .prop_map(
+                |(a, device, stream, addr, size, aux, thread, dt)| TraceEvent {
+                    time_ns: dt,
+                    action: Action::from_code(a).unwrap(),
+                    device,
+                    stream,
+                    addr,
+                    size,
+                    aux,
+                    thread,
+                },
+            )
+    }
+
+    /// Writes `batches` (each one device's block) and returns the bytes and
+    /// the events in file order.
+    fn write(batches: &[Vec<TraceEvent>]) -> (Vec<u8>, Vec<TraceEvent>) {
+        let mut w = TraceWriter::new(Vec::new(), &header()).unwrap();
+        w.write_strings(&["forward", "backward"]).unwrap();
+        let mut all = Vec::new();
+        let mut t = 0u64;
+        for (k, b) in batches.iter().enumerate() {
+            let device = k as u32 % 3;
+            let evs: Vec<TraceEvent> = b
+                .iter()
+                .map(|e| {
+                    t += e.time_ns;
+                    TraceEvent {
+                        time_ns: t,
+                        device,
+                        ..*e
+                    }
+                })
+                .collect();
+            w.write_dropped(device, k as u64, t).unwrap();
+            w.write_events(device, &evs).unwrap();
+            all.extend(evs);
+        }
+        let (bytes, end) = w.finish(None).unwrap();
+        assert_eq!(end.events, all.len() as u64);
+        (bytes, all)
+    }
+
+    fn read_all(bytes: &[u8]) -> (Vec<TraceEvent>, Option<TraceError>, bool) {
+        match TraceReader::new(bytes) {
+            Ok(mut r) => {
+                let evs: Vec<TraceEvent> = r.events().collect();
+                let ended = r.end().is_some();
+                (evs, r.take_error(), ended)
+            }
+            Err(e) => (Vec::new(), Some(e), false),
+        }
+    }
+
+    #[test]
+    fn round_trip_keeps_everything() {
+        let e = |action, addr, size, aux| TraceEvent {
+            time_ns: 0,
+            action,
+            device: 0,
+            stream: 0,
+            addr,
+            size,
+            aux,
+            thread: 1,
+        };
+        let batch = vec![
+            e(Action::SegmentAlloc, 0x7f00_0000_0000, 20 << 20, 1),
+            e(Action::Alloc, 0x7f00_0000_0000, 1000, 1024),
+            e(Action::FreeRequested, 0x7f00_0000_0000, 1000, 1024),
+            e(Action::FreeCompleted, 0x7f00_0000_0000, 1000, 1024),
+            e(Action::PhasePush, 0, 0, 1),
+        ];
+        let (bytes, all) = write(&[batch.clone(), batch]);
+        let mut r = TraceReader::new(&bytes[..]).unwrap();
+        assert_eq!(r.header(), &header());
+        let got: Vec<TraceEvent> = r.events().collect();
+        assert_eq!(got, all);
+        assert!(r.error().is_none());
+        assert_eq!(r.strings(), ["forward", "backward"]);
+        assert_eq!(r.string(1), Some("backward"));
+        assert_eq!(r.dropped().values().sum::<u64>(), 1);
+        assert_eq!(r.end().unwrap().events, 10);
+        assert_eq!(r.end().unwrap().dropped, 1);
+        assert_eq!(r.offset(), bytes.len() as u64);
+    }
+
+    #[test]
+    fn rejects_other_files_and_versions_with_the_reason() {
+        let e = TraceReader::new(&b"Thread,Time,Action"[..]).err().unwrap();
+        assert!(matches!(e.kind, TraceErrorKind::NotATrace { .. }), "{e}");
+        assert!(e.to_string().contains("not a gpualloc trace"));
+        let (mut bytes, _) = write(&[]);
+        bytes[8] = 9;
+        let e = TraceReader::new(&bytes[..]).err().unwrap();
+        assert!(e.to_string().contains("version 9"), "{e}");
+        let e = TraceReader::new(&MAGIC[..]).err().unwrap();
+        assert!(e.is_truncation(), "{e}");
+    }
+
+    #[test]
+    fn a_file_cut_between_blocks_reads_whole_without_an_end() {
+        let batch: Vec<TraceEvent> = (0..10)
+            .map(|i| TraceEvent {
+                time_ns: 5,
+                action: Action::Alloc,
+                device: 0,
+                stream: 0,
+                addr: i * 512,
+                size: 100,
+                aux: 512,
+                thread: 1,
+            })
+            .collect();
+        let mut w = TraceWriter::new(Vec::new(), &header()).unwrap();
+        w.write_events(0, &batch).unwrap();
+        let cut = w.bytes() as usize;
+        w.write_events(0, &batch).unwrap();
+        let (bytes, _) = w.finish(None).unwrap();
+        let (evs, err, ended) = read_all(&bytes[..cut]);
+        assert_eq!(evs.len(), 10);
+        assert!(err.is_none() && !ended);
+        let (evs, err, _) = read_all(&bytes[..cut + 20]);
+        assert_eq!(evs.len(), 10, "the partial block is not read");
+        let err = err.unwrap();
+        assert!(err.is_truncation() && err.offset == cut as u64, "{err}");
+    }
+
+    proptest! {
+        #[test]
+        fn any_events_round_trip(batches in prop::collection::vec(prop::collection::vec(event_strategy(), 0..50), 0..6)) {
+            let (bytes, all) = write(&batches);
+            let (got, err, ended) = read_all(&bytes);
+            prop_assert!(err.is_none());
+            prop_assert!(ended);
+            prop_assert_eq!(got, all);
+        }
+
+        #[test]
+        fn truncation_never_panics_and_reads_a_prefix(
+            batches in prop::collection::vec(prop::collection::vec(event_strategy(), 1..30), 1..5),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let (bytes, all) = write(&batches);
+            let cut = cut.index(bytes.len());
+            let (got, _, ended) = read_all(&bytes[..cut]);
+            prop_assert!(!ended);
+            prop_assert_eq!(&got[..], &all[..got.len()]);
+        }
+
+        #[test]
+        fn corruption_never_panics_and_reads_a_prefix(
+            batches in prop::collection::vec(prop::collection::vec(event_strategy(), 1..30), 1..5),
+            at in any::<prop::sample::Index>(),
+            flip in 1u8..=255,
+        ) {
+            let (mut bytes, all) = write(&batches);
+            let at = at.index(bytes.len());
+            bytes[at] ^= flip;
+            let (got, err, _) = read_all(&bytes);
+            prop_assert!(got.len() <= all.len());
+            prop_assert_eq!(&got[..], &all[..got.len()]);
+            prop_assert!(err.is_some() || got.len() == all.len(), "a flipped byte is noticed or harmless");
+        }
+
+        #[test]
+        fn garbage_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..400)) {
+            let mut with_magic = MAGIC.to_vec();
+            with_magic.extend_from_slice(&bytes);
+            let _ = read_all(&bytes);
+            let _ = read_all(&with_magic);
+        }
+    }
+}
