@@ -159,12 +159,12 @@ impl Checked {
 
     /// Runs one operation on the allocator, then updates the ordering model.
     fn op<R>(&mut self, f: impl FnOnce(&mut DeviceAllocator<SimBackend>) -> R) -> R {
-        let released = self.sim().counters.release;
+        let released = self.sim().counters.release + self.sim().counters.unmap;
         let waited = self.sim().counters.stream_wait_event;
         let allocated = self.sim().counters.allocate;
         let r = f(&mut self.dev);
-        if self.sim().counters.release > released {
-            // cudaFree synchronizes the device: all earlier work is done.
+        if self.sim().counters.release + self.sim().counters.unmap > released {
+            // cudaFree and unmapping synchronize the device: all earlier work is done.
             self.freed.clear();
         }
         if self.sim().counters.stream_wait_event > waited {
@@ -522,7 +522,7 @@ impl Checked {
                         pending_requested += b.requested_size as i64;
                         pending_bytes += b.size as i64;
                     }
-                    BlockState::Free => {}
+                    BlockState::Free | BlockState::Unmapped => {}
                 }
             }
             assert_eq!(at, seg.address + seg.total_size);
