@@ -3,10 +3,16 @@
 mod best_fit;
 mod coalesce;
 mod cross_stream;
+mod empty_cache;
 mod gc;
+mod graphs;
 mod limits;
+mod messages;
 mod oom;
 mod oversize;
 mod pools;
+mod record_stream;
 mod rounding;
 mod split;
+mod stats;
+mod zero_and_invalid;

@@ -1,0 +1,181 @@
+//! Private pools for CUDA graph capture (reference 1.9, 4.4). While a scope
+//! is open the simulator is capturing: any event query, event wait, release
+//! or allocation without the capturing flag panics.
+
+use gpualloc::AllocError;
+use gpualloc_tests::{Checked, MIB};
+
+const CAP: u64 = 5;
+const OTHER: u64 = 6;
+const G: (u64, u64) = (1, 0);
+
+fn pool_of(c: &Checked, p: u64) -> (u64, u64) {
+    c.snapshot()
+        .into_iter()
+        .find(|s| s.blocks.iter().any(|b| b.address == p))
+        .map(|s| s.pool_id)
+        .expect("pointer in a segment")
+}
+
+#[test]
+fn allocations_of_the_capturing_stream_come_from_the_private_pool() {
+    let mut c = Checked::with(1 << 30, "");
+    c.begin_pool(G, Some(CAP));
+    let p = c.alloc(4096, CAP);
+    let q = c.alloc(12 * MIB, CAP);
+    let other = c.alloc(4096, OTHER);
+    assert_eq!(pool_of(&c, p), G);
+    assert_eq!(pool_of(&c, q), G);
+    assert_eq!(
+        pool_of(&c, other),
+        (0, 0),
+        "the filter rejects other streams"
+    );
+    assert_eq!(
+        c.sim().counters.allocate_capturing,
+        3,
+        "every allocation in relaxed capture mode"
+    );
+    // Reuse inside the pool, without the backend.
+    c.release(p);
+    assert_eq!(c.alloc(4096, CAP), p);
+    assert_eq!(c.sim().counters.allocate, 3);
+    c.end_pool(G);
+}
+
+#[test]
+fn memory_is_kept_until_release_pool() {
+    let mut c = Checked::with(1 << 30, "");
+    c.begin_pool(G, Some(CAP));
+    let p = c.alloc(12 * MIB, CAP);
+    c.release(p);
+    c.end_pool(G);
+    c.empty_cache();
+    assert_eq!(c.reserved(), 12 * MIB, "the graph still holds its pool");
+    // Outside the scope the private cache is not used.
+    let q = c.alloc(12 * MIB, CAP);
+    assert_ne!(q, p);
+    c.release(q);
+    c.release_pool(G).unwrap();
+    assert_eq!(c.stats().num_device_free, 1, "released at release_pool");
+    assert!(c.dev.private_pools().is_empty());
+    assert!(matches!(
+        c.release_pool(G),
+        Err(AllocError::UnknownPool { .. })
+    ));
+}
+
+#[test]
+fn blocks_alive_at_release_pool_go_back_at_the_next_empty_cache() {
+    let mut c = Checked::with(1 << 30, "");
+    c.begin_pool(G, None);
+    let p = c.alloc(12 * MIB, CAP);
+    c.end_pool(G);
+    c.release_pool(G).unwrap();
+    assert_eq!(c.reserved(), 12 * MIB);
+    c.release(p);
+    c.empty_cache();
+    assert_eq!(c.reserved(), 0);
+    assert!(c.dev.private_pools().is_empty());
+}
+
+#[test]
+fn nothing_is_released_or_queried_during_capture() {
+    let mut c = Checked::with(1 << 30, "");
+    let cached = c.alloc(12 * MIB, OTHER);
+    c.release(cached);
+    let used = c.alloc(4096, OTHER);
+    c.record_stream(used, CAP);
+    c.use_on(used, CAP);
+    c.begin_pool(G, Some(CAP));
+    c.empty_cache(); // must not release (the simulator would panic)
+    c.release(used); // deferred: no event is queried during capture
+    c.complete_all();
+    c.alloc(512, CAP); // no event polling during capture
+    c.begin_pool((2, 0), Some(OTHER));
+    c.end_pool((2, 0));
+    c.release_pool((2, 0)).unwrap(); // freeable, but not released while capturing
+    c.end_pool(G);
+    assert_eq!(c.stats().num_device_free, 0);
+    assert_eq!(
+        c.stats().active.all.current,
+        2,
+        "the deferred block is still pending"
+    );
+    let events = c.sim().counters.record_event;
+    c.alloc(512, OTHER); // after capture: the deferred free records its event
+    assert_eq!(c.sim().counters.record_event, events + 1);
+    assert_eq!(
+        c.stats().active.all.current,
+        3,
+        "recorded after the capture: not done yet"
+    );
+    c.complete(CAP);
+    c.alloc(512, OTHER);
+    assert_eq!(
+        c.stats().active.all.current,
+        3,
+        "the deferred block is free now"
+    );
+    c.empty_cache();
+    assert_eq!(c.stats().num_device_free, 1, "the cached 12 MiB segment");
+}
+
+#[test]
+fn out_of_memory_during_capture_takes_no_release_path() {
+    let mut c = Checked::with(64 * MIB, "");
+    let cached = c.alloc(40 * MIB, OTHER);
+    c.release(cached);
+    c.begin_pool(G, Some(CAP));
+    let err = c.malloc(30 * MIB, CAP).unwrap_err();
+    assert!(matches!(err, AllocError::OutOfMemory(_)), "{err:?}");
+    let s = c.stats();
+    assert_eq!(
+        (
+            s.num_alloc_retries,
+            s.num_sync_all_streams,
+            s.num_device_free
+        ),
+        (0, 0, 0)
+    );
+    c.end_pool(G);
+    c.alloc(30 * MIB, CAP); // after capture the cache serves it
+}
+
+#[test]
+fn innermost_accepting_scope_decides() {
+    let mut c = Checked::with(1 << 30, "");
+    c.begin_pool(G, None);
+    c.begin_pool((2, 0), Some(OTHER));
+    let a = c.alloc(4096, CAP);
+    let b = c.alloc(4096, OTHER);
+    assert_eq!(
+        pool_of(&c, a),
+        G,
+        "the inner scope rejects CAP; the outer one takes it"
+    );
+    assert_eq!(pool_of(&c, b), (2, 0));
+    c.end_pool((2, 0));
+    c.end_pool(G);
+    assert!(matches!(
+        c.dev.end_allocate_to_pool(G),
+        Err(AllocError::UnknownPool { .. })
+    ));
+}
+
+#[test]
+fn reopening_a_held_pool_reuses_its_cache() {
+    let mut c = Checked::with(1 << 30, "");
+    c.begin_pool(G, Some(CAP));
+    let p = c.alloc(12 * MIB, CAP);
+    c.release(p);
+    c.end_pool(G);
+    c.begin_pool(G, Some(CAP)); // a second capture into the same pool
+    assert_eq!(c.alloc(12 * MIB, CAP), p);
+    c.end_pool(G);
+    c.release_pool(G).unwrap();
+    assert_eq!(c.dev.private_pools().len(), 1, "one hold left");
+    c.release(p);
+    c.release_pool(G).unwrap();
+    assert_eq!(c.reserved(), 0);
+}

@@ -1,0 +1,116 @@
+//! `record_stream` (reference 1.9): a block used on other streams is not
+//! reusable until an event recorded on each at free time completes; events
+//! are polled lazily, at the next malloc.
+
+use gpualloc_tests::{Checked, MIB};
+
+const ALLOC: u64 = 1;
+const SIDE: u64 = 2;
+
+#[test]
+fn block_waits_for_the_other_streams_event() {
+    let mut c = Checked::with(1 << 30, "");
+    let p = c.alloc(4 * MIB, ALLOC);
+    c.record_stream(p, SIDE);
+    c.use_on(p, ALLOC);
+    c.use_on(p, SIDE);
+    c.release(p);
+    assert_eq!(
+        c.sim().counters.record_event,
+        1,
+        "one event, on the recorded stream"
+    );
+    assert_eq!(
+        c.stats().allocated_bytes.all.current,
+        0,
+        "allocated drops at the free request"
+    );
+    assert_eq!(
+        c.stats().active_bytes.all.current,
+        4 * MIB as i64,
+        "still active"
+    );
+    assert_eq!(
+        c.stats().requested_bytes.all.current,
+        4 * MIB as i64,
+        "requested drops at completion"
+    );
+    assert_eq!(
+        c.snapshot()[0].blocks[0].state,
+        gpualloc::BlockState::PendingFree
+    );
+    let q = c.alloc(4 * MIB, ALLOC);
+    assert_ne!(q, p, "the event is not done: the block is not reused");
+    c.complete(SIDE);
+    assert_eq!(
+        c.sim().counters.event_query,
+        1,
+        "completion alone polls nothing"
+    );
+    let r = c.alloc(4 * MIB, ALLOC);
+    assert_eq!(r, p, "polled at this malloc, freed and reused");
+    assert_eq!(c.sim().live_events(), 0);
+    assert_eq!(c.stats().requested_bytes.all.current, 8 * MIB as i64);
+}
+
+#[test]
+fn each_streams_queue_is_polled_up_to_its_first_pending_event() {
+    let mut c = Checked::with(1 << 30, "");
+    let a = c.alloc(4096, ALLOC);
+    let b = c.alloc(4096, ALLOC);
+    let d = c.alloc(4096, ALLOC);
+    c.record_stream(a, SIDE);
+    c.record_stream(b, 3);
+    c.record_stream(d, 3);
+    c.use_on(a, SIDE);
+    c.use_on(b, 3);
+    c.use_on(d, 3);
+    c.release(a); // SIDE: [e1]
+    c.release(b); // 3: [e2]
+    c.release(d); // 3: [e2, e3]
+    c.complete(SIDE);
+    let queries = c.sim().counters.event_query;
+    c.alloc(512, ALLOC);
+    assert_eq!(
+        c.sim().counters.event_query,
+        queries + 2,
+        "e1 (done), e2 (not done); e3 is not polled"
+    );
+    assert_eq!(
+        c.stats().active.all.current,
+        3,
+        "b and d pending, one new block"
+    );
+    c.complete(3);
+    c.alloc(512, ALLOC);
+    assert_eq!(c.stats().active.all.current, 2);
+    assert_eq!(c.sim().live_events(), 0);
+}
+
+#[test]
+fn recording_the_allocation_stream_is_ignored() {
+    let mut c = Checked::with(1 << 30, "");
+    let p = c.alloc(4096, ALLOC);
+    c.record_stream(p, ALLOC);
+    c.release(p);
+    assert_eq!(c.sim().counters.record_event, 0);
+    assert_eq!(c.alloc(4096, ALLOC), p, "reusable at once");
+}
+
+#[test]
+fn several_streams_each_get_an_event() {
+    let mut c = Checked::with(1 << 30, "");
+    let p = c.alloc(12 * MIB, ALLOC);
+    for s in [SIDE, 3, 4] {
+        c.record_stream(p, s);
+        c.use_on(p, s);
+    }
+    c.record_stream(p, SIDE); // a repeat adds nothing
+    c.release(p);
+    assert_eq!(c.sim().counters.record_event, 3);
+    c.complete(SIDE);
+    c.complete(3);
+    assert_ne!(c.alloc(12 * MIB, ALLOC), p, "stream 4 is still running");
+    c.complete(4);
+    assert_eq!(c.alloc(12 * MIB, ALLOC), p);
+}
