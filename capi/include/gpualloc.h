@@ -188,6 +188,16 @@ typedef struct GpuallocStats {
   double unallocated_fraction;
 } GpuallocStats;
 
+// What a finished trace holds.
+typedef struct GpuallocTraceSummary {
+  // Events written to the file.
+  uint64_t events;
+  // Events recorded but not written (writer behind, or an I/O error).
+  uint64_t dropped;
+  // Bytes of the file.
+  uint64_t bytes;
+} GpuallocTraceSummary;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -224,6 +234,14 @@ const char *gpualloc_last_error(void);
 // pluggable `alloc`). Returns NULL for size 0, and NULL with the last error
 // set (and `gpualloc_last_oom` filled when out of memory) on failure.
 void *gpualloc_malloc(size_t size, int device, cudaStream_t stream);
+
+// `gpualloc_malloc` for a PyTorch that cannot receive an exception (the
+// plain `CUDAPluggableAllocator`, without gpualloc's torch bridge): PyTorch
+// would turn a NULL into a tensor at address 0 and fail later, far from the
+// cause. So on failure for a non-zero size this prints the diagnosis to
+// stderr and aborts the process. Not for other callers: `gpualloc_malloc`
+// itself never aborts.
+void *gpualloc_malloc_or_abort(size_t size, int device, cudaStream_t stream);
 
 // Frees a pointer from `gpualloc_malloc` (PyTorch's pluggable `free`).
 // `size` and `stream` are ignored: the allocator knows both. NULL is a no-op.
@@ -353,8 +371,12 @@ int gpualloc_cache_info(int device, size_t *largest);
 // `path` is a NUL-terminated string.
 int gpualloc_trace_start(const char *path);
 
-// Stops tracing, flushes and closes the file.
-int gpualloc_trace_stop(void);
+// Stops tracing, flushes and closes the file; fills `*summary` unless NULL.
+// `GPUALLOC_ERR_IO` when not tracing or the file could not be completed.
+//
+// # Safety
+// `summary` is NULL or points to a writable `GpuallocTraceSummary`.
+int gpualloc_trace_stop(struct GpuallocTraceSummary *summary);
 
 // Writes everything recorded so far to the trace file.
 int gpualloc_trace_flush(void);

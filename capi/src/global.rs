@@ -70,6 +70,21 @@ impl Backend for AnyBackend {
     fn destroy_event(&mut self, event: EventId) {
         dispatch!(self, b => b.destroy_event(event))
     }
+    fn vmm_granularity(&mut self) -> Option<u64> {
+        dispatch!(self, b => b.vmm_granularity())
+    }
+    fn reserve(&mut self, size: u64) -> Result<DevicePtr, BackendError> {
+        dispatch!(self, b => b.reserve(size))
+    }
+    fn free_reservation(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        dispatch!(self, b => b.free_reservation(ptr, size))
+    }
+    fn map(&mut self, ptr: DevicePtr, size: u64, capturing: bool) -> Result<(), BackendError> {
+        dispatch!(self, b => b.map(ptr, size, capturing))
+    }
+    fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        dispatch!(self, b => b.unmap(ptr, size))
+    }
 }
 
 /// The allocator and how it was made.

@@ -20,7 +20,6 @@ mod pools;
 mod snapshot;
 mod stats;
 mod trace;
-mod trace_pending;
 
 use std::ffi::{c_char, c_double, c_int, c_void};
 
@@ -119,6 +118,29 @@ pub extern "C" fn gpualloc_malloc(size: usize, device: c_int, stream: cudaStream
             Ok(p as usize as *mut c_void)
         },
     )
+}
+
+/// `gpualloc_malloc` for a PyTorch that cannot receive an exception (the
+/// plain `CUDAPluggableAllocator`, without gpualloc's torch bridge): PyTorch
+/// would turn a NULL into a tensor at address 0 and fail later, far from the
+/// cause. So on failure for a non-zero size this prints the diagnosis to
+/// stderr and aborts the process. Not for other callers: `gpualloc_malloc`
+/// itself never aborts.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_malloc_or_abort(
+    size: usize,
+    device: c_int,
+    stream: cudaStream_t,
+) -> *mut c_void {
+    let p = gpualloc_malloc(size, device, stream);
+    if p.is_null() && size > 0 {
+        let msg = last_error_string().unwrap_or_else(|| "gpualloc: allocation failed".to_string());
+        eprintln!(
+            "{msg}\ngpualloc: aborting: PyTorch was given gpualloc without its bridge and cannot raise torch.OutOfMemoryError (see the gpualloc package docs)"
+        );
+        std::process::abort();
+    }
+    p
 }
 
 /// Frees a pointer from `gpualloc_malloc` (PyTorch's pluggable `free`).

@@ -8,8 +8,6 @@ use gpualloc::{Allocator, Backend};
 
 use crate::boundary::{ffi_boundary, status, str_arg};
 use crate::global::global;
-#[allow(unused_imports)] // unused once the core has the methods
-use crate::trace_pending::PendingTraceApi;
 
 /// Starts tracing if the environment asks for it (`GPUALLOC_TRACE=path`).
 /// A trace that cannot start must not stop the program: it is reported on
@@ -33,11 +31,35 @@ pub unsafe extern "C" fn gpualloc_trace_start(path: *const c_char) -> c_int {
     })
 }
 
-/// Stops tracing, flushes and closes the file.
+/// What a finished trace holds.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuallocTraceSummary {
+    /// Events written to the file.
+    pub events: u64,
+    /// Events recorded but not written (writer behind, or an I/O error).
+    pub dropped: u64,
+    /// Bytes of the file.
+    pub bytes: u64,
+}
+
+/// Stops tracing, flushes and closes the file; fills `*summary` unless NULL.
+/// `GPUALLOC_ERR_IO` when not tracing or the file could not be completed.
+///
+/// # Safety
+/// `summary` is NULL or points to a writable `GpuallocTraceSummary`.
 #[unsafe(no_mangle)]
-pub extern "C" fn gpualloc_trace_stop() -> c_int {
+pub unsafe extern "C" fn gpualloc_trace_stop(summary: *mut GpuallocTraceSummary) -> c_int {
     status(|| {
-        global()?.alloc.trace_stop()?;
+        let s = global()?.alloc.trace_stop()?;
+        if !summary.is_null() {
+            let c = GpuallocTraceSummary {
+                events: s.events,
+                dropped: s.dropped,
+                bytes: s.bytes,
+            };
+            crate::boundary::write_out(summary, c, "summary")?;
+        }
         Ok(())
     })
 }

@@ -186,3 +186,74 @@ int main(void) {
     }
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// The fallback entry point never hands PyTorch a silent NULL: it aborts
+/// with the diagnosis.
+#[test]
+fn malloc_or_abort_aborts_loudly() {
+    let lib = library();
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = std::env::temp_dir().join(format!("gpualloc-abi-abort-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let src = out.join("abort_test.c");
+    std::fs::write(
+        &src,
+        r#"#include "gpualloc.h"
+#include <stdio.h>
+int main(void) {
+  void *p = gpualloc_malloc_or_abort(4096, 0, 0);
+  if (p == NULL) return 2;
+  gpualloc_free(p, 4096, 0, 0);
+  printf("small ok\n");
+  fflush(stdout);
+  gpualloc_malloc_or_abort((size_t)1 << 40, 0, 0);
+  printf("not reached\n");
+  return 3;
+}
+"#,
+    )
+    .unwrap();
+    let exe = out.join("abort_test");
+    let gcc = Command::new("gcc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror"])
+        .arg("-I")
+        .arg(manifest.join("include"))
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(lib.parent().unwrap())
+        .arg("-lgpualloc")
+        .output()
+        .unwrap();
+    assert!(
+        gcc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&gcc.stderr)
+    );
+    let run = Command::new(&exe)
+        .env("LD_LIBRARY_PATH", lib.parent().unwrap())
+        .env("GPUALLOC_BACKEND", "sim")
+        .env("GPUALLOC_SIM_CAPACITY", "1GiB")
+        .env_remove("GPUALLOC_CONF")
+        .output()
+        .unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(
+        run.status.signal(),
+        Some(6),
+        "expected SIGABRT: {}\n{stdout}\n{stderr}",
+        run.status
+    );
+    assert!(
+        stdout.contains("small ok") && !stdout.contains("not reached"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("out of memory") && stderr.contains("aborting"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}

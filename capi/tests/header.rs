@@ -1,4 +1,5 @@
-//! The committed header is exactly what cbindgen generates from the crate.
+//! The committed header (and the Python package's copy) is exactly what
+//! cbindgen generates from the crate.
 //! `UPDATE_HEADER=1 cargo test -p gpualloc-capi --test header` regenerates it.
 
 #[test]
@@ -14,15 +15,22 @@ fn header_is_up_to_date() {
         .expect("cbindgen runs on the crate")
         .write(&mut generated);
     let generated = String::from_utf8(generated).expect("UTF-8 header");
-    let path = format!("{dir}/include/gpualloc.h");
-    if std::env::var_os("UPDATE_HEADER").is_some() {
-        std::fs::write(&path, &generated).expect("write header");
+    // The Python package ships a copy: its torch bridge compiles against it.
+    for path in [
+        format!("{dir}/include/gpualloc.h"),
+        format!("{dir}/../python-shim/gpualloc/include/gpualloc.h"),
+    ] {
+        if std::env::var_os("UPDATE_HEADER").is_some() {
+            std::fs::create_dir_all(std::path::Path::new(&path).parent().unwrap())
+                .expect("create include dir");
+            std::fs::write(&path, &generated).expect("write header");
+        }
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            committed == generated,
+            "{path} is stale: run `UPDATE_HEADER=1 cargo test -p gpualloc-capi --test header`"
+        );
     }
-    let committed = std::fs::read_to_string(&path).unwrap_or_default();
-    assert!(
-        committed == generated,
-        "{path} is stale: run `UPDATE_HEADER=1 cargo test -p gpualloc-capi --test header`"
-    );
     for name in [
         "gpualloc_malloc",
         "gpualloc_free",

@@ -387,15 +387,20 @@ static void test_trace(void) {
   CHECK(gpualloc_phase_pop() == GPUALLOC_OK);
   CHECK(gpualloc_phase_push(NULL) == GPUALLOC_ERR_INVALID_ARGUMENT);
   CHECK(gpualloc_trace_flush() == GPUALLOC_OK);
-  CHECK(gpualloc_trace_stop() == GPUALLOC_OK);
+  GpuallocTraceSummary summary;
+  memset(&summary, 0, sizeof summary);
+  CHECK(gpualloc_trace_stop(&summary) == GPUALLOC_OK);
   CHECK(gpualloc_is_tracing() == 0);
+  CHECK(summary.events >= 5); /* phase push, alloc, mark, free, phase pop, ... */
+  CHECK(summary.dropped == 0);
+  CHECK(gpualloc_trace_stop(NULL) == GPUALLOC_ERR_IO); /* not tracing */
   FILE *f = fopen(path, "rb");
   CHECK(f != NULL);
   CHECK(fseek(f, 0, SEEK_END) == 0);
   long size = ftell(f);
   fclose(f);
-  CHECK(size > 0);
-  printf("trace bytes %ld\n", size);
+  CHECK(size > 0 && (uint64_t)size == summary.bytes);
+  printf("trace bytes %ld events %llu\n", size, (unsigned long long)summary.events);
   SECTION_OK("trace");
 }
 
