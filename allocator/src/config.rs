@@ -336,6 +336,10 @@ fn parse_divisions(key: &str, v: &str) -> Result<[u64; POWER2_INTERVALS], Config
                     return Err(err(key, format!("size {mb} MB is not a power of two")));
                 }
                 let idx = power2_bucket(mb.saturating_mul(MIB));
+                if last_set.is_none() {
+                    // As PyTorch: the first entry also covers the smaller buckets.
+                    out[..idx].fill(d);
+                }
                 out[idx] = d;
                 last_set = Some(idx);
             }
@@ -364,7 +368,11 @@ mod tests {
         assert_eq!(c.power2_divisions_for(512 * MIB), 2);
         assert_eq!(c.power2_divisions_for(1024 * MIB), 4);
         assert_eq!(c.power2_divisions_for(4096 * MIB), 8);
-        assert_eq!(c.power2_divisions_for(MIB), 0);
+        assert_eq!(
+            c.power2_divisions_for(MIB),
+            1,
+            "the first entry covers smaller sizes"
+        );
         assert_eq!(c.large_segment_size, 32 * MIB);
         assert_eq!(c.memory_fraction, Some(0.5));
         assert_eq!(c.memory_limit, Some(24 << 30));

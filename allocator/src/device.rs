@@ -278,7 +278,8 @@ impl<B: Backend> DeviceAllocator<B> {
         self.backend.destroy_event(event);
         waited?;
         self.pools[pool as usize].remove(key);
-        self.blocks[key.3].stream = stream;
+        // The block changes hands in `alloc_found_block`; a split-off
+        // remainder stays with the owner, which never used it.
         self.stats.num_cross_stream_reuse += 1;
         self.record(Action::StreamReuse, stream, key.2, key.1, owner);
         Ok(Some(key.3))

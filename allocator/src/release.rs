@@ -57,6 +57,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let mut pools = vec![SMALL, LARGE];
         pools.extend(self.private.freeable_pools());
         for pool in pools {
+            self.fuse_free_segments(pool);
             let whole: Vec<BlockId> = self.pools[pool as usize]
                 .iter()
                 .filter(|k| self.is_whole_segment(k.3))
@@ -116,26 +117,83 @@ impl<B: Backend> DeviceAllocator<B> {
             return Ok(());
         }
         let target = (reserved - threshold) as u64;
+        // PyTorch's loop: the average age counts every cached large block;
+        // a pass frees every whole segment at least that old, without
+        // stopping at the target (so GC does not run again at once).
+        let now = self.pools[LARGE as usize].lookups;
+        let mut total_age = 0u64;
+        let mut freeable = 0u64;
+        for k in self.pools[LARGE as usize].iter() {
+            if !self.segments.get(self.blocks[k.3].segment).expandable {
+                total_age += now - self.blocks[k.3].gc_base;
+                freeable += 1;
+            }
+        }
         let mut reclaimed = 0u64;
-        while reclaimed < target {
-            let now = self.pools[LARGE as usize].lookups;
-            let cands: Vec<(u64, u64, BlockId)> = self.pools[LARGE as usize]
+        let mut freed_any = true;
+        while reclaimed < target && freed_any && freeable > 0 {
+            let threshold_age = total_age as f64 / freeable as f64;
+            freed_any = false;
+            let old: Vec<(u64, u64, BlockId)> = self.pools[LARGE as usize]
                 .iter()
                 .filter(|k| self.is_whole_segment(k.3))
                 .map(|k| (now - self.blocks[k.3].gc_base, k.1, k.3))
+                .filter(|&(age, _, _)| age as f64 >= threshold_age)
                 .collect();
-            if cands.is_empty() {
-                break;
-            }
-            let avg = cands.iter().map(|c| c.0).sum::<u64>() / cands.len() as u64;
-            for (age, size, id) in cands {
-                if age >= avg && reclaimed < target {
-                    self.release_segment(id)?;
-                    reclaimed += size;
-                }
+            for (age, size, id) in old {
+                freed_any = true;
+                reclaimed += size;
+                total_age -= age;
+                freeable -= 1;
+                self.release_segment(id)?;
             }
         }
         Ok(())
+    }
+
+    /// Merges the blocks of every plain segment of `pool` that is entirely
+    /// free but split among several streams (Note [Cross-stream reuse]):
+    /// releasing it waits for all work anyway, so the streams do not matter.
+    fn fuse_free_segments(&mut self, pool: PoolId) {
+        let firsts: Vec<BlockId> = self
+            .segments
+            .iter()
+            .filter(|(_, s)| s.pool == pool && !s.expandable)
+            .map(|(_, s)| s.first)
+            .collect();
+        let kind = self.pools[pool as usize].kind;
+        for first in firsts {
+            let mut all_free = true;
+            let mut cur = Some(first);
+            while let Some(id) = cur {
+                all_free &= self.blocks[id].state == BlockState::Free;
+                cur = self.blocks[id].next;
+            }
+            if !all_free || self.blocks[first].next.is_none() {
+                continue;
+            }
+            let mut pieces = 0i64;
+            let mut bytes = 0i64;
+            let mut cur = Some(first);
+            while let Some(id) = cur {
+                let b = &self.blocks[id];
+                let key = (b.stream, b.size, b.ptr, id);
+                pieces += 1;
+                bytes += b.size as i64;
+                cur = b.next;
+                self.pools[pool as usize].remove(key);
+                if id != first {
+                    self.blocks.remove(id);
+                }
+            }
+            let b = &mut self.blocks[first];
+            b.size = bytes as u64;
+            b.next = None;
+            let key = (b.stream, b.size, b.ptr, first);
+            self.pools[pool as usize].insert(key);
+            self.stats.inactive_split.update(kind, -pieces);
+            self.stats.inactive_split_bytes.update(kind, -bytes);
+        }
     }
 
     /// Whether a block spans a whole plain segment (and so can be released).

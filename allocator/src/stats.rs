@@ -108,6 +108,9 @@ pub struct DeviceStats {
     pub num_device_alloc: i64,
     /// Backend releases.
     pub num_device_free: i64,
+    /// Requests rejected before any driver call (PyTorch's
+    /// `throw_on_cudamalloc_oom`; gpualloc never rejects, so always 0).
+    pub num_oom_rejections: i64,
     /// Blocks taken from another stream's cache (gpualloc's addition).
     pub num_cross_stream_reuse: i64,
     /// Trace records that could not be written (gpualloc's addition).
@@ -181,6 +184,7 @@ impl DeviceStats {
             ("num_sync_all_streams", self.num_sync_all_streams),
             ("num_device_alloc", self.num_device_alloc),
             ("num_device_free", self.num_device_free),
+            ("num_oom_rejections", self.num_oom_rejections),
             ("num_cross_stream_reuse", self.num_cross_stream_reuse),
             ("num_trace_dropped", self.num_trace_dropped),
             ("max_split_size", self.max_split_size),
@@ -254,7 +258,7 @@ mod tests {
         assert_eq!(get("allocated_bytes.large_pool.current"), Some(0));
         assert!(get("inactive_split_bytes.all.freed").is_some());
         assert!(get("num_alloc_retries").is_some());
-        assert_eq!(flat.len(), 9 * 3 * 4 + 2 * 4 + 8);
+        assert_eq!(flat.len(), 9 * 3 * 4 + 2 * 4 + 9);
         d.reset_accumulated();
         d.update_noop();
     }
