@@ -19,6 +19,8 @@
 //!
 //! This is the only module of the crate that may use `unsafe`.
 
+use std::collections::BTreeMap;
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use cudarc::driver::sys;
@@ -83,6 +85,10 @@ pub struct CudaBackend {
     ctx: sys::CUcontext,
     /// Destroyed-by-the-allocator events kept for reuse.
     spare_events: Vec<sys::CUevent>,
+    /// Virtual memory: the mapping granularity, once queried (0 = unsupported).
+    granularity: Option<u64>,
+    /// Virtual memory: the physical handle mapped at each granule address.
+    handles: BTreeMap<DevicePtr, sys::CUmemGenericAllocationHandle>,
 }
 
 // SAFETY: a CUcontext and CUevents are process-wide driver handles, valid on
@@ -122,6 +128,8 @@ impl CudaBackend {
             device: dev,
             ctx,
             spare_events: Vec::new(),
+            granularity: None,
+            handles: BTreeMap::new(),
         })
     }
 
@@ -141,6 +149,37 @@ impl CudaBackend {
             // SAFETY: `self.ctx` is a primary context retained by `new` and
             // not released before `Drop`.
             check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })?;
+        }
+        Ok(())
+    }
+
+    /// Pinned device memory on this device, no export handles.
+    fn allocation_prop(&self) -> sys::CUmemAllocationProp {
+        // SAFETY: CUmemAllocationProp is a plain C struct for which all-zero
+        // bytes are valid (null pointers, zero flags); the fields that
+        // matter are set below.
+        let mut prop: sys::CUmemAllocationProp = unsafe { MaybeUninit::zeroed().assume_init() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = self.device;
+        prop
+    }
+
+    /// Unmaps and releases the granules of `[ptr, ptr + size)` mapped so far.
+    fn unmap_granules(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        let granules: Vec<DevicePtr> = self
+            .handles
+            .range(ptr..ptr + size)
+            .map(|(&a, _)| a)
+            .collect();
+        let g = self.granularity.unwrap_or(0) as usize;
+        for a in granules {
+            let h = self.handles.remove(&a).expect("granule listed above");
+            // SAFETY: `a` is a granule this backend mapped with `h` (recorded
+            // in `handles` by `map`) and has not unmapped since.
+            check("cuMemUnmap", unsafe { sys::cuMemUnmap(a, g) })?;
+            // SAFETY: `h` came from cuMemCreate and its only mapping was just removed.
+            check("cuMemRelease", unsafe { sys::cuMemRelease(h) })?;
         }
         Ok(())
     }
@@ -298,12 +337,128 @@ impl Backend for CudaBackend {
             let _ = unsafe { sys::cuEventDestroy_v2(ev) };
         }
     }
+
+    fn vmm_granularity(&mut self) -> Option<u64> {
+        if let Some(g) = self.granularity {
+            return (g > 0).then_some(g);
+        }
+        let g = self.bind().ok().and_then(|()| {
+            let prop = self.allocation_prop();
+            let mut g = 0usize;
+            // SAFETY: context bound; `prop` and `g` are valid for the call.
+            let r = unsafe {
+                sys::cuMemGetAllocationGranularity(
+                    &mut g,
+                    &prop,
+                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+                )
+            };
+            check("cuMemGetAllocationGranularity", r)
+                .ok()
+                .map(|()| g as u64)
+        });
+        self.granularity = Some(g.unwrap_or(0));
+        g.filter(|&g| g > 0)
+    }
+
+    fn reserve(&mut self, size: u64) -> Result<DevicePtr, BackendError> {
+        self.bind()?;
+        let align = self.vmm_granularity().unwrap_or(2 << 20) as usize;
+        let mut va: sys::CUdeviceptr = 0;
+        // SAFETY: context bound; `va` is a valid out-pointer; no fixed address requested.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut va, size as usize, align, 0, 0)
+        })?;
+        Ok(va)
+    }
+
+    fn free_reservation(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: `ptr`/`size` came from `reserve` (contract) and every page
+        // in it was unmapped by the allocator before this call.
+        check("cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(ptr, size as usize)
+        })
+    }
+
+    fn map(&mut self, ptr: DevicePtr, size: u64, capturing: bool) -> Result<(), BackendError> {
+        self.bind()?;
+        let g = self
+            .vmm_granularity()
+            .ok_or_else(|| BackendError::Unavailable("no virtual memory support".into()))?;
+        let _relaxed = if capturing {
+            Some(RelaxedCaptureMode::enter()?)
+        } else {
+            None
+        };
+        let prop = self.allocation_prop();
+        let mut a = ptr;
+        while a < ptr + size {
+            let mut h: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: context bound; `prop` describes pinned memory on this
+            // device; `h` is a valid out-pointer.
+            let created = check("cuMemCreate", unsafe {
+                sys::cuMemCreate(&mut h, g as usize, &prop, 0)
+            });
+            let mapped = created.and_then(|()| {
+                // SAFETY: `[a, a + g)` lies in a reservation of this backend
+                // (contract) and is not mapped; `h` is a fresh handle of size `g`.
+                let r = check("cuMemMap", unsafe { sys::cuMemMap(a, g as usize, 0, h, 0) });
+                if r.is_err() {
+                    // SAFETY: `h` was created above and never mapped.
+                    let _ = unsafe { sys::cuMemRelease(h) };
+                }
+                r
+            });
+            if let Err(e) = mapped {
+                // Undo the granules of this call so the range stays unmapped.
+                let _ = self.unmap_granules(ptr, a - ptr);
+                return Err(match e {
+                    BackendError::OutOfMemory { .. } => {
+                        BackendError::OutOfMemory { requested: size }
+                    }
+                    e => e,
+                });
+            }
+            self.handles.insert(a, h);
+            a += g;
+        }
+        let desc = sys::CUmemAccessDesc {
+            location: prop.location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: `[ptr, ptr + size)` was mapped above; `desc` is valid for the call.
+        let access = check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(ptr, size as usize, &desc, 1)
+        });
+        if let Err(e) = access {
+            let _ = self.unmap_granules(ptr, size);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        self.bind()?;
+        // cuMemUnmap does not wait for queued kernels that may still touch
+        // the pages: drain the device first, as PyTorch does.
+        // SAFETY: context bound; no arguments.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
+        self.unmap_granules(ptr, size)
+    }
 }
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         if self.bind().is_err() {
             return;
+        }
+        let g = self.granularity.unwrap_or(0) as usize;
+        for (a, h) in std::mem::take(&mut self.handles) {
+            // SAFETY: each entry is a live mapping made by `map`.
+            let _ = unsafe { sys::cuMemUnmap(a, g) };
+            // SAFETY: its handle is released once, after its mapping.
+            let _ = unsafe { sys::cuMemRelease(h) };
         }
         for ev in self.spare_events.drain(..) {
             // SAFETY: every pooled event is live and owned only by the pool.
@@ -356,6 +511,13 @@ mod tests {
                 b.stream_wait_event(0, e).unwrap();
                 b.destroy_event(e);
                 b.release(p, 2 << 20).unwrap();
+                if let Some(g) = b.vmm_granularity() {
+                    let va = b.reserve(8 * g).unwrap();
+                    b.map(va, 2 * g, false).unwrap();
+                    b.map(va + 2 * g, g, false).unwrap();
+                    b.unmap(va, 3 * g).unwrap();
+                    b.free_reservation(va, 8 * g).unwrap();
+                }
                 assert!(
                     matches!(b.allocate(1 << 50, false), Err(BackendError::OutOfMemory { requested }) if requested == 1 << 50)
                 );
