@@ -7,9 +7,9 @@ use gpualloc_tests::{Checked, MIB};
 const A: u64 = 7;
 const B: u64 = 9;
 
-/// Bug: the remainder split off a block taken from another stream now
-/// belongs to the taking stream but is not merged with a free neighbour of
-/// that stream: `check_invariants` reports unmerged adjacent free blocks.
+/// Regression (fixed in cfa8ee0): the remainder split off a block taken
+/// from another stream was not merged with a free neighbour of the taking
+/// stream, and `check_invariants` reported unmerged adjacent free blocks.
 #[test]
 fn split_remainder_of_a_taken_block_merges_with_its_free_neighbour() {
     let mut c = Checked::with(1 << 30, "");
@@ -28,10 +28,9 @@ fn split_remainder_of_a_taken_block_merges_with_its_free_neighbour() {
     c.release(a1);
 }
 
-/// Bug (a consequence of merging only same-stream neighbours): once a
-/// segment's blocks were handed to two streams, it can never be released,
-/// even after every block is freed, the streams are idle and `empty_cache`
-/// runs. PyTorch's `empty_cache` returns every fully free segment.
+/// Regression (fixed in cfa8ee0): a segment whose blocks were handed to two
+/// streams was never released, even with every block free and `empty_cache`
+/// run. PyTorch's `empty_cache` returns every fully free segment.
 #[test]
 fn empty_cache_releases_a_segment_shared_by_two_streams_once_all_is_free() {
     let mut c = Checked::with(1 << 30, "");
@@ -50,8 +49,8 @@ fn empty_cache_releases_a_segment_shared_by_two_streams_once_all_is_free() {
     );
 }
 
-/// The same leak turns into a spurious out-of-memory error: the OOM path
-/// cannot release the shared segment either.
+/// Regression (fixed in cfa8ee0): the same leak made a spurious
+/// out-of-memory error, since the OOM path could not release it either.
 #[test]
 fn out_of_memory_path_can_release_a_segment_shared_by_two_streams() {
     let mut c = Checked::with(24 * MIB, "");

@@ -63,11 +63,11 @@ fn split_segments_and_the_small_pool_are_not_collected() {
     assert_eq!(c.stats().num_device_free, 0);
 }
 
-/// Bug: GC releases blocks whose age is at or above the *average* age.
+/// Regression (fixed in cfa8ee0): GC releases blocks whose age is at or above the *average* age.
 /// With ages 2 (14 MiB) and 1 (12 MiB) the average is 1.5, so only the
 /// older block qualifies, and releasing it (14 MiB) reaches the 12 MiB
-/// target. gpualloc truncates the average to 1 and releases the younger,
-/// smaller block first (it walks blocks by size).
+/// target. gpualloc used to truncate the average to 1 and release the
+/// younger, smaller block first (it walks blocks by size).
 #[test]
 fn only_blocks_at_least_as_old_as_the_average_are_collected() {
     let mut c = Checked::with(200 * MIB, CONF);

@@ -85,11 +85,11 @@ fn division_list_with_catch_all() {
     assert_eq!(charged(&mut c, 129 * MIB), 160 * MIB);
 }
 
-/// Bug: PyTorch's parser fills every bucket below the first listed size with
+/// Regression (fixed in cfa8ee0): PyTorch's parser fills every bucket below the first listed size with
 /// that first divisor (`AcceleratorAllocatorConfig::parseRoundUpPower2Divisions`,
 /// `if (first_value) std::fill(begin, begin + index, value)`), so with
 /// `[64:4,>:8]` a 3 MiB request uses 4 divisions and becomes 3.5 MiB.
-/// gpualloc leaves those buckets at 0 (512 B rounding).
+/// gpualloc used to leave those buckets at 0 (512 B rounding).
 #[test]
 fn first_list_entry_also_covers_the_smaller_buckets() {
     let mut c = Checked::with(1 << 30, "roundup_power2_divisions:[64:4,>:8]");

@@ -58,8 +58,8 @@ fn every_pytorch_key_is_present_and_sorted() {
     assert_eq!(sorted.len(), names.len(), "no duplicate key");
 }
 
-/// Missing key: torch 2.1x's `memory_stats()` also has `num_oom_rejections`
-/// (reference §2); code that indexes it raises KeyError on gpualloc's dict.
+/// Regression (fixed in cfa8ee0): torch 2.1x's `memory_stats()` also has `num_oom_rejections`
+/// (reference §2); code that indexes it raised KeyError on gpualloc's dict.
 #[test]
 fn newer_pytorch_key_num_oom_rejections_is_present() {
     let c = Checked::with(1 << 30, "");
