@@ -99,21 +99,24 @@ fn threads(c: &mut Criterion) {
             1,
             Box::new(|_| Ok(SimBackend::new(CAPACITY))),
         ));
-        g.throughput(Throughput::Elements(t as u64 * 1000));
+        // One element = one alloc+free pair on each of the T threads.
+        g.throughput(Throughput::Elements(t as u64));
         g.bench_with_input(BenchmarkId::from_parameter(t), &t, |b, &t| {
-            b.iter(|| {
+            b.iter_custom(|iters| {
+                let start = std::time::Instant::now();
                 std::thread::scope(|s| {
                     for k in 0..t {
                         let a = &a;
                         s.spawn(move || {
                             let stream = k as u64;
-                            for _ in 0..1000 {
-                                let p = a.malloc(0, 8192, stream).unwrap();
+                            for _ in 0..iters {
+                                let p = a.malloc(0, black_box(8192), stream).unwrap();
                                 a.free(0, p).unwrap();
                             }
                         });
                     }
-                })
+                });
+                start.elapsed()
             })
         });
     }
