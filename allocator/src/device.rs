@@ -200,10 +200,19 @@ impl<B: Backend> DeviceAllocator<B> {
             Err(AllocError::OutOfMemory(r)) => r.cause,
             Err(e) => return Err(e),
         };
+        // A request larger than the device (or the limit) can never fit:
+        // report it without flushing the cache for nothing.
+        let max = match self.limit()? {
+            Some(l) => l.min(self.device_total()?),
+            None => self.device_total()?,
+        };
+        if alloc_size > max {
+            return Err(self.out_of_memory(stream, size, alloc_size, cause));
+        }
         if !capturing {
             // PyTorch's order: release oversize cached blocks, retry; then
             // wait for every event, release every unsplit cached segment, retry.
-            if self.release_available_cached_blocks(pool, rounded)? {
+            if self.release_available_cached_blocks(pool, stream, rounded)? {
                 match self.grow(pool, alloc_size, rounded, stream, false) {
                     Ok(b) => return Ok(b),
                     Err(AllocError::OutOfMemory(_)) => {}

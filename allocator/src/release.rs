@@ -73,10 +73,12 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// `release_available_cached_blocks`: with `max_split_size` set, release
     /// one oversize cached block large enough for the request, or else the
-    /// largest oversize blocks of the stream until enough is released.
+    /// largest oversize blocks of the stream until enough is released
+    /// (the requesting stream's blocks only, as PyTorch).
     pub(crate) fn release_available_cached_blocks(
         &mut self,
         pool: PoolId,
+        stream: StreamId,
         rounded: u64,
     ) -> Result<bool, AllocError> {
         let max_split = self.config.max_split_size;
@@ -87,7 +89,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let p = &self.pools[pool as usize];
         let mut oversize: Vec<(u64, BlockId)> = p
             .iter()
-            .filter(|k| k.1 >= max_split && self.is_whole_segment(k.3))
+            .filter(|k| k.0 == stream && k.1 >= max_split && self.is_whole_segment(k.3))
             .map(|k| (k.1, k.3))
             .collect();
         oversize.sort_unstable();

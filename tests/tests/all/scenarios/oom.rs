@@ -156,6 +156,25 @@ fn request_larger_than_the_device_is_too_large() {
 }
 
 #[test]
+fn a_request_that_never_fits_does_not_flush_the_cache() {
+    let mut c = Checked::with(64 * MIB, "");
+    let p = c.alloc(4 * MIB, 0);
+    c.free(p);
+    let before = c.stats().reserved_bytes.all.current;
+    assert!(matches!(
+        c.malloc(65 * MIB, 0),
+        Err(AllocError::TooLarge { .. })
+    ));
+    assert_eq!(
+        c.stats().reserved_bytes.all.current,
+        before,
+        "the cached segment stays"
+    );
+    assert_eq!(c.stats().num_alloc_retries, 0);
+    assert_eq!(c.stats().num_sync_all_streams, 0);
+}
+
+#[test]
 fn injected_backend_failure_takes_the_retry_path() {
     let mut c = Checked::with(1 << 30, "");
     c.sim_mut().fail_allocate_at(1);
