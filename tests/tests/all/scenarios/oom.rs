@@ -159,7 +159,7 @@ fn request_larger_than_the_device_is_too_large() {
 fn a_request_that_never_fits_does_not_flush_the_cache() {
     let mut c = Checked::with(64 * MIB, "");
     let p = c.alloc(4 * MIB, 0);
-    c.free(p);
+    c.release(p);
     let before = c.stats().reserved_bytes.all.current;
     assert!(matches!(
         c.malloc(65 * MIB, 0),
