@@ -117,11 +117,13 @@ impl From<std::io::Error> for Error {
 thread_local! {
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
     static LAST_OOM: Cell<Option<GpuallocOomInfo>> = const { Cell::new(None) };
+    static LAST_CODE: Cell<c_int> = const { Cell::new(0) };
 }
 
 fn set_last_error(e: Error) {
     let msg = CString::new(e.message.replace('\0', " ")).unwrap_or_default();
     LAST_ERROR.with(|l| *l.borrow_mut() = Some(msg));
+    LAST_CODE.with(|c| c.set(e.code));
     if let Some(oom) = e.oom {
         LAST_OOM.with(|o| o.set(Some(*oom)));
     }
@@ -130,6 +132,7 @@ fn set_last_error(e: Error) {
 /// Forgets the calling thread's last error (control functions call it first).
 #[inline]
 pub(crate) fn clear_last_error() {
+    LAST_CODE.with(|c| c.set(0));
     LAST_ERROR.with(|l| {
         if let Ok(mut l) = l.try_borrow_mut() {
             *l = None;
@@ -140,6 +143,11 @@ pub(crate) fn clear_last_error() {
 /// The calling thread's last error message, or NULL.
 pub(crate) fn last_error_ptr() -> *const c_char {
     LAST_ERROR.with(|l| l.borrow().as_ref().map_or(std::ptr::null(), |s| s.as_ptr()))
+}
+
+/// The calling thread's last error code, 0 when none.
+pub(crate) fn last_error_code() -> c_int {
+    LAST_CODE.with(|c| c.get())
 }
 
 /// The calling thread's last out-of-memory report.

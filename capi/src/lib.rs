@@ -103,6 +103,13 @@ pub extern "C" fn gpualloc_last_error() -> *const c_char {
     boundary::last_error_ptr()
 }
 
+/// The `GPUALLOC_ERR_*` code of the calling thread's last error, 0 when
+/// none: the status of a void call (a PyTorch hook) that failed.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_last_error_code() -> c_int {
+    boundary::last_error_code()
+}
+
 /// Allocates `size` bytes on `device` for use on `stream` (PyTorch's
 /// pluggable `alloc`). Returns NULL for size 0, and NULL with the last error
 /// set (and `gpualloc_last_oom` filled when out of memory) on failure.

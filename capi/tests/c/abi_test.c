@@ -113,8 +113,10 @@ static void test_malloc_free(void) {
   release(r, 1000, 0, stream(0));
   /* a pointer gpualloc never handed out: an error, never an abort */
   gpualloc_clear_error();
+  CHECK(gpualloc_last_error_code() == 0);
   release((void *)(uintptr_t)0x1234500, 512, 0, stream(0));
   CHECK(contains(gpualloc_last_error(), "not allocated by gpualloc"));
+  CHECK(gpualloc_last_error_code() == GPUALLOC_ERR_INVALID_POINTER);
   /* double free */
   void *d = alloc(4096, 0, stream(0));
   release(d, 4096, 0, stream(0));
@@ -138,7 +140,7 @@ static void test_malloc_free(void) {
 
 static void test_stats(void) {
   size_t n = gpualloc_stat_count();
-  CHECK(n == 9 * 3 * 4 + 2 * 4 + 8);
+  CHECK(n >= 9 * 3 * 4 + 2 * 4 + 8); /* PyTorch's keys plus gpualloc's counters */
   CHECK(gpualloc_stat_name(n) == NULL);
   for (size_t i = 0; i < n; i++) CHECK(gpualloc_stat_name(i) != NULL);
   int64_t *v = calloc(n, sizeof *v);
@@ -222,8 +224,10 @@ static void test_record_stream_and_empty_cache(void) {
   /* record_stream of a pointer gpualloc does not know */
   record((void *)(uintptr_t)0xdead000, stream(3));
   CHECK(contains(gpualloc_last_error(), "record_stream"));
+  CHECK(gpualloc_last_error_code() == GPUALLOC_ERR_INVALID_POINTER);
   record(NULL, stream(3));
   CHECK(gpualloc_last_error() == NULL);
+  CHECK(gpualloc_last_error_code() == 0);
   CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
   SECTION_OK("record_stream_empty_cache");
 }

@@ -230,6 +230,10 @@ int gpualloc_device_count(void);
 // until the thread's next failing or control call.
 const char *gpualloc_last_error(void);
 
+// The `GPUALLOC_ERR_*` code of the calling thread's last error, 0 when
+// none: the status of a void call (a PyTorch hook) that failed.
+int gpualloc_last_error_code(void);
+
 // Allocates `size` bytes on `device` for use on `stream` (PyTorch's
 // pluggable `alloc`). Returns NULL for size 0, and NULL with the last error
 // set (and `gpualloc_last_oom` filled when out of memory) on failure.

@@ -1,0 +1,277 @@
+"""gpualloc: a CUDA caching allocator for PyTorch, with a full allocation trace.
+
+Use::
+
+    import gpualloc
+    gpualloc.install(config="max_split_size_mb:128", trace="run.gtrace")  # before CUDA starts
+    ...                                   # train as usual; torch.cuda.memory_* keep working
+    with gpualloc.phase("checkpoint"):
+        torch.save(model.state_dict(), "ckpt.pt")
+
+or, without touching the script: ``python -m gpualloc run train.py --args``.
+
+How gpualloc is plugged into PyTorch (see ``_torch.py`` for the details)
+-----------------------------------------------------------------------
+PyTorch's only switch is ``CUDAPluggableAllocator``: two C functions,
+``alloc`` and ``free``. Used alone it is not a drop-in replacement: it
+cannot raise ``torch.cuda.OutOfMemoryError`` (a NULL becomes a tensor at
+address 0), ``memory_stats``/``memory_allocated``/``reset_peak_memory_stats``,
+``get_per_process_memory_fraction`` and cuDNN benchmark (``cacheInfo``) raise
+"does not yet support", and the CUDA-graph pool hooks pass C++ objects.
+
+So ``install()`` compiles (once, cached) a small C++ bridge against the
+installed torch: a subclass of ``CUDAPluggableAllocator`` whose alloc
+function throws ``c10::OutOfMemoryError`` with gpualloc's diagnosis, whose
+``getDeviceStats``/``resetPeakStats``/``resetAccumulatedStats``/``cacheInfo``/
+``getMemoryFraction`` read gpualloc, and whose graph-pool hooks unpack
+``MempoolId_t`` and call the stream filter through a C trampoline. The bridge
+loads libgpualloc.so with ``dlopen`` (same handle as this package's ctypes
+copy) and installs itself with ``changeCurrentAllocator``. It needs g++ and
+the torch headers (they ship with the wheel); the build directory is
+``GPUALLOC_BUILD_DIR`` or ``~/.cache/gpualloc``.
+
+Without a compiler (or with ``bridge=False``), ``install()`` falls back to a
+plain ``CUDAPluggableAllocator`` with a warning: stats, summary, fractions,
+``empty_cache`` and ``record_stream`` still work (``torch.cuda.memory_*`` are
+patched in Python to read gpualloc), CUDA graphs do not, and out of memory
+cannot become an exception, so the fallback registers
+``gpualloc_malloc_or_abort``: it prints the diagnosis and aborts the process
+rather than hand PyTorch a NULL it would silently turn into a tensor.
+
+``torch.accelerator.memory_*`` reach PyTorch's generic allocator registry,
+which the swap does not touch (they would read 0 silently); ``install()``
+patches them to the ``torch.cuda`` functions. ``torch.cuda.memory_snapshot``
+is patched to return gpualloc's segments.
+
+This module imports without torch; torch is imported only by ``install()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional
+
+from ._lib import GpuallocError, LibraryNotFound, lib, library_path
+
+__all__ = [
+    "GpuallocError",
+    "LibraryNotFound",
+    "install",
+    "installed",
+    "stats",
+    "summary",
+    "snapshot",
+    "empty_cache",
+    "reset_peak_stats",
+    "reset_accumulated_stats",
+    "set_memory_fraction",
+    "set_memory_limit",
+    "fragmentation",
+    "last_oom",
+    "phase",
+    "mark",
+    "trace_start",
+    "trace_stop",
+    "trace_flush",
+    "is_tracing",
+    "library_path",
+    "backend",
+    "version",
+]
+
+
+def install(config: Optional[str] = None, trace: Optional[str] = None, bridge: bool = True, verbose: bool = False) -> str:
+    """Makes gpualloc PyTorch's CUDA allocator. Call before CUDA is initialized.
+
+    ``config``: gpualloc's configuration (``GPUALLOC_CONF`` syntax; default:
+    that variable). ``trace``: start recording a trace to this path.
+    ``bridge``: compile the C++ bridge (see the module docs); False forces the
+    fallback. Returns ``"bridge"`` or ``"fallback"``.
+    """
+    from . import _torch
+
+    return _torch.install(config=config, trace=trace, bridge=bridge, verbose=verbose)
+
+
+def installed() -> Optional[str]:
+    """``"bridge"``, ``"fallback"`` or None."""
+    from . import _torch
+
+    return _torch.MODE
+
+
+def _device(device) -> int:
+    """An int device index; torch devices and None (current device) when torch is loaded."""
+    if device is None:
+        import sys
+
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return torch.cuda.current_device()
+        return 0
+    if isinstance(device, int):
+        return device
+    idx = getattr(device, "index", None)
+    if idx is not None:
+        return idx
+    if isinstance(device, str):
+        return int(device.split(":")[1]) if ":" in device else 0
+    return 0
+
+
+def stats(device=None) -> Dict[str, int]:
+    """Every stat, named and ordered as ``torch.cuda.memory_stats()`` names them."""
+    return lib().stats(_device(device))
+
+
+def fragmentation(device=None) -> Dict[str, float]:
+    """gpualloc's figures beyond PyTorch's: largest cached block, cached bytes,
+    external fragmentation (1 - largest/cached), unallocated fraction (1 - allocated/reserved)."""
+    s = lib().stats_struct(_device(device))
+    return {
+        "largest_free_block": s.largest_free_block,
+        "cached_free_bytes": s.cached_free_bytes,
+        "external_fragmentation": s.external_fragmentation,
+        "unallocated_fraction": s.unallocated_fraction,
+    }
+
+
+def snapshot(device=None) -> List[dict]:
+    """Segments with their blocks, shaped like ``torch.cuda.memory_snapshot()``
+    (every device when ``device`` is None)."""
+    return lib().snapshot(-1 if device is None else _device(device))["segments"]
+
+
+def empty_cache() -> None:
+    """Returns every cached, entirely free segment to the device."""
+    lib().empty_cache()
+
+
+def reset_peak_stats(device=None) -> None:
+    lib().reset_peak_stats(_device(device))
+
+
+def reset_accumulated_stats(device=None) -> None:
+    lib().reset_accumulated_stats(_device(device))
+
+
+def set_memory_fraction(fraction: float, device=None) -> None:
+    lib().set_memory_fraction(fraction, _device(device))
+
+
+def set_memory_limit(nbytes: Optional[int], device=None) -> None:
+    """Caps reserved memory at ``nbytes`` (None or 0 removes the cap)."""
+    lib().set_memory_limit(nbytes, _device(device))
+
+
+def last_oom() -> Optional[dict]:
+    """The figures of this thread's last out-of-memory error, or None."""
+    return lib().last_oom()
+
+
+def backend() -> str:
+    """``"cuda"`` or ``"sim"`` (``GPUALLOC_BACKEND=sim``: the simulated device)."""
+    return lib().backend()
+
+
+def version() -> str:
+    return lib().version()
+
+
+def trace_start(path: str) -> None:
+    lib().trace_start(path)
+
+
+def trace_stop() -> Dict[str, int]:
+    """Stops tracing; returns ``{"events", "dropped", "bytes"}``."""
+    return lib().trace_stop()
+
+
+def trace_flush() -> None:
+    lib().trace_flush()
+
+
+def is_tracing() -> bool:
+    return lib().is_tracing()
+
+
+def mark(name: str) -> None:
+    """Records a named point in time in the trace (``gpualloc.mark("epoch 3")``)."""
+    lib().mark(name)
+
+
+class phase(contextlib.ContextDecorator):
+    """A named phase in the trace, as a context manager or a decorator::
+
+    with gpualloc.phase("checkpoint"): ...
+
+    @gpualloc.phase("optimizer")
+    def step(): ...
+    """
+
+    def __init__(self, name: str):
+        self.name = str(name)
+
+    def __enter__(self):
+        lib().phase_push(self.name)
+        return self
+
+    def __exit__(self, *exc):
+        lib().phase_pop()
+        return False
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B  ", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:7d} {unit}" if unit == "B  " else f"{n:7.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def summary(device=None, abbreviated: bool = False) -> str:
+    """A table like ``torch.cuda.memory_summary()``, from gpualloc's stats."""
+    d = _device(device)
+    s = stats(d)
+    f = fragmentation(d)
+    width = 77
+    lines = [
+        "=" * width,
+        f" gpualloc memory summary, device {d:<3d} ({backend()} backend)".ljust(width),
+        "-" * width,
+        f"{'Metric':<32}|{'Cur Usage':>11}|{'Peak Usage':>11}|{'Tot Alloc':>10}|{'Tot Freed':>10}",
+        "-" * width,
+    ]
+    rows = [
+        ("Allocated memory", "allocated_bytes", True),
+        ("Active memory", "active_bytes", True),
+        ("Requested memory", "requested_bytes", True),
+        ("GPU reserved memory", "reserved_bytes", True),
+        ("Non-releasable memory", "inactive_split_bytes", True),
+        ("Allocations", "allocation", False),
+        ("Active allocs", "active", False),
+        ("GPU reserved segments", "segment", False),
+        ("Non-releasable allocs", "inactive_split", False),
+    ]
+    pools = [("all", "")] if abbreviated else [("all", ""), ("large_pool", "  from large pool"), ("small_pool", "  from small pool")]
+    for title, key, is_bytes in rows:
+        for pool, label in pools:
+            vals = [s[f"{key}.{pool}.{field}"] for field in ("current", "peak", "allocated", "freed")]
+            cells = [_fmt_bytes(v) if is_bytes else str(v) for v in vals]
+            lines.append(f"{(title if not label else label):<32}|{cells[0]:>11}|{cells[1]:>11}|{cells[2]:>10}|{cells[3]:>10}")
+        lines.append("-" * width)
+    for title, key in (("Oversize allocations", "oversize_allocations"), ("Oversize GPU segments", "oversize_segments")):
+        vals = [s[f"{key}.{field}"] for field in ("current", "peak", "allocated", "freed")]
+        lines.append(f"{title:<32}|{vals[0]:>11}|{vals[1]:>11}|{vals[2]:>10}|{vals[3]:>10}")
+    lines.append("-" * width)
+    counters = ", ".join(
+        f"{k}: {s[k]}" for k in ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free", "num_cross_stream_reuse")
+    )
+    lines.append(f" {counters}")
+    lines.append(
+        f" largest cached block: {_fmt_bytes(f['largest_free_block']).strip()}, cached free: {_fmt_bytes(f['cached_free_bytes']).strip()}, "
+        f"external fragmentation: {f['external_fragmentation'] * 100:.1f}%, unallocated: {f['unallocated_fraction'] * 100:.1f}%"
+    )
+    lines.append("=" * width)
+    return "\n".join(lines) + "\n"
+

@@ -1,0 +1,364 @@
+"""ctypes bindings of libgpualloc.so (the C ABI in capi/include/gpualloc.h).
+
+Finding the library, in order:
+
+1. ``GPUALLOC_LIBRARY`` (a path), for a source-tree checkout:
+   ``GPUALLOC_LIBRARY=target/release/libgpualloc.so``;
+2. the copy ``pip install`` built into this package (``_gpualloc*.so``).
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import os
+import threading
+from typing import Dict, Optional, Tuple
+
+c_int, c_size_t, c_void_p, c_char_p = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p
+c_int64, c_uint64, c_uint32, c_double = ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_double
+
+# Status codes (gpualloc.h).
+OK = 0
+ERR_OUT_OF_MEMORY = -1
+ERR_INVALID_ARGUMENT = -2
+ERR_INVALID_POINTER = -3
+ERR_INVALID_DEVICE = -4
+ERR_UNKNOWN_POOL = -5
+ERR_BACKEND = -6
+ERR_UNAVAILABLE = -7
+ERR_CONFIG = -8
+ERR_ALREADY_INITIALIZED = -9
+ERR_BUFFER_TOO_SMALL = -10
+ERR_IO = -11
+ERR_PANIC = -12
+ERR_NOT_FOUND = -13
+ERR_INVARIANT = -14
+
+
+class GpuallocError(RuntimeError):
+    """A gpualloc call failed. ``code`` is the C status (``gpualloc.h``)."""
+
+    def __init__(self, message: str, code: int = 0):
+        super().__init__(message)
+        self.code = code
+
+
+class LibraryNotFound(GpuallocError):
+    """libgpualloc.so could not be found or loaded."""
+
+
+class Stat(ctypes.Structure):
+    _fields_ = [("current", c_int64), ("peak", c_int64), ("allocated", c_int64), ("freed", c_int64)]
+
+
+class StatArray(ctypes.Structure):
+    _fields_ = [("all", Stat), ("small_pool", Stat), ("large_pool", Stat)]
+
+
+STAT_ARRAYS = (
+    "allocation",
+    "allocated_bytes",
+    "requested_bytes",
+    "active",
+    "active_bytes",
+    "segment",
+    "reserved_bytes",
+    "inactive_split",
+    "inactive_split_bytes",
+)
+
+
+class Stats(ctypes.Structure):
+    """``GpuallocStats`` (version 1)."""
+
+    _fields_ = (
+        [("size", c_uint32), ("version", c_uint32)]
+        + [(n, StatArray) for n in STAT_ARRAYS]
+        + [("oversize_allocations", Stat), ("oversize_segments", Stat)]
+        + [
+            (n, c_int64)
+            for n in (
+                "num_alloc_retries",
+                "num_ooms",
+                "num_sync_all_streams",
+                "num_device_alloc",
+                "num_device_free",
+                "num_cross_stream_reuse",
+                "num_trace_dropped",
+                "max_split_size",
+            )
+        ]
+        + [("largest_free_block", c_uint64), ("cached_free_bytes", c_uint64)]
+        + [("external_fragmentation", c_double), ("unallocated_fraction", c_double)]
+    )
+
+
+class OomInfo(ctypes.Structure):
+    """``GpuallocOomInfo`` (version 1)."""
+
+    _fields_ = [
+        ("size", c_uint32),
+        ("version", c_uint32),
+        ("kind", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+    ] + [
+        (n, c_uint64)
+        for n in (
+            "requested",
+            "needed",
+            "allocated",
+            "reserved",
+            "private_pools_allocated",
+            "device_free",
+            "device_total",
+            "limit",
+            "largest_free_block",
+        )
+    ] + [("external_fragmentation", c_double), ("unallocated_fraction", c_double)]
+
+
+class TraceSummary(ctypes.Structure):
+    _fields_ = [("events", c_uint64), ("dropped", c_uint64), ("bytes", c_uint64)]
+
+
+_SIGNATURES = {
+    "gpualloc_init": (c_int, [c_char_p]),
+    "gpualloc_is_initialized": (c_int, []),
+    "gpualloc_backend_name": (c_char_p, []),
+    "gpualloc_version": (c_char_p, []),
+    "gpualloc_device_count": (c_int, []),
+    "gpualloc_last_error": (c_char_p, []),
+    "gpualloc_last_error_code": (c_int, []),
+    "gpualloc_clear_error": (None, []),
+    "gpualloc_malloc": (c_void_p, [c_size_t, c_int, c_void_p]),
+    "gpualloc_malloc_or_abort": (c_void_p, [c_size_t, c_int, c_void_p]),
+    "gpualloc_free": (None, [c_void_p, c_size_t, c_int, c_void_p]),
+    "gpualloc_record_stream": (None, [c_void_p, c_void_p]),
+    "gpualloc_empty_cache": (None, []),
+    "gpualloc_set_memory_fraction": (None, [c_double, c_int]),
+    "gpualloc_get_memory_fraction": (c_int, [c_int, ctypes.POINTER(c_double)]),
+    "gpualloc_set_memory_limit": (c_int, [c_int, c_uint64]),
+    "gpualloc_mem_info": (c_int, [c_int, ctypes.POINTER(c_uint64), ctypes.POINTER(c_uint64)]),
+    "gpualloc_check_invariants": (c_int, [c_int]),
+    "gpualloc_last_oom": (c_int, [ctypes.POINTER(OomInfo)]),
+    "gpualloc_get_stats": (c_int, [c_int, ctypes.POINTER(Stats)]),
+    "gpualloc_stat_count": (c_size_t, []),
+    "gpualloc_stat_name": (c_char_p, [c_size_t]),
+    "gpualloc_stat_values": (c_int, [c_int, ctypes.POINTER(c_int64), c_size_t]),
+    "gpualloc_reset_peak_stats": (c_int, [c_int]),
+    "gpualloc_reset_accumulated_stats": (c_int, [c_int]),
+    "gpualloc_cache_info": (c_int, [c_int, ctypes.POINTER(c_size_t)]),
+    "gpualloc_snapshot_json": (c_int, [c_int, c_char_p, c_size_t, ctypes.POINTER(c_size_t)]),
+    "gpualloc_begin_allocate_to_pool": (c_int, [c_int, c_uint64, c_uint64, c_void_p, c_void_p]),
+    "gpualloc_end_allocate_to_pool": (c_int, [c_int, c_uint64, c_uint64]),
+    "gpualloc_release_pool": (c_int, [c_int, c_uint64, c_uint64]),
+    "gpualloc_trace_start": (c_int, [c_char_p]),
+    "gpualloc_trace_stop": (c_int, [ctypes.POINTER(TraceSummary)]),
+    "gpualloc_trace_flush": (c_int, []),
+    "gpualloc_is_tracing": (c_int, []),
+    "gpualloc_phase_push": (c_int, [c_char_p]),
+    "gpualloc_phase_pop": (c_int, []),
+    "gpualloc_mark": (c_int, [c_char_p]),
+}
+
+
+def library_path() -> str:
+    """The path of libgpualloc.so this process uses (see the module docs)."""
+    env = os.environ.get("GPUALLOC_LIBRARY")
+    if env:
+        if not os.path.isfile(env):
+            raise LibraryNotFound(f"GPUALLOC_LIBRARY={env!r}: no such file (build it with `cargo build --release -p gpualloc-capi`)")
+        return os.path.realpath(env)
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_gpualloc*.so")))
+    if not found:
+        raise LibraryNotFound(
+            "libgpualloc.so not found: install the package with `pip install ./python-shim` (builds it), "
+            "or set GPUALLOC_LIBRARY to a built library (cargo build --release -p gpualloc-capi; "
+            "GPUALLOC_LIBRARY=target/release/libgpualloc.so)"
+        )
+    return os.path.realpath(found[0])
+
+
+class Library:
+    """The loaded library with typed wrappers. One per process (see :func:`lib`)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.dll = ctypes.CDLL(path)
+        except OSError as e:
+            raise LibraryNotFound(f"could not load {path}: {e}") from None
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            try:
+                fn = getattr(self.dll, name)
+            except AttributeError:
+                raise LibraryNotFound(f"{path} lacks {name}: an older or foreign library") from None
+            fn.restype = restype
+            fn.argtypes = argtypes
+        n = self.dll.gpualloc_stat_count()
+        self.stat_names = tuple(self.dll.gpualloc_stat_name(i).decode() for i in range(n))
+
+    # ---- errors ----
+
+    def last_error(self) -> Optional[str]:
+        e = self.dll.gpualloc_last_error()
+        return e.decode(errors="replace") if e else None
+
+    def check(self, rc: int) -> int:
+        if rc < 0:
+            raise GpuallocError(self.last_error() or f"gpualloc error {rc}", rc)
+        return rc
+
+    def check_void(self) -> None:
+        e = self.last_error()
+        if e:
+            raise GpuallocError(e, self.dll.gpualloc_last_error_code())
+
+    # ---- lifecycle ----
+
+    def init(self, config: Optional[str]) -> None:
+        self.check(self.dll.gpualloc_init(None if config is None else config.encode()))
+
+    def is_initialized(self) -> bool:
+        return bool(self.dll.gpualloc_is_initialized())
+
+    def backend(self) -> str:
+        name = self.dll.gpualloc_backend_name()
+        if not name:
+            raise GpuallocError(self.last_error() or "gpualloc could not start", self.dll.gpualloc_last_error_code() or ERR_UNAVAILABLE)
+        return name.decode()
+
+    def version(self) -> str:
+        return self.dll.gpualloc_version().decode()
+
+    def device_count(self) -> int:
+        return self.check(self.dll.gpualloc_device_count())
+
+    # ---- memory ----
+
+    def malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
+        """Allocates; returns the address (0 for size 0). Raises on failure."""
+        p = self.dll.gpualloc_malloc(size, device, stream)
+        if not p and size > 0:
+            raise GpuallocError(self.last_error() or "allocation failed", self.dll.gpualloc_last_error_code() or ERR_OUT_OF_MEMORY)
+        return p or 0
+
+    def free(self, ptr: int, device: int = 0) -> None:
+        self.dll.gpualloc_clear_error()
+        self.dll.gpualloc_free(ptr, 0, device, None)
+        self.check_void()
+
+    def record_stream(self, ptr: int, stream: int) -> None:
+        self.dll.gpualloc_record_stream(ptr, stream)
+        self.check_void()
+
+    def empty_cache(self) -> None:
+        self.dll.gpualloc_empty_cache()
+        self.check_void()
+
+    def set_memory_fraction(self, fraction: float, device: int = 0) -> None:
+        self.dll.gpualloc_set_memory_fraction(fraction, device)
+        self.check_void()
+
+    def memory_fraction(self, device: int = 0) -> float:
+        out = c_double()
+        self.check(self.dll.gpualloc_get_memory_fraction(device, ctypes.byref(out)))
+        return out.value
+
+    def set_memory_limit(self, nbytes: Optional[int], device: int = 0) -> None:
+        self.check(self.dll.gpualloc_set_memory_limit(device, nbytes or 0))
+
+    def mem_info(self, device: int = 0) -> Tuple[int, int]:
+        free, total = c_uint64(), c_uint64()
+        self.check(self.dll.gpualloc_mem_info(device, ctypes.byref(free), ctypes.byref(total)))
+        return free.value, total.value
+
+    def check_invariants(self, device: int = 0) -> None:
+        self.check(self.dll.gpualloc_check_invariants(device))
+
+    def last_oom(self) -> Optional[Dict[str, float]]:
+        info = OomInfo()
+        info.size = ctypes.sizeof(OomInfo)
+        rc = self.dll.gpualloc_last_oom(ctypes.byref(info))
+        if rc == ERR_NOT_FOUND:
+            return None
+        self.check(rc)
+        return {name: getattr(info, name) for name, _ in OomInfo._fields_ if name not in ("size", "version")}
+
+    # ---- stats ----
+
+    def stats(self, device: int = 0) -> Dict[str, int]:
+        """Every stat under ``torch.cuda.memory_stats()``'s key, sorted."""
+        values = (c_int64 * len(self.stat_names))()
+        self.check(self.dll.gpualloc_stat_values(device, values, len(self.stat_names)))
+        return dict(zip(self.stat_names, values))
+
+    def stats_struct(self, device: int = 0) -> Stats:
+        s = Stats()
+        s.size = ctypes.sizeof(Stats)
+        self.check(self.dll.gpualloc_get_stats(device, ctypes.byref(s)))
+        return s
+
+    def reset_peak_stats(self, device: int = 0) -> None:
+        self.check(self.dll.gpualloc_reset_peak_stats(device))
+
+    def reset_accumulated_stats(self, device: int = 0) -> None:
+        self.check(self.dll.gpualloc_reset_accumulated_stats(device))
+
+    def snapshot(self, device: int = -1) -> dict:
+        """Segments and blocks (``torch.cuda.memory_snapshot()``'s shape)."""
+        needed = c_size_t(0)
+        for _ in range(8):
+            cap = needed.value
+            buf = ctypes.create_string_buffer(cap) if cap else None
+            rc = self.dll.gpualloc_snapshot_json(device, buf, cap, ctypes.byref(needed))
+            if rc == ERR_BUFFER_TOO_SMALL:
+                needed.value += 4096  # the state may grow between the two calls
+                continue
+            self.check(rc)
+            return json.loads(buf.value.decode())
+        raise GpuallocError("snapshot kept growing", ERR_BUFFER_TOO_SMALL)
+
+    # ---- tracing ----
+
+    def trace_start(self, path: str) -> None:
+        self.check(self.dll.gpualloc_trace_start(os.fspath(path).encode()))
+
+    def trace_stop(self) -> Dict[str, int]:
+        s = TraceSummary()
+        self.check(self.dll.gpualloc_trace_stop(ctypes.byref(s)))
+        return {"events": s.events, "dropped": s.dropped, "bytes": s.bytes}
+
+    def trace_flush(self) -> None:
+        self.check(self.dll.gpualloc_trace_flush())
+
+    def is_tracing(self) -> bool:
+        return bool(self.check(self.dll.gpualloc_is_tracing()))
+
+    def phase_push(self, name: str) -> None:
+        self.check(self.dll.gpualloc_phase_push(name.encode()))
+
+    def phase_pop(self) -> None:
+        self.check(self.dll.gpualloc_phase_pop())
+
+    def mark(self, name: str) -> None:
+        self.check(self.dll.gpualloc_mark(name.encode()))
+
+
+_LIB: Optional[Library] = None
+_LOCK = threading.Lock()
+
+
+def lib() -> Library:
+    """The process's library, loaded on first use."""
+    global _LIB
+    if _LIB is None:
+        with _LOCK:
+            if _LIB is None:
+                _LIB = Library(library_path())
+    return _LIB

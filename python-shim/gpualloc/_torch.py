@@ -1,0 +1,280 @@
+"""Installing gpualloc into PyTorch: the C++ bridge, the fallback, the patches.
+
+See the package docstring for why a bridge is needed. Everything here
+imports torch, so only ``install()`` loads this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import os
+import sys
+import threading
+import warnings
+from typing import Optional
+
+from ._lib import GpuallocError, lib
+
+MODE: Optional[str] = None  # "bridge" or "fallback" once installed
+_LOCK = threading.Lock()
+_KEEP = []  # objects that must live as long as the process (allocator, libraries)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise GpuallocError(f"gpualloc.install() needs PyTorch, which could not be imported: {e}") from None
+    return torch
+
+
+def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: bool) -> str:
+    global MODE
+    with _LOCK:
+        torch = _import_torch()
+        if MODE is not None:
+            if config is not None:
+                lib().init(config)  # same configuration: fine; another: a clear error
+            if trace and not lib().is_tracing():
+                lib().trace_start(trace)
+            return MODE
+        if torch.cuda.is_initialized():
+            raise GpuallocError(
+                "gpualloc.install() must run before CUDA is initialized, but torch has already initialized CUDA "
+                "(a torch.cuda call or a CUDA tensor came first, possibly inside an imported library). "
+                "Call gpualloc.install() at the very top of the program, or use `python -m gpualloc run script.py`."
+            )
+        if not torch.cuda.is_available():
+            raise GpuallocError("gpualloc.install(): torch.cuda.is_available() is False: no CUDA device for gpualloc to manage")
+        L = lib()  # raises LibraryNotFound with instructions
+        L.init(config)  # a bad configuration raises here, before torch is touched
+        L.backend()  # starts the backend: a missing driver is reported now
+        if trace:
+            L.trace_start(trace)
+        mode = None
+        if bridge and os.environ.get("GPUALLOC_BRIDGE", "1") != "0":
+            try:
+                _install_bridge(torch, L.path, verbose)
+                mode = "bridge"
+            except _BridgeUnavailable as e:
+                warnings.warn(
+                    f"gpualloc: the C++ bridge could not be built ({e}); falling back to a plain CUDAPluggableAllocator: "
+                    "stats keep working through Python patches, but CUDA graphs are not supported and an out-of-memory "
+                    "error aborts the process instead of raising torch.cuda.OutOfMemoryError.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        if mode is None:
+            _install_fallback(torch, L.path)
+            mode = "fallback"
+        _patch_python(torch, fallback=(mode == "fallback"))
+        MODE = mode
+        return mode
+
+
+class _BridgeUnavailable(Exception):
+    pass
+
+
+def _cuda_include_dirs(torch):
+    """Directories holding cuda_runtime_api.h: a toolkit, or NVIDIA's pip wheels."""
+    dirs = []
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.path.isfile(os.path.join(root, "include", "cuda_runtime_api.h")):
+            dirs.append(os.path.join(root, "include"))
+    for sp in {os.path.dirname(os.path.dirname(torch.__file__))} | set(sys.path):
+        if not sp or not os.path.isdir(os.path.join(sp, "nvidia")):
+            continue
+        for hdr in glob.glob(os.path.join(sp, "nvidia", "**", "include", "cuda_runtime_api.h"), recursive=True):
+            dirs.append(os.path.dirname(hdr))
+    # cuda_runtime_api.h includes crt/host_defines.h etc. from the same tree; keep order, drop repeats.
+    seen, out = set(), []
+    for d in dirs:
+        if d not in seen:
+            seen.add(d)
+            out.append(d)
+    return out
+
+
+def _build_dir(torch, key: str) -> str:
+    base = os.environ.get("GPUALLOC_BUILD_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "gpualloc")
+    path = os.path.join(base, f"bridge-torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{key}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _build_bridge(torch, verbose: bool) -> str:
+    """Compiles bridge.cpp against the installed torch; returns the .so path (cached)."""
+    try:
+        from torch.utils import cpp_extension
+    except Exception as e:  # pragma: no cover
+        raise _BridgeUnavailable(f"torch.utils.cpp_extension unavailable: {e}") from None
+    src = os.path.join(HERE, "bridge.cpp")
+    header_dir = os.path.join(HERE, "include")
+    h = hashlib.sha256()
+    for p in (src, os.path.join(header_dir, "gpualloc.h")):
+        with open(p, "rb") as f:
+            h.update(f.read())
+    key = h.hexdigest()[:12]
+    name = f"gpualloc_bridge_{key}"
+    build_dir = _build_dir(torch, key)
+    so = os.path.join(build_dir, f"{name}.so")
+    if os.path.isfile(so) and os.environ.get("GPUALLOC_REBUILD_BRIDGE") != "1":
+        return so
+    cuda_inc = _cuda_include_dirs(torch)
+    if not cuda_inc:
+        raise _BridgeUnavailable("cuda_runtime_api.h not found (set CUDA_HOME, or install the nvidia-cuda-runtime wheel)")
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    try:
+        built = cpp_extension.load(
+            name=name,
+            sources=[src],
+            extra_include_paths=[header_dir] + cuda_inc,
+            extra_cflags=["-O2"],
+            extra_ldflags=[f"-L{torch_lib}", "-lc10_cuda", "-ltorch_cuda", "-ldl", f"-Wl,-rpath,{torch_lib}"],
+            build_directory=build_dir,
+            with_cuda=False,
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except Exception as e:
+        raise _BridgeUnavailable(f"compiling {src} failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}") from None
+    if isinstance(built, str) and os.path.isfile(built):
+        so = built
+    if not os.path.isfile(so):
+        raise _BridgeUnavailable(f"the build did not produce {so}")
+    return so
+
+
+def _install_bridge(torch, libpath: str, verbose: bool) -> None:
+    so = _build_bridge(torch, verbose)
+    try:
+        bridge = ctypes.CDLL(so)
+    except OSError as e:
+        raise _BridgeUnavailable(f"loading {so} failed: {e}") from None
+    bridge.gpualloc_bridge_install.restype = ctypes.c_int
+    bridge.gpualloc_bridge_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    err = ctypes.create_string_buffer(4096)
+    rc = bridge.gpualloc_bridge_install(libpath.encode(), err, len(err))
+    if rc != 0:
+        msg = err.value.decode(errors="replace")
+        if "already initialized" in msg or "Can't swap" in msg:
+            raise GpuallocError(f"gpualloc.install(): {msg} (torch initialized CUDA before gpualloc.install())")
+        raise _BridgeUnavailable(msg)
+    _KEEP.append(bridge)
+
+
+def _install_fallback(torch, libpath: str) -> None:
+    """A plain CUDAPluggableAllocator with every hook PyTorch lets C set."""
+    alloc_fn = "gpualloc_malloc_or_abort" if os.environ.get("GPUALLOC_FALLBACK_OOM", "abort") != "null" else "gpualloc_malloc"
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(libpath, alloc_fn, "gpualloc_free")
+    raw = pluggable.allocator()
+    dll = lib().dll
+
+    def addr(fn):
+        return ctypes.cast(fn, ctypes.c_void_p).value
+
+    raw.set_reset_fn(addr(dll.gpualloc_empty_cache))
+    raw.set_memory_fraction_fn(addr(dll.gpualloc_set_memory_fraction))
+    raw.set_record_stream_fn(addr(dll.gpualloc_record_stream))
+    # The graph-pool hooks pass C++ objects (MempoolId_t, std::function): a C
+    # function cannot take them, so they stay unset and CUDA graphs are unsupported.
+    torch.cuda.memory.change_current_allocator(pluggable)
+    _KEEP.append(pluggable)
+
+
+def _device_index(torch, device) -> int:
+    from torch.cuda._utils import _get_device_index
+
+    return _get_device_index(device, optional=True)
+
+
+def _patch_python(torch, fallback: bool) -> None:
+    """Python-level patches (see the package docs)."""
+    import collections
+
+    mem = torch.cuda.memory
+
+    def memory_snapshot(mempool_id=None, include_traces=True):
+        """gpualloc's segments and blocks (``torch.cuda.memory_snapshot`` shape; no stack frames)."""
+        segs = lib().snapshot(-1)["segments"]
+        for s in segs:
+            for b in s["blocks"]:
+                b.setdefault("frames", [])
+            s.setdefault("frames", [])
+        return segs
+
+    def _snapshot(device=None, *args, **kwargs):
+        return {"segments": memory_snapshot(), "device_traces": [], "allocator_settings": {}, "external_annotations": []}
+
+    patches = {"memory_snapshot": memory_snapshot, "_snapshot": _snapshot}
+
+    if fallback:
+        # Without the bridge torch's C++ stats calls raise "does not yet support":
+        # answer from gpualloc instead.
+        def memory_stats(device=None):
+            if not torch.cuda.is_initialized():
+                return collections.OrderedDict()
+            return collections.OrderedDict(sorted(lib().stats(_device_index(torch, device)).items()))
+
+        def memory_stats_as_nested_dict(device=None):
+            nested = {}
+            for k, v in memory_stats(device).items():
+                cur = nested
+                parts = k.split(".")
+                for p in parts[:-1]:
+                    cur = cur.setdefault(p, {})
+                cur[parts[-1]] = v
+            return nested
+
+        def reset_peak_memory_stats(device=None):
+            lib().reset_peak_stats(_device_index(torch, device))
+
+        def reset_accumulated_memory_stats(device=None):
+            lib().reset_accumulated_stats(_device_index(torch, device))
+
+        def get_per_process_memory_fraction(device=None):
+            return lib().memory_fraction(_device_index(torch, device))
+
+        patches.update(
+            memory_stats=memory_stats,
+            memory_stats_as_nested_dict=memory_stats_as_nested_dict,
+            reset_peak_memory_stats=reset_peak_memory_stats,
+            reset_accumulated_memory_stats=reset_accumulated_memory_stats,
+            get_per_process_memory_fraction=get_per_process_memory_fraction,
+        )
+    for name, fn in patches.items():
+        # memory_allocated, max_memory_reserved, memory_summary, ... call the
+        # module-level memory_stats, so patching the module covers them.
+        if hasattr(mem, name) or name in ("memory_snapshot",):
+            setattr(mem, name, fn)
+        if hasattr(torch.cuda, name):
+            setattr(torch.cuda, name, fn)
+
+    # torch.accelerator.memory_* go through c10::getDeviceAllocator(kCUDA),
+    # the native object the swap leaves in place: they would read zeros.
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None:
+        for name in (
+            "memory_stats",
+            "memory_allocated",
+            "max_memory_allocated",
+            "memory_reserved",
+            "max_memory_reserved",
+            "reset_peak_memory_stats",
+            "reset_accumulated_memory_stats",
+            "empty_cache",
+        ):
+            target = getattr(torch.cuda, name, None)
+            if target is not None and hasattr(acc, name):
+
+                def forward(*args, _t=target, **kwargs):
+                    return _t(*args, **kwargs)
+
+                forward.__name__ = name
+                forward.__doc__ = f"gpualloc: forwards to torch.cuda.{name} (the generic path would read the native allocator)."
+                setattr(acc, name, forward)

@@ -1,0 +1,172 @@
+import ctypes
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+from . import __name__ as _env  # noqa: F401  (sets the simulated environment first)
+
+import gpualloc
+from gpualloc import GpuallocError
+from gpualloc._lib import ERR_ALREADY_INITIALIZED, ERR_INVALID_POINTER, Stats, lib
+
+MiB = 1 << 20
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+class ApiTest(unittest.TestCase):
+    def test_backend_and_version(self):
+        self.assertEqual(gpualloc.backend(), "sim")
+        self.assertRegex(gpualloc.version(), r"^\d+\.\d+\.\d+")
+        self.assertEqual(lib().device_count(), 2)
+        self.assertEqual(lib().mem_info(0)[1], 2 << 30)
+
+    def test_stats_use_torch_names_and_follow_allocations(self):
+        before = gpualloc.stats(0)
+        self.assertGreaterEqual(len(before), 9 * 3 * 4 + 2 * 4 + 8)  # PyTorch's keys plus gpualloc's counters
+        self.assertEqual(list(before), sorted(before))
+        for key in ("allocated_bytes.all.current", "reserved_bytes.large_pool.peak", "num_alloc_retries", "max_split_size", "oversize_allocations.current"):
+            self.assertIn(key, before)
+        p = lib().malloc(3 * MiB, 0, 0)
+        try:
+            during = gpualloc.stats(0)
+            self.assertEqual(during["allocated_bytes.all.current"] - before["allocated_bytes.all.current"], 3 * MiB)
+            self.assertEqual(during["allocation.large_pool.current"] - before["allocation.large_pool.current"], 1)
+            self.assertGreaterEqual(during["reserved_bytes.all.current"], during["allocated_bytes.all.current"])
+        finally:
+            lib().free(p, 0)
+        self.assertEqual(gpualloc.stats(0)["allocated_bytes.all.current"], before["allocated_bytes.all.current"])
+        lib().check_invariants(0)
+
+    def test_struct_layout_agrees_with_the_library(self):
+        p = lib().malloc(5000, 1, 7)
+        try:
+            s = lib().stats_struct(1)
+            self.assertEqual(s.size, ctypes.sizeof(Stats), "the library wrote a struct of another size")
+            self.assertEqual(s.version, 1)
+            flat = gpualloc.stats(1)
+            self.assertEqual(s.allocated_bytes.all.current, flat["allocated_bytes.all.current"])
+            self.assertEqual(s.segment.small_pool.current, flat["segment.small_pool.current"])
+            self.assertEqual(s.requested_bytes.all.current, flat["requested_bytes.all.current"])
+            self.assertEqual(s.num_device_alloc, flat["num_device_alloc"])
+            frag = gpualloc.fragmentation(1)
+            self.assertGreater(frag["largest_free_block"], 0)
+            self.assertGreaterEqual(frag["cached_free_bytes"], frag["largest_free_block"])
+        finally:
+            lib().free(p, 1)
+
+    def test_reset_peak_and_accumulated(self):
+        p = lib().malloc(8 * MiB)
+        lib().free(p)
+        s = gpualloc.stats(0)
+        self.assertGreater(s["allocated_bytes.all.peak"], s["allocated_bytes.all.current"])
+        gpualloc.reset_peak_stats(0)
+        s = gpualloc.stats(0)
+        self.assertEqual(s["allocated_bytes.all.peak"], s["allocated_bytes.all.current"])
+        gpualloc.reset_accumulated_stats(0)
+        self.assertEqual(gpualloc.stats(0)["allocation.all.allocated"], 0)
+
+    def test_summary_is_a_table(self):
+        p = lib().malloc(3 * MiB)
+        try:
+            text = gpualloc.summary(0)
+        finally:
+            lib().free(p)
+        for row in ("Allocated memory", "GPU reserved memory", "Non-releasable memory", "Allocations", "from large pool", "external fragmentation"):
+            self.assertIn(row, text)
+        self.assertIn("3.00 MiB", text)
+
+    def test_snapshot_lists_segments_and_blocks(self):
+        p = lib().malloc(700, 0, 0)
+        try:
+            segs = gpualloc.snapshot(0)
+            blocks = [b for s in segs for b in s["blocks"]]
+            mine = [b for b in blocks if b["address"] == p]
+            self.assertEqual(len(mine), 1)
+            self.assertEqual(mine[0]["state"], "active_allocated")
+            self.assertEqual(mine[0]["requested_size"], 700)
+            for s in segs:
+                self.assertEqual(sum(b["size"] for b in s["blocks"]), s["total_size"])
+        finally:
+            lib().free(p)
+
+    def test_empty_cache_returns_memory(self):
+        p = lib().malloc(64 * MiB)
+        lib().free(p)
+        self.assertGreaterEqual(gpualloc.stats(0)["reserved_bytes.large_pool.current"], 64 * MiB)
+        gpualloc.empty_cache()
+        self.assertEqual(gpualloc.stats(0)["reserved_bytes.large_pool.current"], 0)
+
+    def test_errors_are_clear(self):
+        with self.assertRaisesRegex(GpuallocError, "fraction"):
+            gpualloc.set_memory_fraction(1.5, 0)
+        with self.assertRaises(GpuallocError) as cm:
+            lib().free(0xDEAD000, 0)
+        self.assertEqual(cm.exception.code, ERR_INVALID_POINTER)
+        self.assertIn("not allocated by gpualloc", str(cm.exception))
+        with self.assertRaisesRegex(GpuallocError, "out of memory"):
+            lib().malloc(64 << 30)
+        oom = gpualloc.last_oom()
+        self.assertEqual(oom["kind"], 2)
+        self.assertEqual(oom["requested"], 64 << 30)
+        with self.assertRaises(GpuallocError) as cm:
+            lib().init("max_split_size_mb:999")  # the allocator is running with another configuration
+        self.assertEqual(cm.exception.code, ERR_ALREADY_INITIALIZED)
+
+    def test_memory_limit_and_fraction(self):
+        gpualloc.set_memory_fraction(0.5, 1)
+        self.assertEqual(lib().memory_fraction(1), 0.5)
+        gpualloc.set_memory_fraction(1.0, 1)
+        gpualloc.set_memory_limit(32 * MiB, 1)
+        try:
+            with self.assertRaisesRegex(GpuallocError, "out of memory"):
+                lib().malloc(40 * MiB, 1)
+        finally:
+            gpualloc.set_memory_limit(None, 1)
+        lib().free(lib().malloc(40 * MiB, 1), 1)
+
+    def test_phases_marks_and_trace_file(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "t.gtrace")
+            gpualloc.trace_start(path)
+            self.assertTrue(gpualloc.is_tracing())
+
+            @gpualloc.phase("decorated")
+            def work():
+                lib().free(lib().malloc(4096))
+                return 42
+
+            with gpualloc.phase("outer"):
+                self.assertEqual(work(), 42)
+                gpualloc.mark("epoch 1")
+            with self.assertRaises(ValueError):
+                with gpualloc.phase("raises"):
+                    raise ValueError("the phase still ends")
+            gpualloc.trace_flush()
+            summary = gpualloc.trace_stop()
+            self.assertFalse(gpualloc.is_tracing())
+            self.assertTrue(os.path.isfile(path))
+            self.assertEqual(os.path.getsize(path), summary["bytes"])
+            # outer push, decorated push, alloc, free requested, free completed,
+            # decorated pop, mark, outer pop, raises push and pop
+            self.assertGreaterEqual(summary["events"], 9)
+            self.assertEqual(summary["dropped"], 0)
+        with self.assertRaises(GpuallocError):
+            gpualloc.trace_stop()  # not tracing
+
+    @unittest.skipIf(HAVE_TORCH, "PyTorch is installed here")
+    def test_install_without_torch_is_a_clear_error(self):
+        with self.assertRaisesRegex(GpuallocError, "needs PyTorch"):
+            gpualloc.install()
+
+    def test_import_does_not_import_torch(self):
+        code = "import sys, gpualloc; gpualloc.stats(0); print('torch' in sys.modules)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy(), timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.strip(), "False")
+
+
+if __name__ == "__main__":
+    unittest.main()

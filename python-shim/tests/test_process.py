@@ -1,0 +1,97 @@
+"""Behaviour that needs a fresh process: start-up errors and `python -m gpualloc`."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+
+from . import __name__ as _env  # noqa: F401
+
+SHIM = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(args, env_extra=None, drop=(), cwd=None):
+    env = os.environ.copy()
+    env["PYTHONPATH"] = SHIM + os.pathsep + env.get("PYTHONPATH", "")
+    for k in drop:
+        env.pop(k, None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable] + args, capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+
+
+class ProcessTest(unittest.TestCase):
+    def test_bad_config_names_the_key(self):
+        code = textwrap.dedent(
+            """
+            import gpualloc
+            from gpualloc._lib import ERR_CONFIG
+            try:
+                gpualloc.backend()
+            except gpualloc.GpuallocError as e:
+                print("code", e.code == ERR_CONFIG, e)
+            """
+        )
+        out = run(["-c", code], {"GPUALLOC_CONF": "no_such_key:3"})
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("code True", out.stdout)
+        self.assertIn("no_such_key", out.stdout)
+
+    def test_init_with_a_config_string(self):
+        code = textwrap.dedent(
+            """
+            import gpualloc
+            from gpualloc._lib import lib
+            try:
+                lib().init("max_split_size_mb:1")
+            except gpualloc.GpuallocError as e:
+                print("rejected:", e)
+            lib().init("max_split_size_mb:64")
+            print("max_split_size", gpualloc.stats(0)["max_split_size"])
+            """
+        )
+        out = run(["-c", code])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("rejected:", out.stdout)
+        self.assertIn("max_split_size_mb", out.stdout)
+        self.assertIn(f"max_split_size {64 << 20}", out.stdout)
+
+    def test_missing_library_is_explained(self):
+        out = run(["-c", "import gpualloc; gpualloc.stats()"], {"GPUALLOC_LIBRARY": "/nonexistent/libgpualloc.so"})
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("LibraryNotFound", out.stderr)
+        self.assertIn("/nonexistent/libgpualloc.so", out.stderr)
+
+    def test_info(self):
+        out = run(["-m", "gpualloc", "info"])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("backend: sim", out.stdout)
+
+    def test_run_passes_arguments_exit_code_and_writes_the_trace(self):
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(d, "train.py")
+            with open(script, "w") as f:
+                f.write(
+                    textwrap.dedent(
+                        """
+                        import sys
+                        import gpualloc
+                        from gpualloc._lib import lib
+                        print("argv", sys.argv[1:], __name__)
+                        with gpualloc.phase("step"):
+                            lib().free(lib().malloc(1 << 20))
+                        sys.exit(3)
+                        """
+                    )
+                )
+            trace = os.path.join(d, "run.gtrace")
+            out = run(["-m", "gpualloc", "run", "--trace", trace, script, "--lr", "0.1"])
+            self.assertEqual(out.returncode, 3, out.stderr)
+            self.assertIn("argv ['--lr', '0.1'] __main__", out.stdout)
+            self.assertTrue(os.path.isfile(trace) and os.path.getsize(trace) > 0)
+            self.assertIn("trace written", out.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
