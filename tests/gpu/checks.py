@@ -1,0 +1,547 @@
+"""GPU checks, one per process: `python3 tests/gpu/checks.py NAME --alloc native|gpualloc [--steps N]`.
+
+A process can have only one CUDA allocator, so the driver (driver.py) runs
+every check once per allocator in its own subprocess. Each prints one line
+`GPUALLOC_RESULT <json>` at the end; everything else is diagnostics.
+
+Checks: dropin (what training code expects of the allocator), streams (data
+integrity across streams and record_stream), threads, train_resnet,
+train_gpt2, train_detector, churn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+MiB = 1 << 20
+
+
+def setup(alloc: str) -> dict:
+    """Installs gpualloc (before anything touches CUDA) or keeps PyTorch's allocator."""
+    info = {"alloc": alloc}
+    if alloc == "gpualloc":
+        import gpualloc
+
+        t0 = time.time()
+        info["install_mode"] = gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF"))
+        info["install_s"] = round(time.time() - t0, 2)
+    import torch
+
+    info["torch"] = torch.__version__
+    info["device"] = torch.cuda.get_device_name(0)
+    info["backend"] = torch.cuda.get_allocator_backend()
+    return info
+
+
+def result(payload: dict) -> None:
+    print("GPUALLOC_RESULT " + json.dumps(payload, default=str), flush=True)
+
+
+# ---------------------------------------------------------------------------
+# dropin: each sub-check passes or fails on its own
+
+
+def check_dropin(args) -> dict:
+    import torch
+
+    out = {}
+
+    def sub(name):
+        def deco(fn):
+            try:
+                v = fn()
+                out[name] = {"ok": True, **({"value": v} if v is not None else {})}
+            except Exception as e:  # noqa: BLE001 - every failure is reported, not fatal
+                out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}
+            return fn
+
+        return deco
+
+    dev = torch.device("cuda:0")
+
+    @sub("memory_allocated")
+    def _():
+        base = torch.cuda.memory_allocated()
+        x = torch.empty(4 * MiB, dtype=torch.uint8, device=dev)
+        grown = torch.cuda.memory_allocated() - base
+        assert grown >= 4 * MiB, f"grew by {grown}"
+        assert torch.cuda.memory_reserved() >= torch.cuda.memory_allocated()
+        assert torch.cuda.max_memory_allocated() >= torch.cuda.memory_allocated()
+        del x
+        assert torch.cuda.memory_allocated() == base, "not back to the base after free"
+        return grown
+
+    @sub("memory_stats_keys")
+    def _():
+        s = torch.cuda.memory_stats()
+        for k in ("allocated_bytes.all.current", "reserved_bytes.all.peak", "num_alloc_retries", "segment.large_pool.current", "active_bytes.all.current", "requested_bytes.all.current", "num_ooms"):
+            assert k in s, f"missing {k}"
+        return len(s)
+
+    @sub("memory_summary")
+    def _():
+        s = torch.cuda.memory_summary()
+        assert "Allocated memory" in s
+        return len(s)
+
+    @sub("reset_peak_memory_stats")
+    def _():
+        x = torch.empty(64 * MiB, dtype=torch.uint8, device=dev)
+        del x
+        assert torch.cuda.max_memory_allocated() > torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
+
+    @sub("reset_accumulated_memory_stats")
+    def _():
+        torch.cuda.reset_accumulated_memory_stats()
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] == 0
+
+    @sub("oom_raises_OutOfMemoryError")
+    def _():
+        free, total = torch.cuda.mem_get_info()
+        try:
+            torch.empty(total * 4, dtype=torch.uint8, device=dev)
+        except torch.cuda.OutOfMemoryError as e:
+            msg = str(e)
+        else:
+            raise AssertionError("no exception for 4x the device memory")
+        y = torch.ones(1024, device=dev)  # still usable afterwards
+        assert float(y.sum()) == 1024.0
+        return msg[:300]
+
+    @sub("oom_after_filling")
+    def _():
+        # Fill the device in 1 GiB pieces until it refuses: an exception, never a NULL tensor.
+        held = []
+        try:
+            for _ in range(1000):
+                held.append(torch.empty(1 << 30, dtype=torch.uint8, device=dev))
+        except torch.cuda.OutOfMemoryError:
+            pass
+        n = len(held)
+        assert all(t.data_ptr() != 0 for t in held)
+        del held
+        torch.cuda.empty_cache()
+        assert n > 0
+        return n
+
+    @sub("empty_cache_releases")
+    def _():
+        x = torch.empty(256 * MiB, dtype=torch.uint8, device=dev)
+        del x
+        before = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()
+        after = torch.cuda.memory_reserved()
+        assert after < before, f"{before} -> {after}"
+        return before - after
+
+    @sub("memory_fraction")
+    def _():
+        torch.cuda.set_per_process_memory_fraction(0.25)
+        try:
+            assert abs(torch.cuda.get_per_process_memory_fraction() - 0.25) < 1e-9
+            total = torch.cuda.get_device_properties(0).total_memory
+            try:
+                torch.empty(int(total * 0.5), dtype=torch.uint8, device=dev)
+            except torch.cuda.OutOfMemoryError:
+                pass
+            else:
+                raise AssertionError("half the device allocated under a 0.25 fraction")
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+
+    @sub("cudnn_benchmark_conv")
+    def _():
+        torch.backends.cudnn.benchmark = True
+        try:
+            conv = torch.nn.Conv2d(16, 32, 3, padding=1).to(dev)
+            y = conv(torch.randn(8, 16, 64, 64, device=dev))
+            y.sum().backward()
+            torch.cuda.synchronize()
+        finally:
+            torch.backends.cudnn.benchmark = False
+
+    @sub("record_stream_call")
+    def _():
+        s = torch.cuda.Stream()
+        x = torch.empty(MiB, device=dev)
+        x.record_stream(s)
+        del x
+        torch.cuda.synchronize()
+
+    @sub("cuda_graph_capture_replay")
+    def _():
+        static_x = torch.zeros(1 << 20, device=dev)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm up outside the graph, as PyTorch recommends
+                y = static_x * 2 + 1
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_y = static_x * 2 + 1
+            static_z = static_y.sum()
+        for v in (1.0, 3.0):
+            static_x.fill_(v)
+            g.replay()
+            torch.cuda.synchronize()
+            assert float(static_z) == (v * 2 + 1) * (1 << 20), float(static_z)
+        del g, static_y, static_z, y
+        torch.cuda.synchronize()
+
+    @sub("torch_accelerator_memory")
+    def _():
+        if not hasattr(torch, "accelerator") or not hasattr(torch.accelerator, "memory_allocated"):
+            return "torch.accelerator.memory_allocated not present"
+        x = torch.empty(8 * MiB, dtype=torch.uint8, device=dev)
+        a, c = torch.accelerator.memory_allocated(), torch.cuda.memory_allocated()
+        del x
+        assert a == c and a >= 8 * MiB, f"accelerator {a} vs cuda {c}"
+
+    @sub("memory_snapshot")
+    def _():
+        x = torch.empty(MiB, device=dev)
+        snap = torch.cuda.memory_snapshot()
+        del x
+        assert isinstance(snap, list) and len(snap) > 0 and "blocks" in snap[0]
+        return len(snap)
+
+    @sub("mem_get_info")
+    def _():
+        free, total = torch.cuda.mem_get_info()
+        assert 0 < free <= total
+
+    @sub("tensor_ops_correct")
+    def _():
+        a = torch.randn(1000, 1000, device=dev)
+        b = torch.randn(1000, 1000, device=dev)
+        ref = (a.cpu() @ b.cpu())
+        got = (a @ b).cpu()
+        assert torch.allclose(ref, got, rtol=1e-3, atol=1e-3)
+
+    passed = sum(1 for v in out.values() if v["ok"])
+    return {"passed": passed, "total": len(out), "checks": out}
+
+
+# ---------------------------------------------------------------------------
+# streams: a block freed while its stream still works must not reach another stream
+
+
+def check_streams(args) -> dict:
+    import torch
+
+    dev = torch.device("cuda:0")
+    n = 32 * MiB // 4
+    cycles = 100_000_000  # about 50 ms of torch.cuda._sleep at H200 clocks
+    res = {}
+
+    # 1. Free on stream A while A's kernels are still queued, then allocate on B.
+    bad = 0
+    for rep in range(5):
+        a, b = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(a):
+            x = torch.empty(n, device=dev)
+            torch.cuda._sleep(cycles)
+            x.fill_(1.0)  # runs late, on A
+        del x  # freed on the host now; A still has work on it
+        with torch.cuda.stream(b):
+            y = torch.empty(n, device=dev)
+            y.fill_(2.0)
+        torch.cuda.synchronize()
+        bad += int((y != 2.0).sum())
+        del y
+    res["free_while_busy_then_other_stream"] = {"ok": bad == 0, "corrupted_elements": bad}
+
+    # 2. record_stream: a side stream still writes the block after the free.
+    bad = 0
+    for rep in range(5):
+        side = torch.cuda.Stream()
+        x = torch.zeros(n, device=dev)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(cycles)
+            x.add_(1.0)  # late write on the side stream
+        x.record_stream(side)
+        del x
+        y = torch.empty(n, device=dev)  # default stream, same size
+        y.fill_(7.0)
+        torch.cuda.synchronize()
+        bad += int((y != 7.0).sum())
+        del y
+    res["record_stream"] = {"ok": bad == 0, "corrupted_elements": bad}
+
+    # 3. Same stream reuse stays correct (ordering within a stream).
+    bad = 0
+    for rep in range(20):
+        x = torch.full((n,), float(rep), device=dev)
+        del x
+        y = torch.empty(n, device=dev)
+        y.fill_(rep + 0.5)
+        bad += int((y != rep + 0.5).sum())
+    res["same_stream_reuse"] = {"ok": bad == 0, "corrupted_elements": bad}
+    return {"passed": sum(v["ok"] for v in res.values()), "total": len(res), "checks": res}
+
+
+# ---------------------------------------------------------------------------
+# threads: several threads allocating, writing and verifying on their own streams
+
+
+def check_threads(args) -> dict:
+    import torch
+
+    dev = torch.device("cuda:0")
+    errors = []
+    counts = []
+
+    def worker(tid):
+        try:
+            rng = random.Random(tid)
+            s = torch.cuda.Stream()
+            live = []
+            n_ok = 0
+            with torch.cuda.stream(s):
+                for i in range(400):
+                    if live and rng.random() < 0.45:
+                        t, v = live.pop(rng.randrange(len(live)))
+                        if i % 7 == 0 and not bool((t == v).all()):
+                            errors.append(f"thread {tid}: tensor lost its value {v}")
+                        del t
+                    else:
+                        numel = rng.choice([128, 4096, 70000, 1 << 20, 3 << 20])
+                        v = float(tid * 1000 + i)
+                        t = torch.full((numel,), v, device=dev)
+                        live.append((t, v))
+                    n_ok += 1
+                for t, v in live:
+                    if not bool((t == v).all()):
+                        errors.append(f"thread {tid}: final check failed")
+            s.synchronize()
+            counts.append(n_ok)
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"thread {tid}: {type(e).__name__}: {e}")
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    t0 = time.time()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    torch.cuda.synchronize()
+    return {"ok": not errors, "errors": errors[:10], "ops": sum(counts), "seconds": round(time.time() - t0, 2),
+            "allocated_after": torch.cuda.memory_allocated()}
+
+
+# ---------------------------------------------------------------------------
+# training
+
+
+def _deterministic(seed=0):
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _train(model, make_batch, loss_fn, steps, lr=0.01):
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses, times = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(steps):
+        batch = make_batch(step)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        del batch, loss
+    warm = times[min(10, len(times) // 5):]
+    return {
+        "steps": steps,
+        "losses": losses,
+        "median_step_s": statistics.median(warm),
+        "mean_step_s": statistics.fmean(warm),
+        "peak_allocated": torch.cuda.max_memory_allocated(),
+        "peak_reserved": torch.cuda.max_memory_reserved(),
+        "peak_reserved_over_allocated": torch.cuda.max_memory_reserved() / max(1, torch.cuda.max_memory_allocated()),
+        "num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries"),
+    }
+
+
+def check_train_resnet(args) -> dict:
+    import torch
+
+    try:
+        import torchvision
+    except ImportError as e:
+        return {"skipped": f"torchvision not installed: {e}"}
+    _deterministic()
+    dev = torch.device("cuda:0")
+    model = torchvision.models.resnet50(num_classes=100).to(dev)
+    g = torch.Generator().manual_seed(1)
+    bs, res = 32, 160
+    data = [(torch.randn(bs, 3, res, res, generator=g), torch.randint(0, 100, (bs,), generator=g)) for _ in range(8)]
+
+    def make_batch(step):
+        x, y = data[step % len(data)]
+        return x.to(dev, non_blocking=False), y.to(dev)
+
+    def loss_fn(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    out = _train(model, make_batch, loss_fn, args.steps or 200, lr=0.05)
+    out["model"] = "torchvision resnet50, batch 32, 160x160, synthetic"
+    return out
+
+
+def check_train_gpt2(args) -> dict:
+    import torch
+
+    _deterministic()
+    dev = torch.device("cuda:0")
+    vocab = 50257
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12, vocab_size=vocab,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(cfg).to(dev)
+        name = "transformers GPT2LMHeadModel from GPT2Config (small, dropout 0)"
+
+        def forward(m, tokens):
+            return m(input_ids=tokens, labels=tokens).loss
+    except ImportError:
+        from models import TinyGPT
+
+        model = TinyGPT(vocab=vocab, dim=768, layers=12, heads=12).to(dev)
+        name = "gpualloc TinyGPT (GPT-2 small shape; transformers not installed)"
+
+        def forward(m, tokens):
+            logits = m(tokens)
+            return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+
+    rng = random.Random(2)
+    g = torch.Generator().manual_seed(2)
+    lengths = [rng.randrange(64, 513) for _ in range(args.steps or 200)]
+
+    def make_batch(step):
+        return torch.randint(0, vocab, (8, lengths[step]), generator=g).to(dev)
+
+    out = _train(model, make_batch, forward, args.steps or 200, lr=0.001)
+    out["model"] = name + ", batch 8, random lengths 64..512"
+    return out
+
+
+def check_train_detector(args) -> dict:
+    import torch
+
+    from models import MultiScaleDetector
+
+    _deterministic()
+    dev = torch.device("cuda:0")
+    model = MultiScaleDetector(classes=20).to(dev)
+    rng = random.Random(3)
+    g = torch.Generator().manual_seed(3)
+    sizes = [rng.choice(range(256, 641, 32)) for _ in range(args.steps or 200)]
+
+    def make_batch(step):
+        s = sizes[step]
+        x = torch.randn(8, 3, s, s, generator=g)
+        return x.to(dev)
+
+    def loss_fn(m, x):
+        outs = m(x)
+        # Synthetic targets: deterministic functions of the input, per scale.
+        loss = 0.0
+        for o in outs:
+            target = torch.nn.functional.adaptive_avg_pool2d(x.mean(1, keepdim=True), o.shape[-2:]).sigmoid()
+            loss = loss + torch.nn.functional.binary_cross_entropy_with_logits(o[:, :1], target) + o[:, 1:].pow(2).mean() * 1e-3
+        return loss
+
+    out = _train(model, make_batch, loss_fn, args.steps or 200, lr=0.01)
+    out["model"] = "gpualloc MultiScaleDetector (CSP-like backbone, FPN, 3 heads), batch 8, sizes 256..640"
+    return out
+
+
+# ---------------------------------------------------------------------------
+# churn: torch.empty in a loop, a window of live tensors of mixed sizes
+
+
+def check_churn(args) -> dict:
+    import torch
+
+    dev = torch.device("cuda:0")
+    rng = random.Random(4)
+    sizes = [rng.choice([256, 4096, 65536, 1 << 20, 5 << 20, 24 << 20]) for _ in range(4096)]
+    window = [None] * 64
+    n = args.steps or 200_000
+    for i in range(2000):  # warm the cache
+        window[i % 64] = torch.empty(sizes[i % 4096], dtype=torch.uint8, device=dev)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(n):
+        window[i % 64] = torch.empty(sizes[i % 4096], dtype=torch.uint8, device=dev)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    window = None
+    return {"ops": n, "seconds": dt, "us_per_alloc_free": dt / n * 1e6,
+            "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated()}
+
+
+CHECKS = {
+    "dropin": check_dropin,
+    "streams": check_streams,
+    "threads": check_threads,
+    "train_resnet": check_train_resnet,
+    "train_gpt2": check_train_gpt2,
+    "train_detector": check_train_detector,
+    "churn": check_churn,
+}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("check", choices=sorted(CHECKS))
+    p.add_argument("--alloc", choices=["native", "gpualloc"], required=True)
+    p.add_argument("--steps", type=int, default=0)
+    args = p.parse_args()
+    payload = {"check": args.check}
+    try:
+        payload["setup"] = setup(args.alloc)
+        payload["result"] = CHECKS[args.check](args)
+    except Exception as e:  # noqa: BLE001
+        payload["error"] = f"{type(e).__name__}: {e}"
+        payload["traceback"] = traceback.format_exc()[-3000:]
+    result(payload)
+
+
+if __name__ == "__main__":
+    main()

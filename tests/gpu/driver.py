@@ -1,0 +1,147 @@
+"""Runs every GPU check in its own subprocess, once with PyTorch's allocator
+and once with gpualloc, with a timeout each; writes summary.json.
+
+    python3 tests/gpu/driver.py --out DIR [--only dropin,streams] [--budget 480]
+
+Failures and timeouts are reported in the summary, never fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (check, timeout seconds, steps) in the order they run: correctness first.
+PLAN = [
+    ("dropin", 180, 0),
+    ("streams", 90, 0),
+    ("threads", 90, 0),
+    ("churn", 90, 200_000),
+    ("train_resnet", 150, 200),
+    ("train_gpt2", 150, 200),
+    ("train_detector", 150, 200),
+]
+
+
+def run_one(check, alloc, timeout, steps, logdir):
+    cmd = [sys.executable, os.path.join(HERE, "checks.py"), check, "--alloc", alloc]
+    if steps:
+        cmd += ["--steps", str(steps)]
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out, err, rc = p.stdout, p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        rc = "timeout"
+    wall = round(time.time() - t0, 1)
+    with open(os.path.join(logdir, f"{check}-{alloc}.log"), "w") as f:
+        f.write(f"$ {' '.join(cmd)}\nrc={rc} wall={wall}s\n--- stdout\n{out}\n--- stderr\n{err}\n")
+    payload = None
+    for line in out.splitlines():
+        if line.startswith("GPUALLOC_RESULT "):
+            payload = json.loads(line[len("GPUALLOC_RESULT "):])
+    if payload is None:
+        payload = {"error": f"no result (rc={rc})", "stderr_tail": err[-2000:]}
+    payload["rc"] = rc
+    payload["wall_s"] = wall
+    return payload
+
+
+def compare_training(native, ours):
+    if "result" not in native or "result" not in ours:
+        return {"error": "a run failed", "native": native.get("error"), "gpualloc": ours.get("error")}
+    a, b = native["result"], ours["result"]
+    if "skipped" in a or "skipped" in b:
+        return {"skipped": a.get("skipped") or b.get("skipped")}
+    la, lb = a["losses"], b["losses"]
+    diffs = [abs(x - y) / max(1e-12, abs(x)) for x, y in zip(la, lb)]
+    return {
+        "model": a.get("model"),
+        "steps": len(la),
+        "losses_identical": la == lb,
+        "loss_max_rel_diff": max(diffs) if diffs else None,
+        "losses_agree": bool(diffs) and len(la) == len(lb) and max(diffs) <= 1e-4,
+        "first_last_loss": [la[0], la[-1]],
+        "step_time_ratio": b["median_step_s"] / a["median_step_s"],
+        "median_step_s": {"native": a["median_step_s"], "gpualloc": b["median_step_s"]},
+        "peak_reserved_over_allocated": {"native": a["peak_reserved_over_allocated"], "gpualloc": b["peak_reserved_over_allocated"]},
+        "peak_reserved_gib": {"native": a["peak_reserved"] / 2**30, "gpualloc": b["peak_reserved"] / 2**30},
+        "peak_allocated_gib": {"native": a["peak_allocated"] / 2**30, "gpualloc": b["peak_allocated"] / 2**30},
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--only", default="")
+    p.add_argument("--budget", type=float, default=float(os.environ.get("GPUALLOC_GPU_BUDGET_S", 480)))
+    args = p.parse_args()
+    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    only = set(filter(None, args.only.split(",")))
+    start = time.time()
+    summary = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": {}, "compare": {}}
+
+    # Build the bridge once (cached), so no check pays for the compiler.
+    t0 = time.time()
+    pre = subprocess.run(
+        [sys.executable, "-c", "import gpualloc, torch; m = gpualloc.install(verbose=True); print('MODE', m, torch.__version__)"],
+        capture_output=True, text=True, timeout=600,
+    )
+    with open(os.path.join(args.out, "logs", "bridge-build.log"), "w") as f:
+        f.write(pre.stdout + "\n--- stderr\n" + pre.stderr)
+    mode = next((l.split()[1] for l in pre.stdout.splitlines() if l.startswith("MODE ")), None)
+    summary["bridge_build"] = {"mode": mode, "rc": pre.returncode, "seconds": round(time.time() - t0, 1),
+                               "stderr_tail": pre.stderr[-1500:] if mode != "bridge" else ""}
+    print(f"bridge build: mode={mode} rc={pre.returncode} ({summary['bridge_build']['seconds']} s)", flush=True)
+
+    for check, timeout, steps in PLAN:
+        if only and check not in only:
+            continue
+        for alloc in ("native", "gpualloc"):
+            key = f"{check}/{alloc}"
+            left = args.budget - (time.time() - start)
+            if left < 20:
+                summary["runs"][key] = {"skipped": f"time budget of {args.budget:.0f} s spent"}
+                print(f"{key}: skipped (budget)", flush=True)
+                continue
+            r = run_one(check, alloc, min(timeout, left), steps, os.path.join(args.out, "logs"))
+            summary["runs"][key] = r
+            res = r.get("result", {})
+            brief = r.get("error") or (f"{res.get('passed')}/{res.get('total')} passed" if "passed" in res else "done")
+            print(f"{key}: {brief} ({r['wall_s']} s)", flush=True)
+        if check.startswith("train_"):
+            n, g = summary["runs"].get(f"{check}/native", {}), summary["runs"].get(f"{check}/gpualloc", {})
+            summary["compare"][check] = compare_training(n, g)
+            print(f"  {check}: {json.dumps(summary['compare'][check])}", flush=True)
+        if check == "churn":
+            n, g = summary["runs"].get("churn/native", {}), summary["runs"].get("churn/gpualloc", {})
+            if "result" in n and "result" in g:
+                summary["compare"]["churn"] = {
+                    "us_per_alloc_free": {"native": n["result"]["us_per_alloc_free"], "gpualloc": g["result"]["us_per_alloc_free"]},
+                    "ratio_gpualloc_over_native": g["result"]["us_per_alloc_free"] / n["result"]["us_per_alloc_free"],
+                }
+                print(f"  churn: {json.dumps(summary['compare']['churn'])}", flush=True)
+        if check in ("dropin", "streams"):
+            table = {}
+            for alloc in ("native", "gpualloc"):
+                for name, v in summary["runs"].get(f"{check}/{alloc}", {}).get("result", {}).get("checks", {}).items():
+                    table.setdefault(name, {})[alloc] = v["ok"]
+            summary["compare"][check] = table
+            for name, v in table.items():
+                print(f"  {check}.{name}: native={v.get('native')} gpualloc={v.get('gpualloc')}", flush=True)
+    summary["total_s"] = round(time.time() - start, 1)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+    print(f"summary: {os.path.join(args.out, 'summary.json')} ({summary['total_s']} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# GPU tests, one command (on a machine with a GPU, torch, g++ and ninja; no cargo needed):
+#
+#   bash tests/gpu/run.sh            # expects target/release/libgpualloc.so
+#
+# Runs every check of tests/gpu/checks.py under PyTorch's allocator and under
+# gpualloc, each in its own subprocess with a timeout, and writes
+# summary.json plus one log per run to $OUT (or ./gpu-results).
+# GPUALLOC_LIBRARY overrides the library; GPUALLOC_GPU_BUDGET_S (default 480)
+# caps the total time; extra arguments go to driver.py (e.g. --only dropin,streams).
+set -u
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+export GPUALLOC_LIBRARY=${GPUALLOC_LIBRARY:-$ROOT/target/release/libgpualloc.so}
+export PYTHONPATH=$ROOT/python-shim${PYTHONPATH:+:$PYTHONPATH}
+export GPUALLOC_BUILD_DIR=${GPUALLOC_BUILD_DIR:-${TMPDIR:-/tmp}/gpualloc-bridge}
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
+unset GPUALLOC_BACKEND GPUALLOC_CONF GPUALLOC_TRACE
+RESULTS=${OUT:-$ROOT/gpu-results}
+mkdir -p "$RESULTS"
+if [ ! -f "$GPUALLOC_LIBRARY" ]; then
+  echo "missing $GPUALLOC_LIBRARY: run 'cargo build --release -p gpualloc-capi' (or carry it)" | tee "$RESULTS/error.txt"
+  exit 1
+fi
+{
+  echo "library: $GPUALLOC_LIBRARY"
+  python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+} 2>&1 | tee "$RESULTS/environment.txt"
+python3 tests/gpu/driver.py --out "$RESULTS" "$@" 2>&1 | tee "$RESULTS/driver.log"
