@@ -1,1 +1,304 @@
-fn main() {}
+//! `gpualloc`: explains a recorded allocation trace offline.
+//!
+//! # The key decision: stream, never load
+//!
+//! A trace of a long training run holds hundreds of millions of events, so
+//! no command loads one. Every command streams the file block by block (a
+//! decoder thread feeds the analysis thread) and keeps only what its answer
+//! needs: live blocks, reserved ranges, bounded timelines and tables. What
+//! needs the position of the peak or the duration (the layout at the peak,
+//! fragmentation over time) is computed by a second streaming pass, rather
+//! than by keeping history in memory. Memory therefore follows the number of
+//! live blocks, not the length of the trace.
+
+mod analysis;
+mod diff;
+mod export_chrome;
+mod export_csv;
+mod export_torch;
+mod generate;
+mod import_rmm;
+mod import_torch;
+mod input;
+mod leaks;
+mod ooms;
+mod phases;
+mod pickle;
+mod replay_cmd;
+mod report;
+mod sizes;
+mod state;
+mod summary;
+mod svg;
+mod timeline;
+mod units;
+mod unpickle;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use crate::input::CliError;
+
+#[derive(Parser)]
+#[command(
+    name = "gpualloc",
+    version,
+    about = "Inspect gpualloc allocation traces offline"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Events, duration, peaks, fragmentation at the peak, OOMs, phases, sizes.
+    Summary {
+        /// A .gtrace file.
+        file: PathBuf,
+        /// Use the readable prefix of a truncated or damaged file.
+        #[arg(long)]
+        allow_truncated: bool,
+    },
+    /// One self-contained HTML file with charts (no network needed to view it).
+    Report {
+        /// A .gtrace file.
+        file: PathBuf,
+        /// Output HTML file.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Use the readable prefix of a truncated or damaged file.
+        #[arg(long)]
+        allow_truncated: bool,
+    },
+    /// Allocations alive at the end, grouped by size and phase, with their growth per iteration.
+    Leaks {
+        /// A .gtrace file.
+        file: PathBuf,
+        /// Groups to list per device.
+        #[arg(long, default_value_t = 30)]
+        limit: usize,
+        /// Use the readable prefix of a truncated or damaged file.
+        #[arg(long)]
+        allow_truncated: bool,
+    },
+    /// Replays the trace through gpualloc's policy on a simulated device.
+    Replay {
+        /// A .gtrace file.
+        file: PathBuf,
+        /// Simulated device capacity (e.g. 24GiB, 80G, 1073741824).
+        #[arg(long)]
+        capacity: String,
+        /// Allocator configuration (GPUALLOC_CONF syntax); repeat to compare
+        /// several. Default: the configuration the trace was recorded with.
+        #[arg(long)]
+        config: Vec<String>,
+        /// Use the readable prefix of a truncated or damaged file.
+        #[arg(long)]
+        allow_truncated: bool,
+    },
+    /// Writes the trace in other tools' formats.
+    Export {
+        /// A .gtrace file.
+        file: PathBuf,
+        /// PyTorch memory snapshot pickle (opens in memory_viz).
+        #[arg(long)]
+        torch_snapshot: Option<PathBuf>,
+        /// Chrome / Perfetto trace JSON.
+        #[arg(long)]
+        chrome: Option<PathBuf>,
+        /// CSV with RMM's logging columns.
+        #[arg(long)]
+        csv: Option<PathBuf>,
+        /// Use the readable prefix of a truncated or damaged file.
+        #[arg(long)]
+        allow_truncated: bool,
+    },
+    /// Converts a PyTorch memory snapshot or an RMM CSV log into a .gtrace file.
+    Import {
+        /// The snapshot pickle or CSV log.
+        file: PathBuf,
+        /// Output .gtrace file.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Input format (default: from the file's first bytes).
+        #[arg(long, value_enum, default_value_t = From::Auto)]
+        from: From,
+    },
+    /// Peaks and fragmentation of two traces side by side.
+    Diff {
+        /// The first trace.
+        a: PathBuf,
+        /// The second trace.
+        b: PathBuf,
+        /// Use the readable prefix of truncated or damaged files.
+        #[arg(long)]
+        allow_truncated: bool,
+    },
+    /// Writes a synthetic trace by running the allocator on a simulated
+    /// device (for benchmarks and demonstrations).
+    Generate {
+        /// Output .gtrace file.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Approximate number of events.
+        #[arg(long, default_value_t = 1_000_000)]
+        events: u64,
+        /// Random seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+}
+
+/// Formats `gpualloc import` reads.
+#[derive(Clone, Copy, ValueEnum)]
+enum From {
+    /// Decide from the first bytes.
+    Auto,
+    /// `torch.cuda.memory._dump_snapshot` pickle.
+    Torch,
+    /// RMM `logging_resource_adaptor` CSV.
+    Rmm,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpualloc: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn warn(w: &Option<String>) {
+    if let Some(w) = w {
+        eprintln!("gpualloc: warning: {w}");
+    }
+}
+
+fn run(cmd: Command) -> Result<(), CliError> {
+    match cmd {
+        Command::Summary {
+            file,
+            allow_truncated,
+        } => {
+            let mut a = analysis::analyze(&file, allow_truncated)?;
+            analysis::second_pass(&file, allow_truncated, &mut a, false)?;
+            warn(&a.info.warning);
+            print!("{}", summary::render(&a));
+        }
+        Command::Report {
+            file,
+            output,
+            allow_truncated,
+        } => {
+            let mut a = analysis::analyze(&file, allow_truncated)?;
+            analysis::second_pass(&file, allow_truncated, &mut a, true)?;
+            warn(&a.info.warning);
+            let html = report::render(&a, &file);
+            std::fs::write(&output, html)
+                .map_err(|e| CliError(format!("{}: cannot write: {e}", output.display())))?;
+            eprintln!("wrote {}", output.display());
+        }
+        Command::Leaks {
+            file,
+            limit,
+            allow_truncated,
+        } => {
+            let a = analysis::analyze(&file, allow_truncated)?;
+            warn(&a.info.warning);
+            print!("{}", leaks::render(&a, limit));
+        }
+        Command::Replay {
+            file,
+            capacity,
+            config,
+            allow_truncated,
+        } => {
+            let cap = units::parse_bytes(&capacity)
+                .map_err(|e| CliError(format!("--capacity {capacity}: {e}")))?;
+            print!("{}", replay_cmd::run(&file, cap, &config, allow_truncated)?);
+        }
+        Command::Export {
+            file,
+            torch_snapshot,
+            chrome,
+            csv,
+            allow_truncated,
+        } => {
+            if torch_snapshot.is_none() && chrome.is_none() && csv.is_none() {
+                return Err(CliError(
+                    "export: name at least one of --torch-snapshot, --chrome, --csv".into(),
+                ));
+            }
+            if let Some(out) = torch_snapshot {
+                let n = export_torch::export(&file, &out, allow_truncated)?;
+                report_written(&out, &n);
+            }
+            if let Some(out) = chrome {
+                export_chrome::export(&file, &out, allow_truncated)?;
+                report_written(&out, &None);
+            }
+            if let Some(out) = csv {
+                export_csv::export(&file, &out, allow_truncated)?;
+                report_written(&out, &None);
+            }
+        }
+        Command::Import { file, output, from } => {
+            let kind = match from {
+                From::Auto => sniff(&file)?,
+                other => other,
+            };
+            let n = match kind {
+                From::Torch => import_torch::import(&file, &output)?,
+                _ => import_rmm::import(&file, &output)?,
+            };
+            eprintln!("wrote {} ({n} events)", output.display());
+        }
+        Command::Diff {
+            a,
+            b,
+            allow_truncated,
+        } => print!("{}", diff::run(&a, &b, allow_truncated)?),
+        Command::Generate {
+            output,
+            events,
+            seed,
+        } => {
+            let s = generate::generate(&output, events, seed)?;
+            eprintln!(
+                "wrote {} ({} events, {} bytes, {} dropped)",
+                output.display(),
+                s.events,
+                s.bytes,
+                s.dropped
+            );
+        }
+    }
+    Ok(())
+}
+
+fn report_written(out: &Path, note: &Option<String>) {
+    eprintln!("wrote {}", out.display());
+    warn(note);
+}
+
+fn sniff(path: &Path) -> Result<From, CliError> {
+    use std::io::Read;
+    let mut head = [0u8; 8];
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| f.read(&mut head))
+        .map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
+    match &head[..n] {
+        [0x80, ..] => Ok(From::Torch),
+        h if h.iter().all(|b| b.is_ascii()) && n > 0 => Ok(From::Rmm),
+        _ => Err(CliError(format!(
+            "{}: neither a pickle (first byte 0x80) nor a CSV log; name the format with --from",
+            path.display()
+        ))),
+    }
+}

@@ -1,0 +1,280 @@
+//! The analysis of a trace: one streaming pass for gauges, peaks, phases,
+//! sizes, OOMs and the final state; a second pass (up to the peak, or whole
+//! for reports) for the layout at the peak and fragmentation over time,
+//! which need the duration and the peak's position found by the first.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use gpualloc::trace::{Action, TraceEvent};
+
+use crate::input::{self, CliError, ScanInfo};
+use crate::ooms::{self, Oom};
+use crate::phases::Phases;
+use crate::sizes::Sizes;
+use crate::state::{self, DeviceState, Live};
+use crate::timeline::Timeline;
+
+/// Buckets of the gauge timeline.
+pub const TIMELINE_POINTS: usize = 600;
+/// Buckets of the fragmentation timeline (each one sorts the live blocks).
+pub const FRAG_POINTS: usize = 200;
+
+/// A gauge's highest value and where it was reached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Peak {
+    /// Bytes.
+    pub value: u64,
+    /// Time (ns since start).
+    pub time_ns: u64,
+    /// Position among the device's events (1-based: events applied).
+    pub index: u64,
+}
+
+/// Fragmentation at a moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Frag {
+    /// Time (ns since start).
+    pub t_ns: u64,
+    /// `1 - largest free / total free`.
+    pub external: f64,
+    /// `1 - allocated / reserved`.
+    pub unallocated: f64,
+    /// Largest free piece of reserved memory.
+    pub largest_free: u64,
+    /// Free reserved bytes.
+    pub total_free: u64,
+}
+
+/// The state at the peak of allocated bytes (second pass).
+pub struct AtPeak {
+    /// Fragmentation there.
+    pub frag: Frag,
+    /// Live blocks there, by address.
+    pub live: Vec<(u64, Live)>,
+    /// Reserved bytes there.
+    pub reserved: u64,
+}
+
+/// Everything learned about one device.
+pub struct DeviceAnalysis {
+    /// Device index.
+    pub device: u32,
+    /// Events of the device.
+    pub events: u64,
+    /// Allocations.
+    pub allocs: u64,
+    /// Highest allocated bytes.
+    pub peak_allocated: Peak,
+    /// Highest reserved bytes.
+    pub peak_reserved: Peak,
+    /// Highest active bytes.
+    pub peak_active: Peak,
+    /// Allocated bytes when reserved peaked (after the call that raised it).
+    pub allocated_at_peak_reserved: u64,
+    peak_reserved_open: bool,
+    /// Failed allocations.
+    pub oom_count: u64,
+    /// The first failed allocations, examined.
+    pub ooms: Vec<Oom>,
+    /// Per-phase figures.
+    pub phases: Phases,
+    /// Request sizes.
+    pub sizes: Sizes,
+    /// Gauges over time.
+    pub timeline: Timeline,
+    /// The state after the last event.
+    pub state: DeviceState,
+    /// Iterations (marks and top-level phases) seen.
+    pub epochs: u32,
+    /// Fragmentation over time (second pass, reports).
+    pub frag: Vec<Frag>,
+    /// The state at the peak (second pass).
+    pub at_peak: Option<AtPeak>,
+}
+
+impl DeviceAnalysis {
+    fn new(device: u32) -> DeviceAnalysis {
+        DeviceAnalysis {
+            device,
+            events: 0,
+            allocs: 0,
+            peak_allocated: Peak::default(),
+            peak_reserved: Peak::default(),
+            peak_active: Peak::default(),
+            allocated_at_peak_reserved: 0,
+            peak_reserved_open: false,
+            oom_count: 0,
+            ooms: Vec::new(),
+            phases: Phases::default(),
+            sizes: Sizes::default(),
+            timeline: Timeline::new(TIMELINE_POINTS),
+            state: DeviceState::default(),
+            epochs: 0,
+            frag: Vec::new(),
+            at_peak: None,
+        }
+    }
+
+    #[inline]
+    fn apply(&mut self, e: &TraceEvent) {
+        self.events += 1;
+        match e.action {
+            Action::Alloc => {
+                self.allocs += 1;
+                self.sizes.add(e.size);
+                self.phases.alloc(e.size);
+            }
+            Action::Oom => {
+                self.oom_count += 1;
+                if self.ooms.len() < ooms::MAX_DETAILED {
+                    self.ooms.push(ooms::examine(e, &self.state));
+                }
+            }
+            Action::PhasePop => self.phases.pop(e.aux, e.time_ns),
+            _ => {}
+        }
+        self.state.apply(e);
+        let g = self.state.g;
+        if e.action == Action::PhasePush {
+            self.phases.push(e.aux, e.time_ns, &g);
+        }
+        let at = |value| Peak {
+            value,
+            time_ns: e.time_ns,
+            index: self.events,
+        };
+        if g.allocated > self.peak_allocated.value {
+            self.peak_allocated = at(g.allocated);
+        }
+        if g.active > self.peak_active.value {
+            self.peak_active = at(g.active);
+        }
+        if self.peak_reserved_open
+            && e.action == Action::Alloc
+            && g.reserved == self.peak_reserved.value
+        {
+            // The allocation that needed the new segment lands just after it.
+            self.allocated_at_peak_reserved = g.allocated;
+        }
+        self.peak_reserved_open = false;
+        if g.reserved > self.peak_reserved.value {
+            self.peak_reserved = at(g.reserved);
+            self.allocated_at_peak_reserved = g.allocated;
+            self.peak_reserved_open = true;
+        }
+        if self.phases.any_open() {
+            self.phases.observe(&g);
+        }
+        self.timeline.observe(e.time_ns, &g);
+        self.epochs = self.state.epoch;
+    }
+}
+
+/// Everything learned about a trace.
+pub struct Analysis {
+    /// Header, strings, totals of the scan.
+    pub info: ScanInfo,
+    /// Time of the last event (ns since start).
+    pub duration_ns: u64,
+    /// Per device.
+    pub devices: BTreeMap<u32, DeviceAnalysis>,
+}
+
+/// First pass over `path`.
+pub fn analyze(path: &Path, allow_truncated: bool) -> Result<Analysis, CliError> {
+    let mut devices: BTreeMap<u32, DeviceAnalysis> = BTreeMap::new();
+    let mut last: Option<(u32, DeviceAnalysis)> = None;
+    let mut duration_ns = 0u64;
+    let info = input::scan(path, allow_truncated, |e| {
+        duration_ns = duration_ns.max(e.time_ns);
+        // Events come in per-device blocks: keep the current device at hand.
+        if last.as_ref().is_none_or(|(d, _)| *d != e.device) {
+            if let Some((d, a)) = last.take() {
+                devices.insert(d, a);
+            }
+            let a = devices
+                .remove(&e.device)
+                .unwrap_or_else(|| DeviceAnalysis::new(e.device));
+            last = Some((e.device, a));
+        }
+        last.as_mut().expect("set above").1.apply(e);
+    })?;
+    if let Some((d, a)) = last {
+        devices.insert(d, a);
+    }
+    if let Some(end) = &info.end {
+        duration_ns = duration_ns.max(end.end_ns);
+    }
+    Ok(Analysis {
+        info,
+        duration_ns,
+        devices,
+    })
+}
+
+/// Second pass: the state at each device's allocated peak and, with
+/// `timeline`, fragmentation over time (the whole file is then read).
+pub fn second_pass(
+    path: &Path,
+    allow_truncated: bool,
+    a: &mut Analysis,
+    timeline: bool,
+) -> Result<(), CliError> {
+    let width = (a.duration_ns / FRAG_POINTS as u64).max(1);
+    let mut states: BTreeMap<u32, (DeviceState, u64, u64, Vec<Frag>)> = a
+        .devices
+        .keys()
+        .map(|&d| (d, (DeviceState::default(), 0u64, 0u64, Vec::new())))
+        .collect();
+    let targets: BTreeMap<u32, u64> = a
+        .devices
+        .iter()
+        .map(|(&d, x)| (d, x.peak_allocated.index))
+        .collect();
+    let mut remaining = targets.values().filter(|&&i| i > 0).count();
+    let mut at_peak: BTreeMap<u32, AtPeak> = BTreeMap::new();
+    input::scan_until(path, allow_truncated, |e| {
+        let Some((s, n, next_t, frag)) = states.get_mut(&e.device) else {
+            return true;
+        };
+        if timeline && e.time_ns >= *next_t {
+            frag.push(snapshot_frag(*next_t, s));
+            *next_t = (e.time_ns / width + 1) * width;
+        }
+        s.apply(e);
+        *n += 1;
+        if *n == targets[&e.device] {
+            at_peak.insert(
+                e.device,
+                AtPeak {
+                    frag: snapshot_frag(e.time_ns, s),
+                    live: s.sorted_live(),
+                    reserved: s.g.reserved,
+                },
+            );
+            remaining -= 1;
+        }
+        timeline || remaining > 0
+    })?;
+    for (d, (s, _, _, mut frag)) in states {
+        let dev = a.devices.get_mut(&d).expect("same keys");
+        if timeline {
+            frag.push(snapshot_frag(a.duration_ns, &s));
+            dev.frag = frag;
+        }
+        dev.at_peak = at_peak.remove(&d);
+    }
+    Ok(())
+}
+
+fn snapshot_frag(t_ns: u64, s: &DeviceState) -> Frag {
+    let (largest_free, total_free) = s.free_space();
+    Frag {
+        t_ns,
+        external: state::external_fragmentation(largest_free, total_free),
+        unallocated: state::unallocated_fraction(&s.g),
+        largest_free,
+        total_free,
+    }
+}

@@ -1,0 +1,101 @@
+//! Export to the Chrome trace event format (chrome://tracing, Perfetto):
+//! a counter track of allocated / reserved / active per device (at most one
+//! sample per microsecond), phases as duration slices, marks and OOMs as
+//! instants.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use gpualloc::trace::{Action, TraceEvent};
+use serde_json::json;
+
+use crate::input::{self, CliError};
+use crate::state::DeviceState;
+
+/// Writes `out`.
+pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<(), CliError> {
+    let werr = |e: std::io::Error| CliError(format!("{}: cannot write: {e}", out.display()));
+    let file = File::create(out).map_err(werr)?;
+    let mut w = BufWriter::with_capacity(1 << 20, file);
+    w.write_all(b"{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n")
+        .map_err(werr)?;
+    // The string table streams in with the events: read it first.
+    let strings = input::scan(path, allow_truncated, |_| {})?.strings;
+    let name = |id: u64| {
+        strings
+            .get(id as usize)
+            .cloned()
+            .unwrap_or_else(|| format!("#{id}"))
+    };
+    let mut states: Vec<(DeviceState, f64)> = Vec::new();
+    let mut first = true;
+    let mut err = None;
+    let info = input::scan(path, allow_truncated, |e| {
+        let d = e.device as usize;
+        if states.len() <= d {
+            states.resize_with(d + 1, || (DeviceState::default(), -1.0));
+        }
+        let (s, last_us) = &mut states[d];
+        s.apply(e);
+        let ts = e.time_ns as f64 / 1000.0;
+        let mut lines: Vec<serde_json::Value> = Vec::new();
+        if ts.floor() > *last_us {
+            *last_us = ts.floor();
+            let g = s.g;
+            lines.push(
+                json!({"name": "memory", "ph": "C", "ts": ts, "pid": e.device,
+                "args": {"allocated": g.allocated, "reserved": g.reserved, "active": g.active}}),
+            );
+        }
+        match e.action {
+            Action::Oom => lines.push(json!({"name": "OOM", "ph": "i", "s": "p", "ts": ts, "pid": e.device, "tid": e.thread,
+                "args": {"requested": e.size, "device_free": e.aux, "allocated": s.g.allocated, "reserved": s.g.reserved}})),
+            Action::EmptyCache => lines.push(json!({"name": "empty_cache", "ph": "i", "s": "p", "ts": ts, "pid": e.device, "tid": e.thread,
+                "args": {"released": e.size}})),
+            _ => {}
+        }
+        if matches!(
+            e.action,
+            Action::PhasePush | Action::PhasePop | Action::Mark
+        ) {
+            lines.push(json!({"name": name(e.aux), "ph": ph(e), "s": "p", "ts": ts, "pid": e.device, "tid": 0}));
+        }
+        for l in lines {
+            if err.is_some() {
+                return;
+            }
+            let sep: &[u8] = if first { b"" } else { b",\n" };
+            first = false;
+            err = w
+                .write_all(sep)
+                .and_then(|()| serde_json::to_writer(&mut w, &l).map_err(std::io::Error::other))
+                .err();
+        }
+    })?;
+    if let Some(e) = err {
+        return Err(werr(e));
+    }
+    w.write_all(b"\n],\"otherData\":").map_err(werr)?;
+    let strings: serde_json::Value = info
+        .strings
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (i.to_string(), json!(s)))
+        .collect::<serde_json::Map<_, _>>()
+        .into();
+    serde_json::to_writer(&mut w, &json!({"producer": info.header.producer, "config": info.header.config, "strings": strings}))
+        .map_err(std::io::Error::other)
+        .map_err(werr)?;
+    w.write_all(b"}\n").map_err(werr)?;
+    w.flush().map_err(werr)?;
+    Ok(())
+}
+
+fn ph(e: &TraceEvent) -> &'static str {
+    match e.action {
+        Action::PhasePush => "B",
+        Action::PhasePop => "E",
+        _ => "i",
+    }
+}

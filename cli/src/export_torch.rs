@@ -1,0 +1,277 @@
+//! Export to PyTorch's memory snapshot pickle, which memory_viz opens.
+//!
+//! MemoryViz replays `device_traces` backwards from the final `segments`, so
+//! the two must agree exactly: every freed block must have been allocated in
+//! the trace, and every block must lie in a segment. Events of blocks and
+//! segments that predate the trace (it started mid-run) are left out; an
+//! allocation in memory the trace never saw reserved (an imported log
+//! without segments) gets a segment of its own, allocated just before it and
+//! freed just after it. The final state is rebuilt from the kept events, and
+//! each segment's blocks tile it exactly, gaps marked `inactive`.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::Path;
+
+use gpualloc::trace::{Action, TraceEvent};
+
+use crate::input::{self, CliError};
+use crate::pickle::Pickler;
+use crate::state::{DeviceState, Region};
+
+type P = Pickler<BufWriter<File>>;
+
+/// Writes `out`; returns a note on what was left out, if anything.
+pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<String>, CliError> {
+    let werr = |e: std::io::Error| CliError(format!("{}: cannot write: {e}", out.display()));
+    let first = input::open(path)?;
+    let (start_ns, config, device_count) = (
+        first.header().start_unix_ns,
+        first.header().config.clone(),
+        first.header().device_count,
+    );
+    drop(first);
+    // Which devices have events (and how many device lists to write).
+    let mut seen: BTreeMap<u32, ()> = BTreeMap::new();
+    input::scan(path, allow_truncated, |e| {
+        seen.insert(e.device, ());
+    })?;
+    let n_devices = seen
+        .keys()
+        .next_back()
+        .map_or(0, |d| d + 1)
+        .max(device_count.min(64));
+    let file = File::create(out).map_err(werr)?;
+    let mut p = Pickler::new(BufWriter::with_capacity(1 << 20, file)).map_err(werr)?;
+    let mut finals: Vec<DeviceState> = Vec::new();
+    let mut skipped = 0u64;
+    p.dict().map_err(werr)?;
+    p.str("device_traces").map_err(werr)?;
+    p.list().map_err(werr)?;
+    for device in 0..n_devices {
+        p.list().map_err(werr)?;
+        let mut ex = Exporter {
+            state: DeviceState::default(),
+            start_ns,
+            skipped: 0,
+            err: None,
+        };
+        input::scan(path, allow_truncated, |e| {
+            if e.device == device && ex.err.is_none() {
+                ex.err = ex.event(&mut p, e).err();
+            }
+        })?;
+        if let Some(e) = ex.err {
+            return Err(werr(e));
+        }
+        p.end().map_err(werr)?;
+        skipped += ex.skipped;
+        finals.push(ex.state);
+    }
+    p.end().map_err(werr)?;
+    p.str("segments").map_err(werr)?;
+    p.list().map_err(werr)?;
+    for (device, s) in finals.iter().enumerate() {
+        segments(&mut p, device as u64, s).map_err(werr)?;
+    }
+    p.end().map_err(werr)?;
+    p.str("allocator_settings").map_err(werr)?;
+    p.dict().map_err(werr)?;
+    p.kv_str("PYTORCH_CUDA_ALLOC_CONF", &config).map_err(werr)?;
+    p.end().map_err(werr)?;
+    p.end().map_err(werr)?;
+    p.finish().map_err(werr)?;
+    Ok((skipped > 0).then(|| {
+        format!("{skipped} events about blocks or segments older than the trace were left out")
+    }))
+}
+
+struct Exporter {
+    state: DeviceState,
+    start_ns: u64,
+    skipped: u64,
+    err: Option<std::io::Error>,
+}
+
+impl Exporter {
+    fn event(&mut self, p: &mut P, e: &TraceEvent) -> std::io::Result<()> {
+        let keep = match e.action {
+            Action::Alloc => {
+                if !covered(&self.state, e.addr, e.aux.max(1)) {
+                    let synth = TraceEvent {
+                        action: Action::SegmentAlloc,
+                        size: e.aux.max(1),
+                        aux: 1,
+                        ..*e
+                    };
+                    self.state.apply(&synth);
+                    if let Some(r) = self.state.regions.get_mut(&e.addr) {
+                        r.synthetic = true;
+                    }
+                    self.entry(p, "segment_alloc", &synth, synth.size)?;
+                }
+                true
+            }
+            Action::FreeRequested => self.state.live.get(&e.addr).is_some_and(|l| !l.pending),
+            Action::FreeCompleted => self.state.live.contains_key(&e.addr),
+            Action::SegmentFree => self.state.regions.contains_key(&e.addr),
+            Action::SegmentUnmap => self
+                .state
+                .regions
+                .range(..=e.addr)
+                .next_back()
+                .is_some_and(|(&a, r)| r.expandable && e.addr + e.size <= a + r.size),
+            Action::SegmentAlloc | Action::SegmentMap | Action::Oom => true,
+            Action::PhasePush | Action::PhasePop | Action::Mark => {
+                self.state.apply(e);
+                return Ok(());
+            }
+            _ => return Ok(()),
+        };
+        if !keep {
+            self.skipped += 1;
+            return Ok(());
+        }
+        let requested = self.state.live.get(&e.addr).map_or(e.size, |l| l.requested);
+        self.state.apply(e);
+        match e.action {
+            Action::Oom => {
+                p.dict()?;
+                p.kv_str("action", "oom")?;
+                p.kv_int("size", e.size)?;
+                p.kv_int("device_free", e.aux)?;
+                p.kv_int("stream", e.stream)?;
+                p.kv_int("time_us", (self.start_ns + e.time_ns) / 1000)?;
+                p.end()
+            }
+            Action::FreeRequested => self.entry(p, "free_requested", e, requested),
+            Action::FreeCompleted => {
+                self.entry(p, "free_completed", e, requested)?;
+                self.free_synthetic(p, e)
+            }
+            _ => self.entry(p, e.action.name(), e, e.size),
+        }
+    }
+
+    /// Releases the segment made up for a block once the block is gone.
+    fn free_synthetic(&mut self, p: &mut P, e: &TraceEvent) -> std::io::Result<()> {
+        if let Some(r) = self
+            .state
+            .regions
+            .get(&e.addr)
+            .copied()
+            .filter(|r| r.synthetic)
+        {
+            let synth = TraceEvent {
+                action: Action::SegmentFree,
+                size: r.size,
+                aux: r.pool,
+                stream: r.stream,
+                ..*e
+            };
+            self.state.apply(&synth);
+            self.entry(p, "segment_free", &synth, r.size)?;
+        }
+        Ok(())
+    }
+
+    fn entry(&self, p: &mut P, action: &str, e: &TraceEvent, size: u64) -> std::io::Result<()> {
+        p.dict()?;
+        p.kv_str("action", action)?;
+        p.kv_int("addr", e.addr)?;
+        p.kv_int("size", size)?;
+        p.kv_int("stream", e.stream)?;
+        p.kv_int("time_us", (self.start_ns + e.time_ns) / 1000)?;
+        p.end()
+    }
+}
+
+fn covered(s: &DeviceState, addr: u64, size: u64) -> bool {
+    s.regions
+        .range(..=addr)
+        .next_back()
+        .is_some_and(|(&a, r)| addr + size <= a + r.size)
+}
+
+fn segments(p: &mut P, device: u64, s: &DeviceState) -> std::io::Result<()> {
+    let live = s.sorted_live();
+    let mut i = 0;
+    for (&addr, r) in &s.regions {
+        while i < live.len() && live[i].0 < addr {
+            i += 1;
+        }
+        let mut blocks: Vec<(u64, u64, u64, &str)> = Vec::new();
+        let (mut cur, end) = (addr, addr + r.size);
+        let (mut allocated, mut active, mut requested) = (0, 0, 0);
+        while i < live.len() && live[i].0 + live[i].1.size <= end {
+            let (a, l) = live[i];
+            if a > cur {
+                blocks.push((cur, a - cur, 0, "inactive"));
+            }
+            let state = if l.pending {
+                "active_pending_free"
+            } else {
+                "active_allocated"
+            };
+            blocks.push((a, l.size, l.requested, state));
+            active += l.size;
+            requested += l.requested;
+            if !l.pending {
+                allocated += l.size;
+            }
+            cur = a + l.size;
+            i += 1;
+        }
+        if cur < end {
+            blocks.push((cur, end - cur, 0, "inactive"));
+        }
+        segment(p, device, addr, r, &blocks, (allocated, active, requested))?;
+    }
+    Ok(())
+}
+
+fn segment(
+    p: &mut P,
+    device: u64,
+    addr: u64,
+    r: &Region,
+    blocks: &[(u64, u64, u64, &str)],
+    sums: (u64, u64, u64),
+) -> std::io::Result<()> {
+    p.dict()?;
+    p.kv_int("device", device)?;
+    p.kv_int("address", addr)?;
+    p.kv_int("total_size", r.size)?;
+    p.kv_int("allocated_size", sums.0)?;
+    p.kv_int("active_size", sums.1)?;
+    p.kv_int("requested_size", sums.2)?;
+    p.kv_int("stream", r.stream)?;
+    p.kv_str(
+        "segment_type",
+        if r.pool % 2 == 0 { "small" } else { "large" },
+    )?;
+    p.str("segment_pool_id")?;
+    p.int_pair(0, if r.pool >= 2 { (r.pool - 2) / 2 + 1 } else { 0 })?;
+    p.str("is_expandable")?;
+    p.bool(r.expandable)?;
+    p.str("frames")?;
+    p.list()?;
+    p.end()?;
+    p.str("blocks")?;
+    p.list()?;
+    for &(a, size, req, state) in blocks {
+        p.dict()?;
+        p.kv_int("address", a)?;
+        p.kv_int("size", size)?;
+        p.kv_int("requested_size", req)?;
+        p.kv_str("state", state)?;
+        p.str("frames")?;
+        p.list()?;
+        p.end()?;
+        p.end()?;
+    }
+    p.end()?;
+    p.end()?;
+    Ok(())
+}

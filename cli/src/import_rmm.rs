@@ -1,0 +1,177 @@
+//! Import of an RMM `logging_resource_adaptor` CSV log
+//! (`Thread,Time,Action,Pointer,Size,Stream`, columns found by name).
+//!
+//! `allocate` becomes an allocation (block size = size: RMM does not round),
+//! `free` a free requested and completed at once, `allocate failure` an OOM.
+//! Times are wall-clock `HH:MM:SS.us` without a date: a time that goes back
+//! by more than an hour is taken as the next day. OS thread ids become small
+//! integers in order of appearance.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, BufWriter};
+use std::path::Path;
+
+use gpualloc::trace::{Action, TraceEvent, TraceHeader, TraceWriter};
+use rustc_hash::FxHashMap;
+
+use crate::input::CliError;
+
+/// Converts `path` into `out`; returns the number of events written.
+pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
+    let f =
+        File::open(path).map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
+    let mut lines = BufReader::new(f).lines();
+    let head = lines
+        .next()
+        .ok_or_else(|| {
+            CliError(format!(
+                "{}: empty file: expected the header Thread,Time,Action,Pointer,Size,Stream",
+                path.display()
+            ))
+        })?
+        .map_err(|e| CliError(format!("{}: {e}", path.display())))?;
+    let cols: Vec<&str> = head.split(',').map(str::trim).collect();
+    let col = |name: &str| cols.iter().position(|c| c.eq_ignore_ascii_case(name));
+    let need = |name: &str| {
+        col(name).ok_or_else(|| {
+            CliError(format!(
+                "{}: line 1: no `{name}` column (found {:?}); not an RMM log?",
+                path.display(),
+                cols
+            ))
+        })
+    };
+    let (ct, ctime, ca, cp, cs) = (
+        need("Thread")?,
+        need("Time")?,
+        need("Action")?,
+        need("Pointer")?,
+        need("Size")?,
+    );
+    let (cstream, cdev) = (col("Stream"), col("Device"));
+    let werr = |e: std::io::Error| CliError(format!("{}: cannot write: {e}", out.display()));
+    let header = TraceHeader {
+        producer: "import rmm-csv".into(),
+        device_count: 1,
+        ..TraceHeader::default()
+    };
+    let mut w = TraceWriter::new(BufWriter::new(File::create(out).map_err(werr)?), &header)
+        .map_err(werr)?;
+    let mut threads: FxHashMap<String, u32> = FxHashMap::default();
+    let mut batches: std::collections::BTreeMap<u32, Vec<TraceEvent>> = Default::default();
+    let (mut first_us, mut day, mut last_us) = (None::<u64>, 0u64, 0u64);
+    for (n, line) in lines.enumerate() {
+        let lineno = n + 2;
+        let line = line.map_err(|e| CliError(format!("{}: line {lineno}: {e}", path.display())))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let f: Vec<&str> = line.split(',').map(str::trim).collect();
+        let bad = |c: usize, what: &str| {
+            CliError(format!(
+                "{}: line {lineno}, column {}: {what}, found {:?}",
+                path.display(),
+                cols.get(c).unwrap_or(&"?"),
+                f.get(c).unwrap_or(&"")
+            ))
+        };
+        let field = |c: usize| f.get(c).copied().ok_or_else(|| bad(c, "missing field"));
+        let tod = parse_time(field(ctime)?)
+            .ok_or_else(|| bad(ctime, "expected HH:MM:SS.microseconds"))?;
+        if tod + 3_600_000_000 < last_us % 86_400_000_000 {
+            day += 1;
+        }
+        let us = day * 86_400_000_000 + tod;
+        last_us = us;
+        let t0 = *first_us.get_or_insert(us);
+        let next = threads.len() as u32 + 1;
+        let thread = *threads.entry(field(ct)?.to_string()).or_insert(next);
+        let ptr = parse_hex(field(cp)?)
+            .ok_or_else(|| bad(cp, "expected a pointer like 0x7f12ab000000 or (nil)"))?;
+        let size: u64 = field(cs)?
+            .parse()
+            .map_err(|_| bad(cs, "expected a byte count"))?;
+        let stream = match cstream {
+            Some(c) => parse_hex(field(c)?).ok_or_else(|| bad(c, "expected a stream like 0x0"))?,
+            None => 0,
+        };
+        let device = match cdev {
+            Some(c) => field(c)?
+                .parse()
+                .map_err(|_| bad(c, "expected a device index"))?,
+            None => 0,
+        };
+        let e = TraceEvent {
+            time_ns: us.saturating_sub(t0) * 1000,
+            action: Action::Alloc,
+            device,
+            stream,
+            addr: ptr,
+            size,
+            aux: size,
+            thread,
+        };
+        let out = batches.entry(device).or_default();
+        match field(ca)? {
+            "allocate" => out.push(e),
+            "free" => {
+                out.push(TraceEvent {
+                    action: Action::FreeRequested,
+                    ..e
+                });
+                out.push(TraceEvent {
+                    action: Action::FreeCompleted,
+                    ..e
+                });
+            }
+            "allocate failure" => out.push(TraceEvent {
+                action: Action::Oom,
+                addr: 0,
+                aux: 0,
+                ..e
+            }),
+            _ => return Err(bad(ca, "expected allocate, free or allocate failure")),
+        }
+        if out.len() >= 4096 {
+            w.write_events(device, out).map_err(werr)?;
+            out.clear();
+        }
+    }
+    for (d, evs) in batches {
+        w.write_events(d, &evs).map_err(werr)?;
+    }
+    let n = w.events();
+    w.finish(None).map_err(werr)?;
+    Ok(n)
+}
+
+fn parse_time(s: &str) -> Option<u64> {
+    let (hms, frac) = s.split_once('.').unwrap_or((s, "0"));
+    let mut it = hms.split(':').map(|x| x.parse::<u64>().ok());
+    let (h, m, sec) = (it.next()??, it.next()??, it.next()??);
+    let digits = frac.len().min(6);
+    let f: u64 = frac.get(..digits)?.parse().ok()?;
+    Some(((h * 60 + m) * 60 + sec) * 1_000_000 + f * 10u64.pow(6 - digits as u32))
+}
+
+fn parse_hex(s: &str) -> Option<u64> {
+    match s {
+        "(nil)" | "0" | "" => Some(0),
+        _ => u64::from_str_radix(s.trim_start_matches("0x").trim_start_matches("0X"), 16).ok(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_fields() {
+        assert_eq!(parse_time("01:02:03.000004"), Some(3_723_000_004));
+        assert_eq!(parse_time("01:02:03.5"), Some(3_723_500_000));
+        assert_eq!(parse_time("1:2"), None);
+        assert_eq!(parse_hex("(nil)"), Some(0));
+        assert_eq!(parse_hex("0x7f00"), Some(0x7f00));
+        assert_eq!(parse_hex("zz"), None);
+    }
+}

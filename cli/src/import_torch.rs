@@ -1,0 +1,127 @@
+//! Import of a PyTorch memory snapshot (`torch.cuda.memory._dump_snapshot`).
+//!
+//! Uses `device_traces` (recorded with `_record_memory_history`): each entry
+//! becomes one event of its device, times from `time_us`. Block sizes are
+//! PyTorch's rounding of the request (512 B steps); `annotate` entries
+//! become marks. The snapshot's ring buffer may start mid-run: frees of
+//! blocks allocated before it are kept, and the analysis skips them.
+
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::Path;
+
+use gpualloc::Config;
+use gpualloc::size_class::round_size;
+use gpualloc::trace::{Action, TraceEvent, TraceHeader, TraceWriter};
+
+use crate::input::CliError;
+use crate::unpickle;
+
+/// Converts `path` into `out`; returns the number of events written.
+pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| CliError(format!("{}: cannot read: {e}", path.display())))?;
+    let root = unpickle::loads(&bytes)
+        .map_err(|e| CliError(format!("{}: not a readable pickle: {e}", path.display())))?;
+    let traces = root.get("device_traces").ok_or_else(|| {
+        CliError(format!(
+            "{}: no `device_traces` in the snapshot: record it with torch.cuda.memory._record_memory_history(enabled=\"all\") before _dump_snapshot",
+            path.display()
+        ))
+    })?;
+    let devices = traces.items();
+    let t0 = devices
+        .iter()
+        .flat_map(|d| d.items())
+        .filter_map(|e| e.get("time_us").and_then(|t| t.as_int()))
+        .min()
+        .unwrap_or(0)
+        .max(0) as u64;
+    let conf = root
+        .get("allocator_settings")
+        .and_then(|s| s.get("PYTORCH_CUDA_ALLOC_CONF"))
+        .and_then(|s| s.as_str().map(String::from));
+    let header = TraceHeader {
+        start_unix_ns: t0 * 1000,
+        device_count: devices.len() as u32,
+        pid: 0,
+        config: String::new(),
+        producer: format!(
+            "import pytorch-snapshot (PYTORCH_CUDA_ALLOC_CONF={})",
+            conf.unwrap_or_default()
+        ),
+    };
+    let werr = |e: std::io::Error| CliError(format!("{}: cannot write: {e}", out.display()));
+    let file = File::create(out).map_err(werr)?;
+    let mut w = TraceWriter::new(BufWriter::new(file), &header).map_err(werr)?;
+    let mut strings: Vec<String> = Vec::new();
+    let config = Config::default();
+    for (d, list) in devices.iter().enumerate() {
+        let mut events = Vec::new();
+        for (i, entry) in list.items().iter().enumerate() {
+            let at = |what: &str| {
+                CliError(format!(
+                    "{}: device_traces[{d}][{i}]: {what}",
+                    path.display()
+                ))
+            };
+            let action = entry
+                .get("action")
+                .and_then(|a| a.as_str().map(String::from))
+                .ok_or_else(|| at("no `action` string"))?;
+            let int = |k: &str| {
+                entry
+                    .get(k)
+                    .and_then(|v| v.as_int())
+                    .map(|v| v.max(0) as u64)
+            };
+            let time_us = int("time_us").map_or(i as u64, |t| t.saturating_sub(t0));
+            let (size, stream) = (int("size").unwrap_or(0), int("stream").unwrap_or(0));
+            let block = if size == 0 {
+                0
+            } else {
+                round_size(size, &config)
+            };
+            let (action, addr, aux) = match action.as_str() {
+                "alloc" => (Action::Alloc, int("addr"), block),
+                "free_requested" => (Action::FreeRequested, int("addr"), block),
+                "free_completed" => (Action::FreeCompleted, int("addr"), block),
+                "segment_alloc" => (
+                    Action::SegmentAlloc,
+                    int("addr"),
+                    u64::from(size != 2 << 20),
+                ),
+                "segment_free" => (Action::SegmentFree, int("addr"), u64::from(size != 2 << 20)),
+                "segment_map" => (Action::SegmentMap, int("addr"), 1),
+                "segment_unmap" => (Action::SegmentUnmap, int("addr"), 1),
+                "oom" => (Action::Oom, Some(0), int("device_free").unwrap_or(0)),
+                "annotate" => {
+                    let name = entry
+                        .get("user_metadata")
+                        .and_then(|m| m.as_str().map(String::from))
+                        .unwrap_or_else(|| "annotate".into());
+                    strings.push(name);
+                    w.write_strings(&strings[strings.len() - 1..])
+                        .map_err(werr)?;
+                    (Action::Mark, Some(0), strings.len() as u64 - 1)
+                }
+                _ => continue, // `snapshot` and future actions carry no allocation.
+            };
+            let addr = addr.ok_or_else(|| at(&format!("`{action:?}` without an `addr`")))?;
+            events.push(TraceEvent {
+                time_ns: time_us * 1000,
+                action,
+                device: d as u32,
+                stream,
+                addr,
+                size,
+                aux,
+                thread: 0,
+            });
+        }
+        w.write_events(d as u32, &events).map_err(werr)?;
+    }
+    let n = w.events();
+    w.finish(None).map_err(werr)?;
+    Ok(n)
+}

@@ -1,0 +1,186 @@
+//! Reading a trace for a command: clear errors, a progress bar on long
+//! inputs, and decoding on a second thread so analysis runs beside it.
+
+use std::fmt;
+use std::fs::File;
+use std::io::{BufReader, IsTerminal};
+use std::path::Path;
+
+use gpualloc::trace::{TraceEnd, TraceErrorKind, TraceEvent, TraceHeader, TraceReader};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// Inputs above this size get a progress bar (on a terminal).
+const PROGRESS_MIN_BYTES: u64 = 32 << 20;
+
+/// A failure to report to the user: one line, then exit status 1.
+#[derive(Debug)]
+pub struct CliError(pub String);
+
+impl fmt::Display for CliError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<String> for CliError {
+    fn from(s: String) -> Self {
+        CliError(s)
+    }
+}
+
+/// What a scan learned besides the events.
+pub struct ScanInfo {
+    /// The header.
+    pub header: TraceHeader,
+    /// The string table.
+    pub strings: Vec<String>,
+    /// Events read.
+    pub events: u64,
+    /// Events the recorder could not write, per the DROPPED blocks.
+    pub dropped: u64,
+    /// The END block, absent when the process stopped without `trace_stop`.
+    pub end: Option<TraceEnd>,
+    /// A problem that did not stop the scan (printed by the caller).
+    pub warning: Option<String>,
+    /// Bytes in the file.
+    pub file_bytes: u64,
+}
+
+impl ScanInfo {
+    /// The name of string `id`, or a placeholder.
+    pub fn name(&self, id: u64) -> String {
+        match self.strings.get(id as usize) {
+            Some(s) => s.clone(),
+            None if id == crate::state::NO_PHASE => "(no phase)".to_string(),
+            None => format!("#{id}"),
+        }
+    }
+}
+
+/// Opens a trace, explaining what is wrong with a file that is not one.
+pub fn open(path: &Path) -> Result<TraceReader<BufReader<File>>, CliError> {
+    let f =
+        File::open(path).map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
+    TraceReader::new(BufReader::with_capacity(1 << 20, f)).map_err(|e| {
+        let hint = match &e.kind {
+            TraceErrorKind::NotATrace { found } if found.first() == Some(&0x80) => {
+                " (it looks like a Python pickle, perhaps a PyTorch memory snapshot: convert it with `gpualloc import`)"
+            }
+            TraceErrorKind::NotATrace { found } if found.starts_with(b"Thread") => {
+                " (it looks like an RMM log: convert it with `gpualloc import`)"
+            }
+            _ => "",
+        };
+        CliError(format!("{}: {e}{hint}", path.display()))
+    })
+}
+
+/// Streams every event of `path` through `f`. A truncated or corrupt file
+/// is an error unless `allow_truncated`, in which case the readable prefix
+/// is used and a warning returned.
+pub fn scan(
+    path: &Path,
+    allow_truncated: bool,
+    mut f: impl FnMut(&TraceEvent),
+) -> Result<ScanInfo, CliError> {
+    scan_until(path, allow_truncated, |e| {
+        f(e);
+        true
+    })
+}
+
+/// Like [`scan`], stopping early once `f` returns false.
+pub fn scan_until(
+    path: &Path,
+    allow_truncated: bool,
+    mut f: impl FnMut(&TraceEvent) -> bool,
+) -> Result<ScanInfo, CliError> {
+    let mut reader = open(path)?;
+    let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    let bar = progress(file_bytes);
+    let (tx, rx) = crossbeam_channel::bounded::<Vec<TraceEvent>>(4);
+    let (back_tx, back_rx) = crossbeam_channel::bounded::<Vec<TraceEvent>>(6);
+    let pb = bar.clone();
+    let decoder = std::thread::spawn(move || {
+        let mut result = Ok(());
+        loop {
+            let mut buf = back_rx.try_recv().unwrap_or_default();
+            match reader.next_events(&mut buf) {
+                Ok(true) => {
+                    pb.set_position(reader.offset());
+                    if tx.send(buf).is_err() {
+                        break;
+                    }
+                }
+                Ok(false) => break,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        (reader, result)
+    });
+    let mut events = 0u64;
+    let mut stopped = false;
+    'outer: for batch in rx.iter() {
+        for e in &batch {
+            events += 1;
+            if !f(e) {
+                stopped = true;
+                break 'outer;
+            }
+        }
+        let _ = back_tx.try_send(batch);
+    }
+    drop(rx);
+    let (reader, result) = decoder
+        .join()
+        .map_err(|_| CliError("the trace decoder panicked".into()))?;
+    bar.finish_and_clear();
+    let mut warning = None;
+    if let Err(e) = result {
+        let what = if e.is_truncation() {
+            "truncated"
+        } else {
+            "corrupt"
+        };
+        let msg = format!(
+            "{}: {e} ({what}; the {events} events before it were read)",
+            path.display()
+        );
+        if !allow_truncated {
+            return Err(CliError(format!(
+                "{msg}; pass --allow-truncated to use them"
+            )));
+        }
+        warning = Some(msg);
+    } else if reader.end().is_none() && !stopped {
+        warning = Some(format!(
+            "{}: no END block: the recording process stopped without trace_stop; the {events} events written before it are used",
+            path.display()
+        ));
+    }
+    Ok(ScanInfo {
+        header: reader.header().clone(),
+        strings: reader.strings().to_vec(),
+        events,
+        dropped: reader.dropped().values().sum(),
+        end: reader.end().copied(),
+        warning,
+        file_bytes,
+    })
+}
+
+fn progress(len: u64) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::hidden());
+    if len >= PROGRESS_MIN_BYTES && std::io::stderr().is_terminal() {
+        bar.set_draw_target(ProgressDrawTarget::stderr());
+        if let Ok(style) =
+            ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+        {
+            bar.set_style(style);
+        }
+    }
+    bar
+}

@@ -1,0 +1,74 @@
+//! Out-of-memory forensics: what was asked, what was free, what held memory.
+
+use std::collections::BTreeMap;
+
+use gpualloc::trace::TraceEvent;
+
+use crate::state::{DeviceState, Gauges, NO_PHASE};
+
+/// OOMs examined in detail per device (later ones are only counted).
+pub const MAX_DETAILED: usize = 20;
+
+/// One failed allocation.
+#[derive(Clone, Debug)]
+pub struct Oom {
+    /// Time (ns since start).
+    pub time_ns: u64,
+    /// Stream.
+    pub stream: u64,
+    /// Bytes requested.
+    pub requested: u64,
+    /// Free bytes the device reported.
+    pub device_free: u64,
+    /// Gauges at the failure.
+    pub gauges: Gauges,
+    /// Largest free piece of reserved memory.
+    pub largest_free: u64,
+    /// Free reserved bytes in all.
+    pub cached_free: u64,
+    /// Innermost open phase (string id) or `NO_PHASE`.
+    pub phase: u64,
+    /// The largest live blocks: (address, block bytes, requested, phase id, age ns).
+    pub largest_live: Vec<(u64, u64, u64, u64, u64)>,
+    /// Live bytes by the phase that allocated them (string id).
+    pub by_phase: Vec<(u64, u64)>,
+}
+
+/// Examines the state at an `oom` event.
+pub fn examine(e: &TraceEvent, s: &DeviceState) -> Oom {
+    let (largest_free, cached_free) = s.free_space();
+    let mut live: Vec<(u64, u64, u64, u64, u64)> = s
+        .live
+        .iter()
+        .filter(|(_, l)| !l.pending)
+        .map(|(&a, l)| {
+            (
+                a,
+                l.size,
+                l.requested,
+                l.phase,
+                e.time_ns.saturating_sub(l.time_ns),
+            )
+        })
+        .collect();
+    live.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut by_phase: BTreeMap<u64, u64> = BTreeMap::new();
+    for l in &live {
+        *by_phase.entry(l.3).or_default() += l.1;
+    }
+    let mut by_phase: Vec<(u64, u64)> = by_phase.into_iter().collect();
+    by_phase.sort_unstable_by_key(|x| std::cmp::Reverse(x.1));
+    live.truncate(10);
+    Oom {
+        time_ns: e.time_ns,
+        stream: e.stream,
+        requested: e.size,
+        device_free: e.aux,
+        gauges: s.g,
+        largest_free,
+        cached_free,
+        phase: s.phases.last().copied().unwrap_or(NO_PHASE),
+        largest_live: live,
+        by_phase,
+    }
+}

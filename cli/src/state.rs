@@ -1,0 +1,325 @@
+//! The allocator state that a trace implies, rebuilt event by event: live
+//! blocks, reserved address ranges, the gauges, and the open phases.
+//!
+//! Reserved ranges come from `segment_alloc`/`segment_free` (kept apart even
+//! when adjacent, as plain segments never merge) and from
+//! `segment_map`/`segment_unmap` (merged with adjacent mapped ranges, as pages
+//! of an expandable segment are contiguous). Free space is reserved space not
+//! covered by a live block; its largest contiguous piece is the "largest free
+//! block" of the fragmentation figures.
+
+use std::collections::BTreeMap;
+
+use gpualloc::trace::{Action, TraceEvent};
+use rustc_hash::FxHashMap;
+
+/// No phase open.
+pub const NO_PHASE: u64 = u64::MAX;
+
+/// A block handed out and not yet reusable.
+#[derive(Clone, Copy, Debug)]
+pub struct Live {
+    /// Block bytes (rounded).
+    pub size: u64,
+    /// Bytes asked for.
+    pub requested: u64,
+    /// Stream.
+    pub stream: u64,
+    /// Innermost phase at allocation (string id) or [`NO_PHASE`].
+    pub phase: u64,
+    /// Iteration (marks and top-level phases seen before it).
+    pub epoch: u32,
+    /// Allocation time.
+    pub time_ns: u64,
+    /// Freed by the caller, waiting on stream events.
+    pub pending: bool,
+}
+
+/// A reserved address range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    /// Bytes.
+    pub size: u64,
+    /// Stream it was reserved for.
+    pub stream: u64,
+    /// Pool code (`trace::pool_code`).
+    pub pool: u64,
+    /// Mapped pages of an expandable segment.
+    pub expandable: bool,
+    /// Made up to hold an allocation whose segment the trace never showed.
+    pub synthetic: bool,
+}
+
+/// Bytes by kind, PyTorch's meanings.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Gauges {
+    /// Live allocations (block sizes).
+    pub allocated: u64,
+    /// Allocated plus blocks waiting on events.
+    pub active: u64,
+    /// Held from the device.
+    pub reserved: u64,
+    /// Bytes asked for by live allocations.
+    pub requested: u64,
+}
+
+/// One device's state.
+#[derive(Default)]
+pub struct DeviceState {
+    /// Live and pending blocks by address.
+    pub live: FxHashMap<u64, Live>,
+    /// Reserved ranges by start address.
+    pub regions: BTreeMap<u64, Region>,
+    /// Current gauges.
+    pub g: Gauges,
+    /// Open phases, outermost first (string ids).
+    pub phases: Vec<u64>,
+    /// Iterations seen.
+    pub epoch: u32,
+    /// Frees and record_streams of blocks allocated before the trace began.
+    pub unknown: u64,
+}
+
+impl DeviceState {
+    /// Applies one event.
+    #[inline]
+    pub fn apply(&mut self, e: &TraceEvent) {
+        match e.action {
+            Action::Alloc => {
+                let phase = self.phases.last().copied().unwrap_or(NO_PHASE);
+                let old = self.live.insert(
+                    e.addr,
+                    Live {
+                        size: e.aux,
+                        requested: e.size,
+                        stream: e.stream,
+                        phase,
+                        epoch: self.epoch,
+                        time_ns: e.time_ns,
+                        pending: false,
+                    },
+                );
+                if let Some(o) = old {
+                    self.g.allocated -= if o.pending { 0 } else { o.size };
+                    self.g.active -= o.size;
+                    self.g.requested -= o.requested;
+                }
+                self.g.allocated += e.aux;
+                self.g.active += e.aux;
+                self.g.requested += e.size;
+            }
+            Action::FreeRequested => match self.live.get_mut(&e.addr) {
+                Some(l) if !l.pending => {
+                    l.pending = true;
+                    self.g.allocated -= l.size;
+                }
+                _ => self.unknown += 1,
+            },
+            Action::FreeCompleted => {
+                if let Some(l) = self.live.remove(&e.addr) {
+                    if !l.pending {
+                        self.g.allocated -= l.size;
+                    }
+                    self.g.active -= l.size;
+                    self.g.requested -= l.requested;
+                }
+            }
+            Action::SegmentAlloc => {
+                self.regions.insert(
+                    e.addr,
+                    Region {
+                        size: e.size,
+                        stream: e.stream,
+                        pool: e.aux,
+                        expandable: false,
+                        synthetic: false,
+                    },
+                );
+                self.g.reserved += e.size;
+            }
+            Action::SegmentFree if self.regions.remove(&e.addr).is_some() => {
+                self.g.reserved = self.g.reserved.saturating_sub(e.size);
+            }
+            Action::SegmentMap => {
+                self.map(e.addr, e.size, e.stream, e.aux);
+                self.g.reserved += e.size;
+            }
+            Action::SegmentUnmap if self.unmap(e.addr, e.size) => {
+                self.g.reserved = self.g.reserved.saturating_sub(e.size);
+            }
+            Action::PhasePush => {
+                if self.phases.is_empty() {
+                    self.epoch += 1;
+                }
+                self.phases.push(e.aux);
+            }
+            Action::PhasePop => {
+                if let Some(i) = self.phases.iter().rposition(|&p| p == e.aux) {
+                    self.phases.truncate(i);
+                }
+            }
+            Action::Mark => self.epoch += 1,
+            _ => {}
+        }
+    }
+
+    fn map(&mut self, addr: u64, size: u64, stream: u64, pool: u64) {
+        let (mut start, mut len) = (addr, size);
+        if let Some((&s, r)) = self.regions.range(..addr).next_back()
+            && r.expandable
+            && s + r.size == addr
+            && r.stream == stream
+        {
+            start = s;
+            len += r.size;
+        }
+        if let Some(r) = self.regions.get(&(addr + size)).copied()
+            && r.expandable
+            && r.stream == stream
+        {
+            self.regions.remove(&(addr + size));
+            len += r.size;
+        }
+        self.regions.insert(
+            start,
+            Region {
+                size: len,
+                stream,
+                pool,
+                expandable: true,
+                synthetic: false,
+            },
+        );
+    }
+
+    fn unmap(&mut self, addr: u64, size: u64) -> bool {
+        let Some((&s, &r)) = self.regions.range(..=addr).next_back() else {
+            return false;
+        };
+        if !r.expandable || addr + size > s + r.size {
+            return false;
+        }
+        self.regions.remove(&s);
+        if addr > s {
+            self.regions.insert(
+                s,
+                Region {
+                    size: addr - s,
+                    ..r
+                },
+            );
+        }
+        if addr + size < s + r.size {
+            self.regions.insert(
+                addr + size,
+                Region {
+                    size: s + r.size - addr - size,
+                    ..r
+                },
+            );
+        }
+        true
+    }
+
+    /// Live blocks sorted by address.
+    pub fn sorted_live(&self) -> Vec<(u64, Live)> {
+        let mut v: Vec<(u64, Live)> = self.live.iter().map(|(&a, &l)| (a, l)).collect();
+        v.sort_unstable_by_key(|x| x.0);
+        v
+    }
+
+    /// `(largest free piece, total free)` of reserved memory.
+    pub fn free_space(&self) -> (u64, u64) {
+        let live = self.sorted_live();
+        let mut i = 0;
+        let (mut largest, mut total) = (0u64, 0u64);
+        for (&start, r) in &self.regions {
+            let end = start + r.size;
+            while i < live.len() && live[i].0 < start {
+                i += 1;
+            }
+            let mut cur = start;
+            while i < live.len() && live[i].0 < end {
+                let gap = live[i].0.saturating_sub(cur);
+                largest = largest.max(gap);
+                total += gap;
+                cur = cur.max(live[i].0 + live[i].1.size);
+                i += 1;
+            }
+            let gap = end.saturating_sub(cur);
+            largest = largest.max(gap);
+            total += gap;
+        }
+        (largest, total)
+    }
+}
+
+/// `1 - largest free / total free` (0 with nothing free).
+pub fn external_fragmentation(largest: u64, total: u64) -> f64 {
+    if total == 0 {
+        0.0
+    } else {
+        1.0 - largest as f64 / total as f64
+    }
+}
+
+/// `1 - allocated / reserved` (0 with nothing reserved).
+pub fn unallocated_fraction(g: &Gauges) -> f64 {
+    if g.reserved == 0 {
+        0.0
+    } else {
+        1.0 - g.allocated.min(g.reserved) as f64 / g.reserved as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(action: Action, addr: u64, size: u64, aux: u64) -> TraceEvent {
+        TraceEvent {
+            time_ns: 0,
+            action,
+            device: 0,
+            stream: 0,
+            addr,
+            size,
+            aux,
+            thread: 0,
+        }
+    }
+
+    #[test]
+    fn gauges_and_free_space_follow_the_events() {
+        let mut s = DeviceState::default();
+        s.apply(&ev(Action::SegmentAlloc, 0, 1000, 1));
+        s.apply(&ev(Action::Alloc, 100, 90, 100));
+        s.apply(&ev(Action::Alloc, 500, 90, 100));
+        assert_eq!(
+            s.g,
+            Gauges {
+                allocated: 200,
+                active: 200,
+                reserved: 1000,
+                requested: 180
+            }
+        );
+        assert_eq!(s.free_space(), (400, 800));
+        s.apply(&ev(Action::FreeRequested, 100, 90, 100));
+        assert_eq!(
+            (s.g.allocated, s.g.active),
+            (100, 200),
+            "pending: active, not allocated"
+        );
+        s.apply(&ev(Action::FreeCompleted, 100, 90, 100));
+        assert_eq!(s.free_space(), (500, 900));
+        s.apply(&ev(Action::FreeRequested, 77, 1, 1));
+        assert_eq!(s.unknown, 1);
+        s.apply(&ev(Action::SegmentMap, 4096, 2048, 1));
+        s.apply(&ev(Action::SegmentMap, 6144, 2048, 1));
+        assert_eq!(s.regions.len(), 2, "adjacent mapped pages merge");
+        s.apply(&ev(Action::SegmentUnmap, 5000, 100, 1));
+        assert_eq!(s.regions.len(), 3, "an unmap in the middle splits");
+        assert_eq!(s.g.reserved, 1000 + 4096 - 100);
+    }
+}
