@@ -34,13 +34,16 @@ def setup(alloc: str) -> dict:
         import gpualloc
 
         t0 = time.time()
-        info["install_mode"] = gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF"))
+        info["config"] = os.environ.get("GPUALLOC_TEST_CONF") or ""
+        info["trace"] = os.environ.get("GPUALLOC_TEST_TRACE") or None
+        info["install_mode"] = gpualloc.install(config=info["config"] or None, trace=info["trace"])
         info["install_s"] = round(time.time() - t0, 2)
     import torch
 
     info["torch"] = torch.__version__
     info["device"] = torch.cuda.get_device_name(0)
     info["backend"] = torch.cuda.get_allocator_backend()
+    info["pytorch_alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     return info
 
 

@@ -28,21 +28,37 @@ PLAN = [
     ("train_detector", 150, 200),
 ]
 
+# Allocator variants: name -> (checks.py --alloc, extra environment).
+# Training runs every variant; the other checks run "native" and "gpualloc".
+VARIANTS = {
+    "native": ("native", {}),
+    "native-expandable": ("native", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    "gpualloc": ("gpualloc", {}),
+    "gpualloc-expandable": ("gpualloc", {"GPUALLOC_TEST_CONF": "expandable_segments:true"}),
+    "gpualloc-expandable-traced": ("gpualloc", {"GPUALLOC_TEST_CONF": "expandable_segments:true"}),
+}
+TRAIN_VARIANTS = list(VARIANTS)
 
-def run_one(check, alloc, timeout, steps, logdir):
+
+def run_one(check, variant, timeout, steps, logdir):
+    alloc, extra = VARIANTS[variant]
     cmd = [sys.executable, os.path.join(HERE, "checks.py"), check, "--alloc", alloc]
     if steps:
         cmd += ["--steps", str(steps)]
+    env = dict(os.environ, **extra)
+    if variant.endswith("-traced"):
+        os.makedirs(os.path.join(logdir, "..", "traces"), exist_ok=True)
+        env["GPUALLOC_TEST_TRACE"] = os.path.abspath(os.path.join(logdir, "..", "traces", f"{check}.gtrace"))
     t0 = time.time()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         out, err, rc = p.stdout, p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
         rc = "timeout"
     wall = round(time.time() - t0, 1)
-    with open(os.path.join(logdir, f"{check}-{alloc}.log"), "w") as f:
+    with open(os.path.join(logdir, f"{check}-{variant}.log"), "w") as f:
         f.write(f"$ {' '.join(cmd)}\nrc={rc} wall={wall}s\n--- stdout\n{out}\n--- stderr\n{err}\n")
     payload = None
     for line in out.splitlines():
@@ -83,6 +99,8 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="")
     p.add_argument("--budget", type=float, default=float(os.environ.get("GPUALLOC_GPU_BUDGET_S", 480)))
+    p.add_argument("--steps", type=int, default=0, help="training steps (default: the plan's)")
+    p.add_argument("--variants", default="", help="training variants to run (default: all)")
     args = p.parse_args()
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     only = set(filter(None, args.only.split(",")))
@@ -105,7 +123,11 @@ def main():
     for check, timeout, steps in PLAN:
         if only and check not in only:
             continue
-        for alloc in ("native", "gpualloc"):
+        variants = ["native", "gpualloc"]
+        if check.startswith("train_"):
+            variants = [v for v in TRAIN_VARIANTS if not args.variants or v in args.variants.split(",")]
+            steps = args.steps or steps
+        for alloc in variants:
             key = f"{check}/{alloc}"
             left = args.budget - (time.time() - start)
             if left < 20:
@@ -118,9 +140,12 @@ def main():
             brief = r.get("error") or (f"{res.get('passed')}/{res.get('total')} passed" if "passed" in res else "done")
             print(f"{key}: {brief} ({r['wall_s']} s)", flush=True)
         if check.startswith("train_"):
-            n, g = summary["runs"].get(f"{check}/native", {}), summary["runs"].get(f"{check}/gpualloc", {})
-            summary["compare"][check] = compare_training(n, g)
-            print(f"  {check}: {json.dumps(summary['compare'][check])}", flush=True)
+            n = summary["runs"].get(f"{check}/native", {})
+            summary["compare"][check] = {
+                v: compare_training(n, summary["runs"].get(f"{check}/{v}", {})) for v in variants if v != "native"
+            }
+            for v, c in summary["compare"][check].items():
+                print(f"  {check} {v}: {json.dumps(c)}", flush=True)
         if check == "churn":
             n, g = summary["runs"].get("churn/native", {}), summary["runs"].get("churn/gpualloc", {})
             if "result" in n and "result" in g:
