@@ -85,8 +85,6 @@ pub struct DeviceAnalysis {
     pub timeline: Timeline,
     /// The state after the last event.
     pub state: DeviceState,
-    /// Iterations (marks and top-level phases) seen.
-    pub epochs: u32,
     /// Fragmentation over time (second pass, reports).
     pub frag: Vec<Frag>,
     /// The state at the peak (second pass).
@@ -110,7 +108,6 @@ impl DeviceAnalysis {
             sizes: Sizes::default(),
             timeline: Timeline::new(TIMELINE_POINTS),
             state: DeviceState::default(),
-            epochs: 0,
             frag: Vec::new(),
             at_peak: None,
         }
@@ -163,11 +160,15 @@ impl DeviceAnalysis {
             self.allocated_at_peak_reserved = g.allocated;
             self.peak_reserved_open = true;
         }
-        if self.phases.any_open() {
+        if self.phases.any_open()
+            && matches!(
+                e.action,
+                Action::Alloc | Action::SegmentAlloc | Action::SegmentMap
+            )
+        {
             self.phases.observe(&g);
         }
         self.timeline.observe(e.time_ns, &g);
-        self.epochs = self.state.epoch;
     }
 }
 
@@ -202,6 +203,9 @@ pub fn analyze(path: &Path, allow_truncated: bool) -> Result<Analysis, CliError>
     })?;
     if let Some((d, a)) = last {
         devices.insert(d, a);
+    }
+    for d in devices.values_mut() {
+        d.phases.finish();
     }
     if let Some(end) = &info.end {
         duration_ns = duration_ns.max(end.end_ns);

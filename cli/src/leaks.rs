@@ -1,7 +1,8 @@
 //! Leak candidates: allocations alive at the end, grouped by requested size
-//! and phase, with how their survivors spread over the iterations (marks
-//! and top-level phases). A group whose survivors were allocated in most
-//! iterations since it first appeared grows per iteration: a leak candidate.
+//! and phase, with how their survivors spread over the iterations (between
+//! marks, or else between openings of the most frequent top-level phase).
+//! A group whose survivors were allocated in most iterations since it first
+//! appeared grows per iteration: a leak candidate.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -39,15 +40,17 @@ pub fn groups(d: &DeviceAnalysis, end_ns: u64) -> Vec<LeakGroup> {
     // (requested, block, phase) -> (count, survivors per epoch, oldest time)
     type Group = (u64, BTreeMap<u32, u64>, u64);
     let mut by: BTreeMap<(u64, u64, u64), Group> = BTreeMap::new();
+    let bounds = d.state.iterations();
     for l in d.state.live.values().filter(|l| !l.pending) {
         let g = by
             .entry((l.requested, l.size, l.phase))
             .or_insert((0, BTreeMap::new(), u64::MAX));
         g.0 += 1;
-        *g.1.entry(l.epoch).or_default() += 1;
+        let epoch = bounds.partition_point(|&t| t <= l.time_ns) as u32;
+        *g.1.entry(epoch).or_default() += 1;
         g.2 = g.2.min(l.time_ns);
     }
-    let total = d.epochs;
+    let total = bounds.len() as u32;
     let mut out: Vec<LeakGroup> = by
         .into_iter()
         .map(|((size, block, phase), (count, epochs, oldest))| {
@@ -81,11 +84,11 @@ pub fn render(a: &Analysis, limit: usize) -> String {
         let cands: Vec<&LeakGroup> = gs.iter().filter(|g| g.candidate).collect();
         let _ = writeln!(
             s,
-            "device {}: {} allocations alive at the end ({}), {} iterations (marks and top-level phases); {} leak candidate group(s)",
+            "device {}: {} allocations alive at the end ({}), {} iterations; {} leak candidate group(s)",
             d.device,
             gs.iter().map(|g| g.count).sum::<u64>(),
             units::bytes(alive),
-            d.epochs,
+            iterations(d),
             cands.len()
         );
         if gs.is_empty() {
@@ -107,7 +110,7 @@ pub fn render(a: &Analysis, limit: usize) -> String {
                 format!(
                     "{}/{}",
                     g.epochs,
-                    d.epochs.saturating_sub(g.first_epoch) + 1
+                    iterations(d).saturating_sub(g.first_epoch) + 1
                 ),
                 format!("+{:.2}", g.per_epoch),
                 units::duration(g.oldest_ns),
@@ -119,4 +122,9 @@ pub fn render(a: &Analysis, limit: usize) -> String {
         }
     }
     s
+}
+
+/// Iterations of a device (see the module docs).
+pub fn iterations(d: &DeviceAnalysis) -> u32 {
+    d.state.iterations().len() as u32
 }

@@ -2,6 +2,8 @@
 
 use std::collections::BTreeMap;
 
+use rustc_hash::FxHashMap;
+
 use crate::state::Gauges;
 
 /// Figures of one phase name (all its occurrences together).
@@ -25,57 +27,61 @@ pub struct PhaseStats {
     pub time_ns: u64,
 }
 
-/// Phase statistics of one device, keyed by string id.
+/// Phase statistics of one device.
 #[derive(Default)]
 pub struct Phases {
-    /// By string id.
+    /// By string id (filled by [`finish`](Self::finish)).
     pub by_id: BTreeMap<u64, PhaseStats>,
-    open: Vec<(u64, u64, u64)>,
+    stats: Vec<PhaseStats>,
+    ids: Vec<u64>,
+    slot: FxHashMap<u64, usize>,
+    /// Open phases: (slot, opened at, allocated at opening).
+    open: Vec<(usize, u64, u64)>,
 }
 
 impl Phases {
     /// A phase opened at `t_ns` with gauges `g`.
     pub fn push(&mut self, id: u64, t_ns: u64, g: &Gauges) {
-        let s = self.by_id.entry(id).or_default();
-        s.count += 1;
-        s.peak_allocated = s.peak_allocated.max(g.allocated);
-        s.peak_reserved = s.peak_reserved.max(g.reserved);
-        s.peak_active = s.peak_active.max(g.active);
-        self.open.push((id, t_ns, g.allocated));
+        let slot = *self.slot.entry(id).or_insert_with(|| {
+            self.stats.push(PhaseStats::default());
+            self.ids.push(id);
+            self.stats.len() - 1
+        });
+        self.stats[slot].count += 1;
+        self.open.push((slot, t_ns, g.allocated));
+        self.observe(g);
     }
 
     /// The phase `id` closed at `t_ns` (and any opened inside it).
     pub fn pop(&mut self, id: u64, t_ns: u64) {
-        if let Some(i) = self.open.iter().rposition(|o| o.0 == id) {
-            for (pid, start, _) in self.open.drain(i..) {
-                if let Some(s) = self.by_id.get_mut(&pid) {
-                    s.time_ns += t_ns.saturating_sub(start);
-                }
+        let Some(&slot) = self.slot.get(&id) else {
+            return;
+        };
+        if let Some(i) = self.open.iter().rposition(|o| o.0 == slot) {
+            for (s, start, _) in self.open.drain(i..) {
+                self.stats[s].time_ns += t_ns.saturating_sub(start);
             }
         }
     }
 
-    /// Gauges changed upward: raise the peaks of every open phase.
+    /// Gauges went up: raise the peaks of every open phase.
     #[inline]
     pub fn observe(&mut self, g: &Gauges) {
-        for &(id, _, base) in &self.open {
-            if let Some(s) = self.by_id.get_mut(&id) {
-                s.peak_allocated = s.peak_allocated.max(g.allocated);
-                s.peak_reserved = s.peak_reserved.max(g.reserved);
-                s.peak_active = s.peak_active.max(g.active);
-                s.peak_growth = s.peak_growth.max(g.allocated.saturating_sub(base));
-            }
+        for &(slot, _, base) in &self.open {
+            let s = &mut self.stats[slot];
+            s.peak_allocated = s.peak_allocated.max(g.allocated);
+            s.peak_reserved = s.peak_reserved.max(g.reserved);
+            s.peak_active = s.peak_active.max(g.active);
+            s.peak_growth = s.peak_growth.max(g.allocated.saturating_sub(base));
         }
     }
 
     /// An allocation of `size` bytes in the innermost phase.
     #[inline]
     pub fn alloc(&mut self, size: u64) {
-        if let Some(&(id, _, _)) = self.open.last()
-            && let Some(s) = self.by_id.get_mut(&id)
-        {
-            s.allocs += 1;
-            s.alloc_bytes += size;
+        if let Some(&(slot, _, _)) = self.open.last() {
+            self.stats[slot].allocs += 1;
+            self.stats[slot].alloc_bytes += size;
         }
     }
 
@@ -83,5 +89,44 @@ impl Phases {
     #[inline]
     pub fn any_open(&self) -> bool {
         !self.open.is_empty()
+    }
+
+    /// Publishes the figures in [`by_id`](Self::by_id).
+    pub fn finish(&mut self) {
+        self.by_id = self
+            .ids
+            .iter()
+            .copied()
+            .zip(self.stats.iter().copied())
+            .collect();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peaks_belong_to_every_open_phase() {
+        let g = |allocated| Gauges {
+            allocated,
+            active: allocated,
+            reserved: 2 * allocated,
+            requested: 0,
+        };
+        let mut p = Phases::default();
+        p.push(1, 0, &g(10));
+        p.push(2, 5, &g(10));
+        p.alloc(7);
+        p.observe(&g(50));
+        p.pop(2, 10);
+        p.observe(&g(40));
+        p.pop(1, 20);
+        p.observe(&g(99));
+        p.finish();
+        assert_eq!(p.by_id[&1].peak_allocated, 50);
+        assert_eq!(p.by_id[&2].peak_growth, 40);
+        assert_eq!(p.by_id[&2].allocs, 1);
+        assert_eq!((p.by_id[&1].time_ns, p.by_id[&2].time_ns), (20, 5));
     }
 }

@@ -338,9 +338,9 @@ fn leak_table(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
     let gs = leaks::groups(d, a.duration_ns);
     let _ = write!(
         s,
-        "<h3>Leak candidates</h3><p>{} allocations alive at the end; {} iterations (marks and top-level phases).</p>",
+        "<h3>Leak candidates</h3><p>{} allocations alive at the end; {} iterations (between marks, or openings of the most frequent top-level phase).</p>",
         gs.iter().map(|g| g.count).sum::<u64>(),
-        d.epochs
+        leaks::iterations(d)
     );
     if gs.is_empty() {
         return;
@@ -355,7 +355,7 @@ fn leak_table(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
             g.count,
             bytes(g.bytes),
             g.epochs,
-            d.epochs.saturating_sub(g.first_epoch) + 1,
+            leaks::iterations(d).saturating_sub(g.first_epoch) + 1,
             g.per_epoch,
             if g.candidate { "yes" } else { "" }
         );

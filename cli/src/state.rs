@@ -13,6 +13,9 @@ use std::collections::BTreeMap;
 use gpualloc::trace::{Action, TraceEvent};
 use rustc_hash::FxHashMap;
 
+/// Iteration boundaries kept per kind (marks, each top-level phase).
+const MAX_BOUNDARIES: usize = 1 << 22;
+
 /// No phase open.
 pub const NO_PHASE: u64 = u64::MAX;
 
@@ -27,8 +30,6 @@ pub struct Live {
     pub stream: u64,
     /// Innermost phase at allocation (string id) or [`NO_PHASE`].
     pub phase: u64,
-    /// Iteration (marks and top-level phases seen before it).
-    pub epoch: u32,
     /// Allocation time.
     pub time_ns: u64,
     /// Freed by the caller, waiting on stream events.
@@ -74,8 +75,10 @@ pub struct DeviceState {
     pub g: Gauges,
     /// Open phases, outermost first (string ids).
     pub phases: Vec<u64>,
-    /// Iterations seen.
-    pub epoch: u32,
+    /// Times of the marks.
+    pub marks: Vec<u64>,
+    /// Times each top-level phase was opened, by string id.
+    pub top_pushes: FxHashMap<u64, Vec<u64>>,
     /// Frees and record_streams of blocks allocated before the trace began.
     pub unknown: u64,
 }
@@ -94,7 +97,6 @@ impl DeviceState {
                         requested: e.size,
                         stream: e.stream,
                         phase,
-                        epoch: self.epoch,
                         time_ns: e.time_ns,
                         pending: false,
                     },
@@ -149,7 +151,10 @@ impl DeviceState {
             }
             Action::PhasePush => {
                 if self.phases.is_empty() {
-                    self.epoch += 1;
+                    let v = self.top_pushes.entry(e.aux).or_default();
+                    if v.len() < MAX_BOUNDARIES {
+                        v.push(e.time_ns);
+                    }
                 }
                 self.phases.push(e.aux);
             }
@@ -158,7 +163,7 @@ impl DeviceState {
                     self.phases.truncate(i);
                 }
             }
-            Action::Mark => self.epoch += 1,
+            Action::Mark if self.marks.len() < MAX_BOUNDARIES => self.marks.push(e.time_ns),
             _ => {}
         }
     }
@@ -219,6 +224,18 @@ impl DeviceState {
             );
         }
         true
+    }
+
+    /// Iteration boundaries: the marks when there are at least three, else
+    /// the openings of the most frequent top-level phase.
+    pub fn iterations(&self) -> &[u64] {
+        if self.marks.len() >= 3 {
+            return &self.marks;
+        }
+        self.top_pushes
+            .values()
+            .max_by_key(|v| v.len())
+            .map_or(&[], |v| v.as_slice())
     }
 
     /// Live blocks sorted by address.
