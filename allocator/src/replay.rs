@@ -17,7 +17,8 @@
 //! simulator and polls, as the recorded allocator did at the start of its next
 //! call, so reuse happens at the same point. When the recorded completions
 //! came from the allocator's own out-of-memory path or `empty_cache` (a
-//! `segment_free`, `oom` or `empty_cache` follows them in the same call), the
+//! `segment_free`, `segment_unmap`, `oom` or `empty_cache` follows them in the
+//! same call), the
 //! replay leaves them to its own identical path instead. A trace recorded by
 //! gpualloc on the simulator therefore reproduces its peak reserved exactly
 //! under the same configuration and capacity.
@@ -239,8 +240,10 @@ impl DeviceRun {
     /// unless the call was a release path, then applies its events.
     fn close_window_with(&mut self, ends_in_release: bool, r: &mut ReplayResult) {
         let window = std::mem::take(&mut self.window);
-        let release_path =
-            ends_in_release || window.iter().any(|(_, e)| e.action == Action::SegmentFree);
+        let release_path = ends_in_release
+            || window
+                .iter()
+                .any(|(_, e)| matches!(e.action, Action::SegmentFree | Action::SegmentUnmap));
         if !release_path {
             for (_, e) in &window {
                 if e.action == Action::FreeCompleted
@@ -486,6 +489,13 @@ mod tests {
                 5,
                 250 << 20,
                 "garbage_collection_threshold:0.5,memory_limit:200MiB",
+            ),
+            (6, 300 << 20, "expandable_segments:true"),
+            (7, 2 << 30, "expandable_segments:true"),
+            (
+                8,
+                200 << 20,
+                "expandable_segments:true,max_split_size_mb:40",
             ),
         ] {
             let (evs, peak_reserved, peak_allocated, ooms) = record(seed, capacity, conf, 4000);
