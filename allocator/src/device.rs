@@ -600,6 +600,7 @@ impl<B: Backend> DeviceAllocator<B> {
             self.insert_events(id)?;
         }
         self.stats.num_sync_all_streams += 1;
+        self.record(Action::SyncAllStreams, 0, 0, self.pending_count as u64, 0);
         for (_, q) in std::mem::take(&mut self.pending) {
             for (ev, id) in q {
                 self.backend.wait_event(ev)?;

@@ -118,45 +118,36 @@ impl<B: Backend> DeviceAllocator<B> {
         rounded: u64,
         capturing: bool,
     ) -> Result<BlockId, AllocError> {
-        let seg = self.expandable_segment(pool, stream)?;
+        let mut seg = self.expandable_segment(pool, stream)?;
         let kind = self.pools[pool as usize].kind;
         let page = self.page_size(kind);
+        let mut window = self.best_window(seg, stream, rounded, page);
+        let needed = |w: &Option<(u64, Vec<(u64, u64)>)>| {
+            w.as_ref()
+                .map_or(rounded, |w| w.1.iter().map(|r| r.1 - r.0).sum())
+        };
         if self.config.defragment && !capturing {
             // See Note [Defragmentation]: never raise the peak while free
             // pages sit idle elsewhere.
             let reserved = self.stats.reserved_bytes.all.current;
-            let idle = self.cached_free_bytes();
-            if reserved + page as i64 > self.stats.reserved_bytes.all.peak && idle >= page {
+            if reserved + needed(&window) as i64 > self.stats.reserved_bytes.all.peak
+                && self.cached_free_bytes() >= page
+            {
                 self.unmap_free_pages()?;
+                seg = match self.segments.get_checked(seg) {
+                    Some(s) if s.expandable && s.pool == pool && s.stream == stream => seg,
+                    _ => self.expandable_segment(pool, stream)?,
+                };
+                window = self.best_window(seg, stream, rounded, page);
             }
         }
-        let seg = match self.segments.get_checked(seg) {
-            Some(s) if s.expandable && s.pool == pool && s.stream == stream => seg,
-            _ => self.expandable_segment(pool, stream)?,
-        };
-        let mut found = None;
-        let mut cur = Some(self.segments.get(seg).first);
-        while let Some(id) = cur {
-            let b = &self.blocks[id];
-            if b.state == BlockState::Unmapped {
-                let prev_free = b.prev.filter(|&p| {
-                    self.blocks[p].state == BlockState::Free && self.blocks[p].stream == stream
-                });
-                let have = prev_free.map_or(0, |p| self.blocks[p].size);
-                let bytes = rounded.saturating_sub(have).max(1).div_ceil(page) * page;
-                if bytes <= b.size {
-                    found = Some((id, prev_free, bytes));
-                    break;
-                }
-            }
-            cur = b.next;
-        }
-        let Some((unmapped, prev_free, bytes)) = found else {
+        let Some((ws, ranges)) = window else {
             let cause = Some(BackendError::OutOfMemory { requested: rounded });
             return Err(AllocError::OutOfMemory(Box::new(
                 self.report(0, rounded, cause),
             )));
         };
+        let bytes: u64 = ranges.iter().map(|r| r.1 - r.0).sum();
         let reserved = self.stats.reserved_bytes.all.current as u64;
         if let Some(limit) = self.limit()?
             && reserved + bytes > limit
@@ -165,43 +156,173 @@ impl<B: Backend> DeviceAllocator<B> {
                 self.report(0, bytes, None),
             )));
         }
-        let ptr = self.blocks[unmapped].ptr;
-        match self.backend.map(ptr, bytes, capturing) {
-            Ok(()) => {}
-            Err(BackendError::OutOfMemory { requested }) => {
-                let cause = Some(BackendError::OutOfMemory { requested });
-                return Err(AllocError::OutOfMemory(Box::new(
-                    self.report(0, bytes, cause),
-                )));
+        let mut failure = None;
+        for (lo, hi) in ranges {
+            if let Err(e) = self.map_range(seg, stream, lo, hi, capturing) {
+                failure = Some(e);
+                break;
             }
-            Err(e) => return Err(e.into()),
         }
-        let mapped = self.carve_front(unmapped, bytes, BlockState::Free);
+        self.coalesce_segment(seg);
+        if let Some(e) = failure {
+            return Err(match e {
+                BackendError::OutOfMemory { requested } => AllocError::OutOfMemory(Box::new(
+                    self.report(0, bytes, Some(BackendError::OutOfMemory { requested })),
+                )),
+                e => e.into(),
+            });
+        }
+        let block = self.block_at(seg, ws);
+        debug_assert!(
+            self.blocks[block].state == BlockState::Free && self.blocks[block].size >= rounded
+        );
+        self.unindex(block);
+        Ok(block)
+    }
+
+    /// Where to place `rounded` bytes in a stream's expandable segment: the
+    /// window of free and unmapped space that needs the fewest new pages
+    /// (lowest address on ties). Returns its start and the page ranges to map.
+    fn best_window(
+        &self,
+        seg: SegmentId,
+        stream: StreamId,
+        rounded: u64,
+        page: u64,
+    ) -> Option<(u64, Vec<(u64, u64)>)> {
+        let base = self.segments.get(seg).ptr;
+        let floor = |x: u64| base + (x - base) / page * page;
+        let ceil = |x: u64| base + (x - base).div_ceil(page) * page;
+        let mut blocks = Vec::new();
+        let mut cur = Some(self.segments.get(seg).first);
+        while let Some(id) = cur {
+            let b = &self.blocks[id];
+            let usable = b.state == BlockState::Unmapped
+                || (b.state == BlockState::Free && b.stream == stream);
+            blocks.push((
+                b.ptr,
+                b.ptr + b.size,
+                usable,
+                b.state == BlockState::Unmapped,
+            ));
+            cur = b.next;
+        }
+        // The pages to map for a window: the unmapped parts it touches,
+        // widened to whole pages (unmapped blocks are page-aligned).
+        let to_map = |first: usize, ws: u64, we: u64| -> Vec<(u64, u64)> {
+            blocks[first..]
+                .iter()
+                .take_while(|b| b.0 < we)
+                .filter(|b| b.3 && b.1 > ws)
+                .map(|b| (b.0.max(floor(ws)), b.1.min(ceil(we))))
+                .collect()
+        };
+        let mut best: Option<(u64, u64, usize)> = None;
+        let mut i = 0;
+        while i < blocks.len() {
+            if !blocks[i].2 {
+                i += 1;
+                continue;
+            }
+            let mut j = i;
+            while j + 1 < blocks.len() && blocks[j + 1].2 {
+                j += 1;
+            }
+            let (run_start, run_end) = (blocks[i].0, blocks[j].1);
+            if run_end - run_start >= rounded {
+                let starts = blocks[i..=j].iter().map(|b| b.0);
+                let ends = blocks[i..=j]
+                    .iter()
+                    .filter(|b| b.1 >= run_start + rounded)
+                    .map(|b| b.1 - rounded);
+                for ws in starts.chain(ends).filter(|&ws| ws + rounded <= run_end) {
+                    let first = i + blocks[i..=j].partition_point(|b| b.1 <= ws);
+                    let cost: u64 = to_map(first, ws, ws + rounded)
+                        .iter()
+                        .map(|r| r.1 - r.0)
+                        .sum();
+                    if best.is_none_or(|b| (cost, ws) < (b.0, b.1)) {
+                        best = Some((cost, ws, first));
+                    }
+                }
+            }
+            i = j + 1;
+        }
+        best.map(|(_, ws, first)| (ws, to_map(first, ws, ws + rounded)))
+    }
+
+    /// Maps `[lo, hi)`, which lies inside one unmapped block of `seg`, and
+    /// turns it into a free block (not yet indexed or merged).
+    fn map_range(
+        &mut self,
+        seg: SegmentId,
+        stream: StreamId,
+        lo: u64,
+        hi: u64,
+        capturing: bool,
+    ) -> Result<(), BackendError> {
+        self.backend.map(lo, hi - lo, capturing)?;
+        let u = self.block_at(seg, lo);
+        debug_assert_eq!(self.blocks[u].state, BlockState::Unmapped);
+        let u_start = self.blocks[u].ptr;
+        if lo > u_start {
+            self.carve_front(u, lo - u_start, BlockState::Unmapped);
+        }
+        let mapped = self.carve_front(u, hi - lo, BlockState::Free);
+        let pool = self.blocks[mapped].pool;
         self.blocks[mapped].gc_base = self.pools[pool as usize].lookups;
-        self.segments.get_mut(seg).mapped += bytes;
-        self.stats.reserved_bytes.update(kind, bytes as i64);
+        self.blocks[mapped].stream = stream;
+        let kind = self.pools[pool as usize].kind;
+        self.segments.get_mut(seg).mapped += hi - lo;
+        self.stats.reserved_bytes.update(kind, (hi - lo) as i64);
         self.stats.num_device_alloc += 1;
         self.record(
             Action::SegmentMap,
             stream,
-            ptr,
-            bytes,
+            lo,
+            hi - lo,
             pool_code(None, kind == PoolKind::Large),
         );
-        // Join the new pages with free neighbours of the same stream.
-        let mut block = mapped;
-        if let Some(p) = prev_free {
-            self.unindex(p);
-            block = self.absorb_next(p);
+        Ok(())
+    }
+
+    /// The block of `seg` that contains address `addr`.
+    fn block_at(&self, seg: SegmentId, addr: u64) -> BlockId {
+        let mut cur = Some(self.segments.get(seg).first);
+        while let Some(id) = cur {
+            let b = &self.blocks[id];
+            if b.ptr <= addr && addr < b.ptr + b.size {
+                return id;
+            }
+            cur = b.next;
         }
-        if let Some(n) = self.blocks[block].next
-            && self.blocks[n].state == BlockState::Free
-            && self.blocks[n].stream == stream
-        {
-            self.unindex(n);
-            block = self.absorb_next(block);
+        panic!("address {addr:#x} is outside segment {seg}");
+    }
+
+    /// Merges adjacent free blocks of the same stream in `seg` and makes sure
+    /// every free block is in its pool's index.
+    fn coalesce_segment(&mut self, seg: SegmentId) {
+        let mut cur = Some(self.segments.get(seg).first);
+        while let Some(id) = cur {
+            if self.blocks[id].state == BlockState::Free {
+                self.ensure_unindexed(id);
+                while let Some(n) = self.blocks[id].next
+                    && self.blocks[n].state == BlockState::Free
+                    && self.blocks[n].stream == self.blocks[id].stream
+                {
+                    self.ensure_unindexed(n);
+                    self.absorb_next(id);
+                }
+                self.reindex(id);
+            }
+            cur = self.blocks[id].next;
         }
-        Ok(block)
+    }
+
+    fn ensure_unindexed(&mut self, id: BlockId) {
+        let b = &self.blocks[id];
+        let key = (b.stream, b.size, b.ptr, id);
+        self.pools[b.pool as usize].remove(key);
     }
 
     /// Splits `bytes` off the front of block `id` as a new block in `state`

@@ -218,37 +218,36 @@ impl DeviceRun {
     fn event(&mut self, i: u64, e: TraceEvent, r: &mut ReplayResult) {
         if !self.window.is_empty() {
             if is_call(e.action) || e.action == Action::Oom {
-                let ends_in_release = e.action == Action::EmptyCache || e.action == Action::Oom;
-                self.close_window_with(ends_in_release, r);
+                self.close_window(r);
             } else {
                 self.window.push((i, e));
                 return;
             }
         }
-        if e.action == Action::FreeCompleted && self.pending.contains_key(&e.addr) {
+        if (e.action == Action::FreeCompleted && self.pending.contains_key(&e.addr))
+            || e.action == Action::SyncAllStreams
+        {
             self.window.push((i, e));
             return;
         }
         self.apply(i, e, r);
     }
 
+    /// Ends a held-back call: completes, in the simulator, the blocks whose
+    /// `free_completed` came from polling (those before a `sync_all_streams`
+    /// record; the ones after it come from the wait, which the replayed
+    /// call performs itself), then applies the call's events.
     fn close_window(&mut self, r: &mut ReplayResult) {
-        self.close_window_with(false, r);
-    }
-
-    /// Ends a held-back call: completes its `free_completed` blocks now
-    /// unless the call was a release path, then applies its events.
-    fn close_window_with(&mut self, ends_in_release: bool, r: &mut ReplayResult) {
         let window = std::mem::take(&mut self.window);
-        let release_path = ends_in_release
-            || window
-                .iter()
-                .any(|(_, e)| matches!(e.action, Action::SegmentFree | Action::SegmentUnmap));
-        if !release_path {
-            for (_, e) in &window {
-                if e.action == Action::FreeCompleted
-                    && let Some(ptr) = self.pending.remove(&e.addr)
-                {
+        let polled: Vec<DevicePtr> = window
+            .iter()
+            .take_while(|(_, e)| e.action != Action::SyncAllStreams)
+            .filter(|(_, e)| e.action == Action::FreeCompleted)
+            .map(|(_, e)| e.addr)
+            .collect();
+        if !polled.is_empty() {
+            for addr in polled {
+                if let Some(ptr) = self.pending.remove(&addr) {
                     self.complete_events_of(ptr);
                 }
             }

@@ -35,11 +35,15 @@ pub enum Action {
     RecordStream = 12,
     /// A stream took another stream's cached block. `aux`: the stream it came from.
     StreamReuse = 13,
+    /// The allocator waited for every outstanding event (`empty_cache`, the
+    /// out-of-memory path); the `free_completed` records that follow in the
+    /// same call come from that wait, not from polling.
+    SyncAllStreams = 14,
 }
 
 impl Action {
     /// Every action, in code order.
-    pub const ALL: [Action; 14] = [
+    pub const ALL: [Action; 15] = [
         Action::Alloc,
         Action::FreeRequested,
         Action::FreeCompleted,
@@ -54,6 +58,7 @@ impl Action {
         Action::Mark,
         Action::RecordStream,
         Action::StreamReuse,
+        Action::SyncAllStreams,
     ];
 
     /// The action for a code, if valid.
@@ -78,6 +83,7 @@ impl Action {
             Action::Mark => "mark",
             Action::RecordStream => "record_stream",
             Action::StreamReuse => "stream_reuse",
+            Action::SyncAllStreams => "sync_all_streams",
         }
     }
 }
