@@ -11,6 +11,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import glob
 import json
@@ -202,6 +203,16 @@ class Library:
             fn.argtypes = argtypes
         n = self.dll.gpualloc_stat_count()
         self.stat_names = tuple(self.dll.gpualloc_stat_name(i).decode() for i in range(n))
+        # A trace started by install(trace=...) or GPUALLOC_TRACE ends with
+        # the process: write its last buffers and its end block then.
+        atexit.register(self._stop_trace_at_exit)
+
+    def _stop_trace_at_exit(self) -> None:
+        try:
+            if self.dll.gpualloc_is_tracing() > 0:
+                self.dll.gpualloc_trace_stop(None)
+        except Exception:  # noqa: BLE001 - never fail interpreter shutdown
+            pass
 
     # ---- errors ----
 

@@ -92,6 +92,25 @@ class ProcessTest(unittest.TestCase):
             self.assertTrue(os.path.isfile(trace) and os.path.getsize(trace) > 0)
             self.assertIn("trace written", out.stderr)
 
+    def test_a_trace_started_by_the_environment_is_closed_at_exit(self):
+        with tempfile.TemporaryDirectory() as d:
+            trace = os.path.join(d, "env.gtrace")
+            code = "from gpualloc._lib import lib\nL = lib()\nL.free(L.malloc(4096))\n"
+            out = run(["-c", code], env_extra={"GPUALLOC_TRACE": trace})
+            self.assertEqual(out.returncode, 0, out.stderr)
+            kinds = []
+            with open(trace, "rb") as f:
+                data = f.read()
+            # Walk the blocks after the header: `BK`, kind, flags, device, length, crc.
+            pos = data.find(b"BK")
+            while 0 <= pos < len(data):
+                self.assertEqual(data[pos : pos + 2], b"BK")
+                kinds.append(data[pos + 2])
+                length = int.from_bytes(data[pos + 8 : pos + 12], "little")
+                pos += 16 + length
+            self.assertEqual(kinds[-1], 4, f"the last block is END (kinds {kinds})")
+            self.assertIn(1, kinds, "events were written")
+
 
 if __name__ == "__main__":
     unittest.main()
