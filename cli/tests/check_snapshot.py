@@ -17,6 +17,31 @@ ALLOWED = {
 }
 
 
+def add_range(ranges, lo, hi):
+    """Adds [lo, hi) to a sorted list of disjoint ranges, merging neighbours."""
+    out = []
+    for a, b in ranges:
+        if b < lo or a > hi:
+            out.append((a, b))
+        else:
+            lo, hi = min(lo, a), max(hi, b)
+    out.append((lo, hi))
+    return sorted(out)
+
+
+def remove_range(ranges, lo, hi):
+    out = []
+    for a, b in ranges:
+        if b <= lo or a >= hi:
+            out.append((a, b))
+            continue
+        if a < lo:
+            out.append((a, lo))
+        if b > hi:
+            out.append((hi, b))
+    return out
+
+
 def fail(msg):
     print("snapshot check failed: " + msg, file=sys.stderr)
     sys.exit(1)
@@ -59,18 +84,20 @@ def main(path):
 def check_device(snap, dev, trace):
     # Final state, as MemoryViz builds it.
     segs = {}
+    expandable = {}
     blocks = {}
     for seg in snap["segments"]:
         if seg["device"] != dev:
             continue
         segs[seg["address"]] = seg["total_size"]
+        expandable[seg["address"]] = bool(seg.get("is_expandable"))
         addr = seg["address"]
         for b in seg["blocks"]:
             if b["state"] != "inactive":
                 blocks[addr] = {"size": b["size"], "pending": b["state"] == "active_pending_free"}
             addr += b["size"]
     # Forward: from nothing, the trace must lead exactly to the final state.
-    fsegs, fblocks = {}, {}
+    fsegs, fblocks, mapped = {}, {}, []
     for i, e in enumerate(trace):
         a = e["action"]
         if a == "alloc":
@@ -90,13 +117,28 @@ def check_device(snap, dev, trace):
         elif a == "oom":
             if "device_free" not in e:
                 fail(f"device {dev} event {i}: oom without device_free")
-        elif a not in ("segment_map", "segment_unmap"):
+        elif a == "segment_map":
+            mapped = add_range(mapped, e["addr"], e["addr"] + e["size"])
+        elif a == "segment_unmap":
+            if not any(lo <= e["addr"] and e["addr"] + e["size"] <= hi for lo, hi in mapped):
+                fail(f"device {dev} event {i}: segment_unmap of unmapped memory {e['addr']:#x}")
+            mapped = remove_range(mapped, e["addr"], e["addr"] + e["size"])
+        else:
             fail(f"device {dev} event {i}: action {a} is not one memory_viz knows")
         if a in ("alloc", "free_requested", "free_completed"):
-            if not any(s <= e["addr"] < s + n for s, n in fsegs.items()):
+            in_seg = any(s <= e["addr"] < s + n for s, n in fsegs.items())
+            in_map = any(lo <= e["addr"] < hi for lo, hi in mapped)
+            if not (in_seg or in_map):
                 fail(f"device {dev} event {i}: block {e['addr']:#x} lies in no segment")
-    if fsegs != segs and not any(e["action"].startswith("segment_map") for e in trace):
-        fail(f"device {dev}: segments after the trace {sorted(fsegs)} != final segments {sorted(segs)}")
+    final_plain = {a: n for a, n in segs.items() if not expandable.get(a)}
+    final_mapped = []
+    for a, n in segs.items():
+        if expandable.get(a):
+            final_mapped = add_range(final_mapped, a, a + n)
+    if fsegs != final_plain:
+        fail(f"device {dev}: segments after the trace {sorted(fsegs)} != final segments {sorted(final_plain)}")
+    if mapped != final_mapped:
+        fail(f"device {dev}: mapped ranges after the trace ({len(mapped)}) != final expandable segments ({len(final_mapped)})")
     final_live = {a: b["pending"] for a, b in blocks.items()}
     if fblocks != final_live:
         fail(f"device {dev}: live blocks after the trace differ from the final state "

@@ -5,5 +5,6 @@
 //!   each operation;
 //! - `scenarios`: one file per rule of PyTorch's caching allocator.
 
+mod gpu_recorded;
 mod properties;
 mod scenarios;
