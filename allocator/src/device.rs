@@ -145,6 +145,7 @@ impl<B: Backend> DeviceAllocator<B> {
     ) {
         if let Some(t) = &mut self.trace {
             t.record(action, stream, addr, size, aux);
+            self.stats.num_trace_dropped += t.take_unsynced_drops() as i64;
         }
     }
 
@@ -601,7 +602,10 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         self.stats.num_sync_all_streams += 1;
         self.record(Action::SyncAllStreams, 0, 0, self.pending_count as u64, 0);
-        for (_, q) in std::mem::take(&mut self.pending) {
+        // In stream order, so a trace and its replay list completions alike.
+        let mut queues: Vec<_> = std::mem::take(&mut self.pending).into_iter().collect();
+        queues.sort_unstable_by_key(|(s, _)| *s);
+        for (_, q) in queues {
             for (ev, id) in q {
                 self.backend.wait_event(ev)?;
                 self.complete_event(ev, id);
