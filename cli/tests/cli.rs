@@ -256,7 +256,10 @@ fn exported_snapshot_reads_like_memory_viz_reads_it() {
     ok(&["export", s(&imported), "--torch-snapshot", s(&pickle2)]);
     run(&pickle2);
     // The trace recorded on a GPU with expandable segments (segment_map/unmap).
-    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/gpt2-varlen.gtrace");
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/gpt2-varlen.gtrace"
+    );
     let pickle3 = dir.path().join("gpt2.pickle");
     ok(&["export", example, "--torch-snapshot", s(&pickle3)]);
     run(&pickle3);
@@ -264,10 +267,16 @@ fn exported_snapshot_reads_like_memory_viz_reads_it() {
 
 #[test]
 fn the_shipped_gpu_trace_summarises_and_reports() {
-    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/gpt2-varlen.gtrace");
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/gpt2-varlen.gtrace"
+    );
     let out = ok(&["summary", example]);
     assert!(out.contains("expandable_segments:true"), "{out}");
-    assert!(out.contains("reserved/allocated at the peaks 1.004"), "{out}");
+    assert!(
+        out.contains("reserved/allocated at the peaks 1.004"),
+        "{out}"
+    );
     let dir = tempfile::tempdir().unwrap();
     let html = dir.path().join("r.html");
     ok(&["report", example, "-o", s(&html)]);

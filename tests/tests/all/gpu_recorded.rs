@@ -14,7 +14,9 @@ use gpualloc::trace::reader::TraceReader;
 const H200: u64 = 143_771 << 20;
 
 fn example(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples")
+        .join(name)
 }
 
 fn replay_example(name: &str) -> (u64, u64, u64) {
@@ -30,10 +32,16 @@ fn replay_example(name: &str) -> (u64, u64, u64) {
 
 #[test]
 fn gpt2_trace_replays_to_the_peaks_measured_on_the_gpu() {
-    assert_eq!(replay_example("gpt2-varlen.gtrace"), (8_126_464_000, 8_092_138_496, 0));
+    assert_eq!(
+        replay_example("gpt2-varlen.gtrace"),
+        (8_126_464_000, 8_092_138_496, 0)
+    );
 }
 
 #[test]
 fn detector_trace_replays_to_the_peaks_measured_on_the_gpu() {
-    assert_eq!(replay_example("detector-multiscale.gtrace"), (2_667_577_344, 2_629_305_344, 0));
+    assert_eq!(
+        replay_example("detector-multiscale.gtrace"),
+        (2_667_577_344, 2_629_305_344, 0)
+    );
 }
