@@ -12,6 +12,15 @@
 //! then block id (31 bits), so comparisons are single integer compares and
 //! the set's nodes move half the bytes of a tuple key. The order is the
 //! tuple order `(size, address)`, so best fit is unchanged.
+//!
+//! Note [Hot entry]
+//! A warm alloc+free pair splits a cached block (inserting the remainder)
+//! and merges it back on free (removing the remainder, inserting the whole
+//! block): four ordered-set updates for one lookup. Each stream's free list
+//! therefore keeps its most recently inserted entry outside the set, in a
+//! one-entry "hot" slot; inserting another entry moves the old one into the
+//! set. Lookups consider both, so the best fit is exactly the same, and the
+//! warm pair touches the set only for its one lookup.
 
 use std::collections::BTreeSet;
 
@@ -48,13 +57,61 @@ fn unpack(stream: StreamId, k: u128) -> FreeKey {
     (stream, size, ptr, (k as u32) & ((1 << ID_BITS) - 1))
 }
 
+/// One stream's cached blocks: an ordered set plus the hot entry (Note [Hot entry]).
+#[derive(Default)]
+struct FreeList {
+    set: BTreeSet<u128>,
+    hot: Option<u128>,
+}
+
+impl FreeList {
+    #[inline]
+    fn insert(&mut self, k: u128) {
+        if let Some(old) = self.hot.replace(k) {
+            self.set.insert(old);
+        }
+    }
+
+    #[inline]
+    fn remove(&mut self, k: u128) -> bool {
+        if self.hot == Some(k) {
+            self.hot = None;
+            true
+        } else {
+            self.set.remove(&k)
+        }
+    }
+
+    fn contains(&self, k: u128) -> bool {
+        self.hot == Some(k) || self.set.contains(&k)
+    }
+
+    fn len(&self) -> usize {
+        self.set.len() + usize::from(self.hot.is_some())
+    }
+
+    /// The smallest entry at or above `lo`.
+    #[inline]
+    fn first_from(&self, lo: u128) -> Option<u128> {
+        let cold = self.set.range(lo..).next().copied();
+        match (cold, self.hot.filter(|&h| h >= lo)) {
+            (Some(c), Some(h)) => Some(c.min(h)),
+            (c, h) => c.or(h),
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = u128> + '_ {
+        self.set.iter().copied().chain(self.hot)
+    }
+}
+
 /// One pool of cached blocks.
 pub(crate) struct Pool {
     /// Small or large blocks.
     pub kind: PoolKind,
     /// Cached blocks per stream. Invariant: exactly the `Free` blocks whose
     /// `pool` is this one, each under its current stream, size and address.
-    lists: Vec<(StreamId, BTreeSet<u128>)>,
+    lists: Vec<(StreamId, FreeList)>,
     /// Best-fit lookups so far (the clock of garbage collection ages).
     pub lookups: u64,
     /// The private pool this belongs to, if any.
@@ -75,16 +132,16 @@ impl Pool {
     }
 
     #[inline]
-    fn list(&self, stream: StreamId) -> Option<&BTreeSet<u128>> {
+    fn list(&self, stream: StreamId) -> Option<&FreeList> {
         self.lists.iter().find(|l| l.0 == stream).map(|l| &l.1)
     }
 
     #[inline]
-    fn list_mut(&mut self, stream: StreamId) -> &mut BTreeSet<u128> {
+    fn list_mut(&mut self, stream: StreamId) -> &mut FreeList {
         let i = match self.lists.iter().position(|l| l.0 == stream) {
             Some(i) => i,
             None => {
-                self.lists.push((stream, BTreeSet::new()));
+                self.lists.push((stream, FreeList::default()));
                 self.lists.len() - 1
             }
         };
@@ -100,13 +157,13 @@ impl Pool {
     /// Removes a cached block; returns whether it was there.
     #[inline]
     pub fn remove(&mut self, (stream, size, ptr, id): FreeKey) -> bool {
-        self.list_mut(stream).remove(&pack(size, ptr, id))
+        self.list_mut(stream).remove(pack(size, ptr, id))
     }
 
     /// Whether a block is cached under exactly this key.
     pub fn contains(&self, (stream, size, ptr, id): FreeKey) -> bool {
         self.list(stream)
-            .is_some_and(|l| l.contains(&pack(size, ptr, id)))
+            .is_some_and(|l| l.contains(pack(size, ptr, id)))
     }
 
     /// Number of cached blocks.
@@ -114,20 +171,19 @@ impl Pool {
         self.lists.iter().map(|l| l.1.len()).sum()
     }
 
-    /// Every cached block, stream by stream, smallest first within a stream.
+    /// Every cached block, stream by stream (in no particular order).
     pub fn iter(&self) -> impl Iterator<Item = FreeKey> + '_ {
         self.lists
             .iter()
-            .flat_map(|(s, l)| l.iter().map(move |&k| unpack(*s, k)))
+            .flat_map(|(s, l)| l.iter().map(move |k| unpack(*s, k)))
     }
 
     /// The smallest cached block of `stream` with at least `size` bytes.
     #[inline]
     pub fn best_fit(&self, stream: StreamId, size: u64) -> Option<FreeKey> {
         let l = self.list(stream)?;
-        l.range(pack(size.div_ceil(512) * 512, 0, 0)..)
-            .next()
-            .map(|&k| unpack(stream, k))
+        l.first_from(pack(size.div_ceil(512) * 512, 0, 0))
+            .map(|k| unpack(stream, k))
     }
 
     /// The smallest block of at least `size` bytes cached by a stream other
@@ -176,5 +232,33 @@ mod tests {
         assert!(p.remove((1, 1024, 0x9000, 2)));
         assert!(!p.contains((1, 1024, 0x9000, 2)));
         assert_eq!(p.len(), 2);
+    }
+
+    #[test]
+    fn the_hot_entry_takes_part_in_every_lookup() {
+        let mut p = Pool::new(PoolKind::Large, None);
+        p.insert((0, 8192, 0x10000, 1)); // hot
+        assert_eq!(p.best_fit(0, 4096), Some((0, 8192, 0x10000, 1)));
+        p.insert((0, 4096, 0x20000, 2)); // 1 moves to the set, 2 is hot
+        p.insert((0, 6144, 0x30000, 3)); // 2 moves to the set, 3 is hot
+        assert_eq!(
+            p.best_fit(0, 4096),
+            Some((0, 4096, 0x20000, 2)),
+            "the set's smaller entry wins"
+        );
+        assert_eq!(
+            p.best_fit(0, 5000),
+            Some((0, 6144, 0x30000, 3)),
+            "the hot entry wins"
+        );
+        assert_eq!(p.best_fit(0, 9000), None);
+        assert_eq!(p.len(), 3);
+        assert!(p.contains((0, 6144, 0x30000, 3)) && p.contains((0, 8192, 0x10000, 1)));
+        assert!(p.remove((0, 6144, 0x30000, 3)));
+        assert!(!p.remove((0, 6144, 0x30000, 3)));
+        assert_eq!(p.best_fit(0, 5000), Some((0, 8192, 0x10000, 1)));
+        let mut all: Vec<_> = p.iter().collect();
+        all.sort();
+        assert_eq!(all, vec![(0, 4096, 0x20000, 2), (0, 8192, 0x10000, 1)]);
     }
 }
