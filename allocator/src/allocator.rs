@@ -77,6 +77,22 @@ impl<B: Backend> Allocator<B> {
         }))
     }
 
+    /// Locks device `device` if it has been created; `None` otherwise (read-only
+    /// callers use this so that asking about a device never starts it).
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidDevice`].
+    pub fn peek(&self, device: i64) -> Result<Option<MappedDevice<'_, B>>, AllocError> {
+        let slot = usize::try_from(device)
+            .ok()
+            .and_then(|d| self.devices.get(d))
+            .ok_or(AllocError::InvalidDevice {
+                device,
+                count: self.devices.len(),
+            })?;
+        Ok(MutexGuard::try_map(slot.lock(), |d| d.as_mut()).ok())
+    }
+
     /// Runs `f` on every device that has been created.
     pub fn for_each_created(
         &self,
@@ -122,9 +138,13 @@ impl<B: Backend> Allocator<B> {
         self.for_each_created(|d| d.empty_cache())
     }
 
-    /// A device's stats; all zero for a device not created yet.
+    /// A device's stats; all zero for a device not created yet (which this
+    /// does not create).
     pub fn stats(&self, device: i64) -> Result<DeviceStats, AllocError> {
-        Ok(self.lock(device)?.stats().clone())
+        Ok(match self.peek(device)? {
+            Some(d) => d.stats().clone(),
+            None => DeviceStats::for_config(&self.config),
+        })
     }
 
     /// `reset_peak_memory_stats` on a device.

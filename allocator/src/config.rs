@@ -198,7 +198,7 @@ impl Config {
                         format!("{mb} must be an even number of MiB, at least 2"),
                     ));
                 }
-                self.large_segment_size = mb * MIB;
+                self.large_segment_size = mb.saturating_mul(MIB);
             }
             "per_process_memory_fraction" => {
                 let x = parse_f64(key, v)?;
@@ -219,7 +219,7 @@ impl Config {
                         format!("{mb} must be an even number of MiB, at least 2"),
                     ));
                 }
-                self.expandable_page = mb * MIB;
+                self.expandable_page = mb.saturating_mul(MIB);
             }
             _ => {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();

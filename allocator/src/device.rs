@@ -72,14 +72,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// A device allocator over `backend`.
     pub fn new(device: u32, mut backend: B, config: Config) -> Self {
         let expandable = config.expandable_segments && backend.vmm_granularity().is_some();
-        let stats = DeviceStats {
-            max_split_size: if config.max_split_size == u64::MAX {
-                -1
-            } else {
-                config.max_split_size as i64
-            },
-            ..DeviceStats::default()
-        };
+        let stats = DeviceStats::for_config(&config);
         DeviceAllocator {
             device,
             backend,
@@ -158,6 +151,9 @@ impl<B: Backend> DeviceAllocator<B> {
     pub fn malloc(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
         if size == 0 {
             return Ok(0);
+        }
+        if size > crate::size_class::MAX_REQUEST {
+            return Err(self.out_of_memory(stream, size, size, None));
         }
         let capturing = self.private.capturing();
         if capturing {
@@ -283,10 +279,16 @@ impl<B: Backend> DeviceAllocator<B> {
             return Ok(None);
         };
         let owner = key.0;
-        let event = self.backend.record_event(owner)?;
+        // A driver error here (a stream that no longer exists) only means
+        // this block cannot be taken: grow instead.
+        let Ok(event) = self.backend.record_event(owner) else {
+            return Ok(None);
+        };
         let waited = self.backend.stream_wait_event(stream, event);
         self.backend.destroy_event(event);
-        waited?;
+        if waited.is_err() {
+            return Ok(None);
+        }
         self.pools[pool as usize].remove(key);
         // The block changes hands in `alloc_found_block`; a split-off
         // remainder stays with the owner, which never used it.
@@ -523,17 +525,38 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(())
     }
 
-    /// Records one event on each stream that used the block.
+    /// Records one event on each stream that used the block. If the driver
+    /// refuses, the streams not yet covered stay on the block and it waits
+    /// in `deferred` for the next attempt: it is never reused unprotected.
     fn insert_events(&mut self, id: BlockId) -> Result<(), AllocError> {
-        let uses = std::mem::take(&mut self.blocks[id].stream_uses);
-        for s in uses {
-            let ev = self.backend.record_event(s)?;
+        while let Some(&s) = self.blocks[id].stream_uses.last() {
+            let ev = match self.backend.record_event(s) {
+                Ok(ev) => ev,
+                Err(e) => {
+                    self.deferred.push(id);
+                    return Err(e.into());
+                }
+            };
+            self.blocks[id].stream_uses.pop();
             self.blocks[id].event_count += 1;
             self.pending.entry(s).or_default().push_back((ev, id));
             self.pending_count += 1;
         }
         if self.blocks[id].event_count == 0 {
             self.free_block(id);
+        }
+        Ok(())
+    }
+
+    /// Records the events of blocks whose free was deferred (by a capture or
+    /// a driver error); on a new error the rest stay deferred.
+    fn flush_deferred(&mut self) -> Result<(), AllocError> {
+        let ids = std::mem::take(&mut self.deferred);
+        for (k, &id) in ids.iter().enumerate() {
+            if let Err(e) = self.insert_events(id) {
+                self.deferred.extend_from_slice(&ids[k + 1..]);
+                return Err(e);
+            }
         }
         Ok(())
     }
@@ -564,9 +587,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// frees the blocks whose last event completed. Also finishes blocks
     /// whose free was deferred by a capture.
     pub(crate) fn process_events(&mut self) -> Result<(), AllocError> {
-        for id in std::mem::take(&mut self.deferred) {
-            self.insert_events(id)?;
-        }
+        self.flush_deferred()?;
         if self.pending_count == 0 {
             return Ok(());
         }
@@ -597,19 +618,20 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Waits for every outstanding event and frees the blocks
     /// (`synchronize_and_free_events`).
     pub(crate) fn synchronize_and_free_events(&mut self) -> Result<(), AllocError> {
-        for id in std::mem::take(&mut self.deferred) {
-            self.insert_events(id)?;
-        }
+        self.flush_deferred()?;
         self.stats.num_sync_all_streams += 1;
         self.record(Action::SyncAllStreams, 0, 0, self.pending_count as u64, 0);
         // In stream order, so a trace and its replay list completions alike.
-        let mut queues: Vec<_> = std::mem::take(&mut self.pending).into_iter().collect();
-        queues.sort_unstable_by_key(|(s, _)| *s);
-        for (_, q) in queues {
-            for (ev, id) in q {
+        let mut streams: Vec<StreamId> = self.pending.keys().copied().collect();
+        streams.sort_unstable();
+        for s in streams {
+            while let Some(&(ev, id)) = self.pending.get(&s).and_then(|q| q.front()) {
+                // On a driver error the event stays queued for a later wait.
                 self.backend.wait_event(ev)?;
+                self.pending.get_mut(&s).expect("queue").pop_front();
                 self.complete_event(ev, id);
             }
+            self.pending.remove(&s);
         }
         Ok(())
     }

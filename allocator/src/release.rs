@@ -241,7 +241,7 @@ impl<B: Backend> DeviceAllocator<B> {
             .limit
             .unwrap_or(report.device_total)
             .min(report.device_total.max(1));
-        if report.device_total > 0 && needed > max {
+        if (report.device_total > 0 && needed > max) || needed > crate::size_class::MAX_REQUEST {
             return AllocError::TooLarge {
                 requested,
                 needed,

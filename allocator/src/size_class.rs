@@ -17,6 +17,9 @@ pub const SMALL_BUFFER: u64 = 2 << 20;
 pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
 /// Larger requests get a segment rounded up to this (`kRoundLarge`).
 pub const ROUND_LARGE: u64 = 2 << 20;
+/// The largest request the allocator considers (256 TiB): anything larger
+/// can never fit a device and is refused before any size arithmetic.
+pub const MAX_REQUEST: u64 = 1 << 48;
 /// Number of `roundup_power2_divisions` buckets, from 1 MiB up (`kRoundUpPowerOfTwoIntervals`).
 pub const POWER2_INTERVALS: usize = 16;
 
@@ -94,7 +97,10 @@ pub fn allocation_size(rounded: u64, config: &Config) -> u64 {
     if rounded <= SMALL_SIZE {
         SMALL_BUFFER
     } else if rounded < MIN_LARGE_ALLOC {
-        config.large_segment_size
+        // Never smaller than the request, whatever large_segment_size_mb says.
+        config
+            .large_segment_size
+            .max(rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE)
     } else {
         rounded.div_ceil(ROUND_LARGE).saturating_mul(ROUND_LARGE)
     }
@@ -142,6 +148,13 @@ mod tests {
             prop_assert!(rl >= lo && rl % MIN_BLOCK_SIZE == 0);
             prop_assert!(rl <= rh);
             prop_assert!(allocation_size(rh, &c) >= rh);
+        }
+
+        #[test]
+        fn segments_hold_their_request_for_any_large_segment_size(n in 1u64..(64 << 20), mb in 1u64..16) {
+            let c = Config::parse(&format!("large_segment_size_mb:{}", mb * 2)).unwrap();
+            let r = round_size(n, &c);
+            prop_assert!(allocation_size(r, &c) >= r);
         }
     }
 }

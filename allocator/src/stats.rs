@@ -120,6 +120,18 @@ pub struct DeviceStats {
 }
 
 impl DeviceStats {
+    /// All-zero stats of a device under `config` (`max_split_size` filled in).
+    pub fn for_config(config: &crate::config::Config) -> DeviceStats {
+        DeviceStats {
+            max_split_size: if config.max_split_size == u64::MAX {
+                -1
+            } else {
+                config.max_split_size as i64
+            },
+            ..DeviceStats::default()
+        }
+    }
+
     /// The nine per-pool gauges with their PyTorch names.
     pub fn arrays(&self) -> [(&'static str, &StatArray); 9] {
         [

@@ -181,10 +181,10 @@ fn build(config: Config) -> Result<Global, Error> {
             let alloc = Allocator::new(
                 config,
                 devices,
-                Box::new(move |_| {
-                    Ok(AnyBackend::Sim(Box::new(SimBackend::with_alignment(
-                        capacity, 256,
-                    ))))
+                Box::new(move |d| {
+                    Ok(AnyBackend::Sim(Box::new(
+                        SimBackend::with_alignment(capacity, 256).for_device(d),
+                    )))
                 }),
             );
             Ok(Global { alloc, kind })

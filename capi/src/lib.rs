@@ -250,7 +250,11 @@ pub extern "C" fn gpualloc_set_memory_fraction(fraction: c_double, device: c_int
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_get_memory_fraction(device: c_int, out: *mut c_double) -> c_int {
     status(|| {
-        let f = global()?.alloc.lock(i64::from(device))?.memory_fraction();
+        let g = global()?;
+        let f = match g.alloc.peek(i64::from(device))? {
+            Some(d) => d.memory_fraction(),
+            None => g.alloc.config().memory_fraction.unwrap_or(1.0),
+        };
         write_out(out, f, "out")
     })
 }

@@ -27,7 +27,7 @@ fn segment_json(out: &mut String, s: &SegmentSnapshot) {
     let requested = sum(&|b| b.state != BlockState::Free, false);
     let _ = write!(
         out,
-        "{{\"device\":{},\"address\":{},\"total_size\":{},\"allocated_size\":{},\"active_size\":{},\"requested_size\":{},\"stream\":{},\"segment_type\":\"{}\",\"segment_pool_id\":[{},{}],\"is_expandable\":false,\"blocks\":[",
+        "{{\"device\":{},\"address\":{},\"total_size\":{},\"allocated_size\":{},\"active_size\":{},\"requested_size\":{},\"stream\":{},\"segment_type\":\"{}\",\"segment_pool_id\":[{},{}],\"is_expandable\":{},\"blocks\":[",
         s.device,
         s.address,
         s.total_size,
@@ -40,7 +40,8 @@ fn segment_json(out: &mut String, s: &SegmentSnapshot) {
             PoolKind::Large => "large",
         },
         s.pool_id.0,
-        s.pool_id.1
+        s.pool_id.1,
+        s.expandable
     );
     for (i, b) in s.blocks.iter().enumerate() {
         let _ = write!(

@@ -155,13 +155,19 @@ fn to_c(s: &DeviceStats) -> GpuallocStats {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_get_stats(device: c_int, out: *mut GpuallocStats) -> c_int {
     status(|| {
-        let d = global()?.alloc.lock(i64::from(device))?;
-        let mut s = to_c(d.stats());
-        s.largest_free_block = d.largest_free_block();
-        s.cached_free_bytes = d.cached_free_bytes();
-        s.external_fragmentation = d.external_fragmentation();
-        s.unallocated_fraction = d.unallocated_fraction();
-        drop(d);
+        let g = global()?;
+        // A device not used yet reports zeros and is not started (no context).
+        let s = match g.alloc.peek(i64::from(device))? {
+            Some(d) => {
+                let mut s = to_c(d.stats());
+                s.largest_free_block = d.largest_free_block();
+                s.cached_free_bytes = d.cached_free_bytes();
+                s.external_fragmentation = d.external_fragmentation();
+                s.unallocated_fraction = d.unallocated_fraction();
+                s
+            }
+            None => to_c(&g.alloc.stats(i64::from(device))?),
+        };
         write_versioned(out, &s)
     })
 }

@@ -49,6 +49,7 @@ struct Api {
   decltype(&gpualloc_malloc) malloc_fn = nullptr;
   decltype(&gpualloc_free) free_fn = nullptr;
   decltype(&gpualloc_last_error) last_error = nullptr;
+  decltype(&gpualloc_last_error_code) last_error_code = nullptr;
   decltype(&gpualloc_record_stream) record_stream = nullptr;
   decltype(&gpualloc_empty_cache) empty_cache = nullptr;
   decltype(&gpualloc_set_memory_fraction) set_memory_fraction = nullptr;
@@ -268,6 +269,7 @@ extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t er
     resolve(h, "gpualloc_malloc", api.malloc_fn);
     resolve(h, "gpualloc_free", api.free_fn);
     resolve(h, "gpualloc_last_error", api.last_error);
+    resolve(h, "gpualloc_last_error_code", api.last_error_code);
     resolve(h, "gpualloc_record_stream", api.record_stream);
     resolve(h, "gpualloc_empty_cache", api.empty_cache);
     resolve(h, "gpualloc_set_memory_fraction", api.set_memory_fraction);
@@ -291,6 +293,11 @@ extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t er
     });
     a->set_record_stream_fn([](void* ptr, cudaStream_t stream) {
       api.record_stream(ptr, stream);
+      // Like PyTorch's allocator, ignore memory gpualloc does not own
+      // (tensors from DLPack or from_blob).
+      if (api.last_error_code() == GPUALLOC_ERR_INVALID_POINTER) {
+        return;
+      }
       raise_if_failed("record_stream");
     });
     a->set_begin_allocate_to_pool(

@@ -84,6 +84,7 @@ pub struct SimBackend {
     next_event: EventId,
     fail_allocate_at: Option<u64>,
     fail_map_at: Option<u64>,
+    fail_event_at: Option<u64>,
     allocate_calls: u64,
     map_calls: u64,
     capturing: bool,
@@ -118,11 +119,22 @@ impl SimBackend {
             next_event: 1,
             fail_allocate_at: None,
             fail_map_at: None,
+            fail_event_at: None,
             allocate_calls: 0,
             map_calls: 0,
             capturing: false,
             counters: SimCounters::default(),
         }
+    }
+
+    /// Moves this device's address ranges apart from other simulated
+    /// devices' (256 GiB of allocations and 2 TiB of reservations per
+    /// device, up to 64 devices), so that devices hand out distinct addresses.
+    pub fn for_device(mut self, device: u32) -> SimBackend {
+        let d = u64::from(device.min(63));
+        self.next_addr = BASE + (d << 38);
+        self.next_va = VMM_BASE + (d << 41);
+        self
     }
 
     /// Device capacity in bytes.
@@ -148,6 +160,11 @@ impl SimBackend {
     /// Makes the `n`th page map from now (1-based) fail with out-of-memory.
     pub fn fail_map_at(&mut self, n: u64) {
         self.fail_map_at = Some(self.map_calls + n);
+    }
+
+    /// Makes the `n`th `record_event` call from now (1-based) fail with a driver error.
+    pub fn fail_event_at(&mut self, n: u64) {
+        self.fail_event_at = Some(self.counters.record_event + n);
     }
 
     /// While on, any call a CUDA graph capture forbids panics: event queries
@@ -318,6 +335,14 @@ impl Backend for SimBackend {
     }
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, BackendError> {
+        if self.fail_event_at == Some(self.counters.record_event + 1) {
+            self.fail_event_at = None;
+            return Err(BackendError::Driver {
+                call: "cuEventRecord",
+                code: 400,
+                name: "CUDA_ERROR_INVALID_HANDLE".into(),
+            });
+        }
         let seq = self.launch(stream);
         let id = self.next_event;
         self.next_event += 1;

@@ -86,15 +86,13 @@ impl<B: Backend> Allocator<B> {
     /// `NotFound` when not tracing; the writer's I/O error.
     pub fn trace_flush(&self) -> io::Result<()> {
         let rec = self.current_recorder()?;
-        let mut batches = Vec::new();
+        // Each batch goes to the writer under its device's lock, as full
+        // buffers do, so a device's events reach the file in order.
         self.each_device(|d| {
             if let Some(b) = d.trace.as_mut().and_then(|t| t.take_batch()) {
-                batches.push(b);
+                rec.send(b);
             }
         });
-        for b in batches {
-            rec.send(b);
-        }
         rec.flush()
     }
 
@@ -115,7 +113,10 @@ impl<B: Backend> Allocator<B> {
 
     /// Opens a named phase on every device (no-op when not tracing).
     pub fn phase_push(&self, name: &str) {
-        if let Some(rec) = self.recorder.lock().clone() {
+        // The recorder lock is released before any device lock is taken:
+        // `Allocator::lock` takes them in the other order.
+        let rec = self.recorder.lock().clone();
+        if let Some(rec) = rec {
             let id = rec.push_phase(name);
             self.record_everywhere(Action::PhasePush, id);
         }
@@ -123,7 +124,8 @@ impl<B: Backend> Allocator<B> {
 
     /// Closes the innermost phase (no-op when not tracing or none is open).
     pub fn phase_pop(&self) {
-        if let Some(rec) = self.recorder.lock().clone()
+        let rec = self.recorder.lock().clone();
+        if let Some(rec) = rec
             && let Some(id) = rec.pop_phase()
         {
             self.record_everywhere(Action::PhasePop, id);
@@ -132,7 +134,8 @@ impl<B: Backend> Allocator<B> {
 
     /// Records a named point in time on every device (no-op when not tracing).
     pub fn mark(&self, name: &str) {
-        if let Some(rec) = self.recorder.lock().clone() {
+        let rec = self.recorder.lock().clone();
+        if let Some(rec) = rec {
             let id = rec.intern(name);
             self.record_everywhere(Action::Mark, id);
         }

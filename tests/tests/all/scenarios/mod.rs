@@ -12,6 +12,7 @@ mod oom;
 mod oversize;
 mod pools;
 mod record_stream;
+mod robustness;
 mod rounding;
 mod split;
 mod stats;

@@ -1,0 +1,152 @@
+//! Inputs and failures a user can cause: absurd sizes, odd configurations,
+//! driver errors on the event path, and threads racing trace annotations.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use gpualloc::{AllocError, Allocator, Config, DeviceAllocator, SimBackend};
+use gpualloc_tests::Checked;
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn absurd_sizes_never_fit_and_never_corrupt_the_cache() {
+    for conf in ["", "roundup_power2_divisions:4", "expandable_segments:true"] {
+        let mut c = Checked::with(8 << 30, conf);
+        let a = c.alloc(64 * MIB, 7);
+        c.release(a);
+        for size in [u64::MAX, u64::MAX - 100, 1 << 49, (1 << 48) + 1] {
+            assert!(
+                matches!(c.malloc(size, 7), Err(AllocError::TooLarge { .. })),
+                "{conf}: {size} must never fit"
+            );
+        }
+        // The cached block is still there and still whole.
+        let b = c.alloc(64 * MIB, 7);
+        c.release(b);
+    }
+}
+
+#[test]
+fn a_small_large_segment_size_still_holds_the_request() {
+    let mut c = Checked::with(1 << 30, "large_segment_size_mb:2");
+    let a = c.alloc(5 * MIB, 0);
+    let b = c.alloc(5 * MIB, 0);
+    assert!(b >= a + 5 * MIB || a >= b + 5 * MIB);
+    assert!(c.stats().reserved_bytes.all.current as u64 >= 10 * MIB);
+    c.release(a);
+    c.release(b);
+}
+
+#[test]
+fn a_failed_event_record_keeps_the_block_protected() {
+    let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::default());
+    let p = d.malloc(MIB, 1).unwrap();
+    d.record_stream(p, 2).unwrap();
+    d.backend_mut().fail_event_at(1);
+    assert!(matches!(d.free(p), Err(AllocError::Backend(_))));
+    d.check_invariants().unwrap();
+    // Not reusable yet: stream 2 may still use it. The next allocation
+    // retries the event, and the block comes back once stream 2 is done.
+    let q = d.malloc(MIB, 1).unwrap();
+    assert_ne!(q, p);
+    d.check_invariants().unwrap();
+    assert_eq!(d.backend().live_events(), 1);
+    d.backend_mut().complete(2);
+    d.free(q).unwrap();
+    let r = d.malloc(MIB, 1).unwrap();
+    d.check_invariants().unwrap();
+    assert!(r == p || r == q);
+    assert_eq!(d.backend().live_events(), 0);
+}
+
+/// A backend whose creation is slow, like retaining a CUDA context.
+fn slow(device: u32) -> Result<SimBackend, gpualloc::BackendError> {
+    std::thread::sleep(Duration::from_millis(2));
+    let _ = device;
+    Ok(SimBackend::new(1 << 30))
+}
+
+#[test]
+fn marks_and_phases_race_first_use_of_a_device_without_deadlock() {
+    let dir = std::env::temp_dir().join(format!("gpualloc-race-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("race.gtrace");
+    let a = Arc::new(Allocator::new(Config::default(), 64, Box::new(slow)));
+    a.trace_start(&path).unwrap();
+    let (done, wait) = mpsc::channel();
+    let marker = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            for i in 0..2000 {
+                a.phase_push("p");
+                a.mark(if i % 2 == 0 { "even" } else { "odd" });
+                a.phase_pop();
+            }
+        })
+    };
+    let user = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            for device in 1..64 {
+                let p = a.malloc(device, 4096, 0).unwrap();
+                a.free(device, p).unwrap();
+            }
+            done.send(()).unwrap();
+        })
+    };
+    assert!(
+        wait.recv_timeout(Duration::from_secs(60)).is_ok(),
+        "deadlock: first use of a device vs. trace annotations"
+    );
+    user.join().unwrap();
+    marker.join().unwrap();
+    let s = a.trace_stop().unwrap();
+    assert!(s.events > 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn reading_stats_of_an_unused_device_does_not_start_it() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static STARTED: AtomicUsize = AtomicUsize::new(0);
+    let a = Allocator::new(
+        Config::parse("max_split_size_mb:64").unwrap(),
+        4,
+        Box::new(|_| {
+            STARTED.fetch_add(1, Ordering::SeqCst);
+            Ok(SimBackend::new(1 << 30))
+        }),
+    );
+    let s = a.stats(3).unwrap();
+    assert_eq!(s.reserved_bytes.all.current, 0);
+    assert_eq!(s.max_split_size, 64 << 20);
+    assert_eq!(
+        STARTED.load(Ordering::SeqCst),
+        0,
+        "stats must not create a device (a CUDA context)"
+    );
+    assert!(a.stats(4).is_err(), "device 4 does not exist");
+    a.malloc(3, 4096, 0).unwrap();
+    assert_eq!(STARTED.load(Ordering::SeqCst), 1);
+    assert_eq!(a.stats(3).unwrap().allocation.all.current, 1);
+}
+
+#[test]
+fn simulated_devices_hand_out_distinct_addresses() {
+    let a = Allocator::new(
+        Config::default(),
+        2,
+        Box::new(|d| Ok(SimBackend::new(1 << 30).for_device(d))),
+    );
+    let p0 = a.malloc(0, 1 << 20, 0).unwrap();
+    let p1 = a.malloc(1, 1 << 20, 0).unwrap();
+    assert_ne!(p0, p1);
+    assert!(matches!(
+        a.free(1, p0),
+        Err(AllocError::InvalidPointer { .. })
+    ));
+    a.free(0, p0).unwrap();
+    a.free(1, p1).unwrap();
+}
