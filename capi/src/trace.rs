@@ -13,8 +13,37 @@ use crate::global::global;
 /// A trace that cannot start must not stop the program: it is reported on
 /// stderr and the allocator runs untraced.
 pub(crate) fn from_env<B: Backend>(alloc: &Allocator<B>) {
-    if let Err(e) = alloc.trace_from_env() {
-        eprintln!("gpualloc: GPUALLOC_TRACE: could not start tracing: {e}");
+    match alloc.trace_from_env() {
+        Ok(true) => stop_at_exit(),
+        Ok(false) => {}
+        Err(e) => eprintln!("gpualloc: GPUALLOC_TRACE: could not start tracing: {e}"),
+    }
+}
+
+unsafe extern "C" {
+    /// The C library's `atexit`.
+    fn atexit(callback: extern "C" fn()) -> c_int;
+}
+
+/// Stops the trace when the process exits normally, so that a program that
+/// never calls `gpualloc_trace_stop` still gets its last events and the END
+/// block written.
+fn stop_at_exit() {
+    extern "C" fn stop() {
+        // Never unwind out of an exit handler; nothing to report to.
+        let _ = std::panic::catch_unwind(|| {
+            if let Ok(g) = global()
+                && g.alloc.is_tracing()
+            {
+                let _ = g.alloc.trace_stop();
+            }
+        });
+    }
+    // SAFETY: `stop` is a plain `extern "C"` function with no arguments that
+    // lives as long as the library (which is never unloaded while PyTorch
+    // holds its function pointers), and it cannot unwind.
+    unsafe {
+        atexit(stop);
     }
 }
 

@@ -257,3 +257,70 @@ int main(void) {
     );
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// A C program traced through `GPUALLOC_TRACE` that never stops the trace
+/// still gets a complete file: the library stops it at exit.
+#[test]
+fn a_trace_started_by_the_environment_is_completed_at_exit() {
+    let lib = library();
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = std::env::temp_dir().join(format!("gpualloc-abi-exit-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let src = out.join("exit_test.c");
+    std::fs::write(
+        &src,
+        r#"#include "gpualloc.h"
+int main(void) {
+  for (int i = 0; i < 100; i++) {
+    void *p = gpualloc_malloc(4096, 0, 0);
+    gpualloc_free(p, 4096, 0, 0);
+  }
+  return 0;
+}
+"#,
+    )
+    .unwrap();
+    let exe = out.join("exit_test");
+    let gcc = Command::new("gcc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
+        .arg(manifest.join("include"))
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(lib.parent().unwrap())
+        .arg("-lgpualloc")
+        .output()
+        .unwrap();
+    assert!(
+        gcc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&gcc.stderr)
+    );
+    let trace = out.join("exit.gtrace");
+    let run = Command::new(&exe)
+        .env("LD_LIBRARY_PATH", lib.parent().unwrap())
+        .env("GPUALLOC_BACKEND", "sim")
+        .env("GPUALLOC_TRACE", &trace)
+        .env_remove("GPUALLOC_CONF")
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    // Walk the blocks (16-byte headers: `BK`, kind, flags, device, length, crc).
+    let data = std::fs::read(&trace).unwrap();
+    let mut pos = data.windows(2).position(|w| w == b"BK").expect("a block");
+    let mut kinds = Vec::new();
+    while pos + 16 <= data.len() {
+        assert_eq!(&data[pos..pos + 2], b"BK");
+        kinds.push(data[pos + 2]);
+        let len = u32::from_le_bytes(data[pos + 8..pos + 12].try_into().unwrap()) as usize;
+        pos += 16 + len;
+    }
+    assert_eq!(kinds.last(), Some(&4), "the last block is END: {kinds:?}");
+    assert!(kinds.contains(&1), "events were written: {kinds:?}");
+    let _ = std::fs::remove_dir_all(&out);
+}
