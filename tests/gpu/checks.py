@@ -348,6 +348,62 @@ def check_threads(args) -> dict:
 
 
 # ---------------------------------------------------------------------------
+# multi_device: every visible GPU at once, one thread per device
+
+
+def check_multi_device(args) -> dict:
+    import torch
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        return {"skipped": f"{n} visible device(s); needs 2", "ok": True}
+    errors = []
+    per_device = {}
+
+    def worker(d):
+        try:
+            dev = torch.device(f"cuda:{d}")
+            torch.cuda.set_device(dev)
+            rng = random.Random(d)
+            live = []
+            for i in range(600):
+                if live and rng.random() < 0.45:
+                    t, v = live.pop(rng.randrange(len(live)))
+                    if not bool((t == v).all()):
+                        errors.append(f"device {d}: a tensor lost its value")
+                else:
+                    v = float(d * 10000 + i)
+                    live.append((torch.full((rng.choice([256, 70000, 1 << 20, 5 << 20]),), v, device=dev), v))
+            # Cross-device copies read the other device's memory.
+            other = (d + 1) % n
+            x = torch.full((1 << 20,), float(d), device=dev)
+            y = x.to(f"cuda:{other}")
+            if not bool((y == float(d)).all()) or y.device.index != other:
+                errors.append(f"device {d}: copy to device {other} is wrong")
+            torch.cuda.synchronize(dev)
+            per_device[d] = {
+                "allocated": torch.cuda.memory_allocated(d),
+                "reserved": torch.cuda.memory_reserved(d),
+                "live_tensors": len(live),
+            }
+            del live, x, y
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"device {d}: {type(e).__name__}: {e}")
+
+    ts = [threading.Thread(target=worker, args=(d,)) for d in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    # Each device's stats are its own: nothing allocated on one shows on another.
+    stats_distinct = len({(v["allocated"], v["reserved"]) for v in per_device.values()}) == len(per_device)
+    torch.cuda.empty_cache()
+    return {"ok": not errors and stats_distinct, "devices": n, "errors": errors[:10],
+            "per_device": per_device, "stats_distinct": stats_distinct,
+            "reserved_after_empty_cache": [torch.cuda.memory_reserved(d) for d in range(n)]}
+
+
+# ---------------------------------------------------------------------------
 # training
 
 
@@ -527,6 +583,7 @@ CHECKS = {
     "train_gpt2": check_train_gpt2,
     "train_detector": check_train_detector,
     "churn": check_churn,
+    "multi_device": check_multi_device,
 }
 
 

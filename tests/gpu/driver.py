@@ -22,6 +22,7 @@ PLAN = [
     ("dropin", 180, 0),
     ("streams", 90, 0),
     ("threads", 90, 0),
+    ("multi_device", 90, 0),
     ("churn", 90, 200_000),
     ("train_resnet", 150, 200),
     ("train_gpt2", 150, 200),
