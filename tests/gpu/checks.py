@@ -395,11 +395,15 @@ def check_multi_device(args) -> dict:
         t.start()
     for t in ts:
         t.join()
-    # Each device's stats are its own: nothing allocated on one shows on another.
-    stats_distinct = len({(v["allocated"], v["reserved"]) for v in per_device.values()}) == len(per_device)
+    # Each device accounted for its own tensors: live ones while they lived,
+    # none once every thread dropped them, and each kept its own cache.
+    after = [torch.cuda.memory_allocated(d) for d in range(n)]
+    cached = [torch.cuda.memory_reserved(d) for d in range(n)]
+    accounted = (len(per_device) == n and all(v["allocated"] > 0 for v in per_device.values())
+                 and after == [0] * n and all(c > 0 for c in cached))
     torch.cuda.empty_cache()
-    return {"ok": not errors and stats_distinct, "devices": n, "errors": errors[:10],
-            "per_device": per_device, "stats_distinct": stats_distinct,
+    return {"ok": not errors and accounted, "devices": n, "errors": errors[:10],
+            "per_device": per_device, "allocated_after": after, "reserved_after": cached,
             "reserved_after_empty_cache": [torch.cuda.memory_reserved(d) for d in range(n)]}
 
 
