@@ -56,13 +56,7 @@ impl<B: Backend> Allocator<B> {
     /// # Errors
     /// [`AllocError::InvalidDevice`], or the backend's failure to start.
     pub fn lock(&self, device: i64) -> Result<MappedDevice<'_, B>, AllocError> {
-        let slot = usize::try_from(device)
-            .ok()
-            .and_then(|d| self.devices.get(d))
-            .ok_or(AllocError::InvalidDevice {
-                device,
-                count: self.devices.len(),
-            })?;
+        let slot = self.slot(device)?;
         let mut guard = slot.lock();
         if guard.is_none() {
             let backend = (self.factory)(device as u32)?;
@@ -77,19 +71,23 @@ impl<B: Backend> Allocator<B> {
         }))
     }
 
+    fn slot(&self, device: i64) -> Result<&Mutex<Option<DeviceAllocator<B>>>, AllocError> {
+        usize::try_from(device)
+            .ok()
+            .and_then(|d| self.devices.get(d))
+            .ok_or(AllocError::InvalidDevice {
+                device,
+                count: self.devices.len(),
+            })
+    }
+
     /// Locks device `device` if it has been created; `None` otherwise (read-only
     /// callers use this so that asking about a device never starts it).
     ///
     /// # Errors
     /// [`AllocError::InvalidDevice`].
     pub fn peek(&self, device: i64) -> Result<Option<MappedDevice<'_, B>>, AllocError> {
-        let slot = usize::try_from(device)
-            .ok()
-            .and_then(|d| self.devices.get(d))
-            .ok_or(AllocError::InvalidDevice {
-                device,
-                count: self.devices.len(),
-            })?;
+        let slot = self.slot(device)?;
         Ok(MutexGuard::try_map(slot.lock(), |d| d.as_mut()).ok())
     }
 

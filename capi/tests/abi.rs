@@ -19,6 +19,27 @@ fn artifact_dir() -> PathBuf {
 /// Builds libgpualloc.so with the profile of this test run (`cargo test`
 /// compiles the crate only as a test harness, not as the cdylib) and
 /// returns its path.
+/// Compiles one C file against the header and links it with libgpualloc.
+fn compile(src: &Path, exe: &Path) {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let gcc = Command::new("gcc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
+        .arg(manifest.join("include"))
+        .arg(src)
+        .arg("-o")
+        .arg(exe)
+        .arg("-L")
+        .arg(library().parent().unwrap())
+        .arg("-lgpualloc")
+        .output()
+        .expect("gcc is installed");
+    assert!(
+        gcc.status.success(),
+        "gcc failed:\n{}",
+        String::from_utf8_lossy(&gcc.stderr)
+    );
+}
+
 fn library() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
@@ -117,7 +138,6 @@ fn c_program_exercises_the_whole_abi() {
 #[test]
 fn bad_environment_is_an_error_not_an_abort() {
     let lib = library();
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let out = std::env::temp_dir().join(format!("gpualloc-abi-env-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     let src = out.join("env_test.c");
@@ -136,23 +156,7 @@ int main(void) {
     )
     .unwrap();
     let exe = out.join("env_test");
-    let gcc = Command::new("gcc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror"])
-        .arg("-I")
-        .arg(manifest.join("include"))
-        .arg(&src)
-        .arg("-o")
-        .arg(&exe)
-        .arg("-L")
-        .arg(lib.parent().unwrap())
-        .arg("-lgpualloc")
-        .output()
-        .unwrap();
-    assert!(
-        gcc.status.success(),
-        "{}",
-        String::from_utf8_lossy(&gcc.stderr)
-    );
+    compile(&src, &exe);
     for (vars, expect) in [
         (
             vec![
@@ -192,7 +196,6 @@ int main(void) {
 #[test]
 fn malloc_or_abort_aborts_loudly() {
     let lib = library();
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let out = std::env::temp_dir().join(format!("gpualloc-abi-abort-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     let src = out.join("abort_test.c");
@@ -214,23 +217,7 @@ int main(void) {
     )
     .unwrap();
     let exe = out.join("abort_test");
-    let gcc = Command::new("gcc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror"])
-        .arg("-I")
-        .arg(manifest.join("include"))
-        .arg(&src)
-        .arg("-o")
-        .arg(&exe)
-        .arg("-L")
-        .arg(lib.parent().unwrap())
-        .arg("-lgpualloc")
-        .output()
-        .unwrap();
-    assert!(
-        gcc.status.success(),
-        "{}",
-        String::from_utf8_lossy(&gcc.stderr)
-    );
+    compile(&src, &exe);
     let run = Command::new(&exe)
         .env("LD_LIBRARY_PATH", lib.parent().unwrap())
         .env("GPUALLOC_BACKEND", "sim")
@@ -263,7 +250,6 @@ int main(void) {
 #[test]
 fn a_trace_started_by_the_environment_is_completed_at_exit() {
     let lib = library();
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let out = std::env::temp_dir().join(format!("gpualloc-abi-exit-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     let src = out.join("exit_test.c");
@@ -281,22 +267,7 @@ int main(void) {
     )
     .unwrap();
     let exe = out.join("exit_test");
-    let gcc = Command::new("gcc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
-        .arg(manifest.join("include"))
-        .arg(&src)
-        .arg("-o")
-        .arg(&exe)
-        .arg("-L")
-        .arg(lib.parent().unwrap())
-        .arg("-lgpualloc")
-        .output()
-        .unwrap();
-    assert!(
-        gcc.status.success(),
-        "{}",
-        String::from_utf8_lossy(&gcc.stderr)
-    );
+    compile(&src, &exe);
     let trace = out.join("exit.gtrace");
     let run = Command::new(&exe)
         .env("LD_LIBRARY_PATH", lib.parent().unwrap())
