@@ -514,10 +514,13 @@ impl<B: Backend> DeviceAllocator<B> {
             self.stats.oversize_allocations.update(-1);
         }
         self.private.block_freed(pool);
-        self.record(Action::FreeRequested, stream, ptr, requested, size);
         if self.blocks[id].stream_uses.is_empty() {
-            self.free_block(id);
-        } else if self.private.capturing() {
+            // Request and completion in one record (`Action::Free`).
+            self.free_block_as(id, Action::Free);
+            return Ok(());
+        }
+        self.record(Action::FreeRequested, stream, ptr, requested, size);
+        if self.private.capturing() {
             self.deferred.push(id);
         } else {
             self.insert_events(id)?;
@@ -639,6 +642,11 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Returns a block to its pool, merging it with free neighbours of the
     /// same stream. PyTorch's `free_block`.
     pub(crate) fn free_block(&mut self, id: BlockId) {
+        self.free_block_as(id, Action::FreeCompleted);
+    }
+
+    /// [`free_block`](Self::free_block), traced as `action`.
+    fn free_block_as(&mut self, id: BlockId, action: Action) {
         let (pool, ptr, stream, requested, size) = {
             let b = &self.blocks[id];
             (b.pool, b.ptr, b.stream, b.requested, b.size)
@@ -675,7 +683,7 @@ impl<B: Backend> DeviceAllocator<B> {
         self.stats.active.update(kind, -1);
         self.stats.active_bytes.update(kind, -(size as i64));
         self.stats.requested_bytes.update(kind, -(requested as i64));
-        self.record(Action::FreeCompleted, stream, ptr, requested, size);
+        self.record(action, stream, ptr, requested, size);
     }
 
     /// Merges a free neighbour into `dst`; returns the bytes subsumed (0 if not mergeable).

@@ -39,11 +39,16 @@ pub enum Action {
     /// out-of-memory path); the `free_completed` records that follow in the
     /// same call come from that wait, not from polling.
     SyncAllStreams = 14,
+    /// A free whose completion came in the same call (no other stream used
+    /// the block): one record for `free_requested` + `free_completed`,
+    /// fields as theirs. Only buffers and files hold it: readers yield the
+    /// two events instead.
+    Free = 15,
 }
 
 impl Action {
     /// Every action, in code order.
-    pub const ALL: [Action; 15] = [
+    pub const ALL: [Action; 16] = [
         Action::Alloc,
         Action::FreeRequested,
         Action::FreeCompleted,
@@ -59,6 +64,7 @@ impl Action {
         Action::RecordStream,
         Action::StreamReuse,
         Action::SyncAllStreams,
+        Action::Free,
     ];
 
     /// The action for a code, if valid.
@@ -84,6 +90,7 @@ impl Action {
             Action::RecordStream => "record_stream",
             Action::StreamReuse => "stream_reuse",
             Action::SyncAllStreams => "sync_all_streams",
+            Action::Free => "free",
         }
     }
 }

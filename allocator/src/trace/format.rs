@@ -118,7 +118,7 @@ pub fn unzigzag(v: u64) -> i64 {
 /// Whether `aux` of this action is a block size close to `size` (encoded as a difference).
 #[inline]
 pub fn aux_is_block_size(action_code: u8) -> bool {
-    action_code <= 2
+    action_code <= 2 || action_code == crate::trace::Action::Free as u8
 }
 
 /// What went wrong reading a trace, and where.

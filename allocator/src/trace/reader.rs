@@ -400,6 +400,30 @@ fn get_str(b: &[u8], pos: &mut usize) -> Option<String> {
 }
 
 /// Decodes one events payload into `out`.
+/// How many events a buffer or block holds as readers see them (an
+/// [`Action::Free`] record is two).
+pub(crate) fn event_count(records: &[TraceEvent]) -> u64 {
+    records.len() as u64 + records.iter().filter(|e| e.action == Action::Free).count() as u64
+}
+
+/// Appends an event as readers see it: an [`Action::Free`] record becomes
+/// its `free_requested` and `free_completed`.
+#[inline]
+pub(crate) fn expand(e: TraceEvent, out: &mut Vec<TraceEvent>) {
+    if e.action == Action::Free {
+        out.push(TraceEvent {
+            action: Action::FreeRequested,
+            ..e
+        });
+        out.push(TraceEvent {
+            action: Action::FreeCompleted,
+            ..e
+        });
+    } else {
+        out.push(e);
+    }
+}
+
 pub(crate) fn decode_events(
     p: &[u8],
     device: u32,
@@ -445,16 +469,19 @@ pub(crate) fn decode_events(
                 a
             };
         }
-        out.push(TraceEvent {
-            time_ns: time,
-            action,
-            device,
-            stream,
-            addr,
-            size,
-            aux,
-            thread,
-        });
+        expand(
+            TraceEvent {
+                time_ns: time,
+                action,
+                device,
+                stream,
+                addr,
+                size,
+                aux,
+                thread,
+            },
+            out,
+        );
     }
     if pos != p.len() {
         return Err(format!("{} stray bytes after {n} records", p.len() - pos));

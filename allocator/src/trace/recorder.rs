@@ -139,17 +139,7 @@ impl DeviceTrace {
         size: u64,
         aux: u64,
     ) {
-        // A completion in the same call as its request shares its timestamp.
-        let time = match self.buf.last() {
-            Some(l)
-                if action == Action::FreeCompleted
-                    && l.action == Action::FreeRequested
-                    && l.addr == addr =>
-            {
-                l.time_ns
-            }
-            _ => self.clock.raw(),
-        };
+        let time = self.clock.raw();
         self.buf.push(TraceEvent {
             time_ns: time,
             action,
@@ -181,9 +171,10 @@ impl DeviceTrace {
     /// The events buffered so far, timestamps in nanoseconds since the
     /// buffer was created (in-memory buffers keep everything).
     pub fn take_events(&mut self) -> Vec<TraceEvent> {
-        let mut v = std::mem::take(&mut self.buf);
-        for e in &mut v {
+        let mut v = Vec::with_capacity(self.buf.len());
+        for mut e in std::mem::take(&mut self.buf) {
             e.time_ns = self.clock.delta_as_nanos(self.start_raw, e.time_ns);
+            crate::trace::reader::expand(e, &mut v);
         }
         v
     }
@@ -212,7 +203,7 @@ impl DeviceTrace {
         match refused {
             None => self.dropped_pending = 0,
             Some(Msg::Events { mut events, .. }) => {
-                let n = events.len() as u64;
+                let n = crate::trace::reader::event_count(&events);
                 self.dropped_pending += n;
                 self.dropped_total += n;
                 events.clear();
@@ -254,7 +245,7 @@ impl DeviceTrace {
             events, dropped, ..
         }) = self.take_batch()
         {
-            let n = events.len() as u64;
+            let n = crate::trace::reader::event_count(&events);
             if tx
                 .send(Msg::Events {
                     device: self.device,
@@ -465,7 +456,7 @@ impl WriterCtx {
                         }
                     }
                     if failed.is_some() {
-                        lost += events.len() as u64 + dropped;
+                        lost += crate::trace::reader::event_count(&events) + dropped;
                     }
                     events.clear();
                     let _ = self.spare.try_send(events);

@@ -103,7 +103,7 @@ impl<W: Write> TraceWriter<W> {
         for chunk in events.chunks(MAX_BLOCK_EVENTS) {
             self.begin(kind::EVENTS, device);
             encode_events(&mut self.block, chunk);
-            self.events += chunk.len() as u64;
+            self.events += crate::trace::reader::event_count(chunk);
             if let Some(last) = chunk.last() {
                 self.last_ns = self.last_ns.max(last.time_ns);
             }
