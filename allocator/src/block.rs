@@ -59,6 +59,31 @@ pub(crate) struct Block {
 }
 
 impl Block {
+    /// A block in `state` with no neighbours, no stream uses and no events.
+    pub fn new(
+        ptr: DevicePtr,
+        size: u64,
+        stream: StreamId,
+        segment: SegmentId,
+        pool: PoolId,
+        state: BlockState,
+    ) -> Block {
+        Block {
+            ptr,
+            size,
+            requested: 0,
+            stream,
+            segment,
+            pool,
+            prev: None,
+            next: None,
+            state,
+            stream_uses: Vec::new(),
+            event_count: 0,
+            gc_base: 0,
+        }
+    }
+
     /// Whether the block shares its segment with other blocks.
     pub fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()

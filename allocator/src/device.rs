@@ -355,20 +355,9 @@ impl<B: Backend> DeviceAllocator<B> {
             Err(e) => return Err(e.into()),
         };
         let kind = self.pools[pool as usize].kind;
-        let block = self.blocks.insert(Block {
-            ptr,
-            size,
-            requested: 0,
-            stream,
-            segment: 0,
-            pool,
-            prev: None,
-            next: None,
-            state: BlockState::Free,
-            stream_uses: Vec::new(),
-            event_count: 0,
-            gc_base: 0,
-        });
+        let block = self
+            .blocks
+            .insert(Block::new(ptr, size, stream, 0, pool, BlockState::Free));
         let seg = self.segments.insert(Segment {
             ptr,
             size,
@@ -425,18 +414,17 @@ impl<B: Backend> DeviceAllocator<B> {
         if self.should_split(pool, kind, block_size, rounded) {
             let b = &self.blocks[id];
             let rest = Block {
-                ptr: b.ptr + rounded,
-                size: block_size - rounded,
-                requested: 0,
-                stream: b.stream,
-                segment: b.segment,
-                pool,
                 prev: Some(id),
                 next: b.next,
-                state: BlockState::Free,
-                stream_uses: Vec::new(),
-                event_count: 0,
                 gc_base: self.pools[pool as usize].lookups,
+                ..Block::new(
+                    b.ptr + rounded,
+                    block_size - rounded,
+                    b.stream,
+                    b.segment,
+                    pool,
+                    BlockState::Free,
+                )
             };
             let (rest_ptr, rest_size, rest_stream) = (rest.ptr, rest.size, rest.stream);
             let rest_id = self.blocks.insert(rest);

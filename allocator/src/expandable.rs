@@ -70,20 +70,9 @@ impl<B: Backend> DeviceAllocator<B> {
         let total = self.device_total()?;
         let size = (total + total / 8).div_ceil(page) * page;
         let ptr = self.backend.reserve(size)?;
-        let block = self.blocks.insert(Block {
-            ptr,
-            size,
-            requested: 0,
-            stream,
-            segment: 0,
-            pool,
-            prev: None,
-            next: None,
-            state: BlockState::Unmapped,
-            stream_uses: Vec::new(),
-            event_count: 0,
-            gc_base: 0,
-        });
+        let block =
+            self.blocks
+                .insert(Block::new(ptr, size, stream, 0, pool, BlockState::Unmapped));
         let seg = self.segments.insert(Segment {
             ptr,
             size,
@@ -334,18 +323,10 @@ impl<B: Backend> DeviceAllocator<B> {
             return id;
         }
         let front = Block {
-            ptr: b.ptr,
-            size: bytes,
-            requested: 0,
-            stream: b.stream,
-            segment: b.segment,
-            pool: b.pool,
             prev: b.prev,
             next: Some(id),
-            state,
-            stream_uses: Vec::new(),
-            event_count: 0,
             gc_base: b.gc_base,
+            ..Block::new(b.ptr, bytes, b.stream, b.segment, b.pool, state)
         };
         let (prev, seg) = (b.prev, b.segment);
         let f = self.blocks.insert(front);
