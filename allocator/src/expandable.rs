@@ -69,7 +69,18 @@ impl<B: Backend> DeviceAllocator<B> {
         let page = self.page_size(kind);
         let total = self.device_total()?;
         let size = (total + total / 8).div_ceil(page) * page;
-        let ptr = self.backend.reserve(size)?;
+        // Address space running out is "not now": releasing cached (fully
+        // unmapped) ranges and retrying may help, as for memory.
+        let ptr = match self.backend.reserve(size) {
+            Ok(p) => p,
+            Err(BackendError::OutOfMemory { .. }) => {
+                let cause = Some(BackendError::OutOfMemory { requested: size });
+                return Err(AllocError::OutOfMemory(Box::new(
+                    self.report(0, size, cause),
+                )));
+            }
+            Err(e) => return Err(e.into()),
+        };
         let block =
             self.blocks
                 .insert(Block::new(ptr, size, stream, 0, pool, BlockState::Unmapped));

@@ -114,9 +114,10 @@ def _device(device) -> int:
     idx = getattr(device, "index", None)
     if idx is not None:
         return idx
-    if isinstance(device, str):
-        return int(device.split(":")[1]) if ":" in device else 0
-    return 0
+    if isinstance(device, str) and ":" in device:
+        return int(device.split(":")[1])
+    # "cuda" or torch.device("cuda") without an index: the current device, as torch reads it.
+    return _device(None)
 
 
 def stats(device=None) -> Dict[str, int]:

@@ -161,6 +161,15 @@ class ApiTest(unittest.TestCase):
         with self.assertRaisesRegex(GpuallocError, "needs PyTorch"):
             gpualloc.install()
 
+    def test_device_arguments(self):
+        from gpualloc import _device
+
+        self.assertEqual(_device(1), 1)
+        self.assertEqual(_device("cuda:1"), 1)
+        # No index: the current device (0 while torch has not started CUDA).
+        self.assertEqual(_device("cuda"), 0)
+        self.assertEqual(_device(None), 0)
+
     def test_import_does_not_import_torch(self):
         code = "import sys, gpualloc; gpualloc.stats(0); print('torch' in sys.modules)"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy(), timeout=60)

@@ -266,6 +266,9 @@ impl Drop for DeviceTrace {
     }
 }
 
+/// Most distinct phase and mark names a trace keeps (the rest share one entry).
+const MAX_STRINGS: usize = 1 << 16;
+
 struct Strings {
     ids: FxHashMap<String, u64>,
     table: Vec<String>,
@@ -373,9 +376,26 @@ impl Recorder {
         if let Some(&id) = st.ids.get(s) {
             return id;
         }
+        // Memory stays bounded even when every mark has a new name
+        // (`mark(f"step {i}")`): past the limit, new names share one entry.
+        if st.table.len() >= MAX_STRINGS {
+            return self.overflow_id(&mut st);
+        }
         let id = st.table.len() as u64;
         st.table.push(s.to_string());
         st.ids.insert(s.to_string(), id);
+        id
+    }
+
+    #[cold]
+    fn overflow_id(&self, st: &mut Strings) -> u64 {
+        const OVERFLOW: &str = "(more names than the trace keeps)";
+        if let Some(&id) = st.ids.get(OVERFLOW) {
+            return id;
+        }
+        let id = st.table.len() as u64;
+        st.table.push(OVERFLOW.to_string());
+        st.ids.insert(OVERFLOW.to_string(), id);
         id
     }
 

@@ -150,3 +150,37 @@ fn simulated_devices_hand_out_distinct_addresses() {
     a.free(0, p0).unwrap();
     a.free(1, p1).unwrap();
 }
+
+#[test]
+fn marks_with_ever_new_names_keep_the_trace_bounded() {
+    use gpualloc::trace::reader::TraceReader;
+    let dir = std::env::temp_dir().join(format!("gpualloc-marks-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("marks.gtrace");
+    let a = Allocator::new(
+        Config::default(),
+        1,
+        Box::new(|_| Ok(SimBackend::new(1 << 30))),
+    );
+    a.free(0, a.malloc(0, 4096, 0).unwrap()).unwrap();
+    a.trace_start(&path).unwrap();
+    for i in 0..70_000 {
+        a.mark(&format!("step {i}"));
+    }
+    a.trace_stop().unwrap();
+    let mut r = TraceReader::open(&path).unwrap();
+    let marks: Vec<_> = r.events().collect();
+    assert!(r.error().is_none());
+    assert_eq!(marks.len(), 70_000, "every mark is recorded");
+    assert!(
+        r.strings().len() <= (1 << 16) + 1,
+        "{} strings kept",
+        r.strings().len()
+    );
+    assert_eq!(r.string(marks[0].aux), Some("step 0"));
+    assert_eq!(
+        r.string(marks[69_999].aux),
+        Some("(more names than the trace keeps)")
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
