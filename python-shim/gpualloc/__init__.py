@@ -111,11 +111,11 @@ def _device(device) -> int:
         return 0
     if isinstance(device, int):
         return device
-    idx = getattr(device, "index", None)
-    if idx is not None:
-        return idx
-    if isinstance(device, str) and ":" in device:
-        return int(device.split(":")[1])
+    if isinstance(device, str):
+        if ":" in device:
+            return int(device.split(":")[1])
+    elif getattr(device, "index", None) is not None:
+        return device.index
     # "cuda" or torch.device("cuda") without an index: the current device, as torch reads it.
     return _device(None)
 
