@@ -55,7 +55,7 @@ impl<B: Backend> Allocator<B> {
     ///
     /// # Errors
     /// [`AllocError::InvalidDevice`], or the backend's failure to start.
-    pub fn lock(&self, device: i64) -> Result<MappedDevice<'_, B>, AllocError> {
+    pub fn lock(&self, device: i64) -> Result<DeviceGuard<'_, B>, AllocError> {
         let slot = self.slot(device)?;
         let mut guard = slot.lock();
         if guard.is_none() {
@@ -66,9 +66,13 @@ impl<B: Backend> Allocator<B> {
             }
             *guard = Some(dev);
         }
-        Ok(MutexGuard::map(guard, |d| {
-            d.as_mut().expect("created above")
-        }))
+        let d = MutexGuard::map(guard, |d| d.as_mut().expect("created above"));
+        if d.poisoned {
+            return Err(AllocError::Poisoned {
+                device: device as u32,
+            });
+        }
+        Ok(DeviceGuard(d))
     }
 
     fn slot(&self, device: i64) -> Result<&Mutex<Option<DeviceAllocator<B>>>, AllocError> {
@@ -86,9 +90,11 @@ impl<B: Backend> Allocator<B> {
     ///
     /// # Errors
     /// [`AllocError::InvalidDevice`].
-    pub fn peek(&self, device: i64) -> Result<Option<MappedDevice<'_, B>>, AllocError> {
+    pub fn peek(&self, device: i64) -> Result<Option<DeviceGuard<'_, B>>, AllocError> {
         let slot = self.slot(device)?;
-        Ok(MutexGuard::try_map(slot.lock(), |d| d.as_mut()).ok())
+        Ok(MutexGuard::try_map(slot.lock(), |d| d.as_mut())
+            .ok()
+            .map(DeviceGuard))
     }
 
     /// Runs `f` on every device that has been created.
@@ -97,8 +103,11 @@ impl<B: Backend> Allocator<B> {
         mut f: impl FnMut(&mut DeviceAllocator<B>) -> Result<(), AllocError>,
     ) -> Result<(), AllocError> {
         for slot in &self.devices {
-            if let Some(d) = slot.lock().as_mut() {
-                f(d)?;
+            if let Ok(d) = MutexGuard::try_map(slot.lock(), |d| d.as_mut()) {
+                let mut d = DeviceGuard(d);
+                if !d.poisoned {
+                    f(&mut d)?;
+                }
             }
         }
         Ok(())
@@ -189,5 +198,28 @@ impl<B: Backend> Allocator<B> {
     }
 }
 
-/// A locked device.
-pub type MappedDevice<'a, B> = parking_lot::MappedMutexGuard<'a, DeviceAllocator<B>>;
+/// A locked device. If a panic unwinds while it is held, the device is
+/// marked poisoned (`parking_lot` locks do not poison by themselves), and
+/// [`Allocator::lock`] refuses it from then on.
+pub struct DeviceGuard<'a, B: Backend>(parking_lot::MappedMutexGuard<'a, DeviceAllocator<B>>);
+
+impl<B: Backend> std::ops::Deref for DeviceGuard<'_, B> {
+    type Target = DeviceAllocator<B>;
+    fn deref(&self) -> &DeviceAllocator<B> {
+        &self.0
+    }
+}
+
+impl<B: Backend> std::ops::DerefMut for DeviceGuard<'_, B> {
+    fn deref_mut(&mut self) -> &mut DeviceAllocator<B> {
+        &mut self.0
+    }
+}
+
+impl<B: Backend> Drop for DeviceGuard<'_, B> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.poisoned = true;
+        }
+    }
+}

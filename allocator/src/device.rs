@@ -66,6 +66,9 @@ pub struct DeviceAllocator<B: Backend> {
     /// Whether the default pools use expandable segments (configured and
     /// supported by the backend).
     pub(crate) expandable: bool,
+    /// Set when a panic unwound while this device was locked: its state may
+    /// be half-updated, so `Allocator` refuses to use it again.
+    pub(crate) poisoned: bool,
 }
 
 impl<B: Backend> DeviceAllocator<B> {
@@ -94,6 +97,7 @@ impl<B: Backend> DeviceAllocator<B> {
             total_memory: None,
             trace: None,
             expandable,
+            poisoned: false,
         }
     }
 

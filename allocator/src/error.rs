@@ -75,6 +75,13 @@ pub enum AllocError {
     },
     /// The backend failed in a way retrying will not fix.
     Backend(BackendError),
+    /// An internal error (a panic) interrupted an operation on this device,
+    /// so its bookkeeping can no longer be trusted; the device refuses
+    /// further calls rather than hand out memory twice.
+    Poisoned {
+        /// The device.
+        device: u32,
+    },
 }
 
 impl AllocError {
@@ -172,6 +179,10 @@ impl fmt::Display for AllocError {
                 write!(f, "gpualloc: unknown private pool ({}, {})", pool.0, pool.1)
             }
             AllocError::Backend(e) => write!(f, "gpualloc: {e}"),
+            AllocError::Poisoned { device } => write!(
+                f,
+                "gpualloc: device {device} is unusable: an internal error interrupted an operation on it and its state may be inconsistent; restart the process"
+            ),
         }
     }
 }

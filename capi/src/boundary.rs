@@ -80,6 +80,7 @@ impl From<AllocError> for Error {
             AllocError::InvalidDevice { .. } => GPUALLOC_ERR_INVALID_DEVICE,
             AllocError::UnknownPool { .. } => GPUALLOC_ERR_UNKNOWN_POOL,
             AllocError::Backend(b) => return b.clone().into(),
+            AllocError::Poisoned { .. } => GPUALLOC_ERR_PANIC,
             _ => GPUALLOC_ERR_BACKEND,
         };
         let oom = GpuallocOomInfo::from_error(&e).map(Box::new);

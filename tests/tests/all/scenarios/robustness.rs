@@ -184,3 +184,34 @@ fn marks_with_ever_new_names_keep_the_trace_bounded() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_panic_while_a_device_is_locked_poisons_only_that_device() {
+    let a = Allocator::new(
+        Config::default(),
+        2,
+        Box::new(|d| Ok(SimBackend::new(1 << 30).for_device(d))),
+    );
+    let p = a.malloc(0, 4096, 0).unwrap();
+    let q = a.malloc(1, 4096, 0).unwrap();
+    // A contract violation inside the lock (the simulator panics on it).
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut d = a.lock(0).unwrap();
+        let _ = gpualloc::Backend::release(d.backend_mut(), 0xdead_0000, 512);
+    }));
+    assert!(caught.is_err());
+    assert!(matches!(
+        a.malloc(0, 4096, 0),
+        Err(AllocError::Poisoned { device: 0 })
+    ));
+    assert!(matches!(
+        a.free(0, p),
+        Err(AllocError::Poisoned { device: 0 })
+    ));
+    let msg = AllocError::Poisoned { device: 0 }.to_string();
+    assert!(msg.contains("device 0") && msg.contains("restart"), "{msg}");
+    // The other device is untouched; stats of the poisoned one remain readable.
+    a.free(1, q).unwrap();
+    assert_eq!(a.stats(0).unwrap().allocation.all.current, 1);
+    a.empty_cache().unwrap();
+}
