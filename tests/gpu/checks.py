@@ -205,6 +205,24 @@ def check_dropin(args) -> dict:
         del g, static_y, static_z, y
         torch.cuda.synchronize()
 
+    @sub("make_graphed_callables")
+    def _():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8)).to(dev)
+        ref = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8)).to(dev)
+        ref.load_state_dict(model.state_dict())
+        x = torch.randn(32, 64, device=dev, requires_grad=True)
+        graphed = torch.cuda.make_graphed_callables(model, (x,))
+        for _ in range(3):
+            inp = torch.randn(32, 64, device=dev)
+            out, want = graphed(inp), ref(inp)
+            out.sum().backward()
+            want.sum().backward()
+            assert torch.allclose(out, want, atol=1e-5), "graphed forward differs from eager"
+        for a, b in zip(model.parameters(), ref.parameters()):
+            assert torch.allclose(a.grad, b.grad, atol=1e-4), "graphed backward differs from eager"
+        torch.cuda.synchronize()
+
     @sub("torch_accelerator_memory")
     def _():
         if not hasattr(torch, "accelerator") or not hasattr(torch.accelerator, "memory_allocated"):
