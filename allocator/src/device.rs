@@ -359,20 +359,7 @@ impl<B: Backend> DeviceAllocator<B> {
             Err(e) => return Err(e.into()),
         };
         let kind = self.pools[pool as usize].kind;
-        let block = self
-            .blocks
-            .insert(Block::new(ptr, size, stream, 0, pool, BlockState::Free));
-        let seg = self.segments.insert(Segment {
-            ptr,
-            size,
-            kind,
-            pool,
-            stream,
-            first: block,
-            expandable: false,
-            mapped: size,
-        });
-        self.blocks[block].segment = seg;
+        let (_, block) = self.new_segment(ptr, size, pool, stream, false);
         self.private.segment_added(pool);
         self.stats.segment.update(kind, 1);
         self.stats.reserved_bytes.update(kind, size as i64);
@@ -383,6 +370,38 @@ impl<B: Backend> DeviceAllocator<B> {
         let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
         self.record(Action::SegmentAlloc, stream, ptr, size, code);
         Ok(block)
+    }
+
+    /// Records a segment of `size` bytes at `ptr` with one block covering it:
+    /// free (a plain segment) or unmapped (an expandable one).
+    pub(crate) fn new_segment(
+        &mut self,
+        ptr: DevicePtr,
+        size: u64,
+        pool: PoolId,
+        stream: StreamId,
+        expandable: bool,
+    ) -> (u32, BlockId) {
+        let state = if expandable {
+            BlockState::Unmapped
+        } else {
+            BlockState::Free
+        };
+        let block = self
+            .blocks
+            .insert(Block::new(ptr, size, stream, 0, pool, state));
+        let seg = self.segments.insert(Segment {
+            ptr,
+            size,
+            kind: self.pools[pool as usize].kind,
+            pool,
+            stream,
+            first: block,
+            expandable,
+            mapped: if expandable { 0 } else { size },
+        });
+        self.blocks[block].segment = seg;
+        (seg, block)
     }
 
     /// PyTorch's `should_split`.

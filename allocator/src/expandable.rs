@@ -31,7 +31,6 @@ use crate::backend::{Backend, BackendError, StreamId};
 use crate::block::{Block, BlockId, BlockState, PoolId, SegmentId};
 use crate::device::{DeviceAllocator, LARGE, SMALL};
 use crate::error::AllocError;
-use crate::segment::Segment;
 use crate::size_class::{PoolKind, SMALL_BUFFER};
 use crate::trace::{Action, pool_code};
 
@@ -81,20 +80,7 @@ impl<B: Backend> DeviceAllocator<B> {
             }
             Err(e) => return Err(e.into()),
         };
-        let block =
-            self.blocks
-                .insert(Block::new(ptr, size, stream, 0, pool, BlockState::Unmapped));
-        let seg = self.segments.insert(Segment {
-            ptr,
-            size,
-            kind,
-            pool,
-            stream,
-            first: block,
-            expandable: true,
-            mapped: 0,
-        });
-        self.blocks[block].segment = seg;
+        let (seg, _) = self.new_segment(ptr, size, pool, stream, true);
         self.pools[pool as usize].expandable.push((stream, seg));
         Ok(seg)
     }
