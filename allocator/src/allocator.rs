@@ -149,7 +149,7 @@ impl<B: Backend> Allocator<B> {
     /// does not create).
     pub fn stats(&self, device: i64) -> Result<DeviceStats, AllocError> {
         Ok(match self.peek(device)? {
-            Some(d) => d.stats().clone(),
+            Some(d) => d.stats_snapshot(),
             None => DeviceStats::for_config(&self.config),
         })
     }

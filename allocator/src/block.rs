@@ -56,6 +56,9 @@ pub(crate) struct Block {
     pub event_count: u32,
     /// Value of the pool's lookup counter when the block was cached (GC age).
     pub gc_base: u64,
+    /// Free blocks: the fence epoch when its memory was last freed, 0 when
+    /// no work ever touched it (Note [Event-ordered unmapping]).
+    pub freed: u64,
 }
 
 impl Block {
@@ -81,6 +84,7 @@ impl Block {
             stream_uses: Vec::new(),
             event_count: 0,
             gc_base: 0,
+            freed: 0,
         }
     }
 

@@ -5,8 +5,17 @@
 //! unknown key or a bad value is a [`ConfigError`] that names it. Nothing is
 //! silently ignored.
 //!
+//! Two policies exist. The default, `policy:gpualloc`, is expandable segments
+//! with the page pool and defragmentation (Note [Defragmentation] in
+//! `expandable.rs`): reserved memory stays within about 1% of live memory.
+//! `policy:pytorch` is PyTorch's caching allocator, rule for rule, so that
+//! results compare like with like; its peaks match PyTorch's to the byte.
+//! `policy` sets the defaults of every other key, wherever it appears in the
+//! string; the other keys then override them.
+//!
 //! | key | value | default | meaning |
 //! | --- | --- | --- | --- |
+//! | `policy` | `gpualloc` / `pytorch` | gpualloc | the set of defaults below (pytorch: expandable segments and cross-stream reuse off) |
 //! | `max_split_size_mb` | integer ≥ 20 | unlimited | blocks at least this large are never split ("oversize") |
 //! | `max_non_split_rounding_mb` | integer | 20 | how much larger than an oversize request a cached oversize block may be |
 //! | `garbage_collection_threshold` | 0 < x < 1 | off | with a memory limit set, free old cached segments once reserved passes x × limit |
@@ -15,9 +24,11 @@
 //! | `per_process_memory_fraction` | 0 < x ≤ 1 | 1 | cap reserved memory at x × device memory |
 //! | `memory_limit` | bytes, with K/M/G/T(iB) suffix | none | cap reserved memory at this many bytes |
 //! | `cross_stream_reuse` | `true`/`false` | true | let a stream take another stream's cached block (ordered by an event) instead of growing |
-//! | `expandable_segments` | `true`/`false` | false | map pages into one growing address range per (pool, stream) instead of separate segments |
-//! | `expandable_page_mb` | integer ≥ 2, even | 2 | mapping granularity of large-pool expandable segments (PyTorch uses the 20 MiB segment size) |
-//! | `defragment` | `true`/`false` | true | with expandable segments: before reserved memory would pass its peak, unmap free pages so they can be mapped where they fit |
+//! | `expandable_segments` | `true`/`false` | true | map pages into growing address ranges per (pool, stream) instead of separate segments |
+//! | `expandable_page_mb` | even integer, 2–1024 | 2 | mapping granularity of large-pool expandable segments (PyTorch uses the 20 MiB segment size) |
+//! | `expandable_handle_mb` | power of two, 2–1024 | 2 | largest physical handle created at once for a long mapping (fewer driver calls, coarser unmapping) |
+//! | `defragment` | `true`/`false` | true | with expandable segments: rather than hold more than `1 + defragment_headroom` times peak allocated memory, unmap free pages and map them where the request fits |
+//! | `defragment_headroom` | 0 ≤ x ≤ 1 | 0.005 | how far held memory may exceed peak allocated memory before defragmenting |
 
 use std::fmt;
 
@@ -25,6 +36,10 @@ use crate::size_class::{POWER2_INTERVALS, power2_bucket};
 
 /// Every key [`Config::parse`] accepts, with a one-line description.
 pub const KEYS: &[(&str, &str)] = &[
+    (
+        "policy",
+        "gpualloc (expandable segments, page pool, defragmentation) or pytorch (PyTorch's exact rules)",
+    ),
     (
         "max_split_size_mb",
         "blocks of at least this many MiB are never split (>= 20)",
@@ -62,8 +77,16 @@ pub const KEYS: &[(&str, &str)] = &[
         "page size of large-pool expandable segments in MiB (even, >= 2)",
     ),
     (
+        "expandable_handle_mb",
+        "largest physical handle created at once, in MiB (a power of two, 2 to 1024)",
+    ),
+    (
         "defragment",
-        "with expandable segments, unmap free pages before reserved memory passes its peak (true/false)",
+        "with expandable segments, remap free pages rather than hold more than peak allocated memory plus the headroom (true/false)",
+    ),
+    (
+        "defragment_headroom",
+        "fraction by which held memory may exceed peak allocated memory before defragmenting (0 to 1)",
     ),
     (
         "expandable_segments",
@@ -94,15 +117,20 @@ pub struct Config {
     pub cross_stream_reuse: bool,
     /// Whether the default pools use expandable segments.
     pub expandable_segments: bool,
-    /// With expandable segments: unmap free pages before reserved memory passes its peak.
+    /// With expandable segments: remap free pages instead of growing past the headroom.
     pub defragment: bool,
+    /// How far held memory may exceed peak allocated memory before defragmenting.
+    pub defragment_headroom: f64,
     /// Mapping granularity of large-pool expandable segments.
     pub expandable_page: u64,
+    /// Largest physical handle created at once.
+    pub expandable_handle: u64,
     /// The string this configuration was parsed from.
     pub source: String,
 }
 
 impl Default for Config {
+    /// gpualloc's policy (see the module docs).
     fn default() -> Self {
         Config {
             max_split_size: u64::MAX,
@@ -113,9 +141,11 @@ impl Default for Config {
             memory_fraction: None,
             memory_limit: None,
             cross_stream_reuse: true,
-            expandable_segments: false,
+            expandable_segments: true,
             defragment: true,
+            defragment_headroom: 0.005,
             expandable_page: 2 * MIB,
+            expandable_handle: 2 * MIB,
             source: String::new(),
         }
     }
@@ -151,12 +181,18 @@ impl Config {
         Config::parse(&std::env::var("GPUALLOC_CONF").unwrap_or_default())
     }
 
+    /// PyTorch's caching allocator, rule for rule (`policy:pytorch`).
+    pub fn pytorch() -> Config {
+        Config {
+            cross_stream_reuse: false,
+            expandable_segments: false,
+            ..Config::default()
+        }
+    }
+
     /// Parses `key:value,key:[a:b,>:c]`. Whitespace around tokens is ignored.
     pub fn parse(s: &str) -> Result<Config, ConfigError> {
-        let mut c = Config {
-            source: s.to_string(),
-            ..Config::default()
-        };
+        let mut entries = Vec::new();
         for entry in split_top_level(s)? {
             let entry = entry.trim();
             if entry.is_empty() {
@@ -165,7 +201,25 @@ impl Config {
             let (key, value) = entry
                 .split_once(':')
                 .ok_or_else(|| err(entry, "expected key:value"))?;
-            c.set(key.trim(), value.trim())?;
+            entries.push((key.trim(), value.trim()));
+        }
+        let mut c = Config::default();
+        // `policy` sets the defaults, wherever it is written.
+        for &(key, value) in entries.iter().filter(|e| e.0 == "policy") {
+            c = match value {
+                "gpualloc" => Config::default(),
+                "pytorch" => Config::pytorch(),
+                other => {
+                    return Err(err(
+                        key,
+                        format!("`{other}` is not a policy (gpualloc or pytorch)"),
+                    ));
+                }
+            };
+        }
+        c.source = s.to_string();
+        for (key, value) in entries.into_iter().filter(|e| e.0 != "policy") {
+            c.set(key, value)?;
         }
         Ok(c)
     }
@@ -213,13 +267,30 @@ impl Config {
             "defragment" => self.defragment = parse_bool(key, v)?,
             "expandable_page_mb" => {
                 let mb = parse_u64(key, v)?;
-                if mb < 2 || mb % 2 != 0 {
+                if !(2..=1024).contains(&mb) || mb % 2 != 0 {
                     return Err(err(
                         key,
-                        format!("{mb} must be an even number of MiB, at least 2"),
+                        format!("{mb} must be an even number of MiB from 2 to 1024"),
                     ));
                 }
-                self.expandable_page = mb.saturating_mul(MIB);
+                self.expandable_page = mb * MIB;
+            }
+            "expandable_handle_mb" => {
+                let mb = parse_u64(key, v)?;
+                if !(2..=1024).contains(&mb) || !mb.is_power_of_two() {
+                    return Err(err(
+                        key,
+                        format!("{mb} must be a power of two from 2 to 1024"),
+                    ));
+                }
+                self.expandable_handle = mb * MIB;
+            }
+            "defragment_headroom" => {
+                let x = parse_f64(key, v)?;
+                if !(0.0..=1.0).contains(&x) {
+                    return Err(err(key, format!("{v} is not in [0, 1]")));
+                }
+                self.defragment_headroom = x;
             }
             _ => {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
@@ -405,5 +476,34 @@ mod tests {
         assert!(Config::parse("max_split_size_mb").is_err());
         assert!(Config::parse("roundup_power2_divisions:[1:2").is_err());
         assert_eq!(Config::parse("").unwrap(), Config::default());
+        for (s, key) in [
+            ("policy:fast", "policy"),
+            ("expandable_page_mb:17592186044416", "expandable_page_mb"),
+            ("expandable_handle_mb:6", "expandable_handle_mb"),
+            ("expandable_handle_mb:2048", "expandable_handle_mb"),
+            ("defragment_headroom:1.5", "defragment_headroom"),
+        ] {
+            assert_eq!(Config::parse(s).unwrap_err().key, key, "{s}");
+        }
+    }
+
+    #[test]
+    fn policy_sets_the_defaults_wherever_it_is_written() {
+        let d = Config::default();
+        assert!(d.expandable_segments && d.defragment && d.cross_stream_reuse);
+        let p = Config::parse("policy:pytorch").unwrap();
+        assert!(!p.expandable_segments && !p.cross_stream_reuse);
+        let q = Config::parse("expandable_segments:true,policy:pytorch").unwrap();
+        assert!(q.expandable_segments, "keys override the policy's defaults");
+        assert!(!q.cross_stream_reuse);
+        assert_eq!(q.source, "expandable_segments:true,policy:pytorch");
+        let g = Config::parse("policy:gpualloc").unwrap();
+        assert_eq!(
+            Config {
+                source: String::new(),
+                ..g
+            },
+            Config::default()
+        );
     }
 }

@@ -25,7 +25,10 @@ use crate::backend::{Backend, DevicePtr, EventId, StreamId};
 use crate::block::{Block, BlockArena, BlockId, BlockState, PoolId};
 use crate::capture::PrivatePools;
 use crate::config::Config;
+use crate::cost::DriverCalls;
 use crate::error::AllocError;
+use crate::fence::Fences;
+use crate::page_pool::PagePool;
 use crate::pool::Pool;
 use crate::segment::{Segment, SegmentArena};
 use crate::size_class::{PoolKind, allocation_size, round_size};
@@ -66,6 +69,12 @@ pub struct DeviceAllocator<B: Backend> {
     /// Whether the default pools use expandable segments (configured and
     /// supported by the backend).
     pub(crate) expandable: bool,
+    /// Physical handles of expandable segments (Note [Page pool]).
+    pub(crate) pages: PagePool,
+    /// When freed pages may be unmapped (Note [Event-ordered unmapping]).
+    pub(crate) fences: Fences,
+    /// Driver calls counted before the last `reset_accumulated_stats`.
+    driver_baseline: DriverCalls,
     /// Set when a panic unwound while this device was locked: its state may
     /// be half-updated, so `Allocator` refuses to use it again.
     pub(crate) poisoned: bool,
@@ -97,6 +106,9 @@ impl<B: Backend> DeviceAllocator<B> {
             total_memory: None,
             trace: None,
             expandable,
+            pages: PagePool::default(),
+            fences: Fences::default(),
+            driver_baseline: DriverCalls::default(),
             poisoned: false,
         }
     }
@@ -121,6 +133,26 @@ impl<B: Backend> DeviceAllocator<B> {
         &self.stats
     }
 
+    /// The stats with the driver-call counters filled in.
+    pub fn stats_snapshot(&self) -> DeviceStats {
+        let mut s = self.stats.clone();
+        let d = self.driver_calls();
+        s.num_driver_calls = d.total_calls() as i64;
+        s.num_driver_memory_calls = d.memory_calls() as i64;
+        s.driver_time_ns = d.total_nanos() as i64;
+        s
+    }
+
+    /// Physical memory held in the page pool, not mapped (Note [Page pool]).
+    pub fn pooled_bytes(&self) -> u64 {
+        self.pages.pooled_bytes(PoolKind::Small) + self.pages.pooled_bytes(PoolKind::Large)
+    }
+
+    /// Driver calls since the device started or its accumulated stats were reset.
+    pub fn driver_calls(&self) -> DriverCalls {
+        self.backend.driver_calls().since(&self.driver_baseline)
+    }
+
     /// `reset_peak_memory_stats`.
     pub fn reset_peak_stats(&mut self) {
         self.stats.reset_peak();
@@ -129,6 +161,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// `reset_accumulated_memory_stats`.
     pub fn reset_accumulated_stats(&mut self) {
         self.stats.reset_accumulated();
+        self.driver_baseline = self.backend.driver_calls();
     }
 
     #[inline]
@@ -440,6 +473,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 prev: Some(id),
                 next: b.next,
                 gc_base: self.pools[pool as usize].lookups,
+                freed: b.freed,
                 ..Block::new(
                     b.ptr + rounded,
                     block_size - rounded,
@@ -677,10 +711,12 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         self.live.remove(&ptr);
         let lookups = self.pools[pool as usize].lookups;
+        let epoch = self.fences.stamp();
         let b = &mut self.blocks[id];
         b.state = BlockState::Free;
         b.requested = 0;
         b.gc_base = lookups;
+        b.freed = epoch;
         let key = (b.stream, b.size, b.ptr, id);
         if b.is_split() {
             net_blocks += 1;

@@ -1,5 +1,5 @@
-//! Expandable segments: one reserved address range per (pool, stream), with
-//! physical pages mapped at the lowest place a request fits.
+//! Expandable segments: reserved address ranges per (pool, stream), with
+//! physical pages mapped at the place a request fits best.
 //!
 //! Note [Expandable segments]
 //! Rationale: plain segments never merge, so a cache full of freed 20 MiB
@@ -7,21 +7,27 @@
 //! PyTorch reaches 1.8x reserved over allocated on multi-scale training.
 //! Approach (PyTorch's `expandable_segments:True`): reserve about 1.125x the
 //! device's memory of address space per (pool, stream) and map pages (2 MiB;
-//! `expandable_page_mb` in the large pool, where PyTorch uses 20 MiB) on demand at
-//! the lowest address where a free block plus the unmapped space after it
-//! can hold the request. Freed space therefore stays contiguous with new
-//! space. Free whole pages are unmapped by `empty_cache` and on the
-//! out-of-memory path; a reservation with nothing mapped is freed.
+//! `expandable_page_mb` in the large pool, where PyTorch uses 20 MiB) on
+//! demand in the window of free and unmapped space that needs the fewest
+//! new pages. Freed space therefore stays contiguous with new space. The
+//! physical memory behind pages comes from the page pool (Note [Page pool]).
 //!
 //! Note [Defragmentation]
 //! Expandable segments alone leave long-lived blocks scattered among freed
 //! ones; the free pages around them stay mapped, so reserved memory keeps
 //! the high-water mark of every layout seen. With `defragment:true` (the
-//! default), whenever mapping would raise reserved memory above its peak
-//! while free whole pages exist, those pages are unmapped first; the holes
-//! they leave are filled by later mappings at the lowest fitting address.
-//! The cost is an unmap (which waits for queued work) only at a new peak,
-//! never in steady state below it.
+//! default), when a mapping needs more physical memory than the pool holds
+//! and holding more would pass `(1 + defragment_headroom)` times the peak of
+//! allocated memory, whole free handles elsewhere are unmapped into the
+//! pool first, largest runs first, and mapped where the request fits:
+//! GMLake's stitching, by remapping rather than by copying. Pages leave their
+//! address only once the work on them is done (Note [Event-ordered
+//! unmapping]). Below that bound the pool simply grows, so steady-state
+//! training remaps nothing. When no window of the stream's reservations can
+//! hold the request at all (address space scattered by live blocks), a
+//! fresh range is reserved for it. On the out-of-memory path every free
+//! page is unmapped and the pool is released, so a request fails only when
+//! the pages holding live blocks plus the request exceed the device.
 //!
 //! Limitations: private (graph) pools use plain segments; blocks in
 //! expandable segments are never counted as `inactive_split`, and the
@@ -31,8 +37,12 @@ use crate::backend::{Backend, BackendError, StreamId};
 use crate::block::{Block, BlockId, BlockState, PoolId, SegmentId};
 use crate::device::{DeviceAllocator, LARGE, SMALL};
 use crate::error::AllocError;
+use crate::page_pool::KindDeltas;
 use crate::size_class::{PoolKind, SMALL_BUFFER};
 use crate::trace::{Action, pool_code};
+
+/// A place for a request: segment, start, and the unmapped ranges to map.
+type Window = (SegmentId, u64, Vec<(u64, u64)>);
 
 impl<B: Backend> DeviceAllocator<B> {
     /// Whether blocks of `pool` live in expandable segments.
@@ -51,23 +61,27 @@ impl<B: Backend> DeviceAllocator<B> {
         want.div_ceil(g) * g
     }
 
-    /// The expandable segment of `(pool, stream)`, reserved on first use.
-    fn expandable_segment(
+    /// `(page, largest handle)` for a pool kind (Note [Page pool]).
+    fn handle_sizes(&mut self, kind: PoolKind) -> (u64, u64) {
+        let page = self.page_size(kind);
+        let max = match kind {
+            PoolKind::Small => page,
+            PoolKind::Large => self.config.expandable_handle.max(page),
+        };
+        (page, max)
+    }
+
+    /// Reserves a new expandable segment for `(pool, stream)`.
+    fn new_expandable_segment(
         &mut self,
         pool: PoolId,
         stream: StreamId,
+        at_least: u64,
     ) -> Result<SegmentId, AllocError> {
-        if let Some(&(_, seg)) = self.pools[pool as usize]
-            .expandable
-            .iter()
-            .find(|e| e.0 == stream)
-        {
-            return Ok(seg);
-        }
         let kind = self.pools[pool as usize].kind;
         let page = self.page_size(kind);
         let total = self.device_total()?;
-        let size = (total + total / 8).div_ceil(page) * page;
+        let size = (total + total / 8).max(at_least).div_ceil(page) * page;
         // Address space running out is "not now": releasing cached (fully
         // unmapped) ranges and retrying may help, as for memory.
         let ptr = match self.backend.reserve(size) {
@@ -95,8 +109,30 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(t)
     }
 
-    /// Maps pages into the stream's expandable segment so that a free block
-    /// of at least `rounded` bytes exists; returns it, outside the free index.
+    /// Applies the page pool's reserved-bytes changes to the stats, and
+    /// counts and traces `created` (positive) or released (negative) bytes.
+    fn apply_deltas(&mut self, deltas: KindDeltas, physical: i64) {
+        // Decreases first, so that a move between kinds never shows as a peak.
+        let mut by_kind = [(PoolKind::Small, deltas[0]), (PoolKind::Large, deltas[1])];
+        by_kind.sort_unstable_by_key(|k| k.1);
+        for (kind, d) in by_kind {
+            self.stats.reserved_bytes.update(kind, d);
+        }
+        if physical != 0 {
+            let action = if physical > 0 {
+                self.stats.num_device_alloc += 1;
+                Action::PagesCreate
+            } else {
+                self.stats.num_device_free += 1;
+                Action::PagesRelease
+            };
+            self.record(action, 0, 0, physical.unsigned_abs(), 0);
+        }
+    }
+
+    /// Maps pages into one of the stream's expandable segments so that a
+    /// free block of at least `rounded` bytes exists; returns it, outside
+    /// the free index.
     pub(crate) fn map_expandable(
         &mut self,
         pool: PoolId,
@@ -104,42 +140,44 @@ impl<B: Backend> DeviceAllocator<B> {
         rounded: u64,
         capturing: bool,
     ) -> Result<BlockId, AllocError> {
-        let mut seg = self.expandable_segment(pool, stream)?;
         let kind = self.pools[pool as usize].kind;
         let page = self.page_size(kind);
-        let mut window = self.best_window(seg, stream, rounded, page);
-        let needed = |w: &Option<(u64, Vec<(u64, u64)>)>| {
-            w.as_ref()
-                .map_or(rounded, |w| w.1.iter().map(|r| r.1 - r.0).sum())
-        };
-        if self.config.defragment && !capturing {
-            // See Note [Defragmentation]: never raise the peak while free
-            // pages sit idle elsewhere.
-            let reserved = self.stats.reserved_bytes.all.current;
-            if reserved + needed(&window) as i64 > self.stats.reserved_bytes.all.peak
-                && self.cached_free_bytes() >= page
-            {
-                self.unmap_free_pages()?;
-                seg = match self.segments.get_checked(seg) {
-                    Some(s) if s.expandable && s.pool == pool && s.stream == stream => seg,
-                    _ => self.expandable_segment(pool, stream)?,
-                };
-                window = self.best_window(seg, stream, rounded, page);
+        let (seg, ws, ranges) = match self.find_window(pool, stream, rounded, page) {
+            Some(w) => w,
+            None => {
+                let seg = self.new_expandable_segment(pool, stream, rounded)?;
+                self.best_window(seg, stream, rounded, page)
+                    .map(|(ws, r)| (seg, ws, r))
+                    .expect("a fresh reservation holds the request")
             }
-        }
-        let Some((ws, ranges)) = window else {
-            let cause = Some(BackendError::OutOfMemory { requested: rounded });
-            return Err(AllocError::OutOfMemory(Box::new(
-                self.report(0, rounded, cause),
-            )));
         };
         let bytes: u64 = ranges.iter().map(|r| r.1 - r.0).sum();
+        if !capturing {
+            let streams = self.expandable_streams();
+            self.fences.poll(&mut self.backend)?;
+            self.fences.cover_all(&mut self.backend, streams)?;
+            let short = bytes - self.pages.usable(bytes);
+            if short > 0 && self.config.defragment {
+                // See Note [Defragmentation].
+                let s = &self.stats;
+                let high = (s.allocated_bytes.all.peak as u64)
+                    .max(s.allocated_bytes.all.current as u64 + rounded);
+                let bound = (high as f64 * (1.0 + self.config.defragment_headroom)) as u64;
+                let held = s.reserved_bytes.all.current as u64;
+                let excess = (held + short).saturating_sub(bound);
+                if excess > 0 {
+                    self.reclaim(excess.min(short), seg, ws, ws + rounded)?;
+                }
+            }
+        }
+        let new_bytes = bytes - self.pages.usable(bytes);
         let reserved = self.stats.reserved_bytes.all.current as u64;
         if let Some(limit) = self.limit()?
-            && reserved + bytes > limit
+            && new_bytes > 0
+            && reserved + new_bytes > limit
         {
             return Err(AllocError::OutOfMemory(Box::new(
-                self.report(0, bytes, None),
+                self.report(0, new_bytes, None),
             )));
         }
         let mut failure = None;
@@ -166,7 +204,31 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(block)
     }
 
-    /// Where to place `rounded` bytes in a stream's expandable segment: the
+    /// The best window over every expandable segment of `(pool, stream)`:
+    /// fewest bytes to map, then the oldest segment, then the lowest address.
+    fn find_window(
+        &self,
+        pool: PoolId,
+        stream: StreamId,
+        rounded: u64,
+        page: u64,
+    ) -> Option<Window> {
+        let mut best: Option<Window> = None;
+        for &(s, seg) in &self.pools[pool as usize].expandable {
+            if s != stream {
+                continue;
+            }
+            if let Some((ws, ranges)) = self.best_window(seg, stream, rounded, page) {
+                let cost = |r: &[(u64, u64)]| r.iter().map(|x| x.1 - x.0).sum::<u64>();
+                if best.as_ref().is_none_or(|b| cost(&ranges) < cost(&b.2)) {
+                    best = Some((seg, ws, ranges));
+                }
+            }
+        }
+        best
+    }
+
+    /// Where to place `rounded` bytes in an expandable segment: the
     /// window of free and unmapped space that needs the fewest new pages
     /// (lowest address on ties). Returns its start and the page ranges to map.
     fn best_window(
@@ -247,7 +309,13 @@ impl<B: Backend> DeviceAllocator<B> {
         hi: u64,
         capturing: bool,
     ) -> Result<(), BackendError> {
-        self.backend.map(lo, hi - lo, capturing)?;
+        let kind = self.segments.get(seg).kind;
+        let sizes = self.handle_sizes(kind);
+        let (result, deltas, created) =
+            self.pages
+                .map(&mut self.backend, lo, hi - lo, kind, sizes, capturing);
+        self.apply_deltas(deltas, created as i64);
+        result?;
         let u = self.block_at(seg, lo);
         debug_assert_eq!(self.blocks[u].state, BlockState::Unmapped);
         let u_start = self.blocks[u].ptr;
@@ -258,10 +326,8 @@ impl<B: Backend> DeviceAllocator<B> {
         let pool = self.blocks[mapped].pool;
         self.blocks[mapped].gc_base = self.pools[pool as usize].lookups;
         self.blocks[mapped].stream = stream;
-        let kind = self.pools[pool as usize].kind;
+        self.blocks[mapped].freed = 0;
         self.segments.get_mut(seg).mapped += hi - lo;
-        self.stats.reserved_bytes.update(kind, (hi - lo) as i64);
-        self.stats.num_device_alloc += 1;
         self.record(
             Action::SegmentMap,
             stream,
@@ -323,6 +389,7 @@ impl<B: Backend> DeviceAllocator<B> {
             prev: b.prev,
             next: Some(id),
             gc_base: b.gc_base,
+            freed: b.freed,
             ..Block::new(b.ptr, bytes, b.stream, b.segment, b.pool, state)
         };
         let (prev, seg) = (b.prev, b.segment);
@@ -341,9 +408,15 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Merges the block after `id` into `id`; returns `id`.
     fn absorb_next(&mut self, id: BlockId) -> BlockId {
         let n = self.blocks[id].next.expect("a next block to absorb");
-        let (size, next) = (self.blocks[n].size, self.blocks[n].next);
-        self.blocks[id].size += size;
-        self.blocks[id].next = next;
+        let (size, next, freed) = (
+            self.blocks[n].size,
+            self.blocks[n].next,
+            self.blocks[n].freed,
+        );
+        let b = &mut self.blocks[id];
+        b.size += size;
+        b.next = next;
+        b.freed = b.freed.max(freed);
         if let Some(nn) = next {
             self.blocks[nn].prev = Some(id);
         }
@@ -359,78 +432,160 @@ impl<B: Backend> DeviceAllocator<B> {
         debug_assert!(removed, "free block {id} was not indexed");
     }
 
-    /// Unmaps every whole page inside free blocks of the default pools'
-    /// expandable segments, and frees reservations left with nothing mapped.
-    pub(crate) fn unmap_free_pages(&mut self) -> Result<(), AllocError> {
-        let segs: Vec<(PoolId, SegmentId)> = [SMALL, LARGE]
+    /// The default pools' expandable segments.
+    fn expandable_segments(&self) -> Vec<SegmentId> {
+        [SMALL, LARGE]
             .into_iter()
-            .flat_map(|p| {
-                self.pools[p as usize]
-                    .expandable
-                    .iter()
-                    .map(move |e| (p, e.1))
-            })
+            .flat_map(|p| self.pools[p as usize].expandable.iter().map(|e| e.1))
+            .collect()
+    }
+
+    /// The streams that own the default pools' expandable segments.
+    fn expandable_streams(&self) -> Vec<StreamId> {
+        let mut v: Vec<StreamId> = self
+            .expandable_segments()
+            .into_iter()
+            .map(|s| self.segments.get(s).stream)
             .collect();
-        for (pool, seg) in segs {
-            let kind = self.pools[pool as usize].kind;
-            let page = self.page_size(kind);
-            let base = self.segments.get(seg).ptr;
-            let mut free = Vec::new();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// Runs of whole handles inside free blocks of the default pools'
+    /// expandable segments, outside `[keep_lo, keep_hi)` of `keep`:
+    /// `(bytes, start, segment, stream, freed stamp)`.
+    fn free_runs(
+        &self,
+        keep: Option<(SegmentId, u64, u64)>,
+    ) -> Vec<(u64, u64, SegmentId, StreamId, u64)> {
+        let mut out = Vec::new();
+        for seg in self.expandable_segments() {
             let mut cur = Some(self.segments.get(seg).first);
             while let Some(id) = cur {
-                if self.blocks[id].state == BlockState::Free {
-                    free.push(id);
-                }
-                cur = self.blocks[id].next;
-            }
-            for id in free {
-                let (ptr, size, stream) = (
-                    self.blocks[id].ptr,
-                    self.blocks[id].size,
-                    self.blocks[id].stream,
-                );
-                let lo = base + (ptr - base).div_ceil(page) * page;
-                let hi = base + (ptr + size - base) / page * page;
-                if hi <= lo {
+                let b = &self.blocks[id];
+                cur = b.next;
+                if b.state != BlockState::Free {
                     continue;
                 }
-                self.backend.unmap(lo, hi - lo)?;
-                self.unindex(id);
-                let mut mid = id;
-                if lo > ptr {
-                    let head = self.carve_front(mid, lo - ptr, BlockState::Free);
-                    self.reindex(head);
+                let (lo, hi) = (b.ptr, b.ptr + b.size);
+                let parts = match keep {
+                    Some((k, kl, kh)) if k == seg && lo < kh && kl < hi => {
+                        vec![(lo, kl.max(lo)), (kh.min(hi), hi)]
+                    }
+                    _ => vec![(lo, hi)],
+                };
+                for (plo, phi) in parts {
+                    if plo < phi {
+                        for (rlo, rhi) in self.pages.whole_runs(plo, phi) {
+                            out.push((rhi - rlo, rlo, seg, b.stream, b.freed));
+                        }
+                    }
                 }
-                if hi < ptr + size {
-                    let tail_start = hi - lo;
-                    let m = self.carve_front(mid, tail_start, BlockState::Unmapped);
-                    self.reindex(mid);
-                    mid = m;
-                } else {
-                    self.blocks[mid].state = BlockState::Unmapped;
-                }
-                if let Some(n) = self.blocks[mid].next
-                    && self.blocks[n].state == BlockState::Unmapped
-                {
-                    self.absorb_next(mid);
-                }
-                if let Some(p) = self.blocks[mid].prev
-                    && self.blocks[p].state == BlockState::Unmapped
-                {
-                    self.absorb_next(p);
-                }
-                self.segments.get_mut(seg).mapped -= hi - lo;
-                self.stats.reserved_bytes.update(kind, -((hi - lo) as i64));
-                self.stats.num_device_free += 1;
-                self.record(
-                    Action::SegmentUnmap,
-                    stream,
-                    lo,
-                    hi - lo,
-                    pool_code(None, kind == PoolKind::Large),
-                );
             }
-            if self.segments.get(seg).mapped == 0 {
+        }
+        out
+    }
+
+    /// Unmaps whole free handles into the page pool, largest runs first,
+    /// until at least `want` bytes moved or none are left; never inside
+    /// `[keep_lo, keep_hi)` of segment `keep`. Pages whose work is not
+    /// known to be done are waited for first, on their stream only.
+    fn reclaim(
+        &mut self,
+        want: u64,
+        keep: SegmentId,
+        keep_lo: u64,
+        keep_hi: u64,
+    ) -> Result<u64, AllocError> {
+        let mut runs = self.free_runs(Some((keep, keep_lo, keep_hi)));
+        runs.sort_unstable_by_key(|r| (std::cmp::Reverse(r.0), r.1));
+        let mut took = 0;
+        let chosen: Vec<_> = runs
+            .into_iter()
+            .take_while(|r| {
+                let more = took < want;
+                took += r.0;
+                more
+            })
+            .collect();
+        for &(_, _, _, stream, freed) in &chosen {
+            self.fences.wait(&mut self.backend, stream, freed)?;
+        }
+        let mut moved = 0;
+        for (bytes, lo, seg, _, _) in chosen {
+            self.unmap_run(seg, lo, lo + bytes)?;
+            moved += bytes;
+        }
+        self.stats.num_defragment += u64::from(moved > 0) as i64;
+        Ok(moved)
+    }
+
+    /// Unmaps `[lo, hi)`, a run of whole handles inside one free block of
+    /// `seg`, into the page pool, and marks it unmapped.
+    fn unmap_run(&mut self, seg: SegmentId, lo: u64, hi: u64) -> Result<(), AllocError> {
+        let kind = self.segments.get(seg).kind;
+        let id = self.block_at(seg, lo);
+        let (ptr, size, stream) = (
+            self.blocks[id].ptr,
+            self.blocks[id].size,
+            self.blocks[id].stream,
+        );
+        debug_assert!(self.blocks[id].state == BlockState::Free && hi <= ptr + size);
+        self.pages.unmap(&mut self.backend, lo, hi, kind)?;
+        self.unindex(id);
+        let mut mid = id;
+        if lo > ptr {
+            let head = self.carve_front(mid, lo - ptr, BlockState::Free);
+            self.reindex(head);
+        }
+        if hi < ptr + size {
+            let m = self.carve_front(mid, hi - lo, BlockState::Unmapped);
+            self.reindex(mid);
+            mid = m;
+        } else {
+            self.blocks[mid].state = BlockState::Unmapped;
+        }
+        if let Some(n) = self.blocks[mid].next
+            && self.blocks[n].state == BlockState::Unmapped
+        {
+            self.absorb_next(mid);
+        }
+        if let Some(p) = self.blocks[mid].prev
+            && self.blocks[p].state == BlockState::Unmapped
+        {
+            self.absorb_next(p);
+        }
+        self.segments.get_mut(seg).mapped -= hi - lo;
+        self.record(
+            Action::SegmentUnmap,
+            stream,
+            lo,
+            hi - lo,
+            pool_code(None, kind == PoolKind::Large),
+        );
+        Ok(())
+    }
+
+    /// Unmaps every whole free handle of the default pools' expandable
+    /// segments (after waiting for their work), frees reservations left with
+    /// nothing mapped, and returns the pooled handles to the driver.
+    pub(crate) fn unmap_free_pages(&mut self) -> Result<(), AllocError> {
+        let streams = self.expandable_streams();
+        self.fences.wait_all(&mut self.backend, streams)?;
+        let mut runs = self.free_runs(None);
+        runs.sort_unstable_by_key(|r| r.1);
+        for (bytes, lo, seg, _, _) in runs {
+            self.unmap_run(seg, lo, lo + bytes)?;
+        }
+        for pool in [SMALL, LARGE] {
+            let empty: Vec<SegmentId> = self.pools[pool as usize]
+                .expandable
+                .iter()
+                .map(|e| e.1)
+                .filter(|&s| self.segments.get(s).mapped == 0)
+                .collect();
+            for seg in empty {
                 let s = self.segments.remove(seg);
                 debug_assert!(self.blocks[s.first].next.is_none());
                 self.blocks.remove(s.first);
@@ -438,6 +593,9 @@ impl<B: Backend> DeviceAllocator<B> {
                 self.backend.free_reservation(s.ptr, s.size)?;
             }
         }
+        let (result, deltas) = self.pages.release(&mut self.backend, u64::MAX);
+        self.apply_deltas(deltas, deltas[0] + deltas[1]);
+        result?;
         Ok(())
     }
 
@@ -500,7 +658,7 @@ mod tests {
         ok(&d);
         assert_eq!(d.stats().reserved_bytes.all.current, 0);
         assert_eq!(d.backend().used(), 0);
-        assert_eq!(d.backend().mapped_pages(), 0);
+        assert_eq!(d.backend().mappings(), 0);
     }
 
     #[test]
@@ -601,7 +759,7 @@ mod tests {
 
     #[test]
     fn expandable_segments_cut_fragmentation_on_multiscale_shapes() {
-        let (plain_r, plain_a, plain_q) = multiscale_peak("");
+        let (plain_r, plain_a, plain_q) = multiscale_peak("policy:pytorch");
         let (exp_r, exp_a, exp_q) = multiscale_peak("expandable_segments:true");
         let (pt_r, pt_a, _) =
             multiscale_peak("expandable_segments:true,defragment:false,expandable_page_mb:20");
@@ -654,7 +812,7 @@ mod tests {
             d.empty_cache().unwrap();
             ok(&d);
             proptest::prop_assert_eq!(d.backend().used(), 0);
-            proptest::prop_assert_eq!(d.backend().mapped_pages(), 0);
+            proptest::prop_assert_eq!(d.backend().mappings(), 0);
         }
     }
 }

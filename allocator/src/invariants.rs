@@ -4,12 +4,14 @@
 //! adjacent blocks of a segment are both free with the same stream (they
 //! would have been merged); the free index holds exactly the free blocks,
 //! under their current keys; the address map holds exactly the allocated
-//! and pending blocks; pending events match their blocks; and every stat
-//! gauge equals a recount.
+//! and pending blocks; pending events match their blocks; the page pool's
+//! mapped handles tile exactly the mapped blocks of expandable segments; and
+//! every stat gauge equals a recount (reserved = mapped + pooled).
 
 use crate::backend::Backend;
 use crate::block::BlockState;
 use crate::device::DeviceAllocator;
+use crate::size_class::PoolKind;
 use crate::stats::StatArray;
 
 impl<B: Backend> DeviceAllocator<B> {
@@ -22,6 +24,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let mut free_blocks = 0usize;
         let mut unmapped_blocks = 0usize;
         let mut recount = Recount::default();
+        let mut mapped_ranges: Vec<(u64, u64)> = Vec::new();
         for (seg_id, seg) in self.segments.iter() {
             if !seg.expandable {
                 recount.segment.update(seg.kind, 1);
@@ -75,6 +78,12 @@ impl<B: Backend> DeviceAllocator<B> {
                 let kind = seg.kind;
                 if b.state != BlockState::Unmapped {
                     mapped += b.size;
+                    if seg.expandable {
+                        match mapped_ranges.last_mut() {
+                            Some(r) if r.1 == b.ptr => r.1 += b.size,
+                            _ => mapped_ranges.push((b.ptr, b.ptr + b.size)),
+                        }
+                    }
                 }
                 match b.state {
                     BlockState::Unmapped => {
@@ -138,6 +147,15 @@ impl<B: Backend> DeviceAllocator<B> {
                 ));
             }
         }
+        for kind in [PoolKind::Small, PoolKind::Large] {
+            recount
+                .reserved
+                .update(kind, self.pages.pooled_bytes(kind) as i64);
+        }
+        mapped_ranges.sort_unstable();
+        self.pages
+            .check(&mapped_ranges)
+            .map_err(|e| format!("page pool: {e}"))?;
         if seen_blocks != self.blocks.len() {
             return Err(format!(
                 "{} blocks in the arena, {seen_blocks} reachable from segments",

@@ -529,7 +529,12 @@ mod tests {
         let small = replay(evs.iter().copied(), a.peak_allocated / 2, &c);
         let oom = small.first_oom.expect("half the peak cannot fit");
         assert!(small.ooms > 0 && oom.requested > 0 && oom.message.contains("out of memory"));
-        assert!(small.peak_reserved <= a.peak_allocated / 2);
+        assert!(
+            small.peak_reserved <= a.peak_allocated / 2,
+            "{} > {}",
+            small.peak_reserved,
+            a.peak_allocated / 2
+        );
     }
 
     #[test]

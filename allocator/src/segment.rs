@@ -62,10 +62,6 @@ impl SegmentArena {
             .expect("dangling segment id")
     }
 
-    pub fn get_checked(&self, id: u32) -> Option<&Segment> {
-        self.slots.get(id as usize).and_then(|s| s.as_ref())
-    }
-
     pub fn get_mut(&mut self, id: u32) -> &mut Segment {
         self.slots[id as usize]
             .as_mut()

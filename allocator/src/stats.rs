@@ -115,6 +115,15 @@ pub struct DeviceStats {
     pub num_cross_stream_reuse: i64,
     /// Trace records that could not be written (gpualloc's addition).
     pub num_trace_dropped: i64,
+    /// Times free pages were unmapped to be mapped where a request fits,
+    /// instead of growing (Note [Defragmentation]; gpualloc's addition).
+    pub num_defragment: i64,
+    /// Driver calls of every kind (filled in when stats are read).
+    pub num_driver_calls: i64,
+    /// Driver calls that obtain, map, unmap or return memory.
+    pub num_driver_memory_calls: i64,
+    /// Nanoseconds spent in driver calls, where the backend measures it.
+    pub driver_time_ns: i64,
     /// The configured `max_split_size` (-1 when unlimited, as PyTorch reports it).
     pub max_split_size: i64,
 }
@@ -199,6 +208,10 @@ impl DeviceStats {
             ("num_oom_rejections", self.num_oom_rejections),
             ("num_cross_stream_reuse", self.num_cross_stream_reuse),
             ("num_trace_dropped", self.num_trace_dropped),
+            ("num_defragment", self.num_defragment),
+            ("num_driver_calls", self.num_driver_calls),
+            ("num_driver_memory_calls", self.num_driver_memory_calls),
+            ("driver_time_ns", self.driver_time_ns),
             ("max_split_size", self.max_split_size),
         ] {
             out.push((name.to_string(), v));
@@ -235,6 +248,7 @@ impl DeviceStats {
         self.num_device_alloc = 0;
         self.num_device_free = 0;
         self.num_cross_stream_reuse = 0;
+        self.num_defragment = 0;
     }
 }
 
@@ -270,7 +284,7 @@ mod tests {
         assert_eq!(get("allocated_bytes.large_pool.current"), Some(0));
         assert!(get("inactive_split_bytes.all.freed").is_some());
         assert!(get("num_alloc_retries").is_some());
-        assert_eq!(flat.len(), 9 * 3 * 4 + 2 * 4 + 9);
+        assert_eq!(flat.len(), 9 * 3 * 4 + 2 * 4 + 13);
         d.reset_accumulated();
         d.update_noop();
     }

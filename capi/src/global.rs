@@ -9,7 +9,9 @@
 use std::sync::OnceLock;
 
 use gpualloc::backend::cuda::{self, CudaBackend};
-use gpualloc::backend::{Backend, BackendError, DevicePtr, EventId, MemInfo, StreamId};
+use gpualloc::backend::{
+    Backend, BackendError, DevicePtr, DriverCalls, EventId, HandleId, MemInfo, StreamId,
+};
 use gpualloc::{Allocator, Config, SimBackend};
 use parking_lot::Mutex;
 
@@ -79,11 +81,25 @@ impl Backend for AnyBackend {
     fn free_reservation(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
         dispatch!(self, b => b.free_reservation(ptr, size))
     }
-    fn map(&mut self, ptr: DevicePtr, size: u64, capturing: bool) -> Result<(), BackendError> {
-        dispatch!(self, b => b.map(ptr, size, capturing))
+    fn create_handle(&mut self, size: u64, capturing: bool) -> Result<HandleId, BackendError> {
+        dispatch!(self, b => b.create_handle(size, capturing))
+    }
+    fn release_handle(&mut self, handle: HandleId, size: u64) -> Result<(), BackendError> {
+        dispatch!(self, b => b.release_handle(handle, size))
+    }
+    fn map_handles(
+        &mut self,
+        ptr: DevicePtr,
+        handles: &[(HandleId, u64)],
+        capturing: bool,
+    ) -> Result<(), BackendError> {
+        dispatch!(self, b => b.map_handles(ptr, handles, capturing))
     }
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
         dispatch!(self, b => b.unmap(ptr, size))
+    }
+    fn driver_calls(&self) -> DriverCalls {
+        dispatch!(self, b => b.driver_calls())
     }
 }
 

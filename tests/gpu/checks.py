@@ -5,8 +5,12 @@ every check once per allocator in its own subprocess. Each prints one line
 `GPUALLOC_RESULT <json>` at the end; everything else is diagnostics.
 
 Checks: dropin (what training code expects of the allocator), streams (data
-integrity across streams and record_stream), threads, train_resnet,
-train_gpt2, train_detector, churn.
+integrity across streams and record_stream), threads, multi_device,
+train_resnet, train_gpt2, train_detector, train_backbone (training steps
+timed, with the allocator's counters), churn, and max_batch (the largest
+batch of a workload under a memory budget):
+
+    python3 tests/gpu/checks.py max_batch --alloc native --workload backbone --budget-gib 12
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Callable, NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -446,13 +451,48 @@ def _deterministic(seed=0):
     torch.backends.cudnn.allow_tf32 = False
 
 
+def _counters() -> dict:
+    """The allocator's counters in torch.cuda.memory_stats(): PyTorch's four
+    (None where absent) and every key starting with num_ or driver_ that
+    exists; under gpualloc also those of gpualloc.stats() that torch's
+    stats lack (the bridge hands torch only PyTorch's fields)."""
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    out = dict.fromkeys(("num_device_alloc", "num_device_free", "num_sync_all_streams", "num_alloc_retries"))
+    out.update((k, v) for k, v in stats.items() if k.startswith(("num_", "driver_")))
+    gpualloc = sys.modules.get("gpualloc")
+    if gpualloc is not None and gpualloc.installed():
+        for k, v in gpualloc.stats().items():
+            if k.startswith(("num_", "driver_")):
+                out.setdefault(k, v)
+    return out
+
+
+def _device_calls(counters: dict):
+    """num_device_alloc + num_device_free, or None where either is absent."""
+    a, f = counters.get("num_device_alloc"), counters.get("num_device_free")
+    return None if a is None or f is None else a + f
+
+
 def _train(model, make_batch, loss_fn, steps, lr=0.01):
+    """Trains `steps` SGD steps, each timed between two synchronizations.
+
+    median_step_s and mean_step_s leave out the first min(10, 20%) steps;
+    mean_step_s_all and wall_s (the whole loop, batches included) do not.
+    device_allocs_after_warmup counts num_device_alloc + num_device_free over
+    the steps after the first 20%; counters are read at the end.
+    """
     import torch
 
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     losses, times = [], []
+    warmup = steps // 5
     torch.cuda.reset_peak_memory_stats()
+    loop0 = time.perf_counter()
     for step in range(steps):
+        if step == warmup:
+            before = _counters()
         batch = make_batch(step)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -464,49 +504,64 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
         del batch, loss
+    wall = time.perf_counter() - loop0
+    after = _counters()
+    calls = (_device_calls(before), _device_calls(after))
     warm = times[min(10, len(times) // 5):]
     return {
         "steps": steps,
         "losses": losses,
         "median_step_s": statistics.median(warm),
         "mean_step_s": statistics.fmean(warm),
+        "mean_step_s_all": statistics.fmean(times),
+        "wall_s": wall,
         "peak_allocated": torch.cuda.max_memory_allocated(),
         "peak_reserved": torch.cuda.max_memory_reserved(),
         "peak_reserved_over_allocated": torch.cuda.max_memory_reserved() / max(1, torch.cuda.max_memory_allocated()),
-        "num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries"),
+        "num_alloc_retries": after["num_alloc_retries"],
+        "counters": after,
+        "device_allocs_after_warmup": None if None in calls else calls[1] - calls[0],
+        "warmup_steps": warmup,
     }
 
 
-def check_train_resnet(args) -> dict:
-    import torch
+class Workload(NamedTuple):
+    """A training workload built for one batch size: the model (on the GPU),
+    the batch of each step, the loss, the learning rate and a description."""
 
-    try:
-        import torchvision
-    except ImportError as e:
-        return {"skipped": f"torchvision not installed: {e}"}
-    _deterministic()
+    model: object
+    make_batch: Callable
+    loss_fn: Callable
+    lr: float
+    name: str
+
+
+def _resnet(batch, steps) -> Workload:
+    """torchvision resnet50 on 160x160 synthetic images: one shape throughout."""
+    import torch
+    import torchvision
+
     dev = torch.device("cuda:0")
     model = torchvision.models.resnet50(num_classes=100).to(dev)
     g = torch.Generator().manual_seed(1)
-    bs, res = 32, 160
-    data = [(torch.randn(bs, 3, res, res, generator=g), torch.randint(0, 100, (bs,), generator=g)) for _ in range(8)]
+    res = 160
+    data = [(torch.randn(batch, 3, res, res, generator=g), torch.randint(0, 100, (batch,), generator=g))
+            for _ in range(min(8, steps))]
 
     def make_batch(step):
         x, y = data[step % len(data)]
-        return x.to(dev, non_blocking=False), y.to(dev)
+        return x.to(dev), y.to(dev)
 
     def loss_fn(m, b):
         return torch.nn.functional.cross_entropy(m(b[0]), b[1])
 
-    out = _train(model, make_batch, loss_fn, args.steps or 200, lr=0.05)
-    out["model"] = "torchvision resnet50, batch 32, 160x160, synthetic"
-    return out
+    return Workload(model, make_batch, loss_fn, 0.05, f"torchvision resnet50, batch {batch}, {res}x{res}, synthetic")
 
 
-def check_train_gpt2(args) -> dict:
+def _gpt2(batch, steps) -> Workload:
+    """GPT-2 small (transformers, or TinyGPT without it) on random token sequences of 64..512."""
     import torch
 
-    _deterministic()
     dev = torch.device("cuda:0")
     vocab = 50257
     try:
@@ -531,45 +586,193 @@ def check_train_gpt2(args) -> dict:
 
     rng = random.Random(2)
     g = torch.Generator().manual_seed(2)
-    lengths = [rng.randrange(64, 513) for _ in range(args.steps or 200)]
+    lengths = [rng.randrange(64, 513) for _ in range(steps)]
 
     def make_batch(step):
-        return torch.randint(0, vocab, (8, lengths[step]), generator=g).to(dev)
+        return torch.randint(0, vocab, (batch, lengths[step]), generator=g).to(dev)
 
-    out = _train(model, make_batch, forward, args.steps or 200, lr=0.001)
-    out["model"] = name + ", batch 8, random lengths 64..512"
-    return out
+    return Workload(model, make_batch, forward, 0.001, name + f", batch {batch}, random lengths 64..512")
 
 
-def check_train_detector(args) -> dict:
+def _detection_loss(x, outs):
+    """Synthetic targets for dense per-scale outputs: deterministic functions
+    of the input (channel 0 against the pooled input, the rest towards 0)."""
+    import torch
+
+    loss = 0.0
+    for o in outs:
+        o = o.float()
+        target = torch.nn.functional.adaptive_avg_pool2d(x.mean(1, keepdim=True), o.shape[-2:]).sigmoid()
+        loss = loss + torch.nn.functional.binary_cross_entropy_with_logits(o[:, :1], target) + o[:, 1:].pow(2).mean() * 1e-3
+    return loss
+
+
+def _detector(batch, steps) -> Workload:
+    """MultiScaleDetector (models.py) on square images of 256..640, a new size drawn each step."""
     import torch
 
     from models import MultiScaleDetector
 
-    _deterministic()
     dev = torch.device("cuda:0")
     model = MultiScaleDetector(classes=20).to(dev)
     rng = random.Random(3)
     g = torch.Generator().manual_seed(3)
-    sizes = [rng.choice(range(256, 641, 32)) for _ in range(args.steps or 200)]
+    sizes = [rng.choice(range(256, 641, 32)) for _ in range(steps)]
 
     def make_batch(step):
         s = sizes[step]
-        x = torch.randn(8, 3, s, s, generator=g)
-        return x.to(dev)
+        return torch.randn(batch, 3, s, s, generator=g).to(dev)
 
     def loss_fn(m, x):
-        outs = m(x)
-        # Synthetic targets: deterministic functions of the input, per scale.
-        loss = 0.0
-        for o in outs:
-            target = torch.nn.functional.adaptive_avg_pool2d(x.mean(1, keepdim=True), o.shape[-2:]).sigmoid()
-            loss = loss + torch.nn.functional.binary_cross_entropy_with_logits(o[:, :1], target) + o[:, 1:].pow(2).mean() * 1e-3
-        return loss
+        return _detection_loss(x, m(x))
 
-    out = _train(model, make_batch, loss_fn, args.steps or 200, lr=0.01)
-    out["model"] = "gpualloc MultiScaleDetector (CSP-like backbone, FPN, 3 heads), batch 8, sizes 256..640"
+    return Workload(model, make_batch, loss_fn, 0.01,
+                    f"gpualloc MultiScaleDetector (CSP-like backbone, FPN, 3 heads), batch {batch}, sizes 256..640")
+
+
+def _backbone(batch, steps) -> Workload:
+    """A multi-scale CNN backbone (timm's cspdarknet53, or torchvision's
+    resnet50 without timm) with a 1x1 head on each of its last three feature
+    maps, in bf16 autocast, on square images of 320..960 (step 32), a new
+    size drawn each step; the images are drawn on the GPU."""
+    import torch
+
+    from models import FeatureHeads
+
+    dev = torch.device("cuda:0")
+    try:
+        import timm
+
+        features = timm.create_model("cspdarknet53", pretrained=False, features_only=True)
+        channels = features.feature_info.channels()
+        name = f"timm {timm.__version__} cspdarknet53 features"
+    except ImportError:
+        import torchvision
+        from torchvision.models.feature_extraction import create_feature_extractor
+
+        features = create_feature_extractor(torchvision.models.resnet50(), {"layer2": "c3", "layer3": "c4", "layer4": "c5"})
+        channels = [512, 1024, 2048]
+        name = "torchvision resnet50 features (timm not installed)"
+    model = FeatureHeads(features, channels).to(dev)
+    rng = random.Random(5)
+    g = torch.Generator(device=dev).manual_seed(5)
+    sizes = [rng.choice(range(320, 961, 32)) for _ in range(steps)]
+
+    def make_batch(step):
+        s = sizes[step]
+        return torch.randn(batch, 3, s, s, generator=g, device=dev)
+
+    def loss_fn(m, x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            outs = m(x)
+        return _detection_loss(x, outs)
+
+    return Workload(model, make_batch, loss_fn, 0.01,
+                    name + f" + 1x1 heads on the last 3 levels, bf16 autocast, batch {batch}, sizes 320..960")
+
+
+# name -> (builder, batch size of train_<name>)
+WORKLOADS = {
+    "resnet": (_resnet, 128),
+    "gpt2": (_gpt2, 8),
+    "detector": (_detector, 8),
+    "backbone": (_backbone, 32),
+}
+
+
+def _train_workload(name, steps) -> dict:
+    build, batch = WORKLOADS[name]
+    _deterministic()
+    try:
+        w = build(batch, steps)
+    except ImportError as e:
+        return {"skipped": f"{e.name or e} not installed"}
+    out = _train(w.model, w.make_batch, w.loss_fn, steps, lr=w.lr)
+    out["model"] = w.name
     return out
+
+
+def check_train_resnet(args) -> dict:
+    return _train_workload("resnet", args.steps or 200)
+
+
+def check_train_gpt2(args) -> dict:
+    return _train_workload("gpt2", args.steps or 200)
+
+
+def check_train_detector(args) -> dict:
+    return _train_workload("detector", args.steps or 200)
+
+
+def check_train_backbone(args) -> dict:
+    return _train_workload("backbone", args.steps or 200)
+
+
+# ---------------------------------------------------------------------------
+# max_batch: the largest batch that trains under a fixed memory budget
+
+MAX_BATCH_STEPS = 6
+MAX_BATCH_CAP = 4096
+
+
+def check_max_batch(args) -> dict:
+    """Caps the process at --budget-gib (set_per_process_memory_fraction) and
+    finds the largest batch of --workload that trains MAX_BATCH_STEPS steps
+    (with the workload's shape changes) without OutOfMemoryError: doubling
+    from 1, then bisection. Every attempt builds its model anew and leaves
+    nothing behind (collected, cache emptied, peaks reset) for the next."""
+    import gc
+
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(1.0, args.budget_gib * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    build = WORKLOADS[args.workload][0]
+    attempts = []
+
+    def train(batch):
+        _deterministic()
+        w = build(batch, MAX_BATCH_STEPS)
+        _train(w.model, w.make_batch, w.loss_fn, MAX_BATCH_STEPS, lr=w.lr)
+        return w.name
+
+    def fits(batch):
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        attempt = {"batch": batch}
+        try:
+            attempt["model"] = train(batch)
+            attempt["fits"] = True
+        except torch.cuda.OutOfMemoryError as e:
+            attempt["fits"] = False
+            attempt["oom"] = str(e)[:300]
+        gc.collect()
+        attempt.update(seconds=round(time.perf_counter() - t0, 2), peak_allocated=torch.cuda.max_memory_allocated(),
+                       peak_reserved=torch.cuda.max_memory_reserved(), allocated_after=torch.cuda.memory_allocated())
+        torch.cuda.empty_cache()
+        attempts.append(attempt)
+        print(f"max_batch {args.workload}: batch {batch} {'fits' if attempt['fits'] else 'OOM'}", file=sys.stderr, flush=True)
+        return attempt["fits"]
+
+    lo, hi, batch = 0, None, 1
+    try:
+        while hi is None and batch <= MAX_BATCH_CAP:
+            if fits(batch):
+                lo, batch = batch, batch * 2
+            else:
+                hi = batch
+        while hi is not None and hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+    except ImportError as e:
+        return {"skipped": f"{e.name or e} not installed"}
+    return {"workload": args.workload, "budget_gib": args.budget_gib, "memory_fraction": fraction,
+            "steps": MAX_BATCH_STEPS, "max_batch": lo, "first_oom_batch": hi,
+            "model": next((a["model"] for a in reversed(attempts) if a["fits"]), None), "attempts": attempts}
 
 
 # ---------------------------------------------------------------------------
@@ -593,8 +796,10 @@ def check_churn(args) -> dict:
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     window = None
+    peak_reserved, peak_allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
     return {"ops": n, "seconds": dt, "us_per_alloc_free": dt / n * 1e6,
-            "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated()}
+            "peak_reserved": peak_reserved, "peak_allocated": peak_allocated,
+            "peak_reserved_over_allocated": peak_reserved / max(1, peak_allocated), "counters": _counters()}
 
 
 CHECKS = {
@@ -604,6 +809,8 @@ CHECKS = {
     "train_resnet": check_train_resnet,
     "train_gpt2": check_train_gpt2,
     "train_detector": check_train_detector,
+    "train_backbone": check_train_backbone,
+    "max_batch": check_max_batch,
     "churn": check_churn,
     "multi_device": check_multi_device,
 }
@@ -614,6 +821,8 @@ def main():
     p.add_argument("check", choices=sorted(CHECKS))
     p.add_argument("--alloc", choices=["native", "gpualloc"], required=True)
     p.add_argument("--steps", type=int, default=0)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="gpt2", help="max_batch: what to train")
+    p.add_argument("--budget-gib", type=float, default=12.0, help="max_batch: the memory budget")
     args = p.parse_args()
     payload = {"check": args.check}
     try:

@@ -2,8 +2,10 @@
 and once with gpualloc, with a timeout each; writes summary.json.
 
     python3 tests/gpu/driver.py --out DIR [--only dropin,streams] [--budget 480]
+        [--steps N] [--variants native,gpualloc-pytorch,'gpualloc[expandable_segments:true]']
 
-Failures and timeouts are reported in the summary, never fatal.
+Failures and timeouts are reported in the summary, never fatal. bench.py
+runs its benchmark through run_one and variant() from here.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -27,27 +30,88 @@ PLAN = [
     ("train_resnet", 150, 200),
     ("train_gpt2", 150, 200),
     ("train_detector", 150, 200),
+    ("train_backbone", 240, 200),
 ]
 
 # Allocator variants: name -> (checks.py --alloc, extra environment).
-# Training runs every variant; the other checks run "native" and "gpualloc".
+# "gpualloc" is gpualloc with no configuration (its defaults). Besides these
+# names, variant() takes ad-hoc ones: gpualloc[CONF] (CONF in GPUALLOC_CONF
+# syntax) and native[CONF] (CONF in PYTORCH_CUDA_ALLOC_CONF syntax).
+# Training runs TRAIN_VARIANTS (or --variants); the other checks run
+# "native" and "gpualloc".
 VARIANTS = {
     "native": ("native", {}),
     "native-expandable": ("native", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
     "gpualloc": ("gpualloc", {}),
     "gpualloc-expandable": ("gpualloc", {"GPUALLOC_TEST_CONF": "expandable_segments:true"}),
     "gpualloc-expandable-traced": ("gpualloc", {"GPUALLOC_TEST_CONF": "expandable_segments:true"}),
+    "gpualloc-pytorch": ("gpualloc", {"GPUALLOC_TEST_CONF": "policy:pytorch"}),
 }
-TRAIN_VARIANTS = list(VARIANTS)
+TRAIN_VARIANTS = ["native", "native-expandable", "gpualloc", "gpualloc-expandable", "gpualloc-expandable-traced"]
+
+# Inherited settings that would change what a variant means: each run gets
+# only those of its variant.
+CONFIG_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "GPUALLOC_CONF", "GPUALLOC_TEST_CONF", "GPUALLOC_TEST_TRACE")
 
 
-def run_one(check, variant, timeout, steps, logdir):
-    alloc, extra = VARIANTS[variant]
-    cmd = [sys.executable, os.path.join(HERE, "checks.py"), check, "--alloc", alloc]
+def variant(name):
+    """(checks.py --alloc, extra environment) of a variant name; ValueError if unknown."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    m = re.fullmatch(r"(gpualloc|native)\[(.*)\]", name)
+    if not m:
+        raise ValueError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, gpualloc[CONF] or native[CONF]")
+    var = "GPUALLOC_TEST_CONF" if m[1] == "gpualloc" else "PYTORCH_CUDA_ALLOC_CONF"
+    return m[1], {var: m[2]}
+
+
+def parse_variants(text):
+    """Splits a comma-separated variant list (commas inside [...] belong to the
+    variant) and checks every name; ValueError on an unknown one."""
+    names, depth, cur = [], 0, ""
+    for ch in text + ",":
+        if ch == "," and depth == 0:
+            if cur.strip():
+                names.append(cur.strip())
+            cur = ""
+            continue
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        cur += ch
+    if depth or not names:
+        raise ValueError(f"--variants {text!r}: unbalanced brackets or no variant")
+    for n in names:
+        variant(n)
+    return names
+
+
+def build_bridge(logdir):
+    """Builds gpualloc's C++ bridge once (it is cached), so that no check pays
+    for the compiler; writes bridge-build.log and returns what happened."""
+    t0 = time.time()
+    pre = subprocess.run(
+        [sys.executable, "-c", "import gpualloc, torch; m = gpualloc.install(verbose=True); print('MODE', m, torch.__version__)"],
+        capture_output=True, text=True, timeout=600,
+    )
+    with open(os.path.join(logdir, "bridge-build.log"), "w") as f:
+        f.write(pre.stdout + "\n--- stderr\n" + pre.stderr)
+    mode = next((l.split()[1] for l in pre.stdout.splitlines() if l.startswith("MODE ")), None)
+    info = {"mode": mode, "rc": pre.returncode, "seconds": round(time.time() - t0, 1),
+            "stderr_tail": pre.stderr[-1500:] if mode != "bridge" else ""}
+    print(f"bridge build: mode={mode} rc={pre.returncode} ({info['seconds']} s)", flush=True)
+    return info
+
+
+def run_one(check, name, timeout, steps, logdir, extra_args=(), label=None):
+    """Runs one check under one variant in its own process; its log goes to
+    logdir/LABEL.log (default label: CHECK-VARIANT). Returns the check's
+    GPUALLOC_RESULT payload with rc and wall_s added."""
+    alloc, extra = variant(name)
+    cmd = [sys.executable, os.path.join(HERE, "checks.py"), check, "--alloc", alloc, *extra_args]
     if steps:
         cmd += ["--steps", str(steps)]
-    env = dict(os.environ, **extra)
-    if variant.endswith("-traced"):
+    env = {k: v for k, v in os.environ.items() if k not in CONFIG_ENV}
+    env.update(extra)
+    if name.endswith("-traced"):
         os.makedirs(os.path.join(logdir, "..", "traces"), exist_ok=True)
         env["GPUALLOC_TEST_TRACE"] = os.path.abspath(os.path.join(logdir, "..", "traces", f"{check}.gtrace"))
     t0 = time.time()
@@ -59,8 +123,10 @@ def run_one(check, variant, timeout, steps, logdir):
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
         rc = "timeout"
     wall = round(time.time() - t0, 1)
-    with open(os.path.join(logdir, f"{check}-{variant}.log"), "w") as f:
-        f.write(f"$ {' '.join(cmd)}\nrc={rc} wall={wall}s\n--- stdout\n{out}\n--- stderr\n{err}\n")
+    label = re.sub(r"[^A-Za-z0-9._-]+", "_", label or f"{check}-{name}")
+    with open(os.path.join(logdir, f"{label}.log"), "w") as f:
+        f.write(f"$ {' '.join([f'{k}={v}' for k, v in extra.items()] + cmd)}\nrc={rc} wall={wall}s\n"
+                f"--- stdout\n{out}\n--- stderr\n{err}\n")
     payload = None
     for line in out.splitlines():
         if line.startswith("GPUALLOC_RESULT "):
@@ -101,32 +167,25 @@ def main():
     p.add_argument("--only", default="")
     p.add_argument("--budget", type=float, default=float(os.environ.get("GPUALLOC_GPU_BUDGET_S", 480)))
     p.add_argument("--steps", type=int, default=0, help="training steps (default: the plan's)")
-    p.add_argument("--variants", default="", help="training variants to run (default: all)")
+    p.add_argument("--variants", default="", help="training variants to run (default: TRAIN_VARIANTS)")
     args = p.parse_args()
+    try:
+        train_variants = parse_variants(args.variants) if args.variants else TRAIN_VARIANTS
+    except ValueError as e:
+        p.error(str(e))
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     only = set(filter(None, args.only.split(",")))
     start = time.time()
     summary = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": {}, "compare": {}}
 
-    # Build the bridge once (cached), so no check pays for the compiler.
-    t0 = time.time()
-    pre = subprocess.run(
-        [sys.executable, "-c", "import gpualloc, torch; m = gpualloc.install(verbose=True); print('MODE', m, torch.__version__)"],
-        capture_output=True, text=True, timeout=600,
-    )
-    with open(os.path.join(args.out, "logs", "bridge-build.log"), "w") as f:
-        f.write(pre.stdout + "\n--- stderr\n" + pre.stderr)
-    mode = next((l.split()[1] for l in pre.stdout.splitlines() if l.startswith("MODE ")), None)
-    summary["bridge_build"] = {"mode": mode, "rc": pre.returncode, "seconds": round(time.time() - t0, 1),
-                               "stderr_tail": pre.stderr[-1500:] if mode != "bridge" else ""}
-    print(f"bridge build: mode={mode} rc={pre.returncode} ({summary['bridge_build']['seconds']} s)", flush=True)
+    summary["bridge_build"] = build_bridge(os.path.join(args.out, "logs"))
 
     for check, timeout, steps in PLAN:
         if only and check not in only:
             continue
         variants = ["native", "gpualloc"]
         if check.startswith("train_"):
-            variants = [v for v in TRAIN_VARIANTS if not args.variants or v in args.variants.split(",")]
+            variants = train_variants
             steps = args.steps or steps
         for alloc in variants:
             key = f"{check}/{alloc}"

@@ -54,6 +54,21 @@ class MultiScaleDetector(nn.Module):
         return [self.head8(f8), self.head16(f16), self.head32(p32)]
 
 
+class FeatureHeads(nn.Module):
+    """A feature backbone (returning a list or a dict of maps, finest first)
+    with a 1x1 dense head on each of its last three maps."""
+
+    def __init__(self, features, channels, out=25):
+        super().__init__()
+        self.features = features
+        self.heads = nn.ModuleList(nn.Conv2d(c, out, 1) for c in channels[-3:])
+
+    def forward(self, x):
+        maps = self.features(x)
+        maps = list(maps.values()) if isinstance(maps, dict) else maps
+        return [head(m) for head, m in zip(self.heads, maps[-3:])]
+
+
 class TinyGPT(nn.Module):
     """A GPT-2-shaped decoder (used only when transformers is not installed)."""
 

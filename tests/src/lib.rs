@@ -7,7 +7,9 @@
 //!   their block sizes, the snapshot, `sim.used()`);
 //! - no two live allocations overlap;
 //! - nothing is handed to a stream before every earlier user of its bytes is
-//!   ordered before that stream (see [`Checked::ordered`]).
+//!   ordered before that stream (see [`Checked::ordered`]);
+//! - no range is unmapped while work that used it may still run (unmapping
+//!   does not synchronize: Note [Event-ordered unmapping]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -79,8 +81,10 @@ impl Checked {
     /// A checked allocator on a simulated device of `capacity` bytes.
     pub fn new(capacity: u64, config: Config) -> Checked {
         let (byte_limit, fraction) = (config.memory_limit, config.memory_fraction);
+        let mut sim = SimBackend::new(capacity);
+        sim.log_unmaps(true);
         let c = Checked {
-            dev: DeviceAllocator::new(0, SimBackend::new(capacity), config),
+            dev: DeviceAllocator::new(0, sim, config),
             live: BTreeMap::new(),
             freed: Vec::new(),
             streams: BTreeSet::new(),
@@ -159,12 +163,26 @@ impl Checked {
 
     /// Runs one operation on the allocator, then updates the ordering model.
     fn op<R>(&mut self, f: impl FnOnce(&mut DeviceAllocator<SimBackend>) -> R) -> R {
-        let released = self.sim().counters.release + self.sim().counters.unmap;
+        let released = self.sim().counters.release;
         let waited = self.sim().counters.stream_wait_event;
         let allocated = self.sim().counters.allocate;
         let r = f(&mut self.dev);
-        if self.sim().counters.release + self.sim().counters.unmap > released {
-            // cudaFree and unmapping synchronize the device: all earlier work is done.
+        for (lo, size) in self.sim_mut().take_unmaps() {
+            let hi = lo + size;
+            for f in self.freed.iter().filter(|f| f.start < hi && lo < f.end) {
+                for &(u, seq) in &f.users {
+                    assert!(
+                        self.sim().is_completed(u, seq),
+                        "{lo:#x}+{size} unmapped while work {seq} of stream {u} on {:#x}..{:#x} may still run",
+                        f.start,
+                        f.end
+                    );
+                }
+            }
+            self.freed.retain(|f| f.end <= lo || hi <= f.start);
+        }
+        if self.sim().counters.release > released {
+            // cudaFree synchronizes the device: all earlier work is done.
             self.freed.clear();
         }
         if self.sim().counters.stream_wait_event > waited {
@@ -593,8 +611,12 @@ impl Checked {
             plain,
             "backend allocations vs segments"
         );
-        let reserved: u64 = snap.iter().map(|x| x.total_size).sum();
-        assert_eq!(reserved, self.sim().used());
+        let mapped: u64 = snap.iter().map(|x| x.total_size).sum();
+        assert_eq!(
+            mapped + self.dev.pooled_bytes(),
+            self.sim().used(),
+            "snapshot plus page pool vs sim.used()"
+        );
         for st in [
             &s.allocated_bytes,
             &s.reserved_bytes,

@@ -17,15 +17,26 @@
 //! Streams: a [`StreamId`] is the raw `cudaStream_t`; 0 is the legacy default
 //! stream (the driver functions used here are the non-`_ptsz` ones).
 //!
+//! Virtual memory: physical handles (`cuMemCreate`) are created and
+//! released only when the allocator's page pool asks; a mapping is one
+//! `cuMemMap` per handle and one `cuMemSetAccess` per range, an unmapping
+//! one `cuMemUnmap` per run of handles, with no synchronization (the
+//! allocator orders unmapping after the work, Note [Event-ordered
+//! unmapping]). Every memory and event call is counted and timed
+//! ([`DriverCalls`]), so the cost model can be checked against the GPU.
+//!
 //! This is the only module of the crate that may use `unsafe`.
 
 use std::collections::BTreeMap;
 use std::mem::MaybeUninit;
 use std::sync::OnceLock;
+use std::time::Instant;
 
 use cudarc::driver::sys;
+use rustc_hash::FxHashSet;
 
-use super::{Backend, BackendError, DevicePtr, EventId, MemInfo, StreamId};
+use super::{Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId};
+use crate::cost::{DriverCall, DriverCalls};
 
 /// Events kept for reuse after [`Backend::destroy_event`]; more are destroyed.
 const EVENT_POOL_MAX: usize = 1024;
@@ -87,8 +98,12 @@ pub struct CudaBackend {
     spare_events: Vec<sys::CUevent>,
     /// Virtual memory: the mapping granularity, once queried (0 = unsupported).
     granularity: Option<u64>,
-    /// Virtual memory: the physical handle mapped at each granule address.
-    handles: BTreeMap<DevicePtr, sys::CUmemGenericAllocationHandle>,
+    /// Virtual memory: live physical handles (released on drop).
+    handles: FxHashSet<HandleId>,
+    /// Virtual memory: mappings in place, address -> bytes (unmapped on drop).
+    mappings: BTreeMap<DevicePtr, u64>,
+    /// Driver calls made, with their measured time.
+    calls: DriverCalls,
 }
 
 // SAFETY: a CUcontext and CUevents are process-wide driver handles, valid on
@@ -129,7 +144,9 @@ impl CudaBackend {
             ctx,
             spare_events: Vec::new(),
             granularity: None,
-            handles: BTreeMap::new(),
+            handles: FxHashSet::default(),
+            mappings: BTreeMap::new(),
+            calls: DriverCalls::default(),
         })
     }
 
@@ -165,21 +182,35 @@ impl CudaBackend {
         prop
     }
 
-    /// Unmaps and releases the granules of `[ptr, ptr + size)` mapped so far.
-    fn unmap_granules(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
-        let granules: Vec<DevicePtr> = self
-            .handles
+    /// Runs one driver call, counting it and its time.
+    #[inline]
+    fn timed(
+        &mut self,
+        call: DriverCall,
+        bytes: u64,
+        f: impl FnOnce() -> sys::CUresult,
+    ) -> sys::CUresult {
+        let t = Instant::now();
+        let r = f();
+        self.calls.add(call, bytes, t.elapsed().as_nanos() as u64);
+        r
+    }
+
+    /// Unmaps `[ptr, ptr + size)`, a run of whole mappings, with one call.
+    fn unmap_run(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        // SAFETY: `[ptr, ptr + size)` is a run of whole mappings made by
+        // `map_handles` (contract), so the driver unmaps exactly those.
+        let r = self.timed(DriverCall::Unmap, size, || unsafe {
+            sys::cuMemUnmap(ptr, size as usize)
+        });
+        check("cuMemUnmap", r)?;
+        let inside: Vec<DevicePtr> = self
+            .mappings
             .range(ptr..ptr + size)
             .map(|(&a, _)| a)
             .collect();
-        let g = self.granularity.unwrap_or(0) as usize;
-        for a in granules {
-            let h = self.handles.remove(&a).expect("granule listed above");
-            // SAFETY: `a` is a granule this backend mapped with `h` (recorded
-            // in `handles` by `map`) and has not unmapped since.
-            check("cuMemUnmap", unsafe { sys::cuMemUnmap(a, g) })?;
-            // SAFETY: `h` came from cuMemCreate and its only mapping was just removed.
-            check("cuMemRelease", unsafe { sys::cuMemRelease(h) })?;
+        for a in inside {
+            self.mappings.remove(&a);
         }
         Ok(())
     }
@@ -266,7 +297,9 @@ impl Backend for CudaBackend {
             None
         };
         // SAFETY: context bound; `ptr` is a valid out-pointer.
-        let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) };
+        let r = self.timed(DriverCall::MemAlloc, size, || unsafe {
+            sys::cuMemAlloc_v2(&mut ptr, bytes)
+        });
         match check("cuMemAlloc", r) {
             Ok(()) => Ok(ptr),
             Err(BackendError::OutOfMemory { .. }) => {
@@ -276,11 +309,14 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn release(&mut self, ptr: DevicePtr, _size: u64) -> Result<(), BackendError> {
+    fn release(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
         self.bind()?;
         // SAFETY: the Backend contract guarantees `ptr` came from `allocate`
         // (cuMemAlloc in this context) and was not released since.
-        check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
+        let r = self.timed(DriverCall::MemFree, size, || unsafe {
+            sys::cuMemFree_v2(ptr)
+        });
+        check("cuMemFree", r)
     }
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, BackendError> {
@@ -289,9 +325,10 @@ impl Backend for CudaBackend {
         // SAFETY: `ev` is a live event of this context; `stream` is a stream
         // handle PyTorch passed (0 = legacy default stream) that is alive
         // while work is queued on it.
-        if let Err(e) = check("cuEventRecord", unsafe {
+        let r = self.timed(DriverCall::EventRecord, 0, || unsafe {
             sys::cuEventRecord(ev, stream_of(stream))
-        }) {
+        });
+        if let Err(e) = check("cuEventRecord", r) {
             self.spare_events.push(ev);
             return Err(e);
         }
@@ -301,7 +338,10 @@ impl Backend for CudaBackend {
     fn event_done(&mut self, event: EventId) -> Result<bool, BackendError> {
         self.bind()?;
         // SAFETY: `event` came from `record_event` and was not destroyed (contract).
-        match unsafe { sys::cuEventQuery(event_of(event)) } {
+        let r = self.timed(DriverCall::EventQuery, 0, || unsafe {
+            sys::cuEventQuery(event_of(event))
+        });
+        match r {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             other => check("cuEventQuery", other).map(|()| false),
@@ -311,18 +351,20 @@ impl Backend for CudaBackend {
     fn wait_event(&mut self, event: EventId) -> Result<(), BackendError> {
         self.bind()?;
         // SAFETY: `event` is live (contract).
-        check("cuEventSynchronize", unsafe {
+        let r = self.timed(DriverCall::EventSync, 0, || unsafe {
             sys::cuEventSynchronize(event_of(event))
-        })
+        });
+        check("cuEventSynchronize", r)
     }
 
     fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
         self.bind()?;
         // SAFETY: `event` is live (contract); `stream` is a live stream
         // handle from PyTorch. Flags must be 0.
-        check("cuStreamWaitEvent", unsafe {
+        let r = self.timed(DriverCall::StreamWait, 0, || unsafe {
             sys::cuStreamWaitEvent(stream_of(stream), event_of(event), 0)
-        })
+        });
+        check("cuStreamWaitEvent", r)
     }
 
     fn destroy_event(&mut self, event: EventId) {
@@ -366,9 +408,10 @@ impl Backend for CudaBackend {
         let align = self.vmm_granularity().unwrap_or(2 << 20) as usize;
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: context bound; `va` is a valid out-pointer; no fixed address requested.
-        check("cuMemAddressReserve", unsafe {
+        let r = self.timed(DriverCall::Reserve, size, || unsafe {
             sys::cuMemAddressReserve(&mut va, size as usize, align, 0, 0)
-        })?;
+        });
+        check("cuMemAddressReserve", r)?;
         Ok(va)
     }
 
@@ -376,63 +419,90 @@ impl Backend for CudaBackend {
         self.bind()?;
         // SAFETY: `ptr`/`size` came from `reserve` (contract) and every page
         // in it was unmapped by the allocator before this call.
-        check("cuMemAddressFree", unsafe {
+        let r = self.timed(DriverCall::AddressFree, size, || unsafe {
             sys::cuMemAddressFree(ptr, size as usize)
-        })
+        });
+        check("cuMemAddressFree", r)
     }
 
-    fn map(&mut self, ptr: DevicePtr, size: u64, capturing: bool) -> Result<(), BackendError> {
+    fn create_handle(&mut self, size: u64, capturing: bool) -> Result<HandleId, BackendError> {
         self.bind()?;
-        let g = self
-            .vmm_granularity()
-            .ok_or_else(|| BackendError::Unavailable("no virtual memory support".into()))?;
         let _relaxed = if capturing {
             Some(RelaxedCaptureMode::enter()?)
         } else {
             None
         };
         let prop = self.allocation_prop();
-        let mut a = ptr;
-        while a < ptr + size {
-            let mut h: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: context bound; `prop` describes pinned memory on this
-            // device; `h` is a valid out-pointer.
-            let created = check("cuMemCreate", unsafe {
-                sys::cuMemCreate(&mut h, g as usize, &prop, 0)
-            });
-            let mapped = created.and_then(|()| {
-                // SAFETY: `[a, a + g)` lies in a reservation of this backend
-                // (contract) and is not mapped; `h` is a fresh handle of size `g`.
-                let r = check("cuMemMap", unsafe { sys::cuMemMap(a, g as usize, 0, h, 0) });
-                if r.is_err() {
-                    // SAFETY: `h` was created above and never mapped.
-                    let _ = unsafe { sys::cuMemRelease(h) };
-                }
-                r
-            });
-            if let Err(e) = mapped {
-                // Undo the granules of this call so the range stays unmapped.
-                let _ = self.unmap_granules(ptr, a - ptr);
-                return Err(match e {
-                    BackendError::OutOfMemory { .. } => {
-                        BackendError::OutOfMemory { requested: size }
-                    }
-                    e => e,
-                });
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: context bound; `prop` describes pinned memory on this
+        // device; `h` is a valid out-pointer; `size` is a multiple of the
+        // granularity (contract).
+        let r = self.timed(DriverCall::Create, size, || unsafe {
+            sys::cuMemCreate(&mut h, size as usize, &prop, 0)
+        });
+        match check("cuMemCreate", r) {
+            Ok(()) => {
+                self.handles.insert(h);
+                Ok(h)
             }
-            self.handles.insert(a, h);
-            a += g;
+            Err(BackendError::OutOfMemory { .. }) => {
+                Err(BackendError::OutOfMemory { requested: size })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn release_handle(&mut self, handle: HandleId, size: u64) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: `handle` came from `create_handle` and is not mapped (contract).
+        let r = self.timed(DriverCall::Release, size, || unsafe {
+            sys::cuMemRelease(handle)
+        });
+        check("cuMemRelease", r)?;
+        self.handles.remove(&handle);
+        Ok(())
+    }
+
+    fn map_handles(
+        &mut self,
+        ptr: DevicePtr,
+        handles: &[(HandleId, u64)],
+        capturing: bool,
+    ) -> Result<(), BackendError> {
+        self.bind()?;
+        let _relaxed = if capturing {
+            Some(RelaxedCaptureMode::enter()?)
+        } else {
+            None
+        };
+        let mut at = ptr;
+        for &(h, size) in handles {
+            // SAFETY: `[at, at + size)` lies in a reservation of this backend
+            // and is unmapped (contract); `h` is a live unmapped handle of
+            // exactly `size` bytes.
+            let r = self.timed(DriverCall::Map, size, || unsafe {
+                sys::cuMemMap(at, size as usize, 0, h, 0)
+            });
+            if let Err(e) = check("cuMemMap", r) {
+                if at > ptr {
+                    let _ = self.unmap_run(ptr, at - ptr);
+                }
+                return Err(e);
+            }
+            self.mappings.insert(at, size);
+            at += size;
         }
         let desc = sys::CUmemAccessDesc {
-            location: prop.location,
+            location: self.allocation_prop().location,
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: `[ptr, ptr + size)` was mapped above; `desc` is valid for the call.
-        let access = check("cuMemSetAccess", unsafe {
-            sys::cuMemSetAccess(ptr, size as usize, &desc, 1)
+        let total = at - ptr;
+        // SAFETY: `[ptr, ptr + total)` was mapped above; `desc` is valid for the call.
+        let r = self.timed(DriverCall::SetAccess, total, || unsafe {
+            sys::cuMemSetAccess(ptr, total as usize, &desc, 1)
         });
-        if let Err(e) = access {
-            let _ = self.unmap_granules(ptr, size);
+        if let Err(e) = check("cuMemSetAccess", r) {
+            let _ = self.unmap_run(ptr, total);
             return Err(e);
         }
         Ok(())
@@ -440,11 +510,11 @@ impl Backend for CudaBackend {
 
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
         self.bind()?;
-        // cuMemUnmap does not wait for queued kernels that may still touch
-        // the pages: drain the device first, as PyTorch does.
-        // SAFETY: context bound; no arguments.
-        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
-        self.unmap_granules(ptr, size)
+        self.unmap_run(ptr, size)
+    }
+
+    fn driver_calls(&self) -> DriverCalls {
+        self.calls
     }
 }
 
@@ -453,11 +523,12 @@ impl Drop for CudaBackend {
         if self.bind().is_err() {
             return;
         }
-        let g = self.granularity.unwrap_or(0) as usize;
-        for (a, h) in std::mem::take(&mut self.handles) {
-            // SAFETY: each entry is a live mapping made by `map`.
-            let _ = unsafe { sys::cuMemUnmap(a, g) };
-            // SAFETY: its handle is released once, after its mapping.
+        for (a, size) in std::mem::take(&mut self.mappings) {
+            // SAFETY: each entry is a live mapping made by `map_handles`.
+            let _ = unsafe { sys::cuMemUnmap(a, size as usize) };
+        }
+        for h in std::mem::take(&mut self.handles) {
+            // SAFETY: each handle is live and, after the loop above, unmapped.
             let _ = unsafe { sys::cuMemRelease(h) };
         }
         for ev in self.spare_events.drain(..) {
@@ -513,10 +584,20 @@ mod tests {
                 b.release(p, 2 << 20).unwrap();
                 if let Some(g) = b.vmm_granularity() {
                     let va = b.reserve(8 * g).unwrap();
-                    b.map(va, 2 * g, false).unwrap();
-                    b.map(va + 2 * g, g, false).unwrap();
+                    let h1 = b.create_handle(2 * g, false).unwrap();
+                    let h2 = b.create_handle(g, false).unwrap();
+                    b.map_handles(va, &[(h1, 2 * g), (h2, g)], false).unwrap();
                     b.unmap(va, 3 * g).unwrap();
+                    // A handle maps again at another address.
+                    b.map_handles(va + 4 * g, &[(h2, g)], false).unwrap();
+                    b.unmap(va + 4 * g, g).unwrap();
+                    b.release_handle(h1, 2 * g).unwrap();
+                    b.release_handle(h2, g).unwrap();
                     b.free_reservation(va, 8 * g).unwrap();
+                    let calls = b.driver_calls();
+                    assert_eq!(calls.calls(DriverCall::Map), 3);
+                    assert_eq!(calls.calls(DriverCall::SetAccess), 2);
+                    assert!(calls.total_nanos() > 0);
                 }
                 assert!(
                     matches!(b.allocate(1 << 50, false), Err(BackendError::OutOfMemory { requested }) if requested == 1 << 50)

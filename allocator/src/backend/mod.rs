@@ -12,6 +12,7 @@ pub mod cuda;
 
 use std::fmt;
 
+pub use crate::cost::DriverCalls;
 pub use sim::SimBackend;
 
 /// A device address. Opaque: never dereferenced on the host. 0 is "null".
@@ -20,6 +21,8 @@ pub type DevicePtr = u64;
 pub type StreamId = u64;
 /// An event handle issued by a backend.
 pub type EventId = u64;
+/// A physical memory handle issued by a backend (`CUmemGenericAllocationHandle`).
+pub type HandleId = u64;
 
 /// Free and total bytes of the device (`cudaMemGetInfo`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -139,24 +142,57 @@ pub trait Backend: Send {
         ))
     }
 
-    /// Backs `[ptr, ptr + size)` of a reservation with new physical memory.
+    /// Creates a physical memory handle of `size` bytes (a multiple of the
+    /// granularity), not mapped anywhere (`cuMemCreate`).
     /// `capturing` as for [`allocate`](Self::allocate).
     ///
     /// # Errors
     /// [`BackendError::OutOfMemory`] when the device is full now.
-    fn map(&mut self, ptr: DevicePtr, size: u64, capturing: bool) -> Result<(), BackendError> {
-        let _ = (ptr, size, capturing);
+    fn create_handle(&mut self, size: u64, capturing: bool) -> Result<HandleId, BackendError> {
+        let _ = (size, capturing);
         Err(BackendError::Unavailable(
             "virtual memory is not supported by this backend".into(),
         ))
     }
 
-    /// Returns the memory behind `[ptr, ptr + size)` (mapped earlier, possibly
-    /// in several calls). Waits for work already queued on the device first.
+    /// Returns an unmapped handle's memory to the driver (`cuMemRelease`).
+    fn release_handle(&mut self, handle: HandleId, size: u64) -> Result<(), BackendError> {
+        let _ = (handle, size);
+        Err(BackendError::Unavailable(
+            "virtual memory is not supported by this backend".into(),
+        ))
+    }
+
+    /// Maps `handles` one after another from `ptr` (one `cuMemMap` each) and
+    /// makes the whole range accessible with one `cuMemSetAccess`. The range
+    /// lies in a reservation and is unmapped. On failure nothing stays mapped.
+    fn map_handles(
+        &mut self,
+        ptr: DevicePtr,
+        handles: &[(HandleId, u64)],
+        capturing: bool,
+    ) -> Result<(), BackendError> {
+        let _ = (ptr, handles, capturing);
+        Err(BackendError::Unavailable(
+            "virtual memory is not supported by this backend".into(),
+        ))
+    }
+
+    /// Unmaps `[ptr, ptr + size)`, a run of whole mappings, with one
+    /// `cuMemUnmap`; the handles stay alive. Does *not* wait for queued work:
+    /// the caller guarantees that no work still queued touches the range
+    /// (Note [Event-ordered unmapping] in `fence.rs`).
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
         let _ = (ptr, size);
         Err(BackendError::Unavailable(
             "virtual memory is not supported by this backend".into(),
         ))
+    }
+
+    /// Driver calls made so far, by kind, and the time they took where the
+    /// backend measures it (the CUDA backend does; the simulator predicts it
+    /// from a [`CostModel`](crate::cost::CostModel) instead).
+    fn driver_calls(&self) -> DriverCalls {
+        DriverCalls::default()
     }
 }

@@ -12,14 +12,15 @@
 //!
 //! The simulator panics on any contract violation: releasing an unknown
 //! pointer or with the wrong size, using a destroyed event, unmapping what is
-//! not mapped, or (while [`SimBackend::set_capturing`] is on) any call that a
+//! not mapped or part of a mapping, releasing a mapped handle, or (while [`SimBackend::set_capturing`] is on) any call that a
 //! CUDA graph capture forbids.
 
 use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 
-use super::{Backend, BackendError, DevicePtr, EventId, MemInfo, StreamId};
+use super::{Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId};
+use crate::cost::{DriverCall, DriverCalls};
 
 /// Where simulated allocations start (looks like a CUDA address, never 0).
 const BASE: u64 = 0x7f00_0000_0000;
@@ -37,9 +38,13 @@ pub struct SimCounters {
     pub allocate_capturing: u64,
     /// `release` calls.
     pub release: u64,
-    /// Pages mapped.
+    /// Physical handles created.
+    pub create: u64,
+    /// Physical handles released.
+    pub release_handle: u64,
+    /// Handles mapped.
     pub map: u64,
-    /// Pages unmapped.
+    /// Unmap calls (each over a run of whole mappings).
     pub unmap: u64,
     /// Events recorded.
     pub record_event: u64,
@@ -63,8 +68,8 @@ struct SimStream {
 
 struct Reservation {
     size: u64,
-    /// Mapped page offsets within the reservation.
-    mapped: BTreeMap<u64, ()>,
+    /// Mappings by offset within the reservation: `(handle, bytes)`.
+    mapped: BTreeMap<u64, (HandleId, u64)>,
 }
 
 /// The simulated device. See the module docs.
@@ -79,6 +84,12 @@ pub struct SimBackend {
     live: BTreeMap<DevicePtr, u64>,
     next_va: u64,
     reservations: BTreeMap<DevicePtr, Reservation>,
+    /// Physical handles: bytes, and whether mapped somewhere.
+    handles: FxHashMap<HandleId, (u64, bool)>,
+    next_handle: HandleId,
+    /// Unmapped ranges, logged while `log_unmaps` is on (tests check them).
+    unmap_log: Option<Vec<(DevicePtr, u64)>>,
+    driver: DriverCalls,
     streams: FxHashMap<StreamId, SimStream>,
     events: FxHashMap<EventId, (StreamId, u64)>,
     next_event: EventId,
@@ -114,6 +125,10 @@ impl SimBackend {
             live: BTreeMap::new(),
             next_va: VMM_BASE,
             reservations: BTreeMap::new(),
+            handles: FxHashMap::default(),
+            next_handle: 1,
+            unmap_log: None,
+            driver: DriverCalls::default(),
             streams: FxHashMap::default(),
             events: FxHashMap::default(),
             next_event: 1,
@@ -157,7 +172,7 @@ impl SimBackend {
         self.fail_allocate_at = Some(self.allocate_calls + n);
     }
 
-    /// Makes the `n`th page map from now (1-based) fail with out-of-memory.
+    /// Makes the `n`th handle creation from now (1-based) fail with out-of-memory.
     pub fn fail_map_at(&mut self, n: u64) {
         self.fail_map_at = Some(self.map_calls + n);
     }
@@ -282,9 +297,33 @@ impl SimBackend {
         (r, ptr - va)
     }
 
-    /// Pages currently mapped, over all reservations.
-    pub fn mapped_pages(&self) -> usize {
+    /// Mappings currently in place, over all reservations.
+    pub fn mappings(&self) -> usize {
         self.reservations.values().map(|r| r.mapped.len()).sum()
+    }
+
+    /// Physical handles alive (mapped or not).
+    pub fn handles(&self) -> usize {
+        self.handles.len()
+    }
+
+    /// Starts (or stops) logging every unmapped range, for
+    /// [`take_unmaps`](Self::take_unmaps).
+    pub fn log_unmaps(&mut self, on: bool) {
+        self.unmap_log = on.then(Vec::new);
+    }
+
+    /// The ranges unmapped since the last call (while logging).
+    pub fn take_unmaps(&mut self) -> Vec<(DevicePtr, u64)> {
+        self.unmap_log
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Whether all work submitted on `stream` up to `seq` has completed.
+    pub fn is_completed(&self, stream: StreamId, seq: u64) -> bool {
+        self.streams.get(&stream).is_none_or(|s| s.completed >= seq)
     }
 }
 
@@ -315,6 +354,7 @@ impl Backend for SimBackend {
         self.used += size;
         self.counters.allocate += 1;
         self.counters.allocate_capturing += u64::from(capturing);
+        self.driver.add(DriverCall::MemAlloc, size, 0);
         Ok(ptr)
     }
 
@@ -331,6 +371,7 @@ impl Backend for SimBackend {
         self.used -= size;
         self.give_back_address(ptr, size);
         self.counters.release += 1;
+        self.driver.add(DriverCall::MemFree, size, 0);
         Ok(())
     }
 
@@ -348,6 +389,7 @@ impl Backend for SimBackend {
         self.next_event += 1;
         self.events.insert(id, (stream, seq));
         self.counters.record_event += 1;
+        self.driver.add(DriverCall::EventRecord, 0, 0);
         Ok(id)
     }
 
@@ -355,6 +397,7 @@ impl Backend for SimBackend {
         self.forbid_in_capture("event query");
         let (stream, seq) = self.event(event);
         self.counters.event_query += 1;
+        self.driver.add(DriverCall::EventQuery, 0, 0);
         Ok(self.streams[&stream].completed >= seq)
     }
 
@@ -367,6 +410,7 @@ impl Backend for SimBackend {
             .expect("stream of a recorded event");
         s.completed = s.completed.max(seq);
         self.counters.wait_event += 1;
+        self.driver.add(DriverCall::EventSync, 0, 0);
         Ok(())
     }
 
@@ -381,6 +425,7 @@ impl Backend for SimBackend {
             .or_insert(0);
         *w = (*w).max(seq);
         self.counters.stream_wait_event += 1;
+        self.driver.add(DriverCall::StreamWait, 0, 0);
         Ok(())
     }
 
@@ -410,6 +455,7 @@ impl Backend for SimBackend {
                 mapped: BTreeMap::new(),
             },
         );
+        self.driver.add(DriverCall::Reserve, size, 0);
         Ok(va)
     }
 
@@ -427,53 +473,122 @@ impl Backend for SimBackend {
             r.mapped.is_empty(),
             "SimBackend: reservation {va:#x} freed with pages still mapped"
         );
+        self.driver.add(DriverCall::AddressFree, size, 0);
         Ok(())
     }
 
-    fn map(&mut self, ptr: DevicePtr, size: u64, capturing: bool) -> Result<(), BackendError> {
+    fn create_handle(&mut self, size: u64, capturing: bool) -> Result<HandleId, BackendError> {
         assert!(
-            size > 0 && size % self.page == 0 && ptr % self.page == 0,
-            "SimBackend: map of a partial page"
+            size > 0 && size % self.page == 0,
+            "SimBackend: handle of {size} bytes is not whole pages"
         );
         if !capturing {
-            self.forbid_in_capture("map without the capturing flag");
+            self.forbid_in_capture("create_handle without the capturing flag");
         }
         self.map_calls += 1;
         if self.fail_map_at == Some(self.map_calls) || self.used + size > self.capacity {
             return Err(BackendError::OutOfMemory { requested: size });
         }
-        let page = self.page;
-        let (r, off) = self.reservation_of(ptr, size);
-        for p in (off..off + size).step_by(page as usize) {
-            assert!(
-                r.mapped.insert(p, ()).is_none(),
-                "SimBackend: page at offset {p:#x} mapped twice"
-            );
-        }
+        let h = self.next_handle;
+        self.next_handle += 1;
+        self.handles.insert(h, (size, false));
         self.used += size;
-        self.counters.map += size / page;
+        self.counters.create += 1;
+        self.driver.add(DriverCall::Create, size, 0);
+        Ok(h)
+    }
+
+    fn release_handle(&mut self, handle: HandleId, size: u64) -> Result<(), BackendError> {
+        self.forbid_in_capture("release_handle");
+        let (got, mapped) = self
+            .handles
+            .remove(&handle)
+            .unwrap_or_else(|| panic!("SimBackend: release of unknown handle {handle}"));
+        assert!(!mapped, "SimBackend: handle {handle} released while mapped");
+        assert_eq!(
+            got, size,
+            "SimBackend: handle {handle} released with the wrong size"
+        );
+        self.used -= size;
+        self.counters.release_handle += 1;
+        self.driver.add(DriverCall::Release, size, 0);
+        Ok(())
+    }
+
+    fn map_handles(
+        &mut self,
+        ptr: DevicePtr,
+        handles: &[(HandleId, u64)],
+        capturing: bool,
+    ) -> Result<(), BackendError> {
+        assert!(ptr % self.page == 0, "SimBackend: map at a partial page");
+        if !capturing {
+            self.forbid_in_capture("map without the capturing flag");
+        }
+        let total: u64 = handles.iter().map(|h| h.1).sum();
+        let (r, mut off) = self.reservation_of(ptr, total);
+        for &(h, size) in handles {
+            assert!(
+                r.mapped
+                    .range(..off + size)
+                    .next_back()
+                    .is_none_or(|(&o, m)| o + m.1 <= off),
+                "SimBackend: mapping at offset {off:#x} overlaps another"
+            );
+            r.mapped.insert(off, (h, size));
+            off += size;
+        }
+        for &(h, size) in handles {
+            let e = self
+                .handles
+                .get_mut(&h)
+                .unwrap_or_else(|| panic!("SimBackend: map of unknown handle {h}"));
+            assert!(!e.1, "SimBackend: handle {h} mapped twice");
+            assert_eq!(
+                e.0, size,
+                "SimBackend: handle {h} mapped with the wrong size"
+            );
+            e.1 = true;
+            self.counters.map += 1;
+            self.driver.add(DriverCall::Map, size, 0);
+        }
+        self.driver.add(DriverCall::SetAccess, total, 0);
         Ok(())
     }
 
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
-        assert!(
-            size > 0 && size % self.page == 0 && ptr % self.page == 0,
-            "SimBackend: unmap of a partial page"
-        );
         self.forbid_in_capture("unmap");
-        let page = self.page;
         let (r, off) = self.reservation_of(ptr, size);
-        for p in (off..off + size).step_by(page as usize) {
-            assert!(
-                r.mapped.remove(&p).is_some(),
-                "SimBackend: page at offset {p:#x} unmapped but not mapped"
+        let inside: Vec<u64> = r.mapped.range(off..off + size).map(|(&o, _)| o).collect();
+        let mut at = off;
+        let mut freed = Vec::new();
+        for o in inside {
+            assert_eq!(
+                o, at,
+                "SimBackend: unmap of {ptr:#x}+{size} has a hole at offset {at:#x}"
             );
+            let (h, len) = r.mapped.remove(&o).expect("listed above");
+            at += len;
+            freed.push(h);
         }
-        self.used -= size;
-        self.counters.unmap += size / page;
-        // Unmapping waits for all queued work, as the CUDA backend does.
-        self.complete_all();
+        assert_eq!(
+            at,
+            off + size,
+            "SimBackend: unmap of {ptr:#x}+{size} does not end at a mapping's end"
+        );
+        for h in freed {
+            self.handles.get_mut(&h).expect("mapped handle").1 = false;
+        }
+        self.counters.unmap += 1;
+        self.driver.add(DriverCall::Unmap, size, 0);
+        if let Some(log) = &mut self.unmap_log {
+            log.push((ptr, size));
+        }
         Ok(())
+    }
+
+    fn driver_calls(&self) -> DriverCalls {
+        self.driver
     }
 }
 
@@ -516,18 +631,48 @@ mod tests {
     }
 
     #[test]
-    fn virtual_memory_pages() {
+    fn virtual_memory_handles() {
         let mut s = SimBackend::new(8 << 20);
         let va = s.reserve(64 << 20).unwrap();
-        s.map(va, 4 << 20, false).unwrap();
-        s.map(va + (4 << 20), 4 << 20, false).unwrap();
+        let a = s.create_handle(4 << 20, false).unwrap();
+        let b = s.create_handle(2 << 20, false).unwrap();
+        let c = s.create_handle(2 << 20, false).unwrap();
         assert!(
-            s.map(va + (8 << 20), 2 << 20, false).is_err(),
+            s.create_handle(2 << 20, false).is_err(),
             "capacity is honoured"
         );
+        s.map_handles(va, &[(a, 4 << 20), (b, 2 << 20)], false)
+            .unwrap();
+        s.map_handles(va + (6 << 20), &[(c, 2 << 20)], false)
+            .unwrap();
+        assert_eq!(s.mappings(), 3);
+        s.log_unmaps(true);
         s.unmap(va, 8 << 20).unwrap();
+        assert_eq!(s.take_unmaps(), vec![(va, 8 << 20)]);
+        // Handles outlive their mappings and map again elsewhere.
+        s.map_handles(va + (32 << 20), &[(c, 2 << 20)], false)
+            .unwrap();
+        s.unmap(va + (32 << 20), 2 << 20).unwrap();
+        for (h, size) in [(a, 4 << 20), (b, 2 << 20), (c, 2 << 20)] {
+            s.release_handle(h, size).unwrap();
+        }
         s.free_reservation(va, 64 << 20).unwrap();
         assert_eq!(s.used(), 0);
+        let d = s.driver_calls();
+        assert_eq!(d.calls(DriverCall::Create), 3);
+        assert_eq!(d.calls(DriverCall::Map), 4);
+        assert_eq!(d.calls(DriverCall::SetAccess), 3);
+        assert_eq!(d.calls(DriverCall::Unmap), 2);
+    }
+
+    #[test]
+    #[should_panic(expected = "does not end at a mapping")]
+    fn unmapping_part_of_a_handle_panics() {
+        let mut s = SimBackend::new(8 << 20);
+        let va = s.reserve(64 << 20).unwrap();
+        let a = s.create_handle(4 << 20, false).unwrap();
+        s.map_handles(va, &[(a, 4 << 20)], false).unwrap();
+        let _ = s.unmap(va, 2 << 20);
     }
 
     #[test]

@@ -191,7 +191,7 @@ mod tests {
 
     fn sim(devices: usize) -> Allocator<SimBackend> {
         Allocator::new(
-            Config::parse("max_split_size_mb:40").unwrap(),
+            Config::parse("policy:pytorch,max_split_size_mb:40").unwrap(),
             devices,
             Box::new(|_| Ok(SimBackend::new(1 << 30))),
         )
@@ -233,7 +233,7 @@ mod tests {
         assert!(!a.is_tracing());
         assert_eq!(a.trace_stop().unwrap_err().kind(), io::ErrorKind::NotFound);
         let (r, evs) = read(&path);
-        assert_eq!(r.header().config, "max_split_size_mb:40");
+        assert_eq!(r.header().config, "policy:pytorch,max_split_size_mb:40");
         assert_eq!(r.header().device_count, 2);
         assert_eq!(summary.events, evs.len() as u64);
         assert_eq!(summary.bytes, std::fs::metadata(&path).unwrap().len());

@@ -44,11 +44,17 @@ pub enum Action {
     /// fields as theirs. Only buffers and files hold it: readers yield the
     /// two events instead.
     Free = 15,
+    /// Physical memory was created for the page pool (Note [Page pool]).
+    /// `size`: bytes. Reserved memory grows by it; in traces holding these,
+    /// `segment_map` and `segment_unmap` only move pooled memory.
+    PagesCreate = 16,
+    /// Pooled physical memory went back to the driver. `size`: bytes.
+    PagesRelease = 17,
 }
 
 impl Action {
     /// Every action, in code order.
-    pub const ALL: [Action; 16] = [
+    pub const ALL: [Action; 18] = [
         Action::Alloc,
         Action::FreeRequested,
         Action::FreeCompleted,
@@ -65,6 +71,8 @@ impl Action {
         Action::StreamReuse,
         Action::SyncAllStreams,
         Action::Free,
+        Action::PagesCreate,
+        Action::PagesRelease,
     ];
 
     /// The action for a code, if valid.
@@ -91,6 +99,8 @@ impl Action {
             Action::StreamReuse => "stream_reuse",
             Action::SyncAllStreams => "sync_all_streams",
             Action::Free => "free",
+            Action::PagesCreate => "pages_create",
+            Action::PagesRelease => "pages_release",
         }
     }
 }

@@ -1,0 +1,290 @@
+//! Driver calls by kind, and a cost model that predicts their time.
+//!
+//! Every backend counts the driver calls it makes ([`DriverCalls`]): the CUDA
+//! backend also times them, the simulator cannot. [`CostModel`] turns counts
+//! into predicted time, one `fixed + per GiB` cost per kind, calibrated from
+//! `benches/gpu/vmm_costs.sh` on an H200 (table in `docs/driver-costs.md`).
+//! Replay reports both, so a policy is tuned offline on recorded traces for
+//! time as well as for memory, and the prediction is checked against the
+//! time the CUDA backend measured when the trace was recorded.
+
+use std::fmt;
+
+/// One kind of driver call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
+pub enum DriverCall {
+    /// `cuMemAlloc` (plain segment).
+    MemAlloc,
+    /// `cuMemFree`.
+    MemFree,
+    /// `cuMemCreate` (physical handle).
+    Create,
+    /// `cuMemRelease`.
+    Release,
+    /// `cuMemMap`, one handle.
+    Map,
+    /// `cuMemSetAccess`, one range.
+    SetAccess,
+    /// `cuMemUnmap`, one range.
+    Unmap,
+    /// `cuMemAddressReserve`.
+    Reserve,
+    /// `cuMemAddressFree`.
+    AddressFree,
+    /// `cuEventRecord`.
+    EventRecord,
+    /// `cuEventQuery`.
+    EventQuery,
+    /// `cuEventSynchronize`: the host waits for a stream's work.
+    EventSync,
+    /// `cuStreamWaitEvent` (no host blocking).
+    StreamWait,
+}
+
+impl DriverCall {
+    /// Every kind, in index order.
+    pub const ALL: [DriverCall; 13] = [
+        DriverCall::MemAlloc,
+        DriverCall::MemFree,
+        DriverCall::Create,
+        DriverCall::Release,
+        DriverCall::Map,
+        DriverCall::SetAccess,
+        DriverCall::Unmap,
+        DriverCall::Reserve,
+        DriverCall::AddressFree,
+        DriverCall::EventRecord,
+        DriverCall::EventQuery,
+        DriverCall::EventSync,
+        DriverCall::StreamWait,
+    ];
+
+    /// The driver function's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            DriverCall::MemAlloc => "cuMemAlloc",
+            DriverCall::MemFree => "cuMemFree",
+            DriverCall::Create => "cuMemCreate",
+            DriverCall::Release => "cuMemRelease",
+            DriverCall::Map => "cuMemMap",
+            DriverCall::SetAccess => "cuMemSetAccess",
+            DriverCall::Unmap => "cuMemUnmap",
+            DriverCall::Reserve => "cuMemAddressReserve",
+            DriverCall::AddressFree => "cuMemAddressFree",
+            DriverCall::EventRecord => "cuEventRecord",
+            DriverCall::EventQuery => "cuEventQuery",
+            DriverCall::EventSync => "cuEventSynchronize",
+            DriverCall::StreamWait => "cuStreamWaitEvent",
+        }
+    }
+}
+
+const KINDS: usize = DriverCall::ALL.len();
+
+/// Driver calls made, by kind: how many, over how many bytes, and how long
+/// they took where measured (0 where not).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DriverCalls {
+    calls: [u64; KINDS],
+    bytes: [u64; KINDS],
+    nanos: [u64; KINDS],
+}
+
+impl DriverCalls {
+    /// Counts one call over `bytes` that took `nanos` (0 when not measured).
+    #[inline]
+    pub fn add(&mut self, call: DriverCall, bytes: u64, nanos: u64) {
+        let i = call as usize;
+        self.calls[i] += 1;
+        self.bytes[i] += bytes;
+        self.nanos[i] += nanos;
+    }
+
+    /// Calls of one kind.
+    pub fn calls(&self, call: DriverCall) -> u64 {
+        self.calls[call as usize]
+    }
+
+    /// Bytes covered by calls of one kind.
+    pub fn bytes(&self, call: DriverCall) -> u64 {
+        self.bytes[call as usize]
+    }
+
+    /// Measured nanoseconds in calls of one kind.
+    pub fn nanos(&self, call: DriverCall) -> u64 {
+        self.nanos[call as usize]
+    }
+
+    /// All calls.
+    pub fn total_calls(&self) -> u64 {
+        self.calls.iter().sum()
+    }
+
+    /// All measured nanoseconds.
+    pub fn total_nanos(&self) -> u64 {
+        self.nanos.iter().sum()
+    }
+
+    /// Calls that obtain, map, unmap or return device memory: what
+    /// PyTorch's `num_device_alloc` + `num_device_free` count, and more.
+    pub fn memory_calls(&self) -> u64 {
+        [
+            DriverCall::MemAlloc,
+            DriverCall::MemFree,
+            DriverCall::Create,
+            DriverCall::Release,
+            DriverCall::Map,
+            DriverCall::Unmap,
+        ]
+        .iter()
+        .map(|&c| self.calls(c))
+        .sum()
+    }
+
+    /// The calls made since `earlier` (a reading of the same counters).
+    pub fn since(&self, earlier: &DriverCalls) -> DriverCalls {
+        let mut d = *self;
+        for i in 0..KINDS {
+            d.calls[i] -= earlier.calls[i].min(d.calls[i]);
+            d.bytes[i] -= earlier.bytes[i].min(d.bytes[i]);
+            d.nanos[i] -= earlier.nanos[i].min(d.nanos[i]);
+        }
+        d
+    }
+
+    /// `(kind, calls, bytes, nanos)` for every kind with at least one call.
+    pub fn rows(&self) -> impl Iterator<Item = (DriverCall, u64, u64, u64)> + '_ {
+        DriverCall::ALL
+            .into_iter()
+            .map(|c| (c, self.calls(c), self.bytes(c), self.nanos(c)))
+            .filter(|r| r.1 > 0)
+    }
+}
+
+impl fmt::Display for DriverCalls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut first = true;
+        for (c, n, _, _) in self.rows() {
+            if !first {
+                f.write_str(", ")?;
+            }
+            first = false;
+            write!(f, "{} {n}", c.name())?;
+        }
+        if first {
+            f.write_str("none")?;
+        }
+        Ok(())
+    }
+}
+
+/// Predicted cost of one kind of call: `fixed_us + per_gib_us * GiB`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CallCost {
+    /// Microseconds per call.
+    pub fixed_us: f64,
+    /// Microseconds per GiB the call covers.
+    pub per_gib_us: f64,
+}
+
+const fn cost(fixed_us: f64, per_gib_us: f64) -> CallCost {
+    CallCost {
+        fixed_us,
+        per_gib_us,
+    }
+}
+
+/// Predicted driver time per call kind. See the module docs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CostModel {
+    costs: [CallCost; KINDS],
+    /// Where the figures come from.
+    pub source: &'static str,
+}
+
+impl CostModel {
+    /// Calibrated on one H200 (driver 580, CUDA 13), idle device;
+    /// `docs/driver-costs.md` has the measured table. A host wait
+    /// (`cuEventSynchronize`) is costed as on an idle device: what it
+    /// blocks for depends on the work queued, which no trace records.
+    pub fn h200() -> CostModel {
+        let mut costs = [cost(0.0, 0.0); KINDS];
+        for (c, v) in [
+            (DriverCall::MemAlloc, cost(40.0, 150.0)),
+            (DriverCall::MemFree, cost(40.0, 60.0)),
+            (DriverCall::Create, cost(8.0, 60.0)),
+            (DriverCall::Release, cost(6.0, 60.0)),
+            (DriverCall::Map, cost(1.0, 0.0)),
+            (DriverCall::SetAccess, cost(20.0, 40.0)),
+            (DriverCall::Unmap, cost(12.0, 40.0)),
+            (DriverCall::Reserve, cost(10.0, 0.0)),
+            (DriverCall::AddressFree, cost(10.0, 0.0)),
+            (DriverCall::EventRecord, cost(2.0, 0.0)),
+            (DriverCall::EventQuery, cost(0.5, 0.0)),
+            (DriverCall::EventSync, cost(5.0, 0.0)),
+            (DriverCall::StreamWait, cost(2.0, 0.0)),
+        ] {
+            costs[c as usize] = v;
+        }
+        CostModel {
+            costs,
+            source: "H200, docs/driver-costs.md",
+        }
+    }
+
+    /// The cost of one kind.
+    pub fn cost(&self, call: DriverCall) -> CallCost {
+        self.costs[call as usize]
+    }
+
+    /// Predicted microseconds for the calls of one kind.
+    pub fn predict_kind(&self, calls: &DriverCalls, call: DriverCall) -> f64 {
+        let c = self.cost(call);
+        c.fixed_us * calls.calls(call) as f64
+            + c.per_gib_us * calls.bytes(call) as f64 / (1u64 << 30) as f64
+    }
+
+    /// Predicted milliseconds for all calls.
+    pub fn predict_ms(&self, calls: &DriverCalls) -> f64 {
+        DriverCall::ALL
+            .into_iter()
+            .map(|c| self.predict_kind(calls, c))
+            .sum::<f64>()
+            / 1000.0
+    }
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        CostModel::h200()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_and_predicts() {
+        let mut d = DriverCalls::default();
+        assert_eq!(d.to_string(), "none");
+        d.add(DriverCall::Create, 1 << 30, 0);
+        d.add(DriverCall::Map, 2 << 20, 0);
+        d.add(DriverCall::Map, 2 << 20, 0);
+        assert_eq!(d.calls(DriverCall::Map), 2);
+        assert_eq!(d.total_calls(), 3);
+        assert_eq!(d.memory_calls(), 3);
+        assert_eq!(d.to_string(), "cuMemCreate 1, cuMemMap 2");
+        let m = CostModel::h200();
+        let create = m.cost(DriverCall::Create);
+        let map = m.cost(DriverCall::Map);
+        let want = create.fixed_us + create.per_gib_us + 2.0 * map.fixed_us;
+        assert!((m.predict_ms(&d) * 1000.0 - want).abs() < 1e-6);
+        let mut later = d;
+        later.add(DriverCall::Unmap, 4 << 20, 7);
+        let delta = later.since(&d);
+        assert_eq!(delta.total_calls(), 1);
+        assert_eq!(delta.nanos(DriverCall::Unmap), 7);
+    }
+}

@@ -1,0 +1,204 @@
+//! Fences: when may freed memory leave its address?
+//!
+//! Note [Event-ordered unmapping]
+//! Rationale: a freed block is reusable at once *on its stream*, because the
+//! stream runs in order. Unmapping its pages is different: `cuMemUnmap`
+//! takes effect on the host at once, so a kernel still queued that touches
+//! the old address would fault. PyTorch and the first version of gpualloc
+//! therefore synchronized the device before every unmap, stalling training
+//! whenever pages moved.
+//! Approach: every free stamps the block with the current *epoch*, a
+//! device-wide counter. A fence is an event recorded on a stream, tagged
+//! with the epoch at its recording, after which the epoch advances; once it
+//! has completed, every block freed on that stream before it is idle. A
+//! free block may be unmapped when its stream's newest completed fence is at
+//! least its stamp. Fences are recorded on the slow path only (never on a
+//! plain free), polled without blocking there, and waited for
+//! (`cuEventSynchronize`, one stream) only when pages that are not yet known
+//! idle are needed now. Which pages are unmapped never depends on whether
+//! a fence happened to be complete: that decides only whether the host
+//! waits, so a replay on the simulator makes the same choices as the GPU.
+//! The out-of-memory path waits for everything, as before.
+
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
+
+use crate::backend::{Backend, BackendError, EventId, StreamId};
+
+#[derive(Default)]
+struct StreamFences {
+    /// Recorded, not yet known complete: `(event, epoch)`, oldest first.
+    queued: VecDeque<(EventId, u64)>,
+    /// The epoch of the newest fence known complete (0: none).
+    done: u64,
+}
+
+/// See Note [Event-ordered unmapping].
+pub(crate) struct Fences {
+    epoch: u64,
+    /// The highest stamp handed out.
+    last_stamp: u64,
+    streams: FxHashMap<StreamId, StreamFences>,
+}
+
+impl Default for Fences {
+    fn default() -> Self {
+        Fences {
+            epoch: 1,
+            last_stamp: 0,
+            streams: FxHashMap::default(),
+        }
+    }
+}
+
+impl Fences {
+    /// The stamp for a block freed now. 0 is never returned: it marks pages
+    /// that no work ever touched.
+    #[inline]
+    pub fn stamp(&mut self) -> u64 {
+        self.last_stamp = self.epoch;
+        self.epoch
+    }
+
+    /// Records a fence on each of `streams` if anything was freed since the
+    /// last one, so that by the time pages are needed their work is likely
+    /// known to be done (no host wait).
+    pub fn cover_all<B: Backend>(
+        &mut self,
+        backend: &mut B,
+        streams: impl IntoIterator<Item = StreamId>,
+    ) -> Result<(), BackendError> {
+        let stamp = self.last_stamp;
+        for s in streams {
+            self.cover(backend, s, stamp)?;
+        }
+        Ok(())
+    }
+
+    /// Whether a block of `stream` stamped `stamp` is known idle.
+    #[inline]
+    pub fn is_idle(&self, stream: StreamId, stamp: u64) -> bool {
+        stamp == 0 || self.streams.get(&stream).is_some_and(|s| s.done >= stamp)
+    }
+
+    /// Fences recorded and not yet known complete, over all streams.
+    #[cfg(test)]
+    pub fn outstanding(&self) -> usize {
+        self.streams.values().map(|s| s.queued.len()).sum()
+    }
+
+    /// Learns which fences completed, without blocking.
+    pub fn poll<B: Backend>(&mut self, backend: &mut B) -> Result<(), BackendError> {
+        for s in self.streams.values_mut() {
+            while let Some(&(ev, epoch)) = s.queued.front() {
+                if !backend.event_done(ev)? {
+                    break;
+                }
+                s.queued.pop_front();
+                backend.destroy_event(ev);
+                s.done = s.done.max(epoch);
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes sure a fence covering blocks of `stream` stamped up to `stamp`
+    /// is recorded (records one unless one is queued or done already).
+    pub fn cover<B: Backend>(
+        &mut self,
+        backend: &mut B,
+        stream: StreamId,
+        stamp: u64,
+    ) -> Result<(), BackendError> {
+        let s = self.streams.entry(stream).or_default();
+        let newest = s.queued.back().map_or(s.done, |f| f.1);
+        if stamp == 0 || newest >= stamp {
+            return Ok(());
+        }
+        let ev = backend.record_event(stream)?;
+        s.queued.push_back((ev, self.epoch));
+        self.epoch += 1;
+        Ok(())
+    }
+
+    /// Blocks until blocks of `stream` stamped up to `stamp` are idle:
+    /// records a fence if needed and waits for it (one stream, not the device).
+    pub fn wait<B: Backend>(
+        &mut self,
+        backend: &mut B,
+        stream: StreamId,
+        stamp: u64,
+    ) -> Result<(), BackendError> {
+        if self.is_idle(stream, stamp) {
+            return Ok(());
+        }
+        self.cover(backend, stream, stamp)?;
+        let s = self.streams.get_mut(&stream).expect("covered above");
+        while let Some(&(ev, epoch)) = s.queued.front() {
+            backend.wait_event(ev)?;
+            s.queued.pop_front();
+            backend.destroy_event(ev);
+            s.done = s.done.max(epoch);
+            if epoch >= stamp {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks until every block freed so far is idle, on every stream in `streams`.
+    pub fn wait_all<B: Backend>(
+        &mut self,
+        backend: &mut B,
+        streams: impl IntoIterator<Item = StreamId>,
+    ) -> Result<(), BackendError> {
+        let stamp = self.epoch;
+        for s in streams {
+            self.wait(backend, s, stamp)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SimBackend;
+
+    #[test]
+    fn a_fence_covers_what_was_freed_before_it() {
+        let mut b = SimBackend::new(1 << 30);
+        let mut f = Fences::default();
+        assert!(f.is_idle(7, 0), "untouched pages are idle");
+        let early = f.stamp();
+        assert!(!f.is_idle(7, early));
+        f.cover(&mut b, 7, early).unwrap();
+        f.cover(&mut b, 7, early).unwrap();
+        assert_eq!(f.outstanding(), 1, "one fence covers both");
+        let late = f.stamp();
+        assert!(late > early);
+        f.poll(&mut b).unwrap();
+        assert!(!f.is_idle(7, early), "not complete yet");
+        b.complete(7);
+        f.poll(&mut b).unwrap();
+        assert!(f.is_idle(7, early));
+        assert!(!f.is_idle(7, late), "freed after the fence");
+        assert!(!f.is_idle(8, early), "other streams have their own fences");
+        f.wait(&mut b, 7, late).unwrap();
+        assert!(f.is_idle(7, late));
+        assert_eq!(b.counters.wait_event, 1);
+        assert_eq!(f.outstanding(), 0);
+        assert_eq!(b.live_events(), 0);
+        f.cover_all(&mut b, [7]).unwrap();
+        assert_eq!(f.outstanding(), 0, "stream 7 is covered already");
+        f.cover_all(&mut b, [8]).unwrap();
+        f.cover_all(&mut b, [7, 8]).unwrap();
+        assert_eq!(f.outstanding(), 1, "nothing freed since the last call");
+        b.complete(8);
+        f.poll(&mut b).unwrap();
+        f.stamp();
+        f.cover_all(&mut b, [7, 8]).unwrap();
+        assert_eq!(f.outstanding(), 2);
+    }
+}

@@ -1,0 +1,253 @@
+//! The physical page pool: memory handles that outlive their mappings.
+//!
+//! Note [Page pool]
+//! Rationale: creating and releasing physical memory (`cuMemCreate`,
+//! `cuMemRelease`) costs tens to hundreds of microseconds per handle, while
+//! mapping an existing handle costs about one (`docs/driver-costs.md`). An
+//! expandable segment that returns its memory to the driver whenever it
+//! moves pages pays the expensive pair again and again.
+//! Approach: unmapping a range keeps its handles here; mapping takes handles
+//! from here first and creates only the shortfall. Handles go back to the
+//! driver only on `empty_cache`, on the out-of-memory path, or when a
+//! handle of the wrong size blocks a creation (memory pressure). Reserved
+//! memory therefore counts mapped *and* pooled handles: it is the physical
+//! memory the allocator holds. A mapping is one `cuMemMap` per handle and
+//! one `cuMemSetAccess` for the whole range; an unmapping is one
+//! `cuMemUnmap` over a run of whole handles. A handle can only be unmapped
+//! as a whole, so the pool answers which runs of whole handles lie inside a
+//! free range ([`PagePool::whole_runs`]).
+//!
+//! Handles are `page` bytes, or up to `max_handle` bytes when a long range
+//! is mapped from nothing (fewer calls; coarser unmapping).
+//! Each pooled handle remembers the pool kind (small or large) whose
+//! `reserved_bytes` it is counted in, so stats stay exact when it moves.
+
+use std::collections::BTreeMap;
+
+use crate::backend::{Backend, BackendError, DevicePtr, HandleId};
+use crate::size_class::PoolKind;
+
+/// Reserved-bytes changes per pool kind, `[small, large]`.
+pub(crate) type KindDeltas = [i64; 2];
+
+fn slot(kind: PoolKind) -> usize {
+    match kind {
+        PoolKind::Small => 0,
+        PoolKind::Large => 1,
+    }
+}
+
+/// See Note [Page pool].
+#[derive(Default)]
+pub(crate) struct PagePool {
+    /// Unmapped handles by size, with the kind they are counted in.
+    free: BTreeMap<u64, Vec<(HandleId, PoolKind)>>,
+    /// Mapped handles by address: `(handle, bytes)`.
+    mapped: BTreeMap<DevicePtr, (HandleId, u64)>,
+    /// Pooled bytes per kind, `[small, large]`.
+    free_bytes: [u64; 2],
+}
+
+impl PagePool {
+    /// Pooled (unmapped) bytes counted in `kind`.
+    pub fn pooled_bytes(&self, kind: PoolKind) -> u64 {
+        self.free_bytes[slot(kind)]
+    }
+
+    /// Bytes of pooled handles that mapping `size` bytes would use, taking
+    /// the largest handle that still fits each time.
+    pub fn usable(&self, size: u64) -> u64 {
+        let mut left = size;
+        for (&s, hs) in self.free.iter().rev() {
+            let n = (left / s).min(hs.len() as u64);
+            left -= n * s;
+        }
+        size - left
+    }
+
+    /// Maps `[ptr, ptr + size)`, counted in `kind`: pooled handles first
+    /// (largest that fits first), new handles for the rest. Returns the
+    /// reserved-bytes changes per kind and the bytes created, which apply
+    /// whether or not mapping succeeded (handles created before a failure
+    /// stay pooled).
+    pub fn map<B: Backend>(
+        &mut self,
+        backend: &mut B,
+        ptr: DevicePtr,
+        size: u64,
+        kind: PoolKind,
+        sizes: (u64, u64),
+        capturing: bool,
+    ) -> (Result<(), BackendError>, KindDeltas, u64) {
+        let (page, max_handle) = sizes;
+        let mut created = 0;
+        let mut deltas = [0i64; 2];
+        let mut chosen: Vec<(HandleId, u64, PoolKind)> = Vec::new();
+        let mut left = size;
+        let sizes: Vec<u64> = self.free.keys().rev().copied().collect();
+        for s in sizes {
+            let hs = self.free.get_mut(&s).expect("listed key");
+            while left >= s
+                && let Some((h, k)) = hs.pop()
+            {
+                chosen.push((h, s, k));
+                self.free_bytes[slot(k)] -= s;
+                left -= s;
+            }
+            if hs.is_empty() {
+                self.free.remove(&s);
+            }
+        }
+        let mut result = Ok(());
+        while left > 0 {
+            let mut chunk = page;
+            while chunk * 2 <= left.min(max_handle) {
+                chunk *= 2;
+            }
+            match backend.create_handle(chunk, capturing) {
+                Ok(h) => {
+                    deltas[slot(kind)] += chunk as i64;
+                    created += chunk;
+                    chosen.push((h, chunk, kind));
+                    left -= chunk;
+                }
+                Err(e) => {
+                    result = Err(match e {
+                        BackendError::OutOfMemory { .. } => {
+                            BackendError::OutOfMemory { requested: size }
+                        }
+                        e => e,
+                    });
+                    break;
+                }
+            }
+        }
+        if result.is_ok() {
+            let list: Vec<(HandleId, u64)> = chosen.iter().map(|c| (c.0, c.1)).collect();
+            result = backend.map_handles(ptr, &list, capturing);
+        }
+        if result.is_err() {
+            for (h, s, k) in chosen {
+                self.pool(h, s, k);
+            }
+            return (result, deltas, created);
+        }
+        let mut at = ptr;
+        for (h, s, k) in chosen {
+            if k != kind {
+                deltas[slot(k)] -= s as i64;
+                deltas[slot(kind)] += s as i64;
+            }
+            self.mapped.insert(at, (h, s));
+            at += s;
+        }
+        (Ok(()), deltas, created)
+    }
+
+    fn pool(&mut self, h: HandleId, size: u64, kind: PoolKind) {
+        self.free.entry(size).or_default().push((h, kind));
+        self.free_bytes[slot(kind)] += size;
+    }
+
+    /// The runs of whole mapped handles inside `[lo, hi)`, as `(start, end)`.
+    pub fn whole_runs(&self, lo: DevicePtr, hi: DevicePtr) -> Vec<(DevicePtr, DevicePtr)> {
+        let mut runs: Vec<(DevicePtr, DevicePtr)> = Vec::new();
+        for (&a, &(_, s)) in self.mapped.range(lo..hi) {
+            if a + s > hi {
+                break;
+            }
+            match runs.last_mut() {
+                Some(r) if r.1 == a => r.1 = a + s,
+                _ => runs.push((a, a + s)),
+            }
+        }
+        runs
+    }
+
+    /// Unmaps a run of whole handles (from [`whole_runs`](Self::whole_runs))
+    /// with one call and pools its handles, counted in `kind`.
+    pub fn unmap<B: Backend>(
+        &mut self,
+        backend: &mut B,
+        lo: DevicePtr,
+        hi: DevicePtr,
+        kind: PoolKind,
+    ) -> Result<(), BackendError> {
+        backend.unmap(lo, hi - lo)?;
+        let addrs: Vec<DevicePtr> = self.mapped.range(lo..hi).map(|(&a, _)| a).collect();
+        for a in addrs {
+            let (h, s) = self.mapped.remove(&a).expect("listed address");
+            self.pool(h, s, kind);
+        }
+        Ok(())
+    }
+
+    /// Returns pooled handles to the driver, largest first, until at least
+    /// `want` bytes went back (`u64::MAX`: all). Returns the reserved-bytes
+    /// changes per kind; on a driver error the rest stay pooled.
+    pub fn release<B: Backend>(
+        &mut self,
+        backend: &mut B,
+        want: u64,
+    ) -> (Result<(), BackendError>, KindDeltas) {
+        let mut deltas = [0i64; 2];
+        let mut released = 0u64;
+        while released < want
+            && let Some(mut entry) = self.free.last_entry()
+        {
+            let s = *entry.key();
+            let (h, k) = entry.get_mut().pop().expect("no empty size lists");
+            if entry.get().is_empty() {
+                entry.remove();
+            }
+            if let Err(e) = backend.release_handle(h, s) {
+                self.pool(h, s, k);
+                return (Err(e), deltas);
+            }
+            self.free_bytes[slot(k)] -= s;
+            deltas[slot(k)] -= s as i64;
+            released += s;
+        }
+        (Ok(()), deltas)
+    }
+
+    /// Checks the pool against the blocks' view: `mapped` lists the mapped
+    /// ranges of every expandable segment, in address order.
+    pub fn check(&self, mapped: &[(DevicePtr, DevicePtr)]) -> Result<(), String> {
+        let mut handles = self.mapped.iter().peekable();
+        for &(lo, hi) in mapped {
+            let mut at = lo;
+            while at < hi {
+                match handles.next() {
+                    Some((&a, &(_, s))) if a == at && a + s <= hi => at += s,
+                    Some((&a, &(_, s))) => {
+                        return Err(format!(
+                            "mapped range {lo:#x}..{hi:#x}: handle at {a:#x}+{s} where {at:#x} was expected"
+                        ));
+                    }
+                    None => {
+                        return Err(format!(
+                            "mapped range {lo:#x}..{hi:#x} has no handle at {at:#x}"
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some((&a, _)) = handles.next() {
+            return Err(format!("handle mapped at {a:#x} lies in no mapped block"));
+        }
+        let pooled: [u64; 2] = self.free.iter().fold([0, 0], |mut acc, (&s, hs)| {
+            for &(_, k) in hs {
+                acc[slot(k)] += s;
+            }
+            acc
+        });
+        if pooled != self.free_bytes {
+            return Err(format!(
+                "pooled bytes {:?}, handles sum to {pooled:?}",
+                self.free_bytes
+            ));
+        }
+        Ok(())
+    }
+}

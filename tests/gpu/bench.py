@@ -1,0 +1,249 @@
+"""Allocator benchmark, side by side in one run: training steps and churn
+under PyTorch's allocator (with and without expandable segments) and under
+gpualloc's configurations.
+
+    python3 tests/gpu/bench.py --out DIR [--steps 60] [--repeats 1]
+        [--only train_gpt2,churn] [--budget 540]
+        [--variants native,native-expandable,gpualloc,'gpualloc[expandable_segments:true]']
+        [--max-batch [--max-batch-gib 12]]
+
+(tests/gpu/bench.sh sets up the environment and calls this.) Repeat r runs
+every workload under every variant, each in its own process through
+driver.run_one; the order of the variants turns by one each repeat so that
+drift of the machine does not always fall on the same one. --max-batch then
+runs checks.py max_batch once per training workload and variant. Runs that
+no longer fit in --budget seconds (the longest run of their kind so far, at
+least 20 s) are skipped and listed. Prints Markdown tables (medians over
+repeats) and writes them to DIR/bench.md, everything to DIR/bench.json and
+one log a run to DIR/bench-logs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import driver  # noqa: E402
+
+WORKLOADS = ["churn", "train_gpt2", "train_detector", "train_resnet", "train_backbone"]
+DEFAULT_VARIANTS = "native,native-expandable,gpualloc,gpualloc-expandable,gpualloc-pytorch"
+NATIVE = ("native", "native-expandable")
+CHURN_OPS = 200_000
+CHURN_TIMEOUT_S = 90
+MAX_BATCH_TIMEOUT_S = 420
+MIN_LEFT_S = 20
+
+
+def train_timeout(steps):
+    return 120 + 3 * steps
+
+
+def ok(run):
+    return "result" in run and "error" not in run and "skipped" not in run["result"]
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarize_training(runs, workload, variants):
+    """One row a variant: medians over repeats; the ratio is taken within each
+    repeat against the faster of native and native-expandable."""
+    by = {(r["variant"], r["repeat"]): r for r in runs if r["workload"] == workload and ok(r)}
+    repeats = sorted({rep for _, rep in by})
+    base = {rep: min((by[(v, rep)]["result"]["mean_step_s_all"] for v in NATIVE if (v, rep) in by), default=None)
+            for rep in repeats}
+    rows = []
+    for v in variants:
+        mine = [(rep, by[(v, rep)]) for rep in repeats if (v, rep) in by]
+        res = [r["result"] for _, r in mine]
+        agree = [driver.compare_training(by[("native", rep)], r)["losses_agree"] for rep, r in mine if ("native", rep) in by]
+        rows.append({
+            "variant": v,
+            "runs": len(res),
+            "peak_reserved_over_allocated": median([x["peak_reserved_over_allocated"] for x in res]),
+            "mean_step_ms_all": median([x["mean_step_s_all"] * 1e3 for x in res]),
+            "median_step_ms": median([x["median_step_s"] * 1e3 for x in res]),
+            "mean_step_ms": median([x["mean_step_s"] * 1e3 for x in res]),
+            "device_allocs_after_warmup": median([x.get("device_allocs_after_warmup") for x in res]),
+            "ratio_mean_all_vs_faster_native": median([r["result"]["mean_step_s_all"] / base[rep] for rep, r in mine if base[rep]]),
+            "losses_agree_with_native": all(agree) if agree else None,
+            "peak_reserved_gib": median([x["peak_reserved"] / 2**30 for x in res]),
+        })
+    return rows
+
+
+def summarize_churn(runs, variants):
+    """One row a variant, as summarize_training does for training."""
+    by = {(r["variant"], r["repeat"]): r["result"] for r in runs if r["workload"] == "churn" and ok(r)}
+    repeats = sorted({rep for _, rep in by})
+    base = {rep: min((by[(v, rep)]["us_per_alloc_free"] for v in NATIVE if (v, rep) in by), default=None) for rep in repeats}
+    rows = []
+    for v in variants:
+        res = [(rep, by[(v, rep)]) for rep in repeats if (v, rep) in by]
+        rows.append({
+            "variant": v,
+            "runs": len(res),
+            "peak_reserved_over_allocated": median([x["peak_reserved_over_allocated"] for _, x in res]),
+            "us_per_alloc_free": median([x["us_per_alloc_free"] for _, x in res]),
+            "ratio_vs_faster_native": median([x["us_per_alloc_free"] / base[rep] for rep, x in res if base[rep]]),
+        })
+    return rows
+
+
+def fmt(x, spec):
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(bench):
+    """The tables (and what failed or did not run), as Markdown."""
+    a = bench["args"]
+    sections = []
+    if a["repeats"] and bench["training"]:
+        sec = [f"## Training, {a['steps']} steps, medians over {a['repeats']} repeat(s)", "",
+               "| workload | variant | runs | R/A | mean, all steps (ms) | median (ms) | device allocs after warm-up "
+               "| mean / faster native | losses agree |",
+               "|---|---|---|---|---|---|---|---|---|"]
+        for w, rows in bench["training"].items():
+            for r in rows:
+                agree = {True: "yes", False: "**no**", None: "–"}[r["losses_agree_with_native"]]
+                sec.append(f"| {w} | {r['variant']} | {r['runs']} | {fmt(r['peak_reserved_over_allocated'], '.3f')} "
+                           f"| {fmt(r['mean_step_ms_all'], '.1f')} | {fmt(r['median_step_ms'], '.1f')} "
+                           f"| {fmt(r['device_allocs_after_warmup'], '.0f')} | {fmt(r['ratio_mean_all_vs_faster_native'], '.3f')} "
+                           f"| {agree} |")
+        sections.append(sec)
+    if a["repeats"] and bench.get("churn"):
+        sec = [f"## Churn, {CHURN_OPS} torch.empty calls, medians over {a['repeats']} repeat(s)", "",
+               "| variant | runs | R/A | µs per alloc+free | / faster native |", "|---|---|---|---|---|"]
+        for r in bench["churn"]:
+            sec.append(f"| {r['variant']} | {r['runs']} | {fmt(r['peak_reserved_over_allocated'], '.3f')} "
+                       f"| {fmt(r['us_per_alloc_free'], '.3f')} | {fmt(r['ratio_vs_faster_native'], '.3f')} |")
+        sections.append(sec)
+    if bench.get("max_batch"):
+        sec = [f"## Largest batch under {a['max_batch_gib']:g} GiB (checks.py max_batch)", "",
+               "| workload | variant | max batch | first OOM batch | attempts | peak reserved at max (GiB) |",
+               "|---|---|---|---|---|---|"]
+        for w, per in bench["max_batch"].items():
+            for v, r in per.items():
+                res = r.get("result", {})
+                if not ok(r):
+                    sec.append(f"| {w} | {v} | {r.get('error') or res.get('skipped')} | | | |")
+                    continue
+                best = [t for t in res["attempts"] if t["batch"] == res["max_batch"]]
+                sec.append(f"| {w} | {v} | {res['max_batch']} | {fmt(res['first_oom_batch'], 'd')} | {len(res['attempts'])} "
+                           f"| {fmt(best[0]['peak_reserved'] / 2**30 if best else None, '.2f')} |")
+        sections.append(sec)
+    failed = [f"- {r['workload']} {r['variant']} repeat {r['repeat']}: {r.get('error') or r['result'].get('skipped')}"
+              for r in bench["runs"] if not ok(r)]
+    if failed:
+        sections.append(["Failed, or skipped by the check:", ""] + failed)
+    if bench["skipped"]:
+        sections.append([f"Not run (time budget of {a['budget']:.0f} s):", ""] + [f"- {x}" for x in bench["skipped"]])
+    return "\n\n".join("\n".join(sec) for sec in sections) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=60, help="training steps a run")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every workload under every variant (0: none)")
+    p.add_argument("--only", default="", help=f"workloads, of {','.join(WORKLOADS)} (default: all)")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help="variant names (driver.VARIANTS), gpualloc[CONF] or native[CONF]")
+    p.add_argument("--budget", type=float, default=540, help="seconds for everything, the bridge build included")
+    p.add_argument("--max-batch", action="store_true", help="also find each training workload's largest batch per variant")
+    p.add_argument("--max-batch-gib", type=float, default=12.0, help="the memory budget of --max-batch")
+    args = p.parse_args()
+    try:
+        variants = driver.parse_variants(args.variants)
+    except ValueError as e:
+        p.error(str(e))
+    workloads = [w for w in WORKLOADS if not args.only or w in args.only.split(",")]
+    unknown = set(filter(None, args.only.split(","))) - set(WORKLOADS)
+    if unknown or not workloads:
+        p.error(f"--only takes {','.join(WORKLOADS)} (got {args.only!r})")
+    uses_gpualloc = any(driver.variant(v)[0] == "gpualloc" for v in variants)
+    lib = os.environ.get("GPUALLOC_LIBRARY", "")
+    if uses_gpualloc and not os.path.isfile(lib):
+        sys.exit(f"missing GPUALLOC_LIBRARY ({lib or 'unset'}): run 'cargo build --release -p gpualloc-capi' (or carry it)")
+
+    logdir = os.path.join(args.out, "bench-logs")
+    os.makedirs(logdir, exist_ok=True)
+    start = time.time()
+    bench = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args),
+             "variants": {v: driver.variant(v) for v in variants}, "runs": [], "skipped": []}
+    if uses_gpualloc:
+        bench["bridge_build"] = driver.build_bridge(logdir)
+    longest = {}
+
+    def run(check, name, kind, timeout, steps, label, extra_args=()):
+        """driver.run_one within the budget; None (and listed) when it does not fit."""
+        left = args.budget - (time.time() - start)
+        need = max(MIN_LEFT_S, longest.get(kind, 0))
+        if left < need:
+            bench["skipped"].append(f"{label}: needs about {need:.0f} s, {left:.0f} s left")
+            print(f"{label}: skipped (needs about {need:.0f} s, {left:.0f} s left)", flush=True)
+            return None
+        r = driver.run_one(check, name, min(timeout, left), steps, logdir, extra_args, label)
+        longest[kind] = max(longest.get(kind, 0), r["wall_s"])
+        return r
+
+    for rep in range(args.repeats):
+        order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+        for w in workloads:
+            for v in order:
+                churn = w == "churn"
+                r = run(w, v, w, CHURN_TIMEOUT_S if churn else train_timeout(args.steps),
+                        CHURN_OPS if churn else args.steps, f"{w}-{v}-r{rep}")
+                if r is None:
+                    continue
+                bench["runs"].append({"workload": w, "variant": v, "repeat": rep, **r})
+                res = r.get("result", {})
+                if not ok(r):
+                    brief = r.get("error") or res.get("skipped")
+                elif churn:
+                    brief = f"{res['us_per_alloc_free']:.3f} us/alloc+free, R/A {res['peak_reserved_over_allocated']:.3f}"
+                else:
+                    brief = (f"mean(all) {res['mean_step_s_all'] * 1e3:.1f} ms, median {res['median_step_s'] * 1e3:.1f} ms, "
+                             f"R/A {res['peak_reserved_over_allocated']:.3f}, "
+                             f"device allocs after warm-up {res['device_allocs_after_warmup']}")
+                print(f"{w} {v} r{rep}: {brief} ({r['wall_s']} s)", flush=True)
+
+    if args.max_batch:
+        bench["max_batch"] = {}
+        for w in workloads:
+            if not w.startswith("train_"):
+                continue
+            name = w[len("train_"):]
+            for v in variants:
+                r = run("max_batch", v, f"max_batch/{name}", MAX_BATCH_TIMEOUT_S, 0, f"max_batch-{name}-{v}",
+                        ["--workload", name, "--budget-gib", str(args.max_batch_gib)])
+                if r is None:
+                    continue
+                bench["max_batch"].setdefault(name, {})[v] = r
+                res = r.get("result", {})
+                brief = f"max batch {res['max_batch']} ({len(res['attempts'])} attempts)" if ok(r) else r.get("error") or res.get("skipped")
+                print(f"max_batch {name} {v}: {brief} ({r['wall_s']} s)", flush=True)
+
+    bench["training"] = {w: summarize_training(bench["runs"], w, variants) for w in workloads if w.startswith("train_")}
+    if "churn" in workloads:
+        bench["churn"] = summarize_churn(bench["runs"], variants)
+    bench["total_s"] = round(time.time() - start, 1)
+    table = markdown(bench)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(bench, f, indent=2, default=str)
+    print("\n" + table)
+    print(f"bench: {os.path.join(args.out, 'bench.json')} ({bench['total_s']} s)")
+
+
+if __name__ == "__main__":
+    main()

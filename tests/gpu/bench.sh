@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Allocator benchmark, one command (on a machine with a GPU, torch, g++ and ninja; no cargo needed):
+#
+#   bash tests/gpu/bench.sh [--steps 60] [--repeats 1] [--only train_gpt2,churn]
+#       [--variants native,native-expandable,gpualloc,'gpualloc[expandable_segments:true]']
+#       [--budget 540] [--max-batch [--max-batch-gib 12]]
+#
+# Trains GPT-2, the multi-scale detector, resnet50 and a multi-scale backbone
+# and runs churn under PyTorch's allocator (native, native-expandable) and
+# gpualloc's variants (default: gpualloc, gpualloc-expandable,
+# gpualloc-pytorch; gpualloc[CONF] for any configuration: quote it, the shell
+# globs brackets), interleaved per repeat, each run in its own process.
+# Prints Markdown tables and writes bench.md, bench.json, bench.log,
+# environment.txt and bench-logs.tar.gz (one log a run) to $OUT (or
+# ./gpu-results). See tests/gpu/bench.py for the options.
+# GPUALLOC_LIBRARY overrides the library (default target/release/libgpualloc.so).
+set -u
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+export GPUALLOC_LIBRARY=${GPUALLOC_LIBRARY:-$ROOT/target/release/libgpualloc.so}
+export PYTHONPATH=$ROOT/python-shim${PYTHONPATH:+:$PYTHONPATH}
+export GPUALLOC_BUILD_DIR=${GPUALLOC_BUILD_DIR:-${TMPDIR:-/tmp}/gpualloc-bridge}
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
+export PYTHONUNBUFFERED=1
+unset GPUALLOC_BACKEND GPUALLOC_CONF GPUALLOC_TRACE
+RESULTS=${OUT:-$ROOT/gpu-results}
+mkdir -p "$RESULTS"
+{
+  echo "library: $GPUALLOC_LIBRARY"
+  python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+} 2>&1 | tee "$RESULTS/environment.txt"
+python3 tests/gpu/bench.py --out "$RESULTS" "$@" 2>&1 | tee "$RESULTS/bench.log"
+rc=${PIPESTATUS[0]}
+if [ -d "$RESULTS/bench-logs" ]; then
+  tar czf "$RESULTS/bench-logs.tar.gz" -C "$RESULTS" bench-logs && rm -rf "$RESULTS/bench-logs"
+fi
+exit "$rc"
