@@ -2,8 +2,12 @@
 //!
 //! Every backend counts the driver calls it makes ([`DriverCalls`]): the CUDA
 //! backend also times them, the simulator cannot. [`CostModel`] turns counts
-//! into predicted time, one `fixed + per GiB` cost per kind, calibrated from
-//! `benches/gpu/vmm_costs.sh` on an H200 (table in `docs/driver-costs.md`).
+//! into predicted time, `per call + per handle + per GiB` for each kind,
+//! calibrated from `benches/gpu/vmm_costs.sh` on an H200 (table in
+//! `docs/driver-costs.md`). The handle term matters: `cuMemSetAccess` and
+//! `cuMemUnmap` cost about the same *per handle* whether a range is covered
+//! in one call or in one call per handle, so 1 GiB of 2 MiB handles takes
+//! 21 ms to make accessible and one 1 GiB handle 0.09 ms.
 //! Replay reports both, so a policy is tuned offline on recorded traces for
 //! time as well as for memory, and the prediction is checked against the
 //! time the CUDA backend measured when the trace was recorded.
@@ -82,28 +86,46 @@ impl DriverCall {
 
 const KINDS: usize = DriverCall::ALL.len();
 
-/// Driver calls made, by kind: how many, over how many bytes, and how long
-/// they took where measured (0 where not).
+/// Driver calls made, by kind: how many, over how many physical handles
+/// and bytes, and how long they took where measured (0 where not).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DriverCalls {
     calls: [u64; KINDS],
+    handles: [u64; KINDS],
     bytes: [u64; KINDS],
     nanos: [u64; KINDS],
 }
 
 impl DriverCalls {
-    /// Counts one call over `bytes` that took `nanos` (0 when not measured).
+    /// Counts one call over `handles` handles (0 for calls on no handle)
+    /// and `bytes` that took `nanos` (0 when not measured).
     #[inline]
-    pub fn add(&mut self, call: DriverCall, bytes: u64, nanos: u64) {
+    pub fn add(&mut self, call: DriverCall, handles: u64, bytes: u64, nanos: u64) {
         let i = call as usize;
         self.calls[i] += 1;
+        self.handles[i] += handles;
         self.bytes[i] += bytes;
         self.nanos[i] += nanos;
+    }
+
+    /// Adds another count (another device's, say).
+    pub fn merge(&mut self, other: &DriverCalls) {
+        for i in 0..KINDS {
+            self.calls[i] += other.calls[i];
+            self.handles[i] += other.handles[i];
+            self.bytes[i] += other.bytes[i];
+            self.nanos[i] += other.nanos[i];
+        }
     }
 
     /// Calls of one kind.
     pub fn calls(&self, call: DriverCall) -> u64 {
         self.calls[call as usize]
+    }
+
+    /// Handles covered by calls of one kind.
+    pub fn handles(&self, call: DriverCall) -> u64 {
+        self.handles[call as usize]
     }
 
     /// Bytes covered by calls of one kind.
@@ -147,17 +169,21 @@ impl DriverCalls {
         let mut d = *self;
         for i in 0..KINDS {
             d.calls[i] -= earlier.calls[i].min(d.calls[i]);
+            d.handles[i] -= earlier.handles[i].min(d.handles[i]);
             d.bytes[i] -= earlier.bytes[i].min(d.bytes[i]);
             d.nanos[i] -= earlier.nanos[i].min(d.nanos[i]);
         }
         d
     }
 
-    /// `(kind, calls, bytes, nanos)` for every kind with at least one call.
-    pub fn rows(&self) -> impl Iterator<Item = (DriverCall, u64, u64, u64)> + '_ {
+    /// `(kind, calls, handles, bytes, nanos)` for every kind with at least one call.
+    pub fn rows(&self) -> impl Iterator<Item = (DriverCall, u64, u64, u64, u64)> + '_ {
         DriverCall::ALL
             .into_iter()
-            .map(|c| (c, self.calls(c), self.bytes(c), self.nanos(c)))
+            .map(|c| {
+                let n = (self.handles(c), self.bytes(c), self.nanos(c));
+                (c, self.calls(c), n.0, n.1, n.2)
+            })
             .filter(|r| r.1 > 0)
     }
 }
@@ -165,7 +191,7 @@ impl DriverCalls {
 impl fmt::Display for DriverCalls {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut first = true;
-        for (c, n, _, _) in self.rows() {
+        for (c, n, ..) in self.rows() {
             if !first {
                 f.write_str(", ")?;
             }
@@ -179,18 +205,22 @@ impl fmt::Display for DriverCalls {
     }
 }
 
-/// Predicted cost of one kind of call: `fixed_us + per_gib_us * GiB`.
+/// Predicted cost of one kind of call:
+/// `per_call_us + per_handle_us * handles + per_gib_us * GiB`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CallCost {
     /// Microseconds per call.
-    pub fixed_us: f64,
+    pub per_call_us: f64,
+    /// Microseconds per physical handle the call covers.
+    pub per_handle_us: f64,
     /// Microseconds per GiB the call covers.
     pub per_gib_us: f64,
 }
 
-const fn cost(fixed_us: f64, per_gib_us: f64) -> CallCost {
+const fn cost(per_call_us: f64, per_handle_us: f64, per_gib_us: f64) -> CallCost {
     CallCost {
-        fixed_us,
+        per_call_us,
+        per_handle_us,
         per_gib_us,
     }
 }
@@ -204,26 +234,28 @@ pub struct CostModel {
 }
 
 impl CostModel {
-    /// Calibrated on one H200 (driver 580, CUDA 13), idle device;
-    /// `docs/driver-costs.md` has the measured table. A host wait
+    /// Calibrated on one H200 (CUDA 13 driver API), from the p50 times of
+    /// `benches/gpu/vmm_costs.sh` with the GPU idle; `docs/driver-costs.md`
+    /// has the measured table. The same calls took 3 to 4 times longer
+    /// while kernels ran, so this is a lower bound. A host wait
     /// (`cuEventSynchronize`) is costed as on an idle device: what it
     /// blocks for depends on the work queued, which no trace records.
     pub fn h200() -> CostModel {
-        let mut costs = [cost(0.0, 0.0); KINDS];
+        let mut costs = [cost(0.0, 0.0, 0.0); KINDS];
         for (c, v) in [
-            (DriverCall::MemAlloc, cost(40.0, 150.0)),
-            (DriverCall::MemFree, cost(40.0, 60.0)),
-            (DriverCall::Create, cost(8.0, 60.0)),
-            (DriverCall::Release, cost(6.0, 60.0)),
-            (DriverCall::Map, cost(1.0, 0.0)),
-            (DriverCall::SetAccess, cost(20.0, 40.0)),
-            (DriverCall::Unmap, cost(12.0, 40.0)),
-            (DriverCall::Reserve, cost(10.0, 0.0)),
-            (DriverCall::AddressFree, cost(10.0, 0.0)),
-            (DriverCall::EventRecord, cost(2.0, 0.0)),
-            (DriverCall::EventQuery, cost(0.5, 0.0)),
-            (DriverCall::EventSync, cost(5.0, 0.0)),
-            (DriverCall::StreamWait, cost(2.0, 0.0)),
+            (DriverCall::MemAlloc, cost(50.0, 0.0, 150.0)),
+            (DriverCall::MemFree, cost(40.0, 0.0, 550.0)),
+            (DriverCall::Create, cost(0.0, 11.0, 48.0)),
+            (DriverCall::Release, cost(0.0, 13.0, 540.0)),
+            (DriverCall::Map, cost(0.0, 1.0, 1.5)),
+            (DriverCall::SetAccess, cost(0.0, 38.0, 55.0)),
+            (DriverCall::Unmap, cost(0.0, 25.0, 17.0)),
+            (DriverCall::Reserve, cost(3.0, 0.0, 0.0)),
+            (DriverCall::AddressFree, cost(3.5, 0.0, 0.0)),
+            (DriverCall::EventRecord, cost(0.5, 0.0, 0.0)),
+            (DriverCall::EventQuery, cost(1.7, 0.0, 0.0)),
+            (DriverCall::EventSync, cost(2.1, 0.0, 0.0)),
+            (DriverCall::StreamWait, cost(1.0, 0.0, 0.0)),
         ] {
             costs[c as usize] = v;
         }
@@ -241,7 +273,8 @@ impl CostModel {
     /// Predicted microseconds for the calls of one kind.
     pub fn predict_kind(&self, calls: &DriverCalls, call: DriverCall) -> f64 {
         let c = self.cost(call);
-        c.fixed_us * calls.calls(call) as f64
+        c.per_call_us * calls.calls(call) as f64
+            + c.per_handle_us * calls.handles(call) as f64
             + c.per_gib_us * calls.bytes(call) as f64 / (1u64 << 30) as f64
     }
 
@@ -269,9 +302,9 @@ mod tests {
     fn counts_and_predicts() {
         let mut d = DriverCalls::default();
         assert_eq!(d.to_string(), "none");
-        d.add(DriverCall::Create, 1 << 30, 0);
-        d.add(DriverCall::Map, 2 << 20, 0);
-        d.add(DriverCall::Map, 2 << 20, 0);
+        d.add(DriverCall::Create, 1, 1 << 30, 0);
+        d.add(DriverCall::Map, 1, 2 << 20, 0);
+        d.add(DriverCall::Map, 1, 2 << 20, 0);
         assert_eq!(d.calls(DriverCall::Map), 2);
         assert_eq!(d.total_calls(), 3);
         assert_eq!(d.memory_calls(), 3);
@@ -279,10 +312,12 @@ mod tests {
         let m = CostModel::h200();
         let create = m.cost(DriverCall::Create);
         let map = m.cost(DriverCall::Map);
-        let want = create.fixed_us + create.per_gib_us + 2.0 * map.fixed_us;
+        let want = create.per_handle_us
+            + create.per_gib_us
+            + 2.0 * (map.per_handle_us + map.per_gib_us / 512.0);
         assert!((m.predict_ms(&d) * 1000.0 - want).abs() < 1e-6);
         let mut later = d;
-        later.add(DriverCall::Unmap, 4 << 20, 7);
+        later.add(DriverCall::Unmap, 2, 4 << 20, 7);
         let delta = later.since(&d);
         assert_eq!(delta.total_calls(), 1);
         assert_eq!(delta.nanos(DriverCall::Unmap), 7);

@@ -29,6 +29,7 @@ use rustc_hash::FxHashMap;
 
 use crate::backend::{Backend, DevicePtr, SimBackend, StreamId};
 use crate::config::Config;
+use crate::cost::{CostModel, DriverCalls};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::trace::{Action, TraceEvent};
@@ -89,6 +90,8 @@ pub struct DeviceReplay {
     pub device_frees: u64,
     /// Allocations that needed the release-and-retry path.
     pub alloc_retries: u64,
+    /// Driver calls the simulated device received, by kind.
+    pub driver: DriverCalls,
     /// The first failed allocation.
     pub first_oom: Option<ReplayOom>,
 }
@@ -113,8 +116,17 @@ pub struct ReplayResult {
     pub unknown_frees: u64,
     /// Frees of allocations that had failed in the replay.
     pub frees_of_failed: u64,
+    /// Driver calls over all devices, by kind.
+    pub driver: DriverCalls,
     /// Per-device figures, by device index.
     pub devices: Vec<DeviceReplay>,
+}
+
+impl ReplayResult {
+    /// Driver time the calls would take on a GPU, in milliseconds.
+    pub fn driver_ms(&self, model: &CostModel) -> f64 {
+        model.predict_ms(&self.driver)
+    }
 }
 
 struct Live {
@@ -165,6 +177,8 @@ pub fn replay(
         o.device_allocs = s.num_device_alloc as u64;
         o.device_frees = s.num_device_free as u64;
         o.alloc_retries = s.num_alloc_retries as u64;
+        o.driver = run.dev.driver_calls();
+        r.driver.merge(&o.driver);
         o.mean_unallocated_fraction = if o.allocs == 0 {
             0.0
         } else {

@@ -1,9 +1,14 @@
 //! Allocator hot-path benchmarks on the simulated device.
 //!
 //! - `pair/live=N`: one alloc+free pair on a warm cache with N other blocks live;
+//! - `pair_warm_default/live=N`: the same under the default policy
+//!   (`policy:gpualloc`: expandable segments, page pool, defragmentation);
 //! - `churn`: a window of live blocks of mixed sizes, oldest freed first;
 //! - `split_coalesce`: allocations that split one segment and frees that merge it back;
 //! - `threads/T`: T threads sharing one device through `Allocator` (the lock).
+//!
+//! All but `pair_warm_default` run PyTorch's rules (`Config::pytorch()`), the
+//! configuration their earlier results were measured with.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -14,7 +19,11 @@ use gpualloc::{Allocator, Config, DeviceAllocator, SimBackend};
 const CAPACITY: u64 = 1 << 40;
 
 fn device() -> DeviceAllocator<SimBackend> {
-    DeviceAllocator::new(0, SimBackend::new(CAPACITY), Config::default())
+    device_with(Config::pytorch())
+}
+
+fn device_with(config: Config) -> DeviceAllocator<SimBackend> {
+    DeviceAllocator::new(0, SimBackend::new(CAPACITY), config)
 }
 
 /// A deterministic generator of mixed tensor sizes (xorshift).
@@ -34,10 +43,19 @@ impl Sizes {
 }
 
 fn pair_with_live(c: &mut Criterion) {
-    let mut g = c.benchmark_group("pair");
+    pairs(c, "pair", Config::pytorch());
+}
+
+fn pair_warm_default(c: &mut Criterion) {
+    pairs(c, "pair_warm_default", Config::default());
+}
+
+/// One alloc+free pair on a warm cache, with 0 to 100k other blocks live.
+fn pairs(c: &mut Criterion, group: &str, config: Config) {
+    let mut g = c.benchmark_group(group);
     g.throughput(Throughput::Elements(1));
     for live in [0usize, 1_000, 10_000, 100_000] {
-        let mut d = device();
+        let mut d = device_with(config.clone());
         let mut sizes = Sizes(0x9e3779b97f4a7c15);
         let held: Vec<u64> = (0..live)
             .map(|_| d.malloc(sizes.next() % (512 << 10) + 1, 0).unwrap())
@@ -95,7 +113,7 @@ fn threads(c: &mut Criterion) {
     let mut g = c.benchmark_group("threads");
     for t in [1usize, 2, 4] {
         let a = Arc::new(Allocator::new(
-            Config::default(),
+            Config::pytorch(),
             1,
             Box::new(|_| Ok(SimBackend::new(CAPACITY))),
         ));
@@ -123,5 +141,12 @@ fn threads(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, pair_with_live, churn, split_coalesce, threads);
+criterion_group!(
+    benches,
+    pair_with_live,
+    pair_warm_default,
+    churn,
+    split_coalesce,
+    threads
+);
 criterion_main!(benches);

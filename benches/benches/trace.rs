@@ -3,7 +3,8 @@
 //! - `pair/off`, `pair/on`: an alloc+free pair through `Allocator` (lock
 //!   included) with 10k other blocks live, without and with tracing (to
 //!   /dev/null, the writer thread running); the difference is the cost added
-//!   per pair (three events: alloc, free_requested, free_completed);
+//!   per pair (three events: alloc, free_requested, free_completed), under
+//!   PyTorch's rules (`Config::pytorch()`), as the earlier results were;
 //! - `record`: one `DeviceTrace::record` call;
 //! - `encode`, `decode`: the writer's and the reader's throughput on blocks
 //!   of 4096 events.
@@ -21,7 +22,7 @@ const LIVE: usize = 10_000;
 
 fn allocator() -> (Allocator<SimBackend>, Vec<u64>) {
     let a = Allocator::new(
-        Config::default(),
+        Config::pytorch(),
         1,
         Box::new(|_| Ok(SimBackend::new(1 << 40))),
     );

@@ -31,7 +31,7 @@ pub(crate) enum BackendKind {
 
 /// The backend of one device, chosen at run time (no `dyn` on the hot path).
 pub(crate) enum AnyBackend {
-    Cuda(CudaBackend),
+    Cuda(Box<CudaBackend>),
     Sim(Box<SimBackend>),
 }
 
@@ -216,7 +216,7 @@ fn build(config: Config) -> Result<Global, Error> {
             let alloc = Allocator::new(
                 config,
                 devices,
-                Box::new(|d| CudaBackend::new(d).map(AnyBackend::Cuda)),
+                Box::new(|d| CudaBackend::new(d).map(|b| AnyBackend::Cuda(Box::new(b)))),
             );
             Ok(Global { alloc, kind })
         }

@@ -95,6 +95,9 @@ enum Command {
         /// several. Default: the configuration the trace was recorded with.
         #[arg(long)]
         config: Vec<String>,
+        /// Print one JSON object per configuration (a JSON array) instead of the table.
+        #[arg(long)]
+        json: bool,
         /// Use the readable prefix of a truncated or damaged file.
         #[arg(long)]
         allow_truncated: bool,
@@ -217,11 +220,15 @@ fn run(cmd: Command) -> Result<(), CliError> {
             file,
             capacity,
             config,
+            json,
             allow_truncated,
         } => {
             let cap = units::parse_bytes(&capacity)
                 .map_err(|e| CliError(format!("--capacity {capacity}: {e}")))?;
-            print!("{}", replay_cmd::run(&file, cap, &config, allow_truncated)?);
+            print!(
+                "{}",
+                replay_cmd::run(&file, cap, &config, json, allow_truncated)?
+            );
         }
         Command::Export {
             file,

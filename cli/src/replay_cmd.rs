@@ -1,11 +1,14 @@
 //! The `replay` command: one pass of the trace per configuration, the
-//! results side by side.
+//! results side by side, or as JSON (`--json`) for scripts and CI. Besides
+//! the peaks it reports the driver calls each configuration makes and the
+//! driver time they would take on an H200 ([`CostModel::h200`]).
 
 use std::fmt::Write;
 use std::path::Path;
 
-use gpualloc::Config;
 use gpualloc::replay::{ReplayResult, replay};
+use gpualloc::{Config, CostModel};
+use serde_json::json;
 
 use crate::input::{self, CliError};
 use crate::units::{bytes, duration, percent};
@@ -15,6 +18,7 @@ pub fn run(
     path: &Path,
     capacity: u64,
     configs: &[String],
+    as_json: bool,
     allow_truncated: bool,
 ) -> Result<String, CliError> {
     let recorded = input::open(path)?.header().config.clone();
@@ -41,7 +45,51 @@ pub fn run(
         strings = reader.strings().to_vec();
         results.push(r);
     }
+    if as_json {
+        return Ok(render_json(capacity, &configs, &results));
+    }
     Ok(render(path, capacity, &configs, &results, &strings))
+}
+
+/// One object per configuration: peaks, ratio, driver calls and time.
+fn render_json(capacity: u64, configs: &[String], rs: &[ReplayResult]) -> String {
+    let model = CostModel::h200();
+    let rows: Vec<serde_json::Value> = configs
+        .iter()
+        .zip(rs)
+        .map(|(c, r)| {
+            let by_kind: serde_json::Map<String, serde_json::Value> = r
+                .driver
+                .rows()
+                .map(|(k, calls, handles, bytes, _)| {
+                    let v = json!({
+                        "calls": calls,
+                        "handles": handles,
+                        "bytes": bytes,
+                        "ms": model.predict_kind(&r.driver, k) / 1000.0,
+                    });
+                    (k.name().to_string(), v)
+                })
+                .collect();
+            json!({
+                "config": c,
+                "capacity": capacity,
+                "events": r.events,
+                "peak_reserved": r.peak_reserved,
+                "peak_allocated": r.peak_allocated,
+                "ratio": r.peak_reserved as f64 / r.peak_allocated.max(1) as f64,
+                "ooms": r.ooms,
+                "driver_calls": r.driver.total_calls(),
+                "driver_memory_calls": r.driver.memory_calls(),
+                "driver_ms": r.driver_ms(&model),
+                "driver_calls_by_kind": by_kind,
+                "cost_model": model.source,
+            })
+        })
+        .collect();
+    let mut out = serde_json::to_string_pretty(&rows).expect("plain values serialize");
+    out.push('\n');
+    out
 }
 
 fn render(
@@ -105,6 +153,13 @@ fn render(
             .map(|d| d.device_allocs)
             .sum::<u64>()
             .to_string()
+    });
+    let model = CostModel::h200();
+    row("driver calls (memory calls)", &|_, r| {
+        format!("{} ({})", r.driver.total_calls(), r.driver.memory_calls())
+    });
+    row("predicted driver time (H200)", &|_, r| {
+        format!("{:.1} ms", r.driver_ms(&model))
     });
     row("release-and-retry allocations", &|_, r| {
         r.devices

@@ -182,12 +182,12 @@ fn replay_compares_configurations_deterministically() {
         "--config",
         "",
         "--config",
-        "expandable_segments:true",
+        "policy:pytorch",
     ];
     let a = ok(&args);
     assert_eq!(a, ok(&args), "same trace and configuration, same numbers");
     assert!(
-        a.contains("(defaults)") && a.contains("expandable_segments:true"),
+        a.contains("(defaults)") && a.contains("policy:pytorch"),
         "{a}"
     );
     let summary = ok(&["summary", s(&t)]);

@@ -46,6 +46,7 @@ VARIANTS = {
     "gpualloc-expandable": ("gpualloc", {"GPUALLOC_TEST_CONF": "expandable_segments:true"}),
     "gpualloc-expandable-traced": ("gpualloc", {"GPUALLOC_TEST_CONF": "expandable_segments:true"}),
     "gpualloc-pytorch": ("gpualloc", {"GPUALLOC_TEST_CONF": "policy:pytorch"}),
+    "gpualloc-traced": ("gpualloc", {}),
 }
 TRAIN_VARIANTS = ["native", "native-expandable", "gpualloc", "gpualloc-expandable", "gpualloc-expandable-traced"]
 

@@ -187,20 +187,22 @@ impl CudaBackend {
     fn timed(
         &mut self,
         call: DriverCall,
-        bytes: u64,
+        (handles, bytes): (u64, u64),
         f: impl FnOnce() -> sys::CUresult,
     ) -> sys::CUresult {
         let t = Instant::now();
         let r = f();
-        self.calls.add(call, bytes, t.elapsed().as_nanos() as u64);
+        self.calls
+            .add(call, handles, bytes, t.elapsed().as_nanos() as u64);
         r
     }
 
     /// Unmaps `[ptr, ptr + size)`, a run of whole mappings, with one call.
     fn unmap_run(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        let handles = self.mappings.range(ptr..ptr + size).count() as u64;
         // SAFETY: `[ptr, ptr + size)` is a run of whole mappings made by
         // `map_handles` (contract), so the driver unmaps exactly those.
-        let r = self.timed(DriverCall::Unmap, size, || unsafe {
+        let r = self.timed(DriverCall::Unmap, (handles, size), || unsafe {
             sys::cuMemUnmap(ptr, size as usize)
         });
         check("cuMemUnmap", r)?;
@@ -297,7 +299,7 @@ impl Backend for CudaBackend {
             None
         };
         // SAFETY: context bound; `ptr` is a valid out-pointer.
-        let r = self.timed(DriverCall::MemAlloc, size, || unsafe {
+        let r = self.timed(DriverCall::MemAlloc, (0, size), || unsafe {
             sys::cuMemAlloc_v2(&mut ptr, bytes)
         });
         match check("cuMemAlloc", r) {
@@ -313,7 +315,7 @@ impl Backend for CudaBackend {
         self.bind()?;
         // SAFETY: the Backend contract guarantees `ptr` came from `allocate`
         // (cuMemAlloc in this context) and was not released since.
-        let r = self.timed(DriverCall::MemFree, size, || unsafe {
+        let r = self.timed(DriverCall::MemFree, (0, size), || unsafe {
             sys::cuMemFree_v2(ptr)
         });
         check("cuMemFree", r)
@@ -325,7 +327,7 @@ impl Backend for CudaBackend {
         // SAFETY: `ev` is a live event of this context; `stream` is a stream
         // handle PyTorch passed (0 = legacy default stream) that is alive
         // while work is queued on it.
-        let r = self.timed(DriverCall::EventRecord, 0, || unsafe {
+        let r = self.timed(DriverCall::EventRecord, (0, 0), || unsafe {
             sys::cuEventRecord(ev, stream_of(stream))
         });
         if let Err(e) = check("cuEventRecord", r) {
@@ -338,7 +340,7 @@ impl Backend for CudaBackend {
     fn event_done(&mut self, event: EventId) -> Result<bool, BackendError> {
         self.bind()?;
         // SAFETY: `event` came from `record_event` and was not destroyed (contract).
-        let r = self.timed(DriverCall::EventQuery, 0, || unsafe {
+        let r = self.timed(DriverCall::EventQuery, (0, 0), || unsafe {
             sys::cuEventQuery(event_of(event))
         });
         match r {
@@ -351,7 +353,7 @@ impl Backend for CudaBackend {
     fn wait_event(&mut self, event: EventId) -> Result<(), BackendError> {
         self.bind()?;
         // SAFETY: `event` is live (contract).
-        let r = self.timed(DriverCall::EventSync, 0, || unsafe {
+        let r = self.timed(DriverCall::EventSync, (0, 0), || unsafe {
             sys::cuEventSynchronize(event_of(event))
         });
         check("cuEventSynchronize", r)
@@ -361,7 +363,7 @@ impl Backend for CudaBackend {
         self.bind()?;
         // SAFETY: `event` is live (contract); `stream` is a live stream
         // handle from PyTorch. Flags must be 0.
-        let r = self.timed(DriverCall::StreamWait, 0, || unsafe {
+        let r = self.timed(DriverCall::StreamWait, (0, 0), || unsafe {
             sys::cuStreamWaitEvent(stream_of(stream), event_of(event), 0)
         });
         check("cuStreamWaitEvent", r)
@@ -408,7 +410,7 @@ impl Backend for CudaBackend {
         let align = self.vmm_granularity().unwrap_or(2 << 20) as usize;
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: context bound; `va` is a valid out-pointer; no fixed address requested.
-        let r = self.timed(DriverCall::Reserve, size, || unsafe {
+        let r = self.timed(DriverCall::Reserve, (0, size), || unsafe {
             sys::cuMemAddressReserve(&mut va, size as usize, align, 0, 0)
         });
         check("cuMemAddressReserve", r)?;
@@ -419,7 +421,7 @@ impl Backend for CudaBackend {
         self.bind()?;
         // SAFETY: `ptr`/`size` came from `reserve` (contract) and every page
         // in it was unmapped by the allocator before this call.
-        let r = self.timed(DriverCall::AddressFree, size, || unsafe {
+        let r = self.timed(DriverCall::AddressFree, (0, size), || unsafe {
             sys::cuMemAddressFree(ptr, size as usize)
         });
         check("cuMemAddressFree", r)
@@ -437,7 +439,7 @@ impl Backend for CudaBackend {
         // SAFETY: context bound; `prop` describes pinned memory on this
         // device; `h` is a valid out-pointer; `size` is a multiple of the
         // granularity (contract).
-        let r = self.timed(DriverCall::Create, size, || unsafe {
+        let r = self.timed(DriverCall::Create, (1, size), || unsafe {
             sys::cuMemCreate(&mut h, size as usize, &prop, 0)
         });
         match check("cuMemCreate", r) {
@@ -455,7 +457,7 @@ impl Backend for CudaBackend {
     fn release_handle(&mut self, handle: HandleId, size: u64) -> Result<(), BackendError> {
         self.bind()?;
         // SAFETY: `handle` came from `create_handle` and is not mapped (contract).
-        let r = self.timed(DriverCall::Release, size, || unsafe {
+        let r = self.timed(DriverCall::Release, (1, size), || unsafe {
             sys::cuMemRelease(handle)
         });
         check("cuMemRelease", r)?;
@@ -480,7 +482,7 @@ impl Backend for CudaBackend {
             // SAFETY: `[at, at + size)` lies in a reservation of this backend
             // and is unmapped (contract); `h` is a live unmapped handle of
             // exactly `size` bytes.
-            let r = self.timed(DriverCall::Map, size, || unsafe {
+            let r = self.timed(DriverCall::Map, (1, size), || unsafe {
                 sys::cuMemMap(at, size as usize, 0, h, 0)
             });
             if let Err(e) = check("cuMemMap", r) {
@@ -498,9 +500,11 @@ impl Backend for CudaBackend {
         };
         let total = at - ptr;
         // SAFETY: `[ptr, ptr + total)` was mapped above; `desc` is valid for the call.
-        let r = self.timed(DriverCall::SetAccess, total, || unsafe {
-            sys::cuMemSetAccess(ptr, total as usize, &desc, 1)
-        });
+        let r = self.timed(
+            DriverCall::SetAccess,
+            (handles.len() as u64, total),
+            || unsafe { sys::cuMemSetAccess(ptr, total as usize, &desc, 1) },
+        );
         if let Err(e) = check("cuMemSetAccess", r) {
             let _ = self.unmap_run(ptr, total);
             return Err(e);

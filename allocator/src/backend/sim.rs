@@ -354,7 +354,7 @@ impl Backend for SimBackend {
         self.used += size;
         self.counters.allocate += 1;
         self.counters.allocate_capturing += u64::from(capturing);
-        self.driver.add(DriverCall::MemAlloc, size, 0);
+        self.driver.add(DriverCall::MemAlloc, 0, size, 0);
         Ok(ptr)
     }
 
@@ -371,7 +371,7 @@ impl Backend for SimBackend {
         self.used -= size;
         self.give_back_address(ptr, size);
         self.counters.release += 1;
-        self.driver.add(DriverCall::MemFree, size, 0);
+        self.driver.add(DriverCall::MemFree, 0, size, 0);
         Ok(())
     }
 
@@ -389,7 +389,7 @@ impl Backend for SimBackend {
         self.next_event += 1;
         self.events.insert(id, (stream, seq));
         self.counters.record_event += 1;
-        self.driver.add(DriverCall::EventRecord, 0, 0);
+        self.driver.add(DriverCall::EventRecord, 0, 0, 0);
         Ok(id)
     }
 
@@ -397,7 +397,7 @@ impl Backend for SimBackend {
         self.forbid_in_capture("event query");
         let (stream, seq) = self.event(event);
         self.counters.event_query += 1;
-        self.driver.add(DriverCall::EventQuery, 0, 0);
+        self.driver.add(DriverCall::EventQuery, 0, 0, 0);
         Ok(self.streams[&stream].completed >= seq)
     }
 
@@ -410,7 +410,7 @@ impl Backend for SimBackend {
             .expect("stream of a recorded event");
         s.completed = s.completed.max(seq);
         self.counters.wait_event += 1;
-        self.driver.add(DriverCall::EventSync, 0, 0);
+        self.driver.add(DriverCall::EventSync, 0, 0, 0);
         Ok(())
     }
 
@@ -425,7 +425,7 @@ impl Backend for SimBackend {
             .or_insert(0);
         *w = (*w).max(seq);
         self.counters.stream_wait_event += 1;
-        self.driver.add(DriverCall::StreamWait, 0, 0);
+        self.driver.add(DriverCall::StreamWait, 0, 0, 0);
         Ok(())
     }
 
@@ -455,7 +455,7 @@ impl Backend for SimBackend {
                 mapped: BTreeMap::new(),
             },
         );
-        self.driver.add(DriverCall::Reserve, size, 0);
+        self.driver.add(DriverCall::Reserve, 0, size, 0);
         Ok(va)
     }
 
@@ -473,7 +473,7 @@ impl Backend for SimBackend {
             r.mapped.is_empty(),
             "SimBackend: reservation {va:#x} freed with pages still mapped"
         );
-        self.driver.add(DriverCall::AddressFree, size, 0);
+        self.driver.add(DriverCall::AddressFree, 0, size, 0);
         Ok(())
     }
 
@@ -494,7 +494,7 @@ impl Backend for SimBackend {
         self.handles.insert(h, (size, false));
         self.used += size;
         self.counters.create += 1;
-        self.driver.add(DriverCall::Create, size, 0);
+        self.driver.add(DriverCall::Create, 1, size, 0);
         Ok(h)
     }
 
@@ -511,7 +511,7 @@ impl Backend for SimBackend {
         );
         self.used -= size;
         self.counters.release_handle += 1;
-        self.driver.add(DriverCall::Release, size, 0);
+        self.driver.add(DriverCall::Release, 1, size, 0);
         Ok(())
     }
 
@@ -550,9 +550,10 @@ impl Backend for SimBackend {
             );
             e.1 = true;
             self.counters.map += 1;
-            self.driver.add(DriverCall::Map, size, 0);
+            self.driver.add(DriverCall::Map, 1, size, 0);
         }
-        self.driver.add(DriverCall::SetAccess, total, 0);
+        self.driver
+            .add(DriverCall::SetAccess, handles.len() as u64, total, 0);
         Ok(())
     }
 
@@ -561,7 +562,7 @@ impl Backend for SimBackend {
         let (r, off) = self.reservation_of(ptr, size);
         let inside: Vec<u64> = r.mapped.range(off..off + size).map(|(&o, _)| o).collect();
         let mut at = off;
-        let mut freed = Vec::new();
+        let mut freed: Vec<HandleId> = Vec::new();
         for o in inside {
             assert_eq!(
                 o, at,
@@ -576,11 +577,12 @@ impl Backend for SimBackend {
             off + size,
             "SimBackend: unmap of {ptr:#x}+{size} does not end at a mapping's end"
         );
+        self.counters.unmap += 1;
+        self.driver
+            .add(DriverCall::Unmap, freed.len() as u64, size, 0);
         for h in freed {
             self.handles.get_mut(&h).expect("mapped handle").1 = false;
         }
-        self.counters.unmap += 1;
-        self.driver.add(DriverCall::Unmap, size, 0);
         if let Some(log) = &mut self.unmap_log {
             log.push((ptr, size));
         }

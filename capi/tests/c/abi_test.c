@@ -11,6 +11,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* PyTorch's rules with cross-stream reuse: the segment counts, reserved
+ * bytes and cache reuse checked below are those of plain segments. */
+#define CONFIG "policy:pytorch,cross_stream_reuse:true,max_split_size_mb:256,garbage_collection_threshold:0.9"
+
 #define MiB ((size_t)1 << 20)
 #define GiB ((size_t)1 << 30)
 
@@ -65,10 +69,10 @@ static void test_init(void) {
   CHECK(gpualloc_init("max_split_size_mb:5") == GPUALLOC_ERR_CONFIG);
   CHECK(contains(gpualloc_last_error(), "max_split_size_mb"));
   CHECK(gpualloc_is_initialized() == 0);
-  CHECK(gpualloc_init("max_split_size_mb:256,garbage_collection_threshold:0.9") == GPUALLOC_OK);
+  CHECK(gpualloc_init(CONFIG) == GPUALLOC_OK);
   CHECK(gpualloc_last_error() == NULL);
   CHECK(gpualloc_is_initialized() == 1);
-  CHECK(gpualloc_init("max_split_size_mb:256,garbage_collection_threshold:0.9") == GPUALLOC_OK);
+  CHECK(gpualloc_init(CONFIG) == GPUALLOC_OK);
   CHECK(gpualloc_init("max_split_size_mb:128") == GPUALLOC_ERR_ALREADY_INITIALIZED);
   CHECK(contains(gpualloc_last_error(), "already initialized"));
   CHECK(strcmp(gpualloc_backend_name(), "sim") == 0);

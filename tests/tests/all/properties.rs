@@ -166,35 +166,57 @@ macro_rules! property {
     };
 }
 
-property!(default_config, "", 192);
-property!(max_split_20, "max_split_size_mb:20", 128);
+// PyTorch's rules with gpualloc's cross-stream reuse: the default before
+// `policy:gpualloc` became it. These keep testing what they tested then.
 property!(
-    max_split_64,
-    "max_split_size_mb:64,max_non_split_rounding_mb:8",
+    pytorch_cross_stream,
+    "policy:pytorch,cross_stream_reuse:true",
+    192
+);
+property!(
+    max_split_20,
+    "policy:pytorch,cross_stream_reuse:true,max_split_size_mb:20",
     128
 );
-property!(roundup_single, "roundup_power2_divisions:4", 96);
+property!(
+    max_split_64,
+    "policy:pytorch,cross_stream_reuse:true,max_split_size_mb:64,max_non_split_rounding_mb:8",
+    128
+);
+property!(
+    roundup_single,
+    "policy:pytorch,cross_stream_reuse:true,roundup_power2_divisions:4",
+    96
+);
 property!(
     roundup_list,
-    "roundup_power2_divisions:[1:2,8:4,64:8,>:1]",
+    "policy:pytorch,cross_stream_reuse:true,roundup_power2_divisions:[1:2,8:4,64:8,>:1]",
     96
 );
 property!(
     gc_with_fraction,
-    "garbage_collection_threshold:0.5,per_process_memory_fraction:0.7",
+    "policy:pytorch,cross_stream_reuse:true,garbage_collection_threshold:0.5,per_process_memory_fraction:0.7",
     128
 );
 property!(
     gc_with_limit,
-    "garbage_collection_threshold:0.6,memory_limit:300MiB,max_split_size_mb:32",
+    "policy:pytorch,cross_stream_reuse:true,garbage_collection_threshold:0.6,memory_limit:300MiB,max_split_size_mb:32",
     96
 );
-property!(no_cross_stream, "cross_stream_reuse:false", 128);
+// PyTorch's exact rules: no cross-stream reuse.
+property!(no_cross_stream, "policy:pytorch", 128);
 property!(
     large_segments,
-    "large_segment_size_mb:64,cross_stream_reuse:false",
+    "policy:pytorch,large_segment_size_mb:64",
     64
 );
+property!(
+    roundup_no_cross_stream,
+    "policy:pytorch,roundup_power2_divisions:[1:2,8:4,64:8,>:1]",
+    64
+);
+// Expandable segments, written before they became the default; the keys the
+// strings leave out now take the gpualloc policy's defaults.
 property!(expandable, "expandable_segments:true", 128);
 property!(
     expandable_no_defrag,
@@ -206,8 +228,25 @@ property!(
     "expandable_segments:true,max_split_size_mb:32,garbage_collection_threshold:0.5,per_process_memory_fraction:0.8",
     64
 );
+// The default policy (`policy:gpualloc`): expandable segments, page pool,
+// defragmentation, cross-stream reuse.
+property!(default_config, "", 192);
+property!(defragment_every_growth, "defragment_headroom:0", 128);
+property!(multi_size_handles, "expandable_handle_mb:64", 128);
 property!(
-    roundup_no_cross_stream,
-    "roundup_power2_divisions:[1:2,8:4,64:8,>:1],cross_stream_reuse:false",
+    multi_size_handles_defragment_every_growth,
+    "expandable_handle_mb:64,defragment_headroom:0",
+    96
+);
+property!(default_no_defrag, "defragment:false", 128);
+property!(default_no_cross_stream, "cross_stream_reuse:false", 96);
+property!(
+    default_gc_split,
+    "max_split_size_mb:32,garbage_collection_threshold:0.5,per_process_memory_fraction:0.8",
+    96
+);
+property!(
+    default_roundup,
+    "roundup_power2_divisions:[1:2,8:4,64:8,>:1]",
     64
 );

@@ -9,7 +9,7 @@ const B: u64 = 9;
 
 #[test]
 fn smallest_fitting_block_of_the_stream_is_chosen() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     // Three separate large segments (>= 10 MiB: sized to the request).
     let big = c.alloc(16 * MIB, A);
     let mid = c.alloc(12 * MIB, A);
@@ -27,7 +27,7 @@ fn smallest_fitting_block_of_the_stream_is_chosen() {
 
 #[test]
 fn small_pool_best_fit_among_split_pieces() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let p: Vec<u64> = [4096, 512, 8192, 512, 2048, 512]
         .iter()
         .map(|&s| c.alloc(s, A))
@@ -47,7 +47,7 @@ fn small_pool_best_fit_among_split_pieces() {
 
 #[test]
 fn another_streams_block_is_not_used_without_cross_stream_reuse() {
-    let mut c = Checked::with(1 << 30, "cross_stream_reuse:false");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:false");
     let a = c.alloc(12 * MIB, A);
     c.release(a);
     let allocs = c.sim().counters.allocate;
@@ -69,7 +69,7 @@ fn another_streams_block_is_not_used_without_cross_stream_reuse() {
 
 #[test]
 fn cross_stream_reuse_waits_on_an_event_instead_of_growing() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(12 * MIB, A);
     let seq = c.use_on(a, A);
     c.release(a);
@@ -101,7 +101,7 @@ fn cross_stream_reuse_waits_on_an_event_instead_of_growing() {
 
 #[test]
 fn own_stream_block_is_preferred_to_a_better_fitting_one_of_another_stream() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(12 * MIB, A);
     let b = c.alloc(16 * MIB, B);
     c.release(a);

@@ -6,7 +6,7 @@ use gpualloc_tests::{Checked, MIB};
 #[test]
 fn free_neighbours_merge_in_any_order() {
     for order in [[0, 1, 2], [0, 2, 1], [2, 0, 1], [1, 0, 2], [1, 2, 0]] {
-        let mut c = Checked::with(1 << 30, "");
+        let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
         let p = [c.alloc(4096, 0), c.alloc(8192, 0), c.alloc(4096, 0)];
         for i in order {
             c.release(p[i]);
@@ -22,7 +22,7 @@ fn free_neighbours_merge_in_any_order() {
 
 #[test]
 fn merge_with_the_middle_block_last_rebuilds_the_segment() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(4 * MIB, 0);
     let b = c.alloc(4 * MIB, 0);
     let d = c.alloc(4 * MIB, 0); // [a][b][d][8 free]
@@ -42,7 +42,7 @@ fn merge_with_the_middle_block_last_rebuilds_the_segment() {
 
 #[test]
 fn adjacent_segments_are_never_merged() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(12 * MIB, 0);
     let b = c.alloc(12 * MIB, 0);
     assert_eq!(
@@ -66,7 +66,7 @@ fn adjacent_segments_are_never_merged() {
 
 #[test]
 fn a_block_waiting_on_events_is_not_merged_until_they_complete() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(4096, 0);
     let b = c.alloc(4096, 0);
     c.record_stream(a, 5);

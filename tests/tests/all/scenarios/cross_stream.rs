@@ -12,7 +12,7 @@ const B: u64 = 9;
 /// stream, and `check_invariants` reported unmerged adjacent free blocks.
 #[test]
 fn split_remainder_of_a_taken_block_merges_with_its_free_neighbour() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     // One 20 MiB segment of stream A: [a1 2][a2 12][6 free A].
     let a1 = c.alloc(2 * MIB, A);
     let a2 = c.alloc(12 * MIB, A);
@@ -33,7 +33,7 @@ fn split_remainder_of_a_taken_block_merges_with_its_free_neighbour() {
 /// run. PyTorch's `empty_cache` returns every fully free segment.
 #[test]
 fn empty_cache_releases_a_segment_shared_by_two_streams_once_all_is_free() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(1000, A); // 2 MiB small segment of stream A
     let b = c.alloc(1000, B); // B takes A's cached remainder
     assert_eq!(c.segments(), 1);
@@ -53,7 +53,7 @@ fn empty_cache_releases_a_segment_shared_by_two_streams_once_all_is_free() {
 /// out-of-memory error, since the OOM path could not release it either.
 #[test]
 fn out_of_memory_path_can_release_a_segment_shared_by_two_streams() {
-    let mut c = Checked::with(24 * MIB, "");
+    let mut c = Checked::with(24 * MIB, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(2 * MIB, A); // 20 MiB segment of A
     let b = c.alloc(2 * MIB, B); // B takes A's remainder
     c.release(a);

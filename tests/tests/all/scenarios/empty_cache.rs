@@ -6,7 +6,7 @@ use gpualloc_tests::{Checked, MIB};
 
 #[test]
 fn releases_only_whole_free_segments() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let whole = c.alloc(12 * MIB, 0);
     let a = c.alloc(2 * MIB, 0); // 20 MiB segment
     let b = c.alloc(2 * MIB, 0);
@@ -29,7 +29,7 @@ fn releases_only_whole_free_segments() {
 
 #[test]
 fn waits_for_pending_events_first() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let p = c.alloc(12 * MIB, 0);
     c.record_stream(p, 3);
     c.use_on(p, 3);
@@ -47,7 +47,7 @@ fn waits_for_pending_events_first() {
 
 #[test]
 fn empty_cache_on_an_empty_allocator_is_harmless() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     c.empty_cache();
     c.empty_cache();
     assert_eq!(c.stats().num_device_free, 0);

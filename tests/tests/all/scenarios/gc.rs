@@ -5,7 +5,7 @@
 use gpualloc_tests::{Checked, MIB};
 
 /// 200 MiB device at fraction 0.5: a 100 MiB limit, GC above 50 MiB.
-const CONF: &str = "garbage_collection_threshold:0.5,per_process_memory_fraction:0.5";
+const CONF: &str = "policy:pytorch,cross_stream_reuse:true,garbage_collection_threshold:0.5,per_process_memory_fraction:0.5";
 
 #[test]
 fn old_cached_segments_are_released_past_the_threshold() {
@@ -38,7 +38,10 @@ fn no_collection_below_the_threshold() {
 
 #[test]
 fn no_collection_without_a_limit() {
-    let mut c = Checked::with(200 * MIB, "garbage_collection_threshold:0.5");
+    let mut c = Checked::with(
+        200 * MIB,
+        "policy:pytorch,cross_stream_reuse:true,garbage_collection_threshold:0.5",
+    );
     c.alloc(80 * MIB, 0);
     let a = c.alloc(20 * MIB, 0);
     c.release(a);

@@ -19,7 +19,7 @@ fn pool_of(c: &Checked, p: u64) -> (u64, u64) {
 
 #[test]
 fn allocations_of_the_capturing_stream_come_from_the_private_pool() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     c.begin_pool(G, Some(CAP));
     let p = c.alloc(4096, CAP);
     let q = c.alloc(12 * MIB, CAP);
@@ -45,7 +45,7 @@ fn allocations_of_the_capturing_stream_come_from_the_private_pool() {
 
 #[test]
 fn memory_is_kept_until_release_pool() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     c.begin_pool(G, Some(CAP));
     let p = c.alloc(12 * MIB, CAP);
     c.release(p);
@@ -67,7 +67,7 @@ fn memory_is_kept_until_release_pool() {
 
 #[test]
 fn blocks_alive_at_release_pool_go_back_at_the_next_empty_cache() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     c.begin_pool(G, None);
     let p = c.alloc(12 * MIB, CAP);
     c.end_pool(G);
@@ -81,7 +81,7 @@ fn blocks_alive_at_release_pool_go_back_at_the_next_empty_cache() {
 
 #[test]
 fn nothing_is_released_or_queried_during_capture() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let cached = c.alloc(12 * MIB, OTHER);
     c.release(cached);
     let used = c.alloc(4096, OTHER);
@@ -123,7 +123,7 @@ fn nothing_is_released_or_queried_during_capture() {
 
 #[test]
 fn out_of_memory_during_capture_takes_no_release_path() {
-    let mut c = Checked::with(64 * MIB, "");
+    let mut c = Checked::with(64 * MIB, "policy:pytorch,cross_stream_reuse:true");
     let cached = c.alloc(40 * MIB, OTHER);
     c.release(cached);
     c.begin_pool(G, Some(CAP));
@@ -144,7 +144,7 @@ fn out_of_memory_during_capture_takes_no_release_path() {
 
 #[test]
 fn innermost_accepting_scope_decides() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     c.begin_pool(G, None);
     c.begin_pool((2, 0), Some(OTHER));
     let a = c.alloc(4096, CAP);
@@ -165,7 +165,7 @@ fn innermost_accepting_scope_decides() {
 
 #[test]
 fn reopening_a_held_pool_reuses_its_cache() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     c.begin_pool(G, Some(CAP));
     let p = c.alloc(12 * MIB, CAP);
     c.release(p);

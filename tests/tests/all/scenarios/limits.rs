@@ -6,7 +6,10 @@ use gpualloc_tests::{Checked, MIB};
 
 #[test]
 fn byte_limit_refuses_before_calling_the_backend() {
-    let mut c = Checked::with(1 << 30, "memory_limit:64MiB");
+    let mut c = Checked::with(
+        1 << 30,
+        "policy:pytorch,cross_stream_reuse:true,memory_limit:64MiB",
+    );
     c.alloc(40 * MIB, 0);
     let calls = (c.sim().counters.allocate, c.sim().counters.allocate_failed);
     match c.malloc(40 * MIB, 0) {
@@ -26,7 +29,10 @@ fn byte_limit_refuses_before_calling_the_backend() {
 
 #[test]
 fn request_over_the_limit_is_too_large() {
-    let mut c = Checked::with(1 << 30, "memory_limit:64MiB");
+    let mut c = Checked::with(
+        1 << 30,
+        "policy:pytorch,cross_stream_reuse:true,memory_limit:64MiB",
+    );
     match c.malloc(100 * MIB, 0) {
         Err(AllocError::TooLarge {
             requested,
@@ -45,7 +51,7 @@ fn request_over_the_limit_is_too_large() {
 
 #[test]
 fn fraction_limits_reserved_memory() {
-    let mut c = Checked::with(256 * MIB, "");
+    let mut c = Checked::with(256 * MIB, "policy:pytorch,cross_stream_reuse:true");
     c.set_memory_fraction(0.25).unwrap();
     assert_eq!(c.dev.memory_fraction(), 0.25);
     c.alloc(40 * MIB, 0);
@@ -62,7 +68,10 @@ fn fraction_limits_reserved_memory() {
 
 #[test]
 fn fraction_from_the_config() {
-    let mut c = Checked::with(100 * MIB, "per_process_memory_fraction:0.5");
+    let mut c = Checked::with(
+        100 * MIB,
+        "policy:pytorch,cross_stream_reuse:true,per_process_memory_fraction:0.5",
+    );
     c.alloc(40 * MIB, 0);
     assert!(c.malloc(12 * MIB, 0).is_err());
     assert_eq!(c.sim().counters.allocate_failed, 0);
@@ -70,7 +79,7 @@ fn fraction_from_the_config() {
 
 #[test]
 fn invalid_fractions_are_refused() {
-    let mut c = Checked::with(100 * MIB, "");
+    let mut c = Checked::with(100 * MIB, "policy:pytorch,cross_stream_reuse:true");
     for f in [0.0, -0.5, 1.5, f64::NAN] {
         assert!(c.set_memory_fraction(f).is_err(), "{f}");
     }
@@ -79,7 +88,7 @@ fn invalid_fractions_are_refused() {
 
 #[test]
 fn lowered_limit_is_met_by_releasing_the_cache() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(30 * MIB, 0);
     c.release(a);
     c.set_memory_limit(Some(50 * MIB));

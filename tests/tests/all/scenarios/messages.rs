@@ -6,7 +6,7 @@ use gpualloc_tests::{Checked, MIB};
 
 #[test]
 fn out_of_memory_message_names_the_numbers() {
-    let mut c = Checked::with(64 * MIB, "");
+    let mut c = Checked::with(64 * MIB, "policy:pytorch,cross_stream_reuse:true");
     let _a = c.alloc(30 * MIB, 0);
     let _b = c.alloc(14 * MIB, 0);
     let err = c.malloc(22 * MIB, 0).unwrap_err();
@@ -26,7 +26,10 @@ fn out_of_memory_message_names_the_numbers() {
 
 #[test]
 fn out_of_memory_message_names_the_limit_and_private_pools() {
-    let mut c = Checked::with(1 << 30, "memory_limit:40MiB");
+    let mut c = Checked::with(
+        1 << 30,
+        "policy:pytorch,cross_stream_reuse:true,memory_limit:40MiB",
+    );
     c.begin_pool((1, 0), None);
     let _p = c.alloc(30 * MIB, 0);
     let err = c.malloc(20 * MIB, 0).unwrap_err();
@@ -41,7 +44,7 @@ fn out_of_memory_message_names_the_limit_and_private_pools() {
 
 #[test]
 fn too_large_message_says_it_never_fits() {
-    let mut c = Checked::with(64 * MIB, "");
+    let mut c = Checked::with(64 * MIB, "policy:pytorch,cross_stream_reuse:true");
     let msg = c.malloc(100 * MIB, 0).unwrap_err().to_string();
     assert!(
         msg.contains("100.00 MiB") && msg.contains("64.00 MiB") && msg.contains("never"),
@@ -86,6 +89,9 @@ fn config_errors_name_the_key() {
         ("expandable_segments:yes", "expandable_segments"),
         ("expandable_page_mb:3", "expandable_page_mb"),
         ("defragment:2", "defragment"),
+        ("policy:fast", "policy"),
+        ("expandable_handle_mb:6", "expandable_handle_mb"),
+        ("defragment_headroom:1.5", "defragment_headroom"),
         ("max_split_size_mb:64,no_such_key:1", "no_such_key"),
     ] {
         let e = Config::parse(s).unwrap_err();

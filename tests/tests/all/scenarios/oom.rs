@@ -8,7 +8,7 @@ use gpualloc_tests::{Checked, MIB};
 
 #[test]
 fn completed_events_are_processed_before_growing() {
-    let mut c = Checked::with(40 * MIB, "");
+    let mut c = Checked::with(40 * MIB, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(30 * MIB, 0);
     c.record_stream(a, 5);
     c.use_on(a, 5);
@@ -22,7 +22,7 @@ fn completed_events_are_processed_before_growing() {
 
 #[test]
 fn retry_after_syncing_and_releasing_every_cached_segment() {
-    let mut c = Checked::with(80 * MIB, "");
+    let mut c = Checked::with(80 * MIB, "policy:pytorch,cross_stream_reuse:true");
     let cached = c.alloc(4 * MIB, 0); // a 20 MiB segment
     c.release(cached);
     let _live = c.alloc(30 * MIB, 0);
@@ -47,7 +47,10 @@ fn retry_after_syncing_and_releasing_every_cached_segment() {
 
 #[test]
 fn oversize_cached_block_is_released_before_the_full_release() {
-    let mut c = Checked::with(100 * MIB, "max_split_size_mb:32");
+    let mut c = Checked::with(
+        100 * MIB,
+        "policy:pytorch,cross_stream_reuse:true,max_split_size_mb:32",
+    );
     let over = c.alloc(40 * MIB, 0);
     let normal = c.alloc(4 * MIB, 0); // 20 MiB segment, not oversize (20 < 32)
     let _live = c.alloc(36 * MIB, 0);
@@ -65,7 +68,10 @@ fn oversize_cached_block_is_released_before_the_full_release() {
 
 #[test]
 fn oversize_blocks_released_largest_first_until_enough() {
-    let mut c = Checked::with(100 * MIB, "max_split_size_mb:20");
+    let mut c = Checked::with(
+        100 * MIB,
+        "policy:pytorch,cross_stream_reuse:true,max_split_size_mb:20",
+    );
     let a = c.alloc(22 * MIB, 0);
     let b = c.alloc(24 * MIB, 0);
     let d = c.alloc(26 * MIB, 0);
@@ -82,7 +88,7 @@ fn oversize_blocks_released_largest_first_until_enough() {
 
 #[test]
 fn failure_reports_the_numbers() {
-    let mut c = Checked::with(64 * MIB, "");
+    let mut c = Checked::with(64 * MIB, "policy:pytorch,cross_stream_reuse:true");
     let _a = c.alloc(30 * MIB, 0);
     let b = c.alloc(12 * MIB, 0);
     let _d = c.alloc(14 * MIB, 0);
@@ -120,7 +126,7 @@ fn failure_reports_the_numbers() {
 
 #[test]
 fn report_shows_fragmentation_of_split_cached_blocks() {
-    let mut c = Checked::with(40 * MIB, "");
+    let mut c = Checked::with(40 * MIB, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(2 * MIB, 0);
     let b = c.alloc(8 * MIB, 0);
     let _keep = c.alloc(4 * MIB, 0); // [a 2][b 8][keep 4][6 free] in 20 MiB
@@ -139,7 +145,7 @@ fn report_shows_fragmentation_of_split_cached_blocks() {
 
 #[test]
 fn request_larger_than_the_device_is_too_large() {
-    let mut c = Checked::with(64 * MIB, "");
+    let mut c = Checked::with(64 * MIB, "policy:pytorch,cross_stream_reuse:true");
     match c.malloc(65 * MIB, 0) {
         Err(AllocError::TooLarge {
             requested,
@@ -157,7 +163,7 @@ fn request_larger_than_the_device_is_too_large() {
 
 #[test]
 fn a_request_that_never_fits_does_not_flush_the_cache() {
-    let mut c = Checked::with(64 * MIB, "");
+    let mut c = Checked::with(64 * MIB, "policy:pytorch,cross_stream_reuse:true");
     let p = c.alloc(4 * MIB, 0);
     c.release(p);
     let before = c.stats().reserved_bytes.all.current;
@@ -176,7 +182,7 @@ fn a_request_that_never_fits_does_not_flush_the_cache() {
 
 #[test]
 fn injected_backend_failure_takes_the_retry_path() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     c.sim_mut().fail_allocate_at(1);
     let p = c.alloc(4 * MIB, 0);
     assert_ne!(p, 0);

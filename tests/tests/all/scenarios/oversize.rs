@@ -6,7 +6,10 @@ use gpualloc_tests::{Checked, MIB};
 
 #[test]
 fn oversize_block_never_serves_a_smaller_class_request() {
-    let mut c = Checked::with(1 << 30, "max_split_size_mb:32");
+    let mut c = Checked::with(
+        1 << 30,
+        "policy:pytorch,cross_stream_reuse:true,max_split_size_mb:32",
+    );
     let big = c.alloc(40 * MIB, 0);
     c.release(big);
     let allocs = c.sim().counters.allocate;
@@ -22,7 +25,10 @@ fn oversize_block_never_serves_a_smaller_class_request() {
 
 #[test]
 fn oversize_request_takes_a_block_within_the_rounding_slack() {
-    let mut c = Checked::with(1 << 30, "max_split_size_mb:32");
+    let mut c = Checked::with(
+        1 << 30,
+        "policy:pytorch,cross_stream_reuse:true,max_split_size_mb:32",
+    );
     let big = c.alloc(40 * MIB, 0);
     c.release(big);
     // 40 < 36 + 20: usable, and not split.
@@ -33,7 +39,10 @@ fn oversize_request_takes_a_block_within_the_rounding_slack() {
 
 #[test]
 fn oversize_request_skips_a_block_beyond_the_rounding_slack() {
-    let mut c = Checked::with(1 << 30, "max_split_size_mb:32");
+    let mut c = Checked::with(
+        1 << 30,
+        "policy:pytorch,cross_stream_reuse:true,max_split_size_mb:32",
+    );
     let huge = c.alloc(60 * MIB, 0);
     c.release(huge);
     // 60 >= 36 + 20: too wasteful, a new segment.
@@ -44,7 +53,10 @@ fn oversize_request_skips_a_block_beyond_the_rounding_slack() {
 
 #[test]
 fn max_non_split_rounding_mb_narrows_the_slack() {
-    let mut c = Checked::with(1 << 30, "max_split_size_mb:32,max_non_split_rounding_mb:4");
+    let mut c = Checked::with(
+        1 << 30,
+        "policy:pytorch,cross_stream_reuse:true,max_split_size_mb:32,max_non_split_rounding_mb:4",
+    );
     let big = c.alloc(40 * MIB, 0);
     c.release(big);
     assert_ne!(c.alloc(36 * MIB, 0), big, "40 >= 36 + 4");
@@ -53,7 +65,10 @@ fn max_non_split_rounding_mb_narrows_the_slack() {
 
 #[test]
 fn oversize_stats_count_allocations_and_segments() {
-    let mut c = Checked::with(1 << 30, "max_split_size_mb:32");
+    let mut c = Checked::with(
+        1 << 30,
+        "policy:pytorch,cross_stream_reuse:true,max_split_size_mb:32",
+    );
     assert_eq!(c.stats().max_split_size, 32 * MIB as i64);
     let a = c.alloc(40 * MIB, 0);
     let b = c.alloc(4 * MIB, 0);
@@ -71,7 +86,7 @@ fn oversize_stats_count_allocations_and_segments() {
 
 #[test]
 fn without_max_split_size_nothing_is_oversize() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     assert_eq!(
         c.stats().max_split_size,
         -1,

@@ -30,25 +30,35 @@ fn segment_sizes_follow_pytorch() {
         (21 * MIB, PoolKind::Large, 22 * MIB),
         (100 * MIB + 512, PoolKind::Large, 102 * MIB),
     ] {
-        assert_eq!(segment_for("", size), (kind, seg), "{size} B");
+        assert_eq!(
+            segment_for("policy:pytorch,cross_stream_reuse:true", size),
+            (kind, seg),
+            "{size} B"
+        );
     }
 }
 
 #[test]
 fn large_segment_size_mb_changes_the_mid_range_segment() {
     assert_eq!(
-        segment_for("large_segment_size_mb:32", 5 * MIB),
+        segment_for(
+            "policy:pytorch,cross_stream_reuse:true,large_segment_size_mb:32",
+            5 * MIB
+        ),
         (PoolKind::Large, 32 * MIB)
     );
     assert_eq!(
-        segment_for("large_segment_size_mb:32", 12 * MIB),
+        segment_for(
+            "policy:pytorch,cross_stream_reuse:true,large_segment_size_mb:32",
+            12 * MIB
+        ),
         (PoolKind::Large, 12 * MIB)
     );
 }
 
 #[test]
 fn small_requests_share_a_2_mib_segment() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let ps: Vec<u64> = (0..4).map(|_| c.alloc(512 * KIB, 0)).collect();
     assert_eq!(
         c.segments(),
@@ -68,7 +78,7 @@ fn small_requests_share_a_2_mib_segment() {
 
 #[test]
 fn small_and_large_pools_never_share_blocks() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let big = c.alloc(2 * MIB, 0); // 20 MiB large segment, 18 MiB cached
     let small = c.alloc(4 * KIB, 0);
     assert_eq!(

@@ -1,15 +1,16 @@
 //! `record_stream` (reference 1.9): a block used on other streams is not
 //! reusable until an event recorded on each at free time completes; events
 //! are polled lazily, at the next malloc.
+//!
+//! The same under both policies: every test runs under both.
 
 use gpualloc_tests::{Checked, MIB};
 
 const ALLOC: u64 = 1;
 const SIDE: u64 = 2;
 
-#[test]
-fn block_waits_for_the_other_streams_event() {
-    let mut c = Checked::with(1 << 30, "");
+fn block_waits_for_the_other_streams_event(policy: &str) {
+    let mut c = Checked::with(1 << 30, policy);
     let p = c.alloc(4 * MIB, ALLOC);
     c.record_stream(p, SIDE);
     c.use_on(p, ALLOC);
@@ -53,9 +54,8 @@ fn block_waits_for_the_other_streams_event() {
     assert_eq!(c.stats().requested_bytes.all.current, 8 * MIB as i64);
 }
 
-#[test]
-fn each_streams_queue_is_polled_up_to_its_first_pending_event() {
-    let mut c = Checked::with(1 << 30, "");
+fn each_streams_queue_is_polled_up_to_its_first_pending_event(policy: &str) {
+    let mut c = Checked::with(1 << 30, policy);
     let a = c.alloc(4096, ALLOC);
     let b = c.alloc(4096, ALLOC);
     let d = c.alloc(4096, ALLOC);
@@ -87,9 +87,8 @@ fn each_streams_queue_is_polled_up_to_its_first_pending_event() {
     assert_eq!(c.sim().live_events(), 0);
 }
 
-#[test]
-fn recording_the_allocation_stream_is_ignored() {
-    let mut c = Checked::with(1 << 30, "");
+fn recording_the_allocation_stream_is_ignored(policy: &str) {
+    let mut c = Checked::with(1 << 30, policy);
     let p = c.alloc(4096, ALLOC);
     c.record_stream(p, ALLOC);
     c.release(p);
@@ -97,9 +96,8 @@ fn recording_the_allocation_stream_is_ignored() {
     assert_eq!(c.alloc(4096, ALLOC), p, "reusable at once");
 }
 
-#[test]
-fn several_streams_each_get_an_event() {
-    let mut c = Checked::with(1 << 30, "");
+fn several_streams_each_get_an_event(policy: &str) {
+    let mut c = Checked::with(1 << 30, policy);
     let p = c.alloc(12 * MIB, ALLOC);
     for s in [SIDE, 3, 4] {
         c.record_stream(p, s);
@@ -114,3 +112,10 @@ fn several_streams_each_get_an_event() {
     c.complete(4);
     assert_eq!(c.alloc(12 * MIB, ALLOC), p);
 }
+
+under_both_policies!(
+    block_waits_for_the_other_streams_event,
+    each_streams_queue_is_polled_up_to_its_first_pending_event,
+    recording_the_allocation_stream_is_ignored,
+    several_streams_each_get_an_event,
+);

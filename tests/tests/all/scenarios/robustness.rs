@@ -12,7 +12,12 @@ const MIB: u64 = 1 << 20;
 
 #[test]
 fn absurd_sizes_never_fit_and_never_corrupt_the_cache() {
-    for conf in ["", "roundup_power2_divisions:4", "expandable_segments:true"] {
+    for conf in [
+        "policy:pytorch,cross_stream_reuse:true",
+        "policy:pytorch,cross_stream_reuse:true,roundup_power2_divisions:4",
+        "expandable_segments:true",
+        "",
+    ] {
         let mut c = Checked::with(8 << 30, conf);
         let a = c.alloc(64 * MIB, 7);
         c.release(a);
@@ -30,7 +35,10 @@ fn absurd_sizes_never_fit_and_never_corrupt_the_cache() {
 
 #[test]
 fn a_small_large_segment_size_still_holds_the_request() {
-    let mut c = Checked::with(1 << 30, "large_segment_size_mb:2");
+    let mut c = Checked::with(
+        1 << 30,
+        "policy:pytorch,cross_stream_reuse:true,large_segment_size_mb:2",
+    );
     let a = c.alloc(5 * MIB, 0);
     let b = c.alloc(5 * MIB, 0);
     assert!(b >= a + 5 * MIB || a >= b + 5 * MIB);
@@ -41,7 +49,13 @@ fn a_small_large_segment_size_still_holds_the_request() {
 
 #[test]
 fn a_failed_event_record_keeps_the_block_protected() {
-    let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::default());
+    for conf in ["policy:pytorch,cross_stream_reuse:true", ""] {
+        a_failed_event_record_keeps_the_block_protected_under(conf);
+    }
+}
+
+fn a_failed_event_record_keeps_the_block_protected_under(conf: &str) {
+    let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::parse(conf).unwrap());
     let p = d.malloc(MIB, 1).unwrap();
     d.record_stream(p, 2).unwrap();
     d.backend_mut().fail_event_at(1);

@@ -1,6 +1,8 @@
 //! Rounding (reference 1.3): 512 B granularity, and `roundup_power2_divisions`
 //! with one value or a list of size buckets. Checked on the block sizes the
 //! allocator hands out (`allocated_bytes`), not only on `round_size`.
+//!
+//! Rounding does not depend on the policy: every test runs under both.
 
 use gpualloc_tests::{Checked, KIB, MIB};
 
@@ -15,9 +17,8 @@ fn charged(c: &mut Checked, size: u64) -> u64 {
     got
 }
 
-#[test]
-fn sizes_round_up_to_512() {
-    let mut c = Checked::with(1 << 30, "");
+fn sizes_round_up_to_512(policy: &str) {
+    let mut c = Checked::with(1 << 30, policy);
     for (size, want) in [
         (1, 512),
         (511, 512),
@@ -34,9 +35,8 @@ fn sizes_round_up_to_512() {
     );
 }
 
-#[test]
-fn single_division_value_applies_to_every_bucket() {
-    let mut c = Checked::with(1 << 30, "roundup_power2_divisions:4");
+fn single_division_value_applies_to_every_bucket(policy: &str) {
+    let mut c = Checked::with(1 << 30, &format!("{policy},roundup_power2_divisions:4"));
     // At most 512 * 4 = 2 KiB: plain 512 B rounding.
     assert_eq!(charged(&mut c, 1200), 1536);
     assert_eq!(charged(&mut c, 2048), 2048);
@@ -53,10 +53,12 @@ fn single_division_value_applies_to_every_bucket() {
     assert_eq!(charged(&mut c, 64 * MIB), 64 * MIB);
 }
 
-#[test]
-fn division_list_applies_per_bucket() {
+fn division_list_applies_per_bucket(policy: &str) {
     // Buckets: 1 MB (and below) -> 2, 8 MB -> 4, 64 MB and up -> 8.
-    let mut c = Checked::with(1 << 30, "roundup_power2_divisions:[1:2,8:4,64:8]");
+    let mut c = Checked::with(
+        1 << 30,
+        &format!("{policy},roundup_power2_divisions:[1:2,8:4,64:8]"),
+    );
     assert_eq!(charged(&mut c, MIB + KIB), 3 * MIB / 2); // [1M, 2M) in 2 steps
     assert_eq!(
         charged(&mut c, 3 * MIB + 1),
@@ -65,7 +67,7 @@ fn division_list_applies_per_bucket() {
     );
     assert_eq!(charged(&mut c, 9 * MIB), 10 * MIB); // [8M, 16M) in 4 steps
     assert_eq!(charged(&mut c, 65 * MIB), 72 * MIB); // [64M, 128M) in 8 steps
-    // 130 MiB + 512 sits in a 132 MiB segment, split: the block is exact.
+    // 130 MiB + 512 is split off its 132 MiB segment (or its mapped pages): the block is exact.
     assert_eq!(
         charged(&mut c, 130 * MIB + 512),
         130 * MIB + 512,
@@ -73,9 +75,11 @@ fn division_list_applies_per_bucket() {
     );
 }
 
-#[test]
-fn division_list_with_catch_all() {
-    let mut c = Checked::with(1 << 30, "roundup_power2_divisions:[1:2,>:4]");
+fn division_list_with_catch_all(policy: &str) {
+    let mut c = Checked::with(
+        1 << 30,
+        &format!("{policy},roundup_power2_divisions:[1:2,>:4]"),
+    );
     assert_eq!(charged(&mut c, MIB + KIB), 3 * MIB / 2);
     assert_eq!(
         charged(&mut c, 17 * MIB),
@@ -90,10 +94,20 @@ fn division_list_with_catch_all() {
 /// `if (first_value) std::fill(begin, begin + index, value)`), so with
 /// `[64:4,>:8]` a 3 MiB request uses 4 divisions and becomes 3.5 MiB.
 /// gpualloc used to leave those buckets at 0 (512 B rounding).
-#[test]
-fn first_list_entry_also_covers_the_smaller_buckets() {
-    let mut c = Checked::with(1 << 30, "roundup_power2_divisions:[64:4,>:8]");
+fn first_list_entry_also_covers_the_smaller_buckets(policy: &str) {
+    let mut c = Checked::with(
+        1 << 30,
+        &format!("{policy},roundup_power2_divisions:[64:4,>:8]"),
+    );
     assert_eq!(charged(&mut c, 3 * MIB + 1), 7 * MIB / 2);
     assert_eq!(charged(&mut c, 65 * MIB), 80 * MIB);
     assert_eq!(charged(&mut c, 129 * MIB), 144 * MIB);
 }
+
+under_both_policies!(
+    sizes_round_up_to_512,
+    single_division_value_applies_to_every_bucket,
+    division_list_applies_per_bucket,
+    division_list_with_catch_all,
+    first_list_entry_also_covers_the_smaller_buckets,
+);

@@ -6,7 +6,7 @@ use gpualloc_tests::{Checked, KIB, MIB};
 
 #[test]
 fn small_remainder_of_512_is_split_off() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(MIB, 0);
     let b = c.alloc(MIB - 512, 0);
     assert_eq!(b, a + MIB, "carved at the front of the remainder");
@@ -20,7 +20,7 @@ fn small_remainder_of_512_is_split_off() {
 
 #[test]
 fn large_remainder_of_exactly_1_mib_is_not_split() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     // 19 MiB needs a 20 MiB segment; 1 MiB would remain: not > 1 MiB.
     c.alloc(19 * MIB, 0);
     assert_eq!(c.stats().allocated_bytes.all.current, 20 * MIB as i64);
@@ -30,7 +30,7 @@ fn large_remainder_of_exactly_1_mib_is_not_split() {
 
 #[test]
 fn large_remainder_above_1_mib_is_split() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(19 * MIB - 512, 0);
     assert_eq!(
         c.stats().allocated_bytes.all.current,
@@ -47,7 +47,7 @@ fn large_remainder_above_1_mib_is_split() {
 
 #[test]
 fn cached_large_block_splits_for_a_smaller_request() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(3 * MIB, 0); // 20 MiB segment: [3][17 free]
     c.release(a);
     let b = c.alloc(4 * MIB, 0);
@@ -61,7 +61,10 @@ fn cached_large_block_splits_for_a_smaller_request() {
 
 #[test]
 fn request_at_or_above_max_split_size_is_never_split() {
-    let mut c = Checked::with(1 << 30, "max_split_size_mb:20");
+    let mut c = Checked::with(
+        1 << 30,
+        "policy:pytorch,cross_stream_reuse:true,max_split_size_mb:20",
+    );
     let a = c.alloc(30 * MIB, 0);
     c.release(a);
     // 25 MiB is oversize: it takes the 30 MiB block whole (30 < 25 + 20).
@@ -73,7 +76,7 @@ fn request_at_or_above_max_split_size_is_never_split() {
 
 #[test]
 fn small_pool_pieces_are_exact() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     for s in [512, 1024, 4 * KIB, 100 * KIB] {
         let before = c.stats().allocated_bytes.all.current;
         c.alloc(s, 0);

@@ -45,7 +45,7 @@ fn pytorch_keys() -> Vec<String> {
 
 #[test]
 fn every_pytorch_key_is_present_and_sorted() {
-    let c = Checked::with(1 << 30, "");
+    let c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let flat = c.stats().flat();
     let names: Vec<&str> = flat.iter().map(|(k, _)| k.as_str()).collect();
     for k in pytorch_keys() {
@@ -62,7 +62,7 @@ fn every_pytorch_key_is_present_and_sorted() {
 /// (reference §2); code that indexes it raised KeyError on gpualloc's dict.
 #[test]
 fn newer_pytorch_key_num_oom_rejections_is_present() {
-    let c = Checked::with(1 << 30, "");
+    let c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     assert!(
         c.stats()
             .flat()
@@ -73,7 +73,7 @@ fn newer_pytorch_key_num_oom_rejections_is_present() {
 
 #[test]
 fn cumulative_fields_and_pools() {
-    let mut c = Checked::with(1 << 30, "");
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
     let a = c.alloc(1000, 0);
     let b = c.alloc(12 * MIB, 0);
     c.release(a);
@@ -93,7 +93,10 @@ fn cumulative_fields_and_pools() {
 
 #[test]
 fn reset_peak_sets_every_peak_to_current() {
-    let mut c = Checked::with(1 << 30, "max_split_size_mb:20");
+    let mut c = Checked::with(
+        1 << 30,
+        "policy:pytorch,cross_stream_reuse:true,max_split_size_mb:20",
+    );
     let a = c.alloc(30 * MIB, 0);
     let b = c.alloc(4096, 0);
     c.release(a);
@@ -118,7 +121,10 @@ fn reset_peak_sets_every_peak_to_current() {
 
 #[test]
 fn reset_accumulated_zeroes_totals_and_counters() {
-    let mut c = Checked::with(64 * MIB, "max_split_size_mb:20");
+    let mut c = Checked::with(
+        64 * MIB,
+        "policy:pytorch,cross_stream_reuse:true,max_split_size_mb:20",
+    );
     let a = c.alloc(30 * MIB, 0);
     c.release(a);
     let _ = c.malloc(100 * MIB, 0);
