@@ -27,6 +27,9 @@ pub enum BlockState {
     PendingFree,
     /// Address space of an expandable segment with no memory behind it.
     Unmapped,
+    /// Free memory lent to a stitch while the stitch is allocated
+    /// (Note [Stitching]): neither free nor reusable at this address.
+    Claimed,
 }
 
 /// One block. Field invariants are stated per field.

@@ -16,7 +16,7 @@
 
 use crate::backend::{Backend, StreamId};
 use crate::block::PoolId;
-use crate::device::{DeviceAllocator, LARGE};
+use crate::device::{DeviceAllocator, STITCH};
 use crate::error::AllocError;
 use crate::pool::{Pool, PoolKey};
 use crate::size_class::PoolKind;
@@ -81,7 +81,7 @@ impl PrivatePools {
     }
 
     pub fn index_of(&self, pool: PoolId) -> Option<u32> {
-        if pool <= LARGE {
+        if pool <= STITCH {
             return None;
         }
         self.pools
@@ -92,7 +92,7 @@ impl PrivatePools {
 
     #[inline]
     pub fn segment_added(&mut self, pool: PoolId) {
-        if pool > LARGE
+        if pool > STITCH
             && let Some(p) = self.owner_mut(pool)
         {
             p.segments += 1;
@@ -101,7 +101,7 @@ impl PrivatePools {
 
     #[inline]
     pub fn segment_removed(&mut self, pool: PoolId) {
-        if pool > LARGE
+        if pool > STITCH
             && let Some(p) = self.owner_mut(pool)
         {
             p.segments -= 1;
@@ -110,7 +110,7 @@ impl PrivatePools {
 
     #[inline]
     pub fn block_allocated(&mut self, pool: PoolId) {
-        if pool > LARGE
+        if pool > STITCH
             && let Some(p) = self.owner_mut(pool)
         {
             p.allocated += 1;
@@ -119,7 +119,7 @@ impl PrivatePools {
 
     #[inline]
     pub fn block_freed(&mut self, pool: PoolId) {
-        if pool > LARGE
+        if pool > STITCH
             && let Some(p) = self.owner_mut(pool)
         {
             p.allocated -= 1;

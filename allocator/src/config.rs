@@ -26,9 +26,10 @@
 //! | `cross_stream_reuse` | `true`/`false` | true | let a stream take another stream's cached block (ordered by an event) instead of growing |
 //! | `expandable_segments` | `true`/`false` | true | map pages into growing address ranges per (pool, stream) instead of separate segments |
 //! | `expandable_page_mb` | even integer, 2–1024 | 2 | mapping granularity of large-pool expandable segments (PyTorch uses the 20 MiB segment size) |
-//! | `expandable_handle_mb` | power of two, 2–1024 | 2 | largest physical handle created at once for a long mapping (fewer driver calls, coarser unmapping) |
+//! | `expandable_handle_mb` | power of two, 2–1024 | 16 | largest physical handle created at once; a mapping of n bytes uses handles of at most n/8 (fewer driver calls, coarser unmapping) |
 //! | `defragment` | `true`/`false` | true | with expandable segments: rather than hold more than `1 + defragment_headroom` times peak allocated memory, unmap free pages and map them where the request fits |
 //! | `defragment_headroom` | 0 ≤ x ≤ 1 | 0.005 | how far held memory may exceed peak allocated memory before defragmenting |
+//! | `stitch_min_mb` | integer, 0–1048576 | 32 | with `defragment`: requests of at least this many MiB may be served by stitching free pages into a fresh range (0: never) |
 
 use std::fmt;
 
@@ -85,6 +86,10 @@ pub const KEYS: &[(&str, &str)] = &[
         "with expandable segments, remap free pages rather than hold more than peak allocated memory plus the headroom (true/false)",
     ),
     (
+        "stitch_min_mb",
+        "requests of at least this many MiB may be stitched from free pages (0: never)",
+    ),
+    (
         "defragment_headroom",
         "fraction by which held memory may exceed peak allocated memory before defragmenting (0 to 1)",
     ),
@@ -121,6 +126,8 @@ pub struct Config {
     pub defragment: bool,
     /// How far held memory may exceed peak allocated memory before defragmenting.
     pub defragment_headroom: f64,
+    /// Requests of at least this many bytes may be stitched (`u64::MAX`: never).
+    pub stitch_min: u64,
     /// Mapping granularity of large-pool expandable segments.
     pub expandable_page: u64,
     /// Largest physical handle created at once.
@@ -144,8 +151,9 @@ impl Default for Config {
             expandable_segments: true,
             defragment: true,
             defragment_headroom: 0.005,
+            stitch_min: 32 * MIB,
             expandable_page: 2 * MIB,
-            expandable_handle: 2 * MIB,
+            expandable_handle: 16 * MIB,
             source: String::new(),
         }
     }
@@ -284,6 +292,13 @@ impl Config {
                     ));
                 }
                 self.expandable_handle = mb * MIB;
+            }
+            "stitch_min_mb" => {
+                let mb = parse_u64(key, v)?;
+                if mb > (1 << 20) {
+                    return Err(err(key, format!("{mb} is above 1048576")));
+                }
+                self.stitch_min = if mb == 0 { u64::MAX } else { mb * MIB };
             }
             "defragment_headroom" => {
                 let x = parse_f64(key, v)?;

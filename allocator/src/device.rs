@@ -33,12 +33,15 @@ use crate::pool::Pool;
 use crate::segment::{Segment, SegmentArena};
 use crate::size_class::{PoolKind, allocation_size, round_size};
 use crate::stats::DeviceStats;
+use crate::stitch::Stitches;
 use crate::trace::{Action, DeviceTrace, pool_code};
 
 /// Pool id of the default small pool.
 pub(crate) const SMALL: PoolId = 0;
 /// Pool id of the default large pool.
 pub(crate) const LARGE: PoolId = 1;
+/// Pool id of stitched blocks (Note [Stitching]); private pools come after.
+pub(crate) const STITCH: PoolId = 2;
 
 /// One device's caching allocator.
 pub struct DeviceAllocator<B: Backend> {
@@ -47,7 +50,7 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) config: Config,
     pub(crate) blocks: BlockArena,
     pub(crate) segments: SegmentArena,
-    /// Pool table: `SMALL`, `LARGE`, then the private pools' pools.
+    /// Pool table: `SMALL`, `LARGE`, `STITCH`, then the private pools' pools.
     pub(crate) pools: Vec<Pool>,
     /// Allocated and pending-free blocks by address.
     pub(crate) live: FxHashMap<DevicePtr, BlockId>,
@@ -73,6 +76,8 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) pages: PagePool,
     /// When freed pages may be unmapped (Note [Event-ordered unmapping]).
     pub(crate) fences: Fences,
+    /// Stitched ranges, in use or cached (Note [Stitching]).
+    pub(crate) stitches: Stitches,
     /// Driver calls counted before the last `reset_accumulated_stats`.
     driver_baseline: DriverCalls,
     /// Set when a panic unwound while this device was locked: its state may
@@ -96,6 +101,7 @@ impl<B: Backend> DeviceAllocator<B> {
             pools: vec![
                 Pool::new(PoolKind::Small, None),
                 Pool::new(PoolKind::Large, None),
+                Pool::new(PoolKind::Large, None),
             ],
             live: FxHashMap::default(),
             pending: FxHashMap::default(),
@@ -108,6 +114,7 @@ impl<B: Backend> DeviceAllocator<B> {
             expandable,
             pages: PagePool::default(),
             fences: Fences::default(),
+            stitches: Stitches::default(),
             driver_baseline: DriverCalls::default(),
             poisoned: false,
         }
@@ -204,6 +211,8 @@ impl<B: Backend> DeviceAllocator<B> {
             Some(b) => b,
             None => self.malloc_slow(pool, stream, size, rounded, capturing)?,
         };
+        // A stitch serves a large-pool request from the stitch pool.
+        let pool = self.blocks[block].pool;
         Ok(self.alloc_found_block(block, pool, stream, size, rounded))
     }
 
@@ -441,6 +450,9 @@ impl<B: Backend> DeviceAllocator<B> {
     #[inline]
     fn should_split(&self, pool: PoolId, kind: PoolKind, block_size: u64, rounded: u64) -> bool {
         let remaining = block_size - rounded;
+        if pool == STITCH {
+            return false;
+        }
         if self.is_expandable(pool) {
             return remaining >= crate::size_class::MIN_BLOCK_SIZE;
         }
@@ -722,7 +734,11 @@ impl<B: Backend> DeviceAllocator<B> {
             net_blocks += 1;
             net_bytes += b.size as i64;
         }
-        self.pools[pool as usize].insert(key);
+        if pool == STITCH {
+            self.unclaim_stitch(id, epoch);
+        } else {
+            self.pools[pool as usize].insert(key);
+        }
         if !self.is_expandable(pool) {
             self.stats.inactive_split.update(kind, net_blocks);
             self.stats.inactive_split_bytes.update(kind, net_bytes);

@@ -35,7 +35,7 @@
 
 use crate::backend::{Backend, BackendError, StreamId};
 use crate::block::{Block, BlockId, BlockState, PoolId, SegmentId};
-use crate::device::{DeviceAllocator, LARGE, SMALL};
+use crate::device::{DeviceAllocator, LARGE, SMALL, STITCH};
 use crate::error::AllocError;
 use crate::page_pool::KindDeltas;
 use crate::size_class::{PoolKind, SMALL_BUFFER};
@@ -48,7 +48,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Whether blocks of `pool` live in expandable segments.
     #[inline]
     pub(crate) fn is_expandable(&self, pool: PoolId) -> bool {
-        self.expandable && pool <= LARGE
+        self.expandable && pool <= STITCH
     }
 
     /// The mapping granularity of a pool's expandable segments.
@@ -61,12 +61,13 @@ impl<B: Backend> DeviceAllocator<B> {
         want.div_ceil(g) * g
     }
 
-    /// `(page, largest handle)` for a pool kind (Note [Page pool]).
-    fn handle_sizes(&mut self, kind: PoolKind) -> (u64, u64) {
-        let page = self.page_size(kind);
-        let max = match kind {
-            PoolKind::Small => page,
-            PoolKind::Large => self.config.expandable_handle.max(page),
+    /// `(page, largest handle to create)` for a pool (Note [Page pool]).
+    fn handle_sizes(&mut self, pool: PoolId) -> (u64, u64) {
+        let page = self.page_size(self.pools[pool as usize].kind);
+        let max = if pool == SMALL {
+            page
+        } else {
+            self.config.expandable_handle.max(page)
         };
         (page, max)
     }
@@ -157,6 +158,13 @@ impl<B: Backend> DeviceAllocator<B> {
             self.fences.poll(&mut self.backend)?;
             self.fences.cover_all(&mut self.backend, streams)?;
             let short = bytes - self.pages.usable(bytes);
+            if short > 0
+                && self.config.defragment
+                && rounded >= self.config.stitch_min
+                && let Some(b) = self.stitch_for(stream, rounded)?
+            {
+                return Ok(b);
+            }
             if short > 0 && self.config.defragment {
                 // See Note [Defragmentation].
                 let s = &self.stats;
@@ -309,8 +317,8 @@ impl<B: Backend> DeviceAllocator<B> {
         hi: u64,
         capturing: bool,
     ) -> Result<(), BackendError> {
-        let kind = self.segments.get(seg).kind;
-        let sizes = self.handle_sizes(kind);
+        let (kind, pool) = (self.segments.get(seg).kind, self.segments.get(seg).pool);
+        let sizes = self.handle_sizes(pool);
         let (result, deltas, created) =
             self.pages
                 .map(&mut self.backend, lo, hi - lo, kind, sizes, capturing);
@@ -339,16 +347,43 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// The block of `seg` that contains address `addr`.
-    fn block_at(&self, seg: SegmentId, addr: u64) -> BlockId {
+    pub(crate) fn block_at(&self, seg: SegmentId, addr: u64) -> BlockId {
+        self.find_block(seg, addr)
+            .unwrap_or_else(|| panic!("address {addr:#x} is outside segment {seg}"))
+    }
+
+    /// The block of `seg` that contains address `addr`, if any.
+    pub(crate) fn find_block(&self, seg: SegmentId, addr: u64) -> Option<BlockId> {
         let mut cur = Some(self.segments.get(seg).first);
         while let Some(id) = cur {
             let b = &self.blocks[id];
             if b.ptr <= addr && addr < b.ptr + b.size {
-                return id;
+                return Some(id);
             }
             cur = b.next;
         }
-        panic!("address {addr:#x} is outside segment {seg}");
+        None
+    }
+
+    /// Merges a free, unindexed block with free neighbours of its stream
+    /// and indexes the result.
+    pub(crate) fn merge_free(&mut self, id: BlockId) {
+        let stream = self.blocks[id].stream;
+        let mergeable = |b: &Block| b.state == BlockState::Free && b.stream == stream;
+        if let Some(n) = self.blocks[id].next
+            && mergeable(&self.blocks[n])
+        {
+            self.ensure_unindexed(n);
+            self.absorb_next(id);
+        }
+        let mut id = id;
+        if let Some(p) = self.blocks[id].prev
+            && mergeable(&self.blocks[p])
+        {
+            self.ensure_unindexed(p);
+            id = self.absorb_next(p);
+        }
+        self.reindex(id);
     }
 
     /// Merges adjacent free blocks of the same stream in `seg` and makes sure
@@ -371,7 +406,7 @@ impl<B: Backend> DeviceAllocator<B> {
         }
     }
 
-    fn ensure_unindexed(&mut self, id: BlockId) {
+    pub(crate) fn ensure_unindexed(&mut self, id: BlockId) {
         let b = &self.blocks[id];
         let key = (b.stream, b.size, b.ptr, id);
         self.pools[b.pool as usize].remove(key);
@@ -379,7 +414,7 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// Splits `bytes` off the front of block `id` as a new block in `state`
     /// (or changes the whole block when it is exactly that size); returns it.
-    fn carve_front(&mut self, id: BlockId, bytes: u64, state: BlockState) -> BlockId {
+    pub(crate) fn carve_front(&mut self, id: BlockId, bytes: u64, state: BlockState) -> BlockId {
         let b = &self.blocks[id];
         if b.size == bytes {
             self.blocks[id].state = state;
@@ -406,7 +441,7 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// Merges the block after `id` into `id`; returns `id`.
-    fn absorb_next(&mut self, id: BlockId) -> BlockId {
+    pub(crate) fn absorb_next(&mut self, id: BlockId) -> BlockId {
         let n = self.blocks[id].next.expect("a next block to absorb");
         let (size, next, freed) = (
             self.blocks[n].size,
@@ -425,7 +460,7 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// Removes a free block from its pool's index.
-    fn unindex(&mut self, id: BlockId) {
+    pub(crate) fn unindex(&mut self, id: BlockId) {
         let b = &self.blocks[id];
         let key = (b.stream, b.size, b.ptr, id);
         let removed = self.pools[b.pool as usize].remove(key);
@@ -455,7 +490,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Runs of whole handles inside free blocks of the default pools'
     /// expandable segments, outside `[keep_lo, keep_hi)` of `keep`:
     /// `(bytes, start, segment, stream, freed stamp)`.
-    fn free_runs(
+    pub(crate) fn free_runs(
         &self,
         keep: Option<(SegmentId, u64, u64)>,
     ) -> Vec<(u64, u64, SegmentId, StreamId, u64)> {
@@ -498,17 +533,23 @@ impl<B: Backend> DeviceAllocator<B> {
         keep_lo: u64,
         keep_hi: u64,
     ) -> Result<u64, AllocError> {
+        // Never runs a cached stitch aliases (Note [Stitching]: moving them
+        // would cost the stitch); smallest runs first: they are the fragments
+        // no large request can use; the last run taken gives only the
+        // handles still wanted.
         let mut runs = self.free_runs(Some((keep, keep_lo, keep_hi)));
-        runs.sort_unstable_by_key(|r| (std::cmp::Reverse(r.0), r.1));
+        runs.retain(|r| !self.aliased(r.1, r.1 + r.0));
+        runs.sort_unstable_by_key(|r| (r.0, r.1));
         let mut took = 0;
-        let chosen: Vec<_> = runs
-            .into_iter()
-            .take_while(|r| {
-                let more = took < want;
-                took += r.0;
-                more
-            })
-            .collect();
+        let mut chosen = Vec::new();
+        for (bytes, lo, seg, stream, freed) in runs {
+            if took >= want {
+                break;
+            }
+            let end = self.pages.prefix_end(lo, lo + bytes, want - took);
+            took += end - lo;
+            chosen.push((end - lo, lo, seg, stream, freed));
+        }
         for &(_, _, _, stream, freed) in &chosen {
             self.fences.wait(&mut self.backend, stream, freed)?;
         }
@@ -524,6 +565,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Unmaps `[lo, hi)`, a run of whole handles inside one free block of
     /// `seg`, into the page pool, and marks it unmapped.
     fn unmap_run(&mut self, seg: SegmentId, lo: u64, hi: u64) -> Result<(), AllocError> {
+        self.drop_stitches_over(lo, hi)?;
         let kind = self.segments.get(seg).kind;
         let id = self.block_at(seg, lo);
         let (ptr, size, stream) = (
@@ -571,6 +613,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// segments (after waiting for their work), frees reservations left with
     /// nothing mapped, and returns the pooled handles to the driver.
     pub(crate) fn unmap_free_pages(&mut self) -> Result<(), AllocError> {
+        self.drop_cached_stitches()?;
         let streams = self.expandable_streams();
         self.fences.wait_all(&mut self.backend, streams)?;
         let mut runs = self.free_runs(None);
@@ -600,7 +643,7 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// Puts a free block (back) into its pool's index.
-    fn reindex(&mut self, id: BlockId) {
+    pub(crate) fn reindex(&mut self, id: BlockId) {
         let b = &self.blocks[id];
         let key = (b.stream, b.size, b.ptr, id);
         self.pools[b.pool as usize].insert(key);
@@ -759,22 +802,26 @@ mod tests {
 
     #[test]
     fn expandable_segments_cut_fragmentation_on_multiscale_shapes() {
-        let (plain_r, plain_a, plain_q) = multiscale_peak("policy:pytorch");
-        let (exp_r, exp_a, exp_q) = multiscale_peak("expandable_segments:true");
-        let (pt_r, pt_a, _) =
-            multiscale_peak("expandable_segments:true,defragment:false,expandable_page_mb:20");
-        assert_eq!(plain_q, exp_q, "the same requests");
-        let (plain, exp) = (plain_r as f64 / plain_a as f64, exp_r as f64 / exp_a as f64);
-        assert!(exp < plain, "expandable {exp:.3} vs plain {plain:.3}");
-        let pytorch_like = pt_r as f64 / pt_a as f64;
-        assert!(
-            exp < pytorch_like,
-            "gpualloc {exp:.3} vs PyTorch-like expandable {pytorch_like:.3}"
-        );
-        assert!(
-            exp < 1.08,
-            "expandable reserved/allocated {exp:.3} (plain {plain:.3})"
-        );
+        let ratio = |conf: &str| {
+            let (r, a, q) = multiscale_peak(conf);
+            (r as f64 / a as f64, q)
+        };
+        let (plain, plain_q) = ratio("policy:pytorch");
+        let (default, default_q) = ratio("");
+        let (fine, _) = ratio("expandable_handle_mb:2");
+        let (pytorch_like, _) = ratio("defragment:false,expandable_page_mb:20");
+        assert_eq!(plain_q, default_q, "the same requests");
+        for (name, r) in [("default", default), ("2 MiB handles", fine)] {
+            assert!(r < plain, "{name} {r:.3} vs plain {plain:.3}");
+            assert!(
+                r < pytorch_like,
+                "{name} {r:.3} vs PyTorch-like expandable {pytorch_like:.3}"
+            );
+        }
+        // Long-lived small blocks among transient large ones pin the pages
+        // under them; the finer the handles, the less they pin.
+        assert!(fine < 1.08, "2 MiB handles: reserved/allocated {fine:.3}");
+        assert!(fine <= default, "{fine:.3} vs {default:.3}");
     }
 
     proptest::proptest! {

@@ -10,7 +10,7 @@
 
 use crate::backend::Backend;
 use crate::block::BlockState;
-use crate::device::DeviceAllocator;
+use crate::device::{DeviceAllocator, STITCH};
 use crate::size_class::PoolKind;
 use crate::stats::StatArray;
 
@@ -23,6 +23,8 @@ impl<B: Backend> DeviceAllocator<B> {
         let mut seen_blocks = 0usize;
         let mut free_blocks = 0usize;
         let mut unmapped_blocks = 0usize;
+        let mut claimed_blocks = 0usize;
+        let mut claimed_bytes = 0u64;
         let mut recount = Recount::default();
         let mut mapped_ranges: Vec<(u64, u64)> = Vec::new();
         for (seg_id, seg) in self.segments.iter() {
@@ -78,7 +80,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 let kind = seg.kind;
                 if b.state != BlockState::Unmapped {
                     mapped += b.size;
-                    if seg.expandable {
+                    if seg.expandable && seg.pool != STITCH {
                         match mapped_ranges.last_mut() {
                             Some(r) if r.1 == b.ptr => r.1 += b.size,
                             _ => mapped_ranges.push((b.ptr, b.ptr + b.size)),
@@ -86,6 +88,15 @@ impl<B: Backend> DeviceAllocator<B> {
                     }
                 }
                 match b.state {
+                    BlockState::Claimed => {
+                        claimed_blocks += 1;
+                        if !seg.expandable {
+                            return Err(format!("claimed block {id} in plain segment {seg_id}"));
+                        }
+                        if seg.pool != STITCH {
+                            claimed_bytes += b.size;
+                        }
+                    }
                     BlockState::Unmapped => {
                         unmapped_blocks += 1;
                         if !seg.expandable {
@@ -139,13 +150,28 @@ impl<B: Backend> DeviceAllocator<B> {
                     seg.mapped
                 ));
             }
-            recount.reserved.update(seg.kind, mapped as i64);
+            if seg.pool != STITCH {
+                // A stitch aliases claimed memory counted at home.
+                recount.reserved.update(seg.kind, mapped as i64);
+            }
             if addr != seg.ptr + seg.size {
                 return Err(format!(
                     "segment {seg_id} blocks end at {addr:#x}, segment at {:#x}",
                     seg.ptr + seg.size
                 ));
             }
+        }
+        let lent: u64 = self
+            .stitches
+            .list
+            .iter()
+            .filter(|s| s.in_use.is_some())
+            .map(|s| s.size)
+            .sum();
+        if lent != claimed_bytes {
+            return Err(format!(
+                "stitches in use hold {lent} bytes, claimed blocks at home {claimed_bytes}"
+            ));
         }
         for kind in [PoolKind::Small, PoolKind::Large] {
             recount
@@ -168,11 +194,11 @@ impl<B: Backend> DeviceAllocator<B> {
                 "free index holds {indexed} entries for {free_blocks} free blocks"
             ));
         }
-        if self.live.len() + free_blocks + unmapped_blocks != seen_blocks {
+        if self.live.len() + free_blocks + unmapped_blocks + claimed_blocks != seen_blocks {
             return Err(format!(
                 "address map holds {} blocks, expected {}",
                 self.live.len(),
-                seen_blocks - free_blocks - unmapped_blocks
+                seen_blocks - free_blocks - unmapped_blocks - claimed_blocks
             ));
         }
         let queued: usize = self.pending.values().map(|q| q.len()).sum();

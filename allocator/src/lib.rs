@@ -55,6 +55,7 @@ mod segment;
 pub mod size_class;
 mod snapshot;
 pub mod stats;
+mod stitch;
 pub mod trace;
 
 pub use allocator::Allocator;

@@ -27,6 +27,10 @@ use std::collections::BTreeMap;
 use crate::backend::{Backend, BackendError, DevicePtr, HandleId};
 use crate::size_class::PoolKind;
 
+/// New handles are at most 1/this of the range they are created for, so a
+/// handle is small next to the block it backs (Note [Page pool]).
+const HANDLES_PER_MAPPING: u64 = 8;
+
 /// Reserved-bytes changes per pool kind, `[small, large]`.
 pub(crate) type KindDeltas = [i64; 2];
 
@@ -99,9 +103,10 @@ impl PagePool {
             }
         }
         let mut result = Ok(());
+        let cap = max_handle.min(size / HANDLES_PER_MAPPING).max(page);
         while left > 0 {
             let mut chunk = page;
-            while chunk * 2 <= left.min(max_handle) {
+            while chunk * 2 <= left.min(cap) {
                 chunk *= 2;
             }
             match backend.create_handle(chunk, capturing) {
@@ -162,6 +167,32 @@ impl PagePool {
             }
         }
         runs
+    }
+
+    /// The handle mapped at `addr`, with its size.
+    pub fn handle_at(&self, addr: DevicePtr) -> Option<(HandleId, u64)> {
+        self.mapped.get(&addr).copied()
+    }
+
+    /// The handles mapped inside `[lo, hi)`: `(address, handle, bytes)`.
+    pub fn handles_in(&self, lo: DevicePtr, hi: DevicePtr) -> Vec<(DevicePtr, HandleId, u64)> {
+        self.mapped
+            .range(lo..hi)
+            .map(|(&a, &(h, s))| (a, h, s))
+            .collect()
+    }
+
+    /// The end of the shortest prefix of whole handles of the run
+    /// `[lo, hi)` that holds at least `want` bytes (`hi` when none shorter does).
+    pub fn prefix_end(&self, lo: DevicePtr, hi: DevicePtr, want: u64) -> DevicePtr {
+        let mut end = lo;
+        for (&a, &(_, s)) in self.mapped.range(lo..hi) {
+            if end - lo >= want {
+                break;
+            }
+            end = a + s;
+        }
+        end.min(hi)
     }
 
     /// Unmaps a run of whole handles (from [`whole_runs`](Self::whole_runs))

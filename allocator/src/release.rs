@@ -3,7 +3,7 @@
 
 use crate::backend::{Backend, BackendError, StreamId};
 use crate::block::{BlockId, BlockState, PoolId};
-use crate::device::{DeviceAllocator, LARGE, SMALL};
+use crate::device::{DeviceAllocator, LARGE, SMALL, STITCH};
 use crate::error::{AllocError, OomReport};
 use crate::size_class::PoolKind;
 use crate::trace::{Action, pool_code};
@@ -281,7 +281,7 @@ impl<B: Backend> DeviceAllocator<B> {
         self.live
             .values()
             .map(|&id| &self.blocks[id])
-            .filter(|b| b.state == BlockState::Allocated && b.pool > LARGE)
+            .filter(|b| b.state == BlockState::Allocated && b.pool > STITCH)
             .map(|b| b.size)
             .sum()
     }

@@ -3,7 +3,7 @@
 
 use crate::backend::{Backend, DevicePtr, StreamId};
 use crate::block::BlockState;
-use crate::device::DeviceAllocator;
+use crate::device::{DeviceAllocator, STITCH};
 use crate::pool::PoolKey;
 use crate::size_class::PoolKind;
 
@@ -26,7 +26,7 @@ impl BlockSnapshot {
         match self.state {
             BlockState::Allocated => "active_allocated",
             BlockState::PendingFree => "active_pending_free",
-            BlockState::Free | BlockState::Unmapped => "inactive",
+            BlockState::Free | BlockState::Unmapped | BlockState::Claimed => "inactive",
         }
     }
 }
@@ -63,8 +63,10 @@ impl<B: Backend> DeviceAllocator<B> {
             while let Some(id) = cur {
                 let b = &self.blocks[id];
                 cur = b.next;
-                if b.state == BlockState::Unmapped {
-                    // An expandable segment shows as one segment per mapped run.
+                let claimed_at_home = b.state == BlockState::Claimed && seg.pool != STITCH;
+                if b.state == BlockState::Unmapped || claimed_at_home {
+                    // An expandable segment shows as one segment per mapped
+                    // run; claimed runs show as the stitch that uses them.
                     out.extend(run.take());
                     continue;
                 }

@@ -118,6 +118,8 @@ pub struct DeviceStats {
     /// Times free pages were unmapped to be mapped where a request fits,
     /// instead of growing (Note [Defragmentation]; gpualloc's addition).
     pub num_defragment: i64,
+    /// Stitched ranges built (Note [Stitching]; gpualloc's addition).
+    pub num_stitch: i64,
     /// Driver calls of every kind (filled in when stats are read).
     pub num_driver_calls: i64,
     /// Driver calls that obtain, map, unmap or return memory.
@@ -209,6 +211,7 @@ impl DeviceStats {
             ("num_cross_stream_reuse", self.num_cross_stream_reuse),
             ("num_trace_dropped", self.num_trace_dropped),
             ("num_defragment", self.num_defragment),
+            ("num_stitch", self.num_stitch),
             ("num_driver_calls", self.num_driver_calls),
             ("num_driver_memory_calls", self.num_driver_memory_calls),
             ("driver_time_ns", self.driver_time_ns),
@@ -249,6 +252,7 @@ impl DeviceStats {
         self.num_device_free = 0;
         self.num_cross_stream_reuse = 0;
         self.num_defragment = 0;
+        self.num_stitch = 0;
     }
 }
 
@@ -284,7 +288,7 @@ mod tests {
         assert_eq!(get("allocated_bytes.large_pool.current"), Some(0));
         assert!(get("inactive_split_bytes.all.freed").is_some());
         assert!(get("num_alloc_retries").is_some());
-        assert_eq!(flat.len(), 9 * 3 * 4 + 2 * 4 + 13);
+        assert_eq!(flat.len(), 9 * 3 * 4 + 2 * 4 + 14);
         d.reset_accumulated();
         d.update_noop();
     }

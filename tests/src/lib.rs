@@ -540,7 +540,7 @@ impl Checked {
                         pending_requested += b.requested_size as i64;
                         pending_bytes += b.size as i64;
                     }
-                    BlockState::Free | BlockState::Unmapped => {}
+                    BlockState::Free | BlockState::Unmapped | BlockState::Claimed => {}
                 }
             }
             assert_eq!(at, seg.address + seg.total_size);

@@ -1,0 +1,328 @@
+//! Stitching: a large request served by free pages that are not contiguous,
+//! mapped a second time into a fresh address range (GMLake's idea).
+//!
+//! Note [Stitching]
+//! Rationale: a large transient buffer (a convolution workspace in the
+//! middle of backward, say) needs contiguous address space when the free
+//! memory of the expandable segment is scattered between live blocks.
+//! Moving pages (Note [Defragmentation]) costs about 65 µs per handle every
+//! time, and in a periodic workload it happens every step.
+//! Approach: a physical handle may be mapped at several addresses at once.
+//! A stitch maps the handles of free runs of the stream's expandable
+//! segments, largest runs first, into a fresh reservation; while the stitch
+//! is allocated those runs are `Claimed` (neither free nor reusable) and
+//! nothing is unmapped or copied. When the stitch is freed its runs become
+//! free again and the stitch stays mapped, cached: the next request of
+//! about its size whose runs are all free again (the same layout one step
+//! later) takes it with no driver call at all. A cached stitch is torn down
+//! (after its last work, Note [Event-ordered unmapping]) before any of its
+//! handles is unmapped from its home address, on `empty_cache` and on the
+//! out-of-memory path, or when the cache is full. Stitched ranges alias
+//! memory already counted as reserved, so they add nothing to it.
+
+use crate::backend::{Backend, DevicePtr, HandleId, StreamId};
+use crate::block::{Block, BlockId, BlockState, SegmentId};
+use crate::device::{DeviceAllocator, LARGE, STITCH};
+use crate::error::AllocError;
+use crate::segment::Segment;
+use crate::size_class::PoolKind;
+use crate::trace::{Action, pool_code};
+
+/// Cached stitches kept per device; beyond, the least recently used goes.
+const MAX_CACHED: usize = 16;
+
+/// One handle of a stitch: where it lives at home, and its size.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Part {
+    pub seg: SegmentId,
+    pub addr: DevicePtr,
+    pub handle: HandleId,
+    pub size: u64,
+}
+
+/// A stitched address range and the home runs it aliases.
+pub(crate) struct Stitch {
+    pub va: DevicePtr,
+    pub size: u64,
+    pub stream: StreamId,
+    /// Home handles in the order they are mapped from `va`.
+    pub parts: Vec<Part>,
+    /// The segment of its allocated block, while in use.
+    pub in_use: Option<SegmentId>,
+    /// Fence stamp of its last free (Note [Event-ordered unmapping]).
+    pub freed: u64,
+    /// Use counter value at its last use (least recently used goes first).
+    pub used_at: u64,
+}
+
+/// The device's stitches (Note [Stitching]).
+#[derive(Default)]
+pub(crate) struct Stitches {
+    pub list: Vec<Stitch>,
+    uses: u64,
+}
+
+impl<B: Backend> DeviceAllocator<B> {
+    /// Serves `rounded` bytes for `stream` from a stitch: a cached one whose
+    /// runs are free again, or a new one over free runs of the stream's
+    /// expandable segments. `None` when the free runs do not suffice.
+    pub(crate) fn stitch_for(
+        &mut self,
+        stream: StreamId,
+        rounded: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let slack = (rounded / 16).max(2 << 20);
+        let mut best: Option<usize> = None;
+        for (i, s) in self.stitches.list.iter().enumerate() {
+            if s.in_use.is_none()
+                && s.stream == stream
+                && s.size >= rounded
+                && s.size <= rounded + slack
+                && best.is_none_or(|b| s.size < self.stitches.list[b].size)
+                && self.parts_free(&s.parts, stream)
+            {
+                best = Some(i);
+            }
+        }
+        let i = match best {
+            Some(i) => i,
+            None => match self.build_stitch(stream, rounded)? {
+                Some(i) => i,
+                None => return Ok(None),
+            },
+        };
+        Ok(Some(self.claim_stitch(i, rounded)))
+    }
+
+    /// Whether every part lies, with the same handle, in a free block of `stream`.
+    fn parts_free(&self, parts: &[Part], stream: StreamId) -> bool {
+        parts.iter().all(|p| {
+            self.pages.handle_at(p.addr) == Some((p.handle, p.size))
+                && self.find_block(p.seg, p.addr).is_some_and(|b| {
+                    let b = &self.blocks[b];
+                    b.state == BlockState::Free
+                        && b.stream == stream
+                        && p.addr + p.size <= b.ptr + b.size
+                })
+        })
+    }
+
+    /// Maps free runs of `stream` (largest first) into a new reservation.
+    fn build_stitch(
+        &mut self,
+        stream: StreamId,
+        rounded: u64,
+    ) -> Result<Option<usize>, AllocError> {
+        let mut runs: Vec<_> = self
+            .free_runs(None)
+            .into_iter()
+            .filter(|r| r.3 == stream && self.segments.get(r.2).pool == LARGE)
+            .collect();
+        runs.sort_unstable_by_key(|r| (std::cmp::Reverse(r.0), r.1));
+        let mut parts = Vec::new();
+        let mut total = 0;
+        for (bytes, lo, seg, ..) in runs {
+            for (addr, handle, size) in self.pages.handles_in(lo, lo + bytes) {
+                if total >= rounded {
+                    break;
+                }
+                parts.push(Part {
+                    seg,
+                    addr,
+                    handle,
+                    size,
+                });
+                total += size;
+            }
+        }
+        if total < rounded {
+            return Ok(None);
+        }
+        if self.stitches.list.len() >= MAX_CACHED {
+            self.evict_stitch()?;
+        }
+        let va = self.backend.reserve(total)?;
+        let handles: Vec<(HandleId, u64)> = parts.iter().map(|p| (p.handle, p.size)).collect();
+        if let Err(e) = self.backend.map_handles(va, &handles, false) {
+            self.backend.free_reservation(va, total)?;
+            return Err(e.into());
+        }
+        self.stats.num_stitch += 1;
+        self.record(Action::SegmentMap, stream, va, total, pool_code(None, true));
+        self.stitches.list.push(Stitch {
+            va,
+            size: total,
+            stream,
+            parts,
+            in_use: None,
+            freed: 0,
+            used_at: 0,
+        });
+        Ok(Some(self.stitches.list.len() - 1))
+    }
+
+    /// Claims a stitch's home runs and returns a free, unindexed block of
+    /// `rounded` bytes at its start; the rest of the range (less than a
+    /// handle, or the reuse slack) is a claimed block nothing else uses.
+    fn claim_stitch(&mut self, i: usize, rounded: u64) -> BlockId {
+        let parts = std::mem::take(&mut self.stitches.list[i].parts);
+        for p in &parts {
+            self.set_home(p, BlockState::Claimed);
+        }
+        self.stitches.uses += 1;
+        let s = &mut self.stitches.list[i];
+        s.parts = parts;
+        s.used_at = self.stitches.uses;
+        let (va, size, stream) = (s.va, s.size, s.stream);
+        let block = self
+            .blocks
+            .insert(Block::new(va, size, stream, 0, STITCH, BlockState::Free));
+        let seg = self.segments.insert(Segment {
+            ptr: va,
+            size,
+            kind: PoolKind::Large,
+            pool: STITCH,
+            stream,
+            first: block,
+            expandable: true,
+            mapped: size,
+        });
+        self.blocks[block].segment = seg;
+        if size > rounded {
+            let rest = Block {
+                prev: Some(block),
+                ..Block::new(
+                    va + rounded,
+                    size - rounded,
+                    stream,
+                    seg,
+                    STITCH,
+                    BlockState::Claimed,
+                )
+            };
+            let r = self.blocks.insert(rest);
+            self.blocks[block].next = Some(r);
+            self.blocks[block].size = rounded;
+        }
+        self.stitches.list[i].in_use = Some(seg);
+        block
+    }
+
+    /// A freed stitch block: its runs become free at home, the stitch is
+    /// cached. Called instead of indexing the block (`free_block`).
+    pub(crate) fn unclaim_stitch(&mut self, id: BlockId, stamp: u64) {
+        let seg = self.blocks[id].segment;
+        let i = self
+            .stitches
+            .list
+            .iter()
+            .position(|s| s.in_use == Some(seg))
+            .expect("a stitch block belongs to a stitch");
+        self.segments.remove(seg);
+        if let Some(rest) = self.blocks[id].next {
+            self.blocks.remove(rest);
+        }
+        self.blocks.remove(id);
+        let parts = std::mem::take(&mut self.stitches.list[i].parts);
+        for p in &parts {
+            self.set_home(p, BlockState::Free);
+        }
+        let s = &mut self.stitches.list[i];
+        s.parts = parts;
+        s.in_use = None;
+        s.freed = stamp;
+    }
+
+    /// Marks the home range of a part claimed (from free) or free (from
+    /// claimed), merging free blocks as `free_block` does.
+    fn set_home(&mut self, p: &Part, state: BlockState) {
+        let id = self
+            .find_block(p.seg, p.addr)
+            .expect("part inside its segment");
+        let (ptr, size) = (self.blocks[id].ptr, self.blocks[id].size);
+        let end = p.addr + p.size;
+        if state == BlockState::Claimed {
+            self.unindex(id);
+        }
+        let mut mid = id;
+        if p.addr > ptr {
+            let head = self.carve_front(mid, p.addr - ptr, self.blocks[id].state);
+            if state == BlockState::Claimed {
+                self.reindex(head);
+            }
+        }
+        if end < ptr + size {
+            let m = self.carve_front(mid, p.size, state);
+            if state == BlockState::Claimed {
+                self.reindex(mid);
+            }
+            mid = m;
+        } else {
+            self.blocks[mid].state = state;
+        }
+        if state == BlockState::Free {
+            self.merge_free(mid);
+        }
+    }
+
+    /// Whether a cached stitch aliases a handle mapped in `[lo, hi)`.
+    pub(crate) fn aliased(&self, lo: DevicePtr, hi: DevicePtr) -> bool {
+        self.stitches.list.iter().any(|s| {
+            s.in_use.is_none() && s.parts.iter().any(|p| p.addr < hi && lo < p.addr + p.size)
+        })
+    }
+
+    /// Tears down cached stitches that alias a handle mapped in `[lo, hi)`.
+    pub(crate) fn drop_stitches_over(
+        &mut self,
+        lo: DevicePtr,
+        hi: DevicePtr,
+    ) -> Result<(), AllocError> {
+        while let Some(i) = self.stitches.list.iter().position(|s| {
+            s.in_use.is_none() && s.parts.iter().any(|p| p.addr < hi && lo < p.addr + p.size)
+        }) {
+            self.drop_stitch(i)?;
+        }
+        Ok(())
+    }
+
+    /// Tears down every cached stitch.
+    pub(crate) fn drop_cached_stitches(&mut self) -> Result<(), AllocError> {
+        while let Some(i) = self.stitches.list.iter().position(|s| s.in_use.is_none()) {
+            self.drop_stitch(i)?;
+        }
+        Ok(())
+    }
+
+    fn evict_stitch(&mut self) -> Result<(), AllocError> {
+        let lru = self
+            .stitches
+            .list
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.in_use.is_none())
+            .min_by_key(|(_, s)| s.used_at)
+            .map(|(i, _)| i);
+        match lru {
+            Some(i) => self.drop_stitch(i),
+            None => Ok(()),
+        }
+    }
+
+    /// Unmaps a cached stitch once its last work is done and frees its range.
+    fn drop_stitch(&mut self, i: usize) -> Result<(), AllocError> {
+        let (stream, freed) = (self.stitches.list[i].stream, self.stitches.list[i].freed);
+        self.fences.wait(&mut self.backend, stream, freed)?;
+        let s = self.stitches.list.swap_remove(i);
+        self.backend.unmap(s.va, s.size)?;
+        self.backend.free_reservation(s.va, s.size)?;
+        self.record(
+            Action::SegmentUnmap,
+            s.stream,
+            s.va,
+            s.size,
+            pool_code(None, true),
+        );
+        Ok(())
+    }
+}
