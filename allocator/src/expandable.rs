@@ -180,10 +180,12 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         let new_bytes = bytes - self.pages.usable(bytes);
         let reserved = self.stats.reserved_bytes.all.current as u64;
-        if let Some(limit) = self.limit()?
-            && new_bytes > 0
-            && reserved + new_bytes > limit
-        {
+        // Never create what cannot fit: the limit, or the device itself.
+        let cap = match self.limit()? {
+            Some(l) => l.min(self.device_total()?),
+            None => self.device_total()?,
+        };
+        if new_bytes > 0 && reserved + new_bytes > cap {
             return Err(AllocError::OutOfMemory(Box::new(
                 self.report(0, new_bytes, None),
             )));

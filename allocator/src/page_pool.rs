@@ -71,9 +71,9 @@ impl PagePool {
 
     /// Maps `[ptr, ptr + size)`, counted in `kind`: pooled handles first
     /// (largest that fits first), new handles for the rest. Returns the
-    /// reserved-bytes changes per kind and the bytes created, which apply
-    /// whether or not mapping succeeded (handles created before a failure
-    /// stay pooled).
+    /// reserved-bytes changes per kind and the bytes created. On failure the
+    /// pooled handles go back to the pool and the new ones to the driver, so
+    /// a request that cannot fit leaves no memory behind.
     pub fn map<B: Backend>(
         &mut self,
         backend: &mut B,
@@ -102,6 +102,7 @@ impl PagePool {
                 self.free.remove(&s);
             }
         }
+        let taken = chosen.len();
         let mut result = Ok(());
         let cap = max_handle.min(size / HANDLES_PER_MAPPING).max(page);
         while left > 0 {
@@ -132,8 +133,13 @@ impl PagePool {
             result = backend.map_handles(ptr, &list, capturing);
         }
         if result.is_err() {
-            for (h, s, k) in chosen {
-                self.pool(h, s, k);
+            for (i, (h, s, k)) in chosen.into_iter().enumerate() {
+                if i < taken || backend.release_handle(h, s).is_err() {
+                    self.pool(h, s, k);
+                } else {
+                    deltas[slot(k)] -= s as i64;
+                    created -= s;
+                }
             }
             return (result, deltas, created);
         }

@@ -3,8 +3,10 @@
 //! - `properties`: random operation sequences under several configurations,
 //!   with every invariant, the accounting and stream safety checked after
 //!   each operation;
+//! - `promise`: the default policy never fails a request for fragmentation;
 //! - `scenarios`: one file per rule of PyTorch's caching allocator.
 
 mod gpu_recorded;
+mod promise;
 mod properties;
 mod scenarios;

@@ -1,0 +1,118 @@
+//! The promise of gpualloc's default policy: fragmentation never causes an
+//! out-of-memory error. A request fails only when the pages that hold live
+//! blocks plus the pages the request needs exceed the device
+//! (Note [Defragmentation], Note [Stitching]).
+//!
+//! Adversarial sequences on a small simulated device: random sizes from
+//! 512 B to 90 MiB on three streams, frees in random order, work launched on
+//! the blocks (so freed pages are often still in use when they are needed),
+//! long-lived small blocks scattered among large ones. After each step the
+//! whole structure is checked ([`Checked`]); every failed request is checked
+//! against the bound, with 2 MiB handles (the granularity the promise is
+//! made at) and with the default handles (where a handle shared by a live
+//! block and free space counts as pinned, the "less page rounding" of the
+//! promise).
+
+use std::collections::BTreeSet;
+
+use gpualloc::size_class::round_size;
+use gpualloc::{AllocError, StreamId};
+use gpualloc_tests::{Checked, MIB};
+use proptest::prelude::*;
+
+const CAPACITY: u64 = 512 * MIB;
+const PAGE: u64 = 2 * MIB;
+const STREAMS: [StreamId; 3] = [0, 7, 9];
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { size: u64, stream: usize },
+    Free(prop::sample::Index),
+    Use(prop::sample::Index),
+    Complete(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let size = prop_oneof![
+        3 => 1u64..=MIB,
+        3 => (MIB + 1)..(20 * MIB),
+        2 => (20 * MIB)..(90 * MIB),
+    ];
+    prop_oneof![
+        6 => (size, 0..STREAMS.len()).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        5 => any::<prop::sample::Index>().prop_map(Op::Free),
+        3 => any::<prop::sample::Index>().prop_map(Op::Use),
+        1 => (0..STREAMS.len()).prop_map(Op::Complete),
+    ]
+}
+
+/// Bytes that live blocks keep from other use: with `handle` equal to the
+/// page, the pages that hold a byte of a live block; with larger handles
+/// (not aligned to any grid), each live block plus at most a handle on each
+/// side.
+fn pinned(c: &Checked, handle: u64) -> u64 {
+    if handle == PAGE {
+        let mut pages = BTreeSet::new();
+        for (&p, l) in &c.live {
+            for g in p / PAGE..(p + l.block).div_ceil(PAGE) {
+                pages.insert(g);
+            }
+        }
+        return pages.len() as u64 * PAGE;
+    }
+    c.live.values().map(|l| l.block + 2 * handle).sum()
+}
+
+fn run(config: &str, granule: u64, ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut c = Checked::with(CAPACITY, config);
+    let mut order: Vec<u64> = Vec::new();
+    for op in ops {
+        match op {
+            Op::Alloc { size, stream } => {
+                let before = pinned(&c, granule);
+                let rounded = round_size(*size, c.dev.config());
+                let need = rounded.div_ceil(PAGE) * PAGE;
+                match c.malloc(*size, STREAMS[*stream]) {
+                    Ok(p) => order.push(p),
+                    Err(AllocError::OutOfMemory(r)) => prop_assert!(
+                        before + need > CAPACITY,
+                        "{size} B failed with {before} B of pages pinned by live blocks on a \
+                         {CAPACITY} B device: {r:?}"
+                    ),
+                    Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
+                }
+            }
+            Op::Free(i) if !order.is_empty() => {
+                let p = order.remove(i.index(order.len()));
+                c.release(p);
+            }
+            Op::Use(i) if !order.is_empty() => {
+                let p = order[i.index(order.len())];
+                let stream = c.live[&p].stream;
+                c.use_on(p, stream);
+            }
+            Op::Complete(s) => c.complete(STREAMS[*s]),
+            _ => {}
+        }
+    }
+    for p in order {
+        c.release(p);
+    }
+    c.dev.empty_cache().unwrap();
+    prop_assert_eq!(c.sim().used(), 0, "empty_cache gives everything back");
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn fragmentation_never_fails_a_request_with_pages(ops in prop::collection::vec(op(), 1..160)) {
+        run("expandable_handle_mb:2", PAGE, &ops)?;
+    }
+
+    #[test]
+    fn fragmentation_never_fails_a_request_default_handles(ops in prop::collection::vec(op(), 1..160)) {
+        run("", 16 * MIB, &ops)?;
+    }
+}
