@@ -724,6 +724,9 @@ impl<B: Backend> DeviceAllocator<B> {
         self.live.remove(&ptr);
         let lookups = self.pools[pool as usize].lookups;
         let epoch = self.fences.stamp();
+        if self.expandable {
+            self.fences.after_free(&mut self.backend, stream, size);
+        }
         let b = &mut self.blocks[id];
         b.state = BlockState::Free;
         b.requested = 0;

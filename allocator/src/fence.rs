@@ -12,8 +12,9 @@
 //! with the epoch at its recording, after which the epoch advances; once it
 //! has completed, every block freed on that stream before it is idle. A
 //! free block may be unmapped when its stream's newest completed fence is at
-//! least its stamp. Fences are recorded on the slow path only (never on a
-//! plain free), polled without blocking there, and waited for
+//! least its stamp. Fences are recorded on the slow path and after every
+//! sixteenth free of 2 MiB or more (never on the other frees), polled
+//! without blocking on the slow path, and waited for
 //! (`cuEventSynchronize`, one stream) only when pages that are not yet known
 //! idle are needed now. Which pages are unmapped never depends on whether
 //! a fence happened to be complete: that decides only whether the host
@@ -34,11 +35,18 @@ struct StreamFences {
     done: u64,
 }
 
+/// Frees of at least this many bytes count towards a fence ([`Fences::after_free`]).
+const LARGE_FREE: u64 = 2 << 20;
+/// A fence every this many large frees.
+const FREES_PER_FENCE: u32 = 16;
+
 /// See Note [Event-ordered unmapping].
 pub(crate) struct Fences {
     epoch: u64,
     /// The highest stamp handed out.
     last_stamp: u64,
+    /// Large frees since a fence was last recorded on a free.
+    large_frees: u32,
     streams: FxHashMap<StreamId, StreamFences>,
 }
 
@@ -47,6 +55,7 @@ impl Default for Fences {
         Fences {
             epoch: 1,
             last_stamp: 0,
+            large_frees: 0,
             streams: FxHashMap::default(),
         }
     }
@@ -59,6 +68,23 @@ impl Fences {
     pub fn stamp(&mut self) -> u64 {
         self.last_stamp = self.epoch;
         self.epoch
+    }
+
+    /// Called after a free of `size` bytes on `stream` was stamped: every
+    /// [`FREES_PER_FENCE`]th free of at least [`LARGE_FREE`] bytes records a
+    /// fence, so that most freed memory is known idle before it is needed,
+    /// at a cost of one `cuEventRecord` per many frees. A driver error only
+    /// means no fence now.
+    #[inline]
+    pub fn after_free<B: Backend>(&mut self, backend: &mut B, stream: StreamId, size: u64) {
+        if size < LARGE_FREE {
+            return;
+        }
+        self.large_frees += 1;
+        if self.large_frees >= FREES_PER_FENCE {
+            self.large_frees = 0;
+            let _ = self.cover(backend, stream, self.last_stamp);
+        }
     }
 
     /// Records a fence on each of `streams` if anything was freed since the
@@ -135,14 +161,17 @@ impl Fences {
         }
         self.cover(backend, stream, stamp)?;
         let s = self.streams.get_mut(&stream).expect("covered above");
-        while let Some(&(ev, epoch)) = s.queued.front() {
-            backend.wait_event(ev)?;
-            s.queued.pop_front();
+        // The oldest fence that covers the stamp; the ones before it are done
+        // once it is (a stream runs in order).
+        let at = s
+            .queued
+            .iter()
+            .position(|f| f.1 >= stamp)
+            .expect("cover queued a fence at or after the stamp");
+        backend.wait_event(s.queued[at].0)?;
+        for (ev, epoch) in s.queued.drain(..=at) {
             backend.destroy_event(ev);
             s.done = s.done.max(epoch);
-            if epoch >= stamp {
-                break;
-            }
         }
         Ok(())
     }
