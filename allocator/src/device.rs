@@ -26,7 +26,8 @@ use crate::block::{Block, BlockArena, BlockId, BlockState, PoolId};
 use crate::capture::PrivatePools;
 use crate::config::Config;
 use crate::cost::DriverCalls;
-use crate::error::AllocError;
+use crate::backend::BackendError;
+use crate::error::{AllocError, GrowError};
 use crate::fence::Fences;
 use crate::page_pool::PagePool;
 use crate::pool::Pool;
@@ -240,8 +241,8 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         let mut cause = match self.grow(pool, alloc_size, rounded, stream, capturing) {
             Ok(b) => return Ok(b),
-            Err(AllocError::OutOfMemory(r)) => r.cause,
-            Err(e) => return Err(e),
+            Err(GrowError::Full(cause)) => cause,
+            Err(GrowError::Failed(e)) => return Err(e),
         };
         // A request larger than the device (or the limit) can never fit:
         // report it without flushing the cache for nothing.
@@ -258,16 +259,16 @@ impl<B: Backend> DeviceAllocator<B> {
             if self.release_available_cached_blocks(pool, stream, rounded)? {
                 match self.grow(pool, alloc_size, rounded, stream, false) {
                     Ok(b) => return Ok(b),
-                    Err(AllocError::OutOfMemory(_)) => {}
-                    Err(e) => return Err(e),
+                    Err(GrowError::Full(_)) => {}
+                    Err(GrowError::Failed(e)) => return Err(e),
                 }
             }
             self.release_cached_blocks()?;
             self.stats.num_alloc_retries += 1;
             match self.grow(pool, alloc_size, rounded, stream, false) {
                 Ok(b) => return Ok(b),
-                Err(AllocError::OutOfMemory(r)) => cause = r.cause,
-                Err(e) => return Err(e),
+                Err(GrowError::Full(c)) => cause = c,
+                Err(GrowError::Failed(e)) => return Err(e),
             }
         }
         Err(self.out_of_memory(stream, size, alloc_size, cause))
@@ -365,7 +366,7 @@ impl<B: Backend> DeviceAllocator<B> {
         rounded: u64,
         stream: StreamId,
         capturing: bool,
-    ) -> Result<BlockId, AllocError> {
+    ) -> Result<BlockId, GrowError> {
         if self.is_expandable(pool) {
             self.map_expandable(pool, stream, rounded, capturing)
         } else {
@@ -381,25 +382,19 @@ impl<B: Backend> DeviceAllocator<B> {
         size: u64,
         stream: StreamId,
         capturing: bool,
-    ) -> Result<BlockId, AllocError> {
+    ) -> Result<BlockId, GrowError> {
         let reserved = self.stats.reserved_bytes.all.current as u64;
         if let Some(limit) = self.limit()?
             && reserved + size > limit
         {
-            return Err(AllocError::OutOfMemory(Box::new(
-                self.report(0, size, None),
-            )));
+            return Err(GrowError::Full(None));
         }
-        let ptr = match self.backend.allocate(size, capturing) {
-            Ok(p) => p,
-            Err(crate::backend::BackendError::OutOfMemory { .. }) => {
-                let cause = Some(crate::backend::BackendError::OutOfMemory { requested: size });
-                return Err(AllocError::OutOfMemory(Box::new(
-                    self.report(0, size, cause),
-                )));
+        let ptr = self.backend.allocate(size, capturing).map_err(|e| match e {
+            BackendError::OutOfMemory { .. } => {
+                GrowError::Full(Some(BackendError::OutOfMemory { requested: size }))
             }
-            Err(e) => return Err(e.into()),
-        };
+            e => GrowError::Failed(e.into()),
+        })?;
         let kind = self.pools[pool as usize].kind;
         let (_, block) = self.new_segment(ptr, size, pool, stream, false);
         self.private.segment_added(pool);

@@ -194,3 +194,30 @@ impl From<BackendError> for AllocError {
         AllocError::Backend(e)
     }
 }
+
+/// Why a pool could not grow. The out-of-memory report (which asks the
+/// driver for free memory and scans the cache) is built only when the
+/// allocator gives up and returns an error, not on every failed attempt.
+#[derive(Debug)]
+pub(crate) enum GrowError {
+    /// The device or the memory limit has no room now; the driver's answer,
+    /// when it gave one.
+    Full(Option<BackendError>),
+    /// Anything else: returned to the caller as it is.
+    Failed(AllocError),
+}
+
+impl From<AllocError> for GrowError {
+    fn from(e: AllocError) -> Self {
+        GrowError::Failed(e)
+    }
+}
+
+impl From<BackendError> for GrowError {
+    fn from(e: BackendError) -> Self {
+        match e {
+            BackendError::OutOfMemory { .. } => GrowError::Full(Some(e)),
+            e => GrowError::Failed(e.into()),
+        }
+    }
+}

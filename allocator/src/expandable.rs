@@ -36,7 +36,7 @@
 use crate::backend::{Backend, BackendError, StreamId};
 use crate::block::{Block, BlockId, BlockState, PoolId, SegmentId};
 use crate::device::{DeviceAllocator, LARGE, SMALL, STITCH};
-use crate::error::AllocError;
+use crate::error::{AllocError, GrowError};
 use crate::page_pool::KindDeltas;
 use crate::size_class::{PoolKind, SMALL_BUFFER};
 use crate::trace::{Action, pool_code};
@@ -78,23 +78,19 @@ impl<B: Backend> DeviceAllocator<B> {
         pool: PoolId,
         stream: StreamId,
         at_least: u64,
-    ) -> Result<SegmentId, AllocError> {
+    ) -> Result<SegmentId, GrowError> {
         let kind = self.pools[pool as usize].kind;
         let page = self.page_size(kind);
         let total = self.device_total()?;
         let size = (total + total / 8).max(at_least).div_ceil(page) * page;
         // Address space running out is "not now": releasing cached (fully
         // unmapped) ranges and retrying may help, as for memory.
-        let ptr = match self.backend.reserve(size) {
-            Ok(p) => p,
-            Err(BackendError::OutOfMemory { .. }) => {
-                let cause = Some(BackendError::OutOfMemory { requested: size });
-                return Err(AllocError::OutOfMemory(Box::new(
-                    self.report(0, size, cause),
-                )));
+        let ptr = self.backend.reserve(size).map_err(|e| match e {
+            BackendError::OutOfMemory { .. } => {
+                GrowError::Full(Some(BackendError::OutOfMemory { requested: size }))
             }
-            Err(e) => return Err(e.into()),
-        };
+            e => GrowError::Failed(e.into()),
+        })?;
         let (seg, _) = self.new_segment(ptr, size, pool, stream, true);
         self.pools[pool as usize].expandable.push((stream, seg));
         Ok(seg)
@@ -140,7 +136,7 @@ impl<B: Backend> DeviceAllocator<B> {
         stream: StreamId,
         rounded: u64,
         capturing: bool,
-    ) -> Result<BlockId, AllocError> {
+    ) -> Result<BlockId, GrowError> {
         let kind = self.pools[pool as usize].kind;
         let page = self.page_size(kind);
         let (seg, ws, ranges) = match self.find_window(pool, stream, rounded, page) {
@@ -186,9 +182,7 @@ impl<B: Backend> DeviceAllocator<B> {
             None => self.device_total()?,
         };
         if new_bytes > 0 && reserved + new_bytes > cap {
-            return Err(AllocError::OutOfMemory(Box::new(
-                self.report(0, new_bytes, None),
-            )));
+            return Err(GrowError::Full(None));
         }
         let mut failure = None;
         for (lo, hi) in ranges {
@@ -199,12 +193,7 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         self.coalesce_segment(seg);
         if let Some(e) = failure {
-            return Err(match e {
-                BackendError::OutOfMemory { requested } => AllocError::OutOfMemory(Box::new(
-                    self.report(0, bytes, Some(BackendError::OutOfMemory { requested })),
-                )),
-                e => e.into(),
-            });
+            return Err(e.into());
         }
         let block = self.block_at(seg, ws);
         debug_assert!(
