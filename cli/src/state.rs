@@ -7,6 +7,11 @@
 //! of an expandable segment are contiguous). Free space is reserved space not
 //! covered by a live block; its largest contiguous piece is the "largest free
 //! block" of the fragmentation figures.
+//!
+//! Reserved bytes follow the same events, except in traces that hold
+//! `pages_create`/`pages_release` (gpualloc's page pool): there physical
+//! memory is created and released by those, and mapping or unmapping only
+//! moves it, so `segment_map`/`segment_unmap` leave reserved as it is.
 
 use std::collections::BTreeMap;
 
@@ -81,6 +86,8 @@ pub struct DeviceState {
     pub top_pushes: FxHashMap<u64, Vec<u64>>,
     /// Frees and record_streams of blocks allocated before the trace began.
     pub unknown: u64,
+    /// The trace counts physical memory with `pages_create`/`pages_release`.
+    pub pooled: bool,
 }
 
 impl DeviceState {
@@ -144,9 +151,21 @@ impl DeviceState {
             }
             Action::SegmentMap => {
                 self.map(e.addr, e.size, e.stream, e.aux);
-                self.g.reserved += e.size;
+                if !self.pooled {
+                    self.g.reserved += e.size;
+                }
             }
             Action::SegmentUnmap if self.unmap(e.addr, e.size) => {
+                if !self.pooled {
+                    self.g.reserved = self.g.reserved.saturating_sub(e.size);
+                }
+            }
+            Action::PagesCreate => {
+                self.pooled = true;
+                self.g.reserved += e.size;
+            }
+            Action::PagesRelease => {
+                self.pooled = true;
                 self.g.reserved = self.g.reserved.saturating_sub(e.size);
             }
             Action::PhasePush => {
@@ -338,5 +357,18 @@ mod tests {
         s.apply(&ev(Action::SegmentUnmap, 5000, 100, 1));
         assert_eq!(s.regions.len(), 3, "an unmap in the middle splits");
         assert_eq!(s.g.reserved, 1000 + 4096 - 100);
+    }
+
+    #[test]
+    fn page_pool_traces_count_physical_memory() {
+        let mut s = DeviceState::default();
+        s.apply(&ev(Action::PagesCreate, 0, 8192, 0));
+        s.apply(&ev(Action::SegmentMap, 4096, 8192, 1));
+        assert_eq!(s.g.reserved, 8192, "mapping created pages adds nothing");
+        s.apply(&ev(Action::SegmentUnmap, 4096, 4096, 1));
+        assert_eq!(s.g.reserved, 8192, "unmapped pages stay in the pool");
+        assert_eq!(s.regions.len(), 1);
+        s.apply(&ev(Action::PagesRelease, 0, 4096, 0));
+        assert_eq!(s.g.reserved, 4096);
     }
 }
