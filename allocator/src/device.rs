@@ -21,12 +21,12 @@ use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap;
 
+use crate::backend::BackendError;
 use crate::backend::{Backend, DevicePtr, EventId, StreamId};
 use crate::block::{Block, BlockArena, BlockId, BlockState, PoolId};
 use crate::capture::PrivatePools;
 use crate::config::Config;
 use crate::cost::DriverCalls;
-use crate::backend::BackendError;
 use crate::error::{AllocError, GrowError};
 use crate::fence::Fences;
 use crate::page_pool::PagePool;
@@ -389,12 +389,15 @@ impl<B: Backend> DeviceAllocator<B> {
         {
             return Err(GrowError::Full(None));
         }
-        let ptr = self.backend.allocate(size, capturing).map_err(|e| match e {
-            BackendError::OutOfMemory { .. } => {
-                GrowError::Full(Some(BackendError::OutOfMemory { requested: size }))
-            }
-            e => GrowError::Failed(e.into()),
-        })?;
+        let ptr = self
+            .backend
+            .allocate(size, capturing)
+            .map_err(|e| match e {
+                BackendError::OutOfMemory { .. } => {
+                    GrowError::Full(Some(BackendError::OutOfMemory { requested: size }))
+                }
+                e => GrowError::Failed(e.into()),
+            })?;
         let kind = self.pools[pool as usize].kind;
         let (_, block) = self.new_segment(ptr, size, pool, stream, false);
         self.private.segment_added(pool);
