@@ -28,7 +28,7 @@ pub enum BlockState {
     /// Address space of an expandable segment with no memory behind it.
     Unmapped,
     /// Free memory lent to a stitch while the stitch is allocated
-    /// (Note [Stitching]): neither free nor reusable at this address.
+    /// (Note \[Stitching\]): neither free nor reusable at this address.
     Claimed,
 }
 

@@ -6,7 +6,7 @@
 //! silently ignored.
 //!
 //! Two policies exist. The default, `policy:gpualloc`, is expandable segments
-//! with the page pool and defragmentation (Note [Defragmentation] in
+//! with the page pool and defragmentation (Note \[Defragmentation\] in
 //! `expandable.rs`): reserved memory stays within about 1% of live memory.
 //! `policy:pytorch` is PyTorch's caching allocator, rule for rule, so that
 //! results compare like with like; its peaks match PyTorch's to the byte.

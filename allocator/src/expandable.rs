@@ -16,18 +16,24 @@
 //! Expandable segments alone leave long-lived blocks scattered among freed
 //! ones; the free pages around them stay mapped, so reserved memory keeps
 //! the high-water mark of every layout seen. With `defragment:true` (the
-//! default), when a mapping needs more physical memory than the pool holds
-//! and holding more would pass `(1 + defragment_headroom)` times the peak of
-//! allocated memory, whole free handles elsewhere are unmapped into the
-//! pool first, largest runs first, and mapped where the request fits:
-//! GMLake's stitching, by remapping rather than by copying. Pages leave their
-//! address only once the work on them is done (Note [Event-ordered
-//! unmapping]). Below that bound the pool simply grows, so steady-state
-//! training remaps nothing. When no window of the stream's reservations can
-//! hold the request at all (address space scattered by live blocks), a
-//! fresh range is reserved for it. On the out-of-memory path every free
-//! page is unmapped and the pool is released, so a request fails only when
-//! the pages holding live blocks plus the request exceed the device.
+//! default), when a mapping needs more physical memory than the pool holds:
+//! a request of at least `stitch_min_mb` is first served by a stitch (Note
+//! [Stitching]), which maps free pages a second time and moves nothing;
+//! otherwise, if holding more would pass `(1 + defragment_headroom)` times
+//! the peak of allocated memory, whole free handles elsewhere are unmapped
+//! into the pool, smallest runs first (the fragments no large request can
+//! use) and only as many handles as needed, and mapped where the request
+//! fits. Pages leave their address only once the work on them is done (Note
+//! [Event-ordered unmapping]). Below that bound the pool simply grows. The
+//! choices were tuned by replaying GPU traces with `gpualloc replay --json`,
+//! which predicts driver time (`docs/driver-costs.md`): moving a handle
+//! costs about 65 µs, whatever its size up to 16 MiB, hence handles of up to
+//! `expandable_handle_mb` and stitches that are kept for the next step.
+//! When no window of the stream's reservations can hold the request at all
+//! (address space scattered by live blocks), a fresh range is reserved for
+//! it. On the out-of-memory path every cached stitch is dropped, every free
+//! page unmapped and the pool released, so a request fails only when the
+//! handles holding live blocks plus the request exceed the device.
 //!
 //! Limitations: private (graph) pools use plain segments; blocks in
 //! expandable segments are never counted as `inactive_split`, and the

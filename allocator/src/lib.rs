@@ -10,6 +10,18 @@
 //! streams advance only when a test says so. The CUDA backend (feature
 //! `cuda`) is the only code here that may use `unsafe`.
 //!
+//! # The default policy
+//!
+//! By default each stream's blocks live in expandable segments: reserved
+//! address ranges whose pages come from a pool of physical handles that
+//! outlive their mappings (`page_pool.rs`). Rather than hold more memory
+//! than the peak of live memory, the allocator maps free pages a second
+//! time into a fresh range for a large request (`stitch.rs`) or moves free
+//! pages to where the request fits (`expandable.rs`), unmapping a page only
+//! once events say the work on it is done (`fence.rs`). Every driver call is
+//! counted and costed (`cost.rs`), so a replay predicts time as well as
+//! memory. `policy:pytorch` gives PyTorch's rules, described next.
+//!
 //! # The policy, in PyTorch's words
 //!
 //! Sizes round up to 512 B (optionally to power-of-two divisions). Requests

@@ -116,9 +116,9 @@ pub struct DeviceStats {
     /// Trace records that could not be written (gpualloc's addition).
     pub num_trace_dropped: i64,
     /// Times free pages were unmapped to be mapped where a request fits,
-    /// instead of growing (Note [Defragmentation]; gpualloc's addition).
+    /// instead of growing (Note \[Defragmentation\]; gpualloc's addition).
     pub num_defragment: i64,
-    /// Stitched ranges built (Note [Stitching]; gpualloc's addition).
+    /// Stitched ranges built (Note \[Stitching\]; gpualloc's addition).
     pub num_stitch: i64,
     /// Driver calls of every kind (filled in when stats are read).
     pub num_driver_calls: i64,

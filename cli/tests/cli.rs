@@ -272,7 +272,10 @@ fn the_shipped_gpu_trace_summarises_and_reports() {
         "/../examples/gpt2-varlen.gtrace"
     );
     let out = ok(&["summary", example]);
-    assert!(out.contains("config \"\""), "recorded with the default policy: {out}");
+    assert!(
+        out.contains("config \"\""),
+        "recorded with the default policy: {out}"
+    );
     // Reserved counts the page pool (pages_create): 8,105,492,480 B on the
     // GPU for 8,050,975,232 B allocated.
     assert!(

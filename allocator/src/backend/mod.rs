@@ -121,7 +121,7 @@ pub trait Backend: Send {
     // ---- Virtual memory, for expandable segments. Optional: the defaults
     // say "unsupported" and the allocator falls back to plain segments. ----
 
-    /// Granularity of [`map`](Self::map), or `None` without virtual memory support.
+    /// Granularity of handles and mappings, or `None` without virtual memory support.
     fn vmm_granularity(&mut self) -> Option<u64> {
         None
     }
