@@ -29,6 +29,7 @@ use crate::config::Config;
 use crate::cost::DriverCalls;
 use crate::error::{AllocError, GrowError};
 use crate::fence::Fences;
+use crate::limits::Limits;
 use crate::page_pool::PagePool;
 use crate::pool::Pool;
 use crate::segment::{Segment, SegmentArena};
@@ -63,12 +64,8 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) deferred: Vec<BlockId>,
     pub(crate) private: PrivatePools,
     pub(crate) stats: DeviceStats,
-    /// Device capacity, read once from the backend when a fraction needs it.
-    pub(crate) total_memory: Option<u64>,
-    /// Fraction set at run time (`set_per_process_memory_fraction`).
-    pub(crate) fraction: Option<f64>,
-    /// Byte limit set at run time.
-    pub(crate) byte_limit: Option<u64>,
+    /// Device capacity and the memory limits in force.
+    pub(crate) limits: Limits,
     pub(crate) trace: Option<DeviceTrace>,
     /// Whether the default pools use expandable segments (configured and
     /// supported by the backend).
@@ -94,8 +91,7 @@ impl<B: Backend> DeviceAllocator<B> {
         DeviceAllocator {
             device,
             backend,
-            fraction: config.memory_fraction,
-            byte_limit: config.memory_limit,
+            limits: Limits::new(&config),
             config,
             blocks: BlockArena::default(),
             segments: SegmentArena::default(),
@@ -110,7 +106,6 @@ impl<B: Backend> DeviceAllocator<B> {
             deferred: Vec::new(),
             private: PrivatePools::default(),
             stats,
-            total_memory: None,
             trace: None,
             expandable,
             pages: PagePool::default(),
@@ -246,10 +241,7 @@ impl<B: Backend> DeviceAllocator<B> {
         };
         // A request larger than the device (or the limit) can never fit:
         // report it without flushing the cache for nothing.
-        let max = match self.limit()? {
-            Some(l) => l.min(self.device_total()?),
-            None => self.device_total()?,
-        };
+        let max = self.capacity()?;
         if alloc_size > max {
             return Err(self.out_of_memory(stream, size, alloc_size, cause));
         }
@@ -342,19 +334,6 @@ impl<B: Backend> DeviceAllocator<B> {
         self.stats.num_cross_stream_reuse += 1;
         self.record(Action::StreamReuse, stream, key.2, key.1, owner);
         Ok(Some(key.3))
-    }
-
-    /// The memory limit in force, if any: the smaller of the byte limit and
-    /// the fraction of device memory.
-    pub(crate) fn limit(&mut self) -> Result<Option<u64>, AllocError> {
-        let by_fraction = match self.fraction {
-            Some(f) if f < 1.0 => Some((self.device_total()? as f64 * f) as u64),
-            _ => None,
-        };
-        Ok(match (by_fraction, self.byte_limit) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        })
     }
 
     /// Adds memory to `pool` for a rounded request: pages in the stream's

@@ -102,16 +102,6 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(seg)
     }
 
-    /// Device capacity, read once from the backend.
-    pub(crate) fn device_total(&mut self) -> Result<u64, AllocError> {
-        if let Some(t) = self.total_memory {
-            return Ok(t);
-        }
-        let t = self.backend.mem_info()?.total;
-        self.total_memory = Some(t);
-        Ok(t)
-    }
-
     /// Applies the page pool's reserved-bytes changes to the stats, and
     /// counts and traces `created` (positive) or released (negative) bytes.
     fn apply_deltas(&mut self, deltas: KindDeltas, physical: i64) {
@@ -183,10 +173,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let new_bytes = bytes - self.pages.usable(bytes);
         let reserved = self.stats.reserved_bytes.all.current as u64;
         // Never create what cannot fit: the limit, or the device itself.
-        let cap = match self.limit()? {
-            Some(l) => l.min(self.device_total()?),
-            None => self.device_total()?,
-        };
+        let cap = self.capacity()?;
         if new_bytes > 0 && reserved + new_bytes > cap {
             return Err(GrowError::Full(None));
         }

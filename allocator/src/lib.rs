@@ -59,6 +59,8 @@ pub mod error;
 mod expandable;
 mod fence;
 mod invariants;
+mod limits;
+mod oom;
 mod page_pool;
 mod pool;
 mod release;

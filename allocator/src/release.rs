@@ -1,10 +1,10 @@
-//! Giving memory back: `empty_cache`, the out-of-memory retries, garbage
-//! collection, memory limits, and the fragmentation figures used in reports.
+//! Giving memory back: `empty_cache`, the out-of-memory retries and
+//! garbage collection.
 
-use crate::backend::{Backend, BackendError, StreamId};
+use crate::backend::{Backend, StreamId};
 use crate::block::{BlockId, BlockState, PoolId};
-use crate::device::{DeviceAllocator, LARGE, SMALL, STITCH};
-use crate::error::{AllocError, OomReport};
+use crate::device::{DeviceAllocator, LARGE, SMALL};
+use crate::error::AllocError;
 use crate::size_class::PoolKind;
 use crate::trace::{Action, pool_code};
 
@@ -23,28 +23,6 @@ impl<B: Backend> DeviceAllocator<B> {
         let released = (before - self.stats.reserved_bytes.all.current) as u64;
         self.record(Action::EmptyCache, 0, 0, released, 0);
         Ok(())
-    }
-
-    /// Sets the memory limit as a fraction of device memory
-    /// (`set_per_process_memory_fraction`).
-    pub fn set_memory_fraction(&mut self, fraction: f64) -> Result<(), AllocError> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
-            return Err(AllocError::Backend(BackendError::Unavailable(format!(
-                "memory fraction {fraction} is not in (0, 1]"
-            ))));
-        }
-        self.fraction = Some(fraction);
-        Ok(())
-    }
-
-    /// The fraction set by [`set_memory_fraction`](Self::set_memory_fraction), 1.0 when none.
-    pub fn memory_fraction(&self) -> f64 {
-        self.fraction.unwrap_or(1.0)
-    }
-
-    /// Sets (or clears) a memory limit in bytes.
-    pub fn set_memory_limit(&mut self, bytes: Option<u64>) {
-        self.byte_limit = bytes;
     }
 
     /// `release_cached_blocks`: wait for events, then release every unsplit
@@ -224,102 +202,5 @@ impl<B: Backend> DeviceAllocator<B> {
         self.private.segment_removed(pool);
         self.record(Action::SegmentFree, seg_stream, ptr, size, code);
         Ok(())
-    }
-
-    /// Builds the out-of-memory error, counts it and traces it.
-    pub(crate) fn out_of_memory(
-        &mut self,
-        stream: StreamId,
-        requested: u64,
-        needed: u64,
-        cause: Option<BackendError>,
-    ) -> AllocError {
-        let report = self.report(requested, needed, cause);
-        self.stats.num_ooms += 1;
-        self.record(Action::Oom, stream, 0, requested, report.device_free);
-        let max = report
-            .limit
-            .unwrap_or(report.device_total)
-            .min(report.device_total.max(1));
-        if (report.device_total > 0 && needed > max) || needed > crate::size_class::MAX_REQUEST {
-            return AllocError::TooLarge {
-                requested,
-                needed,
-                max,
-            };
-        }
-        AllocError::OutOfMemory(Box::new(report))
-    }
-
-    /// The figures of an out-of-memory report, as of now.
-    pub(crate) fn report(
-        &mut self,
-        requested: u64,
-        needed: u64,
-        cause: Option<BackendError>,
-    ) -> OomReport {
-        let info = self.backend.mem_info().unwrap_or_default();
-        let limit = self.limit().ok().flatten();
-        OomReport {
-            device: self.device,
-            requested,
-            needed,
-            allocated: self.stats.allocated_bytes.all.current as u64,
-            reserved: self.stats.reserved_bytes.all.current as u64,
-            private_pools_allocated: self.private_pools_allocated_bytes(),
-            device_free: info.free,
-            device_total: info.total,
-            limit,
-            largest_free_block: self.largest_free_block(),
-            external_fragmentation: self.external_fragmentation(),
-            unallocated_fraction: self.unallocated_fraction(),
-            cause,
-        }
-    }
-
-    fn private_pools_allocated_bytes(&self) -> u64 {
-        self.live
-            .values()
-            .map(|&id| &self.blocks[id])
-            .filter(|b| b.state == BlockState::Allocated && b.pool > STITCH)
-            .map(|b| b.size)
-            .sum()
-    }
-
-    /// The largest cached free block, over every pool and stream.
-    pub fn largest_free_block(&self) -> u64 {
-        self.pools
-            .iter()
-            .map(|p| p.free_bytes_and_largest().1)
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// Bytes cached in free blocks, over every pool and stream.
-    pub fn cached_free_bytes(&self) -> u64 {
-        self.pools
-            .iter()
-            .map(|p| p.free_bytes_and_largest().0)
-            .sum()
-    }
-
-    /// `1 - largest free block / cached free bytes` (0 with nothing cached).
-    pub fn external_fragmentation(&self) -> f64 {
-        let total = self.cached_free_bytes();
-        if total == 0 {
-            0.0
-        } else {
-            1.0 - self.largest_free_block() as f64 / total as f64
-        }
-    }
-
-    /// `1 - allocated / reserved` (0 with nothing reserved).
-    pub fn unallocated_fraction(&self) -> f64 {
-        let r = self.stats.reserved_bytes.all.current;
-        if r == 0 {
-            0.0
-        } else {
-            1.0 - self.stats.allocated_bytes.all.current as f64 / r as f64
-        }
     }
 }

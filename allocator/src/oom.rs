@@ -1,0 +1,108 @@
+//! Out-of-memory errors and the fragmentation figures they report. A report
+//! asks the driver for free memory and scans the cache, so it is built only
+//! when an error is returned (`GrowError` carries just the driver's answer).
+
+use crate::backend::{Backend, BackendError, StreamId};
+use crate::block::BlockState;
+use crate::device::{DeviceAllocator, STITCH};
+use crate::error::{AllocError, OomReport};
+use crate::trace::Action;
+
+impl<B: Backend> DeviceAllocator<B> {
+    /// Builds the out-of-memory error, counts it and traces it.
+    pub(crate) fn out_of_memory(
+        &mut self,
+        stream: StreamId,
+        requested: u64,
+        needed: u64,
+        cause: Option<BackendError>,
+    ) -> AllocError {
+        let report = self.report(requested, needed, cause);
+        self.stats.num_ooms += 1;
+        self.record(Action::Oom, stream, 0, requested, report.device_free);
+        let max = report
+            .limit
+            .unwrap_or(report.device_total)
+            .min(report.device_total.max(1));
+        if (report.device_total > 0 && needed > max) || needed > crate::size_class::MAX_REQUEST {
+            return AllocError::TooLarge {
+                requested,
+                needed,
+                max,
+            };
+        }
+        AllocError::OutOfMemory(Box::new(report))
+    }
+
+    /// The figures of an out-of-memory report, as of now.
+    pub(crate) fn report(
+        &mut self,
+        requested: u64,
+        needed: u64,
+        cause: Option<BackendError>,
+    ) -> OomReport {
+        let info = self.backend.mem_info().unwrap_or_default();
+        let limit = self.limit().ok().flatten();
+        OomReport {
+            device: self.device,
+            requested,
+            needed,
+            allocated: self.stats.allocated_bytes.all.current as u64,
+            reserved: self.stats.reserved_bytes.all.current as u64,
+            private_pools_allocated: self.private_pools_allocated_bytes(),
+            device_free: info.free,
+            device_total: info.total,
+            limit,
+            largest_free_block: self.largest_free_block(),
+            external_fragmentation: self.external_fragmentation(),
+            unallocated_fraction: self.unallocated_fraction(),
+            cause,
+        }
+    }
+
+    fn private_pools_allocated_bytes(&self) -> u64 {
+        self.live
+            .values()
+            .map(|&id| &self.blocks[id])
+            .filter(|b| b.state == BlockState::Allocated && b.pool > STITCH)
+            .map(|b| b.size)
+            .sum()
+    }
+
+    /// The largest cached free block, over every pool and stream.
+    pub fn largest_free_block(&self) -> u64 {
+        self.pools
+            .iter()
+            .map(|p| p.free_bytes_and_largest().1)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Bytes cached in free blocks, over every pool and stream.
+    pub fn cached_free_bytes(&self) -> u64 {
+        self.pools
+            .iter()
+            .map(|p| p.free_bytes_and_largest().0)
+            .sum()
+    }
+
+    /// `1 - largest free block / cached free bytes` (0 with nothing cached).
+    pub fn external_fragmentation(&self) -> f64 {
+        let total = self.cached_free_bytes();
+        if total == 0 {
+            0.0
+        } else {
+            1.0 - self.largest_free_block() as f64 / total as f64
+        }
+    }
+
+    /// `1 - allocated / reserved` (0 with nothing reserved).
+    pub fn unallocated_fraction(&self) -> f64 {
+        let r = self.stats.reserved_bytes.all.current;
+        if r == 0 {
+            0.0
+        } else {
+            1.0 - self.stats.allocated_bytes.all.current as f64 / r as f64
+        }
+    }
+}
