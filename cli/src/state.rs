@@ -155,10 +155,8 @@ impl DeviceState {
                     self.g.reserved += e.size;
                 }
             }
-            Action::SegmentUnmap if self.unmap(e.addr, e.size) => {
-                if !self.pooled {
-                    self.g.reserved = self.g.reserved.saturating_sub(e.size);
-                }
+            Action::SegmentUnmap if self.unmap(e.addr, e.size) && !self.pooled => {
+                self.g.reserved = self.g.reserved.saturating_sub(e.size);
             }
             Action::PagesCreate => {
                 self.pooled = true;
