@@ -326,3 +326,81 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::{Config, DeviceAllocator, DriverCall, SimBackend};
+
+    const MIB: u64 = 1 << 20;
+
+    fn ok(d: &DeviceAllocator<SimBackend>) {
+        d.check_invariants()
+            .unwrap_or_else(|e| panic!("invariant broken: {e}"));
+    }
+
+    /// Eight 16 MiB blocks with small live blocks between them; freeing the
+    /// large ones leaves 128 MiB free in pieces, none of which holds 64 MiB.
+    fn fragmented() -> (DeviceAllocator<SimBackend>, Vec<u64>) {
+        let mut d = DeviceAllocator::new(
+            0,
+            SimBackend::new(1 << 30),
+            Config::parse("expandable_handle_mb:2").unwrap(),
+        );
+        let mut large = Vec::new();
+        let mut small = Vec::new();
+        for _ in 0..8 {
+            large.push(d.malloc(16 * MIB, 0).unwrap());
+            small.push(d.malloc(2 * MIB, 0).unwrap());
+        }
+        for p in large {
+            d.free(p).unwrap();
+        }
+        ok(&d);
+        (d, small)
+    }
+
+    #[test]
+    fn a_large_request_is_stitched_from_free_pieces_and_the_stitch_is_reused() {
+        let (mut d, small) = fragmented();
+        let reserved = d.stats().reserved_bytes.all.current;
+        let p = d.malloc(64 * MIB, 0).unwrap();
+        ok(&d);
+        assert_eq!(d.stats().num_stitch, 1);
+        assert_eq!(
+            d.stats().reserved_bytes.all.current,
+            reserved,
+            "a stitch maps memory already held"
+        );
+        assert_eq!(
+            d.stats().allocated_bytes.all.current as u64,
+            64 * MIB + 8 * 2 * MIB
+        );
+        // The four pieces it uses are claimed; the other four serve 16 MiB
+        // requests without growing, and a fifth request grows.
+        let qs: Vec<u64> = (0..4).map(|_| d.malloc(16 * MIB, 0).unwrap()).collect();
+        ok(&d);
+        assert_eq!(d.stats().reserved_bytes.all.current, reserved);
+        let grown = d.malloc(16 * MIB, 0).unwrap();
+        assert!(d.stats().reserved_bytes.all.current > reserved);
+        for q in qs.into_iter().chain([grown]) {
+            d.free(q).unwrap();
+        }
+        d.free(p).unwrap();
+        ok(&d);
+        // The same request again: the cached stitch, no driver call.
+        let calls = d.driver_calls();
+        let p2 = d.malloc(64 * MIB, 0).unwrap();
+        ok(&d);
+        assert_eq!(p2, p);
+        assert_eq!(d.stats().num_stitch, 1);
+        assert_eq!(d.driver_calls().since(&calls).calls(DriverCall::Map), 0);
+        d.free(p2).unwrap();
+        for s in small {
+            d.free(s).unwrap();
+        }
+        d.empty_cache().unwrap();
+        ok(&d);
+        assert_eq!(d.backend().used(), 0);
+        assert_eq!(d.backend().mappings(), 0, "stitches are torn down too");
+    }
+}
