@@ -224,9 +224,13 @@ def check_dropin(args) -> dict:
             out.sum().backward()
             want.sum().backward()
             assert torch.allclose(out, want, atol=1e-5), "graphed forward differs from eager"
-        for a, b in zip(model.parameters(), ref.parameters()):
-            assert torch.allclose(a.grad, b.grad, atol=1e-4), "graphed backward differs from eager"
+        # The captured GEMMs may take other cuBLAS algorithms than eager
+        # ones: compare relative to the gradients' size.
+        worst = max(float((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-12))
+                    for a, b in zip(model.parameters(), ref.parameters()))
+        assert worst < 1e-3, f"graphed backward differs from eager: relative {worst:.2e}"
         torch.cuda.synchronize()
+        return f"relative gradient difference {worst:.2e}"
 
     @sub("torch_accelerator_memory")
     def _():
