@@ -15,16 +15,7 @@
 # ./gpu-results). See tests/gpu/bench.py for the options.
 # GPUALLOC_LIBRARY overrides the library (default target/release/libgpualloc.so).
 set -u
-cd "$(dirname "$0")/../.."
-ROOT=$PWD
-export GPUALLOC_LIBRARY=${GPUALLOC_LIBRARY:-$ROOT/target/release/libgpualloc.so}
-export PYTHONPATH=$ROOT/python-shim${PYTHONPATH:+:$PYTHONPATH}
-export GPUALLOC_BUILD_DIR=${GPUALLOC_BUILD_DIR:-${TMPDIR:-/tmp}/gpualloc-bridge}
-export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
-export PYTHONUNBUFFERED=1
-unset GPUALLOC_BACKEND GPUALLOC_CONF GPUALLOC_TRACE
-RESULTS=${OUT:-$ROOT/gpu-results}
-mkdir -p "$RESULTS"
+source "$(dirname "$0")/env.sh"
 {
   echo "library: $GPUALLOC_LIBRARY"
   python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"

@@ -9,15 +9,7 @@
 # GPUALLOC_LIBRARY overrides the library; GPUALLOC_GPU_BUDGET_S (default 480)
 # caps the total time; extra arguments go to driver.py (e.g. --only dropin,streams).
 set -u
-cd "$(dirname "$0")/../.."
-ROOT=$PWD
-export GPUALLOC_LIBRARY=${GPUALLOC_LIBRARY:-$ROOT/target/release/libgpualloc.so}
-export PYTHONPATH=$ROOT/python-shim${PYTHONPATH:+:$PYTHONPATH}
-export GPUALLOC_BUILD_DIR=${GPUALLOC_BUILD_DIR:-${TMPDIR:-/tmp}/gpualloc-bridge}
-export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
-unset GPUALLOC_BACKEND GPUALLOC_CONF GPUALLOC_TRACE
-RESULTS=${OUT:-$ROOT/gpu-results}
-mkdir -p "$RESULTS"
+source "$(dirname "$0")/env.sh"
 if [ ! -f "$GPUALLOC_LIBRARY" ]; then
   echo "missing $GPUALLOC_LIBRARY: run 'cargo build --release -p gpualloc-capi' (or carry it)" | tee "$RESULTS/error.txt"
   exit 1
