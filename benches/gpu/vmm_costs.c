@@ -866,48 +866,45 @@ static void write_json(FILE *f, double wall_s)
     fprintf(f, "\n}\n");
 }
 
+/* One row per handle size, one column per VMM call: `p50 (p90)` of each
+ * call, or (per_gib) the mean cost scaled to 1 GiB; the last column sums. */
+static void md_per_size_table(FILE *f, int per_gib)
+{
+    for (size_t k = 0; k < N_PER_SIZE; k++) {
+        char sz[32], name[112];
+        mib_name(sz, sizeof sz, PER_SIZE_MIB[k] * MIB);
+        double sum = 0;
+        int found = 0;
+        for (int c = 0; c < 5; c++) {
+            snprintf(name, sizeof name, "%s/%s", VMM_CALLS[c], sz);
+            const row_t *r = find_row(S_PER_SIZE, name);
+            if (!r) continue;
+            if (!found) fprintf(f, "| %zu MiB |", PER_SIZE_MIB[k]);
+            found = 1;
+            if (per_gib) {
+                fprintf(f, " %.0f |", r->extra);
+                sum += r->extra;
+            } else {
+                fprintf(f, " %.1f (%.1f) |", r->st.p50, r->st.p90);
+                sum += r->st.p50;
+            }
+        }
+        if (found) fprintf(f, per_gib ? " %.0f |\n" : " %.1f |\n", sum);
+    }
+}
+
 static void md_per_size_pivot(FILE *f)
 {
     fprintf(f, "p50 µs per call (p90 in parentheses):\n\n"
             "| handle size | cuMemCreate | cuMemMap | cuMemSetAccess | "
             "cuMemUnmap | cuMemRelease | sum of p50 |\n"
             "|---|---|---|---|---|---|---|\n");
-    for (size_t k = 0; k < N_PER_SIZE; k++) {
-        char sz[32], name[112];
-        mib_name(sz, sizeof sz, PER_SIZE_MIB[k] * MIB);
-        double sum = 0;
-        int found = 0;
-        for (int c = 0; c < 5; c++) {
-            snprintf(name, sizeof name, "%s/%s", VMM_CALLS[c], sz);
-            const row_t *r = find_row(S_PER_SIZE, name);
-            if (!r) continue;
-            if (!found) fprintf(f, "| %zu MiB |", PER_SIZE_MIB[k]);
-            found = 1;
-            fprintf(f, " %.1f (%.1f) |", r->st.p50, r->st.p90);
-            sum += r->st.p50;
-        }
-        if (found) fprintf(f, " %.1f |\n", sum);
-    }
+    md_per_size_table(f, 0);
     fprintf(f, "\nmean µs per GiB (mean per call x 1 GiB / handle size):\n\n"
             "| handle size | cuMemCreate | cuMemMap | cuMemSetAccess | "
             "cuMemUnmap | cuMemRelease | total |\n"
             "|---|---|---|---|---|---|---|\n");
-    for (size_t k = 0; k < N_PER_SIZE; k++) {
-        char sz[32], name[112];
-        mib_name(sz, sizeof sz, PER_SIZE_MIB[k] * MIB);
-        double sum = 0;
-        int found = 0;
-        for (int c = 0; c < 5; c++) {
-            snprintf(name, sizeof name, "%s/%s", VMM_CALLS[c], sz);
-            const row_t *r = find_row(S_PER_SIZE, name);
-            if (!r) continue;
-            if (!found) fprintf(f, "| %zu MiB |", PER_SIZE_MIB[k]);
-            found = 1;
-            fprintf(f, " %.0f |", r->extra);
-            sum += r->extra;
-        }
-        if (found) fprintf(f, " %.0f |\n", sum);
-    }
+    md_per_size_table(f, 1);
     fprintf(f, "\n");
 }
 
