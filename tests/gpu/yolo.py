@@ -1,0 +1,211 @@
+"""A real third-party training library end to end: Ultralytics YOLO, trained
+with multi-scale on synthetic images, under PyTorch's allocator (native,
+native-expandable) and under gpualloc, each variant in its own process.
+
+    python3 tests/gpu/yolo.py --out DIR [--epochs 3] [--batch 32] [--images 512]
+        [--variants native,native-expandable,gpualloc] [--repeats 1]
+
+Ultralytics comes from the package registry; nothing is downloaded at run
+time (YOLO_OFFLINE, a local font, a model built from its YAML, plots off).
+On a machine without network, install the wheels first (see
+tests/gpu/yolo.sh). Writes DIR/yolo.json and DIR/yolo.md: per variant, the
+time of each epoch (training and validation), peak reserved over peak
+allocated, the final losses, and gpualloc's driver counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import driver  # noqa: E402
+
+CHILD_TIMEOUT_S = 600
+
+
+def make_dataset(root, images, size=320, seed=0):
+    """Synthetic detection data: noise with filled rectangles of 3 classes,
+    labels in YOLO format; the first eighth is also the validation set."""
+    import numpy as np
+    import cv2
+
+    rng = random.Random(seed)
+    nrng = np.random.default_rng(seed)
+    for split in ("train", "val"):
+        os.makedirs(os.path.join(root, "images", split), exist_ok=True)
+        os.makedirs(os.path.join(root, "labels", split), exist_ok=True)
+    for i in range(images):
+        img = (nrng.random((size, size, 3)) * 60).astype(np.uint8)
+        lines = []
+        for _ in range(rng.randint(1, 6)):
+            c = rng.randrange(3)
+            w, h = rng.randint(16, size // 2), rng.randint(16, size // 2)
+            x, y = rng.randint(0, size - w), rng.randint(0, size - h)
+            color = [(220, 40, 40), (40, 220, 40), (40, 40, 220)][c]
+            cv2.rectangle(img, (x, y), (x + w, y + h), color, -1)
+            lines.append(f"{c} {(x + w / 2) / size:.6f} {(y + h / 2) / size:.6f} {w / size:.6f} {h / size:.6f}")
+        splits = ["train"] + (["val"] if i < max(8, images // 8) else [])
+        for split in splits:
+            cv2.imwrite(os.path.join(root, "images", split, f"{i:05d}.jpg"), img)
+            with open(os.path.join(root, "labels", split, f"{i:05d}.txt"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+    yaml = os.path.join(root, "data.yaml")
+    with open(yaml, "w") as f:
+        f.write(f"path: {root}\ntrain: images/train\nval: images/val\nnames:\n  0: red\n  1: green\n  2: blue\n")
+    return yaml
+
+
+def child(args):
+    """One training run in this process, under the allocator of --alloc."""
+    import torch
+
+    if args.alloc == "gpualloc":
+        import gpualloc
+
+        gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None)
+    from ultralytics import YOLO
+
+    epochs, marks = [], {}
+
+    def on(name):
+        return lambda trainer: marks.setdefault(name, []).append(time.perf_counter())
+
+    train_losses = []
+
+    def epoch_losses(trainer):
+        t = getattr(trainer, "tloss", None)
+        if hasattr(t, "tolist"):
+            train_losses.append([round(float(x), 5) for x in t.reshape(-1).tolist()])
+
+    model = YOLO(args.model)
+    for event in ("on_train_epoch_start", "on_train_epoch_end", "on_fit_epoch_end"):
+        model.add_callback(event, on(event))
+    model.add_callback("on_train_epoch_end", epoch_losses)
+    t0 = time.perf_counter()
+    model.train(data=args.data, epochs=args.epochs, batch=args.batch, imgsz=args.imgsz, multi_scale=0.5,
+                workers=4, device=0, seed=0, deterministic=True, plots=False, amp=True, val=True,
+                project=args.project, name=args.name, exist_ok=True, verbose=False, close_mosaic=0)
+    total = time.perf_counter() - t0
+    starts, ends, fits = (marks.get(k, []) for k in ("on_train_epoch_start", "on_train_epoch_end", "on_fit_epoch_end"))
+    for s, e, f in zip(starts, ends, fits):
+        epochs.append({"train_s": e - s, "epoch_s": f - s})
+    losses = train_losses[-1] if train_losses else None
+    out = {
+        "epochs": epochs,
+        "total_s": total,
+        "peak_reserved": torch.cuda.max_memory_reserved(),
+        "peak_allocated": torch.cuda.max_memory_allocated(),
+        "final_losses": losses,
+        "train_losses": train_losses,
+    }
+    out["peak_reserved_over_allocated"] = out["peak_reserved"] / max(1, out["peak_allocated"])
+    stats = torch.cuda.memory_stats()
+    out["counters"] = {k: stats.get(k) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                                                 "num_driver_calls", "driver_time_ns", "num_defragment", "num_stitch")}
+    print("GPUALLOC_RESULT " + json.dumps(out), flush=True)
+
+
+def run_variant(name, args, data, out, rep):
+    alloc, extra = driver.variant(name)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--alloc", alloc, "--data", data,
+           "--epochs", str(args.epochs), "--batch", str(args.batch), "--imgsz", str(args.imgsz),
+           "--model", args.model, "--project", os.path.join(out, "runs"), "--name", f"{name}-{rep}"]
+    env = {k: v for k, v in os.environ.items() if k not in driver.CONFIG_ENV}
+    env.update(extra)
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env)
+        log, rc = p.stdout + "\n--- stderr\n" + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        log, rc = f"timeout after {CHILD_TIMEOUT_S} s\n{e.stdout or ''}\n{e.stderr or ''}", 124
+    os.makedirs(os.path.join(out, "yolo-logs"), exist_ok=True)
+    with open(os.path.join(out, "yolo-logs", f"{name}-{rep}.log"), "w") as f:
+        f.write(log if isinstance(log, str) else str(log))
+    line = next((l for l in log.splitlines() if l.startswith("GPUALLOC_RESULT ")), None)
+    res = {"variant": name, "repeat": rep, "rc": rc, "wall_s": round(time.time() - t0, 1)}
+    if line:
+        res["result"] = json.loads(line.split(" ", 1)[1])
+    else:
+        res["error"] = log[-3000:] if isinstance(log, str) else str(log)[-3000:]
+    return res
+
+
+def table(runs, variants):
+    rows = ["| variant | runs | R/A | epoch times, s (train + val) | total s | final losses | driver calls |",
+            "|---|---|---|---|---|---|---|"]
+    for v in variants:
+        rs = [r["result"] for r in runs if r["variant"] == v and "result" in r]
+        if not rs:
+            err = next((r for r in runs if r["variant"] == v), {})
+            rows.append(f"| {v} | 0 | failed rc={err.get('rc')} | | | | |")
+            continue
+        n = min(len(r["epochs"]) for r in rs)
+        ep = [statistics.median(r["epochs"][i]["epoch_s"] for r in rs) for i in range(n)]
+        ra = statistics.median(r["peak_reserved_over_allocated"] for r in rs)
+        tot = statistics.median(r["total_s"] for r in rs)
+        loss = rs[0]["final_losses"]
+        calls = rs[0]["counters"].get("num_driver_calls")
+        rows.append(f"| {v} | {len(rs)} | {ra:.4f} | {' / '.join(f'{x:.2f}' for x in ep)} | {tot:.1f} | "
+                    f"{'/'.join(f'{x:.4f}' for x in loss) if loss else '-'} | {calls if calls is not None else '-'} |")
+    return "\n".join(rows)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-results"))
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--imgsz", type=int, default=320)
+    ap.add_argument("--images", type=int, default=512)
+    ap.add_argument("--model", default="yolov8n.yaml")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--variants", default="native,native-expandable,gpualloc")
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--alloc")
+    ap.add_argument("--data")
+    ap.add_argument("--project")
+    ap.add_argument("--name")
+    args = ap.parse_args()
+    cfg = os.environ.setdefault("YOLO_CONFIG_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "yolo-config"))
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    if args.child:
+        return child(args)
+    os.makedirs(cfg, exist_ok=True)
+    font = os.path.join(cfg, "Arial.ttf")
+    if not os.path.exists(font):  # any TrueType font: Ultralytics only wants the file
+        import matplotlib
+
+        src = os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data", "fonts", "ttf", "DejaVuSans.ttf")
+        with open(src, "rb") as s, open(font, "wb") as d:
+            d.write(s.read())
+    os.makedirs(args.out, exist_ok=True)
+    data = make_dataset(os.path.join(os.environ.get("TMPDIR", "/tmp"), "yolo-synthetic"), args.images)
+    variants = driver.parse_variants(args.variants)
+    runs = []
+    for rep in range(args.repeats):
+        order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+        for v in order:
+            r = run_variant(v, args, data, args.out, rep)
+            print(json.dumps({k: r[k] for k in r if k != "error"})[:600], flush=True)
+            if "error" in r:
+                print(f"{v}: FAILED rc={r['rc']}\n{r['error'][-1500:]}", flush=True)
+            runs.append(r)
+    md = table(runs, variants)
+    print(md)
+    with open(os.path.join(args.out, "yolo.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(args.out, "yolo.json"), "w") as f:
+        json.dump(runs, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
