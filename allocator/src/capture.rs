@@ -13,6 +13,23 @@
 //! backend for new segments only with the `capturing` flag (relaxed capture
 //! mode on CUDA). Frees of blocks used on other streams are deferred until the
 //! capture ends.
+//!
+//! Note [Private pools]
+//! With expandable segments (the default policy) a private pool maps pages
+//! into reservations of its own, per stream, like the default pools, and
+//! takes handles from the page pool first: memory another pool gave back
+//! serves the graph without `cuMemCreate`. Its pages never move while the
+//! pool is held: a graph's replays reuse its addresses, including those of
+//! blocks freed during the capture, so defragmentation and stitching take
+//! pages of the default pools only, and a pool's requests (made while a
+//! scope is open, when no event may be queried) never defragment. Once
+//! released, a graph may still be running on any stream, and no stream's
+//! event orders it, so unmapping its free pages waits for the whole device
+//! (`cuCtxSynchronize`, the one device-wide wait outside the out-of-memory
+//! path; PyTorch's `cudaFree` of the pool's segments waits the same way).
+//! The pages go to the page pool; blocks still alive return at the next
+//! `empty_cache`. Fences are not recorded during a capture (the event
+//! would belong to the graph).
 
 use crate::backend::{Backend, StreamId};
 use crate::block::PoolId;
@@ -229,6 +246,9 @@ impl<B: Backend> DeviceAllocator<B> {
                 for id in whole {
                     self.release_segment(id)?;
                 }
+            }
+            if self.expandable {
+                self.unmap_released_pools(&[small, large])?;
             }
             self.private.erase_empty();
         }

@@ -44,11 +44,14 @@ pub enum DriverCall {
     EventSync,
     /// `cuStreamWaitEvent` (no host blocking).
     StreamWait,
+    /// `cuCtxSynchronize`: the host waits for all of the device's work
+    /// (only when a released graph pool's pages are unmapped).
+    CtxSync,
 }
 
 impl DriverCall {
     /// Every kind, in index order.
-    pub const ALL: [DriverCall; 13] = [
+    pub const ALL: [DriverCall; 14] = [
         DriverCall::MemAlloc,
         DriverCall::MemFree,
         DriverCall::Create,
@@ -62,6 +65,7 @@ impl DriverCall {
         DriverCall::EventQuery,
         DriverCall::EventSync,
         DriverCall::StreamWait,
+        DriverCall::CtxSync,
     ];
 
     /// The driver function's name.
@@ -80,6 +84,7 @@ impl DriverCall {
             DriverCall::EventQuery => "cuEventQuery",
             DriverCall::EventSync => "cuEventSynchronize",
             DriverCall::StreamWait => "cuStreamWaitEvent",
+            DriverCall::CtxSync => "cuCtxSynchronize",
         }
     }
 }
@@ -256,6 +261,7 @@ impl CostModel {
             (DriverCall::EventQuery, cost(1.7, 0.0, 0.0)),
             (DriverCall::EventSync, cost(2.1, 0.0, 0.0)),
             (DriverCall::StreamWait, cost(1.0, 0.0, 0.0)),
+            (DriverCall::CtxSync, cost(1.7, 0.0, 0.0)),
         ] {
             costs[c as usize] = v;
         }

@@ -701,7 +701,9 @@ impl<B: Backend> DeviceAllocator<B> {
         self.live.remove(&ptr);
         let lookups = self.pools[pool as usize].lookups;
         let epoch = self.fences.stamp();
-        if self.expandable {
+        // An event recorded during a capture belongs to the graph: it would
+        // never tell when this work is done.
+        if self.expandable && !self.private.capturing() {
             self.fences.after_free(&mut self.backend, stream, size);
         }
         let b = &mut self.blocks[id];

@@ -35,9 +35,11 @@
 //! page unmapped and the pool released, so a request fails only when the
 //! handles holding live blocks plus the request exceed the device.
 //!
-//! Limitations: private (graph) pools use plain segments; blocks in
-//! expandable segments are never counted as `inactive_split`, and the
-//! `segment` stat counts only plain segments, as in PyTorch.
+//! Private (graph) pools have expandable segments of their own and take
+//! pooled pages, but never move pages (Note [Private pools] in
+//! `capture.rs`). Blocks in expandable segments are never counted as
+//! `inactive_split`, and the `segment` stat counts only plain segments, as
+//! in PyTorch.
 
 use crate::backend::{Backend, BackendError, StreamId};
 use crate::block::{Block, BlockId, BlockState, PoolId, SegmentId};
@@ -51,10 +53,13 @@ use crate::trace::{Action, pool_code};
 type Window = (SegmentId, u64, Vec<(u64, u64)>);
 
 impl<B: Backend> DeviceAllocator<B> {
-    /// Whether blocks of `pool` live in expandable segments.
+    /// Whether blocks of `pool` live in expandable segments: every pool
+    /// does (private pools too, Note [Private pools]) when the backend has
+    /// virtual memory and the configuration asks for it.
     #[inline]
     pub(crate) fn is_expandable(&self, pool: PoolId) -> bool {
-        self.expandable && pool <= STITCH
+        let _ = pool;
+        self.expandable
     }
 
     /// The mapping granularity of a pool's expandable segments.
@@ -88,7 +93,14 @@ impl<B: Backend> DeviceAllocator<B> {
         let kind = self.pools[pool as usize].kind;
         let page = self.page_size(kind);
         let total = self.device_total()?;
-        let size = (total + total / 8).max(at_least).div_ceil(page) * page;
+        // A private pool reserves less at a time (graphs are many, address
+        // space is not endless); it gets more reservations as it grows.
+        let want = if pool > STITCH {
+            total / 8
+        } else {
+            total + total / 8
+        };
+        let size = want.max(at_least).div_ceil(page) * page;
         // Address space running out is "not now": releasing cached (fully
         // unmapped) ranges and retrying may help, as for memory.
         let ptr = self.backend.reserve(size).map_err(|e| match e {
@@ -99,6 +111,7 @@ impl<B: Backend> DeviceAllocator<B> {
         })?;
         let (seg, _) = self.new_segment(ptr, size, pool, stream, true);
         self.pools[pool as usize].expandable.push((stream, seg));
+        self.private.segment_added(pool);
         Ok(seg)
     }
 
@@ -145,7 +158,9 @@ impl<B: Backend> DeviceAllocator<B> {
             }
         };
         let bytes: u64 = ranges.iter().map(|r| r.1 - r.0).sum();
-        if !capturing {
+        // A private pool takes pooled pages but never moves pages: its
+        // requests come during captures, when events cannot be queried.
+        if !capturing && pool <= LARGE {
             let streams = self.expandable_streams();
             self.fences.poll(&mut self.backend)?;
             self.fences.cover_all(&mut self.backend, streams)?;
@@ -320,13 +335,8 @@ impl<B: Backend> DeviceAllocator<B> {
         self.blocks[mapped].stream = stream;
         self.blocks[mapped].freed = 0;
         self.segments.get_mut(seg).mapped += hi - lo;
-        self.record(
-            Action::SegmentMap,
-            stream,
-            lo,
-            hi - lo,
-            pool_code(None, kind == PoolKind::Large),
-        );
+        let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
+        self.record(Action::SegmentMap, stream, lo, hi - lo, code);
         Ok(())
     }
 
@@ -478,8 +488,17 @@ impl<B: Backend> DeviceAllocator<B> {
         &self,
         keep: Option<(SegmentId, u64, u64)>,
     ) -> Vec<(u64, u64, SegmentId, StreamId, u64)> {
+        self.free_runs_in(&self.expandable_segments(), keep)
+    }
+
+    /// As [`free_runs`](Self::free_runs), in the segments `segs`.
+    fn free_runs_in(
+        &self,
+        segs: &[SegmentId],
+        keep: Option<(SegmentId, u64, u64)>,
+    ) -> Vec<(u64, u64, SegmentId, StreamId, u64)> {
         let mut out = Vec::new();
-        for seg in self.expandable_segments() {
+        for &seg in segs {
             let mut cur = Some(self.segments.get(seg).first);
             while let Some(id) = cur {
                 let b = &self.blocks[id];
@@ -583,29 +602,59 @@ impl<B: Backend> DeviceAllocator<B> {
             self.absorb_next(p);
         }
         self.segments.get_mut(seg).mapped -= hi - lo;
-        self.record(
-            Action::SegmentUnmap,
-            stream,
-            lo,
-            hi - lo,
-            pool_code(None, kind == PoolKind::Large),
-        );
+        let pool = self.segments.get(seg).pool;
+        let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
+        self.record(Action::SegmentUnmap, stream, lo, hi - lo, code);
         Ok(())
     }
 
-    /// Unmaps every whole free handle of the default pools' expandable
-    /// segments (after waiting for their work), frees reservations left with
-    /// nothing mapped, and returns the pooled handles to the driver.
+    /// Unmaps every whole free handle of the default pools' and of released
+    /// private pools' expandable segments (after waiting for their work),
+    /// frees reservations left with nothing mapped, and returns the pooled
+    /// handles to the driver.
     pub(crate) fn unmap_free_pages(&mut self) -> Result<(), AllocError> {
         self.drop_cached_stitches()?;
         let streams = self.expandable_streams();
         self.fences.wait_all(&mut self.backend, streams)?;
-        let mut runs = self.free_runs(None);
+        self.unmap_pools(&[SMALL, LARGE])?;
+        let released = self.private.freeable_pools();
+        self.unmap_released_pools(&released)?;
+        let (result, deltas) = self.pages.release(&mut self.backend, u64::MAX);
+        self.apply_deltas(deltas, deltas[0] + deltas[1]);
+        result?;
+        Ok(())
+    }
+
+    /// Unmaps the free pages of released private pools into the page pool.
+    /// A graph may have run on any stream, so this waits for the whole
+    /// device first (Note [Private pools]); nothing to unmap, no wait.
+    pub(crate) fn unmap_released_pools(&mut self, pools: &[PoolId]) -> Result<(), AllocError> {
+        let segs: Vec<SegmentId> = pools
+            .iter()
+            .flat_map(|&p| self.pools[p as usize].expandable.iter().map(|e| e.1))
+            .collect();
+        if segs.is_empty() {
+            return Ok(());
+        }
+        if !self.free_runs_in(&segs, None).is_empty() {
+            self.backend.synchronize()?;
+        }
+        self.unmap_pools(pools)
+    }
+
+    /// Unmaps every whole free handle of `pools`' expandable segments (their
+    /// work known done) and frees reservations left with nothing mapped.
+    fn unmap_pools(&mut self, pools: &[PoolId]) -> Result<(), AllocError> {
+        let segs: Vec<SegmentId> = pools
+            .iter()
+            .flat_map(|&p| self.pools[p as usize].expandable.iter().map(|e| e.1))
+            .collect();
+        let mut runs = self.free_runs_in(&segs, None);
         runs.sort_unstable_by_key(|r| r.1);
         for (bytes, lo, seg, _, _) in runs {
             self.unmap_run(seg, lo, lo + bytes)?;
         }
-        for pool in [SMALL, LARGE] {
+        for &pool in pools {
             let empty: Vec<SegmentId> = self.pools[pool as usize]
                 .expandable
                 .iter()
@@ -617,12 +666,10 @@ impl<B: Backend> DeviceAllocator<B> {
                 debug_assert!(self.blocks[s.first].next.is_none());
                 self.blocks.remove(s.first);
                 self.pools[pool as usize].expandable.retain(|e| e.1 != seg);
+                self.private.segment_removed(pool);
                 self.backend.free_reservation(s.ptr, s.size)?;
             }
         }
-        let (result, deltas) = self.pages.release(&mut self.backend, u64::MAX);
-        self.apply_deltas(deltas, deltas[0] + deltas[1]);
-        result?;
         Ok(())
     }
 

@@ -98,6 +98,9 @@ impl Backend for AnyBackend {
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
         dispatch!(self, b => b.unmap(ptr, size))
     }
+    fn synchronize(&mut self) -> Result<(), BackendError> {
+        dispatch!(self, b => b.synchronize())
+    }
     fn driver_calls(&self) -> DriverCalls {
         dispatch!(self, b => b.driver_calls())
     }

@@ -359,6 +359,15 @@ impl Backend for CudaBackend {
         check("cuEventSynchronize", r)
     }
 
+    fn synchronize(&mut self) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: the device's context is current (`bind`); no arguments.
+        let r = self.timed(DriverCall::CtxSync, (0, 0), || unsafe {
+            sys::cuCtxSynchronize()
+        });
+        check("cuCtxSynchronize", r)
+    }
+
     fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
         self.bind()?;
         // SAFETY: `event` is live (contract); `stream` is a live stream

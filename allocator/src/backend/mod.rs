@@ -189,6 +189,15 @@ pub trait Backend: Send {
         ))
     }
 
+    /// Blocks until all work queued on the device is done
+    /// (`cuCtxSynchronize`). Only for what no stream's event can order: the
+    /// pages of a released graph pool, which a replay on any stream may use.
+    fn synchronize(&mut self) -> Result<(), BackendError> {
+        Err(BackendError::Unavailable(
+            "device synchronization is not supported by this backend".into(),
+        ))
+    }
+
     /// Driver calls made so far, by kind, and the time they took where the
     /// backend measures it (the CUDA backend does; the simulator predicts it
     /// from a [`CostModel`](crate::cost::CostModel) instead).

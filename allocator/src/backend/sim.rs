@@ -591,6 +591,13 @@ impl Backend for SimBackend {
         Ok(())
     }
 
+    fn synchronize(&mut self) -> Result<(), BackendError> {
+        self.forbid_in_capture("synchronize");
+        self.complete_all();
+        self.driver.add(DriverCall::CtxSync, 0, 0, 0);
+        Ok(())
+    }
+
     fn driver_calls(&self) -> DriverCalls {
         self.driver
     }

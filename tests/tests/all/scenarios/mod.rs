@@ -39,6 +39,7 @@ mod cross_stream;
 mod empty_cache;
 mod gc;
 mod graphs;
+mod graphs_expandable;
 mod limits;
 mod messages;
 mod oom;
