@@ -82,9 +82,11 @@ def child(args):
     train_losses = []
 
     def epoch_losses(trainer):
-        t = getattr(trainer, "tloss", None)
-        if hasattr(t, "tolist"):
-            train_losses.append([round(float(x), 5) for x in t.reshape(-1).tolist()])
+        t = getattr(trainer, "tloss", None)  # a dict of tensors, or one tensor
+        if isinstance(t, dict):
+            train_losses.append({k: round(float(v), 5) for k, v in t.items()})
+        elif hasattr(t, "reshape"):
+            train_losses.append({str(i): round(float(x), 5) for i, x in enumerate(t.reshape(-1).tolist())})
 
     model = YOLO(args.model)
     for event in ("on_train_epoch_start", "on_train_epoch_end", "on_fit_epoch_end"):
@@ -154,8 +156,9 @@ def table(runs, variants):
         tot = statistics.median(r["total_s"] for r in rs)
         loss = rs[0]["final_losses"]
         calls = rs[0]["counters"].get("num_driver_calls")
+        loss_text = " ".join(f"{k} {x:.4f}" for k, x in loss.items()) if loss else "-"
         rows.append(f"| {v} | {len(rs)} | {ra:.4f} | {' / '.join(f'{x:.2f}' for x in ep)} | {tot:.1f} | "
-                    f"{'/'.join(f'{x:.4f}' for x in loss) if loss else '-'} | {calls if calls is not None else '-'} |")
+                    f"{loss_text} | {calls if calls is not None else '-'} |")
     return "\n".join(rows)
 
 
