@@ -9,11 +9,11 @@ use std::sync::Arc;
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::backend::{Backend, BackendError, DevicePtr, StreamId};
-use crate::capture::StreamFilter;
 use crate::config::Config;
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::pool::PoolKey;
+use crate::private_pool::StreamFilter;
 use crate::snapshot::SegmentSnapshot;
 use crate::stats::DeviceStats;
 use crate::trace::recorder::Recorder;

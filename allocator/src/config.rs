@@ -33,7 +33,15 @@
 
 use std::fmt;
 
-use crate::size_class::{POWER2_INTERVALS, power2_bucket};
+/// Number of `roundup_power2_divisions` buckets, from 1 MiB up (`kRoundUpPowerOfTwoIntervals`).
+pub const POWER2_INTERVALS: usize = 16;
+
+/// Index of the `roundup_power2_divisions` bucket of a size: `log2(size) - 20`,
+/// clamped to `[0, 15]`.
+pub fn power2_bucket(size: u64) -> usize {
+    let log2 = 63 - size.max(1).leading_zeros() as i64;
+    (log2 - 20).clamp(0, POWER2_INTERVALS as i64 - 1) as usize
+}
 
 /// Every key [`Config::parse`] accepts, with a one-line description.
 pub const KEYS: &[(&str, &str)] = &[

@@ -1,10 +1,18 @@
 //! The per-device state machine: PyTorch's `DeviceCachingAllocator`.
 //!
-//! One `DeviceAllocator` owns one device's backend, blocks, segments, pools,
-//! pending events and stats, and is used under one lock (see `Allocator`).
-//! This file holds the hot path (`malloc`, `free`, event processing);
-//! `release.rs` the paths that give memory back (OOM, `empty_cache`, GC) and
-//! `capture.rs` the private pools of CUDA graph capture.
+//! One `DeviceAllocator` owns one device's backend and, as separate pieces
+//! that each keep the methods changing their own state and never import
+//! this file: the heap of blocks, segments and pools (`heap.rs`), the page
+//! pool (`page_pool.rs`), the fences ordering unmaps (`fence.rs`), the
+//! limits (`limits.rs`), the private pools (`private_pool.rs`) and the stitch
+//! cache (`stitch_cache.rs`); plus pending events and stats. It is used
+//! under one lock (see `Allocator`). This file holds the hot path
+//! (`malloc`, `free`, event processing); the operations that span pieces
+//! live by topic: `expandable.rs` (mapping pages), `stitch.rs`,
+//! `release.rs` (OOM retries, `empty_cache`, GC), `capture.rs` (graph
+//! capture) and `oom.rs` (the out-of-memory report, built only when an
+//! error is returned). A test (`tests/tests/all/structure.rs`) keeps the
+//! crate free of import cycles.
 //!
 //! Note [Cross-stream reuse]
 //! Rationale: PyTorch never reuses a cached block on another stream, so with
@@ -23,37 +31,27 @@ use rustc_hash::FxHashMap;
 
 use crate::backend::BackendError;
 use crate::backend::{Backend, DevicePtr, EventId, StreamId};
-use crate::block::{Block, BlockArena, BlockId, BlockState, PoolId};
-use crate::capture::PrivatePools;
+use crate::block::{Block, BlockId, BlockState, PoolId};
 use crate::config::Config;
 use crate::cost::DriverCalls;
 use crate::error::{AllocError, GrowError};
 use crate::fence::Fences;
+use crate::heap::{Heap, LARGE, SMALL, STITCH};
 use crate::limits::Limits;
 use crate::page_pool::PagePool;
-use crate::pool::Pool;
-use crate::segment::{Segment, SegmentArena};
+use crate::private_pool::PrivatePools;
 use crate::size_class::{PoolKind, allocation_size, round_size};
 use crate::stats::DeviceStats;
-use crate::stitch::Stitches;
+use crate::stitch_cache::Stitches;
 use crate::trace::{Action, DeviceTrace, pool_code};
-
-/// Pool id of the default small pool.
-pub(crate) const SMALL: PoolId = 0;
-/// Pool id of the default large pool.
-pub(crate) const LARGE: PoolId = 1;
-/// Pool id of stitched blocks (Note [Stitching]); private pools come after.
-pub(crate) const STITCH: PoolId = 2;
 
 /// One device's caching allocator.
 pub struct DeviceAllocator<B: Backend> {
     pub(crate) device: u32,
     pub(crate) backend: B,
     pub(crate) config: Config,
-    pub(crate) blocks: BlockArena,
-    pub(crate) segments: SegmentArena,
-    /// Pool table: `SMALL`, `LARGE`, `STITCH`, then the private pools' pools.
-    pub(crate) pools: Vec<Pool>,
+    /// Blocks, segments and pools (`heap.rs`).
+    pub(crate) heap: Heap,
     /// Allocated and pending-free blocks by address.
     pub(crate) live: FxHashMap<DevicePtr, BlockId>,
     /// Per stream, events recorded at free time, oldest first.
@@ -93,13 +91,7 @@ impl<B: Backend> DeviceAllocator<B> {
             backend,
             limits: Limits::new(&config),
             config,
-            blocks: BlockArena::default(),
-            segments: SegmentArena::default(),
-            pools: vec![
-                Pool::new(PoolKind::Small, None),
-                Pool::new(PoolKind::Large, None),
-                Pool::new(PoolKind::Large, None),
-            ],
+            heap: Heap::default(),
             live: FxHashMap::default(),
             pending: FxHashMap::default(),
             pending_count: 0,
@@ -114,6 +106,37 @@ impl<B: Backend> DeviceAllocator<B> {
             driver_baseline: DriverCalls::default(),
             poisoned: false,
         }
+    }
+
+    /// Sets the memory limit as a fraction of device memory
+    /// (`set_per_process_memory_fraction`).
+    pub fn set_memory_fraction(&mut self, fraction: f64) -> Result<(), AllocError> {
+        self.limits.set_fraction(fraction)
+    }
+
+    /// The fraction set by [`set_memory_fraction`](Self::set_memory_fraction), 1.0 when none.
+    pub fn memory_fraction(&self) -> f64 {
+        self.limits.fraction()
+    }
+
+    /// Sets (or clears) a memory limit in bytes.
+    pub fn set_memory_limit(&mut self, bytes: Option<u64>) {
+        self.limits.set_bytes(bytes);
+    }
+
+    /// The memory limit in force, if any (`limits.rs`).
+    pub(crate) fn limit(&mut self) -> Result<Option<u64>, AllocError> {
+        self.limits.limit(&mut self.backend)
+    }
+
+    /// The most reserved memory may reach: the limit, or the device.
+    pub(crate) fn capacity(&mut self) -> Result<u64, AllocError> {
+        self.limits.capacity(&mut self.backend)
+    }
+
+    /// Device capacity, read once from the backend.
+    pub(crate) fn device_total(&mut self) -> Result<u64, AllocError> {
+        self.limits.device_total(&mut self.backend)
     }
 
     /// The backend, for inspection (tests drive the simulator through it).
@@ -208,7 +231,7 @@ impl<B: Backend> DeviceAllocator<B> {
             None => self.malloc_slow(pool, stream, size, rounded, capturing)?,
         };
         // A stitch serves a large-pool request from the stitch pool.
-        let pool = self.blocks[block].pool;
+        let pool = self.heap.blocks[block].pool;
         Ok(self.alloc_found_block(block, pool, stream, size, rounded))
     }
 
@@ -295,13 +318,13 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Best fit in the stream's own free list, removed from the index.
     #[inline]
     fn get_free_block(&mut self, pool: PoolId, stream: StreamId, rounded: u64) -> Option<BlockId> {
-        let p = &mut self.pools[pool as usize];
+        let p = &mut self.heap.pools[pool as usize];
         p.lookups += 1;
         let key = p.best_fit(stream, rounded)?;
         if !self.oversize_ok(rounded, key.1) {
             return None;
         }
-        self.pools[pool as usize].remove(key);
+        self.heap.pools[pool as usize].remove(key);
         Some(key.3)
     }
 
@@ -312,8 +335,9 @@ impl<B: Backend> DeviceAllocator<B> {
         stream: StreamId,
         rounded: u64,
     ) -> Result<Option<BlockId>, AllocError> {
-        let Some(key) = self.pools[pool as usize]
-            .best_fit_other_stream(stream, rounded, |c| self.oversize_ok(rounded, c))
+        let Some(key) =
+            self.heap.pools[pool as usize]
+                .best_fit_other_stream(stream, rounded, |c| self.oversize_ok(rounded, c))
         else {
             return Ok(None);
         };
@@ -328,7 +352,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if waited.is_err() {
             return Ok(None);
         }
-        self.pools[pool as usize].remove(key);
+        self.heap.pools[pool as usize].remove(key);
         // The block changes hands in `alloc_found_block`; a split-off
         // remainder stays with the owner, which never used it.
         self.stats.num_cross_stream_reuse += 1;
@@ -377,8 +401,8 @@ impl<B: Backend> DeviceAllocator<B> {
                 }
                 e => GrowError::Failed(e.into()),
             })?;
-        let kind = self.pools[pool as usize].kind;
-        let (_, block) = self.new_segment(ptr, size, pool, stream, false);
+        let kind = self.heap.pools[pool as usize].kind;
+        let (_, block) = self.heap.new_segment(ptr, size, pool, stream, false);
         self.private.segment_added(pool);
         self.stats.segment.update(kind, 1);
         self.stats.reserved_bytes.update(kind, size as i64);
@@ -389,38 +413,6 @@ impl<B: Backend> DeviceAllocator<B> {
         let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
         self.record(Action::SegmentAlloc, stream, ptr, size, code);
         Ok(block)
-    }
-
-    /// Records a segment of `size` bytes at `ptr` with one block covering it:
-    /// free (a plain segment) or unmapped (an expandable one).
-    pub(crate) fn new_segment(
-        &mut self,
-        ptr: DevicePtr,
-        size: u64,
-        pool: PoolId,
-        stream: StreamId,
-        expandable: bool,
-    ) -> (u32, BlockId) {
-        let state = if expandable {
-            BlockState::Unmapped
-        } else {
-            BlockState::Free
-        };
-        let block = self
-            .blocks
-            .insert(Block::new(ptr, size, stream, 0, pool, state));
-        let seg = self.segments.insert(Segment {
-            ptr,
-            size,
-            kind: self.pools[pool as usize].kind,
-            pool,
-            stream,
-            first: block,
-            expandable,
-            mapped: if expandable { 0 } else { size },
-        });
-        self.blocks[block].segment = seg;
-        (seg, block)
     }
 
     /// PyTorch's `should_split`.
@@ -451,17 +443,17 @@ impl<B: Backend> DeviceAllocator<B> {
         size: u64,
         rounded: u64,
     ) -> DevicePtr {
-        let kind = self.pools[pool as usize].kind;
+        let kind = self.heap.pools[pool as usize].kind;
         // Expandable blocks are never counted as inactive splits (PyTorch).
         let counted = !self.is_expandable(pool);
-        let already_split = counted && self.blocks[id].is_split();
-        let block_size = self.blocks[id].size;
+        let already_split = counted && self.heap.blocks[id].is_split();
+        let block_size = self.heap.blocks[id].size;
         if self.should_split(pool, kind, block_size, rounded) {
-            let b = &self.blocks[id];
+            let b = &self.heap.blocks[id];
             let rest = Block {
                 prev: Some(id),
                 next: b.next,
-                gc_base: self.pools[pool as usize].lookups,
+                gc_base: self.heap.pools[pool as usize].lookups,
                 freed: b.freed,
                 ..Block::new(
                     b.ptr + rounded,
@@ -473,13 +465,13 @@ impl<B: Backend> DeviceAllocator<B> {
                 )
             };
             let (rest_ptr, rest_size, rest_stream) = (rest.ptr, rest.size, rest.stream);
-            let rest_id = self.blocks.insert(rest);
-            if let Some(n) = self.blocks[id].next {
-                self.blocks[n].prev = Some(rest_id);
+            let rest_id = self.heap.blocks.insert(rest);
+            if let Some(n) = self.heap.blocks[id].next {
+                self.heap.blocks[n].prev = Some(rest_id);
             }
-            self.blocks[id].next = Some(rest_id);
-            self.blocks[id].size = rounded;
-            self.pools[pool as usize].insert((rest_stream, rest_size, rest_ptr, rest_id));
+            self.heap.blocks[id].next = Some(rest_id);
+            self.heap.blocks[id].size = rounded;
+            self.heap.pools[pool as usize].insert((rest_stream, rest_size, rest_ptr, rest_id));
             if !counted {
             } else if already_split {
                 self.stats
@@ -497,7 +489,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 .update(kind, -(block_size as i64));
             self.stats.inactive_split.update(kind, -1);
         }
-        let b = &mut self.blocks[id];
+        let b = &mut self.heap.blocks[id];
         b.state = BlockState::Allocated;
         b.requested = size;
         b.stream = stream;
@@ -532,23 +524,23 @@ impl<B: Backend> DeviceAllocator<B> {
                 device: self.device,
             });
         };
-        if self.blocks[id].state != BlockState::Allocated {
+        if self.heap.blocks[id].state != BlockState::Allocated {
             return Err(AllocError::InvalidPointer {
                 ptr,
                 device: self.device,
             });
         }
-        let b = &mut self.blocks[id];
+        let b = &mut self.heap.blocks[id];
         b.state = BlockState::PendingFree;
         let (size, requested, stream, pool) = (b.size, b.requested, b.stream, b.pool);
-        let kind = self.pools[pool as usize].kind;
+        let kind = self.heap.pools[pool as usize].kind;
         self.stats.allocation.update(kind, -1);
         self.stats.allocated_bytes.update(kind, -(size as i64));
         if size >= self.config.max_split_size {
             self.stats.oversize_allocations.update(-1);
         }
         self.private.block_freed(pool);
-        if self.blocks[id].stream_uses.is_empty() {
+        if self.heap.blocks[id].stream_uses.is_empty() {
             // Request and completion in one record (`Action::Free`).
             self.free_block_as(id, Action::Free);
             return Ok(());
@@ -566,7 +558,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// refuses, the streams not yet covered stay on the block and it waits
     /// in `deferred` for the next attempt: it is never reused unprotected.
     fn insert_events(&mut self, id: BlockId) -> Result<(), AllocError> {
-        while let Some(&s) = self.blocks[id].stream_uses.last() {
+        while let Some(&s) = self.heap.blocks[id].stream_uses.last() {
             let ev = match self.backend.record_event(s) {
                 Ok(ev) => ev,
                 Err(e) => {
@@ -574,12 +566,12 @@ impl<B: Backend> DeviceAllocator<B> {
                     return Err(e.into());
                 }
             };
-            self.blocks[id].stream_uses.pop();
-            self.blocks[id].event_count += 1;
+            self.heap.blocks[id].stream_uses.pop();
+            self.heap.blocks[id].event_count += 1;
             self.pending.entry(s).or_default().push_back((ev, id));
             self.pending_count += 1;
         }
-        if self.blocks[id].event_count == 0 {
+        if self.heap.blocks[id].event_count == 0 {
             self.free_block(id);
         }
         Ok(())
@@ -609,7 +601,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 device: self.device,
             });
         };
-        let b = &mut self.blocks[id];
+        let b = &mut self.heap.blocks[id];
         if b.state == BlockState::Allocated
             && b.stream != stream
             && !b.stream_uses.contains(&stream)
@@ -645,7 +637,7 @@ impl<B: Backend> DeviceAllocator<B> {
     fn complete_event(&mut self, ev: EventId, id: BlockId) {
         self.backend.destroy_event(ev);
         self.pending_count -= 1;
-        let b = &mut self.blocks[id];
+        let b = &mut self.heap.blocks[id];
         b.event_count -= 1;
         if b.event_count == 0 {
             self.free_block(id);
@@ -682,31 +674,31 @@ impl<B: Backend> DeviceAllocator<B> {
     /// [`free_block`](Self::free_block), traced as `action`.
     fn free_block_as(&mut self, id: BlockId, action: Action) {
         let (pool, ptr, stream, requested, size) = {
-            let b = &self.blocks[id];
+            let b = &self.heap.blocks[id];
             (b.pool, b.ptr, b.stream, b.requested, b.size)
         };
-        let kind = self.pools[pool as usize].kind;
+        let kind = self.heap.pools[pool as usize].kind;
         let mut net_blocks = 0i64;
         let mut net_bytes = 0i64;
-        for neighbour in [self.blocks[id].prev, self.blocks[id].next]
+        for neighbour in [self.heap.blocks[id].prev, self.heap.blocks[id].next]
             .into_iter()
             .flatten()
         {
-            let subsumed = self.try_merge(id, neighbour);
+            let subsumed = self.heap.try_merge(id, neighbour);
             if subsumed > 0 {
                 net_blocks -= 1;
                 net_bytes -= subsumed as i64;
             }
         }
         self.live.remove(&ptr);
-        let lookups = self.pools[pool as usize].lookups;
+        let lookups = self.heap.pools[pool as usize].lookups;
         let epoch = self.fences.stamp();
         // An event recorded during a capture belongs to the graph: it would
         // never tell when this work is done.
         if self.expandable && !self.private.capturing() {
             self.fences.after_free(&mut self.backend, stream, size);
         }
-        let b = &mut self.blocks[id];
+        let b = &mut self.heap.blocks[id];
         b.state = BlockState::Free;
         b.requested = 0;
         b.gc_base = lookups;
@@ -719,7 +711,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if pool == STITCH {
             self.unclaim_stitch(id, epoch);
         } else {
-            self.pools[pool as usize].insert(key);
+            self.heap.pools[pool as usize].insert(key);
         }
         if !self.is_expandable(pool) {
             self.stats.inactive_split.update(kind, net_blocks);
@@ -729,36 +721,5 @@ impl<B: Backend> DeviceAllocator<B> {
         self.stats.active_bytes.update(kind, -(size as i64));
         self.stats.requested_bytes.update(kind, -(requested as i64));
         self.record(action, stream, ptr, requested, size);
-    }
-
-    /// Merges a free neighbour into `dst`; returns the bytes subsumed (0 if not mergeable).
-    fn try_merge(&mut self, dst: BlockId, src: BlockId) -> u64 {
-        let (s, d) = (&self.blocks[src], &self.blocks[dst]);
-        if s.state != BlockState::Free || s.stream != d.stream {
-            return 0;
-        }
-        let (src_size, src_ptr, src_stream, src_pool) = (s.size, s.ptr, s.stream, s.pool);
-        self.pools[src_pool as usize].remove((src_stream, src_size, src_ptr, src));
-        if self.blocks[dst].prev == Some(src) {
-            let prev = self.blocks[src].prev;
-            let d = &mut self.blocks[dst];
-            d.ptr = src_ptr;
-            d.prev = prev;
-            if let Some(p) = prev {
-                self.blocks[p].next = Some(dst);
-            } else {
-                let seg = self.blocks[dst].segment;
-                self.segments.get_mut(seg).first = dst;
-            }
-        } else {
-            let next = self.blocks[src].next;
-            self.blocks[dst].next = next;
-            if let Some(n) = next {
-                self.blocks[n].prev = Some(dst);
-            }
-        }
-        self.blocks[dst].size += src_size;
-        self.blocks.remove(src);
-        src_size
     }
 }

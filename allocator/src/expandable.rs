@@ -42,15 +42,13 @@
 //! in PyTorch.
 
 use crate::backend::{Backend, BackendError, StreamId};
-use crate::block::{Block, BlockId, BlockState, PoolId, SegmentId};
-use crate::device::{DeviceAllocator, LARGE, SMALL, STITCH};
+use crate::block::{BlockId, BlockState, PoolId, SegmentId};
+use crate::device::DeviceAllocator;
 use crate::error::{AllocError, GrowError};
+use crate::heap::{LARGE, SMALL, STITCH};
 use crate::page_pool::KindDeltas;
 use crate::size_class::{PoolKind, SMALL_BUFFER};
 use crate::trace::{Action, pool_code};
-
-/// A place for a request: segment, start, and the unmapped ranges to map.
-type Window = (SegmentId, u64, Vec<(u64, u64)>);
 
 impl<B: Backend> DeviceAllocator<B> {
     /// Whether blocks of `pool` live in expandable segments: every pool
@@ -74,7 +72,7 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// `(page, largest handle to create)` for a pool (Note [Page pool]).
     fn handle_sizes(&mut self, pool: PoolId) -> (u64, u64) {
-        let page = self.page_size(self.pools[pool as usize].kind);
+        let page = self.page_size(self.heap.pools[pool as usize].kind);
         let max = if pool == SMALL {
             page
         } else {
@@ -90,7 +88,7 @@ impl<B: Backend> DeviceAllocator<B> {
         stream: StreamId,
         at_least: u64,
     ) -> Result<SegmentId, GrowError> {
-        let kind = self.pools[pool as usize].kind;
+        let kind = self.heap.pools[pool as usize].kind;
         let page = self.page_size(kind);
         let total = self.device_total()?;
         // A private pool reserves less at a time (graphs are many, address
@@ -109,8 +107,10 @@ impl<B: Backend> DeviceAllocator<B> {
             }
             e => GrowError::Failed(e.into()),
         })?;
-        let (seg, _) = self.new_segment(ptr, size, pool, stream, true);
-        self.pools[pool as usize].expandable.push((stream, seg));
+        let (seg, _) = self.heap.new_segment(ptr, size, pool, stream, true);
+        self.heap.pools[pool as usize]
+            .expandable
+            .push((stream, seg));
         self.private.segment_added(pool);
         Ok(seg)
     }
@@ -146,13 +146,14 @@ impl<B: Backend> DeviceAllocator<B> {
         rounded: u64,
         capturing: bool,
     ) -> Result<BlockId, GrowError> {
-        let kind = self.pools[pool as usize].kind;
+        let kind = self.heap.pools[pool as usize].kind;
         let page = self.page_size(kind);
-        let (seg, ws, ranges) = match self.find_window(pool, stream, rounded, page) {
+        let (seg, ws, ranges) = match self.heap.find_window(pool, stream, rounded, page) {
             Some(w) => w,
             None => {
                 let seg = self.new_expandable_segment(pool, stream, rounded)?;
-                self.best_window(seg, stream, rounded, page)
+                self.heap
+                    .best_window(seg, stream, rounded, page)
                     .map(|(ws, r)| (seg, ws, r))
                     .expect("a fresh reservation holds the request")
             }
@@ -164,7 +165,7 @@ impl<B: Backend> DeviceAllocator<B> {
             let streams = self.expandable_streams();
             self.fences.poll(&mut self.backend)?;
             self.fences.cover_all(&mut self.backend, streams)?;
-            let short = bytes - self.pages.usable(bytes);
+            let short = bytes - self.pages.usable(bytes, page);
             if short > 0
                 && self.config.defragment
                 && rounded >= self.config.stitch_min
@@ -185,7 +186,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 }
             }
         }
-        let new_bytes = bytes - self.pages.usable(bytes);
+        let new_bytes = bytes - self.pages.usable(bytes, page);
         let reserved = self.stats.reserved_bytes.all.current as u64;
         // Never create what cannot fit: the limit, or the device itself.
         let cap = self.capacity()?;
@@ -199,111 +200,17 @@ impl<B: Backend> DeviceAllocator<B> {
                 break;
             }
         }
-        self.coalesce_segment(seg);
+        self.heap.coalesce_segment(seg);
         if let Some(e) = failure {
             return Err(e.into());
         }
-        let block = self.block_at(seg, ws);
+        let block = self.heap.block_at(seg, ws);
         debug_assert!(
-            self.blocks[block].state == BlockState::Free && self.blocks[block].size >= rounded
+            self.heap.blocks[block].state == BlockState::Free
+                && self.heap.blocks[block].size >= rounded
         );
-        self.unindex(block);
+        self.heap.unindex(block);
         Ok(block)
-    }
-
-    /// The best window over every expandable segment of `(pool, stream)`:
-    /// fewest bytes to map, then the oldest segment, then the lowest address.
-    fn find_window(
-        &self,
-        pool: PoolId,
-        stream: StreamId,
-        rounded: u64,
-        page: u64,
-    ) -> Option<Window> {
-        let mut best: Option<Window> = None;
-        for &(s, seg) in &self.pools[pool as usize].expandable {
-            if s != stream {
-                continue;
-            }
-            if let Some((ws, ranges)) = self.best_window(seg, stream, rounded, page) {
-                let cost = |r: &[(u64, u64)]| r.iter().map(|x| x.1 - x.0).sum::<u64>();
-                if best.as_ref().is_none_or(|b| cost(&ranges) < cost(&b.2)) {
-                    best = Some((seg, ws, ranges));
-                }
-            }
-        }
-        best
-    }
-
-    /// Where to place `rounded` bytes in an expandable segment: the
-    /// window of free and unmapped space that needs the fewest new pages
-    /// (lowest address on ties). Returns its start and the page ranges to map.
-    fn best_window(
-        &self,
-        seg: SegmentId,
-        stream: StreamId,
-        rounded: u64,
-        page: u64,
-    ) -> Option<(u64, Vec<(u64, u64)>)> {
-        let base = self.segments.get(seg).ptr;
-        let floor = |x: u64| base + (x - base) / page * page;
-        let ceil = |x: u64| base + (x - base).div_ceil(page) * page;
-        let mut blocks = Vec::new();
-        let mut cur = Some(self.segments.get(seg).first);
-        while let Some(id) = cur {
-            let b = &self.blocks[id];
-            let usable = b.state == BlockState::Unmapped
-                || (b.state == BlockState::Free && b.stream == stream);
-            blocks.push((
-                b.ptr,
-                b.ptr + b.size,
-                usable,
-                b.state == BlockState::Unmapped,
-            ));
-            cur = b.next;
-        }
-        // The pages to map for a window: the unmapped parts it touches,
-        // widened to whole pages (unmapped blocks are page-aligned).
-        let to_map = |first: usize, ws: u64, we: u64| -> Vec<(u64, u64)> {
-            blocks[first..]
-                .iter()
-                .take_while(|b| b.0 < we)
-                .filter(|b| b.3 && b.1 > ws)
-                .map(|b| (b.0.max(floor(ws)), b.1.min(ceil(we))))
-                .collect()
-        };
-        let mut best: Option<(u64, u64, usize)> = None;
-        let mut i = 0;
-        while i < blocks.len() {
-            if !blocks[i].2 {
-                i += 1;
-                continue;
-            }
-            let mut j = i;
-            while j + 1 < blocks.len() && blocks[j + 1].2 {
-                j += 1;
-            }
-            let (run_start, run_end) = (blocks[i].0, blocks[j].1);
-            if run_end - run_start >= rounded {
-                let starts = blocks[i..=j].iter().map(|b| b.0);
-                let ends = blocks[i..=j]
-                    .iter()
-                    .filter(|b| b.1 >= run_start + rounded)
-                    .map(|b| b.1 - rounded);
-                for ws in starts.chain(ends).filter(|&ws| ws + rounded <= run_end) {
-                    let first = i + blocks[i..=j].partition_point(|b| b.1 <= ws);
-                    let cost: u64 = to_map(first, ws, ws + rounded)
-                        .iter()
-                        .map(|r| r.1 - r.0)
-                        .sum();
-                    if best.is_none_or(|b| (cost, ws) < (b.0, b.1)) {
-                        best = Some((cost, ws, first));
-                    }
-                }
-            }
-            i = j + 1;
-        }
-        best.map(|(_, ws, first)| (ws, to_map(first, ws, ws + rounded)))
     }
 
     /// Maps `[lo, hi)`, which lies inside one unmapped block of `seg`, and
@@ -316,156 +223,38 @@ impl<B: Backend> DeviceAllocator<B> {
         hi: u64,
         capturing: bool,
     ) -> Result<(), BackendError> {
-        let (kind, pool) = (self.segments.get(seg).kind, self.segments.get(seg).pool);
+        let (kind, pool) = (
+            self.heap.segments.get(seg).kind,
+            self.heap.segments.get(seg).pool,
+        );
         let sizes = self.handle_sizes(pool);
         let (result, deltas, created) =
             self.pages
                 .map(&mut self.backend, lo, hi - lo, kind, sizes, capturing);
         self.apply_deltas(deltas, created as i64);
         result?;
-        let u = self.block_at(seg, lo);
-        debug_assert_eq!(self.blocks[u].state, BlockState::Unmapped);
-        let u_start = self.blocks[u].ptr;
+        let u = self.heap.block_at(seg, lo);
+        debug_assert_eq!(self.heap.blocks[u].state, BlockState::Unmapped);
+        let u_start = self.heap.blocks[u].ptr;
         if lo > u_start {
-            self.carve_front(u, lo - u_start, BlockState::Unmapped);
+            self.heap.carve_front(u, lo - u_start, BlockState::Unmapped);
         }
-        let mapped = self.carve_front(u, hi - lo, BlockState::Free);
-        let pool = self.blocks[mapped].pool;
-        self.blocks[mapped].gc_base = self.pools[pool as usize].lookups;
-        self.blocks[mapped].stream = stream;
-        self.blocks[mapped].freed = 0;
-        self.segments.get_mut(seg).mapped += hi - lo;
+        let mapped = self.heap.carve_front(u, hi - lo, BlockState::Free);
+        let pool = self.heap.blocks[mapped].pool;
+        self.heap.blocks[mapped].gc_base = self.heap.pools[pool as usize].lookups;
+        self.heap.blocks[mapped].stream = stream;
+        self.heap.blocks[mapped].freed = 0;
+        self.heap.segments.get_mut(seg).mapped += hi - lo;
         let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
         self.record(Action::SegmentMap, stream, lo, hi - lo, code);
         Ok(())
-    }
-
-    /// The block of `seg` that contains address `addr`.
-    pub(crate) fn block_at(&self, seg: SegmentId, addr: u64) -> BlockId {
-        self.find_block(seg, addr)
-            .unwrap_or_else(|| panic!("address {addr:#x} is outside segment {seg}"))
-    }
-
-    /// The block of `seg` that contains address `addr`, if any.
-    pub(crate) fn find_block(&self, seg: SegmentId, addr: u64) -> Option<BlockId> {
-        let mut cur = Some(self.segments.get(seg).first);
-        while let Some(id) = cur {
-            let b = &self.blocks[id];
-            if b.ptr <= addr && addr < b.ptr + b.size {
-                return Some(id);
-            }
-            cur = b.next;
-        }
-        None
-    }
-
-    /// Merges a free, unindexed block with free neighbours of its stream
-    /// and indexes the result.
-    pub(crate) fn merge_free(&mut self, id: BlockId) {
-        let stream = self.blocks[id].stream;
-        let mergeable = |b: &Block| b.state == BlockState::Free && b.stream == stream;
-        if let Some(n) = self.blocks[id].next
-            && mergeable(&self.blocks[n])
-        {
-            self.ensure_unindexed(n);
-            self.absorb_next(id);
-        }
-        let mut id = id;
-        if let Some(p) = self.blocks[id].prev
-            && mergeable(&self.blocks[p])
-        {
-            self.ensure_unindexed(p);
-            id = self.absorb_next(p);
-        }
-        self.reindex(id);
-    }
-
-    /// Merges adjacent free blocks of the same stream in `seg` and makes sure
-    /// every free block is in its pool's index.
-    fn coalesce_segment(&mut self, seg: SegmentId) {
-        let mut cur = Some(self.segments.get(seg).first);
-        while let Some(id) = cur {
-            if self.blocks[id].state == BlockState::Free {
-                self.ensure_unindexed(id);
-                while let Some(n) = self.blocks[id].next
-                    && self.blocks[n].state == BlockState::Free
-                    && self.blocks[n].stream == self.blocks[id].stream
-                {
-                    self.ensure_unindexed(n);
-                    self.absorb_next(id);
-                }
-                self.reindex(id);
-            }
-            cur = self.blocks[id].next;
-        }
-    }
-
-    pub(crate) fn ensure_unindexed(&mut self, id: BlockId) {
-        let b = &self.blocks[id];
-        let key = (b.stream, b.size, b.ptr, id);
-        self.pools[b.pool as usize].remove(key);
-    }
-
-    /// Splits `bytes` off the front of block `id` as a new block in `state`
-    /// (or changes the whole block when it is exactly that size); returns it.
-    pub(crate) fn carve_front(&mut self, id: BlockId, bytes: u64, state: BlockState) -> BlockId {
-        let b = &self.blocks[id];
-        if b.size == bytes {
-            self.blocks[id].state = state;
-            return id;
-        }
-        let front = Block {
-            prev: b.prev,
-            next: Some(id),
-            gc_base: b.gc_base,
-            freed: b.freed,
-            ..Block::new(b.ptr, bytes, b.stream, b.segment, b.pool, state)
-        };
-        let (prev, seg) = (b.prev, b.segment);
-        let f = self.blocks.insert(front);
-        match prev {
-            Some(p) => self.blocks[p].next = Some(f),
-            None => self.segments.get_mut(seg).first = f,
-        }
-        let b = &mut self.blocks[id];
-        b.prev = Some(f);
-        b.ptr += bytes;
-        b.size -= bytes;
-        f
-    }
-
-    /// Merges the block after `id` into `id`; returns `id`.
-    pub(crate) fn absorb_next(&mut self, id: BlockId) -> BlockId {
-        let n = self.blocks[id].next.expect("a next block to absorb");
-        let (size, next, freed) = (
-            self.blocks[n].size,
-            self.blocks[n].next,
-            self.blocks[n].freed,
-        );
-        let b = &mut self.blocks[id];
-        b.size += size;
-        b.next = next;
-        b.freed = b.freed.max(freed);
-        if let Some(nn) = next {
-            self.blocks[nn].prev = Some(id);
-        }
-        self.blocks.remove(n);
-        id
-    }
-
-    /// Removes a free block from its pool's index.
-    pub(crate) fn unindex(&mut self, id: BlockId) {
-        let b = &self.blocks[id];
-        let key = (b.stream, b.size, b.ptr, id);
-        let removed = self.pools[b.pool as usize].remove(key);
-        debug_assert!(removed, "free block {id} was not indexed");
     }
 
     /// The default pools' expandable segments.
     fn expandable_segments(&self) -> Vec<SegmentId> {
         [SMALL, LARGE]
             .into_iter()
-            .flat_map(|p| self.pools[p as usize].expandable.iter().map(|e| e.1))
+            .flat_map(|p| self.heap.pools[p as usize].expandable.iter().map(|e| e.1))
             .collect()
     }
 
@@ -474,7 +263,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let mut v: Vec<StreamId> = self
             .expandable_segments()
             .into_iter()
-            .map(|s| self.segments.get(s).stream)
+            .map(|s| self.heap.segments.get(s).stream)
             .collect();
         v.sort_unstable();
         v.dedup();
@@ -499,9 +288,9 @@ impl<B: Backend> DeviceAllocator<B> {
     ) -> Vec<(u64, u64, SegmentId, StreamId, u64)> {
         let mut out = Vec::new();
         for &seg in segs {
-            let mut cur = Some(self.segments.get(seg).first);
+            let mut cur = Some(self.heap.segments.get(seg).first);
             while let Some(id) = cur {
-                let b = &self.blocks[id];
+                let b = &self.heap.blocks[id];
                 cur = b.next;
                 if b.state != BlockState::Free {
                     continue;
@@ -569,40 +358,40 @@ impl<B: Backend> DeviceAllocator<B> {
     /// `seg`, into the page pool, and marks it unmapped.
     fn unmap_run(&mut self, seg: SegmentId, lo: u64, hi: u64) -> Result<(), AllocError> {
         self.drop_stitches_over(lo, hi)?;
-        let kind = self.segments.get(seg).kind;
-        let id = self.block_at(seg, lo);
+        let kind = self.heap.segments.get(seg).kind;
+        let id = self.heap.block_at(seg, lo);
         let (ptr, size, stream) = (
-            self.blocks[id].ptr,
-            self.blocks[id].size,
-            self.blocks[id].stream,
+            self.heap.blocks[id].ptr,
+            self.heap.blocks[id].size,
+            self.heap.blocks[id].stream,
         );
-        debug_assert!(self.blocks[id].state == BlockState::Free && hi <= ptr + size);
+        debug_assert!(self.heap.blocks[id].state == BlockState::Free && hi <= ptr + size);
         self.pages.unmap(&mut self.backend, lo, hi, kind)?;
-        self.unindex(id);
+        self.heap.unindex(id);
         let mut mid = id;
         if lo > ptr {
-            let head = self.carve_front(mid, lo - ptr, BlockState::Free);
-            self.reindex(head);
+            let head = self.heap.carve_front(mid, lo - ptr, BlockState::Free);
+            self.heap.reindex(head);
         }
         if hi < ptr + size {
-            let m = self.carve_front(mid, hi - lo, BlockState::Unmapped);
-            self.reindex(mid);
+            let m = self.heap.carve_front(mid, hi - lo, BlockState::Unmapped);
+            self.heap.reindex(mid);
             mid = m;
         } else {
-            self.blocks[mid].state = BlockState::Unmapped;
+            self.heap.blocks[mid].state = BlockState::Unmapped;
         }
-        if let Some(n) = self.blocks[mid].next
-            && self.blocks[n].state == BlockState::Unmapped
+        if let Some(n) = self.heap.blocks[mid].next
+            && self.heap.blocks[n].state == BlockState::Unmapped
         {
-            self.absorb_next(mid);
+            self.heap.absorb_next(mid);
         }
-        if let Some(p) = self.blocks[mid].prev
-            && self.blocks[p].state == BlockState::Unmapped
+        if let Some(p) = self.heap.blocks[mid].prev
+            && self.heap.blocks[p].state == BlockState::Unmapped
         {
-            self.absorb_next(p);
+            self.heap.absorb_next(p);
         }
-        self.segments.get_mut(seg).mapped -= hi - lo;
-        let pool = self.segments.get(seg).pool;
+        self.heap.segments.get_mut(seg).mapped -= hi - lo;
+        let pool = self.heap.segments.get(seg).pool;
         let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
         self.record(Action::SegmentUnmap, stream, lo, hi - lo, code);
         Ok(())
@@ -631,7 +420,7 @@ impl<B: Backend> DeviceAllocator<B> {
     pub(crate) fn unmap_released_pools(&mut self, pools: &[PoolId]) -> Result<(), AllocError> {
         let segs: Vec<SegmentId> = pools
             .iter()
-            .flat_map(|&p| self.pools[p as usize].expandable.iter().map(|e| e.1))
+            .flat_map(|&p| self.heap.pools[p as usize].expandable.iter().map(|e| e.1))
             .collect();
         if segs.is_empty() {
             return Ok(());
@@ -647,7 +436,7 @@ impl<B: Backend> DeviceAllocator<B> {
     fn unmap_pools(&mut self, pools: &[PoolId]) -> Result<(), AllocError> {
         let segs: Vec<SegmentId> = pools
             .iter()
-            .flat_map(|&p| self.pools[p as usize].expandable.iter().map(|e| e.1))
+            .flat_map(|&p| self.heap.pools[p as usize].expandable.iter().map(|e| e.1))
             .collect();
         let mut runs = self.free_runs_in(&segs, None);
         runs.sort_unstable_by_key(|r| r.1);
@@ -655,29 +444,24 @@ impl<B: Backend> DeviceAllocator<B> {
             self.unmap_run(seg, lo, lo + bytes)?;
         }
         for &pool in pools {
-            let empty: Vec<SegmentId> = self.pools[pool as usize]
+            let empty: Vec<SegmentId> = self.heap.pools[pool as usize]
                 .expandable
                 .iter()
                 .map(|e| e.1)
-                .filter(|&s| self.segments.get(s).mapped == 0)
+                .filter(|&s| self.heap.segments.get(s).mapped == 0)
                 .collect();
             for seg in empty {
-                let s = self.segments.remove(seg);
-                debug_assert!(self.blocks[s.first].next.is_none());
-                self.blocks.remove(s.first);
-                self.pools[pool as usize].expandable.retain(|e| e.1 != seg);
+                let s = self.heap.segments.remove(seg);
+                debug_assert!(self.heap.blocks[s.first].next.is_none());
+                self.heap.blocks.remove(s.first);
+                self.heap.pools[pool as usize]
+                    .expandable
+                    .retain(|e| e.1 != seg);
                 self.private.segment_removed(pool);
                 self.backend.free_reservation(s.ptr, s.size)?;
             }
         }
         Ok(())
-    }
-
-    /// Puts a free block (back) into its pool's index.
-    pub(crate) fn reindex(&mut self, id: BlockId) {
-        let b = &self.blocks[id];
-        let key = (b.stream, b.size, b.ptr, id);
-        self.pools[b.pool as usize].insert(key);
     }
 }
 

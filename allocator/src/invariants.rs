@@ -10,7 +10,8 @@
 
 use crate::backend::Backend;
 use crate::block::BlockState;
-use crate::device::{DeviceAllocator, STITCH};
+use crate::device::DeviceAllocator;
+use crate::heap::STITCH;
 use crate::size_class::PoolKind;
 use crate::stats::StatArray;
 
@@ -27,7 +28,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let mut claimed_bytes = 0u64;
         let mut recount = Recount::default();
         let mut mapped_ranges: Vec<(u64, u64)> = Vec::new();
-        for (seg_id, seg) in self.segments.iter() {
+        for (seg_id, seg) in self.heap.segments.iter() {
             if !seg.expandable {
                 recount.segment.update(seg.kind, 1);
             }
@@ -35,9 +36,9 @@ impl<B: Backend> DeviceAllocator<B> {
             let mut cur = Some(seg.first);
             let mut addr = seg.ptr;
             let mut prev: Option<u32> = None;
-            let split = !seg.expandable && self.blocks[seg.first].next.is_some();
+            let split = !seg.expandable && self.heap.blocks[seg.first].next.is_some();
             while let Some(id) = cur {
-                let b = &self.blocks[id];
+                let b = &self.heap.blocks[id];
                 seen_blocks += 1;
                 if b.segment != seg_id || b.prev != prev {
                     return Err(format!(
@@ -61,7 +62,7 @@ impl<B: Backend> DeviceAllocator<B> {
                     ));
                 }
                 if let Some(p) = prev {
-                    let pb = &self.blocks[p];
+                    let pb = &self.heap.blocks[p];
                     if pb.state == BlockState::Unmapped && b.state == BlockState::Unmapped {
                         return Err(format!(
                             "adjacent unmapped blocks {p} and {id} were not merged"
@@ -108,7 +109,8 @@ impl<B: Backend> DeviceAllocator<B> {
                     }
                     BlockState::Free => {
                         free_blocks += 1;
-                        if !self.pools[b.pool as usize].contains((b.stream, b.size, b.ptr, id)) {
+                        if !self.heap.pools[b.pool as usize].contains((b.stream, b.size, b.ptr, id))
+                        {
                             return Err(format!(
                                 "free block {id} at {:#x} is missing from its pool's index",
                                 b.ptr
@@ -182,13 +184,13 @@ impl<B: Backend> DeviceAllocator<B> {
         self.pages
             .check(&mapped_ranges)
             .map_err(|e| format!("page pool: {e}"))?;
-        if seen_blocks != self.blocks.len() {
+        if seen_blocks != self.heap.blocks.len() {
             return Err(format!(
                 "{} blocks in the arena, {seen_blocks} reachable from segments",
-                self.blocks.len()
+                self.heap.blocks.len()
             ));
         }
-        let indexed: usize = self.pools.iter().map(|p| p.len()).sum();
+        let indexed: usize = self.heap.pools.iter().map(|p| p.len()).sum();
         if indexed != free_blocks {
             return Err(format!(
                 "free index holds {indexed} entries for {free_blocks} free blocks"
@@ -205,7 +207,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let expected: u32 = self
             .live
             .values()
-            .map(|&id| self.blocks[id].event_count)
+            .map(|&id| self.heap.blocks[id].event_count)
             .sum();
         if queued != self.pending_count || queued as u32 != expected {
             return Err(format!(

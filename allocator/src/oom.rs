@@ -4,8 +4,9 @@
 
 use crate::backend::{Backend, BackendError, StreamId};
 use crate::block::BlockState;
-use crate::device::{DeviceAllocator, STITCH};
+use crate::device::DeviceAllocator;
 use crate::error::{AllocError, OomReport};
+use crate::heap::STITCH;
 use crate::trace::Action;
 
 impl<B: Backend> DeviceAllocator<B> {
@@ -63,7 +64,7 @@ impl<B: Backend> DeviceAllocator<B> {
     fn private_pools_allocated_bytes(&self) -> u64 {
         self.live
             .values()
-            .map(|&id| &self.blocks[id])
+            .map(|&id| &self.heap.blocks[id])
             .filter(|b| b.state == BlockState::Allocated && b.pool > STITCH)
             .map(|b| b.size)
             .sum()
@@ -71,7 +72,8 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// The largest cached free block, over every pool and stream.
     pub fn largest_free_block(&self) -> u64 {
-        self.pools
+        self.heap
+            .pools
             .iter()
             .map(|p| p.free_bytes_and_largest().1)
             .max()
@@ -80,7 +82,8 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// Bytes cached in free blocks, over every pool and stream.
     pub fn cached_free_bytes(&self) -> u64 {
-        self.pools
+        self.heap
+            .pools
             .iter()
             .map(|p| p.free_bytes_and_largest().0)
             .sum()

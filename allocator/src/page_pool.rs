@@ -58,11 +58,16 @@ impl PagePool {
         self.free_bytes[slot(kind)]
     }
 
-    /// Bytes of pooled handles that mapping `size` bytes would use, taking
-    /// the largest handle that still fits each time.
-    pub fn usable(&self, size: u64) -> u64 {
+    /// Bytes of pooled handles that mapping `size` bytes of `page`-byte
+    /// pages would use, taking the largest handle that still fits each time
+    /// (only whole pages: a large pool's pages may be larger than a handle
+    /// the small pool gave back).
+    pub fn usable(&self, size: u64, page: u64) -> u64 {
         let mut left = size;
         for (&s, hs) in self.free.iter().rev() {
+            if s % page != 0 {
+                continue;
+            }
             let n = (left / s).min(hs.len() as u64);
             left -= n * s;
         }
@@ -88,7 +93,13 @@ impl PagePool {
         let mut deltas = [0i64; 2];
         let mut chosen: Vec<(HandleId, u64, PoolKind)> = Vec::new();
         let mut left = size;
-        let sizes: Vec<u64> = self.free.keys().rev().copied().collect();
+        let sizes: Vec<u64> = self
+            .free
+            .keys()
+            .rev()
+            .filter(|&&s| s % page == 0)
+            .copied()
+            .collect();
         for s in sizes {
             let hs = self.free.get_mut(&s).expect("listed key");
             while left >= s

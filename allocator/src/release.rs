@@ -3,8 +3,9 @@
 
 use crate::backend::{Backend, StreamId};
 use crate::block::{BlockId, BlockState, PoolId};
-use crate::device::{DeviceAllocator, LARGE, SMALL};
+use crate::device::DeviceAllocator;
 use crate::error::AllocError;
+use crate::heap::{LARGE, SMALL};
 use crate::size_class::PoolKind;
 use crate::trace::{Action, pool_code};
 
@@ -36,7 +37,7 @@ impl<B: Backend> DeviceAllocator<B> {
         pools.extend(self.private.freeable_pools());
         for pool in pools {
             self.fuse_free_segments(pool);
-            let whole: Vec<BlockId> = self.pools[pool as usize]
+            let whole: Vec<BlockId> = self.heap.pools[pool as usize]
                 .iter()
                 .filter(|k| self.is_whole_segment(k.3))
                 .map(|k| k.3)
@@ -64,7 +65,7 @@ impl<B: Backend> DeviceAllocator<B> {
             return Ok(false);
         }
         let want = rounded.max(max_split);
-        let p = &self.pools[pool as usize];
+        let p = &self.heap.pools[pool as usize];
         let mut oversize: Vec<(u64, BlockId)> = p
             .iter()
             .filter(|k| k.0 == stream && k.1 >= max_split && self.is_whole_segment(k.3))
@@ -100,12 +101,17 @@ impl<B: Backend> DeviceAllocator<B> {
         // PyTorch's loop: the average age counts every cached large block;
         // a pass frees every whole segment at least that old, without
         // stopping at the target (so GC does not run again at once).
-        let now = self.pools[LARGE as usize].lookups;
+        let now = self.heap.pools[LARGE as usize].lookups;
         let mut total_age = 0u64;
         let mut freeable = 0u64;
-        for k in self.pools[LARGE as usize].iter() {
-            if !self.segments.get(self.blocks[k.3].segment).expandable {
-                total_age += now - self.blocks[k.3].gc_base;
+        for k in self.heap.pools[LARGE as usize].iter() {
+            if !self
+                .heap
+                .segments
+                .get(self.heap.blocks[k.3].segment)
+                .expandable
+            {
+                total_age += now - self.heap.blocks[k.3].gc_base;
                 freeable += 1;
             }
         }
@@ -114,10 +120,10 @@ impl<B: Backend> DeviceAllocator<B> {
         while reclaimed < target && freed_any && freeable > 0 {
             let threshold_age = total_age as f64 / freeable as f64;
             freed_any = false;
-            let old: Vec<(u64, u64, BlockId)> = self.pools[LARGE as usize]
+            let old: Vec<(u64, u64, BlockId)> = self.heap.pools[LARGE as usize]
                 .iter()
                 .filter(|k| self.is_whole_segment(k.3))
-                .map(|k| (now - self.blocks[k.3].gc_base, k.1, k.3))
+                .map(|k| (now - self.heap.blocks[k.3].gc_base, k.1, k.3))
                 .filter(|&(age, _, _)| age as f64 >= threshold_age)
                 .collect();
             for (age, size, id) in old {
@@ -136,41 +142,42 @@ impl<B: Backend> DeviceAllocator<B> {
     /// releasing it waits for all work anyway, so the streams do not matter.
     fn fuse_free_segments(&mut self, pool: PoolId) {
         let firsts: Vec<BlockId> = self
+            .heap
             .segments
             .iter()
             .filter(|(_, s)| s.pool == pool && !s.expandable)
             .map(|(_, s)| s.first)
             .collect();
-        let kind = self.pools[pool as usize].kind;
+        let kind = self.heap.pools[pool as usize].kind;
         for first in firsts {
             let mut all_free = true;
             let mut cur = Some(first);
             while let Some(id) = cur {
-                all_free &= self.blocks[id].state == BlockState::Free;
-                cur = self.blocks[id].next;
+                all_free &= self.heap.blocks[id].state == BlockState::Free;
+                cur = self.heap.blocks[id].next;
             }
-            if !all_free || self.blocks[first].next.is_none() {
+            if !all_free || self.heap.blocks[first].next.is_none() {
                 continue;
             }
             let mut pieces = 0i64;
             let mut bytes = 0i64;
             let mut cur = Some(first);
             while let Some(id) = cur {
-                let b = &self.blocks[id];
+                let b = &self.heap.blocks[id];
                 let key = (b.stream, b.size, b.ptr, id);
                 pieces += 1;
                 bytes += b.size as i64;
                 cur = b.next;
-                self.pools[pool as usize].remove(key);
+                self.heap.pools[pool as usize].remove(key);
                 if id != first {
-                    self.blocks.remove(id);
+                    self.heap.blocks.remove(id);
                 }
             }
-            let b = &mut self.blocks[first];
+            let b = &mut self.heap.blocks[first];
             b.size = bytes as u64;
             b.next = None;
             let key = (b.stream, b.size, b.ptr, first);
-            self.pools[pool as usize].insert(key);
+            self.heap.pools[pool as usize].insert(key);
             self.stats.inactive_split.update(kind, -pieces);
             self.stats.inactive_split_bytes.update(kind, -bytes);
         }
@@ -178,20 +185,20 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// Whether a block spans a whole plain segment (and so can be released).
     pub(crate) fn is_whole_segment(&self, id: BlockId) -> bool {
-        let b = &self.blocks[id];
-        !b.is_split() && !self.segments.get(b.segment).expandable
+        let b = &self.heap.blocks[id];
+        !b.is_split() && !self.heap.segments.get(b.segment).expandable
     }
 
     /// Returns a cached block that spans its whole segment to the backend.
     pub(crate) fn release_segment(&mut self, id: BlockId) -> Result<(), AllocError> {
-        let b = &self.blocks[id];
+        let b = &self.heap.blocks[id];
         debug_assert!(b.state == BlockState::Free && !b.is_split());
         let (ptr, size, stream, pool, seg) = (b.ptr, b.size, b.stream, b.pool, b.segment);
         self.backend.release(ptr, size)?;
-        self.pools[pool as usize].remove((stream, size, ptr, id));
-        let kind = self.pools[pool as usize].kind;
-        let seg_stream = self.segments.remove(seg).stream;
-        self.blocks.remove(id);
+        self.heap.pools[pool as usize].remove((stream, size, ptr, id));
+        let kind = self.heap.pools[pool as usize].kind;
+        let seg_stream = self.heap.segments.remove(seg).stream;
+        self.heap.blocks.remove(id);
         self.stats.segment.update(kind, -1);
         self.stats.reserved_bytes.update(kind, -(size as i64));
         self.stats.num_device_free += 1;

@@ -6,6 +6,7 @@
 //! - `allocation_size(n) >= n` for every rounded `n`.
 
 use crate::config::Config;
+pub use crate::config::{POWER2_INTERVALS, power2_bucket};
 
 /// Every size is rounded up to a multiple of this (PyTorch's `kMinBlockSize`).
 pub const MIN_BLOCK_SIZE: u64 = 512;
@@ -20,8 +21,6 @@ pub const ROUND_LARGE: u64 = 2 << 20;
 /// The largest request the allocator considers (256 TiB): anything larger
 /// can never fit a device and is refused before any size arithmetic.
 pub const MAX_REQUEST: u64 = 1 << 48;
-/// Number of `roundup_power2_divisions` buckets, from 1 MiB up (`kRoundUpPowerOfTwoIntervals`).
-pub const POWER2_INTERVALS: usize = 16;
 
 /// Which of the two block pools a size belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -81,13 +80,6 @@ pub fn roundup_power2_next_division(size: u64, divisions: u64) -> u64 {
     let out = floor + n * step;
     // Keep the 512 B granularity for tiny steps.
     out.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
-}
-
-/// Index of the `roundup_power2_divisions` bucket of a size: `log2(size) - 20`,
-/// clamped to `[0, 15]`.
-pub fn power2_bucket(size: u64) -> usize {
-    let log2 = 63 - size.max(1).leading_zeros() as i64;
-    (log2 - 20).clamp(0, POWER2_INTERVALS as i64 - 1) as usize
 }
 
 /// The segment size requested from the backend for a rounded request

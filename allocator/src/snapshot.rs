@@ -3,7 +3,8 @@
 
 use crate::backend::{Backend, DevicePtr, StreamId};
 use crate::block::BlockState;
-use crate::device::{DeviceAllocator, STITCH};
+use crate::device::DeviceAllocator;
+use crate::heap::STITCH;
 use crate::pool::PoolKey;
 use crate::size_class::PoolKind;
 
@@ -56,12 +57,12 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Every segment, sorted by address.
     pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
         let mut out = Vec::new();
-        for (_, seg) in self.segments.iter() {
-            let pool_id = self.pools[seg.pool as usize].private.unwrap_or((0, 0));
+        for (_, seg) in self.heap.segments.iter() {
+            let pool_id = self.heap.pools[seg.pool as usize].private.unwrap_or((0, 0));
             let mut run: Option<SegmentSnapshot> = None;
             let mut cur = Some(seg.first);
             while let Some(id) = cur {
-                let b = &self.blocks[id];
+                let b = &self.heap.blocks[id];
                 cur = b.next;
                 let claimed_at_home = b.state == BlockState::Claimed && seg.pool != STITCH;
                 if b.state == BlockState::Unmapped || claimed_at_home {

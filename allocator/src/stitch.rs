@@ -21,46 +21,14 @@
 //! memory already counted as reserved, so they add nothing to it.
 
 use crate::backend::{Backend, DevicePtr, HandleId, StreamId};
-use crate::block::{Block, BlockId, BlockState, SegmentId};
-use crate::device::{DeviceAllocator, LARGE, STITCH};
+use crate::block::{Block, BlockId, BlockState};
+use crate::device::DeviceAllocator;
 use crate::error::AllocError;
+use crate::heap::{LARGE, STITCH};
 use crate::segment::Segment;
 use crate::size_class::PoolKind;
+use crate::stitch_cache::{MAX_CACHED, Part, Stitch};
 use crate::trace::{Action, pool_code};
-
-/// Cached stitches kept per device; beyond, the least recently used goes.
-const MAX_CACHED: usize = 16;
-
-/// One handle of a stitch: where it lives at home, and its size.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Part {
-    pub seg: SegmentId,
-    pub addr: DevicePtr,
-    pub handle: HandleId,
-    pub size: u64,
-}
-
-/// A stitched address range and the home runs it aliases.
-pub(crate) struct Stitch {
-    pub va: DevicePtr,
-    pub size: u64,
-    pub stream: StreamId,
-    /// Home handles in the order they are mapped from `va`.
-    pub parts: Vec<Part>,
-    /// The segment of its allocated block, while in use.
-    pub in_use: Option<SegmentId>,
-    /// Fence stamp of its last free (Note [Event-ordered unmapping]).
-    pub freed: u64,
-    /// Use counter value at its last use (least recently used goes first).
-    pub used_at: u64,
-}
-
-/// The device's stitches (Note [Stitching]).
-#[derive(Default)]
-pub(crate) struct Stitches {
-    pub list: Vec<Stitch>,
-    uses: u64,
-}
 
 impl<B: Backend> DeviceAllocator<B> {
     /// Serves `rounded` bytes for `stream` from a stitch: a cached one whose
@@ -98,8 +66,8 @@ impl<B: Backend> DeviceAllocator<B> {
     fn parts_free(&self, parts: &[Part], stream: StreamId) -> bool {
         parts.iter().all(|p| {
             self.pages.handle_at(p.addr) == Some((p.handle, p.size))
-                && self.find_block(p.seg, p.addr).is_some_and(|b| {
-                    let b = &self.blocks[b];
+                && self.heap.find_block(p.seg, p.addr).is_some_and(|b| {
+                    let b = &self.heap.blocks[b];
                     b.state == BlockState::Free
                         && b.stream == stream
                         && p.addr + p.size <= b.ptr + b.size
@@ -116,7 +84,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let mut runs: Vec<_> = self
             .free_runs(None)
             .into_iter()
-            .filter(|r| r.3 == stream && self.segments.get(r.2).pool == LARGE)
+            .filter(|r| r.3 == stream && self.heap.segments.get(r.2).pool == LARGE)
             .collect();
         runs.sort_unstable_by_key(|r| (std::cmp::Reverse(r.0), r.1));
         let mut parts = Vec::new();
@@ -174,10 +142,11 @@ impl<B: Backend> DeviceAllocator<B> {
         s.parts = parts;
         s.used_at = self.stitches.uses;
         let (va, size, stream) = (s.va, s.size, s.stream);
-        let block = self
-            .blocks
-            .insert(Block::new(va, size, stream, 0, STITCH, BlockState::Free));
-        let seg = self.segments.insert(Segment {
+        let block =
+            self.heap
+                .blocks
+                .insert(Block::new(va, size, stream, 0, STITCH, BlockState::Free));
+        let seg = self.heap.segments.insert(Segment {
             ptr: va,
             size,
             kind: PoolKind::Large,
@@ -187,7 +156,7 @@ impl<B: Backend> DeviceAllocator<B> {
             expandable: true,
             mapped: size,
         });
-        self.blocks[block].segment = seg;
+        self.heap.blocks[block].segment = seg;
         if size > rounded {
             let rest = Block {
                 prev: Some(block),
@@ -200,9 +169,9 @@ impl<B: Backend> DeviceAllocator<B> {
                     BlockState::Claimed,
                 )
             };
-            let r = self.blocks.insert(rest);
-            self.blocks[block].next = Some(r);
-            self.blocks[block].size = rounded;
+            let r = self.heap.blocks.insert(rest);
+            self.heap.blocks[block].next = Some(r);
+            self.heap.blocks[block].size = rounded;
         }
         self.stitches.list[i].in_use = Some(seg);
         block
@@ -211,18 +180,18 @@ impl<B: Backend> DeviceAllocator<B> {
     /// A freed stitch block: its runs become free at home, the stitch is
     /// cached. Called instead of indexing the block (`free_block`).
     pub(crate) fn unclaim_stitch(&mut self, id: BlockId, stamp: u64) {
-        let seg = self.blocks[id].segment;
+        let seg = self.heap.blocks[id].segment;
         let i = self
             .stitches
             .list
             .iter()
             .position(|s| s.in_use == Some(seg))
             .expect("a stitch block belongs to a stitch");
-        self.segments.remove(seg);
-        if let Some(rest) = self.blocks[id].next {
-            self.blocks.remove(rest);
+        self.heap.segments.remove(seg);
+        if let Some(rest) = self.heap.blocks[id].next {
+            self.heap.blocks.remove(rest);
         }
-        self.blocks.remove(id);
+        self.heap.blocks.remove(id);
         let parts = std::mem::take(&mut self.stitches.list[i].parts);
         for p in &parts {
             self.set_home(p, BlockState::Free);
@@ -237,39 +206,40 @@ impl<B: Backend> DeviceAllocator<B> {
     /// claimed), merging free blocks as `free_block` does.
     fn set_home(&mut self, p: &Part, state: BlockState) {
         let id = self
+            .heap
             .find_block(p.seg, p.addr)
             .expect("part inside its segment");
-        let (ptr, size) = (self.blocks[id].ptr, self.blocks[id].size);
+        let (ptr, size) = (self.heap.blocks[id].ptr, self.heap.blocks[id].size);
         let end = p.addr + p.size;
         if state == BlockState::Claimed {
-            self.unindex(id);
+            self.heap.unindex(id);
         }
         let mut mid = id;
         if p.addr > ptr {
-            let head = self.carve_front(mid, p.addr - ptr, self.blocks[id].state);
+            let head = self
+                .heap
+                .carve_front(mid, p.addr - ptr, self.heap.blocks[id].state);
             if state == BlockState::Claimed {
-                self.reindex(head);
+                self.heap.reindex(head);
             }
         }
         if end < ptr + size {
-            let m = self.carve_front(mid, p.size, state);
+            let m = self.heap.carve_front(mid, p.size, state);
             if state == BlockState::Claimed {
-                self.reindex(mid);
+                self.heap.reindex(mid);
             }
             mid = m;
         } else {
-            self.blocks[mid].state = state;
+            self.heap.blocks[mid].state = state;
         }
         if state == BlockState::Free {
-            self.merge_free(mid);
+            self.heap.merge_free(mid);
         }
     }
 
     /// Whether a cached stitch aliases a handle mapped in `[lo, hi)`.
     pub(crate) fn aliased(&self, lo: DevicePtr, hi: DevicePtr) -> bool {
-        self.stitches.list.iter().any(|s| {
-            s.in_use.is_none() && s.parts.iter().any(|p| p.addr < hi && lo < p.addr + p.size)
-        })
+        self.stitches.aliased(lo, hi)
     }
 
     /// Tears down cached stitches that alias a handle mapped in `[lo, hi)`.
@@ -278,9 +248,7 @@ impl<B: Backend> DeviceAllocator<B> {
         lo: DevicePtr,
         hi: DevicePtr,
     ) -> Result<(), AllocError> {
-        while let Some(i) = self.stitches.list.iter().position(|s| {
-            s.in_use.is_none() && s.parts.iter().any(|p| p.addr < hi && lo < p.addr + p.size)
-        }) {
+        while let Some(i) = self.stitches.cached_over(lo, hi) {
             self.drop_stitch(i)?;
         }
         Ok(())
@@ -288,22 +256,14 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// Tears down every cached stitch.
     pub(crate) fn drop_cached_stitches(&mut self) -> Result<(), AllocError> {
-        while let Some(i) = self.stitches.list.iter().position(|s| s.in_use.is_none()) {
+        while let Some(i) = self.stitches.any_cached() {
             self.drop_stitch(i)?;
         }
         Ok(())
     }
 
     fn evict_stitch(&mut self) -> Result<(), AllocError> {
-        let lru = self
-            .stitches
-            .list
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.in_use.is_none())
-            .min_by_key(|(_, s)| s.used_at)
-            .map(|(i, _)| i);
-        match lru {
+        match self.stitches.least_recent() {
             Some(i) => self.drop_stitch(i),
             None => Ok(()),
         }

@@ -5,14 +5,16 @@
 //! readable up to its last block and let the reader stream with memory
 //! bounded by one block; deltas keep an event near 10 bytes on disk.
 
-mod control;
 mod event;
 pub mod format;
 pub mod reader;
 pub mod recorder;
 pub mod writer;
 
-pub use control::TRACE_ENV;
+/// The environment variable that starts a trace at initialization
+/// (`trace_control.rs`); `{pid}` in its value is replaced by the process id.
+pub const TRACE_ENV: &str = "GPUALLOC_TRACE";
+
 pub use event::{Action, TraceEvent, pool_code};
 pub use format::{TraceEnd, TraceError, TraceErrorKind, TraceHeader};
 pub use reader::TraceReader;

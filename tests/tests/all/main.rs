@@ -10,3 +10,4 @@ mod gpu_recorded;
 mod promise;
 mod properties;
 mod scenarios;
+mod structure;

@@ -10,12 +10,8 @@ use std::sync::Arc;
 use crate::allocator::Allocator;
 use crate::backend::Backend;
 use crate::device::DeviceAllocator;
-use crate::trace::Action;
 use crate::trace::recorder::{Recorder, TraceOptions, TraceSummary};
-
-/// The environment variable that starts a trace at initialization; `{pid}`
-/// in its value is replaced by the process id.
-pub const TRACE_ENV: &str = "GPUALLOC_TRACE";
+use crate::trace::{Action, TRACE_ENV};
 
 impl<B: Backend> Allocator<B> {
     /// Starts tracing to `path` with the default [`TraceOptions`].
@@ -319,7 +315,7 @@ mod tests {
         .unwrap();
         let rec = a.current_recorder().unwrap();
         let (ack_tx, ack_rx) = crossbeam_channel::bounded(0);
-        rec.send(super::super::recorder::Msg::Flush(ack_tx));
+        rec.send(crate::trace::recorder::Msg::Flush(ack_tx));
         for _ in 0..50 {
             let p = a.malloc(0, 4096, 0).unwrap();
             a.free(0, p).unwrap();
@@ -374,7 +370,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let pattern = dir.join("run-{pid}.gtrace");
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "trace::control::tests::env_child", "--nocapture"])
+            .args(["--exact", "trace_control::tests::env_child", "--nocapture"])
             .env(TRACE_ENV, &pattern)
             .output()
             .unwrap();

@@ -1,0 +1,197 @@
+//! The private pools of one device and the open allocation scopes: which
+//! pool an allocation goes to while a CUDA graph is captured, and how many
+//! holds keep each pool (Note [Private pools] in `capture.rs`).
+
+use crate::backend::StreamId;
+use crate::block::PoolId;
+use crate::error::AllocError;
+use crate::heap::STITCH;
+use crate::pool::PoolKey;
+use crate::size_class::PoolKind;
+
+/// Decides whether an allocation on a stream belongs to a scope's pool.
+pub type StreamFilter = Box<dyn Fn(StreamId) -> bool + Send>;
+
+struct PrivatePool {
+    key: PoolKey,
+    /// Creation order on this device (trace pool codes use it).
+    index: u32,
+    small: PoolId,
+    large: PoolId,
+    /// Open captures and graphs holding the pool; freeable at 0.
+    use_count: u32,
+    segments: usize,
+    allocated: usize,
+}
+
+struct Scope {
+    key: PoolKey,
+    filter: Option<StreamFilter>,
+}
+
+/// The private pools of one device and the open allocation scopes.
+#[derive(Default)]
+pub(crate) struct PrivatePools {
+    pools: Vec<PrivatePool>,
+    scopes: Vec<Scope>,
+    next_index: u32,
+    vacant_ids: Vec<PoolId>,
+}
+
+impl PrivatePools {
+    /// Opens a scope for pool `key`, taking a hold on it; a new pool gets
+    /// its `(small, large)` ids from `ids` (called only then). Returns the
+    /// new pool's ids, or `None` when the pool existed.
+    pub fn open(
+        &mut self,
+        key: PoolKey,
+        filter: Option<StreamFilter>,
+        mut ids: impl FnMut(Option<PoolId>) -> PoolId,
+    ) -> Option<(PoolId, PoolId)> {
+        self.scopes.push(Scope { key, filter });
+        if let Some(p) = self.pools.iter_mut().find(|p| p.key == key) {
+            p.use_count += 1;
+            return None;
+        }
+        let small = ids(self.vacant_ids.pop());
+        let large = ids(self.vacant_ids.pop());
+        self.pools.push(PrivatePool {
+            key,
+            index: self.next_index,
+            small,
+            large,
+            use_count: 1,
+            segments: 0,
+            allocated: 0,
+        });
+        self.next_index += 1;
+        Some((small, large))
+    }
+
+    /// Closes the innermost scope of pool `key`.
+    pub fn close(&mut self, key: PoolKey) -> Result<(), AllocError> {
+        let pos = self
+            .scopes
+            .iter()
+            .rposition(|s| s.key == key)
+            .ok_or(AllocError::UnknownPool { pool: key })?;
+        self.scopes.remove(pos);
+        Ok(())
+    }
+
+    /// Drops one hold on pool `key`; returns its `(small, large)` ids when
+    /// nothing holds it any more.
+    pub fn release(&mut self, key: PoolKey) -> Result<Option<(PoolId, PoolId)>, AllocError> {
+        let p = self
+            .pools
+            .iter_mut()
+            .find(|p| p.key == key && p.use_count > 0)
+            .ok_or(AllocError::UnknownPool { pool: key })?;
+        p.use_count -= 1;
+        Ok((p.use_count == 0).then_some((p.small, p.large)))
+    }
+
+    /// Whether any allocation scope (a capture) is open.
+    #[inline]
+    pub fn capturing(&self) -> bool {
+        !self.scopes.is_empty()
+    }
+
+    #[inline]
+    pub fn pool_for(&self, stream: StreamId, kind: PoolKind) -> Option<PoolId> {
+        if self.scopes.is_empty() {
+            return None;
+        }
+        let scope = self
+            .scopes
+            .iter()
+            .rev()
+            .find(|s| s.filter.as_ref().is_none_or(|f| f(stream)))?;
+        let p = self.pools.iter().find(|p| p.key == scope.key)?;
+        Some(match kind {
+            PoolKind::Small => p.small,
+            PoolKind::Large => p.large,
+        })
+    }
+
+    fn owner_mut(&mut self, pool: PoolId) -> Option<&mut PrivatePool> {
+        self.pools
+            .iter_mut()
+            .find(|p| p.small == pool || p.large == pool)
+    }
+
+    pub fn index_of(&self, pool: PoolId) -> Option<u32> {
+        if pool <= STITCH {
+            return None;
+        }
+        self.pools
+            .iter()
+            .find(|p| p.small == pool || p.large == pool)
+            .map(|p| p.index)
+    }
+
+    #[inline]
+    pub fn segment_added(&mut self, pool: PoolId) {
+        if pool > STITCH
+            && let Some(p) = self.owner_mut(pool)
+        {
+            p.segments += 1;
+        }
+    }
+
+    #[inline]
+    pub fn segment_removed(&mut self, pool: PoolId) {
+        if pool > STITCH
+            && let Some(p) = self.owner_mut(pool)
+        {
+            p.segments -= 1;
+        }
+    }
+
+    #[inline]
+    pub fn block_allocated(&mut self, pool: PoolId) {
+        if pool > STITCH
+            && let Some(p) = self.owner_mut(pool)
+        {
+            p.allocated += 1;
+        }
+    }
+
+    #[inline]
+    pub fn block_freed(&mut self, pool: PoolId) {
+        if pool > STITCH
+            && let Some(p) = self.owner_mut(pool)
+        {
+            p.allocated -= 1;
+        }
+    }
+
+    /// Pools of private pools that nothing holds any more.
+    pub fn freeable_pools(&self) -> Vec<PoolId> {
+        self.pools
+            .iter()
+            .filter(|p| p.use_count == 0)
+            .flat_map(|p| [p.small, p.large])
+            .collect()
+    }
+
+    /// Forgets released private pools that hold no segment.
+    pub fn erase_empty(&mut self) {
+        let vacant = &mut self.vacant_ids;
+        self.pools.retain(|p| {
+            let keep = p.use_count > 0 || p.segments > 0;
+            if !keep {
+                vacant.extend([p.small, p.large]);
+            }
+            keep
+        });
+    }
+
+    /// Private pools alive: `(id, use count, segments, live allocations)`.
+    pub fn list(&self) -> Vec<(PoolKey, u32, usize, usize)> {
+        self.pools
+            .iter()
+            .map(|p| (p.key, p.use_count, p.segments, p.allocated))
+            .collect()
+    }
+}

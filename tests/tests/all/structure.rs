@@ -1,0 +1,112 @@
+//! The core crate's shape: no import cycles between its modules, so each
+//! piece of state (heap, page pool, fences, limits, private pools, stitch
+//! cache) can be read and tested without the allocator that uses it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Every `.rs` file under `dir`.
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("allocator/src is readable") {
+        let path = entry.expect("directory entry").path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// Top-level module of a file: `backend/sim.rs` is in `backend`.
+fn module_of(src: &Path, file: &Path) -> String {
+    let rel = file.strip_prefix(src).expect("file under src");
+    let first = rel.components().next().expect("non-empty path");
+    let name = first.as_os_str().to_string_lossy();
+    name.trim_end_matches(".rs").to_string()
+}
+
+/// Module → the modules it names as `crate::name` outside comments.
+fn imports() -> BTreeMap<String, BTreeSet<String>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../allocator/src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for file in files {
+        let module = module_of(&src, &file);
+        if module == "lib" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).expect("source is readable");
+        let deps = graph.entry(module.clone()).or_default();
+        for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
+            for (i, _) in line.match_indices("crate::") {
+                let name: String = line[i + 7..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                if !name.is_empty() && name != module {
+                    deps.insert(name);
+                }
+            }
+        }
+    }
+    graph
+}
+
+/// A cycle through `node`, as the path of modules, if any.
+fn cycle_from(
+    graph: &BTreeMap<String, BTreeSet<String>>,
+    node: &str,
+    path: &mut Vec<String>,
+    done: &mut BTreeSet<String>,
+) -> Option<Vec<String>> {
+    if let Some(at) = path.iter().position(|m| m == node) {
+        let mut cycle = path[at..].to_vec();
+        cycle.push(node.to_string());
+        return Some(cycle);
+    }
+    if done.contains(node) {
+        return None;
+    }
+    path.push(node.to_string());
+    for next in graph.get(node).into_iter().flatten() {
+        if let Some(c) = cycle_from(graph, next, path, done) {
+            return Some(c);
+        }
+    }
+    path.pop();
+    done.insert(node.to_string());
+    None
+}
+
+#[test]
+fn the_core_crate_has_no_import_cycles() {
+    let graph = imports();
+    assert!(graph.len() > 20, "read {} modules", graph.len());
+    assert!(graph["device"].contains("heap"), "the scan sees imports");
+    let mut done = BTreeSet::new();
+    for module in graph.keys() {
+        if let Some(c) = cycle_from(&graph, module, &mut Vec::new(), &mut done) {
+            panic!("import cycle in allocator/src: {}", c.join(" -> "));
+        }
+    }
+}
+
+#[test]
+fn state_pieces_do_not_depend_on_the_device_allocator() {
+    let graph = imports();
+    for piece in [
+        "heap",
+        "page_pool",
+        "fence",
+        "limits",
+        "private_pool",
+        "stitch_cache",
+    ] {
+        assert!(
+            !graph[piece].contains("device"),
+            "{piece} imports device: {:?}",
+            graph[piece]
+        );
+    }
+}
