@@ -345,7 +345,7 @@ impl Backend for SimBackend {
             self.forbid_in_capture("allocate without the capturing flag");
         }
         self.allocate_calls += 1;
-        if self.fail_allocate_at == Some(self.allocate_calls) || self.used + size > self.capacity {
+        if self.fail_allocate_at == Some(self.allocate_calls) || size > self.capacity - self.used {
             self.counters.allocate_failed += 1;
             return Err(BackendError::OutOfMemory { requested: size });
         }
@@ -486,7 +486,7 @@ impl Backend for SimBackend {
             self.forbid_in_capture("create_handle without the capturing flag");
         }
         self.map_calls += 1;
-        if self.fail_map_at == Some(self.map_calls) || self.used + size > self.capacity {
+        if self.fail_map_at == Some(self.map_calls) || size > self.capacity - self.used {
             return Err(BackendError::OutOfMemory { requested: size });
         }
         let h = self.next_handle;
