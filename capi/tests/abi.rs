@@ -351,3 +351,42 @@ fn thread_exit_and_atexit_calls_do_not_abort() {
     assert!(stdout.trim_end().ends_with("exit ok"), "{stdout}");
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// Read-only calls before the first allocation create nothing, so a later
+/// `gpualloc_init` still takes effect; a successful call clears the last
+/// error; a bad `GPUALLOC_CONF` is reported once, briefly; a non-UTF-8
+/// `GPUALLOC_CONF` is an error, not ignored.
+#[test]
+fn read_only_calls_and_errors() {
+    let (out, exe) = build_c("errors_test");
+    let run = run_sim(&exe, &[]);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{}\n{stdout}\n{stderr}", run.status);
+    assert!(stdout.trim_end().ends_with("ALL OK"), "{stdout}\n{stderr}");
+
+    // A bad configuration of 100 KB, and many frees: one short message.
+    let bad = format!("max_split_size_mb:{}", "9".repeat(100_000));
+    let run = run_sim(
+        &exe,
+        &[("GPUALLOC_CONF", bad.as_ref()), ("BAD_CONF", "1".as_ref())],
+    );
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{}\n{stderr}", run.status);
+    assert_eq!(stderr.matches("max_split_size_mb").count(), 1, "{stderr}");
+    assert!(stderr.len() < 1000, "{} bytes of stderr", stderr.len());
+
+    use std::os::unix::ffi::OsStrExt;
+    let not_utf8 = std::ffi::OsStr::from_bytes(b"max_split_size_mb:\xff64");
+    let run = run_sim(
+        &exe,
+        &[("GPUALLOC_CONF", not_utf8), ("BAD_CONF", "1".as_ref())],
+    );
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{}\n{stderr}", run.status);
+    assert!(
+        stderr.contains("GPUALLOC_CONF") && stderr.contains("UTF-8"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
