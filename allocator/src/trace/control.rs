@@ -41,12 +41,10 @@ impl<B: Backend> Allocator<B> {
                     format!("gpualloc is already tracing to {}", r.path().display()),
                 ));
             }
-            let rec = Arc::new(Recorder::start(
-                path,
-                &self.config.source,
-                self.devices.len() as u32,
-                opts,
-            )?);
+            let rec = Arc::new(
+                Recorder::start(path, &self.config.source, self.devices.len() as u32, opts)
+                    .map_err(|e| naming(path, e))?,
+            );
             *slot = Some(rec.clone());
             rec
         };
@@ -93,7 +91,7 @@ impl<B: Backend> Allocator<B> {
                 rec.send(b);
             }
         });
-        rec.flush()
+        rec.flush().map_err(|e| naming(rec.path(), e))
     }
 
     /// Stops tracing: flushes every buffer, writes the END block, joins the
@@ -108,7 +106,7 @@ impl<B: Backend> Allocator<B> {
         for t in traces {
             t.finish();
         }
-        rec.stop()
+        rec.stop().map_err(|e| naming(rec.path(), e))
     }
 
     /// Opens a named phase on every device (no-op when not tracing).
@@ -170,6 +168,11 @@ fn sync_drops<B: Backend>(d: &mut DeviceAllocator<B>) {
     if let Some(t) = d.trace.as_mut() {
         d.stats.num_trace_dropped += t.take_unsynced_drops() as i64;
     }
+}
+
+/// `e`, its message prefixed with the trace file's name.
+fn naming(path: &Path, e: io::Error) -> io::Error {
+    io::Error::new(e.kind(), format!("trace {}: {e}", path.display()))
 }
 
 fn not_tracing() -> io::Error {
@@ -281,6 +284,15 @@ mod tests {
                 .all(|w| w[0].device != w[1].device || w[0].time_ns <= w[1].time_ns)
         );
         std::fs::remove_file(&path).unwrap();
+    }
+
+    /// A trace that cannot be written names its file.
+    #[test]
+    fn errors_name_the_file() {
+        let a = sim(1);
+        let path = std::env::temp_dir().join("gpualloc-no-such-dir/x.gtrace");
+        let e = a.trace_start(&path).unwrap_err().to_string();
+        assert!(e.contains("gpualloc-no-such-dir/x.gtrace"), "{e}");
     }
 
     #[test]
