@@ -11,7 +11,7 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter};
 use std::path::Path;
 
-use gpualloc::trace::{Action, TraceEvent, TraceHeader, TraceWriter};
+use gpualloc::trace::{Action, MAX_DEVICES, TraceEvent, TraceHeader, TraceWriter};
 use rustc_hash::FxHashMap;
 
 use crate::input::CliError;
@@ -98,7 +98,9 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         let device = match cdev {
             Some(c) => field(c)?
                 .parse()
-                .map_err(|_| bad(c, "expected a device index"))?,
+                .ok()
+                .filter(|&d| d < MAX_DEVICES)
+                .ok_or_else(|| bad(c, &format!("expected a device index below {MAX_DEVICES}")))?,
             None => 0,
         };
         let e = TraceEvent {

@@ -33,14 +33,14 @@ pub fn run(
         let config = Config::parse(c).map_err(|e| CliError(format!("--config {c:?}: {e}")))?;
         let mut reader = input::open(path)?;
         let r = replay(reader.events(), capacity, &config);
-        if let Some(e) = reader.take_error()
-            && !allow_truncated
-        {
-            return Err(CliError(format!(
-                "{}: {e} (after {} events); pass --allow-truncated to replay the readable prefix",
-                path.display(),
-                r.events
-            )));
+        if let Some(e) = reader.take_error() {
+            let msg = format!("{}: {e} (after {} events)", path.display(), r.events);
+            if !allow_truncated {
+                return Err(CliError(format!(
+                    "{msg}; pass --allow-truncated to replay the readable prefix"
+                )));
+            }
+            input::warn_once(&msg, &format!("{msg}; the readable prefix was replayed"));
         }
         strings = reader.strings().to_vec();
         results.push(r);
