@@ -600,6 +600,20 @@ impl Backend for SimBackend {
 mod tests {
     use super::*;
 
+    /// A request near `u64::MAX` is out of memory, not an overflow.
+    #[test]
+    fn huge_requests_are_out_of_memory() {
+        let mut s = SimBackend::new(100 << 20);
+        s.allocate(4 << 20, false).unwrap();
+        let huge = u64::MAX - (1 << 20);
+        assert!(matches!(
+            s.allocate(huge, false),
+            Err(BackendError::OutOfMemory { .. })
+        ));
+        let huge_pages = u64::MAX / (2 << 20) * (2 << 20);
+        assert!(s.create_handle(huge_pages, false).is_err());
+    }
+
     #[test]
     fn reuses_released_ranges_first_fit() {
         let mut s = SimBackend::new(100 << 20);
