@@ -227,7 +227,7 @@ const char *gpualloc_version(void);
 int gpualloc_device_count(void);
 
 // The calling thread's last error message, or NULL. The string stays valid
-// until the thread's next failing or control call.
+// until the thread's next gpualloc call other than `gpualloc_last_error*`.
 const char *gpualloc_last_error(void);
 
 // The `GPUALLOC_ERR_*` code of the calling thread's last error, 0 when

@@ -104,7 +104,7 @@ pub extern "C" fn gpualloc_device_count() -> c_int {
 }
 
 /// The calling thread's last error message, or NULL. The string stays valid
-/// until the thread's next failing or control call.
+/// until the thread's next gpualloc call other than `gpualloc_last_error*`.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_last_error() -> *const c_char {
     boundary::last_error_ptr()
