@@ -14,7 +14,7 @@ use std::path::Path;
 use gpualloc::trace::{Action, MAX_DEVICES, TraceEvent, TraceHeader, TraceWriter};
 use rustc_hash::FxHashMap;
 
-use crate::input::CliError;
+use crate::input::{self, CliError};
 
 /// Converts `path` into `out`; returns the number of events written.
 pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
@@ -72,7 +72,7 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                 "{}: line {lineno}, column {}: {what}, found {:?}",
                 path.display(),
                 cols.get(c).unwrap_or(&"?"),
-                f.get(c).unwrap_or(&"")
+                input::clip(f.get(c).unwrap_or(&""))
             ))
         };
         let field = |c: usize| f.get(c).copied().ok_or_else(|| bad(c, "missing field"));

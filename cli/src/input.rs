@@ -59,6 +59,14 @@ impl ScanInfo {
     }
 }
 
+/// At most 64 characters of `s`, for a message that quotes a file's contents.
+pub fn clip(s: &str) -> String {
+    match s.char_indices().nth(64) {
+        None => s.to_string(),
+        Some((i, _)) => format!("{}... ({} bytes)", &s[..i], s.len()),
+    }
+}
+
 /// Prints `gpualloc: warning: {msg}` to stderr unless this message, or
 /// another with the same `key`, was printed already: a command may read its
 /// input several times, and see the same damage each time.

@@ -30,7 +30,8 @@ pub fn run(
     let mut results = Vec::new();
     let mut strings = Vec::new();
     for c in &configs {
-        let config = Config::parse(c).map_err(|e| CliError(format!("--config {c:?}: {e}")))?;
+        // The parser's message quotes the bad part; the option is named.
+        let config = Config::parse(c).map_err(|e| CliError(format!("--config: {e}")))?;
         let mut reader = input::open(path)?;
         let r = replay(reader.events(), capacity, &config);
         if let Some(e) = reader.take_error() {

@@ -217,3 +217,32 @@ fn device_numbers_from_files_are_bounded() {
         "{err}"
     );
 }
+
+/// Messages that quote an option or a file's contents stay short.
+#[test]
+fn messages_quoting_input_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path());
+    let long = format!("max_split_size_mb:{}", "9".repeat(100_000));
+    let err = fails(&["replay", s(&t), "--capacity", "1GiB", "--config", &long]);
+    assert!(
+        err.contains("max_split_size_mb") && err.len() < 600,
+        "{} bytes",
+        err.len()
+    );
+    let csv = dir.path().join("log.csv");
+    std::fs::write(
+        &csv,
+        format!(
+            "Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000001,allocate,0x7f0000000000,{},0x0\n",
+            "x".repeat(100_000)
+        ),
+    )
+    .unwrap();
+    let err = fails(&["import", s(&csv), "-o", s(&dir.path().join("i.gtrace"))]);
+    assert!(
+        err.contains("Size") && err.len() < 600,
+        "{} bytes",
+        err.len()
+    );
+}
