@@ -288,7 +288,8 @@ int gpualloc_set_memory_limit(int device, uint64_t bytes);
 int gpualloc_mem_info(int device, uint64_t *free_bytes, uint64_t *total_bytes);
 
 // Checks `device`'s internal invariants (tests, debugging): blocks tile
-// segments, free lists agree with blocks, stats agree with both.
+// segments, free lists agree with blocks, stats agree with both. Before
+// the first allocation there is nothing to check, and nothing is created.
 int gpualloc_check_invariants(int device);
 
 // The calling thread's last out-of-memory report: filled by a

@@ -341,12 +341,15 @@ pub unsafe extern "C" fn gpualloc_mem_info(
 }
 
 /// Checks `device`'s internal invariants (tests, debugging): blocks tile
-/// segments, free lists agree with blocks, stats agree with both.
+/// segments, free lists agree with blocks, stats agree with both. Before
+/// the first allocation there is nothing to check, and nothing is created.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_check_invariants(device: c_int) -> c_int {
     status(|| {
-        global()?
-            .alloc
+        let Some(g) = existing() else {
+            return global::idle(i64::from(device)).map(drop);
+        };
+        g.alloc
             .lock(i64::from(device))?
             .check_invariants()
             .map_err(|e| {

@@ -42,6 +42,10 @@ int main(void) {
   size_t needed = 0;
   CHECK(gpualloc_snapshot_json(0, NULL, 0, &needed) == GPUALLOC_ERR_BUFFER_TOO_SMALL);
   CHECK(gpualloc_trace_flush() != GPUALLOC_OK);
+  CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
+  CHECK(gpualloc_end_allocate_to_pool(0, 1, 2) == GPUALLOC_ERR_UNKNOWN_POOL);
+  CHECK(gpualloc_release_pool(0, 1, 2) == GPUALLOC_ERR_UNKNOWN_POOL);
+  CHECK(gpualloc_release_pool(9, 1, 2) == GPUALLOC_ERR_INVALID_DEVICE);
   CHECK(gpualloc_is_initialized() == 0);
   CHECK(gpualloc_init("max_split_size_mb:64") == GPUALLOC_OK);
   CHECK(gpualloc_is_initialized() == 1);
