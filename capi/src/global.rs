@@ -191,12 +191,20 @@ fn start_tracing(alloc: &Allocator<AnyBackend>) {
     crate::trace::from_env(alloc);
 }
 
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+/// A set, non-blank variable; one that is not UTF-8 is an error, not unset.
+fn env(name: &str) -> Result<Option<String>, Error> {
+    match std::env::var(name) {
+        Ok(v) => Ok(Some(v).filter(|v| !v.trim().is_empty())),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(Error::new(
+            GPUALLOC_ERR_CONFIG,
+            format!("gpualloc: {name} is not valid UTF-8"),
+        )),
+    }
 }
 
 fn backend_kind() -> Result<BackendKind, Error> {
-    match env("GPUALLOC_BACKEND").as_deref().map(str::trim) {
+    match env("GPUALLOC_BACKEND")?.as_deref().map(str::trim) {
         None | Some("cuda") => Ok(BackendKind::Cuda),
         Some("sim") => Ok(BackendKind::Sim),
         Some(other) => Err(Error::new(
@@ -211,7 +219,7 @@ fn backend_kind() -> Result<BackendKind, Error> {
 
 /// `GPUALLOC_SIM_DEVICES`: 1 to 64, default 1.
 fn sim_devices() -> Result<usize, Error> {
-    match env("GPUALLOC_SIM_DEVICES") {
+    match env("GPUALLOC_SIM_DEVICES")? {
         Some(v) => v
             .trim()
             .parse::<usize>()
@@ -232,7 +240,7 @@ fn sim_devices() -> Result<usize, Error> {
 
 /// `GPUALLOC_SIM_CAPACITY`: 1 MiB to 1 PiB, default 80 GiB.
 fn sim_capacity() -> Result<u64, Error> {
-    let Some(v) = env("GPUALLOC_SIM_CAPACITY") else {
+    let Some(v) = env("GPUALLOC_SIM_CAPACITY")? else {
         return Ok(DEFAULT_SIM_CAPACITY);
     };
     let bytes = gpualloc::config::parse_bytes("GPUALLOC_SIM_CAPACITY", &v)?;

@@ -388,5 +388,16 @@ fn read_only_calls_and_errors() {
         stderr.contains("GPUALLOC_CONF") && stderr.contains("UTF-8"),
         "{stderr}"
     );
+    let not_utf8 = std::ffi::OsStr::from_bytes(b"si\xffm");
+    let run = run_sim(
+        &exe,
+        &[("GPUALLOC_BACKEND", not_utf8), ("BAD_CONF", "1".as_ref())],
+    );
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{}\n{stderr}", run.status);
+    assert!(
+        stderr.contains("GPUALLOC_BACKEND is not valid UTF-8"),
+        "{stderr}"
+    );
     let _ = std::fs::remove_dir_all(&out);
 }
