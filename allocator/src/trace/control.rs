@@ -63,10 +63,7 @@ impl<B: Backend> Allocator<B> {
     pub fn trace_from_env(&self) -> io::Result<bool> {
         match std::env::var_os(TRACE_ENV) {
             Some(v) if !v.is_empty() && !self.is_tracing() => {
-                let path = v
-                    .to_string_lossy()
-                    .replace("{pid}", &std::process::id().to_string());
-                self.trace_start(Path::new(&path))?;
+                self.trace_start(&with_pid(&v))?;
                 Ok(true)
             }
             _ => Ok(false),
@@ -168,6 +165,33 @@ fn sync_drops<B: Backend>(d: &mut DeviceAllocator<B>) {
     if let Some(t) = d.trace.as_mut() {
         d.stats.num_trace_dropped += t.take_unsynced_drops() as i64;
     }
+}
+
+/// `GPUALLOC_TRACE`'s value with `{pid}` replaced by the process id. The
+/// rest of the path is kept byte for byte, UTF-8 or not.
+#[cfg(unix)]
+fn with_pid(v: &std::ffi::OsStr) -> std::path::PathBuf {
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    let (b, pid) = (v.as_bytes(), std::process::id().to_string());
+    let mut out = Vec::with_capacity(b.len() + pid.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i..].starts_with(b"{pid}") {
+            out.extend_from_slice(pid.as_bytes());
+            i += 5;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    std::ffi::OsString::from_vec(out).into()
+}
+
+#[cfg(not(unix))]
+fn with_pid(v: &std::ffi::OsStr) -> std::path::PathBuf {
+    v.to_string_lossy()
+        .replace("{pid}", &std::process::id().to_string())
+        .into()
 }
 
 /// `e`, its message prefixed with the trace file's name.
@@ -377,6 +401,18 @@ mod tests {
             )
             .exists()
         );
+    }
+
+    /// `{pid}` is replaced; the rest of the path is kept, UTF-8 or not.
+    #[cfg(unix)]
+    #[test]
+    fn trace_paths_keep_their_bytes() {
+        use std::os::unix::ffi::OsStrExt;
+        let pid = std::process::id().to_string();
+        let v = std::ffi::OsStr::from_bytes(b"/tmp/r\xff-{pid}.gtrace");
+        let p = with_pid(v);
+        let want = [&b"/tmp/r\xff-"[..], pid.as_bytes(), b".gtrace"].concat();
+        assert_eq!(p.as_os_str().as_bytes(), &want[..]);
     }
 
     #[test]
