@@ -16,13 +16,13 @@
 //! | key | value | default | meaning |
 //! | --- | --- | --- | --- |
 //! | `policy` | `gpualloc` / `pytorch` | gpualloc | the set of defaults below (pytorch: expandable segments and cross-stream reuse off) |
-//! | `max_split_size_mb` | integer ≥ 20 | unlimited | blocks at least this large are never split ("oversize") |
-//! | `max_non_split_rounding_mb` | integer | 20 | how much larger than an oversize request a cached oversize block may be |
+//! | `max_split_size_mb` | integer, 20–16777216 | unlimited | blocks at least this large are never split ("oversize") |
+//! | `max_non_split_rounding_mb` | integer, 0–16777216 | 20 | how much larger than an oversize request a cached oversize block may be |
 //! | `garbage_collection_threshold` | 0 < x < 1 | off | with a memory limit set, free old cached segments once reserved passes x × limit |
-//! | `roundup_power2_divisions` | d, or `[256:1,512:2,>:8]` | 0 | round sizes to one of d steps per power-of-two interval (sizes in MB; d a power of two or 0) |
-//! | `large_segment_size_mb` | integer ≥ 2, even | 20 | segment size for requests of 1–10 MiB |
+//! | `roundup_power2_divisions` | d, or `[256:1,512:2,>:8]` | 0 | round sizes to one of d steps per power-of-two interval (sizes in MB, increasing, each once, `>` last; d a power of two up to 1024, or 0) |
+//! | `large_segment_size_mb` | even integer, 2–1024 | 20 | segment size for requests of 1–10 MiB |
 //! | `per_process_memory_fraction` | 0 < x ≤ 1 | 1 | cap reserved memory at x × device memory |
-//! | `memory_limit` | bytes, with K/M/G/T(iB) suffix | none | cap reserved memory at this many bytes |
+//! | `memory_limit` | bytes, with K/M/G/T(iB) suffix, 1 B–1 PiB | none | cap reserved memory at this many bytes (omit the key for no limit; 0 is refused, as ambiguous) |
 //! | `cross_stream_reuse` | `true`/`false` | true | let a stream take another stream's cached block (ordered by an event) instead of growing |
 //! | `expandable_segments` | `true`/`false` | true | map pages into growing address ranges per (pool, stream) instead of separate segments |
 //! | `expandable_page_mb` | even integer, 2–1024 | 2 | mapping granularity of large-pool expandable segments (PyTorch uses the 20 MiB segment size) |
@@ -30,6 +30,10 @@
 //! | `defragment` | `true`/`false` | true | with expandable segments: rather than hold more than `1 + defragment_headroom` times peak allocated memory, unmap free pages and map them where the request fits |
 //! | `defragment_headroom` | 0 ≤ x ≤ 1 | 0.005 | how far held memory may exceed peak allocated memory before defragmenting |
 //! | `stitch_min_mb` | integer, 0–1048576 | 32 | with `defragment`: requests of at least this many MiB may be served by stitching free pages into a fresh range (0: never) |
+//!
+//! A key may appear once. Numbers are plain decimal; a value outside its
+//! range is an error, never clamped or wrapped, so no accepted value can
+//! overflow the size arithmetic.
 
 use std::fmt;
 
@@ -109,6 +113,18 @@ pub const KEYS: &[(&str, &str)] = &[
 
 const MIB: u64 = 1 << 20;
 
+/// The largest MiB count a size key accepts (16 TiB).
+const MAX_MB: u64 = 1 << 24;
+
+/// The largest byte count a byte key accepts (1 PiB).
+pub const MAX_BYTES: u64 = 1 << 50;
+
+/// The largest `roundup_power2_divisions` divisor.
+const MAX_DIVISIONS: u64 = 1024;
+
+/// How much of a user-supplied value an error message repeats.
+const SHOW_MAX: usize = 64;
+
 /// A validated allocator configuration.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
@@ -186,15 +202,31 @@ impl std::error::Error for ConfigError {}
 
 fn err(key: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError {
-        key: key.to_string(),
+        key: show(key),
         reason: reason.into(),
     }
 }
 
+/// `v` for an error message: at most [`SHOW_MAX`] characters, so that a huge
+/// configuration string cannot make a huge message.
+fn show(v: &str) -> String {
+    match v.char_indices().nth(SHOW_MAX) {
+        None => v.to_string(),
+        Some((i, _)) => format!("{}... ({} bytes)", &v[..i], v.len()),
+    }
+}
+
 impl Config {
-    /// Reads `GPUALLOC_CONF`; an unset or empty variable gives the defaults.
+    /// Reads `GPUALLOC_CONF`; an unset or empty variable gives the defaults,
+    /// a value that is not UTF-8 is an error.
     pub fn from_env() -> Result<Config, ConfigError> {
-        Config::parse(&std::env::var("GPUALLOC_CONF").unwrap_or_default())
+        match std::env::var("GPUALLOC_CONF") {
+            Ok(s) => Config::parse(&s),
+            Err(std::env::VarError::NotPresent) => Config::parse(""),
+            Err(std::env::VarError::NotUnicode(_)) => {
+                Err(err("GPUALLOC_CONF", "the value is not valid UTF-8"))
+            }
+        }
     }
 
     /// PyTorch's caching allocator, rule for rule (`policy:pytorch`).
@@ -208,7 +240,10 @@ impl Config {
 
     /// Parses `key:value,key:[a:b,>:c]`. Whitespace around tokens is ignored.
     pub fn parse(s: &str) -> Result<Config, ConfigError> {
-        let mut entries = Vec::new();
+        if s.contains('\0') {
+            return Err(err(s, "contains a NUL byte"));
+        }
+        let mut entries: Vec<(&str, &str)> = Vec::new();
         for entry in split_top_level(s)? {
             let entry = entry.trim();
             if entry.is_empty() {
@@ -217,7 +252,11 @@ impl Config {
             let (key, value) = entry
                 .split_once(':')
                 .ok_or_else(|| err(entry, "expected key:value"))?;
-            entries.push((key.trim(), value.trim()));
+            let key = key.trim();
+            if entries.iter().any(|e| e.0 == key) {
+                return Err(err(key, "given more than once"));
+            }
+            entries.push((key, value.trim()));
         }
         let mut c = Config::default();
         // `policy` sets the defaults, wherever it is written.
@@ -228,7 +267,7 @@ impl Config {
                 other => {
                     return Err(err(
                         key,
-                        format!("`{other}` is not a policy (gpualloc or pytorch)"),
+                        format!("`{}` is not a policy (gpualloc or pytorch)", show(other)),
                     ));
                 }
             };
@@ -244,40 +283,53 @@ impl Config {
         match key {
             "max_split_size_mb" => {
                 let mb = parse_u64(key, v)?;
-                if mb < 20 {
-                    return Err(err(key, format!("{mb} is below the minimum of 20")));
+                if !(20..=MAX_MB).contains(&mb) {
+                    return Err(err(key, format!("{mb} is not in 20..={MAX_MB} (MiB)")));
                 }
-                self.max_split_size = mb.saturating_mul(MIB);
+                self.max_split_size = mb * MIB;
             }
             "max_non_split_rounding_mb" => {
-                self.max_non_split_rounding = parse_u64(key, v)?.saturating_mul(MIB)
+                let mb = parse_u64(key, v)?;
+                if mb > MAX_MB {
+                    return Err(err(key, format!("{mb} is above {MAX_MB} (MiB)")));
+                }
+                self.max_non_split_rounding = mb * MIB;
             }
             "garbage_collection_threshold" => {
                 let x = parse_f64(key, v)?;
                 if !(x > 0.0 && x < 1.0) {
-                    return Err(err(key, format!("{v} is not strictly between 0 and 1")));
+                    return Err(err(key, format!("{x} is not strictly between 0 and 1")));
                 }
                 self.gc_threshold = x;
             }
             "roundup_power2_divisions" => self.power2_divisions = parse_divisions(key, v)?,
             "large_segment_size_mb" => {
                 let mb = parse_u64(key, v)?;
-                if mb < 2 || mb % 2 != 0 {
+                if !(2..=1024).contains(&mb) || mb % 2 != 0 {
                     return Err(err(
                         key,
-                        format!("{mb} must be an even number of MiB, at least 2"),
+                        format!("{mb} must be an even number of MiB from 2 to 1024"),
                     ));
                 }
-                self.large_segment_size = mb.saturating_mul(MIB);
+                self.large_segment_size = mb * MIB;
             }
             "per_process_memory_fraction" => {
                 let x = parse_f64(key, v)?;
                 if !(x > 0.0 && x <= 1.0) {
-                    return Err(err(key, format!("{v} is not in (0, 1]")));
+                    return Err(err(key, format!("{x} is not in (0, 1]")));
                 }
                 self.memory_fraction = Some(x);
             }
-            "memory_limit" => self.memory_limit = Some(parse_bytes(key, v)?),
+            "memory_limit" => {
+                let bytes = parse_bytes(key, v)?;
+                if bytes == 0 {
+                    return Err(err(
+                        key,
+                        "0 is refused: omit the key for no limit (gpualloc_set_memory_limit(0) also means no limit)",
+                    ));
+                }
+                self.memory_limit = Some(bytes);
+            }
             "cross_stream_reuse" => self.cross_stream_reuse = parse_bool(key, v)?,
             "expandable_segments" => self.expandable_segments = parse_bool(key, v)?,
             "defragment" => self.defragment = parse_bool(key, v)?,
@@ -311,7 +363,7 @@ impl Config {
             "defragment_headroom" => {
                 let x = parse_f64(key, v)?;
                 if !(0.0..=1.0).contains(&x) {
-                    return Err(err(key, format!("{v} is not in [0, 1]")));
+                    return Err(err(key, format!("{x} is not in [0, 1]")));
                 }
                 self.defragment_headroom = x;
             }
@@ -359,24 +411,38 @@ fn split_top_level(s: &str) -> Result<Vec<&str>, ConfigError> {
 }
 
 fn parse_u64(key: &str, v: &str) -> Result<u64, ConfigError> {
+    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(err(
+            key,
+            format!("`{}` is not a non-negative integer", show(v)),
+        ));
+    }
     v.parse()
-        .map_err(|_| err(key, format!("`{v}` is not a non-negative integer")))
+        .map_err(|_| err(key, format!("`{}` is too large", show(v))))
 }
 
+/// A plain decimal such as `0.5` or `1` (no sign, exponent, inf or nan).
 fn parse_f64(key: &str, v: &str) -> Result<f64, ConfigError> {
-    v.parse()
-        .map_err(|_| err(key, format!("`{v}` is not a number")))
+    let plain = v.bytes().any(|b| b.is_ascii_digit())
+        && v.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+        && v.bytes().filter(|&b| b == b'.').count() <= 1;
+    match v.parse::<f64>() {
+        Ok(x) if plain => Ok(x),
+        _ => Err(err(key, format!("`{}` is not a number", show(v)))),
+    }
 }
 
 fn parse_bool(key: &str, v: &str) -> Result<bool, ConfigError> {
     match v.to_ascii_lowercase().as_str() {
         "true" | "1" => Ok(true),
         "false" | "0" => Ok(false),
-        _ => Err(err(key, format!("`{v}` is not true or false"))),
+        _ => Err(err(key, format!("`{}` is not true or false", show(v)))),
     }
 }
 
-/// Parses a byte count such as `40000000`, `24GiB`, `512M` or `1.5G`.
+/// Parses a byte count such as `40000000`, `24GiB`, `512M` or `1.5G`: a
+/// whole number of bytes up to [`MAX_BYTES`]. A fraction of a byte, a sign
+/// or a larger count is an error naming `key`.
 pub fn parse_bytes(key: &str, v: &str) -> Result<u64, ConfigError> {
     let t = v.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
@@ -387,37 +453,65 @@ pub fn parse_bytes(key: &str, v: &str) -> Result<u64, ConfigError> {
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
         "t" | "tb" | "tib" => 1 << 40,
-        other => return Err(err(key, format!("unknown unit `{other}` in `{v}`"))),
+        other => {
+            return Err(err(
+                key,
+                format!("unknown unit `{}` in `{}`", show(other), show(v)),
+            ));
+        }
     };
-    let x: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| err(key, format!("`{v}` is not a byte count")))?;
-    if x.is_nan() || x < 0.0 || !x.is_finite() {
-        return Err(err(key, format!("`{v}` is not a byte count")));
+    let x = parse_f64(key, num.trim())
+        .map_err(|_| err(key, format!("`{}` is not a byte count", show(v))))?;
+    let bytes = x * scale as f64;
+    if bytes > MAX_BYTES as f64 {
+        return Err(err(
+            key,
+            format!("`{}` is above the largest byte count, 1 PiB", show(v)),
+        ));
     }
-    Ok((x * scale as f64) as u64)
+    if bytes.fract() != 0.0 {
+        return Err(err(
+            key,
+            format!("`{}` is not a whole number of bytes ({bytes})", show(v)),
+        ));
+    }
+    Ok(bytes as u64)
 }
 
 fn parse_divisions(key: &str, v: &str) -> Result<[u64; POWER2_INTERVALS], ConfigError> {
     let check = |d: u64| -> Result<u64, ConfigError> {
-        if d == 0 || d.is_power_of_two() {
+        if d == 0 || (d.is_power_of_two() && d <= MAX_DIVISIONS) {
             Ok(d)
         } else {
-            Err(err(key, format!("divisor {d} is not a power of two or 0")))
+            Err(err(
+                key,
+                format!("divisor {d} is not 0 or a power of two up to {MAX_DIVISIONS}"),
+            ))
         }
     };
     let mut out = [0u64; POWER2_INTERVALS];
     if let Some(list) = v.strip_prefix('[') {
         let list = list
             .strip_suffix(']')
-            .ok_or_else(|| err(key, format!("`{v}` lacks a closing ']'")))?;
+            .ok_or_else(|| err(key, format!("`{}` lacks a closing ']'", show(v))))?;
         let mut last_set: Option<usize> = None;
         for item in list.split(',') {
-            let (k, d) = item
-                .split_once(':')
-                .ok_or_else(|| err(key, format!("list entry `{item}` is not size:divisor")))?;
+            let (k, d) = item.split_once(':').ok_or_else(|| {
+                err(
+                    key,
+                    format!("list entry `{}` is not size:divisor", show(item)),
+                )
+            })?;
             let d = check(parse_u64(key, d.trim())?)?;
+            if last_set == Some(POWER2_INTERVALS - 1) {
+                return Err(err(
+                    key,
+                    format!(
+                        "entry `{}` follows the last interval (`>` or the largest size)",
+                        show(item.trim())
+                    ),
+                ));
+            }
             if k.trim() == ">" {
                 let from = last_set.map_or(0, |i| i + 1);
                 for slot in out.iter_mut().skip(from) {
@@ -426,10 +520,21 @@ fn parse_divisions(key: &str, v: &str) -> Result<[u64; POWER2_INTERVALS], Config
                 last_set = Some(POWER2_INTERVALS - 1);
             } else {
                 let mb = parse_u64(key, k.trim())?;
-                if !mb.is_power_of_two() {
-                    return Err(err(key, format!("size {mb} MB is not a power of two")));
+                if !mb.is_power_of_two() || mb > MAX_MB {
+                    return Err(err(
+                        key,
+                        format!("size {mb} MB is not a power of two up to {MAX_MB}"),
+                    ));
                 }
-                let idx = power2_bucket(mb.saturating_mul(MIB));
+                let idx = power2_bucket(mb * MIB);
+                if last_set.is_some_and(|last| idx <= last) {
+                    return Err(err(
+                        key,
+                        format!(
+                            "size {mb} MB is not in a later interval than the previous entry (sizes increase; 32768 MB and up share one interval)"
+                        ),
+                    ));
+                }
                 if last_set.is_none() {
                     // As PyTorch: the first entry also covers the smaller buckets.
                     out[..idx].fill(d);
@@ -507,6 +612,107 @@ mod tests {
             ("defragment_headroom:1.5", "defragment_headroom"),
         ] {
             assert_eq!(Config::parse(s).unwrap_err().key, key, "{s}");
+        }
+    }
+
+    /// Every numeric key has a range: nothing overflows, wraps or saturates
+    /// into another meaning.
+    #[test]
+    fn numeric_keys_are_range_checked() {
+        for (s, key) in [
+            (
+                "large_segment_size_mb:17592186044416",
+                "large_segment_size_mb",
+            ),
+            ("large_segment_size_mb:2048", "large_segment_size_mb"),
+            ("max_split_size_mb:17592186044416", "max_split_size_mb"),
+            ("max_split_size_mb:-20", "max_split_size_mb"),
+            (
+                "max_split_size_mb:99999999999999999999999",
+                "max_split_size_mb",
+            ),
+            (
+                "max_non_split_rounding_mb:17592186044416",
+                "max_non_split_rounding_mb",
+            ),
+            ("stitch_min_mb:17592186044416", "stitch_min_mb"),
+            ("expandable_page_mb:0", "expandable_page_mb"),
+            (
+                "expandable_handle_mb:17592186044416",
+                "expandable_handle_mb",
+            ),
+            (
+                "roundup_power2_divisions:1099511627776",
+                "roundup_power2_divisions",
+            ),
+            (
+                "roundup_power2_divisions:[1099511627776:2]",
+                "roundup_power2_divisions",
+            ),
+            ("memory_limit:2PiB", "memory_limit"),
+            ("memory_limit:1e30", "memory_limit"),
+            ("memory_limit:inf", "memory_limit"),
+            (
+                "garbage_collection_threshold:nan",
+                "garbage_collection_threshold",
+            ),
+            (
+                "garbage_collection_threshold:-0.5",
+                "garbage_collection_threshold",
+            ),
+            (
+                "per_process_memory_fraction:1e-1",
+                "per_process_memory_fraction",
+            ),
+        ] {
+            let e = Config::parse(s).unwrap_err();
+            assert_eq!(e.key, key, "{s}: {e}");
+        }
+        let c = Config::parse("large_segment_size_mb:1024,max_split_size_mb:16777216").unwrap();
+        assert_eq!(c.large_segment_size, 1024 * MIB);
+        assert_eq!(c.max_split_size, MAX_MB * MIB);
+    }
+
+    /// A value means one thing or is refused.
+    #[test]
+    fn values_never_change_meaning_silently() {
+        for (s, why) in [
+            ("memory_limit:0", "no limit"),
+            ("memory_limit:0.5", "whole number"),
+            ("memory_limit:-0", "byte count"),
+            ("memory_limit:1.1G", "whole number"),
+            ("memory_limit:1G,memory_limit:2G", "more than once"),
+            ("policy:pytorch,policy:gpualloc", "more than once"),
+            ("roundup_power2_divisions:[>:8,>:4]", "follows the last"),
+            ("roundup_power2_divisions:[512:2,256:1]", "later interval"),
+            ("roundup_power2_divisions:[256:2,256:4]", "later interval"),
+            ("roundup_power2_divisions:[>:2,256:4]", "follows the last"),
+            ("memory_limit:1G\0,bogus:1", "NUL"),
+        ] {
+            let e = Config::parse(s).unwrap_err().to_string();
+            assert!(e.contains(why), "{s}: {e}");
+        }
+        assert_eq!(
+            Config::parse("memory_limit:1.5G").unwrap().memory_limit,
+            Some(3 << 29)
+        );
+        assert_eq!(parse_bytes("k", "1PiB").unwrap_err().key, "k");
+        assert_eq!(parse_bytes("k", "1TiB").unwrap(), 1 << 40);
+    }
+
+    /// A huge configuration string gives a short message.
+    #[test]
+    fn messages_are_bounded() {
+        let long = "x".repeat(100_000);
+        for s in [
+            format!("memory_limit:{long}"),
+            format!("{long}:1"),
+            long.clone(),
+            format!("policy:{long}"),
+            format!("roundup_power2_divisions:[{long}]"),
+        ] {
+            let e = Config::parse(&s).unwrap_err().to_string();
+            assert!(e.len() < 600, "{} bytes: {}", e.len(), &e[..200]);
         }
     }
 

@@ -37,12 +37,10 @@ impl<B: Backend> Allocator<B> {
                     format!("gpualloc is already tracing to {}", r.path().display()),
                 ));
             }
-            let rec = Arc::new(Recorder::start(
-                path,
-                &self.config.source,
-                self.devices.len() as u32,
-                opts,
-            )?);
+            let rec = Arc::new(
+                Recorder::start(path, &self.config.source, self.devices.len() as u32, opts)
+                    .map_err(|e| naming(path, e))?,
+            );
             *slot = Some(rec.clone());
             rec
         };
@@ -61,10 +59,7 @@ impl<B: Backend> Allocator<B> {
     pub fn trace_from_env(&self) -> io::Result<bool> {
         match std::env::var_os(TRACE_ENV) {
             Some(v) if !v.is_empty() && !self.is_tracing() => {
-                let path = v
-                    .to_string_lossy()
-                    .replace("{pid}", &std::process::id().to_string());
-                self.trace_start(Path::new(&path))?;
+                self.trace_start(&with_pid(&v))?;
                 Ok(true)
             }
             _ => Ok(false),
@@ -89,7 +84,7 @@ impl<B: Backend> Allocator<B> {
                 rec.send(b);
             }
         });
-        rec.flush()
+        rec.flush().map_err(|e| naming(rec.path(), e))
     }
 
     /// Stops tracing: flushes every buffer, writes the END block, joins the
@@ -104,7 +99,7 @@ impl<B: Backend> Allocator<B> {
         for t in traces {
             t.finish();
         }
-        rec.stop()
+        rec.stop().map_err(|e| naming(rec.path(), e))
     }
 
     /// Opens a named phase on every device (no-op when not tracing).
@@ -166,6 +161,38 @@ fn sync_drops<B: Backend>(d: &mut DeviceAllocator<B>) {
     if let Some(t) = d.trace.as_mut() {
         d.stats.num_trace_dropped += t.take_unsynced_drops() as i64;
     }
+}
+
+/// `GPUALLOC_TRACE`'s value with `{pid}` replaced by the process id. The
+/// rest of the path is kept byte for byte, UTF-8 or not.
+#[cfg(unix)]
+fn with_pid(v: &std::ffi::OsStr) -> std::path::PathBuf {
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    let (b, pid) = (v.as_bytes(), std::process::id().to_string());
+    let mut out = Vec::with_capacity(b.len() + pid.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i..].starts_with(b"{pid}") {
+            out.extend_from_slice(pid.as_bytes());
+            i += 5;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    std::ffi::OsString::from_vec(out).into()
+}
+
+#[cfg(not(unix))]
+fn with_pid(v: &std::ffi::OsStr) -> std::path::PathBuf {
+    v.to_string_lossy()
+        .replace("{pid}", &std::process::id().to_string())
+        .into()
+}
+
+/// `e`, its message prefixed with the trace file's name.
+fn naming(path: &Path, e: io::Error) -> io::Error {
+    io::Error::new(e.kind(), format!("trace {}: {e}", path.display()))
 }
 
 fn not_tracing() -> io::Error {
@@ -279,6 +306,15 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
     }
 
+    /// A trace that cannot be written names its file.
+    #[test]
+    fn errors_name_the_file() {
+        let a = sim(1);
+        let path = std::env::temp_dir().join("gpualloc-no-such-dir/x.gtrace");
+        let e = a.trace_start(&path).unwrap_err().to_string();
+        assert!(e.contains("gpualloc-no-such-dir/x.gtrace"), "{e}");
+    }
+
     #[test]
     fn flush_writes_everything_recorded_so_far() {
         let a = sim(1);
@@ -361,6 +397,18 @@ mod tests {
             )
             .exists()
         );
+    }
+
+    /// `{pid}` is replaced; the rest of the path is kept, UTF-8 or not.
+    #[cfg(unix)]
+    #[test]
+    fn trace_paths_keep_their_bytes() {
+        use std::os::unix::ffi::OsStrExt;
+        let pid = std::process::id().to_string();
+        let v = std::ffi::OsStr::from_bytes(b"/tmp/r\xff-{pid}.gtrace");
+        let p = with_pid(v);
+        let want = [&b"/tmp/r\xff-"[..], pid.as_bytes(), b".gtrace"].concat();
+        assert_eq!(p.as_os_str().as_bytes(), &want[..]);
     }
 
     #[test]

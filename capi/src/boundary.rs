@@ -5,11 +5,15 @@
 //! - Nothing unwinds across the boundary: [`ffi_boundary`] runs the body under
 //!   `catch_unwind` and turns a panic into [`GPUALLOC_ERR_PANIC`].
 //! - A failure stores a message in the calling thread's last error
-//!   (`gpualloc_last_error`). Control functions clear it at entry, so after
-//!   any control call a non-NULL last error means that call failed.
-//!   `gpualloc_malloc` and `gpualloc_free` (the hot path) never clear it: it
-//!   is meaningful after `gpualloc_malloc` returned NULL for a non-zero size.
+//!   (`gpualloc_last_error`). Every call that can fail clears it at entry, so
+//!   after any call a non-NULL last error means that call failed (after
+//!   `gpualloc_malloc`, one that returned NULL for a non-zero size).
 //! - Nothing is formatted or allocated on success.
+//! - The last error lives in thread-local storage, which may already be gone
+//!   when a call comes from a thread-exit destructor (a pthread key, a C++
+//!   `thread_local`) or an `atexit` handler. Every access goes through
+//!   `try_with`: there the error is not kept (the status code still says what
+//!   happened), and nothing aborts.
 
 use std::cell::{Cell, RefCell};
 use std::ffi::{CString, c_char, c_int};
@@ -123,18 +127,26 @@ thread_local! {
 
 fn set_last_error(e: Error) {
     let msg = CString::new(e.message.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|l| *l.borrow_mut() = Some(msg));
-    LAST_CODE.with(|c| c.set(e.code));
+    let _ = LAST_ERROR.try_with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            *l = Some(msg);
+        }
+    });
+    let _ = LAST_CODE.try_with(|c| c.set(e.code));
     if let Some(oom) = e.oom {
-        LAST_OOM.with(|o| o.set(Some(*oom)));
+        let _ = LAST_OOM.try_with(|o| o.set(Some(*oom)));
     }
 }
 
-/// Forgets the calling thread's last error (control functions call it first).
+/// Forgets the calling thread's last error (every fallible call does it
+/// first). Cheap when there is none: one thread-local read.
 #[inline]
 pub(crate) fn clear_last_error() {
-    LAST_CODE.with(|c| c.set(0));
-    LAST_ERROR.with(|l| {
+    if last_error_code() == 0 {
+        return;
+    }
+    let _ = LAST_CODE.try_with(|c| c.set(0));
+    let _ = LAST_ERROR.try_with(|l| {
         if let Ok(mut l) = l.try_borrow_mut() {
             *l = None;
         }
@@ -143,17 +155,25 @@ pub(crate) fn clear_last_error() {
 
 /// The calling thread's last error message, or NULL.
 pub(crate) fn last_error_ptr() -> *const c_char {
-    LAST_ERROR.with(|l| l.borrow().as_ref().map_or(std::ptr::null(), |s| s.as_ptr()))
+    LAST_ERROR
+        .try_with(|l| {
+            l.try_borrow()
+                .ok()
+                .and_then(|l| l.as_ref().map(|s| s.as_ptr()))
+        })
+        .ok()
+        .flatten()
+        .unwrap_or(std::ptr::null())
 }
 
 /// The calling thread's last error code, 0 when none.
 pub(crate) fn last_error_code() -> c_int {
-    LAST_CODE.with(|c| c.get())
+    LAST_CODE.try_with(|c| c.get()).unwrap_or(0)
 }
 
 /// The calling thread's last out-of-memory report.
 pub(crate) fn last_oom() -> Option<GpuallocOomInfo> {
-    LAST_OOM.with(|o| o.get())
+    LAST_OOM.try_with(|o| o.get()).ok().flatten()
 }
 
 /// Runs `f` so that no panic escapes: an `Err` or a panic stores the last

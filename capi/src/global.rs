@@ -5,6 +5,10 @@
 //! default 1); unset or `cuda` selects the CUDA driver. The configuration is
 //! the string given to `gpualloc_init`, else `GPUALLOC_CONF`. A bad value is
 //! an error returned by every call until a good `gpualloc_init`; never an abort.
+//!
+//! Read-only calls (stats, `free(NULL)`, `is_tracing`, ...) never create the
+//! allocator: before the first allocation they answer from [`idle`], so a
+//! later `gpualloc_init` still takes effect.
 
 use std::sync::OnceLock;
 
@@ -12,7 +16,7 @@ use gpualloc::backend::cuda::{self, CudaBackend};
 use gpualloc::backend::{
     Backend, BackendError, DevicePtr, DriverCalls, EventId, HandleId, MemInfo, StreamId,
 };
-use gpualloc::{Allocator, Config, SimBackend};
+use gpualloc::{AllocError, Allocator, Config, SimBackend};
 use parking_lot::Mutex;
 
 use crate::boundary::{
@@ -138,8 +142,9 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
             Some(c) if c != g.alloc.config().source => Err(Error::new(
                 GPUALLOC_ERR_ALREADY_INITIALIZED,
                 format!(
-                    "gpualloc: already initialized with configuration `{}` (by gpualloc_init or the first allocation); `{c}` can no longer take effect",
-                    g.alloc.config().source
+                    "gpualloc: already initialized with configuration `{}` (by gpualloc_init or the first allocation); `{}` can no longer take effect",
+                    clip(&g.alloc.config().source),
+                    clip(c)
                 ),
             )),
             _ => Ok(g),
@@ -155,48 +160,108 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
     Ok(g)
 }
 
+/// Before the allocator exists: the configuration it would start with, once
+/// `device` is checked against the device count it would have. Creates
+/// nothing (the CUDA driver may be initialized to count devices).
+pub(crate) fn idle(device: i64) -> Result<Config, Error> {
+    let (config, count) = idle_count()?;
+    if device < 0 || device as u64 >= count as u64 {
+        return Err(AllocError::InvalidDevice { device, count }.into());
+    }
+    Ok(config)
+}
+
+/// Before the allocator exists: its configuration and device count.
+pub(crate) fn idle_count() -> Result<(Config, usize), Error> {
+    let config = Config::from_env()?;
+    let count = match backend_kind()? {
+        BackendKind::Sim => sim_devices()?,
+        BackendKind::Cuda => cuda::device_count()?,
+    };
+    Ok((config, count))
+}
+
+/// At most 200 characters of `s`, for messages.
+pub(crate) fn clip(s: &str) -> String {
+    match s.char_indices().nth(200) {
+        None => s.to_string(),
+        Some((i, _)) => format!("{}... ({} bytes)", &s[..i], s.len()),
+    }
+}
+
 /// `GPUALLOC_TRACE` and friends, read once the allocator exists.
 fn start_tracing(alloc: &Allocator<AnyBackend>) {
     crate::trace::from_env(alloc);
 }
 
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+/// A set, non-blank variable; one that is not UTF-8 is an error, not unset.
+fn env(name: &str) -> Result<Option<String>, Error> {
+    match std::env::var(name) {
+        Ok(v) => Ok(Some(v).filter(|v| !v.trim().is_empty())),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(Error::new(
+            GPUALLOC_ERR_CONFIG,
+            format!("gpualloc: {name} is not valid UTF-8"),
+        )),
+    }
+}
+
+fn backend_kind() -> Result<BackendKind, Error> {
+    match env("GPUALLOC_BACKEND")?.as_deref().map(str::trim) {
+        None | Some("cuda") => Ok(BackendKind::Cuda),
+        Some("sim") => Ok(BackendKind::Sim),
+        Some(other) => Err(Error::new(
+            GPUALLOC_ERR_CONFIG,
+            format!(
+                "gpualloc: GPUALLOC_BACKEND=`{}` is neither `cuda` nor `sim`",
+                clip(other)
+            ),
+        )),
+    }
+}
+
+/// `GPUALLOC_SIM_DEVICES`: 1 to 64, default 1.
+fn sim_devices() -> Result<usize, Error> {
+    match env("GPUALLOC_SIM_DEVICES")? {
+        Some(v) => v
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| (1..=64).contains(&n))
+            .ok_or_else(|| {
+                Error::new(
+                    GPUALLOC_ERR_CONFIG,
+                    format!(
+                        "gpualloc: GPUALLOC_SIM_DEVICES=`{}` is not a count in 1..=64",
+                        clip(&v)
+                    ),
+                )
+            }),
+        None => Ok(1),
+    }
+}
+
+/// `GPUALLOC_SIM_CAPACITY`: 1 MiB to 1 PiB, default 80 GiB.
+fn sim_capacity() -> Result<u64, Error> {
+    let Some(v) = env("GPUALLOC_SIM_CAPACITY")? else {
+        return Ok(DEFAULT_SIM_CAPACITY);
+    };
+    let bytes = gpualloc::config::parse_bytes("GPUALLOC_SIM_CAPACITY", &v)?;
+    if bytes < 1 << 20 {
+        return Err(Error::new(
+            GPUALLOC_ERR_CONFIG,
+            format!("gpualloc: GPUALLOC_SIM_CAPACITY={bytes} bytes is below 1 MiB"),
+        ));
+    }
+    Ok(bytes)
 }
 
 fn build(config: Config) -> Result<Global, Error> {
-    let kind = match env("GPUALLOC_BACKEND").as_deref().map(str::trim) {
-        None | Some("cuda") => BackendKind::Cuda,
-        Some("sim") => BackendKind::Sim,
-        Some(other) => {
-            return Err(Error::new(
-                GPUALLOC_ERR_CONFIG,
-                format!("gpualloc: GPUALLOC_BACKEND=`{other}` is neither `cuda` nor `sim`"),
-            ));
-        }
-    };
+    let kind = backend_kind()?;
     match kind {
         BackendKind::Sim => {
-            let capacity = match env("GPUALLOC_SIM_CAPACITY") {
-                Some(v) => gpualloc::config::parse_bytes("GPUALLOC_SIM_CAPACITY", &v)?,
-                None => DEFAULT_SIM_CAPACITY,
-            };
-            let devices = match env("GPUALLOC_SIM_DEVICES") {
-                Some(v) => v
-                    .trim()
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|&n| (1..=64).contains(&n))
-                    .ok_or_else(|| {
-                        Error::new(
-                            GPUALLOC_ERR_CONFIG,
-                            format!(
-                                "gpualloc: GPUALLOC_SIM_DEVICES=`{v}` is not a count in 1..=64"
-                            ),
-                        )
-                    })?,
-                None => 1,
-            };
+            let capacity = sim_capacity()?;
+            let devices = sim_devices()?;
             let alloc = Allocator::new(
                 config,
                 devices,

@@ -22,9 +22,10 @@ mod stats;
 mod trace;
 
 use std::ffi::{c_char, c_double, c_int, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use boundary::{Error, ffi_boundary, status, str_arg, void_call, write_out};
-use global::{BackendKind, global};
+use global::{BackendKind, existing, global};
 
 pub use boundary::*;
 pub use oom::*;
@@ -86,18 +87,24 @@ pub extern "C" fn gpualloc_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
-/// The number of devices, or a negative `GPUALLOC_ERR_*`.
+/// The number of devices, or a negative `GPUALLOC_ERR_*`. Creates nothing.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_device_count() -> c_int {
     boundary::clear_last_error();
     ffi_boundary(
         |code| code,
-        || Ok(c_int::try_from(global()?.alloc.device_count()).unwrap_or(c_int::MAX)),
+        || {
+            let n = match existing() {
+                Some(g) => g.alloc.device_count(),
+                None => global::idle_count()?.1,
+            };
+            Ok(c_int::try_from(n).unwrap_or(c_int::MAX))
+        },
     )
 }
 
 /// The calling thread's last error message, or NULL. The string stays valid
-/// until the thread's next failing or control call.
+/// until the thread's next gpualloc call other than `gpualloc_last_error*`.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_last_error() -> *const c_char {
     boundary::last_error_ptr()
@@ -115,6 +122,7 @@ pub extern "C" fn gpualloc_last_error_code() -> c_int {
 /// set (and `gpualloc_last_oom` filled when out of memory) on failure.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_malloc(size: usize, device: c_int, stream: cudaStream_t) -> *mut c_void {
+    boundary::clear_last_error();
     ffi_boundary(
         |_| std::ptr::null_mut(),
         || {
@@ -151,8 +159,10 @@ pub extern "C" fn gpualloc_malloc_or_abort(
 }
 
 /// Frees a pointer from `gpualloc_malloc` (PyTorch's pluggable `free`).
-/// `size` and `stream` are ignored: the allocator knows both. NULL is a no-op.
-/// A pointer gpualloc does not know is reported on stderr and in the last error.
+/// `size` and `stream` are ignored: the allocator knows both. NULL is a no-op
+/// (it creates nothing). A pointer gpualloc does not know is reported on
+/// stderr and in the last error; an allocator that cannot start (a bad
+/// `GPUALLOC_CONF`) is reported on stderr once.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_free(
     ptr: *mut c_void,
@@ -161,18 +171,40 @@ pub extern "C" fn gpualloc_free(
     stream: cudaStream_t,
 ) {
     let _ = (size, stream);
+    boundary::clear_last_error();
+    if ptr.is_null() {
+        return;
+    }
     ffi_boundary(
-        |_| {
-            if let Some(msg) = last_error_string() {
-                eprintln!("{msg}");
+        |code| {
+            static START_FAILURE_SHOWN: AtomicBool = AtomicBool::new(false);
+            let start_failure = existing().is_none();
+            if start_failure && START_FAILURE_SHOWN.swap(true, Ordering::Relaxed) {
+                return;
+            }
+            match last_error_string() {
+                Some(msg) => eprintln!("{msg}"),
+                None => eprintln!("gpualloc: free of {ptr:p} failed with status {code}"),
             }
         },
         || {
-            Ok(global()?
-                .alloc
-                .free(i64::from(device), ptr as usize as u64)?)
+            let Some(g) = existing() else {
+                // Nothing was allocated: report a configuration that cannot
+                // start first, without starting the allocator.
+                global::idle_count()?;
+                return Err(not_ours(ptr));
+            };
+            Ok(g.alloc.free(i64::from(device), ptr as usize as u64)?)
         },
     );
+}
+
+/// The error for a pointer gpualloc never allocated.
+fn not_ours(ptr: *mut c_void) -> Error {
+    Error::new(
+        GPUALLOC_ERR_INVALID_POINTER,
+        format!("gpualloc: free: pointer {ptr:p} was not allocated by gpualloc"),
+    )
 }
 
 fn last_error_string() -> Option<String> {
@@ -197,7 +229,12 @@ fn record_stream(ptr: *mut c_void, stream: cudaStream_t) -> Result<(), Error> {
     if ptr.is_null() {
         return Ok(());
     }
-    let g = global()?;
+    let Some(g) = existing() else {
+        return Err(Error::new(
+            GPUALLOC_ERR_INVALID_POINTER,
+            format!("gpualloc: record_stream: pointer {ptr:p} was not allocated by gpualloc"),
+        ));
+    };
     let (ptr, stream) = (ptr as usize as u64, stream as usize as u64);
     let mut found = false;
     g.alloc.for_each_created(|d| {
@@ -220,10 +257,14 @@ fn record_stream(ptr: *mut c_void, stream: cudaStream_t) -> Result<(), Error> {
 }
 
 /// Returns every cached, entirely free segment to the device
-/// (`torch.cuda.empty_cache`; PyTorch's `reset` hook).
+/// (`torch.cuda.empty_cache`; PyTorch's `reset` hook). Before the first
+/// allocation there is nothing cached, and nothing is created.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_empty_cache() {
-    void_call(|| Ok(global()?.alloc.empty_cache()?));
+    void_call(|| match existing() {
+        Some(g) => Ok(g.alloc.empty_cache()?),
+        None => Ok(()),
+    });
 }
 
 /// Caps reserved memory on `device` at `fraction` of its capacity
@@ -250,7 +291,10 @@ pub extern "C" fn gpualloc_set_memory_fraction(fraction: c_double, device: c_int
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_get_memory_fraction(device: c_int, out: *mut c_double) -> c_int {
     status(|| {
-        let g = global()?;
+        let Some(g) = existing() else {
+            let f = global::idle(i64::from(device))?.memory_fraction;
+            return write_out(out, f.unwrap_or(1.0), "out");
+        };
         let f = match g.alloc.peek(i64::from(device))? {
             Some(d) => d.memory_fraction(),
             None => g.alloc.config().memory_fraction.unwrap_or(1.0),
@@ -259,7 +303,10 @@ pub unsafe extern "C" fn gpualloc_get_memory_fraction(device: c_int, out: *mut c
     })
 }
 
-/// Caps reserved memory on `device` at `bytes` (0 removes the byte limit).
+/// Caps reserved memory on `device` at `bytes`; 0 removes the byte limit,
+/// as leaving `memory_limit` out of the configuration does (the
+/// configuration refuses `memory_limit:0` for that reason: a 0-byte cap
+/// would forbid every allocation).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_set_memory_limit(device: c_int, bytes: u64) -> c_int {
     status(|| {
@@ -294,12 +341,15 @@ pub unsafe extern "C" fn gpualloc_mem_info(
 }
 
 /// Checks `device`'s internal invariants (tests, debugging): blocks tile
-/// segments, free lists agree with blocks, stats agree with both.
+/// segments, free lists agree with blocks, stats agree with both. Before
+/// the first allocation there is nothing to check, and nothing is created.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_check_invariants(device: c_int) -> c_int {
     status(|| {
-        global()?
-            .alloc
+        let Some(g) = existing() else {
+            return global::idle(i64::from(device)).map(drop);
+        };
+        g.alloc
             .lock(i64::from(device))?
             .check_invariants()
             .map_err(|e| {

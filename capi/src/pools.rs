@@ -7,11 +7,19 @@
 
 use std::ffi::{c_int, c_void};
 
-use gpualloc::StreamFilter;
+use gpualloc::{AllocError, StreamFilter};
 
-use crate::boundary::status;
+use crate::boundary::{Error, status};
 use crate::cudaStream_t;
-use crate::global::global;
+use crate::global::{self, existing, global};
+
+/// Before the first allocation no pool exists (and none is created to say so).
+fn no_pool(device: c_int, pool: (u64, u64)) -> Error {
+    match global::idle(i64::from(device)) {
+        Ok(_) => AllocError::UnknownPool { pool }.into(),
+        Err(e) => e,
+    }
+}
 
 /// Decides whether an allocation on `stream` goes to the pool: non-zero yes.
 /// Called under the allocator's lock: it must not call gpualloc.
@@ -69,8 +77,8 @@ pub unsafe extern "C" fn gpualloc_begin_allocate_to_pool(
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_end_allocate_to_pool(device: c_int, id_a: u64, id_b: u64) -> c_int {
     status(|| {
-        Ok(global()?
-            .alloc
+        let g = existing().ok_or_else(|| no_pool(device, (id_a, id_b)))?;
+        Ok(g.alloc
             .end_allocate_to_pool(i64::from(device), (id_a, id_b))?)
     })
 }
@@ -80,8 +88,7 @@ pub extern "C" fn gpualloc_end_allocate_to_pool(device: c_int, id_a: u64, id_b: 
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_release_pool(device: c_int, id_a: u64, id_b: u64) -> c_int {
     status(|| {
-        Ok(global()?
-            .alloc
-            .release_pool(i64::from(device), (id_a, id_b))?)
+        let g = existing().ok_or_else(|| no_pool(device, (id_a, id_b)))?;
+        Ok(g.alloc.release_pool(i64::from(device), (id_a, id_b))?)
     })
 }

@@ -12,7 +12,7 @@ use gpualloc::size_class::PoolKind;
 use gpualloc::{BlockState, SegmentSnapshot};
 
 use crate::boundary::{Error, GPUALLOC_ERR_BUFFER_TOO_SMALL, status};
-use crate::global::global;
+use crate::global::{self, existing};
 
 fn segment_json(out: &mut String, s: &SegmentSnapshot) {
     let sum = |f: &dyn Fn(&gpualloc::BlockSnapshot) -> bool, size: bool| -> u64 {
@@ -58,7 +58,14 @@ fn segment_json(out: &mut String, s: &SegmentSnapshot) {
 }
 
 fn snapshot_json(device: c_int) -> Result<String, Error> {
-    let alloc = &global()?.alloc;
+    let Some(g) = existing() else {
+        // Nothing allocated yet, and nothing is created to say so.
+        if device >= 0 {
+            global::idle(i64::from(device))?;
+        }
+        return Ok("{\"segments\":[]}".to_string());
+    };
+    let alloc = &g.alloc;
     let mut segments = Vec::new();
     if device < 0 {
         alloc.for_each_created(|d| {

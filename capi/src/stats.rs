@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use gpualloc::{Backend, DeviceStats, Stat, StatArray};
 
 use crate::boundary::{Error, GPUALLOC_ERR_BUFFER_TOO_SMALL, status, write_out};
-use crate::global::global;
+use crate::global::{self, existing, global};
 use crate::oom::write_versioned;
 
 /// Version of [`GpuallocStats`] this library writes.
@@ -155,7 +155,10 @@ fn to_c(s: &DeviceStats) -> GpuallocStats {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_get_stats(device: c_int, out: *mut GpuallocStats) -> c_int {
     status(|| {
-        let g = global()?;
+        let Some(g) = existing() else {
+            let config = global::idle(i64::from(device))?;
+            return write_versioned(out, &to_c(&DeviceStats::for_config(&config)));
+        };
         // A device not used yet reports zeros and is not started (no context).
         let s = match g.alloc.peek(i64::from(device))? {
             Some(d) => {
@@ -211,7 +214,11 @@ pub unsafe extern "C" fn gpualloc_stat_values(
     len: usize,
 ) -> c_int {
     status(|| {
-        let flat = global()?.alloc.stats(i64::from(device))?.flat();
+        let flat = match existing() {
+            Some(g) => g.alloc.stats(i64::from(device))?,
+            None => DeviceStats::for_config(&global::idle(i64::from(device))?),
+        }
+        .flat();
         if values.is_null() {
             return Err(Error::invalid("gpualloc: values is NULL"));
         }
@@ -233,14 +240,20 @@ pub unsafe extern "C" fn gpualloc_stat_values(
 /// `torch.cuda.reset_peak_memory_stats`: every peak becomes its current value.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_reset_peak_stats(device: c_int) -> c_int {
-    status(|| Ok(global()?.alloc.reset_peak_stats(i64::from(device))?))
+    status(|| match existing() {
+        Some(g) => Ok(g.alloc.reset_peak_stats(i64::from(device))?),
+        None => global::idle(i64::from(device)).map(drop),
+    })
 }
 
 /// `torch.cuda.reset_accumulated_memory_stats`: cumulative fields and the
 /// `num_*` counters go to 0.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_reset_accumulated_stats(device: c_int) -> c_int {
-    status(|| Ok(global()?.alloc.reset_accumulated_stats(i64::from(device))?))
+    status(|| match existing() {
+        Some(g) => Ok(g.alloc.reset_accumulated_stats(i64::from(device))?),
+        None => global::idle(i64::from(device)).map(drop),
+    })
 }
 
 /// PyTorch's `cacheInfo` (cuDNN benchmark sizes its workspace with it): if

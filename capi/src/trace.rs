@@ -6,8 +6,17 @@ use std::path::Path;
 
 use gpualloc::{Allocator, Backend};
 
+use crate::boundary::Error;
 use crate::boundary::{ffi_boundary, status, str_arg};
-use crate::global::global;
+use crate::global::{existing, global};
+
+/// Before the allocator exists nothing can be tracing.
+fn not_tracing() -> Error {
+    Error::new(
+        crate::boundary::GPUALLOC_ERR_IO,
+        "gpualloc is not tracing (the allocator has not started)",
+    )
+}
 
 /// Starts tracing if the environment asks for it (`GPUALLOC_TRACE=path`).
 /// A trace that cannot start must not stop the program: it is reported on
@@ -32,7 +41,7 @@ fn stop_at_exit() {
     extern "C" fn stop() {
         // Never unwind out of an exit handler; nothing to report to.
         let _ = std::panic::catch_unwind(|| {
-            if let Ok(g) = global()
+            if let Some(g) = existing()
                 && g.alloc.is_tracing()
             {
                 let _ = g.alloc.trace_stop();
@@ -80,7 +89,7 @@ pub struct GpuallocTraceSummary {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_trace_stop(summary: *mut GpuallocTraceSummary) -> c_int {
     status(|| {
-        let s = global()?.alloc.trace_stop()?;
+        let s = existing().ok_or_else(not_tracing)?.alloc.trace_stop()?;
         if !summary.is_null() {
             let c = GpuallocTraceSummary {
                 events: s.events,
@@ -96,7 +105,7 @@ pub unsafe extern "C" fn gpualloc_trace_stop(summary: *mut GpuallocTraceSummary)
 /// Writes everything recorded so far to the trace file.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_trace_flush() -> c_int {
-    status(|| Ok(global()?.alloc.trace_flush()?))
+    status(|| Ok(existing().ok_or_else(not_tracing)?.alloc.trace_flush()?))
 }
 
 /// 1 while tracing, 0 when not, negative on error.
@@ -105,7 +114,11 @@ pub extern "C" fn gpualloc_is_tracing() -> c_int {
     crate::boundary::clear_last_error();
     ffi_boundary(
         |code| code,
-        || Ok(c_int::from(global()?.alloc.is_tracing())),
+        || {
+            Ok(c_int::from(
+                existing().is_some_and(|g| g.alloc.is_tracing()),
+            ))
+        },
     )
 }
 

@@ -295,3 +295,109 @@ int main(void) {
     assert!(kinds.contains(&1), "events were written: {kinds:?}");
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// Runs `exe` on the simulated backend with `vars` set.
+fn run_sim(exe: &Path, vars: &[(&str, &std::ffi::OsStr)]) -> std::process::Output {
+    let lib = library();
+    let mut cmd = Command::new(exe);
+    cmd.env("LD_LIBRARY_PATH", lib.parent().unwrap())
+        .env("GPUALLOC_BACKEND", "sim")
+        .env_remove("GPUALLOC_CONF")
+        .env_remove("GPUALLOC_TRACE");
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+/// Compiles `tests/c/<name>.c` (with pthreads) into a fresh directory.
+fn build_c(name: &str) -> (PathBuf, PathBuf) {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let lib = library();
+    let out = std::env::temp_dir().join(format!("gpualloc-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let exe = out.join(name);
+    let gcc = Command::new("gcc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread", "-I"])
+        .arg(manifest.join("include"))
+        .arg(manifest.join(format!("tests/c/{name}.c")))
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(lib.parent().unwrap())
+        .arg("-lgpualloc")
+        .output()
+        .expect("gcc is installed");
+    assert!(
+        gcc.status.success(),
+        "gcc failed:\n{}",
+        String::from_utf8_lossy(&gcc.stderr)
+    );
+    (out, exe)
+}
+
+/// Calls from a pthread key destructor and an atexit handler, where the
+/// thread-local last error is already destroyed, return status codes and
+/// never abort.
+#[test]
+fn thread_exit_and_atexit_calls_do_not_abort() {
+    let (out, exe) = build_c("exit_test");
+    let run = run_sim(&exe, &[]);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{}\n{stdout}\n{stderr}", run.status);
+    assert!(stdout.contains("key destructor: stats=0"), "{stdout}");
+    assert!(stdout.contains("atexit: stats=0"), "{stdout}");
+    assert!(stdout.trim_end().ends_with("exit ok"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Read-only calls before the first allocation create nothing, so a later
+/// `gpualloc_init` still takes effect; a successful call clears the last
+/// error; a bad `GPUALLOC_CONF` is reported once, briefly; a non-UTF-8
+/// `GPUALLOC_CONF` is an error, not ignored.
+#[test]
+fn read_only_calls_and_errors() {
+    let (out, exe) = build_c("errors_test");
+    let run = run_sim(&exe, &[]);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{}\n{stdout}\n{stderr}", run.status);
+    assert!(stdout.trim_end().ends_with("ALL OK"), "{stdout}\n{stderr}");
+
+    // A bad configuration of 100 KB, and many frees: one short message.
+    let bad = format!("max_split_size_mb:{}", "9".repeat(100_000));
+    let run = run_sim(
+        &exe,
+        &[("GPUALLOC_CONF", bad.as_ref()), ("BAD_CONF", "1".as_ref())],
+    );
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{}\n{stderr}", run.status);
+    assert_eq!(stderr.matches("max_split_size_mb").count(), 1, "{stderr}");
+    assert!(stderr.len() < 1000, "{} bytes of stderr", stderr.len());
+
+    use std::os::unix::ffi::OsStrExt;
+    let not_utf8 = std::ffi::OsStr::from_bytes(b"max_split_size_mb:\xff64");
+    let run = run_sim(
+        &exe,
+        &[("GPUALLOC_CONF", not_utf8), ("BAD_CONF", "1".as_ref())],
+    );
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{}\n{stderr}", run.status);
+    assert!(
+        stderr.contains("GPUALLOC_CONF") && stderr.contains("UTF-8"),
+        "{stderr}"
+    );
+    let not_utf8 = std::ffi::OsStr::from_bytes(b"si\xffm");
+    let run = run_sim(
+        &exe,
+        &[("GPUALLOC_BACKEND", not_utf8), ("BAD_CONF", "1".as_ref())],
+    );
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{}\n{stderr}", run.status);
+    assert!(
+        stderr.contains("GPUALLOC_BACKEND is not valid UTF-8"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -3,6 +3,7 @@
 //! sample per microsecond), phases as duration slices, marks and OOMs as
 //! instants.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
@@ -28,15 +29,14 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<(), CliE
             .cloned()
             .unwrap_or_else(|| format!("#{id}"))
     };
-    let mut states: Vec<(DeviceState, f64)> = Vec::new();
+    // Sparse: device numbers come from the file.
+    let mut states: BTreeMap<u32, (DeviceState, f64)> = BTreeMap::new();
     let mut first = true;
     let mut err = None;
     let info = input::scan(path, allow_truncated, |e| {
-        let d = e.device as usize;
-        if states.len() <= d {
-            states.resize_with(d + 1, || (DeviceState::default(), -1.0));
-        }
-        let (s, last_us) = &mut states[d];
+        let (s, last_us) = states
+            .entry(e.device)
+            .or_insert_with(|| (DeviceState::default(), -1.0));
         s.apply(e);
         let ts = e.time_ns as f64 / 1000.0;
         let mut lines: Vec<serde_json::Value> = Vec::new();

@@ -37,11 +37,13 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
     input::scan(path, allow_truncated, |e| {
         seen.insert(e.device, ());
     })?;
+    // The reader bounds device numbers (below MAX_DEVICES), so this cannot
+    // wrap; devices without events get an empty list without a pass.
     let n_devices = seen
         .keys()
         .next_back()
-        .map_or(0, |d| d + 1)
-        .max(device_count.min(64));
+        .map_or(0, |&d| u64::from(d) + 1)
+        .max(u64::from(device_count.min(64))) as u32;
     let file = File::create(out).map_err(werr)?;
     let mut p = Pickler::new(BufWriter::with_capacity(1 << 20, file)).map_err(werr)?;
     let mut finals: Vec<DeviceState> = Vec::new();
@@ -51,6 +53,11 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
     p.list().map_err(werr)?;
     for device in 0..n_devices {
         p.list().map_err(werr)?;
+        if !seen.contains_key(&device) {
+            p.end().map_err(werr)?;
+            finals.push(DeviceState::default());
+            continue;
+        }
         let mut ex = Exporter {
             state: DeviceState::default(),
             start_ns,

@@ -11,10 +11,10 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter};
 use std::path::Path;
 
-use gpualloc::trace::{Action, TraceEvent, TraceHeader, TraceWriter};
+use gpualloc::trace::{Action, MAX_DEVICES, TraceEvent, TraceHeader, TraceWriter};
 use rustc_hash::FxHashMap;
 
-use crate::input::CliError;
+use crate::input::{self, CliError};
 
 /// Converts `path` into `out`; returns the number of events written.
 pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
@@ -72,7 +72,7 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                 "{}: line {lineno}, column {}: {what}, found {:?}",
                 path.display(),
                 cols.get(c).unwrap_or(&"?"),
-                f.get(c).unwrap_or(&"")
+                input::clip(f.get(c).unwrap_or(&""))
             ))
         };
         let field = |c: usize| f.get(c).copied().ok_or_else(|| bad(c, "missing field"));
@@ -98,7 +98,9 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         let device = match cdev {
             Some(c) => field(c)?
                 .parse()
-                .map_err(|_| bad(c, "expected a device index"))?,
+                .ok()
+                .filter(|&d| d < MAX_DEVICES)
+                .ok_or_else(|| bad(c, &format!("expected a device index below {MAX_DEVICES}")))?,
             None => 0,
         };
         let e = TraceEvent {

@@ -12,7 +12,7 @@ use std::path::Path;
 
 use gpualloc::Config;
 use gpualloc::size_class::round_size;
-use gpualloc::trace::{Action, TraceEvent, TraceHeader, TraceWriter};
+use gpualloc::trace::{Action, MAX_DEVICES, TraceEvent, TraceHeader, TraceWriter};
 
 use crate::input::CliError;
 use crate::unpickle;
@@ -30,6 +30,13 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         ))
     })?;
     let devices = traces.items();
+    if devices.len() > MAX_DEVICES as usize {
+        return Err(CliError(format!(
+            "{}: `device_traces` lists {} devices, more than the limit of {MAX_DEVICES}",
+            path.display(),
+            devices.len()
+        )));
+    }
     let t0 = devices
         .iter()
         .flat_map(|d| d.items())

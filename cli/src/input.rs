@@ -1,10 +1,12 @@
 //! Reading a trace for a command: clear errors, a progress bar on long
 //! inputs, and decoding on a second thread so analysis runs beside it.
 
+use std::collections::BTreeSet;
 use std::fmt;
 use std::fs::File;
 use std::io::{BufReader, IsTerminal};
 use std::path::Path;
+use std::sync::Mutex;
 
 use gpualloc::trace::{TraceEnd, TraceErrorKind, TraceEvent, TraceHeader, TraceReader};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -55,6 +57,63 @@ impl ScanInfo {
             None => format!("#{id}"),
         }
     }
+}
+
+/// At most 64 characters of `s`, for a message that quotes a file's contents.
+pub fn clip(s: &str) -> String {
+    match s.char_indices().nth(64) {
+        None => s.to_string(),
+        Some((i, _)) => format!("{}... ({} bytes)", &s[..i], s.len()),
+    }
+}
+
+/// Prints `gpualloc: warning: {msg}` to stderr unless this message, or
+/// another with the same `key`, was printed already: a command may read its
+/// input several times, and see the same damage each time.
+pub fn warn_once(key: &str, msg: &str) {
+    static SHOWN: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+    let mut shown = SHOWN.lock().unwrap_or_else(|p| p.into_inner());
+    if !shown.contains(key) && !shown.contains(msg) {
+        shown.insert(key.to_string());
+        shown.insert(msg.to_string());
+        eprintln!("gpualloc: warning: {msg}");
+    }
+}
+
+/// Refuses to write `out` (given as `option`) when it is the same file as
+/// one of `inputs`: the same path, a link to it, or another path to it.
+pub fn refuse_overwrite(option: &str, out: &Path, inputs: &[&Path]) -> Result<(), CliError> {
+    let Ok(o) = std::fs::metadata(out) else {
+        return Ok(()); // `out` does not exist yet: it cannot be an input.
+    };
+    for input in inputs {
+        let same = match std::fs::metadata(input) {
+            Ok(i) => same_file(&o, &i),
+            Err(_) => false,
+        } || matches!(
+            (out.canonicalize(), input.canonicalize()),
+            (Ok(a), Ok(b)) if a == b
+        );
+        if same {
+            return Err(CliError(format!(
+                "{option} {} is the input {}: refusing to overwrite the input; name another output file",
+                out.display(),
+                input.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(unix)]
+fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    a.dev() == b.dev() && a.ino() == b.ino()
+}
+
+#[cfg(not(unix))]
+fn same_file(_: &std::fs::Metadata, _: &std::fs::Metadata) -> bool {
+    false
 }
 
 /// Opens a trace, explaining what is wrong with a file that is not one.
@@ -154,12 +213,16 @@ pub fn scan_until(
                 "{msg}; pass --allow-truncated to use them"
             )));
         }
+        // Every command that accepts --allow-truncated says what it skipped.
+        warn_once(&format!("{}: {e}", path.display()), &msg);
         warning = Some(msg);
     } else if reader.end().is_none() && !stopped {
-        warning = Some(format!(
+        let msg = format!(
             "{}: no END block: the recording process stopped without trace_stop; the {events} events written before it are used",
             path.display()
-        ));
+        );
+        warn_once(&format!("{}: no END block", path.display()), &msg);
+        warning = Some(msg);
     }
     Ok(ScanInfo {
         header: reader.header().clone(),

@@ -77,9 +77,9 @@ enum Command {
     Leaks {
         /// A .gtrace file.
         file: PathBuf,
-        /// Groups to list per device.
-        #[arg(long, default_value_t = 30)]
-        limit: usize,
+        /// Groups to list per device (at least 1).
+        #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+        limit: u64,
         /// Use the readable prefix of a truncated or damaged file.
         #[arg(long)]
         allow_truncated: bool,
@@ -146,8 +146,9 @@ enum Command {
         /// Output .gtrace file.
         #[arg(short, long)]
         output: PathBuf,
-        /// Approximate number of events.
-        #[arg(long, default_value_t = 1_000_000)]
+        /// Approximate number of events (1 to 10^10).
+        #[arg(long, default_value_t = 1_000_000,
+              value_parser = clap::value_parser!(u64).range(1..=10_000_000_000))]
         events: u64,
         /// Random seed.
         #[arg(long, default_value_t = 1)]
@@ -179,9 +180,12 @@ fn main() -> ExitCode {
 
 fn warn(w: &Option<String>) {
     if let Some(w) = w {
-        eprintln!("gpualloc: warning: {w}");
+        input::warn_once(w, w);
     }
 }
+
+/// The smallest and largest `replay --capacity`.
+const CAPACITY_RANGE: (u64, u64) = (1 << 20, gpualloc::config::MAX_BYTES);
 
 fn run(cmd: Command) -> Result<(), CliError> {
     match cmd {
@@ -199,6 +203,7 @@ fn run(cmd: Command) -> Result<(), CliError> {
             output,
             allow_truncated,
         } => {
+            input::refuse_overwrite("--output", &output, &[&file])?;
             let mut a = analysis::analyze(&file, allow_truncated)?;
             analysis::second_pass(&file, allow_truncated, &mut a, true)?;
             warn(&a.info.warning);
@@ -214,6 +219,7 @@ fn run(cmd: Command) -> Result<(), CliError> {
         } => {
             let a = analysis::analyze(&file, allow_truncated)?;
             warn(&a.info.warning);
+            let limit = usize::try_from(limit).unwrap_or(usize::MAX);
             print!("{}", leaks::render(&a, limit));
         }
         Command::Replay {
@@ -225,6 +231,12 @@ fn run(cmd: Command) -> Result<(), CliError> {
         } => {
             let cap = units::parse_bytes(&capacity)
                 .map_err(|e| CliError(format!("--capacity {capacity}: {e}")))?;
+            let (min, max) = CAPACITY_RANGE;
+            if !(min..=max).contains(&cap) {
+                return Err(CliError(format!(
+                    "--capacity {capacity}: {cap} bytes is not in {min}..={max} (1 MiB to 1 PiB)"
+                )));
+            }
             print!(
                 "{}",
                 replay_cmd::run(&file, cap, &config, json, allow_truncated)?
@@ -242,6 +254,15 @@ fn run(cmd: Command) -> Result<(), CliError> {
                     "export: name at least one of --torch-snapshot, --chrome, --csv".into(),
                 ));
             }
+            for (option, out) in [
+                ("--torch-snapshot", &torch_snapshot),
+                ("--chrome", &chrome),
+                ("--csv", &csv),
+            ] {
+                if let Some(out) = out {
+                    input::refuse_overwrite(option, out, &[&file])?;
+                }
+            }
             if let Some(out) = torch_snapshot {
                 let n = export_torch::export(&file, &out, allow_truncated)?;
                 report_written(&out, &n);
@@ -256,6 +277,7 @@ fn run(cmd: Command) -> Result<(), CliError> {
             }
         }
         Command::Import { file, output, from } => {
+            input::refuse_overwrite("--output", &output, &[&file])?;
             let kind = match from {
                 From::Auto => sniff(&file)?,
                 other => other,

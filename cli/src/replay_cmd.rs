@@ -30,17 +30,18 @@ pub fn run(
     let mut results = Vec::new();
     let mut strings = Vec::new();
     for c in &configs {
-        let config = Config::parse(c).map_err(|e| CliError(format!("--config {c:?}: {e}")))?;
+        // The parser's message quotes the bad part; the option is named.
+        let config = Config::parse(c).map_err(|e| CliError(format!("--config: {e}")))?;
         let mut reader = input::open(path)?;
         let r = replay(reader.events(), capacity, &config);
-        if let Some(e) = reader.take_error()
-            && !allow_truncated
-        {
-            return Err(CliError(format!(
-                "{}: {e} (after {} events); pass --allow-truncated to replay the readable prefix",
-                path.display(),
-                r.events
-            )));
+        if let Some(e) = reader.take_error() {
+            let msg = format!("{}: {e} (after {} events)", path.display(), r.events);
+            if !allow_truncated {
+                return Err(CliError(format!(
+                    "{msg}; pass --allow-truncated to replay the readable prefix"
+                )));
+            }
+            input::warn_once(&msg, &format!("{msg}; the readable prefix was replayed"));
         }
         strings = reader.strings().to_vec();
         results.push(r);

@@ -4,6 +4,7 @@
 //! offset. Containers are shared through the memo as Python shares them.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
 
 /// A container shared through the memo.
@@ -82,7 +83,8 @@ enum Slot {
 /// Decodes one pickle.
 pub fn loads(b: &[u8]) -> Result<Value, String> {
     let mut stack: Vec<Slot> = Vec::new();
-    let mut memo: Vec<Option<Value>> = Vec::new();
+    // Sparse: a memo index read from the file must not size an allocation.
+    let mut memo: HashMap<usize, Value> = HashMap::new();
     let mut pos = 0usize;
     let take = |pos: &mut usize, n: usize| -> Result<&[u8], String> {
         let end = pos
@@ -122,17 +124,16 @@ pub fn loads(b: &[u8]) -> Result<Value, String> {
                 .map(|s| if let Slot::V(v) = s { v } else { Value::None })
                 .collect())
         };
-        let put =
-            |memo: &mut Vec<Option<Value>>, stack: &Vec<Slot>, idx: usize| -> Result<(), String> {
-                let Some(Slot::V(v)) = stack.last() else {
-                    return Err(format!("byte {at}: memo of nothing"));
-                };
-                if memo.len() <= idx {
-                    memo.resize(idx + 1, None);
-                }
-                memo[idx] = Some(v.clone());
-                Ok(())
+        let put = |memo: &mut HashMap<usize, Value>,
+                   stack: &Vec<Slot>,
+                   idx: usize|
+         -> Result<(), String> {
+            let Some(Slot::V(v)) = stack.last() else {
+                return Err(format!("byte {at}: memo of nothing"));
             };
+            memo.insert(idx, v.clone());
+            Ok(())
+        };
         let v = match op {
             0x80 => {
                 let p = take(&mut pos, 1)?[0];
@@ -287,9 +288,8 @@ pub fn loads(b: &[u8]) -> Result<Value, String> {
                 } else {
                     le(take(&mut pos, 4)?) as usize
                 };
-                memo.get(idx)
+                memo.get(&idx)
                     .cloned()
-                    .flatten()
                     .ok_or_else(|| format!("byte {at}: memo entry {idx} is empty"))?
             }
             b'0' => {
@@ -350,6 +350,15 @@ mod tests {
         let e = loads(b"\x80\x04}(\x8c\x01a").unwrap_err();
         assert!(e.contains("ends at byte"), "{e}");
         assert!(loads(b"").is_err());
+    }
+
+    /// A memo index of 4294967295 (LONG_BINPUT) is stored sparsely, not by
+    /// growing a table to that length.
+    #[test]
+    fn huge_memo_indices_allocate_nothing() {
+        // protocol 4: EMPTY_LIST, LONG_BINPUT 0xffffffff, POP, LONG_BINGET 0xffffffff, STOP
+        let v = loads(b"\x80\x04]r\xff\xff\xff\xff0j\xff\xff\xff\xff.").unwrap();
+        assert!(v.items().is_empty());
     }
 
     #[test]

@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, List, Optional
 
-from ._lib import GpuallocError, LibraryNotFound, lib, library_path
+from ._lib import ERR_UNAVAILABLE, GpuallocError, LibraryNotFound, lib, library_path
 
 __all__ = [
     "GpuallocError",
@@ -161,7 +161,9 @@ def set_memory_fraction(fraction: float, device=None) -> None:
 
 
 def set_memory_limit(nbytes: Optional[int], device=None) -> None:
-    """Caps reserved memory at ``nbytes`` (None or 0 removes the cap)."""
+    """Caps reserved memory at ``nbytes``; None removes the cap. 0 and
+    negative values are a ValueError (0 would be ambiguous, as in
+    ``memory_limit:0``)."""
     lib().set_memory_limit(nbytes, _device(device))
 
 
@@ -171,8 +173,16 @@ def last_oom() -> Optional[dict]:
 
 
 def backend() -> str:
-    """``"cuda"`` or ``"sim"`` (``GPUALLOC_BACKEND=sim``: the simulated device)."""
-    return lib().backend()
+    """``"cuda"`` or ``"sim"`` (``GPUALLOC_BACKEND=sim``: the simulated device),
+    or ``"unavailable"`` when there is no usable CUDA driver or device
+    (``python -m gpualloc info`` says why). A bad configuration raises
+    :class:`GpuallocError`."""
+    try:
+        return lib().backend()
+    except GpuallocError as e:
+        if e.code == ERR_UNAVAILABLE:
+            return "unavailable"
+        raise
 
 
 def version() -> str:

@@ -24,13 +24,18 @@ def _run(args) -> int:
         import torch  # noqa: F401
     except ImportError:
         torch = None
-    if torch is not None:
-        gpualloc.install(config=args.config, trace=args.trace, bridge=not args.no_bridge)
-    else:
-        print("gpualloc: PyTorch not found: the allocator is loaded but not installed into torch", file=sys.stderr)
-        lib().init(args.config)
-        if args.trace:
-            lib().trace_start(args.trace)
+    try:
+        if torch is not None:
+            gpualloc.install(config=args.config, trace=args.trace, bridge=not args.no_bridge)
+        else:
+            print("gpualloc: PyTorch not found: the allocator is loaded but not installed into torch", file=sys.stderr)
+            lib().init(args.config)
+            lib().backend()  # starts the backend: a missing driver is reported now
+            if args.trace:
+                lib().trace_start(args.trace)
+    except (gpualloc.GpuallocError, ValueError) as e:
+        print(f"gpualloc: cannot start: {e}", file=sys.stderr)
+        return 1
     sys.argv = [args.script] + args.args
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
     code = 0
@@ -59,13 +64,26 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="print the library path, version and backend")
     args = p.parse_args(argv)
     if args.cmd == "info":
-        import gpualloc
+        return _info()
+    return _run(args)
 
+
+def _info() -> int:
+    """Library, version and backend; a clear line (exit 1), not a traceback,
+    when one of them is missing."""
+    import gpualloc
+    from gpualloc._lib import lib
+
+    try:
         print(f"library: {gpualloc.library_path()}")
         print(f"version: {gpualloc.version()}")
-        print(f"backend: {gpualloc.backend()}")
-        return 0
-    return _run(args)
+        print(f"backend: {lib().backend()}")
+    except gpualloc.GpuallocError as e:
+        print(f"gpualloc: {e}", file=sys.stderr)
+        if not isinstance(e, gpualloc.LibraryNotFound):
+            print("backend: unavailable")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

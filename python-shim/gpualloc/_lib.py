@@ -126,6 +126,26 @@ class TraceSummary(ctypes.Structure):
     _fields_ = [("events", c_uint64), ("dropped", c_uint64), ("bytes", c_uint64)]
 
 
+U64_MAX = (1 << 64) - 1
+
+
+def _cstr(value, what: str) -> bytes:
+    """``value`` as a C string; a NUL byte would silently cut it short."""
+    b = os.fsencode(value) if isinstance(value, os.PathLike) else str(value).encode()
+    if b"\0" in b:
+        raise ValueError(f"{what} contains a NUL byte: {str(value)[:64]!r}")
+    return b
+
+
+def _count(value, what: str, low: int = 0) -> int:
+    """``value`` as an int in ``[low, 2**64)``; ctypes would wrap a negative one."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    if not low <= value <= U64_MAX:
+        raise ValueError(f"{what} {value} is not in {low}..2**64-1")
+    return value
+
+
 _SIGNATURES = {
     "gpualloc_init": (c_int, [c_char_p]),
     "gpualloc_is_initialized": (c_int, []),
@@ -233,7 +253,7 @@ class Library:
     # ---- lifecycle ----
 
     def init(self, config: Optional[str]) -> None:
-        self.check(self.dll.gpualloc_init(None if config is None else config.encode()))
+        self.check(self.dll.gpualloc_init(None if config is None else _cstr(config, "config")))
 
     def is_initialized(self) -> bool:
         return bool(self.dll.gpualloc_is_initialized())
@@ -253,7 +273,9 @@ class Library:
     # ---- memory ----
 
     def malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
-        """Allocates; returns the address (0 for size 0). Raises on failure."""
+        """Allocates; returns the address (0 for size 0). Raises on failure
+        (ValueError for a negative size)."""
+        size = _count(size, "size")
         p = self.dll.gpualloc_malloc(size, device, stream)
         if not p and size > 0:
             raise GpuallocError(self.last_error() or "allocation failed", self.dll.gpualloc_last_error_code() or ERR_OUT_OF_MEMORY)
@@ -282,6 +304,9 @@ class Library:
         return out.value
 
     def set_memory_limit(self, nbytes: Optional[int], device: int = 0) -> None:
+        """Caps reserved memory at ``nbytes`` (at least 1); None removes the cap."""
+        if nbytes is not None:
+            nbytes = _count(nbytes, "memory limit", low=1)
         self.check(self.dll.gpualloc_set_memory_limit(device, nbytes or 0))
 
     def mem_info(self, device: int = 0) -> Tuple[int, int]:
@@ -338,7 +363,7 @@ class Library:
     # ---- tracing ----
 
     def trace_start(self, path: str) -> None:
-        self.check(self.dll.gpualloc_trace_start(os.fspath(path).encode()))
+        self.check(self.dll.gpualloc_trace_start(_cstr(os.fspath(path), "trace path")))
 
     def trace_stop(self) -> Dict[str, int]:
         s = TraceSummary()
@@ -352,13 +377,13 @@ class Library:
         return bool(self.check(self.dll.gpualloc_is_tracing()))
 
     def phase_push(self, name: str) -> None:
-        self.check(self.dll.gpualloc_phase_push(name.encode()))
+        self.check(self.dll.gpualloc_phase_push(_cstr(name, "phase name")))
 
     def phase_pop(self) -> None:
         self.check(self.dll.gpualloc_phase_pop())
 
     def mark(self, name: str) -> None:
-        self.check(self.dll.gpualloc_mark(name.encode()))
+        self.check(self.dll.gpualloc_mark(_cstr(name, "mark name")))
 
 
 _LIB: Optional[Library] = None

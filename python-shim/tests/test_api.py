@@ -115,6 +115,22 @@ class ApiTest(unittest.TestCase):
             lib().init("max_split_size_mb:999")  # the allocator is running with another configuration
         self.assertEqual(cm.exception.code, ERR_ALREADY_INITIALIZED)
 
+    def test_values_ctypes_would_wrap_or_cut_are_refused(self):
+        for call in (
+            lambda: lib().malloc(-1),
+            lambda: lib().malloc(1 << 64),
+            lambda: gpualloc.set_memory_limit(-1, 1),
+            lambda: gpualloc.set_memory_limit(0, 1),
+            lambda: lib().init("max_split_size_mb:64\0,bogus:1"),
+            lambda: gpualloc.mark("a\0b"),
+            lambda: gpualloc.trace_start("/tmp/x\0y.gtrace"),
+        ):
+            with self.assertRaises(ValueError):
+                call()
+        with self.assertRaises(TypeError):
+            lib().malloc(1.5)
+        self.assertFalse(gpualloc.is_tracing())
+
     def test_memory_limit_and_fraction(self):
         gpualloc.set_memory_fraction(0.5, 1)
         self.assertEqual(lib().memory_fraction(1), 0.5)

@@ -38,6 +38,29 @@ class ProcessTest(unittest.TestCase):
         self.assertIn("code True", out.stdout)
         self.assertIn("no_such_key", out.stdout)
 
+    def test_no_cuda_is_a_clear_message_not_a_traceback(self):
+        # This machine's backend is CUDA when GPUALLOC_BACKEND is unset; without
+        # a driver, gpualloc must say so plainly.
+        if os.path.exists("/dev/nvidiactl"):
+            self.skipTest("a CUDA device may be present")
+        out = run(["-c", "import gpualloc; print('backend', gpualloc.backend())"], drop=("GPUALLOC_BACKEND",))
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("backend unavailable", out.stdout)
+        out = run(["-m", "gpualloc", "info"], drop=("GPUALLOC_BACKEND",))
+        self.assertEqual(out.returncode, 1, out.stderr)
+        self.assertNotIn("Traceback", out.stderr)
+        self.assertIn("backend: unavailable", out.stdout)
+        self.assertIn("CUDA", out.stderr)
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(d, "s.py")
+            with open(script, "w") as f:
+                f.write("print('script ran')\n")
+            out = run(["-m", "gpualloc", "run", script], drop=("GPUALLOC_BACKEND",))
+        self.assertEqual(out.returncode, 1, out.stderr)
+        self.assertNotIn("Traceback", out.stderr)
+        self.assertNotIn("script ran", out.stdout)
+        self.assertIn("gpualloc: cannot start", out.stderr)
+
     def test_init_with_a_config_string(self):
         code = textwrap.dedent(
             """

@@ -7,8 +7,9 @@
 //! function; every entry point here therefore checks, once per process, that
 //! the library can be loaded and that `cuInit` succeeded, and returns
 //! [`BackendError::Unavailable`] otherwise. Driver failures are values, never
-//! panics; `DriverError`'s `Debug` (which calls the driver) is never used:
-//! codes are named through the `CUresult` enum's derived `Debug`.
+//! panics; `DriverError`'s `Debug` (which calls the driver) is never used.
+//! Driver results are integers, never the `CUresult` enum (`driver.rs` says
+//! why): a code a newer driver adds is an error like any other.
 //!
 //! Contexts: a backend retains the device's *primary* context, the one the
 //! CUDA runtime (and so PyTorch) uses, and makes it current on the calling
@@ -25,7 +26,8 @@
 //! unmapping]). Every memory and event call is counted and timed
 //! ([`DriverCalls`]), so the cost model can be checked against the GPU.
 //!
-//! This is the only module of the crate that may use `unsafe`.
+//! This module (with `driver.rs`) is the only one of the crate that may use
+//! `unsafe`.
 
 use std::collections::BTreeMap;
 use std::mem::MaybeUninit;
@@ -33,10 +35,13 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use cudarc::driver::sys;
+use driver::CuResult;
 use rustc_hash::FxHashSet;
 
 use super::{Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId};
 use crate::cost::{DriverCall, DriverCalls};
+
+mod driver;
 
 /// Events kept for reuse after [`Backend::destroy_event`]; more are destroyed.
 const EVENT_POOL_MAX: usize = 1024;
@@ -56,22 +61,21 @@ fn driver() -> Result<(), BackendError> {
             }
             // SAFETY: the library is present (checked above), so cudarc's lazy
             // symbol lookup succeeds; cuInit takes no pointers.
-            check("cuInit", unsafe { sys::cuInit(0) })
+            check("cuInit", unsafe { driver::cuInit(0) })
                 .map_err(|e| BackendError::Unavailable(format!("cuInit failed: {e}")))
         })
         .clone()
 }
 
 /// A driver result as a [`BackendError`]; out-of-memory gets its own variant.
-fn check(call: &'static str, r: sys::CUresult) -> Result<(), BackendError> {
+fn check(call: &'static str, r: CuResult) -> Result<(), BackendError> {
     match r {
-        sys::CUresult::CUDA_SUCCESS => Ok(()),
-        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(BackendError::OutOfMemory { requested: 0 }),
-        // The enum's derived Debug prints the variant name without calling the driver.
+        driver::SUCCESS => Ok(()),
+        driver::OUT_OF_MEMORY => Err(BackendError::OutOfMemory { requested: 0 }),
         other => Err(BackendError::Driver {
             call,
-            code: other as u32 as i64,
-            name: format!("{other:?}"),
+            code: i64::from(other),
+            name: driver::name(other),
         }),
     }
 }
@@ -85,7 +89,9 @@ pub fn device_count() -> Result<usize, BackendError> {
     let mut n: std::ffi::c_int = 0;
     // SAFETY: the driver is loaded and initialized (`driver()`); `n` is a
     // valid out-pointer for the duration of the call.
-    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+    check("cuDeviceGetCount", unsafe {
+        driver::cuDeviceGetCount(&mut n)
+    })?;
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
@@ -130,13 +136,13 @@ impl CudaBackend {
         let mut dev: sys::CUdevice = 0;
         // SAFETY: driver initialized by device_count(); `dev` is a valid out-pointer.
         check("cuDeviceGet", unsafe {
-            sys::cuDeviceGet(&mut dev, ordinal)
+            driver::cuDeviceGet(&mut dev, ordinal)
         })?;
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: `dev` came from cuDeviceGet; `ctx` is a valid out-pointer.
         // The retain is balanced by the release in `Drop`.
         check("cuDevicePrimaryCtxRetain", unsafe {
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+            driver::cuDevicePrimaryCtxRetain(&mut ctx, dev)
         })?;
         Ok(CudaBackend {
             ordinal: device,
@@ -161,11 +167,15 @@ impl CudaBackend {
         let mut cur: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: the driver is initialized (a backend exists only after
         // `new` succeeded); `cur` is a valid out-pointer.
-        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut cur) })?;
+        check("cuCtxGetCurrent", unsafe {
+            driver::cuCtxGetCurrent(&mut cur)
+        })?;
         if cur != self.ctx {
             // SAFETY: `self.ctx` is a primary context retained by `new` and
             // not released before `Drop`.
-            check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })?;
+            check("cuCtxSetCurrent", unsafe {
+                driver::cuCtxSetCurrent(self.ctx)
+            })?;
         }
         Ok(())
     }
@@ -188,8 +198,8 @@ impl CudaBackend {
         &mut self,
         call: DriverCall,
         (handles, bytes): (u64, u64),
-        f: impl FnOnce() -> sys::CUresult,
-    ) -> sys::CUresult {
+        f: impl FnOnce() -> CuResult,
+    ) -> CuResult {
         let t = Instant::now();
         let r = f();
         self.calls
@@ -203,7 +213,7 @@ impl CudaBackend {
         // SAFETY: `[ptr, ptr + size)` is a run of whole mappings made by
         // `map_handles` (contract), so the driver unmaps exactly those.
         let r = self.timed(DriverCall::Unmap, (handles, size), || unsafe {
-            sys::cuMemUnmap(ptr, size as usize)
+            driver::cuMemUnmap(ptr, size as usize)
         });
         check("cuMemUnmap", r)?;
         let inside: Vec<DevicePtr> = self
@@ -225,7 +235,7 @@ impl CudaBackend {
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         // SAFETY: context bound by the caller; `ev` is a valid out-pointer.
         check("cuEventCreate", unsafe {
-            sys::cuEventCreate(&mut ev, flags)
+            driver::cuEventCreate(&mut ev, flags)
         })?;
         Ok(ev)
     }
@@ -245,16 +255,17 @@ fn stream_of(id: StreamId) -> sys::CUstream {
 
 /// Restores the thread's previous stream-capture mode when dropped.
 struct RelaxedCaptureMode {
-    previous: sys::CUstreamCaptureMode,
+    /// The previous `CUstreamCaptureMode`, as the driver's integer.
+    previous: u32,
 }
 
 impl RelaxedCaptureMode {
     fn enter() -> Result<RelaxedCaptureMode, BackendError> {
-        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED as u32;
         // SAFETY: `mode` is a valid in/out pointer; the call only swaps the
         // calling thread's capture mode.
         check("cuThreadExchangeStreamCaptureMode", unsafe {
-            sys::cuThreadExchangeStreamCaptureMode(&mut mode)
+            driver::cuThreadExchangeStreamCaptureMode(&mut mode)
         })?;
         Ok(RelaxedCaptureMode { previous: mode })
     }
@@ -266,7 +277,7 @@ impl Drop for RelaxedCaptureMode {
         // SAFETY: as in `enter`; restores the mode saved there. A failure
         // cannot be reported from `drop` and leaves the mode relaxed, which
         // only makes later calls on this thread more permissive.
-        let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        let _ = unsafe { driver::cuThreadExchangeStreamCaptureMode(&mut mode) };
     }
 }
 
@@ -280,7 +291,7 @@ impl Backend for CudaBackend {
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: context bound; both out-pointers are valid.
         check("cuMemGetInfo", unsafe {
-            sys::cuMemGetInfo_v2(&mut free, &mut total)
+            driver::cuMemGetInfo_v2(&mut free, &mut total)
         })?;
         Ok(MemInfo {
             free: free as u64,
@@ -300,7 +311,7 @@ impl Backend for CudaBackend {
         };
         // SAFETY: context bound; `ptr` is a valid out-pointer.
         let r = self.timed(DriverCall::MemAlloc, (0, size), || unsafe {
-            sys::cuMemAlloc_v2(&mut ptr, bytes)
+            driver::cuMemAlloc_v2(&mut ptr, bytes)
         });
         match check("cuMemAlloc", r) {
             Ok(()) => Ok(ptr),
@@ -316,7 +327,7 @@ impl Backend for CudaBackend {
         // SAFETY: the Backend contract guarantees `ptr` came from `allocate`
         // (cuMemAlloc in this context) and was not released since.
         let r = self.timed(DriverCall::MemFree, (0, size), || unsafe {
-            sys::cuMemFree_v2(ptr)
+            driver::cuMemFree_v2(ptr)
         });
         check("cuMemFree", r)
     }
@@ -328,7 +339,7 @@ impl Backend for CudaBackend {
         // handle PyTorch passed (0 = legacy default stream) that is alive
         // while work is queued on it.
         let r = self.timed(DriverCall::EventRecord, (0, 0), || unsafe {
-            sys::cuEventRecord(ev, stream_of(stream))
+            driver::cuEventRecord(ev, stream_of(stream))
         });
         if let Err(e) = check("cuEventRecord", r) {
             self.spare_events.push(ev);
@@ -341,11 +352,11 @@ impl Backend for CudaBackend {
         self.bind()?;
         // SAFETY: `event` came from `record_event` and was not destroyed (contract).
         let r = self.timed(DriverCall::EventQuery, (0, 0), || unsafe {
-            sys::cuEventQuery(event_of(event))
+            driver::cuEventQuery(event_of(event))
         });
         match r {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            driver::SUCCESS => Ok(true),
+            driver::NOT_READY => Ok(false),
             other => check("cuEventQuery", other).map(|()| false),
         }
     }
@@ -354,7 +365,7 @@ impl Backend for CudaBackend {
         self.bind()?;
         // SAFETY: `event` is live (contract).
         let r = self.timed(DriverCall::EventSync, (0, 0), || unsafe {
-            sys::cuEventSynchronize(event_of(event))
+            driver::cuEventSynchronize(event_of(event))
         });
         check("cuEventSynchronize", r)
     }
@@ -373,7 +384,7 @@ impl Backend for CudaBackend {
         // SAFETY: `event` is live (contract); `stream` is a live stream
         // handle from PyTorch. Flags must be 0.
         let r = self.timed(DriverCall::StreamWait, (0, 0), || unsafe {
-            sys::cuStreamWaitEvent(stream_of(stream), event_of(event), 0)
+            driver::cuStreamWaitEvent(stream_of(stream), event_of(event), 0)
         });
         check("cuStreamWaitEvent", r)
     }
@@ -387,7 +398,7 @@ impl Backend for CudaBackend {
         } else {
             // SAFETY: `ev` is live and destroyed once (contract). Pending
             // stream waits on it stay valid after destruction (CUDA semantics).
-            let _ = unsafe { sys::cuEventDestroy_v2(ev) };
+            let _ = unsafe { driver::cuEventDestroy_v2(ev) };
         }
     }
 
@@ -400,7 +411,7 @@ impl Backend for CudaBackend {
             let mut g = 0usize;
             // SAFETY: context bound; `prop` and `g` are valid for the call.
             let r = unsafe {
-                sys::cuMemGetAllocationGranularity(
+                driver::cuMemGetAllocationGranularity(
                     &mut g,
                     &prop,
                     sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
@@ -420,7 +431,7 @@ impl Backend for CudaBackend {
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: context bound; `va` is a valid out-pointer; no fixed address requested.
         let r = self.timed(DriverCall::Reserve, (0, size), || unsafe {
-            sys::cuMemAddressReserve(&mut va, size as usize, align, 0, 0)
+            driver::cuMemAddressReserve(&mut va, size as usize, align, 0, 0)
         });
         check("cuMemAddressReserve", r)?;
         Ok(va)
@@ -431,7 +442,7 @@ impl Backend for CudaBackend {
         // SAFETY: `ptr`/`size` came from `reserve` (contract) and every page
         // in it was unmapped by the allocator before this call.
         let r = self.timed(DriverCall::AddressFree, (0, size), || unsafe {
-            sys::cuMemAddressFree(ptr, size as usize)
+            driver::cuMemAddressFree(ptr, size as usize)
         });
         check("cuMemAddressFree", r)
     }
@@ -449,7 +460,7 @@ impl Backend for CudaBackend {
         // device; `h` is a valid out-pointer; `size` is a multiple of the
         // granularity (contract).
         let r = self.timed(DriverCall::Create, (1, size), || unsafe {
-            sys::cuMemCreate(&mut h, size as usize, &prop, 0)
+            driver::cuMemCreate(&mut h, size as usize, &prop, 0)
         });
         match check("cuMemCreate", r) {
             Ok(()) => {
@@ -467,7 +478,7 @@ impl Backend for CudaBackend {
         self.bind()?;
         // SAFETY: `handle` came from `create_handle` and is not mapped (contract).
         let r = self.timed(DriverCall::Release, (1, size), || unsafe {
-            sys::cuMemRelease(handle)
+            driver::cuMemRelease(handle)
         });
         check("cuMemRelease", r)?;
         self.handles.remove(&handle);
@@ -492,7 +503,7 @@ impl Backend for CudaBackend {
             // and is unmapped (contract); `h` is a live unmapped handle of
             // exactly `size` bytes.
             let r = self.timed(DriverCall::Map, (1, size), || unsafe {
-                sys::cuMemMap(at, size as usize, 0, h, 0)
+                driver::cuMemMap(at, size as usize, 0, h, 0)
             });
             if let Err(e) = check("cuMemMap", r) {
                 if at > ptr {
@@ -512,7 +523,7 @@ impl Backend for CudaBackend {
         let r = self.timed(
             DriverCall::SetAccess,
             (handles.len() as u64, total),
-            || unsafe { sys::cuMemSetAccess(ptr, total as usize, &desc, 1) },
+            || unsafe { driver::cuMemSetAccess(ptr, total as usize, &desc, 1) },
         );
         if let Err(e) = check("cuMemSetAccess", r) {
             let _ = self.unmap_run(ptr, total);
@@ -538,18 +549,18 @@ impl Drop for CudaBackend {
         }
         for (a, size) in std::mem::take(&mut self.mappings) {
             // SAFETY: each entry is a live mapping made by `map_handles`.
-            let _ = unsafe { sys::cuMemUnmap(a, size as usize) };
+            let _ = unsafe { driver::cuMemUnmap(a, size as usize) };
         }
         for h in std::mem::take(&mut self.handles) {
             // SAFETY: each handle is live and, after the loop above, unmapped.
-            let _ = unsafe { sys::cuMemRelease(h) };
+            let _ = unsafe { driver::cuMemRelease(h) };
         }
         for ev in self.spare_events.drain(..) {
             // SAFETY: every pooled event is live and owned only by the pool.
-            let _ = unsafe { sys::cuEventDestroy_v2(ev) };
+            let _ = unsafe { driver::cuEventDestroy_v2(ev) };
         }
         // SAFETY: balances the retain in `new`; the device handle is valid.
-        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+        let _ = unsafe { driver::cuDevicePrimaryCtxRelease_v2(self.device) };
     }
 }
 
@@ -622,7 +633,7 @@ mod tests {
 
     #[test]
     fn codes_are_named_without_the_driver() {
-        let e = check("cuX", sys::CUresult::CUDA_ERROR_INVALID_VALUE).unwrap_err();
+        let e = check("cuX", sys::CUresult::CUDA_ERROR_INVALID_VALUE as u32).unwrap_err();
         assert_eq!(
             e,
             BackendError::Driver {
@@ -632,9 +643,18 @@ mod tests {
             }
         );
         assert_eq!(
-            check("cuX", sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+            check("cuX", driver::OUT_OF_MEMORY),
             Err(BackendError::OutOfMemory { requested: 0 })
         );
-        assert_eq!(check("cuX", sys::CUresult::CUDA_SUCCESS), Ok(()));
+        assert_eq!(check("cuX", driver::SUCCESS), Ok(()));
+        // A code this build does not know is an error, not undefined behaviour.
+        assert_eq!(
+            check("cuX", 123_456).unwrap_err(),
+            BackendError::Driver {
+                call: "cuX",
+                code: 123_456,
+                name: "CUDA error 123456".to_string()
+            }
+        );
     }
 }

@@ -345,7 +345,7 @@ impl Backend for SimBackend {
             self.forbid_in_capture("allocate without the capturing flag");
         }
         self.allocate_calls += 1;
-        if self.fail_allocate_at == Some(self.allocate_calls) || self.used + size > self.capacity {
+        if self.fail_allocate_at == Some(self.allocate_calls) || size > self.capacity - self.used {
             self.counters.allocate_failed += 1;
             return Err(BackendError::OutOfMemory { requested: size });
         }
@@ -486,7 +486,7 @@ impl Backend for SimBackend {
             self.forbid_in_capture("create_handle without the capturing flag");
         }
         self.map_calls += 1;
-        if self.fail_map_at == Some(self.map_calls) || self.used + size > self.capacity {
+        if self.fail_map_at == Some(self.map_calls) || size > self.capacity - self.used {
             return Err(BackendError::OutOfMemory { requested: size });
         }
         let h = self.next_handle;
@@ -606,6 +606,20 @@ impl Backend for SimBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request near `u64::MAX` is out of memory, not an overflow.
+    #[test]
+    fn huge_requests_are_out_of_memory() {
+        let mut s = SimBackend::new(100 << 20);
+        s.allocate(4 << 20, false).unwrap();
+        let huge = u64::MAX - (1 << 20);
+        assert!(matches!(
+            s.allocate(huge, false),
+            Err(BackendError::OutOfMemory { .. })
+        ));
+        let huge_pages = u64::MAX / (2 << 20) * (2 << 20);
+        assert!(s.create_handle(huge_pages, false).is_err());
+    }
 
     #[test]
     fn reuses_released_ranges_first_fit() {

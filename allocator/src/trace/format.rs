@@ -18,6 +18,11 @@ pub const BLOCK_HEADER_LEN: usize = 16;
 /// Largest payload a reader accepts (a corrupt length must not make it
 /// allocate gigabytes).
 pub const MAX_BLOCK_LEN: u32 = 64 << 20;
+
+/// Device numbers (in block headers) and the header's device count are
+/// below this; anything larger is a damaged or foreign file, and readers
+/// may size per-device tables by it.
+pub const MAX_DEVICES: u32 = 1024;
 /// Largest header body a reader accepts.
 pub const MAX_HEADER_LEN: u32 = 1 << 20;
 

@@ -11,8 +11,8 @@ use std::io::{self, BufReader, Read};
 use std::path::Path;
 
 use crate::trace::format::{
-    self, BLOCK_HEADER_LEN, BLOCK_MAGIC, MAGIC, MAX_BLOCK_LEN, MAX_HEADER_LEN, TraceEnd,
-    TraceError, TraceErrorKind, TraceHeader, VERSION, kind, tag,
+    self, BLOCK_HEADER_LEN, BLOCK_MAGIC, MAGIC, MAX_BLOCK_LEN, MAX_DEVICES, MAX_HEADER_LEN,
+    TraceEnd, TraceError, TraceErrorKind, TraceHeader, VERSION, kind, tag,
 };
 use crate::trace::{Action, TraceEvent};
 
@@ -104,6 +104,15 @@ impl<R: Read> TraceReader<R> {
         }
         let header = parse_header(&body)
             .ok_or_else(|| TraceError::malformed(14, "header fields do not parse"))?;
+        if header.device_count > MAX_DEVICES {
+            return Err(TraceError::malformed(
+                14,
+                format!(
+                    "the header's device count {} is above the limit of {}",
+                    header.device_count, MAX_DEVICES
+                ),
+            ));
+        }
         Ok(TraceReader {
             src,
             offset: 14 + u64::from(len) + 4,
@@ -209,6 +218,16 @@ impl<R: Read> TraceReader<R> {
                 return Err(TraceError::malformed(
                     start,
                     format!("block length {len} exceeds the limit {MAX_BLOCK_LEN}"),
+                ));
+            }
+            if device >= MAX_DEVICES {
+                self.finished = true;
+                return Err(TraceError::malformed(
+                    start,
+                    format!(
+                        "device {device} in a block header is not below the limit of {} devices",
+                        MAX_DEVICES
+                    ),
                 ));
             }
             self.payload.resize(len as usize, 0);
@@ -615,6 +634,42 @@ mod tests {
         assert!(e.to_string().contains("version 9"), "{e}");
         let e = TraceReader::new(&MAGIC[..]).err().unwrap();
         assert!(e.is_truncation(), "{e}");
+    }
+
+    /// A device number or device count no allocator could have is an error
+    /// (readers size per-device tables by it), never a huge loop.
+    #[test]
+    fn huge_device_numbers_are_rejected() {
+        let ev = TraceEvent {
+            time_ns: 5,
+            action: Action::Alloc,
+            device: 0,
+            stream: 0,
+            addr: 512,
+            size: 100,
+            aux: 512,
+            thread: 1,
+        };
+        for device in [MAX_DEVICES, u32::MAX] {
+            let mut w = TraceWriter::new(Vec::new(), &header()).unwrap();
+            w.write_events(MAX_DEVICES - 1, &[ev]).unwrap();
+            w.write_events(device, &[ev]).unwrap();
+            let (bytes, _) = w.finish(None).unwrap();
+            let (evs, err, _) = read_all(&bytes);
+            assert_eq!(evs.len(), 1);
+            let err = err.expect("rejected").to_string();
+            assert!(err.contains(&format!("device {device}")), "{err}");
+        }
+        let huge = TraceHeader {
+            device_count: u32::MAX,
+            ..header()
+        };
+        let (bytes, _) = TraceWriter::new(Vec::new(), &huge)
+            .unwrap()
+            .finish(None)
+            .unwrap();
+        let err = TraceReader::new(&bytes[..]).err().unwrap().to_string();
+        assert!(err.contains("device count 4294967295"), "{err}");
     }
 
     #[test]

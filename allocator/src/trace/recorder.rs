@@ -76,18 +76,22 @@ thread_local! {
     static THREAD: Cell<u32> = const { Cell::new(0) };
 }
 
-/// A small integer naming the calling thread (1, 2, ... in order of first use).
+/// A small integer naming the calling thread (1, 2, ... in order of first
+/// use); 0 once the thread's thread-locals are being destroyed (a call from
+/// a thread-exit destructor).
 #[inline]
 pub fn thread_id() -> u32 {
-    THREAD.with(|t| {
-        let id = t.get();
-        if id != 0 {
-            return id;
-        }
-        let id = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
-        t.set(id);
-        id
-    })
+    THREAD
+        .try_with(|t| {
+            let id = t.get();
+            if id != 0 {
+                return id;
+            }
+            let id = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+            t.set(id);
+            id
+        })
+        .unwrap_or(0)
 }
 
 struct Sink {

@@ -223,11 +223,11 @@ const char *gpualloc_backend_name(void);
 // The library version, e.g. `"0.1.0"`.
 const char *gpualloc_version(void);
 
-// The number of devices, or a negative `GPUALLOC_ERR_*`.
+// The number of devices, or a negative `GPUALLOC_ERR_*`. Creates nothing.
 int gpualloc_device_count(void);
 
 // The calling thread's last error message, or NULL. The string stays valid
-// until the thread's next failing or control call.
+// until the thread's next gpualloc call other than `gpualloc_last_error*`.
 const char *gpualloc_last_error(void);
 
 // The `GPUALLOC_ERR_*` code of the calling thread's last error, 0 when
@@ -248,8 +248,10 @@ void *gpualloc_malloc(size_t size, int device, cudaStream_t stream);
 void *gpualloc_malloc_or_abort(size_t size, int device, cudaStream_t stream);
 
 // Frees a pointer from `gpualloc_malloc` (PyTorch's pluggable `free`).
-// `size` and `stream` are ignored: the allocator knows both. NULL is a no-op.
-// A pointer gpualloc does not know is reported on stderr and in the last error.
+// `size` and `stream` are ignored: the allocator knows both. NULL is a no-op
+// (it creates nothing). A pointer gpualloc does not know is reported on
+// stderr and in the last error; an allocator that cannot start (a bad
+// `GPUALLOC_CONF`) is reported on stderr once.
 void gpualloc_free(void *ptr, size_t size, int device, cudaStream_t stream);
 
 // Marks `ptr` as used on `stream` too (`Tensor.record_stream`; PyTorch's
@@ -258,7 +260,8 @@ void gpualloc_free(void *ptr, size_t size, int device, cudaStream_t stream);
 void gpualloc_record_stream(void *ptr, cudaStream_t stream);
 
 // Returns every cached, entirely free segment to the device
-// (`torch.cuda.empty_cache`; PyTorch's `reset` hook).
+// (`torch.cuda.empty_cache`; PyTorch's `reset` hook). Before the first
+// allocation there is nothing cached, and nothing is created.
 void gpualloc_empty_cache(void);
 
 // Caps reserved memory on `device` at `fraction` of its capacity
@@ -272,7 +275,10 @@ void gpualloc_set_memory_fraction(double fraction, int device);
 // `out` is NULL or points to a writable double.
 int gpualloc_get_memory_fraction(int device, double *out);
 
-// Caps reserved memory on `device` at `bytes` (0 removes the byte limit).
+// Caps reserved memory on `device` at `bytes`; 0 removes the byte limit,
+// as leaving `memory_limit` out of the configuration does (the
+// configuration refuses `memory_limit:0` for that reason: a 0-byte cap
+// would forbid every allocation).
 int gpualloc_set_memory_limit(int device, uint64_t bytes);
 
 // Free and total bytes of `device`, as the driver reports them.
@@ -282,7 +288,8 @@ int gpualloc_set_memory_limit(int device, uint64_t bytes);
 int gpualloc_mem_info(int device, uint64_t *free_bytes, uint64_t *total_bytes);
 
 // Checks `device`'s internal invariants (tests, debugging): blocks tile
-// segments, free lists agree with blocks, stats agree with both.
+// segments, free lists agree with blocks, stats agree with both. Before
+// the first allocation there is nothing to check, and nothing is created.
 int gpualloc_check_invariants(int device);
 
 // The calling thread's last out-of-memory report: filled by a

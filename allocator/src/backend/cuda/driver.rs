@@ -1,0 +1,140 @@
+//! The driver functions the CUDA backend calls, with their results as plain
+//! integers.
+//!
+//! cudarc declares every driver function as returning the `CUresult` enum.
+//! A Rust enum may only hold its listed values, so a code that a newer
+//! driver adds would be undefined behaviour the moment the call returned.
+//! Here each function is looked up in the library cudarc loaded and called
+//! through a pointer type that returns [`CuResult`], a `u32` (the C enum's
+//! representation); names come from [`name`], which only compares integers.
+//! Out-parameters of enum type are declared as `u32` for the same reason.
+
+use std::ffi::{c_int, c_uint};
+use std::sync::OnceLock;
+
+use cudarc::driver::sys::{self, CUresult};
+
+/// A driver result: `CUresult` as the integer the driver returned.
+pub(super) type CuResult = u32;
+
+pub(super) const SUCCESS: CuResult = CUresult::CUDA_SUCCESS as u32;
+pub(super) const OUT_OF_MEMORY: CuResult = CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32;
+pub(super) const NOT_READY: CuResult = CUresult::CUDA_ERROR_NOT_READY as u32;
+/// Returned when the library lacks a symbol (an old driver).
+pub(super) const NOT_FOUND: CuResult = CUresult::CUDA_ERROR_NOT_FOUND as u32;
+
+/// The codes named in messages; any other is shown as its number.
+const KNOWN: &[CUresult] = &[
+    CUresult::CUDA_ERROR_INVALID_VALUE,
+    CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+    CUresult::CUDA_ERROR_NOT_INITIALIZED,
+    CUresult::CUDA_ERROR_DEINITIALIZED,
+    CUresult::CUDA_ERROR_NO_DEVICE,
+    CUresult::CUDA_ERROR_INVALID_DEVICE,
+    CUresult::CUDA_ERROR_INVALID_CONTEXT,
+    CUresult::CUDA_ERROR_INVALID_HANDLE,
+    CUresult::CUDA_ERROR_NOT_FOUND,
+    CUresult::CUDA_ERROR_NOT_READY,
+    CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+    CUresult::CUDA_ERROR_LAUNCH_FAILED,
+    CUresult::CUDA_ERROR_NOT_PERMITTED,
+    CUresult::CUDA_ERROR_NOT_SUPPORTED,
+    CUresult::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH,
+    CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+    CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+    CUresult::CUDA_ERROR_CAPTURED_EVENT,
+    CUresult::CUDA_ERROR_UNKNOWN,
+];
+
+/// The name of a driver code, e.g. `CUDA_ERROR_INVALID_VALUE`, without
+/// calling the driver; `CUDA error 1234` for codes not in the table.
+pub(super) fn name(code: CuResult) -> String {
+    KNOWN
+        .iter()
+        .find(|&&k| k as u32 == code)
+        .map_or_else(|| format!("CUDA error {code}"), |k| format!("{k:?}"))
+}
+
+/// Declares `pub(super) unsafe fn name(args) -> CuResult` for each driver
+/// function, resolved once from the library cudarc loaded.
+macro_rules! driver_fns {
+    ($($fname:ident($($arg:ident: $ty:ty),* $(,)?);)*) => {$(
+        /// The driver function of the same name, its result an integer.
+        ///
+        /// # Safety
+        /// As the driver documents for the function; the library must be
+        /// present (`sys::is_culib_present`), or cudarc panics.
+        #[allow(non_snake_case)]
+        pub(super) unsafe fn $fname($($arg: $ty),*) -> CuResult {
+            type F = unsafe extern "C" fn($($ty),*) -> CuResult;
+            static SYM: OnceLock<Option<F>> = OnceLock::new();
+            let f = SYM.get_or_init(|| {
+                let symbol = concat!(stringify!($fname), "\0").as_bytes();
+                // SAFETY: the driver exports this symbol with this C
+                // signature, except that its `CUresult` is read as the u32
+                // it is represented by. The library is never unloaded
+                // (cudarc keeps it in a static), so the pointer stays valid.
+                unsafe { sys::culib().get::<F>(symbol).ok().map(|s| *s) }
+            });
+            match f {
+                // SAFETY: the caller upholds the driver's contract.
+                Some(f) => unsafe { f($($arg),*) },
+                None => NOT_FOUND,
+            }
+        }
+    )*};
+}
+
+driver_fns! {
+    cuInit(flags: c_uint);
+    cuDeviceGetCount(count: *mut c_int);
+    cuDeviceGet(device: *mut sys::CUdevice, ordinal: c_int);
+    cuDevicePrimaryCtxRetain(ctx: *mut sys::CUcontext, device: sys::CUdevice);
+    cuDevicePrimaryCtxRelease_v2(device: sys::CUdevice);
+    cuCtxGetCurrent(ctx: *mut sys::CUcontext);
+    cuCtxSetCurrent(ctx: sys::CUcontext);
+    cuMemGetInfo_v2(free: *mut usize, total: *mut usize);
+    cuMemAlloc_v2(ptr: *mut sys::CUdeviceptr, bytes: usize);
+    cuMemFree_v2(ptr: sys::CUdeviceptr);
+    cuEventCreate(event: *mut sys::CUevent, flags: c_uint);
+    cuEventDestroy_v2(event: sys::CUevent);
+    cuEventRecord(event: sys::CUevent, stream: sys::CUstream);
+    cuEventQuery(event: sys::CUevent);
+    cuEventSynchronize(event: sys::CUevent);
+    cuStreamWaitEvent(stream: sys::CUstream, event: sys::CUevent, flags: c_uint);
+    cuThreadExchangeStreamCaptureMode(mode: *mut u32);
+    cuMemGetAllocationGranularity(
+        granularity: *mut usize,
+        prop: *const sys::CUmemAllocationProp,
+        option: sys::CUmemAllocationGranularity_flags,
+    );
+    cuMemAddressReserve(
+        ptr: *mut sys::CUdeviceptr,
+        size: usize,
+        alignment: usize,
+        addr: sys::CUdeviceptr,
+        flags: u64,
+    );
+    cuMemAddressFree(ptr: sys::CUdeviceptr, size: usize);
+    cuMemCreate(
+        handle: *mut sys::CUmemGenericAllocationHandle,
+        size: usize,
+        prop: *const sys::CUmemAllocationProp,
+        flags: u64,
+    );
+    cuMemRelease(handle: sys::CUmemGenericAllocationHandle);
+    cuMemMap(
+        ptr: sys::CUdeviceptr,
+        size: usize,
+        offset: usize,
+        handle: sys::CUmemGenericAllocationHandle,
+        flags: u64,
+    );
+    cuMemSetAccess(
+        ptr: sys::CUdeviceptr,
+        size: usize,
+        desc: *const sys::CUmemAccessDesc,
+        count: usize,
+    );
+    cuMemUnmap(ptr: sys::CUdeviceptr, size: usize);
+}

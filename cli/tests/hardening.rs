@@ -1,0 +1,248 @@
+//! The CLI on hostile input: it never destroys its input, range-checks its
+//! numeric options, bounds device numbers read from files, and warns
+//! whenever it uses a damaged file's readable prefix.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use gpualloc::trace::{Action, TraceEvent, TraceHeader, TraceWriter};
+
+fn gpualloc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+        .args(args)
+        .output()
+        .expect("run gpualloc")
+}
+
+/// Runs a command that must fail cleanly; returns its stderr.
+fn fails(args: &[&str]) -> String {
+    let out = gpualloc(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "gpualloc {args:?} should fail: {err}"
+    );
+    assert!(out.status.code().is_some(), "gpualloc {args:?} was killed");
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+/// Runs a command that must succeed; returns its stderr.
+fn succeeds(args: &[&str]) -> String {
+    let out = gpualloc(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "gpualloc {args:?} failed: {err}");
+    err
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn generated(dir: &Path) -> PathBuf {
+    let p = dir.join("t.gtrace");
+    succeeds(&["generate", "-o", s(&p), "--events", "20000", "--seed", "5"]);
+    p
+}
+
+/// A small valid trace whose events are on `device`.
+fn trace_on_device(dir: &Path, device: u32) -> PathBuf {
+    let header = TraceHeader {
+        start_unix_ns: 1_700_000_000_000_000_000,
+        device_count: 1,
+        pid: 1,
+        config: String::new(),
+        producer: "test".into(),
+    };
+    let e = |action, t| TraceEvent {
+        time_ns: t,
+        action,
+        device,
+        stream: 0,
+        addr: 0x7f00_0000_0000,
+        size: 4096,
+        aux: 4096,
+        thread: 1,
+    };
+    let mut w = TraceWriter::new(Vec::new(), &header).unwrap();
+    w.write_events(
+        device,
+        &[
+            e(Action::SegmentAlloc, 1),
+            e(Action::Alloc, 2),
+            e(Action::FreeRequested, 3),
+            e(Action::FreeCompleted, 3),
+        ],
+    )
+    .unwrap();
+    let (bytes, _) = w.finish(Some(10)).unwrap();
+    let p = dir.join(format!("dev-{device}.gtrace"));
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+#[test]
+fn output_paths_equal_to_the_input_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path());
+    let before = std::fs::read(&t).unwrap();
+    let link = dir.path().join("link.gtrace");
+    std::os::unix::fs::symlink(&t, &link).unwrap();
+    let hard = dir.path().join("hard.gtrace");
+    std::fs::hard_link(&t, &hard).unwrap();
+    let dotted = dir.path().join(".").join("t.gtrace");
+    for out in [&t, &link, &hard, &dotted] {
+        for args in [
+            vec!["report", s(&t), "-o", s(out)],
+            vec!["export", s(&t), "--csv", s(out)],
+            vec!["export", s(&t), "--chrome", s(out)],
+            vec!["export", s(&t), "--torch-snapshot", s(out)],
+            vec!["import", s(&t), "-o", s(out), "--from", "rmm"],
+        ] {
+            let err = fails(&args);
+            assert!(
+                err.contains("refusing to overwrite the input"),
+                "{args:?}: {err}"
+            );
+        }
+    }
+    assert_eq!(std::fs::read(&t).unwrap(), before, "the input is intact");
+    // Another output is fine.
+    succeeds(&["export", s(&t), "--csv", s(&dir.path().join("t.csv"))]);
+}
+
+#[test]
+fn allow_truncated_always_warns() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path());
+    let bytes = std::fs::read(&t).unwrap();
+    let cut = dir.path().join("cut.gtrace");
+    std::fs::write(&cut, &bytes[..bytes.len() * 2 / 3]).unwrap();
+    let out = |name: &str| dir.path().join(name);
+    for args in [
+        vec!["summary", s(&cut)],
+        vec!["leaks", s(&cut)],
+        vec!["report", s(&cut), "-o", s(&out("r.html"))],
+        vec!["replay", s(&cut), "--capacity", "80GiB"],
+        vec!["export", s(&cut), "--csv", s(&out("c.csv"))],
+        vec!["export", s(&cut), "--chrome", s(&out("c.json"))],
+        vec!["export", s(&cut), "--torch-snapshot", s(&out("c.pickle"))],
+        vec!["diff", s(&cut), s(&t)],
+    ] {
+        let mut args = args.clone();
+        args.push("--allow-truncated");
+        let err = succeeds(&args);
+        assert_eq!(
+            err.matches("warning").count(),
+            1,
+            "{args:?} should warn once: {err}"
+        );
+        assert!(err.contains("cut.gtrace"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn numeric_options_are_range_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path());
+    for (args, option) in [
+        (vec!["replay", s(&t), "--capacity", "0"], "--capacity"),
+        (vec!["replay", s(&t), "--capacity", "100"], "--capacity"),
+        (vec!["replay", s(&t), "--capacity", "2PiB"], "--capacity"),
+        (vec!["replay", s(&t), "--capacity", "1e30"], "--capacity"),
+        (vec!["replay", s(&t), "--capacity", "-5G"], "--capacity"),
+        (vec!["leaks", s(&t), "--limit", "0"], "--limit"),
+        (
+            vec!["generate", "-o", s(&dir.path().join("g")), "--events", "0"],
+            "--events",
+        ),
+        (
+            vec![
+                "generate",
+                "-o",
+                s(&dir.path().join("g")),
+                "--events",
+                "99999999999999",
+            ],
+            "--events",
+        ),
+    ] {
+        let err = fails(&args);
+        assert!(err.contains(option), "{args:?}: {err}");
+    }
+    succeeds(&["replay", s(&t), "--capacity", "1MiB"]);
+}
+
+#[test]
+fn device_numbers_from_files_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    for device in [u32::MAX, 100_000, 1024] {
+        let t = trace_on_device(dir.path(), device);
+        let out = |name: &str| dir.path().join(name);
+        for args in [
+            vec!["summary", s(&t)],
+            vec!["export", s(&t), "--chrome", s(&out("c.json"))],
+            vec!["export", s(&t), "--torch-snapshot", s(&out("c.pickle"))],
+            vec!["export", s(&t), "--csv", s(&out("c.csv"))],
+            vec!["replay", s(&t), "--capacity", "1GiB"],
+        ] {
+            let err = fails(&args);
+            assert!(
+                err.contains(&format!("device {device}")) && err.contains(s(&t)),
+                "{args:?}: {err}"
+            );
+        }
+    }
+    // The largest device number allowed is handled sparsely and quickly.
+    let t = trace_on_device(dir.path(), 1023);
+    let started = std::time::Instant::now();
+    succeeds(&["export", s(&t), "--chrome", s(&dir.path().join("c.json"))]);
+    succeeds(&[
+        "export",
+        s(&t),
+        "--torch-snapshot",
+        s(&dir.path().join("c.pickle")),
+    ]);
+    assert!(started.elapsed().as_secs() < 20);
+
+    let csv = dir.path().join("log.csv");
+    std::fs::write(
+        &csv,
+        "Thread,Time,Action,Pointer,Size,Stream,Device\n1,10:00:00.000001,allocate,0x7f0000000000,4096,0x0,4294967295\n",
+    )
+    .unwrap();
+    let err = fails(&["import", s(&csv), "-o", s(&dir.path().join("i.gtrace"))]);
+    assert!(
+        err.contains("4294967295") && err.contains("log.csv") && err.contains("below 1024"),
+        "{err}"
+    );
+}
+
+/// Messages that quote an option or a file's contents stay short.
+#[test]
+fn messages_quoting_input_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path());
+    let long = format!("max_split_size_mb:{}", "9".repeat(100_000));
+    let err = fails(&["replay", s(&t), "--capacity", "1GiB", "--config", &long]);
+    assert!(
+        err.contains("max_split_size_mb") && err.len() < 600,
+        "{} bytes",
+        err.len()
+    );
+    let csv = dir.path().join("log.csv");
+    std::fs::write(
+        &csv,
+        format!(
+            "Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000001,allocate,0x7f0000000000,{},0x0\n",
+            "x".repeat(100_000)
+        ),
+    )
+    .unwrap();
+    let err = fails(&["import", s(&csv), "-o", s(&dir.path().join("i.gtrace"))]);
+    assert!(
+        err.contains("Size") && err.len() < 600,
+        "{} bytes",
+        err.len()
+    );
+}
