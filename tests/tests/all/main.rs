@@ -6,9 +6,11 @@
 //! - `promise`: the default policy never fails a request for fragmentation;
 //! - `scenarios`: one file per rule of PyTorch's caching allocator;
 //! - `docs`: `docs/configuration.md` lists exactly the code's keys and
-//!   environment variables, with the code's defaults.
+//!   environment variables, with the code's defaults;
+//! - `examples`: the C example builds and runs on the simulated device.
 
 mod docs;
+mod examples;
 mod gpu_recorded;
 mod promise;
 mod properties;
