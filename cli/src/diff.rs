@@ -1,19 +1,81 @@
 //! The `diff` command: two traces' peaks and fragmentation side by side.
+//!
+//! `--json` prints one object with stable field names: `a` and `b` (each
+//! `file`, `events`, `duration_ns`, `config`) and `devices`, each with
+//! `device` and the figures of `a` and `b` (null where that trace has no
+//! such device): `peak_allocated`, `peak_reserved`, `peak_active`,
+//! `allocated_at_end` (bytes), `reserved_unallocated_at_peak`,
+//! `external_fragmentation_at_peak` (0 to 1), `reserved_per_allocated` and
+//! `ooms`.
 
 use std::fmt::Write;
 use std::path::Path;
+
+use serde_json::{Value, json};
 
 use crate::analysis::{self, Analysis, DeviceAnalysis};
 use crate::input::CliError;
 use crate::units::{bytes, delta, duration, percent};
 
-/// Analyses both traces and renders the comparison.
-pub fn run(a: &Path, b: &Path, allow_truncated: bool) -> Result<String, CliError> {
+/// Analyses both traces and renders the comparison, as text or JSON.
+pub fn run(a: &Path, b: &Path, as_json: bool, allow_truncated: bool) -> Result<String, CliError> {
     let mut x = analysis::analyze(a, allow_truncated)?;
     analysis::second_pass(a, allow_truncated, &mut x, false)?;
     let mut y = analysis::analyze(b, allow_truncated)?;
     analysis::second_pass(b, allow_truncated, &mut y, false)?;
+    if as_json {
+        return Ok(render_json(a, &x, b, &y));
+    }
     Ok(render(a, &x, b, &y))
+}
+
+fn render_json(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
+    let trace = |p: &Path, t: &Analysis| {
+        json!({
+            "file": p.display().to_string(),
+            "events": t.info.events,
+            "duration_ns": t.duration_ns,
+            "config": t.info.header.config,
+        })
+    };
+    let figures = |d: &DeviceAnalysis| {
+        json!({
+            "peak_allocated": d.peak_allocated.value,
+            "peak_reserved": d.peak_reserved.value,
+            "peak_active": d.peak_active.value,
+            "allocated_at_end": d.state.g.allocated,
+            "reserved_unallocated_at_peak": unallocated_at_peak(d),
+            "external_fragmentation_at_peak": d.at_peak.as_ref().map_or(0.0, |p| p.frag.external),
+            "reserved_per_allocated": ratio(d),
+            "ooms": d.oom_count,
+        })
+    };
+    let devices: std::collections::BTreeSet<u32> =
+        a.devices.keys().chain(b.devices.keys()).copied().collect();
+    let devices: Vec<Value> = devices
+        .into_iter()
+        .map(|d| {
+            json!({
+                "device": d,
+                "a": a.devices.get(&d).map(figures),
+                "b": b.devices.get(&d).map(figures),
+            })
+        })
+        .collect();
+    let v = json!({"a": trace(pa, a), "b": trace(pb, b), "devices": devices});
+    let mut out = serde_json::to_string_pretty(&v).expect("plain values serialize");
+    out.push('\n');
+    out
+}
+
+/// Share of reserved memory not allocated when reserved peaked.
+fn unallocated_at_peak(d: &DeviceAnalysis) -> f64 {
+    1.0 - d.allocated_at_peak_reserved as f64 / d.peak_reserved.value.max(1) as f64
+}
+
+/// Peak reserved over peak allocated.
+fn ratio(d: &DeviceAnalysis) -> f64 {
+    d.peak_reserved.value as f64 / d.peak_allocated.value.max(1) as f64
 }
 
 fn render(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
@@ -77,15 +139,10 @@ fn render(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
                 (vy - vx) * 100.0
             );
         };
-        frac_row("reserved unallocated at peak", &|d| {
-            1.0 - d.allocated_at_peak_reserved as f64 / d.peak_reserved.value.max(1) as f64
-        });
+        frac_row("reserved unallocated at peak", &unallocated_at_peak);
         frac_row("external frag. at peak alloc", &|d| {
             d.at_peak.as_ref().map_or(0.0, |p| p.frag.external)
         });
-        let ratio = |d: &DeviceAnalysis| {
-            d.peak_reserved.value as f64 / d.peak_allocated.value.max(1) as f64
-        };
         let _ = writeln!(
             s2,
             "  {:<30} {:>22.3} {:>22.3} {:>+14.3}",
@@ -102,6 +159,11 @@ fn render(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
             y.map_or(0, |d| d.oom_count)
         );
         s.push_str(&s2);
+    }
+    for (p, t) in [(pa, a), (pb, b)] {
+        if t.info.events == 0 {
+            let _ = writeln!(s, "{}: {}", short(p), crate::summary::NO_EVENTS);
+        }
     }
     s
 }

@@ -8,6 +8,7 @@ use std::io::{BufReader, IsTerminal};
 use std::path::Path;
 use std::sync::Mutex;
 
+use gpualloc::trace::format::MAGIC;
 use gpualloc::trace::{TraceEnd, TraceErrorKind, TraceEvent, TraceHeader, TraceReader};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -121,17 +122,47 @@ pub fn open(path: &Path) -> Result<TraceReader<BufReader<File>>, CliError> {
     let f =
         File::open(path).map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
     TraceReader::new(BufReader::with_capacity(1 << 20, f)).map_err(|e| {
-        let hint = match &e.kind {
-            TraceErrorKind::NotATrace { found } if found.first() == Some(&0x80) => {
-                " (it looks like a Python pickle, perhaps a PyTorch memory snapshot: convert it with `gpualloc import`)"
-            }
-            TraceErrorKind::NotATrace { found } if found.starts_with(b"Thread") => {
-                " (it looks like an RMM log: convert it with `gpualloc import`)"
-            }
-            _ => "",
-        };
-        CliError(format!("{}: {e}{hint}", path.display()))
+        if let TraceErrorKind::NotATrace { found } = &e.kind {
+            return CliError(format!("{}: {}", path.display(), not_a_trace(found)));
+        }
+        CliError(format!("{}: {e}", path.display()))
     })
+}
+
+/// Why a file whose first bytes are `found` is not a trace, with a hint at
+/// what it may be instead.
+fn not_a_trace(found: &[u8]) -> String {
+    if found.is_empty() {
+        return "empty file (0 bytes): not a gpualloc trace".into();
+    }
+    if MAGIC.starts_with(found) {
+        return format!(
+            "file truncated inside the magic ({} of its 8 bytes)",
+            found.len()
+        );
+    }
+    let hint = if found[0] == 0x80 {
+        " (it looks like a Python pickle, perhaps a PyTorch memory snapshot: convert it with `gpualloc import`)"
+    } else if found.starts_with(b"Thread") {
+        " (it looks like an RMM log: convert it with `gpualloc import`)"
+    } else {
+        ""
+    };
+    format!(
+        "not a gpualloc trace: it starts with {}, a trace with {}{hint}",
+        show_magic(found),
+        show_magic(&MAGIC)
+    )
+}
+
+/// `"GATRACE"` when every byte is printable ASCII, else `0x89474154`.
+fn show_magic(b: &[u8]) -> String {
+    if b.iter().all(|c| c.is_ascii_graphic() || *c == b' ') {
+        format!("{:?}", String::from_utf8_lossy(b))
+    } else {
+        let hex: String = b.iter().map(|c| format!("{c:02x}")).collect();
+        format!("0x{hex}")
+    }
 }
 
 /// Streams every event of `path` through `f`. A truncated or corrupt file

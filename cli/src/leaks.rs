@@ -1,11 +1,25 @@
 //! Leak candidates: allocations alive at the end, grouped by requested size
-//! and phase, with how their survivors spread over the iterations (between
-//! marks, or else between openings of the most frequent top-level phase).
-//! A group whose survivors were allocated in most iterations since it first
-//! appeared grows per iteration: a leak candidate.
+//! and phase, with how their survivors spread over the iterations. The
+//! iteration boundaries are the marks, or else the openings of the most
+//! frequent top-level phase; n boundaries make n + 1 iterations, the stretch
+//! before the first boundary (set-up) counting as one, so a trace without
+//! boundaries is one iteration. A group whose survivors were allocated in
+//! most iterations since it first appeared grows per iteration: a leak
+//! candidate.
+//!
+//! `--json` prints one object with stable field names: `file` and
+//! `devices`, each with `device`, `iterations`, `alive_allocations`,
+//! `alive_bytes`, `candidates`, `groups_total` and `groups` (at most
+//! `--limit`), each group with the fields of [`LeakGroup`] under the names
+//! `size`, `block`, `phase` (its name), `count`, `bytes`,
+//! `iterations_with_survivors`, `first_iteration`, `iterations_since_first`,
+//! `per_iteration`, `candidate` and `oldest_ns`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::path::Path;
+
+use serde_json::json;
 
 use crate::analysis::{Analysis, DeviceAnalysis};
 use crate::units;
@@ -25,8 +39,10 @@ pub struct LeakGroup {
     pub bytes: u64,
     /// Distinct iterations that left survivors.
     pub epochs: u32,
-    /// First iteration with a survivor.
+    /// First iteration with a survivor (0: the one before the first boundary).
     pub first_epoch: u32,
+    /// Iterations from the first with a survivor to the last one.
+    pub span: u32,
     /// Survivors per iteration since the first.
     pub per_epoch: f64,
     /// Whether the group grows steadily with the iterations.
@@ -65,6 +81,7 @@ pub fn groups(d: &DeviceAnalysis, end_ns: u64) -> Vec<LeakGroup> {
                 bytes: count * block,
                 epochs: distinct,
                 first_epoch: first,
+                span,
                 per_epoch: count as f64 / f64::from(span),
                 candidate: total >= 3 && distinct >= 3 && distinct * 2 >= span,
                 oldest_ns: end_ns.saturating_sub(oldest),
@@ -78,13 +95,16 @@ pub fn groups(d: &DeviceAnalysis, end_ns: u64) -> Vec<LeakGroup> {
 /// The `leaks` command's text.
 pub fn render(a: &Analysis, limit: usize) -> String {
     let mut s = String::new();
+    if a.info.events == 0 {
+        let _ = writeln!(s, "{}", crate::summary::NO_EVENTS);
+    }
     for d in a.devices.values() {
         let gs = groups(d, a.duration_ns);
         let alive: u64 = gs.iter().map(|g| g.bytes).sum();
         let cands: Vec<&LeakGroup> = gs.iter().filter(|g| g.candidate).collect();
         let _ = writeln!(
             s,
-            "device {}: {} allocations alive at the end ({}), {} iterations; {} leak candidate group(s)",
+            "device {}: {} allocations alive at the end ({}), {} iteration(s); {} leak candidate group(s)",
             d.device,
             gs.iter().map(|g| g.count).sum::<u64>(),
             units::bytes(alive),
@@ -107,11 +127,7 @@ pub fn render(a: &Analysis, limit: usize) -> String {
                 units::bytes(g.size),
                 units::bytes(g.bytes),
                 a.info.name(g.phase),
-                format!(
-                    "{}/{}",
-                    g.epochs,
-                    iterations(d).saturating_sub(g.first_epoch) + 1
-                ),
+                format!("{}/{}", g.epochs, g.span),
                 format!("+{:.2}", g.per_epoch),
                 units::duration(g.oldest_ns),
                 if g.candidate { "yes" } else { "" }
@@ -124,7 +140,43 @@ pub fn render(a: &Analysis, limit: usize) -> String {
     s
 }
 
-/// Iterations of a device (see the module docs).
+/// Iterations of a device: its boundaries plus one (see the module docs).
 pub fn iterations(d: &DeviceAnalysis) -> u32 {
-    d.state.iterations().len() as u32
+    d.state.iterations().len() as u32 + 1
+}
+
+/// The `leaks --json` object (see the module docs for the fields).
+pub fn render_json(a: &Analysis, file: &Path, limit: usize) -> String {
+    let devices: Vec<serde_json::Value> = a
+        .devices
+        .values()
+        .map(|d| {
+            let gs = groups(d, a.duration_ns);
+            json!({
+                "device": d.device,
+                "iterations": iterations(d),
+                "alive_allocations": gs.iter().map(|g| g.count).sum::<u64>(),
+                "alive_bytes": gs.iter().map(|g| g.bytes).sum::<u64>(),
+                "candidates": gs.iter().filter(|g| g.candidate).count(),
+                "groups_total": gs.len(),
+                "groups": gs.iter().take(limit).map(|g| json!({
+                    "size": g.size,
+                    "block": g.block,
+                    "phase": a.info.name(g.phase),
+                    "count": g.count,
+                    "bytes": g.bytes,
+                    "iterations_with_survivors": g.epochs,
+                    "first_iteration": g.first_epoch,
+                    "iterations_since_first": g.span,
+                    "per_iteration": g.per_epoch,
+                    "candidate": g.candidate,
+                    "oldest_ns": g.oldest_ns,
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    let v = json!({"file": file.display().to_string(), "devices": devices});
+    let mut out = serde_json::to_string_pretty(&v).expect("plain values serialize");
+    out.push('\n');
+    out
 }

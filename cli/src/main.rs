@@ -58,6 +58,9 @@ enum Command {
     Summary {
         /// A .gtrace file.
         file: PathBuf,
+        /// Print one JSON object (stable field names) instead of the text.
+        #[arg(long)]
+        json: bool,
         /// Use the readable prefix of a truncated or damaged file.
         #[arg(long)]
         allow_truncated: bool,
@@ -80,6 +83,9 @@ enum Command {
         /// Groups to list per device (at least 1).
         #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
         limit: u64,
+        /// Print one JSON object (stable field names) instead of the table.
+        #[arg(long)]
+        json: bool,
         /// Use the readable prefix of a truncated or damaged file.
         #[arg(long)]
         allow_truncated: bool,
@@ -136,6 +142,9 @@ enum Command {
         a: PathBuf,
         /// The second trace.
         b: PathBuf,
+        /// Print one JSON object (stable field names) instead of the table.
+        #[arg(long)]
+        json: bool,
         /// Use the readable prefix of truncated or damaged files.
         #[arg(long)]
         allow_truncated: bool,
@@ -146,9 +155,9 @@ enum Command {
         /// Output .gtrace file.
         #[arg(short, long)]
         output: PathBuf,
-        /// Approximate number of events (1 to 10^10).
+        /// Approximate number of events (0, a header only, to 10^10).
         #[arg(long, default_value_t = 1_000_000,
-              value_parser = clap::value_parser!(u64).range(1..=10_000_000_000))]
+              value_parser = clap::value_parser!(u64).range(0..=10_000_000_000))]
         events: u64,
         /// Random seed.
         #[arg(long, default_value_t = 1)]
@@ -191,12 +200,17 @@ fn run(cmd: Command) -> Result<(), CliError> {
     match cmd {
         Command::Summary {
             file,
+            json,
             allow_truncated,
         } => {
             let mut a = analysis::analyze(&file, allow_truncated)?;
             analysis::second_pass(&file, allow_truncated, &mut a, false)?;
             warn(&a.info.warning);
-            print!("{}", summary::render(&a));
+            if json {
+                print!("{}", summary::render_json(&a, &file));
+            } else {
+                print!("{}", summary::render(&a));
+            }
         }
         Command::Report {
             file,
@@ -207,6 +221,9 @@ fn run(cmd: Command) -> Result<(), CliError> {
             let mut a = analysis::analyze(&file, allow_truncated)?;
             analysis::second_pass(&file, allow_truncated, &mut a, true)?;
             warn(&a.info.warning);
+            if a.info.events == 0 {
+                eprintln!("gpualloc: {}: {}", file.display(), summary::NO_EVENTS);
+            }
             let html = report::render(&a, &file);
             std::fs::write(&output, html)
                 .map_err(|e| CliError(format!("{}: cannot write: {e}", output.display())))?;
@@ -215,12 +232,17 @@ fn run(cmd: Command) -> Result<(), CliError> {
         Command::Leaks {
             file,
             limit,
+            json,
             allow_truncated,
         } => {
             let a = analysis::analyze(&file, allow_truncated)?;
             warn(&a.info.warning);
             let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-            print!("{}", leaks::render(&a, limit));
+            if json {
+                print!("{}", leaks::render_json(&a, &file, limit));
+            } else {
+                print!("{}", leaks::render(&a, limit));
+            }
         }
         Command::Replay {
             file,
@@ -291,8 +313,9 @@ fn run(cmd: Command) -> Result<(), CliError> {
         Command::Diff {
             a,
             b,
+            json,
             allow_truncated,
-        } => print!("{}", diff::run(&a, &b, allow_truncated)?),
+        } => print!("{}", diff::run(&a, &b, json, allow_truncated)?),
         Command::Generate {
             output,
             events,
@@ -300,10 +323,10 @@ fn run(cmd: Command) -> Result<(), CliError> {
         } => {
             let s = generate::generate(&output, events, seed)?;
             eprintln!(
-                "wrote {} ({} events, {} bytes, {} dropped)",
+                "wrote {} ({} events, {}, {} dropped)",
                 output.display(),
                 s.events,
-                s.bytes,
+                units::bytes(s.bytes),
                 s.dropped
             );
         }

@@ -62,8 +62,8 @@ pub fn render(a: &Analysis, path: &Path) -> String {
         &mut s,
         "file",
         &format!(
-            "{} bytes, {:.1} bytes per event",
-            a.info.file_bytes,
+            "{}, {:.1} bytes per event",
+            bytes(a.info.file_bytes),
             a.info.file_bytes as f64 / a.info.events.max(1) as f64
         ),
     );
@@ -338,7 +338,7 @@ fn leak_table(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
     let gs = leaks::groups(d, a.duration_ns);
     let _ = write!(
         s,
-        "<h3>Leak candidates</h3><p>{} allocations alive at the end; {} iterations (between marks, or openings of the most frequent top-level phase).</p>",
+        "<h3>Leak candidates</h3><p>{} allocations alive at the end; {} iteration(s) (between marks, or openings of the most frequent top-level phase; the stretch before the first counts as one).</p>",
         gs.iter().map(|g| g.count).sum::<u64>(),
         leaks::iterations(d)
     );
@@ -355,7 +355,7 @@ fn leak_table(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
             g.count,
             bytes(g.bytes),
             g.epochs,
-            leaks::iterations(d).saturating_sub(g.first_epoch) + 1,
+            g.span,
             g.per_epoch,
             if g.candidate { "yes" } else { "" }
         );

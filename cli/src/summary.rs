@@ -1,9 +1,30 @@
-//! The `summary` command's text.
+//! The `summary` command's text, and its JSON (`--json`) for scripts.
+//!
+//! The JSON is one object whose field names are stable: `file`, `events`,
+//! `duration_ns`, `file_bytes`, `dropped`, `warning`, `producer`, `pid`,
+//! `device_count`, `config` and `devices`, one object per device with
+//! `device`, `events`, `allocations`, `peak_allocated`, `peak_reserved`,
+//! `peak_active` (bytes) and their times `peak_allocated_ns`, ...,
+//! `allocated_at_peak_reserved`, `fragmentation_at_peak` (`external`,
+//! `unallocated`, `largest_free`, `total_free`, `reserved`; null without
+//! allocations), `end_allocated`, `end_reserved`, `end_live_blocks`, `ooms`
+//! (a count), `oom_details` (the first
+//! [`MAX_DETAILED`](crate::ooms::MAX_DETAILED) failures),
+//! `unknown_frees`, `phases`, `most_frequent_sizes` and `largest_sizes`.
+//! Bytes are integers, times are nanoseconds since the trace began,
+//! fractions are between 0 and 1.
 
 use std::fmt::Write;
+use std::path::Path;
+
+use serde_json::{Value, json};
 
 use crate::analysis::{Analysis, DeviceAnalysis};
 use crate::units::{bytes, duration, percent};
+
+/// What the text commands say of a trace without events.
+pub const NO_EVENTS: &str =
+    "no events: the trace holds its header only (nothing was allocated while it recorded)";
 
 /// Renders the summary of an analysed trace.
 pub fn render(a: &Analysis) -> String {
@@ -11,10 +32,10 @@ pub fn render(a: &Analysis) -> String {
     let h = &a.info.header;
     let _ = writeln!(
         s,
-        "trace      {} events over {} ({} bytes, {:.1} bytes/event)",
+        "trace      {} events over {} ({}, {:.1} bytes/event)",
         a.info.events,
         duration(a.duration_ns),
-        a.info.file_bytes,
+        bytes(a.info.file_bytes),
         a.info.file_bytes as f64 / a.info.events.max(1) as f64
     );
     let _ = writeln!(
@@ -28,6 +49,9 @@ pub fn render(a: &Analysis) -> String {
             "dropped    {} events could not be written while recording: the figures below miss them",
             a.info.dropped
         );
+    }
+    if a.info.events == 0 {
+        let _ = writeln!(s, "{}", NO_EVENTS);
     }
     for d in a.devices.values() {
         device(&mut s, a, d);
@@ -120,7 +144,7 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
     }
     let list = |v: Vec<(u64, u64)>| {
         v.iter()
-            .map(|(sz, c)| format!("{sz} B x{c}"))
+            .map(|(sz, c)| format!("{} x{c}", bytes(*sz)))
             .collect::<Vec<_>>()
             .join(", ")
     };
@@ -130,4 +154,78 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         "  largest         {}",
         list(d.sizes.largest().into_iter().take(6).collect())
     );
+}
+
+/// The summary as one JSON object (see the module docs for the fields).
+pub fn render_json(a: &Analysis, file: &Path) -> String {
+    let h = &a.info.header;
+    let v = json!({
+        "file": file.display().to_string(),
+        "events": a.info.events,
+        "duration_ns": a.duration_ns,
+        "file_bytes": a.info.file_bytes,
+        "dropped": a.info.dropped,
+        "warning": a.info.warning,
+        "producer": h.producer,
+        "pid": h.pid,
+        "device_count": h.device_count,
+        "config": h.config,
+        "devices": a.devices.values().map(|d| device_json(a, d)).collect::<Vec<_>>(),
+    });
+    let mut out = serde_json::to_string_pretty(&v).expect("plain values serialize");
+    out.push('\n');
+    out
+}
+
+fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
+    let sizes = |v: Vec<(u64, u64)>| -> Vec<Value> {
+        v.into_iter()
+            .map(|(size, count)| json!({"size": size, "count": count}))
+            .collect()
+    };
+    let mut phases: Vec<_> = d.phases.by_id.iter().collect();
+    phases.sort_by_key(|x| std::cmp::Reverse(x.1.peak_allocated));
+    json!({
+        "device": d.device,
+        "events": d.events,
+        "allocations": d.allocs,
+        "peak_allocated": d.peak_allocated.value,
+        "peak_allocated_ns": d.peak_allocated.time_ns,
+        "peak_reserved": d.peak_reserved.value,
+        "peak_reserved_ns": d.peak_reserved.time_ns,
+        "peak_active": d.peak_active.value,
+        "peak_active_ns": d.peak_active.time_ns,
+        "allocated_at_peak_reserved": d.allocated_at_peak_reserved,
+        "fragmentation_at_peak": d.at_peak.as_ref().map(|p| json!({
+            "external": p.frag.external,
+            "unallocated": p.frag.unallocated,
+            "largest_free": p.frag.largest_free,
+            "total_free": p.frag.total_free,
+            "reserved": p.reserved,
+        })),
+        "end_allocated": d.state.g.allocated,
+        "end_reserved": d.state.g.reserved,
+        "end_live_blocks": d.state.live.len(),
+        "ooms": d.oom_count,
+        "oom_details": d.ooms.iter().map(|o| json!({
+            "time_ns": o.time_ns,
+            "requested": o.requested,
+            "phase": a.info.name(o.phase),
+            "device_free": o.device_free,
+            "largest_free": o.largest_free,
+            "allocated": o.gauges.allocated,
+            "reserved": o.gauges.reserved,
+        })).collect::<Vec<_>>(),
+        "unknown_frees": d.state.unknown,
+        "phases": phases.iter().map(|(id, p)| json!({
+            "name": a.info.name(**id),
+            "count": p.count,
+            "peak_allocated": p.peak_allocated,
+            "peak_reserved": p.peak_reserved,
+            "peak_growth": p.peak_growth,
+            "allocations": p.allocs,
+        })).collect::<Vec<_>>(),
+        "most_frequent_sizes": sizes(d.sizes.most_frequent(6)),
+        "largest_sizes": sizes(d.sizes.largest()),
+    })
 }

@@ -69,7 +69,7 @@ fn summary_reports_peaks_phases_and_sizes() {
         assert!(out.contains(want), "summary lacks {want}:\n{out}");
     }
     let bytes_per_event: f64 = out
-        .split("bytes, ")
+        .split("B, ")
         .nth(1)
         .unwrap()
         .split(' ')

@@ -153,10 +153,6 @@ fn numeric_options_are_range_checked() {
         (vec!["replay", s(&t), "--capacity", "-5G"], "--capacity"),
         (vec!["leaks", s(&t), "--limit", "0"], "--limit"),
         (
-            vec!["generate", "-o", s(&dir.path().join("g")), "--events", "0"],
-            "--events",
-        ),
-        (
             vec![
                 "generate",
                 "-o",

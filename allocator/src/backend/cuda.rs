@@ -374,7 +374,7 @@ impl Backend for CudaBackend {
         self.bind()?;
         // SAFETY: the device's context is current (`bind`); no arguments.
         let r = self.timed(DriverCall::CtxSync, (0, 0), || unsafe {
-            sys::cuCtxSynchronize()
+            driver::cuCtxSynchronize()
         });
         check("cuCtxSynchronize", r)
     }

@@ -4,8 +4,13 @@
 //!   with every invariant, the accounting and stream safety checked after
 //!   each operation;
 //! - `promise`: the default policy never fails a request for fragmentation;
-//! - `scenarios`: one file per rule of PyTorch's caching allocator.
+//! - `scenarios`: one file per rule of PyTorch's caching allocator;
+//! - `docs`: `docs/configuration.md` lists exactly the code's keys and
+//!   environment variables, with the code's defaults;
+//! - `examples`: the C example builds and runs on the simulated device.
 
+mod docs;
+mod examples;
 mod gpu_recorded;
 mod promise;
 mod properties;

@@ -101,6 +101,7 @@ driver_fns! {
     cuEventRecord(event: sys::CUevent, stream: sys::CUstream);
     cuEventQuery(event: sys::CUevent);
     cuEventSynchronize(event: sys::CUevent);
+    cuCtxSynchronize();
     cuStreamWaitEvent(stream: sys::CUstream, event: sys::CUevent, flags: c_uint);
     cuThreadExchangeStreamCaptureMode(mode: *mut u32);
     cuMemGetAllocationGranularity(

@@ -1,0 +1,253 @@
+//! What `gpualloc` prints: `--json` on `summary`, `leaks` and `diff` (stable
+//! field names, numbers that agree with the text), sizes for people in the
+//! tables, the `leaks` iteration count, and the messages for empty traces
+//! and files that are not traces.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn gpualloc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+        .args(args)
+        .output()
+        .expect("run gpualloc")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = gpualloc(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "gpualloc {args:?} failed: {err}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn fails(args: &[&str]) -> String {
+    let out = gpualloc(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "gpualloc {args:?}: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+fn json(args: &[&str]) -> Value {
+    let text = ok(args);
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn generated(dir: &Path, events: u64) -> PathBuf {
+    let p = dir.join(format!("gen-{events}.gtrace"));
+    let n = events.to_string();
+    ok(&["generate", "-o", s(&p), "--events", &n, "--seed", "5"]);
+    p
+}
+
+const EXAMPLE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../examples/gpt2-varlen.gtrace"
+);
+
+/// The text line that starts with `key`, after the key.
+fn line<'a>(text: &'a str, key: &str) -> &'a str {
+    text.lines()
+        .find_map(|l| l.trim_start().strip_prefix(key))
+        .unwrap_or_else(|| panic!("no line {key}:\n{text}"))
+        .trim()
+}
+
+#[test]
+fn summary_json_has_stable_fields_that_agree_with_the_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path(), 30_000);
+    let v = json(&["summary", s(&t), "--json"]);
+    let text = ok(&["summary", s(&t)]);
+    for key in [
+        "file",
+        "events",
+        "duration_ns",
+        "file_bytes",
+        "dropped",
+        "warning",
+        "producer",
+        "pid",
+        "device_count",
+        "config",
+        "devices",
+    ] {
+        assert!(v.get(key).is_some(), "summary --json lacks {key}: {v}");
+    }
+    assert_eq!(v["file"], s(&t));
+    let d = &v["devices"][0];
+    assert_eq!(d["device"], 0);
+    let peak = d["peak_allocated"].as_u64().unwrap();
+    assert!(peak > 0);
+    assert!(d["peak_reserved"].as_u64().unwrap() >= peak);
+    assert!(d["fragmentation_at_peak"]["external"].as_f64().is_some());
+    let names: Vec<&str> = d["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"forward") && names.contains(&"optimizer"));
+    assert_eq!(d["ooms"], 0);
+    assert!(d["most_frequent_sizes"][0]["size"].as_u64().is_some());
+    assert!(
+        line(&text, "device 0:").contains(&format!("{} events", d["events"])),
+        "{text}"
+    );
+    // The text prints the same peak, for people.
+    let mib = format!("{:.2} MiB", peak as f64 / (1u64 << 20) as f64);
+    assert!(line(&text, "peak allocated").starts_with(&mib), "{text}");
+}
+
+#[test]
+fn summary_tables_print_sizes_for_people() {
+    let text = ok(&["summary", EXAMPLE]);
+    // 1,196,231 bytes, and sizes such as 9437184 B, for people.
+    assert!(
+        line(&text, "trace").contains("(1.14 MiB, 8.0 bytes/event)"),
+        "{text}"
+    );
+    let frequent = line(&text, "most frequent");
+    assert!(
+        frequent.starts_with("3.00 KiB x4588, 9.00 MiB x1512, 24 B x1272"),
+        "{text}"
+    );
+    let largest = line(&text, "largest");
+    assert!(largest.starts_with("780.66 MiB x4"), "{text}");
+    for l in text.lines() {
+        let raw = l
+            .split(|c: char| !c.is_ascii_digit())
+            .any(|w| w.len() >= 5 && l.contains(&format!("{w} B")));
+        assert!(!raw, "a raw byte count: {l}");
+    }
+}
+
+#[test]
+fn leaks_header_counts_the_iterations_the_rows_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path(), 60_000);
+    let text = ok(&["leaks", s(&t)]);
+    let header = line(&text, "device 0:");
+    let n: u32 = header
+        .split(", ")
+        .find_map(|p| p.strip_suffix(" iteration(s); 1 leak candidate group(s)"))
+        .unwrap_or_else(|| panic!("{text}"))
+        .parse()
+        .unwrap();
+    let row = text
+        .lines()
+        .find(|l| l.contains("optimizer") && l.trim_end().ends_with("yes"))
+        .unwrap_or_else(|| panic!("{text}"));
+    // The leak starts in the first iteration, so its count spans them all.
+    assert!(row.contains(&format!("/{n} ")), "header {n}, row {row}");
+    let v = json(&["leaks", s(&t), "--json"]);
+    let d = &v["devices"][0];
+    assert_eq!(d["iterations"], n);
+    assert_eq!(d["candidates"], 1);
+    let g = &d["groups"][0];
+    assert_eq!(g["candidate"], true);
+    assert_eq!(g["size"], 4096);
+    assert_eq!(g["phase"], "optimizer");
+    assert_eq!(g["iterations_since_first"], n);
+    assert!(g["iterations_with_survivors"].as_u64().unwrap() >= 3);
+    assert_eq!(
+        d["alive_allocations"].as_u64().unwrap(),
+        d["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["count"].as_u64().unwrap())
+            .sum::<u64>()
+    );
+    // No marks and no phases: the whole trace is one iteration.
+    let text = ok(&["leaks", EXAMPLE]);
+    assert!(text.contains(", 1 iteration(s); 0 leak"), "{text}");
+    assert!(text.contains(" 1/1 "), "{text}");
+    let v = json(&["leaks", EXAMPLE, "--json", "--limit", "1"]);
+    assert_eq!(v["devices"][0]["iterations"], 1);
+    assert_eq!(v["devices"][0]["groups"].as_array().unwrap().len(), 1);
+    assert_eq!(v["devices"][0]["groups_total"], 2);
+}
+
+#[test]
+fn diff_json_puts_both_traces_side_by_side() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path(), 20_000);
+    let v = json(&["diff", s(&t), EXAMPLE, "--json"]);
+    assert_eq!(v["a"]["file"], s(&t));
+    assert_eq!(v["b"]["file"], EXAMPLE);
+    assert_eq!(v["b"]["events"], 149_522);
+    let d = &v["devices"][0];
+    assert_eq!(d["device"], 0);
+    for side in ["a", "b"] {
+        for key in [
+            "peak_allocated",
+            "peak_reserved",
+            "peak_active",
+            "allocated_at_end",
+            "reserved_unallocated_at_peak",
+            "external_fragmentation_at_peak",
+            "reserved_per_allocated",
+            "ooms",
+        ] {
+            assert!(d[side].get(key).is_some(), "diff --json lacks {side}.{key}");
+        }
+    }
+    let summary = json(&["summary", EXAMPLE, "--json"]);
+    assert_eq!(
+        d["b"]["peak_allocated"],
+        summary["devices"][0]["peak_allocated"]
+    );
+    let ratio = d["b"]["reserved_per_allocated"].as_f64().unwrap();
+    assert!((ratio - 1.007).abs() < 5e-4, "{ratio}");
+}
+
+#[test]
+fn empty_traces_and_bad_magic_are_explained() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = generated(dir.path(), 0);
+    let none = "no events: the trace holds its header only";
+    assert!(ok(&["summary", s(&empty)]).contains(none));
+    assert!(ok(&["leaks", s(&empty)]).contains(none));
+    assert!(ok(&["diff", s(&empty), EXAMPLE]).contains(&format!("gen-0.gtrace: {none}")));
+    let v = json(&["summary", s(&empty), "--json"]);
+    assert_eq!(v["events"], 0);
+    assert_eq!(v["devices"], serde_json::json!([]));
+
+    let file = |name: &str, bytes: &[u8]| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    };
+    let zero = file("zero.gtrace", b"");
+    let err = fails(&["summary", s(&zero)]);
+    assert!(err.contains("zero.gtrace: empty file (0 bytes)"), "{err}");
+    let text = file("notes.gtrace", b"hello, world\n");
+    let err = fails(&["leaks", s(&text)]);
+    assert!(
+        err.contains("not a gpualloc trace: it starts with \"hello, w\"")
+            && err.contains("0x8947415452414345"),
+        "{err}"
+    );
+    let binary = file("bin.gtrace", &[0x7f, b'E', b'L', b'F', 2, 1, 1, 0, 0]);
+    let err = fails(&["diff", s(&binary), EXAMPLE]);
+    assert!(err.contains("it starts with 0x7f454c4602010100,"), "{err}");
+    let cut = file("cut.gtrace", b"\x89GAT");
+    let err = fails(&["summary", s(&cut)]);
+    assert!(
+        err.contains("truncated inside the magic (4 of its 8 bytes)"),
+        "{err}"
+    );
+    let pickle = file("snap.pickle", b"\x80\x04\x95\x00\x00\x00\x00\x00");
+    let err = fails(&["summary", s(&pickle)]);
+    assert!(
+        err.contains("0x8004950000000000") && err.contains("gpualloc import"),
+        "{err}"
+    );
+}
