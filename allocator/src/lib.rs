@@ -75,6 +75,7 @@ mod stitch;
 mod stitch_cache;
 pub mod trace;
 mod trace_control;
+pub mod trace_path;
 
 pub use allocator::Allocator;
 pub use backend::{Backend, BackendError, DevicePtr, EventId, MemInfo, SimBackend, StreamId};

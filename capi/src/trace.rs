@@ -2,7 +2,6 @@
 //! name phases (`forward`, `checkpoint`, ...) and mark points in time.
 
 use std::ffi::{c_char, c_int};
-use std::path::Path;
 
 use gpualloc::{Allocator, Backend};
 
@@ -57,7 +56,9 @@ fn stop_at_exit() {
 }
 
 /// Starts recording every allocator event of the process to `path`
-/// (a gpualloc trace file; `gpualloc report` reads it).
+/// (a gpualloc trace file; `gpualloc report` reads it). `{pid}`, `{rank}`
+/// and `{local_rank}` in `path` become the process id and the `RANK` and
+/// `LOCAL_RANK` variables (`0` when unset), as in `GPUALLOC_TRACE`.
 ///
 /// # Safety
 /// `path` is a NUL-terminated string.
@@ -65,7 +66,8 @@ fn stop_at_exit() {
 pub unsafe extern "C" fn gpualloc_trace_start(path: *const c_char) -> c_int {
     status(|| {
         let path = str_arg(path, "path")?;
-        Ok(global()?.alloc.trace_start(Path::new(path))?)
+        let path = gpualloc::trace_path::expand(std::ffi::OsStr::new(path));
+        Ok(global()?.alloc.trace_start(&path)?)
     })
 }
 
