@@ -61,6 +61,7 @@ mod fence;
 mod heap;
 mod invariants;
 mod limits;
+pub mod log;
 mod oom;
 mod page_pool;
 mod pool;
