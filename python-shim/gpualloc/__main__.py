@@ -93,6 +93,9 @@ def _start(args) -> int:
         import torch  # noqa: F401
     except ImportError:
         torch = None
+    if args.no_auto_marks:
+        # Also for the script's own install() calls and its child processes.
+        os.environ["GPUALLOC_AUTO_MARKS"] = "0"
     try:
         if torch is not None:
             auto = False if args.no_auto_marks else None

@@ -145,6 +145,17 @@ class AutoMarksTest(unittest.TestCase):
         self.assertEqual(seq, [push("mine"), pop("mine")])
         self.assertIn("hooks []", out.stdout)
 
+    def test_run_no_auto_marks_holds_for_the_scripts_own_install(self):
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(d, "train.py")
+            with open(script, "w") as f:
+                f.write("import gpualloc, torch\ngpualloc.install()\nprint('hooks', gpualloc.auto_marks())\n")
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "--no-auto-marks", script])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("hooks []", out.stdout)
+            out = run(["-m", "gpualloc", "run", "--no-bridge", script])
+            self.assertIn("hooks ['optimizer', 'backward', 'checkpoint', 'eval', 'inference']", out.stdout)
+
     def test_install_auto_marks_false_takes_the_hooks_out(self):
         _, seq = self.traced(
             """
