@@ -5,7 +5,8 @@
 ``phase_pop`` or ``mark``) and ``name``. It decodes every record (their
 fields are delta-encoded), but keeps only these three kinds; the byte layout
 is docs/trace-format.md's. A damaged or truncated file is a ``ValueError``
-naming the offset.
+naming the offset. Pure Python: about 200k events a second, for tests and
+short runs; the ``gpualloc`` command reads long traces.
 """
 
 from __future__ import annotations
