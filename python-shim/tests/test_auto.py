@@ -187,6 +187,59 @@ class AutoMarksTest(unittest.TestCase):
         self.assertEqual(seq, [push("backward"), pop("backward"), push("optimizer"), pop("optimizer")] * 2)
 
 
+def cli():
+    """The `gpualloc` command: GPUALLOC_CLI, else a cargo build of this tree
+    (tools/test.sh builds it before these tests run); None when absent."""
+    if os.environ.get("GPUALLOC_CLI"):
+        return os.environ["GPUALLOC_CLI"]
+    root = os.path.dirname(SHIM)
+    for target in (os.environ.get("CARGO_TARGET_DIR"), os.path.join(root, "target")):
+        for profile in ("debug", "release"):
+            path = os.path.join(target or "", profile, "gpualloc")
+            if target and os.path.isfile(path):
+                return path
+    return None
+
+
+class CliReadsAutoMarksTest(unittest.TestCase):
+    """The marks are the iteration boundaries `gpualloc leaks` counts; the
+    phases appear in `gpualloc summary`."""
+
+    def test_leaks_counts_the_steps_and_finds_the_per_step_leak(self):
+        exe = cli()
+        if exe is None:
+            self.skipTest("no gpualloc command built (cargo build -p gpualloc-cli)")
+        with tempfile.TemporaryDirectory() as d:
+            trace = os.path.join(d, "t.gtrace")
+            body = textwrap.dedent(
+                """
+                kept = []
+                model, opt = torch.nn.Module(), torch.optim.SGD()
+                for _ in range(5):
+                    kept.append(lib().malloc(4096, 0, 0))  # one block leaked per step
+                    torch.Tensor().backward()  # two micro-batches per step (gradient accumulation)
+                    torch.Tensor().backward()
+                    opt.step()
+                model.eval()
+                model.train()
+                torch.save({}, TRACE + ".ckpt")
+                done()
+                """
+            )
+            out = run(["-c", PRELUDE + body, trace])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            leaks = subprocess.run([exe, "leaks", "--json", trace], capture_output=True, text=True, timeout=60)
+            self.assertEqual(leaks.returncode, 0, leaks.stderr)
+            dev = json.loads(leaks.stdout)["devices"][0]
+            # Without the marks, leaks would count the 10 backward phases instead.
+            self.assertEqual(dev["iterations"], 6, "5 step marks: 6 iterations")
+            self.assertTrue(any(g["candidate"] and g["size"] == 4096 for g in dev["groups"]), leaks.stdout)
+            summary = subprocess.run([exe, "summary", "--json", trace], capture_output=True, text=True, timeout=60)
+            self.assertEqual(summary.returncode, 0, summary.stderr)
+            phases = {p["name"]: p["count"] for p in json.loads(summary.stdout)["devices"][0]["phases"]}
+            self.assertEqual(phases, {"backward": 10, "optimizer": 5, "eval": 1, "checkpoint": 1})
+
+
 class RunTargetsTest(unittest.TestCase):
     """`python -m gpualloc run` on a module, a console script and a PATH program."""
 
