@@ -22,6 +22,7 @@ hooks cost one call into the library each, which returns at once.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import threading
 import warnings
@@ -139,8 +140,17 @@ def _close(e: Optional[_phases.Entry]) -> None:
 # -- optimizer steps ---------------------------------------------------------
 
 
+def _optimizer_module(torch):
+    """``torch.optim.optimizer``, imported: ``import torch`` does not always
+    make it an attribute of ``torch.optim`` (torch 2.11 does not)."""
+    try:
+        return importlib.import_module("torch.optim.optimizer")
+    except ImportError:
+        return torch.optim.optimizer
+
+
 def _hook_optimizer(torch) -> bool:
-    opt = torch.optim.optimizer
+    opt = _optimizer_module(torch)
     pre = opt.register_optimizer_step_pre_hook(lambda o, args, kwargs: _guard(_step_begins))
     post = opt.register_optimizer_step_post_hook(lambda o, args, kwargs: _guard(_step_ends, o))
     _UNDO.append(pre.remove)

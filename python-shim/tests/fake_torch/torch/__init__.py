@@ -139,3 +139,7 @@ serialization.save = save
 for _name, _mod in (("cuda", cuda), ("cuda.memory", cuda.memory), ("optim", optim), ("optim.optimizer", optim.optimizer),
                     ("autograd", autograd), ("nn", nn), ("serialization", serialization)):
     sys.modules[f"torch.{_name}"] = _mod
+
+# As in torch 2.11, `import torch` leaves `torch.optim.optimizer` reachable by
+# import only, not as an attribute of `torch.optim`.
+del optim.optimizer
