@@ -430,16 +430,22 @@
       svg += '<text x="4" y="' + (y + 11) + '" class="seglabel">' + esc(lab) + '</text>';
       svg += '<rect x="' + L + '" y="' + y + '" width="' + sx(r.size).toFixed(2) + '" height="' + (RH - 4) + '" fill="#f1f1f1" stroke="#999" stroke-width="0.5"><title>' +
         esc((r.sg ? 'segment ' + r.label + ': ' + fmtBytes(r.size) + ', ' + fmtBytes(r.sg[4]) + ' live in ' + r.sg[5] + ' blocks' : r.label)) + '</title></rect>';
+      if (r.sg && r.sg[5] > r.blocks.length) {
+        const hidden = r.sg[4] - r.blocks.reduce((a, b) => a + b[2], 0);
+        const tx = L + sx(r.size) + 4, inside = tx > W - 200;
+        svg += '<text x="' + (inside ? W - 4 : tx).toFixed(2) + '" y="' + (y + 11) + '" class="seglabel' + (inside ? ' halo" text-anchor="end' : '') + '">+' + (r.sg[5] - r.blocks.length) +
+          ' smaller blocks (' + fmtBytes(hidden) + ') not drawn</text>';
+      }
       for (const b of r.blocks) {
         phases.set(b[4], (phases.get(b[4]) || 0) + b[2]);
         const tipText = '+' + fmtBytes(b[1]) + ': ' + fmtBytes(b[2]) + ' (' + fmtBytes(b[3]) + ' requested), ' + phaseName(b[4]) + ', age ' + fmtTimeAuto(b[5]) + ', stream ' + b[7] + (b[6] ? ', freed, awaiting stream events' : '');
         svg += '<rect class="blk" x="' + (L + sx(b[1])).toFixed(2) + '" y="' + (y + 1) + '" width="' + Math.max(0.6, sx(b[2])).toFixed(2) + '" height="' + (RH - 6) +
-          '" fill="' + phaseColor(b[4]) + '" stroke="#fff" stroke-width="0.4"' + (b[6] ? ' fill-opacity="0.35"' : '') + '><title>' + esc(tipText) + '</title></rect>';
+          '" fill="' + phaseColor(b[4]) + '"' + (sx(b[2]) > 3 ? ' stroke="#fff" stroke-width="0.4"' : '') + (b[6] ? ' fill-opacity="0.35"' : '') + '><title>' + esc(tipText) + '</title></rect>';
       }
     });
     svg += '</svg>';
     const leg = [...phases.entries()].sort((a, b) => b[1] - a[1]).slice(0, 12)
-      .map(([p, bytes]) => '<span><i style="background:' + phaseColor(p) + '"></i>' + esc(phaseName(p)) + ' (' + fmtBytes(bytes) + ')</span>').join('') +
+      .map(([p, bytes]) => '<span><i style="background:' + phaseColor(p) + '"></i>' + esc(phaseName(p)) + ' (' + fmtBytes(bytes) + ' drawn)</span>').join('') +
       '<span><i style="background:#f1f1f1;border:1px solid #999"></i>free</span><span><i style="background:#4e79a7;opacity:.35"></i>freed, awaiting stream events</span>';
     const head = '<p><b>At ' + fmtTimeAuto(sn.t) + '</b> (' + esc(sn.kind) + (Math.abs(sn.t - asked) > dv.d.width ? '; the recorded layout nearest to ' + fmtTimeAuto(asked) : '') + '): ' +
       'allocated ' + fmtBytes(sn.allocated) + ', active ' + fmtBytes(sn.active) + ', reserved ' + fmtBytes(sn.reserved) +
