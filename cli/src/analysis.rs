@@ -40,7 +40,7 @@ pub struct Frag {
     pub total_free: u64,
 }
 
-/// The state at the peak of allocated bytes (second pass).
+/// The state at the peak of allocated bytes (second pass, or the report's).
 pub struct AtPeak {
     /// Fragmentation there.
     pub frag: Frag,
@@ -248,7 +248,8 @@ pub fn second_pass(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Resu
     Ok(())
 }
 
-fn snapshot_frag(t_ns: u64, s: &DeviceState) -> Frag {
+/// Fragmentation of `s` at `t_ns`.
+pub fn snapshot_frag(t_ns: u64, s: &DeviceState) -> Frag {
     let (largest_free, total_free) = s.free_space();
     Frag {
         t_ns,

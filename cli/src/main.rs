@@ -221,12 +221,11 @@ fn run(cmd: Command) -> Result<(), CliError> {
         } => {
             input::refuse_overwrite("--output", &output, &[&file])?;
             let mut a = analysis::analyze(&file, allow_truncated)?;
-            analysis::second_pass(&file, allow_truncated, &mut a)?;
             warn(&a.info.warning);
             if a.info.events == 0 {
                 eprintln!("gpualloc: {}: {}", file.display(), summary::NO_EVENTS);
             }
-            let html = report::render(&a, &file, allow_truncated)?;
+            let html = report::render(&mut a, &file, allow_truncated)?;
             std::fs::write(&output, html)
                 .map_err(|e| CliError(format!("{}: cannot write: {e}", output.display())))?;
             eprintln!("wrote {}", output.display());

@@ -23,8 +23,9 @@ const JS: &str = include_str!("report.js");
 
 /// Renders the page; reads `path` again for the chart data and, when the
 /// trace holds OOMs, replays it under candidate configurations.
-pub fn render(a: &Analysis, path: &Path, allow_truncated: bool) -> Result<String, CliError> {
+pub fn render(a: &mut Analysis, path: &Path, allow_truncated: bool) -> Result<String, CliError> {
     let data = crate::report_data::collect(path, allow_truncated, a)?;
+    let a = &*a;
     let mut s = String::new();
     let name = path.file_name().map_or_else(
         || path.display().to_string(),

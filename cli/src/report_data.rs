@@ -28,7 +28,7 @@ use std::path::Path;
 use gpualloc::trace::{Action, TraceEvent};
 use serde_json::{Value, json};
 
-use crate::analysis::Analysis;
+use crate::analysis::{self, Analysis, AtPeak};
 use crate::input::{self, CliError};
 use crate::state::{self, DeviceState, Gauges, NO_PHASE};
 
@@ -84,6 +84,7 @@ struct Collector {
     rare: Vec<u64>,
     spans: Vec<Span>,
     open: Vec<(u64, usize)>,
+    at_peak: Option<AtPeak>,
 }
 
 fn max_g(a: &mut Gauges, b: &Gauges) {
@@ -128,6 +129,7 @@ impl Collector {
             rare,
             spans: Vec::new(),
             open: Vec::new(),
+            at_peak: None,
         }
     }
 
@@ -190,6 +192,12 @@ impl Collector {
             });
         }
         if let Some(kind) = self.targets.get(&self.n).copied() {
+            if kind == "peak allocated" {
+                self.at_peak = Some(AtPeak {
+                    frag: analysis::snapshot_frag(e.time_ns, &self.s),
+                    reserved: self.s.g.reserved,
+                });
+            }
             self.snapshot(t, kind);
         }
     }
@@ -313,13 +321,16 @@ fn layout(s: &DeviceState, t: u64, t0: u64, kind: &str) -> Value {
 }
 
 /// The JSON object the page's script draws from (see the module docs).
-pub fn collect(path: &Path, allow_truncated: bool, a: &Analysis) -> Result<Value, CliError> {
+/// Also sets each device's state at the allocated peak, so that reports
+/// need no `analysis::second_pass`.
+pub fn collect(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<Value, CliError> {
     let mut cs: BTreeMap<u32, Collector> = BTreeMap::new();
     for (&dev, d) in &a.devices {
+        // One layout per event: the allocated peak wins over the others.
         let mut targets = BTreeMap::new();
+        targets.insert(d.events, "end");
         targets.insert(d.peak_reserved.index, "peak reserved");
         targets.insert(d.peak_allocated.index, "peak allocated");
-        targets.insert(d.events, "end");
         // Per-iteration phases would only stripe the chart: a phase is rare
         // when opened in at most half the iterations (checkpoints always).
         let iterations = d.state.iterations().len() as u64 + 1;
@@ -337,21 +348,22 @@ pub fn collect(path: &Path, allow_truncated: bool, a: &Analysis) -> Result<Value
         let bounds = d.state.iterations().to_vec();
         cs.insert(dev, Collector::new(d.first_ns, span, bounds, rare, targets));
     }
-    let info = &a.info;
     input::scan_until(path, allow_truncated, |e| {
         if let Some(c) = cs.get_mut(&e.device) {
             c.apply(e);
         }
         true
     })?;
-    let devices: Vec<Value> = cs
-        .into_iter()
-        .map(|(dev, mut c)| {
-            let end = c.at(a.duration_ns);
-            c.sample_frag(end);
-            device_json(dev, c, end)
-        })
-        .collect();
+    let mut devices = Vec::with_capacity(cs.len());
+    for (dev, mut c) in cs {
+        let end = c.at(a.duration_ns);
+        c.sample_frag(end);
+        if let Some(d) = a.devices.get_mut(&dev) {
+            d.at_peak = c.at_peak.take();
+        }
+        devices.push(device_json(dev, c, end));
+    }
+    let info = &a.info;
     let names: Vec<&str> = info.strings.iter().map(String::as_str).collect();
     Ok(json!({"names": names, "devices": devices}))
 }
