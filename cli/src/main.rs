@@ -29,6 +29,7 @@ mod report;
 mod report_data;
 mod report_oom;
 mod report_sections;
+mod report_series;
 mod sizes;
 mod state;
 mod summary;

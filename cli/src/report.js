@@ -9,7 +9,8 @@
 // every label of one axis uses one unit.
 //
 // With #selftest in the address, the page drives itself (zoom, pan, hover,
-// click) and writes the outcome into #selftest-result.
+// click) and writes the outcome into #selftest-result; #view=START-END (ns)
+// opens it zoomed.
 'use strict';
 (function () {
   const errors = [];
@@ -98,13 +99,24 @@
     this.view = { x0: 0, x1: Math.max(dev.end, 1) };
     this.charts = [];
     this.picked = null;
-    const n = dev.series.alloc_max.length;
-    this.n = n;
+    this.main = { start: 0, width: dev.width, series: dev.series };
+    this.minWidth = Math.min(dev.width, ...(dev.windows || []).map((w) => w.width));
   }
+  // The finest series covering the view: a detail window when zoomed in
+  // around a peak or an OOM, else the whole run's.
+  Device.prototype.source = function () {
+    const v = this.view;
+    let best = this.main;
+    for (const w of this.d.windows || []) {
+      const end = w.start + w.width * w.series.alloc_max.length;
+      if (w.start <= v.x0 && v.x1 <= end && w.width < best.width) best = w;
+    }
+    return best;
+  };
   Device.prototype.redraw = function () { for (const ch of this.charts) ch.draw(); };
   Device.prototype.setView = function (x0, x1) {
     const end = Math.max(this.d.end, 1);
-    const minSpan = Math.max(this.d.width * 4, 1);
+    const minSpan = Math.max(this.minWidth * 4, 1);
     let span = Math.max(minSpan, Math.min(end, x1 - x0));
     x0 = Math.max(0, Math.min(end - span, x0));
     this.view = { x0, x1: x0 + span };
@@ -115,8 +127,9 @@
     this.setView(t - (t - v.x0) * factor, t + (v.x1 - t) * factor);
   };
   Device.prototype.reset = function () { this.setView(0, this.d.end); };
-  Device.prototype.bucketAt = function (t) {
-    return Math.max(0, Math.min(this.n - 1, Math.floor(t / this.d.width)));
+  Device.prototype.bucketAt = function (t, src) {
+    const n = src.series.alloc_max.length;
+    return Math.max(0, Math.min(n - 1, Math.floor((t - src.start) / src.width)));
   };
   Device.prototype.spansAt = function (t) {
     return this.d.spans.filter((s) => s[1] <= t && t <= s[2]);
@@ -181,13 +194,14 @@
   }
 
   function memoryChart(dv, box) {
-    const d = dv.d, s = d.series;
+    const d = dv.d;
     const viewLabel = toolbar(dv, box);
     const items = [['reserved (min-max per bucket)', C.reserved], ['allocated', C.allocated]];
     items.push(d.active_differs ? ['active (allocated + freed blocks awaiting stream events), dashed', C.active]
       : ['active: equal to allocated throughout (no freed block waited on a stream)', C.active]);
     if (d.spans.length) items.push(['checkpoint spans', 'rgba(242,142,44,0.5)'], ['other rare phases', 'rgba(120,120,120,0.3)']);
-    items.push(['OOM', C.oom], ['recorded layouts (click near one)', '#333']);
+    if (d.snapshots.some((x) => x.kind === 'oom')) items.push(['OOM', C.oom]);
+    items.push(['recorded layouts (click near one)', '#333']);
     legend(box, items);
     const cv = makeCanvas(box, 300);
     const tip = document.createElement('div'); tip.className = 'tip'; tip.hidden = true; box.appendChild(tip);
@@ -203,7 +217,8 @@
       draw() {
         const { ctx, w, h } = cv, v = dv.view;
         ctx.clearRect(0, 0, w, h);
-        const b0 = dv.bucketAt(v.x0), b1 = dv.bucketAt(v.x1);
+        const src = dv.source(), s = src.series, S0 = src.start;
+        const b0 = dv.bucketAt(v.x0, src), b1 = dv.bucketAt(v.x1, src);
         let ymax = 1;
         for (let i = b0; i <= b1; i++) ymax = Math.max(ymax, s.res_max[i], s.active_max[i]);
         ymax *= 1.05;
@@ -220,17 +235,17 @@
             ctx.fillStyle = '#7a4a10'; ctx.textAlign = 'left'; ctx.fillText(label, x + 3, M.t + 11);
           }
         }
-        const W = d.width;
+        const W = src.width;
         // Step shapes: a bucket's value holds across it; min-max as a band.
         const band = (lo, hi, fill) => {
           ctx.beginPath();
-          for (let i = b0; i <= b1; i++) { ctx.lineTo(sx(i * W), sy(hi[i])); ctx.lineTo(sx((i + 1) * W), sy(hi[i])); }
-          for (let i = b1; i >= b0; i--) { ctx.lineTo(sx((i + 1) * W), sy(lo[i])); ctx.lineTo(sx(i * W), sy(lo[i])); }
+          for (let i = b0; i <= b1; i++) { ctx.lineTo(sx(S0 + i * W), sy(hi[i])); ctx.lineTo(sx(S0 + (i + 1) * W), sy(hi[i])); }
+          for (let i = b1; i >= b0; i--) { ctx.lineTo(sx(S0 + (i + 1) * W), sy(lo[i])); ctx.lineTo(sx(S0 + i * W), sy(lo[i])); }
           ctx.closePath(); ctx.fillStyle = fill; ctx.fill();
         };
         const line = (hi, color, dash, width) => {
           ctx.beginPath(); ctx.setLineDash(dash); ctx.strokeStyle = color; ctx.lineWidth = width;
-          for (let i = b0; i <= b1; i++) { ctx.lineTo(sx(i * W), sy(hi[i])); ctx.lineTo(sx((i + 1) * W), sy(hi[i])); }
+          for (let i = b0; i <= b1; i++) { ctx.lineTo(sx(S0 + i * W), sy(hi[i])); ctx.lineTo(sx(S0 + (i + 1) * W), sy(hi[i])); }
           ctx.stroke(); ctx.setLineDash([]); ctx.lineWidth = 1;
         };
         const zero = s.alloc_min.map(() => 0);
@@ -254,12 +269,13 @@
         }
         ctx.restore();
         const span = v.x1 - v.x0, u = timeUnit(span), st = niceStep(span / 7);
-        viewLabel.textContent = '  showing ' + fmtTime(v.x0, u, st / 10) + ' to ' + fmtTime(v.x1, u, st / 10);
+        viewLabel.textContent = '  showing ' + fmtTime(v.x0, u, st / 10) + ' to ' + fmtTime(v.x1, u, st / 10) +
+          ', ' + fmtTimeAuto(W) + ' per bucket' + (src === dv.main ? '' : ' (detail window)');
       },
       hover(t) {
-        const i = dv.bucketAt(t);
+        const src = dv.source(), s = src.series, i = dv.bucketAt(t, src);
         const r = (lo, hi) => lo[i] === hi[i] ? fmtBytes(hi[i]) : fmtBytes(lo[i]) + ' to ' + fmtBytes(hi[i]);
-        let html = '<b>' + fmtTimeAuto(i * d.width) + ' to ' + fmtTimeAuto((i + 1) * d.width) + '</b>' +
+        let html = '<b>' + fmtTimeAuto(src.start + i * src.width) + ' to ' + fmtTimeAuto(src.start + (i + 1) * src.width) + '</b>' +
           '<br><span style="color:' + C.reserved + '">reserved</span> ' + r(s.res_min, s.res_max) +
           '<br><span style="color:' + C.allocated + '">allocated</span> ' + r(s.alloc_min, s.alloc_max) +
           '<br><span style="color:' + C.active + '">active</span> ' + r(s.active_min, s.active_max);
@@ -523,6 +539,10 @@
       const tip = dv.memory.tip;
       check(r, 'hover_shows_values', !tip.hidden && /allocated/.test(tip.textContent) && /reserved/.test(tip.textContent));
       r.hover_text = tip.textContent;
+      for (const w of dv.d.windows || []) {
+        dv.setView(w.start + w.width * 100, w.start + w.width * 600);
+        check(r, 'zoom_uses_detail_window', dv.source() === w && inked(mc) > 500);
+      }
       dv.reset();
       check(r, 'reset_restores_view', dv.view.x0 === 0 && dv.view.x1 === Math.max(dv.d.end, 1));
       const target = dv.d.snapshots[Math.floor(dv.d.snapshots.length / 2)];
@@ -552,6 +572,9 @@
     el.textContent = (ok ? 'SELFTEST PASS ' : 'SELFTEST FAIL ') + JSON.stringify(out);
     document.title = ok ? 'SELFTEST PASS' : 'SELFTEST FAIL';
   }
+  // #view=START-END (ns from the first event) opens every chart zoomed there.
+  const m = /^#view=(\d+)-(\d+)$/.exec(location.hash);
+  if (m) for (const dv of devices) if (dv.memory) dv.setView(Number(m[1]), Number(m[2]));
   if (location.hash === '#selftest') {
     try { selftest(); } catch (e) { showError('selftest: ' + e.stack); const el = document.getElementById('selftest-result'); el.hidden = false; el.textContent = 'SELFTEST FAIL ' + e; }
   }

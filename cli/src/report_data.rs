@@ -8,6 +8,8 @@
 //!   last, each with the minimum and maximum of allocated, active and
 //!   reserved bytes. A bucket's minimum includes the value carried into it,
 //!   so a stretch without events draws as the flat line it was, not a ramp;
+//! - the same at a finer resolution in short windows around the peaks and
+//!   the first OOMs (`report_series`), for zooming in there;
 //! - fragmentation at [`FRAG_SAMPLES`] evenly spaced moments;
 //! - the layout of reserved memory (segments and the blocks in them) at a
 //!   bounded set of moments: both peaks, the first OOMs, the end, and
@@ -30,6 +32,7 @@ use serde_json::{Value, json};
 
 use crate::analysis::{self, Analysis, AtPeak};
 use crate::input::{self, CliError};
+use crate::report_series::{WINDOW_FRACTION, Window};
 use crate::state::{self, DeviceState, Gauges, NO_PHASE};
 
 /// Buckets of the gauge series.
@@ -85,6 +88,7 @@ struct Collector {
     spans: Vec<Span>,
     open: Vec<(u64, usize)>,
     at_peak: Option<AtPeak>,
+    windows: Vec<Window>,
 }
 
 fn max_g(a: &mut Gauges, b: &Gauges) {
@@ -130,6 +134,7 @@ impl Collector {
             spans: Vec::new(),
             open: Vec::new(),
             at_peak: None,
+            windows: Vec::new(),
         }
     }
 
@@ -165,6 +170,9 @@ impl Collector {
         self.s.apply(e);
         self.n += 1;
         let g = self.s.g;
+        for w in &mut self.windows {
+            w.observe(t, &g);
+        }
         let bk = &mut self.buckets[self.cur];
         max_g(&mut bk.max, &g);
         min_g(&mut bk.min, &g);
@@ -346,7 +354,22 @@ pub fn collect(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<V
             .collect();
         let span = a.duration_ns.saturating_sub(d.first_ns) + 1;
         let bounds = d.state.iterations().to_vec();
-        cs.insert(dev, Collector::new(d.first_ns, span, bounds, rare, targets));
+        let mut c = Collector::new(d.first_ns, span, bounds, rare, targets);
+        // Detail windows around the peaks and the first OOMs, apart.
+        let moments = [d.peak_allocated.time_ns, d.peak_reserved.time_ns]
+            .into_iter()
+            .chain(d.ooms.iter().take(MAX_OOM_SNAPSHOTS).map(|o| o.time_ns));
+        let mut centres: Vec<u64> = Vec::new();
+        for m in moments.map(|m| m.saturating_sub(d.first_ns)) {
+            if centres
+                .iter()
+                .all(|&c| c.abs_diff(m) > span / WINDOW_FRACTION / 2)
+            {
+                centres.push(m);
+                c.windows.push(Window::around(m, span));
+            }
+        }
+        cs.insert(dev, c);
     }
     input::scan_until(path, allow_truncated, |e| {
         if let Some(c) = cs.get_mut(&e.device) {
@@ -412,6 +435,7 @@ fn device_json(dev: u32, c: Collector, end: u64) -> Value {
         "snapshots": c.snaps,
         "steps": steps,
         "steps_per_bar": per,
+        "windows": c.windows.into_iter().map(Window::into_json).collect::<Vec<_>>(),
         "spans": c.spans.iter().map(|s| json!([
             s.phase, s.start, s.end, s.at_open.allocated, s.max.allocated,
             s.at_open.reserved, s.max.reserved
