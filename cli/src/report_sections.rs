@@ -282,6 +282,9 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
         );
     }
     s.push_str("</table>");
+    if adv.trials.first().is_some_and(|t| t.result.ooms == 0) {
+        s.push_str("<p class=\"warn\">The replay under the recorded configuration does not reproduce the OOM: the device may have held memory the trace does not show (other processes, the CUDA context), so the advice below may fall short.</p>");
+    }
     match adv.best() {
         Some(t) => {
             let _ = write!(
