@@ -12,3 +12,8 @@ if [ -d python-shim/tests ]; then
   GPUALLOC_LIBRARY="$PWD/target/release/libgpualloc.so" PYTHONPATH="$PWD/python-shim" \
     python3 -m unittest discover -s python-shim/tests -t python-shim -v
 fi
+
+# The HTML report in headless Chromium; prints SKIPPED when there is none.
+GPUALLOC_CLI="${CARGO_TARGET_DIR:-$PWD/target}/debug/gpualloc" \
+  GPUALLOC_LIBRARY="${CARGO_TARGET_DIR:-$PWD/target}/release/libgpualloc.so" \
+  python3 tests/browser/test_report.py

@@ -1,7 +1,7 @@
 //! The analysis of a trace: one streaming pass for gauges, peaks, phases,
-//! sizes, OOMs and the final state; a second pass (up to the peak, or whole
-//! for reports) for the layout at the peak and fragmentation over time,
-//! which need the duration and the peak's position found by the first.
+//! sizes, OOMs and the final state; a second pass, up to the peak, for the
+//! layout at the peak, which needs the peak's position found by the first.
+//! Reports make one more pass of their own (`report_data`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -12,13 +12,7 @@ use crate::input::{self, CliError, ScanInfo};
 use crate::ooms::{self, Oom};
 use crate::phases::Phases;
 use crate::sizes::Sizes;
-use crate::state::{self, DeviceState, Live};
-use crate::timeline::Timeline;
-
-/// Buckets of the gauge timeline.
-pub const TIMELINE_POINTS: usize = 600;
-/// Buckets of the fragmentation timeline (each one sorts the live blocks).
-pub const FRAG_POINTS: usize = 200;
+use crate::state::{self, DeviceState};
 
 /// A gauge's highest value and where it was reached.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -46,12 +40,10 @@ pub struct Frag {
     pub total_free: u64,
 }
 
-/// The state at the peak of allocated bytes (second pass).
+/// The state at the peak of allocated bytes (second pass, or the report's).
 pub struct AtPeak {
     /// Fragmentation there.
     pub frag: Frag,
-    /// Live blocks there, by address.
-    pub live: Vec<(u64, Live)>,
     /// Reserved bytes there.
     pub reserved: u64,
 }
@@ -62,6 +54,8 @@ pub struct DeviceAnalysis {
     pub device: u32,
     /// Events of the device.
     pub events: u64,
+    /// Time of the device's first event (ns since start).
+    pub first_ns: u64,
     /// Allocations.
     pub allocs: u64,
     /// Highest allocated bytes.
@@ -81,12 +75,8 @@ pub struct DeviceAnalysis {
     pub phases: Phases,
     /// Request sizes.
     pub sizes: Sizes,
-    /// Gauges over time.
-    pub timeline: Timeline,
     /// The state after the last event.
     pub state: DeviceState,
-    /// Fragmentation over time (second pass, reports).
-    pub frag: Vec<Frag>,
     /// The state at the peak (second pass).
     pub at_peak: Option<AtPeak>,
 }
@@ -96,6 +86,7 @@ impl DeviceAnalysis {
         DeviceAnalysis {
             device,
             events: 0,
+            first_ns: 0,
             allocs: 0,
             peak_allocated: Peak::default(),
             peak_reserved: Peak::default(),
@@ -106,15 +97,16 @@ impl DeviceAnalysis {
             ooms: Vec::new(),
             phases: Phases::default(),
             sizes: Sizes::default(),
-            timeline: Timeline::new(TIMELINE_POINTS),
             state: DeviceState::default(),
-            frag: Vec::new(),
             at_peak: None,
         }
     }
 
     #[inline]
     fn apply(&mut self, e: &TraceEvent) {
+        if self.events == 0 {
+            self.first_ns = e.time_ns;
+        }
         self.events += 1;
         match e.action {
             Action::Alloc => {
@@ -168,7 +160,6 @@ impl DeviceAnalysis {
         {
             self.phases.observe(&g);
         }
-        self.timeline.observe(e.time_ns, &g);
     }
 }
 
@@ -217,19 +208,13 @@ pub fn analyze(path: &Path, allow_truncated: bool) -> Result<Analysis, CliError>
     })
 }
 
-/// Second pass: the state at each device's allocated peak and, with
-/// `timeline`, fragmentation over time (the whole file is then read).
-pub fn second_pass(
-    path: &Path,
-    allow_truncated: bool,
-    a: &mut Analysis,
-    timeline: bool,
-) -> Result<(), CliError> {
-    let width = (a.duration_ns / FRAG_POINTS as u64).max(1);
-    let mut states: BTreeMap<u32, (DeviceState, u64, u64, Vec<Frag>)> = a
+/// Second pass: the state at each device's allocated peak (the file is read
+/// up to the last peak).
+pub fn second_pass(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<(), CliError> {
+    let mut states: BTreeMap<u32, (DeviceState, u64)> = a
         .devices
         .keys()
-        .map(|&d| (d, (DeviceState::default(), 0u64, 0u64, Vec::new())))
+        .map(|&d| (d, (DeviceState::default(), 0u64)))
         .collect();
     let targets: BTreeMap<u32, u64> = a
         .devices
@@ -239,13 +224,9 @@ pub fn second_pass(
     let mut remaining = targets.values().filter(|&&i| i > 0).count();
     let mut at_peak: BTreeMap<u32, AtPeak> = BTreeMap::new();
     input::scan_until(path, allow_truncated, |e| {
-        let Some((s, n, next_t, frag)) = states.get_mut(&e.device) else {
+        let Some((s, n)) = states.get_mut(&e.device) else {
             return true;
         };
-        if timeline && e.time_ns >= *next_t {
-            frag.push(snapshot_frag(*next_t, s));
-            *next_t = (e.time_ns / width + 1) * width;
-        }
         s.apply(e);
         *n += 1;
         if *n == targets[&e.device] {
@@ -253,26 +234,22 @@ pub fn second_pass(
                 e.device,
                 AtPeak {
                     frag: snapshot_frag(e.time_ns, s),
-                    live: s.sorted_live(),
                     reserved: s.g.reserved,
                 },
             );
             remaining -= 1;
         }
-        timeline || remaining > 0
+        remaining > 0
     })?;
-    for (d, (s, _, _, mut frag)) in states {
-        let dev = a.devices.get_mut(&d).expect("same keys");
-        if timeline {
-            frag.push(snapshot_frag(a.duration_ns, &s));
-            dev.frag = frag;
-        }
-        dev.at_peak = at_peak.remove(&d);
+    for d in states.keys() {
+        let dev = a.devices.get_mut(d).expect("same keys");
+        dev.at_peak = at_peak.remove(d);
     }
     Ok(())
 }
 
-fn snapshot_frag(t_ns: u64, s: &DeviceState) -> Frag {
+/// Fragmentation of `s` at `t_ns`.
+pub fn snapshot_frag(t_ns: u64, s: &DeviceState) -> Frag {
     let (largest_free, total_free) = s.free_space();
     Frag {
         t_ns,

@@ -20,9 +20,9 @@ use crate::units::{bytes, delta, duration, percent};
 /// Analyses both traces and renders the comparison, as text or JSON.
 pub fn run(a: &Path, b: &Path, as_json: bool, allow_truncated: bool) -> Result<String, CliError> {
     let mut x = analysis::analyze(a, allow_truncated)?;
-    analysis::second_pass(a, allow_truncated, &mut x, false)?;
+    analysis::second_pass(a, allow_truncated, &mut x)?;
     let mut y = analysis::analyze(b, allow_truncated)?;
-    analysis::second_pass(b, allow_truncated, &mut y, false)?;
+    analysis::second_pass(b, allow_truncated, &mut y)?;
     if as_json {
         return Ok(render_json(a, &x, b, &y));
     }

@@ -26,11 +26,14 @@ mod phases;
 mod pickle;
 mod replay_cmd;
 mod report;
+mod report_data;
+mod report_oom;
+mod report_sections;
+mod report_series;
 mod sizes;
 mod state;
 mod summary;
 mod svg;
-mod timeline;
 mod units;
 mod unpickle;
 
@@ -222,7 +225,7 @@ fn run(cmd: Command) -> Result<(), CliError> {
             allow_truncated,
         } => {
             let mut a = analysis::analyze(&file, allow_truncated)?;
-            analysis::second_pass(&file, allow_truncated, &mut a, false)?;
+            analysis::second_pass(&file, allow_truncated, &mut a)?;
             warn(&a.info.warning);
             if json {
                 print!("{}", summary::render_json(&a, &file));
@@ -237,12 +240,11 @@ fn run(cmd: Command) -> Result<(), CliError> {
         } => {
             input::refuse_overwrite("--output", &output, &[&file])?;
             let mut a = analysis::analyze(&file, allow_truncated)?;
-            analysis::second_pass(&file, allow_truncated, &mut a, true)?;
             warn(&a.info.warning);
             if a.info.events == 0 {
                 eprintln!("gpualloc: {}: {}", file.display(), summary::NO_EVENTS);
             }
-            let html = report::render(&a, &file);
+            let html = report::render(&mut a, &file, allow_truncated)?;
             std::fs::write(&output, html)
                 .map_err(|e| CliError(format!("{}: cannot write: {e}", output.display())))?;
             eprintln!("wrote {}", output.display());

@@ -1,0 +1,157 @@
+//! Why each OOM happened, and which configuration would have avoided it,
+//! backed by replaying the trace under that configuration.
+//!
+//! A failed request of `r` bytes is one of three kinds:
+//! - *fragmentation*: the cache held at least `r` free bytes, but no free
+//!   range of `r` (the largest free range was smaller);
+//! - *cache*: the cache's free bytes plus the device's free bytes would
+//!   have held `r`, but neither alone did (cached memory of the wrong size
+//!   or stream was not given back in time);
+//! - *tensors*: live allocations plus the request exceed what the device
+//!   had; no allocator setting helps.
+//!
+//! The remedies are replayed on a simulated device of the capacity the
+//! trace implies at the first OOM (reserved plus the device's free bytes),
+//! starting with the recorded configuration, so that the page can show
+//! whether the replay reproduces the OOM and what each candidate saves.
+
+use std::path::Path;
+
+use gpualloc::Config;
+use gpualloc::replay::{ReplayResult, replay};
+
+use crate::input::{self, CliError};
+use crate::ooms::Oom;
+use crate::units::bytes;
+
+/// Configurations tried against an OOM, besides the recorded one.
+pub const CANDIDATES: [&str; 3] = [
+    "policy:pytorch,expandable_segments:true",
+    "policy:pytorch,max_split_size_mb:64,garbage_collection_threshold:0.8",
+    "policy:gpualloc",
+];
+
+/// What made an OOM fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cause {
+    /// Enough cached free bytes, no range large enough.
+    Fragmentation,
+    /// Free bytes existed, split between the cache and the device.
+    Cache,
+    /// Live allocations leave too little.
+    Tensors,
+}
+
+/// The cause of `o`.
+pub fn cause(o: &Oom) -> Cause {
+    if o.cached_free >= o.requested && o.largest_free < o.requested {
+        Cause::Fragmentation
+    } else if o.cached_free.saturating_add(o.device_free) >= o.requested {
+        Cause::Cache
+    } else {
+        Cause::Tensors
+    }
+}
+
+/// One sentence saying why `o` failed.
+pub fn explain(o: &Oom) -> String {
+    match cause(o) {
+        Cause::Fragmentation => format!(
+            "{} cached but the largest free range is {}, for a request of {}: fragmentation.",
+            bytes(o.cached_free),
+            bytes(o.largest_free),
+            bytes(o.requested)
+        ),
+        Cause::Cache => format!(
+            "{} free in the cache and {} on the device: together enough for {}, but neither alone; the cache held memory it could have given back.",
+            bytes(o.cached_free),
+            bytes(o.device_free),
+            bytes(o.requested)
+        ),
+        Cause::Tensors => format!(
+            "live tensors hold {} and the device had {} free (plus {} cached) for a request of {}: the tensors themselves, not the cache.",
+            bytes(o.gauges.allocated),
+            bytes(o.device_free),
+            bytes(o.cached_free),
+            bytes(o.requested)
+        ),
+    }
+}
+
+/// A configuration replayed.
+pub struct Trial {
+    /// GPUALLOC_CONF text.
+    pub config: String,
+    /// The replay's figures.
+    pub result: ReplayResult,
+}
+
+/// The replays behind the advice.
+pub struct Advice {
+    /// Simulated capacity.
+    pub capacity: u64,
+    /// The recorded configuration first, then [`CANDIDATES`].
+    pub trials: Vec<Trial>,
+}
+
+impl Advice {
+    /// The trial without OOMs and with the lowest peak reserved, if any.
+    pub fn best(&self) -> Option<&Trial> {
+        self.trials
+            .iter()
+            .skip(1)
+            .filter(|t| t.result.ooms == 0)
+            .min_by_key(|t| t.result.peak_reserved)
+    }
+}
+
+/// Replays the trace under the recorded configuration and the candidates,
+/// on a device of the capacity implied by `first`.
+pub fn advise(path: &Path, recorded: &str, first: &Oom) -> Result<Advice, CliError> {
+    let capacity = first.gauges.reserved.saturating_add(first.device_free);
+    let mut trials = Vec::new();
+    for c in std::iter::once(recorded).chain(CANDIDATES) {
+        let Ok(config) = Config::parse(c) else {
+            continue;
+        };
+        let mut reader = input::open(path)?;
+        let result = replay(reader.events(), capacity, &config);
+        trials.push(Trial {
+            config: c.to_string(),
+            result,
+        });
+    }
+    Ok(Advice { capacity, trials })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::Gauges;
+
+    fn oom(requested: u64, cached_free: u64, largest_free: u64, device_free: u64) -> Oom {
+        Oom {
+            time_ns: 0,
+            stream: 0,
+            requested,
+            device_free,
+            gauges: Gauges::default(),
+            largest_free,
+            cached_free,
+            phase: 0,
+            largest_live: Vec::new(),
+            by_phase: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn causes_follow_the_numbers() {
+        let frag = oom(400 << 20, 10 << 30, 300 << 20, 0);
+        assert_eq!(cause(&frag), Cause::Fragmentation);
+        assert!(
+            explain(&frag).starts_with("10.00 GiB cached but the largest free range is 300.00 MiB")
+        );
+        assert_eq!(cause(&oom(100, 60, 60, 50)), Cause::Cache);
+        assert_eq!(cause(&oom(100, 30, 30, 50)), Cause::Tensors);
+    }
+}

@@ -1,0 +1,112 @@
+//! `gpualloc report` on a trace recorded here with a checkpoint save, step
+//! marks and a fragmentation OOM: the page names the cause and the
+//! configuration that avoids it, backed by replays.
+
+use std::path::Path;
+use std::process::Command;
+
+use gpualloc::trace::TraceOptions;
+use gpualloc::{Allocator, Config, SimBackend};
+
+const MIB: u64 = 1 << 20;
+
+/// PyTorch's rules on a 1 GiB device: 4 MiB blocks fill 20 MiB segments, one
+/// block in five stays, so 100 MiB cannot be found in ~800 MiB of cache.
+fn record(path: &Path) {
+    let a = Allocator::new(
+        Config::parse("policy:pytorch").unwrap(),
+        1,
+        Box::new(|_| Ok(SimBackend::new(1 << 30))),
+    );
+    a.trace_start_with(
+        path,
+        TraceOptions {
+            lossless: true,
+            ..TraceOptions::default()
+        },
+    )
+    .unwrap();
+    let weights = a.malloc(0, 8 * MIB, 0).unwrap();
+    for _ in 0..4 {
+        a.phase_push("forward");
+        let act = a.malloc(0, 30 * MIB, 0).unwrap();
+        a.free(0, act).unwrap();
+        a.phase_pop();
+        a.phase_push("checkpoint_save");
+        let copy = a.malloc(0, 16 * MIB, 0).unwrap();
+        a.free(0, copy).unwrap();
+        a.phase_pop();
+        a.mark("step");
+    }
+    a.empty_cache().unwrap();
+    a.phase_push("forward");
+    let blocks: Vec<_> = (0..49 * 5)
+        .map(|_| a.malloc(0, 4 * MIB, 0).unwrap())
+        .collect();
+    for (k, p) in blocks.into_iter().enumerate() {
+        if k % 5 != 0 {
+            a.free(0, p).unwrap();
+        }
+    }
+    assert!(a.malloc(0, 100 * MIB, 0).is_err(), "the scenario must OOM");
+    a.phase_pop();
+    a.free(0, weights).unwrap();
+    a.trace_stop().unwrap();
+}
+
+#[test]
+fn report_explains_an_oom_and_replays_the_remedy() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, html) = (dir.path().join("t.gtrace"), dir.path().join("t.html"));
+    record(&trace);
+    let out = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+        .args([
+            "report",
+            trace.to_str().unwrap(),
+            "-o",
+            html.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let page = std::fs::read_to_string(&html).unwrap();
+    for want in [
+        "cached but the largest free range is",
+        "for a request of 100.00 MiB: fragmentation.",
+        "Configurations replayed on a simulated device of",
+        "<code>policy:pytorch (as recorded)</code></td><td>1</td>",
+        "Use <code>GPUALLOC_CONF=",
+        "the replay has no OOM",
+        "Checkpoint save <code>checkpoint_save</code>: opened 4 time(s); allocated memory grew by up to 16.00 MiB",
+    ] {
+        assert!(page.contains(want), "report lacks {want:?}");
+    }
+    let start = page.find("id=\"gpualloc-data\">").unwrap() + "id=\"gpualloc-data\">".len();
+    let end = start + page[start..].find("</script>").unwrap();
+    let data: serde_json::Value = serde_json::from_str(&page[start..end]).unwrap();
+    let dev = &data["devices"][0];
+    let oom = dev["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["kind"] == "oom")
+        .expect("a layout at the OOM");
+    assert_eq!(
+        oom["blocks_total"].as_u64(),
+        Some(49 + 1),
+        "one block in five, and the weights"
+    );
+    assert_eq!(dev["steps"].as_array().unwrap().len(), 5, "four marks");
+    let names = data["names"].as_array().unwrap();
+    let spans = dev["spans"].as_array().unwrap();
+    assert_eq!(spans.len(), 4, "the checkpoint saves, shaded on the chart");
+    assert!(
+        spans
+            .iter()
+            .all(|s| names[s[0].as_u64().unwrap() as usize] == "checkpoint_save")
+    );
+}
