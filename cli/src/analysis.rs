@@ -242,9 +242,11 @@ pub fn second_pass(
         let Some((s, n, next_t, frag)) = states.get_mut(&e.device) else {
             return true;
         };
-        if timeline && e.time_ns >= *next_t {
+        // At most one point per interval of `width`, even when a corrupt
+        // file's times jump to the end of the clock.
+        if timeline && e.time_ns >= *next_t && frag.len() <= 2 * FRAG_POINTS {
             frag.push(snapshot_frag(*next_t, s));
-            *next_t = (e.time_ns / width + 1) * width;
+            *next_t = (e.time_ns / width).saturating_add(1).saturating_mul(width);
         }
         s.apply(e);
         *n += 1;

@@ -11,6 +11,12 @@ use std::io;
 pub const MAGIC: [u8; 8] = *b"\x89GATRACE";
 /// The format version this code writes and reads.
 pub const VERSION: u16 = 1;
+/// The minor version this code writes, a varint after the header's
+/// producer (absent, so 0, in older files). Minor 1 numbers the blocks: the
+/// flags byte of every block header holds the block's index modulo 256, and
+/// the END block adds the number of blocks before it. Readers of minor 0
+/// ignore both, and this reader still reads minor 0 files.
+pub const MINOR_VERSION: u64 = 1;
 /// Two bytes that open every block.
 pub const BLOCK_MAGIC: [u8; 2] = *b"BK";
 /// Bytes of a block header: magic, kind, flags, device, length, crc32.
@@ -18,6 +24,11 @@ pub const BLOCK_HEADER_LEN: usize = 16;
 /// Largest payload a reader accepts (a corrupt length must not make it
 /// allocate gigabytes).
 pub const MAX_BLOCK_LEN: u32 = 64 << 20;
+
+/// Most records in one EVENTS block: writers split larger batches, and
+/// readers refuse more, so a block decodes to at most twice this many
+/// events (a `free` record is two) whatever its payload length.
+pub const MAX_BLOCK_EVENTS: usize = 1 << 16;
 
 /// Device numbers (in block headers) and the header's device count are
 /// below this; anything larger is a damaged or foreign file, and readers
@@ -74,6 +85,8 @@ pub struct TraceEnd {
     pub dropped: u64,
     /// Nanoseconds since start at the stop.
     pub end_ns: u64,
+    /// Blocks before the END block (minor version 1 and later).
+    pub blocks: Option<u64>,
 }
 
 /// Appends `v` as LEB128.

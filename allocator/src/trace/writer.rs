@@ -8,12 +8,13 @@
 use std::io::{self, Write};
 
 use crate::trace::format::{
-    self, BLOCK_HEADER_LEN, BLOCK_MAGIC, MAGIC, TraceEnd, TraceHeader, VERSION, kind, tag,
+    self, BLOCK_HEADER_LEN, BLOCK_MAGIC, MAGIC, MINOR_VERSION, TraceEnd, TraceHeader, VERSION,
+    kind, tag,
 };
 use crate::trace::{Action, TraceEvent};
 
 /// Most events encoded into one block (larger batches are split).
-pub const MAX_BLOCK_EVENTS: usize = 1 << 16;
+pub use crate::trace::format::MAX_BLOCK_EVENTS;
 
 /// Writes a trace file: the header at creation, then blocks.
 pub struct TraceWriter<W: Write> {
@@ -24,6 +25,7 @@ pub struct TraceWriter<W: Write> {
     dropped: u64,
     bytes: u64,
     last_ns: u64,
+    blocks: u64,
 }
 
 impl<W: Write> TraceWriter<W> {
@@ -35,6 +37,7 @@ impl<W: Write> TraceWriter<W> {
         body.extend_from_slice(&header.pid.to_le_bytes());
         put_str(&mut body, &header.config);
         put_str(&mut body, &header.producer);
+        format::put_varint(&mut body, MINOR_VERSION);
         let mut head = Vec::with_capacity(18 + body.len() + 4);
         head.extend_from_slice(&MAGIC);
         head.extend_from_slice(&VERSION.to_le_bytes());
@@ -50,6 +53,7 @@ impl<W: Write> TraceWriter<W> {
             dropped: 0,
             bytes: head.len() as u64,
             last_ns: 0,
+            blocks: 0,
         })
     }
 
@@ -123,11 +127,13 @@ impl<W: Write> TraceWriter<W> {
             events: self.events,
             dropped: self.dropped,
             end_ns: end_ns.unwrap_or(self.last_ns),
+            blocks: Some(self.blocks),
         };
         self.begin(kind::END, 0);
         format::put_varint(&mut self.block, end.events);
         format::put_varint(&mut self.block, end.dropped);
         format::put_varint(&mut self.block, end.end_ns);
+        format::put_varint(&mut self.block, self.blocks);
         self.end_block()?;
         self.out.flush()?;
         Ok((self.out, end))
@@ -137,7 +143,8 @@ impl<W: Write> TraceWriter<W> {
         self.block.clear();
         self.block.extend_from_slice(&BLOCK_MAGIC);
         self.block.push(kind);
-        self.block.push(0);
+        // The block's sequence number modulo 256 (format minor 1).
+        self.block.push(self.blocks as u8);
         self.block.extend_from_slice(&device.to_le_bytes());
         self.block.extend_from_slice(&[0; 8]);
     }
@@ -152,6 +159,7 @@ impl<W: Write> TraceWriter<W> {
         self.block[12..16].copy_from_slice(&crc.to_le_bytes());
         self.out.write_all(&self.block)?;
         self.bytes += self.block.len() as u64;
+        self.blocks += 1;
         Ok(())
     }
 }
