@@ -10,6 +10,7 @@ use std::sync::Arc;
 use crate::allocator::Allocator;
 use crate::backend::Backend;
 use crate::device::DeviceAllocator;
+use crate::trace::format::check_name;
 use crate::trace::recorder::{Recorder, TraceOptions, TraceSummary};
 use crate::trace::{Action, TRACE_ENV};
 
@@ -103,7 +104,13 @@ impl<B: Backend> Allocator<B> {
     }
 
     /// Opens a named phase on every device (no-op when not tracing).
-    pub fn phase_push(&self, name: &str) {
+    ///
+    /// # Errors
+    /// `InvalidInput` for a name longer than
+    /// [`MAX_NAME_LEN`](crate::trace::format::MAX_NAME_LEN) bytes, tracing
+    /// or not.
+    pub fn phase_push(&self, name: &str) -> io::Result<()> {
+        check_name(name, "phase")?;
         // The recorder lock is released before any device lock is taken:
         // `Allocator::lock` takes them in the other order.
         let rec = self.recorder.lock().clone();
@@ -111,6 +118,7 @@ impl<B: Backend> Allocator<B> {
             let id = rec.push_phase(name);
             self.record_everywhere(Action::PhasePush, id);
         }
+        Ok(())
     }
 
     /// Closes the innermost phase (no-op when not tracing or none is open).
@@ -124,12 +132,19 @@ impl<B: Backend> Allocator<B> {
     }
 
     /// Records a named point in time on every device (no-op when not tracing).
-    pub fn mark(&self, name: &str) {
+    ///
+    /// # Errors
+    /// `InvalidInput` for a name longer than
+    /// [`MAX_NAME_LEN`](crate::trace::format::MAX_NAME_LEN) bytes, tracing
+    /// or not.
+    pub fn mark(&self, name: &str) -> io::Result<()> {
+        check_name(name, "mark")?;
         let rec = self.recorder.lock().clone();
         if let Some(rec) = rec {
             let id = rec.intern(name);
             self.record_everywhere(Action::Mark, id);
         }
+        Ok(())
     }
 
     fn record_everywhere(&self, action: Action, id: u64) {
@@ -236,19 +251,19 @@ mod tests {
     fn records_calls_phases_and_marks_in_order() {
         let a = sim(2);
         let path = temp_path("order");
-        a.phase_push("ignored: not tracing");
+        a.phase_push("ignored: not tracing").unwrap();
         a.trace_start(&path).unwrap();
         assert!(a.is_tracing());
         assert_eq!(
             a.trace_start(&path).unwrap_err().kind(),
             io::ErrorKind::AlreadyExists
         );
-        a.phase_push("forward");
+        a.phase_push("forward").unwrap();
         let p = a.malloc(0, 1000, 0).unwrap();
-        a.mark("step 1");
+        a.mark("step 1").unwrap();
         a.free(0, p).unwrap();
         a.phase_pop();
-        a.phase_push("late");
+        a.phase_push("late").unwrap();
         let q = a.malloc(1, 3 << 20, 0).unwrap(); // device 1 joins with the open phase
         a.free(1, q).unwrap();
         a.phase_pop();

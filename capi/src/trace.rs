@@ -130,8 +130,7 @@ pub extern "C" fn gpualloc_is_tracing() -> c_int {
 pub unsafe extern "C" fn gpualloc_phase_push(name: *const c_char) -> c_int {
     status(|| {
         let name = str_arg(name, "name")?;
-        global()?.alloc.phase_push(name);
-        Ok(())
+        Ok(global()?.alloc.phase_push(name)?)
     })
 }
 
@@ -152,7 +151,6 @@ pub extern "C" fn gpualloc_phase_pop() -> c_int {
 pub unsafe extern "C" fn gpualloc_mark(name: *const c_char) -> c_int {
     status(|| {
         let name = str_arg(name, "name")?;
-        global()?.alloc.mark(name);
-        Ok(())
+        Ok(global()?.alloc.mark(name)?)
     })
 }

@@ -34,8 +34,30 @@ pub const MAX_BLOCK_EVENTS: usize = 1 << 16;
 /// below this; anything larger is a damaged or foreign file, and readers
 /// may size per-device tables by it.
 pub const MAX_DEVICES: u32 = 1024;
-/// Largest header body a reader accepts.
+/// Largest header body a reader accepts (and a writer writes: the
+/// configuration string and the producer must fit in it).
 pub const MAX_HEADER_LEN: u32 = 1 << 20;
+
+/// Longest phase or mark name, in bytes. The allocator refuses longer
+/// names, tracing or not, so that a program behaves the same traced; the
+/// recorder's string table then stays below `MAX_NAME_LEN` times its
+/// entry limit.
+pub const MAX_NAME_LEN: usize = 4096;
+
+/// `Ok` when `name` (a phase or mark name, `what` says which) is no longer
+/// than [`MAX_NAME_LEN`]; otherwise an `InvalidInput` error with both lengths.
+pub fn check_name(name: &str, what: &str) -> io::Result<()> {
+    if name.len() > MAX_NAME_LEN {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "{what} name of {} bytes is above the limit of {MAX_NAME_LEN} bytes",
+                name.len()
+            ),
+        ));
+    }
+    Ok(())
+}
 
 /// Block kinds.
 pub mod kind {

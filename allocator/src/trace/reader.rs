@@ -764,24 +764,29 @@ mod tests {
             aux: 512,
             thread: 1,
         };
+        // The writer refuses such numbers: the files are made by patching
+        // a valid one and resealing its checksums.
         for device in [MAX_DEVICES, u32::MAX] {
             let mut w = TraceWriter::new(Vec::new(), &header()).unwrap();
             w.write_events(MAX_DEVICES - 1, &[ev]).unwrap();
-            w.write_events(device, &[ev]).unwrap();
-            let (bytes, _) = w.finish(None).unwrap();
+            w.write_events(0, &[ev]).unwrap();
+            let (mut bytes, _) = w.finish(None).unwrap();
+            let (_, blocks) = crate::trace::frame::split(&bytes).unwrap();
+            let second = &mut bytes[blocks[1].clone()];
+            second[4..8].copy_from_slice(&device.to_le_bytes());
+            crate::trace::frame::reseal_block(second);
             let (evs, err, _) = read_all(&bytes);
             assert_eq!(evs.len(), 1);
             let err = err.expect("rejected").to_string();
             assert!(err.contains(&format!("device {device}")), "{err}");
         }
-        let huge = TraceHeader {
-            device_count: u32::MAX,
-            ..header()
-        };
-        let (bytes, _) = TraceWriter::new(Vec::new(), &huge)
+        let (mut bytes, _) = TraceWriter::new(Vec::new(), &header())
             .unwrap()
             .finish(None)
             .unwrap();
+        let (h, _) = crate::trace::frame::split(&bytes).unwrap();
+        bytes[22..26].copy_from_slice(&u32::MAX.to_le_bytes());
+        crate::trace::frame::reseal_header(&mut bytes[h]);
         let err = TraceReader::new(&bytes[..]).err().unwrap().to_string();
         assert!(err.contains("device count 4294967295"), "{err}");
     }

@@ -303,7 +303,6 @@ impl Recorder {
             buffer_events: opts.buffer_events.max(1),
             ..opts
         };
-        let file = File::create(path)?;
         let start_unix_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
@@ -314,7 +313,10 @@ impl Recorder {
             config: config.to_string(),
             producer: concat!("gpualloc ", env!("CARGO_PKG_VERSION")).to_string(),
         };
-        let writer = TraceWriter::new(file, &header)?;
+        // A header a reader would refuse (a configuration string above the
+        // limit) is refused before the file is created.
+        TraceWriter::new(io::sink(), &header)?;
+        let writer = TraceWriter::new(File::create(path)?, &header)?;
         let clock = quanta::Clock::new();
         let start_raw = clock.raw();
         let (tx, rx) = crossbeam_channel::bounded(opts.channel_blocks);

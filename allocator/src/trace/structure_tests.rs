@@ -183,3 +183,43 @@ fn a_block_of_tiny_records_cannot_inflate_the_decoded_buffer() {
         out.capacity()
     );
 }
+
+/// The writer refuses, before writing, what the reader would refuse: a
+/// header too long or with too many devices, a device number out of
+/// range, a string no block holds. What it accepts reads back.
+#[test]
+fn the_writer_refuses_what_the_reader_would_refuse() {
+    let refused = |r: std::io::Result<()>, what: &str| {
+        let e = r.expect_err(what);
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{what}: {e}");
+        e.to_string()
+    };
+    let long = TraceHeader {
+        config: "x".repeat(2 << 20),
+        ..header()
+    };
+    let e = refused(TraceWriter::new(Vec::new(), &long).map(drop), "config");
+    assert!(e.contains("configuration string of 2097152 bytes"), "{e}");
+    let many = TraceHeader {
+        device_count: format::MAX_DEVICES + 1,
+        ..header()
+    };
+    let e = refused(TraceWriter::new(Vec::new(), &many).map(drop), "devices");
+    assert!(e.contains("device count of 1025"), "{e}");
+    let mut w = TraceWriter::new(Vec::new(), &header()).unwrap();
+    let e = refused(w.write_events(format::MAX_DEVICES, &[]), "device");
+    assert!(e.contains("device 1024"), "{e}");
+    refused(w.write_dropped(u32::MAX, 1, 0), "device");
+    let e = refused(w.write_strings(&["x".repeat(70 << 20)]), "string");
+    assert!(e.contains("string of 73400320 bytes"), "{e}");
+    // Many names that fill more than a block go into several blocks.
+    let names: Vec<String> = (0..20)
+        .map(|i| format!("{i}{}", "x".repeat(4_000_000)))
+        .collect();
+    w.write_strings(&names).unwrap();
+    let (bytes, _) = w.finish(None).unwrap();
+    let mut r = TraceReader::new(&bytes[..]).unwrap();
+    assert_eq!(r.events().count(), 0);
+    assert!(r.error().is_none(), "{:?}", r.error());
+    assert_eq!(r.strings().len(), 20);
+}

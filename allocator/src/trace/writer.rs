@@ -8,8 +8,8 @@
 use std::io::{self, Write};
 
 use crate::trace::format::{
-    self, BLOCK_HEADER_LEN, BLOCK_MAGIC, MAGIC, MINOR_VERSION, TraceEnd, TraceHeader, VERSION,
-    kind, tag,
+    self, BLOCK_HEADER_LEN, BLOCK_MAGIC, MAGIC, MAX_BLOCK_LEN, MAX_DEVICES, MAX_HEADER_LEN,
+    MINOR_VERSION, TraceEnd, TraceHeader, VERSION, kind, tag,
 };
 use crate::trace::{Action, TraceEvent};
 
@@ -30,7 +30,19 @@ pub struct TraceWriter<W: Write> {
 
 impl<W: Write> TraceWriter<W> {
     /// Writes the header and returns a writer positioned at the first block.
+    ///
+    /// # Errors
+    /// `InvalidInput`, before anything is written, when a reader would
+    /// refuse the header (a device count above [`MAX_DEVICES`], or a
+    /// configuration string and producer longer than [`MAX_HEADER_LEN`]);
+    /// the output's error.
     pub fn new(mut out: W, header: &TraceHeader) -> io::Result<TraceWriter<W>> {
+        if header.device_count > MAX_DEVICES {
+            return Err(invalid(format!(
+                "a device count of {} is above the limit of {MAX_DEVICES} a trace holds",
+                header.device_count
+            )));
+        }
         let mut body = Vec::with_capacity(64 + header.config.len());
         body.extend_from_slice(&header.start_unix_ns.to_le_bytes());
         body.extend_from_slice(&header.device_count.to_le_bytes());
@@ -38,6 +50,14 @@ impl<W: Write> TraceWriter<W> {
         put_str(&mut body, &header.config);
         put_str(&mut body, &header.producer);
         format::put_varint(&mut body, MINOR_VERSION);
+        if body.len() > MAX_HEADER_LEN as usize {
+            return Err(invalid(format!(
+                "the trace header of {} bytes (a configuration string of {} bytes, a producer of {}) is above the limit of {MAX_HEADER_LEN} bytes",
+                body.len(),
+                header.config.len(),
+                header.producer.len()
+            )));
+        }
         let mut head = Vec::with_capacity(18 + body.len() + 4);
         head.extend_from_slice(&MAGIC);
         head.extend_from_slice(&VERSION.to_le_bytes());
@@ -77,23 +97,47 @@ impl<W: Write> TraceWriter<W> {
         self.strings
     }
 
-    /// Appends strings to the table; they get the next ids in order.
+    /// Appends strings to the table; they get the next ids in order, in
+    /// as many blocks as [`MAX_BLOCK_LEN`] needs.
+    ///
+    /// # Errors
+    /// `InvalidInput`, before anything is written, for a string that
+    /// cannot fit in a block; the output's error.
     pub fn write_strings<S: AsRef<str>>(&mut self, strings: &[S]) -> io::Result<()> {
-        if strings.is_empty() {
-            return Ok(());
+        // Room for the count, the id and the length varints (10 bytes each).
+        const ROOM: usize = MAX_BLOCK_LEN as usize - 30;
+        if let Some(s) = strings.iter().find(|s| s.as_ref().len() > ROOM) {
+            return Err(invalid(format!(
+                "a string of {} bytes is above the limit of {ROOM} bytes a block holds",
+                s.as_ref().len()
+            )));
         }
-        self.begin(kind::STRINGS, 0);
-        format::put_varint(&mut self.block, strings.len() as u64);
-        for s in strings {
-            format::put_varint(&mut self.block, self.strings);
-            put_str(&mut self.block, s.as_ref());
-            self.strings += 1;
+        let mut rest = strings;
+        while !rest.is_empty() {
+            let (mut n, mut bytes) = (0, 0);
+            while n < rest.len() && bytes + rest[n].as_ref().len() + 20 <= ROOM {
+                bytes += rest[n].as_ref().len() + 20;
+                n += 1;
+            }
+            self.begin(kind::STRINGS, 0);
+            format::put_varint(&mut self.block, n as u64);
+            for s in &rest[..n] {
+                format::put_varint(&mut self.block, self.strings);
+                put_str(&mut self.block, s.as_ref());
+                self.strings += 1;
+            }
+            self.end_block()?;
+            rest = &rest[n..];
         }
-        self.end_block()
+        Ok(())
     }
 
     /// Records that `count` events of `device` were lost before `at_ns`.
+    ///
+    /// # Errors
+    /// `InvalidInput` for a device not below [`MAX_DEVICES`]; the output's error.
     pub fn write_dropped(&mut self, device: u32, count: u64, at_ns: u64) -> io::Result<()> {
+        check_device(device)?;
         self.begin(kind::DROPPED, device);
         format::put_varint(&mut self.block, count);
         format::put_varint(&mut self.block, at_ns);
@@ -103,7 +147,11 @@ impl<W: Write> TraceWriter<W> {
 
     /// Writes events of one device (`time_ns` in nanoseconds since start,
     /// in order). Each event's `device` field is ignored: `device` is used.
+    ///
+    /// # Errors
+    /// `InvalidInput` for a device not below [`MAX_DEVICES`]; the output's error.
     pub fn write_events(&mut self, device: u32, events: &[TraceEvent]) -> io::Result<()> {
+        check_device(device)?;
         for chunk in events.chunks(MAX_BLOCK_EVENTS) {
             self.begin(kind::EVENTS, device);
             encode_events(&mut self.block, chunk);
@@ -162,6 +210,19 @@ impl<W: Write> TraceWriter<W> {
         self.blocks += 1;
         Ok(())
     }
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, msg)
+}
+
+fn check_device(device: u32) -> io::Result<()> {
+    if device >= MAX_DEVICES {
+        return Err(invalid(format!(
+            "device {device} is not below the limit of {MAX_DEVICES} devices a trace holds"
+        )));
+    }
+    Ok(())
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {

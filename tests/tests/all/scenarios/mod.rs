@@ -50,4 +50,5 @@ mod robustness;
 mod rounding;
 mod split;
 mod stats;
+mod tracing;
 mod zero_and_invalid;
