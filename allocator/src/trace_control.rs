@@ -100,7 +100,10 @@ impl<B: Backend> Allocator<B> {
         for t in traces {
             t.finish();
         }
-        rec.stop().map_err(|e| naming(rec.path(), e))
+        let result = rec.stop().map_err(|e| naming(rec.path(), e));
+        // What the writer failed to write after the devices detached.
+        self.each_device(|d| d.stats.num_trace_dropped += rec.take_lost(d.device) as i64);
+        result
     }
 
     /// Opens a named phase on every device (no-op when not tracing).

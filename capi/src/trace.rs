@@ -43,8 +43,10 @@ fn stop_at_exit() {
         let _ = std::panic::catch_unwind(|| {
             if let Some(g) = existing()
                 && g.alloc.is_tracing()
+                && let Err(e) = g.alloc.trace_stop()
             {
-                let _ = g.alloc.trace_stop();
+                // The only place left to say that the trace is incomplete.
+                eprintln!("gpualloc: GPUALLOC_TRACE: the trace is incomplete: {e}");
             }
         });
     }

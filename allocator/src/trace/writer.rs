@@ -87,6 +87,11 @@ impl<W: Write> TraceWriter<W> {
         self.dropped
     }
 
+    /// The output.
+    pub fn get_ref(&self) -> &W {
+        &self.out
+    }
+
     /// Bytes written so far.
     pub fn bytes(&self) -> u64 {
         self.bytes

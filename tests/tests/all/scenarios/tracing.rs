@@ -72,3 +72,76 @@ fn a_configuration_too_long_for_the_header_refuses_to_start() {
     assert!(!path.exists());
     assert!(!a.is_tracing());
 }
+
+/// A trace whose directory is removed while it is written reports the
+/// loss at flush and at stop instead of success.
+#[test]
+fn a_trace_whose_directory_disappears_does_not_report_success() {
+    let dir = tempfile::tempdir().unwrap();
+    let sub = temp(&dir, "run");
+    std::fs::create_dir(&sub).unwrap();
+    let a = sim(1);
+    a.trace_start(&sub.join("t.gtrace")).unwrap();
+    a.free(0, a.malloc(0, 4096, 0).unwrap()).unwrap();
+    a.trace_flush().unwrap();
+    std::fs::remove_dir_all(&sub).unwrap();
+    a.free(0, a.malloc(0, 4096, 0).unwrap()).unwrap();
+    let e = a.trace_flush().unwrap_err().to_string();
+    assert!(
+        e.contains("removed or replaced") && e.contains("t.gtrace"),
+        "{e}"
+    );
+    let e = a.trace_stop().unwrap_err().to_string();
+    assert!(e.contains("removed or replaced"), "{e}");
+    assert!(!a.is_tracing());
+}
+
+/// Writes that fail (here: the file size limit, in a child process with
+/// `ulimit -f` and SIGXFSZ ignored) are counted in `num_trace_dropped`,
+/// as many as `trace_stop`'s error says could not be written.
+#[test]
+fn failed_writes_are_counted_as_dropped() {
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("trap '' XFSZ; ulimit -f 8; exec \"$0\" --exact scenarios::tracing::write_failure_child --nocapture")
+        .arg(std::env::current_exe().unwrap())
+        .env("GPUALLOC_WRITE_FAILURE_CHILD", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("child ok"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The child of [`failed_writes_are_counted_as_dropped`] (does nothing
+/// unless started by it).
+#[test]
+fn write_failure_child() {
+    if std::env::var_os("GPUALLOC_WRITE_FAILURE_CHILD").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let a = sim(1);
+    let opts = gpualloc::trace::TraceOptions {
+        buffer_events: 256,
+        lossless: true,
+        ..Default::default()
+    };
+    a.trace_start_with(&temp(&dir, "t.gtrace"), opts).unwrap();
+    for _ in 0..5000 {
+        a.free(0, a.malloc(0, 4096, 0).unwrap()).unwrap();
+    }
+    let e = a.trace_stop().unwrap_err().to_string();
+    let lost: i64 = e
+        .split(" trace events could not be written")
+        .next()
+        .and_then(|s| s.rsplit('(').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {e}"));
+    assert!(lost > 1000, "{e}");
+    assert_eq!(a.stats(0).unwrap().num_trace_dropped, lost, "{e}");
+    println!("child ok");
+}
