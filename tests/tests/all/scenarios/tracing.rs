@@ -145,3 +145,51 @@ fn write_failure_child() {
     assert_eq!(a.stats(0).unwrap().num_trace_dropped, lost, "{e}");
     println!("child ok");
 }
+
+/// `trace_start` and `trace_stop` racing from two threads (while a third
+/// allocates) never leave a device attached to a stopped recorder: after
+/// each round, a fresh trace records both devices' events.
+#[test]
+fn racing_start_and_stop_never_lose_a_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = std::sync::Arc::new(sim(2));
+    for d in 0..2 {
+        a.free(d, a.malloc(d, 4096, 0).unwrap()).unwrap();
+    }
+    for round in 0..500 {
+        let barrier = std::sync::Barrier::new(3);
+        let path = temp(&dir, &format!("race-{round}.gtrace"));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                barrier.wait();
+                let _ = a.trace_start(&path);
+            });
+            s.spawn(|| {
+                barrier.wait();
+                let _ = a.trace_stop();
+            });
+            s.spawn(|| {
+                barrier.wait();
+                for i in 0..20 {
+                    let d = i % 2;
+                    a.free(d, a.malloc(d, 4096, 0).unwrap()).unwrap();
+                }
+            });
+        });
+        let _ = a.trace_stop();
+        let check = temp(&dir, "check.gtrace");
+        a.trace_start(&check).unwrap();
+        for d in 0..2 {
+            a.free(d, a.malloc(d, 4096, 0).unwrap()).unwrap();
+        }
+        a.trace_stop().unwrap();
+        let mut r = TraceReader::open(&check).unwrap();
+        let allocs: Vec<u32> = r
+            .events()
+            .filter(|e| e.action == Action::Alloc)
+            .map(|e| e.device)
+            .collect();
+        assert_eq!(allocs, [0, 1], "round {round}: a device's events were lost");
+        assert_eq!(a.stats(0).unwrap().num_trace_dropped, 0);
+    }
+}
