@@ -37,6 +37,7 @@ mod best_fit;
 mod coalesce;
 mod cross_stream;
 mod empty_cache;
+mod faults;
 mod gc;
 mod graphs;
 mod graphs_expandable;
