@@ -49,7 +49,7 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         .and_then(|s| s.get("PYTORCH_CUDA_ALLOC_CONF"))
         .and_then(|s| s.as_str().map(String::from));
     let header = TraceHeader {
-        start_unix_ns: t0 * 1000,
+        start_unix_ns: t0.saturating_mul(1000),
         device_count: devices.len() as u32,
         pid: 0,
         config: String::new(),
@@ -116,7 +116,7 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             };
             let addr = addr.ok_or_else(|| at(&format!("`{action:?}` without an `addr`")))?;
             events.push(TraceEvent {
-                time_ns: time_us * 1000,
+                time_ns: time_us.saturating_mul(1000),
                 action,
                 device: d as u32,
                 stream,
