@@ -21,6 +21,11 @@ use rustc_hash::FxHashMap;
 /// Iteration boundaries kept per kind (marks, each top-level phase).
 const MAX_BOUNDARIES: usize = 1 << 22;
 
+/// Live blocks and reserved ranges tracked per device: far above any real
+/// program's, and a bound on memory when a crafted file allocates at
+/// millions of addresses (about 100 MB each).
+pub const MAX_TRACKED: usize = 1 << 21;
+
 /// No phase open.
 pub const NO_PHASE: u64 = u64::MAX;
 
@@ -114,6 +119,13 @@ impl DeviceState {
         };
         if range_end(e.addr, span).is_none() {
             return self.contradiction(e, "a range past the end of the address space");
+        }
+        let full = |n: usize| n >= MAX_TRACKED;
+        if (e.action == Action::Alloc && full(self.live.len()) && !self.live.contains_key(&e.addr))
+            || (matches!(e.action, Action::SegmentAlloc | Action::SegmentMap)
+                && full(self.regions.len()))
+        {
+            return self.contradiction(e, "more live blocks or ranges than are tracked");
         }
         match e.action {
             Action::Alloc => {
@@ -435,6 +447,23 @@ mod tests {
         s.apply(&ev(Action::SegmentUnmap, 5000, 100, 1));
         assert_eq!(s.regions.len(), 3, "an unmap in the middle splits");
         assert_eq!(s.g.reserved, 1000 + 4096 - 100);
+    }
+
+    /// A file allocating at millions of addresses is tracked up to the
+    /// bound, and the rest is counted as inconsistent, not stored.
+    #[test]
+    fn tracked_blocks_and_ranges_are_bounded() {
+        let mut s = DeviceState::default();
+        for i in 0..MAX_TRACKED as u64 + 10 {
+            s.apply(&ev(Action::Alloc, i * 512, 512, 512));
+        }
+        assert_eq!(s.live.len(), MAX_TRACKED);
+        assert_eq!(s.inconsistent, 10);
+        s.apply(&ev(Action::Alloc, 0, 512, 512));
+        assert_eq!(
+            s.inconsistent, 11,
+            "an address already live is a double allocation"
+        );
     }
 
     #[test]
