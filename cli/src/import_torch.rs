@@ -61,7 +61,8 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
     let werr = |e: std::io::Error| CliError(format!("{}: cannot write: {e}", out.display()));
     let file = File::create(out).map_err(werr)?;
     let mut w = TraceWriter::new(BufWriter::new(file), &header).map_err(werr)?;
-    let mut strings: Vec<String> = Vec::new();
+    // Annotation names, each written once (the string table is bounded).
+    let mut strings: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
     let config = Config::default();
     for (d, list) in devices.iter().enumerate() {
         let mut events = Vec::new();
@@ -107,10 +108,16 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                         .get("user_metadata")
                         .and_then(|m| m.as_str().map(String::from))
                         .unwrap_or_else(|| "annotate".into());
-                    strings.push(name);
-                    w.write_strings(&strings[strings.len() - 1..])
-                        .map_err(werr)?;
-                    (Action::Mark, Some(0), strings.len() as u64 - 1)
+                    let id = match strings.get(&name) {
+                        Some(&id) => id,
+                        None => {
+                            w.write_strings(std::slice::from_ref(&name)).map_err(werr)?;
+                            let id = strings.len() as u64;
+                            strings.insert(name, id);
+                            id
+                        }
+                    };
+                    (Action::Mark, Some(0), id)
                 }
                 _ => continue, // `snapshot` and future actions carry no allocation.
             };

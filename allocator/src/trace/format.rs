@@ -30,6 +30,10 @@ pub const MAX_BLOCK_LEN: u32 = 64 << 20;
 /// events (a `free` record is two) whatever its payload length.
 pub const MAX_BLOCK_EVENTS: usize = 1 << 16;
 
+/// Most entries of a trace's string table: readers refuse more (a crafted
+/// file of empty strings must not fill memory), writers refuse to write more.
+pub const MAX_STRINGS: u64 = 1 << 20;
+
 /// Device numbers (in block headers) and the header's device count are
 /// below this; anything larger is a damaged or foreign file, and readers
 /// may size per-device tables by it.

@@ -424,6 +424,13 @@ impl<R: Read> TraceReader<R> {
         let p = &self.payload;
         let mut pos = 0;
         let n = format::get_varint(p, &mut pos).ok_or("bad string count")?;
+        if (self.strings.len() as u64).saturating_add(n) > format::MAX_STRINGS {
+            return Err(format!(
+                "{n} more strings after {} are above the limit of {} in a trace",
+                self.strings.len(),
+                format::MAX_STRINGS
+            ));
+        }
         for _ in 0..n {
             let id = format::get_varint(p, &mut pos).ok_or("bad string id")?;
             if id != self.strings.len() as u64 {

@@ -210,6 +210,9 @@ fn the_writer_refuses_what_the_reader_would_refuse() {
     let e = refused(w.write_events(format::MAX_DEVICES, &[]), "device");
     assert!(e.contains("device 1024"), "{e}");
     refused(w.write_dropped(u32::MAX, 1, 0), "device");
+    let many = vec![""; format::MAX_STRINGS as usize + 1];
+    let e = refused(w.write_strings(&many), "strings");
+    assert!(e.contains("1048577 more strings after 0"), "{e}");
     let e = refused(w.write_strings(&["x".repeat(70 << 20)]), "string");
     assert!(e.contains("string of 73400320 bytes"), "{e}");
     // Many names that fill more than a block go into several blocks.
@@ -222,4 +225,33 @@ fn the_writer_refuses_what_the_reader_would_refuse() {
     assert_eq!(r.events().count(), 0);
     assert!(r.error().is_none(), "{:?}", r.error());
     assert_eq!(r.strings().len(), 20);
+}
+
+/// A string table of more entries than a trace holds (empty strings, a
+/// few bytes each) is refused before it fills memory.
+#[test]
+fn a_string_table_past_the_limit_is_refused() {
+    let n = format::MAX_STRINGS + 1;
+    let mut block = Vec::new();
+    block.extend_from_slice(&format::BLOCK_MAGIC);
+    block.extend_from_slice(&[kind::STRINGS, 0, 0, 0, 0, 0]);
+    block.extend_from_slice(&[0; 8]);
+    format::put_varint(&mut block, n);
+    for id in 0..n {
+        format::put_varint(&mut block, id);
+        block.push(0);
+    }
+    frame::reseal_block(&mut block);
+    let empty = TraceWriter::new(Vec::new(), &header())
+        .unwrap()
+        .finish(None)
+        .unwrap()
+        .0;
+    let (h, _) = frame::split(&empty).unwrap();
+    let mut file = empty[h].to_vec();
+    file.extend_from_slice(&block);
+    let mut r = TraceReader::new(&file[..]).unwrap();
+    let err = r.next_events(&mut Vec::new()).unwrap_err().to_string();
+    assert!(err.contains("1048577 more strings after 0"), "{err}");
+    assert!(r.strings().is_empty());
 }

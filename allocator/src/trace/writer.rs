@@ -111,6 +111,14 @@ impl<W: Write> TraceWriter<W> {
     pub fn write_strings<S: AsRef<str>>(&mut self, strings: &[S]) -> io::Result<()> {
         // Room for the count, the id and the length varints (10 bytes each).
         const ROOM: usize = MAX_BLOCK_LEN as usize - 30;
+        if self.strings.saturating_add(strings.len() as u64) > format::MAX_STRINGS {
+            return Err(invalid(format!(
+                "{} more strings after {} are above the limit of {} in a trace",
+                strings.len(),
+                self.strings,
+                format::MAX_STRINGS
+            )));
+        }
         if let Some(s) = strings.iter().find(|s| s.as_ref().len() > ROOM) {
             return Err(invalid(format!(
                 "a string of {} bytes is above the limit of {ROOM} bytes a block holds",
