@@ -271,6 +271,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if !capturing {
             // PyTorch's order: release oversize cached blocks, retry; then
             // wait for every event, release every unsplit cached segment, retry.
+            crate::log::oom_retry(self.device, alloc_size, "releasing oversize cached blocks");
             if self.release_available_cached_blocks(pool, stream, rounded)? {
                 match self.grow(pool, alloc_size, rounded, stream, false) {
                     Ok(b) => return Ok(b),
@@ -278,6 +279,7 @@ impl<B: Backend> DeviceAllocator<B> {
                     Err(GrowError::Failed(e)) => return Err(e),
                 }
             }
+            crate::log::oom_retry(self.device, alloc_size, "freeing every cached segment");
             self.release_cached_blocks()?;
             self.stats.num_alloc_retries += 1;
             match self.grow(pool, alloc_size, rounded, stream, false) {
@@ -412,6 +414,7 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
         self.record(Action::SegmentAlloc, stream, ptr, size, code);
+        crate::log::new_segment(self.device, size, pool, reserved + size);
         Ok(block)
     }
 

@@ -182,6 +182,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 let held = s.reserved_bytes.all.current as u64;
                 let excess = (held + short).saturating_sub(bound);
                 if excess > 0 {
+                    crate::log::defragment(self.device, rounded, short, excess);
                     self.reclaim(excess.min(short), seg, ws, ws + rounded)?;
                 }
             }
@@ -193,6 +194,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if new_bytes > 0 && reserved + new_bytes > cap {
             return Err(GrowError::Full(None));
         }
+        crate::log::expandable_grows(self.device, stream, rounded, bytes, new_bytes, reserved);
         let mut failure = None;
         for (lo, hi) in ranges {
             if let Err(e) = self.map_range(seg, stream, lo, hi, capturing) {
@@ -351,6 +353,7 @@ impl<B: Backend> DeviceAllocator<B> {
             moved += bytes;
         }
         self.stats.num_defragment += u64::from(moved > 0) as i64;
+        crate::log::defragmented(self.device, want, moved);
         Ok(moved)
     }
 

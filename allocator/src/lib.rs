@@ -61,6 +61,7 @@ mod fence;
 mod heap;
 mod invariants;
 mod limits;
+pub mod log;
 mod oom;
 mod page_pool;
 mod pool;
@@ -75,6 +76,7 @@ mod stitch;
 mod stitch_cache;
 pub mod trace;
 mod trace_control;
+pub mod trace_path;
 
 pub use allocator::Allocator;
 pub use backend::{Backend, BackendError, DevicePtr, EventId, MemInfo, SimBackend, StreamId};

@@ -21,6 +21,15 @@ impl<B: Backend> DeviceAllocator<B> {
         let report = self.report(requested, needed, cause);
         self.stats.num_ooms += 1;
         self.record(Action::Oom, stream, 0, requested, report.device_free);
+        tracing::warn!(
+            device = self.device,
+            requested,
+            needed,
+            allocated = report.allocated,
+            reserved = report.reserved,
+            device_free = report.device_free,
+            "out of memory after the retries"
+        );
         let max = report
             .limit
             .unwrap_or(report.device_total)

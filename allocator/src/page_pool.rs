@@ -249,7 +249,8 @@ impl PagePool {
                 entry.remove();
             }
             if let Err(e) = backend.release_handle(h, s) {
-                self.pool(h, s, k);
+                // Still pooled: its bytes were never taken off the count.
+                self.free.entry(s).or_default().push((h, k));
                 return (Err(e), deltas);
             }
             self.free_bytes[slot(k)] -= s;

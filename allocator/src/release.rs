@@ -23,6 +23,7 @@ impl<B: Backend> DeviceAllocator<B> {
         self.release_cached_blocks()?;
         let released = (before - self.stats.reserved_bytes.all.current) as u64;
         self.record(Action::EmptyCache, 0, 0, released, 0);
+        crate::log::cache_flushed(self.device, released);
         Ok(())
     }
 
@@ -134,6 +135,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 self.release_segment(id)?;
             }
         }
+        crate::log::garbage_collected(self.device, reserved, threshold, reclaimed);
         Ok(())
     }
 

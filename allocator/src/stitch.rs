@@ -59,6 +59,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 None => return Ok(None),
             },
         };
+        crate::log::stitched(self.device, stream, rounded, best.is_some());
         Ok(Some(self.claim_stitch(i, rounded)))
     }
 
@@ -274,6 +275,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let (stream, freed) = (self.stitches.list[i].stream, self.stitches.list[i].freed);
         self.fences.wait(&mut self.backend, stream, freed)?;
         let s = self.stitches.list.swap_remove(i);
+        crate::log::stitch_dropped(self.device, stream, s.size);
         self.backend.unmap(s.va, s.size)?;
         self.backend.free_reservation(s.va, s.size)?;
         self.record(

@@ -204,31 +204,11 @@ fn sync_drops<B: Backend>(d: &mut DeviceAllocator<B>) {
     }
 }
 
-/// `GPUALLOC_TRACE`'s value with `{pid}` replaced by the process id. The
-/// rest of the path is kept byte for byte, UTF-8 or not.
-#[cfg(unix)]
+/// `GPUALLOC_TRACE`'s value with `{pid}`, `{rank}` and `{local_rank}`
+/// replaced (`trace_path.rs`). The rest of the path is kept byte for byte,
+/// UTF-8 or not.
 fn with_pid(v: &std::ffi::OsStr) -> std::path::PathBuf {
-    use std::os::unix::ffi::{OsStrExt, OsStringExt};
-    let (b, pid) = (v.as_bytes(), std::process::id().to_string());
-    let mut out = Vec::with_capacity(b.len() + pid.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i..].starts_with(b"{pid}") {
-            out.extend_from_slice(pid.as_bytes());
-            i += 5;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    std::ffi::OsString::from_vec(out).into()
-}
-
-#[cfg(not(unix))]
-fn with_pid(v: &std::ffi::OsStr) -> std::path::PathBuf {
-    v.to_string_lossy()
-        .replace("{pid}", &std::process::id().to_string())
-        .into()
+    crate::trace_path::expand(v)
 }
 
 /// `e`, its message prefixed with the trace file's name.

@@ -376,7 +376,9 @@ int gpualloc_reset_accumulated_stats(int device);
 int gpualloc_cache_info(int device, size_t *largest);
 
 // Starts recording every allocator event of the process to `path`
-// (a gpualloc trace file; `gpualloc report` reads it).
+// (a gpualloc trace file; `gpualloc report` reads it). `{pid}`, `{rank}`
+// and `{local_rank}` in `path` become the process id and the `RANK` and
+// `LOCAL_RANK` variables (`0` when unset), as in `GPUALLOC_TRACE`.
 //
 // # Safety
 // `path` is a NUL-terminated string.

@@ -136,6 +136,7 @@ pub(crate) fn existing() -> Option<&'static Global> {
 /// Creates the allocator with `config` (None: `GPUALLOC_CONF`). Asking again
 /// with the configuration in force is fine; another one is an error.
 pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
+    crate::log::init_from_env();
     let _serial = INIT.lock();
     if let Some(g) = GLOBAL.get() {
         return match config {
@@ -156,6 +157,12 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
     };
     let g = build(config)?;
     let g = GLOBAL.get_or_init(|| g);
+    tracing::info!(
+        backend = ?g.kind,
+        devices = g.alloc.device_count(),
+        config = %g.alloc.config().source,
+        "allocator started"
+    );
     start_tracing(&g.alloc);
     Ok(g)
 }

@@ -15,6 +15,7 @@
 
 mod boundary;
 mod global;
+mod log;
 mod oom;
 mod pools;
 mod snapshot;

@@ -2,7 +2,6 @@
 //! name phases (`forward`, `checkpoint`, ...) and mark points in time.
 
 use std::ffi::{c_char, c_int};
-use std::path::Path;
 
 use gpualloc::{Allocator, Backend};
 
@@ -23,7 +22,13 @@ fn not_tracing() -> Error {
 /// stderr and the allocator runs untraced.
 pub(crate) fn from_env<B: Backend>(alloc: &Allocator<B>) {
     match alloc.trace_from_env() {
-        Ok(true) => stop_at_exit(),
+        Ok(true) => {
+            if let Some(v) = std::env::var_os(gpualloc::trace::TRACE_ENV) {
+                let path = gpualloc::trace_path::expand(&v);
+                tracing::info!(path = %path.display(), "trace started (GPUALLOC_TRACE)");
+            }
+            stop_at_exit();
+        }
         Ok(false) => {}
         Err(e) => eprintln!("gpualloc: GPUALLOC_TRACE: could not start tracing: {e}"),
     }
@@ -43,10 +48,13 @@ fn stop_at_exit() {
         let _ = std::panic::catch_unwind(|| {
             if let Some(g) = existing()
                 && g.alloc.is_tracing()
-                && let Err(e) = g.alloc.trace_stop()
             {
-                // The only place left to say that the trace is incomplete.
-                eprintln!("gpualloc: GPUALLOC_TRACE: the trace is incomplete: {e}");
+                let s = g.alloc.trace_stop();
+                log_stop(&s, "at exit");
+                if let Err(e) = s {
+                    // The only place left to say that the trace is incomplete.
+                    eprintln!("gpualloc: GPUALLOC_TRACE: the trace is incomplete: {e}");
+                }
             }
         });
     }
@@ -59,7 +67,9 @@ fn stop_at_exit() {
 }
 
 /// Starts recording every allocator event of the process to `path`
-/// (a gpualloc trace file; `gpualloc report` reads it).
+/// (a gpualloc trace file; `gpualloc report` reads it). `{pid}`, `{rank}`
+/// and `{local_rank}` in `path` become the process id and the `RANK` and
+/// `LOCAL_RANK` variables (`0` when unset), as in `GPUALLOC_TRACE`.
 ///
 /// # Safety
 /// `path` is a NUL-terminated string.
@@ -67,7 +77,10 @@ fn stop_at_exit() {
 pub unsafe extern "C" fn gpualloc_trace_start(path: *const c_char) -> c_int {
     status(|| {
         let path = str_arg(path, "path")?;
-        Ok(global()?.alloc.trace_start(Path::new(path))?)
+        let path = gpualloc::trace_path::expand(std::ffi::OsStr::new(path));
+        global()?.alloc.trace_start(&path)?;
+        tracing::info!(path = %path.display(), "trace started");
+        Ok(())
     })
 }
 
@@ -91,7 +104,9 @@ pub struct GpuallocTraceSummary {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_trace_stop(summary: *mut GpuallocTraceSummary) -> c_int {
     status(|| {
-        let s = existing().ok_or_else(not_tracing)?.alloc.trace_stop()?;
+        let s = existing().ok_or_else(not_tracing)?.alloc.trace_stop();
+        log_stop(&s, "on request");
+        let s = s?;
         if !summary.is_null() {
             let c = GpuallocTraceSummary {
                 events: s.events,
@@ -102,6 +117,19 @@ pub unsafe extern "C" fn gpualloc_trace_stop(summary: *mut GpuallocTraceSummary)
         }
         Ok(())
     })
+}
+
+/// A trace stop, at info level (at warn when the file could not be completed).
+fn log_stop(s: &std::io::Result<gpualloc::trace::TraceSummary>, when: &str) {
+    match s {
+        Ok(s) => tracing::info!(
+            events = s.events,
+            dropped = s.dropped,
+            bytes = s.bytes,
+            "trace stopped {when}"
+        ),
+        Err(e) => tracing::warn!(error = %e, "trace stop {when} failed"),
+    }
 }
 
 /// Writes everything recorded so far to the trace file.

@@ -49,8 +49,10 @@ This module imports without torch; torch is imported only by ``install()``.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Dict, List, Optional
 
+from . import _phases
 from ._lib import ERR_UNAVAILABLE, GpuallocError, LibraryNotFound, lib, library_path
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "LibraryNotFound",
     "install",
     "installed",
+    "auto_marks",
     "stats",
     "summary",
     "snapshot",
@@ -80,17 +83,36 @@ __all__ = [
 ]
 
 
-def install(config: Optional[str] = None, trace: Optional[str] = None, bridge: bool = True, verbose: bool = False) -> str:
+def install(
+    config: Optional[str] = None,
+    trace: Optional[str] = None,
+    bridge: bool = True,
+    verbose: bool = False,
+    auto_marks: Optional[bool] = None,
+) -> str:
     """Makes gpualloc PyTorch's CUDA allocator. Call before CUDA is initialized.
 
     ``config``: gpualloc's configuration (``GPUALLOC_CONF`` syntax; default:
-    that variable). ``trace``: start recording a trace to this path.
-    ``bridge``: compile the C++ bridge (see the module docs); False forces the
-    fallback. Returns ``"bridge"`` or ``"fallback"``.
+    that variable). ``trace``: start recording a trace to this path
+    (``{pid}``, ``{rank}`` and ``{local_rank}`` are filled in, as in
+    ``GPUALLOC_TRACE``). ``bridge``: compile the C++ bridge (see the module
+    docs); False forces the fallback. ``auto_marks``: mark every optimizer
+    step and open the phases ``backward``, ``optimizer``, ``eval`` and
+    ``checkpoint`` through torch's hooks (see ``_auto.py``); default:
+    ``GPUALLOC_AUTO_MARKS`` (on unless ``0``). Returns ``"bridge"`` or
+    ``"fallback"``.
     """
     from . import _torch
 
-    return _torch.install(config=config, trace=trace, bridge=bridge, verbose=verbose)
+    return _torch.install(config=config, trace=trace, bridge=bridge, verbose=verbose, auto_marks=auto_marks)
+
+
+def auto_marks() -> List[str]:
+    """The automatic hooks in place (``optimizer``, ``backward``,
+    ``checkpoint``, ``eval``, ``inference``); empty when off."""
+    from . import _auto
+
+    return _auto.enabled()
 
 
 def installed() -> Optional[str]:
@@ -218,17 +240,24 @@ class phase(contextlib.ContextDecorator):
 
     @gpualloc.phase("optimizer")
     def step(): ...
+
+    Closing it also closes the automatic ``eval`` or ``optimizer`` phase
+    opened inside it and still open (see ``_phases.py``).
     """
 
     def __init__(self, name: str):
         self.name = str(name)
+        self._open: Dict[int, list] = {}  # thread -> entries, innermost last (a decorator can recurse)
 
     def __enter__(self):
-        lib().phase_push(self.name)
+        e = _phases.push(self.name)
+        self._open.setdefault(threading.get_ident(), []).append(e)
         return self
 
     def __exit__(self, *exc):
-        lib().phase_pop()
+        entries = self._open.get(threading.get_ident())
+        if entries:
+            _phases.pop(entries.pop())
         return False
 
 

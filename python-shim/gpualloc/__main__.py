@@ -1,9 +1,14 @@
-"""``python -m gpualloc run [--config C] [--trace PATH] [--no-bridge] script.py args...``
+"""``python -m gpualloc run [options] (script.py | -m module | console-script) args...``
 
-Installs gpualloc into PyTorch, then runs the script as ``__main__`` with its
-own arguments, so training code needs no change. Without PyTorch (a program
-that uses gpualloc through its C ABI or ctypes) the library is started with
-the configuration and trace, and a warning says torch was not found.
+Installs gpualloc into PyTorch, then runs the program as ``__main__`` with its
+own arguments, so training code needs no change. The program is a script
+path, a module (``-m pkg``, as ``python -m`` runs it) or an installed console
+script (``yolo train ...``: a ``console_scripts`` entry point, else a Python
+program found on PATH). Every optimizer step is marked and the backward pass,
+evaluation and ``torch.save`` are phases (``--no-auto-marks`` or
+``GPUALLOC_AUTO_MARKS=0`` turns that off). Without PyTorch (a program that
+uses gpualloc through its C ABI or ctypes) the library is started with the
+configuration and trace, and a warning says torch was not found.
 
 ``python -m gpualloc info`` prints the library, its version and backend.
 """
@@ -13,10 +18,74 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
+import shutil
 import sys
 
 
-def _run(args) -> int:
+class _NotFound(Exception):
+    pass
+
+
+def _target(args):
+    """``(argv0, start)``: what sys.argv[0] becomes and a function running
+    the program; _NotFound names what was looked for."""
+    if args.module is not None:
+        if not args.module:
+            raise _NotFound("-m needs a module name")
+        name = args.module[0]
+        args.args = args.module[1:]
+        sys.path.insert(0, os.getcwd())  # as `python -m` does
+        # alter_sys sets sys.argv[0] to the module's file, as `python -m` does.
+        return name, lambda: runpy.run_module(name, run_name="__main__", alter_sys=True)
+    script = args.script
+    if script is None:
+        raise _NotFound("nothing to run: give a script, -m module or a console script")
+    if os.path.isfile(script):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        return script, lambda: runpy.run_path(script, run_name="__main__")
+    if os.sep not in script:
+        ep = _console_script(script)
+        if ep is not None:
+            return shutil.which(script) or script, lambda: _call_entry_point(ep)
+        found = shutil.which(script)
+        if found and _is_python(found):
+            sys.path.insert(0, os.path.dirname(os.path.abspath(found)))
+            return found, lambda: runpy.run_path(found, run_name="__main__")
+        if found:
+            raise _NotFound(f"{script}: {found} is not a Python program (no python in its #! line)")
+    raise _NotFound(f"{script}: no such file, console script entry point or Python program on PATH")
+
+
+def _console_script(name: str):
+    """The ``console_scripts`` entry point called ``name``, or None."""
+    try:
+        from importlib.metadata import entry_points
+    except ImportError:  # pragma: no cover - Python < 3.8
+        return None
+    eps = entry_points()
+    group = eps.select(group="console_scripts") if hasattr(eps, "select") else eps.get("console_scripts", [])
+    for ep in group:
+        if ep.name == name:
+            return ep
+    return None
+
+
+def _call_entry_point(ep) -> None:
+    """As the generated wrapper does: ``sys.exit(main())``."""
+    sys.exit(ep.load()())
+
+
+def _is_python(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(256)
+    except OSError:
+        return False
+    return first.startswith(b"#!") and b"python" in first
+
+
+def _start(args) -> int:
+    """Installs gpualloc (or only starts the library, without torch); 0 or 1."""
     import gpualloc
     from gpualloc._lib import lib
 
@@ -24,9 +93,13 @@ def _run(args) -> int:
         import torch  # noqa: F401
     except ImportError:
         torch = None
+    if args.no_auto_marks:
+        # Also for the script's own install() calls and its child processes.
+        os.environ["GPUALLOC_AUTO_MARKS"] = "0"
     try:
         if torch is not None:
-            gpualloc.install(config=args.config, trace=args.trace, bridge=not args.no_bridge)
+            auto = False if args.no_auto_marks else None
+            gpualloc.install(config=args.config, trace=args.trace, bridge=not args.no_bridge, auto_marks=auto)
         else:
             print("gpualloc: PyTorch not found: the allocator is loaded but not installed into torch", file=sys.stderr)
             lib().init(args.config)
@@ -36,11 +109,23 @@ def _run(args) -> int:
     except (gpualloc.GpuallocError, ValueError) as e:
         print(f"gpualloc: cannot start: {e}", file=sys.stderr)
         return 1
-    sys.argv = [args.script] + args.args
-    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+    return 0
+
+
+def _run(args) -> int:
+    from gpualloc._lib import lib
+
+    try:
+        argv0, start = _target(args)
+    except _NotFound as e:
+        print(f"gpualloc: cannot run: {e}", file=sys.stderr)
+        return 2
+    if _start(args):
+        return 1
+    sys.argv = [argv0] + args.args
     code = 0
     try:
-        runpy.run_path(args.script, run_name="__main__")
+        start()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int) and e.code is not None:
@@ -55,11 +140,13 @@ def _run(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpualloc", description="gpualloc: a CUDA caching allocator for PyTorch")
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run a Python script with gpualloc as PyTorch's allocator")
+    r = sub.add_parser("run", help="run a Python script, module or console script with gpualloc as PyTorch's allocator")
     r.add_argument("--config", default=None, help="gpualloc configuration (default: GPUALLOC_CONF)")
-    r.add_argument("--trace", default=None, help="record an allocation trace to this file")
+    r.add_argument("--trace", default=None, help="record an allocation trace to this file ({pid}, {rank}, {local_rank} are filled in)")
     r.add_argument("--no-bridge", action="store_true", help="use the plain CUDAPluggableAllocator fallback")
-    r.add_argument("script")
+    r.add_argument("--no-auto-marks", action="store_true", help="no automatic step marks and phases (as GPUALLOC_AUTO_MARKS=0)")
+    r.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE", help="run a module with its arguments, as python -m does")
+    r.add_argument("script", nargs="?", help="a script path or an installed console script (e.g. yolo)")
     r.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("info", help="print the library path, version and backend")
     args = p.parse_args(argv)

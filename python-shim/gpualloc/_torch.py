@@ -32,7 +32,7 @@ def _import_torch():
     return torch
 
 
-def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: bool) -> str:
+def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: bool, auto_marks: Optional[bool] = None) -> str:
     global MODE
     with _LOCK:
         torch = _import_torch()
@@ -41,6 +41,7 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
                 lib().init(config)  # same configuration: fine; another: a clear error
             if trace and not lib().is_tracing():
                 lib().trace_start(trace)
+            _set_auto_marks(torch, auto_marks)
             return MODE
         if torch.cuda.is_initialized():
             raise GpuallocError(
@@ -73,7 +74,17 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
             mode = "fallback"
         _patch_python(torch, fallback=(mode == "fallback"))
         MODE = mode
+        _set_auto_marks(torch, auto_marks)
         return mode
+
+
+def _set_auto_marks(torch, auto_marks: Optional[bool]) -> None:
+    from . import _auto
+
+    if _auto.wanted(auto_marks):
+        _auto.enable(torch)
+    elif auto_marks is False:
+        _auto.disable()
 
 
 class _BridgeUnavailable(Exception):

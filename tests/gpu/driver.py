@@ -27,6 +27,7 @@ PLAN = [
     ("threads", 90, 0),
     ("multi_device", 90, 0),
     ("churn", 90, 200_000),
+    ("auto_marks", 120, 0),
     ("train_resnet", 150, 200),
     ("train_gpt2", 150, 200),
     ("train_detector", 150, 200),

@@ -1,0 +1,179 @@
+//! Diagnostic logging through `tracing`: the allocator's decisions as they
+//! happen, for `GPUALLOC_LOG=info|debug` (the C library and the `gpualloc`
+//! command install a stderr logger when it is set).
+//!
+//! | level | events |
+//! | --- | --- |
+//! | `warn` | out of memory after the retries (`oom.rs`) |
+//! | `info` | out-of-memory retries: oversize blocks released, whole cache freed (`device.rs`); defragmentation passes (`expandable.rs`); `empty_cache` (`release.rs`); trace start and stop, allocator start (C library) |
+//! | `debug` | new segments (`device.rs`), expandable segments growing and defragmentation results (`expandable.rs`), stitches made and dropped (`stitch.rs`), garbage collection (`release.rs`) |
+//!
+//! None sits on the cached path of `malloc`/`free`: they mark the slow
+//! paths. Without a logger each is one relaxed atomic load (`tracing`'s
+//! global max level) and a branch not taken; nothing is formatted.
+
+use tracing::Level;
+
+/// The variable naming the level.
+pub const LOG_ENV: &str = "GPUALLOC_LOG";
+
+/// A `GPUALLOC_LOG` value as a level: `off`, `error`, `warn`, `info`,
+/// `debug`, `trace` (any case); unset or blank is off (None). Anything else
+/// is an error naming the value and the choices.
+///
+/// # Errors
+/// A value that is not one of these words.
+pub fn parse_level(value: Option<&str>) -> Result<Option<Level>, String> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
+        return Ok(None);
+    };
+    match v.to_ascii_lowercase().as_str() {
+        "off" => Ok(None),
+        "error" => Ok(Some(Level::ERROR)),
+        "warn" => Ok(Some(Level::WARN)),
+        "info" => Ok(Some(Level::INFO)),
+        "debug" => Ok(Some(Level::DEBUG)),
+        "trace" => Ok(Some(Level::TRACE)),
+        _ => {
+            let shown: String = v.chars().take(40).collect();
+            Err(format!(
+                "{LOG_ENV}=`{shown}` is not a level: off, error, warn, info or debug"
+            ))
+        }
+    }
+}
+
+/// `GPUALLOC_LOG`'s level ([`parse_level`]; a value that is not UTF-8 is an error).
+///
+/// # Errors
+/// As [`parse_level`].
+pub fn level_from_env() -> Result<Option<Level>, String> {
+    match std::env::var(LOG_ENV) {
+        Ok(v) => parse_level(Some(&v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{LOG_ENV} is not valid UTF-8")),
+    }
+}
+
+// The events, one function each, so that a decision point in the policy
+// files is one line. `#[inline]`: with no logger each is the atomic load.
+
+/// A new plain segment (`device.rs`).
+#[inline]
+pub(crate) fn new_segment(device: u32, bytes: u64, pool: u32, reserved: u64) {
+    tracing::debug!(device, bytes, pool, reserved, "new segment");
+}
+
+/// An out-of-memory retry step: `what` is about to be released (`device.rs`).
+#[inline]
+pub(crate) fn oom_retry(device: u32, bytes: u64, what: &'static str) {
+    tracing::info!(device, bytes, "device full: {what}, then retrying");
+}
+
+/// `empty_cache` gave `released` bytes back (`release.rs`).
+#[inline]
+pub(crate) fn cache_flushed(device: u32, released: u64) {
+    tracing::info!(
+        device,
+        released_bytes = released,
+        "cache flushed (empty_cache)"
+    );
+}
+
+/// A garbage-collection pass (`release.rs`).
+#[inline]
+pub(crate) fn garbage_collected(device: u32, reserved: i64, threshold: i64, released: u64) {
+    tracing::debug!(
+        device,
+        reserved,
+        threshold,
+        released_bytes = released,
+        "garbage collection"
+    );
+}
+
+/// A defragmentation pass starts: `short` bytes of the request need new
+/// pages, `excess` of them would exceed the headroom (`expandable.rs`).
+#[inline]
+pub(crate) fn defragment(device: u32, request: u64, short: u64, excess: u64) {
+    tracing::info!(
+        device,
+        request,
+        short,
+        excess,
+        "defragmentation: unmapping free pages elsewhere to map the request"
+    );
+}
+
+/// A defragmentation pass moved `moved` bytes of pages (`expandable.rs`).
+#[inline]
+pub(crate) fn defragmented(device: u32, wanted: u64, moved: u64) {
+    tracing::debug!(device, wanted, moved, "defragmentation pass done");
+}
+
+/// An expandable segment maps `mapped` bytes, `new` of them new memory (`expandable.rs`).
+#[inline]
+pub(crate) fn expandable_grows(
+    device: u32,
+    stream: u64,
+    request: u64,
+    mapped: u64,
+    new: u64,
+    reserved: u64,
+) {
+    tracing::debug!(
+        device,
+        stream,
+        request,
+        mapped,
+        new_memory = new,
+        reserved,
+        "expandable segment grows"
+    );
+}
+
+/// A request served by a stitch, new or `reused` (`stitch.rs`).
+#[inline]
+pub(crate) fn stitched(device: u32, stream: u64, request: u64, reused: bool) {
+    tracing::debug!(
+        device,
+        stream,
+        request,
+        reused,
+        "stitched free pages into one range"
+    );
+}
+
+/// A cached stitch torn down (`stitch.rs`).
+#[inline]
+pub(crate) fn stitch_dropped(device: u32, stream: u64, bytes: u64) {
+    tracing::debug!(device, stream, bytes, "stitch dropped");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_parse_in_any_case_and_blank_is_off() {
+        assert_eq!(parse_level(None), Ok(None));
+        assert_eq!(parse_level(Some("  ")), Ok(None));
+        assert_eq!(parse_level(Some("off")), Ok(None));
+        assert_eq!(parse_level(Some("INFO")), Ok(Some(Level::INFO)));
+        assert_eq!(parse_level(Some(" debug ")), Ok(Some(Level::DEBUG)));
+    }
+
+    #[test]
+    fn a_bad_level_names_the_value_and_the_choices() {
+        let e = parse_level(Some("verbose")).unwrap_err();
+        assert!(e.contains("GPUALLOC_LOG=`verbose`"), "{e}");
+        assert!(e.contains("info or debug"), "{e}");
+    }
+
+    /// Without a logger the events are disabled: the hot-path promise.
+    #[test]
+    fn without_a_logger_no_level_is_enabled() {
+        assert!(!tracing::enabled!(Level::ERROR));
+        assert!(!tracing::event_enabled!(Level::DEBUG));
+    }
+}

@@ -1,0 +1,276 @@
+"""Steps and phases without code changes: hooks ``install()`` puts into torch.
+
+- Every optimizer step ends with the mark ``step`` (torch's global
+  optimizer-step hooks), the iteration boundary that ``gpualloc leaks`` and
+  the per-step figures read. With several optimizers (a GAN), only one of
+  them marks: the first to step, or, once it stops stepping, the next that
+  steps twice in a row without it. The step itself is the phase ``optimizer``.
+- ``torch.autograd.backward`` (which ``Tensor.backward`` calls) runs in the
+  phase ``backward``; ``torch.save`` in the phase ``checkpoint``.
+- ``eval`` opens when a module in training mode is switched to evaluation
+  (``model.eval()``, ``model.train(False)``) and closes at the next
+  ``model.train()``; an outermost ``torch.inference_mode`` region is an
+  ``eval`` phase too when none is open. ``torch.no_grad`` is not: optimizers,
+  gradient clipping and EMA updates use it inside training steps.
+
+Each hook is guarded: a failure inside one is reported once as a warning and
+never reaches the training code. ``GPUALLOC_AUTO_MARKS=0`` or
+``install(auto_marks=False)`` turns all of them off. Outside a trace, the
+hooks cost one call into the library each, which returns at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+from typing import Callable, List, Optional
+
+from . import _phases
+from ._lib import lib
+
+ENV = "GPUALLOC_AUTO_MARKS"
+STEP_MARK = "step"
+
+_LOCK = threading.RLock()
+_TL = threading.local()
+_UNDO: List[Callable[[], None]] = []  # restores torch, newest last
+_ENABLED: List[str] = []  # names of the hooks in place
+_WARNED = False
+
+
+def wanted(auto_marks: Optional[bool]) -> bool:
+    """``auto_marks`` when given, else ``GPUALLOC_AUTO_MARKS`` (default on)."""
+    if auto_marks is not None:
+        return bool(auto_marks)
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def enabled() -> List[str]:
+    """The hooks in place: ``optimizer``, ``backward``, ``checkpoint``, ``eval``, ``inference``."""
+    return list(_ENABLED)
+
+
+def enable(torch) -> List[str]:
+    """Puts the hooks into ``torch`` (once); returns those in place. A hook
+    whose torch entry point is missing is left out."""
+    with _LOCK:
+        if _ENABLED:
+            return list(_ENABLED)
+        for name, fn in (
+            ("optimizer", _hook_optimizer),
+            ("backward", _hook_backward),
+            ("checkpoint", _hook_save),
+            ("eval", _hook_train_switch),
+            ("inference", _hook_inference_mode),
+        ):
+            try:
+                if fn(torch):
+                    _ENABLED.append(name)
+            except Exception as e:  # noqa: BLE001 - a torch without this entry point
+                _warn(f"cannot hook {name} ({type(e).__name__}: {e})")
+        return list(_ENABLED)
+
+
+def disable() -> None:
+    """Takes every hook out of torch and closes the automatic phases."""
+    with _LOCK:
+        while _UNDO:
+            _guard(_UNDO.pop())
+        _ENABLED.clear()
+        _State.reset()
+
+
+def _warn(what: str) -> None:
+    global _WARNED
+    if not _WARNED:
+        _WARNED = True
+        warnings.warn(f"gpualloc: automatic marks: {what}; the program goes on", RuntimeWarning, stacklevel=3)
+
+
+def _guard(fn, *args):
+    """Runs a hook's body; a failure becomes one warning, never an exception."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - the user's program must not break
+        _warn(f"{getattr(fn, '__name__', 'a hook')} failed ({type(e).__name__}: {e})")
+        return None
+
+
+def _patch(owner, attr: str, make: Callable) -> bool:
+    """Replaces ``owner.attr`` with ``make(original)``, once; undone by disable()."""
+    orig = getattr(owner, attr)
+    if getattr(orig, "_gpualloc_auto", False):
+        return True
+    new = functools.wraps(orig)(make(orig))
+    new._gpualloc_auto = True
+    setattr(owner, attr, new)
+    _UNDO.append(lambda: setattr(owner, attr, orig))
+    return True
+
+
+class _State:
+    """Which automatic phases are open, and the optimizer that marks steps."""
+
+    optimizer: Optional[_phases.Entry] = None
+    eval_switch: Optional[_phases.Entry] = None
+    leader: Optional[int] = None
+    others: set = set()
+
+    @classmethod
+    def reset(cls) -> None:
+        for e in (cls.optimizer, cls.eval_switch):
+            if e is not None:
+                _guard(_phases.pop, e)
+        cls.optimizer = cls.eval_switch = cls.leader = None
+        cls.others = set()
+
+
+def _open(name: str, loose: bool = False) -> Optional[_phases.Entry]:
+    return _guard(_phases.push, name, loose)
+
+
+def _close(e: Optional[_phases.Entry]) -> None:
+    if e is not None:
+        _guard(_phases.pop, e)
+
+
+# -- optimizer steps ---------------------------------------------------------
+
+
+def _hook_optimizer(torch) -> bool:
+    opt = torch.optim.optimizer
+    pre = opt.register_optimizer_step_pre_hook(lambda o, args, kwargs: _guard(_step_begins))
+    post = opt.register_optimizer_step_post_hook(lambda o, args, kwargs: _guard(_step_ends, o))
+    _UNDO.append(pre.remove)
+    _UNDO.append(post.remove)
+    return True
+
+
+def _step_begins() -> None:
+    with _LOCK:
+        _close(_State.optimizer)  # a step that raised left it open
+        _State.optimizer = _open("optimizer", loose=True)
+
+
+def _step_ends(optimizer) -> None:
+    with _LOCK:
+        _close(_State.optimizer)
+        _State.optimizer = None
+        me = id(optimizer)
+        if _State.leader is not None and me != _State.leader:
+            if me not in _State.others:
+                _State.others.add(me)
+                return
+        _State.leader = me  # the leader, or one that stepped twice without it
+        _State.others = set()
+    lib().mark(STEP_MARK)
+
+
+# -- backward, torch.save ----------------------------------------------------
+
+
+def _in_phase(name: str):
+    """A wrapper factory: the original runs inside the phase ``name``."""
+
+    def make(orig):
+        def wrapper(*args, **kwargs):
+            e = _open(name)
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                _close(e)
+
+        return wrapper
+
+    return make
+
+
+def _hook_backward(torch) -> bool:
+    return _patch(torch.autograd, "backward", _in_phase("backward"))
+
+
+def _hook_save(torch) -> bool:
+    original = torch.save
+    _patch(torch, "save", _in_phase("checkpoint"))
+    ser = getattr(torch, "serialization", None)
+    if ser is not None and getattr(ser, "save", None) is original:
+        _patch(ser, "save", _in_phase("checkpoint"))
+    return True
+
+
+# -- evaluation --------------------------------------------------------------
+
+
+def _hook_train_switch(torch) -> bool:
+    def make(orig):
+        def train(self, mode=True):
+            if getattr(_TL, "in_train", False):  # a child module: the outermost call decides
+                return orig(self, mode)
+            was = getattr(self, "training", None)
+            _TL.in_train = True
+            try:
+                return orig(self, mode)
+            finally:
+                _TL.in_train = False
+                _guard(_switched, was, mode)
+
+        return train
+
+    return _patch(torch.nn.Module, "train", make)
+
+
+def _switched(was, mode) -> None:
+    if not isinstance(mode, bool):
+        return
+    with _LOCK:
+        e = _State.eval_switch
+        if not mode and was is True and (e is None or e.closed):
+            _State.eval_switch = _open("eval", loose=True)
+        elif mode and e is not None:
+            _close(e)
+            _State.eval_switch = None
+
+
+def _hook_inference_mode(torch) -> bool:
+    cls = torch.inference_mode
+    if not isinstance(cls, type):
+        return False
+
+    def make_enter(orig):
+        def __enter__(self):
+            r = orig(self)
+            _guard(_inference_enters, self)
+            return r
+
+        return __enter__
+
+    def make_exit(orig):
+        def __exit__(self, *exc):
+            try:
+                return orig(self, *exc)
+            finally:
+                _guard(_inference_exits, self)
+
+        return __exit__
+
+    _patch(cls, "__enter__", make_enter)
+    _patch(cls, "__exit__", make_exit)
+    return True
+
+
+def _inference_enters(ctx) -> None:
+    depth = getattr(_TL, "inference_depth", 0)
+    _TL.inference_depth = depth + 1
+    if depth == 0 and getattr(ctx, "mode", True) is not False:
+        e = _State.eval_switch
+        _TL.inference_entry = _open("eval") if (e is None or e.closed) else None
+
+
+def _inference_exits(ctx) -> None:
+    depth = getattr(_TL, "inference_depth", 0)
+    _TL.inference_depth = max(0, depth - 1)
+    if depth == 1:
+        _close(getattr(_TL, "inference_entry", None))
+        _TL.inference_entry = None

@@ -1,0 +1,141 @@
+"""A stand-in for torch with only what gpualloc.install() and its automatic
+marks touch: CUDA availability, CUDAPluggableAllocator, the optimizer-step
+hooks, autograd.backward, Tensor.backward, torch.save, nn.Module.train and
+inference_mode. Tests put its directory first on sys.path (never installed).
+"""
+
+import pickle
+import sys
+import types
+from collections import OrderedDict
+
+__version__ = "0.0-fake"
+FAKE = True
+
+
+# -- cuda ---------------------------------------------------------------------
+class _Raw:
+    def __getattr__(self, name):  # set_reset_fn, set_memory_fraction_fn, ...
+        return lambda *a: None
+
+
+class CUDAPluggableAllocator:
+    def __init__(self, path, alloc_fn, free_fn):
+        self.path, self.alloc_fn, self.free_fn = path, alloc_fn, free_fn
+
+    def allocator(self):
+        return _Raw()
+
+
+cuda = types.ModuleType("torch.cuda")
+cuda.is_initialized = lambda: False
+cuda.is_available = lambda: True
+cuda.memory = types.ModuleType("torch.cuda.memory")
+cuda.memory.CUDAPluggableAllocator = CUDAPluggableAllocator
+cuda.memory.change_current_allocator = lambda a: None
+cuda.memory.memory_stats = lambda device=None: {}
+
+# -- optim --------------------------------------------------------------------
+_pre_hooks, _post_hooks = OrderedDict(), OrderedDict()
+
+
+class _Handle:
+    def __init__(self, table, key):
+        self.table, self.key = table, key
+
+    def remove(self):
+        self.table.pop(self.key, None)
+
+
+def _register(table, hook):
+    key = object()
+    table[key] = hook
+    return _Handle(table, key)
+
+
+class Optimizer:
+    def __init__(self, params=()):
+        self.params = list(params)
+        self.steps = 0
+
+    def step(self):
+        for h in list(_pre_hooks.values()):
+            h(self, (), {})
+        self.steps += 1
+        for h in list(_post_hooks.values()):
+            h(self, (), {})
+
+
+optim = types.ModuleType("torch.optim")
+optim.optimizer = types.ModuleType("torch.optim.optimizer")
+optim.optimizer.Optimizer = Optimizer
+optim.optimizer.register_optimizer_step_pre_hook = lambda h: _register(_pre_hooks, h)
+optim.optimizer.register_optimizer_step_post_hook = lambda h: _register(_post_hooks, h)
+optim.SGD = Optimizer
+
+# -- autograd, Tensor ---------------------------------------------------------
+autograd = types.ModuleType("torch.autograd")
+BACKWARD_CALLS = []
+
+
+def _backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+    BACKWARD_CALLS.append(tensors)
+
+
+autograd.backward = _backward
+
+
+class Tensor:
+    def backward(self, gradient=None):
+        # As torch/_tensor.py does: through the module attribute.
+        sys.modules["torch"].autograd.backward(self, gradient)
+
+
+class inference_mode:
+    def __init__(self, mode=True):
+        self.mode = mode
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+# -- nn -----------------------------------------------------------------------
+class Module:
+    def __init__(self, *children):
+        self.training = True
+        self._children = list(children)
+
+    def children(self):
+        return iter(self._children)
+
+    def train(self, mode=True):
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")
+        self.training = mode
+        for m in self.children():
+            m.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+
+nn = types.ModuleType("torch.nn")
+nn.Module = Module
+
+
+# -- save ---------------------------------------------------------------------
+def save(obj, f):
+    with open(f, "wb") as fh:
+        pickle.dump(obj, fh)
+
+
+serialization = types.ModuleType("torch.serialization")
+serialization.save = save
+
+for _name, _mod in (("cuda", cuda), ("cuda.memory", cuda.memory), ("optim", optim), ("optim.optimizer", optim.optimizer),
+                    ("autograd", autograd), ("nn", nn), ("serialization", serialization)):
+    sys.modules[f"torch.{_name}"] = _mod

@@ -1,0 +1,312 @@
+"""Automatic step marks and phases, and `python -m gpualloc run` targets.
+
+torch is not installed here: tests/fake_torch/torch stands in for it with just
+the entry points gpualloc hooks. Each test runs a fresh process (install() is
+once per process) on the simulated backend and reads the trace back with
+gpualloc.tracefile.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+
+from . import __name__ as _env  # noqa: F401
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHIM = os.path.dirname(HERE)
+FAKE_TORCH = os.path.join(HERE, "fake_torch")
+
+# Runs in the child: installs, then prints the device-0 annotations as JSON.
+PRELUDE = """
+import json, sys
+import torch, gpualloc
+from gpualloc._lib import lib
+from gpualloc.tracefile import annotations
+assert getattr(torch, "FAKE", False), "the fake torch must come first on sys.path"
+TRACE = sys.argv[1]
+MODE = gpualloc.install(trace=TRACE, bridge=False)
+BLOCK = lib().malloc(1 << 20, 0, 0)  # creates device 0, which then records phases and marks
+
+def done():
+    lib().free(BLOCK, 0)
+    gpualloc.trace_stop()
+    seq = [(a["kind"], a["name"]) for a in annotations(TRACE) if a["device"] == 0]
+    print("ANNOTATIONS " + json.dumps(seq))
+"""
+
+
+def run(args, env_extra=None, cwd=None, torch=True):
+    env = os.environ.copy()
+    paths = ([FAKE_TORCH] if torch else []) + [SHIM, env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    env.pop("GPUALLOC_AUTO_MARKS", None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable] + args, capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+
+
+def annotations_of(out):
+    for line in out.stdout.splitlines():
+        if line.startswith("ANNOTATIONS "):
+            return [tuple(x) for x in json.loads(line[len("ANNOTATIONS ") :])]
+    raise AssertionError(f"no annotations printed; stdout:\n{out.stdout}\nstderr:\n{out.stderr}")
+
+
+def push(name):
+    return ("phase_push", name)
+
+
+def pop(name):
+    return ("phase_pop", name)
+
+
+STEP = ("mark", "step")
+
+
+class AutoMarksTest(unittest.TestCase):
+    def traced(self, body, env_extra=None):
+        with tempfile.TemporaryDirectory() as d:
+            out = run(["-c", PRELUDE + textwrap.dedent(body) + "\ndone()\n", os.path.join(d, "t.gtrace")], env_extra)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        return out, annotations_of(out)
+
+    def test_steps_backward_eval_and_checkpoint(self):
+        out, seq = self.traced(
+            """
+            model = torch.nn.Module(torch.nn.Module(), torch.nn.Module())
+            opt = torch.optim.SGD()
+            for _ in range(3):
+                torch.Tensor().backward()
+                opt.step()
+            model.eval()
+            with torch.inference_mode():  # inside eval: no second eval phase
+                pass
+            model.train()
+            with torch.inference_mode():
+                with torch.inference_mode():
+                    pass
+            torch.save({"w": 1}, TRACE + ".ckpt")
+            torch.serialization.save({"w": 2}, TRACE + ".ckpt")
+            print("hooks", gpualloc.auto_marks(), torch.BACKWARD_CALLS.__len__())
+            """
+        )
+        step = [push("backward"), pop("backward"), push("optimizer"), pop("optimizer"), STEP]
+        expected = step * 3 + [push("eval"), pop("eval"), push("eval"), pop("eval")] + [push("checkpoint"), pop("checkpoint")] * 2
+        self.assertEqual(seq, expected)
+        self.assertIn("hooks ['optimizer', 'backward', 'checkpoint', 'eval', 'inference'] 3", out.stdout)
+
+    def test_a_user_phase_closing_first_closes_the_eval_opened_inside_it(self):
+        _, seq = self.traced(
+            """
+            model = torch.nn.Module(torch.nn.Module())
+            with gpualloc.phase("epoch"):
+                model.train()
+                model.eval()
+            with gpualloc.phase("next"):
+                model.train()  # eval was closed with "epoch": nothing to close
+            model.eval()
+            model.eval()  # already in eval: no second phase
+            model.train()
+            """
+        )
+        self.assertEqual(
+            seq, [push("epoch"), push("eval"), pop("eval"), pop("epoch"), push("next"), pop("next"), push("eval"), pop("eval")]
+        )
+
+    def test_one_mark_per_iteration_with_two_optimizers(self):
+        _, seq = self.traced(
+            """
+            g, d = torch.optim.SGD(), torch.optim.SGD()
+            for _ in range(3):
+                d.step()
+                g.step()
+            c = torch.optim.SGD()  # d is replaced: c leads from its second step on
+            for _ in range(3):
+                c.step()
+            """
+        )
+        self.assertEqual([x for x in seq if x[0] == "mark"], [STEP] * 5)
+
+    def test_switched_off_by_the_environment(self):
+        out, seq = self.traced(
+            """
+            opt = torch.optim.SGD()
+            torch.Tensor().backward()
+            opt.step()
+            with gpualloc.phase("mine"):
+                torch.save({}, TRACE + ".ckpt")
+            print("hooks", gpualloc.auto_marks())
+            """,
+            {"GPUALLOC_AUTO_MARKS": "0"},
+        )
+        self.assertEqual(seq, [push("mine"), pop("mine")])
+        self.assertIn("hooks []", out.stdout)
+
+    def test_run_no_auto_marks_holds_for_the_scripts_own_install(self):
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(d, "train.py")
+            with open(script, "w") as f:
+                f.write("import gpualloc, torch\ngpualloc.install()\nprint('hooks', gpualloc.auto_marks())\n")
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "--no-auto-marks", script])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("hooks []", out.stdout)
+            out = run(["-m", "gpualloc", "run", "--no-bridge", script])
+            self.assertIn("hooks ['optimizer', 'backward', 'checkpoint', 'eval', 'inference']", out.stdout)
+
+    def test_install_auto_marks_false_takes_the_hooks_out(self):
+        _, seq = self.traced(
+            """
+            gpualloc.install(auto_marks=False)
+            torch.optim.SGD().step()
+            torch.Tensor().backward()
+            assert not getattr(torch.autograd.backward, "_gpualloc_auto", False)
+            """
+        )
+        self.assertEqual(seq, [])
+
+    def test_a_failing_hook_warns_once_and_the_program_goes_on(self):
+        out, seq = self.traced(
+            """
+            import gpualloc._auto as auto
+            def broken():
+                raise RuntimeError("library gone")
+            auto.lib = broken
+            opt = torch.optim.SGD()
+            for _ in range(2):
+                torch.Tensor().backward()
+                opt.step()
+            print("steps", opt.steps)
+            """
+        )
+        self.assertIn("steps 2", out.stdout)
+        self.assertEqual(out.stderr.count("gpualloc: automatic marks:"), 1, out.stderr)
+        self.assertIn("library gone", out.stderr)
+        self.assertEqual(seq, [push("backward"), pop("backward"), push("optimizer"), pop("optimizer")] * 2)
+
+
+def cli():
+    """The `gpualloc` command: GPUALLOC_CLI, else a cargo build of this tree
+    (tools/test.sh builds it before these tests run); None when absent."""
+    if os.environ.get("GPUALLOC_CLI"):
+        return os.environ["GPUALLOC_CLI"]
+    root = os.path.dirname(SHIM)
+    for target in (os.environ.get("CARGO_TARGET_DIR"), os.path.join(root, "target")):
+        for profile in ("debug", "release"):
+            path = os.path.join(target or "", profile, "gpualloc")
+            if target and os.path.isfile(path):
+                return path
+    return None
+
+
+class CliReadsAutoMarksTest(unittest.TestCase):
+    """The marks are the iteration boundaries `gpualloc leaks` counts; the
+    phases appear in `gpualloc summary`."""
+
+    def test_leaks_counts_the_steps_and_finds_the_per_step_leak(self):
+        exe = cli()
+        if exe is None:
+            self.skipTest("no gpualloc command built (cargo build -p gpualloc-cli)")
+        with tempfile.TemporaryDirectory() as d:
+            trace = os.path.join(d, "t.gtrace")
+            body = textwrap.dedent(
+                """
+                kept = []
+                model, opt = torch.nn.Module(), torch.optim.SGD()
+                for _ in range(5):
+                    kept.append(lib().malloc(4096, 0, 0))  # one block leaked per step
+                    torch.Tensor().backward()  # two micro-batches per step (gradient accumulation)
+                    torch.Tensor().backward()
+                    opt.step()
+                model.eval()
+                model.train()
+                torch.save({}, TRACE + ".ckpt")
+                done()
+                """
+            )
+            out = run(["-c", PRELUDE + body, trace])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            leaks = subprocess.run([exe, "leaks", "--json", trace], capture_output=True, text=True, timeout=60)
+            self.assertEqual(leaks.returncode, 0, leaks.stderr)
+            dev = json.loads(leaks.stdout)["devices"][0]
+            # Without the marks, leaks would count the 10 backward phases instead.
+            self.assertEqual(dev["iterations"], 6, "5 step marks: 6 iterations")
+            self.assertTrue(any(g["candidate"] and g["size"] == 4096 for g in dev["groups"]), leaks.stdout)
+            summary = subprocess.run([exe, "summary", "--json", trace], capture_output=True, text=True, timeout=60)
+            self.assertEqual(summary.returncode, 0, summary.stderr)
+            phases = {p["name"]: p["count"] for p in json.loads(summary.stdout)["devices"][0]["phases"]}
+            self.assertEqual(phases, {"backward": 10, "optimizer": 5, "eval": 1, "checkpoint": 1})
+
+
+class RunTargetsTest(unittest.TestCase):
+    """`python -m gpualloc run` on a module, a console script and a PATH program."""
+
+    def write(self, path, text):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(textwrap.dedent(text))
+
+    def test_module(self):
+        with tempfile.TemporaryDirectory() as d:
+            self.write(
+                os.path.join(d, "trainpkg", "__main__.py"),
+                """
+                import sys, torch
+                from gpualloc._lib import lib
+                lib().free(lib().malloc(1 << 20))  # device 0 exists: it records the mark
+                print("argv", sys.argv[1:], __name__, sys.argv[0].endswith("__main__.py"))
+                torch.optim.SGD().step()
+                """,
+            )
+            self.write(os.path.join(d, "trainpkg", "__init__.py"), "")
+            trace = os.path.join(d, "m.gtrace")
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "--trace", trace, "-m", "trainpkg", "--lr", "0.1", "-m", "x"], cwd=d)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("argv ['--lr', '0.1', '-m', 'x'] __main__ True", out.stdout)
+            from gpualloc.tracefile import annotations
+
+            self.assertIn(("mark", "step"), [(a["kind"], a["name"]) for a in annotations(trace)])
+
+    def test_console_script_entry_point(self):
+        with tempfile.TemporaryDirectory() as d:
+            self.write(
+                os.path.join(d, "demo_cli.py"),
+                """
+                import sys
+                def main():
+                    print("entry", sys.argv[1:], sys.argv[0])
+                    return 3
+                """,
+            )
+            self.write(os.path.join(d, "demo-0.1.dist-info", "METADATA"), "Metadata-Version: 2.1\nName: demo\nVersion: 0.1\n")
+            self.write(os.path.join(d, "demo-0.1.dist-info", "entry_points.txt"), "[console_scripts]\ndemo-train = demo_cli:main\n")
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "demo-train", "train", "--epochs", "2"], {"PYTHONPATH": d + os.pathsep + FAKE_TORCH + os.pathsep + SHIM})
+            self.assertEqual(out.returncode, 3, out.stderr)
+            self.assertIn("entry ['train', '--epochs', '2'] demo-train", out.stdout)
+
+    def test_python_program_on_path_and_unknown_names(self):
+        with tempfile.TemporaryDirectory() as d:
+            prog = os.path.join(d, "bin", "tool")
+            self.write(prog, "#!/usr/bin/env python3\nimport sys\nprint('tool', sys.argv[1:], __name__)\n")
+            self.write(os.path.join(d, "bin", "shell-tool"), "#!/bin/sh\necho no\n")
+            for p in (prog, os.path.join(d, "bin", "shell-tool")):
+                os.chmod(p, 0o755)
+            env = {"PATH": os.path.join(d, "bin") + os.pathsep + os.environ.get("PATH", "")}
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "tool", "a"], env)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("tool ['a'] __main__", out.stdout)
+            out = run(["-m", "gpualloc", "run", "shell-tool"], env)
+            self.assertEqual(out.returncode, 2)
+            self.assertIn("is not a Python program", out.stderr)
+            out = run(["-m", "gpualloc", "run", "no-such-tool-xyz"], env)
+            self.assertEqual(out.returncode, 2)
+            self.assertIn("no-such-tool-xyz: no such file, console script entry point or Python program on PATH", out.stderr)
+            out = run(["-m", "gpualloc", "run", "-m"], env)
+            self.assertEqual(out.returncode, 2)
+            self.assertIn("-m needs a module name", out.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()

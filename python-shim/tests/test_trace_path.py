@@ -1,0 +1,40 @@
+"""`{pid}`, `{rank}` and `{local_rank}` in trace paths, from `trace=` and GPUALLOC_TRACE."""
+
+import os
+import tempfile
+import unittest
+
+from . import __name__ as _env  # noqa: F401
+from .test_process import run
+
+CODE = "import sys\nfrom gpualloc._lib import lib\nL = lib()\n{start}L.free(L.malloc(4096))\n{stop}print('pid', __import__('os').getpid())\n"
+
+
+class TracePathTest(unittest.TestCase):
+    def check(self, start_by_env, env_rank, want):
+        with tempfile.TemporaryDirectory() as d:
+            pattern = os.path.join(d, "run-{rank}-{local_rank}-{pid}.gtrace")
+            if start_by_env:
+                code, env = CODE.format(start="", stop=""), {"GPUALLOC_TRACE": pattern}
+            else:
+                code, env = CODE.format(start=f"L.trace_start({pattern!r})\n", stop="L.trace_stop()\n"), {}
+            drop = [k for k in ("RANK", "LOCAL_RANK") if k not in env_rank]
+            out = run(["-c", code], {**env, **env_rank}, drop=drop)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            pid = out.stdout.split("pid ")[1].strip()
+            self.assertEqual(os.listdir(d), [want.format(pid=pid)])
+            self.assertGreater(os.path.getsize(os.path.join(d, want.format(pid=pid))), 0)
+
+    def test_trace_start_fills_in_the_launcher_ranks(self):
+        self.check(False, {"RANK": "3", "LOCAL_RANK": "1"}, "run-3-1-{pid}.gtrace")
+
+    def test_environment_trace_fills_in_the_launcher_ranks(self):
+        self.check(True, {"RANK": "12", "LOCAL_RANK": "4"}, "run-12-4-{pid}.gtrace")
+
+    def test_without_a_launcher_the_ranks_are_zero(self):
+        self.check(True, {}, "run-0-0-{pid}.gtrace")
+        self.check(False, {}, "run-0-0-{pid}.gtrace")
+
+
+if __name__ == "__main__":
+    unittest.main()
