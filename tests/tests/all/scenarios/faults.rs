@@ -2,12 +2,6 @@
 //! the workload reaches (up to a bound), under each policy. The allocator
 //! returns the error or recovers; it never panics, and every invariant
 //! holds after every call.
-//!
-//! Known defect: when `cuMemRelease` (`release_handle`) fails, the page
-//! pool's pooled-bytes count no longer matches its handles (the invariant
-//! checker says so; the fix belongs in `page_pool.rs`).
-//! `a_failed_release_handle_keeps_the_page_pool_accounting` reproduces it
-//! and is ignored until then; the sweep still requires no panic for it.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -93,8 +87,6 @@ fn the_kth_driver_call_of_each_kind_fails_cleanly() {
             for k in 1..=clean[call as usize].min(MAX_K) {
                 match catch_unwind(AssertUnwindSafe(|| workload(config, Some((call, k))))) {
                     Err(_) => failed.push(format!("{config}: failing {call:?} call {k} panicked")),
-                    // The known defect (module documentation).
-                    Ok(Err(_)) if call == SimCall::ReleaseHandle => {}
                     Ok(Err(why)) => failed.push(why),
                     Ok(Ok(_)) => {}
                 }
@@ -109,13 +101,4 @@ fn the_kth_driver_call_of_each_kind_fails_cleanly() {
         failed.len(),
         failed.join("\n")
     );
-}
-
-/// The known defect of the module documentation.
-#[test]
-#[ignore = "page_pool.rs: pooled bytes drift when release_handle fails"]
-fn a_failed_release_handle_keeps_the_page_pool_accounting() {
-    for k in 1..=5 {
-        workload("policy:gpualloc", Some((SimCall::ReleaseHandle, k))).unwrap();
-    }
 }
