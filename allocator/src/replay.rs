@@ -442,7 +442,7 @@ mod tests {
         let mut live: Vec<(u64, u64)> = Vec::new();
         for step in 0..steps {
             if step % 97 == 0 {
-                a.phase_push("step");
+                a.phase_push("step").unwrap();
             }
             match rng.below(100) {
                 0..=47 => {
@@ -466,7 +466,7 @@ mod tests {
                 }
                 93..=97 => a.lock(0).unwrap().backend_mut().complete(rng.below(3)),
                 98 => a.empty_cache().unwrap(),
-                _ => a.mark("tick"),
+                _ => a.mark("tick").unwrap(),
             }
             if step % 97 == 96 {
                 a.phase_pop();

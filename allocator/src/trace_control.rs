@@ -2,16 +2,34 @@
 //! the phase and mark annotations. Every function here takes device locks
 //! one at a time and never while holding the recorder slot, so it cannot
 //! deadlock with `Allocator::lock`, which takes them in the other order.
+//!
+//! Note [Trace control lock]: starting attaches the new recorder to each
+//! device after publishing it, and stopping detaches each device after
+//! taking it down, one device lock at a time. Interleaved, a stop could run
+//! between a start's publishing and its attaching, and leave devices
+//! attached to a stopped recorder, their events lost with no dropped count
+//! (and a later start would skip them as already attached). So every
+//! function here that reads or changes which recorder is running holds
+//! [`CONTROL`] throughout. It is taken before any device lock and never
+//! under one, and the allocation path never takes it.
 
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use crate::allocator::Allocator;
 use crate::backend::Backend;
 use crate::device::DeviceAllocator;
+use crate::trace::format::check_name;
 use crate::trace::recorder::{Recorder, TraceOptions, TraceSummary};
 use crate::trace::{Action, TRACE_ENV};
+
+/// Serializes trace start, stop, flush and annotations: Note [Trace control
+/// lock]. One for the process: these calls are rare, and allocators rarely
+/// more than one.
+static CONTROL: Mutex<()> = Mutex::new(());
 
 impl<B: Backend> Allocator<B> {
     /// Starts tracing to `path` with the default [`TraceOptions`].
@@ -29,6 +47,7 @@ impl<B: Backend> Allocator<B> {
     /// # Errors
     /// `AlreadyExists` when a trace is running; the file's creation error.
     pub fn trace_start_with(&self, path: &Path, opts: TraceOptions) -> io::Result<()> {
+        let _control = CONTROL.lock();
         let rec = {
             let mut slot = self.recorder.lock();
             if let Some(r) = &*slot {
@@ -76,6 +95,7 @@ impl<B: Backend> Allocator<B> {
     /// # Errors
     /// `NotFound` when not tracing; the writer's I/O error.
     pub fn trace_flush(&self) -> io::Result<()> {
+        let _control = CONTROL.lock();
         let rec = self.current_recorder()?;
         // Each batch goes to the writer under its device's lock, as full
         // buffers do, so a device's events reach the file in order.
@@ -93,17 +113,28 @@ impl<B: Backend> Allocator<B> {
     /// # Errors
     /// `NotFound` when not tracing; the writer's I/O error.
     pub fn trace_stop(&self) -> io::Result<TraceSummary> {
+        let _control = CONTROL.lock();
         let rec = self.recorder.lock().take().ok_or_else(not_tracing)?;
         let mut traces = Vec::new();
         self.each_device(|d| traces.extend(d.trace.take()));
         for t in traces {
             t.finish();
         }
-        rec.stop().map_err(|e| naming(rec.path(), e))
+        let result = rec.stop().map_err(|e| naming(rec.path(), e));
+        // What the writer failed to write after the devices detached.
+        self.each_device(|d| d.stats.num_trace_dropped += rec.take_lost(d.device) as i64);
+        result
     }
 
     /// Opens a named phase on every device (no-op when not tracing).
-    pub fn phase_push(&self, name: &str) {
+    ///
+    /// # Errors
+    /// `InvalidInput` for a name longer than
+    /// [`MAX_NAME_LEN`](crate::trace::format::MAX_NAME_LEN) bytes, tracing
+    /// or not.
+    pub fn phase_push(&self, name: &str) -> io::Result<()> {
+        check_name(name, "phase")?;
+        let _control = CONTROL.lock();
         // The recorder lock is released before any device lock is taken:
         // `Allocator::lock` takes them in the other order.
         let rec = self.recorder.lock().clone();
@@ -111,10 +142,12 @@ impl<B: Backend> Allocator<B> {
             let id = rec.push_phase(name);
             self.record_everywhere(Action::PhasePush, id);
         }
+        Ok(())
     }
 
     /// Closes the innermost phase (no-op when not tracing or none is open).
     pub fn phase_pop(&self) {
+        let _control = CONTROL.lock();
         let rec = self.recorder.lock().clone();
         if let Some(rec) = rec
             && let Some(id) = rec.pop_phase()
@@ -124,12 +157,20 @@ impl<B: Backend> Allocator<B> {
     }
 
     /// Records a named point in time on every device (no-op when not tracing).
-    pub fn mark(&self, name: &str) {
+    ///
+    /// # Errors
+    /// `InvalidInput` for a name longer than
+    /// [`MAX_NAME_LEN`](crate::trace::format::MAX_NAME_LEN) bytes, tracing
+    /// or not.
+    pub fn mark(&self, name: &str) -> io::Result<()> {
+        check_name(name, "mark")?;
+        let _control = CONTROL.lock();
         let rec = self.recorder.lock().clone();
         if let Some(rec) = rec {
             let id = rec.intern(name);
             self.record_everywhere(Action::Mark, id);
         }
+        Ok(())
     }
 
     fn record_everywhere(&self, action: Action, id: u64) {
@@ -216,19 +257,19 @@ mod tests {
     fn records_calls_phases_and_marks_in_order() {
         let a = sim(2);
         let path = temp_path("order");
-        a.phase_push("ignored: not tracing");
+        a.phase_push("ignored: not tracing").unwrap();
         a.trace_start(&path).unwrap();
         assert!(a.is_tracing());
         assert_eq!(
             a.trace_start(&path).unwrap_err().kind(),
             io::ErrorKind::AlreadyExists
         );
-        a.phase_push("forward");
+        a.phase_push("forward").unwrap();
         let p = a.malloc(0, 1000, 0).unwrap();
-        a.mark("step 1");
+        a.mark("step 1").unwrap();
         a.free(0, p).unwrap();
         a.phase_pop();
-        a.phase_push("late");
+        a.phase_push("late").unwrap();
         let q = a.malloc(1, 3 << 20, 0).unwrap(); // device 1 joins with the open phase
         a.free(1, q).unwrap();
         a.phase_pop();

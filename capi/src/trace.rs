@@ -51,6 +51,10 @@ fn stop_at_exit() {
             {
                 let s = g.alloc.trace_stop();
                 log_stop(&s, "at exit");
+                if let Err(e) = s {
+                    // The only place left to say that the trace is incomplete.
+                    eprintln!("gpualloc: GPUALLOC_TRACE: the trace is incomplete: {e}");
+                }
             }
         });
     }
@@ -156,8 +160,7 @@ pub extern "C" fn gpualloc_is_tracing() -> c_int {
 pub unsafe extern "C" fn gpualloc_phase_push(name: *const c_char) -> c_int {
     status(|| {
         let name = str_arg(name, "name")?;
-        global()?.alloc.phase_push(name);
-        Ok(())
+        Ok(global()?.alloc.phase_push(name)?)
     })
 }
 
@@ -178,7 +181,6 @@ pub extern "C" fn gpualloc_phase_pop() -> c_int {
 pub unsafe extern "C" fn gpualloc_mark(name: *const c_char) -> c_int {
     status(|| {
         let name = str_arg(name, "name")?;
-        global()?.alloc.mark(name);
-        Ok(())
+        Ok(global()?.alloc.mark(name)?)
     })
 }

@@ -296,6 +296,51 @@ int main(void) {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// A trace started through `GPUALLOC_TRACE` whose writes fail (the file
+/// size limit, SIGXFSZ ignored) says so on stderr at exit, with the file.
+#[test]
+fn a_trace_that_fails_to_write_is_reported_at_exit() {
+    let lib = library();
+    let out = std::env::temp_dir().join(format!("gpualloc-abi-full-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let src = out.join("full_test.c");
+    std::fs::write(
+        &src,
+        r#"#include "gpualloc.h"
+int main(void) {
+  for (int i = 0; i < 20000; i++) {
+    void *p = gpualloc_malloc(4096, 0, 0);
+    gpualloc_free(p, 4096, 0, 0);
+  }
+  return 0;
+}
+"#,
+    )
+    .unwrap();
+    let exe = out.join("full_test");
+    compile(&src, &exe);
+    let trace = out.join("full.gtrace");
+    let run = Command::new("sh")
+        .arg("-c")
+        .arg("trap '' XFSZ; ulimit -f 8; exec \"$0\"")
+        .arg(&exe)
+        .env("LD_LIBRARY_PATH", lib.parent().unwrap())
+        .env("GPUALLOC_BACKEND", "sim")
+        .env("GPUALLOC_TRACE", &trace)
+        .env_remove("GPUALLOC_CONF")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("GPUALLOC_TRACE: the trace is incomplete")
+            && stderr.contains("full.gtrace")
+            && stderr.contains("could not be written"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 /// Runs `exe` on the simulated backend with `vars` set.
 fn run_sim(exe: &Path, vars: &[(&str, &std::ffi::OsStr)]) -> std::process::Output {
     let lib = library();
@@ -399,5 +444,45 @@ fn read_only_calls_and_errors() {
         stderr.contains("GPUALLOC_BACKEND is not valid UTF-8"),
         "{stderr}"
     );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Random sequences of C ABI calls (`tests/c/fuzz_abi.c`) on two simulated
+/// devices never crash, and every device's invariants hold after every
+/// call. `GPUALLOC_FUZZ_CASES` sets the number of sequences (README,
+/// Fuzzing); `GPUALLOC_FUZZ_SEED` the first seed.
+#[test]
+fn random_call_sequences_never_crash() {
+    let cases: u64 = std::env::var("GPUALLOC_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8);
+    let seed0: u64 = std::env::var("GPUALLOC_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let (out, exe) = build_c("fuzz_abi");
+    let traces = out.join("traces");
+    std::fs::create_dir_all(&traces).unwrap();
+    for seed in seed0..seed0 + cases {
+        let run = Command::new(&exe)
+            .args([&seed.to_string(), "3000"])
+            .arg(&traces)
+            .env("LD_LIBRARY_PATH", library().parent().unwrap())
+            .env("GPUALLOC_BACKEND", "sim")
+            .env("GPUALLOC_SIM_DEVICES", "2")
+            .env("GPUALLOC_SIM_CAPACITY", "8GiB")
+            .env_remove("GPUALLOC_CONF")
+            .env_remove("GPUALLOC_TRACE")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        assert!(
+            run.status.success() && stdout.ends_with("FUZZ OK\n"),
+            "seed {seed}: {}\n{stdout}\n{}",
+            run.status,
+            String::from_utf8_lossy(&run.stderr)
+        );
+    }
     let _ = std::fs::remove_dir_all(&out);
 }

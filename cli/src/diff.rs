@@ -70,7 +70,7 @@ fn render_json(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
 
 /// Share of reserved memory not allocated when reserved peaked.
 fn unallocated_at_peak(d: &DeviceAnalysis) -> f64 {
-    1.0 - d.allocated_at_peak_reserved as f64 / d.peak_reserved.value.max(1) as f64
+    crate::state::unallocated(d.allocated_at_peak_reserved, d.peak_reserved.value)
 }
 
 /// Peak reserved over peak allocated.

@@ -36,7 +36,7 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<(), CliE
                 w,
                 "{},{},{action},{ptr},{},{:#x},{}",
                 e.thread,
-                clock(start + e.time_ns),
+                clock(start.saturating_add(e.time_ns)),
                 e.size,
                 e.stream,
                 e.device

@@ -18,7 +18,7 @@ use gpualloc::trace::{Action, TraceEvent};
 
 use crate::input::{self, CliError};
 use crate::pickle::Pickler;
-use crate::state::{DeviceState, Region};
+use crate::state::{DeviceState, Region, range_end};
 
 type P = Pickler<BufWriter<File>>;
 
@@ -104,6 +104,9 @@ struct Exporter {
 impl Exporter {
     fn event(&mut self, p: &mut P, e: &TraceEvent) -> std::io::Result<()> {
         let keep = match e.action {
+            // A range past the end of the address space (a corrupt file):
+            // the state warns of it and leaves it out.
+            Action::Alloc if range_end(e.addr, e.aux.max(1)).is_none() => false,
             Action::Alloc => {
                 if !covered(&self.state, e.addr, e.aux.max(1)) {
                     let synth = TraceEvent {
@@ -128,7 +131,7 @@ impl Exporter {
                 .regions
                 .range(..=e.addr)
                 .next_back()
-                .is_some_and(|(&a, r)| r.expandable && e.addr + e.size <= a + r.size),
+                .is_some_and(|(&a, r)| r.expandable && within(e.addr, e.size, a, r.size)),
             Action::SegmentAlloc | Action::SegmentMap | Action::Oom => true,
             Action::PhasePush | Action::PhasePop | Action::Mark => {
                 self.state.apply(e);
@@ -149,7 +152,7 @@ impl Exporter {
                 p.kv_int("size", e.size)?;
                 p.kv_int("device_free", e.aux)?;
                 p.kv_int("stream", e.stream)?;
-                p.kv_int("time_us", (self.start_ns + e.time_ns) / 1000)?;
+                p.kv_int("time_us", self.start_ns.saturating_add(e.time_ns) / 1000)?;
                 p.end()
             }
             Action::FreeRequested => self.entry(p, "free_requested", e, requested),
@@ -189,7 +192,7 @@ impl Exporter {
         p.kv_int("addr", e.addr)?;
         p.kv_int("size", size)?;
         p.kv_int("stream", e.stream)?;
-        p.kv_int("time_us", (self.start_ns + e.time_ns) / 1000)?;
+        p.kv_int("time_us", self.start_ns.saturating_add(e.time_ns) / 1000)?;
         p.end()
     }
 }
@@ -198,7 +201,16 @@ fn covered(s: &DeviceState, addr: u64, size: u64) -> bool {
     s.regions
         .range(..=addr)
         .next_back()
-        .is_some_and(|(&a, r)| addr + size <= a + r.size)
+        .is_some_and(|(&a, r)| within(addr, size, a, r.size))
+}
+
+/// Whether `[addr, addr + size)` lies inside `[start, start + len)`, both
+/// ends inside the address space.
+fn within(addr: u64, size: u64, start: u64, len: u64) -> bool {
+    match (range_end(addr, size), range_end(start, len)) {
+        (Some(end), Some(limit)) => end <= limit,
+        _ => false,
+    }
 }
 
 fn segments(p: &mut P, device: u64, s: &DeviceState) -> std::io::Result<()> {
@@ -209,9 +221,10 @@ fn segments(p: &mut P, device: u64, s: &DeviceState) -> std::io::Result<()> {
             i += 1;
         }
         let mut blocks: Vec<(u64, u64, u64, &str)> = Vec::new();
-        let (mut cur, end) = (addr, addr + r.size);
+        // The state keeps no range that passes the end of the address space.
+        let (mut cur, end) = (addr, addr.saturating_add(r.size));
         let (mut allocated, mut active, mut requested) = (0, 0, 0);
-        while i < live.len() && live[i].0 + live[i].1.size <= end {
+        while i < live.len() && live[i].0.saturating_add(live[i].1.size) <= end {
             let (a, l) = live[i];
             if a > cur {
                 blocks.push((cur, a - cur, 0, "inactive"));
@@ -227,7 +240,7 @@ fn segments(p: &mut P, device: u64, s: &DeviceState) -> std::io::Result<()> {
             if !l.pending {
                 allocated += l.size;
             }
-            cur = a + l.size;
+            cur = a.saturating_add(l.size);
             i += 1;
         }
         if cur < end {

@@ -52,21 +52,21 @@ pub fn generate(out: &Path, events: u64, seed: u64) -> Result<TraceSummary, CliE
     };
     for step in 0..steps {
         let scale = 1 + rng.below(8);
-        a.phase_push("forward");
+        a.phase_push("forward").map_err(werr)?;
         let mut acts = Vec::with_capacity(64);
         for layer in 0..64u64 {
             let size = (1 + rng.below(4)) * scale * (64 << 10) * (1 + layer % 7) + rng.below(4096);
             acts.push(a.malloc(0, size, 0).map_err(fail)?);
         }
         a.phase_pop();
-        a.phase_push("backward");
+        a.phase_push("backward").map_err(werr)?;
         for p in acts.into_iter().rev() {
             let g = a.malloc(0, 1 + rng.below(2 << 20), 0).map_err(fail)?;
             a.free(0, p).map_err(fail)?;
             a.free(0, g).map_err(fail)?;
         }
         a.phase_pop();
-        a.phase_push("optimizer");
+        a.phase_push("optimizer").map_err(werr)?;
         for _ in 0..8 {
             let p = a.malloc(0, 512 + rng.below(16 << 10), 0).map_err(fail)?;
             a.free(0, p).map_err(fail)?;
@@ -76,7 +76,7 @@ pub fn generate(out: &Path, events: u64, seed: u64) -> Result<TraceSummary, CliE
         }
         a.phase_pop();
         if step % 10 == 9 {
-            a.mark("step");
+            a.mark("step").map_err(werr)?;
         }
     }
     a.trace_stop().map_err(werr)

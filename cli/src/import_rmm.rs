@@ -78,10 +78,10 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         let field = |c: usize| f.get(c).copied().ok_or_else(|| bad(c, "missing field"));
         let tod = parse_time(field(ctime)?)
             .ok_or_else(|| bad(ctime, "expected HH:MM:SS.microseconds"))?;
-        if tod + 3_600_000_000 < last_us % 86_400_000_000 {
+        if tod.saturating_add(3_600_000_000) < last_us % 86_400_000_000 {
             day += 1;
         }
-        let us = day * 86_400_000_000 + tod;
+        let us = day.saturating_mul(86_400_000_000).saturating_add(tod);
         last_us = us;
         let t0 = *first_us.get_or_insert(us);
         let next = threads.len() as u32 + 1;
@@ -104,7 +104,7 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             None => 0,
         };
         let e = TraceEvent {
-            time_ns: us.saturating_sub(t0) * 1000,
+            time_ns: us.saturating_sub(t0).saturating_mul(1000),
             action: Action::Alloc,
             device,
             stream,
@@ -153,7 +153,14 @@ fn parse_time(s: &str) -> Option<u64> {
     let (h, m, sec) = (it.next()??, it.next()??, it.next()??);
     let digits = frac.len().min(6);
     let f: u64 = frac.get(..digits)?.parse().ok()?;
-    Some(((h * 60 + m) * 60 + sec) * 1_000_000 + f * 10u64.pow(6 - digits as u32))
+    // Checked: a damaged log's hours must not wrap (the caller reports
+    // `None` as a bad time with the line number).
+    h.checked_mul(60)?
+        .checked_add(m)?
+        .checked_mul(60)?
+        .checked_add(sec)?
+        .checked_mul(1_000_000)?
+        .checked_add(f * 10u64.pow(6 - digits as u32))
 }
 
 fn parse_hex(s: &str) -> Option<u64> {
@@ -172,6 +179,8 @@ mod tests {
         assert_eq!(parse_time("01:02:03.000004"), Some(3_723_000_004));
         assert_eq!(parse_time("01:02:03.5"), Some(3_723_500_000));
         assert_eq!(parse_time("1:2"), None);
+        assert_eq!(parse_time("99999999999999999:00:00.0"), None, "no wrap");
+        assert_eq!(parse_time("0:0:18446744073709.551616"), None);
         assert_eq!(parse_hex("(nil)"), Some(0));
         assert_eq!(parse_hex("0x7f00"), Some(0x7f00));
         assert_eq!(parse_hex("zz"), None);

@@ -49,7 +49,7 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         .and_then(|s| s.get("PYTORCH_CUDA_ALLOC_CONF"))
         .and_then(|s| s.as_str().map(String::from));
     let header = TraceHeader {
-        start_unix_ns: t0 * 1000,
+        start_unix_ns: t0.saturating_mul(1000),
         device_count: devices.len() as u32,
         pid: 0,
         config: String::new(),
@@ -61,7 +61,8 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
     let werr = |e: std::io::Error| CliError(format!("{}: cannot write: {e}", out.display()));
     let file = File::create(out).map_err(werr)?;
     let mut w = TraceWriter::new(BufWriter::new(file), &header).map_err(werr)?;
-    let mut strings: Vec<String> = Vec::new();
+    // Annotation names, each written once (the string table is bounded).
+    let mut strings: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
     let config = Config::default();
     for (d, list) in devices.iter().enumerate() {
         let mut events = Vec::new();
@@ -107,16 +108,22 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                         .get("user_metadata")
                         .and_then(|m| m.as_str().map(String::from))
                         .unwrap_or_else(|| "annotate".into());
-                    strings.push(name);
-                    w.write_strings(&strings[strings.len() - 1..])
-                        .map_err(werr)?;
-                    (Action::Mark, Some(0), strings.len() as u64 - 1)
+                    let id = match strings.get(&name) {
+                        Some(&id) => id,
+                        None => {
+                            w.write_strings(std::slice::from_ref(&name)).map_err(werr)?;
+                            let id = strings.len() as u64;
+                            strings.insert(name, id);
+                            id
+                        }
+                    };
+                    (Action::Mark, Some(0), id)
                 }
                 _ => continue, // `snapshot` and future actions carry no allocation.
             };
             let addr = addr.ok_or_else(|| at(&format!("`{action:?}` without an `addr`")))?;
             events.push(TraceEvent {
-                time_ns: time_us * 1000,
+                time_ns: time_us.saturating_mul(1000),
                 action,
                 device: d as u32,
                 stream,

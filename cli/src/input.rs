@@ -228,7 +228,7 @@ pub fn scan_until(
         .join()
         .map_err(|_| CliError("the trace decoder panicked".into()))?;
     bar.finish_and_clear();
-    let mut warning = None;
+    let mut warning = reader_warnings(path, &reader);
     if let Err(e) = result {
         let what = if e.is_truncation() {
             "truncated"
@@ -264,6 +264,18 @@ pub fn scan_until(
         warning,
         file_bytes,
     })
+}
+
+/// Prints the reader's warnings (damage that did not stop it) once each;
+/// returns the first.
+pub fn reader_warnings<R: std::io::Read>(path: &Path, reader: &TraceReader<R>) -> Option<String> {
+    let mut first = None;
+    for w in reader.warnings() {
+        let msg = format!("{}: {w}; the figures may be wrong", path.display());
+        warn_once(&msg, &msg);
+        first.get_or_insert(msg);
+    }
+    first
 }
 
 fn progress(len: u64) -> ProgressBar {

@@ -43,6 +43,7 @@ pub fn run(
             }
             input::warn_once(&msg, &format!("{msg}; the readable prefix was replayed"));
         }
+        input::reader_warnings(path, &reader);
         strings = reader.strings().to_vec();
         results.push(r);
     }

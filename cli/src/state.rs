@@ -21,6 +21,11 @@ use rustc_hash::FxHashMap;
 /// Iteration boundaries kept per kind (marks, each top-level phase).
 const MAX_BOUNDARIES: usize = 1 << 22;
 
+/// Live blocks and reserved ranges tracked per device: far above any real
+/// program's, and a bound on memory when a crafted file allocates at
+/// millions of addresses (about 100 MB each).
+pub const MAX_TRACKED: usize = 1 << 21;
+
 /// No phase open.
 pub const NO_PHASE: u64 = u64::MAX;
 
@@ -88,12 +93,40 @@ pub struct DeviceState {
     pub unknown: u64,
     /// The trace counts physical memory with `pages_create`/`pages_release`.
     pub pooled: bool,
+    /// The trace has reserved memory (a segment or page event).
+    pub reserves: bool,
+    /// Events that contradict the state (overflowing ranges, gauges that
+    /// would go negative, allocated above reserved); the first is warned of.
+    pub inconsistent: u64,
+}
+
+/// The end of the range `[addr, addr + size)`; `None` when it passes the
+/// end of the address space (a corrupt file).
+pub fn range_end(addr: u64, size: u64) -> Option<u64> {
+    addr.checked_add(size)
 }
 
 impl DeviceState {
-    /// Applies one event.
+    /// Applies one event. An event that contradicts the state is applied
+    /// as far as it makes sense, counted in `inconsistent`, and the first
+    /// one is warned of: a corrupt file never panics or wraps a gauge.
     #[inline]
     pub fn apply(&mut self, e: &TraceEvent) {
+        let span = match e.action {
+            Action::Alloc | Action::Free => e.aux,
+            Action::SegmentAlloc | Action::SegmentMap | Action::SegmentUnmap => e.size,
+            _ => 0,
+        };
+        if range_end(e.addr, span).is_none() {
+            return self.contradiction(e, "a range past the end of the address space");
+        }
+        let full = |n: usize| n >= MAX_TRACKED;
+        if (e.action == Action::Alloc && full(self.live.len()) && !self.live.contains_key(&e.addr))
+            || (matches!(e.action, Action::SegmentAlloc | Action::SegmentMap)
+                && full(self.regions.len()))
+        {
+            return self.contradiction(e, "more live blocks or ranges than are tracked");
+        }
         match e.action {
             Action::Alloc => {
                 let phase = self.phases.last().copied().unwrap_or(NO_PHASE);
@@ -109,31 +142,37 @@ impl DeviceState {
                     },
                 );
                 if let Some(o) = old {
-                    self.g.allocated -= if o.pending { 0 } else { o.size };
-                    self.g.active -= o.size;
-                    self.g.requested -= o.requested;
+                    self.sub(e, |g| &mut g.allocated, if o.pending { 0 } else { o.size });
+                    self.sub(e, |g| &mut g.active, o.size);
+                    self.sub(e, |g| &mut g.requested, o.requested);
+                    self.contradiction(e, "an allocation of a block already live");
                 }
-                self.g.allocated += e.aux;
-                self.g.active += e.aux;
-                self.g.requested += e.size;
+                self.add(e, |g| &mut g.allocated, e.aux);
+                self.add(e, |g| &mut g.active, e.aux);
+                self.add(e, |g| &mut g.requested, e.size);
+                if self.reserves && self.g.allocated > self.g.reserved {
+                    self.contradiction(e, "allocated bytes above reserved bytes");
+                }
             }
             Action::FreeRequested => match self.live.get_mut(&e.addr) {
                 Some(l) if !l.pending => {
                     l.pending = true;
-                    self.g.allocated -= l.size;
+                    let size = l.size;
+                    self.sub(e, |g| &mut g.allocated, size);
                 }
                 _ => self.unknown += 1,
             },
             Action::FreeCompleted => {
                 if let Some(l) = self.live.remove(&e.addr) {
                     if !l.pending {
-                        self.g.allocated -= l.size;
+                        self.sub(e, |g| &mut g.allocated, l.size);
                     }
-                    self.g.active -= l.size;
-                    self.g.requested -= l.requested;
+                    self.sub(e, |g| &mut g.active, l.size);
+                    self.sub(e, |g| &mut g.requested, l.requested);
                 }
             }
             Action::SegmentAlloc => {
+                self.reserves = true;
                 self.regions.insert(
                     e.addr,
                     Region {
@@ -144,27 +183,29 @@ impl DeviceState {
                         synthetic: false,
                     },
                 );
-                self.g.reserved += e.size;
+                self.add(e, |g| &mut g.reserved, e.size);
             }
             Action::SegmentFree if self.regions.remove(&e.addr).is_some() => {
-                self.g.reserved = self.g.reserved.saturating_sub(e.size);
+                self.sub(e, |g| &mut g.reserved, e.size);
             }
             Action::SegmentMap => {
+                self.reserves = true;
                 self.map(e.addr, e.size, e.stream, e.aux);
                 if !self.pooled {
-                    self.g.reserved += e.size;
+                    self.add(e, |g| &mut g.reserved, e.size);
                 }
             }
             Action::SegmentUnmap if self.unmap(e.addr, e.size) && !self.pooled => {
-                self.g.reserved = self.g.reserved.saturating_sub(e.size);
+                self.sub(e, |g| &mut g.reserved, e.size);
             }
             Action::PagesCreate => {
                 self.pooled = true;
-                self.g.reserved += e.size;
+                self.reserves = true;
+                self.add(e, |g| &mut g.reserved, e.size);
             }
             Action::PagesRelease => {
                 self.pooled = true;
-                self.g.reserved = self.g.reserved.saturating_sub(e.size);
+                self.sub(e, |g| &mut g.reserved, e.size);
             }
             Action::PhasePush => {
                 if self.phases.is_empty() {
@@ -173,7 +214,9 @@ impl DeviceState {
                         v.push(e.time_ns);
                     }
                 }
-                self.phases.push(e.aux);
+                if self.phases.len() < MAX_BOUNDARIES {
+                    self.phases.push(e.aux);
+                }
             }
             Action::PhasePop => {
                 if let Some(i) = self.phases.iter().rposition(|&p| p == e.aux) {
@@ -185,21 +228,61 @@ impl DeviceState {
         }
     }
 
+    fn add(&mut self, e: &TraceEvent, gauge: fn(&mut Gauges) -> &mut u64, n: u64) {
+        let g = gauge(&mut self.g);
+        match g.checked_add(n) {
+            Some(v) => *g = v,
+            None => {
+                *g = u64::MAX;
+                self.contradiction(e, "a gauge above 2^64 bytes");
+            }
+        }
+    }
+
+    fn sub(&mut self, e: &TraceEvent, gauge: fn(&mut Gauges) -> &mut u64, n: u64) {
+        let g = gauge(&mut self.g);
+        match g.checked_sub(n) {
+            Some(v) => *g = v,
+            None => {
+                *g = 0;
+                self.contradiction(e, "a gauge below zero");
+            }
+        }
+    }
+
+    #[cold]
+    fn contradiction(&mut self, e: &TraceEvent, what: &str) {
+        self.inconsistent += 1;
+        if self.inconsistent == 1 {
+            let msg = format!(
+                "device {}: the {} event at {} ns (address {:#x}, {} bytes) gives {what}: the trace is inconsistent (damaged, or recorded after memory was in use); its figures may be wrong",
+                e.device,
+                e.action.name(),
+                e.time_ns,
+                e.addr,
+                e.size
+            );
+            crate::input::warn_once(&format!("inconsistent device {}", e.device), &msg);
+        }
+    }
+
     fn map(&mut self, addr: u64, size: u64, stream: u64, pool: u64) {
         let (mut start, mut len) = (addr, size);
         if let Some((&s, r)) = self.regions.range(..addr).next_back()
             && r.expandable
-            && s + r.size == addr
+            && range_end(s, r.size) == Some(addr)
             && r.stream == stream
         {
             start = s;
             len += r.size;
         }
-        if let Some(r) = self.regions.get(&(addr + size)).copied()
+        let end = addr.saturating_add(size);
+        if let Some(r) = self.regions.get(&end).copied()
             && r.expandable
             && r.stream == stream
+            && range_end(start, len.saturating_add(r.size)).is_some()
         {
-            self.regions.remove(&(addr + size));
+            self.regions.remove(&end);
             len += r.size;
         }
         self.regions.insert(
@@ -218,7 +301,10 @@ impl DeviceState {
         let Some((&s, &r)) = self.regions.range(..=addr).next_back() else {
             return false;
         };
-        if !r.expandable || addr + size > s + r.size {
+        let (Some(end), Some(r_end)) = (range_end(addr, size), range_end(s, r.size)) else {
+            return false;
+        };
+        if !r.expandable || end > r_end {
             return false;
         }
         self.regions.remove(&s);
@@ -231,11 +317,11 @@ impl DeviceState {
                 },
             );
         }
-        if addr + size < s + r.size {
+        if end < r_end {
             self.regions.insert(
-                addr + size,
+                end,
                 Region {
-                    size: s + r.size - addr - size,
+                    size: r_end - end,
                     ..r
                 },
             );
@@ -268,7 +354,7 @@ impl DeviceState {
         let mut i = 0;
         let (mut largest, mut total) = (0u64, 0u64);
         for (&start, r) in &self.regions {
-            let end = start + r.size;
+            let end = start.saturating_add(r.size);
             while i < live.len() && live[i].0 < start {
                 i += 1;
             }
@@ -277,7 +363,7 @@ impl DeviceState {
                 let gap = live[i].0.saturating_sub(cur);
                 largest = largest.max(gap);
                 total += gap;
-                cur = cur.max(live[i].0 + live[i].1.size);
+                cur = cur.max(live[i].0.saturating_add(live[i].1.size));
                 i += 1;
             }
             let gap = end.saturating_sub(cur);
@@ -299,10 +385,16 @@ pub fn external_fragmentation(largest: u64, total: u64) -> f64 {
 
 /// `1 - allocated / reserved` (0 with nothing reserved).
 pub fn unallocated_fraction(g: &Gauges) -> f64 {
-    if g.reserved == 0 {
+    unallocated(g.allocated, g.reserved)
+}
+
+/// `1 - allocated / reserved`, never negative: allocated above reserved
+/// (an inconsistent trace, warned of when read) counts as 0 unallocated.
+pub fn unallocated(allocated: u64, reserved: u64) -> f64 {
+    if reserved == 0 {
         0.0
     } else {
-        1.0 - g.allocated.min(g.reserved) as f64 / g.reserved as f64
+        1.0 - allocated.min(reserved) as f64 / reserved as f64
     }
 }
 
@@ -355,6 +447,23 @@ mod tests {
         s.apply(&ev(Action::SegmentUnmap, 5000, 100, 1));
         assert_eq!(s.regions.len(), 3, "an unmap in the middle splits");
         assert_eq!(s.g.reserved, 1000 + 4096 - 100);
+    }
+
+    /// A file allocating at millions of addresses is tracked up to the
+    /// bound, and the rest is counted as inconsistent, not stored.
+    #[test]
+    fn tracked_blocks_and_ranges_are_bounded() {
+        let mut s = DeviceState::default();
+        for i in 0..MAX_TRACKED as u64 + 10 {
+            s.apply(&ev(Action::Alloc, i * 512, 512, 512));
+        }
+        assert_eq!(s.live.len(), MAX_TRACKED);
+        assert_eq!(s.inconsistent, 10);
+        s.apply(&ev(Action::Alloc, 0, 512, 512));
+        assert_eq!(
+            s.inconsistent, 11,
+            "an address already live is a double allocation"
+        );
     }
 
     #[test]

@@ -76,9 +76,10 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
             "  reserved/allocated at the peaks {:.3}; at peak reserved {} allocated ({} unallocated)",
             d.peak_reserved.value as f64 / d.peak_allocated.value as f64,
             bytes(d.allocated_at_peak_reserved),
-            percent(
-                1.0 - d.allocated_at_peak_reserved as f64 / d.peak_reserved.value.max(1) as f64
-            )
+            percent(crate::state::unallocated(
+                d.allocated_at_peak_reserved,
+                d.peak_reserved.value
+            ))
         );
     }
     if let Some(p) = &d.at_peak {

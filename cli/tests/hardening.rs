@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use gpualloc::trace::{Action, TraceEvent, TraceHeader, TraceWriter};
+use gpualloc::trace::{Action, TraceEvent, TraceHeader, TraceWriter, frame};
 
 fn gpualloc(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_gpualloc"))
@@ -66,7 +66,7 @@ fn trace_on_device(dir: &Path, device: u32) -> PathBuf {
     };
     let mut w = TraceWriter::new(Vec::new(), &header).unwrap();
     w.write_events(
-        device,
+        0,
         &[
             e(Action::SegmentAlloc, 1),
             e(Action::Alloc, 2),
@@ -75,7 +75,13 @@ fn trace_on_device(dir: &Path, device: u32) -> PathBuf {
         ],
     )
     .unwrap();
-    let (bytes, _) = w.finish(Some(10)).unwrap();
+    let (mut bytes, _) = w.finish(Some(10)).unwrap();
+    // The writer refuses device numbers a reader would refuse: the events
+    // block is moved to `device` with its checksum forged.
+    let (_, blocks) = frame::split(&bytes).unwrap();
+    let events = &mut bytes[blocks[0].clone()];
+    events[4..8].copy_from_slice(&device.to_le_bytes());
+    frame::reseal_block(events);
     let p = dir.join(format!("dev-{device}.gtrace"));
     std::fs::write(&p, bytes).unwrap();
     p

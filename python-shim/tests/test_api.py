@@ -131,6 +131,14 @@ class ApiTest(unittest.TestCase):
             lib().malloc(1.5)
         self.assertFalse(gpualloc.is_tracing())
 
+    def test_names_longer_than_a_trace_holds_are_refused(self):
+        with self.assertRaisesRegex(GpuallocError, "mark name of 5000 bytes is above the limit of 4096"):
+            gpualloc.mark("x" * 5000)
+        with self.assertRaisesRegex(GpuallocError, "phase name of 5000 bytes"):
+            with gpualloc.phase("y" * 5000):
+                pass
+        gpualloc.mark("x" * 4096)
+
     def test_memory_limit_and_fraction(self):
         gpualloc.set_memory_fraction(0.5, 1)
         self.assertEqual(lib().memory_fraction(1), 0.5)

@@ -13,7 +13,7 @@ pub mod cuda;
 use std::fmt;
 
 pub use crate::cost::DriverCalls;
-pub use sim::SimBackend;
+pub use sim::{SimBackend, SimCall};
 
 /// A device address. Opaque: never dereferenced on the host. 0 is "null".
 pub type DevicePtr = u64;

@@ -27,6 +27,82 @@ const BASE: u64 = 0x7f00_0000_0000;
 /// Where simulated virtual reservations start, far from allocations.
 const VMM_BASE: u64 = 0x9f00_0000_0000;
 
+/// The driver calls [`SimBackend::fail_call`] can make fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SimCall {
+    /// `allocate` (`cudaMalloc`).
+    Allocate,
+    /// `release` (`cudaFree`).
+    Release,
+    /// `record_event`.
+    RecordEvent,
+    /// `event_done` (event query).
+    EventDone,
+    /// `wait_event` (event synchronize).
+    WaitEvent,
+    /// `stream_wait_event`.
+    StreamWaitEvent,
+    /// `reserve` (virtual address range).
+    Reserve,
+    /// `free_reservation`.
+    FreeReservation,
+    /// `create_handle` (physical memory).
+    CreateHandle,
+    /// `release_handle`.
+    ReleaseHandle,
+    /// `map_handles`.
+    Map,
+    /// `unmap`.
+    Unmap,
+    /// `synchronize`.
+    Synchronize,
+}
+
+impl SimCall {
+    /// Every kind, in declaration order.
+    pub const ALL: [SimCall; 13] = [
+        SimCall::Allocate,
+        SimCall::Release,
+        SimCall::RecordEvent,
+        SimCall::EventDone,
+        SimCall::WaitEvent,
+        SimCall::StreamWaitEvent,
+        SimCall::Reserve,
+        SimCall::FreeReservation,
+        SimCall::CreateHandle,
+        SimCall::ReleaseHandle,
+        SimCall::Map,
+        SimCall::Unmap,
+        SimCall::Synchronize,
+    ];
+
+    /// The CUDA driver function the call stands for.
+    pub fn driver_name(self) -> &'static str {
+        match self {
+            SimCall::Allocate => "cuMemAlloc",
+            SimCall::Release => "cuMemFree",
+            SimCall::RecordEvent => "cuEventRecord",
+            SimCall::EventDone => "cuEventQuery",
+            SimCall::WaitEvent => "cuEventSynchronize",
+            SimCall::StreamWaitEvent => "cuStreamWaitEvent",
+            SimCall::Reserve => "cuMemAddressReserve",
+            SimCall::FreeReservation => "cuMemAddressFree",
+            SimCall::CreateHandle => "cuMemCreate",
+            SimCall::ReleaseHandle => "cuMemRelease",
+            SimCall::Map => "cuMemMap",
+            SimCall::Unmap => "cuMemUnmap",
+            SimCall::Synchronize => "cuCtxSynchronize",
+        }
+    }
+}
+
+/// Injected failures: per [`SimCall`], calls so far and the call to fail.
+#[derive(Clone, Debug, Default)]
+struct Faults {
+    calls: [u64; 13],
+    fail_at: [Option<u64>; 13],
+}
+
 /// How many times each backend entry point was called.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SimCounters {
@@ -96,6 +172,7 @@ pub struct SimBackend {
     fail_allocate_at: Option<u64>,
     fail_map_at: Option<u64>,
     fail_event_at: Option<u64>,
+    faults: Faults,
     allocate_calls: u64,
     map_calls: u64,
     capturing: bool,
@@ -135,6 +212,7 @@ impl SimBackend {
             fail_allocate_at: None,
             fail_map_at: None,
             fail_event_at: None,
+            faults: Faults::default(),
             allocate_calls: 0,
             map_calls: 0,
             capturing: false,
@@ -180,6 +258,34 @@ impl SimBackend {
     /// Makes the `n`th `record_event` call from now (1-based) fail with a driver error.
     pub fn fail_event_at(&mut self, n: u64) {
         self.fail_event_at = Some(self.counters.record_event + n);
+    }
+
+    /// Makes the `n`-th call of `call` from now (1 = the next) fail with a
+    /// driver error (`CUDA_ERROR_UNKNOWN`), before it changes anything:
+    /// fault injection for every kind of driver call.
+    pub fn fail_call(&mut self, call: SimCall, n: u64) {
+        let i = call as usize;
+        self.faults.fail_at[i] = Some(self.faults.calls[i] + n);
+    }
+
+    /// Calls of `call` so far (failed ones included).
+    pub fn calls(&self, call: SimCall) -> u64 {
+        self.faults.calls[call as usize]
+    }
+
+    /// Counts a call of `call`; the injected error when it is the one to fail.
+    fn fault(&mut self, call: SimCall) -> Result<(), BackendError> {
+        let i = call as usize;
+        self.faults.calls[i] += 1;
+        if self.faults.fail_at[i] == Some(self.faults.calls[i]) {
+            self.faults.fail_at[i] = None;
+            return Err(BackendError::Driver {
+                call: call.driver_name(),
+                code: 999,
+                name: "CUDA_ERROR_UNKNOWN".into(),
+            });
+        }
+        Ok(())
     }
 
     /// While on, any call a CUDA graph capture forbids panics: event queries
@@ -340,6 +446,7 @@ impl Backend for SimBackend {
     }
 
     fn allocate(&mut self, size: u64, capturing: bool) -> Result<DevicePtr, BackendError> {
+        self.fault(SimCall::Allocate)?;
         assert!(size > 0, "SimBackend: allocate of 0 bytes");
         if !capturing {
             self.forbid_in_capture("allocate without the capturing flag");
@@ -359,6 +466,7 @@ impl Backend for SimBackend {
     }
 
     fn release(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        self.fault(SimCall::Release)?;
         self.forbid_in_capture("release");
         let got = self
             .live
@@ -376,6 +484,7 @@ impl Backend for SimBackend {
     }
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, BackendError> {
+        self.fault(SimCall::RecordEvent)?;
         if self.fail_event_at == Some(self.counters.record_event + 1) {
             self.fail_event_at = None;
             return Err(BackendError::Driver {
@@ -394,6 +503,7 @@ impl Backend for SimBackend {
     }
 
     fn event_done(&mut self, event: EventId) -> Result<bool, BackendError> {
+        self.fault(SimCall::EventDone)?;
         self.forbid_in_capture("event query");
         let (stream, seq) = self.event(event);
         self.counters.event_query += 1;
@@ -402,6 +512,7 @@ impl Backend for SimBackend {
     }
 
     fn wait_event(&mut self, event: EventId) -> Result<(), BackendError> {
+        self.fault(SimCall::WaitEvent)?;
         self.forbid_in_capture("event wait");
         let (stream, seq) = self.event(event);
         let s = self
@@ -415,6 +526,7 @@ impl Backend for SimBackend {
     }
 
     fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
+        self.fault(SimCall::StreamWaitEvent)?;
         let (from, seq) = self.event(event);
         let w = self
             .streams
@@ -442,6 +554,7 @@ impl Backend for SimBackend {
     }
 
     fn reserve(&mut self, size: u64) -> Result<DevicePtr, BackendError> {
+        self.fault(SimCall::Reserve)?;
         assert!(
             size > 0 && size % self.page == 0,
             "SimBackend: reserve of {size} is not whole pages"
@@ -460,6 +573,7 @@ impl Backend for SimBackend {
     }
 
     fn free_reservation(&mut self, va: DevicePtr, size: u64) -> Result<(), BackendError> {
+        self.fault(SimCall::FreeReservation)?;
         self.forbid_in_capture("free_reservation");
         let r = self
             .reservations
@@ -478,6 +592,7 @@ impl Backend for SimBackend {
     }
 
     fn create_handle(&mut self, size: u64, capturing: bool) -> Result<HandleId, BackendError> {
+        self.fault(SimCall::CreateHandle)?;
         assert!(
             size > 0 && size % self.page == 0,
             "SimBackend: handle of {size} bytes is not whole pages"
@@ -499,6 +614,7 @@ impl Backend for SimBackend {
     }
 
     fn release_handle(&mut self, handle: HandleId, size: u64) -> Result<(), BackendError> {
+        self.fault(SimCall::ReleaseHandle)?;
         self.forbid_in_capture("release_handle");
         let (got, mapped) = self
             .handles
@@ -525,6 +641,7 @@ impl Backend for SimBackend {
         capturing: bool,
     ) -> Result<(), BackendError> {
         assert!(ptr % self.page == 0, "SimBackend: map at a partial page");
+        self.fault(SimCall::Map)?;
         if !capturing {
             self.forbid_in_capture("map without the capturing flag");
         }
@@ -560,6 +677,7 @@ impl Backend for SimBackend {
     }
 
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        self.fault(SimCall::Unmap)?;
         self.forbid_in_capture("unmap");
         let (r, off) = self.reservation_of(ptr, size);
         let inside: Vec<u64> = r.mapped.range(off..off + size).map(|(&o, _)| o).collect();
@@ -592,6 +710,7 @@ impl Backend for SimBackend {
     }
 
     fn synchronize(&mut self) -> Result<(), BackendError> {
+        self.fault(SimCall::Synchronize)?;
         self.forbid_in_capture("synchronize");
         self.complete_all();
         self.driver.add(DriverCall::CtxSync, 0, 0, 0);
@@ -606,6 +725,24 @@ impl Backend for SimBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `fail_call` fails exactly the n-th later call of its kind, before
+    /// it changes anything, and only once.
+    #[test]
+    fn injected_faults_fail_the_nth_call_once() {
+        let mut s = SimBackend::new(100 << 20);
+        s.fail_call(SimCall::RecordEvent, 2);
+        s.fail_call(SimCall::Allocate, 1);
+        assert!(s.allocate(4096, false).is_err());
+        assert_eq!(s.used(), 0);
+        s.allocate(4096, false).unwrap();
+        s.record_event(1).unwrap();
+        let e = s.record_event(1).unwrap_err();
+        assert!(e.to_string().contains("cuEventRecord"), "{e}");
+        s.record_event(1).unwrap();
+        assert_eq!(s.calls(SimCall::RecordEvent), 3);
+        assert_eq!(s.calls(SimCall::Allocate), 2);
+    }
 
     /// A request near `u64::MAX` is out of memory, not an overflow.
     #[test]

@@ -11,6 +11,12 @@ use std::io;
 pub const MAGIC: [u8; 8] = *b"\x89GATRACE";
 /// The format version this code writes and reads.
 pub const VERSION: u16 = 1;
+/// The minor version this code writes, a varint after the header's
+/// producer (absent, so 0, in older files). Minor 1 numbers the blocks: the
+/// flags byte of every block header holds the block's index modulo 256, and
+/// the END block adds the number of blocks before it. Readers of minor 0
+/// ignore both, and this reader still reads minor 0 files.
+pub const MINOR_VERSION: u64 = 1;
 /// Two bytes that open every block.
 pub const BLOCK_MAGIC: [u8; 2] = *b"BK";
 /// Bytes of a block header: magic, kind, flags, device, length, crc32.
@@ -19,12 +25,43 @@ pub const BLOCK_HEADER_LEN: usize = 16;
 /// allocate gigabytes).
 pub const MAX_BLOCK_LEN: u32 = 64 << 20;
 
+/// Most records in one EVENTS block: writers split larger batches, and
+/// readers refuse more, so a block decodes to at most twice this many
+/// events (a `free` record is two) whatever its payload length.
+pub const MAX_BLOCK_EVENTS: usize = 1 << 16;
+
+/// Most entries of a trace's string table: readers refuse more (a crafted
+/// file of empty strings must not fill memory), writers refuse to write more.
+pub const MAX_STRINGS: u64 = 1 << 20;
+
 /// Device numbers (in block headers) and the header's device count are
 /// below this; anything larger is a damaged or foreign file, and readers
 /// may size per-device tables by it.
 pub const MAX_DEVICES: u32 = 1024;
-/// Largest header body a reader accepts.
+/// Largest header body a reader accepts (and a writer writes: the
+/// configuration string and the producer must fit in it).
 pub const MAX_HEADER_LEN: u32 = 1 << 20;
+
+/// Longest phase or mark name, in bytes. The allocator refuses longer
+/// names, tracing or not, so that a program behaves the same traced; the
+/// recorder's string table then stays below `MAX_NAME_LEN` times its
+/// entry limit.
+pub const MAX_NAME_LEN: usize = 4096;
+
+/// `Ok` when `name` (a phase or mark name, `what` says which) is no longer
+/// than [`MAX_NAME_LEN`]; otherwise an `InvalidInput` error with both lengths.
+pub fn check_name(name: &str, what: &str) -> io::Result<()> {
+    if name.len() > MAX_NAME_LEN {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "{what} name of {} bytes is above the limit of {MAX_NAME_LEN} bytes",
+                name.len()
+            ),
+        ));
+    }
+    Ok(())
+}
 
 /// Block kinds.
 pub mod kind {
@@ -74,6 +111,8 @@ pub struct TraceEnd {
     pub dropped: u64,
     /// Nanoseconds since start at the stop.
     pub end_ns: u64,
+    /// Blocks before the END block (minor version 1 and later).
+    pub blocks: Option<u64>,
 }
 
 /// Appends `v` as LEB128.

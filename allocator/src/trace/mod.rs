@@ -7,6 +7,7 @@
 
 mod event;
 pub mod format;
+pub mod frame;
 pub mod reader;
 pub mod recorder;
 pub mod writer;
@@ -20,6 +21,9 @@ pub use format::{MAX_DEVICES, TraceEnd, TraceError, TraceErrorKind, TraceHeader}
 pub use reader::TraceReader;
 pub use recorder::{DeviceTrace, Recorder, TraceOptions, TraceSummary, thread_id};
 pub use writer::TraceWriter;
+
+#[cfg(test)]
+mod structure_tests;
 
 /// A fresh temporary file path for tests in this crate.
 #[cfg(test)]

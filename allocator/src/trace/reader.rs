@@ -28,7 +28,18 @@ pub struct TraceReader<R: Read> {
     error: Option<TraceError>,
     finished: bool,
     events_read: u64,
+    minor: u64,
+    blocks: u64,
+    last_time: BTreeMap<u32, u64>,
+    warnings: Vec<String>,
 }
+
+/// Most warnings a reader keeps (the first ones).
+const MAX_WARNINGS: usize = 8;
+
+/// How far (ns) a device's events may go back in time across blocks before
+/// the reader warns: threads read the clock a few nanoseconds apart.
+const TIME_SLACK_NS: u64 = 1_000_000;
 
 impl TraceReader<BufReader<File>> {
     /// Opens a trace file and reads its header.
@@ -102,7 +113,7 @@ impl<R: Read> TraceReader<R> {
                 },
             ));
         }
-        let header = parse_header(&body)
+        let (header, minor) = parse_header(&body)
             .ok_or_else(|| TraceError::malformed(14, "header fields do not parse"))?;
         if header.device_count > MAX_DEVICES {
             return Err(TraceError::malformed(
@@ -124,12 +135,29 @@ impl<R: Read> TraceReader<R> {
             error: None,
             finished: false,
             events_read: 0,
+            minor,
+            blocks: 0,
+            last_time: BTreeMap::new(),
+            warnings: Vec::new(),
         })
     }
 
     /// The header.
     pub fn header(&self) -> &TraceHeader {
         &self.header
+    }
+
+    /// The format's minor version in the file (0 for files older than
+    /// minor versions; see [`format::MINOR_VERSION`]).
+    pub fn minor_version(&self) -> u64 {
+        self.minor
+    }
+
+    /// Problems that did not stop reading (a device's events going back in
+    /// time across blocks, as when blocks of an older file were reordered),
+    /// the first eight.
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
     }
 
     /// Bytes consumed so far.
@@ -259,6 +287,10 @@ impl<R: Read> TraceReader<R> {
                 ));
             }
             self.offset += (BLOCK_HEADER_LEN + len as usize) as u64;
+            if let Err(why) = self.check_sequence(block_kind, head[3]) {
+                self.finished = true;
+                return Err(TraceError::malformed(start, why));
+            }
             if let Err(why) = self.apply_block(block_kind, device, out) {
                 out.clear();
                 self.finished = true;
@@ -267,7 +299,9 @@ impl<R: Read> TraceReader<R> {
                     format!("{why} in a block of kind {block_kind}"),
                 ));
             }
+            self.blocks += 1;
             if !out.is_empty() {
+                self.check_time(start, device, out);
                 return Ok(true);
             }
         }
@@ -293,11 +327,16 @@ impl<R: Read> TraceReader<R> {
             }
             kind::END => {
                 let mut next = || format::get_varint(&self.payload, &mut p).ok_or("bad totals");
-                self.end = Some(TraceEnd {
-                    events: next()?,
-                    dropped: next()?,
-                    end_ns: next()?,
-                });
+                let (events, dropped, end_ns) = (next()?, next()?, next()?);
+                let blocks = if self.minor >= 1 { Some(next()?) } else { None };
+                let end = TraceEnd {
+                    events,
+                    dropped,
+                    end_ns,
+                    blocks,
+                };
+                self.check_end(&end)?;
+                self.end = Some(end);
             }
             _ => {} // Unknown kinds are skipped: later minor additions stay readable.
         }
@@ -314,6 +353,68 @@ impl<R: Read> TraceReader<R> {
         }
     }
 
+    /// Blocks deleted, duplicated or reordered: a block after the END
+    /// block, or (minor 1) a sequence number that is not the block's index.
+    fn check_sequence(&self, block_kind: u8, seq: u8) -> Result<(), String> {
+        if self.end.is_some() {
+            return Err(format!(
+                "a block of kind {block_kind} follows the END block: blocks were duplicated or appended"
+            ));
+        }
+        if self.minor >= 1 && seq != self.blocks as u8 {
+            return Err(format!(
+                "block {} (kind {block_kind}) carries sequence number {seq}, expected {} (the index modulo 256): blocks were deleted, duplicated or reordered",
+                self.blocks, self.blocks as u8
+            ));
+        }
+        Ok(())
+    }
+
+    /// The END block's totals against what the blocks before it held.
+    fn check_end(&self, end: &TraceEnd) -> Result<(), String> {
+        let dropped: u64 = self.dropped.values().sum();
+        let damage = "blocks were deleted or duplicated";
+        if end.events != self.events_read {
+            return Err(format!(
+                "the END block counts {} events, the blocks before it hold {}: {damage}",
+                end.events, self.events_read
+            ));
+        }
+        if end.dropped != dropped {
+            return Err(format!(
+                "the END block counts {} dropped events, the DROPPED blocks before it {dropped}: {damage}",
+                end.dropped
+            ));
+        }
+        if let Some(b) = end.blocks
+            && b != self.blocks
+        {
+            return Err(format!(
+                "the END block counts {b} blocks before it, the file holds {}: {damage}",
+                self.blocks
+            ));
+        }
+        Ok(())
+    }
+
+    /// Warns when a device's events go back in time from one block to the
+    /// next (reordered blocks of a file without sequence numbers).
+    fn check_time(&mut self, start: u64, device: u32, out: &[TraceEvent]) {
+        let first = out.first().map_or(0, |e| e.time_ns);
+        let last = out.iter().map(|e| e.time_ns).max().unwrap_or(0);
+        let prev = self.last_time.get(&device).copied();
+        self.last_time
+            .insert(device, prev.map_or(last, |p| p.max(last)));
+        if let Some(prev) = prev
+            && first.saturating_add(TIME_SLACK_NS) < prev
+            && self.warnings.len() < MAX_WARNINGS
+        {
+            self.warnings.push(format!(
+                "at byte {start}: device {device}'s events go back in time from {prev} ns to {first} ns: blocks are out of order"
+            ));
+        }
+    }
+
     fn io(&mut self, e: io::Error) -> TraceError {
         self.finished = true;
         TraceError::new(self.offset, TraceErrorKind::Io(e))
@@ -323,6 +424,13 @@ impl<R: Read> TraceReader<R> {
         let p = &self.payload;
         let mut pos = 0;
         let n = format::get_varint(p, &mut pos).ok_or("bad string count")?;
+        if (self.strings.len() as u64).saturating_add(n) > format::MAX_STRINGS {
+            return Err(format!(
+                "{n} more strings after {} are above the limit of {} in a trace",
+                self.strings.len(),
+                format::MAX_STRINGS
+            ));
+        }
         for _ in 0..n {
             let id = format::get_varint(p, &mut pos).ok_or("bad string id")?;
             if id != self.strings.len() as u64 {
@@ -394,20 +502,27 @@ fn read_full(src: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
     Ok(n)
 }
 
-fn parse_header(b: &[u8]) -> Option<TraceHeader> {
+/// The header and the format's minor version (0 when absent).
+fn parse_header(b: &[u8]) -> Option<(TraceHeader, u64)> {
     let start_unix_ns = u64::from_le_bytes(b.get(0..8)?.try_into().ok()?);
     let device_count = u32::from_le_bytes(b.get(8..12)?.try_into().ok()?);
     let pid = u32::from_le_bytes(b.get(12..16)?.try_into().ok()?);
     let mut pos = 16;
     let config = get_str(b, &mut pos)?;
     let producer = get_str(b, &mut pos)?;
-    Some(TraceHeader {
+    let minor = if pos < b.len() {
+        format::get_varint(b, &mut pos)?
+    } else {
+        0
+    };
+    let header = TraceHeader {
         start_unix_ns,
         device_count,
         pid,
         config,
         producer,
-    })
+    };
+    Some((header, minor))
 }
 
 fn get_str(b: &[u8], pos: &mut usize) -> Option<String> {
@@ -450,6 +565,12 @@ pub(crate) fn decode_events(
 ) -> Result<(), String> {
     let mut pos = 0;
     let n = format::get_varint(p, &mut pos).ok_or("bad event count")?;
+    if n > format::MAX_BLOCK_EVENTS as u64 {
+        return Err(format!(
+            "event count {n} is above the limit of {} records per block",
+            format::MAX_BLOCK_EVENTS
+        ));
+    }
     // Every record takes at least two bytes: a bound before reserving.
     if n > (p.len() as u64) / 2 + 1 {
         return Err(format!(
@@ -650,24 +771,29 @@ mod tests {
             aux: 512,
             thread: 1,
         };
+        // The writer refuses such numbers: the files are made by patching
+        // a valid one and resealing its checksums.
         for device in [MAX_DEVICES, u32::MAX] {
             let mut w = TraceWriter::new(Vec::new(), &header()).unwrap();
             w.write_events(MAX_DEVICES - 1, &[ev]).unwrap();
-            w.write_events(device, &[ev]).unwrap();
-            let (bytes, _) = w.finish(None).unwrap();
+            w.write_events(0, &[ev]).unwrap();
+            let (mut bytes, _) = w.finish(None).unwrap();
+            let (_, blocks) = crate::trace::frame::split(&bytes).unwrap();
+            let second = &mut bytes[blocks[1].clone()];
+            second[4..8].copy_from_slice(&device.to_le_bytes());
+            crate::trace::frame::reseal_block(second);
             let (evs, err, _) = read_all(&bytes);
             assert_eq!(evs.len(), 1);
             let err = err.expect("rejected").to_string();
             assert!(err.contains(&format!("device {device}")), "{err}");
         }
-        let huge = TraceHeader {
-            device_count: u32::MAX,
-            ..header()
-        };
-        let (bytes, _) = TraceWriter::new(Vec::new(), &huge)
+        let (mut bytes, _) = TraceWriter::new(Vec::new(), &header())
             .unwrap()
             .finish(None)
             .unwrap();
+        let (h, _) = crate::trace::frame::split(&bytes).unwrap();
+        bytes[22..26].copy_from_slice(&u32::MAX.to_le_bytes());
+        crate::trace::frame::reseal_header(&mut bytes[h]);
         let err = TraceReader::new(&bytes[..]).err().unwrap().to_string();
         assert!(err.contains("device count 4294967295"), "{err}");
     }

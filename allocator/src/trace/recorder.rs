@@ -16,7 +16,7 @@ use std::fs::File;
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender, TrySendError};
@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
 use crate::backend::{DevicePtr, StreamId};
-use crate::trace::format::TraceHeader;
+use crate::trace::format::{MAX_DEVICES, TraceHeader};
 use crate::trace::writer::TraceWriter;
 use crate::trace::{Action, TraceEvent};
 
@@ -112,7 +112,13 @@ pub struct DeviceTrace {
     dropped_pending: u64,
     dropped_total: u64,
     dropped_synced: u64,
+    /// Events of each device the writer received but could not write.
+    lost: Option<Lost>,
 }
+
+/// Per device, events the writer thread received but could not write (an
+/// I/O error); the device's trace moves them into its dropped count.
+type Lost = Arc<[AtomicU64]>;
 
 impl DeviceTrace {
     /// A buffer for `device` that keeps every event in memory (tests, tools).
@@ -129,6 +135,7 @@ impl DeviceTrace {
             dropped_pending: 0,
             dropped_total: 0,
             dropped_synced: 0,
+            lost: None,
         }
     }
 
@@ -165,8 +172,16 @@ impl DeviceTrace {
     }
 
     /// Dropped events not yet reported through this method (for
-    /// `DeviceStats::num_trace_dropped`).
+    /// `DeviceStats::num_trace_dropped`): those the channel refused and
+    /// those the writer could not write.
+    #[inline]
     pub fn take_unsynced_drops(&mut self) -> u64 {
+        if let Some(c) = self.lost.as_ref().and_then(|l| l.get(self.device as usize))
+            // A relaxed load first: this runs on every event.
+            && c.load(Ordering::Relaxed) != 0
+        {
+            self.dropped_total += c.swap(0, Ordering::Relaxed);
+        }
         let n = self.dropped_total - self.dropped_synced;
         self.dropped_synced = self.dropped_total;
         n
@@ -289,6 +304,7 @@ pub struct Recorder {
     phases: Mutex<Vec<u64>>,
     writer: Mutex<Option<JoinHandle<io::Result<TraceSummary>>>>,
     path: std::path::PathBuf,
+    lost: Lost,
 }
 
 impl Recorder {
@@ -303,7 +319,6 @@ impl Recorder {
             buffer_events: opts.buffer_events.max(1),
             ..opts
         };
-        let file = File::create(path)?;
         let start_unix_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
@@ -314,7 +329,10 @@ impl Recorder {
             config: config.to_string(),
             producer: concat!("gpualloc ", env!("CARGO_PKG_VERSION")).to_string(),
         };
-        let writer = TraceWriter::new(file, &header)?;
+        // A header a reader would refuse (a configuration string above the
+        // limit) is refused before the file is created.
+        TraceWriter::new(io::sink(), &header)?;
+        let writer = TraceWriter::new(File::create(path)?, &header)?;
         let clock = quanta::Clock::new();
         let start_raw = clock.raw();
         let (tx, rx) = crossbeam_channel::bounded(opts.channel_blocks);
@@ -323,11 +341,14 @@ impl Recorder {
             ids: FxHashMap::default(),
             table: Vec::new(),
         }));
+        let lost: Lost = (0..MAX_DEVICES).map(|_| AtomicU64::new(0)).collect();
         let ctx = WriterCtx {
             clock: clock.clone(),
             start_raw,
             strings: strings.clone(),
             spare: spare_tx,
+            lost: lost.clone(),
+            path: path.to_path_buf(),
         };
         let handle = std::thread::Builder::new()
             .name("gpualloc-trace".into())
@@ -342,6 +363,7 @@ impl Recorder {
             phases: Mutex::new(Vec::new()),
             writer: Mutex::new(Some(handle)),
             path: path.to_path_buf(),
+            lost,
         })
     }
 
@@ -367,11 +389,20 @@ impl Recorder {
             dropped_pending: 0,
             dropped_total: 0,
             dropped_synced: 0,
+            lost: Some(self.lost.clone()),
         };
         for &id in self.phases.lock().iter() {
             t.record(Action::PhasePush, 0, 0, 0, id);
         }
         t
+    }
+
+    /// Events of `device` the writer could not write and no device trace
+    /// has taken into its dropped count yet (after the devices detach).
+    pub(crate) fn take_lost(&self, device: u32) -> u64 {
+        self.lost
+            .get(device as usize)
+            .map_or(0, |c| c.swap(0, Ordering::Relaxed))
     }
 
     /// The string id of `s`, adding it to the table.
@@ -453,6 +484,8 @@ struct WriterCtx {
     start_raw: u64,
     strings: Arc<Mutex<Strings>>,
     spare: Sender<Vec<TraceEvent>>,
+    lost: Lost,
+    path: std::path::PathBuf,
 }
 
 impl WriterCtx {
@@ -480,7 +513,11 @@ impl WriterCtx {
                         }
                     }
                     if failed.is_some() {
-                        lost += crate::trace::reader::event_count(&events) + dropped;
+                        let n = crate::trace::reader::event_count(&events);
+                        lost += n + dropped;
+                        if let Some(c) = self.lost.get(device as usize) {
+                            c.fetch_add(n, Ordering::Relaxed);
+                        }
                     }
                     events.clear();
                     let _ = self.spare.try_send(events);
@@ -488,7 +525,7 @@ impl WriterCtx {
                 Msg::Flush(ack) => {
                     let r = match &failed {
                         Some(e) => Err(io::Error::new(e.kind(), e.to_string())),
-                        None => w.flush(),
+                        None => w.flush().and_then(|()| self.still_there(w.get_ref(), &w)),
                     };
                     let _ = ack.send(r);
                 }
@@ -509,11 +546,33 @@ impl WriterCtx {
         let (events, dropped) = (w.events(), w.dropped());
         let (file, _) = w.finish(Some(end_ns))?;
         let bytes = file.metadata().map(|m| m.len()).unwrap_or(0);
+        self.check_path(&file, events, bytes)?;
         Ok(TraceSummary {
             events,
             dropped,
             bytes,
         })
+    }
+
+    fn still_there(&self, file: &File, w: &TraceWriter<File>) -> io::Result<()> {
+        self.check_path(file, w.events(), w.bytes())
+    }
+
+    /// An error when the path no longer names the file being written (its
+    /// directory removed, the file deleted or replaced): the writes
+    /// succeeded, into a file nobody can open.
+    fn check_path(&self, file: &File, events: u64, bytes: u64) -> io::Result<()> {
+        let open = file.metadata()?;
+        let same = std::fs::metadata(&self.path).is_ok_and(|m| same_file(&m, &open));
+        if same {
+            return Ok(());
+        }
+        Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!(
+                "the file was removed or replaced while it was written: its {events} events ({bytes} bytes) are lost"
+            ),
+        ))
     }
 
     fn write(
@@ -538,4 +597,15 @@ impl WriterCtx {
         };
         w.write_strings(&new)
     }
+}
+
+#[cfg(unix)]
+fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    a.dev() == b.dev() && a.ino() == b.ino()
+}
+
+#[cfg(not(unix))]
+fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
+    a.len() == b.len()
 }

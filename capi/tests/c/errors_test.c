@@ -2,6 +2,7 @@
  * with BAD_CONF set, GPUALLOC_CONF is bad and frees must not flood stderr. */
 #include "gpualloc.h"
 #include <stdio.h>
+#include <string.h>
 #include <stdlib.h>
 
 #define CHECK(c)                                                   \
@@ -60,6 +61,16 @@ int main(void) {
   CHECK(gpualloc_last_error_code() == GPUALLOC_ERR_INVALID_POINTER);
   gpualloc_free(p, 4096, 0, 0);
   CHECK(gpualloc_last_error() == NULL && gpualloc_last_error_code() == 0);
+
+  /* A name longer than a trace holds is refused, tracing or not. */
+  static char name[5001];
+  memset(name, 'x', 5000);
+  CHECK(gpualloc_mark(name) != GPUALLOC_OK);
+  CHECK(strstr(gpualloc_last_error(), "5000 bytes is above the limit of 4096") != NULL);
+  CHECK(gpualloc_phase_push(name) != GPUALLOC_OK);
+  CHECK(strstr(gpualloc_last_error(), "phase name of 5000 bytes") != NULL);
+  name[4096] = 0;
+  CHECK(gpualloc_mark(name) == GPUALLOC_OK);
   printf("ALL OK\n");
   return 0;
 }

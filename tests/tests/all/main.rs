@@ -11,6 +11,7 @@
 
 mod docs;
 mod examples;
+mod fuzz_config;
 mod gpu_recorded;
 mod promise;
 mod properties;

@@ -94,8 +94,8 @@ fn marks_and_phases_race_first_use_of_a_device_without_deadlock() {
         let a = a.clone();
         std::thread::spawn(move || {
             for i in 0..2000 {
-                a.phase_push("p");
-                a.mark(if i % 2 == 0 { "even" } else { "odd" });
+                a.phase_push("p").unwrap();
+                a.mark(if i % 2 == 0 { "even" } else { "odd" }).unwrap();
                 a.phase_pop();
             }
         })
@@ -179,7 +179,7 @@ fn marks_with_ever_new_names_keep_the_trace_bounded() {
     a.free(0, a.malloc(0, 4096, 0).unwrap()).unwrap();
     a.trace_start(&path).unwrap();
     for i in 0..70_000 {
-        a.mark(&format!("step {i}"));
+        a.mark(&format!("step {i}")).unwrap();
     }
     a.trace_stop().unwrap();
     let mut r = TraceReader::open(&path).unwrap();
