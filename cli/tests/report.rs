@@ -28,18 +28,18 @@ fn record(path: &Path) {
     .unwrap();
     let weights = a.malloc(0, 8 * MIB, 0).unwrap();
     for _ in 0..4 {
-        a.phase_push("forward");
+        a.phase_push("forward").unwrap();
         let act = a.malloc(0, 30 * MIB, 0).unwrap();
         a.free(0, act).unwrap();
         a.phase_pop();
-        a.phase_push("checkpoint_save");
+        a.phase_push("checkpoint_save").unwrap();
         let copy = a.malloc(0, 16 * MIB, 0).unwrap();
         a.free(0, copy).unwrap();
         a.phase_pop();
-        a.mark("step");
+        a.mark("step").unwrap();
     }
     a.empty_cache().unwrap();
-    a.phase_push("forward");
+    a.phase_push("forward").unwrap();
     let blocks: Vec<_> = (0..49 * 5)
         .map(|_| a.malloc(0, 4 * MIB, 0).unwrap())
         .collect();
