@@ -18,8 +18,11 @@ pub struct Oom {
     pub stream: u64,
     /// Bytes requested.
     pub requested: u64,
-    /// Free bytes the device reported.
+    /// Free bytes the device reported; within the recorded memory limit
+    /// once the report applied it (`limited`).
     pub device_free: u64,
+    /// Whether `device_free` was cut to what the memory limit left.
+    pub limited: bool,
     /// Gauges at the failure.
     pub gauges: Gauges,
     /// Largest free piece of reserved memory.
@@ -64,6 +67,7 @@ pub fn examine(e: &TraceEvent, s: &DeviceState) -> Oom {
         stream: e.stream,
         requested: e.size,
         device_free: e.aux,
+        limited: false,
         gauges: s.g,
         largest_free,
         cached_free,

@@ -25,6 +25,10 @@ const JS: &str = include_str!("report.js");
 /// trace holds OOMs, replays it under candidate configurations.
 pub fn render(a: &mut Analysis, path: &Path, allow_truncated: bool) -> Result<String, CliError> {
     let data = crate::report_data::collect(path, allow_truncated, a)?;
+    let recorded = a.info.header.config.clone();
+    for d in a.devices.values_mut() {
+        crate::report_oom::apply_limit(&mut d.ooms, &recorded);
+    }
     let a = &*a;
     let mut s = String::new();
     let name = path.file_name().map_or_else(

@@ -63,18 +63,61 @@ pub fn explain(o: &Oom) -> String {
             bytes(o.requested)
         ),
         Cause::Cache => format!(
-            "{} free in the cache and {} on the device: together enough for {}, but neither alone; the cache held memory it could have given back.",
+            "{} free in the cache and {} {}: together enough for {}, but neither alone; the cache held memory it could have given back.",
             bytes(o.cached_free),
             bytes(o.device_free),
+            where_free(o),
             bytes(o.requested)
         ),
         Cause::Tensors => format!(
-            "live tensors hold {} and the device had {} free (plus {} cached) for a request of {}: the tensors themselves, not the cache.",
+            "live tensors hold {} and {} left {} (plus {} cached) for a request of {}: the tensors themselves, not the cache.",
             bytes(o.gauges.allocated),
+            if o.limited {
+                "the memory limit"
+            } else {
+                "the device"
+            },
             bytes(o.device_free),
             bytes(o.cached_free),
             bytes(o.requested)
         ),
+    }
+}
+
+fn where_free(o: &Oom) -> &'static str {
+    if o.limited {
+        "left under the memory limit"
+    } else {
+        "on the device"
+    }
+}
+
+/// The configuration keys that set a limit, from the recorded configuration:
+/// they belong to the device the run had, so every candidate keeps them.
+fn limit_keys(recorded: &str) -> String {
+    recorded
+        .split(',')
+        .map(str::trim)
+        .filter(|kv| {
+            kv.starts_with("memory_limit:") || kv.starts_with("per_process_memory_fraction:")
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Cuts each OOM's free device bytes to what the recorded memory limit
+/// left (`memory_limit` in the trace's configuration), so that the causes
+/// name the limit rather than a device that had room.
+pub fn apply_limit(ooms: &mut [Oom], recorded: &str) {
+    let Some(limit) = Config::parse(recorded).ok().and_then(|c| c.memory_limit) else {
+        return;
+    };
+    for o in ooms {
+        let left = limit.saturating_sub(o.gauges.reserved);
+        if left < o.device_free {
+            o.device_free = left;
+            o.limited = true;
+        }
     }
 }
 
@@ -109,17 +152,19 @@ impl Advice {
 /// on a device of the capacity implied by `first`.
 pub fn advise(path: &Path, recorded: &str, first: &Oom) -> Result<Advice, CliError> {
     let capacity = first.gauges.reserved.saturating_add(first.device_free);
+    let limits = limit_keys(recorded);
     let mut trials = Vec::new();
-    for c in std::iter::once(recorded).chain(CANDIDATES) {
-        let Ok(config) = Config::parse(c) else {
+    let candidates = CANDIDATES.iter().map(|c| match limits.as_str() {
+        "" => c.to_string(),
+        l => format!("{c},{l}"),
+    });
+    for c in std::iter::once(recorded.to_string()).chain(candidates) {
+        let Ok(config) = Config::parse(&c) else {
             continue;
         };
         let mut reader = input::open(path)?;
         let result = replay(reader.events(), capacity, &config);
-        trials.push(Trial {
-            config: c.to_string(),
-            result,
-        });
+        trials.push(Trial { config: c, result });
     }
     Ok(Advice { capacity, trials })
 }
@@ -135,6 +180,7 @@ mod tests {
             stream: 0,
             requested,
             device_free,
+            limited: false,
             gauges: Gauges::default(),
             largest_free,
             cached_free,
@@ -153,5 +199,26 @@ mod tests {
         );
         assert_eq!(cause(&oom(100, 60, 60, 50)), Cause::Cache);
         assert_eq!(cause(&oom(100, 30, 30, 50)), Cause::Tensors);
+    }
+
+    #[test]
+    fn a_recorded_memory_limit_bounds_the_free_bytes_and_stays_in_every_candidate() {
+        let mut o = oom(100 << 20, 60 << 20, 60 << 20, 100 << 30);
+        o.gauges.reserved = 1600 << 20;
+        let mut ooms = vec![o];
+        apply_limit(&mut ooms, "memory_limit:1700MiB");
+        assert_eq!(ooms[0].device_free, 100 << 20);
+        assert!(
+            explain(&ooms[0]).contains("left under the memory limit"),
+            "{}",
+            explain(&ooms[0])
+        );
+        apply_limit(&mut ooms, "");
+        assert_eq!(ooms[0].device_free, 100 << 20);
+        assert_eq!(
+            limit_keys("policy:pytorch,memory_limit:1700MiB"),
+            "memory_limit:1700MiB"
+        );
+        assert_eq!(limit_keys("expandable_segments:true"), "");
     }
 }

@@ -54,3 +54,28 @@ fn detector_trace_replays_to_the_peaks_measured_on_the_gpu() {
     let (reserved, _, ooms) = replay_example("detector-multiscale.gtrace", Some("policy:pytorch"));
     assert_eq!((reserved, ooms), (4_823_449_600, 0));
 }
+
+/// `examples/yolo-style-oom.gtrace` (README's first command): recorded on
+/// the H200 by `tests/gpu/record_example.py` under `memory_limit:1700MiB`,
+/// with automatic steps and phases, ending in an out-of-memory error. The
+/// replay under the recorded configuration reaches the recorded peaks and
+/// fails the same request.
+#[test]
+fn yolo_style_trace_replays_to_its_peaks_and_its_oom() {
+    assert_eq!(
+        replay_example("yolo-style-oom.gtrace", None),
+        (1_765_801_984, 1_705_659_392, 1)
+    );
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/yolo-style-oom.gtrace");
+    let mut r = TraceReader::open(&path).expect("the example trace opens");
+    assert_eq!(r.header().config, "memory_limit:1700MiB");
+    let events: Vec<_> = r.events().collect();
+    let count = |a: gpualloc::trace::Action| events.iter().filter(|e| e.action == a).count();
+    assert_eq!(
+        count(gpualloc::trace::Action::Mark),
+        36,
+        "one mark per optimizer step"
+    );
+    assert!(count(gpualloc::trace::Action::PhasePush) > 100);
+    assert_eq!(count(gpualloc::trace::Action::Oom), 1);
+}
