@@ -28,7 +28,7 @@ use crate::heap::{LARGE, STITCH};
 use crate::segment::Segment;
 use crate::size_class::PoolKind;
 use crate::stitch_cache::{MAX_CACHED, Part, Stitch};
-use crate::trace::{Action, pool_code};
+use crate::trace::{Action, STITCH_CODE};
 
 impl<B: Backend> DeviceAllocator<B> {
     /// Serves `rounded` bytes for `stream` from a stitch: a cached one whose
@@ -117,7 +117,7 @@ impl<B: Backend> DeviceAllocator<B> {
             return Err(e.into());
         }
         self.stats.num_stitch += 1;
-        self.record(Action::SegmentMap, stream, va, total, pool_code(None, true));
+        self.record(Action::SegmentMap, stream, va, total, STITCH_CODE);
         self.stitches.list.push(Stitch {
             va,
             size: total,
@@ -278,13 +278,7 @@ impl<B: Backend> DeviceAllocator<B> {
         crate::log::stitch_dropped(self.device, stream, s.size);
         self.backend.unmap(s.va, s.size)?;
         self.backend.free_reservation(s.va, s.size)?;
-        self.record(
-            Action::SegmentUnmap,
-            s.stream,
-            s.va,
-            s.size,
-            pool_code(None, true),
-        );
+        self.record(Action::SegmentUnmap, s.stream, s.va, s.size, STITCH_CODE);
         Ok(())
     }
 }

@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 
-use gpualloc::trace::{Action, TraceEvent};
+use gpualloc::trace::{Action, STITCH_CODE, TraceEvent};
 use rustc_hash::FxHashMap;
 
 /// Iteration boundaries kept per kind (marks, each top-level phase).
@@ -81,6 +81,9 @@ pub struct DeviceState {
     pub live: FxHashMap<u64, Live>,
     /// Reserved ranges by start address.
     pub regions: BTreeMap<u64, Region>,
+    /// Stitched ranges (`STITCH_CODE`): second mappings of pages counted in
+    /// `regions`, by start address, with their size.
+    pub aliases: BTreeMap<u64, u64>,
     /// Current gauges.
     pub g: Gauges,
     /// Open phases, outermost first (string ids).
@@ -187,6 +190,12 @@ impl DeviceState {
             }
             Action::SegmentFree if self.regions.remove(&e.addr).is_some() => {
                 self.sub(e, |g| &mut g.reserved, e.size);
+            }
+            Action::SegmentMap if e.aux == STITCH_CODE => {
+                self.aliases.insert(e.addr, e.size);
+            }
+            Action::SegmentUnmap if e.aux == STITCH_CODE => {
+                self.aliases.remove(&e.addr);
             }
             Action::SegmentMap => {
                 self.reserves = true;
@@ -351,27 +360,45 @@ impl DeviceState {
     /// `(largest free piece, total free)` of reserved memory.
     pub fn free_space(&self) -> (u64, u64) {
         let live = self.sorted_live();
-        let mut i = 0;
-        let (mut largest, mut total) = (0u64, 0u64);
-        for (&start, r) in &self.regions {
-            let end = start.saturating_add(r.size);
-            while i < live.len() && live[i].0 < start {
-                i += 1;
-            }
-            let mut cur = start;
-            while i < live.len() && live[i].0 < end {
-                let gap = live[i].0.saturating_sub(cur);
-                largest = largest.max(gap);
-                total += gap;
-                cur = cur.max(live[i].0.saturating_add(live[i].1.size));
-                i += 1;
-            }
-            let gap = end.saturating_sub(cur);
+        let (largest, total) = free_in_regions(&self.regions, &live);
+        // A live block in a stitch holds home pages that look free above:
+        // the whole stitch's pages are claimed while it is in use.
+        let claimed: u64 = self
+            .aliases
+            .iter()
+            .filter(|&(&a, &size)| {
+                let i = live.partition_point(|l| l.0 < a);
+                i < live.len() && live[i].0 < a.saturating_add(size)
+            })
+            .map(|(_, &size)| size)
+            .sum();
+        let total = total.saturating_sub(claimed);
+        (largest.min(total), total)
+    }
+}
+
+/// Free space inside `regions` around the `live` blocks (sorted by address).
+fn free_in_regions(regions: &BTreeMap<u64, Region>, live: &[(u64, Live)]) -> (u64, u64) {
+    let mut i = 0;
+    let (mut largest, mut total) = (0u64, 0u64);
+    for (&start, r) in regions {
+        let end = start.saturating_add(r.size);
+        while i < live.len() && live[i].0 < start {
+            i += 1;
+        }
+        let mut cur = start;
+        while i < live.len() && live[i].0 < end {
+            let gap = live[i].0.saturating_sub(cur);
             largest = largest.max(gap);
             total += gap;
+            cur = cur.max(live[i].0.saturating_add(live[i].1.size));
+            i += 1;
         }
-        (largest, total)
+        let gap = end.saturating_sub(cur);
+        largest = largest.max(gap);
+        total += gap;
     }
+    (largest, total)
 }
 
 /// `1 - largest free / total free` (0 with nothing free).
@@ -413,6 +440,26 @@ mod tests {
             aux,
             thread: 0,
         }
+    }
+
+    #[test]
+    fn a_stitch_is_neither_reserved_nor_free_and_its_block_claims_home_pages() {
+        const M: u64 = 1 << 20;
+        let mut s = DeviceState::default();
+        s.apply(&ev(Action::PagesCreate, 0, 64 * M, 0));
+        s.apply(&ev(Action::SegmentMap, 0x1000_0000, 64 * M, 1));
+        assert_eq!(s.free_space(), (64 * M, 64 * M));
+        s.apply(&ev(Action::SegmentMap, 0x9000_0000, 32 * M, STITCH_CODE));
+        assert_eq!(s.g.reserved, 64 * M, "a stitch adds no reserved memory");
+        assert_eq!(s.free_space(), (64 * M, 64 * M), "an unused stitch claims nothing");
+        // A block in the stitch (Alloc: size = requested, aux = block size).
+        s.apply(&ev(Action::Alloc, 0x9000_0000, 30 * M, 32 * M));
+        assert_eq!(s.free_space().1, 32 * M, "its 32 MiB of home pages are in use");
+        s.apply(&ev(Action::FreeCompleted, 0x9000_0000, 30 * M, 32 * M));
+        s.apply(&ev(Action::SegmentUnmap, 0x9000_0000, 32 * M, STITCH_CODE));
+        assert!(s.aliases.is_empty());
+        assert_eq!(s.free_space(), (64 * M, 64 * M));
+        assert_eq!(s.inconsistent, 0);
     }
 
     #[test]

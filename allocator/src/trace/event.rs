@@ -105,9 +105,15 @@ impl Action {
     }
 }
 
+/// `aux` of `segment_map` / `segment_unmap` for a stitch (Note [Stitching]):
+/// a second mapping of pages already mapped, and counted, at home. Readers
+/// count it neither as reserved memory nor as free space.
+pub const STITCH_CODE: u64 = u64::MAX;
+
 /// `aux` of segment events: 0 for the default small pool, 1 for the default
 /// large pool, `2 + 2k` / `3 + 2k` for the small / large pool of the k-th
-/// private (CUDA graph) pool created on the device.
+/// private (CUDA graph) pool created on the device ([`STITCH_CODE`] for a
+/// stitch).
 pub fn pool_code(private_index: Option<u32>, large: bool) -> u64 {
     let base = private_index.map_or(0, |k| 2 + 2 * u64::from(k));
     base + u64::from(large)

@@ -16,7 +16,7 @@ pub mod writer;
 /// (`trace_control.rs`); `{pid}` in its value is replaced by the process id.
 pub const TRACE_ENV: &str = "GPUALLOC_TRACE";
 
-pub use event::{Action, TraceEvent, pool_code};
+pub use event::{Action, STITCH_CODE, TraceEvent, pool_code};
 pub use format::{MAX_DEVICES, TraceEnd, TraceError, TraceErrorKind, TraceHeader};
 pub use reader::TraceReader;
 pub use recorder::{DeviceTrace, Recorder, TraceOptions, TraceSummary, thread_id};
