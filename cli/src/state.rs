@@ -451,10 +451,18 @@ mod tests {
         assert_eq!(s.free_space(), (64 * M, 64 * M));
         s.apply(&ev(Action::SegmentMap, 0x9000_0000, 32 * M, STITCH_CODE));
         assert_eq!(s.g.reserved, 64 * M, "a stitch adds no reserved memory");
-        assert_eq!(s.free_space(), (64 * M, 64 * M), "an unused stitch claims nothing");
+        assert_eq!(
+            s.free_space(),
+            (64 * M, 64 * M),
+            "an unused stitch claims nothing"
+        );
         // A block in the stitch (Alloc: size = requested, aux = block size).
         s.apply(&ev(Action::Alloc, 0x9000_0000, 30 * M, 32 * M));
-        assert_eq!(s.free_space().1, 32 * M, "its 32 MiB of home pages are in use");
+        assert_eq!(
+            s.free_space().1,
+            32 * M,
+            "its 32 MiB of home pages are in use"
+        );
         s.apply(&ev(Action::FreeCompleted, 0x9000_0000, 30 * M, 32 * M));
         s.apply(&ev(Action::SegmentUnmap, 0x9000_0000, 32 * M, STITCH_CODE));
         assert!(s.aliases.is_empty());
