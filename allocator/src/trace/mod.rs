@@ -13,7 +13,8 @@ pub mod recorder;
 pub mod writer;
 
 /// The environment variable that starts a trace at initialization
-/// (`trace_control.rs`); `{pid}` in its value is replaced by the process id.
+/// (`trace_control.rs`); `{pid}`, `{rank}` and `{local_rank}` in its value
+/// are replaced by the process id and torchrun's ranks (`trace_path.rs`).
 pub const TRACE_ENV: &str = "GPUALLOC_TRACE";
 
 pub use event::{Action, STITCH_CODE, TraceEvent, pool_code};
