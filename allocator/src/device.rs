@@ -65,8 +65,8 @@ pub struct DeviceAllocator<B: Backend> {
     /// Device capacity and the memory limits in force.
     pub(crate) limits: Limits,
     pub(crate) trace: Option<DeviceTrace>,
-    /// Whether the default pools use expandable segments (configured and
-    /// supported by the backend).
+    /// Whether every pool (default and private) uses expandable segments:
+    /// configured and supported by the backend (Note [Private pools]).
     pub(crate) expandable: bool,
     /// Physical handles of expandable segments (Note [Page pool]).
     pub(crate) pages: PagePool,
@@ -249,7 +249,7 @@ impl<B: Backend> DeviceAllocator<B> {
         // them instead (Note [Defragmentation]).
         if !capturing
             && self.config.cross_stream_reuse
-            && !self.is_expandable(pool)
+            && !self.expandable
             && let Some(b) = self.take_from_other_stream(pool, stream, rounded)?
         {
             return Ok(b);
@@ -372,7 +372,7 @@ impl<B: Backend> DeviceAllocator<B> {
         stream: StreamId,
         capturing: bool,
     ) -> Result<BlockId, GrowError> {
-        if self.is_expandable(pool) {
+        if self.expandable {
             self.map_expandable(pool, stream, rounded, capturing)
         } else {
             self.alloc_block(pool, alloc_size, stream, capturing)
@@ -425,7 +425,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if pool == STITCH {
             return false;
         }
-        if self.is_expandable(pool) {
+        if self.expandable {
             return remaining >= crate::size_class::MIN_BLOCK_SIZE;
         }
         match kind {
@@ -448,7 +448,7 @@ impl<B: Backend> DeviceAllocator<B> {
     ) -> DevicePtr {
         let kind = self.heap.pools[pool as usize].kind;
         // Expandable blocks are never counted as inactive splits (PyTorch).
-        let counted = !self.is_expandable(pool);
+        let counted = !self.expandable;
         let already_split = counted && self.heap.blocks[id].is_split();
         let block_size = self.heap.blocks[id].size;
         if self.should_split(pool, kind, block_size, rounded) {
@@ -716,7 +716,7 @@ impl<B: Backend> DeviceAllocator<B> {
         } else {
             self.heap.pools[pool as usize].insert(key);
         }
-        if !self.is_expandable(pool) {
+        if !self.expandable {
             self.stats.inactive_split.update(kind, net_blocks);
             self.stats.inactive_split_bytes.update(kind, net_bytes);
         }

@@ -51,15 +51,6 @@ use crate::size_class::{PoolKind, SMALL_BUFFER};
 use crate::trace::{Action, pool_code};
 
 impl<B: Backend> DeviceAllocator<B> {
-    /// Whether blocks of `pool` live in expandable segments: every pool
-    /// does (private pools too, Note [Private pools]) when the backend has
-    /// virtual memory and the configuration asks for it.
-    #[inline]
-    pub(crate) fn is_expandable(&self, pool: PoolId) -> bool {
-        let _ = pool;
-        self.expandable
-    }
-
     /// The mapping granularity of a pool's expandable segments.
     fn page_size(&mut self, kind: PoolKind) -> u64 {
         let want = match kind {
@@ -254,9 +245,14 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// The default pools' expandable segments.
     fn expandable_segments(&self) -> Vec<SegmentId> {
-        [SMALL, LARGE]
-            .into_iter()
-            .flat_map(|p| self.heap.pools[p as usize].expandable.iter().map(|e| e.1))
+        self.segments_of(&[SMALL, LARGE])
+    }
+
+    /// The expandable segments of `pools`.
+    fn segments_of(&self, pools: &[PoolId]) -> Vec<SegmentId> {
+        pools
+            .iter()
+            .flat_map(|&p| self.heap.pools[p as usize].expandable.iter().map(|e| e.1))
             .collect()
     }
 
@@ -408,7 +404,7 @@ impl<B: Backend> DeviceAllocator<B> {
         self.drop_cached_stitches()?;
         let streams = self.expandable_streams();
         self.fences.wait_all(&mut self.backend, streams)?;
-        self.unmap_pools(&[SMALL, LARGE])?;
+        self.unmap_pools(&[SMALL, LARGE], false)?;
         let released = self.private.freeable_pools();
         self.unmap_released_pools(&released)?;
         let (result, deltas) = self.pages.release(&mut self.backend, u64::MAX);
@@ -421,27 +417,19 @@ impl<B: Backend> DeviceAllocator<B> {
     /// A graph may have run on any stream, so this waits for the whole
     /// device first (Note [Private pools]); nothing to unmap, no wait.
     pub(crate) fn unmap_released_pools(&mut self, pools: &[PoolId]) -> Result<(), AllocError> {
-        let segs: Vec<SegmentId> = pools
-            .iter()
-            .flat_map(|&p| self.heap.pools[p as usize].expandable.iter().map(|e| e.1))
-            .collect();
-        if segs.is_empty() {
-            return Ok(());
-        }
-        if !self.free_runs_in(&segs, None).is_empty() {
-            self.backend.synchronize()?;
-        }
-        self.unmap_pools(pools)
+        self.unmap_pools(pools, true)
     }
 
-    /// Unmaps every whole free handle of `pools`' expandable segments (their
-    /// work known done) and frees reservations left with nothing mapped.
-    fn unmap_pools(&mut self, pools: &[PoolId]) -> Result<(), AllocError> {
-        let segs: Vec<SegmentId> = pools
-            .iter()
-            .flat_map(|&p| self.heap.pools[p as usize].expandable.iter().map(|e| e.1))
-            .collect();
+    /// Unmaps every whole free handle of `pools`' expandable segments and
+    /// frees reservations left with nothing mapped. Their work is known done,
+    /// or, with `sync`, waited for on the whole device (only when there is
+    /// something to unmap).
+    fn unmap_pools(&mut self, pools: &[PoolId], sync: bool) -> Result<(), AllocError> {
+        let segs = self.segments_of(pools);
         let mut runs = self.free_runs_in(&segs, None);
+        if sync && !runs.is_empty() {
+            self.backend.synchronize()?;
+        }
         runs.sort_unstable_by_key(|r| r.1);
         for (bytes, lo, seg, _, _) in runs {
             self.unmap_run(seg, lo, lo + bytes)?;

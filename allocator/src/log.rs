@@ -55,6 +55,26 @@ pub fn level_from_env() -> Result<Option<Level>, String> {
     }
 }
 
+/// Installs a stderr logger once, when `GPUALLOC_LOG` asks for one (the C
+/// library at start, the `gpualloc` command for `replay` and `generate`). A
+/// bad value is reported on stderr and logging stays off: it must not stop
+/// the program. A global `tracing` subscriber set before wins.
+pub fn install_from_env() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| match level_from_env() {
+        Ok(Some(level)) => {
+            let _ = tracing_subscriber::fmt()
+                .with_writer(std::io::stderr)
+                .with_max_level(level)
+                .with_ansi(false)
+                .with_target(false)
+                .try_init();
+        }
+        Ok(None) => {}
+        Err(e) => eprintln!("gpualloc: {e}; logging stays off"),
+    });
+}
+
 // The events, one function each, so that a decision point in the policy
 // files is one line. `#[inline]`: with no logger each is the atomic load.
 

@@ -114,7 +114,12 @@ impl PrivatePools {
         })
     }
 
+    /// The private pool that owns `pool` (never a default pool).
+    #[inline]
     fn owner_mut(&mut self, pool: PoolId) -> Option<&mut PrivatePool> {
+        if pool <= STITCH {
+            return None;
+        }
         self.pools
             .iter_mut()
             .find(|p| p.small == pool || p.large == pool)
@@ -132,36 +137,28 @@ impl PrivatePools {
 
     #[inline]
     pub fn segment_added(&mut self, pool: PoolId) {
-        if pool > STITCH
-            && let Some(p) = self.owner_mut(pool)
-        {
+        if let Some(p) = self.owner_mut(pool) {
             p.segments += 1;
         }
     }
 
     #[inline]
     pub fn segment_removed(&mut self, pool: PoolId) {
-        if pool > STITCH
-            && let Some(p) = self.owner_mut(pool)
-        {
+        if let Some(p) = self.owner_mut(pool) {
             p.segments -= 1;
         }
     }
 
     #[inline]
     pub fn block_allocated(&mut self, pool: PoolId) {
-        if pool > STITCH
-            && let Some(p) = self.owner_mut(pool)
-        {
+        if let Some(p) = self.owner_mut(pool) {
             p.allocated += 1;
         }
     }
 
     #[inline]
     pub fn block_freed(&mut self, pool: PoolId) {
-        if pool > STITCH
-            && let Some(p) = self.owner_mut(pool)
-        {
+        if let Some(p) = self.owner_mut(pool) {
             p.allocated -= 1;
         }
     }

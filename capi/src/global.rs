@@ -136,7 +136,7 @@ pub(crate) fn existing() -> Option<&'static Global> {
 /// Creates the allocator with `config` (None: `GPUALLOC_CONF`). Asking again
 /// with the configuration in force is fine; another one is an error.
 pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
-    crate::log::init_from_env();
+    gpualloc::log::install_from_env();
     let _serial = INIT.lock();
     if let Some(g) = GLOBAL.get() {
         return match config {

@@ -15,7 +15,6 @@
 
 mod boundary;
 mod global;
-mod log;
 mod oom;
 mod pools;
 mod snapshot;

@@ -181,30 +181,15 @@ enum From {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    log_from_env();
+    // `GPUALLOC_LOG=info|debug`: the allocator's decisions during `replay`
+    // and `generate`, on stderr.
+    gpualloc::log::install_from_env();
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("gpualloc: {e}");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// `GPUALLOC_LOG=info|debug`: the allocator's decisions during `replay`
-/// and `generate`, on stderr (`gpualloc::log`). A bad value is an error line.
-fn log_from_env() {
-    match gpualloc::log::level_from_env() {
-        Ok(Some(level)) => {
-            let _ = tracing_subscriber::fmt()
-                .with_writer(std::io::stderr)
-                .with_max_level(level)
-                .with_ansi(false)
-                .with_target(false)
-                .try_init();
-        }
-        Ok(None) => {}
-        Err(e) => eprintln!("gpualloc: {e}; logging stays off"),
     }
 }
 
