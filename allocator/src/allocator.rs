@@ -124,10 +124,30 @@ impl<B: Backend> Allocator<B> {
         self.lock(device)?.malloc(size, stream)
     }
 
-    /// [`DeviceAllocator::free`] on a device.
+    /// [`DeviceAllocator::free`] on a device; a negative `device` means the
+    /// device that allocated `ptr` (one lookup per created device, for
+    /// callers such as a deleter that knows only the pointer).
     #[inline]
     pub fn free(&self, device: i64, ptr: DevicePtr) -> Result<(), AllocError> {
+        if device < 0 {
+            return self.free_anywhere(ptr);
+        }
         self.lock(device)?.free(ptr)
+    }
+
+    fn free_anywhere(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        for slot in &self.devices {
+            if let Ok(d) = MutexGuard::try_map(slot.lock(), |d| d.as_mut()) {
+                let mut d = DeviceGuard(d);
+                if d.live.contains_key(&ptr) {
+                    return d.free(ptr);
+                }
+            }
+        }
+        Err(AllocError::InvalidPointer {
+            ptr,
+            device: crate::error::ANY_DEVICE,
+        })
     }
 
     /// [`DeviceAllocator::record_stream`] on a device.

@@ -35,6 +35,9 @@ pub struct OomReport {
     pub cause: Option<BackendError>,
 }
 
+/// `InvalidPointer::device` for a pointer looked up on every device.
+pub const ANY_DEVICE: u32 = u32::MAX;
+
 /// Why an allocator call failed.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
@@ -58,7 +61,8 @@ pub enum AllocError {
     InvalidPointer {
         /// The pointer.
         ptr: DevicePtr,
-        /// The device it was presented to.
+        /// The device it was presented to ([`ANY_DEVICE`] when the caller
+        /// let gpualloc find the owner).
         device: u32,
     },
     /// No such device.
@@ -165,6 +169,10 @@ impl fmt::Display for AllocError {
                 format_bytes(*requested),
                 format_bytes(*needed),
                 format_bytes(*max)
+            ),
+            AllocError::InvalidPointer { ptr, device } if *device == ANY_DEVICE => write!(
+                f,
+                "gpualloc: pointer {ptr:#x} was not allocated by gpualloc on any device, or was freed already"
             ),
             AllocError::InvalidPointer { ptr, device } => {
                 write!(

@@ -84,7 +84,7 @@ pub use block::BlockState;
 pub use config::{Config, ConfigError};
 pub use cost::{CostModel, DriverCall, DriverCalls};
 pub use device::DeviceAllocator;
-pub use error::{AllocError, OomReport};
+pub use error::{ANY_DEVICE, AllocError, OomReport};
 pub use pool::PoolKey;
 pub use private_pool::StreamFilter;
 pub use snapshot::{BlockSnapshot, SegmentSnapshot};

@@ -229,3 +229,22 @@ fn a_panic_while_a_device_is_locked_poisons_only_that_device() {
     assert_eq!(a.stats(0).unwrap().allocation.all.current, 1);
     a.empty_cache().unwrap();
 }
+
+#[test]
+fn a_free_without_its_device_finds_the_owner() {
+    let a = Allocator::new(
+        Config::default(),
+        3,
+        Box::new(|d| Ok(SimBackend::new(1 << 30).for_device(d))),
+    );
+    let p0 = a.malloc(0, 4096, 0).unwrap();
+    let p2 = a.malloc(2, 8 << 20, 0).unwrap();
+    a.free(-1, p2).unwrap();
+    assert_eq!(a.stats(2).unwrap().allocation.all.current, 0);
+    assert_eq!(a.stats(0).unwrap().allocation.all.current, 1);
+    let e = a.free(-1, p2).unwrap_err();
+    assert!(matches!(e, AllocError::InvalidPointer { .. }), "{e}");
+    assert!(e.to_string().contains("on any device"), "{e}");
+    a.free(-1, p0).unwrap();
+    assert_eq!(a.stats(0).unwrap().allocation.all.current, 0);
+}
