@@ -30,6 +30,8 @@ from typing import Callable, NamedTuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import compat  # noqa: E402 - needs HERE on the path
+
 MiB = 1 << 20
 
 
@@ -894,6 +896,8 @@ CHECKS = {
     "churn": check_churn,
     "multi_device": check_multi_device,
     "auto_marks": check_auto_marks,
+    "compat": compat.check_compat,
+    "ipc": compat.check_ipc,
 }
 
 

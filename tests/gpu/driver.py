@@ -28,6 +28,8 @@ PLAN = [
     ("multi_device", 90, 0),
     ("churn", 90, 200_000),
     ("auto_marks", 120, 0),
+    ("compat", 300, 0),
+    ("ipc", 150, 0),
     ("train_resnet", 150, 200),
     ("train_gpt2", 150, 200),
     ("train_detector", 150, 200),
@@ -49,6 +51,8 @@ VARIANTS = {
     "gpualloc-pytorch": ("gpualloc", {"GPUALLOC_TEST_CONF": "policy:pytorch"}),
     "gpualloc-traced": ("gpualloc", {}),
 }
+# Checks that run under more than "native" and "gpualloc".
+CHECK_VARIANTS = {"ipc": ["native", "gpualloc", "gpualloc[expandable_segments:false]"]}
 TRAIN_VARIANTS = ["native", "native-expandable", "gpualloc", "gpualloc-expandable", "gpualloc-expandable-traced"]
 
 # Inherited settings that would change what a variant means: each run gets
@@ -185,7 +189,7 @@ def main():
     for check, timeout, steps in PLAN:
         if only and check not in only:
             continue
-        variants = ["native", "gpualloc"]
+        variants = CHECK_VARIANTS.get(check, ["native", "gpualloc"])
         if check.startswith("train_"):
             variants = train_variants
             steps = args.steps or steps
@@ -216,14 +220,14 @@ def main():
                     "ratio_gpualloc_over_native": g["result"]["us_per_alloc_free"] / n["result"]["us_per_alloc_free"],
                 }
                 print(f"  churn: {json.dumps(summary['compare']['churn'])}", flush=True)
-        if check in ("dropin", "streams"):
+        if check in ("dropin", "streams", "compat", "ipc"):
             table = {}
-            for alloc in ("native", "gpualloc"):
+            for alloc in variants:
                 for name, v in summary["runs"].get(f"{check}/{alloc}", {}).get("result", {}).get("checks", {}).items():
                     table.setdefault(name, {})[alloc] = v["ok"]
             summary["compare"][check] = table
             for name, v in table.items():
-                print(f"  {check}.{name}: native={v.get('native')} gpualloc={v.get('gpualloc')}", flush=True)
+                print(f"  {check}.{name}: " + " ".join(f"{a}={v.get(a)}" for a in variants), flush=True)
     summary["total_s"] = round(time.time() - start, 1)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)

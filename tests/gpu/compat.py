@@ -1,0 +1,239 @@
+"""GPU checks of what reaches deep into the allocator (issue: every allocator
+feature PyTorch users touch). Run through checks.py like the others:
+
+    python3 tests/gpu/checks.py compat --alloc native|gpualloc
+    python3 tests/gpu/checks.py ipc --alloc native|gpualloc
+
+compat: torch.compile(mode="reduce-overhead") for inference and for training
+whose batch size changes (cudagraph trees re-record and restore pool
+checkpoints), memory history read back by torch.cuda._memory_viz, MemPool
+with use_mem_pool, the out-of-memory observer, the generic allocator
+registry. ipc: a CUDA tensor sent to a child process through
+torch.multiprocessing, the child under PyTorch's allocator and under
+gpualloc. Each sub-check passes or fails on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+
+MiB = 1 << 20
+
+
+class Subchecks:
+    """Runs each decorated function, recording ok/value or the error."""
+
+    def __init__(self):
+        self.checks = {}
+
+    def __call__(self, name):
+        def deco(fn):
+            try:
+                v = fn()
+                self.checks[name] = {"ok": True, **({"value": v} if v is not None else {})}
+            except Exception as e:  # noqa: BLE001 - every failure is reported, not fatal
+                self.checks[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:800]}
+            return fn
+
+        return deco
+
+    def result(self):
+        return {"checks": self.checks, "passed": sum(v["ok"] for v in self.checks.values()), "total": len(self.checks)}
+
+
+def _mlp(torch, width=256):
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 10)
+    ).cuda()
+
+
+def check_compat(args) -> dict:
+    import torch
+
+    sub = Subchecks()
+    dev = torch.device("cuda:0")
+
+    @sub("compile_reduce_overhead_inference")
+    def _():
+        torch.manual_seed(0)
+        m = _mlp(torch).eval()
+        cm = torch.compile(m, mode="reduce-overhead")
+        with torch.no_grad():
+            for i in range(6):
+                x = torch.randn(32, 64, device=dev)
+                y, ref = cm(x), m(x)
+                assert torch.allclose(y, ref, atol=1e-4, rtol=1e-4), f"iteration {i}: compiled output differs"
+        return "6 iterations agree with eager"
+
+    @sub("compile_reduce_overhead_training_changing_batch")
+    def _():
+        import copy
+
+        torch.manual_seed(0)
+        eager = _mlp(torch)
+        comp = copy.deepcopy(eager)
+        opt_e = torch.optim.SGD(eager.parameters(), lr=0.01)
+        opt_c = torch.optim.SGD(comp.parameters(), lr=0.01)
+        step = torch.compile(lambda m, x, t: torch.nn.functional.cross_entropy(m(x), t), mode="reduce-overhead")
+        losses = []
+        gen = torch.Generator(device=dev).manual_seed(1)
+        for i, b in enumerate([16, 16, 16, 32, 32, 16, 48, 16, 32, 48, 16, 16]):
+            x = torch.randn(b, 64, device=dev, generator=gen)
+            t = torch.randint(0, 10, (b,), device=dev, generator=gen)
+            for m, opt, fn in ((eager, opt_e, lambda m, x, t: torch.nn.functional.cross_entropy(m(x), t)), (comp, opt_c, step)):
+                opt.zero_grad(set_to_none=True)
+                torch.compiler.cudagraph_mark_step_begin()
+                loss = fn(m, x, t)
+                loss.backward()
+                opt.step()
+                if m is eager:
+                    le = float(loss)
+                else:
+                    lc = float(loss)
+            losses.append((le, lc))
+            assert abs(le - lc) <= 1e-3 * max(1.0, abs(le)), f"step {i} (batch {b}): eager {le} vs compiled {lc}"
+        return {"steps": len(losses), "last": losses[-1]}
+
+    @sub("memory_history_and_memory_viz")
+    def _():
+        from torch.cuda import _memory_viz
+
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        try:
+            keep = [torch.empty(n * MiB, dtype=torch.uint8, device=dev) for n in (1, 3, 24)]
+            tmp = torch.randn(512, 512, device=dev) @ torch.randn(512, 512, device=dev)
+            del tmp
+            path = os.path.join(tempfile.mkdtemp(), "snapshot.pickle")
+            torch.cuda.memory._dump_snapshot(path)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        with open(path, "rb") as f:
+            snap = pickle.load(f)
+        traces = snap["device_traces"][0]
+        actions = {e["action"] for e in traces}
+        assert "alloc" in actions and "free_completed" in actions, f"actions recorded: {sorted(actions)}"
+        ours = [e for e in traces if e["action"] == "alloc" and any("compat.py" in fr.get("filename", "") for fr in e.get("frames", []))]
+        assert ours, "no alloc entry has a Python frame of this file"
+        addrs = {t.data_ptr() for t in keep}
+        blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+        seen = set()
+        for s in snap["segments"]:
+            a = s["address"]
+            for b in s["blocks"]:
+                if a in addrs:
+                    seen.add(a)
+                    assert b["state"] == "active_allocated", f"block of a live tensor is {b['state']}"
+                    assert b.get("frames"), "live block without frames"
+                a += b["size"]
+        assert seen == addrs, f"live tensors not found as blocks: {addrs - seen}"
+        html = _memory_viz.trace_plot(snap)
+        assert len(html) > 1000
+        seg_html = _memory_viz.segment_plot(snap)
+        assert len(seg_html) > 1000
+        text = _memory_viz.segsum(snap)
+        del keep
+        return {"trace_entries": len(traces), "actions": sorted(actions), "blocks": len(blocks), "segsum_chars": len(text)}
+
+    @sub("mempool_use_mem_pool")
+    def _():
+        base = torch.cuda.memory_allocated()
+        pool = torch.cuda.MemPool()
+        assert pool.use_count() == 1, f"use_count after creation: {pool.use_count()}"
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.ones(8 * MiB, dtype=torch.uint8, device=dev)
+            inner = pool.use_count()
+        y = torch.ones(8 * MiB, dtype=torch.uint8, device=dev)
+        after = pool.use_count()
+        assert after == 1, f"use_count after the scope: {after} (inside: {inner})"
+        segs = torch.cuda.memory.memory_snapshot(mempool_id=pool.id)
+        in_pool = lambda p: any(s["address"] <= p < s["address"] + s["total_size"] for s in segs)  # noqa: E731
+        assert segs and in_pool(x.data_ptr()), "the tensor made inside use_mem_pool is not in the pool's segments"
+        assert not in_pool(y.data_ptr()), "a tensor made outside use_mem_pool is in the pool"
+        assert all(tuple(s["segment_pool_id"]) == tuple(pool.id) for s in segs), [s["segment_pool_id"] for s in segs]
+        assert float(x.float().sum()) == 8 * MiB
+        del x, y
+        del pool
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_allocated() == base, f"allocated {torch.cuda.memory_allocated()} != base {base}"
+        return {"use_count_inside": inner}
+
+    @sub("out_of_memory_observer")
+    def _():
+        seen = []
+        torch._C._cuda_attach_out_of_memory_observer(lambda *a: seen.append(a))
+        _, total = torch.cuda.mem_get_info()
+        try:
+            torch.empty(total * 2, dtype=torch.uint8, device=dev)
+        except torch.cuda.OutOfMemoryError:
+            pass
+        else:
+            raise AssertionError("no OutOfMemoryError")
+        assert seen, "the observer was not called"
+        assert seen[0][0] == 0, f"observer device: {seen[0]}"
+        return {"args": [int(v) for v in seen[0]]}
+
+    @sub("generic_allocator_registry")
+    def _():
+        x = torch.empty(16 * MiB, dtype=torch.uint8, device=dev)
+        a = torch.accelerator.memory_allocated() if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_allocated") else None
+        s = torch.UntypedStorage(4 * MiB, device="cuda")
+        assert a is None or a >= 16 * MiB, f"torch.accelerator.memory_allocated() = {a}"
+        found = any(seg["address"] <= s.data_ptr() < seg["address"] + seg["total_size"] for seg in torch.cuda.memory_snapshot())
+        assert found, "an UntypedStorage made on cuda did not come from the installed allocator"
+        del x, s
+        return {"accelerator_memory_allocated": a}
+
+    return sub.result()
+
+
+# ---------------------------------------------------------------------------
+# ipc
+
+
+def _ipc_child(q, done, receiver):
+    if receiver == "gpualloc":
+        import gpualloc
+
+        gpualloc.install()
+    import torch
+
+    try:
+        t = q.get(timeout=60)
+        ok = bool(torch.equal(t.cpu(), torch.arange(1 << 20, dtype=torch.float32)))
+        t.mul_(2)  # the sender sees it: shared memory, not a copy
+        torch.cuda.synchronize()
+        done.put(("ok" if ok else "wrong values", torch.cuda.get_allocator_backend()))
+    except Exception as e:  # noqa: BLE001
+        done.put((f"{type(e).__name__}: {e}"[:500], None))
+
+
+def check_ipc(args) -> dict:
+    import torch
+    import torch.multiprocessing as mp
+
+    sub = Subchecks()
+    ctx = mp.get_context("spawn")
+    for receiver in ("native", "gpualloc"):
+
+        @sub(f"send_to_{receiver}_receiver")
+        def _(receiver=receiver):
+            q, done = ctx.Queue(), ctx.Queue()
+            p = ctx.Process(target=_ipc_child, args=(q, done, receiver))
+            p.start()
+            try:
+                x = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+                q.put(x)
+                status, backend = done.get(timeout=90)
+                assert status == "ok", f"child: {status}"
+                torch.cuda.synchronize()
+                assert float(x[3]) == 6.0, f"the child's write is not visible: x[3] = {float(x[3])}"
+                return {"child_backend": backend}
+            finally:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+
+    return sub.result()
