@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# DDP with NCCL on two GPUs (torchrun), gpualloc in every rank, against
+# PyTorch's allocator, with and without NCCL's tensor-registration hook:
+#
+#   bash tests/gpu/ddp.sh        # on a machine with 2 GPUs; expects target/release/libgpualloc.so
+#
+# Writes ddp.json to $OUT (or ./gpu-results): per variant the losses of every
+# rank, whether they equal PyTorch's, and whether parameters stayed in sync.
+set -u
+source "$(dirname "$0")/env.sh"
+n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$n" -lt 2 ]; then
+  echo "ddp.sh needs 2 GPUs, found $n" | tee "$RESULTS/ddp.txt"
+  exit 0
+fi
+python3 -c "import gpualloc; gpualloc.install()" >/dev/null  # builds the bridge once
+for variant in native gpualloc native-hook gpualloc-hook gpualloc-plain-hook; do
+  alloc=${variant%%-*}
+  env=()
+  case $variant in
+    *-hook) env+=(TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1) ;;
+  esac
+  case $variant in
+    *-plain-*) env+=(GPUALLOC_TEST_CONF=expandable_segments:false) ;;
+  esac
+  echo "== $variant"
+  env "${env[@]}" timeout 300 torchrun --standalone --nproc_per_node=2 tests/gpu/ddp.py --alloc "$alloc" \
+    --out "$RESULTS/ddp-$variant.json" > "$RESULTS/ddp-$variant.log" 2>&1
+  echo "rc=$?" >> "$RESULTS/ddp-$variant.log"
+  tail -3 "$RESULTS/ddp-$variant.log"
+done
+python3 - "$RESULTS" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+def load(v):
+    try:
+        return [json.load(open(os.path.join(out, f"ddp-{v}.json.rank{r}"))) for r in (0, 1)]
+    except (OSError, ValueError) as e:
+        return {"error": str(e)}
+runs = {v: load(v) for v in ("native", "gpualloc", "native-hook", "gpualloc-hook", "gpualloc-plain-hook")}
+summary = {}
+for v, r in runs.items():
+    if isinstance(r, dict):
+        summary[v] = r
+        continue
+    ref = runs["native"]
+    same = not isinstance(ref, dict) and r[0]["losses"] == ref[0]["losses"]
+    summary[v] = {"backend": r[0]["backend"], "params_in_sync": all(x["params_in_sync"] for x in r),
+                  "losses_equal_native": same, "last_losses": r[0]["losses"][-1],
+                  "peak_reserved_over_allocated": [x["peak_reserved"] / max(1, x["peak_allocated"]) for x in r]}
+json.dump(summary, open(os.path.join(out, "ddp.json"), "w"), indent=2)
+print(json.dumps(summary, indent=2))
+PY
