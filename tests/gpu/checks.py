@@ -30,7 +30,8 @@ from typing import Callable, NamedTuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import compat  # noqa: E402 - needs HERE on the path
+import churn_cpp  # noqa: E402 - needs HERE on the path
+import compat  # noqa: E402
 
 MiB = 1 << 20
 
@@ -898,6 +899,7 @@ CHECKS = {
     "auto_marks": check_auto_marks,
     "compat": compat.check_compat,
     "ipc": compat.check_ipc,
+    "churn_cpp": churn_cpp.check_churn_cpp,
 }
 
 

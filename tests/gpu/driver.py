@@ -27,6 +27,7 @@ PLAN = [
     ("threads", 90, 0),
     ("multi_device", 90, 0),
     ("churn", 90, 200_000),
+    ("churn_cpp", 150, 2_000_000),
     ("auto_marks", 120, 0),
     ("compat", 300, 0),
     ("ipc", 150, 0),
@@ -212,14 +213,15 @@ def main():
             }
             for v, c in summary["compare"][check].items():
                 print(f"  {check} {v}: {json.dumps(c)}", flush=True)
-        if check == "churn":
-            n, g = summary["runs"].get("churn/native", {}), summary["runs"].get("churn/gpualloc", {})
+        if check in ("churn", "churn_cpp"):
+            key = "us_per_alloc_free" if check == "churn" else "ns_per_alloc_free"
+            n, g = summary["runs"].get(f"{check}/native", {}), summary["runs"].get(f"{check}/gpualloc", {})
             if "result" in n and "result" in g:
-                summary["compare"]["churn"] = {
-                    "us_per_alloc_free": {"native": n["result"]["us_per_alloc_free"], "gpualloc": g["result"]["us_per_alloc_free"]},
-                    "ratio_gpualloc_over_native": g["result"]["us_per_alloc_free"] / n["result"]["us_per_alloc_free"],
+                summary["compare"][check] = {
+                    key: {"native": n["result"][key], "gpualloc": g["result"][key]},
+                    "ratio_gpualloc_over_native": g["result"][key] / n["result"][key],
                 }
-                print(f"  churn: {json.dumps(summary['compare']['churn'])}", flush=True)
+                print(f"  {check}: {json.dumps(summary['compare'][check])}", flush=True)
         if check in ("dropin", "streams", "compat", "ipc"):
             table = {}
             for alloc in variants:
