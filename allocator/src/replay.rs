@@ -148,11 +148,17 @@ struct DeviceRun {
 }
 
 /// Replays `events` on simulated devices of `capacity` bytes with `config`.
+///
+/// A capacity above [`crate::config::MAX_BYTES`] (1 PiB, more than any
+/// device has and more than any trace can allocate) is replayed as 1 PiB,
+/// which keeps the simulator's address arithmetic in range; `capacity` in
+/// the result says which was used.
 pub fn replay(
     events: impl Iterator<Item = TraceEvent>,
     capacity: u64,
     config: &Config,
 ) -> ReplayResult {
+    let capacity = capacity.min(crate::config::MAX_BYTES);
     let mut runs: BTreeMap<u32, DeviceRun> = BTreeMap::new();
     let mut r = ReplayResult {
         capacity,

@@ -79,3 +79,16 @@ fn yolo_style_trace_replays_to_its_peaks_and_its_oom() {
     assert!(count(gpualloc::trace::Action::PhasePush) > 100);
     assert_eq!(count(gpualloc::trace::Action::Oom), 1);
 }
+
+#[test]
+fn a_capacity_beyond_any_device_replays_as_one_pebibyte() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/yolo-style-oom.gtrace");
+    let mut r = TraceReader::open(&path).expect("the example trace opens");
+    let config = Config::parse("").unwrap();
+    let events: Vec<_> = r.events().collect();
+    for capacity in [1 << 60, u64::MAX] {
+        let out = replay(events.iter().cloned(), capacity, &config);
+        assert_eq!(out.capacity, gpualloc::config::MAX_BYTES);
+        assert!(out.peak_reserved > 0 && out.ooms == 0, "{out:?}");
+    }
+}
