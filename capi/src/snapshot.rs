@@ -23,9 +23,10 @@ fn segment_json(out: &mut String, s: &SegmentSnapshot) {
             .map(|b| if size { b.size } else { b.requested_size })
             .sum()
     };
+    // Active: PyTorch's active states (a stitch's claimed tail is inactive).
     let allocated = sum(&|b| b.state == BlockState::Allocated, true);
-    let active = sum(&|b| b.state != BlockState::Free, true);
-    let requested = sum(&|b| b.state != BlockState::Free, false);
+    let active = sum(&|b| c_state(b.state) != 0, true);
+    let requested = sum(&|b| c_state(b.state) != 0, false);
     let _ = write!(
         out,
         "{{\"device\":{},\"address\":{},\"total_size\":{},\"allocated_size\":{},\"active_size\":{},\"requested_size\":{},\"stream\":{},\"segment_type\":\"{}\",\"segment_pool_id\":[{},{}],\"is_expandable\":{},\"blocks\":[",
@@ -194,11 +195,17 @@ fn block_info(b: &gpualloc::BlockSnapshot) -> GpuallocBlockInfo {
         address: b.address,
         size: b.size,
         requested_size: b.requested_size,
-        state: match b.state {
-            BlockState::Allocated => 1,
-            BlockState::PendingFree => 2,
-            _ => 0,
-        },
+        state: c_state(b.state),
+    }
+}
+
+/// [`GpuallocBlockInfo::state`]: 0 inactive, 1 active_allocated,
+/// 2 active_pending_free (as [`gpualloc::BlockSnapshot::state_name`]).
+fn c_state(state: BlockState) -> u8 {
+    match state {
+        BlockState::Allocated => 1,
+        BlockState::PendingFree => 2,
+        BlockState::Free | BlockState::Unmapped | BlockState::Claimed => 0,
     }
 }
 
@@ -267,4 +274,70 @@ pub unsafe extern "C" fn gpualloc_snapshot_segments(
         }
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use gpualloc::size_class::PoolKind;
+    use gpualloc::{BlockSnapshot, BlockState, SegmentSnapshot};
+
+    use super::{block_info, segment_json};
+
+    /// Every block state, the claimed tail of a stitch included: the JSON's
+    /// sums count exactly the blocks the structs call active.
+    #[test]
+    fn json_sums_follow_the_struct_states() {
+        let states = [
+            BlockState::Allocated,
+            BlockState::PendingFree,
+            BlockState::Free,
+            BlockState::Claimed,
+        ];
+        let blocks: Vec<BlockSnapshot> = states
+            .iter()
+            .enumerate()
+            .map(|(i, &state)| BlockSnapshot {
+                address: 4096 * (i as u64 + 1),
+                size: 4096 << i,
+                requested_size: 1000 << i,
+                state,
+            })
+            .collect();
+        let seg = SegmentSnapshot {
+            device: 0,
+            address: 4096,
+            total_size: blocks.iter().map(|b| b.size).sum(),
+            stream: 0,
+            kind: PoolKind::Large,
+            pool_id: (0, 0),
+            expandable: true,
+            blocks,
+        };
+        let mut json = String::new();
+        segment_json(&mut json, &seg);
+        let active: u64 = seg
+            .blocks
+            .iter()
+            .filter(|b| block_info(b).state != 0)
+            .map(|b| b.size)
+            .sum();
+        let requested: u64 = seg
+            .blocks
+            .iter()
+            .filter(|b| block_info(b).state != 0)
+            .map(|b| b.requested_size)
+            .sum();
+        assert!(
+            json.contains(&format!("\"active_size\":{active},")),
+            "{json}"
+        );
+        assert!(
+            json.contains(&format!("\"requested_size\":{requested},")),
+            "{json}"
+        );
+        for b in &seg.blocks {
+            let name = ["inactive", "active_allocated", "active_pending_free"];
+            assert_eq!(b.state_name(), name[block_info(b).state as usize]);
+        }
+    }
 }
