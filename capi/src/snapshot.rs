@@ -315,18 +315,11 @@ mod tests {
         };
         let mut json = String::new();
         segment_json(&mut json, &seg);
-        let active: u64 = seg
+        let (active, requested) = seg
             .blocks
             .iter()
             .filter(|b| block_info(b).state != 0)
-            .map(|b| b.size)
-            .sum();
-        let requested: u64 = seg
-            .blocks
-            .iter()
-            .filter(|b| block_info(b).state != 0)
-            .map(|b| b.requested_size)
-            .sum();
+            .fold((0, 0), |(a, r), b| (a + b.size, r + b.requested_size));
         assert!(
             json.contains(&format!("\"active_size\":{active},")),
             "{json}"
