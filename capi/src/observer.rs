@@ -81,8 +81,11 @@ impl CObserver {
 /// this includes private pools and stitched (aliased) ranges. An unmapped
 /// range lies inside mapped ones but may span or split them. When the driver
 /// refuses a release or an unmap, the range is announced again (ALLOC or MAP).
-/// Once this returns, the previous observer is no longer called. Returns
-/// `GPUALLOC_OK`.
+/// Once this returns, the previous observer is no longer called. An
+/// observer installed after the first allocation was not told about memory
+/// already there: the segments `gpualloc_snapshot_segments` lists, and
+/// stitched ranges cached for reuse (which no snapshot lists), whose FREE or
+/// UNMAP may still come. Returns `GPUALLOC_OK`.
 ///
 /// # Safety
 /// `observer(ctx, ...)` must be callable from any thread until another
