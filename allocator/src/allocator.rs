@@ -12,6 +12,7 @@ use crate::backend::{Backend, BackendError, DevicePtr, StreamId};
 use crate::config::Config;
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
+use crate::observer::SegmentObserver;
 use crate::pool::PoolKey;
 use crate::private_pool::StreamFilter;
 use crate::snapshot::SegmentSnapshot;
@@ -28,6 +29,8 @@ pub struct Allocator<B: Backend> {
     pub(crate) factory: BackendFactory<B>,
     /// The trace recorder while tracing; devices created later join it.
     pub(crate) recorder: Mutex<Option<Arc<Recorder>>>,
+    /// The segment observer; devices created later get it too.
+    observer: Mutex<Option<SegmentObserver>>,
 }
 
 impl<B: Backend> Allocator<B> {
@@ -38,6 +41,7 @@ impl<B: Backend> Allocator<B> {
             devices: (0..device_count).map(|_| Mutex::new(None)).collect(),
             factory,
             recorder: Mutex::new(None),
+            observer: Mutex::new(None),
         }
     }
 
@@ -64,6 +68,7 @@ impl<B: Backend> Allocator<B> {
             if let Some(r) = &*self.recorder.lock() {
                 dev.trace = Some(r.device_trace(device as u32));
             }
+            dev.observer = self.observer.lock().clone();
             *guard = Some(dev);
         }
         let d = MutexGuard::map(guard, |d| d.as_mut().expect("created above"));
@@ -83,6 +88,21 @@ impl<B: Backend> Allocator<B> {
                 device,
                 count: self.devices.len(),
             })
+    }
+
+    /// Installs (or, with `None`, removes) the observer of segment events on
+    /// every device, created or not (Note [Segment events] in `observer.rs`).
+    /// Once this returns, no device calls the previous observer.
+    pub fn set_segment_observer(&self, observer: Option<SegmentObserver>) {
+        *self.observer.lock() = observer;
+        // Each device reads the observer under its own lock (as `lock` does
+        // when it creates one), so concurrent calls leave every device with
+        // the last observer stored.
+        for slot in &self.devices {
+            if let Some(d) = slot.lock().as_mut() {
+                d.observer = self.observer.lock().clone();
+            }
+        }
     }
 
     /// Locks device `device` if it has been created; `None` otherwise (read-only

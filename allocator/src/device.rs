@@ -38,6 +38,7 @@ use crate::error::{AllocError, GrowError};
 use crate::fence::Fences;
 use crate::heap::{Heap, LARGE, SMALL, STITCH};
 use crate::limits::Limits;
+use crate::observer::{SegmentAction, SegmentEvent, SegmentObserver};
 use crate::page_pool::PagePool;
 use crate::private_pool::PrivatePools;
 use crate::size_class::{PoolKind, allocation_size, round_size};
@@ -65,6 +66,8 @@ pub struct DeviceAllocator<B: Backend> {
     /// Device capacity and the memory limits in force.
     pub(crate) limits: Limits,
     pub(crate) trace: Option<DeviceTrace>,
+    /// Called on every segment event (Note [Segment events]).
+    pub(crate) observer: Option<SegmentObserver>,
     /// Whether every pool (default and private) uses expandable segments:
     /// configured and supported by the backend (Note [Private pools]).
     pub(crate) expandable: bool,
@@ -99,6 +102,7 @@ impl<B: Backend> DeviceAllocator<B> {
             private: PrivatePools::default(),
             stats,
             trace: None,
+            observer: None,
             expandable,
             pages: PagePool::default(),
             fences: Fences::default(),
@@ -202,6 +206,32 @@ impl<B: Backend> DeviceAllocator<B> {
         if let Some(t) = &mut self.trace {
             t.record(action, stream, addr, size, aux);
             self.stats.num_trace_dropped += t.take_unsynced_drops() as i64;
+        }
+    }
+
+    /// Installs (or, with `None`, removes) the observer of segment events
+    /// (Note [Segment events] in `observer.rs`).
+    pub fn set_segment_observer(&mut self, observer: Option<SegmentObserver>) {
+        self.observer = observer;
+    }
+
+    /// Tells the observer, if any, about a segment event.
+    #[inline]
+    pub(crate) fn notify(
+        &self,
+        action: SegmentAction,
+        stream: StreamId,
+        address: DevicePtr,
+        size: u64,
+    ) {
+        if let Some(o) = &self.observer {
+            o(&SegmentEvent {
+                device: self.device,
+                action,
+                address,
+                size,
+                stream,
+            });
         }
     }
 
@@ -405,6 +435,7 @@ impl<B: Backend> DeviceAllocator<B> {
             })?;
         let kind = self.heap.pools[pool as usize].kind;
         let (_, block) = self.heap.new_segment(ptr, size, pool, stream, false);
+        self.notify(SegmentAction::Alloc, stream, ptr, size);
         self.private.segment_added(pool);
         self.stats.segment.update(kind, 1);
         self.stats.reserved_bytes.update(kind, size as i64);

@@ -46,6 +46,7 @@ use crate::block::{BlockId, BlockState, PoolId, SegmentId};
 use crate::device::DeviceAllocator;
 use crate::error::{AllocError, GrowError};
 use crate::heap::{LARGE, SMALL, STITCH};
+use crate::observer::SegmentAction;
 use crate::page_pool::KindDeltas;
 use crate::size_class::{PoolKind, SMALL_BUFFER};
 use crate::trace::{Action, pool_code};
@@ -226,6 +227,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 .map(&mut self.backend, lo, hi - lo, kind, sizes, capturing);
         self.apply_deltas(deltas, created as i64);
         result?;
+        self.notify(SegmentAction::Map, stream, lo, hi - lo);
         let u = self.heap.block_at(seg, lo);
         debug_assert_eq!(self.heap.blocks[u].state, BlockState::Unmapped);
         let u_start = self.heap.blocks[u].ptr;
@@ -365,7 +367,12 @@ impl<B: Backend> DeviceAllocator<B> {
             self.heap.blocks[id].stream,
         );
         debug_assert!(self.heap.blocks[id].state == BlockState::Free && hi <= ptr + size);
-        self.pages.unmap(&mut self.backend, lo, hi, kind)?;
+        self.notify(SegmentAction::Unmap, stream, lo, hi - lo);
+        if let Err(e) = self.pages.unmap(&mut self.backend, lo, hi, kind) {
+            // Still mapped: say so again (Note [Segment events]).
+            self.notify(SegmentAction::Map, stream, lo, hi - lo);
+            return Err(e.into());
+        }
         self.heap.unindex(id);
         let mut mid = id;
         if lo > ptr {

@@ -6,6 +6,7 @@ use crate::block::{BlockId, BlockState, PoolId};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::heap::{LARGE, SMALL};
+use crate::observer::SegmentAction;
 use crate::size_class::PoolKind;
 use crate::trace::{Action, pool_code};
 
@@ -196,10 +197,16 @@ impl<B: Backend> DeviceAllocator<B> {
         let b = &self.heap.blocks[id];
         debug_assert!(b.state == BlockState::Free && !b.is_split());
         let (ptr, size, stream, pool, seg) = (b.ptr, b.size, b.stream, b.pool, b.segment);
-        self.backend.release(ptr, size)?;
+        let seg_stream = self.heap.segments.get(seg).stream;
+        self.notify(SegmentAction::Free, seg_stream, ptr, size);
+        if let Err(e) = self.backend.release(ptr, size) {
+            // Still there: say so again (Note [Segment events]).
+            self.notify(SegmentAction::Alloc, seg_stream, ptr, size);
+            return Err(e.into());
+        }
         self.heap.pools[pool as usize].remove((stream, size, ptr, id));
         let kind = self.heap.pools[pool as usize].kind;
-        let seg_stream = self.heap.segments.remove(seg).stream;
+        self.heap.segments.remove(seg);
         self.heap.blocks.remove(id);
         self.stats.segment.update(kind, -1);
         self.stats.reserved_bytes.update(kind, -(size as i64));

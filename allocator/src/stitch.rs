@@ -25,6 +25,7 @@ use crate::block::{Block, BlockId, BlockState};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::heap::{LARGE, STITCH};
+use crate::observer::SegmentAction;
 use crate::segment::Segment;
 use crate::size_class::PoolKind;
 use crate::stitch_cache::{MAX_CACHED, Part, Stitch};
@@ -117,6 +118,7 @@ impl<B: Backend> DeviceAllocator<B> {
             return Err(e.into());
         }
         self.stats.num_stitch += 1;
+        self.notify(SegmentAction::Map, stream, va, total);
         self.record(Action::SegmentMap, stream, va, total, STITCH_CODE);
         self.stitches.list.push(Stitch {
             va,
@@ -276,7 +278,12 @@ impl<B: Backend> DeviceAllocator<B> {
         self.fences.wait(&mut self.backend, stream, freed)?;
         let s = self.stitches.list.swap_remove(i);
         crate::log::stitch_dropped(self.device, stream, s.size);
-        self.backend.unmap(s.va, s.size)?;
+        self.notify(SegmentAction::Unmap, s.stream, s.va, s.size);
+        if let Err(e) = self.backend.unmap(s.va, s.size) {
+            // Still mapped: say so again (Note [Segment events]).
+            self.notify(SegmentAction::Map, s.stream, s.va, s.size);
+            return Err(e.into());
+        }
         self.backend.free_reservation(s.va, s.size)?;
         self.record(Action::SegmentUnmap, s.stream, s.va, s.size, STITCH_CODE);
         Ok(())

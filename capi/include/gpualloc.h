@@ -53,6 +53,19 @@ typedef struct CUstream_st *cudaStream_t;
 // An internal consistency check failed (`gpualloc_check_invariants`).
 #define GPUALLOC_ERR_INVARIANT -14
 
+// A plain segment was obtained from the device (PyTorch's
+// `TraceEntry::SEGMENT_ALLOC`).
+#define GPUALLOC_SEGMENT_ALLOC 3
+
+// A plain segment is about to go back to the device (`TraceEntry::SEGMENT_FREE`).
+#define GPUALLOC_SEGMENT_FREE 4
+
+// A range of expandable memory was mapped (`TraceEntry::SEGMENT_MAP`).
+#define GPUALLOC_SEGMENT_MAP 5
+
+// A range of expandable memory is about to be unmapped (`TraceEntry::SEGMENT_UNMAP`).
+#define GPUALLOC_SEGMENT_UNMAP 6
+
 // Version of [`GpuallocOomInfo`] this library writes.
 #define GPUALLOC_OOM_INFO_VERSION 1
 
@@ -67,6 +80,16 @@ typedef struct CUstream_st *cudaStream_t;
 
 // Version of [`GpuallocStats`] this library writes.
 #define GPUALLOC_STATS_VERSION 1
+
+// Receives segment events: `action` is one of `GPUALLOC_SEGMENT_*`,
+// `stream` the `cudaStream_t` the memory was obtained for, as an integer.
+// Called under the allocator's lock: it must not call gpualloc.
+typedef void (*GpuallocSegmentObserver)(void *ctx,
+                                        int device,
+                                        int action,
+                                        uint64_t address,
+                                        uint64_t size,
+                                        uint64_t stream);
 
 // Everything the allocator knew when an allocation failed. Versioned like
 // [`GpuallocStats`](crate::stats::GpuallocStats): set `size` before the call.
@@ -106,6 +129,43 @@ typedef struct GpuallocOomInfo {
 // Decides whether an allocation on `stream` goes to the pool: non-zero yes.
 // Called under the allocator's lock: it must not call gpualloc.
 typedef int (*GpuallocStreamFilter)(void *ctx, cudaStream_t stream);
+
+// One segment of [`gpualloc_snapshot_segments`]: a plain segment, one
+// mapped run of an expandable segment, or a stitch in use.
+typedef struct GpuallocSegmentInfo {
+  // Device index.
+  int32_t device;
+  // Large pool (1) or small pool (0).
+  uint8_t is_large;
+  // Expandable memory (1) or a plain segment (0).
+  uint8_t is_expandable;
+  // Start address.
+  uint64_t address;
+  // Bytes.
+  uint64_t total_size;
+  // The stream it was allocated for (`cudaStream_t` as an integer).
+  uint64_t stream;
+  // Owning private pool id, `(0, 0)` for the default pools.
+  uint64_t pool_a;
+  // Second half of the pool id.
+  uint64_t pool_b;
+  // Index of its first block in the blocks array.
+  uint64_t first_block;
+  // Number of its blocks, which tile it in address order.
+  uint64_t num_blocks;
+} GpuallocSegmentInfo;
+
+// One block of [`gpualloc_snapshot_segments`].
+typedef struct GpuallocBlockInfo {
+  // Start address.
+  uint64_t address;
+  // Bytes.
+  uint64_t size;
+  // Bytes asked for (0 when free).
+  uint64_t requested_size;
+  // 0 inactive (free), 1 active_allocated, 2 active_pending_free.
+  uint8_t state;
+} GpuallocBlockInfo;
 
 // One gauge, PyTorch's `Stat`.
 typedef struct GpuallocStat {
@@ -292,6 +352,27 @@ int gpualloc_mem_info(int device, uint64_t *free_bytes, uint64_t *total_bytes);
 // the first allocation there is nothing to check, and nothing is created.
 int gpualloc_check_invariants(int device);
 
+// Installs the one segment observer (NULL removes it), on every device,
+// now or when the allocator starts. It is called synchronously, under the
+// allocator's lock, after each successful device allocation
+// (`GPUALLOC_SEGMENT_ALLOC`) and before each release to the device
+// (`GPUALLOC_SEGMENT_FREE`) of a plain segment, and for expandable memory
+// after each range is mapped (`GPUALLOC_SEGMENT_MAP`) and before it is
+// unmapped (`GPUALLOC_SEGMENT_UNMAP`), with the range's address and size;
+// this includes private pools and stitched (aliased) ranges. An unmapped
+// range lies inside mapped ones but may span or split them. When the driver
+// refuses a release or an unmap, the range is announced again (ALLOC or MAP).
+// Once this returns, the previous observer is no longer called. An
+// observer installed after the first allocation was not told about memory
+// already there: the segments `gpualloc_snapshot_segments` lists, and
+// stitched ranges cached for reuse (which no snapshot lists), whose FREE or
+// UNMAP may still come. Returns `GPUALLOC_OK`.
+//
+// # Safety
+// `observer(ctx, ...)` must be callable from any thread until another
+// observer is installed, and must not call gpualloc.
+int gpualloc_set_segment_observer(GpuallocSegmentObserver observer, void *ctx);
+
 // The calling thread's last out-of-memory report: filled by a
 // `gpualloc_malloc` that returned NULL for lack of memory, kept until the
 // next one. Returns `GPUALLOC_ERR_NOT_FOUND` when this thread never had one.
@@ -337,6 +418,31 @@ int gpualloc_release_pool(int device, uint64_t id_a, uint64_t id_b);
 // `buf` is NULL or points to `cap` writable bytes; `needed` is NULL or
 // points to a writable size_t.
 int gpualloc_snapshot_json(int device, char *buf, size_t cap, size_t *needed);
+
+// Segments of `device` (-1: every device), or only those of private pool
+// `(pool_a, pool_b)` when `only_pool != 0`, with their blocks in address
+// order: segment `i`'s blocks are `blocks[segs[i].first_block ..
+// segs[i].first_block + segs[i].num_blocks]`. The same segments and blocks
+// as [`gpualloc_snapshot_json`]. `*n_segs` and `*n_blocks` are always set
+// to the counts; when `seg_cap` or `block_cap` is too small nothing is
+// written to the arrays and the result is `GPUALLOC_ERR_BUFFER_TOO_SMALL`
+// (`segs`/`blocks` may be NULL with cap 0 to ask). The state may change
+// between two calls: retry with larger arrays.
+//
+// # Safety
+// `segs` is NULL or points to `seg_cap` writable `GpuallocSegmentInfo`;
+// `blocks` is NULL or points to `block_cap` writable `GpuallocBlockInfo`;
+// `n_segs` and `n_blocks` are NULL or point to a writable size_t.
+int gpualloc_snapshot_segments(int device,
+                               int only_pool,
+                               uint64_t pool_a,
+                               uint64_t pool_b,
+                               struct GpuallocSegmentInfo *segs,
+                               size_t seg_cap,
+                               size_t *n_segs,
+                               struct GpuallocBlockInfo *blocks,
+                               size_t block_cap,
+                               size_t *n_blocks);
 
 // Fills `*out` with `device`'s stats (see [`GpuallocStats`] for `size`).
 //

@@ -16,7 +16,7 @@ use gpualloc::backend::cuda::{self, CudaBackend};
 use gpualloc::backend::{
     Backend, BackendError, DevicePtr, DriverCalls, EventId, HandleId, MemInfo, StreamId,
 };
-use gpualloc::{AllocError, Allocator, Config, SimBackend};
+use gpualloc::{AllocError, Allocator, Config, SegmentObserver, SimBackend};
 use parking_lot::Mutex;
 
 use crate::boundary::{
@@ -118,6 +118,18 @@ pub(crate) struct Global {
 
 static GLOBAL: OnceLock<Global> = OnceLock::new();
 static INIT: Mutex<()> = Mutex::new(());
+/// The segment observer, kept for the allocator until it starts (under `INIT`).
+static OBSERVER: Mutex<Option<SegmentObserver>> = Mutex::new(None);
+
+/// Installs the segment observer on the allocator, now if it exists, else
+/// when it starts: under `INIT`, so that no allocator starts without it.
+pub(crate) fn set_segment_observer(observer: Option<SegmentObserver>) {
+    let _serial = INIT.lock();
+    *OBSERVER.lock() = observer.clone();
+    if let Some(g) = GLOBAL.get() {
+        g.alloc.set_segment_observer(observer);
+    }
+}
 
 /// The allocator, created on first use from the environment.
 #[inline]
@@ -156,6 +168,7 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
         None => Config::from_env()?,
     };
     let g = build(config)?;
+    g.alloc.set_segment_observer(OBSERVER.lock().clone());
     let g = GLOBAL.get_or_init(|| g);
     tracing::info!(
         backend = ?g.kind,

@@ -5,7 +5,8 @@
 //! `gpualloc_empty_cache` and `gpualloc_set_memory_fraction` have exactly the
 //! signatures of its hooks. The rest is control and introspection: stats
 //! (a versioned struct, and every PyTorch-named stat as a flat array),
-//! snapshots (JSON), out-of-memory details, CUDA graph pools, tracing.
+//! snapshots (JSON, or structs), segment events, out-of-memory details,
+//! CUDA graph pools, tracing.
 //!
 //! Conventions (see `boundary.rs`): control functions return `int`
 //! (`GPUALLOC_OK` or a negative `GPUALLOC_ERR_*`) and clear the calling
@@ -15,6 +16,7 @@
 
 mod boundary;
 mod global;
+mod observer;
 mod oom;
 mod pools;
 mod snapshot;
@@ -28,6 +30,7 @@ use boundary::{Error, ffi_boundary, status, str_arg, void_call, write_out};
 use global::{BackendKind, existing, global};
 
 pub use boundary::*;
+pub use observer::*;
 pub use oom::*;
 pub use pools::*;
 pub use snapshot::*;

@@ -486,3 +486,31 @@ fn random_call_sequences_never_crash() {
     }
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// `gpualloc_snapshot_segments` agrees with `gpualloc_snapshot_json`, and an
+/// observer installed with `gpualloc_set_segment_observer` sees every
+/// segment come and go (`tests/c/segments_test.c`), with expandable
+/// segments (the default) and with plain ones.
+#[test]
+fn segment_structs_and_events() {
+    let (out, exe) = build_c("segments_test");
+    for conf in [None, Some("policy:pytorch")] {
+        let mut vars: Vec<(&str, &std::ffi::OsStr)> = vec![
+            ("GPUALLOC_SIM_DEVICES", "2".as_ref()),
+            ("GPUALLOC_SIM_CAPACITY", "1GiB".as_ref()),
+        ];
+        if let Some(c) = conf {
+            vars.push(("GPUALLOC_CONF", c.as_ref()));
+        }
+        let run = run_sim(&exe, &vars);
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(
+            run.status.success() && stdout.trim_end().ends_with("ALL OK"),
+            "{conf:?}: {}\n{stdout}\n{stderr}",
+            run.status
+        );
+        eprintln!("{conf:?}: {stdout}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -408,6 +408,17 @@ impl SimBackend {
         self.reservations.values().map(|r| r.mapped.len()).sum()
     }
 
+    /// Every address range backed by memory: live allocations and mappings
+    /// (one entry per mapped handle), sorted by address.
+    pub fn backed_ranges(&self) -> Vec<(DevicePtr, u64)> {
+        let mut v: Vec<(DevicePtr, u64)> = self.live.iter().map(|(&p, &s)| (p, s)).collect();
+        for (&va, r) in &self.reservations {
+            v.extend(r.mapped.iter().map(|(&off, m)| (va + off, m.1)));
+        }
+        v.sort_unstable();
+        v
+    }
+
     /// Physical handles alive (mapped or not).
     pub fn handles(&self) -> usize {
         self.handles.len()

@@ -1,8 +1,11 @@
 /* Random sequences of C ABI calls on the simulated backend, with valid,
  * misused and extreme arguments (never memory the caller does not own).
- * After every call each device's invariants must hold; at the end the
- * program prints "FUZZ OK". Usage: fuzz_abi SEED CALLS TRACE_DIR */
+ * After every call each device's invariants must hold, and every segment
+ * of the snapshot must be registered by the segment observer (and, every
+ * eighth call, agree with the JSON snapshot: registry.h); at the end the program prints "FUZZ OK".
+ * Usage: fuzz_abi SEED CALLS TRACE_DIR */
 #include "gpualloc.h"
+#include "registry.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -65,6 +68,7 @@ static void check(uint64_t call, const char *what) {
       exit(1);
     }
   }
+  check_segments(what, -1, call % 8 == 0);
 }
 
 int main(int argc, char **argv) {
@@ -75,6 +79,7 @@ int main(int argc, char **argv) {
   static char name[6000];
   static char snapshot[1 << 16];
   int64_t values[512];
+  CHECK(gpualloc_set_segment_observer(observer, &reg) == GPUALLOC_OK);
   for (uint64_t i = 0; i < calls; i++) {
     const char *what = "";
     switch (below(24)) {

@@ -5,6 +5,7 @@
 //!   each operation;
 //! - `promise`: the default policy never fails a request for fragmentation;
 //! - `scenarios`: one file per rule of PyTorch's caching allocator;
+//! - `segment_events`: segment events announce exactly the backed memory;
 //! - `docs`: `docs/configuration.md` lists exactly the code's keys and
 //!   environment variables, with the code's defaults;
 //! - `examples`: the C example builds and runs on the simulated device.
@@ -16,4 +17,5 @@ mod gpu_recorded;
 mod promise;
 mod properties;
 mod scenarios;
+mod segment_events;
 mod structure;

@@ -1,0 +1,58 @@
+//! Segment observers: a callback on every change of the device memory the
+//! allocator holds at an address.
+//!
+//! Note [Segment events]
+//! Rationale: PyTorch's `AllocatorTraceTracker` lets ProcessGroupNCCL
+//! register memory with NCCL when it appears and deregister it when it goes,
+//! and memory history (memory_viz) wants the same events. Both need to know
+//! exactly which addresses are backed by memory at any moment.
+//! Approach: one observer per device, called under the device's lock:
+//! [`SegmentAction::Alloc`] after a plain segment is obtained,
+//! [`SegmentAction::Free`] before it is released; [`SegmentAction::Map`]
+//! after a range of an expandable segment (or a stitch, Note [Stitching]) is
+//! mapped, [`SegmentAction::Unmap`] before it is unmapped, with the range's
+//! address and size. A consumer that adds a range on `Alloc`/`Map` and
+//! removes it on `Free`/`Unmap` holds exactly the ranges backed by memory.
+//! If the driver refuses a release or an unmap announced before the call,
+//! the range is announced again (`Alloc`/`Map`): it is still there.
+//! An `Unmap` range always lies inside ranges announced by `Map`, but need
+//! not be one of them (pages are unmapped in runs of whole handles). Private
+//! pools are included. Pages held in the page pool (Note [Page pool]) are
+//! at no address and are not announced. Segment events are off the
+//! per-allocation hot path; without an observer each costs one branch.
+
+use std::sync::Arc;
+
+use crate::backend::{DevicePtr, StreamId};
+
+/// What happened to a range of device memory (Note [Segment events]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SegmentAction {
+    /// A plain segment was obtained from the device (`cudaMalloc`).
+    Alloc,
+    /// A plain segment is about to go back to the device (`cudaFree`).
+    Free,
+    /// A range of an expandable segment or a stitch was mapped.
+    Map,
+    /// A range of an expandable segment or a stitch is about to be unmapped.
+    Unmap,
+}
+
+/// One segment event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentEvent {
+    /// Device index.
+    pub device: u32,
+    /// What happened.
+    pub action: SegmentAction,
+    /// Start of the range.
+    pub address: DevicePtr,
+    /// Bytes.
+    pub size: u64,
+    /// The stream the segment or range was obtained for.
+    pub stream: StreamId,
+}
+
+/// Called on every segment event, under the device's lock: it must not call
+/// back into the allocator.
+pub type SegmentObserver = Arc<dyn Fn(&SegmentEvent) + Send + Sync>;

@@ -1,0 +1,106 @@
+//! Segment events for the torch bridge: PyTorch's `AllocatorTraceTracker`
+//! (ProcessGroupNCCL registers memory with NCCL on `SEGMENT_ALLOC` and
+//! `SEGMENT_MAP` and deregisters it on `SEGMENT_FREE` and `SEGMENT_UNMAP`)
+//! and memory history. The core's observer (Note [Segment events] in
+//! `allocator/src/observer.rs`) adapted to a C function pointer.
+
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+
+use gpualloc::{SegmentAction, SegmentEvent, SegmentObserver};
+
+use crate::boundary::status;
+use crate::global;
+
+/// A plain segment was obtained from the device (PyTorch's
+/// `TraceEntry::SEGMENT_ALLOC`).
+pub const GPUALLOC_SEGMENT_ALLOC: c_int = 3;
+/// A plain segment is about to go back to the device (`TraceEntry::SEGMENT_FREE`).
+pub const GPUALLOC_SEGMENT_FREE: c_int = 4;
+/// A range of expandable memory was mapped (`TraceEntry::SEGMENT_MAP`).
+pub const GPUALLOC_SEGMENT_MAP: c_int = 5;
+/// A range of expandable memory is about to be unmapped (`TraceEntry::SEGMENT_UNMAP`).
+pub const GPUALLOC_SEGMENT_UNMAP: c_int = 6;
+
+/// Receives segment events: `action` is one of `GPUALLOC_SEGMENT_*`,
+/// `stream` the `cudaStream_t` the memory was obtained for, as an integer.
+/// Called under the allocator's lock: it must not call gpualloc.
+pub type GpuallocSegmentObserver = Option<
+    unsafe extern "C" fn(
+        ctx: *mut c_void,
+        device: c_int,
+        action: c_int,
+        address: u64,
+        size: u64,
+        stream: u64,
+    ),
+>;
+
+struct CObserver {
+    f: unsafe extern "C" fn(*mut c_void, c_int, c_int, u64, u64, u64),
+    ctx: *mut c_void,
+}
+
+// SAFETY: the contract of gpualloc_set_segment_observer requires that
+// `observer(ctx, ..)` may be called from any thread until another observer
+// is installed (which drops this one under every device's lock).
+unsafe impl Send for CObserver {}
+// SAFETY: as above; the library never touches `ctx` itself.
+unsafe impl Sync for CObserver {}
+
+impl CObserver {
+    fn call(&self, e: &SegmentEvent) {
+        let action = match e.action {
+            SegmentAction::Alloc => GPUALLOC_SEGMENT_ALLOC,
+            SegmentAction::Free => GPUALLOC_SEGMENT_FREE,
+            SegmentAction::Map => GPUALLOC_SEGMENT_MAP,
+            SegmentAction::Unmap => GPUALLOC_SEGMENT_UNMAP,
+        };
+        // SAFETY: `f` and `ctx` came together from the caller, who keeps them
+        // valid while this observer is installed.
+        unsafe {
+            (self.f)(
+                self.ctx,
+                e.device as c_int,
+                action,
+                e.address,
+                e.size,
+                e.stream,
+            )
+        }
+    }
+}
+
+/// Installs the one segment observer (NULL removes it), on every device,
+/// now or when the allocator starts. It is called synchronously, under the
+/// allocator's lock, after each successful device allocation
+/// (`GPUALLOC_SEGMENT_ALLOC`) and before each release to the device
+/// (`GPUALLOC_SEGMENT_FREE`) of a plain segment, and for expandable memory
+/// after each range is mapped (`GPUALLOC_SEGMENT_MAP`) and before it is
+/// unmapped (`GPUALLOC_SEGMENT_UNMAP`), with the range's address and size;
+/// this includes private pools and stitched (aliased) ranges. An unmapped
+/// range lies inside mapped ones but may span or split them. When the driver
+/// refuses a release or an unmap, the range is announced again (ALLOC or MAP).
+/// Once this returns, the previous observer is no longer called. An
+/// observer installed after the first allocation was not told about memory
+/// already there: the segments `gpualloc_snapshot_segments` lists, and
+/// stitched ranges cached for reuse (which no snapshot lists), whose FREE or
+/// UNMAP may still come. Returns `GPUALLOC_OK`.
+///
+/// # Safety
+/// `observer(ctx, ...)` must be callable from any thread until another
+/// observer is installed, and must not call gpualloc.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_set_segment_observer(
+    observer: GpuallocSegmentObserver,
+    ctx: *mut c_void,
+) -> c_int {
+    status(|| {
+        let o = observer.map(|f| {
+            let c = CObserver { f, ctx };
+            Arc::new(move |e: &SegmentEvent| c.call(e)) as SegmentObserver
+        });
+        global::set_segment_observer(o);
+        Ok(())
+    })
+}
