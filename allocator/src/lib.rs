@@ -88,4 +88,6 @@ pub use error::{ANY_DEVICE, AllocError, OomReport};
 pub use pool::PoolKey;
 pub use private_pool::StreamFilter;
 pub use snapshot::{BlockSnapshot, SegmentSnapshot};
-pub use stats::{DeviceStats, Stat, StatArray};
+pub use stats::{
+    DeviceStats, InTorch, STATS, Stat, StatArray, StatDef, StatKind, StatMut, StatValue,
+};

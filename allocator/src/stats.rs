@@ -73,61 +73,221 @@ impl StatArray {
     }
 }
 
-/// PyTorch's `DeviceStats`, key for key.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct DeviceStats {
+/// What a stat is: how `DeviceStats` stores it and which keys it flattens to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatKind {
+    /// A [`StatArray`]: keys `name.{all,small_pool,large_pool}.{current,peak,allocated,freed}`.
+    Array,
+    /// One [`Stat`]: keys `name.{current,peak,allocated,freed}`.
+    Gauge,
+    /// A plain `i64` that only grows between resets (`num_*`): key `name`.
+    Counter,
+    /// A plain `i64` read from the configuration: key `name`.
+    Setting,
+}
+
+/// Whether torch's own C++ `DeviceStats` has a field of this name (what
+/// the bridge's `getDeviceStats` must fill from `GpuallocStats`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InTorch {
+    /// Every torch the bridge supports (2.6 on) has it: the bridge fills it.
+    Yes,
+    /// Only newer torch has it, so the bridge cannot name it; torch's
+    /// default (0) stands, which is gpualloc's value too.
+    Newer,
+    /// gpualloc's addition, reported through `memory_stats()` only.
+    No,
+}
+
+/// One row of [`STATS`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatDef {
+    /// The field of [`DeviceStats`] and of `GpuallocStats`, and the key (or
+    /// key prefix) in `torch.cuda.memory_stats()`.
+    pub name: &'static str,
+    /// How it is stored.
+    pub kind: StatKind,
+    /// `reset_peak` sets its peaks to their current values.
+    pub reset_peak: bool,
+    /// `reset_accumulated` zeroes it (a counter) or its `allocated` and
+    /// `freed` (a gauge).
+    pub reset_accumulated: bool,
+    /// In torch's `DeviceStats`.
+    pub torch: InTorch,
+    /// The `GpuallocStats` version that appended the field (0: not in the
+    /// C struct). Within a version, C fields follow this table's order.
+    pub c_version: u32,
+    /// The field's documentation (the same words in every language).
+    pub doc: &'static str,
+}
+
+/// A stat read through the table ([`DeviceStats::get`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatValue<'a> {
+    /// [`StatKind::Array`].
+    Array(&'a StatArray),
+    /// [`StatKind::Gauge`].
+    Gauge(&'a Stat),
+    /// [`StatKind::Counter`] and [`StatKind::Setting`].
+    Value(i64),
+}
+
+/// A stat changed through the table ([`DeviceStats::get_mut`]).
+#[derive(Debug)]
+pub enum StatMut<'a> {
+    /// [`StatKind::Array`].
+    Array(&'a mut StatArray),
+    /// [`StatKind::Gauge`].
+    Gauge(&'a mut Stat),
+    /// [`StatKind::Counter`] and [`StatKind::Setting`].
+    Value(&'a mut i64),
+}
+
+// Note [One table for stats]
+//
+// Every stat is defined once, below: its doc, kind, what the two resets do,
+// whether torch's DeviceStats has it and the C struct version that added it.
+// The macro makes the `DeviceStats` struct, the `STATS` table and the
+// accessors from it; `flat`, `flat_keys`, `reset_peak` and
+// `reset_accumulated` walk the table. What cannot be generated from Rust is
+// checked against it by tests: the C struct and its header
+// (capi/tests/stats_table.rs), the Python ctypes mirror, the key list and
+// the bridge (python-shim/tests/test_stats_table.py, through
+// docs/stats.md, which is this table rendered and kept up to date by
+// `docs_table_is_up_to_date`). Adding a stat: add a row here (at the end,
+// with the next `c_version`), append the field to `GpuallocStats` and
+// `to_c`, then run the tests; each failure names the list to update.
+macro_rules! stats_table {
+    ($(
+        $(#[doc = $doc:literal])+
+        $name:ident: $kind:ident, peak: $peak:literal, accumulated: $acc:literal,
+            torch: $torch:ident, c: $c:literal;
+    )*) => {
+        /// PyTorch's `DeviceStats`, key for key, plus gpualloc's counters.
+        /// Generated from the table of Note \[One table for stats\].
+        #[derive(Clone, Debug, Default, PartialEq, Eq)]
+        pub struct DeviceStats {
+            $( $(#[doc = $doc])+ pub $name: stats_table!(@type $kind), )*
+        }
+
+        /// Every stat of [`DeviceStats`], in field order (Note \[One table for stats\]).
+        pub const STATS: &[StatDef] = &[$(
+            StatDef {
+                name: stringify!($name),
+                kind: StatKind::$kind,
+                reset_peak: $peak,
+                reset_accumulated: $acc,
+                torch: InTorch::$torch,
+                c_version: $c,
+                doc: concat!($($doc, "\n"),+),
+            },
+        )*];
+
+        impl DeviceStats {
+            /// The stat of `STATS[index]`; `None` past the end.
+            pub fn get(&self, index: usize) -> Option<StatValue<'_>> {
+                let mut i = 0;
+                $(
+                    if i == index {
+                        return Some(stats_table!(@value $kind, self.$name));
+                    }
+                    i += 1;
+                )*
+                let _ = i;
+                None
+            }
+
+            /// The stat of `STATS[index]`, mutably; `None` past the end.
+            pub fn get_mut(&mut self, index: usize) -> Option<StatMut<'_>> {
+                let mut i = 0;
+                $(
+                    if i == index {
+                        return Some(stats_table!(@mut $kind, self.$name));
+                    }
+                    i += 1;
+                )*
+                let _ = i;
+                None
+            }
+        }
+    };
+    (@type Array) => { StatArray };
+    (@type Gauge) => { Stat };
+    (@type Counter) => { i64 };
+    (@type Setting) => { i64 };
+    (@value Array, $e:expr) => { StatValue::Array(&$e) };
+    (@value Gauge, $e:expr) => { StatValue::Gauge(&$e) };
+    (@value Counter, $e:expr) => { StatValue::Value($e) };
+    (@value Setting, $e:expr) => { StatValue::Value($e) };
+    (@mut Array, $e:expr) => { StatMut::Array(&mut $e) };
+    (@mut Gauge, $e:expr) => { StatMut::Gauge(&mut $e) };
+    (@mut Counter, $e:expr) => { StatMut::Value(&mut $e) };
+    (@mut Setting, $e:expr) => { StatMut::Value(&mut $e) };
+}
+
+stats_table! {
     /// Live allocations.
-    pub allocation: StatArray,
+    allocation: Array, peak: true, accumulated: true, torch: Yes, c: 1;
     /// Bytes of live allocations (rounded block sizes).
-    pub allocated_bytes: StatArray,
+    allocated_bytes: Array, peak: true, accumulated: true, torch: Yes, c: 1;
     /// Bytes the callers asked for, until the free completes.
-    pub requested_bytes: StatArray,
+    requested_bytes: Array, peak: true, accumulated: true, torch: Yes, c: 1;
     /// Blocks allocated or waiting on events.
-    pub active: StatArray,
+    active: Array, peak: true, accumulated: true, torch: Yes, c: 1;
     /// Bytes of active blocks.
-    pub active_bytes: StatArray,
+    active_bytes: Array, peak: true, accumulated: true, torch: Yes, c: 1;
     /// Segments obtained from the backend.
-    pub segment: StatArray,
+    segment: Array, peak: true, accumulated: true, torch: Yes, c: 1;
     /// Bytes obtained from the backend.
-    pub reserved_bytes: StatArray,
+    reserved_bytes: Array, peak: true, accumulated: true, torch: Yes, c: 1;
     /// Free pieces of split segments.
-    pub inactive_split: StatArray,
+    inactive_split: Array, peak: true, accumulated: true, torch: Yes, c: 1;
     /// Bytes of free pieces of split segments.
-    pub inactive_split_bytes: StatArray,
+    inactive_split_bytes: Array, peak: true, accumulated: true, torch: Yes, c: 1;
     /// Allocations of at least `max_split_size`.
-    pub oversize_allocations: Stat,
+    oversize_allocations: Gauge, peak: true, accumulated: true, torch: Yes, c: 1;
     /// Segments of at least `max_split_size`.
-    pub oversize_segments: Stat,
+    oversize_segments: Gauge, peak: true, accumulated: true, torch: Yes, c: 1;
     /// Backend allocations retried after releasing every cached segment.
-    pub num_alloc_retries: i64,
+    num_alloc_retries: Counter, peak: false, accumulated: true, torch: Yes, c: 1;
     /// Out-of-memory errors returned.
-    pub num_ooms: i64,
+    num_ooms: Counter, peak: false, accumulated: true, torch: Yes, c: 1;
     /// Times every outstanding event was waited for.
-    pub num_sync_all_streams: i64,
+    num_sync_all_streams: Counter, peak: false, accumulated: true, torch: Yes, c: 1;
     /// Backend allocations.
-    pub num_device_alloc: i64,
+    num_device_alloc: Counter, peak: false, accumulated: true, torch: Yes, c: 1;
     /// Backend releases.
-    pub num_device_free: i64,
+    num_device_free: Counter, peak: false, accumulated: true, torch: Yes, c: 1;
     /// Requests rejected before any driver call (PyTorch's
     /// `throw_on_cudamalloc_oom`; gpualloc never rejects, so always 0).
-    pub num_oom_rejections: i64,
+    num_oom_rejections: Counter, peak: false, accumulated: true, torch: Newer, c: 2;
     /// Blocks taken from another stream's cache (gpualloc's addition).
-    pub num_cross_stream_reuse: i64,
-    /// Trace records that could not be written (gpualloc's addition).
-    pub num_trace_dropped: i64,
+    num_cross_stream_reuse: Counter, peak: false, accumulated: true, torch: No, c: 1;
+    /// Trace records that could not be written since the last accumulated
+    /// reset (gpualloc's addition; the trace's own END block and
+    /// `trace_stop` count every loss since `trace_start`).
+    num_trace_dropped: Counter, peak: false, accumulated: true, torch: No, c: 1;
     /// Times free pages were unmapped to be mapped where a request fits,
     /// instead of growing (Note \[Defragmentation\]; gpualloc's addition).
-    pub num_defragment: i64,
+    num_defragment: Counter, peak: false, accumulated: true, torch: No, c: 2;
     /// Stitched ranges built (Note \[Stitching\]; gpualloc's addition).
-    pub num_stitch: i64,
-    /// Driver calls of every kind (filled in when stats are read).
-    pub num_driver_calls: i64,
+    num_stitch: Counter, peak: false, accumulated: true, torch: No, c: 2;
+    /// Driver calls of every kind (filled in when stats are read; the
+    /// accumulated reset moves their baseline).
+    num_driver_calls: Counter, peak: false, accumulated: true, torch: No, c: 2;
     /// Driver calls that obtain, map, unmap or return memory.
-    pub num_driver_memory_calls: i64,
+    num_driver_memory_calls: Counter, peak: false, accumulated: true, torch: No, c: 2;
     /// Nanoseconds spent in driver calls, where the backend measures it.
-    pub driver_time_ns: i64,
+    driver_time_ns: Counter, peak: false, accumulated: true, torch: No, c: 2;
     /// The configured `max_split_size` (-1 when unlimited, as PyTorch reports it).
-    pub max_split_size: i64,
+    max_split_size: Setting, peak: false, accumulated: false, torch: Yes, c: 1;
+}
+
+/// The four fields of a [`Stat`], in key order of PyTorch's `memory_stats`.
+const STAT_FIELDS: [&str; 4] = ["current", "peak", "allocated", "freed"];
+
+fn stat_values(s: &Stat) -> [i64; 4] {
+    [s.current, s.peak, s.allocated, s.freed]
 }
 
 impl DeviceStats {
@@ -143,116 +303,90 @@ impl DeviceStats {
         }
     }
 
-    /// The nine per-pool gauges with their PyTorch names.
-    pub fn arrays(&self) -> [(&'static str, &StatArray); 9] {
-        [
-            ("allocation", &self.allocation),
-            ("allocated_bytes", &self.allocated_bytes),
-            ("requested_bytes", &self.requested_bytes),
-            ("active", &self.active),
-            ("active_bytes", &self.active_bytes),
-            ("segment", &self.segment),
-            ("reserved_bytes", &self.reserved_bytes),
-            ("inactive_split", &self.inactive_split),
-            ("inactive_split_bytes", &self.inactive_split_bytes),
-        ]
-    }
-
-    fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
-        [
-            &mut self.allocation,
-            &mut self.allocated_bytes,
-            &mut self.requested_bytes,
-            &mut self.active,
-            &mut self.active_bytes,
-            &mut self.segment,
-            &mut self.reserved_bytes,
-            &mut self.inactive_split,
-            &mut self.inactive_split_bytes,
-        ]
+    /// The stats the table marks [`StatKind::Array`], with their PyTorch names.
+    pub fn arrays(&self) -> Vec<(&'static str, &StatArray)> {
+        (0..STATS.len())
+            .filter_map(|i| match self.get(i) {
+                Some(StatValue::Array(a)) => Some((STATS[i].name, a)),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Every stat as flat `(key, value)` pairs, named exactly as
-    /// `torch.cuda.memory_stats()` names them (`allocated_bytes.all.peak`, ...).
+    /// `torch.cuda.memory_stats()` names them (`allocated_bytes.all.peak`, ...),
+    /// sorted by key.
     pub fn flat(&self) -> Vec<(String, i64)> {
         let mut out = Vec::with_capacity(128);
-        for (name, arr) in self.arrays() {
-            for (pool, s) in arr.named() {
-                for (field, v) in [
-                    ("current", s.current),
-                    ("peak", s.peak),
-                    ("allocated", s.allocated),
-                    ("freed", s.freed),
-                ] {
-                    out.push((format!("{name}.{pool}.{field}"), v));
+        for (i, def) in STATS.iter().enumerate() {
+            let name = def.name;
+            match self.get(i).expect("STATS and DeviceStats agree") {
+                StatValue::Array(a) => {
+                    for (pool, s) in a.named() {
+                        for (field, v) in STAT_FIELDS.into_iter().zip(stat_values(s)) {
+                            out.push((format!("{name}.{pool}.{field}"), v));
+                        }
+                    }
                 }
+                StatValue::Gauge(s) => {
+                    for (field, v) in STAT_FIELDS.into_iter().zip(stat_values(s)) {
+                        out.push((format!("{name}.{field}"), v));
+                    }
+                }
+                StatValue::Value(v) => out.push((name.to_string(), v)),
             }
-        }
-        for (name, s) in [
-            ("oversize_allocations", &self.oversize_allocations),
-            ("oversize_segments", &self.oversize_segments),
-        ] {
-            for (field, v) in [
-                ("current", s.current),
-                ("peak", s.peak),
-                ("allocated", s.allocated),
-                ("freed", s.freed),
-            ] {
-                out.push((format!("{name}.{field}"), v));
-            }
-        }
-        for (name, v) in [
-            ("num_alloc_retries", self.num_alloc_retries),
-            ("num_ooms", self.num_ooms),
-            ("num_sync_all_streams", self.num_sync_all_streams),
-            ("num_device_alloc", self.num_device_alloc),
-            ("num_device_free", self.num_device_free),
-            ("num_oom_rejections", self.num_oom_rejections),
-            ("num_cross_stream_reuse", self.num_cross_stream_reuse),
-            ("num_trace_dropped", self.num_trace_dropped),
-            ("num_defragment", self.num_defragment),
-            ("num_stitch", self.num_stitch),
-            ("num_driver_calls", self.num_driver_calls),
-            ("num_driver_memory_calls", self.num_driver_memory_calls),
-            ("driver_time_ns", self.driver_time_ns),
-            ("max_split_size", self.max_split_size),
-        ] {
-            out.push((name.to_string(), v));
         }
         out.sort();
         out
     }
 
-    /// `reset_peak_memory_stats`: every peak becomes its current value.
-    pub fn reset_peak(&mut self) {
-        for a in self.arrays_mut() {
-            a.for_each(|s| s.peak = s.current);
-        }
-        for s in [&mut self.oversize_allocations, &mut self.oversize_segments] {
-            s.peak = s.current;
+    /// The keys of [`flat`](Self::flat), in its order.
+    pub fn flat_keys() -> Vec<String> {
+        DeviceStats::default()
+            .flat()
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect()
+    }
+
+    /// Applies `f` to every stat the table marks with `pick`.
+    fn for_each_marked(&mut self, pick: impl Fn(&StatDef) -> bool, f: impl Fn(StatMut<'_>)) {
+        for (i, def) in STATS.iter().enumerate() {
+            if pick(def) {
+                f(self.get_mut(i).expect("STATS and DeviceStats agree"));
+            }
         }
     }
 
-    /// `reset_accumulated_memory_stats`: cumulative fields and `num_*` counters go to 0.
+    /// `reset_peak_memory_stats`: every peak becomes its current value (the
+    /// stats marked `peak: true`).
+    pub fn reset_peak(&mut self) {
+        let reset = |s: &mut Stat| s.peak = s.current;
+        self.for_each_marked(
+            |d| d.reset_peak,
+            |m| match m {
+                StatMut::Array(a) => a.for_each(reset),
+                StatMut::Gauge(s) => reset(s),
+                StatMut::Value(_) => unreachable!("a plain value has no peak"),
+            },
+        );
+    }
+
+    /// `reset_accumulated_memory_stats`: cumulative fields and `num_*`
+    /// counters go to 0 (the stats marked `accumulated: true`).
     pub fn reset_accumulated(&mut self) {
-        for a in self.arrays_mut() {
-            a.for_each(|s| {
-                s.allocated = 0;
-                s.freed = 0;
-            });
-        }
-        for s in [&mut self.oversize_allocations, &mut self.oversize_segments] {
+        let reset = |s: &mut Stat| {
             s.allocated = 0;
             s.freed = 0;
-        }
-        self.num_alloc_retries = 0;
-        self.num_ooms = 0;
-        self.num_sync_all_streams = 0;
-        self.num_device_alloc = 0;
-        self.num_device_free = 0;
-        self.num_cross_stream_reuse = 0;
-        self.num_defragment = 0;
-        self.num_stitch = 0;
+        };
+        self.for_each_marked(
+            |d| d.reset_accumulated,
+            |m| match m {
+                StatMut::Array(a) => a.for_each(reset),
+                StatMut::Gauge(s) => reset(s),
+                StatMut::Value(v) => *v = 0,
+            },
+        );
     }
 }
 
@@ -291,6 +425,204 @@ mod tests {
         assert_eq!(flat.len(), 9 * 3 * 4 + 2 * 4 + 14);
         d.reset_accumulated();
         d.update_noop();
+    }
+
+    /// Distinct non-zero values in every field (field `i` of stat `n` gets
+    /// `100 * n + i + 1`), so a reset or a copy that touches the wrong field shows.
+    pub(crate) fn distinct() -> DeviceStats {
+        let mut d = DeviceStats::default();
+        for n in 0..STATS.len() {
+            let base = 100 * n as i64;
+            let fill = |s: &mut Stat, off: i64| {
+                *s = Stat {
+                    current: base + off + 1,
+                    peak: base + off + 2,
+                    allocated: base + off + 3,
+                    freed: base + off + 4,
+                }
+            };
+            match d.get_mut(n).unwrap() {
+                StatMut::Array(a) => {
+                    fill(&mut a.all, 0);
+                    fill(&mut a.small_pool, 10);
+                    fill(&mut a.large_pool, 20);
+                }
+                StatMut::Gauge(s) => fill(s, 0),
+                StatMut::Value(v) => *v = base + 1,
+            }
+        }
+        d
+    }
+
+    #[test]
+    fn table_and_struct_agree() {
+        let d = DeviceStats::default();
+        let mut names: Vec<&str> = STATS.iter().map(|s| s.name).collect();
+        for (i, def) in STATS.iter().enumerate() {
+            let kind = match d.get(i).unwrap() {
+                StatValue::Array(_) => StatKind::Array,
+                StatValue::Gauge(_) => StatKind::Gauge,
+                StatValue::Value(_) => def.kind,
+            };
+            assert_eq!(kind, def.kind, "{}", def.name);
+            assert!(!def.doc.trim().is_empty(), "{} has no doc", def.name);
+        }
+        assert!(d.get(STATS.len()).is_none());
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), STATS.len(), "a name twice");
+        assert_eq!(DeviceStats::flat_keys().len(), 9 * 3 * 4 + 2 * 4 + 14);
+        // Every field is reachable through the table: a field the macro
+        // missed would keep its value here.
+        let mut zeroed = distinct();
+        for n in 0..STATS.len() {
+            match zeroed.get_mut(n).unwrap() {
+                StatMut::Array(a) => *a = StatArray::default(),
+                StatMut::Gauge(s) => *s = Stat::default(),
+                StatMut::Value(v) => *v = 0,
+            }
+        }
+        assert_eq!(zeroed, DeviceStats::default());
+    }
+
+    /// PyTorch's rules (`resetPeakStats` / `resetAccumulatedStats` in
+    /// CUDACachingAllocator.cpp): gauges lose their peaks and totals,
+    /// counters restart, the configured `max_split_size` stays.
+    #[test]
+    fn table_resets_follow_pytorch() {
+        for def in STATS {
+            let expected = match def.kind {
+                StatKind::Array | StatKind::Gauge => (true, true),
+                StatKind::Counter => (false, true),
+                StatKind::Setting => (false, false),
+            };
+            assert_eq!(
+                (def.reset_peak, def.reset_accumulated),
+                expected,
+                "{}",
+                def.name
+            );
+        }
+    }
+
+    #[test]
+    fn resets_touch_exactly_what_the_table_says() {
+        let before = distinct();
+        let (mut peak, mut acc) = (before.clone(), before.clone());
+        peak.reset_peak();
+        acc.reset_accumulated();
+        let (b, p, a) = (before.flat(), peak.flat(), acc.flat());
+        for ((key, was), ((_, after_peak), (_, after_acc))) in b.iter().zip(p.iter().zip(&a)) {
+            let def = STATS
+                .iter()
+                .find(|d| key == d.name || key.starts_with(&format!("{}.", d.name)))
+                .unwrap();
+            let field = key.rsplit('.').next().unwrap();
+            let current = b
+                .iter()
+                .find(|(k, _)| *k == format!("{}current", key.strip_suffix(field).unwrap()))
+                .map(|(_, v)| *v);
+            let want_peak = if def.reset_peak && field == "peak" {
+                current.unwrap()
+            } else {
+                *was
+            };
+            let totals = def.kind == StatKind::Counter || matches!(field, "allocated" | "freed");
+            let want_acc = if def.reset_accumulated && totals {
+                0
+            } else {
+                *was
+            };
+            assert_eq!(*after_peak, want_peak, "reset_peak, {key}");
+            assert_eq!(*after_acc, want_acc, "reset_accumulated, {key}");
+        }
+    }
+
+    /// Regression: `reset_accumulated` left `num_trace_dropped` (and
+    /// `num_oom_rejections`) alone, against its documentation ("`num_*`
+    /// counters go to 0") and PyTorch's rule that every accumulated counter
+    /// restarts. The trace itself keeps the total since `trace_start` (its
+    /// END block, `trace_stop`'s summary).
+    #[test]
+    fn reset_accumulated_zeroes_num_trace_dropped() {
+        let mut d = DeviceStats {
+            num_trace_dropped: 3,
+            num_oom_rejections: 2,
+            ..DeviceStats::default()
+        };
+        d.reset_accumulated();
+        assert_eq!((d.num_trace_dropped, d.num_oom_rejections), (0, 0));
+    }
+
+    /// docs/stats.md is the table rendered (python-shim/tests reads it too).
+    /// `UPDATE_DOCS=1 cargo test -p gpualloc --lib stats::` rewrites it.
+    #[test]
+    fn docs_table_is_up_to_date() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/stats.md");
+        let generated = render_docs();
+        if std::env::var_os("UPDATE_DOCS").is_some() {
+            std::fs::write(path, &generated).expect("write docs/stats.md");
+        }
+        let committed = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            committed == generated,
+            "docs/stats.md is stale: run `UPDATE_DOCS=1 cargo test -p gpualloc --lib stats::`"
+        );
+    }
+
+    fn render_docs() -> String {
+        let mut out = String::from(
+            "# Stats\n\n\
+             Every stat gpualloc keeps, one row each. Generated from the table in\n\
+             `allocator/src/stats.rs` (Note [One table for stats]) by\n\
+             `UPDATE_DOCS=1 cargo test -p gpualloc --lib stats::`; do not edit by hand.\n\
+             The Python tests read it to check the ctypes mirror and the torch bridge.\n\n\
+             - Kind: `array` is one gauge per pool, keys\n  \
+             `NAME.{all,small_pool,large_pool}.{current,peak,allocated,freed}`;\n  \
+             `gauge` has keys `NAME.{current,peak,allocated,freed}`; `counter` and\n  \
+             `setting` are one key, `NAME`.\n\
+             - `reset_peak` (`torch.cuda.reset_peak_memory_stats`): `peak` sets every\n  \
+             peak to its current value.\n\
+             - `reset_accumulated` (`torch.cuda.reset_accumulated_memory_stats`):\n  \
+             `totals` zeroes `allocated` and `freed`, `zero` zeroes the counter.\n  \
+             As in PyTorch, every counter restarts, gauges keep `current` and\n  \
+             `peak`, the configured `max_split_size` stays.\n\
+             - torch: whether torch's C++ `DeviceStats` has the field (`newer`: only\n  \
+             some versions, so the bridge leaves torch's 0).\n\
+             - C: the `GpuallocStats` version that appended the field.\n\n\
+             | Stat | Kind | reset_peak | reset_accumulated | torch | C | Meaning |\n\
+             |---|---|---|---|---|---|---|\n",
+        );
+        for d in STATS {
+            let kind = match d.kind {
+                StatKind::Array => "array",
+                StatKind::Gauge => "gauge",
+                StatKind::Counter => "counter",
+                StatKind::Setting => "setting",
+            };
+            let peak = if d.reset_peak { "peak" } else { "-" };
+            let acc = match (d.reset_accumulated, d.kind) {
+                (false, _) => "-",
+                (true, StatKind::Array | StatKind::Gauge) => "totals",
+                (true, _) => "zero",
+            };
+            let torch = match d.torch {
+                InTorch::Yes => "yes",
+                InTorch::Newer => "newer",
+                InTorch::No => "no",
+            };
+            let c = match d.c_version {
+                0 => "-".to_string(),
+                v => format!("v{v}"),
+            };
+            let doc = d.doc.split_whitespace().collect::<Vec<_>>().join(" ");
+            let doc = doc.replace('\\', "");
+            out.push_str(&format!(
+                "| `{}` | {kind} | {peak} | {acc} | {torch} | {c} | {doc} |\n",
+                d.name
+            ));
+        }
+        out
     }
 
     impl DeviceStats {
