@@ -89,5 +89,6 @@ pub use pool::PoolKey;
 pub use private_pool::StreamFilter;
 pub use snapshot::{BlockSnapshot, SegmentSnapshot};
 pub use stats::{
-    DeviceStats, InTorch, STATS, Stat, StatArray, StatDef, StatKind, StatMut, StatValue,
+    DeviceStats, InTorch, STAT_FIELDS, STAT_POOLS, STATS, Stat, StatArray, StatDef, StatKind,
+    StatMut, StatValue,
 };

@@ -35,6 +35,9 @@ impl Stat {
     }
 }
 
+/// The pools of a [`StatArray`], in field order.
+pub const STAT_POOLS: [&str; 3] = ["all", "small_pool", "large_pool"];
+
 /// A gauge for `all`, `small_pool` and `large_pool`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StatArray {
@@ -59,10 +62,11 @@ impl StatArray {
 
     /// The three stats with PyTorch's pool names.
     pub fn named(&self) -> [(&'static str, &Stat); 3] {
+        let [all, small, large] = STAT_POOLS;
         [
-            ("all", &self.all),
-            ("small_pool", &self.small_pool),
-            ("large_pool", &self.large_pool),
+            (all, &self.all),
+            (small, &self.small_pool),
+            (large, &self.large_pool),
         ]
     }
 
@@ -283,8 +287,8 @@ stats_table! {
     max_split_size: Setting, peak: false, accumulated: false, torch: Yes, c: 1;
 }
 
-/// The four fields of a [`Stat`], in key order of PyTorch's `memory_stats`.
-const STAT_FIELDS: [&str; 4] = ["current", "peak", "allocated", "freed"];
+/// The four fields of a [`Stat`], in field order (`current` first).
+pub const STAT_FIELDS: [&str; 4] = ["current", "peak", "allocated", "freed"];
 
 fn stat_values(s: &Stat) -> [i64; 4] {
     [s.current, s.peak, s.allocated, s.freed]
@@ -347,6 +351,35 @@ impl DeviceStats {
             .into_iter()
             .map(|(k, _)| k)
             .collect()
+    }
+
+    /// Distinct non-zero values in every field (field `i` of stat `n` gets
+    /// about `100 * n + i`), for tests that check a copy or a reset touches
+    /// the right fields.
+    #[doc(hidden)]
+    pub fn numbered() -> DeviceStats {
+        let mut d = DeviceStats::default();
+        for n in 0..STATS.len() {
+            let base = 100 * n as i64;
+            let fill = |s: &mut Stat, off: i64| {
+                *s = Stat {
+                    current: base + off + 1,
+                    peak: base + off + 2,
+                    allocated: base + off + 3,
+                    freed: base + off + 4,
+                }
+            };
+            match d.get_mut(n).expect("STATS and DeviceStats agree") {
+                StatMut::Array(a) => {
+                    fill(&mut a.all, 0);
+                    fill(&mut a.small_pool, 10);
+                    fill(&mut a.large_pool, 20);
+                }
+                StatMut::Gauge(s) => fill(s, 0),
+                StatMut::Value(v) => *v = base + 1,
+            }
+        }
+        d
     }
 
     /// Applies `f` to every stat the table marks with `pick`.
@@ -427,33 +460,6 @@ mod tests {
         d.update_noop();
     }
 
-    /// Distinct non-zero values in every field (field `i` of stat `n` gets
-    /// `100 * n + i + 1`), so a reset or a copy that touches the wrong field shows.
-    pub(crate) fn distinct() -> DeviceStats {
-        let mut d = DeviceStats::default();
-        for n in 0..STATS.len() {
-            let base = 100 * n as i64;
-            let fill = |s: &mut Stat, off: i64| {
-                *s = Stat {
-                    current: base + off + 1,
-                    peak: base + off + 2,
-                    allocated: base + off + 3,
-                    freed: base + off + 4,
-                }
-            };
-            match d.get_mut(n).unwrap() {
-                StatMut::Array(a) => {
-                    fill(&mut a.all, 0);
-                    fill(&mut a.small_pool, 10);
-                    fill(&mut a.large_pool, 20);
-                }
-                StatMut::Gauge(s) => fill(s, 0),
-                StatMut::Value(v) => *v = base + 1,
-            }
-        }
-        d
-    }
-
     #[test]
     fn table_and_struct_agree() {
         let d = DeviceStats::default();
@@ -474,7 +480,7 @@ mod tests {
         assert_eq!(DeviceStats::flat_keys().len(), 9 * 3 * 4 + 2 * 4 + 14);
         // Every field is reachable through the table: a field the macro
         // missed would keep its value here.
-        let mut zeroed = distinct();
+        let mut zeroed = DeviceStats::numbered();
         for n in 0..STATS.len() {
             match zeroed.get_mut(n).unwrap() {
                 StatMut::Array(a) => *a = StatArray::default(),
@@ -507,7 +513,7 @@ mod tests {
 
     #[test]
     fn resets_touch_exactly_what_the_table_says() {
-        let before = distinct();
+        let before = DeviceStats::numbered();
         let (mut peak, mut acc) = (before.clone(), before.clone());
         peak.reset_peak();
         acc.reset_accumulated();
