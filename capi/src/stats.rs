@@ -51,7 +51,7 @@ pub struct GpuallocStatArray {
 /// appended the six counters from `num_oom_rejections` on.
 ///
 /// Every stat field mirrors a row of the table in allocator/src/stats.rs
-/// (docs/stats.md) with the same name and doc; capi/src/stats_table_tests.rs
+/// (docs/stats.md) with the same name and doc; capi/src/stats/table_tests.rs
 /// checks the fields, their order, types and docs, and `to_c`, against it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -309,5 +309,4 @@ pub unsafe extern "C" fn gpualloc_cache_info(device: c_int, largest: *mut usize)
 }
 
 #[cfg(test)]
-#[path = "stats_table_tests.rs"]
 mod table_tests;

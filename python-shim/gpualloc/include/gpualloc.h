@@ -138,7 +138,7 @@ typedef struct GpuallocStatArray {
 // appended the six counters from `num_oom_rejections` on.
 //
 // Every stat field mirrors a row of the table in allocator/src/stats.rs
-// (docs/stats.md) with the same name and doc; capi/src/stats_table_tests.rs
+// (docs/stats.md) with the same name and doc; capi/src/stats/table_tests.rs
 // checks the fields, their order, types and docs, and `to_c`, against it.
 typedef struct GpuallocStats {
   // In: `sizeof(GpuallocStats)` as the caller knows it. Out: bytes written.
