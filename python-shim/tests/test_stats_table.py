@@ -12,7 +12,9 @@ the Markdown. Checked here:
   ``Stats`` struct flattened are the same list, with the same values;
 - what the two resets do, through the library, against the table's columns;
 - bridge.cpp's ``getDeviceStats`` copies every stat torch's ``DeviceStats``
-  has (column torch = yes), and nothing else.
+  has (column torch = yes), and nothing else;
+- where torch's headers are installed, the torch column against torch's own
+  ``struct DeviceStats``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import unittest
 from . import __name__ as _env  # noqa: F401  (sets the simulated environment first)
 
 from gpualloc._lib import STAT_ARRAYS, STATS_VERSION, Stat, StatArray, Stats, lib
+
+from .test_torch_compat import class_body, torch_include_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TABLE = os.path.join(ROOT, "docs", "stats.md")
@@ -118,6 +122,16 @@ def device_stats_body(src: str) -> str:
         depth += {"{": 1, "}": -1}.get(src[i], 0)
         i += 1
     return re.sub(r"//[^\n]*", "", src[m.end() : i - 1])
+
+
+# Where torch declares DeviceStats, newest first (c10/core from torch 2.8 on).
+TORCH_STATS_HEADERS = ("c10/core/CachingDeviceAllocator.h", "c10/cuda/CUDACachingAllocator.h")
+
+
+def torch_device_stats_fields(src: str) -> set[str]:
+    """The field names of ``struct DeviceStats`` in a torch header."""
+    body = re.sub(r"//[^\n]*", "", class_body(src, "DeviceStats"))
+    return set(re.findall(r"^\s*(?:StatArray|Stat|int64_t)\s+(\w+)\b", body, re.M))
 
 
 def bridge_problems(src: str, rows: list[dict]) -> list[str]:
@@ -228,6 +242,27 @@ class StatsTableTest(unittest.TestCase):
             bridge_problems(extra, self.rows),
             ["s.num_stitch is read but the table says torch's DeviceStats lacks it"],
         )
+
+    def test_torch_column_against_the_installed_torch(self):
+        inc = torch_include_dir()
+        headers = [os.path.join(inc, h) for h in TORCH_STATS_HEADERS] if inc else []
+        found = [h for h in headers if "struct DeviceStats" in (read(h) if os.path.isfile(h) else "")]
+        if not found:
+            print("\nSKIPPED: no torch headers (install torch or set GPUALLOC_TORCH_INCLUDE)", flush=True)
+            self.skipTest("no torch headers")
+        fields = torch_device_stats_fields(read(found[0]))
+        self.assertIn("allocated_bytes", fields)
+        table = {r["name"]: r["torch"] for r in self.rows}
+        self.assertEqual(sorted(f for f in fields if table.get(f) not in ("yes", "newer")), [], f"fields of {found[0]} the table lacks")
+        self.assertEqual(sorted(n for n, t in table.items() if t == "yes" and n not in fields), [], f"not in {found[0]}")
+
+    def test_the_torch_parser_reads_device_stats(self):
+        src = (
+            "struct DeviceStats {\n  // COUNT: allocations\n  StatArray allocation;\n  Stat oversize_segments;\n"
+            "  int64_t num_ooms = 0;\n  // int64_t gone = 0;\n  int64_t max_split_size = 0;\n};\n"
+            "struct Other {\n  int64_t not_this;\n};"
+        )
+        self.assertEqual(torch_device_stats_fields(src), {"allocation", "oversize_segments", "num_ooms", "max_split_size"})
 
     def test_a_drifted_struct_is_caught(self):
         header = self.header.replace("  int64_t num_stitch;\n", "", 1)
