@@ -190,6 +190,10 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// `reset_accumulated_memory_stats`.
     pub fn reset_accumulated_stats(&mut self) {
+        // Drops counted before the reset belong to the old totals.
+        if let Some(t) = &mut self.trace {
+            t.take_unsynced_drops();
+        }
         self.stats.reset_accumulated();
         self.driver_baseline = self.backend.driver_calls();
     }

@@ -13,7 +13,7 @@ use crate::block::BlockState;
 use crate::device::DeviceAllocator;
 use crate::heap::STITCH;
 use crate::size_class::PoolKind;
-use crate::stats::StatArray;
+use crate::stats::{DeviceStats, STATS, StatValue};
 
 impl<B: Backend> DeviceAllocator<B> {
     /// Checks every invariant; returns a description of the first violation.
@@ -26,7 +26,9 @@ impl<B: Backend> DeviceAllocator<B> {
         let mut unmapped_blocks = 0usize;
         let mut claimed_blocks = 0usize;
         let mut claimed_bytes = 0u64;
-        let mut recount = Recount::default();
+        // The gauges rebuilt from the blocks; every array stat of the table
+        // must equal its recount, so a new one needs a recount here.
+        let mut recount = DeviceStats::default();
         let mut mapped_ranges: Vec<(u64, u64)> = Vec::new();
         for (seg_id, seg) in self.heap.segments.iter() {
             if !seg.expandable {
@@ -130,12 +132,12 @@ impl<B: Backend> DeviceAllocator<B> {
                         }
                         recount.active.update(kind, 1);
                         recount.active_bytes.update(kind, b.size as i64);
-                        recount.requested.update(kind, b.requested as i64);
+                        recount.requested_bytes.update(kind, b.requested as i64);
                         if b.state == BlockState::Allocated {
                             recount.allocation.update(kind, 1);
                             recount.allocated_bytes.update(kind, b.size as i64);
                             if b.size >= self.config.max_split_size {
-                                recount.oversize += 1;
+                                recount.oversize_allocations.current += 1;
                             }
                         } else if b.event_count == 0 && !self.deferred.contains(&id) {
                             return Err(format!("pending block {id} waits on no event"));
@@ -154,7 +156,7 @@ impl<B: Backend> DeviceAllocator<B> {
             }
             if seg.pool != STITCH {
                 // A stitch aliases claimed memory counted at home.
-                recount.reserved.update(seg.kind, mapped as i64);
+                recount.reserved_bytes.update(seg.kind, mapped as i64);
             }
             if addr != seg.ptr + seg.size {
                 return Err(format!(
@@ -177,7 +179,7 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         for kind in [PoolKind::Small, PoolKind::Large] {
             recount
-                .reserved
+                .reserved_bytes
                 .update(kind, self.pages.pooled_bytes(kind) as i64);
         }
         mapped_ranges.sort_unstable();
@@ -216,25 +218,13 @@ impl<B: Backend> DeviceAllocator<B> {
             ));
         }
         let s = &self.stats;
-        for (name, got, want) in [
-            ("allocation", &s.allocation, &recount.allocation),
-            (
-                "allocated_bytes",
-                &s.allocated_bytes,
-                &recount.allocated_bytes,
-            ),
-            ("requested_bytes", &s.requested_bytes, &recount.requested),
-            ("active", &s.active, &recount.active),
-            ("active_bytes", &s.active_bytes, &recount.active_bytes),
-            ("segment", &s.segment, &recount.segment),
-            ("reserved_bytes", &s.reserved_bytes, &recount.reserved),
-            ("inactive_split", &s.inactive_split, &recount.inactive_split),
-            (
-                "inactive_split_bytes",
-                &s.inactive_split_bytes,
-                &recount.inactive_split_bytes,
-            ),
-        ] {
+        for (i, def) in STATS.iter().enumerate() {
+            let (Some(StatValue::Array(got)), Some(StatValue::Array(want))) =
+                (s.get(i), recount.get(i))
+            else {
+                continue;
+            };
+            let name = def.name;
             for ((pool, g), (_, w)) in got.named().into_iter().zip(want.named()) {
                 if g.current != w.current {
                     return Err(format!(
@@ -250,26 +240,12 @@ impl<B: Backend> DeviceAllocator<B> {
                 }
             }
         }
-        if s.oversize_allocations.current != recount.oversize {
+        if s.oversize_allocations.current != recount.oversize_allocations.current {
             return Err(format!(
                 "oversize_allocations.current is {} but a recount gives {}",
-                s.oversize_allocations.current, recount.oversize
+                s.oversize_allocations.current, recount.oversize_allocations.current
             ));
         }
         Ok(())
     }
-}
-
-#[derive(Default)]
-struct Recount {
-    allocation: StatArray,
-    allocated_bytes: StatArray,
-    requested: StatArray,
-    active: StatArray,
-    active_bytes: StatArray,
-    segment: StatArray,
-    reserved: StatArray,
-    inactive_split: StatArray,
-    inactive_split_bytes: StatArray,
-    oversize: i64,
 }

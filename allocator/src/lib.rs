@@ -90,4 +90,7 @@ pub use observer::{SegmentAction, SegmentEvent, SegmentObserver};
 pub use pool::PoolKey;
 pub use private_pool::StreamFilter;
 pub use snapshot::{BlockSnapshot, SegmentSnapshot};
-pub use stats::{DeviceStats, Stat, StatArray};
+pub use stats::{
+    DeviceStats, InTorch, STAT_FIELDS, STAT_POOLS, STATS, Stat, StatArray, StatDef, StatKind,
+    StatMut, StatValue,
+};

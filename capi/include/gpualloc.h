@@ -79,7 +79,7 @@ typedef struct CUstream_st *cudaStream_t;
 #define GPUALLOC_OOM_NEVER 2
 
 // Version of [`GpuallocStats`] this library writes.
-#define GPUALLOC_STATS_VERSION 1
+#define GPUALLOC_STATS_VERSION 2
 
 // Receives segment events: `action` is one of `GPUALLOC_SEGMENT_*`,
 // `stream` the `cudaStream_t` the memory was obtained for, as an integer.
@@ -189,12 +189,17 @@ typedef struct GpuallocStatArray {
   struct GpuallocStat large_pool;
 } GpuallocStatArray;
 
-// PyTorch's `DeviceStats`, plus gpualloc's fragmentation figures.
+// PyTorch's `DeviceStats`, plus gpualloc's counters and fragmentation figures.
 //
 // Versioned (mimalloc style): set `size = sizeof(GpuallocStats)` before
 // calling `gpualloc_get_stats`; the library writes at most that many bytes
 // and sets `size` to the bytes it wrote and `version` to
-// [`GPUALLOC_STATS_VERSION`]. Later versions only append fields.
+// [`GPUALLOC_STATS_VERSION`]. Later versions only append fields: version 2
+// appended the six counters from `num_oom_rejections` on.
+//
+// Every stat field mirrors a row of the table in allocator/src/stats.rs
+// (docs/stats.md) with the same name and doc; capi/src/stats/table_tests.rs
+// checks the fields, their order, types and docs, and `to_c`, against it.
 typedef struct GpuallocStats {
   // In: `sizeof(GpuallocStats)` as the caller knows it. Out: bytes written.
   uint32_t size;
@@ -204,15 +209,15 @@ typedef struct GpuallocStats {
   struct GpuallocStatArray allocation;
   // Bytes of live allocations (rounded block sizes).
   struct GpuallocStatArray allocated_bytes;
-  // Bytes the callers asked for.
+  // Bytes the callers asked for, until the free completes.
   struct GpuallocStatArray requested_bytes;
   // Blocks allocated or waiting on events.
   struct GpuallocStatArray active;
   // Bytes of active blocks.
   struct GpuallocStatArray active_bytes;
-  // Segments obtained from the device.
+  // Segments obtained from the backend.
   struct GpuallocStatArray segment;
-  // Bytes obtained from the device.
+  // Bytes obtained from the backend.
   struct GpuallocStatArray reserved_bytes;
   // Free pieces of split segments.
   struct GpuallocStatArray inactive_split;
@@ -222,21 +227,23 @@ typedef struct GpuallocStats {
   struct GpuallocStat oversize_allocations;
   // Segments of at least `max_split_size`.
   struct GpuallocStat oversize_segments;
-  // Device allocations retried after releasing the cache.
+  // Backend allocations retried after releasing every cached segment.
   int64_t num_alloc_retries;
   // Out-of-memory errors returned.
   int64_t num_ooms;
   // Times every outstanding event was waited for.
   int64_t num_sync_all_streams;
-  // Device allocations (cudaMalloc).
+  // Backend allocations.
   int64_t num_device_alloc;
-  // Device releases (cudaFree).
+  // Backend releases.
   int64_t num_device_free;
-  // Blocks taken from another stream's cache (gpualloc only).
+  // Blocks taken from another stream's cache (gpualloc's addition).
   int64_t num_cross_stream_reuse;
-  // Trace records that could not be written (gpualloc only).
+  // Trace records that could not be written since the last accumulated
+  // reset (gpualloc's addition; the trace's own END block and
+  // `trace_stop` count every loss since `trace_start`).
   int64_t num_trace_dropped;
-  // The configured `max_split_size`, -1 when unlimited.
+  // The configured `max_split_size` (-1 when unlimited, as PyTorch reports it).
   int64_t max_split_size;
   // The largest cached free block (what `cacheInfo` reports).
   uint64_t largest_free_block;
@@ -246,6 +253,21 @@ typedef struct GpuallocStats {
   double external_fragmentation;
   // `1 - allocated / reserved`.
   double unallocated_fraction;
+  // Requests rejected before any driver call (PyTorch's
+  // `throw_on_cudamalloc_oom`; gpualloc never rejects, so always 0).
+  int64_t num_oom_rejections;
+  // Times free pages were unmapped to be mapped where a request fits,
+  // instead of growing (Note \[Defragmentation\]; gpualloc's addition).
+  int64_t num_defragment;
+  // Stitched ranges built (Note \[Stitching\]; gpualloc's addition).
+  int64_t num_stitch;
+  // Driver calls of every kind (filled in when stats are read; the
+  // accumulated reset moves their baseline).
+  int64_t num_driver_calls;
+  // Driver calls that obtain, map, unmap or return memory.
+  int64_t num_driver_memory_calls;
+  // Nanoseconds spent in driver calls, where the backend measures it.
+  int64_t driver_time_ns;
 } GpuallocStats;
 
 // What a finished trace holds.
@@ -469,8 +491,8 @@ int gpualloc_stat_values(int device, int64_t *values, size_t len);
 // `torch.cuda.reset_peak_memory_stats`: every peak becomes its current value.
 int gpualloc_reset_peak_stats(int device);
 
-// `torch.cuda.reset_accumulated_memory_stats`: cumulative fields and the
-// `num_*` counters go to 0.
+// `torch.cuda.reset_accumulated_memory_stats`: cumulative fields and every
+// counter (`num_*`, `driver_time_ns`) go to 0 (docs/stats.md).
 int gpualloc_reset_accumulated_stats(int device);
 
 // PyTorch's `cacheInfo` (cuDNN benchmark sizes its workspace with it): if

@@ -14,7 +14,7 @@ use crate::global::{self, existing, global};
 use crate::oom::write_versioned;
 
 /// Version of [`GpuallocStats`] this library writes.
-pub const GPUALLOC_STATS_VERSION: u32 = 1;
+pub const GPUALLOC_STATS_VERSION: u32 = 2;
 
 /// One gauge, PyTorch's `Stat`.
 #[repr(C)]
@@ -42,12 +42,17 @@ pub struct GpuallocStatArray {
     pub large_pool: GpuallocStat,
 }
 
-/// PyTorch's `DeviceStats`, plus gpualloc's fragmentation figures.
+/// PyTorch's `DeviceStats`, plus gpualloc's counters and fragmentation figures.
 ///
 /// Versioned (mimalloc style): set `size = sizeof(GpuallocStats)` before
 /// calling `gpualloc_get_stats`; the library writes at most that many bytes
 /// and sets `size` to the bytes it wrote and `version` to
-/// [`GPUALLOC_STATS_VERSION`]. Later versions only append fields.
+/// [`GPUALLOC_STATS_VERSION`]. Later versions only append fields: version 2
+/// appended the six counters from `num_oom_rejections` on.
+///
+/// Every stat field mirrors a row of the table in allocator/src/stats.rs
+/// (docs/stats.md) with the same name and doc; capi/src/stats/table_tests.rs
+/// checks the fields, their order, types and docs, and `to_c`, against it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct GpuallocStats {
@@ -59,15 +64,15 @@ pub struct GpuallocStats {
     pub allocation: GpuallocStatArray,
     /// Bytes of live allocations (rounded block sizes).
     pub allocated_bytes: GpuallocStatArray,
-    /// Bytes the callers asked for.
+    /// Bytes the callers asked for, until the free completes.
     pub requested_bytes: GpuallocStatArray,
     /// Blocks allocated or waiting on events.
     pub active: GpuallocStatArray,
     /// Bytes of active blocks.
     pub active_bytes: GpuallocStatArray,
-    /// Segments obtained from the device.
+    /// Segments obtained from the backend.
     pub segment: GpuallocStatArray,
-    /// Bytes obtained from the device.
+    /// Bytes obtained from the backend.
     pub reserved_bytes: GpuallocStatArray,
     /// Free pieces of split segments.
     pub inactive_split: GpuallocStatArray,
@@ -77,21 +82,23 @@ pub struct GpuallocStats {
     pub oversize_allocations: GpuallocStat,
     /// Segments of at least `max_split_size`.
     pub oversize_segments: GpuallocStat,
-    /// Device allocations retried after releasing the cache.
+    /// Backend allocations retried after releasing every cached segment.
     pub num_alloc_retries: i64,
     /// Out-of-memory errors returned.
     pub num_ooms: i64,
     /// Times every outstanding event was waited for.
     pub num_sync_all_streams: i64,
-    /// Device allocations (cudaMalloc).
+    /// Backend allocations.
     pub num_device_alloc: i64,
-    /// Device releases (cudaFree).
+    /// Backend releases.
     pub num_device_free: i64,
-    /// Blocks taken from another stream's cache (gpualloc only).
+    /// Blocks taken from another stream's cache (gpualloc's addition).
     pub num_cross_stream_reuse: i64,
-    /// Trace records that could not be written (gpualloc only).
+    /// Trace records that could not be written since the last accumulated
+    /// reset (gpualloc's addition; the trace's own END block and
+    /// `trace_stop` count every loss since `trace_start`).
     pub num_trace_dropped: i64,
-    /// The configured `max_split_size`, -1 when unlimited.
+    /// The configured `max_split_size` (-1 when unlimited, as PyTorch reports it).
     pub max_split_size: i64,
     /// The largest cached free block (what `cacheInfo` reports).
     pub largest_free_block: u64,
@@ -101,6 +108,21 @@ pub struct GpuallocStats {
     pub external_fragmentation: f64,
     /// `1 - allocated / reserved`.
     pub unallocated_fraction: f64,
+    /// Requests rejected before any driver call (PyTorch's
+    /// `throw_on_cudamalloc_oom`; gpualloc never rejects, so always 0).
+    pub num_oom_rejections: i64,
+    /// Times free pages were unmapped to be mapped where a request fits,
+    /// instead of growing (Note \[Defragmentation\]; gpualloc's addition).
+    pub num_defragment: i64,
+    /// Stitched ranges built (Note \[Stitching\]; gpualloc's addition).
+    pub num_stitch: i64,
+    /// Driver calls of every kind (filled in when stats are read; the
+    /// accumulated reset moves their baseline).
+    pub num_driver_calls: i64,
+    /// Driver calls that obtain, map, unmap or return memory.
+    pub num_driver_memory_calls: i64,
+    /// Nanoseconds spent in driver calls, where the backend measures it.
+    pub driver_time_ns: i64,
 }
 
 fn stat(s: &Stat) -> GpuallocStat {
@@ -120,6 +142,7 @@ fn array(a: &StatArray) -> GpuallocStatArray {
     }
 }
 
+/// `s` in the C struct (`table_tests` checks every field against the table).
 fn to_c(s: &DeviceStats) -> GpuallocStats {
     GpuallocStats {
         size: std::mem::size_of::<GpuallocStats>() as u32,
@@ -143,6 +166,12 @@ fn to_c(s: &DeviceStats) -> GpuallocStats {
         num_cross_stream_reuse: s.num_cross_stream_reuse,
         num_trace_dropped: s.num_trace_dropped,
         max_split_size: s.max_split_size,
+        num_oom_rejections: s.num_oom_rejections,
+        num_defragment: s.num_defragment,
+        num_stitch: s.num_stitch,
+        num_driver_calls: s.num_driver_calls,
+        num_driver_memory_calls: s.num_driver_memory_calls,
+        driver_time_ns: s.driver_time_ns,
         ..GpuallocStats::default()
     }
 }
@@ -162,7 +191,7 @@ pub unsafe extern "C" fn gpualloc_get_stats(device: c_int, out: *mut GpuallocSta
         // A device not used yet reports zeros and is not started (no context).
         let s = match g.alloc.peek(i64::from(device))? {
             Some(d) => {
-                let mut s = to_c(d.stats());
+                let mut s = to_c(&d.stats_snapshot());
                 s.largest_free_block = d.largest_free_block();
                 s.cached_free_bytes = d.cached_free_bytes();
                 s.external_fragmentation = d.external_fragmentation();
@@ -178,10 +207,9 @@ pub unsafe extern "C" fn gpualloc_get_stats(device: c_int, out: *mut GpuallocSta
 fn stat_names() -> &'static [CString] {
     static NAMES: OnceLock<Vec<CString>> = OnceLock::new();
     NAMES.get_or_init(|| {
-        DeviceStats::default()
-            .flat()
+        DeviceStats::flat_keys()
             .into_iter()
-            .map(|(k, _)| CString::new(k).expect("stat names have no NUL"))
+            .map(|k| CString::new(k).expect("stat names have no NUL"))
             .collect()
     })
 }
@@ -246,8 +274,8 @@ pub extern "C" fn gpualloc_reset_peak_stats(device: c_int) -> c_int {
     })
 }
 
-/// `torch.cuda.reset_accumulated_memory_stats`: cumulative fields and the
-/// `num_*` counters go to 0.
+/// `torch.cuda.reset_accumulated_memory_stats`: cumulative fields and every
+/// counter (`num_*`, `driver_time_ns`) go to 0 (docs/stats.md).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_reset_accumulated_stats(device: c_int) -> c_int {
     status(|| match existing() {
@@ -279,3 +307,6 @@ pub unsafe extern "C" fn gpualloc_cache_info(device: c_int, largest: *mut usize)
         write_out(largest, usize::try_from(v).unwrap_or(usize::MAX), "largest")
     })
 }
+
+#[cfg(test)]
+mod table_tests;

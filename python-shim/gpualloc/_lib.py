@@ -73,8 +73,12 @@ STAT_ARRAYS = (
 )
 
 
+STATS_VERSION = 2
+
+
 class Stats(ctypes.Structure):
-    """``GpuallocStats`` (version 1)."""
+    """``GpuallocStats`` (version 2). Mirrors the stats table (docs/stats.md);
+    tests/test_stats_table.py checks it against the header and the table."""
 
     _fields_ = (
         [("size", c_uint32), ("version", c_uint32)]
@@ -95,6 +99,18 @@ class Stats(ctypes.Structure):
         ]
         + [("largest_free_block", c_uint64), ("cached_free_bytes", c_uint64)]
         + [("external_fragmentation", c_double), ("unallocated_fraction", c_double)]
+        # version 2
+        + [
+            (n, c_int64)
+            for n in (
+                "num_oom_rejections",
+                "num_defragment",
+                "num_stitch",
+                "num_driver_calls",
+                "num_driver_memory_calls",
+                "driver_time_ns",
+            )
+        ]
     )
 
 

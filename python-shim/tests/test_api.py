@@ -10,7 +10,7 @@ from . import __name__ as _env  # noqa: F401  (sets the simulated environment fi
 
 import gpualloc
 from gpualloc import GpuallocError
-from gpualloc._lib import ERR_ALREADY_INITIALIZED, ERR_INVALID_POINTER, Stats, lib
+from gpualloc._lib import ERR_ALREADY_INITIALIZED, ERR_INVALID_POINTER, STATS_VERSION, Stats, lib
 
 MiB = 1 << 20
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -45,7 +45,7 @@ class ApiTest(unittest.TestCase):
         try:
             s = lib().stats_struct(1)
             self.assertEqual(s.size, ctypes.sizeof(Stats), "the library wrote a struct of another size")
-            self.assertEqual(s.version, 1)
+            self.assertEqual(s.version, STATS_VERSION)
             flat = gpualloc.stats(1)
             self.assertEqual(s.allocated_bytes.all.current, flat["allocated_bytes.all.current"])
             self.assertEqual(s.segment.small_pool.current, flat["segment.small_pool.current"])

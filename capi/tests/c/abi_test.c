@@ -161,6 +161,11 @@ static void test_stats(void) {
   CHECK(v[stat_index("segment.large_pool.current")] == s.segment.large_pool.current);
   CHECK(v[stat_index("num_device_alloc")] == s.num_device_alloc);
   CHECK(v[stat_index("max_split_size")] == (int64_t)(256 * MiB));
+  /* version 2's counters, read with the driver calls filled in */
+  CHECK(s.num_driver_memory_calls > 0);
+  CHECK(v[stat_index("num_driver_memory_calls")] == s.num_driver_memory_calls);
+  CHECK(v[stat_index("num_stitch")] == s.num_stitch);
+  CHECK(s.num_oom_rejections == 0);
   /* an older caller's smaller struct gets only what it knows */
   GpuallocStats old;
   memset(&old, 0x5a, sizeof old);

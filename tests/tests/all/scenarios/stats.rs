@@ -1,6 +1,7 @@
 //! Stats (reference §2): PyTorch's keys, and the semantics of
 //! `reset_peak_memory_stats` and `reset_accumulated_memory_stats`.
 
+use gpualloc::{InTorch, STATS};
 use gpualloc_tests::{Checked, MIB};
 
 const ARRAYS: [&str; 9] = [
@@ -69,6 +70,34 @@ fn newer_pytorch_key_num_oom_rejections_is_present() {
             .iter()
             .any(|(k, v)| k == "num_oom_rejections" && *v == 0)
     );
+}
+
+/// The table's torch column against PyTorch's keys above: the stats it
+/// marks as torch's (every supported version, or newer ones) flatten to
+/// exactly those keys, so the bridge check in python-shim/tests, which
+/// trusts the column, checks the right fields.
+#[test]
+fn table_torch_column_is_pytorchs_keys() {
+    let mut from_table: Vec<String> = Vec::new();
+    for k in gpualloc::DeviceStats::flat_keys() {
+        let def = STATS
+            .iter()
+            .find(|s| k == s.name || k.starts_with(&format!("{}.", s.name)))
+            .expect("every key comes from a row");
+        if def.torch != InTorch::No {
+            from_table.push(k);
+        }
+    }
+    let mut want = pytorch_keys();
+    want.push("num_oom_rejections".to_string());
+    want.sort();
+    assert_eq!(from_table, want);
+    let newer: Vec<&str> = STATS
+        .iter()
+        .filter(|s| s.torch == InTorch::Newer)
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(newer, ["num_oom_rejections"]);
 }
 
 #[test]

@@ -143,6 +143,10 @@ fn write_failure_child() {
         .unwrap_or_else(|| panic!("no count in {e}"));
     assert!(lost > 1000, "{e}");
     assert_eq!(a.stats(0).unwrap().num_trace_dropped, lost, "{e}");
+    // An accumulated counter like PyTorch's `num_*` (docs/stats.md); the
+    // error above keeps the trace's own total.
+    a.reset_accumulated_stats(0).unwrap();
+    assert_eq!(a.stats(0).unwrap().num_trace_dropped, 0);
     println!("child ok");
 }
 
