@@ -330,7 +330,8 @@ void *gpualloc_malloc(size_t size, int device, cudaStream_t stream);
 void *gpualloc_malloc_or_abort(size_t size, int device, cudaStream_t stream);
 
 // Frees a pointer from `gpualloc_malloc` (PyTorch's pluggable `free`).
-// `size` and `stream` are ignored: the allocator knows both. NULL is a no-op
+// `size` and `stream` are ignored: the allocator knows both; a negative
+// `device` lets gpualloc find the device that allocated `ptr`. NULL is a no-op
 // (it creates nothing). A pointer gpualloc does not know is reported on
 // stderr and in the last error; an allocator that cannot start (a bad
 // `GPUALLOC_CONF`) is reported on stderr once.
