@@ -14,6 +14,7 @@
 //! generated from this crate by cbindgen.
 
 mod boundary;
+mod checkpoint;
 mod global;
 mod oom;
 mod pools;
@@ -28,6 +29,7 @@ use boundary::{Error, ffi_boundary, status, str_arg, void_call, write_out};
 use global::{BackendKind, existing, global};
 
 pub use boundary::*;
+pub use checkpoint::*;
 pub use oom::*;
 pub use pools::*;
 pub use snapshot::*;
