@@ -8,7 +8,7 @@ use gpualloc::CheckpointBlock;
 
 use crate::boundary::{Error, array_arg, copy_out, fits, status};
 use crate::global::existing;
-use crate::pools::{no_pool, pool_error, pool_name};
+use crate::pools::{no_pool, pool_array, pool_error, pool_name};
 
 /// One block of a private pool's checkpoint.
 #[repr(C)]
@@ -69,21 +69,18 @@ pub unsafe extern "C" fn gpualloc_pool_checkpoint(
     n: *mut usize,
 ) -> c_int {
     status(|| {
-        array_arg(out, cap, n, "n")?;
-        let key = (id_a, id_b);
-        let g = existing().ok_or_else(|| no_pool(device, key))?;
-        let blocks: Vec<GpuallocBlockState> = g
-            .alloc
-            .pool_checkpoint(i64::from(device), key)
-            .map_err(|e| pool_error(device, e))?
-            .into_iter()
-            .map(GpuallocBlockState::from)
-            .collect();
-        fits(blocks.len(), cap, n, || {
-            format!("the checkpoint of {}", pool_name(device, id_a, id_b))
-        })?;
-        copy_out(&blocks, out);
-        Ok(())
+        pool_array(
+            device,
+            (id_a, id_b),
+            out,
+            cap,
+            n,
+            "checkpoint",
+            |a, d, k| {
+                let blocks = a.pool_checkpoint(d, k)?;
+                Ok(blocks.into_iter().map(GpuallocBlockState::from).collect())
+            },
+        )
     })
 }
 

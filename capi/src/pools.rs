@@ -7,13 +7,13 @@
 
 use std::ffi::{c_int, c_void};
 
-use gpualloc::{AllocError, StreamFilter};
+use gpualloc::{AllocError, Allocator, StreamFilter};
 
 use crate::boundary::{
     Error, GPUALLOC_ERR_UNKNOWN_POOL, array_arg, copy_out, fits, status, write_out,
 };
 use crate::cudaStream_t;
-use crate::global::{self, existing, global};
+use crate::global::{self, AnyBackend, existing, global};
 
 /// Before the first allocation no pool exists (and none is created to say so).
 pub(crate) fn no_pool(device: c_int, pool: (u64, u64)) -> Error {
@@ -176,17 +176,35 @@ pub unsafe extern "C" fn gpualloc_pool_live_allocations(
     n: *mut usize,
 ) -> c_int {
     status(|| {
-        array_arg(out, cap, n, "n")?;
-        let key = (id_a, id_b);
-        let g = existing().ok_or_else(|| no_pool(device, key))?;
-        let live = g
-            .alloc
-            .pool_live_allocations(i64::from(device), key)
-            .map_err(|e| pool_error(device, e))?;
-        fits(live.len(), cap, n, || {
-            format!("the live allocations of {}", pool_name(device, id_a, id_b))
-        })?;
-        copy_out(&live, out);
-        Ok(())
+        pool_array(
+            device,
+            (id_a, id_b),
+            out,
+            cap,
+            n,
+            "live allocations",
+            |a, d, k| a.pool_live_allocations(d, k),
+        )
     })
+}
+
+/// Copies what `list` gives for pool `key` of `device` to the caller's array
+/// `out` of `cap` entries, and the count to `*n` (see `array_arg`, `fits`).
+pub(crate) fn pool_array<T: Copy>(
+    device: c_int,
+    key: (u64, u64),
+    out: *mut T,
+    cap: usize,
+    n: *mut usize,
+    what: &str,
+    list: impl FnOnce(&Allocator<AnyBackend>, i64, (u64, u64)) -> Result<Vec<T>, AllocError>,
+) -> Result<(), Error> {
+    array_arg(out, cap, n, "n")?;
+    let g = existing().ok_or_else(|| no_pool(device, key))?;
+    let items = list(&g.alloc, i64::from(device), key).map_err(|e| pool_error(device, e))?;
+    fits(items.len(), cap, n, || {
+        format!("the {what} of {}", pool_name(device, key.0, key.1))
+    })?;
+    copy_out(&items, out);
+    Ok(())
 }
