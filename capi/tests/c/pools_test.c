@@ -6,6 +6,7 @@
  * default policy (expandable private pools). Prints "ok <section>" per
  * section and "ALL OK" at the end; the first failed check prints its line
  * and exits with status 1. Invariants are checked after every step. */
+#include "check.h"
 #include "gpualloc.h"
 
 #include <stdio.h>
@@ -14,18 +15,7 @@
 
 #define MiB ((size_t)1 << 20)
 
-#define CHECK(cond)                                                              \
-  do {                                                                           \
-    if (!(cond)) {                                                               \
-      const char *e_ = gpualloc_last_error();                                    \
-      fprintf(stderr, "FAILED %s:%d: %s (last error: %s)\n", __FILE__, __LINE__, \
-              #cond, e_ ? e_ : "none");                                          \
-      exit(1);                                                                   \
-    }                                                                            \
-  } while (0)
-
 #define OK(call) CHECK((call) == GPUALLOC_OK)
-#define SECTION_OK(name) printf("ok %s\n", name)
 
 #define A 3
 #define B 4
