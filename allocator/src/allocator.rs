@@ -213,13 +213,15 @@ impl<B: Backend> Allocator<B> {
     /// [`DeviceAllocator::empty_pool_cache`] on a device (nothing to do on
     /// one not created yet).
     pub fn empty_pool_cache(&self, device: i64, pool: PoolKey) -> Result<(), AllocError> {
-        match self.peek(device)? {
-            Some(mut d) => d.empty_pool_cache(pool),
-            None => Ok(()),
-        }
+        self.with_pool(device, pool, |d| d.empty_pool_cache(pool))
+            .or_else(|e| match e {
+                AllocError::UnknownPool { .. } => Ok(()),
+                e => Err(e),
+            })
     }
 
-    /// Runs `f` on a created device; on one not created yet, pool `pool`
+    /// Runs `f` on a created device (refusing a poisoned one, as
+    /// [`lock`](Self::lock) does); on one not created yet, pool `pool`
     /// cannot exist.
     fn with_pool<T, E: From<AllocError>>(
         &self,
@@ -228,6 +230,10 @@ impl<B: Backend> Allocator<B> {
         f: impl FnOnce(&mut DeviceAllocator<B>) -> Result<T, E>,
     ) -> Result<T, E> {
         match self.peek(device)? {
+            Some(d) if d.poisoned => Err(AllocError::Poisoned {
+                device: device as u32,
+            }
+            .into()),
             Some(mut d) => f(&mut d),
             None => Err(AllocError::UnknownPool { pool }.into()),
         }

@@ -330,6 +330,8 @@ int gpualloc_pool_checkpoint(int device,
 // blocks with `allocated == 1` (their addresses go to `allocd`, in the
 // order given). A block freed in (1) and allocated in (3) is in both lists.
 // These are ordinary frees and allocations for the stats and the trace.
+// A block's `segment_address` is not used (a segment may have grown at
+// either end since the checkpoint).
 //
 // Everything is checked first, and a failure changes nothing:
 // `GPUALLOC_ERR_INVALID_ARGUMENT` when a block is not inside memory the

@@ -378,3 +378,120 @@ fn a_trace_through_a_restore_replays_exactly() {
     assert_eq!(dev.peak_allocated, stats.allocated_bytes.all.peak as u64);
     assert_eq!(dev.allocs, stats.allocation.all.allocated as u64);
 }
+
+mod random {
+    //! Random captures, frees and restores of earlier checkpoints, checked
+    //! after every step; every restore brings back its checkpoint's blocks.
+
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// Allocates in the pool.
+        Alloc(u64),
+        /// Allocates in the default pools.
+        Outside(u64),
+        Free(usize),
+        Checkpoint,
+        Restore(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let size = prop_oneof![1u64..=MIB, (MIB + 1)..(12 * MIB), (12 * MIB)..(40 * MIB),];
+        prop_oneof![
+            5 => size.clone().prop_map(Op::Alloc),
+            1 => size.prop_map(Op::Outside),
+            4 => any::<usize>().prop_map(Op::Free),
+            2 => Just(Op::Checkpoint),
+            2 => any::<usize>().prop_map(Op::Restore),
+        ]
+    }
+
+    /// The checkpoint's blocks are in the pool now: allocated ones exactly
+    /// and alone, free ones inside free blocks.
+    fn restored(c: &Checked, ck: &[CheckpointBlock]) {
+        let now = layout(c, G);
+        let allocated: Vec<u64> = now
+            .iter()
+            .filter(|b| b.2 == BlockState::Allocated)
+            .map(|b| b.0)
+            .collect();
+        let want: Vec<u64> = ck
+            .iter()
+            .filter(|b| b.allocated)
+            .map(|b| b.address)
+            .collect();
+        assert_eq!(allocated, want);
+        for b in ck {
+            let covered = now.iter().any(|&(a, s, st)| {
+                if b.allocated {
+                    (a, s, st) == (b.address, b.size, BlockState::Allocated)
+                } else {
+                    st == BlockState::Free && a <= b.address && b.address + b.size <= a + s
+                }
+            });
+            assert!(covered, "{b:?} in {now:x?}");
+        }
+    }
+
+    fn run(policy: &str, ops: Vec<Op>) {
+        let mut c = Checked::with(2 << 30, policy);
+        c.create_or_incref_pool(G);
+        c.begin_pool(G, Some(CAP));
+        let (mut in_pool, mut outside, mut checkpoints) = (Vec::new(), Vec::new(), Vec::new());
+        for op in ops {
+            match op {
+                Op::Alloc(size) => in_pool.extend(c.malloc(size, CAP).ok()),
+                Op::Outside(size) => outside.extend(c.malloc(size, OTHER).ok()),
+                Op::Free(i) => {
+                    let n = in_pool.len() + outside.len();
+                    if n > 0 {
+                        let i = i % n;
+                        let p = if i < in_pool.len() {
+                            in_pool.swap_remove(i)
+                        } else {
+                            outside.swap_remove(i - in_pool.len())
+                        };
+                        c.release(p);
+                    }
+                }
+                Op::Checkpoint => checkpoints.push(c.dev.pool_checkpoint(G).unwrap()),
+                Op::Restore(i) if !checkpoints.is_empty() => {
+                    let ck = &checkpoints[i % checkpoints.len()];
+                    let live = c.dev.pool_live_allocations(G).unwrap();
+                    let d = c.restore_pool(G, ck).unwrap();
+                    assert_eq!(d.freed, live);
+                    restored(&c, ck);
+                    in_pool = d.allocated;
+                }
+                Op::Restore(_) => {}
+            }
+        }
+        c.end_pool(G);
+        for p in in_pool.into_iter().chain(outside) {
+            c.release(p);
+        }
+        c.release_pool(G).unwrap();
+        c.release_pool(G).unwrap();
+        c.empty_cache();
+        assert_eq!(c.reserved(), 0);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        #[test]
+        fn restores_bring_back_their_checkpoints(
+            ops in prop::collection::vec(op(), 1..60),
+            pytorch in any::<bool>(),
+        ) {
+            let policy = if pytorch {
+                "policy:pytorch,cross_stream_reuse:true"
+            } else {
+                "policy:gpualloc"
+            };
+            run(policy, ops);
+        }
+    }
+}
