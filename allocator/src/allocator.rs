@@ -9,6 +9,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::backend::{Backend, BackendError, DevicePtr, StreamId};
+use crate::checkpoint::{CheckpointBlock, RestoreDelta};
 use crate::config::Config;
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
@@ -235,6 +236,76 @@ impl<B: Backend> Allocator<B> {
     /// [`DeviceAllocator::release_pool`] on a device.
     pub fn release_pool(&self, device: i64, pool: PoolKey) -> Result<(), AllocError> {
         self.lock(device)?.release_pool(pool)
+    }
+
+    /// [`DeviceAllocator::create_or_incref_pool`] on a device.
+    pub fn create_or_incref_pool(&self, device: i64, pool: PoolKey) -> Result<(), AllocError> {
+        self.lock(device)?.create_or_incref_pool(pool);
+        Ok(())
+    }
+
+    /// [`DeviceAllocator::pool_use_count`] on a device; 0 on a device not
+    /// created yet (which this does not create).
+    pub fn pool_use_count(&self, device: i64, pool: PoolKey) -> Result<u32, AllocError> {
+        Ok(self.peek(device)?.map_or(0, |d| d.pool_use_count(pool)))
+    }
+
+    /// [`DeviceAllocator::empty_pool_cache`] on a device (nothing to do on
+    /// one not created yet).
+    pub fn empty_pool_cache(&self, device: i64, pool: PoolKey) -> Result<(), AllocError> {
+        self.with_pool(device, pool, |d| d.empty_pool_cache(pool))
+            .or_else(|e| match e {
+                AllocError::UnknownPool { .. } => Ok(()),
+                e => Err(e),
+            })
+    }
+
+    /// Runs `f` on a created device (refusing a poisoned one, as
+    /// [`lock`](Self::lock) does); on one not created yet, pool `pool`
+    /// cannot exist.
+    fn with_pool<T, E: From<AllocError>>(
+        &self,
+        device: i64,
+        pool: PoolKey,
+        f: impl FnOnce(&mut DeviceAllocator<B>) -> Result<T, E>,
+    ) -> Result<T, E> {
+        match self.peek(device)? {
+            Some(d) if d.poisoned => Err(AllocError::Poisoned {
+                device: device as u32,
+            }
+            .into()),
+            Some(mut d) => f(&mut d),
+            None => Err(AllocError::UnknownPool { pool }.into()),
+        }
+    }
+
+    /// [`DeviceAllocator::pool_live_allocations`] on a device.
+    pub fn pool_live_allocations(
+        &self,
+        device: i64,
+        pool: PoolKey,
+    ) -> Result<Vec<DevicePtr>, AllocError> {
+        self.with_pool(device, pool, |d| d.pool_live_allocations(pool))
+    }
+
+    /// [`DeviceAllocator::pool_checkpoint`] on a device.
+    pub fn pool_checkpoint(
+        &self,
+        device: i64,
+        pool: PoolKey,
+    ) -> Result<Vec<CheckpointBlock>, AllocError> {
+        self.with_pool(device, pool, |d| d.pool_checkpoint(pool))
+    }
+
+    /// [`DeviceAllocator::restore_pool_if`] on a device, under one lock.
+    pub fn restore_pool_if<E: From<AllocError>>(
+        &self,
+        device: i64,
+        pool: PoolKey,
+        blocks: &[CheckpointBlock],
+        accept: impl FnOnce(&RestoreDelta) -> Result<(), E>,
+    ) -> Result<RestoreDelta, E> {
+        self.with_pool(device, pool, |d| d.restore_pool_if(pool, blocks, accept))
     }
 }
 

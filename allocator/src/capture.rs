@@ -44,8 +44,18 @@ impl<B: Backend> DeviceAllocator<B> {
     /// allocations on streams that `filter` accepts (every stream when `None`)
     /// come from private pool `key`, created on first use.
     pub fn begin_allocate_to_pool(&mut self, key: PoolKey, filter: Option<StreamFilter>) {
+        self.private.push_scope(key, filter);
+        self.create_or_incref_pool(key);
+    }
+
+    /// Takes a hold on private pool `key`, creating it if absent, without
+    /// opening a scope (PyTorch's `createOrIncrefPool`, used by
+    /// `torch.cuda.MemPool` and cudagraph trees). Each hold is dropped by one
+    /// [`release_pool`](Self::release_pool); a scope opened by
+    /// [`begin_allocate_to_pool`](Self::begin_allocate_to_pool) takes one too.
+    pub fn create_or_incref_pool(&mut self, key: PoolKey) {
         let pools = &mut self.heap.pools;
-        let ids = self.private.open(key, filter, |vacant| {
+        let ids = self.private.incref(key, |vacant| {
             vacant.unwrap_or_else(|| {
                 pools.push(Pool::new(PoolKind::Small, None));
                 (pools.len() - 1) as PoolId
@@ -55,6 +65,12 @@ impl<B: Backend> DeviceAllocator<B> {
             pools[small as usize] = Pool::new(PoolKind::Small, Some(key));
             pools[large as usize] = Pool::new(PoolKind::Large, Some(key));
         }
+    }
+
+    /// The holds on private pool `key`: 0 for a pool that does not exist
+    /// (or that nothing holds any more but still has live blocks).
+    pub fn pool_use_count(&self, key: PoolKey) -> u32 {
+        self.private.find(key).map_or(0, |p| p.2)
     }
 
     /// Closes the innermost scope of pool `key`.
@@ -73,25 +89,36 @@ impl<B: Backend> DeviceAllocator<B> {
     /// # Errors
     /// [`AllocError::UnknownPool`] for a pool that does not exist.
     pub fn release_pool(&mut self, key: PoolKey) -> Result<(), AllocError> {
-        let freed = self.private.release(key)?;
-        if let Some((small, large)) = freed
-            && !self.private.capturing()
-        {
-            for pool in [small, large] {
-                let whole: Vec<_> = self.heap.pools[pool as usize]
-                    .iter()
-                    .filter(|k| self.is_whole_segment(k.3))
-                    .map(|k| k.3)
-                    .collect();
-                for id in whole {
-                    self.release_segment(id)?;
-                }
-            }
-            if self.expandable {
-                self.unmap_released_pools(&[small, large])?;
-            }
-            self.private.erase_empty();
+        if let Some((small, large)) = self.private.release(key)? {
+            self.release_pool_cache(small, large)?;
         }
+        Ok(())
+    }
+
+    /// PyTorch's `emptyCache(mempool_id)`: when private pool `key` exists
+    /// and nothing holds it, its cached memory goes back to the backend (as
+    /// [`release_pool`](Self::release_pool) does at zero holds). A held or
+    /// unknown pool is left alone; so is everything while a capture is open.
+    pub fn empty_pool_cache(&mut self, key: PoolKey) -> Result<(), AllocError> {
+        match self.private.find(key) {
+            Some((small, large, 0)) => self.release_pool_cache(small, large),
+            _ => Ok(()),
+        }
+    }
+
+    /// Gives the cached memory of a released private pool back (not while a
+    /// capture is open: then at the next `empty_cache`), and forgets released
+    /// pools left with no segment.
+    fn release_pool_cache(&mut self, small: PoolId, large: PoolId) -> Result<(), AllocError> {
+        if self.private.capturing() {
+            return Ok(());
+        }
+        self.release_whole_segments(small)?;
+        self.release_whole_segments(large)?;
+        if self.expandable {
+            self.unmap_released_pools(&[small, large])?;
+        }
+        self.private.erase_empty();
         Ok(())
     }
 

@@ -527,6 +527,20 @@ impl<B: Backend> DeviceAllocator<B> {
                 .update(kind, -(block_size as i64));
             self.stats.inactive_split.update(kind, -1);
         }
+        self.mark_allocated(id, pool, stream, size)
+    }
+
+    /// Marks a block (out of the free index, split as it will stay) as
+    /// handed out for `size` bytes on `stream`: address map, stats, trace.
+    #[inline]
+    pub(crate) fn mark_allocated(
+        &mut self,
+        id: BlockId,
+        pool: PoolId,
+        stream: StreamId,
+        size: u64,
+    ) -> DevicePtr {
+        let kind = self.heap.pools[pool as usize].kind;
         let b = &mut self.heap.blocks[id];
         b.state = BlockState::Allocated;
         b.requested = size;

@@ -77,6 +77,17 @@ pub enum AllocError {
         /// The pool id.
         pool: (u64, u64),
     },
+    /// A private pool cannot be put back to a checkpoint (a block outside
+    /// the memory the pool maps, overlapping blocks, a block still used on
+    /// other streams); nothing was changed.
+    BadCheckpoint {
+        /// The pool id.
+        pool: (u64, u64),
+        /// The device.
+        device: u32,
+        /// What is wrong, with the addresses.
+        reason: String,
+    },
     /// The backend failed in a way retrying will not fix.
     Backend(BackendError),
     /// An internal error (a panic) interrupted an operation on this device,
@@ -186,6 +197,15 @@ impl fmt::Display for AllocError {
             AllocError::UnknownPool { pool } => {
                 write!(f, "gpualloc: unknown private pool ({}, {})", pool.0, pool.1)
             }
+            AllocError::BadCheckpoint {
+                pool,
+                device,
+                reason,
+            } => write!(
+                f,
+                "gpualloc: cannot restore private pool ({}, {}) on device {device} to its checkpoint: {reason}; nothing was changed",
+                pool.0, pool.1
+            ),
             AllocError::Backend(e) => write!(f, "gpualloc: {e}"),
             AllocError::Poisoned { device } => write!(
                 f,

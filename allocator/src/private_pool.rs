@@ -39,16 +39,20 @@ pub(crate) struct PrivatePools {
 }
 
 impl PrivatePools {
-    /// Opens a scope for pool `key`, taking a hold on it; a new pool gets
-    /// its `(small, large)` ids from `ids` (called only then). Returns the
-    /// new pool's ids, or `None` when the pool existed.
-    pub fn open(
+    /// Opens a scope for pool `key` (the caller also takes a hold on the
+    /// pool with [`incref`](Self::incref)).
+    pub fn push_scope(&mut self, key: PoolKey, filter: Option<StreamFilter>) {
+        self.scopes.push(Scope { key, filter });
+    }
+
+    /// Takes a hold on pool `key`, creating it if absent; a new pool gets its
+    /// `(small, large)` ids from `ids` (called only then). Returns the new
+    /// pool's ids, or `None` when the pool existed.
+    pub fn incref(
         &mut self,
         key: PoolKey,
-        filter: Option<StreamFilter>,
         mut ids: impl FnMut(Option<PoolId>) -> PoolId,
     ) -> Option<(PoolId, PoolId)> {
-        self.scopes.push(Scope { key, filter });
         if let Some(p) = self.pools.iter_mut().find(|p| p.key == key) {
             p.use_count += 1;
             return None;
@@ -66,6 +70,14 @@ impl PrivatePools {
         });
         self.next_index += 1;
         Some((small, large))
+    }
+
+    /// Pool `key`'s `(small, large)` ids and use count, if it exists.
+    pub fn find(&self, key: PoolKey) -> Option<(PoolId, PoolId, u32)> {
+        self.pools
+            .iter()
+            .find(|p| p.key == key)
+            .map(|p| (p.small, p.large, p.use_count))
     }
 
     /// Closes the innermost scope of pool `key`.

@@ -39,16 +39,22 @@ impl<B: Backend> DeviceAllocator<B> {
         pools.extend(self.private.freeable_pools());
         for pool in pools {
             self.fuse_free_segments(pool);
-            let whole: Vec<BlockId> = self.heap.pools[pool as usize]
-                .iter()
-                .filter(|k| self.is_whole_segment(k.3))
-                .map(|k| k.3)
-                .collect();
-            for id in whole {
-                self.release_segment(id)?;
-            }
+            self.release_whole_segments(pool)?;
         }
         self.private.erase_empty();
+        Ok(())
+    }
+
+    /// Releases every cached block of `pool` that spans a whole plain segment.
+    pub(crate) fn release_whole_segments(&mut self, pool: PoolId) -> Result<(), AllocError> {
+        let whole: Vec<BlockId> = self.heap.pools[pool as usize]
+            .iter()
+            .filter(|k| self.is_whole_segment(k.3))
+            .map(|k| k.3)
+            .collect();
+        for id in whole {
+            self.release_segment(id)?;
+        }
         Ok(())
     }
 

@@ -83,6 +83,7 @@ impl From<AllocError> for Error {
             AllocError::InvalidPointer { .. } => GPUALLOC_ERR_INVALID_POINTER,
             AllocError::InvalidDevice { .. } => GPUALLOC_ERR_INVALID_DEVICE,
             AllocError::UnknownPool { .. } => GPUALLOC_ERR_UNKNOWN_POOL,
+            AllocError::BadCheckpoint { .. } => GPUALLOC_ERR_INVALID_ARGUMENT,
             AllocError::Backend(b) => return b.clone().into(),
             AllocError::Poisoned { .. } => GPUALLOC_ERR_PANIC,
             _ => GPUALLOC_ERR_BACKEND,
@@ -242,6 +243,56 @@ pub(crate) fn str_arg<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error
     let c = unsafe { std::ffi::CStr::from_ptr(p) };
     c.to_str()
         .map_err(|_| Error::invalid(format!("gpualloc: {what} is not valid UTF-8")))
+}
+
+/// Checks a caller's array argument: `n` (where the count goes) is not
+/// NULL, `out` is NULL only when `cap` is 0; sets `*n` to 0 until the count
+/// is known.
+pub(crate) fn array_arg<T>(
+    out: *mut T,
+    cap: usize,
+    n: *mut usize,
+    what: &str,
+) -> Result<(), Error> {
+    write_out(n, 0, what)?;
+    if out.is_null() && cap > 0 {
+        return Err(Error::invalid(format!(
+            "gpualloc: the array for {what} is NULL with room for {cap}"
+        )));
+    }
+    Ok(())
+}
+
+/// Writes the count `len` to `*n` (checked by [`array_arg`]);
+/// `GPUALLOC_ERR_BUFFER_TOO_SMALL` when `cap` is below it (`what()` names
+/// the array in the message).
+pub(crate) fn fits(
+    len: usize,
+    cap: usize,
+    n: *mut usize,
+    what: impl FnOnce() -> String,
+) -> Result<(), Error> {
+    // SAFETY: `array_arg` checked `n` is not NULL; the caller promises a
+    // writable size_t.
+    unsafe { n.write(len) };
+    if cap < len {
+        return Err(Error::new(
+            GPUALLOC_ERR_BUFFER_TOO_SMALL,
+            format!("gpualloc: {} needs {len} entries, {cap} given", what()),
+        ));
+    }
+    Ok(())
+}
+
+/// Copies `items` to the caller's array, whose room [`array_arg`] and
+/// [`fits`] checked.
+pub(crate) fn copy_out<T: Copy>(items: &[T], out: *mut T) {
+    if !items.is_empty() {
+        // SAFETY: `out` is not NULL (cap >= len > 0, `array_arg`) and has
+        // room for `cap >= items.len()` entries (`fits`); a caller's array
+        // never overlaps our Vec.
+        unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), out, items.len()) };
+    }
 }
 
 #[cfg(test)]

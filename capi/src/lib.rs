@@ -15,6 +15,7 @@
 //! generated from this crate by cbindgen.
 
 mod boundary;
+mod checkpoint;
 mod global;
 mod observer;
 mod oom;
@@ -30,6 +31,7 @@ use boundary::{Error, ffi_boundary, status, str_arg, void_call, write_out};
 use global::{BackendKind, existing, global};
 
 pub use boundary::*;
+pub use checkpoint::*;
 pub use observer::*;
 pub use oom::*;
 pub use pools::*;

@@ -7,18 +7,35 @@
 
 use std::ffi::{c_int, c_void};
 
-use gpualloc::{AllocError, StreamFilter};
+use gpualloc::{AllocError, Allocator, StreamFilter};
 
-use crate::boundary::{Error, status};
+use crate::boundary::{
+    Error, GPUALLOC_ERR_UNKNOWN_POOL, array_arg, copy_out, fits, status, write_out,
+};
 use crate::cudaStream_t;
-use crate::global::{self, existing, global};
+use crate::global::{self, AnyBackend, existing, global};
 
 /// Before the first allocation no pool exists (and none is created to say so).
-fn no_pool(device: c_int, pool: (u64, u64)) -> Error {
+pub(crate) fn no_pool(device: c_int, pool: (u64, u64)) -> Error {
     match global::idle(i64::from(device)) {
-        Ok(_) => AllocError::UnknownPool { pool }.into(),
+        Ok(_) => pool_error(device, AllocError::UnknownPool { pool }),
         Err(e) => e,
     }
+}
+
+/// A pool call's error, with the device named where the allocator's
+/// message leaves it out.
+pub(crate) fn pool_error(device: c_int, e: impl Into<Error>) -> Error {
+    let mut err = e.into();
+    if err.code == GPUALLOC_ERR_UNKNOWN_POOL {
+        err.message.push_str(&format!(" on device {device}"));
+    }
+    err
+}
+
+/// What a message calls pool `(id_a, id_b)` of `device`.
+pub(crate) fn pool_name(device: c_int, id_a: u64, id_b: u64) -> String {
+    format!("private pool ({id_a}, {id_b}) on device {device}")
 }
 
 /// Decides whether an allocation on `stream` goes to the pool: non-zero yes.
@@ -91,4 +108,103 @@ pub extern "C" fn gpualloc_release_pool(device: c_int, id_a: u64, id_b: u64) -> 
         let g = existing().ok_or_else(|| no_pool(device, (id_a, id_b)))?;
         Ok(g.alloc.release_pool(i64::from(device), (id_a, id_b))?)
     })
+}
+
+/// Creates private pool `(id_a, id_b)` on `device` if absent and takes one
+/// hold on it, opening no allocation scope (PyTorch's `createOrIncrefPool`).
+/// Each hold is dropped by one `gpualloc_release_pool`;
+/// `gpualloc_begin_allocate_to_pool` takes a hold too.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_create_or_incref_pool(device: c_int, id_a: u64, id_b: u64) -> c_int {
+    status(|| {
+        Ok(global()?
+            .alloc
+            .create_or_incref_pool(i64::from(device), (id_a, id_b))?)
+    })
+}
+
+/// Writes the holds on pool `(id_a, id_b)` of `device` to `*out`: 0 for an
+/// unknown pool (not an error), or one released to zero that still has
+/// live blocks.
+///
+/// # Safety
+/// `out` is NULL (`GPUALLOC_ERR_INVALID_ARGUMENT`) or points to a writable uint32_t.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_pool_use_count(
+    device: c_int,
+    id_a: u64,
+    id_b: u64,
+    out: *mut u32,
+) -> c_int {
+    status(|| {
+        let count = match existing() {
+            Some(g) => g.alloc.pool_use_count(i64::from(device), (id_a, id_b))?,
+            None => global::idle(i64::from(device)).map(|_| 0)?,
+        };
+        write_out(out, count, "out")
+    })
+}
+
+/// PyTorch's `emptyCache(mempool_id)`: when pool `(id_a, id_b)` exists and
+/// nothing holds it (use count 0), its cached free memory goes back to the
+/// device, as `gpualloc_release_pool` does at zero. A held or unknown pool
+/// is left alone (`GPUALLOC_OK`); so is every pool while a capture is open.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_empty_pool_cache(device: c_int, id_a: u64, id_b: u64) -> c_int {
+    status(|| match existing() {
+        Some(g) => Ok(g.alloc.empty_pool_cache(i64::from(device), (id_a, id_b))?),
+        None => global::idle(i64::from(device)).map(|_| ()),
+    })
+}
+
+/// Writes the addresses of the blocks allocated in pool `(id_a, id_b)` of
+/// `device` (small and large sub-pools), in address order, to `out`, and
+/// their count to `*n` (always). `GPUALLOC_ERR_BUFFER_TOO_SMALL` when `cap`
+/// is below the count: then nothing is written to `out` (ask with
+/// `out == NULL, cap == 0`). `GPUALLOC_ERR_UNKNOWN_POOL` for an unknown pool.
+///
+/// # Safety
+/// `out` is NULL (only with `cap == 0`) or points to `cap` writable
+/// uint64_t; `n` points to a writable size_t.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_pool_live_allocations(
+    device: c_int,
+    id_a: u64,
+    id_b: u64,
+    out: *mut u64,
+    cap: usize,
+    n: *mut usize,
+) -> c_int {
+    status(|| {
+        pool_array(
+            device,
+            (id_a, id_b),
+            out,
+            cap,
+            n,
+            "live allocations",
+            |a, d, k| a.pool_live_allocations(d, k),
+        )
+    })
+}
+
+/// Copies what `list` gives for pool `key` of `device` to the caller's array
+/// `out` of `cap` entries, and the count to `*n` (see `array_arg`, `fits`).
+pub(crate) fn pool_array<T: Copy>(
+    device: c_int,
+    key: (u64, u64),
+    out: *mut T,
+    cap: usize,
+    n: *mut usize,
+    what: &str,
+    list: impl FnOnce(&Allocator<AnyBackend>, i64, (u64, u64)) -> Result<Vec<T>, AllocError>,
+) -> Result<(), Error> {
+    array_arg(out, cap, n, "n")?;
+    let g = existing().ok_or_else(|| no_pool(device, key))?;
+    let items = list(&g.alloc, i64::from(device), key).map_err(|e| pool_error(device, e))?;
+    fits(items.len(), cap, n, || {
+        format!("the {what} of {}", pool_name(device, key.0, key.1))
+    })?;
+    copy_out(&items, out);
+    Ok(())
 }

@@ -142,6 +142,18 @@ class TraceSummary(ctypes.Structure):
     _fields_ = [("events", c_uint64), ("dropped", c_uint64), ("bytes", c_uint64)]
 
 
+class BlockState(ctypes.Structure):
+    """One block of a private pool's checkpoint (``GpuallocBlockState``)."""
+
+    _fields_ = [
+        ("address", c_uint64),
+        ("size", c_uint64),
+        ("stream", c_uint64),
+        ("segment_address", c_uint64),
+        ("allocated", ctypes.c_uint8),
+    ]
+
+
 U64_MAX = (1 << 64) - 1
 
 
@@ -193,6 +205,33 @@ _SIGNATURES = {
     "gpualloc_begin_allocate_to_pool": (c_int, [c_int, c_uint64, c_uint64, c_void_p, c_void_p]),
     "gpualloc_end_allocate_to_pool": (c_int, [c_int, c_uint64, c_uint64]),
     "gpualloc_release_pool": (c_int, [c_int, c_uint64, c_uint64]),
+    "gpualloc_create_or_incref_pool": (c_int, [c_int, c_uint64, c_uint64]),
+    "gpualloc_pool_use_count": (c_int, [c_int, c_uint64, c_uint64, ctypes.POINTER(ctypes.c_uint32)]),
+    "gpualloc_empty_pool_cache": (c_int, [c_int, c_uint64, c_uint64]),
+    "gpualloc_pool_live_allocations": (
+        c_int,
+        [c_int, c_uint64, c_uint64, ctypes.POINTER(c_uint64), c_size_t, ctypes.POINTER(c_size_t)],
+    ),
+    "gpualloc_pool_checkpoint": (
+        c_int,
+        [c_int, c_uint64, c_uint64, ctypes.POINTER(BlockState), c_size_t, ctypes.POINTER(c_size_t)],
+    ),
+    "gpualloc_pool_restore": (
+        c_int,
+        [
+            c_int,
+            c_uint64,
+            c_uint64,
+            ctypes.POINTER(BlockState),
+            c_size_t,
+            ctypes.POINTER(c_uint64),
+            c_size_t,
+            ctypes.POINTER(c_size_t),
+            ctypes.POINTER(c_uint64),
+            c_size_t,
+            ctypes.POINTER(c_size_t),
+        ],
+    ),
     "gpualloc_trace_start": (c_int, [c_char_p]),
     "gpualloc_trace_stop": (c_int, [ctypes.POINTER(TraceSummary)]),
     "gpualloc_trace_flush": (c_int, []),
@@ -375,6 +414,36 @@ class Library:
             self.check(rc)
             return json.loads(buf.value.decode())
         raise GpuallocError("snapshot kept growing", ERR_BUFFER_TOO_SMALL)
+
+    # ---- private pools ----
+
+    def create_or_incref_pool(self, pool: Tuple[int, int], device: int = 0) -> None:
+        """Creates private pool ``pool`` if absent and takes one hold on it."""
+        self.check(self.dll.gpualloc_create_or_incref_pool(device, pool[0], pool[1]))
+
+    def pool_use_count(self, pool: Tuple[int, int], device: int = 0) -> int:
+        """Holds on private pool ``pool``; 0 for an unknown pool."""
+        n = ctypes.c_uint32(0)
+        self.check(self.dll.gpualloc_pool_use_count(device, pool[0], pool[1], ctypes.byref(n)))
+        return n.value
+
+    def empty_pool_cache(self, pool: Tuple[int, int], device: int = 0) -> None:
+        """``emptyCache(mempool_id)``: frees a released pool's cached memory."""
+        self.check(self.dll.gpualloc_empty_pool_cache(device, pool[0], pool[1]))
+
+    def pool_live_allocations(self, pool: Tuple[int, int], device: int = 0) -> list:
+        """Addresses of the blocks allocated in private pool ``pool``."""
+        n = c_size_t(0)
+        for _ in range(8):
+            cap = n.value
+            out = (c_uint64 * cap)()
+            rc = self.dll.gpualloc_pool_live_allocations(
+                device, pool[0], pool[1], out, cap, ctypes.byref(n)
+            )
+            if rc != ERR_BUFFER_TOO_SMALL:
+                self.check(rc)
+                return list(out[: n.value])
+        raise GpuallocError("live allocations kept growing", ERR_BUFFER_TOO_SMALL)
 
     # ---- tracing ----
 

@@ -40,6 +40,26 @@ class ApiTest(unittest.TestCase):
         self.assertEqual(gpualloc.stats(0)["allocated_bytes.all.current"], before["allocated_bytes.all.current"])
         lib().check_invariants(0)
 
+    def test_private_pool_holds_and_live_allocations(self):
+        pool = (41, 42)
+        L = lib()
+        self.assertEqual(L.pool_use_count(pool, 1), 0)
+        L.create_or_incref_pool(pool, 1)
+        L.check(L.dll.gpualloc_begin_allocate_to_pool(1, pool[0], pool[1], None, None))
+        p = L.malloc(12 * MiB, 1, 9)
+        L.check(L.dll.gpualloc_end_allocate_to_pool(1, pool[0], pool[1]))
+        self.assertEqual(L.pool_use_count(pool, 1), 2)
+        self.assertEqual(L.pool_live_allocations(pool, 1), [p])
+        L.free(p, 1)
+        self.assertEqual(L.pool_live_allocations(pool, 1), [])
+        for _ in range(2):
+            L.check(L.dll.gpualloc_release_pool(1, pool[0], pool[1]))
+        self.assertEqual(L.pool_use_count(pool, 1), 0)
+        L.empty_pool_cache(pool, 1)
+        with self.assertRaises(GpuallocError):
+            L.pool_live_allocations(pool, 1)
+        L.check_invariants(1)
+
     def test_struct_layout_agrees_with_the_library(self):
         p = lib().malloc(5000, 1, 7)
         try:

@@ -14,8 +14,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpualloc::{
-    AllocError, BlockState, Config, DeviceAllocator, DevicePtr, PoolKey, SegmentSnapshot,
-    SimBackend, StreamId,
+    AllocError, BlockState, CheckpointBlock, Config, DeviceAllocator, DevicePtr, PoolKey,
+    RestoreDelta, SegmentSnapshot, SimBackend, StreamId,
     size_class::{PoolKind, round_size},
 };
 
@@ -388,17 +388,22 @@ impl Checked {
     /// Frees a live allocation (or 0).
     pub fn free(&mut self, p: DevicePtr) -> Result<(), AllocError> {
         let r = self.op(|d| d.free(p));
-        if r.is_ok()
-            && let Some(l) = self.live.remove(&p)
-        {
+        if r.is_ok() {
+            self.forget(p);
+        }
+        self.check();
+        r
+    }
+
+    /// The model's side of a free: `p` is no longer live.
+    fn forget(&mut self, p: DevicePtr) {
+        if let Some(l) = self.live.remove(&p) {
             self.freed.push(Freed {
                 start: p,
                 end: p + l.block,
                 users: l.users.into_iter().collect(),
             });
         }
-        self.check();
-        r
     }
 
     /// Frees, panicking on failure.
@@ -507,6 +512,40 @@ impl Checked {
     /// `release_pool`.
     pub fn release_pool(&mut self, key: PoolKey) -> Result<(), AllocError> {
         let r = self.op(|d| d.release_pool(key));
+        self.check();
+        r
+    }
+
+    /// `create_or_incref_pool`.
+    pub fn create_or_incref_pool(&mut self, key: PoolKey) {
+        self.op(|d| d.create_or_incref_pool(key));
+        self.check();
+    }
+
+    /// `empty_pool_cache`.
+    pub fn empty_pool_cache(&mut self, key: PoolKey) -> Result<(), AllocError> {
+        let r = self.op(|d| d.empty_pool_cache(key));
+        self.check();
+        r
+    }
+
+    /// `restore_pool`: on success the model frees what it freed and takes
+    /// the checkpoint's allocated blocks as live allocations of their size.
+    pub fn restore_pool(
+        &mut self,
+        key: PoolKey,
+        blocks: &[CheckpointBlock],
+    ) -> Result<RestoreDelta, AllocError> {
+        let r = self.op(|d| d.restore_pool(key, blocks));
+        if let Ok(delta) = &r {
+            for &p in &delta.freed {
+                self.forget(p);
+            }
+            for c in blocks.iter().filter(|c| c.allocated) {
+                self.streams.insert(c.stream);
+                self.register(c.address, c.size, c.stream);
+            }
+        }
         self.check();
         r
     }

@@ -4,6 +4,7 @@
  * GPUALLOC_SIM_CAPACITY=1GiB and GPUALLOC_ABI_TRACE=<path of a trace file>.
  * Prints "ok <section>" per section and "ALL OK" at the end; the first
  * failed check prints its line and exits with status 1. */
+#include "check.h"
 #include "gpualloc.h"
 
 #include <pthread.h>
@@ -17,18 +18,6 @@
 
 #define MiB ((size_t)1 << 20)
 #define GiB ((size_t)1 << 30)
-
-#define CHECK(cond)                                                              \
-  do {                                                                           \
-    if (!(cond)) {                                                               \
-      const char *e_ = gpualloc_last_error();                                    \
-      fprintf(stderr, "FAILED %s:%d: %s (last error: %s)\n", __FILE__, __LINE__, \
-              #cond, e_ ? e_ : "none");                                          \
-      exit(1);                                                                   \
-    }                                                                            \
-  } while (0)
-
-#define SECTION_OK(name) printf("ok %s\n", name)
 
 /* PyTorch's pluggable-allocator function types (torch/csrc/cuda/CUDAPluggableAllocator.h). */
 typedef void *(*torch_alloc_fn)(size_t, int, cudaStream_t);

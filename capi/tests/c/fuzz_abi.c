@@ -22,6 +22,7 @@ static uint64_t next(void) {
 }
 
 static uint64_t below(uint64_t n) { return n ? next() % n : 0; }
+static uint64_t restores;
 
 /* Small, boundary or random sizes. */
 static uint64_t size_value(void) {
@@ -82,7 +83,7 @@ int main(int argc, char **argv) {
   CHECK(gpualloc_set_segment_observer(observer, &reg) == GPUALLOC_OK);
   for (uint64_t i = 0; i < calls; i++) {
     const char *what = "";
-    switch (below(24)) {
+    switch (below(27)) {
     case 0: case 1: case 2: case 3: case 4: {
       what = "malloc";
       int device = device_value();
@@ -205,6 +206,53 @@ int main(int argc, char **argv) {
       what = "release pool";
       gpualloc_release_pool(device_value(), below(3), below(3));
       break;
+    case 23: {
+      what = "pool holds";
+      uint32_t n;
+      switch (below(3)) {
+      case 0: gpualloc_create_or_incref_pool(device_value(), below(3), below(3)); break;
+      case 1: gpualloc_pool_use_count(device_value(), below(3), below(3), below(8) ? &n : NULL); break;
+      default: gpualloc_empty_pool_cache(device_value(), below(3), below(3)); break;
+      }
+      break;
+    }
+    case 24: {
+      what = "pool live allocations";
+      static uint64_t addrs[64];
+      size_t n;
+      gpualloc_pool_live_allocations(device_value(), below(3), below(3), below(8) ? addrs : NULL,
+                                     (size_t)below(65), below(8) ? &n : NULL);
+      break;
+    }
+    case 25: {
+      /* Checkpoints of a random pool, restored later (perhaps to another
+       * pool or device, perhaps altered): refused or applied whole. */
+      static GpuallocBlockState ck[256];
+      static size_t nck;
+      static uint64_t freed[256], allocd[256];
+      size_t n = 0, nf, na;
+      if (below(2)) {
+        what = "pool checkpoint";
+        if (gpualloc_pool_checkpoint(device_value(), below(3), below(3), ck,
+                                     (size_t)below(257), &n) == GPUALLOC_OK)
+          nck = n;
+        break;
+      }
+      what = "pool restore";
+      if (nck && below(4) == 0) {
+        GpuallocBlockState *b = &ck[below(nck)];
+        switch (below(3)) {
+        case 0: b->size += 512 * below(3) - 512; break;
+        case 1: b->address += 256 * below(5); break;
+        default: b->allocated ^= 1; break;
+        }
+      }
+      if (gpualloc_pool_restore(device_value(), below(3), below(3), below(16) ? ck : NULL,
+                                below(8) ? nck : (size_t)below(4), freed, (size_t)below(257), &nf,
+                                allocd, (size_t)below(257), &na) == GPUALLOC_OK)
+        restores++;
+      break;
+    }
     default: {
       what = "init and queries";
       static const char *configs[] = {"", "max_split_size_mb:64", "bogus", "memory_limit:0",
@@ -229,6 +277,7 @@ int main(int argc, char **argv) {
   gpualloc_empty_cache();
   check(calls, "the end");
   if (gpualloc_is_tracing() == 1) gpualloc_trace_stop(NULL);
+  printf("pool restores applied: %llu\n", (unsigned long long)restores);
   printf("FUZZ OK\n");
   return 0;
 }

@@ -81,6 +81,20 @@ typedef struct CUstream_st *cudaStream_t;
 // Version of [`GpuallocStats`] this library writes.
 #define GPUALLOC_STATS_VERSION 2
 
+// One block of a private pool's checkpoint.
+typedef struct GpuallocBlockState {
+  // Start address.
+  uint64_t address;
+  // Block size (rounded, as allocated).
+  uint64_t size;
+  // The block's stream.
+  uint64_t stream;
+  // Start of the mapped segment holding it.
+  uint64_t segment_address;
+  // 1 allocated, 0 free.
+  uint8_t allocated;
+} GpuallocBlockState;
+
 // Receives segment events: `action` is one of `GPUALLOC_SEGMENT_*`,
 // `stream` the `cudaStream_t` the memory was obtained for, as an integer.
 // Called under the allocator's lock: it must not call gpualloc.
@@ -375,6 +389,58 @@ int gpualloc_mem_info(int device, uint64_t *free_bytes, uint64_t *total_bytes);
 // the first allocation there is nothing to check, and nothing is created.
 int gpualloc_check_invariants(int device);
 
+// Writes every block (free and allocated) of pool `(id_a, id_b)` of
+// `device`, in address order, to `out`, and their count to `*n` (always).
+// `GPUALLOC_ERR_BUFFER_TOO_SMALL` when `cap` is below the count: then
+// nothing is written to `out` (ask with `out == NULL, cap == 0`).
+// `GPUALLOC_ERR_UNKNOWN_POOL` for an unknown pool.
+//
+// # Safety
+// `out` is NULL (only with `cap == 0`) or points to `cap` writable
+// `GpuallocBlockState`; `n` points to a writable size_t.
+int gpualloc_pool_checkpoint(int device,
+                             uint64_t id_a,
+                             uint64_t id_b,
+                             struct GpuallocBlockState *out,
+                             size_t cap,
+                             size_t *n);
+
+// PyTorch's `setCheckpointPoolState` for pool `(id_a, id_b)` of `device`:
+// (1) frees every block allocated in the pool (their addresses go to
+// `freed`, in address order); (2) cuts the pool's free memory so that each
+// of the `n` checkpointed `blocks` exists exactly (a free one may merge
+// with free memory the pool mapped next to it since); (3) allocates the
+// blocks with `allocated == 1` (their addresses go to `allocd`, in the
+// order given). A block freed in (1) and allocated in (3) is in both lists.
+// These are ordinary frees and allocations for the stats and the trace.
+// A block's `segment_address` is not used (a segment may have grown at
+// either end since the checkpoint).
+//
+// Everything is checked first, and a failure changes nothing:
+// `GPUALLOC_ERR_INVALID_ARGUMENT` when a block is not inside memory the
+// pool maps, blocks overlap, or a block of the pool is still used on other
+// streams (`gpualloc_record_stream`); `GPUALLOC_ERR_BUFFER_TOO_SMALL` when
+// `freed_cap` or `allocd_cap` is below the count it needs. `*n_freed` and
+// `*n_allocd` receive the needed counts (0 when the call failed before
+// knowing them).
+//
+// # Safety
+// `blocks` is NULL (only with `n == 0`) or points to `n` readable
+// `GpuallocBlockState`; `freed` and `allocd` are NULL (only with a cap of
+// 0) or point to as many writable uint64_t as their caps say; `n_freed` and
+// `n_allocd` point to writable size_t.
+int gpualloc_pool_restore(int device,
+                          uint64_t id_a,
+                          uint64_t id_b,
+                          const struct GpuallocBlockState *blocks,
+                          size_t n,
+                          uint64_t *freed,
+                          size_t freed_cap,
+                          size_t *n_freed,
+                          uint64_t *allocd,
+                          size_t allocd_cap,
+                          size_t *n_allocd);
+
 // Installs the one segment observer (NULL removes it), on every device,
 // now or when the allocator starts. It is called synchronously, under the
 // allocator's lock, after each successful device allocation
@@ -430,6 +496,42 @@ int gpualloc_end_allocate_to_pool(int device, uint64_t id_a, uint64_t id_b);
 // Drops one hold on pool `(id_a, id_b)` (a graph or MemPool was destroyed);
 // at zero its cached memory goes back to the device.
 int gpualloc_release_pool(int device, uint64_t id_a, uint64_t id_b);
+
+// Creates private pool `(id_a, id_b)` on `device` if absent and takes one
+// hold on it, opening no allocation scope (PyTorch's `createOrIncrefPool`).
+// Each hold is dropped by one `gpualloc_release_pool`;
+// `gpualloc_begin_allocate_to_pool` takes a hold too.
+int gpualloc_create_or_incref_pool(int device, uint64_t id_a, uint64_t id_b);
+
+// Writes the holds on pool `(id_a, id_b)` of `device` to `*out`: 0 for an
+// unknown pool (not an error), or one released to zero that still has
+// live blocks.
+//
+// # Safety
+// `out` is NULL (`GPUALLOC_ERR_INVALID_ARGUMENT`) or points to a writable uint32_t.
+int gpualloc_pool_use_count(int device, uint64_t id_a, uint64_t id_b, uint32_t *out);
+
+// PyTorch's `emptyCache(mempool_id)`: when pool `(id_a, id_b)` exists and
+// nothing holds it (use count 0), its cached free memory goes back to the
+// device, as `gpualloc_release_pool` does at zero. A held or unknown pool
+// is left alone (`GPUALLOC_OK`); so is every pool while a capture is open.
+int gpualloc_empty_pool_cache(int device, uint64_t id_a, uint64_t id_b);
+
+// Writes the addresses of the blocks allocated in pool `(id_a, id_b)` of
+// `device` (small and large sub-pools), in address order, to `out`, and
+// their count to `*n` (always). `GPUALLOC_ERR_BUFFER_TOO_SMALL` when `cap`
+// is below the count: then nothing is written to `out` (ask with
+// `out == NULL, cap == 0`). `GPUALLOC_ERR_UNKNOWN_POOL` for an unknown pool.
+//
+// # Safety
+// `out` is NULL (only with `cap == 0`) or points to `cap` writable
+// uint64_t; `n` points to a writable size_t.
+int gpualloc_pool_live_allocations(int device,
+                                   uint64_t id_a,
+                                   uint64_t id_b,
+                                   uint64_t *out,
+                                   size_t cap,
+                                   size_t *n);
 
 // Writes a JSON snapshot of `device` (every created device when negative)
 // into `buf` (NUL-terminated) and its length plus one into `*needed`. When

@@ -45,6 +45,7 @@ mod limits;
 mod messages;
 mod oom;
 mod oversize;
+mod pool_checkpoint;
 mod pools;
 mod record_stream;
 mod robustness;
