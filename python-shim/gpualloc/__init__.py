@@ -19,29 +19,34 @@ address 0), ``memory_stats``/``memory_allocated``/``reset_peak_memory_stats``,
 ``get_per_process_memory_fraction`` and cuDNN benchmark (``cacheInfo``) raise
 "does not yet support", and the CUDA-graph pool hooks pass C++ objects.
 
-So ``install()`` compiles (once, cached) a small C++ bridge against the
-installed torch: a subclass of ``CUDAPluggableAllocator`` whose alloc
-function throws ``c10::OutOfMemoryError`` with gpualloc's diagnosis, whose
-``getDeviceStats``/``resetPeakStats``/``resetAccumulatedStats``/``cacheInfo``/
-``getMemoryFraction`` read gpualloc, and whose graph-pool hooks unpack
-``MempoolId_t`` and call the stream filter through a C trampoline. The bridge
-loads libgpualloc.so with ``dlopen`` (same handle as this package's ctypes
-copy) and installs itself with ``changeCurrentAllocator``. It needs g++ and
-the torch headers (they ship with the wheel); the build directory is
-``GPUALLOC_BUILD_DIR`` or ``~/.cache/gpualloc``.
+So ``install()`` compiles (once, cached) a C++ bridge against the installed
+torch (``bridge.cpp`` and ``bridge/``): a direct subclass of torch's
+``CUDAAllocator``, like PyTorch's own allocator, implementing every virtual
+member (``docs/torch-compat.md`` lists them with their tests). Allocation
+failures raise ``torch.cuda.OutOfMemoryError`` with gpualloc's diagnosis;
+stats, ``cacheInfo`` and fractions read gpualloc; CUDA-graph pools, MemPool
+and cudagraph trees' checkpoints reach gpualloc's private pools;
+``_record_memory_history``/``_snapshot``/``memory_viz`` work natively
+(the bridge keeps torch's history while gpualloc keeps its own trace);
+NCCL's registration hooks see every segment event; IPC handles are
+PyTorch's format. The bridge loads libgpualloc.so with ``dlopen`` (same
+handle as this package's ctypes copy) and installs itself with
+``changeCurrentAllocator``. It needs g++ and the torch headers (they ship
+with the wheel); the build directory is ``GPUALLOC_BUILD_DIR`` or
+``~/.cache/gpualloc``.
 
 Without a compiler (or with ``bridge=False``), ``install()`` falls back to a
 plain ``CUDAPluggableAllocator`` with a warning: stats, summary, fractions,
 ``empty_cache`` and ``record_stream`` still work (``torch.cuda.memory_*`` are
-patched in Python to read gpualloc), CUDA graphs do not, and out of memory
-cannot become an exception, so the fallback registers
-``gpualloc_malloc_or_abort``: it prints the diagnosis and aborts the process
-rather than hand PyTorch a NULL it would silently turn into a tensor.
+patched in Python to read gpualloc, ``torch.cuda.memory_snapshot`` returns
+gpualloc's segments), CUDA graphs do not, and out of memory cannot become an
+exception, so the fallback registers ``gpualloc_malloc_or_abort``: it prints
+the diagnosis and aborts the process rather than hand PyTorch a NULL it
+would silently turn into a tensor.
 
-``torch.accelerator.memory_*`` reach PyTorch's generic allocator registry,
-which the swap does not touch (they would read 0 silently); ``install()``
-patches them to the ``torch.cuda`` functions. ``torch.cuda.memory_snapshot``
-is patched to return gpualloc's segments.
+``torch.accelerator.memory_*`` reach PyTorch's generic allocator registry;
+the bridge registers itself there too, and ``install()`` also points them at
+the ``torch.cuda`` functions (for the fallback).
 
 This module imports without torch; torch is imported only by ``install()``.
 """

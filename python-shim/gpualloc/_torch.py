@@ -127,7 +127,8 @@ def _build_bridge(torch, verbose: bool) -> str:
     src = os.path.join(HERE, "bridge.cpp")
     header_dir = os.path.join(HERE, "include")
     h = hashlib.sha256()
-    for p in (src, os.path.join(header_dir, "gpualloc.h")):
+    parts = sorted(glob.glob(os.path.join(HERE, "bridge", "*.h")))
+    for p in [src, os.path.join(header_dir, "gpualloc.h")] + parts:
         with open(p, "rb") as f:
             h.update(f.read())
     key = h.hexdigest()[:12]
@@ -222,9 +223,12 @@ def _patch_python(torch, fallback: bool) -> None:
     def _snapshot(device=None, *args, **kwargs):
         return {"segments": memory_snapshot(), "device_traces": [], "allocator_settings": {}, "external_annotations": []}
 
-    patches = {"memory_snapshot": memory_snapshot, "_snapshot": _snapshot}
+    # With the bridge, torch's own snapshot path reads gpualloc (segments,
+    # blocks, and the history torch records through it): nothing to patch.
+    patches = {}
 
     if fallback:
+        patches.update(memory_snapshot=memory_snapshot, _snapshot=_snapshot)
         # Without the bridge torch's C++ stats calls raise "does not yet support":
         # answer from gpualloc instead.
         def memory_stats(device=None):

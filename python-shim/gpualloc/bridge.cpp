@@ -1,32 +1,35 @@
-// gpualloc's torch bridge: makes libgpualloc.so a drop-in CUDA allocator.
+// gpualloc's torch bridge: makes libgpualloc.so PyTorch's CUDA allocator.
 //
 // Compiled at gpualloc.install() time against the installed torch
 // (torch.utils.cpp_extension, cached), loaded with ctypes, entered once
 // through gpualloc_bridge_install(). It does not link libgpualloc.so: it
-// dlopen()s the exact file the Python package loaded, so both share one
-// allocator.
+// dlopen()s the exact file the Python package loaded (bridge/api.h).
 //
-// A subclass of torch's CUDAPluggableAllocator:
-// - its alloc function throws c10::OutOfMemoryError (torch.cuda.OutOfMemoryError
-//   in Python) with gpualloc's diagnosis when gpualloc returns NULL for a
-//   non-zero size; allocate(), raw_alloc() and raw_alloc_with_stream() all
-//   reach it through the base class, so none of them can return a silent NULL;
-// - getDeviceStats / resetPeakStats / resetAccumulatedStats / cacheInfo /
-//   getMemoryFraction read gpualloc instead of raising "does not yet support";
-// - the empty_cache, memory-fraction and record_stream hooks call gpualloc and
-//   raise its error; the CUDA-graph pool hooks unpack MempoolId_t and pass the
-//   std::function stream filter through a C trampoline.
-// Every virtual overridden here has had the same signature in torch 2.6-2.11;
-// version-dependent ones (snapshot, recordHistory) are left alone (the Python
-// side patches torch.cuda.memory_snapshot).
+// The key decision: the bridge is a direct subclass of torch's
+// c10::cuda::CUDACachingAllocator::CUDAAllocator, like PyTorch's own
+// allocator, not a CUDAPluggableAllocator. Every virtual member PyTorch's
+// allocator implements is implemented here, so what reaches into the
+// allocator (cudagraph trees, memory history, MemPool, IPC, NCCL's
+// registration hooks) finds a real answer; a member gpualloc cannot honour
+// raises an error naming gpualloc and the reason. A DataPtr's context is the
+// pointer itself and its deleter is raw_deleter(), as PyTorch's: cudagraph
+// trees swap deleters and compare them with raw_deleter(). There is no
+// per-allocation map on the way (the pluggable class kept one under a mutex).
+// docs/torch-compat.md lists every member and the test that covers it.
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/version.h>
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -34,78 +37,195 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
-#include "gpualloc.h"
+#include "bridge/api.h"
+#include "bridge/history.h"
+#include "bridge/registration.h"
 
+#if TORCH_VERSION_MAJOR != 2 || TORCH_VERSION_MINOR < 9
+#error "gpualloc's torch bridge supports torch 2.9 and later"
+#endif
+
+namespace gpualloc_bridge {
 namespace {
 
-using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+using cca::CUDAAllocator;
+using c10::MempoolId_t;
 using StreamFilterFn = std::function<bool(cudaStream_t)>;
 
-// The C ABI, resolved with dlsym.
-struct Api {
-  decltype(&gpualloc_malloc) malloc_fn = nullptr;
-  decltype(&gpualloc_free) free_fn = nullptr;
-  decltype(&gpualloc_last_error) last_error = nullptr;
-  decltype(&gpualloc_last_error_code) last_error_code = nullptr;
-  decltype(&gpualloc_record_stream) record_stream = nullptr;
-  decltype(&gpualloc_empty_cache) empty_cache = nullptr;
-  decltype(&gpualloc_set_memory_fraction) set_memory_fraction = nullptr;
-  decltype(&gpualloc_get_memory_fraction) get_memory_fraction = nullptr;
-  decltype(&gpualloc_get_stats) get_stats = nullptr;
-  decltype(&gpualloc_reset_peak_stats) reset_peak_stats = nullptr;
-  decltype(&gpualloc_reset_accumulated_stats) reset_accumulated_stats = nullptr;
-  decltype(&gpualloc_cache_info) cache_info = nullptr;
-  decltype(&gpualloc_begin_allocate_to_pool) begin_pool = nullptr;
-  decltype(&gpualloc_end_allocate_to_pool) end_pool = nullptr;
-  decltype(&gpualloc_release_pool) release_pool = nullptr;
-};
+constexpr const char* kUseOnOom =
+    "gpualloc: MemPool(use_on_oom=True) is not supported: gpualloc never serves the default pools from a "
+    "MemPool's memory (it defragments and stitches its own pages instead); create the pool without use_on_oom";
 
-Api api;
+constexpr const char* kExpandableIpc =
+    "gpualloc: this tensor lives in an expandable segment (gpualloc's default), which cannot be shared with "
+    "another process yet; run the sending process with GPUALLOC_CONF=expandable_segments:false (plain segments "
+    "are shared through CUDA IPC, as with PyTorch's allocator)";
 
-template <class F>
-void resolve(void* handle, const char* name, F& out) {
-  out = reinterpret_cast<F>(dlsym(handle, name));
-  TORCH_CHECK(out != nullptr, "gpualloc bridge: symbol ", name, " not found in libgpualloc: ", dlerror());
+// ---- devices -------------------------------------------------------------
+
+// The one device this process allocated on (-2: none yet, -1: several), so
+// that a deleter, which gets only the pointer, names the device when it can.
+std::atomic<int> only_device{-2};
+
+inline void note_device(int device) {
+  int seen = only_device.load(std::memory_order_relaxed);
+  if (seen == device || seen == -1) {
+    return;
+  }
+  if (seen == -2 && only_device.compare_exchange_strong(seen, device)) {
+    return;
+  }
+  if (seen != device) {
+    only_device.store(-1, std::memory_order_relaxed);
+  }
 }
 
-std::string last_error(const char* fallback) {
-  const char* e = api.last_error();
-  return e != nullptr ? std::string(e) : std::string(fallback);
+// ---- observers -----------------------------------------------------------
+
+std::mutex observers_mutex;
+std::vector<cca::OutOfMemoryObserver> oom_observers;
+std::vector<cca::AllocatorTraceTracker> trace_trackers;
+std::atomic<bool> has_trackers{false};
+
+void notify_trackers(const TraceEntry& e) {
+  std::vector<cca::AllocatorTraceTracker> ts;
+  {
+    std::lock_guard<std::mutex> g(observers_mutex);
+    ts = trace_trackers;
+  }
+  for (const auto& t : ts) {
+    t(e);
+  }
 }
 
-// Raises the error of the void hook that just ran, if any (void hooks report
-// through the thread's last error, which they clear at entry).
-void raise_if_failed(const char* what) {
-  const char* e = api.last_error();
-  TORCH_CHECK(e == nullptr, "gpualloc ", what, ": ", e == nullptr ? "" : e);
+TraceEntry::Action segment_action(int action) {
+  switch (action) {
+    case GPUALLOC_SEGMENT_ALLOC:
+      return TraceEntry::SEGMENT_ALLOC;
+    case GPUALLOC_SEGMENT_FREE:
+      return TraceEntry::SEGMENT_FREE;
+    case GPUALLOC_SEGMENT_MAP:
+      return TraceEntry::SEGMENT_MAP;
+    default:
+      return TraceEntry::SEGMENT_UNMAP;
+  }
 }
 
-void check(int rc, const char* what) {
-  TORCH_CHECK(rc == GPUALLOC_OK, "gpualloc ", what, ": ", last_error("unknown error"));
+// Ranges announced to the trackers (bridge/registration.h); under observers_mutex.
+AnnouncedRanges announced;
+
+// Called by gpualloc under its lock for every segment event: feeds the
+// memory history (PyTorch's actions) and torch's trace trackers
+// (ProcessGroupNCCL registers memory with NCCL there). Must not throw into
+// gpualloc.
+void on_segment(void*, int device, int action, uint64_t address, uint64_t size, uint64_t stream) {
+  try {
+    auto a = segment_action(action);
+    auto s = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream));
+    if (history.enabled()) {
+      history.on_event(a, static_cast<c10::DeviceIndex>(device), address, size, s);
+    }
+    if (!has_trackers.load(std::memory_order_relaxed)) {
+      return;
+    }
+    std::vector<AnnouncedRanges::Change> changes;
+    std::vector<cca::AllocatorTraceTracker> ts;
+    {
+      std::lock_guard<std::mutex> g(observers_mutex);
+      bool grows = a == TraceEntry::SEGMENT_ALLOC || a == TraceEntry::SEGMENT_MAP;
+      changes = grows ? announced.mapped(device, address, size) : announced.unmapped(device, address, size);
+      ts = trace_trackers;
+    }
+    for (const auto& c : changes) {
+      TraceEntry e = make_entry(c.alloc ? TraceEntry::SEGMENT_ALLOC : TraceEntry::SEGMENT_FREE,
+                                static_cast<c10::DeviceIndex>(c.device), c.addr, c.size, s);
+      for (const auto& t : ts) {
+        t(e);
+      }
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpualloc: a memory trace tracker failed: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "gpualloc: a memory trace tracker failed\n");
+  }
 }
 
-void raise_alloc_failure(size_t size, int device) {
+// ---- allocation ----------------------------------------------------------
+
+void delete_fn(void* ptr) {
+  if (ptr == nullptr) {
+    return;
+  }
+  int device = only_device.load(std::memory_order_relaxed);
+  if (history.enabled()) {
+    history.on_free(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
+  }
+  api.free_fn(ptr, 0, device >= 0 ? device : -1, nullptr);  // never throws: runs in deleters
+}
+
+[[noreturn]] void raise_alloc_failure(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
   std::string msg = last_error("allocation failed");
-  if (msg.find("out of memory") != std::string::npos) {
-    TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
+  bool oom = api.last_error_code() == GPUALLOC_ERR_OUT_OF_MEMORY || msg.find("out of memory") != std::string::npos;
+  if (!oom) {
+    TORCH_CHECK(false, "gpualloc failed to allocate ", size, " bytes on device ", static_cast<int>(device), ": ", msg);
   }
-  TORCH_CHECK(false, "gpualloc failed to allocate ", size, " bytes on device ", device, ": ", msg);
+  uint64_t free_bytes = 0;
+  uint64_t total_bytes = 0;
+  if (api.mem_info(device, &free_bytes, &total_bytes) != GPUALLOC_OK) {
+    free_bytes = total_bytes = 0;
+  }
+  if (history.enabled()) {
+    history.on_event(TraceEntry::OOM, device, free_bytes, size, stream);
+  }
+  if (has_trackers.load(std::memory_order_relaxed)) {
+    notify_trackers(make_entry(TraceEntry::OOM, device, free_bytes, size, stream));
+  }
+  std::vector<cca::OutOfMemoryObserver> obs;
+  {
+    std::lock_guard<std::mutex> g(observers_mutex);
+    obs = oom_observers;
+  }
+  for (const auto& o : obs) {
+    o(device, size, total_bytes, free_bytes);
+  }
+  TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
 }
 
-void* bridge_alloc(size_t size, int device, cudaStream_t stream) {
-  void* p = api.malloc_fn(size, device, stream);
-  if (p == nullptr && size > 0) {
-    raise_alloc_failure(size, device);
+void* alloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+  if (size == 0) {
+    return nullptr;
   }
+  if (!history.enabled()) {
+    void* p = api.malloc_fn(size, device, stream);
+    if (p == nullptr) {
+      raise_alloc_failure(size, device, stream);
+    }
+    note_device(device);
+    return p;
+  }
+  Context ctx = history.gather(RecordContext::STATE);
+  History::pending_context() = ctx;
+  void* p = api.malloc_fn(size, device, stream);
+  History::pending_context().reset();
+  if (p == nullptr) {
+    raise_alloc_failure(size, device, stream);
+  }
+  note_device(device);
+  history.on_alloc(p, size, device, stream, std::move(ctx));
   return p;
 }
 
-void bridge_free(void* ptr, size_t size, int device, cudaStream_t stream) {
-  api.free_fn(ptr, size, device, stream);  // never throws: runs in deleters
+inline c10::DeviceIndex current_device() {
+  c10::DeviceIndex device = 0;
+  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+  return device;
 }
+
+// ---- stats ---------------------------------------------------------------
 
 template <class S>
 void fill_stat(S& out, const GpuallocStat& in) {
@@ -131,18 +251,141 @@ GpuallocStats read_stats(c10::DeviceIndex device) {
   return s;
 }
 
-using DeviceStatsT = decltype(std::declval<Pluggable&>().getDeviceStats(c10::DeviceIndex{0}));
+// ---- snapshots -----------------------------------------------------------
 
-class GpuallocAllocator final : public Pluggable {
+struct Segments {
+  std::vector<GpuallocSegmentInfo> segs;
+  std::vector<GpuallocBlockInfo> blocks;
+};
+
+Segments read_segments(int device, const MempoolId_t* pool) {
+  Segments out;
+  out.segs.resize(16);
+  out.blocks.resize(256);
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    size_t ns = 0;
+    size_t nb = 0;
+    int rc = api.snapshot_segments(device, pool != nullptr ? 1 : 0, pool != nullptr ? pool->first : 0,
+                                   pool != nullptr ? pool->second : 0, out.segs.data(), out.segs.size(), &ns,
+                                   out.blocks.data(), out.blocks.size(), &nb);
+    if (rc == GPUALLOC_OK) {
+      out.segs.resize(ns);
+      out.blocks.resize(nb);
+      return out;
+    }
+    TORCH_CHECK(rc == GPUALLOC_ERR_BUFFER_TOO_SMALL, "gpualloc snapshot: ", last_error("unknown error"));
+    out.segs.resize(ns + ns / 4 + 16);
+    out.blocks.resize(nb + nb / 4 + 64);
+  }
+  TORCH_CHECK(false, "gpualloc snapshot: the segment list kept growing while being read");
+}
+
+// The segment holding `ptr`, on any device.
+GpuallocSegmentInfo segment_of(void* ptr) {
+  auto a = reinterpret_cast<uint64_t>(ptr);
+  for (const auto& s : read_segments(-1, nullptr).segs) {
+    if (a >= s.address && a < s.address + s.total_size) {
+      return s;
+    }
+  }
+  TORCH_CHECK(false, "gpualloc: pointer ", ptr, " is not in memory gpualloc allocated");
+}
+
+cca::SegmentInfo segment_info(const GpuallocSegmentInfo& s, const std::vector<GpuallocBlockInfo>& blocks) {
+  cca::SegmentInfo si;
+  si.device = static_cast<c10::DeviceIndex>(s.device);
+  si.address = s.address;
+  si.total_size = s.total_size;
+  si.stream = reinterpret_cast<decltype(si.stream)>(static_cast<uintptr_t>(s.stream));
+  si.is_large = s.is_large != 0;
+  si.is_expandable = s.is_expandable != 0;
+  si.owner_private_pool_id = {s.pool_a, s.pool_b};
+  for (uint64_t i = s.first_block; i < s.first_block + s.num_blocks && i < blocks.size(); ++i) {
+    const auto& b = blocks[i];
+    cca::BlockInfo bi;
+    bi.size = b.size;
+    bi.requested_size = b.requested_size;
+    bi.allocated = b.state == 1;
+    bi.active = b.state != 0;
+    if (bi.allocated) {
+      bi.context_when_allocated = history.context_of(reinterpret_cast<void*>(b.address));
+      si.allocated_size += b.size;
+    }
+    if (bi.active) {
+      si.active_size += b.size;
+      si.requested_size += b.requested_size;
+    }
+    si.blocks.push_back(std::move(bi));
+  }
+  return si;
+}
+
+// ---- private pools -------------------------------------------------------
+
+// Stream filters of open pool scopes, kept alive until their scope ends.
+struct PoolKey {
+  int device;
+  unsigned long long a, b;
+  bool operator<(const PoolKey& o) const { return std::tie(device, a, b) < std::tie(o.device, o.a, o.b); }
+};
+std::mutex filters_mutex;
+std::map<PoolKey, std::vector<std::unique_ptr<StreamFilterFn>>> filters;
+
+int filter_trampoline(void* ctx, cudaStream_t stream) {
+  try {
+    return (*static_cast<StreamFilterFn*>(ctx))(stream) ? 1 : 0;
+  } catch (...) {
+    return 0;  // nothing may unwind into gpualloc
+  }
+}
+
+// A private pool's layout, for cudagraph trees (getCheckpointState).
+struct PoolState final : cca::AllocatorState {
+  c10::DeviceIndex device = 0;
+  MempoolId_t id{0, 0};
+  std::vector<GpuallocBlockState> blocks;
+};
+
+std::vector<uint64_t> live_in_pool(c10::DeviceIndex device, MempoolId_t id) {
+  return read_list<uint64_t>("checkPoolLiveAllocations", [&](uint64_t* out, size_t cap, size_t* n) {
+    return api.pool_live_allocations(device, id.first, id.second, out, cap, n);
+  });
+}
+
+// ---- the allocator -------------------------------------------------------
+
+class GpuallocAllocator final : public CUDAAllocator {
  public:
-  GpuallocAllocator()
-      : Pluggable(
-            std::function<void*(size_t, int, cudaStream_t)>(bridge_alloc),
-            std::function<void(void*, size_t, int, cudaStream_t)>(bridge_free)) {}
+  explicit GpuallocAllocator(CUDAAllocator* native) : native_(native) {}
 
-  DeviceStatsT getDeviceStats(c10::DeviceIndex device) override {
+  // c10::Allocator
+  c10::DataPtr allocate(size_t n) override {
+    c10::DeviceIndex device = current_device();
+    void* p = alloc_on(n, device, c10::cuda::getCurrentCUDAStream(device).stream());
+    return {p, p, &delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_fn; }
+  void copy_data(void* dest, const void* src, std::size_t count) const final {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+
+  // c10::DeviceAllocator
+  bool initialized() override { return initialized_.load(); }
+  void emptyCache(MempoolId_t id) override {
+    if (id.first == 0 && id.second == 0) {
+      api.empty_cache();
+      raise_if_failed("empty_cache");
+    } else {
+      // A MemPool may be destroyed from any device: ask every device
+      // (gpualloc creates none to answer).
+      for (int d = 0; d < device_count_; ++d) {
+        check(api.empty_pool_cache(d, id.first, id.second), "emptyCache(mempool_id)");
+      }
+    }
+  }
+  cca::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     GpuallocStats s = read_stats(device);
-    DeviceStatsT out;
+    cca::DeviceStats out;
     fill_array(out.allocation, s.allocation);
     fill_array(out.segment, s.segment);
     fill_array(out.active, s.active);
@@ -162,95 +405,360 @@ class GpuallocAllocator final : public Pluggable {
     out.max_split_size = s.max_split_size;
     return out;
   }
-
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     check(api.reset_accumulated_stats(static_cast<int>(device)), "resetAccumulatedStats");
   }
-
   void resetPeakStats(c10::DeviceIndex device) override {
     check(api.reset_peak_stats(static_cast<int>(device)), "resetPeakStats");
   }
 
-  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
-    check(api.cache_info(static_cast<int>(device), largestBlock), "cacheInfo");
+  // CUDAAllocator
+  void* raw_alloc(size_t nbytes) override {
+    c10::DeviceIndex device = current_device();
+    return alloc_on(nbytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
   }
-
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    return alloc_on(nbytes, current_device(), stream);
+  }
+  void raw_delete(void* ptr) override { delete_fn(ptr); }
+  void init(int device_count) override {
+    device_count_ = device_count;
+    initialized_.store(true);
+  }
   double getMemoryFraction(c10::DeviceIndex device) override {
     double f = 1.0;
     check(api.get_memory_fraction(static_cast<int>(device), &f), "getMemoryFraction");
     return f;
   }
-};
-
-// Stream filters of open pool scopes, kept alive until their scope ends.
-struct PoolKey {
-  int device;
-  unsigned long long a, b;
-  bool operator<(const PoolKey& o) const {
-    return std::tie(device, a, b) < std::tie(o.device, o.a, o.b);
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    api.set_memory_fraction(fraction, device);
+    raise_if_failed("set_per_process_memory_fraction");
   }
-};
-std::mutex filters_mutex;
-std::map<PoolKey, std::vector<std::unique_ptr<StreamFilterFn>>> filters;
-
-int filter_trampoline(void* ctx, cudaStream_t stream) {
-  try {
-    return (*static_cast<StreamFilterFn*>(ctx))(stream) ? 1 : 0;
-  } catch (...) {
-    return 0;  // nothing may unwind into gpualloc
+#if TORCH_VERSION_MINOR >= 10
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex device) override {
+    std::vector<cca::StreamSegmentSize> out;
+    for (const auto& s : read_segments(device, nullptr).segs) {
+      if (s.is_expandable != 0 && s.pool_a == 0 && s.pool_b == 0) {
+        out.emplace_back(reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(s.stream)), s.is_large == 0,
+                         s.total_size);
+      }
+    }
+    return out;
   }
-}
-
-template <class Id>
-void begin_pool(int device, Id id, StreamFilterFn filter) {
-  PoolKey key{device, static_cast<unsigned long long>(id.first), static_cast<unsigned long long>(id.second)};
-  std::unique_ptr<StreamFilterFn> owned;
-  if (filter) {
-    owned = std::make_unique<StreamFilterFn>(std::move(filter));
+#endif
+  void enable(bool value) override {
+    TORCH_CHECK(value, "gpualloc: the caching allocator cannot be disabled (gpualloc has no uncached mode); "
+                       "use empty_cache() to return cached memory, or run without gpualloc");
   }
-  StreamFilterFn* ctx = owned.get();
-  int rc = api.begin_pool(device, key.a, key.b, ctx != nullptr ? &filter_trampoline : nullptr, ctx);
-  check(rc, "beginAllocateToPool");
-  std::lock_guard<std::mutex> g(filters_mutex);
-  filters[key].push_back(std::move(owned));
-}
+  bool isEnabled() const override { return true; }
+  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
+    check(api.cache_info(static_cast<int>(device), largestBlock), "cacheInfo");
+  }
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    GpuallocSegmentInfo s = segment_of(ptr);
+    TORCH_CHECK(s.is_expandable == 0, kExpandableIpc);
+    if (size != nullptr) {
+      *size = s.total_size;
+    }
+    return reinterpret_cast<void*>(s.address);
+  }
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    // Like PyTorch's allocator, ignore memory gpualloc does not own (DLPack, from_blob, IPC).
+    if (ptr.get_deleter() != &delete_fn) {
+      return;
+    }
+    api.record_stream(ptr.get(), stream.stream());
+    raise_if_failed("record_stream");
+  }
+#if TORCH_VERSION_MINOR >= 11
+  cca::SnapshotInfo snapshot(MempoolId_t id, bool include_traces) override { return snapshot_of(id, include_traces); }
+#else
+  cca::SnapshotInfo snapshot(MempoolId_t id) override { return snapshot_of(id, true); }
+#endif
+  cca::SnapshotInfo snapshot_of(MempoolId_t id, bool include_traces) {
+    cca::SnapshotInfo out;
+    bool only = id.first != 0 || id.second != 0;
+    Segments all = read_segments(-1, only ? &id : nullptr);
+    for (const auto& s : all.segs) {
+      out.segments.push_back(segment_info(s, all.blocks));
+    }
+    if (include_traces) {
+      out.device_traces = history.traces(static_cast<size_t>(device_count_));
+      out.external_annotations = history.annotations();
+    } else {
+      out.device_traces.resize(static_cast<size_t>(device_count_));
+    }
+    auto& md = out.config_metadata;
+    md.garbage_collection_threshold = 0.0;
+    md.max_split_size = 0;
+    md.pinned_num_register_threads = 0;
+    md.expandable_segments = false;
+    for (const auto& s : all.segs) {
+      md.expandable_segments = md.expandable_segments || s.is_expandable != 0;
+    }
+    md.release_lock_on_malloc = false;
+    md.pinned_use_host_register = false;
+    md.graph_capture_record_stream_reuse = false;
+    const char* conf = std::getenv("GPUALLOC_CONF");
+    md.last_allocator_settings = std::string("gpualloc:") + (conf != nullptr ? conf : "");
+    return out;
+  }
 
-template <class Id>
-void end_pool(int device, Id id) {
-  PoolKey key{device, static_cast<unsigned long long>(id.first), static_cast<unsigned long long>(id.second)};
-  int rc = api.end_pool(device, key.a, key.b);
-  {
-    // gpualloc no longer calls the innermost filter of this pool: free it.
+  void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t id, StreamFilterFn filter) override {
+    PoolKey key{device, id.first, id.second};
+    std::unique_ptr<StreamFilterFn> owned;
+    if (filter) {
+      owned = std::make_unique<StreamFilterFn>(std::move(filter));
+    }
+    StreamFilterFn* ctx = owned.get();
+    int rc = api.begin_pool(device, key.a, key.b, ctx != nullptr ? &filter_trampoline : nullptr, ctx);
+    check(rc, "beginAllocateToPool");
     std::lock_guard<std::mutex> g(filters_mutex);
-    auto it = filters.find(key);
-    if (it != filters.end() && !it->second.empty()) {
-      it->second.pop_back();
-      if (it->second.empty()) {
-        filters.erase(it);
+    filters[key].push_back(std::move(owned));
+  }
+  void endAllocateToPool(c10::DeviceIndex device, MempoolId_t id) override {
+    PoolKey key{device, id.first, id.second};
+    int rc = api.end_pool(device, key.a, key.b);
+    {
+      // gpualloc no longer calls the innermost filter of this pool: free it.
+      std::lock_guard<std::mutex> g(filters_mutex);
+      auto it = filters.find(key);
+      if (it != filters.end() && !it->second.empty()) {
+        it->second.pop_back();
+        if (it->second.empty()) {
+          filters.erase(it);
+        }
+      }
+    }
+    if (rc != GPUALLOC_OK) {
+      TORCH_WARN("gpualloc endAllocateToPool: ", last_error("unknown error"));
+    }
+  }
+  void releasePool(c10::DeviceIndex device, MempoolId_t id) override {
+    // Called from CUDAGraph / MemPool destructors: must not throw.
+    int rc = api.release_pool(device, id.first, id.second);
+    if (rc != GPUALLOC_OK && rc != GPUALLOC_ERR_UNKNOWN_POOL) {
+      std::fprintf(stderr, "gpualloc releasePool: %s\n", last_error("unknown error").c_str());
+    }
+  }
+  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t id) override {
+    uint32_t n = 0;
+    check(api.pool_use_count(device, id.first, id.second, &n), "getPoolUseCount");
+    return static_cast<int>(n);
+  }
+#if TORCH_VERSION_MINOR >= 11
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t id, std::shared_ptr<CUDAAllocator> allocator) override {
+    create_pool(device, id, allocator.get());
+  }
+  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool use_on_oom) override {
+    TORCH_CHECK(!use_on_oom, kUseOnOom);
+  }
+#else
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t id, CUDAAllocator* allocator) override {
+    create_pool(device, id, allocator);
+  }
+  void setUseOnOOM(c10::DeviceIndex, MempoolId_t) override { TORCH_CHECK(false, kUseOnOom); }
+#endif
+#if TORCH_VERSION_MINOR >= 10
+  void setNoSplit(c10::DeviceIndex, MempoolId_t) override {
+    TORCH_CHECK(false, "gpualloc: MemPool(no_split=True) is not supported: gpualloc splits blocks in every pool; "
+                       "create the pool without no_split");
+  }
+#endif
+  void create_pool(c10::DeviceIndex device, MempoolId_t id, CUDAAllocator* allocator) {
+    TORCH_CHECK(allocator == nullptr || allocator == this,
+                "gpualloc: torch.cuda.MemPool(allocator=", allocator != nullptr ? allocator->name() : std::string("?"),
+                ") asks for a pool whose memory comes from another allocator; gpualloc serves every pool itself. "
+                "Create the MemPool without an allocator, or run this program without gpualloc");
+    check(api.create_or_incref_pool(device, id.first, id.second), "createOrIncrefPool");
+  }
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t id,
+                                const std::unordered_set<void*>& expected) override {
+    auto live = live_in_pool(device, id);
+    if (live.size() != expected.size()) {
+      return false;
+    }
+    for (uint64_t p : live) {
+      if (expected.count(reinterpret_cast<void*>(p)) == 0) {
+        return false;
+      }
+    }
+    return true;
+  }
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device, MempoolId_t id) override {
+    auto s = std::make_shared<PoolState>();
+    s->device = device;
+    s->id = id;
+    s->blocks = read_list<GpuallocBlockState>("getCheckpointState", [&](GpuallocBlockState* out, size_t cap, size_t* n) {
+      return api.pool_checkpoint(device, id.first, id.second, out, cap, n);
+    });
+    return s;
+  }
+  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device, std::shared_ptr<cca::AllocatorState> as) override {
+    auto s = std::dynamic_pointer_cast<PoolState>(as);
+    TORCH_CHECK(s != nullptr, "gpualloc setCheckpointPoolState: the state was not made by gpualloc's getCheckpointState");
+    TORCH_CHECK(s->device == device, "gpualloc setCheckpointPoolState: a state of device ", static_cast<int>(s->device),
+                " given for device ", static_cast<int>(device));
+    std::vector<uint64_t> freed(live_in_pool(device, s->id).size() + 16);
+    std::vector<uint64_t> allocd(s->blocks.size() + 1);
+    size_t n_freed = 0;
+    size_t n_allocd = 0;
+    int rc = GPUALLOC_ERR_BUFFER_TOO_SMALL;
+    for (int attempt = 0; attempt < 4 && rc == GPUALLOC_ERR_BUFFER_TOO_SMALL; ++attempt) {
+      rc = api.pool_restore(device, s->id.first, s->id.second, s->blocks.data(), s->blocks.size(), freed.data(),
+                            freed.size(), &n_freed, allocd.data(), allocd.size(), &n_allocd);
+      if (rc == GPUALLOC_ERR_BUFFER_TOO_SMALL) {
+        freed.resize(n_freed + 16);
+        allocd.resize(n_allocd + 16);
+      }
+    }
+    check(rc, "setCheckpointPoolState");
+    cca::CheckpointDelta d;
+    for (size_t i = 0; i < n_freed; ++i) {
+      void* p = reinterpret_cast<void*>(freed[i]);
+      d.ptrs_freed.push_back(p);
+      if (history.enabled()) {
+        history.on_free(p, device, nullptr);
+      }
+    }
+    for (size_t i = 0; i < n_allocd; ++i) {
+      void* p = reinterpret_cast<void*>(allocd[i]);
+      d.dataptrs_allocd.emplace_back(p, p, &delete_fn, c10::Device(c10::DeviceType::CUDA, device));
+    }
+    if (history.enabled()) {
+      for (const auto& b : s->blocks) {
+        if (b.allocated != 0) {
+          history.on_alloc(reinterpret_cast<void*>(b.address), b.size, device,
+                           reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(b.stream)), nullptr);
+        }
+      }
+    }
+    return d;
+  }
+
+  cca::ShareableHandle shareIpcHandle(void* ptr) override {
+    GpuallocSegmentInfo s = segment_of(ptr);
+    TORCH_CHECK(s.is_expandable == 0, kExpandableIpc);
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(s.device));
+    cudaIpcMemHandle_t h;
+    C10_CUDA_CHECK(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(s.address)));
+    // PyTorch's format (version 2, type 'c': a cudaMalloc block), so that a
+    // receiver under either allocator opens it.
+    std::string handle;
+    handle.push_back(static_cast<char>(2));
+    handle.push_back('c');
+    handle.append(reinterpret_cast<const char*>(&h), CUDA_IPC_HANDLE_SIZE);
+    return cca::ShareableHandle{static_cast<ptrdiff_t>(reinterpret_cast<uint64_t>(ptr) - s.address), handle};
+  }
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    // Memory another process shares is not gpualloc's: PyTorch's own
+    // allocator object (still alive, unused otherwise) opens and caches it.
+    TORCH_CHECK(native_ != nullptr, "gpualloc: PyTorch's allocator is unavailable to open an IPC handle");
+    std::call_once(native_init_, [&] { native_->init(device_count_); });
+    return native_->getIpcDevPtr(std::move(handle));
+  }
+
+  bool isHistoryEnabled() override { return history.enabled(); }
+#if TORCH_VERSION_MINOR >= 11
+  void recordHistory(bool enabled, cca::CreateContextFn recorder, size_t max_entries, RecordContext when,
+                     bool clear_history, const std::vector<std::string>& skip_actions) override {
+    std::vector<int> skip;
+    for (const auto& a : skip_actions) {
+      skip.push_back(static_cast<int>(c10::CachingDeviceAllocator::parseTraceEntryAction(a)));
+    }
+    record_history(enabled, recorder, max_entries, when, clear_history, skip);
+  }
+#else
+  void recordHistory(bool enabled, cca::CreateContextFn recorder, size_t max_entries, RecordContext when,
+                     bool clear_history) override {
+    record_history(enabled, recorder, max_entries, when, clear_history, {});
+  }
+#endif
+  void record_history(bool enabled, cca::CreateContextFn recorder, size_t max_entries, RecordContext when,
+                      bool clear_history, const std::vector<int>& skip) {
+    bool was = history.enabled();
+    history.configure(enabled, recorder, max_entries, when, clear_history, skip);
+    if (enabled && !was) {
+      // Allocations made before history started still get their sizes
+      // in the free entries.
+      Segments all = read_segments(-1, nullptr);
+      for (const auto& s : all.segs) {
+        for (uint64_t i = s.first_block; i < s.first_block + s.num_blocks && i < all.blocks.size(); ++i) {
+          if (all.blocks[i].state == 1) {
+            history.seed(reinterpret_cast<void*>(all.blocks[i].address), all.blocks[i].requested_size,
+                         static_cast<c10::DeviceIndex>(s.device));
+          }
+        }
       }
     }
   }
-  if (rc != GPUALLOC_OK) {
-    TORCH_WARN("gpualloc endAllocateToPool: ", last_error("unknown error"));
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    c10::DeviceIndex device = 0;
+    if (c10::cuda::GetDevice(&device) != cudaSuccess) {
+      device = 0;
+    }
+    history.annotate(md, device);
   }
-}
+  void pushCompileContext(std::string& md) override { history.push_compile_context(md); }
+  void popCompileContext() override { history.pop_compile_context(); }
+#if TORCH_VERSION_MINOR >= 10
+  void setUserMetadata(const std::string& md) override { history.set_user_metadata(md); }
+  std::string getUserMetadata() override { return history.user_metadata(); }
+#endif
 
-template <class Id>
-void release_pool(int device, Id id) {
-  // Called from CUDAGraph / MemPool destructors: must not throw.
-  int rc = api.release_pool(device, static_cast<uint64_t>(id.first), static_cast<uint64_t>(id.second));
-  if (rc != GPUALLOC_OK && rc != GPUALLOC_ERR_UNKNOWN_POOL) {
-    std::fprintf(stderr, "gpualloc releasePool: %s\n", last_error("unknown error").c_str());
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> g(observers_mutex);
+    oom_observers.push_back(std::move(observer));
   }
-}
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
+    bool first = !has_trackers.exchange(true);
+    // What is mapped now is what a consumer registers from the snapshot
+    // (ProcessGroupNCCL does when a communicator starts); read it without
+    // observers_mutex, which segment events take under gpualloc's lock.
+    Segments now = first ? read_segments(-1, nullptr) : Segments{};
+    std::lock_guard<std::mutex> g(observers_mutex);
+    for (const auto& s : now.segs) {
+      announced.seed(s.device, s.address, s.total_size);
+    }
+    trace_trackers.push_back(std::move(tracker));
+  }
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    c10::cuda::CUDAGuard guard(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+    } else {
+      C10_CUDA_CHECK(err);
+    }
+  }
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override {
+    // Expandable memory is mapped for its own device only: across devices
+    // only the Peer copy handles it, whatever P2P says.
+    if (srcDevice == dstDevice) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    (void)p2p_enabled;
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+  }
+  std::string name() override { return "gpualloc"; }
+
+ private:
+  CUDAAllocator* native_;
+  std::once_flag native_init_;
+  std::atomic<bool> initialized_{false};
+  int device_count_ = 0;
+};
 
 std::shared_ptr<GpuallocAllocator> installed;
 
 }  // namespace
+}  // namespace gpualloc_bridge
 
 // Loads libgpualloc.so from `libpath`, builds the allocator and makes it
 // PyTorch's CUDA allocator. 0 on success; otherwise 1 with a message in `err`.
 extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t errlen) {
+  using namespace gpualloc_bridge;
   auto fail = [&](const std::string& msg) {
     if (err != nullptr && errlen > 0) {
       std::snprintf(err, errlen, "%s", msg.c_str());
@@ -266,47 +774,15 @@ extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t er
       const char* e = dlerror();
       return fail(std::string("dlopen(") + libpath + ") failed: " + (e != nullptr ? e : "?"));
     }
-    resolve(h, "gpualloc_malloc", api.malloc_fn);
-    resolve(h, "gpualloc_free", api.free_fn);
-    resolve(h, "gpualloc_last_error", api.last_error);
-    resolve(h, "gpualloc_last_error_code", api.last_error_code);
-    resolve(h, "gpualloc_record_stream", api.record_stream);
-    resolve(h, "gpualloc_empty_cache", api.empty_cache);
-    resolve(h, "gpualloc_set_memory_fraction", api.set_memory_fraction);
-    resolve(h, "gpualloc_get_memory_fraction", api.get_memory_fraction);
-    resolve(h, "gpualloc_get_stats", api.get_stats);
-    resolve(h, "gpualloc_reset_peak_stats", api.reset_peak_stats);
-    resolve(h, "gpualloc_reset_accumulated_stats", api.reset_accumulated_stats);
-    resolve(h, "gpualloc_cache_info", api.cache_info);
-    resolve(h, "gpualloc_begin_allocate_to_pool", api.begin_pool);
-    resolve(h, "gpualloc_end_allocate_to_pool", api.end_pool);
-    resolve(h, "gpualloc_release_pool", api.release_pool);
-
-    auto a = std::make_shared<GpuallocAllocator>();
-    a->set_reset_fn([]() {
-      api.empty_cache();
-      raise_if_failed("empty_cache");
-    });
-    a->set_memory_fraction_fn([](double fraction, int device) {
-      api.set_memory_fraction(fraction, device);
-      raise_if_failed("set_per_process_memory_fraction");
-    });
-    a->set_record_stream_fn([](void* ptr, cudaStream_t stream) {
-      api.record_stream(ptr, stream);
-      // Like PyTorch's allocator, ignore memory gpualloc does not own
-      // (tensors from DLPack or from_blob).
-      if (api.last_error_code() == GPUALLOC_ERR_INVALID_POINTER) {
-        return;
-      }
-      raise_if_failed("record_stream");
-    });
-    a->set_begin_allocate_to_pool(
-        [](int device, auto id, StreamFilterFn filter) { begin_pool(device, id, std::move(filter)); });
-    a->set_end_allocate_to_pool_fn([](int device, auto id) { end_pool(device, id); });
-    a->set_release_pool([](int device, auto id) { release_pool(device, id); });
-    // As torch's createCustomAllocator does.
+    api.resolve_all(h);
+    CUDAAllocator* native = cca::allocator.load();
+    auto a = std::make_shared<GpuallocAllocator>(native);
     a->init(static_cast<int>(c10::cuda::device_count()));
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
+    // c10::GetAllocator(kCUDA) (storages made without a tensor, torch.accelerator)
+    // must find gpualloc too; PyTorch registers its own at priority 0.
+    c10::SetAllocator(c10::DeviceType::CUDA, a.get(), 1);
+    check(api.set_segment_observer(&on_segment, nullptr), "set_segment_observer");
     installed = a;
     return 0;
   } catch (const c10::Error& e) {

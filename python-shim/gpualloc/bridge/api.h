@@ -1,0 +1,119 @@
+// The C ABI of libgpualloc.so as the bridge sees it: one table of function
+// pointers, filled with dlsym from the exact file the Python package loaded
+// (the bridge never links the library, so both share one allocator), and the
+// helpers that turn its status codes into torch errors.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <dlfcn.h>
+
+#include <string>
+#include <vector>
+
+#include "gpualloc.h"
+
+namespace gpualloc_bridge {
+
+struct Api {
+  decltype(&gpualloc_malloc) malloc_fn = nullptr;
+  decltype(&gpualloc_free) free_fn = nullptr;
+  decltype(&gpualloc_last_error) last_error = nullptr;
+  decltype(&gpualloc_last_error_code) last_error_code = nullptr;
+  decltype(&gpualloc_record_stream) record_stream = nullptr;
+  decltype(&gpualloc_empty_cache) empty_cache = nullptr;
+  decltype(&gpualloc_set_memory_fraction) set_memory_fraction = nullptr;
+  decltype(&gpualloc_get_memory_fraction) get_memory_fraction = nullptr;
+  decltype(&gpualloc_get_stats) get_stats = nullptr;
+  decltype(&gpualloc_reset_peak_stats) reset_peak_stats = nullptr;
+  decltype(&gpualloc_reset_accumulated_stats) reset_accumulated_stats = nullptr;
+  decltype(&gpualloc_cache_info) cache_info = nullptr;
+  decltype(&gpualloc_mem_info) mem_info = nullptr;
+  decltype(&gpualloc_begin_allocate_to_pool) begin_pool = nullptr;
+  decltype(&gpualloc_end_allocate_to_pool) end_pool = nullptr;
+  decltype(&gpualloc_release_pool) release_pool = nullptr;
+  decltype(&gpualloc_create_or_incref_pool) create_or_incref_pool = nullptr;
+  decltype(&gpualloc_pool_use_count) pool_use_count = nullptr;
+  decltype(&gpualloc_empty_pool_cache) empty_pool_cache = nullptr;
+  decltype(&gpualloc_pool_live_allocations) pool_live_allocations = nullptr;
+  decltype(&gpualloc_pool_checkpoint) pool_checkpoint = nullptr;
+  decltype(&gpualloc_pool_restore) pool_restore = nullptr;
+  decltype(&gpualloc_snapshot_segments) snapshot_segments = nullptr;
+  decltype(&gpualloc_set_segment_observer) set_segment_observer = nullptr;
+  decltype(&gpualloc_mark) mark = nullptr;
+
+  // Resolves every symbol from the library at `handle`.
+  void resolve_all(void* handle) {
+    resolve(handle, "gpualloc_malloc", malloc_fn);
+    resolve(handle, "gpualloc_free", free_fn);
+    resolve(handle, "gpualloc_last_error", last_error);
+    resolve(handle, "gpualloc_last_error_code", last_error_code);
+    resolve(handle, "gpualloc_record_stream", record_stream);
+    resolve(handle, "gpualloc_empty_cache", empty_cache);
+    resolve(handle, "gpualloc_set_memory_fraction", set_memory_fraction);
+    resolve(handle, "gpualloc_get_memory_fraction", get_memory_fraction);
+    resolve(handle, "gpualloc_get_stats", get_stats);
+    resolve(handle, "gpualloc_reset_peak_stats", reset_peak_stats);
+    resolve(handle, "gpualloc_reset_accumulated_stats", reset_accumulated_stats);
+    resolve(handle, "gpualloc_cache_info", cache_info);
+    resolve(handle, "gpualloc_mem_info", mem_info);
+    resolve(handle, "gpualloc_begin_allocate_to_pool", begin_pool);
+    resolve(handle, "gpualloc_end_allocate_to_pool", end_pool);
+    resolve(handle, "gpualloc_release_pool", release_pool);
+    resolve(handle, "gpualloc_create_or_incref_pool", create_or_incref_pool);
+    resolve(handle, "gpualloc_pool_use_count", pool_use_count);
+    resolve(handle, "gpualloc_empty_pool_cache", empty_pool_cache);
+    resolve(handle, "gpualloc_pool_live_allocations", pool_live_allocations);
+    resolve(handle, "gpualloc_pool_checkpoint", pool_checkpoint);
+    resolve(handle, "gpualloc_pool_restore", pool_restore);
+    resolve(handle, "gpualloc_snapshot_segments", snapshot_segments);
+    resolve(handle, "gpualloc_set_segment_observer", set_segment_observer);
+    resolve(handle, "gpualloc_mark", mark);
+  }
+
+ private:
+  template <class F>
+  static void resolve(void* handle, const char* name, F& out) {
+    out = reinterpret_cast<F>(dlsym(handle, name));
+    TORCH_CHECK(out != nullptr, "gpualloc bridge: symbol ", name,
+                " not found in libgpualloc (is the library older than the Python package?): ", dlerror());
+  }
+};
+
+inline Api api;
+
+inline std::string last_error(const char* fallback) {
+  const char* e = api.last_error();
+  return e != nullptr ? std::string(e) : std::string(fallback);
+}
+
+// Raises the error of the void call that just ran, if any (void calls report
+// through the thread's last error, which they clear at entry).
+inline void raise_if_failed(const char* what) {
+  const char* e = api.last_error();
+  TORCH_CHECK(e == nullptr, "gpualloc ", what, ": ", e == nullptr ? "" : e);
+}
+
+inline void check(int rc, const char* what) {
+  TORCH_CHECK(rc == GPUALLOC_OK, "gpualloc ", what, ": ", last_error("unknown error"));
+}
+
+// Calls `fill(buffer, cap, &count)` with a buffer that grows until it fits
+// (the ABI's BUFFER_TOO_SMALL convention: the count is always written).
+template <class T, class Fill>
+std::vector<T> read_list(const char* what, Fill fill) {
+  std::vector<T> out(64);
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    size_t n = 0;
+    int rc = fill(out.data(), out.size(), &n);
+    if (rc == GPUALLOC_OK) {
+      out.resize(n);
+      return out;
+    }
+    TORCH_CHECK(rc == GPUALLOC_ERR_BUFFER_TOO_SMALL, "gpualloc ", what, ": ", last_error("unknown error"));
+    out.resize(n + n / 4 + 16);  // it may grow between the calls
+  }
+  TORCH_CHECK(false, "gpualloc ", what, ": the list kept growing while being read");
+}
+
+}  // namespace gpualloc_bridge

@@ -1,0 +1,241 @@
+// Memory history in PyTorch's own format (torch.cuda.memory._record_memory_history,
+// _snapshot, _dump_snapshot, memory_viz).
+//
+// gpualloc keeps its own binary trace; this is the other record, the one
+// PyTorch's tools read: TraceEntry rings per device with the stack contexts
+// torch's recorder gathers, and the context of every live allocation for the
+// snapshot's blocks. It costs one relaxed load per allocation while off.
+#pragma once
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace gpualloc_bridge {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+using cca::RecordContext;
+using cca::TraceEntry;
+using Context = std::shared_ptr<c10::GatheredContext>;
+using AnnotationEntry =
+    std::remove_reference_t<decltype(std::declval<cca::SnapshotInfo>().external_annotations)>::value_type;
+// TraceEntry's stream is a cudaStream_t before torch 2.11 and a void* since.
+using TraceStream = decltype(std::declval<TraceEntry>().stream_);
+
+inline TraceStream trace_stream(cudaStream_t s) { return reinterpret_cast<TraceStream>(s); }
+
+// TraceEntry's constructor: user metadata came in torch 2.10.
+inline TraceEntry make_entry(TraceEntry::Action action, c10::DeviceIndex device, size_t addr, size_t size,
+                             cudaStream_t stream, std::shared_ptr<c10::GatheredContext> ctx = nullptr,
+                             std::string compile_context = "", std::string user_metadata = "") {
+#if TORCH_VERSION_MINOR >= 10
+  return TraceEntry(action, device, addr, size, trace_stream(stream), {0, 0}, 0, std::move(ctx),
+                    std::move(compile_context), std::move(user_metadata));
+#else
+  (void)user_metadata;
+  return TraceEntry(action, device, addr, size, trace_stream(stream), {0, 0}, 0, std::move(ctx),
+                    std::move(compile_context));
+#endif
+}
+
+class History {
+ public:
+  bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
+
+  // PyTorch's recordHistory; `skip` holds TraceEntry actions not to record.
+  void configure(bool enabled, cca::CreateContextFn recorder, size_t max_entries, RecordContext when,
+                 bool clear, const std::vector<int>& skip) {
+    TORCH_CHECK(!enabled || when == RecordContext::NEVER || recorder != nullptr,
+                "gpualloc recordHistory: stack recording was asked for without a context recorder");
+    std::lock_guard<std::mutex> g(mutex_);
+    recorder_ = enabled ? recorder : nullptr;
+    when_ = enabled ? when : RecordContext::NEVER;
+    max_entries_ = std::max<size_t>(1, max_entries);
+    skip_ = std::unordered_set<int>(skip.begin(), skip.end());
+    if (!enabled || clear) {
+      rings_.clear();
+    }
+    if (!enabled) {
+      live_.clear();
+    }
+    enabled_.store(enabled, std::memory_order_relaxed);
+  }
+
+  // The stack of the calling thread, if stacks are recorded at level `needed`.
+  Context gather(RecordContext needed) const {
+    cca::CreateContextFn f = nullptr;
+    {
+      std::lock_guard<std::mutex> g(mutex_);
+      if (when_ >= needed) {
+        f = recorder_;
+      }
+    }
+    return f != nullptr ? f() : nullptr;
+  }
+
+  // Seeds the sizes of allocations made before history started.
+  void seed(void* ptr, size_t size, c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> g(mutex_);
+    live_.emplace(ptr, Live{nullptr, size, device, nullptr});
+  }
+
+  void on_alloc(void* ptr, size_t size, c10::DeviceIndex device, cudaStream_t stream, Context ctx) {
+    std::lock_guard<std::mutex> g(mutex_);
+    push(TraceEntry::ALLOC, device, ptr, size, stream, when_ >= RecordContext::ALLOC ? ctx : nullptr);
+    live_[ptr] = Live{when_ >= RecordContext::STATE ? std::move(ctx) : nullptr, size, device, stream};
+  }
+
+  void on_free(void* ptr, c10::DeviceIndex fallback_device, Context ctx) {
+    std::lock_guard<std::mutex> g(mutex_);
+    auto it = live_.find(ptr);
+    Live l = it != live_.end() ? it->second : Live{nullptr, 0, fallback_device, nullptr};
+    if (it != live_.end()) {
+      live_.erase(it);
+    }
+    push(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, ctx);
+    push(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, ctx);
+  }
+
+  // Segment events and out-of-memory entries, with the stack of the request
+  // that caused them (the calling thread's pending context).
+  void on_event(TraceEntry::Action action, c10::DeviceIndex device, size_t addr, size_t size, cudaStream_t stream) {
+    std::lock_guard<std::mutex> g(mutex_);
+    push(action, device, reinterpret_cast<void*>(addr), size, stream,
+         when_ >= RecordContext::ALLOC ? pending_context() : nullptr);
+  }
+
+  // The context of the allocation at `ptr`, for the snapshot's blocks.
+  Context context_of(void* ptr) const {
+    std::lock_guard<std::mutex> g(mutex_);
+    auto it = live_.find(ptr);
+    return it != live_.end() ? it->second.ctx : nullptr;
+  }
+
+  // The rings, oldest entry first, one per device up to `devices`.
+  std::vector<std::vector<TraceEntry>> traces(size_t devices) const {
+    std::lock_guard<std::mutex> g(mutex_);
+    std::vector<std::vector<TraceEntry>> out(std::max(devices, rings_.size()));
+    for (size_t d = 0; d < rings_.size(); ++d) {
+      const Ring& r = rings_[d];
+      auto& v = out[d];
+      v.reserve(r.entries.size());
+      for (size_t i = 0; i < r.entries.size(); ++i) {
+        v.push_back(r.entries[(r.next + i) % r.entries.size()]);
+      }
+    }
+    return out;
+  }
+
+  void annotate(const std::vector<std::pair<std::string, std::string>>& md, c10::DeviceIndex device) {
+    if (!enabled()) {
+      return;
+    }
+    std::lock_guard<std::mutex> g(mutex_);
+    AnnotationEntry e(device, 0);
+    e.time_.t_ = now_us();
+    for (const auto& [k, v] : md) {
+      e.recordUserMetadata(k, v);
+    }
+    annotations_.push_back(std::move(e));
+    if (annotations_.size() > max_entries_) {
+      annotations_.erase(annotations_.begin());
+    }
+  }
+
+  std::vector<AnnotationEntry> annotations() const {
+    std::lock_guard<std::mutex> g(mutex_);
+    return annotations_;
+  }
+
+  void push_compile_context(const std::string& md) { compile_stack().push_back(md); }
+  void pop_compile_context() {
+    if (!compile_stack().empty()) {
+      compile_stack().pop_back();
+    }
+  }
+  void set_user_metadata(const std::string& md) {
+    std::lock_guard<std::mutex> g(mutex_);
+    user_metadata_ = md;
+  }
+  std::string user_metadata() const {
+    std::lock_guard<std::mutex> g(mutex_);
+    return user_metadata_;
+  }
+
+  // The context gathered for the request this thread is serving, so that
+  // the segment events it causes carry the same stack.
+  static Context& pending_context() {
+    thread_local Context ctx;
+    return ctx;
+  }
+
+ private:
+  struct Live {
+    Context ctx;
+    size_t size;
+    c10::DeviceIndex device;
+    cudaStream_t stream;
+  };
+  struct Ring {
+    std::vector<TraceEntry> entries;
+    size_t next = 0;  // oldest entry once full
+  };
+
+  static std::vector<std::string>& compile_stack() {
+    thread_local std::vector<std::string> s;
+    return s;
+  }
+
+  static int64_t now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
+
+  void push(TraceEntry::Action action, c10::DeviceIndex device, void* addr, size_t size, cudaStream_t stream,
+            Context ctx) {
+    if (!enabled() || skip_.count(static_cast<int>(action)) != 0 || device < 0) {
+      return;
+    }
+    const auto& cs = compile_stack();
+    TraceEntry e = make_entry(action, device, reinterpret_cast<size_t>(addr), size, stream, std::move(ctx),
+                              cs.empty() ? "N/A" : cs.back(), user_metadata_);
+    e.time_.t_ = now_us();
+    if (rings_.size() <= static_cast<size_t>(device)) {
+      rings_.resize(device + 1);
+    }
+    Ring& r = rings_[device];
+    if (r.entries.size() < max_entries_) {
+      r.entries.push_back(std::move(e));
+    } else {
+      r.entries[r.next] = std::move(e);
+      r.next = (r.next + 1) % r.entries.size();
+    }
+  }
+
+  std::atomic<bool> enabled_{false};
+  mutable std::mutex mutex_;
+  cca::CreateContextFn recorder_ = nullptr;
+  RecordContext when_ = RecordContext::NEVER;
+  size_t max_entries_ = 1;
+  std::unordered_set<int> skip_;
+  std::vector<Ring> rings_;
+  std::unordered_map<void*, Live> live_;
+  std::vector<AnnotationEntry> annotations_;
+  std::string user_metadata_;
+};
+
+inline History history;
+
+}  // namespace gpualloc_bridge
