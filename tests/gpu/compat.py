@@ -225,6 +225,9 @@ def check_ipc(args) -> dict:
             p.start()
             try:
                 x = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+                # Share now, in this thread: Queue.put pickles in a feeder
+                # thread, where a failure would only be printed.
+                x.untyped_storage()._share_cuda_()
                 q.put(x)
                 status, backend = done.get(timeout=90)
                 assert status == "ok", f"child: {status}"
