@@ -224,7 +224,7 @@ pub fn highlights(ranks: &[Rank]) -> Vec<String> {
     for r in failed {
         if let Some((d, o)) = first_oom(&r.a) {
             v.push(format!(
-                "rank {} ran out of memory at {} on device {d}: {} requested with {} allocated, {} reserved ({} failures)",
+                "rank {} ran out of memory at {} on device {d}: {} requested with {} allocated, {} reserved ({} failure(s))",
                 r.label,
                 duration(o.time_ns),
                 bytes(o.requested),
