@@ -231,13 +231,12 @@ fn run(cmd: Command) -> Result<(), CliError> {
             json,
             allow_truncated,
         } => {
-            let mut traces = Vec::with_capacity(files.len());
-            for file in files {
+            let traces = ranks::par_map(files, |_, file| {
                 let mut a = analysis::analyze(&file, allow_truncated)?;
                 analysis::second_pass(&file, allow_truncated, &mut a)?;
                 warn(&a.info.warning);
-                traces.push((file, a));
-            }
+                Ok((file, a))
+            })?;
             let out = match (&traces[..], json) {
                 ([(file, a)], true) => summary::render_json(a, file),
                 ([(_, a)], false) => summary::render(a),
@@ -253,15 +252,14 @@ fn run(cmd: Command) -> Result<(), CliError> {
         } => {
             let inputs: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
             input::refuse_overwrite("--output", &output, &inputs)?;
-            let mut traces = Vec::with_capacity(files.len());
-            for file in files {
+            let mut traces = ranks::par_map(files, |_, file| {
                 let a = analysis::analyze(&file, allow_truncated)?;
                 warn(&a.info.warning);
                 if a.info.events == 0 {
                     eprintln!("gpualloc: {}: {}", file.display(), summary::NO_EVENTS);
                 }
-                traces.push((file, a));
-            }
+                Ok((file, a))
+            })?;
             let html = if let [(file, a)] = &mut traces[..] {
                 report::render(a, file, allow_truncated)?
             } else {

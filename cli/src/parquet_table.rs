@@ -9,9 +9,14 @@
 //! order: the low-level column writer API does that directly. The `arrow`
 //! feature (arrow-array, -buffer, -data, -schema, -select, -ipc) would
 //! only add a second in-memory representation to fill before writing, and
-//! most of the build time (README's CLI section has the measurements).
-//! One codec, Snappy (pure Rust, small), is compiled in: every Parquet
-//! reader reads it.
+//! nearly doubles what the dependency costs to build. One codec, Snappy
+//! (pure Rust, small), is compiled in: every Parquet reader reads it.
+//!
+//! Measured on a shared 2-core machine (CPU seconds, as the wall clock
+//! there follows other people's builds): a clean debug build of this crate
+//! took 67 s before parquet and 162 s with it; parquet alone builds in
+//! 72 s, and 132 s with `arrow` and arrow-array. The release binary grew
+//! from 3.40 MB to 4.88 MB (release build 123 s to 231 s of CPU).
 
 use std::fs::File;
 use std::io::BufWriter;

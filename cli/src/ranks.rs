@@ -24,6 +24,10 @@
 
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::input::CliError;
 
 use serde_json::{Value, json};
 
@@ -40,6 +44,44 @@ pub fn rank_from_name(path: &Path, pid: u32) -> Option<u32> {
         .map_or(0, |i| i + 1);
     let n: u32 = stem[start..end].parse().ok()?;
     (pid == 0 || n != pid).then_some(n)
+}
+
+/// `f` over `items` (with their index) on several threads, each reading
+/// one trace at a time (two threads a trace: the decoder and `f`); the
+/// results in `items`' order, or the first item's error.
+pub fn par_map<T: Send, R: Send>(
+    items: Vec<T>,
+    f: impl Fn(usize, T) -> Result<R, CliError> + Sync,
+) -> Result<Vec<R>, CliError> {
+    let n = items.len();
+    let slots: Vec<Mutex<Option<T>>> = items.into_iter().map(|x| Mutex::new(Some(x))).collect();
+    let done: Vec<Mutex<Option<Result<R, CliError>>>> = (0..n).map(|_| Mutex::new(None)).collect();
+    let next = AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |p| p.get() / 2)
+        .clamp(1, n.max(1));
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        break;
+                    }
+                    let x = slots[i].lock().unwrap_or_else(|p| p.into_inner()).take();
+                    let r = f(i, x.expect("each item is taken once"));
+                    *done[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+                }
+            });
+        }
+    });
+    done.into_iter()
+        .map(|m| {
+            m.into_inner()
+                .unwrap_or_else(|p| p.into_inner())
+                .expect("every item ran")
+        })
+        .collect()
 }
 
 /// One trace of a job, analysed.

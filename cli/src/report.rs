@@ -40,7 +40,7 @@ pub fn render(a: &mut Analysis, path: &Path, allow_truncated: bool) -> Result<St
 
 /// The page of several traces, one per rank: the ranks table, then each
 /// rank's report in a section of its own (ids prefixed `r{i}-`).
-pub fn render_ranks(mut ranks: Vec<Rank>, allow_truncated: bool) -> Result<String, CliError> {
+pub fn render_ranks(ranks: Vec<Rank>, allow_truncated: bool) -> Result<String, CliError> {
     let mut body = String::new();
     body.push_str("<section class=\"ranks\"><h2>Ranks</h2><table><tr>");
     for c in crate::ranks::COLUMNS {
@@ -59,26 +59,26 @@ pub fn render_ranks(mut ranks: Vec<Rank>, allow_truncated: bool) -> Result<Strin
         let _ = write!(body, "<li>{}</li>", esc(&h));
     }
     body.push_str("</ul></section>");
-    let mut datas = Vec::with_capacity(ranks.len());
-    for (i, r) in ranks.iter_mut().enumerate() {
+    let n = ranks.len();
+    let parts = crate::ranks::par_map(ranks, |i, mut r| {
         let prefix = format!("r{i}-");
+        let mut s = String::new();
         let _ = write!(
-            body,
+            s,
             "<section class=\"rank\" id=\"{prefix}\"><h2>Rank {} <span class=\"note\">{}</span></h2>",
             esc(&r.label),
             esc(&r.path.display().to_string())
         );
-        datas.push((
-            prefix.clone(),
-            trace(&mut body, &mut r.a, &r.path, allow_truncated, &prefix)?,
-        ));
-        body.push_str("</section>");
+        let data = trace(&mut s, &mut r.a, &r.path, allow_truncated, &prefix)?;
+        s.push_str("</section>");
+        Ok((s, (prefix, data)))
+    })?;
+    let mut datas = Vec::with_capacity(n);
+    for (section, data) in parts {
+        body.push_str(&section);
+        datas.push(data);
     }
-    Ok(page(
-        &format!("gpualloc report: {} ranks", ranks.len()),
-        &body,
-        &datas,
-    ))
+    Ok(page(&format!("gpualloc report: {n} ranks"), &body, &datas))
 }
 
 /// Writes one trace's tables into `s` (element ids prefixed with
