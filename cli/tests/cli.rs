@@ -552,6 +552,14 @@ fn several_traces_summarise_side_by_side() {
     }
     assert!(ranks[2]["steps"].as_u64().unwrap() > 0 && ranks[2]["step_median_ns"].is_u64());
     assert_eq!(ranks[2]["first_oom"]["requested"], 31_719_424);
+    // A bad file among them is named.
+    let bad = dir.path().join("trace-3.gtrace");
+    std::fs::write(&bad, b"not a trace").unwrap();
+    let err = fails(&["summary", s(&r[0]), s(&bad)]);
+    assert!(
+        err.contains("trace-3.gtrace: not a gpualloc trace"),
+        "{err}"
+    );
     // Names without rank numbers label by name; equal names by position.
     let (x, y) = (dir.path().join("x"), dir.path().join("y"));
     for d in [&x, &y] {

@@ -43,12 +43,14 @@ class ParquetExport(unittest.TestCase):
     def setUpClass(cls):
         cls.dir = tempfile.TemporaryDirectory()
         trace = os.path.join(cls.dir.name, "trace-5.gtrace")
-        gpualloc("generate", "-o", trace, "--events", "30000", "--seed", "4")
+        # More events than one row group holds (ROWS_PER_GROUP, 131072):
+        # the export writes row groups as it goes.
+        gpualloc("generate", "-o", trace, "--events", "200000", "--seed", "4")
         gpualloc("export", trace, "--parquet", cls.dir.name + "/")
         cls.summary = json.loads(gpualloc("summary", trace, "--json"))
         cls.device = cls.summary["devices"][0]
-        read = lambda kind: pq.read_table(os.path.join(cls.dir.name, f"trace-5.{kind}.parquet"))
-        cls.events, cls.segments, cls.phases = read("events"), read("segments"), read("phases")
+        cls.files = {k: os.path.join(cls.dir.name, f"trace-5.{k}.parquet") for k in ("events", "segments", "phases")}
+        cls.events, cls.segments, cls.phases = (pq.read_table(f) for f in cls.files.values())
 
     @classmethod
     def tearDownClass(cls):
@@ -68,6 +70,7 @@ class ParquetExport(unittest.TestCase):
         # Block rows carry the requested size, at most the block's.
         self.assertTrue(pc.all(pc.less_equal(allocs["requested"], allocs["size"])).as_py())
         self.assertGreater(pc.max(ev["step"]).as_py(), 0)
+        self.assertGreaterEqual(pq.ParquetFile(self.files["events"]).metadata.num_row_groups, 2)
 
     def test_phases_agree_with_the_summary(self):
         ph = self.phases.filter(pc.equal(self.phases["kind"], "phase"))
