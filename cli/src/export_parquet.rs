@@ -108,6 +108,43 @@ pub fn outputs(arg: &Path, trace: &Path) -> [PathBuf; 3] {
     })
 }
 
+/// Exports each of `traces` into `folder` (in parallel); returns the files
+/// written. Refuses a `folder` that is not one, and two traces of the same
+/// name, whose files would overwrite each other.
+pub fn export_all(
+    folder: &Path,
+    traces: &[PathBuf],
+    allow_truncated: bool,
+) -> Result<Vec<[PathBuf; 3]>, CliError> {
+    if !folder.is_dir() {
+        return Err(CliError(format!(
+            "--parquet {}: not a folder: several traces need a folder to write their files in",
+            folder.display()
+        )));
+    }
+    let mut seen = std::collections::BTreeMap::new();
+    let mut jobs = Vec::with_capacity(traces.len());
+    let inputs: Vec<&Path> = traces.iter().map(PathBuf::as_path).collect();
+    for t in traces {
+        let outs = outputs(folder, t);
+        if let Some(other) = seen.insert(outs[0].clone(), t) {
+            return Err(CliError(format!(
+                "--parquet: {} and {} have the same name: their files would overwrite each other",
+                other.display(),
+                t.display()
+            )));
+        }
+        for out in &outs {
+            input::refuse_overwrite("--parquet", out, &inputs)?;
+        }
+        jobs.push((t.clone(), outs));
+    }
+    crate::ranks::par_map(jobs, |_, (t, outs)| {
+        export(&t, &outs, allow_truncated)?;
+        Ok(outs)
+    })
+}
+
 /// A range held, not yet released.
 #[derive(Clone, Copy)]
 struct Held {
@@ -406,7 +443,7 @@ fn unmap(m: &mut BTreeMap<u64, Held>, addr: u64, size: u64) -> Vec<(u64, Held)> 
     gone
 }
 
-/// Writes the three files of `out` (see [`outputs`]); returns them.
+/// Writes the three files of `out` (see [`outputs`]).
 pub fn export(path: &Path, out: &[PathBuf; 3], allow_truncated: bool) -> Result<(), CliError> {
     // The string table streams in with the events: read it first.
     let first = input::scan(path, allow_truncated, |_| {})?;

@@ -128,9 +128,13 @@ enum Command {
         allow_truncated: bool,
     },
     /// Writes the trace in other tools' formats.
+    ///
+    /// Several traces (one per rank) go to Parquet only, into a folder:
+    /// `gpualloc export --parquet out/ run/trace-*.gtrace`.
     Export {
-        /// A .gtrace file.
-        file: PathBuf,
+        /// A .gtrace file (several with --parquet FOLDER/).
+        #[arg(required = true, num_args = 1..)]
+        files: Vec<PathBuf>,
         /// PyTorch memory snapshot pickle (opens in memory_viz).
         #[arg(long)]
         torch_snapshot: Option<PathBuf>,
@@ -305,7 +309,7 @@ fn run(cmd: Command) -> Result<(), CliError> {
             );
         }
         Command::Export {
-            file,
+            files,
             torch_snapshot,
             chrome,
             csv,
@@ -318,6 +322,22 @@ fn run(cmd: Command) -> Result<(), CliError> {
                         .into(),
                 ));
             }
+            let file = match &files[..] {
+                [file] => file.clone(),
+                _ if torch_snapshot.is_some() || chrome.is_some() || csv.is_some() => {
+                    return Err(CliError(
+                        "export: --torch-snapshot, --chrome and --csv take one trace; several go to --parquet FOLDER/".into(),
+                    ));
+                }
+                _ => {
+                    let folder = parquet.expect("checked above");
+                    let outs = export_parquet::export_all(&folder, &files, allow_truncated)?;
+                    outs.iter()
+                        .flatten()
+                        .for_each(|out| report_written(out, &None));
+                    return Ok(());
+                }
+            };
             let parquet = parquet.map(|p| export_parquet::outputs(&p, &file));
             let parquet_files = parquet.iter().flatten().map(|p| ("--parquet", Some(p)));
             for (option, out) in [

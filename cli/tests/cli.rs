@@ -433,6 +433,7 @@ fn ulong(row: &[(String, parquet::record::Field)], name: &str) -> u64 {
     use parquet::record::Field;
     match field(row, name) {
         Field::ULong(v) => *v,
+        Field::UInt(v) => u64::from(*v),
         Field::Long(v) => u64::try_from(*v).unwrap(),
         other => panic!("{name}: {other:?} is not an integer"),
     }
@@ -478,6 +479,41 @@ fn parquet_export_reads_back_with_the_summarys_numbers() {
     }
     let segments = parquet_rows(&dir.path().join("out.segments.parquet"));
     assert!(segments.iter().any(|r| ulong(r, "size") > 0));
+}
+
+#[test]
+fn several_traces_export_to_one_parquet_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = three_ranks(dir.path());
+    let out = dir.path().join("pq");
+    let traces: Vec<&str> = r.iter().map(|p| s(p)).collect();
+    let args = [&["export", "--parquet", s(&out)][..], &traces].concat();
+    let err = fails(&args);
+    assert!(err.contains("not a folder"), "{err}");
+    std::fs::create_dir(&out).unwrap();
+    ok(&args);
+    for i in 0..r.len() {
+        let rows = parquet_rows(&out.join(format!("trace-{i}.phases.parquet")));
+        assert!(!rows.is_empty(), "rank {i}");
+        assert!(
+            rows.iter().all(|row| ulong(row, "rank") == i as u64),
+            "rank {i}"
+        );
+    }
+    let csv = dir.path().join("x.csv");
+    let err = fails(&[&["export", "--csv", s(&csv)][..], &traces].concat());
+    assert!(err.contains("take one trace"), "{err}");
+    let twin = dir.path().join("twin");
+    std::fs::create_dir(&twin).unwrap();
+    std::fs::copy(&r[0], twin.join("trace-0.gtrace")).unwrap();
+    let err = fails(&[
+        "export",
+        "--parquet",
+        s(&out),
+        s(&r[0]),
+        s(&twin.join("trace-0.gtrace")),
+    ]);
+    assert!(err.contains("have the same name"), "{err}");
 }
 
 #[test]
