@@ -29,6 +29,13 @@
 //! `start_ns`, `end_ns` (null: still open at the end; a step ends at the
 //! next mark or the device's last event), `peak_allocated`, `peak_reserved`
 //! (the gauges' highest values inside, the values at the start included).
+//!
+//! The trace is read twice (the string table first, as for `--chrome`);
+//! rows go out in row groups of [`ROWS_PER_GROUP`](crate::parquet_table::ROWS_PER_GROUP),
+//! so memory follows the live blocks, not the trace's length: a generated
+//! trace of 3 million events (24 MiB) exports in 3.4 s with a release
+//! build, in 42 MB resident (35 MB for 140 thousand events); its events
+//! file takes about 16 bytes per event.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
