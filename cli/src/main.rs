@@ -15,6 +15,7 @@ mod analysis;
 mod diff;
 mod export_chrome;
 mod export_csv;
+mod export_parquet;
 mod export_torch;
 mod generate;
 mod import_rmm;
@@ -22,8 +23,10 @@ mod import_torch;
 mod input;
 mod leaks;
 mod ooms;
+mod parquet_table;
 mod phases;
 mod pickle;
+mod ranks;
 mod replay_cmd;
 mod report;
 mod report_data;
@@ -58,9 +61,17 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Events, duration, peaks, fragmentation at the peak, OOMs, phases, sizes.
+    ///
+    /// With several traces (one per rank of a job, e.g. written with
+    /// GPUALLOC_TRACE=/path/trace-{rank}.gtrace): the ranks side by side
+    /// (peak allocated and reserved, step times, OOMs), the rank with the
+    /// highest peak and the ranks that ran out of memory, then each trace's
+    /// summary. Ranks are labelled from the file names (trace-3.gtrace is
+    /// rank 3), else by the names, else by position.
     Summary {
-        /// A .gtrace file.
-        file: PathBuf,
+        /// One .gtrace file, or several (one per rank).
+        #[arg(required = true, num_args = 1..)]
+        files: Vec<PathBuf>,
         /// Print one JSON object (stable field names) instead of the text.
         #[arg(long)]
         json: bool,
@@ -69,9 +80,14 @@ enum Command {
         allow_truncated: bool,
     },
     /// One self-contained HTML file with charts (no network needed to view it).
+    ///
+    /// With several traces (one per rank): a table of the ranks at the top
+    /// (peaks, step times, OOMs), then each rank's report in its own
+    /// section, in the same file.
     Report {
-        /// A .gtrace file.
-        file: PathBuf,
+        /// One .gtrace file, or several (one per rank).
+        #[arg(required = true, num_args = 1..)]
+        files: Vec<PathBuf>,
         /// Output HTML file.
         #[arg(short, long)]
         output: PathBuf,
@@ -112,9 +128,13 @@ enum Command {
         allow_truncated: bool,
     },
     /// Writes the trace in other tools' formats.
+    ///
+    /// Several traces (one per rank) go to Parquet only, into a folder:
+    /// `gpualloc export --parquet out/ run/trace-*.gtrace`.
     Export {
-        /// A .gtrace file.
-        file: PathBuf,
+        /// A .gtrace file (several with --parquet FOLDER/).
+        #[arg(required = true, num_args = 1..)]
+        files: Vec<PathBuf>,
         /// PyTorch memory snapshot pickle (opens in memory_viz).
         #[arg(long)]
         torch_snapshot: Option<PathBuf>,
@@ -124,6 +144,12 @@ enum Command {
         /// CSV with RMM's logging columns.
         #[arg(long)]
         csv: Option<PathBuf>,
+        /// Parquet tables of events, segment lifetimes and phases/steps
+        /// (for DuckDB, Polars, Spark): PREFIX.events.parquet,
+        /// PREFIX.segments.parquet and PREFIX.phases.parquet; when PREFIX is
+        /// a folder (or ends with /), the trace's name in that folder.
+        #[arg(long, value_name = "PREFIX")]
+        parquet: Option<PathBuf>,
         /// Use the readable prefix of a truncated or damaged file.
         #[arg(long)]
         allow_truncated: bool,
@@ -205,31 +231,44 @@ const CAPACITY_RANGE: (u64, u64) = (1 << 20, gpualloc::config::MAX_BYTES);
 fn run(cmd: Command) -> Result<(), CliError> {
     match cmd {
         Command::Summary {
-            file,
+            files,
             json,
             allow_truncated,
         } => {
-            let mut a = analysis::analyze(&file, allow_truncated)?;
-            analysis::second_pass(&file, allow_truncated, &mut a)?;
-            warn(&a.info.warning);
-            if json {
-                print!("{}", summary::render_json(&a, &file));
-            } else {
-                print!("{}", summary::render(&a));
-            }
+            let traces = ranks::par_map(files, |_, file| {
+                let mut a = analysis::analyze(&file, allow_truncated)?;
+                analysis::second_pass(&file, allow_truncated, &mut a)?;
+                warn(&a.info.warning);
+                Ok((file, a))
+            })?;
+            let out = match (&traces[..], json) {
+                ([(file, a)], true) => summary::render_json(a, file),
+                ([(_, a)], false) => summary::render(a),
+                (_, true) => ranks::render_json(&ranks::label(traces)),
+                (_, false) => ranks::render(&ranks::label(traces)),
+            };
+            print!("{out}");
         }
         Command::Report {
-            file,
+            files,
             output,
             allow_truncated,
         } => {
-            input::refuse_overwrite("--output", &output, &[&file])?;
-            let mut a = analysis::analyze(&file, allow_truncated)?;
-            warn(&a.info.warning);
-            if a.info.events == 0 {
-                eprintln!("gpualloc: {}: {}", file.display(), summary::NO_EVENTS);
-            }
-            let html = report::render(&mut a, &file, allow_truncated)?;
+            let inputs: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
+            input::refuse_overwrite("--output", &output, &inputs)?;
+            let mut traces = ranks::par_map(files, |_, file| {
+                let a = analysis::analyze(&file, allow_truncated)?;
+                warn(&a.info.warning);
+                if a.info.events == 0 {
+                    eprintln!("gpualloc: {}: {}", file.display(), summary::NO_EVENTS);
+                }
+                Ok((file, a))
+            })?;
+            let html = if let [(file, a)] = &mut traces[..] {
+                report::render(a, file, allow_truncated)?
+            } else {
+                report::render_ranks(ranks::label(traces), allow_truncated)?
+            };
             std::fs::write(&output, html)
                 .map_err(|e| CliError(format!("{}: cannot write: {e}", output.display())))?;
             eprintln!("wrote {}", output.display());
@@ -270,22 +309,45 @@ fn run(cmd: Command) -> Result<(), CliError> {
             );
         }
         Command::Export {
-            file,
+            files,
             torch_snapshot,
             chrome,
             csv,
+            parquet,
             allow_truncated,
         } => {
-            if torch_snapshot.is_none() && chrome.is_none() && csv.is_none() {
+            if torch_snapshot.is_none() && chrome.is_none() && csv.is_none() && parquet.is_none() {
                 return Err(CliError(
-                    "export: name at least one of --torch-snapshot, --chrome, --csv".into(),
+                    "export: name at least one of --torch-snapshot, --chrome, --csv, --parquet"
+                        .into(),
                 ));
             }
+            let file = match &files[..] {
+                [file] => file.clone(),
+                _ if torch_snapshot.is_some() || chrome.is_some() || csv.is_some() => {
+                    return Err(CliError(
+                        "export: --torch-snapshot, --chrome and --csv take one trace; several go to --parquet FOLDER/".into(),
+                    ));
+                }
+                _ => {
+                    let folder = parquet.expect("checked above");
+                    let outs = export_parquet::export_all(&folder, &files, allow_truncated)?;
+                    outs.iter()
+                        .flatten()
+                        .for_each(|out| report_written(out, &None));
+                    return Ok(());
+                }
+            };
+            let parquet = parquet.map(|p| export_parquet::outputs(&p, &file));
+            let parquet_files = parquet.iter().flatten().map(|p| ("--parquet", Some(p)));
             for (option, out) in [
-                ("--torch-snapshot", &torch_snapshot),
-                ("--chrome", &chrome),
-                ("--csv", &csv),
-            ] {
+                ("--torch-snapshot", torch_snapshot.as_ref()),
+                ("--chrome", chrome.as_ref()),
+                ("--csv", csv.as_ref()),
+            ]
+            .into_iter()
+            .chain(parquet_files)
+            {
                 if let Some(out) = out {
                     input::refuse_overwrite(option, out, &[&file])?;
                 }
@@ -301,6 +363,12 @@ fn run(cmd: Command) -> Result<(), CliError> {
             if let Some(out) = csv {
                 export_csv::export(&file, &out, allow_truncated)?;
                 report_written(&out, &None);
+            }
+            if let Some(outs) = parquet {
+                export_parquet::export(&file, &outs, allow_truncated)?;
+                for out in &outs {
+                    report_written(out, &None);
+                }
             }
         }
         Command::Import { file, output, from } => {

@@ -14,6 +14,7 @@ use std::path::Path;
 
 use crate::analysis::{Analysis, DeviceAnalysis};
 use crate::input::CliError;
+use crate::ranks::Rank;
 use crate::report_sections as sec;
 use crate::svg::esc;
 use crate::units::{bytes, duration, percent};
@@ -24,41 +25,113 @@ const JS: &str = include_str!("report.js");
 /// Renders the page; reads `path` again for the chart data and, when the
 /// trace holds OOMs, replays it under candidate configurations.
 pub fn render(a: &mut Analysis, path: &Path, allow_truncated: bool) -> Result<String, CliError> {
+    let mut body = String::new();
+    let data = trace(&mut body, a, path, allow_truncated, "")?;
+    let name = path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    Ok(page(
+        &format!("gpualloc report: {name}"),
+        &body,
+        &[("", data)],
+    ))
+}
+
+/// The page of several traces, one per rank: the ranks table, then each
+/// rank's report in a section of its own (ids prefixed `r{i}-`).
+pub fn render_ranks(ranks: Vec<Rank>, allow_truncated: bool) -> Result<String, CliError> {
+    let mut body = String::new();
+    body.push_str("<section class=\"ranks\"><h2>Ranks</h2><table><tr>");
+    for c in crate::ranks::COLUMNS {
+        let _ = write!(body, "<th>{}</th>", esc(c));
+    }
+    body.push_str("</tr>");
+    for (i, row) in crate::ranks::rows(&ranks).iter().enumerate() {
+        let _ = write!(body, "<tr><td><a href=\"#r{i}-\">{}</a></td>", esc(&row[0]));
+        for c in &row[1..] {
+            let _ = write!(body, "<td>{}</td>", esc(c));
+        }
+        body.push_str("</tr>");
+    }
+    body.push_str("</table><ul>");
+    for h in crate::ranks::highlights(&ranks) {
+        let _ = write!(body, "<li>{}</li>", esc(&h));
+    }
+    body.push_str("</ul></section>");
+    let n = ranks.len();
+    let parts = crate::ranks::par_map(ranks, |i, mut r| {
+        let prefix = format!("r{i}-");
+        let mut s = String::new();
+        let _ = write!(
+            s,
+            "<section class=\"rank\" id=\"{prefix}\"><h2>Rank {} <span class=\"note\">{}</span></h2>",
+            esc(&r.label),
+            esc(&r.path.display().to_string())
+        );
+        let data = trace(&mut s, &mut r.a, &r.path, allow_truncated, &prefix)?;
+        s.push_str("</section>");
+        Ok((s, (prefix, data)))
+    })?;
+    let mut datas = Vec::with_capacity(n);
+    for (section, data) in parts {
+        body.push_str(&section);
+        datas.push(data);
+    }
+    Ok(page(&format!("gpualloc report: {n} ranks"), &body, &datas))
+}
+
+/// Writes one trace's tables into `s` (element ids prefixed with
+/// `prefix`); returns the data its charts are drawn from.
+fn trace(
+    s: &mut String,
+    a: &mut Analysis,
+    path: &Path,
+    allow_truncated: bool,
+    prefix: &str,
+) -> Result<serde_json::Value, CliError> {
     let data = crate::report_data::collect(path, allow_truncated, a)?;
     let recorded = a.info.header.config.clone();
     for d in a.devices.values_mut() {
         crate::report_oom::apply_limit(&mut d.ooms, &recorded);
     }
     let a = &*a;
+    header(s, a);
+    for d in a.devices.values() {
+        device(s, a, d, path, prefix)?;
+    }
+    Ok(data)
+}
+
+/// The HTML page around `body`, with each trace's chart data (and the
+/// prefix of its elements' ids) inline.
+fn page<P: AsRef<str>>(title: &str, body: &str, datas: &[(P, serde_json::Value)]) -> String {
     let mut s = String::new();
-    let name = path.file_name().map_or_else(
-        || path.display().to_string(),
-        |n| n.to_string_lossy().into_owned(),
-    );
-    let title = format!("gpualloc report: {name}");
     let _ = write!(
         s,
         "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">\
          <meta name=\"viewport\" content=\"width=device-width\"><title>{}</title>\
          <style>{CSS}</style></head><body><h1>{}</h1>",
-        esc(&title),
-        esc(&title)
+        esc(title),
+        esc(title)
     );
     s.push_str("<noscript><p class=\"warn\">The charts need JavaScript; the tables below do not.</p></noscript>");
     s.push_str("<div id=\"js-errors\" hidden></div>");
-    header(&mut s, a);
-    for d in a.devices.values() {
-        device(&mut s, a, d, path)?;
+    s.push_str(body);
+    s.push_str("<pre id=\"selftest-result\" hidden></pre>");
+    for (i, (prefix, data)) in datas.iter().enumerate() {
+        // `</` cannot end the JSON early once written as `<\/` (same string).
+        let json = data.to_string().replace("</", "<\\/");
+        // The first keeps the id scripts and tests have always read.
+        let id = if i == 0 { " id=\"gpualloc-data\"" } else { "" };
+        let _ = write!(
+            s,
+            "<script type=\"application/json\" class=\"gpualloc-data\" data-prefix=\"{}\"{id}>{json}</script>",
+            esc(prefix.as_ref())
+        );
     }
-    // `</` cannot end the JSON early once written as `<\/` (same string).
-    let json = data.to_string().replace("</", "<\\/");
-    let _ = writeln!(
-        s,
-        "<pre id=\"selftest-result\" hidden></pre>\
-         <script type=\"application/json\" id=\"gpualloc-data\">{json}</script>\
-         <script>{JS}</script></body></html>"
-    );
-    Ok(s)
+    let _ = writeln!(s, "<script>{JS}</script></body></html>");
+    s
 }
 
 fn header(s: &mut String, a: &Analysis) {
@@ -104,7 +177,13 @@ fn header(s: &mut String, a: &Analysis) {
     }
 }
 
-fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis, path: &Path) -> Result<(), CliError> {
+fn device(
+    s: &mut String,
+    a: &Analysis,
+    d: &DeviceAnalysis,
+    path: &Path,
+    p: &str,
+) -> Result<(), CliError> {
     let _ = write!(
         s,
         "<section class=\"device\" data-device=\"{0}\"><h2>Device {0}</h2>",
@@ -123,14 +202,14 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis, path: &Path) -> Resu
     let _ = write!(
         s,
         "<h3>Memory over time</h3>\
-         <div class=\"chart-box\" id=\"timeline-{0}\" data-device=\"{0}\"></div>\
+         <div class=\"chart-box\" id=\"{p}timeline-{0}\" data-device=\"{0}\"></div>\
          <h3>Fragmentation over time</h3>\
-         <div class=\"chart-box\" id=\"frag-{0}\" data-device=\"{0}\"></div>\
+         <div class=\"chart-box\" id=\"{p}frag-{0}\" data-device=\"{0}\"></div>\
          <h3>Memory at a moment</h3>\
-         <div class=\"layout-box\" id=\"layout-{0}\" data-device=\"{0}\">\
+         <div class=\"layout-box\" id=\"{p}layout-{0}\" data-device=\"{0}\">\
          <p class=\"note\">Click the memory chart to see the segments and live blocks at that moment.</p></div>\
          <h3>Per-step peaks</h3>\
-         <div class=\"chart-box\" id=\"steps-{0}\" data-device=\"{0}\"></div>",
+         <div class=\"chart-box\" id=\"{p}steps-{0}\" data-device=\"{0}\"></div>",
         d.device
     );
     sec::phases(s, a, d);

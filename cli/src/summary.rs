@@ -159,8 +159,13 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
 
 /// The summary as one JSON object (see the module docs for the fields).
 pub fn render_json(a: &Analysis, file: &Path) -> String {
+    pretty(&json_value(a, file))
+}
+
+/// The summary's JSON object, unprinted.
+pub fn json_value(a: &Analysis, file: &Path) -> Value {
     let h = &a.info.header;
-    let v = json!({
+    json!({
         "file": file.display().to_string(),
         "events": a.info.events,
         "duration_ns": a.duration_ns,
@@ -172,8 +177,12 @@ pub fn render_json(a: &Analysis, file: &Path) -> String {
         "device_count": h.device_count,
         "config": h.config,
         "devices": a.devices.values().map(|d| device_json(a, d)).collect::<Vec<_>>(),
-    });
-    let mut out = serde_json::to_string_pretty(&v).expect("plain values serialize");
+    })
+}
+
+/// `v` printed over several lines, with a final newline.
+pub fn pretty(v: &Value) -> String {
+    let mut out = serde_json::to_string_pretty(v).expect("plain values serialize");
     out.push('\n');
     out
 }

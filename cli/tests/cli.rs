@@ -402,3 +402,240 @@ pickle.dump(snap, open(sys.argv[1], "wb"), protocol=int(sys.argv[2]))
     let err = fails(&["import", s(&pickle), "-o", s(&dir.path().join("x.gtrace"))]);
     assert!(err.contains("not plain data"), "{err}");
 }
+
+/// Every row of a Parquet file, as (column, value) pairs.
+fn parquet_rows(path: &Path) -> Vec<Vec<(String, parquet::record::Field)>> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let f = std::fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let r = SerializedFileReader::new(f).unwrap();
+    r.get_row_iter(None)
+        .unwrap()
+        .map(|row| {
+            row.unwrap()
+                .get_column_iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+        .collect()
+}
+
+fn field<'a>(
+    row: &'a [(String, parquet::record::Field)],
+    name: &str,
+) -> &'a parquet::record::Field {
+    &row.iter()
+        .find(|(k, _)| k == name)
+        .unwrap_or_else(|| panic!("no column {name}"))
+        .1
+}
+
+fn ulong(row: &[(String, parquet::record::Field)], name: &str) -> u64 {
+    use parquet::record::Field;
+    match field(row, name) {
+        Field::ULong(v) => *v,
+        Field::UInt(v) => u64::from(*v),
+        Field::Long(v) => u64::try_from(*v).unwrap(),
+        other => panic!("{name}: {other:?} is not an integer"),
+    }
+}
+
+#[test]
+fn parquet_export_reads_back_with_the_summarys_numbers() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path(), 20_000);
+    let prefix = dir.path().join("out");
+    let err = fails(&[
+        "export",
+        s(&t),
+        "--parquet",
+        s(&dir.path().join("no/such/x")),
+    ]);
+    assert!(
+        err.contains("no/such/x.events.parquet: cannot write"),
+        "{err}"
+    );
+    ok(&["export", s(&t), "--parquet", s(&prefix)]);
+    let sum: serde_json::Value = serde_json::from_str(&ok(&["summary", s(&t), "--json"])).unwrap();
+    let dev = &sum["devices"][0];
+    let events = parquet_rows(&dir.path().join("out.events.parquet"));
+    assert_eq!(events.len() as u64, sum["events"].as_u64().unwrap());
+    let action = |r: &[(String, parquet::record::Field)]| field(r, "action").to_string();
+    let allocs = events.iter().filter(|r| action(r) == "\"alloc\"").count();
+    assert_eq!(allocs as u64, dev["allocations"].as_u64().unwrap());
+    let max = |k| events.iter().map(|r| ulong(r, k)).max().unwrap();
+    assert_eq!(max("allocated"), dev["peak_allocated"].as_u64().unwrap());
+    assert_eq!(max("reserved"), dev["peak_reserved"].as_u64().unwrap());
+    let phases = parquet_rows(&dir.path().join("out.phases.parquet"));
+    for p in dev["phases"].as_array().unwrap() {
+        let name = p["name"].to_string();
+        let mine: Vec<_> = phases
+            .iter()
+            .filter(|r| field(r, "kind").to_string() == "\"phase\"")
+            .filter(|r| field(r, "name").to_string() == name)
+            .collect();
+        assert_eq!(mine.len() as u64, p["count"].as_u64().unwrap(), "{name}");
+        let peak = mine.iter().map(|r| ulong(r, "peak_allocated")).max();
+        assert_eq!(peak, p["peak_allocated"].as_u64(), "{name}");
+    }
+    let segments = parquet_rows(&dir.path().join("out.segments.parquet"));
+    assert!(segments.iter().any(|r| ulong(r, "size") > 0));
+}
+
+#[test]
+fn several_traces_export_to_one_parquet_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = three_ranks(dir.path());
+    let out = dir.path().join("pq");
+    let traces: Vec<&str> = r.iter().map(|p| s(p)).collect();
+    let args = [&["export", "--parquet", s(&out)][..], &traces].concat();
+    let err = fails(&args);
+    assert!(err.contains("not a folder"), "{err}");
+    std::fs::create_dir(&out).unwrap();
+    ok(&args);
+    for i in 0..r.len() {
+        let rows = parquet_rows(&out.join(format!("trace-{i}.phases.parquet")));
+        assert!(!rows.is_empty(), "rank {i}");
+        assert!(
+            rows.iter().all(|row| ulong(row, "rank") == i as u64),
+            "rank {i}"
+        );
+    }
+    let csv = dir.path().join("x.csv");
+    let err = fails(&[&["export", "--csv", s(&csv)][..], &traces].concat());
+    assert!(err.contains("take one trace"), "{err}");
+    let twin = dir.path().join("twin");
+    std::fs::create_dir(&twin).unwrap();
+    std::fs::copy(&r[0], twin.join("trace-0.gtrace")).unwrap();
+    let err = fails(&[
+        "export",
+        "--parquet",
+        s(&out),
+        s(&r[0]),
+        s(&twin.join("trace-0.gtrace")),
+    ]);
+    assert!(err.contains("have the same name"), "{err}");
+}
+
+#[test]
+fn parquet_export_reads_back_in_pyarrow() {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/python/test_parquet.py"
+    );
+    let out = Command::new("python3")
+        .arg(script)
+        .env("GPUALLOC_CLI", env!("CARGO_BIN_EXE_gpualloc"))
+        .output()
+        .expect("run python3");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{script} failed:\n{text}");
+    eprintln!("{text}");
+}
+
+/// Three ranks: two generated workloads and the shipped trace that ends in
+/// an OOM, named as `GPUALLOC_TRACE=trace-{rank}.gtrace` names them.
+fn three_ranks(dir: &Path) -> Vec<PathBuf> {
+    let a = generated(dir, 20_000);
+    let b = dir.join("gen-b.gtrace");
+    ok(&["generate", "-o", s(&b), "--events", "40000", "--seed", "9"]);
+    let oom = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/yolo-style-oom.gtrace"
+    );
+    let ranks: Vec<PathBuf> = (0..3)
+        .map(|r| dir.join(format!("trace-{r}.gtrace")))
+        .collect();
+    std::fs::rename(a, &ranks[1]).unwrap();
+    std::fs::rename(b, &ranks[0]).unwrap();
+    std::fs::copy(oom, &ranks[2]).unwrap();
+    ranks
+}
+
+#[test]
+fn several_traces_summarise_side_by_side() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = three_ranks(dir.path());
+    // Given out of order: shown by rank.
+    let args = ["summary", s(&r[2]), s(&r[0]), s(&r[1])];
+    let text = ok(&args);
+    assert!(text.starts_with("3 ranks\n"), "{text}");
+    assert!(
+        text.contains("rank 2 ran out of memory at 17.625 s on device 0: 30.25 MiB requested"),
+        "{text}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&[&args[..], &["--json"]].concat())).unwrap();
+    let ranks = v["ranks"].as_array().unwrap();
+    let labels: Vec<_> = ranks.iter().map(|x| x["rank"].as_str().unwrap()).collect();
+    assert_eq!(labels, ["0", "1", "2"]);
+    assert_eq!(v["oom_ranks"], serde_json::json!(["2"]));
+    let peaks: Vec<u64> = ranks
+        .iter()
+        .map(|x| x["peak_allocated"].as_u64().unwrap())
+        .collect();
+    let top = peaks.iter().enumerate().max_by_key(|p| p.1).unwrap().0;
+    assert_eq!(v["highest_peak_allocated"], labels[top]);
+    assert_ne!(peaks[0], peaks[1], "two different workloads");
+    for (x, path) in ranks.iter().zip(&r) {
+        let alone: serde_json::Value =
+            serde_json::from_str(&ok(&["summary", s(path), "--json"])).unwrap();
+        assert_eq!(x["summary"], alone, "rank {}", x["rank"]);
+        assert_eq!(x["peak_allocated"], alone["devices"][0]["peak_allocated"]);
+    }
+    assert!(ranks[2]["steps"].as_u64().unwrap() > 0 && ranks[2]["step_median_ns"].is_u64());
+    assert_eq!(ranks[2]["first_oom"]["requested"], 31_719_424);
+    // A bad file among them is named.
+    let bad = dir.path().join("trace-3.gtrace");
+    std::fs::write(&bad, b"not a trace").unwrap();
+    let err = fails(&["summary", s(&r[0]), s(&bad)]);
+    assert!(
+        err.contains("trace-3.gtrace: not a gpualloc trace"),
+        "{err}"
+    );
+    // Names without rank numbers label by name; equal names by position.
+    let (x, y) = (dir.path().join("x"), dir.path().join("y"));
+    for d in [&x, &y] {
+        std::fs::create_dir(d).unwrap();
+        std::fs::copy(&r[0], d.join("run.gtrace")).unwrap();
+    }
+    let same = ok(&[
+        "summary",
+        s(&x.join("run.gtrace")),
+        s(&y.join("run.gtrace")),
+    ]);
+    assert!(same.contains("== rank #1 ("), "{same}");
+    let named = ok(&["summary", s(&x.join("run.gtrace")), s(&r[1])]);
+    assert!(named.contains("== rank run.gtrace ("), "{named}");
+}
+
+#[test]
+fn several_traces_report_in_one_page() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = three_ranks(dir.path());
+    let html = dir.path().join("ranks.html");
+    let mut args = vec!["report"];
+    args.extend(r.iter().map(|p| s(p)));
+    args.extend(["-o", s(&html)]);
+    ok(&args);
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(page.contains("<h2>Ranks</h2>") && page.contains("ran out of memory"));
+    assert_eq!(page.matches("class=\"gpualloc-data\"").count(), 3);
+    for i in 0..3 {
+        assert!(
+            page.contains(&format!("id=\"r{i}-timeline-0\"")),
+            "rank {i}"
+        );
+        assert!(
+            page.contains(&format!("<a href=\"#r{i}-\">{i}</a>")),
+            "rank {i}"
+        );
+    }
+    assert!(!page.contains("http://") && !page.contains("https://"));
+    // The output may not be one of the inputs.
+    let err = fails(&["report", s(&r[0]), s(&r[1]), "-o", s(&r[1])]);
+    assert!(err.contains("refusing to overwrite the input"), "{err}");
+}

@@ -304,6 +304,8 @@ fn commands(rng: &mut Rng, dir: &Path, t: &Path, seed: &Path) -> Vec<Vec<String>
             o("s.pickle"),
         ],
         vec!["export".into(), t.clone(), "--csv".into(), o("c.csv")],
+        vec!["export".into(), t.clone(), "--parquet".into(), o("pq")],
+        vec!["summary".into(), t.clone(), p(seed), "--json".into()],
         vec!["diff".into(), t.clone(), p(seed)],
         vec!["diff".into(), p(seed), t.clone(), "--json".into()],
     ];

@@ -1,8 +1,9 @@
 """The HTML report in a real browser (headless Chromium).
 
 For each trace (the two examples and one recorded here on the simulated
-device, with phases, marks, a checkpoint save and an OOM), the test writes
-the report, then has Chromium:
+device, with phases, marks, a checkpoint save and an OOM), and for all three
+together as the ranks of one job (one page, a section per rank), the test
+writes the report, then has Chromium:
 - load it with ``#selftest``: the page zooms, pans, hovers and clicks its own
   charts and writes the outcome into ``#selftest-result``, which
   ``--dump-dom`` returns; the test fails on any failed check, on any error
@@ -84,13 +85,15 @@ def element_text(dom: str, ident: str) -> str:
     return html.unescape(m.group(2)) if m else ""
 
 
-def check_report(browser: Browser, cli: str, trace: str, out: str, want: dict) -> list:
-    """Returns the failures for one trace (empty when it passes)."""
-    name = os.path.splitext(os.path.basename(trace))[0]
+def check_report(browser: Browser, cli: str, trace, out: str, want: dict) -> list:
+    """Returns the failures for one trace, or for a list of traces shown as
+    the ranks of one job (empty when it passes)."""
+    traces = trace if isinstance(trace, list) else [trace]
+    name = want.get("_name") or os.path.splitext(os.path.basename(traces[0]))[0]
     page = os.path.join(out, name + ".html")
     if os.path.exists(page):
         os.remove(page)
-    p = run([cli, "report", trace, "-o", page])
+    p = run([cli, "report", *traces, "-o", page])
     if p.returncode != 0:
         return [f"{name}: gpualloc report failed: {p.stderr}"]
     text = open(page, encoding="utf-8").read()
@@ -116,6 +119,9 @@ def check_report(browser: Browser, cli: str, trace: str, out: str, want: dict) -
         print(f"{name}: {result[:9 + 4]} {json.dumps(verdict['devices'])[:600]}")
         if not verdict.get("pass"):
             fails.append(f"{name}: self-test failed: {result}")
+        prefixes = sorted({d.get("prefix") for d in verdict["devices"]})
+        if "_prefixes" in want and prefixes != want["_prefixes"]:
+            fails.append(f"{name}: charts drawn for {prefixes}, expected {want['_prefixes']}")
         dev = verdict["devices"][0] if verdict["devices"] else {}
         for key, value in want.items():
             if not key.startswith("_") and dev.get(key) != value:
@@ -157,6 +163,12 @@ def main() -> None:
         "steps_chart_drawn": True,
         "step_click_zooms": True,
         "_text": ["fragmentation.", "Checkpoint save", "GPUALLOC_CONF=policy:pytorch,expandable_segments:true", "live blocks, largest first."],
+    }))
+    ranks = [t for t, _ in traces]
+    traces.append((ranks, {
+        "_name": "ranks",
+        "_prefixes": ["r0-", "r1-", "r2-"],
+        "_text": ["Ranks", "ran out of memory", "highest peak allocated"],
     }))
     fails = []
     with tempfile.TemporaryDirectory() as profile:
