@@ -6,6 +6,8 @@
 #
 # Writes ddp.json to $OUT (or ./gpu-results): per variant the losses of every
 # rank, whether they equal PyTorch's, and whether parameters stayed in sync.
+# DDP_VARIANTS picks variants (default: all five); NCCL_DEBUG=INFO
+# NCCL_DEBUG_SUBSYS=REG shows NCCL's buffer registrations in the logs.
 set -u
 source "$(dirname "$0")/env.sh"
 n=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -14,7 +16,7 @@ if [ "$n" -lt 2 ]; then
   exit 0
 fi
 python3 -c "import gpualloc; gpualloc.install()" >/dev/null  # builds the bridge once
-for variant in native gpualloc native-hook gpualloc-hook gpualloc-plain-hook; do
+for variant in ${DDP_VARIANTS:-native gpualloc native-hook gpualloc-hook gpualloc-plain-hook}; do
   alloc=${variant%%-*}
   env=()
   case $variant in
