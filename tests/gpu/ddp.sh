@@ -46,7 +46,7 @@ for v, r in runs.items():
         summary[v] = r
         continue
     ref = runs["native"]
-    same = not isinstance(ref, dict) and r[0]["losses"] == ref[0]["losses"]
+    same = None if isinstance(ref, dict) else r[0]["losses"] == ref[0]["losses"]  # None: no native run
     summary[v] = {"backend": r[0]["backend"], "params_in_sync": all(x["params_in_sync"] for x in r),
                   "losses_equal_native": same, "last_losses": r[0]["losses"][-1],
                   "peak_reserved_over_allocated": [x["peak_reserved"] / max(1, x["peak_allocated"]) for x in r]}
