@@ -175,6 +175,44 @@ def check_compat(args) -> dict:
         assert seen[0][0] == 0, f"observer device: {seen[0]}"
         return {"args": [int(v) for v in seen[0]]}
 
+    @sub("memory_metadata_and_annotations")
+    def _():
+        torch.cuda.memory._record_memory_history(max_entries=10_000, global_record_annotations=True)
+        try:
+            torch.cuda.memory._set_memory_metadata("compat-phase")
+            assert torch.cuda.memory._get_memory_metadata() == "compat-phase"
+            with torch.autograd.profiler.record_function("compat_region"):
+                t = torch.empty(MiB, dtype=torch.uint8, device=dev)
+            torch.cuda.memory._set_memory_metadata("")
+            snap = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        entries = [e for e in snap["device_traces"][0] if e["action"] == "alloc" and e["addr"] == t.data_ptr()]
+        assert entries, "the allocation is not in the history"
+        meta = entries[-1].get("user_metadata")
+        assert meta == "compat-phase", f"user_metadata {meta!r}"
+        names = [str(a) for a in snap.get("external_annotations", [])]
+        assert any("compat_region" in n for n in names), f"annotations: {names[:5]}"
+        del t
+        return {"annotations": len(names)}
+
+    @sub("mempool_options")
+    def _():
+        # PyTorch honours use_on_oom and no_split; gpualloc refuses them with
+        # an error that names itself and the reason (never a silent no-op).
+        ours = torch.cuda.get_allocator_backend() == "gpualloc"
+        out = {}
+        for kw in ({"use_on_oom": True}, {"no_split": True}):
+            try:
+                p = torch.cuda.MemPool(**kw)
+                del p
+                out[next(iter(kw))] = "accepted"
+                assert not ours, f"gpualloc accepted MemPool({kw})"
+            except RuntimeError as e:
+                assert ours and "gpualloc" in str(e), f"MemPool({kw}): {e}"
+                out[next(iter(kw))] = "refused with gpualloc's reason"
+        return out
+
     @sub("generic_allocator_registry")
     def _():
         x = torch.empty(16 * MiB, dtype=torch.uint8, device=dev)
