@@ -563,8 +563,11 @@ fn several_traces_summarise_side_by_side() {
     let args = ["summary", s(&r[2]), s(&r[0]), s(&r[1])];
     let text = ok(&args);
     assert!(text.starts_with("3 ranks\n"), "{text}");
+    // The example's OOM: 30.25 MiB asked for on device 0 (its time is the
+    // example's own, which a re-recording changes).
     assert!(
-        text.contains("rank 2 ran out of memory at 17.625 s on device 0: 30.25 MiB requested"),
+        text.contains("rank 2 ran out of memory at ")
+            && text.contains(" s on device 0: 30.25 MiB requested"),
         "{text}"
     );
     let v: serde_json::Value =
