@@ -159,13 +159,23 @@ impl Pool {
 }
 
 /// One event, decoded by action: what `size` and `aux` mean for it, named.
-/// [`TraceEvent::kind`] is the only place that reads a record's positional
-/// fields by action; [`TraceEvent::from_kind`] is the only place that writes
-/// them. Time, device, stream and thread stay on [`TraceEvent`]; `addr` is
-/// repeated here for the actions that have one.
+///
+/// Note [Typed trace events]: a record stores two positional operands,
+/// `size` and `aux`, whose meaning depends on the action (the table in
+/// docs/trace-format.md). [`TraceEvent::kind`] is the one place that reads
+/// them by action, special values included ([`STITCH_CODE`] becomes
+/// [`Pool::Stitch`]); every reader (the CLI, replay, tests) matches on this
+/// enum instead, and a test (`tests/tests/all/structure.rs`) fails when a
+/// file outside `allocator/src/trace/` reads `aux` itself. The file format
+/// is unchanged: this is how code reads events, not how they are stored.
+/// [`EventKind::fields`] is the inverse, for building records
+/// ([`TraceEvent::from_kind`]). Time, device, stream and thread stay on
+/// [`TraceEvent`]; `addr` is repeated here for the actions that have one.
 ///
 /// Decoding never fails: every bit pattern of a record is some event, so a
 /// damaged but checksummed file decodes too (its numbers may make no sense).
+/// Operands an action does not use (the address of an `oom`, the `aux` of an
+/// `empty_cache`) are left out, so `from_kind(e.kind())` zeroes them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventKind {
     /// [`Action::Alloc`]: `block_size` bytes (rounded) handed out for a

@@ -24,6 +24,8 @@ pub use recorder::{DeviceTrace, Recorder, TraceOptions, TraceSummary, thread_id}
 pub use writer::TraceWriter;
 
 #[cfg(test)]
+mod event_tests;
+#[cfg(test)]
 mod structure_tests;
 
 /// A fresh temporary file path for tests in this crate.
