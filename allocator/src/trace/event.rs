@@ -3,7 +3,9 @@
 use crate::backend::{DevicePtr, StreamId};
 
 /// What happened. The names (see [`Action::name`]) are PyTorch's trace actions
-/// where PyTorch has one.
+/// where PyTorch has one. What `size` and `aux` mean for each action is
+/// written below and decoded by [`TraceEvent::kind`] into [`EventKind`]:
+/// read events through that, not by position (Note [Typed trace events]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u8)]
 pub enum Action {
@@ -131,7 +133,7 @@ pub enum Pool {
     /// `2 + 2k` / `3 + 2k` small / large of the k-th private pool.
     Code(u64),
     /// [`STITCH_CODE`]: a second mapping of pages already mapped, and
-    /// counted, at home (Note [Stitching]). Neither reserved memory nor
+    /// counted, at home (Note \[Stitching\]). Neither reserved memory nor
     /// free space. Traces written before the code existed record stitches
     /// as `Code(1)`.
     Stitch,
