@@ -328,7 +328,7 @@ impl DeviceRun {
                 let _ = self.dev.empty_cache();
             }
             Action::Oom => self.failed_alloc(i, e),
-            Action::PhasePush => self.phases.push(e.aux),
+            Action::PhasePush => self.phases.extend(e.name_id()),
             Action::PhasePop => {
                 self.phases.pop();
             }

@@ -227,7 +227,7 @@ mod tests {
     use super::*;
     use crate::backend::SimBackend;
     use crate::config::Config;
-    use crate::trace::{TraceEvent, TraceReader};
+    use crate::trace::{EventKind, TraceEvent, TraceReader};
 
     fn temp_path(name: &str) -> PathBuf {
         crate::trace::control_tests_path(name)
@@ -282,15 +282,12 @@ mod tests {
         assert_eq!(summary.events, evs.len() as u64);
         assert_eq!(summary.bytes, std::fs::metadata(&path).unwrap().len());
         assert_eq!(summary.dropped, 0);
-        let name = |e: &TraceEvent| r.string(e.aux).unwrap().to_string();
         let dev0: Vec<String> = evs
             .iter()
             .filter(|e| e.device == 0)
-            .map(|e| match e.action {
-                Action::PhasePush | Action::PhasePop | Action::Mark => {
-                    format!("{}:{}", e.action.name(), name(e))
-                }
-                a => a.name().to_string(),
+            .map(|e| match e.name_id() {
+                Some(id) => format!("{}:{}", e.action.name(), r.string(id).unwrap()),
+                None => e.action.name().to_string(),
             })
             .collect();
         assert_eq!(
@@ -308,7 +305,14 @@ mod tests {
             ]
         );
         let alloc = evs.iter().find(|e| e.action == Action::Alloc).unwrap();
-        assert_eq!((alloc.addr, alloc.size, alloc.aux), (p, 1000, 1024));
+        assert_eq!(
+            alloc.kind(),
+            EventKind::Alloc {
+                addr: p,
+                requested: 1000,
+                block_size: 1024
+            }
+        );
         assert_eq!(alloc.thread, crate::trace::thread_id());
         let dev1: Vec<Action> = evs
             .iter()

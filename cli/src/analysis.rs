@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use gpualloc::trace::{Action, TraceEvent};
+use gpualloc::trace::{Action, EventKind, TraceEvent};
 
 use crate::input::{self, CliError, ScanInfo};
 use crate::ooms::{self, Oom};
@@ -108,25 +108,30 @@ impl DeviceAnalysis {
             self.first_ns = e.time_ns;
         }
         self.events += 1;
-        match e.action {
-            Action::Alloc => {
+        let kind = e.kind();
+        match kind {
+            EventKind::Alloc { requested, .. } => {
                 self.allocs += 1;
-                self.sizes.add(e.size);
-                self.phases.alloc(e.size);
+                self.sizes.add(requested);
+                self.phases.alloc(requested);
             }
-            Action::Oom => {
+            EventKind::Oom {
+                requested,
+                device_free,
+            } => {
                 self.oom_count += 1;
                 if self.ooms.len() < ooms::MAX_DETAILED {
-                    self.ooms.push(ooms::examine(e, &self.state));
+                    self.ooms
+                        .push(ooms::examine(e, requested, device_free, &self.state));
                 }
             }
-            Action::PhasePop => self.phases.pop(e.aux, e.time_ns),
+            EventKind::PhasePop { name } => self.phases.pop(name, e.time_ns),
             _ => {}
         }
         self.state.apply(e);
         let g = self.state.g;
-        if e.action == Action::PhasePush {
-            self.phases.push(e.aux, e.time_ns, &g);
+        if let EventKind::PhasePush { name } = kind {
+            self.phases.push(name, e.time_ns, &g);
         }
         let at = |value| Peak {
             value,

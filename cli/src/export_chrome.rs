@@ -8,7 +8,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use gpualloc::trace::{Action, TraceEvent};
+use gpualloc::trace::{Action, EventKind, TraceEvent};
 use serde_json::json;
 
 use crate::input::{self, CliError};
@@ -48,18 +48,15 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<(), CliE
                 "args": {"allocated": g.allocated, "reserved": g.reserved, "active": g.active}}),
             );
         }
-        match e.action {
-            Action::Oom => lines.push(json!({"name": "OOM", "ph": "i", "s": "p", "ts": ts, "pid": e.device, "tid": e.thread,
-                "args": {"requested": e.size, "device_free": e.aux, "allocated": s.g.allocated, "reserved": s.g.reserved}})),
-            Action::EmptyCache => lines.push(json!({"name": "empty_cache", "ph": "i", "s": "p", "ts": ts, "pid": e.device, "tid": e.thread,
-                "args": {"released": e.size}})),
+        match e.kind() {
+            EventKind::Oom { requested, device_free } => lines.push(json!({"name": "OOM", "ph": "i", "s": "p", "ts": ts, "pid": e.device, "tid": e.thread,
+                "args": {"requested": requested, "device_free": device_free, "allocated": s.g.allocated, "reserved": s.g.reserved}})),
+            EventKind::EmptyCache { released } => lines.push(json!({"name": "empty_cache", "ph": "i", "s": "p", "ts": ts, "pid": e.device, "tid": e.thread,
+                "args": {"released": released}})),
             _ => {}
         }
-        if matches!(
-            e.action,
-            Action::PhasePush | Action::PhasePop | Action::Mark
-        ) {
-            lines.push(json!({"name": name(e.aux), "ph": ph(e), "s": "p", "ts": ts, "pid": e.device, "tid": 0}));
+        if let Some(id) = e.name_id() {
+            lines.push(json!({"name": name(id), "ph": ph(e), "s": "p", "ts": ts, "pid": e.device, "tid": 0}));
         }
         for l in lines {
             if err.is_some() {

@@ -7,7 +7,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use gpualloc::trace::Action;
+use gpualloc::trace::EventKind;
 
 use crate::input::{self, CliError};
 
@@ -20,10 +20,14 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<(), CliE
     writeln!(w, "Thread,Time,Action,Pointer,Size,Stream,Device").map_err(werr)?;
     let mut err = None;
     input::scan(path, allow_truncated, |e| {
-        let (action, ptr) = match e.action {
-            Action::Alloc => ("allocate", e.addr),
-            Action::FreeRequested => ("free", e.addr),
-            Action::Oom => ("allocate failure", 0),
+        let (action, ptr, size) = match e.kind() {
+            EventKind::Alloc {
+                addr, requested, ..
+            } => ("allocate", addr, requested),
+            EventKind::FreeRequested {
+                addr, requested, ..
+            } => ("free", addr, requested),
+            EventKind::Oom { requested, .. } => ("allocate failure", 0, requested),
             _ => return,
         };
         if err.is_none() {
@@ -34,10 +38,9 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<(), CliE
             };
             let r = writeln!(
                 w,
-                "{},{},{action},{ptr},{},{:#x},{}",
+                "{},{},{action},{ptr},{size},{:#x},{}",
                 e.thread,
                 clock(start.saturating_add(e.time_ns)),
-                e.size,
                 e.stream,
                 e.device
             );

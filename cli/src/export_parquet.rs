@@ -40,7 +40,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use gpualloc::trace::{Action, STITCH_CODE, TraceEvent};
+use gpualloc::trace::{Action, EventKind, Pool, TraceEvent};
 use parquet::data_type::ByteArray;
 
 use crate::input::{self, CliError};
@@ -286,11 +286,13 @@ impl Writer {
         d.s.apply(e);
         d.last_ns = e.time_ns;
         let g = d.s.g;
-        match e.action {
-            Action::Mark => {
+        use EventKind as K;
+        let kind = e.kind();
+        match kind {
+            K::Mark { name } => {
                 d.step += 1;
                 let next = Span {
-                    name: Some(self.name(e.aux)),
+                    name: Some(self.name(name)),
                     step: d.step,
                     depth: None,
                     start: e.time_ns,
@@ -301,46 +303,46 @@ impl Writer {
                     self.span(dev, done, Some(e.time_ns))?;
                 }
             }
-            Action::PhasePush if d.open.len() < MAX_OPEN => d.open.push(Span {
-                name: Some(self.name(e.aux)),
+            K::PhasePush { name } if d.open.len() < MAX_OPEN => d.open.push(Span {
+                name: Some(self.name(name)),
                 step: d.step,
                 depth: Some(d.open.len() as u64),
                 start: e.time_ns,
                 peak: g,
-                id: Some(e.aux),
+                id: Some(name),
             }),
-            Action::PhasePop => {
-                if let Some(i) = d.open.iter().rposition(|o| o.id == Some(e.aux)) {
+            K::PhasePop { name } => {
+                if let Some(i) = d.open.iter().rposition(|o| o.id == Some(name)) {
                     for sp in d.open.drain(i..).rev().collect::<Vec<_>>() {
                         self.span(dev, sp, Some(e.time_ns))?;
                     }
                 }
             }
-            Action::SegmentAlloc if d.segments.len() < state::MAX_TRACKED => {
-                d.segments.insert(e.addr, held(e));
+            K::SegmentAlloc { addr, size, pool } if d.segments.len() < state::MAX_TRACKED => {
+                d.segments.insert(addr, held(e, size, pool));
             }
-            Action::SegmentFree => {
-                if let Some(h) = d.segments.remove(&e.addr) {
-                    self.held(0, dev, e.addr, h, Some(e.time_ns))?;
+            K::SegmentFree { addr, .. } => {
+                if let Some(h) = d.segments.remove(&addr) {
+                    self.held(0, dev, addr, h, Some(e.time_ns))?;
                 }
             }
-            Action::SegmentMap => {
-                let m = if e.aux == STITCH_CODE {
+            K::SegmentMap { addr, size, pool } => {
+                let m = if pool == Pool::Stitch {
                     &mut d.stitched
                 } else {
                     &mut d.mapped
                 };
                 if m.len() < state::MAX_TRACKED {
-                    m.insert(e.addr, held(e));
+                    m.insert(addr, held(e, size, pool));
                 }
             }
-            Action::SegmentUnmap => {
-                let (kind, m) = if e.aux == STITCH_CODE {
+            K::SegmentUnmap { addr, size, pool } => {
+                let (kind, m) = if pool == Pool::Stitch {
                     (2, &mut d.stitched)
                 } else {
                     (1, &mut d.mapped)
                 };
-                for (addr, h) in unmap(m, e.addr, e.size) {
+                for (addr, h) in unmap(m, addr, size) {
                     self.held(kind, dev, addr, h, Some(e.time_ns))?;
                 }
             }
@@ -349,18 +351,39 @@ impl Writer {
         for sp in d.open.iter_mut().chain(d.current.as_mut()) {
             sp.observe(&g);
         }
-        let block = matches!(
-            e.action,
-            Action::Alloc | Action::FreeRequested | Action::FreeCompleted | Action::Free
-        );
-        let segment = matches!(
-            e.action,
-            Action::SegmentAlloc | Action::SegmentFree | Action::SegmentMap | Action::SegmentUnmap
-        );
-        let named = matches!(
-            e.action,
-            Action::PhasePush | Action::PhasePop | Action::Mark
-        );
+        // The size column: block bytes for block events, the event's bytes
+        // otherwise; requested bytes, pool and free bytes where they apply.
+        let (size, requested, pool, device_free) = match kind {
+            K::Alloc {
+                requested,
+                block_size,
+                ..
+            }
+            | K::FreeRequested {
+                requested,
+                block_size,
+                ..
+            }
+            | K::FreeCompleted {
+                requested,
+                block_size,
+                ..
+            }
+            | K::Free {
+                requested,
+                block_size,
+                ..
+            } => (block_size, Some(requested), None, None),
+            K::SegmentAlloc { size, pool, .. }
+            | K::SegmentFree { size, pool, .. }
+            | K::SegmentMap { size, pool, .. }
+            | K::SegmentUnmap { size, pool, .. } => (size, None, Some(pool.code()), None),
+            K::Oom {
+                requested,
+                device_free,
+            } => (requested, Some(requested), None, Some(device_free)),
+            _ => (e.size, None, None, None),
+        };
         let phase = d.s.phases.last().copied().unwrap_or(state::NO_PHASE);
         let row = [
             V::u(e.time_ns),
@@ -369,18 +392,17 @@ impl Writer {
             V::u(u64::from(dev)),
             V::Str(self.actions[e.action as usize].clone()),
             V::u(e.addr),
-            V::u(if block { e.aux } else { e.size }),
-            V::opt((block || e.action == Action::Oom).then_some(e.size)),
+            V::u(size),
+            V::opt(requested),
             V::u(e.stream),
             V::u(u64::from(e.thread)),
-            V::opt(segment.then_some(e.aux)),
-            V::opt((e.action == Action::Oom).then_some(e.aux)),
+            V::opt(pool),
+            V::opt(device_free),
             V::u(d.step),
             self.phase_name(phase),
-            if named {
-                V::Str(self.name(e.aux))
-            } else {
-                V::Null
+            match e.name_id() {
+                Some(id) => V::Str(self.name(id)),
+                None => V::Null,
             },
             V::u(g.allocated),
             V::u(g.reserved),
@@ -409,10 +431,10 @@ impl Writer {
     }
 }
 
-fn held(e: &TraceEvent) -> Held {
+fn held(e: &TraceEvent, size: u64, pool: Pool) -> Held {
     Held {
-        size: e.size,
-        pool: e.aux,
+        size,
+        pool: pool.code(),
         stream: e.stream,
         start: e.time_ns,
     }

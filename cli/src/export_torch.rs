@@ -14,7 +14,7 @@ use std::fs::File;
 use std::io::BufWriter;
 use std::path::Path;
 
-use gpualloc::trace::{Action, TraceEvent};
+use gpualloc::trace::{EventKind, Pool, TraceEvent};
 
 use crate::input::{self, CliError};
 use crate::pickle::Pickler;
@@ -103,37 +103,44 @@ struct Exporter {
 
 impl Exporter {
     fn event(&mut self, p: &mut P, e: &TraceEvent) -> std::io::Result<()> {
-        let keep = match e.action {
+        let keep = match e.kind() {
             // A range past the end of the address space (a corrupt file):
             // the state warns of it and leaves it out.
-            Action::Alloc if range_end(e.addr, e.aux.max(1)).is_none() => false,
-            Action::Alloc => {
-                if !covered(&self.state, e.addr, e.aux.max(1)) {
-                    let synth = TraceEvent {
-                        action: Action::SegmentAlloc,
-                        size: e.aux.max(1),
-                        aux: 1,
-                        ..*e
-                    };
+            EventKind::Alloc {
+                addr, block_size, ..
+            } if range_end(addr, block_size.max(1)).is_none() => false,
+            EventKind::Alloc {
+                addr, block_size, ..
+            } => {
+                if !covered(&self.state, addr, block_size.max(1)) {
+                    let synth = e.with_kind(EventKind::SegmentAlloc {
+                        addr,
+                        size: block_size.max(1),
+                        pool: Pool::Code(1),
+                    });
                     self.state.apply(&synth);
-                    if let Some(r) = self.state.regions.get_mut(&e.addr) {
+                    if let Some(r) = self.state.regions.get_mut(&addr) {
                         r.synthetic = true;
                     }
                     self.entry(p, "segment_alloc", &synth, synth.size)?;
                 }
                 true
             }
-            Action::FreeRequested => self.state.live.get(&e.addr).is_some_and(|l| !l.pending),
-            Action::FreeCompleted => self.state.live.contains_key(&e.addr),
-            Action::SegmentFree => self.state.regions.contains_key(&e.addr),
-            Action::SegmentUnmap => self
+            EventKind::FreeRequested { addr, .. } => {
+                self.state.live.get(&addr).is_some_and(|l| !l.pending)
+            }
+            EventKind::FreeCompleted { addr, .. } => self.state.live.contains_key(&addr),
+            EventKind::SegmentFree { addr, .. } => self.state.regions.contains_key(&addr),
+            EventKind::SegmentUnmap { addr, size, .. } => self
                 .state
                 .regions
-                .range(..=e.addr)
+                .range(..=addr)
                 .next_back()
-                .is_some_and(|(&a, r)| r.expandable && within(e.addr, e.size, a, r.size)),
-            Action::SegmentAlloc | Action::SegmentMap | Action::Oom => true,
-            Action::PhasePush | Action::PhasePop | Action::Mark => {
+                .is_some_and(|(&a, r)| r.expandable && within(addr, size, a, r.size)),
+            EventKind::SegmentAlloc { .. }
+            | EventKind::SegmentMap { .. }
+            | EventKind::Oom { .. } => true,
+            EventKind::PhasePush { .. } | EventKind::PhasePop { .. } | EventKind::Mark { .. } => {
                 self.state.apply(e);
                 return Ok(());
             }
@@ -145,18 +152,21 @@ impl Exporter {
         }
         let requested = self.state.live.get(&e.addr).map_or(e.size, |l| l.requested);
         self.state.apply(e);
-        match e.action {
-            Action::Oom => {
+        match e.kind() {
+            EventKind::Oom {
+                requested,
+                device_free,
+            } => {
                 p.dict()?;
                 p.kv_str("action", "oom")?;
-                p.kv_int("size", e.size)?;
-                p.kv_int("device_free", e.aux)?;
+                p.kv_int("size", requested)?;
+                p.kv_int("device_free", device_free)?;
                 p.kv_int("stream", e.stream)?;
                 p.kv_int("time_us", self.start_ns.saturating_add(e.time_ns) / 1000)?;
                 p.end()
             }
-            Action::FreeRequested => self.entry(p, "free_requested", e, requested),
-            Action::FreeCompleted => {
+            EventKind::FreeRequested { .. } => self.entry(p, "free_requested", e, requested),
+            EventKind::FreeCompleted { .. } => {
                 self.entry(p, "free_completed", e, requested)?;
                 self.free_synthetic(p, e)
             }
@@ -174,11 +184,12 @@ impl Exporter {
             .filter(|r| r.synthetic)
         {
             let synth = TraceEvent {
-                action: Action::SegmentFree,
-                size: r.size,
-                aux: r.pool,
                 stream: r.stream,
-                ..*e
+                ..e.with_kind(EventKind::SegmentFree {
+                    addr: e.addr,
+                    size: r.size,
+                    pool: Pool::from_code(r.pool),
+                })
             };
             self.state.apply(&synth);
             self.entry(p, "segment_free", &synth, r.size)?;

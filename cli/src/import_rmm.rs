@@ -11,7 +11,7 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter};
 use std::path::Path;
 
-use gpualloc::trace::{Action, MAX_DEVICES, TraceEvent, TraceHeader, TraceWriter};
+use gpualloc::trace::{EventKind, MAX_DEVICES, TraceEvent, TraceHeader, TraceWriter};
 use rustc_hash::FxHashMap;
 
 use crate::input::{self, CliError};
@@ -103,35 +103,35 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                 .ok_or_else(|| bad(c, &format!("expected a device index below {MAX_DEVICES}")))?,
             None => 0,
         };
-        let e = TraceEvent {
-            time_ns: us.saturating_sub(t0).saturating_mul(1000),
-            action: Action::Alloc,
-            device,
-            stream,
-            addr: ptr,
-            size,
-            aux: size,
-            thread,
+        // RMM logs no rounding: the block is the bytes requested.
+        let (addr, requested, block_size) = (ptr, size, size);
+        let event = |kind| {
+            let time_ns = us.saturating_sub(t0).saturating_mul(1000);
+            TraceEvent::from_kind(time_ns, device, stream, thread, kind)
         };
         let out = batches.entry(device).or_default();
         match field(ca)? {
-            "allocate" => out.push(e),
+            "allocate" => out.push(event(EventKind::Alloc {
+                addr,
+                requested,
+                block_size,
+            })),
             "free" => {
-                out.push(TraceEvent {
-                    action: Action::FreeRequested,
-                    ..e
-                });
-                out.push(TraceEvent {
-                    action: Action::FreeCompleted,
-                    ..e
-                });
+                out.push(event(EventKind::FreeRequested {
+                    addr,
+                    requested,
+                    block_size,
+                }));
+                out.push(event(EventKind::FreeCompleted {
+                    addr,
+                    requested,
+                    block_size,
+                }));
             }
-            "allocate failure" => out.push(TraceEvent {
-                action: Action::Oom,
-                addr: 0,
-                aux: 0,
-                ..e
-            }),
+            "allocate failure" => out.push(event(EventKind::Oom {
+                requested,
+                device_free: 0,
+            })),
             _ => return Err(bad(ca, "expected allocate, free or allocate failure")),
         }
         if out.len() >= 4096 {

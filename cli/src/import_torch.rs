@@ -12,7 +12,7 @@ use std::path::Path;
 
 use gpualloc::Config;
 use gpualloc::size_class::round_size;
-use gpualloc::trace::{Action, MAX_DEVICES, TraceEvent, TraceHeader, TraceWriter};
+use gpualloc::trace::{Action, EventKind, MAX_DEVICES, Pool, TraceEvent, TraceHeader, TraceWriter};
 
 use crate::input::CliError;
 use crate::unpickle;
@@ -90,19 +90,51 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             } else {
                 round_size(size, &config)
             };
-            let (action, addr, aux) = match action.as_str() {
-                "alloc" => (Action::Alloc, int("addr"), block),
-                "free_requested" => (Action::FreeRequested, int("addr"), block),
-                "free_completed" => (Action::FreeCompleted, int("addr"), block),
-                "segment_alloc" => (
-                    Action::SegmentAlloc,
-                    int("addr"),
-                    u64::from(size != 2 << 20),
-                ),
-                "segment_free" => (Action::SegmentFree, int("addr"), u64::from(size != 2 << 20)),
-                "segment_map" => (Action::SegmentMap, int("addr"), 1),
-                "segment_unmap" => (Action::SegmentUnmap, int("addr"), 1),
-                "oom" => (Action::Oom, Some(0), int("device_free").unwrap_or(0)),
+            let addr =
+                |a: Action| int("addr").ok_or_else(|| at(&format!("`{a:?}` without an `addr`")));
+            // Segments of 2 MiB come from the small pool, others from the large.
+            let pool = Pool::Code(u64::from(size != 2 << 20));
+            let (requested, block_size) = (size, block);
+            let kind = match action.as_str() {
+                "alloc" => EventKind::Alloc {
+                    addr: addr(Action::Alloc)?,
+                    requested,
+                    block_size,
+                },
+                "free_requested" => EventKind::FreeRequested {
+                    addr: addr(Action::FreeRequested)?,
+                    requested,
+                    block_size,
+                },
+                "free_completed" => EventKind::FreeCompleted {
+                    addr: addr(Action::FreeCompleted)?,
+                    requested,
+                    block_size,
+                },
+                "segment_alloc" => EventKind::SegmentAlloc {
+                    addr: addr(Action::SegmentAlloc)?,
+                    size,
+                    pool,
+                },
+                "segment_free" => EventKind::SegmentFree {
+                    addr: addr(Action::SegmentFree)?,
+                    size,
+                    pool,
+                },
+                "segment_map" => EventKind::SegmentMap {
+                    addr: addr(Action::SegmentMap)?,
+                    size,
+                    pool: Pool::Code(1),
+                },
+                "segment_unmap" => EventKind::SegmentUnmap {
+                    addr: addr(Action::SegmentUnmap)?,
+                    size,
+                    pool: Pool::Code(1),
+                },
+                "oom" => EventKind::Oom {
+                    requested,
+                    device_free: int("device_free").unwrap_or(0),
+                },
                 "annotate" => {
                     let name = entry
                         .get("user_metadata")
@@ -117,21 +149,12 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                             id
                         }
                     };
-                    (Action::Mark, Some(0), id)
+                    EventKind::Mark { name: id }
                 }
                 _ => continue, // `snapshot` and future actions carry no allocation.
             };
-            let addr = addr.ok_or_else(|| at(&format!("`{action:?}` without an `addr`")))?;
-            events.push(TraceEvent {
-                time_ns: time_us.saturating_mul(1000),
-                action,
-                device: d as u32,
-                stream,
-                addr,
-                size,
-                aux,
-                thread: 0,
-            });
+            let time_ns = time_us.saturating_mul(1000);
+            events.push(TraceEvent::from_kind(time_ns, d as u32, stream, 0, kind));
         }
         w.write_events(d as u32, &events).map_err(werr)?;
     }

@@ -37,8 +37,10 @@ pub struct Oom {
     pub by_phase: Vec<(u64, u64)>,
 }
 
-/// Examines the state at an `oom` event.
-pub fn examine(e: &TraceEvent, s: &DeviceState) -> Oom {
+/// Examines the state at an `oom` event `e`, whose
+/// [`EventKind::Oom`](gpualloc::trace::EventKind::Oom) holds `requested`
+/// and `device_free`.
+pub fn examine(e: &TraceEvent, requested: u64, device_free: u64, s: &DeviceState) -> Oom {
     let (largest_free, cached_free) = s.free_space();
     let mut live: Vec<(u64, u64, u64, u64, u64)> = s
         .live
@@ -65,8 +67,8 @@ pub fn examine(e: &TraceEvent, s: &DeviceState) -> Oom {
     Oom {
         time_ns: e.time_ns,
         stream: e.stream,
-        requested: e.size,
-        device_free: e.aux,
+        requested,
+        device_free,
         limited: false,
         gauges: s.g,
         largest_free,

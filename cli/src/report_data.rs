@@ -27,7 +27,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use gpualloc::trace::{Action, TraceEvent};
+use gpualloc::trace::{Action, EventKind, TraceEvent};
 use serde_json::{Value, json};
 
 use crate::analysis::{self, Analysis, AtPeak};
@@ -164,8 +164,8 @@ impl Collector {
             self.ooms_seen += 1;
             self.snapshot(t, "oom");
         }
-        if e.action == Action::PhasePop {
-            self.close_spans(e.aux, t);
+        if let EventKind::PhasePop { name } = e.kind() {
+            self.close_spans(name, t);
         }
         self.s.apply(e);
         self.n += 1;
@@ -186,18 +186,20 @@ impl Collector {
         for &(_, i) in &self.open {
             max_g(&mut self.spans[i].max, &g);
         }
-        if e.action == Action::PhasePush
-            && self.rare.contains(&e.aux)
-            && self.spans.len() < MAX_SPANS
-        {
-            self.open.push((e.aux, self.spans.len()));
-            self.spans.push(Span {
-                phase: e.aux,
-                start: t,
-                end: t,
-                at_open: g,
-                max: g,
-            });
+        match e.kind() {
+            EventKind::PhasePush { name }
+                if self.rare.contains(&name) && self.spans.len() < MAX_SPANS =>
+            {
+                self.open.push((name, self.spans.len()));
+                self.spans.push(Span {
+                    phase: name,
+                    start: t,
+                    end: t,
+                    at_open: g,
+                    max: g,
+                });
+            }
+            _ => {}
         }
         if let Some(kind) = self.targets.get(&self.n).copied() {
             if kind == "peak allocated" {

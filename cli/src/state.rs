@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 
-use gpualloc::trace::{Action, STITCH_CODE, TraceEvent};
+use gpualloc::trace::{Action, EventKind, Pool, TraceEvent};
 use rustc_hash::FxHashMap;
 
 /// Iteration boundaries kept per kind (marks, each top-level phase).
@@ -115,9 +115,13 @@ impl DeviceState {
     /// one is warned of: a corrupt file never panics or wraps a gauge.
     #[inline]
     pub fn apply(&mut self, e: &TraceEvent) {
-        let span = match e.action {
-            Action::Alloc | Action::Free => e.aux,
-            Action::SegmentAlloc | Action::SegmentMap | Action::SegmentUnmap => e.size,
+        use EventKind as K;
+        let kind = e.kind();
+        let span = match kind {
+            K::Alloc { block_size, .. } | K::Free { block_size, .. } => block_size,
+            K::SegmentAlloc { size, .. }
+            | K::SegmentMap { size, .. }
+            | K::SegmentUnmap { size, .. } => size,
             _ => 0,
         };
         if range_end(e.addr, span).is_none() {
@@ -130,14 +134,18 @@ impl DeviceState {
         {
             return self.contradiction(e, "more live blocks or ranges than are tracked");
         }
-        match e.action {
-            Action::Alloc => {
+        match kind {
+            K::Alloc {
+                addr,
+                requested,
+                block_size,
+            } => {
                 let phase = self.phases.last().copied().unwrap_or(NO_PHASE);
                 let old = self.live.insert(
-                    e.addr,
+                    addr,
                     Live {
-                        size: e.aux,
-                        requested: e.size,
+                        size: block_size,
+                        requested,
                         stream: e.stream,
                         phase,
                         time_ns: e.time_ns,
@@ -150,14 +158,14 @@ impl DeviceState {
                     self.sub(e, |g| &mut g.requested, o.requested);
                     self.contradiction(e, "an allocation of a block already live");
                 }
-                self.add(e, |g| &mut g.allocated, e.aux);
-                self.add(e, |g| &mut g.active, e.aux);
-                self.add(e, |g| &mut g.requested, e.size);
+                self.add(e, |g| &mut g.allocated, block_size);
+                self.add(e, |g| &mut g.active, block_size);
+                self.add(e, |g| &mut g.requested, requested);
                 if self.reserves && self.g.allocated > self.g.reserved {
                     self.contradiction(e, "allocated bytes above reserved bytes");
                 }
             }
-            Action::FreeRequested => match self.live.get_mut(&e.addr) {
+            K::FreeRequested { addr, .. } => match self.live.get_mut(&addr) {
                 Some(l) if !l.pending => {
                     l.pending = true;
                     let size = l.size;
@@ -165,8 +173,8 @@ impl DeviceState {
                 }
                 _ => self.unknown += 1,
             },
-            Action::FreeCompleted => {
-                if let Some(l) = self.live.remove(&e.addr) {
+            K::FreeCompleted { addr, .. } => {
+                if let Some(l) = self.live.remove(&addr) {
                     if !l.pending {
                         self.sub(e, |g| &mut g.allocated, l.size);
                     }
@@ -174,65 +182,73 @@ impl DeviceState {
                     self.sub(e, |g| &mut g.requested, l.requested);
                 }
             }
-            Action::SegmentAlloc => {
+            K::SegmentAlloc { addr, size, pool } => {
                 self.reserves = true;
                 self.regions.insert(
-                    e.addr,
+                    addr,
                     Region {
-                        size: e.size,
+                        size,
                         stream: e.stream,
-                        pool: e.aux,
+                        pool: pool.code(),
                         expandable: false,
                         synthetic: false,
                     },
                 );
-                self.add(e, |g| &mut g.reserved, e.size);
+                self.add(e, |g| &mut g.reserved, size);
             }
-            Action::SegmentFree if self.regions.remove(&e.addr).is_some() => {
-                self.sub(e, |g| &mut g.reserved, e.size);
+            K::SegmentFree { addr, size, .. } if self.regions.remove(&addr).is_some() => {
+                self.sub(e, |g| &mut g.reserved, size);
             }
-            Action::SegmentMap if e.aux == STITCH_CODE => {
-                self.aliases.insert(e.addr, e.size);
+            K::SegmentMap {
+                addr,
+                size,
+                pool: Pool::Stitch,
+            } => {
+                self.aliases.insert(addr, size);
             }
-            Action::SegmentUnmap if e.aux == STITCH_CODE => {
-                self.aliases.remove(&e.addr);
+            K::SegmentUnmap {
+                addr,
+                pool: Pool::Stitch,
+                ..
+            } => {
+                self.aliases.remove(&addr);
             }
-            Action::SegmentMap => {
+            K::SegmentMap { addr, size, pool } => {
                 self.reserves = true;
-                self.map(e.addr, e.size, e.stream, e.aux);
+                self.map(addr, size, e.stream, pool.code());
                 if !self.pooled {
-                    self.add(e, |g| &mut g.reserved, e.size);
+                    self.add(e, |g| &mut g.reserved, size);
                 }
             }
-            Action::SegmentUnmap if self.unmap(e.addr, e.size) && !self.pooled => {
-                self.sub(e, |g| &mut g.reserved, e.size);
+            K::SegmentUnmap { addr, size, .. } if self.unmap(addr, size) && !self.pooled => {
+                self.sub(e, |g| &mut g.reserved, size);
             }
-            Action::PagesCreate => {
+            K::PagesCreate { bytes } => {
                 self.pooled = true;
                 self.reserves = true;
-                self.add(e, |g| &mut g.reserved, e.size);
+                self.add(e, |g| &mut g.reserved, bytes);
             }
-            Action::PagesRelease => {
+            K::PagesRelease { bytes } => {
                 self.pooled = true;
-                self.sub(e, |g| &mut g.reserved, e.size);
+                self.sub(e, |g| &mut g.reserved, bytes);
             }
-            Action::PhasePush => {
+            K::PhasePush { name } => {
                 if self.phases.is_empty() {
-                    let v = self.top_pushes.entry(e.aux).or_default();
+                    let v = self.top_pushes.entry(name).or_default();
                     if v.len() < MAX_BOUNDARIES {
                         v.push(e.time_ns);
                     }
                 }
                 if self.phases.len() < MAX_BOUNDARIES {
-                    self.phases.push(e.aux);
+                    self.phases.push(name);
                 }
             }
-            Action::PhasePop => {
-                if let Some(i) = self.phases.iter().rposition(|&p| p == e.aux) {
+            K::PhasePop { name } => {
+                if let Some(i) = self.phases.iter().rposition(|&p| p == name) {
                     self.phases.truncate(i);
                 }
             }
-            Action::Mark if self.marks.len() < MAX_BOUNDARIES => self.marks.push(e.time_ns),
+            K::Mark { .. } if self.marks.len() < MAX_BOUNDARIES => self.marks.push(e.time_ns),
             _ => {}
         }
     }
@@ -427,6 +443,8 @@ pub fn unallocated(allocated: u64, reserved: u64) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    use gpualloc::trace::STITCH_CODE;
+
     use super::*;
 
     fn ev(action: Action, addr: u64, size: u64, aux: u64) -> TraceEvent {

@@ -3,8 +3,9 @@
 ``annotations(path)`` returns, per record in file order, a dict with
 ``device``, ``time_ns`` (since the trace start), ``kind`` (``phase_push``,
 ``phase_pop`` or ``mark``) and ``name``. It decodes every record (their
-fields are delta-encoded), but keeps only these three kinds; the byte layout
-is docs/trace-format.md's. A damaged or truncated file is a ``ValueError``
+fields are delta-encoded), but keeps only these three kinds; ``records(path)``
+keeps them all. ``decode`` names a record's fields by action, the one place
+that reads them by position; the byte layout is docs/trace-format.md's. A damaged or truncated file is a ``ValueError``
 naming the offset. Pure Python: about 200k events a second, for tests and
 short runs; the ``gpualloc`` command reads long traces.
 """
@@ -17,8 +18,54 @@ from typing import Dict, List, Tuple
 
 MAGIC = b"\x89GATRACE"
 EVENTS, STRINGS = 1, 2
+# Action codes in order, with PyTorch's names (``Action`` in allocator/src/trace/event.rs).
+ACTIONS = (
+    "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+    "segment_map", "segment_unmap", "oom", "empty_cache", "phase_push", "phase_pop",
+    "mark", "record_stream", "stream_reuse", "sync_all_streams", "free",
+    "pages_create", "pages_release",
+)
 KINDS = {9: "phase_push", 10: "phase_pop", 11: "mark"}
 FREE = 15  # alloc, free_requested, free_completed (0-2) and free store aux against size
+STITCH_CODE = 2**64 - 1  # the pool code of a stitched range (Note [Stitching])
+U64 = 2**64 - 1  # addresses and block sizes wrap as the Rust reader's do
+
+
+def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
+    """The named fields of one record: the one place this module reads ``size``
+    and ``aux`` by action, as ``TraceEvent::kind`` does in Rust
+    (allocator/src/trace/event.rs; the table in docs/trace-format.md).
+
+    Returns a dict with ``kind`` (the action's name) and that action's fields:
+    ``addr``, ``requested``, ``block_size`` (alloc, free_requested,
+    free_completed, free); ``addr``, ``size``, ``pool`` (segment events: a pool
+    code, or ``"stitch"`` for ``STITCH_CODE``); ``requested``, ``device_free``
+    (oom); ``released`` (empty_cache); ``name`` (a string id: phase_push,
+    phase_pop, mark); ``addr``, ``other_stream`` (record_stream); ``addr``,
+    ``block_size``, ``from_stream`` (stream_reuse); ``outstanding``
+    (sync_all_streams); ``bytes`` (pages_create, pages_release). An unknown
+    code gives ``kind`` ``"#<code>"`` and the raw fields.
+    """
+    kind = ACTIONS[action] if action < len(ACTIONS) else f"#{action}"
+    if action <= 2 or action == FREE:
+        return {"kind": kind, "addr": addr, "requested": size, "block_size": aux}
+    if 3 <= action <= 6:
+        return {"kind": kind, "addr": addr, "size": size, "pool": "stitch" if aux == STITCH_CODE else aux}
+    if action == 7:
+        return {"kind": kind, "requested": size, "device_free": aux}
+    if action == 8:
+        return {"kind": kind, "released": size}
+    if action in KINDS:
+        return {"kind": kind, "name": aux}
+    if action == 12:
+        return {"kind": kind, "addr": addr, "other_stream": stream}
+    if action == 13:
+        return {"kind": kind, "addr": addr, "block_size": size, "from_stream": aux}
+    if action == 14:
+        return {"kind": kind, "outstanding": size}
+    if action in (16, 17):
+        return {"kind": kind, "bytes": size}
+    return {"kind": kind, "stream": stream, "addr": addr, "size": size, "aux": aux}
 
 
 def _varint(buf: bytes, i: int) -> Tuple[int, int]:
@@ -40,6 +87,24 @@ def _zigzag(buf: bytes, i: int) -> Tuple[int, int]:
 
 
 def annotations(path: str) -> List[Dict]:
+    strings, recs = _read(path, KINDS)
+    return [
+        {"device": r["device"], "time_ns": r["time_ns"], "kind": r["kind"], "name": strings.get(r["name"], f"#{r['name']}")}
+        for r in recs
+    ]
+
+
+def records(path: str) -> List[Dict]:
+    """Every record of the file in file order, as ``decode`` names its fields,
+    with ``device`` and ``time_ns``. Phase and mark names stay string ids; a
+    ``free`` record (a ``free_requested`` completed in the same call) stays
+    one record."""
+    return _read(path, None)[1]
+
+
+def _read(path: str, actions) -> Tuple[Dict[int, str], List[Dict]]:
+    """The string table and the records whose action code is in ``actions``
+    (every record when ``None``)."""
     with open(path, "rb") as f:
         data = f.read()
     if data[:8] != MAGIC:
@@ -49,7 +114,7 @@ def annotations(path: str) -> List[Dict]:
         raise ValueError(f"{path}: trace format version {version}; this reader knows version 1")
     pos = 14 + body_len + 4
     strings: Dict[int, str] = {}
-    pending: List[Tuple[int, int, int, int]] = []  # (device, time, action, string id)
+    recs: List[Dict] = []
     while pos < len(data):
         if pos + 16 > len(data) or data[pos : pos + 2] != b"BK":
             raise ValueError(f"{path}: no block header at byte {pos}")
@@ -65,16 +130,17 @@ def annotations(path: str) -> List[Dict]:
                 strings[sid] = payload[i : i + ln].decode("utf-8", "replace")
                 i += ln
         elif kind == EVENTS:
-            pending.extend((device, t, a, aux) for t, a, aux in _records(payload))
+            recs.extend({"device": device, "time_ns": t, **ev} for t, ev in _records(payload, actions))
         pos += 16 + plen
-    return [{"device": d, "time_ns": t, "kind": KINDS[a], "name": strings.get(aux, f"#{aux}")} for d, t, a, aux in pending]
+    return strings, recs
 
 
-def _records(p: bytes):
-    """``(time, action, aux)`` of the phase and mark records of an EVENTS payload."""
+def _records(p: bytes, actions=None):
+    """``(time, decode(...))`` of the records of an EVENTS payload whose action
+    code is in ``actions`` (every record when ``None``)."""
     n, i = _varint(p, 0)
     t, i = _varint(p, i)
-    addr = size = aux = 0
+    stream = addr = size = aux = 0
     for _ in range(n):
         tag = p[i]
         i += 1
@@ -82,17 +148,17 @@ def _records(p: bytes):
         dt, i = _zigzag(p, i)
         t += dt
         if not tag & 0x20:
-            _, i = _varint(p, i)  # stream
+            stream, i = _varint(p, i)
         if not tag & 0x40:
             _, i = _varint(p, i)  # thread
         if not tag & 0x80:
             da, i = _zigzag(p, i)
-            addr += da
+            addr = (addr + da) & U64
             size, i = _varint(p, i)
             if action <= 2 or action == FREE:
                 d, i = _zigzag(p, i)
-                aux = size + d
+                aux = (size + d) & U64
             else:
                 aux, i = _varint(p, i)
-        if action in KINDS:
-            yield t, action, aux
+        if actions is None or action in actions:
+            yield t, decode(action, stream, addr, size, aux)

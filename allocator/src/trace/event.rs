@@ -3,7 +3,9 @@
 use crate::backend::{DevicePtr, StreamId};
 
 /// What happened. The names (see [`Action::name`]) are PyTorch's trace actions
-/// where PyTorch has one.
+/// where PyTorch has one. What `size` and `aux` mean for each action is
+/// written below and decoded by [`TraceEvent::kind`] into [`EventKind`]:
+/// read events through that, not by position (Note [Typed trace events]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u8)]
 pub enum Action {
@@ -119,6 +121,264 @@ pub fn pool_code(private_index: Option<u32>, large: bool) -> u64 {
     base + u64::from(large)
 }
 
+/// A string-table id: the name of a phase or a mark
+/// ([`TraceReader::string`](crate::trace::TraceReader::string) resolves it).
+pub type StringId = u64;
+
+/// The pool a segment event names (its `aux`, the pool code of
+/// [`pool_code`]), with the stitch code told apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pool {
+    /// A pool of the caching allocator: 0 default small, 1 default large,
+    /// `2 + 2k` / `3 + 2k` small / large of the k-th private pool.
+    Code(u64),
+    /// [`STITCH_CODE`]: a second mapping of pages already mapped, and
+    /// counted, at home (Note \[Stitching\]). Neither reserved memory nor
+    /// free space. Traces written before the code existed record stitches
+    /// as `Code(1)`.
+    Stitch,
+}
+
+impl Pool {
+    /// The pool of a segment event's pool code.
+    #[inline]
+    pub fn from_code(code: u64) -> Pool {
+        if code == STITCH_CODE {
+            Pool::Stitch
+        } else {
+            Pool::Code(code)
+        }
+    }
+
+    /// The code as the file stores it ([`STITCH_CODE`] for a stitch).
+    #[inline]
+    pub fn code(self) -> u64 {
+        match self {
+            Pool::Code(c) => c,
+            Pool::Stitch => STITCH_CODE,
+        }
+    }
+}
+
+/// One event, decoded by action: what `size` and `aux` mean for it, named.
+///
+/// Note [Typed trace events]: a record stores two positional operands,
+/// `size` and `aux`, whose meaning depends on the action (the table in
+/// docs/trace-format.md). [`TraceEvent::kind`] is the one place that reads
+/// them by action, special values included ([`STITCH_CODE`] becomes
+/// [`Pool::Stitch`]); every reader (the CLI, replay, tests) matches on this
+/// enum instead, and a test (`tests/tests/all/structure.rs`) fails when a
+/// file outside `allocator/src/trace/` reads `aux` itself. The file format
+/// is unchanged: this is how code reads events, not how they are stored.
+/// [`EventKind::fields`] is the inverse, for building records
+/// ([`TraceEvent::from_kind`]). Time, device, stream and thread stay on
+/// [`TraceEvent`]; `addr` is repeated here for the actions that have one.
+///
+/// Decoding never fails: every bit pattern of a record is some event, so a
+/// damaged but checksummed file decodes too (its numbers may make no sense).
+/// Operands an action does not use (the address of an `oom`, the `aux` of an
+/// `empty_cache`) are left out, so `from_kind(e.kind())` zeroes them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    /// [`Action::Alloc`]: `block_size` bytes (rounded) handed out for a
+    /// request of `requested` bytes.
+    Alloc {
+        /// Block address.
+        addr: DevicePtr,
+        /// Bytes the caller asked for.
+        requested: u64,
+        /// Bytes of the block (rounded, as the allocator holds them).
+        block_size: u64,
+    },
+    /// [`Action::FreeRequested`]: the caller freed the block.
+    FreeRequested {
+        /// Block address.
+        addr: DevicePtr,
+        /// Bytes the caller asked for.
+        requested: u64,
+        /// Bytes of the block (rounded, as the allocator holds them).
+        block_size: u64,
+    },
+    /// [`Action::FreeCompleted`]: the block became reusable.
+    FreeCompleted {
+        /// Block address.
+        addr: DevicePtr,
+        /// Bytes the caller asked for.
+        requested: u64,
+        /// Bytes of the block (rounded, as the allocator holds them).
+        block_size: u64,
+    },
+    /// [`Action::SegmentAlloc`]: a segment came from the backend.
+    SegmentAlloc {
+        /// First byte of the range.
+        addr: DevicePtr,
+        /// Bytes of the range.
+        size: u64,
+        /// Pool the range belongs to, or [`Pool::Stitch`].
+        pool: Pool,
+    },
+    /// [`Action::SegmentFree`]: a segment went back to the backend.
+    SegmentFree {
+        /// First byte of the range.
+        addr: DevicePtr,
+        /// Bytes of the range.
+        size: u64,
+        /// Pool the range belongs to, or [`Pool::Stitch`].
+        pool: Pool,
+    },
+    /// [`Action::SegmentMap`]: pages mapped at `addr` (a stitch when
+    /// `pool` is [`Pool::Stitch`]).
+    SegmentMap {
+        /// First byte of the range.
+        addr: DevicePtr,
+        /// Bytes of the range.
+        size: u64,
+        /// Pool the range belongs to, or [`Pool::Stitch`].
+        pool: Pool,
+    },
+    /// [`Action::SegmentUnmap`]: pages unmapped at `addr`.
+    SegmentUnmap {
+        /// First byte of the range.
+        addr: DevicePtr,
+        /// Bytes of the range.
+        size: u64,
+        /// Pool the range belongs to, or [`Pool::Stitch`].
+        pool: Pool,
+    },
+    /// [`Action::Oom`]: a request of `requested` bytes failed with
+    /// `device_free` bytes free on the device.
+    Oom {
+        /// Bytes the failed request asked for.
+        requested: u64,
+        /// Free bytes the device reported.
+        device_free: u64,
+    },
+    /// [`Action::EmptyCache`]: `empty_cache` released `released` bytes.
+    EmptyCache {
+        /// Bytes released to the driver.
+        released: u64,
+    },
+    /// [`Action::PhasePush`]: the phase `name` began.
+    PhasePush {
+        /// String id of the name.
+        name: StringId,
+    },
+    /// [`Action::PhasePop`]: the phase `name` (the innermost) ended.
+    PhasePop {
+        /// String id of the name.
+        name: StringId,
+    },
+    /// [`Action::Mark`]: a named point in time.
+    Mark {
+        /// String id of the name.
+        name: StringId,
+    },
+    /// [`Action::RecordStream`]: the block at `addr` was used on
+    /// `other_stream` (the event's stream field).
+    RecordStream {
+        /// Block address.
+        addr: DevicePtr,
+        /// The other stream (the record's stream field).
+        other_stream: StreamId,
+    },
+    /// [`Action::StreamReuse`]: the event's stream took the cached block at
+    /// `addr` of `block_size` bytes from `from_stream`.
+    StreamReuse {
+        /// Block address.
+        addr: DevicePtr,
+        /// Bytes of the block (rounded, as the allocator holds them).
+        block_size: u64,
+        /// The stream the block was cached on.
+        from_stream: StreamId,
+    },
+    /// [`Action::SyncAllStreams`]: the allocator waited for `outstanding`
+    /// events.
+    SyncAllStreams {
+        /// Events outstanding when the wait began.
+        outstanding: u64,
+    },
+    /// [`Action::Free`]: `free_requested` and `free_completed` in one
+    /// record (buffers and files only; readers yield the two events).
+    Free {
+        /// Block address.
+        addr: DevicePtr,
+        /// Bytes the caller asked for.
+        requested: u64,
+        /// Bytes of the block (rounded, as the allocator holds them).
+        block_size: u64,
+    },
+    /// [`Action::PagesCreate`]: `bytes` of physical memory created for the
+    /// page pool; reserved memory grows by it.
+    PagesCreate {
+        /// Bytes of physical memory.
+        bytes: u64,
+    },
+    /// [`Action::PagesRelease`]: `bytes` of pooled physical memory went
+    /// back to the driver.
+    PagesRelease {
+        /// Bytes of physical memory.
+        bytes: u64,
+    },
+}
+
+impl EventKind {
+    /// The action of this kind.
+    #[inline]
+    pub fn action(&self) -> Action {
+        self.fields().0
+    }
+
+    /// `(action, addr, size, aux)` as a record stores them: the inverse of
+    /// [`TraceEvent::kind`].
+    #[inline]
+    pub fn fields(&self) -> (Action, DevicePtr, u64, u64) {
+        use EventKind as K;
+        match *self {
+            K::Alloc {
+                addr,
+                requested,
+                block_size,
+            } => (Action::Alloc, addr, requested, block_size),
+            K::FreeRequested {
+                addr,
+                requested,
+                block_size,
+            } => (Action::FreeRequested, addr, requested, block_size),
+            K::FreeCompleted {
+                addr,
+                requested,
+                block_size,
+            } => (Action::FreeCompleted, addr, requested, block_size),
+            K::SegmentAlloc { addr, size, pool } => (Action::SegmentAlloc, addr, size, pool.code()),
+            K::SegmentFree { addr, size, pool } => (Action::SegmentFree, addr, size, pool.code()),
+            K::SegmentMap { addr, size, pool } => (Action::SegmentMap, addr, size, pool.code()),
+            K::SegmentUnmap { addr, size, pool } => (Action::SegmentUnmap, addr, size, pool.code()),
+            K::Oom {
+                requested,
+                device_free,
+            } => (Action::Oom, 0, requested, device_free),
+            K::EmptyCache { released } => (Action::EmptyCache, 0, released, 0),
+            K::PhasePush { name } => (Action::PhasePush, 0, 0, name),
+            K::PhasePop { name } => (Action::PhasePop, 0, 0, name),
+            K::Mark { name } => (Action::Mark, 0, 0, name),
+            K::RecordStream { addr, .. } => (Action::RecordStream, addr, 0, 0),
+            K::StreamReuse {
+                addr,
+                block_size,
+                from_stream,
+            } => (Action::StreamReuse, addr, block_size, from_stream),
+            K::SyncAllStreams { outstanding } => (Action::SyncAllStreams, 0, outstanding, 0),
+            K::Free {
+                addr,
+                requested,
+                block_size,
+            } => (Action::Free, addr, requested, block_size),
+            K::PagesCreate { bytes } => (Action::PagesCreate, 0, bytes, 0),
+            K::PagesRelease { bytes } => (Action::PagesRelease, 0, bytes, 0),
+        }
+    }
+}
+
 /// One trace record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TraceEvent {
@@ -138,4 +398,136 @@ pub struct TraceEvent {
     pub aux: u64,
     /// Small integer naming the calling thread.
     pub thread: u32,
+}
+
+impl TraceEvent {
+    /// A record of `kind` (its stream field is `other_stream` for a
+    /// [`EventKind::RecordStream`], whatever `stream` says).
+    pub fn from_kind(
+        time_ns: u64,
+        device: u32,
+        stream: StreamId,
+        thread: u32,
+        kind: EventKind,
+    ) -> TraceEvent {
+        let (action, addr, size, aux) = kind.fields();
+        let stream = match kind {
+            EventKind::RecordStream { other_stream, .. } => other_stream,
+            _ => stream,
+        };
+        TraceEvent {
+            time_ns,
+            action,
+            device,
+            stream,
+            addr,
+            size,
+            aux,
+            thread,
+        }
+    }
+
+    /// An event of `kind` at the same time, on the same device, stream and
+    /// thread as this one (the stream is `other_stream` for a
+    /// [`EventKind::RecordStream`]).
+    pub fn with_kind(&self, kind: EventKind) -> TraceEvent {
+        TraceEvent::from_kind(self.time_ns, self.device, self.stream, self.thread, kind)
+    }
+
+    /// This event decoded by action: the one reader of `size` and `aux` by
+    /// position. Fields an action does not use (the address of an `oom`,
+    /// the `aux` of an `empty_cache`) are left out.
+    #[inline]
+    pub fn kind(&self) -> EventKind {
+        use EventKind as K;
+        let (addr, size, aux) = (self.addr, self.size, self.aux);
+        match self.action {
+            Action::Alloc => K::Alloc {
+                addr,
+                requested: size,
+                block_size: aux,
+            },
+            Action::FreeRequested => K::FreeRequested {
+                addr,
+                requested: size,
+                block_size: aux,
+            },
+            Action::FreeCompleted => K::FreeCompleted {
+                addr,
+                requested: size,
+                block_size: aux,
+            },
+            Action::SegmentAlloc => K::SegmentAlloc {
+                addr,
+                size,
+                pool: Pool::from_code(aux),
+            },
+            Action::SegmentFree => K::SegmentFree {
+                addr,
+                size,
+                pool: Pool::from_code(aux),
+            },
+            Action::SegmentMap => K::SegmentMap {
+                addr,
+                size,
+                pool: Pool::from_code(aux),
+            },
+            Action::SegmentUnmap => K::SegmentUnmap {
+                addr,
+                size,
+                pool: Pool::from_code(aux),
+            },
+            Action::Oom => K::Oom {
+                requested: size,
+                device_free: aux,
+            },
+            Action::EmptyCache => K::EmptyCache { released: size },
+            Action::PhasePush => K::PhasePush { name: aux },
+            Action::PhasePop => K::PhasePop { name: aux },
+            Action::Mark => K::Mark { name: aux },
+            Action::RecordStream => K::RecordStream {
+                addr,
+                other_stream: self.stream,
+            },
+            Action::StreamReuse => K::StreamReuse {
+                addr,
+                block_size: size,
+                from_stream: aux,
+            },
+            Action::SyncAllStreams => K::SyncAllStreams { outstanding: size },
+            Action::Free => K::Free {
+                addr,
+                requested: size,
+                block_size: aux,
+            },
+            Action::PagesCreate => K::PagesCreate { bytes: size },
+            Action::PagesRelease => K::PagesRelease { bytes: size },
+        }
+    }
+
+    /// The string id of a `phase_push`, `phase_pop` or `mark`; `None` for
+    /// other actions.
+    #[inline]
+    pub fn name_id(&self) -> Option<StringId> {
+        match self.kind() {
+            EventKind::PhasePush { name }
+            | EventKind::PhasePop { name }
+            | EventKind::Mark { name } => Some(name),
+            _ => None,
+        }
+    }
+
+    /// The bytes of the block an `alloc`, `free_requested`,
+    /// `free_completed` or `free` names (rounded, as the allocator holds
+    /// them); `None` for other actions.
+    #[inline]
+    pub fn block_size(&self) -> Option<u64> {
+        match self.kind() {
+            EventKind::Alloc { block_size, .. }
+            | EventKind::FreeRequested { block_size, .. }
+            | EventKind::FreeCompleted { block_size, .. }
+            | EventKind::Free { block_size, .. } => Some(block_size),
+            _ => None,
+        }
+    }
 }

@@ -110,3 +110,58 @@ fn state_pieces_do_not_depend_on_the_device_allocator() {
         );
     }
 }
+
+/// Note [Typed trace events]: what a record's `size` and `aux` mean is
+/// decoded once, by `TraceEvent::kind` in `allocator/src/trace/`; every
+/// other reader matches on `EventKind`. So no Rust file outside that module
+/// reads the positional field (building records in tests and importers, as
+/// `aux: ...`, is writing, not reading).
+#[test]
+fn only_the_trace_module_reads_aux_by_position() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let trace = root.join("allocator/src/trace");
+    let needle = [".", "aux"].concat();
+    let mut files = Vec::new();
+    for dir in [
+        "allocator/src",
+        "allocator/tests",
+        "allocator/benches",
+        "cli/src",
+        "cli/tests",
+        "capi/src",
+        "capi/tests",
+        "benches",
+        "tests/src",
+        "tests/tests",
+    ] {
+        let dir = root.join(dir);
+        if dir.is_dir() {
+            sources(&dir, &mut files);
+        }
+    }
+    assert!(files.len() > 50, "found only {} sources", files.len());
+    let mut readers = Vec::new();
+    for file in files.iter().filter(|f| !f.starts_with(&trace)) {
+        let text = std::fs::read_to_string(file).expect("source is readable");
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            let reads = code.match_indices(&needle).any(|(i, _)| {
+                !code[i + needle.len()..]
+                    .starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_')
+            });
+            if reads {
+                readers.push(format!(
+                    "{}:{}: {}",
+                    file.strip_prefix(&root).unwrap_or(file).display(),
+                    n + 1,
+                    line.trim()
+                ));
+            }
+        }
+    }
+    assert!(
+        readers.is_empty(),
+        "read `TraceEvent::kind()` instead of aux by position:\n{}",
+        readers.join("\n")
+    );
+}

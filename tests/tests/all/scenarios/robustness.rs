@@ -191,9 +191,9 @@ fn marks_with_ever_new_names_keep_the_trace_bounded() {
         "{} strings kept",
         r.strings().len()
     );
-    assert_eq!(r.string(marks[0].aux), Some("step 0"));
+    assert_eq!(r.string(marks[0].name_id().unwrap()), Some("step 0"));
     assert_eq!(
-        r.string(marks[69_999].aux),
+        r.string(marks[69_999].name_id().unwrap()),
         Some("(more names than the trace keeps)")
     );
     std::fs::remove_dir_all(&dir).unwrap();

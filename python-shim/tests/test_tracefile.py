@@ -1,0 +1,62 @@
+"""gpualloc.tracefile names a record's fields by action in one function,
+``decode``, as ``TraceEvent::kind`` does in Rust; it reads the recorded
+example as the ``gpualloc`` command does."""
+
+import os
+import unittest
+
+from . import __name__ as _env  # noqa: F401  (sets the simulated environment first)
+from gpualloc.tracefile import ACTIONS, STITCH_CODE, annotations, decode, records
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+YOLO = os.path.join(ROOT, "examples", "yolo-style-oom.gtrace")
+
+
+class DecodeTest(unittest.TestCase):
+    def test_every_action_has_its_named_fields(self):
+        s, a, size, aux = 7, 0x7F00_0000, 1000, 1024
+        want = {
+            "alloc": {"addr": a, "requested": size, "block_size": aux},
+            "free_requested": {"addr": a, "requested": size, "block_size": aux},
+            "free_completed": {"addr": a, "requested": size, "block_size": aux},
+            "segment_alloc": {"addr": a, "size": size, "pool": aux},
+            "segment_free": {"addr": a, "size": size, "pool": aux},
+            "segment_map": {"addr": a, "size": size, "pool": aux},
+            "segment_unmap": {"addr": a, "size": size, "pool": aux},
+            "oom": {"requested": size, "device_free": aux},
+            "empty_cache": {"released": size},
+            "phase_push": {"name": aux},
+            "phase_pop": {"name": aux},
+            "mark": {"name": aux},
+            "record_stream": {"addr": a, "other_stream": s},
+            "stream_reuse": {"addr": a, "block_size": size, "from_stream": aux},
+            "sync_all_streams": {"outstanding": size},
+            "free": {"addr": a, "requested": size, "block_size": aux},
+            "pages_create": {"bytes": size},
+            "pages_release": {"bytes": size},
+        }
+        self.assertEqual(list(want), list(ACTIONS))
+        for code, name in enumerate(ACTIONS):
+            self.assertEqual(decode(code, s, a, size, aux), {"kind": name, **want[name]}, name)
+
+    def test_the_stitch_code_is_a_stitch_not_a_pool(self):
+        self.assertEqual(decode(5, 0, 1 << 30, 2 << 20, STITCH_CODE)["pool"], "stitch")
+        self.assertEqual(decode(6, 0, 1 << 30, 2 << 20, STITCH_CODE)["pool"], "stitch")
+        self.assertEqual(decode(5, 0, 1 << 30, 2 << 20, 1)["pool"], 1)
+
+    def test_the_recorded_example_reads_as_the_command_reads_it(self):
+        recs = records(YOLO)
+        # `gpualloc summary`: 174272 events (a `free` record is two), 58003 allocations.
+        self.assertEqual(len(recs) + sum(r["kind"] == "free" for r in recs), 174272)
+        self.assertEqual(sum(r["kind"] == "alloc" for r in recs), 58003)
+        ooms = [r for r in recs if r["kind"] == "oom"]
+        self.assertEqual(len(ooms), 1)
+        self.assertEqual(ooms[0]["requested"], 31719424)
+        self.assertTrue(any(r.get("pool") == "stitch" for r in recs), "stitches carry their own code")
+        self.assertTrue(all(r["block_size"] >= r["requested"] for r in recs if r["kind"] == "alloc"))
+        names = annotations(YOLO)
+        self.assertEqual(len(names), sum(r["kind"] in ("phase_push", "phase_pop", "mark") for r in recs))
+
+
+if __name__ == "__main__":
+    unittest.main()
