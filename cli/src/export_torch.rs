@@ -104,6 +104,19 @@ struct Exporter {
 impl Exporter {
     fn event(&mut self, p: &mut P, e: &TraceEvent) -> std::io::Result<()> {
         let keep = match e.kind() {
+            // A stitch maps pages that are already mapped (and counted)
+            // elsewhere a second time: PyTorch's format has no such thing,
+            // and a segment_map would count the pages twice. Its blocks are
+            // left without a segment (see `covered`).
+            EventKind::SegmentMap {
+                pool: Pool::Stitch, ..
+            }
+            | EventKind::SegmentUnmap {
+                pool: Pool::Stitch, ..
+            } => {
+                self.state.apply(e);
+                return Ok(());
+            }
             // A range past the end of the address space (a corrupt file):
             // the state warns of it and leaves it out.
             EventKind::Alloc {
@@ -208,11 +221,17 @@ impl Exporter {
     }
 }
 
+/// Whether a block lies in a segment, or in a stitch (whose pages are
+/// counted in the segments they are mapped from).
 fn covered(s: &DeviceState, addr: u64, size: u64) -> bool {
     s.regions
         .range(..=addr)
         .next_back()
         .is_some_and(|(&a, r)| within(addr, size, a, r.size))
+        || s.aliases
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&a, &len)| within(addr, size, a, len))
 }
 
 /// Whether `[addr, addr + size)` lies inside `[start, start + len)`, both

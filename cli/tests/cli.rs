@@ -642,3 +642,25 @@ fn several_traces_report_in_one_page() {
     let err = fails(&["report", s(&r[0]), s(&r[1]), "-o", s(&r[1])]);
     assert!(err.contains("refusing to overwrite the input"), "{err}");
 }
+
+#[test]
+fn stitches_are_not_exported_as_memory_pytorch_would_count_twice() {
+    // The example was recorded with stitching (second mappings of pages
+    // counted in their home segments). Through PyTorch's format and back,
+    // reserved memory must stay what it was: a stitch exported as a
+    // segment_map (or its blocks given made-up segments) would add it twice.
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/yolo-style-oom.gtrace"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let pickle = dir.path().join("y.pickle");
+    ok(&["export", example, "--torch-snapshot", s(&pickle)]);
+    let back = dir.path().join("y.gtrace");
+    ok(&["import", s(&pickle), "-o", s(&back)]);
+    let peak = |p: &str| -> u64 {
+        let v: serde_json::Value = serde_json::from_str(&ok(&["summary", "--json", p])).unwrap();
+        v["devices"][0]["peak_reserved"].as_u64().unwrap()
+    };
+    assert_eq!(peak(s(&back)), peak(example));
+}
