@@ -274,7 +274,7 @@ class Case:
             self.expect(not ok or isinstance(v, str), f"{what} returned {v!r}")
             return what
         if op == 18:
-            fn = r.choice([gpualloc.last_oom, gpualloc.backend, gpualloc.version, gpualloc.is_tracing, gpualloc.installed, gpualloc.library_path])
+            fn = r.choice([gpualloc.last_oom, gpualloc.backend, gpualloc.version, gpualloc.is_tracing, gpualloc.installed, gpualloc.auto_marks, gpualloc.library_path])
             what = f"gpualloc.{fn.__name__}()"
             self.call(what, fn)
             return what

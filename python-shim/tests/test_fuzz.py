@@ -190,6 +190,20 @@ class FoundByTheFuzzerTest(unittest.TestCase):
             names = [a["name"] for a in annotations(os.path.join(d, "t.gtrace")) if a["kind"] == "mark"]
             self.assertEqual(names, ["bytes mark"])
 
+    def test_a_trace_path_need_not_be_utf8(self):
+        # A Linux path is bytes: trace_start refused one that is not UTF-8
+        # ("path is not valid UTF-8"), though GPUALLOC_TRACE takes it.
+        with tempfile.TemporaryDirectory() as d:
+            raw = os.fsencode(d) + b"/caf\xe9-{pid}.gtrace"
+            gpualloc.trace_start(raw)
+            lib().free(lib().malloc(4096))
+            gpualloc.trace_stop()
+            self.assertEqual(os.listdir(os.fsencode(d)), [b"caf\xe9-%d.gtrace" % os.getpid()])
+            # The same path as os.listdir gives it in str (surrogateescape).
+            gpualloc.trace_start(os.path.join(d, os.fsdecode(b"\xff.gtrace")))
+            gpualloc.trace_stop()
+            self.assertIn(b"\xff.gtrace", os.listdir(os.fsencode(d)))
+
     def test_ctypes_never_reaches_the_caller(self):
         # The checks above raise before ctypes converts anything.
         with self.assertRaises(TypeError) as cm:
