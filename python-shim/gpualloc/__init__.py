@@ -257,6 +257,11 @@ class phase(contextlib.ContextDecorator):
     """
 
     def __init__(self, name: str):
+        if isinstance(name, (bytes, bytearray)):  # str() would make b"x" the name "b'x'"
+            try:
+                name = bytes(name).decode()
+            except UnicodeDecodeError:
+                raise ValueError(f"phase name is not valid UTF-8: {bytes(name)[:64]!r}") from None
         self.name = str(name)
         self._open: Dict[int, list] = {}  # thread -> entries, innermost last (a decorator can recurse)
 

@@ -301,11 +301,11 @@ class Case:
             if k < 2:
                 n = names(r)
                 what = f"gpualloc.phase({n!r}).__enter__()"
-                ph = gpualloc.phase(n) if not isinstance(n, bytes) else gpualloc.phase(n.decode(errors="replace"))
-                ok, _ = self.call(what, ph.__enter__)
-                mine_phases = self.open_phases
-                with self.lock:
-                    mine_phases.append(ph)
+                ok, ph = self.call(what, gpualloc.phase, n)
+                if ok:
+                    self.call(what, ph.__enter__)
+                    with self.lock:
+                        self.open_phases.append(ph)
                 return what
             if k == 2:
                 with self.lock:

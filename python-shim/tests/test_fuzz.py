@@ -32,8 +32,8 @@ MiB = 1 << 20
 SHIM = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fuzz_worker.py")
 
-CI_CASES = 16
-CALLS = 400
+CI_CASES = 24
+CALLS = 500
 
 
 def run_case(seed: int, calls: int, threads: int, d: str) -> subprocess.CompletedProcess:
@@ -178,6 +178,10 @@ class FoundByTheFuzzerTest(unittest.TestCase):
                 lib().free(lib().malloc(4096))  # a mark is recorded on the devices created so far
                 gpualloc.trace_start(b"t.gtrace")
                 gpualloc.mark(b"bytes mark")
+                with gpualloc.phase(b"bytes phase"):
+                    pass
+                with self.assertRaises(ValueError):
+                    gpualloc.phase(b"\xff")
                 with self.assertRaisesRegex(GpuallocError, "not valid UTF-8"):
                     gpualloc.mark(b"\xff")
                 with self.assertRaises(ValueError):
@@ -187,8 +191,8 @@ class FoundByTheFuzzerTest(unittest.TestCase):
             finally:
                 os.chdir(cwd)
             self.assertEqual(os.listdir(d), ["t.gtrace"])
-            names = [a["name"] for a in annotations(os.path.join(d, "t.gtrace")) if a["kind"] == "mark"]
-            self.assertEqual(names, ["bytes mark"])
+            names = [(a["kind"], a["name"]) for a in annotations(os.path.join(d, "t.gtrace")) if a["device"] == 0]
+            self.assertEqual(names, [("mark", "bytes mark"), ("phase_push", "bytes phase"), ("phase_pop", "bytes phase")])
 
     def test_a_trace_path_need_not_be_utf8(self):
         # A Linux path is bytes: trace_start refused one that is not UTF-8
