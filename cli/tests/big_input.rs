@@ -187,21 +187,46 @@ fn copy(src: &mut File, r: Range<u64>, w: &mut impl Write) {
     assert_eq!(n, r.end - r.start);
 }
 
-/// The blocks of the trace `small` (its END block last) repeated up to
-/// `SIZE`, to `out`.
+/// The blocks of the trace `small` repeated up to `SIZE`, to `out`: each
+/// block renumbered (its sequence number is its index modulo 256) and
+/// resealed, the strings only once, and an END block with the new totals.
+/// Every block is well formed; as a whole the trace is not (addresses
+/// allocated again while live, time going back at each repetition).
 fn repeated(small: &Path, out: &Path) {
-    let (header_end, blocks) = blocks_of(small);
-    let end = blocks.last().expect("blocks").clone();
-    let body = header_end..end.start;
-    let mut src = File::open(small).unwrap();
+    use gpualloc::trace::format::{get_varint, put_varint};
+    let data = std::fs::read(small).unwrap();
+    let (h, blocks) = frame::split(&data).expect("a trace");
+    let (end, body) = blocks.split_last().expect("blocks");
+    let end = &data[end.clone()];
+    let mut pos = 16;
+    let events = get_varint(end, &mut pos).unwrap();
+    let _dropped = get_varint(end, &mut pos).unwrap();
+    let end_ns = get_varint(end, &mut pos).unwrap();
+    let body_len: usize = body.iter().map(|b| b.len()).sum();
     let mut w = BufWriter::new(File::create(out).unwrap());
-    copy(&mut src, 0..header_end, &mut w);
-    let mut size = header_end;
-    while size + (body.end - body.start) + (end.end - end.start) <= SIZE as u64 {
-        copy(&mut src, body.clone(), &mut w);
-        size += body.end - body.start;
+    w.write_all(&data[h.clone()]).unwrap();
+    let (mut size, mut n, mut reps) = (h.len() + end.len(), 0u64, 0u64);
+    let put = |w: &mut BufWriter<File>, mut block: Vec<u8>, n: &mut u64| {
+        block[3] = *n as u8;
+        frame::reseal_block(&mut block);
+        w.write_all(&block).unwrap();
+        *n += 1;
+    };
+    while size + body_len <= SIZE {
+        for b in body {
+            if reps > 0 && data[b.start + 2] == gpualloc::trace::format::kind::STRINGS {
+                continue;
+            }
+            put(&mut w, data[b.clone()].to_vec(), &mut n);
+        }
+        size += body_len;
+        reps += 1;
     }
-    copy(&mut src, end, &mut w);
+    let mut last = end[..16].to_vec();
+    for v in [events * reps, 0, end_ns, n] {
+        put_varint(&mut last, v);
+    }
+    put(&mut w, last, &mut n);
     w.flush().unwrap();
 }
 
