@@ -7,7 +7,7 @@ of cases (a few seconds); for hours::
 
     GPUALLOC_FUZZ_CASES=100000 GPUALLOC_FUZZ_SEED=$RANDOM \\
     GPUALLOC_LIBRARY=$PWD/target/release/libgpualloc.so PYTHONPATH=$PWD/python-shim \\
-    python3 -m unittest -v tests.test_fuzz   # from python-shim/
+    python3 -m unittest discover -s python-shim/tests -t python-shim -p test_fuzz.py
 
 ``GPUALLOC_FUZZ_SEED`` picks another sequence of cases; a failure names the
 seed, the case's arguments and its last calls.
