@@ -76,8 +76,16 @@ fn stop_at_exit() {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_trace_start(path: *const c_char) -> c_int {
     status(|| {
-        let path = str_arg(path, "path")?;
-        let path = gpualloc::trace_path::expand(std::ffi::OsStr::new(path));
+        if path.is_null() {
+            return Err(Error::invalid("gpualloc: path is NULL"));
+        }
+        // A path is bytes, UTF-8 or not, as in `GPUALLOC_TRACE`.
+        // SAFETY: non-NULL checked above; the caller promises a
+        // NUL-terminated string.
+        let bytes = unsafe { std::ffi::CStr::from_ptr(path) }.to_bytes();
+        let path = gpualloc::trace_path::expand(
+            <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes),
+        );
         global()?.alloc.trace_start(&path)?;
         tracing::info!(path = %path.display(), "trace started");
         Ok(())

@@ -58,7 +58,7 @@ import threading
 from typing import Dict, List, Optional
 
 from . import _phases
-from ._lib import ERR_UNAVAILABLE, GpuallocError, LibraryNotFound, lib, library_path
+from ._lib import ERR_UNAVAILABLE, GpuallocError, LibraryNotFound, _dev, lib, library_path
 
 __all__ = [
     "GpuallocError",
@@ -128,7 +128,11 @@ def installed() -> Optional[str]:
 
 
 def _device(device) -> int:
-    """An int device index; torch devices and None (current device) when torch is loaded."""
+    """An int device index from an int, ``"cuda"``, ``"cuda:N"``, a torch
+    device, or None (the current device, when torch is loaded). Anything
+    else is a TypeError; a string or torch device that is not CUDA's, a
+    ValueError (as torch says of them); an index beyond a C int, a
+    GpuallocError for an invalid device (ctypes would keep its low bits)."""
     if device is None:
         import sys
 
@@ -136,15 +140,17 @@ def _device(device) -> int:
         if torch is not None and torch.cuda.is_initialized():
             return torch.cuda.current_device()
         return 0
-    if isinstance(device, int):
-        return device
     if isinstance(device, str):
-        if ":" in device:
-            return int(device.split(":")[1])
-    elif getattr(device, "index", None) is not None:
-        return device.index
-    # "cuda" or torch.device("cuda") without an index: the current device, as torch reads it.
-    return _device(None)
+        kind, colon, index = device.partition(":")
+        if kind != "cuda" or (colon and not (index.isascii() and index.isdigit())):
+            raise ValueError(f"not a CUDA device: {device!r:.60} (expected 'cuda' or 'cuda:N')")
+        # "cuda" without an index: the current device, as torch reads it.
+        return _dev(int(index)) if colon else _device(None)
+    if not isinstance(device, int) and hasattr(device, "type") and hasattr(device, "index"):  # torch.device
+        if device.type != "cuda":
+            raise ValueError(f"not a CUDA device: {device!r:.60}")
+        return _device(None) if device.index is None else _dev(device.index)
+    return _dev(device)
 
 
 def stats(device=None) -> Dict[str, int]:
@@ -251,6 +257,11 @@ class phase(contextlib.ContextDecorator):
     """
 
     def __init__(self, name: str):
+        if isinstance(name, (bytes, bytearray)):  # str() would make b"x" the name "b'x'"
+            try:
+                name = bytes(name).decode()
+            except UnicodeDecodeError:
+                raise ValueError(f"phase name is not valid UTF-8: {bytes(name)[:64]!r}") from None
         self.name = str(name)
         self._open: Dict[int, list] = {}  # thread -> entries, innermost last (a decorator can recurse)
 

@@ -15,6 +15,7 @@ import atexit
 import ctypes
 import glob
 import json
+import operator
 import os
 import threading
 from typing import Dict, Optional, Tuple
@@ -158,20 +159,76 @@ U64_MAX = (1 << 64) - 1
 
 
 def _cstr(value, what: str) -> bytes:
-    """``value`` as a C string; a NUL byte would silently cut it short."""
-    b = os.fsencode(value) if isinstance(value, os.PathLike) else str(value).encode()
+    """``value`` as a C string: bytes as they are, a path through
+    ``os.fsencode``, anything else as ``str(value)`` in UTF-8. A NUL byte
+    would silently cut it short (ValueError)."""
+    if isinstance(value, (bytes, bytearray)):
+        b = bytes(value)
+    elif isinstance(value, os.PathLike):
+        b = os.fsencode(value)
+    else:
+        try:
+            b = str(value).encode()
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what} is not valid Unicode ({e.reason} at {e.start}): {str(value)[:64]!r}") from None
     if b"\0" in b:
-        raise ValueError(f"{what} contains a NUL byte: {str(value)[:64]!r}")
+        raise ValueError(f"{what} contains a NUL byte: {value!r:.64}")
     return b
 
 
 def _count(value, what: str, low: int = 0) -> int:
     """``value`` as an int in ``[low, 2**64)``; ctypes would wrap a negative one."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    value = operator.index(value)
     if not low <= value <= U64_MAX:
         raise ValueError(f"{what} {value} is not in {low}..2**64-1")
     return value
+
+
+def _handle(value, what: str) -> int:
+    """A pointer or a stream: None (NULL, the default stream) or an int in
+    ``[0, 2**64)``; ctypes would wrap others, or take a str's address."""
+    return 0 if value is None else _count(value, what)
+
+
+C_INT_MIN, C_INT_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def _dev(device) -> int:
+    """A device index for the C ABI. ctypes would keep the low 32 bits of a
+    larger int (device ``2**32`` would become device 0), so those are an
+    invalid device here, as the library says of any other."""
+    if isinstance(device, bool):
+        raise TypeError("a device index must be an int, not bool")
+    try:
+        device = operator.index(device)
+    except TypeError:
+        raise TypeError(f"a device index must be an int, not {type(device).__name__}") from None
+    if not C_INT_MIN <= device <= C_INT_MAX:
+        raise GpuallocError(f"gpualloc: invalid device {device}", ERR_INVALID_DEVICE)
+    return device
+
+
+def _fraction(value) -> float:
+    """A memory fraction as a C double (the library checks its range)."""
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"a memory fraction must be a number, not {type(value).__name__}")
+    try:
+        return float(value)
+    except TypeError:
+        raise TypeError(f"a memory fraction must be a number, not {type(value).__name__}") from None
+    except OverflowError:
+        raise ValueError(f"memory fraction {value!r:.40} is not in (0, 1]") from None
+
+
+def _pool(pool) -> Tuple[int, int]:
+    """A private pool id: a pair of ints in ``[0, 2**64)`` (PyTorch's ``MempoolId_t``)."""
+    try:
+        a, b = pool
+    except (TypeError, ValueError):
+        raise TypeError(f"a pool id is a pair of ints, not {pool!r:.60}") from None
+    return _count(a, "pool id"), _count(b, "pool id")
 
 
 _SIGNATURES = {
@@ -330,18 +387,20 @@ class Library:
     def malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
         """Allocates; returns the address (0 for size 0). Raises on failure
         (ValueError for a negative size)."""
-        size = _count(size, "size")
+        size, device, stream = _count(size, "size"), _dev(device), _handle(stream, "stream")
         p = self.dll.gpualloc_malloc(size, device, stream)
         if not p and size > 0:
             raise GpuallocError(self.last_error() or "allocation failed", self.dll.gpualloc_last_error_code() or ERR_OUT_OF_MEMORY)
         return p or 0
 
     def free(self, ptr: int, device: int = 0) -> None:
+        ptr, device = _handle(ptr, "pointer"), _dev(device)
         self.dll.gpualloc_clear_error()
         self.dll.gpualloc_free(ptr, 0, device, None)
         self.check_void()
 
     def record_stream(self, ptr: int, stream: int) -> None:
+        ptr, stream = _handle(ptr, "pointer"), _handle(stream, "stream")
         self.dll.gpualloc_record_stream(ptr, stream)
         self.check_void()
 
@@ -350,27 +409,28 @@ class Library:
         self.check_void()
 
     def set_memory_fraction(self, fraction: float, device: int = 0) -> None:
+        fraction, device = _fraction(fraction), _dev(device)
         self.dll.gpualloc_set_memory_fraction(fraction, device)
         self.check_void()
 
     def memory_fraction(self, device: int = 0) -> float:
         out = c_double()
-        self.check(self.dll.gpualloc_get_memory_fraction(device, ctypes.byref(out)))
+        self.check(self.dll.gpualloc_get_memory_fraction(_dev(device), ctypes.byref(out)))
         return out.value
 
     def set_memory_limit(self, nbytes: Optional[int], device: int = 0) -> None:
         """Caps reserved memory at ``nbytes`` (at least 1); None removes the cap."""
         if nbytes is not None:
             nbytes = _count(nbytes, "memory limit", low=1)
-        self.check(self.dll.gpualloc_set_memory_limit(device, nbytes or 0))
+        self.check(self.dll.gpualloc_set_memory_limit(_dev(device), nbytes or 0))
 
     def mem_info(self, device: int = 0) -> Tuple[int, int]:
         free, total = c_uint64(), c_uint64()
-        self.check(self.dll.gpualloc_mem_info(device, ctypes.byref(free), ctypes.byref(total)))
+        self.check(self.dll.gpualloc_mem_info(_dev(device), ctypes.byref(free), ctypes.byref(total)))
         return free.value, total.value
 
     def check_invariants(self, device: int = 0) -> None:
-        self.check(self.dll.gpualloc_check_invariants(device))
+        self.check(self.dll.gpualloc_check_invariants(_dev(device)))
 
     def last_oom(self) -> Optional[Dict[str, float]]:
         info = OomInfo()
@@ -386,23 +446,24 @@ class Library:
     def stats(self, device: int = 0) -> Dict[str, int]:
         """Every stat under ``torch.cuda.memory_stats()``'s key, sorted."""
         values = (c_int64 * len(self.stat_names))()
-        self.check(self.dll.gpualloc_stat_values(device, values, len(self.stat_names)))
+        self.check(self.dll.gpualloc_stat_values(_dev(device), values, len(self.stat_names)))
         return dict(zip(self.stat_names, values))
 
     def stats_struct(self, device: int = 0) -> Stats:
         s = Stats()
         s.size = ctypes.sizeof(Stats)
-        self.check(self.dll.gpualloc_get_stats(device, ctypes.byref(s)))
+        self.check(self.dll.gpualloc_get_stats(_dev(device), ctypes.byref(s)))
         return s
 
     def reset_peak_stats(self, device: int = 0) -> None:
-        self.check(self.dll.gpualloc_reset_peak_stats(device))
+        self.check(self.dll.gpualloc_reset_peak_stats(_dev(device)))
 
     def reset_accumulated_stats(self, device: int = 0) -> None:
-        self.check(self.dll.gpualloc_reset_accumulated_stats(device))
+        self.check(self.dll.gpualloc_reset_accumulated_stats(_dev(device)))
 
     def snapshot(self, device: int = -1) -> dict:
         """Segments and blocks (``torch.cuda.memory_snapshot()``'s shape)."""
+        device = _dev(device)
         needed = c_size_t(0)
         for _ in range(8):
             cap = needed.value
@@ -419,20 +480,21 @@ class Library:
 
     def create_or_incref_pool(self, pool: Tuple[int, int], device: int = 0) -> None:
         """Creates private pool ``pool`` if absent and takes one hold on it."""
-        self.check(self.dll.gpualloc_create_or_incref_pool(device, pool[0], pool[1]))
+        self.check(self.dll.gpualloc_create_or_incref_pool(_dev(device), *_pool(pool)))
 
     def pool_use_count(self, pool: Tuple[int, int], device: int = 0) -> int:
         """Holds on private pool ``pool``; 0 for an unknown pool."""
         n = ctypes.c_uint32(0)
-        self.check(self.dll.gpualloc_pool_use_count(device, pool[0], pool[1], ctypes.byref(n)))
+        self.check(self.dll.gpualloc_pool_use_count(_dev(device), *_pool(pool), ctypes.byref(n)))
         return n.value
 
     def empty_pool_cache(self, pool: Tuple[int, int], device: int = 0) -> None:
         """``emptyCache(mempool_id)``: frees a released pool's cached memory."""
-        self.check(self.dll.gpualloc_empty_pool_cache(device, pool[0], pool[1]))
+        self.check(self.dll.gpualloc_empty_pool_cache(_dev(device), *_pool(pool)))
 
     def pool_live_allocations(self, pool: Tuple[int, int], device: int = 0) -> list:
         """Addresses of the blocks allocated in private pool ``pool``."""
+        device, pool = _dev(device), _pool(pool)
         n = c_size_t(0)
         for _ in range(8):
             cap = n.value
@@ -448,7 +510,7 @@ class Library:
     # ---- tracing ----
 
     def trace_start(self, path: str) -> None:
-        self.check(self.dll.gpualloc_trace_start(_cstr(os.fspath(path), "trace path")))
+        self.check(self.dll.gpualloc_trace_start(_cstr(os.fsencode(path), "trace path")))
 
     def trace_stop(self) -> Dict[str, int]:
         s = TraceSummary()
