@@ -140,7 +140,7 @@ impl<B: Backend> Allocator<B> {
         let rec = self.recorder.lock().clone();
         if let Some(rec) = rec {
             let id = rec.push_phase(name);
-            self.record_everywhere(Action::PhasePush, id);
+            let _ = self.record_everywhere(Action::PhasePush, id);
         }
         Ok(())
     }
@@ -152,7 +152,7 @@ impl<B: Backend> Allocator<B> {
         if let Some(rec) = rec
             && let Some(id) = rec.pop_phase()
         {
-            self.record_everywhere(Action::PhasePop, id);
+            let _ = self.record_everywhere(Action::PhasePop, id);
         }
     }
 
@@ -168,17 +168,24 @@ impl<B: Backend> Allocator<B> {
         let rec = self.recorder.lock().clone();
         if let Some(rec) = rec {
             let id = rec.intern(name);
-            self.record_everywhere(Action::Mark, id);
+            if self.record_everywhere(Action::Mark, id) == 0 {
+                // No device yet: the first one to start records it.
+                rec.hold_mark(id);
+            }
         }
         Ok(())
     }
 
-    fn record_everywhere(&self, action: Action, id: u64) {
+    /// Records on every device that traces; returns how many did.
+    fn record_everywhere(&self, action: Action, id: u64) -> usize {
+        let mut n = 0;
         self.each_device(|d| {
             if let Some(t) = d.trace.as_mut() {
                 t.record(action, 0, 0, 0, id);
+                n += 1;
             }
         });
+        n
     }
 
     fn current_recorder(&self) -> io::Result<Arc<Recorder>> {

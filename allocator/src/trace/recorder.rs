@@ -302,6 +302,9 @@ pub struct Recorder {
     spare: Receiver<Vec<TraceEvent>>,
     strings: Arc<Mutex<Strings>>,
     phases: Mutex<Vec<u64>>,
+    /// Marks made while no device was recording: the first device to
+    /// join records them (at the time it joins, before its first event).
+    early_marks: Mutex<Vec<u64>>,
     writer: Mutex<Option<JoinHandle<io::Result<TraceSummary>>>>,
     path: std::path::PathBuf,
     lost: Lost,
@@ -361,6 +364,7 @@ impl Recorder {
             spare,
             strings,
             phases: Mutex::new(Vec::new()),
+            early_marks: Mutex::new(Vec::new()),
             writer: Mutex::new(Some(handle)),
             path: path.to_path_buf(),
             lost,
@@ -394,7 +398,15 @@ impl Recorder {
         for &id in self.phases.lock().iter() {
             t.record(Action::PhasePush, 0, 0, 0, id);
         }
+        for id in std::mem::take(&mut *self.early_marks.lock()) {
+            t.record(Action::Mark, 0, 0, 0, id);
+        }
         t
+    }
+
+    /// Keeps a mark made while no device records, for the first that will.
+    pub(crate) fn hold_mark(&self, id: u64) {
+        self.early_marks.lock().push(id);
     }
 
     /// Events of `device` the writer could not write and no device trace

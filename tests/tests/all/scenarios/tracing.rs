@@ -197,3 +197,38 @@ fn racing_start_and_stop_never_lose_a_device() {
         assert_eq!(a.stats(0).unwrap().num_trace_dropped, 0);
     }
 }
+
+/// A mark made while tracing but before any device started is kept for the
+/// first device, in order before its first allocation (it was lost).
+#[test]
+fn a_mark_before_the_first_allocation_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = sim(2);
+    let path = temp(&dir, "early.gtrace");
+    a.trace_start(&path).unwrap();
+    a.mark("before anything").unwrap();
+    a.free(1, a.malloc(1, 4096, 0).unwrap()).unwrap();
+    a.mark("after").unwrap();
+    a.trace_stop().unwrap();
+    let mut r = TraceReader::open(&path).unwrap();
+    let events: Vec<_> = r.events().collect();
+    assert!(r.error().is_none(), "{:?}", r.error());
+    let marks: Vec<_> = events
+        .iter()
+        .filter(|e| e.action == Action::Mark)
+        .map(|e| (e.device, r.strings()[e.name_id().unwrap() as usize].clone()))
+        .collect();
+    assert_eq!(
+        marks,
+        [(1, "before anything".to_string()), (1, "after".to_string())]
+    );
+    let first_alloc = events
+        .iter()
+        .position(|e| e.action == Action::Alloc)
+        .unwrap();
+    let first_mark = events
+        .iter()
+        .position(|e| e.action == Action::Mark)
+        .unwrap();
+    assert!(first_mark < first_alloc);
+}
