@@ -23,7 +23,16 @@ fn artifact_dir() -> PathBuf {
 fn compile(src: &Path, exe: &Path) {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let gcc = Command::new("gcc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
+        .args([
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-pedantic",
+            "-O1",
+            "-pthread",
+            "-I",
+        ])
         .arg(manifest.join("include"))
         .arg(src)
         .arg("-o")
@@ -63,36 +72,8 @@ fn library() -> PathBuf {
 
 #[test]
 fn c_program_exercises_the_whole_abi() {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let lib = library();
-    let out = std::env::temp_dir().join(format!("gpualloc-abi-{}", std::process::id()));
-    std::fs::create_dir_all(&out).unwrap();
-    let exe = out.join("abi_test");
-    let gcc = Command::new("gcc")
-        .args([
-            "-std=c11",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-pedantic",
-            "-O1",
-            "-pthread",
-        ])
-        .arg("-I")
-        .arg(manifest.join("include"))
-        .arg(manifest.join("tests/c/abi_test.c"))
-        .arg("-o")
-        .arg(&exe)
-        .arg("-L")
-        .arg(lib.parent().unwrap())
-        .arg("-lgpualloc")
-        .output()
-        .expect("gcc is installed");
-    assert!(
-        gcc.status.success(),
-        "gcc failed:\n{}",
-        String::from_utf8_lossy(&gcc.stderr)
-    );
+    let (out, exe) = build_c("abi_test");
 
     let trace = out.join("abi.gtrace");
     let run = Command::new(&exe)
@@ -195,12 +176,8 @@ int main(void) {
 /// with the diagnosis.
 #[test]
 fn malloc_or_abort_aborts_loudly() {
-    let lib = library();
-    let out = std::env::temp_dir().join(format!("gpualloc-abi-abort-{}", std::process::id()));
-    std::fs::create_dir_all(&out).unwrap();
-    let src = out.join("abort_test.c");
-    std::fs::write(
-        &src,
+    let (out, exe) = build_inline(
+        "abort_test",
         r#"#include "gpualloc.h"
 #include <stdio.h>
 int main(void) {
@@ -214,17 +191,8 @@ int main(void) {
   return 3;
 }
 "#,
-    )
-    .unwrap();
-    let exe = out.join("abort_test");
-    compile(&src, &exe);
-    let run = Command::new(&exe)
-        .env("LD_LIBRARY_PATH", lib.parent().unwrap())
-        .env("GPUALLOC_BACKEND", "sim")
-        .env("GPUALLOC_SIM_CAPACITY", "1GiB")
-        .env_remove("GPUALLOC_CONF")
-        .output()
-        .unwrap();
+    );
+    let run = run_sim(&exe, &[("GPUALLOC_SIM_CAPACITY", "1GiB".as_ref())]);
     use std::os::unix::process::ExitStatusExt;
     let stdout = String::from_utf8_lossy(&run.stdout);
     let stderr = String::from_utf8_lossy(&run.stderr);
@@ -249,12 +217,8 @@ int main(void) {
 /// still gets a complete file: the library stops it at exit.
 #[test]
 fn a_trace_started_by_the_environment_is_completed_at_exit() {
-    let lib = library();
-    let out = std::env::temp_dir().join(format!("gpualloc-abi-exit-{}", std::process::id()));
-    std::fs::create_dir_all(&out).unwrap();
-    let src = out.join("exit_test.c");
-    std::fs::write(
-        &src,
+    let (out, exe) = build_inline(
+        "exit_env_test",
         r#"#include "gpualloc.h"
 int main(void) {
   for (int i = 0; i < 100; i++) {
@@ -264,18 +228,9 @@ int main(void) {
   return 0;
 }
 "#,
-    )
-    .unwrap();
-    let exe = out.join("exit_test");
-    compile(&src, &exe);
+    );
     let trace = out.join("exit.gtrace");
-    let run = Command::new(&exe)
-        .env("LD_LIBRARY_PATH", lib.parent().unwrap())
-        .env("GPUALLOC_BACKEND", "sim")
-        .env("GPUALLOC_TRACE", &trace)
-        .env_remove("GPUALLOC_CONF")
-        .output()
-        .unwrap();
+    let run = run_sim(&exe, &[("GPUALLOC_TRACE", trace.as_os_str())]);
     assert!(
         run.status.success(),
         "{}",
@@ -355,29 +310,30 @@ fn run_sim(exe: &Path, vars: &[(&str, &std::ffi::OsStr)]) -> std::process::Outpu
     cmd.output().unwrap()
 }
 
-/// Compiles `tests/c/<name>.c` (with pthreads) into a fresh directory.
+/// Compiles `tests/c/<name>.c` into a fresh directory.
 fn build_c(name: &str) -> (PathBuf, PathBuf) {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let lib = library();
+    build(name, &manifest.join(format!("tests/c/{name}.c")))
+}
+
+/// Writes `source` to `<name>.c` in a fresh directory and compiles it.
+fn build_inline(name: &str, source: &str) -> (PathBuf, PathBuf) {
+    let out = fresh_dir(name);
+    let src = out.join(format!("{name}.c"));
+    std::fs::write(&src, source).unwrap();
+    build(name, &src)
+}
+
+fn fresh_dir(name: &str) -> PathBuf {
     let out = std::env::temp_dir().join(format!("gpualloc-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
+    out
+}
+
+fn build(name: &str, src: &Path) -> (PathBuf, PathBuf) {
+    let out = fresh_dir(name);
     let exe = out.join(name);
-    let gcc = Command::new("gcc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread", "-I"])
-        .arg(manifest.join("include"))
-        .arg(manifest.join(format!("tests/c/{name}.c")))
-        .arg("-o")
-        .arg(&exe)
-        .arg("-L")
-        .arg(lib.parent().unwrap())
-        .arg("-lgpualloc")
-        .output()
-        .expect("gcc is installed");
-    assert!(
-        gcc.status.success(),
-        "gcc failed:\n{}",
-        String::from_utf8_lossy(&gcc.stderr)
-    );
+    compile(src, &exe);
     (out, exe)
 }
 
