@@ -14,17 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef CHECK
-#define CHECK(cond)                                                              \
-  do {                                                                           \
-    if (!(cond)) {                                                               \
-      const char *e_ = gpualloc_last_error();                                    \
-      fprintf(stderr, "FAILED %s:%d: %s (last error: %s)\n", __FILE__, __LINE__, \
-              #cond, e_ ? e_ : "none");                                          \
-      exit(1);                                                                   \
-    }                                                                            \
-  } while (0)
-#endif
+#include "check.h"
 
 /* torch 2.11, c10/core/CachingDeviceAllocator.h: TraceEntry::Action is
  * ALLOC, FREE_REQUESTED, FREE_COMPLETED, SEGMENT_ALLOC, SEGMENT_FREE,
