@@ -199,6 +199,18 @@ impl PagePool {
             .collect()
     }
 
+    /// The handles mapped over any part of `[lo, hi)`, including one that
+    /// starts below `lo`: `(address, handle, bytes)`.
+    pub fn covering(&self, lo: DevicePtr, hi: DevicePtr) -> Vec<(DevicePtr, HandleId, u64)> {
+        let below = self
+            .mapped
+            .range(..lo)
+            .next_back()
+            .filter(|(a, (_, s))| *a + s > lo)
+            .map(|(&a, &(h, s))| (a, h, s));
+        below.into_iter().chain(self.handles_in(lo, hi)).collect()
+    }
+
     /// The end of the shortest prefix of whole handles of the run
     /// `[lo, hi)` that holds at least `want` bytes (`hi` when none shorter does).
     pub fn prefix_end(&self, lo: DevicePtr, hi: DevicePtr, want: u64) -> DevicePtr {

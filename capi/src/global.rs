@@ -105,6 +105,9 @@ impl Backend for AnyBackend {
     fn synchronize(&mut self) -> Result<(), BackendError> {
         dispatch!(self, b => b.synchronize())
     }
+    fn export_handle(&mut self, handle: HandleId) -> Result<i32, BackendError> {
+        dispatch!(self, b => b.export_handle(handle))
+    }
     fn driver_calls(&self) -> DriverCalls {
         dispatch!(self, b => b.driver_calls())
     }

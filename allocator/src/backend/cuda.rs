@@ -36,12 +36,14 @@ use std::time::Instant;
 
 use cudarc::driver::sys;
 use driver::CuResult;
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::{Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId};
 use crate::cost::{DriverCall, DriverCalls};
 
 mod driver;
+pub mod exported;
+pub mod imported;
 
 /// Events kept for reuse after [`Backend::destroy_event`]; more are destroyed.
 const EVENT_POOL_MAX: usize = 1024;
@@ -95,6 +97,21 @@ pub fn device_count() -> Result<usize, BackendError> {
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
+/// Whether `device` can export memory handles as POSIX file descriptors.
+fn posix_fd_supported(device: sys::CUdevice) -> bool {
+    let mut v: std::ffi::c_int = 0;
+    // SAFETY: the driver is initialized (a device handle exists); `v` is a
+    // valid out-pointer.
+    let r = unsafe {
+        driver::cuDeviceGetAttribute(
+            &mut v,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            device,
+        )
+    };
+    r == driver::SUCCESS && v != 0
+}
+
 /// One device's driver backend. See the module docs.
 pub struct CudaBackend {
     ordinal: u32,
@@ -110,6 +127,11 @@ pub struct CudaBackend {
     mappings: BTreeMap<DevicePtr, u64>,
     /// Driver calls made, with their measured time.
     calls: DriverCalls,
+    /// Whether new handles may be exported as POSIX file descriptors
+    /// (asked of the device once; dropped if a creation refuses it).
+    exportable: bool,
+    /// Descriptors of exported handles, closed when the handle is released.
+    exported: FxHashMap<HandleId, i32>,
 }
 
 // SAFETY: a CUcontext and CUevents are process-wide driver handles, valid on
@@ -153,6 +175,8 @@ impl CudaBackend {
             handles: FxHashSet::default(),
             mappings: BTreeMap::new(),
             calls: DriverCalls::default(),
+            exportable: posix_fd_supported(dev),
+            exported: FxHashMap::default(),
         })
     }
 
@@ -180,7 +204,9 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Pinned device memory on this device, no export handles.
+    /// Pinned device memory on this device, exportable as a POSIX file
+    /// descriptor where the device supports it (as PyTorch's expandable
+    /// segments ask), so that it can be shared with another process.
     fn allocation_prop(&self) -> sys::CUmemAllocationProp {
         // SAFETY: CUmemAllocationProp is a plain C struct for which all-zero
         // bytes are valid (null pointers, zero flags); the fields that
@@ -189,6 +215,10 @@ impl CudaBackend {
         prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
         prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
         prop.location.id = self.device;
+        if self.exportable {
+            prop.requestedHandleTypes =
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        }
         prop
     }
 
@@ -454,14 +484,23 @@ impl Backend for CudaBackend {
         } else {
             None
         };
-        let prop = self.allocation_prop();
         let mut h: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: context bound; `prop` describes pinned memory on this
-        // device; `h` is a valid out-pointer; `size` is a multiple of the
-        // granularity (contract).
-        let r = self.timed(DriverCall::Create, (1, size), || unsafe {
-            driver::cuMemCreate(&mut h, size as usize, &prop, 0)
-        });
+        let mut r = driver::NOT_FOUND;
+        for _ in 0..2 {
+            let prop = self.allocation_prop();
+            // SAFETY: context bound; `prop` describes pinned memory on this
+            // device; `h` is a valid out-pointer; `size` is a multiple of
+            // the granularity (contract).
+            r = self.timed(DriverCall::Create, (1, size), || unsafe {
+                driver::cuMemCreate(&mut h, size as usize, &prop, 0)
+            });
+            // A platform that refuses exportable memory still gets memory,
+            // only not shareable with other processes.
+            if !(self.exportable && driver::refuses_export(r)) {
+                break;
+            }
+            self.exportable = false;
+        }
         match check("cuMemCreate", r) {
             Ok(()) => {
                 self.handles.insert(h);
@@ -482,6 +521,9 @@ impl Backend for CudaBackend {
         });
         check("cuMemRelease", r)?;
         self.handles.remove(&handle);
+        if let Some(fd) = self.exported.remove(&handle) {
+            exported::close(fd);
+        }
         Ok(())
     }
 
@@ -537,6 +579,28 @@ impl Backend for CudaBackend {
         self.unmap_run(ptr, size)
     }
 
+    fn export_handle(&mut self, handle: HandleId) -> Result<i32, BackendError> {
+        if let Some(&fd) = self.exported.get(&handle) {
+            return Ok(fd);
+        }
+        if !self.handles.contains(&handle) {
+            return Err(BackendError::Driver {
+                call: "cuMemExportToShareableHandle",
+                code: 0,
+                name: format!("handle {handle:#x} is not one of this backend's"),
+            });
+        }
+        if !self.exportable {
+            return Err(BackendError::Unavailable(
+                "this device cannot export memory as POSIX file descriptors".into(),
+            ));
+        }
+        self.bind()?;
+        let fd = exported::export(handle)?;
+        self.exported.insert(handle, fd);
+        Ok(fd)
+    }
+
     fn driver_calls(&self) -> DriverCalls {
         self.calls
     }
@@ -550,6 +614,9 @@ impl Drop for CudaBackend {
         for (a, size) in std::mem::take(&mut self.mappings) {
             // SAFETY: each entry is a live mapping made by `map_handles`.
             let _ = unsafe { driver::cuMemUnmap(a, size as usize) };
+        }
+        for (_, fd) in self.exported.drain() {
+            exported::close(fd);
         }
         for h in std::mem::take(&mut self.handles) {
             // SAFETY: each handle is live and, after the loop above, unmapped.

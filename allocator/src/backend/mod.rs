@@ -189,6 +189,18 @@ pub trait Backend: Send {
         ))
     }
 
+    /// Exports a live handle as a POSIX file descriptor that another process
+    /// can import (`cuMemExportToShareableHandle`), for sharing memory
+    /// between processes (Note [Sharing expandable memory] in `ipc.rs`).
+    /// The backend keeps the descriptor open until the handle is released
+    /// and returns the same one each time.
+    fn export_handle(&mut self, handle: HandleId) -> Result<i32, BackendError> {
+        let _ = handle;
+        Err(BackendError::Unavailable(
+            "this backend cannot export memory handles".into(),
+        ))
+    }
+
     /// Blocks until all work queued on the device is done
     /// (`cuCtxSynchronize`). Only for what no stream's event can order: the
     /// pages of a released graph pool, which a replay on any stream may use.

@@ -148,6 +148,9 @@ struct Reservation {
     mapped: BTreeMap<u64, (HandleId, u64)>,
 }
 
+/// The first pretend descriptor [`SimBackend`] exports (`SIM_FD_BASE + handle`).
+pub const SIM_FD_BASE: u64 = 1 << 20;
+
 /// The simulated device. See the module docs.
 pub struct SimBackend {
     capacity: u64,
@@ -414,6 +417,21 @@ impl SimBackend {
         let mut v: Vec<(DevicePtr, u64)> = self.live.iter().map(|(&p, &s)| (p, s)).collect();
         for (&va, r) in &self.reservations {
             v.extend(r.mapped.iter().map(|(&off, m)| (va + off, m.1)));
+        }
+        v.sort_unstable();
+        v
+    }
+
+    /// The handles mapped over any part of `[ptr, ptr + size)`, in address
+    /// order: `(address, handle, bytes)`.
+    pub fn handles_over(&self, ptr: DevicePtr, size: u64) -> Vec<(DevicePtr, HandleId, u64)> {
+        let mut v = Vec::new();
+        for (&va, r) in &self.reservations {
+            for (&off, &(h, bytes)) in &r.mapped {
+                if va + off < ptr + size && va + off + bytes > ptr {
+                    v.push((va + off, h, bytes));
+                }
+            }
         }
         v.sort_unstable();
         v
@@ -726,6 +744,24 @@ impl Backend for SimBackend {
         self.complete_all();
         self.driver.add(DriverCall::CtxSync, 0, 0, 0);
         Ok(())
+    }
+
+    /// A pretend descriptor, `SIM_FD_BASE + handle`: it names no open file,
+    /// so only the encoding of a share can be tested on the simulator.
+    fn export_handle(&mut self, handle: HandleId) -> Result<i32, BackendError> {
+        let (_, mapped) = self
+            .handles
+            .get(&handle)
+            .unwrap_or_else(|| panic!("SimBackend: export of unknown handle {handle}"));
+        assert!(
+            *mapped > 0,
+            "SimBackend: export of unmapped handle {handle}"
+        );
+        i32::try_from(SIM_FD_BASE + handle).map_err(|_| BackendError::Driver {
+            call: "export_handle",
+            code: 0,
+            name: format!("handle {handle} has no descriptor number"),
+        })
     }
 
     fn driver_calls(&self) -> DriverCalls {

@@ -23,6 +23,13 @@ pub(super) const NOT_READY: CuResult = CUresult::CUDA_ERROR_NOT_READY as u32;
 /// Returned when the library lacks a symbol (an old driver).
 pub(super) const NOT_FOUND: CuResult = CUresult::CUDA_ERROR_NOT_FOUND as u32;
 
+/// Whether `cuMemCreate` failed because exportable memory is refused
+/// (a platform without POSIX descriptor export, or a sandbox).
+pub(super) fn refuses_export(code: CuResult) -> bool {
+    code == CUresult::CUDA_ERROR_NOT_SUPPORTED as u32
+        || code == CUresult::CUDA_ERROR_NOT_PERMITTED as u32
+}
+
 /// The codes named in messages; any other is shown as its number.
 const KNOWN: &[CUresult] = &[
     CUresult::CUDA_ERROR_INVALID_VALUE,
@@ -138,4 +145,16 @@ driver_fns! {
         count: usize,
     );
     cuMemUnmap(ptr: sys::CUdeviceptr, size: usize);
+    cuDeviceGetAttribute(value: *mut c_int, attribute: sys::CUdevice_attribute, device: sys::CUdevice);
+    cuMemExportToShareableHandle(
+        shareable: *mut std::ffi::c_void,
+        handle: sys::CUmemGenericAllocationHandle,
+        kind: sys::CUmemAllocationHandleType,
+        flags: u64,
+    );
+    cuMemImportFromShareableHandle(
+        handle: *mut sys::CUmemGenericAllocationHandle,
+        os_handle: *mut std::ffi::c_void,
+        kind: sys::CUmemAllocationHandleType,
+    );
 }

@@ -50,6 +50,7 @@ mod pools;
 mod record_stream;
 mod robustness;
 mod rounding;
+mod sharing;
 mod split;
 mod stats;
 mod tracing;

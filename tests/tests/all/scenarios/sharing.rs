@@ -1,0 +1,108 @@
+//! Sharing an allocation with another process (Note [Sharing expandable
+//! memory] in `ipc.rs`): a plain segment shares whole with the block's
+//! offset; expandable memory shares exactly the physical handles the
+//! simulator has mapped under the block, in address order, exported once.
+
+use gpualloc::backend::sim::SIM_FD_BASE;
+use gpualloc::{AllocError, Sharing};
+use gpualloc_tests::{Checked, MIB};
+
+/// The handles behind `p` (a live block of `size` bytes), as the simulator
+/// maps them, checked against what `share` exports.
+fn shares_exactly_its_handles(c: &mut Checked, p: u64, size: u64) -> Sharing {
+    let sharing = c.dev.share(p).expect("share");
+    let Sharing::Handles { offset, parts } = &sharing else {
+        panic!("expandable memory shared as {sharing:?}");
+    };
+    let backing = c.sim().handles_over(p, size);
+    let start = backing[0].0;
+    assert_eq!(*offset, p - start, "offset from the first handle");
+    // A stitched block's handles live elsewhere: compare by identity and size.
+    let exported: Vec<(u64, u64)> = parts
+        .iter()
+        .map(|&(fd, bytes)| (fd as u64 - SIM_FD_BASE, bytes))
+        .collect();
+    let mapped: Vec<(u64, u64)> = backing.iter().map(|&(_, h, b)| (h, b)).collect();
+    assert_eq!(exported, mapped, "the handles under {p:#x}+{size}");
+    assert!(parts.iter().map(|x| x.1).sum::<u64>() >= offset + size);
+    // Exported once: sharing again gives the same descriptors.
+    assert_eq!(c.dev.share(p).expect("share again"), sharing);
+    c.check();
+    sharing
+}
+
+#[test]
+fn a_plain_segment_shares_whole_with_the_offset() {
+    let mut c = Checked::with(1 << 30, "policy:pytorch");
+    let a = c.alloc(4 * MIB, 0);
+    let b = c.alloc(4 * MIB, 0);
+    for p in [a, b] {
+        let base = c
+            .snapshot()
+            .iter()
+            .find(|s| s.address <= p && p < s.address + s.total_size)
+            .unwrap()
+            .address;
+        assert_eq!(
+            c.dev.share(p).unwrap(),
+            Sharing::Segment {
+                base,
+                offset: p - base
+            }
+        );
+    }
+    c.check();
+}
+
+#[test]
+fn expandable_blocks_share_the_handles_under_them() {
+    let mut c = Checked::with(1 << 30, "policy:gpualloc");
+    // Small blocks inside one page, blocks across pages, a large block.
+    let sizes = [512, 100_000, 3 * MIB, 5 * MIB + 512, 64 * MIB, 700 * 1024];
+    let ptrs: Vec<(u64, u64)> = sizes.iter().map(|&s| (c.alloc(s, 0), s)).collect();
+    for &(p, s) in &ptrs {
+        shares_exactly_its_handles(&mut c, p, s);
+    }
+    // After frees and reuse at other places, still exact.
+    c.release(ptrs[1].0);
+    c.release(ptrs[3].0);
+    let q = c.alloc(7 * MIB, 0);
+    shares_exactly_its_handles(&mut c, q, 7 * MIB);
+}
+
+#[test]
+fn a_stitched_block_shares_the_handles_it_aliases() {
+    // A full device whose free pages are scattered: a large request is
+    // stitched from them, and shares the handles of the runs it aliases.
+    let mut c = Checked::with(128 * MIB, "policy:gpualloc");
+    let blocks: Vec<u64> = (0..8).map(|_| c.alloc(16 * MIB, 0)).collect();
+    for &p in blocks.iter().skip(1).step_by(2) {
+        c.release(p);
+    }
+    c.complete_all();
+    let big = c.alloc(40 * MIB, 0);
+    let sharing = shares_exactly_its_handles(&mut c, big, 40 * MIB);
+    assert_eq!(c.stat("num_stitch"), 1, "the request was stitched");
+    let Sharing::Handles { parts, .. } = sharing else {
+        unreachable!()
+    };
+    assert!(parts.len() > 1, "a stitch aliases several runs");
+}
+
+#[test]
+fn only_allocated_block_starts_can_be_shared() {
+    let mut c = Checked::with(1 << 30, "policy:gpualloc");
+    let p = c.alloc(4 * MIB, 0);
+    for bad in [p + 512, p + 4 * MIB + (1 << 40), 0] {
+        assert!(matches!(
+            c.dev.share(bad),
+            Err(AllocError::InvalidPointer { ptr, .. }) if ptr == bad
+        ));
+    }
+    c.release(p);
+    assert!(matches!(
+        c.dev.share(p),
+        Err(AllocError::InvalidPointer { .. })
+    ));
+    c.check();
+}
