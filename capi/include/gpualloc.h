@@ -441,6 +441,49 @@ int gpualloc_pool_restore(int device,
                           size_t allocd_cap,
                           size_t *n_allocd);
 
+// Describes how to share the allocation that starts at `ptr` on `device`
+// with another process.
+//
+// Expandable memory: writes the share's bytes to `buf` (PyTorch's format
+// `'e'` when the handles under the allocation are all of one size, so a
+// receiver under PyTorch's allocator opens it too; gpualloc's `'g'`
+// otherwise), their count to `*len`, and the allocation's offset from the
+// start of the shared range to `*offset`. `GPUALLOC_ERR_BUFFER_TOO_SMALL`
+// (with `*len` set) when `cap` is less. The first share starts this
+// process's descriptor server (Note [Descriptor passing]).
+//
+// A plain segment: writes 0 to `*len` and the allocation's offset in its
+// segment to `*offset`; share the segment, from `ptr - *offset`, with
+// `cudaIpcGetMemHandle`.
+//
+// `GPUALLOC_ERR_INVALID_POINTER` for a pointer that is not the start of a
+// live allocation on `device`.
+//
+// # Safety
+// `buf` is NULL (only with `cap == 0`) or points to `cap` writable bytes;
+// `len` and `offset` point to a writable size_t and uint64_t.
+int gpualloc_ipc_share(int device, void *ptr, char *buf, size_t cap, size_t *len, uint64_t *offset);
+
+// Opens a share of expandable memory made by `gpualloc_ipc_share` in
+// another process (or by PyTorch's expandable segments) on `device`:
+// fetches the handles' descriptors from the sender, imports and maps them
+// into a fresh range of exactly their size, and writes its first address
+// to `*out` (add the sender's offset). `gpualloc_ipc_close` unmaps it.
+//
+// `GPUALLOC_ERR_INVALID_ARGUMENT` for bytes that are not such a share;
+// `GPUALLOC_ERR_UNAVAILABLE` when the descriptors cannot be had (the
+// message says why) or without the CUDA backend; `GPUALLOC_ERR_BACKEND`
+// when the driver refuses the import.
+//
+// # Safety
+// `handle` points to `len` readable bytes; `out` to a writable pointer.
+int gpualloc_ipc_open(const char *handle, size_t len, int device, void **out);
+
+// Unmaps a range `gpualloc_ipc_open` opened, after the device's queued
+// work (the memory lives on in the sender).
+// `GPUALLOC_ERR_INVALID_POINTER` for any other pointer.
+int gpualloc_ipc_close(void *ptr);
+
 // Installs the one segment observer (NULL removes it), on every device,
 // now or when the allocator starts. It is called synchronously, under the
 // allocator's lock, after each successful device allocation

@@ -16,7 +16,10 @@
 
 mod boundary;
 mod checkpoint;
+mod fd_passing;
 mod global;
+mod ipc;
+mod ipc_format;
 mod observer;
 mod oom;
 mod pools;
@@ -32,6 +35,7 @@ use global::{BackendKind, existing, global};
 
 pub use boundary::*;
 pub use checkpoint::*;
+pub use ipc::*;
 pub use observer::*;
 pub use oom::*;
 pub use pools::*;

@@ -490,3 +490,26 @@ fn segment_structs_and_events() {
     }
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// Sharing allocations with other processes (`tests/c/ipc_test.c`): the
+/// bytes of a share of expandable memory, the offset of a plain segment's
+/// block, and clean refusals (opening needs the CUDA backend).
+#[test]
+fn ipc_shares_and_refusals() {
+    let (out, exe) = build_c("ipc_test");
+    for conf in [None, Some("policy:pytorch")] {
+        let mut vars: Vec<(&str, &std::ffi::OsStr)> = vec![];
+        if let Some(c) = conf {
+            vars.push(("GPUALLOC_CONF", c.as_ref()));
+        }
+        let run = run_sim(&exe, &vars);
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(
+            run.status.success() && stdout.trim_end().ends_with("ALL OK"),
+            "{conf:?}: {}\n{stdout}\n{stderr}",
+            run.status
+        );
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -9,7 +9,7 @@
 //! number closed and reused for another file is never handed out.
 
 use std::collections::BTreeSet;
-use std::os::fd::{BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::sync::Mutex;
 
 use cudarc::driver::sys;
@@ -36,16 +36,27 @@ pub(super) fn export(handle: HandleId) -> Result<i32, BackendError> {
         )
     };
     check("cuMemExportToShareableHandle", r)?;
-    OPEN.lock().unwrap_or_else(|e| e.into_inner()).insert(fd);
-    Ok(fd)
+    // SAFETY: the driver just opened `fd` for us; nothing else owns it.
+    Ok(adopt(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
-/// Closes a descriptor [`export`] returned and unlists it.
-pub(super) fn close(fd: i32) {
+/// Lists `fd` as the descriptor of exported memory, to be handed out on
+/// request until [`close`]d. The backend lists its exports; a test may list
+/// any file.
+pub fn adopt(fd: OwnedFd) -> i32 {
+    let raw = fd.into_raw_fd();
+    OPEN.lock().unwrap_or_else(|e| e.into_inner()).insert(raw);
+    raw
+}
+
+/// Closes a descriptor [`export`] or [`adopt`] listed, and unlists it; a
+/// number not listed is left alone.
+pub fn close(fd: i32) {
     let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
     if open.remove(&fd) {
-        // SAFETY: `fd` was opened by `export`, is still listed (so not
-        // closed yet), and no other owner exists: taking ownership closes it.
+        // SAFETY: `fd` was listed by `adopt`, which took ownership of it,
+        // and is still listed (so not closed yet): taking ownership back
+        // closes it.
         drop(unsafe { OwnedFd::from_raw_fd(fd) });
     }
 }

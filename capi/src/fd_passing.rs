@@ -1,0 +1,339 @@
+//! Copies of exported memory descriptors, from the sending process to the
+//! receiving one.
+//!
+//! Note [Descriptor passing]
+//! Rationale: a share names descriptor numbers that are open in the
+//! sender. PyTorch's receiver copies them out with `pidfd_getfd`, which
+//! needs ptrace rights over the sender; unprivileged containers refuse it
+//! (pytorch#165685), and the tensor never arrives.
+//! Approach: the first share starts a thread in the sender that listens on
+//! the abstract Unix socket `gpualloc-ipc-<pid>`. A receiver connects,
+//! names the descriptors it needs, and gets copies of them as `SCM_RIGHTS`
+//! ancillary data. The server answers only a peer of the same user (or
+//! root), and hands out only descriptors of exported memory handles
+//! (`exported::duplicate`, which copies under the same lock that closes
+//! them, so a reused number is never sent); anything else is refused with
+//! the reason. Without the socket (a sender under PyTorch's allocator, or
+//! in another network namespace) the receiver falls back to `pidfd_getfd`,
+//! as PyTorch does, and reports both failures if that fails too.
+//!
+//! Wire: a request is `"GAFD"`, a u32 count (at most
+//! [`MAX_PER_MESSAGE`]), then that many i32 descriptor numbers; a reply is
+//! a u32 status (0: the descriptors ride along; 1: refused) and a u32 (the
+//! count; or the length of the UTF-8 reason that follows). Little-endian.
+
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::time::Duration;
+
+use gpualloc::backend::cuda::exported;
+use nix::sys::socket::{
+    ControlMessage, ControlMessageOwned, MsgFlags, UnixAddr, getsockopt, recvmsg, sendmsg, sockopt,
+};
+use parking_lot::Mutex;
+
+/// Descriptors per message, below the kernel's `SCM_MAX_FD` (253).
+pub(crate) const MAX_PER_MESSAGE: usize = 250;
+const MAGIC: &[u8; 4] = b"GAFD";
+/// How long a server waits on a silent client, and a client on the server.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The socket name of process `pid`'s server.
+fn socket_name(pid: i32) -> String {
+    format!("gpualloc-ipc-{pid}")
+}
+
+/// The process id whose server runs (a forked child has none).
+static SERVING: Mutex<Option<u32>> = Mutex::new(None);
+
+/// Starts this process's descriptor server, once. A failure to listen is
+/// logged: receivers then fall back to `pidfd_getfd`.
+pub(crate) fn serve() {
+    let pid = std::process::id();
+    let mut serving = SERVING.lock();
+    if *serving == Some(pid) {
+        return;
+    }
+    *serving = Some(pid);
+    let listener = SocketAddr::from_abstract_name(socket_name(pid as i32).as_bytes())
+        .and_then(|a| UnixListener::bind_addr(&a));
+    let listener = match listener {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(
+                "gpualloc: no descriptor socket for shared memory ({e}); receivers will need pidfd_getfd"
+            );
+            return;
+        }
+    };
+    let spawned = std::thread::Builder::new()
+        .name("gpualloc-ipc".into())
+        .spawn(move || {
+            for stream in listener.incoming().flatten() {
+                if let Err(e) = answer(stream) {
+                    tracing::debug!("gpualloc: descriptor request failed: {e}");
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("gpualloc: cannot start the descriptor server: {e}");
+    }
+}
+
+/// Serves one connection: requests until the client closes it.
+fn answer(mut stream: UnixStream) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(TIMEOUT))?;
+    stream.set_write_timeout(Some(TIMEOUT))?;
+    let peer = getsockopt(&stream, sockopt::PeerCredentials)?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let allowed = peer.uid() == me || peer.uid() == 0;
+    loop {
+        let mut head = [0u8; 8];
+        match stream.read_exact(&mut head) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let n = u32::from_le_bytes(head[4..].try_into().expect("4 bytes")) as usize;
+        if &head[..4] != MAGIC || n > MAX_PER_MESSAGE {
+            return refuse(&stream, "a malformed request");
+        }
+        let mut body = vec![0u8; 4 * n];
+        stream.read_exact(&mut body)?;
+        let fds: Vec<i32> = body
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        if !allowed {
+            return refuse(
+                &stream,
+                &format!(
+                    "process {} runs as user {}, not as this process's user {me}",
+                    peer.pid(),
+                    peer.uid()
+                ),
+            );
+        }
+        match exported::duplicate(&fds) {
+            Ok(copies) => {
+                let raw: Vec<RawFd> = copies.iter().map(AsRawFd::as_raw_fd).collect();
+                let mut reply = [0u8; 8];
+                reply[4..].copy_from_slice(&(raw.len() as u32).to_le_bytes());
+                let cmsg = [ControlMessage::ScmRights(&raw)];
+                sendmsg::<UnixAddr>(
+                    stream.as_raw_fd(),
+                    &[IoSlice::new(&reply)],
+                    if raw.is_empty() { &[] } else { &cmsg },
+                    MsgFlags::empty(),
+                    None,
+                )?;
+            }
+            Err(fd) => {
+                return refuse(
+                    &stream,
+                    &format!(
+                        "descriptor {fd} of process {} is not an exported gpualloc memory handle (freed already?)",
+                        std::process::id()
+                    ),
+                );
+            }
+        }
+    }
+}
+
+fn refuse(mut stream: &UnixStream, why: &str) -> std::io::Result<()> {
+    let mut reply = vec![0u8; 8];
+    reply[..4].copy_from_slice(&1u32.to_le_bytes());
+    reply[4..].copy_from_slice(&(why.len() as u32).to_le_bytes());
+    reply.extend_from_slice(why.as_bytes());
+    stream.write_all(&reply)
+}
+
+/// Copies of descriptors `fds` of process `pid`: from its server, else
+/// through `pidfd_getfd`.
+///
+/// # Errors
+/// Why neither way worked.
+pub(crate) fn fetch(pid: i32, fds: &[i32]) -> Result<Vec<OwnedFd>, String> {
+    let connected = SocketAddr::from_abstract_name(socket_name(pid).as_bytes())
+        .and_then(|a| UnixStream::connect_addr(&a));
+    let stream = match connected {
+        Ok(s) => s,
+        Err(socket) => {
+            return pidfd_getfd(pid, fds).map_err(|e| {
+                format!(
+                    "cannot reach process {pid}'s gpualloc descriptor socket ({socket}), and {e}"
+                )
+            });
+        }
+    };
+    let mut out = Vec::with_capacity(fds.len());
+    for chunk in fds.chunks(MAX_PER_MESSAGE) {
+        out.extend(request(&stream, chunk).map_err(|e| format!("process {pid}: {e}"))?);
+    }
+    Ok(out)
+}
+
+fn request(mut stream: &UnixStream, fds: &[i32]) -> Result<Vec<OwnedFd>, String> {
+    stream
+        .set_read_timeout(Some(TIMEOUT))
+        .map_err(|e| e.to_string())?;
+    let mut msg = MAGIC.to_vec();
+    msg.extend_from_slice(&(fds.len() as u32).to_le_bytes());
+    for fd in fds {
+        msg.extend_from_slice(&fd.to_le_bytes());
+    }
+    stream
+        .write_all(&msg)
+        .map_err(|e| format!("sending the request: {e}"))?;
+    let mut head = [0u8; 8];
+    let mut space = nix::cmsg_space!([RawFd; MAX_PER_MESSAGE]);
+    let mut got = Vec::new();
+    let read = {
+        let mut iov = [IoSliceMut::new(&mut head)];
+        let m = recvmsg::<UnixAddr>(
+            stream.as_raw_fd(),
+            &mut iov,
+            Some(space.as_mut_slice()),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )
+        .map_err(|e| format!("reading the reply: {e}"))?;
+        for c in m.cmsgs().map_err(|e| format!("reading the reply: {e}"))? {
+            if let ControlMessageOwned::ScmRights(v) = c {
+                // SAFETY: each descriptor was just installed in this
+                // process by the kernel (SCM_RIGHTS); nothing else owns it.
+                got.extend(v.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+            }
+        }
+        m.bytes
+    };
+    if read < head.len() {
+        stream
+            .read_exact(&mut head[read..])
+            .map_err(|e| format!("reading the reply: {e}"))?;
+    }
+    let status = u32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
+    let n = u32::from_le_bytes(head[4..].try_into().expect("4 bytes")) as usize;
+    if status != 0 {
+        let mut why = vec![0u8; n.min(4096)];
+        let _ = stream.read_exact(&mut why);
+        return Err(format!("refused: {}", String::from_utf8_lossy(&why)));
+    }
+    if got.len() != fds.len() || n != fds.len() {
+        return Err(format!(
+            "asked for {} descriptors, received {}",
+            fds.len(),
+            got.len()
+        ));
+    }
+    Ok(got)
+}
+
+/// Copies descriptors out of process `pid` with `pidfd_getfd` (Linux 5.6;
+/// needs ptrace rights over it).
+fn pidfd_getfd(pid: i32, fds: &[i32]) -> Result<Vec<OwnedFd>, String> {
+    // SAFETY: a system call with integer arguments only.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if pidfd < 0 {
+        return Err(format!(
+            "pidfd_open({pid}): {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as RawFd) };
+    let mut out = Vec::with_capacity(fds.len());
+    for &fd in fds {
+        // SAFETY: a system call with integer arguments only.
+        let mine = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+        if mine < 0 {
+            return Err(format!(
+                "pidfd_getfd(descriptor {fd} of process {pid}): {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        // SAFETY: pidfd_getfd returned a new descriptor that nothing else owns.
+        out.push(unsafe { OwnedFd::from_raw_fd(mine as RawFd) });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::io::{Seek, SeekFrom};
+
+    use super::*;
+
+    /// A file listed as exported memory, its number, and its contents.
+    fn listed(text: &str) -> i32 {
+        let path =
+            std::env::temp_dir().join(format!("gpualloc-fd-{}-{}", std::process::id(), text.len()));
+        std::fs::write(&path, text).unwrap();
+        let f = File::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        exported::adopt(OwnedFd::from(f))
+    }
+
+    fn contents(fd: OwnedFd) -> String {
+        let mut f = File::from(fd);
+        f.seek(SeekFrom::Start(0)).unwrap();
+        let mut s = String::new();
+        f.read_to_string(&mut s).unwrap();
+        s
+    }
+
+    #[test]
+    fn listed_descriptors_arrive_as_copies_and_others_are_refused() {
+        let a = listed("first file");
+        let b = listed("the second file");
+        serve();
+        let me = std::process::id() as i32;
+        let got = fetch(me, &[b, a, b]).unwrap();
+        assert_eq!(got.len(), 3);
+        let texts: Vec<String> = got.into_iter().map(contents).collect();
+        assert_eq!(texts, ["the second file", "first file", "the second file"]);
+
+        // More than one message's worth.
+        let many = vec![a; MAX_PER_MESSAGE * 2 + 3];
+        assert_eq!(fetch(me, &many).unwrap().len(), many.len());
+
+        // Standard input is open but not exported memory.
+        let err = fetch(me, &[a, 0]).unwrap_err();
+        assert!(
+            err.contains("descriptor 0") && err.contains("not an exported"),
+            "{err}"
+        );
+
+        // Closed and unlisted: refused, even if the number is reused.
+        exported::close(a);
+        let err = fetch(me, &[a]).unwrap_err();
+        assert!(err.contains("not an exported"), "{err}");
+        exported::close(b);
+    }
+
+    #[test]
+    fn without_a_server_the_reasons_of_both_ways_are_given() {
+        // No process has this pid (above the kernel's maximum).
+        let err = fetch(i32::MAX - 1, &[3]).unwrap_err();
+        assert!(err.contains("descriptor socket"), "{err}");
+        assert!(err.contains("pidfd_open"), "{err}");
+    }
+
+    #[test]
+    fn a_malformed_request_is_refused() {
+        serve();
+        let addr =
+            SocketAddr::from_abstract_name(socket_name(std::process::id() as i32).as_bytes())
+                .unwrap();
+        let mut s = UnixStream::connect_addr(&addr).unwrap();
+        s.write_all(b"XXXX\x01\0\0\0").unwrap();
+        let mut reply = Vec::new();
+        s.read_to_end(&mut reply).unwrap();
+        assert_eq!(&reply[..4], &1u32.to_le_bytes());
+        assert!(String::from_utf8_lossy(&reply[8..]).contains("malformed"));
+    }
+}
