@@ -43,6 +43,7 @@
 
 #include "bridge/api.h"
 #include "bridge/history.h"
+#include "bridge/ipc.h"
 #include "bridge/registration.h"
 
 #if TORCH_VERSION_MAJOR != 2 || TORCH_VERSION_MINOR < 9
@@ -60,10 +61,10 @@ constexpr const char* kUseOnOom =
     "gpualloc: MemPool(use_on_oom=True) is not supported: gpualloc never serves the default pools from a "
     "MemPool's memory (it defragments and stitches its own pages instead); create the pool without use_on_oom";
 
-constexpr const char* kExpandableIpc =
-    "gpualloc: this tensor lives in an expandable segment (gpualloc's default), which cannot be shared with "
-    "another process yet; run the sending process with GPUALLOC_CONF=expandable_segments:false (plain segments "
-    "are shared through CUDA IPC, as with PyTorch's allocator)";
+constexpr const char* kExpandableBase =
+    "gpualloc: this tensor lives in expandable memory (gpualloc's default), which has no fixed base allocation; "
+    "share it with another process through torch.multiprocessing (shareIpcHandle), or run with "
+    "GPUALLOC_CONF=expandable_segments:false for plain segments";
 
 // ---- devices -------------------------------------------------------------
 
@@ -456,7 +457,7 @@ class GpuallocAllocator final : public CUDAAllocator {
   }
   void* getBaseAllocation(void* ptr, size_t* size) override {
     GpuallocSegmentInfo s = segment_of(ptr);
-    TORCH_CHECK(s.is_expandable == 0, kExpandableIpc);
+    TORCH_CHECK(s.is_expandable == 0, kExpandableBase);
     if (size != nullptr) {
       *size = s.total_size;
     }
@@ -636,23 +637,13 @@ class GpuallocAllocator final : public CUDAAllocator {
     return d;
   }
 
-  cca::ShareableHandle shareIpcHandle(void* ptr) override {
-    GpuallocSegmentInfo s = segment_of(ptr);
-    TORCH_CHECK(s.is_expandable == 0, kExpandableIpc);
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(s.device));
-    cudaIpcMemHandle_t h;
-    C10_CUDA_CHECK(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(s.address)));
-    // PyTorch's format (version 2, type 'c': a cudaMalloc block), so that a
-    // receiver under either allocator opens it.
-    std::string handle;
-    handle.push_back(static_cast<char>(2));
-    handle.push_back('c');
-    handle.append(reinterpret_cast<const char*>(&h), CUDA_IPC_HANDLE_SIZE);
-    return cca::ShareableHandle{static_cast<ptrdiff_t>(reinterpret_cast<uint64_t>(ptr) - s.address), handle};
-  }
+  cca::ShareableHandle shareIpcHandle(void* ptr) override { return ipc::share(segment_of(ptr).device, ptr); }
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
-    // Memory another process shares is not gpualloc's: PyTorch's own
-    // allocator object (still alive, unused otherwise) opens and caches it.
+    if (ipc::opened_by_gpualloc(handle)) {
+      return opened_.open(handle);
+    }
+    // A CUDA IPC handle of a plain segment: PyTorch's own allocator object
+    // (still alive, unused otherwise) opens and caches it.
     TORCH_CHECK(native_ != nullptr, "gpualloc: PyTorch's allocator is unavailable to open an IPC handle");
     std::call_once(native_init_, [&] { native_->init(device_count_); });
     return native_->getIpcDevPtr(std::move(handle));
@@ -746,6 +737,7 @@ class GpuallocAllocator final : public CUDAAllocator {
  private:
   CUDAAllocator* native_;
   std::once_flag native_init_;
+  ipc::Opened opened_;
   std::atomic<bool> initialized_{false};
   int device_count_ = 0;
 };

@@ -231,6 +231,18 @@ def check_compat(args) -> dict:
 # ipc
 
 
+# Tensors sent: (name, elements, offset in their storage). Small ones
+# share a page with their neighbours, large ones span many handles, and a
+# view starts inside its storage.
+IPC_TENSORS = [("small", 1000, 0), ("4MiB", 1 << 20, 0), ("100MiB", 25 << 20, 0), ("view", 3 << 20, 12345)]
+
+
+def _ipc_expected(n):
+    import torch
+
+    return torch.arange(n, dtype=torch.float32)
+
+
 def _ipc_child(q, done, receiver):
     if receiver == "gpualloc":
         import gpualloc
@@ -239,13 +251,19 @@ def _ipc_child(q, done, receiver):
     import torch
 
     try:
-        t = q.get(timeout=60)
-        ok = bool(torch.equal(t.cpu(), torch.arange(1 << 20, dtype=torch.float32)))
-        t.mul_(2)  # the sender sees it: shared memory, not a copy
+        got = q.get(timeout=60)
+        bad = []
+        for (name, n, off), t in zip(IPC_TENSORS, got):
+            if not torch.equal(t.cpu(), _ipc_expected(n + off)[off:]):
+                bad.append(name)
+            t.mul_(2)  # the sender sees it: shared memory, not a copy
         torch.cuda.synchronize()
-        done.put(("ok" if ok else "wrong values", torch.cuda.get_allocator_backend()))
+        done.put(("ok" if not bad else f"wrong values in {bad}", torch.cuda.get_allocator_backend()))
+        # Keep the tensors until the sender has checked the writes.
+        q.get(timeout=60)
+        del got
     except Exception as e:  # noqa: BLE001
-        done.put((f"{type(e).__name__}: {e}"[:500], None))
+        done.put((f"{type(e).__name__}: {e}"[:800], None))
 
 
 def check_ipc(args) -> dict:
@@ -262,18 +280,25 @@ def check_ipc(args) -> dict:
             p = ctx.Process(target=_ipc_child, args=(q, done, receiver))
             p.start()
             try:
-                x = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
-                # Share now, in this thread: Queue.put pickles in a feeder
-                # thread, where a failure would only be printed.
-                x.untyped_storage()._share_cuda_()
-                q.put(x)
-                status, backend = done.get(timeout=90)
+                xs, formats = [], []
+                for name, n, off in IPC_TENSORS:
+                    base = torch.arange(n + off, dtype=torch.float32, device="cuda")[off:]
+                    # Share now, in this thread: Queue.put pickles in a
+                    # feeder thread, where a failure would only be printed.
+                    handle = base.untyped_storage()._share_cuda_()[1]
+                    formats.append(chr(handle[1]) if len(handle) > 1 else "?")
+                    xs.append(base)
+                q.put(xs)
+                status, backend = done.get(timeout=120)
                 assert status == "ok", f"child: {status}"
                 torch.cuda.synchronize()
-                assert float(x[3]) == 6.0, f"the child's write is not visible: x[3] = {float(x[3])}"
-                return {"child_backend": backend}
+                for (name, n, off), x in zip(IPC_TENSORS, xs):
+                    want = 2 * _ipc_expected(n + off)[off:]
+                    assert torch.equal(x.cpu(), want), f"{name}: the child's writes are not visible"
+                q.put("done")
+                return {"child_backend": backend, "formats": "".join(formats)}
             finally:
-                p.join(30)
+                p.join(60)
                 if p.is_alive():
                     p.kill()
 

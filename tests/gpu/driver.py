@@ -53,7 +53,9 @@ VARIANTS = {
     "gpualloc-traced": ("gpualloc", {}),
 }
 # Checks that run under more than "native" and "gpualloc".
-CHECK_VARIANTS = {"ipc": ["native", "gpualloc", "gpualloc[expandable_segments:false]"]}
+CHECK_VARIANTS = {
+    "ipc": ["native", "native[expandable_segments:True]", "gpualloc", "gpualloc[expandable_segments:false]"]
+}
 TRAIN_VARIANTS = ["native", "native-expandable", "gpualloc", "gpualloc-expandable", "gpualloc-expandable-traced"]
 
 # Inherited settings that would change what a variant means: each run gets

@@ -41,6 +41,9 @@ struct Api {
   decltype(&gpualloc_snapshot_segments) snapshot_segments = nullptr;
   decltype(&gpualloc_set_segment_observer) set_segment_observer = nullptr;
   decltype(&gpualloc_mark) mark = nullptr;
+  decltype(&gpualloc_ipc_share) ipc_share = nullptr;
+  decltype(&gpualloc_ipc_open) ipc_open = nullptr;
+  decltype(&gpualloc_ipc_close) ipc_close = nullptr;
 
   // Resolves every symbol from the library at `handle`.
   void resolve_all(void* handle) {
@@ -69,6 +72,9 @@ struct Api {
     resolve(handle, "gpualloc_snapshot_segments", snapshot_segments);
     resolve(handle, "gpualloc_set_segment_observer", set_segment_observer);
     resolve(handle, "gpualloc_mark", mark);
+    resolve(handle, "gpualloc_ipc_share", ipc_share);
+    resolve(handle, "gpualloc_ipc_open", ipc_open);
+    resolve(handle, "gpualloc_ipc_close", ipc_close);
   }
 
  private:
