@@ -109,7 +109,7 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// Applies the page pool's reserved-bytes changes to the stats, and
     /// counts and traces `created` (positive) or released (negative) bytes.
-    fn apply_deltas(&mut self, deltas: KindDeltas, physical: i64) {
+    pub(crate) fn apply_deltas(&mut self, deltas: KindDeltas, physical: i64) {
         // Decreases first, so that a move between kinds never shows as a peak.
         let mut by_kind = [(PoolKind::Small, deltas[0]), (PoolKind::Large, deltas[1])];
         by_kind.sort_unstable_by_key(|k| k.1);

@@ -22,7 +22,7 @@
 //! Each pooled handle remembers the pool kind (small or large) whose
 //! `reserved_bytes` it is counted in, so stats stay exact when it moves.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::backend::{Backend, BackendError, DevicePtr, HandleId};
 use crate::size_class::PoolKind;
@@ -50,6 +50,8 @@ pub(crate) struct PagePool {
     mapped: BTreeMap<DevicePtr, (HandleId, u64)>,
     /// Pooled bytes per kind, `[small, large]`.
     free_bytes: [u64; 2],
+    /// Handles exported to other processes (Note [Sharing expandable memory]).
+    exported: BTreeSet<HandleId>,
 }
 
 impl PagePool {
@@ -166,7 +168,7 @@ impl PagePool {
         (Ok(()), deltas, created)
     }
 
-    fn pool(&mut self, h: HandleId, size: u64, kind: PoolKind) {
+    pub fn pool(&mut self, h: HandleId, size: u64, kind: PoolKind) {
         self.free.entry(size).or_default().push((h, kind));
         self.free_bytes[slot(kind)] += size;
     }
@@ -209,6 +211,30 @@ impl PagePool {
             .filter(|(a, (_, s))| *a + s > lo)
             .map(|(&a, &(h, s))| (a, h, s));
         below.into_iter().chain(self.handles_in(lo, hi)).collect()
+    }
+
+    /// Notes that `handle` was exported to another process: its memory must
+    /// stay the memory of the addresses it is mapped at.
+    pub fn mark_exported(&mut self, handle: HandleId) {
+        self.exported.insert(handle);
+    }
+
+    /// Whether `handle` was exported to another process.
+    pub fn is_exported(&self, handle: HandleId) -> bool {
+        self.exported.contains(&handle)
+    }
+
+    /// Books `handle` (`size` bytes, already mapped at `lo` by the caller)
+    /// in place of the handles mapped in `[lo, lo + size)`, which the caller
+    /// unmapped; returns those, for the caller to release.
+    pub fn swap_in(&mut self, lo: DevicePtr, handle: HandleId, size: u64) -> Vec<(HandleId, u64)> {
+        let old: Vec<(DevicePtr, HandleId, u64)> = self.handles_in(lo, lo + size);
+        for (a, h, _) in &old {
+            self.mapped.remove(a);
+            self.exported.remove(h);
+        }
+        self.mapped.insert(lo, (handle, size));
+        old.into_iter().map(|(_, h, s)| (h, s)).collect()
     }
 
     /// The end of the shortest prefix of whole handles of the run
@@ -266,6 +292,7 @@ impl PagePool {
                 return (Err(e), deltas);
             }
             self.free_bytes[slot(k)] -= s;
+            self.exported.remove(&h);
             deltas[slot(k)] -= s as i64;
             released += s;
         }

@@ -105,6 +105,9 @@ impl Backend for AnyBackend {
     fn synchronize(&mut self) -> Result<(), BackendError> {
         dispatch!(self, b => b.synchronize())
     }
+    fn copy(&mut self, dst: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        dispatch!(self, b => b.copy(dst, src, bytes))
+    }
     fn export_handle(&mut self, handle: HandleId) -> Result<i32, BackendError> {
         dispatch!(self, b => b.export_handle(handle))
     }

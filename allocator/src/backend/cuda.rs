@@ -579,6 +579,16 @@ impl Backend for CudaBackend {
         self.unmap_run(ptr, size)
     }
 
+    fn copy(&mut self, dst: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: both ranges are mapped and accessible on this device
+        // (contract); the copy runs on the legacy default stream.
+        check("cuMemcpyDtoD", unsafe {
+            driver::cuMemcpyDtoD_v2(dst, src, bytes as usize)
+        })?;
+        self.synchronize()
+    }
+
     fn export_handle(&mut self, handle: HandleId) -> Result<i32, BackendError> {
         if let Some(&fd) = self.exported.get(&handle) {
             return Ok(fd);

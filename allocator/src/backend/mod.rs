@@ -189,6 +189,16 @@ pub trait Backend: Send {
         ))
     }
 
+    /// Copies `bytes` from `src` to `dst` (both mapped device memory) and
+    /// waits until the copy is done. Only for rare paths: giving a shared
+    /// block handles of one size (Note [Sharing expandable memory]).
+    fn copy(&mut self, dst: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        let _ = (dst, src, bytes);
+        Err(BackendError::Unavailable(
+            "this backend cannot copy device memory".into(),
+        ))
+    }
+
     /// Exports a live handle as a POSIX file descriptor that another process
     /// can import (`cuMemExportToShareableHandle`), for sharing memory
     /// between processes (Note [Sharing expandable memory] in `ipc.rs`).

@@ -163,6 +163,8 @@ pub struct SimBackend {
     live: BTreeMap<DevicePtr, u64>,
     next_va: u64,
     reservations: BTreeMap<DevicePtr, Reservation>,
+    /// Device-to-device copies made.
+    copies: u64,
     /// Physical handles: bytes, and at how many addresses they are mapped.
     handles: FxHashMap<HandleId, (u64, u32)>,
     next_handle: HandleId,
@@ -205,6 +207,7 @@ impl SimBackend {
             live: BTreeMap::new(),
             next_va: VMM_BASE,
             reservations: BTreeMap::new(),
+            copies: 0,
             handles: FxHashMap::default(),
             next_handle: 1,
             unmap_log: None,
@@ -435,6 +438,11 @@ impl SimBackend {
         }
         v.sort_unstable();
         v
+    }
+
+    /// Device-to-device copies made ([`Backend::copy`]).
+    pub fn copies(&self) -> u64 {
+        self.copies
     }
 
     /// Physical handles alive (mapped or not).
@@ -743,6 +751,23 @@ impl Backend for SimBackend {
         self.forbid_in_capture("synchronize");
         self.complete_all();
         self.driver.add(DriverCall::CtxSync, 0, 0, 0);
+        Ok(())
+    }
+
+    /// Checks that both ranges are backed; the simulator holds no data.
+    fn copy(&mut self, dst: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        for (what, p) in [("destination", dst), ("source", src)] {
+            let covered: u64 = self
+                .handles_over(p, bytes)
+                .iter()
+                .map(|&(a, _, b)| (a + b).min(p + bytes) - a.max(p))
+                .sum();
+            assert_eq!(
+                covered, bytes,
+                "SimBackend: copy {what} {p:#x}+{bytes} is not all mapped"
+            );
+        }
+        self.copies += 1;
         Ok(())
     }
 

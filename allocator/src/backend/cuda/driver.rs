@@ -145,6 +145,7 @@ driver_fns! {
         count: usize,
     );
     cuMemUnmap(ptr: sys::CUdeviceptr, size: usize);
+    cuMemcpyDtoD_v2(dst: sys::CUdeviceptr, src: sys::CUdeviceptr, bytes: usize);
     cuDeviceGetAttribute(value: *mut c_int, attribute: sys::CUdevice_attribute, device: sys::CUdevice);
     cuMemExportToShareableHandle(
         shareable: *mut std::ffi::c_void,

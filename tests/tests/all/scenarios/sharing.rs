@@ -1,7 +1,8 @@
 //! Sharing an allocation with another process (Note [Sharing expandable
 //! memory] in `ipc.rs`): a plain segment shares whole with the block's
 //! offset; expandable memory shares exactly the physical handles the
-//! simulator has mapped under the block, in address order, exported once.
+//! simulator has mapped under the block, in address order, exported once,
+//! and of one size unless a handle under it was exported already.
 
 use gpualloc::backend::sim::SIM_FD_BASE;
 use gpualloc::{AllocError, Sharing};
@@ -105,4 +106,55 @@ fn only_allocated_block_starts_can_be_shared() {
         Err(AllocError::InvalidPointer { .. })
     ));
     c.check();
+}
+
+fn sizes(s: &Sharing) -> Vec<u64> {
+    match s {
+        Sharing::Handles { parts, .. } => parts.iter().map(|p| p.1).collect(),
+        Sharing::Segment { .. } => vec![],
+    }
+}
+
+#[test]
+fn handles_of_several_sizes_become_one_with_the_same_reserved_bytes() {
+    let mut c = Checked::with(1 << 30, "policy:gpualloc");
+    let p = c.alloc(100 * MIB, 0);
+    let before = c.sim().handles_over(p, 100 * MIB);
+    assert!(
+        before.windows(2).any(|w| w[0].2 != w[1].2),
+        "a fresh 100 MiB mapping has handles of several sizes: {before:?}"
+    );
+    let (reserved, used) = (c.reserved(), c.sim().used());
+    let s = shares_exactly_its_handles(&mut c, p, 100 * MIB);
+    assert_eq!(sizes(&s), vec![100 * MIB], "one handle");
+    assert_eq!(c.sim().copies(), 1, "the contents were copied once");
+    assert_eq!((c.reserved(), c.sim().used()), (reserved, used));
+    // Sharing again exports the same handle and copies nothing.
+    shares_exactly_its_handles(&mut c, p, 100 * MIB);
+    assert_eq!(c.sim().copies(), 1);
+    c.release(p);
+    c.empty_cache();
+    assert_eq!(c.sim().used(), 0);
+}
+
+#[test]
+fn handles_exported_already_keep_their_place() {
+    let mut c = Checked::with(1 << 30, "policy:gpualloc");
+    // 98.5 MiB maps 100 MiB of handles, the last of 4 MiB; a 1.25 MiB
+    // block takes part of what the large one leaves of it.
+    let (bs, ds) = (98 * MIB + MIB / 2, MIB + MIB / 4);
+    let b = c.alloc(bs, 0);
+    let d = c.alloc(ds, 0);
+    let last = *c.sim().handles_over(b, bs).last().unwrap();
+    assert!(
+        last.0 <= d && d < last.0 + last.2,
+        "the small block shares a handle with the large one"
+    );
+    shares_exactly_its_handles(&mut c, d, ds);
+    // That handle is in another process now: the large block keeps its
+    // handles of several sizes, and nothing is copied.
+    let s = shares_exactly_its_handles(&mut c, b, bs);
+    let sz = sizes(&s);
+    assert!(sz.windows(2).any(|w| w[0] != w[1]), "{sz:?}");
+    assert_eq!(c.sim().copies(), 0);
 }
