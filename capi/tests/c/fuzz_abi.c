@@ -83,7 +83,7 @@ int main(int argc, char **argv) {
   CHECK(gpualloc_set_segment_observer(observer, &reg) == GPUALLOC_OK);
   for (uint64_t i = 0; i < calls; i++) {
     const char *what = "";
-    switch (below(27)) {
+    switch (below(28)) {
     case 0: case 1: case 2: case 3: case 4: {
       what = "malloc";
       int device = device_value();
@@ -251,6 +251,28 @@ int main(int argc, char **argv) {
                                 below(8) ? nck : (size_t)below(4), freed, (size_t)below(257), &nf,
                                 allocd, (size_t)below(257), &na) == GPUALLOC_OK)
         restores++;
+      break;
+    }
+    case 26: {
+      /* Sharing live (or bogus) pointers, and opening damaged shares:
+       * refused cleanly; a share may give a block one handle (a copy). */
+      static char share[4096];
+      size_t len = 0;
+      uint64_t off = 0;
+      void *q = NULL;
+      if (below(3)) {
+        what = "ipc share";
+        void *p = nlive && below(4) ? live[below((uint64_t)nlive)].p : (void *)(uintptr_t)size_value();
+        gpualloc_ipc_share(below(4) ? 0 : device_value(), p, below(8) ? share : NULL,
+                           below(8) ? sizeof share : 0, &len, below(16) ? &off : NULL);
+        break;
+      }
+      what = "ipc open";
+      size_t n = (size_t)below(64);
+      for (size_t k = 0; k < n; k++) share[k] = (char)below(256);
+      if (n > 1 && below(2)) share[0] = 2, share[1] = below(2) ? 'e' : 'g';
+      gpualloc_ipc_open(share, n, device_value(), &q);
+      gpualloc_ipc_close(q);
       break;
     }
     default: {
