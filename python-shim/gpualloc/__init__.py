@@ -28,8 +28,10 @@ stats, ``cacheInfo`` and fractions read gpualloc; CUDA-graph pools, MemPool
 and cudagraph trees' checkpoints reach gpualloc's private pools;
 ``_record_memory_history``/``_snapshot``/``memory_viz`` work natively
 (the bridge keeps torch's history while gpualloc keeps its own trace);
-NCCL's registration hooks see every segment event; IPC handles are
-PyTorch's format. The bridge loads libgpualloc.so with ``dlopen`` (same
+NCCL's registration hooks see every segment event; tensors shared with
+other processes use PyTorch's formats (CUDA IPC for plain segments, its
+expandable format, or gpualloc's own for pages of several sizes, which a
+receiver under gpualloc opens). The bridge loads libgpualloc.so with ``dlopen`` (same
 handle as this package's ctypes copy) and installs itself with
 ``changeCurrentAllocator``. It needs g++ and the torch headers (they ship
 with the wheel); the build directory is ``GPUALLOC_BUILD_DIR`` or
