@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 
 import driver  # noqa: E402
 
-WORKLOADS = ["churn", "train_gpt2", "train_detector", "train_resnet", "train_backbone"]
+WORKLOADS = ["churn", "churn_wide", "train_gpt2", "train_detector", "train_resnet", "train_backbone"]
 DEFAULT_VARIANTS = "native,native-expandable,gpualloc,gpualloc-expandable,gpualloc-pytorch"
 NATIVE = ("native", "native-expandable")
 CHURN_OPS = 200_000
@@ -81,9 +81,9 @@ def summarize_training(runs, workload, variants):
     return rows
 
 
-def summarize_churn(runs, variants):
+def summarize_churn(runs, variants, workload):
     """One row a variant, as summarize_training does for training."""
-    by = {(r["variant"], r["repeat"]): r["result"] for r in runs if r["workload"] == "churn" and ok(r)}
+    by = {(r["variant"], r["repeat"]): r["result"] for r in runs if r["workload"] == workload and ok(r)}
     repeats = sorted({rep for _, rep in by})
     base = {rep: min((by[(v, rep)]["us_per_alloc_free"] for v in NATIVE if (v, rep) in by), default=None) for rep in repeats}
     rows = []
@@ -120,10 +120,10 @@ def markdown(bench):
                            f"| {fmt(r['device_allocs_after_warmup'], '.0f')} | {fmt(r['ratio_mean_all_vs_faster_native'], '.3f')} "
                            f"| {agree} |")
         sections.append(sec)
-    if a["repeats"] and bench.get("churn"):
-        sec = [f"## Churn, {CHURN_OPS} torch.empty calls, medians over {a['repeats']} repeat(s)", "",
+    for w, rows in (bench.get("churn") or {}).items() if a["repeats"] else ():
+        sec = [f"## {w}, {CHURN_OPS} torch.empty calls, medians over {a['repeats']} repeat(s)", "",
                "| variant | runs | R/A | µs per alloc+free | / faster native |", "|---|---|---|---|---|"]
-        for r in bench["churn"]:
+        for r in rows:
             sec.append(f"| {r['variant']} | {r['runs']} | {fmt(r['peak_reserved_over_allocated'], '.3f')} "
                        f"| {fmt(r['us_per_alloc_free'], '.3f')} | {fmt(r['ratio_vs_faster_native'], '.3f')} |")
         sections.append(sec)
@@ -199,7 +199,7 @@ def main():
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
         for w in workloads:
             for v in order:
-                churn = w == "churn"
+                churn = w.startswith("churn")
                 r = run(w, v, w, CHURN_TIMEOUT_S if churn else train_timeout(args.steps),
                         CHURN_OPS if churn else args.steps, f"{w}-{v}-r{rep}")
                 if r is None:
@@ -233,8 +233,7 @@ def main():
                 print(f"max_batch {name} {v}: {brief} ({r['wall_s']} s)", flush=True)
 
     bench["training"] = {w: summarize_training(bench["runs"], w, variants) for w in workloads if w.startswith("train_")}
-    if "churn" in workloads:
-        bench["churn"] = summarize_churn(bench["runs"], variants)
+    bench["churn"] = {w: summarize_churn(bench["runs"], variants, w) for w in workloads if w.startswith("churn")}
     bench["total_s"] = round(time.time() - start, 1)
     table = markdown(bench)
     with open(os.path.join(args.out, "bench.md"), "w") as f:

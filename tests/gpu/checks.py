@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -794,11 +795,23 @@ def check_max_batch(args) -> dict:
 
 
 def check_churn(args) -> dict:
+    rng = random.Random(4)
+    return _churn(args, [rng.choice([256, 4096, 65536, 1 << 20, 5 << 20, 24 << 20]) for _ in range(4096)])
+
+
+def check_churn_wide(args) -> dict:
+    """The issue's churn loop: 64 live tensors of sizes drawn log-uniformly
+    from 512 B to 64 MiB, so that no two large sizes repeat exactly."""
+    rng = random.Random(5)
+    lo, hi = math.log(512), math.log(64 << 20)
+    return _churn(args, [int(math.exp(rng.uniform(lo, hi))) for _ in range(4096)])
+
+
+def _churn(args, sizes) -> dict:
+    """torch.empty in a window of 64 live tensors, cycling through `sizes`."""
     import torch
 
     dev = torch.device("cuda:0")
-    rng = random.Random(4)
-    sizes = [rng.choice([256, 4096, 65536, 1 << 20, 5 << 20, 24 << 20]) for _ in range(4096)]
     window = [None] * 64
     n = args.steps or 200_000
     for i in range(2000):  # warm the cache
@@ -895,6 +908,7 @@ CHECKS = {
     "train_backbone": check_train_backbone,
     "max_batch": check_max_batch,
     "churn": check_churn,
+    "churn_wide": check_churn_wide,
     "multi_device": check_multi_device,
     "auto_marks": check_auto_marks,
     "compat": compat.check_compat,

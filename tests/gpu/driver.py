@@ -27,6 +27,7 @@ PLAN = [
     ("threads", 90, 0),
     ("multi_device", 90, 0),
     ("churn", 90, 200_000),
+    ("churn_wide", 90, 200_000),
     ("churn_cpp", 150, 2_000_000),
     ("auto_marks", 120, 0),
     ("compat", 300, 0),
