@@ -78,7 +78,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let (size, seg_id) = (b.size, b.segment);
         let seg = self.heap.segments.get(seg_id);
         let stitch = self.stitches.list.iter().find(|s| s.in_use == Some(seg_id));
-        let handles: Vec<(DevicePtr, u64, u64)> = if let Some(st) = stitch {
+        let mut handles: Vec<(DevicePtr, u64, u64)> = if let Some(st) = stitch {
             let mut at = st.va;
             st.parts
                 .iter()
@@ -95,7 +95,6 @@ impl<B: Backend> DeviceAllocator<B> {
                 offset: ptr - seg.ptr,
             });
         };
-        let mut handles = handles;
         let uniform = handles.windows(2).all(|w| w[0].2 == w[1].2);
         if !uniform && stitch.is_none() && seg.expandable {
             let stream = seg.stream;
