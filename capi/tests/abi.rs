@@ -463,18 +463,13 @@ fn random_call_sequences_never_crash() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
-/// `gpualloc_snapshot_segments` agrees with `gpualloc_snapshot_json`, and an
-/// observer installed with `gpualloc_set_segment_observer` sees every
-/// segment come and go (`tests/c/segments_test.c`), with expandable
-/// segments (the default) and with plain ones.
-#[test]
-fn segment_structs_and_events() {
-    let (out, exe) = build_c("segments_test");
+/// Runs the C program `name` on the simulated backend with `vars`, under
+/// gpualloc's default policy (expandable segments) and under
+/// `policy:pytorch` (plain segments); each run must end with "ALL OK".
+fn run_under_both_policies(name: &str, vars: &[(&str, &std::ffi::OsStr)]) {
+    let (out, exe) = build_c(name);
     for conf in [None, Some("policy:pytorch")] {
-        let mut vars: Vec<(&str, &std::ffi::OsStr)> = vec![
-            ("GPUALLOC_SIM_DEVICES", "2".as_ref()),
-            ("GPUALLOC_SIM_CAPACITY", "1GiB".as_ref()),
-        ];
+        let mut vars = vars.to_vec();
         if let Some(c) = conf {
             vars.push(("GPUALLOC_CONF", c.as_ref()));
         }
@@ -483,12 +478,27 @@ fn segment_structs_and_events() {
         let stderr = String::from_utf8_lossy(&run.stderr);
         assert!(
             run.status.success() && stdout.trim_end().ends_with("ALL OK"),
-            "{conf:?}: {}\n{stdout}\n{stderr}",
+            "{name} {conf:?}: {}\n{stdout}\n{stderr}",
             run.status
         );
-        eprintln!("{conf:?}: {stdout}");
+        eprintln!("{name} {conf:?}: {stdout}");
     }
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// `gpualloc_snapshot_segments` agrees with `gpualloc_snapshot_json`, and an
+/// observer installed with `gpualloc_set_segment_observer` sees every
+/// segment come and go (`tests/c/segments_test.c`), with expandable
+/// segments (the default) and with plain ones.
+#[test]
+fn segment_structs_and_events() {
+    run_under_both_policies(
+        "segments_test",
+        &[
+            ("GPUALLOC_SIM_DEVICES", "2".as_ref()),
+            ("GPUALLOC_SIM_CAPACITY", "1GiB".as_ref()),
+        ],
+    );
 }
 
 /// Sharing allocations with other processes (`tests/c/ipc_test.c`): the
@@ -496,20 +506,5 @@ fn segment_structs_and_events() {
 /// block, and clean refusals (opening needs the CUDA backend).
 #[test]
 fn ipc_shares_and_refusals() {
-    let (out, exe) = build_c("ipc_test");
-    for conf in [None, Some("policy:pytorch")] {
-        let mut vars: Vec<(&str, &std::ffi::OsStr)> = vec![];
-        if let Some(c) = conf {
-            vars.push(("GPUALLOC_CONF", c.as_ref()));
-        }
-        let run = run_sim(&exe, &vars);
-        let stdout = String::from_utf8_lossy(&run.stdout);
-        let stderr = String::from_utf8_lossy(&run.stderr);
-        assert!(
-            run.status.success() && stdout.trim_end().ends_with("ALL OK"),
-            "{conf:?}: {}\n{stdout}\n{stderr}",
-            run.status
-        );
-    }
-    let _ = std::fs::remove_dir_all(&out);
+    run_under_both_policies("ipc_test", &[]);
 }
