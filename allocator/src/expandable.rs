@@ -63,7 +63,7 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// `(page, largest handle to create)` for a pool (Note [Page pool]).
-    fn handle_sizes(&mut self, pool: PoolId) -> (u64, u64) {
+    pub(crate) fn handle_sizes(&mut self, pool: PoolId) -> (u64, u64) {
         let page = self.page_size(self.heap.pools[pool as usize].kind);
         let max = if pool == SMALL {
             page

@@ -13,13 +13,17 @@
 //! the handle is released ([`Sharing::Handles`]); a stitched block shares
 //! the handles its range aliases, in the stitch's order. PyTorch's
 //! receiver maps handles of one size only, so before the first share of a
-//! block whose handles differ in size, the run of handles under it is given
-//! one new handle with the same contents ([`DeviceAllocator::share`]:
-//! create, copy through a temporary mapping, map in place, release the old
-//! ones), after waiting for the device; never for handles exported
-//! already (a receiver maps them), during a capture, or when the device has
-//! no room for the copy (then the share keeps the handles of several
-//! sizes, which only a receiver under gpualloc opens). Which wire format
+//! block whose handles differ in size, the run of handles under it gets
+//! new handles of one size (at most `expandable_handle_mb`) with the same
+//! contents: create, copy through a temporary mapping, map in place,
+//! release the old ones, after waiting for the device. Only when nothing
+//! else lives in the run (no other tensor's memory moves), none of its
+//! handles was exported already (a receiver maps them), no capture is
+//! open, and the copy fits under the memory limit and on the device;
+//! otherwise the share keeps the handles of several sizes, which only a
+//! receiver under gpualloc opens. While the run is remapped the block
+//! itself is briefly unmapped: a kernel that another thread launches on
+//! the tensor being shared at that moment would fault. Which wire format
 //! carries them and how the descriptors reach the receiver (a Unix socket
 //! with `SCM_RIGHTS`, `pidfd_getfd` as the fallback) is the C ABI's
 //! business (`capi/src/ipc.rs`). The sender's memory stays alive as long as
@@ -27,8 +31,8 @@
 //! receiver let go); the receiver's imported handles keep the physical
 //! memory alive on their own even after that.
 
-use crate::backend::{Backend, BackendError, DevicePtr, HandleId, StreamId};
-use crate::block::BlockState;
+use crate::backend::{Backend, BackendError, DevicePtr, HandleId};
+use crate::block::{BlockId, BlockState};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::observer::SegmentAction;
@@ -97,9 +101,8 @@ impl<B: Backend> DeviceAllocator<B> {
         };
         let uniform = handles.windows(2).all(|w| w[0].2 == w[1].2);
         if !uniform && stitch.is_none() && seg.expandable {
-            let stream = seg.stream;
             let (lo, hi) = (handles[0].0, handles.last().map_or(0, |h| h.0 + h.2));
-            if self.one_handle(stream, seg.kind, lo, hi)? {
+            if self.uniform_handles(id, lo, hi)? {
                 handles = self.pages.covering(ptr, ptr + size);
             }
         }
@@ -120,83 +123,171 @@ impl<B: Backend> DeviceAllocator<B> {
         })
     }
 
-    /// Gives the run of whole handles `[lo, hi)` one new handle with the
-    /// same contents (Note [Sharing expandable memory]). Returns whether it
-    /// did; `false` leaves everything as it was.
-    fn one_handle(
+    /// Gives the run of whole handles `[lo, hi)` under block `id` new
+    /// handles of one size with the same contents (Note [Sharing expandable
+    /// memory]). Returns whether it did; on `false` the run's memory and
+    /// accounting are as they were (cached stitches over it may be gone).
+    fn uniform_handles(
         &mut self,
-        stream: StreamId,
-        kind: PoolKind,
+        id: BlockId,
         lo: DevicePtr,
         hi: DevicePtr,
     ) -> Result<bool, AllocError> {
         let old = self.pages.handles_in(lo, hi);
-        if self.private.capturing() || old.iter().any(|&(_, h, _)| self.pages.is_exported(h)) {
+        let seg_id = self.heap.blocks[id].segment;
+        let (stream, kind, pool) = {
+            let seg = self.heap.segments.get(seg_id);
+            (seg.stream, seg.kind, seg.pool)
+        };
+        if self.private.capturing()
+            || old.iter().any(|&(_, h, _)| self.pages.is_exported(h))
+            || !self.only_block_in(id, lo, hi)
+        {
             return Ok(false);
         }
         let len = hi - lo;
+        if let Some(limit) = self.limit()?
+            && self.stats.reserved_bytes.all.current as u64 + len > limit
+        {
+            return Ok(false);
+        }
+        let (page, max_handle) = self.handle_sizes(pool);
+        let size = uniform_size(len, page, max_handle);
         self.drop_stitches_over(lo, hi)?;
         self.backend.synchronize()?;
-        let h = match self.backend.create_handle(len, false) {
-            Ok(h) => h,
-            Err(BackendError::OutOfMemory { .. }) => return Ok(false),
-            Err(e) => return Err(e.into()),
-        };
-        if let Err(e) = self.copy_into(h, lo, len) {
-            let _ = self.backend.release_handle(h, len);
-            return match e {
-                BackendError::OutOfMemory { .. } | BackendError::Unavailable(_) => Ok(false),
-                e => Err(e.into()),
-            };
-        }
-        let mut created = [0i64; 2];
-        created[usize::from(kind == PoolKind::Large)] = len as i64;
-        self.apply_deltas(created, len as i64);
-        self.notify(SegmentAction::Unmap, stream, lo, len);
-        let mut moved = self.backend.unmap(lo, len);
-        if moved.is_ok() {
-            moved = self.backend.map_handles(lo, &[(h, len)], false);
-            if moved.is_err() {
-                let back: Vec<(HandleId, u64)> = old.iter().map(|&(_, h, s)| (h, s)).collect();
-                if self.backend.map_handles(lo, &back, false).is_err() {
-                    // The block's memory is gone from its addresses.
-                    self.poisoned = true;
+        let mut new: Vec<(HandleId, u64)> = Vec::new();
+        while (new.len() as u64) * size < len {
+            match self.backend.create_handle(size, false) {
+                Ok(h) => new.push((h, size)),
+                Err(e) => {
+                    self.release_quietly(&new);
+                    return match e {
+                        BackendError::OutOfMemory { .. } => Ok(false),
+                        e => Err(e.into()),
+                    };
                 }
             }
         }
-        self.notify(SegmentAction::Map, stream, lo, len);
-        if let Err(e) = moved {
-            let _ = self.backend.release_handle(h, len);
-            let mut undo = [0i64; 2];
-            undo[usize::from(kind == PoolKind::Large)] = -(len as i64);
-            self.apply_deltas(undo, -(len as i64));
+        match self.copy_into(&new, lo, len) {
+            Ok(()) => {}
+            Err(CopyError::Clean(e)) => {
+                self.release_quietly(&new);
+                return match e {
+                    BackendError::Driver { .. } => Err(e.into()),
+                    _ => Ok(false),
+                };
+            }
+            // Still mapped at the temporary range: leave them be.
+            Err(CopyError::StillMapped(e)) => return Err(e.into()),
+        }
+        self.notify(SegmentAction::Unmap, stream, lo, len);
+        if let Err(e) = self.backend.unmap(lo, len) {
+            self.notify(SegmentAction::Map, stream, lo, len);
+            self.release_quietly(&new);
             return Err(e.into());
         }
+        if let Err(e) = self.backend.map_handles(lo, &new, false) {
+            let back: Vec<(HandleId, u64)> = old.iter().map(|&(_, h, s)| (h, s)).collect();
+            if self.backend.map_handles(lo, &back, false).is_ok() {
+                self.notify(SegmentAction::Map, stream, lo, len);
+                self.release_quietly(&new);
+            } else {
+                // The blocks' memory is gone from their addresses.
+                self.poisoned = true;
+            }
+            return Err(e.into());
+        }
+        self.notify(SegmentAction::Map, stream, lo, len);
+        let slot = usize::from(kind == PoolKind::Large);
+        let mut created = [0i64; 2];
+        created[slot] = len as i64;
+        self.apply_deltas(created, len as i64);
         let mut released = [0i64; 2];
-        for (oh, s) in self.pages.swap_in(lo, h, len) {
+        for (oh, s) in self.pages.swap_in(lo, &new) {
             // A handle the driver keeps stays pooled, counted as before.
             match self.backend.release_handle(oh, s) {
-                Ok(()) => released[usize::from(kind == PoolKind::Large)] -= s as i64,
+                Ok(()) => released[slot] -= s as i64,
                 Err(_) => self.pages.pool(oh, s, kind),
             }
         }
-        let total: i64 = released.iter().sum();
-        self.apply_deltas(released, total);
+        self.apply_deltas(released, released[slot]);
         Ok(true)
     }
 
-    /// Maps `h` at a temporary address and copies `[lo, lo + len)` into it.
-    fn copy_into(&mut self, h: HandleId, lo: DevicePtr, len: u64) -> Result<(), BackendError> {
-        let tmp = self.backend.reserve(len)?;
-        let r = self
-            .backend
-            .map_handles(tmp, &[(h, len)], false)
-            .and_then(|()| {
-                let c = self.backend.copy(tmp, lo, len);
-                let u = self.backend.unmap(tmp, len);
-                c.and(u)
-            });
-        let f = self.backend.free_reservation(tmp, len);
-        r.and(f)
+    /// Whether block `id` is the only block in `[lo, hi)` that is not free:
+    /// the memory of no other tensor moves (Note [Sharing expandable memory]).
+    fn only_block_in(&self, id: BlockId, lo: DevicePtr, hi: DevicePtr) -> bool {
+        let mut b = Some(self.heap.block_at(self.heap.blocks[id].segment, lo));
+        while let Some(x) = b {
+            let blk = &self.heap.blocks[x];
+            if blk.ptr >= hi {
+                break;
+            }
+            if x != id && blk.state != BlockState::Free {
+                return false;
+            }
+            b = blk.next;
+        }
+        true
+    }
+
+    fn release_quietly(&mut self, handles: &[(HandleId, u64)]) {
+        for &(h, s) in handles {
+            let _ = self.backend.release_handle(h, s);
+        }
+    }
+
+    /// Maps `handles` at a temporary address and copies `[lo, lo + len)`
+    /// into them.
+    fn copy_into(
+        &mut self,
+        handles: &[(HandleId, u64)],
+        lo: DevicePtr,
+        len: u64,
+    ) -> Result<(), CopyError> {
+        let tmp = self.backend.reserve(len).map_err(CopyError::Clean)?;
+        if let Err(e) = self.backend.map_handles(tmp, handles, false) {
+            let _ = self.backend.free_reservation(tmp, len);
+            return Err(CopyError::Clean(e));
+        }
+        let copied = self.backend.copy(tmp, lo, len);
+        if let Err(e) = self.backend.unmap(tmp, len) {
+            return Err(CopyError::StillMapped(e));
+        }
+        let _ = self.backend.free_reservation(tmp, len);
+        copied.map_err(CopyError::Clean)
+    }
+}
+
+/// Why [`DeviceAllocator::copy_into`] failed: with the new handles unmapped
+/// again (free to release), or still mapped at the temporary range.
+enum CopyError {
+    Clean(BackendError),
+    StillMapped(BackendError),
+}
+
+/// The handle size for a run of `len` bytes: the largest multiple of `page`
+/// that divides `len` and is at most `max_handle` (`page` always does).
+fn uniform_size(len: u64, page: u64, max_handle: u64) -> u64 {
+    let pages = len / page;
+    (1..=pages)
+        .rev()
+        .find(|&d| pages % d == 0 && d * page <= max_handle.max(page))
+        .map_or(page, |d| d * page)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::uniform_size;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn runs_split_into_the_largest_even_handles_under_the_cap() {
+        assert_eq!(uniform_size(100 * MIB, 2 * MIB, 32 * MIB), 20 * MIB);
+        assert_eq!(uniform_size(98 * MIB, 2 * MIB, 32 * MIB), 14 * MIB);
+        assert_eq!(uniform_size(94 * MIB, 2 * MIB, 32 * MIB), 2 * MIB);
+        assert_eq!(uniform_size(8 * MIB, 2 * MIB, 2 * MIB), 2 * MIB);
+        assert_eq!(uniform_size(16 * MIB, 2 * MIB, 64 * MIB), 16 * MIB);
     }
 }

@@ -224,16 +224,21 @@ impl PagePool {
         self.exported.contains(&handle)
     }
 
-    /// Books `handle` (`size` bytes, already mapped at `lo` by the caller)
-    /// in place of the handles mapped in `[lo, lo + size)`, which the caller
-    /// unmapped; returns those, for the caller to release.
-    pub fn swap_in(&mut self, lo: DevicePtr, handle: HandleId, size: u64) -> Vec<(HandleId, u64)> {
-        let old: Vec<(DevicePtr, HandleId, u64)> = self.handles_in(lo, lo + size);
+    /// Books `handles` (already mapped one after another from `lo` by the
+    /// caller) in place of the handles mapped over the same bytes, which the
+    /// caller unmapped; returns those, for the caller to release.
+    pub fn swap_in(&mut self, lo: DevicePtr, handles: &[(HandleId, u64)]) -> Vec<(HandleId, u64)> {
+        let len: u64 = handles.iter().map(|h| h.1).sum();
+        let old: Vec<(DevicePtr, HandleId, u64)> = self.handles_in(lo, lo + len);
         for (a, h, _) in &old {
             self.mapped.remove(a);
             self.exported.remove(h);
         }
-        self.mapped.insert(lo, (handle, size));
+        let mut at = lo;
+        for &(h, s) in handles {
+            self.mapped.insert(at, (h, s));
+            at += s;
+        }
         old.into_iter().map(|(_, h, s)| (h, s)).collect()
     }
 

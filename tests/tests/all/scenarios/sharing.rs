@@ -116,7 +116,7 @@ fn sizes(s: &Sharing) -> Vec<u64> {
 }
 
 #[test]
-fn handles_of_several_sizes_become_one_with_the_same_reserved_bytes() {
+fn handles_of_several_sizes_become_one_size_with_the_same_reserved_bytes() {
     let mut c = Checked::with(1 << 30, "policy:gpualloc");
     let p = c.alloc(100 * MIB, 0);
     let before = c.sim().handles_over(p, 100 * MIB);
@@ -126,7 +126,9 @@ fn handles_of_several_sizes_become_one_with_the_same_reserved_bytes() {
     );
     let (reserved, used) = (c.reserved(), c.sim().used());
     let s = shares_exactly_its_handles(&mut c, p, 100 * MIB);
-    assert_eq!(sizes(&s), vec![100 * MIB], "one handle");
+    let sz = sizes(&s);
+    assert!(sz.windows(2).all(|w| w[0] == w[1]), "one size: {sz:?}");
+    assert_eq!(sz.iter().sum::<u64>(), 100 * MIB);
     assert_eq!(c.sim().copies(), 1, "the contents were copied once");
     assert_eq!((c.reserved(), c.sim().used()), (reserved, used));
     // Sharing again exports the same handle and copies nothing.
@@ -137,9 +139,8 @@ fn handles_of_several_sizes_become_one_with_the_same_reserved_bytes() {
     assert_eq!(c.sim().used(), 0);
 }
 
-#[test]
-fn handles_exported_already_keep_their_place() {
-    let mut c = Checked::with(1 << 30, "policy:gpualloc");
+/// A large block and a small one sharing the large one's last handle.
+fn neighbours(c: &mut Checked) -> (u64, u64, u64, u64) {
     // 98.5 MiB maps 100 MiB of handles, the last of 4 MiB; a 1.25 MiB
     // block takes part of what the large one leaves of it.
     let (bs, ds) = (98 * MIB + MIB / 2, MIB + MIB / 4);
@@ -150,11 +151,39 @@ fn handles_exported_already_keep_their_place() {
         last.0 <= d && d < last.0 + last.2,
         "the small block shares a handle with the large one"
     );
-    shares_exactly_its_handles(&mut c, d, ds);
-    // That handle is in another process now: the large block keeps its
-    // handles of several sizes, and nothing is copied.
+    (b, bs, d, ds)
+}
+
+fn mixed(s: &Sharing) -> bool {
+    sizes(s).windows(2).any(|w| w[0] != w[1])
+}
+
+#[test]
+fn a_live_neighbour_keeps_the_run_as_it_is() {
+    let mut c = Checked::with(1 << 30, "policy:gpualloc");
+    let (b, bs, d, _) = neighbours(&mut c);
+    // Another tensor lives in the run: its memory is never moved.
     let s = shares_exactly_its_handles(&mut c, b, bs);
-    let sz = sizes(&s);
-    assert!(sz.windows(2).any(|w| w[0] != w[1]), "{sz:?}");
+    assert!(mixed(&s));
+    assert_eq!(c.sim().copies(), 0);
+    // The same layout with the small block freed: the run moves.
+    let mut c = Checked::with(1 << 30, "policy:gpualloc");
+    let (b, bs, d, _) = neighbours(&mut c);
+    c.release(d);
+    let s = shares_exactly_its_handles(&mut c, b, bs);
+    assert!(!mixed(&s), "{:?}", sizes(&s));
+    assert_eq!(c.sim().copies(), 1);
+}
+
+#[test]
+fn handles_exported_already_keep_their_place() {
+    let mut c = Checked::with(1 << 30, "policy:gpualloc");
+    let (b, bs, d, ds) = neighbours(&mut c);
+    shares_exactly_its_handles(&mut c, d, ds);
+    // That handle is in another process now: even with the small block
+    // freed, the large block keeps its handles of several sizes.
+    c.release(d);
+    let s = shares_exactly_its_handles(&mut c, b, bs);
+    assert!(mixed(&s), "{:?}", sizes(&s));
     assert_eq!(c.sim().copies(), 0);
 }
