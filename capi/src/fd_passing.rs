@@ -10,12 +10,20 @@
 //! the abstract Unix socket `gpualloc-ipc-<pid>`. A receiver connects,
 //! names the descriptors it needs, and gets copies of them as `SCM_RIGHTS`
 //! ancillary data. The server answers only a peer of the same user (or
-//! root), and hands out only descriptors of exported memory handles
+//! root), checked as soon as it connects, each connection on its own thread
+//! with a deadline; the receiver, in turn, accepts only a server that is
+//! process `<pid>` itself of its own user (or root), so a name squatted by
+//! another process, or a process with the same pid in another pid
+//! namespace sharing the network namespace, is never believed. The server
+//! hands out only descriptors of exported memory handles
 //! (`exported::duplicate`, which copies under the same lock that closes
 //! them, so a reused number is never sent); anything else is refused with
 //! the reason. Without the socket (a sender under PyTorch's allocator, or
 //! in another network namespace) the receiver falls back to `pidfd_getfd`,
 //! as PyTorch does, and reports both failures if that fails too.
+//! Any process of the same user may ask for any exported handle of this
+//! process (as `pidfd_getfd` allows where ptrace is not restricted): the
+//! user is the boundary, as for the process's memory.
 //!
 //! Wire: a request is `"GAFD"`, a u32 count (at most
 //! [`MAX_PER_MESSAGE`]), then that many i32 descriptor numbers; a reply is
@@ -39,6 +47,8 @@ pub(crate) const MAX_PER_MESSAGE: usize = 250;
 const MAGIC: &[u8; 4] = b"GAFD";
 /// How long a server waits on a silent client, and a client on the server.
 const TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one connection may last.
+const DEADLINE: Duration = Duration::from_secs(60);
 
 /// The socket name of process `pid`'s server.
 fn socket_name(pid: i32) -> String {
@@ -63,7 +73,7 @@ pub(crate) fn serve() {
         Ok(l) => l,
         Err(e) => {
             tracing::warn!(
-                "gpualloc: no descriptor socket for shared memory ({e}); receivers will need pidfd_getfd"
+                "gpualloc: no descriptor socket for shared memory: the name gpualloc-ipc-{pid} is taken ({e}); receivers will need pidfd_getfd"
             );
             return;
         }
@@ -72,8 +82,18 @@ pub(crate) fn serve() {
         .name("gpualloc-ipc".into())
         .spawn(move || {
             for stream in listener.incoming().flatten() {
-                if let Err(e) = answer(stream) {
-                    tracing::debug!("gpualloc: descriptor request failed: {e}");
+                if !same_user(&stream) {
+                    continue; // dropped: closed at once
+                }
+                let conn = std::thread::Builder::new()
+                    .name("gpualloc-ipc-conn".into())
+                    .spawn(move || {
+                        if let Err(e) = answer(stream) {
+                            tracing::debug!("gpualloc: descriptor request failed: {e}");
+                        }
+                    });
+                if let Err(e) = conn {
+                    tracing::debug!("gpualloc: cannot serve a descriptor request: {e}");
                 }
             }
         });
@@ -82,15 +102,27 @@ pub(crate) fn serve() {
     }
 }
 
-/// Serves one connection: requests until the client closes it.
+/// This process's effective user.
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Whether the peer of `stream` runs as this process's user, or as root.
+fn same_user(stream: &UnixStream) -> bool {
+    getsockopt(stream, sockopt::PeerCredentials).is_ok_and(|p| p.uid() == euid() || p.uid() == 0)
+}
+
+/// Serves one connection: requests until the client closes it, or the
+/// deadline.
 fn answer(mut stream: UnixStream) -> std::io::Result<()> {
     stream.set_read_timeout(Some(TIMEOUT))?;
     stream.set_write_timeout(Some(TIMEOUT))?;
-    let peer = getsockopt(&stream, sockopt::PeerCredentials)?;
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
-    let allowed = peer.uid() == me || peer.uid() == 0;
+    let start = std::time::Instant::now();
     loop {
+        if start.elapsed() > DEADLINE {
+            return refuse(&stream, "the connection lasted too long");
+        }
         let mut head = [0u8; 8];
         match stream.read_exact(&mut head) {
             Ok(()) => {}
@@ -107,16 +139,6 @@ fn answer(mut stream: UnixStream) -> std::io::Result<()> {
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
             .collect();
-        if !allowed {
-            return refuse(
-                &stream,
-                &format!(
-                    "process {} runs as user {}, not as this process's user {me}",
-                    peer.pid(),
-                    peer.uid()
-                ),
-            );
-        }
         match exported::duplicate(&fds) {
             Ok(copies) => {
                 let raw: Vec<RawFd> = copies.iter().map(AsRawFd::as_raw_fd).collect();
@@ -160,6 +182,18 @@ fn refuse(mut stream: &UnixStream, why: &str) -> std::io::Result<()> {
 pub(crate) fn fetch(pid: i32, fds: &[i32]) -> Result<Vec<OwnedFd>, String> {
     let connected = SocketAddr::from_abstract_name(socket_name(pid).as_bytes())
         .and_then(|a| UnixStream::connect_addr(&a));
+    let connected = connected.and_then(|s| {
+        let peer = getsockopt(&s, sockopt::PeerCredentials)?;
+        if peer.pid() != pid || (peer.uid() != euid() && peer.uid() != 0) {
+            return Err(std::io::Error::other(format!(
+                "the socket is held by process {} of user {}, not by process {pid} of user {} or root",
+                peer.pid(),
+                peer.uid(),
+                euid()
+            )));
+        }
+        Ok(s)
+    });
     let stream = match connected {
         Ok(s) => s,
         Err(socket) => {
@@ -201,7 +235,14 @@ fn request(mut stream: &UnixStream, fds: &[i32]) -> Result<Vec<OwnedFd>, String>
             MsgFlags::MSG_CMSG_CLOEXEC,
         )
         .map_err(|e| format!("reading the reply: {e}"))?;
-        for c in m.cmsgs().map_err(|e| format!("reading the reply: {e}"))? {
+        let cmsgs = m.cmsgs().map_err(|e| match e {
+            nix::errno::Errno::ENOBUFS => format!(
+                "the descriptors did not all arrive: this process may not open {} more (ulimit -n)",
+                fds.len()
+            ),
+            e => format!("reading the reply: {e}"),
+        })?;
+        for c in cmsgs {
             if let ControlMessageOwned::ScmRights(v) = c {
                 // SAFETY: each descriptor was just installed in this
                 // process by the kernel (SCM_RIGHTS); nothing else owns it.

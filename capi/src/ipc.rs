@@ -52,6 +52,7 @@ pub unsafe extern "C" fn gpualloc_ipc_share(
     offset: *mut u64,
 ) -> c_int {
     status(|| {
+        write_out(len, 0, "len")?;
         array_arg(buf, cap, len, "the share")?;
         write_out(offset, 0, "offset")?;
         let g = global()?;

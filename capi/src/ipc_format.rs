@@ -111,6 +111,11 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Shared, String> {
         r.take::<4>("the header's padding")?;
         let size = r.u64("the handle size")?;
         let n = r.u64("the handle count")?;
+        if n > 0 && n <= MAX_HANDLES && r.0.len() as u64 == n * 64 {
+            return Err(format!(
+                "the share carries {n} fabric handles, which gpualloc does not import"
+            ));
+        }
         check_count(n, r.0.len() as u64, 4)?;
         for _ in 0..n {
             parts.push((r.i32("a descriptor")?, size));
@@ -191,6 +196,11 @@ mod tests {
         assert!(!is_expandable(&cuda));
         let zero = encode(99, &[(3, 0)]);
         assert!(decode(&zero).unwrap_err().contains("0 bytes"));
+        // PyTorch's shares of fabric handles: 64 bytes a handle.
+        let mut fabric = encode(99, &[(3, 2 << 20), (4, 2 << 20)]);
+        fabric.truncate(26);
+        fabric.extend_from_slice(&[7; 128]);
+        assert!(decode(&fabric).unwrap_err().contains("2 fabric handles"));
         let nobody = encode(0, &[(3, 2 << 20)]);
         assert!(decode(&nobody).unwrap_err().contains("pid 0"));
     }

@@ -640,10 +640,13 @@ class GpuallocAllocator final : public CUDAAllocator {
   cca::ShareableHandle shareIpcHandle(void* ptr) override { return ipc::share(segment_of(ptr).device, ptr); }
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
     if (ipc::opened_by_gpualloc(handle)) {
-      return opened_.open(handle);
+      if (auto p = opened_.open(handle)) {
+        return p;
+      }
     }
-    // A CUDA IPC handle of a plain segment: PyTorch's own allocator object
-    // (still alive, unused otherwise) opens and caches it.
+    // A CUDA IPC handle of a plain segment (or a share gpualloc does not
+    // import): PyTorch's own allocator object (still alive, unused
+    // otherwise) opens and caches it.
     TORCH_CHECK(native_ != nullptr, "gpualloc: PyTorch's allocator is unavailable to open an IPC handle");
     std::call_once(native_init_, [&] { native_->init(device_count_); });
     return native_->getIpcDevPtr(std::move(handle));

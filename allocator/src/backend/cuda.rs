@@ -499,6 +499,11 @@ impl Backend for CudaBackend {
             if !(self.exportable && driver::refuses_export(r)) {
                 break;
             }
+            tracing::warn!(
+                "gpualloc: device {} refused exportable memory ({}); new memory cannot be shared with other processes",
+                self.ordinal,
+                driver::name(r)
+            );
             self.exportable = false;
         }
         match check("cuMemCreate", r) {

@@ -70,6 +70,8 @@ inline bool opened_by_gpualloc(const std::string& handle) {
 // PyTorch caches opened handles).
 class Opened {
  public:
+  // nullptr when gpualloc does not import this share (PyTorch's fabric
+  // handles): PyTorch's allocator opens it then.
   std::shared_ptr<void> open(const std::string& handle) {
     std::lock_guard<std::mutex> g(mutex_);
     auto it = open_.find(handle);
@@ -82,7 +84,11 @@ class Opened {
       e = e->second.expired() ? open_.erase(e) : std::next(e);
     }
     void* ptr = nullptr;
-    check(api.ipc_open(handle.data(), handle.size(), c10::cuda::current_device(), &ptr), "getIpcDevPtr");
+    int rc = api.ipc_open(handle.data(), handle.size(), c10::cuda::current_device(), &ptr);
+    if (rc == GPUALLOC_ERR_INVALID_ARGUMENT && handle[1] == 'e') {
+      return nullptr;
+    }
+    check(rc, "getIpcDevPtr");
     // Closing waits for the device and unmaps; an error there has no one to go to.
     std::shared_ptr<void> out(ptr, [](void* p) { api.ipc_close(p); });
     open_[handle] = out;

@@ -42,7 +42,9 @@ pub(super) fn export(handle: HandleId) -> Result<i32, BackendError> {
 
 /// Lists `fd` as the descriptor of exported memory, to be handed out on
 /// request until [`close`]d. The backend lists its exports; a test may list
-/// any file.
+/// any file. Not for other callers: a backend keeps using the numbers it
+/// listed.
+#[doc(hidden)]
 pub fn adopt(fd: OwnedFd) -> i32 {
     let raw = fd.into_raw_fd();
     OPEN.lock().unwrap_or_else(|e| e.into_inner()).insert(raw);
@@ -50,7 +52,8 @@ pub fn adopt(fd: OwnedFd) -> i32 {
 }
 
 /// Closes a descriptor [`export`] or [`adopt`] listed, and unlists it; a
-/// number not listed is left alone.
+/// number not listed is left alone. Not for other callers (see [`adopt`]).
+#[doc(hidden)]
 pub fn close(fd: i32) {
     let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
     if open.remove(&fd) {

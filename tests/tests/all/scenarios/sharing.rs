@@ -161,7 +161,7 @@ fn mixed(s: &Sharing) -> bool {
 #[test]
 fn a_live_neighbour_keeps_the_run_as_it_is() {
     let mut c = Checked::with(1 << 30, "policy:gpualloc");
-    let (b, bs, d, _) = neighbours(&mut c);
+    let (b, bs, _, _) = neighbours(&mut c);
     // Another tensor lives in the run: its memory is never moved.
     let s = shares_exactly_its_handles(&mut c, b, bs);
     assert!(mixed(&s));
