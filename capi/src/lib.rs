@@ -6,7 +6,8 @@
 //! signatures of its hooks. The rest is control and introspection: stats
 //! (a versioned struct, and every PyTorch-named stat as a flat array),
 //! snapshots (JSON, or structs), segment events, out-of-memory details,
-//! CUDA graph pools, tracing.
+//! CUDA graph pools, tracing, and sharing allocations with other processes
+//! (`ipc.rs`).
 //!
 //! Conventions (see `boundary.rs`): control functions return `int`
 //! (`GPUALLOC_OK` or a negative `GPUALLOC_ERR_*`) and clear the calling

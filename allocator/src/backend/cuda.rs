@@ -26,8 +26,12 @@
 //! unmapping]). Every memory and event call is counted and timed
 //! ([`DriverCalls`]), so the cost model can be checked against the GPU.
 //!
-//! This module (with `driver.rs`) is the only one of the crate that may use
-//! `unsafe`.
+//! Sharing with other processes: handles are created exportable as POSIX
+//! file descriptors where the device allows; `exported.rs` lists the
+//! descriptors handed out, `imported.rs` maps another process's.
+//!
+//! This module (with `driver.rs`, `exported.rs` and `imported.rs`) is the
+//! only one of the crate that may use `unsafe`.
 
 use std::collections::BTreeMap;
 use std::mem::MaybeUninit;
