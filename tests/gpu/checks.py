@@ -496,13 +496,17 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
     median_step_s and mean_step_s leave out the first min(10, 20%) steps;
     mean_step_s_all and wall_s (the whole loop, batches included) do not.
     device_allocs_after_warmup counts num_device_alloc + num_device_free over
-    the steps after the first 20%; counters are read at the end.
+    the steps after the first 20%; counters are read at the end. step_ms
+    lists every step's time; under gpualloc, step_driver_ms the driver time
+    of each step and step_device_calls its device allocations and frees.
     """
     import torch
 
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    losses, times = [], []
+    losses, times, driver, device = [], [], [], []
     warmup = steps // 5
+    gpualloc = sys.modules.get("gpualloc")
+    per_step = gpualloc is not None and gpualloc.installed()
     torch.cuda.reset_peak_memory_stats()
     loop0 = time.perf_counter()
     for step in range(steps):
@@ -510,6 +514,7 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
             before = _counters()
         batch = make_batch(step)
         torch.cuda.synchronize()
+        c0 = gpualloc.stats() if per_step else None
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model, batch)
@@ -517,6 +522,10 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
         opt.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        if per_step:
+            c1 = gpualloc.stats()
+            driver.append(round((c1["driver_time_ns"] - c0["driver_time_ns"]) / 1e6, 3))
+            device.append(sum(c1[k] - c0[k] for k in ("num_device_alloc", "num_device_free")))
         losses.append(float(loss.detach()))
         del batch, loss
     wall = time.perf_counter() - loop0
@@ -537,6 +546,8 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
         "counters": after,
         "device_allocs_after_warmup": None if None in calls else calls[1] - calls[0],
         "warmup_steps": warmup,
+        "step_ms": [round(t * 1e3, 2) for t in times],
+        **({"step_driver_ms": driver, "step_device_calls": device} if per_step else {}),
     }
 
 
