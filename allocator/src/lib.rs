@@ -62,6 +62,8 @@ mod fence;
 mod heap;
 mod invariants;
 mod ipc;
+#[cfg(test)]
+mod layout_probe;
 mod limits;
 pub mod log;
 pub mod observer;
@@ -80,6 +82,7 @@ mod stitch_cache;
 pub mod trace;
 mod trace_control;
 pub mod trace_path;
+pub mod workload;
 
 pub use allocator::Allocator;
 pub use backend::{Backend, BackendError, DevicePtr, EventId, MemInfo, SimBackend, StreamId};

@@ -158,6 +158,17 @@ pub fn replay(
     capacity: u64,
     config: &Config,
 ) -> ReplayResult {
+    replay_observed(events, capacity, config, &mut |_, _| {})
+}
+
+/// [`replay`], calling `observe` with the event index and the device after
+/// every event the replay applies (layout probes look at the heap there).
+pub(crate) fn replay_observed(
+    events: impl Iterator<Item = TraceEvent>,
+    capacity: u64,
+    config: &Config,
+    observe: &mut dyn FnMut(u64, &DeviceAllocator<SimBackend>),
+) -> ReplayResult {
     let capacity = capacity.min(crate::config::MAX_BYTES);
     let mut runs: BTreeMap<u32, DeviceRun> = BTreeMap::new();
     let mut r = ReplayResult {
@@ -170,6 +181,7 @@ pub fn replay(
             .entry(e.device)
             .or_insert_with(|| DeviceRun::new(e.device, capacity, config));
         run.event(i as u64, e, &mut r);
+        observe(i as u64, &run.dev);
     }
     for (_, mut run) in runs {
         run.close_window(&mut r);

@@ -1,0 +1,266 @@
+//! Where reserved memory goes: a breakdown of the expandable segments'
+//! physical handles at one moment, by what lies in them (test-only).
+//!
+//! Every mapped handle of the default pools is classified by the blocks it
+//! backs: a handle that backs any live (or claimed) byte keeps its free
+//! bytes as a "tail", which cannot be unmapped while the live block lives;
+//! a handle that is wholly free is reclaimable, unless a cached stitch
+//! aliases it. Pooled handles are unmapped memory kept for reuse. The
+//! probe test (`cargo test -p gpualloc layout_probe -- --ignored
+//! --nocapture`, with `GPUALLOC_PROBE` naming traces) replays a trace and
+//! prints the breakdown at the peaks of reserved and of allocated memory.
+
+use crate::backend::{Backend, SimBackend};
+use crate::block::BlockState;
+use crate::device::DeviceAllocator;
+use crate::heap::{LARGE, SMALL};
+
+/// Bytes of reserved memory by what they hold, per pool `[small, large]`.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Breakdown {
+    /// Live bytes (allocated, pending free, or claimed by a stitch).
+    pub live: [u64; 2],
+    /// Free bytes inside handles that also back live bytes.
+    pub tails: [u64; 2],
+    /// Wholly free handles no cached stitch aliases.
+    pub whole: [u64; 2],
+    /// Wholly free handles a cached stitch aliases.
+    pub pinned: [u64; 2],
+    /// Handles that back live bytes (the footprint of live memory).
+    pub touched: [u64; 2],
+    /// Pooled (unmapped) bytes, all kinds.
+    pub pooled: u64,
+    /// Free tail pieces: `(pool, free bytes in the handle, handle size)`.
+    pub pieces: Vec<(usize, u64, u64)>,
+}
+
+impl Breakdown {
+    /// One line per pool and a summary.
+    pub fn render(&self) -> String {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        let mut s = String::new();
+        for (i, name) in ["small", "large"].iter().enumerate() {
+            s += &format!(
+                "  {name}: live {:.1} MiB in handles of {:.1} MiB; tails {:.1}, whole free {:.1}, stitch-pinned {:.1}\n",
+                mib(self.live[i]),
+                mib(self.touched[i]),
+                mib(self.tails[i]),
+                mib(self.whole[i]),
+                mib(self.pinned[i])
+            );
+        }
+        s += &format!("  pooled {:.1} MiB\n", mib(self.pooled));
+        let mut hist = [0u64; 5];
+        for &(_, free, _) in &self.pieces {
+            let k = match free >> 20 {
+                0 => 0,
+                1 => 1,
+                2..=3 => 2,
+                4..=7 => 3,
+                _ => 4,
+            };
+            hist[k] += free;
+        }
+        s += &format!(
+            "  tail bytes by piece size <1/1-2/2-4/4-8/8+ MiB: {:.1} {:.1} {:.1} {:.1} {:.1} ({} pieces)\n",
+            mib(hist[0]),
+            mib(hist[1]),
+            mib(hist[2]),
+            mib(hist[3]),
+            mib(hist[4]),
+            self.pieces.len()
+        );
+        s
+    }
+}
+
+impl<B: Backend> DeviceAllocator<B> {
+    /// The breakdown of the default pools' handles now.
+    pub(crate) fn breakdown(&self) -> Breakdown {
+        let mut out = Breakdown {
+            pooled: self.pooled_bytes(),
+            ..Breakdown::default()
+        };
+        for (slot, pool) in [(0usize, SMALL), (1, LARGE)] {
+            for &(_, seg) in &self.heap.pools[pool as usize].expandable {
+                let sg = self.heap.segments.get(seg);
+                let mut blocks = Vec::new();
+                let mut cur = Some(sg.first);
+                while let Some(id) = cur {
+                    let b = &self.heap.blocks[id];
+                    blocks.push((b.ptr, b.ptr + b.size, b.state));
+                    cur = b.next;
+                }
+                let mut k = 0;
+                for (a, _, s) in self.pages.handles_in(sg.ptr, sg.ptr + sg.size) {
+                    let (mut live, mut free) = (0, 0);
+                    while blocks[k].1 <= a {
+                        k += 1;
+                    }
+                    let mut j = k;
+                    while j < blocks.len() && blocks[j].0 < a + s {
+                        let (lo, hi, st) = blocks[j];
+                        let n = hi.min(a + s) - lo.max(a);
+                        match st {
+                            BlockState::Free => free += n,
+                            BlockState::Unmapped => unreachable!("a handle over unmapped space"),
+                            _ => live += n,
+                        }
+                        j += 1;
+                    }
+                    out.live[slot] += live;
+                    if live > 0 {
+                        out.touched[slot] += s;
+                        out.tails[slot] += free;
+                        if free > 0 {
+                            out.pieces.push((slot, free, s));
+                        }
+                    } else if self.stitches.aliased(a, a + s) {
+                        out.pinned[slot] += s;
+                    } else {
+                        out.whole[slot] += s;
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Replays `path` and returns the breakdowns at the first moments peak
+/// reserved and peak allocated were reached, with the stats then.
+pub(crate) fn probe(path: &std::path::Path, conf: &str) -> String {
+    use crate::config::Config;
+    use crate::replay::replay_observed;
+    use crate::trace::TraceReader;
+    let config = Config::parse(conf).expect("a valid config");
+    let events = || {
+        let mut r = TraceReader::open(path).expect("a readable trace");
+        r.events().collect::<Vec<_>>()
+    };
+    let evs = events();
+    let (mut top_r, mut top_a, mut at_r, mut at_a) = (0, 0, 0, 0);
+    replay_observed(
+        evs.iter().copied(),
+        140 << 30,
+        &config,
+        &mut |i, d: &DeviceAllocator<SimBackend>| {
+            let s = d.stats();
+            if s.reserved_bytes.all.current > top_r {
+                (top_r, at_r) = (s.reserved_bytes.all.current, i);
+            }
+            if s.allocated_bytes.all.current > top_a {
+                (top_a, at_a) = (s.allocated_bytes.all.current, i);
+            }
+        },
+    );
+    let mut out = format!("{} ({conf:?})\n", path.display());
+    replay_observed(
+        evs.iter().copied(),
+        140 << 30,
+        &config,
+        &mut |i, d: &DeviceAllocator<SimBackend>| {
+            for (at, what) in [(at_r, "peak reserved"), (at_a, "peak allocated")] {
+                if i == at {
+                    let s = d.stats();
+                    out += &format!(
+                        "at {what} (event {i}): reserved {:.1} MiB, allocated {:.1} MiB\n{}",
+                        s.reserved_bytes.all.current as f64 / (1 << 20) as f64,
+                        s.allocated_bytes.all.current as f64 / (1 << 20) as f64,
+                        d.breakdown().render()
+                    );
+                }
+            }
+        },
+    );
+    out
+}
+
+/// Every growth of reserved memory past `1.005 ×` the peak of allocated
+/// memory so far: the request, and the breakdown just before it.
+pub(crate) fn growth(path: &std::path::Path, conf: &str) -> String {
+    use crate::config::Config;
+    use crate::replay::replay_observed;
+    use crate::trace::TraceReader;
+    let config = Config::parse(conf).expect("a valid config");
+    let mut r = TraceReader::open(path).expect("a readable trace");
+    let evs: Vec<_> = r.events().collect();
+    let mut out = format!("{} ({conf:?}): growth past the bound\n", path.display());
+    let mut before: Option<(i64, i64, Breakdown)> = None;
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    replay_observed(
+        evs.iter().copied(),
+        140 << 30,
+        &config,
+        &mut |i, d: &DeviceAllocator<SimBackend>| {
+            let s = d.stats();
+            let (res, peak) = (s.reserved_bytes.all.current, s.allocated_bytes.all.peak);
+            if let Some((r0, p0, k)) = &before
+                && res > *r0
+                && res as f64 > *p0 as f64 * 1.005
+            {
+                let e = evs[i as usize];
+                out += &format!(
+                    "ev {i} {:?} {:.2} MiB: reserved {:.0} -> {:.0} (+{:.0}), peak alloc {:.0}; before: tails L{:.1}/S{:.1} whole L{:.0}/S{:.0} pinned {:.0} pooled {:.0}\n",
+                    e.action,
+                    mib(e.size),
+                    mib(*r0 as u64),
+                    mib(res as u64),
+                    mib((res - r0) as u64),
+                    mib(peak as u64),
+                    mib(k.tails[1]),
+                    mib(k.tails[0]),
+                    mib(k.whole[1]),
+                    mib(k.whole[0]),
+                    mib(k.pinned[1]),
+                    mib(k.pooled),
+                );
+            }
+            before = Some((res, peak, d.breakdown()));
+        },
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Config, DeviceAllocator, SimBackend};
+
+    #[test]
+    fn the_breakdown_adds_up_to_reserved() {
+        let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::default());
+        let a = d.malloc(3 << 20, 0).unwrap();
+        let b = d.malloc(5000, 0).unwrap();
+        let c = d.malloc(40 << 20, 0).unwrap();
+        d.free(c).unwrap();
+        let k = d.breakdown();
+        let sum: u64 = (0..2)
+            .map(|i| k.live[i] + k.tails[i] + k.whole[i] + k.pinned[i])
+            .sum::<u64>()
+            + k.pooled;
+        assert_eq!(sum, d.stats().reserved_bytes.all.current as u64);
+        assert_eq!(k.live[1], 3 << 20);
+        assert_eq!(k.tails[1], 1 << 20, "the rest of the second 2 MiB page");
+        assert_eq!(k.tails[0], (2 << 20) - 5120);
+        d.free(a).unwrap();
+        d.free(b).unwrap();
+    }
+
+    /// `GPUALLOC_PROBE=trace[,trace...] [GPUALLOC_PROBE_CONFIG=...]`.
+    #[test]
+    #[ignore = "a probe over recorded traces, run by hand"]
+    fn layout_probe() {
+        let conf = std::env::var("GPUALLOC_PROBE_CONFIG").unwrap_or_default();
+        for p in std::env::var("GPUALLOC_PROBE")
+            .unwrap_or_default()
+            .split(',')
+        {
+            if !p.is_empty() {
+                println!("{}", super::probe(std::path::Path::new(p), &conf));
+                if std::env::var("GPUALLOC_PROBE_GROWTH").is_ok() {
+                    println!("{}", super::growth(std::path::Path::new(p), &conf));
+                }
+            }
+        }
+    }
+}

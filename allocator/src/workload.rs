@@ -1,0 +1,180 @@
+//! Many workloads from a few: perturbed copies of recorded traces and
+//! synthetic ones, to judge a placement policy on more than a handful of
+//! replays (`docs/policy-experiments.md`: single replays are chaotic).
+//!
+//! [`perturbed`] scales every requested size of a trace by a factor drawn
+//! per trace (0.8–1.2) times a jitter drawn per distinct size (±5%), so a
+//! fixed-shape workload stays fixed-shape (equal sizes stay equal) while its
+//! layout changes. [`churn_wide`] and [`multiscale`] build event sequences
+//! for [`replay`](crate::replay::replay) directly.
+//! `allocator/examples/placement_bench.rs` runs them all under several
+//! configurations.
+
+use crate::backend::DevicePtr;
+use crate::trace::{Action, TraceEvent};
+
+/// SplitMix64: a well-mixed 64-bit value from any input.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// A uniform value in `[0, 1)` from a hash.
+fn unit(x: u64) -> f64 {
+    (mix(x) >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The events of a trace with every requested size (`alloc`, `oom`)
+/// scaled: by `0.8 + 0.4 u` for the whole trace, times `0.95 + 0.1 v` per
+/// distinct size (`u`, `v` drawn from `seed`). Seed 0 leaves the trace as it is.
+pub fn perturbed(
+    events: impl Iterator<Item = TraceEvent>,
+    seed: u64,
+) -> impl Iterator<Item = TraceEvent> {
+    let global = 0.8 + 0.4 * unit(seed);
+    events.map(move |mut e| {
+        if seed != 0 && matches!(e.action, Action::Alloc | Action::Oom) && e.size > 0 {
+            let jitter = 0.95 + 0.1 * unit(mix(seed) ^ e.size);
+            e.size = ((e.size as f64 * global * jitter) as u64).max(1);
+        }
+        e
+    })
+}
+
+/// Builds an event list: allocations and frees on stream 0 of device 0.
+#[derive(Default)]
+struct Builder {
+    events: Vec<TraceEvent>,
+    next: DevicePtr,
+}
+
+impl Builder {
+    fn push(&mut self, action: Action, addr: DevicePtr, size: u64) {
+        self.events.push(TraceEvent {
+            time_ns: self.events.len() as u64,
+            action,
+            device: 0,
+            stream: 0,
+            addr,
+            size,
+            aux: 0,
+            thread: 0,
+        });
+    }
+
+    /// An allocation of `size` bytes; returns its (trace) address.
+    fn alloc(&mut self, size: u64) -> DevicePtr {
+        self.next += 1 << 12;
+        let a = self.next;
+        self.push(Action::Alloc, a, size);
+        a
+    }
+
+    fn free(&mut self, addr: DevicePtr) {
+        self.push(Action::FreeRequested, addr, 0);
+    }
+}
+
+/// The churn loop of `tests/gpu/checks.py` (`check_churn_wide`): a window of
+/// 64 live tensors; each new tensor (sizes log-uniform from 512 B to 64 MiB,
+/// cycling through 4096 drawn ones) replaces the oldest after it is
+/// allocated, as `window[i % 64] = torch.empty(...)` does. 2000 warm-up
+/// operations, then `ops`.
+pub fn churn_wide(seed: u64, ops: usize) -> Vec<TraceEvent> {
+    let (lo, hi) = ((512f64).ln(), ((64u64 << 20) as f64).ln());
+    let sizes: Vec<u64> = (0..4096u64)
+        .map(|i| (lo + (hi - lo) * unit(mix(seed) ^ i)).exp() as u64)
+        .collect();
+    let mut b = Builder::default();
+    let mut window = [0; 64];
+    for i in 0..2000 + ops {
+        let p = b.alloc(sizes[i % 4096]);
+        if window[i % 64] != 0 {
+            b.free(window[i % 64]);
+        }
+        window[i % 64] = p;
+    }
+    b.events
+}
+
+/// A multi-scale training loop: weights and optimizer state allocated once;
+/// each step draws an input scale, allocates `layers` activations whose
+/// sizes grow with the scale's square (plus workspaces freed at once), then
+/// frees them in reverse while gradients come and go; a few small tensors
+/// live across steps (metrics, a leak-like history).
+pub fn multiscale(seed: u64, steps: usize) -> Vec<TraceEvent> {
+    let mut b = Builder::default();
+    let layers = 40u64;
+    let r = |k: u64| unit(mix(seed) ^ k);
+    let weights: Vec<u64> = (0..layers)
+        .map(|l| (r(l) * (24 << 20) as f64) as u64 + 4096)
+        .collect();
+    let mut kept = Vec::new();
+    for &w in &weights {
+        kept.push(b.alloc(w));
+        kept.push(b.alloc(w)); // optimizer state
+    }
+    let mut history = std::collections::VecDeque::new();
+    for step in 0..steps as u64 {
+        let scale = 0.5 + r(1 << 20 | step);
+        let mut acts = Vec::new();
+        for l in 0..layers {
+            let base = (1 << 20) as f64 * (1.0 + 15.0 * r(2 << 20 | l));
+            acts.push(b.alloc((base * scale * scale) as u64 + 512 * (l % 7)));
+            if l % 5 == 0 {
+                let ws = b.alloc((base * scale * 0.7) as u64);
+                b.free(ws);
+            }
+        }
+        for (l, a) in acts.into_iter().enumerate().rev() {
+            let g = b.alloc(weights[l]);
+            b.free(a);
+            b.free(g);
+        }
+        history.push_back(b.alloc(1024 + (r(3 << 20 | step) * 65536.0) as u64));
+        if history.len() > 50 {
+            let h = history.pop_front().expect("not empty");
+            b.free(h);
+        }
+    }
+    b.events
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::replay::replay;
+
+    #[test]
+    fn perturbation_keeps_equal_sizes_equal_and_seed_zero_is_identity() {
+        let evs = churn_wide(1, 200);
+        let same: Vec<_> = perturbed(evs.iter().copied(), 0).collect();
+        assert_eq!(same, evs);
+        let p: Vec<_> = perturbed(evs.iter().copied(), 7).collect();
+        assert_eq!(p.len(), evs.len());
+        for (a, b) in evs.iter().zip(&p) {
+            let ratio = b.size as f64 / a.size.max(1) as f64;
+            if a.action == Action::Alloc {
+                assert!((0.75..=1.27).contains(&ratio), "{} -> {}", a.size, b.size);
+            }
+            for (c, d) in evs.iter().zip(&p).take(300) {
+                if c.size == a.size {
+                    assert_eq!(d.size, b.size, "equal sizes stay equal");
+                }
+            }
+        }
+        assert_ne!(p, evs);
+    }
+
+    #[test]
+    fn synthetic_workloads_replay_without_unknown_frees() {
+        for evs in [churn_wide(3, 2000), multiscale(3, 5)] {
+            let r = replay(evs.into_iter(), 8 << 30, &Config::default());
+            assert_eq!((r.unknown_frees, r.ooms), (0, 0));
+            assert!(r.peak_reserved >= r.peak_allocated && r.peak_allocated > 0);
+        }
+    }
+}
