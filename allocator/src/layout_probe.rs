@@ -7,7 +7,7 @@
 //! a handle that is wholly free is reclaimable, unless a cached stitch
 //! aliases it. Pooled handles are unmapped memory kept for reuse. The
 //! probe test (`cargo test -p gpualloc layout_probe -- --ignored
-//! --nocapture`, with `GPUALLOC_PROBE` naming traces) replays a trace and
+//! --nocapture`, with `LAYOUT_PROBE` naming traces) replays a trace and
 //! prints the breakdown at the peaks of reserved and of allocated memory.
 
 use crate::backend::{Backend, SimBackend};
@@ -28,6 +28,9 @@ pub(crate) struct Breakdown {
     pub pinned: [u64; 2],
     /// Handles that back live bytes (the footprint of live memory).
     pub touched: [u64; 2],
+    /// Bytes of whole-handle free runs that defragmentation skips because
+    /// a cached stitch aliases some handle of the run (a superset of `pinned`).
+    pub run_pinned: u64,
     /// Pooled (unmapped) bytes, all kinds.
     pub pooled: u64,
     /// Free tail pieces: `(pool, free bytes in the handle, handle size)`.
@@ -49,7 +52,11 @@ impl Breakdown {
                 mib(self.pinned[i])
             );
         }
-        s += &format!("  pooled {:.1} MiB\n", mib(self.pooled));
+        s += &format!(
+            "  pooled {:.1} MiB; free runs skipped for a stitch {:.1} MiB\n",
+            mib(self.pooled),
+            mib(self.run_pinned)
+        );
         let mut hist = [0u64; 5];
         for &(_, free, _) in &self.pieces {
             let k = match free >> 20 {
@@ -77,8 +84,15 @@ impl Breakdown {
 impl<B: Backend> DeviceAllocator<B> {
     /// The breakdown of the default pools' handles now.
     pub(crate) fn breakdown(&self) -> Breakdown {
+        let run_pinned = self
+            .free_runs(None)
+            .iter()
+            .filter(|r| self.aliased(r.1, r.1 + r.0))
+            .map(|r| r.0)
+            .sum();
         let mut out = Breakdown {
             pooled: self.pooled_bytes(),
+            run_pinned,
             ..Breakdown::default()
         };
         for (slot, pool) in [(0usize, SMALL), (1, LARGE)] {
@@ -127,18 +141,33 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 }
 
+/// The events of a trace file, or of a synthetic workload named
+/// `churn_wide:SEED` or `multiscale:SEED` (`workload.rs`); `FILE@SEED` is
+/// the trace perturbed with that seed.
+fn load(path: &std::path::Path) -> Vec<crate::trace::TraceEvent> {
+    let name = path.to_string_lossy();
+    let seed = |s: &str| s.parse::<u64>().expect("a seed");
+    if let Some(s) = name.strip_prefix("churn_wide:") {
+        return crate::workload::churn_wide(seed(s), 30_000);
+    }
+    if let Some(s) = name.strip_prefix("multiscale:") {
+        return crate::workload::multiscale(seed(s), 60);
+    }
+    if let Some((file, s)) = name.rsplit_once('@') {
+        let evs = load(std::path::Path::new(file));
+        return crate::workload::perturbed(evs.into_iter(), seed(s)).collect();
+    }
+    let mut r = crate::trace::TraceReader::open(path).expect("a readable trace");
+    r.events().collect()
+}
+
 /// Replays `path` and returns the breakdowns at the first moments peak
 /// reserved and peak allocated were reached, with the stats then.
 pub(crate) fn probe(path: &std::path::Path, conf: &str) -> String {
     use crate::config::Config;
     use crate::replay::replay_observed;
-    use crate::trace::TraceReader;
     let config = Config::parse(conf).expect("a valid config");
-    let events = || {
-        let mut r = TraceReader::open(path).expect("a readable trace");
-        r.events().collect::<Vec<_>>()
-    };
-    let evs = events();
+    let evs = load(path);
     let (mut top_r, mut top_a, mut at_r, mut at_a) = (0, 0, 0, 0);
     replay_observed(
         evs.iter().copied(),
@@ -181,10 +210,8 @@ pub(crate) fn probe(path: &std::path::Path, conf: &str) -> String {
 pub(crate) fn growth(path: &std::path::Path, conf: &str) -> String {
     use crate::config::Config;
     use crate::replay::replay_observed;
-    use crate::trace::TraceReader;
     let config = Config::parse(conf).expect("a valid config");
-    let mut r = TraceReader::open(path).expect("a readable trace");
-    let evs: Vec<_> = r.events().collect();
+    let evs = load(path);
     let mut out = format!("{} ({conf:?}): growth past the bound\n", path.display());
     let mut before: Option<(i64, i64, Breakdown)> = None;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
@@ -201,7 +228,7 @@ pub(crate) fn growth(path: &std::path::Path, conf: &str) -> String {
             {
                 let e = evs[i as usize];
                 out += &format!(
-                    "ev {i} {:?} {:.2} MiB: reserved {:.0} -> {:.0} (+{:.0}), peak alloc {:.0}; before: tails L{:.1}/S{:.1} whole L{:.0}/S{:.0} pinned {:.0} pooled {:.0}\n",
+                    "ev {i} {:?} {:.2} MiB: reserved {:.0} -> {:.0} (+{:.0}), peak alloc {:.0}; before: tails L{:.1}/S{:.1} whole L{:.0}/S{:.0} pinned {:.0} (runs {:.0}) pooled {:.0}\n",
                     e.action,
                     mib(e.size),
                     mib(*r0 as u64),
@@ -213,12 +240,54 @@ pub(crate) fn growth(path: &std::path::Path, conf: &str) -> String {
                     mib(k.whole[1]),
                     mib(k.whole[0]),
                     mib(k.pinned[1]),
+                    mib(k.run_pinned),
                     mib(k.pooled),
                 );
             }
             before = Some((res, peak, d.breakdown()));
         },
     );
+    out
+}
+
+/// Peak reserved over peak allocated split into its causes, as fractions
+/// of peak allocated: `[total, tails, whole free, stitch-pinned, pooled,
+/// growth after the peak of allocated memory]`, the middle four read at
+/// the (first) peak of allocated memory.
+pub(crate) fn split(evs: &[crate::trace::TraceEvent], conf: &str) -> [f64; 6] {
+    use crate::config::Config;
+    use crate::replay::replay_observed;
+    let config = Config::parse(conf).expect("a valid config");
+    let (mut top, mut at) = (0, 0);
+    let r = replay_observed(
+        evs.iter().copied(),
+        140 << 30,
+        &config,
+        &mut |i, d: &DeviceAllocator<SimBackend>| {
+            if d.stats().allocated_bytes.all.current > top {
+                (top, at) = (d.stats().allocated_bytes.all.current, i);
+            }
+        },
+    );
+    let mut out = [0.0; 6];
+    let peak = r.peak_allocated as f64;
+    replay_observed(
+        evs.iter().copied(),
+        140 << 30,
+        &config,
+        &mut |i, d: &DeviceAllocator<SimBackend>| {
+            if i == at {
+                let k = d.breakdown();
+                let held = d.stats().reserved_bytes.all.current as f64;
+                out[1] = (k.tails[0] + k.tails[1]) as f64 / peak;
+                out[2] = (k.whole[0] + k.whole[1]) as f64 / peak;
+                out[3] = (k.pinned[0] + k.pinned[1]) as f64 / peak;
+                out[4] = k.pooled as f64 / peak;
+                out[5] = (r.peak_reserved as f64 - held) / peak;
+            }
+        },
+    );
+    out[0] = r.peak_reserved as f64 / peak - 1.0;
     out
 }
 
@@ -246,18 +315,55 @@ mod tests {
         d.free(b).unwrap();
     }
 
-    /// `GPUALLOC_PROBE=trace[,trace...] [GPUALLOC_PROBE_CONFIG=...]`.
+    /// The causes of R/A over many workloads: `LAYOUT_PROBE=trace[,...]`
+    /// perturbed with seeds 0–6, and the synthetic loops with seeds 1–6.
+    #[test]
+    #[ignore = "a probe over recorded traces, run by hand"]
+    fn layout_split_many() {
+        use crate::workload::{churn_wide, multiscale, perturbed};
+        let conf = std::env::var("LAYOUT_PROBE_CONFIG").unwrap_or_default();
+        let mut work = Vec::new();
+        for p in std::env::var("LAYOUT_PROBE").unwrap_or_default().split(',') {
+            if !p.is_empty() {
+                let evs = super::load(std::path::Path::new(p));
+                for s in 0..=6 {
+                    work.push((
+                        format!("{p}/{s}"),
+                        perturbed(evs.iter().copied(), s).collect(),
+                    ));
+                }
+            }
+        }
+        for s in 1..=6 {
+            work.push((format!("churn_wide/{s}"), churn_wide(s, 30_000)));
+            work.push((format!("multiscale/{s}"), multiscale(s, 60)));
+        }
+        let mut sum = [0.0; 6];
+        println!(
+            "workload: R/A-1 = at the peak of allocated (tails + whole free + pinned + pooled) + growth after, in % of peak allocated"
+        );
+        for (name, evs) in &work {
+            let v: Vec<crate::trace::TraceEvent> = evs.clone();
+            let x = super::split(&v, &conf);
+            let pct: Vec<String> = x.iter().map(|f| format!("{:.2}", f * 100.0)).collect();
+            println!("{name}: {}", pct.join(" "));
+            for (a, b) in sum.iter_mut().zip(x) {
+                *a += b / work.len() as f64;
+            }
+        }
+        let pct: Vec<String> = sum.iter().map(|f| format!("{:.2}", f * 100.0)).collect();
+        println!("mean: {}", pct.join(" "));
+    }
+
+    /// `LAYOUT_PROBE=trace[,trace...] [LAYOUT_PROBE_CONFIG=...]`.
     #[test]
     #[ignore = "a probe over recorded traces, run by hand"]
     fn layout_probe() {
-        let conf = std::env::var("GPUALLOC_PROBE_CONFIG").unwrap_or_default();
-        for p in std::env::var("GPUALLOC_PROBE")
-            .unwrap_or_default()
-            .split(',')
-        {
+        let conf = std::env::var("LAYOUT_PROBE_CONFIG").unwrap_or_default();
+        for p in std::env::var("LAYOUT_PROBE").unwrap_or_default().split(',') {
             if !p.is_empty() {
                 println!("{}", super::probe(std::path::Path::new(p), &conf));
-                if std::env::var("GPUALLOC_PROBE_GROWTH").is_ok() {
+                if std::env::var("LAYOUT_PROBE_GROWTH").is_ok() {
                     println!("{}", super::growth(std::path::Path::new(p), &conf));
                 }
             }
