@@ -76,6 +76,15 @@ impl PagePool {
         size - left
     }
 
+    /// The smallest pooled handle size that is a multiple of `page` and at
+    /// least `at_least` bytes.
+    pub fn smallest_pooled(&self, page: u64, at_least: u64) -> Option<u64> {
+        self.free
+            .range(at_least..)
+            .map(|(&s, _)| s)
+            .find(|s| s % page == 0)
+    }
+
     /// Maps `[ptr, ptr + size)`, counted in `kind`: pooled handles first
     /// (largest that fits first), new handles for the rest. Returns the
     /// reserved-bytes changes per kind and the bytes created. On failure the

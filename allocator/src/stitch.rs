@@ -16,7 +16,8 @@
 //! about its size whose runs are all free again (the same layout one step
 //! later) takes it with no driver call at all. A cached stitch is torn down
 //! (after its last work, Note [Event-ordered unmapping]) before any of its
-//! handles is unmapped from its home address, on `empty_cache` and on the
+//! handles is unmapped from its home address (defragmentation takes such
+//! handles only when the unaliased ones fall short), on `empty_cache` and on the
 //! out-of-memory path, or when the cache is full. Stitched ranges alias
 //! memory already counted as reserved, so they add nothing to it.
 
