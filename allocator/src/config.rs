@@ -29,6 +29,7 @@
 //! | `expandable_handle_mb` | power of two, 2–1024 | 16 | largest physical handle created at once; a mapping of n bytes uses handles of at most n/8 (fewer driver calls, coarser unmapping) |
 //! | `defragment` | `true`/`false` | true | with expandable segments: rather than hold more than `1 + defragment_headroom` times peak allocated memory, unmap free pages and map them where the request fits |
 //! | `defragment_headroom` | 0 ≤ x ≤ 1 | 0.005 | how far held memory may exceed peak allocated memory before defragmenting |
+//! | `defragment_budget` | 0 ≤ x ≤ 1 | 0.05 | with `defragment`: the share of elapsed time that defragmenting and stitching may spend in driver calls before defragmentation stops tearing cached stitches down to move their pages (1: no limit; Note [Defragmentation budget]) |
 //! | `stitch_min_mb` | integer, 0–1048576 | 32 | with `defragment`: requests of at least this many MiB may be served by stitching free pages into a fresh range (0: never) |
 //!
 //! A key may appear once. Numbers are plain decimal; a value outside its
@@ -106,6 +107,10 @@ pub const KEYS: &[(&str, &str)] = &[
         "fraction by which held memory may exceed peak allocated memory before defragmenting (0 to 1)",
     ),
     (
+        "defragment_budget",
+        "share of elapsed time defragmenting may spend in driver calls before it stops tearing down cached stitches (0 to 1; 1: no limit)",
+    ),
+    (
         "expandable_segments",
         "grow one virtual address range per pool and stream by mapping pages (true/false)",
     ),
@@ -150,6 +155,8 @@ pub struct Config {
     pub defragment: bool,
     /// How far held memory may exceed peak allocated memory before defragmenting.
     pub defragment_headroom: f64,
+    /// The share of elapsed time defragmenting may spend in driver calls.
+    pub defragment_budget: f64,
     /// Requests of at least this many bytes may be stitched (`u64::MAX`: never).
     pub stitch_min: u64,
     /// Mapping granularity of large-pool expandable segments.
@@ -175,6 +182,7 @@ impl Default for Config {
             expandable_segments: true,
             defragment: true,
             defragment_headroom: 0.005,
+            defragment_budget: 0.05,
             stitch_min: 32 * MIB,
             expandable_page: 2 * MIB,
             expandable_handle: 16 * MIB,
@@ -366,6 +374,13 @@ impl Config {
                     return Err(err(key, format!("{x} is not in [0, 1]")));
                 }
                 self.defragment_headroom = x;
+            }
+            "defragment_budget" => {
+                let x = parse_f64(key, v)?;
+                if !(0.0..=1.0).contains(&x) {
+                    return Err(err(key, format!("{x} is not in [0, 1]")));
+                }
+                self.defragment_budget = x;
             }
             _ => {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();

@@ -32,6 +32,7 @@ use rustc_hash::FxHashMap;
 use crate::backend::BackendError;
 use crate::backend::{Backend, DevicePtr, EventId, StreamId};
 use crate::block::{Block, BlockId, BlockState, PoolId};
+use crate::budget::DefragBudget;
 use crate::config::Config;
 use crate::cost::DriverCalls;
 use crate::error::{AllocError, GrowError};
@@ -77,6 +78,8 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) fences: Fences,
     /// Stitched ranges, in use or cached (Note [Stitching]).
     pub(crate) stitches: Stitches,
+    /// Driver time defragmentation may still spend (Note [Defragmentation budget]).
+    pub(crate) defrag_budget: DefragBudget,
     /// Driver calls counted before the last `reset_accumulated_stats`.
     driver_baseline: DriverCalls,
     /// Set when a panic unwound while this device was locked: its state may
@@ -107,6 +110,7 @@ impl<B: Backend> DeviceAllocator<B> {
             pages: PagePool::default(),
             fences: Fences::default(),
             stitches: Stitches::default(),
+            defrag_budget: DefragBudget::default(),
             driver_baseline: DriverCalls::default(),
             poisoned: false,
         }

@@ -58,6 +58,7 @@
 
 use crate::backend::{Backend, BackendError, StreamId};
 use crate::block::{BlockId, BlockState, PoolId, SegmentId};
+use crate::cost::{CostModel, DriverCalls};
 use crate::device::DeviceAllocator;
 use crate::error::{AllocError, GrowError};
 use crate::heap::{LARGE, SMALL, STITCH, Window};
@@ -157,6 +158,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let page = self.page_size(kind);
         let (mut seg, mut ws, mut ranges) = self.plan_window(pool, stream, rounded, page)?;
         let mut bytes: u64 = ranges.iter().map(|r| r.1 - r.0).sum();
+        let mut charge_from = None;
         // A private pool takes pooled pages but never moves pages: its
         // requests come during captures, when events cannot be queried.
         if !capturing && pool <= LARGE {
@@ -167,12 +169,13 @@ impl<B: Backend> DeviceAllocator<B> {
                 ((seg, ws, ranges), bytes) = w;
             }
             let short = bytes - self.pages.usable(bytes, page);
-            if short > 0
-                && self.config.defragment
-                && rounded >= self.config.stitch_min
-                && let Some(b) = self.stitch_for(stream, rounded)?
-            {
-                return Ok(b);
+            let calls = (short > 0 && self.config.defragment).then(|| self.backend.driver_calls());
+            if short > 0 && self.config.defragment && rounded >= self.config.stitch_min {
+                let stitched = self.stitch_for(stream, rounded);
+                self.charge_defragmentation(calls);
+                if let Some(b) = stitched? {
+                    return Ok(b);
+                }
             }
             if short > 0 && self.config.defragment {
                 // See Note [Defragmentation].
@@ -184,7 +187,18 @@ impl<B: Backend> DeviceAllocator<B> {
                 let excess = (held + short).saturating_sub(bound);
                 if excess > 0 {
                     crate::log::defragment(self.device, rounded, short, excess);
-                    self.reclaim(excess.min(short), seg, ws, ws + rounded)?;
+                    let now = self.backend.now_ns();
+                    let pinned = self
+                        .defrag_budget
+                        .allows(now, self.config.defragment_budget);
+                    let calls = Some(self.backend.driver_calls());
+                    let moved = self.reclaim(excess.min(short), seg, ws, ws + rounded, pinned);
+                    if !matches!(moved, Ok(m) if m > 0) {
+                        self.charge_defragmentation(calls);
+                    }
+                    // Mapping the moved pages below is charged too.
+                    charge_from = calls.filter(|_| matches!(moved, Ok(m) if m > 0));
+                    moved?;
                     if let Some(w) = self.widen_small(pool, stream, bytes, page)? {
                         ((seg, ws, ranges), bytes) = w;
                     }
@@ -207,6 +221,7 @@ impl<B: Backend> DeviceAllocator<B> {
             }
         }
         self.heap.coalesce_segment(seg);
+        self.charge_defragmentation(charge_from);
         if let Some(e) = failure {
             return Err(e.into());
         }
@@ -217,6 +232,19 @@ impl<B: Backend> DeviceAllocator<B> {
         );
         self.heap.unindex(block);
         Ok(block)
+    }
+
+    /// Charges the driver time spent since `before` to the defragmentation
+    /// budget (Note [Defragmentation budget]): as the backend measured it,
+    /// or as the cost model predicts it where the backend does not measure.
+    fn charge_defragmentation(&mut self, before: Option<DriverCalls>) {
+        let Some(before) = before else { return };
+        let spent = self.backend.driver_calls().since(&before);
+        let ns = match spent.total_nanos() {
+            0 => CostModel::h200().predict_ms(&spent) * 1e6,
+            n => n as f64,
+        };
+        self.defrag_budget.charge(ns);
     }
 
     /// Where `rounded` bytes go in `(pool, stream)`'s expandable segments:
@@ -383,10 +411,11 @@ impl<B: Backend> DeviceAllocator<B> {
         keep: SegmentId,
         keep_lo: u64,
         keep_hi: u64,
+        pinned: bool,
     ) -> Result<u64, AllocError> {
         // Runs a cached stitch aliases come last (unmapping one tears the
-        // stitch down, Note [Stitching]), and only when the others fall
-        // short; smallest runs first: they are the fragments no large
+        // stitch down, Note [Stitching]), only when the others fall short
+        // and only with `pinned` (the budget allows it); smallest runs first: they are the fragments no large
         // request can use; the last run taken gives only the handles still
         // wanted.
         let mut runs: Vec<_> = self
@@ -395,7 +424,7 @@ impl<B: Backend> DeviceAllocator<B> {
             .map(|r| (self.aliased(r.1, r.1 + r.0), r))
             .collect();
         let unpinned: u64 = runs.iter().filter(|r| !r.0).map(|r| r.1.0).sum();
-        if unpinned >= want {
+        if unpinned >= want || !pinned {
             runs.retain(|r| !r.0);
         }
         runs.sort_unstable_by_key(|&(pinned, r)| (pinned, r.0, r.1));
@@ -683,7 +712,18 @@ mod tests {
 
     #[test]
     fn defragmentation_takes_pages_a_cached_stitch_pins_rather_than_growing() {
-        let mut d = dev("expandable_handle_mb:2");
+        for budget in ["1", "0.05", "0"] {
+            let conf = format!("expandable_handle_mb:2,defragment_budget:{budget}");
+            let grew = stitch_pinned_growth(&conf);
+            // Without budget, the stitch is kept and the pool grows.
+            assert_eq!(grew, budget == "0", "{conf}: grew {grew}");
+        }
+    }
+
+    /// Whether a request whose only free pages are pinned by a cached stitch
+    /// grows the pool.
+    fn stitch_pinned_growth(conf: &str) -> bool {
+        let mut d = dev(conf);
         // Eight 16 MiB pieces between live 2 MiB blocks.
         let mut large = Vec::new();
         let mut small = Vec::new();
@@ -706,8 +746,8 @@ mod tests {
         // than the pool growing past the bound.
         let p = d.malloc(24 * MIB, 0).unwrap();
         ok(&d);
-        assert_eq!(d.stats().reserved_bytes.all.current, reserved, "no growth");
-        assert!(d.stats().num_defragment >= 1);
+        let grew = d.stats().reserved_bytes.all.current > reserved;
+        assert_eq!(d.stats().num_stitch, 1);
         for q in held.into_iter().chain(small).chain([p]) {
             d.free(q).unwrap();
         }
@@ -715,6 +755,7 @@ mod tests {
         ok(&d);
         assert_eq!(d.backend().used(), 0);
         assert_eq!(d.backend().mappings(), 0);
+        grew
     }
 
     /// Multi-scale pattern: each step allocates a batch of activations whose

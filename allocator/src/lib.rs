@@ -51,6 +51,7 @@
 pub mod allocator;
 pub mod backend;
 mod block;
+mod budget;
 mod capture;
 mod checkpoint;
 pub mod config;

@@ -248,6 +248,8 @@ impl DeviceRun {
     }
 
     fn event(&mut self, i: u64, e: TraceEvent, r: &mut ReplayResult) {
+        // Time budgets follow the recorded run (Note [Defragmentation budget]).
+        self.dev.backend.set_clock(e.time_ns);
         if !self.window.is_empty() {
             if is_call(e.action) || e.action == Action::Oom {
                 self.close_window(r);

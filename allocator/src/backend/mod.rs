@@ -220,6 +220,18 @@ pub trait Backend: Send {
         ))
     }
 
+    /// Nanoseconds on a monotonic clock, for time budgets (Note
+    /// [Defragmentation budget]). Real time by default; the simulator's
+    /// clock is virtual and set by whoever drives it (replay: the trace's
+    /// time).
+    fn now_ns(&mut self) -> u64 {
+        static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        START
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_nanos() as u64
+    }
+
     /// Driver calls made so far, by kind, and the time they took where the
     /// backend measures it (the CUDA backend does; the simulator predicts it
     /// from a [`CostModel`](crate::cost::CostModel) instead).

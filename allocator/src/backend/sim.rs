@@ -171,6 +171,8 @@ pub struct SimBackend {
     /// Unmapped ranges, logged while `log_unmaps` is on (tests check them).
     unmap_log: Option<Vec<(DevicePtr, u64)>>,
     driver: DriverCalls,
+    /// The virtual clock [`Backend::now_ns`] reads (see [`SimBackend::set_clock`]).
+    clock_ns: u64,
     streams: FxHashMap<StreamId, SimStream>,
     events: FxHashMap<EventId, (StreamId, u64)>,
     next_event: EventId,
@@ -212,6 +214,7 @@ impl SimBackend {
             next_handle: 1,
             unmap_log: None,
             driver: DriverCalls::default(),
+            clock_ns: 0,
             streams: FxHashMap::default(),
             events: FxHashMap::default(),
             next_event: 1,
@@ -239,6 +242,12 @@ impl SimBackend {
     /// Device capacity in bytes.
     pub fn capacity(&self) -> u64 {
         self.capacity
+    }
+
+    /// Sets the virtual clock (nanoseconds) that time budgets read; it
+    /// never moves on its own. Replay sets it from the trace.
+    pub fn set_clock(&mut self, ns: u64) {
+        self.clock_ns = ns;
     }
 
     /// Bytes currently allocated or mapped.
@@ -791,6 +800,10 @@ impl Backend for SimBackend {
 
     fn driver_calls(&self) -> DriverCalls {
         self.driver
+    }
+
+    fn now_ns(&mut self) -> u64 {
+        self.clock_ns
     }
 }
 

@@ -45,12 +45,18 @@ fn gpt2_trace_replays_to_the_peaks_measured_on_the_gpu() {
     assert!(allocated >= 8_050_975_232);
 }
 
+/// Whether `got` is within 0.2% of `want`: for traces recorded before the
+/// current policy (stitch-aliased pages moved, small pages from pooled
+/// handles), whose replays no longer reproduce the recorded run exactly.
+fn near(got: u64, want: u64) -> bool {
+    got.abs_diff(want) * 500 <= want
+}
+
 #[test]
 fn detector_trace_replays_to_the_peaks_measured_on_the_gpu() {
-    assert_eq!(
-        replay_example("detector-multiscale.gtrace", None),
-        (2_703_228_928, 2_629_305_344, 0)
-    );
+    let (reserved, allocated, ooms) = replay_example("detector-multiscale.gtrace", None);
+    assert!(near(reserved, 2_703_228_928), "{reserved}");
+    assert_eq!((allocated, ooms), (2_629_305_344, 0));
     let (reserved, _, ooms) = replay_example("detector-multiscale.gtrace", Some("policy:pytorch"));
     assert_eq!((reserved, ooms), (4_823_449_600, 0));
 }
@@ -62,10 +68,9 @@ fn detector_trace_replays_to_the_peaks_measured_on_the_gpu() {
 /// fails the same request.
 #[test]
 fn yolo_style_trace_replays_to_its_peaks_and_its_oom() {
-    assert_eq!(
-        replay_example("yolo-style-oom.gtrace", None),
-        (1_765_801_984, 1_705_659_392, 1)
-    );
+    let (reserved, allocated, ooms) = replay_example("yolo-style-oom.gtrace", None);
+    assert!(near(reserved, 1_765_801_984), "{reserved}");
+    assert_eq!((allocated, ooms), (1_705_659_392, 1));
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/yolo-style-oom.gtrace");
     let mut r = TraceReader::open(&path).expect("the example trace opens");
     assert_eq!(r.header().config, "memory_limit:1700MiB");
