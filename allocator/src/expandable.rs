@@ -23,11 +23,10 @@
 //! the peak of allocated memory, whole free handles elsewhere are unmapped
 //! into the pool, smallest runs first (the fragments no large request can
 //! use) and only as many handles as needed, and mapped where the request
-//! fits. Runs that a cached stitch aliases are taken last, and only when
-//! the others fall short (the stitch is torn down and rebuilt when next
-//! needed): judged on 47 replayed workloads (`placement_bench`,
-//! `docs/policy-experiments.md`), this lowers mean R/A from 1.030 to 1.021
-//! and the worst from 1.108 to 1.066, for 40% more predicted driver time. Pages leave their address only once the work on them is done (Note
+//! fits. Runs that a cached stitch aliases are taken last, only when the
+//! others fall short and only within a budget of driver time (the stitch is
+//! torn down and rebuilt when next needed; Note [Defragmentation budget]
+//! in `budget.rs`). Pages leave their address only once the work on them is done (Note
 //! [Event-ordered unmapping]). Below that bound the pool simply grows. The
 //! choices were tuned by replaying GPU traces with `gpualloc replay --json`,
 //! which predicts driver time (`docs/driver-costs.md`): moving a handle
