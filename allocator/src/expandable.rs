@@ -722,17 +722,7 @@ mod tests {
     /// Whether a request whose only free pages are pinned by a cached stitch
     /// grows the pool.
     fn stitch_pinned_growth(conf: &str) -> bool {
-        let mut d = dev(conf);
-        // Eight 16 MiB pieces between live 2 MiB blocks.
-        let mut large = Vec::new();
-        let mut small = Vec::new();
-        for _ in 0..8 {
-            large.push(d.malloc(16 * MIB, 0).unwrap());
-            small.push(d.malloc(2 * MIB, 0).unwrap());
-        }
-        for p in large {
-            d.free(p).unwrap();
-        }
+        let (mut d, small) = crate::stitch::tests::fragmented_with(conf);
         // A 64 MiB stitch over four pieces; the other four hold 16 MiB blocks.
         let stitched = d.malloc(64 * MIB, 0).unwrap();
         assert_eq!(d.stats().num_stitch, 1);

@@ -292,7 +292,7 @@ impl<B: Backend> DeviceAllocator<B> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use crate::{Config, DeviceAllocator, DriverCall, SimBackend};
 
     const MIB: u64 = 1 << 20;
@@ -302,14 +302,15 @@ mod tests {
             .unwrap_or_else(|e| panic!("invariant broken: {e}"));
     }
 
-    /// Eight 16 MiB blocks with small live blocks between them; freeing the
-    /// large ones leaves 128 MiB free in pieces, none of which holds 64 MiB.
     fn fragmented() -> (DeviceAllocator<SimBackend>, Vec<u64>) {
-        let mut d = DeviceAllocator::new(
-            0,
-            SimBackend::new(1 << 30),
-            Config::parse("expandable_handle_mb:2").unwrap(),
-        );
+        fragmented_with("expandable_handle_mb:2")
+    }
+
+    /// Eight 16 MiB blocks with 2 MiB live blocks between them, under
+    /// `conf`; freeing the large ones leaves 128 MiB free in pieces, none
+    /// of which holds 64 MiB. Returns the live blocks.
+    pub(crate) fn fragmented_with(conf: &str) -> (DeviceAllocator<SimBackend>, Vec<u64>) {
+        let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::parse(conf).unwrap());
         let mut large = Vec::new();
         let mut small = Vec::new();
         for _ in 0..8 {
