@@ -78,7 +78,7 @@ pub fn groups(d: &DeviceAnalysis, end_ns: u64) -> Vec<LeakGroup> {
                 block,
                 phase,
                 count,
-                bytes: count * block,
+                bytes: count.saturating_mul(block),
                 epochs: distinct,
                 first_epoch: first,
                 span,
@@ -100,7 +100,7 @@ pub fn render(a: &Analysis, limit: usize) -> String {
     }
     for d in a.devices.values() {
         let gs = groups(d, a.duration_ns);
-        let alive: u64 = gs.iter().map(|g| g.bytes).sum();
+        let alive = gs.iter().fold(0u64, |a, g| a.saturating_add(g.bytes));
         let cands: Vec<&LeakGroup> = gs.iter().filter(|g| g.candidate).collect();
         let _ = writeln!(
             s,
@@ -156,7 +156,7 @@ pub fn render_json(a: &Analysis, file: &Path, limit: usize) -> String {
                 "device": d.device,
                 "iterations": iterations(d),
                 "alive_allocations": gs.iter().map(|g| g.count).sum::<u64>(),
-                "alive_bytes": gs.iter().map(|g| g.bytes).sum::<u64>(),
+                "alive_bytes": gs.iter().fold(0u64, |a, g| a.saturating_add(g.bytes)),
                 "candidates": gs.iter().filter(|g| g.candidate).count(),
                 "groups_total": gs.len(),
                 "groups": gs.iter().take(limit).map(|g| json!({

@@ -81,7 +81,7 @@ impl Phases {
     pub fn alloc(&mut self, size: u64) {
         if let Some(&(slot, _, _)) = self.open.last() {
             self.stats[slot].allocs += 1;
-            self.stats[slot].alloc_bytes += size;
+            self.stats[slot].alloc_bytes = self.stats[slot].alloc_bytes.saturating_add(size);
         }
     }
 

@@ -35,7 +35,7 @@ impl Sizes {
     pub fn add(&mut self, size: u64) {
         let k = 63 - (size | 1).leading_zeros() as usize;
         self.hist[k] += 1;
-        self.hist_bytes[k] += size;
+        self.hist_bytes[k] = self.hist_bytes[k].saturating_add(size);
         if let Some(c) = self.counts.get_mut(&size) {
             *c += 1;
             return;
