@@ -13,12 +13,12 @@
 //! CUDA backend measured it or, on the simulator, as the cost model
 //! predicts it; defragmentation earns `defragment_budget` (1% by default)
 //! of the time that passes, and may tear stitches down only while it has
-//! credit (never with a share of 0). What is unspent is banked up to [`BURST_NS`], also the credit at
-//! start, so the first steps (where the peak usually forms) are never held
-//! back. Moving unaliased pages is never budgeted, nor is the out-of-memory
-//! path. The clock is the backend's ([`Backend::now_ns`](crate::Backend::now_ns)):
-//! real time on a GPU, the trace's time in a replay, so replay predicts
-//! what the GPU does. Judged with `placement_bench` (47 workloads, the
+//! credit (never with a share of 0). What is unspent is banked up to
+//! [`BURST_NS`], also the credit at start, so the first steps (where the
+//! peak usually forms) are never held back. Moving unaliased pages is
+//! never budgeted, nor is the out-of-memory path. The clock is the
+//! backend's ([`Backend::now_ns`](crate::Backend::now_ns)): real time on a
+//! GPU, the trace's time in a replay, so replay predicts what the GPU does. Judged with `placement_bench` (47 workloads, the
 //! churn loop at its GPU length): tearing down without limit lowers
 //! ResNet-50's R/A from 1.046 to 1.017 and the churn loop's from 1.110 to
 //! 1.068, but triples the churn loop's driver time; 1% keeps the whole

@@ -26,8 +26,8 @@
 //! fits. Runs that a cached stitch aliases are taken last, only when the
 //! others fall short and only within a budget of driver time (the stitch is
 //! torn down and rebuilt when next needed; Note [Defragmentation budget]
-//! in `budget.rs`). Pages leave their address only once the work on them is done (Note
-//! [Event-ordered unmapping]). Below that bound the pool simply grows. The
+//! in `budget.rs`). Pages leave their address only once the work on them
+//! is done (Note [Event-ordered unmapping]). Below that bound the pool simply grows. The
 //! choices were tuned by replaying GPU traces with `gpualloc replay --json`,
 //! which predicts driver time (`docs/driver-costs.md`): moving a handle
 //! costs about 65 µs, whatever its size up to 16 MiB, hence handles of up to
@@ -414,9 +414,9 @@ impl<B: Backend> DeviceAllocator<B> {
     ) -> Result<u64, AllocError> {
         // Runs a cached stitch aliases come last (unmapping one tears the
         // stitch down, Note [Stitching]), only when the others fall short
-        // and only with `pinned` (the budget allows it); smallest runs first: they are the fragments no large
-        // request can use; the last run taken gives only the handles still
-        // wanted.
+        // and only with `pinned` (the budget allows it); smallest runs
+        // first: they are the fragments no large request can use; the last
+        // run taken gives only the handles still wanted.
         let mut runs: Vec<_> = self
             .free_runs(Some((keep, keep_lo, keep_hi)))
             .into_iter()
@@ -426,7 +426,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if unpinned >= want || !pinned {
             runs.retain(|r| !r.0);
         }
-        runs.sort_unstable_by_key(|&(pinned, r)| (pinned, r.0, r.1));
+        runs.sort_unstable_by_key(|&(aliased, r)| (aliased, r.0, r.1));
         let runs = runs.into_iter().map(|r| r.1);
         let mut took = 0;
         let mut chosen = Vec::new();
