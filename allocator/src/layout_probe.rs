@@ -161,92 +161,82 @@ fn load(path: &std::path::Path) -> Vec<crate::trace::TraceEvent> {
     r.events().collect()
 }
 
+/// Replays `evs` under `conf` on a 140 GiB simulated device, showing
+/// `observe` the allocator after every event.
+fn replay_each(
+    evs: &[crate::trace::TraceEvent],
+    conf: &str,
+    observe: &mut dyn FnMut(u64, &DeviceAllocator<SimBackend>),
+) -> crate::replay::ReplayResult {
+    let config = crate::config::Config::parse(conf).expect("a valid config");
+    crate::replay::replay_observed(evs.iter().copied(), 140 << 30, &config, observe)
+}
+
 /// Replays `path` and returns the breakdowns at the first moments peak
 /// reserved and peak allocated were reached, with the stats then.
 pub(crate) fn probe(path: &std::path::Path, conf: &str) -> String {
-    use crate::config::Config;
-    use crate::replay::replay_observed;
-    let config = Config::parse(conf).expect("a valid config");
     let evs = load(path);
     let (mut top_r, mut top_a, mut at_r, mut at_a) = (0, 0, 0, 0);
-    replay_observed(
-        evs.iter().copied(),
-        140 << 30,
-        &config,
-        &mut |i, d: &DeviceAllocator<SimBackend>| {
-            let s = d.stats();
-            if s.reserved_bytes.all.current > top_r {
-                (top_r, at_r) = (s.reserved_bytes.all.current, i);
-            }
-            if s.allocated_bytes.all.current > top_a {
-                (top_a, at_a) = (s.allocated_bytes.all.current, i);
-            }
-        },
-    );
+    replay_each(&evs, conf, &mut |i, d: &DeviceAllocator<SimBackend>| {
+        let s = d.stats();
+        if s.reserved_bytes.all.current > top_r {
+            (top_r, at_r) = (s.reserved_bytes.all.current, i);
+        }
+        if s.allocated_bytes.all.current > top_a {
+            (top_a, at_a) = (s.allocated_bytes.all.current, i);
+        }
+    });
     let mut out = format!("{} ({conf:?})\n", path.display());
-    replay_observed(
-        evs.iter().copied(),
-        140 << 30,
-        &config,
-        &mut |i, d: &DeviceAllocator<SimBackend>| {
-            for (at, what) in [(at_r, "peak reserved"), (at_a, "peak allocated")] {
-                if i == at {
-                    let s = d.stats();
-                    out += &format!(
-                        "at {what} (event {i}): reserved {:.1} MiB, allocated {:.1} MiB\n{}",
-                        s.reserved_bytes.all.current as f64 / (1 << 20) as f64,
-                        s.allocated_bytes.all.current as f64 / (1 << 20) as f64,
-                        d.breakdown().render()
-                    );
-                }
+    replay_each(&evs, conf, &mut |i, d: &DeviceAllocator<SimBackend>| {
+        for (at, what) in [(at_r, "peak reserved"), (at_a, "peak allocated")] {
+            if i == at {
+                let s = d.stats();
+                out += &format!(
+                    "at {what} (event {i}): reserved {:.1} MiB, allocated {:.1} MiB\n{}",
+                    s.reserved_bytes.all.current as f64 / (1 << 20) as f64,
+                    s.allocated_bytes.all.current as f64 / (1 << 20) as f64,
+                    d.breakdown().render()
+                );
             }
-        },
-    );
+        }
+    });
     out
 }
 
 /// Every growth of reserved memory past `1.005 ×` the peak of allocated
 /// memory so far: the request, and the breakdown just before it.
 pub(crate) fn growth(path: &std::path::Path, conf: &str) -> String {
-    use crate::config::Config;
-    use crate::replay::replay_observed;
-    let config = Config::parse(conf).expect("a valid config");
     let evs = load(path);
     let mut out = format!("{} ({conf:?}): growth past the bound\n", path.display());
     let mut before: Option<(i64, i64, Breakdown)> = None;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
-    replay_observed(
-        evs.iter().copied(),
-        140 << 30,
-        &config,
-        &mut |i, d: &DeviceAllocator<SimBackend>| {
-            let s = d.stats();
-            let (res, peak) = (s.reserved_bytes.all.current, s.allocated_bytes.all.peak);
-            if let Some((r0, p0, k)) = &before
-                && res > *r0
-                && res as f64 > *p0 as f64 * 1.005
-            {
-                let e = evs[i as usize];
-                out += &format!(
-                    "ev {i} {:?} {:.2} MiB: reserved {:.0} -> {:.0} (+{:.0}), peak alloc {:.0}; before: tails L{:.1}/S{:.1} whole L{:.0}/S{:.0} pinned {:.0} (runs {:.0}) pooled {:.0}\n",
-                    e.action,
-                    mib(e.size),
-                    mib(*r0 as u64),
-                    mib(res as u64),
-                    mib((res - r0) as u64),
-                    mib(peak as u64),
-                    mib(k.tails[1]),
-                    mib(k.tails[0]),
-                    mib(k.whole[1]),
-                    mib(k.whole[0]),
-                    mib(k.pinned[1]),
-                    mib(k.run_pinned),
-                    mib(k.pooled),
-                );
-            }
-            before = Some((res, peak, d.breakdown()));
-        },
-    );
+    replay_each(&evs, conf, &mut |i, d: &DeviceAllocator<SimBackend>| {
+        let s = d.stats();
+        let (res, peak) = (s.reserved_bytes.all.current, s.allocated_bytes.all.peak);
+        if let Some((r0, p0, k)) = &before
+            && res > *r0
+            && res as f64 > *p0 as f64 * 1.005
+        {
+            let e = evs[i as usize];
+            out += &format!(
+                "ev {i} {:?} {:.2} MiB: reserved {:.0} -> {:.0} (+{:.0}), peak alloc {:.0}; before: tails L{:.1}/S{:.1} whole L{:.0}/S{:.0} pinned {:.0} (runs {:.0}) pooled {:.0}\n",
+                e.action,
+                mib(e.size),
+                mib(*r0 as u64),
+                mib(res as u64),
+                mib((res - r0) as u64),
+                mib(peak as u64),
+                mib(k.tails[1]),
+                mib(k.tails[0]),
+                mib(k.whole[1]),
+                mib(k.whole[0]),
+                mib(k.pinned[1]),
+                mib(k.run_pinned),
+                mib(k.pooled),
+            );
+        }
+        before = Some((res, peak, d.breakdown()));
+    });
     out
 }
 
@@ -255,38 +245,25 @@ pub(crate) fn growth(path: &std::path::Path, conf: &str) -> String {
 /// growth after the peak of allocated memory]`, the middle four read at
 /// the (first) peak of allocated memory.
 pub(crate) fn split(evs: &[crate::trace::TraceEvent], conf: &str) -> [f64; 6] {
-    use crate::config::Config;
-    use crate::replay::replay_observed;
-    let config = Config::parse(conf).expect("a valid config");
     let (mut top, mut at) = (0, 0);
-    let r = replay_observed(
-        evs.iter().copied(),
-        140 << 30,
-        &config,
-        &mut |i, d: &DeviceAllocator<SimBackend>| {
-            if d.stats().allocated_bytes.all.current > top {
-                (top, at) = (d.stats().allocated_bytes.all.current, i);
-            }
-        },
-    );
+    let r = replay_each(evs, conf, &mut |i, d: &DeviceAllocator<SimBackend>| {
+        if d.stats().allocated_bytes.all.current > top {
+            (top, at) = (d.stats().allocated_bytes.all.current, i);
+        }
+    });
     let mut out = [0.0; 6];
     let peak = r.peak_allocated as f64;
-    replay_observed(
-        evs.iter().copied(),
-        140 << 30,
-        &config,
-        &mut |i, d: &DeviceAllocator<SimBackend>| {
-            if i == at {
-                let k = d.breakdown();
-                let held = d.stats().reserved_bytes.all.current as f64;
-                out[1] = (k.tails[0] + k.tails[1]) as f64 / peak;
-                out[2] = (k.whole[0] + k.whole[1]) as f64 / peak;
-                out[3] = (k.pinned[0] + k.pinned[1]) as f64 / peak;
-                out[4] = k.pooled as f64 / peak;
-                out[5] = (r.peak_reserved as f64 - held) / peak;
-            }
-        },
-    );
+    replay_each(evs, conf, &mut |i, d: &DeviceAllocator<SimBackend>| {
+        if i == at {
+            let k = d.breakdown();
+            let held = d.stats().reserved_bytes.all.current as f64;
+            out[1] = (k.tails[0] + k.tails[1]) as f64 / peak;
+            out[2] = (k.whole[0] + k.whole[1]) as f64 / peak;
+            out[3] = (k.pinned[0] + k.pinned[1]) as f64 / peak;
+            out[4] = k.pooled as f64 / peak;
+            out[5] = (r.peak_reserved as f64 - held) / peak;
+        }
+    });
     out[0] = r.peak_reserved as f64 / peak - 1.0;
     out
 }
