@@ -115,15 +115,26 @@ def run_one(check, name, timeout, steps, logdir, extra_args=(), label=None):
     """Runs one check under one variant in its own process; its log goes to
     logdir/LABEL.log (default label: CHECK-VARIANT). Returns the check's
     GPUALLOC_RESULT payload with rc and wall_s added."""
-    alloc, extra = variant(name)
-    cmd = [sys.executable, os.path.join(HERE, "checks.py"), check, "--alloc", alloc, *extra_args]
+    cmd = [sys.executable, os.path.join(HERE, "checks.py"), check, "--alloc", variant(name)[0], *extra_args]
     if steps:
         cmd += ["--steps", str(steps)]
-    env = {k: v for k, v in os.environ.items() if k not in CONFIG_ENV}
-    env.update(extra)
+    trace = None
     if name.endswith("-traced"):
         os.makedirs(os.path.join(logdir, "..", "traces"), exist_ok=True)
-        env["GPUALLOC_TEST_TRACE"] = os.path.abspath(os.path.join(logdir, "..", "traces", f"{check}.gtrace"))
+        trace = os.path.abspath(os.path.join(logdir, "..", "traces", f"{check}.gtrace"))
+    return run_child(cmd, name, timeout, logdir, label or f"{check}-{name}", trace)
+
+
+def run_child(cmd, name, timeout, logdir, label, trace=None):
+    """Runs `cmd` (which takes the allocator from its --alloc argument) under
+    the environment of variant `name`, with a timeout; its log goes to
+    logdir/LABEL.log. Returns the last GPUALLOC_RESULT payload it printed
+    (or an error with the end of its stderr), with rc and wall_s added."""
+    extra = variant(name)[1]
+    env = {k: v for k, v in os.environ.items() if k not in CONFIG_ENV}
+    env.update(extra)
+    if trace:
+        env["GPUALLOC_TEST_TRACE"] = trace
     t0 = time.time()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -133,7 +144,7 @@ def run_one(check, name, timeout, steps, logdir, extra_args=(), label=None):
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
         rc = "timeout"
     wall = round(time.time() - t0, 1)
-    label = re.sub(r"[^A-Za-z0-9._-]+", "_", label or f"{check}-{name}")
+    label = re.sub(r"[^A-Za-z0-9._-]+", "_", label)
     with open(os.path.join(logdir, f"{label}.log"), "w") as f:
         f.write(f"$ {' '.join([f'{k}={v}' for k, v in extra.items()] + cmd)}\nrc={rc} wall={wall}s\n"
                 f"--- stdout\n{out}\n--- stderr\n{err}\n")

@@ -20,7 +20,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
@@ -117,27 +116,17 @@ def child(args):
 
 
 def run_variant(name, args, data, out, rep):
-    alloc, extra = driver.variant(name)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--alloc", alloc, "--data", data,
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--alloc", driver.variant(name)[0], "--data", data,
            "--epochs", str(args.epochs), "--batch", str(args.batch), "--imgsz", str(args.imgsz),
            "--model", args.model, "--project", os.path.join(out, "runs"), "--name", f"{name}-{rep}"]
-    env = {k: v for k, v in os.environ.items() if k not in driver.CONFIG_ENV}
-    env.update(extra)
-    t0 = time.time()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env)
-        log, rc = p.stdout + "\n--- stderr\n" + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        log, rc = f"timeout after {CHILD_TIMEOUT_S} s\n{e.stdout or ''}\n{e.stderr or ''}", 124
-    os.makedirs(os.path.join(out, "yolo-logs"), exist_ok=True)
-    with open(os.path.join(out, "yolo-logs", f"{name}-{rep}.log"), "w") as f:
-        f.write(log if isinstance(log, str) else str(log))
-    line = next((l for l in log.splitlines() if l.startswith("GPUALLOC_RESULT ")), None)
-    res = {"variant": name, "repeat": rep, "rc": rc, "wall_s": round(time.time() - t0, 1)}
-    if line:
-        res["result"] = json.loads(line.split(" ", 1)[1])
+    logs = os.path.join(out, "yolo-logs")
+    os.makedirs(logs, exist_ok=True)
+    p = driver.run_child(cmd, name, CHILD_TIMEOUT_S, logs, f"{name}-{rep}")
+    res = {"variant": name, "repeat": rep, "rc": p.pop("rc"), "wall_s": p.pop("wall_s")}
+    if "error" in p:
+        res["error"] = f"{p['error']}\n{p.get('stderr_tail', '')}"
     else:
-        res["error"] = log[-3000:] if isinstance(log, str) else str(log)[-3000:]
+        res["result"] = p
     return res
 
 
