@@ -9,6 +9,9 @@
 //! cargo run --release -p gpualloc --example placement_bench -- \
 //!     --seeds 6 --trace a.gtrace --trace b.gtrace --config "" --config "key:val"
 //! ```
+//!
+//! `--churn-ops N` sets the churn loop's length (default 30,000 events; the
+//! GPU check runs 200,000), `--quiet` prints only the summary.
 
 use gpualloc::replay::replay;
 use gpualloc::trace::{TraceEvent, TraceReader};
@@ -18,12 +21,19 @@ use gpualloc::{Config, CostModel};
 fn main() {
     let mut args = std::env::args().skip(1);
     let (mut seeds, mut traces, mut configs, mut quiet) = (4u64, Vec::new(), Vec::new(), false);
+    let mut churn_ops = 30_000;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--seeds" => seeds = args.next().and_then(|s| s.parse().ok()).expect("--seeds N"),
             "--trace" => traces.push(args.next().expect("--trace FILE")),
             "--config" => configs.push(args.next().expect("--config CONF")),
             "--quiet" => quiet = true,
+            "--churn-ops" => {
+                churn_ops = args
+                    .next()
+                    .and_then(|s| s.parse().ok())
+                    .expect("--churn-ops N")
+            }
             other => panic!("unknown argument {other}"),
         }
     }
@@ -45,7 +55,7 @@ fn main() {
         }
     }
     for s in 1..=seeds {
-        work.push((format!("churn_wide/{s}"), churn_wide(s, 30_000)));
+        work.push((format!("churn_wide/{s}"), churn_wide(s, churn_ops)));
         work.push((format!("multiscale/{s}"), multiscale(s, 60)));
     }
     let model = CostModel::h200();

@@ -147,7 +147,8 @@ def child(args):
     if args.alloc == "gpualloc":
         import gpualloc
 
-        gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None)
+        gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None,
+                         trace=os.environ.get("GPUALLOC_TEST_TRACE") or None)
     steps_ms = []
     t0 = time.perf_counter()
     loss = LIBRARIES[args.library][0](args, steps_ms)
@@ -156,6 +157,8 @@ def child(args):
            "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated()}
     out["peak_reserved_over_allocated"] = out["peak_reserved"] / max(1, out["peak_allocated"])
     stats = torch.cuda.memory_stats()
+    if args.alloc == "gpualloc":
+        stats.update(gpualloc.stats())
     out["counters"] = {k: stats.get(k) for k in COUNTERS}
     print("GPUALLOC_RESULT " + json.dumps(out), flush=True)
 
@@ -166,7 +169,11 @@ def run_variant(library, name, args, rep):
            "--tmp", os.path.join(args.tmp, f"{library}-{name}-{rep}")]
     logs = os.path.join(args.out, "trainers-logs")
     os.makedirs(logs, exist_ok=True)
-    p = driver.run_child(cmd, name, CHILD_TIMEOUT_S, logs, f"{library}-{name}-{rep}")
+    trace = None
+    if name.endswith("-traced"):
+        os.makedirs(os.path.join(args.out, "traces"), exist_ok=True)
+        trace = os.path.abspath(os.path.join(args.out, "traces", f"{library}-{rep}.gtrace"))
+    p = driver.run_child(cmd, name, CHILD_TIMEOUT_S, logs, f"{library}-{name}-{rep}", trace)
     res = {"library": library, "variant": name, "repeat": rep, "rc": p.pop("rc"), "wall_s": p.pop("wall_s")}
     if "error" in p:
         res["error"] = f"{p['error']}\n{p.get('stderr_tail', '')}"
