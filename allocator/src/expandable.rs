@@ -233,16 +233,13 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(block)
     }
 
-    /// Charges the driver time spent since `before` to the defragmentation
-    /// budget (Note [Defragmentation budget]): as the backend measured it,
-    /// or as the cost model predicts it where the backend does not measure.
+    /// Charges the driver calls made since `before` to the defragmentation
+    /// budget at the cost model's price, never at the time measured
+    /// (Note [Defragmentation budget]).
     fn charge_defragmentation(&mut self, before: Option<DriverCalls>) {
         let Some(before) = before else { return };
         let spent = self.backend.driver_calls().since(&before);
-        let ns = match spent.total_nanos() {
-            0 => CostModel::h200().predict_ms(&spent) * 1e6,
-            n => n as f64,
-        };
+        let ns = CostModel::h200().predict_ms(&spent) * 1e6;
         self.defrag_budget.charge(ns);
     }
 
