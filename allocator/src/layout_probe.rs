@@ -332,6 +332,36 @@ mod tests {
         println!("mean: {}", pct.join(" "));
     }
 
+    /// Predicted driver time by tenth of each trace's duration:
+    /// `LAYOUT_PROBE=trace[,...] [LAYOUT_PROBE_CONFIG=...]`.
+    #[test]
+    #[ignore = "a probe over recorded traces, run by hand"]
+    fn driver_timeline() {
+        let conf = std::env::var("LAYOUT_PROBE_CONFIG").unwrap_or_default();
+        let model = crate::CostModel::h200();
+        for p in std::env::var("LAYOUT_PROBE").unwrap_or_default().split(',') {
+            if p.is_empty() {
+                continue;
+            }
+            let evs = super::load(std::path::Path::new(p));
+            let end = evs.last().map_or(1, |e| e.time_ns.max(1));
+            let mut ms = [0.0f64; 10];
+            let mut last = 0.0;
+            super::replay_each(&evs, &conf, &mut |i, d| {
+                let tenth = (evs[i as usize].time_ns * 10 / end).min(9) as usize;
+                let now = model.predict_ms(&crate::Backend::driver_calls(&d.backend));
+                ms[tenth] += now - last;
+                last = now;
+            });
+            let cells: Vec<String> = ms.iter().map(|m| format!("{m:.1}")).collect();
+            println!(
+                "{p} ({conf:?}), ms per tenth of {:.1} s: {}",
+                end as f64 / 1e9,
+                cells.join(" ")
+            );
+        }
+    }
+
     /// `LAYOUT_PROBE=trace[,trace...] [LAYOUT_PROBE_CONFIG=...]`.
     #[test]
     #[ignore = "a probe over recorded traces, run by hand"]
