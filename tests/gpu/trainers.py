@@ -69,8 +69,8 @@ def hf_run(args, steps_ms):
     model = GPT2LMHeadModel(cfg)
     targs = TrainingArguments(output_dir=os.path.join(args.tmp, "hf"), per_device_train_batch_size=args.batch,
                               max_steps=args.steps, learning_rate=3e-4, logging_steps=args.steps, save_strategy="no",
-                              report_to="none", bf16=True, dataloader_num_workers=0, seed=0, disable_tqdm=True,
-                              remove_unused_columns=False)
+                              report_to="none", bf16=torch.cuda.is_bf16_supported(), dataloader_num_workers=0,
+                              seed=0, disable_tqdm=True, remove_unused_columns=False)
     trainer = Trainer(model=model, args=targs, train_dataset=data, data_collator=collate, callbacks=[Steps()])
     out = trainer.train()
     return float(out.training_loss)
@@ -129,7 +129,8 @@ def lightning_run(args, steps_ms):
 
     torch.manual_seed(0)
     net = Net(args.batch)
-    trainer = pl.Trainer(max_steps=args.steps, accelerator="gpu", devices=1, precision="bf16-mixed", logger=False,
+    precision = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    trainer = pl.Trainer(max_steps=args.steps, accelerator="gpu", devices=1, precision=precision, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=[Steps()], default_root_dir=os.path.join(args.tmp, "pl"))
     loader = torch.utils.data.DataLoader(Sizes(args.steps), batch_size=1, shuffle=False)
