@@ -125,6 +125,16 @@ def run_one(check, name, timeout, steps, logdir, extra_args=(), label=None):
     return run_child(cmd, name, timeout, logdir, label or f"{check}-{name}", trace)
 
 
+def write_results(out, name, md, runs):
+    """Prints the Markdown table `md` and writes it to OUT/NAME.md, and
+    `runs` to OUT/NAME.json."""
+    print(md)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(runs, f, indent=1)
+
+
 def run_child(cmd, name, timeout, logdir, label, trace=None):
     """Runs `cmd` (which takes the allocator from its --alloc argument) under
     the environment of variant `name`, with a timeout; its log goes to

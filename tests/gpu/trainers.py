@@ -255,12 +255,7 @@ def main():
                 if "error" in r:
                     print(f"{lib} {v}: FAILED rc={r['rc']}\n{r['error'][-1500:]}", flush=True)
                 runs.append(r)
-    md = table(runs, libraries, variants)
-    print(md)
-    with open(os.path.join(args.out, "trainers.md"), "w") as f:
-        f.write(md + "\n")
-    with open(os.path.join(args.out, "trainers.json"), "w") as f:
-        json.dump(runs, f, indent=1)
+    driver.write_results(args.out, "trainers", table(runs, libraries, variants), runs)
 
 
 if __name__ == "__main__":

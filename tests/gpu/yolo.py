@@ -191,12 +191,7 @@ def main():
             if "error" in r:
                 print(f"{v}: FAILED rc={r['rc']}\n{r['error'][-1500:]}", flush=True)
             runs.append(r)
-    md = table(runs, variants)
-    print(md)
-    with open(os.path.join(args.out, "yolo.md"), "w") as f:
-        f.write(md + "\n")
-    with open(os.path.join(args.out, "yolo.json"), "w") as f:
-        json.dump(runs, f, indent=1)
+    driver.write_results(args.out, "yolo", table(runs, variants), runs)
 
 
 if __name__ == "__main__":
