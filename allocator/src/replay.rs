@@ -531,6 +531,17 @@ mod tests {
                 "expandable_segments:true,max_split_size_mb:40",
             ),
         ] {
+            // The defragmentation budget earns credit with the clock: the
+            // recording runs on a simulator whose clock stands still, the
+            // replay on the trace's wall-clock stamps, so with a budget the
+            // two would choose differently whenever the machine is slow
+            // (Note [Defragmentation budget]). Exactness is checked with the
+            // budget unlimited; `replay_is_deterministic_and_capacity_matters`
+            // covers the default budget.
+            let conf = &*format!(
+                "{conf}{}defragment_budget:1",
+                if conf.is_empty() { "" } else { "," }
+            );
             let (evs, peak_reserved, peak_allocated, ooms) = record(seed, capacity, conf, 4000);
             assert!(evs.iter().any(|e| e.action == Action::RecordStream));
             let r = replay(evs.into_iter(), capacity, &Config::parse(conf).unwrap());
