@@ -65,14 +65,26 @@ CONFIG_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "GPUALLOC_CONF", "GPUALLOC_TEST_CONF", 
 
 
 def variant(name):
-    """(checks.py --alloc, extra environment) of a variant name; ValueError if unknown."""
+    """(checks.py --alloc, extra environment) of a variant name; ValueError if unknown.
+
+    "gpualloc-b" and "gpualloc-b[CONF]" run the library at GPUALLOC_LIBRARY_B
+    (a second build, for an A/B comparison in one interleaved run)."""
     if name in VARIANTS:
         return VARIANTS[name]
-    m = re.fullmatch(r"(gpualloc|native)\[(.*)\]", name)
-    if not m:
-        raise ValueError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, gpualloc[CONF] or native[CONF]")
-    var = "GPUALLOC_TEST_CONF" if m[1] == "gpualloc" else "PYTORCH_CUDA_ALLOC_CONF"
-    return m[1], {var: m[2]}
+    m = re.fullmatch(r"(gpualloc-b|gpualloc|native)(?:\[(.*)\])?", name)
+    if not m or (m[2] is None and m[1] != "gpualloc-b"):
+        raise ValueError(
+            f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, gpualloc[CONF], native[CONF] or gpualloc-b[CONF]"
+        )
+    env = {}
+    if m[1] == "gpualloc-b":
+        lib = os.environ.get("GPUALLOC_LIBRARY_B", "")
+        if not os.path.isfile(lib):
+            raise ValueError(f"variant {name!r} needs GPUALLOC_LIBRARY_B, a built library ({lib or 'unset'})")
+        env["GPUALLOC_LIBRARY"] = lib
+    if m[2] is not None:
+        env["GPUALLOC_TEST_CONF" if m[1] != "native" else "PYTORCH_CUDA_ALLOC_CONF"] = m[2]
+    return ("native" if m[1] == "native" else "gpualloc"), env
 
 
 def parse_variants(text):
