@@ -67,7 +67,8 @@ impl<B: Backend> Allocator<B> {
             let backend = (self.factory)(device as u32)?;
             let mut dev = DeviceAllocator::new(device as u32, backend, self.config.clone());
             if let Some(r) = &*self.recorder.lock() {
-                dev.trace = Some(r.device_trace(device as u32));
+                let now = dev.backend.now_ns();
+                dev.trace = Some(r.device_trace(device as u32, now));
             }
             dev.observer = self.observer.lock().clone();
             *guard = Some(dev);
@@ -332,5 +333,6 @@ impl<B: Backend> Drop for DeviceGuard<'_, B> {
         if std::thread::panicking() {
             self.0.poisoned = true;
         }
+        self.0.end_call();
     }
 }

@@ -23,7 +23,10 @@
 //! back. Moving unaliased pages is never budgeted, nor is the
 //! out-of-memory path. The clock is the backend's
 //! ([`Backend::now_ns`](crate::Backend::now_ns)): real time on a GPU, the
-//! trace's time in a replay, so replay predicts what the GPU does.
+//! trace's time in a replay, read as the call's events are stamped (Note
+//! [One clock for decisions and traces] in `clock.rs`), so a replay of a
+//! whole run makes the GPU's decisions. (A trace started mid-run cannot:
+//! its replay starts the budget afresh.)
 //! Judged with `placement_bench` (47 workloads, the churn loop at its GPU
 //! length): tearing down without limit lowers ResNet-50's R/A from 1.046
 //! to 1.017 and the churn loop's from 1.110 to 1.068, but triples the

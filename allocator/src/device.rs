@@ -67,6 +67,9 @@ pub struct DeviceAllocator<B: Backend> {
     /// Device capacity and the memory limits in force.
     pub(crate) limits: Limits,
     pub(crate) trace: Option<DeviceTrace>,
+    /// While tracing, the clock as read once for the locked call under way
+    /// (Note [One clock for decisions and traces] in `clock.rs`).
+    call_ns: Option<u64>,
     /// Called on every segment event (Note [Segment events]).
     pub(crate) observer: Option<SegmentObserver>,
     /// Whether every pool (default and private) uses expandable segments:
@@ -105,6 +108,7 @@ impl<B: Backend> DeviceAllocator<B> {
             private: PrivatePools::default(),
             stats,
             trace: None,
+            call_ns: None,
             observer: None,
             expandable,
             pages: PagePool::default(),
@@ -211,10 +215,37 @@ impl<B: Backend> DeviceAllocator<B> {
         size: u64,
         aux: u64,
     ) {
-        if let Some(t) = &mut self.trace {
-            t.record(action, stream, addr, size, aux);
-            self.stats.num_trace_dropped += t.take_unsynced_drops() as i64;
+        if self.trace.is_some() {
+            let now = self.call_time();
+            if let Some(t) = &mut self.trace {
+                t.record(now, action, stream, addr, size, aux);
+                self.stats.num_trace_dropped += t.take_unsynced_drops() as i64;
+            }
         }
+    }
+
+    /// The backend's clock for the call under way: while tracing, read once
+    /// per locked call, so that the call's events and any decision by time
+    /// see the same instant, as a replay of the trace will (Note [One clock
+    /// for decisions and traces] in `clock.rs`); read afresh otherwise.
+    pub(crate) fn call_time(&mut self) -> u64 {
+        if self.trace.is_none() {
+            return self.backend.now_ns();
+        }
+        match self.call_ns {
+            Some(t) => t,
+            None => {
+                let t = self.backend.now_ns();
+                self.call_ns = Some(t);
+                t
+            }
+        }
+    }
+
+    /// Ends the locked call: the next one reads the clock again.
+    #[inline]
+    pub(crate) fn end_call(&mut self) {
+        self.call_ns = None;
     }
 
     /// Installs (or, with `None`, removes) the observer of segment events

@@ -186,7 +186,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 let excess = (held + short).saturating_sub(bound);
                 if excess > 0 {
                     crate::log::defragment(self.device, rounded, short, excess);
-                    let now = self.backend.now_ns();
+                    let now = self.call_time();
                     let pinned = self
                         .defrag_budget
                         .allows(now, self.config.defragment_budget);

@@ -54,6 +54,7 @@ mod block;
 mod budget;
 mod capture;
 mod checkpoint;
+pub mod clock;
 pub mod config;
 pub mod cost;
 mod device;

@@ -455,7 +455,15 @@ mod tests {
         steps: usize,
     ) -> (Vec<TraceEvent>, u64, u64, u64) {
         let config = Config::parse(conf).unwrap();
-        let a = Allocator::new(config, 1, Box::new(move |_| Ok(SimBackend::new(capacity))));
+        // Real time, as on a GPU: the defragmentation budget earns credit
+        // with it, and the replay must see the same time in the stamps
+        // (Note [One clock for decisions and traces]), however slow the
+        // machine running this test is.
+        let a = Allocator::new(
+            config,
+            1,
+            Box::new(move |_| Ok(SimBackend::new(capacity).with_wall_clock())),
+        );
         let path = crate::trace::control_tests_path(&format!("replay-{seed}"));
         a.trace_start(&path).unwrap();
         let mut rng = Rng(seed | 1);
@@ -531,17 +539,6 @@ mod tests {
                 "expandable_segments:true,max_split_size_mb:40",
             ),
         ] {
-            // The defragmentation budget earns credit with the clock: the
-            // recording runs on a simulator whose clock stands still, the
-            // replay on the trace's wall-clock stamps, so with a budget the
-            // two would choose differently whenever the machine is slow
-            // (Note [Defragmentation budget]). Exactness is checked with the
-            // budget unlimited; `replay_is_deterministic_and_capacity_matters`
-            // covers the default budget.
-            let conf = &*format!(
-                "{conf}{}defragment_budget:1",
-                if conf.is_empty() { "" } else { "," }
-            );
             let (evs, peak_reserved, peak_allocated, ooms) = record(seed, capacity, conf, 4000);
             assert!(evs.iter().any(|e| e.action == Action::RecordStream));
             let r = replay(evs.into_iter(), capacity, &Config::parse(conf).unwrap());

@@ -65,7 +65,8 @@ impl<B: Backend> Allocator<B> {
         };
         self.each_device(|d| {
             if d.trace.is_none() {
-                d.trace = Some(rec.device_trace(d.device));
+                let now = d.backend.now_ns();
+                d.trace = Some(rec.device_trace(d.device, now));
             }
         });
         Ok(())
@@ -180,8 +181,8 @@ impl<B: Backend> Allocator<B> {
     fn record_everywhere(&self, action: Action, id: u64) -> usize {
         let mut n = 0;
         self.each_device(|d| {
-            if let Some(t) = d.trace.as_mut() {
-                t.record(action, 0, 0, 0, id);
+            if d.trace.is_some() {
+                d.record(action, 0, 0, 0, id);
                 n += 1;
             }
         });
@@ -200,6 +201,7 @@ impl<B: Backend> Allocator<B> {
                 sync_drops(d);
                 f(d);
                 sync_drops(d);
+                d.end_call();
             }
         }
     }
@@ -244,8 +246,41 @@ mod tests {
         Allocator::new(
             Config::parse("policy:pytorch,max_split_size_mb:40").unwrap(),
             devices,
-            Box::new(|_| Ok(SimBackend::new(1 << 30))),
+            Box::new(|_| Ok(SimBackend::new(1 << 30).with_wall_clock())),
         )
+    }
+
+    /// Note [One clock for decisions and traces]: every event of one locked
+    /// call carries the one clock reading the call made (the reading the
+    /// budget would decide by); the next call reads the clock again.
+    #[test]
+    fn the_events_of_one_call_share_one_stamp() {
+        let a = sim(1);
+        let path = temp_path("one-stamp");
+        a.trace_start(&path).unwrap();
+        let p = a.malloc(0, 1000, 0).unwrap(); // segment_alloc, then alloc
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let stamp = {
+            let mut d = a.lock(0).unwrap();
+            let t = d.call_time();
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            assert_eq!(d.call_time(), t, "one reading per call");
+            d.free(p).unwrap();
+            t
+        };
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        a.mark("after").unwrap();
+        a.trace_stop().unwrap();
+        let (_, evs) = read(&path);
+        let at = |action| evs.iter().find(|e| e.action == action).unwrap().time_ns;
+        assert_eq!(at(Action::SegmentAlloc), at(Action::Alloc));
+        let freed = at(Action::FreeRequested);
+        assert_eq!(freed, at(Action::FreeCompleted));
+        assert!(freed >= at(Action::Alloc) + 2_000_000, "{evs:?}");
+        assert!(at(Action::Mark) >= freed + 2_000_000, "{evs:?}");
+        // The stamps are the device's clock less the trace's start.
+        assert!(stamp >= freed);
+        std::fs::remove_file(&path).unwrap();
     }
 
     fn read(

@@ -24,7 +24,8 @@ fn allocator() -> (Allocator<SimBackend>, Vec<u64>) {
     let a = Allocator::new(
         Config::pytorch(),
         1,
-        Box::new(|_| Ok(SimBackend::new(1 << 40))),
+        // The process clock, as on a GPU: tracing reads it once per call.
+        Box::new(|_| Ok(SimBackend::new(1 << 40).with_wall_clock())),
     );
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let held = (0..LIVE)
@@ -65,14 +66,22 @@ fn pair(c: &mut Criterion) {
 
 fn record(c: &mut Criterion) {
     let rec = Recorder::start(Path::new("/dev/null"), "", 1, TraceOptions::default()).unwrap();
-    let mut t = rec.device_trace(0);
+    let mut t = rec.device_trace(0, gpualloc::clock::now_ns());
     let mut g = c.benchmark_group("record");
     g.throughput(Throughput::Elements(1));
     g.bench_function("event", |b| {
         let mut addr = 0x7f00_0000_0000u64;
         b.iter(|| {
             addr += 512;
-            t.record(Action::Alloc, 0, black_box(addr), 4000, 4096);
+            // One event per call: the call's clock reading included.
+            t.record(
+                gpualloc::clock::now_ns(),
+                Action::Alloc,
+                0,
+                black_box(addr),
+                4000,
+                4096,
+            );
         })
     });
     g.finish();

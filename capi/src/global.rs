@@ -293,7 +293,9 @@ fn build(config: Config) -> Result<Global, Error> {
                 devices,
                 Box::new(move |d| {
                     Ok(AnyBackend::Sim(Box::new(
-                        SimBackend::with_alignment(capacity, 256).for_device(d),
+                        SimBackend::with_alignment(capacity, 256)
+                            .for_device(d)
+                            .with_wall_clock(),
                     )))
                 }),
             );

@@ -32,7 +32,7 @@ pub fn generate(out: &Path, events: u64, seed: u64) -> Result<TraceSummary, CliE
     let a = Allocator::new(
         Config::default(),
         1,
-        Box::new(|_| Ok(SimBackend::new(80 << 30))),
+        Box::new(|_| Ok(SimBackend::new(80 << 30).with_wall_clock())),
     );
     let werr = |e: std::io::Error| CliError(format!("{}: cannot write: {e}", out.display()));
     a.trace_start_with(

@@ -16,7 +16,7 @@ fn record(path: &Path) {
     let a = Allocator::new(
         Config::parse("policy:pytorch").unwrap(),
         1,
-        Box::new(|_| Ok(SimBackend::new(1 << 30))),
+        Box::new(|_| Ok(SimBackend::new(1 << 30).with_wall_clock())),
     );
     a.trace_start_with(
         path,

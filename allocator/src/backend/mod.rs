@@ -221,15 +221,12 @@ pub trait Backend: Send {
     }
 
     /// Nanoseconds on a monotonic clock, for time budgets (Note
-    /// [Defragmentation budget]). Real time by default; the simulator's
-    /// clock is virtual and set by whoever drives it (replay: the trace's
-    /// time).
+    /// [Defragmentation budget]) and trace stamps. The process clock by
+    /// default (Note [One clock for decisions and traces] in `clock.rs`);
+    /// the simulator's clock is virtual and set by whoever drives it
+    /// (replay: the trace's time), unless it is made to follow real time.
     fn now_ns(&mut self) -> u64 {
-        static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-        START
-            .get_or_init(std::time::Instant::now)
-            .elapsed()
-            .as_nanos() as u64
+        crate::clock::now_ns()
     }
 
     /// Driver calls made so far, by kind, and the time they took where the

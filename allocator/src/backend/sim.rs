@@ -173,6 +173,8 @@ pub struct SimBackend {
     driver: DriverCalls,
     /// The virtual clock [`Backend::now_ns`] reads (see [`SimBackend::set_clock`]).
     clock_ns: u64,
+    /// Whether [`Backend::now_ns`] reads the process clock instead.
+    wall_clock: bool,
     streams: FxHashMap<StreamId, SimStream>,
     events: FxHashMap<EventId, (StreamId, u64)>,
     next_event: EventId,
@@ -215,6 +217,7 @@ impl SimBackend {
             unmap_log: None,
             driver: DriverCalls::default(),
             clock_ns: 0,
+            wall_clock: false,
             streams: FxHashMap::default(),
             events: FxHashMap::default(),
             next_event: 1,
@@ -244,10 +247,20 @@ impl SimBackend {
         self.capacity
     }
 
-    /// Sets the virtual clock (nanoseconds) that time budgets read; it
-    /// never moves on its own. Replay sets it from the trace.
+    /// Sets the virtual clock (nanoseconds) that time budgets and trace
+    /// stamps read; it never moves on its own. Replay sets it from the trace.
     pub fn set_clock(&mut self, ns: u64) {
         self.clock_ns = ns;
+        self.wall_clock = false;
+    }
+
+    /// Makes the clock follow real time (the process clock, as on a GPU),
+    /// for recordings whose timelines should mean something; the virtual
+    /// clock stands still otherwise, which keeps tests of time budgets
+    /// deterministic.
+    pub fn with_wall_clock(mut self) -> SimBackend {
+        self.wall_clock = true;
+        self
     }
 
     /// Bytes currently allocated or mapped.
@@ -803,7 +816,11 @@ impl Backend for SimBackend {
     }
 
     fn now_ns(&mut self) -> u64 {
-        self.clock_ns
+        if self.wall_clock {
+            crate::clock::now_ns()
+        } else {
+            self.clock_ns
+        }
     }
 }
 

@@ -382,7 +382,8 @@ impl EventKind {
 /// One trace record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TraceEvent {
-    /// Nanoseconds since the trace started.
+    /// Nanoseconds since the trace started, as read once by the call that
+    /// recorded the event (Note [One clock for decisions and traces]).
     pub time_ns: u64,
     /// What happened.
     pub action: Action,

@@ -174,13 +174,13 @@ fn special_values_decode_by_name() {
 fn every_kind_round_trips_through_recorder_writer_and_reader() {
     let (device, stream) = (1, 0x1234);
     let mut t = DeviceTrace::in_memory(device);
-    for k in every_kind() {
+    for (i, k) in every_kind().into_iter().enumerate() {
         let (action, addr, size, aux) = k.fields();
         let s = match k {
             EventKind::RecordStream { other_stream, .. } => other_stream,
             _ => stream,
         };
-        t.record(action, s, addr, size, aux);
+        t.record(i as u64 * 10, action, s, addr, size, aux);
     }
     let recorded = t.take_events();
     let want: Vec<EventKind> = every_kind().into_iter().flat_map(as_read).collect();

@@ -2,14 +2,15 @@
 //! to one writer thread.
 //!
 //! The allocating thread does no I/O and never blocks: [`DeviceTrace::record`]
-//! reads the cycle counter, pushes 48 bytes into a preallocated `Vec`, and
+//! pushes 48 bytes into a preallocated `Vec`, and
 //! when the buffer is full offers it to the writer through a bounded channel
 //! with `try_send`. If the channel is full the buffer's events are counted as
 //! dropped and the buffer is reused; the count travels with the next buffer
 //! that gets through and is written into the trace as a DROPPED block.
 //! Memory is bounded by `channel_blocks + 1` buffers per device plus the
-//! recycled spares. Timestamps are raw counter values (`quanta`, the TSC where
-//! it is invariant) converted to nanoseconds by the writer thread.
+//! recycled spares. Timestamps are the device's clock, read once per call
+//! (Note [One clock for decisions and traces] in `clock.rs`); the writer
+//! thread makes them relative to the trace's start.
 
 use std::cell::Cell;
 use std::fs::File;
@@ -105,8 +106,8 @@ pub struct DeviceTrace {
     device: u32,
     buf: Vec<TraceEvent>,
     cap: usize,
-    clock: quanta::Clock,
-    start_raw: u64,
+    /// The clock reading at the trace's start, subtracted from every stamp.
+    start_ns: u64,
     sink: Option<Sink>,
     /// Dropped since the last buffer that reached the writer.
     dropped_pending: u64,
@@ -123,14 +124,11 @@ type Lost = Arc<[AtomicU64]>;
 impl DeviceTrace {
     /// A buffer for `device` that keeps every event in memory (tests, tools).
     pub fn in_memory(device: u32) -> DeviceTrace {
-        let clock = quanta::Clock::new();
-        let start_raw = clock.raw();
         DeviceTrace {
             device,
             buf: Vec::new(),
             cap: usize::MAX,
-            clock,
-            start_raw,
+            start_ns: 0,
             sink: None,
             dropped_pending: 0,
             dropped_total: 0,
@@ -139,18 +137,19 @@ impl DeviceTrace {
         }
     }
 
-    /// Appends one event. Never blocks (unless the trace is lossless) and
-    /// never does I/O.
+    /// Appends one event at clock reading `time` (nanoseconds, the clock of
+    /// [`clock::now_ns`](crate::clock::now_ns) or the device's). Never blocks
+    /// (unless the trace is lossless) and never does I/O.
     #[inline]
     pub fn record(
         &mut self,
+        time: u64,
         action: Action,
         stream: StreamId,
         addr: DevicePtr,
         size: u64,
         aux: u64,
     ) {
-        let time = self.clock.raw();
         self.buf.push(TraceEvent {
             time_ns: time,
             action,
@@ -187,12 +186,12 @@ impl DeviceTrace {
         n
     }
 
-    /// The events buffered so far, timestamps in nanoseconds since the
-    /// buffer was created (in-memory buffers keep everything).
+    /// The events buffered so far, timestamps relative to the trace's start
+    /// (in-memory buffers keep everything, and their stamps as given).
     pub fn take_events(&mut self) -> Vec<TraceEvent> {
         let mut v = Vec::with_capacity(self.buf.len());
         for mut e in std::mem::take(&mut self.buf) {
-            e.time_ns = self.clock.delta_as_nanos(self.start_raw, e.time_ns);
+            e.time_ns = e.time_ns.saturating_sub(self.start_ns);
             crate::trace::reader::expand(e, &mut v);
         }
         v
@@ -296,8 +295,8 @@ struct Strings {
 /// Process-wide state of a running trace.
 pub struct Recorder {
     opts: TraceOptions,
-    clock: quanta::Clock,
-    start_raw: u64,
+    /// [`clock::now_ns`](crate::clock::now_ns) at the start.
+    start_ns: u64,
     tx: Sender<Msg>,
     spare: Receiver<Vec<TraceEvent>>,
     strings: Arc<Mutex<Strings>>,
@@ -336,8 +335,7 @@ impl Recorder {
         // limit) is refused before the file is created.
         TraceWriter::new(io::sink(), &header)?;
         let writer = TraceWriter::new(File::create(path)?, &header)?;
-        let clock = quanta::Clock::new();
-        let start_raw = clock.raw();
+        let start_ns = crate::clock::now_ns();
         let (tx, rx) = crossbeam_channel::bounded(opts.channel_blocks);
         let (spare_tx, spare) = crossbeam_channel::bounded(opts.channel_blocks);
         let strings = Arc::new(Mutex::new(Strings {
@@ -346,8 +344,7 @@ impl Recorder {
         }));
         let lost: Lost = (0..MAX_DEVICES).map(|_| AtomicU64::new(0)).collect();
         let ctx = WriterCtx {
-            clock: clock.clone(),
-            start_raw,
+            start_ns,
             strings: strings.clone(),
             spare: spare_tx,
             lost: lost.clone(),
@@ -358,8 +355,7 @@ impl Recorder {
             .spawn(move || ctx.run(writer, rx))?;
         Ok(Recorder {
             opts,
-            clock,
-            start_raw,
+            start_ns,
             tx,
             spare,
             strings,
@@ -376,15 +372,15 @@ impl Recorder {
         &self.path
     }
 
-    /// The buffer a device records into. A device that joins while phases
-    /// are open starts with their `phase_push` events.
-    pub fn device_trace(&self, device: u32) -> DeviceTrace {
+    /// The buffer a device records into, joining at clock reading `now`. A
+    /// device that joins while phases are open starts with their
+    /// `phase_push` events.
+    pub fn device_trace(&self, device: u32, now: u64) -> DeviceTrace {
         let mut t = DeviceTrace {
             device,
             buf: Vec::with_capacity(self.opts.buffer_events),
             cap: self.opts.buffer_events,
-            clock: self.clock.clone(),
-            start_raw: self.start_raw,
+            start_ns: self.start_ns,
             sink: Some(Sink {
                 tx: self.tx.clone(),
                 spare: self.spare.clone(),
@@ -396,10 +392,10 @@ impl Recorder {
             lost: Some(self.lost.clone()),
         };
         for &id in self.phases.lock().iter() {
-            t.record(Action::PhasePush, 0, 0, 0, id);
+            t.record(now, Action::PhasePush, 0, 0, 0, id);
         }
         for id in std::mem::take(&mut *self.early_marks.lock()) {
-            t.record(Action::Mark, 0, 0, 0, id);
+            t.record(now, Action::Mark, 0, 0, 0, id);
         }
         t
     }
@@ -492,8 +488,7 @@ impl Drop for Recorder {
 }
 
 struct WriterCtx {
-    clock: quanta::Clock,
-    start_raw: u64,
+    start_ns: u64,
     strings: Arc<Mutex<Strings>>,
     spare: Sender<Vec<TraceEvent>>,
     lost: Lost,
@@ -513,7 +508,7 @@ impl WriterCtx {
                     dropped,
                 } => {
                     for e in &mut events {
-                        e.time_ns = self.clock.delta_as_nanos(self.start_raw, e.time_ns);
+                        e.time_ns = e.time_ns.saturating_sub(self.start_ns);
                     }
                     if let Some(l) = events.last() {
                         last_ns = last_ns.max(l.time_ns);
@@ -551,9 +546,8 @@ impl WriterCtx {
             ));
         }
         self.sync_strings(&mut w)?;
-        let end_ns = self
-            .clock
-            .delta_as_nanos(self.start_raw, self.clock.raw())
+        let end_ns = crate::clock::now_ns()
+            .saturating_sub(self.start_ns)
             .max(last_ns);
         let (events, dropped) = (w.events(), w.dropped());
         let (file, _) = w.finish(Some(end_ns))?;

@@ -4,8 +4,9 @@
 //! with the configuration it was recorded with must reproduce the peaks
 //! that PyTorch read from gpualloc on the GPU (`torch.cuda.max_memory_reserved`
 //! and `max_memory_allocated`, in that run's `bench.json`), to the byte:
-//! every decision of the policy depends only on the calls, never on how far
-//! the GPU had come (Note [Event-ordered unmapping]). Under `policy:pytorch`
+//! every decision of the policy depends only on the calls and the times the
+//! trace stamps them with, never on how far the GPU had come (Note
+//! [Event-ordered unmapping], Note [One clock for decisions and traces]). Under `policy:pytorch`
 //! the same calls reserve what PyTorch's own allocator reserved on the GPU
 //! in the same run. The detector and YOLO-style traces were recorded again
 //! with the library of commit 9d6cd2c (stitch-aliased pages moved within a
