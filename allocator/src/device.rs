@@ -5,7 +5,8 @@
 //! this file: the heap of blocks, segments and pools (`heap.rs`), the page
 //! pool (`page_pool.rs`), the fences ordering unmaps (`fence.rs`), the
 //! limits (`limits.rs`), the private pools (`private_pool.rs`) and the stitch
-//! cache (`stitch_cache.rs`); plus pending events and stats. It is used
+//! cache (`stitch_cache.rs`), the frees waiting for other streams
+//! (`pending.rs`); plus stats. It is used
 //! under one lock (see `Allocator`). This file holds the hot path
 //! (`malloc`, `free`, event processing); the operations that span pieces
 //! live by topic: `expandable.rs` (mapping pages), `stitch.rs`,
@@ -25,8 +26,6 @@
 //! driver call is made on an ordinary free. Limitation: blocks of different
 //! streams in one segment merge only once they are owned by the same stream.
 
-use std::collections::VecDeque;
-
 use rustc_hash::FxHashMap;
 
 use crate::backend::BackendError;
@@ -41,6 +40,7 @@ use crate::heap::{Heap, LARGE, SMALL, STITCH};
 use crate::limits::Limits;
 use crate::observer::{SegmentAction, SegmentEvent, SegmentObserver};
 use crate::page_pool::PagePool;
+use crate::pending::PendingFrees;
 use crate::private_pool::PrivatePools;
 use crate::size_class::{PoolKind, allocation_size, round_size};
 use crate::stats::DeviceStats;
@@ -56,12 +56,8 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) heap: Heap,
     /// Allocated and pending-free blocks by address.
     pub(crate) live: FxHashMap<DevicePtr, BlockId>,
-    /// Per stream, events recorded at free time, oldest first.
-    pub(crate) pending: FxHashMap<StreamId, VecDeque<(EventId, BlockId)>>,
-    /// Events outstanding over all streams (0 keeps the hot path short).
-    pub(crate) pending_count: usize,
-    /// Blocks with stream uses freed during a capture, finished after it.
-    pub(crate) deferred: Vec<BlockId>,
+    /// Frees waiting for other streams' work (`pending.rs`).
+    pub(crate) pending: PendingFrees,
     pub(crate) private: PrivatePools,
     pub(crate) stats: DeviceStats,
     /// Device capacity and the memory limits in force.
@@ -102,9 +98,7 @@ impl<B: Backend> DeviceAllocator<B> {
             config,
             heap: Heap::default(),
             live: FxHashMap::default(),
-            pending: FxHashMap::default(),
-            pending_count: 0,
-            deferred: Vec::new(),
+            pending: PendingFrees::default(),
             private: PrivatePools::default(),
             stats,
             trace: None,
@@ -290,7 +284,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let capturing = self.private.capturing();
         if capturing {
             // Event queries are illegal during capture.
-        } else if self.pending_count > 0 || !self.deferred.is_empty() {
+        } else if !self.pending.is_idle() {
             self.process_events()?;
         }
         let rounded = round_size(size, &self.config);
@@ -634,7 +628,7 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         self.record(Action::FreeRequested, stream, ptr, requested, size);
         if self.private.capturing() {
-            self.deferred.push(id);
+            self.pending.defer(id);
         } else {
             self.insert_events(id)?;
         }
@@ -643,20 +637,19 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// Records one event on each stream that used the block. If the driver
     /// refuses, the streams not yet covered stay on the block and it waits
-    /// in `deferred` for the next attempt: it is never reused unprotected.
+    /// deferred for the next attempt: it is never reused unprotected.
     fn insert_events(&mut self, id: BlockId) -> Result<(), AllocError> {
         while let Some(&s) = self.heap.blocks[id].stream_uses.last() {
             let ev = match self.backend.record_event(s) {
                 Ok(ev) => ev,
                 Err(e) => {
-                    self.deferred.push(id);
+                    self.pending.defer(id);
                     return Err(e.into());
                 }
             };
             self.heap.blocks[id].stream_uses.pop();
             self.heap.blocks[id].event_count += 1;
-            self.pending.entry(s).or_default().push_back((ev, id));
-            self.pending_count += 1;
+            self.pending.push(s, ev, id);
         }
         if self.heap.blocks[id].event_count == 0 {
             self.free_block(id);
@@ -667,10 +660,12 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Records the events of blocks whose free was deferred (by a capture or
     /// a driver error); on a new error the rest stay deferred.
     fn flush_deferred(&mut self) -> Result<(), AllocError> {
-        let ids = std::mem::take(&mut self.deferred);
+        let ids = self.pending.take_deferred();
         for (k, &id) in ids.iter().enumerate() {
             if let Err(e) = self.insert_events(id) {
-                self.deferred.extend_from_slice(&ids[k + 1..]);
+                for &rest in &ids[k + 1..] {
+                    self.pending.defer(rest);
+                }
                 return Err(e);
             }
         }
@@ -704,26 +699,37 @@ impl<B: Backend> DeviceAllocator<B> {
     /// whose free was deferred by a capture.
     pub(crate) fn process_events(&mut self) -> Result<(), AllocError> {
         self.flush_deferred()?;
-        if self.pending_count == 0 {
+        if self.pending.count() == 0 {
             return Ok(());
         }
-        let streams: Vec<StreamId> = self.pending.keys().copied().collect();
-        for s in streams {
-            while let Some(&(ev, id)) = self.pending.get(&s).and_then(|q| q.front()) {
-                if !self.backend.event_done(ev)? {
-                    break;
-                }
-                self.pending.get_mut(&s).expect("queue").pop_front();
+        for s in self.pending.streams() {
+            while let Some((ev, id)) = self.next_completed(s, false)? {
                 self.complete_event(ev, id);
             }
         }
-        self.pending.retain(|_, q| !q.is_empty());
         Ok(())
     }
 
+    /// Dequeues `stream`'s oldest event if it has completed; with `wait`,
+    /// once it has (the host blocks).
+    fn next_completed(
+        &mut self,
+        stream: StreamId,
+        wait: bool,
+    ) -> Result<Option<(EventId, BlockId)>, BackendError> {
+        let backend = &mut self.backend;
+        self.pending.pop_if(stream, |ev| {
+            if wait {
+                backend.wait_event(ev).map(|()| true)
+            } else {
+                backend.event_done(ev)
+            }
+        })
+    }
+
+    /// A dequeued event has completed: the block is freed with its last.
     fn complete_event(&mut self, ev: EventId, id: BlockId) {
         self.backend.destroy_event(ev);
-        self.pending_count -= 1;
         let b = &mut self.heap.blocks[id];
         b.event_count -= 1;
         if b.event_count == 0 {
@@ -736,18 +742,13 @@ impl<B: Backend> DeviceAllocator<B> {
     pub(crate) fn synchronize_and_free_events(&mut self) -> Result<(), AllocError> {
         self.flush_deferred()?;
         self.stats.num_sync_all_streams += 1;
-        self.record(Action::SyncAllStreams, 0, 0, self.pending_count as u64, 0);
+        self.record(Action::SyncAllStreams, 0, 0, self.pending.count() as u64, 0);
         // In stream order, so a trace and its replay list completions alike.
-        let mut streams: Vec<StreamId> = self.pending.keys().copied().collect();
-        streams.sort_unstable();
-        for s in streams {
-            while let Some(&(ev, id)) = self.pending.get(&s).and_then(|q| q.front()) {
-                // On a driver error the event stays queued for a later wait.
-                self.backend.wait_event(ev)?;
-                self.pending.get_mut(&s).expect("queue").pop_front();
+        for s in self.pending.streams() {
+            // On a driver error the event stays queued for a later wait.
+            while let Some((ev, id)) = self.next_completed(s, true)? {
                 self.complete_event(ev, id);
             }
-            self.pending.remove(&s);
         }
         Ok(())
     }

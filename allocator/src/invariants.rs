@@ -139,7 +139,7 @@ impl<B: Backend> DeviceAllocator<B> {
                             if b.size >= self.config.max_split_size {
                                 recount.oversize_allocations.current += 1;
                             }
-                        } else if b.event_count == 0 && !self.deferred.contains(&id) {
+                        } else if b.event_count == 0 && !self.pending.is_deferred(id) {
                             return Err(format!("pending block {id} waits on no event"));
                         }
                     }
@@ -205,18 +205,12 @@ impl<B: Backend> DeviceAllocator<B> {
                 seen_blocks - free_blocks - unmapped_blocks - claimed_blocks
             ));
         }
-        let queued: usize = self.pending.values().map(|q| q.len()).sum();
         let expected: u32 = self
             .live
             .values()
             .map(|&id| self.heap.blocks[id].event_count)
             .sum();
-        if queued != self.pending_count || queued as u32 != expected {
-            return Err(format!(
-                "{queued} queued events, count says {}, blocks expect {expected}",
-                self.pending_count
-            ));
-        }
+        self.pending.check(expected)?;
         let s = &self.stats;
         for (i, def) in STATS.iter().enumerate() {
             let (Some(StatValue::Array(got)), Some(StatValue::Array(want))) =

@@ -71,6 +71,7 @@ pub mod log;
 pub mod observer;
 mod oom;
 mod page_pool;
+mod pending;
 mod pool;
 mod private_pool;
 mod release;

@@ -297,13 +297,7 @@ impl DeviceRun {
         let Some(&id) = self.dev.live.get(&ptr) else {
             return;
         };
-        let events: Vec<u64> = self
-            .dev
-            .pending
-            .values()
-            .flat_map(|q| q.iter().filter(|(_, b)| *b == id).map(|(ev, _)| *ev))
-            .collect();
-        for ev in events {
+        for ev in self.dev.pending.events_of(id) {
             let _ = self.dev.backend.wait_event(ev);
         }
     }
