@@ -52,6 +52,9 @@ impl Backend for AnyBackend {
     fn alignment(&self) -> u64 {
         dispatch!(self, b => b.alignment())
     }
+    fn now_ns(&mut self) -> u64 {
+        dispatch!(self, b => b.now_ns())
+    }
     fn mem_info(&mut self) -> Result<MemInfo, BackendError> {
         dispatch!(self, b => b.mem_info())
     }

@@ -1,6 +1,7 @@
 //! The core crate's shape: no import cycles between its modules, so each
 //! piece of state (heap, page pool, fences, limits, private pools, stitch
-//! cache) can be read and tested without the allocator that uses it.
+//! cache, pending frees) can be read and tested without the allocator that
+//! uses it; and the C ABI's backend dispatcher forwards every method.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -102,6 +103,7 @@ fn state_pieces_do_not_depend_on_the_device_allocator() {
         "limits",
         "private_pool",
         "stitch_cache",
+        "pending",
     ] {
         assert!(
             !graph[piece].contains("device"),
@@ -163,5 +165,37 @@ fn only_the_trace_module_reads_aux_by_position() {
         readers.is_empty(),
         "read `TraceEvent::kind()` instead of aux by position:\n{}",
         readers.join("\n")
+    );
+}
+
+/// Names of the `fn`s declared in `text` between `start` and the end of
+/// its block (the first line that is exactly `}`).
+fn fns_in(text: &str, start: &str) -> BTreeSet<String> {
+    let from = text
+        .find(start)
+        .unwrap_or_else(|| panic!("{start} not found"));
+    let body = &text[from..];
+    let end = body.find("\n}\n").expect("the block ends");
+    body[..end]
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("fn "))
+        .map(|l| l.split(['(', '<']).next().unwrap_or("").to_string())
+        .collect()
+}
+
+/// `AnyBackend` (the C ABI's choice of backend) must forward every method
+/// of the `Backend` trait: a method it forgets would silently take the
+/// trait's default for the CUDA backend too.
+#[test]
+fn the_backend_dispatcher_forwards_every_method() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let read = |p: &str| std::fs::read_to_string(root.join(p)).expect("source is readable");
+    let trait_fns = fns_in(&read("allocator/src/backend/mod.rs"), "pub trait Backend");
+    let forwarded = fns_in(&read("capi/src/global.rs"), "impl Backend for AnyBackend");
+    assert!(trait_fns.len() > 20, "{trait_fns:?}");
+    let missing: Vec<_> = trait_fns.difference(&forwarded).collect();
+    assert!(
+        missing.is_empty(),
+        "AnyBackend does not forward {missing:?}"
     );
 }
