@@ -37,6 +37,9 @@ pub struct Allocator<B: Backend> {
 impl<B: Backend> Allocator<B> {
     /// An allocator for `device_count` devices whose backends `factory` creates.
     pub fn new(config: Config, device_count: usize, factory: BackendFactory<B>) -> Self {
+        // The process clock calibrates on its first reading (up to a few
+        // hundred ms): here, rather than in a `malloc` under a device lock.
+        crate::clock::now_ns();
         Allocator {
             config,
             devices: (0..device_count).map(|_| Mutex::new(None)).collect(),
@@ -79,7 +82,7 @@ impl<B: Backend> Allocator<B> {
                 device: device as u32,
             });
         }
-        Ok(DeviceGuard(d))
+        Ok(DeviceGuard::new(d))
     }
 
     fn slot(&self, device: i64) -> Result<&Mutex<Option<DeviceAllocator<B>>>, AllocError> {
@@ -116,7 +119,7 @@ impl<B: Backend> Allocator<B> {
         let slot = self.slot(device)?;
         Ok(MutexGuard::try_map(slot.lock(), |d| d.as_mut())
             .ok()
-            .map(DeviceGuard))
+            .map(DeviceGuard::new))
     }
 
     /// Runs `f` on every device that has been created.
@@ -126,7 +129,7 @@ impl<B: Backend> Allocator<B> {
     ) -> Result<(), AllocError> {
         for slot in &self.devices {
             if let Ok(d) = MutexGuard::try_map(slot.lock(), |d| d.as_mut()) {
-                let mut d = DeviceGuard(d);
+                let mut d = DeviceGuard::new(d);
                 if !d.poisoned {
                     f(&mut d)?;
                 }
@@ -160,7 +163,7 @@ impl<B: Backend> Allocator<B> {
     fn free_anywhere(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         for slot in &self.devices {
             if let Ok(d) = MutexGuard::try_map(slot.lock(), |d| d.as_mut()) {
-                let mut d = DeviceGuard(d);
+                let mut d = DeviceGuard::new(d);
                 if d.live.contains_key(&ptr) {
                     return d.free(ptr);
                 }
@@ -314,6 +317,15 @@ impl<B: Backend> Allocator<B> {
 /// marked poisoned (`parking_lot` locks do not poison by themselves), and
 /// [`Allocator::lock`] refuses it from then on.
 pub struct DeviceGuard<'a, B: Backend>(parking_lot::MappedMutexGuard<'a, DeviceAllocator<B>>);
+
+impl<'a, B: Backend> DeviceGuard<'a, B> {
+    /// A guard over a locked device: a new call, which reads the clock
+    /// afresh (Note [One clock for decisions and traces]).
+    fn new(mut d: parking_lot::MappedMutexGuard<'a, DeviceAllocator<B>>) -> Self {
+        d.end_call();
+        DeviceGuard(d)
+    }
+}
 
 impl<B: Backend> std::ops::Deref for DeviceGuard<'_, B> {
     type Target = DeviceAllocator<B>;

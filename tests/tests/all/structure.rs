@@ -168,19 +168,45 @@ fn only_the_trace_module_reads_aux_by_position() {
     );
 }
 
-/// Names of the `fn`s declared in `text` between `start` and the end of
-/// its block (the first line that is exactly `}`).
+/// Names of the `fn` items of the block that opens with `start` (a trait
+/// or an impl at the top level): lines indented by exactly four spaces,
+/// with any qualifiers (`pub`, `unsafe`, `const`, `async`, `extern "C"`),
+/// up to the block's closing `}` in the first column. Functions nested in
+/// method bodies are indented further and not counted.
 fn fns_in(text: &str, start: &str) -> BTreeSet<String> {
     let from = text
         .find(start)
         .unwrap_or_else(|| panic!("{start} not found"));
     let body = &text[from..];
-    let end = body.find("\n}\n").expect("the block ends");
-    body[..end]
-        .lines()
-        .filter_map(|l| l.trim_start().strip_prefix("fn "))
-        .map(|l| l.split(['(', '<']).next().unwrap_or("").to_string())
-        .collect()
+    let end = body.find("\n}").expect("the block ends");
+    let mut names = BTreeSet::new();
+    for line in body[..end].lines() {
+        let Some(item) = line.strip_prefix("    ") else {
+            continue;
+        };
+        if item.starts_with(char::is_whitespace) || item.starts_with("//") {
+            continue;
+        }
+        let words: Vec<&str> = item.split_whitespace().collect();
+        if let Some(i) = words.iter().position(|w| *w == "fn")
+            && words[..i].iter().all(|w| {
+                [
+                    "pub",
+                    "pub(crate)",
+                    "unsafe",
+                    "const",
+                    "async",
+                    "extern",
+                    "\"C\"",
+                ]
+                .contains(w)
+            })
+            && let Some(name) = words.get(i + 1)
+        {
+            names.insert(name.split(['(', '<']).next().unwrap_or("").to_string());
+        }
+    }
+    names
 }
 
 /// `AnyBackend` (the C ABI's choice of backend) must forward every method
@@ -193,6 +219,14 @@ fn the_backend_dispatcher_forwards_every_method() {
     let trait_fns = fns_in(&read("allocator/src/backend/mod.rs"), "pub trait Backend");
     let forwarded = fns_in(&read("capi/src/global.rs"), "impl Backend for AnyBackend");
     assert!(trait_fns.len() > 20, "{trait_fns:?}");
+    assert_eq!(
+        fns_in(
+            "trait T {\n    fn a(&self) {\n        fn nested() {}\n    }\n    unsafe fn b<X>();\n    /// fn c\n}\n",
+            "trait T"
+        ),
+        BTreeSet::from(["a".to_string(), "b".to_string()]),
+        "the parser counts items, not nested fns or comments"
+    );
     let missing: Vec<_> = trait_fns.difference(&forwarded).collect();
     assert!(
         missing.is_empty(),
