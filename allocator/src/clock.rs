@@ -15,6 +15,10 @@
 //! stamps every event of the call, and answers the budget, with that one
 //! reading (`DeviceAllocator::call_time`). A trace stores stamps less its
 //! start, so differences between stamps are the budget's, exactly.
+//! Open: on real time under heavy load (a 2-core machine with eight busy
+//! loops), a simulator recording and its replay made different budget
+//! decisions twice in about 300 runs, always the same way; the cause is not
+//! found yet (see `a_recorded_trace_reproduces_its_peaks_exactly`).
 
 use std::sync::OnceLock;
 
