@@ -322,7 +322,7 @@ impl<'a, B: Backend> DeviceGuard<'a, B> {
     /// A guard over a locked device: a new call, which reads the clock
     /// afresh (Note [One clock for decisions and traces]).
     fn new(mut d: parking_lot::MappedMutexGuard<'a, DeviceAllocator<B>>) -> Self {
-        d.end_call();
+        d.begin_call();
         DeviceGuard(d)
     }
 }
@@ -345,6 +345,5 @@ impl<B: Backend> Drop for DeviceGuard<'_, B> {
         if std::thread::panicking() {
             self.0.poisoned = true;
         }
-        self.0.end_call();
     }
 }

@@ -209,13 +209,13 @@ impl<B: Backend> DeviceAllocator<B> {
         size: u64,
         aux: u64,
     ) {
-        if self.trace.is_some() {
-            let now = self.call_time();
-            if let Some(t) = &mut self.trace {
-                t.record(now, action, stream, addr, size, aux);
-                self.stats.num_trace_dropped += t.take_unsynced_drops() as i64;
-            }
-        }
+        let Some(t) = &mut self.trace else {
+            return;
+        };
+        let backend = &mut self.backend;
+        let now = *self.call_ns.get_or_insert_with(|| backend.now_ns());
+        t.record(now, action, stream, addr, size, aux);
+        self.stats.num_trace_dropped += t.take_unsynced_drops() as i64;
     }
 
     /// The backend's clock for the call under way: while tracing, read once
@@ -226,19 +226,13 @@ impl<B: Backend> DeviceAllocator<B> {
         if self.trace.is_none() {
             return self.backend.now_ns();
         }
-        match self.call_ns {
-            Some(t) => t,
-            None => {
-                let t = self.backend.now_ns();
-                self.call_ns = Some(t);
-                t
-            }
-        }
+        let backend = &mut self.backend;
+        *self.call_ns.get_or_insert_with(|| backend.now_ns())
     }
 
-    /// Ends the locked call: the next one reads the clock again.
+    /// Starts a locked call: it reads the clock afresh when it first needs it.
     #[inline]
-    pub(crate) fn end_call(&mut self) {
+    pub(crate) fn begin_call(&mut self) {
         self.call_ns = None;
     }
 

@@ -198,11 +198,10 @@ impl<B: Backend> Allocator<B> {
     fn each_device(&self, mut f: impl FnMut(&mut DeviceAllocator<B>)) {
         for slot in &self.devices {
             if let Some(d) = slot.lock().as_mut() {
-                d.end_call();
+                d.begin_call();
                 sync_drops(d);
                 f(d);
                 sync_drops(d);
-                d.end_call();
             }
         }
     }
