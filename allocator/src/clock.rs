@@ -18,7 +18,10 @@
 //! Open: on real time under heavy load (a 2-core machine with eight busy
 //! loops), a simulator recording and its replay made different budget
 //! decisions twice in about 300 runs, always the same way; the cause is not
-//! found yet (see `a_recorded_trace_reproduces_its_peaks_exactly`).
+//! found yet. On the simulator's virtual clock advanced between calls (with
+//! pauses of up to 200 ms), 1,200 recordings replayed exactly, while a
+//! replay that ignores the stamps parted from 326 of them
+//! (`a_recording_on_an_advancing_clock_replays_exactly`).
 
 use std::sync::OnceLock;
 
