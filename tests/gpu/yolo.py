@@ -5,6 +5,9 @@ native-expandable) and under gpualloc, each variant in its own process.
     python3 tests/gpu/yolo.py --out DIR [--epochs 3] [--batch 32] [--images 512]
         [--variants native,native-expandable,gpualloc] [--repeats 1]
 
+A variant ending in "-traced" (gpualloc-traced) records a trace to
+DIR/traces/yolo-REPEAT.gtrace, for `gpualloc replay`.
+
 Ultralytics comes from the package registry; nothing is downloaded at run
 time (YOLO_OFFLINE, a local font, a model built from its YAML, plots off).
 On a machine without network, install the wheels first (see
@@ -70,7 +73,8 @@ def child(args):
     if args.alloc == "gpualloc":
         import gpualloc
 
-        gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None)
+        gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None,
+                         trace=os.environ.get("GPUALLOC_TEST_TRACE") or None)
     from ultralytics import YOLO
 
     epochs, marks = [], {}
@@ -110,6 +114,8 @@ def child(args):
     }
     out["peak_reserved_over_allocated"] = out["peak_reserved"] / max(1, out["peak_allocated"])
     stats = torch.cuda.memory_stats()
+    if args.alloc == "gpualloc":
+        stats.update(gpualloc.stats())  # the driver counters are gpualloc's own
     out["counters"] = {k: stats.get(k) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
                                                  "num_driver_calls", "driver_time_ns", "num_defragment", "num_stitch")}
     print("GPUALLOC_RESULT " + json.dumps(out), flush=True)
@@ -121,7 +127,11 @@ def run_variant(name, args, data, out, rep):
            "--model", args.model, "--project", os.path.join(out, "runs"), "--name", f"{name}-{rep}"]
     logs = os.path.join(out, "yolo-logs")
     os.makedirs(logs, exist_ok=True)
-    p = driver.run_child(cmd, name, CHILD_TIMEOUT_S, logs, f"{name}-{rep}")
+    trace = None
+    if name.endswith("-traced"):
+        os.makedirs(os.path.join(out, "traces"), exist_ok=True)
+        trace = os.path.abspath(os.path.join(out, "traces", f"yolo-{rep}.gtrace"))
+    p = driver.run_child(cmd, name, CHILD_TIMEOUT_S, logs, f"{name}-{rep}", trace)
     res = {"variant": name, "repeat": rep, "rc": p.pop("rc"), "wall_s": p.pop("wall_s")}
     if "error" in p:
         res["error"] = f"{p['error']}\n{p.get('stderr_tail', '')}"

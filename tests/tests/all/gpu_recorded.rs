@@ -59,6 +59,22 @@ fn detector_trace_replays_to_the_peaks_measured_on_the_gpu() {
     assert_eq!((reserved, ooms), (4_823_449_600, 0));
 }
 
+/// `examples/ultralytics-yolo.gtrace`: a real third-party training library,
+/// recorded on the H200 by `bash tests/gpu/yolo.sh --variants gpualloc-traced`
+/// (Ultralytics YOLOv8n, 3 epochs of multi-scale training on synthetic
+/// images, batch 32, with validation) under the default policy, with the
+/// library of fd9d5af (one clock for the budget and the trace). Its GPU
+/// peaks, read by `torch.cuda.max_memory_*` in that run
+/// (`docs/results/h200-round8/yolo-traced.json`), are what the replay
+/// reaches, to the byte.
+#[test]
+fn ultralytics_trace_replays_to_the_peaks_measured_on_the_gpu() {
+    assert_eq!(
+        replay_example("ultralytics-yolo.gtrace", None),
+        (2_151_677_952, 2_115_307_008, 0)
+    );
+}
+
 /// `examples/yolo-style-oom.gtrace` (README's first command): recorded on
 /// the H200 by `tests/gpu/record_example.py` under `memory_limit:1700MiB`,
 /// with automatic steps and phases, ending in an out-of-memory error. The
