@@ -464,12 +464,8 @@ mod tests {
         // The simulator's virtual clock, set before each step (or standing
         // still): the budget's decisions depend on the calls and these
         // readings alone, and the stamps carry the clock the decisions read
-        // (Note [One clock for decisions and traces]). Recorded on real time
-        // instead, under heavy load (eight busy loops on two cores, the
-        // whole suite in parallel), the recording and its replay of seed 6
-        // parted twice in about 300 runs, at budget decisions: not yet
-        // explained (the virtual clock, with pauses of up to 200 ms, gave
-        // no divergence in 1,200 recordings), so not what these tests judge.
+        // (Note [One clock for decisions and traces], which also records
+        // how recordings on real time under load were checked).
         let a = Allocator::new(config, 1, Box::new(move |_| Ok(SimBackend::new(capacity))));
         let path = crate::trace::control_tests_path(&format!("replay-{seed}"));
         a.trace_start(&path).unwrap();
