@@ -451,7 +451,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Unmaps `[lo, hi)`, a run of whole handles inside one free block of
     /// `seg`, into the page pool, and marks it unmapped.
     fn unmap_run(&mut self, seg: SegmentId, lo: u64, hi: u64) -> Result<(), AllocError> {
-        self.drop_stitches_over(lo, hi)?;
+        self.punch_stitches_over(lo, hi)?;
         let kind = self.heap.segments.get(seg).kind;
         let id = self.heap.block_at(seg, lo);
         let (ptr, size, stream) = (

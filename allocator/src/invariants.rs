@@ -13,6 +13,7 @@ use crate::block::BlockState;
 use crate::device::DeviceAllocator;
 use crate::heap::STITCH;
 use crate::size_class::PoolKind;
+use crate::stitch_cache::Slot;
 use crate::stats::{DeviceStats, STATS, StatValue};
 
 impl<B: Backend> DeviceAllocator<B> {
@@ -177,6 +178,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 "stitches in use hold {lent} bytes, claimed blocks at home {claimed_bytes}"
             ));
         }
+        self.check_stitches()?;
         for kind in [PoolKind::Small, PoolKind::Large] {
             recount
                 .reserved_bytes
@@ -239,6 +241,47 @@ impl<B: Backend> DeviceAllocator<B> {
                 "oversize_allocations.current is {} but a recount gives {}",
                 s.oversize_allocations.current, recount.oversize_allocations.current
             ));
+        }
+        Ok(())
+    }
+
+    /// Every stitch's slots tile its range; one in use has no holes, a
+    /// cached one maps at least one part; every part aliases the handle
+    /// still mapped at its home, and no two parts of a stitch the same one.
+    fn check_stitches(&self) -> Result<(), String> {
+        for (k, s) in self.stitches.list.iter().enumerate() {
+            let va = s.va;
+            let total: u64 = s.slots.iter().map(Slot::size).sum();
+            if total != s.size {
+                return Err(format!(
+                    "stitch {k} at {va:#x}: slots add up to {total} bytes, its range to {}",
+                    s.size
+                ));
+            }
+            let holes = s.holes();
+            if s.in_use.is_some() && holes > 0 {
+                return Err(format!("stitch {k} at {va:#x} is in use with {holes} holes"));
+            }
+            if s.parts().next().is_none() {
+                return Err(format!("cached stitch {k} at {va:#x} maps nothing"));
+            }
+            let mut homes: Vec<u64> = Vec::new();
+            for p in s.parts() {
+                if self.pages.handle_at(p.addr) != Some((p.handle, p.size)) {
+                    return Err(format!(
+                        "stitch {k} at {va:#x} aliases handle {} ({} bytes) at {:#x}, which is not mapped there",
+                        p.handle, p.size, p.addr
+                    ));
+                }
+                homes.push(p.addr);
+            }
+            homes.sort_unstable();
+            if let Some(w) = homes.windows(2).find(|w| w[0] == w[1]) {
+                return Err(format!(
+                    "stitch {k} at {va:#x} maps the handle at {:#x} twice",
+                    w[0]
+                ));
+            }
         }
         Ok(())
     }

@@ -84,8 +84,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let stitch = self.stitches.list.iter().find(|s| s.in_use == Some(seg_id));
         let mut handles: Vec<(DevicePtr, u64, u64)> = if let Some(st) = stitch {
             let mut at = st.va;
-            st.parts
-                .iter()
+            st.parts()
                 .map(|p| {
                     at += p.size;
                     (at - p.size, p.handle, p.size)

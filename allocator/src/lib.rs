@@ -81,6 +81,7 @@ pub mod size_class;
 mod snapshot;
 pub mod stats;
 mod stitch;
+mod stitch_repair;
 mod stitch_cache;
 pub mod trace;
 mod trace_control;

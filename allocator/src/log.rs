@@ -170,6 +170,12 @@ pub(crate) fn stitch_dropped(device: u32, stream: u64, bytes: u64) {
     tracing::debug!(device, stream, bytes, "stitch dropped");
 }
 
+/// A cached stitch's holes filled with `handles` handles (`stitch_repair.rs`).
+#[inline]
+pub(crate) fn stitch_repaired(device: u32, stream: u64, bytes: u64, handles: usize) {
+    tracing::debug!(device, stream, bytes, handles, "stitch repaired");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,7 +29,7 @@ use crate::heap::{LARGE, STITCH};
 use crate::observer::SegmentAction;
 use crate::segment::Segment;
 use crate::size_class::PoolKind;
-use crate::stitch_cache::{MAX_CACHED, Part, Stitch};
+use crate::stitch_cache::{MAX_CACHED, Part, Slot, Stitch};
 use crate::trace::{Action, STITCH_CODE};
 
 impl<B: Backend> DeviceAllocator<B> {
@@ -42,16 +42,35 @@ impl<B: Backend> DeviceAllocator<B> {
         rounded: u64,
     ) -> Result<Option<BlockId>, AllocError> {
         let slack = (rounded / 16).max(2 << 20);
-        let mut best: Option<usize> = None;
-        for (i, s) in self.stitches.list.iter().enumerate() {
-            if s.in_use.is_none()
-                && s.stream == stream
-                && s.size >= rounded
-                && s.size <= rounded + slack
-                && best.is_none_or(|b| s.size < self.stitches.list[b].size)
-                && self.parts_free(&s.parts, stream)
+        // A whole stitch is taken first (no driver call), else the one with
+        // the fewest holes, repaired (Note [Stitching]).
+        let (mut best, mut holey): (Option<usize>, Option<usize>) = (None, None);
+        let list = &self.stitches.list;
+        for (i, s) in list.iter().enumerate() {
+            if s.in_use.is_some()
+                || s.stream != stream
+                || s.size < rounded
+                || s.size > rounded + slack
+                || !self.parts_free(s.parts(), stream)
             {
-                best = Some(i);
+                continue;
+            }
+            if s.holes() == 0 {
+                if best.is_none_or(|b| s.size < list[b].size) {
+                    best = Some(i);
+                }
+            } else if holey.is_none_or(|h| (s.holes(), s.size) < (list[h].holes(), list[h].size)) {
+                holey = Some(i);
+            }
+        }
+        if best.is_none()
+            && let Some(h) = holey
+        {
+            if self.fill_holes(h)? {
+                best = Some(h);
+            } else {
+                // Unrepairable: torn down as before repair existed.
+                self.drop_stitch(h)?;
             }
         }
         let i = match best {
@@ -66,8 +85,12 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// Whether every part lies, with the same handle, in a free block of `stream`.
-    fn parts_free(&self, parts: &[Part], stream: StreamId) -> bool {
-        parts.iter().all(|p| {
+    pub(crate) fn parts_free<'a>(
+        &self,
+        mut parts: impl Iterator<Item = &'a Part>,
+        stream: StreamId,
+    ) -> bool {
+        parts.all(|p| {
             self.pages.handle_at(p.addr) == Some((p.handle, p.size))
                 && self.heap.find_block(p.seg, p.addr).is_some_and(|b| {
                     let b = &self.heap.blocks[b];
@@ -125,7 +148,7 @@ impl<B: Backend> DeviceAllocator<B> {
             va,
             size: total,
             stream,
-            parts,
+            slots: parts.into_iter().map(Slot::Mapped).collect(),
             in_use: None,
             freed: 0,
             used_at: 0,
@@ -137,13 +160,14 @@ impl<B: Backend> DeviceAllocator<B> {
     /// `rounded` bytes at its start; the rest of the range (less than a
     /// handle, or the reuse slack) is a claimed block nothing else uses.
     fn claim_stitch(&mut self, i: usize, rounded: u64) -> BlockId {
-        let parts = std::mem::take(&mut self.stitches.list[i].parts);
-        for p in &parts {
+        let slots = std::mem::take(&mut self.stitches.list[i].slots);
+        debug_assert!(slots.iter().all(|s| s.part().is_some()), "no holes");
+        for p in slots.iter().filter_map(Slot::part) {
             self.set_home(p, BlockState::Claimed);
         }
         self.stitches.uses += 1;
         let s = &mut self.stitches.list[i];
-        s.parts = parts;
+        s.slots = slots;
         s.used_at = self.stitches.uses;
         let (va, size, stream) = (s.va, s.size, s.stream);
         let block =
@@ -196,12 +220,12 @@ impl<B: Backend> DeviceAllocator<B> {
             self.heap.blocks.remove(rest);
         }
         self.heap.blocks.remove(id);
-        let parts = std::mem::take(&mut self.stitches.list[i].parts);
-        for p in &parts {
+        let slots = std::mem::take(&mut self.stitches.list[i].slots);
+        for p in slots.iter().filter_map(Slot::part) {
             self.set_home(p, BlockState::Free);
         }
         let s = &mut self.stitches.list[i];
-        s.parts = parts;
+        s.slots = slots;
         s.in_use = None;
         s.freed = stamp;
     }
@@ -273,19 +297,21 @@ impl<B: Backend> DeviceAllocator<B> {
         }
     }
 
-    /// Unmaps a cached stitch once its last work is done and frees its range.
-    fn drop_stitch(&mut self, i: usize) -> Result<(), AllocError> {
+    /// Unmaps a cached stitch (what is mapped of it) once its last work is
+    /// done and frees its range.
+    pub(crate) fn drop_stitch(&mut self, i: usize) -> Result<(), AllocError> {
         let (stream, freed) = (self.stitches.list[i].stream, self.stitches.list[i].freed);
         self.fences.wait(&mut self.backend, stream, freed)?;
+        self.unmap_slots(i, |s| s.part().is_some())?;
+        self.free_stitch(i)
+    }
+
+    /// Frees the range of cached stitch `i`, which maps nothing any more.
+    pub(crate) fn free_stitch(&mut self, i: usize) -> Result<(), AllocError> {
         let s = self.stitches.list.swap_remove(i);
-        crate::log::stitch_dropped(self.device, stream, s.size);
-        self.notify(SegmentAction::Unmap, s.stream, s.va, s.size);
-        if let Err(e) = self.backend.unmap(s.va, s.size) {
-            // Still mapped: say so again (Note [Segment events]).
-            self.notify(SegmentAction::Map, s.stream, s.va, s.size);
-            return Err(e.into());
-        }
+        crate::log::stitch_dropped(self.device, s.stream, s.size);
         self.backend.free_reservation(s.va, s.size)?;
+        // The trace shows the stitched range's life, not its holes.
         self.record(Action::SegmentUnmap, s.stream, s.va, s.size, STITCH_CODE);
         Ok(())
     }

@@ -16,19 +16,76 @@ pub(crate) struct Part {
     pub size: u64,
 }
 
+/// One handle's place in a stitch: mapped from its home, or a hole of that
+/// many bytes, unmapped when defragmentation took the handle (Note
+/// [Stitching]); only a cached stitch has holes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Slot {
+    Mapped(Part),
+    Hole(u64),
+}
+
+impl Slot {
+    pub fn size(&self) -> u64 {
+        match self {
+            Slot::Mapped(p) => p.size,
+            Slot::Hole(s) => *s,
+        }
+    }
+
+    pub fn part(&self) -> Option<&Part> {
+        match self {
+            Slot::Mapped(p) => Some(p),
+            Slot::Hole(_) => None,
+        }
+    }
+}
+
 /// A stitched address range and the home runs it aliases.
 pub(crate) struct Stitch {
     pub va: DevicePtr,
     pub size: u64,
     pub stream: StreamId,
-    /// Home handles in the order they are mapped from `va`.
-    pub parts: Vec<Part>,
+    /// Home handles (or holes) in the order they are mapped from `va`.
+    pub slots: Vec<Slot>,
     /// The segment of its allocated block, while in use.
     pub in_use: Option<SegmentId>,
     /// Fence stamp of its last free (Note [Event-ordered unmapping]).
     pub freed: u64,
     /// Use counter value at its last use (least recently used goes first).
     pub used_at: u64,
+}
+
+impl Stitch {
+    /// The home handles it maps (not its holes).
+    pub fn parts(&self) -> impl Iterator<Item = &Part> {
+        self.slots.iter().filter_map(Slot::part)
+    }
+
+    /// Its holes.
+    pub fn holes(&self) -> usize {
+        self.slots.iter().filter(|s| s.part().is_none()).count()
+    }
+
+    /// Runs of consecutive slots that `pick` selects, as `(first slot, end
+    /// slot, address, bytes)`: each is one range of whole mappings (or holes).
+    pub fn runs(&self, pick: impl Fn(&Slot) -> bool) -> Vec<(usize, usize, DevicePtr, u64)> {
+        let mut out: Vec<(usize, usize, DevicePtr, u64)> = Vec::new();
+        let mut at = self.va;
+        for (i, slot) in self.slots.iter().enumerate() {
+            if pick(slot) {
+                match out.last_mut() {
+                    Some(r) if r.1 == i => {
+                        r.1 = i + 1;
+                        r.3 += slot.size();
+                    }
+                    _ => out.push((i, i + 1, at, slot.size())),
+                }
+            }
+            at += slot.size();
+        }
+        out
+    }
 }
 
 /// The device's stitches (Note [Stitching]).
@@ -48,7 +105,7 @@ impl Stitches {
     /// A cached stitch that aliases a handle mapped in `[lo, hi)`.
     pub fn cached_over(&self, lo: DevicePtr, hi: DevicePtr) -> Option<usize> {
         self.list.iter().position(|s| {
-            s.in_use.is_none() && s.parts.iter().any(|p| p.addr < hi && lo < p.addr + p.size)
+            s.in_use.is_none() && s.parts().any(|p| p.addr < hi && lo < p.addr + p.size)
         })
     }
 

@@ -1,0 +1,279 @@
+//! Repairing cached stitches in part: a handle that defragmentation takes
+//! leaves a hole in the cached stitches that alias it, and the next claim
+//! maps other free handles into the holes (Note [Stitching] in `stitch.rs`).
+
+use crate::backend::{Backend, DevicePtr, HandleId};
+use crate::device::DeviceAllocator;
+use crate::error::AllocError;
+use crate::heap::LARGE;
+use crate::observer::SegmentAction;
+use crate::stitch_cache::{Part, Slot};
+
+impl<B: Backend> DeviceAllocator<B> {
+    /// Unmaps from cached stitches the parts that alias a handle mapped in
+    /// `[lo, hi)`, after each stitch's last work, leaving holes; a stitch
+    /// left with no part is freed.
+    pub(crate) fn punch_stitches_over(
+        &mut self,
+        lo: DevicePtr,
+        hi: DevicePtr,
+    ) -> Result<(), AllocError> {
+        while let Some(i) = self.stitches.cached_over(lo, hi) {
+            let (stream, freed) = (self.stitches.list[i].stream, self.stitches.list[i].freed);
+            self.fences.wait(&mut self.backend, stream, freed)?;
+            self.unmap_slots(i, |s| {
+                s.part()
+                    .is_some_and(|p| p.addr < hi && lo < p.addr + p.size)
+            })?;
+            if self.stitches.list[i].parts().next().is_none() {
+                self.free_stitch(i)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Unmaps the mapped slots of stitch `i` that `pick` selects, one call
+    /// per run of them, and makes them holes. The caller waited for the
+    /// stitch's work (Note [Event-ordered unmapping]).
+    pub(crate) fn unmap_slots(
+        &mut self,
+        i: usize,
+        pick: impl Fn(&Slot) -> bool,
+    ) -> Result<(), AllocError> {
+        let stream = self.stitches.list[i].stream;
+        let runs = self.stitches.list[i].runs(|s| s.part().is_some() && pick(s));
+        for (first, end, at, bytes) in runs {
+            self.notify(SegmentAction::Unmap, stream, at, bytes);
+            if let Err(e) = self.backend.unmap(at, bytes) {
+                // Still mapped: say so again (Note [Segment events]).
+                self.notify(SegmentAction::Map, stream, at, bytes);
+                return Err(e.into());
+            }
+            for slot in &mut self.stitches.list[i].slots[first..end] {
+                *slot = Slot::Hole(slot.size());
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills the holes of cached stitch `i` with free handles of its stream
+    /// (largest free runs first, none that the stitch maps already), each
+    /// hole with handles that add up to its size, mapping only those (one
+    /// call per run of holes). `false`, with nothing changed, when some hole
+    /// cannot be filled.
+    pub(crate) fn fill_holes(&mut self, i: usize) -> Result<bool, AllocError> {
+        let s = &self.stitches.list[i];
+        let stream = s.stream;
+        let own: Vec<DevicePtr> = s.parts().map(|p| p.addr).collect();
+        let mut runs: Vec<_> = self
+            .free_runs(None)
+            .into_iter()
+            .filter(|r| r.3 == stream && self.heap.segments.get(r.2).pool == LARGE)
+            .collect();
+        runs.sort_unstable_by_key(|r| (std::cmp::Reverse(r.0), r.1));
+        let mut spare: Vec<Part> = Vec::new();
+        for (bytes, lo, seg, ..) in runs {
+            for (addr, handle, size) in self.pages.handles_in(lo, lo + bytes) {
+                if !own.contains(&addr) {
+                    spare.push(Part {
+                        seg,
+                        addr,
+                        handle,
+                        size,
+                    });
+                }
+            }
+        }
+        // Largest handles first (stable: larger runs first among equals),
+        // so a hole takes one handle of its size when there is one.
+        spare.sort_by_key(|p| std::cmp::Reverse(p.size));
+        let mut used = vec![false; spare.len()];
+        // The spare handles taken, in slot order.
+        let mut taken: Vec<usize> = Vec::new();
+        let mut slots: Vec<Slot> = Vec::with_capacity(s.slots.len());
+        for slot in &s.slots {
+            let Slot::Hole(size) = *slot else {
+                slots.push(*slot);
+                continue;
+            };
+            let mut left = size;
+            for (k, p) in spare.iter().enumerate() {
+                if !used[k] && p.size <= left {
+                    used[k] = true;
+                    taken.push(k);
+                    left -= p.size;
+                    slots.push(Slot::Hole(p.size));
+                    if left == 0 {
+                        break;
+                    }
+                }
+            }
+            if left > 0 {
+                return Ok(false);
+            }
+        }
+        // `slots` has the new holes, one per handle; map them run by run.
+        let mut fill = taken.into_iter().map(|k| spare[k]);
+        let mut plan: Vec<Option<Part>> = slots
+            .iter()
+            .map(|s| match s {
+                Slot::Mapped(_) => None,
+                Slot::Hole(_) => fill.next(),
+            })
+            .collect();
+        self.stitches.list[i].slots = slots;
+        let runs = self.stitches.list[i].runs(|s| s.part().is_none());
+        let mut handles = 0;
+        for (first, end, at, bytes) in runs {
+            let filled: Vec<Part> = plan[first..end]
+                .iter_mut()
+                .map(|p| p.take().expect("a handle per hole"))
+                .collect();
+            let list: Vec<(HandleId, u64)> = filled.iter().map(|p| (p.handle, p.size)).collect();
+            self.backend.map_handles(at, &list, false)?;
+            let slots = &mut self.stitches.list[i].slots[first..end];
+            for (slot, p) in slots.iter_mut().zip(filled) {
+                *slot = Slot::Mapped(p);
+            }
+            handles += list.len();
+            self.notify(SegmentAction::Map, stream, at, bytes);
+        }
+        crate::log::stitch_repaired(self.device, stream, self.stitches.list[i].size, handles);
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::stitch::tests::fragmented_with;
+    use crate::stitch_cache::Slot;
+    use crate::{DeviceAllocator, DriverCall, SimBackend};
+
+    const MIB: u64 = 1 << 20;
+
+    /// The invariants, and every stitch's range as the simulator maps it:
+    /// its parts' handles at their offsets, nothing in its holes.
+    fn ok(d: &DeviceAllocator<SimBackend>) {
+        d.check_invariants()
+            .unwrap_or_else(|e| panic!("invariant broken: {e}"));
+        for s in &d.stitches.list {
+            let mut want = Vec::new();
+            let mut at = s.va;
+            for slot in &s.slots {
+                if let Slot::Mapped(p) = slot {
+                    want.push((at, p.handle, p.size));
+                }
+                at += slot.size();
+            }
+            assert_eq!(d.backend().handles_over(s.va, s.size), want);
+        }
+    }
+
+    /// Headroom that puts the bound 1.99 MiB under what an 18 MiB request
+    /// needs in the layout of [`one_part_short`]: one 2 MiB handle.
+    const ONE_HANDLE: &str =
+        "expandable_handle_mb:2,defragment_budget:1,defragment_headroom:0.0973";
+
+    /// The fragmented layout with a cached 64 MiB stitch over four pieces
+    /// and the other four pieces held, and the last small block (next to
+    /// the unmapped tail) freed: the only free pages are the stitch's.
+    /// Returns the device, the stitch's address and the blocks still live.
+    fn one_part_short(conf: &str) -> (DeviceAllocator<SimBackend>, u64, Vec<u64>) {
+        let (mut d, mut live) = fragmented_with(conf);
+        let stitched = d.malloc(64 * MIB, 0).unwrap();
+        assert_eq!(d.stats().num_stitch, 1);
+        live.extend((0..4).map(|_| d.malloc(16 * MIB, 0).unwrap()));
+        d.free(stitched).unwrap();
+        let last = live.remove(7);
+        d.free(last).unwrap();
+        ok(&d);
+        (d, stitched, live)
+    }
+
+    fn teardown(mut d: DeviceAllocator<SimBackend>, live: Vec<u64>) {
+        for p in live {
+            d.free(p).unwrap();
+        }
+        d.empty_cache().unwrap();
+        ok(&d);
+        assert_eq!(d.backend().used(), 0);
+        assert_eq!(d.backend().mappings(), 0, "stitches are torn down too");
+    }
+
+    #[test]
+    fn defragmentation_takes_one_part_and_the_next_claim_maps_one_handle() {
+        let (mut d, stitched, mut live) = one_part_short(ONE_HANDLE);
+        let reserved = d.stats().reserved_bytes.all.current;
+        // 18 MiB fits in no free piece: the free 2 MiB at the end and 16 MiB
+        // of pages after it, one handle of them moved from the stitch.
+        let calls = d.driver_calls();
+        let p = d.malloc(18 * MIB, 0).unwrap();
+        ok(&d);
+        let spent = d.driver_calls().since(&calls);
+        assert_eq!(
+            d.stats().reserved_bytes.all.current,
+            reserved + 14 * MIB as i64
+        );
+        // One handle unmapped at home and one in the stitch, nothing more.
+        assert_eq!(spent.calls(DriverCall::Unmap), 2, "{spent}");
+        assert_eq!(spent.handles(DriverCall::Unmap), 2, "{spent}");
+        assert_eq!(d.stitches.list.len(), 1, "the stitch stays cached");
+        assert_eq!(d.stitches.list[0].holes(), 1);
+        d.free(p).unwrap();
+        let reserved = d.stats().reserved_bytes.all.current;
+        let calls = d.driver_calls();
+        let again = d.malloc(64 * MIB, 0).unwrap();
+        ok(&d);
+        let spent = d.driver_calls().since(&calls);
+        assert_eq!(again, stitched, "the same range, repaired");
+        assert_eq!(d.stats().num_stitch, 1, "no stitch built");
+        assert_eq!(spent.calls(DriverCall::Map), 1, "{spent}");
+        assert_eq!(spent.calls(DriverCall::Unmap), 0, "{spent}");
+        assert_eq!(spent.calls(DriverCall::Reserve), 0, "{spent}");
+        assert_eq!(d.stats().reserved_bytes.all.current, reserved);
+        assert_eq!(d.stitches.list[0].holes(), 0);
+        live.push(again);
+        teardown(d, live);
+    }
+
+    #[test]
+    fn a_hole_that_cannot_be_filled_drops_the_stitch() {
+        let (mut d, _, mut live) = one_part_short(ONE_HANDLE);
+        // The moved handle stays in use: the only free handles left are
+        // the stitch's own, so its hole cannot be filled. It is torn down
+        // (as before repair existed) and, with too little free memory to
+        // stitch, the request grows the pool.
+        live.push(d.malloc(18 * MIB, 0).unwrap());
+        assert_eq!(d.stitches.list[0].holes(), 1);
+        let reserved = d.stats().reserved_bytes.all.current;
+        let calls = d.driver_calls();
+        live.push(d.malloc(64 * MIB, 0).unwrap());
+        ok(&d);
+        let spent = d.driver_calls().since(&calls);
+        assert!(d.stitches.list.is_empty(), "the holey stitch is gone");
+        assert_eq!(d.stats().num_stitch, 1, "none built");
+        assert_eq!(spent.calls(DriverCall::AddressFree), 1, "{spent}");
+        assert!(d.stats().reserved_bytes.all.current > reserved);
+        teardown(d, live);
+    }
+
+    #[test]
+    fn a_stitch_that_loses_every_part_is_freed() {
+        // 68 MiB, more than is free to stitch: the free 2 MiB at the end
+        // and 66 MiB of pages, every handle of the stitch and 2 MiB new.
+        let (mut d, _, mut live) =
+            one_part_short("expandable_handle_mb:2,defragment_budget:1,defragment_headroom:0");
+        let reserved = d.stats().reserved_bytes.all.current;
+        let calls = d.driver_calls();
+        live.push(d.malloc(68 * MIB, 0).unwrap());
+        ok(&d);
+        let spent = d.driver_calls().since(&calls);
+        assert!(d.stitches.list.is_empty());
+        assert_eq!(
+            d.stats().reserved_bytes.all.current,
+            reserved + 2 * MIB as i64
+        );
+        assert_eq!(spent.calls(DriverCall::AddressFree), 1, "{spent}");
+        teardown(d, live);
+    }
+}
