@@ -24,9 +24,10 @@
 //! into the pool, smallest runs first (the fragments no large request can
 //! use) and only as many handles as needed, and mapped where the request
 //! fits. Runs that a cached stitch aliases are taken last, only when the
-//! others fall short and only within a budget of driver time (the stitch is
-//! torn down and rebuilt when next needed; Note [Defragmentation budget]
-//! in `budget.rs`). Pages leave their address only once the work on them
+//! others fall short and only within a budget of driver time (each handle
+//! taken is unmapped from the stitch too, a hole filled when the stitch is
+//! next needed, Note [Stitching]; Note [Defragmentation budget] in
+//! `budget.rs`). Pages leave their address only once the work on them
 //! is done (Note [Event-ordered unmapping]). Below that bound the pool simply grows. The
 //! choices were tuned by replaying GPU traces with `gpualloc replay --json`,
 //! which predicts driver time (`docs/driver-costs.md`): moving a handle
@@ -409,9 +410,10 @@ impl<B: Backend> DeviceAllocator<B> {
         keep_hi: u64,
         pinned: bool,
     ) -> Result<u64, AllocError> {
-        // Runs a cached stitch aliases come last (unmapping one tears the
-        // stitch down, Note [Stitching]), only when the others fall short
-        // and only with `pinned` (the budget allows it); smallest runs
+        // Runs a cached stitch aliases come last (unmapping one unmaps it
+        // from the stitch too, which is repaired when next claimed, Note
+        // [Stitching]), only when the others fall short and only with
+        // `pinned` (the budget allows it); smallest runs
         // first: they are the fragments no large request can use; the last
         // run taken gives only the handles still wanted.
         let mut runs: Vec<_> = self

@@ -13,8 +13,8 @@ use crate::block::BlockState;
 use crate::device::DeviceAllocator;
 use crate::heap::STITCH;
 use crate::size_class::PoolKind;
-use crate::stitch_cache::Slot;
 use crate::stats::{DeviceStats, STATS, StatValue};
+use crate::stitch_cache::Slot;
 
 impl<B: Backend> DeviceAllocator<B> {
     /// Checks every invariant; returns a description of the first violation.
@@ -260,7 +260,9 @@ impl<B: Backend> DeviceAllocator<B> {
             }
             let holes = s.holes();
             if s.in_use.is_some() && holes > 0 {
-                return Err(format!("stitch {k} at {va:#x} is in use with {holes} holes"));
+                return Err(format!(
+                    "stitch {k} at {va:#x} is in use with {holes} holes"
+                ));
             }
             if s.parts().next().is_none() {
                 return Err(format!("cached stitch {k} at {va:#x} maps nothing"));

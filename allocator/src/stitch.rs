@@ -14,12 +14,27 @@
 //! nothing is unmapped or copied. When the stitch is freed its runs become
 //! free again and the stitch stays mapped, cached: the next request of
 //! about its size whose runs are all free again (the same layout one step
-//! later) takes it with no driver call at all. A cached stitch is torn down
-//! (after its last work, Note [Event-ordered unmapping]) before any of its
-//! handles is unmapped from its home address (defragmentation takes such
-//! handles only when the unaliased ones fall short), on `empty_cache` and on the
-//! out-of-memory path, or when the cache is full. Stitched ranges alias
-//! memory already counted as reserved, so they add nothing to it.
+//! later) takes it with no driver call at all.
+//! Each part of a stitch is a mapping of its own, so a cached stitch is
+//! repaired rather than rebuilt (`stitch_repair.rs`). When defragmentation
+//! takes a handle a cached stitch aliases (only when the unaliased ones
+//! fall short, Note [Defragmentation]), only that part is unmapped from
+//! the stitch's range, after the stitch's last work (Note [Event-ordered
+//! unmapping]), leaving a hole; a stitch that loses every part is freed.
+//! When no cached stitch of the size is whole with all its runs free, the
+//! one with the fewest handles to change (its holes and the parts whose
+//! home is in use), if that is at most half of its handles, gets free
+//! handles of the stream in their place (smallest free runs first, handles
+//! adding up to each hole's size) and only those are unmapped and mapped:
+//! the driver time is that of the handles changed, not of the stitch. A
+//! stitch whose holes cannot be filled is torn down and a new one built,
+//! as before. A cached stitch is torn down whole (after its last work) on
+//! `empty_cache` and on the out-of-memory path, when the cache is full, or
+//! when its handles are replaced for sharing (`ipc.rs`). The trace records
+//! a stitch's life (its range mapped when built, unmapped when torn down),
+//! not its holes; segment observers see every part unmapped and every hole
+//! mapped (Note [Segment events]). Stitched ranges alias memory already
+//! counted as reserved, so they add nothing to it, holes or not.
 
 use crate::backend::{Backend, DevicePtr, HandleId, StreamId};
 use crate::block::{Block, BlockId, BlockState};
@@ -42,35 +57,43 @@ impl<B: Backend> DeviceAllocator<B> {
         rounded: u64,
     ) -> Result<Option<BlockId>, AllocError> {
         let slack = (rounded / 16).max(2 << 20);
-        // A whole stitch is taken first (no driver call), else the one with
-        // the fewest holes, repaired (Note [Stitching]).
-        let (mut best, mut holey): (Option<usize>, Option<usize>) = (None, None);
+        // A whole stitch whose parts are all free is taken first (no driver
+        // call), else the one with the fewest handles to change (holes, and
+        // parts whose home is in use), repaired when that is at most half
+        // of its handles (Note [Stitching]).
+        let (mut best, mut repairable): (Option<usize>, Option<(usize, usize)>) = (None, None);
         let list = &self.stitches.list;
         for (i, s) in list.iter().enumerate() {
             if s.in_use.is_some()
                 || s.stream != stream
                 || s.size < rounded
                 || s.size > rounded + slack
-                || !self.parts_free(s.parts(), stream)
             {
                 continue;
             }
-            if s.holes() == 0 {
+            let busy = s
+                .parts()
+                .filter(|p| !self.parts_free(std::iter::once(*p), stream))
+                .count();
+            let change = s.holes() + busy;
+            if change == 0 {
                 if best.is_none_or(|b| s.size < list[b].size) {
                     best = Some(i);
                 }
-            } else if holey.is_none_or(|h| (s.holes(), s.size) < (list[h].holes(), list[h].size)) {
-                holey = Some(i);
+            } else if change * 2 <= s.slots.len()
+                && repairable.is_none_or(|(r, c)| (change, s.size) < (c, list[r].size))
+            {
+                repairable = Some((i, change));
             }
         }
         if best.is_none()
-            && let Some(h) = holey
+            && let Some((r, _)) = repairable
         {
-            if self.fill_holes(h)? {
-                best = Some(h);
-            } else {
-                // Unrepairable: torn down as before repair existed.
-                self.drop_stitch(h)?;
+            if self.repair_stitch(r)? {
+                best = Some(r);
+            } else if self.stitches.list[r].holes() > 0 {
+                // Holes that cannot be filled: torn down, as before repair.
+                self.drop_stitch(r)?;
             }
         }
         let i = match best {
