@@ -23,7 +23,7 @@
 //! unmapping]), leaving a hole; a stitch that loses every part is freed.
 //! When no cached stitch of the size is whole with all its runs free, the
 //! one with the fewest handles to change (its holes and the parts whose
-//! home is in use), if that is at most half of its handles, gets free
+//! home is in use), if that is at most a quarter of its handles, gets free
 //! handles of the stream in their place (smallest free runs first, handles
 //! adding up to each hole's size) and only those are unmapped and mapped:
 //! the driver time is that of the handles changed, not of the stitch. A
@@ -59,8 +59,8 @@ impl<B: Backend> DeviceAllocator<B> {
         let slack = (rounded / 16).max(2 << 20);
         // A whole stitch whose parts are all free is taken first (no driver
         // call), else the one with the fewest handles to change (holes, and
-        // parts whose home is in use), repaired when that is at most half
-        // of its handles (Note [Stitching]).
+        // parts whose home is in use), repaired when that is at most a
+        // quarter of its handles (Note [Stitching]).
         let (mut best, mut repairable): (Option<usize>, Option<(usize, usize)>) = (None, None);
         let list = &self.stitches.list;
         for (i, s) in list.iter().enumerate() {
@@ -80,7 +80,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 if best.is_none_or(|b| s.size < list[b].size) {
                     best = Some(i);
                 }
-            } else if change * 2 <= s.slots.len()
+            } else if change * 4 <= s.slots.len()
                 && repairable.is_none_or(|(r, c)| (change, s.size) < (c, list[r].size))
             {
                 repairable = Some((i, change));

@@ -53,11 +53,11 @@ fn gpt2_trace_replays_to_the_peaks_measured_on_the_gpu() {
 fn detector_trace_replays_to_the_peaks_measured_on_the_gpu() {
     // The GPU measured 2,705,326,080 B reserved under 9d6cd2c's library.
     // Stitches repaired in part (Note [Stitching]) move other pages and
-    // reserve 8 MiB more on this trace: the figure below is the replay's,
+    // reserve 6 MiB more on this trace: the figure below is the replay's,
     // until the trace is recorded again on the GPU with this library.
     assert_eq!(
         replay_example("detector-multiscale.gtrace", None),
-        (2_713_714_688, 2_629_305_344, 0)
+        (2_711_617_536, 2_629_305_344, 0)
     );
     let (reserved, _, ooms) = replay_example("detector-multiscale.gtrace", Some("policy:pytorch"));
     assert_eq!((reserved, ooms), (4_823_449_600, 0));
