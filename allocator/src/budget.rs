@@ -41,9 +41,9 @@
 //! from 1.5% on, and 3% leaves a margin for the clock of a real run
 //! (`docs/policy-experiments.md`). Repairs of stitches (their holes filled,
 //! busy parts replaced) are charged like the builds they replace and need
-//! no rule of their own; with them the default costs 11% less driver time
-//! over the 47 workloads, and no limit still costs the long churn loop
-//! more than twice the default's time, so the share stays.
+//! no rule of their own; with them the default costs 8% less driver time
+//! over the 47 workloads for the same R/A, and no limit still costs the
+//! long churn loop more than twice the default's time, so the share stays.
 
 /// The credit at start and the most that can be banked (50 ms).
 pub(crate) const BURST_NS: f64 = 50e6;
