@@ -29,7 +29,7 @@
 //! | `expandable_handle_mb` | power of two, 2–1024 | 16 | largest physical handle created at once; a mapping of n bytes uses handles of at most n/8 (fewer driver calls, coarser unmapping) |
 //! | `defragment` | `true`/`false` | true | with expandable segments: rather than hold more than `1 + defragment_headroom` times peak allocated memory, unmap free pages and map them where the request fits |
 //! | `defragment_headroom` | 0 ≤ x ≤ 1 | 0.005 | how far held memory may exceed peak allocated memory before defragmenting |
-//! | `defragment_budget` | 0 ≤ x ≤ 1 | 0.03 | with `defragment`: the share of elapsed time that defragmenting and stitching may spend in driver calls before defragmentation stops tearing cached stitches down to move their pages (1: no limit; Note [Defragmentation budget]) |
+//! | `defragment_budget` | 0 ≤ x ≤ 1 | 0.03 | with `defragment`: the share of elapsed time that defragmenting and stitching may spend in driver calls before defragmentation stops taking the pages cached stitches alias (1: no limit; Note [Defragmentation budget]) |
 //! | `stitch_min_mb` | integer, 0–1048576 | 32 | with `defragment`: requests of at least this many MiB may be served by stitching free pages into a fresh range (0: never) |
 //!
 //! A key may appear once. Numbers are plain decimal; a value outside its
@@ -108,7 +108,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ),
     (
         "defragment_budget",
-        "share of elapsed time defragmenting may spend in driver calls before it stops tearing down cached stitches (0 to 1; 1: no limit)",
+        "share of elapsed time defragmenting may spend in driver calls before it stops taking pages that cached stitches alias (0 to 1; 1: no limit)",
     ),
     (
         "expandable_segments",

@@ -730,8 +730,8 @@ mod tests {
         ok(&d);
         let reserved = d.stats().reserved_bytes.all.current;
         // 24 MiB fits in no piece; the only free pages are those the cached
-        // stitch aliases. They are moved (the stitch is torn down) rather
-        // than the pool growing past the bound.
+        // stitch aliases. They are moved (and unmapped from the stitch,
+        // leaving holes) rather than the pool growing past the bound.
         let p = d.malloc(24 * MIB, 0).unwrap();
         ok(&d);
         let grew = d.stats().reserved_bytes.all.current > reserved;
