@@ -12,8 +12,10 @@
 //! with the epoch at its recording, after which the epoch advances; once it
 //! has completed, every block freed on that stream before it is idle. A
 //! free block may be unmapped when its stream's newest completed fence is at
-//! least its stamp. Fences are recorded on the slow path and after every
-//! sixteenth free of 2 MiB or more (never on the other frees), polled
+//! least its stamp. Fences are recorded on the slow path, after every
+//! sixteenth free of 2 MiB or more and when a stitch is freed (its pages
+//! are wanted one step later; a fence recorded only then would cover all
+//! the work queued since), never on the other frees; they are polled
 //! without blocking on the slow path, and waited for
 //! (`cuEventSynchronize`, one stream) only when pages that are not yet known
 //! idle are needed now. Which pages are unmapped never depends on whether

@@ -251,6 +251,16 @@ impl<B: Backend> DeviceAllocator<B> {
         s.slots = slots;
         s.in_use = None;
         s.freed = stamp;
+        // A fence right after the stitch's last work: a repair or teardown
+        // that needs that work done finds the fence passed, or waits only
+        // until it is, instead of recording one behind all the work queued
+        // by then (Note [Event-ordered unmapping]). Not during a capture,
+        // where an event would belong to the graph; a driver error only
+        // means no fence now.
+        let stream = s.stream;
+        if !self.private.capturing() {
+            let _ = self.fences.cover(&mut self.backend, stream, stamp);
+        }
     }
 
     /// Marks the home range of a part claimed (from free) or free (from

@@ -277,6 +277,29 @@ mod tests {
         teardown(d, live);
     }
 
+    /// A fence is recorded when a stitch is freed: once the device has
+    /// passed it, replacing a busy part unmaps without waiting, even with
+    /// later work queued on the stream.
+    #[test]
+    fn a_repair_after_the_stitchs_work_is_done_does_not_wait() {
+        let (mut d, mut live) = fragmented_with("expandable_handle_mb:2");
+        let stitched = d.malloc(64 * MIB, 0).unwrap();
+        let mut held: Vec<u64> = (0..4).map(|_| d.malloc(16 * MIB, 0).unwrap()).collect();
+        d.free(stitched).unwrap();
+        d.backend.complete(0);
+        d.backend.launch(0);
+        live.push(d.malloc(2 * MIB, 0).unwrap());
+        d.free(held.remove(0)).unwrap();
+        let waits = d.backend.counters.wait_event;
+        let again = d.malloc(64 * MIB, 0).unwrap();
+        ok(&d);
+        assert_eq!(again, stitched, "one part replaced");
+        assert_eq!(d.backend.counters.wait_event, waits, "no host wait");
+        live.extend(held);
+        live.push(again);
+        teardown(d, live);
+    }
+
     #[test]
     fn a_hole_that_cannot_be_filled_drops_the_stitch() {
         let (mut d, _, mut live) = one_part_short(ONE_HANDLE);
