@@ -6,6 +6,7 @@
 //! - `promise`: the default policy never fails a request for fragmentation;
 //! - `scenarios`: one file per rule of PyTorch's caching allocator;
 //! - `segment_events`: segment events announce exactly the backed memory;
+//! - `stitch_safety`: stitch repair waits for the stitch's queued work;
 //! - `docs`: `docs/configuration.md` lists exactly the code's keys and
 //!   environment variables, with the code's defaults;
 //! - `examples`: the C example builds and runs on the simulated device.
@@ -18,4 +19,5 @@ mod promise;
 mod properties;
 mod scenarios;
 mod segment_events;
+mod stitch_safety;
 mod structure;
