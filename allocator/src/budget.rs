@@ -11,16 +11,18 @@
 //! traces that is worth it
 //! (ResNet-50 reserves 3% less), but in a CPU-bound allocation loop whose
 //! defragmentation already costs a fifth of its time it doubled that time.
-//! Approach: every driver call of defragmenting and stitching (the moves,
-//! the stitches built, the mapping of moved pages) is charged here at the
-//! cost model's price (`CostModel::h200`), on the GPU as on the simulator.
+//! Approach: every memory call of defragmenting and stitching (the moves,
+//! the stitches built or repaired, the mapping of moved pages) is charged
+//! here at the cost model's price (`CostModel::h200`), on the GPU as on the
+//! simulator; event calls are not, since whether a fence must be waited for
+//! depends on how far the GPU had come.
 //! Not at the time measured: a call takes 3–4x longer while kernels run,
 //! and a wait on a fence lasts as long as the work queued before it, so a
 //! measured charge depends on how busy the GPU happens to be, and identical
 //! runs chose differently (GPT-2 under the Hugging Face `Trainer` reserved
 //! 1.005x allocated in one run and 1.068x in the next). Defragmentation
 //! earns `defragment_budget` (3% by default) of the time that passes, and
-//! may tear stitches down only while it has credit (never with a share of
+//! may take pages that cached stitches alias only while it has credit (never with a share of
 //! 0). What is unspent is banked up to [`BURST_NS`], also the credit at
 //! start, so the first steps (where the peak usually forms) are never held
 //! back. Moving unaliased pages is never budgeted, nor is the

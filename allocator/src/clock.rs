@@ -21,10 +21,12 @@
 //! was before a locked call always started with a fresh reading and the
 //! clock calibrated in `Allocator::new` (7b61ef9). Since then 1,690 such
 //! recordings (six of them on the decision path that load causes, 168
-//! failures instead of 171) all replayed exactly; on the simulator's
-//! virtual clock advanced between calls (pauses of up to 200 ms), 1,200
-//! did, while a replay that ignores the stamps parted from 326 of them
-//! (`a_recording_on_an_advancing_clock_replays_exactly`).
+//! failures instead of 171) all replayed exactly. On the simulator's
+//! virtual clock advanced between calls, a sweep of 1,200 recordings
+//! (pauses of up to 200 ms) replayed exactly, while a replay that ignores
+//! the stamps parted from 326 of them; the test
+//! `a_recording_on_an_advancing_clock_replays_exactly` keeps 36 of that
+//! kind (pauses of up to 50 ms).
 
 use std::sync::OnceLock;
 

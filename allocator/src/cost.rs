@@ -169,6 +169,22 @@ impl DriverCalls {
         .sum()
     }
 
+    /// These calls less the event calls (`cuEventRecord`, `cuEventQuery`,
+    /// `cuEventSynchronize`): whether a wait is needed depends on how far
+    /// the GPU had come, which a replay cannot know.
+    pub fn without_events(&self) -> DriverCalls {
+        let mut d = *self;
+        for c in [
+            DriverCall::EventRecord,
+            DriverCall::EventQuery,
+            DriverCall::EventSync,
+        ] {
+            let i = c as usize;
+            (d.calls[i], d.handles[i], d.bytes[i], d.nanos[i]) = (0, 0, 0, 0);
+        }
+        d
+    }
+
     /// The calls made since `earlier` (a reading of the same counters).
     pub fn since(&self, earlier: &DriverCalls) -> DriverCalls {
         let mut d = *self;

@@ -234,12 +234,13 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(block)
     }
 
-    /// Charges the driver calls made since `before` to the defragmentation
-    /// budget at the cost model's price, never at the time measured
-    /// (Note [Defragmentation budget]).
+    /// Charges the memory calls made since `before` to the defragmentation
+    /// budget at the cost model's price, never at the time measured, and
+    /// not the event calls, whose number depends on which fences the GPU
+    /// had passed (Note [Defragmentation budget]).
     fn charge_defragmentation(&mut self, before: Option<DriverCalls>) {
         let Some(before) = before else { return };
-        let spent = self.backend.driver_calls().since(&before);
+        let spent = self.backend.driver_calls().since(&before).without_events();
         let ns = CostModel::h200().predict_ms(&spent) * 1e6;
         self.defrag_budget.charge(ns);
     }

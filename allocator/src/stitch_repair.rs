@@ -90,7 +90,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 }
             }
         }
-        // Largest handles first (stable: larger runs first among equals),
+        // Largest handles first (stable: among equal sizes, smaller runs first),
         // so a hole takes one handle of its size when there is one.
         spare.sort_by_key(|p| std::cmp::Reverse(p.size));
         let mut used = vec![false; spare.len()];
