@@ -61,7 +61,9 @@ impl<B: Backend> DeviceAllocator<B> {
         // call), else the one with the fewest handles to change (holes, and
         // parts whose home is in use), repaired when that is at most a
         // quarter of its handles (Note [Stitching]).
-        let (mut best, mut repairable): (Option<usize>, Option<(usize, usize)>) = (None, None);
+        // `repairable`: (stitch, handles to change, its busy parts' addresses).
+        let mut best: Option<usize> = None;
+        let mut repairable: Option<(usize, usize, Vec<DevicePtr>)> = None;
         let list = &self.stitches.list;
         for (i, s) in list.iter().enumerate() {
             if s.in_use.is_some()
@@ -71,25 +73,28 @@ impl<B: Backend> DeviceAllocator<B> {
             {
                 continue;
             }
-            let busy = s
+            let busy: Vec<DevicePtr> = s
                 .parts()
-                .filter(|p| !self.parts_free(std::iter::once(*p), stream))
-                .count();
-            let change = s.holes() + busy;
+                .filter(|p| !self.part_free(p, stream))
+                .map(|p| p.addr)
+                .collect();
+            let change = s.holes() + busy.len();
             if change == 0 {
                 if best.is_none_or(|b| s.size < list[b].size) {
                     best = Some(i);
                 }
             } else if change * 4 <= s.slots.len()
-                && repairable.is_none_or(|(r, c)| (change, s.size) < (c, list[r].size))
+                && repairable
+                    .as_ref()
+                    .is_none_or(|(r, c, _)| (change, s.size) < (*c, list[*r].size))
             {
-                repairable = Some((i, change));
+                repairable = Some((i, change, busy));
             }
         }
         if best.is_none()
-            && let Some((r, _)) = repairable
+            && let Some((r, _, busy)) = repairable
         {
-            if self.repair_stitch(r)? {
+            if self.repair_stitch(r, &busy)? {
                 best = Some(r);
             } else if self.stitches.list[r].holes() > 0 {
                 // Holes that cannot be filled: torn down, as before repair.
@@ -107,21 +112,15 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(Some(self.claim_stitch(i, rounded)))
     }
 
-    /// Whether every part lies, with the same handle, in a free block of `stream`.
-    pub(crate) fn parts_free<'a>(
-        &self,
-        mut parts: impl Iterator<Item = &'a Part>,
-        stream: StreamId,
-    ) -> bool {
-        parts.all(|p| {
-            self.pages.handle_at(p.addr) == Some((p.handle, p.size))
-                && self.heap.find_block(p.seg, p.addr).is_some_and(|b| {
-                    let b = &self.heap.blocks[b];
-                    b.state == BlockState::Free
-                        && b.stream == stream
-                        && p.addr + p.size <= b.ptr + b.size
-                })
-        })
+    /// Whether a part lies, with the same handle, in a free block of `stream`.
+    fn part_free(&self, p: &Part, stream: StreamId) -> bool {
+        self.pages.handle_at(p.addr) == Some((p.handle, p.size))
+            && self.heap.find_block(p.seg, p.addr).is_some_and(|b| {
+                let b = &self.heap.blocks[b];
+                b.state == BlockState::Free
+                    && b.stream == stream
+                    && p.addr + p.size <= b.ptr + b.size
+            })
     }
 
     /// Maps free runs of `stream` (largest first) into a new reservation.

@@ -56,20 +56,19 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(())
     }
 
-    /// Repairs cached stitch `i`: its holes, and the parts whose home is no
-    /// longer free, get free handles of its stream (smallest free runs
+    /// Repairs cached stitch `i`: its holes, and its `busy` parts (those
+    /// whose home is no longer free, as `stitch_for` found them), get free handles of its stream (smallest free runs
     /// first, the fragments other requests can least use; none that the
     /// stitch keeps), each handles that add up to its size. Only those are
     /// unmapped (after the stitch's last work) and mapped, one call per
     /// run. `false`, with nothing changed, when some cannot be replaced.
-    pub(crate) fn repair_stitch(&mut self, i: usize) -> Result<bool, AllocError> {
+    pub(crate) fn repair_stitch(
+        &mut self,
+        i: usize,
+        busy: &[DevicePtr],
+    ) -> Result<bool, AllocError> {
         let s = &self.stitches.list[i];
         let stream = s.stream;
-        let busy: Vec<DevicePtr> = s
-            .parts()
-            .filter(|p| !self.parts_free(std::iter::once(*p), stream))
-            .map(|p| p.addr)
-            .collect();
         let own: Vec<DevicePtr> = s.parts().map(|p| p.addr).collect();
         let mut runs: Vec<_> = self
             .free_runs(None)
