@@ -362,6 +362,64 @@ mod tests {
         }
     }
 
+    /// Memory calls, unmaps, host waits and handle creations per training
+    /// step (steps begin where the trace's last phase begins, the optimizer's
+    /// in a training loop), and their sum after the first fifth of the steps.
+    #[test]
+    #[ignore = "a probe over recorded traces, run by hand"]
+    fn step_calls() {
+        use crate::cost::DriverCall as C;
+        use crate::trace::EventKind;
+        let conf = std::env::var("LAYOUT_PROBE_CONFIG").unwrap_or_default();
+        for p in std::env::var("LAYOUT_PROBE").unwrap_or_default().split(',') {
+            if p.is_empty() {
+                continue;
+            }
+            let evs = super::load(std::path::Path::new(p));
+            let phase = |e: &crate::trace::TraceEvent| match e.kind() {
+                EventKind::PhasePush { name } => Some(name),
+                _ => None,
+            };
+            let Some(last) = evs.iter().rev().find_map(phase) else {
+                println!("{p}: no phases");
+                continue;
+            };
+            let mut step = 0usize;
+            let mut rows = vec![[0u64; 4]];
+            let mut seen = [0u64; 4];
+            super::replay_each(&evs, &conf, &mut |i, d| {
+                if phase(&evs[i as usize]) == Some(last) {
+                    step += 1;
+                    rows.push([0; 4]);
+                }
+                let c = crate::Backend::driver_calls(&d.backend);
+                let now = [
+                    c.memory_calls(),
+                    c.calls(C::Unmap),
+                    c.calls(C::EventSync),
+                    c.calls(C::Create),
+                ];
+                for j in 0..4 {
+                    rows[step][j] += now[j] - seen[j];
+                }
+                seen = now;
+            });
+            let warm = rows.len() / 5;
+            let late = rows[warm..]
+                .iter()
+                .fold([0u64; 4], |a, r| std::array::from_fn(|j| a[j] + r[j]));
+            println!(
+                "{p} {conf:?}: {} steps; after step {warm}: memory calls, unmaps, waits, creates {late:?}",
+                rows.len() - 1
+            );
+            if std::env::var("LAYOUT_PROBE_ROWS").is_ok() {
+                for (k, r) in rows.iter().enumerate() {
+                    println!("{k:2} {r:?}");
+                }
+            }
+        }
+    }
+
     /// `LAYOUT_PROBE=trace[,trace...] [LAYOUT_PROBE_CONFIG=...]`.
     #[test]
     #[ignore = "a probe over recorded traces, run by hand"]

@@ -26,8 +26,15 @@
 //! home is in use), if that is at most a quarter of its handles, gets free
 //! handles of the stream in their place (smallest free runs first, handles
 //! adding up to each hole's size) and only those are unmapped and mapped:
-//! the driver time is that of the handles changed, not of the stitch. A
-//! stitch whose holes cannot be filled is torn down and a new one built,
+//! the driver time is that of the handles changed, not of the stitch.
+//! Repairs rent and a new stitch buys: once a stitch's repairs have changed
+//! as many handles as it has, the next request that would repair it gets a
+//! stitch of its own instead and the old one is kept as it is. A workload
+//! whose layouts repeat (ResNet-50's steps alternate between two) would
+//! otherwise repair one stitch back and forth every step, unmapping and
+//! waiting for its work each time; so it ends with a stitch per layout and
+//! no driver call, at most twice what the best choice in hindsight costs.
+//! A stitch whose holes cannot be filled is torn down and a new one built,
 //! as before. A cached stitch is torn down whole (after its last work) on
 //! `empty_cache` and on the out-of-memory path, when the cache is full, or
 //! when its handles are replaced for sharing (`ipc.rs`). The trace records
@@ -91,19 +98,32 @@ impl<B: Backend> DeviceAllocator<B> {
                 repairable = Some((i, change, busy));
             }
         }
+        let mut built = None;
         if best.is_none()
-            && let Some((r, _, busy)) = repairable
+            && let Some((r, change, busy)) = repairable
         {
-            if self.repair_stitch(r, &busy)? {
-                best = Some(r);
-            } else if self.stitches.list[r].holes() > 0 {
-                // Holes that cannot be filled: torn down, as before repair.
-                self.drop_stitch(r)?;
+            // Repairs that have changed as many handles as the stitch has
+            // cost what a new stitch does: one is built for this layout
+            // instead, and the old one kept for its own (Note [Stitching]).
+            // When none can be built (nothing has changed then), it is
+            // repaired after all.
+            let s = &self.stitches.list[r];
+            if s.repaired >= s.slots.len() as u64 {
+                built = self.build_stitch(stream, rounded)?;
+            }
+            if built.is_none() {
+                if self.repair_stitch(r, &busy)? {
+                    self.stitches.list[r].repaired += change as u64;
+                    best = Some(r);
+                } else if self.stitches.list[r].holes() > 0 {
+                    // Holes that cannot be filled: torn down, as before repair.
+                    self.drop_stitch(r)?;
+                }
             }
         }
-        let i = match best {
-            Some(i) => i,
-            None => match self.build_stitch(stream, rounded)? {
+        let i = match (best, built) {
+            (Some(i), _) | (None, Some(i)) => i,
+            (None, None) => match self.build_stitch(stream, rounded)? {
                 Some(i) => i,
                 None => return Ok(None),
             },
@@ -174,6 +194,7 @@ impl<B: Backend> DeviceAllocator<B> {
             in_use: None,
             freed: 0,
             used_at: 0,
+            repaired: 0,
         });
         Ok(Some(self.stitches.list.len() - 1))
     }

@@ -54,6 +54,8 @@ pub(crate) struct Stitch {
     pub freed: u64,
     /// Use counter value at its last use (least recently used goes first).
     pub used_at: u64,
+    /// Handles its repairs have changed since it was built.
+    pub repaired: u64,
 }
 
 impl Stitch {

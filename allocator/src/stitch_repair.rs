@@ -276,6 +276,41 @@ mod tests {
         teardown(d, live);
     }
 
+    /// Repairs that have changed as many handles as the stitch has: the
+    /// next one that needs changing is left as it is (for the layout it
+    /// fits) and a new stitch is built over the free pieces.
+    #[test]
+    fn a_stitch_whose_repairs_cost_a_build_gets_a_second_stitch() {
+        let (mut d, mut live) = fragmented_with("expandable_handle_mb:2");
+        let stitched = d.malloc(64 * MIB, 0).unwrap();
+        let mut held: Vec<u64> = (0..4).map(|_| d.malloc(16 * MIB, 0).unwrap()).collect();
+        d.free(stitched).unwrap();
+        live.push(d.malloc(2 * MIB, 0).unwrap());
+        d.free(held.remove(0)).unwrap();
+        let again = d.malloc(64 * MIB, 0).unwrap();
+        assert_eq!(again, stitched);
+        assert_eq!(d.stitches.list[0].repaired, 1, "one handle changed");
+        d.free(again).unwrap();
+        // As if it had been repaired 32 handles' worth: one more busy part
+        // and another piece free, and the request gets a stitch of its own.
+        d.stitches.list[0].repaired = d.stitches.list[0].slots.len() as u64;
+        live.push(d.malloc(2 * MIB, 0).unwrap());
+        d.free(held.remove(0)).unwrap();
+        let slots: Vec<u64> = d.stitches.list[0].parts().map(|p| p.addr).collect();
+        let calls = d.driver_calls();
+        let other = d.malloc(64 * MIB, 0).unwrap();
+        ok(&d);
+        let spent = d.driver_calls().since(&calls);
+        assert_ne!(other, stitched, "a new stitch");
+        assert_eq!(d.stats().num_stitch, 2);
+        assert_eq!(spent.calls(DriverCall::Unmap), 0, "{spent}");
+        let kept: Vec<u64> = d.stitches.list[0].parts().map(|p| p.addr).collect();
+        assert_eq!(kept, slots, "the old stitch is kept as it was");
+        live.extend(held);
+        live.push(other);
+        teardown(d, live);
+    }
+
     /// A fence is recorded when a stitch is freed: once the device has
     /// passed it, replacing a busy part unmaps without waiting, even with
     /// later work queued on the stream.

@@ -81,6 +81,48 @@ fn ultralytics_trace_replays_to_the_peaks_measured_on_the_gpu() {
     );
 }
 
+/// `examples/resnet50.gtrace`: ResNet-50, batch 128, 60 steps, recorded
+/// by `bash tests/gpu/bench.sh --variants gpualloc-traced` with the library
+/// of 4f53d2a (`docs/results/h200-round10/bench-traced.json`). It replays to
+/// the GPU's peaks; and since its layouts repeat, a cached stitch that
+/// repairs keep changing gets a second stitch instead (Note [Stitching]):
+/// after warm-up the replay makes no memory call at all, as PyTorch's
+/// expandable segments make none.
+#[test]
+fn resnet_trace_replays_to_the_gpus_peaks_and_is_silent_after_warm_up() {
+    assert_eq!(
+        replay_example("resnet50.gtrace", None),
+        (6_266_290_176, 6_146_379_776, 0)
+    );
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/resnet50.gtrace");
+    let mut r = TraceReader::open(&path).expect("the example trace opens");
+    let config = Config::parse(&r.header().config).unwrap();
+    let events: Vec<_> = r.events().collect();
+    // Steps begin with the optimizer's phase, the last phase of a step.
+    let phase = |e: &gpualloc::trace::TraceEvent| match e.kind() {
+        gpualloc::trace::EventKind::PhasePush { name } => Some(name),
+        _ => None,
+    };
+    let optimizer = events
+        .iter()
+        .rev()
+        .find_map(phase)
+        .expect("phases recorded");
+    let starts: Vec<usize> = (0..events.len())
+        .filter(|&i| phase(&events[i]) == Some(optimizer))
+        .collect();
+    assert_eq!(starts.len(), 60, "one optimizer phase a step");
+    let calls_until = |step: usize| {
+        let out = replay(events[..starts[step]].iter().copied(), H200, &config);
+        out.driver.memory_calls()
+    };
+    let whole = replay(events.iter().copied(), H200, &config)
+        .driver
+        .memory_calls();
+    assert!(calls_until(12) > 0);
+    assert_eq!(calls_until(20), whole, "memory calls after step 20");
+}
+
 /// `examples/yolo-style-oom.gtrace` (README's first command): recorded on
 /// the H200 by `tests/gpu/record_example.py` under `memory_limit:1700MiB`,
 /// with automatic steps and phases, ending in an out-of-memory error. The
