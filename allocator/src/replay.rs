@@ -469,7 +469,7 @@ mod tests {
         let a = Allocator::new(config, 1, Box::new(move |_| Ok(SimBackend::new(capacity))));
         let path = crate::trace::control_tests_path(&format!("replay-{seed}"));
         a.trace_start(&path).unwrap();
-        let mut rng = Rng(seed | 1);
+        let mut rng = Rng(2 * seed + 1);
         let mut live: Vec<(u64, u64)> = Vec::new();
         let mut clock = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
         let mut now = crate::clock::now_ns() + 1_000_000_000;
@@ -607,10 +607,10 @@ mod tests {
 
     #[test]
     fn replay_is_deterministic_and_capacity_matters() {
-        let (evs, ..) = record(9, 1 << 30, "", 3000);
+        let (evs, ..) = record(9, 4 << 30, "", 3000);
         let c = Config::default();
-        let a = replay(evs.iter().copied(), 1 << 30, &c);
-        let b = replay(evs.iter().copied(), 1 << 30, &c);
+        let a = replay(evs.iter().copied(), 4 << 30, &c);
+        let b = replay(evs.iter().copied(), 4 << 30, &c);
         assert_eq!(a, b);
         assert!(a.first_oom.is_none());
         let small = replay(evs.iter().copied(), a.peak_allocated / 2, &c);

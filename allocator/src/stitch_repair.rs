@@ -334,6 +334,31 @@ mod tests {
         teardown(d, live);
     }
 
+    /// The fence at a stitch's free is not recorded while a graph is
+    /// captured (the event would belong to the graph, Note [Private pools]);
+    /// after the capture, a free records it again.
+    #[test]
+    fn a_stitch_freed_during_a_capture_records_no_fence() {
+        let (mut d, live) = fragmented_with("expandable_handle_mb:2");
+        let stitched = d.malloc(64 * MIB, 0).unwrap();
+        d.begin_allocate_to_pool((1, 1), Some(Box::new(|s| s == 9)));
+        let events = d.backend.counters.record_event;
+        d.free(stitched).unwrap();
+        ok(&d);
+        assert_eq!(
+            d.backend.counters.record_event, events,
+            "no event in the capture"
+        );
+        d.end_allocate_to_pool((1, 1)).unwrap();
+        d.release_pool((1, 1)).unwrap();
+        let again = d.malloc(64 * MIB, 0).unwrap();
+        assert_eq!(again, stitched, "the cached stitch, whole");
+        let events = d.backend.counters.record_event;
+        d.free(again).unwrap();
+        assert_eq!(d.backend.counters.record_event, events + 1, "a fence");
+        teardown(d, live);
+    }
+
     #[test]
     fn a_hole_that_cannot_be_filled_drops_the_stitch() {
         let (mut d, _, mut live) = one_part_short(ONE_HANDLE);
