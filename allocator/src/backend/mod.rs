@@ -166,6 +166,9 @@ pub trait Backend: Send {
     /// Maps `handles` one after another from `ptr` (one `cuMemMap` each) and
     /// makes the whole range accessible with one `cuMemSetAccess`. The range
     /// lies in a reservation and is unmapped. On failure nothing stays mapped.
+    /// Each handle is mapped whole: the driver takes no offset into a
+    /// handle (`cuMemMap`'s must be zero; docs/policy-experiments.md, eighth
+    /// study), so part of a handle cannot be mapped alone.
     fn map_handles(
         &mut self,
         ptr: DevicePtr,
