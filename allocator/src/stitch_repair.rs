@@ -249,12 +249,20 @@ mod tests {
         teardown(d, live);
     }
 
+    /// The fragmented layout under 2 MiB handles with a cached 64 MiB
+    /// stitch over four free pieces and the other four pieces held: the
+    /// device, the live blocks, the stitch's address and the held pieces.
+    fn cached_stitch() -> (DeviceAllocator<SimBackend>, Vec<u64>, u64, Vec<u64>) {
+        let (mut d, live) = fragmented_with("expandable_handle_mb:2");
+        let stitched = d.malloc(64 * MIB, 0).unwrap();
+        let held: Vec<u64> = (0..4).map(|_| d.malloc(16 * MIB, 0).unwrap()).collect();
+        d.free(stitched).unwrap();
+        (d, live, stitched, held)
+    }
+
     #[test]
     fn a_part_whose_home_is_in_use_is_replaced_alone() {
-        let (mut d, mut live) = fragmented_with("expandable_handle_mb:2");
-        let stitched = d.malloc(64 * MIB, 0).unwrap();
-        let mut held: Vec<u64> = (0..4).map(|_| d.malloc(16 * MIB, 0).unwrap()).collect();
-        d.free(stitched).unwrap();
+        let (mut d, mut live, stitched, mut held) = cached_stitch();
         // A small block lands in the first free piece: one handle of the
         // stitch is in use at home. A held piece is freed.
         live.push(d.malloc(2 * MIB, 0).unwrap());
@@ -281,10 +289,7 @@ mod tests {
     /// fits) and a new stitch is built over the free pieces.
     #[test]
     fn a_stitch_whose_repairs_cost_a_build_gets_a_second_stitch() {
-        let (mut d, mut live) = fragmented_with("expandable_handle_mb:2");
-        let stitched = d.malloc(64 * MIB, 0).unwrap();
-        let mut held: Vec<u64> = (0..4).map(|_| d.malloc(16 * MIB, 0).unwrap()).collect();
-        d.free(stitched).unwrap();
+        let (mut d, mut live, stitched, mut held) = cached_stitch();
         live.push(d.malloc(2 * MIB, 0).unwrap());
         d.free(held.remove(0)).unwrap();
         let again = d.malloc(64 * MIB, 0).unwrap();
@@ -316,10 +321,7 @@ mod tests {
     /// later work queued on the stream.
     #[test]
     fn a_repair_after_the_stitchs_work_is_done_does_not_wait() {
-        let (mut d, mut live) = fragmented_with("expandable_handle_mb:2");
-        let stitched = d.malloc(64 * MIB, 0).unwrap();
-        let mut held: Vec<u64> = (0..4).map(|_| d.malloc(16 * MIB, 0).unwrap()).collect();
-        d.free(stitched).unwrap();
+        let (mut d, mut live, stitched, mut held) = cached_stitch();
         d.backend.complete(0);
         d.backend.launch(0);
         live.push(d.malloc(2 * MIB, 0).unwrap());

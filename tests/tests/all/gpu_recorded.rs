@@ -17,21 +17,27 @@ use std::path::PathBuf;
 
 use gpualloc::Config;
 use gpualloc::replay::replay;
+use gpualloc::trace::TraceEvent;
 use gpualloc::trace::reader::TraceReader;
 
 /// H200 memory as `cudaMemGetInfo` reports it (143771 MiB).
 const H200: u64 = 143_771 << 20;
 
-fn replay_example(name: &str, config: Option<&str>) -> (u64, u64, u64) {
+/// The recorded configuration and the events of `examples/NAME`, read whole.
+fn example(name: &str) -> (String, Vec<TraceEvent>) {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../examples")
         .join(name);
     let mut r = TraceReader::open(&path).expect("the example trace opens");
-    let config =
-        Config::parse(config.unwrap_or(&r.header().config)).expect("the configuration parses");
     let events: Vec<_> = r.events().collect();
     assert!(r.error().is_none(), "{:?}", r.error());
     assert!(r.end().is_some(), "the recording was stopped cleanly");
+    (r.header().config.clone(), events)
+}
+
+fn replay_example(name: &str, config: Option<&str>) -> (u64, u64, u64) {
+    let (recorded, events) = example(name);
+    let config = Config::parse(config.unwrap_or(&recorded)).expect("the configuration parses");
     let out = replay(events.into_iter(), H200, &config);
     (out.peak_reserved, out.peak_allocated, out.ooms)
 }
@@ -94,10 +100,8 @@ fn resnet_trace_replays_to_the_gpus_peaks_and_is_silent_after_warm_up() {
         replay_example("resnet50.gtrace", None),
         (6_266_290_176, 6_146_379_776, 0)
     );
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/resnet50.gtrace");
-    let mut r = TraceReader::open(&path).expect("the example trace opens");
-    let config = Config::parse(&r.header().config).unwrap();
-    let events: Vec<_> = r.events().collect();
+    let (config, events) = example("resnet50.gtrace");
+    let config = Config::parse(&config).unwrap();
     // Steps begin with the optimizer's phase, the last phase of a step.
     let phase = |e: &gpualloc::trace::TraceEvent| match e.kind() {
         gpualloc::trace::EventKind::PhasePush { name } => Some(name),
@@ -134,10 +138,8 @@ fn yolo_style_trace_replays_to_its_peaks_and_its_oom() {
         replay_example("yolo-style-oom.gtrace", None),
         (1_767_899_136, 1_705_659_392, 1)
     );
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/yolo-style-oom.gtrace");
-    let mut r = TraceReader::open(&path).expect("the example trace opens");
-    assert_eq!(r.header().config, "memory_limit:1700MiB");
-    let events: Vec<_> = r.events().collect();
+    let (config, events) = example("yolo-style-oom.gtrace");
+    assert_eq!(config, "memory_limit:1700MiB");
     let count = |a: gpualloc::trace::Action| events.iter().filter(|e| e.action == a).count();
     assert_eq!(
         count(gpualloc::trace::Action::Mark),
@@ -150,10 +152,8 @@ fn yolo_style_trace_replays_to_its_peaks_and_its_oom() {
 
 #[test]
 fn a_capacity_beyond_any_device_replays_as_one_pebibyte() {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/yolo-style-oom.gtrace");
-    let mut r = TraceReader::open(&path).expect("the example trace opens");
+    let (_, events) = example("yolo-style-oom.gtrace");
     let config = Config::parse("").unwrap();
-    let events: Vec<_> = r.events().collect();
     for capacity in [1 << 60, u64::MAX] {
         let out = replay(events.iter().cloned(), capacity, &config);
         assert_eq!(out.capacity, gpualloc::config::MAX_BYTES);
