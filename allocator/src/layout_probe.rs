@@ -364,7 +364,8 @@ mod tests {
 
     /// Memory calls, unmaps, host waits and handle creations per training
     /// step (steps begin where the trace's last phase begins, the optimizer's
-    /// in a training loop), and their sum after the first fifth of the steps.
+    /// in a training loop; row 0 is what comes before the first), and their
+    /// sum from the step a fifth of the way in.
     #[test]
     #[ignore = "a probe over recorded traces, run by hand"]
     fn step_calls() {
@@ -386,7 +387,8 @@ mod tests {
             };
             let mut step = 0usize;
             let mut rows = vec![[0u64; 4]];
-            let mut seen = [0u64; 4];
+            // Each device's counts so far (each has its own backend).
+            let mut seen: rustc_hash::FxHashMap<u32, [u64; 4]> = Default::default();
             super::replay_each(&evs, &conf, &mut |i, d| {
                 if phase(&evs[i as usize]) == Some(last) {
                     step += 1;
@@ -399,17 +401,18 @@ mod tests {
                     c.calls(C::EventSync),
                     c.calls(C::Create),
                 ];
+                let seen = seen.entry(d.device).or_default();
                 for j in 0..4 {
                     rows[step][j] += now[j] - seen[j];
                 }
-                seen = now;
+                *seen = now;
             });
             let warm = rows.len() / 5;
             let late = rows[warm..]
                 .iter()
                 .fold([0u64; 4], |a, r| std::array::from_fn(|j| a[j] + r[j]));
             println!(
-                "{p} {conf:?}: {} steps; after step {warm}: memory calls, unmaps, waits, creates {late:?}",
+                "{p} {conf:?}: {} steps; from step {warm} on: memory calls, unmaps, waits, creates {late:?}",
                 rows.len() - 1
             );
             if std::env::var("LAYOUT_PROBE_ROWS").is_ok() {

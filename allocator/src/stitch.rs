@@ -27,9 +27,10 @@
 //! handles of the stream in their place (smallest free runs first, handles
 //! adding up to each hole's size) and only those are unmapped and mapped:
 //! the driver time is that of the handles changed, not of the stitch.
-//! Repairs rent and a new stitch buys: once a stitch's repairs have changed
-//! as many handles as it has, the next request that would repair it gets a
-//! stitch of its own instead and the old one is kept as it is. A workload
+//! Repairs rent and a new stitch buys: once the parts a stitch's repairs
+//! have replaced (holes and busy parts, each counted once) add up to as
+//! many as it has, the next request that would repair it gets a stitch of
+//! its own instead and the old one is kept as it is. A workload
 //! whose layouts repeat (ResNet-50's steps alternate between two) would
 //! otherwise repair one stitch back and forth every step, unmapping and
 //! waiting for its work each time; so it ends with a stitch per layout and
@@ -102,7 +103,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if best.is_none()
             && let Some((r, change, busy)) = repairable
         {
-            // Repairs that have changed as many handles as the stitch has
+            // Repairs that have replaced as many parts as the stitch has
             // cost what a new stitch does: one is built for this layout
             // instead, and the old one kept for its own (Note [Stitching]).
             // When none can be built (nothing has changed then), it is

@@ -54,7 +54,8 @@ pub(crate) struct Stitch {
     pub freed: u64,
     /// Use counter value at its last use (least recently used goes first).
     pub used_at: u64,
-    /// Handles its repairs have changed since it was built.
+    /// Parts its repairs have replaced since it was built (a hole or busy
+    /// part counts once, however many handles fill it).
     pub repaired: u64,
 }
 

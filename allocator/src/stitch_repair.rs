@@ -284,35 +284,68 @@ mod tests {
         teardown(d, live);
     }
 
-    /// Repairs that have changed as many handles as the stitch has: the
-    /// next one that needs changing is left as it is (for the layout it
-    /// fits) and a new stitch is built over the free pieces.
-    #[test]
-    fn a_stitch_whose_repairs_cost_a_build_gets_a_second_stitch() {
+    /// The cached stitch repaired once (one busy part), then, as if its
+    /// repairs had replaced `worn(parts)` parts, claimed again with another
+    /// busy part and another piece free. Returns the device, the live
+    /// blocks (the claim's included), the stitch's address, the claim's
+    /// address, the driver calls the claim made and the old stitch's home
+    /// addresses before the claim.
+    #[allow(clippy::type_complexity)]
+    fn claim_when_repaired(
+        worn: impl Fn(u64) -> u64,
+    ) -> (
+        DeviceAllocator<SimBackend>,
+        Vec<u64>,
+        u64,
+        u64,
+        crate::DriverCalls,
+        Vec<u64>,
+    ) {
         let (mut d, mut live, stitched, mut held) = cached_stitch();
         live.push(d.malloc(2 * MIB, 0).unwrap());
         d.free(held.remove(0)).unwrap();
         let again = d.malloc(64 * MIB, 0).unwrap();
         assert_eq!(again, stitched);
-        assert_eq!(d.stitches.list[0].repaired, 1, "one handle changed");
+        assert_eq!(d.stitches.list[0].repaired, 1, "one part replaced");
         d.free(again).unwrap();
-        // As if it had been repaired 32 handles' worth: one more busy part
-        // and another piece free, and the request gets a stitch of its own.
-        d.stitches.list[0].repaired = d.stitches.list[0].slots.len() as u64;
+        d.stitches.list[0].repaired = worn(d.stitches.list[0].slots.len() as u64);
         live.push(d.malloc(2 * MIB, 0).unwrap());
         d.free(held.remove(0)).unwrap();
-        let slots: Vec<u64> = d.stitches.list[0].parts().map(|p| p.addr).collect();
+        let homes: Vec<u64> = d.stitches.list[0].parts().map(|p| p.addr).collect();
         let calls = d.driver_calls();
-        let other = d.malloc(64 * MIB, 0).unwrap();
+        let claim = d.malloc(64 * MIB, 0).unwrap();
         ok(&d);
         let spent = d.driver_calls().since(&calls);
-        assert_ne!(other, stitched, "a new stitch");
+        live.extend(held);
+        live.push(claim);
+        (d, live, stitched, claim, spent, homes)
+    }
+
+    /// Repairs that have replaced as many parts as the stitch has: the
+    /// next one that needs changing is left as it is (for the layout it
+    /// fits) and a new stitch is built over the free pieces.
+    #[test]
+    fn a_stitch_whose_repairs_cost_a_build_gets_a_second_stitch() {
+        let (d, live, stitched, claim, spent, homes) = claim_when_repaired(|parts| parts);
+        assert_ne!(claim, stitched, "a new stitch");
         assert_eq!(d.stats().num_stitch, 2);
         assert_eq!(spent.calls(DriverCall::Unmap), 0, "{spent}");
         let kept: Vec<u64> = d.stitches.list[0].parts().map(|p| p.addr).collect();
-        assert_eq!(kept, slots, "the old stitch is kept as it was");
-        live.extend(held);
-        live.push(other);
+        assert_eq!(kept, homes, "the old stitch is kept as it was");
+        teardown(d, live);
+    }
+
+    /// One part short of that, the stitch is repaired in place again.
+    #[test]
+    fn a_stitch_repaired_less_than_its_parts_is_repaired_again() {
+        let (d, live, stitched, claim, spent, _) = claim_when_repaired(|parts| parts - 1);
+        assert_eq!(claim, stitched, "repaired in place");
+        assert_eq!(d.stats().num_stitch, 1);
+        assert_eq!(spent.handles(DriverCall::Map), 1, "{spent}");
+        assert_eq!(
+            d.stitches.list[0].repaired,
+            d.stitches.list[0].slots.len() as u64
+        );
         teardown(d, live);
     }
 
