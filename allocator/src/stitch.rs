@@ -101,7 +101,7 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         let mut built = None;
         if best.is_none()
-            && let Some((r, change, busy)) = repairable
+            && let Some((r, _, busy)) = repairable
         {
             // Repairs that have replaced as many parts as the stitch has
             // cost what a new stitch does: one is built for this layout
@@ -114,7 +114,6 @@ impl<B: Backend> DeviceAllocator<B> {
             }
             if built.is_none() {
                 if self.repair_stitch(r, &busy)? {
-                    self.stitches.list[r].repaired += change as u64;
                     best = Some(r);
                 } else if self.stitches.list[r].holes() > 0 {
                     // Holes that cannot be filled: torn down, as before repair.

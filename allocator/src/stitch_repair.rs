@@ -69,6 +69,9 @@ impl<B: Backend> DeviceAllocator<B> {
     ) -> Result<bool, AllocError> {
         let s = &self.stitches.list[i];
         let stream = s.stream;
+        // What the repair replaces: its holes and busy parts, each once
+        // (Note [Stitching]: repairs rent).
+        let replaced = (s.holes() + busy.len()) as u64;
         let own: Vec<DevicePtr> = s.parts().map(|p| p.addr).collect();
         let mut runs: Vec<_> = self
             .free_runs(None)
@@ -151,6 +154,7 @@ impl<B: Backend> DeviceAllocator<B> {
             handles += list.len();
             self.notify(SegmentAction::Map, stream, at, bytes);
         }
+        self.stitches.list[i].repaired += replaced;
         crate::log::stitch_repaired(self.device, stream, self.stitches.list[i].size, handles);
         Ok(true)
     }
