@@ -362,10 +362,14 @@ mod tests {
         }
     }
 
-    /// Memory calls, unmaps, host waits and handle creations per training
-    /// step (steps begin where the trace's last phase begins, the optimizer's
-    /// in a training loop; row 0 is what comes before the first), and their
-    /// sum from the step a fifth of the way in.
+    /// Memory calls, unmaps, host waits, handle creations, handles made
+    /// accessible and predicted driver µs per training step (steps begin
+    /// where the trace's last phase begins, the optimizer's in a training
+    /// loop; row 0 is what comes before the first), their sum from the step
+    /// a fifth of the way in, and the replay's ratio and driver time.
+    /// `LAYOUT_PROBE=trace[,trace...] [LAYOUT_PROBE_ROWS=1]
+    /// [LAYOUT_PROBE_EMPTY=1]`: the last puts an `empty_cache` where each
+    /// step begins, as a loop that empties the cache every step.
     #[test]
     #[ignore = "a probe over recorded traces, run by hand"]
     fn step_calls() {
@@ -385,14 +389,27 @@ mod tests {
                 println!("{p}: no phases");
                 continue;
             };
+            // LAYOUT_PROBE_EMPTY: an `empty_cache` as each step begins.
+            let evs: Vec<_> = if std::env::var("LAYOUT_PROBE_EMPTY").is_ok() {
+                let empty = EventKind::EmptyCache { released: 0 };
+                evs.iter()
+                    .flat_map(|e| {
+                        let lead = (phase(e) == Some(last)).then(|| e.with_kind(empty));
+                        lead.into_iter().chain([*e])
+                    })
+                    .collect()
+            } else {
+                evs
+            };
             let mut step = 0usize;
-            let mut rows = vec![[0u64; 4]];
+            let model = crate::cost::CostModel::h200();
+            let mut rows = vec![[0u64; 6]];
             // Each device's counts so far (each has its own backend).
-            let mut seen: rustc_hash::FxHashMap<u32, [u64; 4]> = Default::default();
-            super::replay_each(&evs, &conf, &mut |i, d| {
+            let mut seen: rustc_hash::FxHashMap<u32, [u64; 6]> = Default::default();
+            let r = super::replay_each(&evs, &conf, &mut |i, d| {
                 if phase(&evs[i as usize]) == Some(last) {
                     step += 1;
-                    rows.push([0; 4]);
+                    rows.push([0; 6]);
                 }
                 let c = crate::Backend::driver_calls(&d.backend);
                 let now = [
@@ -400,9 +417,11 @@ mod tests {
                     c.calls(C::Unmap),
                     c.calls(C::EventSync),
                     c.calls(C::Create),
+                    c.handles(C::SetAccess),
+                    (model.predict_ms(&c) * 1000.0) as u64,
                 ];
                 let seen = seen.entry(d.device).or_default();
-                for j in 0..4 {
+                for j in 0..now.len() {
                     rows[step][j] += now[j] - seen[j];
                 }
                 *seen = now;
@@ -410,10 +429,12 @@ mod tests {
             let warm = rows.len() / 5;
             let late = rows[warm..]
                 .iter()
-                .fold([0u64; 4], |a, r| std::array::from_fn(|j| a[j] + r[j]));
+                .fold([0u64; 6], |a, r| std::array::from_fn(|j| a[j] + r[j]));
             println!(
-                "{p} {conf:?}: {} steps; from step {warm} on: memory calls, unmaps, waits, creates {late:?}",
-                rows.len() - 1
+                "{p} {conf:?}: {} steps, R/A {:.4}, {:.1} ms; from step {warm} on: memory calls, unmaps, waits, creates, handles made accessible, predicted µs {late:?}",
+                rows.len() - 1,
+                r.peak_reserved as f64 / r.peak_allocated.max(1) as f64,
+                r.driver_ms(&model),
             );
             if std::env::var("LAYOUT_PROBE_ROWS").is_ok() {
                 for (k, r) in rows.iter().enumerate() {

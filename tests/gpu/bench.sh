@@ -16,14 +16,5 @@
 # GPUALLOC_LIBRARY overrides the library (default target/release/libgpualloc.so).
 set -u
 source "$(dirname "$0")/env.sh"
-{
-  echo "library: $GPUALLOC_LIBRARY"
-  python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-} 2>&1 | tee "$RESULTS/environment.txt"
-python3 tests/gpu/bench.py --out "$RESULTS" "$@" 2>&1 | tee "$RESULTS/bench.log"
-rc=${PIPESTATUS[0]}
-if [ -d "$RESULTS/bench-logs" ]; then
-  tar czf "$RESULTS/bench-logs.tar.gz" -C "$RESULTS" bench-logs && rm -rf "$RESULTS/bench-logs"
-fi
-exit "$rc"
+environment
+run_logged bench bench "$@"

@@ -1,6 +1,7 @@
-# The environment every GPU script runs in; sourced by run.sh and bench.sh.
+# The environment every GPU script runs in; sourced by the scripts here.
 # Sets ROOT (the repository), the library and Python path, and RESULTS
-# ($OUT, or ./gpu-results); unsets what would change what a run means.
+# ($OUT, or ./gpu-results); unsets what would change what a run means;
+# defines environment and run_logged (below).
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ROOT=$PWD
 export GPUALLOC_LIBRARY=${GPUALLOC_LIBRARY:-$ROOT/target/release/libgpualloc.so}
@@ -11,3 +12,27 @@ export PYTHONUNBUFFERED=1
 unset GPUALLOC_BACKEND GPUALLOC_CONF GPUALLOC_TRACE
 RESULTS=${OUT:-$ROOT/gpu-results}
 mkdir -p "$RESULTS"
+
+# Writes the library, Python, torch and GPU in use to $RESULTS/environment.txt.
+environment() {
+  {
+    echo "library: $GPUALLOC_LIBRARY"
+    python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  } 2>&1 | tee "$RESULTS/environment.txt"
+}
+
+# run_logged NAME SCRIPT ARGS...: runs tests/gpu/SCRIPT.py with --out
+# $RESULTS, its output also in $RESULTS/NAME.log, then packs the per-run
+# logs it left in $RESULTS/NAME-logs into NAME-logs.tar.gz. Returns the
+# script's status.
+run_logged() {
+  local name=$1 script=$2
+  shift 2
+  python3 "tests/gpu/$script.py" --out "$RESULTS" "$@" 2>&1 | tee "$RESULTS/$name.log"
+  local rc=${PIPESTATUS[0]}
+  if [ -d "$RESULTS/$name-logs" ]; then
+    tar czf "$RESULTS/$name-logs.tar.gz" -C "$RESULTS" "$name-logs" && rm -rf "$RESULTS/$name-logs"
+  fi
+  return "$rc"
+}

@@ -14,11 +14,7 @@ if [ ! -f "$GPUALLOC_LIBRARY" ]; then
   echo "missing $GPUALLOC_LIBRARY: run 'cargo build --release -p gpualloc-capi' (or carry it)" | tee "$RESULTS/error.txt"
   exit 1
 fi
-{
-  echo "library: $GPUALLOC_LIBRARY"
-  python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-} 2>&1 | tee "$RESULTS/environment.txt"
+environment
 # docs/torch-compat.md against this torch's allocator interface.
 python3 -m unittest python-shim/tests/test_torch_compat.py -v 2>&1 | tee "$RESULTS/torch-compat.log"
 python3 tests/gpu/driver.py --out "$RESULTS" "$@" 2>&1 | tee "$RESULTS/driver.log"

@@ -9,9 +9,4 @@
 # ./gpu-results). See tests/gpu/trainers.py.
 set -u
 source "$(dirname "$0")/env.sh"
-python3 tests/gpu/trainers.py --out "$RESULTS" "$@" 2>&1 | tee "$RESULTS/trainers.log"
-rc=${PIPESTATUS[0]}
-if [ -d "$RESULTS/trainers-logs" ]; then
-  tar czf "$RESULTS/trainers-logs.tar.gz" -C "$RESULTS" trainers-logs && rm -rf "$RESULTS/trainers-logs"
-fi
-exit "$rc"
+run_logged trainers trainers "$@"

@@ -15,10 +15,7 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$ROOT"/.whl/*.whl || exit
   export PYTHONPATH=$PYTHONPATH:$site
 fi
-python3 tests/gpu/yolo.py --out "$RESULTS" "$@" 2>&1 | tee "$RESULTS/yolo.log"
-rc=${PIPESTATUS[0]}
-if [ -d "$RESULTS/yolo-logs" ]; then
-  tar czf "$RESULTS/yolo-logs.tar.gz" -C "$RESULTS" yolo-logs && rm -rf "$RESULTS/yolo-logs"
-fi
+run_logged yolo yolo "$@"
+rc=$?
 rm -rf "$RESULTS/runs"
 exit "$rc"

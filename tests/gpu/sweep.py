@@ -1,0 +1,307 @@
+"""Workloads the benchmark does not tune for, side by side under PyTorch's
+allocator (with and without expandable segments) and gpualloc's defaults:
+patterns that real training and inference code uses and that stress an
+allocator differently from bench.py's four training loops.
+
+    python3 tests/gpu/sweep.py --out DIR [--only generate,empty_cache]
+        [--variants native,native-expandable,gpualloc] [--repeats 1] [--budget 540]
+
+(tests/gpu/sweep.sh sets up the environment and calls this.) Each workload
+runs under each variant in its own process (driver.run_child), interleaved
+per repeat. A workload reports the time of each of its rounds (a training
+step or one generate call, between two synchronizations), its outputs
+(losses, or checksums of generated tokens) and the peaks; the summary gives
+R/A, mean and median round time against the faster PyTorch variant, and
+how far the outputs are from PyTorch's (bf16 and fp16 kernels may round
+differently at other addresses: native-expandable differs too). Variant
+gpualloc-traced records DIR/traces/WORKLOAD.gtrace. Writes DIR/sweep.md
+and DIR/sweep.json.
+
+- generate: transformers GPT-2 small (random weights, bf16) generating 64
+  tokens greedily for batches of 4..32 prompts of 16..384 tokens, left
+  padded: a KV cache that grows by one token a step, a new batch shape
+  every call.
+- empty_cache: torchvision resnet50, batch 64, with torch.cuda.empty_cache()
+  after every step, as scripts that fight fragmentation by hand do.
+- checkpoint_amp: transformers BERT-base masked LM with gradient
+  checkpointing, AdamW and bf16 autocast on random lengths 32..512.
+- vit_amp: timm vit_small_patch16_224, fp16 autocast with a GradScaler,
+  batch 96, AdamW.
+- compile_dynamic: torch.compile(dynamic=True) of models.TinyGPT on random
+  lengths 64..512 (the compile is round 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import driver  # noqa: E402
+
+NATIVE = ("native", "native-expandable")
+TIMEOUT_S = 240
+
+
+def _timed(rounds, body):
+    """Runs body(i) for each round between two synchronizations; returns
+    (seconds per round, outputs)."""
+    import torch
+
+    times, outs = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = body(i)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        outs.append(out)
+    return times, outs
+
+
+def generate(rounds):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    dev = torch.device("cuda:0")
+    cfg = GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12)
+    model = GPT2LMHeadModel(cfg).to(dev, torch.bfloat16).eval()
+    rng = random.Random(7)
+    g = torch.Generator().manual_seed(7)
+
+    def body(i):
+        batch, length = rng.choice([4, 8, 16, 32]), rng.randrange(16, 385)
+        ids = torch.randint(0, cfg.vocab_size, (batch, length), generator=g)
+        mask = torch.ones_like(ids)
+        for row in range(batch):  # left padding, as for a decoder-only model
+            pad = rng.randrange(0, length // 2)
+            ids[row, :pad], mask[row, :pad] = cfg.eos_token_id, 0
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=64,
+                                 min_new_tokens=64, do_sample=False, pad_token_id=cfg.eos_token_id)
+        return int(out[:, length:].sum())
+
+    return _timed(rounds, body), "transformers GPT-2 small, bf16, greedy, 64 new tokens, batch 4..32, prompts 16..384"
+
+
+def empty_cache(rounds):
+    import torch
+    import torchvision
+
+    dev = torch.device("cuda:0")
+    model = torchvision.models.resnet50(num_classes=100).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(64, 3, 160, 160, generator=g), torch.randint(0, 100, (64,), generator=g)) for _ in range(4)]
+
+    def body(i):
+        x, y = (t.to(dev) for t in data[i % len(data)])
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        del x, y
+        torch.cuda.empty_cache()
+        return float(loss.detach())
+
+    return _timed(rounds, body), "torchvision resnet50, batch 64, 160x160, empty_cache() after every step"
+
+
+def checkpoint_amp(rounds):
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    dev = torch.device("cuda:0")
+    cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForMaskedLM(cfg).to(dev)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = random.Random(11)
+    g = torch.Generator().manual_seed(11)
+
+    def body(i):
+        ids = torch.randint(0, cfg.vocab_size, (16, rng.randrange(32, 513)), generator=g).to(dev)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return _timed(rounds, body), "transformers BERT-base MLM, gradient checkpointing, bf16 autocast, AdamW, batch 16, lengths 32..512"
+
+
+def vit_amp(rounds):
+    import timm
+    import torch
+
+    dev = torch.device("cuda:0")
+    model = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=100).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cuda")
+    g = torch.Generator().manual_seed(13)
+    data = [(torch.randn(96, 3, 224, 224, generator=g), torch.randint(0, 100, (96,), generator=g)) for _ in range(4)]
+
+    def body(i):
+        x, y = (t.to(dev) for t in data[i % len(data)])
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return float(loss.detach())
+
+    return _timed(rounds, body), f"timm {timm.__version__} vit_small_patch16_224, fp16 autocast + GradScaler, AdamW, batch 96"
+
+
+def compile_dynamic(rounds):
+    import torch
+
+    from models import TinyGPT
+
+    dev = torch.device("cuda:0")
+    vocab = 8192
+    model = TinyGPT(vocab=vocab, dim=512, layers=6, heads=8).to(dev)
+    step = torch.compile(model, dynamic=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = random.Random(17)
+    g = torch.Generator().manual_seed(17)
+
+    def body(i):
+        tokens = torch.randint(0, vocab, (16, rng.randrange(64, 513)), generator=g).to(dev)
+        opt.zero_grad(set_to_none=True)
+        logits = step(tokens)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return _timed(rounds, body), "torch.compile(dynamic=True) TinyGPT (6 layers, 512 wide), AdamW, batch 16, lengths 64..512"
+
+
+# name -> (function, rounds)
+WORKLOADS = {
+    "generate": (generate, 8),
+    "empty_cache": (empty_cache, 30),
+    "checkpoint_amp": (checkpoint_amp, 40),
+    "vit_amp": (vit_amp, 40),
+    "compile_dynamic": (compile_dynamic, 30),
+}
+
+
+def child(name, alloc):
+    import checks
+
+    payload = {"check": name}
+    try:
+        payload["setup"] = checks.setup(alloc)
+        checks._deterministic()
+        fn, rounds = WORKLOADS[name]
+        (times, outs), what = fn(rounds)
+        import torch
+
+        warm = times[max(1, rounds // 5):]
+        payload["result"] = {
+            "model": what,
+            "round_ms": [round(t * 1e3, 2) for t in times],
+            "mean_s_all": statistics.fmean(times),
+            "median_s": statistics.median(warm),
+            "outputs": outs,
+            "peak_allocated": torch.cuda.max_memory_allocated(),
+            "peak_reserved": torch.cuda.max_memory_reserved(),
+            "counters": checks._counters(),
+        }
+    except Exception as e:  # noqa: BLE001
+        import traceback
+
+        payload["error"] = f"{type(e).__name__}: {e}"
+        payload["traceback"] = traceback.format_exc()[-3000:]
+    checks.result(payload)
+
+
+def summarize(runs, workloads, variants):
+    rows = ["| workload | variant | runs | R/A | mean, all rounds (ms) | median (ms) | mean / faster native | outputs vs native (max rel. diff) | device allocs |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for w in workloads:
+        ok = {v: [r["result"] for r in runs if r["workload"] == w and r["variant"] == v and "result" in r] for v in variants}
+        means = {v: statistics.median(x["mean_s_all"] for x in ok[v]) for v in variants if ok[v]}
+        base = min((means[v] for v in NATIVE if v in means), default=None)
+        ref = next((ok[v][0]["outputs"] for v in NATIVE if ok.get(v)), None)
+
+        def diff(outs):
+            d = [abs(a - b) / max(1e-12, abs(a)) for a, b in zip(ref, outs)]
+            return max(d) if d and len(outs) == len(ref) else float("inf")
+
+        for v in variants:
+            failed = [r for r in runs if r["workload"] == w and r["variant"] == v and "result" not in r]
+            if not ok[v]:
+                err = failed[0].get("error", "?") if failed else "not run"
+                rows.append(f"| {w} | {v} | 0 | failed: {str(err)[:80]} | | | | | |")
+                continue
+            ra = statistics.median(x["peak_reserved"] / max(1, x["peak_allocated"]) for x in ok[v])
+            med = statistics.median(x["median_s"] for x in ok[v]) * 1e3
+            rel = f"{means[v] / base:.3f}" if base else "–"
+            same = "–" if ref is None else f"{max(diff(x['outputs']) for x in ok[v]):.1e}"
+            dev = ok[v][0]["counters"].get("num_device_alloc")
+            rows.append(f"| {w} | {v} | {len(ok[v])}{f' ({len(failed)} failed)' if failed else ''} | {ra:.3f} | "
+                        f"{means[v] * 1e3:.1f} | {med:.1f} | {rel} | {same} | {dev} |")
+    return "\n".join(rows)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--only", default="", help=f"workloads, of {','.join(WORKLOADS)} (default: all)")
+    p.add_argument("--variants", default="native,native-expandable,gpualloc")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--budget", type=float, default=540.0, help="seconds; runs that no longer fit are skipped")
+    p.add_argument("--child", nargs=2, metavar=("WORKLOAD", "ALLOC"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(*args.child)
+    workloads = [w for w in WORKLOADS if not args.only or w in args.only.split(",")]
+    unknown = set(filter(None, args.only.split(","))) - set(WORKLOADS)
+    if unknown:
+        p.error(f"--only takes {','.join(WORKLOADS)} (got {','.join(sorted(unknown))})")
+    try:
+        variants = driver.parse_variants(args.variants)
+    except ValueError as e:
+        p.error(str(e))
+    logdir = os.path.join(args.out, "sweep-logs")
+    os.makedirs(logdir, exist_ok=True)
+    t0, runs, skipped, longest = time.time(), [], [], {}
+    for rep in range(args.repeats):
+        order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+        for w in workloads:
+            for v in order:
+                left = args.budget - (time.time() - t0)
+                if left < max(20.0, longest.get(w, 0.0)):
+                    skipped.append(f"{w} {v} repeat {rep}")
+                    continue
+                cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--child", w, driver.variant(v)[0]]
+                trace = os.path.join(os.path.abspath(args.out), "traces", f"{w}.gtrace") if v.endswith("-traced") else None
+                if trace:
+                    os.makedirs(os.path.dirname(trace), exist_ok=True)
+                r = driver.run_child(cmd, v, min(TIMEOUT_S, left), logdir, f"{w}-{v}-{rep}", trace)
+                longest[w] = max(longest.get(w, 0.0), r["wall_s"])
+                runs.append({"workload": w, "variant": v, "repeat": rep, **r})
+                status = "ok" if "result" in r else r.get("error", "failed")
+                print(f"{w} {v} repeat {rep}: {status} ({r['wall_s']} s)", flush=True)
+    md = "## Sweep\n\n" + summarize(runs, workloads, variants)
+    if skipped:
+        md += "\n\nSkipped (budget): " + ", ".join(skipped)
+    driver.write_results(args.out, "sweep", md, {"runs": runs, "skipped": skipped, "total_s": round(time.time() - t0, 1)})
+
+
+if __name__ == "__main__":
+    main()

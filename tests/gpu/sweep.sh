@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Workloads the benchmark does not tune for, one command (on a machine with a
+# GPU, torch, torchvision, timm, transformers, g++ and ninja; no cargo needed):
+#
+#   bash tests/gpu/sweep.sh [--only generate,empty_cache] [--repeats 1]
+#       [--variants native,native-expandable,gpualloc] [--budget 540]
+#
+# Runs KV-cache generation, training with empty_cache() every step, gradient
+# checkpointing with bf16, a ViT with fp16 and a GradScaler, and a
+# torch.compile(dynamic=True) model under PyTorch's allocator and gpualloc,
+# each in its own process. Writes sweep.md, sweep.json, environment.txt and
+# sweep-logs.tar.gz to $OUT (or ./gpu-results). See tests/gpu/sweep.py.
+set -u
+source "$(dirname "$0")/env.sh"
+environment
+run_logged sweep sweep "$@"
