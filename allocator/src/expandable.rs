@@ -635,6 +635,55 @@ mod tests {
         assert_eq!(d.backend().used(), 0);
     }
 
+    /// Handles created (count, bytes) while running `f`.
+    fn creates(
+        d: &mut DeviceAllocator<SimBackend>,
+        f: impl FnOnce(&mut DeviceAllocator<SimBackend>),
+    ) -> (u64, u64) {
+        use crate::cost::DriverCall::Create;
+        let before = d.backend().driver_calls();
+        f(d);
+        let c = d.backend().driver_calls().since(&before);
+        (c.handles(Create), c.bytes(Create))
+    }
+
+    #[test]
+    fn memory_empty_cache_gave_back_is_created_again_in_coarse_handles() {
+        let mut d = dev("");
+        let mut a = 0;
+        // 128 MiB from nothing: handles of 128/8 = 16 MiB.
+        assert_eq!(
+            creates(&mut d, |d| a = d.malloc(128 << 20, 0).unwrap()),
+            (8, 128 << 20)
+        );
+        d.free(a).unwrap();
+        d.empty_cache().unwrap();
+        ok(&d);
+        assert_eq!(d.stats().reserved_bytes.all.current, 0);
+        // The same again: handles of twice the largest, 32 MiB.
+        assert_eq!(
+            creates(&mut d, |d| a = d.malloc(128 << 20, 0).unwrap()),
+            (4, 128 << 20)
+        );
+        ok(&d);
+        // The 128 MiB given back are spent: new memory follows the rule again.
+        let mut b = 0;
+        assert_eq!(
+            creates(&mut d, |d| b = d.malloc(64 << 20, 0).unwrap()),
+            (8, 64 << 20)
+        );
+        ok(&d);
+        // A range larger than what is owed is not coarse at all.
+        d.free(a).unwrap();
+        d.free(b).unwrap();
+        d.empty_cache().unwrap();
+        assert_eq!(
+            creates(&mut d, |d| a = d.malloc(256 << 20, 0).unwrap()),
+            (16, 256 << 20)
+        );
+        ok(&d);
+    }
+
     #[test]
     fn falls_back_to_plain_segments_without_virtual_memory() {
         struct NoVmm(SimBackend);

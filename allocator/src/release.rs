@@ -23,6 +23,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let before = self.stats.reserved_bytes.all.current;
         self.release_cached_blocks()?;
         let released = (before - self.stats.reserved_bytes.all.current) as u64;
+        self.pages.will_regrow(released);
         self.record(Action::EmptyCache, 0, 0, released, 0);
         crate::log::cache_flushed(self.device, released);
         Ok(())
