@@ -81,6 +81,11 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) defrag_budget: DefragBudget,
     /// Driver calls counted before the last `reset_accumulated_stats`.
     driver_baseline: DriverCalls,
+    /// The peak of allocated bytes before the last `reset_peak_stats`:
+    /// with the stats' peak, the high-water mark the policy reads, so that
+    /// resetting a statistic (which traces do not record) changes no
+    /// decision (see [`allocated_high`](Self::allocated_high)).
+    allocated_high_before_reset: u64,
     /// Set when a panic unwound while this device was locked: its state may
     /// be half-updated, so `Allocator` refuses to use it again.
     pub(crate) poisoned: bool,
@@ -110,6 +115,7 @@ impl<B: Backend> DeviceAllocator<B> {
             stitches: Stitches::default(),
             defrag_budget: DefragBudget::default(),
             driver_baseline: DriverCalls::default(),
+            allocated_high_before_reset: 0,
             poisoned: false,
         }
     }
@@ -187,7 +193,15 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// `reset_peak_memory_stats`.
     pub fn reset_peak_stats(&mut self) {
+        self.allocated_high_before_reset = self.allocated_high();
         self.stats.reset_peak();
+    }
+
+    /// The most bytes ever allocated at once on this device, whatever
+    /// `reset_peak_stats` did to the statistics: what defragmentation
+    /// measures reserved memory against (Note [Defragmentation]).
+    pub(crate) fn allocated_high(&self) -> u64 {
+        (self.stats.allocated_bytes.all.peak as u64).max(self.allocated_high_before_reset)
     }
 
     /// `reset_accumulated_memory_stats`.

@@ -20,7 +20,10 @@
 //! a request of at least `stitch_min_mb` is first served by a stitch (Note
 //! [Stitching]), which maps free pages a second time and moves nothing;
 //! otherwise, if holding more would pass `(1 + defragment_headroom)` times
-//! the peak of allocated memory, whole free handles elsewhere are unmapped
+//! the peak of allocated memory (the device's own high-water mark, which
+//! `reset_peak_memory_stats` leaves alone: a statistic reset for logging
+//! changes no decision, and traces, which do not record resets, replay to
+//! the same ones), whole free handles elsewhere are unmapped
 //! into the pool, smallest runs first (the fragments no large request can
 //! use) and only as many handles as needed, and mapped where the request
 //! fits. Runs that a cached stitch aliases are taken last, only when the
@@ -179,9 +182,10 @@ impl<B: Backend> DeviceAllocator<B> {
             }
             if short > 0 && self.config.defragment {
                 // See Note [Defragmentation].
+                let high = self
+                    .allocated_high()
+                    .max(self.stats.allocated_bytes.all.current as u64 + rounded);
                 let s = &self.stats;
-                let high = (s.allocated_bytes.all.peak as u64)
-                    .max(s.allocated_bytes.all.current as u64 + rounded);
                 let bound = (high as f64 * (1.0 + self.config.defragment_headroom)) as u64;
                 let held = s.reserved_bytes.all.current as u64;
                 let excess = (held + short).saturating_sub(bound);
@@ -682,6 +686,34 @@ mod tests {
             (16, 256 << 20)
         );
         ok(&d);
+    }
+
+    /// Reserved memory and memory calls after a request that fits in the
+    /// defragmentation headroom of the all-time peak, but not in that of
+    /// the peak since `reset_peak_memory_stats`.
+    fn after_headroom_request(reset_peaks: bool) -> (i64, u64) {
+        let mut d = dev("defragment_headroom:0.2,stitch_min_mb:0");
+        let a = d.malloc(100 << 20, 0).unwrap();
+        let _b = d.malloc(100 << 20, 0).unwrap();
+        let c = d.malloc(100 << 20, 0).unwrap();
+        d.free(a).unwrap();
+        d.free(c).unwrap();
+        if reset_peaks {
+            d.reset_peak_stats();
+        }
+        d.malloc(150 << 20, 0).unwrap();
+        ok(&d);
+        let calls = d.backend().driver_calls().memory_calls();
+        (d.stats().reserved_bytes.all.current, calls)
+    }
+
+    #[test]
+    fn resetting_peak_stats_changes_no_decision() {
+        let (reserved, calls) = after_headroom_request(false);
+        // 150 MiB go where c was, 50 MiB of them mapped: 350 MiB is within
+        // 1.2 x the 300 MiB peak, not within 1.2 x the 250 MiB since the reset.
+        assert_eq!(reserved, 350 << 20);
+        assert_eq!(after_headroom_request(true), (reserved, calls));
     }
 
     #[test]
