@@ -184,7 +184,6 @@ impl PagePool {
                 }
             }
         }
-        self.regrow = self.regrow.saturating_sub(created);
         if result.is_ok() {
             let list: Vec<(HandleId, u64)> = chosen.iter().map(|c| (c.0, c.1)).collect();
             result = backend.map_handles(ptr, &list, capturing);
@@ -200,6 +199,7 @@ impl PagePool {
             }
             return (result, deltas, created);
         }
+        self.regrow = self.regrow.saturating_sub(created);
         let mut at = ptr;
         for (h, s, k) in chosen {
             if k != kind {
