@@ -45,7 +45,7 @@
 //! Note [Small pages from pooled handles]
 //! Rationale: the small pool maps 2 MiB pages, while the handles that
 //! defragmentation unmaps from the large pool are up to
-//! `expandable_handle_mb`. A small request over the bound unmapped a
+//! `expandable_handle_mb` (twice that after `empty_cache`). A small request over the bound unmapped a
 //! 16 MiB handle it could not use and then created a 2 MiB page anyway:
 //! reserved memory grew and a useless handle stayed pooled.
 //! Approach: when the pooled handles cannot cover a small-pool mapping, the
@@ -662,6 +662,8 @@ mod tests {
         );
         d.free(a).unwrap();
         d.empty_cache().unwrap();
+        // A second call gives nothing back and keeps the credit.
+        d.empty_cache().unwrap();
         ok(&d);
         assert_eq!(d.stats().reserved_bytes.all.current, 0);
         // The same again: handles of twice the largest, 32 MiB.
@@ -686,6 +688,28 @@ mod tests {
             (16, 256 << 20)
         );
         ok(&d);
+    }
+
+    #[test]
+    fn the_out_of_memory_path_ends_regrowth() {
+        // Two 300 MiB holes between live blocks; a 320 MiB request fits in
+        // neither, and growing for it passes the limit: the out-of-memory
+        // path releases the holes and creates 320 MiB afresh.
+        let mut d = dev("defragment:false,memory_limit:640MiB");
+        let a = d.malloc(300 << 20, 0).unwrap();
+        d.malloc(4 << 20, 0).unwrap();
+        let c = d.malloc(300 << 20, 0).unwrap();
+        d.malloc(4 << 20, 0).unwrap();
+        d.free(a).unwrap();
+        d.free(c).unwrap();
+        // Credit left over from an earlier `empty_cache`.
+        d.pages.set_regrowth(1 << 30);
+        let made = creates(&mut d, |d| {
+            d.malloc(320 << 20, 0).unwrap();
+        });
+        ok(&d);
+        assert_eq!(d.stats().num_alloc_retries, 1, "the out-of-memory path ran");
+        assert_eq!(made, (20, 320 << 20), "handles of 320/8 -> 16 MiB, not 32");
     }
 
     /// Reserved memory and memory calls after a request that fits in the

@@ -21,9 +21,10 @@ impl<B: Backend> DeviceAllocator<B> {
             return Ok(());
         }
         let before = self.stats.reserved_bytes.all.current;
+        let owed = self.pages.regrowth();
         self.release_cached_blocks()?;
         let released = (before - self.stats.reserved_bytes.all.current) as u64;
-        self.pages.will_regrow(released);
+        self.pages.set_regrowth(owed + released);
         self.record(Action::EmptyCache, 0, 0, released, 0);
         crate::log::cache_flushed(self.device, released);
         Ok(())
@@ -32,6 +33,9 @@ impl<B: Backend> DeviceAllocator<B> {
     /// `release_cached_blocks`: wait for events, then release every unsplit
     /// cached segment of the default pools and of private pools no longer in use.
     pub(crate) fn release_cached_blocks(&mut self) -> Result<(), AllocError> {
+        // On the out-of-memory path memory is created again in fine handles;
+        // `empty_cache` sets its own credit afterwards (Note [Regrowth]).
+        self.pages.set_regrowth(0);
         self.synchronize_and_free_events()?;
         if self.expandable {
             self.unmap_free_pages()?;

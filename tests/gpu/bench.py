@@ -169,10 +169,7 @@ def main():
     unknown = set(filter(None, args.only.split(","))) - set(WORKLOADS)
     if unknown or not workloads:
         p.error(f"--only takes {','.join(WORKLOADS)} (got {args.only!r})")
-    uses_gpualloc = any(driver.variant(v)[0] == "gpualloc" for v in variants)
-    lib = os.environ.get("GPUALLOC_LIBRARY", "")
-    if uses_gpualloc and not os.path.isfile(lib):
-        sys.exit(f"missing GPUALLOC_LIBRARY ({lib or 'unset'}): run 'cargo build --release -p gpualloc-capi' (or carry it)")
+    uses_gpualloc = driver.require_library(variants)
 
     logdir = os.path.join(args.out, "bench-logs")
     os.makedirs(logdir, exist_ok=True)

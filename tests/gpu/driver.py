@@ -106,6 +106,16 @@ def parse_variants(text):
     return names
 
 
+def require_library(variants):
+    """Whether any of `variants` runs gpualloc; exits with a message when
+    one does and GPUALLOC_LIBRARY names no built library."""
+    uses_gpualloc = any(variant(v)[0] == "gpualloc" for v in variants)
+    lib = os.environ.get("GPUALLOC_LIBRARY", "")
+    if uses_gpualloc and not os.path.isfile(lib):
+        sys.exit(f"missing GPUALLOC_LIBRARY ({lib or 'unset'}): run 'cargo build --release -p gpualloc-capi' (or carry it)")
+    return uses_gpualloc
+
+
 def build_bridge(logdir):
     """Builds gpualloc's C++ bridge once (it is cached), so that no check pays
     for the compiler; writes bridge-build.log and returns what happened."""

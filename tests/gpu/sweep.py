@@ -11,7 +11,10 @@ runs under each variant in its own process (driver.run_child), interleaved
 per repeat. A workload reports the time of each of its rounds (a training
 step or one generate call, between two synchronizations), its outputs
 (losses, or checksums of generated tokens) and the peaks; the summary gives
-R/A, mean and median round time against the faster PyTorch variant, and
+R/A, the mean over all rounds (round 0 included: the compile of
+compile_dynamic) and the median from the fifth of the rounds on, each
+against the faster PyTorch variant's, num_device_alloc (cudaMalloc calls
+under PyTorch; mappings that created memory under gpualloc), and
 how far the outputs are from PyTorch's (bf16 and fp16 kernels may round
 differently at other addresses: native-expandable differs too). Variant
 gpualloc-traced records DIR/traces/WORKLOAD.gtrace. Writes DIR/sweep.md
@@ -230,12 +233,15 @@ def child(name, alloc):
 
 
 def summarize(runs, workloads, variants):
-    rows = ["| workload | variant | runs | R/A | mean, all rounds (ms) | median (ms) | mean / faster native | outputs vs native (max rel. diff) | device allocs |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| workload | variant | runs | R/A | mean, all rounds (ms) | median (ms) | mean / faster native | median / faster native "
+            "| outputs vs native (max rel. diff) | num_device_alloc |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for w in workloads:
         ok = {v: [r["result"] for r in runs if r["workload"] == w and r["variant"] == v and "result" in r] for v in variants}
         means = {v: statistics.median(x["mean_s_all"] for x in ok[v]) for v in variants if ok[v]}
+        medians = {v: statistics.median(x["median_s"] for x in ok[v]) for v in variants if ok[v]}
         base = min((means[v] for v in NATIVE if v in means), default=None)
+        base_median = min((medians[v] for v in NATIVE if v in medians), default=None)
         ref = next((ok[v][0]["outputs"] for v in NATIVE if ok.get(v)), None)
 
         def diff(outs):
@@ -246,15 +252,16 @@ def summarize(runs, workloads, variants):
             failed = [r for r in runs if r["workload"] == w and r["variant"] == v and "result" not in r]
             if not ok[v]:
                 err = failed[0].get("error", "?") if failed else "not run"
-                rows.append(f"| {w} | {v} | 0 | failed: {str(err)[:80]} | | | | | |")
+                rows.append(f"| {w} | {v} | 0 | failed: {str(err)[:80]} | | | | | | |")
                 continue
             ra = statistics.median(x["peak_reserved"] / max(1, x["peak_allocated"]) for x in ok[v])
-            med = statistics.median(x["median_s"] for x in ok[v]) * 1e3
+            med = medians[v] * 1e3
             rel = f"{means[v] / base:.3f}" if base else "–"
+            rel_median = f"{medians[v] / base_median:.3f}" if base_median else "–"
             same = "–" if ref is None else f"{max(diff(x['outputs']) for x in ok[v]):.1e}"
             dev = ok[v][0]["counters"].get("num_device_alloc")
             rows.append(f"| {w} | {v} | {len(ok[v])}{f' ({len(failed)} failed)' if failed else ''} | {ra:.3f} | "
-                        f"{means[v] * 1e3:.1f} | {med:.1f} | {rel} | {same} | {dev} |")
+                        f"{means[v] * 1e3:.1f} | {med:.1f} | {rel} | {rel_median} | {same} | {dev} |")
     return "\n".join(rows)
 
 
@@ -271,14 +278,17 @@ def main():
         return child(*args.child)
     workloads = [w for w in WORKLOADS if not args.only or w in args.only.split(",")]
     unknown = set(filter(None, args.only.split(","))) - set(WORKLOADS)
-    if unknown:
-        p.error(f"--only takes {','.join(WORKLOADS)} (got {','.join(sorted(unknown))})")
+    if unknown or not workloads:
+        p.error(f"--only takes {','.join(WORKLOADS)} (got {args.only!r})")
     try:
         variants = driver.parse_variants(args.variants)
     except ValueError as e:
         p.error(str(e))
+    uses_gpualloc = driver.require_library(variants)
     logdir = os.path.join(args.out, "sweep-logs")
     os.makedirs(logdir, exist_ok=True)
+    # The bridge is compiled once here, not inside the first run's time limit.
+    bridge = driver.build_bridge(logdir) if uses_gpualloc else None
     t0, runs, skipped, longest = time.time(), [], [], {}
     for rep in range(args.repeats):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
@@ -300,7 +310,10 @@ def main():
     md = "## Sweep\n\n" + summarize(runs, workloads, variants)
     if skipped:
         md += "\n\nSkipped (budget): " + ", ".join(skipped)
-    driver.write_results(args.out, "sweep", md, {"runs": runs, "skipped": skipped, "total_s": round(time.time() - t0, 1)})
+    if bridge and bridge["mode"] != "bridge":
+        md += f"\n\ngpualloc installed without its bridge (mode {bridge['mode']}): see sweep-logs/bridge-build.log"
+    driver.write_results(args.out, "sweep", md, {"runs": runs, "skipped": skipped, "bridge_build": bridge,
+                                                 "total_s": round(time.time() - t0, 1)})
 
 
 if __name__ == "__main__":
