@@ -8,6 +8,7 @@ use std::path::Path;
 
 use gpualloc::trace::{Action, EventKind, TraceEvent};
 
+use crate::empty_cache::EmptyCaches;
 use crate::input::{self, CliError, ScanInfo};
 use crate::ooms::{self, Oom};
 use crate::phases::Phases;
@@ -75,6 +76,8 @@ pub struct DeviceAnalysis {
     pub phases: Phases,
     /// Request sizes.
     pub sizes: Sizes,
+    /// `empty_cache` calls and the memory created again after them.
+    pub empty_caches: EmptyCaches,
     /// The state after the last event.
     pub state: DeviceState,
     /// The state at the peak (second pass).
@@ -97,6 +100,7 @@ impl DeviceAnalysis {
             ooms: Vec::new(),
             phases: Phases::default(),
             sizes: Sizes::default(),
+            empty_caches: EmptyCaches::default(),
             state: DeviceState::default(),
             at_peak: None,
         }
@@ -109,6 +113,7 @@ impl DeviceAnalysis {
         }
         self.events += 1;
         let kind = e.kind();
+        self.empty_caches.apply(&kind);
         match kind {
             EventKind::Alloc { requested, .. } => {
                 self.allocs += 1;

@@ -13,6 +13,7 @@
 
 mod analysis;
 mod diff;
+mod empty_cache;
 mod export_chrome;
 mod export_csv;
 mod export_parquet;

@@ -7,7 +7,9 @@
 //! `peak_active` (bytes) and their times `peak_allocated_ns`, ...,
 //! `allocated_at_peak_reserved`, `fragmentation_at_peak` (`external`,
 //! `unallocated`, `largest_free`, `total_free`, `reserved`; null without
-//! allocations), `end_allocated`, `end_reserved`, `end_live_blocks`, `ooms`
+//! allocations), `end_allocated`, `end_reserved`, `end_live_blocks`,
+//! `empty_cache` (`calls`, `released`: bytes given back, `recreated`: bytes
+//! of them created again afterwards), `ooms`
 //! (a count), `oom_details` (the first
 //! [`MAX_DETAILED`](crate::ooms::MAX_DETAILED) failures),
 //! `unknown_frees`, `phases`, `most_frequent_sizes` and `largest_sizes`.
@@ -101,6 +103,21 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         bytes(g.reserved),
         d.state.live.len()
     );
+    let ec = d.empty_caches;
+    if ec.calls > 0 {
+        let _ = writeln!(
+            s,
+            "  empty_cache     {} calls gave back {}; {} of it was created again afterwards{}",
+            ec.calls,
+            bytes(ec.released),
+            bytes(ec.recreated),
+            if ec.recreated >= ec.released / 2 && ec.recreated > 0 {
+                " (the driver's work twice, and no lower peak: call it only when another process needs the memory)"
+            } else {
+                ""
+            }
+        );
+    }
     let _ = writeln!(s, "  OOMs            {}", d.oom_count);
     for o in d.ooms.iter().take(3) {
         let _ = writeln!(
@@ -216,6 +233,11 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
         "end_allocated": d.state.g.allocated,
         "end_reserved": d.state.g.reserved,
         "end_live_blocks": d.state.live.len(),
+        "empty_cache": json!({
+            "calls": d.empty_caches.calls,
+            "released": d.empty_caches.released,
+            "recreated": d.empty_caches.recreated,
+        }),
         "ooms": d.oom_count,
         "oom_details": d.ooms.iter().map(|o| json!({
             "time_ns": o.time_ns,

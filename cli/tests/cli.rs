@@ -664,3 +664,57 @@ fn stitches_are_not_exported_as_memory_pytorch_would_count_twice() {
     };
     assert_eq!(peak(s(&back)), peak(example));
 }
+
+/// A loop of the default policy that empties the cache after every step.
+fn emptying_loop(path: &Path, steps: u64) {
+    use gpualloc::{Allocator, Config, SimBackend};
+    let a = Allocator::new(
+        Config::default(),
+        1,
+        Box::new(|_| Ok(SimBackend::new(8 << 30))),
+    );
+    a.trace_start(path).unwrap();
+    let weights = a.malloc(0, 40 << 20, 0).unwrap();
+    for step in 0..steps {
+        let acts: Vec<_> = (0..6)
+            .map(|i| a.malloc(0, (64 + 16 * i + step % 2) << 20, 0).unwrap())
+            .collect();
+        for p in acts {
+            a.free(0, p).unwrap();
+        }
+        a.empty_cache().unwrap();
+    }
+    a.free(0, weights).unwrap();
+    a.trace_stop().unwrap();
+}
+
+#[test]
+fn summary_shows_what_empty_cache_made_the_driver_create_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join("empty.gtrace");
+    emptying_loop(&t, 5);
+    let out = ok(&["summary", s(&t)]);
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("empty_cache"))
+        .unwrap_or_else(|| panic!("no empty_cache line:\n{out}"));
+    assert!(line.contains("5 calls"), "{line}");
+    assert!(
+        line.contains("call it only when another process needs the memory"),
+        "{line}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&ok(&["summary", s(&t), "--json"])).unwrap();
+    let e = &v["devices"][0]["empty_cache"];
+    assert_eq!(e["calls"], 5);
+    let (released, recreated) = (
+        e["released"].as_u64().unwrap(),
+        e["recreated"].as_u64().unwrap(),
+    );
+    // Each step's activations (at least 6 x 64 MiB) come back after each of
+    // the first four calls; what the last one gave back never does.
+    assert!(recreated >= 4 * 6 * (64 << 20), "{e}");
+    assert!(recreated < released, "{e}");
+    // A trace without calls has no such line.
+    let plain = generated(dir.path(), 2_000);
+    assert!(!ok(&["summary", s(&plain)]).contains("empty_cache "));
+}
