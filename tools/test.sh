@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test that needs no GPU: the Rust workspace (unit, property,
-# scenario, C ABI and CLI tests) and the Python package's tests on the
-# simulated backend. This is the command README.md gives and .ci/run runs.
+# scenario, C ABI and CLI tests), the Python package's tests on the
+# simulated backend, and the GPU scripts' summaries on made-up results. This is the command README.md gives and .ci/run runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +12,9 @@ if [ -d python-shim/tests ]; then
   GPUALLOC_LIBRARY="$PWD/target/release/libgpualloc.so" PYTHONPATH="$PWD/python-shim" \
     python3 -m unittest discover -s python-shim/tests -t python-shim -v
 fi
+
+# The GPU scripts' summaries on made-up results (no torch needed).
+python3 -m unittest discover -s tests/gpu -p 'test_*.py'
 
 # The HTML report in headless Chromium; prints SKIPPED when there is none.
 GPUALLOC_CLI="${CARGO_TARGET_DIR:-$PWD/target}/debug/gpualloc" \

@@ -1,0 +1,55 @@
+"""The GPU scripts' pure parts, on made-up results (no torch, no GPU):
+run by tools/test.sh, so that a summary that crashes on a failed or
+skipped run is found before a device run is spent on it."""
+
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import driver  # noqa: E402
+import sweep  # noqa: E402
+
+
+def run(workload, variant, mean, median, outputs, reserved=101, allocated=100):
+    return {"workload": workload, "variant": variant, "result": {
+        "peak_reserved": reserved, "peak_allocated": allocated, "mean_s_all": mean, "median_s": median,
+        "outputs": outputs, "counters": {"num_device_alloc": 7}}}
+
+
+class SweepSummary(unittest.TestCase):
+    def test_ratios_against_the_faster_pytorch_mode(self):
+        runs = [run("w", "native", 0.2, 0.1, [1.0, 2.0]), run("w", "native-expandable", 0.1, 0.2, [1.0, 2.0]),
+                run("w", "gpualloc", 0.15, 0.12, [1.0, 2.002])]
+        rows = sweep.summarize(runs, ["w"], ["native", "native-expandable", "gpualloc"]).splitlines()
+        ours = next(r for r in rows if "| gpualloc |" in r).split("|")
+        # mean against the faster mean (0.1), median against the faster median (0.1)
+        self.assertEqual(ours[7].strip(), "1.500")
+        self.assertEqual(ours[8].strip(), "1.200")
+        self.assertEqual(ours[9].strip(), "1.0e-03")
+
+    def test_failed_and_missing_runs_are_rows_not_crashes(self):
+        runs = [{"workload": "w", "variant": "native", "error": "boom"}, run("w", "gpualloc", 0.1, 0.1, [3.0])]
+        text = sweep.summarize(runs, ["w", "v"], ["native", "gpualloc"])
+        self.assertIn("failed: boom", text)
+        self.assertIn("| v | gpualloc | 0 | failed: not run", text)
+        ours = next(r for r in text.splitlines() if "| w | gpualloc |" in r).split("|")
+        self.assertEqual(ours[7].strip(), "–", "no PyTorch run to compare with")
+
+    def test_outputs_of_another_length_differ_infinitely(self):
+        runs = [run("w", "native", 0.1, 0.1, [1.0, 2.0]), run("w", "gpualloc", 0.1, 0.1, [1.0])]
+        self.assertIn("inf", sweep.summarize(runs, ["w"], ["native", "gpualloc"]))
+
+
+class Variants(unittest.TestCase):
+    def test_names_and_configurations(self):
+        self.assertEqual(driver.parse_variants("native,gpualloc[a:1,b:2]"), ["native", "gpualloc[a:1,b:2]"])
+        self.assertEqual(driver.variant("gpualloc[x:1]"), ("gpualloc", {"GPUALLOC_TEST_CONF": "x:1"}))
+        for bad in ("nope", "gpualloc[x", ""):
+            with self.assertRaises(ValueError):
+                driver.parse_variants(bad)
+
+
+if __name__ == "__main__":
+    unittest.main()
