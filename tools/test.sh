@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test that needs no GPU: the Rust workspace (unit, property,
 # scenario, C ABI and CLI tests), the Python package's tests on the
-# simulated backend, and the GPU scripts' summaries on made-up results. This is the command README.md gives and .ci/run runs.
+# simulated backend, and the GPU scripts' summaries on made-up results.
+# This is the command README.md gives and .ci/run runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
