@@ -11,6 +11,8 @@
 
 use gpualloc::trace::EventKind;
 
+use crate::units::bytes;
+
 /// `empty_cache` calls on one device and the memory created after them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EmptyCaches {
@@ -42,6 +44,26 @@ impl EmptyCaches {
             }
             _ => {}
         }
+    }
+}
+
+impl EmptyCaches {
+    /// "N calls gave back X; Y of it was created again afterwards", with
+    /// advice when most of it came back; `None` without calls.
+    pub fn describe(&self) -> Option<String> {
+        (self.calls > 0).then(|| {
+            let advice = if self.recreated > 0 && self.recreated >= self.released / 2 {
+                " (the driver's work twice, and no lower peak: call it only when another process needs the memory)"
+            } else {
+                ""
+            };
+            format!(
+                "{} calls gave back {}; {} of it was created again afterwards{advice}",
+                self.calls,
+                bytes(self.released),
+                bytes(self.recreated)
+            )
+        })
     }
 }
 

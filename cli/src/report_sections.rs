@@ -42,7 +42,7 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
     let (pa, pr) = (d.peak_allocated.value, d.peak_reserved.value);
     let _ = write!(
         s,
-        "<li><b>Tensors or cache?</b> Tensors peaked at {}; the cache held {} at its peak, {} more than the tensors needed ({} of it).</li>",
+        "<li><b>Tensors or cache?</b> Tensors peaked at {}; the cache held {} at its peak, {} more than the tensors needed ({} of it).{}</li>",
         bytes(pa),
         bytes(pr),
         bytes(pr.saturating_sub(pa)),
@@ -50,7 +50,11 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
             0.0
         } else {
             pr.saturating_sub(pa) as f64 / pr as f64
-        })
+        }),
+        d.empty_caches.describe().map_or(String::new(), |e| format!(
+            " <code>empty_cache</code>: {}.",
+            esc(&e)
+        ))
     );
     let mut rare: Vec<(&u64, &PhaseStats)> = d
         .phases

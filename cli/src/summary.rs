@@ -103,20 +103,8 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         bytes(g.reserved),
         d.state.live.len()
     );
-    let ec = d.empty_caches;
-    if ec.calls > 0 {
-        let _ = writeln!(
-            s,
-            "  empty_cache     {} calls gave back {}; {} of it was created again afterwards{}",
-            ec.calls,
-            bytes(ec.released),
-            bytes(ec.recreated),
-            if ec.recreated >= ec.released / 2 && ec.recreated > 0 {
-                " (the driver's work twice, and no lower peak: call it only when another process needs the memory)"
-            } else {
-                ""
-            }
-        );
+    if let Some(e) = d.empty_caches.describe() {
+        let _ = writeln!(s, "  empty_cache     {e}");
     }
     let _ = writeln!(s, "  OOMs            {}", d.oom_count);
     for o in d.ooms.iter().take(3) {

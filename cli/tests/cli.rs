@@ -714,6 +714,14 @@ fn summary_shows_what_empty_cache_made_the_driver_create_again() {
     // the first four calls; what the last one gave back never does.
     assert!(recreated >= 4 * 6 * (64 << 20), "{e}");
     assert!(recreated < released, "{e}");
+    // The report says it among its answers.
+    let html = dir.path().join("empty.html");
+    ok(&["report", s(&t), "-o", s(&html)]);
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(
+        page.contains("<code>empty_cache</code>: 5 calls gave back"),
+        "no empty_cache answer"
+    );
     // A trace without calls has no such line.
     let plain = generated(dir.path(), 2_000);
     assert!(!ok(&["summary", s(&plain)]).contains("empty_cache "));
