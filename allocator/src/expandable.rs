@@ -45,9 +45,10 @@
 //! Note [Small pages from pooled handles]
 //! Rationale: the small pool maps 2 MiB pages, while the handles that
 //! defragmentation unmaps from the large pool are up to
-//! `expandable_handle_mb` (twice that after `empty_cache`). A small request over the bound unmapped a
-//! 16 MiB handle it could not use and then created a 2 MiB page anyway:
-//! reserved memory grew and a useless handle stayed pooled.
+//! `expandable_handle_mb` (twice that after `empty_cache`). A small
+//! request over the bound unmapped a 16 MiB handle it could not use and
+//! then created a 2 MiB page anyway: reserved memory grew and a useless
+//! handle stayed pooled.
 //! Approach: when the pooled handles cannot cover a small-pool mapping, the
 //! smallest pooled handle larger than it is mapped whole, in a window of its
 //! size, and serves this and later small requests; this is checked before
