@@ -87,6 +87,24 @@ fn ultralytics_trace_replays_to_the_peaks_measured_on_the_gpu() {
     );
 }
 
+/// `examples/gpt2-generate.gtrace`: inference, not training: transformers
+/// GPT-2 small generating 64 tokens greedily for eight batches of 4–32
+/// prompts (a KV cache growing a token at a time), recorded by `bash
+/// tests/gpu/sweep.sh --only generate --variants gpualloc-traced` with the
+/// library of e4177a1 (`docs/results/h200-round12/sweep-generate-traced.json`).
+/// The replay reaches the GPU's peaks to the byte and makes the 867 memory
+/// calls the CUDA backend counted.
+#[test]
+fn generation_trace_replays_to_the_gpus_peaks_and_memory_calls() {
+    let (config, events) = example("gpt2-generate.gtrace");
+    let out = replay(events.into_iter(), H200, &Config::parse(&config).unwrap());
+    assert_eq!(
+        (out.peak_reserved, out.peak_allocated, out.ooms),
+        (1_218_445_312, 1_111_098_368, 0)
+    );
+    assert_eq!(out.driver.memory_calls(), 867);
+}
+
 /// `examples/resnet50.gtrace`: ResNet-50, batch 128, 60 steps, recorded
 /// by `bash tests/gpu/bench.sh --variants gpualloc-traced` with the library
 /// of 4f53d2a (`docs/results/h200-round10/bench-traced.json`). It replays to
