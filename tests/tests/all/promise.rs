@@ -6,7 +6,8 @@
 //! Adversarial sequences on a small simulated device: random sizes from
 //! 512 B to 90 MiB on three streams, frees in random order, work launched on
 //! the blocks (so freed pages are often still in use when they are needed),
-//! long-lived small blocks scattered among large ones. After each step the
+//! long-lived small blocks scattered among large ones, `empty_cache` now
+//! and then. After each step the
 //! whole structure is checked ([`Checked`]); every failed request is checked
 //! against the bound, with 2 MiB handles (the granularity the promise is
 //! made at) and with the default handles (where a handle shared by a live
@@ -30,6 +31,7 @@ enum Op {
     Free(prop::sample::Index),
     Use(prop::sample::Index),
     Complete(usize),
+    EmptyCache,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -43,6 +45,7 @@ fn op() -> impl Strategy<Value = Op> {
         5 => any::<prop::sample::Index>().prop_map(Op::Free),
         3 => any::<prop::sample::Index>().prop_map(Op::Use),
         1 => (0..STREAMS.len()).prop_map(Op::Complete),
+        1 => Just(Op::EmptyCache),
     ]
 }
 
@@ -66,10 +69,13 @@ fn pinned(c: &Checked, handle: u64) -> u64 {
 fn run(config: &str, granule: u64, ops: &[Op]) -> Result<(), TestCaseError> {
     let mut c = Checked::with(CAPACITY, config);
     let mut order: Vec<u64> = Vec::new();
+    // Memory created again after `empty_cache` comes in handles of up to
+    // twice the largest (Note [Regrowth]); pages stay pages.
+    let mut handle = granule;
     for op in ops {
         match op {
             Op::Alloc { size, stream } => {
-                let before = pinned(&c, granule);
+                let before = pinned(&c, handle);
                 let rounded = round_size(*size, c.dev.config());
                 let need = rounded.div_ceil(PAGE) * PAGE;
                 match c.malloc(*size, STREAMS[*stream]) {
@@ -92,6 +98,12 @@ fn run(config: &str, granule: u64, ops: &[Op]) -> Result<(), TestCaseError> {
                 c.use_on(p, stream);
             }
             Op::Complete(s) => c.complete(STREAMS[*s]),
+            Op::EmptyCache => {
+                c.dev.empty_cache().unwrap();
+                if granule > PAGE {
+                    handle = 2 * granule;
+                }
+            }
             _ => {}
         }
     }
