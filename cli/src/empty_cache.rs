@@ -45,9 +45,7 @@ impl EmptyCaches {
             _ => {}
         }
     }
-}
 
-impl EmptyCaches {
     /// "N calls gave back X; Y of it was created again afterwards", with
     /// advice when most of it came back; `None` without calls.
     pub fn describe(&self) -> Option<String> {

@@ -140,11 +140,16 @@ def run_one(check, name, timeout, steps, logdir, extra_args=(), label=None):
     cmd = [sys.executable, os.path.join(HERE, "checks.py"), check, "--alloc", variant(name)[0], *extra_args]
     if steps:
         cmd += ["--steps", str(steps)]
-    trace = None
-    if name.endswith("-traced"):
-        os.makedirs(os.path.join(logdir, "..", "traces"), exist_ok=True)
-        trace = os.path.abspath(os.path.join(logdir, "..", "traces", f"{check}.gtrace"))
-    return run_child(cmd, name, timeout, logdir, label or f"{check}-{name}", trace)
+    return run_child(cmd, name, timeout, logdir, label or f"{check}-{name}", trace_path(logdir, check, name))
+
+
+def trace_path(logdir, check, name):
+    """Where a run of `check` under variant `name` records its trace: for
+    a -traced variant, traces/CHECK.gtrace beside logdir (created); else None."""
+    if not name.endswith("-traced"):
+        return None
+    os.makedirs(os.path.join(logdir, "..", "traces"), exist_ok=True)
+    return os.path.abspath(os.path.join(logdir, "..", "traces", f"{check}.gtrace"))
 
 
 def write_results(out, name, md, runs):

@@ -299,10 +299,8 @@ def main():
                     skipped.append(f"{w} {v} repeat {rep}")
                     continue
                 cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--child", w, driver.variant(v)[0]]
-                trace = os.path.join(os.path.abspath(args.out), "traces", f"{w}.gtrace") if v.endswith("-traced") else None
-                if trace:
-                    os.makedirs(os.path.dirname(trace), exist_ok=True)
-                r = driver.run_child(cmd, v, min(TIMEOUT_S, left), logdir, f"{w}-{v}-{rep}", trace)
+                r = driver.run_child(cmd, v, min(TIMEOUT_S, left), logdir, f"{w}-{v}-{rep}",
+                                     driver.trace_path(logdir, w, v))
                 longest[w] = max(longest.get(w, 0.0), r["wall_s"])
                 runs.append({"workload": w, "variant": v, "repeat": rep, **r})
                 status = "ok" if "result" in r else r.get("error", "failed")

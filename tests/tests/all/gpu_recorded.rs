@@ -16,7 +16,7 @@
 use std::path::PathBuf;
 
 use gpualloc::Config;
-use gpualloc::replay::replay;
+use gpualloc::replay::{ReplayResult, replay};
 use gpualloc::trace::TraceEvent;
 use gpualloc::trace::reader::TraceReader;
 
@@ -35,10 +35,17 @@ fn example(name: &str) -> (String, Vec<TraceEvent>) {
     (r.header().config.clone(), events)
 }
 
-fn replay_example(name: &str, config: Option<&str>) -> (u64, u64, u64) {
+/// The replay of `examples/NAME` on an H200 under `config` (default: the
+/// recorded one).
+fn replayed(name: &str, config: Option<&str>) -> ReplayResult {
     let (recorded, events) = example(name);
     let config = Config::parse(config.unwrap_or(&recorded)).expect("the configuration parses");
-    let out = replay(events.into_iter(), H200, &config);
+    replay(events.into_iter(), H200, &config)
+}
+
+/// Peak reserved, peak allocated and failed requests of [`replayed`].
+fn replay_example(name: &str, config: Option<&str>) -> (u64, u64, u64) {
+    let out = replayed(name, config);
     (out.peak_reserved, out.peak_allocated, out.ooms)
 }
 
@@ -96,8 +103,7 @@ fn ultralytics_trace_replays_to_the_peaks_measured_on_the_gpu() {
 /// calls the CUDA backend counted.
 #[test]
 fn generation_trace_replays_to_the_gpus_peaks_and_memory_calls() {
-    let (config, events) = example("gpt2-generate.gtrace");
-    let out = replay(events.into_iter(), H200, &Config::parse(&config).unwrap());
+    let out = replayed("gpt2-generate.gtrace", None);
     assert_eq!(
         (out.peak_reserved, out.peak_allocated, out.ooms),
         (1_218_445_312, 1_111_098_368, 0)
@@ -114,10 +120,12 @@ fn generation_trace_replays_to_the_gpus_peaks_and_memory_calls() {
 /// expandable segments make none.
 #[test]
 fn resnet_trace_replays_to_the_gpus_peaks_and_is_silent_after_warm_up() {
+    let whole = replayed("resnet50.gtrace", None);
     assert_eq!(
-        replay_example("resnet50.gtrace", None),
+        (whole.peak_reserved, whole.peak_allocated, whole.ooms),
         (6_266_290_176, 6_146_379_776, 0)
     );
+    let whole = whole.driver.memory_calls();
     let (config, events) = example("resnet50.gtrace");
     let config = Config::parse(&config).unwrap();
     // Steps begin with the optimizer's phase, the last phase of a step.
@@ -138,9 +146,6 @@ fn resnet_trace_replays_to_the_gpus_peaks_and_is_silent_after_warm_up() {
         let out = replay(events[..starts[step]].iter().copied(), H200, &config);
         out.driver.memory_calls()
     };
-    let whole = replay(events.iter().copied(), H200, &config)
-        .driver
-        .memory_calls();
     assert!(calls_until(12) > 0);
     assert_eq!(calls_until(20), whole, "memory calls after step 20");
 }
