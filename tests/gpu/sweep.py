@@ -32,6 +32,17 @@ and DIR/sweep.json.
   batch 96, AdamW.
 - compile_dynamic: torch.compile(dynamic=True) of models.TinyGPT on random
   lengths 64..512 (the compile is round 0).
+- faster_rcnn: torchvision Faster R-CNN (ResNet-50 FPN) training on four
+  images a step of random sizes and box counts: many small and odd-sized
+  tensors, a new layout every step.
+- side_stream: ResNet-18 training whose next batch is copied on a side
+  stream and handed over with record_stream (cross-stream frees).
+- lstm_varlen: a cuDNN LSTM on random batch sizes and lengths (cuDNN's
+  workspace and reserve change size every step).
+- reduce_overhead: torch.compile(mode="reduce-overhead") on three sequence
+  lengths: CUDA graphs whose memory comes from private pools.
+- serve_varbatch: fp16 ResNet-50 inference on requests of random batch
+  sizes and resolutions, as a server sees them.
 """
 
 from __future__ import annotations
@@ -192,6 +203,150 @@ def compile_dynamic(rounds):
     return _timed(rounds, body), "torch.compile(dynamic=True) TinyGPT (6 layers, 512 wide), AdamW, batch 16, lengths 64..512"
 
 
+def faster_rcnn(rounds):
+    import torch
+    import torchvision
+
+    dev = torch.device("cuda:0")
+    model = torchvision.models.detection.fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None,
+                                                                 num_classes=21).to(dev).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.005, momentum=0.9)
+    rng = random.Random(19)
+    g = torch.Generator().manual_seed(19)
+
+    def sample():
+        h, w = rng.randrange(320, 961, 32), rng.randrange(320, 961, 32)
+        n = rng.randrange(1, 12)
+        xy = torch.rand(n, 2, generator=g) * torch.tensor([w * 0.7, h * 0.7])
+        wh = 16 + torch.rand(n, 2, generator=g) * torch.tensor([w * 0.3, h * 0.3])
+        target = {"boxes": torch.cat([xy, xy + wh], 1).to(dev),
+                  "labels": torch.randint(1, 21, (n,), generator=g).to(dev)}
+        return torch.rand(3, h, w, generator=g).to(dev), target
+
+    def body(i):
+        images, targets = zip(*(sample() for _ in range(4)))
+        opt.zero_grad(set_to_none=True)
+        loss = sum(model(list(images), list(targets)).values())
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return _timed(rounds, body), ("torchvision fasterrcnn_resnet50_fpn training, 4 images a step of random "
+                                  "sizes 320..960, 1..11 boxes, SGD")
+
+
+def side_stream(rounds):
+    import torch
+    import torchvision
+
+    dev = torch.device("cuda:0")
+    model = torchvision.models.resnet18(num_classes=100).to(dev, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(23)
+    host = [(torch.randn(128, 3, 160, 160, generator=g).pin_memory(), torch.randint(0, 100, (128,), generator=g))
+            for _ in range(4)]
+    copy = torch.cuda.Stream()
+
+    def load(i):  # the next batch is copied on a side stream while this one trains
+        with torch.cuda.stream(copy):
+            x, y = host[i % len(host)]
+            return x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+
+    state = {"next": load(0)}
+
+    def body(i):
+        torch.cuda.current_stream().wait_stream(copy)
+        x, y = state["next"]
+        x.record_stream(torch.cuda.current_stream())
+        y.record_stream(torch.cuda.current_stream())
+        state["next"] = load(i + 1)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x.contiguous(memory_format=torch.channels_last)), y)
+        loss.backward()
+        opt.step()
+        del x, y
+        return float(loss.detach())
+
+    return _timed(rounds, body), ("torchvision resnet18, batch 128, bf16, channels_last, the next batch copied on a "
+                                  "side stream (record_stream)")
+
+
+def lstm_varlen(rounds):
+    import torch
+
+    dev = torch.device("cuda:0")
+    torch.backends.cudnn.benchmark = False
+    model = torch.nn.LSTM(input_size=256, hidden_size=1024, num_layers=3, batch_first=True).to(dev)
+    head = torch.nn.Linear(1024, 256).to(dev)
+    opt = torch.optim.Adam(list(model.parameters()) + list(head.parameters()), lr=1e-3)
+    rng = random.Random(29)
+    g = torch.Generator().manual_seed(29)
+
+    def body(i):
+        batch, length = rng.choice([32, 48, 64]), rng.randrange(20, 401)
+        x = torch.randn(batch, length, 256, generator=g).to(dev)
+        opt.zero_grad(set_to_none=True)
+        out, _ = model(x)
+        loss = torch.nn.functional.mse_loss(head(out), x)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return _timed(rounds, body), "cuDNN LSTM (3 layers, 1024 hidden), Adam, batch 32..64, lengths 20..400"
+
+
+def reduce_overhead(rounds):
+    import torch
+
+    from models import TinyGPT
+
+    dev = torch.device("cuda:0")
+    vocab = 8192
+    model = TinyGPT(vocab=vocab, dim=512, layers=4, heads=8).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    @torch.compile(mode="reduce-overhead")
+    def forward_loss(tokens):
+        logits = model(tokens)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+
+    rng = random.Random(31)
+    g = torch.Generator().manual_seed(31)
+
+    def body(i):  # three sequence buckets: three CUDA graphs in private pools
+        tokens = torch.randint(0, vocab, (16, rng.choice([128, 256, 512])), generator=g).to(dev)
+        torch.compiler.cudagraph_mark_step_begin()
+        opt.zero_grad(set_to_none=True)
+        loss = forward_loss(tokens)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return _timed(rounds, body), "torch.compile(mode='reduce-overhead') TinyGPT (4 layers), AdamW, lengths 128/256/512"
+
+
+def serve_varbatch(rounds):
+    import torch
+    import torchvision
+
+    dev = torch.device("cuda:0")
+    model = torchvision.models.resnet50(num_classes=1000).to(dev, torch.float16).eval()
+    rng = random.Random(37)
+    g = torch.Generator().manual_seed(37)
+
+    def body(i):  # one round: 16 requests of random batch sizes and resolutions
+        total = 0.0
+        with torch.inference_mode():
+            for _ in range(16):
+                b, s = rng.randrange(1, 257), rng.choice([160, 192, 224, 256, 288])
+                x = torch.randn(b, 3, s, s, generator=g).to(dev, torch.float16)
+                total += float(model(x).float().sum())
+        return total
+
+    return _timed(rounds, body), "torchvision resnet50 fp16 inference, 16 requests a round of batch 1..256, 160..288 px"
+
+
 # name -> (function, rounds)
 WORKLOADS = {
     "generate": (generate, 8),
@@ -199,6 +354,11 @@ WORKLOADS = {
     "checkpoint_amp": (checkpoint_amp, 40),
     "vit_amp": (vit_amp, 40),
     "compile_dynamic": (compile_dynamic, 30),
+    "faster_rcnn": (faster_rcnn, 30),
+    "side_stream": (side_stream, 40),
+    "lstm_varlen": (lstm_varlen, 40),
+    "reduce_overhead": (reduce_overhead, 40),
+    "serve_varbatch": (serve_varbatch, 12),
 }
 
 
