@@ -29,7 +29,9 @@
 //! path; PyTorch's `cudaFree` of the pool's segments waits the same way).
 //! The pages go to the page pool; blocks still alive return at the next
 //! `empty_cache`. Fences are not recorded during a capture (the event
-//! would belong to the graph).
+//! would belong to the graph). A trace records every call on a pool by the
+//! pool's index on the device (`private_pool` records), so a replay opens
+//! and closes the same scopes at the same moments (`replay_pools.rs`).
 
 use crate::backend::Backend;
 use crate::block::PoolId;
@@ -38,6 +40,7 @@ use crate::error::AllocError;
 use crate::pool::{Pool, PoolKey};
 use crate::private_pool::StreamFilter;
 use crate::size_class::PoolKind;
+use crate::trace::{EventKind, PoolOp};
 
 impl<B: Backend> DeviceAllocator<B> {
     /// Opens an allocation scope: until [`end_allocate_to_pool`](Self::end_allocate_to_pool),
@@ -45,7 +48,8 @@ impl<B: Backend> DeviceAllocator<B> {
     /// come from private pool `key`, created on first use.
     pub fn begin_allocate_to_pool(&mut self, key: PoolKey, filter: Option<StreamFilter>) {
         self.private.push_scope(key, filter);
-        self.create_or_incref_pool(key);
+        self.incref_pool(key);
+        self.record_pool_call(PoolOp::BeginAllocate, key);
     }
 
     /// Takes a hold on private pool `key`, creating it if absent, without
@@ -54,6 +58,11 @@ impl<B: Backend> DeviceAllocator<B> {
     /// [`release_pool`](Self::release_pool); a scope opened by
     /// [`begin_allocate_to_pool`](Self::begin_allocate_to_pool) takes one too.
     pub fn create_or_incref_pool(&mut self, key: PoolKey) {
+        self.incref_pool(key);
+        self.record_pool_call(PoolOp::Incref, key);
+    }
+
+    fn incref_pool(&mut self, key: PoolKey) {
         let pools = &mut self.heap.pools;
         let ids = self.private.incref(key, |vacant| {
             vacant.unwrap_or_else(|| {
@@ -78,7 +87,9 @@ impl<B: Backend> DeviceAllocator<B> {
     /// # Errors
     /// [`AllocError::UnknownPool`] when no scope of that pool is open.
     pub fn end_allocate_to_pool(&mut self, key: PoolKey) -> Result<(), AllocError> {
-        self.private.close(key)
+        self.private.close(key)?;
+        self.record_pool_call(PoolOp::EndAllocate, key);
+        Ok(())
     }
 
     /// Drops one hold on pool `key` (a graph was destroyed). At zero holds its
@@ -89,6 +100,8 @@ impl<B: Backend> DeviceAllocator<B> {
     /// # Errors
     /// [`AllocError::UnknownPool`] for a pool that does not exist.
     pub fn release_pool(&mut self, key: PoolKey) -> Result<(), AllocError> {
+        // Recorded first: the pool may be forgotten below.
+        self.record_pool_call(PoolOp::Release, key);
         if let Some((small, large)) = self.private.release(key)? {
             self.release_pool_cache(small, large)?;
         }
@@ -100,6 +113,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// [`release_pool`](Self::release_pool) does at zero holds). A held or
     /// unknown pool is left alone; so is everything while a capture is open.
     pub fn empty_pool_cache(&mut self, key: PoolKey) -> Result<(), AllocError> {
+        self.record_pool_call(PoolOp::EmptyCache, key);
         match self.private.find(key) {
             Some((small, large, 0)) => self.release_pool_cache(small, large),
             _ => Ok(()),
@@ -120,6 +134,28 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         self.private.erase_empty();
         Ok(())
+    }
+
+    /// Records a call on pool `key` by the pool's index on this device
+    /// (nothing for a pool that does not exist: the call changed nothing).
+    /// A replay makes the same calls (Note [Private pools]).
+    fn record_pool_call(&mut self, op: PoolOp, key: PoolKey) {
+        if self.trace.is_none() {
+            return;
+        }
+        let Some(k) = self
+            .private
+            .find(key)
+            .and_then(|(small, _, _)| self.private.index_of(small))
+        else {
+            return;
+        };
+        let (action, addr, size, aux) = EventKind::PrivatePool {
+            op,
+            pool: u64::from(k),
+        }
+        .fields();
+        self.record(action, 0, addr, size, aux);
     }
 
     /// Private pools alive: `(id, use count, segments, live allocations)`.

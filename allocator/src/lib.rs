@@ -76,6 +76,7 @@ mod pool;
 mod private_pool;
 mod release;
 pub mod replay;
+mod replay_pools;
 mod segment;
 pub mod size_class;
 mod snapshot;

@@ -4,7 +4,9 @@
 //! # The key decision: mirror the recording's stream progress, not its layout
 //!
 //! Only the caller's actions are replayed: `alloc` (with the requested size),
-//! `free_requested`, `record_stream`, `empty_cache`, and requests that failed
+//! `free_requested`, `record_stream`, `empty_cache`, calls on private (CUDA
+//! graph) pools, each allocation going to the pool that served it in the
+//! recording (`replay_pools.rs`), and requests that failed
 //! (`oom`: tried again, and given back at once if they fit now). Segments, splits and
 //! reuse are decided afresh by the replayed policy. Each recorded address is
 //! mapped to the address the replay handed out; frees go through that map, and
@@ -32,7 +34,8 @@ use crate::config::Config;
 use crate::cost::{CostModel, DriverCalls};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
-use crate::trace::{Action, TraceEvent};
+use crate::replay_pools::PoolRouting;
+use crate::trace::{Action, EventKind, TraceEvent};
 
 /// The first allocation that failed in a replay.
 #[derive(Clone, Debug, PartialEq)]
@@ -145,6 +148,8 @@ struct DeviceRun {
     window: Vec<(u64, TraceEvent)>,
     phases: Vec<u64>,
     unalloc_sum: f64,
+    /// Which private pool each allocation goes to (`replay_pools.rs`).
+    pools: PoolRouting,
 }
 
 /// Replays `events` on simulated devices of `capacity` bytes with `config`.
@@ -228,6 +233,7 @@ fn is_call(a: Action) -> bool {
             | Action::PhasePush
             | Action::PhasePop
             | Action::Mark
+            | Action::PrivatePool
     )
 }
 
@@ -244,6 +250,7 @@ impl DeviceRun {
             window: Vec::new(),
             phases: Vec::new(),
             unalloc_sum: 0.0,
+            pools: PoolRouting::default(),
         }
     }
 
@@ -340,13 +347,20 @@ impl DeviceRun {
             Action::PhasePop => {
                 self.phases.pop();
             }
-            _ => {}
+            _ => match e.kind() {
+                EventKind::SegmentAlloc { addr, size, pool }
+                | EventKind::SegmentMap { addr, size, pool } => self.pools.owner(addr, size, pool),
+                EventKind::PrivatePool { op, pool } => self.pools.call(&mut self.dev, op, pool),
+                _ => {}
+            },
         }
         self.observe_reserved();
     }
 
     fn alloc(&mut self, i: u64, e: TraceEvent) {
+        self.pools.route(e.addr);
         let result = self.dev.malloc(e.size, e.stream as StreamId);
+        self.pools.clear();
         let ptr = match result {
             Ok(p) => {
                 self.out.allocs += 1;

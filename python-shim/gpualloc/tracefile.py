@@ -23,8 +23,11 @@ ACTIONS = (
     "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
     "segment_map", "segment_unmap", "oom", "empty_cache", "phase_push", "phase_pop",
     "mark", "record_stream", "stream_reuse", "sync_all_streams", "free",
-    "pages_create", "pages_release",
+    "pages_create", "pages_release", "private_pool",
 )
+# The calls a ``private_pool`` record names (its ``size``; ``PoolOp`` in event.rs).
+POOL_OPS = ("begin_allocate_to_pool", "end_allocate_to_pool", "create_or_incref_pool", "release_pool",
+            "empty_pool_cache")
 KINDS = {9: "phase_push", 10: "phase_pop", 11: "mark"}
 FREE = 15  # alloc, free_requested, free_completed (0-2) and free store aux against size
 STITCH_CODE = 2**64 - 1  # the pool code of a stitched range (Note [Stitching])
@@ -43,8 +46,10 @@ def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
     (oom); ``released`` (empty_cache); ``name`` (a string id: phase_push,
     phase_pop, mark); ``addr``, ``other_stream`` (record_stream); ``addr``,
     ``block_size``, ``from_stream`` (stream_reuse); ``outstanding``
-    (sync_all_streams); ``bytes`` (pages_create, pages_release). An unknown
-    code gives ``kind`` ``"#<code>"`` and the raw fields.
+    (sync_all_streams); ``bytes`` (pages_create, pages_release); ``op`` (the
+    call's name, ``"#<code>"`` for an unknown one) and ``pool`` (the pool's
+    index on the device) (private_pool). An unknown code gives ``kind``
+    ``"#<code>"`` and the raw fields.
     """
     kind = ACTIONS[action] if action < len(ACTIONS) else f"#{action}"
     if action <= 2 or action == FREE:
@@ -65,6 +70,8 @@ def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
         return {"kind": kind, "outstanding": size}
     if action in (16, 17):
         return {"kind": kind, "bytes": size}
+    if action == 18:
+        return {"kind": kind, "op": POOL_OPS[size] if size < len(POOL_OPS) else f"#{size}", "pool": aux}
     return {"kind": kind, "stream": stream, "addr": addr, "size": size, "aux": aux}
 
 

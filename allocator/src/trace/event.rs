@@ -52,11 +52,15 @@ pub enum Action {
     PagesCreate = 16,
     /// Pooled physical memory went back to the driver. `size`: bytes.
     PagesRelease = 17,
+    /// A call on a private (CUDA graph) pool. `size`: which call
+    /// ([`PoolOp`]); `aux`: the pool's index on the device (its creation
+    /// order, as in [`pool_code`]).
+    PrivatePool = 18,
 }
 
 impl Action {
     /// Every action, in code order.
-    pub const ALL: [Action; 18] = [
+    pub const ALL: [Action; 19] = [
         Action::Alloc,
         Action::FreeRequested,
         Action::FreeCompleted,
@@ -75,6 +79,7 @@ impl Action {
         Action::Free,
         Action::PagesCreate,
         Action::PagesRelease,
+        Action::PrivatePool,
     ];
 
     /// The action for a code, if valid.
@@ -103,6 +108,7 @@ impl Action {
             Action::Free => "free",
             Action::PagesCreate => "pages_create",
             Action::PagesRelease => "pages_release",
+            Action::PrivatePool => "private_pool",
         }
     }
 }
@@ -119,6 +125,64 @@ pub const STITCH_CODE: u64 = u64::MAX;
 pub fn pool_code(private_index: Option<u32>, large: bool) -> u64 {
     let base = private_index.map_or(0, |k| 2 + 2 * u64::from(k));
     base + u64::from(large)
+}
+
+/// The private-pool calls a trace records ([`Action::PrivatePool`]), named
+/// as PyTorch's allocator names them. A replay makes the same calls, so
+/// allocations go to the same pools and captures stop defragmentation at
+/// the same moments as in the recording.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PoolOp {
+    /// `begin_allocate_to_pool`: a scope opened, with a hold on the pool.
+    BeginAllocate,
+    /// `end_allocate_to_pool`: the pool's innermost scope closed.
+    EndAllocate,
+    /// `create_or_incref_pool`: a hold taken without a scope.
+    Incref,
+    /// `release_pool`: a hold dropped.
+    Release,
+    /// `empty_cache` of one pool (`emptyCache(mempool_id)`).
+    EmptyCache,
+    /// A code this reader does not know (a later version's call).
+    Other(u64),
+}
+
+impl PoolOp {
+    /// The call's code (a record's `size`).
+    pub fn code(self) -> u64 {
+        match self {
+            PoolOp::BeginAllocate => 0,
+            PoolOp::EndAllocate => 1,
+            PoolOp::Incref => 2,
+            PoolOp::Release => 3,
+            PoolOp::EmptyCache => 4,
+            PoolOp::Other(c) => c,
+        }
+    }
+
+    /// The call of a code (never fails: unknown codes are [`PoolOp::Other`]).
+    pub fn from_code(code: u64) -> PoolOp {
+        match code {
+            0 => PoolOp::BeginAllocate,
+            1 => PoolOp::EndAllocate,
+            2 => PoolOp::Incref,
+            3 => PoolOp::Release,
+            4 => PoolOp::EmptyCache,
+            c => PoolOp::Other(c),
+        }
+    }
+
+    /// PyTorch's name of the call (`begin_allocate_to_pool`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            PoolOp::BeginAllocate => "begin_allocate_to_pool",
+            PoolOp::EndAllocate => "end_allocate_to_pool",
+            PoolOp::Incref => "create_or_incref_pool",
+            PoolOp::Release => "release_pool",
+            PoolOp::EmptyCache => "empty_pool_cache",
+            PoolOp::Other(_) => "unknown",
+        }
+    }
 }
 
 /// A string-table id: the name of a phase or a mark
@@ -319,6 +383,14 @@ pub enum EventKind {
         /// Bytes of physical memory.
         bytes: u64,
     },
+    /// [`Action::PrivatePool`]: the call `op` on the device's `pool`-th
+    /// private pool.
+    PrivatePool {
+        /// Which call.
+        op: PoolOp,
+        /// The pool's index on the device (creation order; [`pool_code`]).
+        pool: u64,
+    },
 }
 
 impl EventKind {
@@ -375,6 +447,7 @@ impl EventKind {
             } => (Action::Free, addr, requested, block_size),
             K::PagesCreate { bytes } => (Action::PagesCreate, 0, bytes, 0),
             K::PagesRelease { bytes } => (Action::PagesRelease, 0, bytes, 0),
+            K::PrivatePool { op, pool } => (Action::PrivatePool, 0, op.code(), pool),
         }
     }
 }
@@ -503,6 +576,10 @@ impl TraceEvent {
             },
             Action::PagesCreate => K::PagesCreate { bytes: size },
             Action::PagesRelease => K::PagesRelease { bytes: size },
+            Action::PrivatePool => K::PrivatePool {
+                op: PoolOp::from_code(size),
+                pool: aux,
+            },
         }
     }
 

@@ -2,7 +2,7 @@
 //! and decodes to what was recorded (Note [Typed trace events]).
 
 use super::format::TraceHeader;
-use super::{Action, DeviceTrace, EventKind, Pool, STITCH_CODE, TraceEvent, TraceReader};
+use super::{Action, DeviceTrace, EventKind, Pool, PoolOp, STITCH_CODE, TraceEvent, TraceReader};
 use super::{TraceWriter, pool_code};
 
 /// One kind of every action, with operands that exercise the encoding: a
@@ -72,6 +72,10 @@ fn every_kind() -> Vec<EventKind> {
         },
         K::PagesCreate { bytes: 2 << 20 },
         K::PagesRelease { bytes: big },
+        K::PrivatePool {
+            op: PoolOp::Release,
+            pool: 3,
+        },
     ]
 }
 
@@ -225,4 +229,25 @@ fn every_kind_round_trips_through_recorder_writer_and_reader() {
         names,
         ["forward", "forward", "step", "forward", "forward", "step"]
     );
+}
+
+#[test]
+fn pool_calls_keep_their_codes_and_unknown_ones_decode() {
+    for code in 0..6 {
+        assert_eq!(PoolOp::from_code(code).code(), code);
+    }
+    assert_eq!(PoolOp::from_code(0).name(), "begin_allocate_to_pool");
+    assert_eq!(PoolOp::from_code(4).name(), "empty_pool_cache");
+    assert_eq!(PoolOp::from_code(9), PoolOp::Other(9));
+    let e = TraceEvent::from_kind(
+        1,
+        0,
+        0,
+        1,
+        EventKind::PrivatePool {
+            op: PoolOp::Other(77),
+            pool: 2,
+        },
+    );
+    assert_eq!((e.size, e.aux), (77, 2));
 }

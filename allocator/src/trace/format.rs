@@ -15,8 +15,10 @@ pub const VERSION: u16 = 1;
 /// producer (absent, so 0, in older files). Minor 1 numbers the blocks: the
 /// flags byte of every block header holds the block's index modulo 256, and
 /// the END block adds the number of blocks before it. Readers of minor 0
-/// ignore both, and this reader still reads minor 0 files.
-pub const MINOR_VERSION: u64 = 1;
+/// ignore both, and this reader still reads minor 0 files. Minor 2 adds the
+/// `private_pool` action (code 18), written only by programs that use
+/// private pools; a reader of minor 1 stops at the first block holding one.
+pub const MINOR_VERSION: u64 = 2;
 /// Two bytes that open every block.
 pub const BLOCK_MAGIC: [u8; 2] = *b"BK";
 /// Bytes of a block header: magic, kind, flags, device, length, crc32.

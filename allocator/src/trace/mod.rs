@@ -17,7 +17,7 @@ pub mod writer;
 /// are replaced by the process id and torchrun's ranks (`trace_path.rs`).
 pub const TRACE_ENV: &str = "GPUALLOC_TRACE";
 
-pub use event::{Action, EventKind, Pool, STITCH_CODE, StringId, TraceEvent, pool_code};
+pub use event::{Action, EventKind, Pool, PoolOp, STITCH_CODE, StringId, TraceEvent, pool_code};
 pub use format::{MAX_DEVICES, TraceEnd, TraceError, TraceErrorKind, TraceHeader};
 pub use reader::TraceReader;
 pub use recorder::{DeviceTrace, Recorder, TraceOptions, TraceSummary, thread_id};

@@ -9,12 +9,14 @@
 //! - `stitch_safety`: stitch repair waits for the stitch's queued work;
 //! - `docs`: `docs/configuration.md` lists exactly the code's keys and
 //!   environment variables, with the code's defaults;
-//! - `examples`: the C example builds and runs on the simulated device.
+//! - `examples`: the C example builds and runs on the simulated device;
+//! - `graph_replay`: a program with CUDA graph captures replays exactly.
 
 mod docs;
 mod examples;
 mod fuzz_config;
 mod gpu_recorded;
+mod graph_replay;
 mod promise;
 mod properties;
 mod scenarios;

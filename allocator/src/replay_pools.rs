@@ -1,0 +1,143 @@
+//! Private (CUDA graph) pools in a replay: the recorded calls made again,
+//! and each allocation sent to the pool the recording served it from.
+//!
+//! A recording holds the calls on private pools (`private_pool` records:
+//! scopes opened and closed, holds taken and dropped, Note [Private
+//! pools]) but not the filter a scope was opened with, which is code in
+//! the program (PyTorch's: "is this stream capturing this graph?"). What
+//! the recording does hold is where each block went: every range a pool
+//! mapped or obtained names the pool (`segment_map` / `segment_alloc` pool
+//! codes), so the pool of a recorded allocation is the owner of its
+//! address. The replay opens each scope with a filter that accepts exactly
+//! the allocations the recording served from that pool; captures then
+//! stop defragmentation, event queries and releases at the same moments as
+//! in the recording, and graph memory stays out of the default pools.
+//! Traces without `private_pool` records (older ones, or programs without
+//! CUDA graphs) replay as before: every allocation in the default pools.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::backend::{Backend, DevicePtr};
+use crate::device::DeviceAllocator;
+use crate::pool::PoolKey;
+use crate::trace::{Pool, PoolOp};
+
+/// No private pool: the next allocation goes where the open scopes' other
+/// rules send it (the default pools).
+const NO_POOL: u64 = u64::MAX;
+
+/// The first half of the keys the replay gives private pools (the second
+/// is the recorded pool's index); the recording's own keys are not stored.
+const REPLAY_KEY: u64 = 0x7265_706c_6179;
+
+/// See the module documentation.
+pub(crate) struct PoolRouting {
+    /// Recorded ranges that private pools mapped or obtained: first byte →
+    /// (end, pool index). Disjoint.
+    ranges: BTreeMap<DevicePtr, (DevicePtr, u64)>,
+    /// The pool index the next allocation belongs to, read by the filters
+    /// of the replayed scopes.
+    next: Arc<AtomicU64>,
+}
+
+impl Default for PoolRouting {
+    fn default() -> PoolRouting {
+        PoolRouting {
+            ranges: BTreeMap::new(),
+            next: Arc::new(AtomicU64::new(NO_POOL)),
+        }
+    }
+}
+
+impl PoolRouting {
+    /// Notes the owner of a recorded range a pool mapped or obtained.
+    /// Default-pool ranges end any private ownership they overlap (address
+    /// space given back and reserved again); stitches change nothing (a
+    /// second mapping of default-pool pages).
+    pub fn owner(&mut self, addr: DevicePtr, size: u64, pool: Pool) {
+        let Pool::Code(code) = pool else { return };
+        let end = addr.saturating_add(size);
+        let overlapping: Vec<DevicePtr> = self
+            .ranges
+            .range(..end)
+            .rev()
+            .take_while(|(_, (e, _))| *e > addr)
+            .map(|(&a, _)| a)
+            .collect();
+        for a in overlapping {
+            self.ranges.remove(&a);
+        }
+        if code >= 2 {
+            self.ranges.insert(addr, (end, (code - 2) / 2));
+        }
+    }
+
+    /// Sends the next allocation to the pool that served recorded address
+    /// `addr`, if a private one did.
+    pub fn route(&self, addr: DevicePtr) {
+        let pool = self
+            .ranges
+            .range(..=addr)
+            .next_back()
+            .filter(|(_, (end, _))| addr < *end)
+            .map_or(NO_POOL, |(_, &(_, k))| k);
+        self.next.store(pool, Ordering::Relaxed);
+    }
+
+    /// Ends the routing [`route`](Self::route) set.
+    pub fn clear(&self) {
+        self.next.store(NO_POOL, Ordering::Relaxed);
+    }
+
+    /// Makes the recorded call `op` on the `pool`-th private pool of `dev`.
+    /// Errors are the recording's too (a call on a pool the trace never
+    /// saw created, in a trace started mid-run) and are ignored.
+    pub fn call<B: Backend>(&self, dev: &mut DeviceAllocator<B>, op: PoolOp, pool: u64) {
+        let key: PoolKey = (REPLAY_KEY, pool);
+        let _ = match op {
+            PoolOp::BeginAllocate => {
+                let next = Arc::clone(&self.next);
+                let filter = Box::new(move |_| next.load(Ordering::Relaxed) == pool);
+                dev.begin_allocate_to_pool(key, Some(filter));
+                Ok(())
+            }
+            PoolOp::EndAllocate => dev.end_allocate_to_pool(key),
+            PoolOp::Incref => {
+                dev.create_or_incref_pool(key);
+                Ok(())
+            }
+            PoolOp::Release => dev.release_pool(key),
+            PoolOp::EmptyCache => dev.empty_pool_cache(key),
+            PoolOp::Other(_) => Ok(()),
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_address_belongs_to_the_last_range_that_covered_it() {
+        let mut r = PoolRouting::default();
+        let at = |r: &PoolRouting, a| {
+            r.route(a);
+            r.next.load(Ordering::Relaxed)
+        };
+        assert_eq!(at(&r, 5), NO_POOL, "no ranges: nothing routed");
+        r.owner(100, 50, Pool::Code(3));
+        r.owner(200, 10, Pool::Code(4));
+        assert_eq!(at(&r, 120), 0, "large pool of private pool 0");
+        assert_eq!(at(&r, 205), 1, "small pool of private pool 1");
+        assert_eq!(at(&r, 150), NO_POOL, "the end is outside");
+        r.owner(120, 90, Pool::Stitch);
+        assert_eq!(at(&r, 120), 0, "a stitch owns nothing");
+        r.owner(140, 65, Pool::Code(1));
+        assert_eq!(at(&r, 120), NO_POOL, "reserved again by the default pool");
+        assert_eq!(at(&r, 205), NO_POOL);
+        r.clear();
+        assert_eq!(r.next.load(Ordering::Relaxed), NO_POOL);
+    }
+}
