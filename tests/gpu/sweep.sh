@@ -6,9 +6,11 @@
 #       [--variants native,native-expandable,gpualloc] [--budget 540]
 #
 # Runs KV-cache generation, training with empty_cache() every step, gradient
-# checkpointing with bf16, a ViT with fp16 and a GradScaler, and a
-# torch.compile(dynamic=True) model under PyTorch's allocator and gpualloc,
-# each in its own process. Writes sweep.md, sweep.json, environment.txt and
+# checkpointing with bf16, a ViT with fp16 and a GradScaler, torch.compile
+# with dynamic shapes and with CUDA graphs (reduce-overhead), Faster R-CNN,
+# a side-stream prefetch, a cuDNN LSTM and fp16 serving of random batches
+# under PyTorch's allocator and gpualloc, each in its own process (the
+# default budget covers about half: pick with --only). Writes sweep.md, sweep.json, environment.txt and
 # sweep-logs.tar.gz to $OUT (or ./gpu-results). See tests/gpu/sweep.py.
 set -u
 source "$(dirname "$0")/env.sh"

@@ -111,6 +111,36 @@ fn generation_trace_replays_to_the_gpus_peaks_and_memory_calls() {
     assert_eq!(out.driver.memory_calls(), 867);
 }
 
+/// `examples/reduce-overhead-graphs.gtrace`: `torch.compile(mode=
+/// "reduce-overhead")` training on three sequence lengths (CUDA graphs
+/// captured into private pools by cudagraph trees), recorded by `bash
+/// tests/gpu/sweep.sh --only reduce_overhead --variants gpualloc-traced`
+/// with the library of 53ccd16
+/// (`docs/results/h200-round13/sweep-reduce-overhead-traced.json`). The
+/// trace holds the calls on private pools, and the replay sends each
+/// allocation to the pool that served it: the GPU's peaks to the byte and
+/// its 1,219 memory calls. Without the pool calls (as the replay read every
+/// trace before they were recorded), graph memory lands in the default
+/// pools, which defragment it: another peak and twice the calls.
+#[test]
+fn a_cuda_graph_trace_replays_to_the_gpus_peaks_and_memory_calls() {
+    let out = replayed("reduce-overhead-graphs.gtrace", None);
+    assert_eq!(
+        (out.peak_reserved, out.peak_allocated, out.ooms),
+        (2_134_900_736, 2_006_201_344, 0)
+    );
+    assert_eq!(out.driver.memory_calls(), 1_219);
+    let (config, events) = example("reduce-overhead-graphs.gtrace");
+    let without = events
+        .into_iter()
+        .filter(|e| e.action != gpualloc::trace::Action::PrivatePool);
+    let out = replay(without, H200, &Config::parse(&config).unwrap());
+    assert_eq!(
+        (out.peak_reserved, out.driver.memory_calls()),
+        (2_051_014_656, 2_472)
+    );
+}
+
 /// `examples/resnet50.gtrace`: ResNet-50, batch 128, 60 steps, recorded
 /// by `bash tests/gpu/bench.sh --variants gpualloc-traced` with the library
 /// of 4f53d2a (`docs/results/h200-round10/bench-traced.json`). It replays to
