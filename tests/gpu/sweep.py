@@ -43,6 +43,10 @@ and DIR/sweep.json.
   lengths: CUDA graphs whose memory comes from private pools.
 - serve_varbatch: fp16 ResNet-50 inference on requests of random batch
   sizes and resolutions, as a server sees them.
+- cudnn_benchmark: ResNet-50 training on six random input sizes with
+  torch.backends.cudnn.benchmark on: cuDNN times each new convolution
+  shape and then calls empty_cache (PyTorch's default), so the cache is
+  emptied again and again while shapes are new.
 """
 
 from __future__ import annotations
@@ -347,6 +351,32 @@ def serve_varbatch(rounds):
     return _timed(rounds, body), "torchvision resnet50 fp16 inference, 16 requests a round of batch 1..256, 160..288 px"
 
 
+def cudnn_benchmark(rounds):
+    import torch
+    import torchvision
+
+    dev = torch.device("cuda:0")
+    torch.backends.cudnn.benchmark = True  # each new shape is timed, and cuDNN empties the cache after
+    model = torchvision.models.resnet50(num_classes=100).to(dev, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    rng = random.Random(41)
+    g = torch.Generator().manual_seed(41)
+
+    def body(i):
+        s = rng.choice([160, 192, 224, 256, 288, 320])
+        x = torch.randn(48, 3, s, s, generator=g).to(dev).contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, 100, (48,), generator=g).to(dev)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return _timed(rounds, body), ("torchvision resnet50, cudnn.benchmark (cuDNN empties the cache after timing each "
+                                  "new shape), bf16, batch 48, random sizes 160..320")
+
+
 # name -> (function, rounds)
 WORKLOADS = {
     "generate": (generate, 8),
@@ -359,6 +389,7 @@ WORKLOADS = {
     "lstm_varlen": (lstm_varlen, 40),
     "reduce_overhead": (reduce_overhead, 40),
     "serve_varbatch": (serve_varbatch, 12),
+    "cudnn_benchmark": (cudnn_benchmark, 40),
 }
 
 
