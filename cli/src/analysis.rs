@@ -9,6 +9,7 @@ use std::path::Path;
 use gpualloc::trace::{Action, EventKind, TraceEvent};
 
 use crate::empty_cache::EmptyCaches;
+use crate::graph_pools::GraphPools;
 use crate::input::{self, CliError, ScanInfo};
 use crate::ooms::{self, Oom};
 use crate::phases::Phases;
@@ -78,6 +79,8 @@ pub struct DeviceAnalysis {
     pub sizes: Sizes,
     /// `empty_cache` calls and the memory created again after them.
     pub empty_caches: EmptyCaches,
+    /// Private (CUDA graph) pools: captures and the memory held for them.
+    pub graph_pools: GraphPools,
     /// The state after the last event.
     pub state: DeviceState,
     /// The state at the peak (second pass).
@@ -101,6 +104,7 @@ impl DeviceAnalysis {
             phases: Phases::default(),
             sizes: Sizes::default(),
             empty_caches: EmptyCaches::default(),
+            graph_pools: GraphPools::default(),
             state: DeviceState::default(),
             at_peak: None,
         }
@@ -114,6 +118,7 @@ impl DeviceAnalysis {
         self.events += 1;
         let kind = e.kind();
         self.empty_caches.apply(&kind);
+        self.graph_pools.apply(&kind);
         match kind {
             EventKind::Alloc { requested, .. } => {
                 self.allocs += 1;

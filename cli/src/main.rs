@@ -19,6 +19,7 @@ mod export_csv;
 mod export_parquet;
 mod export_torch;
 mod generate;
+mod graph_pools;
 mod import_rmm;
 mod import_torch;
 mod input;

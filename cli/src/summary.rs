@@ -9,7 +9,9 @@
 //! `unallocated`, `largest_free`, `total_free`, `reserved`; null without
 //! allocations), `end_allocated`, `end_reserved`, `end_live_blocks`,
 //! `empty_cache` (`calls`, `released`: bytes given back, `recreated`: bytes
-//! of them created again afterwards), `ooms`
+//! of them created again afterwards), `private_pools` (`captures`:
+//! scopes opened, `pools`, `releases`, `peak_held`: the most bytes mapped
+//! for private pools at once), `ooms`
 //! (a count), `oom_details` (the first
 //! [`MAX_DETAILED`](crate::ooms::MAX_DETAILED) failures),
 //! `unknown_frees`, `phases`, `most_frequent_sizes` and `largest_sizes`.
@@ -105,6 +107,9 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
     );
     if let Some(e) = d.empty_caches.describe() {
         let _ = writeln!(s, "  empty_cache     {e}");
+    }
+    if let Some(g) = d.graph_pools.describe() {
+        let _ = writeln!(s, "  private pools   {g}");
     }
     let _ = writeln!(s, "  OOMs            {}", d.oom_count);
     for o in d.ooms.iter().take(3) {
@@ -221,6 +226,12 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
         "end_allocated": d.state.g.allocated,
         "end_reserved": d.state.g.reserved,
         "end_live_blocks": d.state.live.len(),
+        "private_pools": json!({
+            "captures": d.graph_pools.captures,
+            "pools": d.graph_pools.pools,
+            "releases": d.graph_pools.releases,
+            "peak_held": d.graph_pools.peak_held,
+        }),
         "empty_cache": json!({
             "calls": d.empty_caches.calls,
             "released": d.empty_caches.released,

@@ -1,0 +1,157 @@
+//! What CUDA graphs held: private pools, their captures, and the memory
+//! mapped for them.
+//!
+//! A captured graph replays at fixed addresses, so its memory comes from a
+//! pool private to it and stays there until PyTorch releases the graph
+//! (Note [Private pools]). That memory is neither the program's live
+//! tensors nor the shared cache, and `torch.compile(mode="reduce-overhead")`
+//! makes such pools without the program asking: the summary says how many
+//! captures and pools a trace saw (`private_pool` records, format minor 2)
+//! and the most memory mapped for private pools at once (their segment
+//! events, in every trace).
+
+use gpualloc::trace::{EventKind, Pool, PoolOp};
+
+use crate::units::bytes;
+
+/// Private pools of one device.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GraphPools {
+    /// Scopes opened (`begin_allocate_to_pool`: one per capture).
+    pub captures: u64,
+    /// Holds dropped (`release_pool`: a graph or pool released).
+    pub releases: u64,
+    /// Distinct pools the calls named.
+    pub pools: u64,
+    /// Most bytes mapped or held in segments of private pools at once.
+    pub peak_held: u64,
+    /// Bytes so held now.
+    held: u64,
+    /// Pool indexes seen so far (a bitset grown on demand).
+    seen: Vec<u64>,
+}
+
+/// Whether a segment event's pool is a private one (`trace::pool_code`).
+fn private(pool: Pool) -> bool {
+    matches!(pool, Pool::Code(c) if c >= 2)
+}
+
+impl GraphPools {
+    /// Counts one event.
+    #[inline]
+    pub fn apply(&mut self, kind: &EventKind) {
+        match *kind {
+            EventKind::PrivatePool { op, pool } => {
+                match op {
+                    PoolOp::BeginAllocate => self.captures += 1,
+                    PoolOp::Release => self.releases += 1,
+                    _ => {}
+                }
+                self.see(pool);
+            }
+            EventKind::SegmentAlloc { size, pool, .. }
+            | EventKind::SegmentMap { size, pool, .. }
+                if private(pool) =>
+            {
+                self.held += size;
+                self.peak_held = self.peak_held.max(self.held);
+            }
+            EventKind::SegmentFree { size, pool, .. }
+            | EventKind::SegmentUnmap { size, pool, .. }
+                if private(pool) =>
+            {
+                self.held = self.held.saturating_sub(size);
+            }
+            _ => {}
+        }
+    }
+
+    fn see(&mut self, pool: u64) {
+        // Indexes are creation order: small. A corrupt one is not tracked.
+        let Ok(i) = usize::try_from(pool) else { return };
+        if i >= 1 << 20 {
+            return;
+        }
+        if self.seen.len() <= i / 64 {
+            self.seen.resize(i / 64 + 1, 0);
+        }
+        if self.seen[i / 64] & (1 << (i % 64)) == 0 {
+            self.seen[i / 64] |= 1 << (i % 64);
+            self.pools += 1;
+        }
+    }
+
+    /// "N captures into M private pools (K releases); up to X mapped for
+    /// them at once", or `None` when the trace shows no private pool.
+    pub fn describe(&self) -> Option<String> {
+        if self.pools == 0 && self.peak_held == 0 {
+            return None;
+        }
+        let calls = if self.pools > 0 {
+            let n =
+                |k: u64, one: &str, many: &str| format!("{k} {}", if k == 1 { one } else { many });
+            format!(
+                "{} into {} ({}); ",
+                n(self.captures, "capture", "captures"),
+                n(self.pools, "private pool", "private pools"),
+                n(self.releases, "release", "releases")
+            )
+        } else {
+            String::new()
+        };
+        Some(format!(
+            "{calls}up to {} mapped for private pools at once (memory of CUDA graphs and MemPools, apart from the cache)",
+            bytes(self.peak_held)
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(size: u64, code: u64) -> EventKind {
+        EventKind::SegmentMap {
+            addr: 0,
+            size,
+            pool: Pool::from_code(code),
+        }
+    }
+
+    #[test]
+    fn counts_captures_pools_and_the_most_held_at_once() {
+        let mut g = GraphPools::default();
+        assert_eq!(g.describe(), None);
+        let call = |op, pool| EventKind::PrivatePool { op, pool };
+        g.apply(&call(PoolOp::BeginAllocate, 0));
+        g.apply(&map(100, 3));
+        g.apply(&map(50, 1)); // the default large pool
+        g.apply(&map(20, gpualloc::trace::STITCH_CODE));
+        g.apply(&call(PoolOp::EndAllocate, 0));
+        g.apply(&call(PoolOp::BeginAllocate, 1));
+        g.apply(&map(30, 4));
+        g.apply(&EventKind::SegmentUnmap {
+            addr: 0,
+            size: 100,
+            pool: Pool::Code(3),
+        });
+        g.apply(&map(10, 5));
+        g.apply(&call(PoolOp::Release, 0));
+        assert_eq!(
+            (g.captures, g.pools, g.releases, g.peak_held),
+            (2, 2, 1, 130)
+        );
+        let text = g.describe().unwrap();
+        assert!(
+            text.starts_with("2 captures into 2 private pools (1 release); up to 130 B"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn older_traces_show_the_memory_without_the_calls() {
+        let mut g = GraphPools::default();
+        g.apply(&map(1 << 20, 2));
+        assert!(g.describe().unwrap().starts_with("up to 1.00 MiB mapped"));
+    }
+}
