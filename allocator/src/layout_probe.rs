@@ -458,4 +458,94 @@ mod tests {
             }
         }
     }
+
+    /// The handles that hold free tails at one event, each with the live
+    /// blocks in it (MiB, `@` the event that allocated the block, `*` a
+    /// block that crosses the handle's edge): `LAYOUT_PROBE=trace
+    /// LAYOUT_PROBE_AT=event [LAYOUT_PROBE_CONFIG=...]`.
+    #[test]
+    #[ignore = "a probe over recorded traces, run by hand"]
+    fn tails_at() {
+        use super::{DeviceAllocator, SimBackend, load, replay_each};
+        use crate::block::BlockState;
+        use crate::heap::{LARGE, SMALL};
+        let p = std::env::var("LAYOUT_PROBE").unwrap();
+        let at: u64 = std::env::var("LAYOUT_PROBE_AT").unwrap().parse().unwrap();
+        let conf = std::env::var("LAYOUT_PROBE_CONFIG").unwrap_or_default();
+        let evs = load(std::path::Path::new(&p));
+        let mut born: std::collections::HashMap<(u64, u64), u64> = Default::default();
+        replay_each(&evs, &conf, &mut |i, d: &DeviceAllocator<SimBackend>| {
+            if i > at {
+                return;
+            }
+            let mut now = std::collections::HashMap::new();
+            for pool in [SMALL, LARGE] {
+                for &(_, seg) in &d.heap.pools[pool as usize].expandable {
+                    let sg = d.heap.segments.get(seg);
+                    let mut cur = Some(sg.first);
+                    while let Some(id) = cur {
+                        let b = &d.heap.blocks[id];
+                        if !matches!(b.state, BlockState::Free | BlockState::Unmapped) {
+                            let k = (b.ptr, b.size);
+                            now.insert(k, *born.get(&k).unwrap_or(&i));
+                        }
+                        cur = b.next;
+                    }
+                }
+            }
+            born = now;
+            if i != at {
+                return;
+            }
+            let mib = |b: u64| b as f64 / (1 << 20) as f64;
+            for (pool, name) in [(SMALL, "small"), (LARGE, "large")] {
+                for &(_, seg) in &d.heap.pools[pool as usize].expandable {
+                    let sg = d.heap.segments.get(seg);
+                    let mut blocks = Vec::new();
+                    let mut cur = Some(sg.first);
+                    while let Some(id) = cur {
+                        let b = &d.heap.blocks[id];
+                        blocks.push((b.ptr, b.size, b.state));
+                        cur = b.next;
+                    }
+                    for (a, _, s) in d.pages.handles_in(sg.ptr, sg.ptr + sg.size) {
+                        let inside: Vec<_> = blocks
+                            .iter()
+                            .filter(|b| b.0 < a + s && b.0 + b.1 > a)
+                            .collect();
+                        let live: Vec<String> = inside
+                            .iter()
+                            .filter(|b| !matches!(b.2, BlockState::Free))
+                            .map(|b| {
+                                format!(
+                                    "{:.2}@{}{}",
+                                    mib(b.1),
+                                    born.get(&(b.0, b.1)).unwrap_or(&0),
+                                    if b.0 < a || b.0 + b.1 > a + s {
+                                        "*"
+                                    } else {
+                                        ""
+                                    }
+                                )
+                            })
+                            .collect();
+                        let free: u64 = inside
+                            .iter()
+                            .filter(|b| matches!(b.2, BlockState::Free))
+                            .map(|b| (b.0 + b.1).min(a + s) - b.0.max(a))
+                            .sum();
+                        if !live.is_empty() && free > 0 {
+                            println!(
+                                "{name} handle {:.0} MiB at +{:.0}: free {:.2} live {}",
+                                mib(s),
+                                mib(a - sg.ptr),
+                                mib(free),
+                                live.join(" ")
+                            );
+                        }
+                    }
+                }
+            }
+        });
+    }
 }
