@@ -100,9 +100,10 @@ impl<B: Backend> DeviceAllocator<B> {
     /// # Errors
     /// [`AllocError::UnknownPool`] for a pool that does not exist.
     pub fn release_pool(&mut self, key: PoolKey) -> Result<(), AllocError> {
-        // Recorded first: the pool may be forgotten below.
+        let unheld = self.private.release(key)?;
+        // Recorded before the pool may be forgotten (below).
         self.record_pool_call(PoolOp::Release, key);
-        if let Some((small, large)) = self.private.release(key)? {
+        if let Some((small, large)) = unheld {
             self.release_pool_cache(small, large)?;
         }
         Ok(())

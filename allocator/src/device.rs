@@ -41,6 +41,7 @@ use crate::limits::Limits;
 use crate::observer::{SegmentAction, SegmentEvent, SegmentObserver};
 use crate::page_pool::PagePool;
 use crate::pending::PendingFrees;
+use crate::pool::PoolKey;
 use crate::private_pool::PrivatePools;
 use crate::size_class::{PoolKind, allocation_size, round_size};
 use crate::stats::DeviceStats;
@@ -283,6 +284,20 @@ impl<B: Backend> DeviceAllocator<B> {
     /// the cache; [`AllocError::TooLarge`] when it never could;
     /// [`AllocError::Backend`] for driver failures.
     pub fn malloc(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
+        self.malloc_into(size, stream, None)
+    }
+
+    /// [`malloc`](Self::malloc) from private pool `into` whatever the open
+    /// scopes say (`None`, or a pool that does not exist: as `malloc`). A
+    /// replay serves this way the blocks that a checkpoint restore put
+    /// back into a pool outside any capture (Note [Pool checkpoints];
+    /// `replay_pools.rs`), which the recording placed by address.
+    pub(crate) fn malloc_into(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+        into: Option<PoolKey>,
+    ) -> Result<DevicePtr, AllocError> {
         if size == 0 {
             return Ok(0);
         }
@@ -296,7 +311,13 @@ impl<B: Backend> DeviceAllocator<B> {
             self.process_events()?;
         }
         let rounded = round_size(size, &self.config);
-        let pool = self.pool_for(rounded, stream);
+        let forced = into
+            .and_then(|key| self.private.find(key))
+            .map(|(small, large, _)| match PoolKind::of(rounded) {
+                PoolKind::Small => small,
+                PoolKind::Large => large,
+            });
+        let pool = forced.unwrap_or_else(|| self.pool_for(rounded, stream));
         let block = match self.get_free_block(pool, stream, rounded) {
             Some(b) => b,
             None => self.malloc_slow(pool, stream, size, rounded, capturing)?,

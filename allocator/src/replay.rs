@@ -358,8 +358,8 @@ impl DeviceRun {
     }
 
     fn alloc(&mut self, i: u64, e: TraceEvent) {
-        self.pools.route(e.addr);
-        let result = self.dev.malloc(e.size, e.stream as StreamId);
+        let into = self.pools.route(e.addr);
+        let result = self.dev.malloc_into(e.size, e.stream as StreamId, into);
         self.pools.clear();
         let ptr = match result {
             Ok(p) => {

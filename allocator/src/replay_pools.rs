@@ -11,11 +11,17 @@
 //! address. The replay opens each scope with a filter that accepts exactly
 //! the allocations the recording served from that pool; captures then
 //! stop defragmentation, event queries and releases at the same moments as
-//! in the recording, and graph memory stays out of the default pools.
+//! in the recording, and graph memory stays out of the default pools. A
+//! private pool's allocation outside any scope of it comes from a
+//! checkpoint restore (PyTorch's `setCheckpointPoolState`, used by
+//! cudagraph trees between captures; Note [Pool checkpoints]), which put
+//! the block back by address: the replay allocates it from that pool
+//! directly, wherever the pool's free memory fits it. A request that failed
+//! (`oom`) has no address and is retried in the default pools.
 //! Traces without `private_pool` records (older ones, or programs without
 //! CUDA graphs) replay as before: every allocation in the default pools.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -40,6 +46,8 @@ pub(crate) struct PoolRouting {
     /// The pool index the next allocation belongs to, read by the filters
     /// of the replayed scopes.
     next: Arc<AtomicU64>,
+    /// Scopes open in the replay, by pool index.
+    open: HashMap<u64, u32>,
 }
 
 impl Default for PoolRouting {
@@ -47,17 +55,17 @@ impl Default for PoolRouting {
         PoolRouting {
             ranges: BTreeMap::new(),
             next: Arc::new(AtomicU64::new(NO_POOL)),
+            open: HashMap::new(),
         }
     }
 }
 
 impl PoolRouting {
     /// Notes the owner of a recorded range a pool mapped or obtained.
-    /// Default-pool ranges end any private ownership they overlap (address
-    /// space given back and reserved again); stitches change nothing (a
-    /// second mapping of default-pool pages).
+    /// Default-pool ranges and stitches (second mappings of default-pool
+    /// pages) end any private ownership they overlap: that address space
+    /// was given back and reserved again.
     pub fn owner(&mut self, addr: DevicePtr, size: u64, pool: Pool) {
-        let Pool::Code(code) = pool else { return };
         let end = addr.saturating_add(size);
         let overlapping: Vec<DevicePtr> = self
             .ranges
@@ -69,14 +77,21 @@ impl PoolRouting {
         for a in overlapping {
             self.ranges.remove(&a);
         }
-        if code >= 2 {
-            self.ranges.insert(addr, (end, (code - 2) / 2));
-        }
+        let Pool::Code(code @ 2..) = pool else { return };
+        let k = (code - 2) / 2;
+        // A range that continues the previous one of the same pool joins it.
+        let start = match self.ranges.range(..addr).next_back() {
+            Some((&a, &(e, j))) if e == addr && j == k => a,
+            _ => addr,
+        };
+        self.ranges.insert(start, (end, k));
     }
 
     /// Sends the next allocation to the pool that served recorded address
-    /// `addr`, if a private one did.
-    pub fn route(&self, addr: DevicePtr) {
+    /// `addr`, if a private one did: through that pool's open scope, or,
+    /// when none is open (a checkpoint restore), by returning the pool to
+    /// allocate from directly.
+    pub fn route(&self, addr: DevicePtr) -> Option<PoolKey> {
         let pool = self
             .ranges
             .range(..=addr)
@@ -84,6 +99,8 @@ impl PoolRouting {
             .filter(|(_, (end, _))| addr < *end)
             .map_or(NO_POOL, |(_, &(_, k))| k);
         self.next.store(pool, Ordering::Relaxed);
+        let scoped = self.open.get(&pool).is_some_and(|&n| n > 0);
+        (pool != NO_POOL && !scoped).then_some((REPLAY_KEY, pool))
     }
 
     /// Ends the routing [`route`](Self::route) set.
@@ -94,16 +111,21 @@ impl PoolRouting {
     /// Makes the recorded call `op` on the `pool`-th private pool of `dev`.
     /// Errors are the recording's too (a call on a pool the trace never
     /// saw created, in a trace started mid-run) and are ignored.
-    pub fn call<B: Backend>(&self, dev: &mut DeviceAllocator<B>, op: PoolOp, pool: u64) {
+    pub fn call<B: Backend>(&mut self, dev: &mut DeviceAllocator<B>, op: PoolOp, pool: u64) {
         let key: PoolKey = (REPLAY_KEY, pool);
         let _ = match op {
             PoolOp::BeginAllocate => {
                 let next = Arc::clone(&self.next);
                 let filter = Box::new(move |_| next.load(Ordering::Relaxed) == pool);
                 dev.begin_allocate_to_pool(key, Some(filter));
+                *self.open.entry(pool).or_default() += 1;
                 Ok(())
             }
-            PoolOp::EndAllocate => dev.end_allocate_to_pool(key),
+            PoolOp::EndAllocate => dev.end_allocate_to_pool(key).map(|()| {
+                self.open
+                    .entry(pool)
+                    .and_modify(|n| *n = n.saturating_sub(1));
+            }),
             PoolOp::Incref => {
                 dev.create_or_incref_pool(key);
                 Ok(())
@@ -126,14 +148,26 @@ mod tests {
             r.route(a);
             r.next.load(Ordering::Relaxed)
         };
+        assert_eq!(r.route(5), None);
         assert_eq!(at(&r, 5), NO_POOL, "no ranges: nothing routed");
         r.owner(100, 50, Pool::Code(3));
         r.owner(200, 10, Pool::Code(4));
         assert_eq!(at(&r, 120), 0, "large pool of private pool 0");
         assert_eq!(at(&r, 205), 1, "small pool of private pool 1");
         assert_eq!(at(&r, 150), NO_POOL, "the end is outside");
-        r.owner(120, 90, Pool::Stitch);
-        assert_eq!(at(&r, 120), 0, "a stitch owns nothing");
+        assert_eq!(
+            r.route(120),
+            Some((REPLAY_KEY, 0)),
+            "no scope open: directly"
+        );
+        r.open.insert(0, 1);
+        assert_eq!(r.route(120), None, "through the open scope's filter");
+        r.owner(150, 10, Pool::Code(3));
+        assert_eq!(r.ranges.len(), 2, "a continuation joins its range");
+        assert_eq!(at(&r, 155), 0);
+        r.owner(300, 10, Pool::Code(2));
+        r.owner(300, 4, Pool::Stitch);
+        assert_eq!(at(&r, 305), NO_POOL, "a stitch reuses the address space");
         r.owner(140, 65, Pool::Code(1));
         assert_eq!(at(&r, 120), NO_POOL, "reserved again by the default pool");
         assert_eq!(at(&r, 205), NO_POOL);

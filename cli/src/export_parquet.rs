@@ -11,11 +11,13 @@
 //! `action` (PyTorch's names: `alloc`, `free_requested`, `free_completed`,
 //! `segment_alloc`, `oom`, ...), `address`, `size`, `requested` (block
 //! actions and `oom`), `stream`, `thread`, `pool` (segment events' pool
-//! code), `device_free` (`oom`), `step` (marks seen on the device before
+//! code; for `private_pool`, the code of the pool's small pool, `2 + 2k`),
+//! `device_free` (`oom`), `step` (marks seen on the device before
 //! the event, the mark itself included), `phase` (innermost open phase
 //! after the event), `name` (the string of `phase_push`, `phase_pop` and
-//! `mark`), `allocated` and `reserved` (the device's gauges after the
-//! event, as `summary` counts them).
+//! `mark`; the call's name, `begin_allocate_to_pool`, ..., for
+//! `private_pool`), `allocated` and `reserved` (the device's gauges after
+//! the event, as `summary` counts them).
 //!
 //! Segments (one row per reserved range's lifetime): `rank`, `pid`,
 //! `device`, `kind` (`segment` for `segment_alloc`, `mapped` for the pages
@@ -40,7 +42,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use gpualloc::trace::{Action, EventKind, Pool, TraceEvent};
+use gpualloc::trace::{Action, EventKind, Pool, TraceEvent, pool_code};
 use parquet::data_type::ByteArray;
 
 use crate::input::{self, CliError};
@@ -382,6 +384,10 @@ impl Writer {
                 requested,
                 device_free,
             } => (requested, Some(requested), None, Some(device_free)),
+            K::PrivatePool { pool, .. } => {
+                let k = u32::try_from(pool).ok();
+                (0, None, k.map(|k| pool_code(Some(k), false)), None)
+            }
             _ => (e.size, None, None, None),
         };
         let phase = d.s.phases.last().copied().unwrap_or(state::NO_PHASE);
@@ -400,9 +406,10 @@ impl Writer {
             V::opt(device_free),
             V::u(d.step),
             self.phase_name(phase),
-            match e.name_id() {
-                Some(id) => V::Str(self.name(id)),
-                None => V::Null,
+            match (e.name_id(), e.kind()) {
+                (Some(id), _) => V::Str(self.name(id)),
+                (None, K::PrivatePool { op, .. }) => V::Str(ByteArray::from(op.name())),
+                (None, _) => V::Null,
             },
             V::u(g.allocated),
             V::u(g.reserved),

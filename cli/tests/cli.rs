@@ -481,6 +481,43 @@ fn parquet_export_reads_back_with_the_summarys_numbers() {
     assert!(segments.iter().any(|r| ulong(r, "size") > 0));
 }
 
+/// `private_pool` rows name the call and carry the pool's code.
+#[test]
+fn parquet_export_names_the_calls_on_private_pools() {
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/reduce-overhead-graphs.gtrace"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("g");
+    ok(&["export", example, "--parquet", s(&prefix)]);
+    let events = parquet_rows(&dir.path().join("g.events.parquet"));
+    let calls: Vec<_> = events
+        .iter()
+        .filter(|r| field(r, "action").to_string() == "\"private_pool\"")
+        .collect();
+    assert_eq!(calls.len(), 21 + 21 + 14);
+    let named = |n: &str| {
+        calls
+            .iter()
+            .filter(|r| field(r, "name").to_string() == format!("\"{n}\""))
+            .count()
+    };
+    assert_eq!(
+        (
+            named("begin_allocate_to_pool"),
+            named("end_allocate_to_pool"),
+            named("release_pool")
+        ),
+        (21, 21, 14)
+    );
+    assert!(
+        calls
+            .iter()
+            .all(|r| ulong(r, "pool") == 2 && ulong(r, "size") == 0)
+    );
+}
+
 #[test]
 fn several_traces_export_to_one_parquet_folder() {
     let dir = tempfile::tempdir().unwrap();
