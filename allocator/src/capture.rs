@@ -140,7 +140,17 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Records a call on pool `key` by the pool's index on this device
     /// (nothing for a pool that does not exist: the call changed nothing).
     /// A replay makes the same calls (Note [Private pools]).
-    fn record_pool_call(&mut self, op: PoolOp, key: PoolKey) {
+    pub(crate) fn record_pool_call(&mut self, op: PoolOp, key: PoolKey) {
+        self.record_pool_checkpoint_call(op, key, 0);
+    }
+
+    /// [`record_pool_call`](Self::record_pool_call) with a checkpoint's number.
+    pub(crate) fn record_pool_checkpoint_call(
+        &mut self,
+        op: PoolOp,
+        key: PoolKey,
+        checkpoint: u64,
+    ) {
         if self.trace.is_none() {
             return;
         }
@@ -154,6 +164,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let (action, addr, size, aux) = EventKind::PrivatePool {
             op,
             pool: u64::from(k),
+            checkpoint,
         }
         .fields();
         self.record(action, 0, addr, size, aux);

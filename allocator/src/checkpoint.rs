@@ -24,6 +24,11 @@
 //! would not make its memory free now; PyTorch refuses it too).
 //! Limitation: a restore maps and unmaps nothing, so a checkpoint of memory
 //! the pool no longer maps (released and emptied since) is refused.
+//! While tracing, each checkpoint is numbered by its content and recorded
+//! (`get_checkpoint_state`), and a restore records the number it puts back
+//! (`set_checkpoint_pool_state`) before its frees and allocs: a replay
+//! takes the same checkpoints of its own pool and restores them, so the
+//! blocks come back where the recording put them (`replay_pools.rs`).
 
 use crate::backend::{Backend, DevicePtr, StreamId};
 use crate::block::{BlockId, BlockState, SegmentId};
@@ -31,9 +36,10 @@ use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::pool::PoolKey;
 use crate::size_class::{MIN_BLOCK_SIZE, PoolKind};
+use crate::trace::PoolOp;
 
 /// One block of a private pool's checkpoint ([`DeviceAllocator::pool_checkpoint`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CheckpointBlock {
     /// Start address.
     pub address: DevicePtr,
@@ -54,6 +60,14 @@ pub struct RestoreDelta {
     pub freed: Vec<DevicePtr>,
     /// The checkpoint's allocated blocks, in the order given: all allocated.
     pub allocated: Vec<DevicePtr>,
+}
+
+/// What names a checkpoint in trace records (Note [Pool checkpoints]).
+fn content_hash(blocks: &[CheckpointBlock]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = rustc_hash::FxHasher::default();
+    blocks.hash(&mut h);
+    h.finish()
 }
 
 /// Inactive-split figures `(blocks, bytes)` per pool kind (small, large).
@@ -116,7 +130,16 @@ impl<B: Backend> DeviceAllocator<B> {
     ///
     /// # Errors
     /// [`AllocError::UnknownPool`].
-    pub fn pool_checkpoint(&self, key: PoolKey) -> Result<Vec<CheckpointBlock>, AllocError> {
+    pub fn pool_checkpoint(&mut self, key: PoolKey) -> Result<Vec<CheckpointBlock>, AllocError> {
+        let blocks = self.checkpoint_blocks(key)?;
+        if self.trace.is_some() {
+            let n = self.private.number_checkpoint(content_hash(&blocks));
+            self.record_pool_checkpoint_call(PoolOp::Checkpoint, key, n);
+        }
+        Ok(blocks)
+    }
+
+    fn checkpoint_blocks(&self, key: PoolKey) -> Result<Vec<CheckpointBlock>, AllocError> {
         Ok(self
             .pool_blocks(key)?
             .into_iter()
@@ -238,6 +261,10 @@ impl<B: Backend> DeviceAllocator<B> {
     ) -> Result<RestoreDelta, E> {
         let delta = self.plan_pool_restore(key, blocks)?;
         accept(&delta)?;
+        if self.trace.is_some() {
+            let n = self.private.checkpoint_number(content_hash(blocks));
+            self.record_pool_checkpoint_call(PoolOp::Restore, key, n.unwrap_or(u64::MAX));
+        }
         for &p in &delta.freed {
             self.free(p)?;
         }

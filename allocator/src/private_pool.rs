@@ -36,9 +36,37 @@ pub(crate) struct PrivatePools {
     scopes: Vec<Scope>,
     next_index: u32,
     vacant_ids: Vec<PoolId>,
+    /// While tracing: the numbers trace records give checkpoints, by a
+    /// hash of their content, so a restore names the checkpoint it puts
+    /// back (Note [Pool checkpoints]).
+    checkpoints: rustc_hash::FxHashMap<u64, u64>,
+    next_checkpoint: u64,
 }
 
+/// Checkpoints numbered at most, while tracing; older numbers are
+/// forgotten past it (a restore of one then replays approximately).
+const NUMBERED_CHECKPOINTS: usize = 4096;
+
 impl PrivatePools {
+    /// The number of a checkpoint whose content hashes to `hash`, given
+    /// now if it has none.
+    pub fn number_checkpoint(&mut self, hash: u64) -> u64 {
+        if self.checkpoints.len() >= NUMBERED_CHECKPOINTS && !self.checkpoints.contains_key(&hash) {
+            self.checkpoints.clear();
+        }
+        let next = &mut self.next_checkpoint;
+        *self.checkpoints.entry(hash).or_insert_with(|| {
+            *next += 1;
+            *next - 1
+        })
+    }
+
+    /// The number of the checkpoint whose content hashes to `hash`, if one
+    /// was numbered.
+    pub fn checkpoint_number(&self, hash: u64) -> Option<u64> {
+        self.checkpoints.get(&hash).copied()
+    }
+
     /// Opens a scope for pool `key` (the caller also takes a hold on the
     /// pool with [`incref`](Self::incref)).
     pub fn push_scope(&mut self, key: PoolKey, filter: Option<StreamFilter>) {

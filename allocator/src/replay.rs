@@ -313,6 +313,7 @@ impl DeviceRun {
         match e.action {
             Action::Alloc => self.alloc(i, e),
             Action::FreeRequested => match self.live.remove(&e.addr) {
+                Some(Live { ptr: Some(p), .. }) if self.pools.restored_free(p, e.time_ns) => {}
                 Some(Live {
                     ptr: Some(p),
                     used_on_other_streams,
@@ -350,7 +351,13 @@ impl DeviceRun {
             _ => match e.kind() {
                 EventKind::SegmentAlloc { addr, size, pool }
                 | EventKind::SegmentMap { addr, size, pool } => self.pools.owner(addr, size, pool),
-                EventKind::PrivatePool { op, pool } => self.pools.call(&mut self.dev, op, pool),
+                EventKind::PrivatePool {
+                    op,
+                    pool,
+                    checkpoint,
+                } => self
+                    .pools
+                    .call(&mut self.dev, op, pool, checkpoint, e.time_ns),
                 _ => {}
             },
         }
@@ -358,6 +365,15 @@ impl DeviceRun {
     }
 
     fn alloc(&mut self, i: u64, e: TraceEvent) {
+        if let Some(p) = self.pools.restored_alloc(e.time_ns) {
+            self.out.allocs += 1;
+            let live = Live {
+                ptr: Some(p),
+                used_on_other_streams: false,
+            };
+            self.live.insert(e.addr, live);
+            return;
+        }
         let into = self.pools.route(e.addr);
         let result = self.dev.malloc_into(e.size, e.stream as StreamId, into);
         self.pools.clear();

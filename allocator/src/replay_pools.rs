@@ -14,18 +14,25 @@
 //! in the recording, and graph memory stays out of the default pools. A
 //! private pool's allocation outside any scope of it comes from a
 //! checkpoint restore (PyTorch's `setCheckpointPoolState`, used by
-//! cudagraph trees between captures; Note [Pool checkpoints]), which put
-//! the block back by address: the replay allocates it from that pool
-//! directly, wherever the pool's free memory fits it. A request that failed
-//! (`oom`) has no address and is retried in the default pools.
+//! cudagraph trees between captures; Note [Pool checkpoints]). The trace
+//! numbers checkpoints and names the one each restore puts back, so the
+//! replay takes its own checkpoint where the recording took one and
+//! restores it where the recording did; the restore's recorded frees and
+//! allocs (same call, same time stamp) are matched with the replayed
+//! restore's instead of being made again. A restore of a checkpoint the
+//! replay does not have (taken before the trace began) allocates its
+//! blocks from their pool wherever the pool's free memory fits them. A
+//! request that failed (`oom`) has no address and is retried in the
+//! default pools.
 //! Traces without `private_pool` records (older ones, or programs without
 //! CUDA graphs) replay as before: every allocation in the default pools.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::backend::{Backend, DevicePtr};
+use crate::checkpoint::CheckpointBlock;
 use crate::device::DeviceAllocator;
 use crate::pool::PoolKey;
 use crate::trace::{Pool, PoolOp};
@@ -48,6 +55,19 @@ pub(crate) struct PoolRouting {
     next: Arc<AtomicU64>,
     /// Scopes open in the replay, by pool index.
     open: HashMap<u64, u32>,
+    /// The replay's own checkpoints, by the recording's numbers.
+    checkpoints: HashMap<u64, Vec<CheckpointBlock>>,
+    /// The restore under way: what it freed and allocated, matched with
+    /// the recorded frees and allocs of its call.
+    restoring: Option<Restoring>,
+}
+
+/// A replayed checkpoint restore (Note [Pool checkpoints]): the recording's
+/// frees and allocs in the same call (one time stamp) are the restore's.
+struct Restoring {
+    time_ns: u64,
+    freed: HashSet<DevicePtr>,
+    allocated: VecDeque<DevicePtr>,
 }
 
 impl Default for PoolRouting {
@@ -56,6 +76,8 @@ impl Default for PoolRouting {
             ranges: BTreeMap::new(),
             next: Arc::new(AtomicU64::new(NO_POOL)),
             open: HashMap::new(),
+            checkpoints: HashMap::new(),
+            restoring: None,
         }
     }
 }
@@ -103,17 +125,55 @@ impl PoolRouting {
         (pool != NO_POOL && !scoped).then_some((REPLAY_KEY, pool))
     }
 
+    /// Whether the recorded free of the block replayed at `ptr`, at
+    /// `time_ns`, is one the replayed restore made already.
+    pub fn restored_free(&mut self, ptr: DevicePtr, time_ns: u64) -> bool {
+        self.restoring
+            .as_mut()
+            .is_some_and(|r| r.time_ns == time_ns && r.freed.remove(&ptr))
+    }
+
+    /// The replayed block of a recorded alloc at `time_ns` that the
+    /// replayed restore made (in the checkpoint's order, as recorded).
+    pub fn restored_alloc(&mut self, time_ns: u64) -> Option<DevicePtr> {
+        let r = self.restoring.as_mut().filter(|r| r.time_ns == time_ns)?;
+        r.allocated.pop_front()
+    }
+
     /// Ends the routing [`route`](Self::route) set.
     pub fn clear(&self) {
         self.next.store(NO_POOL, Ordering::Relaxed);
     }
 
-    /// Makes the recorded call `op` on the `pool`-th private pool of `dev`.
-    /// Errors are the recording's too (a call on a pool the trace never
-    /// saw created, in a trace started mid-run) and are ignored.
-    pub fn call<B: Backend>(&mut self, dev: &mut DeviceAllocator<B>, op: PoolOp, pool: u64) {
+    /// Makes the recorded call `op` on the `pool`-th private pool of `dev`
+    /// (`checkpoint`: the checkpoint's number, for the checkpoint calls),
+    /// made at recorded time `time_ns`. Errors are the recording's too (a
+    /// call on a pool the trace never saw created, in a trace started
+    /// mid-run) and are ignored; a restore that fails, or of a checkpoint
+    /// the replay did not take, leaves its blocks to [`route`](Self::route).
+    pub fn call<B: Backend>(
+        &mut self,
+        dev: &mut DeviceAllocator<B>,
+        op: PoolOp,
+        pool: u64,
+        checkpoint: u64,
+        time_ns: u64,
+    ) {
         let key: PoolKey = (REPLAY_KEY, pool);
         let _ = match op {
+            PoolOp::Checkpoint => dev.pool_checkpoint(key).map(|blocks| {
+                self.checkpoints.insert(checkpoint, blocks);
+            }),
+            PoolOp::Restore => match self.checkpoints.get(&checkpoint) {
+                Some(blocks) => dev.restore_pool(key, blocks).map(|delta| {
+                    self.restoring = Some(Restoring {
+                        time_ns,
+                        freed: delta.freed.into_iter().collect(),
+                        allocated: delta.allocated.into(),
+                    });
+                }),
+                None => Ok(()),
+            },
             PoolOp::BeginAllocate => {
                 let next = Arc::clone(&self.next);
                 let filter = Box::new(move |_| next.load(Ordering::Relaxed) == pool);

@@ -21,6 +21,9 @@ pub struct GraphPools {
     pub captures: u64,
     /// Holds dropped (`release_pool`: a graph or pool released).
     pub releases: u64,
+    /// Pools put back to a checkpoint (`set_checkpoint_pool_state`, by
+    /// cudagraph trees before a capture that branches off).
+    pub restores: u64,
     /// Distinct pools the calls named.
     pub pools: u64,
     /// Most bytes mapped or held in segments of private pools at once.
@@ -41,10 +44,11 @@ impl GraphPools {
     #[inline]
     pub fn apply(&mut self, kind: &EventKind) {
         match *kind {
-            EventKind::PrivatePool { op, pool } => {
+            EventKind::PrivatePool { op, pool, .. } => {
                 match op {
                     PoolOp::BeginAllocate => self.captures += 1,
                     PoolOp::Release => self.releases += 1,
+                    PoolOp::Restore => self.restores += 1,
                     _ => {}
                 }
                 self.see(pool);
@@ -90,8 +94,12 @@ impl GraphPools {
         let calls = if self.pools > 0 {
             let n =
                 |k: u64, one: &str, many: &str| format!("{k} {}", if k == 1 { one } else { many });
+            let restores = match self.restores {
+                0 => String::new(),
+                r => format!(", {}", n(r, "checkpoint restore", "checkpoint restores")),
+            };
             format!(
-                "{} into {} ({}); ",
+                "{} into {} ({}{restores}); ",
                 n(self.captures, "capture", "captures"),
                 n(self.pools, "private pool", "private pools"),
                 n(self.releases, "release", "releases")
@@ -122,7 +130,11 @@ mod tests {
     fn counts_captures_pools_and_the_most_held_at_once() {
         let mut g = GraphPools::default();
         assert_eq!(g.describe(), None);
-        let call = |op, pool| EventKind::PrivatePool { op, pool };
+        let call = |op, pool| EventKind::PrivatePool {
+            op,
+            pool,
+            checkpoint: 0,
+        };
         g.apply(&call(PoolOp::BeginAllocate, 0));
         g.apply(&map(100, 3));
         g.apply(&map(50, 1)); // the default large pool
@@ -137,13 +149,16 @@ mod tests {
         });
         g.apply(&map(10, 5));
         g.apply(&call(PoolOp::Release, 0));
+        g.apply(&call(PoolOp::Restore, 1));
         assert_eq!(
             (g.captures, g.pools, g.releases, g.peak_held),
             (2, 2, 1, 130)
         );
         let text = g.describe().unwrap();
         assert!(
-            text.starts_with("2 captures into 2 private pools (1 release); up to 130 B"),
+            text.starts_with(
+                "2 captures into 2 private pools (1 release, 1 checkpoint restore); up to 130 B"
+            ),
             "{text}"
         );
     }

@@ -27,7 +27,7 @@ ACTIONS = (
 )
 # The calls a ``private_pool`` record names (its ``size``; ``PoolOp`` in event.rs).
 POOL_OPS = ("begin_allocate_to_pool", "end_allocate_to_pool", "create_or_incref_pool", "release_pool",
-            "empty_pool_cache")
+            "empty_pool_cache", "get_checkpoint_state", "set_checkpoint_pool_state")
 KINDS = {9: "phase_push", 10: "phase_pop", 11: "mark"}
 FREE = 15  # alloc, free_requested, free_completed (0-2) and free store aux against size
 STITCH_CODE = 2**64 - 1  # the pool code of a stitched range (Note [Stitching])
@@ -47,8 +47,9 @@ def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
     phase_pop, mark); ``addr``, ``other_stream`` (record_stream); ``addr``,
     ``block_size``, ``from_stream`` (stream_reuse); ``outstanding``
     (sync_all_streams); ``bytes`` (pages_create, pages_release); ``op`` (the
-    call's name, ``"#<code>"`` for an unknown one) and ``pool`` (the pool's
-    index on the device) (private_pool). An unknown code gives ``kind``
+    call's name, ``"#<code>"`` for an unknown one), ``pool`` (the pool's
+    index on the device) and ``checkpoint`` (a checkpoint's number, for
+    the checkpoint calls) (private_pool). An unknown code gives ``kind``
     ``"#<code>"`` and the raw fields.
     """
     kind = ACTIONS[action] if action < len(ACTIONS) else f"#{action}"
@@ -71,7 +72,8 @@ def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
     if action in (16, 17):
         return {"kind": kind, "bytes": size}
     if action == 18:
-        return {"kind": kind, "op": POOL_OPS[size] if size < len(POOL_OPS) else f"#{size}", "pool": aux}
+        op = POOL_OPS[size] if size < len(POOL_OPS) else f"#{size}"
+        return {"kind": kind, "op": op, "pool": aux, "checkpoint": addr}
     return {"kind": kind, "stream": stream, "addr": addr, "size": size, "aux": aux}
 
 

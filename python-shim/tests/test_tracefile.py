@@ -34,15 +34,18 @@ class DecodeTest(unittest.TestCase):
             "free": {"addr": a, "requested": size, "block_size": aux},
             "pages_create": {"bytes": size},
             "pages_release": {"bytes": size},
-            "private_pool": {"op": f"#{size}", "pool": aux},
+            "private_pool": {"op": f"#{size}", "pool": aux, "checkpoint": a},
         }
         self.assertEqual(list(want), list(ACTIONS))
         for code, name in enumerate(ACTIONS):
             self.assertEqual(decode(code, s, a, size, aux), {"kind": name, **want[name]}, name)
 
     def test_a_pool_call_is_named_as_pytorch_names_it(self):
-        self.assertEqual(decode(18, 0, 0, 0, 2), {"kind": "private_pool", "op": "begin_allocate_to_pool", "pool": 2})
+        self.assertEqual(decode(18, 0, 0, 0, 2),
+                         {"kind": "private_pool", "op": "begin_allocate_to_pool", "pool": 2, "checkpoint": 0})
         self.assertEqual(decode(18, 0, 0, 3, 0)["op"], "release_pool")
+        self.assertEqual(decode(18, 0, 9, 6, 1)["op"], "set_checkpoint_pool_state")
+        self.assertEqual(decode(18, 0, 9, 6, 1)["checkpoint"], 9)
 
     def test_the_stitch_code_is_a_stitch_not_a_pool(self):
         self.assertEqual(decode(5, 0, 1 << 30, 2 << 20, STITCH_CODE)["pool"], "stitch")

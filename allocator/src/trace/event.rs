@@ -54,7 +54,8 @@ pub enum Action {
     PagesRelease = 17,
     /// A call on a private (CUDA graph) pool. `size`: which call
     /// ([`PoolOp`]); `aux`: the pool's index on the device (its creation
-    /// order, as in [`pool_code`]).
+    /// order, as in [`pool_code`]); `addr`: a checkpoint's number, for the
+    /// checkpoint calls.
     PrivatePool = 18,
 }
 
@@ -143,6 +144,13 @@ pub enum PoolOp {
     Release,
     /// `empty_cache` of one pool (`emptyCache(mempool_id)`).
     EmptyCache,
+    /// `getCheckpointState`: the pool's blocks were listed, as checkpoint
+    /// number `checkpoint` of the device.
+    Checkpoint,
+    /// `setCheckpointPoolState`: the pool was put back to checkpoint
+    /// number `checkpoint` (`u64::MAX`: one taken before the trace began);
+    /// the frees and allocs it made follow in the same call.
+    Restore,
     /// A code this reader does not know (a later version's call).
     Other(u64),
 }
@@ -156,6 +164,8 @@ impl PoolOp {
             PoolOp::Incref => 2,
             PoolOp::Release => 3,
             PoolOp::EmptyCache => 4,
+            PoolOp::Checkpoint => 5,
+            PoolOp::Restore => 6,
             PoolOp::Other(c) => c,
         }
     }
@@ -168,6 +178,8 @@ impl PoolOp {
             2 => PoolOp::Incref,
             3 => PoolOp::Release,
             4 => PoolOp::EmptyCache,
+            5 => PoolOp::Checkpoint,
+            6 => PoolOp::Restore,
             c => PoolOp::Other(c),
         }
     }
@@ -180,6 +192,8 @@ impl PoolOp {
             PoolOp::Incref => "create_or_incref_pool",
             PoolOp::Release => "release_pool",
             PoolOp::EmptyCache => "empty_pool_cache",
+            PoolOp::Checkpoint => "get_checkpoint_state",
+            PoolOp::Restore => "set_checkpoint_pool_state",
             PoolOp::Other(_) => "unknown",
         }
     }
@@ -390,6 +404,9 @@ pub enum EventKind {
         op: PoolOp,
         /// The pool's index on the device (creation order; [`pool_code`]).
         pool: u64,
+        /// The checkpoint's number on the device, for
+        /// [`PoolOp::Checkpoint`] and [`PoolOp::Restore`] (0 otherwise).
+        checkpoint: u64,
     },
 }
 
@@ -447,7 +464,11 @@ impl EventKind {
             } => (Action::Free, addr, requested, block_size),
             K::PagesCreate { bytes } => (Action::PagesCreate, 0, bytes, 0),
             K::PagesRelease { bytes } => (Action::PagesRelease, 0, bytes, 0),
-            K::PrivatePool { op, pool } => (Action::PrivatePool, 0, op.code(), pool),
+            K::PrivatePool {
+                op,
+                pool,
+                checkpoint,
+            } => (Action::PrivatePool, checkpoint, op.code(), pool),
         }
     }
 }
@@ -579,6 +600,7 @@ impl TraceEvent {
             Action::PrivatePool => K::PrivatePool {
                 op: PoolOp::from_code(size),
                 pool: aux,
+                checkpoint: addr,
             },
         }
     }

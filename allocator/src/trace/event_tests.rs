@@ -73,8 +73,9 @@ fn every_kind() -> Vec<EventKind> {
         K::PagesCreate { bytes: 2 << 20 },
         K::PagesRelease { bytes: big },
         K::PrivatePool {
-            op: PoolOp::Release,
+            op: PoolOp::Restore,
             pool: 3,
+            checkpoint: 12,
         },
     ]
 }
@@ -233,7 +234,7 @@ fn every_kind_round_trips_through_recorder_writer_and_reader() {
 
 #[test]
 fn pool_calls_keep_their_codes_and_unknown_ones_decode() {
-    for code in 0..6 {
+    for code in 0..8 {
         assert_eq!(PoolOp::from_code(code).code(), code);
     }
     assert_eq!(PoolOp::from_code(0).name(), "begin_allocate_to_pool");
@@ -247,7 +248,8 @@ fn pool_calls_keep_their_codes_and_unknown_ones_decode() {
         EventKind::PrivatePool {
             op: PoolOp::Other(77),
             pool: 2,
+            checkpoint: 5,
         },
     );
-    assert_eq!((e.size, e.aux), (77, 2));
+    assert_eq!((e.size, e.aux, e.addr), (77, 2, 5));
 }
