@@ -496,7 +496,7 @@ fn parquet_export_names_the_calls_on_private_pools() {
         .iter()
         .filter(|r| field(r, "action").to_string() == "\"private_pool\"")
         .collect();
-    assert_eq!(calls.len(), 21 + 21 + 14);
+    assert_eq!(calls.len(), 21 + 21 + 14 + 11);
     let named = |n: &str| {
         calls
             .iter()
@@ -507,9 +507,10 @@ fn parquet_export_names_the_calls_on_private_pools() {
         (
             named("begin_allocate_to_pool"),
             named("end_allocate_to_pool"),
-            named("release_pool")
+            named("release_pool"),
+            named("get_checkpoint_state")
         ),
-        (21, 21, 14)
+        (21, 21, 14, 11)
     );
     assert!(
         calls
