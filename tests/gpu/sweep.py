@@ -43,6 +43,9 @@ and DIR/sweep.json.
   lengths: CUDA graphs whose memory comes from private pools.
 - serve_varbatch: fp16 ResNet-50 inference on requests of random batch
   sizes and resolutions, as a server sees them.
+- graph_branches: two reduce-overhead graphs a step, the second on one of
+  three lengths, so cudagraph trees record branches and put their pool
+  back to checkpoints between them (setCheckpointPoolState).
 - cudnn_benchmark: ResNet-50 training on six random input sizes with
   torch.backends.cudnn.benchmark on: cuDNN times each new convolution
   shape and then calls empty_cache (PyTorch's default), so the cache is
@@ -377,6 +380,36 @@ def cudnn_benchmark(rounds):
                                   "new shape), bf16, batch 48, random sizes 160..320")
 
 
+def graph_branches(rounds):
+    import torch
+
+    from models import TinyGPT
+
+    dev = torch.device("cuda:0")
+    vocab = 8192
+    body_model = TinyGPT(vocab=vocab, dim=512, layers=4, heads=8).to(dev)
+    head = torch.nn.Sequential(torch.nn.Linear(vocab, 512), torch.nn.GELU(), torch.nn.Linear(512, vocab)).to(dev)
+    opt = torch.optim.AdamW(list(body_model.parameters()) + list(head.parameters()), lr=1e-4)
+    encode = torch.compile(body_model, mode="reduce-overhead")
+    refine = torch.compile(head, mode="reduce-overhead", dynamic=False)
+    rng = random.Random(43)
+    g = torch.Generator().manual_seed(43)
+
+    def body(i):  # a fixed-shape graph, then one of three: new branches of one tree
+        tokens = torch.randint(0, vocab, (8, 256), generator=g).to(dev)
+        keep = rng.choice([64, 128, 256])
+        torch.compiler.cudagraph_mark_step_begin()
+        opt.zero_grad(set_to_none=True)
+        logits = refine(encode(tokens)[:, :keep])
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), tokens[:, 1:keep].reshape(-1))
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return _timed(rounds, body), ("two torch.compile(mode='reduce-overhead') graphs a step, the second on one of "
+                                  "three lengths: cudagraph trees branch and restore checkpoints of their pool")
+
+
 # name -> (function, rounds)
 WORKLOADS = {
     "generate": (generate, 8),
@@ -390,6 +423,7 @@ WORKLOADS = {
     "reduce_overhead": (reduce_overhead, 40),
     "serve_varbatch": (serve_varbatch, 12),
     "cudnn_benchmark": (cudnn_benchmark, 40),
+    "graph_branches": (graph_branches, 30),
 }
 
 

@@ -140,6 +140,46 @@ fn a_cuda_graph_trace_replays_to_the_gpus_peaks_and_memory_calls() {
     assert!(calls > 3 * 1_175 / 2, "{calls}");
 }
 
+/// `examples/graph-branches-restores.gtrace`: two `torch.compile(mode=
+/// "reduce-overhead")` graphs a step, the second on one of three lengths,
+/// recorded by `bash tests/gpu/sweep.sh --only graph_branches --variants
+/// gpualloc-traced` with the library of f8072dd
+/// (`docs/results/h200-round13/sweep-graph-branches.json`): cudagraph trees
+/// record branches of one tree and put their pool back to a checkpoint 4
+/// times (`setCheckpointPoolState`). The replay takes and restores the
+/// same checkpoints: the GPU's peaks to the byte and its 1,190 memory calls.
+#[test]
+fn a_cuda_graph_tree_with_restores_replays_to_the_gpus_peaks_and_memory_calls() {
+    use gpualloc::trace::{Action, EventKind, PoolOp};
+    let (config, events) = example("graph-branches-restores.gtrace");
+    let restores = events
+        .iter()
+        .filter(|e| {
+            matches!(e.kind(), EventKind::PrivatePool { op: PoolOp::Restore, checkpoint, .. } if checkpoint != u64::MAX)
+        })
+        .count();
+    assert_eq!(restores, 4);
+    let out = replay(
+        events.iter().copied(),
+        H200,
+        &Config::parse(&config).unwrap(),
+    );
+    assert_eq!(
+        (out.peak_reserved, out.peak_allocated, out.ooms),
+        (1_130_364_928, 996_706_304, 0)
+    );
+    assert_eq!(out.driver.memory_calls(), 1_190);
+    // Without the pool calls, graph memory lands in the default pools.
+    let without = events
+        .into_iter()
+        .filter(|e| e.action != Action::PrivatePool);
+    let out = replay(without, H200, &Config::parse(&config).unwrap());
+    assert_ne!(
+        (out.peak_reserved, out.driver.memory_calls()),
+        (1_130_364_928, 1_190)
+    );
+}
+
 /// `examples/resnet50.gtrace`: ResNet-50, batch 128, 60 steps, recorded
 /// by `bash tests/gpu/bench.sh --variants gpualloc-traced` with the library
 /// of 4f53d2a (`docs/results/h200-round10/bench-traced.json`). It replays to
