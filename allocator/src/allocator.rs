@@ -301,6 +301,16 @@ impl<B: Backend> Allocator<B> {
         self.with_pool(device, pool, |d| d.pool_checkpoint(pool))
     }
 
+    /// [`DeviceAllocator::pool_checkpoint_if`] on a device.
+    pub fn pool_checkpoint_if(
+        &self,
+        device: i64,
+        pool: PoolKey,
+        taken: impl FnOnce(&[CheckpointBlock]) -> bool,
+    ) -> Result<Vec<CheckpointBlock>, AllocError> {
+        self.with_pool(device, pool, |d| d.pool_checkpoint_if(pool, taken))
+    }
+
     /// [`DeviceAllocator::restore_pool_if`] on a device, under one lock.
     pub fn restore_pool_if<E: From<AllocError>>(
         &self,

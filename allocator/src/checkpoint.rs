@@ -131,8 +131,23 @@ impl<B: Backend> DeviceAllocator<B> {
     /// # Errors
     /// [`AllocError::UnknownPool`].
     pub fn pool_checkpoint(&mut self, key: PoolKey) -> Result<Vec<CheckpointBlock>, AllocError> {
+        self.pool_checkpoint_if(key, |_| true)
+    }
+
+    /// [`pool_checkpoint`](Self::pool_checkpoint), recorded in the trace
+    /// only when `taken` says the caller keeps it (the C ABI asks again
+    /// with a larger buffer when the first was too small: one checkpoint,
+    /// one record).
+    ///
+    /// # Errors
+    /// [`AllocError::UnknownPool`].
+    pub fn pool_checkpoint_if(
+        &mut self,
+        key: PoolKey,
+        taken: impl FnOnce(&[CheckpointBlock]) -> bool,
+    ) -> Result<Vec<CheckpointBlock>, AllocError> {
         let blocks = self.checkpoint_blocks(key)?;
-        if self.trace.is_some() {
+        if self.trace.is_some() && taken(&blocks) {
             let n = self.private.number_checkpoint(content_hash(&blocks));
             self.record_pool_checkpoint_call(PoolOp::Checkpoint, key, n);
         }

@@ -37,8 +37,9 @@ pub(crate) struct PrivatePools {
     next_index: u32,
     vacant_ids: Vec<PoolId>,
     /// While tracing: the numbers trace records give checkpoints, by a
-    /// hash of their content, so a restore names the checkpoint it puts
-    /// back (Note [Pool checkpoints]).
+    /// 64-bit hash of their content, so a restore names the checkpoint it
+    /// puts back (Note [Pool checkpoints]; a collision, about one in 2^64
+    /// per pair, would name another checkpoint).
     checkpoints: rustc_hash::FxHashMap<u64, u64>,
     next_checkpoint: u64,
 }
@@ -59,6 +60,11 @@ impl PrivatePools {
             *next += 1;
             *next - 1
         })
+    }
+
+    /// Forgets every number (a new trace knows none of them).
+    pub fn forget_checkpoint_numbers(&mut self) {
+        self.checkpoints.clear();
     }
 
     /// The number of the checkpoint whose content hashes to `hash`, if one

@@ -35,7 +35,7 @@ use crate::cost::{CostModel, DriverCalls};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::replay_pools::PoolRouting;
-use crate::trace::{Action, EventKind, TraceEvent};
+use crate::trace::{Action, EventKind, PoolOp, TraceEvent};
 
 /// The first allocation that failed in a replay.
 #[derive(Clone, Debug, PartialEq)]
@@ -310,10 +310,16 @@ impl DeviceRun {
     }
 
     fn apply(&mut self, i: u64, e: TraceEvent, r: &mut ReplayResult) {
+        if !matches!(
+            e.action,
+            Action::Alloc | Action::FreeRequested | Action::FreeCompleted
+        ) {
+            self.pools.end_restore();
+        }
         match e.action {
             Action::Alloc => self.alloc(i, e),
             Action::FreeRequested => match self.live.remove(&e.addr) {
-                Some(Live { ptr: Some(p), .. }) if self.pools.restored_free(p, e.time_ns) => {}
+                Some(Live { ptr: Some(p), .. }) if self.pools.restored_free(p) => {}
                 Some(Live {
                     ptr: Some(p),
                     used_on_other_streams,
@@ -355,9 +361,21 @@ impl DeviceRun {
                     op,
                     pool,
                     checkpoint,
-                } => self
-                    .pools
-                    .call(&mut self.dev, op, pool, checkpoint, e.time_ns),
+                } => {
+                    // A checkpoint notes which recorded block each of its
+                    // blocks stands for.
+                    let recorded: FxHashMap<DevicePtr, DevicePtr> = match op {
+                        PoolOp::Checkpoint => self
+                            .live
+                            .iter()
+                            .filter_map(|(&a, l)| Some((l.ptr?, a)))
+                            .collect(),
+                        _ => FxHashMap::default(),
+                    };
+                    let recorded_of = |p: DevicePtr| recorded.get(&p).copied();
+                    self.pools
+                        .call(&mut self.dev, op, pool, checkpoint, &recorded_of)
+                }
                 _ => {}
             },
         }
@@ -365,7 +383,7 @@ impl DeviceRun {
     }
 
     fn alloc(&mut self, i: u64, e: TraceEvent) {
-        if let Some(p) = self.pools.restored_alloc(e.time_ns) {
+        if let Some(p) = self.pools.restored_alloc(e.addr) {
             self.out.allocs += 1;
             let live = Live {
                 ptr: Some(p),

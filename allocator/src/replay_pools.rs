@@ -17,9 +17,11 @@
 //! cudagraph trees between captures; Note [Pool checkpoints]). The trace
 //! numbers checkpoints and names the one each restore puts back, so the
 //! replay takes its own checkpoint where the recording took one and
-//! restores it where the recording did; the restore's recorded frees and
-//! allocs (same call, same time stamp) are matched with the replayed
-//! restore's instead of being made again. A restore of a checkpoint the
+//! restores it where the recording did; the records right after the
+//! restore, its frees and then its allocs, are matched with the replayed
+//! restore's instead of being made again (allocs by recorded address: the
+//! replay notes, with each checkpoint, which recorded block each of its
+//! blocks stands for, so the pairing holds under any configuration). A restore of a checkpoint the
 //! replay does not have (taken before the trace began) allocates its
 //! blocks from their pool wherever the pool's free memory fits them. A
 //! request that failed (`oom`) has no address and is retried in the
@@ -27,7 +29,7 @@
 //! Traces without `private_pool` records (older ones, or programs without
 //! CUDA graphs) replay as before: every allocation in the default pools.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -55,19 +57,28 @@ pub(crate) struct PoolRouting {
     next: Arc<AtomicU64>,
     /// Scopes open in the replay, by pool index.
     open: HashMap<u64, u32>,
-    /// The replay's own checkpoints, by the recording's numbers.
-    checkpoints: HashMap<u64, Vec<CheckpointBlock>>,
+    /// The replay's own checkpoints, by the recording's numbers, each
+    /// with the recorded address of every allocated block in it.
+    checkpoints: HashMap<u64, Checkpoint>,
     /// The restore under way: what it freed and allocated, matched with
     /// the recorded frees and allocs of its call.
     restoring: Option<Restoring>,
 }
 
-/// A replayed checkpoint restore (Note [Pool checkpoints]): the recording's
-/// frees and allocs in the same call (one time stamp) are the restore's.
+/// A checkpoint the replay took: its blocks, and the recorded address of
+/// each replayed block allocated in it.
+struct Checkpoint {
+    blocks: Vec<CheckpointBlock>,
+    recorded: HashMap<DevicePtr, DevicePtr>,
+}
+
+/// A replayed checkpoint restore (Note [Pool checkpoints]): the records
+/// right after the recorded restore, its frees and then its allocs, are
+/// matched with the replayed restore's (frees by replayed block, allocs by
+/// recorded address: the checkpoint's), until one does not match.
 struct Restoring {
-    time_ns: u64,
     freed: HashSet<DevicePtr>,
-    allocated: VecDeque<DevicePtr>,
+    allocated: HashMap<DevicePtr, DevicePtr>,
 }
 
 impl Default for PoolRouting {
@@ -125,19 +136,37 @@ impl PoolRouting {
         (pool != NO_POOL && !scoped).then_some((REPLAY_KEY, pool))
     }
 
-    /// Whether the recorded free of the block replayed at `ptr`, at
-    /// `time_ns`, is one the replayed restore made already.
-    pub fn restored_free(&mut self, ptr: DevicePtr, time_ns: u64) -> bool {
-        self.restoring
+    /// Whether the recorded free of the block replayed at `ptr` is one the
+    /// replayed restore made already; the first that is not ends the
+    /// restore's frees.
+    pub fn restored_free(&mut self, ptr: DevicePtr) -> bool {
+        let hit = self
+            .restoring
             .as_mut()
-            .is_some_and(|r| r.time_ns == time_ns && r.freed.remove(&ptr))
+            .is_some_and(|r| r.freed.remove(&ptr));
+        if !hit {
+            self.end_restore();
+        }
+        hit
     }
 
-    /// The replayed block of a recorded alloc at `time_ns` that the
-    /// replayed restore made (in the checkpoint's order, as recorded).
-    pub fn restored_alloc(&mut self, time_ns: u64) -> Option<DevicePtr> {
-        let r = self.restoring.as_mut().filter(|r| r.time_ns == time_ns)?;
-        r.allocated.pop_front()
+    /// The replayed block of the recorded alloc at `addr`, when the
+    /// replayed restore made it; the first alloc it did not make ends the
+    /// restore.
+    pub fn restored_alloc(&mut self, addr: DevicePtr) -> Option<DevicePtr> {
+        let r = self.restoring.as_mut()?;
+        r.freed.clear();
+        let p = r.allocated.remove(&addr);
+        if p.is_none() {
+            self.end_restore();
+        }
+        p
+    }
+
+    /// Ends matching records with a replayed restore (any record that is
+    /// not one of its frees or allocs does).
+    pub fn end_restore(&mut self) {
+        self.restoring = None;
     }
 
     /// Ends the routing [`route`](Self::route) set.
@@ -146,30 +175,42 @@ impl PoolRouting {
     }
 
     /// Makes the recorded call `op` on the `pool`-th private pool of `dev`
-    /// (`checkpoint`: the checkpoint's number, for the checkpoint calls),
-    /// made at recorded time `time_ns`. Errors are the recording's too (a
-    /// call on a pool the trace never saw created, in a trace started
-    /// mid-run) and are ignored; a restore that fails, or of a checkpoint
-    /// the replay did not take, leaves its blocks to [`route`](Self::route).
+    /// (`checkpoint`: the checkpoint's number, for the checkpoint calls;
+    /// `recorded_of`: the recorded address of a replayed live block). Errors
+    /// are the recording's too (a call on a pool the trace never saw
+    /// created, in a trace started mid-run) and are ignored; a restore that
+    /// fails, or of a checkpoint the replay did not take, leaves its blocks
+    /// to [`route`](Self::route).
     pub fn call<B: Backend>(
         &mut self,
         dev: &mut DeviceAllocator<B>,
         op: PoolOp,
         pool: u64,
         checkpoint: u64,
-        time_ns: u64,
+        recorded_of: &dyn Fn(DevicePtr) -> Option<DevicePtr>,
     ) {
+        self.end_restore();
         let key: PoolKey = (REPLAY_KEY, pool);
         let _ = match op {
             PoolOp::Checkpoint => dev.pool_checkpoint(key).map(|blocks| {
-                self.checkpoints.insert(checkpoint, blocks);
+                let recorded = blocks
+                    .iter()
+                    .filter(|b| b.allocated)
+                    .filter_map(|b| Some((b.address, recorded_of(b.address)?)))
+                    .collect();
+                self.checkpoints
+                    .insert(checkpoint, Checkpoint { blocks, recorded });
             }),
             PoolOp::Restore => match self.checkpoints.get(&checkpoint) {
-                Some(blocks) => dev.restore_pool(key, blocks).map(|delta| {
+                Some(c) => dev.restore_pool(key, &c.blocks).map(|delta| {
+                    let allocated = delta
+                        .allocated
+                        .iter()
+                        .filter_map(|p| Some((*c.recorded.get(p)?, *p)))
+                        .collect();
                     self.restoring = Some(Restoring {
-                        time_ns,
                         freed: delta.freed.into_iter().collect(),
-                        allocated: delta.allocated.into(),
+                        allocated,
                     });
                 }),
                 None => Ok(()),
@@ -233,5 +274,31 @@ mod tests {
         assert_eq!(at(&r, 205), NO_POOL);
         r.clear();
         assert_eq!(r.next.load(Ordering::Relaxed), NO_POOL);
+    }
+
+    #[test]
+    fn a_restore_matches_its_own_records_and_ends_at_the_first_other() {
+        let mut r = PoolRouting::default();
+        let restoring = |r: &mut PoolRouting| {
+            r.restoring = Some(Restoring {
+                freed: [10, 11].into_iter().collect(),
+                allocated: [(100, 20), (101, 21)].into_iter().collect(),
+            })
+        };
+        restoring(&mut r);
+        assert!(r.restored_free(10));
+        assert_eq!(r.restored_alloc(101), Some(21), "by recorded address");
+        assert_eq!(r.restored_alloc(100), Some(20));
+        restoring(&mut r);
+        assert_eq!(r.restored_alloc(100), Some(20));
+        assert!(!r.restored_free(11), "frees come before allocs");
+        assert_eq!(r.restored_alloc(101), None, "a free ended the restore");
+        restoring(&mut r);
+        assert_eq!(r.restored_alloc(555), None, "an alloc it did not make");
+        assert_eq!(r.restored_alloc(100), None, "ends the restore");
+        assert!(!r.restored_free(10));
+        restoring(&mut r);
+        assert!(!r.restored_free(12), "a free it did not make");
+        assert!(!r.restored_free(10), "ends the restore");
     }
 }

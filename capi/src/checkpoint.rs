@@ -77,7 +77,8 @@ pub unsafe extern "C" fn gpualloc_pool_checkpoint(
             n,
             "checkpoint",
             |a, d, k| {
-                let blocks = a.pool_checkpoint(d, k)?;
+                // Recorded only when the caller's buffer takes it.
+                let blocks = a.pool_checkpoint_if(d, k, |b| b.len() <= cap)?;
                 Ok(blocks.into_iter().map(GpuallocBlockState::from).collect())
             },
         )

@@ -9,7 +9,8 @@
 //! Events (one row per event; `alloc`'s and frees' `size` is the block's,
 //! `requested` what was asked for): `time_ns`, `rank`, `pid`, `device`,
 //! `action` (PyTorch's names: `alloc`, `free_requested`, `free_completed`,
-//! `segment_alloc`, `oom`, ...), `address`, `size`, `requested` (block
+//! `segment_alloc`, `oom`, ...), `address` (for `private_pool`, the
+//! checkpoint's number of the checkpoint calls), `size`, `requested` (block
 //! actions and `oom`), `stream`, `thread`, `pool` (segment events' pool
 //! code; for `private_pool`, the code of the pool's small pool, `2 + 2k`),
 //! `device_free` (`oom`), `step` (marks seen on the device before

@@ -10,8 +10,8 @@
 //! allocations), `end_allocated`, `end_reserved`, `end_live_blocks`,
 //! `empty_cache` (`calls`, `released`: bytes given back, `recreated`: bytes
 //! of them created again afterwards), `private_pools` (`captures`:
-//! scopes opened, `pools`, `releases`, `peak_held`: the most bytes mapped
-//! for private pools at once), `ooms`
+//! scopes opened, `pools`, `releases`, `restores`: checkpoint restores,
+//! `peak_held`: the most bytes mapped for private pools at once), `ooms`
 //! (a count), `oom_details` (the first
 //! [`MAX_DETAILED`](crate::ooms::MAX_DETAILED) failures),
 //! `unknown_frees`, `phases`, `most_frequent_sizes` and `largest_sizes`.
@@ -230,6 +230,7 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
             "captures": d.graph_pools.captures,
             "pools": d.graph_pools.pools,
             "releases": d.graph_pools.releases,
+            "restores": d.graph_pools.restores,
             "peak_held": d.graph_pools.peak_held,
         }),
         "empty_cache": json!({

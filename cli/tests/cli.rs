@@ -747,8 +747,12 @@ fn summary_and_report_show_what_cuda_graphs_held() {
     let v: serde_json::Value = serde_json::from_str(&ok(&["summary", example, "--json"])).unwrap();
     let p = &v["devices"][0]["private_pools"];
     assert_eq!(
-        (p["captures"].as_u64(), p["pools"].as_u64()),
-        (Some(21), Some(1))
+        (
+            p["captures"].as_u64(),
+            p["pools"].as_u64(),
+            p["restores"].as_u64()
+        ),
+        (Some(21), Some(1), Some(0))
     );
     let held = p["peak_held"].as_u64().unwrap();
     let reserved = v["devices"][0]["peak_reserved"].as_u64().unwrap();

@@ -113,9 +113,11 @@ fn generation_trace_replays_to_the_gpus_peaks_and_memory_calls() {
 
 /// `examples/reduce-overhead-graphs.gtrace`: `torch.compile(mode=
 /// "reduce-overhead")` training on three sequence lengths (CUDA graphs
-/// captured into one private pool by cudagraph trees, which also take 11
-/// checkpoints of it), recorded by `bash tests/gpu/sweep.sh --only
-/// reduce_overhead --variants gpualloc-traced` with the library of f8072dd
+/// captured into one private pool by cudagraph trees, which also take
+/// checkpoints of it: 11 records of 6 distinct ones, as the C ABI then
+/// recorded a checkpoint again when PyTorch asked twice for a buffer),
+/// recorded by `bash tests/gpu/sweep.sh --only reduce_overhead --variants
+/// gpualloc-traced` with the library of f8072dd
 /// (`docs/results/h200-round13/sweep-reduce-overhead-f8072dd.json`). The
 /// trace holds the calls on private pools, and the replay sends each
 /// allocation to the pool that served it: the GPU's peaks to the byte and

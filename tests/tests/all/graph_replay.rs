@@ -252,6 +252,26 @@ fn restores_of_unknown_checkpoints_replay_close() {
     }
 }
 
+/// A checkpoint is recorded once per checkpoint the caller keeps (the C
+/// ABI asks again when its buffer was too small).
+#[test]
+fn a_checkpoint_is_recorded_when_taken() {
+    let (evs, _, _) = record("", "taken", |a| {
+        a.begin_allocate_to_pool(0, (1, 1), None).unwrap();
+        let p = a.malloc(0, 4 << 20, 0).unwrap();
+        a.end_allocate_to_pool(0, (1, 1)).unwrap();
+        a.pool_checkpoint_if(0, (1, 1), |_| false).unwrap();
+        a.pool_checkpoint_if(0, (1, 1), |b| !b.is_empty()).unwrap();
+        a.free(0, p).unwrap();
+        a.release_pool(0, (1, 1)).unwrap();
+    });
+    let checkpoints = evs
+        .iter()
+        .filter(|e| e.action == Action::PrivatePool && e.size == 5)
+        .count();
+    assert_eq!(checkpoints, 1);
+}
+
 /// A call that fails changes nothing and records nothing.
 #[test]
 fn a_failed_release_is_not_recorded() {
