@@ -145,10 +145,10 @@ fn a_cuda_graph_trace_replays_to_the_gpus_peaks_and_memory_calls() {
 /// `examples/graph-branches-restores.gtrace`: two `torch.compile(mode=
 /// "reduce-overhead")` graphs a step, the second on one of three lengths,
 /// recorded by `bash tests/gpu/sweep.sh --only graph_branches --variants
-/// gpualloc-traced` with the library of f8072dd
-/// (`docs/results/h200-round13/sweep-graph-branches.json`): cudagraph trees
-/// record branches of one tree and put their pool back to a checkpoint 4
-/// times (`setCheckpointPoolState`). The replay takes and restores the
+/// gpualloc-traced` with the library of c98652a
+/// (`docs/results/h200-round13/sweep-graph-branches-c98652a.json`):
+/// cudagraph trees record branches of one tree, take 10 checkpoints and
+/// put their pool back to one 4 times (`setCheckpointPoolState`). The replay takes and restores the
 /// same checkpoints: the GPU's peaks to the byte and its 1,190 memory calls.
 #[test]
 fn a_cuda_graph_tree_with_restores_replays_to_the_gpus_peaks_and_memory_calls() {
