@@ -10,7 +10,8 @@
 //! - `docs`: `docs/configuration.md` lists exactly the code's keys and
 //!   environment variables, with the code's defaults;
 //! - `examples`: the C example builds and runs on the simulated device;
-//! - `graph_replay`: a program with CUDA graph captures replays exactly.
+//! - `graph_replay`: a program with CUDA graph captures replays exactly;
+//! - `replay_fuzz`: the replay takes any sequence of records without panicking.
 
 mod docs;
 mod examples;
@@ -19,6 +20,7 @@ mod gpu_recorded;
 mod graph_replay;
 mod promise;
 mod properties;
+mod replay_fuzz;
 mod scenarios;
 mod segment_events;
 mod stitch_safety;
