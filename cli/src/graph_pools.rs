@@ -10,6 +10,8 @@
 //! and the most memory mapped for private pools at once (their segment
 //! events, in every trace).
 
+use std::collections::BTreeSet;
+
 use gpualloc::trace::{EventKind, Pool, PoolOp};
 
 use crate::units::bytes;
@@ -24,15 +26,17 @@ pub struct GraphPools {
     /// Pools put back to a checkpoint (`set_checkpoint_pool_state`, by
     /// cudagraph trees before a capture that branches off).
     pub restores: u64,
-    /// Distinct pools the calls named.
-    pub pools: u64,
     /// Most bytes mapped or held in segments of private pools at once.
     pub peak_held: u64,
     /// Bytes so held now.
     held: u64,
-    /// Pool indexes seen so far (a bitset grown on demand).
-    seen: Vec<u64>,
+    /// Pool indexes the calls named (at most [`MAX_POOLS`]: a damaged
+    /// trace's indexes do not grow it without bound).
+    seen: BTreeSet<u64>,
 }
+
+/// Distinct private pools counted at most.
+const MAX_POOLS: usize = 1 << 16;
 
 /// Whether a segment event's pool is a private one (`trace::pool_code`).
 fn private(pool: Pool) -> bool {
@@ -51,7 +55,9 @@ impl GraphPools {
                     PoolOp::Restore => self.restores += 1,
                     _ => {}
                 }
-                self.see(pool);
+                if self.seen.len() < MAX_POOLS {
+                    self.seen.insert(pool);
+                }
             }
             EventKind::SegmentAlloc { size, pool, .. }
             | EventKind::SegmentMap { size, pool, .. }
@@ -70,28 +76,18 @@ impl GraphPools {
         }
     }
 
-    fn see(&mut self, pool: u64) {
-        // Indexes are creation order: small. A corrupt one is not tracked.
-        let Ok(i) = usize::try_from(pool) else { return };
-        if i >= 1 << 20 {
-            return;
-        }
-        if self.seen.len() <= i / 64 {
-            self.seen.resize(i / 64 + 1, 0);
-        }
-        if self.seen[i / 64] & (1 << (i % 64)) == 0 {
-            self.seen[i / 64] |= 1 << (i % 64);
-            self.pools += 1;
-        }
+    /// Distinct pools the calls named.
+    pub fn pools(&self) -> u64 {
+        self.seen.len() as u64
     }
 
     /// "N captures into M private pools (K releases); up to X mapped for
     /// them at once", or `None` when the trace shows no private pool.
     pub fn describe(&self) -> Option<String> {
-        if self.pools == 0 && self.peak_held == 0 {
+        if self.seen.is_empty() && self.peak_held == 0 {
             return None;
         }
-        let calls = if self.pools > 0 {
+        let calls = if !self.seen.is_empty() {
             let n =
                 |k: u64, one: &str, many: &str| format!("{k} {}", if k == 1 { one } else { many });
             let restores = match self.restores {
@@ -101,7 +97,7 @@ impl GraphPools {
             format!(
                 "{} into {} ({}{restores}); ",
                 n(self.captures, "capture", "captures"),
-                n(self.pools, "private pool", "private pools"),
+                n(self.pools(), "private pool", "private pools"),
                 n(self.releases, "release", "releases")
             )
         } else {
@@ -151,7 +147,7 @@ mod tests {
         g.apply(&call(PoolOp::Release, 0));
         g.apply(&call(PoolOp::Restore, 1));
         assert_eq!(
-            (g.captures, g.pools, g.releases, g.peak_held),
+            (g.captures, g.pools(), g.releases, g.peak_held),
             (2, 2, 1, 130)
         );
         let text = g.describe().unwrap();

@@ -228,7 +228,7 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
         "end_live_blocks": d.state.live.len(),
         "private_pools": json!({
             "captures": d.graph_pools.captures,
-            "pools": d.graph_pools.pools,
+            "pools": d.graph_pools.pools(),
             "releases": d.graph_pools.releases,
             "restores": d.graph_pools.restores,
             "peak_held": d.graph_pools.peak_held,
