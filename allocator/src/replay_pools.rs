@@ -163,8 +163,9 @@ impl PoolRouting {
         p
     }
 
-    /// Ends matching records with a replayed restore (any record that is
-    /// not one of its frees or allocs does).
+    /// Ends matching records with a replayed restore: the replay calls it
+    /// for every record that is not a free or an alloc (the next call on a
+    /// pool included).
     pub fn end_restore(&mut self) {
         self.restoring = None;
     }
@@ -189,7 +190,6 @@ impl PoolRouting {
         checkpoint: u64,
         recorded_of: &dyn Fn(DevicePtr) -> Option<DevicePtr>,
     ) {
-        self.end_restore();
         let key: PoolKey = (REPLAY_KEY, pool);
         let _ = match op {
             PoolOp::Checkpoint => dev.pool_checkpoint(key).map(|blocks| {

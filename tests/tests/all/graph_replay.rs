@@ -4,7 +4,7 @@
 //! (`allocator/src/replay_pools.rs`), checkpoint restores included.
 
 use gpualloc::replay::replay;
-use gpualloc::trace::{Action, TraceEvent, TraceReader};
+use gpualloc::trace::{Action, PoolOp, TraceEvent, TraceReader};
 use gpualloc::{AllocError, Allocator, Config, SimBackend};
 
 const CAPACITY: u64 = 4 << 30;
@@ -161,7 +161,7 @@ fn restores(a: &Allocator<SimBackend>, seed: u64) {
 /// Replays `evs`, and again without its `private_pool` records (as traces
 /// before them were): the first must give the recording's figures, the
 /// second must not (graph memory lands in the default pools).
-fn check(evs: &[TraceEvent], conf: &str, peak: u64, calls: u64, what: &str) {
+fn check(conf: &str, evs: &[TraceEvent], peak: u64, calls: u64, what: &str) {
     assert!(
         evs.iter().any(|e| e.action == Action::PrivatePool),
         "{what}"
@@ -185,34 +185,41 @@ fn check(evs: &[TraceEvent], conf: &str, peak: u64, calls: u64, what: &str) {
     );
 }
 
-#[test]
-fn captures_replay_to_the_recorded_peak_and_memory_calls() {
+/// Records `program` with seeds 1–4 under the default configuration and
+/// plain segments, and hands each recording to `f` with its configuration,
+/// its recorded peak and memory calls, and a name for messages.
+fn each_recording(
+    tag: &str,
+    program: fn(&Allocator<SimBackend>, u64),
+    mut f: impl FnMut(&str, &[TraceEvent], u64, u64, &str),
+) {
     for conf in ["", "expandable_segments:false"] {
         for seed in 1..=4 {
-            let (evs, peak, calls) =
-                record(conf, &format!("captures-{seed}"), |a| captures(a, seed));
-            check(&evs, conf, peak, calls, &format!("{conf:?} seed {seed}"));
+            let (evs, peak, calls) = record(conf, &format!("{tag}-{seed}"), |a| program(a, seed));
+            f(conf, &evs, peak, calls, &format!("{conf:?} seed {seed}"));
         }
     }
+}
+
+/// Records of one private-pool call.
+fn is_call(op: PoolOp) -> impl Fn(&TraceEvent) -> bool {
+    move |e| e.action == Action::PrivatePool && e.size == op.code()
+}
+
+#[test]
+fn captures_replay_to_the_recorded_peak_and_memory_calls() {
+    each_recording("captures", captures, check);
 }
 
 /// The trace numbers checkpoints and names the one each restore puts
 /// back; the replay takes and restores its own.
 #[test]
 fn checkpoint_restores_replay_to_the_recorded_peak_and_memory_calls() {
-    for conf in ["", "expandable_segments:false"] {
-        for seed in 1..=4 {
-            let (evs, peak, calls) =
-                record(conf, &format!("restores-{seed}"), |a| restores(a, seed));
-            let what = format!("{conf:?} seed {seed}");
-            let restores = evs
-                .iter()
-                .filter(|e| e.action == Action::PrivatePool && e.size == 6)
-                .count();
-            assert_eq!(restores, 6, "{what}");
-            check(&evs, conf, peak, calls, &what);
-        }
-    }
+    each_recording("restores", restores, |conf, evs, peak, calls, what| {
+        let restored = evs.iter().filter(|e| is_call(PoolOp::Restore)(e)).count();
+        assert_eq!(restored, 6, "{what}");
+        check(conf, evs, peak, calls, what);
+    });
 }
 
 /// Without its checkpoint (a trace started after it was taken), a
@@ -222,34 +229,28 @@ fn checkpoint_restores_replay_to_the_recorded_peak_and_memory_calls() {
 /// memory in the default pools (4–14% lower peaks, up to 2.2x the calls).
 #[test]
 fn restores_of_unknown_checkpoints_replay_close() {
-    for conf in ["", "expandable_segments:false"] {
-        for seed in 1..=4 {
-            let (evs, peak, calls) =
-                record(conf, &format!("unknown-{seed}"), |a| restores(a, seed));
-            let what = format!("{conf:?} seed {seed}");
-            let is_checkpoint = |e: &TraceEvent| e.action == Action::PrivatePool && e.size == 5;
-            assert!(evs.iter().any(is_checkpoint), "{what}");
-            let unknown: Vec<TraceEvent> =
-                evs.iter().copied().filter(|e| !is_checkpoint(e)).collect();
-            let c = Config::parse(conf).unwrap();
-            let off = |r: &gpualloc::replay::ReplayResult| {
-                let p = r.peak_reserved as f64 / peak as f64 - 1.0;
-                let k = r.driver.memory_calls() as f64 / calls as f64 - 1.0;
-                (p.abs(), k.abs())
-            };
-            let close = off(&replay(unknown.iter().copied(), CAPACITY, &c));
-            let without = unknown
-                .iter()
-                .copied()
-                .filter(|e| e.action != Action::PrivatePool);
-            let without = off(&replay(without, CAPACITY, &c));
-            assert!(close.0 < 0.03 && close.1 < 0.05, "{what}: {close:?}");
-            assert!(
-                close.0 < without.0 && close.1 < without.1,
-                "{what}: {close:?} {without:?}"
-            );
-        }
-    }
+    each_recording("unknown", restores, |conf, evs, peak, calls, what| {
+        let checkpoint = is_call(PoolOp::Checkpoint);
+        assert!(evs.iter().any(&checkpoint), "{what}");
+        let unknown: Vec<TraceEvent> = evs.iter().copied().filter(|e| !checkpoint(e)).collect();
+        let c = Config::parse(conf).unwrap();
+        let off = |r: &gpualloc::replay::ReplayResult| {
+            let p = r.peak_reserved as f64 / peak as f64 - 1.0;
+            let k = r.driver.memory_calls() as f64 / calls as f64 - 1.0;
+            (p.abs(), k.abs())
+        };
+        let close = off(&replay(unknown.iter().copied(), CAPACITY, &c));
+        let without = unknown
+            .iter()
+            .copied()
+            .filter(|e| e.action != Action::PrivatePool);
+        let without = off(&replay(without, CAPACITY, &c));
+        assert!(close.0 < 0.03 && close.1 < 0.05, "{what}: {close:?}");
+        assert!(
+            close.0 < without.0 && close.1 < without.1,
+            "{what}: {close:?} {without:?}"
+        );
+    });
 }
 
 /// A checkpoint is recorded once per checkpoint the caller keeps (the C
@@ -267,7 +268,7 @@ fn a_checkpoint_is_recorded_when_taken() {
     });
     let checkpoints = evs
         .iter()
-        .filter(|e| e.action == Action::PrivatePool && e.size == 5)
+        .filter(|e| is_call(PoolOp::Checkpoint)(e))
         .count();
     assert_eq!(checkpoints, 1);
 }
