@@ -46,6 +46,23 @@ fn rng(seed: u64) -> impl FnMut(u64) -> u64 {
     }
 }
 
+/// `n` allocations of 1 MiB plus up to `spread` bytes on the default
+/// stream, each freeing a random live one once more than `keep` live.
+fn default_stream_work(
+    a: &Allocator<SimBackend>,
+    rnd: &mut impl FnMut(u64) -> u64,
+    live: &mut Vec<u64>,
+    (n, keep, spread): (u32, usize, u64),
+) {
+    for _ in 0..n {
+        live.push(a.malloc(0, (1 << 20) + rnd(spread), 0).unwrap());
+        if live.len() > keep {
+            let i = rnd(live.len() as u64) as usize;
+            a.free(0, live.swap_remove(i)).unwrap();
+        }
+    }
+}
+
 /// Default-stream work between captures; each capture allocates on its
 /// stream (7) into a fresh pool while the default stream keeps
 /// allocating, and its graph is released a few steps later. A MemPool-like
@@ -55,13 +72,7 @@ fn captures(a: &Allocator<SimBackend>, seed: u64) {
     let mut rnd = rng(seed);
     let (mut live, mut graphs, mut outputs) = (Vec::new(), Vec::new(), Vec::new());
     for step in 0..60u64 {
-        for _ in 0..20 {
-            live.push(a.malloc(0, (1 << 20) + rnd(80 << 20), 0).unwrap());
-            if live.len() > 12 {
-                let i = rnd(live.len() as u64) as usize;
-                a.free(0, live.swap_remove(i)).unwrap();
-            }
-        }
+        default_stream_work(a, &mut rnd, &mut live, (20, 12, 80 << 20));
         if step % 20 == 0 {
             a.create_or_incref_pool(0, (1, step)).unwrap();
         }
@@ -116,13 +127,7 @@ fn restores(a: &Allocator<SimBackend>, seed: u64) {
     let (mut live, mut outs, mut checkpoint) = (Vec::new(), Vec::new(), None);
     a.create_or_incref_pool(0, key).unwrap();
     for step in 0..30u64 {
-        for _ in 0..10 {
-            live.push(a.malloc(0, (1 << 20) + rnd(60 << 20), 0).unwrap());
-            if live.len() > 10 {
-                let i = rnd(live.len() as u64) as usize;
-                a.free(0, live.swap_remove(i)).unwrap();
-            }
-        }
+        default_stream_work(a, &mut rnd, &mut live, (10, 10, 60 << 20));
         a.begin_allocate_to_pool(0, key, Some(Box::new(|s| s == 7)))
             .unwrap();
         let mut tmp = Vec::new();
