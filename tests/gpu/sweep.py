@@ -50,6 +50,14 @@ and DIR/sweep.json.
   torch.backends.cudnn.benchmark on: cuDNN times each new convolution
   shape and then calls empty_cache (PyTorch's default), so the cache is
   emptied again and again while shapes are new.
+- fsdp: FSDP2 (`fully_shard`, one process, NCCL) over a transformers
+  GPT-2 small with bf16 mixed precision and activation checkpointing on
+  random lengths 64..512: FSDP's all-gather and reduce-scatter streams
+  allocate and free the parameters' buffers every layer, ordered by
+  events instead of record_stream.
+- multi_stream: a four-branch CNN whose branches run forward (and so
+  backward) on four streams of their own, on a random input size each
+  step: every stream allocates and frees a changing layout.
 """
 
 from __future__ import annotations
@@ -410,6 +418,94 @@ def graph_branches(rounds):
                                   "three lengths: cudagraph trees branch and restore checkpoints of their pool")
 
 
+def fsdp(rounds):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+    cfg = GPT2Config(n_positions=512, n_embd=768, n_layer=12, n_head=12)
+    model = GPT2LMHeadModel(cfg).to(dev)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = random.Random(41)
+    g = torch.Generator().manual_seed(41)
+
+    def body(i):
+        ids = torch.randint(0, cfg.vocab_size, (8, rng.randrange(64, 513)), generator=g).to(dev)
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    try:
+        return _timed(rounds, body), ("FSDP2 fully_shard (1 process, NCCL) GPT-2 small, bf16 params, fp32 reduce, "
+                                      "gradient checkpointing, AdamW, batch 8, lengths 64..512")
+    finally:
+        dist.destroy_process_group()
+
+
+def multi_stream(rounds):
+    import torch
+    from torch import nn
+
+    from models import CSPBlock, conv_bn
+
+    dev = torch.device("cuda:0")
+
+    class Branches(nn.Module):
+        def __init__(self, n=4, w=64):
+            super().__init__()
+            self.stem = conv_bn(3, w, 3, 2)
+            self.branches = nn.ModuleList(
+                nn.Sequential(conv_bn(w, w * (k + 1), 3, 2), CSPBlock(w * (k + 1), k + 1), nn.AdaptiveAvgPool2d(1))
+                for k in range(n))
+            self.streams = [torch.cuda.Stream() for _ in range(n)]
+            self.head = nn.Linear(sum(w * (k + 1) for k in range(n)), 100)
+
+        def forward(self, x):
+            x = self.stem(x)
+            main = torch.cuda.current_stream()
+            outs = []
+            for branch, s in zip(self.branches, self.streams):
+                s.wait_stream(main)
+                with torch.cuda.stream(s):
+                    x.record_stream(s)
+                    outs.append(branch(x).flatten(1))
+            for s, o in zip(self.streams, outs):
+                main.wait_stream(s)
+                o.record_stream(main)
+            return self.head(torch.cat(outs, 1))
+
+    model = Branches().to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    rng = random.Random(43)
+    g = torch.Generator().manual_seed(43)
+
+    def body(i):
+        size = rng.choice([160, 192, 224, 256, 288, 320])
+        x = torch.randn(64, 3, size, size, generator=g).to(dev)
+        y = torch.randint(0, 100, (64,), generator=g).to(dev)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return _timed(rounds, body), "four CNN branches on four streams (forward and backward), batch 64, sizes 160..320"
+
+
 # name -> (function, rounds)
 WORKLOADS = {
     "generate": (generate, 8),
@@ -424,6 +520,8 @@ WORKLOADS = {
     "serve_varbatch": (serve_varbatch, 12),
     "cudnn_benchmark": (cudnn_benchmark, 40),
     "graph_branches": (graph_branches, 30),
+    "fsdp": (fsdp, 30),
+    "multi_stream": (multi_stream, 40),
 }
 
 

@@ -8,9 +8,10 @@
 # Runs KV-cache generation, training with empty_cache() every step, gradient
 # checkpointing with bf16, a ViT with fp16 and a GradScaler, torch.compile
 # with dynamic shapes and with CUDA graphs (reduce-overhead), Faster R-CNN,
-# a side-stream prefetch, a cuDNN LSTM and fp16 serving of random batches
+# a side-stream prefetch, a cuDNN LSTM, fp16 serving of random batches,
+# cudagraph-tree branches, cudnn.benchmark, FSDP2 and four-stream training
 # under PyTorch's allocator and gpualloc, each in its own process (the
-# default budget covers about half: pick with --only). Writes sweep.md, sweep.json, environment.txt and
+# default budget covers about a third: pick with --only). Writes sweep.md, sweep.json, environment.txt and
 # sweep-logs.tar.gz to $OUT (or ./gpu-results). See tests/gpu/sweep.py.
 set -u
 source "$(dirname "$0")/env.sh"
