@@ -385,12 +385,12 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// The default pools' expandable segments.
-    fn expandable_segments(&self) -> Vec<SegmentId> {
+    pub(crate) fn expandable_segments(&self) -> Vec<SegmentId> {
         self.segments_of(&[SMALL, LARGE])
     }
 
     /// The expandable segments of `pools`.
-    fn segments_of(&self, pools: &[PoolId]) -> Vec<SegmentId> {
+    pub(crate) fn segments_of(&self, pools: &[PoolId]) -> Vec<SegmentId> {
         pools
             .iter()
             .flat_map(|&p| self.heap.pools[p as usize].expandable.iter().map(|e| e.1))
@@ -409,52 +409,9 @@ impl<B: Backend> DeviceAllocator<B> {
         v
     }
 
-    /// Runs of whole handles inside free blocks of the default pools'
-    /// expandable segments, outside `[keep_lo, keep_hi)` of `keep`:
-    /// `(bytes, start, segment, stream, freed stamp)`.
-    pub(crate) fn free_runs(
-        &self,
-        keep: Option<(SegmentId, u64, u64)>,
-    ) -> Vec<(u64, u64, SegmentId, StreamId, u64)> {
-        self.free_runs_in(&self.expandable_segments(), keep)
-    }
-
-    /// As [`free_runs`](Self::free_runs), in the segments `segs`.
-    fn free_runs_in(
-        &self,
-        segs: &[SegmentId],
-        keep: Option<(SegmentId, u64, u64)>,
-    ) -> Vec<(u64, u64, SegmentId, StreamId, u64)> {
-        let mut out = Vec::new();
-        for &seg in segs {
-            let mut cur = Some(self.heap.segments.get(seg).first);
-            while let Some(id) = cur {
-                let b = &self.heap.blocks[id];
-                cur = b.next;
-                if b.state != BlockState::Free {
-                    continue;
-                }
-                let (lo, hi) = (b.ptr, b.ptr + b.size);
-                let parts = match keep {
-                    Some((k, kl, kh)) if k == seg && lo < kh && kl < hi => {
-                        vec![(lo, kl.max(lo)), (kh.min(hi), hi)]
-                    }
-                    _ => vec![(lo, hi)],
-                };
-                for (plo, phi) in parts {
-                    if plo < phi {
-                        for (rlo, rhi) in self.pages.whole_runs(plo, phi) {
-                            out.push((rhi - rlo, rlo, seg, b.stream, b.freed));
-                        }
-                    }
-                }
-            }
-        }
-        out
-    }
-
-    /// Unmaps whole free handles into the page pool, largest runs first,
-    /// until at least `want` bytes moved or none are left; never inside
+    /// Unmaps whole free handles into the page pool, in the order of
+    /// [`reclaim_candidates`](Self::reclaim_candidates), until at least
+    /// `want` bytes moved or none are left; never inside
     /// `[keep_lo, keep_hi)` of segment `keep`. Pages whose work is not
     /// known to be done are waited for first, on their stream only.
     fn reclaim(
@@ -465,23 +422,8 @@ impl<B: Backend> DeviceAllocator<B> {
         keep_hi: u64,
         pinned: bool,
     ) -> Result<u64, AllocError> {
-        // Runs a cached stitch aliases come last (unmapping one unmaps it
-        // from the stitch too, which is repaired when next claimed, Note
-        // [Stitching]), only when the others fall short and only with
-        // `pinned` (the budget allows it); smallest runs
-        // first: they are the fragments no large request can use; the last
-        // run taken gives only the handles still wanted.
-        let mut runs: Vec<_> = self
-            .free_runs(Some((keep, keep_lo, keep_hi)))
-            .into_iter()
-            .map(|r| (self.aliased(r.1, r.1 + r.0), r))
-            .collect();
-        let unpinned: u64 = runs.iter().filter(|r| !r.0).map(|r| r.1.0).sum();
-        if unpinned >= want || !pinned {
-            runs.retain(|r| !r.0);
-        }
-        runs.sort_unstable_by_key(|&(aliased, r)| (aliased, r.0, r.1));
-        let runs = runs.into_iter().map(|r| r.1);
+        // The last run taken gives only the handles still wanted.
+        let runs = self.reclaim_candidates((keep, keep_lo, keep_hi), want, pinned);
         let mut took = 0;
         let mut chosen = Vec::new();
         for (bytes, lo, seg, stream, freed) in runs {

@@ -61,6 +61,7 @@ mod device;
 pub mod error;
 mod expandable;
 mod fence;
+mod free_runs;
 mod heap;
 mod invariants;
 mod ipc;

@@ -1,0 +1,167 @@
+//! Free runs: the whole free handles that defragmentation may move.
+//!
+//! Note [Reclaim order]
+//! Rationale: defragmentation (Note [Defragmentation] in `expandable.rs`)
+//! moves whole free handles into the page pool to map them where a request
+//! fits. Handles a cached stitch aliases cost more to take (the stitch is
+//! unmapped there too and repaired when next claimed), and taking runs in
+//! pieces scatters what is left free. Until round 14 a run of free handles
+//! that a stitch aliased anywhere was skipped as a whole: on four streams
+//! of training (`sweep.py`'s `multi_stream`), requests of 300–400 MiB
+//! created new memory while 7.5 GB of unaliased free handles lay in such
+//! runs, and reserved memory rose from 1.003x to 1.05x peak allocated.
+//! Approach: three tiers, smallest runs first within each (the fragments no
+//! large request can use):
+//! 0. whole runs no stitch aliases;
+//! 1. only when tier 0 falls short of the request: the handles of runs a
+//!    stitch aliases in part that it does not alias, in pieces;
+//! 2. only when tiers 0 and 1 fall short and the budget allows (`pinned`,
+//!    Note [Defragmentation budget]): the handles stitches alias.
+//!
+//! Tier 1 used always (not only when tier 0 falls short) costs ResNet-50
+//! 1.0195 to 1.054 R/A (second study in `docs/policy-experiments.md`);
+//! as a fallback, over 55 replayed workloads, mean R/A 1.0265 to 1.0254
+//! for 2.3 ms more driver time, the four-stream runs 1.056 and 1.072 to
+//! 1.014 (twelfth study).
+
+use crate::backend::{Backend, StreamId};
+use crate::block::{BlockState, SegmentId};
+use crate::device::DeviceAllocator;
+
+/// A run of whole free handles: `(bytes, start, segment, stream, freed stamp)`.
+pub(crate) type FreeRun = (u64, u64, SegmentId, StreamId, u64);
+
+impl<B: Backend> DeviceAllocator<B> {
+    /// Runs of whole handles inside free blocks of the default pools'
+    /// expandable segments, outside `[keep_lo, keep_hi)` of `keep`:
+    /// `(bytes, start, segment, stream, freed stamp)`.
+    pub(crate) fn free_runs(&self, keep: Option<(SegmentId, u64, u64)>) -> Vec<FreeRun> {
+        self.free_runs_in(&self.expandable_segments(), keep)
+    }
+
+    /// As [`free_runs`](Self::free_runs), in the segments `segs`.
+    pub(crate) fn free_runs_in(
+        &self,
+        segs: &[SegmentId],
+        keep: Option<(SegmentId, u64, u64)>,
+    ) -> Vec<FreeRun> {
+        let mut out = Vec::new();
+        for &seg in segs {
+            let mut cur = Some(self.heap.segments.get(seg).first);
+            while let Some(id) = cur {
+                let b = &self.heap.blocks[id];
+                cur = b.next;
+                if b.state != BlockState::Free {
+                    continue;
+                }
+                let (lo, hi) = (b.ptr, b.ptr + b.size);
+                let parts = match keep {
+                    Some((k, kl, kh)) if k == seg && lo < kh && kl < hi => {
+                        vec![(lo, kl.max(lo)), (kh.min(hi), hi)]
+                    }
+                    _ => vec![(lo, hi)],
+                };
+                for (plo, phi) in parts {
+                    if plo < phi {
+                        for (rlo, rhi) in self.pages.whole_runs(plo, phi) {
+                            out.push((rhi - rlo, rlo, seg, b.stream, b.freed));
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The runs `reclaim` may take for `want` bytes outside `keep`'s
+    /// window, in the order to take them (Note [Reclaim order]).
+    pub(crate) fn reclaim_candidates(
+        &self,
+        keep: (SegmentId, u64, u64),
+        want: u64,
+        pinned: bool,
+    ) -> Vec<FreeRun> {
+        let runs = self.free_runs(Some(keep));
+        let mut tiered: Vec<(u8, FreeRun)> = Vec::with_capacity(runs.len());
+        let mut partly = Vec::new();
+        for r in runs {
+            if self.aliased(r.1, r.1 + r.0) {
+                partly.push(r);
+            } else {
+                tiered.push((0, r));
+            }
+        }
+        let mut enough: u64 = tiered.iter().map(|r| r.1.0).sum();
+        if enough < want {
+            for r in partly {
+                for (aliased, lo, hi) in self.alias_pieces(r.1, r.1 + r.0) {
+                    tiered.push((if aliased { 2 } else { 1 }, (hi - lo, lo, r.2, r.3, r.4)));
+                    enough += if aliased { 0 } else { hi - lo };
+                }
+            }
+            if enough >= want || !pinned {
+                tiered.retain(|r| r.0 < 2);
+            }
+        }
+        tiered.sort_unstable_by_key(|&(tier, r)| (tier, r.0, r.1));
+        tiered.into_iter().map(|r| r.1).collect()
+    }
+
+    /// `[lo, hi)`, a run of whole handles, cut where whether a cached
+    /// stitch aliases the handle changes: `(aliased, start, end)`.
+    fn alias_pieces(&self, lo: u64, hi: u64) -> Vec<(bool, u64, u64)> {
+        let mut out: Vec<(bool, u64, u64)> = Vec::new();
+        for (a, _, size) in self.pages.handles_in(lo, hi) {
+            let aliased = self.aliased(a, a + size);
+            match out.last_mut() {
+                Some(p) if p.0 == aliased && p.2 == a => p.2 = a + size,
+                _ => out.push((aliased, a, a + size)),
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn pieces_of_partly_aliased_runs_come_only_when_whole_runs_fall_short() {
+        let conf = "expandable_handle_mb:2,defragment_budget:0";
+        let (mut d, small) = crate::stitch::tests::fragmented_with(conf);
+        // A 40 MiB stitch over two whole 16 MiB free runs and half of a
+        // third, cached once freed: five runs stay unaliased (80 MiB).
+        let s = d.malloc(40 * MIB, 0).unwrap();
+        d.free(s).unwrap();
+        d.check_invariants().unwrap();
+        let runs = d.free_runs(None);
+        let partly = runs
+            .iter()
+            .find(|r| d.alias_pieces(r.1, r.1 + r.0).len() == 2)
+            .expect("a run the stitch aliases in part");
+        let free_half = (8 * MIB, partly.1 + 8 * MIB);
+        let keep = (partly.2, 0, 0);
+        let bytes = |c: &[super::FreeRun]| c.iter().map(|r| r.0).sum::<u64>();
+        // Enough in whole unaliased runs: only those.
+        let c = d.reclaim_candidates(keep, 80 * MIB, false);
+        assert_eq!((c.len(), bytes(&c)), (5, 80 * MIB));
+        assert!(c.iter().all(|r| !d.aliased(r.1, r.1 + r.0)));
+        // Short of them: the unaliased half of the partly aliased run comes
+        // after them, and nothing aliased without the budget.
+        let c = d.reclaim_candidates(keep, 88 * MIB, false);
+        assert_eq!(bytes(&c), 88 * MIB);
+        assert_eq!((c[5].0, c[5].1), free_half);
+        // With the budget, the aliased handles come last.
+        let c = d.reclaim_candidates(keep, 128 * MIB, true);
+        assert_eq!(bytes(&c), 128 * MIB);
+        assert_eq!((c[5].0, c[5].1), free_half);
+        assert!(c[6..].iter().all(|r| d.aliased(r.1, r.1 + r.0)));
+        for p in small {
+            d.free(p).unwrap();
+        }
+        d.empty_cache().unwrap();
+        d.check_invariants().unwrap();
+        assert_eq!(d.backend().used(), 0);
+    }
+}
