@@ -10,7 +10,8 @@
 //! the same calls reserve what PyTorch's own allocator reserved on the GPU
 //! in the same run. The YOLO-style trace was recorded again with the
 //! library of commit 9d6cd2c (`docs/results/h200-round6/`), the detector
-//! trace with stitch repair (`docs/results/h200-round9/`); the GPT-2 trace,
+//! and ResNet-50 traces with the library of f6e80e5 (widening to pooled
+//! handles, the reclaim order: `docs/results/h200-round14/`); the GPT-2 trace,
 //! recorded earlier, replays to the same peaks under both.
 
 use std::path::PathBuf;
@@ -64,12 +65,12 @@ fn gpt2_trace_replays_to_the_peaks_measured_on_the_gpu() {
 
 #[test]
 fn detector_trace_replays_to_the_peaks_measured_on_the_gpu() {
-    // Recorded with stitch repair (Note [Stitching]) in the second repeat
-    // of `docs/results/h200-round9/bench-ab.json`; both repeats read these
-    // peaks, and the library without repair read 2,705,326,080 B reserved.
+    // Recorded with the library of f6e80e5 in
+    // `docs/results/h200-round14/bench-resnet-detector.json` (the library
+    // before it read 2,724,200,448 B reserved in round 9).
     assert_eq!(
         replay_example("detector-multiscale.gtrace", None),
-        (2_724_200_448, 2_629_305_344, 0)
+        (2_707_423_232, 2_629_305_344, 0)
     );
     // PyTorch's own allocator on the GPU (round 6's run of the same
     // calls: every run of this workload allocates the same sizes in the
@@ -184,7 +185,8 @@ fn a_cuda_graph_tree_with_restores_replays_to_the_gpus_peaks_and_memory_calls() 
 
 /// `examples/resnet50.gtrace`: ResNet-50, batch 128, 60 steps, recorded
 /// by `bash tests/gpu/bench.sh --variants gpualloc-traced` with the library
-/// of 4f53d2a (`docs/results/h200-round10/bench-traced.json`). It replays to
+/// of f6e80e5 (`docs/results/h200-round14/bench-resnet-detector.json`;
+/// 6,266,290,176 B reserved with 4f53d2a in round 10). It replays to
 /// the GPU's peaks; and since its layouts repeat, a cached stitch that
 /// repairs keep changing gets a second stitch instead (Note [Stitching]):
 /// after warm-up the replay makes no memory call at all, as PyTorch's
@@ -194,7 +196,7 @@ fn resnet_trace_replays_to_the_gpus_peaks_and_is_silent_after_warm_up() {
     let whole = replayed("resnet50.gtrace", None);
     assert_eq!(
         (whole.peak_reserved, whole.peak_allocated, whole.ooms),
-        (6_266_290_176, 6_146_379_776, 0)
+        (6_251_610_112, 6_146_379_776, 0)
     );
     let whole = whole.driver.memory_calls();
     let (config, events) = example("resnet50.gtrace");
@@ -252,5 +254,38 @@ fn a_capacity_beyond_any_device_replays_as_one_pebibyte() {
         let out = replay(events.iter().cloned(), capacity, &config);
         assert_eq!(out.capacity, gpualloc::config::MAX_BYTES);
         assert!(out.peak_reserved > 0 && out.ooms == 0, "{out:?}");
+    }
+}
+
+/// `examples/fsdp2-gpt2.gtrace` and `examples/four-streams.gtrace`: FSDP2
+/// (`fully_shard`, one process) training GPT-2 small on random lengths, and
+/// a CNN whose four branches run on four streams, recorded by `bash
+/// tests/gpu/sweep.sh --only fsdp,multi_stream --variants gpualloc-traced`
+/// with the library of f6e80e5
+/// (`docs/results/h200-round14/sweep-fsdp-multistream-final.json`). Both
+/// replay to the GPU's peaks and memory calls. The library before Note
+/// [Widening to pooled handles] and Note [Reclaim order] reserved 1.089x
+/// and 1.049x their peak allocated on the GPU; these 1.013x and 1.020x.
+#[test]
+fn multi_stream_traces_replay_to_the_gpus_peaks_and_memory_calls() {
+    for (name, peaks, calls) in [
+        (
+            "fsdp2-gpt2.gtrace",
+            (4_192_206_848, 4_137_244_672, 0),
+            5_222,
+        ),
+        (
+            "four-streams.gtrace",
+            (20_480_786_432, 20_083_987_968, 0),
+            8_850,
+        ),
+    ] {
+        let out = replayed(name, None);
+        assert_eq!(
+            (out.peak_reserved, out.peak_allocated, out.ooms),
+            peaks,
+            "{name}"
+        );
+        assert_eq!(out.driver.memory_calls(), calls, "{name}");
     }
 }
