@@ -15,6 +15,7 @@ use crate::ooms::{self, Oom};
 use crate::phases::Phases;
 use crate::sizes::Sizes;
 use crate::state::{self, DeviceState};
+use crate::streams::{self, StreamShares};
 
 /// A gauge's highest value and where it was reached.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -85,6 +86,9 @@ pub struct DeviceAnalysis {
     pub state: DeviceState,
     /// The state at the peak (second pass).
     pub at_peak: Option<AtPeak>,
+    /// Each stream's reserved and allocated bytes at the peak of reserved
+    /// memory (second pass).
+    pub streams_at_peak_reserved: Option<StreamShares>,
 }
 
 impl DeviceAnalysis {
@@ -107,6 +111,7 @@ impl DeviceAnalysis {
             graph_pools: GraphPools::default(),
             state: DeviceState::default(),
             at_peak: None,
+            streams_at_peak_reserved: None,
         }
     }
 
@@ -223,28 +228,33 @@ pub fn analyze(path: &Path, allow_truncated: bool) -> Result<Analysis, CliError>
     })
 }
 
-/// Second pass: the state at each device's allocated peak (the file is read
-/// up to the last peak).
+/// Second pass: the state at each device's allocated peak, and its streams
+/// at the reserved peak (the file is read up to the last of them).
 pub fn second_pass(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<(), CliError> {
     let mut states: BTreeMap<u32, (DeviceState, u64)> = a
         .devices
         .keys()
         .map(|&d| (d, (DeviceState::default(), 0u64)))
         .collect();
-    let targets: BTreeMap<u32, u64> = a
+    let targets: BTreeMap<u32, (u64, u64)> = a
         .devices
         .iter()
-        .map(|(&d, x)| (d, x.peak_allocated.index))
+        .map(|(&d, x)| (d, (x.peak_allocated.index, x.peak_reserved.index)))
         .collect();
-    let mut remaining = targets.values().filter(|&&i| i > 0).count();
+    let mut remaining: usize = targets
+        .values()
+        .map(|&(p, r)| usize::from(p > 0) + usize::from(r > 0))
+        .sum();
     let mut at_peak: BTreeMap<u32, AtPeak> = BTreeMap::new();
+    let mut at_reserved: BTreeMap<u32, StreamShares> = BTreeMap::new();
     input::scan_until(path, allow_truncated, |e| {
         let Some((s, n)) = states.get_mut(&e.device) else {
             return true;
         };
         s.apply(e);
         *n += 1;
-        if *n == targets[&e.device] {
+        let (peak, reserved) = targets[&e.device];
+        if *n == peak {
             at_peak.insert(
                 e.device,
                 AtPeak {
@@ -254,11 +264,16 @@ pub fn second_pass(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Resu
             );
             remaining -= 1;
         }
+        if *n == reserved {
+            at_reserved.insert(e.device, streams::shares(s));
+            remaining -= 1;
+        }
         remaining > 0
     })?;
     for d in states.keys() {
         let dev = a.devices.get_mut(d).expect("same keys");
         dev.at_peak = at_peak.remove(d);
+        dev.streams_at_peak_reserved = at_reserved.remove(d);
     }
     Ok(())
 }

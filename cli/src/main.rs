@@ -37,6 +37,7 @@ mod report_sections;
 mod report_series;
 mod sizes;
 mod state;
+mod streams;
 mod summary;
 mod svg;
 mod units;

@@ -7,7 +7,9 @@
 //! `peak_active` (bytes) and their times `peak_allocated_ns`, ...,
 //! `allocated_at_peak_reserved`, `fragmentation_at_peak` (`external`,
 //! `unallocated`, `largest_free`, `total_free`, `reserved`; null without
-//! allocations), `end_allocated`, `end_reserved`, `end_live_blocks`,
+//! allocations), `streams_at_peak_reserved` (`streams`: `stream`,
+//! `reserved`, `allocated` for each stream, most reserved first;
+//! `unmapped`: reserved bytes no range holds), `end_allocated`, `end_reserved`, `end_live_blocks`,
 //! `empty_cache` (`calls`, `released`: bytes given back, `recreated`: bytes
 //! of them created again afterwards), `private_pools` (`captures`:
 //! scopes opened, `pools`, `releases`, `restores`: checkpoint restores,
@@ -96,6 +98,13 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
             percent(p.frag.unallocated),
             bytes(p.reserved)
         );
+    }
+    if let Some(line) = d
+        .streams_at_peak_reserved
+        .as_ref()
+        .and_then(|x| x.describe())
+    {
+        let _ = writeln!(s, "  {line}");
     }
     let g = d.state.g;
     let _ = writeln!(
@@ -222,6 +231,14 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
             "largest_free": p.frag.largest_free,
             "total_free": p.frag.total_free,
             "reserved": p.reserved,
+        })),
+        "streams_at_peak_reserved": d.streams_at_peak_reserved.as_ref().map(|x| json!({
+            "streams": x.streams.iter().map(|s| json!({
+                "stream": s.stream,
+                "reserved": s.reserved,
+                "allocated": s.allocated,
+            })).collect::<Vec<_>>(),
+            "unmapped": x.unmapped,
         })),
         "end_allocated": d.state.g.allocated,
         "end_reserved": d.state.g.reserved,

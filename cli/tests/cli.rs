@@ -811,3 +811,52 @@ fn summary_shows_what_empty_cache_made_the_driver_create_again() {
     let plain = generated(dir.path(), 2_000);
     assert!(!ok(&["summary", s(&plain)]).contains("empty_cache "));
 }
+
+#[test]
+fn summary_shows_each_streams_share_at_peak_reserved() {
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/four-streams.gtrace"
+    );
+    let out = ok(&["summary", example]);
+    let line = out
+        .lines()
+        .find(|l| l.contains("streams at peak reserved"))
+        .unwrap_or_else(|| panic!("no streams line:\n{out}"));
+    assert!(
+        line.trim_start()
+            .starts_with("5 streams at peak reserved: "),
+        "{line}"
+    );
+    assert!(
+        line.contains("default") && line.contains("1 more"),
+        "{line}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&ok(&["summary", example, "--json"])).unwrap();
+    let d = &v["devices"][0];
+    let x = &d["streams_at_peak_reserved"];
+    let streams = x["streams"].as_array().unwrap();
+    assert_eq!(streams.len(), 5);
+    let sum = |k: &str| streams.iter().map(|s| s[k].as_u64().unwrap()).sum::<u64>();
+    // Every reserved byte is some stream's or unmapped; every allocated
+    // byte is on some stream.
+    assert_eq!(
+        sum("reserved") + x["unmapped"].as_u64().unwrap(),
+        d["peak_reserved"].as_u64().unwrap()
+    );
+    assert_eq!(
+        sum("allocated"),
+        d["allocated_at_peak_reserved"].as_u64().unwrap()
+    );
+    let reserved: Vec<u64> = streams
+        .iter()
+        .map(|s| s["reserved"].as_u64().unwrap())
+        .collect();
+    assert!(
+        reserved.windows(2).all(|w| w[0] >= w[1]),
+        "most reserved first"
+    );
+    // One stream: no line.
+    let plain = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/resnet50.gtrace");
+    assert!(!ok(&["summary", plain]).contains("streams at peak reserved"));
+}
