@@ -26,11 +26,11 @@
 //! the same ones), whole free handles elsewhere are unmapped
 //! into the pool, smallest runs first (the fragments no large request can
 //! use) and only as many handles as needed, and mapped where the request
-//! fits. Runs that a cached stitch aliases are taken last, only when the
+//! fits. Handles that a cached stitch aliases are taken last, only when the
 //! others fall short and only within a budget of driver time (each handle
 //! taken is unmapped from the stitch too, a hole filled when the stitch is
 //! next needed, Note [Stitching]; Note [Defragmentation budget] in
-//! `budget.rs`). Pages leave their address only once the work on them
+//! `budget.rs`; the order: Note [Reclaim order] in `free_runs.rs`). Pages leave their address only once the work on them
 //! is done (Note [Event-ordered unmapping]). Below that bound the pool simply grows. The
 //! choices were tuned by replaying GPU traces with `gpualloc replay --json`,
 //! which predicts driver time (`docs/driver-costs.md`): moving a handle
@@ -186,10 +186,10 @@ impl<B: Backend> DeviceAllocator<B> {
             let streams = self.expandable_streams();
             self.fences.poll(&mut self.backend)?;
             self.fences.cover_all(&mut self.backend, streams)?;
-            if let Some(w) = self.widen(pool, stream, rounded, bytes, page)? {
+            if let Some(w) = self.widen(pool, stream, rounded, &ranges, page)? {
                 ((seg, ws, ranges), bytes) = w;
             }
-            let short = bytes - self.pages.usable(bytes, page);
+            let short = bytes - self.pages.usable_in(&ranges, page);
             let calls = (short > 0 && self.config.defragment).then(|| self.backend.driver_calls());
             if short > 0 && self.config.defragment && rounded >= self.config.stitch_min {
                 let stitched = self.stitch_for(stream, rounded);
@@ -214,20 +214,22 @@ impl<B: Backend> DeviceAllocator<B> {
                         .defrag_budget
                         .allows(now, self.config.defragment_budget);
                     let calls = Some(self.backend.driver_calls());
-                    let moved = self.reclaim(excess.min(short), seg, ws, ws + rounded, pinned);
+                    // The window, widened or not, is not taken apart.
+                    let end = ranges.iter().map(|r| r.1).fold(ws + rounded, u64::max);
+                    let moved = self.reclaim(excess.min(short), seg, ws, end, pinned);
                     if !matches!(moved, Ok(m) if m > 0) {
                         self.charge_defragmentation(calls);
                     }
                     // Mapping the moved pages below is charged too.
                     charge_from = calls.filter(|_| matches!(moved, Ok(m) if m > 0));
                     moved?;
-                    if let Some(w) = self.widen(pool, stream, rounded, bytes, page)? {
+                    if let Some(w) = self.widen(pool, stream, rounded, &ranges, page)? {
                         ((seg, ws, ranges), bytes) = w;
                     }
                 }
             }
         }
-        let new_bytes = bytes - self.pages.usable(bytes, page);
+        let new_bytes = bytes - self.pages.usable_in(&ranges, page);
         let reserved = self.stats.reserved_bytes.all.current as u64;
         // Never create what cannot fit: the limit, or the device itself.
         let cap = self.capacity()?;
@@ -299,22 +301,30 @@ impl<B: Backend> DeviceAllocator<B> {
         pool: PoolId,
         stream: StreamId,
         rounded: u64,
-        bytes: u64,
+        ranges: &[(u64, u64)],
         page: u64,
     ) -> Result<Option<(Window, u64)>, GrowError> {
+        let bytes: u64 = ranges.iter().map(|r| r.1 - r.0).sum();
         if pool == SMALL {
             return self.widen_small(pool, stream, bytes, page);
         }
-        let short = bytes - self.pages.usable(bytes, page);
+        let short = bytes - self.pages.usable_in(ranges, page);
         if pool != LARGE || short == 0 {
             return Ok(None);
         }
         let Some(size) = self.pages.smallest_pooled(page, short + 1) else {
             return Ok(None);
         };
-        let (seg, ws, ranges) = self.plan_window(pool, stream, rounded + (size - short), page)?;
+        // Only where a window exists: reserving a range for a window that
+        // may not be taken would spend address space (or fail) for nothing.
+        let Some((seg, ws, ranges)) =
+            self.heap
+                .find_window(pool, stream, rounded + (size - short), page)
+        else {
+            return Ok(None);
+        };
         let mapped: u64 = ranges.iter().map(|r| r.1 - r.0).sum();
-        if mapped - self.pages.usable(mapped, page) >= short {
+        if mapped - self.pages.usable_in(&ranges, page) >= short {
             return Ok(None);
         }
         Ok(Some(((seg, ws, ranges), mapped)))
@@ -422,10 +432,10 @@ impl<B: Backend> DeviceAllocator<B> {
         keep_hi: u64,
         pinned: bool,
     ) -> Result<u64, AllocError> {
-        // The last run taken gives only the handles still wanted.
         let runs = self.reclaim_candidates((keep, keep_lo, keep_hi), want, pinned);
         let mut took = 0;
         let mut chosen = Vec::new();
+        // The last run taken gives only the handles still wanted.
         for (bytes, lo, seg, stream, freed) in runs {
             if took >= want {
                 break;
@@ -833,6 +843,37 @@ mod tests {
         d.empty_cache().unwrap();
         ok(&d);
         assert_eq!(d.backend().used(), 0);
+    }
+
+    /// A handle is mapped whole: pooled handles that fit the sum of a
+    /// window's ranges but no single range must count as created, or the
+    /// limit check lets the mapping pass the limit.
+    #[test]
+    fn pooled_handles_count_range_by_range_against_the_limit() {
+        let mut d = dev("memory_limit:145MiB");
+        // Stream 1: 8, 4, 8 and 2 MiB; the 8s freed and given back, so its
+        // window for 18 MiB is two 8 MiB holes around the 4 MiB block.
+        let held: Vec<u64> = [8, 4, 8, 2]
+            .iter()
+            .map(|&m| d.malloc(m * MIB, 1).unwrap())
+            .collect();
+        d.free(held[0]).unwrap();
+        d.free(held[2]).unwrap();
+        d.empty_cache().unwrap();
+        // Stream 0's 128 MiB, freed: eight 16 MiB handles to move.
+        let big = d.malloc(128 * MIB, 0).unwrap();
+        d.free(big).unwrap();
+        d.free(held[1]).unwrap();
+        ok(&d);
+        let limit = 145 * MIB as i64;
+        let r = d.malloc(18 * MIB, 1);
+        ok(&d);
+        assert!(
+            d.stats().reserved_bytes.all.current <= limit,
+            "reserved {} over the limit {limit} ({r:?})",
+            d.stats().reserved_bytes.all.current
+        );
+        assert!(d.backend().used() as i64 <= limit);
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! fits. Handles a cached stitch aliases cost more to take (the stitch is
 //! unmapped there too and repaired when next claimed), and taking runs in
 //! pieces scatters what is left free. Until round 14 a run of free handles
-//! that a stitch aliased anywhere was skipped as a whole: on four streams
+//! that a stitch aliased anywhere was skipped as a whole (or, when the
+//! budget allowed, taken whole, tearing the stitch down): on four streams
 //! of training (`sweep.py`'s `multi_stream`), requests of 300–400 MiB
 //! created new memory while 7.5 GB of unaliased free handles lay in such
 //! runs, and reserved memory rose from 1.003x to 1.05x peak allocated.
@@ -19,10 +20,10 @@
 //!    Note [Defragmentation budget]): the handles stitches alias.
 //!
 //! Tier 1 used always (not only when tier 0 falls short) costs ResNet-50
-//! 1.0195 to 1.054 R/A (second study in `docs/policy-experiments.md`);
-//! as a fallback, over 55 replayed workloads, mean R/A 1.0265 to 1.0254
-//! for 2.3 ms more driver time, the four-stream runs 1.056 and 1.072 to
-//! 1.014 (twelfth study).
+//! 1.0195 to 1.054 R/A (1.1045 on the library of the second study in
+//! `docs/policy-experiments.md`); as a fallback, over 55 replayed
+//! workloads, mean R/A 1.0265 to 1.0254 for 2.3 ms more driver time, the
+//! four-stream runs 1.056 and 1.072 to 1.014 (twelfth study).
 
 use crate::backend::{Backend, StreamId};
 use crate::block::{BlockState, SegmentId};

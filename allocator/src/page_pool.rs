@@ -104,6 +104,31 @@ impl PagePool {
         size - left
     }
 
+    /// Bytes of pooled handles that mapping `ranges` (in order, each
+    /// `(start, end)`) would use: as [`usable`](Self::usable) range by range,
+    /// as [`map`](Self::map) fills them. A handle is mapped whole, so it
+    /// never spans two ranges.
+    pub fn usable_in(&self, ranges: &[(DevicePtr, DevicePtr)], page: u64) -> u64 {
+        let mut left: Vec<(u64, usize)> = self
+            .free
+            .iter()
+            .rev()
+            .filter(|(s, _)| *s % page == 0)
+            .map(|(&s, hs)| (s, hs.len()))
+            .collect();
+        let mut used = 0;
+        for &(lo, hi) in ranges {
+            let mut room = hi - lo;
+            for (s, n) in left.iter_mut() {
+                let k = (room / *s).min(*n as u64);
+                room -= k * *s;
+                *n -= k as usize;
+                used += k * *s;
+            }
+        }
+        used
+    }
+
     /// Bytes still to be created again in coarse handles (Note [Regrowth]).
     pub fn regrowth(&self) -> u64 {
         self.regrow

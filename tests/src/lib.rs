@@ -166,6 +166,7 @@ impl Checked {
         let released = self.sim().counters.release;
         let waited = self.sim().counters.stream_wait_event;
         let allocated = self.sim().counters.allocate;
+        let created = self.sim().counters.create;
         let r = f(&mut self.dev);
         for (lo, size) in self.sim_mut().take_unmaps() {
             let hi = lo + size;
@@ -188,9 +189,9 @@ impl Checked {
         if self.sim().counters.stream_wait_event > waited {
             self.update_clock();
         }
-        if self.sim().counters.allocate > allocated
-            && let Some(limit) = self.limit()
-        {
+        // Segments (cudaMalloc) and physical handles (cuMemCreate) alike.
+        let grew = self.sim().counters.allocate > allocated || self.sim().counters.create > created;
+        if grew && let Some(limit) = self.limit() {
             assert!(
                 self.sim().used() <= limit,
                 "backend asked beyond the limit: used {} > limit {limit}",
