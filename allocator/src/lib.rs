@@ -88,6 +88,7 @@ mod stitch_repair;
 pub mod trace;
 mod trace_control;
 pub mod trace_path;
+mod widen;
 pub mod workload;
 
 pub use allocator::Allocator;
