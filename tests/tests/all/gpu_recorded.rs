@@ -292,3 +292,18 @@ fn multi_stream_traces_replay_to_the_gpus_peaks() {
         assert_eq!(out.driver.memory_calls(), calls, "{name}");
     }
 }
+
+/// `examples/hf-trainer-gpt2.gtrace`: a real third-party training library,
+/// the Hugging Face `Trainer` on a randomly initialised GPT-2 small with
+/// dynamic padding, 40 steps, recorded by `bash tests/gpu/trainers.sh
+/// --libraries hf --variants gpualloc-traced` with the library of 78afeb7
+/// (`docs/results/h200-round14/trainers-hf-traced-78afeb7.json`). It
+/// replays to the GPU's peaks (R/A 1.0048; PyTorch expandable's 1.0722).
+#[test]
+fn a_hugging_face_trainer_trace_replays_to_the_gpus_peaks() {
+    let out = replayed("hf-trainer-gpt2.gtrace", None);
+    assert_eq!(
+        (out.peak_reserved, out.peak_allocated, out.ooms),
+        (19_352_518_656, 19_260_850_176, 0)
+    );
+}
