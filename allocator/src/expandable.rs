@@ -695,6 +695,16 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
 
+    /// Frees `ptrs` and empties the cache: nothing is left with the driver.
+    fn drained(mut d: DeviceAllocator<SimBackend>, ptrs: impl IntoIterator<Item = u64>) {
+        for p in ptrs {
+            d.free(p).unwrap();
+        }
+        d.empty_cache().unwrap();
+        ok(&d);
+        assert_eq!(d.backend().used(), 0);
+    }
+
     /// An allocator whose only free memory is eight 16 MiB handles on
     /// stream 0 (128 MiB allocated and freed), with its reserved bytes and
     /// handle creations so far.
@@ -722,12 +732,7 @@ mod tests {
         let more: Vec<u64> = (0..14).map(|_| d.malloc(MIB, 0).unwrap()).collect();
         ok(&d);
         assert_eq!(d.stats().reserved_bytes.all.current, reserved);
-        for p in more.into_iter().chain([small]) {
-            d.free(p).unwrap();
-        }
-        d.empty_cache().unwrap();
-        ok(&d);
-        assert_eq!(d.backend().used(), 0);
+        drained(d, more.into_iter().chain([small]));
     }
 
     #[test]
@@ -746,12 +751,7 @@ mod tests {
         ok(&d);
         assert_eq!(q, p + 27 * MIB);
         assert_eq!(d.stats().reserved_bytes.all.current, reserved);
-        for x in [p, q] {
-            d.free(x).unwrap();
-        }
-        d.empty_cache().unwrap();
-        ok(&d);
-        assert_eq!(d.backend().used(), 0);
+        drained(d, [p, q]);
     }
 
     /// A handle is mapped whole: pooled handles that fit the sum of a
