@@ -30,8 +30,9 @@
 //! others fall short and only within a budget of driver time (each handle
 //! taken is unmapped from the stitch too, a hole filled when the stitch is
 //! next needed, Note [Stitching]; Note [Defragmentation budget] in
-//! `budget.rs`; the order: Note [Reclaim order] in `free_runs.rs`). Pages leave their address only once the work on them
-//! is done (Note [Event-ordered unmapping]). Below that bound the pool simply grows. The
+//! `budget.rs`; the order: Note [Reclaim order] in `free_runs.rs`). Pages
+//! leave their address only once the work on them is done (Note
+//! [Event-ordered unmapping]). Below that bound the pool simply grows. The
 //! choices were tuned by replaying GPU traces with `gpualloc replay --json`,
 //! which predicts driver time (`docs/driver-costs.md`): moving a handle
 //! costs about 65 µs, whatever its size up to 16 MiB, hence handles of up to
@@ -309,7 +310,7 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// The expandable segments of `pools`.
-    pub(crate) fn segments_of(&self, pools: &[PoolId]) -> Vec<SegmentId> {
+    fn segments_of(&self, pools: &[PoolId]) -> Vec<SegmentId> {
         pools
             .iter()
             .flat_map(|&p| self.heap.pools[p as usize].expandable.iter().map(|e| e.1))
