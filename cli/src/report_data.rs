@@ -88,6 +88,9 @@ struct Collector {
     spans: Vec<Span>,
     open: Vec<(u64, usize)>,
     at_peak: Option<AtPeak>,
+    /// The event count at the reserved peak, and the streams' shares there.
+    reserved_at: u64,
+    streams: Option<crate::streams::StreamShares>,
     windows: Vec<Window>,
 }
 
@@ -133,6 +136,8 @@ impl Collector {
             rare,
             spans: Vec::new(),
             open: Vec::new(),
+            reserved_at: 0,
+            streams: None,
             at_peak: None,
             windows: Vec::new(),
         }
@@ -200,6 +205,9 @@ impl Collector {
                 });
             }
             _ => {}
+        }
+        if self.n == self.reserved_at {
+            self.streams = Some(crate::streams::shares(&self.s));
         }
         if let Some(kind) = self.targets.get(&self.n).copied() {
             if kind == "peak allocated" {
@@ -331,8 +339,8 @@ fn layout(s: &DeviceState, t: u64, t0: u64, kind: &str) -> Value {
 }
 
 /// The JSON object the page's script draws from (see the module docs).
-/// Also sets each device's state at the allocated peak, so that reports
-/// need no `analysis::second_pass`.
+/// Also sets each device's state at the allocated peak and its streams at
+/// the reserved peak, so that reports need no `analysis::second_pass`.
 pub fn collect(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<Value, CliError> {
     let mut cs: BTreeMap<u32, Collector> = BTreeMap::new();
     for (&dev, d) in &a.devices {
@@ -357,6 +365,7 @@ pub fn collect(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<V
         let span = a.duration_ns.saturating_sub(d.first_ns) + 1;
         let bounds = d.state.iterations().to_vec();
         let mut c = Collector::new(d.first_ns, span, bounds, rare, targets);
+        c.reserved_at = d.peak_reserved.index;
         // Detail windows around the peaks and the first OOMs, apart.
         let moments = [d.peak_allocated.time_ns, d.peak_reserved.time_ns]
             .into_iter()
@@ -385,6 +394,7 @@ pub fn collect(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<V
         c.sample_frag(end);
         if let Some(d) = a.devices.get_mut(&dev) {
             d.at_peak = c.at_peak.take();
+            d.streams_at_peak_reserved = c.streams.take();
         }
         devices.push(device_json(dev, c, end));
     }

@@ -42,7 +42,7 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
     let (pa, pr) = (d.peak_allocated.value, d.peak_reserved.value);
     let _ = write!(
         s,
-        "<li><b>Tensors or cache?</b> Tensors peaked at {}; the cache held {} at its peak, {} more than the tensors needed ({} of it).{}{}</li>",
+        "<li><b>Tensors or cache?</b> Tensors peaked at {}; the cache held {} at its peak, {} more than the tensors needed ({} of it).{}{}{}</li>",
         bytes(pa),
         bytes(pr),
         bytes(pr.saturating_sub(pa)),
@@ -57,7 +57,11 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
         )),
         d.graph_pools
             .describe()
-            .map_or(String::new(), |g| format!(" Private pools: {}.", esc(&g)))
+            .map_or(String::new(), |g| format!(" Private pools: {}.", esc(&g))),
+        d.streams_at_peak_reserved
+            .as_ref()
+            .and_then(|x| x.describe())
+            .map_or(String::new(), |x| format!(" {}.", esc(&x)))
     );
     let mut rare: Vec<(&u64, &PhaseStats)> = d
         .phases

@@ -856,6 +856,15 @@ fn summary_shows_each_streams_share_at_peak_reserved() {
         reserved.windows(2).all(|w| w[0] >= w[1]),
         "most reserved first"
     );
+    // The report's first answer says it too.
+    let dir = tempfile::tempdir().unwrap();
+    let html = dir.path().join("streams.html");
+    ok(&["report", example, "-o", s(&html)]);
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(
+        page.contains("5 streams at peak reserved: "),
+        "in the report"
+    );
     // One stream: no line.
     let plain = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/resnet50.gtrace");
     assert!(!ok(&["summary", plain]).contains("streams at peak reserved"));
