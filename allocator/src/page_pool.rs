@@ -93,21 +93,13 @@ impl PagePool {
     /// (only whole pages: a large pool's pages may be larger than a handle
     /// the small pool gave back).
     pub fn usable(&self, size: u64, page: u64) -> u64 {
-        let mut left = size;
-        for (&s, hs) in self.free.iter().rev() {
-            if s % page != 0 {
-                continue;
-            }
-            let n = (left / s).min(hs.len() as u64);
-            left -= n * s;
-        }
-        size - left
+        self.usable_in(&[(0, size)], page)
     }
 
     /// Bytes of pooled handles that mapping `ranges` (in order, each
-    /// `(start, end)`) would use: as [`usable`](Self::usable) range by range,
-    /// as [`map`](Self::map) fills them. A handle is mapped whole, so it
-    /// never spans two ranges.
+    /// `(start, end)`) would use, taking the largest handle that still fits
+    /// each time, range by range, as [`map`](Self::map) fills them. A handle
+    /// is mapped whole, so it never spans two ranges.
     pub fn usable_in(&self, ranges: &[(DevicePtr, DevicePtr)], page: u64) -> u64 {
         let mut left: Vec<(u64, usize)> = self
             .free

@@ -54,8 +54,11 @@ impl<B: Backend> DeviceAllocator<B> {
         if pool == SMALL {
             return self.widen_small(pool, stream, bytes, page);
         }
+        if pool != LARGE {
+            return Ok(None);
+        }
         let short = bytes - self.pages.usable_in(ranges, page);
-        if pool != LARGE || short == 0 {
+        if short == 0 {
             return Ok(None);
         }
         let Some(size) = self.pages.smallest_pooled(page, short + 1) else {
