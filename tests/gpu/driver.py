@@ -29,6 +29,7 @@ PLAN = [
     ("churn", 90, 200_000),
     ("churn_wide", 90, 200_000),
     ("churn_cpp", 150, 2_000_000),
+    ("kernel_speed", 120, 0),
     ("auto_marks", 120, 0),
     ("compat", 300, 0),
     ("ipc", 150, 0),
@@ -55,7 +56,8 @@ VARIANTS = {
 }
 # Checks that run under more than "native" and "gpualloc".
 CHECK_VARIANTS = {
-    "ipc": ["native", "native[expandable_segments:True]", "gpualloc", "gpualloc[expandable_segments:false]"]
+    "ipc": ["native", "native[expandable_segments:True]", "gpualloc", "gpualloc[expandable_segments:false]"],
+    "kernel_speed": ["native", "native[expandable_segments:True]", "gpualloc"],
 }
 TRAIN_VARIANTS = ["native", "native-expandable", "gpualloc", "gpualloc-expandable", "gpualloc-expandable-traced"]
 
@@ -219,13 +221,24 @@ def compare_training(native, ours):
     }
 
 
+def compare_kernel_speed(runs, variants):
+    """Each kernel's median time under each variant over that under
+    "native" ({kernel: {variant: ratio}}); a variant whose run failed is
+    left out, and nothing is compared without a "native" run."""
+    ms = {a: runs.get(f"kernel_speed/{a}", {}).get("result", {}).get("median_ms") for a in variants}
+    base = ms.pop("native", None)
+    if not base:
+        return {}
+    return {k: {a: round(m[k] / t, 3) for a, m in ms.items() if m and k in m} for k, t in base.items()}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="")
     p.add_argument("--budget", type=float, default=float(os.environ.get("GPUALLOC_GPU_BUDGET_S", 480)))
     p.add_argument("--steps", type=int, default=0, help="training steps (default: the plan's)")
-    p.add_argument("--variants", default="", help="training variants to run (default: TRAIN_VARIANTS)")
+    p.add_argument("--variants", default="", help="variants of the training checks and kernel_speed (default: TRAIN_VARIANTS)")
     args = p.parse_args()
     try:
         train_variants = parse_variants(args.variants) if args.variants else TRAIN_VARIANTS
@@ -242,6 +255,8 @@ def main():
         if only and check not in only:
             continue
         variants = CHECK_VARIANTS.get(check, ["native", "gpualloc"])
+        if check == "kernel_speed" and args.variants:  # compared with "native", which runs first
+            variants = ["native"] + [v for v in train_variants if v != "native"]
         if check.startswith("train_"):
             variants = train_variants
             steps = args.steps or steps
@@ -273,6 +288,9 @@ def main():
                     "ratio_gpualloc_over_native": g["result"][key] / n["result"][key],
                 }
                 print(f"  {check}: {json.dumps(summary['compare'][check])}", flush=True)
+        if check == "kernel_speed":
+            summary["compare"][check] = compare_kernel_speed(summary["runs"], variants)
+            print(f"  {check}: {json.dumps(summary['compare'][check])}", flush=True)
         if check in ("dropin", "streams", "compat", "ipc"):
             table = {}
             for alloc in variants:

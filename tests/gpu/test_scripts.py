@@ -51,5 +51,15 @@ class Variants(unittest.TestCase):
                 driver.parse_variants(bad)
 
 
+class KernelSpeed(unittest.TestCase):
+    def test_ratios_to_native_leave_failed_runs_out(self):
+        runs = {"kernel_speed/native": {"result": {"median_ms": {"copy": 2.0, "mm": 1.0}}},
+                "kernel_speed/gpualloc": {"result": {"median_ms": {"copy": 2.5, "mm": 1.0}}},
+                "kernel_speed/other": {"error": "boom"}}
+        got = driver.compare_kernel_speed(runs, ["native", "gpualloc", "other"])
+        self.assertEqual(got, {"copy": {"gpualloc": 1.25}, "mm": {"gpualloc": 1.0}})
+        self.assertEqual(driver.compare_kernel_speed({}, ["native", "gpualloc"]), {})
+
+
 if __name__ == "__main__":
     unittest.main()

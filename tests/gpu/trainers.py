@@ -37,7 +37,34 @@ COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_dri
             "num_defragment", "num_stitch")
 
 
-def hf_run(args, steps_ms):
+class StepProfiler:
+    """torch.profiler over steps [first, last) of a run (`--profile-steps
+    first:last`): the CUDA kernels by total device time, to tell which
+    kernels a run spends its time in and whether an allocator's memory
+    makes any of them slower. Off (every call a no-op) without the option."""
+
+    def __init__(self, spec):
+        self.first, self.last = (int(x) for x in spec.split(":")) if spec else (-1, -1)
+        self.step, self.prof, self.kernels = 0, None, None
+
+    def begin(self):
+        if self.step == self.first:
+            import torch
+
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+
+    def end(self):
+        self.step += 1
+        if self.prof is not None and self.step == self.last:
+            self.prof.__exit__(None, None, None)
+            rows = [(e.key, e.device_time_total, e.count) for e in self.prof.key_averages()]
+            rows.sort(key=lambda r: -r[1])
+            self.kernels = [{"name": k[:120], "device_us": round(t, 1), "count": n} for k, t, n in rows[:40]]
+            self.prof = None
+
+
+def hf_run(args, steps_ms, prof):
     """Hugging Face Trainer: GPT-2 small from its config, random token
     sequences of 32-768 tokens, padded per batch by the collator."""
     import torch
@@ -59,11 +86,13 @@ def hf_run(args, steps_ms):
 
     class Steps(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
+            prof.begin()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
             torch.cuda.synchronize()
             steps_ms.append((time.perf_counter() - self.t0) * 1e3)
+            prof.end()
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg)
@@ -76,7 +105,7 @@ def hf_run(args, steps_ms):
     return float(out.training_loss)
 
 
-def lightning_run(args, steps_ms):
+def lightning_run(args, steps_ms, prof):
     """PyTorch Lightning: ResNet-50 on random images, every batch at a
     resolution of 160-512 px drawn per step (made on the GPU, so the loop is
     bound by the GPU and the allocator, not by a data loader)."""
@@ -121,11 +150,13 @@ def lightning_run(args, steps_ms):
 
     class Steps(pl.Callback):
         def on_train_batch_start(self, trainer, module, batch, i):
+            prof.begin()
             self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, i):
             torch.cuda.synchronize()
             steps_ms.append((time.perf_counter() - self.t0) * 1e3)
+            prof.end()
 
     torch.manual_seed(0)
     net = Net(args.batch)
@@ -151,8 +182,9 @@ def child(args):
         gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None,
                          trace=os.environ.get("GPUALLOC_TEST_TRACE") or None)
     steps_ms = []
+    prof = StepProfiler(args.profile_steps)
     t0 = time.perf_counter()
-    loss = LIBRARIES[args.library][0](args, steps_ms)
+    loss = LIBRARIES[args.library][0](args, steps_ms, prof)
     torch.cuda.synchronize()
     out = {"total_s": time.perf_counter() - t0, "steps_ms": steps_ms, "final_loss": loss,
            "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated()}
@@ -161,6 +193,8 @@ def child(args):
     if args.alloc == "gpualloc":
         stats.update(gpualloc.stats())
     out["counters"] = {k: stats.get(k) for k in COUNTERS}
+    if prof.kernels is not None:
+        out["profiled_steps"], out["kernels"] = args.profile_steps, prof.kernels
     print("GPUALLOC_RESULT " + json.dumps(out), flush=True)
 
 
@@ -168,6 +202,8 @@ def run_variant(library, name, args, rep):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--library", library, "--alloc",
            driver.variant(name)[0], "--steps", str(args.steps), "--batch", str(args.batch or LIBRARIES[library][1]),
            "--tmp", os.path.join(args.tmp, f"{library}-{name}-{rep}")]
+    if args.profile_steps:
+        cmd += ["--profile-steps", args.profile_steps]
     logs = os.path.join(args.out, "trainers-logs")
     os.makedirs(logs, exist_ok=True)
     trace = None
@@ -228,6 +264,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--variants", default="native,native-expandable,gpualloc")
     ap.add_argument("--tmp", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "gpualloc-trainers"))
+    ap.add_argument("--profile-steps", default="", help="FIRST:LAST: profile the CUDA kernels of these steps")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--library", choices=sorted(LIBRARIES))
     ap.add_argument("--alloc")
