@@ -58,6 +58,11 @@ and DIR/sweep.json.
 - multi_stream: a four-branch CNN whose branches run forward (and so
   backward) on four streams of their own, on a random input size each
   step: every stream allocates and frees a changing layout.
+- moe: a mixture-of-experts language model (six layers, eight expert MLPs,
+  top-2 routing run expert by expert on the rows routed to it) with AdamW
+  and bf16 autocast on random lengths 64..1024: how many rows each expert
+  gets changes in every layer of every step, so activations of ever new
+  sizes come and go.
 """
 
 from __future__ import annotations
@@ -506,6 +511,81 @@ def multi_stream(rounds):
     return _timed(rounds, body), "four CNN branches on four streams (forward and backward), batch 64, sizes 160..320"
 
 
+def moe(rounds):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    dev = torch.device("cuda:0")
+    dim, heads, experts, vocab = 768, 12, 8, 32000
+
+    class Experts(nn.Module):
+        """Top-2 routing over eight expert MLPs, each run on the rows routed
+        to it (gathered by index, scattered back with index_add_)."""
+
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(dim, experts, bias=False)
+            self.up = nn.ModuleList(nn.Linear(dim, 4 * dim) for _ in range(experts))
+            self.down = nn.ModuleList(nn.Linear(4 * dim, dim) for _ in range(experts))
+
+        def forward(self, x):
+            flat = x.reshape(-1, dim)
+            weight, chosen = torch.topk(self.router(flat).float().softmax(-1), 2, dim=-1)
+            out = torch.zeros(flat.shape, device=flat.device, dtype=torch.float32)
+            for e in range(experts):
+                rows, slot = (chosen == e).nonzero(as_tuple=True)
+                if rows.numel():
+                    y = self.down[e](F.gelu(self.up[e](flat[rows])))
+                    out.index_add_(0, rows, y.float() * weight[rows, slot, None])
+            return out.reshape(x.shape)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+            self.experts = Experts()
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.n1(x)).view(b, t, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, dim)
+            x = x + self.proj(a)
+            return x + self.experts(self.n2(x))
+
+    class Model(nn.Module):
+        def __init__(self, layers=6):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.norm(x))
+
+    torch.manual_seed(47)
+    model = Model().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    rng = random.Random(47)
+    g = torch.Generator().manual_seed(47)
+
+    def body(i):
+        tokens = torch.randint(0, vocab, (8, rng.randrange(64, 1025)), generator=g).to(dev)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return _timed(rounds, body), "mixture of experts (6 layers, 8 experts, top-2), AdamW, bf16 autocast, batch 8, lengths 64..1024"
+
+
 # name -> (function, rounds)
 WORKLOADS = {
     "generate": (generate, 8),
@@ -522,6 +602,7 @@ WORKLOADS = {
     "graph_branches": (graph_branches, 30),
     "fsdp": (fsdp, 30),
     "multi_stream": (multi_stream, 40),
+    "moe": (moe, 40),
 }
 
 

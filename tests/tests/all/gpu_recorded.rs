@@ -293,6 +293,24 @@ fn multi_stream_traces_replay_to_the_gpus_peaks() {
     }
 }
 
+/// `examples/moe-varlen.gtrace`: a mixture-of-experts language model whose
+/// eight experts each take the rows routed to them, so activations of new
+/// sizes come and go in every layer of every step; recorded by `bash
+/// tests/gpu/sweep.sh --only moe --variants gpualloc-traced` with the
+/// library of b8d12fb (`docs/results/h200-round15/sweep-moe.json`). It
+/// replays to the GPU's peaks and memory calls (R/A 1.0132; PyTorch's
+/// allocator 2.010, its expandable segments 1.070 in the same run).
+#[test]
+fn moe_trace_replays_to_the_gpus_peaks() {
+    let out = replayed("moe-varlen.gtrace", None);
+    assert_eq!(
+        (out.peak_reserved, out.peak_allocated, out.ooms),
+        (10_515_120_128, 10_377_710_592, 0)
+    );
+    // The GPU's run made 6,672 memory calls too.
+    assert_eq!(out.driver.memory_calls(), 6_672);
+}
+
 /// `examples/hf-trainer-gpt2.gtrace`: a real third-party training library,
 /// the Hugging Face `Trainer` on a randomly initialised GPT-2 small with
 /// dynamic padding, 40 steps, recorded by `bash tests/gpu/trainers.sh
