@@ -8,7 +8,8 @@ compat: torch.compile(mode="reduce-overhead") for inference and for training
 whose batch size changes (cudagraph trees re-record and restore pool
 checkpoints), memory history read back by torch.cuda._memory_viz, MemPool
 with use_mem_pool, the out-of-memory observer, the generic allocator
-registry. ipc: a CUDA tensor sent to a child process through
+registry, the raw caching_allocator_alloc/delete API, and settings changed
+mid-run with torch.cuda.memory._set_allocator_settings. ipc: a CUDA tensor sent to a child process through
 torch.multiprocessing, the child under PyTorch's allocator and under
 gpualloc. Each sub-check passes or fails on its own.
 """
@@ -223,6 +224,42 @@ def check_compat(args) -> dict:
         assert found, "an UntypedStorage made on cuda did not come from the installed allocator"
         del x, s
         return {"accelerator_memory_allocated": a}
+
+    @sub("caching_allocator_alloc_and_delete")
+    def _():
+        # The raw API some extensions use (torch.cuda.caching_allocator_alloc
+        # and _delete): counted in memory_allocated, and on the given stream.
+        side = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        ptrs = [torch.cuda.caching_allocator_alloc(8 * MiB, device=0, stream=side),
+                torch.cuda.caching_allocator_alloc(3 * MiB + 5)]
+        grown = torch.cuda.memory_allocated() - before
+        assert grown >= 11 * MiB + 5, f"memory_allocated grew by {grown}"
+        blocks = {b["address"]: seg["stream"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"]
+                  if b["state"] == "active_allocated"}
+        assert blocks.get(ptrs[0]) == side.cuda_stream, f"stream of the raw block: {blocks.get(ptrs[0])}"
+        for p in ptrs:
+            torch.cuda.caching_allocator_delete(p)
+        assert torch.cuda.memory_allocated() == before, "raw blocks were not freed"
+        return {"grown": grown}
+
+    @sub("allocator_settings_at_runtime")
+    def _():
+        # Libraries switch settings mid-run (torch.cuda.memory._set_allocator_settings,
+        # e.g. expandable segments off before sharing memory): it must not
+        # break the allocator, whichever allocator reads it.
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        if setter is None:
+            return {"skipped": "no torch.cuda.memory._set_allocator_settings"}
+        setter("expandable_segments:False")
+        a = torch.empty(40 * MiB, dtype=torch.uint8, device=dev).fill_(3)
+        setter("expandable_segments:True")
+        b = torch.empty(40 * MiB, dtype=torch.uint8, device=dev).fill_(4)
+        assert int(a[-1]) == 3 and int(b[-1]) == 4
+        del a, b
+        torch.cuda.empty_cache()
+        return {"allocated_after": torch.cuda.memory_allocated()}
 
     return sub.result()
 
