@@ -79,9 +79,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import driver  # noqa: E402
+from step_profiler import StepProfiler  # noqa: E402
 
 NATIVE = ("native", "native-expandable")
 TIMEOUT_S = 240
+
+
+# SWEEP_PROFILE_ROUNDS=FIRST:LAST profiles the kernels of those rounds
+# (step_profiler.py); the result's "kernels" lists them.
+PROFILER = StepProfiler(os.environ.get("SWEEP_PROFILE_ROUNDS"))
 
 
 def _timed(rounds, body):
@@ -93,10 +99,12 @@ def _timed(rounds, body):
     torch.cuda.reset_peak_memory_stats()
     for i in range(rounds):
         torch.cuda.synchronize()
+        PROFILER.begin()
         t0 = time.perf_counter()
         out = body(i)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        PROFILER.end()
         outs.append(out)
     return times, outs
 
@@ -628,6 +636,8 @@ def child(name, alloc):
             "peak_reserved": torch.cuda.max_memory_reserved(),
             "counters": checks._counters(),
         }
+        if PROFILER.kernels is not None:
+            payload["result"]["kernels"] = PROFILER.kernels
     except Exception as e:  # noqa: BLE001
         import traceback
 

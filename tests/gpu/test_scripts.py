@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import driver  # noqa: E402
 import sweep  # noqa: E402
+from step_profiler import StepProfiler  # noqa: E402
 
 
 def run(workload, variant, mean, median, outputs, reserved=101, allocated=100):
@@ -59,6 +60,17 @@ class KernelSpeed(unittest.TestCase):
         got = driver.compare_kernel_speed(runs, ["native", "gpualloc", "other"])
         self.assertEqual(got, {"copy": {"gpualloc": 1.25}, "mm": {"gpualloc": 1.0}})
         self.assertEqual(driver.compare_kernel_speed({}, ["native", "gpualloc"]), {})
+
+
+class Profiler(unittest.TestCase):
+    def test_off_without_a_window_and_clear_about_a_bad_one(self):
+        p = StepProfiler("")
+        for _ in range(3):
+            p.begin()  # would import torch if it profiled
+            p.end()
+        self.assertIsNone(p.kernels)
+        with self.assertRaisesRegex(ValueError, "FIRST:LAST"):
+            StepProfiler("20")
 
 
 if __name__ == "__main__":

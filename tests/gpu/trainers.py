@@ -30,38 +30,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import driver  # noqa: E402
+from step_profiler import StepProfiler  # noqa: E402
 
 CHILD_TIMEOUT_S = 600
 NATIVE = ("native", "native-expandable")
 COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_driver_calls", "driver_time_ns",
             "num_defragment", "num_stitch")
-
-
-class StepProfiler:
-    """torch.profiler over steps [first, last) of a run (`--profile-steps
-    first:last`): the CUDA kernels by total device time, to tell which
-    kernels a run spends its time in and whether an allocator's memory
-    makes any of them slower. Off (every call a no-op) without the option."""
-
-    def __init__(self, spec):
-        self.first, self.last = (int(x) for x in spec.split(":")) if spec else (-1, -1)
-        self.step, self.prof, self.kernels = 0, None, None
-
-    def begin(self):
-        if self.step == self.first:
-            import torch
-
-            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-            self.prof.__enter__()
-
-    def end(self):
-        self.step += 1
-        if self.prof is not None and self.step == self.last:
-            self.prof.__exit__(None, None, None)
-            rows = [(e.key, e.device_time_total, e.count) for e in self.prof.key_averages()]
-            rows.sort(key=lambda r: -r[1])
-            self.kernels = [{"name": k[:120], "device_us": round(t, 1), "count": n} for k, t, n in rows[:40]]
-            self.prof = None
 
 
 def hf_run(args, steps_ms, prof):
