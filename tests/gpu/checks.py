@@ -7,7 +7,8 @@ every check once per allocator in its own subprocess. Each prints one line
 Checks: dropin (what training code expects of the allocator), streams (data
 integrity across streams and record_stream), threads, multi_device,
 train_resnet, train_gpt2, train_detector, train_backbone (training steps
-timed, with the allocator's counters), churn, kernel_speed (kernels on
+timed, with the allocator's counters), churn, churn_cpp and trace_cpp
+(allocator calls from C++: a loop, and a recorded trace's), kernel_speed (kernels on
 memory placed after a fragmenting warm-up), auto_marks (the step marks
 and phases install() records by itself) and max_batch (the largest
 batch of a workload under a memory budget):
@@ -927,6 +928,7 @@ CHECKS = {
     "compat": compat.check_compat,
     "ipc": compat.check_ipc,
     "churn_cpp": churn_cpp.check_churn_cpp,
+    "trace_cpp": churn_cpp.check_trace_cpp,
     "kernel_speed": kernel_speed.check_kernel_speed,
 }
 

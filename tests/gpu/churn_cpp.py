@@ -1,7 +1,10 @@
 """The churn loop without Python: allocation and free through torch's
 current CUDA allocator from C++ (the path every torch operator takes), so
 that the allocator's own cost is what is timed, not torch.empty's Python
-overhead. Used by `checks.py churn_cpp`."""
+overhead. Used by `checks.py churn_cpp`; and the same for the allocations
+and frees of a recorded trace, in their order (`checks.py trace_cpp`:
+examples/moe-varlen.gtrace, or the trace in GPUALLOC_TRACE_CPP), which
+times the host cost of a real workload's calls without its kernels."""
 
 from __future__ import annotations
 
@@ -30,6 +33,33 @@ double churn(int64_t n, std::vector<int64_t> sizes) {
   return std::chrono::duration<double>(t1 - t0).count();
 }
 
+// Replays a recorded sequence `passes` times: ops[i] > 0 allocates that
+// many bytes (allocations numbered in order), ops[i] < 0 frees allocation
+// -ops[i] - 1. Returns the seconds of each pass; what a pass leaves live is
+// freed after its clock stops.
+std::vector<double> replay(std::vector<int64_t> ops, int64_t passes) {
+  auto* a = c10::cuda::CUDACachingAllocator::get();
+  int64_t n = 0;
+  for (auto o : ops) n += o > 0;
+  std::vector<c10::DataPtr> live(n);
+  std::vector<double> secs;
+  for (int64_t p = 0; p < passes; ++p) {
+    int64_t k = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    for (auto o : ops) {
+      if (o > 0) {
+        live[k++] = a->allocate(o);
+      } else {
+        live[-o - 1] = c10::DataPtr();
+      }
+    }
+    auto t1 = std::chrono::steady_clock::now();
+    for (auto& d : live) d = c10::DataPtr();
+    secs.push_back(std::chrono::duration<double>(t1 - t0).count());
+  }
+  return secs;
+}
+
 // What every allocate() pays before reaching an allocator: the current
 // device and stream.
 double baseline(int64_t n) {
@@ -46,15 +76,62 @@ double baseline(int64_t n) {
 """
 
 
-def check_churn_cpp(args) -> dict:
-    import torch
+def _module():
+    """The C++ functions above, built once per build directory."""
     from torch.utils.cpp_extension import load_inline
 
     build = os.path.join(os.environ.get("GPUALLOC_BUILD_DIR") or "/tmp", "churn_cpp")
     os.makedirs(build, exist_ok=True)
+    return load_inline("gpualloc_churn_cpp", cpp_sources=[SOURCE], functions=["churn", "replay", "baseline"],
+                       build_directory=build, extra_cflags=["-O2"], with_cuda=True)
+
+
+def trace_ops(path) -> list:
+    """A trace's allocations and frees on its first device, in order, as
+    replay() takes them; frees of blocks allocated before the trace began
+    are left out."""
+    from gpualloc.tracefile import records
+
+    ops, live, first, allocs = [], {}, None, 0
+    for r in records(path):
+        if r["kind"] not in ("alloc", "free"):
+            continue
+        first = r["device"] if first is None else first
+        if r["device"] != first:
+            continue
+        if r["kind"] == "alloc":
+            live[r["addr"]] = allocs
+            allocs += 1
+            ops.append(max(1, r["requested"]))
+        elif r["addr"] in live:
+            ops.append(-live.pop(r["addr"]) - 1)
+    return ops
+
+
+def check_trace_cpp(args) -> dict:
+    import torch
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    path = os.environ.get("GPUALLOC_TRACE_CPP") or os.path.join(root, "examples", "moe-varlen.gtrace")
+    ops = trace_ops(path)
     t0 = time.time()
-    mod = load_inline("gpualloc_churn_cpp", cpp_sources=[SOURCE], functions=["churn", "baseline"], build_directory=build,
-                      extra_cflags=["-O2"], with_cuda=True)
+    mod = _module()
+    build_s = time.time() - t0
+    torch.cuda.init()
+    secs = mod.replay(ops, 3)
+    from checks import _counters
+
+    return {"trace": os.path.basename(path), "ops": len(ops), "build_s": round(build_s, 1),
+            "ns_per_op_by_pass": [t / len(ops) * 1e9 for t in secs], "ns_per_op": min(secs) / len(ops) * 1e9,
+            "peak_reserved_over_allocated": torch.cuda.max_memory_reserved() / max(1, torch.cuda.max_memory_allocated()),
+            "counters": _counters()}
+
+
+def check_churn_cpp(args) -> dict:
+    import torch
+
+    t0 = time.time()
+    mod = _module()
     build_s = time.time() - t0
     rng = random.Random(4)
     sizes = [rng.choice([256, 4096, 65536, 1 << 20, 5 << 20, 24 << 20]) for _ in range(4096)]

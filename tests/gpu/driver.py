@@ -29,6 +29,7 @@ PLAN = [
     ("churn", 90, 200_000),
     ("churn_wide", 90, 200_000),
     ("churn_cpp", 150, 2_000_000),
+    ("trace_cpp", 120, 0),
     ("kernel_speed", 120, 0),
     ("auto_marks", 120, 0),
     ("compat", 300, 0),
@@ -279,8 +280,8 @@ def main():
             }
             for v, c in summary["compare"][check].items():
                 print(f"  {check} {v}: {json.dumps(c)}", flush=True)
-        if check in ("churn", "churn_cpp"):
-            key = "us_per_alloc_free" if check == "churn" else "ns_per_alloc_free"
+        if check in ("churn", "churn_cpp", "trace_cpp"):
+            key = {"churn": "us_per_alloc_free", "churn_cpp": "ns_per_alloc_free", "trace_cpp": "ns_per_op"}[check]
             n, g = summary["runs"].get(f"{check}/native", {}), summary["runs"].get(f"{check}/gpualloc", {})
             if "result" in n and "result" in g:
                 summary["compare"][check] = {
