@@ -10,7 +10,9 @@
  * (float4, grid-stride), a read-only reduction, cudaMemcpyAsync (what
  * torch's copy_ between same-typed contiguous tensors calls) and
  * cudaMemsetAsync over them, with CUDA events (median of 20 runs after 3
- * warm-ups), reported as GB/s moved.
+ * warm-ups), reported as GB/s moved; and the latency of an 8-byte copy to
+ * or from a random place in them, waited for (what each `.item()` or
+ * `nonzero()` pays), the mean of 2,000.
  *
  * Layouts, per handle size:
  *   in_order     the handles of each buffer created one after the other and
@@ -32,6 +34,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -136,6 +139,26 @@ static void unmap(Mapped& m) {
   m.handles.clear();
 }
 
+// Mean microseconds of an 8-byte cudaMemcpyAsync between pinned host memory
+// and a random place in `dev` (a new page nearly every time), each waited
+// for: what `.item()`, `nonzero()` and other host syncs pay per copy.
+static double small_copy_us(void* dev, cudaMemcpyKind kind, void* host, cudaStream_t s) {
+  std::mt19937_64 rng(3);
+  const int n = 2000;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < n; ++i) {
+    char* at = (char*)dev + (rng() % (BUF / 8)) * 8;
+    if (kind == cudaMemcpyDeviceToHost) {
+      RT(cudaMemcpyAsync(host, at, 8, kind, s));
+    } else {
+      RT(cudaMemcpyAsync(at, host, 8, kind, s));
+    }
+    RT(cudaStreamSynchronize(s));
+  }
+  auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::micro>(t1 - t0).count() / n;
+}
+
 static void measure(const char* label, void* src, void* dst, float* sink, int sms) {
   size_t n = BUF / sizeof(float4);
   RT(cudaMemset(src, 0, BUF));
@@ -145,9 +168,17 @@ static void measure(const char* label, void* src, void* dst, float* sink, int sm
   float sum = median_ms([&] { sum_kernel<<<grid, 512>>>((const float4*)src, n, sink); });
   float memcpy = median_ms([&] { RT(cudaMemcpyAsync(dst, src, BUF, cudaMemcpyDeviceToDevice)); });
   float memset = median_ms([&] { RT(cudaMemsetAsync(dst, 1, BUF)); });
+  void* host;
+  RT(cudaMallocHost(&host, 8));
+  cudaStream_t s;
+  RT(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  double d2h = small_copy_us(src, cudaMemcpyDeviceToHost, host, s);
+  double h2d = small_copy_us(dst, cudaMemcpyHostToDevice, host, s);
+  RT(cudaStreamDestroy(s));
+  RT(cudaFreeHost(host));
   RT(cudaGetLastError());
-  printf("| %s | %.0f | %.0f | %.0f | %.0f |\n", label, 2.0 * BUF / (copy * 1e-3) / 1e9, BUF / (sum * 1e-3) / 1e9,
-         2.0 * BUF / (memcpy * 1e-3) / 1e9, BUF / (memset * 1e-3) / 1e9);
+  printf("| %s | %.0f | %.0f | %.0f | %.0f | %.1f | %.1f |\n", label, 2.0 * BUF / (copy * 1e-3) / 1e9,
+         BUF / (sum * 1e-3) / 1e9, 2.0 * BUF / (memcpy * 1e-3) / 1e9, BUF / (memset * 1e-3) / 1e9, d2h, h2d);
   fflush(stdout);
 }
 
@@ -160,7 +191,8 @@ int main() {
   float* sink;
   RT(cudaMalloc(&sink, sizeof(float)));
   printf("# Streaming bandwidth by physical handle size (%s, two buffers of %zu MiB)\n\n", p.name, BUF / MiB);
-  printf("| layout | copy kernel GB/s | read kernel GB/s | cudaMemcpyAsync GB/s | cudaMemsetAsync GB/s |\n|---|---|---|---|---|\n");
+  printf("| layout | copy kernel GB/s | read kernel GB/s | cudaMemcpyAsync GB/s | cudaMemsetAsync GB/s "
+         "| 8 B to host µs | 8 B from host µs |\n|---|---|---|---|---|---|---|\n");
   void *a, *b;
   RT(cudaMalloc(&a, BUF));
   RT(cudaMalloc(&b, BUF));
