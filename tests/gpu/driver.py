@@ -223,10 +223,14 @@ def compare_training(native, ours):
 
 
 def compare_kernel_speed(runs, variants):
-    """Each kernel's median time under each variant over that under
-    "native" ({kernel: {variant: ratio}}); a variant whose run failed is
-    left out, and nothing is compared without a "native" run."""
-    ms = {a: runs.get(f"kernel_speed/{a}", {}).get("result", {}).get("median_ms") for a in variants}
+    """Each kernel's median time (and each host-side wait's mean) under
+    each variant over that under "native" ({kernel: {variant: ratio}}); a
+    variant whose run failed is left out, and nothing is compared without a
+    "native" run."""
+    ms = {}
+    for a in variants:
+        r = runs.get(f"kernel_speed/{a}", {}).get("result", {})
+        ms[a] = {**r["median_ms"], **r.get("host_us", {})} if "median_ms" in r else None
     base = ms.pop("native", None)
     if not base:
         return {}

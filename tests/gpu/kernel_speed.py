@@ -10,13 +10,15 @@ kernels slower, training would pay for it at every step with no allocator
 call in sight. This check times a streaming copy, a random gather over
 4 GiB (the access pattern most sensitive to translation), a softmax the
 size of GPT-2's logits and a bf16 matmul, each as the median of 20 runs
-between CUDA events; and the copy once more on tensors allocated first,
-in an untouched cache."""
+between CUDA events; the copy once more on tensors allocated first, in an
+untouched cache; and, in wall-clock time, what a host-bound loop pays per
+sync: `.item()` of a random element of the 4 GiB tensor and a `nonzero`."""
 
 from __future__ import annotations
 
 import random
 import statistics
+import time
 
 MiB = 1 << 20
 
@@ -50,6 +52,17 @@ def _time(torch, fn, runs=20):
     return statistics.median(times)
 
 
+def _host_us(fn, runs=2000):
+    """Mean wall-clock microseconds of `fn`, which waits for the GPU itself
+    (a copy to the host), after 50 warm-ups."""
+    for _ in range(50):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(runs):
+        fn()
+    return (time.perf_counter() - t0) / runs * 1e6
+
+
 def check_kernel_speed(args) -> dict:
     import torch
 
@@ -73,8 +86,18 @@ def check_kernel_speed(args) -> dict:
         "matmul_bf16_8192": lambda: torch.matmul(x, x, out=y),
     }
     ms = {"copy_4gib_fresh": fresh} | {name: _time(torch, fn) for name, fn in kernels.items()}
+    # What a host-bound loop pays at each sync: a 4-byte read of a random
+    # place in the 4 GiB tensor (`.item()` of a view: one copy to the host,
+    # from a page the copy engine has likely not seen), and a `nonzero`.
+    rng = random.Random(12)
+    mask = torch.rand(1 << 16, device=dev) > 0.5
+    host = {
+        "item_random_place": _host_us(lambda: float(src[rng.randrange(n)])),
+        "nonzero_64k": _host_us(lambda: mask.nonzero()),
+    }
     out = {
         "median_ms": ms,
+        "host_us": host,
         "copy_gb_per_s": 2 * n * 4 / (ms["copy_4gib"] * 1e-3) / 1e9,
         "peak_reserved_over_allocated": torch.cuda.max_memory_reserved() / max(1, torch.cuda.max_memory_allocated()),
     }

@@ -54,11 +54,11 @@ class Variants(unittest.TestCase):
 
 class KernelSpeed(unittest.TestCase):
     def test_ratios_to_native_leave_failed_runs_out(self):
-        runs = {"kernel_speed/native": {"result": {"median_ms": {"copy": 2.0, "mm": 1.0}}},
-                "kernel_speed/gpualloc": {"result": {"median_ms": {"copy": 2.5, "mm": 1.0}}},
+        runs = {"kernel_speed/native": {"result": {"median_ms": {"copy": 2.0, "mm": 1.0}, "host_us": {"item": 10.0}}},
+                "kernel_speed/gpualloc": {"result": {"median_ms": {"copy": 2.5, "mm": 1.0}, "host_us": {"item": 12.0}}},
                 "kernel_speed/other": {"error": "boom"}}
         got = driver.compare_kernel_speed(runs, ["native", "gpualloc", "other"])
-        self.assertEqual(got, {"copy": {"gpualloc": 1.25}, "mm": {"gpualloc": 1.0}})
+        self.assertEqual(got, {"copy": {"gpualloc": 1.25}, "mm": {"gpualloc": 1.0}, "item": {"gpualloc": 1.2}})
         self.assertEqual(driver.compare_kernel_speed({}, ["native", "gpualloc"]), {})
 
 
