@@ -2,7 +2,7 @@
 run spends its time in, and whether an allocator's memory makes any of
 them slower (compare the same window under two allocators). Used by
 trainers.py (`--profile-steps FIRST:LAST`) and sweep.py
-(`SWEEP_PROFILE_ROUNDS=FIRST:LAST`)."""
+(`GPUALLOC_SWEEP_PROFILE_ROUNDS=FIRST:LAST`)."""
 
 from __future__ import annotations
 

@@ -85,9 +85,9 @@ NATIVE = ("native", "native-expandable")
 TIMEOUT_S = 240
 
 
-# SWEEP_PROFILE_ROUNDS=FIRST:LAST profiles the kernels of those rounds
+# GPUALLOC_SWEEP_PROFILE_ROUNDS=FIRST:LAST profiles the kernels of those rounds
 # (step_profiler.py); the result's "kernels" lists them.
-PROFILER = StepProfiler(os.environ.get("SWEEP_PROFILE_ROUNDS"))
+PROFILER = StepProfiler(os.environ.get("GPUALLOC_SWEEP_PROFILE_ROUNDS"))
 
 
 def _timed(rounds, body):
