@@ -20,9 +20,9 @@
 //! Handles are `page` bytes, or up to `max_handle` bytes when a long range
 //! is mapped from nothing (fewer calls; coarser unmapping), twice that
 //! when re-creating what `empty_cache` gave back (Note [Regrowth]).
-//! Kernels run as fast over small handles as over large ones, but the copy
-//! and fill engines do not: `cudaMemcpyAsync` over 2 MiB handles moves 20%
-//! less per second than over 16 MiB ones (`docs/driver-costs.md`, section 7).
+//! Kernels run as fast over small handles as over large ones, but
+//! `cudaMemcpyAsync` does not: over 2 MiB handles it moves 18% less per
+//! second than over 16 MiB ones (`docs/driver-costs.md`, section 7).
 //! Each pooled handle remembers the pool kind (small or large) whose
 //! `reserved_bytes` it is counted in, so stats stay exact when it moves.
 //!

@@ -88,13 +88,16 @@ def _module():
 
 def trace_ops(path) -> list:
     """A trace's allocations and frees on its first device, in order, as
-    replay() takes them; frees of blocks allocated before the trace began
-    are left out."""
+    replay() takes them, all on one stream. A free is where the program
+    freed the block (`free`, or `free_requested` for a block another
+    stream still used; its `free_completed` is the allocator's, not the
+    program's); frees of blocks allocated before the trace began are left
+    out."""
     from gpualloc.tracefile import records
 
     ops, live, first, allocs = [], {}, None, 0
     for r in records(path):
-        if r["kind"] not in ("alloc", "free"):
+        if r["kind"] not in ("alloc", "free", "free_requested"):
             continue
         first = r["device"] if first is None else first
         if r["device"] != first:
@@ -114,6 +117,8 @@ def check_trace_cpp(args) -> dict:
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
     path = os.environ.get("GPUALLOC_TRACE_CPP") or os.path.join(root, "examples", "moe-varlen.gtrace")
     ops = trace_ops(path)
+    if not ops:
+        raise ValueError(f"{path}: no allocations to replay")
     t0 = time.time()
     mod = _module()
     build_s = time.time() - t0

@@ -232,33 +232,40 @@ def check_compat(args) -> dict:
         side = torch.cuda.Stream()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        ptrs = [torch.cuda.caching_allocator_alloc(8 * MiB, device=0, stream=side),
-                torch.cuda.caching_allocator_alloc(3 * MiB + 5)]
-        grown = torch.cuda.memory_allocated() - before
-        assert grown >= 11 * MiB + 5, f"memory_allocated grew by {grown}"
-        blocks = {b["address"]: seg["stream"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"]
-                  if b["state"] == "active_allocated"}
-        assert blocks.get(ptrs[0]) == side.cuda_stream, f"stream of the raw block: {blocks.get(ptrs[0])}"
-        for p in ptrs:
-            torch.cuda.caching_allocator_delete(p)
+        ptrs = [torch.cuda.caching_allocator_alloc(8 * MiB, device=0, stream=side)]
+        try:
+            ptrs.append(torch.cuda.caching_allocator_alloc(3 * MiB + 5))
+            grown = torch.cuda.memory_allocated() - before
+            assert grown >= 11 * MiB + 5, f"memory_allocated grew by {grown}"
+            blocks = {b["address"]: seg["stream"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"]
+                      if b["state"] == "active_allocated"}
+            assert blocks.get(ptrs[0]) == side.cuda_stream, f"stream of the raw block: {blocks.get(ptrs[0])}"
+        finally:
+            for p in ptrs:
+                torch.cuda.caching_allocator_delete(p)
         assert torch.cuda.memory_allocated() == before, "raw blocks were not freed"
         return {"grown": grown}
 
     @sub("allocator_settings_at_runtime")
     def _():
         # Libraries switch settings mid-run (torch.cuda.memory._set_allocator_settings,
-        # e.g. expandable segments off before sharing memory): it must not
-        # break the allocator, whichever allocator reads it.
+        # e.g. expandable segments off before sharing memory). gpualloc does
+        # not read them (its settings are GPUALLOC_CONF's); what is checked
+        # is that the call neither fails nor breaks allocation and freeing.
         setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
         if setter is None:
             return {"skipped": "no torch.cuda.memory._set_allocator_settings"}
-        setter("expandable_segments:False")
-        a = torch.empty(40 * MiB, dtype=torch.uint8, device=dev).fill_(3)
-        setter("expandable_segments:True")
-        b = torch.empty(40 * MiB, dtype=torch.uint8, device=dev).fill_(4)
-        assert int(a[-1]) == 3 and int(b[-1]) == 4
-        del a, b
-        torch.cuda.empty_cache()
+        was = "True" if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") else "False"
+        try:
+            setter("expandable_segments:False")
+            a = torch.empty(40 * MiB, dtype=torch.uint8, device=dev).fill_(3)
+            setter("expandable_segments:True")
+            b = torch.empty(40 * MiB, dtype=torch.uint8, device=dev).fill_(4)
+            assert int(a[-1]) == 3 and int(b[-1]) == 4
+            del a, b
+            torch.cuda.empty_cache()
+        finally:
+            setter(f"expandable_segments:{was}")
         return {"allocated_after": torch.cuda.memory_allocated()}
 
     return sub.result()

@@ -45,7 +45,8 @@ PLAN = [
 # names, variant() takes ad-hoc ones: gpualloc[CONF] (CONF in GPUALLOC_CONF
 # syntax) and native[CONF] (CONF in PYTORCH_CUDA_ALLOC_CONF syntax).
 # Training runs TRAIN_VARIANTS (or --variants); the other checks run
-# "native" and "gpualloc".
+# "native" and "gpualloc", or their CHECK_VARIANTS (kernel_speed: those,
+# or "native" and --variants).
 VARIANTS = {
     "native": ("native", {}),
     "native-expandable": ("native", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),

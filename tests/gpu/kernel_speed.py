@@ -87,8 +87,8 @@ def check_kernel_speed(args) -> dict:
     }
     ms = {"copy_4gib_fresh": fresh} | {name: _time(torch, fn) for name, fn in kernels.items()}
     # What a host-bound loop pays at each sync: a 4-byte read of a random
-    # place in the 4 GiB tensor (`.item()` of a view: one copy to the host,
-    # from a page the copy engine has likely not seen), and a `nonzero`.
+    # place in the 4 GiB tensor (`.item()` of a view: one copy to the host
+    # from a random 2 MiB page of 2,048), and a `nonzero`.
     rng = random.Random(12)
     mask = torch.rand(1 << 16, device=dev) > 0.5
     host = {

@@ -86,8 +86,9 @@ TIMEOUT_S = 240
 
 
 # GPUALLOC_SWEEP_PROFILE_ROUNDS=FIRST:LAST profiles the kernels of those rounds
-# (step_profiler.py); the result's "kernels" lists them.
-PROFILER = StepProfiler(os.environ.get("GPUALLOC_SWEEP_PROFILE_ROUNDS"))
+# (step_profiler.py); the result's "kernels" lists them and "profiled_rounds"
+# the rounds covered. Made by child(), so a bad value fails the run, not the import.
+PROFILER = StepProfiler(None)
 
 
 def _timed(rounds, body):
@@ -106,6 +107,7 @@ def _timed(rounds, body):
         times.append(time.perf_counter() - t0)
         PROFILER.end()
         outs.append(out)
+    PROFILER.finish()
     return times, outs
 
 
@@ -619,6 +621,8 @@ def child(name, alloc):
 
     payload = {"check": name}
     try:
+        global PROFILER
+        PROFILER = StepProfiler(os.environ.get("GPUALLOC_SWEEP_PROFILE_ROUNDS"))
         payload["setup"] = checks.setup(alloc)
         checks._deterministic()
         fn, rounds = WORKLOADS[name]
@@ -638,6 +642,7 @@ def child(name, alloc):
         }
         if PROFILER.kernels is not None:
             payload["result"]["kernels"] = PROFILER.kernels
+            payload["result"]["profiled_rounds"] = PROFILER.steps
     except Exception as e:  # noqa: BLE001
         import traceback
 

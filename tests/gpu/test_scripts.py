@@ -69,8 +69,10 @@ class Profiler(unittest.TestCase):
             p.begin()  # would import torch if it profiled
             p.end()
         self.assertIsNone(p.kernels)
-        with self.assertRaisesRegex(ValueError, "FIRST:LAST"):
-            StepProfiler("20")
+        p.finish()  # nothing open: a no-op
+        for bad in ("20", "a:b", "5:5", "7:3", "-1:4"):
+            with self.assertRaisesRegex(ValueError, "FIRST"):
+                StepProfiler(bad)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ run in its own process.
 
     python3 tests/gpu/trainers.py --out DIR [--libraries hf,lightning]
         [--steps 40] [--repeats 2] [--variants native,native-expandable,gpualloc]
+        [--profile-steps FIRST:LAST]
 
 Both libraries ship with torch on most GPU machines; nothing is downloaded
 (the GPT-2 is built from its config, the batches are random). Writes
@@ -30,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import driver  # noqa: E402
-from step_profiler import StepProfiler  # noqa: E402
+from step_profiler import StepProfiler, parse_window  # noqa: E402
 
 CHILD_TIMEOUT_S = 600
 NATIVE = ("native", "native-expandable")
@@ -159,6 +160,7 @@ def child(args):
     prof = StepProfiler(args.profile_steps)
     t0 = time.perf_counter()
     loss = LIBRARIES[args.library][0](args, steps_ms, prof)
+    prof.finish()
     torch.cuda.synchronize()
     out = {"total_s": time.perf_counter() - t0, "steps_ms": steps_ms, "final_loss": loss,
            "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated()}
@@ -168,7 +170,7 @@ def child(args):
         stats.update(gpualloc.stats())
     out["counters"] = {k: stats.get(k) for k in COUNTERS}
     if prof.kernels is not None:
-        out["profiled_steps"], out["kernels"] = args.profile_steps, prof.kernels
+        out["profiled_steps"], out["kernels"] = prof.steps, prof.kernels
     print("GPUALLOC_RESULT " + json.dumps(out), flush=True)
 
 
@@ -250,6 +252,10 @@ def main():
         if lib not in LIBRARIES:
             ap.error(f"--libraries: unknown library {lib!r}: one of {', '.join(LIBRARIES)}")
     variants = driver.parse_variants(args.variants)
+    try:
+        parse_window(args.profile_steps)
+    except ValueError as e:
+        ap.error(f"--profile-steps: {e}")
     os.makedirs(args.out, exist_ok=True)
     if any(driver.variant(v)[0] == "gpualloc" for v in variants):
         driver.build_bridge(args.out)  # once, outside every timed run

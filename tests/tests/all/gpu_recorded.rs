@@ -296,7 +296,7 @@ fn multi_stream_traces_replay_to_the_gpus_peaks() {
 /// `examples/moe-varlen.gtrace`: a mixture-of-experts language model whose
 /// eight experts each take the rows routed to them, so activations of new
 /// sizes come and go in every layer of every step; recorded by `bash
-/// tests/gpu/sweep.sh --only moe --variants gpualloc-traced` with the
+/// tests/gpu/sweep.sh --only moe` (variant `gpualloc-traced`) with the
 /// library of b8d12fb (`docs/results/h200-round15/sweep-moe.json`). It
 /// replays to the GPU's peaks and memory calls (R/A 1.0132; PyTorch's
 /// allocator 2.010, its expandable segments 1.070 in the same run).
