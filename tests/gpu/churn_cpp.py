@@ -4,7 +4,8 @@ that the allocator's own cost is what is timed, not torch.empty's Python
 overhead. Used by `checks.py churn_cpp`; and the same for the allocations
 and frees of a recorded trace, in their order (`checks.py trace_cpp`:
 examples/moe-varlen.gtrace, or the trace in GPUALLOC_TRACE_CPP), which
-times the host cost of a real workload's calls without its kernels."""
+times the host cost of a real workload's calls without its kernels, in a
+tight loop and with other memory touched between calls (cold caches)."""
 
 from __future__ import annotations
 
@@ -33,20 +34,41 @@ double churn(int64_t n, std::vector<int64_t> sizes) {
   return std::chrono::duration<double>(t1 - t0).count();
 }
 
+// Reads and writes `bytes` of a buffer line by line: what the program does
+// between two allocator calls, as far as the CPU caches see it.
+static std::vector<int64_t> scratch(64 << 20 >> 3);
+static inline int64_t pollute(int64_t bytes, int64_t at) {
+  int64_t sum = 0;
+  for (int64_t i = 0; i < bytes / 8; i += 8) {
+    auto& x = scratch[(at + i) % scratch.size()];
+    sum += x;
+    x = sum;
+  }
+  return sum;
+}
+
 // Replays a recorded sequence `passes` times: ops[i] > 0 allocates that
 // many bytes (allocations numbered in order), ops[i] < 0 frees allocation
-// -ops[i] - 1. Returns the seconds of each pass; what a pass leaves live is
-// freed after its clock stops.
-std::vector<double> replay(std::vector<int64_t> ops, int64_t passes) {
+// -ops[i] - 1; with `between` bytes of other memory touched between two
+// calls (0: a tight loop). Returns the seconds of each pass less those of
+// the touching alone; what a pass leaves live is freed after its clock
+// stops.
+std::vector<double> replay(std::vector<int64_t> ops, int64_t passes, int64_t between) {
   auto* a = c10::cuda::CUDACachingAllocator::get();
   int64_t n = 0;
   for (auto o : ops) n += o > 0;
   std::vector<c10::DataPtr> live(n);
   std::vector<double> secs;
+  int64_t sink = 0;
+  auto u0 = std::chrono::steady_clock::now();
+  for (size_t i = 0; between > 0 && i < ops.size(); ++i) sink += pollute(between, (int64_t)i * between / 8);
+  double alone = std::chrono::duration<double>(std::chrono::steady_clock::now() - u0).count();
   for (int64_t p = 0; p < passes; ++p) {
     int64_t k = 0;
+    size_t i = 0;
     auto t0 = std::chrono::steady_clock::now();
     for (auto o : ops) {
+      if (between > 0) sink += pollute(between, (int64_t)(i++) * between / 8);
       if (o > 0) {
         live[k++] = a->allocate(o);
       } else {
@@ -55,7 +77,7 @@ std::vector<double> replay(std::vector<int64_t> ops, int64_t passes) {
     }
     auto t1 = std::chrono::steady_clock::now();
     for (auto& d : live) d = c10::DataPtr();
-    secs.push_back(std::chrono::duration<double>(t1 - t0).count());
+    secs.push_back(std::chrono::duration<double>(t1 - t0).count() - alone + (sink == 42 ? 1e-12 : 0.0));
   }
   return secs;
 }
@@ -123,11 +145,16 @@ def check_trace_cpp(args) -> dict:
     mod = _module()
     build_s = time.time() - t0
     torch.cuda.init()
-    secs = mod.replay(ops, 3)
+    secs = mod.replay(ops, 3, 0)
+    # The same with 64 KiB of other memory touched between calls (a
+    # program's own work evicting the allocator's structures from the
+    # CPU caches), its own cost subtracted.
+    cold = mod.replay(ops, 2, 64 << 10)
     from checks import _counters
 
     return {"trace": os.path.basename(path), "ops": len(ops), "build_s": round(build_s, 1),
             "ns_per_op_by_pass": [t / len(ops) * 1e9 for t in secs], "ns_per_op": min(secs) / len(ops) * 1e9,
+            "ns_per_op_cold_caches": min(cold) / len(ops) * 1e9,
             "peak_reserved_over_allocated": torch.cuda.max_memory_reserved() / max(1, torch.cuda.max_memory_allocated()),
             "counters": _counters()}
 
