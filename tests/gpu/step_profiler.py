@@ -1,6 +1,7 @@
-"""The CUDA kernels of a window of steps, by device time: which kernels a
-run spends its time in, and whether an allocator's memory makes any of
-them slower (compare the same window under two allocators). Used by
+"""The CUDA kernels of a window of steps, by device time, and its host-side
+operators, by their own host time: where a run spends its time, and
+whether an allocator makes any of it slower (compare the same window under
+two allocators). Used by
 trainers.py (`--profile-steps FIRST:LAST`) and sweep.py
 (`GPUALLOC_SWEEP_PROFILE_ROUNDS=FIRST:LAST`)."""
 
@@ -26,18 +27,21 @@ class StepProfiler:
     "FIRST:LAST" ("" or None: off, every call a no-op). Call begin() as a
     step starts, end() when it is over (synchronized) and finish() after
     the last step, which closes a window the run was too short for;
-    afterwards `kernels` holds the 40 largest by device time (full names)
-    and `steps` the steps they cover."""
+    afterwards `kernels` holds the 40 largest kernels by device time (full
+    names), `host_ops` the 40 operators with the most host time of their
+    own (where a host-bound loop's time goes), and `steps` the steps they
+    cover."""
 
     def __init__(self, spec):
         self.first, self.last = parse_window(spec) or (-1, -1)
-        self.step, self.prof, self.kernels, self.steps = 0, None, None, None
+        self.step, self.prof, self.kernels, self.host_ops, self.steps = 0, None, None, None, None
 
     def begin(self):
         if self.step == self.first:
             import torch
 
-            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            self.prof = torch.profiler.profile(activities=acts)
             self.prof.__enter__()
 
     def end(self):
@@ -48,9 +52,16 @@ class StepProfiler:
     def finish(self):
         if self.prof is None:
             return
+        from torch.autograd import DeviceType
+
         self.prof.__exit__(None, None, None)
-        rows = [(e.key, e.device_time_total, e.count) for e in self.prof.key_averages()]
-        rows.sort(key=lambda r: -r[1])
-        self.kernels = [{"name": k, "device_us": round(t, 1), "count": n} for k, t, n in rows[:40]]
+        avgs = list(self.prof.key_averages())
+        on_host = [e for e in avgs if getattr(e, "device_type", None) == DeviceType.CPU]
+        on_gpu = [e for e in avgs if getattr(e, "device_type", None) != DeviceType.CPU]
+        on_gpu.sort(key=lambda e: -e.device_time_total)
+        on_host.sort(key=lambda e: -e.self_cpu_time_total)
+        self.kernels = [{"name": e.key, "device_us": round(e.device_time_total, 1), "count": e.count} for e in on_gpu[:40]]
+        self.host_ops = [{"name": e.key, "self_cpu_us": round(e.self_cpu_time_total, 1), "count": e.count}
+                         for e in on_host[:40]]
         self.steps = [self.first, self.step]
         self.prof = None

@@ -643,6 +643,7 @@ def child(name, alloc):
         if PROFILER.kernels is not None:
             payload["result"]["kernels"] = PROFILER.kernels
             payload["result"]["profiled_rounds"] = PROFILER.steps
+            payload["result"]["host_ops"] = PROFILER.host_ops
     except Exception as e:  # noqa: BLE001
         import traceback
 

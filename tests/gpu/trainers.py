@@ -170,7 +170,7 @@ def child(args):
         stats.update(gpualloc.stats())
     out["counters"] = {k: stats.get(k) for k in COUNTERS}
     if prof.kernels is not None:
-        out["profiled_steps"], out["kernels"] = prof.steps, prof.kernels
+        out["profiled_steps"], out["kernels"], out["host_ops"] = prof.steps, prof.kernels, prof.host_ops
     print("GPUALLOC_RESULT " + json.dumps(out), flush=True)
 
 
