@@ -65,3 +65,10 @@ class StepProfiler:
                          for e in on_host[:40]]
         self.steps = [self.first, self.step]
         self.prof = None
+
+    def report(self):
+        """What the window found, for a run's result: {"profiled_steps",
+        "kernels", "host_ops"}; empty when nothing was profiled."""
+        if self.kernels is None:
+            return {}
+        return {"profiled_steps": self.steps, "kernels": self.kernels, "host_ops": self.host_ops}

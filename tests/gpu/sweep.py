@@ -86,8 +86,9 @@ TIMEOUT_S = 240
 
 
 # GPUALLOC_SWEEP_PROFILE_ROUNDS=FIRST:LAST profiles the kernels of those rounds
-# (step_profiler.py); the result's "kernels" lists them and "profiled_rounds"
-# the rounds covered. Made by child(), so a bad value fails the run, not the import.
+# (step_profiler.py); the result's "kernels", "host_ops" and "profiled_steps"
+# (the rounds covered) say what it found. Made by child(), so a bad value
+# fails the run, not the import.
 PROFILER = StepProfiler(None)
 
 
@@ -640,10 +641,7 @@ def child(name, alloc):
             "peak_reserved": torch.cuda.max_memory_reserved(),
             "counters": checks._counters(),
         }
-        if PROFILER.kernels is not None:
-            payload["result"]["kernels"] = PROFILER.kernels
-            payload["result"]["profiled_rounds"] = PROFILER.steps
-            payload["result"]["host_ops"] = PROFILER.host_ops
+        payload["result"].update(PROFILER.report())
     except Exception as e:  # noqa: BLE001
         import traceback
 

@@ -69,6 +69,7 @@ class Profiler(unittest.TestCase):
             p.begin()  # would import torch if it profiled
             p.end()
         self.assertIsNone(p.kernels)
+        self.assertEqual(p.report(), {})
         p.finish()  # nothing open: a no-op
         for bad in ("20", "a:b", "5:5", "7:3", "-1:4"):
             with self.assertRaisesRegex(ValueError, "FIRST"):

@@ -169,8 +169,7 @@ def child(args):
     if args.alloc == "gpualloc":
         stats.update(gpualloc.stats())
     out["counters"] = {k: stats.get(k) for k in COUNTERS}
-    if prof.kernels is not None:
-        out["profiled_steps"], out["kernels"], out["host_ops"] = prof.steps, prof.kernels, prof.host_ops
+    out.update(prof.report())
     print("GPUALLOC_RESULT " + json.dumps(out), flush=True)
 
 
