@@ -141,6 +141,8 @@ def markdown(bench):
                 sec.append(f"| {w} | {v} | {res['max_batch']} | {fmt(res['first_oom_batch'], 'd')} | {len(res['attempts'])} "
                            f"| {fmt(best[0]['peak_reserved'] / 2**30 if best else None, '.2f')} |")
         sections.append(sec)
+    if a["repeats"] and (note := driver.order_note(list(bench["variants"]), a["repeats"])):
+        sections.append([note])
     failed = [f"- {r['workload']} {r['variant']} repeat {r['repeat']}: {r.get('error') or r['result'].get('skipped')}"
               for r in bench["runs"] if not ok(r)]
     if failed:
@@ -193,7 +195,7 @@ def main():
         return r
 
     for rep in range(args.repeats):
-        order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+        order = driver.run_order(variants, rep)
         for w in workloads:
             for v in order:
                 churn = w.startswith("churn")

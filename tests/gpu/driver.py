@@ -110,6 +110,27 @@ def parse_variants(text):
     return names
 
 
+def run_order(variants, rep):
+    """The variants in the order repeat `rep` runs them: turned by one each
+    repeat, so that over a multiple of len(variants) repeats each variant
+    runs in each position equally often."""
+    k = rep % len(variants)
+    return variants[k:] + variants[:k]
+
+
+def order_note(variants, repeats):
+    """A warning for the Markdown when the repeats do not balance the order:
+    on the H200 the second of two back-to-back GPT-2 runs was 7-10% slower
+    whichever allocator it used (docs/results/h200-round16), so a ratio over
+    unbalanced repeats carries that order. Empty when balanced."""
+    if len(variants) < 2 or repeats % len(variants) == 0:
+        return ""
+    first = [run_order(variants, r)[0] for r in range(repeats)]
+    counts = ", ".join(f"{v} {first.count(v)}" for v in variants)
+    return (f"Order not balanced: {repeats} repeat(s) of {len(variants)} variants ran first {counts} time(s); "
+            f"a run right after another can be slower whatever its allocator: use a multiple of {len(variants)} repeats.")
+
+
 def require_library(variants):
     """Whether any of `variants` runs gpualloc; exits with a message when
     one does and GPUALLOC_LIBRARY names no built library."""

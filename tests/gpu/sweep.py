@@ -709,7 +709,7 @@ def main():
     bridge = driver.build_bridge(logdir) if uses_gpualloc else None
     t0, runs, skipped, longest = time.time(), [], [], {}
     for rep in range(args.repeats):
-        order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+        order = driver.run_order(variants, rep)
         for w in workloads:
             for v in order:
                 left = args.budget - (time.time() - t0)
@@ -724,6 +724,8 @@ def main():
                 status = "ok" if "result" in r else r.get("error", "failed")
                 print(f"{w} {v} repeat {rep}: {status} ({r['wall_s']} s)", flush=True)
     md = "## Sweep\n\n" + summarize(runs, workloads, variants)
+    if note := driver.order_note(variants, args.repeats):
+        md += "\n\n" + note
     if skipped:
         md += "\n\nSkipped (budget): " + ", ".join(skipped)
     if bridge and bridge["mode"] != "bridge":

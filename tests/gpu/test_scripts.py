@@ -76,5 +76,21 @@ class Profiler(unittest.TestCase):
                 StepProfiler(bad)
 
 
+class RunOrder(unittest.TestCase):
+    def test_each_variant_leads_equally_over_a_multiple_of_the_variants(self):
+        vs = ["native-expandable", "gpualloc", "gpualloc[x:1]"]
+        firsts = [driver.run_order(vs, r)[0] for r in range(6)]
+        self.assertEqual(sorted(firsts), sorted(vs * 2))
+        self.assertEqual(sorted(driver.run_order(vs, 4)), sorted(vs))
+        self.assertEqual(driver.order_note(vs, 6), "")
+        self.assertEqual(driver.order_note(["gpualloc"], 3), "")
+
+    def test_unbalanced_repeats_are_named(self):
+        note = driver.order_note(["native-expandable", "gpualloc"], 3)
+        self.assertIn("native-expandable 2", note)
+        self.assertIn("gpualloc 1", note)
+        self.assertIn("multiple of 2", note)
+
+
 if __name__ == "__main__":
     unittest.main()
