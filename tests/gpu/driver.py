@@ -120,7 +120,7 @@ def run_order(variants, rep):
 
 def order_note(variants, repeats):
     """A warning for the Markdown when the repeats do not balance the order:
-    on the H200 the second of two back-to-back GPT-2 runs was 7-10% slower
+    on the H200 the second of two back-to-back GPT-2 runs was 7-11% slower
     whichever allocator it used (docs/results/h200-round16), so a ratio over
     unbalanced repeats carries that order. Empty when balanced."""
     if len(variants) < 2 or repeats % len(variants) == 0:
