@@ -199,15 +199,20 @@ impl<B: Backend> Allocator<B> {
         })
     }
 
-    /// `reset_peak_memory_stats` on a device.
+    /// `reset_peak_memory_stats` on a device; one never used has nothing to
+    /// reset and is not started (as PyTorch, which touches no context).
     pub fn reset_peak_stats(&self, device: i64) -> Result<(), AllocError> {
-        self.lock(device)?.reset_peak_stats();
+        if let Some(mut d) = self.peek(device)? {
+            d.reset_peak_stats();
+        }
         Ok(())
     }
 
-    /// `reset_accumulated_memory_stats` on a device.
+    /// `reset_accumulated_memory_stats` on a device; not started if never used.
     pub fn reset_accumulated_stats(&self, device: i64) -> Result<(), AllocError> {
-        self.lock(device)?.reset_accumulated_stats();
+        if let Some(mut d) = self.peek(device)? {
+            d.reset_accumulated_stats();
+        }
         Ok(())
     }
 

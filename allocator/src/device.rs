@@ -658,24 +658,20 @@ impl<B: Backend> DeviceAllocator<B> {
         self.record(Action::FreeRequested, stream, ptr, requested, size);
         if self.private.capturing() {
             self.pending.defer(id);
-        } else {
-            self.insert_events(id)?;
+        } else if let Err(e) = self.insert_events(id) {
+            self.pending.defer(id);
+            return Err(e.into());
         }
         Ok(())
     }
 
-    /// Records one event on each stream that used the block. If the driver
-    /// refuses, the streams not yet covered stay on the block and it waits
-    /// deferred for the next attempt: it is never reused unprotected.
-    fn insert_events(&mut self, id: BlockId) -> Result<(), AllocError> {
+    /// Records one event on each stream that used the block, and frees it
+    /// once none is left to record and none is outstanding. If the driver
+    /// refuses, the streams not yet covered stay on the block: the caller
+    /// defers it (it is never reused unprotected).
+    fn insert_events(&mut self, id: BlockId) -> Result<(), BackendError> {
         while let Some(&s) = self.heap.blocks[id].stream_uses.last() {
-            let ev = match self.backend.record_event(s) {
-                Ok(ev) => ev,
-                Err(e) => {
-                    self.pending.defer(id);
-                    return Err(e.into());
-                }
-            };
+            let ev = self.backend.record_event(s)?;
             self.heap.blocks[id].stream_uses.pop();
             self.heap.blocks[id].event_count += 1;
             self.pending.push(s, ev, id);
@@ -687,15 +683,43 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// Records the events of blocks whose free was deferred (by a capture or
-    /// a driver error); on a new error the rest stay deferred.
+    /// a driver error). One whose event the driver refuses again (a stream
+    /// of another device, or one destroyed since its `record_stream`) must
+    /// not make every later allocation fail: the device is synchronized
+    /// instead, after which none of its streams uses the block, and the
+    /// block is freed (PyTorch would fail the free itself). Only when that
+    /// fails too, or during a capture, do the rest stay deferred.
     fn flush_deferred(&mut self) -> Result<(), AllocError> {
         let ids = self.pending.take_deferred();
         for (k, &id) in ids.iter().enumerate() {
-            if let Err(e) = self.insert_events(id) {
-                for &rest in &ids[k + 1..] {
+            let Err(e) = self.insert_events(id) else {
+                continue;
+            };
+            let stream = self.heap.blocks[id]
+                .stream_uses
+                .last()
+                .copied()
+                .unwrap_or(0);
+            let failed = if self.private.capturing() {
+                Some(e)
+            } else {
+                match self.backend.synchronize() {
+                    Ok(()) => {
+                        crate::log::event_refused(self.device, stream, &e);
+                        None
+                    }
+                    Err(sync) => Some(sync),
+                }
+            };
+            if let Some(e) = failed {
+                for &rest in &ids[k..] {
                     self.pending.defer(rest);
                 }
-                return Err(e);
+                return Err(e.into());
+            }
+            self.heap.blocks[id].stream_uses.clear();
+            if self.heap.blocks[id].event_count == 0 {
+                self.free_block(id);
             }
         }
         Ok(())

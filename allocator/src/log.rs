@@ -4,7 +4,7 @@
 //!
 //! | level | events |
 //! | --- | --- |
-//! | `warn` | out of memory after the retries (`oom.rs`) |
+//! | `warn` | out of memory after the retries (`oom.rs`); a freed block's event refused twice, the device synchronized instead (`device.rs`) |
 //! | `info` | out-of-memory retries: oversize blocks released, whole cache freed (`device.rs`); defragmentation passes (`expandable.rs`); `empty_cache` (`release.rs`); trace start and stop, allocator start (C library) |
 //! | `debug` | new segments (`device.rs`), expandable segments growing and defragmentation results (`expandable.rs`), stitches made and dropped (`stitch.rs`), garbage collection (`release.rs`) |
 //!
@@ -82,6 +82,18 @@ pub fn install_from_env() {
 #[inline]
 pub(crate) fn new_segment(device: u32, bytes: u64, pool: u32, reserved: u64) {
     tracing::debug!(device, bytes, pool, reserved, "new segment");
+}
+
+/// The driver refused, again, the event that guards a freed block on
+/// `stream` (a stream of another device, or one destroyed since its
+/// `record_stream`); the device was synchronized instead (`device.rs`).
+#[inline]
+pub(crate) fn event_refused(device: u32, stream: u64, error: &dyn std::fmt::Display) {
+    tracing::warn!(
+        device,
+        stream,
+        "could not record an event on the stream ({error}): synchronized the device instead"
+    );
 }
 
 /// An out-of-memory retry step: `what` is about to be released (`device.rs`).

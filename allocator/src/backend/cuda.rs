@@ -123,6 +123,9 @@ pub struct CudaBackend {
     ctx: sys::CUcontext,
     /// Destroyed-by-the-allocator events kept for reuse.
     spare_events: Vec<sys::CUevent>,
+    /// Events recorded on streams of other contexts, with their context
+    /// (`record_foreign`).
+    foreign_events: FxHashMap<usize, sys::CUcontext>,
     /// Virtual memory: the mapping granularity, once queried (0 = unsupported).
     granularity: Option<u64>,
     /// Virtual memory: live physical handles (released on drop).
@@ -175,6 +178,7 @@ impl CudaBackend {
             device: dev,
             ctx,
             spare_events: Vec::new(),
+            foreign_events: FxHashMap::default(),
             granularity: None,
             handles: FxHashSet::default(),
             mappings: BTreeMap::new(),
@@ -189,23 +193,14 @@ impl CudaBackend {
         self.ordinal
     }
 
-    /// Makes the primary context current on this thread if it is not.
+    /// Makes the primary context current on this thread until the returned
+    /// guard drops, which puts back the context that was current before
+    /// (none included): the thread's current device, which the CUDA runtime
+    /// and torch read from it, is the caller's again once a call returns,
+    /// as PyTorch's own allocator switches devices under a guard.
     #[inline]
-    fn bind(&self) -> Result<(), BackendError> {
-        let mut cur: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: the driver is initialized (a backend exists only after
-        // `new` succeeded); `cur` is a valid out-pointer.
-        check("cuCtxGetCurrent", unsafe {
-            driver::cuCtxGetCurrent(&mut cur)
-        })?;
-        if cur != self.ctx {
-            // SAFETY: `self.ctx` is a primary context retained by `new` and
-            // not released before `Drop`.
-            check("cuCtxSetCurrent", unsafe {
-                driver::cuCtxSetCurrent(self.ctx)
-            })?;
-        }
-        Ok(())
+    fn bind(&self) -> Result<Bound, BackendError> {
+        bind_context(self.ctx)
     }
 
     /// Pinned device memory on this device, exportable as a POSIX file
@@ -261,6 +256,49 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Records an event on `stream` in the stream's own context when that
+    /// is not this device's (an error otherwise). Such events are kept out
+    /// of the pool and destroyed in their context (`destroy_event`).
+    fn record_foreign(&mut self, stream: StreamId) -> Result<EventId, BackendError> {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `stream` is a stream handle PyTorch passed; `ctx` is a
+        // valid out-pointer. A destroyed stream makes the call fail.
+        check("cuStreamGetCtx", unsafe {
+            driver::cuStreamGetCtx(stream_of(stream), &mut ctx)
+        })?;
+        if ctx.is_null() || ctx == self.ctx {
+            return Err(BackendError::Unavailable(
+                "the stream belongs to this device's context".into(),
+            ));
+        }
+        let _bound = bind_context(ctx)?;
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: `ctx` is current; `ev` is a valid out-pointer.
+        check("cuEventCreate", unsafe {
+            driver::cuEventCreate(&mut ev, flags)
+        })?;
+        // SAFETY: `ev` and `stream` both belong to `ctx`, which is current.
+        let r = self.timed(DriverCall::EventRecord, (0, 0), || unsafe {
+            driver::cuEventRecord(ev, stream_of(stream))
+        });
+        if let Err(e) = check("cuEventRecord", r) {
+            // SAFETY: `ev` was just created in the current context and is
+            // referred to nowhere else.
+            let _ = unsafe { driver::cuEventDestroy_v2(ev) };
+            return Err(e);
+        }
+        self.foreign_events.insert(ev as usize, ctx);
+        Ok(ev as usize as EventId)
+    }
+
+    /// Binds the context `event` was made in: this device's, or the
+    /// stream's for an event of `record_foreign`.
+    fn bind_for(&self, event: EventId) -> Result<Bound, BackendError> {
+        let ctx = self.foreign_events.get(&(event_of(event) as usize));
+        bind_context(ctx.copied().unwrap_or(self.ctx))
+    }
+
     fn take_event(&mut self) -> Result<sys::CUevent, BackendError> {
         if let Some(e) = self.spare_events.pop() {
             return Ok(e);
@@ -272,6 +310,46 @@ impl CudaBackend {
             driver::cuEventCreate(&mut ev, flags)
         })?;
         Ok(ev)
+    }
+}
+
+/// Makes `ctx` current on this thread if it is not; the guard restores the
+/// previous one.
+fn bind_context(ctx: sys::CUcontext) -> Result<Bound, BackendError> {
+    let mut cur: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: the driver is initialized (a backend exists only after `new`
+    // succeeded); `cur` is a valid out-pointer.
+    check("cuCtxGetCurrent", unsafe {
+        driver::cuCtxGetCurrent(&mut cur)
+    })?;
+    if cur == ctx {
+        return Ok(Bound { previous: None });
+    }
+    // SAFETY: `ctx` is a live context: a primary context retained by a
+    // backend, or the context of a live stream.
+    check("cuCtxSetCurrent", unsafe { driver::cuCtxSetCurrent(ctx) })?;
+    Ok(Bound {
+        previous: Some(cur),
+    })
+}
+
+/// Puts the thread's previous context back when dropped (`bind_context`).
+#[must_use = "the context is current only while the guard lives"]
+struct Bound {
+    /// The context current before, when it was another one (null: none).
+    previous: Option<sys::CUcontext>,
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        if let Some(prev) = self.previous {
+            // SAFETY: `prev` was current on this thread when the guard was
+            // made, within the same backend call, so it is still alive (or
+            // null, which makes no context current). A failure cannot be
+            // reported from `drop`; it leaves this device's context current,
+            // as before guards existed.
+            let _ = unsafe { driver::cuCtxSetCurrent(prev) };
+        }
     }
 }
 
@@ -321,7 +399,7 @@ impl Backend for CudaBackend {
     }
 
     fn mem_info(&mut self) -> Result<MemInfo, BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: context bound; both out-pointers are valid.
         check("cuMemGetInfo", unsafe {
@@ -334,7 +412,7 @@ impl Backend for CudaBackend {
     }
 
     fn allocate(&mut self, size: u64, capturing: bool) -> Result<DevicePtr, BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let bytes =
             usize::try_from(size).map_err(|_| BackendError::OutOfMemory { requested: size })?;
         let mut ptr: sys::CUdeviceptr = 0;
@@ -357,7 +435,7 @@ impl Backend for CudaBackend {
     }
 
     fn release(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the Backend contract guarantees `ptr` came from `allocate`
         // (cuMemAlloc in this context) and was not released since.
         let r = self.timed(DriverCall::MemFree, (0, size), || unsafe {
@@ -367,7 +445,7 @@ impl Backend for CudaBackend {
     }
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let ev = self.take_event()?;
         // SAFETY: `ev` is a live event of this context; `stream` is a stream
         // handle PyTorch passed (0 = legacy default stream) that is alive
@@ -377,13 +455,16 @@ impl Backend for CudaBackend {
         });
         if let Err(e) = check("cuEventRecord", r) {
             self.spare_events.push(ev);
-            return Err(e);
+            // A stream of another device (`t.record_stream(s)` with `s` on
+            // another GPU): an event must be recorded in the stream's own
+            // context, as PyTorch records it on the stream's device.
+            return self.record_foreign(stream).map_err(|_| e);
         }
         Ok(ev as usize as EventId)
     }
 
     fn event_done(&mut self, event: EventId) -> Result<bool, BackendError> {
-        self.bind()?;
+        let _bound = self.bind_for(event)?;
         // SAFETY: `event` came from `record_event` and was not destroyed (contract).
         let r = self.timed(DriverCall::EventQuery, (0, 0), || unsafe {
             driver::cuEventQuery(event_of(event))
@@ -396,7 +477,7 @@ impl Backend for CudaBackend {
     }
 
     fn wait_event(&mut self, event: EventId) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind_for(event)?;
         // SAFETY: `event` is live (contract).
         let r = self.timed(DriverCall::EventSync, (0, 0), || unsafe {
             driver::cuEventSynchronize(event_of(event))
@@ -405,7 +486,7 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&mut self) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the device's context is current (`bind`); no arguments.
         let r = self.timed(DriverCall::CtxSync, (0, 0), || unsafe {
             driver::cuCtxSynchronize()
@@ -414,7 +495,7 @@ impl Backend for CudaBackend {
     }
 
     fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: `event` is live (contract); `stream` is a live stream
         // handle from PyTorch. Flags must be 0.
         let r = self.timed(DriverCall::StreamWait, (0, 0), || unsafe {
@@ -425,11 +506,20 @@ impl Backend for CudaBackend {
 
     fn destroy_event(&mut self, event: EventId) {
         let ev = event_of(event);
+        if let Some(ctx) = self.foreign_events.remove(&(ev as usize)) {
+            // Another context's event: destroyed there, never pooled here.
+            let _bound = bind_context(ctx);
+            // SAFETY: `ev` is live, made in `ctx` by `record_foreign`, and
+            // destroyed once (contract).
+            let _ = unsafe { driver::cuEventDestroy_v2(ev) };
+            return;
+        }
         if self.spare_events.len() < EVENT_POOL_MAX {
             // Re-recording a pooled event later is fine: waits already
             // enqueued on it keep referring to the earlier record.
             self.spare_events.push(ev);
         } else {
+            let _bound = self.bind();
             // SAFETY: `ev` is live and destroyed once (contract). Pending
             // stream waits on it stay valid after destruction (CUDA semantics).
             let _ = unsafe { driver::cuEventDestroy_v2(ev) };
@@ -440,7 +530,8 @@ impl Backend for CudaBackend {
         if let Some(g) = self.granularity {
             return (g > 0).then_some(g);
         }
-        let g = self.bind().ok().and_then(|()| {
+        let bound = self.bind().ok();
+        let g = bound.as_ref().and_then(|_| {
             let prop = self.allocation_prop();
             let mut g = 0usize;
             // SAFETY: context bound; `prop` and `g` are valid for the call.
@@ -460,7 +551,7 @@ impl Backend for CudaBackend {
     }
 
     fn reserve(&mut self, size: u64) -> Result<DevicePtr, BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let align = self.vmm_granularity().unwrap_or(2 << 20) as usize;
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: context bound; `va` is a valid out-pointer; no fixed address requested.
@@ -472,7 +563,7 @@ impl Backend for CudaBackend {
     }
 
     fn free_reservation(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: `ptr`/`size` came from `reserve` (contract) and every page
         // in it was unmapped by the allocator before this call.
         let r = self.timed(DriverCall::AddressFree, (0, size), || unsafe {
@@ -482,7 +573,7 @@ impl Backend for CudaBackend {
     }
 
     fn create_handle(&mut self, size: u64, capturing: bool) -> Result<HandleId, BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let _relaxed = if capturing {
             Some(RelaxedCaptureMode::enter()?)
         } else {
@@ -523,7 +614,7 @@ impl Backend for CudaBackend {
     }
 
     fn release_handle(&mut self, handle: HandleId, size: u64) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: `handle` came from `create_handle` and is not mapped (contract).
         let r = self.timed(DriverCall::Release, (1, size), || unsafe {
             driver::cuMemRelease(handle)
@@ -542,7 +633,7 @@ impl Backend for CudaBackend {
         handles: &[(HandleId, u64)],
         capturing: bool,
     ) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let _relaxed = if capturing {
             Some(RelaxedCaptureMode::enter()?)
         } else {
@@ -584,12 +675,12 @@ impl Backend for CudaBackend {
     }
 
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         self.unmap_run(ptr, size)
     }
 
     fn copy(&mut self, dst: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: both ranges are mapped and accessible on this device
         // (contract); the copy runs on the legacy default stream.
         check("cuMemcpyDtoD", unsafe {
@@ -614,7 +705,7 @@ impl Backend for CudaBackend {
                 "this device cannot export memory as POSIX file descriptors".into(),
             ));
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         let fd = exported::export(handle)?;
         self.exported.insert(handle, fd);
         Ok(fd)
@@ -627,9 +718,9 @@ impl Backend for CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        if self.bind().is_err() {
+        let Ok(_bound) = self.bind() else {
             return;
-        }
+        };
         for (a, size) in std::mem::take(&mut self.mappings) {
             // SAFETY: each entry is a live mapping made by `map_handles`.
             let _ = unsafe { driver::cuMemUnmap(a, size as usize) };
@@ -641,6 +732,8 @@ impl Drop for CudaBackend {
             // SAFETY: each handle is live and, after the loop above, unmapped.
             let _ = unsafe { driver::cuMemRelease(h) };
         }
+        // Events of other contexts (`record_foreign`) are left to their
+        // contexts, which may already be gone: binding one could fault.
         for ev in self.spare_events.drain(..) {
             // SAFETY: every pooled event is live and owned only by the pool.
             let _ = unsafe { driver::cuEventDestroy_v2(ev) };

@@ -181,6 +181,9 @@ pub struct SimBackend {
     fail_allocate_at: Option<u64>,
     fail_map_at: Option<u64>,
     fail_event_at: Option<u64>,
+    /// Streams on which every event record fails (a stream of another
+    /// device's context, or one destroyed).
+    refused_streams: Vec<StreamId>,
     faults: Faults,
     allocate_calls: u64,
     map_calls: u64,
@@ -224,6 +227,7 @@ impl SimBackend {
             fail_allocate_at: None,
             fail_map_at: None,
             fail_event_at: None,
+            refused_streams: Vec::new(),
             faults: Faults::default(),
             allocate_calls: 0,
             map_calls: 0,
@@ -286,6 +290,12 @@ impl SimBackend {
     /// Makes the `n`th `record_event` call from now (1-based) fail with a driver error.
     pub fn fail_event_at(&mut self, n: u64) {
         self.fail_event_at = Some(self.counters.record_event + n);
+    }
+
+    /// Makes every later event record on `stream` fail, as the driver's
+    /// does for a stream of another device's context or a destroyed one.
+    pub fn refuse_events_on(&mut self, stream: StreamId) {
+        self.refused_streams.push(stream);
     }
 
     /// Makes the `n`-th call of `call` from now (1 = the next) fail with a
@@ -544,6 +554,13 @@ impl Backend for SimBackend {
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, BackendError> {
         self.fault(SimCall::RecordEvent)?;
+        if self.refused_streams.contains(&stream) {
+            return Err(BackendError::Driver {
+                call: "cuEventRecord",
+                code: 400,
+                name: "CUDA_ERROR_INVALID_HANDLE".into(),
+            });
+        }
         if self.fail_event_at == Some(self.counters.record_event + 1) {
             self.fail_event_at = None;
             return Err(BackendError::Driver {

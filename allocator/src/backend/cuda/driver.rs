@@ -110,6 +110,7 @@ driver_fns! {
     cuEventSynchronize(event: sys::CUevent);
     cuCtxSynchronize();
     cuStreamWaitEvent(stream: sys::CUstream, event: sys::CUevent, flags: c_uint);
+    cuStreamGetCtx(stream: sys::CUstream, ctx: *mut sys::CUcontext);
     cuThreadExchangeStreamCaptureMode(mode: *mut u32);
     cuMemGetAllocationGranularity(
         granularity: *mut usize,

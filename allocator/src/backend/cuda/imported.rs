@@ -31,7 +31,7 @@ impl ImportedRange {
     /// A driver error, with nothing left imported or mapped.
     pub fn open(device: u32, parts: Vec<(OwnedFd, u64)>) -> Result<ImportedRange, BackendError> {
         let mut backend = CudaBackend::new(device)?;
-        backend.bind()?;
+        let _bound = backend.bind()?;
         let mut handles: Vec<(HandleId, u64)> = Vec::with_capacity(parts.len());
         for (fd, size) in &parts {
             let mut h: sys::CUmemGenericAllocationHandle = 0;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use gpualloc::backend::SimCall;
 use gpualloc::{AllocError, Allocator, Config, DeviceAllocator, SimBackend};
 use gpualloc_tests::Checked;
 
@@ -75,6 +76,39 @@ fn a_failed_event_record_keeps_the_block_protected_under(conf: &str) {
     assert_eq!(d.backend().live_events(), 0);
 }
 
+/// `t.record_stream(s)` with a stream of another device (or one destroyed
+/// since): the driver refuses every event on it. The free reports it once;
+/// the next allocation retries, is refused again, synchronizes the device
+/// and frees the block, so allocation goes on and nothing leaks.
+#[test]
+fn a_stream_whose_events_are_always_refused_does_not_stop_allocation() {
+    for conf in ["policy:pytorch", ""] {
+        let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::parse(conf).unwrap());
+        let p = d.malloc(4 * MIB, 0).unwrap();
+        d.record_stream(p, 0xdead).unwrap();
+        d.backend_mut().refuse_events_on(0xdead);
+        assert!(matches!(d.free(p), Err(AllocError::Backend(_))), "{conf}");
+        d.check_invariants().unwrap();
+        let syncs = d.backend().calls(SimCall::Synchronize);
+        for _ in 0..100 {
+            let q = d.malloc(MIB, 0).unwrap_or_else(|e| panic!("{conf}: {e}"));
+            d.free(q).unwrap();
+            d.check_invariants().unwrap();
+        }
+        assert_eq!(
+            d.backend().calls(SimCall::Synchronize),
+            syncs + 1,
+            "{conf}: one sync, then none"
+        );
+        assert_eq!(d.stats().allocated_bytes.all.current, 0, "{conf}");
+        assert_eq!(
+            d.stats().active_bytes.all.current,
+            0,
+            "{conf}: the block was freed"
+        );
+    }
+}
+
 /// A backend whose creation is slow, like retaining a CUDA context.
 fn slow(device: u32) -> Result<SimBackend, gpualloc::BackendError> {
     std::thread::sleep(Duration::from_millis(2));
@@ -134,6 +168,10 @@ fn reading_stats_of_an_unused_device_does_not_start_it() {
         }),
     );
     let s = a.stats(3).unwrap();
+    // Nor do resets (`torch.cuda.reset_peak_memory_stats()` before
+    // `set_device` would otherwise hold a context on GPU 0 in every rank).
+    a.reset_peak_stats(2).unwrap();
+    a.reset_accumulated_stats(2).unwrap();
     assert_eq!(s.reserved_bytes.all.current, 0);
     assert_eq!(s.max_split_size, 64 << 20);
     assert_eq!(
