@@ -185,6 +185,19 @@ impl<B: Backend> Allocator<B> {
         self.lock(device)?.record_stream(ptr, stream)
     }
 
+    /// PyTorch's `enablePeerAccess(peer, device)`: kernels on `peer` may
+    /// now read and write `device`'s memory, so every mapping of `device`,
+    /// present and future, is made accessible to `peer` too. Starts
+    /// `device` if it was not (peer access is enabled for a copy between
+    /// two devices in use).
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidDevice`] for either index; the driver's refusal.
+    pub fn add_peer_access(&self, device: i64, peer: i64) -> Result<(), AllocError> {
+        let p = self.slot(peer).map(|_| peer as u32)?;
+        Ok(self.lock(device)?.backend_mut().add_peer(p)?)
+    }
+
     /// `empty_cache` on every created device.
     pub fn empty_cache(&self) -> Result<(), AllocError> {
         self.for_each_created(|d| d.empty_cache())

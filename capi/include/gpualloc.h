@@ -351,6 +351,14 @@ void *gpualloc_malloc_or_abort(size_t size, int device, cudaStream_t stream);
 // `GPUALLOC_CONF`) is reported on stderr once.
 void gpualloc_free(void *ptr, size_t size, int device, cudaStream_t stream);
 
+// PyTorch's `enablePeerAccess(peer, device)` after the driver enabled
+// it: lets kernels on device `peer` read and write device `device`'s
+// memory, which expandable segments map for `device` alone until asked.
+// Every mapping of `device`, present and future, becomes accessible to
+// `peer` (PyTorch's `addPeerAccess`). Returns `GPUALLOC_OK` or an error
+// code (an index out of range, or the driver's refusal).
+int gpualloc_add_peer_access(int device, int peer);
+
 // Marks `ptr` as used on `stream` too (`Tensor.record_stream`; PyTorch's
 // `record_stream` hook): its memory is reused only after the work queued on
 // `stream` at free time completes. The device is found from the pointer.

@@ -228,6 +228,21 @@ fn last_error_string() -> Option<String> {
     Some(s.to_string_lossy().into_owned())
 }
 
+/// PyTorch's `enablePeerAccess(peer, device)` after the driver enabled
+/// it: lets kernels on device `peer` read and write device `device`'s
+/// memory, which expandable segments map for `device` alone until asked.
+/// Every mapping of `device`, present and future, becomes accessible to
+/// `peer` (PyTorch's `addPeerAccess`). Returns `GPUALLOC_OK` or an error
+/// code (an index out of range, or the driver's refusal).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_add_peer_access(device: c_int, peer: c_int) -> c_int {
+    status(|| {
+        let g = global()?;
+        Ok(g.alloc
+            .add_peer_access(i64::from(device), i64::from(peer))?)
+    })
+}
+
 /// Marks `ptr` as used on `stream` too (`Tensor.record_stream`; PyTorch's
 /// `record_stream` hook): its memory is reused only after the work queued on
 /// `stream` at free time completes. The device is found from the pointer.

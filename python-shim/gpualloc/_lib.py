@@ -244,6 +244,7 @@ _SIGNATURES = {
     "gpualloc_malloc_or_abort": (c_void_p, [c_size_t, c_int, c_void_p]),
     "gpualloc_free": (None, [c_void_p, c_size_t, c_int, c_void_p]),
     "gpualloc_record_stream": (None, [c_void_p, c_void_p]),
+    "gpualloc_add_peer_access": (c_int, [c_int, c_int]),
     "gpualloc_empty_cache": (None, []),
     "gpualloc_set_memory_fraction": (None, [c_double, c_int]),
     "gpualloc_get_memory_fraction": (c_int, [c_int, ctypes.POINTER(c_double)]),

@@ -512,17 +512,22 @@ class GpuallocAllocator final : public CUDAAllocator {
       owned = std::make_unique<StreamFilterFn>(std::move(filter));
     }
     StreamFilterFn* ctx = owned.get();
+    // One lock across gpualloc's scope and the filter kept for it, here and
+    // in endAllocateToPool: two threads opening scopes on one pool push and
+    // pop both stacks in the same order, so the filter freed is the one
+    // whose scope closed. (The trampoline never takes this lock.)
+    std::lock_guard<std::mutex> g(filters_mutex);
     int rc = api.begin_pool(device, key.a, key.b, ctx != nullptr ? &filter_trampoline : nullptr, ctx);
     check(rc, "beginAllocateToPool");
-    std::lock_guard<std::mutex> g(filters_mutex);
     filters[key].push_back(std::move(owned));
   }
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t id) override {
     PoolKey key{device, id.first, id.second};
-    int rc = api.end_pool(device, key.a, key.b);
+    int rc = GPUALLOC_OK;
     {
       // gpualloc no longer calls the innermost filter of this pool: free it.
       std::lock_guard<std::mutex> g(filters_mutex);
+      rc = api.end_pool(device, key.a, key.b);
       auto it = filters.find(key);
       if (it != filters.end() && !it->second.empty()) {
         it->second.pop_back();
@@ -724,11 +729,15 @@ class GpuallocAllocator final : public CUDAAllocator {
     } else {
       C10_CUDA_CHECK(err);
     }
+    // As PyTorch's addPeerAccess: mapped memory is accessible only where
+    // access was set, so dev_to_access's mappings are opened to dev (a copy
+    // kernel on dev may write into them once P2P is on).
+    check(api.add_peer_access(static_cast<int>(dev_to_access), static_cast<int>(dev)), "enablePeerAccess");
   }
   cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
                           cudaStream_t stream, bool p2p_enabled) override {
-    // Expandable memory is mapped for its own device only: across devices
-    // only the Peer copy handles it, whatever P2P says.
+    // Across devices the Peer copy works whether or not peer access was
+    // enabled (and so gpualloc_add_peer_access called), whatever P2P says.
     if (srcDevice == dstDevice) {
       return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
     }

@@ -421,6 +421,27 @@ def check_multi_device(args) -> dict:
             y = x.to(f"cuda:{other}")
             if not bool((y == float(d)).all()) or y.device.index != other:
                 errors.append(f"device {d}: copy to device {other} is wrong")
+            # Copies that are not one memcpy run as a kernel on one device
+            # writing (or reading) the other's memory once peer access is
+            # on: a transpose, and a change of dtype.
+            m = torch.arange(1 << 20, device=dev, dtype=torch.float32).view(1024, 1024)
+            if not torch.equal(m.t().to(f"cuda:{other}").cpu(), m.t().cpu()):
+                errors.append(f"device {d}: transposed copy to device {other} is wrong")
+            h = m.to(torch.bfloat16)
+            if not torch.equal(h.to(f"cuda:{other}", torch.float32).cpu(), h.float().cpu()):
+                errors.append(f"device {d}: bf16 -> float copy to device {other} is wrong")
+            # record_stream on another device's stream, then the free: later
+            # allocations go on, and this thread's device stays its own.
+            side = torch.cuda.Stream(device=other)
+            t = torch.empty(4 << 20, device=dev)
+            t.record_stream(side)
+            del t
+            for _ in range(50):
+                torch.empty(1 << 20, device=dev)
+                torch.empty(4 << 20, device=f"cuda:{other}")  # freed here, on this thread
+            torch.cuda.empty_cache()  # walks every device
+            if torch.cuda.current_device() != d:
+                errors.append(f"device {d}: the current device became {torch.cuda.current_device()}")
             torch.cuda.synchronize(dev)
             per_device[d] = {
                 "allocated": torch.cuda.memory_allocated(d),

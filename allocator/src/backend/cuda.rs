@@ -123,6 +123,8 @@ pub struct CudaBackend {
     ctx: sys::CUcontext,
     /// Destroyed-by-the-allocator events kept for reuse.
     spare_events: Vec<sys::CUevent>,
+    /// Devices granted access to every mapping (`add_peer`), besides this one.
+    peers: Vec<sys::CUdevice>,
     /// Events recorded on streams of other contexts, with their context
     /// (`record_foreign`).
     foreign_events: FxHashMap<usize, sys::CUcontext>,
@@ -179,6 +181,7 @@ impl CudaBackend {
             ctx,
             spare_events: Vec::new(),
             foreign_events: FxHashMap::default(),
+            peers: Vec::new(),
             granularity: None,
             handles: FxHashSet::default(),
             mappings: BTreeMap::new(),
@@ -201,6 +204,20 @@ impl CudaBackend {
     #[inline]
     fn bind(&self) -> Result<Bound, BackendError> {
         bind_context(self.ctx)
+    }
+
+    /// Read-write access for this device and each peer (`add_peer`).
+    fn access(&self) -> Vec<sys::CUmemAccessDesc> {
+        std::iter::once(self.device)
+            .chain(self.peers.iter().copied())
+            .map(|d| sys::CUmemAccessDesc {
+                location: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: d,
+                },
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            })
+            .collect()
     }
 
     /// Pinned device memory on this device, exportable as a POSIX file
@@ -656,21 +673,61 @@ impl Backend for CudaBackend {
             self.mappings.insert(at, size);
             at += size;
         }
-        let desc = sys::CUmemAccessDesc {
-            location: self.allocation_prop().location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
+        let desc = self.access();
         let total = at - ptr;
-        // SAFETY: `[ptr, ptr + total)` was mapped above; `desc` is valid for the call.
+        // SAFETY: `[ptr, ptr + total)` was mapped above; `desc` holds
+        // `desc.len()` valid descriptors for the call.
         let r = self.timed(
             DriverCall::SetAccess,
             (handles.len() as u64, total),
-            || unsafe { driver::cuMemSetAccess(ptr, total as usize, &desc, 1) },
+            || unsafe { driver::cuMemSetAccess(ptr, total as usize, desc.as_ptr(), desc.len()) },
         );
         if let Err(e) = check("cuMemSetAccess", r) {
             let _ = self.unmap_run(ptr, total);
             return Err(e);
         }
+        Ok(())
+    }
+
+    fn add_peer(&mut self, peer: u32) -> Result<(), BackendError> {
+        let ordinal = std::ffi::c_int::try_from(peer)
+            .map_err(|_| BackendError::Unavailable(format!("no CUDA device {peer}")))?;
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: the driver is initialized; `dev` is a valid out-pointer.
+        check("cuDeviceGet", unsafe {
+            driver::cuDeviceGet(&mut dev, ordinal)
+        })?;
+        if dev == self.device || self.peers.contains(&dev) {
+            return Ok(());
+        }
+        let _bound = self.bind()?;
+        let desc = [sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: dev,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        }];
+        // What is mapped now, one call per run of adjacent mappings.
+        let mut runs: Vec<(DevicePtr, u64, u64)> = Vec::new();
+        for (&a, &size) in &self.mappings {
+            match runs.last_mut() {
+                Some(r) if r.0 + r.1 == a => {
+                    r.1 += size;
+                    r.2 += 1;
+                }
+                _ => runs.push((a, size, 1)),
+            }
+        }
+        for (a, size, handles) in runs {
+            // SAFETY: `[a, a + size)` is a run of live mappings of this
+            // backend; `desc` is one valid descriptor.
+            let r = self.timed(DriverCall::SetAccess, (handles, size), || unsafe {
+                driver::cuMemSetAccess(a, size as usize, desc.as_ptr(), 1)
+            });
+            check("cuMemSetAccess", r)?;
+        }
+        self.peers.push(dev);
         Ok(())
     }
 

@@ -214,6 +214,16 @@ pub trait Backend: Send {
         ))
     }
 
+    /// Lets device `peer` read and write this device's mapped memory, now
+    /// and in every later mapping (PyTorch's `addPeerAccess`: a kernel on
+    /// `peer` may copy into a tensor of this device once peer access is
+    /// enabled, and mapped memory is accessible only where access was
+    /// set). Nothing to do for a backend without mapped memory.
+    fn add_peer(&mut self, peer: u32) -> Result<(), BackendError> {
+        let _ = peer;
+        Ok(())
+    }
+
     /// Blocks until all work queued on the device is done
     /// (`cuCtxSynchronize`). Only for what no stream's event can order: the
     /// pages of a released graph pool, which a replay on any stream may use.

@@ -190,6 +190,8 @@ pub struct SimBackend {
     capturing: bool,
     /// Call counters.
     pub counters: SimCounters,
+    /// Devices granted access to this one's memory (`add_peer`), in order.
+    pub peers: Vec<u32>,
 }
 
 impl SimBackend {
@@ -233,6 +235,7 @@ impl SimBackend {
             map_calls: 0,
             capturing: false,
             counters: SimCounters::default(),
+            peers: Vec::new(),
         }
     }
 
@@ -781,6 +784,13 @@ impl Backend for SimBackend {
         }
         if let Some(log) = &mut self.unmap_log {
             log.push((ptr, size));
+        }
+        Ok(())
+    }
+
+    fn add_peer(&mut self, peer: u32) -> Result<(), BackendError> {
+        if !self.peers.contains(&peer) {
+            self.peers.push(peer);
         }
         Ok(())
     }

@@ -227,6 +227,10 @@ static void test_record_stream_and_empty_cache(void) {
   CHECK(gpualloc_last_error() == NULL);
   CHECK(gpualloc_last_error_code() == 0);
   CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
+  /* enablePeerAccess(0, 1): device 1's memory becomes accessible to 0 */
+  CHECK(gpualloc_add_peer_access(1, 0) == GPUALLOC_OK);
+  CHECK(gpualloc_add_peer_access(1, 7) == GPUALLOC_ERR_INVALID_DEVICE);
+  CHECK(contains(gpualloc_last_error(), "7"));
   SECTION_OK("record_stream_empty_cache");
 }
 

@@ -185,6 +185,33 @@ fn reading_stats_of_an_unused_device_does_not_start_it() {
     assert_eq!(a.stats(3).unwrap().allocation.all.current, 1);
 }
 
+/// `enablePeerAccess`: the device whose memory is accessed grants the
+/// peer access once, through its backend; bad indices are named errors.
+#[test]
+fn peer_access_reaches_the_accessed_devices_backend() {
+    let a = Allocator::new(
+        Config::default(),
+        2,
+        Box::new(|d| Ok(SimBackend::new(1 << 30).for_device(d))),
+    );
+    a.add_peer_access(1, 0).unwrap();
+    a.add_peer_access(1, 0).unwrap();
+    assert_eq!(a.lock(1).unwrap().backend().peers, vec![0]);
+    assert!(
+        a.peek(0).unwrap().is_none(),
+        "the peer itself is not started"
+    );
+    for (device, peer) in [(1, 2), (5, 0), (-1, 0)] {
+        assert!(
+            matches!(
+                a.add_peer_access(device, peer),
+                Err(AllocError::InvalidDevice { .. })
+            ),
+            "{device} {peer}"
+        );
+    }
+}
+
 #[test]
 fn simulated_devices_hand_out_distinct_addresses() {
     let a = Allocator::new(
