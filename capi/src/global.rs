@@ -105,6 +105,9 @@ impl Backend for AnyBackend {
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
         dispatch!(self, b => b.unmap(ptr, size))
     }
+    fn add_peer(&mut self, peer: u32) -> Result<(), BackendError> {
+        dispatch!(self, b => b.add_peer(peer))
+    }
     fn synchronize(&mut self) -> Result<(), BackendError> {
         dispatch!(self, b => b.synchronize())
     }
