@@ -30,8 +30,7 @@
  * created is released. Every CUDA call is checked: on error the call and
  * its error are printed and the program exits with status 1.
  */
-#include <cuda.h>
-#include <cuda_runtime.h>
+#include "check.h"
 
 #include <algorithm>
 #include <chrono>
@@ -39,25 +38,6 @@
 #include <cstdlib>
 #include <random>
 #include <vector>
-
-#define DRV(call)                                                              \
-  do {                                                                         \
-    CUresult r_ = (call);                                                      \
-    if (r_ != CUDA_SUCCESS) {                                                  \
-      const char* n_ = nullptr;                                                \
-      cuGetErrorName(r_, &n_);                                                 \
-      fprintf(stderr, "%s failed: %s (%d)\n", #call, n_ ? n_ : "?", (int)r_);  \
-      exit(1);                                                                 \
-    }                                                                          \
-  } while (0)
-#define RT(call)                                                               \
-  do {                                                                         \
-    cudaError_t e_ = (call);                                                   \
-    if (e_ != cudaSuccess) {                                                   \
-      fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(e_));       \
-      exit(1);                                                                 \
-    }                                                                          \
-  } while (0)
 
 static const size_t MiB = 1ull << 20;
 static const size_t BUF = 4096 * MiB;

@@ -162,13 +162,7 @@ impl CudaBackend {
                 "no CUDA device {device} ({count} devices)"
             )));
         }
-        let ordinal = std::ffi::c_int::try_from(device)
-            .map_err(|_| BackendError::Unavailable(format!("no CUDA device {device}")))?;
-        let mut dev: sys::CUdevice = 0;
-        // SAFETY: driver initialized by device_count(); `dev` is a valid out-pointer.
-        check("cuDeviceGet", unsafe {
-            driver::cuDeviceGet(&mut dev, ordinal)
-        })?;
+        let dev = cu_device(device)?;
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: `dev` came from cuDeviceGet; `ctx` is a valid out-pointer.
         // The retain is balanced by the release in `Drop`.
@@ -328,6 +322,17 @@ impl CudaBackend {
         })?;
         Ok(ev)
     }
+}
+
+/// The driver's handle of device `ordinal` (the driver is initialized).
+fn cu_device(ordinal: u32) -> Result<sys::CUdevice, BackendError> {
+    let o = std::ffi::c_int::try_from(ordinal)
+        .map_err(|_| BackendError::Unavailable(format!("no CUDA device {ordinal}")))?;
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: the driver is initialized (callers hold a backend or have
+    // counted devices); `dev` is a valid out-pointer.
+    check("cuDeviceGet", unsafe { driver::cuDeviceGet(&mut dev, o) })?;
+    Ok(dev)
 }
 
 /// Makes `ctx` current on this thread if it is not; the guard restores the
@@ -690,13 +695,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_peer(&mut self, peer: u32) -> Result<(), BackendError> {
-        let ordinal = std::ffi::c_int::try_from(peer)
-            .map_err(|_| BackendError::Unavailable(format!("no CUDA device {peer}")))?;
-        let mut dev: sys::CUdevice = 0;
-        // SAFETY: the driver is initialized; `dev` is a valid out-pointer.
-        check("cuDeviceGet", unsafe {
-            driver::cuDeviceGet(&mut dev, ordinal)
-        })?;
+        let dev = cu_device(peer)?;
         if dev == self.device || self.peers.contains(&dev) {
             return Ok(());
         }

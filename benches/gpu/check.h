@@ -1,0 +1,30 @@
+/*
+ * check.h - the error checks of the CUDA benchmarks in this folder: every
+ * driver (DRV) and runtime (RT) call is checked; on error the call and its
+ * error are printed and the program exits with status 1.
+ */
+#pragma once
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#define DRV(call)                                                              \
+  do {                                                                         \
+    CUresult r_ = (call);                                                      \
+    if (r_ != CUDA_SUCCESS) {                                                  \
+      const char* n_ = nullptr;                                                \
+      cuGetErrorName(r_, &n_);                                                 \
+      fprintf(stderr, "%s failed: %s (%d)\n", #call, n_ ? n_ : "?", (int)r_);  \
+      exit(1);                                                                 \
+    }                                                                          \
+  } while (0)
+#define RT(call)                                                               \
+  do {                                                                         \
+    cudaError_t e_ = (call);                                                   \
+    if (e_ != cudaSuccess) {                                                   \
+      fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(e_));       \
+      exit(1);                                                                 \
+    }                                                                          \
+  } while (0)
