@@ -1,7 +1,8 @@
 /*
- * check.h - the error checks of the CUDA benchmarks in this folder: every
- * driver (DRV) and runtime (RT) call is checked; on error the call and its
- * error are printed and the program exits with status 1.
+ * check.h - what the CUDA benchmarks in this folder share: every driver
+ * (DRV) and runtime (RT) call is checked, on error the call and its error
+ * are printed and the program exits with status 1; device0() starts
+ * device 0's primary context for both APIs.
  */
 #pragma once
 #include <cuda.h>
@@ -28,3 +29,14 @@
       exit(1);                                                                 \
     }                                                                          \
   } while (0)
+
+// Device 0's primary context, current for the runtime and the driver; its
+// properties.
+inline cudaDeviceProp device0() {
+  RT(cudaSetDevice(0));
+  RT(cudaFree(0));
+  DRV(cuInit(0));
+  cudaDeviceProp p;
+  RT(cudaGetDeviceProperties(&p, 0));
+  return p;
+}

@@ -164,11 +164,7 @@ static void measure(const char* label, void* src, void* dst, float* sink, int sm
 }
 
 int main() {
-  RT(cudaSetDevice(0));
-  RT(cudaFree(0));
-  DRV(cuInit(0));
-  cudaDeviceProp p;
-  RT(cudaGetDeviceProperties(&p, 0));
+  cudaDeviceProp p = device0();
   float* sink;
   RT(cudaMalloc(&sink, sizeof(float)));
   printf("# Streaming bandwidth by physical handle size (%s, two buffers of %zu MiB)\n\n", p.name, BUF / MiB);

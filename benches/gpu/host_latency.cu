@@ -103,11 +103,7 @@ static double mean_us(F call) {
 }
 
 int main() {
-  RT(cudaSetDevice(0));
-  RT(cudaFree(0));
-  DRV(cuInit(0));
-  cudaDeviceProp p;
-  RT(cudaGetDeviceProperties(&p, 0));
+  cudaDeviceProp p = device0();
   void* host;
   RT(cudaMallocHost(&host, 8));
   void* plain;
