@@ -9,9 +9,16 @@
   phase ``backward``; ``torch.save`` in the phase ``checkpoint``.
 - ``eval`` opens when a module in training mode is switched to evaluation
   (``model.eval()``, ``model.train(False)``) and closes at the next
-  ``model.train()``; an outermost ``torch.inference_mode`` region is an
-  ``eval`` phase too when none is open. ``torch.no_grad`` is not: optimizers,
-  gradient clipping and EMA updates use it inside training steps.
+  ``model.train()``; not when the module is a part of the model last
+  switched to training, which still trains (``model.train();
+  model.bn.eval()`` freezes a part). An outermost ``torch.inference_mode``
+  region is an ``eval`` phase too when none is open. ``torch.no_grad`` is
+  not: optimizers, gradient clipping and EMA updates use it inside training
+  steps.
+- Phases come from one thread: the first to open one (the training loop),
+  until it ends. The library keeps one stack of phases; the regions of a
+  server's request threads or a checkpoint thread would interleave with it
+  and never unwind. Step marks come from any thread.
 
 Each hook is guarded: a failure inside one is reported once as a warning and
 never reaches the training code. ``GPUALLOC_AUTO_MARKS=0`` or
@@ -26,6 +33,7 @@ import importlib
 import os
 import threading
 import warnings
+import weakref
 from typing import Callable, List, Optional
 
 from . import _phases
@@ -99,15 +107,19 @@ def _guard(fn, *args):
         return None
 
 
-def _patch(owner, attr: str, make: Callable) -> bool:
-    """Replaces ``owner.attr`` with ``make(original)``, once; undone by disable()."""
+def _patch(owner, attr: str, make: Callable, also=()) -> bool:
+    """Replaces ``owner.attr`` with ``make(original)``, once, and the same
+    attribute of each of ``also`` with the same wrapper (so that names of one
+    function stay one object: pickle finds ``torch.save`` by its qualified
+    name, ``torch.serialization.save``); undone by disable()."""
     orig = getattr(owner, attr)
     if getattr(orig, "_gpualloc_auto", False):
         return True
     new = functools.wraps(orig)(make(orig))
     new._gpualloc_auto = True
-    setattr(owner, attr, new)
-    _UNDO.append(lambda: setattr(owner, attr, orig))
+    for o in (owner, *also):
+        setattr(o, attr, new)
+        _UNDO.append(functools.partial(setattr, o, attr, orig))
     return True
 
 
@@ -116,6 +128,7 @@ class _State:
 
     optimizer: Optional[_phases.Entry] = None
     eval_switch: Optional[_phases.Entry] = None
+    training: Optional["weakref.ref"] = None  # the module last switched to training
     leader: Optional[int] = None
     others: set = set()
 
@@ -124,11 +137,30 @@ class _State:
         for e in (cls.optimizer, cls.eval_switch):
             if e is not None:
                 _guard(_phases.pop, e)
-        cls.optimizer = cls.eval_switch = cls.leader = None
+        cls.optimizer = cls.eval_switch = cls.leader = cls.training = None
         cls.others = set()
 
 
+_OWNER: Optional[threading.Thread] = None
+
+
+def _owns() -> bool:
+    """Whether this thread may open automatic phases: the first thread that
+    opens one owns them (the training loop), until it ends. The library has
+    one stack of phases per device; regions of other threads (a server's
+    `inference_mode` requests, a checkpoint thread) would interleave with
+    the owner's and never unwind."""
+    global _OWNER
+    t = threading.current_thread()
+    with _LOCK:
+        if _OWNER is None or not _OWNER.is_alive():
+            _OWNER = t
+        return _OWNER is t
+
+
 def _open(name: str, loose: bool = False) -> Optional[_phases.Entry]:
+    if not _owns():
+        return None
     return _guard(_phases.push, name, loose)
 
 
@@ -202,12 +234,9 @@ def _hook_backward(torch) -> bool:
 
 
 def _hook_save(torch) -> bool:
-    original = torch.save
-    _patch(torch, "save", _in_phase("checkpoint"))
     ser = getattr(torch, "serialization", None)
-    if ser is not None and getattr(ser, "save", None) is original:
-        _patch(ser, "save", _in_phase("checkpoint"))
-    return True
+    same = ser is not None and getattr(ser, "save", None) is torch.save
+    return _patch(torch, "save", _in_phase("checkpoint"), also=(ser,) if same else ())
 
 
 # -- evaluation --------------------------------------------------------------
@@ -224,23 +253,52 @@ def _hook_train_switch(torch) -> bool:
                 return orig(self, mode)
             finally:
                 _TL.in_train = False
-                _guard(_switched, was, mode)
+                _guard(_switched, self, was, mode)
 
         return train
 
     return _patch(torch.nn.Module, "train", make)
 
 
-def _switched(was, mode) -> None:
+def _switched(module, was, mode) -> None:
     if not isinstance(mode, bool):
         return
     with _LOCK:
         e = _State.eval_switch
-        if not mode and was is True and (e is None or e.closed):
+        if mode:
+            try:
+                _State.training = weakref.ref(module)
+            except TypeError:  # a module without weak references
+                _State.training = None
+            if e is not None:
+                _close(e)
+                _State.eval_switch = None
+        elif was is True and (e is None or e.closed) and not _frozen_inside_training(module):
             _State.eval_switch = _open("eval", loose=True)
-        elif mode and e is not None:
-            _close(e)
-            _State.eval_switch = None
+
+
+def _frozen_inside_training(module) -> bool:
+    """Whether ``module`` lies inside (and is not) the module last switched
+    to training mode, which is still training: a part frozen for training
+    (``model.train(); model.backbone.bn.eval()``), not an evaluation."""
+    ref = _State.training
+    top = ref() if ref is not None else None
+    if top is None or top is module or getattr(top, "training", False) is not True:
+        return False
+    todo = list(_children(top))
+    while todo:
+        m = todo.pop()
+        if m is module:
+            return True
+        todo.extend(_children(m))
+    return False
+
+
+def _children(m):
+    try:
+        return list(m.children())
+    except Exception:  # noqa: BLE001 - not a torch module after all
+        return []
 
 
 def _hook_inference_mode(torch) -> bool:

@@ -130,6 +130,69 @@ class AutoMarksTest(unittest.TestCase):
         )
         self.assertEqual([x for x in seq if x[0] == "mark"], [STEP] * 5)
 
+    def test_a_part_frozen_for_training_opens_no_eval_phase(self):
+        _, seq = self.traced(
+            """
+            bn = torch.nn.Module()
+            model = torch.nn.Module(torch.nn.Module(bn), torch.nn.Module())
+            opt = torch.optim.SGD()
+            model.train()
+            bn.eval()  # frozen BatchNorm: training goes on
+            torch.Tensor().backward()
+            opt.step()
+            model.eval()  # the model itself: an evaluation
+            model.train()
+            bn.eval()
+            """
+        )
+        self.assertEqual(
+            seq, [push("backward"), pop("backward"), push("optimizer"), pop("optimizer"), STEP, push("eval"), pop("eval")]
+        )
+
+    def test_other_threads_open_no_phases(self):
+        _, seq = self.traced(
+            """
+            import threading
+            model = torch.nn.Module()
+            torch.Tensor().backward()  # the main thread opens the first phase: it owns them
+
+            def serve():
+                for _ in range(50):
+                    with torch.inference_mode():
+                        torch.save({}, TRACE + ".t.ckpt")
+
+            ts = [threading.Thread(target=serve) for _ in range(2)]
+            for t in ts:
+                t.start()
+            for _ in range(20):
+                torch.Tensor().backward()
+            for t in ts:
+                t.join()
+            import gpualloc._phases as ph
+            print("open", len(ph._STACK))
+            """
+        )
+        self.assertEqual(seq, [push("backward"), pop("backward")] * 21)
+
+    def test_torch_save_stays_one_picklable_function(self):
+        with tempfile.TemporaryDirectory() as d:
+            body = textwrap.dedent(
+                """
+                import pickle, torch, gpualloc
+                torch.save.__module__ = "torch.serialization"  # as in torch
+                gpualloc.install(bridge=False)
+                assert torch.save is torch.serialization.save
+                assert pickle.loads(pickle.dumps(torch.save)) is torch.save
+                gpualloc._auto.disable()
+                assert not getattr(torch.save, "_gpualloc_auto", False)
+                assert torch.save is torch.serialization.save
+                print("ok")
+                """
+            )
+            out = run(["-c", body], cwd=d)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("ok", out.stdout)
+
     def test_switched_off_by_the_environment(self):
         out, seq = self.traced(
             """
