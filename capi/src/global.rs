@@ -167,7 +167,7 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
             Some(c) if c != g.alloc.config().source => Err(Error::new(
                 GPUALLOC_ERR_ALREADY_INITIALIZED,
                 format!(
-                    "gpualloc: already initialized with configuration `{}` (by gpualloc_init or the first allocation); `{}` can no longer take effect",
+                    "gpualloc: already initialized with configuration `{}` (by gpualloc_init, or by the first call that needed the allocator: an allocation, a mark or phase, a trace start; or by `python -m gpualloc run`); `{}` can no longer take effect: configure that first call instead",
                     clip(&g.alloc.config().source),
                     clip(c)
                 ),

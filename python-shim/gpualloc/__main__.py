@@ -98,6 +98,9 @@ def _start(args) -> int:
         os.environ["GPUALLOC_AUTO_MARKS"] = "0"
     try:
         if torch is not None:
+            from gpualloc import _torch
+
+            _torch.BY_RUN = True  # the script's own install(config=...) warns instead of failing
             auto = False if args.no_auto_marks else None
             gpualloc.install(config=args.config, trace=args.trace, bridge=not args.no_bridge, auto_marks=auto)
         else:

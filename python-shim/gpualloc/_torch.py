@@ -18,6 +18,9 @@ from typing import Optional
 from ._lib import GpuallocError, lib
 
 MODE: Optional[str] = None  # "bridge" or "fallback" once installed
+# Set by `python -m gpualloc run` before it installs: the script's own
+# install(config=...) then warns instead of failing (run's choice holds).
+BY_RUN = False
 _LOCK = threading.Lock()
 _KEEP = []  # objects that must live as long as the process (allocator, libraries)
 
@@ -38,8 +41,25 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
         torch = _import_torch()
         if MODE is not None:
             if config is not None:
-                lib().init(config)  # same configuration: fine; another: a clear error
-            if trace and not lib().is_tracing():
+                try:
+                    lib().init(config)  # same configuration: fine; another: a clear error
+                except GpuallocError as e:
+                    if not BY_RUN:
+                        raise
+                    warnings.warn(
+                        f"gpualloc: install(config={config!r}) ignored: `python -m gpualloc run` installed gpualloc "
+                        f"first ({e}); give the configuration to it: `python -m gpualloc run --config '{config}' ...`",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+            if trace and lib().is_tracing():
+                warnings.warn(
+                    f"gpualloc: install(trace={trace!r}) ignored: a trace is already being recorded; "
+                    "gpualloc.trace_stop() first to record another",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            elif trace:
                 lib().trace_start(trace)
             _set_auto_marks(torch, auto_marks)
             return MODE
@@ -54,28 +74,46 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
         L = lib()  # raises LibraryNotFound with instructions
         L.init(config)  # a bad configuration raises here, before torch is touched
         L.backend()  # starts the backend: a missing driver is reported now
-        if trace:
+        started = bool(trace) and not L.is_tracing()
+        if started:
             L.trace_start(trace)
-        mode = None
-        if bridge and os.environ.get("GPUALLOC_BRIDGE", "1") != "0":
-            try:
-                _install_bridge(torch, L.path, verbose)
-                mode = "bridge"
-            except _BridgeUnavailable as e:
-                warnings.warn(
-                    f"gpualloc: the C++ bridge could not be built ({e}); falling back to a plain CUDAPluggableAllocator: "
-                    "stats keep working through Python patches, but CUDA graphs are not supported and an out-of-memory "
-                    "error aborts the process instead of raising torch.cuda.OutOfMemoryError.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-        if mode is None:
-            _install_fallback(torch, L.path)
-            mode = "fallback"
-        _patch_python(torch, fallback=(mode == "fallback"))
+        elif trace:
+            warnings.warn(
+                f"gpualloc: install(trace={trace!r}) ignored: a trace is already being recorded (GPUALLOC_TRACE?)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        try:
+            mode = _install_into(torch, L, bridge, verbose)
+        except BaseException:
+            if started:  # nothing was installed: a retry may start it again
+                L.trace_stop()
+            raise
         MODE = mode
         _set_auto_marks(torch, auto_marks)
         return mode
+
+
+def _install_into(torch, L, bridge: bool, verbose: bool) -> str:
+    """The bridge, or the fallback; then the Python patches. Returns the mode."""
+    mode = None
+    if bridge and os.environ.get("GPUALLOC_BRIDGE", "1") != "0":
+        try:
+            _install_bridge(torch, L.path, verbose)
+            mode = "bridge"
+        except _BridgeUnavailable as e:
+            warnings.warn(
+                f"gpualloc: the C++ bridge could not be built ({e}); falling back to a plain CUDAPluggableAllocator: "
+                "stats keep working through Python patches, but CUDA graphs are not supported and an out-of-memory "
+                "error aborts the process instead of raising torch.cuda.OutOfMemoryError.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    if mode is None:
+        _install_fallback(torch, L.path)
+        mode = "fallback"
+    _patch_python(torch, fallback=(mode == "fallback"))
+    return mode
 
 
 def _set_auto_marks(torch, auto_marks: Optional[bool]) -> None:

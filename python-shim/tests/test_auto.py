@@ -250,6 +250,71 @@ class AutoMarksTest(unittest.TestCase):
         self.assertEqual(seq, [push("backward"), pop("backward"), push("optimizer"), pop("optimizer")] * 2)
 
 
+class InstallTest(unittest.TestCase):
+    """install() called again, after `python -m gpualloc run`, or failing."""
+
+    def script(self, d, body):
+        path = os.path.join(d, "train.py")
+        with open(path, "w") as f:
+            f.write(textwrap.dedent(body))
+        return path
+
+    def test_the_scripts_own_config_under_run_warns_and_goes_on(self):
+        with tempfile.TemporaryDirectory() as d:
+            s = self.script(d, "import gpualloc, torch\ngpualloc.install(config='max_split_size_mb:128')\nprint('went on')\n")
+            out = run(["-m", "gpualloc", "run", "--no-bridge", s])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("went on", out.stdout)
+            self.assertIn("--config 'max_split_size_mb:128'", out.stderr)
+            # Without run, another configuration is still an error.
+            s = self.script(
+                d,
+                """
+                import gpualloc, torch
+                gpualloc.install(bridge=False)
+                try:
+                    gpualloc.install(config="max_split_size_mb:128")
+                except gpualloc.GpuallocError as e:
+                    print("refused", "already initialized" in str(e))
+                """,
+            )
+            out = run([s])
+            self.assertIn("refused True", out.stdout, out.stderr)
+
+    def test_a_second_trace_path_is_named_not_dropped_silently(self):
+        with tempfile.TemporaryDirectory() as d:
+            a, b = os.path.join(d, "a.gtrace"), os.path.join(d, "b.gtrace")
+            s = self.script(d, f"import gpualloc, torch\ngpualloc.install(trace={a!r}, bridge=False)\ngpualloc.install(trace={b!r})\n")
+            out = run([s])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("ignored: a trace is already being recorded", out.stderr)
+            self.assertFalse(os.path.exists(b))
+
+    def test_a_failed_install_leaves_no_trace_running(self):
+        with tempfile.TemporaryDirectory() as d:
+            a = os.path.join(d, "a.gtrace")
+            s = self.script(
+                d,
+                f"""
+                import gpualloc, torch
+                from gpualloc._lib import lib
+
+                def refuse(allocator):
+                    raise RuntimeError("Can't swap an already initialized allocator")
+
+                torch.cuda.memory.change_current_allocator = refuse
+                try:
+                    gpualloc.install(trace={a!r}, bridge=False)
+                except Exception as e:
+                    print("failed", type(e).__name__)
+                print("tracing", lib().is_tracing())
+                """,
+            )
+            out = run([s])
+            self.assertIn("failed", out.stdout, out.stderr)
+            self.assertIn("tracing False", out.stdout, out.stderr)
+
+
 def cli():
     """The `gpualloc` command: GPUALLOC_CLI, else a cargo build of this tree
     (tools/test.sh builds it before these tests run); None when absent."""
