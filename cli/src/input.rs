@@ -117,16 +117,82 @@ fn same_file(_: &std::fs::Metadata, _: &std::fs::Metadata) -> bool {
     false
 }
 
+/// Runs `write` on a file beside `out` and renames it to `out` once it
+/// succeeds, so that a failure (a bad line of the input, a full disk)
+/// leaves no partial output nor destroys an earlier one. An `out` that
+/// exists and is not a regular file (`/dev/stdout`) is written directly.
+pub fn write_atomically<T>(
+    out: &Path,
+    write: impl FnOnce(&Path) -> Result<T, CliError>,
+) -> Result<T, CliError> {
+    if std::fs::metadata(out).is_ok_and(|m| !m.is_file()) {
+        return write(out);
+    }
+    let mut name = out
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_default();
+    name.push(format!(".partial-{}", std::process::id()));
+    let tmp = out.with_file_name(name);
+    let done = write(&tmp).and_then(|v| {
+        std::fs::rename(&tmp, out)
+            .map(|()| v)
+            .map_err(|e| CliError(format!("{}: cannot write: {e}", out.display())))
+    });
+    if done.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    done
+}
+
+/// Refuses two options that name one output file (the second would
+/// overwrite the first).
+pub fn refuse_shared_outputs(outs: &[(&str, &Path)]) -> Result<(), CliError> {
+    for (i, (a, pa)) in outs.iter().enumerate() {
+        for (b, pb) in &outs[i + 1..] {
+            let same = pa == pb
+                || matches!((std::fs::metadata(pa), std::fs::metadata(pb)), (Ok(x), Ok(y)) if same_file(&x, &y));
+            if same {
+                return Err(CliError(format!(
+                    "{a} and {b} both name {}: give each output its own file",
+                    pa.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Opens a trace, explaining what is wrong with a file that is not one.
 pub fn open(path: &Path) -> Result<TraceReader<BufReader<File>>, CliError> {
     let f =
         File::open(path).map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
+    refuse_second_read_of_a_stream(path, &f)?;
     TraceReader::new(BufReader::with_capacity(1 << 20, f)).map_err(|e| {
         if let TraceErrorKind::NotATrace { found } = &e.kind {
             return CliError(format!("{}: {}", path.display(), not_a_trace(found)));
         }
         CliError(format!("{}: {e}", path.display()))
     })
+}
+
+/// A pipe or device (`<(cat t.gtrace)`, `/dev/stdin`) can be read once;
+/// commands that read a trace twice would find it empty the second time.
+/// The second opening is refused with what to do instead.
+fn refuse_second_read_of_a_stream(path: &Path, f: &File) -> Result<(), CliError> {
+    static STREAMS: std::sync::Mutex<Vec<std::path::PathBuf>> = std::sync::Mutex::new(Vec::new());
+    if f.metadata().is_ok_and(|m| m.is_file()) {
+        return Ok(());
+    }
+    let mut seen = STREAMS.lock().unwrap_or_else(|e| e.into_inner());
+    if seen.iter().any(|p| p == path) {
+        return Err(CliError(format!(
+            "{}: not a regular file (a pipe or a device), and this command reads its trace twice: save it to a file first",
+            path.display()
+        )));
+    }
+    seen.push(path.to_path_buf());
+    Ok(())
 }
 
 /// Why a file whose first bytes are `found` is not a trace, with a hint at

@@ -341,30 +341,48 @@ fn run(cmd: Command) -> Result<(), CliError> {
                     return Ok(());
                 }
             };
+            if let Some(p) = &parquet {
+                let folder = if p.is_dir() || p.as_os_str().to_string_lossy().ends_with('/') {
+                    p.as_path()
+                } else {
+                    p.parent().unwrap_or(Path::new("."))
+                };
+                if !folder.as_os_str().is_empty() && !folder.is_dir() {
+                    return Err(CliError(format!(
+                        "--parquet: {} is not a folder: create it first",
+                        folder.display()
+                    )));
+                }
+            }
             let parquet = parquet.map(|p| export_parquet::outputs(&p, &file));
             let parquet_files = parquet.iter().flatten().map(|p| ("--parquet", Some(p)));
-            for (option, out) in [
+            let outs: Vec<(&str, &Path)> = [
                 ("--torch-snapshot", torch_snapshot.as_ref()),
                 ("--chrome", chrome.as_ref()),
                 ("--csv", csv.as_ref()),
             ]
             .into_iter()
             .chain(parquet_files)
-            {
-                if let Some(out) = out {
-                    input::refuse_overwrite(option, out, &[&file])?;
-                }
+            .filter_map(|(option, out)| out.map(|o| (option, o.as_path())))
+            .collect();
+            for (option, out) in &outs {
+                input::refuse_overwrite(option, out, &[&file])?;
             }
+            input::refuse_shared_outputs(&outs)?;
             if let Some(out) = torch_snapshot {
-                let n = export_torch::export(&file, &out, allow_truncated)?;
+                let n = input::write_atomically(&out, |o| {
+                    export_torch::export(&file, o, allow_truncated)
+                })?;
                 report_written(&out, &n);
             }
             if let Some(out) = chrome {
-                export_chrome::export(&file, &out, allow_truncated)?;
+                input::write_atomically(&out, |o| {
+                    export_chrome::export(&file, o, allow_truncated)
+                })?;
                 report_written(&out, &None);
             }
             if let Some(out) = csv {
-                export_csv::export(&file, &out, allow_truncated)?;
+                input::write_atomically(&out, |o| export_csv::export(&file, o, allow_truncated))?;
                 report_written(&out, &None);
             }
             if let Some(outs) = parquet {
@@ -380,10 +398,10 @@ fn run(cmd: Command) -> Result<(), CliError> {
                 From::Auto => sniff(&file)?,
                 other => other,
             };
-            let n = match kind {
-                From::Torch => import_torch::import(&file, &output)?,
-                _ => import_rmm::import(&file, &output)?,
-            };
+            let n = input::write_atomically(&output, |o| match kind {
+                From::Torch => import_torch::import(&file, o),
+                _ => import_rmm::import(&file, o),
+            })?;
             eprintln!("wrote {} ({n} events)", output.display());
         }
         Command::Diff {

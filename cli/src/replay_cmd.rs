@@ -22,7 +22,8 @@ pub fn run(
     allow_truncated: bool,
 ) -> Result<String, CliError> {
     let recorded = input::open(path)?.header().config.clone();
-    let configs: Vec<String> = if configs.is_empty() {
+    let own = configs.is_empty();
+    let configs: Vec<String> = if own {
         vec![recorded]
     } else {
         configs.to_vec()
@@ -30,8 +31,17 @@ pub fn run(
     let mut results = Vec::new();
     let mut strings = Vec::new();
     for c in &configs {
-        // The parser's message quotes the bad part; the option is named.
-        let config = Config::parse(c).map_err(|e| CliError(format!("--config: {e}")))?;
+        // The parser's message quotes the bad part; where it came from is named.
+        let config = Config::parse(c).map_err(|e| {
+            CliError(if own {
+                format!(
+                    "{}: the configuration it was recorded with does not parse here ({e}); replay it under another with --config (--config \"\" for the defaults)",
+                    path.display()
+                )
+            } else {
+                format!("--config: {e}")
+            })
+        })?;
         let mut reader = input::open(path)?;
         let r = replay(reader.events(), capacity, &config);
         if let Some(e) = reader.take_error() {

@@ -75,6 +75,32 @@ impl Value {
     }
 }
 
+/// Dropped without recursion: a pickle may nest a million lists, and
+/// dropping them one inside the other would overflow the stack.
+impl Drop for Value {
+    fn drop(&mut self) {
+        let mut todo = Vec::new();
+        take_children(self, &mut todo);
+        while let Some(mut v) = todo.pop() {
+            take_children(&mut v, &mut todo);
+        }
+    }
+}
+
+/// Moves the items of a container nothing else shares into `todo`.
+fn take_children(v: &mut Value, todo: &mut Vec<Value>) {
+    match v {
+        Value::List(rc) if Rc::strong_count(rc) == 1 => todo.append(&mut rc.borrow_mut()),
+        Value::Dict(rc) if Rc::strong_count(rc) == 1 => {
+            for (k, x) in rc.borrow_mut().drain(..) {
+                todo.push(k);
+                todo.push(x);
+            }
+        }
+        _ => {}
+    }
+}
+
 enum Slot {
     Mark,
     V(Value),
@@ -341,6 +367,18 @@ fn list_top(stack: &[Slot], at: usize) -> Result<&Shared<Value>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_million_nested_lists_decode_and_drop_without_recursion() {
+        let n = 1_000_000;
+        let mut b = b"\x80\x02".to_vec();
+        b.extend(std::iter::repeat_n(b']', n));
+        b.extend(std::iter::repeat_n(b'a', n - 1));
+        b.push(b'.');
+        let v = loads(&b).unwrap();
+        assert_eq!(v.items().len(), 1);
+        drop(v);
+    }
 
     #[test]
     fn refuses_code_and_truncation() {

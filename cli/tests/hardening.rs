@@ -248,3 +248,113 @@ fn messages_quoting_input_are_bounded() {
         err.len()
     );
 }
+
+/// A trace on a pipe: a one-pass command reads it; one that reads its
+/// input twice says so instead of calling the second reading an empty file.
+#[test]
+fn a_trace_on_a_pipe_is_read_once_or_refused_with_the_reason() {
+    use std::io::Write;
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path());
+    let bytes = std::fs::read(&t).unwrap();
+    let piped = |cmd: &str| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+            .args([cmd, "/dev/stdin"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run gpualloc");
+        let mut stdin = child.stdin.take().unwrap();
+        let data = bytes.clone();
+        let feeder = std::thread::spawn(move || {
+            let _ = stdin.write_all(&data); // a refusing command may stop reading
+        });
+        let out = child.wait_with_output().unwrap();
+        feeder.join().unwrap();
+        out
+    };
+    let leaks = piped("leaks");
+    assert!(
+        leaks.status.success(),
+        "{}",
+        String::from_utf8_lossy(&leaks.stderr)
+    );
+    let summary = piped("summary");
+    let err = String::from_utf8_lossy(&summary.stderr);
+    assert!(!summary.status.success());
+    assert!(err.contains("not a regular file"), "{err}");
+    assert!(!err.contains("empty file"), "{err}");
+}
+
+/// Outputs are whole or absent: a bad input line leaves no half-written
+/// trace, two options naming one file are refused before anything is
+/// written, and so is a `--parquet` folder that does not exist.
+#[test]
+fn outputs_are_whole_or_absent() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("r.csv");
+    std::fs::write(
+        &csv,
+        "Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000001,allocate,0x10,100,0\nbad line\n",
+    )
+    .unwrap();
+    let out = dir.path().join("r.gtrace");
+    let err = fails(&["import", s(&csv), "-o", s(&out)]);
+    assert!(err.contains("line 3"), "{err}");
+    assert!(!out.exists(), "no partial trace is left");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        1,
+        "nor a temporary file"
+    );
+
+    let t = generated(dir.path());
+    let a = dir.path().join("a.csv");
+    let err = fails(&["export", "--csv", s(&a), "--chrome", s(&a), s(&t)]);
+    assert!(err.contains("both name"), "{err}");
+    assert!(!a.exists());
+    let missing = dir.path().join("missing/");
+    let err = fails(&[
+        "export",
+        "--csv",
+        s(&a),
+        "--parquet",
+        &format!("{}/", s(&missing)),
+        s(&t),
+    ]);
+    assert!(err.contains("not a folder"), "{err}");
+    assert!(!a.exists(), "nothing written before the refusal");
+    succeeds(&["export", "--csv", s(&a), s(&t)]);
+    assert!(std::fs::metadata(&a).unwrap().len() > 0);
+}
+
+/// A trace recorded under a configuration this version cannot parse: the
+/// error says it is the recorded one, not `--config`, and how to go on.
+#[test]
+fn replay_names_the_recorded_configuration_when_it_does_not_parse() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = trace_on_device(dir.path(), 0);
+    let mut bytes = std::fs::read(&t).unwrap();
+    let header = TraceHeader {
+        start_unix_ns: 1_700_000_000_000_000_000,
+        device_count: 1,
+        pid: 1,
+        config: "future_key:1".into(),
+        producer: "test".into(),
+    };
+    let (new_head, _) = TraceWriter::new(Vec::new(), &header)
+        .unwrap()
+        .finish(Some(10))
+        .unwrap();
+    let (old_head, _) = frame::split(&bytes).unwrap();
+    let (new_head_range, _) = frame::split(&new_head).unwrap();
+    bytes.splice(old_head, new_head[new_head_range].iter().copied());
+    let odd = dir.path().join("odd.gtrace");
+    std::fs::write(&odd, bytes).unwrap();
+    let err = fails(&["replay", "--capacity", "1GiB", s(&odd)]);
+    assert!(err.contains("recorded with"), "{err}");
+    assert!(!err.starts_with("gpualloc: --config"), "{err}");
+    succeeds(&["replay", "--capacity", "1GiB", "--config", "", s(&odd)]);
+}
