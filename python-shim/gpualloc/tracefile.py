@@ -118,10 +118,16 @@ def _read(path: str, actions) -> Tuple[Dict[int, str], List[Dict]]:
         data = f.read()
     if data[:8] != MAGIC:
         raise ValueError(f"{path}: not a gpualloc trace (magic {data[:8]!r}, expected {MAGIC!r})")
+    if len(data) < 14:
+        raise ValueError(f"{path}: truncated inside the header ({len(data)} bytes)")
     (version, body_len) = struct.unpack_from("<HI", data, 8)
     if version != 1:
         raise ValueError(f"{path}: trace format version {version}; this reader knows version 1")
     pos = 14 + body_len + 4
+    if pos > len(data):
+        raise ValueError(f"{path}: truncated inside the header ({len(data)} of its {pos} bytes)")
+    if zlib.crc32(data[14 : 14 + body_len]) != struct.unpack_from("<I", data, 14 + body_len)[0]:
+        raise ValueError(f"{path}: the header fails its checksum")
     strings: Dict[int, str] = {}
     recs: List[Dict] = []
     while pos < len(data):
@@ -131,15 +137,20 @@ def _read(path: str, actions) -> Tuple[Dict[int, str], List[Dict]]:
         payload = data[pos + 16 : pos + 16 + plen]
         if len(payload) != plen or zlib.crc32(payload, zlib.crc32(data[pos : pos + 12])) != crc:
             raise ValueError(f"{path}: the block at byte {pos} is truncated or fails its checksum")
-        if kind == STRINGS:
-            n, i = _varint(payload, 0)
-            for _ in range(n):
-                sid, i = _varint(payload, i)
-                ln, i = _varint(payload, i)
-                strings[sid] = payload[i : i + ln].decode("utf-8", "replace")
-                i += ln
-        elif kind == EVENTS:
-            recs.extend({"device": device, "time_ns": t, **ev} for t, ev in _records(payload, actions))
+        try:
+            if kind == STRINGS:
+                n, i = _varint(payload, 0)
+                for _ in range(n):
+                    sid, i = _varint(payload, i)
+                    ln, i = _varint(payload, i)
+                    if i + ln > len(payload):
+                        raise IndexError("a string runs past the block")
+                    strings[sid] = payload[i : i + ln].decode("utf-8", "replace")
+                    i += ln
+            elif kind == EVENTS:
+                recs.extend({"device": device, "time_ns": t, **ev} for t, ev in _records(payload, actions))
+        except (IndexError, ValueError, struct.error) as e:
+            raise ValueError(f"{path}: the block at byte {pos} passes its checksum but its records end early ({e})") from None
         pos += 16 + plen
     return strings, recs
 

@@ -66,5 +66,44 @@ class DecodeTest(unittest.TestCase):
         self.assertEqual(len(names), sum(r["kind"] in ("phase_push", "phase_pop", "mark") for r in recs))
 
 
+class DamageTest(unittest.TestCase):
+    """A damaged or truncated file is a ValueError naming what and where."""
+
+    def damaged(self, data):
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=".gtrace", delete=False) as f:
+            f.write(data)
+        try:
+            with self.assertRaises(ValueError) as cm:
+                records(f.name)
+            return str(cm.exception)
+        finally:
+            os.unlink(f.name)
+
+    def test_truncated_corrupt_and_short_blocks(self):
+        import struct
+        import zlib
+
+        with open(YOLO, "rb") as f:
+            data = f.read()
+        body = struct.unpack_from("<I", data, 10)[0]
+        first = 14 + body + 4
+        self.assertIn("truncated inside the header", self.damaged(data[:9]))
+        self.assertIn("truncated inside the header", self.damaged(data[: first - 2]))
+        bad = bytearray(data)
+        bad[20] ^= 0xFF  # inside the header body
+        self.assertIn("header fails its checksum", self.damaged(bytes(bad)))
+        # The first events block, resealed with more records than it holds.
+        at = first
+        while data[at + 2] != 1:
+            at += 16 + struct.unpack_from("<I", data, at + 8)[0]
+        plen = struct.unpack_from("<I", data, at + 8)[0]
+        payload = b"\xff\x7f" + data[at + 16 : at + 16 + plen][1:]  # a count of 16,383
+        head = data[at : at + 8] + struct.pack("<I", len(payload))
+        block = head + struct.pack("<I", zlib.crc32(payload, zlib.crc32(head))) + payload
+        self.assertIn(f"block at byte {at} passes its checksum", self.damaged(data[:at] + block))
+
+
 if __name__ == "__main__":
     unittest.main()
