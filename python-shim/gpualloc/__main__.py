@@ -115,6 +115,23 @@ def _start(args) -> int:
     return 0
 
 
+# Launchers that start the training processes themselves: gpualloc installed
+# here reaches only the launcher, not them.
+LAUNCHERS = {"torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate", "deepspeed"}
+
+
+def _launcher_note(args):
+    """What to do instead, when the program is a launcher; None otherwise."""
+    name = args.module[0] if args.module else os.path.basename(args.script or "")
+    if name not in LAUNCHERS:
+        return None
+    return (
+        f"gpualloc: {name} starts the training processes itself, and gpualloc is installed only in this launcher "
+        "process: put `import gpualloc; gpualloc.install()` at the top of the training script (GPUALLOC_CONF "
+        "configures it, GPUALLOC_TRACE=trace-{rank}.gtrace records a trace per rank)"
+    )
+
+
 def _run(args) -> int:
     from gpualloc._lib import lib
 
@@ -123,6 +140,9 @@ def _run(args) -> int:
     except _NotFound as e:
         print(f"gpualloc: cannot run: {e}", file=sys.stderr)
         return 2
+    note = _launcher_note(args)
+    if note:
+        print(note, file=sys.stderr)
     if _start(args):
         return 1
     sys.argv = [argv0] + args.args

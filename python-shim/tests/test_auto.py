@@ -281,6 +281,15 @@ class InstallTest(unittest.TestCase):
             out = run([s])
             self.assertIn("refused True", out.stdout, out.stderr)
 
+    def test_a_launcher_is_named_with_what_to_do(self):
+        with tempfile.TemporaryDirectory() as d:
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "-m", "torch.distributed.run", "--help"], cwd=d)
+            self.assertIn("installed only in this launcher", out.stderr)
+            self.assertIn("gpualloc.install()", out.stderr)
+            s = self.script(d, "print('plain')\n")
+            out = run(["-m", "gpualloc", "run", "--no-bridge", s])
+            self.assertNotIn("launcher", out.stderr)
+
     def test_a_second_trace_path_is_named_not_dropped_silently(self):
         with tempfile.TemporaryDirectory() as d:
             a, b = os.path.join(d, "a.gtrace"), os.path.join(d, "b.gtrace")
