@@ -18,7 +18,7 @@
 //! | `policy` | `gpualloc` / `pytorch` | gpualloc | the set of defaults below (pytorch: expandable segments and cross-stream reuse off) |
 //! | `max_split_size_mb` | integer, 20–16777216 | unlimited | blocks at least this large are never split ("oversize") |
 //! | `max_non_split_rounding_mb` | integer, 0–16777216 | 20 | how much larger than an oversize request a cached oversize block may be |
-//! | `garbage_collection_threshold` | 0 < x < 1 | off | with a memory limit set, free old cached segments once reserved passes x × limit |
+//! | `garbage_collection_threshold` | 0 < x < 1 | off | with a memory limit set, free old cached plain segments (not expandable ones, as PyTorch) once reserved passes x × limit |
 //! | `roundup_power2_divisions` | d, or `[256:1,512:2,>:8]` | 0 | round sizes to one of d steps per power-of-two interval (sizes in MB, increasing, each once, `>` last; d a power of two up to 1024, or 0) |
 //! | `large_segment_size_mb` | even integer, 2–1024 | 20 | segment size for requests of 1–10 MiB |
 //! | `per_process_memory_fraction` | 0 < x ≤ 1 | 1 | cap reserved memory at x × device memory |

@@ -355,15 +355,22 @@ impl<B: Backend> DeviceAllocator<B> {
             Err(GrowError::Failed(e)) => return Err(e),
         };
         // A request larger than the device (or the limit) can never fit:
-        // report it without flushing the cache for nothing.
+        // report it without flushing the cache for nothing. Expandable
+        // segments need only its pages, not a plain segment's size.
+        let needed = if self.expandable {
+            let page = self.page_size(self.heap.pools[pool as usize].kind);
+            rounded.div_ceil(page).saturating_mul(page)
+        } else {
+            alloc_size
+        };
         let max = self.capacity()?;
-        if alloc_size > max {
-            return Err(self.out_of_memory(stream, size, alloc_size, cause));
+        if needed > max {
+            return Err(self.out_of_memory(stream, size, needed, cause));
         }
         if !capturing {
             // PyTorch's order: release oversize cached blocks, retry; then
             // wait for every event, release every unsplit cached segment, retry.
-            crate::log::oom_retry(self.device, alloc_size, "releasing oversize cached blocks");
+            crate::log::oom_retry(self.device, needed, "releasing oversize cached blocks");
             if self.release_available_cached_blocks(pool, stream, rounded)? {
                 match self.grow(pool, alloc_size, rounded, stream, false) {
                     Ok(b) => return Ok(b),
@@ -371,7 +378,7 @@ impl<B: Backend> DeviceAllocator<B> {
                     Err(GrowError::Failed(e)) => return Err(e),
                 }
             }
-            crate::log::oom_retry(self.device, alloc_size, "freeing every cached segment");
+            crate::log::oom_retry(self.device, needed, "freeing every cached segment");
             self.release_cached_blocks()?;
             self.stats.num_alloc_retries += 1;
             match self.grow(pool, alloc_size, rounded, stream, false) {
@@ -380,7 +387,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 Err(GrowError::Failed(e)) => return Err(e),
             }
         }
-        Err(self.out_of_memory(stream, size, alloc_size, cause))
+        Err(self.out_of_memory(stream, size, needed, cause))
     }
 
     /// PyTorch's `get_pool`: the innermost private-pool scope whose filter

@@ -66,7 +66,7 @@ use crate::trace::{Action, pool_code};
 
 impl<B: Backend> DeviceAllocator<B> {
     /// The mapping granularity of a pool's expandable segments.
-    fn page_size(&mut self, kind: PoolKind) -> u64 {
+    pub(crate) fn page_size(&mut self, kind: PoolKind) -> u64 {
         let want = match kind {
             PoolKind::Small => SMALL_BUFFER,
             PoolKind::Large => self.config.expandable_page,

@@ -219,8 +219,11 @@ impl PagePool {
             result = backend.map_handles(ptr, &list, capturing);
         }
         if result.is_err() {
+            // Handles created here go back to the driver, except during a
+            // capture, when nothing is released (they stay pooled, counted,
+            // until the next `empty_cache`).
             for (i, (h, s, k)) in chosen.into_iter().enumerate() {
-                if i < taken || backend.release_handle(h, s).is_err() {
+                if i < taken || capturing || backend.release_handle(h, s).is_err() {
                     self.pool(h, s, k);
                 } else {
                     deltas[slot(k)] -= s as i64;

@@ -111,19 +111,16 @@ impl<B: Backend> DeviceAllocator<B> {
             return Ok(());
         }
         let target = (reserved - threshold) as u64;
-        // PyTorch's loop: the average age counts every cached large block;
-        // a pass frees every whole segment at least that old, without
-        // stopping at the target (so GC does not run again at once).
+        // PyTorch's loop: the average age counts the cached large blocks
+        // that are not split pieces (`!is_split()`); a pass frees every
+        // whole segment at least that old, without stopping at the target
+        // (so GC does not run again at once).
         let now = self.heap.pools[LARGE as usize].lookups;
         let mut total_age = 0u64;
         let mut freeable = 0u64;
         for k in self.heap.pools[LARGE as usize].iter() {
-            if !self
-                .heap
-                .segments
-                .get(self.heap.blocks[k.3].segment)
-                .expandable
-            {
+            let b = &self.heap.blocks[k.3];
+            if !b.is_split() && !self.heap.segments.get(b.segment).expandable {
                 total_age += now - self.heap.blocks[k.3].gc_base;
                 freeable += 1;
             }

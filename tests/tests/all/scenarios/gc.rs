@@ -94,3 +94,24 @@ fn only_blocks_at_least_as_old_as_the_average_are_collected() {
         "the older 14 MiB block goes, the younger stays"
     );
 }
+
+/// PyTorch's average age counts only cached blocks that are not split
+/// pieces: young pieces of a split segment must not pull the average down
+/// and make an older whole segment (here B, 32 MiB) look old enough to free.
+#[test]
+fn the_average_age_leaves_split_pieces_out() {
+    let mut c = Checked::with(
+        280 * MIB,
+        "policy:pytorch,garbage_collection_threshold:0.5,per_process_memory_fraction:0.5",
+    );
+    let _z1 = c.alloc(3 * MIB, 0);
+    let a = c.alloc(30 * MIB, 0);
+    let b = c.alloc(32 * MIB, 0);
+    c.release(a);
+    let z2 = c.alloc(3 * MIB, 0);
+    c.release(b);
+    let _z3 = c.alloc(3 * MIB, 0);
+    c.release(z2);
+    c.alloc(40 * MIB, 0);
+    assert_eq!(c.reserved(), 92 * MIB, "B stays cached, as under PyTorch");
+}

@@ -142,3 +142,18 @@ fn nothing_is_unmapped_queried_or_released_during_capture() {
     c.empty_cache();
     assert_eq!(c.reserved(), 0);
 }
+
+/// Out of memory part-way through a mapping during a capture: the handles
+/// just created are kept pooled, not released (nothing is released while a
+/// capture runs), and the request fails cleanly.
+#[test]
+fn a_mapping_that_fails_during_a_capture_releases_nothing() {
+    let mut c = Checked::with(1 << 30, "");
+    c.begin_pool((1, 0), Some(5));
+    c.sim_mut().fail_map_at(2);
+    assert!(c.malloc(40 * MIB, 5).is_err());
+    c.end_pool((1, 0));
+    c.empty_cache();
+    let p = c.alloc(40 * MIB, 0);
+    c.release(p);
+}
