@@ -87,7 +87,10 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
             mode = _install_into(torch, L, bridge, verbose)
         except BaseException:
             if started:  # nothing was installed: a retry may start it again
-                L.trace_stop()
+                try:
+                    L.trace_stop()
+                except GpuallocError:
+                    pass  # the install's own error is the one to report
             raise
         MODE = mode
         _set_auto_marks(torch, auto_marks)
