@@ -134,7 +134,11 @@ pub fn write_atomically<T>(
         .unwrap_or_default();
     name.push(format!(".partial-{}", std::process::id()));
     let tmp = out.with_file_name(name);
-    let done = write(&tmp).and_then(|v| {
+    // Messages name `out`, not the file beside it.
+    let named = |CliError(m): CliError| {
+        CliError(m.replace(&tmp.display().to_string(), &out.display().to_string()))
+    };
+    let done = write(&tmp).map_err(named).and_then(|v| {
         std::fs::rename(&tmp, out)
             .map(|()| v)
             .map_err(|e| CliError(format!("{}: cannot write: {e}", out.display())))
