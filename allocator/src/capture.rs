@@ -32,8 +32,18 @@
 //! would belong to the graph). A trace records every call on a pool by the
 //! pool's index on the device (`private_pool` records), so a replay opens
 //! and closes the same scopes at the same moments (`replay_pools.rs`).
+//!
+//! Note [Capture without a pool]
+//! PyTorch's plain `CUDAPluggableAllocator` (the library loaded without
+//! gpualloc's bridge) never opens a scope: its pool hooks take C++ objects
+//! that a C function cannot receive. A graph captured through it would get
+//! memory from the default pools, and after the capture its intermediate
+//! blocks, freed, would be handed to other tensors while replays still
+//! write them. So that entry point (`gpualloc_malloc_or_abort`) asks the
+//! driver whether the stream is capturing and refuses the allocation with
+//! [`AllocError::CaptureWithoutPool`], which names the way that works.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, StreamId};
 use crate::block::PoolId;
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
@@ -168,6 +178,26 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         .fields();
         self.record(action, 0, addr, size, aux);
+    }
+
+    /// Refuses an allocation on `stream` when it is capturing a CUDA graph
+    /// and no scope is open (Note [Capture without a pool]); one driver
+    /// query, so only for callers that cannot open scopes.
+    ///
+    /// # Errors
+    /// [`AllocError::CaptureWithoutPool`], or the backend's failure to answer.
+    pub fn refuse_capture_without_pool(&mut self, stream: StreamId) -> Result<(), AllocError> {
+        if self.private.capturing() {
+            return Ok(());
+        }
+        match self.backend.stream_is_capturing(stream) {
+            Ok(false) => Ok(()),
+            Ok(true) => Err(AllocError::CaptureWithoutPool {
+                device: self.device,
+                stream,
+            }),
+            Err(e) => Err(AllocError::Backend(e)),
+        }
     }
 
     /// Private pools alive: `(id, use count, segments, live allocations)`.

@@ -339,8 +339,10 @@ void *gpualloc_malloc(size_t size, int device, cudaStream_t stream);
 // plain `CUDAPluggableAllocator`, without gpualloc's torch bridge): PyTorch
 // would turn a NULL into a tensor at address 0 and fail later, far from the
 // cause. So on failure for a non-zero size this prints the diagnosis to
-// stderr and aborts the process. Not for other callers: `gpualloc_malloc`
-// itself never aborts.
+// stderr and aborts the process. That PyTorch cannot tell gpualloc about
+// CUDA graph captures either, so an allocation on a capturing stream is
+// such a failure (Note [Capture without a pool] in the core). Not for
+// other callers: `gpualloc_malloc` itself never aborts.
 void *gpualloc_malloc_or_abort(size_t size, int device, cudaStream_t stream);
 
 // Frees a pointer from `gpualloc_malloc` (PyTorch's pluggable `free`).

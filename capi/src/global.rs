@@ -108,6 +108,9 @@ impl Backend for AnyBackend {
     fn add_peer(&mut self, peer: u32) -> Result<(), BackendError> {
         dispatch!(self, b => b.add_peer(peer))
     }
+    fn stream_is_capturing(&mut self, stream: StreamId) -> Result<bool, BackendError> {
+        dispatch!(self, b => b.stream_is_capturing(stream))
+    }
     fn synchronize(&mut self) -> Result<(), BackendError> {
         dispatch!(self, b => b.synchronize())
     }

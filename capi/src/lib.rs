@@ -149,19 +149,33 @@ pub extern "C" fn gpualloc_malloc(size: usize, device: c_int, stream: cudaStream
 /// plain `CUDAPluggableAllocator`, without gpualloc's torch bridge): PyTorch
 /// would turn a NULL into a tensor at address 0 and fail later, far from the
 /// cause. So on failure for a non-zero size this prints the diagnosis to
-/// stderr and aborts the process. Not for other callers: `gpualloc_malloc`
-/// itself never aborts.
+/// stderr and aborts the process. That PyTorch cannot tell gpualloc about
+/// CUDA graph captures either, so an allocation on a capturing stream is
+/// such a failure (Note [Capture without a pool] in the core). Not for
+/// other callers: `gpualloc_malloc` itself never aborts.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_malloc_or_abort(
     size: usize,
     device: c_int,
     stream: cudaStream_t,
 ) -> *mut c_void {
-    let p = gpualloc_malloc(size, device, stream);
+    boundary::clear_last_error();
+    let p = ffi_boundary(
+        |_| std::ptr::null_mut(),
+        || {
+            if size == 0 {
+                return Ok(std::ptr::null_mut());
+            }
+            let mut d = global()?.alloc.lock(i64::from(device))?;
+            let stream = stream as usize as u64;
+            d.refuse_capture_without_pool(stream)?;
+            Ok(d.malloc(size as u64, stream)? as usize as *mut c_void)
+        },
+    );
     if p.is_null() && size > 0 {
         let msg = last_error_string().unwrap_or_else(|| "gpualloc: allocation failed".to_string());
         eprintln!(
-            "{msg}\ngpualloc: aborting: PyTorch was given gpualloc without its bridge and cannot raise torch.OutOfMemoryError (see the gpualloc package docs)"
+            "{msg}\ngpualloc: aborting: PyTorch was given gpualloc without its bridge and cannot receive an error from it (see the gpualloc package docs)"
         );
         std::process::abort();
     }

@@ -44,7 +44,10 @@ patched in Python to read gpualloc, ``torch.cuda.memory_snapshot`` returns
 gpualloc's segments), CUDA graphs do not, and out of memory cannot become an
 exception, so the fallback registers ``gpualloc_malloc_or_abort``: it prints
 the diagnosis and aborts the process rather than hand PyTorch a NULL it
-would silently turn into a tensor.
+would silently turn into a tensor. It does the same at a CUDA graph
+capture, which PyTorch announces only through hooks a C library cannot
+receive: served from the default pools, the graph's memory would be handed
+to other tensors after the capture while replays still write it.
 
 ``torch.accelerator.memory_*`` reach PyTorch's generic allocator registry;
 the bridge registers itself there too, and ``install()`` also points them at

@@ -107,8 +107,8 @@ def _install_into(torch, L, bridge: bool, verbose: bool) -> str:
         except _BridgeUnavailable as e:
             warnings.warn(
                 f"gpualloc: the C++ bridge could not be built ({e}); falling back to a plain CUDAPluggableAllocator: "
-                "stats keep working through Python patches, but CUDA graphs are not supported and an out-of-memory "
-                "error aborts the process instead of raising torch.cuda.OutOfMemoryError.",
+                "stats keep working through Python patches, but a CUDA graph capture and an out-of-memory error "
+                "abort the process with gpualloc's diagnosis instead of raising an exception.",
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -23,7 +23,9 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -43,7 +45,9 @@ MiB = 1 << 20
 def setup(alloc: str) -> dict:
     """Installs gpualloc (before anything touches CUDA) or keeps PyTorch's allocator."""
     info = {"alloc": alloc}
-    if alloc == "gpualloc":
+    if alloc == "raw":
+        info["install_mode"] = _install_raw()
+    elif alloc == "gpualloc":
         import gpualloc
 
         t0 = time.time()
@@ -60,6 +64,43 @@ def setup(alloc: str) -> dict:
     return info
 
 
+def _capture_refused(alloc: str) -> str:
+    """Under a plain CUDAPluggableAllocator, which gives gpualloc no graph
+    pools: a capture in a child process set up the same way must abort with
+    gpualloc's refusal (Note [Capture without a pool]) before it finishes."""
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); import checks; checks.setup({alloc!r}); import torch\n"
+            "x = torch.zeros(1024, device='cuda'); g = torch.cuda.CUDAGraph()\n"
+            "with torch.cuda.graph(g):\n    y = x * 2\n"
+            "print('captured')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGABRT, f"rc={r.returncode}: {r.stdout[-300:]} {r.stderr[-600:]}"
+    assert "captured" not in r.stdout and "capturing a CUDA graph" in r.stderr, r.stderr[-600:]
+    return "refused: " + next(line for line in r.stderr.splitlines() if "capturing a CUDA graph" in line)[:200]
+
+
+def _install_raw() -> str:
+    """The route without the Python package, exactly as README.md shows it:
+    PyTorch's own CUDAPluggableAllocator on libgpualloc.so, with the hooks
+    that C functions can fill set by hand."""
+    import ctypes
+
+    import torch
+
+    path = os.environ["GPUALLOC_LIBRARY"]
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "gpualloc_malloc_or_abort", "gpualloc_free")
+    lib = ctypes.CDLL(path)
+    for setter, fn in (("set_reset_fn", lib.gpualloc_empty_cache),
+                       ("set_memory_fraction_fn", lib.gpualloc_set_memory_fraction),
+                       ("set_record_stream_fn", lib.gpualloc_record_stream)):
+        getattr(alloc.allocator(), setter)(ctypes.cast(fn, ctypes.c_void_p).value)
+    torch.cuda.memory.change_current_allocator(alloc)
+    _RAW.append(alloc)
+    return "raw"
+
+
+_RAW = []  # the raw route's allocator object, alive for the whole run
+
+
 def result(payload: dict) -> None:
     print("GPUALLOC_RESULT " + json.dumps(payload, default=str), flush=True)
 
@@ -72,9 +113,21 @@ def check_dropin(args) -> dict:
     import torch
 
     out = {}
+    # PyTorch's plain CUDAPluggableAllocator (gpualloc's fallback, or the
+    # library loaded without the Python package) cannot raise an exception
+    # from its allocation function: gpualloc_malloc_or_abort aborts the
+    # process on failure, so sub-checks that run out of memory are skipped,
+    # and those that capture a CUDA graph check instead, in a child process,
+    # that the capture is refused loudly (it cannot be served safely).
+    pluggable = torch.cuda.get_allocator_backend() == "pluggable"
 
-    def sub(name):
+    def sub(name, fails_allocation=False, captures=False):
         def deco(fn):
+            if fails_allocation and pluggable:
+                out[name] = {"ok": False, "error": "skipped: an allocation that fails aborts the process under a plain CUDAPluggableAllocator"}
+                return fn
+            if captures and pluggable:
+                fn = lambda: _capture_refused(args.alloc)  # noqa: E731
             try:
                 v = fn()
                 out[name] = {"ok": True, **({"value": v} if v is not None else {})}
@@ -124,7 +177,7 @@ def check_dropin(args) -> dict:
         torch.cuda.reset_accumulated_memory_stats()
         assert torch.cuda.memory_stats()["allocation.all.allocated"] == 0
 
-    @sub("oom_raises_OutOfMemoryError")
+    @sub("oom_raises_OutOfMemoryError", fails_allocation=True)
     def _():
         free, total = torch.cuda.mem_get_info()
         try:
@@ -137,7 +190,7 @@ def check_dropin(args) -> dict:
         assert float(y.sum()) == 1024.0
         return msg[:300]
 
-    @sub("oom_after_filling")
+    @sub("oom_after_filling", fails_allocation=True)
     def _():
         # Fill the device in 1 GiB pieces until it refuses: an exception, never a NULL tensor.
         held = []
@@ -163,7 +216,7 @@ def check_dropin(args) -> dict:
         assert after < before, f"{before} -> {after}"
         return before - after
 
-    @sub("memory_fraction")
+    @sub("memory_fraction", fails_allocation=True)
     def _():
         torch.cuda.set_per_process_memory_fraction(0.25)
         try:
@@ -197,7 +250,7 @@ def check_dropin(args) -> dict:
         del x
         torch.cuda.synchronize()
 
-    @sub("cuda_graph_capture_replay")
+    @sub("cuda_graph_capture_replay", captures=True)
     def _():
         static_x = torch.zeros(1 << 20, device=dev)
         s = torch.cuda.Stream()
@@ -218,7 +271,7 @@ def check_dropin(args) -> dict:
         del g, static_y, static_z, y
         torch.cuda.synchronize()
 
-    @sub("make_graphed_callables")
+    @sub("make_graphed_callables", captures=True)
     def _():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8)).to(dev)
@@ -625,14 +678,13 @@ def _gpt2(batch, steps) -> Workload:
         def forward(m, tokens):
             return m(input_ids=tokens, labels=tokens).loss
     except ImportError:
-        from models import TinyGPT
+        from models import TinyGPT, next_token_loss
 
         model = TinyGPT(vocab=vocab, dim=768, layers=12, heads=12).to(dev)
         name = "gpualloc TinyGPT (GPT-2 small shape; transformers not installed)"
 
         def forward(m, tokens):
-            logits = m(tokens)
-            return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+            return next_token_loss(m(tokens), tokens)
 
     rng = random.Random(2)
     g = torch.Generator().manual_seed(2)
@@ -957,7 +1009,8 @@ CHECKS = {
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("check", choices=sorted(CHECKS))
-    p.add_argument("--alloc", choices=["native", "gpualloc"], required=True)
+    p.add_argument("--alloc", choices=["native", "gpualloc", "raw"], required=True,
+                   help="raw: libgpualloc.so as a plain CUDAPluggableAllocator, without the Python package")
     p.add_argument("--steps", type=int, default=0)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="gpt2", help="max_batch: what to train")
     p.add_argument("--budget-gib", type=float, default=12.0, help="max_batch: the memory budget")

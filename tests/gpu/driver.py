@@ -55,9 +55,15 @@ VARIANTS = {
     "gpualloc-expandable-traced": ("gpualloc", {"GPUALLOC_TEST_CONF": "expandable_segments:true"}),
     "gpualloc-pytorch": ("gpualloc", {"GPUALLOC_TEST_CONF": "policy:pytorch"}),
     "gpualloc-traced": ("gpualloc", {}),
+    # The two routes without gpualloc's C++ bridge: install()'s fallback, and
+    # the library as a plain CUDAPluggableAllocator without the Python package.
+    "gpualloc-fallback": ("gpualloc", {"GPUALLOC_BRIDGE": "0"}),
+    "gpualloc-raw": ("raw", {}),
 }
 # Checks that run under more than "native" and "gpualloc".
 CHECK_VARIANTS = {
+    "dropin": ["native", "gpualloc", "gpualloc-fallback", "gpualloc-raw"],
+    "streams": ["native", "gpualloc", "gpualloc-fallback", "gpualloc-raw"],
     "ipc": ["native", "native[expandable_segments:True]", "gpualloc", "gpualloc[expandable_segments:false]"],
     "kernel_speed": ["native", "native[expandable_segments:True]", "gpualloc"],
 }
@@ -65,7 +71,7 @@ TRAIN_VARIANTS = ["native", "native-expandable", "gpualloc", "gpualloc-expandabl
 
 # Inherited settings that would change what a variant means: each run gets
 # only those of its variant.
-CONFIG_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "GPUALLOC_CONF", "GPUALLOC_TEST_CONF", "GPUALLOC_TEST_TRACE")
+CONFIG_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "GPUALLOC_CONF", "GPUALLOC_TEST_CONF", "GPUALLOC_TEST_TRACE", "GPUALLOC_BRIDGE")
 
 
 def variant(name):
@@ -134,7 +140,7 @@ def order_note(variants, repeats):
 def require_library(variants):
     """Whether any of `variants` runs gpualloc; exits with a message when
     one does and GPUALLOC_LIBRARY names no built library."""
-    uses_gpualloc = any(variant(v)[0] == "gpualloc" for v in variants)
+    uses_gpualloc = any(variant(v)[0] != "native" for v in variants)
     lib = os.environ.get("GPUALLOC_LIBRARY", "")
     if uses_gpualloc and not os.path.isfile(lib):
         sys.exit(f"missing GPUALLOC_LIBRARY ({lib or 'unset'}): run 'cargo build --release -p gpualloc-capi' (or carry it)")

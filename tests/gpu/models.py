@@ -4,6 +4,13 @@ import torch
 from torch import nn
 
 
+def next_token_loss(logits, tokens):
+    """Cross-entropy of each position's logits (in float32) against the token
+    that follows it; `tokens` may be longer than the logits' sequence."""
+    t, vocab = logits.shape[1], logits.shape[-1]
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:t].reshape(-1))
+
+
 def conv_bn(cin, cout, k=3, s=1):
     return nn.Sequential(nn.Conv2d(cin, cout, k, s, k // 2, bias=False), nn.BatchNorm2d(cout), nn.SiLU())
 

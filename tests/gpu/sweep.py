@@ -212,7 +212,7 @@ def vit_amp(rounds):
 def compile_dynamic(rounds):
     import torch
 
-    from models import TinyGPT
+    from models import TinyGPT, next_token_loss
 
     dev = torch.device("cuda:0")
     vocab = 8192
@@ -226,7 +226,7 @@ def compile_dynamic(rounds):
         tokens = torch.randint(0, vocab, (16, rng.randrange(64, 513)), generator=g).to(dev)
         opt.zero_grad(set_to_none=True)
         logits = step(tokens)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        loss = next_token_loss(logits, tokens)
         loss.backward()
         opt.step()
         return float(loss.detach())
@@ -330,7 +330,7 @@ def lstm_varlen(rounds):
 def reduce_overhead(rounds):
     import torch
 
-    from models import TinyGPT
+    from models import TinyGPT, next_token_loss
 
     dev = torch.device("cuda:0")
     vocab = 8192
@@ -340,7 +340,7 @@ def reduce_overhead(rounds):
     @torch.compile(mode="reduce-overhead")
     def forward_loss(tokens):
         logits = model(tokens)
-        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        return next_token_loss(logits, tokens)
 
     rng = random.Random(31)
     g = torch.Generator().manual_seed(31)
@@ -407,7 +407,7 @@ def cudnn_benchmark(rounds):
 def graph_branches(rounds):
     import torch
 
-    from models import TinyGPT
+    from models import TinyGPT, next_token_loss
 
     dev = torch.device("cuda:0")
     vocab = 8192
@@ -425,7 +425,7 @@ def graph_branches(rounds):
         torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
         logits = refine(encode(tokens)[:, :keep])
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), tokens[:, 1:keep].reshape(-1))
+        loss = next_token_loss(logits, tokens)
         loss.backward()
         opt.step()
         return float(loss.detach())
@@ -525,6 +525,7 @@ def multi_stream(rounds):
 def moe(rounds):
     import torch
     import torch.nn.functional as F
+    from models import next_token_loss
     from torch import nn
 
     dev = torch.device("cuda:0")
@@ -589,7 +590,7 @@ def moe(rounds):
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(tokens)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
+            loss = next_token_loss(logits, tokens)
         loss.backward()
         opt.step()
         return float(loss.detach())

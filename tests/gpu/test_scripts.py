@@ -51,6 +51,19 @@ class Variants(unittest.TestCase):
             with self.assertRaises(ValueError):
                 driver.parse_variants(bad)
 
+    def test_the_routes_without_the_bridge_need_the_library_and_no_inherited_switch(self):
+        self.assertEqual(driver.variant("gpualloc-raw"), ("raw", {}))
+        self.assertEqual(driver.variant("gpualloc-fallback"), ("gpualloc", {"GPUALLOC_BRIDGE": "0"}))
+        self.assertIn("GPUALLOC_BRIDGE", driver.CONFIG_ENV)  # a bridge run never inherits the fallback's switch
+        old = os.environ.pop("GPUALLOC_LIBRARY", None)
+        try:
+            with self.assertRaises(SystemExit):
+                driver.require_library(["native", "gpualloc-raw"])
+            self.assertFalse(driver.require_library(["native", "native-expandable"]))
+        finally:
+            if old is not None:
+                os.environ["GPUALLOC_LIBRARY"] = old
+
 
 class KernelSpeed(unittest.TestCase):
     def test_ratios_to_native_leave_failed_runs_out(self):

@@ -523,6 +523,13 @@ impl Checked {
         self.check();
     }
 
+    /// `refuse_capture_without_pool`.
+    pub fn refuse_capture_without_pool(&mut self, stream: StreamId) -> Result<(), AllocError> {
+        let r = self.op(|d| d.refuse_capture_without_pool(stream));
+        self.check();
+        r
+    }
+
     /// `empty_pool_cache`.
     pub fn empty_pool_cache(&mut self, key: PoolKey) -> Result<(), AllocError> {
         let r = self.op(|d| d.empty_pool_cache(key));

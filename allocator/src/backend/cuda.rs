@@ -694,6 +694,23 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn stream_is_capturing(&mut self, stream: StreamId) -> Result<bool, BackendError> {
+        let _bound = self.bind()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE as u32;
+        // SAFETY: `stream` is a stream handle PyTorch passed (0 = legacy
+        // default stream of the bound context), alive for the call; `status`
+        // is a valid out-pointer for the enum's integer.
+        let r = unsafe { driver::cuStreamIsCapturing(stream_of(stream), &mut status) };
+        match r {
+            driver::SUCCESS => {
+                Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE as u32)
+            }
+            // The legacy stream while another stream captures in global mode.
+            driver::STREAM_CAPTURE_IMPLICIT => Ok(true),
+            other => check("cuStreamIsCapturing", other).map(|()| false),
+        }
+    }
+
     fn add_peer(&mut self, peer: u32) -> Result<(), BackendError> {
         let dev = cu_device(peer)?;
         if dev == self.device || self.peers.contains(&dev) {

@@ -224,6 +224,16 @@ pub trait Backend: Send {
         Ok(())
     }
 
+    /// Whether `stream` is capturing a CUDA graph (`cuStreamIsCapturing`;
+    /// a capture that makes the legacy default stream unusable counts).
+    /// gpualloc learns of captures from PyTorch's pool hooks; this asks the
+    /// driver, for callers that cannot give those hooks (Note [Capture
+    /// without a pool]). Never capturing for a backend without graphs.
+    fn stream_is_capturing(&mut self, stream: StreamId) -> Result<bool, BackendError> {
+        let _ = stream;
+        Ok(false)
+    }
+
     /// Blocks until all work queued on the device is done
     /// (`cuCtxSynchronize`). Only for what no stream's event can order: the
     /// pages of a released graph pool, which a replay on any stream may use.

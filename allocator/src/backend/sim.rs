@@ -795,6 +795,11 @@ impl Backend for SimBackend {
         Ok(())
     }
 
+    fn stream_is_capturing(&mut self, stream: StreamId) -> Result<bool, BackendError> {
+        let _ = stream; // a simulated capture covers every stream
+        Ok(self.capturing)
+    }
+
     fn synchronize(&mut self) -> Result<(), BackendError> {
         self.fault(SimCall::Synchronize)?;
         self.forbid_in_capture("synchronize");

@@ -20,6 +20,9 @@ pub(super) type CuResult = u32;
 pub(super) const SUCCESS: CuResult = CUresult::CUDA_SUCCESS as u32;
 pub(super) const OUT_OF_MEMORY: CuResult = CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32;
 pub(super) const NOT_READY: CuResult = CUresult::CUDA_ERROR_NOT_READY as u32;
+/// `cuStreamIsCapturing` on the legacy stream while a capture forbids it.
+pub(super) const STREAM_CAPTURE_IMPLICIT: CuResult =
+    CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT as u32;
 /// Returned when the library lacks a symbol (an old driver).
 pub(super) const NOT_FOUND: CuResult = CUresult::CUDA_ERROR_NOT_FOUND as u32;
 
@@ -112,6 +115,7 @@ driver_fns! {
     cuStreamWaitEvent(stream: sys::CUstream, event: sys::CUevent, flags: c_uint);
     cuStreamGetCtx(stream: sys::CUstream, ctx: *mut sys::CUcontext);
     cuThreadExchangeStreamCaptureMode(mode: *mut u32);
+    cuStreamIsCapturing(stream: sys::CUstream, status: *mut u32);
     cuMemGetAllocationGranularity(
         granularity: *mut usize,
         prop: *const sys::CUmemAllocationProp,

@@ -179,3 +179,36 @@ fn reopening_a_held_pool_reuses_its_cache() {
     c.release_pool(G).unwrap();
     assert_eq!(c.reserved(), 0);
 }
+
+#[test]
+fn a_capture_no_scope_announced_is_refused_with_the_way_that_works() {
+    // PyTorch's plain CUDAPluggableAllocator captures without pool hooks
+    // (Note [Capture without a pool]): the driver says the stream captures.
+    let mut c = Checked::with(1 << 30, "");
+    let before = c.alloc(4096, CAP);
+    c.release(before);
+    c.sim_mut().set_capturing(true);
+    let err = c.refuse_capture_without_pool(CAP).unwrap_err();
+    assert_eq!(
+        err,
+        AllocError::CaptureWithoutPool {
+            device: 0,
+            stream: CAP
+        }
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("capturing a CUDA graph") && msg.contains("gpualloc.install()"),
+        "{msg}"
+    );
+    c.sim_mut().set_capturing(false);
+    // With a scope open (the bridge's hooks), the same capture is served.
+    c.begin_pool(G, Some(CAP));
+    c.refuse_capture_without_pool(CAP).unwrap();
+    let p = c.alloc(4096, CAP);
+    assert_eq!(pool_of(&c, p), G);
+    c.release(p);
+    c.end_pool(G);
+    // And outside any capture nothing is refused.
+    c.refuse_capture_without_pool(CAP).unwrap();
+}
