@@ -176,7 +176,15 @@ def _build_bridge(torch, verbose: bool) -> str:
     name = f"gpualloc_bridge_{key}"
     build_dir = _build_dir(torch, key)
     so = os.path.join(build_dir, f"{name}.so")
-    if os.path.isfile(so) and os.environ.get("GPUALLOC_REBUILD_BRIDGE") != "1":
+    # Several processes may install at once (torchrun's ranks on a fresh
+    # machine). cpp_extension.load serializes their builds with a lock in
+    # build_dir, but the linker writes the .so in place: one seen before its
+    # build finished may be partial, and loading it can fail or fault. So
+    # the cached .so is trusted only beside the marker written once a build
+    # completed; without it every process goes through load(), which waits
+    # for the one building and then finds the build up to date.
+    complete = so + ".complete"
+    if os.path.isfile(complete) and os.path.isfile(so) and os.environ.get("GPUALLOC_REBUILD_BRIDGE") != "1":
         return so
     cuda_inc = _cuda_include_dirs(torch)
     if not cuda_inc:
@@ -200,7 +208,17 @@ def _build_bridge(torch, verbose: bool) -> str:
         so = built
     if not os.path.isfile(so):
         raise _BridgeUnavailable(f"the build did not produce {so}")
+    _write_marker(complete)
     return so
+
+
+def _write_marker(path: str) -> None:
+    """Creates `path` atomically (a file written beside it, then renamed), so
+    that another process sees it whole or not at all."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write("built\n")
+    os.replace(tmp, path)
 
 
 def _install_bridge(torch, libpath: str, verbose: bool) -> None:

@@ -1,0 +1,82 @@
+"""The bridge's build cache when several processes install at once.
+
+torch is not installed here: a stand-in `torch.utils.cpp_extension.load`
+writes the library the way a build would, and counts its calls.
+"""
+
+import os
+import sys
+import tempfile
+import types
+import unittest
+from unittest import mock
+
+from . import __name__ as _env  # noqa: F401
+from gpualloc import _torch
+
+
+class FakeExtensions:
+    """`torch.utils.cpp_extension` with a `load` that "builds" the .so."""
+
+    def __init__(self):
+        self.loads = 0
+
+    def load(self, name, build_directory, **_):
+        self.loads += 1
+        path = os.path.join(build_directory, f"{name}.so")
+        with open(path, "wb") as f:
+            f.write(b"\x7fELF built")
+        return path
+
+
+class BridgeCache(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.ext = FakeExtensions()
+        utils = types.ModuleType("torch.utils")
+        utils.cpp_extension = self.ext
+        torch = types.ModuleType("torch")
+        torch.__version__ = "2.11.0+test"
+        torch.__file__ = os.path.join(self.dir.name, "torch", "__init__.py")
+        torch.utils = utils
+        patches = [
+            mock.patch.dict(os.environ, {"GPUALLOC_BUILD_DIR": self.dir.name}),
+            mock.patch.dict(sys.modules, {"torch": torch, "torch.utils": utils, "torch.utils.cpp_extension": self.ext}),
+            mock.patch.object(_torch, "_cuda_include_dirs", lambda _t: ["/cuda/include"]),
+        ]
+        for p in patches:
+            p.start()
+            self.addCleanup(p.stop)
+        os.environ.pop("GPUALLOC_REBUILD_BRIDGE", None)
+        self.torch = torch
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def test_a_library_without_its_marker_goes_through_the_locked_build(self):
+        so = _torch._build_bridge(self.torch, verbose=False)
+        self.assertEqual(self.ext.loads, 1)
+        self.assertTrue(os.path.isfile(so + ".complete"))
+        # Another process, later: the marker says the build finished.
+        self.assertEqual(_torch._build_bridge(self.torch, verbose=False), so)
+        self.assertEqual(self.ext.loads, 1)
+        # A library seen while another process may still be linking it (no
+        # marker yet) is not trusted: load() waits for that build.
+        os.remove(so + ".complete")
+        with open(so, "wb") as f:
+            f.write(b"\x7fEL")  # partial
+        self.assertEqual(_torch._build_bridge(self.torch, verbose=False), so)
+        self.assertEqual(self.ext.loads, 2)
+        self.assertTrue(os.path.isfile(so + ".complete"))
+        leftovers = [n for n in os.listdir(os.path.dirname(so)) if n.endswith(".tmp")]
+        self.assertEqual(leftovers, [])
+
+    def test_rebuild_on_request_despite_the_marker(self):
+        _torch._build_bridge(self.torch, verbose=False)
+        with mock.patch.dict(os.environ, {"GPUALLOC_REBUILD_BRIDGE": "1"}):
+            _torch._build_bridge(self.torch, verbose=False)
+        self.assertEqual(self.ext.loads, 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
