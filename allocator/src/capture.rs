@@ -39,9 +39,17 @@
 //! that a C function cannot receive. A graph captured through it would get
 //! memory from the default pools, and after the capture its intermediate
 //! blocks, freed, would be handed to other tensors while replays still
-//! write them. So that entry point (`gpualloc_malloc_or_abort`) asks the
-//! driver whether the stream is capturing and refuses the allocation with
-//! [`AllocError::CaptureWithoutPool`], which names the way that works.
+//! write them. So that route's entry point (`gpualloc_malloc_or_abort`)
+//! follows captures itself ([`follow_driver_capture`]): it asks the driver
+//! whether the allocating stream captures, and if so opens a scope of a
+//! pool of its own (keys `(FOLLOWED_POOL, n)`) that takes every allocation
+//! until the driver says the capture ended, checked at the route's next
+//! allocation. Nothing tells that route when a graph is destroyed, so such
+//! a pool is never released: a graph captured this way keeps its memory
+//! for the life of the process. That is the price of replays that never
+//! write memory given to another tensor; the bridge has none of it.
+//!
+//! [`follow_driver_capture`]: DeviceAllocator::follow_driver_capture
 
 use crate::backend::{Backend, StreamId};
 use crate::block::PoolId;
@@ -180,24 +188,26 @@ impl<B: Backend> DeviceAllocator<B> {
         self.record(action, 0, addr, size, aux);
     }
 
-    /// Refuses an allocation on `stream` when it is capturing a CUDA graph
-    /// and no scope is open (Note [Capture without a pool]); one driver
-    /// query, so only for callers that cannot open scopes.
-    ///
-    /// # Errors
-    /// [`AllocError::CaptureWithoutPool`], or the backend's failure to answer.
-    pub fn refuse_capture_without_pool(&mut self, stream: StreamId) -> Result<(), AllocError> {
-        if self.private.capturing() {
-            return Ok(());
+    /// Before an allocation on `stream` by a caller that cannot announce
+    /// captures: closes the scope of a followed capture the driver says
+    /// has ended, and opens one when `stream` captures while no scope is
+    /// open (Note [Capture without a pool]). One or two driver queries, so
+    /// only for such callers; a query the driver refuses counts as no
+    /// capture (a stream destroyed since its capture ended, say).
+    pub fn follow_driver_capture(&mut self, stream: StreamId) -> Result<(), AllocError> {
+        if let Some((key, captured)) = self.private.followed() {
+            if self.backend.stream_is_capturing(captured).unwrap_or(false) {
+                return Ok(());
+            }
+            self.end_allocate_to_pool(key)?;
+            self.private.unfollow();
         }
-        match self.backend.stream_is_capturing(stream) {
-            Ok(false) => Ok(()),
-            Ok(true) => Err(AllocError::CaptureWithoutPool {
-                device: self.device,
-                stream,
-            }),
-            Err(e) => Err(AllocError::Backend(e)),
+        if !self.private.capturing() && self.backend.stream_is_capturing(stream).unwrap_or(false) {
+            let key = self.private.follow(stream);
+            // Every stream: work forked from the capturing stream is captured too.
+            self.begin_allocate_to_pool(key, None);
         }
+        Ok(())
     }
 
     /// Private pools alive: `(id, use count, segments, live allocations)`.

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::backend::{BackendError, DevicePtr, StreamId};
+use crate::backend::{BackendError, DevicePtr};
 
 /// Everything the allocator knew when an allocation failed.
 #[derive(Clone, Debug, PartialEq)]
@@ -87,15 +87,6 @@ pub enum AllocError {
         device: u32,
         /// What is wrong, with the addresses.
         reason: String,
-    },
-    /// An allocation on a stream that is capturing a CUDA graph while no
-    /// private pool scope is open: the graph's memory would be handed out
-    /// again after the capture (Note [Capture without a pool]).
-    CaptureWithoutPool {
-        /// The device.
-        device: u32,
-        /// The capturing stream.
-        stream: StreamId,
     },
     /// The backend failed in a way retrying will not fix.
     Backend(BackendError),
@@ -214,13 +205,6 @@ impl fmt::Display for AllocError {
                 f,
                 "gpualloc: cannot restore private pool ({}, {}) on device {device} to its checkpoint: {reason}; nothing was changed",
                 pool.0, pool.1
-            ),
-            AllocError::CaptureWithoutPool { device, stream } => write!(
-                f,
-                "gpualloc: an allocation on stream {stream:#x} of device {device}, which is capturing a CUDA graph, but no graph pool was begun: \
-                 the graph's memory would be handed out again after the capture, so gpualloc refuses it. \
-                 PyTorch's plain CUDAPluggableAllocator cannot pass its graph-pool hooks to a C library; \
-                 load gpualloc with gpualloc.install(), whose bridge supports CUDA graphs"
             ),
             AllocError::Backend(e) => write!(f, "gpualloc: {e}"),
             AllocError::Poisoned { device } => write!(

@@ -42,7 +42,16 @@ pub(crate) struct PrivatePools {
     /// per pair, would name another checkpoint).
     checkpoints: rustc_hash::FxHashMap<u64, u64>,
     next_checkpoint: u64,
+    /// The capture followed through the driver, if one is open: its pool
+    /// and the stream capturing (Note [Capture without a pool]).
+    followed: Option<(PoolKey, StreamId)>,
+    /// Captures followed so far (the next one's pool key).
+    followed_count: u64,
 }
+
+/// The first half of the pool keys of captures followed through the
+/// driver; PyTorch's graph and MemPool ids never reach it.
+pub const FOLLOWED_POOL: u64 = u64::MAX;
 
 /// Checkpoints numbered at most, while tracing; older numbers are
 /// forgotten past it (a restore of one then replays approximately).
@@ -71,6 +80,24 @@ impl PrivatePools {
     /// was numbered.
     pub fn checkpoint_number(&self, hash: u64) -> Option<u64> {
         self.checkpoints.get(&hash).copied()
+    }
+
+    /// The capture followed through the driver, if open.
+    pub fn followed(&self) -> Option<(PoolKey, StreamId)> {
+        self.followed
+    }
+
+    /// Starts following a capture on `stream`; returns its pool's key.
+    pub fn follow(&mut self, stream: StreamId) -> PoolKey {
+        let key = (FOLLOWED_POOL, self.followed_count);
+        self.followed_count += 1;
+        self.followed = Some((key, stream));
+        key
+    }
+
+    /// The followed capture ended.
+    pub fn unfollow(&mut self) {
+        self.followed = None;
     }
 
     /// Opens a scope for pool `key` (the caller also takes a hold on the

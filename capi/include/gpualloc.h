@@ -340,9 +340,10 @@ void *gpualloc_malloc(size_t size, int device, cudaStream_t stream);
 // would turn a NULL into a tensor at address 0 and fail later, far from the
 // cause. So on failure for a non-zero size this prints the diagnosis to
 // stderr and aborts the process. That PyTorch cannot tell gpualloc about
-// CUDA graph captures either, so an allocation on a capturing stream is
-// such a failure (Note [Capture without a pool] in the core). Not for
-// other callers: `gpualloc_malloc` itself never aborts.
+// CUDA graph captures either, so this asks the driver and keeps a graph's
+// memory apart itself, for the life of the process (Note [Capture without
+// a pool] in the core). Not for other callers: `gpualloc_malloc` itself
+// never aborts and follows no capture.
 void *gpualloc_malloc_or_abort(size_t size, int device, cudaStream_t stream);
 
 // Frees a pointer from `gpualloc_malloc` (PyTorch's pluggable `free`).

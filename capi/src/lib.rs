@@ -150,9 +150,10 @@ pub extern "C" fn gpualloc_malloc(size: usize, device: c_int, stream: cudaStream
 /// would turn a NULL into a tensor at address 0 and fail later, far from the
 /// cause. So on failure for a non-zero size this prints the diagnosis to
 /// stderr and aborts the process. That PyTorch cannot tell gpualloc about
-/// CUDA graph captures either, so an allocation on a capturing stream is
-/// such a failure (Note [Capture without a pool] in the core). Not for
-/// other callers: `gpualloc_malloc` itself never aborts.
+/// CUDA graph captures either, so this asks the driver and keeps a graph's
+/// memory apart itself, for the life of the process (Note [Capture without
+/// a pool] in the core). Not for other callers: `gpualloc_malloc` itself
+/// never aborts and follows no capture.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_malloc_or_abort(
     size: usize,
@@ -168,7 +169,7 @@ pub extern "C" fn gpualloc_malloc_or_abort(
             }
             let mut d = global()?.alloc.lock(i64::from(device))?;
             let stream = stream as usize as u64;
-            d.refuse_capture_without_pool(stream)?;
+            d.follow_driver_capture(stream)?;
             Ok(d.malloc(size as u64, stream)? as usize as *mut c_void)
         },
     );

@@ -41,13 +41,14 @@ Without a compiler (or with ``bridge=False``), ``install()`` falls back to a
 plain ``CUDAPluggableAllocator`` with a warning: stats, summary, fractions,
 ``empty_cache`` and ``record_stream`` still work (``torch.cuda.memory_*`` are
 patched in Python to read gpualloc, ``torch.cuda.memory_snapshot`` returns
-gpualloc's segments), CUDA graphs do not, and out of memory cannot become an
+gpualloc's segments), ``cudnn.benchmark`` convolutions do not (PyTorch's
+wrapper refuses ``cacheInfo``), and out of memory cannot become an
 exception, so the fallback registers ``gpualloc_malloc_or_abort``: it prints
 the diagnosis and aborts the process rather than hand PyTorch a NULL it
-would silently turn into a tensor. It does the same at a CUDA graph
-capture, which PyTorch announces only through hooks a C library cannot
-receive: served from the default pools, the graph's memory would be handed
-to other tensors after the capture while replays still write it.
+would silently turn into a tensor. PyTorch announces CUDA graph captures
+only through hooks a C library cannot receive, so that entry point asks the
+driver and gives a capture a pool of its own, kept until the process ends
+(nothing says when the graph is destroyed).
 
 ``torch.accelerator.memory_*`` reach PyTorch's generic allocator registry;
 the bridge registers itself there too, and ``install()`` also points them at

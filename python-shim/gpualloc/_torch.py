@@ -107,8 +107,9 @@ def _install_into(torch, L, bridge: bool, verbose: bool) -> str:
         except _BridgeUnavailable as e:
             warnings.warn(
                 f"gpualloc: the C++ bridge could not be built ({e}); falling back to a plain CUDAPluggableAllocator: "
-                "stats keep working through Python patches, but a CUDA graph capture and an out-of-memory error "
-                "abort the process with gpualloc's diagnosis instead of raising an exception.",
+                "stats keep working through Python patches, but an out-of-memory error aborts the process with "
+                "gpualloc's diagnosis instead of raising torch.cuda.OutOfMemoryError, cudnn.benchmark convolutions "
+                "fail, and a captured CUDA graph keeps its memory until the process ends.",
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -523,11 +523,10 @@ impl Checked {
         self.check();
     }
 
-    /// `refuse_capture_without_pool`.
-    pub fn refuse_capture_without_pool(&mut self, stream: StreamId) -> Result<(), AllocError> {
-        let r = self.op(|d| d.refuse_capture_without_pool(stream));
+    /// `follow_driver_capture`.
+    pub fn follow_driver_capture(&mut self, stream: StreamId) {
+        self.op(|d| d.follow_driver_capture(stream)).unwrap();
         self.check();
-        r
     }
 
     /// `empty_pool_cache`.

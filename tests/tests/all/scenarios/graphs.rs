@@ -181,34 +181,73 @@ fn reopening_a_held_pool_reuses_its_cache() {
 }
 
 #[test]
-fn a_capture_no_scope_announced_is_refused_with_the_way_that_works() {
+fn a_capture_no_hook_announces_is_followed_and_its_memory_kept_for_good() {
     // PyTorch's plain CUDAPluggableAllocator captures without pool hooks
-    // (Note [Capture without a pool]): the driver says the stream captures.
-    let mut c = Checked::with(1 << 30, "");
-    let before = c.alloc(4096, CAP);
-    c.release(before);
+    // (Note [Capture without a pool]); only the driver knows.
+    for config in ["", "policy:pytorch"] {
+        follow_a_capture(config);
+    }
+}
+
+fn follow_a_capture(config: &str) {
+    let mut c = Checked::with(1 << 30, config);
+    let cached = c.alloc(12 * MIB, CAP);
+    c.release(cached);
+    c.follow_driver_capture(CAP);
+    assert!(!c.capturing(), "no capture, no scope");
+
+    c.sim_mut().set_capturing(true); // the capture begins
+    c.follow_driver_capture(CAP);
+    let p = c.alloc(12 * MIB, CAP);
+    assert_ne!(
+        p, cached,
+        "the capture does not take the default pools' memory"
+    );
+    let key = pool_of(&c, p);
+    assert_eq!(key.0, u64::MAX, "a pool of gpualloc's own");
+    c.release(p); // freed during the capture: reusable by the same capture
+    c.follow_driver_capture(CAP);
+    let q = c.alloc(12 * MIB, CAP);
+    assert_eq!(q, p);
+    c.follow_driver_capture(OTHER); // forked work is captured too
+    let forked = c.alloc(4096, OTHER);
+    assert_eq!(pool_of(&c, forked), key);
+    c.sim_mut().set_capturing(false); // the capture ends
+
+    c.follow_driver_capture(CAP); // the next allocation sees it ended
+    let r = c.alloc(12 * MIB, CAP);
+    assert_eq!(pool_of(&c, r), (0, 0));
+    c.release(q); // the graph's output, freed after the capture
+    let s = c.alloc(12 * MIB, CAP);
+    assert_ne!(
+        s, q,
+        "replays may still write the graph's memory: never handed out again"
+    );
+    c.empty_cache();
+    assert_eq!(c.stats().num_device_free, 0, "the pool is held for good");
+    c.release(r);
+    c.release(s);
+    c.release(forked);
+
+    // A second capture gets a pool of its own.
     c.sim_mut().set_capturing(true);
-    let err = c.refuse_capture_without_pool(CAP).unwrap_err();
-    assert_eq!(
-        err,
-        AllocError::CaptureWithoutPool {
-            device: 0,
-            stream: CAP
-        }
-    );
-    let msg = err.to_string();
-    assert!(
-        msg.contains("capturing a CUDA graph") && msg.contains("gpualloc.install()"),
-        "{msg}"
-    );
+    c.follow_driver_capture(CAP);
+    let t = c.alloc(4096, CAP);
+    assert_eq!(pool_of(&c, t), (u64::MAX, key.1 + 1));
+    c.release(t);
     c.sim_mut().set_capturing(false);
-    // With a scope open (the bridge's hooks), the same capture is served.
+    c.follow_driver_capture(CAP);
+    assert!(!c.capturing());
+}
+
+#[test]
+fn a_capture_announced_by_the_hooks_is_not_followed_twice() {
+    let mut c = Checked::with(1 << 30, "");
     c.begin_pool(G, Some(CAP));
-    c.refuse_capture_without_pool(CAP).unwrap();
+    c.follow_driver_capture(CAP);
     let p = c.alloc(4096, CAP);
     assert_eq!(pool_of(&c, p), G);
     c.release(p);
     c.end_pool(G);
-    // And outside any capture nothing is refused.
-    c.refuse_capture_without_pool(CAP).unwrap();
+    assert!(!c.capturing());
 }
