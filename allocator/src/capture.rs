@@ -40,19 +40,32 @@
 //! memory from the default pools, and after the capture its intermediate
 //! blocks, freed, would be handed to other tensors while replays still
 //! write them. So that route's entry point (`gpualloc_malloc_or_abort`)
-//! follows captures itself ([`follow_driver_capture`]): it asks the driver
-//! whether the allocating stream captures, and if so opens a scope of a
-//! pool of its own (keys `(FOLLOWED_POOL, n)`) that takes every allocation
-//! until the driver says the capture ended, checked at the route's next
-//! allocation. Nothing tells that route when a graph is destroyed, so such
-//! a pool is never released: a graph captured this way keeps its memory
-//! for the life of the process. That is the price of replays that never
-//! write memory given to another tensor; the bridge has none of it.
+//! follows captures itself ([`follow_driver_capture`]), and from its first
+//! call on the device's frees and `empty_cache` do too:
+//! - it asks the driver for the capture the allocating stream takes part
+//!   in (`cuStreamGetCaptureInfo`: the capture's id, unique in the process);
+//! - with no scope open, a capture opens one, of a pool of gpualloc's own
+//!   (keys `(FOLLOWED_POOL, n)`), whose filter takes the streams seen in
+//!   that capture; a stream joins when the driver gives it the same id;
+//! - the scope closes at the first call that finds the stream it was
+//!   opened on out of that capture: ended, or in a new capture, as when
+//!   `torch.cuda.graph` captures graph after graph on its one stream;
+//! - a free asks about the block's stream and every stream it was used on
+//!   before anything else, so that a capture whose first call is a free is
+//!   followed before an event could be recorded in it.
+//!
+//! Nothing tells that route when a graph is destroyed, so such a pool is
+//! never released: a graph captured this way keeps its memory for the life
+//! of the process, and graphs that PyTorch would let share a pool (`pool=`)
+//! get one each. That is the price of replays that never write memory given
+//! to another tensor; the bridge has none of it. Another thread's event
+//! query during a capture nobody has followed yet (no allocation or free on
+//! its streams) can still invalidate a capture in global mode.
 //!
 //! [`follow_driver_capture`]: DeviceAllocator::follow_driver_capture
 
 use crate::backend::{Backend, StreamId};
-use crate::block::PoolId;
+use crate::block::{BlockId, PoolId};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::pool::{Pool, PoolKey};
@@ -189,25 +202,74 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// Before an allocation on `stream` by a caller that cannot announce
-    /// captures: closes the scope of a followed capture the driver says
-    /// has ended, and opens one when `stream` captures while no scope is
-    /// open (Note [Capture without a pool]). One or two driver queries, so
-    /// only for such callers; a query the driver refuses counts as no
-    /// capture (a stream destroyed since its capture ended, say).
+    /// captures (Note [Capture without a pool]): from now on this device
+    /// follows captures through the driver. Closes the followed capture's
+    /// scope once the driver says it ended; opens one when `stream`
+    /// captures and no scope is open, or adds `stream` to the followed
+    /// capture when it takes part in it. A query the driver refuses counts
+    /// as no capture.
     pub fn follow_driver_capture(&mut self, stream: StreamId) -> Result<(), AllocError> {
-        if let Some((key, captured)) = self.private.followed() {
-            if self.backend.stream_is_capturing(captured).unwrap_or(false) {
-                return Ok(());
-            }
-            self.end_allocate_to_pool(key)?;
-            self.private.unfollow();
+        self.private.start_following();
+        self.close_ended_capture()?;
+        self.follow_stream(stream)
+    }
+
+    /// Closes the followed capture's scope when its first stream no longer
+    /// takes part in it (ended, or another capture began there). One driver
+    /// query, only while a capture is followed.
+    pub(crate) fn close_ended_capture(&mut self) -> Result<(), AllocError> {
+        let Some((key, stream, id)) = self.private.followed() else {
+            return Ok(());
+        };
+        if self.backend.stream_capture(stream).ok().flatten() == Some(id) {
+            return Ok(());
         }
-        if !self.private.capturing() && self.backend.stream_is_capturing(stream).unwrap_or(false) {
-            let key = self.private.follow(stream);
-            // Every stream: work forked from the capturing stream is captured too.
-            self.begin_allocate_to_pool(key, None);
+        self.private.unfollow();
+        self.end_allocate_to_pool(key)
+    }
+
+    /// Follows `stream`'s capture, if it takes part in one (see
+    /// [`follow_driver_capture`](Self::follow_driver_capture)).
+    pub(crate) fn follow_stream(&mut self, stream: StreamId) -> Result<(), AllocError> {
+        match self.private.followed() {
+            Some((_, first, id))
+                if stream != first
+                    && !self.private.follows_stream(stream)
+                    && self.backend.stream_capture(stream).ok().flatten() == Some(id) =>
+            {
+                self.private.add_followed_stream(stream);
+            }
+            Some(_) => {}
+            None if !self.private.capturing() => {
+                if let Some(id) = self.backend.stream_capture(stream).ok().flatten() {
+                    let (key, filter) = self.private.follow(stream, id);
+                    self.begin_allocate_to_pool(key, Some(filter));
+                }
+            }
+            None => {} // a scope the hooks opened decides
         }
         Ok(())
+    }
+
+    /// Before a free while captures are followed: the block's streams may
+    /// capture a graph nobody announced, and no event may be recorded on
+    /// them then (Note [Capture without a pool]).
+    pub(crate) fn follow_before_free(&mut self, block: BlockId) -> Result<(), AllocError> {
+        self.close_ended_capture()?;
+        let b = &self.heap.blocks[block];
+        let streams: Vec<StreamId> = std::iter::once(b.stream)
+            .chain(b.stream_uses.iter().copied())
+            .collect();
+        for s in streams {
+            self.follow_stream(s)?;
+        }
+        Ok(())
+    }
+
+    /// Whether an allocation scope is open: announced by the hooks, or a
+    /// capture followed through the driver.
+    pub fn in_capture_scope(&self) -> bool {
+        self.private.capturing()
     }
 
     /// Private pools alive: `(id, use count, segments, live allocations)`.

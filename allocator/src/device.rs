@@ -647,6 +647,9 @@ impl<B: Backend> DeviceAllocator<B> {
                 device: self.device,
             });
         }
+        if self.private.following() {
+            self.follow_before_free(id)?;
+        }
         let b = &mut self.heap.blocks[id];
         b.state = BlockState::PendingFree;
         let (size, requested, stream, pool) = (b.size, b.requested, b.stream, b.pool);

@@ -42,16 +42,29 @@ pub(crate) struct PrivatePools {
     /// per pair, would name another checkpoint).
     checkpoints: rustc_hash::FxHashMap<u64, u64>,
     next_checkpoint: u64,
-    /// The capture followed through the driver, if one is open: its pool
-    /// and the stream capturing (Note [Capture without a pool]).
-    followed: Option<(PoolKey, StreamId)>,
+    /// The capture followed through the driver, if one is open (Note
+    /// [Capture without a pool]).
+    followed: Option<Followed>,
     /// Captures followed so far (the next one's pool key).
     followed_count: u64,
+    /// Set once a caller that cannot announce captures allocated: frees
+    /// and `empty_cache` then ask the driver too.
+    following: bool,
 }
 
 /// The first half of the pool keys of captures followed through the
 /// driver; PyTorch's graph and MemPool ids never reach it.
 pub const FOLLOWED_POOL: u64 = u64::MAX;
+
+/// A capture followed through the driver.
+struct Followed {
+    key: PoolKey,
+    /// The stream it was first seen on, and the driver's id of the capture.
+    stream: StreamId,
+    id: u64,
+    /// The streams seen taking part (its scope's filter reads them).
+    streams: std::sync::Arc<parking_lot::Mutex<Vec<StreamId>>>,
+}
 
 /// Checkpoints numbered at most, while tracing; older numbers are
 /// forgotten past it (a restore of one then replays approximately).
@@ -82,17 +95,50 @@ impl PrivatePools {
         self.checkpoints.get(&hash).copied()
     }
 
-    /// The capture followed through the driver, if open.
-    pub fn followed(&self) -> Option<(PoolKey, StreamId)> {
-        self.followed
+    /// Whether captures are followed through the driver on this device.
+    pub fn following(&self) -> bool {
+        self.following
     }
 
-    /// Starts following a capture on `stream`; returns its pool's key.
-    pub fn follow(&mut self, stream: StreamId) -> PoolKey {
+    /// From now on, captures are followed through the driver.
+    pub fn start_following(&mut self) {
+        self.following = true;
+    }
+
+    /// The capture followed through the driver, if open: its pool, the
+    /// stream it was first seen on and the driver's id of it.
+    pub fn followed(&self) -> Option<(PoolKey, StreamId, u64)> {
+        self.followed.as_ref().map(|f| (f.key, f.stream, f.id))
+    }
+
+    /// Whether `stream` was seen taking part in the followed capture.
+    pub fn follows_stream(&self, stream: StreamId) -> bool {
+        self.followed
+            .as_ref()
+            .is_some_and(|f| f.streams.lock().contains(&stream))
+    }
+
+    /// Adds `stream` to the followed capture's streams.
+    pub fn add_followed_stream(&mut self, stream: StreamId) {
+        if let Some(f) = &self.followed {
+            f.streams.lock().push(stream);
+        }
+    }
+
+    /// Starts following capture `id`, first seen on `stream`; returns its
+    /// pool's key and the filter of its scope (the capture's streams).
+    pub fn follow(&mut self, stream: StreamId, id: u64) -> (PoolKey, StreamFilter) {
         let key = (FOLLOWED_POOL, self.followed_count);
         self.followed_count += 1;
-        self.followed = Some((key, stream));
-        key
+        let streams = std::sync::Arc::new(parking_lot::Mutex::new(vec![stream]));
+        let seen = streams.clone();
+        self.followed = Some(Followed {
+            key,
+            stream,
+            id,
+            streams,
+        });
+        (key, Box::new(move |s| seen.lock().contains(&s)))
     }
 
     /// The followed capture ended.

@@ -17,6 +17,9 @@ impl<B: Backend> DeviceAllocator<B> {
     /// # Errors
     /// [`AllocError::Backend`] when the driver fails.
     pub fn empty_cache(&mut self) -> Result<(), AllocError> {
+        if self.private.following() {
+            self.close_ended_capture()?;
+        }
         if self.private.capturing() {
             return Ok(());
         }

@@ -108,8 +108,8 @@ impl Backend for AnyBackend {
     fn add_peer(&mut self, peer: u32) -> Result<(), BackendError> {
         dispatch!(self, b => b.add_peer(peer))
     }
-    fn stream_is_capturing(&mut self, stream: StreamId) -> Result<bool, BackendError> {
-        dispatch!(self, b => b.stream_is_capturing(stream))
+    fn stream_capture(&mut self, stream: StreamId) -> Result<Option<u64>, BackendError> {
+        dispatch!(self, b => b.stream_capture(stream))
     }
     fn synchronize(&mut self) -> Result<(), BackendError> {
         dispatch!(self, b => b.synchronize())

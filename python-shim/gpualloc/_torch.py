@@ -6,11 +6,13 @@ imports torch, so only ``install()`` loads this module.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import hashlib
 import os
 import sys
+import tempfile
 import threading
 import warnings
 from typing import Optional
@@ -185,8 +187,12 @@ def _build_bridge(torch, verbose: bool) -> str:
     # completed; without it every process goes through load(), which waits
     # for the one building and then finds the build up to date.
     complete = so + ".complete"
-    if os.path.isfile(complete) and os.path.isfile(so) and os.environ.get("GPUALLOC_REBUILD_BRIDGE") != "1":
+    rebuild = os.environ.get("GPUALLOC_REBUILD_BRIDGE") == "1"
+    if os.path.isfile(complete) and os.path.isfile(so) and not rebuild:
         return so
+    if rebuild:  # the library is relinked in place: not to be trusted meanwhile
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(complete)
     cuda_inc = _cuda_include_dirs(torch)
     if not cuda_inc:
         raise _BridgeUnavailable("cuda_runtime_api.h not found (set CUDA_HOME, or install the nvidia-cuda-runtime wheel)")
@@ -214,12 +220,18 @@ def _build_bridge(torch, verbose: bool) -> str:
 
 
 def _write_marker(path: str) -> None:
-    """Creates `path` atomically (a file written beside it, then renamed), so
-    that another process sees it whole or not at all."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write("built\n")
-    os.replace(tmp, path)
+    """Creates `path` atomically (a file of a unique name written beside it,
+    then renamed), so that another process sees it whole or not at all. A
+    failure only costs later processes a wait on the build lock, so it is
+    reported and otherwise ignored."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".complete-")
+        with os.fdopen(fd, "w") as f:
+            f.write("built\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        warnings.warn(f"gpualloc: could not mark the bridge build complete ({e}); later installs will check it again",
+                      RuntimeWarning, stacklevel=2)
 
 
 def _install_bridge(torch, libpath: str, verbose: bool) -> None:
@@ -254,7 +266,8 @@ def _install_fallback(torch, libpath: str) -> None:
     raw.set_memory_fraction_fn(addr(dll.gpualloc_set_memory_fraction))
     raw.set_record_stream_fn(addr(dll.gpualloc_record_stream))
     # The graph-pool hooks pass C++ objects (MempoolId_t, std::function): a C
-    # function cannot take them, so they stay unset and CUDA graphs are unsupported.
+    # function cannot take them, so they stay unset: gpualloc_malloc_or_abort
+    # follows captures through the driver instead (Note [Capture without a pool]).
     torch.cuda.memory.change_current_allocator(pluggable)
     _KEEP.append(pluggable)
 

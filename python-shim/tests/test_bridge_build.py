@@ -20,10 +20,12 @@ class FakeExtensions:
 
     def __init__(self):
         self.loads = 0
+        self.marked_during_load = []
 
     def load(self, name, build_directory, **_):
         self.loads += 1
         path = os.path.join(build_directory, f"{name}.so")
+        self.marked_during_load.append(os.path.exists(path + ".complete"))
         with open(path, "wb") as f:
             f.write(b"\x7fELF built")
         return path
@@ -68,14 +70,24 @@ class BridgeCache(unittest.TestCase):
         self.assertEqual(_torch._build_bridge(self.torch, verbose=False), so)
         self.assertEqual(self.ext.loads, 2)
         self.assertTrue(os.path.isfile(so + ".complete"))
-        leftovers = [n for n in os.listdir(os.path.dirname(so)) if n.endswith(".tmp")]
+        leftovers = [n for n in os.listdir(os.path.dirname(so)) if n.startswith(".complete-")]
         self.assertEqual(leftovers, [])
 
     def test_rebuild_on_request_despite_the_marker(self):
-        _torch._build_bridge(self.torch, verbose=False)
+        so = _torch._build_bridge(self.torch, verbose=False)
         with mock.patch.dict(os.environ, {"GPUALLOC_REBUILD_BRIDGE": "1"}):
             _torch._build_bridge(self.torch, verbose=False)
         self.assertEqual(self.ext.loads, 2)
+        # While the library is relinked in place, no process may trust it.
+        self.assertEqual(self.ext.marked_during_load, [False, False])
+        self.assertTrue(os.path.isfile(so + ".complete"))
+
+    def test_a_marker_that_cannot_be_written_costs_a_warning_not_the_install(self):
+        with mock.patch.object(_torch.tempfile, "mkstemp", side_effect=OSError(28, "No space left on device")):
+            with self.assertWarns(RuntimeWarning):
+                so = _torch._build_bridge(self.torch, verbose=False)
+        self.assertTrue(os.path.isfile(so))
+        self.assertFalse(os.path.exists(so + ".complete"))
 
 
 if __name__ == "__main__":

@@ -240,7 +240,7 @@ def check_dropin(args) -> dict:
                 y = static_x * 2 + 1
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, stream=s):
             static_y = static_x * 2 + 1
             static_z = static_y.sum()
         others = []
@@ -249,9 +249,12 @@ def check_dropin(args) -> dict:
             g.replay()
             torch.cuda.synchronize()
             assert float(static_z) == (v * 2 + 1) * (1 << 20), float(static_z)
-            # Tensors of the temporaries' size made after the capture must
-            # not get memory the replays still write.
-            others += [torch.full((1 << 20,), 7.0, device=dev) for _ in range(4)]
+            # Tensors of the temporaries' size made after the capture, on the
+            # stream that captured (whose cache the temporaries went back to),
+            # must not get memory the next replay writes.
+            with torch.cuda.stream(s):
+                others += [torch.full((1 << 20,), 7.0, device=dev) for _ in range(4)]
+            torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         assert all(bool((t == 7.0).all()) for t in others), "a replay wrote into a tensor made after the capture"
         del g, static_y, static_z, y, others

@@ -529,6 +529,12 @@ impl Checked {
         self.check();
     }
 
+    /// Whether the allocator has an allocation scope open (the hooks', or a
+    /// capture it follows), as it says, not as the model tracks it.
+    pub fn in_capture_scope(&self) -> bool {
+        self.dev.in_capture_scope()
+    }
+
     /// `empty_pool_cache`.
     pub fn empty_pool_cache(&mut self, key: PoolKey) -> Result<(), AllocError> {
         let r = self.op(|d| d.empty_pool_cache(key));

@@ -694,20 +694,40 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn stream_is_capturing(&mut self, stream: StreamId) -> Result<bool, BackendError> {
+    fn stream_capture(&mut self, stream: StreamId) -> Result<Option<u64>, BackendError> {
         let _bound = self.bind()?;
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE as u32;
-        // SAFETY: `stream` is a stream handle PyTorch passed (0 = legacy
-        // default stream of the bound context), alive for the call; `status`
-        // is a valid out-pointer for the enum's integer.
-        let r = unsafe { driver::cuStreamIsCapturing(stream_of(stream), &mut status) };
+        let none = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE as u32;
+        let (mut status, mut id) = (none, 0u64);
+        let (null, no_count) = (std::ptr::null_mut(), std::ptr::null_mut());
+        let s = stream_of(stream);
+        // The three calls below: `s` is a stream handle the caller passed
+        // (0 = the bound context's legacy stream), alive for the call;
+        // `status` and `id` are valid out-pointers; the other outputs are
+        // optional and null. Each signature is the driver's for that
+        // symbol (CUDA 12.3+, 11.3+, 10.0+); a symbol the driver lacks
+        // returns NOT_FOUND without a call. Whatever the newer calls
+        // refuse, the oldest answers, without an id.
+        let answered = |r| r == driver::SUCCESS || r == driver::STREAM_CAPTURE_IMPLICIT;
+        // SAFETY: as said above, with the CUDA 12.3 signature.
+        let mut r = unsafe {
+            driver::cuStreamGetCaptureInfo_v3(s, &mut status, &mut id, null, null, null, no_count)
+        };
+        if !answered(r) {
+            // SAFETY: as above, with the 11.3 signature.
+            r = unsafe {
+                driver::cuStreamGetCaptureInfo_v2(s, &mut status, &mut id, null, null, no_count)
+            };
+        }
+        if !answered(r) {
+            id = 0;
+            // SAFETY: as above; `status` is the only output.
+            r = unsafe { driver::cuStreamIsCapturing(s, &mut status) };
+        }
         match r {
-            driver::SUCCESS => {
-                Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE as u32)
-            }
+            driver::SUCCESS => Ok((status != none).then_some(id)),
             // The legacy stream while another stream captures in global mode.
-            driver::STREAM_CAPTURE_IMPLICIT => Ok(true),
-            other => check("cuStreamIsCapturing", other).map(|()| false),
+            driver::STREAM_CAPTURE_IMPLICIT => Ok(Some(0)),
+            other => check("cuStreamGetCaptureInfo", other).map(|()| None),
         }
     }
 

@@ -224,14 +224,16 @@ pub trait Backend: Send {
         Ok(())
     }
 
-    /// Whether `stream` is capturing a CUDA graph (`cuStreamIsCapturing`;
-    /// a capture that makes the legacy default stream unusable counts).
-    /// gpualloc learns of captures from PyTorch's pool hooks; this asks the
-    /// driver, for callers that cannot give those hooks (Note [Capture
-    /// without a pool]). Never capturing for a backend without graphs.
-    fn stream_is_capturing(&mut self, stream: StreamId) -> Result<bool, BackendError> {
+    /// The id of the CUDA graph capture `stream` takes part in, `None` when
+    /// it captures nothing (`cuStreamGetCaptureInfo`; 0 for a capture whose
+    /// id the driver does not give, and for the legacy default stream while
+    /// another stream's capture forbids using it). gpualloc learns of
+    /// captures from PyTorch's pool hooks; this asks the driver, for callers
+    /// that cannot give those hooks (Note [Capture without a pool]). Never
+    /// capturing for a backend without graphs.
+    fn stream_capture(&mut self, stream: StreamId) -> Result<Option<u64>, BackendError> {
         let _ = stream;
-        Ok(false)
+        Ok(None)
     }
 
     /// Blocks until all work queued on the device is done

@@ -188,6 +188,10 @@ pub struct SimBackend {
     allocate_calls: u64,
     map_calls: u64,
     capturing: bool,
+    /// Streams capturing a graph that no hook announced, with the id of
+    /// their capture ([`begin_stream_capture`](Self::begin_stream_capture)).
+    stream_captures: FxHashMap<StreamId, u64>,
+    next_capture: u64,
     /// Call counters.
     pub counters: SimCounters,
     /// Devices granted access to this one's memory (`add_peer`), in order.
@@ -234,6 +238,8 @@ impl SimBackend {
             allocate_calls: 0,
             map_calls: 0,
             capturing: false,
+            stream_captures: FxHashMap::default(),
+            next_capture: 1,
             counters: SimCounters::default(),
             peers: Vec::new(),
         }
@@ -335,6 +341,26 @@ impl SimBackend {
         self.capturing = on;
     }
 
+    /// Starts a capture on `streams` that no hook announces (PyTorch's plain
+    /// `CUDAPluggableAllocator`): `stream_capture` reports it, and until
+    /// [`end_stream_capture`](Self::end_stream_capture) the calls a capture
+    /// forbids panic, as with [`set_capturing`](Self::set_capturing), and so
+    /// does recording an event on one of these streams (the event would
+    /// belong to the graph, and querying it later fails). Returns its id.
+    pub fn begin_stream_capture(&mut self, streams: &[StreamId]) -> u64 {
+        let id = self.next_capture;
+        self.next_capture += 1;
+        for &s in streams {
+            self.stream_captures.insert(s, id);
+        }
+        id
+    }
+
+    /// Ends capture `id` on every stream that took part.
+    pub fn end_stream_capture(&mut self, id: u64) {
+        self.stream_captures.retain(|_, c| *c != id);
+    }
+
     /// Submits one work item on `stream` (a kernel); returns its sequence number.
     pub fn launch(&mut self, stream: StreamId) -> u64 {
         let s = self.streams.entry(stream).or_default();
@@ -380,7 +406,7 @@ impl SimBackend {
 
     fn forbid_in_capture(&self, what: &str) {
         assert!(
-            !self.capturing,
+            !self.capturing && self.stream_captures.is_empty(),
             "SimBackend: {what} called during CUDA graph capture"
         );
     }
@@ -572,6 +598,10 @@ impl Backend for SimBackend {
                 name: "CUDA_ERROR_INVALID_HANDLE".into(),
             });
         }
+        assert!(
+            !self.stream_captures.contains_key(&stream),
+            "SimBackend: event recorded on stream {stream:#x} while it captures a graph"
+        );
         let seq = self.launch(stream);
         let id = self.next_event;
         self.next_event += 1;
@@ -795,9 +825,8 @@ impl Backend for SimBackend {
         Ok(())
     }
 
-    fn stream_is_capturing(&mut self, stream: StreamId) -> Result<bool, BackendError> {
-        let _ = stream; // a simulated capture covers every stream
-        Ok(self.capturing)
+    fn stream_capture(&mut self, stream: StreamId) -> Result<Option<u64>, BackendError> {
+        Ok(self.stream_captures.get(&stream).copied())
     }
 
     fn synchronize(&mut self) -> Result<(), BackendError> {

@@ -9,7 +9,7 @@
 //! representation); names come from [`name`], which only compares integers.
 //! Out-parameters of enum type are declared as `u32` for the same reason.
 
-use std::ffi::{c_int, c_uint};
+use std::ffi::{c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
@@ -20,7 +20,7 @@ pub(super) type CuResult = u32;
 pub(super) const SUCCESS: CuResult = CUresult::CUDA_SUCCESS as u32;
 pub(super) const OUT_OF_MEMORY: CuResult = CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32;
 pub(super) const NOT_READY: CuResult = CUresult::CUDA_ERROR_NOT_READY as u32;
-/// `cuStreamIsCapturing` on the legacy stream while a capture forbids it.
+/// A capture query on the legacy stream while a capture forbids using it.
 pub(super) const STREAM_CAPTURE_IMPLICIT: CuResult =
     CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT as u32;
 /// Returned when the library lacks a symbol (an old driver).
@@ -116,6 +116,23 @@ driver_fns! {
     cuStreamGetCtx(stream: sys::CUstream, ctx: *mut sys::CUcontext);
     cuThreadExchangeStreamCaptureMode(mode: *mut u32);
     cuStreamIsCapturing(stream: sys::CUstream, status: *mut u32);
+    cuStreamGetCaptureInfo_v3(
+        stream: sys::CUstream,
+        status: *mut u32,
+        id: *mut u64,
+        graph: *mut c_void,
+        dependencies: *mut c_void,
+        edge_data: *mut c_void,
+        count: *mut usize,
+    );
+    cuStreamGetCaptureInfo_v2(
+        stream: sys::CUstream,
+        status: *mut u32,
+        id: *mut u64,
+        graph: *mut c_void,
+        dependencies: *mut c_void,
+        count: *mut usize,
+    );
     cuMemGetAllocationGranularity(
         granularity: *mut usize,
         prop: *const sys::CUmemAllocationProp,

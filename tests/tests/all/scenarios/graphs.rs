@@ -7,6 +7,7 @@ use gpualloc_tests::{Checked, MIB};
 
 const CAP: u64 = 5;
 const OTHER: u64 = 6;
+const THIRD: u64 = 7;
 const G: (u64, u64) = (1, 0);
 
 fn pool_of(c: &Checked, p: u64) -> (u64, u64) {
@@ -194,10 +195,11 @@ fn follow_a_capture(config: &str) {
     let cached = c.alloc(12 * MIB, CAP);
     c.release(cached);
     c.follow_driver_capture(CAP);
-    assert!(!c.capturing(), "no capture, no scope");
+    assert!(!c.in_capture_scope(), "no capture, no scope");
 
-    c.sim_mut().set_capturing(true); // the capture begins
+    let id = c.sim_mut().begin_stream_capture(&[CAP, OTHER]);
     c.follow_driver_capture(CAP);
+    assert!(c.in_capture_scope());
     let p = c.alloc(12 * MIB, CAP);
     assert_ne!(
         p, cached,
@@ -212,9 +214,13 @@ fn follow_a_capture(config: &str) {
     c.follow_driver_capture(OTHER); // forked work is captured too
     let forked = c.alloc(4096, OTHER);
     assert_eq!(pool_of(&c, forked), key);
-    c.sim_mut().set_capturing(false); // the capture ends
+    c.follow_driver_capture(THIRD); // a stream outside the capture is not
+    let outside = c.alloc(4096, THIRD);
+    assert_eq!(pool_of(&c, outside), (0, 0));
+    c.sim_mut().end_stream_capture(id);
 
     c.follow_driver_capture(CAP); // the next allocation sees it ended
+    assert!(!c.in_capture_scope());
     let r = c.alloc(12 * MIB, CAP);
     assert_eq!(pool_of(&c, r), (0, 0));
     c.release(q); // the graph's output, freed after the capture
@@ -225,19 +231,66 @@ fn follow_a_capture(config: &str) {
     );
     c.empty_cache();
     assert_eq!(c.stats().num_device_free, 0, "the pool is held for good");
-    c.release(r);
-    c.release(s);
-    c.release(forked);
+    for x in [r, s, forked, outside] {
+        c.release(x);
+    }
 
     // A second capture gets a pool of its own.
-    c.sim_mut().set_capturing(true);
+    let id = c.sim_mut().begin_stream_capture(&[CAP]);
     c.follow_driver_capture(CAP);
     let t = c.alloc(4096, CAP);
     assert_eq!(pool_of(&c, t), (u64::MAX, key.1 + 1));
     c.release(t);
-    c.sim_mut().set_capturing(false);
+    c.sim_mut().end_stream_capture(id);
     c.follow_driver_capture(CAP);
-    assert!(!c.capturing());
+    assert!(!c.in_capture_scope());
+}
+
+#[test]
+fn back_to_back_captures_on_one_stream_get_separate_pools() {
+    // torch.cuda.graph captures every graph on one stream; inputs made
+    // beforehand mean no allocation between two captures.
+    let mut c = Checked::with(1 << 30, "");
+    c.follow_driver_capture(CAP);
+    let first = c.sim_mut().begin_stream_capture(&[CAP]);
+    c.follow_driver_capture(CAP);
+    let temp = c.alloc(4 * MIB, CAP);
+    c.release(temp);
+    let out1 = c.alloc(4 * MIB, CAP);
+    c.sim_mut().end_stream_capture(first);
+    let second = c.sim_mut().begin_stream_capture(&[CAP]);
+    c.follow_driver_capture(CAP);
+    let out2 = c.alloc(4 * MIB, CAP);
+    assert_ne!(out2, temp, "graph 1's replays still write its temporary");
+    assert_ne!(pool_of(&c, out2), pool_of(&c, out1));
+    c.sim_mut().end_stream_capture(second);
+    c.release(out1);
+    c.release(out2);
+}
+
+#[test]
+fn a_free_that_opens_a_capture_records_no_event_in_it() {
+    // A capture whose first call is a free: the block's stream, or a
+    // stream it was used on, captures, and an event recorded there would
+    // belong to the graph (the simulator panics at such a record).
+    for config in ["", "policy:pytorch"] {
+        let mut c = Checked::with(1 << 30, config);
+        c.follow_driver_capture(OTHER); // the route that follows captures
+        let used = c.alloc(MIB, OTHER);
+        c.record_stream(used, CAP);
+        c.use_on(used, CAP);
+        let large: Vec<_> = (0..20).map(|_| c.alloc(12 * MIB, CAP)).collect();
+        let id = c.sim_mut().begin_stream_capture(&[CAP]);
+        c.release(used); // used on the capturing stream
+        for p in large {
+            c.release(p); // fences would go on the capturing stream
+        }
+        assert!(c.in_capture_scope());
+        c.sim_mut().end_stream_capture(id);
+        c.complete_all();
+        c.empty_cache(); // closes the ended capture's scope, then releases
+        assert!(!c.in_capture_scope());
+    }
 }
 
 #[test]
@@ -249,5 +302,5 @@ fn a_capture_announced_by_the_hooks_is_not_followed_twice() {
     assert_eq!(pool_of(&c, p), G);
     c.release(p);
     c.end_pool(G);
-    assert!(!c.capturing());
+    assert!(!c.in_capture_scope());
 }
