@@ -45,11 +45,14 @@
 //! - it asks the driver for the capture the allocating stream takes part
 //!   in (`cuStreamGetCaptureInfo`: the capture's id, unique in the process);
 //! - with no scope open, a capture opens one, of a pool of gpualloc's own
-//!   (keys `(FOLLOWED_POOL, n)`), whose filter takes the streams seen in
-//!   that capture; a stream joins when the driver gives it the same id;
+//!   (keys `(FOLLOWED_POOL, n)`), which takes every allocation on the
+//!   device while it is open: the capture's forked streams, and a second
+//!   capture under way at the same time, whose streams the driver gives
+//!   another id (or none, for the legacy stream), are served from it too;
 //! - the scope closes at the first call that finds the stream it was
 //!   opened on out of that capture: ended, or in a new capture, as when
-//!   `torch.cuda.graph` captures graph after graph on its one stream;
+//!   `torch.cuda.graph` captures graph after graph on its one stream (so
+//!   each gets a pool of its own);
 //! - a free asks about the block's stream and every stream it was used on
 //!   before anything else, so that a capture whose first call is a free is
 //!   followed before an event could be recorded in it.
@@ -57,10 +60,12 @@
 //! Nothing tells that route when a graph is destroyed, so such a pool is
 //! never released: a graph captured this way keeps its memory for the life
 //! of the process, and graphs that PyTorch would let share a pool (`pool=`)
-//! get one each. That is the price of replays that never write memory given
-//! to another tensor; the bridge has none of it. Another thread's event
-//! query during a capture nobody has followed yet (no allocation or free on
-//! its streams) can still invalidate a capture in global mode.
+//! get one each, and what other streams allocate while a capture is open is
+//! kept too. That is the price of replays that never write memory given to
+//! another tensor; the bridge has none of it. What stays unsafe: work of
+//! another stream while a capture has not been seen yet (no allocation or
+//! free on its streams since it began) can query or record an event on a
+//! capturing stream, which fails the capture or, later, the allocation.
 //!
 //! [`follow_driver_capture`]: DeviceAllocator::follow_driver_capture
 
@@ -205,9 +210,8 @@ impl<B: Backend> DeviceAllocator<B> {
     /// captures (Note [Capture without a pool]): from now on this device
     /// follows captures through the driver. Closes the followed capture's
     /// scope once the driver says it ended; opens one when `stream`
-    /// captures and no scope is open, or adds `stream` to the followed
-    /// capture when it takes part in it. A query the driver refuses counts
-    /// as no capture.
+    /// captures and no scope is open. A query the driver refuses counts as
+    /// no capture.
     pub fn follow_driver_capture(&mut self, stream: StreamId) -> Result<(), AllocError> {
         self.private.start_following();
         self.close_ended_capture()?;
@@ -228,25 +232,16 @@ impl<B: Backend> DeviceAllocator<B> {
         self.end_allocate_to_pool(key)
     }
 
-    /// Follows `stream`'s capture, if it takes part in one (see
-    /// [`follow_driver_capture`](Self::follow_driver_capture)).
+    /// Opens a scope when `stream` takes part in a capture and no scope is
+    /// open (see [`follow_driver_capture`](Self::follow_driver_capture)).
     pub(crate) fn follow_stream(&mut self, stream: StreamId) -> Result<(), AllocError> {
-        match self.private.followed() {
-            Some((_, first, id))
-                if stream != first
-                    && !self.private.follows_stream(stream)
-                    && self.backend.stream_capture(stream).ok().flatten() == Some(id) =>
-            {
-                self.private.add_followed_stream(stream);
-            }
-            Some(_) => {}
-            None if !self.private.capturing() => {
-                if let Some(id) = self.backend.stream_capture(stream).ok().flatten() {
-                    let (key, filter) = self.private.follow(stream, id);
-                    self.begin_allocate_to_pool(key, Some(filter));
-                }
-            }
-            None => {} // a scope the hooks opened decides
+        if self.private.capturing() {
+            return Ok(()); // the followed capture's scope, or the hooks', decides
+        }
+        if let Some(id) = self.backend.stream_capture(stream).ok().flatten() {
+            let key = self.private.follow(stream, id);
+            // Every stream: see the Note on why not only the capture's.
+            self.begin_allocate_to_pool(key, None);
         }
         Ok(())
     }

@@ -62,8 +62,6 @@ struct Followed {
     /// The stream it was first seen on, and the driver's id of the capture.
     stream: StreamId,
     id: u64,
-    /// The streams seen taking part (its scope's filter reads them).
-    streams: std::sync::Arc<parking_lot::Mutex<Vec<StreamId>>>,
 }
 
 /// Checkpoints numbered at most, while tracing; older numbers are
@@ -111,34 +109,13 @@ impl PrivatePools {
         self.followed.as_ref().map(|f| (f.key, f.stream, f.id))
     }
 
-    /// Whether `stream` was seen taking part in the followed capture.
-    pub fn follows_stream(&self, stream: StreamId) -> bool {
-        self.followed
-            .as_ref()
-            .is_some_and(|f| f.streams.lock().contains(&stream))
-    }
-
-    /// Adds `stream` to the followed capture's streams.
-    pub fn add_followed_stream(&mut self, stream: StreamId) {
-        if let Some(f) = &self.followed {
-            f.streams.lock().push(stream);
-        }
-    }
-
     /// Starts following capture `id`, first seen on `stream`; returns its
-    /// pool's key and the filter of its scope (the capture's streams).
-    pub fn follow(&mut self, stream: StreamId, id: u64) -> (PoolKey, StreamFilter) {
+    /// pool's key.
+    pub fn follow(&mut self, stream: StreamId, id: u64) -> PoolKey {
         let key = (FOLLOWED_POOL, self.followed_count);
         self.followed_count += 1;
-        let streams = std::sync::Arc::new(parking_lot::Mutex::new(vec![stream]));
-        let seen = streams.clone();
-        self.followed = Some(Followed {
-            key,
-            stream,
-            id,
-            streams,
-        });
-        (key, Box::new(move |s| seen.lock().contains(&s)))
+        self.followed = Some(Followed { key, stream, id });
+        key
     }
 
     /// The followed capture ended.

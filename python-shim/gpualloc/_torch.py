@@ -190,8 +190,8 @@ def _build_bridge(torch, verbose: bool) -> str:
     rebuild = os.environ.get("GPUALLOC_REBUILD_BRIDGE") == "1"
     if os.path.isfile(complete) and os.path.isfile(so) and not rebuild:
         return so
-    if rebuild:  # the library is relinked in place: not to be trusted meanwhile
-        with contextlib.suppress(FileNotFoundError):
+    if rebuild:  # the library may be relinked in place: not to be trusted meanwhile
+        with contextlib.suppress(OSError):
             os.remove(complete)
     cuda_inc = _cuda_include_dirs(torch)
     if not cuda_inc:
@@ -224,12 +224,16 @@ def _write_marker(path: str) -> None:
     then renamed), so that another process sees it whole or not at all. A
     failure only costs later processes a wait on the build lock, so it is
     reported and otherwise ignored."""
+    tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".complete-")
         with os.fdopen(fd, "w") as f:
             f.write("built\n")
         os.replace(tmp, path)
     except OSError as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
         warnings.warn(f"gpualloc: could not mark the bridge build complete ({e}); later installs will check it again",
                       RuntimeWarning, stacklevel=2)
 

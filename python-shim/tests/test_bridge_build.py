@@ -88,6 +88,24 @@ class BridgeCache(unittest.TestCase):
                 so = _torch._build_bridge(self.torch, verbose=False)
         self.assertTrue(os.path.isfile(so))
         self.assertFalse(os.path.exists(so + ".complete"))
+        # A rename refused leaves no temporary file behind.
+        with mock.patch.object(_torch.os, "replace", side_effect=PermissionError(13, "Permission denied")):
+            with self.assertWarns(RuntimeWarning):
+                _torch._build_bridge(self.torch, verbose=False)
+        self.assertEqual([n for n in os.listdir(os.path.dirname(so)) if n.startswith(".complete-")], [])
+
+    def test_a_marker_that_cannot_be_removed_does_not_stop_a_rebuild(self):
+        so = _torch._build_bridge(self.torch, verbose=False)
+        real_remove = os.remove
+
+        def refuse(path):
+            if path.endswith(".complete"):
+                raise PermissionError(13, "Permission denied")
+            real_remove(path)
+
+        with mock.patch.dict(os.environ, {"GPUALLOC_REBUILD_BRIDGE": "1"}), mock.patch.object(_torch.os, "remove", refuse):
+            self.assertEqual(_torch._build_bridge(self.torch, verbose=False), so)
+        self.assertEqual(self.ext.loads, 2)
 
 
 if __name__ == "__main__":

@@ -214,9 +214,9 @@ fn follow_a_capture(config: &str) {
     c.follow_driver_capture(OTHER); // forked work is captured too
     let forked = c.alloc(4096, OTHER);
     assert_eq!(pool_of(&c, forked), key);
-    c.follow_driver_capture(THIRD); // a stream outside the capture is not
+    c.follow_driver_capture(THIRD); // another stream meanwhile: kept as well
     let outside = c.alloc(4096, THIRD);
-    assert_eq!(pool_of(&c, outside), (0, 0));
+    assert_eq!(pool_of(&c, outside), key);
     c.sim_mut().end_stream_capture(id);
 
     c.follow_driver_capture(CAP); // the next allocation sees it ended
@@ -266,6 +266,35 @@ fn back_to_back_captures_on_one_stream_get_separate_pools() {
     c.sim_mut().end_stream_capture(second);
     c.release(out1);
     c.release(out2);
+}
+
+#[test]
+fn overlapping_captures_never_take_the_default_pools() {
+    // Two captures under way at once (two threads, or a second begun
+    // before the first ends): the driver gives them different ids.
+    let mut c = Checked::with(1 << 30, "");
+    c.follow_driver_capture(CAP);
+    let x = c.sim_mut().begin_stream_capture(&[CAP]);
+    c.follow_driver_capture(CAP);
+    let a = c.alloc(4 * MIB, CAP);
+    let y = c.sim_mut().begin_stream_capture(&[THIRD]);
+    c.follow_driver_capture(THIRD);
+    let temp = c.alloc(4 * MIB, THIRD);
+    assert_ne!(pool_of(&c, temp), (0, 0));
+    c.release(temp);
+    c.sim_mut().end_stream_capture(x);
+    c.follow_driver_capture(THIRD); // x's scope closes, y's opens
+    let b = c.alloc(4 * MIB, THIRD);
+    assert_ne!(pool_of(&c, b), (0, 0));
+    assert_ne!(pool_of(&c, b), pool_of(&c, a));
+    c.sim_mut().end_stream_capture(y);
+    c.follow_driver_capture(THIRD);
+    let later = c.alloc(4 * MIB, THIRD);
+    assert_eq!(pool_of(&c, later), (0, 0));
+    assert_ne!(later, temp, "y's replays still write its temporary");
+    for p in [a, b, later] {
+        c.release(p);
+    }
 }
 
 #[test]
