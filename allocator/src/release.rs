@@ -124,7 +124,7 @@ impl<B: Backend> DeviceAllocator<B> {
         for k in self.heap.pools[LARGE as usize].iter() {
             let b = &self.heap.blocks[k.3];
             if !b.is_split() && !self.heap.segments.get(b.segment).expandable {
-                total_age += now - self.heap.blocks[k.3].gc_base;
+                total_age += now - b.gc_base;
                 freeable += 1;
             }
         }

@@ -22,7 +22,7 @@
  *                each buffer's handles mapped in a shuffled order: the
  *                layout a cache reaches after many steps of reuse.
  *
- * Build and run (benches/gpu/handle_bandwidth.sh does both):
+ * Build and run (`bash benches/gpu/cu_bench.sh handle_bandwidth` does both):
  *     nvcc -O2 -o handle_bandwidth handle_bandwidth.cu -lcuda
  *     ./handle_bandwidth > out.md
  *

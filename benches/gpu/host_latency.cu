@@ -21,7 +21,7 @@
  *   memset     an 8-byte cudaMemsetAsync on a random mapped handle + sync;
  *   launch     an empty kernel + sync.
  *
- * Build and run (benches/gpu/host_latency.sh does both):
+ * Build and run (`bash benches/gpu/cu_bench.sh host_latency` does both):
  *     nvcc -O2 -o host_latency host_latency.cu -lcuda
  *     ./host_latency > out.md
  *

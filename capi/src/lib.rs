@@ -132,15 +132,28 @@ pub extern "C" fn gpualloc_last_error_code() -> c_int {
 /// set (and `gpualloc_last_oom` filled when out of memory) on failure.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_malloc(size: usize, device: c_int, stream: cudaStream_t) -> *mut c_void {
+    malloc_on(size, device, stream, false)
+}
+
+/// Both allocation entry points: `follow_captures` for the one whose caller
+/// cannot announce CUDA graph captures (Note [Capture without a pool]).
+#[inline(always)]
+fn malloc_on(
+    size: usize,
+    device: c_int,
+    stream: cudaStream_t,
+    follow_captures: bool,
+) -> *mut c_void {
     boundary::clear_last_error();
     ffi_boundary(
         |_| std::ptr::null_mut(),
         || {
-            let p =
-                global()?
-                    .alloc
-                    .malloc(i64::from(device), size as u64, stream as usize as u64)?;
-            Ok(p as usize as *mut c_void)
+            let stream = stream as usize as u64;
+            let mut d = global()?.alloc.lock(i64::from(device))?;
+            if follow_captures && size > 0 {
+                d.follow_driver_capture(stream)?;
+            }
+            Ok(d.malloc(size as u64, stream)? as usize as *mut c_void)
         },
     )
 }
@@ -160,19 +173,7 @@ pub extern "C" fn gpualloc_malloc_or_abort(
     device: c_int,
     stream: cudaStream_t,
 ) -> *mut c_void {
-    boundary::clear_last_error();
-    let p = ffi_boundary(
-        |_| std::ptr::null_mut(),
-        || {
-            if size == 0 {
-                return Ok(std::ptr::null_mut());
-            }
-            let mut d = global()?.alloc.lock(i64::from(device))?;
-            let stream = stream as usize as u64;
-            d.follow_driver_capture(stream)?;
-            Ok(d.malloc(size as u64, stream)? as usize as *mut c_void)
-        },
-    );
+    let p = malloc_on(size, device, stream, true);
     if p.is_null() && size > 0 {
         let msg = last_error_string().unwrap_or_else(|| "gpualloc: allocation failed".to_string());
         eprintln!(

@@ -529,6 +529,14 @@ impl Checked {
         self.check();
     }
 
+    /// An allocation as `gpualloc_malloc_or_abort` makes it: following
+    /// captures through the driver first.
+    #[track_caller]
+    pub fn alloc_following(&mut self, size: u64, stream: StreamId) -> DevicePtr {
+        self.follow_driver_capture(stream);
+        self.alloc(size, stream)
+    }
+
     /// Whether the allocator has an allocation scope open (the hooks', or a
     /// capture it follows), as it says, not as the model tracks it.
     pub fn in_capture_scope(&self) -> bool {

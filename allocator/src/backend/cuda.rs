@@ -283,12 +283,7 @@ impl CudaBackend {
             ));
         }
         let _bound = bind_context(ctx)?;
-        let mut ev: sys::CUevent = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: `ctx` is current; `ev` is a valid out-pointer.
-        check("cuEventCreate", unsafe {
-            driver::cuEventCreate(&mut ev, flags)
-        })?;
+        let ev = create_event()?;
         // SAFETY: `ev` and `stream` both belong to `ctx`, which is current.
         let r = self.timed(DriverCall::EventRecord, (0, 0), || unsafe {
             driver::cuEventRecord(ev, stream_of(stream))
@@ -311,17 +306,23 @@ impl CudaBackend {
     }
 
     fn take_event(&mut self) -> Result<sys::CUevent, BackendError> {
-        if let Some(e) = self.spare_events.pop() {
-            return Ok(e);
+        match self.spare_events.pop() {
+            Some(e) => Ok(e),
+            None => create_event(),
         }
-        let mut ev: sys::CUevent = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: context bound by the caller; `ev` is a valid out-pointer.
-        check("cuEventCreate", unsafe {
-            driver::cuEventCreate(&mut ev, flags)
-        })?;
-        Ok(ev)
     }
+}
+
+/// A new event without timing, in the context the caller made current.
+fn create_event() -> Result<sys::CUevent, BackendError> {
+    let mut ev: sys::CUevent = std::ptr::null_mut();
+    let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    // SAFETY: a context is current (the caller bound it); `ev` is a valid
+    // out-pointer.
+    check("cuEventCreate", unsafe {
+        driver::cuEventCreate(&mut ev, flags)
+    })?;
+    Ok(ev)
 }
 
 /// The driver's handle of device `ordinal` (the driver is initialized).

@@ -208,14 +208,11 @@ fn follow_a_capture(config: &str) {
     let key = pool_of(&c, p);
     assert_eq!(key.0, u64::MAX, "a pool of gpualloc's own");
     c.release(p); // freed during the capture: reusable by the same capture
-    c.follow_driver_capture(CAP);
-    let q = c.alloc(12 * MIB, CAP);
+    let q = c.alloc_following(12 * MIB, CAP);
     assert_eq!(q, p);
-    c.follow_driver_capture(OTHER); // forked work is captured too
-    let forked = c.alloc(4096, OTHER);
+    let forked = c.alloc_following(4096, OTHER); // forked work is captured too
     assert_eq!(pool_of(&c, forked), key);
-    c.follow_driver_capture(THIRD); // another stream meanwhile: kept as well
-    let outside = c.alloc(4096, THIRD);
+    let outside = c.alloc_following(4096, THIRD); // another stream meanwhile: kept as well
     assert_eq!(pool_of(&c, outside), key);
     c.sim_mut().end_stream_capture(id);
 
@@ -237,8 +234,7 @@ fn follow_a_capture(config: &str) {
 
     // A second capture gets a pool of its own.
     let id = c.sim_mut().begin_stream_capture(&[CAP]);
-    c.follow_driver_capture(CAP);
-    let t = c.alloc(4096, CAP);
+    let t = c.alloc_following(4096, CAP);
     assert_eq!(pool_of(&c, t), (u64::MAX, key.1 + 1));
     c.release(t);
     c.sim_mut().end_stream_capture(id);
@@ -253,14 +249,12 @@ fn back_to_back_captures_on_one_stream_get_separate_pools() {
     let mut c = Checked::with(1 << 30, "");
     c.follow_driver_capture(CAP);
     let first = c.sim_mut().begin_stream_capture(&[CAP]);
-    c.follow_driver_capture(CAP);
-    let temp = c.alloc(4 * MIB, CAP);
+    let temp = c.alloc_following(4 * MIB, CAP);
     c.release(temp);
     let out1 = c.alloc(4 * MIB, CAP);
     c.sim_mut().end_stream_capture(first);
     let second = c.sim_mut().begin_stream_capture(&[CAP]);
-    c.follow_driver_capture(CAP);
-    let out2 = c.alloc(4 * MIB, CAP);
+    let out2 = c.alloc_following(4 * MIB, CAP);
     assert_ne!(out2, temp, "graph 1's replays still write its temporary");
     assert_ne!(pool_of(&c, out2), pool_of(&c, out1));
     c.sim_mut().end_stream_capture(second);
@@ -275,21 +269,17 @@ fn overlapping_captures_never_take_the_default_pools() {
     let mut c = Checked::with(1 << 30, "");
     c.follow_driver_capture(CAP);
     let x = c.sim_mut().begin_stream_capture(&[CAP]);
-    c.follow_driver_capture(CAP);
-    let a = c.alloc(4 * MIB, CAP);
+    let a = c.alloc_following(4 * MIB, CAP);
     let y = c.sim_mut().begin_stream_capture(&[THIRD]);
-    c.follow_driver_capture(THIRD);
-    let temp = c.alloc(4 * MIB, THIRD);
+    let temp = c.alloc_following(4 * MIB, THIRD);
     assert_ne!(pool_of(&c, temp), (0, 0));
     c.release(temp);
     c.sim_mut().end_stream_capture(x);
-    c.follow_driver_capture(THIRD); // x's scope closes, y's opens
-    let b = c.alloc(4 * MIB, THIRD);
+    let b = c.alloc_following(4 * MIB, THIRD); // x's scope closes, y's opens
     assert_ne!(pool_of(&c, b), (0, 0));
     assert_ne!(pool_of(&c, b), pool_of(&c, a));
     c.sim_mut().end_stream_capture(y);
-    c.follow_driver_capture(THIRD);
-    let later = c.alloc(4 * MIB, THIRD);
+    let later = c.alloc_following(4 * MIB, THIRD);
     assert_eq!(pool_of(&c, later), (0, 0));
     assert_ne!(later, temp, "y's replays still write its temporary");
     for p in [a, b, later] {
@@ -304,8 +294,7 @@ fn a_free_that_opens_a_capture_records_no_event_in_it() {
     // belong to the graph (the simulator panics at such a record).
     for config in ["", "policy:pytorch"] {
         let mut c = Checked::with(1 << 30, config);
-        c.follow_driver_capture(OTHER); // the route that follows captures
-        let used = c.alloc(MIB, OTHER);
+        let used = c.alloc_following(MIB, OTHER); // the route that follows captures
         c.record_stream(used, CAP);
         c.use_on(used, CAP);
         let large: Vec<_> = (0..20).map(|_| c.alloc(12 * MIB, CAP)).collect();
@@ -326,8 +315,7 @@ fn a_free_that_opens_a_capture_records_no_event_in_it() {
 fn a_capture_announced_by_the_hooks_is_not_followed_twice() {
     let mut c = Checked::with(1 << 30, "");
     c.begin_pool(G, Some(CAP));
-    c.follow_driver_capture(CAP);
-    let p = c.alloc(4096, CAP);
+    let p = c.alloc_following(4096, CAP);
     assert_eq!(pool_of(&c, p), G);
     c.release(p);
     c.end_pool(G);

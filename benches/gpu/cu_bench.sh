@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# cu_bench.sh - build one of this folder's CUDA benchmarks with nvcc and run
+# it (see the header of NAME.cu for what it measures and needs):
+#
+#     bash benches/gpu/cu_bench.sh host_latency       # writes ${OUT:-./host_latency}/host_latency.md
+#     bash benches/gpu/cu_bench.sh handle_bandwidth   # writes ${OUT:-./handle_bandwidth}/handle_bandwidth.md
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+name=${1:?usage: cu_bench.sh NAME (host_latency or handle_bandwidth)}
+src="$here/$name.cu"
+[[ -f $src ]] || { echo "cu_bench.sh: no $src" >&2; exit 2; }
+out=${OUT:-./$name}
+mkdir -p "$out"
+bin=${TMPDIR:-/tmp}/$name
+nvcc -O2 -std=c++17 -o "$bin" "$src" -lcuda
+"$bin" | tee "$out/$name.md"
