@@ -35,6 +35,9 @@ pub(crate) struct Breakdown {
     pub pooled: u64,
     /// Free tail pieces: `(pool, free bytes in the handle, handle size)`.
     pub pieces: Vec<(usize, u64, u64)>,
+    /// The live byte ranges of each handle with a tail, relative to the
+    /// handle's start: `(handle size, ranges)`.
+    pub tail_use: Vec<(u64, Vec<(u64, u64)>)>,
 }
 
 impl Breakdown {
@@ -77,7 +80,44 @@ impl Breakdown {
             mib(hist[4]),
             self.pieces.len()
         );
+        let (pairs, saved) = self.shareable();
+        s += &format!(
+            "  handles with tails whose live bytes do not overlap: {pairs} pairs, {:.1} MiB if each pair shared one handle\n",
+            mib(saved)
+        );
         s
+    }
+
+    /// How much one physical handle mapped at two addresses could save:
+    /// pairs of equal-sized handles with tails whose live ranges do not
+    /// overlap (relative to the handle's start), matched greedily, the
+    /// fullest first. Returns `(pairs, bytes)`.
+    pub fn shareable(&self) -> (usize, u64) {
+        let used = |r: &[(u64, u64)]| r.iter().map(|(a, b)| b - a).sum::<u64>();
+        let mut order: Vec<usize> = (0..self.tail_use.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(used(&self.tail_use[i].1)));
+        let disjoint = |x: &[(u64, u64)], y: &[(u64, u64)]| {
+            x.iter()
+                .all(|&(a, b)| y.iter().all(|&(c, d)| b <= c || d <= a))
+        };
+        let mut taken = vec![false; self.tail_use.len()];
+        let (mut pairs, mut bytes) = (0, 0);
+        for (k, &i) in order.iter().enumerate() {
+            if taken[i] {
+                continue;
+            }
+            let (size, ref ri) = self.tail_use[i];
+            let partner = order[k + 1..].iter().copied().find(|&j| {
+                !taken[j] && self.tail_use[j].0 == size && disjoint(ri, &self.tail_use[j].1)
+            });
+            if let Some(j) = partner {
+                taken[i] = true;
+                taken[j] = true;
+                pairs += 1;
+                bytes += size;
+            }
+        }
+        (pairs, bytes)
     }
 }
 
@@ -108,6 +148,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 let mut k = 0;
                 for (a, _, s) in self.pages.handles_in(sg.ptr, sg.ptr + sg.size) {
                     let (mut live, mut free) = (0, 0);
+                    let mut ranges: Vec<(u64, u64)> = Vec::new();
                     while blocks[k].1 <= a {
                         k += 1;
                     }
@@ -118,7 +159,14 @@ impl<B: Backend> DeviceAllocator<B> {
                         match st {
                             BlockState::Free => free += n,
                             BlockState::Unmapped => unreachable!("a handle over unmapped space"),
-                            _ => live += n,
+                            _ => {
+                                live += n;
+                                let r = (lo.max(a) - a, hi.min(a + s) - a);
+                                match ranges.last_mut() {
+                                    Some(last) if last.1 == r.0 => last.1 = r.1,
+                                    _ => ranges.push(r),
+                                }
+                            }
                         }
                         j += 1;
                     }
@@ -128,6 +176,7 @@ impl<B: Backend> DeviceAllocator<B> {
                         out.tails[slot] += free;
                         if free > 0 {
                             out.pieces.push((slot, free, s));
+                            out.tail_use.push((s, ranges));
                         }
                     } else if self.stitches.aliased(a, a + s) {
                         out.pinned[slot] += s;
