@@ -54,7 +54,7 @@ impl ScanInfo {
     pub fn name(&self, id: u64) -> String {
         match self.strings.get(id as usize) {
             Some(s) => s.clone(),
-            None if id == crate::state::NO_PHASE => "(no phase)".to_string(),
+            None if id == crate::analyses::state::NO_PHASE => "(no phase)".to_string(),
             None => format!("#{id}"),
         }
     }

@@ -10,38 +10,17 @@
 //! fragmentation over time) is computed by a second streaming pass, rather
 //! than by keeping history in memory. Memory therefore follows the number of
 //! live blocks, not the length of the trace.
+//!
+//! The modules go by role: `analyses` (one question each, answered from the
+//! rebuilt allocator state), `formats` (exports and imports) and `commands`
+//! (what formats or combines them: summary, diff, replay, report); `input`
+//! reads traces for all of them.
 
-mod analysis;
-mod diff;
-mod empty_cache;
-mod export_chrome;
-mod export_csv;
-mod export_parquet;
-mod export_torch;
-mod generate;
-mod graph_pools;
-mod import_rmm;
-mod import_torch;
+mod analyses;
+mod commands;
+mod formats;
 mod input;
-mod leaks;
-mod ooms;
-mod parquet_table;
-mod phases;
-mod pickle;
-mod ranks;
-mod replay_cmd;
-mod report;
-mod report_data;
-mod report_oom;
-mod report_sections;
-mod report_series;
-mod sizes;
-mod state;
-mod streams;
-mod summary;
-mod svg;
 mod units;
-mod unpickle;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -238,17 +217,17 @@ fn run(cmd: Command) -> Result<(), CliError> {
             json,
             allow_truncated,
         } => {
-            let traces = ranks::par_map(files, |_, file| {
-                let mut a = analysis::analyze(&file, allow_truncated)?;
-                analysis::second_pass(&file, allow_truncated, &mut a)?;
+            let traces = analyses::ranks::par_map(files, |_, file| {
+                let mut a = analyses::analysis::analyze(&file, allow_truncated)?;
+                analyses::analysis::second_pass(&file, allow_truncated, &mut a)?;
                 warn(&a.info.warning);
                 Ok((file, a))
             })?;
             let out = match (&traces[..], json) {
-                ([(file, a)], true) => summary::render_json(a, file),
-                ([(_, a)], false) => summary::render(a),
-                (_, true) => ranks::render_json(&ranks::label(traces)),
-                (_, false) => ranks::render(&ranks::label(traces)),
+                ([(file, a)], true) => commands::summary::render_json(a, file),
+                ([(_, a)], false) => commands::summary::render(a),
+                (_, true) => analyses::ranks::render_json(&analyses::ranks::label(traces)),
+                (_, false) => analyses::ranks::render(&analyses::ranks::label(traces)),
             };
             print!("{out}");
         }
@@ -259,18 +238,22 @@ fn run(cmd: Command) -> Result<(), CliError> {
         } => {
             let inputs: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
             input::refuse_overwrite("--output", &output, &inputs)?;
-            let mut traces = ranks::par_map(files, |_, file| {
-                let a = analysis::analyze(&file, allow_truncated)?;
+            let mut traces = analyses::ranks::par_map(files, |_, file| {
+                let a = analyses::analysis::analyze(&file, allow_truncated)?;
                 warn(&a.info.warning);
                 if a.info.events == 0 {
-                    eprintln!("gpualloc: {}: {}", file.display(), summary::NO_EVENTS);
+                    eprintln!(
+                        "gpualloc: {}: {}",
+                        file.display(),
+                        commands::summary::NO_EVENTS
+                    );
                 }
                 Ok((file, a))
             })?;
             let html = if let [(file, a)] = &mut traces[..] {
-                report::render(a, file, allow_truncated)?
+                commands::report::render(a, file, allow_truncated)?
             } else {
-                report::render_ranks(ranks::label(traces), allow_truncated)?
+                commands::report::render_ranks(analyses::ranks::label(traces), allow_truncated)?
             };
             std::fs::write(&output, html)
                 .map_err(|e| CliError(format!("{}: cannot write: {e}", output.display())))?;
@@ -282,13 +265,13 @@ fn run(cmd: Command) -> Result<(), CliError> {
             json,
             allow_truncated,
         } => {
-            let a = analysis::analyze(&file, allow_truncated)?;
+            let a = analyses::analysis::analyze(&file, allow_truncated)?;
             warn(&a.info.warning);
             let limit = usize::try_from(limit).unwrap_or(usize::MAX);
             if json {
-                print!("{}", leaks::render_json(&a, &file, limit));
+                print!("{}", analyses::leaks::render_json(&a, &file, limit));
             } else {
-                print!("{}", leaks::render(&a, limit));
+                print!("{}", analyses::leaks::render(&a, limit));
             }
         }
         Command::Replay {
@@ -308,7 +291,7 @@ fn run(cmd: Command) -> Result<(), CliError> {
             }
             print!(
                 "{}",
-                replay_cmd::run(&file, cap, &config, json, allow_truncated)?
+                commands::replay::run(&file, cap, &config, json, allow_truncated)?
             );
         }
         Command::Export {
@@ -334,7 +317,8 @@ fn run(cmd: Command) -> Result<(), CliError> {
                 }
                 _ => {
                     let folder = parquet.expect("checked above");
-                    let outs = export_parquet::export_all(&folder, &files, allow_truncated)?;
+                    let outs =
+                        formats::export_parquet::export_all(&folder, &files, allow_truncated)?;
                     outs.iter()
                         .flatten()
                         .for_each(|out| report_written(out, &None));
@@ -354,7 +338,7 @@ fn run(cmd: Command) -> Result<(), CliError> {
                     )));
                 }
             }
-            let parquet = parquet.map(|p| export_parquet::outputs(&p, &file));
+            let parquet = parquet.map(|p| formats::export_parquet::outputs(&p, &file));
             let parquet_files = parquet.iter().flatten().map(|p| ("--parquet", Some(p)));
             let outs: Vec<(&str, &Path)> = [
                 ("--torch-snapshot", torch_snapshot.as_ref()),
@@ -371,22 +355,24 @@ fn run(cmd: Command) -> Result<(), CliError> {
             input::refuse_shared_outputs(&outs)?;
             if let Some(out) = torch_snapshot {
                 let n = input::write_atomically(&out, |o| {
-                    export_torch::export(&file, o, allow_truncated)
+                    formats::export_torch::export(&file, o, allow_truncated)
                 })?;
                 report_written(&out, &n);
             }
             if let Some(out) = chrome {
                 input::write_atomically(&out, |o| {
-                    export_chrome::export(&file, o, allow_truncated)
+                    formats::export_chrome::export(&file, o, allow_truncated)
                 })?;
                 report_written(&out, &None);
             }
             if let Some(out) = csv {
-                input::write_atomically(&out, |o| export_csv::export(&file, o, allow_truncated))?;
+                input::write_atomically(&out, |o| {
+                    formats::export_csv::export(&file, o, allow_truncated)
+                })?;
                 report_written(&out, &None);
             }
             if let Some(outs) = parquet {
-                export_parquet::export(&file, &outs, allow_truncated)?;
+                formats::export_parquet::export(&file, &outs, allow_truncated)?;
                 for out in &outs {
                     report_written(out, &None);
                 }
@@ -399,8 +385,8 @@ fn run(cmd: Command) -> Result<(), CliError> {
                 other => other,
             };
             let n = input::write_atomically(&output, |o| match kind {
-                From::Torch => import_torch::import(&file, o),
-                _ => import_rmm::import(&file, o),
+                From::Torch => formats::import_torch::import(&file, o),
+                _ => formats::import_rmm::import(&file, o),
             })?;
             eprintln!("wrote {} ({n} events)", output.display());
         }
@@ -409,13 +395,13 @@ fn run(cmd: Command) -> Result<(), CliError> {
             b,
             json,
             allow_truncated,
-        } => print!("{}", diff::run(&a, &b, json, allow_truncated)?),
+        } => print!("{}", commands::diff::run(&a, &b, json, allow_truncated)?),
         Command::Generate {
             output,
             events,
             seed,
         } => {
-            let s = generate::generate(&output, events, seed)?;
+            let s = commands::generate::generate(&output, events, seed)?;
             eprintln!(
                 "wrote {} ({} events, {}, {} dropped)",
                 output.display(),

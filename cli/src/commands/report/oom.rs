@@ -20,8 +20,8 @@ use std::path::Path;
 use gpualloc::Config;
 use gpualloc::replay::{ReplayResult, replay};
 
+use crate::analyses::ooms::Oom;
 use crate::input::{self, CliError};
-use crate::ooms::Oom;
 use crate::units::bytes;
 
 /// Configurations tried against an OOM, besides the recorded one.
@@ -172,7 +172,7 @@ pub fn advise(path: &Path, recorded: &str, first: &Oom) -> Result<Advice, CliErr
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::Gauges;
+    use crate::analyses::state::Gauges;
 
     fn oom(requested: u64, cached_free: u64, largest_free: u64, device_free: u64) -> Oom {
         Oom {

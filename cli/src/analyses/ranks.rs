@@ -31,7 +31,7 @@ use crate::input::CliError;
 
 use serde_json::{Value, json};
 
-use crate::analysis::{Analysis, DeviceAnalysis, Peak};
+use crate::analyses::analysis::{Analysis, DeviceAnalysis, Peak};
 use crate::units::{bytes, duration};
 
 /// The rank in a file name (`trace-3.gtrace`: 3); `None` when the name
@@ -171,7 +171,7 @@ pub fn steps(a: &Analysis) -> Option<(usize, u64, u64)> {
 }
 
 /// The first failed allocation of a trace: (device, the OOM).
-fn first_oom(a: &Analysis) -> Option<(u32, &crate::ooms::Oom)> {
+fn first_oom(a: &Analysis) -> Option<(u32, &crate::analyses::ooms::Oom)> {
     a.devices
         .values()
         .filter_map(|d| d.ooms.first().map(|o| (d.device, o)))
@@ -308,7 +308,7 @@ pub fn render(ranks: &[Rank]) -> String {
     }
     for r in ranks {
         let _ = writeln!(s, "\n== rank {} ({}) ==", r.label, r.path.display());
-        s.push_str(&crate::summary::render(&r.a));
+        s.push_str(&crate::commands::summary::render(&r.a));
     }
     s
 }
@@ -342,7 +342,7 @@ pub fn render_json(ranks: &[Rank]) -> String {
                     "allocated": o.gauges.allocated,
                     "reserved": o.gauges.reserved,
                 })),
-                "summary": crate::summary::json_value(a, &r.path),
+                "summary": crate::commands::summary::json_value(a, &r.path),
             })
         })
         .collect();
@@ -352,7 +352,7 @@ pub fn render_json(ranks: &[Rank]) -> String {
         "highest_peak_reserved": argmax(ranks, |a| highest(a, |d| d.peak_reserved).value),
         "oom_ranks": oom_ranks(ranks).iter().map(|r| r.label.as_str()).collect::<Vec<_>>(),
     });
-    crate::summary::pretty(&v)
+    crate::commands::summary::pretty(&v)
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
-use crate::analysis::{self, Analysis, DeviceAnalysis};
+use crate::analyses::analysis::{self, Analysis, DeviceAnalysis};
 use crate::input::CliError;
 use crate::units::{bytes, delta, duration, percent};
 
@@ -70,7 +70,7 @@ fn render_json(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
 
 /// Share of reserved memory not allocated when reserved peaked.
 fn unallocated_at_peak(d: &DeviceAnalysis) -> f64 {
-    crate::state::unallocated(d.allocated_at_peak_reserved, d.peak_reserved.value)
+    crate::analyses::state::unallocated(d.allocated_at_peak_reserved, d.peak_reserved.value)
 }
 
 /// Peak reserved over peak allocated.
@@ -162,7 +162,7 @@ fn render(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
     }
     for (p, t) in [(pa, a), (pb, b)] {
         if t.info.events == 0 {
-            let _ = writeln!(s, "{}: {}", short(p), crate::summary::NO_EVENTS);
+            let _ = writeln!(s, "{}: {}", short(p), crate::commands::summary::NO_EVENTS);
         }
     }
     s

@@ -15,7 +15,7 @@
 //! scopes opened, `pools`, `releases`, `restores`: checkpoint restores,
 //! `peak_held`: the most bytes mapped for private pools at once), `ooms`
 //! (a count), `oom_details` (the first
-//! [`MAX_DETAILED`](crate::ooms::MAX_DETAILED) failures),
+//! [`MAX_DETAILED`](crate::analyses::ooms::MAX_DETAILED) failures),
 //! `unknown_frees`, `phases`, `most_frequent_sizes` and `largest_sizes`.
 //! Bytes are integers, times are nanoseconds since the trace began,
 //! fractions are between 0 and 1.
@@ -25,7 +25,7 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
-use crate::analysis::{Analysis, DeviceAnalysis};
+use crate::analyses::analysis::{Analysis, DeviceAnalysis};
 use crate::units::{bytes, duration, percent};
 
 /// What the text commands say of a trace without events.
@@ -71,8 +71,9 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         "\ndevice {}: {} events, {} allocations",
         d.device, d.events, d.allocs
     );
-    let pk =
-        |p: &crate::analysis::Peak| format!("{:>12} at {}", bytes(p.value), duration(p.time_ns));
+    let pk = |p: &crate::analyses::analysis::Peak| {
+        format!("{:>12} at {}", bytes(p.value), duration(p.time_ns))
+    };
     let _ = writeln!(s, "  peak allocated  {}", pk(&d.peak_allocated));
     let _ = writeln!(s, "  peak reserved   {}", pk(&d.peak_reserved));
     let _ = writeln!(s, "  peak active     {}", pk(&d.peak_active));
@@ -82,7 +83,7 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
             "  reserved/allocated at the peaks {:.3}; at peak reserved {} allocated ({} unallocated)",
             d.peak_reserved.value as f64 / d.peak_allocated.value as f64,
             bytes(d.allocated_at_peak_reserved),
-            percent(crate::state::unallocated(
+            percent(crate::analyses::state::unallocated(
                 d.allocated_at_peak_reserved,
                 d.peak_reserved.value
             ))

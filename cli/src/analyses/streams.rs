@@ -9,7 +9,7 @@
 //! reserved or mapped for it) and the bytes allocated on it, and the
 //! physical memory held unmapped (gpualloc's page pool).
 
-use crate::state::DeviceState;
+use crate::analyses::state::DeviceState;
 use crate::units::bytes;
 
 /// Streams listed by name in the text; the rest are summed.

@@ -14,8 +14,8 @@ use gpualloc::Config;
 use gpualloc::size_class::round_size;
 use gpualloc::trace::{Action, EventKind, MAX_DEVICES, Pool, TraceEvent, TraceHeader, TraceWriter};
 
+use crate::formats::unpickle;
 use crate::input::CliError;
-use crate::unpickle;
 
 /// Converts `path` into `out`; returns the number of events written.
 pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {

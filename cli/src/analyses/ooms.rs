@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use gpualloc::trace::TraceEvent;
 
-use crate::state::{DeviceState, Gauges, NO_PHASE};
+use crate::analyses::state::{DeviceState, Gauges, NO_PHASE};
 
 /// OOMs examined in detail per device (later ones are only counted).
 pub const MAX_DETAILED: usize = 20;

@@ -9,7 +9,7 @@
 //!   reserved bytes. A bucket's minimum includes the value carried into it,
 //!   so a stretch without events draws as the flat line it was, not a ramp;
 //! - the same at a finer resolution in short windows around the peaks and
-//!   the first OOMs (`report_series`), for zooming in there;
+//!   the first OOMs (`series`), for zooming in there;
 //! - fragmentation at [`FRAG_SAMPLES`] evenly spaced moments;
 //! - the layout of reserved memory (segments and the blocks in them) at a
 //!   bounded set of moments: both peaks, the first OOMs, the end, and
@@ -22,7 +22,7 @@
 //!   evaluation), with the gauges at opening and their highest values while
 //!   open.
 //!
-//! [`analysis::analyze`]: crate::analysis::analyze
+//! [`analysis::analyze`]: crate::analyses::analysis::analyze
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -30,10 +30,10 @@ use std::path::Path;
 use gpualloc::trace::{Action, EventKind, TraceEvent};
 use serde_json::{Value, json};
 
-use crate::analysis::{self, Analysis, AtPeak};
+use crate::analyses::analysis::{self, Analysis, AtPeak};
+use crate::analyses::state::{self, DeviceState, Gauges, NO_PHASE};
+use crate::commands::report::series::{WINDOW_FRACTION, Window};
 use crate::input::{self, CliError};
-use crate::report_series::{WINDOW_FRACTION, Window};
-use crate::state::{self, DeviceState, Gauges, NO_PHASE};
 
 /// Buckets of the gauge series.
 pub const BUCKETS: usize = 2000;
@@ -90,7 +90,7 @@ struct Collector {
     at_peak: Option<AtPeak>,
     /// The event count at the reserved peak, and the streams' shares there.
     reserved_at: u64,
-    streams: Option<crate::streams::StreamShares>,
+    streams: Option<crate::analyses::streams::StreamShares>,
     windows: Vec<Window>,
 }
 
@@ -207,7 +207,7 @@ impl Collector {
             _ => {}
         }
         if self.n == self.reserved_at {
-            self.streams = Some(crate::streams::shares(&self.s));
+            self.streams = Some(crate::analyses::streams::shares(&self.s));
         }
         if let Some(kind) = self.targets.get(&self.n).copied() {
             if kind == "peak allocated" {
@@ -357,7 +357,7 @@ pub fn collect(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<V
             .by_id
             .iter()
             .filter(|&(&id, p)| {
-                crate::report_sections::is_checkpoint(&a.info.name(id))
+                crate::commands::report::sections::is_checkpoint(&a.info.name(id))
                     || (p.count <= RARE_PHASE && p.count * 2 <= iterations)
             })
             .map(|(&id, _)| id)

@@ -6,7 +6,7 @@
 
 use serde_json::{Value, json};
 
-use crate::state::Gauges;
+use crate::analyses::state::Gauges;
 
 /// Buckets per window.
 pub const WINDOW_BUCKETS: usize = 1000;

@@ -5,11 +5,11 @@
 
 use std::fmt::Write;
 
-use crate::analysis::{Analysis, DeviceAnalysis};
-use crate::leaks;
-use crate::phases::PhaseStats;
-use crate::report_oom::{self, Advice};
-use crate::svg::{self, esc};
+use crate::analyses::analysis::{Analysis, DeviceAnalysis};
+use crate::analyses::leaks;
+use crate::analyses::phases::PhaseStats;
+use crate::commands::report::oom::{self, Advice};
+use crate::commands::report::svg::{self, esc};
 use crate::units::{bytes, delta, duration, percent};
 
 /// Phase rows shown.
@@ -96,11 +96,7 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
     match (d.ooms.first(), advice.and_then(Advice::best)) {
         (None, _) => s.push_str("<li><b>Out of memory?</b> No allocation failed.</li>"),
         (Some(o), best) => {
-            let _ = write!(
-                s,
-                "<li><b>Why the OOM?</b> {}",
-                esc(&report_oom::explain(o))
-            );
+            let _ = write!(s, "<li><b>Why the OOM?</b> {}", esc(&oom::explain(o)));
             match best {
                 Some(t) => {
                     let _ = write!(
@@ -232,7 +228,7 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
             o.stream,
             bytes(o.gauges.allocated),
             bytes(o.gauges.reserved),
-            esc(&report_oom::explain(o))
+            esc(&oom::explain(o))
         );
         s.push_str("<table><tr><th>held by phase</th><th>bytes</th></tr>");
         for (ph, b) in o.by_phase.iter().take(8) {

@@ -1,21 +1,21 @@
 //! The analysis of a trace: one streaming pass for gauges, peaks, phases,
 //! sizes, OOMs and the final state; a second pass, up to the peak, for the
 //! layout at the peak, which needs the peak's position found by the first.
-//! Reports make one more pass of their own (`report_data`).
+//! Reports make one more pass of their own (`commands::report::data`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use gpualloc::trace::{Action, EventKind, TraceEvent};
 
-use crate::empty_cache::EmptyCaches;
-use crate::graph_pools::GraphPools;
+use crate::analyses::empty_cache::EmptyCaches;
+use crate::analyses::graph_pools::GraphPools;
+use crate::analyses::ooms::{self, Oom};
+use crate::analyses::phases::Phases;
+use crate::analyses::sizes::Sizes;
+use crate::analyses::state::{self, DeviceState};
+use crate::analyses::streams::{self, StreamShares};
 use crate::input::{self, CliError, ScanInfo};
-use crate::ooms::{self, Oom};
-use crate::phases::Phases;
-use crate::sizes::Sizes;
-use crate::state::{self, DeviceState};
-use crate::streams::{self, StreamShares};
 
 /// A gauge's highest value and where it was reached.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

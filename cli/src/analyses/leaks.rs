@@ -21,7 +21,7 @@ use std::path::Path;
 
 use serde_json::json;
 
-use crate::analysis::{Analysis, DeviceAnalysis};
+use crate::analyses::analysis::{Analysis, DeviceAnalysis};
 use crate::units;
 
 /// Allocations alive at the end that share a size and a phase.
@@ -96,7 +96,7 @@ pub fn groups(d: &DeviceAnalysis, end_ns: u64) -> Vec<LeakGroup> {
 pub fn render(a: &Analysis, limit: usize) -> String {
     let mut s = String::new();
     if a.info.events == 0 {
-        let _ = writeln!(s, "{}", crate::summary::NO_EVENTS);
+        let _ = writeln!(s, "{}", crate::commands::summary::NO_EVENTS);
     }
     for d in a.devices.values() {
         let gs = groups(d, a.duration_ns);

@@ -142,7 +142,7 @@ impl<W: Write> Pickler<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::unpickle::loads;
+    use crate::formats::unpickle::loads;
 
     #[test]
     fn writes_what_the_reader_reads() {

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 
-use crate::state::Gauges;
+use crate::analyses::state::Gauges;
 
 /// Figures of one phase name (all its occurrences together).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! Export to Parquet, for querying many ranks' traces at once (DuckDB,
 //! Polars, Spark, pandas): three files per trace, `<prefix>.events.parquet`,
 //! `<prefix>.segments.parquet` and `<prefix>.phases.parquet`. Every row
-//! carries `rank` (from the file name, see [`crate::ranks`]; null when the
+//! carries `rank` (from the file name, see [`crate::analyses::ranks`]; null when the
 //! name has none), `pid` (the header's) and `device`, so the files of a
 //! job's ranks can be read as one table. Times are nanoseconds since the
 //! trace began; bytes, addresses and streams are unsigned 64-bit integers.
@@ -34,7 +34,7 @@
 //! (the gauges' highest values inside, the values at the start included).
 //!
 //! The trace is read twice (the string table first, as for `--chrome`);
-//! rows go out in row groups of [`ROWS_PER_GROUP`](crate::parquet_table::ROWS_PER_GROUP),
+//! rows go out in row groups of [`ROWS_PER_GROUP`](crate::formats::parquet_table::ROWS_PER_GROUP),
 //! so memory follows the live blocks, not the trace's length: a generated
 //! trace of 3 million events (24 MiB) exports in 3.4 s with a release
 //! build, in 42 MB resident (35 MB for 140 thousand events); its events
@@ -46,9 +46,9 @@ use std::path::{Path, PathBuf};
 use gpualloc::trace::{Action, EventKind, Pool, TraceEvent, pool_code};
 use parquet::data_type::ByteArray;
 
+use crate::analyses::state::{self, DeviceState, Gauges};
+use crate::formats::parquet_table::{ColumnSpec, Table, Ty, V};
 use crate::input::{self, CliError};
-use crate::parquet_table::{ColumnSpec, Table, Ty, V};
-use crate::state::{self, DeviceState, Gauges};
 
 const EVENTS: &[ColumnSpec] = &[
     ("time_ns", Ty::I64, false),
@@ -149,7 +149,7 @@ pub fn export_all(
         }
         jobs.push((t.clone(), outs));
     }
-    crate::ranks::par_map(jobs, |_, (t, outs)| {
+    crate::analyses::ranks::par_map(jobs, |_, (t, outs)| {
         export(&t, &outs, allow_truncated)?;
         Ok(outs)
     })
@@ -492,7 +492,7 @@ pub fn export(path: &Path, out: &[PathBuf; 3], allow_truncated: bool) -> Result<
         ("gpualloc.start_unix_ns", h.start_unix_ns.to_string()),
     ];
     let who = Who {
-        rank: crate::ranks::rank_from_name(path, h.pid),
+        rank: crate::analyses::ranks::rank_from_name(path, h.pid),
         pid: h.pid,
     };
     let mut w = Writer {

@@ -1,22 +1,28 @@
 //! The `report` command: one self-contained HTML page per trace. Nothing is
 //! fetched: the style sheet, the script (`report.js`) and the data it draws
-//! (`report_data`) are inline.
+//! (`data`) are inline.
 //!
 //! The tables (phases, leaks, OOM forensics, sizes) are plain HTML written
-//! here and in `report_sections`, readable without the script; the charts
+//! here and in `sections`, readable without the script; the charts
 //! are drawn by the script from the aggregated data in a
 //! `<script type="application/json">` element. Opening the page with
 //! `#selftest` makes the script zoom, hover and click through its charts
 //! and write the outcome into `#selftest-result` (see `tests/browser/`).
 
+pub(crate) mod data;
+pub(crate) mod oom;
+pub(crate) mod sections;
+pub(crate) mod series;
+pub(crate) mod svg;
+
 use std::fmt::Write;
 use std::path::Path;
 
-use crate::analysis::{Analysis, DeviceAnalysis};
+use crate::analyses::analysis::{Analysis, DeviceAnalysis};
+use crate::analyses::ranks::Rank;
+use crate::commands::report::sections as sec;
+use crate::commands::report::svg::esc;
 use crate::input::CliError;
-use crate::ranks::Rank;
-use crate::report_sections as sec;
-use crate::svg::esc;
 use crate::units::{bytes, duration, percent};
 
 const CSS: &str = include_str!("report.css");
@@ -43,11 +49,11 @@ pub fn render(a: &mut Analysis, path: &Path, allow_truncated: bool) -> Result<St
 pub fn render_ranks(ranks: Vec<Rank>, allow_truncated: bool) -> Result<String, CliError> {
     let mut body = String::new();
     body.push_str("<section class=\"ranks\"><h2>Ranks</h2><table><tr>");
-    for c in crate::ranks::COLUMNS {
+    for c in crate::analyses::ranks::COLUMNS {
         let _ = write!(body, "<th>{}</th>", esc(c));
     }
     body.push_str("</tr>");
-    for (i, row) in crate::ranks::rows(&ranks).iter().enumerate() {
+    for (i, row) in crate::analyses::ranks::rows(&ranks).iter().enumerate() {
         let _ = write!(body, "<tr><td><a href=\"#r{i}-\">{}</a></td>", esc(&row[0]));
         for c in &row[1..] {
             let _ = write!(body, "<td>{}</td>", esc(c));
@@ -55,12 +61,12 @@ pub fn render_ranks(ranks: Vec<Rank>, allow_truncated: bool) -> Result<String, C
         body.push_str("</tr>");
     }
     body.push_str("</table><ul>");
-    for h in crate::ranks::highlights(&ranks) {
+    for h in crate::analyses::ranks::highlights(&ranks) {
         let _ = write!(body, "<li>{}</li>", esc(&h));
     }
     body.push_str("</ul></section>");
     let n = ranks.len();
-    let parts = crate::ranks::par_map(ranks, |i, mut r| {
+    let parts = crate::analyses::ranks::par_map(ranks, |i, mut r| {
         let prefix = format!("r{i}-");
         let mut s = String::new();
         let _ = write!(
@@ -90,10 +96,10 @@ fn trace(
     allow_truncated: bool,
     prefix: &str,
 ) -> Result<serde_json::Value, CliError> {
-    let data = crate::report_data::collect(path, allow_truncated, a)?;
+    let data = crate::commands::report::data::collect(path, allow_truncated, a)?;
     let recorded = a.info.header.config.clone();
     for d in a.devices.values_mut() {
-        crate::report_oom::apply_limit(&mut d.ooms, &recorded);
+        crate::commands::report::oom::apply_limit(&mut d.ooms, &recorded);
     }
     let a = &*a;
     header(s, a);
@@ -190,7 +196,7 @@ fn device(
         d.device
     );
     let advice = match d.ooms.first() {
-        Some(first) => Some(crate::report_oom::advise(
+        Some(first) => Some(crate::commands::report::oom::advise(
             path,
             &a.info.header.config,
             first,
@@ -222,7 +228,7 @@ fn device(
 
 fn figures(s: &mut String, d: &DeviceAnalysis) {
     s.push_str("<table class=\"kv\">");
-    let at = |p: &crate::analysis::Peak| {
+    let at = |p: &crate::analyses::analysis::Peak| {
         format!(
             "{} at {}",
             bytes(p.value),

@@ -16,9 +16,9 @@ use std::path::Path;
 
 use gpualloc::trace::{EventKind, Pool, TraceEvent};
 
+use crate::analyses::state::{DeviceState, Region, range_end};
+use crate::formats::pickle::Pickler;
 use crate::input::{self, CliError};
-use crate::pickle::Pickler;
-use crate::state::{DeviceState, Region, range_end};
 
 type P = Pickler<BufWriter<File>>;
 

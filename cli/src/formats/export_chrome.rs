@@ -11,8 +11,8 @@ use std::path::Path;
 use gpualloc::trace::{Action, EventKind, TraceEvent};
 use serde_json::json;
 
+use crate::analyses::state::DeviceState;
 use crate::input::{self, CliError};
-use crate::state::DeviceState;
 
 /// Writes `out`.
 pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<(), CliError> {
