@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -37,6 +38,9 @@ DEFAULT_VARIANTS = "native,native-expandable,gpualloc,gpualloc-expandable,gpuall
 NATIVE = ("native", "native-expandable")
 CHURN_OPS = 200_000
 CHURN_TIMEOUT_S = 90
+INTERVAL_NOTE = ("The ratio is taken within each repeat, the column shows the median; the interval is the 95% "
+                 "confidence interval of the ratios' geometric mean (Student's t on their logarithms, two "
+                 "repeats or more): a target is met when its upper end is at or below it.")
 MAX_BATCH_TIMEOUT_S = 420
 MIN_LEFT_S = 20
 
@@ -66,6 +70,7 @@ def summarize_training(runs, workload, variants):
         mine = [(rep, by[(v, rep)]) for rep in repeats if (v, rep) in by]
         res = [r["result"] for _, r in mine]
         agree = [driver.compare_training(by[("native", rep)], r)["losses_agree"] for rep, r in mine if ("native", rep) in by]
+        ratios = [r["result"]["mean_step_s_all"] / base[rep] for rep, r in mine if base[rep]]
         rows.append({
             "variant": v,
             "runs": len(res),
@@ -74,7 +79,8 @@ def summarize_training(runs, workload, variants):
             "median_step_ms": median([x["median_step_s"] * 1e3 for x in res]),
             "mean_step_ms": median([x["mean_step_s"] * 1e3 for x in res]),
             "device_allocs_after_warmup": median([x.get("device_allocs_after_warmup") for x in res]),
-            "ratio_mean_all_vs_faster_native": median([r["result"]["mean_step_s_all"] / base[rep] for rep, r in mine if base[rep]]),
+            "ratio_mean_all_vs_faster_native": median(ratios),
+            "ratio_mean_all_interval95": ratio_interval(ratios),
             "losses_agree_with_native": all(agree) if agree else None,
             "peak_reserved_gib": median([x["peak_reserved"] / 2**30 for x in res]),
         })
@@ -89,14 +95,42 @@ def summarize_churn(runs, variants, workload):
     rows = []
     for v in variants:
         res = [(rep, by[(v, rep)]) for rep in repeats if (v, rep) in by]
+        ratios = [x["us_per_alloc_free"] / base[rep] for rep, x in res if base[rep]]
         rows.append({
             "variant": v,
             "runs": len(res),
             "peak_reserved_over_allocated": median([x["peak_reserved_over_allocated"] for _, x in res]),
             "us_per_alloc_free": median([x["us_per_alloc_free"] for _, x in res]),
-            "ratio_vs_faster_native": median([x["us_per_alloc_free"] / base[rep] for rep, x in res if base[rep]]),
+            "ratio_vs_faster_native": median(ratios),
+            "ratio_interval95": ratio_interval(ratios),
         })
     return rows
+
+
+# Student's t, two-sided 95%, by degrees of freedom (beyond 30: 2.0, a bit
+# wider than the normal's 1.96).
+T975 = [None, 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052,
+        2.048, 2.045, 2.042]
+
+
+def ratio_interval(ratios):
+    """The geometric mean of per-repeat ratios and its 95% confidence
+    interval (Student's t on the logarithms), as [mean, low, high]; None
+    with fewer than two ratios. A ratio target is met when `high` is at or
+    below it, missed when `low` is above it; in between the repeats cannot
+    tell."""
+    logs = [math.log(r) for r in ratios if r]
+    n = len(logs)
+    if n < 2:
+        return None
+    m = statistics.fmean(logs)
+    half = (T975[n - 1] if n - 1 < len(T975) else 2.0) * statistics.stdev(logs) / math.sqrt(n)
+    return [math.exp(m), math.exp(m - half), math.exp(m + half)]
+
+
+def fmt_interval(iv):
+    return "–" if iv is None else f"{iv[1]:.3f}–{iv[2]:.3f}"
 
 
 def fmt(x, spec):
@@ -110,22 +144,24 @@ def markdown(bench):
     if a["repeats"] and bench["training"]:
         sec = [f"## Training, {a['steps']} steps, medians over {a['repeats']} repeat(s)", "",
                "| workload | variant | runs | R/A | mean, all steps (ms) | median (ms) | device allocs after warm-up "
-               "| mean / faster native | losses agree |",
-               "|---|---|---|---|---|---|---|---|---|"]
+               "| mean / faster native | 95% interval | losses agree |",
+               "|---|---|---|---|---|---|---|---|---|---|"]
         for w, rows in bench["training"].items():
             for r in rows:
                 agree = {True: "yes", False: "**no**", None: "–"}[r["losses_agree_with_native"]]
                 sec.append(f"| {w} | {r['variant']} | {r['runs']} | {fmt(r['peak_reserved_over_allocated'], '.3f')} "
                            f"| {fmt(r['mean_step_ms_all'], '.1f')} | {fmt(r['median_step_ms'], '.1f')} "
                            f"| {fmt(r['device_allocs_after_warmup'], '.0f')} | {fmt(r['ratio_mean_all_vs_faster_native'], '.3f')} "
-                           f"| {agree} |")
+                           f"| {fmt_interval(r['ratio_mean_all_interval95'])} | {agree} |")
+        sec += ["", INTERVAL_NOTE]
         sections.append(sec)
     for w, rows in (bench.get("churn") or {}).items() if a["repeats"] else ():
         sec = [f"## {w}, {CHURN_OPS} torch.empty calls, medians over {a['repeats']} repeat(s)", "",
-               "| variant | runs | R/A | µs per alloc+free | / faster native |", "|---|---|---|---|---|"]
+               "| variant | runs | R/A | µs per alloc+free | / faster native | 95% interval |", "|---|---|---|---|---|---|"]
         for r in rows:
             sec.append(f"| {r['variant']} | {r['runs']} | {fmt(r['peak_reserved_over_allocated'], '.3f')} "
-                       f"| {fmt(r['us_per_alloc_free'], '.3f')} | {fmt(r['ratio_vs_faster_native'], '.3f')} |")
+                       f"| {fmt(r['us_per_alloc_free'], '.3f')} | {fmt(r['ratio_vs_faster_native'], '.3f')} "
+                       f"| {fmt_interval(r['ratio_interval95'])} |")
         sections.append(sec)
     if bench.get("max_batch"):
         sec = [f"## Largest batch under {a['max_batch_gib']:g} GiB (checks.py max_batch)", "",

@@ -8,6 +8,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bench  # noqa: E402
 import driver  # noqa: E402
 import sweep  # noqa: E402
 from step_profiler import StepProfiler  # noqa: E402
@@ -103,6 +104,44 @@ class RunOrder(unittest.TestCase):
         self.assertIn("native-expandable 2", note)
         self.assertIn("gpualloc 1", note)
         self.assertIn("multiple of 2", note)
+
+
+def bench_run(workload, variant, repeat, mean_s):
+    return {"workload": workload, "variant": variant, "repeat": repeat, "result": {
+        "mean_step_s_all": mean_s, "mean_step_s": mean_s, "median_step_s": mean_s, "peak_reserved": 2**30,
+        "peak_allocated": 2**30,
+        "peak_reserved_over_allocated": 1.01, "losses": [1.0], "device_allocs_after_warmup": 0}}
+
+
+class BenchInterval(unittest.TestCase):
+    def test_the_interval_of_round_17s_gpt2_repeats_holds_one(self):
+        # The three per-repeat ratios of round 17's GPT-2 runs.
+        mean, low, high = bench.ratio_interval([1.049, 1.027, 0.982])
+        self.assertAlmostEqual(mean, 1.0189, places=4)
+        self.assertAlmostEqual(low, 0.9371, places=4)
+        self.assertAlmostEqual(high, 1.1079, places=4)
+
+    def test_equal_ratios_have_no_width_and_one_ratio_no_interval(self):
+        self.assertEqual([round(x, 9) for x in bench.ratio_interval([0.9, 0.9, 0.9])], [0.9, 0.9, 0.9])
+        self.assertIsNone(bench.ratio_interval([1.2]))
+        self.assertIsNone(bench.ratio_interval([]))
+
+    def test_training_rows_carry_it_and_the_table_prints_it(self):
+        runs = [bench_run("w", "native", rep, 0.100) for rep in range(3)]
+        runs += [bench_run("w", "gpualloc", rep, t) for rep, t in enumerate([0.098, 0.099, 0.097])]
+        rows = bench.summarize_training(runs, "w", ["native", "gpualloc"])
+        ours = next(r for r in rows if r["variant"] == "gpualloc")
+        self.assertAlmostEqual(ours["ratio_mean_all_vs_faster_native"], 0.98)
+        self.assertGreater(ours["ratio_mean_all_interval95"][2], 1.0, "three repeats 1-3% faster cannot tell")
+        args = {"repeats": 3, "steps": 60}
+        text = bench.markdown({"args": args, "variants": ["native", "gpualloc"], "training": {"w": rows},
+                               "runs": runs, "skipped": []})
+        self.assertIn("| 0.980 | 0.955–1.005 |", text)
+        self.assertIn("95% confidence interval", text)
+        runs = [r for r in runs if r["variant"] == "native"]
+        runs += [bench_run("w", "gpualloc", rep, t) for rep, t in enumerate([0.0980, 0.0981, 0.0979])]
+        ours = bench.summarize_training(runs, "w", ["gpualloc"])[0]
+        self.assertLess(ours["ratio_mean_all_interval95"][2], 1.0, "three repeats 2% faster, closely: met")
 
 
 if __name__ == "__main__":
