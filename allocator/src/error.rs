@@ -109,20 +109,26 @@ impl AllocError {
     }
 }
 
-/// Formats bytes the way PyTorch's messages do (`1.50 GiB`).
+/// Formats bytes the way PyTorch's messages do (`1.50 GiB`, `512 bytes`).
 pub fn format_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
+    format_bytes_as(b, "bytes")
+}
+
+/// Formats bytes in the largest binary unit up to TiB that leaves at least
+/// one, with two decimals (`1.50 GiB`); below 1 KiB, the count and `unit`
+/// (`512 B` for `unit` "B").
+pub fn format_bytes_as(b: u64, unit: &str) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if b < 1024 {
+        return format!("{b} {unit}");
+    }
+    let mut v = b as f64 / 1024.0;
     let mut u = 0;
     while v >= 1024.0 && u < UNITS.len() - 1 {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 {
-        format!("{b} bytes")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
+    format!("{v:.2} {}", UNITS[u])
 }
 
 impl fmt::Display for AllocError {

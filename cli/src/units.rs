@@ -2,18 +2,7 @@
 
 /// `1.50 GiB`, `512 B`.
 pub fn bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
+    gpualloc::error::format_bytes_as(b, "B")
 }
 
 /// Signed byte difference: `+1.00 MiB`, `-512 B`.
@@ -52,6 +41,9 @@ mod tests {
     #[test]
     fn formats_and_parses() {
         assert_eq!(bytes(512), "512 B");
+        assert_eq!(bytes(1023), "1023 B");
+        assert_eq!(bytes(1024), "1.00 KiB");
+        assert_eq!(bytes(1 << 50), "1024.00 TiB", "TiB is the largest unit");
         assert_eq!(bytes(3 << 29), "1.50 GiB");
         assert_eq!(delta(3, 1), "-2 B");
         assert_eq!(duration(1_500_000_000), "1.500 s");
