@@ -234,9 +234,11 @@ impl<B: Backend> Allocator<B> {
         self.lock(device)?.set_memory_fraction(fraction)
     }
 
-    /// A device's segments and blocks.
+    /// A device's segments and blocks; none for a device not created yet,
+    /// which this does not create (a snapshot of another rank's GPU must
+    /// not start a context there).
     pub fn snapshot(&self, device: i64) -> Result<Vec<SegmentSnapshot>, AllocError> {
-        Ok(self.lock(device)?.snapshot())
+        Ok(self.peek(device)?.map(|d| d.snapshot()).unwrap_or_default())
     }
 
     /// [`DeviceAllocator::begin_allocate_to_pool`] on a device.

@@ -757,6 +757,23 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(())
     }
 
+    /// [`record_stream`](Self::record_stream) with a stream of device
+    /// `stream_device`, which may be another than this one: its shared
+    /// handles (the default streams) are then keyed apart from this
+    /// device's (Note [Streams of other devices] in `backend/stream.rs`).
+    ///
+    /// # Errors
+    /// As [`record_stream`](Self::record_stream).
+    pub fn record_stream_of_device(
+        &mut self,
+        ptr: DevicePtr,
+        stream: StreamId,
+        stream_device: u32,
+    ) -> Result<(), AllocError> {
+        let key = crate::backend::stream_on_device(stream, stream_device, self.device);
+        self.record_stream(ptr, key)
+    }
+
     /// Polls each stream's events in order up to the first one not done and
     /// frees the blocks whose last event completed. Also finishes blocks
     /// whose free was deferred by a capture.

@@ -262,12 +262,31 @@ pub extern "C" fn gpualloc_add_peer_access(device: c_int, peer: c_int) -> c_int 
 /// Marks `ptr` as used on `stream` too (`Tensor.record_stream`; PyTorch's
 /// `record_stream` hook): its memory is reused only after the work queued on
 /// `stream` at free time completes. The device is found from the pointer.
+/// A default stream (handle 0, 1 or 2) is taken for the pointer's own
+/// device's: `gpualloc_record_stream_on` says which device's it is.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_record_stream(ptr: *mut c_void, stream: cudaStream_t) {
-    void_call(|| record_stream(ptr, stream));
+    void_call(|| record_stream(ptr, stream, None));
 }
 
-fn record_stream(ptr: *mut c_void, stream: cudaStream_t) -> Result<(), Error> {
+/// `gpualloc_record_stream` with the device `stream` belongs to
+/// (`stream_device`; negative: the pointer's own), so that another GPU's
+/// default stream is not taken for the pointer's own device's (PyTorch's
+/// `record_stream` passes a `CUDAStream`, which knows its device).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_record_stream_on(
+    ptr: *mut c_void,
+    stream: cudaStream_t,
+    stream_device: c_int,
+) {
+    void_call(|| record_stream(ptr, stream, u32::try_from(stream_device).ok()));
+}
+
+fn record_stream(
+    ptr: *mut c_void,
+    stream: cudaStream_t,
+    stream_device: Option<u32>,
+) -> Result<(), Error> {
     if ptr.is_null() {
         return Ok(());
     }
@@ -281,7 +300,11 @@ fn record_stream(ptr: *mut c_void, stream: cudaStream_t) -> Result<(), Error> {
     let mut found = false;
     g.alloc.for_each_created(|d| {
         if !found {
-            match d.record_stream(ptr, stream) {
+            let recorded = match stream_device {
+                Some(sd) => d.record_stream_of_device(ptr, stream, sd),
+                None => d.record_stream(ptr, stream),
+            };
+            match recorded {
                 Ok(()) => found = true,
                 Err(gpualloc::AllocError::InvalidPointer { .. }) => {}
                 Err(e) => return Err(e),
@@ -391,14 +414,15 @@ pub extern "C" fn gpualloc_check_invariants(device: c_int) -> c_int {
         let Some(g) = existing() else {
             return global::idle(i64::from(device)).map(drop);
         };
-        g.alloc
-            .lock(i64::from(device))?
-            .check_invariants()
-            .map_err(|e| {
-                Error::new(
-                    GPUALLOC_ERR_INVARIANT,
-                    format!("gpualloc: invariant violated: {e}"),
-                )
-            })
+        // A device never used has nothing to check and is not started.
+        let Some(d) = g.alloc.peek(i64::from(device))? else {
+            return Ok(());
+        };
+        d.check_invariants().map_err(|e| {
+            Error::new(
+                GPUALLOC_ERR_INVARIANT,
+                format!("gpualloc: invariant violated: {e}"),
+            )
+        })
     })
 }

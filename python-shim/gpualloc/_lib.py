@@ -244,6 +244,7 @@ _SIGNATURES = {
     "gpualloc_malloc_or_abort": (c_void_p, [c_size_t, c_int, c_void_p]),
     "gpualloc_free": (None, [c_void_p, c_size_t, c_int, c_void_p]),
     "gpualloc_record_stream": (None, [c_void_p, c_void_p]),
+    "gpualloc_record_stream_on": (None, [c_void_p, c_void_p, c_int]),
     "gpualloc_add_peer_access": (c_int, [c_int, c_int]),
     "gpualloc_empty_cache": (None, []),
     "gpualloc_set_memory_fraction": (None, [c_double, c_int]),
@@ -400,9 +401,15 @@ class Library:
         self.dll.gpualloc_free(ptr, 0, device, None)
         self.check_void()
 
-    def record_stream(self, ptr: int, stream: int) -> None:
+    def record_stream(self, ptr: int, stream: int, device: int | None = None) -> None:
+        """Marks ``ptr`` as used on ``stream`` too; ``device`` is the
+        stream's device (default: the pointer's own), which tells another
+        GPU's default stream (handle 0) from this one's."""
         ptr, stream = _handle(ptr, "pointer"), _handle(stream, "stream")
-        self.dll.gpualloc_record_stream(ptr, stream)
+        if device is None:
+            self.dll.gpualloc_record_stream(ptr, stream)
+        else:
+            self.dll.gpualloc_record_stream_on(ptr, stream, _dev(device))
         self.check_void()
 
     def empty_cache(self) -> None:

@@ -468,7 +468,9 @@ class GpuallocAllocator final : public CUDAAllocator {
     if (ptr.get_deleter() != &delete_fn) {
       return;
     }
-    api.record_stream(ptr.get(), stream.stream());
+    // With the stream's device: another GPU's default stream has the same
+    // handle as this one's (Note [Streams of other devices]).
+    api.record_stream_on(ptr.get(), stream.stream(), static_cast<int>(stream.device_index()));
     raise_if_failed("record_stream");
   }
 #if TORCH_VERSION_MINOR >= 11

@@ -119,6 +119,23 @@ class ApiTest(unittest.TestCase):
         gpualloc.empty_cache()
         self.assertEqual(gpualloc.stats(0)["reserved_bytes.large_pool.current"], 0)
 
+    def test_record_stream_tells_devices_default_streams_apart(self):
+        L = lib()
+        active = lambda: gpualloc.stats(0)["active_bytes.all.current"]  # noqa: E731
+        before = active()
+        p = L.malloc(3 * MiB, 0, 0)
+        L.record_stream(p, 0)  # this device's default stream: the allocation stream
+        L.free(p, 0)
+        self.assertEqual(active(), before)
+        p = L.malloc(3 * MiB, 0, 0)
+        L.record_stream(p, 0, device=1)  # device 1's default stream
+        L.free(p, 0)
+        self.assertEqual(active() - before, 3 * MiB, "waits for device 1's work")
+        gpualloc.empty_cache()
+        self.assertEqual(active(), before)
+        with self.assertRaises(GpuallocError):
+            L.record_stream(0xDEAD000, 0, device=1)
+
     def test_errors_are_clear(self):
         with self.assertRaisesRegex(GpuallocError, "fraction"):
             gpualloc.set_memory_fraction(1.5, 0)

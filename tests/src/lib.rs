@@ -415,15 +415,33 @@ impl Checked {
 
     /// `record_stream`.
     pub fn record_stream(&mut self, p: DevicePtr, stream: StreamId) {
-        self.streams.insert(stream);
-        self.op(|d| d.record_stream(p, stream))
+        self.record_stream_of_device(p, stream, 0);
+    }
+
+    /// `record_stream` with a stream of device `device` (this allocator is
+    /// device 0's); returns the key the allocator knows that stream by,
+    /// for [`use_on`](Self::use_on) and [`complete`](Self::complete).
+    pub fn record_stream_of_device(
+        &mut self,
+        p: DevicePtr,
+        stream: StreamId,
+        device: u32,
+    ) -> StreamId {
+        let key = gpualloc::backend::stream_on_device(stream, device, 0);
+        self.note_recorded(p, key);
+        self.op(|d| d.record_stream_of_device(p, stream, device))
             .unwrap_or_else(|e| panic!("record_stream({p:#x}): {e}"));
+        self.check();
+        key
+    }
+
+    fn note_recorded(&mut self, p: DevicePtr, stream: StreamId) {
+        self.streams.insert(stream);
         if let Some(l) = self.live.get_mut(&p)
             && l.stream != stream
         {
             l.recorded.insert(stream);
         }
-        self.check();
     }
 
     /// Launches work that uses allocation `p` on `stream` (its allocation

@@ -42,7 +42,9 @@ use cudarc::driver::sys;
 use driver::CuResult;
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::{Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId};
+use super::{
+    Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId, other_device_stream,
+};
 use crate::cost::{DriverCall, DriverCalls};
 
 mod driver;
@@ -128,6 +130,9 @@ pub struct CudaBackend {
     /// Events recorded on streams of other contexts, with their context
     /// (`record_foreign`).
     foreign_events: FxHashMap<usize, sys::CUcontext>,
+    /// Primary contexts of other devices whose default streams blocks were
+    /// recorded on (Note [Streams of other devices]), retained until drop.
+    other_contexts: FxHashMap<u32, sys::CUcontext>,
     /// Virtual memory: the mapping granularity, once queried (0 = unsupported).
     granularity: Option<u64>,
     /// Virtual memory: live physical handles (released on drop).
@@ -175,6 +180,7 @@ impl CudaBackend {
             ctx,
             spare_events: Vec::new(),
             foreign_events: FxHashMap::default(),
+            other_contexts: FxHashMap::default(),
             peers: Vec::new(),
             granularity: None,
             handles: FxHashSet::default(),
@@ -282,11 +288,22 @@ impl CudaBackend {
                 "the stream belongs to this device's context".into(),
             ));
         }
+        self.record_in(ctx, stream_of(stream))
+    }
+
+    /// Records an event on `stream`, a stream of context `ctx` (another
+    /// device's), as `record_foreign` does.
+    fn record_in(
+        &mut self,
+        ctx: sys::CUcontext,
+        stream: sys::CUstream,
+    ) -> Result<EventId, BackendError> {
         let _bound = bind_context(ctx)?;
         let ev = create_event()?;
-        // SAFETY: `ev` and `stream` both belong to `ctx`, which is current.
+        // SAFETY: `ev` and `stream` both belong to `ctx`, which is current
+        // (a shared handle such as 0 names `ctx`'s own default stream).
         let r = self.timed(DriverCall::EventRecord, (0, 0), || unsafe {
-            driver::cuEventRecord(ev, stream_of(stream))
+            driver::cuEventRecord(ev, stream)
         });
         if let Err(e) = check("cuEventRecord", r) {
             // SAFETY: `ev` was just created in the current context and is
@@ -296,6 +313,39 @@ impl CudaBackend {
         }
         self.foreign_events.insert(ev as usize, ctx);
         Ok(ev as usize as EventId)
+    }
+
+    /// The primary context of device `ordinal`, retained on first use and
+    /// released on drop (Note [Streams of other devices]).
+    fn context_of(&mut self, ordinal: u32) -> Result<sys::CUcontext, BackendError> {
+        if ordinal == self.ordinal {
+            return Ok(self.ctx);
+        }
+        if let Some(&ctx) = self.other_contexts.get(&ordinal) {
+            return Ok(ctx);
+        }
+        let dev = cu_device(ordinal)?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `dev` came from cuDeviceGet; `ctx` is a valid out-pointer.
+        // The retain is balanced by the release in `Drop`.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            driver::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+        })?;
+        self.other_contexts.insert(ordinal, ctx);
+        Ok(ctx)
+    }
+
+    /// Binds the context `stream` belongs to, with its driver handle: for a
+    /// shared handle of another device (Note [Streams of other devices])
+    /// that device's context and the plain handle, else this device's.
+    fn bind_stream(&mut self, stream: StreamId) -> Result<(Bound, sys::CUstream), BackendError> {
+        match other_device_stream(stream) {
+            Some((device, handle)) => {
+                let ctx = self.context_of(device)?;
+                Ok((bind_context(ctx)?, stream_of(handle)))
+            }
+            None => Ok((self.bind()?, stream_of(stream))),
+        }
     }
 
     /// Binds the context `event` was made in: this device's, or the
@@ -468,6 +518,10 @@ impl Backend for CudaBackend {
     }
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, BackendError> {
+        if let Some((device, handle)) = other_device_stream(stream) {
+            let ctx = self.context_of(device)?;
+            return self.record_in(ctx, stream_of(handle));
+        }
         let _bound = self.bind()?;
         let ev = self.take_event()?;
         // SAFETY: `ev` is a live event of this context; `stream` is a stream
@@ -518,11 +572,11 @@ impl Backend for CudaBackend {
     }
 
     fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
-        let _bound = self.bind()?;
-        // SAFETY: `event` is live (contract); `stream` is a live stream
-        // handle from PyTorch. Flags must be 0.
+        let (_bound, s) = self.bind_stream(stream)?;
+        // SAFETY: `event` is live (contract); `s` is a live stream handle
+        // from PyTorch, of the bound context. Flags must be 0.
         let r = self.timed(DriverCall::StreamWait, (0, 0), || unsafe {
-            driver::cuStreamWaitEvent(stream_of(stream), event_of(event), 0)
+            driver::cuStreamWaitEvent(s, event_of(event), 0)
         });
         check("cuStreamWaitEvent", r)
     }
@@ -696,11 +750,10 @@ impl Backend for CudaBackend {
     }
 
     fn stream_capture(&mut self, stream: StreamId) -> Result<Option<u64>, BackendError> {
-        let _bound = self.bind()?;
+        let (_bound, s) = self.bind_stream(stream)?;
         let none = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE as u32;
         let (mut status, mut id) = (none, 0u64);
         let (null, no_count) = (std::ptr::null_mut(), std::ptr::null_mut());
-        let s = stream_of(stream);
         // The three calls below: `s` is a stream handle the caller passed
         // (0 = the bound context's legacy stream), alive for the call;
         // `status` and `id` are valid out-pointers; the other outputs are
@@ -831,6 +884,12 @@ impl Drop for CudaBackend {
         for ev in self.spare_events.drain(..) {
             // SAFETY: every pooled event is live and owned only by the pool.
             let _ = unsafe { driver::cuEventDestroy_v2(ev) };
+        }
+        for (ordinal, _) in self.other_contexts.drain() {
+            if let Ok(dev) = cu_device(ordinal) {
+                // SAFETY: balances the retain in `context_of`.
+                let _ = unsafe { driver::cuDevicePrimaryCtxRelease_v2(dev) };
+            }
         }
         // SAFETY: balances the retain in `new`; the device handle is valid.
         let _ = unsafe { driver::cuDevicePrimaryCtxRelease_v2(self.device) };

@@ -5,6 +5,7 @@
 //! CUDA driver (`CudaBackend`, feature `cuda`) inside PyTorch.
 
 pub mod sim;
+pub mod stream;
 
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
@@ -14,6 +15,7 @@ use std::fmt;
 
 pub use crate::cost::DriverCalls;
 pub use sim::{SimBackend, SimCall};
+pub use stream::{other_device_stream, stream_on_device};
 
 /// A device address. Opaque: never dereferenced on the host. 0 is "null".
 pub type DevicePtr = u64;

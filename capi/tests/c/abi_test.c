@@ -219,6 +219,23 @@ static void test_record_stream_and_empty_cache(void) {
   CHECK(s.num_sync_all_streams >= 1);
   CHECK(s.reserved_bytes.all.current == 0); /* every unsplit segment released */
   CHECK(s.num_device_free > 0);
+  /* Another GPU's default stream has this one's handle (0), but is
+   * another stream: the block waits for it. This device's own default
+   * stream, the allocation stream, adds nothing. */
+  void *d = gpualloc_malloc(5 * MiB, 0, stream(0));
+  CHECK(d != NULL);
+  gpualloc_record_stream_on(d, stream(0), 0);
+  gpualloc_free(d, 5 * MiB, 0, stream(0));
+  CHECK(stats(0).active.all.current == 0);
+  d = gpualloc_malloc(5 * MiB, 0, stream(0));
+  gpualloc_record_stream_on(d, stream(0), 1);
+  CHECK(gpualloc_last_error() == NULL);
+  gpualloc_free(d, 5 * MiB, 0, stream(0));
+  CHECK(stats(0).active.all.current == 1);
+  reset();
+  CHECK(stats(0).active.all.current == 0);
+  gpualloc_record_stream_on((void *)(uintptr_t)0xdead000, stream(0), 1);
+  CHECK(gpualloc_last_error_code() == GPUALLOC_ERR_INVALID_POINTER);
   /* record_stream of a pointer gpualloc does not know */
   record((void *)(uintptr_t)0xdead000, stream(3));
   CHECK(contains(gpualloc_last_error(), "record_stream"));

@@ -20,7 +20,7 @@ struct Api {
   decltype(&gpualloc_free) free_fn = nullptr;
   decltype(&gpualloc_last_error) last_error = nullptr;
   decltype(&gpualloc_last_error_code) last_error_code = nullptr;
-  decltype(&gpualloc_record_stream) record_stream = nullptr;
+  decltype(&gpualloc_record_stream_on) record_stream_on = nullptr;
   decltype(&gpualloc_add_peer_access) add_peer_access = nullptr;
   decltype(&gpualloc_empty_cache) empty_cache = nullptr;
   decltype(&gpualloc_set_memory_fraction) set_memory_fraction = nullptr;
@@ -52,7 +52,7 @@ struct Api {
     resolve(handle, "gpualloc_free", free_fn);
     resolve(handle, "gpualloc_last_error", last_error);
     resolve(handle, "gpualloc_last_error_code", last_error_code);
-    resolve(handle, "gpualloc_record_stream", record_stream);
+    resolve(handle, "gpualloc_record_stream_on", record_stream_on);
     resolve(handle, "gpualloc_add_peer_access", add_peer_access);
     resolve(handle, "gpualloc_empty_cache", empty_cache);
     resolve(handle, "gpualloc_set_memory_fraction", set_memory_fraction);

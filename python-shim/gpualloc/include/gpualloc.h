@@ -365,7 +365,15 @@ int gpualloc_add_peer_access(int device, int peer);
 // Marks `ptr` as used on `stream` too (`Tensor.record_stream`; PyTorch's
 // `record_stream` hook): its memory is reused only after the work queued on
 // `stream` at free time completes. The device is found from the pointer.
+// A default stream (handle 0, 1 or 2) is taken for the pointer's own
+// device's: `gpualloc_record_stream_on` says which device's it is.
 void gpualloc_record_stream(void *ptr, cudaStream_t stream);
+
+// `gpualloc_record_stream` with the device `stream` belongs to
+// (`stream_device`; negative: the pointer's own), so that another GPU's
+// default stream is not taken for the pointer's own device's (PyTorch's
+// `record_stream` passes a `CUDAStream`, which knows its device).
+void gpualloc_record_stream_on(void *ptr, cudaStream_t stream, int stream_device);
 
 // Returns every cached, entirely free segment to the device
 // (`torch.cuda.empty_cache`; PyTorch's `reset` hook). Before the first

@@ -113,7 +113,38 @@ fn several_streams_each_get_an_event(policy: &str) {
     assert_eq!(c.alloc(12 * MIB, ALLOC), p);
 }
 
+/// Note [Streams of other devices]: another GPU's default stream has the
+/// same handle as this device's, but is another stream.
+fn another_devices_default_stream_is_not_this_ones(policy: &str) {
+    let mut c = Checked::with(1 << 30, policy);
+    let p = c.alloc(4 * MIB, 0);
+    c.use_on(p, 0);
+    let own = c.record_stream_of_device(p, 0, 0);
+    assert_eq!(
+        own, 0,
+        "this device's own default stream: the allocation stream"
+    );
+    let other = c.record_stream_of_device(p, 0, 1);
+    assert_ne!(other, 0);
+    let per_thread = c.record_stream_of_device(p, 2, 1);
+    assert_ne!(per_thread, other);
+    c.use_on(p, other);
+    c.use_on(p, per_thread);
+    c.release(p);
+    assert_eq!(
+        c.sim().counters.record_event,
+        2,
+        "an event on each of device 1's streams"
+    );
+    c.complete(0);
+    assert_ne!(c.alloc(4 * MIB, 0), p, "device 1 still reads it");
+    c.complete(other);
+    c.complete(per_thread);
+    assert_eq!(c.alloc(4 * MIB, 0), p);
+}
+
 under_both_policies!(
+    another_devices_default_stream_is_not_this_ones,
     block_waits_for_the_other_streams_event,
     each_streams_queue_is_polled_up_to_its_first_pending_event,
     recording_the_allocation_stream_is_ignored,
