@@ -21,6 +21,32 @@ use crate::{fd_passing, ipc_format};
 /// Ranges opened by `gpualloc_ipc_open`, by address, until closed.
 static OPENED: Mutex<Option<HashMap<u64, ImportedRange>>> = Mutex::new(None);
 
+/// Peer access granted so far, `(device, peer)` (`gpualloc_add_peer_access`):
+/// a range opened on `device` is made accessible to `peer` too, as the
+/// allocator's own mappings of `device` are.
+static PEERS: Mutex<Vec<(u32, u32)>> = Mutex::new(Vec::new());
+
+/// After `peer` was granted access to `device`'s memory: ranges opened on
+/// `device` so far become accessible to it, and those opened later too.
+pub(crate) fn add_peer(device: u32, peer: u32) -> Result<(), Error> {
+    {
+        let mut peers = PEERS.lock();
+        if peers.contains(&(device, peer)) {
+            return Ok(());
+        }
+        peers.push((device, peer));
+    }
+    let mut opened = OPENED.lock();
+    let ranges = opened.iter_mut().flat_map(|m| m.values_mut());
+    let mut result = Ok(());
+    for r in ranges.filter(|r| r.device() == device) {
+        if let Err(e) = r.add_peer(peer) {
+            result = result.and(Err(e));
+        }
+    }
+    Ok(result?)
+}
+
 /// Describes how to share the allocation that starts at `ptr` on `device`
 /// with another process.
 ///
@@ -123,7 +149,13 @@ pub unsafe extern "C" fn gpualloc_ipc_open(
             .into_iter()
             .zip(shared.parts.iter().map(|p| p.1))
             .collect();
-        let range = ImportedRange::open(device, parts)?;
+        let peers: Vec<u32> = PEERS
+            .lock()
+            .iter()
+            .filter(|p| p.0 == device)
+            .map(|p| p.1)
+            .collect();
+        let range = ImportedRange::open(device, &peers, parts)?;
         let ptr = range.ptr();
         OPENED
             .lock()

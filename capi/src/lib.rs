@@ -254,8 +254,13 @@ fn last_error_string() -> Option<String> {
 pub extern "C" fn gpualloc_add_peer_access(device: c_int, peer: c_int) -> c_int {
     status(|| {
         let g = global()?;
-        Ok(g.alloc
-            .add_peer_access(i64::from(device), i64::from(peer))?)
+        g.alloc
+            .add_peer_access(i64::from(device), i64::from(peer))?;
+        // Indices checked above; memory other processes shared, too.
+        if g.kind == global::BackendKind::Cuda {
+            ipc::add_peer(device as u32, peer as u32)?;
+        }
+        Ok(())
     })
 }
 

@@ -790,6 +790,10 @@ impl Backend for CudaBackend {
         if dev == self.device || self.peers.contains(&dev) {
             return Ok(());
         }
+        // Remembered first: mappings made from now on grant it access even
+        // if one below is refused (PyTorch counts peer access as enabled
+        // before asking its segments).
+        self.peers.push(dev);
         let _bound = self.bind()?;
         let desc = [sys::CUmemAccessDesc {
             location: sys::CUmemLocation {
@@ -798,27 +802,22 @@ impl Backend for CudaBackend {
             },
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         }];
-        // What is mapped now, one call per run of adjacent mappings.
-        let mut runs: Vec<(DevicePtr, u64, u64)> = Vec::new();
-        for (&a, &size) in &self.mappings {
-            match runs.last_mut() {
-                Some(r) if r.0 + r.1 == a => {
-                    r.1 += size;
-                    r.2 += 1;
-                }
-                _ => runs.push((a, size, 1)),
-            }
-        }
-        for (a, size, handles) in runs {
-            // SAFETY: `[a, a + size)` is a run of live mappings of this
-            // backend; `desc` is one valid descriptor.
-            let r = self.timed(DriverCall::SetAccess, (handles, size), || unsafe {
+        // What is mapped now, one call per mapping: adjacent mappings may
+        // lie in two reservations, which one call must not cross, and the
+        // driver's cost is per handle anyway (docs/driver-costs.md).
+        let mapped: Vec<(DevicePtr, u64)> = self.mappings.iter().map(|(&a, &s)| (a, s)).collect();
+        let mut first_error = Ok(());
+        for (a, size) in mapped {
+            // SAFETY: `[a, a + size)` is one live mapping of this backend;
+            // `desc` is one valid descriptor.
+            let r = self.timed(DriverCall::SetAccess, (1, size), || unsafe {
                 driver::cuMemSetAccess(a, size as usize, desc.as_ptr(), 1)
             });
-            check("cuMemSetAccess", r)?;
+            if first_error.is_ok() {
+                first_error = check("cuMemSetAccess", r);
+            }
         }
-        self.peers.push(dev);
-        Ok(())
+        first_error
     }
 
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {

@@ -25,12 +25,21 @@ pub struct ImportedRange {
 impl ImportedRange {
     /// Imports `parts` (descriptors of exported handles, each with its size
     /// in bytes), maps them one after another into a fresh range on
-    /// `device` and makes it readable and writable there.
+    /// `device` and makes it readable and writable there and on `peers`
+    /// (the devices granted access to `device`'s memory, as PyTorch's
+    /// receiver grants its peers).
     ///
     /// # Errors
     /// A driver error, with nothing left imported or mapped.
-    pub fn open(device: u32, parts: Vec<(OwnedFd, u64)>) -> Result<ImportedRange, BackendError> {
+    pub fn open(
+        device: u32,
+        peers: &[u32],
+        parts: Vec<(OwnedFd, u64)>,
+    ) -> Result<ImportedRange, BackendError> {
         let mut backend = CudaBackend::new(device)?;
+        for &p in peers {
+            backend.add_peer(p)?; // nothing mapped yet: only remembered
+        }
         let _bound = backend.bind()?;
         let mut handles: Vec<(HandleId, u64)> = Vec::with_capacity(parts.len());
         for (fd, size) in &parts {
@@ -82,6 +91,20 @@ impl ImportedRange {
     /// Bytes mapped.
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// The device the range is mapped for.
+    pub fn device(&self) -> u32 {
+        self.backend.device()
+    }
+
+    /// Makes the range readable and writable on device `peer` too
+    /// (`enablePeerAccess` after it was opened).
+    ///
+    /// # Errors
+    /// The driver's refusal.
+    pub fn add_peer(&mut self, peer: u32) -> Result<(), BackendError> {
+        self.backend.add_peer(peer)
     }
 }
 
