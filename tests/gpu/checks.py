@@ -472,6 +472,19 @@ def check_multi_device(args) -> dict:
             h = m.to(torch.bfloat16)
             if not torch.equal(h.to(f"cuda:{other}", torch.float32).cpu(), h.float().cpu()):
                 errors.append(f"device {d}: bf16 -> float copy to device {other} is wrong")
+            # record_stream on another device's *default* stream, whose
+            # handle is this device's default stream's too: while it is busy,
+            # the block must not be handed out again.
+            with torch.cuda.device(other):
+                torch.cuda._sleep(200_000_000)  # about 0.1 s of device `other`'s default stream
+            u = torch.empty(4 << 20, device=dev)
+            addr = u.data_ptr()
+            u.record_stream(torch.cuda.default_stream(other))
+            del u
+            v = torch.empty(4 << 20, device=dev)
+            if v.data_ptr() == addr:
+                errors.append(f"device {d}: a block recorded on device {other}'s busy default stream was reused")
+            del v
             # record_stream on another device's stream, then the free: later
             # allocations go on, and this thread's device stays its own.
             side = torch.cuda.Stream(device=other)
