@@ -259,7 +259,10 @@ impl<B: Backend> Allocator<B> {
     /// which this does not create (a snapshot of another rank's GPU must
     /// not start a context there).
     pub fn snapshot(&self, device: i64) -> Result<Vec<SegmentSnapshot>, AllocError> {
-        Ok(self.peek(device)?.map(|d| d.snapshot()).unwrap_or_default())
+        Ok(self
+            .peek_healthy(device)?
+            .map(|d| d.snapshot())
+            .unwrap_or_default())
     }
 
     /// [`DeviceAllocator::begin_allocate_to_pool`] on a device.
@@ -314,13 +317,24 @@ impl<B: Backend> Allocator<B> {
         pool: PoolKey,
         f: impl FnOnce(&mut DeviceAllocator<B>) -> Result<T, E>,
     ) -> Result<T, E> {
+        match self.peek_healthy(device)? {
+            Some(mut d) => f(&mut d),
+            None => Err(AllocError::UnknownPool { pool }.into()),
+        }
+    }
+
+    /// [`peek`](Self::peek), refusing a poisoned device as
+    /// [`lock`](Self::lock) does: for callers that read its blocks, which
+    /// a panic may have left half-updated.
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidDevice`]; [`AllocError::Poisoned`].
+    pub fn peek_healthy(&self, device: i64) -> Result<Option<DeviceGuard<'_, B>>, AllocError> {
         match self.peek(device)? {
             Some(d) if d.poisoned => Err(AllocError::Poisoned {
                 device: device as u32,
-            }
-            .into()),
-            Some(mut d) => f(&mut d),
-            None => Err(AllocError::UnknownPool { pool }.into()),
+            }),
+            d => Ok(d),
         }
     }
 

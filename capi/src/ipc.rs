@@ -149,18 +149,32 @@ pub unsafe extern "C" fn gpualloc_ipc_open(
             .into_iter()
             .zip(shared.parts.iter().map(|p| p.1))
             .collect();
-        let peers: Vec<u32> = PEERS
-            .lock()
-            .iter()
-            .filter(|p| p.0 == device)
-            .map(|p| p.1)
-            .collect();
-        let range = ImportedRange::open(device, &peers, parts)?;
+        let peers_of = || -> Vec<u32> {
+            let peers = PEERS.lock();
+            peers
+                .iter()
+                .filter(|p| p.0 == device)
+                .map(|p| p.1)
+                .collect()
+        };
+        let granted = peers_of();
+        let mut range = ImportedRange::open(device, &granted, parts)?;
         let ptr = range.ptr();
-        OPENED
-            .lock()
-            .get_or_insert_with(HashMap::new)
-            .insert(ptr, range);
+        let mut opened = OPENED.lock();
+        // A peer granted while the range was being opened: `add_peer` did
+        // not see the range, so it is given access here, under the lock
+        // that `add_peer` walks the ranges under.
+        let late: Vec<u32> = peers_of()
+            .into_iter()
+            .filter(|p| !granted.contains(p))
+            .collect();
+        if let Err(e) = late.iter().try_for_each(|&p| range.add_peer(p)) {
+            drop(opened);
+            drop(range); // unmapped again: nothing opened
+            return Err(e.into());
+        }
+        opened.get_or_insert_with(HashMap::new).insert(ptr, range);
+        drop(opened);
         write_out(out, ptr as *mut c_void, "out")
     })
 }

@@ -254,13 +254,15 @@ fn last_error_string() -> Option<String> {
 pub extern "C" fn gpualloc_add_peer_access(device: c_int, peer: c_int) -> c_int {
     status(|| {
         let g = global()?;
-        g.alloc
-            .add_peer_access(i64::from(device), i64::from(peer))?;
-        // Indices checked above; memory other processes shared, too.
-        if g.kind == global::BackendKind::Cuda {
+        let own = g.alloc.add_peer_access(i64::from(device), i64::from(peer));
+        // Memory other processes shared too, even when one of the device's
+        // own mappings was refused (both remember the peer for later ones).
+        if g.kind == global::BackendKind::Cuda
+            && !matches!(own, Err(gpualloc::AllocError::InvalidDevice { .. }))
+        {
             ipc::add_peer(device as u32, peer as u32)?;
         }
-        Ok(())
+        Ok(own?)
     })
 }
 
@@ -302,6 +304,16 @@ fn record_stream(
         ));
     };
     let (ptr, stream) = (ptr as usize as u64, stream as usize as u64);
+    if let Some(sd) = stream_device
+        && sd as usize >= g.alloc.device_count()
+    {
+        // Its events would go to a context that does not exist.
+        return Err(gpualloc::AllocError::InvalidDevice {
+            device: i64::from(sd),
+            count: g.alloc.device_count(),
+        }
+        .into());
+    }
     let mut found = false;
     g.alloc.for_each_created(|d| {
         if !found {
@@ -420,7 +432,7 @@ pub extern "C" fn gpualloc_check_invariants(device: c_int) -> c_int {
             return global::idle(i64::from(device)).map(drop);
         };
         // A device never used has nothing to check and is not started.
-        let Some(d) = g.alloc.peek(i64::from(device))? else {
+        let Some(d) = g.alloc.peek_healthy(i64::from(device))? else {
             return Ok(());
         };
         d.check_invariants().map_err(|e| {

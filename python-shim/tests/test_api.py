@@ -135,6 +135,11 @@ class ApiTest(unittest.TestCase):
         self.assertEqual(active(), before)
         with self.assertRaises(GpuallocError):
             L.record_stream(0xDEAD000, 0, device=1)
+        p = L.malloc(3 * MiB, 0, 0)
+        with self.assertRaisesRegex(GpuallocError, "7"):
+            L.record_stream(p, 0, device=7)  # no such device
+        L.free(p, 0)
+        self.assertEqual(active(), before)
 
     def test_errors_are_clear(self):
         with self.assertRaisesRegex(GpuallocError, "fraction"):

@@ -16,7 +16,10 @@
 //! thread before each driver call when another context (or none) is current.
 //!
 //! Streams: a [`StreamId`] is the raw `cudaStream_t`; 0 is the legacy default
-//! stream (the driver functions used here are the non-`_ptsz` ones).
+//! stream (the driver functions used here are the non-`_ptsz` ones). A
+//! default stream of another device is a key that says which device's
+//! (Note [Streams of other devices] in `stream.rs`): its calls are made in
+//! that device's context.
 //!
 //! Virtual memory: physical handles (`cuMemCreate`) are created and
 //! released only when the allocator's page pool asks; a mapping is one

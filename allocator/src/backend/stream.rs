@@ -4,8 +4,9 @@
 //! A `cudaStream_t` names one stream of one device, except the handles
 //! every device has: the legacy default stream (handle 0, and
 //! `CU_STREAM_LEGACY`, handle 1) and the per-thread default stream
-//! (`CU_STREAM_PER_THREAD`, handle 2). With the handle alone, `t.record_stream(torch.cuda.default_stream(1))` for a
-//! tensor of device 0 reads as device 0's own default stream: ignored when
+//! (`CU_STREAM_PER_THREAD`, handle 2). With the handle alone,
+//! `t.record_stream(torch.cuda.default_stream(1))` for a tensor of device 0
+//! reads as device 0's own default stream: ignored when
 //! the block was allocated there, or an event recorded on device 0's
 //! default stream, so the block could be reused while device 1 still
 //! reads it. PyTorch records on the stream's own device. So a shared

@@ -236,6 +236,12 @@ static void test_record_stream_and_empty_cache(void) {
   CHECK(stats(0).active.all.current == 0);
   gpualloc_record_stream_on((void *)(uintptr_t)0xdead000, stream(0), 1);
   CHECK(gpualloc_last_error_code() == GPUALLOC_ERR_INVALID_POINTER);
+  d = gpualloc_malloc(5 * MiB, 0, stream(0));
+  gpualloc_record_stream_on(d, stream(0), 7); /* no device 7 */
+  CHECK(gpualloc_last_error_code() == GPUALLOC_ERR_INVALID_DEVICE);
+  CHECK(contains(gpualloc_last_error(), "7"));
+  gpualloc_free(d, 5 * MiB, 0, stream(0));
+  CHECK(stats(0).active.all.current == 0); /* nothing was recorded */
   /* record_stream of a pointer gpualloc does not know */
   record((void *)(uintptr_t)0xdead000, stream(3));
   CHECK(contains(gpualloc_last_error(), "record_stream"));
