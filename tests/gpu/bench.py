@@ -14,8 +14,10 @@ drift of the machine does not always fall on the same one. --max-batch then
 runs checks.py max_batch once per training workload and variant. Runs that
 no longer fit in --budget seconds (the longest run of their kind so far, at
 least 20 s) are skipped and listed. Prints Markdown tables (medians over
-repeats) and writes them to DIR/bench.md, everything to DIR/bench.json and
-one log a run to DIR/bench-logs/.
+repeats, each time ratio with its 95% interval), then the targets of
+gpualloc's default configuration, each met, missed or beyond what the
+repeats can tell (`targets`), and writes them to DIR/bench.md, everything
+to DIR/bench.json and one log a run to DIR/bench-logs/.
 """
 
 from __future__ import annotations
@@ -129,6 +131,69 @@ def ratio_interval(ratios):
     return [math.exp(m), math.exp(m - half), math.exp(m + half)]
 
 
+def verdict_ratio(ratios, limit):
+    """Whether per-repeat ratios meet `ratio <= limit`: by the 95% interval
+    with two repeats or more, by the one ratio otherwise."""
+    ratios = [r for r in ratios if r]
+    if not ratios:
+        return "not run"
+    iv = ratio_interval(ratios)
+    if iv is None:
+        return ("met" if ratios[0] <= limit else "missed") + " (one repeat)"
+    if iv[2] <= limit:
+        return "met"
+    if iv[1] > limit:
+        return "missed"
+    return f"cannot tell ({fmt_interval(iv)})"
+
+
+def targets(bench, ours="gpualloc"):
+    """The issue's targets for variant `ours` (gpualloc's default), one row
+    each: (workload, target, value, verdict). R/A and device allocations
+    compare medians over repeats; time ratios use the interval."""
+    rows = []
+    per_repeat = {}
+    for r in bench["runs"]:
+        if ok(r):
+            per_repeat.setdefault((r["workload"], r["variant"]), {})[r["repeat"]] = r["result"]
+
+    def ratios(w, key):
+        mine = per_repeat.get((w, ours), {})
+        out = []
+        for rep, x in mine.items():
+            base = [per_repeat.get((w, v), {}).get(rep, {}).get(key) for v in NATIVE]
+            base = [b for b in base if b]
+            if base and x.get(key):
+                out.append(x[key] / min(base))
+        return out
+
+    for w, table in (bench.get("training") or {}).items():
+        by = {r["variant"]: r for r in table}
+        if ours not in by or not by[ours]["runs"]:
+            rows.append((w, "all", "–", "not run"))
+            continue
+        ra = by[ours]["peak_reserved_over_allocated"]
+        rows.append((w, "R/A <= 1.01", fmt(ra, ".3f"), "met" if ra is not None and ra <= 1.01 else "missed"))
+        rs = ratios(w, "mean_step_s_all")
+        rows.append((w, "mean step <= 1.00x the faster PyTorch mode", fmt(median(rs), ".3f"), verdict_ratio(rs, 1.0)))
+        mine, theirs = by[ours]["device_allocs_after_warmup"], by.get("native-expandable", {}).get("device_allocs_after_warmup")
+        verdict = "not run" if mine is None or theirs is None else ("met" if mine <= theirs else "missed")
+        rows.append((w, "device allocations after warm-up <= PyTorch expandable's",
+                     f"{fmt(mine, '.0f')} vs {fmt(theirs, '.0f')}", verdict))
+    for w, table in (bench.get("churn") or {}).items():
+        by = {r["variant"]: r for r in table}
+        if ours not in by or not by[ours]["runs"]:
+            rows.append((w, "all", "–", "not run"))
+            continue
+        ra = by[ours]["peak_reserved_over_allocated"]
+        if w == "churn":
+            rows.append((w, "R/A <= 1.05", fmt(ra, ".3f"), "met" if ra is not None and ra <= 1.05 else "missed"))
+        rs = ratios(w, "us_per_alloc_free")
+        rows.append((w, ">= 1.5x faster than the faster PyTorch mode (time ratio <= 0.667)",
+                     fmt(median(rs), ".3f"), verdict_ratio(rs, 1 / 1.5)))
+    return rows
+
+
 def fmt_interval(iv):
     return "–" if iv is None else f"{iv[1]:.3f}–{iv[2]:.3f}"
 
@@ -152,7 +217,7 @@ def markdown(bench):
                 sec.append(f"| {w} | {r['variant']} | {r['runs']} | {fmt(r['peak_reserved_over_allocated'], '.3f')} "
                            f"| {fmt(r['mean_step_ms_all'], '.1f')} | {fmt(r['median_step_ms'], '.1f')} "
                            f"| {fmt(r['device_allocs_after_warmup'], '.0f')} | {fmt(r['ratio_mean_all_vs_faster_native'], '.3f')} "
-                           f"| {fmt_interval(r['ratio_mean_all_interval95'])} | {agree} |")
+                           f"| {fmt_interval(r.get('ratio_mean_all_interval95'))} | {agree} |")
         sec += ["", INTERVAL_NOTE]
         sections.append(sec)
     for w, rows in (bench.get("churn") or {}).items() if a["repeats"] else ():
@@ -161,7 +226,7 @@ def markdown(bench):
         for r in rows:
             sec.append(f"| {r['variant']} | {r['runs']} | {fmt(r['peak_reserved_over_allocated'], '.3f')} "
                        f"| {fmt(r['us_per_alloc_free'], '.3f')} | {fmt(r['ratio_vs_faster_native'], '.3f')} "
-                       f"| {fmt_interval(r['ratio_interval95'])} |")
+                       f"| {fmt_interval(r.get('ratio_interval95'))} |")
         sections.append(sec)
     if bench.get("max_batch"):
         sec = [f"## Largest batch under {a['max_batch_gib']:g} GiB (checks.py max_batch)", "",
@@ -176,6 +241,11 @@ def markdown(bench):
                 best = [t for t in res["attempts"] if t["batch"] == res["max_batch"]]
                 sec.append(f"| {w} | {v} | {res['max_batch']} | {fmt(res['first_oom_batch'], 'd')} | {len(res['attempts'])} "
                            f"| {fmt(best[0]['peak_reserved'] / 2**30 if best else None, '.2f')} |")
+        sections.append(sec)
+    if a["repeats"] and (rows := targets(bench)):
+        sec = ["## Targets (gpualloc's default configuration)", "",
+               "| workload | target | value | verdict |", "|---|---|---|---|"]
+        sec += [f"| {w} | {t} | {v} | {x} |" for w, t, v, x in rows]
         sections.append(sec)
     if a["repeats"] and (note := driver.order_note(list(bench["variants"]), a["repeats"])):
         sections.append([note])

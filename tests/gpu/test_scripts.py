@@ -144,5 +144,46 @@ class BenchInterval(unittest.TestCase):
         self.assertLess(ours["ratio_mean_all_interval95"][2], 1.0, "three repeats 2% faster, closely: met")
 
 
+class BenchTargets(unittest.TestCase):
+    def bench(self, ours_times, ra=1.008, allocs=(2, 3)):
+        runs = [bench_run("w", "native", rep, 0.100) for rep in range(len(ours_times))]
+        runs += [bench_run("w", "native-expandable", rep, 0.110) for rep in range(len(ours_times))]
+        runs += [bench_run("w", "gpualloc", rep, t) for rep, t in enumerate(ours_times)]
+        for r in runs:
+            r["result"]["peak_reserved_over_allocated"] = ra if r["variant"] == "gpualloc" else 1.2
+            r["result"]["device_allocs_after_warmup"] = {"gpualloc": allocs[0], "native-expandable": allocs[1]}.get(r["variant"], 9)
+        churn = [{"workload": "churn", "variant": v, "repeat": rep,
+                  "result": {"us_per_alloc_free": us, "peak_reserved_over_allocated": 1.03}}
+                 for rep in range(2) for v, us in [("native", 4.0), ("native-expandable", 4.2), ("gpualloc", 2.0 + rep * 0.01)]]
+        runs += churn
+        vs = ["native", "native-expandable", "gpualloc"]
+        return {"runs": runs, "training": {"w": bench.summarize_training(runs, "w", vs)},
+                "churn": {"churn": bench.summarize_churn(runs, vs, "churn")}}
+
+    def verdicts(self, b):
+        return {(w, t.split()[0]): x for w, t, _, x in bench.targets(b)}
+
+    def test_met_missed_and_cannot_tell(self):
+        v = self.verdicts(self.bench([0.0980, 0.0981, 0.0979]))
+        self.assertEqual(v[("w", "R/A")], "met")
+        self.assertEqual(v[("w", "mean")], "met")
+        self.assertEqual(v[("w", "device")], "met")
+        self.assertEqual(v[("churn", "R/A")], "met")
+        self.assertEqual(v[("churn", ">=")], "met", "2.00-2.01 µs against 4.0: 2x")
+        v = self.verdicts(self.bench([0.103, 0.104, 0.105], ra=1.02, allocs=(20, 2)))
+        self.assertEqual((v[("w", "R/A")], v[("w", "mean")], v[("w", "device")]), ("missed", "missed", "missed"))
+        v = self.verdicts(self.bench([0.098, 0.101, 0.100]))
+        self.assertTrue(v[("w", "mean")].startswith("cannot tell ("), v)
+        v = self.verdicts(self.bench([0.099]))
+        self.assertEqual(v[("w", "mean")], "met (one repeat)")
+
+    def test_a_variant_that_did_not_run_is_named(self):
+        b = self.bench([0.1, 0.1])
+        b["runs"] = [r for r in b["runs"] if r["variant"] != "gpualloc"]
+        b["training"] = {"w": bench.summarize_training(b["runs"], "w", ["native", "gpualloc"])}
+        b["churn"] = {}
+        self.assertEqual(bench.targets(b), [("w", "all", "–", "not run")])
+
+
 if __name__ == "__main__":
     unittest.main()
