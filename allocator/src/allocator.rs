@@ -160,40 +160,60 @@ impl<B: Backend> Allocator<B> {
         self.lock(device)?.free(ptr)
     }
 
-    /// Devices another thread holds now are asked last: with several GPUs
-    /// in one process, a free then waits for the device that owns the
-    /// pointer, not for each device before it.
     fn free_anywhere(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        self.with_owner(ptr, |d| d.free(ptr))
+            .unwrap_or(Err(AllocError::InvalidPointer {
+                ptr,
+                device: crate::error::ANY_DEVICE,
+            }))
+    }
+
+    /// Runs `f` on the created device that allocated `ptr` (a live
+    /// allocation); None when none did, [`AllocError::Poisoned`] when that
+    /// device is. Devices another thread holds now are asked last: with
+    /// several GPUs in one process, a caller that knows only the pointer
+    /// (a deleter) then waits for the device that owns it, not for each
+    /// device before it.
+    pub fn with_owner<R>(
+        &self,
+        ptr: DevicePtr,
+        f: impl FnOnce(&mut DeviceAllocator<B>) -> Result<R, AllocError>,
+    ) -> Option<Result<R, AllocError>> {
         let mut busy = Vec::new();
+        let mut owner = None;
         for slot in &self.devices {
             match slot.try_lock() {
                 Some(guard) => {
-                    if let Some(r) = Self::free_if_owned(guard, ptr) {
-                        return r;
+                    owner = Self::owning(guard, ptr);
+                    if owner.is_some() {
+                        break;
                     }
                 }
                 None => busy.push(slot),
             }
         }
         for slot in busy {
-            if let Some(r) = Self::free_if_owned(slot.lock(), ptr) {
-                return r;
+            if owner.is_some() {
+                break;
             }
+            owner = Self::owning(slot.lock(), ptr);
         }
-        Err(AllocError::InvalidPointer {
-            ptr,
-            device: crate::error::ANY_DEVICE,
+        owner.map(|mut d| {
+            if d.poisoned {
+                Err(AllocError::Poisoned { device: d.device })
+            } else {
+                f(&mut d)
+            }
         })
     }
 
-    /// Frees `ptr` on the device `guard` holds if that device allocated it.
-    fn free_if_owned(
+    /// The device `guard` holds, if it is created and allocated `ptr`.
+    fn owning(
         guard: MutexGuard<'_, Option<DeviceAllocator<B>>>,
         ptr: DevicePtr,
-    ) -> Option<Result<(), AllocError>> {
+    ) -> Option<DeviceGuard<'_, B>> {
         let d = MutexGuard::try_map(guard, |d| d.as_mut()).ok()?;
-        let mut d = DeviceGuard::new(d);
-        d.live.contains_key(&ptr).then(|| d.free(ptr))
+        d.live.contains_key(&ptr).then(|| DeviceGuard::new(d))
     }
 
     /// [`DeviceAllocator::record_stream`] on a device.

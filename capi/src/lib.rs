@@ -314,26 +314,18 @@ fn record_stream(
         }
         .into());
     }
-    let mut found = false;
-    g.alloc.for_each_created(|d| {
-        if !found {
-            let recorded = match stream_device {
-                Some(sd) => d.record_stream_of_device(ptr, stream, sd),
-                None => d.record_stream(ptr, stream),
-            };
-            match recorded {
-                Ok(()) => found = true,
-                Err(gpualloc::AllocError::InvalidPointer { .. }) => {}
-                Err(e) => return Err(e),
-            }
+    let recorded = g.alloc.with_owner(ptr, |d| match stream_device {
+        Some(sd) => d.record_stream_of_device(ptr, stream, sd),
+        None => d.record_stream(ptr, stream),
+    });
+    match recorded {
+        Some(r) => r?,
+        None => {
+            return Err(Error::new(
+                GPUALLOC_ERR_INVALID_POINTER,
+                format!("gpualloc: record_stream: pointer {ptr:#x} was not allocated by gpualloc"),
+            ));
         }
-        Ok(())
-    })?;
-    if !found {
-        return Err(Error::new(
-            GPUALLOC_ERR_INVALID_POINTER,
-            format!("gpualloc: record_stream: pointer {ptr:#x} was not allocated by gpualloc"),
-        ));
     }
     Ok(())
 }

@@ -287,6 +287,14 @@ fn a_panic_while_a_device_is_locked_poisons_only_that_device() {
         a.free(0, p),
         Err(AllocError::Poisoned { device: 0 })
     ));
+    assert!(
+        matches!(a.free(-1, p), Err(AllocError::Poisoned { device: 0 })),
+        "a free without its device finds the owner poisoned too"
+    );
+    assert!(matches!(
+        a.snapshot(0),
+        Err(AllocError::Poisoned { device: 0 })
+    ));
     let msg = AllocError::Poisoned { device: 0 }.to_string();
     assert!(msg.contains("device 0") && msg.contains("restart"), "{msg}");
     // The other device is untouched; stats of the poisoned one remain readable.
