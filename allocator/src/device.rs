@@ -696,9 +696,11 @@ impl<B: Backend> DeviceAllocator<B> {
     /// a driver error). One whose event the driver refuses again (a stream
     /// of another device, or one destroyed since its `record_stream`) must
     /// not make every later allocation fail: the device is synchronized
-    /// instead, after which none of its streams uses the block, and the
-    /// block is freed (PyTorch would fail the free itself). Only when that
-    /// fails too, or during a capture, do the rest stay deferred.
+    /// instead, and the device of each other GPU's default stream the block
+    /// is still recorded on, after which none of those streams uses the
+    /// block, and the block is freed (PyTorch would fail the free itself).
+    /// Only when that fails too, or during a capture, do the rest stay
+    /// deferred.
     fn flush_deferred(&mut self) -> Result<(), AllocError> {
         let ids = self.pending.take_deferred();
         for (k, &id) in ids.iter().enumerate() {
@@ -713,7 +715,17 @@ impl<B: Backend> DeviceAllocator<B> {
             let failed = if self.private.capturing() {
                 Some(e)
             } else {
-                match self.backend.synchronize() {
+                let others: Vec<StreamId> = self.heap.blocks[id]
+                    .stream_uses
+                    .iter()
+                    .copied()
+                    .filter(|&s| crate::backend::other_device_stream(s).is_some())
+                    .collect();
+                let synced = others
+                    .into_iter()
+                    .try_for_each(|s| self.backend.synchronize_stream(s))
+                    .and_then(|()| self.backend.synchronize());
+                match synced {
                     Ok(()) => {
                         crate::log::event_refused(self.device, stream, &e);
                         None

@@ -114,6 +114,9 @@ impl Backend for AnyBackend {
     fn synchronize(&mut self) -> Result<(), BackendError> {
         dispatch!(self, b => b.synchronize())
     }
+    fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), BackendError> {
+        dispatch!(self, b => b.synchronize_stream(stream))
+    }
     fn copy(&mut self, dst: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         dispatch!(self, b => b.copy(dst, src, bytes))
     }

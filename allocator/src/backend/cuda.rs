@@ -574,6 +574,15 @@ impl Backend for CudaBackend {
         check("cuCtxSynchronize", r)
     }
 
+    fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), BackendError> {
+        let (_bound, _) = self.bind_stream(stream)?;
+        // SAFETY: the stream's device's context is current; no arguments.
+        let r = self.timed(DriverCall::CtxSync, (0, 0), || unsafe {
+            driver::cuCtxSynchronize()
+        });
+        check("cuCtxSynchronize", r)
+    }
+
     fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
         let (_bound, s) = self.bind_stream(stream)?;
         // SAFETY: `event` is live (contract); `s` is a live stream handle

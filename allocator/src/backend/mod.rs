@@ -247,6 +247,15 @@ pub trait Backend: Send {
         ))
     }
 
+    /// Blocks until all work queued on the device `stream` belongs to is
+    /// done: this device's, or for another device's default stream (Note
+    /// [Streams of other devices]) that device's. Only for a block whose
+    /// event the driver refused twice.
+    fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), BackendError> {
+        let _ = stream;
+        self.synchronize()
+    }
+
     /// Nanoseconds on a monotonic clock, for time budgets (Note
     /// [Defragmentation budget]) and trace stamps. The process clock by
     /// default (Note [One clock for decisions and traces] in `clock.rs`);

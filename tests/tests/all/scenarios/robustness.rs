@@ -109,6 +109,32 @@ fn a_stream_whose_events_are_always_refused_does_not_stop_allocation() {
     }
 }
 
+/// The same for another GPU's default stream (Note [Streams of other
+/// devices]): that GPU is synchronized too before the block is freed.
+#[test]
+fn a_refused_event_on_another_gpus_default_stream_synchronizes_that_gpu() {
+    let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::default());
+    let p = d.malloc(4 * MIB, 0).unwrap();
+    d.record_stream_of_device(p, 0, 1).unwrap();
+    let other = gpualloc::backend::stream_on_device(0, 1, 0);
+    d.backend_mut().refuse_events_on(other);
+    assert!(matches!(d.free(p), Err(AllocError::Backend(_))));
+    let syncs = d.backend().calls(SimCall::Synchronize);
+    let q = d.malloc(MIB, 0).unwrap();
+    assert_eq!(
+        d.backend().calls(SimCall::Synchronize),
+        syncs + 2,
+        "device 1 (its default stream), then this device"
+    );
+    assert_eq!(
+        d.stats().active_bytes.all.current,
+        MIB as i64,
+        "p was freed"
+    );
+    d.free(q).unwrap();
+    d.check_invariants().unwrap();
+}
+
 /// A backend whose creation is slow, like retaining a CUDA context.
 fn slow(device: u32) -> Result<SimBackend, gpualloc::BackendError> {
     std::thread::sleep(Duration::from_millis(2));
