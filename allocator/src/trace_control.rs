@@ -93,6 +93,16 @@ impl<B: Backend> Allocator<B> {
         self.recorder.lock().is_some()
     }
 
+    /// The file being written, while tracing: the path asked for, or one
+    /// beside it when another process was writing that (Note [One writer
+    /// per trace file]).
+    pub fn trace_path(&self) -> Option<std::path::PathBuf> {
+        self.recorder
+            .lock()
+            .as_ref()
+            .map(|r| r.path().to_path_buf())
+    }
+
     /// Hands every device's buffer to the writer and waits until it is written.
     ///
     /// # Errors
@@ -250,6 +260,40 @@ mod tests {
             devices,
             Box::new(|_| Ok(SimBackend::new(1 << 30).with_wall_clock())),
         )
+    }
+
+    /// Note [One writer per trace file]: a second writer given the path of
+    /// a trace being written (a spawned worker that installs gpualloc with
+    /// the parent's `GPUALLOC_TRACE`) writes beside it; both traces read.
+    #[test]
+    fn a_second_writer_of_one_path_leaves_the_first_trace_whole() {
+        let (parent, worker) = (sim(1), sim(1));
+        let path = temp_path("two-writers");
+        parent.trace_start(&path).unwrap();
+        let p = parent.malloc(0, 1000, 0).unwrap();
+        worker.trace_start(&path).unwrap();
+        let beside = worker.trace_path().unwrap();
+        assert_ne!(beside, path);
+        assert_eq!(parent.trace_path().unwrap(), path);
+        let q = worker.malloc(0, 2000, 0).unwrap();
+        worker.free(0, q).unwrap();
+        worker.trace_stop().unwrap();
+        parent.free(0, p).unwrap();
+        parent.trace_stop().unwrap();
+        let (_, evs) = read(&path);
+        let allocs: Vec<u64> = evs
+            .iter()
+            .filter(|e| e.action == Action::Alloc)
+            .map(|e| e.size)
+            .collect();
+        assert_eq!(allocs, [1000], "the parent's events, all of them");
+        let (_, evs) = read(&beside);
+        assert!(
+            evs.iter()
+                .any(|e| e.action == Action::Alloc && e.size == 2000)
+        );
+        std::fs::remove_file(&path).unwrap();
+        std::fs::remove_file(&beside).unwrap();
     }
 
     /// Note [One clock for decisions and traces]: every event of one locked

@@ -24,13 +24,28 @@ pub(crate) fn from_env<B: Backend>(alloc: &Allocator<B>) {
     match alloc.trace_from_env() {
         Ok(true) => {
             if let Some(v) = std::env::var_os(gpualloc::trace::TRACE_ENV) {
-                let path = gpualloc::trace_path::expand(&v);
-                tracing::info!(path = %path.display(), "trace started (GPUALLOC_TRACE)");
+                announce(alloc, &gpualloc::trace_path::expand(&v), "GPUALLOC_TRACE");
             }
             stop_at_exit();
         }
         Ok(false) => {}
         Err(e) => eprintln!("gpualloc: GPUALLOC_TRACE: could not start tracing: {e}"),
+    }
+}
+
+/// Logs the trace's start and, on stderr, says where it goes when that is
+/// not `asked` (another process was writing it: Note [One writer per
+/// trace file]).
+fn announce<B: Backend>(alloc: &Allocator<B>, asked: &std::path::Path, by: &str) {
+    let path = alloc.trace_path().unwrap_or_else(|| asked.to_path_buf());
+    tracing::info!(path = %path.display(), "trace started ({by})");
+    if path != asked {
+        eprintln!(
+            "gpualloc: {by}: another process is writing {}; this one ({}) writes {}",
+            asked.display(),
+            std::process::id(),
+            path.display()
+        );
     }
 }
 
@@ -86,8 +101,9 @@ pub unsafe extern "C" fn gpualloc_trace_start(path: *const c_char) -> c_int {
         let path = gpualloc::trace_path::expand(
             <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes),
         );
-        global()?.alloc.trace_start(&path)?;
-        tracing::info!(path = %path.display(), "trace started");
+        let g = global()?;
+        g.alloc.trace_start(&path)?;
+        announce(&g.alloc, &path, "gpualloc_trace_start");
         Ok(())
     })
 }

@@ -10,6 +10,7 @@ pub mod format;
 pub mod frame;
 pub mod reader;
 pub mod recorder;
+pub mod trace_file;
 pub mod writer;
 
 /// The environment variable that starts a trace at initialization

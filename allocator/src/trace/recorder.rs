@@ -334,7 +334,11 @@ impl Recorder {
         // A header a reader would refuse (a configuration string above the
         // limit) is refused before the file is created.
         TraceWriter::new(io::sink(), &header)?;
-        let writer = TraceWriter::new(File::create(path)?, &header)?;
+        // One writer per path (Note [One writer per trace file]): the path
+        // written may be another, beside it.
+        let (file, path) = crate::trace::trace_file::create(path)?;
+        let path = path.as_path();
+        let writer = TraceWriter::new(file, &header)?;
         let start_ns = crate::clock::now_ns();
         let (tx, rx) = crossbeam_channel::bounded(opts.channel_blocks);
         let (spare_tx, spare) = crossbeam_channel::bounded(opts.channel_blocks);
