@@ -840,7 +840,7 @@ mod tests {
                 let bytes = scale * scale * (16 << (layer % 4)) + (x % 4096);
                 step.push(d.malloc(bytes, 0).unwrap());
             }
-            if x % 7 == 0 {
+            if x.is_multiple_of(7) {
                 keep.push(d.malloc(scale * 4096, 0).unwrap());
             }
             for p in step {

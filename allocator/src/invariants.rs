@@ -55,7 +55,7 @@ impl<B: Backend> DeviceAllocator<B> {
                         b.ptr
                     ));
                 }
-                if b.size == 0 || b.size % 512 != 0 {
+                if b.size == 0 || !b.size.is_multiple_of(512) {
                     return Err(format!("block {id} has size {}", b.size));
                 }
                 if b.pool != seg.pool {

@@ -271,7 +271,7 @@ fn uniform_size(len: u64, page: u64, max_handle: u64) -> u64 {
     let pages = len / page;
     (1..=pages)
         .rev()
-        .find(|&d| pages % d == 0 && d * page <= max_handle.max(page))
+        .find(|&d| pages.is_multiple_of(d) && d * page <= max_handle.max(page))
         .map_or(page, |d| d * page)
 }
 

@@ -40,7 +40,7 @@ const PTR_BITS: u32 = 57;
 #[inline]
 fn pack(size: u64, ptr: DevicePtr, id: BlockId) -> u128 {
     debug_assert!(
-        size % 512 == 0 && (size >> 9) < (1 << 40),
+        size.is_multiple_of(512) && (size >> 9) < (1 << 40),
         "size {size} cannot be packed"
     );
     debug_assert!(

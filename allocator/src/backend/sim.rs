@@ -665,7 +665,7 @@ impl Backend for SimBackend {
     fn reserve(&mut self, size: u64) -> Result<DevicePtr, BackendError> {
         self.fault(SimCall::Reserve)?;
         assert!(
-            size > 0 && size % self.page == 0,
+            size > 0 && size.is_multiple_of(self.page),
             "SimBackend: reserve of {size} is not whole pages"
         );
         let va = self.next_va;
@@ -703,7 +703,7 @@ impl Backend for SimBackend {
     fn create_handle(&mut self, size: u64, capturing: bool) -> Result<HandleId, BackendError> {
         self.fault(SimCall::CreateHandle)?;
         assert!(
-            size > 0 && size % self.page == 0,
+            size > 0 && size.is_multiple_of(self.page),
             "SimBackend: handle of {size} bytes is not whole pages"
         );
         if !capturing {
@@ -749,7 +749,10 @@ impl Backend for SimBackend {
         handles: &[(HandleId, u64)],
         capturing: bool,
     ) -> Result<(), BackendError> {
-        assert!(ptr % self.page == 0, "SimBackend: map at a partial page");
+        assert!(
+            ptr.is_multiple_of(self.page),
+            "SimBackend: map at a partial page"
+        );
         self.fault(SimCall::Map)?;
         if !capturing {
             self.forbid_in_capture("map without the capturing flag");

@@ -299,7 +299,11 @@ fn segment(
     p.kv_int("stream", r.stream)?;
     p.kv_str(
         "segment_type",
-        if r.pool % 2 == 0 { "small" } else { "large" },
+        if r.pool.is_multiple_of(2) {
+            "small"
+        } else {
+            "large"
+        },
     )?;
     p.str("segment_pool_id")?;
     p.int_pair(0, if r.pool >= 2 { (r.pool - 2) / 2 + 1 } else { 0 })?;

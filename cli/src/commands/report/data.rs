@@ -154,7 +154,7 @@ impl Collector {
         while self.next_frag < FRAG_SAMPLES && t >= self.next_frag as u64 * self.frag_width {
             let at = self.next_frag as u64 * self.frag_width;
             self.sample_frag(at);
-            if self.next_frag % (FRAG_SAMPLES / EVEN_SNAPSHOTS) == 0 && self.next_frag > 0 {
+            if self.next_frag.is_multiple_of(FRAG_SAMPLES / EVEN_SNAPSHOTS) && self.next_frag > 0 {
                 self.snapshot(at, "sample");
             }
             self.next_frag += 1;
