@@ -12,6 +12,15 @@
 //! function here that reads or changes which recorder is running holds
 //! [`CONTROL`] throughout. It is taken before any device lock and never
 //! under one, and the allocation path never takes it.
+//!
+//! Note [Traces across fork]: a child forked from a tracing process
+//! inherits the recorder but not its writer thread. Stopping or flushing
+//! there would wait for a thread that does not exist (a hang, or a panic
+//! in an exit handler, which a test of the Python package found with a
+//! plain `os.fork()`). So a recorder knows the process that started it:
+//! elsewhere `is_tracing` is false, stop and flush answer "not tracing"
+//! (a stop lets the copy go and detaches the child's devices), and a new
+//! trace may start, to a file of the child's own.
 
 use std::io;
 use std::path::Path;
@@ -48,8 +57,14 @@ impl<B: Backend> Allocator<B> {
     /// `AlreadyExists` when a trace is running; the file's creation error.
     pub fn trace_start_with(&self, path: &Path, opts: TraceOptions) -> io::Result<()> {
         let _control = CONTROL.lock();
-        let rec = {
+        let (rec, inherited) = {
             let mut slot = self.recorder.lock();
+            // A fork's copy of its parent's trace (Note [Traces across
+            // fork]): let go of it, and below of its device buffers.
+            let inherited = slot.as_ref().is_some_and(|r| !r.is_own());
+            if inherited {
+                *slot = None;
+            }
             if let Some(r) = &*slot {
                 return Err(io::Error::new(
                     io::ErrorKind::AlreadyExists,
@@ -61,9 +76,12 @@ impl<B: Backend> Allocator<B> {
                     .map_err(|e| naming(path, e))?,
             );
             *slot = Some(rec.clone());
-            rec
+            (rec, inherited)
         };
         self.each_device(|d| {
+            if inherited {
+                d.trace = None;
+            }
             if d.trace.is_none() {
                 let now = d.backend.now_ns();
                 d.trace = Some(rec.device_trace(d.device, now));
@@ -88,9 +106,10 @@ impl<B: Backend> Allocator<B> {
         }
     }
 
-    /// Whether a trace is being recorded.
+    /// Whether this process is recording a trace: not a child forked from
+    /// one that is (Note [Traces across fork]).
     pub fn is_tracing(&self) -> bool {
-        self.recorder.lock().is_some()
+        self.recorder.lock().as_ref().is_some_and(|r| r.is_own())
     }
 
     /// The file being written, while tracing: the path asked for, or one
@@ -128,6 +147,12 @@ impl<B: Backend> Allocator<B> {
     pub fn trace_stop(&self) -> io::Result<TraceSummary> {
         let _control = CONTROL.lock();
         let rec = self.recorder.lock().take().ok_or_else(not_tracing)?;
+        if !rec.is_own() {
+            // Note [Traces across fork]: the child lets go of the parent's
+            // trace, whose events it must not write.
+            self.each_device(|d| d.trace = None);
+            return Err(not_tracing());
+        }
         let mut traces = Vec::new();
         self.each_device(|d| traces.extend(d.trace.take()));
         for t in traces {
@@ -202,7 +227,12 @@ impl<B: Backend> Allocator<B> {
     }
 
     fn current_recorder(&self) -> io::Result<Arc<Recorder>> {
-        self.recorder.lock().clone().ok_or_else(not_tracing)
+        let rec = self.recorder.lock().clone().ok_or_else(not_tracing)?;
+        if rec.is_own() {
+            Ok(rec)
+        } else {
+            Err(not_tracing())
+        }
     }
 
     /// Runs `f` on every created device, one lock at a time, then publishes

@@ -38,6 +38,45 @@ class ProcessTest(unittest.TestCase):
         self.assertIn("code True", out.stdout)
         self.assertIn("no_such_key", out.stdout)
 
+    def test_a_forked_child_leaves_the_parents_trace_alone(self):
+        # Note [Traces across fork]: the child has no writer thread; its
+        # exit handlers must neither hang nor panic, and the parent's trace
+        # stays whole. A trace the child starts is its own.
+        code = textwrap.dedent(
+            """
+            import os, sys
+            from gpualloc import tracefile
+            from gpualloc._lib import lib
+            path, child_path = sys.argv[1], sys.argv[2]
+            L = lib()
+            L.trace_start(path)
+            p = L.malloc(1 << 20, 0, 0)
+            pid = os.fork()
+            if pid == 0:
+                print("child tracing", L.is_tracing(), flush=True)
+                q = L.malloc(2 << 20, 0, 0)
+                L.free(q, 0)
+                L.trace_start(child_path)
+                L.free(L.malloc(3 << 20, 0, 0), 0)
+                sys.exit(0)  # exit handlers run
+            _, status = os.waitpid(pid, 0)
+            L.free(p, 0)
+            L.trace_stop()
+            sizes = [r["requested"] for r in tracefile.records(path) if r["kind"] == "alloc"]
+            print("child exit", os.waitstatus_to_exitcode(status), "parent allocs", sizes)
+            sizes = [r["requested"] for r in tracefile.records(child_path) if r["kind"] == "alloc"]
+            print("child allocs", sizes)
+            """
+        )
+        with tempfile.TemporaryDirectory() as d:
+            a, b = os.path.join(d, "parent.gtrace"), os.path.join(d, "child.gtrace")
+            out = run(["-c", code, a, b])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("child tracing False", out.stdout)
+        self.assertIn(f"child exit 0 parent allocs [{1 << 20}]", out.stdout)
+        self.assertIn(f"child allocs [{3 << 20}]", out.stdout)
+        self.assertNotIn("panicked", out.stderr)
+
     def test_no_cuda_is_a_clear_message_not_a_traceback(self):
         # This machine's backend is CUDA when GPUALLOC_BACKEND is unset; without
         # a driver, gpualloc must say so plainly.

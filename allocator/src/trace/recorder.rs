@@ -307,6 +307,8 @@ pub struct Recorder {
     writer: Mutex<Option<JoinHandle<io::Result<TraceSummary>>>>,
     path: std::path::PathBuf,
     lost: Lost,
+    /// The process that started the trace, whose thread writes it.
+    pid: u32,
 }
 
 impl Recorder {
@@ -368,7 +370,23 @@ impl Recorder {
             writer: Mutex::new(Some(handle)),
             path: path.to_path_buf(),
             lost,
+            pid: std::process::id(),
         })
+    }
+
+    /// Whether this process writes the trace: not in a child forked from
+    /// the process that started it, which has no writer thread (Note
+    /// [Traces across fork]).
+    pub fn is_own(&self) -> bool {
+        self.pid == std::process::id()
+    }
+
+    fn foreign(&self) -> io::Error {
+        io::Error::other(format!(
+            "the trace {} is written by process {}, which this process was forked from",
+            self.path.display(),
+            self.pid
+        ))
     }
 
     /// The file being written.
@@ -465,6 +483,9 @@ impl Recorder {
 
     /// Waits until everything sent so far is written and flushed.
     pub(crate) fn flush(&self) -> io::Result<()> {
+        if !self.is_own() {
+            return Err(self.foreign()); // no writer would ever answer
+        }
         let (ack_tx, ack) = crossbeam_channel::bounded(1);
         self.tx
             .send(Msg::Flush(ack_tx))
@@ -478,6 +499,12 @@ impl Recorder {
         let Some(handle) = self.writer.lock().take() else {
             return Err(io::Error::other("gpualloc trace already stopped"));
         };
+        if !self.is_own() {
+            // The writer thread is the parent's: nothing here to join or
+            // detach.
+            std::mem::forget(handle);
+            return Err(self.foreign());
+        }
         let _ = self.tx.send(Msg::Stop);
         handle
             .join()
