@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from typing import Optional
 
@@ -102,7 +103,7 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
 def _install_into(torch, L, bridge: bool, verbose: bool) -> str:
     """The bridge, or the fallback; then the Python patches. Returns the mode."""
     mode = None
-    if bridge and os.environ.get("GPUALLOC_BRIDGE", "1") != "0":
+    if bridge and _env_switch("GPUALLOC_BRIDGE", True):
         try:
             _install_bridge(torch, L.path, verbose)
             mode = "bridge"
@@ -135,6 +136,58 @@ class _BridgeUnavailable(Exception):
     pass
 
 
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+def _env_switch(name: str, default: bool) -> bool:
+    """An on/off variable: 1/true/yes/on or 0/false/no/off, any case; unset
+    or empty is ``default``, and so is anything else, with a warning that
+    names the value."""
+    v = os.environ.get(name, "").strip().lower()
+    if v in _ON:
+        return True
+    if v in _OFF:
+        return False
+    if v:
+        warnings.warn(f"gpualloc: {name}={os.environ[name]!r} is not one of {'/'.join(_ON)} or "
+                      f"{'/'.join(_OFF)}; using the default ({'on' if default else 'off'})", RuntimeWarning, stacklevel=3)
+    return default
+
+
+# A build lock older than this is taken for the leftover of a build killed
+# midway (torchrun stops every rank when one fails): cpp_extension would
+# wait for it forever. Compiling the bridge takes well under a minute.
+STALE_LOCK_S = 600
+
+
+def _clear_stale_lock(build_dir: str) -> None:
+    """Removes cpp_extension's build lock when it is older than STALE_LOCK_S,
+    with a warning: no build holds a lock that long."""
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return  # no lock
+    if age > STALE_LOCK_S:
+        warnings.warn(f"gpualloc: removing the bridge's build lock {lock}, left {age:.0f} s ago by a build that "
+                      "did not finish", RuntimeWarning, stacklevel=4)
+        with contextlib.suppress(OSError):
+            os.remove(lock)
+
+
+def _build_failure(text: str) -> str:
+    """The lines of a failed build's output that say why: the first that
+    reports an error (a compiler's, the bridge's own #error, a missing
+    header), and the last (ninja's summary)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "no output"
+    said = [ln for ln in lines if "error" in ln.lower() and not ln.startswith(("ninja: build stopped", "Error building extension"))]
+    first = next((ln for ln in said if "error:" in ln.lower()), said[0] if said else None)
+    return lines[-1] if first is None or first == lines[-1] else f"{first} ... {lines[-1]}"
+
+
 def _cuda_include_dirs(torch):
     """Directories holding cuda_runtime_api.h: a toolkit, or NVIDIA's pip wheels."""
     dirs = []
@@ -158,7 +211,11 @@ def _cuda_include_dirs(torch):
 def _build_dir(torch, key: str) -> str:
     base = os.environ.get("GPUALLOC_BUILD_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "gpualloc")
     path = os.path.join(base, f"bridge-torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{key}")
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise _BridgeUnavailable(f"cannot create the build directory {path} ({e.strerror or e}); "
+                                 "set GPUALLOC_BUILD_DIR to a writable folder") from None
     return path
 
 
@@ -187,7 +244,7 @@ def _build_bridge(torch, verbose: bool) -> str:
     # completed; without it every process goes through load(), which waits
     # for the one building and then finds the build up to date.
     complete = so + ".complete"
-    rebuild = os.environ.get("GPUALLOC_REBUILD_BRIDGE") == "1"
+    rebuild = _env_switch("GPUALLOC_REBUILD_BRIDGE", False)
     if os.path.isfile(complete) and os.path.isfile(so) and not rebuild:
         return so
     if rebuild:  # the library may be relinked in place: not to be trusted meanwhile
@@ -197,6 +254,7 @@ def _build_bridge(torch, verbose: bool) -> str:
     if not cuda_inc:
         raise _BridgeUnavailable("cuda_runtime_api.h not found (set CUDA_HOME, or install the nvidia-cuda-runtime wheel)")
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    _clear_stale_lock(build_dir)
     try:
         built = cpp_extension.load(
             name=name,
@@ -210,7 +268,7 @@ def _build_bridge(torch, verbose: bool) -> str:
             verbose=verbose,
         )
     except Exception as e:
-        raise _BridgeUnavailable(f"compiling {src} failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}") from None
+        raise _BridgeUnavailable(f"compiling {src} failed: {_build_failure(str(e)) if str(e).strip() else repr(e)}") from None
     if isinstance(built, str) and os.path.isfile(built):
         so = built
     if not os.path.isfile(so):
@@ -258,7 +316,11 @@ def _install_bridge(torch, libpath: str, verbose: bool) -> None:
 
 def _install_fallback(torch, libpath: str) -> None:
     """A plain CUDAPluggableAllocator with every hook PyTorch lets C set."""
-    alloc_fn = "gpualloc_malloc_or_abort" if os.environ.get("GPUALLOC_FALLBACK_OOM", "abort") != "null" else "gpualloc_malloc"
+    oom = os.environ.get("GPUALLOC_FALLBACK_OOM", "abort").strip().lower() or "abort"
+    if oom not in ("abort", "null"):
+        warnings.warn(f"gpualloc: GPUALLOC_FALLBACK_OOM={oom!r} is not 'abort' or 'null'; using 'abort'",
+                      RuntimeWarning, stacklevel=3)
+    alloc_fn = "gpualloc_malloc" if oom == "null" else "gpualloc_malloc_or_abort"
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(libpath, alloc_fn, "gpualloc_free")
     raw = pluggable.allocator()
     dll = lib().dll

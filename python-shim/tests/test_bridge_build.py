@@ -107,6 +107,80 @@ class BridgeCache(unittest.TestCase):
             self.assertEqual(_torch._build_bridge(self.torch, verbose=False), so)
         self.assertEqual(self.ext.loads, 2)
 
+    def test_a_build_directory_that_cannot_be_made_is_the_fallback_not_a_crash(self):
+        blocker = os.path.join(self.dir.name, "a-file")
+        with open(blocker, "w") as f:
+            f.write("not a directory")
+        with mock.patch.dict(os.environ, {"GPUALLOC_BUILD_DIR": os.path.join(blocker, "sub")}):
+            with self.assertRaisesRegex(_torch._BridgeUnavailable, "GPUALLOC_BUILD_DIR"):
+                _torch._build_bridge(self.torch, verbose=False)
+        self.assertEqual(self.ext.loads, 0)
+
+    def test_a_build_lock_left_by_a_killed_build_is_removed(self):
+        key_dirs = lambda: [d for d in os.listdir(self.dir.name) if d.startswith("bridge-")]  # noqa: E731
+        _torch._build_bridge(self.torch, verbose=False)
+        (build_dir,) = key_dirs()
+        lock = os.path.join(self.dir.name, build_dir, "lock")
+        with open(lock, "w"):
+            pass
+        with mock.patch.dict(os.environ, {"GPUALLOC_REBUILD_BRIDGE": "yes"}):
+            _torch._build_bridge(self.torch, verbose=False)  # a fresh lock: kept
+            self.assertTrue(os.path.exists(lock))
+            old = _torch.time.time() - _torch.STALE_LOCK_S - 5
+            os.utime(lock, (old, old))
+            with self.assertWarnsRegex(RuntimeWarning, "did not finish"):
+                _torch._build_bridge(self.torch, verbose=False)
+        self.assertFalse(os.path.exists(lock))
+        self.assertEqual(self.ext.loads, 3)
+
+    def test_a_failed_build_names_its_first_error(self):
+        out = "\n".join([
+            "[1/2] c++ -MMD -c bridge.cpp -o bridge.o",
+            "FAILED: bridge.o",
+            "bridge.cpp:12:10: fatal error: bridge/api.h: No such file or directory",
+            "compilation terminated.",
+            "ninja: build stopped: subcommand failed.",
+        ])
+        self.ext.load = mock.Mock(side_effect=RuntimeError("Error building extension 'gpualloc_bridge':\n" + out))
+        with self.assertRaises(_torch._BridgeUnavailable) as e:
+            _torch._build_bridge(self.torch, verbose=False)
+        self.assertIn("bridge/api.h: No such file or directory", str(e.exception))
+        self.assertIn("ninja: build stopped", str(e.exception))
+
+
+class EnvSwitch(unittest.TestCase):
+    def test_spellings_and_a_warning_for_anything_else(self):
+        for v, want in [("1", True), ("TRUE", True), (" on ", True), ("no", False), ("Off", False), ("0", False)]:
+            with mock.patch.dict(os.environ, {"GPUALLOC_BRIDGE": v}):
+                self.assertIs(_torch._env_switch("GPUALLOC_BRIDGE", not want), want, v)
+        with mock.patch.dict(os.environ, {"GPUALLOC_BRIDGE": ""}):
+            self.assertIs(_torch._env_switch("GPUALLOC_BRIDGE", True), True)
+        with mock.patch.dict(os.environ, {"GPUALLOC_BRIDGE": "maybe"}):
+            with self.assertWarnsRegex(RuntimeWarning, "'maybe'"):
+                self.assertIs(_torch._env_switch("GPUALLOC_BRIDGE", True), True)
+
+
+class PackageData(unittest.TestCase):
+    def test_the_package_ships_every_file_the_bridge_includes(self):
+        # `pip install ./python-shim` must carry what bridge.cpp includes,
+        # or every install from the package falls back without the bridge.
+        import fnmatch
+        import re
+
+        shim = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with open(os.path.join(shim, "pyproject.toml")) as f:
+            data = re.search(r'^gpualloc = \[(.*)\]$', f.read(), re.M).group(1)
+        globs = re.findall(r'"([^"]+)"', data)
+        with open(os.path.join(shim, "gpualloc", "bridge.cpp")) as f:
+            local = re.findall(r'^#include "([^"]+)"', f.read(), re.M)
+        self.assertTrue(local, "bridge.cpp includes files of its own")
+        for inc in local + ["bridge.cpp", "include/gpualloc.h"]:
+            path = os.path.join(shim, "gpualloc", inc)
+            if not os.path.exists(path):  # an include found through include/
+                inc, path = "include/" + inc, os.path.join(shim, "gpualloc", "include", inc)
+            self.assertTrue(os.path.exists(path), inc)
+            self.assertTrue(any(fnmatch.fnmatch(inc, g) for g in globs), f"{inc} is not in package-data {globs}")
+
 
 if __name__ == "__main__":
     unittest.main()
