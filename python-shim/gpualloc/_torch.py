@@ -305,7 +305,7 @@ def _install_bridge(torch, libpath: str, verbose: bool) -> None:
     bridge.gpualloc_bridge_install.restype = ctypes.c_int
     bridge.gpualloc_bridge_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     err = ctypes.create_string_buffer(4096)
-    rc = bridge.gpualloc_bridge_install(libpath.encode(), err, len(err))
+    rc = bridge.gpualloc_bridge_install(os.fsencode(libpath), err, len(err))
     if rc != 0:
         msg = err.value.decode(errors="replace")
         if "already initialized" in msg or "Can't swap" in msg:
