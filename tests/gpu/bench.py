@@ -167,27 +167,29 @@ def targets(bench, ours="gpualloc"):
                 out.append(x[key] / min(base))
         return out
 
-    for w, table in (bench.get("training") or {}).items():
-        by = {r["variant"]: r for r in table}
-        if ours not in by or not by[ours]["runs"]:
-            rows.append((w, "all", "–", "not run"))
-            continue
-        ra = by[ours]["peak_reserved_over_allocated"]
-        rows.append((w, "R/A <= 1.01", fmt(ra, ".3f"), "met" if ra is not None and ra <= 1.01 else "missed"))
+    def ran(kind):
+        """(workload, its rows by variant, our R/A) for each workload ours ran; a row for the others."""
+        for w, table in (bench.get(kind) or {}).items():
+            by = {r["variant"]: r for r in table}
+            if ours in by and by[ours]["runs"]:
+                yield w, by, by[ours]["peak_reserved_over_allocated"]
+            else:
+                rows.append((w, "all", "–", "not run"))
+
+    def ra_row(w, ra, limit):
+        return (w, f"R/A <= {limit}", fmt(ra, ".3f"), "met" if ra is not None and ra <= limit else "missed")
+
+    for w, by, ra in ran("training"):
+        rows.append(ra_row(w, ra, 1.01))
         rs = ratios(w, "mean_step_s_all")
         rows.append((w, "mean step <= 1.00x the faster PyTorch mode", fmt(median(rs), ".3f"), verdict_ratio(rs, 1.0)))
         mine, theirs = by[ours]["device_allocs_after_warmup"], by.get("native-expandable", {}).get("device_allocs_after_warmup")
         verdict = "not run" if mine is None or theirs is None else ("met" if mine <= theirs else "missed")
         rows.append((w, "device allocations after warm-up <= PyTorch expandable's",
                      f"{fmt(mine, '.0f')} vs {fmt(theirs, '.0f')}", verdict))
-    for w, table in (bench.get("churn") or {}).items():
-        by = {r["variant"]: r for r in table}
-        if ours not in by or not by[ours]["runs"]:
-            rows.append((w, "all", "–", "not run"))
-            continue
-        ra = by[ours]["peak_reserved_over_allocated"]
+    for w, by, ra in ran("churn"):
         if w == "churn":
-            rows.append((w, "R/A <= 1.05", fmt(ra, ".3f"), "met" if ra is not None and ra <= 1.05 else "missed"))
+            rows.append(ra_row(w, ra, 1.05))
         rs = ratios(w, "us_per_alloc_free")
         rows.append((w, ">= 1.5x faster than the faster PyTorch mode (time ratio <= 0.667)",
                      fmt(median(rs), ".3f"), verdict_ratio(rs, 1 / 1.5)))
