@@ -78,10 +78,10 @@ impl<B: Backend> Allocator<B> {
             *slot = Some(rec.clone());
             (rec, inherited)
         };
+        if inherited {
+            self.abandon_inherited();
+        }
         self.each_device(|d| {
-            if inherited {
-                d.trace = None;
-            }
             if d.trace.is_none() {
                 let now = d.backend.now_ns();
                 d.trace = Some(rec.device_trace(d.device, now));
@@ -150,7 +150,7 @@ impl<B: Backend> Allocator<B> {
         if !rec.is_own() {
             // Note [Traces across fork]: the child lets go of the parent's
             // trace, whose events it must not write.
-            self.each_device(|d| d.trace = None);
+            self.abandon_inherited();
             return Err(not_tracing());
         }
         let mut traces = Vec::new();
@@ -175,7 +175,7 @@ impl<B: Backend> Allocator<B> {
         let _control = CONTROL.lock();
         // The recorder lock is released before any device lock is taken:
         // `Allocator::lock` takes them in the other order.
-        let rec = self.recorder.lock().clone();
+        let rec = self.own_recorder();
         if let Some(rec) = rec {
             let id = rec.push_phase(name);
             let _ = self.record_everywhere(Action::PhasePush, id);
@@ -186,7 +186,7 @@ impl<B: Backend> Allocator<B> {
     /// Closes the innermost phase (no-op when not tracing or none is open).
     pub fn phase_pop(&self) {
         let _control = CONTROL.lock();
-        let rec = self.recorder.lock().clone();
+        let rec = self.own_recorder();
         if let Some(rec) = rec
             && let Some(id) = rec.pop_phase()
         {
@@ -203,7 +203,7 @@ impl<B: Backend> Allocator<B> {
     pub fn mark(&self, name: &str) -> io::Result<()> {
         check_name(name, "mark")?;
         let _control = CONTROL.lock();
-        let rec = self.recorder.lock().clone();
+        let rec = self.own_recorder();
         if let Some(rec) = rec {
             let id = rec.intern(name);
             if self.record_everywhere(Action::Mark, id) == 0 {
@@ -227,12 +227,24 @@ impl<B: Backend> Allocator<B> {
     }
 
     fn current_recorder(&self) -> io::Result<Arc<Recorder>> {
-        let rec = self.recorder.lock().clone().ok_or_else(not_tracing)?;
-        if rec.is_own() {
-            Ok(rec)
-        } else {
-            Err(not_tracing())
-        }
+        self.own_recorder().ok_or_else(not_tracing)
+    }
+
+    /// The running recorder, unless it is a forked child's copy of its
+    /// parent's (Note [Traces across fork]).
+    fn own_recorder(&self) -> Option<Arc<Recorder>> {
+        self.recorder.lock().clone().filter(|r| r.is_own())
+    }
+
+    /// Detaches every device from a forked child's copy of its parent's
+    /// trace without handing its buffers on: nothing in the child reads the
+    /// channel, which may be full (Note [Traces across fork]).
+    fn abandon_inherited(&self) {
+        self.each_device(|d| {
+            if let Some(t) = d.trace.take() {
+                t.abandon();
+            }
+        });
     }
 
     /// Runs `f` on every created device, one lock at a time, then publishes

@@ -41,7 +41,7 @@ fn announce<B: Backend>(alloc: &Allocator<B>, asked: &std::path::Path, by: &str)
     tracing::info!(path = %path.display(), "trace started ({by})");
     if path != asked {
         eprintln!(
-            "gpualloc: {by}: another process is writing {}; this one ({}) writes {}",
+            "gpualloc: {by}: {} is locked by another process (one writing it, or a child forked from the one that did); this one ({}) writes {}",
             asked.display(),
             std::process::id(),
             path.display()

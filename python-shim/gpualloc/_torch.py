@@ -103,7 +103,7 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
 def _install_into(torch, L, bridge: bool, verbose: bool) -> str:
     """The bridge, or the fallback; then the Python patches. Returns the mode."""
     mode = None
-    if bridge and _env_switch("GPUALLOC_BRIDGE", True):
+    if bridge and _env_switch("GPUALLOC_BRIDGE", True, stacklevel=4):  # the caller of gpualloc.install
         try:
             _install_bridge(torch, L.path, verbose)
             mode = "bridge"
@@ -140,10 +140,11 @@ _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 
 
-def _env_switch(name: str, default: bool) -> bool:
+def _env_switch(name: str, default: bool, stacklevel: int = 2) -> bool:
     """An on/off variable: 1/true/yes/on or 0/false/no/off, any case; unset
     or empty is ``default``, and so is anything else, with a warning that
-    names the value."""
+    names the value (``stacklevel`` counted from the caller, as in
+    ``warnings.warn``)."""
     v = os.environ.get(name, "").strip().lower()
     if v in _ON:
         return True
@@ -151,7 +152,7 @@ def _env_switch(name: str, default: bool) -> bool:
         return False
     if v:
         warnings.warn(f"gpualloc: {name}={os.environ[name]!r} is not one of {'/'.join(_ON)} or "
-                      f"{'/'.join(_OFF)}; using the default ({'on' if default else 'off'})", RuntimeWarning, stacklevel=3)
+                      f"{'/'.join(_OFF)}; using the default ({'on' if default else 'off'})", RuntimeWarning, stacklevel=stacklevel + 1)
     return default
 
 
@@ -171,7 +172,7 @@ def _clear_stale_lock(build_dir: str) -> None:
         return  # no lock
     if age > STALE_LOCK_S:
         warnings.warn(f"gpualloc: removing the bridge's build lock {lock}, left {age:.0f} s ago by a build that "
-                      "did not finish", RuntimeWarning, stacklevel=4)
+                      "did not finish", RuntimeWarning, stacklevel=7)  # the caller of gpualloc.install
         with contextlib.suppress(OSError):
             os.remove(lock)
 
@@ -244,7 +245,7 @@ def _build_bridge(torch, verbose: bool) -> str:
     # completed; without it every process goes through load(), which waits
     # for the one building and then finds the build up to date.
     complete = so + ".complete"
-    rebuild = _env_switch("GPUALLOC_REBUILD_BRIDGE", False)
+    rebuild = _env_switch("GPUALLOC_REBUILD_BRIDGE", False, stacklevel=6)  # the caller of gpualloc.install
     if os.path.isfile(complete) and os.path.isfile(so) and not rebuild:
         return so
     if rebuild:  # the library may be relinked in place: not to be trusted meanwhile
@@ -319,7 +320,7 @@ def _install_fallback(torch, libpath: str) -> None:
     oom = os.environ.get("GPUALLOC_FALLBACK_OOM", "abort").strip().lower() or "abort"
     if oom not in ("abort", "null"):
         warnings.warn(f"gpualloc: GPUALLOC_FALLBACK_OOM={oom!r} is not 'abort' or 'null'; using 'abort'",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=5)  # the caller of gpualloc.install
     alloc_fn = "gpualloc_malloc" if oom == "null" else "gpualloc_malloc_or_abort"
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(libpath, alloc_fn, "gpualloc_free")
     raw = pluggable.allocator()

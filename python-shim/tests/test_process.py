@@ -54,8 +54,11 @@ class ProcessTest(unittest.TestCase):
             pid = os.fork()
             if pid == 0:
                 print("child tracing", L.is_tracing(), flush=True)
-                q = L.malloc(2 << 20, 0, 0)
-                L.free(q, 0)
+                # Enough events to fill the inherited channel, which nothing
+                # in the child reads: letting go of it must not wait.
+                for _ in range(150_000):
+                    L.free(L.malloc(2 << 20, 0, 0), 0)
+                L.phase_push("child")
                 L.trace_start(child_path)
                 L.free(L.malloc(3 << 20, 0, 0), 0)
                 sys.exit(0)  # exit handlers run

@@ -255,6 +255,12 @@ impl DeviceTrace {
         self.send_rest();
     }
 
+    /// Lets go of the buffer without handing it to the writer: for a forked
+    /// child's copy, whose channel nothing reads (Note [Traces across fork]).
+    pub(crate) fn abandon(mut self) {
+        self.sink = None;
+    }
+
     fn send_rest(&mut self) {
         let Some(tx) = self.sink.as_ref().map(|s| s.tx.clone()) else {
             return;

@@ -11,7 +11,11 @@
 //! standard library's `File::try_lock`) for as long as it writes. A second
 //! process that finds the path locked writes `<stem>-pid<N>.<ext>` beside
 //! it and says so; the file is emptied only once its lock is held. A file
-//! system without locks is written as before, unlocked.
+//! system without locks is written as before, unlocked. The lock belongs
+//! to the open file, which a forked child inherits: while such a child
+//! lives, even after its parent stopped the trace, the path stays locked
+//! and a new trace there goes beside it too (nothing is lost; the message
+//! says the path is locked, not that it is being written).
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
