@@ -156,21 +156,48 @@ def _env_switch(name: str, default: bool, stacklevel: int = 2) -> bool:
     return default
 
 
-# A build lock older than this is taken for the leftover of a build killed
-# midway (torchrun stops every rank when one fails): cpp_extension would
-# wait for it forever. Compiling the bridge takes well under a minute.
+# Where the file system has no locks (see _build_turn), cpp_extension's
+# build lock older than this is taken for the leftover of a build killed
+# midway. Compiling the bridge takes well under a minute.
 STALE_LOCK_S = 600
 
 
-def _clear_stale_lock(build_dir: str) -> None:
-    """Removes cpp_extension's build lock when it is older than STALE_LOCK_S,
-    with a warning: no build holds a lock that long."""
+@contextlib.contextmanager
+def _build_turn(build_dir: str):
+    """One gpualloc build at a time in ``build_dir``, by a lock the kernel
+    lets go of when its holder dies (``fcntl.flock``). cpp_extension's own
+    lock is a file that a build killed midway leaves behind (torchrun stops
+    every rank when one fails), and it would wait for that file forever;
+    while this turn is held, no live gpualloc build owns such a file. Yields
+    whether the turn is held (False where the file system has no locks)."""
+    try:
+        import fcntl
+
+        fd = os.open(os.path.join(build_dir, "gpualloc-build.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = True
+        except OSError:
+            held = False
+        yield held
+    finally:
+        os.close(fd)  # lets go of the turn
+
+
+def _clear_leftover_lock(build_dir: str, sole: bool) -> None:
+    """Removes cpp_extension's build lock left by a build that did not
+    finish, with a warning: any such file while this process holds the
+    build turn (``sole``), else one older than STALE_LOCK_S."""
     lock = os.path.join(build_dir, "lock")
     try:
         age = time.time() - os.path.getmtime(lock)
     except OSError:
         return  # no lock
-    if age > STALE_LOCK_S:
+    if sole or age > STALE_LOCK_S:
         warnings.warn(f"gpualloc: removing the bridge's build lock {lock}, left {age:.0f} s ago by a build that "
                       "did not finish", RuntimeWarning, stacklevel=7)  # the caller of gpualloc.install
         with contextlib.suppress(OSError):
@@ -238,12 +265,12 @@ def _build_bridge(torch, verbose: bool) -> str:
     build_dir = _build_dir(torch, key)
     so = os.path.join(build_dir, f"{name}.so")
     # Several processes may install at once (torchrun's ranks on a fresh
-    # machine). cpp_extension.load serializes their builds with a lock in
-    # build_dir, but the linker writes the .so in place: one seen before its
-    # build finished may be partial, and loading it can fail or fault. So
-    # the cached .so is trusted only beside the marker written once a build
-    # completed; without it every process goes through load(), which waits
-    # for the one building and then finds the build up to date.
+    # machine). They build one at a time (_build_turn, and cpp_extension's
+    # own lock within), but the linker writes the .so in place: one seen
+    # before its build finished may be partial, and loading it can fail or
+    # fault. So the cached .so is trusted only beside the marker written
+    # once a build completed; without it a process waits for its turn and
+    # then finds the marker, or builds (ninja finds it up to date).
     complete = so + ".complete"
     rebuild = _env_switch("GPUALLOC_REBUILD_BRIDGE", False, stacklevel=6)  # the caller of gpualloc.install
     if os.path.isfile(complete) and os.path.isfile(so) and not rebuild:
@@ -255,7 +282,17 @@ def _build_bridge(torch, verbose: bool) -> str:
     if not cuda_inc:
         raise _BridgeUnavailable("cuda_runtime_api.h not found (set CUDA_HOME, or install the nvidia-cuda-runtime wheel)")
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    _clear_stale_lock(build_dir)
+    with _build_turn(build_dir) as sole:
+        if sole and not rebuild and os.path.isfile(complete) and os.path.isfile(so):
+            return so  # built by the process this one waited for
+        _clear_leftover_lock(build_dir, sole)
+        so = _load_bridge(cpp_extension, name, src, header_dir, cuda_inc, torch_lib, build_dir, so, verbose)
+        _write_marker(complete)
+    return so
+
+
+def _load_bridge(cpp_extension, name, src, header_dir, cuda_inc, torch_lib, build_dir, so, verbose) -> str:
+    """cpp_extension's build of the bridge; the library's path."""
     try:
         built = cpp_extension.load(
             name=name,
@@ -274,7 +311,6 @@ def _build_bridge(torch, verbose: bool) -> str:
         so = built
     if not os.path.isfile(so):
         raise _BridgeUnavailable(f"the build did not produce {so}")
-    _write_marker(complete)
     return so
 
 

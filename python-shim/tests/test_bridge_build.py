@@ -4,6 +4,7 @@ torch is not installed here: a stand-in `torch.utils.cpp_extension.load`
 writes the library the way a build would, and counts its calls.
 """
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -123,15 +124,41 @@ class BridgeCache(unittest.TestCase):
         lock = os.path.join(self.dir.name, build_dir, "lock")
         with open(lock, "w"):
             pass
+        # Holding the build turn, no live gpualloc build owns torch's lock.
         with mock.patch.dict(os.environ, {"GPUALLOC_REBUILD_BRIDGE": "yes"}):
-            _torch._build_bridge(self.torch, verbose=False)  # a fresh lock: kept
-            self.assertTrue(os.path.exists(lock))
+            with self.assertWarnsRegex(RuntimeWarning, "did not finish"):
+                _torch._build_bridge(self.torch, verbose=False)
+        self.assertFalse(os.path.exists(lock))
+        self.assertEqual(self.ext.loads, 2)
+        # Without locks on the file system, only an old one is taken for a leftover.
+        refused = mock.patch("fcntl.flock", side_effect=OSError(37, "No locks available"))
+        with open(lock, "w"):
+            pass
+        with refused, mock.patch.dict(os.environ, {"GPUALLOC_REBUILD_BRIDGE": "1"}):
+            _torch._build_bridge(self.torch, verbose=False)
+            self.assertTrue(os.path.exists(lock), "a fresh lock may be a live build's")
             old = _torch.time.time() - _torch.STALE_LOCK_S - 5
             os.utime(lock, (old, old))
             with self.assertWarnsRegex(RuntimeWarning, "did not finish"):
                 _torch._build_bridge(self.torch, verbose=False)
         self.assertFalse(os.path.exists(lock))
-        self.assertEqual(self.ext.loads, 3)
+        self.assertEqual(self.ext.loads, 4)
+
+    def test_a_process_that_waited_for_its_turn_takes_the_finished_build(self):
+        # The marker appears while this process waits for the build turn.
+        so = _torch._build_bridge(self.torch, verbose=False)
+        os.remove(so + ".complete")
+        real_turn = _torch._build_turn
+
+        @contextlib.contextmanager
+        def turn_after_another_build(build_dir):
+            _torch._write_marker(so + ".complete")  # the other process finished
+            with real_turn(build_dir) as held:
+                yield held
+
+        with mock.patch.object(_torch, "_build_turn", turn_after_another_build):
+            self.assertEqual(_torch._build_bridge(self.torch, verbose=False), so)
+        self.assertEqual(self.ext.loads, 1, "no second build")
 
     def test_a_failed_build_names_its_first_error(self):
         out = "\n".join([
