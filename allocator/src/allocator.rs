@@ -226,6 +226,36 @@ impl<B: Backend> Allocator<B> {
         self.lock(device)?.record_stream(ptr, stream)
     }
 
+    /// [`DeviceAllocator::record_stream`] on the device that allocated
+    /// `ptr`, with a stream of device `stream_device` (None: the pointer's
+    /// own; Note [Streams of other devices]).
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidDevice`] for a `stream_device` that does not
+    /// exist; [`AllocError::InvalidPointer`] (device [`ANY_DEVICE`]) for a
+    /// pointer no device allocated.
+    ///
+    /// [`ANY_DEVICE`]: crate::error::ANY_DEVICE
+    pub fn record_stream_anywhere(
+        &self,
+        ptr: DevicePtr,
+        stream: StreamId,
+        stream_device: Option<u32>,
+    ) -> Result<(), AllocError> {
+        if let Some(sd) = stream_device {
+            // Its events would go to a context that does not exist.
+            self.slot(i64::from(sd))?;
+        }
+        self.with_owner(ptr, |d| match stream_device {
+            Some(sd) => d.record_stream_of_device(ptr, stream, sd),
+            None => d.record_stream(ptr, stream),
+        })
+        .unwrap_or(Err(AllocError::InvalidPointer {
+            ptr,
+            device: crate::error::ANY_DEVICE,
+        }))
+    }
+
     /// PyTorch's `enablePeerAccess(peer, device)`: kernels on `peer` may
     /// now read and write `device`'s memory, so every mapping of `device`,
     /// present and future, is made accessible to `peer` too. Starts

@@ -109,7 +109,7 @@ impl<B: Backend> Allocator<B> {
     /// Whether this process is recording a trace: not a child forked from
     /// one that is (Note [Traces across fork]).
     pub fn is_tracing(&self) -> bool {
-        self.recorder.lock().as_ref().is_some_and(|r| r.is_own())
+        self.own_recorder().is_some()
     }
 
     /// The file being written, while tracing: the path asked for, or one

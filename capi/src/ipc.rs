@@ -37,13 +37,13 @@ pub(crate) fn add_peer(device: u32, peer: u32) -> Result<(), Error> {
         peers.push((device, peer));
     }
     let mut opened = OPENED.lock();
-    let ranges = opened.iter_mut().flat_map(|m| m.values_mut());
-    let mut result = Ok(());
-    for r in ranges.filter(|r| r.device() == device) {
-        if let Err(e) = r.add_peer(peer) {
-            result = result.and(Err(e));
-        }
-    }
+    // Every range is tried; the first refusal is reported.
+    let result = opened
+        .iter_mut()
+        .flat_map(|m| m.values_mut())
+        .filter(|r| r.device() == device)
+        .map(|r| r.add_peer(peer))
+        .fold(Ok(()), Result::and);
     Ok(result?)
 }
 

@@ -304,30 +304,13 @@ fn record_stream(
         ));
     };
     let (ptr, stream) = (ptr as usize as u64, stream as usize as u64);
-    if let Some(sd) = stream_device
-        && sd as usize >= g.alloc.device_count()
-    {
-        // Its events would go to a context that does not exist.
-        return Err(gpualloc::AllocError::InvalidDevice {
-            device: i64::from(sd),
-            count: g.alloc.device_count(),
-        }
-        .into());
+    match g.alloc.record_stream_anywhere(ptr, stream, stream_device) {
+        Err(gpualloc::AllocError::InvalidPointer { .. }) => Err(Error::new(
+            GPUALLOC_ERR_INVALID_POINTER,
+            format!("gpualloc: record_stream: pointer {ptr:#x} was not allocated by gpualloc"),
+        )),
+        r => Ok(r?),
     }
-    let recorded = g.alloc.with_owner(ptr, |d| match stream_device {
-        Some(sd) => d.record_stream_of_device(ptr, stream, sd),
-        None => d.record_stream(ptr, stream),
-    });
-    match recorded {
-        Some(r) => r?,
-        None => {
-            return Err(Error::new(
-                GPUALLOC_ERR_INVALID_POINTER,
-                format!("gpualloc: record_stream: pointer {ptr:#x} was not allocated by gpualloc"),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Returns every cached, entirely free segment to the device

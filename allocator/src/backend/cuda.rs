@@ -818,18 +818,18 @@ impl Backend for CudaBackend {
         // lie in two reservations, which one call must not cross, and the
         // driver's cost is per handle anyway (docs/driver-costs.md).
         let mapped: Vec<(DevicePtr, u64)> = self.mappings.iter().map(|(&a, &s)| (a, s)).collect();
-        let mut first_error = Ok(());
-        for (a, size) in mapped {
-            // SAFETY: `[a, a + size)` is one live mapping of this backend;
-            // `desc` is one valid descriptor.
-            let r = self.timed(DriverCall::SetAccess, (1, size), || unsafe {
-                driver::cuMemSetAccess(a, size as usize, desc.as_ptr(), 1)
-            });
-            if first_error.is_ok() {
-                first_error = check("cuMemSetAccess", r);
-            }
-        }
-        first_error
+        // Every mapping is tried; the first refusal is reported.
+        mapped
+            .into_iter()
+            .map(|(a, size)| {
+                // SAFETY: `[a, a + size)` is one live mapping of this
+                // backend; `desc` is one valid descriptor.
+                let r = self.timed(DriverCall::SetAccess, (1, size), || unsafe {
+                    driver::cuMemSetAccess(a, size as usize, desc.as_ptr(), 1)
+                });
+                check("cuMemSetAccess", r)
+            })
+            .fold(Ok(()), Result::and)
     }
 
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
