@@ -95,6 +95,20 @@ typedef struct GpuallocBlockState {
   uint8_t allocated;
 } GpuallocBlockState;
 
+// One kind of driver call and what calls of that kind covered.
+typedef struct GpuallocDriverCall {
+  // The driver function (`"cuMemSetAccess"`), a static string.
+  const char *name;
+  // Calls made.
+  uint64_t calls;
+  // Physical handles they covered (0 for calls on no handle).
+  uint64_t handles;
+  // Bytes they covered.
+  uint64_t bytes;
+  // Nanoseconds spent in them, where the backend measures it (0 where not).
+  uint64_t nanos;
+} GpuallocDriverCall;
+
 // Receives segment events: `action` is one of `GPUALLOC_SEGMENT_*`,
 // `stream` the `cudaStream_t` the memory was obtained for, as an integer.
 // Called under the allocator's lock: it must not call gpualloc.
@@ -459,6 +473,17 @@ int gpualloc_pool_restore(int device,
                           uint64_t *allocd,
                           size_t allocd_cap,
                           size_t *n_allocd);
+
+// Fills `rows[0 .. n]` with `device`'s driver calls since it started or
+// its accumulated stats were last reset, one row per kind of call (every
+// kind, in a fixed order, zeros included), and writes `n` to `*needed`.
+// `GPUALLOC_ERR_BUFFER_TOO_SMALL` when `cap < n` (`rows == NULL, cap == 0`
+// asks for `n`). A device not used yet reports zeros and is not started.
+//
+// # Safety
+// `rows` is NULL or points to `cap` writable `GpuallocDriverCall`;
+// `needed` is NULL or points to a writable size_t.
+int gpualloc_driver_calls(int device, struct GpuallocDriverCall *rows, size_t cap, size_t *needed);
 
 // Describes how to share the allocation that starts at `ptr` on `device`
 // with another process.

@@ -17,6 +17,7 @@
 
 mod boundary;
 mod checkpoint;
+mod driver_calls;
 mod fd_passing;
 mod global;
 mod ipc;
@@ -36,6 +37,7 @@ use global::{BackendKind, existing, global};
 
 pub use boundary::*;
 pub use checkpoint::*;
+pub use driver_calls::*;
 pub use ipc::*;
 pub use observer::*;
 pub use oom::*;

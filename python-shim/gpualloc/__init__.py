@@ -81,6 +81,7 @@ __all__ = [
     "set_memory_fraction",
     "set_memory_limit",
     "fragmentation",
+    "driver_calls",
     "last_oom",
     "phase",
     "mark",
@@ -174,6 +175,15 @@ def fragmentation(device=None) -> Dict[str, float]:
         "external_fragmentation": s.external_fragmentation,
         "unallocated_fraction": s.unallocated_fraction,
     }
+
+
+def driver_calls(device=None) -> Dict[str, dict]:
+    """The driver calls made since the device started (or its accumulated
+    stats were reset), by kind: ``{"cuMemSetAccess": {"calls", "handles",
+    "bytes", "ms"}, ...}``, the shape of ``gpualloc replay --json``'s
+    ``driver_calls_by_kind``, with the milliseconds measured instead of
+    predicted (0 on the simulated backend)."""
+    return lib().driver_calls(_device(device))
 
 
 def snapshot(device=None) -> List[dict]:

@@ -143,6 +143,18 @@ class TraceSummary(ctypes.Structure):
     _fields_ = [("events", c_uint64), ("dropped", c_uint64), ("bytes", c_uint64)]
 
 
+class DriverCallRow(ctypes.Structure):
+    """One kind of driver call (``GpuallocDriverCall``)."""
+
+    _fields_ = [
+        ("name", c_char_p),
+        ("calls", c_uint64),
+        ("handles", c_uint64),
+        ("bytes", c_uint64),
+        ("nanos", c_uint64),
+    ]
+
+
 class BlockState(ctypes.Structure):
     """One block of a private pool's checkpoint (``GpuallocBlockState``)."""
 
@@ -257,6 +269,10 @@ _SIGNATURES = {
     "gpualloc_stat_count": (c_size_t, []),
     "gpualloc_stat_name": (c_char_p, [c_size_t]),
     "gpualloc_stat_values": (c_int, [c_int, ctypes.POINTER(c_int64), c_size_t]),
+    "gpualloc_driver_calls": (
+        c_int,
+        [c_int, ctypes.POINTER(DriverCallRow), c_size_t, ctypes.POINTER(c_size_t)],
+    ),
     "gpualloc_reset_peak_stats": (c_int, [c_int]),
     "gpualloc_reset_accumulated_stats": (c_int, [c_int]),
     "gpualloc_cache_info": (c_int, [c_int, ctypes.POINTER(c_size_t)]),
@@ -462,6 +478,21 @@ class Library:
         s.size = ctypes.sizeof(Stats)
         self.check(self.dll.gpualloc_get_stats(_dev(device), ctypes.byref(s)))
         return s
+
+    def driver_calls(self, device: int = 0) -> Dict[str, dict]:
+        """The kinds of driver call made, as ``gpualloc replay --json`` lists
+        them (``driver_calls_by_kind``), with the time measured in them."""
+        n = c_size_t(0)
+        rc = self.dll.gpualloc_driver_calls(_dev(device), None, 0, ctypes.byref(n))
+        if rc != ERR_BUFFER_TOO_SMALL:
+            self.check(rc)
+        rows = (DriverCallRow * n.value)()
+        self.check(self.dll.gpualloc_driver_calls(_dev(device), rows, n.value, None))
+        return {
+            r.name.decode(): {"calls": r.calls, "handles": r.handles, "bytes": r.bytes, "ms": r.nanos / 1e6}
+            for r in rows
+            if r.calls
+        }
 
     def reset_peak_stats(self, device: int = 0) -> None:
         self.check(self.dll.gpualloc_reset_peak_stats(_dev(device)))

@@ -40,6 +40,17 @@ class ApiTest(unittest.TestCase):
         self.assertEqual(gpualloc.stats(0)["allocated_bytes.all.current"], before["allocated_bytes.all.current"])
         lib().check_invariants(0)
 
+    def test_driver_calls_by_kind_add_up_to_the_counters(self):
+        p = lib().malloc(3 * MiB, 0, 0)
+        lib().free(p, 0)
+        calls, stats = gpualloc.driver_calls(0), gpualloc.stats(0)
+        self.assertTrue(all(k.startswith("cu") for k in calls))
+        self.assertTrue(all(set(v) == {"calls", "handles", "bytes", "ms"} and v["calls"] > 0 for v in calls.values()))
+        self.assertEqual(sum(v["calls"] for v in calls.values()), stats["num_driver_calls"])
+        self.assertGreaterEqual(sum(calls.get(k, {}).get("bytes", 0) for k in ("cuMemCreate", "cuMemAlloc")), 3 * MiB)
+        with self.assertRaises(gpualloc.GpuallocError):
+            gpualloc.driver_calls(42)
+
     def test_private_pool_holds_and_live_allocations(self):
         pool = (41, 42)
         L = lib()

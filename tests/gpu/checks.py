@@ -583,6 +583,7 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
 
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     losses, times, driver, device = [], [], [], []
+    by_kind0 = None
     warmup = steps // 5
     gpualloc = sys.modules.get("gpualloc")
     per_step = gpualloc is not None and gpualloc.installed()
@@ -605,6 +606,8 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
             c1 = gpualloc.stats()
             driver.append(round((c1["driver_time_ns"] - c0["driver_time_ns"]) / 1e6, 3))
             device.append(sum(c1[k] - c0[k] for k in ("num_device_alloc", "num_device_free")))
+            if step == 0:
+                by_kind0 = _driver_calls(gpualloc)
         losses.append(float(loss.detach()))
         del batch, loss
     wall = time.perf_counter() - loop0
@@ -627,7 +630,15 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
         "warmup_steps": warmup,
         "step_ms": [round(t * 1e3, 2) for t in times],
         **({"step_driver_ms": driver, "step_device_calls": device} if per_step else {}),
+        **({"driver_calls_step0": by_kind0, "driver_calls": _driver_calls(gpualloc)} if per_step else {}),
     }
+
+
+def _driver_calls(gpualloc):
+    """gpualloc's driver calls by kind so far, or None where this build of
+    the package has no ``driver_calls``."""
+    f = getattr(gpualloc, "driver_calls", None)
+    return f() if f is not None else None
 
 
 class Workload(NamedTuple):

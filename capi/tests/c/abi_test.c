@@ -155,6 +155,32 @@ static void test_stats(void) {
   CHECK(v[stat_index("num_driver_memory_calls")] == s.num_driver_memory_calls);
   CHECK(v[stat_index("num_stitch")] == s.num_stitch);
   CHECK(s.num_oom_rejections == 0);
+  /* the same calls by kind */
+  {
+    size_t rows = 0;
+    CHECK(gpualloc_driver_calls(0, NULL, 0, &rows) == GPUALLOC_ERR_BUFFER_TOO_SMALL);
+    CHECK(rows >= 14);
+    GpuallocDriverCall *d = calloc(rows, sizeof *d);
+    CHECK(d != NULL);
+    CHECK(gpualloc_driver_calls(0, d, rows - 1, NULL) == GPUALLOC_ERR_BUFFER_TOO_SMALL);
+    CHECK(gpualloc_driver_calls(42, d, rows, NULL) == GPUALLOC_ERR_INVALID_DEVICE);
+    CHECK(gpualloc_driver_calls(0, d, rows, NULL) == GPUALLOC_OK);
+    uint64_t total = 0, memory = 0, created = 0;
+    for (size_t i = 0; i < rows; i++) {
+      CHECK(d[i].name != NULL && strncmp(d[i].name, "cu", 2) == 0);
+      for (size_t j = 0; j < i; j++) CHECK(strcmp(d[i].name, d[j].name) != 0);
+      total += d[i].calls;
+      if (strcmp(d[i].name, "cuMemCreate") == 0 || strcmp(d[i].name, "cuMemMap") == 0 ||
+          strcmp(d[i].name, "cuMemUnmap") == 0 || strcmp(d[i].name, "cuMemRelease") == 0 ||
+          strcmp(d[i].name, "cuMemAlloc") == 0 || strcmp(d[i].name, "cuMemFree") == 0)
+        memory += d[i].calls;
+      if (strcmp(d[i].name, "cuMemCreate") == 0 || strcmp(d[i].name, "cuMemAlloc") == 0) created += d[i].bytes;
+    }
+    CHECK(created >= 3 * MiB); /* what backs the 3 MiB block */
+    CHECK(total == (uint64_t)s.num_driver_calls);
+    CHECK(memory == (uint64_t)s.num_driver_memory_calls);
+    free(d);
+  }
   /* an older caller's smaller struct gets only what it knows */
   GpuallocStats old;
   memset(&old, 0x5a, sizeof old);
@@ -182,6 +208,12 @@ static void test_stats(void) {
   CHECK(gpualloc_reset_accumulated_stats(0) == GPUALLOC_OK);
   s = stats(0);
   CHECK(s.allocation.all.allocated == 0 && s.allocation.all.freed == 0 && s.num_device_alloc == 0);
+  {
+    GpuallocDriverCall d[64];
+    size_t rows = 0;
+    CHECK(gpualloc_driver_calls(0, d, 64, &rows) == GPUALLOC_OK);
+    for (size_t i = 0; i < rows; i++) CHECK(d[i].calls == 0 && d[i].nanos == 0);
+  }
   CHECK(gpualloc_reset_peak_stats(42) == GPUALLOC_ERR_INVALID_DEVICE);
   /* cacheInfo: 0 means "start from the device's free memory" */
   size_t largest = 0;
