@@ -34,6 +34,7 @@ use crate::block::{Block, BlockId, BlockState, PoolId};
 use crate::budget::DefragBudget;
 use crate::config::Config;
 use crate::cost::DriverCalls;
+use crate::drain::Drains;
 use crate::error::{AllocError, GrowError};
 use crate::fence::Fences;
 use crate::heap::{Heap, LARGE, SMALL, STITCH};
@@ -76,6 +77,9 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) pages: PagePool,
     /// When freed pages may be unmapped (Note [Event-ordered unmapping]).
     pub(crate) fences: Fences,
+    /// Old addresses of pages that moved before their work was done
+    /// (Note [Unmapping behind the work]).
+    pub(crate) drains: Drains,
     /// Stitched ranges, in use or cached (Note [Stitching]).
     pub(crate) stitches: Stitches,
     /// Driver time defragmentation may still spend (Note [Defragmentation budget]).
@@ -113,6 +117,7 @@ impl<B: Backend> DeviceAllocator<B> {
             expandable,
             pages: PagePool::default(),
             fences: Fences::default(),
+            drains: Drains::default(),
             stitches: Stitches::default(),
             defrag_budget: DefragBudget::default(),
             driver_baseline: DriverCalls::default(),

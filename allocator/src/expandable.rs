@@ -59,7 +59,7 @@ use crate::cost::{CostModel, DriverCalls};
 use crate::device::DeviceAllocator;
 use crate::error::{AllocError, GrowError};
 use crate::heap::{LARGE, SMALL, STITCH, Window};
-use crate::observer::SegmentAction;
+use crate::observer::{SegmentAction, SegmentEvent, SegmentObserver};
 use crate::page_pool::KindDeltas;
 use crate::size_class::{PoolKind, SMALL_BUFFER};
 use crate::trace::{Action, pool_code};
@@ -154,6 +154,11 @@ impl<B: Backend> DeviceAllocator<B> {
         let kind = self.heap.pools[pool as usize].kind;
         let page = self.page_size(kind);
         let (mut seg, mut ws, mut ranges) = self.plan_window(pool, stream, rounded, page)?;
+        if capturing && ranges.iter().any(|&(lo, hi)| self.drains.overlaps(lo, hi)) {
+            // Old mappings still there cannot be waited for during a
+            // capture (Note [Unmapping behind the work]): map elsewhere.
+            (seg, ws, ranges) = self.fresh_window(pool, stream, rounded, page)?;
+        }
         let mut bytes: u64 = ranges.iter().map(|r| r.1 - r.0).sum();
         let mut charge_from = None;
         // A private pool takes pooled pages but never moves pages: its
@@ -161,6 +166,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if !capturing && pool <= LARGE {
             let streams = self.expandable_streams();
             self.fences.poll(&mut self.backend)?;
+            self.retire_idle_drains()?;
             self.fences.cover_all(&mut self.backend, streams)?;
             if let Some(w) = self.widen(pool, stream, rounded, &ranges, page)? {
                 ((seg, ws, ranges), bytes) = w;
@@ -192,7 +198,7 @@ impl<B: Backend> DeviceAllocator<B> {
                     let calls = Some(self.backend.driver_calls());
                     // The window, widened or not, is not taken apart.
                     let end = ranges.iter().map(|r| r.1).fold(ws + rounded, u64::max);
-                    let moved = self.reclaim(excess.min(short), seg, ws, end, pinned);
+                    let moved = self.reclaim(excess.min(short), stream, (seg, ws, end), pinned);
                     if !matches!(moved, Ok(m) if m > 0) {
                         self.charge_defragmentation(calls);
                     }
@@ -222,9 +228,18 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         self.heap.coalesce_segment(seg);
         self.charge_defragmentation(charge_from);
+        // Pages that moved without waiting (never during a capture) and
+        // were not mapped here must not reach another stream (Note
+        // [Unmapping behind the work]).
+        let drained = if capturing {
+            Ok(())
+        } else {
+            self.finish_pooled_drains()
+        };
         if let Some(e) = failure {
             return Err(e.into());
         }
+        drained?;
         let block = self.heap.block_at(seg, ws);
         debug_assert!(
             self.heap.blocks[block].state == BlockState::Free
@@ -258,12 +273,68 @@ impl<B: Backend> DeviceAllocator<B> {
         if let Some(w) = self.heap.find_window(pool, stream, rounded, page) {
             return Ok(w);
         }
+        self.fresh_window(pool, stream, rounded, page)
+    }
+
+    /// A window for `rounded` bytes in a new reservation of `(pool, stream)`.
+    fn fresh_window(
+        &mut self,
+        pool: PoolId,
+        stream: StreamId,
+        rounded: u64,
+        page: u64,
+    ) -> Result<Window, GrowError> {
         let seg = self.new_expandable_segment(pool, stream, rounded)?;
         let (ws, r) = self
             .heap
             .best_window(seg, stream, rounded, page)
             .expect("a fresh reservation holds the request");
         Ok((seg, ws, r))
+    }
+
+    /// Unmaps the old addresses of pages that moved without waiting whose
+    /// work is now known done (Note [Unmapping behind the work]).
+    pub(crate) fn retire_drains(&mut self) -> Result<(), BackendError> {
+        if self.drains.len() == 0 {
+            return Ok(());
+        }
+        self.fences.poll(&mut self.backend)?;
+        self.retire_idle_drains()
+    }
+
+    /// [`retire_drains`](Self::retire_drains) on what the fences knew at
+    /// their last poll.
+    fn retire_idle_drains(&mut self) -> Result<(), BackendError> {
+        if self.drains.len() == 0 {
+            return Ok(());
+        }
+        let say = segment_events(&self.observer, self.device);
+        self.drains.retire(&self.fences, &mut self.backend, &say)
+    }
+
+    /// Waits for and unmaps every old address of pages that moved without
+    /// waiting (before handles go back to the driver).
+    pub(crate) fn finish_drains(&mut self) -> Result<(), BackendError> {
+        let say = segment_events(&self.observer, self.device);
+        self.drains
+            .finish_all(&mut self.fences, &mut self.backend, &say)
+    }
+
+    /// Waits for and unmaps the old addresses of pages that moved without
+    /// waiting and are back in the pool, unmapped from their new place or
+    /// never mapped there (Note [Unmapping behind the work]).
+    fn finish_pooled_drains(&mut self) -> Result<(), BackendError> {
+        if self.drains.len() == 0 {
+            return Ok(());
+        }
+        let pages = &self.pages;
+        let say = segment_events(&self.observer, self.device);
+        self.drains.finish_pooled(
+            &mut self.fences,
+            &mut self.backend,
+            |h, size| pages.is_pooled(h, size),
+            &say,
+        )
     }
 
     /// Maps `[lo, hi)`, which lies inside one unmapped block of `seg`, and
@@ -281,6 +352,13 @@ impl<B: Backend> DeviceAllocator<B> {
             self.heap.segments.get(seg).pool,
         );
         let sizes = self.handle_sizes(pool);
+        // The old mappings of pages that moved without waiting leave this
+        // address range first (Note [Unmapping behind the work]).
+        {
+            let say = segment_events(&self.observer, self.device);
+            self.drains
+                .finish_overlapping(&mut self.fences, &mut self.backend, lo, hi, &say)?;
+        }
         let (result, deltas, created) =
             self.pages
                 .map(&mut self.backend, lo, hi - lo, kind, sizes, capturing);
@@ -331,18 +409,19 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// Unmaps whole free handles into the page pool, in the order of
     /// [`reclaim_candidates`](Self::reclaim_candidates), until at least
-    /// `want` bytes moved or none are left; never inside
-    /// `[keep_lo, keep_hi)` of segment `keep`. Pages whose work is not
-    /// known to be done are waited for first, on their stream only.
+    /// `want` bytes moved or none are left; never inside `keep`
+    /// (`(segment, lo, hi)`). Pages whose work is not known to be done are
+    /// waited for first, on their stream only, unless they were freed on
+    /// `stream`, the request's: those go to the pool at once and leave
+    /// their address later (Note [Unmapping behind the work]).
     fn reclaim(
         &mut self,
         want: u64,
-        keep: SegmentId,
-        keep_lo: u64,
-        keep_hi: u64,
+        stream: StreamId,
+        keep: (SegmentId, u64, u64),
         pinned: bool,
     ) -> Result<u64, AllocError> {
-        let runs = self.reclaim_candidates((keep, keep_lo, keep_hi), want, pinned);
+        let runs = self.reclaim_candidates(keep, want, pinned);
         let mut took = 0;
         let mut chosen = Vec::new();
         // The last run taken gives only the handles still wanted.
@@ -354,12 +433,17 @@ impl<B: Backend> DeviceAllocator<B> {
             took += end - lo;
             chosen.push((end - lo, lo, seg, stream, freed));
         }
-        for &(_, _, _, stream, freed) in &chosen {
-            self.fences.wait(&mut self.backend, stream, freed)?;
+        let mut later = Vec::with_capacity(chosen.len());
+        for &(_, _, _, s, freed) in &chosen {
+            let defer = self.config.defer_unmap && s == stream && !self.fences.is_idle(s, freed);
+            if !defer {
+                self.fences.wait(&mut self.backend, s, freed)?;
+            }
+            later.push(defer.then_some((s, freed)));
         }
         let mut moved = 0;
-        for (bytes, lo, seg, _, _) in chosen {
-            self.unmap_run(seg, lo, lo + bytes)?;
+        for ((bytes, lo, seg, _, _), later) in chosen.into_iter().zip(later) {
+            self.release_run(seg, lo, lo + bytes, later)?;
             moved += bytes;
         }
         self.stats.num_defragment += u64::from(moved > 0) as i64;
@@ -370,7 +454,23 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Unmaps `[lo, hi)`, a run of whole handles inside one free block of
     /// `seg`, into the page pool, and marks it unmapped.
     fn unmap_run(&mut self, seg: SegmentId, lo: u64, hi: u64) -> Result<(), AllocError> {
+        self.release_run(seg, lo, hi, None)
+    }
+
+    /// [`unmap_run`](Self::unmap_run), or, with `later` (the stream and
+    /// stamp of the work that may still use the run), pools its handles at
+    /// once and unmaps the run once that work is done (Note [Unmapping
+    /// behind the work]).
+    fn release_run(
+        &mut self,
+        seg: SegmentId,
+        lo: u64,
+        hi: u64,
+        later: Option<(StreamId, u64)>,
+    ) -> Result<(), AllocError> {
         self.punch_stitches_over(lo, hi)?;
+        // Punching may have waited for work that covers this run too.
+        let later = later.filter(|&(s, stamp)| !self.fences.is_idle(s, stamp));
         let kind = self.heap.segments.get(seg).kind;
         let id = self.heap.block_at(seg, lo);
         let (ptr, size, stream) = (
@@ -379,11 +479,17 @@ impl<B: Backend> DeviceAllocator<B> {
             self.heap.blocks[id].stream,
         );
         debug_assert!(self.heap.blocks[id].state == BlockState::Free && hi <= ptr + size);
-        self.notify(SegmentAction::Unmap, stream, lo, hi - lo);
-        if let Err(e) = self.pages.unmap(&mut self.backend, lo, hi, kind) {
-            // Still mapped: say so again (Note [Segment events]).
-            self.notify(SegmentAction::Map, stream, lo, hi - lo);
-            return Err(e.into());
+        if let Some((s, stamp)) = later {
+            // Its `Unmap` event comes when it leaves (`drain.rs`).
+            let handles = self.pages.detach(lo, hi, kind);
+            self.drains.push(lo, hi - lo, s, stamp, handles);
+        } else {
+            self.notify(SegmentAction::Unmap, stream, lo, hi - lo);
+            if let Err(e) = self.pages.unmap(&mut self.backend, lo, hi, kind) {
+                // Still mapped: say so again (Note [Segment events]).
+                self.notify(SegmentAction::Map, stream, lo, hi - lo);
+                return Err(e.into());
+            }
         }
         self.heap.unindex(id);
         let mut mid = id;
@@ -423,6 +529,7 @@ impl<B: Backend> DeviceAllocator<B> {
         self.drop_cached_stitches()?;
         let streams = self.expandable_streams();
         self.fences.wait_all(&mut self.backend, streams)?;
+        self.finish_drains()?;
         self.unmap_pools(&[SMALL, LARGE], false)?;
         let released = self.private.freeable_pools();
         self.unmap_released_pools(&released)?;
@@ -472,6 +579,25 @@ impl<B: Backend> DeviceAllocator<B> {
             }
         }
         Ok(())
+    }
+}
+
+/// The segment events of a drain, said through `observer` (Note [Segment
+/// events]); borrows only the observer, so the drains can be changed meanwhile.
+fn segment_events(
+    observer: &Option<SegmentObserver>,
+    device: u32,
+) -> impl Fn(SegmentAction, StreamId, u64, u64) + '_ {
+    move |action, stream, address, size| {
+        if let Some(o) = observer {
+            o(&SegmentEvent {
+                device,
+                action,
+                address,
+                size,
+                stream,
+            });
+        }
     }
 }
 

@@ -6,7 +6,8 @@
 //! under their current keys; the address map holds exactly the allocated
 //! and pending blocks; pending events match their blocks; the page pool's
 //! mapped handles tile exactly the mapped blocks of expandable segments; and
-//! every stat gauge equals a recount (reserved = mapped + pooled).
+//! every stat gauge equals a recount (reserved = mapped + pooled); old
+//! ranges still to be unmapped lie in unmapped blocks.
 
 use crate::backend::Backend;
 use crate::block::BlockState;
@@ -282,6 +283,32 @@ impl<B: Backend> DeviceAllocator<B> {
                 return Err(format!(
                     "stitch {k} at {va:#x} maps the handle at {:#x} twice",
                     w[0]
+                ));
+            }
+        }
+        self.check_drains()
+    }
+
+    /// Every old range still to be unmapped lies in one unmapped block of an
+    /// expandable segment: nothing was mapped there again before it left
+    /// (Note [Unmapping behind the work]).
+    fn check_drains(&self) -> Result<(), String> {
+        for (lo, hi) in self.drains.ranges() {
+            let inside = self
+                .heap
+                .segments
+                .iter()
+                .find(|(_, g)| g.expandable && g.ptr <= lo && hi <= g.ptr + g.size);
+            let Some((seg, _)) = inside else {
+                return Err(format!(
+                    "{lo:#x}..{hi:#x}, still to be unmapped, is in no expandable segment"
+                ));
+            };
+            let b = &self.heap.blocks[self.heap.block_at(seg, lo)];
+            if b.state != BlockState::Unmapped || hi > b.ptr + b.size {
+                return Err(format!(
+                    "{lo:#x}..{hi:#x}, still to be unmapped, overlaps a {:?} block at {:#x}+{}",
+                    b.state, b.ptr, b.size
                 ));
             }
         }

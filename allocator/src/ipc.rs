@@ -154,6 +154,9 @@ impl<B: Backend> DeviceAllocator<B> {
         let size = uniform_size(len, page, max_handle);
         self.drop_stitches_over(lo, hi)?;
         self.backend.synchronize()?;
+        // The handles swapped out below go back to the driver: none may
+        // still be mapped at an old address (Note [Unmapping behind the work]).
+        self.finish_drains()?;
         let mut new: Vec<(HandleId, u64)> = Vec::new();
         while (new.len() as u64) * size < len {
             match self.backend.create_handle(size, false) {

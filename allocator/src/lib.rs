@@ -58,6 +58,7 @@ pub mod clock;
 pub mod config;
 pub mod cost;
 mod device;
+mod drain;
 pub mod error;
 mod expandable;
 mod fence;

@@ -342,12 +342,30 @@ impl PagePool {
         kind: PoolKind,
     ) -> Result<(), BackendError> {
         backend.unmap(lo, hi - lo)?;
+        self.detach(lo, hi, kind);
+        Ok(())
+    }
+
+    /// Pools the handles of a run of whole handles, counted in `kind`, as
+    /// [`unmap`](Self::unmap) does, but leaves them mapped there: the
+    /// caller unmaps the run later (Note [Unmapping behind the work]).
+    /// Returns them with their sizes.
+    pub fn detach(&mut self, lo: DevicePtr, hi: DevicePtr, kind: PoolKind) -> Vec<(HandleId, u64)> {
         let addrs: Vec<DevicePtr> = self.mapped.range(lo..hi).map(|(&a, _)| a).collect();
+        let mut out = Vec::with_capacity(addrs.len());
         for a in addrs {
             let (h, s) = self.mapped.remove(&a).expect("listed address");
             self.pool(h, s, kind);
+            out.push((h, s));
         }
-        Ok(())
+        out
+    }
+
+    /// Whether `handle`, of `size` bytes, is in the pool (not mapped).
+    pub fn is_pooled(&self, handle: HandleId, size: u64) -> bool {
+        self.free
+            .get(&size)
+            .is_some_and(|hs| hs.iter().any(|&(h, _)| h == handle))
     }
 
     /// Returns pooled handles to the driver, largest first, until at least

@@ -190,6 +190,11 @@ pub(crate) fn replay_observed(
     }
     for (_, mut run) in runs {
         run.close_window(&mut r);
+        // Old mappings of pages that moved without waiting leave once their
+        // work is done (Note [Unmapping behind the work]); a replay has no
+        // clock for the GPU and takes it to be done by the end.
+        run.dev.backend.complete_all();
+        let _ = run.dev.retire_drains();
         let s = run.dev.stats().clone();
         let o = &mut run.out;
         o.final_reserved = s.reserved_bytes.all.current as u64;

@@ -57,6 +57,25 @@ struct Freed {
     start: u64,
     end: u64,
     users: Vec<(StreamId, u64)>,
+    /// The physical memory behind it when freed: `(handle, start, end)`
+    /// offsets into mapped handles (empty for plain segments). Pages may be
+    /// mapped elsewhere before their old address is unmapped (Note
+    /// [Unmapping behind the work]); the work must be ordered there too.
+    physical: Vec<(u64, u64, u64)>,
+}
+
+/// The parts of mapped handles behind `[p, p + size)`: `(handle, start, end)`.
+fn physical(sim: &SimBackend, p: DevicePtr, size: u64) -> Vec<(u64, u64, u64)> {
+    sim.handles_over(p, size)
+        .into_iter()
+        .map(|(at, h, bytes)| (h, p.max(at) - at, (p + size).min(at + bytes) - at))
+        .collect()
+}
+
+/// Whether two lists of handle parts share memory.
+fn shares(a: &[(u64, u64, u64)], b: &[(u64, u64, u64)]) -> bool {
+    a.iter()
+        .any(|x| b.iter().any(|y| x.0 == y.0 && x.1 < y.2 && y.1 < x.2))
 }
 
 /// A device allocator on a simulated device, checked after every operation.
@@ -331,10 +350,22 @@ impl Checked {
                 l.block
             );
         }
-        // Safety: every earlier user of these bytes is ordered before `stream`.
+        // Safety: every earlier user of these bytes, at this address or at
+        // another that maps the same memory, is ordered before `stream`.
+        let here = physical(self.sim(), p, block);
         let mut kept = Vec::with_capacity(self.freed.len());
         for f in std::mem::take(&mut self.freed) {
             if f.end <= p || f.start >= end {
+                if shares(&f.physical, &here) {
+                    for &(u, seq) in &f.users {
+                        assert!(
+                            self.ordered(stream, u, seq),
+                            "{p:#x}+{block} handed to stream {stream} while work {seq} of stream {u} on the same memory at {:#x}..{:#x} may still run",
+                            f.start,
+                            f.end
+                        );
+                    }
+                }
                 kept.push(f);
                 continue;
             }
@@ -351,6 +382,7 @@ impl Checked {
                     start: f.start,
                     end: p,
                     users: f.users.clone(),
+                    physical: f.physical.clone(),
                 });
             }
             if f.end > end {
@@ -358,6 +390,7 @@ impl Checked {
                     start: end,
                     end: f.end,
                     users: f.users,
+                    physical: f.physical,
                 });
             }
         }
@@ -399,10 +432,12 @@ impl Checked {
     /// The model's side of a free: `p` is no longer live.
     fn forget(&mut self, p: DevicePtr) {
         if let Some(l) = self.live.remove(&p) {
+            let physical = physical(self.sim(), p, l.block);
             self.freed.push(Freed {
                 start: p,
                 end: p + l.block,
                 users: l.users.into_iter().collect(),
+                physical,
             });
         }
     }

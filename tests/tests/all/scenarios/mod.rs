@@ -36,6 +36,7 @@ macro_rules! under_both_policies {
 mod best_fit;
 mod coalesce;
 mod cross_stream;
+mod deferred_unmap;
 mod empty_cache;
 mod faults;
 mod gc;

@@ -1,0 +1,102 @@
+//! Pages that defragmentation moves while work queued on their old address
+//! may still run (Note [Unmapping behind the work] in `allocator/src/drain.rs`):
+//! mapped at the new place at once for a request of the same stream, their
+//! old address unmapped once the work is done; other streams wait. The
+//! checker holds every step to the stream-safety rules, for the old address
+//! and for the memory wherever it is mapped.
+
+use gpualloc_tests::{Checked, MIB};
+
+/// 2 MiB handles, no headroom, no stitching: a request that does not fit
+/// takes the pages of free blocks.
+const CONF: &str = "expandable_handle_mb:2,defragment_headroom:0,stitch_min_mb:0";
+
+/// `[a 16 MiB, freed on stream 0 with its work queued][b 2 MiB live]`, and
+/// then a 20 MiB request on `stream`: it fits nowhere, and the only pages
+/// to take are a's. Returns the checker, a's address, and the new block.
+fn move_busy_pages(conf: &str, stream: u64) -> (Checked, u64, u64) {
+    move_busy_pages_past(conf, stream).0
+}
+
+/// [`move_busy_pages`], with b's address.
+fn move_busy_pages_past(conf: &str, stream: u64) -> ((Checked, u64, u64), u64) {
+    let mut c = Checked::with(1 << 30, conf);
+    let a = c.alloc(16 * MIB, 0);
+    let b = c.alloc(2 * MIB, 0);
+    c.use_on(a, 0);
+    c.release(a);
+    let waits = c.sim().counters.wait_event;
+    let p = c.alloc(20 * MIB, stream);
+    assert_eq!(
+        c.reserved(),
+        22 * MIB + if stream == 0 { 0 } else { 2 * MIB },
+        "a's pages moved"
+    );
+    if stream == 0 {
+        assert_eq!(c.sim().counters.wait_event, waits, "no host wait");
+    }
+    ((c, a, p), b)
+}
+
+#[test]
+fn the_same_stream_takes_busy_pages_without_waiting_and_unmaps_them_later() {
+    let (mut c, a, _p) = move_busy_pages(CONF, 0);
+    assert!(
+        !c.sim().handles_over(a, 16 * MIB).is_empty(),
+        "still mapped where the queued work reads it"
+    );
+    // The work ends; the next call that maps pages unmaps the old range.
+    c.complete(0);
+    let _q = c.alloc(40 * MIB, 0);
+    assert!(
+        c.sim().handles_over(a, 16 * MIB).is_empty(),
+        "unmapped once done"
+    );
+}
+
+#[test]
+fn empty_cache_unmaps_old_ranges_first() {
+    let (mut c, a, p) = move_busy_pages(CONF, 0);
+    c.release(p);
+    c.empty_cache();
+    assert!(c.sim().handles_over(a, 16 * MIB).is_empty());
+}
+
+#[test]
+fn without_defer_unmap_the_host_waits() {
+    let conf = format!("{CONF},defer_unmap:false");
+    let mut c = Checked::with(1 << 30, &conf);
+    let a = c.alloc(16 * MIB, 0);
+    let _b = c.alloc(2 * MIB, 0);
+    c.use_on(a, 0);
+    c.release(a);
+    let waits = c.sim().counters.wait_event;
+    let _p = c.alloc(20 * MIB, 0);
+    assert_eq!(c.sim().counters.wait_event, waits + 1);
+    assert!(c.sim().handles_over(a, 16 * MIB).is_empty());
+}
+
+#[test]
+fn another_stream_waits_for_the_work() {
+    let mut c = Checked::with(1 << 30, CONF);
+    let a = c.alloc(16 * MIB, 0);
+    let _b = c.alloc(2 * MIB, 0);
+    c.use_on(a, 0);
+    c.release(a);
+    let waits = c.sim().counters.wait_event;
+    let _p = c.alloc(20 * MIB, 1);
+    assert_eq!(c.sim().counters.wait_event, waits + 1, "stream 1 waited");
+}
+
+#[test]
+fn mapping_over_an_old_range_waits_for_its_work_first() {
+    let ((mut c, a, p), b) = move_busy_pages_past(CONF, 0);
+    // Everything freed: a request as large as all that was mapped goes
+    // where a was, behind work still queued there.
+    c.release(p);
+    c.release(b);
+    let waits = c.sim().counters.wait_event;
+    let q = c.alloc(38 * MIB, 0);
+    assert_eq!(q, a, "placed over the old range");
+    assert_eq!(c.sim().counters.wait_event, waits + 1);
+}
