@@ -731,8 +731,9 @@ impl Backend for CudaBackend {
         let mut at = ptr;
         for &(h, size) in handles {
             // SAFETY: `[at, at + size)` lies in a reservation of this backend
-            // and is unmapped (contract); `h` is a live unmapped handle of
-            // exactly `size` bytes.
+            // and is unmapped (contract); `h` is a live handle of exactly
+            // `size` bytes (which the driver lets be mapped at other
+            // addresses too: stitches, old ranges waiting to be unmapped).
             let r = self.timed(DriverCall::Map, (1, size), || unsafe {
                 driver::cuMemMap(at, size as usize, 0, h, 0)
             });

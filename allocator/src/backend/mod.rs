@@ -170,7 +170,9 @@ pub trait Backend: Send {
     /// lies in a reservation and is unmapped. On failure nothing stays mapped.
     /// Each handle is mapped whole: the driver takes no offset into a
     /// handle (`cuMemMap`'s must be zero; docs/policy-experiments.md, eighth
-    /// study), so part of a handle cannot be mapped alone.
+    /// study), so part of a handle cannot be mapped alone. A handle may be
+    /// mapped at another address too (a stitch, or an old range waiting to
+    /// be unmapped: Note [Unmapping behind the work] in `drain.rs`).
     fn map_handles(
         &mut self,
         ptr: DevicePtr,
