@@ -89,6 +89,35 @@ def summarize_training(runs, workload, variants):
     return rows
 
 
+# The driver calls the table shows a column of; the rest add up to "other".
+DRIVER_KINDS = ("cuMemSetAccess", "cuMemCreate", "cuMemUnmap", "cuEventSynchronize")
+
+
+def summarize_driver(runs, workload, variants):
+    """One row a variant that measured its driver calls (gpualloc's): the
+    milliseconds of the kinds in DRIVER_KINDS, of the others, of the whole
+    run and of step 0 alone, medians over repeats."""
+    rows = []
+    for v in variants:
+        res = [r["result"] for r in runs if r["workload"] == workload and r["variant"] == v and ok(r)]
+        res = [x for x in res if x.get("driver_calls")]
+        if not res:
+            continue
+
+        def ms(kinds, keep):
+            return sum(k["ms"] for name, k in (kinds or {}).items() if keep(name))
+
+        row = {"variant": v, "runs": len(res),
+               "total_ms": median([ms(x["driver_calls"], lambda n: True) for x in res]),
+               "step0_ms": median([ms(x.get("driver_calls_step0"), lambda n: True) for x in res]),
+               "other_ms": median([ms(x["driver_calls"], lambda n: n not in DRIVER_KINDS) for x in res])}
+        for kind in DRIVER_KINDS:
+            row[kind] = median([ms(x["driver_calls"], lambda n, k=kind: n == k) for x in res])
+            row[kind + " calls"] = median([x["driver_calls"].get(kind, {}).get("calls", 0) for x in res])
+        rows.append(row)
+    return rows
+
+
 def summarize_churn(runs, variants, workload):
     """One row a variant, as summarize_training does for training."""
     by = {(r["variant"], r["repeat"]): r["result"] for r in runs if r["workload"] == workload and ok(r)}
@@ -222,6 +251,16 @@ def markdown(bench):
                            f"| {fmt_interval(r.get('ratio_mean_all_interval95'))} | {agree} |")
         sec += ["", INTERVAL_NOTE]
         sections.append(sec)
+    if a["repeats"] and any(bench.get("driver", {}).values()):
+        sec = ["## Driver time measured by gpualloc (ms, medians over repeats; calls in parentheses)", "",
+               "| workload | variant | whole run | step 0 | " + " | ".join(DRIVER_KINDS) + " | other |",
+               "|---|---|---|---|" + "---|" * (len(DRIVER_KINDS) + 1)]
+        for w, rows in bench["driver"].items():
+            for r in rows:
+                kinds = " | ".join(f"{fmt(r[k], '.1f')} ({fmt(r[k + ' calls'], '.0f')})" for k in DRIVER_KINDS)
+                sec.append(f"| {w} | {r['variant']} | {fmt(r['total_ms'], '.1f')} | {fmt(r['step0_ms'], '.1f')} "
+                           f"| {kinds} | {fmt(r['other_ms'], '.1f')} |")
+        sections.append(sec)
     for w, rows in (bench.get("churn") or {}).items() if a["repeats"] else ():
         sec = [f"## {w}, {CHURN_OPS} torch.empty calls, medians over {a['repeats']} repeat(s)", "",
                "| variant | runs | R/A | µs per alloc+free | / faster native | 95% interval |", "|---|---|---|---|---|---|"]
@@ -340,6 +379,7 @@ def main():
                 print(f"max_batch {name} {v}: {brief} ({r['wall_s']} s)", flush=True)
 
     bench["training"] = {w: summarize_training(bench["runs"], w, variants) for w in workloads if w.startswith("train_")}
+    bench["driver"] = {w: summarize_driver(bench["runs"], w, variants) for w in workloads if w.startswith("train_")}
     bench["churn"] = {w: summarize_churn(bench["runs"], variants, w) for w in workloads if w.startswith("churn")}
     bench["total_s"] = round(time.time() - start, 1)
     table = markdown(bench)

@@ -144,6 +144,30 @@ class BenchInterval(unittest.TestCase):
         self.assertLess(ours["ratio_mean_all_interval95"][2], 1.0, "three repeats 2% faster, closely: met")
 
 
+class BenchDriverTime(unittest.TestCase):
+    def test_kinds_medians_and_the_table(self):
+        def measured(rep, sync_ms):
+            r = bench_run("w", "gpualloc", rep, 0.1)
+            r["result"]["driver_calls"] = {
+                "cuMemSetAccess": {"calls": 10, "handles": 80, "bytes": 1, "ms": 40.0},
+                "cuEventSynchronize": {"calls": 3, "handles": 0, "bytes": 0, "ms": sync_ms},
+                "cuEventRecord": {"calls": 100, "handles": 0, "bytes": 0, "ms": 0.5},
+            }
+            r["result"]["driver_calls_step0"] = {"cuMemSetAccess": {"calls": 5, "handles": 40, "bytes": 1, "ms": 20.0}}
+            return r
+
+        runs = [measured(0, 10.0), measured(1, 30.0), measured(2, 20.0), bench_run("w", "native", 0, 0.1)]
+        rows = bench.summarize_driver(runs, "w", ["native", "gpualloc"])
+        self.assertEqual([r["variant"] for r in rows], ["gpualloc"], "only variants that measured")
+        r = rows[0]
+        self.assertEqual((r["runs"], r["total_ms"], r["step0_ms"]), (3, 60.5, 20.0))
+        self.assertEqual((r["cuEventSynchronize"], r["cuEventSynchronize calls"]), (20.0, 3))
+        self.assertEqual((r["cuMemCreate"], r["other_ms"]), (0, 0.5))
+        text = bench.markdown({"args": {"repeats": 3, "steps": 60}, "variants": ["gpualloc"], "training": {},
+                               "driver": {"w": rows}, "runs": runs, "skipped": []})
+        self.assertIn("| w | gpualloc | 60.5 | 20.0 | 40.0 (10) | 0.0 (0) | 0.0 (0) | 20.0 (3) | 0.5 |", text)
+
+
 class BenchTargets(unittest.TestCase):
     def bench(self, ours_times, ra=1.008, allocs=(2, 3)):
         runs = [bench_run("w", "native", rep, 0.100) for rep in range(len(ours_times))]
