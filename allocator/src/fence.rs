@@ -18,7 +18,9 @@
 //! the work queued since), never on the other frees; they are polled
 //! without blocking on the slow path, and waited for
 //! (`cuEventSynchronize`, one stream) only when pages that are not yet known
-//! idle are needed now. Which pages are unmapped never depends on whether
+//! idle are needed now by another stream, or their address is (for the
+//! request's own stream they move at once and leave their address later:
+//! Note [Unmapping behind the work] in `drain.rs`). Which pages are unmapped never depends on whether
 //! a fence happened to be complete: that decides only whether the host
 //! waits, so a replay on the simulator makes the same choices as the GPU.
 //! The out-of-memory path waits for everything, as before.
