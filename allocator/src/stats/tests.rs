@@ -204,6 +204,14 @@ fn render_docs() -> String {
             d.name
         ));
     }
+    out.push_str(
+        "\nThe driver counters split by kind (`cuMemSetAccess`, `cuMemCreate`,\n\
+         `cuEventSynchronize`, ...: calls, handles, bytes and the time measured in\n\
+         them) come from `gpualloc.driver_calls()` (C: `gpualloc_driver_calls`), in\n\
+         the shape of `gpualloc replay --json`'s `driver_calls_by_kind`, so that a\n\
+         run on the GPU and the replay of its trace can be set side by side. The\n\
+         accumulated reset moves their baseline too.\n",
+    );
     out
 }
 
