@@ -75,6 +75,12 @@ impl DefragBudget {
         earned > self.spent
     }
 
+    /// Nanoseconds charged so far (raised as the burst caps the credit).
+    #[cfg(test)]
+    pub(crate) fn spent_ns(&self) -> f64 {
+        self.spent
+    }
+
     /// Records `ns` of driver time spent defragmenting.
     pub(crate) fn charge(&mut self, ns: f64) {
         self.spent += ns;

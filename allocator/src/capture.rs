@@ -83,6 +83,16 @@ impl<B: Backend> DeviceAllocator<B> {
     /// allocations on streams that `filter` accepts (every stream when `None`)
     /// come from private pool `key`, created on first use.
     pub fn begin_allocate_to_pool(&mut self, key: PoolKey, filter: Option<StreamFilter>) {
+        // PyTorch opens the scope before the capture begins: the last time
+        // old ranges of moved pages can be waited for and unmapped, so that
+        // where the capture maps memory never depends on the GPU's progress
+        // (Note [Unmapping behind the work]). An error leaves them; the
+        // capture then maps around them.
+        if !self.private.capturing()
+            && let Err(e) = self.finish_drains()
+        {
+            crate::log::drains_left(self.device, &e);
+        }
         self.private.push_scope(key, filter);
         self.incref_pool(key);
         self.record_pool_call(PoolOp::BeginAllocate, key);

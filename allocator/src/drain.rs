@@ -16,16 +16,22 @@
 //! the same stream, so it cannot touch the memory first. The heap and the
 //! page pool treat A as unmapped from the start, so every decision (and a
 //! replay) is the same as with the wait; only when the host waits and when
-//! `cuMemUnmap` runs differ. A drain is finished early, waiting if need be,
-//! when its address range is mapped again (during a CUDA graph capture,
-//! when nothing may wait, the mapping goes to a fresh reservation
-//! instead), when one of its handles is left
-//! in the pool instead of mapped at B (another stream could take it), and
-//! before handles go back to the driver or reservations are freed
-//! (`empty_cache`, the out-of-memory path, sharing memory with another
-//! process). Requests of other streams wait as before.
+//! `cuMemUnmap` runs differ; the defragmentation budget is charged for the
+//! unmapping when the pages move, not when it runs. A drain is finished
+//! early, waiting if need be, when its address range is mapped again; when
+//! one of its handles is left in the pool after the request, whether it
+//! succeeded or not (another stream could take it); when a pool scope
+//! opens (PyTorch opens it before a capture begins, and nothing may wait
+//! during one: a capture followed through the driver that would map over
+//! a drain maps into a fresh reservation instead); and before handles go
+//! back to the driver or reservations are freed (`empty_cache`, the
+//! out-of-memory path, sharing memory with another process). Pages of a
+//! drain mapped at B but not handed out carry the drain's stamp, so that
+//! another stream taking them waits. Requests of other streams wait as
+//! before.
 
 use crate::backend::{Backend, BackendError, DevicePtr, HandleId, StreamId};
+use crate::cost::{DriverCall, DriverCalls};
 use crate::fence::Fences;
 use crate::observer::SegmentAction;
 
@@ -49,6 +55,10 @@ struct Drain {
 #[derive(Default)]
 pub(crate) struct Drains {
     pending: Vec<Drain>,
+    /// The unmapping each range will need, counted when it was pushed.
+    moved: DriverCalls,
+    /// The unmapping done for ranges, counted when done.
+    unmapped: DriverCalls,
 }
 
 impl Drains {
@@ -62,6 +72,8 @@ impl Drains {
         stamp: u64,
         handles: Vec<(HandleId, u64)>,
     ) {
+        self.moved
+            .add(DriverCall::Unmap, handles.len() as u64, size, 0);
         self.pending.push(Drain {
             lo,
             size,
@@ -74,6 +86,27 @@ impl Drains {
     /// How many ranges wait to be unmapped.
     pub fn len(&self) -> usize {
         self.pending.len()
+    }
+
+    /// `(moved, unmapped)`: the `cuMemUnmap` calls ranges needed, counted
+    /// when pushed, and those made, counted when made.
+    pub fn unmaps(&self) -> (&DriverCalls, &DriverCalls) {
+        (&self.moved, &self.unmapped)
+    }
+
+    /// The newest stamp of the ranges of `stream` over any of `handles`
+    /// (0 if none): work that may still use them elsewhere.
+    pub fn stamp_of(&self, stream: StreamId, handles: impl Iterator<Item = HandleId>) -> u64 {
+        if self.pending.is_empty() {
+            return 0;
+        }
+        let handles: Vec<HandleId> = handles.collect();
+        self.pending
+            .iter()
+            .filter(|d| d.stream == stream && d.handles.iter().any(|h| handles.contains(&h.0)))
+            .map(|d| d.stamp)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Whether a range waiting to be unmapped overlaps `[lo, hi)`.
@@ -159,6 +192,7 @@ impl Drains {
         done: impl Fn(&Drain) -> bool,
     ) -> Result<(), BackendError> {
         let mut result = Ok(());
+        let unmapped = &mut self.unmapped;
         self.pending.retain(|d| {
             if result.is_err() || !done(d) {
                 return true;
@@ -169,7 +203,10 @@ impl Drains {
             );
             say(SegmentAction::Unmap, d.stream, d.lo, d.size);
             match backend.unmap(d.lo, d.size) {
-                Ok(()) => false,
+                Ok(()) => {
+                    unmapped.add(DriverCall::Unmap, d.handles.len() as u64, d.size, 0);
+                    false
+                }
                 Err(e) => {
                     // Still mapped: say so again.
                     say(SegmentAction::Map, d.stream, d.lo, d.size);
@@ -179,5 +216,44 @@ impl Drains {
             }
         });
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Config, DeviceAllocator, SimBackend};
+
+    const MIB: u64 = 1 << 20;
+
+    /// Frees a busy 16 MiB block next to a live one, optionally lets its
+    /// work finish (its pages are then unmapped at once, else later), and
+    /// asks for 20 MiB (its pages move); returns the defragmentation budget
+    /// spent.
+    fn spent(done: bool) -> f64 {
+        let conf =
+            Config::parse("expandable_handle_mb:2,defragment_headroom:0,stitch_min_mb:0").unwrap();
+        let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), conf);
+        let a = d.malloc(16 * MIB, 0).unwrap();
+        let _b = d.malloc(2 * MIB, 0).unwrap();
+        d.backend_mut().launch(0);
+        d.free(a).unwrap();
+        // A fence over a's work, as the next slow path records one.
+        d.fences.cover_all(&mut d.backend, [0]).unwrap();
+        if done {
+            d.backend_mut().complete(0);
+        }
+        let _p = d.malloc(20 * MIB, 0).unwrap();
+        assert_eq!(d.drains.len(), usize::from(!done));
+        // Whether the old range is unmapped now or later, the same is charged.
+        let _q = d.malloc(40 * MIB, 0).unwrap();
+        d.check_invariants().unwrap();
+        d.defrag_budget.spent_ns()
+    }
+
+    #[test]
+    fn the_budget_is_charged_alike_however_far_the_gpu_got() {
+        let (done, busy) = (spent(true), spent(false));
+        assert!(done > 0.0);
+        assert_eq!(done, busy);
     }
 }

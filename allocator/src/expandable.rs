@@ -151,6 +151,25 @@ impl<B: Backend> DeviceAllocator<B> {
         rounded: u64,
         capturing: bool,
     ) -> Result<BlockId, GrowError> {
+        let mapped = self.map_expandable_once(pool, stream, rounded, capturing);
+        if capturing {
+            return mapped;
+        }
+        // Pages that moved without waiting (never during a capture) and
+        // were not mapped here, whatever happened, must not reach another
+        // stream (Note [Unmapping behind the work]). A failure here wins:
+        // it leaves such pages in the pool.
+        self.finish_pooled_drains()?;
+        mapped
+    }
+
+    fn map_expandable_once(
+        &mut self,
+        pool: PoolId,
+        stream: StreamId,
+        rounded: u64,
+        capturing: bool,
+    ) -> Result<BlockId, GrowError> {
         let kind = self.heap.pools[pool as usize].kind;
         let page = self.page_size(kind);
         let (mut seg, mut ws, mut ranges) = self.plan_window(pool, stream, rounded, page)?;
@@ -172,7 +191,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 ((seg, ws, ranges), bytes) = w;
             }
             let short = bytes - self.pages.usable_in(&ranges, page);
-            let calls = (short > 0 && self.config.defragment).then(|| self.backend.driver_calls());
+            let calls = (short > 0 && self.config.defragment).then(|| self.defrag_meter());
             if short > 0 && self.config.defragment && rounded >= self.config.stitch_min {
                 let stitched = self.stitch_for(stream, rounded);
                 self.charge_defragmentation(calls);
@@ -195,7 +214,7 @@ impl<B: Backend> DeviceAllocator<B> {
                     let pinned = self
                         .defrag_budget
                         .allows(now, self.config.defragment_budget);
-                    let calls = Some(self.backend.driver_calls());
+                    let calls = Some(self.defrag_meter());
                     // The window, widened or not, is not taken apart.
                     let end = ranges.iter().map(|r| r.1).fold(ws + rounded, u64::max);
                     let moved = self.reclaim(excess.min(short), stream, (seg, ws, end), pinned);
@@ -228,18 +247,9 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         self.heap.coalesce_segment(seg);
         self.charge_defragmentation(charge_from);
-        // Pages that moved without waiting (never during a capture) and
-        // were not mapped here must not reach another stream (Note
-        // [Unmapping behind the work]).
-        let drained = if capturing {
-            Ok(())
-        } else {
-            self.finish_pooled_drains()
-        };
         if let Some(e) = failure {
             return Err(e.into());
         }
-        drained?;
         let block = self.heap.block_at(seg, ws);
         debug_assert!(
             self.heap.blocks[block].state == BlockState::Free
@@ -249,13 +259,25 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(block)
     }
 
+    /// The driver calls made, with the unmapping of old ranges of pages that
+    /// moved without waiting counted when they moved rather than when the
+    /// unmapping came, which depends on the GPU's progress: what the
+    /// defragmentation budget is charged by, so that a replay makes the same
+    /// decisions (Note [Unmapping behind the work]).
+    fn defrag_meter(&self) -> DriverCalls {
+        let (moved, unmapped) = self.drains.unmaps();
+        let mut calls = self.backend.driver_calls().since(unmapped);
+        calls.merge(moved);
+        calls
+    }
+
     /// Charges the memory calls made since `before` to the defragmentation
     /// budget at the cost model's price, never at the time measured, and
     /// not the event calls, whose number depends on which fences the GPU
     /// had passed (Note [Defragmentation budget]).
     fn charge_defragmentation(&mut self, before: Option<DriverCalls>) {
         let Some(before) = before else { return };
-        let spent = self.backend.driver_calls().since(&before).without_events();
+        let spent = self.defrag_meter().since(&before).without_events();
         let ns = CostModel::h200().predict_ms(&spent) * 1e6;
         self.defrag_budget.charge(ns);
     }
@@ -375,7 +397,11 @@ impl<B: Backend> DeviceAllocator<B> {
         let pool = self.heap.blocks[mapped].pool;
         self.heap.blocks[mapped].gc_base = self.heap.pools[pool as usize].lookups;
         self.heap.blocks[mapped].stream = stream;
-        self.heap.blocks[mapped].freed = 0;
+        // Pages still mapped where work of this stream may run carry that
+        // work's stamp, so another stream taking them waits for it (Note
+        // [Unmapping behind the work]); new pages are untouched (0).
+        let handles = self.pages.handles_in(lo, hi);
+        self.heap.blocks[mapped].freed = self.drains.stamp_of(stream, handles.iter().map(|h| h.1));
         self.heap.segments.get_mut(seg).mapped += hi - lo;
         let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
         self.record(Action::SegmentMap, stream, lo, hi - lo, code);

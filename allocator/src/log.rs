@@ -143,6 +143,13 @@ pub(crate) fn defragmented(device: u32, wanted: u64, moved: u64) {
     tracing::debug!(device, wanted, moved, "defragmentation pass done");
 }
 
+/// Old ranges of moved pages could not be unmapped before a capture
+/// (`drain.rs`); the capture maps around them.
+#[inline]
+pub(crate) fn drains_left(device: u32, error: &dyn std::fmt::Display) {
+    tracing::warn!(device, %error, "could not unmap old ranges of moved pages before a capture");
+}
+
 /// An expandable segment maps `mapped` bytes, `new` of them new memory (`expandable.rs`).
 #[inline]
 pub(crate) fn expandable_grows(

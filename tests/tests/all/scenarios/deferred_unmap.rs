@@ -100,3 +100,53 @@ fn mapping_over_an_old_range_waits_for_its_work_first() {
     assert_eq!(q, a, "placed over the old range");
     assert_eq!(c.sim().counters.wait_event, waits + 1);
 }
+
+/// A request that can never fit, after its pages moved: the moved pages
+/// go back to the pool and must not reach another stream before their work
+/// is done.
+#[test]
+fn a_request_that_fails_after_moving_pages_leaves_none_to_other_streams() {
+    let mut c = Checked::with(1 << 30, CONF);
+    let a = c.alloc(16 * MIB, 0);
+    let _b = c.alloc(2 * MIB, 0);
+    c.use_on(a, 0);
+    c.release(a);
+    assert!(c.malloc(2048 * MIB, 0).is_err());
+    let _q = c.alloc(16 * MIB, 1);
+}
+
+/// A widened mapping puts a moved handle in the part of the new block the
+/// request does not use: another stream that takes it waits for its work.
+#[test]
+fn moved_pages_left_unused_carry_their_works_stamp() {
+    let mut c = Checked::with(1 << 30, "defragment_headroom:0,stitch_min_mb:0");
+    let big = c.alloc(64 * MIB, 0);
+    c.release(big); // 8 MiB handles
+    let p: Vec<u64> = (0..8).map(|_| c.alloc(8 * MIB, 0)).collect();
+    let t = c.alloc(2 * MIB, 0);
+    let _u = c.alloc(2 * MIB, 0);
+    for &x in &[t, p[0], p[2], p[4]] {
+        c.use_on(x, 0);
+        c.release(x);
+    }
+    let _r = c.alloc(20 * MIB, 0);
+    let _s = c.alloc(2 * MIB, 1);
+}
+
+/// Opening a pool scope (before a capture begins) unmaps old ranges, so
+/// where the capture's requests land does not depend on the GPU's progress.
+#[test]
+fn a_capture_places_memory_alike_however_far_the_gpu_got() {
+    let place = |done: bool| {
+        let ((mut c, _a, p), b) = move_busy_pages_past(CONF, 0);
+        if done {
+            c.complete(0);
+        }
+        let _small = c.alloc(1000, 0);
+        c.release(p);
+        c.release(b);
+        c.begin_pool((7, 7), Some(5));
+        c.alloc(38 * MIB, 0)
+    };
+    assert_eq!(place(true), place(false));
+}
