@@ -93,6 +93,14 @@ impl<B: Backend> DeviceAllocator<B> {
         {
             crate::log::drains_left(self.device, &e);
         }
+        self.open_scope(key, filter);
+    }
+
+    /// [`begin_allocate_to_pool`](Self::begin_allocate_to_pool) without
+    /// finishing drains: for a capture found already running, when nothing
+    /// may wait (pages do not move without waiting while captures are
+    /// followed, so there are none).
+    fn open_scope(&mut self, key: PoolKey, filter: Option<StreamFilter>) {
         self.private.push_scope(key, filter);
         self.incref_pool(key);
         self.record_pool_call(PoolOp::BeginAllocate, key);
@@ -251,7 +259,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if let Some(id) = self.backend.stream_capture(stream).ok().flatten() {
             let key = self.private.follow(stream, id);
             // Every stream: see the Note on why not only the capture's.
-            self.begin_allocate_to_pool(key, None);
+            self.open_scope(key, None);
         }
         Ok(())
     }

@@ -20,15 +20,18 @@
 //! unmapping when the pages move, not when it runs. A drain is finished
 //! early, waiting if need be, when its address range is mapped again; when
 //! one of its handles is left in the pool after the request, whether it
-//! succeeded or not (another stream could take it); when a pool scope
+//! succeeded or not (another stream could take it; if that wait fails,
+//! the next request waits before taking any page); when a pool scope
 //! opens (PyTorch opens it before a capture begins, and nothing may wait
-//! during one: a capture followed through the driver that would map over
-//! a drain maps into a fresh reservation instead); and before handles go
+//! during one; a capture that would still map over a drain maps into a
+//! fresh reservation instead); and before handles go
 //! back to the driver or reservations are freed (`empty_cache`, the
 //! out-of-memory path, sharing memory with another process). Pages of a
 //! drain mapped at B but not handed out carry the drain's stamp, so that
 //! another stream taking them waits. Requests of other streams wait as
-//! before.
+//! before, and so does every request once captures are followed through
+//! the driver (the plain `CUDAPluggableAllocator` route, Note [Capture
+//! without a pool]): a capture may then begin unannounced at any moment.
 
 use crate::backend::{Backend, BackendError, DevicePtr, HandleId, StreamId};
 use crate::cost::{DriverCall, DriverCalls};
@@ -248,6 +251,34 @@ mod tests {
         let _q = d.malloc(40 * MIB, 0).unwrap();
         d.check_invariants().unwrap();
         d.defrag_budget.spent_ns()
+    }
+
+    /// The wait after a request that succeeded fails: the request still
+    /// succeeds, and nothing is lost.
+    #[test]
+    fn a_failed_finish_after_a_success_loses_nothing() {
+        use crate::backend::sim::SimCall;
+        let conf = Config::parse("defragment_headroom:0,stitch_min_mb:0").unwrap();
+        let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), conf);
+        let a = d.malloc(39854080, 0).unwrap();
+        let _b = d.malloc(24117248, 0).unwrap();
+        let c = d.malloc(19927040, 0).unwrap();
+        d.backend_mut().launch(0);
+        d.free(c).unwrap();
+        let e = d.malloc(8396800, 0).unwrap();
+        let _f = d.malloc(38801408, 0).unwrap();
+        d.backend_mut().launch(0);
+        d.free(a).unwrap();
+        d.backend_mut().launch(0);
+        d.free(e).unwrap();
+        let _g = d.malloc(27271168, 0).unwrap();
+        d.check_invariants().unwrap();
+        d.backend_mut().fail_call(SimCall::WaitEvent, 1);
+        let r = d.malloc(12587008, 0);
+        assert!(r.is_ok(), "{r:?}");
+        d.check_invariants().unwrap();
+        d.free(r.unwrap()).unwrap();
+        d.check_invariants().unwrap();
     }
 
     #[test]

@@ -151,15 +151,20 @@ impl<B: Backend> DeviceAllocator<B> {
         rounded: u64,
         capturing: bool,
     ) -> Result<BlockId, GrowError> {
-        let mapped = self.map_expandable_once(pool, stream, rounded, capturing);
         if capturing {
-            return mapped;
+            return self.map_expandable_once(pool, stream, rounded, capturing);
         }
-        // Pages that moved without waiting (never during a capture) and
-        // were not mapped here, whatever happened, must not reach another
-        // stream (Note [Unmapping behind the work]). A failure here wins:
-        // it leaves such pages in the pool.
+        // Pages that moved without waiting and are back in the pool must not
+        // reach another stream before their work is done (Note [Unmapping
+        // behind the work]): finished before any page is taken, in case the
+        // last request could not, and after this one, whatever happened
+        // (an error there is logged; the next request tries again, and the
+        // request's own outcome, out of memory included, stands).
         self.finish_pooled_drains()?;
+        let mapped = self.map_expandable_once(pool, stream, rounded, capturing);
+        if let Err(e) = self.finish_pooled_drains() {
+            crate::log::drains_left(self.device, &e);
+        }
         mapped
     }
 
@@ -461,7 +466,12 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         let mut later = Vec::with_capacity(chosen.len());
         for &(_, _, _, s, freed) in &chosen {
-            let defer = self.config.defer_unmap && s == stream && !self.fences.is_idle(s, freed);
+            // Not while captures are followed through the driver: one may
+            // begin at any moment, and then nothing may wait.
+            let defer = self.config.defer_unmap
+                && !self.private.following()
+                && s == stream
+                && !self.fences.is_idle(s, freed);
             if !defer {
                 self.fences.wait(&mut self.backend, s, freed)?;
             }

@@ -143,11 +143,11 @@ pub(crate) fn defragmented(device: u32, wanted: u64, moved: u64) {
     tracing::debug!(device, wanted, moved, "defragmentation pass done");
 }
 
-/// Old ranges of moved pages could not be unmapped before a capture
-/// (`drain.rs`); the capture maps around them.
+/// Old ranges of moved pages could not be waited for and unmapped
+/// (`drain.rs`); the next request, `empty_cache` or scope tries again.
 #[inline]
 pub(crate) fn drains_left(device: u32, error: &dyn std::fmt::Display) {
-    tracing::warn!(device, %error, "could not unmap old ranges of moved pages before a capture");
+    tracing::warn!(device, %error, "could not unmap old ranges of moved pages; tried again later");
 }
 
 /// An expandable segment maps `mapped` bytes, `new` of them new memory (`expandable.rs`).

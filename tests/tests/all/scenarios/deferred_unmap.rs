@@ -150,3 +150,43 @@ fn a_capture_places_memory_alike_however_far_the_gpu_got() {
     };
     assert_eq!(place(true), place(false));
 }
+
+/// A capture found running through the driver (no hooks) while a drain
+/// is pending: nothing may wait then, and nothing does.
+#[test]
+fn a_followed_capture_never_waits_for_drains() {
+    let ((mut c, _a, _p), _b) = move_busy_pages_past(CONF, 0);
+    c.follow_driver_capture(0);
+    let _id = c.sim_mut().begin_stream_capture(&[0]);
+    let _x = c.alloc_following(4096, 0);
+}
+
+/// While captures are followed through the driver, pages wait for their
+/// work before they move: one could begin at any moment.
+#[test]
+fn following_captures_turns_moving_without_waiting_off() {
+    let mut c = Checked::with(1 << 30, CONF);
+    c.follow_driver_capture(0);
+    let a = c.alloc_following(16 * MIB, 0);
+    let _b = c.alloc_following(2 * MIB, 0);
+    c.use_on(a, 0);
+    c.release(a);
+    let waits = c.sim().counters.wait_event;
+    let _p = c.alloc_following(20 * MIB, 0);
+    assert_eq!(c.sim().counters.wait_event, waits + 1);
+}
+
+/// The wait that finishes moved pages fails: they must still not reach
+/// another stream before their work is done.
+#[test]
+fn a_failed_finish_leaves_no_busy_pages_to_another_stream() {
+    use gpualloc::backend::SimCall;
+    let mut c = Checked::with(1 << 30, CONF);
+    let a = c.alloc(16 * MIB, 0);
+    let _b = c.alloc(2 * MIB, 0);
+    c.use_on(a, 0);
+    c.release(a);
+    c.sim_mut().fail_call(SimCall::WaitEvent, 1);
+    assert!(c.dev.malloc(2048 * MIB, 0).is_err());
+    let _q = c.alloc(16 * MIB, 1);
+}
