@@ -15,6 +15,7 @@
 
 mod docs;
 mod examples;
+mod follow_properties;
 mod fuzz_config;
 mod gpu_recorded;
 mod graph_replay;

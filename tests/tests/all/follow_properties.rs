@@ -1,0 +1,98 @@
+//! Random programs on the route that cannot announce captures (the plain
+//! `CUDAPluggableAllocator`): captures begin and end unannounced on any
+//! stream, and the allocator follows them through the driver (Note
+//! [Capture without a pool]). Under the checker, nothing may wait or query
+//! an event during a capture (the simulator panics), memory is never
+//! handed to a stream before the work that last used it, wherever it is
+//! mapped, and every invariant holds after every call.
+
+use gpualloc::{AllocError, StreamId};
+use gpualloc_tests::{Checked, MIB};
+use proptest::prelude::*;
+
+const STREAMS: [StreamId; 4] = [0, 7, 9, 11];
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc(u64, usize),
+    Free(usize),
+    Use(usize),
+    Complete(usize),
+    Begin(usize),
+    End,
+    EmptyCache,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let s = 0..STREAMS.len();
+    let size = prop_oneof![4097u64..=MIB, (MIB + 1)..(10 * MIB), (10 * MIB)..(40 * MIB)];
+    prop_oneof![
+        10 => (size, s.clone()).prop_map(|(n, s)| Op::Alloc(n, s)),
+        8 => any::<prop::sample::Index>().prop_map(|i| Op::Free(i.index(usize::MAX))),
+        8 => any::<prop::sample::Index>().prop_map(|i| Op::Use(i.index(usize::MAX))),
+        3 => s.clone().prop_map(Op::Complete),
+        1 => s.prop_map(Op::Begin),
+        1 => Just(Op::End),
+        1 => Just(Op::EmptyCache),
+    ]
+}
+
+fn run(config: &str, ops: Vec<Op>) {
+    let mut c = Checked::with(1 << 30, config);
+    let mut capture: Option<u64> = None;
+    c.follow_driver_capture(0);
+    for op in ops {
+        let ptrs: Vec<u64> = c.live.keys().copied().collect();
+        let pick = |i: usize| (!ptrs.is_empty()).then(|| ptrs[i % ptrs.len()]);
+        match op {
+            Op::Alloc(size, s) => {
+                c.follow_driver_capture(STREAMS[s]);
+                match c.malloc(size, STREAMS[s]) {
+                    Ok(_) | Err(AllocError::OutOfMemory(_)) => {}
+                    Err(e) => panic!("unexpected error {e:?}"),
+                }
+            }
+            Op::Free(i) => {
+                if let Some(p) = pick(i) {
+                    c.release(p);
+                }
+            }
+            Op::Use(i) => {
+                if let Some(p) = pick(i) {
+                    let s = c.live[&p].stream;
+                    c.use_on(p, s);
+                }
+            }
+            Op::Complete(s) if capture.is_none() => c.complete(STREAMS[s]),
+            Op::Begin(s) if capture.is_none() => {
+                capture = Some(c.sim_mut().begin_stream_capture(&[STREAMS[s]]));
+                c.follow_driver_capture(STREAMS[s]);
+            }
+            Op::End => {
+                if let Some(id) = capture.take() {
+                    c.sim_mut().end_stream_capture(id);
+                    c.follow_driver_capture(0);
+                }
+            }
+            Op::EmptyCache if capture.is_none() => c.empty_cache(),
+            _ => {}
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 256,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+    #[test]
+    fn followed_captures_never_wait_and_keep_streams_ordered(ops in prop::collection::vec(op(), 1..80)) {
+        run("expandable_handle_mb:2,defragment_headroom:0,stitch_min_mb:0", ops);
+    }
+
+    #[test]
+    fn followed_captures_under_the_default_policy(ops in prop::collection::vec(op(), 1..80)) {
+        run("", ops);
+    }
+}
