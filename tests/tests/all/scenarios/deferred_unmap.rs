@@ -11,7 +11,18 @@ use gpualloc_tests::{Checked, MIB};
 /// takes the pages of free blocks.
 const CONF: &str = "expandable_handle_mb:2,defragment_headroom:0,stitch_min_mb:0";
 
-/// `[a 16 MiB, freed on stream 0 with its work queued][b 2 MiB live]`, and
+/// `[a 16 MiB, freed on stream 0 with its work queued][b 2 MiB live]`:
+/// the checker, a's and b's addresses.
+fn busy_free_block(conf: &str) -> (Checked, u64, u64) {
+    let mut c = Checked::with(1 << 30, conf);
+    let a = c.alloc(16 * MIB, 0);
+    let b = c.alloc(2 * MIB, 0);
+    c.use_on(a, 0);
+    c.release(a);
+    (c, a, b)
+}
+
+/// [`busy_free_block`], and
 /// then a 20 MiB request on `stream`: it fits nowhere, and the only pages
 /// to take are a's. Returns the checker, a's address, and the new block.
 fn move_busy_pages(conf: &str, stream: u64) -> (Checked, u64, u64) {
@@ -20,11 +31,7 @@ fn move_busy_pages(conf: &str, stream: u64) -> (Checked, u64, u64) {
 
 /// [`move_busy_pages`], with b's address.
 fn move_busy_pages_past(conf: &str, stream: u64) -> ((Checked, u64, u64), u64) {
-    let mut c = Checked::with(1 << 30, conf);
-    let a = c.alloc(16 * MIB, 0);
-    let b = c.alloc(2 * MIB, 0);
-    c.use_on(a, 0);
-    c.release(a);
+    let (mut c, a, b) = busy_free_block(conf);
     let waits = c.sim().counters.wait_event;
     let p = c.alloc(20 * MIB, stream);
     assert_eq!(
@@ -64,12 +71,7 @@ fn empty_cache_unmaps_old_ranges_first() {
 
 #[test]
 fn without_defer_unmap_the_host_waits() {
-    let conf = format!("{CONF},defer_unmap:false");
-    let mut c = Checked::with(1 << 30, &conf);
-    let a = c.alloc(16 * MIB, 0);
-    let _b = c.alloc(2 * MIB, 0);
-    c.use_on(a, 0);
-    c.release(a);
+    let (mut c, a, _b) = busy_free_block(&format!("{CONF},defer_unmap:false"));
     let waits = c.sim().counters.wait_event;
     let _p = c.alloc(20 * MIB, 0);
     assert_eq!(c.sim().counters.wait_event, waits + 1);
@@ -78,11 +80,7 @@ fn without_defer_unmap_the_host_waits() {
 
 #[test]
 fn another_stream_waits_for_the_work() {
-    let mut c = Checked::with(1 << 30, CONF);
-    let a = c.alloc(16 * MIB, 0);
-    let _b = c.alloc(2 * MIB, 0);
-    c.use_on(a, 0);
-    c.release(a);
+    let (mut c, _, _b) = busy_free_block(CONF);
     let waits = c.sim().counters.wait_event;
     let _p = c.alloc(20 * MIB, 1);
     assert_eq!(c.sim().counters.wait_event, waits + 1, "stream 1 waited");
@@ -106,11 +104,7 @@ fn mapping_over_an_old_range_waits_for_its_work_first() {
 /// is done.
 #[test]
 fn a_request_that_fails_after_moving_pages_leaves_none_to_other_streams() {
-    let mut c = Checked::with(1 << 30, CONF);
-    let a = c.alloc(16 * MIB, 0);
-    let _b = c.alloc(2 * MIB, 0);
-    c.use_on(a, 0);
-    c.release(a);
+    let (mut c, _, _b) = busy_free_block(CONF);
     assert!(c.malloc(2048 * MIB, 0).is_err());
     let _q = c.alloc(16 * MIB, 1);
 }
@@ -181,11 +175,7 @@ fn following_captures_turns_moving_without_waiting_off() {
 #[test]
 fn a_failed_finish_leaves_no_busy_pages_to_another_stream() {
     use gpualloc::backend::SimCall;
-    let mut c = Checked::with(1 << 30, CONF);
-    let a = c.alloc(16 * MIB, 0);
-    let _b = c.alloc(2 * MIB, 0);
-    c.use_on(a, 0);
-    c.release(a);
+    let (mut c, _, _b) = busy_free_block(CONF);
     c.sim_mut().fail_call(SimCall::WaitEvent, 1);
     assert!(c.dev.malloc(2048 * MIB, 0).is_err());
     let _q = c.alloc(16 * MIB, 1);
