@@ -86,8 +86,8 @@ impl<B: Backend> DeviceAllocator<B> {
         // PyTorch opens the scope before the capture begins: the last time
         // old ranges of moved pages can be waited for and unmapped, so that
         // where the capture maps memory never depends on the GPU's progress
-        // (Note [Unmapping behind the work]). An error leaves them; the
-        // capture then maps around them.
+        // (Note [Unmapping behind the work]). An error leaves them: the
+        // capture maps around their ranges and refuses to take their pages.
         if !self.private.capturing()
             && let Err(e) = self.finish_drains()
         {

@@ -26,7 +26,9 @@
 //! during one; a capture that would still map over a drain maps into a
 //! fresh reservation instead); and before handles go
 //! back to the driver or reservations are freed (`empty_cache`, the
-//! out-of-memory path, sharing memory with another process). Pages of a
+//! out-of-memory path, sharing memory with another process). Should the
+//! waits before a scope and after a request both fail, a capture refuses
+//! to map memory rather than take such pages. Pages of a
 //! drain mapped at B but not handed out carry the drain's stamp, so that
 //! another stream taking them waits. Requests of other streams wait as
 //! before, and so does every request once captures are followed through
@@ -115,6 +117,18 @@ impl Drains {
     /// Whether a range waiting to be unmapped overlaps `[lo, hi)`.
     pub fn overlaps(&self, lo: DevicePtr, hi: DevicePtr) -> bool {
         self.pending.iter().any(|d| d.lo < hi && lo < d.lo + d.size)
+    }
+
+    /// Each range waiting, as its start and the handles mapped there in order.
+    pub fn mappings(&self) -> impl Iterator<Item = (DevicePtr, &[(HandleId, u64)])> + '_ {
+        self.pending.iter().map(|d| (d.lo, d.handles.as_slice()))
+    }
+
+    /// Whether a handle of a range waiting to be unmapped is in the pool.
+    pub fn any_pooled(&self, pooled: impl Fn(HandleId, u64) -> bool) -> bool {
+        self.pending
+            .iter()
+            .any(|d| d.handles.iter().any(|&(h, s)| pooled(h, s)))
     }
 
     /// The ranges waiting, as `(start, end)`.

@@ -152,6 +152,21 @@ impl<B: Backend> DeviceAllocator<B> {
         capturing: bool,
     ) -> Result<BlockId, GrowError> {
         if capturing {
+            // Nothing may wait during a capture. Moved pages are finished
+            // before a scope opens and after every request; only when both
+            // failed can they still be pooled, and then the capture must
+            // not take them.
+            let pages = &self.pages;
+            if self.drains.any_pooled(|h, size| pages.is_pooled(h, size)) {
+                return Err(GrowError::Failed(
+                    BackendError::Unavailable(
+                        "pages moved earlier could not be unmapped from their old address; \
+                         no memory is mapped during this capture until they are"
+                            .into(),
+                    )
+                    .into(),
+                ));
+            }
             return self.map_expandable_once(pool, stream, rounded, capturing);
         }
         // Pages that moved without waiting and are back in the pool must not
@@ -190,7 +205,10 @@ impl<B: Backend> DeviceAllocator<B> {
         if !capturing && pool <= LARGE {
             let streams = self.expandable_streams();
             self.fences.poll(&mut self.backend)?;
-            self.retire_idle_drains()?;
+            // Tidying only: an error leaves the ranges for the next call.
+            if let Err(e) = self.retire_idle_drains() {
+                crate::log::drains_left(self.device, &e);
+            }
             self.fences.cover_all(&mut self.backend, streams)?;
             if let Some(w) = self.widen(pool, stream, rounded, &ranges, page)? {
                 ((seg, ws, ranges), bytes) = w;

@@ -315,3 +315,47 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(())
     }
 }
+
+impl DeviceAllocator<crate::SimBackend> {
+    /// On the simulator, also checks the mappings the device really holds:
+    /// exactly the page pool's mapped handles, the old ranges still to be
+    /// unmapped (Note [Unmapping behind the work]) and the cached or used
+    /// stitches' parts, nothing more or less.
+    ///
+    /// # Errors
+    /// A message naming the mappings on one side only.
+    pub fn check_backend_mappings(&self) -> Result<(), String> {
+        let mut want: Vec<(u64, u64, u64)> = Vec::new();
+        for (_, seg) in self.heap.segments.iter() {
+            if seg.expandable && seg.pool != STITCH {
+                want.extend(self.pages.handles_in(seg.ptr, seg.ptr + seg.size));
+            }
+        }
+        for (lo, handles) in self.drains.mappings() {
+            let mut at = lo;
+            for &(h, size) in handles {
+                want.push((at, h, size));
+                at += size;
+            }
+        }
+        for st in &self.stitches.list {
+            let mut at = st.va;
+            for slot in &st.slots {
+                if let Some(p) = slot.part() {
+                    want.push((at, p.handle, p.size));
+                }
+                at += slot.size();
+            }
+        }
+        want.sort_unstable();
+        let got = self.backend.handles_over(0, u64::MAX);
+        if want == got {
+            return Ok(());
+        }
+        let only_here: Vec<_> = want.iter().filter(|m| !got.contains(m)).take(4).collect();
+        let only_there: Vec<_> = got.iter().filter(|m| !want.contains(m)).take(4).collect();
+        Err(format!(
+            "mappings (address, handle, bytes) known here only: {only_here:x?}; on the device only: {only_there:x?}"
+        ))
+    }
+}

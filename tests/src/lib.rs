@@ -635,6 +635,9 @@ impl Checked {
         if let Err(e) = self.dev.check_invariants() {
             panic!("check_invariants: {e}");
         }
+        if let Err(e) = self.dev.check_backend_mappings() {
+            panic!("check_backend_mappings: {e}");
+        }
         let snap = self.snapshot();
         let s = self.stats();
         let mut allocated = BTreeMap::new();

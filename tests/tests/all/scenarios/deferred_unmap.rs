@@ -180,3 +180,41 @@ fn a_failed_finish_leaves_no_busy_pages_to_another_stream() {
     assert!(c.dev.malloc(2048 * MIB, 0).is_err());
     let _q = c.alloc(16 * MIB, 1);
 }
+
+/// Both waits that finish moved pages fail (after the request, and when
+/// the pool scope opens): a capture must still not take those pages.
+#[test]
+fn a_capture_never_takes_pages_whose_old_range_is_still_mapped() {
+    use gpualloc::backend::SimCall;
+    let (mut c, _, _b) = busy_free_block(CONF);
+    c.sim_mut().fail_call(SimCall::WaitEvent, 1);
+    assert!(c.dev.malloc(2048 * MIB, 0).is_err());
+    c.sim_mut().fail_call(SimCall::WaitEvent, 1);
+    c.begin_pool((3, 3), None);
+    let r = c.dev.malloc(16 * MIB, 7);
+    assert!(
+        matches!(&r, Err(e) if e.to_string().contains("could not be unmapped")),
+        "refused rather than unordered: {r:?}"
+    );
+    c.dev.check_invariants().unwrap();
+}
+
+/// Unmapping an old range whose work is done fails: a request that needs
+/// no unmapping still succeeds, and the range is unmapped later.
+#[test]
+fn a_failed_tidy_up_fails_no_request() {
+    use gpualloc::backend::SimCall;
+    let (mut c, a, _p) = move_busy_pages(CONF, 0);
+    c.complete(0);
+    c.sim_mut().fail_call(SimCall::Unmap, 1);
+    let _q = c.alloc(40 * MIB, 1);
+    assert!(
+        !c.sim().handles_over(a, 16 * MIB).is_empty(),
+        "still mapped"
+    );
+    let _r = c.alloc(40 * MIB, 0);
+    assert!(
+        c.sim().handles_over(a, 16 * MIB).is_empty(),
+        "unmapped by the next call"
+    );
+}
