@@ -6,8 +6,8 @@
 //! the work queued on A is done (Note [Event-ordered unmapping]); when it
 //! is not known done, the host used to wait for it (`cuEventSynchronize`),
 //! behind up to a step of queued kernels. On the H200 these waits were
-//! most of the driver time gpualloc measured: 488 of 555 ms on ResNet-50,
-//! 60 of 297 on the multi-scale detector, 26 of 125 on GPT-2
+//! most of the driver time gpualloc measured: 488 of 557 ms on ResNet-50,
+//! 60 of 296 on the multi-scale detector, 26 of 108 on GPT-2
 //! (`gpualloc.driver_calls()`, `docs/results/h200-round19/`).
 //! Approach: a physical handle may be mapped at two addresses at once. When
 //! the request is on the stream that freed A (and `defer_unmap` is on), the

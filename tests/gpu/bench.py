@@ -95,8 +95,11 @@ DRIVER_KINDS = ("cuMemSetAccess", "cuMemCreate", "cuMemUnmap", "cuEventSynchroni
 
 def summarize_driver(runs, workload, variants):
     """One row a variant that measured its driver calls (gpualloc's): the
-    milliseconds of the kinds in DRIVER_KINDS, of the others, of the whole
-    run and of step 0 alone, medians over repeats."""
+    milliseconds of the kinds in DRIVER_KINDS, of the others, of all steps,
+    of step 0 and of the setup before the loop (building the model),
+    medians over repeats. Runs recorded before the setup was read apart
+    (round 19's first two) count it within step 0 and the steps and show
+    no setup."""
     rows = []
     for v in variants:
         res = [r["result"] for r in runs if r["workload"] == workload and r["variant"] == v and ok(r)]
@@ -110,6 +113,8 @@ def summarize_driver(runs, workload, variants):
         row = {"variant": v, "runs": len(res),
                "total_ms": median([ms(x["driver_calls"], lambda n: True) for x in res]),
                "step0_ms": median([ms(x.get("driver_calls_step0"), lambda n: True) for x in res]),
+               "setup_ms": median([ms(x["driver_calls_setup"], lambda n: True) if "driver_calls_setup" in x else None
+                                   for x in res]),
                "other_ms": median([ms(x["driver_calls"], lambda n: n not in DRIVER_KINDS) for x in res])}
         for kind in DRIVER_KINDS:
             row[kind] = median([ms(x["driver_calls"], lambda n, k=kind: n == k) for x in res])
@@ -253,13 +258,16 @@ def markdown(bench):
         sections.append(sec)
     if a["repeats"] and any(bench.get("driver", {}).values()):
         sec = ["## Driver time measured by gpualloc (ms, medians over repeats; calls in parentheses)", "",
-               "| workload | variant | whole run | step 0 | " + " | ".join(DRIVER_KINDS) + " | other |",
-               "|---|---|---|---|" + "---|" * (len(DRIVER_KINDS) + 1)]
+               "| workload | variant | all steps | step 0 | setup | " + " | ".join(DRIVER_KINDS) + " | other |",
+               "|---|---|---|---|---|" + "---|" * (len(DRIVER_KINDS) + 1)]
         for w, rows in bench["driver"].items():
             for r in rows:
-                kinds = " | ".join(f"{fmt(r[k], '.1f')} ({fmt(r[k + ' calls'], '.0f')})" for k in DRIVER_KINDS)
+                kinds = " | ".join(f"{fmt(r[k], '.1f')} ({fmt(r[k + ' calls'], 'g')})" for k in DRIVER_KINDS)
                 sec.append(f"| {w} | {r['variant']} | {fmt(r['total_ms'], '.1f')} | {fmt(r['step0_ms'], '.1f')} "
-                           f"| {kinds} | {fmt(r['other_ms'], '.1f')} |")
+                           f"| {fmt(r['setup_ms'], '.1f')} | {kinds} | {fmt(r['other_ms'], '.1f')} |")
+        sec += ["", "The columns by kind (and other) cover all steps. Setup is what came before the first step "
+                "(building the model); runs that did not read it apart show –, and count it within step 0 and "
+                "all steps."]
         sections.append(sec)
     for w, rows in (bench.get("churn") or {}).items() if a["repeats"] else ():
         sec = [f"## {w}, {CHURN_OPS} torch.empty calls, medians over {a['repeats']} repeat(s)", "",

@@ -577,7 +577,10 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
     device_allocs_after_warmup counts num_device_alloc + num_device_free over
     the steps after the first 20%; counters are read at the end. step_ms
     lists every step's time; under gpualloc, step_driver_ms the driver time
-    of each step and step_device_calls its device allocations and frees.
+    of each step and step_device_calls its device allocations and frees, and
+    the driver calls by kind (gpualloc.driver_calls()) made before the loop
+    (driver_calls_setup: building the model), in step 0 and in all steps
+    (driver_calls_step0, driver_calls).
     """
     import torch
 
@@ -588,6 +591,7 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
     gpualloc = sys.modules.get("gpualloc")
     per_step = gpualloc is not None and gpualloc.installed()
     torch.cuda.reset_peak_memory_stats()
+    setup = _driver_calls(gpualloc) if per_step else None
     loop0 = time.perf_counter()
     for step in range(steps):
         if step == warmup:
@@ -607,7 +611,7 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
             driver.append(round((c1["driver_time_ns"] - c0["driver_time_ns"]) / 1e6, 3))
             device.append(sum(c1[k] - c0[k] for k in ("num_device_alloc", "num_device_free")))
             if step == 0:
-                by_kind0 = _driver_calls(gpualloc)
+                by_kind0 = _driver_calls_since(gpualloc, setup)
         losses.append(float(loss.detach()))
         del batch, loss
     wall = time.perf_counter() - loop0
@@ -630,15 +634,31 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
         "warmup_steps": warmup,
         "step_ms": [round(t * 1e3, 2) for t in times],
         **({"step_driver_ms": driver, "step_device_calls": device} if per_step else {}),
-        **({"driver_calls_step0": by_kind0, "driver_calls": _driver_calls(gpualloc)} if per_step else {}),
+        **({"driver_calls_setup": setup, "driver_calls_step0": by_kind0,
+            "driver_calls": _driver_calls_since(gpualloc, setup)} if per_step else {}),
     }
 
 
 def _driver_calls(gpualloc):
-    """gpualloc's driver calls by kind so far, or None where this build of
-    the package has no ``driver_calls``."""
+    """gpualloc's driver calls by kind since the device started, or None
+    where this build of the package has no ``driver_calls``."""
     f = getattr(gpualloc, "driver_calls", None)
     return f() if f is not None else None
+
+
+def _driver_calls_since(gpualloc, before):
+    """The driver calls by kind made since the reading ``before`` (kinds
+    with no new call left out), or None where either reading is missing."""
+    now = _driver_calls(gpualloc)
+    if now is None or before is None:
+        return None
+    out = {}
+    for kind, v in now.items():
+        b = before.get(kind, {})
+        d = {k: v[k] - b.get(k, 0) for k in ("calls", "handles", "bytes", "ms")}
+        if d["calls"]:
+            out[kind] = d
+    return out
 
 
 class Workload(NamedTuple):

@@ -9,6 +9,7 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench  # noqa: E402
+import checks  # noqa: E402
 import driver  # noqa: E402
 import sweep  # noqa: E402
 from step_profiler import StepProfiler  # noqa: E402
@@ -157,15 +158,31 @@ class BenchDriverTime(unittest.TestCase):
             return r
 
         runs = [measured(0, 10.0), measured(1, 30.0), measured(2, 20.0), bench_run("w", "native", 0, 0.1)]
+        runs[0]["result"]["driver_calls_setup"] = {"cuMemCreate": {"calls": 2, "handles": 2, "bytes": 1, "ms": 5.0}}
         rows = bench.summarize_driver(runs, "w", ["native", "gpualloc"])
         self.assertEqual([r["variant"] for r in rows], ["gpualloc"], "only variants that measured")
         r = rows[0]
-        self.assertEqual((r["runs"], r["total_ms"], r["step0_ms"]), (3, 60.5, 20.0))
+        self.assertEqual((r["runs"], r["total_ms"], r["step0_ms"], r["setup_ms"]), (3, 60.5, 20.0, 5.0))
         self.assertEqual((r["cuEventSynchronize"], r["cuEventSynchronize calls"]), (20.0, 3))
         self.assertEqual((r["cuMemCreate"], r["other_ms"]), (0, 0.5))
         text = bench.markdown({"args": {"repeats": 3, "steps": 60}, "variants": ["gpualloc"], "training": {},
                                "driver": {"w": rows}, "runs": runs, "skipped": []})
-        self.assertIn("| w | gpualloc | 60.5 | 20.0 | 40.0 (10) | 0.0 (0) | 0.0 (0) | 20.0 (3) | 0.5 |", text)
+        self.assertIn("| w | gpualloc | 60.5 | 20.0 | 5.0 | 40.0 (10) | 0.0 (0) | 0.0 (0) | 20.0 (3) | 0.5 |", text)
+
+    def test_a_reading_since_another_leaves_out_kinds_without_new_calls(self):
+        class Fake:
+            calls = {"cuMemMap": {"calls": 5, "handles": 5, "bytes": 10, "ms": 2.0},
+                     "cuMemCreate": {"calls": 1, "handles": 1, "bytes": 4, "ms": 1.0}}
+
+            def driver_calls(self):
+                return self.calls
+
+        before = {"cuMemMap": {"calls": 3, "handles": 3, "bytes": 6, "ms": 1.5},
+                  "cuMemCreate": {"calls": 1, "handles": 1, "bytes": 4, "ms": 1.0}}
+        self.assertEqual(checks._driver_calls_since(Fake(), before),
+                         {"cuMemMap": {"calls": 2, "handles": 2, "bytes": 4, "ms": 0.5}})
+        self.assertIsNone(checks._driver_calls_since(Fake(), None))
+        self.assertIsNone(checks._driver_calls_since(object(), before))
 
 
 class BenchTargets(unittest.TestCase):

@@ -149,6 +149,9 @@ int main(int argc, char **argv) {
       gpualloc_stat_name((size_t)below(n + 3));
       if (below(4) == 0) gpualloc_reset_peak_stats(device_value());
       if (below(4) == 0) gpualloc_reset_accumulated_stats(device_value());
+      GpuallocDriverCall rows[32];
+      size_t nrows = 0;
+      gpualloc_driver_calls(device_value(), below(4) ? rows : NULL, (size_t)below(33), below(2) ? &nrows : NULL);
       size_t largest;
       gpualloc_cache_info(device_value(), &largest);
       uint64_t fr, tot;
