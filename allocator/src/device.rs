@@ -39,7 +39,7 @@ use crate::error::{AllocError, GrowError};
 use crate::fence::Fences;
 use crate::heap::{Heap, LARGE, SMALL, STITCH};
 use crate::limits::Limits;
-use crate::observer::{SegmentAction, SegmentEvent, SegmentObserver};
+use crate::observer::{SegmentAction, SegmentObserver};
 use crate::page_pool::PagePool;
 use crate::pending::PendingFrees;
 use crate::pool::PoolKey;
@@ -271,15 +271,7 @@ impl<B: Backend> DeviceAllocator<B> {
         address: DevicePtr,
         size: u64,
     ) {
-        if let Some(o) = &self.observer {
-            o(&SegmentEvent {
-                device: self.device,
-                action,
-                address,
-                size,
-                stream,
-            });
-        }
+        crate::observer::teller(&self.observer, self.device)(action, stream, address, size);
     }
 
     /// Allocates `size` bytes for use on `stream`. Size 0 gives the null pointer.

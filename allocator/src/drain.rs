@@ -89,8 +89,14 @@ impl Drains {
     }
 
     /// How many ranges wait to be unmapped.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.pending.len()
+    }
+
+    /// Whether no range waits to be unmapped.
+    pub fn is_empty(&self) -> bool {
+        self.pending.is_empty()
     }
 
     /// `(moved, unmapped)`: the `cuMemUnmap` calls ranges needed, counted
@@ -102,9 +108,6 @@ impl Drains {
     /// The newest stamp of the ranges of `stream` over any of `handles`
     /// (0 if none): work that may still use them elsewhere.
     pub fn stamp_of(&self, stream: StreamId, handles: impl Iterator<Item = HandleId>) -> u64 {
-        if self.pending.is_empty() {
-            return 0;
-        }
         let handles: Vec<HandleId> = handles.collect();
         self.pending
             .iter()

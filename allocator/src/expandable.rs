@@ -59,7 +59,7 @@ use crate::cost::{CostModel, DriverCalls};
 use crate::device::DeviceAllocator;
 use crate::error::{AllocError, GrowError};
 use crate::heap::{LARGE, SMALL, STITCH, Window};
-use crate::observer::{SegmentAction, SegmentEvent, SegmentObserver};
+use crate::observer::{SegmentAction, teller};
 use crate::page_pool::KindDeltas;
 use crate::size_class::{PoolKind, SMALL_BUFFER};
 use crate::trace::{Action, pool_code};
@@ -340,7 +340,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Unmaps the old addresses of pages that moved without waiting whose
     /// work is now known done (Note [Unmapping behind the work]).
     pub(crate) fn retire_drains(&mut self) -> Result<(), BackendError> {
-        if self.drains.len() == 0 {
+        if self.drains.is_empty() {
             return Ok(());
         }
         self.fences.poll(&mut self.backend)?;
@@ -350,17 +350,17 @@ impl<B: Backend> DeviceAllocator<B> {
     /// [`retire_drains`](Self::retire_drains) on what the fences knew at
     /// their last poll.
     fn retire_idle_drains(&mut self) -> Result<(), BackendError> {
-        if self.drains.len() == 0 {
+        if self.drains.is_empty() {
             return Ok(());
         }
-        let say = segment_events(&self.observer, self.device);
+        let say = teller(&self.observer, self.device);
         self.drains.retire(&self.fences, &mut self.backend, &say)
     }
 
     /// Waits for and unmaps every old address of pages that moved without
     /// waiting (before handles go back to the driver).
     pub(crate) fn finish_drains(&mut self) -> Result<(), BackendError> {
-        let say = segment_events(&self.observer, self.device);
+        let say = teller(&self.observer, self.device);
         self.drains
             .finish_all(&mut self.fences, &mut self.backend, &say)
     }
@@ -369,11 +369,11 @@ impl<B: Backend> DeviceAllocator<B> {
     /// waiting and are back in the pool, unmapped from their new place or
     /// never mapped there (Note [Unmapping behind the work]).
     fn finish_pooled_drains(&mut self) -> Result<(), BackendError> {
-        if self.drains.len() == 0 {
+        if self.drains.is_empty() {
             return Ok(());
         }
         let pages = &self.pages;
-        let say = segment_events(&self.observer, self.device);
+        let say = teller(&self.observer, self.device);
         self.drains.finish_pooled(
             &mut self.fences,
             &mut self.backend,
@@ -400,7 +400,7 @@ impl<B: Backend> DeviceAllocator<B> {
         // The old mappings of pages that moved without waiting leave this
         // address range first (Note [Unmapping behind the work]).
         {
-            let say = segment_events(&self.observer, self.device);
+            let say = teller(&self.observer, self.device);
             self.drains
                 .finish_overlapping(&mut self.fences, &mut self.backend, lo, hi, &say)?;
         }
@@ -423,8 +423,12 @@ impl<B: Backend> DeviceAllocator<B> {
         // Pages still mapped where work of this stream may run carry that
         // work's stamp, so another stream taking them waits for it (Note
         // [Unmapping behind the work]); new pages are untouched (0).
-        let handles = self.pages.handles_in(lo, hi);
-        self.heap.blocks[mapped].freed = self.drains.stamp_of(stream, handles.iter().map(|h| h.1));
+        self.heap.blocks[mapped].freed = if self.drains.is_empty() {
+            0
+        } else {
+            let handles = self.pages.handles_in(lo, hi);
+            self.drains.stamp_of(stream, handles.iter().map(|h| h.1))
+        };
         self.heap.segments.get_mut(seg).mapped += hi - lo;
         let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
         self.record(Action::SegmentMap, stream, lo, hi - lo, code);
@@ -633,25 +637,6 @@ impl<B: Backend> DeviceAllocator<B> {
             }
         }
         Ok(())
-    }
-}
-
-/// The segment events of a drain, said through `observer` (Note [Segment
-/// events]); borrows only the observer, so the drains can be changed meanwhile.
-fn segment_events(
-    observer: &Option<SegmentObserver>,
-    device: u32,
-) -> impl Fn(SegmentAction, StreamId, u64, u64) + '_ {
-    move |action, stream, address, size| {
-        if let Some(o) = observer {
-            o(&SegmentEvent {
-                device,
-                action,
-                address,
-                size,
-                stream,
-            });
-        }
     }
 }
 

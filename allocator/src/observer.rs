@@ -56,3 +56,23 @@ pub struct SegmentEvent {
 /// Called on every segment event, under the device's lock: it must not call
 /// back into the allocator.
 pub type SegmentObserver = Arc<dyn Fn(&SegmentEvent) + Send + Sync>;
+
+/// What tells `observer` (if any) about device `device`'s segment events:
+/// `(action, stream, address, bytes)`. It borrows only the observer, so
+/// the caller may change the rest of the device meanwhile (`drain.rs`).
+pub(crate) fn teller(
+    observer: &Option<SegmentObserver>,
+    device: u32,
+) -> impl Fn(SegmentAction, StreamId, DevicePtr, u64) + '_ {
+    move |action, stream, address, size| {
+        if let Some(o) = observer {
+            o(&SegmentEvent {
+                device,
+                action,
+                address,
+                size,
+                stream,
+            });
+        }
+    }
+}

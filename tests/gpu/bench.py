@@ -93,6 +93,12 @@ def summarize_training(runs, workload, variants):
 DRIVER_KINDS = ("cuMemSetAccess", "cuMemCreate", "cuMemUnmap", "cuEventSynchronize")
 
 
+def driver_ms(kinds, keep):
+    """The milliseconds of the kinds of driver call (a driver_calls reading)
+    whose name `keep` accepts."""
+    return sum(k["ms"] for name, k in (kinds or {}).items() if keep(name))
+
+
 def summarize_driver(runs, workload, variants):
     """One row a variant that measured its driver calls (gpualloc's): the
     milliseconds of the kinds in DRIVER_KINDS, of the others, of all steps,
@@ -106,18 +112,14 @@ def summarize_driver(runs, workload, variants):
         res = [x for x in res if x.get("driver_calls")]
         if not res:
             continue
-
-        def ms(kinds, keep):
-            return sum(k["ms"] for name, k in (kinds or {}).items() if keep(name))
-
         row = {"variant": v, "runs": len(res),
-               "total_ms": median([ms(x["driver_calls"], lambda n: True) for x in res]),
-               "step0_ms": median([ms(x.get("driver_calls_step0"), lambda n: True) for x in res]),
-               "setup_ms": median([ms(x["driver_calls_setup"], lambda n: True) if "driver_calls_setup" in x else None
+               "total_ms": median([driver_ms(x["driver_calls"], lambda n: True) for x in res]),
+               "step0_ms": median([driver_ms(x.get("driver_calls_step0"), lambda n: True) for x in res]),
+               "setup_ms": median([driver_ms(x["driver_calls_setup"], lambda n: True) if "driver_calls_setup" in x else None
                                    for x in res]),
-               "other_ms": median([ms(x["driver_calls"], lambda n: n not in DRIVER_KINDS) for x in res])}
+               "other_ms": median([driver_ms(x["driver_calls"], lambda n: n not in DRIVER_KINDS) for x in res])}
         for kind in DRIVER_KINDS:
-            row[kind] = median([ms(x["driver_calls"], lambda n, k=kind: n == k) for x in res])
+            row[kind] = median([driver_ms(x["driver_calls"], lambda n, k=kind: n == k) for x in res])
             row[kind + " calls"] = median([x["driver_calls"].get(kind, {}).get("calls", 0) for x in res])
         rows.append(row)
     return rows
