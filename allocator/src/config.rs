@@ -30,6 +30,7 @@
 //! | `defragment` | `true`/`false` | true | with expandable segments: rather than hold more than `1 + defragment_headroom` times peak allocated memory, unmap free pages and map them where the request fits |
 //! | `defragment_headroom` | 0 ≤ x ≤ 1 | 0.005 | how far held memory may exceed peak allocated memory before defragmenting |
 //! | `defragment_budget` | 0 ≤ x ≤ 1 | 0.03 | with `defragment`: the share of elapsed time that defragmenting and stitching may spend in driver calls before defragmentation stops taking the pages cached stitches alias (1: no limit; Note [Defragmentation budget]) |
+//! | `unmap_thread` | `true`/`false` | true | with expandable segments: ranges given up (old places of moved pages, stitches torn down) are unmapped by a helper thread while the caller's work goes on, rather than on the allocating thread (Note [Unmapping off the allocating thread]) |
 //! | `defer_unmap` | `true`/`false` | true | with `defragment`: pages taken from a free block whose work may still run are mapped where the request fits at once and unmapped from the old place once that work is done, when the request is on the same stream (Note [Unmapping behind the work]); `false`: the host waits for that work first |
 //! | `stitch_min_mb` | integer, 0–1048576 | 32 | with `defragment`: requests of at least this many MiB may be served by stitching free pages into a fresh range (0: never) |
 //!
@@ -104,6 +105,10 @@ pub const KEYS: &[(&str, &str)] = &[
         "with defragment, move pages whose work may still run at once and unmap their old place once it is done, rather than wait (true/false)",
     ),
     (
+        "unmap_thread",
+        "with expandable segments, unmap ranges given up on a helper thread rather than the allocating thread (true/false)",
+    ),
+    (
         "stitch_min_mb",
         "requests of at least this many MiB may be stitched from free pages (0: never)",
     ),
@@ -161,6 +166,9 @@ pub struct Config {
     /// With defragmentation: move pages whose work may still run without
     /// waiting, and unmap their old place later (Note [Unmapping behind the work]).
     pub defer_unmap: bool,
+    /// With expandable segments: unmap ranges given up on a helper thread
+    /// (Note [Unmapping off the allocating thread]).
+    pub unmap_thread: bool,
     /// How far held memory may exceed peak allocated memory before defragmenting.
     pub defragment_headroom: f64,
     /// The share of elapsed time defragmenting may spend in driver calls.
@@ -190,6 +198,7 @@ impl Default for Config {
             expandable_segments: true,
             defragment: true,
             defer_unmap: true,
+            unmap_thread: true,
             defragment_headroom: 0.005,
             defragment_budget: 0.03,
             stitch_min: 32 * MIB,
@@ -351,6 +360,7 @@ impl Config {
             "expandable_segments" => self.expandable_segments = parse_bool(key, v)?,
             "defragment" => self.defragment = parse_bool(key, v)?,
             "defer_unmap" => self.defer_unmap = parse_bool(key, v)?,
+            "unmap_thread" => self.unmap_thread = parse_bool(key, v)?,
             "expandable_page_mb" => {
                 let mb = parse_u64(key, v)?;
                 if !(2..=1024).contains(&mb) || mb % 2 != 0 {

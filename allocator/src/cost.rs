@@ -113,6 +113,14 @@ impl DriverCalls {
         self.nanos[i] += nanos;
     }
 
+    /// Adds `nanos` to one kind without counting a call: time the caller
+    /// spent waiting for calls of that kind made on another thread (Note
+    /// [Unmapping off the allocating thread] in `backend/unmapper.rs`).
+    #[inline]
+    pub fn add_time(&mut self, call: DriverCall, nanos: u64) {
+        self.nanos[call as usize] += nanos;
+    }
+
     /// Adds another count (another device's, say).
     pub fn merge(&mut self, other: &DriverCalls) {
         for i in 0..KINDS {

@@ -139,14 +139,19 @@ impl Drains {
         self.pending.iter().map(|d| (d.lo, d.lo + d.size))
     }
 
-    /// Unmaps the ranges whose work is known done, without waiting.
+    /// Unmaps the ranges whose work is known done, without waiting; with
+    /// `later`, through [`Backend::unmap_later`] (Note [Unmapping off the
+    /// allocating thread] in `backend/unmapper.rs`).
     pub fn retire<B: Backend>(
         &mut self,
         fences: &Fences,
         backend: &mut B,
+        later: bool,
         say: Say<'_>,
     ) -> Result<(), BackendError> {
-        self.finish_where(fences, backend, say, |d| fences.is_idle(d.stream, d.stamp))
+        self.finish_where(fences, backend, later, say, |d| {
+            fences.is_idle(d.stream, d.stamp)
+        })
     }
 
     /// Waits for and unmaps the ranges that overlap `[lo, hi)`.
@@ -198,7 +203,7 @@ impl Drains {
         for d in self.pending.iter().filter(|d| which(d)) {
             fences.wait(backend, d.stream, d.stamp)?;
         }
-        self.finish_where(fences, backend, say, which)
+        self.finish_where(fences, backend, false, say, which)
     }
 
     /// Unmaps the ranges for which `done` holds; the others stay. On a
@@ -208,6 +213,7 @@ impl Drains {
         &mut self,
         fences: &Fences,
         backend: &mut B,
+        later: bool,
         say: Say<'_>,
         done: impl Fn(&Drain) -> bool,
     ) -> Result<(), BackendError> {
@@ -222,7 +228,12 @@ impl Drains {
                 "unmapping a range whose work may still run"
             );
             say(SegmentAction::Unmap, d.stream, d.lo, d.size);
-            match backend.unmap(d.lo, d.size) {
+            let unmapped_now = if later {
+                backend.unmap_later(d.lo, d.size)
+            } else {
+                backend.unmap(d.lo, d.size)
+            };
+            match unmapped_now {
                 Ok(()) => {
                     unmapped.add(DriverCall::Unmap, d.handles.len() as u64, d.size, 0);
                     false

@@ -175,11 +175,17 @@ impl<B: Backend> DeviceAllocator<B> {
         // last request could not, and after this one, whatever happened
         // (an error there is logged; the next request tries again, and the
         // request's own outcome, out of memory included, stands).
-        self.finish_pooled_drains()?;
-        let mapped = self.map_expandable_once(pool, stream, rounded, capturing);
+        // Ranges given up meanwhile are unmapped once the request is done
+        // (Note [Unmapping off the allocating thread]).
+        self.backend.hold_later_work(true);
+        let mapped = self
+            .finish_pooled_drains()
+            .map_err(GrowError::from)
+            .and_then(|()| self.map_expandable_once(pool, stream, rounded, capturing));
         if let Err(e) = self.finish_pooled_drains() {
             crate::log::drains_left(self.device, &e);
         }
+        self.backend.hold_later_work(false);
         mapped
     }
 
@@ -354,7 +360,9 @@ impl<B: Backend> DeviceAllocator<B> {
             return Ok(());
         }
         let say = teller(&self.observer, self.device);
-        self.drains.retire(&self.fences, &mut self.backend, &say)
+        let later = self.config.unmap_thread;
+        self.drains
+            .retire(&self.fences, &mut self.backend, later, &say)
     }
 
     /// Waits for and unmaps every old address of pages that moved without

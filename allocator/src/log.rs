@@ -150,6 +150,13 @@ pub(crate) fn drains_left(device: u32, error: &dyn std::fmt::Display) {
     tracing::warn!(device, %error, "could not unmap old ranges of moved pages; tried again later");
 }
 
+/// A job of the unmapping helper thread failed (`backend/unmapper.rs`):
+/// its range stays mapped.
+#[inline]
+pub(crate) fn unmap_failed(job: &dyn std::fmt::Debug, error: &dyn std::fmt::Display) {
+    tracing::warn!(?job, %error, "the unmapping thread's job failed; its range stays mapped");
+}
+
 /// An expandable segment maps `mapped` bytes, `new` of them new memory (`expandable.rs`).
 #[inline]
 pub(crate) fn expandable_grows(

@@ -174,6 +174,28 @@ pub(crate) fn replay_observed(
     config: &Config,
     observe: &mut dyn FnMut(u64, &DeviceAllocator<SimBackend>),
 ) -> ReplayResult {
+    replay_with(events, capacity, config, false, observe)
+}
+
+/// [`replay`] with the simulator holding back the unmapping given to the
+/// helper thread as the CUDA backend does (Note [Unmapping off the
+/// allocating thread]): tests check that every decision is the same.
+#[cfg(test)]
+pub(crate) fn replay_deferring(
+    events: impl Iterator<Item = TraceEvent>,
+    capacity: u64,
+    config: &Config,
+) -> ReplayResult {
+    replay_with(events, capacity, config, true, &mut |_, _| {})
+}
+
+fn replay_with(
+    events: impl Iterator<Item = TraceEvent>,
+    capacity: u64,
+    config: &Config,
+    defer: bool,
+    observe: &mut dyn FnMut(u64, &DeviceAllocator<SimBackend>),
+) -> ReplayResult {
     let capacity = capacity.min(crate::config::MAX_BYTES);
     let mut runs: BTreeMap<u32, DeviceRun> = BTreeMap::new();
     let mut r = ReplayResult {
@@ -182,9 +204,11 @@ pub(crate) fn replay_observed(
     };
     for (i, e) in events.enumerate() {
         r.events += 1;
-        let run = runs
-            .entry(e.device)
-            .or_insert_with(|| DeviceRun::new(e.device, capacity, config));
+        let run = runs.entry(e.device).or_insert_with(|| {
+            let mut run = DeviceRun::new(e.device, capacity, config);
+            run.dev.backend.defer_later_work(defer);
+            run
+        });
         run.event(i as u64, e, &mut r);
         observe(i as u64, &run.dev);
     }

@@ -351,19 +351,26 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// Unmaps a cached stitch (what is mapped of it) once its last work is
-    /// done and frees its range.
+    /// done and frees its range (both on the helper thread with
+    /// `unmap_thread`: Note [Unmapping off the allocating thread]).
     pub(crate) fn drop_stitch(&mut self, i: usize) -> Result<(), AllocError> {
         let (stream, freed) = (self.stitches.list[i].stream, self.stitches.list[i].freed);
         self.fences.wait(&mut self.backend, stream, freed)?;
-        self.unmap_slots(i, |s| s.part().is_some())?;
-        self.free_stitch(i)
+        let later = self.config.unmap_thread;
+        self.unmap_slots(i, |s| s.part().is_some(), later)?;
+        self.free_stitch(i, later)
     }
 
-    /// Frees the range of cached stitch `i`, which maps nothing any more.
-    pub(crate) fn free_stitch(&mut self, i: usize) -> Result<(), AllocError> {
+    /// Frees the range of cached stitch `i`, which maps nothing any more
+    /// (or, with `later`, will not once the helper thread is done).
+    pub(crate) fn free_stitch(&mut self, i: usize, later: bool) -> Result<(), AllocError> {
         let s = self.stitches.list.swap_remove(i);
         crate::log::stitch_dropped(self.device, s.stream, s.size);
-        self.backend.free_reservation(s.va, s.size)?;
+        if later {
+            self.backend.free_reservation_later(s.va, s.size)?;
+        } else {
+            self.backend.free_reservation(s.va, s.size)?;
+        }
         // The trace shows the stitched range's life, not its holes.
         self.record(Action::SegmentUnmap, s.stream, s.va, s.size, STITCH_CODE);
         Ok(())

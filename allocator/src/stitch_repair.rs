@@ -21,30 +21,43 @@ impl<B: Backend> DeviceAllocator<B> {
         while let Some(i) = self.stitches.cached_over(lo, hi) {
             let (stream, freed) = (self.stitches.list[i].stream, self.stitches.list[i].freed);
             self.fences.wait(&mut self.backend, stream, freed)?;
-            self.unmap_slots(i, |s| {
-                s.part()
-                    .is_some_and(|p| p.addr < hi && lo < p.addr + p.size)
-            })?;
+            // Holes are mapped again only after the helper is done there.
+            let later = self.config.unmap_thread;
+            self.unmap_slots(
+                i,
+                |s| {
+                    s.part()
+                        .is_some_and(|p| p.addr < hi && lo < p.addr + p.size)
+                },
+                later,
+            )?;
             if self.stitches.list[i].parts().next().is_none() {
-                self.free_stitch(i)?;
+                self.free_stitch(i, later)?;
             }
         }
         Ok(())
     }
 
     /// Unmaps the mapped slots of stitch `i` that `pick` selects, one call
-    /// per run of them, and makes them holes. The caller waited for the
-    /// stitch's work (Note [Event-ordered unmapping]).
+    /// per run of them, and makes them holes; with `later`, through
+    /// [`Backend::unmap_later`]. The caller waited for the stitch's work
+    /// (Note [Event-ordered unmapping]).
     pub(crate) fn unmap_slots(
         &mut self,
         i: usize,
         pick: impl Fn(&Slot) -> bool,
+        later: bool,
     ) -> Result<(), AllocError> {
         let stream = self.stitches.list[i].stream;
         let runs = self.stitches.list[i].runs(|s| s.part().is_some() && pick(s));
         for (first, end, at, bytes) in runs {
             self.notify(SegmentAction::Unmap, stream, at, bytes);
-            if let Err(e) = self.backend.unmap(at, bytes) {
+            let r = if later {
+                self.backend.unmap_later(at, bytes)
+            } else {
+                self.backend.unmap(at, bytes)
+            };
+            if let Err(e) = r {
                 // Still mapped: say so again (Note [Segment events]).
                 self.notify(SegmentAction::Map, stream, at, bytes);
                 return Err(e.into());
@@ -126,7 +139,12 @@ impl<B: Backend> DeviceAllocator<B> {
         if !busy.is_empty() {
             let freed = self.stitches.list[i].freed;
             self.fences.wait(&mut self.backend, stream, freed)?;
-            self.unmap_slots(i, |s| s.part().is_some_and(|p| busy.contains(&p.addr)))?;
+            // Mapped again at once: nothing to gain from the helper.
+            self.unmap_slots(
+                i,
+                |s| s.part().is_some_and(|p| busy.contains(&p.addr)),
+                false,
+            )?;
         }
         // `slots` has the new holes, one per handle; map them run by run.
         let mut fill = taken.into_iter().map(|k| spare[k]);

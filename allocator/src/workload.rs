@@ -188,3 +188,41 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod later_tests {
+    use super::{churn_wide, multiscale};
+    use crate::Config;
+    use crate::replay::{replay, replay_deferring};
+    use crate::trace::{TraceEvent, TraceReader};
+
+    fn example(name: &str) -> Vec<TraceEvent> {
+        let path = format!("{}/../examples/{name}.gtrace", env!("CARGO_MANIFEST_DIR"));
+        TraceReader::open(std::path::Path::new(&path))
+            .expect("a readable example")
+            .events()
+            .collect()
+    }
+
+    /// Holding the unmapping back changes when it is done, never what is
+    /// decided: peaks, every driver call and the out-of-memory errors are
+    /// those of doing it at once, on recorded traces (stitches torn down,
+    /// moved pages, several streams) and on the synthetic loops.
+    #[test]
+    fn holding_unmapping_back_decides_the_same() {
+        let traces = [
+            ("detector", example("detector-multiscale")),
+            ("four streams", example("four-streams")),
+            ("churn_wide", churn_wide(3, 6_000)),
+            ("multiscale", multiscale(5, 30)),
+        ];
+        for conf in ["", "expandable_handle_mb:2,defragment_budget:1"] {
+            let config = Config::parse(conf).unwrap();
+            for (name, evs) in &traces {
+                let now = replay(evs.iter().copied(), 140 << 30, &config);
+                let held = replay_deferring(evs.iter().copied(), 140 << 30, &config);
+                assert_eq!(now, held, "{name} under `{conf}`");
+            }
+        }
+    }
+}

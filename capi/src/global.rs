@@ -105,6 +105,15 @@ impl Backend for AnyBackend {
     fn unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
         dispatch!(self, b => b.unmap(ptr, size))
     }
+    fn unmap_later(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        dispatch!(self, b => b.unmap_later(ptr, size))
+    }
+    fn free_reservation_later(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        dispatch!(self, b => b.free_reservation_later(ptr, size))
+    }
+    fn hold_later_work(&mut self, held: bool) {
+        dispatch!(self, b => b.hold_later_work(held))
+    }
     fn add_peer(&mut self, peer: u32) -> Result<(), BackendError> {
         dispatch!(self, b => b.add_peer(peer))
     }

@@ -102,6 +102,8 @@ impl Checked {
         let (byte_limit, fraction) = (config.memory_limit, config.memory_fraction);
         let mut sim = SimBackend::new(capacity);
         sim.log_unmaps(true);
+        // Unmapping given to the helper thread waits as it would on the GPU.
+        sim.defer_later_work(true);
         let c = Checked {
             dev: DeviceAllocator::new(0, sim, config),
             live: BTreeMap::new(),

@@ -38,13 +38,14 @@
 
 use std::collections::BTreeMap;
 use std::mem::MaybeUninit;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use cudarc::driver::sys;
 use driver::CuResult;
 use rustc_hash::{FxHashMap, FxHashSet};
 
+use super::unmapper::{Job, Unmapper};
 use super::{
     Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId, other_device_stream,
 };
@@ -149,7 +150,22 @@ pub struct CudaBackend {
     exportable: bool,
     /// Descriptors of exported handles, closed when the handle is released.
     exported: FxHashMap<HandleId, i32>,
+    /// The helper thread for `unmap_later`, started on first use (`None`
+    /// until then, or when it could not start: the work is then done at once).
+    unmapper: Option<Unmapper>,
+    /// Whether starting the helper thread failed (not tried again).
+    no_unmapper: bool,
+    /// Driver calls the helper thread made, with their time.
+    helper_calls: Arc<parking_lot::Mutex<DriverCalls>>,
 }
+
+/// A context handle moved to the helper thread.
+struct SendContext(sys::CUcontext);
+
+// SAFETY: a CUcontext is a process-wide driver handle, valid on any thread;
+// the helper only makes it current there. The backend that retained it
+// joins the helper before releasing it (`Drop`).
+unsafe impl Send for SendContext {}
 
 // SAFETY: a CUcontext and CUevents are process-wide driver handles, valid on
 // any thread (the driver serializes access to them). The backend is only
@@ -191,6 +207,9 @@ impl CudaBackend {
             calls: DriverCalls::default(),
             exportable: posix_fd_supported(dev),
             exported: FxHashMap::default(),
+            unmapper: None,
+            no_unmapper: false,
+            helper_calls: Arc::default(),
         })
     }
 
@@ -356,6 +375,87 @@ impl CudaBackend {
     fn bind_for(&self, event: EventId) -> Result<Bound, BackendError> {
         let ctx = self.foreign_events.get(&(event_of(event) as usize));
         bind_context(ctx.copied().unwrap_or(self.ctx))
+    }
+
+    /// The helper thread, started on first use; `None` when it cannot start.
+    fn unmapper(&mut self) -> Option<&Unmapper> {
+        if self.unmapper.is_none() && !self.no_unmapper {
+            let ctx = SendContext(self.ctx);
+            let calls = Arc::clone(&self.helper_calls);
+            let mut bound = false;
+            let work = Box::new(move |job: Job| {
+                let ctx = &ctx;
+                if !bound {
+                    // The helper's own thread: the context stays current.
+                    // SAFETY: `ctx.0` is the primary context the backend
+                    // retains until it has joined this thread.
+                    check("cuCtxSetCurrent", unsafe { driver::cuCtxSetCurrent(ctx.0) })?;
+                    // A job may run while another thread captures a graph:
+                    // in relaxed mode its calls neither fail nor spoil that
+                    // capture (the range it unmaps is no captured work's).
+                    std::mem::forget(RelaxedCaptureMode::enter()?);
+                    bound = true;
+                }
+                let t = Instant::now();
+                let (call, name, r) = match job {
+                    Job::Unmap { ptr, size } => {
+                        // SAFETY: the allocator gave the range up
+                        // (`unmap_later`): a run of whole mappings no queued
+                        // work touches, which the backend maps over only
+                        // after this job.
+                        let r = unsafe { driver::cuMemUnmap(ptr, size as usize) };
+                        (DriverCall::Unmap, "cuMemUnmap", r)
+                    }
+                    Job::Free { ptr, size } => {
+                        // SAFETY: a reservation of this backend whose ranges
+                        // were unmapped by the jobs before this one.
+                        let r = unsafe { driver::cuMemAddressFree(ptr, size as usize) };
+                        (DriverCall::AddressFree, "cuMemAddressFree", r)
+                    }
+                };
+                let (Job::Unmap { size, .. } | Job::Free { size, .. }) = job;
+                calls
+                    .lock()
+                    .add(call, 0, size, t.elapsed().as_nanos() as u64);
+                check(name, r)
+            });
+            match Unmapper::start(format!("gpualloc-unmap-{}", self.ordinal), work) {
+                Ok(u) => self.unmapper = Some(u),
+                Err(e) => {
+                    tracing::warn!(
+                        "gpualloc: device {}: no unmapping thread ({e}); unmapping on the allocating thread",
+                        self.ordinal
+                    );
+                    self.no_unmapper = true;
+                }
+            }
+        }
+        self.unmapper.as_ref()
+    }
+
+    /// Waits for the helper's jobs over `[lo, hi)` (all of them with
+    /// `None`), counting the wait as time in `cuMemUnmap`.
+    fn wait_later(&mut self, range: Option<(DevicePtr, DevicePtr)>) {
+        let Some(u) = &self.unmapper else {
+            return;
+        };
+        if u.is_idle() {
+            return;
+        }
+        let t = Instant::now();
+        match range {
+            Some((lo, hi)) => u.wait_range(lo, hi),
+            None => u.wait_all(),
+        }
+        self.calls
+            .add_time(DriverCall::Unmap, t.elapsed().as_nanos() as u64);
+    }
+
+    /// Driver calls the helper thread made for `unmap_later` and
+    /// `free_reservation_later`, with their time (not counted in
+    /// `driver_calls`, which has them without time).
+    pub fn helper_calls(&self) -> DriverCalls {
+        *self.helper_calls.lock()
     }
 
     fn take_event(&mut self) -> Result<sys::CUevent, BackendError> {
@@ -652,6 +752,7 @@ impl Backend for CudaBackend {
     }
 
     fn free_reservation(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        self.wait_later(Some((ptr, ptr + size)));
         let _bound = self.bind()?;
         // SAFETY: `ptr`/`size` came from `reserve` (contract) and every page
         // in it was unmapped by the allocator before this call.
@@ -703,6 +804,8 @@ impl Backend for CudaBackend {
     }
 
     fn release_handle(&mut self, handle: HandleId, size: u64) -> Result<(), BackendError> {
+        // The handle may still be mapped where the helper has yet to unmap.
+        self.wait_later(None);
         let _bound = self.bind()?;
         // SAFETY: `handle` came from `create_handle` and is not mapped (contract).
         let r = self.timed(DriverCall::Release, (1, size), || unsafe {
@@ -722,6 +825,8 @@ impl Backend for CudaBackend {
         handles: &[(HandleId, u64)],
         capturing: bool,
     ) -> Result<(), BackendError> {
+        let total: u64 = handles.iter().map(|h| h.1).sum();
+        self.wait_later(Some((ptr, ptr + total)));
         let _bound = self.bind()?;
         let _relaxed = if capturing {
             Some(RelaxedCaptureMode::enter()?)
@@ -838,6 +943,43 @@ impl Backend for CudaBackend {
         self.unmap_run(ptr, size)
     }
 
+    fn unmap_later(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        if self.unmapper().is_none() {
+            return self.unmap(ptr, size);
+        }
+        let inside: Vec<DevicePtr> = self
+            .mappings
+            .range(ptr..ptr + size)
+            .map(|(&a, _)| a)
+            .collect();
+        // Counted now, as a call made at once would be (the defragmentation
+        // budget reads the counts); its time is the helper's.
+        self.calls
+            .add(DriverCall::Unmap, inside.len() as u64, size, 0);
+        for a in inside {
+            self.mappings.remove(&a);
+        }
+        if let Some(u) = &self.unmapper {
+            u.push(Job::Unmap { ptr, size });
+        }
+        Ok(())
+    }
+
+    fn free_reservation_later(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        let Some(u) = &self.unmapper else {
+            return self.free_reservation(ptr, size);
+        };
+        u.push(Job::Free { ptr, size });
+        self.calls.add(DriverCall::AddressFree, 0, size, 0);
+        Ok(())
+    }
+
+    fn hold_later_work(&mut self, held: bool) {
+        if let Some(u) = &self.unmapper {
+            u.hold(held);
+        }
+    }
+
     fn copy(&mut self, dst: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         let _bound = self.bind()?;
         // SAFETY: both ranges are mapped and accessible on this device
@@ -877,6 +1019,8 @@ impl Backend for CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        // The helper finishes its jobs while the context is still retained.
+        drop(self.unmapper.take());
         let Ok(_bound) = self.bind() else {
             return;
         };

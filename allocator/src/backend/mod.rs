@@ -6,6 +6,7 @@
 
 pub mod sim;
 pub mod stream;
+pub mod unmapper;
 
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
@@ -194,6 +195,31 @@ pub trait Backend: Send {
         Err(BackendError::Unavailable(
             "virtual memory is not supported by this backend".into(),
         ))
+    }
+
+    /// [`unmap`](Self::unmap), but the backend may do it later, on a helper
+    /// thread (Note [Unmapping off the allocating thread] in
+    /// `backend/unmapper.rs`): the caller gives the range up now, and the
+    /// backend finishes it before it maps over any of its addresses,
+    /// releases a handle, frees a reservation over it, or drops. The
+    /// default unmaps at once.
+    fn unmap_later(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        self.unmap(ptr, size)
+    }
+
+    /// [`free_reservation`](Self::free_reservation), later as
+    /// [`unmap_later`](Self::unmap_later) is, after the ranges given to it
+    /// before. The default frees at once.
+    fn free_reservation_later(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        self.free_reservation(ptr, size)
+    }
+
+    /// The allocating thread starts (`true`) or ends (`false`) a request
+    /// that maps memory: work given to [`unmap_later`](Self::unmap_later)
+    /// waits meanwhile, since the driver runs VMM calls one at a time.
+    /// Nothing to do for a backend that does that work at once.
+    fn hold_later_work(&mut self, held: bool) {
+        let _ = held;
     }
 
     /// Copies `bytes` from `src` to `dst` (both mapped device memory) and

@@ -22,6 +22,8 @@ use rustc_hash::FxHashMap;
 use super::{Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId};
 use crate::cost::{DriverCall, DriverCalls};
 
+mod later;
+
 /// Where simulated allocations start (looks like a CUDA address, never 0).
 const BASE: u64 = 0x7f00_0000_0000;
 /// Where simulated virtual reservations start, far from allocations.
@@ -196,6 +198,8 @@ pub struct SimBackend {
     pub counters: SimCounters,
     /// Devices granted access to this one's memory (`add_peer`), in order.
     pub peers: Vec<u32>,
+    /// Work given to `unmap_later` and held back (`later.rs`).
+    later: later::LaterWork,
 }
 
 impl SimBackend {
@@ -242,6 +246,7 @@ impl SimBackend {
             next_capture: 1,
             counters: SimCounters::default(),
             peers: Vec::new(),
+            later: later::LaterWork::default(),
         }
     }
 
@@ -529,6 +534,49 @@ impl SimBackend {
     pub fn is_completed(&self, stream: StreamId, seq: u64) -> bool {
         self.streams.get(&stream).is_none_or(|s| s.completed >= seq)
     }
+    /// Frees the reservation at `va` (checked, not counted).
+    fn free_now(&mut self, va: DevicePtr, size: u64) {
+        let r = self
+            .reservations
+            .remove(&va)
+            .unwrap_or_else(|| panic!("SimBackend: unknown reservation {va:#x}"));
+        assert_eq!(
+            r.size, size,
+            "SimBackend: reservation {va:#x} freed with the wrong size"
+        );
+        assert!(
+            r.mapped.is_empty(),
+            "SimBackend: reservation {va:#x} freed with pages still mapped"
+        );
+    }
+
+    /// Unmaps `[ptr, ptr + size)` (checked, not counted) and logs it.
+    fn unmap_now(&mut self, ptr: DevicePtr, size: u64) {
+        let (r, off) = self.reservation_of(ptr, size);
+        let inside: Vec<u64> = r.mapped.range(off..off + size).map(|(&o, _)| o).collect();
+        let mut at = off;
+        let mut freed: Vec<HandleId> = Vec::new();
+        for o in inside {
+            assert_eq!(
+                o, at,
+                "SimBackend: unmap of {ptr:#x}+{size} has a hole at offset {at:#x}"
+            );
+            let (h, len) = r.mapped.remove(&o).expect("listed above");
+            at += len;
+            freed.push(h);
+        }
+        assert_eq!(
+            at,
+            off + size,
+            "SimBackend: unmap of {ptr:#x}+{size} does not end at a mapping's end"
+        );
+        for h in freed {
+            self.handles.get_mut(&h).expect("mapped handle").1 -= 1;
+        }
+        if let Some(log) = &mut self.unmap_log {
+            log.push((ptr, size));
+        }
+    }
 }
 
 impl Backend for SimBackend {
@@ -684,20 +732,21 @@ impl Backend for SimBackend {
     fn free_reservation(&mut self, va: DevicePtr, size: u64) -> Result<(), BackendError> {
         self.fault(SimCall::FreeReservation)?;
         self.forbid_in_capture("free_reservation");
-        let r = self
-            .reservations
-            .remove(&va)
-            .unwrap_or_else(|| panic!("SimBackend: unknown reservation {va:#x}"));
-        assert_eq!(
-            r.size, size,
-            "SimBackend: reservation {va:#x} freed with the wrong size"
-        );
-        assert!(
-            r.mapped.is_empty(),
-            "SimBackend: reservation {va:#x} freed with pages still mapped"
-        );
+        self.run_later_over(va, va + size);
+        self.free_now(va, size);
         self.driver.add(DriverCall::AddressFree, 0, size, 0);
         Ok(())
+    }
+
+    fn free_reservation_later(&mut self, va: DevicePtr, size: u64) -> Result<(), BackendError> {
+        if self.defers() {
+            return self.queue_free(va, size);
+        }
+        self.free_reservation(va, size)
+    }
+
+    fn hold_later_work(&mut self, held: bool) {
+        self.hold_later(held);
     }
 
     fn create_handle(&mut self, size: u64, capturing: bool) -> Result<HandleId, BackendError> {
@@ -725,6 +774,7 @@ impl Backend for SimBackend {
     fn release_handle(&mut self, handle: HandleId, size: u64) -> Result<(), BackendError> {
         self.fault(SimCall::ReleaseHandle)?;
         self.forbid_in_capture("release_handle");
+        self.run_later(|_| true);
         let (got, mapped) = self
             .handles
             .remove(&handle)
@@ -758,6 +808,7 @@ impl Backend for SimBackend {
             self.forbid_in_capture("map without the capturing flag");
         }
         let total: u64 = handles.iter().map(|h| h.1).sum();
+        self.run_later_over(ptr, ptr + total);
         let (r, mut off) = self.reservation_of(ptr, total);
         for &(h, size) in handles {
             assert!(
@@ -792,33 +843,18 @@ impl Backend for SimBackend {
         self.fault(SimCall::Unmap)?;
         self.forbid_in_capture("unmap");
         let (r, off) = self.reservation_of(ptr, size);
-        let inside: Vec<u64> = r.mapped.range(off..off + size).map(|(&o, _)| o).collect();
-        let mut at = off;
-        let mut freed: Vec<HandleId> = Vec::new();
-        for o in inside {
-            assert_eq!(
-                o, at,
-                "SimBackend: unmap of {ptr:#x}+{size} has a hole at offset {at:#x}"
-            );
-            let (h, len) = r.mapped.remove(&o).expect("listed above");
-            at += len;
-            freed.push(h);
-        }
-        assert_eq!(
-            at,
-            off + size,
-            "SimBackend: unmap of {ptr:#x}+{size} does not end at a mapping's end"
-        );
+        let handles = r.mapped.range(off..off + size).count() as u64;
+        self.unmap_now(ptr, size);
         self.counters.unmap += 1;
-        self.driver
-            .add(DriverCall::Unmap, freed.len() as u64, size, 0);
-        for h in freed {
-            self.handles.get_mut(&h).expect("mapped handle").1 -= 1;
-        }
-        if let Some(log) = &mut self.unmap_log {
-            log.push((ptr, size));
-        }
+        self.driver.add(DriverCall::Unmap, handles, size, 0);
         Ok(())
+    }
+
+    fn unmap_later(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        if self.defers() {
+            return self.queue_unmap(ptr, size);
+        }
+        self.unmap(ptr, size)
     }
 
     fn add_peer(&mut self, peer: u32) -> Result<(), BackendError> {

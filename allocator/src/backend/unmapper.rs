@@ -1,0 +1,347 @@
+//! A helper thread that takes address ranges off the allocating thread.
+//!
+//! Note [Unmapping off the allocating thread]
+//! Rationale: unmapping costs about 25 µs a handle (`docs/driver-costs.md`)
+//! and nothing waits for its result: a range the allocator gave up (the old
+//! address of pages that moved, a cached stitch torn down) only has to be
+//! gone before its addresses are mapped again or its handles go back to the
+//! driver. On the H200 the multi-scale detector spent 73–98 ms a run in
+//! `cuMemUnmap` on the thread that allocates, most of it tearing down
+//! stitches (`docs/results/h200-round19/`).
+//! Approach: the CUDA backend hands such ranges to a helper thread as jobs
+//! (unmap a range, then free a reservation), done in order. The driver runs
+//! VMM calls from several threads one at a time (`docs/driver-costs.md`,
+//! section 9), so a job running while the allocating thread maps would only
+//! make it wait: the allocator holds the jobs back for the length of a
+//! request that maps memory (`hold`) and lets them run when it returns to
+//! the caller's work, kernel launches mostly, which a helper's VMM calls
+//! slow by 3–20%. The backend waits for the jobs over a range before it maps
+//! there again (`wait_range`) and for all of them before it releases a
+//! handle, synchronizes, or drops (`wait_all`). A failed job is logged; the
+//! range stays mapped, which the next mapping over it reports. The
+//! simulator does the same work at once, so replays, the budget and every
+//! decision are the same with the helper or without (`unmap_thread`).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::{Condvar, Mutex};
+
+use super::{BackendError, DevicePtr};
+
+/// One piece of work for the helper.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Job {
+    /// Unmap `[ptr, ptr + size)`, a run of whole mappings.
+    Unmap {
+        /// Start of the range.
+        ptr: DevicePtr,
+        /// Bytes.
+        size: u64,
+    },
+    /// Free the reservation `[ptr, ptr + size)` (all unmapped by then).
+    Free {
+        /// Start of the reservation.
+        ptr: DevicePtr,
+        /// Bytes.
+        size: u64,
+    },
+}
+
+impl Job {
+    /// Whether the job's range has an address in `[lo, hi)`.
+    pub fn overlaps(&self, lo: DevicePtr, hi: DevicePtr) -> bool {
+        let (Job::Unmap { ptr, size } | Job::Free { ptr, size }) = *self;
+        ptr < hi && lo < ptr + size
+    }
+}
+
+/// Does one job on the helper thread. Called there only.
+pub type Work = Box<dyn FnMut(Job) -> Result<(), BackendError> + Send>;
+
+#[derive(Default)]
+struct State {
+    /// Jobs not started, oldest first, with their sequence numbers.
+    queue: VecDeque<(u64, Job)>,
+    /// The job being done.
+    running: Option<(u64, Job)>,
+    /// Sequence number of the next job.
+    next: u64,
+    /// Every job numbered below this is done.
+    done: u64,
+    /// The allocating thread holds the jobs back (`hold`).
+    held: bool,
+    /// Jobs numbered below this run even while held: someone waits for them.
+    urgent_to: u64,
+    /// The helper is to finish the queue and stop.
+    stop: bool,
+    /// Jobs that failed.
+    failed: u64,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+/// The helper thread and its queue. See Note [Unmapping off the allocating
+/// thread]. Dropping it finishes the queue and joins the thread.
+pub struct Unmapper {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Unmapper {
+    /// Starts the helper thread, which does each job with `work`.
+    ///
+    /// # Errors
+    /// When the thread cannot be started (the caller then does its work itself).
+    pub fn start(name: String, mut work: Work) -> std::io::Result<Unmapper> {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+        });
+        let s = Arc::clone(&shared);
+        let thread = std::thread::Builder::new().name(name).spawn(move || {
+            loop {
+                let (seq, job) = {
+                    let mut st = s.state.lock();
+                    loop {
+                        if let Some(&(seq, _)) = st.queue.front()
+                            && (!st.held || seq < st.urgent_to || st.stop)
+                        {
+                            break;
+                        }
+                        if st.stop {
+                            return;
+                        }
+                        s.changed.wait(&mut st);
+                    }
+                    let next = st.queue.pop_front().expect("not empty");
+                    st.running = Some(next);
+                    next
+                };
+                let result = work(job);
+                let mut st = s.state.lock();
+                st.running = None;
+                st.done = seq + 1;
+                if let Err(e) = result {
+                    st.failed += 1;
+                    crate::log::unmap_failed(&job, &e);
+                }
+                s.changed.notify_all();
+            }
+        })?;
+        Ok(Unmapper {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues `job`, after every job queued before.
+    pub fn push(&self, job: Job) {
+        let mut st = self.shared.state.lock();
+        let seq = st.next;
+        st.next += 1;
+        st.queue.push_back((seq, job));
+        if !st.held {
+            self.shared.changed.notify_all();
+        }
+    }
+
+    /// Holds the jobs back (`true`: the allocating thread is about to make
+    /// driver calls) or lets them run (`false`). A job already running ends.
+    pub fn hold(&self, held: bool) {
+        let mut st = self.shared.state.lock();
+        st.held = held;
+        if !held {
+            self.shared.changed.notify_all();
+        }
+    }
+
+    /// Waits until every job over an address in `[lo, hi)` is done.
+    pub fn wait_range(&self, lo: DevicePtr, hi: DevicePtr) {
+        self.wait_for(|j| j.overlaps(lo, hi));
+    }
+
+    /// Waits until every job queued is done.
+    pub fn wait_all(&self) {
+        self.wait_for(|_| true);
+    }
+
+    /// Whether no job waits or runs.
+    pub fn is_idle(&self) -> bool {
+        let st = self.shared.state.lock();
+        st.queue.is_empty() && st.running.is_none()
+    }
+
+    /// Jobs that failed so far.
+    pub fn failed(&self) -> u64 {
+        self.shared.state.lock().failed
+    }
+
+    fn wait_for(&self, pick: impl Fn(&Job) -> bool) {
+        let mut st = self.shared.state.lock();
+        let last = st
+            .running
+            .iter()
+            .chain(st.queue.iter())
+            .filter(|(_, j)| pick(j))
+            .map(|&(seq, _)| seq)
+            .max();
+        let Some(last) = last else {
+            return;
+        };
+        st.urgent_to = st.urgent_to.max(last + 1);
+        self.shared.changed.notify_all();
+        while st.done <= last {
+            self.shared.changed.wait(&mut st);
+        }
+    }
+}
+
+impl Drop for Unmapper {
+    fn drop(&mut self) {
+        self.shared.state.lock().stop = true;
+        self.shared.changed.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// An unmapper whose jobs are reported on a channel, each taking `pause`.
+    fn recording(pause: Duration) -> (Unmapper, mpsc::Receiver<Job>) {
+        let (tx, rx) = mpsc::channel();
+        let u = Unmapper::start(
+            "test-unmapper".into(),
+            Box::new(move |job| {
+                std::thread::sleep(pause);
+                tx.send(job).unwrap();
+                match job {
+                    Job::Unmap { ptr: 0xbad, .. } => Err(BackendError::Driver {
+                        call: "cuMemUnmap",
+                        code: 1,
+                        name: "CUDA_ERROR_INVALID_VALUE".into(),
+                    }),
+                    _ => Ok(()),
+                }
+            }),
+        )
+        .unwrap();
+        (u, rx)
+    }
+
+    #[test]
+    fn jobs_run_in_order_and_dropping_finishes_them() {
+        let (u, rx) = recording(Duration::from_millis(1));
+        let jobs: Vec<Job> = (0..5)
+            .map(|i| Job::Unmap {
+                ptr: i << 21,
+                size: 2 << 20,
+            })
+            .chain([Job::Free {
+                ptr: 0,
+                size: 10 << 20,
+            }])
+            .collect();
+        for &j in &jobs {
+            u.push(j);
+        }
+        drop(u);
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), jobs);
+    }
+
+    #[test]
+    fn held_jobs_wait_until_let_go() {
+        let (u, rx) = recording(Duration::ZERO);
+        u.hold(true);
+        u.push(Job::Unmap { ptr: 0, size: 512 });
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(rx.try_recv().is_err(), "a held job ran");
+        assert!(!u.is_idle());
+        u.hold(false);
+        assert_eq!(
+            rx.recv_timeout(Duration::from_secs(5)).unwrap(),
+            Job::Unmap { ptr: 0, size: 512 }
+        );
+    }
+
+    #[test]
+    fn waiting_for_a_range_runs_held_jobs_up_to_the_last_over_it() {
+        let (u, rx) = recording(Duration::from_millis(2));
+        u.hold(true);
+        let a = Job::Unmap {
+            ptr: 0x1000_0000,
+            size: 4 << 20,
+        };
+        let b = Job::Unmap {
+            ptr: 0x2000_0000,
+            size: 2 << 20,
+        };
+        let c = Job::Unmap {
+            ptr: 0x3000_0000,
+            size: 2 << 20,
+        };
+        u.push(a);
+        u.push(b);
+        u.push(c);
+        // Nothing over this range: no wait, nothing runs.
+        u.wait_range(0x4000_0000, 0x5000_0000);
+        assert!(rx.try_recv().is_err());
+        // The second job is over it: it and the one before are done on return.
+        u.wait_range(0x2000_0000 + 4096, 0x2000_0000 + 8192);
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![a, b]);
+        assert!(!u.is_idle(), "the third job stays held");
+        u.wait_all();
+        assert!(u.is_idle());
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![c]);
+    }
+
+    #[test]
+    fn a_failed_job_is_counted_and_the_queue_goes_on() {
+        let (u, rx) = recording(Duration::ZERO);
+        u.push(Job::Unmap {
+            ptr: 0xbad,
+            size: 512,
+        });
+        u.push(Job::Free { ptr: 0, size: 512 });
+        u.wait_all();
+        assert_eq!(u.failed(), 1);
+        assert_eq!(rx.try_iter().count(), 2);
+    }
+
+    #[test]
+    fn jobs_pushed_from_several_threads_all_run() {
+        let (u, rx) = recording(Duration::ZERO);
+        let u = Arc::new(u);
+        let pushers: Vec<_> = (0..4u64)
+            .map(|t| {
+                let u = Arc::clone(&u);
+                std::thread::spawn(move || {
+                    for i in 0..50u64 {
+                        u.push(Job::Unmap {
+                            ptr: (t * 1000 + i) << 21,
+                            size: 2 << 20,
+                        });
+                        if i % 10 == 0 {
+                            u.wait_range((t * 1000 + i) << 21, ((t * 1000 + i) << 21) + 1);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for p in pushers {
+            p.join().unwrap();
+        }
+        u.wait_all();
+        assert_eq!(rx.try_iter().count(), 200);
+    }
+}
