@@ -86,6 +86,8 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) defrag_budget: DefragBudget,
     /// Driver calls counted before the last `reset_accumulated_stats`.
     driver_baseline: DriverCalls,
+    /// The helper thread's calls at the last reset of accumulated stats.
+    helper_baseline: DriverCalls,
     /// The peak of allocated bytes before the last `reset_peak_stats`:
     /// with the stats' peak, the high-water mark the policy reads, so that
     /// resetting a statistic (which traces do not record) changes no
@@ -121,6 +123,7 @@ impl<B: Backend> DeviceAllocator<B> {
             stitches: Stitches::default(),
             defrag_budget: DefragBudget::default(),
             driver_baseline: DriverCalls::default(),
+            helper_baseline: DriverCalls::default(),
             allocated_high_before_reset: 0,
             poisoned: false,
         }
@@ -197,6 +200,12 @@ impl<B: Backend> DeviceAllocator<B> {
         self.backend.driver_calls().since(&self.driver_baseline)
     }
 
+    /// Driver calls a helper thread made for the device, with their time,
+    /// since the same moment (Note [Unmapping off the allocating thread]).
+    pub fn helper_driver_calls(&self) -> DriverCalls {
+        self.backend.helper_calls().since(&self.helper_baseline)
+    }
+
     /// `reset_peak_memory_stats`.
     pub fn reset_peak_stats(&mut self) {
         self.allocated_high_before_reset = self.allocated_high();
@@ -218,6 +227,7 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         self.stats.reset_accumulated();
         self.driver_baseline = self.backend.driver_calls();
+        self.helper_baseline = self.backend.helper_calls();
     }
 
     #[inline]

@@ -41,6 +41,8 @@ fn names() -> &'static [CString] {
 /// kind, in a fixed order, zeros included), and writes `n` to `*needed`.
 /// `GPUALLOC_ERR_BUFFER_TOO_SMALL` when `cap < n` (`rows == NULL, cap == 0`
 /// asks for `n`). A device not used yet reports zeros and is not started.
+/// Calls a helper thread made (`gpualloc_helper_driver_calls`) count here
+/// with the time the allocating thread spent on them, not theirs.
 ///
 /// # Safety
 /// `rows` is NULL or points to `cap` writable `GpuallocDriverCall`;
@@ -52,12 +54,45 @@ pub unsafe extern "C" fn gpualloc_driver_calls(
     cap: usize,
     needed: *mut usize,
 ) -> c_int {
+    // SAFETY: the caller's promises, passed on.
+    unsafe { fill(device, rows, cap, needed, |d| d.driver_calls()) }
+}
+
+/// `gpualloc_driver_calls` for the calls a helper thread made for `device`,
+/// with the time they took there: the unmapping the allocator hands off
+/// (`unmap_thread`, Note [Unmapping off the allocating thread]). Zeros
+/// where none was made.
+///
+/// # Safety
+/// As for `gpualloc_driver_calls`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_helper_driver_calls(
+    device: c_int,
+    rows: *mut GpuallocDriverCall,
+    cap: usize,
+    needed: *mut usize,
+) -> c_int {
+    // SAFETY: the caller's promises, passed on.
+    unsafe { fill(device, rows, cap, needed, |d| d.helper_driver_calls()) }
+}
+
+/// Writes the rows of the calls `read` gives for `device`.
+///
+/// # Safety
+/// As for `gpualloc_driver_calls`.
+unsafe fn fill(
+    device: c_int,
+    rows: *mut GpuallocDriverCall,
+    cap: usize,
+    needed: *mut usize,
+    read: impl Fn(&gpualloc::DeviceAllocator<crate::global::AnyBackend>) -> DriverCalls,
+) -> c_int {
     status(|| {
         let calls = match existing() {
             Some(g) => g
                 .alloc
                 .peek(i64::from(device))?
-                .map_or_else(DriverCalls::default, |d| d.driver_calls()),
+                .map_or_else(DriverCalls::default, |d| read(&d)),
             None => global::idle(i64::from(device)).map(|_| DriverCalls::default())?,
         };
         let n = DriverCall::ALL.len();

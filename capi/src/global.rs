@@ -135,6 +135,9 @@ impl Backend for AnyBackend {
     fn driver_calls(&self) -> DriverCalls {
         dispatch!(self, b => b.driver_calls())
     }
+    fn helper_calls(&self) -> DriverCalls {
+        dispatch!(self, b => b.helper_calls())
+    }
 }
 
 /// The allocator and how it was made.

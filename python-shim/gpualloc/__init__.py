@@ -177,13 +177,17 @@ def fragmentation(device=None) -> Dict[str, float]:
     }
 
 
-def driver_calls(device=None) -> Dict[str, dict]:
+def driver_calls(device=None, helper=False) -> Dict[str, dict]:
     """The driver calls made since the device started (or its accumulated
     stats were reset), by kind: ``{"cuMemSetAccess": {"calls", "handles",
     "bytes", "ms"}, ...}``, the shape of ``gpualloc replay --json``'s
     ``driver_calls_by_kind``, with the milliseconds measured instead of
-    predicted (0 on the simulated backend)."""
-    return lib().driver_calls(_device(device))
+    predicted (0 on the simulated backend).
+
+    The milliseconds are the allocating thread's: unmapping handed to the
+    helper thread (``unmap_thread``) counts with the time spent waiting for
+    it. ``helper=True`` gives the calls that thread made, with their time."""
+    return lib().driver_calls(_device(device), helper)
 
 
 def snapshot(device=None) -> List[dict]:

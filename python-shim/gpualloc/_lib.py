@@ -273,6 +273,10 @@ _SIGNATURES = {
         c_int,
         [c_int, ctypes.POINTER(DriverCallRow), c_size_t, ctypes.POINTER(c_size_t)],
     ),
+    "gpualloc_helper_driver_calls": (
+        c_int,
+        [c_int, ctypes.POINTER(DriverCallRow), c_size_t, ctypes.POINTER(c_size_t)],
+    ),
     "gpualloc_reset_peak_stats": (c_int, [c_int]),
     "gpualloc_reset_accumulated_stats": (c_int, [c_int]),
     "gpualloc_cache_info": (c_int, [c_int, ctypes.POINTER(c_size_t)]),
@@ -479,15 +483,17 @@ class Library:
         self.check(self.dll.gpualloc_get_stats(_dev(device), ctypes.byref(s)))
         return s
 
-    def driver_calls(self, device: int = 0) -> Dict[str, dict]:
+    def driver_calls(self, device: int = 0, helper: bool = False) -> Dict[str, dict]:
         """The kinds of driver call made, as ``gpualloc replay --json`` lists
-        them (``driver_calls_by_kind``), with the time measured in them."""
+        them (``driver_calls_by_kind``), with the time measured in them; with
+        ``helper``, those the unmapping thread made, with its time."""
+        fn = self.dll.gpualloc_helper_driver_calls if helper else self.dll.gpualloc_driver_calls
         n = c_size_t(0)
-        rc = self.dll.gpualloc_driver_calls(_dev(device), None, 0, ctypes.byref(n))
+        rc = fn(_dev(device), None, 0, ctypes.byref(n))
         if rc != ERR_BUFFER_TOO_SMALL:
             self.check(rc)
         rows = (DriverCallRow * n.value)()
-        self.check(self.dll.gpualloc_driver_calls(_dev(device), rows, n.value, None))
+        self.check(fn(_dev(device), rows, n.value, None))
         return {
             r.name.decode(): {"calls": r.calls, "handles": r.handles, "bytes": r.bytes, "ms": r.nanos / 1e6}
             for r in rows

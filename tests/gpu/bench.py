@@ -103,7 +103,8 @@ def summarize_driver(runs, workload, variants):
     """One row a variant that measured its driver calls (gpualloc's): the
     milliseconds of the kinds in DRIVER_KINDS, of the others, of all steps,
     of step 0 and of the setup before the loop (building the model),
-    medians over repeats. Runs recorded before the setup was read apart
+    medians over repeats, and the milliseconds the unmapping thread spent
+    in the whole run. Runs recorded before the setup was read apart
     (round 19's first two) count it within step 0 and the steps and show
     no setup."""
     rows = []
@@ -117,7 +118,9 @@ def summarize_driver(runs, workload, variants):
                "step0_ms": median([driver_ms(x.get("driver_calls_step0"), lambda n: True) for x in res]),
                "setup_ms": median([driver_ms(x["driver_calls_setup"], lambda n: True) if "driver_calls_setup" in x else None
                                    for x in res]),
-               "other_ms": median([driver_ms(x["driver_calls"], lambda n: n not in DRIVER_KINDS) for x in res])}
+               "other_ms": median([driver_ms(x["driver_calls"], lambda n: n not in DRIVER_KINDS) for x in res]),
+               "helper_ms": median([driver_ms(x["helper_driver_calls"], lambda n: True) if "helper_driver_calls" in x
+                                    else None for x in res])}
         for kind in DRIVER_KINDS:
             row[kind] = median([driver_ms(x["driver_calls"], lambda n, k=kind: n == k) for x in res])
             row[kind + " calls"] = median([x["driver_calls"].get(kind, {}).get("calls", 0) for x in res])
@@ -260,16 +263,20 @@ def markdown(bench):
         sections.append(sec)
     if a["repeats"] and any(bench.get("driver", {}).values()):
         sec = ["## Driver time measured by gpualloc (ms, medians over repeats; calls in parentheses)", "",
-               "| workload | variant | all steps | step 0 | setup | " + " | ".join(DRIVER_KINDS) + " | other |",
-               "|---|---|---|---|---|" + "---|" * (len(DRIVER_KINDS) + 1)]
+               "| workload | variant | all steps | step 0 | setup | " + " | ".join(DRIVER_KINDS)
+               + " | other | unmapping thread |",
+               "|---|---|---|---|---|" + "---|" * (len(DRIVER_KINDS) + 2)]
         for w, rows in bench["driver"].items():
             for r in rows:
                 kinds = " | ".join(f"{fmt(r[k], '.1f')} ({fmt(r[k + ' calls'], 'g')})" for k in DRIVER_KINDS)
                 sec.append(f"| {w} | {r['variant']} | {fmt(r['total_ms'], '.1f')} | {fmt(r['step0_ms'], '.1f')} "
-                           f"| {fmt(r['setup_ms'], '.1f')} | {kinds} | {fmt(r['other_ms'], '.1f')} |")
+                           f"| {fmt(r['setup_ms'], '.1f')} | {kinds} | {fmt(r['other_ms'], '.1f')} "
+                           f"| {fmt(r.get('helper_ms'), '.1f')} |")
         sec += ["", "The columns by kind (and other) cover all steps. Setup is what came before the first step "
                 "(building the model); runs that did not read it apart show –, and count it within step 0 and "
-                "all steps."]
+                "all steps. The allocating thread's time: the unmapping handed to the helper thread "
+                "(`unmap_thread`) counts there with the time spent waiting for it, and the last column is "
+                "that thread's own time over the whole run (– where not measured)."]
         sections.append(sec)
     for w, rows in (bench.get("churn") or {}).items() if a["repeats"] else ():
         sec = [f"## {w}, {CHURN_OPS} torch.empty calls, medians over {a['repeats']} repeat(s)", "",

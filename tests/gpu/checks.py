@@ -580,7 +580,8 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
     of each step and step_device_calls its device allocations and frees, and
     the driver calls by kind (gpualloc.driver_calls()) made before the loop
     (driver_calls_setup: building the model), in step 0 and in all steps
-    (driver_calls_step0, driver_calls).
+    (driver_calls_step0, driver_calls), and those the unmapping thread made
+    in the whole run, setup included (helper_driver_calls).
     """
     import torch
 
@@ -635,15 +636,22 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
         "step_ms": [round(t * 1e3, 2) for t in times],
         **({"step_driver_ms": driver, "step_device_calls": device} if per_step else {}),
         **({"driver_calls_setup": setup, "driver_calls_step0": by_kind0,
-            "driver_calls": _driver_calls_since(gpualloc, setup)} if per_step else {}),
+            "driver_calls": _driver_calls_since(gpualloc, setup),
+            "helper_driver_calls": _driver_calls(gpualloc, helper=True)} if per_step else {}),
     }
 
 
-def _driver_calls(gpualloc):
-    """gpualloc's driver calls by kind since the device started, or None
-    where this build of the package has no ``driver_calls``."""
+def _driver_calls(gpualloc, helper=False):
+    """gpualloc's driver calls by kind since the device started (with
+    ``helper``, those its unmapping thread made), or None where this build
+    of the package cannot tell."""
     f = getattr(gpualloc, "driver_calls", None)
-    return f() if f is not None else None
+    if f is None:
+        return None
+    try:
+        return f(helper=True) if helper else f()
+    except TypeError:  # a build before the unmapping thread
+        return None
 
 
 def _driver_calls_since(gpualloc, before):

@@ -159,15 +159,18 @@ class BenchDriverTime(unittest.TestCase):
 
         runs = [measured(0, 10.0), measured(1, 30.0), measured(2, 20.0), bench_run("w", "native", 0, 0.1)]
         runs[0]["result"]["driver_calls_setup"] = {"cuMemCreate": {"calls": 2, "handles": 2, "bytes": 1, "ms": 5.0}}
+        for rep, ms in enumerate((7.0, 9.0)):
+            runs[rep]["result"]["helper_driver_calls"] = {"cuMemUnmap": {"calls": 4, "handles": 0, "bytes": 1, "ms": ms}}
         rows = bench.summarize_driver(runs, "w", ["native", "gpualloc"])
         self.assertEqual([r["variant"] for r in rows], ["gpualloc"], "only variants that measured")
         r = rows[0]
         self.assertEqual((r["runs"], r["total_ms"], r["step0_ms"], r["setup_ms"]), (3, 60.5, 20.0, 5.0))
         self.assertEqual((r["cuEventSynchronize"], r["cuEventSynchronize calls"]), (20.0, 3))
         self.assertEqual((r["cuMemCreate"], r["other_ms"]), (0, 0.5))
+        self.assertEqual(r["helper_ms"], 8.0, "the median of the runs that measured it")
         text = bench.markdown({"args": {"repeats": 3, "steps": 60}, "variants": ["gpualloc"], "training": {},
                                "driver": {"w": rows}, "runs": runs, "skipped": []})
-        self.assertIn("| w | gpualloc | 60.5 | 20.0 | 5.0 | 40.0 (10) | 0.0 (0) | 0.0 (0) | 20.0 (3) | 0.5 |", text)
+        self.assertIn("| w | gpualloc | 60.5 | 20.0 | 5.0 | 40.0 (10) | 0.0 (0) | 0.0 (0) | 20.0 (3) | 0.5 | 8.0 |", text)
 
     def test_a_reading_since_another_leaves_out_kinds_without_new_calls(self):
         class Fake:

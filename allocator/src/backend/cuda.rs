@@ -451,13 +451,6 @@ impl CudaBackend {
             .add_time(DriverCall::Unmap, t.elapsed().as_nanos() as u64);
     }
 
-    /// Driver calls the helper thread made for `unmap_later` and
-    /// `free_reservation_later`, with their time (not counted in
-    /// `driver_calls`, which has them without time).
-    pub fn helper_calls(&self) -> DriverCalls {
-        *self.helper_calls.lock()
-    }
-
     fn take_event(&mut self) -> Result<sys::CUevent, BackendError> {
         match self.spare_events.pop() {
             Some(e) => Ok(e),
@@ -1014,6 +1007,10 @@ impl Backend for CudaBackend {
 
     fn driver_calls(&self) -> DriverCalls {
         self.calls
+    }
+
+    fn helper_calls(&self) -> DriverCalls {
+        *self.helper_calls.lock()
     }
 }
 

@@ -293,6 +293,15 @@ pub trait Backend: Send {
         crate::clock::now_ns()
     }
 
+    /// Driver calls a helper thread made for this backend so far (Note
+    /// [Unmapping off the allocating thread] in `backend/unmapper.rs`), by
+    /// kind, with their time. [`driver_calls`](Self::driver_calls) counts
+    /// them too, when they were given, but without that time: it is the
+    /// allocating thread's. None for a backend without a helper.
+    fn helper_calls(&self) -> DriverCalls {
+        DriverCalls::default()
+    }
+
     /// Driver calls made so far, by kind, and the time they took where the
     /// backend measures it (the CUDA backend does; the simulator predicts it
     /// from a [`CostModel`](crate::cost::CostModel) instead).

@@ -179,6 +179,13 @@ static void test_stats(void) {
     CHECK(created >= 3 * MiB); /* what backs the 3 MiB block */
     CHECK(total == (uint64_t)s.num_driver_calls);
     CHECK(memory == (uint64_t)s.num_driver_memory_calls);
+    /* the simulated device has no helper thread: the same rows, all zero */
+    size_t helper_rows = 0;
+    CHECK(gpualloc_helper_driver_calls(0, NULL, 0, &helper_rows) == GPUALLOC_ERR_BUFFER_TOO_SMALL);
+    CHECK(helper_rows == rows);
+    CHECK(gpualloc_helper_driver_calls(42, d, rows, NULL) == GPUALLOC_ERR_INVALID_DEVICE);
+    CHECK(gpualloc_helper_driver_calls(0, d, rows, NULL) == GPUALLOC_OK);
+    for (size_t i = 0; i < rows; i++) CHECK(d[i].name != NULL && d[i].calls == 0 && d[i].nanos == 0);
     free(d);
   }
   /* an older caller's smaller struct gets only what it knows */

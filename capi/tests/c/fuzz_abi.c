@@ -152,6 +152,7 @@ int main(int argc, char **argv) {
       GpuallocDriverCall rows[32];
       size_t nrows = 0;
       gpualloc_driver_calls(device_value(), below(4) ? rows : NULL, (size_t)below(33), below(2) ? &nrows : NULL);
+      gpualloc_helper_driver_calls(device_value(), below(4) ? rows : NULL, (size_t)below(33), below(2) ? &nrows : NULL);
       size_t largest;
       gpualloc_cache_info(device_value(), &largest);
       uint64_t fr, tot;

@@ -479,11 +479,25 @@ int gpualloc_pool_restore(int device,
 // kind, in a fixed order, zeros included), and writes `n` to `*needed`.
 // `GPUALLOC_ERR_BUFFER_TOO_SMALL` when `cap < n` (`rows == NULL, cap == 0`
 // asks for `n`). A device not used yet reports zeros and is not started.
+// Calls a helper thread made (`gpualloc_helper_driver_calls`) count here
+// with the time the allocating thread spent on them, not theirs.
 //
 // # Safety
 // `rows` is NULL or points to `cap` writable `GpuallocDriverCall`;
 // `needed` is NULL or points to a writable size_t.
 int gpualloc_driver_calls(int device, struct GpuallocDriverCall *rows, size_t cap, size_t *needed);
+
+// `gpualloc_driver_calls` for the calls a helper thread made for `device`,
+// with the time they took there: the unmapping the allocator hands off
+// (`unmap_thread`, Note [Unmapping off the allocating thread]). Zeros
+// where none was made.
+//
+// # Safety
+// As for `gpualloc_driver_calls`.
+int gpualloc_helper_driver_calls(int device,
+                                 struct GpuallocDriverCall *rows,
+                                 size_t cap,
+                                 size_t *needed);
 
 // Describes how to share the allocation that starts at `ptr` on `device`
 // with another process.
