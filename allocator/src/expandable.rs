@@ -551,7 +551,8 @@ impl<B: Backend> DeviceAllocator<B> {
             self.drains.push(lo, hi - lo, s, stamp, handles);
         } else {
             self.notify(SegmentAction::Unmap, stream, lo, hi - lo);
-            if let Err(e) = self.pages.unmap(&mut self.backend, lo, hi, kind) {
+            let later = self.config.unmap_thread;
+            if let Err(e) = self.pages.unmap(&mut self.backend, lo, hi, kind, later) {
                 // Still mapped: say so again (Note [Segment events]).
                 self.notify(SegmentAction::Map, stream, lo, hi - lo);
                 return Err(e.into());

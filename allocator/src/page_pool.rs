@@ -333,15 +333,22 @@ impl PagePool {
     }
 
     /// Unmaps a run of whole handles (from [`whole_runs`](Self::whole_runs))
-    /// with one call and pools its handles, counted in `kind`.
+    /// with one call and pools its handles, counted in `kind`; with
+    /// `later`, through [`Backend::unmap_later`] (the handles may be mapped
+    /// elsewhere at once: Note [Unmapping off the allocating thread]).
     pub fn unmap<B: Backend>(
         &mut self,
         backend: &mut B,
         lo: DevicePtr,
         hi: DevicePtr,
         kind: PoolKind,
+        later: bool,
     ) -> Result<(), BackendError> {
-        backend.unmap(lo, hi - lo)?;
+        if later {
+            backend.unmap_later(lo, hi - lo)?;
+        } else {
+            backend.unmap(lo, hi - lo)?;
+        }
         self.detach(lo, hi, kind);
         Ok(())
     }

@@ -218,10 +218,14 @@ mod later_tests {
         ];
         for conf in ["", "expandable_handle_mb:2,defragment_budget:1"] {
             let config = Config::parse(conf).unwrap();
+            let mut off = config.clone();
+            off.unmap_thread = false;
             for (name, evs) in &traces {
                 let now = replay(evs.iter().copied(), 140 << 30, &config);
                 let held = replay_deferring(evs.iter().copied(), 140 << 30, &config);
                 assert_eq!(now, held, "{name} under `{conf}`");
+                let without = replay_deferring(evs.iter().copied(), 140 << 30, &off);
+                assert_eq!(now, without, "{name} under `{conf}` without the thread");
             }
         }
     }

@@ -155,6 +155,8 @@ pub struct CudaBackend {
     unmapper: Option<Unmapper>,
     /// Whether starting the helper thread failed (not tried again).
     no_unmapper: bool,
+    /// Whether the allocator holds the helper's jobs back (`hold_later_work`).
+    held: bool,
     /// Driver calls the helper thread made, with their time.
     helper_calls: Arc<parking_lot::Mutex<DriverCalls>>,
 }
@@ -209,6 +211,7 @@ impl CudaBackend {
             exported: FxHashMap::default(),
             unmapper: None,
             no_unmapper: false,
+            held: false,
             helper_calls: Arc::default(),
         })
     }
@@ -398,7 +401,7 @@ impl CudaBackend {
                 }
                 let t = Instant::now();
                 let (call, name, r) = match job {
-                    Job::Unmap { ptr, size } => {
+                    Job::Unmap { ptr, size, .. } => {
                         // SAFETY: the allocator gave the range up
                         // (`unmap_later`): a run of whole mappings no queued
                         // work touches, which the backend maps over only
@@ -413,14 +416,20 @@ impl CudaBackend {
                         (DriverCall::AddressFree, "cuMemAddressFree", r)
                     }
                 };
-                let (Job::Unmap { size, .. } | Job::Free { size, .. }) = job;
+                let (size, handles) = match job {
+                    Job::Unmap { size, handles, .. } => (size, handles),
+                    Job::Free { size, .. } => (size, 0),
+                };
                 calls
                     .lock()
-                    .add(call, 0, size, t.elapsed().as_nanos() as u64);
+                    .add(call, handles, size, t.elapsed().as_nanos() as u64);
                 check(name, r)
             });
             match Unmapper::start(format!("gpualloc-unmap-{}", self.ordinal), work) {
-                Ok(u) => self.unmapper = Some(u),
+                Ok(u) => {
+                    u.hold(self.held);
+                    self.unmapper = Some(u);
+                }
                 Err(e) => {
                     tracing::warn!(
                         "gpualloc: device {}: no unmapping thread ({e}); unmapping on the allocating thread",
@@ -434,21 +443,64 @@ impl CudaBackend {
     }
 
     /// Waits for the helper's jobs over `[lo, hi)` (all of them with
-    /// `None`), counting the wait as time in `cuMemUnmap`.
-    fn wait_later(&mut self, range: Option<(DevicePtr, DevicePtr)>) {
+    /// `None`) and does again, here, those that failed on the helper,
+    /// counting the time as `cuMemUnmap`'s. An error: a job failed again
+    /// (it is kept for the next wait).
+    fn wait_later(&mut self, range: Option<(DevicePtr, DevicePtr)>) -> Result<(), BackendError> {
         let Some(u) = &self.unmapper else {
-            return;
+            return Ok(());
         };
         if u.is_idle() {
-            return;
+            return Ok(());
         }
         let t = Instant::now();
         match range {
             Some((lo, hi)) => u.wait_range(lo, hi),
             None => u.wait_all(),
         }
+        let failed = u.take_failed();
+        let result = if failed.is_empty() {
+            Ok(())
+        } else {
+            self.redo(failed)
+        };
         self.calls
             .add_time(DriverCall::Unmap, t.elapsed().as_nanos() as u64);
+        result
+    }
+
+    /// Does jobs that failed on the helper thread on this one, in order;
+    /// those that fail again go back to the helper's list, and the first
+    /// error is returned.
+    fn redo(&mut self, jobs: Vec<Job>) -> Result<(), BackendError> {
+        let _bound = self.bind()?;
+        let mut again = Vec::new();
+        let mut first = Ok(());
+        for job in jobs {
+            let r = match job {
+                // SAFETY: as on the helper thread (`unmapper`): a range
+                // given up, then a reservation whose ranges were unmapped.
+                Job::Unmap { ptr, size, .. } => check("cuMemUnmap", unsafe {
+                    driver::cuMemUnmap(ptr, size as usize)
+                }),
+                // SAFETY: as above.
+                Job::Free { ptr, size } => check("cuMemAddressFree", unsafe {
+                    driver::cuMemAddressFree(ptr, size as usize)
+                }),
+            };
+            if let Err(e) = r {
+                again.push(job);
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        if !again.is_empty()
+            && let Some(u) = &self.unmapper
+        {
+            u.failed_again(again);
+        }
+        first
     }
 
     fn take_event(&mut self) -> Result<sys::CUevent, BackendError> {
@@ -650,12 +702,17 @@ impl Backend for CudaBackend {
     }
 
     fn wait_event(&mut self, event: EventId) -> Result<(), BackendError> {
-        let _bound = self.bind_for(event)?;
-        // SAFETY: `event` is live (contract).
-        let r = self.timed(DriverCall::EventSync, (0, 0), || unsafe {
-            driver::cuEventSynchronize(event_of(event))
+        // The helper's held jobs may run while this thread only waits.
+        let let_go = self.held;
+        self.hold_later_work(false);
+        let r = self.bind_for(event).map(|_bound| {
+            // SAFETY: `event` is live (contract).
+            self.timed(DriverCall::EventSync, (0, 0), || unsafe {
+                driver::cuEventSynchronize(event_of(event))
+            })
         });
-        check("cuEventSynchronize", r)
+        self.hold_later_work(let_go);
+        check("cuEventSynchronize", r?)
     }
 
     fn synchronize(&mut self) -> Result<(), BackendError> {
@@ -745,7 +802,7 @@ impl Backend for CudaBackend {
     }
 
     fn free_reservation(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
-        self.wait_later(Some((ptr, ptr + size)));
+        self.wait_later(Some((ptr, ptr + size)))?;
         let _bound = self.bind()?;
         // SAFETY: `ptr`/`size` came from `reserve` (contract) and every page
         // in it was unmapped by the allocator before this call.
@@ -798,7 +855,7 @@ impl Backend for CudaBackend {
 
     fn release_handle(&mut self, handle: HandleId, size: u64) -> Result<(), BackendError> {
         // The handle may still be mapped where the helper has yet to unmap.
-        self.wait_later(None);
+        self.wait_later(None)?;
         let _bound = self.bind()?;
         // SAFETY: `handle` came from `create_handle` and is not mapped (contract).
         let r = self.timed(DriverCall::Release, (1, size), || unsafe {
@@ -819,7 +876,7 @@ impl Backend for CudaBackend {
         capturing: bool,
     ) -> Result<(), BackendError> {
         let total: u64 = handles.iter().map(|h| h.1).sum();
-        self.wait_later(Some((ptr, ptr + total)));
+        self.wait_later(Some((ptr, ptr + total)))?;
         let _bound = self.bind()?;
         let _relaxed = if capturing {
             Some(RelaxedCaptureMode::enter()?)
@@ -937,37 +994,41 @@ impl Backend for CudaBackend {
     }
 
     fn unmap_later(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
-        if self.unmapper().is_none() {
-            return self.unmap(ptr, size);
-        }
         let inside: Vec<DevicePtr> = self
             .mappings
             .range(ptr..ptr + size)
             .map(|(&a, _)| a)
             .collect();
+        let handles = inside.len() as u64;
+        let queued = self
+            .unmapper()
+            .is_some_and(|u| u.push(Job::Unmap { ptr, size, handles }));
+        if !queued {
+            return self.unmap(ptr, size);
+        }
         // Counted now, as a call made at once would be (the defragmentation
         // budget reads the counts); its time is the helper's.
-        self.calls
-            .add(DriverCall::Unmap, inside.len() as u64, size, 0);
+        self.calls.add(DriverCall::Unmap, handles, size, 0);
         for a in inside {
             self.mappings.remove(&a);
-        }
-        if let Some(u) = &self.unmapper {
-            u.push(Job::Unmap { ptr, size });
         }
         Ok(())
     }
 
     fn free_reservation_later(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
-        let Some(u) = &self.unmapper else {
+        let queued = self
+            .unmapper
+            .as_ref()
+            .is_some_and(|u| u.push(Job::Free { ptr, size }));
+        if !queued {
             return self.free_reservation(ptr, size);
-        };
-        u.push(Job::Free { ptr, size });
+        }
         self.calls.add(DriverCall::AddressFree, 0, size, 0);
         Ok(())
     }
 
     fn hold_later_work(&mut self, held: bool) {
+        self.held = held;
         if let Some(u) = &self.unmapper {
             u.hold(held);
         }
@@ -1016,7 +1077,13 @@ impl Backend for CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        // The helper finishes its jobs while the context is still retained.
+        // The helper finishes its jobs while the context is still retained,
+        // and what failed there is tried once more here.
+        if let Some(u) = &self.unmapper {
+            u.wait_all();
+            let failed = u.take_failed();
+            let _ = self.redo(failed);
+        }
         drop(self.unmapper.take());
         let Ok(_bound) = self.bind() else {
             return;

@@ -485,7 +485,12 @@ impl SimBackend {
     pub fn backed_ranges(&self) -> Vec<(DevicePtr, u64)> {
         let mut v: Vec<(DevicePtr, u64)> = self.live.iter().map(|(&p, &s)| (p, s)).collect();
         for (&va, r) in &self.reservations {
-            v.extend(r.mapped.iter().map(|(&off, m)| (va + off, m.1)));
+            v.extend(
+                r.mapped
+                    .iter()
+                    .map(|(&off, m)| (va + off, m.1))
+                    .filter(|&(a, _)| !self.unmapping_later(a)),
+            );
         }
         v.sort_unstable();
         v
@@ -743,10 +748,6 @@ impl Backend for SimBackend {
             return self.queue_free(va, size);
         }
         self.free_reservation(va, size)
-    }
-
-    fn hold_later_work(&mut self, held: bool) {
-        self.hold_later(held);
     }
 
     fn create_handle(&mut self, size: u64, capturing: bool) -> Result<HandleId, BackendError> {

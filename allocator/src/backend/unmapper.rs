@@ -15,12 +15,20 @@
 //! make it wait: the allocator holds the jobs back for the length of a
 //! request that maps memory (`hold`) and lets them run when it returns to
 //! the caller's work, kernel launches mostly, which a helper's VMM calls
-//! slow by 3–20%. The backend waits for the jobs over a range before it maps
-//! there again (`wait_range`) and for all of them before it releases a
-//! handle, synchronizes, or drops (`wait_all`). A failed job is logged; the
-//! range stays mapped, which the next mapping over it reports. The
-//! simulator does the same work at once, so replays, the budget and every
-//! decision are the same with the helper or without (`unmap_thread`).
+//! slow by 3–20%; and while the allocating thread waits for the GPU
+//! (`cuEventSynchronize`), when the helper costs it nothing. (A request
+//! that panics leaves them held until the next request ends; waits and
+//! dropping run them regardless.) The backend
+//! waits for the jobs over a range before it maps or frees a reservation
+//! there (`wait_range`), and for all of them before it releases a handle or
+//! drops (`wait_all`). A job that fails is logged and kept; the backend does
+//! it again itself at its next wait (an error there fails that call, as the
+//! unmapping would have failed before), or when it drops. Calls are counted
+//! when given, so replays, the budget and every decision are the same with
+//! the helper or without (`unmap_thread`); the simulator can leave the jobs
+//! as long as the helper might (`backend/sim/later.rs`), which the checked
+//! tests do. A child process after `fork` has no helper: it never waits for
+//! one (CUDA cannot be used there anyway).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -39,6 +47,8 @@ pub enum Job {
         ptr: DevicePtr,
         /// Bytes.
         size: u64,
+        /// Physical handles mapped there (for the counts).
+        handles: u64,
     },
     /// Free the reservation `[ptr, ptr + size)` (all unmapped by then).
     Free {
@@ -52,7 +62,7 @@ pub enum Job {
 impl Job {
     /// Whether the job's range has an address in `[lo, hi)`.
     pub fn overlaps(&self, lo: DevicePtr, hi: DevicePtr) -> bool {
-        let (Job::Unmap { ptr, size } | Job::Free { ptr, size }) = *self;
+        let (Job::Unmap { ptr, size, .. } | Job::Free { ptr, size }) = *self;
         ptr < hi && lo < ptr + size
     }
 }
@@ -76,8 +86,8 @@ struct State {
     urgent_to: u64,
     /// The helper is to finish the queue and stop.
     stop: bool,
-    /// Jobs that failed.
-    failed: u64,
+    /// Jobs that failed, oldest first, for the backend to do again.
+    failed: Vec<Job>,
 }
 
 struct Shared {
@@ -90,6 +100,8 @@ struct Shared {
 pub struct Unmapper {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    /// The process that started the thread: a forked child has none.
+    pid: u32,
 }
 
 impl Unmapper {
@@ -123,24 +135,39 @@ impl Unmapper {
                     next
                 };
                 let result = work(job);
-                let mut st = s.state.lock();
-                st.running = None;
-                st.done = seq + 1;
+                {
+                    let mut st = s.state.lock();
+                    st.running = None;
+                    st.done = seq + 1;
+                    if result.is_err() {
+                        st.failed.push(job);
+                    }
+                    s.changed.notify_all();
+                }
                 if let Err(e) = result {
-                    st.failed += 1;
                     crate::log::unmap_failed(&job, &e);
                 }
-                s.changed.notify_all();
             }
         })?;
         Ok(Unmapper {
             shared,
             thread: Some(thread),
+            pid: std::process::id(),
         })
     }
 
-    /// Queues `job`, after every job queued before.
-    pub fn push(&self, job: Job) {
+    /// Whether this process has the thread (not a child forked since).
+    fn here(&self) -> bool {
+        std::process::id() == self.pid
+    }
+
+    /// Queues `job`, after every job queued before. `false` (nothing
+    /// queued) in a forked child, which has no helper.
+    #[must_use]
+    pub fn push(&self, job: Job) -> bool {
+        if !self.here() {
+            return false;
+        }
         let mut st = self.shared.state.lock();
         let seq = st.next;
         st.next += 1;
@@ -148,11 +175,15 @@ impl Unmapper {
         if !st.held {
             self.shared.changed.notify_all();
         }
+        true
     }
 
     /// Holds the jobs back (`true`: the allocating thread is about to make
     /// driver calls) or lets them run (`false`). A job already running ends.
     pub fn hold(&self, held: bool) {
+        if !self.here() {
+            return;
+        }
         let mut st = self.shared.state.lock();
         st.held = held;
         if !held {
@@ -170,18 +201,38 @@ impl Unmapper {
         self.wait_for(|_| true);
     }
 
-    /// Whether no job waits or runs.
+    /// Whether no job waits, runs or failed.
     pub fn is_idle(&self) -> bool {
+        if !self.here() {
+            return true;
+        }
         let st = self.shared.state.lock();
-        st.queue.is_empty() && st.running.is_none()
+        st.queue.is_empty() && st.running.is_none() && st.failed.is_empty()
     }
 
-    /// Jobs that failed so far.
-    pub fn failed(&self) -> u64 {
-        self.shared.state.lock().failed
+    /// The jobs that failed since the last call, oldest first: the caller
+    /// does them again (or gives them back with [`failed_again`](Self::failed_again)).
+    pub fn take_failed(&self) -> Vec<Job> {
+        if !self.here() {
+            return Vec::new();
+        }
+        std::mem::take(&mut self.shared.state.lock().failed)
+    }
+
+    /// Keeps `jobs`, which failed again, for the next [`take_failed`](Self::take_failed).
+    pub fn failed_again(&self, jobs: Vec<Job>) {
+        if !self.here() {
+            return;
+        }
+        let mut st = self.shared.state.lock();
+        let newer = std::mem::replace(&mut st.failed, jobs);
+        st.failed.extend(newer);
     }
 
     fn wait_for(&self, pick: impl Fn(&Job) -> bool) {
+        if !self.here() {
+            return;
+        }
         let mut st = self.shared.state.lock();
         let last = st
             .running
@@ -203,6 +254,12 @@ impl Unmapper {
 
 impl Drop for Unmapper {
     fn drop(&mut self) {
+        if !self.here() {
+            // A forked child: no thread to stop, and the lock may have been
+            // held at the fork.
+            std::mem::forget(self.thread.take());
+            return;
+        }
         self.shared.state.lock().stop = true;
         self.shared.changed.notify_all();
         if let Some(t) = self.thread.take() {
@@ -217,7 +274,16 @@ mod tests {
     use std::sync::mpsc;
     use std::time::Duration;
 
-    /// An unmapper whose jobs are reported on a channel, each taking `pause`.
+    fn unmap(ptr: DevicePtr, size: u64) -> Job {
+        Job::Unmap {
+            ptr,
+            size,
+            handles: 1,
+        }
+    }
+
+    /// An unmapper whose jobs are reported on a channel, each taking
+    /// `pause`; a job at 0xbad fails.
     fn recording(pause: Duration) -> (Unmapper, mpsc::Receiver<Job>) {
         let (tx, rx) = mpsc::channel();
         let u = Unmapper::start(
@@ -243,34 +309,40 @@ mod tests {
     fn jobs_run_in_order_and_dropping_finishes_them() {
         let (u, rx) = recording(Duration::from_millis(1));
         let jobs: Vec<Job> = (0..5)
-            .map(|i| Job::Unmap {
-                ptr: i << 21,
-                size: 2 << 20,
-            })
+            .map(|i| unmap(i << 21, 2 << 20))
             .chain([Job::Free {
                 ptr: 0,
                 size: 10 << 20,
             }])
             .collect();
         for &j in &jobs {
-            u.push(j);
+            assert!(u.push(j));
         }
         drop(u);
         assert_eq!(rx.try_iter().collect::<Vec<_>>(), jobs);
     }
 
     #[test]
+    fn dropping_runs_held_jobs_too() {
+        let (u, rx) = recording(Duration::ZERO);
+        u.hold(true);
+        assert!(u.push(unmap(0, 512)));
+        drop(u);
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![unmap(0, 512)]);
+    }
+
+    #[test]
     fn held_jobs_wait_until_let_go() {
         let (u, rx) = recording(Duration::ZERO);
         u.hold(true);
-        u.push(Job::Unmap { ptr: 0, size: 512 });
+        assert!(u.push(unmap(0, 512)));
         std::thread::sleep(Duration::from_millis(20));
         assert!(rx.try_recv().is_err(), "a held job ran");
         assert!(!u.is_idle());
         u.hold(false);
         assert_eq!(
             rx.recv_timeout(Duration::from_secs(5)).unwrap(),
-            Job::Unmap { ptr: 0, size: 512 }
+            unmap(0, 512)
         );
     }
 
@@ -278,21 +350,14 @@ mod tests {
     fn waiting_for_a_range_runs_held_jobs_up_to_the_last_over_it() {
         let (u, rx) = recording(Duration::from_millis(2));
         u.hold(true);
-        let a = Job::Unmap {
-            ptr: 0x1000_0000,
-            size: 4 << 20,
-        };
-        let b = Job::Unmap {
-            ptr: 0x2000_0000,
-            size: 2 << 20,
-        };
-        let c = Job::Unmap {
-            ptr: 0x3000_0000,
-            size: 2 << 20,
-        };
-        u.push(a);
-        u.push(b);
-        u.push(c);
+        let (a, b, c) = (
+            unmap(0x1000_0000, 4 << 20),
+            unmap(0x2000_0000, 2 << 20),
+            unmap(0x3000_0000, 2 << 20),
+        );
+        for j in [a, b, c] {
+            assert!(u.push(j));
+        }
         // Nothing over this range: no wait, nothing runs.
         u.wait_range(0x4000_0000, 0x5000_0000);
         assert!(rx.try_recv().is_err());
@@ -306,16 +371,21 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_job_is_counted_and_the_queue_goes_on() {
+    fn a_failed_job_is_kept_for_the_caller_and_the_queue_goes_on() {
         let (u, rx) = recording(Duration::ZERO);
-        u.push(Job::Unmap {
-            ptr: 0xbad,
-            size: 512,
-        });
-        u.push(Job::Free { ptr: 0, size: 512 });
+        assert!(u.push(unmap(0xbad, 512)));
+        assert!(u.push(Job::Free { ptr: 0, size: 512 }));
         u.wait_all();
-        assert_eq!(u.failed(), 1);
         assert_eq!(rx.try_iter().count(), 2);
+        assert!(!u.is_idle(), "a failed job is not done");
+        let failed = u.take_failed();
+        assert_eq!(failed, vec![unmap(0xbad, 512)]);
+        assert!(u.is_idle());
+        // Failing again, it is kept, before any that failed since.
+        assert!(u.push(unmap(0xbad, 1024)));
+        u.wait_all();
+        u.failed_again(failed);
+        assert_eq!(u.take_failed(), vec![unmap(0xbad, 512), unmap(0xbad, 1024)]);
     }
 
     #[test]
@@ -327,12 +397,10 @@ mod tests {
                 let u = Arc::clone(&u);
                 std::thread::spawn(move || {
                     for i in 0..50u64 {
-                        u.push(Job::Unmap {
-                            ptr: (t * 1000 + i) << 21,
-                            size: 2 << 20,
-                        });
+                        let at = (t * 1000 + i) << 21;
+                        assert!(u.push(unmap(at, 2 << 20)));
                         if i % 10 == 0 {
-                            u.wait_range((t * 1000 + i) << 21, ((t * 1000 + i) << 21) + 1);
+                            u.wait_range(at, at + 1);
                         }
                     }
                 })

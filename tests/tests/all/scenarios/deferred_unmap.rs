@@ -52,9 +52,12 @@ fn the_same_stream_takes_busy_pages_without_waiting_and_unmaps_them_later() {
         !c.sim().handles_over(a, 16 * MIB).is_empty(),
         "still mapped where the queued work reads it"
     );
-    // The work ends; the next call that maps pages unmaps the old range.
+    // The work ends; the next call that maps pages gives the old range up
+    // (to the helper thread, which unmaps it when it comes to it).
     c.complete(0);
     let _q = c.alloc(40 * MIB, 0);
+    assert!(c.sim().unmapping_later(a), "given up");
+    c.sim_mut().finish_later_work();
     assert!(
         c.sim().handles_over(a, 16 * MIB).is_empty(),
         "unmapped once done"
@@ -75,6 +78,7 @@ fn without_defer_unmap_the_host_waits() {
     let waits = c.sim().counters.wait_event;
     let _p = c.alloc(20 * MIB, 0);
     assert_eq!(c.sim().counters.wait_event, waits + 1);
+    c.sim_mut().finish_later_work();
     assert!(c.sim().handles_over(a, 16 * MIB).is_empty());
 }
 
@@ -213,8 +217,9 @@ fn a_failed_tidy_up_fails_no_request() {
         "still mapped"
     );
     let _r = c.alloc(40 * MIB, 0);
+    c.sim_mut().finish_later_work();
     assert!(
         c.sim().handles_over(a, 16 * MIB).is_empty(),
-        "unmapped by the next call"
+        "unmapped after the next call"
     );
 }
