@@ -994,22 +994,41 @@ impl Backend for CudaBackend {
     }
 
     fn unmap_later(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
-        let inside: Vec<DevicePtr> = self
+        let inside: Vec<(DevicePtr, u64)> = self
             .mappings
             .range(ptr..ptr + size)
-            .map(|(&a, _)| a)
+            .map(|(&a, &s)| (a, s))
             .collect();
-        let handles = inside.len() as u64;
-        let queued = self
-            .unmapper()
-            .is_some_and(|u| u.push(Job::Unmap { ptr, size, handles }));
-        if !queued {
+        if self.unmapper().is_none() {
             return self.unmap(ptr, size);
         }
-        // Counted now, as a call made at once would be (the defragmentation
-        // budget reads the counts); its time is the helper's.
+        // One job a handle (the driver's cost is per handle either way), so
+        // that a request starting meanwhile waits for one handle at most;
+        // one for the range if the record does not cover it exactly.
+        let handles = inside.len() as u64;
+        let jobs: Vec<Job> = if inside.iter().map(|m| m.1).sum::<u64>() == size {
+            inside
+                .iter()
+                .map(|&(a, s)| Job::Unmap {
+                    ptr: a,
+                    size: s,
+                    handles: 1,
+                })
+                .collect()
+        } else {
+            vec![Job::Unmap { ptr, size, handles }]
+        };
+        for (i, job) in jobs.into_iter().enumerate() {
+            if !self.unmapper.as_ref().is_some_and(|u| u.push(job)) {
+                // A forked child: no helper (nothing was queued, i == 0).
+                debug_assert_eq!(i, 0);
+                return self.unmap(ptr, size);
+            }
+        }
+        // Counted now, as one call made at once would be (the
+        // defragmentation budget reads the counts); its time is the helper's.
         self.calls.add(DriverCall::Unmap, handles, size, 0);
-        for a in inside {
+        for (a, _) in inside {
             self.mappings.remove(&a);
         }
         Ok(())
