@@ -509,7 +509,7 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         let mut moved = 0;
         for ((bytes, lo, seg, _, _), later) in chosen.into_iter().zip(later) {
-            self.release_run(seg, lo, lo + bytes, later)?;
+            self.release_run(seg, lo, lo + bytes, later, self.config.unmap_thread)?;
             moved += bytes;
         }
         self.stats.num_defragment += u64::from(moved > 0) as i64;
@@ -518,21 +518,25 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// Unmaps `[lo, hi)`, a run of whole handles inside one free block of
-    /// `seg`, into the page pool, and marks it unmapped.
+    /// `seg`, into the page pool, and marks it unmapped (on this thread:
+    /// its handles go back to the driver next, which would wait for the
+    /// helper anyway).
     fn unmap_run(&mut self, seg: SegmentId, lo: u64, hi: u64) -> Result<(), AllocError> {
-        self.release_run(seg, lo, hi, None)
+        self.release_run(seg, lo, hi, None, false)
     }
 
     /// [`unmap_run`](Self::unmap_run), or, with `later` (the stream and
     /// stamp of the work that may still use the run), pools its handles at
     /// once and unmaps the run once that work is done (Note [Unmapping
-    /// behind the work]).
+    /// behind the work]). With `helper`, an unmapping now is given to the
+    /// helper thread (Note [Unmapping off the allocating thread]).
     fn release_run(
         &mut self,
         seg: SegmentId,
         lo: u64,
         hi: u64,
         later: Option<(StreamId, u64)>,
+        helper: bool,
     ) -> Result<(), AllocError> {
         self.punch_stitches_over(lo, hi)?;
         // Punching may have waited for work that covers this run too.
@@ -551,8 +555,7 @@ impl<B: Backend> DeviceAllocator<B> {
             self.drains.push(lo, hi - lo, s, stamp, handles);
         } else {
             self.notify(SegmentAction::Unmap, stream, lo, hi - lo);
-            let later = self.config.unmap_thread;
-            if let Err(e) = self.pages.unmap(&mut self.backend, lo, hi, kind, later) {
+            if let Err(e) = self.pages.unmap(&mut self.backend, lo, hi, kind, helper) {
                 // Still mapped: say so again (Note [Segment events]).
                 self.notify(SegmentAction::Map, stream, lo, hi - lo);
                 return Err(e.into());

@@ -119,8 +119,8 @@ def summarize_driver(runs, workload, variants):
                "setup_ms": median([driver_ms(x["driver_calls_setup"], lambda n: True) if "driver_calls_setup" in x else None
                                    for x in res]),
                "other_ms": median([driver_ms(x["driver_calls"], lambda n: n not in DRIVER_KINDS) for x in res]),
-               "helper_ms": median([driver_ms(x["helper_driver_calls"], lambda n: True) if "helper_driver_calls" in x
-                                    else None for x in res])}
+               "helper_ms": median([driver_ms(x["helper_driver_calls"], lambda n: True)
+                                    if x.get("helper_driver_calls") is not None else None for x in res])}
         for kind in DRIVER_KINDS:
             row[kind] = median([driver_ms(x["driver_calls"], lambda n, k=kind: n == k) for x in res])
             row[kind + " calls"] = median([x["driver_calls"].get(kind, {}).get("calls", 0) for x in res])

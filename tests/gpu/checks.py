@@ -648,8 +648,10 @@ def _driver_calls(gpualloc, helper=False):
     f = getattr(gpualloc, "driver_calls", None)
     if f is None:
         return None
+    if not helper:
+        return f()
     try:
-        return f(helper=True) if helper else f()
+        return f(helper=True)
     except TypeError:  # a build before the unmapping thread
         return None
 

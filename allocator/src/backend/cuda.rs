@@ -45,7 +45,7 @@ use cudarc::driver::sys;
 use driver::CuResult;
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::unmapper::{Job, Unmapper};
+use super::unmapper::{self, Job, Unmapper};
 use super::{
     Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId, other_device_stream,
 };
@@ -443,9 +443,10 @@ impl CudaBackend {
     }
 
     /// Waits for the helper's jobs over `[lo, hi)` (all of them with
-    /// `None`) and does again, here, those that failed on the helper,
-    /// counting the time as `cuMemUnmap`'s. An error: a job failed again
-    /// (it is kept for the next wait).
+    /// `None`) and does again, here, those that failed on the helper, up to
+    /// the last one over the range, counting the time as `cuMemUnmap`'s. An
+    /// error: one of those failed again (it and the rest are kept for the
+    /// next wait).
     fn wait_later(&mut self, range: Option<(DevicePtr, DevicePtr)>) -> Result<(), BackendError> {
         let Some(u) = &self.unmapper else {
             return Ok(());
@@ -462,45 +463,45 @@ impl CudaBackend {
         let result = if failed.is_empty() {
             Ok(())
         } else {
-            self.redo(failed)
+            self.redo(failed, range)
         };
         self.calls
             .add_time(DriverCall::Unmap, t.elapsed().as_nanos() as u64);
         result
     }
 
-    /// Does jobs that failed on the helper thread on this one, in order;
-    /// those that fail again go back to the helper's list, and the first
-    /// error is returned.
-    fn redo(&mut self, jobs: Vec<Job>) -> Result<(), BackendError> {
-        let _bound = self.bind()?;
-        let mut again = Vec::new();
-        let mut first = Ok(());
-        for job in jobs {
-            let r = match job {
-                // SAFETY: as on the helper thread (`unmapper`): a range
-                // given up, then a reservation whose ranges were unmapped.
-                Job::Unmap { ptr, size, .. } => check("cuMemUnmap", unsafe {
-                    driver::cuMemUnmap(ptr, size as usize)
-                }),
-                // SAFETY: as above.
-                Job::Free { ptr, size } => check("cuMemAddressFree", unsafe {
-                    driver::cuMemAddressFree(ptr, size as usize)
-                }),
-            };
-            if let Err(e) = r {
-                again.push(job);
-                if first.is_ok() {
-                    first = Err(e);
-                }
+    /// [`unmapper::redo`] with the driver on this thread, in relaxed
+    /// capture mode as on the helper (a map during a capture waits here);
+    /// the jobs left go back to the helper's failed list.
+    fn redo(
+        &mut self,
+        jobs: Vec<Job>,
+        range: Option<(DevicePtr, DevicePtr)>,
+    ) -> Result<(), BackendError> {
+        let (result, left) = match self.bind() {
+            Ok(_bound) => {
+                let _relaxed = RelaxedCaptureMode::enter().ok();
+                unmapper::redo(jobs, range, |job| match job {
+                    // SAFETY: as on the helper thread (`unmapper`): a range
+                    // given up, then a reservation whose ranges were unmapped
+                    // (a Free never runs after its Unmap failed).
+                    Job::Unmap { ptr, size, .. } => check("cuMemUnmap", unsafe {
+                        driver::cuMemUnmap(ptr, size as usize)
+                    }),
+                    // SAFETY: as above.
+                    Job::Free { ptr, size } => check("cuMemAddressFree", unsafe {
+                        driver::cuMemAddressFree(ptr, size as usize)
+                    }),
+                })
             }
-        }
-        if !again.is_empty()
+            Err(e) => (Err(e), jobs),
+        };
+        if !left.is_empty()
             && let Some(u) = &self.unmapper
         {
-            u.failed_again(again);
+            u.failed_again(left);
         }
-        first
+        result
     }
 
     fn take_event(&mut self) -> Result<sys::CUevent, BackendError> {
@@ -855,7 +856,14 @@ impl Backend for CudaBackend {
 
     fn release_handle(&mut self, handle: HandleId, size: u64) -> Result<(), BackendError> {
         // The handle may still be mapped where the helper has yet to unmap.
-        self.wait_later(None)?;
+        // Releasing a mapped handle is allowed (its memory goes once the
+        // last mapping does), so a failure there fails no release.
+        if let Err(e) = self.wait_later(None) {
+            tracing::warn!(
+                "gpualloc: device {}: unmapping given up earlier failed again: {e}",
+                self.ordinal
+            );
+        }
         let _bound = self.bind()?;
         // SAFETY: `handle` came from `create_handle` and is not mapped (contract).
         let r = self.timed(DriverCall::Release, (1, size), || unsafe {
@@ -1101,7 +1109,7 @@ impl Drop for CudaBackend {
         if let Some(u) = &self.unmapper {
             u.wait_all();
             let failed = u.take_failed();
-            let _ = self.redo(failed);
+            let _ = self.redo(failed, None);
         }
         drop(self.unmapper.take());
         let Ok(_bound) = self.bind() else {

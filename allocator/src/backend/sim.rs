@@ -103,6 +103,8 @@ impl SimCall {
 struct Faults {
     calls: [u64; 13],
     fail_at: [Option<u64>; 13],
+    /// Calls after the first that fail too (`fail_calls`).
+    more: [u64; 13],
 }
 
 /// How many times each backend entry point was called.
@@ -316,8 +318,14 @@ impl SimBackend {
     /// driver error (`CUDA_ERROR_UNKNOWN`), before it changes anything:
     /// fault injection for every kind of driver call.
     pub fn fail_call(&mut self, call: SimCall, n: u64) {
+        self.fail_calls(call, n, 1);
+    }
+
+    /// Makes `times` calls of `call` in a row fail, from the `n`-th from now.
+    pub fn fail_calls(&mut self, call: SimCall, n: u64, times: u64) {
         let i = call as usize;
         self.faults.fail_at[i] = Some(self.faults.calls[i] + n);
+        self.faults.more[i] = times.saturating_sub(1);
     }
 
     /// Calls of `call` so far (failed ones included).
@@ -331,6 +339,10 @@ impl SimBackend {
         self.faults.calls[i] += 1;
         if self.faults.fail_at[i] == Some(self.faults.calls[i]) {
             self.faults.fail_at[i] = None;
+            if self.faults.more[i] > 0 {
+                self.faults.more[i] -= 1;
+                self.faults.fail_at[i] = Some(self.faults.calls[i] + 1);
+            }
             return Err(BackendError::Driver {
                 call: call.driver_name(),
                 code: 999,
@@ -737,7 +749,7 @@ impl Backend for SimBackend {
     fn free_reservation(&mut self, va: DevicePtr, size: u64) -> Result<(), BackendError> {
         self.fault(SimCall::FreeReservation)?;
         self.forbid_in_capture("free_reservation");
-        self.run_later_over(va, va + size);
+        self.wait_later(Some((va, va + size)))?;
         self.free_now(va, size);
         self.driver.add(DriverCall::AddressFree, 0, size, 0);
         Ok(())
@@ -775,7 +787,14 @@ impl Backend for SimBackend {
     fn release_handle(&mut self, handle: HandleId, size: u64) -> Result<(), BackendError> {
         self.fault(SimCall::ReleaseHandle)?;
         self.forbid_in_capture("release_handle");
-        self.run_later(|_| true);
+        // As the CUDA backend: a failure there fails no release, unless
+        // this very handle is still mapped in a range that failed to unmap
+        // (which the driver would release later; the simulator refuses).
+        if let Err(e) = self.wait_later(None)
+            && self.later_mappings_of(handle) > 0
+        {
+            return Err(e);
+        }
         let (got, mapped) = self
             .handles
             .remove(&handle)
@@ -809,7 +828,7 @@ impl Backend for SimBackend {
             self.forbid_in_capture("map without the capturing flag");
         }
         let total: u64 = handles.iter().map(|h| h.1).sum();
-        self.run_later_over(ptr, ptr + total);
+        self.wait_later(Some((ptr, ptr + total)))?;
         let (r, mut off) = self.reservation_of(ptr, total);
         for &(h, size) in handles {
             assert!(
@@ -880,9 +899,11 @@ impl Backend for SimBackend {
     /// Checks that both ranges are backed; the simulator holds no data.
     fn copy(&mut self, dst: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         for (what, p) in [("destination", dst), ("source", src)] {
+            // Ranges given up count as gone (`later.rs`).
             let covered: u64 = self
                 .handles_over(p, bytes)
                 .iter()
+                .filter(|m| !self.unmapping_later(m.0))
                 .map(|&(a, _, b)| (a + b).min(p + bytes) - a.max(p))
                 .sum();
             assert_eq!(
@@ -901,8 +922,9 @@ impl Backend for SimBackend {
             .handles
             .get(&handle)
             .unwrap_or_else(|| panic!("SimBackend: export of unknown handle {handle}"));
+        // Mappings in ranges given up count as gone (`later.rs`).
         assert!(
-            *mapped > 0,
+            *mapped > self.later_mappings_of(handle),
             "SimBackend: export of unmapped handle {handle}"
         );
         i32::try_from(SIM_FD_BASE + handle).map_err(|_| BackendError::Driver {

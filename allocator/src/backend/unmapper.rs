@@ -78,8 +78,6 @@ struct State {
     running: Option<(u64, Job)>,
     /// Sequence number of the next job.
     next: u64,
-    /// Every job numbered below this is done.
-    done: u64,
     /// The allocating thread holds the jobs back (`hold`).
     held: bool,
     /// Jobs numbered below this run even while held: someone waits for them.
@@ -117,7 +115,7 @@ impl Unmapper {
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new().name(name).spawn(move || {
             loop {
-                let (seq, job) = {
+                let (_, job) = {
                     let mut st = s.state.lock();
                     loop {
                         if let Some(&(seq, _)) = st.queue.front()
@@ -138,9 +136,20 @@ impl Unmapper {
                 {
                     let mut st = s.state.lock();
                     st.running = None;
-                    st.done = seq + 1;
                     if result.is_err() {
                         st.failed.push(job);
+                        // A reservation is freed only once its ranges are
+                        // unmapped: its Free waits with the failed job.
+                        if let Job::Unmap { ptr, size, .. } = job {
+                            let (blocked, queue): (VecDeque<_>, VecDeque<_>) =
+                                std::mem::take(&mut st.queue)
+                                    .into_iter()
+                                    .partition(|(_, j)| {
+                                        matches!(j, Job::Free { .. }) && j.overlaps(ptr, ptr + size)
+                                    });
+                            st.queue = queue;
+                            st.failed.extend(blocked.into_iter().map(|(_, j)| j));
+                        }
                     }
                     s.changed.notify_all();
                 }
@@ -246,10 +255,44 @@ impl Unmapper {
         };
         st.urgent_to = st.urgent_to.max(last + 1);
         self.shared.changed.notify_all();
-        while st.done <= last {
+        // Jobs run in order (and failed ones leave the queue): done when
+        // neither the running one nor the oldest queued is at or below it.
+        while st.running.is_some_and(|r| r.0 <= last)
+            || st.queue.front().is_some_and(|q| q.0 <= last)
+        {
             self.shared.changed.wait(&mut st);
         }
     }
+}
+
+/// Does failed `jobs` again (oldest first) with `run`, up to the last one
+/// over `[lo, hi)` (all of them with `None`), in order, stopping at the
+/// first that fails again: a Free must not run after its range's Unmap
+/// failed. Returns that error and the jobs not done, in order, for
+/// [`Unmapper::failed_again`].
+pub fn redo(
+    jobs: Vec<Job>,
+    range: Option<(DevicePtr, DevicePtr)>,
+    mut run: impl FnMut(Job) -> Result<(), BackendError>,
+) -> (Result<(), BackendError>, Vec<Job>) {
+    let upto = match range {
+        None => jobs.len(),
+        Some((lo, hi)) => jobs
+            .iter()
+            .rposition(|j| j.overlaps(lo, hi))
+            .map_or(0, |i| i + 1),
+    };
+    let mut result = Ok(());
+    let mut left = Vec::new();
+    for (i, job) in jobs.into_iter().enumerate() {
+        if i >= upto || result.is_err() {
+            left.push(job);
+        } else if let Err(e) = run(job) {
+            result = Err(e);
+            left.push(job);
+        }
+    }
+    (result, left)
 }
 
 impl Drop for Unmapper {
@@ -386,6 +429,63 @@ mod tests {
         u.wait_all();
         u.failed_again(failed);
         assert_eq!(u.take_failed(), vec![unmap(0xbad, 512), unmap(0xbad, 1024)]);
+    }
+
+    #[test]
+    fn the_free_of_a_reservation_waits_with_its_failed_unmap() {
+        let (u, rx) = recording(Duration::ZERO);
+        u.hold(true);
+        let free = Job::Free {
+            ptr: 0x800,
+            size: 4096,
+        };
+        let other = Job::Free {
+            ptr: 0x10_0000,
+            size: 4096,
+        };
+        for j in [unmap(0xbad, 512), free, other] {
+            assert!(u.push(j));
+        }
+        u.wait_all(); // returns though the blocked Free never ran
+        assert_eq!(
+            rx.try_iter().collect::<Vec<_>>(),
+            vec![unmap(0xbad, 512), other]
+        );
+        assert_eq!(u.take_failed(), vec![unmap(0xbad, 512), free]);
+    }
+
+    #[test]
+    fn redo_goes_in_order_up_to_the_range_and_stops_at_a_failure() {
+        let (a, b, c) = (unmap(0x1000, 512), unmap(0x2000, 512), unmap(0x3000, 512));
+        let ok = |_| Ok(());
+        // Up to the last job over the range; the later ones are kept.
+        let mut ran = Vec::new();
+        let (r, left) = redo(vec![a, b, c], Some((0x2000, 0x2001)), |j| {
+            ran.push(j);
+            ok(j)
+        });
+        assert!(r.is_ok());
+        assert_eq!((ran, left), (vec![a, b], vec![c]));
+        // Nothing over the range: nothing runs.
+        let (r, left) = redo(vec![a, b], Some((0x9000, 0x9001)), |_| unreachable!());
+        assert!(r.is_ok());
+        assert_eq!(left, vec![a, b]);
+        // A failure stops the rest, which stays with the failed job.
+        let free = Job::Free {
+            ptr: 0x2000,
+            size: 4096,
+        };
+        let mut ran = Vec::new();
+        let (r, left) = redo(vec![a, b, free, c], None, |j| {
+            ran.push(j);
+            if j == b {
+                Err(BackendError::Unavailable("again".into()))
+            } else {
+                Ok(())
+            }
+        });
+        assert!(r.is_err());
+        assert_eq!((ran, left), (vec![a, b], vec![b, free, c]));
     }
 
     #[test]

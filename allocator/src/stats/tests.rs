@@ -210,7 +210,11 @@ fn render_docs() -> String {
          them) come from `gpualloc.driver_calls()` (C: `gpualloc_driver_calls`), in\n\
          the shape of `gpualloc replay --json`'s `driver_calls_by_kind`, so that a\n\
          run on the GPU and the replay of its trace can be set side by side. The\n\
-         accumulated reset moves their baseline too.\n",
+         accumulated reset moves their baseline too. Their time is the allocating\n\
+         thread's: unmapping handed to the helper thread (`unmap_thread`) counts\n\
+         once, when given, with only the time spent waiting for it.\n\
+         `gpualloc.driver_calls(helper=True)` (C: `gpualloc_helper_driver_calls`)\n\
+         gives what that thread did, with its time, a call a handle.\n",
     );
     out
 }

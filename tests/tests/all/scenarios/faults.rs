@@ -12,10 +12,13 @@ use gpualloc_tests::cfg;
 /// Largest k swept per kind.
 const MAX_K: u64 = 25;
 
-const CONFIGS: [&str; 3] = [
+const CONFIGS: [&str; 4] = [
     "policy:pytorch",
     "policy:pytorch,expandable_segments:true",
     "policy:gpualloc",
+    // The same, with the unmapping given up left to the helper thread as
+    // long as it may be, so that faults strike those jobs when they run.
+    "policy:gpualloc,later",
 ];
 
 /// A fixed workload: allocations of mixed sizes on three streams, frees,
@@ -27,7 +30,12 @@ fn workload(config: &str, fault: Option<(SimCall, u64)>) -> Result<[u64; 13], St
     if let Some((call, k)) = fault {
         sim.fail_call(call, k);
     }
-    let mut d = DeviceAllocator::new(0, sim, cfg(config));
+    let (conf, later) = match config.strip_suffix(",later") {
+        Some(c) => (c, true),
+        None => (config, false),
+    };
+    sim.defer_later_work(later);
+    let mut d = DeviceAllocator::new(0, sim, cfg(conf));
     let mut live = Vec::new();
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let mut rnd = |n: u64| {
