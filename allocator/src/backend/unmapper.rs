@@ -9,7 +9,7 @@
 //! `cuMemUnmap` on the thread that allocates, most of it tearing down
 //! stitches (`docs/results/h200-round19/`).
 //! Approach: the CUDA backend hands such ranges to a helper thread as jobs
-//! (unmap a range, then free a reservation), done in order. The driver runs
+//! (unmap a handle's mapping, free a reservation), done in order. The driver runs
 //! VMM calls from several threads one at a time (`docs/driver-costs.md`,
 //! section 9), so a job running while the allocating thread maps would only
 //! make it wait: the allocator holds the jobs back for the length of a
@@ -18,12 +18,15 @@
 //! slow by 3–20%; and while the allocating thread waits for the GPU
 //! (`cuEventSynchronize`), when the helper costs it nothing. (A request
 //! that panics leaves them held until the next request ends; waits and
-//! dropping run them regardless.) The backend
-//! waits for the jobs over a range before it maps or frees a reservation
-//! there (`wait_range`), and for all of them before it releases a handle or
-//! drops (`wait_all`). A job that fails is logged and kept; the backend does
-//! it again itself at its next wait (an error there fails that call, as the
-//! unmapping would have failed before), or when it drops. Calls are counted
+//! dropping run them regardless.) The backend waits for the jobs over a
+//! range before it maps or frees a reservation there (`wait_range`), and
+//! for all of them before it releases a handle or drops (`wait_all`). A
+//! job that fails is logged and kept, and so is the Free of its
+//! reservation; the backend does them again itself, in order, at the next
+//! wait over their range ([`redo`]): failing again fails that call, as the
+//! unmapping would have failed before, but no call over other addresses,
+//! and no release (the driver releases a handle still mapped once its last
+//! mapping goes). Calls are counted
 //! when given, so replays, the budget and every decision are the same with
 //! the helper or without (`unmap_thread`); the simulator can leave the jobs
 //! as long as the helper might (`backend/sim/later.rs`), which the checked
