@@ -95,6 +95,9 @@ pub struct DeviceReplay {
     pub alloc_retries: u64,
     /// Driver calls the simulated device received, by kind.
     pub driver: DriverCalls,
+    /// Of those, the ones the CUDA backend would leave to its unmapping
+    /// thread (Note [Unmapping off the allocating thread]).
+    pub helper: DriverCalls,
     /// The first failed allocation.
     pub first_oom: Option<ReplayOom>,
 }
@@ -121,6 +124,9 @@ pub struct ReplayResult {
     pub frees_of_failed: u64,
     /// Driver calls over all devices, by kind.
     pub driver: DriverCalls,
+    /// Of those, the ones the CUDA backend would leave to its unmapping
+    /// thread, over all devices.
+    pub helper: DriverCalls,
     /// Per-device figures, by device index.
     pub devices: Vec<DeviceReplay>,
 }
@@ -129,6 +135,11 @@ impl ReplayResult {
     /// Driver time the calls would take on a GPU, in milliseconds.
     pub fn driver_ms(&self, model: &CostModel) -> f64 {
         model.predict_ms(&self.driver)
+    }
+
+    /// Of that, the time of the calls the unmapping thread would make.
+    pub fn helper_ms(&self, model: &CostModel) -> f64 {
+        model.predict_ms(&self.helper)
     }
 }
 
@@ -231,6 +242,8 @@ fn replay_with(
         o.alloc_retries = s.num_alloc_retries as u64;
         o.driver = run.dev.driver_calls();
         r.driver.merge(&o.driver);
+        o.helper = run.dev.helper_driver_calls();
+        r.helper.merge(&o.helper);
         o.mean_unallocated_fraction = if o.allocs == 0 {
             0.0
         } else {

@@ -224,7 +224,22 @@ mod later_tests {
                 let now = replay(evs.iter().copied(), 140 << 30, &config);
                 let held = replay_deferring(evs.iter().copied(), 140 << 30, &config);
                 assert_eq!(now, held, "{name} under `{conf}`");
-                let without = replay_deferring(evs.iter().copied(), 140 << 30, &off);
+                if *name == "detector" {
+                    assert!(
+                        now.helper.total_calls() > 100,
+                        "work was left to the thread"
+                    );
+                }
+                let mut without = replay_deferring(evs.iter().copied(), 140 << 30, &off);
+                // Only what is left to the thread differs.
+                assert!(
+                    without.helper.total_calls() == 0
+                        && without.devices.iter().all(|d| d.helper.total_calls() == 0)
+                );
+                without.helper = now.helper;
+                for (d, n) in without.devices.iter_mut().zip(&now.devices) {
+                    d.helper = n.helper;
+                }
                 assert_eq!(now, without, "{name} under `{conf}` without the thread");
             }
         }

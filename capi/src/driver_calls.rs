@@ -60,8 +60,9 @@ pub unsafe extern "C" fn gpualloc_driver_calls(
 
 /// `gpualloc_driver_calls` for the calls a helper thread made for `device`,
 /// with the time they took there: the unmapping the allocator hands off
-/// (`unmap_thread`, Note [Unmapping off the allocating thread]). Zeros
-/// where none was made.
+/// (`unmap_thread`, Note [Unmapping off the allocating thread]); on the
+/// simulated device, the calls it would leave to that thread, with no
+/// time. Zeros where none was made.
 ///
 /// # Safety
 /// As for `gpualloc_driver_calls`.

@@ -251,3 +251,56 @@ fn empty_traces_and_bad_magic_are_explained() {
         "{err}"
     );
 }
+
+/// `replay --json`: one object per configuration, with the peaks, their
+/// ratio, the driver calls (by kind adding up to the totals) and their
+/// predicted time, of which what the unmapping thread would take; leaving
+/// that thread out changes where the time goes, not what is decided.
+#[test]
+fn replay_json_has_the_peaks_and_the_driver_time_by_thread() {
+    let detector = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/detector-multiscale.gtrace"
+    );
+    let v = json(&[
+        "replay",
+        detector,
+        "--capacity",
+        "140GiB",
+        "--json",
+        "--config",
+        "",
+        "--config",
+        "unmap_thread:false",
+    ]);
+    let rows = v.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        let (reserved, allocated) = (
+            r["peak_reserved"].as_f64().unwrap(),
+            r["peak_allocated"].as_f64().unwrap(),
+        );
+        assert!((r["ratio"].as_f64().unwrap() - reserved / allocated).abs() < 1e-12);
+        let kinds = r["driver_calls_by_kind"].as_object().unwrap();
+        let calls: u64 = kinds.values().map(|k| k["calls"].as_u64().unwrap()).sum();
+        assert_eq!(calls, r["driver_calls"].as_u64().unwrap());
+        let ms: f64 = kinds.values().map(|k| k["ms"].as_f64().unwrap()).sum();
+        assert!((ms - r["driver_ms"].as_f64().unwrap()).abs() < 1e-6, "{r}");
+    }
+    let (with, without) = (&rows[0], &rows[1]);
+    let helper = with["helper_driver_ms"].as_f64().unwrap();
+    assert!(
+        helper > 0.0 && helper < with["driver_ms"].as_f64().unwrap(),
+        "stitches torn down and moved pages go to the thread: {with}"
+    );
+    assert_eq!(without["helper_driver_ms"].as_f64(), Some(0.0));
+    for key in [
+        "peak_reserved",
+        "peak_allocated",
+        "ooms",
+        "driver_calls",
+        "driver_ms",
+    ] {
+        assert_eq!(with[key], without[key], "{key}");
+    }
+}

@@ -186,7 +186,8 @@ def driver_calls(device=None, helper=False) -> Dict[str, dict]:
 
     The milliseconds are the allocating thread's: unmapping handed to the
     helper thread (``unmap_thread``) counts with the time spent waiting for
-    it. ``helper=True`` gives the calls that thread made, with their time."""
+    it. ``helper=True`` gives the calls that thread made, with their time
+    (on the simulated backend, the calls it would have made, 0 ms)."""
     return lib().driver_calls(_device(device), helper)
 
 

@@ -297,7 +297,8 @@ pub trait Backend: Send {
     /// [Unmapping off the allocating thread] in `backend/unmapper.rs`), by
     /// kind, with their time. [`driver_calls`](Self::driver_calls) counts
     /// them too, when they were given, but without that time: it is the
-    /// allocating thread's. None for a backend without a helper.
+    /// allocating thread's. The simulator gives the calls it would leave to
+    /// such a thread (replays report their predicted time); none by default.
     fn helper_calls(&self) -> DriverCalls {
         DriverCalls::default()
     }

@@ -757,9 +757,12 @@ impl Backend for SimBackend {
 
     fn free_reservation_later(&mut self, va: DevicePtr, size: u64) -> Result<(), BackendError> {
         if self.defers() {
-            return self.queue_free(va, size);
+            self.queue_free(va, size)?;
+        } else {
+            self.free_reservation(va, size)?;
         }
-        self.free_reservation(va, size)
+        self.later.given.add(DriverCall::AddressFree, 0, size, 0);
+        Ok(())
     }
 
     fn create_handle(&mut self, size: u64, capturing: bool) -> Result<HandleId, BackendError> {
@@ -871,10 +874,14 @@ impl Backend for SimBackend {
     }
 
     fn unmap_later(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
+        let handles = self.handles_over(ptr, size).len() as u64;
         if self.defers() {
-            return self.queue_unmap(ptr, size);
+            self.queue_unmap(ptr, size)?;
+        } else {
+            self.unmap(ptr, size)?;
         }
-        self.unmap(ptr, size)
+        self.later.given.add(DriverCall::Unmap, handles, size, 0);
+        Ok(())
     }
 
     fn add_peer(&mut self, peer: u32) -> Result<(), BackendError> {
@@ -932,6 +939,12 @@ impl Backend for SimBackend {
             code: 0,
             name: format!("handle {handle} has no descriptor number"),
         })
+    }
+
+    /// The calls given to `unmap_later` and `free_reservation_later`: what
+    /// the CUDA backend's helper thread would make (a call a range here).
+    fn helper_calls(&self) -> DriverCalls {
+        self.later.given
     }
 
     fn driver_calls(&self) -> DriverCalls {

@@ -179,7 +179,7 @@ static void test_stats(void) {
     CHECK(created >= 3 * MiB); /* what backs the 3 MiB block */
     CHECK(total == (uint64_t)s.num_driver_calls);
     CHECK(memory == (uint64_t)s.num_driver_memory_calls);
-    /* the simulated device has no helper thread: the same rows, all zero */
+    /* nothing was given to the unmapping thread here: the same rows, all zero */
     size_t helper_rows = 0;
     CHECK(gpualloc_helper_driver_calls(0, NULL, 0, &helper_rows) == GPUALLOC_ERR_BUFFER_TOO_SMALL);
     CHECK(helper_rows == rows);

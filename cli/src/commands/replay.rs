@@ -95,6 +95,7 @@ fn render_json(capacity: u64, configs: &[String], rs: &[ReplayResult]) -> String
                 "driver_memory_calls": r.driver.memory_calls(),
                 "driver_ms": r.driver_ms(&model),
                 "driver_calls_by_kind": by_kind,
+                "helper_driver_ms": r.helper_ms(&model),
                 "cost_model": model.source,
             })
         })
@@ -172,6 +173,9 @@ fn render(
     });
     row("predicted driver time (H200)", &|_, r| {
         format!("{:.1} ms", r.driver_ms(&model))
+    });
+    row("  of it on the unmapping thread", &|_, r| {
+        format!("{:.1} ms", r.helper_ms(&model))
     });
     row("release-and-retry allocations", &|_, r| {
         r.devices

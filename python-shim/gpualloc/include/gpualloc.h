@@ -489,8 +489,9 @@ int gpualloc_driver_calls(int device, struct GpuallocDriverCall *rows, size_t ca
 
 // `gpualloc_driver_calls` for the calls a helper thread made for `device`,
 // with the time they took there: the unmapping the allocator hands off
-// (`unmap_thread`, Note [Unmapping off the allocating thread]). Zeros
-// where none was made.
+// (`unmap_thread`, Note [Unmapping off the allocating thread]); on the
+// simulated device, the calls it would leave to that thread, with no
+// time. Zeros where none was made.
 //
 // # Safety
 // As for `gpualloc_driver_calls`.

@@ -19,7 +19,7 @@ use super::SimBackend;
 use super::SimCall;
 use crate::backend::unmapper::{Job, redo};
 use crate::backend::{BackendError, DevicePtr, HandleId};
-use crate::cost::DriverCall;
+use crate::cost::{DriverCall, DriverCalls};
 
 /// Jobs waiting, and whether they may.
 #[derive(Default)]
@@ -28,6 +28,9 @@ pub(super) struct LaterWork {
     queue: VecDeque<Job>,
     /// Jobs that failed, oldest first, to be done again at the next wait.
     failed: Vec<Job>,
+    /// Every call given to `unmap_later` and `free_reservation_later`,
+    /// deferred or not: [`Backend::helper_calls`](crate::backend::Backend::helper_calls).
+    pub(super) given: DriverCalls,
 }
 
 impl SimBackend {
