@@ -30,7 +30,7 @@
 //! | `defragment` | `true`/`false` | true | with expandable segments: rather than hold more than `1 + defragment_headroom` times peak allocated memory, unmap free pages and map them where the request fits |
 //! | `defragment_headroom` | 0 ≤ x ≤ 1 | 0.005 | how far held memory may exceed peak allocated memory before defragmenting |
 //! | `defragment_budget` | 0 ≤ x ≤ 1 | 0.03 | with `defragment`: the share of elapsed time that defragmenting and stitching may spend in driver calls before defragmentation stops taking the pages cached stitches alias (1: no limit; Note [Defragmentation budget]) |
-//! | `unmap_thread` | `true`/`false` | true | with expandable segments: ranges given up (old places of moved pages, stitches torn down) are unmapped by a helper thread, after the request that gave them up, rather than on the allocating thread (Note [Unmapping off the allocating thread]) |
+//! | `unmap_thread` | `true`/`false` | true | with expandable segments: ranges given up (old places of moved pages, stitches torn down) are unmapped by a helper thread (held back while a request maps memory) rather than on the allocating thread (Note [Unmapping off the allocating thread]) |
 //! | `defer_unmap` | `true`/`false` | true | with `defragment`: pages taken from a free block whose work may still run are mapped where the request fits at once and unmapped from the old place once that work is done, when the request is on the same stream (Note [Unmapping behind the work]); `false`: the host waits for that work first |
 //! | `stitch_min_mb` | integer, 0–1048576 | 32 | with `defragment`: requests of at least this many MiB may be served by stitching free pages into a fresh range (0: never) |
 //!

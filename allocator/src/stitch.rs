@@ -117,7 +117,7 @@ impl<B: Backend> DeviceAllocator<B> {
                     best = Some(r);
                 } else if self.stitches.list[r].holes() > 0 {
                     // Holes that cannot be filled: torn down, as before repair.
-                    self.drop_stitch(r)?;
+                    self.drop_stitch(r, self.config.unmap_thread)?;
                 }
             }
         }
@@ -330,7 +330,7 @@ impl<B: Backend> DeviceAllocator<B> {
         hi: DevicePtr,
     ) -> Result<(), AllocError> {
         while let Some(i) = self.stitches.cached_over(lo, hi) {
-            self.drop_stitch(i)?;
+            self.drop_stitch(i, false)?;
         }
         Ok(())
     }
@@ -338,25 +338,26 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Tears down every cached stitch.
     pub(crate) fn drop_cached_stitches(&mut self) -> Result<(), AllocError> {
         while let Some(i) = self.stitches.any_cached() {
-            self.drop_stitch(i)?;
+            self.drop_stitch(i, false)?;
         }
         Ok(())
     }
 
     fn evict_stitch(&mut self) -> Result<(), AllocError> {
         match self.stitches.least_recent() {
-            Some(i) => self.drop_stitch(i),
+            Some(i) => self.drop_stitch(i, self.config.unmap_thread),
             None => Ok(()),
         }
     }
 
     /// Unmaps a cached stitch (what is mapped of it) once its last work is
-    /// done and frees its range (both on the helper thread with
-    /// `unmap_thread`: Note [Unmapping off the allocating thread]).
-    pub(crate) fn drop_stitch(&mut self, i: usize) -> Result<(), AllocError> {
+    /// done and frees its range; with `later`, both on the helper thread
+    /// (Note [Unmapping off the allocating thread]). Tearing all of them
+    /// down (`empty_cache`, out of memory) and for sharing does it here: the
+    /// handles go back to the driver or are exported next.
+    pub(crate) fn drop_stitch(&mut self, i: usize, later: bool) -> Result<(), AllocError> {
         let (stream, freed) = (self.stitches.list[i].stream, self.stitches.list[i].freed);
         self.fences.wait(&mut self.backend, stream, freed)?;
-        let later = self.config.unmap_thread;
         self.unmap_slots(i, |s| s.part().is_some(), later)?;
         self.free_stitch(i, later)
     }

@@ -50,7 +50,7 @@ class ApiTest(unittest.TestCase):
         self.assertGreaterEqual(sum(calls.get(k, {}).get("bytes", 0) for k in ("cuMemCreate", "cuMemAlloc")), 3 * MiB)
         with self.assertRaises(gpualloc.GpuallocError):
             gpualloc.driver_calls(42)
-        # The simulated device unmaps on the allocating thread: no helper calls.
+        # Nothing here was given to the unmapping thread.
         self.assertEqual(gpualloc.driver_calls(0, helper=True), {})
         with self.assertRaises(gpualloc.GpuallocError):
             gpualloc.driver_calls(42, helper=True)

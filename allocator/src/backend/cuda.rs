@@ -459,11 +459,11 @@ impl CudaBackend {
             Some((lo, hi)) => u.wait_range(lo, hi),
             None => u.wait_all(),
         }
-        let failed = u.take_failed();
+        let failed = u.failed();
         let result = if failed.is_empty() {
             Ok(())
         } else {
-            self.redo(failed, range)
+            self.redo(&failed, range)
         };
         self.calls
             .add_time(DriverCall::Unmap, t.elapsed().as_nanos() as u64);
@@ -472,34 +472,28 @@ impl CudaBackend {
 
     /// [`unmapper::redo`] with the driver on this thread, in relaxed
     /// capture mode as on the helper (a map during a capture waits here);
-    /// the jobs left go back to the helper's failed list.
+    /// the jobs done leave the helper's failed list, the others stay.
     fn redo(
         &mut self,
-        jobs: Vec<Job>,
+        jobs: &[Job],
         range: Option<(DevicePtr, DevicePtr)>,
     ) -> Result<(), BackendError> {
-        let (result, left) = match self.bind() {
-            Ok(_bound) => {
-                let _relaxed = RelaxedCaptureMode::enter().ok();
-                unmapper::redo(jobs, range, |job| match job {
-                    // SAFETY: as on the helper thread (`unmapper`): a range
-                    // given up, then a reservation whose ranges were unmapped
-                    // (a Free never runs after its Unmap failed).
-                    Job::Unmap { ptr, size, .. } => check("cuMemUnmap", unsafe {
-                        driver::cuMemUnmap(ptr, size as usize)
-                    }),
-                    // SAFETY: as above.
-                    Job::Free { ptr, size } => check("cuMemAddressFree", unsafe {
-                        driver::cuMemAddressFree(ptr, size as usize)
-                    }),
-                })
-            }
-            Err(e) => (Err(e), jobs),
-        };
-        if !left.is_empty()
-            && let Some(u) = &self.unmapper
-        {
-            u.failed_again(left);
+        let _bound = self.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter().ok();
+        let (result, done) = unmapper::redo(jobs, range, |job| match job {
+            // SAFETY: as on the helper thread (`unmapper`): a range given
+            // up, then a reservation whose ranges were unmapped (a Free is
+            // done only after the Unmaps inside it).
+            Job::Unmap { ptr, size, .. } => check("cuMemUnmap", unsafe {
+                driver::cuMemUnmap(ptr, size as usize)
+            }),
+            // SAFETY: as above.
+            Job::Free { ptr, size } => check("cuMemAddressFree", unsafe {
+                driver::cuMemAddressFree(ptr, size as usize)
+            }),
+        });
+        if let Some(u) = &self.unmapper {
+            u.forget(&done);
         }
         result
     }
@@ -865,7 +859,10 @@ impl Backend for CudaBackend {
             );
         }
         let _bound = self.bind()?;
-        // SAFETY: `handle` came from `create_handle` and is not mapped (contract).
+        // SAFETY: `handle` came from `create_handle` and the allocator has
+        // unmapped it everywhere (contract), or given the range up to the
+        // helper, whose jobs were waited for above; should one have failed
+        // twice, the driver releases the memory once that mapping goes.
         let r = self.timed(DriverCall::Release, (1, size), || unsafe {
             driver::cuMemRelease(handle)
         });
@@ -1014,7 +1011,14 @@ impl Backend for CudaBackend {
         // that a request starting meanwhile waits for one handle at most;
         // one for the range if the record does not cover it exactly.
         let handles = inside.len() as u64;
-        let jobs: Vec<Job> = if inside.iter().map(|m| m.1).sum::<u64>() == size {
+        // Whole mappings, one after another from `ptr` to its end.
+        let mut at = ptr;
+        let whole = inside.iter().all(|&(a, s)| {
+            let next = a == at;
+            at = a + s;
+            next
+        }) && at == ptr + size;
+        let jobs: Vec<Job> = if whole {
             inside
                 .iter()
                 .map(|&(a, s)| Job::Unmap {
@@ -1108,8 +1112,8 @@ impl Drop for CudaBackend {
         // and what failed there is tried once more here.
         if let Some(u) = &self.unmapper {
             u.wait_all();
-            let failed = u.take_failed();
-            let _ = self.redo(failed, None);
+            let failed = u.failed();
+            let _ = self.redo(&failed, None);
         }
         drop(self.unmapper.take());
         let Ok(_bound) = self.bind() else {

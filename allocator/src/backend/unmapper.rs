@@ -21,12 +21,14 @@
 //! dropping run them regardless.) The backend waits for the jobs over a
 //! range before it maps or frees a reservation there (`wait_range`), and
 //! for all of them before it releases a handle or drops (`wait_all`). A
-//! job that fails is logged and kept, and so is the Free of its
-//! reservation; the backend does them again itself, in order, at the next
-//! wait over their range ([`redo`]): failing again fails that call, as the
-//! unmapping would have failed before, but no call over other addresses,
-//! and no release (the driver releases a handle still mapped once its last
-//! mapping goes). Calls are counted
+//! job that fails is logged and kept, and a Free of a reservation with a
+//! failed Unmap inside waits with it (decided when the Free is taken from
+//! the queue, after every job before it ran); the backend does them again
+//! itself, in order, at the next wait over their range ([`redo`]: the jobs
+//! over the range, and the Unmaps a Free among them needs). Failing again
+//! fails that call, as the unmapping would have failed before, but no call
+//! over other addresses, and no release (the driver releases a handle still
+//! mapped once its last mapping goes). Calls are counted
 //! when given, so replays, the budget and every decision are the same with
 //! the helper or without (`unmap_thread`); the simulator can leave the jobs
 //! as long as the helper might (`backend/sim/later.rs`), which the checked
@@ -132,6 +134,14 @@ impl Unmapper {
                         s.changed.wait(&mut st);
                     }
                     let next = st.queue.pop_front().expect("not empty");
+                    // Jobs run in order, so every Unmap inside a Free's
+                    // reservation has run: if one failed (and is not done
+                    // again yet), the Free waits behind it.
+                    if blocked(&st.failed, &next.1) {
+                        st.failed.push(next.1);
+                        s.changed.notify_all();
+                        continue;
+                    }
                     st.running = Some(next);
                     next
                 };
@@ -141,18 +151,6 @@ impl Unmapper {
                     st.running = None;
                     if result.is_err() {
                         st.failed.push(job);
-                        // A reservation is freed only once its ranges are
-                        // unmapped: its Free waits with the failed job.
-                        if let Job::Unmap { ptr, size, .. } = job {
-                            let (blocked, queue): (VecDeque<_>, VecDeque<_>) =
-                                std::mem::take(&mut st.queue)
-                                    .into_iter()
-                                    .partition(|(_, j)| {
-                                        matches!(j, Job::Free { .. }) && j.overlaps(ptr, ptr + size)
-                                    });
-                            st.queue = queue;
-                            st.failed.extend(blocked.into_iter().map(|(_, j)| j));
-                        }
                     }
                     s.changed.notify_all();
                 }
@@ -222,23 +220,27 @@ impl Unmapper {
         st.queue.is_empty() && st.running.is_none() && st.failed.is_empty()
     }
 
-    /// The jobs that failed since the last call, oldest first: the caller
-    /// does them again (or gives them back with [`failed_again`](Self::failed_again)).
-    pub fn take_failed(&self) -> Vec<Job> {
+    /// The jobs that failed, oldest first, for the caller to do again. They
+    /// stay listed (a Free taken off the queue meanwhile still waits behind
+    /// them) until [`forget`](Self::forget) says they are done.
+    pub fn failed(&self) -> Vec<Job> {
         if !self.here() {
             return Vec::new();
         }
-        std::mem::take(&mut self.shared.state.lock().failed)
+        self.shared.state.lock().failed.clone()
     }
 
-    /// Keeps `jobs`, which failed again, for the next [`take_failed`](Self::take_failed).
-    pub fn failed_again(&self, jobs: Vec<Job>) {
+    /// Takes `done`, failed jobs the caller did again, off the list.
+    pub fn forget(&self, done: &[Job]) {
         if !self.here() {
             return;
         }
         let mut st = self.shared.state.lock();
-        let newer = std::mem::replace(&mut st.failed, jobs);
-        st.failed.extend(newer);
+        for d in done {
+            if let Some(i) = st.failed.iter().position(|f| f == d) {
+                st.failed.remove(i);
+            }
+        }
     }
 
     fn wait_for(&self, pick: impl Fn(&Job) -> bool) {
@@ -268,34 +270,50 @@ impl Unmapper {
     }
 }
 
-/// Does failed `jobs` again (oldest first) with `run`, up to the last one
-/// over `[lo, hi)` (all of them with `None`), in order, stopping at the
-/// first that fails again: a Free must not run after its range's Unmap
-/// failed. Returns that error and the jobs not done, in order, for
-/// [`Unmapper::failed_again`].
+/// Whether `job` is a Free of a reservation over which an Unmap failed
+/// (in `failed`): it must wait until that is done.
+pub fn blocked(failed: &[Job], job: &Job) -> bool {
+    match *job {
+        Job::Free { ptr, size } => failed
+            .iter()
+            .any(|f| matches!(f, Job::Unmap { .. }) && f.overlaps(ptr, ptr + size)),
+        Job::Unmap { .. } => false,
+    }
+}
+
+/// Does failed `jobs` again (oldest first) with `run`: those over
+/// `[lo, hi)` and, before a Free among them, the Unmaps inside its
+/// reservation (all jobs with `None`), in order, stopping at the first
+/// that fails again. Returns that error and the jobs done.
 pub fn redo(
-    jobs: Vec<Job>,
+    jobs: &[Job],
     range: Option<(DevicePtr, DevicePtr)>,
     mut run: impl FnMut(Job) -> Result<(), BackendError>,
 ) -> (Result<(), BackendError>, Vec<Job>) {
-    let upto = match range {
-        None => jobs.len(),
-        Some((lo, hi)) => jobs
-            .iter()
-            .rposition(|j| j.overlaps(lo, hi))
-            .map_or(0, |i| i + 1),
-    };
-    let mut result = Ok(());
-    let mut left = Vec::new();
-    for (i, job) in jobs.into_iter().enumerate() {
-        if i >= upto || result.is_err() {
-            left.push(job);
-        } else if let Err(e) = run(job) {
-            result = Err(e);
-            left.push(job);
+    let mut pick: Vec<bool> = jobs
+        .iter()
+        .map(|j| range.is_none_or(|(lo, hi)| j.overlaps(lo, hi)))
+        .collect();
+    for (i, j) in jobs.iter().enumerate() {
+        if let (true, Job::Free { ptr, size }) = (pick[i], *j) {
+            for (k, u) in jobs[..i].iter().enumerate() {
+                if matches!(u, Job::Unmap { .. }) && u.overlaps(ptr, ptr + size) {
+                    pick[k] = true;
+                }
+            }
         }
     }
-    (result, left)
+    let mut done = Vec::new();
+    for (i, &job) in jobs.iter().enumerate() {
+        if !pick[i] {
+            continue;
+        }
+        if let Err(e) = run(job) {
+            return (Err(e), done);
+        }
+        done.push(job);
+    }
+    (Ok(()), done)
 }
 
 impl Drop for Unmapper {
@@ -424,14 +442,15 @@ mod tests {
         u.wait_all();
         assert_eq!(rx.try_iter().count(), 2);
         assert!(!u.is_idle(), "a failed job is not done");
-        let failed = u.take_failed();
-        assert_eq!(failed, vec![unmap(0xbad, 512)]);
-        assert!(u.is_idle());
-        // Failing again, it is kept, before any that failed since.
+        assert_eq!(u.failed(), vec![unmap(0xbad, 512)]);
+        // Listed until the caller says it did it.
         assert!(u.push(unmap(0xbad, 1024)));
         u.wait_all();
-        u.failed_again(failed);
-        assert_eq!(u.take_failed(), vec![unmap(0xbad, 512), unmap(0xbad, 1024)]);
+        assert_eq!(u.failed(), vec![unmap(0xbad, 512), unmap(0xbad, 1024)]);
+        u.forget(&[unmap(0xbad, 512)]);
+        assert_eq!(u.failed(), vec![unmap(0xbad, 1024)]);
+        u.forget(&[unmap(0xbad, 1024)]);
+        assert!(u.is_idle());
     }
 
     #[test]
@@ -454,32 +473,74 @@ mod tests {
             rx.try_iter().collect::<Vec<_>>(),
             vec![unmap(0xbad, 512), other]
         );
-        assert_eq!(u.take_failed(), vec![unmap(0xbad, 512), free]);
+        assert_eq!(u.failed(), vec![unmap(0xbad, 512), free]);
+    }
+
+    /// The Free given after its reservation's Unmap failed waits too.
+    #[test]
+    fn a_free_given_after_the_failure_waits_too() {
+        let (u, rx) = recording(Duration::ZERO);
+        assert!(u.push(unmap(0xbad, 512)));
+        u.wait_all();
+        let free = Job::Free {
+            ptr: 0x800,
+            size: 4096,
+        };
+        assert!(u.push(free));
+        u.wait_all();
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![unmap(0xbad, 512)]);
+        assert_eq!(u.failed(), vec![unmap(0xbad, 512), free]);
+    }
+
+    /// Two failed Unmaps in one reservation: its Free comes after both.
+    #[test]
+    fn a_free_comes_after_every_failed_unmap_inside() {
+        let (u, rx) = recording(Duration::ZERO);
+        u.hold(true);
+        // Both fail (the recorder fails every Unmap starting at 0xbad).
+        let (h1, h2) = (unmap(0xbad, 512), unmap(0xbad, 1024));
+        let free = Job::Free {
+            ptr: 0x800,
+            size: 4096,
+        };
+        for j in [h1, h2, free] {
+            assert!(u.push(j));
+        }
+        u.wait_all();
+        assert_eq!(rx.try_iter().count(), 2, "the Free never ran");
+        assert_eq!(u.failed(), vec![h1, h2, free]);
     }
 
     #[test]
-    fn redo_goes_in_order_up_to_the_range_and_stops_at_a_failure() {
+    fn redo_takes_the_jobs_over_the_range_and_the_unmaps_a_free_needs() {
         let (a, b, c) = (unmap(0x1000, 512), unmap(0x2000, 512), unmap(0x3000, 512));
-        let ok = |_| Ok(());
-        // Up to the last job over the range; the later ones are kept.
-        let mut ran = Vec::new();
-        let (r, left) = redo(vec![a, b, c], Some((0x2000, 0x2001)), |j| {
-            ran.push(j);
-            ok(j)
-        });
-        assert!(r.is_ok());
-        assert_eq!((ran, left), (vec![a, b], vec![c]));
-        // Nothing over the range: nothing runs.
-        let (r, left) = redo(vec![a, b], Some((0x9000, 0x9001)), |_| unreachable!());
-        assert!(r.is_ok());
-        assert_eq!(left, vec![a, b]);
-        // A failure stops the rest, which stays with the failed job.
         let free = Job::Free {
             ptr: 0x2000,
-            size: 4096,
+            size: 0x2000,
         };
+        // Only the jobs over the range, in order.
         let mut ran = Vec::new();
-        let (r, left) = redo(vec![a, b, free, c], None, |j| {
+        let (r, done) = redo(&[a, b, c], Some((0x2000, 0x2001)), |j| {
+            ran.push(j);
+            Ok(())
+        });
+        assert!(r.is_ok());
+        assert_eq!((ran, done), (vec![b], vec![b]));
+        // Nothing over the range: nothing runs.
+        let (r, done) = redo(&[a, b], Some((0x9000, 0x9001)), |_| unreachable!());
+        assert!(r.is_ok() && done.is_empty());
+        // A Free over the range brings the Unmaps inside its reservation
+        // (c too, though not over the range itself), before it.
+        let mut ran = Vec::new();
+        let (r, _) = redo(&[a, b, c, free], Some((0x2000, 0x2001)), |j| {
+            ran.push(j);
+            Ok(())
+        });
+        assert!(r.is_ok());
+        assert_eq!(ran, vec![b, c, free]);
+        // A failure stops the rest.
+        let mut ran = Vec::new();
+        let (r, done) = redo(&[a, b, free, c], None, |j| {
             ran.push(j);
             if j == b {
                 Err(BackendError::Unavailable("again".into()))
@@ -488,7 +549,7 @@ mod tests {
             }
         });
         assert!(r.is_err());
-        assert_eq!((ran, left), (vec![a, b], vec![b, free, c]));
+        assert_eq!((ran, done), (vec![a, b], vec![a]));
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::collections::VecDeque;
 
 use super::SimBackend;
 use super::SimCall;
-use crate::backend::unmapper::{Job, redo};
+use crate::backend::unmapper::{Job, blocked, redo};
 use crate::backend::{BackendError, DevicePtr, HandleId};
 use crate::cost::{DriverCall, DriverCalls};
 
@@ -89,6 +89,17 @@ impl SimBackend {
     pub(super) fn queue_unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
         self.forbid_in_capture("unmap");
         let (r, off) = self.reservation_of(ptr, size);
+        // Whole mappings, one after another (`unmap_now` checks again).
+        let mut at = off;
+        for (&o, m) in r.mapped.range(off..off + size) {
+            assert_eq!(o, at, "SimBackend: unmap of {ptr:#x}+{size} has a hole");
+            at += m.1;
+        }
+        assert_eq!(
+            at,
+            off + size,
+            "SimBackend: unmap of {ptr:#x}+{size} does not end at a mapping's end"
+        );
         let handles = r.mapped.range(off..off + size).count() as u64;
         self.counters.unmap += 1;
         self.driver.add(DriverCall::Unmap, handles, size, 0);
@@ -101,6 +112,20 @@ impl SimBackend {
     /// Queues freeing the reservation at `va`, checked and counted now.
     pub(super) fn queue_free(&mut self, va: DevicePtr, size: u64) -> Result<(), BackendError> {
         self.forbid_in_capture("free_reservation");
+        let r = self
+            .reservations
+            .get(&va)
+            .unwrap_or_else(|| panic!("SimBackend: unknown reservation {va:#x}"));
+        assert_eq!(
+            r.size, size,
+            "SimBackend: reservation {va:#x} given up with the wrong size"
+        );
+        assert!(
+            self.handles_over(va, size)
+                .iter()
+                .all(|m| self.unmapping_later(m.0)),
+            "SimBackend: reservation {va:#x} given up with pages still mapped"
+        );
         self.driver.add(DriverCall::AddressFree, 0, size, 0);
         self.later.queue.push_back(Job::Free { ptr: va, size });
         Ok(())
@@ -133,12 +158,7 @@ impl SimBackend {
         let pick = |j: &Job| range.is_none_or(|(lo, hi)| j.overlaps(lo, hi));
         if let Some(last) = self.later.queue.iter().rposition(pick) {
             for job in self.later.queue.drain(..=last).collect::<Vec<_>>() {
-                let blocked = matches!(job, Job::Free { .. })
-                    && self.later.failed.iter().any(|f| {
-                        matches!(f, Job::Unmap { .. })
-                            && matches!(job, Job::Free { ptr, size } if f.overlaps(ptr, ptr + size))
-                    });
-                if blocked || self.run_job(job).is_err() {
+                if blocked(&self.later.failed, &job) || self.run_job(job).is_err() {
                     self.later.failed.push(job);
                 }
             }
@@ -146,9 +166,13 @@ impl SimBackend {
         if self.later.failed.is_empty() {
             return Ok(());
         }
-        let failed = std::mem::take(&mut self.later.failed);
-        let (result, left) = redo(failed, range, |job| self.run_job(job));
-        self.later.failed = left;
+        let failed = self.later.failed.clone();
+        let (result, done) = redo(&failed, range, |job| self.run_job(job));
+        for d in done {
+            if let Some(i) = self.later.failed.iter().position(|f| *f == d) {
+                self.later.failed.remove(i);
+            }
+        }
         result
     }
 }
@@ -231,5 +255,25 @@ mod tests {
         s.finish_later_work();
         assert_eq!(s.later_pending(), 0);
         assert!(s.handles_over(va, 4 * MIB).is_empty());
+    }
+
+    /// A Free given after the Unmap inside its reservation failed waits
+    /// behind it too, however many times that fails again.
+    #[test]
+    fn a_free_given_after_its_unmap_failed_waits_for_it() {
+        let (mut s, va) = given_up();
+        s.fail_calls(SimCall::Unmap, 1, 3);
+        let release_spare = |s: &mut SimBackend| {
+            let spare = s.create_handle(2 * MIB, false).unwrap();
+            s.release_handle(spare, 2 * MIB).unwrap();
+        };
+        release_spare(&mut s); // the Unmap fails, and again when redone
+        s.free_reservation_later(va, 4 * MIB).unwrap();
+        release_spare(&mut s); // the Free waits; the Unmap fails a third time
+        assert_eq!(s.calls(SimCall::FreeReservation), 0);
+        assert_eq!(s.later_pending(), 2);
+        release_spare(&mut s); // now both, in order
+        assert_eq!(s.calls(SimCall::FreeReservation), 1);
+        assert_eq!(s.later_pending(), 0);
     }
 }
