@@ -551,42 +551,59 @@ impl SimBackend {
     pub fn is_completed(&self, stream: StreamId, seq: u64) -> bool {
         self.streams.get(&stream).is_none_or(|s| s.completed >= seq)
     }
-    /// Frees the reservation at `va` (checked, not counted).
-    fn free_now(&mut self, va: DevicePtr, size: u64) {
-        let r = self
-            .reservations
-            .remove(&va)
-            .unwrap_or_else(|| panic!("SimBackend: unknown reservation {va:#x}"));
-        assert_eq!(
-            r.size, size,
-            "SimBackend: reservation {va:#x} freed with the wrong size"
-        );
-        assert!(
-            r.mapped.is_empty(),
-            "SimBackend: reservation {va:#x} freed with pages still mapped"
-        );
-    }
 
-    /// Unmaps `[ptr, ptr + size)` (checked, not counted) and logs it.
-    fn unmap_now(&mut self, ptr: DevicePtr, size: u64) {
+    /// The offsets of the mappings that make up `[ptr, ptr + size)`, which
+    /// must be whole mappings one after another.
+    fn whole_mappings(&mut self, ptr: DevicePtr, size: u64) -> Vec<u64> {
         let (r, off) = self.reservation_of(ptr, size);
-        let inside: Vec<u64> = r.mapped.range(off..off + size).map(|(&o, _)| o).collect();
         let mut at = off;
-        let mut freed: Vec<HandleId> = Vec::new();
-        for o in inside {
+        let mut offsets = Vec::new();
+        for (&o, m) in r.mapped.range(off..off + size) {
             assert_eq!(
                 o, at,
                 "SimBackend: unmap of {ptr:#x}+{size} has a hole at offset {at:#x}"
             );
-            let (h, len) = r.mapped.remove(&o).expect("listed above");
-            at += len;
-            freed.push(h);
+            at += m.1;
+            offsets.push(o);
         }
         assert_eq!(
             at,
             off + size,
             "SimBackend: unmap of {ptr:#x}+{size} does not end at a mapping's end"
         );
+        offsets
+    }
+
+    /// The reservation at `va`, which must be `size` bytes.
+    fn reservation_sized(&self, va: DevicePtr, size: u64) -> &Reservation {
+        let r = self
+            .reservations
+            .get(&va)
+            .unwrap_or_else(|| panic!("SimBackend: unknown reservation {va:#x}"));
+        assert_eq!(
+            r.size, size,
+            "SimBackend: reservation {va:#x} freed with the wrong size"
+        );
+        r
+    }
+
+    /// Frees the reservation at `va` (checked, not counted).
+    fn free_now(&mut self, va: DevicePtr, size: u64) {
+        assert!(
+            self.reservation_sized(va, size).mapped.is_empty(),
+            "SimBackend: reservation {va:#x} freed with pages still mapped"
+        );
+        self.reservations.remove(&va);
+    }
+
+    /// Unmaps `[ptr, ptr + size)` (checked, not counted) and logs it.
+    fn unmap_now(&mut self, ptr: DevicePtr, size: u64) {
+        let offsets = self.whole_mappings(ptr, size);
+        let (r, _) = self.reservation_of(ptr, size);
+        let freed: Vec<HandleId> = offsets
+            .into_iter()
+            .map(|o| r.mapped.remove(&o).expect("listed").0)
+            .collect();
         for h in freed {
             self.handles.get_mut(&h).expect("mapped handle").1 -= 1;
         }

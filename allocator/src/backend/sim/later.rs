@@ -88,19 +88,7 @@ impl SimBackend {
     /// Queues the unmapping of `[ptr, ptr + size)`, checked and counted now.
     pub(super) fn queue_unmap(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
         self.forbid_in_capture("unmap");
-        let (r, off) = self.reservation_of(ptr, size);
-        // Whole mappings, one after another (`unmap_now` checks again).
-        let mut at = off;
-        for (&o, m) in r.mapped.range(off..off + size) {
-            assert_eq!(o, at, "SimBackend: unmap of {ptr:#x}+{size} has a hole");
-            at += m.1;
-        }
-        assert_eq!(
-            at,
-            off + size,
-            "SimBackend: unmap of {ptr:#x}+{size} does not end at a mapping's end"
-        );
-        let handles = r.mapped.range(off..off + size).count() as u64;
+        let handles = self.whole_mappings(ptr, size).len() as u64;
         self.counters.unmap += 1;
         self.driver.add(DriverCall::Unmap, handles, size, 0);
         self.later
@@ -112,14 +100,7 @@ impl SimBackend {
     /// Queues freeing the reservation at `va`, checked and counted now.
     pub(super) fn queue_free(&mut self, va: DevicePtr, size: u64) -> Result<(), BackendError> {
         self.forbid_in_capture("free_reservation");
-        let r = self
-            .reservations
-            .get(&va)
-            .unwrap_or_else(|| panic!("SimBackend: unknown reservation {va:#x}"));
-        assert_eq!(
-            r.size, size,
-            "SimBackend: reservation {va:#x} given up with the wrong size"
-        );
+        self.reservation_sized(va, size);
         assert!(
             self.handles_over(va, size)
                 .iter()
