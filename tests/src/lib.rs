@@ -634,6 +634,10 @@ impl Checked {
     /// Checks the invariants and the stats against the test's model.
     #[track_caller]
     pub fn check(&self) {
+        self.check_now();
+    }
+
+    fn check_now(&self) {
         if let Err(e) = self.dev.check_invariants() {
             panic!("check_invariants: {e}");
         }
@@ -751,5 +755,18 @@ impl Checked {
         if !self.capturing() && self.dev.private_pools().is_empty() {
             assert_eq!(private, 0, "segments of private pools that no longer exist");
         }
+    }
+}
+
+/// At the end of a test, what was left to the unmapping thread is done
+/// (it would be, eventually) and everything is checked once more: a job
+/// given up wrongly shows there even when no later call waited for it.
+impl Drop for Checked {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        self.dev.backend_mut().finish_later_work();
+        self.check_now();
     }
 }

@@ -25,6 +25,8 @@ use crate::cost::{DriverCall, DriverCalls};
 #[derive(Default)]
 pub(super) struct LaterWork {
     on: bool,
+    /// Jobs run as soon as given, as an idle helper would (`eager_later_work`).
+    eager: bool,
     queue: VecDeque<Job>,
     /// Jobs that failed, oldest first, to be done again at the next wait.
     failed: Vec<Job>,
@@ -40,6 +42,14 @@ impl SimBackend {
         if !on {
             self.finish_later_work();
         }
+    }
+
+    /// Gives later work to the queue and runs it at once, as a helper that
+    /// is never held and never behind would: a fault then strikes the job
+    /// on the helper, not the call that gave it (see the module docs).
+    pub fn eager_later_work(&mut self, on: bool) {
+        self.defer_later_work(on);
+        self.later.eager = on;
     }
 
     /// Jobs queued or failed, not done yet.
@@ -94,6 +104,7 @@ impl SimBackend {
         self.later
             .queue
             .push_back(Job::Unmap { ptr, size, handles });
+        self.run_queue();
         Ok(())
     }
 
@@ -109,6 +120,7 @@ impl SimBackend {
         );
         self.driver.add(DriverCall::AddressFree, 0, size, 0);
         self.later.queue.push_back(Job::Free { ptr: va, size });
+        self.run_queue();
         Ok(())
     }
 
@@ -125,6 +137,19 @@ impl SimBackend {
             }
         }
         Ok(())
+    }
+
+    /// What the helper does on its own, with `eager_later_work`: the queued
+    /// jobs, in order; failed ones are kept, not done again.
+    fn run_queue(&mut self) {
+        if !self.later.eager {
+            return;
+        }
+        while let Some(job) = self.later.queue.pop_front() {
+            if blocked(&self.later.failed, &job) || self.run_job(job).is_err() {
+                self.later.failed.push(job);
+            }
+        }
     }
 
     /// The backend's wait (where the CUDA backend waits for its helper):

@@ -12,30 +12,35 @@ use gpualloc_tests::cfg;
 /// Largest k swept per kind.
 const MAX_K: u64 = 25;
 
-const CONFIGS: [&str; 4] = [
+const CONFIGS: [&str; 5] = [
     "policy:pytorch",
     "policy:pytorch,expandable_segments:true",
     "policy:gpualloc",
     // The same, with the unmapping given up left to the helper thread as
-    // long as it may be, so that faults strike those jobs when they run.
+    // long as it may be, or done by it at once, so that faults strike
+    // those jobs when they run rather than the calls that gave them.
     "policy:gpualloc,later",
+    "policy:gpualloc,eager",
 ];
 
 /// A fixed workload: allocations of mixed sizes on three streams, frees,
 /// cross-stream uses, stream progress and cache releases; invariants
 /// checked after every call. Returns the calls made, per kind, or the
 /// first invariant that failed.
-fn workload(config: &str, fault: Option<(SimCall, u64)>) -> Result<[u64; 13], String> {
+fn workload(label: &str, fault: Option<(SimCall, u64)>) -> Result<[u64; 13], String> {
+    let mut config = label;
     let mut sim = SimBackend::new(2 << 30);
     if let Some((call, k)) = fault {
         sim.fail_call(call, k);
     }
-    let (conf, later) = match config.strip_suffix(",later") {
-        Some(c) => (c, true),
-        None => (config, false),
-    };
-    sim.defer_later_work(later);
-    let mut d = DeviceAllocator::new(0, sim, cfg(conf));
+    if let Some(c) = config.strip_suffix(",later") {
+        sim.defer_later_work(true);
+        config = c;
+    } else if let Some(c) = config.strip_suffix(",eager") {
+        sim.eager_later_work(true);
+        config = c;
+    }
+    let mut d = DeviceAllocator::new(0, sim, cfg(config));
     let mut live = Vec::new();
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let mut rnd = |n: u64| {
@@ -73,7 +78,7 @@ fn workload(config: &str, fault: Option<(SimCall, u64)>) -> Result<[u64; 13], St
             }
         }
         d.check_invariants()
-            .map_err(|e| format!("{config}, {fault:?}: step {step}: {e}"))?;
+            .map_err(|e| format!("{label}, {fault:?}: step {step}: {e}"))?;
     }
     for p in live {
         let _ = d.free(p);
@@ -81,7 +86,7 @@ fn workload(config: &str, fault: Option<(SimCall, u64)>) -> Result<[u64; 13], St
     d.backend_mut().complete_all();
     let _ = d.empty_cache();
     d.check_invariants()
-        .map_err(|e| format!("{config}, {fault:?}: at the end: {e}"))?;
+        .map_err(|e| format!("{label}, {fault:?}: at the end: {e}"))?;
     Ok(SimCall::ALL.map(|c| d.backend().calls(c)))
 }
 
