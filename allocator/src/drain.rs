@@ -35,7 +35,7 @@
 //! the driver (the plain `CUDAPluggableAllocator` route, Note [Capture
 //! without a pool]): a capture may then begin unannounced at any moment.
 
-use crate::backend::{Backend, BackendError, DevicePtr, HandleId, StreamId};
+use crate::backend::{Backend, BackendError, DevicePtr, HandleId, StreamId, unmap_maybe_later};
 use crate::cost::{DriverCall, DriverCalls};
 use crate::fence::Fences;
 use crate::observer::SegmentAction;
@@ -228,12 +228,7 @@ impl Drains {
                 "unmapping a range whose work may still run"
             );
             say(SegmentAction::Unmap, d.stream, d.lo, d.size);
-            let unmapped_now = if later {
-                backend.unmap_later(d.lo, d.size)
-            } else {
-                backend.unmap(d.lo, d.size)
-            };
-            match unmapped_now {
+            match unmap_maybe_later(backend, d.lo, d.size, later) {
                 Ok(()) => {
                     unmapped.add(DriverCall::Unmap, d.handles.len() as u64, d.size, 0);
                     false

@@ -48,7 +48,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::backend::{Backend, BackendError, DevicePtr, HandleId};
+use crate::backend::{Backend, BackendError, DevicePtr, HandleId, unmap_maybe_later};
 use crate::size_class::PoolKind;
 
 /// New handles are at most 1/this of the range they are created for, so a
@@ -344,11 +344,7 @@ impl PagePool {
         kind: PoolKind,
         later: bool,
     ) -> Result<(), BackendError> {
-        if later {
-            backend.unmap_later(lo, hi - lo)?;
-        } else {
-            backend.unmap(lo, hi - lo)?;
-        }
+        unmap_maybe_later(backend, lo, hi - lo, later)?;
         self.detach(lo, hi, kind);
         Ok(())
     }

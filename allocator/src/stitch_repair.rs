@@ -2,7 +2,7 @@
 //! leaves a hole in the cached stitches that alias it, and the next claim
 //! maps other free handles into the holes (Note [Stitching] in `stitch.rs`).
 
-use crate::backend::{Backend, DevicePtr, HandleId};
+use crate::backend::{Backend, DevicePtr, HandleId, unmap_maybe_later};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::heap::LARGE;
@@ -52,12 +52,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let runs = self.stitches.list[i].runs(|s| s.part().is_some() && pick(s));
         for (first, end, at, bytes) in runs {
             self.notify(SegmentAction::Unmap, stream, at, bytes);
-            let r = if later {
-                self.backend.unmap_later(at, bytes)
-            } else {
-                self.backend.unmap(at, bytes)
-            };
-            if let Err(e) = r {
+            if let Err(e) = unmap_maybe_later(&mut self.backend, at, bytes, later) {
                 // Still mapped: say so again (Note [Segment events]).
                 self.notify(SegmentAction::Map, stream, at, bytes);
                 return Err(e.into());

@@ -400,30 +400,15 @@ impl CudaBackend {
                     bound = true;
                 }
                 let t = Instant::now();
-                let (call, name, r) = match job {
-                    Job::Unmap { ptr, size, .. } => {
-                        // SAFETY: the allocator gave the range up
-                        // (`unmap_later`): a run of whole mappings no queued
-                        // work touches, which the backend maps over only
-                        // after this job.
-                        let r = unsafe { driver::cuMemUnmap(ptr, size as usize) };
-                        (DriverCall::Unmap, "cuMemUnmap", r)
-                    }
-                    Job::Free { ptr, size } => {
-                        // SAFETY: a reservation of this backend whose ranges
-                        // were unmapped by the jobs before this one.
-                        let r = unsafe { driver::cuMemAddressFree(ptr, size as usize) };
-                        (DriverCall::AddressFree, "cuMemAddressFree", r)
-                    }
-                };
-                let (size, handles) = match job {
-                    Job::Unmap { size, handles, .. } => (size, handles),
-                    Job::Free { size, .. } => (size, 0),
+                let r = run_job(job);
+                let (call, size, handles) = match job {
+                    Job::Unmap { size, handles, .. } => (DriverCall::Unmap, size, handles),
+                    Job::Free { size, .. } => (DriverCall::AddressFree, size, 0),
                 };
                 calls
                     .lock()
                     .add(call, handles, size, t.elapsed().as_nanos() as u64);
-                check(name, r)
+                r
             });
             match Unmapper::start(format!("gpualloc-unmap-{}", self.ordinal), work) {
                 Ok(u) => {
@@ -480,18 +465,7 @@ impl CudaBackend {
     ) -> Result<(), BackendError> {
         let _bound = self.bind()?;
         let _relaxed = RelaxedCaptureMode::enter().ok();
-        let (result, done) = unmapper::redo(jobs, range, |job| match job {
-            // SAFETY: as on the helper thread (`unmapper`): a range given
-            // up, then a reservation whose ranges were unmapped (a Free is
-            // done only after the Unmaps inside it).
-            Job::Unmap { ptr, size, .. } => check("cuMemUnmap", unsafe {
-                driver::cuMemUnmap(ptr, size as usize)
-            }),
-            // SAFETY: as above.
-            Job::Free { ptr, size } => check("cuMemAddressFree", unsafe {
-                driver::cuMemAddressFree(ptr, size as usize)
-            }),
-        });
+        let (result, done) = unmapper::redo(jobs, range, run_job);
         if let Some(u) = &self.unmapper {
             u.forget(&done);
         }
@@ -503,6 +477,26 @@ impl CudaBackend {
             Some(e) => Ok(e),
             None => create_event(),
         }
+    }
+}
+
+/// Does one of the helper's jobs on the calling thread, in the context the
+/// caller made current: on the helper, or on the allocating thread when a
+/// job that failed there is done again (`CudaBackend::redo`).
+fn run_job(job: Job) -> Result<(), BackendError> {
+    match job {
+        // SAFETY: the allocator gave the range up (`unmap_later`): a run of
+        // whole mappings no queued work touches, which the backend maps
+        // over only after this job is done.
+        Job::Unmap { ptr, size, .. } => check("cuMemUnmap", unsafe {
+            driver::cuMemUnmap(ptr, size as usize)
+        }),
+        // SAFETY: a reservation of this backend whose ranges were unmapped
+        // by the jobs before this one (a Free waits behind a failed Unmap
+        // inside it: `unmapper::blocked`, `unmapper::redo`).
+        Job::Free { ptr, size } => check("cuMemAddressFree", unsafe {
+            driver::cuMemAddressFree(ptr, size as usize)
+        }),
     }
 }
 

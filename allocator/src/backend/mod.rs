@@ -310,3 +310,19 @@ pub trait Backend: Send {
         DriverCalls::default()
     }
 }
+
+/// [`Backend::unmap_later`] with `later`, else [`Backend::unmap`]: how the
+/// allocator gives a range up, on the helper thread or on this one (Note
+/// [Unmapping off the allocating thread] in `backend/unmapper.rs`).
+pub(crate) fn unmap_maybe_later<B: Backend>(
+    backend: &mut B,
+    ptr: DevicePtr,
+    size: u64,
+    later: bool,
+) -> Result<(), BackendError> {
+    if later {
+        backend.unmap_later(ptr, size)
+    } else {
+        backend.unmap(ptr, size)
+    }
+}
