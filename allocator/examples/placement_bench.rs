@@ -10,12 +10,12 @@
 //!     --seeds 6 --trace a.gtrace --trace b.gtrace --config "" --config "key:val"
 //! ```
 //!
-//! `--churn-ops N` sets the churn loop's length (default 30,000 events; the
+//! `--churn-ops N` sets the two churn loops' length (default 30,000 events; the
 //! GPU check runs 200,000), `--quiet` prints only the summary.
 
 use gpualloc::replay::replay;
 use gpualloc::trace::{TraceEvent, TraceReader};
-use gpualloc::workload::{churn_wide, multiscale, perturbed};
+use gpualloc::workload::{churn, churn_wide, multiscale, perturbed};
 use gpualloc::{Config, CostModel};
 
 fn main() {
@@ -56,6 +56,7 @@ fn main() {
     }
     for s in 1..=seeds {
         work.push((format!("churn_wide/{s}"), churn_wide(s, churn_ops)));
+        work.push((format!("churn/{s}"), churn(s, churn_ops)));
         work.push((format!("multiscale/{s}"), multiscale(s, 60)));
     }
     let model = CostModel::h200();

@@ -191,13 +191,24 @@ impl<B: Backend> DeviceAllocator<B> {
 }
 
 /// The events of a trace file, or of a synthetic workload named
-/// `churn_wide:SEED` or `multiscale:SEED` (`workload.rs`); `FILE@SEED` is
+/// `churn:SEED`, `churn_wide:SEED` or `multiscale:SEED` (`workload.rs`;
+/// `LAYOUT_PROBE_OPS` sets the churn loops' length); `FILE@SEED` is
 /// the trace perturbed with that seed.
 fn load(path: &std::path::Path) -> Vec<crate::trace::TraceEvent> {
     let name = path.to_string_lossy();
     let seed = |s: &str| s.parse::<u64>().expect("a seed");
+    // The churn loops' length: `LAYOUT_PROBE_OPS` (the GPU check runs 200,000).
+    let ops = || {
+        std::env::var("LAYOUT_PROBE_OPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(30_000)
+    };
     if let Some(s) = name.strip_prefix("churn_wide:") {
-        return crate::workload::churn_wide(seed(s), 30_000);
+        return crate::workload::churn_wide(seed(s), ops());
+    }
+    if let Some(s) = name.strip_prefix("churn:") {
+        return crate::workload::churn(seed(s), ops());
     }
     if let Some(s) = name.strip_prefix("multiscale:") {
         return crate::workload::multiscale(seed(s), 60);

@@ -5,7 +5,7 @@
 //! [`perturbed`] scales every requested size of a trace by a factor drawn
 //! per trace (0.8–1.2) times a jitter drawn per distinct size (±5%), so a
 //! fixed-shape workload stays fixed-shape (equal sizes stay equal) while its
-//! layout changes. [`churn_wide`] and [`multiscale`] build event sequences
+//! layout changes. [`churn`], [`churn_wide`] and [`multiscale`] build event sequences
 //! for [`replay`](crate::replay::replay) directly.
 //! `allocator/examples/placement_bench.rs` runs them all under several
 //! configurations.
@@ -79,24 +79,41 @@ impl Builder {
     }
 }
 
-/// The churn loop of `tests/gpu/checks.py` (`check_churn_wide`): a window of
-/// 64 live tensors; each new tensor (sizes log-uniform from 512 B to 64 MiB,
-/// cycling through 4096 drawn ones) replaces the oldest after it is
-/// allocated, as `window[i % 64] = torch.empty(...)` does. 2000 warm-up
-/// operations, then `ops`, at the H200's pace under PyTorch (about 2.5 µs
-/// per iteration).
+/// The churn loop of `tests/gpu/checks.py` (`check_churn_wide`, the issue's
+/// loop): sizes log-uniform from 512 B to 64 MiB, so that no two large
+/// sizes repeat exactly (see [`window_loop`]).
 pub fn churn_wide(seed: u64, ops: usize) -> Vec<TraceEvent> {
     let (lo, hi) = ((512f64).ln(), ((64u64 << 20) as f64).ln());
     let sizes: Vec<u64> = (0..4096u64)
         .map(|i| (lo + (hi - lo) * unit(mix(seed) ^ i)).exp() as u64)
         .collect();
+    window_loop(&sizes, ops)
+}
+
+/// The other churn loop of `tests/gpu/checks.py` (`check_churn`): sizes
+/// drawn from six, 256 B to 24 MiB, so that the same few sizes come back
+/// in a fixed order and no request reaches `stitch_min_mb`; what it costs
+/// is defragmentation alone (see [`window_loop`]).
+pub fn churn(seed: u64, ops: usize) -> Vec<TraceEvent> {
+    const SIZES: [u64; 6] = [256, 4096, 65536, 1 << 20, 5 << 20, 24 << 20];
+    let sizes: Vec<u64> = (0..4096u64)
+        .map(|i| SIZES[(mix(mix(seed) ^ i) % 6) as usize])
+        .collect();
+    window_loop(&sizes, ops)
+}
+
+/// A window of 64 live tensors; each new tensor (cycling through `sizes`)
+/// replaces the oldest after it is allocated, as `window[i % 64] =
+/// torch.empty(...)` does. 2000 warm-up operations, then `ops`, at the
+/// H200's pace under PyTorch (about 2.5 µs per iteration).
+fn window_loop(sizes: &[u64], ops: usize) -> Vec<TraceEvent> {
     let mut b = Builder {
         ns_per_event: 1_250,
         ..Builder::default()
     };
     let mut window = [0; 64];
     for i in 0..2000 + ops {
-        let p = b.alloc(sizes[i % 4096]);
+        let p = b.alloc(sizes[i % sizes.len()]);
         if window[i % 64] != 0 {
             b.free(window[i % 64]);
         }
@@ -181,7 +198,7 @@ mod tests {
 
     #[test]
     fn synthetic_workloads_replay_without_unknown_frees() {
-        for evs in [churn_wide(3, 2000), multiscale(3, 5)] {
+        for evs in [churn(3, 2000), churn_wide(3, 2000), multiscale(3, 5)] {
             let r = replay(evs.into_iter(), 8 << 30, &Config::default());
             assert_eq!((r.unknown_frees, r.ooms), (0, 0));
             assert!(r.peak_reserved >= r.peak_allocated && r.peak_allocated > 0);
