@@ -138,12 +138,12 @@ impl fmt::Display for AllocError {
                 let b = format_bytes;
                 write!(
                     f,
-                    "CUDA out of memory (gpualloc). Tried to allocate {} (segment of {}). GPU {} has a total capacity of {} of which {} is free.",
+                    "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. gpualloc needed {} for it.",
                     b(r.requested),
-                    b(r.needed),
                     r.device,
                     b(r.device_total),
-                    b(r.device_free)
+                    b(r.device_free),
+                    b(r.needed)
                 )?;
                 if let Some(l) = r.limit {
                     write!(f, " gpualloc's memory limit is {}.", b(l))?;
@@ -182,7 +182,7 @@ impl fmt::Display for AllocError {
                 max,
             } => write!(
                 f,
-                "CUDA out of memory (gpualloc). Tried to allocate {} (segment of {}), which can never fit: the most this device can hold is {}.",
+                "CUDA out of memory. Tried to allocate {}. gpualloc needed {} for it, which can never fit: the most this device can hold is {}.",
                 format_bytes(*requested),
                 format_bytes(*needed),
                 format_bytes(*max)

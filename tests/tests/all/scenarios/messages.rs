@@ -12,8 +12,14 @@ fn out_of_memory_message_names_the_numbers() {
     let err = c.malloc(22 * MIB, 0).unwrap_err();
     assert!(matches!(err, AllocError::OutOfMemory(_)));
     let msg = err.to_string();
+    // PyTorch's own opening, word for word: libraries that shrink the batch
+    // on out-of-memory errors recognize them by it (accelerate's
+    // `should_reduce_batch_size` looks for " out of memory.").
+    assert!(
+        msg.starts_with("CUDA out of memory. Tried to allocate 22.00 MiB. GPU 0 has"),
+        "{msg}"
+    );
     for part in [
-        "CUDA out of memory",
         "Tried to allocate 22.00 MiB",
         "GPU 0",
         "total capacity of 64.00 MiB",
@@ -46,6 +52,7 @@ fn out_of_memory_message_names_the_limit_and_private_pools() {
 fn too_large_message_says_it_never_fits() {
     let mut c = Checked::with(64 * MIB, "policy:pytorch,cross_stream_reuse:true");
     let msg = c.malloc(100 * MIB, 0).unwrap_err().to_string();
+    assert!(msg.starts_with("CUDA out of memory. Tried to allocate 100.00 MiB."));
     assert!(
         msg.contains("100.00 MiB") && msg.contains("64.00 MiB") && msg.contains("never"),
         "{msg}"
