@@ -22,6 +22,7 @@ use parking_lot::Mutex;
 use crate::boundary::{
     Error, GPUALLOC_ERR_ALREADY_INITIALIZED, GPUALLOC_ERR_CONFIG, GPUALLOC_ERR_UNAVAILABLE,
 };
+use crate::pending;
 
 /// Default simulated capacity: an 80 GiB device.
 const DEFAULT_SIM_CAPACITY: u64 = 80 << 30;
@@ -193,13 +194,21 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
             _ => Ok(g),
         };
     }
-    let config = match config {
+    // What `gpualloc_configure` kept (Note [Starting on first use]).
+    let kept = pending::get();
+    if let (Some(c), Some(old)) = (config, kept.config.as_deref())
+        && c != old
+    {
+        return Err(pending::already_configured(old, c));
+    }
+    let config = match config.or(kept.config.as_deref()) {
         Some(c) => Config::parse(c)?,
         None => Config::from_env()?,
     };
     let g = build(config)?;
     g.alloc.set_segment_observer(OBSERVER.lock().clone());
     let g = GLOBAL.get_or_init(|| g);
+    pending::clear();
     tracing::info!(
         backend = ?g.kind,
         devices = g.alloc.device_count(),
@@ -207,7 +216,31 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
         "allocator started"
     );
     start_tracing(&g.alloc);
+    if let Some(path) = kept.trace {
+        crate::trace::start_kept(&g.alloc, &path);
+    }
     Ok(g)
+}
+
+/// Before the allocator starts: checks `config` and keeps it, with a trace
+/// path, for the start, initializing nothing (Note [Starting on first use]
+/// in `pending.rs`). Once it runs: as [`init`], then a trace start.
+pub(crate) fn configure(
+    config: Option<&str>,
+    trace: Option<&std::path::Path>,
+) -> Result<(), Error> {
+    gpualloc::log::install_from_env();
+    {
+        let _serial = INIT.lock();
+        if GLOBAL.get().is_none() {
+            return pending::keep(config, trace);
+        }
+    }
+    let g = init(config)?;
+    if let Some(path) = trace {
+        g.alloc.trace_start(path)?;
+    }
+    Ok(())
 }
 
 /// Before the allocator exists: the configuration it would start with, once

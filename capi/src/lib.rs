@@ -24,6 +24,7 @@ mod ipc;
 mod ipc_format;
 mod observer;
 mod oom;
+mod pending;
 mod pools;
 mod snapshot;
 mod stats;
@@ -68,6 +69,44 @@ pub unsafe extern "C" fn gpualloc_init(config: *const c_char) -> c_int {
             Some(str_arg(config, "config")?)
         };
         global::init(cfg).map(|_| ())
+    })
+}
+
+/// Checks `config` (NULL: none given) and keeps it, with a trace to record
+/// (`trace_path`, NULL: none; placeholders as in `gpualloc_trace_start`),
+/// for the allocator to start with at the first call that needs it (an
+/// allocation, PyTorch's CUDA initialization through the bridge,
+/// `gpualloc_init`, a mark or a phase): nothing starts and the CUDA driver
+/// is not initialized (Note [Starting on first use] in `pending.rs`). A bad
+/// configuration is `GPUALLOC_ERR_CONFIG`; another configuration than one
+/// kept or in force, `GPUALLOC_ERR_ALREADY_INITIALIZED`; a second trace,
+/// `GPUALLOC_ERR_IO`. Once the allocator runs, it is `gpualloc_init` then
+/// `gpualloc_trace_start`.
+///
+/// # Safety
+/// `config` and `trace_path` are NULL or NUL-terminated strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_configure(
+    config: *const c_char,
+    trace_path: *const c_char,
+) -> c_int {
+    status(|| {
+        let cfg = if config.is_null() {
+            None
+        } else {
+            Some(str_arg(config, "config")?)
+        };
+        let trace = if trace_path.is_null() {
+            None
+        } else {
+            // SAFETY: non-NULL checked above; the caller promises a
+            // NUL-terminated string.
+            let bytes = unsafe { std::ffi::CStr::from_ptr(trace_path) }.to_bytes();
+            Some(gpualloc::trace_path::expand(
+                <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes),
+            ))
+        };
+        global::configure(cfg, trace.as_deref())
     })
 }
 

@@ -33,6 +33,20 @@ pub(crate) fn from_env<B: Backend>(alloc: &Allocator<B>) {
     }
 }
 
+/// Starts the trace `gpualloc_configure` kept for the allocator's start
+/// (Note [Starting on first use] in `pending.rs`). As for `GPUALLOC_TRACE`,
+/// a trace that cannot start is reported on stderr and the allocator runs
+/// untraced.
+pub(crate) fn start_kept<B: Backend>(alloc: &Allocator<B>, path: &std::path::Path) {
+    match alloc.trace_start(path) {
+        Ok(()) => announce(alloc, path, "the trace asked for at install"),
+        Err(e) => eprintln!(
+            "gpualloc: could not start tracing to {}: {e}",
+            path.display()
+        ),
+    }
+}
+
 /// Logs the trace's start and, on stderr, says where it goes when that is
 /// not `asked` (another process was writing it: Note [One writer per
 /// trace file]).
@@ -128,7 +142,17 @@ pub struct GpuallocTraceSummary {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_trace_stop(summary: *mut GpuallocTraceSummary) -> c_int {
     status(|| {
-        let s = existing().ok_or_else(not_tracing)?.alloc.trace_stop();
+        let Some(g) = existing() else {
+            // A trace kept for the start is forgotten: it recorded nothing.
+            if !crate::pending::forget_trace() {
+                return Err(not_tracing());
+            }
+            if !summary.is_null() {
+                crate::boundary::write_out(summary, GpuallocTraceSummary::default(), "summary")?;
+            }
+            return Ok(());
+        };
+        let s = g.alloc.trace_stop();
         log_stop(&s, "on request");
         let s = s?;
         if !summary.is_null() {
@@ -162,16 +186,20 @@ pub extern "C" fn gpualloc_trace_flush() -> c_int {
     status(|| Ok(existing().ok_or_else(not_tracing)?.alloc.trace_flush()?))
 }
 
-/// 1 while tracing, 0 when not, negative on error.
+/// 1 while tracing (or, before the allocator starts, when a trace will be
+/// recorded from its start), 0 when not, negative on error.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_is_tracing() -> c_int {
     crate::boundary::clear_last_error();
     ffi_boundary(
         |code| code,
         || {
-            Ok(c_int::from(
-                existing().is_some_and(|g| g.alloc.is_tracing()),
-            ))
+            Ok(c_int::from(match existing() {
+                Some(g) => g.alloc.is_tracing(),
+                // One will be recorded from the start (Note [Starting on
+                // first use]).
+                None => crate::pending::get().trace.is_some() || crate::pending::env_trace(),
+            }))
         },
     )
 }

@@ -508,3 +508,115 @@ fn segment_structs_and_events() {
 fn ipc_shares_and_refusals() {
     run_under_both_policies("ipc_test", &[]);
 }
+
+/// `gpualloc_configure` checks and keeps a configuration and a trace
+/// without starting the allocator (Note [Starting on first use]); the
+/// first allocation starts it with both; afterwards it is `gpualloc_init`
+/// and `gpualloc_trace_start`.
+#[test]
+fn configure_keeps_the_configuration_and_trace_for_the_first_use() {
+    let (out, exe) = build_inline(
+        "configure_test",
+        r#"#include "gpualloc.h"
+#include <stdio.h>
+#define CHECK(c) do { if (!(c)) { fprintf(stderr, "line %d: %s\n", __LINE__, #c); return 1; } } while (0)
+int main(int argc, char **argv) {
+  (void)argc;
+  GpuallocTraceSummary s;
+  CHECK(gpualloc_configure("no_such_key:1", NULL) == GPUALLOC_ERR_CONFIG);
+  CHECK(gpualloc_configure("max_split_size_mb:128", argv[1]) == GPUALLOC_OK);
+  CHECK(gpualloc_is_initialized() == 0);
+  CHECK(gpualloc_is_tracing() == 1);
+  CHECK(gpualloc_configure("max_split_size_mb:128", NULL) == GPUALLOC_OK);
+  CHECK(gpualloc_configure("max_split_size_mb:256", NULL) == GPUALLOC_ERR_ALREADY_INITIALIZED);
+  CHECK(gpualloc_init("max_split_size_mb:256") == GPUALLOC_ERR_ALREADY_INITIALIZED);
+  CHECK(gpualloc_configure(NULL, argv[2]) == GPUALLOC_ERR_IO);
+  CHECK(gpualloc_is_initialized() == 0);
+  void *p = gpualloc_malloc(4096, 0, 0);
+  CHECK(p != NULL);
+  CHECK(gpualloc_is_initialized() == 1);
+  CHECK(gpualloc_init("max_split_size_mb:256") == GPUALLOC_ERR_ALREADY_INITIALIZED);
+  CHECK(gpualloc_init("max_split_size_mb:128") == GPUALLOC_OK);
+  gpualloc_free(p, 4096, 0, 0);
+  CHECK(gpualloc_trace_stop(&s) == GPUALLOC_OK);
+  CHECK(s.events >= 2);
+  CHECK(gpualloc_configure(NULL, argv[2]) == GPUALLOC_OK);
+  CHECK(gpualloc_is_tracing() == 1);
+  CHECK(gpualloc_trace_stop(&s) == GPUALLOC_OK);
+  printf("done\n");
+  return 0;
+}
+"#,
+    );
+    let (a, b) = (out.join("a.gtrace"), out.join("b.gtrace"));
+    let run = Command::new(&exe)
+        .args([&a, &b])
+        .env("LD_LIBRARY_PATH", library().parent().unwrap())
+        .env("GPUALLOC_BACKEND", "sim")
+        .env_remove("GPUALLOC_CONF")
+        .env_remove("GPUALLOC_TRACE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success() && run.stdout.starts_with(b"done"),
+        "{err}"
+    );
+    assert!(a.exists() && b.exists(), "{err}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// A trace kept for the start is forgotten by a stop before it (no file);
+/// one in `GPUALLOC_TRACE` counts as kept, so a second is refused.
+#[test]
+fn a_kept_trace_is_forgotten_by_a_stop_and_the_environments_counts() {
+    let (out, exe) = build_inline(
+        "configure_stop_test",
+        r#"#include "gpualloc.h"
+#include <stdio.h>
+#include <stdlib.h>
+#define CHECK(c) do { if (!(c)) { fprintf(stderr, "line %d: %s\n", __LINE__, #c); return 1; } } while (0)
+int main(int argc, char **argv) {
+  (void)argc;
+  GpuallocTraceSummary s = {1, 1, 1};
+  if (getenv("GPUALLOC_TRACE") != NULL) {
+    CHECK(gpualloc_is_tracing() == 1);
+    CHECK(gpualloc_configure(NULL, argv[1]) == GPUALLOC_ERR_IO);
+    printf("done\n");
+    return 0;
+  }
+  CHECK(gpualloc_trace_stop(&s) == GPUALLOC_ERR_IO);
+  CHECK(gpualloc_configure(NULL, argv[1]) == GPUALLOC_OK);
+  CHECK(gpualloc_trace_stop(&s) == GPUALLOC_OK);
+  CHECK(s.events == 0 && s.bytes == 0);
+  CHECK(gpualloc_is_tracing() == 0);
+  void *p = gpualloc_malloc(4096, 0, 0);
+  CHECK(p != NULL && gpualloc_is_tracing() == 0);
+  gpualloc_free(p, 4096, 0, 0);
+  printf("done\n");
+  return 0;
+}
+"#,
+    );
+    let a = out.join("a.gtrace");
+    let env_trace = out.join("env.gtrace");
+    for vars in [vec![], vec![("GPUALLOC_TRACE", env_trace.as_os_str())]] {
+        let mut cmd = Command::new(&exe);
+        cmd.arg(&a)
+            .env("LD_LIBRARY_PATH", library().parent().unwrap())
+            .env("GPUALLOC_BACKEND", "sim")
+            .env_remove("GPUALLOC_CONF")
+            .env_remove("GPUALLOC_TRACE");
+        for (k, v) in vars {
+            cmd.env(k, v);
+        }
+        let run = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert!(
+            run.status.success() && run.stdout.starts_with(b"done"),
+            "{err}"
+        );
+    }
+    assert!(!a.exists());
+    let _ = std::fs::remove_dir_all(&out);
+}

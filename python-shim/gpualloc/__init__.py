@@ -113,6 +113,14 @@ def install(
     ``checkpoint`` through torch's hooks (see ``_auto.py``); default:
     ``GPUALLOC_AUTO_MARKS`` (on unless ``0``). Returns ``"bridge"`` or
     ``"fallback"``.
+
+    Installing initializes nothing on the GPU: the allocator starts at
+    PyTorch's own CUDA initialization (its first CUDA call) with this
+    configuration and trace, so the program may still choose its GPUs
+    (``CUDA_VISIBLE_DEVICES``) afterwards, and a process that never uses
+    CUDA (a DataLoader worker importing the script again) never starts the
+    driver. A bad configuration is an error here; one the allocator cannot
+    start with (no driver, no device) is PyTorch's CUDA initialization error.
     """
     from . import _torch
 

@@ -159,9 +159,16 @@ def _owns() -> bool:
 
 
 def _open(name: str, loose: bool = False) -> Optional[_phases.Entry]:
-    if not _owns():
+    # Not before the allocator starts: a phase would start it, and with it
+    # the CUDA driver, before the program's first CUDA call (Note [Starting
+    # on first use] in capi/src/pending.rs); there is no memory to name yet.
+    if not _guard(_started) or not _owns():
         return None
     return _guard(_phases.push, name, loose)
+
+
+def _started() -> bool:
+    return _phases.started()
 
 
 def _close(e: Optional[_phases.Entry]) -> None:
@@ -207,7 +214,8 @@ def _step_ends(optimizer) -> None:
                 return
         _State.leader = me  # the leader, or one that stepped twice without it
         _State.others = set()
-    lib().mark(STEP_MARK)
+    if lib().is_initialized():  # as in _open
+        lib().mark(STEP_MARK)
 
 
 # -- backward, torch.save ----------------------------------------------------

@@ -246,6 +246,7 @@ def _pool(pool) -> Tuple[int, int]:
 _SIGNATURES = {
     "gpualloc_init": (c_int, [c_char_p]),
     "gpualloc_is_initialized": (c_int, []),
+    "gpualloc_configure": (c_int, [c_char_p, c_char_p]),
     "gpualloc_backend_name": (c_char_p, []),
     "gpualloc_version": (c_char_p, []),
     "gpualloc_device_count": (c_int, []),
@@ -388,6 +389,18 @@ class Library:
 
     def init(self, config: Optional[str]) -> None:
         self.check(self.dll.gpualloc_init(None if config is None else _cstr(config, "config")))
+
+    def configure(self, config: Optional[str], trace: Optional[str] = None) -> None:
+        """Checks ``config`` and keeps it, with a trace path, for the
+        allocator's start, which it leaves to the first call that needs the
+        allocator (the CUDA driver is not initialized here); once the
+        allocator runs, as init() then trace_start()."""
+        self.check(
+            self.dll.gpualloc_configure(
+                None if config is None else _cstr(config, "config"),
+                None if trace is None else _cstr(os.fsencode(trace), "trace path"),
+            )
+        )
 
     def is_initialized(self) -> bool:
         return bool(self.dll.gpualloc_is_initialized())

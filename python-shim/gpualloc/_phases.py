@@ -33,6 +33,11 @@ _STACK: List[Entry] = []
 _LOCK = threading.RLock()
 
 
+def started() -> bool:
+    """Whether the allocator has started (phases are recorded from then on)."""
+    return lib().is_initialized()
+
+
 def push(name: str, loose: bool = False) -> Entry:
     """Opens a phase in the library and mirrors it."""
     e = Entry(str(name), loose)

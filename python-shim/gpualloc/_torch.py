@@ -45,7 +45,7 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
         if MODE is not None:
             if config is not None:
                 try:
-                    lib().init(config)  # same configuration: fine; another: a clear error
+                    lib().configure(config)  # same configuration: fine; another: a clear error
                 except GpuallocError as e:
                     if not BY_RUN:
                         raise
@@ -63,7 +63,7 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
                     stacklevel=3,
                 )
             elif trace:
-                lib().trace_start(trace)
+                lib().configure(None, trace)  # now if the allocator runs, else from its start
             _set_auto_marks(torch, auto_marks)
             return MODE
         if torch.cuda.is_initialized():
@@ -72,14 +72,21 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
                 "(a torch.cuda call or a CUDA tensor came first, possibly inside an imported library). "
                 "Call gpualloc.install() at the very top of the program, or use `python -m gpualloc run script.py`."
             )
-        if not torch.cuda.is_available():
-            raise GpuallocError("gpualloc.install(): torch.cuda.is_available() is False: no CUDA device for gpualloc to manage")
+        if getattr(getattr(torch, "version", None), "cuda", None) is None:
+            raise GpuallocError(f"gpualloc.install(): this torch ({torch.__version__}) was built without CUDA")
+        # Nothing here initializes the CUDA driver: the allocator starts at
+        # PyTorch's own CUDA initialization, so that a program may still
+        # choose its GPUs (CUDA_VISIBLE_DEVICES) after install(), and
+        # processes that never use the GPU never start the driver (Note
+        # [Starting on first use] in capi/src/pending.rs).
         L = lib()  # raises LibraryNotFound with instructions
-        L.init(config)  # a bad configuration raises here, before torch is touched
-        L.backend()  # starts the backend: a missing driver is reported now
+        # A bad configuration raises here, before torch is touched. None is
+        # GPUALLOC_CONF's, kept as such: a later install(config=...) with
+        # another is refused, as once the allocator runs.
+        L.configure(config if config is not None else os.environ.get("GPUALLOC_CONF", ""))
         started = bool(trace) and not L.is_tracing()
         if started:
-            L.trace_start(trace)
+            L.configure(None, trace)
         elif trace:
             warnings.warn(
                 f"gpualloc: install(trace={trace!r}) ignored: a trace is already being recorded (GPUALLOC_TRACE?)",

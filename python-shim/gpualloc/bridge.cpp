@@ -422,7 +422,12 @@ class GpuallocAllocator final : public CUDAAllocator {
     return alloc_on(nbytes, current_device(), stream);
   }
   void raw_delete(void* ptr) override { delete_fn(ptr); }
+  // Called by PyTorch's lazy CUDA initialization: the allocator starts here,
+  // with what install() configured (Note [Starting on first use] in
+  // capi/src/pending.rs), so that a failure to start is torch's CUDA
+  // initialization error.
   void init(int device_count) override {
+    check(api.init(nullptr), "could not start");
     device_count_ = device_count;
     initialized_.store(true);
   }
@@ -783,7 +788,7 @@ extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t er
     api.resolve_all(h);
     CUDAAllocator* native = cca::allocator.load();
     auto a = std::make_shared<GpuallocAllocator>(native);
-    a->init(static_cast<int>(c10::cuda::device_count()));
+    // Not initialized here: PyTorch calls init() when it initializes CUDA.
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
     // c10::GetAllocator(kCUDA) (storages made without a tensor, torch.accelerator)
     // must find gpualloc too; PyTorch registers its own at priority 0.

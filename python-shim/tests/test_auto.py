@@ -281,6 +281,66 @@ class InstallTest(unittest.TestCase):
             out = run([s])
             self.assertIn("refused True", out.stdout, out.stderr)
 
+    def test_install_starts_nothing_until_the_first_use(self):
+        # Note [Starting on first use]: install() initializes no driver, so
+        # the program may still choose its GPUs; the hooks do not start the
+        # allocator either; the first allocation does, with the
+        # configuration and trace install() was given.
+        with tempfile.TemporaryDirectory() as d:
+            a = os.path.join(d, "a.gtrace")
+            s = self.script(
+                d,
+                f"""
+                import gpualloc, torch
+                from gpualloc._lib import lib
+                from gpualloc.tracefile import annotations
+                gpualloc.install(config="max_split_size_mb:128", trace={a!r}, bridge=False)
+                print("started", lib().is_initialized(), "tracing", lib().is_tracing())
+                torch.Tensor().backward()
+                torch.optim.SGD().step()
+                model = torch.nn.Module()
+                model.eval()
+                print("after hooks", lib().is_initialized())
+                p = lib().malloc(1 << 20, 0, 0)
+                print("after malloc", lib().is_initialized())
+                torch.Tensor().backward()
+                lib().free(p, 0)
+                try:
+                    gpualloc.install(config="max_split_size_mb:256")
+                except gpualloc.GpuallocError as e:
+                    print("refused", "max_split_size_mb:128" in str(e))
+                gpualloc.trace_stop()
+                print("seq", [(x["kind"], x["name"]) for x in annotations({a!r}) if x["device"] == 0])
+                """,
+            )
+            out = run([s])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("started False tracing True", out.stdout)
+            self.assertIn("after hooks False", out.stdout)
+            self.assertIn("after malloc True", out.stdout)
+            self.assertIn("refused True", out.stdout)
+            self.assertIn("seq [('phase_push', 'backward'), ('phase_pop', 'backward')]", out.stdout)
+
+    def test_no_configuration_given_is_the_environments_and_holds(self):
+        with tempfile.TemporaryDirectory() as d:
+            s = self.script(
+                d,
+                """
+                import gpualloc, torch
+                gpualloc.install(bridge=False)
+                for conf in ("max_split_size_mb:64", "max_split_size_mb:128"):
+                    try:
+                        gpualloc.install(config=conf)
+                        print("took", conf)
+                    except gpualloc.GpuallocError as e:
+                        print("refused", conf)
+                """,
+            )
+            out = run([s], {"GPUALLOC_CONF": "max_split_size_mb:64", "GPUALLOC_BACKEND": "sim"})
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("took max_split_size_mb:64", out.stdout)
+            self.assertIn("refused max_split_size_mb:128", out.stdout)
+
     def test_a_launcher_is_named_with_what_to_do(self):
         with tempfile.TemporaryDirectory() as d:
             out = run(["-m", "gpualloc", "run", "--no-bridge", "-m", "torch.distributed.run", "--help"], cwd=d)

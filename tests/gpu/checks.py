@@ -318,6 +318,32 @@ def check_dropin(args) -> dict:
         got = (a @ b).cpu()
         assert torch.allclose(ref, got, rtol=1e-3, atol=1e-3)
 
+    @sub("gpus_chosen_after_install")
+    def _():
+        # As under PyTorch's allocator, a program may still choose its GPUs
+        # after installing (Ultralytics' select_device sets
+        # CUDA_VISIBLE_DEVICES just before its first CUDA call): installing
+        # must not initialize the CUDA driver (Note [Starting on first use]).
+        import subprocess
+        import textwrap
+
+        code = textwrap.dedent(f"""
+            import os, sys
+            sys.path.insert(0, {HERE!r})
+            import checks
+            alloc = {args.alloc!r}
+            if alloc == "raw":
+                checks._install_raw()
+            elif alloc == "gpualloc":
+                import gpualloc
+                gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+            import torch
+            print("AVAILABLE", torch.cuda.is_available(), torch.cuda.device_count())
+        """)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+        assert "AVAILABLE False 0" in r.stdout, (r.stdout + r.stderr)[-600:]
+
     passed = sum(1 for v in out.values() if v["ok"])
     return {"passed": passed, "total": len(out), "checks": out}
 

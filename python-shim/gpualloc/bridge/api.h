@@ -16,6 +16,7 @@
 namespace gpualloc_bridge {
 
 struct Api {
+  decltype(&gpualloc_init) init = nullptr;
   decltype(&gpualloc_malloc) malloc_fn = nullptr;
   decltype(&gpualloc_free) free_fn = nullptr;
   decltype(&gpualloc_last_error) last_error = nullptr;
@@ -48,6 +49,7 @@ struct Api {
 
   // Resolves every symbol from the library at `handle`.
   void resolve_all(void* handle) {
+    resolve(handle, "gpualloc_init", init);
     resolve(handle, "gpualloc_malloc", malloc_fn);
     resolve(handle, "gpualloc_free", free_fn);
     resolve(handle, "gpualloc_last_error", last_error);

@@ -323,6 +323,21 @@ extern "C" {
 // `config` is NULL or a NUL-terminated string.
 int gpualloc_init(const char *config);
 
+// Checks `config` (NULL: none given) and keeps it, with a trace to record
+// (`trace_path`, NULL: none; placeholders as in `gpualloc_trace_start`),
+// for the allocator to start with at the first call that needs it (an
+// allocation, PyTorch's CUDA initialization through the bridge,
+// `gpualloc_init`, a mark or a phase): nothing starts and the CUDA driver
+// is not initialized (Note [Starting on first use] in `pending.rs`). A bad
+// configuration is `GPUALLOC_ERR_CONFIG`; another configuration than one
+// kept or in force, `GPUALLOC_ERR_ALREADY_INITIALIZED`; a second trace,
+// `GPUALLOC_ERR_IO`. Once the allocator runs, it is `gpualloc_init` then
+// `gpualloc_trace_start`.
+//
+// # Safety
+// `config` and `trace_path` are NULL or NUL-terminated strings.
+int gpualloc_configure(const char *config, const char *trace_path);
+
 // 1 when the allocator has been created, else 0. Creates nothing.
 int gpualloc_is_initialized(void);
 
@@ -727,7 +742,8 @@ int gpualloc_trace_stop(struct GpuallocTraceSummary *summary);
 // Writes everything recorded so far to the trace file.
 int gpualloc_trace_flush(void);
 
-// 1 while tracing, 0 when not, negative on error.
+// 1 while tracing (or, before the allocator starts, when a trace will be
+// recorded from its start), 0 when not, negative on error.
 int gpualloc_is_tracing(void);
 
 // Enters a named phase (nestable); recorded in the trace.

@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 __version__ = "0.0-fake"
 FAKE = True
+version = types.SimpleNamespace(cuda="0.0-fake")
 
 
 # -- cuda ---------------------------------------------------------------------

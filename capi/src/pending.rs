@@ -1,0 +1,109 @@
+//! What was asked of the allocator before it started: its configuration and
+//! a trace to record.
+//!
+//! Note [Starting on first use]
+//! Rationale: PyTorch initializes CUDA lazily, at the first call that needs
+//! it. A program may choose its GPUs after `import torch` (Ultralytics'
+//! `select_device` sets `CUDA_VISIBLE_DEVICES` just before its first CUDA
+//! call; so do scripts in their first lines), and processes that never use
+//! the GPU (DataLoader workers that import the script again under `spawn`)
+//! never initialize CUDA at all. An allocator that starts when it is
+//! installed initializes the driver there and then: the program's later
+//! choice of GPUs is silently ignored, each such worker pays for a driver
+//! it never uses, and a child forked afterwards cannot use CUDA.
+//! Approach: `gpualloc_configure` checks the configuration (a bad one is
+//! still an error at once) and keeps it, with a trace path, without
+//! starting anything. The allocator starts at the first call that needs it
+//! (PyTorch's CUDA initialization calls the bridge's `init`, which asks
+//! for it; an allocation; `gpualloc_init`; a mark or a phase) and takes
+//! them then. Until then the trace counts as recording (`is_tracing`), and
+//! stopping it forgets it.
+
+use std::path::{Path, PathBuf};
+
+use gpualloc::Config;
+use parking_lot::Mutex;
+
+use crate::boundary::{Error, GPUALLOC_ERR_ALREADY_INITIALIZED, GPUALLOC_ERR_IO};
+use crate::global::clip;
+
+/// See Note [Starting on first use].
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Pending {
+    /// The configuration to start with, checked.
+    pub config: Option<String>,
+    /// The trace to start once the allocator exists (placeholders filled).
+    pub trace: Option<PathBuf>,
+}
+
+static PENDING: Mutex<Pending> = Mutex::new(Pending {
+    config: None,
+    trace: None,
+});
+
+/// What is kept for the start (a copy).
+pub(crate) fn get() -> Pending {
+    PENDING.lock().clone()
+}
+
+/// Forgets what was kept (once the allocator has started with it).
+pub(crate) fn clear() {
+    *PENDING.lock() = Pending::default();
+}
+
+/// Whether `GPUALLOC_TRACE` asks for a trace when the allocator starts.
+pub(crate) fn env_trace() -> bool {
+    std::env::var_os(gpualloc::trace::TRACE_ENV)
+        .is_some_and(|v| !v.to_string_lossy().trim().is_empty())
+}
+
+/// Keeps `config` (checked now) and `trace` for the start. The caller holds
+/// the start lock and has seen that the allocator has not started.
+pub(crate) fn keep(config: Option<&str>, trace: Option<&Path>) -> Result<(), Error> {
+    let mut p = PENDING.lock();
+    if let Some(c) = config {
+        Config::parse(c)?;
+        if let Some(old) = p.config.as_deref().filter(|old| *old != c) {
+            return Err(already_configured(old, c));
+        }
+    }
+    if let Some(t) = trace
+        && (p.trace.is_some() || env_trace())
+    {
+        let what = match &p.trace {
+            Some(old) => old.display().to_string(),
+            None => "the path in GPUALLOC_TRACE".to_string(),
+        };
+        return Err(Error::new(
+            GPUALLOC_ERR_IO,
+            format!(
+                "gpualloc is already tracing to {what} once the allocator starts; {} was not started",
+                t.display()
+            ),
+        ));
+    }
+    if let Some(c) = config {
+        p.config = Some(c.to_string());
+    }
+    if let Some(t) = trace {
+        p.trace = Some(t.to_path_buf());
+    }
+    Ok(())
+}
+
+/// Forgets the trace kept for the start; whether there was one.
+pub(crate) fn forget_trace() -> bool {
+    PENDING.lock().trace.take().is_some()
+}
+
+/// The error for a second, different configuration before the start.
+pub(crate) fn already_configured(old: &str, new: &str) -> Error {
+    Error::new(
+        GPUALLOC_ERR_ALREADY_INITIALIZED,
+        format!(
+            "gpualloc: already initialized with configuration `{}` (given before the allocator's first use, which starts it with that); `{}` cannot take effect as well",
+            clip(old),
+            clip(new)
+        ),
+    )
+}
