@@ -46,7 +46,8 @@ _LOCK = threading.RLock()
 _TL = threading.local()
 _UNDO: List[Callable[[], None]] = []  # restores torch, newest last
 _ENABLED: List[str] = []  # names of the hooks in place
-_WARNED = False
+_WARNED: set = set()  # the hooks whose failure was reported
+_IS_COMPILING: Optional[Callable[[], bool]] = None  # torch.compiler.is_compiling, once enabled
 
 
 def wanted(auto_marks: Optional[bool]) -> bool:
@@ -64,9 +65,11 @@ def enabled() -> List[str]:
 def enable(torch) -> List[str]:
     """Puts the hooks into ``torch`` (once); returns those in place. A hook
     whose torch entry point is missing is left out."""
+    global _IS_COMPILING
     with _LOCK:
         if _ENABLED:
             return list(_ENABLED)
+        _IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
         for name, fn in (
             ("optimizer", _hook_optimizer),
             ("backward", _hook_backward),
@@ -91,20 +94,33 @@ def disable() -> None:
         _State.reset()
 
 
-def _warn(what: str) -> None:
-    global _WARNED
-    if not _WARNED:
-        _WARNED = True
+def _warn(what: str, key: str = "") -> None:
+    """One warning for each hook (``key``) that fails, however often."""
+    if key not in _WARNED:
+        _WARNED.add(key)
         warnings.warn(f"gpualloc: automatic marks: {what}; the program goes on", RuntimeWarning, stacklevel=3)
 
 
 def _guard(fn, *args):
-    """Runs a hook's body; a failure becomes one warning, never an exception."""
+    """Runs a hook's body; a failure becomes a warning (one for each hook),
+    never an exception."""
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - the user's program must not break
-        _warn(f"{getattr(fn, '__name__', 'a hook')} failed ({type(e).__name__}: {e})")
+        name = getattr(fn, "__name__", "a hook")
+        _warn(f"{name} failed ({type(e).__name__}: {e})", name)
         return None
+
+
+def _compiling() -> bool:
+    """Whether torch.compile is tracing the caller: the hooks then step
+    aside, so that they add no graph break (their locks and library calls
+    cannot be traced) and ``fullgraph=True`` still compiles."""
+    f = _IS_COMPILING
+    try:
+        return bool(f is not None and f())
+    except Exception:  # noqa: BLE001 - a torch whose check fails: not compiling
+        return False
 
 
 def _patch(owner, attr: str, make: Callable, also=()) -> bool:
@@ -190,8 +206,8 @@ def _optimizer_module(torch):
 
 def _hook_optimizer(torch) -> bool:
     opt = _optimizer_module(torch)
-    pre = opt.register_optimizer_step_pre_hook(lambda o, args, kwargs: _guard(_step_begins))
-    post = opt.register_optimizer_step_post_hook(lambda o, args, kwargs: _guard(_step_ends, o))
+    pre = opt.register_optimizer_step_pre_hook(lambda o, args, kwargs: None if _compiling() else _guard(_step_begins))
+    post = opt.register_optimizer_step_post_hook(lambda o, args, kwargs: None if _compiling() else _guard(_step_ends, o))
     _UNDO.append(pre.remove)
     _UNDO.append(post.remove)
     return True
@@ -226,6 +242,8 @@ def _in_phase(name: str):
 
     def make(orig):
         def wrapper(*args, **kwargs):
+            if _compiling():
+                return orig(*args, **kwargs)
             e = _open(name)
             try:
                 return orig(*args, **kwargs)
@@ -253,7 +271,7 @@ def _hook_save(torch) -> bool:
 def _hook_train_switch(torch) -> bool:
     def make(orig):
         def train(self, mode=True):
-            if getattr(_TL, "in_train", False):  # a child module: the outermost call decides
+            if _compiling() or getattr(_TL, "in_train", False):  # a child module: the outermost call decides
                 return orig(self, mode)
             was = getattr(self, "training", None)
             _TL.in_train = True
@@ -317,7 +335,8 @@ def _hook_inference_mode(torch) -> bool:
     def make_enter(orig):
         def __enter__(self):
             r = orig(self)
-            _guard(_inference_enters, self)
+            if not _compiling():
+                _guard(_inference_enters, self)
             return r
 
         return __enter__
@@ -327,7 +346,8 @@ def _hook_inference_mode(torch) -> bool:
             try:
                 return orig(self, *exc)
             finally:
-                _guard(_inference_exits, self)
+                if not _compiling():
+                    _guard(_inference_exits, self)
 
         return __exit__
 

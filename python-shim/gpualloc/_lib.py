@@ -17,6 +17,7 @@ import glob
 import json
 import operator
 import os
+import sys
 import threading
 from typing import Dict, Optional, Tuple
 
@@ -364,8 +365,9 @@ class Library:
 
     def _stop_trace_at_exit(self) -> None:
         try:
-            if self.dll.gpualloc_is_tracing() > 0:
-                self.dll.gpualloc_trace_stop(None)
+            if self.dll.gpualloc_is_tracing() > 0 and self.dll.gpualloc_trace_stop(None) < 0:
+                # The last place to say that the file is incomplete.
+                print(f"gpualloc: the trace could not be completed at exit: {self.last_error()}", file=sys.stderr)
         except Exception:  # noqa: BLE001 - never fail interpreter shutdown
             pass
 

@@ -11,6 +11,7 @@ import ctypes
 import glob
 import hashlib
 import os
+import platform
 import sys
 import tempfile
 import threading
@@ -79,6 +80,14 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
         # choose its GPUs (CUDA_VISIBLE_DEVICES) after install(), and
         # processes that never use the GPU never start the driver (Note
         # [Starting on first use] in capi/src/pending.rs).
+        if os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").strip():
+            warnings.warn(
+                f"gpualloc: PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']!r} configures PyTorch's own "
+                "allocator and has no effect on gpualloc; gpualloc takes its configuration from install(config=...) or "
+                "GPUALLOC_CONF (same syntax for the keys both have: docs/configuration.md)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         L = lib()  # raises LibraryNotFound with instructions
         # A bad configuration raises here, before torch is touched. None is
         # GPUALLOC_CONF's, kept as such: a later install(config=...) with
@@ -267,6 +276,15 @@ def _build_bridge(torch, verbose: bool) -> str:
     for p in [src, os.path.join(header_dir, "gpualloc.h")] + parts:
         with open(p, "rb") as f:
             h.update(f.read())
+    # And the build's platform: one cache directory may be shared by
+    # machines of other architectures or by other builds of the same torch
+    # version (a home directory mounted on x86-64 and aarch64 nodes, pip and
+    # conda torch), whose bridges cannot load here.
+    version = getattr(torch, "version", None)
+    for part in (platform.machine(), sys.implementation.cache_tag, getattr(version, "cuda", None),
+                 getattr(version, "git_version", None),
+                 getattr(getattr(torch, "_C", None), "_GLIBCXX_USE_CXX11_ABI", None)):
+        h.update(repr(part).encode())
     key = h.hexdigest()[:12]
     name = f"gpualloc_bridge_{key}"
     build_dir = _build_dir(torch, key)

@@ -230,6 +230,23 @@ class AutoMarksTest(unittest.TestCase):
         )
         self.assertEqual(seq, [])
 
+    def test_hooks_step_aside_while_torch_compile_traces(self):
+        _, seq = self.traced(
+            """
+            opt = torch.optim.SGD()
+            model = torch.nn.Module()
+            torch.COMPILING[0] = True
+            torch.Tensor().backward()
+            opt.step()
+            model.eval()
+            with torch.inference_mode():
+                pass
+            torch.COMPILING[0] = False
+            torch.Tensor().backward()
+            """
+        )
+        self.assertEqual(seq, [push("backward"), pop("backward")])
+
     def test_a_failing_hook_warns_once_and_the_program_goes_on(self):
         out, seq = self.traced(
             """
@@ -320,6 +337,17 @@ class InstallTest(unittest.TestCase):
             self.assertIn("after malloc True", out.stdout)
             self.assertIn("refused True", out.stdout)
             self.assertIn("seq [('phase_push', 'backward'), ('phase_pop', 'backward')]", out.stdout)
+
+    def test_pytorchs_own_configuration_is_named_not_ignored_silently(self):
+        with tempfile.TemporaryDirectory() as d:
+            s = self.script(d, "import gpualloc, torch\ngpualloc.install(bridge=False)\nprint('went on')\n")
+            out = run([s], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("went on", out.stdout)
+            self.assertIn("PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True'", out.stderr)
+            self.assertIn("no effect on gpualloc", out.stderr)
+            out = run([s], {"PYTORCH_CUDA_ALLOC_CONF": ""})
+            self.assertNotIn("PYTORCH_CUDA_ALLOC_CONF", out.stderr)
 
     def test_no_configuration_given_is_the_environments_and_holds(self):
         with tempfile.TemporaryDirectory() as d:

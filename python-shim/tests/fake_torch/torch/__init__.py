@@ -36,6 +36,11 @@ cuda.memory.CUDAPluggableAllocator = CUDAPluggableAllocator
 cuda.memory.change_current_allocator = lambda a: None
 cuda.memory.memory_stats = lambda device=None: {}
 
+# -- compiler -----------------------------------------------------------------
+COMPILING = [False]  # tests set it to act as torch.compile tracing the caller
+compiler = types.ModuleType("torch.compiler")
+compiler.is_compiling = lambda: COMPILING[0]
+
 # -- optim --------------------------------------------------------------------
 _pre_hooks, _post_hooks = OrderedDict(), OrderedDict()
 
