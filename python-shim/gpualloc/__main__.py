@@ -71,7 +71,14 @@ def _console_script(name: str):
 
 
 def _call_entry_point(ep) -> None:
-    """As the generated wrapper does: ``sys.exit(main())``."""
+    """As the generated wrapper does: ``sys.exit(main())``; with ``__main__``
+    looking like that wrapper, a script (no ``__spec__``): libraries that
+    start their own worker processes (Lightning's DDP launcher) re-run
+    ``python -m <__main__.__spec__.name>``, which would be this module, not
+    the program."""
+    main = sys.modules.get("__main__")
+    if main is not None:
+        main.__spec__ = None
     sys.exit(ep.load()())
 
 

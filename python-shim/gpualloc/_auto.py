@@ -206,17 +206,54 @@ def _optimizer_module(torch):
 
 def _hook_optimizer(torch) -> bool:
     opt = _optimizer_module(torch)
-    pre = opt.register_optimizer_step_pre_hook(lambda o, args, kwargs: None if _compiling() else _guard(_step_begins))
+    pre = opt.register_optimizer_step_pre_hook(_step_pre_hook)
     post = opt.register_optimizer_step_post_hook(lambda o, args, kwargs: None if _compiling() else _guard(_step_ends, o))
     _UNDO.append(pre.remove)
     _UNDO.append(post.remove)
     return True
 
 
+def _step_pre_hook(optimizer, args, kwargs):
+    """Opens the phase ``optimizer``. A step given a closure (Lightning's
+    automatic optimization, LBFGS) runs the forward and backward passes
+    inside ``step``: the closure is wrapped so that the phase is closed
+    while it runs (returned as the step's new arguments, which torch's
+    pre-hooks may do)."""
+    if _compiling():
+        return None
+    if "closure" in kwargs and callable(kwargs["closure"]):
+        new = args, {**kwargs, "closure": _outside_the_step(kwargs["closure"])}
+    elif args and callable(args[0]):
+        new = (_outside_the_step(args[0]),) + tuple(args[1:]), kwargs
+    else:
+        _guard(_step_begins)
+        return None
+    _guard(_step_pauses)  # a step that raised may have left it open
+    return new
+
+
+def _outside_the_step(closure):
+    @functools.wraps(closure)
+    def run(*a, **k):
+        _guard(_step_pauses)
+        try:
+            return closure(*a, **k)
+        finally:
+            _guard(_step_begins)
+
+    return run
+
+
 def _step_begins() -> None:
     with _LOCK:
         _close(_State.optimizer)  # a step that raised left it open
         _State.optimizer = _open("optimizer", loose=True)
+
+
+def _step_pauses() -> None:
+    with _LOCK:
+        _close(_State.optimizer)
+        _State.optimizer = None
 
 
 def _step_ends(optimizer) -> None:

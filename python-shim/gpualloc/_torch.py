@@ -263,8 +263,34 @@ def _build_dir(torch, key: str) -> str:
     return path
 
 
+@contextlib.contextmanager
+def _cuda_left_alone():
+    """While torch's extension tools run: ``torch.utils.cpp_extension``
+    calls ``torch.cuda.is_available()`` when it is imported, which counts
+    devices through the CUDA driver, starting it and fixing the devices the
+    process sees before the program could choose them (Note [Starting on
+    first use] in capi/src/pending.rs). torch counts them through NVML
+    instead, which starts no driver, when PYTORCH_NVML_BASED_CUDA_CHECK=1:
+    set for the build, restored after."""
+    key = "PYTORCH_NVML_BASED_CUDA_CHECK"
+    old = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
 def _build_bridge(torch, verbose: bool) -> str:
     """Compiles bridge.cpp against the installed torch; returns the .so path (cached)."""
+    with _cuda_left_alone():
+        return _build_bridge_now(torch, verbose)
+
+
+def _build_bridge_now(torch, verbose: bool) -> str:
     try:
         from torch.utils import cpp_extension
     except Exception as e:  # pragma: no cover

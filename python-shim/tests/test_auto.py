@@ -230,6 +230,22 @@ class AutoMarksTest(unittest.TestCase):
         )
         self.assertEqual(seq, [])
 
+    def test_a_closure_given_to_the_step_runs_outside_its_phase(self):
+        # Lightning's automatic optimization: forward and backward run in
+        # the closure, inside optimizer.step.
+        _, seq = self.traced(
+            """
+            opt = torch.optim.SGD()
+            def closure():
+                torch.Tensor().backward()
+                return 1.0
+            opt.step(closure=closure)
+            opt.step(closure)
+            """
+        )
+        step = [push("backward"), pop("backward"), push("optimizer"), pop("optimizer"), ("mark", "step")]
+        self.assertEqual(seq, step * 2)
+
     def test_hooks_step_aside_while_torch_compile_traces(self):
         _, seq = self.traced(
             """
@@ -502,6 +518,10 @@ class RunTargetsTest(unittest.TestCase):
                 import sys
                 def main():
                     print("entry", sys.argv[1:], sys.argv[0])
+                    # As for the generated wrapper, a script: launchers that
+                    # re-run `python -m <__main__.__spec__.name>` (Lightning)
+                    # must not find gpualloc's own module there.
+                    print("spec", sys.modules["__main__"].__spec__)
                     return 3
                 """,
             )
@@ -510,6 +530,7 @@ class RunTargetsTest(unittest.TestCase):
             out = run(["-m", "gpualloc", "run", "--no-bridge", "demo-train", "train", "--epochs", "2"], {"PYTHONPATH": d + os.pathsep + FAKE_TORCH + os.pathsep + SHIM})
             self.assertEqual(out.returncode, 3, out.stderr)
             self.assertIn("entry ['train', '--epochs', '2'] demo-train", out.stdout)
+            self.assertIn("spec None", out.stdout)
 
     def test_python_program_on_path_and_unknown_names(self):
         with tempfile.TemporaryDirectory() as d:

@@ -22,9 +22,11 @@ class FakeExtensions:
     def __init__(self):
         self.loads = 0
         self.marked_during_load = []
+        self.nvml_check_during_load = []
 
     def load(self, name, build_directory, **_):
         self.loads += 1
+        self.nvml_check_during_load.append(os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"))
         path = os.path.join(build_directory, f"{name}.so")
         self.marked_during_load.append(os.path.exists(path + ".complete"))
         with open(path, "wb") as f:
@@ -73,6 +75,19 @@ class BridgeCache(unittest.TestCase):
         self.assertTrue(os.path.isfile(so + ".complete"))
         leftovers = [n for n in os.listdir(os.path.dirname(so)) if n.startswith(".complete-")]
         self.assertEqual(leftovers, [])
+
+    def test_the_build_counts_devices_without_starting_the_driver(self):
+        # cpp_extension asks torch.cuda.is_available(): through NVML during
+        # the build (Note [Starting on first use]), as the user had it after.
+        for before in (None, "0"):
+            with mock.patch.dict(os.environ, {"GPUALLOC_REBUILD_BRIDGE": "1"}):
+                if before is None:
+                    os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+                else:
+                    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = before
+                _torch._build_bridge(self.torch, verbose=False)
+                self.assertEqual(os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"), before)
+        self.assertEqual(self.ext.nvml_check_during_load, ["1", "1"])
 
     def test_rebuild_on_request_despite_the_marker(self):
         so = _torch._build_bridge(self.torch, verbose=False)

@@ -64,12 +64,20 @@ class Optimizer:
         self.params = list(params)
         self.steps = 0
 
-    def step(self):
+    def step(self, closure=None):
+        # As torch's Optimizer.profile_hook_step: a pre-hook may return new
+        # (args, kwargs).
+        args, kwargs = (), ({"closure": closure} if closure is not None else {})
         for h in list(_pre_hooks.values()):
-            h(self, (), {})
+            r = h(self, args, kwargs)
+            if r is not None:
+                args, kwargs = r
+        closure = kwargs.get("closure", args[0] if args else None)
+        if closure is not None:
+            closure()
         self.steps += 1
         for h in list(_post_hooks.values()):
-            h(self, (), {})
+            h(self, args, kwargs)
 
 
 optim = types.ModuleType("torch.optim")
