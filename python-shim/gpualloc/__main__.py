@@ -110,6 +110,11 @@ def _start(args) -> int:
             _torch.BY_RUN = True  # the script's own install(config=...) warns instead of failing
             auto = False if args.no_auto_marks else None
             gpualloc.install(config=args.config, trace=args.trace, bridge=not args.no_bridge, auto_marks=auto)
+            from gpualloc import _children
+
+            # And in the Python processes the program starts (Note
+            # [Installing in child processes] in _children.py).
+            _children.pass_on(args.config, args.trace, bridge=not args.no_bridge)
         else:
             print("gpualloc: PyTorch not found: the allocator is loaded but not installed into torch", file=sys.stderr)
             lib().init(args.config)
@@ -122,20 +127,21 @@ def _start(args) -> int:
     return 0
 
 
-# Launchers that start the training processes themselves: gpualloc installed
-# here reaches only the launcher, not them.
+# Launchers that start the training processes themselves (gpualloc reaches
+# them through the environment, on this machine only).
 LAUNCHERS = {"torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate", "deepspeed"}
 
 
 def _launcher_note(args):
-    """What to do instead, when the program is a launcher; None otherwise."""
+    """What to know when the program is a launcher; None otherwise."""
     name = args.module[0] if args.module else os.path.basename(args.script or "")
     if name not in LAUNCHERS:
         return None
     return (
-        f"gpualloc: {name} starts the training processes itself, and gpualloc is installed only in this launcher "
-        "process: put `import gpualloc; gpualloc.install()` at the top of the training script (GPUALLOC_CONF "
-        "configures it, GPUALLOC_TRACE=trace-{rank}.gtrace records a trace per rank)"
+        f"gpualloc: {name} starts the training processes itself: gpualloc is installed in those it starts on this "
+        "machine, when they import torch (Note [Installing in child processes]); on other machines (ssh, pdsh), put "
+        "`import gpualloc; gpualloc.install()` at the top of the training script. A trace path with {rank} or "
+        "{pid} (--trace 'trace-{rank}.gtrace') gives each process its own file"
     )
 
 

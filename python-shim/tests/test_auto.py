@@ -385,10 +385,68 @@ class InstallTest(unittest.TestCase):
             self.assertIn("took max_split_size_mb:64", out.stdout)
             self.assertIn("refused max_split_size_mb:128", out.stdout)
 
+    def test_run_installs_in_the_python_processes_the_program_starts(self):
+        # Note [Installing in child processes]: a child that imports torch
+        # gets gpualloc (here the fallback: --no-bridge, passed on), with
+        # run's configuration and trace; one that does not is left alone,
+        # and a sitecustomize of its own still runs.
+        with tempfile.TemporaryDirectory() as d:
+            trace = os.path.join(d, "run.gtrace")
+            own = os.path.join(d, "own")
+            os.makedirs(own)
+            with open(os.path.join(own, "sitecustomize.py"), "w") as f:
+                f.write("import os\nos.environ['OWN_SITECUSTOMIZE'] = 'ran'\n")
+            child = textwrap.dedent(
+                """
+                import os, sys
+                print("own", os.environ.get("OWN_SITECUSTOMIZE"))
+                print("before torch", "gpualloc" in sys.modules)
+                import torch, gpualloc
+                from gpualloc._lib import lib
+                print("installed", gpualloc.installed(), "started", lib().is_initialized())
+                p = lib().malloc(1 << 20, 0, 0)
+                lib().free(p, 0)
+                print("config", os.environ.get("GPUALLOC_CONF"))
+                """
+            )
+            s = self.script(
+                d,
+                f"""
+                import multiprocessing, os, subprocess, sys
+                import torch
+
+                def rank():
+                    import gpualloc
+                    print("spawned", gpualloc.installed(), flush=True)
+
+                if __name__ == "__main__":
+                    env = dict(os.environ, PYTHONPATH=os.environ["PYTHONPATH"] + os.pathsep + {own!r})
+                    subprocess.run([sys.executable, "-c", {child!r}], check=True, env=env)
+                    subprocess.run([sys.executable, "-c", "import sys; print('plain child', 'gpualloc' in sys.modules)"], check=True)
+                    p = multiprocessing.get_context("spawn").Process(target=rank)
+                    p.start()
+                    p.join()
+                """,
+            )
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "--config", "max_split_size_mb:64", "--trace", trace, s])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("own ran", out.stdout)
+            self.assertIn("before torch False", out.stdout)
+            self.assertIn("installed fallback started False", out.stdout)
+            self.assertIn("config max_split_size_mb:64", out.stdout)
+            self.assertIn("plain child False", out.stdout)
+            self.assertIn("spawned fallback", out.stdout)  # as torch.multiprocessing.spawn's ranks
+            # The child allocated and wrote the trace; run's own process
+            # (which allocated nothing) did not.
+            from gpualloc.tracefile import records
+
+            sizes = [r["requested"] for r in records(trace) if r["kind"] == "alloc"]
+            self.assertIn(1 << 20, sizes)
+
     def test_a_launcher_is_named_with_what_to_do(self):
         with tempfile.TemporaryDirectory() as d:
             out = run(["-m", "gpualloc", "run", "--no-bridge", "-m", "torch.distributed.run", "--help"], cwd=d)
-            self.assertIn("installed only in this launcher", out.stderr)
+            self.assertIn("installed in those it starts on this machine", out.stderr)
             self.assertIn("gpualloc.install()", out.stderr)
             s = self.script(d, "print('plain')\n")
             out = run(["-m", "gpualloc", "run", "--no-bridge", s])

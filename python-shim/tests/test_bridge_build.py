@@ -223,6 +223,17 @@ class PackageData(unittest.TestCase):
             self.assertTrue(os.path.exists(path), inc)
             self.assertTrue(any(fnmatch.fnmatch(inc, g) for g in globs), f"{inc} is not in package-data {globs}")
 
+    def test_the_package_ships_the_childrens_sitecustomize(self):
+        # run's children install gpualloc through it (Note [Installing in
+        # child processes]): not a module of the package, so data.
+        import re
+
+        shim = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with open(os.path.join(shim, "pyproject.toml")) as f:
+            data = re.search(r'^gpualloc = \[(.*)\]$', f.read(), re.M).group(1)
+        self.assertIn('"_child/sitecustomize.py"', data)
+        self.assertTrue(os.path.isfile(os.path.join(shim, "gpualloc", "_child", "sitecustomize.py")))
+
 
 if __name__ == "__main__":
     unittest.main()

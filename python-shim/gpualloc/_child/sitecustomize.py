@@ -1,0 +1,94 @@
+"""Installs gpualloc in the Python processes a program under
+``python -m gpualloc run`` starts (Note [Installing in child processes] in
+``gpualloc/_children.py``). ``run`` puts this directory first on the
+children's ``PYTHONPATH``; Python imports this module when it starts.
+
+Nothing happens unless ``GPUALLOC_RUN_CHILDREN=1``; then gpualloc is
+installed right after the process imports torch (a process that never
+imports torch is left alone). Another ``sitecustomize`` further on the path
+(a virtual environment's, a cluster's) still runs, after this one.
+"""
+
+import os
+import sys
+
+
+def _chain():
+    """Runs the next ``sitecustomize`` on sys.path, which this one shadows."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+_DONE = []
+
+
+def _install():
+    """gpualloc.install(), once, configured by what run passed on."""
+    if _DONE:
+        return
+    _DONE.append(True)
+    try:
+        package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if package_parent not in sys.path:
+            sys.path.append(package_parent)
+        import gpualloc
+        from gpualloc import _torch
+
+        _torch.BY_RUN = True  # the program's own install(config=...) warns, as under run
+        gpualloc.install()
+    except Exception as e:  # noqa: BLE001 - never stop the child's own program
+        print(f"gpualloc: not installed in process {os.getpid()} ({type(e).__name__}: {e})", file=sys.stderr)
+
+
+class _TorchFinder:
+    """Finds ``torch`` as the rest of sys.meta_path would, and installs
+    gpualloc once the module has run (before the program can use CUDA)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch" or _DONE:
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        spec = None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _install()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _start():
+    if os.environ.get("GPUALLOC_RUN_CHILDREN") != "1":
+        return
+    if "torch" in sys.modules:
+        _install()
+    else:
+        sys.meta_path.insert(0, _TorchFinder())
+
+
+_start()
+try:
+    _chain()
+except Exception as e:  # noqa: BLE001 - as Python itself reports a failing sitecustomize
+    print(f"gpualloc: the sitecustomize after gpualloc's failed: {type(e).__name__}: {e}", file=sys.stderr)

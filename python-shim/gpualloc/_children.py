@@ -1,0 +1,46 @@
+"""gpualloc in the Python processes started by a program under ``run``.
+
+Note [Installing in child processes]
+Rationale: ``python -m gpualloc run`` installs gpualloc in its own process.
+Training often runs in others the program starts: ranks of
+``torch.multiprocessing.spawn``, of Lightning's DDP launcher (which runs
+the script again), of ``torchrun`` or ``accelerate launch``, DataLoader
+workers under ``spawn``. Those start a fresh interpreter and used
+PyTorch's allocator, silently.
+Approach: ``run`` passes on, in the environment its children inherit, its
+choices (``GPUALLOC_CONF``, ``GPUALLOC_TRACE``, ``GPUALLOC_BRIDGE``,
+``GPUALLOC_AUTO_MARKS``), ``GPUALLOC_RUN_CHILDREN=1``, and ``PYTHONPATH``
+led by ``gpualloc/_child``, whose ``sitecustomize`` every Python process
+imports when it starts. There, gpualloc is installed right after the
+process has imported torch, before its program can touch CUDA. A process
+that never imports torch is left alone; one that does pays for loading
+the bridge (built once, cached), and for nothing on the GPU until it uses
+CUDA, since installing starts nothing (Note [Starting on first use] in
+``capi/src/pending.rs``). A trace path without ``{pid}`` or ``{rank}`` is
+shared: the first process that allocates writes it, later ones write
+``<name>-pid<N>.gtrace`` (Note [One writer per trace file]); the process
+running ``run`` (a launcher) usually never allocates, so never writes it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+ENV = "GPUALLOC_RUN_CHILDREN"
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHILD_DIR = os.path.join(HERE, "_child")
+
+
+def pass_on(config: Optional[str], trace: Optional[str], bridge: bool) -> None:
+    """Sets the environment the program's child processes inherit (see
+    the Note). Called by ``run`` once it has installed gpualloc here."""
+    os.environ[ENV] = "1"
+    if config is not None:
+        os.environ["GPUALLOC_CONF"] = config
+    if trace:
+        os.environ["GPUALLOC_TRACE"] = trace
+    if not bridge:
+        os.environ["GPUALLOC_BRIDGE"] = "0"
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != CHILD_DIR]
+    os.environ["PYTHONPATH"] = os.pathsep.join([CHILD_DIR] + paths)
