@@ -215,9 +215,12 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
         config = %g.alloc.config().source,
         "allocator started"
     );
-    start_tracing(&g.alloc);
-    if let Some(path) = kept.trace {
-        crate::trace::start_kept(&g.alloc, &path);
+    // A trace given before the start is the one asked for: `GPUALLOC_TRACE`
+    // set since (by `python -m gpualloc run`, for the processes it starts)
+    // names the same file.
+    match kept.trace {
+        Some(path) => crate::trace::start_kept(&g.alloc, &path),
+        None => start_tracing(&g.alloc),
     }
     Ok(g)
 }

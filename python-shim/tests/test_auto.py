@@ -567,6 +567,9 @@ class RunTargetsTest(unittest.TestCase):
             from gpualloc.tracefile import annotations
 
             self.assertIn(("mark", "step"), [(a["kind"], a["name"]) for a in annotations(trace)])
+            # run passed the path on to child processes in GPUALLOC_TRACE:
+            # this process still starts its own trace once, quietly.
+            self.assertNotIn("tracing", out.stderr.replace("trace written", ""))
 
     def test_console_script_entry_point(self):
         with tempfile.TemporaryDirectory() as d:
