@@ -298,9 +298,19 @@ int main(void) {
 
 /// Runs `exe` on the simulated backend with `vars` set.
 fn run_sim(exe: &Path, vars: &[(&str, &std::ffi::OsStr)]) -> std::process::Output {
+    run_sim_with(exe, &[], vars)
+}
+
+/// [`run_sim`] with arguments for the program.
+fn run_sim_with(
+    exe: &Path,
+    args: &[&Path],
+    vars: &[(&str, &std::ffi::OsStr)],
+) -> std::process::Output {
     let lib = library();
     let mut cmd = Command::new(exe);
-    cmd.env("LD_LIBRARY_PATH", lib.parent().unwrap())
+    cmd.args(args)
+        .env("LD_LIBRARY_PATH", lib.parent().unwrap())
         .env("GPUALLOC_BACKEND", "sim")
         .env_remove("GPUALLOC_CONF")
         .env_remove("GPUALLOC_TRACE");
@@ -549,14 +559,7 @@ int main(int argc, char **argv) {
 "#,
     );
     let (a, b) = (out.join("a.gtrace"), out.join("b.gtrace"));
-    let run = Command::new(&exe)
-        .args([&a, &b])
-        .env("LD_LIBRARY_PATH", library().parent().unwrap())
-        .env("GPUALLOC_BACKEND", "sim")
-        .env_remove("GPUALLOC_CONF")
-        .env_remove("GPUALLOC_TRACE")
-        .output()
-        .unwrap();
+    let run = run_sim_with(&exe, &[&a, &b], &[]);
     let err = String::from_utf8_lossy(&run.stderr);
     assert!(
         run.status.success() && run.stdout.starts_with(b"done"),
@@ -601,16 +604,7 @@ int main(int argc, char **argv) {
     let a = out.join("a.gtrace");
     let env_trace = out.join("env.gtrace");
     for vars in [vec![], vec![("GPUALLOC_TRACE", env_trace.as_os_str())]] {
-        let mut cmd = Command::new(&exe);
-        cmd.arg(&a)
-            .env("LD_LIBRARY_PATH", library().parent().unwrap())
-            .env("GPUALLOC_BACKEND", "sim")
-            .env_remove("GPUALLOC_CONF")
-            .env_remove("GPUALLOC_TRACE");
-        for (k, v) in vars {
-            cmd.env(k, v);
-        }
-        let run = cmd.output().unwrap();
+        let run = run_sim_with(&exe, &[&a], &vars);
         let err = String::from_utf8_lossy(&run.stderr);
         assert!(
             run.status.success() && run.stdout.starts_with(b"done"),
