@@ -132,6 +132,24 @@ pub extern "C" fn gpualloc_backend_name() -> *const c_char {
     )
 }
 
+/// The configuration string the allocator runs with (as given to
+/// `gpualloc_configure`, `gpualloc_init` or in `GPUALLOC_CONF`; `""` for
+/// the defaults), or NULL before it starts. The string lives as long as
+/// the process.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_config_string() -> *const c_char {
+    static SOURCE: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
+    match global::existing() {
+        Some(g) => SOURCE
+            .get_or_init(|| {
+                // A configuration parsed from a C string holds no NUL.
+                std::ffi::CString::new(g.alloc.config().source.as_str()).unwrap_or_default()
+            })
+            .as_ptr(),
+        None => std::ptr::null(),
+    }
+}
+
 /// The library version, e.g. `"0.1.0"`.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_version() -> *const c_char {

@@ -529,6 +529,7 @@ fn configure_keeps_the_configuration_and_trace_for_the_first_use() {
         "configure_test",
         r#"#include "gpualloc.h"
 #include <stdio.h>
+#include <string.h>
 #define CHECK(c) do { if (!(c)) { fprintf(stderr, "line %d: %s\n", __LINE__, #c); return 1; } } while (0)
 int main(int argc, char **argv) {
   (void)argc;
@@ -542,9 +543,11 @@ int main(int argc, char **argv) {
   CHECK(gpualloc_init("max_split_size_mb:256") == GPUALLOC_ERR_ALREADY_INITIALIZED);
   CHECK(gpualloc_configure(NULL, argv[2]) == GPUALLOC_ERR_IO);
   CHECK(gpualloc_is_initialized() == 0);
+  CHECK(gpualloc_config_string() == NULL);
   void *p = gpualloc_malloc(4096, 0, 0);
   CHECK(p != NULL);
   CHECK(gpualloc_is_initialized() == 1);
+  CHECK(strcmp(gpualloc_config_string(), "max_split_size_mb:128") == 0);
   CHECK(gpualloc_init("max_split_size_mb:256") == GPUALLOC_ERR_ALREADY_INITIALIZED);
   CHECK(gpualloc_init("max_split_size_mb:128") == GPUALLOC_OK);
   gpualloc_free(p, 4096, 0, 0);

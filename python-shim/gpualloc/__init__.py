@@ -19,7 +19,8 @@ address 0), ``memory_stats``/``memory_allocated``/``reset_peak_memory_stats``,
 ``get_per_process_memory_fraction`` and cuDNN benchmark (``cacheInfo``) raise
 "does not yet support", and the CUDA-graph pool hooks pass C++ objects.
 
-So ``install()`` compiles (once, cached) a C++ bridge against the installed
+So ``install()`` compiles (once, cached; g++ and the ``ninja`` package, a
+dependency of this one) a C++ bridge against the installed
 torch (``bridge.cpp`` and ``bridge/``): a direct subclass of torch's
 ``CUDAAllocator``, like PyTorch's own allocator, implementing every virtual
 member (``docs/torch-compat.md`` lists them with their tests). Allocation

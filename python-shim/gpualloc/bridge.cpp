@@ -507,7 +507,8 @@ class GpuallocAllocator final : public CUDAAllocator {
     md.release_lock_on_malloc = false;
     md.pinned_use_host_register = false;
     md.graph_capture_record_stream_reuse = false;
-    const char* conf = std::getenv("GPUALLOC_CONF");
+    // The configuration in force, however it was given.
+    const char* conf = api.config_string();
     md.last_allocator_settings = std::string("gpualloc:") + (conf != nullptr ? conf : "");
     return out;
   }

@@ -17,6 +17,7 @@ namespace gpualloc_bridge {
 
 struct Api {
   decltype(&gpualloc_init) init = nullptr;
+  decltype(&gpualloc_config_string) config_string = nullptr;
   decltype(&gpualloc_malloc) malloc_fn = nullptr;
   decltype(&gpualloc_free) free_fn = nullptr;
   decltype(&gpualloc_last_error) last_error = nullptr;
@@ -50,6 +51,7 @@ struct Api {
   // Resolves every symbol from the library at `handle`.
   void resolve_all(void* handle) {
     resolve(handle, "gpualloc_init", init);
+    resolve(handle, "gpualloc_config_string", config_string);
     resolve(handle, "gpualloc_malloc", malloc_fn);
     resolve(handle, "gpualloc_free", free_fn);
     resolve(handle, "gpualloc_last_error", last_error);

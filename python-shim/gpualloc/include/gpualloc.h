@@ -345,6 +345,12 @@ int gpualloc_is_initialized(void);
 // needed), or NULL when it cannot start (see `gpualloc_last_error`).
 const char *gpualloc_backend_name(void);
 
+// The configuration string the allocator runs with (as given to
+// `gpualloc_configure`, `gpualloc_init` or in `GPUALLOC_CONF`; `""` for
+// the defaults), or NULL before it starts. The string lives as long as
+// the process.
+const char *gpualloc_config_string(void);
+
 // The library version, e.g. `"0.1.0"`.
 const char *gpualloc_version(void);
 
