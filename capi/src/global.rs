@@ -208,6 +208,7 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
     let g = build(config)?;
     g.alloc.set_segment_observer(OBSERVER.lock().clone());
     let g = GLOBAL.get_or_init(|| g);
+    crate::trace::quiesce_helpers_at_exit();
     pending::clear();
     tracing::info!(
         backend = ?g.kind,

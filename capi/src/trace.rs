@@ -95,6 +95,27 @@ fn stop_at_exit() {
     }
 }
 
+/// Registers, once, the exit handler that stops the unmapping helpers
+/// before the CUDA driver tears itself down (Note [Helpers at exit] in
+/// `allocator/src/backend/unmapper.rs`). Called when the allocator starts,
+/// after CUDA, so the handler runs before the driver's.
+pub(crate) fn quiesce_helpers_at_exit() {
+    extern "C" fn quiesce() {
+        // Never unwind out of an exit handler.
+        let _ = std::panic::catch_unwind(|| {
+            gpualloc::backend::unmapper::quiesce_all(std::time::Duration::from_millis(500));
+        });
+    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: as in `stop_at_exit`: a plain `extern "C"` function that
+        // lives as long as the library and cannot unwind.
+        unsafe {
+            atexit(quiesce);
+        }
+    });
+}
+
 /// Starts recording every allocator event of the process to `path`
 /// (a gpualloc trace file; `gpualloc report` reads it). `{pid}`, `{rank}`
 /// and `{local_rank}` in `path` become the process id and the `RANK` and

@@ -1024,10 +1024,11 @@ impl Backend for CudaBackend {
         } else {
             vec![Job::Unmap { ptr, size, handles }]
         };
-        for (i, job) in jobs.into_iter().enumerate() {
+        for job in jobs {
             if !self.unmapper.as_ref().is_some_and(|u| u.push(job)) {
-                // A forked child: no helper (nothing was queued, i == 0).
-                debug_assert_eq!(i, 0);
+                // A forked child (no helper: nothing was queued), or the
+                // process exiting (Note [Helpers at exit]: the jobs queued
+                // will not run): all of it now.
                 return self.unmap(ptr, size);
             }
         }

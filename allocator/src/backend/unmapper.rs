@@ -38,6 +38,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
@@ -91,6 +92,9 @@ struct State {
     stop: bool,
     /// Jobs that failed, oldest first, for the backend to do again.
     failed: Vec<Job>,
+    /// The process is exiting: no job starts any more (Note [Helpers at
+    /// exit]).
+    exiting: bool,
 }
 
 struct Shared {
@@ -123,6 +127,9 @@ impl Unmapper {
                 let (_, job) = {
                     let mut st = s.state.lock();
                     loop {
+                        if st.exiting {
+                            return;
+                        }
                         if let Some(&(seq, _)) = st.queue.front()
                             && (!st.held || seq < st.urgent_to || st.stop)
                         {
@@ -159,11 +166,23 @@ impl Unmapper {
                 }
             }
         })?;
+        HELPERS
+            .lock()
+            .push((std::process::id(), Arc::downgrade(&shared)));
         Ok(Unmapper {
             shared,
             thread: Some(thread),
             pid: std::process::id(),
         })
+    }
+
+    /// Lets no job start any more and waits (at most `timeout`) for the
+    /// running one to end; jobs left are never done, and later ones are the
+    /// caller's to do (`push` says `false`). See Note [Helpers at exit].
+    pub fn quiesce(&self, timeout: Duration) {
+        if self.here() {
+            quiesce(&self.shared, timeout);
+        }
     }
 
     /// Whether this process has the thread (not a child forked since).
@@ -179,6 +198,9 @@ impl Unmapper {
             return false;
         }
         let mut st = self.shared.state.lock();
+        if st.exiting {
+            return false;
+        }
         let seq = st.next;
         st.next += 1;
         st.queue.push_back((seq, job));
@@ -248,6 +270,9 @@ impl Unmapper {
             return;
         }
         let mut st = self.shared.state.lock();
+        if st.exiting {
+            return; // the jobs left are never done (Note [Helpers at exit])
+        }
         let last = st
             .running
             .iter()
@@ -262,10 +287,53 @@ impl Unmapper {
         self.shared.changed.notify_all();
         // Jobs run in order (and failed ones leave the queue): done when
         // neither the running one nor the oldest queued is at or below it.
-        while st.running.is_some_and(|r| r.0 <= last)
-            || st.queue.front().is_some_and(|q| q.0 <= last)
+        while !st.exiting
+            && (st.running.is_some_and(|r| r.0 <= last)
+                || st.queue.front().is_some_and(|q| q.0 <= last))
         {
             self.shared.changed.wait(&mut st);
+        }
+    }
+}
+
+// Note [Helpers at exit]
+// Rationale: the allocator lives in a static and is never dropped, so its
+// helper threads still run while the process exits. The CUDA driver tears
+// itself down after the C `atexit` handlers; a helper inside `cuMemUnmap`
+// then would fail, or crash the process at its very end (a training job
+// whose last line ran, reported as failed).
+// Approach: an `atexit` handler (registered when the allocator starts,
+// after CUDA, so it runs before the driver's teardown) calls
+// [`quiesce_all`]: no job starts any more, the running one is waited for,
+// and waiters and later requests no longer count on the helper. The jobs
+// left only unmap ranges and free reservations, which the process's end
+// gives back to the driver anyway.
+
+/// Every helper started in this process (and, after a fork, its parent's).
+static HELPERS: Mutex<Vec<(u32, std::sync::Weak<Shared>)>> = Mutex::new(Vec::new());
+
+/// [`Unmapper::quiesce`] for every helper of this process that still runs.
+pub fn quiesce_all(timeout: Duration) {
+    let pid = std::process::id();
+    let helpers: Vec<Arc<Shared>> = HELPERS
+        .lock()
+        .iter()
+        .filter(|(p, _)| *p == pid)
+        .filter_map(|(_, w)| w.upgrade())
+        .collect();
+    for shared in helpers {
+        quiesce(&shared, timeout);
+    }
+}
+
+fn quiesce(shared: &Shared, timeout: Duration) {
+    let mut st = shared.state.lock();
+    st.exiting = true;
+    shared.changed.notify_all();
+    let deadline = std::time::Instant::now() + timeout;
+    while st.running.is_some() {
+        if shared.changed.wait_until(&mut st, deadline).timed_out() {
+            return;
         }
     }
 }
@@ -367,6 +435,26 @@ mod tests {
         )
         .unwrap();
         (u, rx)
+    }
+
+    #[test]
+    fn quiescing_lets_the_running_job_end_and_no_other_start() {
+        // Note [Helpers at exit].
+        let (u, rx) = recording(Duration::from_millis(30));
+        for i in 0..5 {
+            assert!(u.push(unmap(i << 21, 1 << 21)));
+        }
+        std::thread::sleep(Duration::from_millis(10)); // the first is running
+        u.quiesce(Duration::from_secs(5));
+        let done: Vec<Job> = rx.try_iter().collect();
+        assert!(!done.is_empty() && done.len() <= 2, "{done:?}");
+        assert!(
+            !u.push(unmap(9 << 21, 1 << 21)),
+            "later work is the caller's"
+        );
+        u.wait_all(); // returns: the jobs left are never done
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(rx.try_iter().count(), 0, "no job started after quiescing");
     }
 
     #[test]
