@@ -185,10 +185,23 @@ def main(argv=None) -> int:
     r.add_argument("script", nargs="?", help="a script path or an installed console script (e.g. yolo)")
     r.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("info", help="print the library path, version and backend")
-    args = p.parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(raw)
     if args.cmd == "info":
         return _info()
+    if args.script is not None and args.module is None:
+        args.args = _script_args(raw, args.script, args.args)
     return _run(args)
+
+
+def _script_args(raw, script, parsed):
+    """The script's arguments verbatim: argparse drops a ``--`` right after
+    the script, which the script must see (``python train.py -- --x``
+    passes it on)."""
+    i = raw.index("run") + 1
+    while i < len(raw) and raw[i].startswith("-") and raw[i] != "-":
+        i += 2 if raw[i] in ("--config", "--trace") else 1
+    return raw[i + 1 :] if i < len(raw) and raw[i] == script else parsed
 
 
 def _info() -> int:

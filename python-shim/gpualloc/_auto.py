@@ -145,6 +145,7 @@ class _State:
     optimizer: Optional[_phases.Entry] = None
     eval_switch: Optional[_phases.Entry] = None
     training: Optional["weakref.ref"] = None  # the module last switched to training
+    inside: Optional[set] = None  # ids of the modules inside it, found when first asked
     leader: Optional[int] = None
     others: set = set()
 
@@ -153,7 +154,7 @@ class _State:
         for e in (cls.optimizer, cls.eval_switch):
             if e is not None:
                 _guard(_phases.pop, e)
-        cls.optimizer = cls.eval_switch = cls.leader = cls.training = None
+        cls.optimizer = cls.eval_switch = cls.leader = cls.training = cls.inside = None
         cls.others = set()
 
 
@@ -333,6 +334,7 @@ def _switched(module, was, mode) -> None:
                 _State.training = weakref.ref(module)
             except TypeError:  # a module without weak references
                 _State.training = None
+            _State.inside = None
             if e is not None:
                 _close(e)
                 _State.eval_switch = None
@@ -348,13 +350,25 @@ def _frozen_inside_training(module) -> bool:
     top = ref() if ref is not None else None
     if top is None or top is module or getattr(top, "training", False) is not True:
         return False
+    # The modules inside are found once per switch to training, not at each
+    # call: models that freeze their BatchNorms after every model.train()
+    # call eval() on each of them, and a walk each time made that quadratic.
+    # Found again when the module is not among them (one added since).
+    if _State.inside is None or id(module) not in _State.inside:
+        _State.inside = _inside(top)
+    return id(module) in _State.inside
+
+
+def _inside(top) -> set:
+    """The ids of the modules inside ``top`` (alive as long as it holds them)."""
+    found = set()
     todo = list(_children(top))
     while todo:
         m = todo.pop()
-        if m is module:
-            return True
-        todo.extend(_children(m))
-    return False
+        if id(m) not in found:
+            found.add(id(m))
+            todo.extend(_children(m))
+    return found
 
 
 def _children(m):

@@ -195,7 +195,13 @@ def _build_turn(build_dir: str):
         return
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                # Say why this process pauses (a notebook would seem to hang).
+                print(f"gpualloc: waiting for another process building the C++ bridge in {build_dir}",
+                      file=sys.stderr, flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
             held = True
         except OSError:
             held = False
@@ -337,6 +343,8 @@ def _build_bridge_now(torch, verbose: bool) -> str:
         if sole and not rebuild and os.path.isfile(complete) and os.path.isfile(so):
             return so  # built by the process this one waited for
         _clear_leftover_lock(build_dir, sole)
+        print(f"gpualloc: compiling the C++ bridge for torch {torch.__version__} (once; cached in {build_dir})",
+              file=sys.stderr, flush=True)
         so = _load_bridge(cpp_extension, name, src, header_dir, cuda_inc, torch_lib, build_dir, so, verbose)
         _write_marker(complete)
     return so

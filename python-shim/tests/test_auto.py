@@ -149,6 +149,31 @@ class AutoMarksTest(unittest.TestCase):
             seq, [push("backward"), pop("backward"), push("optimizer"), pop("optimizer"), STEP, push("eval"), pop("eval")]
         )
 
+    def test_freezing_every_part_after_each_switch_walks_the_model_once(self):
+        # Models that call eval() on each BatchNorm after every
+        # model.train(): the modules inside are found once per switch.
+        out, seq = self.traced(
+            """
+            walks = [0]
+            class Counted(torch.nn.Module):
+                def children(self):
+                    walks[0] += 1
+                    return super().children()
+            bns = [Counted() for _ in range(50)]
+            model = Counted(*[Counted(b) for b in bns])
+            for step in range(3):
+                model.train()
+                before = walks[0]
+                for b in bns:
+                    b.eval()
+                print("walk", walks[0] - before)
+            """
+        )
+        self.assertEqual(seq, [])
+        # A step: one walk of the model (101 modules) and eval()'s own visit of
+        # each part (50); not a walk for each of the 50 parts (5,100).
+        self.assertEqual(out.stdout.count("walk 151"), 3, out.stdout)
+
     def test_other_threads_open_no_phases(self):
         _, seq = self.traced(
             """
@@ -592,6 +617,15 @@ class RunTargetsTest(unittest.TestCase):
             self.assertEqual(out.returncode, 3, out.stderr)
             self.assertIn("entry ['train', '--epochs', '2'] demo-train", out.stdout)
             self.assertIn("spec None", out.stdout)
+
+    def test_a_double_dash_after_the_script_reaches_it(self):
+        # As `python train.py -- --x` passes it on.
+        with tempfile.TemporaryDirectory() as d:
+            prog = os.path.join(d, "argv.py")
+            self.write(prog, "import sys\nprint('argv', sys.argv[1:])\n")
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "--trace", os.path.join(d, "t.gtrace"), prog, "--", "--x", "a"])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("argv ['--', '--x', 'a']", out.stdout)
 
     def test_python_program_on_path_and_unknown_names(self):
         with tempfile.TemporaryDirectory() as d:

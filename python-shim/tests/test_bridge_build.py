@@ -76,6 +76,15 @@ class BridgeCache(unittest.TestCase):
         leftovers = [n for n in os.listdir(os.path.dirname(so)) if n.startswith(".complete-")]
         self.assertEqual(leftovers, [])
 
+    def test_a_build_says_so_and_a_cached_one_is_quiet(self):
+        import io
+
+        for expect in (True, False):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                _torch._build_bridge(self.torch, verbose=False)
+            self.assertEqual("compiling the C++ bridge" in err.getvalue(), expect, err.getvalue())
+
     def test_the_build_counts_devices_without_starting_the_driver(self):
         # cpp_extension asks torch.cuda.is_available(): through NVML during
         # the build (Note [Starting on first use]), as the user had it after.
