@@ -167,7 +167,9 @@ def _run(args) -> int:
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=sys.stderr)
     finally:
-        if lib().is_tracing():
+        # A trace only kept for a start that never came (this process never
+        # used CUDA: a launcher) wrote nothing (Note [Starting on first use]).
+        if lib().is_initialized() and lib().is_tracing():
             s = lib().trace_stop()
             print(f"gpualloc: trace written: {s['events']} events, {s['bytes']} bytes, {s['dropped']} dropped", file=sys.stderr)
     return code

@@ -365,7 +365,13 @@ class Library:
 
     def _stop_trace_at_exit(self) -> None:
         try:
-            if self.dll.gpualloc_is_tracing() > 0 and self.dll.gpualloc_trace_stop(None) < 0:
+            # Only a trace of an allocator that started was written (one
+            # kept for a start that never came, or in GPUALLOC_TRACE, was not).
+            if (
+                self.dll.gpualloc_is_initialized()
+                and self.dll.gpualloc_is_tracing() > 0
+                and self.dll.gpualloc_trace_stop(None) < 0
+            ):
                 # The last place to say that the file is incomplete.
                 print(f"gpualloc: the trace could not be completed at exit: {self.last_error()}", file=sys.stderr)
         except Exception:  # noqa: BLE001 - never fail interpreter shutdown

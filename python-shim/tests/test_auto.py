@@ -618,6 +618,23 @@ class RunTargetsTest(unittest.TestCase):
             self.assertIn("entry ['train', '--epochs', '2'] demo-train", out.stdout)
             self.assertIn("spec None", out.stdout)
 
+    def test_a_process_that_never_allocates_ends_quietly_with_a_trace_asked_for(self):
+        # A launcher under run, a DataLoader worker: the trace, kept for a
+        # start that never came, wrote nothing, and nothing is said of it.
+        with tempfile.TemporaryDirectory() as d:
+            prog = os.path.join(d, "idle.py")
+            self.write(prog, "import torch\nprint('idle')\n")
+            env_trace = os.path.join(d, "env-{pid}.gtrace")
+            for args, env in (
+                (["--trace", os.path.join(d, "t.gtrace"), prog], {}),
+                ([prog], {"GPUALLOC_TRACE": env_trace}),
+            ):
+                out = run(["-m", "gpualloc", "run", "--no-bridge", *args], env)
+                self.assertEqual(out.returncode, 0, out.stderr)
+                self.assertIn("idle", out.stdout)
+                self.assertNotIn("trace", out.stderr.lower(), out.stderr)
+            self.assertEqual(os.listdir(d), ["idle.py"])
+
     def test_a_double_dash_after_the_script_reaches_it(self):
         # As `python train.py -- --x` passes it on.
         with tempfile.TemporaryDirectory() as d:
