@@ -94,8 +94,10 @@ def _is_python(path: str) -> bool:
 def _start(args) -> int:
     """Installs gpualloc (or only starts the library, without torch); 0 or 1."""
     import gpualloc
+    from gpualloc import _children
     from gpualloc._lib import lib
 
+    _children.leave_alone()  # a run inside a run: its own options
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -110,8 +112,6 @@ def _start(args) -> int:
             _torch.BY_RUN = True  # the script's own install(config=...) warns instead of failing
             auto = False if args.no_auto_marks else None
             gpualloc.install(config=args.config, trace=args.trace, bridge=not args.no_bridge, auto_marks=auto)
-            from gpualloc import _children
-
             # And in the Python processes the program starts (Note
             # [Installing in child processes] in _children.py).
             _children.pass_on(args.config, args.trace, bridge=not args.no_bridge)

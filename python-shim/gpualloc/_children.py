@@ -32,13 +32,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD_DIR = os.path.join(HERE, "_child")
 
 
+def leave_alone() -> None:
+    """Takes out of this process the hook that an enclosing ``run`` put in
+    (``_child/sitecustomize.py``), so that a nested ``python -m gpualloc
+    run`` installs gpualloc with its own options, not the enclosing one's."""
+    import sys
+
+    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_TorchFinder"]
+
+
 def pass_on(config: Optional[str], trace: Optional[str], bridge: bool) -> None:
     """Sets the environment the program's child processes inherit (see
     the Note). Called by ``run`` once it has installed gpualloc here."""
     os.environ[ENV] = "1"
     if config is not None:
         os.environ["GPUALLOC_CONF"] = config
-    if trace:
+    if trace and not os.environ.get("GPUALLOC_TRACE", "").strip():
+        # (With GPUALLOC_TRACE set, install() ignored --trace: so do they.)
         os.environ["GPUALLOC_TRACE"] = trace
     if not bridge:
         os.environ["GPUALLOC_BRIDGE"] = "0"

@@ -423,9 +423,10 @@ class InstallTest(unittest.TestCase):
                 f.write("import os\nos.environ['OWN_SITECUSTOMIZE'] = 'ran'\n")
             child = textwrap.dedent(
                 """
-                import os, sys
+                import importlib.util, os, sys
                 print("own", os.environ.get("OWN_SITECUSTOMIZE"))
                 print("before torch", "gpualloc" in sys.modules)
+                assert importlib.util.find_spec("torch") is not None  # a probe, as transformers makes
                 import torch, gpualloc
                 from gpualloc._lib import lib
                 print("installed", gpualloc.installed(), "started", lib().is_initialized())
@@ -467,6 +468,44 @@ class InstallTest(unittest.TestCase):
 
             sizes = [r["requested"] for r in records(trace) if r["kind"] == "alloc"]
             self.assertIn(1 << 20, sizes)
+
+    def test_the_environments_trace_holds_for_run_and_its_children(self):
+        # With GPUALLOC_TRACE set, install() ignores --trace (and says so):
+        # the children are not told otherwise.
+        with tempfile.TemporaryDirectory() as d:
+            a, b = os.path.join(d, "a.gtrace"), os.path.join(d, "b.gtrace")
+            child = "import torch; from gpualloc._lib import lib; lib().free(lib().malloc(1 << 20, 0, 0), 0)"
+            s = self.script(d, f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {child!r}], check=True)\n")
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "--trace", b, s], {"GPUALLOC_TRACE": a})
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("ignored", out.stderr)
+            self.assertTrue(os.path.exists(a), out.stderr)
+            self.assertFalse(os.path.exists(b), out.stderr)
+
+    def test_a_run_inside_a_run_keeps_its_own_options(self):
+        with tempfile.TemporaryDirectory() as d:
+            inner = self.script(
+                d,
+                """
+                import ctypes, torch, gpualloc
+                from gpualloc._lib import lib
+                lib().free(lib().malloc(1 << 20, 0, 0), 0)
+                f = lib().dll.gpualloc_config_string
+                f.restype = ctypes.c_char_p
+                print("inner config", f().decode())
+                """,
+            )
+            outer = os.path.join(d, "outer.py")
+            with open(outer, "w") as f:
+                f.write(
+                    "import subprocess, sys\n"
+                    f"subprocess.run([sys.executable, '-m', 'gpualloc', 'run', '--no-bridge', '--config', "
+                    f"'max_split_size_mb:128', {inner!r}], check=True)\n"
+                )
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "--config", "max_split_size_mb:64", outer])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("inner config max_split_size_mb:128", out.stdout)
+            self.assertNotIn("ignored", out.stderr)
 
     def test_a_launcher_is_named_with_what_to_do(self):
         with tempfile.TemporaryDirectory() as d:

@@ -1024,13 +1024,28 @@ impl Backend for CudaBackend {
         } else {
             vec![Job::Unmap { ptr, size, handles }]
         };
-        for job in jobs {
-            if !self.unmapper.as_ref().is_some_and(|u| u.push(job)) {
-                // A forked child (no helper: nothing was queued), or the
-                // process exiting (Note [Helpers at exit]: the jobs queued
-                // will not run): all of it now.
-                return self.unmap(ptr, size);
+        let queued = jobs
+            .iter()
+            .take_while(|&&job| self.unmapper.as_ref().is_some_and(|u| u.push(job)))
+            .count();
+        let range = |j: &Job| match *j {
+            Job::Unmap { ptr, size, .. } => (ptr, size),
+            Job::Free { .. } => unreachable!("only unmaps here"),
+        };
+        if queued < jobs.len() {
+            // A forked child (no helper: nothing was queued), or the process
+            // exiting (Note [Helpers at exit]): the jobs queued are the
+            // helper's (or listed for a redo); the rest now, on this thread.
+            for j in &jobs[..queued] {
+                let (p, s) = range(j);
+                self.calls.add(DriverCall::Unmap, 1, s, 0);
+                self.mappings.remove(&p);
             }
+            for j in &jobs[queued..] {
+                let (p, s) = range(j);
+                self.unmap(p, s)?;
+            }
+            return Ok(());
         }
         // Counted now, as one call made at once would be (the
         // defragmentation budget reads the counts); its time is the helper's.

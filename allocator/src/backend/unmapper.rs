@@ -270,9 +270,6 @@ impl Unmapper {
             return;
         }
         let mut st = self.shared.state.lock();
-        if st.exiting {
-            return; // the jobs left are never done (Note [Helpers at exit])
-        }
         let last = st
             .running
             .iter()
@@ -287,9 +284,10 @@ impl Unmapper {
         self.shared.changed.notify_all();
         // Jobs run in order (and failed ones leave the queue): done when
         // neither the running one nor the oldest queued is at or below it.
-        while !st.exiting
-            && (st.running.is_some_and(|r| r.0 <= last)
-                || st.queue.front().is_some_and(|q| q.0 <= last))
+        // Once quiesced (Note [Helpers at exit]) the queue is empty and the
+        // running job still ends.
+        while st.running.is_some_and(|r| r.0 <= last)
+            || st.queue.front().is_some_and(|q| q.0 <= last)
         {
             self.shared.changed.wait(&mut st);
         }
@@ -304,10 +302,11 @@ impl Unmapper {
 // whose last line ran, reported as failed).
 // Approach: an `atexit` handler (registered when the allocator starts,
 // after CUDA, so it runs before the driver's teardown) calls
-// [`quiesce_all`]: no job starts any more, the running one is waited for,
-// and waiters and later requests no longer count on the helper. The jobs
-// left only unmap ranges and free reservations, which the process's end
-// gives back to the driver anyway.
+// [`quiesce_all`]: no job starts any more and the running one is waited
+// for. The jobs not started go to the failed list, so that a request made
+// after that (a static destructor freeing, another thread) does them
+// itself at its next wait over them, as it does failed jobs; later ranges
+// are unmapped on the requesting thread (`push` says `false`).
 
 /// Every helper started in this process (and, after a fork, its parent's).
 static HELPERS: Mutex<Vec<(u32, std::sync::Weak<Shared>)>> = Mutex::new(Vec::new());
@@ -329,6 +328,11 @@ pub fn quiesce_all(timeout: Duration) {
 fn quiesce(shared: &Shared, timeout: Duration) {
     let mut st = shared.state.lock();
     st.exiting = true;
+    // The jobs not started are the caller's now: listed as failed, the
+    // backend's next wait over them does them itself (`redo`), so its
+    // bookkeeping (a range still mapped until unmapped) holds.
+    let left: Vec<Job> = st.queue.drain(..).map(|(_, j)| j).collect();
+    st.failed.extend(left);
     shared.changed.notify_all();
     let deadline = std::time::Instant::now() + timeout;
     while st.running.is_some() {
@@ -452,9 +456,13 @@ mod tests {
             !u.push(unmap(9 << 21, 1 << 21)),
             "later work is the caller's"
         );
-        u.wait_all(); // returns: the jobs left are never done
+        u.wait_all(); // returns: nothing queued or running
         std::thread::sleep(Duration::from_millis(100));
         assert_eq!(rx.try_iter().count(), 0, "no job started after quiescing");
+        // The jobs not started are listed as failed, for the caller to redo.
+        let left = u.failed();
+        assert_eq!(done.len() + left.len(), 5, "{done:?} {left:?}");
+        assert!(left.iter().all(|j| !done.contains(j)));
     }
 
     #[test]

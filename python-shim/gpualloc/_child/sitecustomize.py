@@ -51,27 +51,31 @@ def _install():
 
 class _TorchFinder:
     """Finds ``torch`` as the rest of sys.meta_path would, and installs
-    gpualloc once the module has run (before the program can use CUDA)."""
+    gpualloc once the module has run (before the program can use CUDA). It
+    stays in place until then: a probe (``importlib.util.find_spec("torch")``,
+    as transformers and datasets do when imported) finds a spec that is
+    never run."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "torch" or _DONE:
             return None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
         spec = None
         for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
+            find = getattr(finder, "find_spec", None) if finder is not self else None
             spec = find(fullname, path, target) if find is not None else None
             if spec is not None:
                 break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         run = spec.loader.exec_module
+        finder = self
 
         def exec_module(module):
             run(module)
+            try:
+                sys.meta_path.remove(finder)
+            except ValueError:
+                pass
             _install()
 
         spec.loader.exec_module = exec_module
