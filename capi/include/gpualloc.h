@@ -323,8 +323,10 @@ extern "C" {
 // `config` is NULL or a NUL-terminated string.
 int gpualloc_init(const char *config);
 
-// Checks `config` (NULL: none given) and keeps it, with a trace to record
-// (`trace_path`, NULL: none; placeholders as in `gpualloc_trace_start`),
+// Checks `config` (NULL: none given; the allocator then reads
+// `GPUALLOC_CONF` when it starts) and keeps it, with a trace to record
+// (`trace_path`, NULL: none; placeholders as in `gpualloc_trace_start`,
+// filled in by the process that starts the trace),
 // for the allocator to start with at the first call that needs it (an
 // allocation, PyTorch's CUDA initialization through the bridge,
 // `gpualloc_init`, a mark or a phase): nothing starts and the CUDA driver

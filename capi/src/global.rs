@@ -221,9 +221,20 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
     // names the same file.
     match kept.trace {
         Some(path) => crate::trace::start_kept(&g.alloc, &path),
-        None => start_tracing(&g.alloc),
+        None if !kept.env_trace_stopped => start_tracing(&g.alloc),
+        None => {}
     }
     Ok(g)
+}
+
+/// Before the allocator starts: calls off the trace it would record (Note
+/// [Starting on first use]); `None` once it runs (stop that trace instead).
+pub(crate) fn stop_trace_before_start() -> Option<bool> {
+    let _serial = INIT.lock();
+    match GLOBAL.get() {
+        Some(_) => None,
+        None => Some(pending::stop_trace()),
+    }
 }
 
 /// Before the allocator starts: checks `config` and keeps it, with a trace
@@ -242,7 +253,8 @@ pub(crate) fn configure(
     }
     let g = init(config)?;
     if let Some(path) = trace {
-        g.alloc.trace_start(path)?;
+        g.alloc
+            .trace_start(&gpualloc::trace_path::expand(path.as_os_str()))?;
     }
     Ok(())
 }
@@ -260,7 +272,11 @@ pub(crate) fn idle(device: i64) -> Result<Config, Error> {
 
 /// Before the allocator exists: its configuration and device count.
 pub(crate) fn idle_count() -> Result<(Config, usize), Error> {
-    let config = Config::from_env()?;
+    // The configuration kept for the start, else the environment's.
+    let config = match pending::get().config {
+        Some(c) => Config::parse(&c)?,
+        None => Config::from_env()?,
+    };
     let count = match backend_kind()? {
         BackendKind::Sim => sim_devices()?,
         BackendKind::Cuda => cuda::device_count()?,

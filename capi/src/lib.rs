@@ -72,8 +72,10 @@ pub unsafe extern "C" fn gpualloc_init(config: *const c_char) -> c_int {
     })
 }
 
-/// Checks `config` (NULL: none given) and keeps it, with a trace to record
-/// (`trace_path`, NULL: none; placeholders as in `gpualloc_trace_start`),
+/// Checks `config` (NULL: none given; the allocator then reads
+/// `GPUALLOC_CONF` when it starts) and keeps it, with a trace to record
+/// (`trace_path`, NULL: none; placeholders as in `gpualloc_trace_start`,
+/// filled in by the process that starts the trace),
 /// for the allocator to start with at the first call that needs it (an
 /// allocation, PyTorch's CUDA initialization through the bridge,
 /// `gpualloc_init`, a mark or a phase): nothing starts and the CUDA driver
@@ -96,13 +98,15 @@ pub unsafe extern "C" fn gpualloc_configure(
         } else {
             Some(str_arg(config, "config")?)
         };
+        // Placeholders are filled in when the trace starts, by the process
+        // that starts it.
         let trace = if trace_path.is_null() {
             None
         } else {
             // SAFETY: non-NULL checked above; the caller promises a
             // NUL-terminated string.
             let bytes = unsafe { std::ffi::CStr::from_ptr(trace_path) }.to_bytes();
-            Some(gpualloc::trace_path::expand(
+            Some(std::path::PathBuf::from(
                 <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes),
             ))
         };

@@ -32,13 +32,18 @@ use crate::global::clip;
 pub(crate) struct Pending {
     /// The configuration to start with, checked.
     pub config: Option<String>,
-    /// The trace to start once the allocator exists (placeholders filled).
+    /// The trace to start once the allocator exists, its placeholders
+    /// (`{pid}`, `{rank}`) filled in by the process that starts it: a child
+    /// forked before the start writes its own file.
     pub trace: Option<PathBuf>,
+    /// A stop before the start also called off `GPUALLOC_TRACE`'s trace.
+    pub env_trace_stopped: bool,
 }
 
 static PENDING: Mutex<Pending> = Mutex::new(Pending {
     config: None,
     trace: None,
+    env_trace_stopped: false,
 });
 
 /// What is kept for the start (a copy).
@@ -57,6 +62,13 @@ pub(crate) fn env_trace() -> bool {
         .is_some_and(|v| !v.to_string_lossy().trim().is_empty())
 }
 
+/// Whether a trace will be recorded from the start: one kept, or
+/// `GPUALLOC_TRACE`'s unless a stop called it off.
+pub(crate) fn tracing() -> bool {
+    let p = PENDING.lock();
+    p.trace.is_some() || (env_trace() && !p.env_trace_stopped)
+}
+
 /// Keeps `config` (checked now) and `trace` for the start. The caller holds
 /// the start lock and has seen that the allocator has not started.
 pub(crate) fn keep(config: Option<&str>, trace: Option<&Path>) -> Result<(), Error> {
@@ -68,7 +80,7 @@ pub(crate) fn keep(config: Option<&str>, trace: Option<&Path>) -> Result<(), Err
         }
     }
     if let Some(t) = trace
-        && (p.trace.is_some() || env_trace())
+        && (p.trace.is_some() || (env_trace() && !p.env_trace_stopped))
     {
         let what = match &p.trace {
             Some(old) => old.display().to_string(),
@@ -91,9 +103,15 @@ pub(crate) fn keep(config: Option<&str>, trace: Option<&Path>) -> Result<(), Err
     Ok(())
 }
 
-/// Forgets the trace kept for the start; whether there was one.
-pub(crate) fn forget_trace() -> bool {
-    PENDING.lock().trace.take().is_some()
+/// Calls off the trace that would be recorded from the start (kept, or
+/// `GPUALLOC_TRACE`'s); whether there was one. The caller holds the start
+/// lock and has seen that the allocator has not started.
+pub(crate) fn stop_trace() -> bool {
+    let mut p = PENDING.lock();
+    let was = p.trace.is_some() || (env_trace() && !p.env_trace_stopped);
+    p.trace = None;
+    p.env_trace_stopped = true;
+    was
 }
 
 /// The error for a second, different configuration before the start.

@@ -38,6 +38,8 @@ pub(crate) fn from_env<B: Backend>(alloc: &Allocator<B>) {
 /// a trace that cannot start is reported on stderr and the allocator runs
 /// untraced.
 pub(crate) fn start_kept<B: Backend>(alloc: &Allocator<B>, path: &std::path::Path) {
+    // Placeholders are this process's: it may be a child forked since.
+    let path = &gpualloc::trace_path::expand(path.as_os_str());
     match alloc.trace_start(path) {
         Ok(()) => announce(alloc, path, "the trace asked for at install"),
         Err(e) => eprintln!(
@@ -163,16 +165,23 @@ pub struct GpuallocTraceSummary {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_trace_stop(summary: *mut GpuallocTraceSummary) -> c_int {
     status(|| {
-        let Some(g) = existing() else {
-            // A trace kept for the start is forgotten: it recorded nothing.
-            if !crate::pending::forget_trace() {
-                return Err(not_tracing());
+        // Before the start the trace it would record is called off: it
+        // recorded nothing (Note [Starting on first use]).
+        match crate::global::stop_trace_before_start() {
+            Some(false) => return Err(not_tracing()),
+            Some(true) => {
+                if !summary.is_null() {
+                    crate::boundary::write_out(
+                        summary,
+                        GpuallocTraceSummary::default(),
+                        "summary",
+                    )?;
+                }
+                return Ok(());
             }
-            if !summary.is_null() {
-                crate::boundary::write_out(summary, GpuallocTraceSummary::default(), "summary")?;
-            }
-            return Ok(());
-        };
+            None => {}
+        }
+        let g = existing().ok_or_else(not_tracing)?;
         let s = g.alloc.trace_stop();
         log_stop(&s, "on request");
         let s = s?;
@@ -219,7 +228,7 @@ pub extern "C" fn gpualloc_is_tracing() -> c_int {
                 Some(g) => g.alloc.is_tracing(),
                 // One will be recorded from the start (Note [Starting on
                 // first use]).
-                None => crate::pending::get().trace.is_some() || crate::pending::env_trace(),
+                None => crate::pending::tracing(),
             }))
         },
     )

@@ -544,6 +544,12 @@ int main(int argc, char **argv) {
   CHECK(gpualloc_configure(NULL, argv[2]) == GPUALLOC_ERR_IO);
   CHECK(gpualloc_is_initialized() == 0);
   CHECK(gpualloc_config_string() == NULL);
+  GpuallocStats st;
+  memset(&st, 0, sizeof st);
+  st.size = sizeof st;
+  CHECK(gpualloc_get_stats(0, &st) == GPUALLOC_OK);
+  CHECK(st.max_split_size == 128LL << 20);  /* the kept configuration's, before the start */
+  CHECK(gpualloc_is_initialized() == 0);
   void *p = gpualloc_malloc(4096, 0, 0);
   CHECK(p != NULL);
   CHECK(gpualloc_is_initialized() == 1);
@@ -588,6 +594,11 @@ int main(int argc, char **argv) {
   if (getenv("GPUALLOC_TRACE") != NULL) {
     CHECK(gpualloc_is_tracing() == 1);
     CHECK(gpualloc_configure(NULL, argv[1]) == GPUALLOC_ERR_IO);
+    CHECK(gpualloc_trace_stop(&s) == GPUALLOC_OK);  /* calls GPUALLOC_TRACE's off */
+    CHECK(gpualloc_is_tracing() == 0);
+    void *q = gpualloc_malloc(4096, 0, 0);
+    CHECK(q != NULL && gpualloc_is_tracing() == 0);
+    gpualloc_free(q, 4096, 0, 0);
     printf("done\n");
     return 0;
   }
@@ -614,6 +625,58 @@ int main(int argc, char **argv) {
             "{err}"
         );
     }
-    assert!(!a.exists());
+    assert!(!a.exists() && !env_trace.exists());
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// A kept trace's `{pid}` is the process that starts it: a child forked
+/// before the start writes its own file, the parent (which never
+/// allocates, as a launcher) none.
+#[test]
+fn a_kept_traces_placeholders_are_the_starting_process() {
+    let (out, exe) = build_inline(
+        "configure_fork_test",
+        r#"#define _POSIX_C_SOURCE 200809L
+#include "gpualloc.h"
+#include <stdio.h>
+#include <sys/wait.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+  (void)argc;
+  if (gpualloc_configure(NULL, argv[1]) != GPUALLOC_OK) return 1;
+  pid_t child = fork();
+  if (child == 0) {
+    void *p = gpualloc_malloc(4096, 0, 0);
+    gpualloc_free(p, 4096, 0, 0);
+    return gpualloc_trace_stop(NULL) == GPUALLOC_OK ? 0 : 2;
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  printf("child %d status %d\n", (int)child, status);
+  return 0;
+}
+"#,
+    );
+    let pattern = out.join("t-{pid}.gtrace");
+    let run = run_sim_with(&exe, &[&pattern], &[]);
+    let stdout = String::from_utf8_lossy(&run.stdout).to_string();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let child: u32 = stdout
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(stdout.contains("status 0"), "{stdout}");
+    let mut files: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".gtrace"))
+        .collect();
+    files.sort();
+    assert_eq!(files, vec![format!("t-{child}.gtrace")]);
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -145,7 +145,7 @@ class _State:
     optimizer: Optional[_phases.Entry] = None
     eval_switch: Optional[_phases.Entry] = None
     training: Optional["weakref.ref"] = None  # the module last switched to training
-    inside: Optional[set] = None  # ids of the modules inside it, found when first asked
+    inside: Optional[dict] = None  # the modules inside it by id (weakly), found when first asked
     leader: Optional[int] = None
     others: set = set()
 
@@ -354,19 +354,29 @@ def _frozen_inside_training(module) -> bool:
     # call: models that freeze their BatchNorms after every model.train()
     # call eval() on each of them, and a walk each time made that quadratic.
     # Found again when the module is not among them (one added since).
-    if _State.inside is None or id(module) not in _State.inside:
+    # A module found there by its id is checked to be that module: an id is
+    # reused once a module removed from the model is freed.
+    if _State.inside is None or not _is(_State.inside.get(id(module)), module):
         _State.inside = _inside(top)
-    return id(module) in _State.inside
+    return _is(_State.inside.get(id(module)), module)
 
 
-def _inside(top) -> set:
-    """The ids of the modules inside ``top`` (alive as long as it holds them)."""
-    found = set()
+def _is(ref, module) -> bool:
+    return ref is not None and (ref() if isinstance(ref, weakref.ref) else ref) is module
+
+
+def _inside(top) -> dict:
+    """The modules inside ``top``, by id: weak references (the module itself
+    for one that takes none)."""
+    found = {}
     todo = list(_children(top))
     while todo:
         m = todo.pop()
         if id(m) not in found:
-            found.add(id(m))
+            try:
+                found[id(m)] = weakref.ref(m)
+            except TypeError:
+                found[id(m)] = m
             todo.extend(_children(m))
     return found
 

@@ -431,6 +431,7 @@ class GpuallocAllocator final : public CUDAAllocator {
     device_count_ = device_count;
     initialized_.store(true);
   }
+  void mark_installed() { initialized_.store(true); }
   double getMemoryFraction(c10::DeviceIndex device) override {
     double f = 1.0;
     check(api.get_memory_fraction(static_cast<int>(device), &f), "getMemoryFraction");
@@ -789,7 +790,11 @@ extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t er
     api.resolve_all(h);
     CUDAAllocator* native = cca::allocator.load();
     auto a = std::make_shared<GpuallocAllocator>(native);
-    // Not initialized here: PyTorch calls init() when it initializes CUDA.
+    // Not started here: PyTorch calls init() when it initializes CUDA. But
+    // initialized() is true from now on, as before, so that PyTorch refuses
+    // to swap in yet another allocator ("Can't swap an already initialized
+    // allocator"), which would leave c10::GetAllocator on gpualloc.
+    a->mark_installed();
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
     // c10::GetAllocator(kCUDA) (storages made without a tensor, torch.accelerator)
     // must find gpualloc too; PyTorch registers its own at priority 0.

@@ -174,6 +174,26 @@ class AutoMarksTest(unittest.TestCase):
         # each part (50); not a walk for each of the 50 parts (5,100).
         self.assertEqual(out.stdout.count("walk 151"), 3, out.stdout)
 
+    def test_a_module_taken_out_of_the_model_is_not_inside_it_any_more(self):
+        # The modules inside are cached by id; a new module may get a freed
+        # one's id, and must not pass for a frozen part.
+        _, seq = self.traced(
+            """
+            import weakref
+            import gpualloc._auto as auto
+            part = torch.nn.Module()
+            model = torch.nn.Module(part)
+            model.train()
+            part.eval()  # frozen inside: no phase
+            model._children.remove(part)
+            other = torch.nn.Module()
+            # As if `other` had been given the id of a part freed since:
+            auto._State.inside[id(other)] = weakref.ref(part)
+            other.eval()  # a module of its own, switched to evaluation
+            """
+        )
+        self.assertEqual(seq, [push("eval")])
+
     def test_other_threads_open_no_phases(self):
         _, seq = self.traced(
             """
