@@ -245,6 +245,18 @@ pub(crate) fn str_arg<'a>(p: *const c_char, what: &str) -> Result<&'a str, Error
         .map_err(|_| Error::invalid(format!("gpualloc: {what} is not valid UTF-8")))
 }
 
+/// A path argument: bytes, UTF-8 or not (as in `GPUALLOC_TRACE`); NULL is
+/// an error naming `what`. Placeholders are left as given.
+pub(crate) fn path_arg(p: *const c_char, what: &str) -> Result<std::path::PathBuf, Error> {
+    if p.is_null() {
+        return Err(Error::invalid(format!("gpualloc: {what} is NULL")));
+    }
+    // SAFETY: non-NULL checked above; the caller promises a NUL-terminated
+    // string that stays valid for the duration of the call.
+    let bytes = unsafe { std::ffi::CStr::from_ptr(p) }.to_bytes();
+    Ok(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes).into())
+}
+
 /// Checks a caller's array argument: `n` (where the count goes) is not
 /// NULL, `out` is NULL only when `cap` is 0; sets `*n` to 0 until the count
 /// is known.

@@ -208,7 +208,7 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
     let g = build(config)?;
     g.alloc.set_segment_observer(OBSERVER.lock().clone());
     let g = GLOBAL.get_or_init(|| g);
-    crate::trace::quiesce_helpers_at_exit();
+    quiesce_helpers_at_exit();
     pending::clear();
     tracing::info!(
         backend = ?g.kind,
@@ -235,6 +235,27 @@ pub(crate) fn stop_trace_before_start() -> Option<bool> {
         Some(_) => None,
         None => Some(pending::stop_trace()),
     }
+}
+
+/// Registers, once, the exit handler that stops the unmapping helpers
+/// before the CUDA driver tears itself down (Note [Helpers at exit] in
+/// `allocator/src/backend/unmapper.rs`). Called when the allocator starts,
+/// after CUDA, so the handler runs before the driver's.
+pub(crate) fn quiesce_helpers_at_exit() {
+    extern "C" fn quiesce() {
+        // Never unwind out of an exit handler.
+        let _ = std::panic::catch_unwind(|| {
+            gpualloc::backend::unmapper::quiesce_all(std::time::Duration::from_millis(500));
+        });
+    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: as in `stop_at_exit`: a plain `extern "C"` function that
+        // lives as long as the library and cannot unwind.
+        unsafe {
+            crate::trace::atexit(quiesce);
+        }
+    });
 }
 
 /// Before the allocator starts: checks `config` and keeps it, with a trace

@@ -103,12 +103,7 @@ pub unsafe extern "C" fn gpualloc_configure(
         let trace = if trace_path.is_null() {
             None
         } else {
-            // SAFETY: non-NULL checked above; the caller promises a
-            // NUL-terminated string.
-            let bytes = unsafe { std::ffi::CStr::from_ptr(trace_path) }.to_bytes();
-            Some(std::path::PathBuf::from(
-                <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes),
-            ))
+            Some(boundary::path_arg(trace_path, "trace path")?)
         };
         global::configure(cfg, trace.as_deref())
     })

@@ -40,6 +40,14 @@ pub(crate) struct Pending {
     pub env_trace_stopped: bool,
 }
 
+impl Pending {
+    /// Whether a trace will be recorded from the start: one kept, or
+    /// `GPUALLOC_TRACE`'s unless a stop called it off.
+    fn traces(&self) -> bool {
+        self.trace.is_some() || (env_trace() && !self.env_trace_stopped)
+    }
+}
+
 static PENDING: Mutex<Pending> = Mutex::new(Pending {
     config: None,
     trace: None,
@@ -62,11 +70,9 @@ pub(crate) fn env_trace() -> bool {
         .is_some_and(|v| !v.to_string_lossy().trim().is_empty())
 }
 
-/// Whether a trace will be recorded from the start: one kept, or
-/// `GPUALLOC_TRACE`'s unless a stop called it off.
+/// Whether a trace will be recorded from the start ([`Pending::traces`]).
 pub(crate) fn tracing() -> bool {
-    let p = PENDING.lock();
-    p.trace.is_some() || (env_trace() && !p.env_trace_stopped)
+    PENDING.lock().traces()
 }
 
 /// Keeps `config` (checked now) and `trace` for the start. The caller holds
@@ -80,7 +86,7 @@ pub(crate) fn keep(config: Option<&str>, trace: Option<&Path>) -> Result<(), Err
         }
     }
     if let Some(t) = trace
-        && (p.trace.is_some() || (env_trace() && !p.env_trace_stopped))
+        && p.traces()
     {
         let what = match &p.trace {
             Some(old) => old.display().to_string(),
@@ -108,7 +114,7 @@ pub(crate) fn keep(config: Option<&str>, trace: Option<&Path>) -> Result<(), Err
 /// lock and has seen that the allocator has not started.
 pub(crate) fn stop_trace() -> bool {
     let mut p = PENDING.lock();
-    let was = p.trace.is_some() || (env_trace() && !p.env_trace_stopped);
+    let was = p.traces();
     p.trace = None;
     p.env_trace_stopped = true;
     was

@@ -67,7 +67,7 @@ fn announce<B: Backend>(alloc: &Allocator<B>, asked: &std::path::Path, by: &str)
 
 unsafe extern "C" {
     /// The C library's `atexit`.
-    fn atexit(callback: extern "C" fn()) -> c_int;
+    pub(crate) fn atexit(callback: extern "C" fn()) -> c_int;
 }
 
 /// Stops the trace when the process exits normally, so that a program that
@@ -97,27 +97,6 @@ fn stop_at_exit() {
     }
 }
 
-/// Registers, once, the exit handler that stops the unmapping helpers
-/// before the CUDA driver tears itself down (Note [Helpers at exit] in
-/// `allocator/src/backend/unmapper.rs`). Called when the allocator starts,
-/// after CUDA, so the handler runs before the driver's.
-pub(crate) fn quiesce_helpers_at_exit() {
-    extern "C" fn quiesce() {
-        // Never unwind out of an exit handler.
-        let _ = std::panic::catch_unwind(|| {
-            gpualloc::backend::unmapper::quiesce_all(std::time::Duration::from_millis(500));
-        });
-    }
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        // SAFETY: as in `stop_at_exit`: a plain `extern "C"` function that
-        // lives as long as the library and cannot unwind.
-        unsafe {
-            atexit(quiesce);
-        }
-    });
-}
-
 /// Starts recording every allocator event of the process to `path`
 /// (a gpualloc trace file; `gpualloc report` reads it). `{pid}`, `{rank}`
 /// and `{local_rank}` in `path` become the process id and the `RANK` and
@@ -128,16 +107,8 @@ pub(crate) fn quiesce_helpers_at_exit() {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_trace_start(path: *const c_char) -> c_int {
     status(|| {
-        if path.is_null() {
-            return Err(Error::invalid("gpualloc: path is NULL"));
-        }
-        // A path is bytes, UTF-8 or not, as in `GPUALLOC_TRACE`.
-        // SAFETY: non-NULL checked above; the caller promises a
-        // NUL-terminated string.
-        let bytes = unsafe { std::ffi::CStr::from_ptr(path) }.to_bytes();
-        let path = gpualloc::trace_path::expand(
-            <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes),
-        );
+        let path =
+            gpualloc::trace_path::expand(crate::boundary::path_arg(path, "path")?.as_os_str());
         let g = global()?;
         g.alloc.trace_start(&path)?;
         announce(&g.alloc, &path, "gpualloc_trace_start");
@@ -167,24 +138,15 @@ pub unsafe extern "C" fn gpualloc_trace_stop(summary: *mut GpuallocTraceSummary)
     status(|| {
         // Before the start the trace it would record is called off: it
         // recorded nothing (Note [Starting on first use]).
-        match crate::global::stop_trace_before_start() {
+        let s = match crate::global::stop_trace_before_start() {
             Some(false) => return Err(not_tracing()),
-            Some(true) => {
-                if !summary.is_null() {
-                    crate::boundary::write_out(
-                        summary,
-                        GpuallocTraceSummary::default(),
-                        "summary",
-                    )?;
-                }
-                return Ok(());
+            Some(true) => gpualloc::trace::TraceSummary::default(),
+            None => {
+                let s = existing().ok_or_else(not_tracing)?.alloc.trace_stop();
+                log_stop(&s, "on request");
+                s?
             }
-            None => {}
-        }
-        let g = existing().ok_or_else(not_tracing)?;
-        let s = g.alloc.trace_stop();
-        log_stop(&s, "on request");
-        let s = s?;
+        };
         if !summary.is_null() {
             let c = GpuallocTraceSummary {
                 events: s.events,
