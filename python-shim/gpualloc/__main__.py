@@ -200,10 +200,10 @@ def _script_args(raw, script, parsed):
     """The script's arguments verbatim: argparse drops a ``--`` right after
     the script, which the script must see (``python train.py -- --x``
     passes it on)."""
-    i = raw.index("run") + 1
-    while i < len(raw) and raw[i].startswith("-") and raw[i] != "-":
-        i += 2 if raw[i] in ("--config", "--trace") else 1
-    return raw[i + 1 :] if i < len(raw) and raw[i] == script else parsed
+    k = len(raw) - len(parsed)
+    if k >= 2 and raw[k - 1] == "--" and raw[k - 2] == script:
+        return ["--"] + parsed
+    return parsed
 
 
 def _info() -> int:
