@@ -268,7 +268,7 @@ def _step_ends(optimizer) -> None:
                 return
         _State.leader = me  # the leader, or one that stepped twice without it
         _State.others = set()
-    if lib().is_initialized():  # as in _open
+    if _started():  # as in _open
         lib().mark(STEP_MARK)
 
 

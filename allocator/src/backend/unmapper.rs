@@ -177,8 +177,9 @@ impl Unmapper {
     }
 
     /// Lets no job start any more and waits (at most `timeout`) for the
-    /// running one to end; jobs left are never done, and later ones are the
-    /// caller's to do (`push` says `false`). See Note [Helpers at exit].
+    /// running one to end; the jobs not started are listed as failed, for
+    /// the caller's next wait to do again, and later ones are the caller's
+    /// to do (`push` says `false`). See Note [Helpers at exit].
     pub fn quiesce(&self, timeout: Duration) {
         if self.here() {
             quiesce(&self.shared, timeout);
