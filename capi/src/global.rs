@@ -201,10 +201,7 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
     {
         return Err(pending::already_configured(old, c));
     }
-    let config = match config.or(kept.config.as_deref()) {
-        Some(c) => Config::parse(c)?,
-        None => Config::from_env()?,
-    };
+    let config = parse_or_env(config.or(kept.config.as_deref()))?;
     let g = build(config)?;
     g.alloc.set_segment_observer(OBSERVER.lock().clone());
     let g = GLOBAL.get_or_init(|| g);
@@ -227,6 +224,14 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
     Ok(g)
 }
 
+/// `config` parsed, or `GPUALLOC_CONF` when there is none.
+fn parse_or_env(config: Option<&str>) -> Result<Config, Error> {
+    Ok(match config {
+        Some(c) => Config::parse(c)?,
+        None => Config::from_env()?,
+    })
+}
+
 /// Before the allocator starts: calls off the trace it would record (Note
 /// [Starting on first use]); `None` once it runs (stop that trace instead).
 pub(crate) fn stop_trace_before_start() -> Option<bool> {
@@ -241,7 +246,7 @@ pub(crate) fn stop_trace_before_start() -> Option<bool> {
 /// before the CUDA driver tears itself down (Note [Helpers at exit] in
 /// `allocator/src/backend/unmapper.rs`). Called when the allocator starts,
 /// after CUDA, so the handler runs before the driver's.
-pub(crate) fn quiesce_helpers_at_exit() {
+fn quiesce_helpers_at_exit() {
     extern "C" fn quiesce() {
         // Never unwind out of an exit handler.
         let _ = std::panic::catch_unwind(|| {
@@ -294,10 +299,7 @@ pub(crate) fn idle(device: i64) -> Result<Config, Error> {
 /// Before the allocator exists: its configuration and device count.
 pub(crate) fn idle_count() -> Result<(Config, usize), Error> {
     // The configuration kept for the start, else the environment's.
-    let config = match pending::get().config {
-        Some(c) => Config::parse(&c)?,
-        None => Config::from_env()?,
-    };
+    let config = parse_or_env(pending::get().config.as_deref())?;
     let count = match backend_kind()? {
         BackendKind::Sim => sim_devices()?,
         BackendKind::Cuda => cuda::device_count()?,
