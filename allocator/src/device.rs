@@ -702,10 +702,11 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Records the events of blocks whose free was deferred (by a capture or
     /// a driver error). One whose event the driver refuses again (a stream
     /// of another device, or one destroyed since its `record_stream`) must
-    /// not make every later allocation fail: the device is synchronized
-    /// instead, and the device of each other GPU's default stream the block
-    /// is still recorded on, after which none of those streams uses the
-    /// block, and the block is freed (PyTorch would fail the free itself).
+    /// not make every later allocation fail: each stream the block is still
+    /// recorded on is synchronized instead, in its own device's context
+    /// (`sync_refused_stream`), then this device, after which none of those
+    /// streams uses the block, and the block is freed (PyTorch would fail
+    /// the free itself).
     /// Only when that fails too, or during a capture, do the rest stay
     /// deferred.
     fn flush_deferred(&mut self) -> Result<(), AllocError> {
@@ -722,15 +723,10 @@ impl<B: Backend> DeviceAllocator<B> {
             let failed = if self.private.capturing() {
                 Some(e)
             } else {
-                let others: Vec<StreamId> = self.heap.blocks[id]
-                    .stream_uses
-                    .iter()
-                    .copied()
-                    .filter(|&s| crate::backend::other_device_stream(s).is_some())
-                    .collect();
-                let synced = others
+                let uses = self.heap.blocks[id].stream_uses.clone();
+                let synced = uses
                     .into_iter()
-                    .try_for_each(|s| self.backend.synchronize_stream(s))
+                    .try_for_each(|s| self.sync_refused_stream(s))
                     .and_then(|()| self.backend.synchronize());
                 match synced {
                     Ok(()) => {
@@ -752,6 +748,23 @@ impl<B: Backend> DeviceAllocator<B> {
             }
         }
         Ok(())
+    }
+
+    /// Waits for the work on a stream whose event the driver refused
+    /// twice, in the context of the stream's device: a side stream of
+    /// another GPU is not covered by this device's synchronization. A side
+    /// stream that cannot be synchronized either (destroyed since its
+    /// `record_stream`: its handle is no longer valid) is passed over, as
+    /// nothing can wait for it any more; another GPU's default stream must
+    /// be (its device's error is returned).
+    fn sync_refused_stream(&mut self, stream: StreamId) -> Result<(), BackendError> {
+        match self.backend.synchronize_stream(stream) {
+            Err(e) if crate::backend::other_device_stream(stream).is_none() => {
+                crate::log::stream_gone(self.device, stream, &e);
+                Ok(())
+            }
+            r => r,
+        }
     }
 
     /// Marks a block as also used on `stream` (`Tensor.record_stream`).

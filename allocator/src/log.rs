@@ -4,7 +4,7 @@
 //!
 //! | level | events |
 //! | --- | --- |
-//! | `warn` | out of memory after the retries (`oom.rs`); a freed block's event refused twice, the device synchronized instead (`device.rs`) |
+//! | `warn` | out of memory after the retries (`oom.rs`); a freed block's event refused twice, its streams and the device synchronized instead, a stream that cannot be synchronized either passed over (`device.rs`) |
 //! | `info` | out-of-memory retries: oversize blocks released, whole cache freed (`device.rs`); defragmentation passes (`expandable.rs`); `empty_cache` (`release.rs`); trace start and stop, allocator start (C library) |
 //! | `debug` | new segments (`device.rs`), expandable segments growing and defragmentation results (`expandable.rs`), stitches made and dropped (`stitch.rs`), garbage collection (`release.rs`) |
 //!
@@ -93,6 +93,17 @@ pub(crate) fn event_refused(device: u32, stream: u64, error: &dyn std::fmt::Disp
         device,
         stream,
         "could not record an event on the stream ({error}): synchronized the device instead"
+    );
+}
+
+/// A stream whose event was refused could not be synchronized either
+/// (destroyed since its `record_stream`): passed over (`device.rs`).
+#[inline]
+pub(crate) fn stream_gone(device: u32, stream: u64, error: &dyn std::fmt::Display) {
+    tracing::warn!(
+        device,
+        stream,
+        "could not synchronize the stream either ({error}): passed over"
     );
 }
 

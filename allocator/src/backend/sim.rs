@@ -200,6 +200,8 @@ pub struct SimBackend {
     pub counters: SimCounters,
     /// Devices granted access to this one's memory (`add_peer`), in order.
     pub peers: Vec<u32>,
+    /// Streams given to `synchronize_stream`, in order.
+    pub synchronized_streams: Vec<StreamId>,
     /// Work given to `unmap_later` and held back (`later.rs`).
     later: later::LaterWork,
 }
@@ -248,6 +250,7 @@ impl SimBackend {
             next_capture: 1,
             counters: SimCounters::default(),
             peers: Vec::new(),
+            synchronized_streams: Vec::new(),
             later: later::LaterWork::default(),
         }
     }
@@ -918,6 +921,13 @@ impl Backend for SimBackend {
         self.complete_all();
         self.driver.add(DriverCall::CtxSync, 0, 0, 0);
         Ok(())
+    }
+
+    /// As the device's synchronization (one simulated device holds every
+    /// stream), remembering the stream.
+    fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), BackendError> {
+        self.synchronized_streams.push(stream);
+        self.synchronize()
     }
 
     /// Checks that both ranges are backed; the simulator holds no data.

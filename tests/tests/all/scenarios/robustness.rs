@@ -97,9 +97,10 @@ fn a_stream_whose_events_are_always_refused_does_not_stop_allocation() {
         }
         assert_eq!(
             d.backend().calls(SimCall::Synchronize),
-            syncs + 1,
-            "{conf}: one sync, then none"
+            syncs + 2,
+            "{conf}: the stream and the device once, then nothing"
         );
+        assert_eq!(d.backend().synchronized_streams, [0xdead], "{conf}");
         assert_eq!(d.stats().allocated_bytes.all.current, 0, "{conf}");
         assert_eq!(
             d.stats().active_bytes.all.current,
@@ -133,6 +134,35 @@ fn a_refused_event_on_another_gpus_default_stream_synchronizes_that_gpu() {
     );
     d.free(q).unwrap();
     d.check_invariants().unwrap();
+}
+
+/// A side stream of another GPU (its handle is unique, so it is keyed as
+/// is) whose events are refused: device 0's synchronization does not cover
+/// it, so it is synchronized itself before the block is freed; a stream
+/// that cannot be synchronized either (destroyed) is passed over.
+#[test]
+fn a_refused_event_on_another_gpus_side_stream_synchronizes_that_stream() {
+    for gone in [false, true] {
+        let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::default());
+        let p = d.malloc(4 * MIB, 0).unwrap();
+        d.record_stream_of_device(p, 0xbeef, 1).unwrap();
+        d.backend_mut().refuse_events_on(0xbeef);
+        assert!(matches!(d.free(p), Err(AllocError::Backend(_))));
+        if gone {
+            // The stream's sync, then the device's, fail once each time
+            // asked: the first is passed over, the second succeeds.
+            d.backend_mut().fail_call(SimCall::Synchronize, 1);
+        }
+        let q = d.malloc(MIB, 0).unwrap();
+        assert_eq!(d.backend().synchronized_streams, [0xbeef], "gone {gone}");
+        assert_eq!(
+            d.stats().active_bytes.all.current,
+            MIB as i64,
+            "gone {gone}: p was freed"
+        );
+        d.free(q).unwrap();
+        d.check_invariants().unwrap();
+    }
 }
 
 /// A backend whose creation is slow, like retaining a CUDA context.
