@@ -52,5 +52,7 @@ def pass_on(config: Optional[str], trace: Optional[str], bridge: bool) -> None:
         os.environ["GPUALLOC_TRACE"] = trace
     if not bridge:
         os.environ["GPUALLOC_BRIDGE"] = "0"
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != CHILD_DIR]
+    # An empty entry is the current directory: kept (none when unset).
+    given = os.environ.get("PYTHONPATH", "")
+    paths = [p for p in given.split(os.pathsep) if p != CHILD_DIR] if given else []
     os.environ["PYTHONPATH"] = os.pathsep.join([CHILD_DIR] + paths)

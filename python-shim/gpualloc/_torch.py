@@ -41,8 +41,12 @@ def _import_torch():
 
 def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: bool, auto_marks: Optional[bool] = None) -> str:
     global MODE
+    # Imported before the lock: under `run`, importing torch in a child
+    # process installs gpualloc itself (Note [Installing in child
+    # processes]), on this thread, and finds the lock free; this call then
+    # finds gpualloc installed.
+    torch = _import_torch()
     with _LOCK:
-        torch = _import_torch()
         if MODE is not None:
             if config is not None:
                 try:
@@ -297,10 +301,6 @@ def _build_bridge(torch, verbose: bool) -> str:
 
 
 def _build_bridge_now(torch, verbose: bool) -> str:
-    try:
-        from torch.utils import cpp_extension
-    except Exception as e:  # pragma: no cover
-        raise _BridgeUnavailable(f"torch.utils.cpp_extension unavailable: {e}") from None
     src = os.path.join(HERE, "bridge.cpp")
     header_dir = os.path.join(HERE, "include")
     h = hashlib.sha256()
@@ -335,6 +335,12 @@ def _build_bridge_now(torch, verbose: bool) -> str:
     if rebuild:  # the library may be relinked in place: not to be trusted meanwhile
         with contextlib.suppress(OSError):
             os.remove(complete)
+    # Imported only for a build: importing it costs every process that
+    # installs (spawned workers, each rank) a second or so.
+    try:
+        from torch.utils import cpp_extension
+    except Exception as e:  # pragma: no cover
+        raise _BridgeUnavailable(f"torch.utils.cpp_extension unavailable: {e}") from None
     cuda_inc = _cuda_include_dirs(torch)
     if not cuda_inc:
         raise _BridgeUnavailable("cuda_runtime_api.h not found (set CUDA_HOME, or install the nvidia-cuda-runtime wheel)")

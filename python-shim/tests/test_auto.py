@@ -489,6 +489,26 @@ class InstallTest(unittest.TestCase):
             sizes = [r["requested"] for r in records(trace) if r["kind"] == "alloc"]
             self.assertIn(1 << 20, sizes)
 
+    def test_a_child_that_installs_before_importing_torch_does_not_hang(self):
+        # The README's first lines in a rank or a spawned worker: install()
+        # imports torch, whose import installs gpualloc through run's
+        # sitecustomize (the same thread, inside the first install()). An
+        # empty PYTHONPATH entry (the current directory) is kept for them.
+        with tempfile.TemporaryDirectory() as d:
+            local = os.path.join(d, "work")
+            os.makedirs(local)
+            with open(os.path.join(local, "localmod.py"), "w") as f:
+                f.write("VALUE = 'local'\n")
+            child = os.path.join(d, "rank.py")  # a script elsewhere: sys.path[0] is its directory
+            with open(child, "w") as f:
+                f.write("import gpualloc\nprint('mode', gpualloc.install())\nimport localmod\nprint('found', localmod.VALUE)\n")
+            s = self.script(d, f"import subprocess, sys\nsubprocess.run([sys.executable, {child!r}], check=True)\n")
+            env = {"PYTHONPATH": os.pathsep.join(["", FAKE_TORCH, SHIM])}
+            out = run(["-m", "gpualloc", "run", "--no-bridge", s], env, cwd=local)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("mode fallback", out.stdout)
+            self.assertIn("found local", out.stdout)
+
     def test_the_environments_trace_holds_for_run_and_its_children(self):
         # With GPUALLOC_TRACE set, install() ignores --trace (and says so):
         # the children are not told otherwise.

@@ -85,6 +85,25 @@ class BridgeCache(unittest.TestCase):
                 _torch._build_bridge(self.torch, verbose=False)
             self.assertEqual("compiling the C++ bridge" in err.getvalue(), expect, err.getvalue())
 
+    def test_a_cached_bridge_is_found_without_importing_the_build_tools(self):
+        # Every spawned worker and rank installs: importing cpp_extension
+        # (setuptools, a device count) is for builds only.
+        so = _torch._build_bridge(self.torch, verbose=False)
+        utils = self.torch.utils
+
+        def attribute(name):
+            raise AssertionError(f"torch.utils.{name} imported for a cached bridge")
+
+        del utils.cpp_extension
+        utils.__getattr__ = attribute  # what `from torch.utils import cpp_extension` asks
+        try:
+            with mock.patch.dict(sys.modules):
+                sys.modules.pop("torch.utils.cpp_extension")
+                self.assertEqual(_torch._build_bridge(self.torch, verbose=False), so)
+        finally:
+            del utils.__getattr__
+            utils.cpp_extension = self.ext
+
     def test_the_build_counts_devices_without_starting_the_driver(self):
         # cpp_extension asks torch.cuda.is_available(): through NVML during
         # the build (Note [Starting on first use]), as the user had it after.
