@@ -222,10 +222,12 @@ def _step_pre_hook(optimizer, args, kwargs):
     pre-hooks may do)."""
     if _compiling():
         return None
+    # torch passes the step's own arguments, the optimizer first.
+    at = 1 if args and args[0] is optimizer else 0
     if "closure" in kwargs and callable(kwargs["closure"]):
         new = args, {**kwargs, "closure": _outside_the_step(kwargs["closure"])}
-    elif args and callable(args[0]):
-        new = (_outside_the_step(args[0]),) + tuple(args[1:]), kwargs
+    elif len(args) > at and callable(args[at]):
+        new = tuple(args[:at]) + (_outside_the_step(args[at]),) + tuple(args[at + 1 :]), kwargs
     else:
         _guard(_step_begins)
         return None

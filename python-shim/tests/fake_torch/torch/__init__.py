@@ -64,18 +64,21 @@ class Optimizer:
         self.params = list(params)
         self.steps = 0
 
-    def step(self, closure=None):
-        # As torch's Optimizer.profile_hook_step: a pre-hook may return new
-        # (args, kwargs).
-        args, kwargs = (), ({"closure": closure} if closure is not None else {})
+    def _step(self, closure=None):
+        if closure is not None:
+            closure()
+        self.steps += 1
+
+    def step(self, *args, **kwargs):
+        # As torch's Optimizer.profile_hook_step: the hooks get the
+        # optimizer and the step's arguments, the optimizer first among
+        # them; a pre-hook may return new (args, kwargs).
+        args = (self,) + args
         for h in list(_pre_hooks.values()):
             r = h(self, args, kwargs)
             if r is not None:
                 args, kwargs = r
-        closure = kwargs.get("closure", args[0] if args else None)
-        if closure is not None:
-            closure()
-        self.steps += 1
+        Optimizer._step(*args, **kwargs)
         for h in list(_post_hooks.values()):
             h(self, args, kwargs)
 
