@@ -37,11 +37,18 @@ def _install():
         return
     _DONE.append(True)
     try:
+        # The package beside this file, found without leaving its directory
+        # on sys.path (it may be another interpreter's site-packages).
         package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        if package_parent not in sys.path:
+        added = package_parent not in sys.path
+        if added:
             sys.path.append(package_parent)
-        import gpualloc
-        from gpualloc import _torch
+        try:
+            import gpualloc
+            from gpualloc import _torch
+        finally:
+            if added:
+                sys.path.remove(package_parent)
 
         _torch.BY_RUN = True  # the program's own install(config=...) warns, as under run
         gpualloc.install()
