@@ -662,7 +662,11 @@ class GpuallocAllocator final : public CUDAAllocator {
     // import): PyTorch's own allocator object (still alive, unused
     // otherwise) opens and caches it.
     TORCH_CHECK(native_ != nullptr, "gpualloc: PyTorch's allocator is unavailable to open an IPC handle");
-    std::call_once(native_init_, [&] { native_->init(device_count_); });
+    // Before PyTorch's CUDA initialization (an IPC handle opened without
+    // `torch.cuda._lazy_init()`), `init` has not told the device count.
+    std::call_once(native_init_, [&] {
+      native_->init(device_count_ > 0 ? device_count_ : static_cast<int>(c10::cuda::device_count()));
+    });
     return native_->getIpcDevPtr(std::move(handle));
   }
 
