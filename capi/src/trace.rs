@@ -172,10 +172,16 @@ fn log_stop(s: &std::io::Result<gpualloc::trace::TraceSummary>, when: &str) {
     }
 }
 
-/// Writes everything recorded so far to the trace file.
+/// Writes everything recorded so far to the trace file. Before the
+/// allocator starts with a trace to record (`gpualloc_is_tracing` says 1),
+/// nothing is recorded yet: nothing to write.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_trace_flush() -> c_int {
-    status(|| Ok(existing().ok_or_else(not_tracing)?.alloc.trace_flush()?))
+    status(|| match existing() {
+        Some(g) => Ok(g.alloc.trace_flush()?),
+        None if crate::pending::tracing() => Ok(()),
+        None => Err(not_tracing()),
+    })
 }
 
 /// 1 while tracing (or, before the allocator starts, when a trace will be

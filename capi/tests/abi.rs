@@ -538,6 +538,8 @@ int main(int argc, char **argv) {
   CHECK(gpualloc_configure("max_split_size_mb:128", argv[1]) == GPUALLOC_OK);
   CHECK(gpualloc_is_initialized() == 0);
   CHECK(gpualloc_is_tracing() == 1);
+  CHECK(gpualloc_trace_flush() == GPUALLOC_OK);  /* nothing recorded yet, nothing to write */
+  CHECK(gpualloc_is_initialized() == 0);
   CHECK(gpualloc_configure("max_split_size_mb:128", NULL) == GPUALLOC_OK);
   CHECK(gpualloc_configure("max_split_size_mb:256", NULL) == GPUALLOC_ERR_ALREADY_INITIALIZED);
   CHECK(gpualloc_init("max_split_size_mb:256") == GPUALLOC_ERR_ALREADY_INITIALIZED);

@@ -37,6 +37,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -121,6 +122,12 @@ impl Unmapper {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
         });
+        // Registered under the lock `quiesce_all` takes, so that no helper
+        // starts unseen while the process exits.
+        let mut helpers = HELPERS.lock();
+        if EXITING.load(Ordering::Relaxed) == std::process::id() {
+            return Err(std::io::Error::other("the process is exiting"));
+        }
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new().name(name).spawn(move || {
             loop {
@@ -166,9 +173,8 @@ impl Unmapper {
                 }
             }
         })?;
-        HELPERS
-            .lock()
-            .push((std::process::id(), Arc::downgrade(&shared)));
+        helpers.push((std::process::id(), Arc::downgrade(&shared)));
+        drop(helpers);
         Ok(Unmapper {
             shared,
             thread: Some(thread),
@@ -307,20 +313,30 @@ impl Unmapper {
 // for. The jobs not started go to the failed list, so that a request made
 // after that (a static destructor freeing, another thread) does them
 // itself at its next wait over them, as it does failed jobs; later ranges
-// are unmapped on the requesting thread (`push` says `false`).
+// are unmapped on the requesting thread (`push` says `false`). A helper
+// that would start after that (the first unmapping of a device that had
+// none) does not: its device unmaps on the requesting thread.
 
 /// Every helper started in this process (and, after a fork, its parent's).
 static HELPERS: Mutex<Vec<(u32, std::sync::Weak<Shared>)>> = Mutex::new(Vec::new());
 
-/// [`Unmapper::quiesce`] for every helper of this process that still runs.
+/// The process that called [`quiesce_all`] (0: none): no helper starts in
+/// it any more. A process id, so that a child forked later is unaffected.
+static EXITING: AtomicU32 = AtomicU32::new(0);
+
+/// [`Unmapper::quiesce`] for every helper of this process that still runs;
+/// no helper starts in this process afterwards.
 pub fn quiesce_all(timeout: Duration) {
     let pid = std::process::id();
-    let helpers: Vec<Arc<Shared>> = HELPERS
-        .lock()
-        .iter()
-        .filter(|(p, _)| *p == pid)
-        .filter_map(|(_, w)| w.upgrade())
-        .collect();
+    let helpers: Vec<Arc<Shared>> = {
+        let registered = HELPERS.lock();
+        EXITING.store(pid, Ordering::Relaxed);
+        registered
+            .iter()
+            .filter(|(p, _)| *p == pid)
+            .filter_map(|(_, w)| w.upgrade())
+            .collect()
+    };
     for shared in helpers {
         quiesce(&shared, timeout);
     }

@@ -747,7 +747,9 @@ int gpualloc_trace_start(const char *path);
 // `summary` is NULL or points to a writable `GpuallocTraceSummary`.
 int gpualloc_trace_stop(struct GpuallocTraceSummary *summary);
 
-// Writes everything recorded so far to the trace file.
+// Writes everything recorded so far to the trace file. Before the
+// allocator starts with a trace to record (`gpualloc_is_tracing` says 1),
+// nothing is recorded yet: nothing to write.
 int gpualloc_trace_flush(void);
 
 // 1 while tracing (or, before the allocator starts, when a trace will be
