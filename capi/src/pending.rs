@@ -17,7 +17,9 @@
 //! (PyTorch's CUDA initialization calls the bridge's `init`, which asks
 //! for it; an allocation; `gpualloc_init`; a mark or a phase) and takes
 //! them then. Until then the trace counts as recording (`is_tracing`), and
-//! stopping it forgets it.
+//! stopping it forgets it. The Python package's `trace_start` keeps its
+//! trace this way too (`gpualloc_configure(NULL, path)`), so that the
+//! line at a script's top that a spawned worker runs again starts nothing.
 
 use std::path::{Path, PathBuf};
 

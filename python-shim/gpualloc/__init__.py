@@ -61,11 +61,12 @@ This module imports without torch; torch is imported only by ``install()``.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import Dict, List, Optional
 
 from . import _phases
-from ._lib import ERR_UNAVAILABLE, GpuallocError, LibraryNotFound, _dev, lib, library_path
+from ._lib import ERR_IO, ERR_UNAVAILABLE, GpuallocError, LibraryNotFound, _dev, lib, library_path
 
 __all__ = [
     "GpuallocError",
@@ -253,7 +254,18 @@ def version() -> str:
 
 
 def trace_start(path: str) -> None:
-    lib().trace_start(path)
+    """Records every allocator call to ``path`` (``{pid}`` and ``{rank}``
+    filled in). Before the allocator's first use, recording is kept for
+    its start, as ``install(trace=...)`` keeps it, so that no GPU is touched
+    now (a spawned DataLoader worker that runs the script's first lines
+    again never starts CUDA); a folder that does not exist is still an
+    error at once."""
+    L = lib()
+    if not L.is_initialized():
+        folder = os.path.dirname(os.fsdecode(path)) or os.curdir
+        if "{" not in folder and not os.path.isdir(folder):
+            raise GpuallocError(f"gpualloc.trace_start({path!r}): the folder {folder!r} does not exist", ERR_IO)
+    L.configure(None, path)  # now if the allocator runs, else from its start
 
 
 def trace_stop() -> Dict[str, int]:

@@ -399,6 +399,38 @@ class InstallTest(unittest.TestCase):
             self.assertIn("refused True", out.stdout)
             self.assertIn("seq [('phase_push', 'backward'), ('phase_pop', 'backward')]", out.stdout)
 
+    def test_a_trace_started_before_the_first_use_starts_nothing(self):
+        # gpualloc.trace_start() at a script's top runs again in every
+        # spawned worker: it keeps the trace for the start, as install(trace=)
+        # does, rather than start CUDA there.
+        with tempfile.TemporaryDirectory() as d:
+            a = os.path.join(d, "a.gtrace")
+            s = self.script(
+                d,
+                f"""
+                import gpualloc, torch
+                from gpualloc._lib import lib
+                from gpualloc.tracefile import records
+                gpualloc.install(bridge=False)
+                try:
+                    gpualloc.trace_start({os.path.join(d, "missing", "x.gtrace")!r})
+                except gpualloc.GpuallocError as e:
+                    print("refused", "missing" in str(e))
+                gpualloc.trace_start({a!r})
+                print("started", lib().is_initialized(), "tracing", gpualloc.is_tracing())
+                lib().free(lib().malloc(1 << 20, 0, 0), 0)
+                print("started", lib().is_initialized(), "tracing", gpualloc.is_tracing())
+                gpualloc.trace_stop()
+                print("sizes", [r["requested"] for r in records({a!r}) if r["kind"] == "alloc"])
+                """,
+            )
+            out = run([s])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("refused True", out.stdout)
+            self.assertIn("started False tracing True", out.stdout)
+            self.assertIn("started True tracing True", out.stdout)
+            self.assertIn(f"sizes [{1 << 20}]", out.stdout)
+
     def test_pytorchs_own_configuration_is_named_not_ignored_silently(self):
         with tempfile.TemporaryDirectory() as d:
             s = self.script(d, "import gpualloc, torch\ngpualloc.install(bridge=False)\nprint('went on')\n")
