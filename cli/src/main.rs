@@ -229,7 +229,7 @@ fn run(cmd: Command) -> Result<(), CliError> {
                 (_, true) => analyses::ranks::render_json(&analyses::ranks::label(traces)),
                 (_, false) => analyses::ranks::render(&analyses::ranks::label(traces)),
             };
-            print!("{out}");
+            emit(&out)?;
         }
         Command::Report {
             files,
@@ -255,8 +255,10 @@ fn run(cmd: Command) -> Result<(), CliError> {
             } else {
                 commands::report::render_ranks(analyses::ranks::label(traces), allow_truncated)?
             };
-            std::fs::write(&output, html)
-                .map_err(|e| CliError(format!("{}: cannot write: {e}", output.display())))?;
+            input::write_atomically(&output, |o| {
+                std::fs::write(o, &html)
+                    .map_err(|e| CliError(format!("{}: cannot write: {e}", o.display())))
+            })?;
             eprintln!("wrote {}", output.display());
         }
         Command::Leaks {
@@ -268,11 +270,11 @@ fn run(cmd: Command) -> Result<(), CliError> {
             let a = analyses::analysis::analyze(&file, allow_truncated)?;
             warn(&a.info.warning);
             let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-            if json {
-                print!("{}", analyses::leaks::render_json(&a, &file, limit));
+            emit(&if json {
+                analyses::leaks::render_json(&a, &file, limit)
             } else {
-                print!("{}", analyses::leaks::render(&a, limit));
-            }
+                analyses::leaks::render(&a, limit)
+            })?;
         }
         Command::Replay {
             file,
@@ -289,10 +291,13 @@ fn run(cmd: Command) -> Result<(), CliError> {
                     "--capacity {capacity}: {cap} bytes is not in {min}..={max} (1 MiB to 1 PiB)"
                 )));
             }
-            print!(
-                "{}",
-                commands::replay::run(&file, cap, &config, json, allow_truncated)?
-            );
+            emit(&commands::replay::run(
+                &file,
+                cap,
+                &config,
+                json,
+                allow_truncated,
+            )?)?;
         }
         Command::Export {
             files,
@@ -395,13 +400,15 @@ fn run(cmd: Command) -> Result<(), CliError> {
             b,
             json,
             allow_truncated,
-        } => print!("{}", commands::diff::run(&a, &b, json, allow_truncated)?),
+        } => emit(&commands::diff::run(&a, &b, json, allow_truncated)?)?,
         Command::Generate {
             output,
             events,
             seed,
         } => {
-            let s = commands::generate::generate(&output, events, seed)?;
+            let s = input::write_atomically(&output, |o| {
+                commands::generate::generate(o, events, seed)
+            })?;
             eprintln!(
                 "wrote {} ({} events, {}, {} dropped)",
                 output.display(),
@@ -412,6 +419,23 @@ fn run(cmd: Command) -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+/// Writes a command's answer to stdout. A reader that stopped reading
+/// (`| head`) ends the command quietly, as it ends other tools; any other
+/// failure (a full disk behind a redirection) is an error, not a panic.
+fn emit(out: &str) -> Result<(), CliError> {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(out.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(CliError(format!("cannot write the output: {e}")))
+        }
+        _ => Ok(()),
+    }
 }
 
 fn report_written(out: &Path, note: &Option<String>) {

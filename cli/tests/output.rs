@@ -304,3 +304,43 @@ fn replay_json_has_the_peaks_and_the_driver_time_by_thread() {
         assert_eq!(with[key], without[key], "{key}");
     }
 }
+
+/// A reader that stops reading (`| head`) ends a command quietly, and a
+/// stdout that cannot be written (a full disk behind a redirection) is an
+/// error with a message; neither panics.
+#[test]
+fn a_closed_or_full_stdout_is_no_panic() {
+    use std::process::Stdio;
+    for cmd in [
+        &["summary", EXAMPLE][..],
+        &["summary", "--json", EXAMPLE],
+        &["leaks", EXAMPLE],
+        &["replay", "--capacity", "80GiB", EXAMPLE],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+            .args(cmd)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run gpualloc");
+        drop(child.stdout.take()); // the reader is gone before anything is written
+        let out = child.wait_with_output().expect("wait");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{cmd:?}: {err}");
+        assert!(!err.contains("panicked"), "{cmd:?}: {err}");
+        if Path::new("/dev/full").exists() {
+            let full = std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/full")
+                .unwrap();
+            let out = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+                .args(cmd)
+                .stdout(full)
+                .output()
+                .expect("run gpualloc");
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{cmd:?}: {err}");
+            assert!(err.contains("cannot write the output"), "{cmd:?}: {err}");
+        }
+    }
+}
