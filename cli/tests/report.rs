@@ -81,6 +81,7 @@ fn report_explains_an_oom_and_replays_the_remedy() {
         "<code>policy:pytorch (as recorded)</code></td><td>1</td>",
         "Use <code>GPUALLOC_CONF=",
         "the replay has no OOM",
+        "Replayed under the recorded configuration, the same request fails with",
         "Checkpoint save <code>checkpoint_save</code>: opened 4 time(s); allocated memory grew by up to 16.00 MiB",
     ] {
         assert!(page.contains(want), "report lacks {want:?}");
@@ -109,4 +110,37 @@ fn report_explains_an_oom_and_replays_the_remedy() {
             .iter()
             .all(|s| names[s[0].as_u64().unwrap() as usize] == "checkpoint_save")
     );
+}
+
+/// The recorded OOM of `examples/yolo-style-oom.gtrace` (expandable
+/// segments under a memory limit): the trace shows a free range larger
+/// than the request, so the page says that memory was not the allocator's
+/// to take, and what the replay found, never "together enough, but
+/// neither alone" (the cache alone held enough).
+#[test]
+fn an_oom_beside_a_free_range_that_fits_is_not_called_a_split_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let html = dir.path().join("yolo.html");
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/yolo-style-oom.gtrace"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+        .args(["report", trace, "-o", html.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(!page.contains("neither alone"));
+    for want in [
+        "yet the request of 30.25 MiB failed: that memory was not the allocator",
+        "the memory limit left 14.00 MiB",
+        "the largest free range 2.77 MiB once the cache gave back what it could",
+    ] {
+        assert!(page.contains(want), "report lacks {want:?}");
+    }
 }

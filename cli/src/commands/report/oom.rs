@@ -4,6 +4,12 @@
 //! A failed request of `r` bytes is one of three kinds:
 //! - *fragmentation*: the cache held at least `r` free bytes, but no free
 //!   range of `r` (the largest free range was smaller);
+//! - *unusable*: the trace shows a free range of `r` or more, yet the
+//!   request failed: that memory was not the allocator's to take (free
+//!   pages that a stitched range maps a second time look free at home in
+//!   the trace, which does not record which; blocks waiting for another
+//!   stream's work); the replay under the recorded configuration, when it
+//!   reproduces the failure, tells what the allocator found;
 //! - *cache*: the cache's free bytes plus the device's free bytes would
 //!   have held `r`, but neither alone did (cached memory of the wrong size
 //!   or stream was not given back in time);
@@ -36,6 +42,9 @@ pub const CANDIDATES: [&str; 3] = [
 pub enum Cause {
     /// Enough cached free bytes, no range large enough.
     Fragmentation,
+    /// A free range large enough in the trace, which the allocator could
+    /// not take.
+    Unusable,
     /// Free bytes existed, split between the cache and the device.
     Cache,
     /// Live allocations leave too little.
@@ -46,6 +55,8 @@ pub enum Cause {
 pub fn cause(o: &Oom) -> Cause {
     if o.cached_free >= o.requested && o.largest_free < o.requested {
         Cause::Fragmentation
+    } else if o.largest_free >= o.requested {
+        Cause::Unusable
     } else if o.cached_free.saturating_add(o.device_free) >= o.requested {
         Cause::Cache
     } else {
@@ -53,9 +64,41 @@ pub fn cause(o: &Oom) -> Cause {
     }
 }
 
+/// Why `o` failed, with what the replay under the recorded configuration
+/// found when it failed at the same request (`advice`'s first trial).
+pub fn explain_replayed(o: &Oom, advice: Option<&Advice>) -> String {
+    let mut text = explain(o);
+    let same = advice
+        .and_then(|a| a.trials.first())
+        .and_then(|t| t.result.first_oom.as_ref())
+        .filter(|r| r.time_ns == o.time_ns && r.requested == o.requested);
+    if let Some(r) = same {
+        text.push_str(&format!(
+            " Replayed under the recorded configuration, the same request fails with {} allocated and {} reserved, the largest free range {} once the cache gave back what it could.",
+            bytes(r.allocated),
+            bytes(r.reserved),
+            bytes(r.largest_free_block)
+        ));
+    }
+    text
+}
+
 /// One sentence saying why `o` failed.
 pub fn explain(o: &Oom) -> String {
     match cause(o) {
+        Cause::Unusable => format!(
+            "{} free in the cache, in pieces of up to {}, yet the request of {} failed: that memory was not the allocator's to take (with expandable segments, free pages that a stitched range maps a second time look free at their home in the trace; blocks waiting for another stream's work); live tensors hold {} and {} left {}.",
+            bytes(o.cached_free),
+            bytes(o.largest_free),
+            bytes(o.requested),
+            bytes(o.gauges.allocated),
+            if o.limited {
+                "the memory limit"
+            } else {
+                "the device"
+            },
+            bytes(o.device_free),
+        ),
         Cause::Fragmentation => format!(
             "{} cached but the largest free range is {}, for a request of {}: fragmentation.",
             bytes(o.cached_free),
@@ -199,6 +242,11 @@ mod tests {
         );
         assert_eq!(cause(&oom(100, 60, 60, 50)), Cause::Cache);
         assert_eq!(cause(&oom(100, 30, 30, 50)), Cause::Tensors);
+        // A free range that fits, yet the request failed: never "neither
+        // alone" when the cache alone held enough.
+        let unusable = oom(30 << 20, 58 << 20, 39 << 20, 14 << 20);
+        assert_eq!(cause(&unusable), Cause::Unusable);
+        assert!(!explain(&unusable).contains("neither alone"));
     }
 
     #[test]

@@ -96,7 +96,11 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
     match (d.ooms.first(), advice.and_then(Advice::best)) {
         (None, _) => s.push_str("<li><b>Out of memory?</b> No allocation failed.</li>"),
         (Some(o), best) => {
-            let _ = write!(s, "<li><b>Why the OOM?</b> {}", esc(&oom::explain(o)));
+            let _ = write!(
+                s,
+                "<li><b>Why the OOM?</b> {}",
+                esc(&oom::explain_replayed(o, advice))
+            );
             match best {
                 Some(t) => {
                     let _ = write!(
@@ -228,7 +232,7 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
             o.stream,
             bytes(o.gauges.allocated),
             bytes(o.gauges.reserved),
-            esc(&oom::explain(o))
+            esc(&oom::explain_replayed(o, advice))
         );
         s.push_str("<table><tr><th>held by phase</th><th>bytes</th></tr>");
         for (ph, b) in o.by_phase.iter().take(8) {
