@@ -157,7 +157,23 @@ impl<B: Backend> Allocator<B> {
         if device < 0 {
             return self.free_anywhere(ptr);
         }
-        self.lock(device)?.free(ptr)
+        // A device never used holds nothing to free, and is not started
+        // for the error; a pointer of another device is freed there, as a
+        // free that knows only the pointer would.
+        let elsewhere = |e| self.with_owner(ptr, |d| d.free(ptr)).unwrap_or(Err(e));
+        match self.peek_healthy(device)? {
+            Some(mut d) => match d.free(ptr) {
+                Err(e @ AllocError::InvalidPointer { .. }) => {
+                    drop(d);
+                    elsewhere(e)
+                }
+                r => r,
+            },
+            None => elsewhere(AllocError::InvalidPointer {
+                ptr,
+                device: device as u32,
+            }),
+        }
     }
 
     fn free_anywhere(&self, ptr: DevicePtr) -> Result<(), AllocError> {

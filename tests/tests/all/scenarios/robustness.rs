@@ -272,18 +272,30 @@ fn peer_access_reaches_the_accessed_devices_backend() {
 fn simulated_devices_hand_out_distinct_addresses() {
     let a = Allocator::new(
         Config::default(),
-        2,
+        3,
         Box::new(|d| Ok(SimBackend::new(1 << 30).for_device(d))),
     );
     let p0 = a.malloc(0, 1 << 20, 0).unwrap();
     let p1 = a.malloc(1, 1 << 20, 0).unwrap();
     assert_ne!(p0, p1);
-    assert!(matches!(
-        a.free(1, p0),
-        Err(AllocError::InvalidPointer { .. })
-    ));
-    a.free(0, p0).unwrap();
-    a.free(1, p1).unwrap();
+    // A free naming another device finds the owner (PyTorch frees by the
+    // pointer alone), and a device never used is not started for it.
+    a.free(1, p0).unwrap();
+    a.free(2, p1).unwrap();
+    assert!(a.peek(2).unwrap().is_none(), "device 2 was not started");
+    for device in [0, 2] {
+        assert!(
+            matches!(
+                a.free(device, p0),
+                Err(AllocError::InvalidPointer { device: d, .. }) if i64::from(d) == device
+            ),
+            "a pointer no device holds, named on device {device}"
+        );
+    }
+    assert!(a.peek(2).unwrap().is_none());
+    for d in 0..2 {
+        a.peek(d).unwrap().unwrap().check_invariants().unwrap();
+    }
 }
 
 #[test]
