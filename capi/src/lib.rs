@@ -234,9 +234,9 @@ pub extern "C" fn gpualloc_malloc_or_abort(
     let p = malloc_on(size, device, stream, true);
     if p.is_null() && size > 0 {
         let msg = last_error_string().unwrap_or_else(|| "gpualloc: allocation failed".to_string());
-        eprintln!(
+        crate::boundary::say(format_args!(
             "{msg}\ngpualloc: aborting: PyTorch was given gpualloc without its bridge and cannot receive an error from it (see the gpualloc package docs)"
-        );
+        ));
         std::process::abort();
     }
     p
@@ -268,8 +268,10 @@ pub extern "C" fn gpualloc_free(
                 return;
             }
             match last_error_string() {
-                Some(msg) => eprintln!("{msg}"),
-                None => eprintln!("gpualloc: free of {ptr:p} failed with status {code}"),
+                Some(msg) => crate::boundary::say(format_args!("{msg}")),
+                None => crate::boundary::say(format_args!(
+                    "gpualloc: free of {ptr:p} failed with status {code}"
+                )),
             }
         },
         || {

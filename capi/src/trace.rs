@@ -29,7 +29,9 @@ pub(crate) fn from_env<B: Backend>(alloc: &Allocator<B>) {
             stop_at_exit();
         }
         Ok(false) => {}
-        Err(e) => eprintln!("gpualloc: GPUALLOC_TRACE: could not start tracing: {e}"),
+        Err(e) => crate::boundary::say(format_args!(
+            "gpualloc: GPUALLOC_TRACE: could not start tracing: {e}"
+        )),
     }
 }
 
@@ -42,10 +44,10 @@ pub(crate) fn start_kept<B: Backend>(alloc: &Allocator<B>, path: &std::path::Pat
     let path = &gpualloc::trace_path::expand(path.as_os_str());
     match alloc.trace_start(path) {
         Ok(()) => announce(alloc, path, "the trace asked for at install"),
-        Err(e) => eprintln!(
+        Err(e) => crate::boundary::say(format_args!(
             "gpualloc: could not start tracing to {}: {e}",
             path.display()
-        ),
+        )),
     }
 }
 
@@ -56,12 +58,12 @@ fn announce<B: Backend>(alloc: &Allocator<B>, asked: &std::path::Path, by: &str)
     let path = alloc.trace_path().unwrap_or_else(|| asked.to_path_buf());
     tracing::info!(path = %path.display(), "trace started ({by})");
     if path != asked {
-        eprintln!(
+        crate::boundary::say(format_args!(
             "gpualloc: {by}: {} is locked by another process (one writing it, or a child forked from the one that did); this one ({}) writes {}",
             asked.display(),
             std::process::id(),
             path.display()
-        );
+        ));
     }
 }
 
@@ -84,7 +86,9 @@ fn stop_at_exit() {
                 log_stop(&s, "at exit");
                 if let Err(e) = s {
                     // The only place left to say that the trace is incomplete.
-                    eprintln!("gpualloc: GPUALLOC_TRACE: the trace is incomplete: {e}");
+                    crate::boundary::say(format_args!(
+                        "gpualloc: GPUALLOC_TRACE: the trace is incomplete: {e}"
+                    ));
                 }
             }
         });

@@ -682,3 +682,53 @@ int main(int argc, char **argv) {
     assert_eq!(files, vec![format!("t-{child}.gtrace")]);
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// A failed free reported on a stderr whose reader is gone (a job piped
+/// through a `tee` that was killed; Python ignores SIGPIPE) goes unsaid,
+/// not as a panic in the error handler, which the C boundary would turn
+/// into an abort.
+#[test]
+fn a_failure_reported_on_a_closed_stderr_does_not_abort() {
+    let (_out, exe) = build_inline(
+        "closed_stderr",
+        r#"#define _POSIX_C_SOURCE 200809L
+#include "gpualloc.h"
+#include <errno.h>
+#include <signal.h>
+#include <time.h>
+#include <stdio.h>
+#include <unistd.h>
+int main(void) {
+  signal(SIGPIPE, SIG_IGN);
+  int gone = 0;
+  for (int i = 0; i < 200000 && !gone; i++) {  /* until the reader has closed the pipe */
+    gone = write(2, "x", 1) < 0 && errno == EPIPE;
+    struct timespec t = {0, 50000};
+    if (!gone) nanosleep(&t, NULL);
+  }
+  if (!gone) return 2;
+  void *p = gpualloc_malloc(4096, 0, 0);
+  if (p == NULL) return 3;
+  gpualloc_free(p, 4096, 0, 0);
+  gpualloc_free(p, 4096, 0, 0);  /* not allocated any more: reported */
+  gpualloc_free((void *)0x1000, 16, 0, 0);
+  printf("went on\n");
+  return 0;
+}
+"#,
+    );
+    let lib = library();
+    let mut child = Command::new(&exe)
+        .env("LD_LIBRARY_PATH", lib.parent().unwrap())
+        .env("GPUALLOC_BACKEND", "sim")
+        .env_remove("GPUALLOC_CONF")
+        .env_remove("GPUALLOC_TRACE")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stderr.take());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", out.status);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "went on\n");
+}
