@@ -388,7 +388,8 @@ void *gpualloc_malloc_or_abort(size_t size, int device, cudaStream_t stream);
 // `device` lets gpualloc find the device that allocated `ptr`. NULL is a no-op
 // (it creates nothing). A pointer gpualloc does not know is reported on
 // stderr and in the last error; an allocator that cannot start (a bad
-// `GPUALLOC_CONF`) is reported on stderr once.
+// `GPUALLOC_CONF`) is reported on stderr once. In a child forked after
+// the allocator started, a no-op: the memory is the parent's.
 void gpualloc_free(void *ptr, size_t size, int device, cudaStream_t stream);
 
 // PyTorch's `enablePeerAccess(peer, device)` after the driver enabled
@@ -522,6 +523,8 @@ int gpualloc_helper_driver_calls(int device,
                                  struct GpuallocDriverCall *rows,
                                  size_t cap,
                                  size_t *needed);
+
+extern int pthread_atfork(void (*prepare)(void), void (*parent)(void), void (*child)(void));
 
 // Describes how to share the allocation that starts at `ptr` on `device`
 // with another process.

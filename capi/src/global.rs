@@ -206,6 +206,7 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
     g.alloc.set_segment_observer(OBSERVER.lock().clone());
     let g = GLOBAL.get_or_init(|| g);
     quiesce_helpers_at_exit();
+    crate::fork::watch();
     pending::clear();
     tracing::info!(
         backend = ?g.kind,
@@ -248,6 +249,11 @@ pub(crate) fn stop_trace_before_start() -> Option<bool> {
 /// after CUDA, so the handler runs before the driver's.
 fn quiesce_helpers_at_exit() {
     extern "C" fn quiesce() {
+        // A forked child's helpers are its parent's (Note [Freeing in a
+        // forked child]).
+        if crate::fork::in_forked_child() {
+            return;
+        }
         // Never unwind out of an exit handler.
         let _ = std::panic::catch_unwind(|| {
             gpualloc::backend::unmapper::quiesce_all(std::time::Duration::from_millis(500));

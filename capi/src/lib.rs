@@ -19,6 +19,7 @@ mod boundary;
 mod checkpoint;
 mod driver_calls;
 mod fd_passing;
+mod fork;
 mod global;
 mod ipc;
 mod ipc_format;
@@ -247,7 +248,8 @@ pub extern "C" fn gpualloc_malloc_or_abort(
 /// `device` lets gpualloc find the device that allocated `ptr`. NULL is a no-op
 /// (it creates nothing). A pointer gpualloc does not know is reported on
 /// stderr and in the last error; an allocator that cannot start (a bad
-/// `GPUALLOC_CONF`) is reported on stderr once.
+/// `GPUALLOC_CONF`) is reported on stderr once. In a child forked after
+/// the allocator started, a no-op: the memory is the parent's.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_free(
     ptr: *mut c_void,
@@ -257,8 +259,8 @@ pub extern "C" fn gpualloc_free(
 ) {
     let _ = (size, stream);
     boundary::clear_last_error();
-    if ptr.is_null() {
-        return;
+    if ptr.is_null() || fork::in_forked_child() {
+        return; // Note [Freeing in a forked child]
     }
     ffi_boundary(
         |code| {

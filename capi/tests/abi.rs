@@ -732,3 +732,75 @@ int main(void) {
     assert!(out.status.success(), "{}", out.status);
     assert_eq!(String::from_utf8_lossy(&out.stdout), "went on\n");
 }
+
+/// Note [Freeing in a forked child]: a child forked while another thread
+/// holds a device lock (here: a segment observer, which runs under it,
+/// waits until the fork happened) frees what it inherited without waiting
+/// for that lock, which no thread of the child will ever release; it frees
+/// nothing, the memory being its parent's.
+#[test]
+fn a_forked_child_frees_without_the_locks_other_threads_held() {
+    let (_out, exe) = build_inline(
+        "fork_free",
+        r#"#define _POSIX_C_SOURCE 200809L
+#include "gpualloc.h"
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+static int inside = 0, forked = 0;
+static void observer(void *ctx, int device, int action, uint64_t address, uint64_t size, uint64_t stream) {
+  (void)ctx; (void)device; (void)action; (void)address; (void)size; (void)stream;
+  pthread_mutex_lock(&m);
+  inside = 1;
+  pthread_cond_broadcast(&c);
+  while (!forked) pthread_cond_wait(&c, &m);
+  pthread_mutex_unlock(&m);
+}
+static void *grow(void *arg) {
+  (void)arg;
+  void *q = gpualloc_malloc(64 << 20, 0, 0);  /* a new segment: the observer runs under the lock */
+  gpualloc_free(q, 64 << 20, 0, 0);
+  return NULL;
+}
+int main(void) {
+  void *p = gpualloc_malloc(4096, 0, 0);
+  if (p == NULL) return 2;
+  gpualloc_set_segment_observer(observer, NULL);
+  pthread_t t;
+  pthread_create(&t, NULL, grow, NULL);
+  pthread_mutex_lock(&m);
+  while (!inside) pthread_cond_wait(&c, &m);
+  pthread_mutex_unlock(&m);
+  pid_t pid = fork();
+  if (pid == 0) {
+    alarm(10);  /* a child stuck on the lock is killed, and the test fails */
+    gpualloc_free(p, 4096, 0, 0);
+    _exit(0);
+  }
+  pthread_mutex_lock(&m);
+  forked = 1;
+  pthread_cond_broadcast(&c);
+  pthread_mutex_unlock(&m);
+  pthread_join(t, NULL);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  gpualloc_free(p, 4096, 0, 0);
+  printf("child %s\n", WIFEXITED(status) && WEXITSTATUS(status) == 0 ? "freed" : "stuck");
+  return 0;
+}
+"#,
+    );
+    let out = run_sim(&exe, &[]);
+    assert!(
+        out.status.success(),
+        "{}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "child freed\n");
+}

@@ -1,0 +1,50 @@
+//! What a child forked from a process whose allocator runs may still do.
+//!
+//! Note [Freeing in a forked child]
+//! Rationale: a child forked from a process whose allocator runs (a
+//! DataLoader worker under `fork`) inherits the allocator's memory but
+//! only the thread that forked: a device lock another thread held at that
+//! moment (an autograd thread allocating, a thread freeing) stays held in
+//! the child forever. The child cannot use CUDA, but its garbage collector
+//! still frees the CUDA tensors it inherited (autograd graphs, tracebacks),
+//! and each free took that device lock: the worker hung for good, in most
+//! forks taken while other threads allocated.
+//! Approach: a `pthread_atfork` child handler, registered when the
+//! allocator starts, marks the child; a free there does nothing (the
+//! memory is the parent's, in a CUDA context the child cannot use) and the
+//! exit handler for the unmapping helpers, which are the parent's, returns
+//! at once. One relaxed load on the free path.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+unsafe extern "C" {
+    fn pthread_atfork(
+        prepare: Option<extern "C" fn()>,
+        parent: Option<extern "C" fn()>,
+        child: Option<extern "C" fn()>,
+    ) -> std::ffi::c_int;
+}
+
+/// Whether this process is a child forked after the allocator started.
+#[inline]
+pub(crate) fn in_forked_child() -> bool {
+    FORKED.load(Ordering::Relaxed)
+}
+
+/// Registers, once, the handler that marks forked children.
+pub(crate) fn watch() {
+    extern "C" fn child() {
+        FORKED.store(true, Ordering::Relaxed);
+    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: `child` is a plain `extern "C"` function that lives as
+        // long as the library, cannot unwind and only stores an atomic
+        // (async-signal-safe, as a fork handler must be).
+        unsafe {
+            pthread_atfork(None, None, Some(child));
+        }
+    });
+}
