@@ -159,7 +159,15 @@ impl Unmapper {
                     st.running = Some(next);
                     next
                 };
-                let result = work(job);
+                // A panic in a job fails that job, not the helper: a
+                // helper gone with a job marked running would hold every
+                // later wait over its range forever.
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(job)))
+                    .unwrap_or_else(|_| {
+                        Err(BackendError::Unavailable(
+                            "the unmapping helper panicked on this job".into(),
+                        ))
+                    });
                 {
                     let mut st = s.state.lock();
                     st.running = None;
@@ -545,6 +553,24 @@ mod tests {
         u.wait_all();
         assert!(u.is_idle());
         assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![c]);
+    }
+
+    #[test]
+    fn a_job_that_panics_fails_and_the_helper_goes_on() {
+        let u = Unmapper::start(
+            "panicking".into(),
+            Box::new(|job| match job {
+                Job::Unmap { ptr: 0xbad, .. } => panic!("a job that panics"),
+                _ => Ok(()),
+            }),
+        )
+        .unwrap();
+        assert!(u.push(unmap(0xbad, 512)));
+        assert!(u.push(unmap(0x1000, 512)));
+        u.wait_all(); // returns: the helper is alive and idle again
+        assert_eq!(u.failed(), vec![unmap(0xbad, 512)]);
+        u.forget(&[unmap(0xbad, 512)]);
+        assert!(u.is_idle());
     }
 
     #[test]
