@@ -215,11 +215,11 @@ pub fn analyze(path: &Path, allow_truncated: bool) -> Result<Analysis, CliError>
     if let Some((d, a)) = last {
         devices.insert(d, a);
     }
-    for d in devices.values_mut() {
-        d.phases.finish();
-    }
     if let Some(end) = &info.end {
         duration_ns = duration_ns.max(end.end_ns);
+    }
+    for d in devices.values_mut() {
+        d.phases.finish(duration_ns);
     }
     Ok(Analysis {
         info,

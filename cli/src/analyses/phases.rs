@@ -91,8 +91,12 @@ impl Phases {
         !self.open.is_empty()
     }
 
-    /// Publishes the figures in [`by_id`](Self::by_id).
-    pub fn finish(&mut self) {
+    /// Publishes the figures in [`by_id`](Self::by_id); a phase still open
+    /// at the trace's end (`end_ns`) counts as open until then.
+    pub fn finish(&mut self, end_ns: u64) {
+        for (s, start, _) in self.open.drain(..) {
+            self.stats[s].time_ns += end_ns.saturating_sub(start);
+        }
         self.by_id = self
             .ids
             .iter()
@@ -123,10 +127,12 @@ mod tests {
         p.observe(&g(40));
         p.pop(1, 20);
         p.observe(&g(99));
-        p.finish();
+        p.push(3, 30, &g(99)); // never closed
+        p.finish(100);
         assert_eq!(p.by_id[&1].peak_allocated, 50);
         assert_eq!(p.by_id[&2].peak_growth, 40);
         assert_eq!(p.by_id[&2].allocs, 1);
         assert_eq!((p.by_id[&1].time_ns, p.by_id[&2].time_ns), (20, 5));
+        assert_eq!(p.by_id[&3].time_ns, 70, "open until the end");
     }
 }
