@@ -78,7 +78,7 @@ fn report_explains_an_oom_and_replays_the_remedy() {
         "cached but the largest free range is",
         "for a request of 100.00 MiB: fragmentation.",
         "Configurations replayed on a simulated device of",
-        "<code>policy:pytorch (as recorded)</code></td><td>1</td>",
+        "<code>policy:pytorch (the trace's configuration)</code></td><td>1</td>",
         "Use <code>GPUALLOC_CONF=",
         "the replay has no OOM",
         "Replayed under the recorded configuration, the same request fails with",

@@ -263,13 +263,13 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
         bytes(adv.capacity)
     );
     let base = adv.trials.first().map_or(0, |t| t.result.peak_reserved);
-    s.push_str("<table><tr><th>configuration</th><th>OOMs in replay</th><th>peak reserved</th><th>vs recorded</th><th>peak allocated</th><th>first OOM</th></tr>");
+    s.push_str("<table><tr><th>configuration</th><th>OOMs in replay</th><th>peak reserved</th><th>vs the trace's configuration</th><th>peak allocated</th><th>first OOM</th></tr>");
     let best = adv.best().map(|t| t.config.clone());
     for (k, t) in adv.trials.iter().enumerate() {
         let r = &t.result;
         let name = match (k, t.config.is_empty()) {
-            (0, true) => "(defaults, as recorded)".to_string(),
-            (0, false) => format!("{} (as recorded)", t.config),
+            (0, true) => "(defaults: the trace's configuration)".to_string(),
+            (0, false) => format!("{} (the trace's configuration)", t.config),
             _ => t.config.clone(),
         };
         let _ = write!(
@@ -306,7 +306,7 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
                 delta(base, t.result.peak_reserved)
             );
         }
-        None => s.push_str("<p class=\"warn\">No configuration tried avoids the OOM: the live tensors need more than the device holds. Reduce the batch or sequence length, or free tensors sooner.</p>"),
+        None => s.push_str("<p class=\"warn\">No configuration tried avoids the OOM in replay: none of them fits the live tensors, with the rounding and fragmentation each leaves, in what the device held. Reduce the batch or sequence length, or free tensors sooner.</p>"),
     }
 }
 
