@@ -344,3 +344,53 @@ fn a_closed_or_full_stdout_is_no_panic() {
         }
     }
 }
+
+/// `replay` of a trace of two devices says that its peaks are the devices'
+/// sums, and shows each device's beside them (in `--json` too).
+#[test]
+fn replay_of_several_devices_shows_each_and_says_the_peaks_add_up() {
+    use gpualloc::trace::TraceOptions;
+    use gpualloc::{Allocator, Config, SimBackend};
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("two.gtrace");
+    let a = Allocator::new(
+        Config::default(),
+        2,
+        Box::new(|d| Ok(SimBackend::new(1 << 30).for_device(d).with_wall_clock())),
+    );
+    a.trace_start_with(
+        &trace,
+        TraceOptions {
+            lossless: true,
+            ..TraceOptions::default()
+        },
+    )
+    .unwrap();
+    let p = a.malloc(0, 10 << 20, 0).unwrap();
+    let q = a.malloc(1, 30 << 20, 0).unwrap();
+    a.free(0, p).unwrap();
+    a.free(1, q).unwrap();
+    a.trace_stop().unwrap();
+    let text = ok(&["replay", "--capacity", "1GiB", s(&trace)]);
+    assert!(
+        text.contains("2 simulated devices of 1.00 GiB each; peaks, calls and OOMs are their sums"),
+        "{text}"
+    );
+    assert!(
+        line(&text, "device 0 (reserved / allocated)").ends_with("/ 10.00 MiB"),
+        "{text}"
+    );
+    assert!(
+        line(&text, "device 1 (reserved / allocated)").ends_with("/ 30.00 MiB"),
+        "{text}"
+    );
+    let v = json(&["replay", "--json", "--capacity", "1GiB", s(&trace)]);
+    let devices = v[0]["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2);
+    let sum: u64 = devices
+        .iter()
+        .map(|d| d["peak_allocated"].as_u64().unwrap())
+        .sum();
+    assert_eq!(v[0]["peak_allocated"].as_u64(), Some(sum));
+    assert_eq!(sum, 40 << 20);
+}

@@ -97,6 +97,13 @@ fn render_json(capacity: u64, configs: &[String], rs: &[ReplayResult]) -> String
                 "driver_calls_by_kind": by_kind,
                 "helper_driver_ms": r.helper_ms(&model),
                 "cost_model": model.source,
+                // The peaks above add up the devices' own.
+                "devices": r.devices.iter().map(|d| json!({
+                    "device": d.device,
+                    "peak_reserved": d.peak_reserved,
+                    "peak_allocated": d.peak_allocated,
+                    "ooms": d.ooms,
+                })).collect::<Vec<_>>(),
             })
         })
         .collect();
@@ -114,11 +121,18 @@ fn render(
 ) -> String {
     let mut s = String::new();
     let events = rs.first().map_or(0, |r| r.events);
+    let devices = rs.first().map_or(0, |r| r.devices.len());
     let _ = writeln!(
         s,
-        "replay of {} ({events} events) on a simulated device of {}",
+        "replay of {} ({events} events) on {}",
         path.display(),
-        bytes(capacity)
+        match devices {
+            0 | 1 => format!("a simulated device of {}", bytes(capacity)),
+            n => format!(
+                "{n} simulated devices of {} each; peaks, calls and OOMs are their sums",
+                bytes(capacity)
+            ),
+        }
     );
     let width = configs
         .iter()
@@ -145,6 +159,19 @@ fn render(
     });
     row("peak reserved", &|_, r| bytes(r.peak_reserved));
     row("peak allocated", &|_, r| bytes(r.peak_allocated));
+    if devices > 1 {
+        for k in 0..devices {
+            let name = format!(
+                "  device {} (reserved / allocated)",
+                rs[0].devices[k].device
+            );
+            row(&name, &|_, r| {
+                r.devices.get(k).map_or("-".into(), |d| {
+                    format!("{} / {}", bytes(d.peak_reserved), bytes(d.peak_allocated))
+                })
+            });
+        }
+    }
     row("peak reserved / peak allocated", &|_, r| {
         format!(
             "{:.3}",
