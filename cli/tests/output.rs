@@ -394,3 +394,15 @@ fn replay_of_several_devices_shows_each_and_says_the_peaks_add_up() {
     assert_eq!(v[0]["peak_allocated"].as_u64(), Some(sum));
     assert_eq!(sum, 40 << 20);
 }
+
+/// A truncated trace read with `--allow-truncated`: the text says so next
+/// to the figures it qualifies, not only on stderr.
+#[test]
+fn a_truncated_trace_is_said_in_the_summary_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = std::fs::read(EXAMPLE).unwrap();
+    let cut = dir.path().join("cut.gtrace");
+    std::fs::write(&cut, &full[..full.len() / 2]).unwrap();
+    let text = ok(&["summary", "--allow-truncated", s(&cut)]);
+    assert!(line(&text, "warning").contains("truncated"), "{text}");
+}

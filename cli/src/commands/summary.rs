@@ -56,6 +56,10 @@ pub fn render(a: &Analysis) -> String {
             a.info.dropped
         );
     }
+    if let Some(w) = &a.info.warning {
+        // Said on stderr too; here it stays with the figures it qualifies.
+        let _ = writeln!(s, "warning    {w}");
+    }
     if a.info.events == 0 {
         let _ = writeln!(s, "{}", NO_EVENTS);
     }
