@@ -406,3 +406,15 @@ fn a_truncated_trace_is_said_in_the_summary_itself() {
     let text = ok(&["summary", "--allow-truncated", s(&cut)]);
     assert!(line(&text, "warning").contains("truncated"), "{text}");
 }
+
+/// An OOM under a recorded memory limit: summary says what the limit left,
+/// besides the device's free bytes (which the limit made irrelevant).
+#[test]
+fn an_oom_under_a_memory_limit_says_what_the_limit_left() {
+    let yolo = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/yolo-style-oom.gtrace"
+    );
+    let text = ok(&["summary", yolo]);
+    assert!(text.contains("(the memory limit left 14.00 MiB)"), "{text}");
+}

@@ -33,6 +33,14 @@ pub const NO_EVENTS: &str =
     "no events: the trace holds its header only (nothing was allocated while it recorded)";
 
 /// Renders the summary of an analysed trace.
+/// The memory limit of the recorded configuration, if it set one: what an
+/// OOM had left is under it, not the device's free bytes.
+fn memory_limit(a: &Analysis) -> Option<u64> {
+    gpualloc::Config::parse(&a.info.header.config)
+        .ok()
+        .and_then(|c| c.memory_limit)
+}
+
 pub fn render(a: &Analysis) -> String {
     let mut s = String::new();
     let h = &a.info.header;
@@ -126,14 +134,19 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         let _ = writeln!(s, "  private pools   {g}");
     }
     let _ = writeln!(s, "  OOMs            {}", d.oom_count);
+    let limit = memory_limit(a);
     for o in d.ooms.iter().take(3) {
         let _ = writeln!(
             s,
-            "    at {}: requested {} in {}, device free {}, largest free block {} (allocated {}, reserved {})",
+            "    at {}: requested {} in {}, device free {}{}, largest free block {} (allocated {}, reserved {})",
             duration(o.time_ns),
             bytes(o.requested),
             a.info.name(o.phase),
             bytes(o.device_free),
+            limit.map_or(String::new(), |l| format!(
+                " (the memory limit left {})",
+                bytes(l.saturating_sub(o.gauges.reserved))
+            )),
             bytes(o.largest_free),
             bytes(o.gauges.allocated),
             bytes(o.gauges.reserved)
