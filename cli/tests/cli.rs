@@ -550,6 +550,28 @@ fn several_traces_export_to_one_parquet_folder() {
         s(&twin.join("trace-0.gtrace")),
     ]);
     assert!(err.contains("have the same name"), "{err}");
+    // Names that give two traces one rank (gpt2-a, gpt2-b): the rank
+    // column is left null rather than merge them, and that is said.
+    let clash = dir.path().join("clash");
+    let pq = dir.path().join("pq-clash");
+    std::fs::create_dir_all(&clash).unwrap();
+    std::fs::create_dir(&pq).unwrap();
+    let (a, b) = (clash.join("gpt2-a.gtrace"), clash.join("gpt2-b.gtrace"));
+    std::fs::copy(&r[0], &a).unwrap();
+    std::fs::copy(&r[1], &b).unwrap();
+    let out = gpualloc(&["export", "--parquet", s(&pq), s(&a), s(&b)]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the rank column is null"));
+    for name in ["gpt2-a", "gpt2-b"] {
+        let rows = parquet_rows(&pq.join(format!("{name}.phases.parquet")));
+        assert!(!rows.is_empty());
+        assert!(
+            rows.iter().all(|row| row
+                .iter()
+                .any(|(k, v)| k == "rank" && *v == parquet::record::Field::Null)),
+            "{name}"
+        );
+    }
 }
 
 #[test]

@@ -149,8 +149,33 @@ pub fn export_all(
         }
         jobs.push((t.clone(), outs));
     }
-    crate::analyses::ranks::par_map(jobs, |_, (t, outs)| {
-        export(&t, &outs, allow_truncated)?;
+    // The rank column joins the files' rows: it is filled only when the
+    // file names give every trace a rank of its own (as `summary` labels
+    // ranks), else left null rather than merge different traces.
+    let ranks: Vec<Option<u32>> = traces
+        .iter()
+        .map(|t| {
+            let pid = input::open(t).map_or(0, |r| r.header().pid);
+            crate::analyses::ranks::rank_from_name(t, pid)
+        })
+        .collect();
+    let mut distinct = ranks.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let numbered = ranks.iter().all(Option::is_some) && distinct.len() == ranks.len();
+    if !numbered {
+        input::warn_once(
+            "parquet ranks",
+            "--parquet: the file names do not give each trace a rank of its own: the rank column is null (each file's metadata names its trace)",
+        );
+    }
+    let jobs: Vec<_> = jobs
+        .into_iter()
+        .zip(ranks)
+        .map(|((t, outs), r)| (t, outs, if numbered { r } else { None }))
+        .collect();
+    crate::analyses::ranks::par_map(jobs, |_, (t, outs, rank)| {
+        export_ranked(&t, &outs, allow_truncated, Some(rank))?;
         Ok(outs)
     })
 }
@@ -480,8 +505,19 @@ fn unmap(m: &mut BTreeMap<u64, Held>, addr: u64, size: u64) -> Vec<(u64, Held)> 
     gone
 }
 
-/// Writes the three files of `out` (see [`outputs`]).
+/// Writes the three files of `out` (see [`outputs`]), the rank read from
+/// the file name.
 pub fn export(path: &Path, out: &[PathBuf; 3], allow_truncated: bool) -> Result<(), CliError> {
+    export_ranked(path, out, allow_truncated, None)
+}
+
+/// [`export`] with the rank given (`Some`), or read from the file name.
+fn export_ranked(
+    path: &Path,
+    out: &[PathBuf; 3],
+    allow_truncated: bool,
+    rank: Option<Option<u32>>,
+) -> Result<(), CliError> {
     // The string table streams in with the events: read it first.
     let first = input::scan(path, allow_truncated, |_| {})?;
     let h = &first.header;
@@ -492,7 +528,7 @@ pub fn export(path: &Path, out: &[PathBuf; 3], allow_truncated: bool) -> Result<
         ("gpualloc.start_unix_ns", h.start_unix_ns.to_string()),
     ];
     let who = Who {
-        rank: crate::analyses::ranks::rank_from_name(path, h.pid),
+        rank: rank.unwrap_or_else(|| crate::analyses::ranks::rank_from_name(path, h.pid)),
         pid: h.pid,
     };
     let mut w = Writer {
