@@ -346,6 +346,46 @@ fn csv_and_chrome_exports_round_trip() {
     );
 }
 
+/// What an import cannot carry over as it was (an action it does not know,
+/// a negative size, an entry without a numeric time) is said, not dropped
+/// in silence.
+#[test]
+fn a_snapshot_import_says_what_it_could_not_carry_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let pickle = dir.path().join("odd.pickle");
+    let script = r#"
+import pickle, sys
+A = 0x7f0000000000
+t = [
+  {"action": "segment_alloc", "addr": A, "size": 20 << 20, "stream": 0, "time_us": 1000},
+  {"action": "alloc", "addr": A, "size": 4096, "stream": 0, "time_us": 1001},
+  {"action": "teleport", "addr": A, "size": 4096, "stream": 0, "time_us": 1002},
+  {"action": "alloc", "addr": A + 4096, "size": -5, "stream": 0, "time_us": "late"},
+]
+pickle.dump({"segments": [], "device_traces": [t]}, open(sys.argv[1], "wb"))
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script, s(&pickle)])
+        .output()
+        .expect("python3 is required");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let g = dir.path().join("odd.gtrace");
+    let out = gpualloc(&["import", s(&pickle), "-o", s(&g)]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    for want in [
+        "skipped: `teleport` x1",
+        "1 entries with a negative `size` were taken as 0 bytes",
+        "1 entries without a numeric `time_us` were timed by their position",
+    ] {
+        assert!(err.contains(want), "{want:?} not in {err}");
+    }
+}
+
 #[test]
 fn imports_a_pytorch_snapshot() {
     let dir = tempfile::tempdir().unwrap();

@@ -64,6 +64,9 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
     // Annotation names, each written once (the string table is bounded).
     let mut strings: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
     let config = Config::default();
+    // What could not be carried over as it was, said at the end.
+    let mut unknown: std::collections::BTreeMap<String, u64> = Default::default();
+    let (mut negative, mut untimed) = (0u64, 0u64);
     for (d, list) in devices.iter().enumerate() {
         let mut events = Vec::new();
         for (i, entry) in list.items().iter().enumerate() {
@@ -83,6 +86,13 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                     .and_then(|v| v.as_int())
                     .map(|v| v.max(0) as u64)
             };
+            let raw = |k: &str| entry.get(k).and_then(|v| v.as_int());
+            if raw("size").is_some_and(|v| v < 0) {
+                negative += 1;
+            }
+            if raw("time_us").is_none() {
+                untimed += 1;
+            }
             let time_us = int("time_us").map_or(i as u64, |t| t.saturating_sub(t0));
             let (size, stream) = (int("size").unwrap_or(0), int("stream").unwrap_or(0));
             let block = if size == 0 {
@@ -151,7 +161,11 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                     };
                     EventKind::Mark { name: id }
                 }
-                _ => continue, // `snapshot` and future actions carry no allocation.
+                "snapshot" => continue, // a marker of the dump, no allocation
+                other => {
+                    *unknown.entry(other.to_string()).or_default() += 1;
+                    continue;
+                }
             };
             let time_ns = time_us.saturating_mul(1000);
             events.push(TraceEvent::from_kind(time_ns, d as u32, stream, 0, kind));
@@ -160,5 +174,30 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
     }
     let n = w.events();
     w.finish(None).map_err(werr)?;
+    let name = path.display();
+    if !unknown.is_empty() {
+        let list: Vec<String> = unknown.iter().map(|(a, n)| format!("`{a}` x{n}")).collect();
+        crate::input::warn_once(
+            "import unknown actions",
+            &format!(
+                "{name}: entries of actions this import does not know were skipped: {}",
+                list.join(", ")
+            ),
+        );
+    }
+    if negative > 0 {
+        crate::input::warn_once(
+            "import negative sizes",
+            &format!("{name}: {negative} entries with a negative `size` were taken as 0 bytes"),
+        );
+    }
+    if untimed > 0 {
+        crate::input::warn_once(
+            "import untimed",
+            &format!(
+                "{name}: {untimed} entries without a numeric `time_us` were timed by their position"
+            ),
+        );
+    }
     Ok(n)
 }
