@@ -418,3 +418,30 @@ fn an_oom_under_a_memory_limit_says_what_the_limit_left() {
     let text = ok(&["summary", yolo]);
     assert!(text.contains("(the memory limit left 14.00 MiB)"), "{text}");
 }
+
+/// An allocation log without segments (RMM's CSV): summary says reserved
+/// memory was not recorded rather than print 0 B and a ratio of 0.
+#[test]
+fn a_log_without_segments_has_no_reserved_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("rmm.csv");
+    std::fs::write(
+        &csv,
+        "Thread,Time,Action,Pointer,Size,Stream\n\
+         1,10:00:00.000001,allocate,0x7f0000000000,4096,0x0\n\
+         1,10:00:00.000002,allocate,0x7f0000001000,8192,0x0\n\
+         1,10:00:00.000003,free,0x7f0000000000,4096,0x0\n",
+    )
+    .unwrap();
+    let g = dir.path().join("rmm.gtrace");
+    ok(&["import", s(&csv), "-o", s(&g)]);
+    let text = ok(&["summary", s(&g)]);
+    assert!(
+        line(&text, "peak reserved").starts_with("not recorded"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("reserved/allocated at the peaks 0.000"),
+        "{text}"
+    );
+}

@@ -87,9 +87,18 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         format!("{:>12} at {}", bytes(p.value), duration(p.time_ns))
     };
     let _ = writeln!(s, "  peak allocated  {}", pk(&d.peak_allocated));
-    let _ = writeln!(s, "  peak reserved   {}", pk(&d.peak_reserved));
+    if d.state.reserves {
+        let _ = writeln!(s, "  peak reserved   {}", pk(&d.peak_reserved));
+    } else {
+        // An allocation log without segments (RMM's): no reserved figures,
+        // rather than ratios of 0.
+        let _ = writeln!(
+            s,
+            "  peak reserved   not recorded (the trace has no segment events)"
+        );
+    }
     let _ = writeln!(s, "  peak active     {}", pk(&d.peak_active));
-    if d.peak_allocated.value > 0 {
+    if d.peak_allocated.value > 0 && d.state.reserves {
         let _ = writeln!(
             s,
             "  reserved/allocated at the peaks {:.3}; at peak reserved {} allocated ({} unallocated)",
