@@ -110,7 +110,7 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
             ))
         );
     }
-    if let Some(p) = &d.at_peak {
+    if let Some(p) = d.at_peak.as_ref().filter(|_| d.state.reserves) {
         let _ = writeln!(
             s,
             "  fragmentation at peak allocated: external {} (largest free {} of {} free), unallocated {} of {} reserved",
@@ -133,7 +133,11 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         s,
         "  at the end      allocated {}, reserved {}, {} live blocks",
         bytes(g.allocated),
-        bytes(g.reserved),
+        if d.state.reserves {
+            bytes(g.reserved)
+        } else {
+            "not recorded".into()
+        },
         d.state.live.len()
     );
     if let Some(e) = d.empty_caches.describe() {
