@@ -346,6 +346,21 @@ fn csv_and_chrome_exports_round_trip() {
     );
 }
 
+/// Runs a Python script that must succeed.
+fn python(script: &str, args: &[&str]) {
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("python3 is required");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// What an import cannot carry over as it was (an action it does not know,
 /// a negative size, an entry without a numeric time) is said, not dropped
 /// in silence.
@@ -364,15 +379,7 @@ t = [
 ]
 pickle.dump({"segments": [], "device_traces": [t]}, open(sys.argv[1], "wb"))
 "#;
-    let out = Command::new("python3")
-        .args(["-c", script, s(&pickle)])
-        .output()
-        .expect("python3 is required");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    python(script, &[s(&pickle)]);
     let g = dir.path().join("odd.gtrace");
     let out = gpualloc(&["import", s(&pickle), "-o", s(&g)]);
     let err = String::from_utf8_lossy(&out.stderr);
@@ -410,15 +417,7 @@ snap = {"segments": [], "device_traces": [t], "allocator_settings": {"PYTORCH_CU
 pickle.dump(snap, open(sys.argv[1], "wb"), protocol=int(sys.argv[2]))
 "#;
     for proto in ["4", "5"] {
-        let out = Command::new("python3")
-            .args(["-c", script, s(&pickle), proto])
-            .output()
-            .expect("python3 is required");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        python(script, &[s(&pickle), proto]);
         let g = dir.path().join("torch.gtrace");
         ok(&["import", s(&pickle), "-o", s(&g)]);
         let out = ok(&["summary", s(&g)]);

@@ -54,11 +54,8 @@ fn record(path: &Path) {
     a.trace_stop().unwrap();
 }
 
-#[test]
-fn report_explains_an_oom_and_replays_the_remedy() {
-    let dir = tempfile::tempdir().unwrap();
-    let (trace, html) = (dir.path().join("t.gtrace"), dir.path().join("t.html"));
-    record(&trace);
+/// `gpualloc report TRACE -o HTML`; the page.
+fn report(trace: &Path, html: &Path) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
         .args([
             "report",
@@ -73,7 +70,15 @@ fn report_explains_an_oom_and_replays_the_remedy() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let page = std::fs::read_to_string(&html).unwrap();
+    std::fs::read_to_string(html).unwrap()
+}
+
+#[test]
+fn report_explains_an_oom_and_replays_the_remedy() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, html) = (dir.path().join("t.gtrace"), dir.path().join("t.html"));
+    record(&trace);
+    let page = report(&trace, &html);
     for want in [
         "cached but the largest free range is",
         "for a request of 100.00 MiB: fragmentation.",
@@ -125,16 +130,7 @@ fn an_oom_beside_a_free_range_that_fits_is_not_called_a_split_cache() {
         env!("CARGO_MANIFEST_DIR"),
         "/../examples/yolo-style-oom.gtrace"
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
-        .args(["report", trace, "-o", html.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let page = std::fs::read_to_string(&html).unwrap();
+    let page = report(Path::new(trace), &html);
     assert!(!page.contains("neither alone"));
     for want in [
         "yet the request of 30.25 MiB failed: that memory was not the allocator",

@@ -92,11 +92,7 @@ pub fn explain(o: &Oom) -> String {
             bytes(o.largest_free),
             bytes(o.requested),
             bytes(o.gauges.allocated),
-            if o.limited {
-                "the memory limit"
-            } else {
-                "the device"
-            },
+            what_left(o),
             bytes(o.device_free),
         ),
         Cause::Fragmentation => format!(
@@ -115,15 +111,20 @@ pub fn explain(o: &Oom) -> String {
         Cause::Tensors => format!(
             "live tensors hold {} and {} left {} (plus {} cached) for a request of {}: the tensors themselves, not the cache.",
             bytes(o.gauges.allocated),
-            if o.limited {
-                "the memory limit"
-            } else {
-                "the device"
-            },
+            what_left(o),
             bytes(o.device_free),
             bytes(o.cached_free),
             bytes(o.requested)
         ),
+    }
+}
+
+/// What had the bytes `device_free` counts: the limit or the device.
+fn what_left(o: &Oom) -> &'static str {
+    if o.limited {
+        "the memory limit"
+    } else {
+        "the device"
     }
 }
 
