@@ -223,6 +223,26 @@ impl<B: Backend> Allocator<B> {
         })
     }
 
+    /// Frees `ptr` on the created device that allocated it, without waiting
+    /// for any device lock: a device another thread holds now is passed
+    /// over, and so is `ptr` if that device holds it (a process forked
+    /// while another thread held a lock, which no thread of the child will
+    /// release). Whether `ptr` was freed.
+    ///
+    /// # Errors
+    /// As [`DeviceAllocator::free`]; [`AllocError::Poisoned`].
+    pub fn free_if_unlocked(&self, ptr: DevicePtr) -> Result<bool, AllocError> {
+        for slot in &self.devices {
+            if let Some(mut d) = slot.try_lock().and_then(|g| Self::owning(g, ptr)) {
+                if d.poisoned {
+                    return Err(AllocError::Poisoned { device: d.device });
+                }
+                return d.free(ptr).map(|()| true);
+            }
+        }
+        Ok(false)
+    }
+
     /// The device `guard` holds, if it is created and allocated `ptr`.
     fn owning(
         guard: MutexGuard<'_, Option<DeviceAllocator<B>>>,

@@ -10,10 +10,13 @@
 //! and each free took that device lock: the worker hung for good, in most
 //! forks taken while other threads allocated.
 //! Approach: a `pthread_atfork` child handler, registered when the
-//! allocator starts, marks the child; a free there does nothing (the
-//! memory is the parent's, in a CUDA context the child cannot use) and the
-//! exit handler for the unmapping helpers, which are the parent's, returns
-//! at once. One relaxed load on the free path.
+//! allocator starts, marks the child. With CUDA a free there does nothing:
+//! the memory is the parent's, in a CUDA context the child cannot use. On
+//! the simulator, whose devices a child may go on using (tests of traces
+//! across fork do), it frees unless the owning device's lock is held, and
+//! then leaves the pointer alone. The exit handler for the unmapping
+//! helpers, which are the parent's, returns at once. One relaxed load on
+//! the free path.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -47,4 +50,16 @@ pub(crate) fn watch() {
             pthread_atfork(None, None, Some(child));
         }
     });
+}
+
+/// A free in a forked child (Note [Freeing in a forked child]); never
+/// waits for a lock and reports nothing (its stderr may be the parent's).
+pub(crate) fn free(ptr: u64) {
+    let Some(g) = crate::global::existing() else {
+        return;
+    };
+    if g.kind == crate::global::BackendKind::Sim {
+        let free = std::panic::AssertUnwindSafe(|| g.alloc.free_if_unlocked(ptr));
+        let _ = std::panic::catch_unwind(free);
+    }
 }

@@ -259,8 +259,12 @@ pub extern "C" fn gpualloc_free(
 ) {
     let _ = (size, stream);
     boundary::clear_last_error();
-    if ptr.is_null() || fork::in_forked_child() {
-        return; // Note [Freeing in a forked child]
+    if ptr.is_null() {
+        return;
+    }
+    if fork::in_forked_child() {
+        fork::free(ptr as usize as u64);
+        return;
     }
     ffi_boundary(
         |code| {

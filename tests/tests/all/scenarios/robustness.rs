@@ -389,3 +389,30 @@ fn a_free_without_its_device_finds_the_owner() {
     a.free(-1, p0).unwrap();
     assert_eq!(a.stats(0).unwrap().allocation.all.current, 0);
 }
+
+/// `free_if_unlocked` (a free in a forked child, Note [Freeing in a forked
+/// child] in the C library): frees as `free` does, but leaves the pointer
+/// alone rather than wait when its device's lock is held.
+#[test]
+fn a_free_that_must_not_wait_passes_over_a_held_device() {
+    let a = Allocator::new(
+        Config::default(),
+        2,
+        Box::new(|d| Ok(SimBackend::new(1 << 30).for_device(d))),
+    );
+    let p = a.malloc(1, 1 << 20, 0).unwrap();
+    let q = a.malloc(1, 1 << 20, 0).unwrap();
+    {
+        let _held = a.peek(1).unwrap().unwrap();
+        assert!(!a.free_if_unlocked(p).unwrap(), "device 1 is held");
+    }
+    assert!(a.free_if_unlocked(p).unwrap());
+    assert!(
+        !a.free_if_unlocked(p).unwrap(),
+        "no device holds it any more"
+    );
+    a.free(1, q).unwrap();
+    let d = a.peek(1).unwrap().unwrap();
+    assert_eq!(d.stats().allocated_bytes.all.current, 0);
+    d.check_invariants().unwrap();
+}
