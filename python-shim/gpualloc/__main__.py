@@ -16,6 +16,7 @@ configuration and trace, and a warning says torch was not found.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import runpy
 import shutil
@@ -34,26 +35,41 @@ def _target(args):
             raise _NotFound("-m needs a module name")
         name = args.module[0]
         args.args = args.module[1:]
-        sys.path.insert(0, os.getcwd())  # as `python -m` does
+        if os.getcwd() not in sys.path[:1]:
+            sys.path.insert(0, os.getcwd())  # as `python -m` does (this run's own -m put it there)
         # alter_sys sets sys.argv[0] to the module's file, as `python -m` does.
         return name, lambda: runpy.run_module(name, run_name="__main__", alter_sys=True)
     script = args.script
     if script is None:
         raise _NotFound("nothing to run: give a script, -m module or a console script")
     if os.path.isfile(script):
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        return script, lambda: runpy.run_path(script, run_name="__main__")
+        path = os.path.abspath(script)  # __file__ is absolute, as under `python script.py`
+        _path_first(os.path.dirname(os.path.realpath(script)))
+        return script, lambda: runpy.run_path(path, run_name="__main__")
     if os.sep not in script:
         ep = _console_script(script)
-        if ep is not None:
-            return shutil.which(script) or script, lambda: _call_entry_point(ep)
         found = shutil.which(script)
+        if ep is not None:
+            if found:
+                _path_first(os.path.dirname(os.path.realpath(found)))
+            return found or script, lambda: _call_entry_point(ep)
         if found and _is_python(found):
-            sys.path.insert(0, os.path.dirname(os.path.abspath(found)))
-            return found, lambda: runpy.run_path(found, run_name="__main__")
+            path = os.path.abspath(found)
+            _path_first(os.path.dirname(os.path.realpath(found)))
+            return found, lambda: runpy.run_path(path, run_name="__main__")
         if found:
             raise _NotFound(f"{script}: {found} is not a Python program (no python in its #! line)")
     raise _NotFound(f"{script}: no such file, console script entry point or Python program on PATH")
+
+
+def _path_first(folder: str) -> None:
+    """``sys.path[0]`` as ``python script.py`` sets it: the script's folder
+    (links resolved) in place of the working folder this run's own ``-m``
+    put there, which a script run directly does not have."""
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path[0] = folder
+    else:
+        sys.path.insert(0, folder)
 
 
 def _console_script(name: str):
@@ -122,9 +138,15 @@ def _start(args) -> int:
             if args.trace:
                 lib().trace_start(args.trace)
     except (gpualloc.GpuallocError, ValueError) as e:
-        print(f"gpualloc: cannot start: {e}", file=sys.stderr)
+        print(f"gpualloc: cannot start: {_unprefixed(e)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _unprefixed(e) -> str:
+    """An error's text without the ``gpualloc:`` this module puts first itself."""
+    text = str(e)
+    return text[len("gpualloc: "):] if text.startswith("gpualloc: ") else text
 
 
 # Launchers that start the training processes themselves (gpualloc reaches
@@ -159,6 +181,10 @@ def _run(args) -> int:
     if _start(args):
         return 1
     sys.argv = [argv0] + args.args
+    # The trace is completed at exit, after the program's other threads
+    # ended and its own exit handlers (registered later, run earlier) ran,
+    # so that what they allocate is recorded too.
+    atexit.register(_stop_trace, lib())
     code = 0
     try:
         start()
@@ -166,13 +192,15 @@ def _run(args) -> int:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=sys.stderr)
-    finally:
-        # A trace only kept for a start that never came (this process never
-        # used CUDA: a launcher) wrote nothing (Note [Starting on first use]).
-        if lib().is_initialized() and lib().is_tracing():
-            s = lib().trace_stop()
-            print(f"gpualloc: trace written: {s['events']} events, {s['bytes']} bytes, {s['dropped']} dropped", file=sys.stderr)
     return code
+
+
+def _stop_trace(L) -> None:
+    # A trace only kept for a start that never came (this process never
+    # used CUDA: a launcher) wrote nothing (Note [Starting on first use]).
+    if L.is_initialized() and L.is_tracing():
+        s = L.trace_stop()
+        print(f"gpualloc: trace written: {s['events']} events, {s['bytes']} bytes, {s['dropped']} dropped", file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -191,9 +219,31 @@ def main(argv=None) -> int:
     args = p.parse_args(raw)
     if args.cmd == "info":
         return _info()
-    if args.script is not None and args.module is None:
+    if args.module is not None:
+        args.module = _module_args(raw, args.module)
+    elif args.script is not None:
         args.args = _script_args(raw, args.script, args.args)
+    if args.trace:
+        # Where run was started, not wherever each process is when it
+        # starts recording (a program that changes folder, a child started
+        # in another).
+        args.trace = os.path.abspath(args.trace)
+        folder = os.path.dirname(args.trace)
+        if "{" not in folder and not os.path.isdir(folder):
+            p.error(f"--trace {args.trace}: the folder {folder} does not exist")
     return _run(args)
+
+
+def _module_args(raw, parsed):
+    """``-m``'s module and its arguments verbatim: argparse ends the ``-m``
+    list at a ``--`` and hands the rest to ``script``, which the module must
+    see as ``python -m`` passes it on."""
+    if not parsed:
+        return parsed
+    for i in range(len(raw) - 1):
+        if raw[i] == "-m" and raw[i + 1] == parsed[0]:
+            return raw[i + 1 :]
+    return parsed
 
 
 def _script_args(raw, script, parsed):

@@ -54,7 +54,9 @@ def wanted(auto_marks: Optional[bool]) -> bool:
     """``auto_marks`` when given, else ``GPUALLOC_AUTO_MARKS`` (default on)."""
     if auto_marks is not None:
         return bool(auto_marks)
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    from ._torch import _env_switch
+
+    return _env_switch(ENV, True, stacklevel=4)  # an unknown value warns, as GPUALLOC_BRIDGE's
 
 
 def enabled() -> List[str]:

@@ -45,6 +45,10 @@ def pass_on(config: Optional[str], trace: Optional[str], bridge: bool) -> None:
     """Sets the environment the program's child processes inherit (see
     the Note). Called by ``run`` once it has installed gpualloc here."""
     os.environ[ENV] = "1"
+    # Paths as this process reads them: a child may start in another folder.
+    lib_path = os.environ.get("GPUALLOC_LIBRARY", "")
+    if lib_path and not os.path.isabs(lib_path):
+        os.environ["GPUALLOC_LIBRARY"] = os.path.abspath(lib_path)
     if config is not None:
         os.environ["GPUALLOC_CONF"] = config
     if trace and not os.environ.get("GPUALLOC_TRACE", "").strip():

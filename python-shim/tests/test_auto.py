@@ -755,6 +755,77 @@ class RunTargetsTest(unittest.TestCase):
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertIn("argv ['--', '--x', 'a']", out.stdout)
 
+    def test_a_module_gets_its_arguments_after_a_double_dash(self):
+        with tempfile.TemporaryDirectory() as d:
+            self.write(os.path.join(d, "argvmod.py"), "import sys\nprint('argv', sys.argv[1:])\n")
+            for tail, want in ((["a", "--", "b"], "['a', '--', 'b']"), (["--", "x"], "['--', 'x']")):
+                out = run(["-m", "gpualloc", "run", "--no-bridge", "-m", "argvmod", *tail], cwd=d)
+                self.assertEqual(out.returncode, 0, out.stderr)
+                self.assertIn(f"argv {want}", out.stdout)
+
+    def test_a_script_sees_what_python_script_py_gives_it(self):
+        # __file__ absolute; sys.path[0] the folder of the linked-to script,
+        # and not the working folder, which `python script.py` leaves out.
+        with tempfile.TemporaryDirectory() as d:
+            real, link, work = (os.path.join(d, n) for n in ("real", "link", "work"))
+            self.write(os.path.join(real, "sibling.py"), "VALUE = 'sibling'\n")
+            self.write(os.path.join(work, "onlyhere.py"), "VALUE = 'the working folder'\n")
+            self.write(
+                os.path.join(real, "probe.py"),
+                """
+                import os, sys
+                import sibling
+                print("file", os.path.isabs(__file__), sibling.VALUE)
+                print("path0", sys.path[0] == os.path.dirname(os.path.realpath(__file__)))
+                try:
+                    import onlyhere
+                    print("cwd on path", True)
+                except ImportError:
+                    print("cwd on path", False)
+                """,
+            )
+            os.makedirs(link)
+            os.symlink(os.path.join(real, "probe.py"), os.path.join(link, "probe.py"))
+            out = run(["-m", "gpualloc", "run", "--no-bridge", os.path.join("..", "link", "probe.py")], cwd=work)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("file True sibling", out.stdout)
+            self.assertIn("path0 True", out.stdout)
+            self.assertIn("cwd on path False", out.stdout)
+
+    def test_the_trace_holds_what_other_threads_and_exit_handlers_allocate(self):
+        # The trace is completed at exit: a thread still running when the
+        # script's body ends, and an exit handler, allocate into it. A
+        # relative --trace is where run was started, though the program
+        # changes folder first.
+        with tempfile.TemporaryDirectory() as d:
+            other = os.path.join(d, "other")
+            os.makedirs(other)
+            prog = os.path.join(d, "late.py")
+            self.write(
+                prog,
+                f"""
+                import atexit, os, threading, time, torch
+                from gpualloc._lib import lib
+                os.chdir({other!r})
+                def late():
+                    time.sleep(0.2)
+                    lib().free(lib().malloc(3 << 20, 0, 0), 0)
+                atexit.register(lambda: lib().free(lib().malloc(5 << 20, 0, 0), 0))
+                threading.Thread(target=late).start()
+                lib().free(lib().malloc(1 << 20, 0, 0), 0)
+                """,
+            )
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "--trace", "t.gtrace", prog], cwd=d)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertEqual(os.listdir(other), [])
+            from gpualloc.tracefile import records
+
+            sizes = sorted(r["requested"] for r in records(os.path.join(d, "t.gtrace")) if r["kind"] == "alloc")
+            self.assertEqual(sizes, [1 << 20, 3 << 20, 5 << 20])
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "--trace", os.path.join(d, "none", "t.gtrace"), prog])
+            self.assertEqual(out.returncode, 2, out.stderr)
+            self.assertIn("does not exist", out.stderr)
+
     def test_python_program_on_path_and_unknown_names(self):
         with tempfile.TemporaryDirectory() as d:
             prog = os.path.join(d, "bin", "tool")
