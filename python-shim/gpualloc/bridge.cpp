@@ -26,6 +26,7 @@
 #include <torch/version.h>
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
@@ -87,9 +88,11 @@ inline void note_device(int device) {
 
 // ---- observers -----------------------------------------------------------
 
-std::mutex observers_mutex;
-std::vector<cca::OutOfMemoryObserver> oom_observers;
-std::vector<cca::AllocatorTraceTracker> trace_trackers;
+// The bridge's shared state is never destroyed (as `history`): libtorch's
+// statics, destroyed after the bridge's, may still free CUDA memory.
+std::mutex& observers_mutex = *new std::mutex;
+std::vector<cca::OutOfMemoryObserver>& oom_observers = *new std::vector<cca::OutOfMemoryObserver>;
+std::vector<cca::AllocatorTraceTracker>& trace_trackers = *new std::vector<cca::AllocatorTraceTracker>;
 std::atomic<bool> has_trackers{false};
 
 void notify_trackers(const TraceEntry& e) {
@@ -117,7 +120,7 @@ TraceEntry::Action segment_action(int action) {
 }
 
 // Ranges announced to the trackers (bridge/registration.h); under observers_mutex.
-AnnouncedRanges announced;
+AnnouncedRanges& announced = *new AnnouncedRanges;
 
 // Called by gpualloc under its lock for every segment event: feeds the
 // memory history (PyTorch's actions) and torch's trace trackers
@@ -145,7 +148,16 @@ void on_segment(void*, int device, int action, uint64_t address, uint64_t size, 
       TraceEntry e = make_entry(c.alloc ? TraceEntry::SEGMENT_ALLOC : TraceEntry::SEGMENT_FREE,
                                 static_cast<c10::DeviceIndex>(c.device), c.addr, c.size, s);
       for (const auto& t : ts) {
-        t(e);
+        // One tracker's failure (NCCL refusing to deregister a range it
+        // does not know) neither keeps the others nor the next changes
+        // from being told.
+        try {
+          t(e);
+        } catch (const std::exception& x) {
+          std::fprintf(stderr, "gpualloc: a memory trace tracker failed: %s\n", x.what());
+        } catch (...) {
+          std::fprintf(stderr, "gpualloc: a memory trace tracker failed\n");
+        }
       }
     }
   } catch (const std::exception& e) {
@@ -157,12 +169,19 @@ void on_segment(void*, int device, int action, uint64_t address, uint64_t size, 
 
 // ---- allocation ----------------------------------------------------------
 
+// The process that loaded the bridge: a forked child has another id.
+const pid_t history_pid = getpid();
+
 void delete_fn(void* ptr) {
   if (ptr == nullptr) {
     return;
   }
   int device = only_device.load(std::memory_order_relaxed);
-  if (history.enabled()) {
+  // Not in a forked child (a DataLoader worker freeing what it inherited):
+  // history's lock may have been held by a thread the fork left behind,
+  // and gpualloc's free there touches nothing (Note [Freeing in a forked
+  // child] in capi/src/fork.rs).
+  if (history.enabled() && getpid() == history_pid) {
     history.on_free(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
   }
   api.free_fn(ptr, 0, device >= 0 ? device : -1, nullptr);  // never throws: runs in deleters
@@ -196,12 +215,33 @@ void delete_fn(void* ptr) {
   TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
 }
 
+// PyTorch's allocator runs torch's free-memory callbacks before it gives
+// up (`cuda_ipc_collect`: tensors sent to other processes that they have
+// let go of); whether one freed memory.
+bool free_memory_callbacks_freed() {
+  bool freed = false;
+  for (const auto& name : c10::FreeCudaMemoryCallbacksRegistry()->Keys()) {
+    freed |= c10::FreeCudaMemoryCallbacksRegistry()->Create(name)->Execute();
+  }
+  return freed;
+}
+
+// gpualloc's malloc; out of memory, once more after torch's free-memory
+// callbacks freed some.
+void* malloc_or_retry(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+  void* p = api.malloc_fn(size, device, stream);
+  if (p == nullptr && api.last_error_code() == GPUALLOC_ERR_OUT_OF_MEMORY && free_memory_callbacks_freed()) {
+    p = api.malloc_fn(size, device, stream);
+  }
+  return p;
+}
+
 void* alloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
   if (size == 0) {
     return nullptr;
   }
   if (!history.enabled()) {
-    void* p = api.malloc_fn(size, device, stream);
+    void* p = malloc_or_retry(size, device, stream);
     if (p == nullptr) {
       raise_alloc_failure(size, device, stream);
     }
@@ -210,7 +250,7 @@ void* alloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
   }
   Context ctx = history.gather(RecordContext::STATE);
   History::pending_context() = ctx;
-  void* p = api.malloc_fn(size, device, stream);
+  void* p = malloc_or_retry(size, device, stream);
   History::pending_context().reset();
   if (p == nullptr) {
     raise_alloc_failure(size, device, stream);
@@ -329,8 +369,8 @@ struct PoolKey {
   unsigned long long a, b;
   bool operator<(const PoolKey& o) const { return std::tie(device, a, b) < std::tie(o.device, o.a, o.b); }
 };
-std::mutex filters_mutex;
-std::map<PoolKey, std::vector<std::unique_ptr<StreamFilterFn>>> filters;
+std::mutex& filters_mutex = *new std::mutex;
+auto& filters = *new std::map<PoolKey, std::vector<std::unique_ptr<StreamFilterFn>>>;
 
 int filter_trampoline(void* ctx, cudaStream_t stream) {
   try {
@@ -378,9 +418,12 @@ class GpuallocAllocator final : public CUDAAllocator {
       raise_if_failed("empty_cache");
     } else {
       // A MemPool may be destroyed from any device: ask every device
-      // (gpualloc creates none to answer).
+      // (gpualloc creates none to answer). `~MemPool` calls this: a
+      // failure is said, not thrown out of a destructor.
       for (int d = 0; d < device_count_; ++d) {
-        check(api.empty_pool_cache(d, id.first, id.second), "emptyCache(mempool_id)");
+        if (api.empty_pool_cache(d, id.first, id.second) != GPUALLOC_OK) {
+          TORCH_WARN("gpualloc: emptyCache(mempool_id) on device ", d, ": ", last_error("failed"));
+        }
       }
     }
   }

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -149,13 +150,13 @@ class History {
     }
     annotations_.push_back(std::move(e));
     if (annotations_.size() > max_entries_) {
-      annotations_.erase(annotations_.begin());
+      annotations_.pop_front();  // a deque: the vector's erase(begin) moved every entry
     }
   }
 
   std::vector<AnnotationEntry> annotations() const {
     std::lock_guard<std::mutex> g(mutex_);
-    return annotations_;
+    return {annotations_.begin(), annotations_.end()};
   }
 
   void push_compile_context(const std::string& md) { compile_stack().push_back(md); }
@@ -232,10 +233,13 @@ class History {
   std::unordered_set<int> skip_;
   std::vector<Ring> rings_;
   std::unordered_map<void*, Live> live_;
-  std::vector<AnnotationEntry> annotations_;
+  std::deque<AnnotationEntry> annotations_;
   std::string user_metadata_;
 };
 
-inline History history;
+// Never destroyed: a CUDA tensor freed during torch's static destruction
+// (the bridge, loaded after libtorch, has its globals destroyed first)
+// still finds it.
+inline History& history = *new History;
 
 }  // namespace gpualloc_bridge
