@@ -176,6 +176,31 @@ impl<B: Backend> Allocator<B> {
         }
     }
 
+    /// [`free`](Self::free) with the owner found from the pointer, giving
+    /// the device and the block size freed (torch's memory profiler is told
+    /// of each free's size).
+    ///
+    /// # Errors
+    /// As [`free`](Self::free).
+    pub fn free_sized(&self, ptr: DevicePtr) -> Result<(u32, u64), AllocError> {
+        self.with_owner(ptr, |d| {
+            let size = d.allocation_size(ptr).unwrap_or(0);
+            d.free(ptr).map(|()| (d.device, size))
+        })
+        .unwrap_or(Err(AllocError::InvalidPointer {
+            ptr,
+            device: crate::error::ANY_DEVICE,
+        }))
+    }
+
+    /// The block size of the live allocation at `ptr`, on whichever device
+    /// holds it; None for a pointer no device holds.
+    pub fn allocation_size(&self, ptr: DevicePtr) -> Option<u64> {
+        self.with_owner(ptr, |d| Ok(d.allocation_size(ptr)))
+            .and_then(Result::ok)
+            .flatten()
+    }
+
     fn free_anywhere(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         self.with_owner(ptr, |d| d.free(ptr))
             .unwrap_or(Err(AllocError::InvalidPointer {

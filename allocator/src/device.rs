@@ -767,6 +767,14 @@ impl<B: Backend> DeviceAllocator<B> {
         }
     }
 
+    /// The block size of the live allocation at `ptr` (what freeing it
+    /// gives back to the cache); None for a pointer not allocated here.
+    pub fn allocation_size(&self, ptr: DevicePtr) -> Option<u64> {
+        let &id = self.live.get(&ptr)?;
+        let b = &self.heap.blocks[id];
+        (b.state == BlockState::Allocated).then_some(b.size)
+    }
+
     /// Marks a block as also used on `stream` (`Tensor.record_stream`).
     ///
     /// # Errors

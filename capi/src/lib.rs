@@ -292,6 +292,61 @@ pub extern "C" fn gpualloc_free(
     );
 }
 
+/// `gpualloc_free` of `ptr` that finds its device and writes the block size
+/// it gave back to `*size` and the device to `*device` (either may be NULL):
+/// what torch's memory profiler is told of a free. `GPUALLOC_OK`, or
+/// `GPUALLOC_ERR_INVALID_POINTER` for a pointer gpualloc does not hold
+/// (NULL included); nothing is printed. In a child forked after the
+/// allocator started, as `gpualloc_free` there, with a size of 0.
+///
+/// # Safety
+/// `size` and `device` are NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_free_sized(
+    ptr: *mut c_void,
+    size: *mut u64,
+    device: *mut c_int,
+) -> c_int {
+    status(|| {
+        let (d, s) = if fork::in_forked_child() {
+            fork::free(ptr as usize as u64);
+            (0, 0)
+        } else {
+            let g = existing().ok_or_else(|| not_ours(ptr))?;
+            if ptr.is_null() {
+                return Err(not_ours(ptr));
+            }
+            g.alloc.free_sized(ptr as usize as u64)?
+        };
+        if !size.is_null() {
+            boundary::write_out(size, s, "size")?;
+        }
+        if !device.is_null() {
+            boundary::write_out(device, d as c_int, "device")?;
+        }
+        Ok(())
+    })
+}
+
+/// The block size of the live allocation at `ptr` (its request rounded as
+/// the allocator rounds it), written to `*size`: what torch's memory
+/// profiler is told of an allocation. `GPUALLOC_OK`, or
+/// `GPUALLOC_ERR_INVALID_POINTER` for a pointer gpualloc does not hold.
+///
+/// # Safety
+/// `size` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_allocation_size(ptr: *mut c_void, size: *mut u64) -> c_int {
+    status(|| {
+        let g = existing().ok_or_else(|| not_ours(ptr))?;
+        let s = g
+            .alloc
+            .allocation_size(ptr as usize as u64)
+            .ok_or_else(|| not_ours(ptr))?;
+        boundary::write_out(size, s, "size")
+    })
+}
+
 /// The error for a pointer gpualloc never allocated.
 fn not_ours(ptr: *mut c_void) -> Error {
     Error::new(

@@ -804,3 +804,38 @@ int main(void) {
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout), "child freed\n");
 }
+
+/// `gpualloc_allocation_size` and `gpualloc_free_sized` (what the bridge
+/// tells torch's memory profiler): the block size of a live allocation,
+/// then the same size and its device when it is freed; an unknown pointer
+/// is an error, not a message.
+#[test]
+fn sizes_of_allocations_and_frees() {
+    let (_out, exe) = build_inline(
+        "free_sized",
+        r#"#include "gpualloc.h"
+#include <stdio.h>
+#define CHECK(c) do { if (!(c)) { fprintf(stderr, "line %d: %s\n", __LINE__, #c); return 1; } } while (0)
+int main(void) {
+  void *p = gpualloc_malloc(1000, 0, 0);
+  CHECK(p != NULL);
+  uint64_t size = 0, freed = 0;
+  int device = -1;
+  CHECK(gpualloc_allocation_size(p, &size) == GPUALLOC_OK);
+  CHECK(size == 1024);  /* 512-byte rounding */
+  CHECK(gpualloc_free_sized(p, &freed, &device) == GPUALLOC_OK);
+  CHECK(freed == size && device == 0);
+  CHECK(gpualloc_allocation_size(p, &size) == GPUALLOC_ERR_INVALID_POINTER);
+  CHECK(gpualloc_free_sized(p, NULL, NULL) == GPUALLOC_ERR_INVALID_POINTER);
+  CHECK(gpualloc_free_sized(NULL, NULL, NULL) == GPUALLOC_ERR_INVALID_POINTER);
+  printf("done\n");
+  return 0;
+}
+"#,
+    );
+    let out = run_sim(&exe, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}: {err}", out.status);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "done\n");
+    assert!(err.is_empty(), "nothing is printed: {err}");
+}

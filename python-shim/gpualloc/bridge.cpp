@@ -169,6 +169,34 @@ void on_segment(void*, int device, int action, uint64_t address, uint64_t size, 
 
 // ---- allocation ----------------------------------------------------------
 
+// torch's memory profiler (`torch.profiler.profile(profile_memory=True)`,
+// its memory timeline): an allocation (`delta` > 0) or a free, with the
+// device's totals after it, as PyTorch's allocator reports them. Only
+// while the profiler asks (`c10::memoryProfilingEnabled`).
+void report_to_profiler(void* ptr, int64_t delta, int device) {
+  GpuallocStats s;
+  std::memset(&s, 0, sizeof s);
+  s.size = static_cast<uint32_t>(sizeof s);
+  if (device < 0 || api.get_stats(device, &s) != GPUALLOC_OK) {
+    return;
+  }
+  c10::reportMemoryUsageToProfiler(ptr, delta, static_cast<size_t>(s.allocated_bytes.all.current),
+                                   static_cast<size_t>(s.reserved_bytes.all.current),
+                                   c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+}
+
+// An allocation, to the profiler when it asks: the block's size, as PyTorch reports.
+void profile_alloc(void* p, size_t size, c10::DeviceIndex device) {
+  if (!c10::memoryProfilingEnabled()) {
+    return;
+  }
+  uint64_t block = size;
+  if (api.allocation_size(p, &block) != GPUALLOC_OK) {
+    block = size;
+  }
+  report_to_profiler(p, static_cast<int64_t>(block), device);
+}
+
 // The process that loaded the bridge: a forked child has another id.
 const pid_t history_pid = getpid();
 
@@ -183,6 +211,15 @@ void delete_fn(void* ptr) {
   // child] in capi/src/fork.rs).
   if (history.enabled() && getpid() == history_pid) {
     history.on_free(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
+  }
+  if (c10::memoryProfilingEnabled()) {
+    uint64_t size = 0;
+    int owner = -1;
+    if (api.free_sized(ptr, &size, &owner) == GPUALLOC_OK) {
+      report_to_profiler(ptr, -static_cast<int64_t>(size), owner);
+      return;
+    }
+    // Not gpualloc's: the plain free below reports it.
   }
   api.free_fn(ptr, 0, device >= 0 ? device : -1, nullptr);  // never throws: runs in deleters
 }
@@ -203,6 +240,16 @@ void delete_fn(void* ptr) {
   }
   if (has_trackers.load(std::memory_order_relaxed)) {
     notify_trackers(make_entry(TraceEntry::OOM, device, free_bytes, size, stream));
+  }
+  if (c10::memoryProfilingEnabled()) {
+    GpuallocStats s;
+    std::memset(&s, 0, sizeof s);
+    s.size = static_cast<uint32_t>(sizeof s);
+    if (api.get_stats(device, &s) == GPUALLOC_OK) {
+      c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(size), static_cast<size_t>(s.allocated_bytes.all.current),
+                                       static_cast<size_t>(s.reserved_bytes.all.current),
+                                       c10::Device(c10::DeviceType::CUDA, device));
+    }
   }
   std::vector<cca::OutOfMemoryObserver> obs;
   {
@@ -246,6 +293,7 @@ void* alloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
       raise_alloc_failure(size, device, stream);
     }
     note_device(device);
+    profile_alloc(p, size, device);
     return p;
   }
   Context ctx = history.gather(RecordContext::STATE);
@@ -257,6 +305,7 @@ void* alloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
   }
   note_device(device);
   history.on_alloc(p, size, device, stream, std::move(ctx));
+  profile_alloc(p, size, device);
   return p;
 }
 

@@ -20,6 +20,8 @@ struct Api {
   decltype(&gpualloc_config_string) config_string = nullptr;
   decltype(&gpualloc_malloc) malloc_fn = nullptr;
   decltype(&gpualloc_free) free_fn = nullptr;
+  decltype(&gpualloc_free_sized) free_sized = nullptr;
+  decltype(&gpualloc_allocation_size) allocation_size = nullptr;
   decltype(&gpualloc_last_error) last_error = nullptr;
   decltype(&gpualloc_last_error_code) last_error_code = nullptr;
   decltype(&gpualloc_record_stream_on) record_stream_on = nullptr;
@@ -54,6 +56,8 @@ struct Api {
     resolve(handle, "gpualloc_config_string", config_string);
     resolve(handle, "gpualloc_malloc", malloc_fn);
     resolve(handle, "gpualloc_free", free_fn);
+    resolve(handle, "gpualloc_free_sized", free_sized);
+    resolve(handle, "gpualloc_allocation_size", allocation_size);
     resolve(handle, "gpualloc_last_error", last_error);
     resolve(handle, "gpualloc_last_error_code", last_error_code);
     resolve(handle, "gpualloc_record_stream_on", record_stream_on);

@@ -392,6 +392,26 @@ void *gpualloc_malloc_or_abort(size_t size, int device, cudaStream_t stream);
 // the allocator started, a no-op: the memory is the parent's.
 void gpualloc_free(void *ptr, size_t size, int device, cudaStream_t stream);
 
+// `gpualloc_free` of `ptr` that finds its device and writes the block size
+// it gave back to `*size` and the device to `*device` (either may be NULL):
+// what torch's memory profiler is told of a free. `GPUALLOC_OK`, or
+// `GPUALLOC_ERR_INVALID_POINTER` for a pointer gpualloc does not hold
+// (NULL included); nothing is printed. In a child forked after the
+// allocator started, as `gpualloc_free` there, with a size of 0.
+//
+// # Safety
+// `size` and `device` are NULL or valid for a write.
+int gpualloc_free_sized(void *ptr, uint64_t *size, int *device);
+
+// The block size of the live allocation at `ptr` (its request rounded as
+// the allocator rounds it), written to `*size`: what torch's memory
+// profiler is told of an allocation. `GPUALLOC_OK`, or
+// `GPUALLOC_ERR_INVALID_POINTER` for a pointer gpualloc does not hold.
+//
+// # Safety
+// `size` is valid for a write.
+int gpualloc_allocation_size(void *ptr, uint64_t *size);
+
 // PyTorch's `enablePeerAccess(peer, device)` after the driver enabled
 // it: lets kernels on device `peer` read and write device `device`'s
 // memory, which expandable segments map for `device` alone until asked.
