@@ -97,6 +97,21 @@ def check_compat(args) -> dict:
             assert abs(le - lc) <= 1e-3 * max(1.0, abs(le)), f"step {i} (batch {b}): eager {le} vs compiled {lc}"
         return {"steps": len(losses), "last": losses[-1]}
 
+    @sub("profiler_sees_cuda_memory")
+    def _():
+        # torch.profiler.profile(profile_memory=True): the allocator reports
+        # each allocation and free (c10::reportMemoryUsageToProfiler).
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True) as prof:
+            a = torch.empty(8 * MiB, dtype=torch.uint8, device=dev)
+            b = torch.empty(3 * MiB, dtype=torch.uint8, device=dev)
+            del a, b
+        mem = [getattr(e, "device_memory_usage", None) or getattr(e, "cuda_memory_usage", 0) for e in prof.key_averages()]
+        seen = sum(m for m in mem if m > 0)
+        assert seen >= 11 * MiB, f"the profiler saw {seen} bytes of CUDA memory allocated, not the 11 MiB made"
+        return {"allocated_seen": seen}
+
     @sub("memory_history_and_memory_viz")
     def _():
         from torch.cuda import _memory_viz
