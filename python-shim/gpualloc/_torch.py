@@ -117,7 +117,31 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
             raise
         MODE = mode
         _set_auto_marks(torch, auto_marks)
+        _complete_trace_in_workers(L)
         return mode
+
+
+def _complete_trace_in_workers(L) -> None:
+    """A multiprocessing worker (a ``Pool``'s, under ``spawn`` or
+    ``forkserver``) leaves through ``os._exit``, past the exit handlers that
+    complete a trace, which then lacks its end; multiprocessing runs its
+    finalizers first, so the trace is completed there. Only in such a
+    worker: a main process completes it at exit, after what its other
+    threads and exit handlers allocate."""
+    import multiprocessing
+    import multiprocessing.util
+
+    if multiprocessing.parent_process() is None:
+        return
+
+    def complete():
+        if L.is_initialized() and L.is_tracing():
+            try:
+                L.trace_stop()
+            except GpuallocError:
+                pass  # the process is ending: nothing to tell it
+
+    multiprocessing.util.Finalize(None, complete, exitpriority=0)
 
 
 def _install_into(torch, L, bridge: bool, verbose: bool) -> str:

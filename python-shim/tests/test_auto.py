@@ -541,6 +541,39 @@ class InstallTest(unittest.TestCase):
             self.assertIn("mode fallback", out.stdout)
             self.assertIn("found local", out.stdout)
 
+    def test_a_pool_worker_completes_its_trace(self):
+        # Pool workers under forkserver (and fork) leave through os._exit,
+        # past the exit handlers: the trace is completed by multiprocessing's
+        # finalizers.
+        with tempfile.TemporaryDirectory() as d:
+            s = self.script(
+                d,
+                """
+                import multiprocessing
+
+                def work(n):
+                    import torch
+                    from gpualloc._lib import lib
+                    lib().free(lib().malloc(n << 20, 0, 0), 0)
+                    return n
+
+                if __name__ == "__main__":
+                    pool = multiprocessing.get_context("forkserver").Pool(1)
+                    print("results", pool.map(work, [1, 2]))
+                    pool.close()  # the workers end as they do (a `with` would terminate them)
+                    pool.join()
+                """,
+            )
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "--trace", os.path.join(d, "t-{pid}.gtrace"), s])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("results [1, 2]", out.stdout)
+            from gpualloc.tracefile import records
+
+            traces = [n for n in os.listdir(d) if n.endswith(".gtrace")]
+            self.assertEqual(len(traces), 1, traces)  # the worker's; run's own allocated nothing
+            sizes = sorted(r["requested"] for r in records(os.path.join(d, traces[0])) if r["kind"] == "alloc")
+            self.assertEqual(sizes, [1 << 20, 2 << 20])
+
     def test_the_environments_trace_holds_for_run_and_its_children(self):
         # With GPUALLOC_TRACE set, install() ignores --trace (and says so):
         # the children are not told otherwise.
