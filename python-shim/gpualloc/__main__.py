@@ -37,6 +37,8 @@ def _target(args):
         args.args = args.module[1:]
         if os.getcwd() not in sys.path[:1]:
             sys.path.insert(0, os.getcwd())  # as `python -m` does (this run's own -m put it there)
+        if not _module_exists(name):
+            raise _NotFound(f"No module named {name}")
         # alter_sys sets sys.argv[0] to the module's file, as `python -m` does.
         return name, lambda: runpy.run_module(name, run_name="__main__", alter_sys=True)
     script = args.script
@@ -60,6 +62,17 @@ def _target(args):
         if found:
             raise _NotFound(f"{script}: {found} is not a Python program (no python in its #! line)")
     raise _NotFound(f"{script}: no such file, console script entry point or Python program on PATH")
+
+
+def _module_exists(name: str) -> bool:
+    """Whether ``name`` can be found, as ``python -m`` looks (its parent
+    packages are imported to look inside them)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _path_first(folder: str) -> None:

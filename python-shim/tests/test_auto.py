@@ -788,6 +788,11 @@ class RunTargetsTest(unittest.TestCase):
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertIn("argv ['--', '--x', 'a']", out.stdout)
 
+    def test_an_unknown_module_is_one_line_and_installs_nothing(self):
+        out = run(["-m", "gpualloc", "run", "--no-bridge", "-m", "no_such_module_here"])
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertEqual(out.stderr.strip(), "gpualloc: cannot run: No module named no_such_module_here")
+
     def test_a_module_gets_its_arguments_after_a_double_dash(self):
         with tempfile.TemporaryDirectory() as d:
             self.write(os.path.join(d, "argvmod.py"), "import sys\nprint('argv', sys.argv[1:])\n")
