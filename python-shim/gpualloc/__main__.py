@@ -159,7 +159,10 @@ def _start(args) -> int:
 def _unprefixed(e) -> str:
     """An error's text without the ``gpualloc:`` this module puts first itself."""
     text = str(e)
-    return text[len("gpualloc: "):] if text.startswith("gpualloc: ") else text
+    for prefix in ("gpualloc: ", "gpualloc "):
+        if text.startswith(prefix):
+            return text[len(prefix) :]
+    return text
 
 
 # Launchers that start the training processes themselves (gpualloc reaches
@@ -280,8 +283,12 @@ def _info() -> int:
         print(f"version: {gpualloc.version()}")
         print(f"backend: {lib().backend()}")
     except gpualloc.GpuallocError as e:
-        print(f"gpualloc: {e}", file=sys.stderr)
-        if not isinstance(e, gpualloc.LibraryNotFound):
+        from gpualloc._lib import ERR_CONFIG
+
+        print(f"gpualloc: {_unprefixed(e)}", file=sys.stderr)
+        if e.code == ERR_CONFIG:
+            print("backend: not started (the configuration is invalid)")
+        elif not isinstance(e, gpualloc.LibraryNotFound):
             print("backend: unavailable")
         return 1
     return 0

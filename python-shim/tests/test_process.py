@@ -80,6 +80,12 @@ class ProcessTest(unittest.TestCase):
         self.assertIn(f"child allocs [{3 << 20}]", out.stdout)
         self.assertNotIn("panicked", out.stderr)
 
+    def test_info_names_a_bad_configuration_not_a_missing_backend(self):
+        out = run(["-m", "gpualloc", "info"], {"GPUALLOC_CONF": "bogus:1"})
+        self.assertEqual(out.returncode, 1, out.stderr)
+        self.assertIn("backend: not started (the configuration is invalid)", out.stdout)
+        self.assertTrue(out.stderr.startswith("gpualloc: config: `bogus`"), out.stderr)
+
     def test_no_cuda_is_a_clear_message_not_a_traceback(self):
         # This machine's backend is CUDA when GPUALLOC_BACKEND is unset; without
         # a driver, gpualloc must say so plainly.
