@@ -186,14 +186,14 @@ def _launcher_note(args):
 def _run(args) -> int:
     from gpualloc._lib import lib
 
+    note = _launcher_note(args)
+    if note:
+        print(note, file=sys.stderr)
     try:
         argv0, start = _target(args)
     except _NotFound as e:
         print(f"gpualloc: cannot run: {e}", file=sys.stderr)
         return 2
-    note = _launcher_note(args)
-    if note:
-        print(note, file=sys.stderr)
     if _start(args):
         return 1
     sys.argv = [argv0] + args.args
