@@ -17,6 +17,7 @@
 // per-allocation map on the way (the pluggable class kept one under a mutex).
 // docs/torch-compat.md lists every member and the test that covers it.
 
+#include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -185,8 +186,23 @@ void report_to_profiler(void* ptr, int64_t delta, int device) {
                                    c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
 }
 
+// torch's CUDA sanitizer (`TORCH_CUDA_SANITIZER=1`) follows allocations
+// and frees, so that a reused address is not taken for a race; as
+// PyTorch's allocator tells it.
+void sanitizer_alloc(void* p) {
+  if (const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace(); C10_UNLIKELY(interp)) {
+    (*interp)->trace_gpu_memory_allocation(c10::kCUDA, reinterpret_cast<uintptr_t>(p));
+  }
+}
+void sanitizer_free(void* p) {
+  if (const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace(); C10_UNLIKELY(interp)) {
+    (*interp)->trace_gpu_memory_deallocation(c10::kCUDA, reinterpret_cast<uintptr_t>(p));
+  }
+}
+
 // An allocation, to the profiler when it asks: the block's size, as PyTorch reports.
 void profile_alloc(void* p, size_t size, c10::DeviceIndex device) {
+  sanitizer_alloc(p);
   if (!c10::memoryProfilingEnabled()) {
     return;
   }
@@ -212,6 +228,7 @@ void delete_fn(void* ptr) {
   if (history.enabled() && getpid() == history_pid) {
     history.on_free(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
   }
+  sanitizer_free(ptr);
   if (c10::memoryProfilingEnabled()) {
     uint64_t size = 0;
     int owner = -1;
