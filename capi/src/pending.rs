@@ -15,8 +15,9 @@
 //! still an error at once) and keeps it, with a trace path, without
 //! starting anything. The allocator starts at the first call that needs it
 //! (PyTorch's CUDA initialization calls the bridge's `init`, which asks
-//! for it; an allocation; `gpualloc_init`; a mark or a phase) and takes
-//! them then. Until then the trace counts as recording (`is_tracing`), and
+//! for it; an allocation; `gpualloc_init`; a mark or a phase when a trace
+//! will be recorded, which they go to; without one they start nothing) and
+//! takes them then. Until then the trace counts as recording (`is_tracing`), and
 //! stopping it forgets it. The Python package's `trace_start` keeps its
 //! trace this way too (`gpualloc_configure(NULL, path)`), so that the
 //! line at a script's top that a spawned worker runs again starts nothing.

@@ -206,6 +206,19 @@ pub extern "C" fn gpualloc_is_tracing() -> c_int {
     )
 }
 
+/// The allocator a mark or a phase goes to: none, and nothing started,
+/// before the start when no trace would be recorded from it, since there
+/// is nothing to record them in (a spawned worker running a script's
+/// `with gpualloc.phase(...)` again starts no CUDA for it; Note [Starting
+/// on first use]). With a trace to record, the allocator starts, as before.
+fn recording() -> Result<Option<&'static crate::global::Global>, Error> {
+    match existing() {
+        Some(g) => Ok(Some(g)),
+        None if crate::pending::tracing() => global().map(Some),
+        None => Ok(None),
+    }
+}
+
 /// Enters a named phase (nestable); recorded in the trace.
 ///
 /// # Safety
@@ -214,7 +227,11 @@ pub extern "C" fn gpualloc_is_tracing() -> c_int {
 pub unsafe extern "C" fn gpualloc_phase_push(name: *const c_char) -> c_int {
     status(|| {
         let name = str_arg(name, "name")?;
-        Ok(global()?.alloc.phase_push(name)?)
+        gpualloc::trace::format::check_name(name, "phase")?;
+        match recording()? {
+            Some(g) => Ok(g.alloc.phase_push(name)?),
+            None => Ok(()),
+        }
     })
 }
 
@@ -222,7 +239,9 @@ pub unsafe extern "C" fn gpualloc_phase_push(name: *const c_char) -> c_int {
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_phase_pop() -> c_int {
     status(|| {
-        global()?.alloc.phase_pop();
+        if let Some(g) = recording()? {
+            g.alloc.phase_pop();
+        }
         Ok(())
     })
 }
@@ -235,6 +254,10 @@ pub extern "C" fn gpualloc_phase_pop() -> c_int {
 pub unsafe extern "C" fn gpualloc_mark(name: *const c_char) -> c_int {
     status(|| {
         let name = str_arg(name, "name")?;
-        Ok(global()?.alloc.mark(name)?)
+        gpualloc::trace::format::check_name(name, "mark")?;
+        match recording()? {
+            Some(g) => Ok(g.alloc.mark(name)?),
+            None => Ok(()),
+        }
     })
 }
