@@ -9,12 +9,6 @@
 // every map/unmap into ALLOC/FREE of whole announced ranges: a tracker that
 // registers on ALLOC and deregisters on FREE always has exactly the mapped
 // memory registered, each range once, and never a range that was unmapped.
-// The announced ranges are the maximal runs of mapped memory, as the
-// snapshot's segments are: a communicator that starts later registers the
-// snapshot's segments itself (ProcessGroupNCCL does at its first
-// collective), so a range mapped next to an announced one is announced
-// merged with it (its neighbours withdrawn), and a later FREE names a start
-// that communicator registered.
 #pragma once
 
 #include <cstdint>
@@ -45,21 +39,8 @@ class AnnouncedRanges {
     if (it != m.begin() && std::prev(it)->first + std::prev(it)->second >= addr + size) {
       return out;
     }
-    uint64_t start = addr;
-    uint64_t end = addr + size;
-    if (it != m.begin() && std::prev(it)->first + std::prev(it)->second == addr) {
-      --it;
-      start = it->first;
-      out.push_back({false, device, it->first, it->second});
-      it = m.erase(it);
-    }
-    if (it != m.end() && it->first == end) {
-      end = it->first + it->second;
-      out.push_back({false, device, it->first, it->second});
-      m.erase(it);
-    }
-    m[start] = end - start;
-    out.push_back({true, device, start, end - start});
+    m[addr] = size;
+    out.push_back({true, device, addr, size});
     return out;
   }
 

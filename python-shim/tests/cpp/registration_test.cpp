@@ -2,10 +2,7 @@
 // registers on ALLOC and deregisters by start address on FREE, as
 // ProcessGroupNCCL does: after every map/unmap of random page ranges the
 // registered bytes must be exactly the mapped bytes, with no range
-// registered twice and no FREE of an unknown start. In half the rounds the
-// consumer starts late, as a communicator does at its first collective:
-// it ignores the events before and then registers the snapshot's segments
-// (the maximal runs of mapped pages) itself.
+// registered twice and no FREE of an unknown start.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -25,12 +22,7 @@ int main() {
     AnnouncedRanges a;
     std::set<int> mapped;                 // page indices
     std::map<uint64_t, uint64_t> consumer;  // start -> size
-    const int starts_at = round % 2 == 0 ? 0 : static_cast<int>(rng() % 300);
-    bool started = starts_at == 0;
     auto apply = [&](const std::vector<AnnouncedRanges::Change>& cs) {
-      if (!started) {
-        return;
-      }
       for (const auto& c : cs) {
         if (c.alloc) {
           if (consumer.count(c.addr) != 0) {
@@ -45,17 +37,6 @@ int main() {
       }
     };
     for (int op = 0; op < 300; ++op) {
-      if (!started && op == starts_at) {
-        started = true;  // registers the snapshot's segments: maximal runs
-        for (auto p = mapped.begin(); p != mapped.end();) {
-          int first = *p;
-          int last = first;
-          while (++p != mapped.end() && *p == last + 1) {
-            last = *p;
-          }
-          consumer[first * page] = static_cast<uint64_t>(last - first + 1) * page;
-        }
-      }
       int start = static_cast<int>(rng() % pages);
       int len = 1 + static_cast<int>(rng() % 8);
       if (start + len > pages) {
@@ -74,9 +55,6 @@ int main() {
         apply(a.unmapped(0, start * page, len * page));
         for (int p = start; p < start + len; ++p) mapped.erase(p);
       } else {
-        continue;
-      }
-      if (!started) {
         continue;
       }
       std::set<int> registered;
