@@ -161,7 +161,14 @@ impl<B: Backend> Allocator<B> {
         // for the error; a pointer of another device is freed there, as a
         // free that knows only the pointer would.
         let elsewhere = |e| self.with_owner(ptr, |d| d.free(ptr)).unwrap_or(Err(e));
-        match self.peek_healthy(device)? {
+        match self.peek(device)? {
+            // A poisoned device is not read; the pointer may be another's.
+            Some(d) if d.poisoned => {
+                drop(d);
+                elsewhere(AllocError::Poisoned {
+                    device: device as u32,
+                })
+            }
             Some(mut d) => match d.free(ptr) {
                 Err(e @ AllocError::InvalidPointer { .. }) => {
                     drop(d);

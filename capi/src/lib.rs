@@ -297,7 +297,8 @@ pub extern "C" fn gpualloc_free(
 /// what torch's memory profiler is told of a free. `GPUALLOC_OK`, or
 /// `GPUALLOC_ERR_INVALID_POINTER` for a pointer gpualloc does not hold
 /// (NULL included); nothing is printed. In a child forked after the
-/// allocator started, as `gpualloc_free` there, with a size of 0.
+/// allocator started, as `gpualloc_free` there, with a size of 0 and a
+/// device of -1.
 ///
 /// # Safety
 /// `size` and `device` are NULL or valid for a write.
@@ -308,21 +309,24 @@ pub unsafe extern "C" fn gpualloc_free_sized(
     device: *mut c_int,
 ) -> c_int {
     status(|| {
+        // In a forked child no device is named (-1): nothing there may
+        // ask a device about the free (its lock may be held for good).
         let (d, s) = if fork::in_forked_child() {
             fork::free(ptr as usize as u64);
-            (0, 0)
+            (-1, 0)
         } else {
             let g = existing().ok_or_else(|| not_ours(ptr))?;
             if ptr.is_null() {
                 return Err(not_ours(ptr));
             }
-            g.alloc.free_sized(ptr as usize as u64)?
+            let (d, s) = g.alloc.free_sized(ptr as usize as u64)?;
+            (d as c_int, s)
         };
         if !size.is_null() {
             boundary::write_out(size, s, "size")?;
         }
         if !device.is_null() {
-            boundary::write_out(device, d as c_int, "device")?;
+            boundary::write_out(device, d, "device")?;
         }
         Ok(())
     })

@@ -780,6 +780,9 @@ int main(void) {
   if (pid == 0) {
     alarm(10);  /* a child stuck on the lock is killed, and the test fails */
     gpualloc_free(p, 4096, 0, 0);
+    uint64_t size = 1;
+    int owner = 0;
+    if (gpualloc_free_sized(p, &size, &owner) != GPUALLOC_OK || owner != -1 || size != 0) _exit(3);
     _exit(0);
   }
   pthread_mutex_lock(&m);

@@ -65,12 +65,13 @@ def _target(args):
 
 
 def _module_exists(name: str) -> bool:
-    """Whether ``name`` can be found, as ``python -m`` looks (its parent
-    packages are imported to look inside them)."""
+    """Whether the top-level package or module of ``name`` can be found.
+    Only that: looking inside a package imports it, which must come after
+    gpualloc is installed (runpy says what else is missing, then)."""
     import importlib.util
 
     try:
-        return importlib.util.find_spec(name) is not None
+        return importlib.util.find_spec(name.partition(".")[0]) is not None
     except (ImportError, ValueError):
         return False
 
@@ -79,7 +80,8 @@ def _path_first(folder: str) -> None:
     """``sys.path[0]`` as ``python script.py`` sets it: the script's folder
     (links resolved) in place of the working folder this run's own ``-m``
     put there, which a script run directly does not have."""
-    if sys.path and sys.path[0] in ("", os.getcwd()):
+    # Under -P (safe_path) sys.path[0] is the user's first PYTHONPATH entry.
+    if sys.path and sys.path[0] in ("", os.getcwd()) and not sys.flags.safe_path:
         sys.path[0] = folder
     else:
         sys.path.insert(0, folder)

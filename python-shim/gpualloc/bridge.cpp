@@ -228,12 +228,21 @@ void delete_fn(void* ptr) {
   if (history.enabled() && getpid() == history_pid) {
     history.on_free(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
   }
-  sanitizer_free(ptr);
-  if (c10::memoryProfilingEnabled()) {
+  const bool parent = getpid() == history_pid;  // a forked child asks nothing of the devices
+  if (parent) {
+    sanitizer_free(ptr);
+  }
+  if (parent && c10::memoryProfilingEnabled()) {
     uint64_t size = 0;
     int owner = -1;
-    if (api.free_sized(ptr, &size, &owner) == GPUALLOC_OK) {
+    int rc = api.free_sized(ptr, &size, &owner);
+    if (rc == GPUALLOC_OK) {
       report_to_profiler(ptr, -static_cast<int64_t>(size), owner);
+      return;
+    }
+    if (rc != GPUALLOC_ERR_INVALID_POINTER) {
+      // Freed, or deferred: said as the plain free says it, not freed twice.
+      std::fprintf(stderr, "%s\n", last_error("gpualloc: free failed").c_str());
       return;
     }
     // Not gpualloc's: the plain free below reports it.

@@ -788,6 +788,27 @@ class RunTargetsTest(unittest.TestCase):
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertIn("argv ['--', '--x', 'a']", out.stdout)
 
+    def test_a_package_of_the_module_is_imported_after_the_install(self):
+        # Looking for -m's module imports none of its packages before
+        # gpualloc is installed; and under -P the user's first PYTHONPATH
+        # entry stays where it is.
+        with tempfile.TemporaryDirectory() as d:
+            self.write(os.path.join(d, "trainpkg", "__init__.py"), "import gpualloc\nprint('installed first', bool(gpualloc.installed()))\n")
+            self.write(os.path.join(d, "trainpkg", "mod.py"), "print('module ran')\n")
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "-m", "trainpkg.mod"], cwd=d)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("installed first True", out.stdout)
+            self.assertIn("module ran", out.stdout)
+            self.write(os.path.join(d, "lib", "helper.py"), "VALUE = 'helper'\n")
+            self.write(os.path.join(d, "scripts", "use.py"), "import helper\nprint('found', helper.VALUE)\n")
+            env = {"PYTHONPATH": os.pathsep.join([os.path.join(d, "lib"), FAKE_TORCH, SHIM])}
+            out = subprocess.run(
+                [sys.executable, "-P", "-m", "gpualloc", "run", "--no-bridge", os.path.join(d, "scripts", "use.py")],
+                capture_output=True, text=True, env={**os.environ, **env}, cwd=os.path.join(d, "lib"), timeout=120,
+            )
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("found helper", out.stdout)
+
     def test_an_unknown_module_is_one_line_and_installs_nothing(self):
         out = run(["-m", "gpualloc", "run", "--no-bridge", "-m", "no_such_module_here"])
         self.assertEqual(out.returncode, 2, out.stderr)

@@ -397,7 +397,8 @@ void gpualloc_free(void *ptr, size_t size, int device, cudaStream_t stream);
 // what torch's memory profiler is told of a free. `GPUALLOC_OK`, or
 // `GPUALLOC_ERR_INVALID_POINTER` for a pointer gpualloc does not hold
 // (NULL included); nothing is printed. In a child forked after the
-// allocator started, as `gpualloc_free` there, with a size of 0.
+// allocator started, as `gpualloc_free` there, with a size of 0 and a
+// device of -1.
 //
 // # Safety
 // `size` and `device` are NULL or valid for a write.
