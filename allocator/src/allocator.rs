@@ -227,6 +227,17 @@ impl<B: Backend> Allocator<B> {
         ptr: DevicePtr,
         f: impl FnOnce(&mut DeviceAllocator<B>) -> Result<R, AllocError>,
     ) -> Option<Result<R, AllocError>> {
+        self.with_owner_waiting(ptr, true, f)
+    }
+
+    /// [`with_owner`](Self::with_owner); without `wait`, the devices other
+    /// threads hold are passed over rather than waited for.
+    fn with_owner_waiting<R>(
+        &self,
+        ptr: DevicePtr,
+        wait: bool,
+        f: impl FnOnce(&mut DeviceAllocator<B>) -> Result<R, AllocError>,
+    ) -> Option<Result<R, AllocError>> {
         let mut busy = Vec::new();
         let mut owner = None;
         for slot in &self.devices {
@@ -241,7 +252,7 @@ impl<B: Backend> Allocator<B> {
             }
         }
         for slot in busy {
-            if owner.is_some() {
+            if owner.is_some() || !wait {
                 break;
             }
             owner = Self::owning(slot.lock(), ptr);
@@ -264,15 +275,8 @@ impl<B: Backend> Allocator<B> {
     /// # Errors
     /// As [`DeviceAllocator::free`]; [`AllocError::Poisoned`].
     pub fn free_if_unlocked(&self, ptr: DevicePtr) -> Result<bool, AllocError> {
-        for slot in &self.devices {
-            if let Some(mut d) = slot.try_lock().and_then(|g| Self::owning(g, ptr)) {
-                if d.poisoned {
-                    return Err(AllocError::Poisoned { device: d.device });
-                }
-                return d.free(ptr).map(|()| true);
-            }
-        }
-        Ok(false)
+        self.with_owner_waiting(ptr, false, |d| d.free(ptr))
+            .map_or(Ok(false), |r| r.map(|()| true))
     }
 
     /// The device `guard` holds, if it is created and allocated `ptr`.

@@ -214,10 +214,9 @@ def _run(args) -> int:
 
 
 def _stop_trace(L) -> None:
-    # A trace only kept for a start that never came (this process never
-    # used CUDA: a launcher) wrote nothing (Note [Starting on first use]).
-    if L.is_initialized() and L.is_tracing():
-        s = L.trace_stop()
+    # A launcher that never used CUDA wrote nothing, and says nothing.
+    s = L.stop_started_trace()
+    if s is not None:
         print(f"gpualloc: trace written: {s['events']} events, {s['bytes']} bytes, {s['dropped']} dropped", file=sys.stderr)
 
 

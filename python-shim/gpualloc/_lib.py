@@ -363,19 +363,21 @@ class Library:
         # the process: write its last buffers and its end block then.
         atexit.register(self._stop_trace_at_exit)
 
-    def _stop_trace_at_exit(self) -> None:
+    def stop_started_trace(self) -> Optional[Dict[str, int]]:
+        """Completes the trace when the allocator started and records one;
+        its summary, or None. Only a trace of an allocator that started was
+        written (one kept for a start that never came, or in GPUALLOC_TRACE,
+        was not). For the ends of a process: a failure is said on stderr,
+        the last place to say that the file is incomplete, never raised."""
         try:
-            # Only a trace of an allocator that started was written (one
-            # kept for a start that never came, or in GPUALLOC_TRACE, was not).
-            if (
-                self.dll.gpualloc_is_initialized()
-                and self.dll.gpualloc_is_tracing() > 0
-                and self.dll.gpualloc_trace_stop(None) < 0
-            ):
-                # The last place to say that the file is incomplete.
-                print(f"gpualloc: the trace could not be completed at exit: {self.last_error()}", file=sys.stderr)
-        except Exception:  # noqa: BLE001 - never fail interpreter shutdown
-            pass
+            if self.dll.gpualloc_is_initialized() and self.dll.gpualloc_is_tracing() > 0:
+                return self.trace_stop()
+        except Exception as e:  # noqa: BLE001 - never fail the process's end
+            print(f"gpualloc: the trace could not be completed: {e}", file=sys.stderr)
+        return None
+
+    def _stop_trace_at_exit(self) -> None:
+        self.stop_started_trace()
 
     # ---- errors ----
 

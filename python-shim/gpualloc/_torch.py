@@ -133,15 +133,7 @@ def _complete_trace_in_workers(L) -> None:
 
     if multiprocessing.parent_process() is None:
         return
-
-    def complete():
-        if L.is_initialized() and L.is_tracing():
-            try:
-                L.trace_stop()
-            except GpuallocError:
-                pass  # the process is ending: nothing to tell it
-
-    multiprocessing.util.Finalize(None, complete, exitpriority=0)
+    multiprocessing.util.Finalize(None, L.stop_started_trace, exitpriority=0)
 
 
 def _install_into(torch, L, bridge: bool, verbose: bool) -> str:

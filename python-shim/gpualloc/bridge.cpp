@@ -170,15 +170,20 @@ void on_segment(void*, int device, int action, uint64_t address, uint64_t size, 
 
 // ---- allocation ----------------------------------------------------------
 
+// gpualloc's stats of `device` into `s`; the status.
+int get_stats(int device, GpuallocStats& s) {
+  std::memset(&s, 0, sizeof s);
+  s.size = static_cast<uint32_t>(sizeof s);
+  return api.get_stats(device, &s);
+}
+
 // torch's memory profiler (`torch.profiler.profile(profile_memory=True)`,
 // its memory timeline): an allocation (`delta` > 0) or a free, with the
 // device's totals after it, as PyTorch's allocator reports them. Only
 // while the profiler asks (`c10::memoryProfilingEnabled`).
 void report_to_profiler(void* ptr, int64_t delta, int device) {
   GpuallocStats s;
-  std::memset(&s, 0, sizeof s);
-  s.size = static_cast<uint32_t>(sizeof s);
-  if (device < 0 || api.get_stats(device, &s) != GPUALLOC_OK) {
+  if (device < 0 || get_stats(device, s) != GPUALLOC_OK) {
     return;
   }
   c10::reportMemoryUsageToProfiler(ptr, delta, static_cast<size_t>(s.allocated_bytes.all.current),
@@ -216,23 +221,22 @@ void profile_alloc(void* p, size_t size, c10::DeviceIndex device) {
 // The process that loaded the bridge: a forked child has another id.
 const pid_t history_pid = getpid();
 
+// Not a forked child (a DataLoader worker freeing what it inherited): the
+// locks of history and of the devices may be held there for good by a
+// thread the fork left behind (Note [Freeing in a forked child] in
+// capi/src/fork.rs). A system call: asked only on the rare paths.
+bool in_parent() { return getpid() == history_pid; }
+
 void delete_fn(void* ptr) {
   if (ptr == nullptr) {
     return;
   }
   int device = only_device.load(std::memory_order_relaxed);
-  // Not in a forked child (a DataLoader worker freeing what it inherited):
-  // history's lock may have been held by a thread the fork left behind,
-  // and gpualloc's free there touches nothing (Note [Freeing in a forked
-  // child] in capi/src/fork.rs).
-  if (history.enabled() && getpid() == history_pid) {
+  if (history.enabled() && in_parent()) {
     history.on_free(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
   }
-  const bool parent = getpid() == history_pid;  // a forked child asks nothing of the devices
-  if (parent) {
-    sanitizer_free(ptr);
-  }
-  if (parent && c10::memoryProfilingEnabled()) {
+  sanitizer_free(ptr);
+  if (c10::memoryProfilingEnabled() && in_parent()) {
     uint64_t size = 0;
     int owner = -1;
     int rc = api.free_sized(ptr, &size, &owner);
@@ -269,9 +273,7 @@ void delete_fn(void* ptr) {
   }
   if (c10::memoryProfilingEnabled()) {
     GpuallocStats s;
-    std::memset(&s, 0, sizeof s);
-    s.size = static_cast<uint32_t>(sizeof s);
-    if (api.get_stats(device, &s) == GPUALLOC_OK) {
+    if (get_stats(device, s) == GPUALLOC_OK) {
       c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(size), static_cast<size_t>(s.allocated_bytes.all.current),
                                        static_cast<size_t>(s.reserved_bytes.all.current),
                                        c10::Device(c10::DeviceType::CUDA, device));
@@ -361,9 +363,7 @@ void fill_array(A& out, const GpuallocStatArray& in) {
 
 GpuallocStats read_stats(c10::DeviceIndex device) {
   GpuallocStats s;
-  std::memset(&s, 0, sizeof s);
-  s.size = static_cast<uint32_t>(sizeof s);
-  check(api.get_stats(static_cast<int>(device), &s), "getDeviceStats");
+  check(get_stats(static_cast<int>(device), s), "getDeviceStats");
   return s;
 }
 
