@@ -10,7 +10,9 @@ train_resnet, train_gpt2, train_detector, train_backbone (training steps
 timed, with the allocator's counters), churn, churn_cpp and trace_cpp
 (allocator calls from C++: a loop, and a recorded trace's), kernel_speed (kernels on
 memory placed after a fragmenting warm-up), auto_marks (the step marks
-and phases install() records by itself) and max_batch (the largest
+and phases install() records by itself), launcher (`python -m gpualloc
+run` on an unchanged program with DataLoader workers and a spawned
+process) and max_batch (the largest
 batch of a workload under a memory budget):
 
     python3 tests/gpu/checks.py max_batch --alloc native --workload backbone --budget-gib 12
@@ -36,6 +38,7 @@ sys.path.insert(0, HERE)
 import churn_cpp  # noqa: E402 - needs HERE on the path
 import compat  # noqa: E402
 import kernel_speed  # noqa: E402
+import launcher  # noqa: E402
 
 MiB = 1 << 20
 
@@ -1072,6 +1075,7 @@ CHECKS = {
     "churn_cpp": churn_cpp.check_churn_cpp,
     "trace_cpp": churn_cpp.check_trace_cpp,
     "kernel_speed": kernel_speed.check_kernel_speed,
+    "launcher": launcher.check_launcher,
 }
 
 

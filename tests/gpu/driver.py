@@ -32,6 +32,7 @@ PLAN = [
     ("trace_cpp", 120, 0),
     ("kernel_speed", 120, 0),
     ("auto_marks", 120, 0),
+    ("launcher", 300, 0),
     ("compat", 300, 0),
     ("ipc", 150, 0),
     ("train_resnet", 150, 200),
@@ -66,6 +67,7 @@ CHECK_VARIANTS = {
     "streams": ["native", "gpualloc", "gpualloc-fallback", "gpualloc-raw"],
     "ipc": ["native", "native[expandable_segments:True]", "gpualloc", "gpualloc[expandable_segments:false]"],
     "kernel_speed": ["native", "native[expandable_segments:True]", "gpualloc"],
+    "launcher": ["gpualloc"],
 }
 TRAIN_VARIANTS = ["native", "native-expandable", "gpualloc", "gpualloc-expandable", "gpualloc-expandable-traced"]
 
