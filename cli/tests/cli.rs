@@ -928,3 +928,37 @@ fn summary_shows_each_streams_share_at_peak_reserved() {
     let plain = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/resnet50.gtrace");
     assert!(!ok(&["summary", plain]).contains("streams at peak reserved"));
 }
+
+/// Phases and marks go into a snapshot's `external_annotations` (a phase
+/// as START and END, a mark as both at one time) and come back from it as
+/// they were, in the same order and within the microsecond.
+#[test]
+fn phases_and_marks_survive_a_snapshot_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/detector-multiscale.gtrace"
+    );
+    let pickle = dir.path().join("d.pickle");
+    ok(&["export", example, "--torch-snapshot", s(&pickle)]);
+    let back = dir.path().join("back.gtrace");
+    ok(&["import", s(&pickle), "-o", s(&back)]);
+    let script = r#"
+import pickle, sys
+sys.path.insert(0, sys.argv[4])
+from gpualloc.tracefile import annotations
+snap = pickle.load(open(sys.argv[1], "rb"))
+ext = snap["external_annotations"]
+before, after = annotations(sys.argv[2]), annotations(sys.argv[3])
+marks = sum(a["kind"] == "mark" for a in before)
+assert marks > 0 and len(before) > marks, before[:5]
+assert len(ext) == len(before) + marks, (len(ext), len(before), marks)
+assert {e["stage"] for e in ext} == {"START", "END"}, ext[:4]
+assert [(a["kind"], a["name"]) for a in after] == [(a["kind"], a["name"]) for a in before]
+t0, t1 = before[0]["time_ns"], after[0]["time_ns"]
+for a, b in zip(before, after):
+    assert abs((a["time_ns"] - t0) - (b["time_ns"] - t1)) <= 1000, (a, b)
+"#;
+    let shim = concat!(env!("CARGO_MANIFEST_DIR"), "/../python-shim");
+    python(script, &[s(&pickle), example, s(&back), shim]);
+}

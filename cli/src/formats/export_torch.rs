@@ -8,6 +8,10 @@
 //! without segments) gets a segment of its own, allocated just before it and
 //! freed just after it. The final state is rebuilt from the kept events, and
 //! each segment's blocks tile it exactly, gaps marked `inactive`.
+//!
+//! Phases and marks go to `external_annotations`, where PyTorch puts
+//! `record_function`'s ranges: a phase as a `START` and an `END`, a mark as
+//! both at one time (the import reads them back the same way).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -22,6 +26,15 @@ use crate::input::{self, CliError};
 
 type P = Pickler<BufWriter<File>>;
 
+/// At most this many phase and mark annotations are written (two per mark),
+/// so that a trace of millions of marks cannot exhaust memory; the note
+/// says how many were left out.
+const MAX_ANNOTATIONS: usize = 4_000_000;
+
+/// One `external_annotations` entry: device, name (string id), whether it
+/// starts (`START`) or ends (`END`) its range, and the time since the start.
+type Annotation = (u32, u64, bool, u64);
+
 /// Writes `out`; returns a note on what was left out, if anything.
 pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<String>, CliError> {
     let werr = |e: std::io::Error| CliError(format!("{}: cannot write: {e}", out.display()));
@@ -34,8 +47,24 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
     drop(first);
     // Which devices have events (and how many device lists to write).
     let mut seen: BTreeMap<u32, ()> = BTreeMap::new();
-    input::scan(path, allow_truncated, |e| {
+    let mut annotations: Vec<Annotation> = Vec::new();
+    let mut annotations_left_out = 0u64;
+    let info = input::scan(path, allow_truncated, |e| {
         seen.insert(e.device, ());
+        let ends: &[bool] = match e.kind() {
+            EventKind::PhasePush { .. } => &[true],
+            EventKind::PhasePop { .. } => &[false],
+            EventKind::Mark { .. } => &[true, false],
+            _ => return,
+        };
+        for &start in ends {
+            match e.name_id() {
+                Some(name) if annotations.len() < MAX_ANNOTATIONS => {
+                    annotations.push((e.device, name, start, e.time_ns));
+                }
+                _ => annotations_left_out += 1,
+            }
+        }
     })?;
     // The reader bounds device numbers (below MAX_DEVICES), so this cannot
     // wrap; devices without events get an empty list without a pass.
@@ -87,11 +116,33 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
     p.dict().map_err(werr)?;
     p.kv_str("PYTORCH_CUDA_ALLOC_CONF", &config).map_err(werr)?;
     p.end().map_err(werr)?;
+    p.str("external_annotations").map_err(werr)?;
+    p.list().map_err(werr)?;
+    for &(device, name, start, time_ns) in &annotations {
+        p.dict().map_err(werr)?;
+        p.kv_str("name", &info.name(name)).map_err(werr)?;
+        p.kv_str("stage", if start { "START" } else { "END" })
+            .map_err(werr)?;
+        p.kv_int("device", u64::from(device)).map_err(werr)?;
+        p.kv_int("time_us", start_ns.saturating_add(time_ns) / 1000)
+            .map_err(werr)?;
+        p.end().map_err(werr)?;
+    }
+    p.end().map_err(werr)?;
     p.end().map_err(werr)?;
     p.finish().map_err(werr)?;
-    Ok((skipped > 0).then(|| {
-        format!("{skipped} events about blocks or segments older than the trace were left out")
-    }))
+    let mut notes = Vec::new();
+    if skipped > 0 {
+        notes.push(format!(
+            "{skipped} events about blocks or segments older than the trace were left out"
+        ));
+    }
+    if annotations_left_out > 0 {
+        notes.push(format!(
+            "{annotations_left_out} phase and mark annotations past the first {MAX_ANNOTATIONS} were left out"
+        ));
+    }
+    Ok((!notes.is_empty()).then(|| notes.join("; ")))
 }
 
 struct Exporter {

@@ -3,8 +3,10 @@
 //! Uses `device_traces` (recorded with `_record_memory_history`): each entry
 //! becomes one event of its device, times from `time_us`. Block sizes are
 //! PyTorch's rounding of the request (512 B steps); `annotate` entries
-//! become marks. The snapshot's ring buffer may start mid-run: frees of
-//! blocks allocated before it are kept, and the analysis skips them.
+//! become marks, and `external_annotations` phases and marks
+//! (`torch_annotations.rs`). The snapshot's ring buffer may start mid-run:
+//! frees of blocks allocated before it are kept, and the analysis skips
+//! them.
 
 use std::fs::File;
 use std::io::BufWriter;
@@ -14,6 +16,7 @@ use gpualloc::Config;
 use gpualloc::size_class::round_size;
 use gpualloc::trace::{Action, EventKind, MAX_DEVICES, Pool, TraceEvent, TraceHeader, TraceWriter};
 
+use crate::formats::torch_annotations::{self, Annotation};
 use crate::formats::unpickle;
 use crate::input::CliError;
 
@@ -66,7 +69,7 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
     let config = Config::default();
     // What could not be carried over as it was, said at the end.
     let mut unknown: std::collections::BTreeMap<String, u64> = Default::default();
-    let (mut negative, mut untimed) = (0u64, 0u64);
+    let (mut negative, mut untimed, mut annotations_left_out) = (0u64, 0u64, 0u64);
     for (d, list) in devices.iter().enumerate() {
         let mut events = Vec::new();
         for (i, entry) in list.items().iter().enumerate() {
@@ -150,16 +153,9 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                         .get("user_metadata")
                         .and_then(|m| m.as_str().map(String::from))
                         .unwrap_or_else(|| "annotate".into());
-                    let id = match strings.get(&name) {
-                        Some(&id) => id,
-                        None => {
-                            w.write_strings(std::slice::from_ref(&name)).map_err(werr)?;
-                            let id = strings.len() as u64;
-                            strings.insert(name, id);
-                            id
-                        }
-                    };
-                    EventKind::Mark { name: id }
+                    EventKind::Mark {
+                        name: intern(&mut w, &mut strings, name).map_err(werr)?,
+                    }
                 }
                 "snapshot" => continue, // a marker of the dump, no allocation
                 other => {
@@ -170,7 +166,26 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             let time_ns = time_us.saturating_mul(1000);
             events.push(TraceEvent::from_kind(time_ns, d as u32, stream, 0, kind));
         }
-        w.write_events(d as u32, &events).map_err(werr)?;
+        let (anns, left_out) = torch_annotations::for_device(&root, d as i64);
+        annotations_left_out += left_out;
+        let mut timed = Vec::with_capacity(anns.len());
+        for (t, a) in anns {
+            let at_ns = (t.max(0) as u64).saturating_sub(t0).saturating_mul(1000);
+            let kind = match a {
+                Annotation::Push(n) => EventKind::PhasePush {
+                    name: intern(&mut w, &mut strings, n).map_err(werr)?,
+                },
+                Annotation::Pop(n) => EventKind::PhasePop {
+                    name: intern(&mut w, &mut strings, n).map_err(werr)?,
+                },
+                Annotation::Mark(n) => EventKind::Mark {
+                    name: intern(&mut w, &mut strings, n).map_err(werr)?,
+                },
+            };
+            timed.push(TraceEvent::from_kind(at_ns, d as u32, 0, 0, kind));
+        }
+        w.write_events(d as u32, &merge_by_time(events, timed))
+            .map_err(werr)?;
     }
     let n = w.events();
     w.finish(None).map_err(werr)?;
@@ -199,5 +214,44 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             ),
         );
     }
+    if annotations_left_out > 0 {
+        crate::input::warn_once(
+            "import annotations",
+            &format!(
+                "{name}: {annotations_left_out} `external_annotations` entries were left out (no name, stage or time, or an END that closes no open range)"
+            ),
+        );
+    }
     Ok(n)
+}
+
+/// The id of annotation name `name`, written to the string table the first
+/// time it is seen.
+fn intern(
+    w: &mut TraceWriter<BufWriter<File>>,
+    strings: &mut std::collections::HashMap<String, u64>,
+    name: String,
+) -> std::io::Result<u64> {
+    if let Some(&id) = strings.get(&name) {
+        return Ok(id);
+    }
+    w.write_strings(std::slice::from_ref(&name))?;
+    let id = strings.len() as u64;
+    strings.insert(name, id);
+    Ok(id)
+}
+
+/// `entries` (in the snapshot's order) with `annotations` (in time order)
+/// placed before the first entry later than each.
+fn merge_by_time(entries: Vec<TraceEvent>, annotations: Vec<TraceEvent>) -> Vec<TraceEvent> {
+    let mut out = Vec::with_capacity(entries.len() + annotations.len());
+    let mut anns = annotations.into_iter().peekable();
+    for e in entries {
+        while let Some(a) = anns.next_if(|a| a.time_ns <= e.time_ns) {
+            out.push(a);
+        }
+        out.push(e);
+    }
+    out.extend(anns);
+    out
 }

@@ -11,4 +11,5 @@ pub(crate) mod import_rmm;
 pub(crate) mod import_torch;
 pub(crate) mod parquet_table;
 pub(crate) mod pickle;
+pub(crate) mod torch_annotations;
 pub(crate) mod unpickle;
