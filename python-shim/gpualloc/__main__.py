@@ -44,6 +44,14 @@ def _target(args):
     script = args.script
     if script is None:
         raise _NotFound("nothing to run: give a script, -m module or a console script")
+    if os.path.isdir(script) or _is_zip(script):
+        # `python app/` or `python app.pyz`: its __main__.py, with the folder
+        # or archive itself first on sys.path.
+        path = os.path.abspath(script)
+        if not _has_main(path):
+            raise _NotFound(f"{script}: no __main__.py in it")
+        _path_first(path)
+        return script, lambda: runpy.run_path(path, run_name="__main__")
     if os.path.isfile(script):
         path = os.path.abspath(script)  # __file__ is absolute, as under `python script.py`
         _path_first(os.path.dirname(os.path.realpath(script)))
@@ -62,6 +70,24 @@ def _target(args):
         if found:
             raise _NotFound(f"{script}: {found} is not a Python program (no python in its #! line)")
     raise _NotFound(f"{script}: no such file, console script entry point or Python program on PATH")
+
+
+def _is_zip(path: str) -> bool:
+    import zipfile
+
+    return os.path.isfile(path) and zipfile.is_zipfile(path)
+
+
+def _has_main(path: str) -> bool:
+    """Whether the folder or zip archive ``path`` holds a ``__main__.py``
+    (or its compiled form), as ``python path`` needs."""
+    names = ("__main__.py", "__main__.pyc")
+    if os.path.isdir(path):
+        return any(os.path.isfile(os.path.join(path, n)) for n in names)
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return any(n in z.namelist() for n in names)
 
 
 def _module_exists(name: str) -> bool:
@@ -229,7 +255,7 @@ def main(argv=None) -> int:
     r.add_argument("--no-bridge", action="store_true", help="use the plain CUDAPluggableAllocator fallback")
     r.add_argument("--no-auto-marks", action="store_true", help="no automatic step marks and phases (as GPUALLOC_AUTO_MARKS=0)")
     r.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE", help="run a module with its arguments, as python -m does")
-    r.add_argument("script", nargs="?", help="a script path or an installed console script (e.g. yolo)")
+    r.add_argument("script", nargs="?", help="a script path, a folder or zip archive with a __main__.py, or an installed console script (e.g. yolo)")
     r.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("info", help="print the library path, version and backend")
     raw = list(sys.argv[1:] if argv is None else argv)

@@ -822,6 +822,32 @@ class RunTargetsTest(unittest.TestCase):
                 self.assertEqual(out.returncode, 0, out.stderr)
                 self.assertIn(f"argv {want}", out.stdout)
 
+    def test_a_folder_or_zip_archive_runs_its_main_as_python_does(self):
+        import zipfile
+
+        main = """
+        import os, sys
+        import sibling
+        print("ran", sibling.VALUE, sys.argv[1:], os.path.basename(sys.path[0]))
+        """
+        with tempfile.TemporaryDirectory() as d:
+            app = os.path.join(d, "app")
+            self.write(os.path.join(app, "__main__.py"), main)
+            self.write(os.path.join(app, "sibling.py"), "VALUE = 'sibling'\n")
+            archive = os.path.join(d, "app.pyz")
+            with zipfile.ZipFile(archive, "w") as z:
+                for name in ("__main__.py", "sibling.py"):
+                    z.write(os.path.join(app, name), name)
+            for target, first in ((app, "app"), (archive, "app.pyz")):
+                out = run(["-m", "gpualloc", "run", "--no-bridge", target, "x"], cwd=d)
+                self.assertEqual(out.returncode, 0, out.stderr)
+                self.assertIn(f"ran sibling ['x'] {first}", out.stdout)
+            empty = os.path.join(d, "empty")
+            os.makedirs(empty)
+            out = run(["-m", "gpualloc", "run", "--no-bridge", empty], cwd=d)
+            self.assertEqual(out.returncode, 2, out.stderr)
+            self.assertIn("no __main__.py in it", out.stderr)
+
     def test_a_script_sees_what_python_script_py_gives_it(self):
         # __file__ absolute; sys.path[0] the folder of the linked-to script,
         # and not the working folder, which `python script.py` leaves out.
