@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,7 +50,8 @@ if __name__ == "__main__":
     model = torch.nn.Linear(32, 4).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = 0
-    for x, y in torch.utils.data.DataLoader(Data(), batch_size=16, num_workers=2):
+    loader = torch.utils.data.DataLoader(Data(), batch_size=16, num_workers=2, multiprocessing_context="fork")
+    for x, y in loader:
         loss = torch.nn.functional.cross_entropy(model(x.cuda()), y.cuda())
         opt.zero_grad()
         loss.backward()
@@ -73,9 +75,16 @@ if __name__ == "__main__":
 def _trace_summary(path: str) -> dict:
     from gpualloc.tracefile import annotations, records
 
-    recs = records(path)
-    marks = [a["name"] for a in annotations(path) if a["kind"] == "mark"]
+    try:
+        recs = records(path)
+        marks = [a["name"] for a in annotations(path) if a["kind"] == "mark"]
+    except ValueError as e:  # damaged or truncated: a failure of the check, reported
+        return {"allocs": -1, "error": str(e)}
     return {"allocs": sum(r["kind"] == "alloc" for r in recs), "step_marks": marks.count("step")}
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 def check_launcher(args) -> dict:
@@ -89,11 +98,17 @@ def check_launcher(args) -> dict:
         for k in ("GPUALLOC_CONF", "GPUALLOC_TRACE", "PYTORCH_CUDA_ALLOC_CONF"):
             env.pop(k, None)
         cmd = [sys.executable, "-m", "gpualloc", "run", "--trace", os.path.join(d, "t-{pid}.gtrace"), prog, "a", "--", "b"]
+        # Its own process group, so that a hang leaves no process behind
+        # (the program, its spawned child, the workers) holding the GPU.
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=d,
+                             start_new_session=True)
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=d)
-            stdout, stderr, rc = p.stdout, p.stderr, p.returncode
-        except subprocess.TimeoutExpired as e:
-            stdout, stderr, rc = str(e.stdout or ""), str(e.stderr or ""), "timeout"
+            stdout, stderr = p.communicate(timeout=240)
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            stdout, stderr, rc = _text(out), _text(err), "timeout"
         seen = None
         for line in stdout.splitlines():
             if line.startswith("LAUNCHER_RESULT "):
@@ -116,6 +131,7 @@ def check_launcher(args) -> dict:
             "program_trace": mine.get("allocs", 0) > 0 and mine.get("step_marks") == seen["steps"],
             "spawned_trace": child.get("allocs", 0) > 0,
             "workers_wrote_no_allocations": all(v["allocs"] == 0 for v in others.values()),
+            "traces_readable": all(v["allocs"] >= 0 for v in traces.values()),
         }
         out["checks"] = checks
         out["passed"], out["total"] = sum(checks.values()), len(checks)
