@@ -962,3 +962,87 @@ for a, b in zip(before, after):
     let shim = concat!(env!("CARGO_MANIFEST_DIR"), "/../python-shim");
     python(script, &[s(&pickle), example, s(&back), shim]);
 }
+
+/// Times in a snapshot are whole microseconds: phases that start and end
+/// in the microsecond of their allocations, and marks there, come back
+/// around the same allocations (the summary's phase table is the same).
+#[test]
+fn phases_within_one_microsecond_keep_their_allocations_through_a_snapshot() {
+    use gpualloc::trace::{EventKind, Pool, TraceEvent, TraceHeader, TraceWriter};
+    let dir = tempfile::tempdir().unwrap();
+    let header = TraceHeader {
+        start_unix_ns: 1_700_000_000_000_000_000,
+        device_count: 1,
+        pid: 1,
+        config: String::new(),
+        producer: "test".into(),
+    };
+    let base = 0x7f00_0000_0000u64;
+    let ev = |t: u64, kind| TraceEvent::from_kind(t, 0, 0, 0, kind);
+    let mut events = vec![ev(
+        0,
+        EventKind::SegmentAlloc {
+            addr: base,
+            size: 64 << 20,
+            pool: Pool::Code(1),
+        },
+    )];
+    for step in 0..50u64 {
+        // One microsecond a step: every event of the step shares it.
+        let t = 1_000 + step * 1_000;
+        let a = |i: u64| base + i * (1 << 20);
+        let block = |addr| (addr, 1u64 << 20, 1u64 << 20);
+        events.push(ev(t, EventKind::PhasePush { name: 0 }));
+        for i in 0..5 {
+            let (addr, requested, block_size) = block(a(i));
+            events.push(ev(
+                t + 10 * i + 1,
+                EventKind::Alloc {
+                    addr,
+                    requested,
+                    block_size,
+                },
+            ));
+        }
+        events.push(ev(t + 100, EventKind::PhasePop { name: 0 }));
+        events.push(ev(t + 110, EventKind::PhasePush { name: 1 }));
+        for i in 0..5 {
+            let (addr, requested, block_size) = block(a(i));
+            events.push(ev(
+                t + 120 + i,
+                EventKind::FreeRequested {
+                    addr,
+                    requested,
+                    block_size,
+                },
+            ));
+            events.push(ev(
+                t + 120 + i,
+                EventKind::FreeCompleted {
+                    addr,
+                    requested,
+                    block_size,
+                },
+            ));
+        }
+        events.push(ev(t + 200, EventKind::PhasePop { name: 1 }));
+        events.push(ev(t + 210, EventKind::Mark { name: 2 }));
+    }
+    let t = dir.path().join("t.gtrace");
+    let mut w = TraceWriter::new(std::fs::File::create(&t).unwrap(), &header).unwrap();
+    w.write_strings(&["fwd", "bwd", "step"]).unwrap();
+    w.write_events(0, &events).unwrap();
+    w.finish(Some(60_000)).unwrap();
+    let pickle = dir.path().join("t.pickle");
+    ok(&["export", s(&t), "--torch-snapshot", s(&pickle)]);
+    let back = dir.path().join("back.gtrace");
+    ok(&["import", s(&pickle), "-o", s(&back)]);
+    let phases = |p: &Path| {
+        let out = ok(&["summary", "--json", s(p)]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["devices"][0]["phases"].clone()
+    };
+    let before = phases(&t);
+    assert_eq!(before[0]["allocations"], 250, "{before}");
+    assert_eq!(phases(&back), before);
+}

@@ -11,7 +11,8 @@
 //!
 //! Phases and marks go to `external_annotations`, where PyTorch puts
 //! `record_function`'s ranges: a phase as a `START` and an `END`, a mark as
-//! both at one time (the import reads them back the same way).
+//! both at one time, with where each falls among the device's entries
+//! (`torch_annotations.rs`, which reads them back).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -26,14 +27,24 @@ use crate::input::{self, CliError};
 
 type P = Pickler<BufWriter<File>>;
 
-/// At most this many phase and mark annotations are written (two per mark),
-/// so that a trace of millions of marks cannot exhaust memory; the note
-/// says how many were left out.
+/// At most this many phase starts, phase ends and marks are written, so
+/// that a trace of millions of marks cannot exhaust memory; the note says
+/// how many were left out.
 const MAX_ANNOTATIONS: usize = 4_000_000;
 
-/// One `external_annotations` entry: device, name (string id), whether it
-/// starts (`START`) or ends (`END`) its range, and the time since the start.
-type Annotation = (u32, u64, bool, u64);
+/// A phase's start or end, or a mark, as `external_annotations` entries.
+#[derive(Clone, Copy)]
+struct Annotation {
+    device: u32,
+    /// String id of the name.
+    name: u64,
+    /// `Some(true)` a phase began, `Some(false)` it ended, `None` a mark.
+    start: Option<bool>,
+    /// Since the trace's start.
+    time_ns: u64,
+    /// The device's `device_traces` entries written before it.
+    position: u64,
+}
 
 /// Writes `out`; returns a note on what was left out, if anything.
 pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<String>, CliError> {
@@ -47,25 +58,11 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
     drop(first);
     // Which devices have events (and how many device lists to write).
     let mut seen: BTreeMap<u32, ()> = BTreeMap::new();
-    let mut annotations: Vec<Annotation> = Vec::new();
-    let mut annotations_left_out = 0u64;
     let info = input::scan(path, allow_truncated, |e| {
         seen.insert(e.device, ());
-        let ends: &[bool] = match e.kind() {
-            EventKind::PhasePush { .. } => &[true],
-            EventKind::PhasePop { .. } => &[false],
-            EventKind::Mark { .. } => &[true, false],
-            _ => return,
-        };
-        for &start in ends {
-            match e.name_id() {
-                Some(name) if annotations.len() < MAX_ANNOTATIONS => {
-                    annotations.push((e.device, name, start, e.time_ns));
-                }
-                _ => annotations_left_out += 1,
-            }
-        }
     })?;
+    let mut annotations: Vec<Annotation> = Vec::new();
+    let mut annotations_left_out = 0u64;
     // The reader bounds device numbers (below MAX_DEVICES), so this cannot
     // wrap; devices without events get an empty list without a pass.
     let n_devices = seen
@@ -92,6 +89,9 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
             start_ns,
             skipped: 0,
             err: None,
+            written: 0,
+            annotations: std::mem::take(&mut annotations),
+            annotations_left_out: 0,
         };
         input::scan(path, allow_truncated, |e| {
             if e.device == device && ex.err.is_none() {
@@ -103,6 +103,8 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
         }
         p.end().map_err(werr)?;
         skipped += ex.skipped;
+        annotations = ex.annotations;
+        annotations_left_out += ex.annotations_left_out;
         finals.push(ex.state);
     }
     p.end().map_err(werr)?;
@@ -118,15 +120,16 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
     p.end().map_err(werr)?;
     p.str("external_annotations").map_err(werr)?;
     p.list().map_err(werr)?;
-    for &(device, name, start, time_ns) in &annotations {
-        p.dict().map_err(werr)?;
-        p.kv_str("name", &info.name(name)).map_err(werr)?;
-        p.kv_str("stage", if start { "START" } else { "END" })
-            .map_err(werr)?;
-        p.kv_int("device", u64::from(device)).map_err(werr)?;
-        p.kv_int("time_us", start_ns.saturating_add(time_ns) / 1000)
-            .map_err(werr)?;
-        p.end().map_err(werr)?;
+    for a in &annotations {
+        let name = info.name(a.name);
+        let stages: &[&str] = match a.start {
+            Some(true) => &["START"],
+            Some(false) => &["END"],
+            None => &["START", "END"],
+        };
+        for stage in stages {
+            annotation(&mut p, a, &name, stage).map_err(werr)?;
+        }
     }
     p.end().map_err(werr)?;
     p.end().map_err(werr)?;
@@ -139,7 +142,7 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
     }
     if annotations_left_out > 0 {
         notes.push(format!(
-            "{annotations_left_out} phase and mark annotations past the first {MAX_ANNOTATIONS} were left out"
+            "{annotations_left_out} phases and marks past the first {MAX_ANNOTATIONS} were left out"
         ));
     }
     Ok((!notes.is_empty()).then(|| notes.join("; ")))
@@ -150,6 +153,26 @@ struct Exporter {
     start_ns: u64,
     skipped: u64,
     err: Option<std::io::Error>,
+    /// Entries written to this device's `device_traces` so far.
+    written: u64,
+    /// Phases and marks of every device so far.
+    annotations: Vec<Annotation>,
+    annotations_left_out: u64,
+}
+
+/// One `external_annotations` entry of `a`, with gpualloc's own keys.
+fn annotation(p: &mut P, a: &Annotation, name: &str, stage: &str) -> std::io::Result<()> {
+    p.dict()?;
+    p.kv_str("name", name)?;
+    p.kv_str("stage", stage)?;
+    p.kv_int("device", u64::from(a.device))?;
+    p.kv_int("time_us", a.time_ns / 1000)?;
+    p.kv_int("gpualloc_position", a.position)?;
+    if a.start.is_none() {
+        p.str("gpualloc_mark")?;
+        p.bool(true)?;
+    }
+    p.end()
 }
 
 impl Exporter {
@@ -204,8 +227,25 @@ impl Exporter {
             EventKind::SegmentAlloc { .. }
             | EventKind::SegmentMap { .. }
             | EventKind::Oom { .. } => true,
-            EventKind::PhasePush { .. } | EventKind::PhasePop { .. } | EventKind::Mark { .. } => {
+            EventKind::PhasePush { name }
+            | EventKind::PhasePop { name }
+            | EventKind::Mark { name } => {
                 self.state.apply(e);
+                if self.annotations.len() < MAX_ANNOTATIONS {
+                    self.annotations.push(Annotation {
+                        device: e.device,
+                        name,
+                        start: match e.kind() {
+                            EventKind::PhasePush { .. } => Some(true),
+                            EventKind::PhasePop { .. } => Some(false),
+                            _ => None,
+                        },
+                        time_ns: self.start_ns.saturating_add(e.time_ns),
+                        position: self.written,
+                    });
+                } else {
+                    self.annotations_left_out += 1;
+                }
                 return Ok(());
             }
             _ => return Ok(()),
@@ -227,6 +267,7 @@ impl Exporter {
                 p.kv_int("device_free", device_free)?;
                 p.kv_int("stream", e.stream)?;
                 p.kv_int("time_us", self.start_ns.saturating_add(e.time_ns) / 1000)?;
+                self.written += 1;
                 p.end()
             }
             EventKind::FreeRequested { .. } => self.entry(p, "free_requested", e, requested),
@@ -261,7 +302,8 @@ impl Exporter {
         Ok(())
     }
 
-    fn entry(&self, p: &mut P, action: &str, e: &TraceEvent, size: u64) -> std::io::Result<()> {
+    fn entry(&mut self, p: &mut P, action: &str, e: &TraceEvent, size: u64) -> std::io::Result<()> {
+        self.written += 1;
         p.dict()?;
         p.kv_str("action", action)?;
         p.kv_int("addr", e.addr)?;

@@ -40,10 +40,13 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             devices.len()
         )));
     }
+    // The earliest time of either list: PyTorch keeps annotations in a
+    // buffer of their own, which may reach further back.
     let t0 = devices
         .iter()
         .flat_map(|d| d.items())
         .filter_map(|e| e.get("time_us").and_then(|t| t.as_int()))
+        .chain(torch_annotations::earliest_us(&root))
         .min()
         .unwrap_or(0)
         .max(0) as u64;
@@ -69,10 +72,26 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
     let config = Config::default();
     // What could not be carried over as it was, said at the end.
     let mut unknown: std::collections::BTreeMap<String, u64> = Default::default();
-    let (mut negative, mut untimed, mut annotations_left_out) = (0u64, 0u64, 0u64);
+    let (mut negative, mut untimed) = (0u64, 0u64);
+    let mut annotations_left_out = torch_annotations::outside(&root, devices.len());
+    let mut names_left_out = 0u64;
     for (d, list) in devices.iter().enumerate() {
         let mut events = Vec::new();
+        // This device's phases and marks, placed among its entries below.
+        let (anns, left_out) = torch_annotations::for_device(&root, d as i64);
+        annotations_left_out += left_out;
+        let mut anns = anns.into_iter().peekable();
         for (i, entry) in list.items().iter().enumerate() {
+            let entry_us = entry
+                .get("time_us")
+                .and_then(|t| t.as_int())
+                .unwrap_or(i64::MAX);
+            while let Some(a) = anns.next_if(|(place, a)| place.before(a, i as u64, entry_us)) {
+                match annotation(&mut w, &mut strings, a, d as u32, t0).map_err(werr)? {
+                    Some(e) => events.push(e),
+                    None => names_left_out += 1,
+                }
+            }
             let at = |what: &str| {
                 CliError(format!(
                     "{}: device_traces[{d}][{i}]: {what}",
@@ -153,8 +172,12 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                         .get("user_metadata")
                         .and_then(|m| m.as_str().map(String::from))
                         .unwrap_or_else(|| "annotate".into());
-                    EventKind::Mark {
-                        name: intern(&mut w, &mut strings, name).map_err(werr)?,
+                    match intern(&mut w, &mut strings, name).map_err(werr)? {
+                        Some(name) => EventKind::Mark { name },
+                        None => {
+                            names_left_out += 1;
+                            continue;
+                        }
                     }
                 }
                 "snapshot" => continue, // a marker of the dump, no allocation
@@ -166,26 +189,13 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             let time_ns = time_us.saturating_mul(1000);
             events.push(TraceEvent::from_kind(time_ns, d as u32, stream, 0, kind));
         }
-        let (anns, left_out) = torch_annotations::for_device(&root, d as i64);
-        annotations_left_out += left_out;
-        let mut timed = Vec::with_capacity(anns.len());
-        for (t, a) in anns {
-            let at_ns = (t.max(0) as u64).saturating_sub(t0).saturating_mul(1000);
-            let kind = match a {
-                Annotation::Push(n) => EventKind::PhasePush {
-                    name: intern(&mut w, &mut strings, n).map_err(werr)?,
-                },
-                Annotation::Pop(n) => EventKind::PhasePop {
-                    name: intern(&mut w, &mut strings, n).map_err(werr)?,
-                },
-                Annotation::Mark(n) => EventKind::Mark {
-                    name: intern(&mut w, &mut strings, n).map_err(werr)?,
-                },
-            };
-            timed.push(TraceEvent::from_kind(at_ns, d as u32, 0, 0, kind));
+        for a in anns {
+            match annotation(&mut w, &mut strings, a, d as u32, t0).map_err(werr)? {
+                Some(e) => events.push(e),
+                None => names_left_out += 1,
+            }
         }
-        w.write_events(d as u32, &merge_by_time(events, timed))
-            .map_err(werr)?;
+        w.write_events(d as u32, &events).map_err(werr)?;
     }
     let n = w.events();
     w.finish(None).map_err(werr)?;
@@ -214,6 +224,15 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             ),
         );
     }
+    if names_left_out > 0 {
+        crate::input::warn_once(
+            "import names",
+            &format!(
+                "{name}: {names_left_out} annotations were left out: the trace's table of names is full ({} names)",
+                gpualloc::trace::format::MAX_STRINGS
+            ),
+        );
+    }
     if annotations_left_out > 0 {
         crate::input::warn_once(
             "import annotations",
@@ -226,32 +245,40 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
 }
 
 /// The id of annotation name `name`, written to the string table the first
-/// time it is seen.
+/// time it is seen; `None` once the table is full.
 fn intern(
     w: &mut TraceWriter<BufWriter<File>>,
     strings: &mut std::collections::HashMap<String, u64>,
     name: String,
-) -> std::io::Result<u64> {
+) -> std::io::Result<Option<u64>> {
     if let Some(&id) = strings.get(&name) {
-        return Ok(id);
+        return Ok(Some(id));
+    }
+    if strings.len() as u64 >= gpualloc::trace::format::MAX_STRINGS {
+        return Ok(None);
     }
     w.write_strings(std::slice::from_ref(&name))?;
     let id = strings.len() as u64;
     strings.insert(name, id);
-    Ok(id)
+    Ok(Some(id))
 }
 
-/// `entries` (in the snapshot's order) with `annotations` (in time order)
-/// placed before the first entry later than each.
-fn merge_by_time(entries: Vec<TraceEvent>, annotations: Vec<TraceEvent>) -> Vec<TraceEvent> {
-    let mut out = Vec::with_capacity(entries.len() + annotations.len());
-    let mut anns = annotations.into_iter().peekable();
-    for e in entries {
-        while let Some(a) = anns.next_if(|a| a.time_ns <= e.time_ns) {
-            out.push(a);
-        }
-        out.push(e);
-    }
-    out.extend(anns);
-    out
+/// The event of a phase or mark of device `device` at `time_us` (since the
+/// epoch); `None` when its name no longer fits the string table.
+fn annotation(
+    w: &mut TraceWriter<BufWriter<File>>,
+    strings: &mut std::collections::HashMap<String, u64>,
+    (place, a): (torch_annotations::Place, Annotation),
+    device: u32,
+    t0: u64,
+) -> std::io::Result<Option<TraceEvent>> {
+    let (name, kind): (String, fn(u64) -> EventKind) = match a {
+        Annotation::Push(n) => (n, |name| EventKind::PhasePush { name }),
+        Annotation::Pop(n) => (n, |name| EventKind::PhasePop { name }),
+        Annotation::Mark(n) => (n, |name| EventKind::Mark { name }),
+    };
+    let at_ns = (place.time_us.max(0) as u64)
+        .saturating_sub(t0)
+        .saturating_mul(1000);
+    Ok(intern(w, strings, name)?.map(|id| TraceEvent::from_kind(at_ns, device, 0, 0, kind(id))))
 }
