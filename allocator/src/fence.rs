@@ -180,6 +180,14 @@ impl Fences {
         Ok(())
     }
 
+    /// Streams with fences recorded and not yet known complete.
+    pub fn fenced_streams(&self) -> impl Iterator<Item = StreamId> + '_ {
+        self.streams
+            .iter()
+            .filter(|(_, f)| !f.queued.is_empty())
+            .map(|(&s, _)| s)
+    }
+
     /// Blocks until every block freed so far is idle, on every stream in `streams`.
     pub fn wait_all<B: Backend>(
         &mut self,

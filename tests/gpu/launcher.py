@@ -94,8 +94,9 @@ def check_launcher(args) -> dict:
         prog = os.path.join(d, "prog.py")
         with open(prog, "w") as f:
             f.write(PROGRAM)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUALLOC_TEST_")}
-        for k in ("GPUALLOC_CONF", "GPUALLOC_TRACE", "PYTORCH_CUDA_ALLOC_CONF"):
+        # The program chooses nothing: no variant's settings reach it.
+        env = dict(os.environ)
+        for k in ("GPUALLOC_TEST_CONF", "GPUALLOC_TEST_TRACE", "GPUALLOC_CONF", "GPUALLOC_TRACE", "PYTORCH_CUDA_ALLOC_CONF"):
             env.pop(k, None)
         cmd = [sys.executable, "-m", "gpualloc", "run", "--trace", os.path.join(d, "t-{pid}.gtrace"), prog, "a", "--", "b"]
         # Its own process group, so that a hang leaves no process behind

@@ -250,3 +250,51 @@ property!(
     "roundup_power2_divisions:[1:2,8:4,64:8,>:1]",
     64
 );
+
+/// Found by a long run of `default_gc_split`: a stream whose only blocks
+/// were in a graph's pool got a fence (a large free), and `empty_cache`
+/// waited only for the streams of the default pools' segments, so the
+/// fence's event outlived it.
+#[test]
+fn regression_fence_of_a_stream_only_a_graph_used_is_destroyed() {
+    let a = |size, stream| Op::Alloc { size, stream };
+    let s = 2096641;
+    let ops = vec![
+        a(s, 0),
+        a(s, 0),
+        Op::Free(0),
+        Op::Free(0),
+        a(s, 1),
+        a(0, 0),
+        Op::Free(0),
+        a(0, 0),
+        a(0, 0),
+        a(0, 0),
+        Op::BeginCapture {
+            stream: 0,
+            all_streams: true,
+        },
+        a(s, 0),
+        a(s, 0),
+        a(s, 0),
+        a(s, 2),
+        a(s, 0),
+        a(s, 0),
+        Op::EndCapture,
+        Op::Free(741388561166424),
+        Op::Free(119173963207164830),
+        a(s, 0),
+        a(0, 0),
+        a(s, 0),
+        a(s, 0),
+        a(s, 0),
+        a(s, 0),
+        a(s, 0),
+        a(s, 0),
+    ];
+    run(
+        "max_split_size_mb:32,garbage_collection_threshold:0.5,per_process_memory_fraction:0.8",
+        1024 * MIB,
+        ops,
+    );
+}
