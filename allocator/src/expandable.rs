@@ -597,14 +597,12 @@ impl<B: Backend> DeviceAllocator<B> {
     /// handles to the driver.
     pub(crate) fn unmap_free_pages(&mut self) -> Result<(), AllocError> {
         self.drop_cached_stitches()?;
-        // Every stream fenced too: one whose blocks were all in a graph's
-        // pool has no segment of the default pools, and its fence would
-        // outlive `empty_cache` (an event never destroyed).
-        let mut streams = self.expandable_streams();
-        streams.extend(self.fences.fenced_streams());
-        streams.sort_unstable();
-        streams.dedup();
+        let streams = self.expandable_streams();
         self.fences.wait_all(&mut self.backend, streams)?;
+        // The fences of other streams (one whose blocks were all in a
+        // graph's pool has no segment here), or they would outlive
+        // `empty_cache`: waited for as they are, none recorded.
+        self.fences.wait_queued(&mut self.backend)?;
         self.finish_drains()?;
         self.unmap_pools(&[SMALL, LARGE], false)?;
         let released = self.private.freeable_pools();

@@ -180,12 +180,23 @@ impl Fences {
         Ok(())
     }
 
-    /// Streams with fences recorded and not yet known complete.
-    pub fn fenced_streams(&self) -> impl Iterator<Item = StreamId> + '_ {
-        self.streams
-            .iter()
-            .filter(|(_, f)| !f.queued.is_empty())
-            .map(|(&s, _)| s)
+    /// Blocks until every fence queued so far is complete, and destroys
+    /// them, recording none: what `empty_cache` does for streams that no
+    /// segment of the default pools belongs to (a stream only a graph's
+    /// pool used), whose work may be gone, or whose stream may be (its
+    /// events stay valid; a new one could not be recorded).
+    pub fn wait_queued<B: Backend>(&mut self, backend: &mut B) -> Result<(), BackendError> {
+        for s in self.streams.values_mut() {
+            let Some(&(newest, _)) = s.queued.back() else {
+                continue;
+            };
+            backend.wait_event(newest)?;
+            for (ev, epoch) in s.queued.drain(..) {
+                backend.destroy_event(ev);
+                s.done = s.done.max(epoch);
+            }
+        }
+        Ok(())
     }
 
     /// Blocks until every block freed so far is idle, on every stream in `streams`.

@@ -416,3 +416,30 @@ fn a_free_that_must_not_wait_passes_over_a_held_device() {
     assert_eq!(d.stats().allocated_bytes.all.current, 0);
     d.check_invariants().unwrap();
 }
+
+/// A stream that only a graph's pool used gets fences like any other (a
+/// large free after the capture); `empty_cache` waits for them without
+/// recording new ones, so it neither leaks their events nor fails once the
+/// stream refuses events (destroyed since).
+#[test]
+fn empty_cache_waits_for_a_graph_only_streams_fences_without_recording() {
+    let mut c = Checked::with(1 << 30, "");
+    let key = (1, 0);
+    c.begin_pool(key, Some(9));
+    let blocks: Vec<u64> = (0..16).map(|_| c.alloc(4 * MIB, 9)).collect();
+    c.end_pool(key);
+    for p in blocks {
+        c.release(p);
+    }
+    assert!(
+        c.sim().live_events() > 0,
+        "the sixteenth large free records a fence"
+    );
+    c.release_pool(key).unwrap();
+    c.sim_mut().refuse_events_on(9);
+    c.dev.empty_cache().unwrap();
+    c.dev.empty_cache().unwrap();
+    c.check();
+    assert_eq!(c.sim().live_events(), 0, "every fence destroyed");
+    assert_eq!(c.reserved(), 0);
+}
