@@ -82,10 +82,7 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         annotations_left_out += left_out;
         let mut anns = anns.into_iter().peekable();
         for (i, entry) in list.items().iter().enumerate() {
-            let entry_us = entry
-                .get("time_us")
-                .and_then(|t| t.as_int())
-                .unwrap_or(i64::MAX);
+            let entry_us = entry.get("time_us").and_then(|t| t.as_int());
             while let Some(a) = anns.next_if(|(place, a)| place.before(a, i as u64, entry_us)) {
                 match annotation(&mut w, &mut strings, a, d as u32, t0).map_err(werr)? {
                     Some(e) => events.push(e),

@@ -38,15 +38,18 @@ pub(crate) struct Place {
 
 impl Place {
     /// Whether the annotation comes before entry number `index`, at
-    /// `time_us`: by position when known; otherwise by time, a `START`
-    /// before the entries of its microsecond and an `END` or mark after.
-    pub fn before(&self, a: &Annotation, index: u64, time_us: i64) -> bool {
-        match self.position {
-            Some(p) => p <= index,
-            None => {
-                self.time_us < time_us
-                    || (self.time_us == time_us && matches!(a, Annotation::Push(_)))
+    /// `time_us` (`None`: the entry has no time): by position when known;
+    /// otherwise by time, a `START` before the entries of its microsecond
+    /// and an `END` or mark after, and never before an entry without a
+    /// time. Annotations keep their own order, so a `START` that follows an
+    /// `END` of its microsecond comes after that microsecond's entries too.
+    pub fn before(&self, a: &Annotation, index: u64, time_us: Option<i64>) -> bool {
+        match (self.position, time_us) {
+            (Some(p), _) => p <= index,
+            (None, Some(t)) => {
+                self.time_us < t || (self.time_us == t && matches!(a, Annotation::Push(_)))
             }
+            (None, None) => false,
         }
     }
 }
@@ -85,8 +88,13 @@ pub(crate) fn for_device(root: &Value, device: i64) -> (Vec<(Place, Annotation)>
             _ => left_out += 1,
         }
     }
-    // Stable: the export's order stands where times tie.
-    raw.sort_by_key(|(p, ..)| (p.position, p.time_us));
+    // Stable: the list's order stands where they tie. By position when
+    // any has one (the export gives all of them one), else by time.
+    if raw.iter().any(|(p, ..)| p.position.is_some()) {
+        raw.sort_by_key(|(p, ..)| p.position.unwrap_or(u64::MAX));
+    } else {
+        raw.sort_by_key(|(p, ..)| p.time_us);
+    }
     let mut out = Vec::with_capacity(raw.len());
     let mut open: Vec<String> = Vec::new();
     for (place, start, mark, name) in raw {
@@ -228,10 +236,15 @@ mod tests {
         };
         // Entry 3 at the same microsecond: by time a START goes before it
         // and an END after; a position says exactly.
-        assert!(at(None).before(&push, 3, 7));
-        assert!(!at(None).before(&pop, 3, 7));
-        assert!(at(None).before(&pop, 3, 8));
-        assert!(at(Some(3)).before(&pop, 3, 7));
-        assert!(!at(Some(4)).before(&push, 3, 7));
+        assert!(at(None).before(&push, 3, Some(7)));
+        assert!(!at(None).before(&pop, 3, Some(7)));
+        assert!(at(None).before(&pop, 3, Some(8)));
+        assert!(at(Some(3)).before(&pop, 3, Some(7)));
+        assert!(!at(Some(4)).before(&push, 3, Some(7)));
+        assert!(
+            !at(None).before(&push, 3, None),
+            "an untimed entry places nothing"
+        );
+        assert!(at(Some(3)).before(&push, 3, None));
     }
 }
