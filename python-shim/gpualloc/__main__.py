@@ -44,12 +44,11 @@ def _target(args):
     script = args.script
     if script is None:
         raise _NotFound("nothing to run: give a script, -m module or a console script")
-    if os.path.isdir(script) or _is_zip(script):
+    if (os.path.isdir(script) or _is_zip(script)) and _has_main(script):
         # `python app/` or `python app.pyz`: its __main__.py, with the folder
-        # or archive itself first on sys.path.
+        # or archive itself first on sys.path. (A folder without one may
+        # share a console script's name: `yolo` run in a folder `yolo/`.)
         path = os.path.abspath(script)
-        if not _has_main(path):
-            raise _NotFound(f"{script}: no __main__.py in it")
         _path_first(path)
         return script, lambda: runpy.run_path(path, run_name="__main__")
     if os.path.isfile(script):
@@ -69,6 +68,8 @@ def _target(args):
             return found, lambda: runpy.run_path(path, run_name="__main__")
         if found:
             raise _NotFound(f"{script}: {found} is not a Python program (no python in its #! line)")
+    if os.path.isdir(script) or _is_zip(script):
+        raise _NotFound(f"{script}: no __main__.py in it")
     raise _NotFound(f"{script}: no such file, console script entry point or Python program on PATH")
 
 
@@ -86,8 +87,11 @@ def _has_main(path: str) -> bool:
         return any(os.path.isfile(os.path.join(path, n)) for n in names)
     import zipfile
 
-    with zipfile.ZipFile(path) as z:
-        return any(n in z.namelist() for n in names)
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n in z.namelist() for n in names)
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 def _module_exists(name: str) -> bool:

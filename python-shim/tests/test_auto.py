@@ -757,10 +757,17 @@ class RunTargetsTest(unittest.TestCase):
             )
             self.write(os.path.join(d, "demo-0.1.dist-info", "METADATA"), "Metadata-Version: 2.1\nName: demo\nVersion: 0.1\n")
             self.write(os.path.join(d, "demo-0.1.dist-info", "entry_points.txt"), "[console_scripts]\ndemo-train = demo_cli:main\n")
-            out = run(["-m", "gpualloc", "run", "--no-bridge", "demo-train", "train", "--epochs", "2"], {"PYTHONPATH": d + os.pathsep + FAKE_TORCH + os.pathsep + SHIM})
+            env = {"PYTHONPATH": d + os.pathsep + FAKE_TORCH + os.pathsep + SHIM}
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "demo-train", "train", "--epochs", "2"], env)
             self.assertEqual(out.returncode, 3, out.stderr)
             self.assertIn("entry ['train', '--epochs', '2'] demo-train", out.stdout)
             self.assertIn("spec None", out.stdout)
+            # A folder of the same name (no __main__.py) in the working
+            # folder does not hide the console script.
+            os.makedirs(os.path.join(d, "demo-train"))
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "demo-train", "train"], env, cwd=d)
+            self.assertEqual(out.returncode, 3, out.stderr)
+            self.assertIn("entry ['train'] demo-train", out.stdout)
 
     def test_a_process_that_never_allocates_ends_quietly_with_a_trace_asked_for(self):
         # A launcher under run, a DataLoader worker: the trace, kept for a
