@@ -57,6 +57,8 @@ pub(crate) struct DefragBudget {
     start: Option<u64>,
     /// Nanoseconds spent, raised so that the credit never exceeds the burst.
     spent: f64,
+    /// Nanoseconds charged in all (what `spent` is before the raises).
+    charged: f64,
 }
 
 impl DefragBudget {
@@ -84,6 +86,13 @@ impl DefragBudget {
     /// Records `ns` of driver time spent defragmenting.
     pub(crate) fn charge(&mut self, ns: f64) {
         self.spent += ns;
+        self.charged += ns;
+    }
+
+    /// Driver time charged in all: every memory call of defragmenting and
+    /// stitching, at the cost model's price.
+    pub(crate) fn charged_ns(&self) -> f64 {
+        self.charged
     }
 }
 
@@ -105,6 +114,11 @@ mod tests {
         assert!(b.allows(1_000 + 100_000_000_000, 0.02));
         b.charge(BURST_NS);
         assert!(!b.allows(1_000 + 100_000_000_000, 0.02));
+        assert_eq!(
+            b.charged_ns(),
+            2.0 * BURST_NS + 20e6,
+            "every charge, whatever was banked"
+        );
     }
 
     #[test]

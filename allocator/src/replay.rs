@@ -98,6 +98,10 @@ pub struct DeviceReplay {
     /// Of those, the ones the CUDA backend would leave to its unmapping
     /// thread (Note [Unmapping off the allocating thread]).
     pub helper: DriverCalls,
+    /// Predicted milliseconds of the memory calls made to defragment and
+    /// stitch (what Note [Defragmentation budget] charges, at the H200's
+    /// price; the unmapping among them is the helper thread's too).
+    pub defragment_ms: f64,
     /// The first failed allocation.
     pub first_oom: Option<ReplayOom>,
 }
@@ -127,6 +131,9 @@ pub struct ReplayResult {
     /// Of those, the ones the CUDA backend would leave to its unmapping
     /// thread, over all devices.
     pub helper: DriverCalls,
+    /// Predicted milliseconds of defragmenting and stitching, all devices
+    /// ([`DeviceReplay::defragment_ms`]).
+    pub defragment_ms: f64,
     /// Per-device figures, by device index.
     pub devices: Vec<DeviceReplay>,
 }
@@ -244,6 +251,8 @@ fn replay_with(
         r.driver.merge(&o.driver);
         o.helper = run.dev.helper_driver_calls();
         r.helper.merge(&o.helper);
+        o.defragment_ms = run.dev.defrag_budget.charged_ns() / 1e6;
+        r.defragment_ms += o.defragment_ms;
         o.mean_unallocated_fraction = if o.allocs == 0 {
             0.0
         } else {

@@ -254,8 +254,9 @@ fn empty_traces_and_bad_magic_are_explained() {
 
 /// `replay --json`: one object per configuration, with the peaks, their
 /// ratio, the driver calls (by kind adding up to the totals) and their
-/// predicted time, of which what the unmapping thread would take; leaving
-/// that thread out changes where the time goes, not what is decided.
+/// predicted time, of which what the unmapping thread would take and what
+/// defragmenting and stitching cost; leaving that thread out changes where
+/// the time goes, not what is decided.
 #[test]
 fn replay_json_has_the_peaks_and_the_driver_time_by_thread() {
     let detector = concat!(
@@ -300,9 +301,26 @@ fn replay_json_has_the_peaks_and_the_driver_time_by_thread() {
         "ooms",
         "driver_calls",
         "driver_ms",
+        "defragment_driver_ms",
     ] {
         assert_eq!(with[key], without[key], "{key}");
     }
+    // Defragmenting and stitching: a part of the time, none without them.
+    let defrag = with["defragment_driver_ms"].as_f64().unwrap();
+    assert!(
+        defrag > 0.0 && defrag < with["driver_ms"].as_f64().unwrap(),
+        "{with}"
+    );
+    let v = json(&[
+        "replay",
+        detector,
+        "--capacity",
+        "140GiB",
+        "--json",
+        "--config",
+        "defragment:false",
+    ]);
+    assert_eq!(v[0]["defragment_driver_ms"].as_f64(), Some(0.0), "{v}");
 }
 
 /// A reader that stops reading (`| head`) ends a command quietly, and a

@@ -96,6 +96,7 @@ fn render_json(capacity: u64, configs: &[String], rs: &[ReplayResult]) -> String
                 "driver_ms": r.driver_ms(&model),
                 "driver_calls_by_kind": by_kind,
                 "helper_driver_ms": r.helper_ms(&model),
+                "defragment_driver_ms": r.defragment_ms,
                 "cost_model": model.source,
                 // The peaks above add up the devices' own.
                 "devices": r.devices.iter().map(|d| json!({
@@ -203,6 +204,9 @@ fn render(
     });
     row("  of it on the unmapping thread", &|_, r| {
         format!("{:.1} ms", r.helper_ms(&model))
+    });
+    row("  of it defragmenting and stitching", &|_, r| {
+        format!("{:.1} ms", r.defragment_ms)
     });
     row("release-and-retry allocations", &|_, r| {
         r.devices
