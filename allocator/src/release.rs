@@ -19,6 +19,14 @@ impl<B: Backend> DeviceAllocator<B> {
     pub fn empty_cache(&mut self) -> Result<(), AllocError> {
         if self.private.following() {
             self.close_ended_capture()?;
+            // No hook announces captures on this route: a stream the
+            // release would wait on or free memory of may be capturing. One
+            // that is gets followed, and the cache is left as it is during
+            // any capture (an event recorded or waited for there, or a
+            // release, would break the capture).
+            for s in self.known_streams() {
+                self.follow_stream(s)?;
+            }
         }
         if self.private.capturing() {
             return Ok(());
@@ -31,6 +39,16 @@ impl<B: Backend> DeviceAllocator<B> {
         self.record(Action::EmptyCache, 0, 0, released, 0);
         crate::log::cache_flushed(self.device, released);
         Ok(())
+    }
+
+    /// Every stream this device has memory, pending frees or fences on.
+    fn known_streams(&self) -> Vec<StreamId> {
+        let mut v: Vec<StreamId> = self.heap.segments.iter().map(|(_, s)| s.stream).collect();
+        v.extend(self.pending.streams());
+        v.extend(self.fences.fenced_streams());
+        v.sort_unstable();
+        v.dedup();
+        v
     }
 
     /// `release_cached_blocks`: wait for events, then release every unsplit

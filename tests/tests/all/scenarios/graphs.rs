@@ -321,3 +321,29 @@ fn a_capture_announced_by_the_hooks_is_not_followed_twice() {
     c.end_pool(G);
     assert!(!c.in_capture_scope());
 }
+
+/// Without pool hooks (the plain `CUDAPluggableAllocator`), `empty_cache`
+/// during a capture nobody followed yet: the streams it would wait on are
+/// asked first, the capture is followed and nothing is recorded or waited
+/// for in it (an event recorded there would belong to the graph); once the
+/// capture ends, the cache empties as usual.
+#[test]
+fn empty_cache_during_an_unfollowed_capture_records_nothing_in_it() {
+    for config in ["", "policy:pytorch"] {
+        let mut c = Checked::with(1 << 30, config);
+        let p = c.alloc_following(64 * MIB, CAP);
+        let q = c.alloc_following(MIB, CAP);
+        c.record_stream(q, OTHER);
+        c.release(p);
+        c.release(q);
+        let id = c.sim_mut().begin_stream_capture(&[CAP]);
+        c.dev.empty_cache().unwrap();
+        assert!(c.in_capture_scope(), "{config}: the capture is followed");
+        c.sim_mut().end_stream_capture(id);
+        c.follow_driver_capture(CAP);
+        assert!(!c.in_capture_scope());
+        c.complete_all();
+        c.empty_cache();
+        assert_eq!(c.reserved(), 0, "{config}");
+    }
+}
