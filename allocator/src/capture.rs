@@ -56,8 +56,8 @@
 //! - a free asks about the block's stream and every stream it was used on
 //!   before anything else, so that a capture whose first call is a free is
 //!   followed before an event could be recorded in it.
-//! - `empty_cache` asks about every stream the device has memory, pending
-//!   frees or fences on, and leaves the cache alone when one captures.
+//! - `empty_cache` asks about the legacy stream and the streams of the
+//!   device's segments, and leaves the cache alone when one captures.
 //!
 //! Nothing tells that route when a graph is destroyed, so such a pool is
 //! never released: a graph captured this way keeps its memory for the life

@@ -180,14 +180,6 @@ impl Fences {
         Ok(())
     }
 
-    /// Streams with fences recorded and not yet known complete.
-    pub fn fenced_streams(&self) -> impl Iterator<Item = StreamId> + '_ {
-        self.streams
-            .iter()
-            .filter(|(_, f)| !f.queued.is_empty())
-            .map(|(&s, _)| s)
-    }
-
     /// Blocks until every fence queued so far is complete, and destroys
     /// them, recording none: what `empty_cache` does for streams that no
     /// segment of the default pools belongs to (a stream only a graph's

@@ -20,12 +20,21 @@ impl<B: Backend> DeviceAllocator<B> {
         if self.private.following() {
             self.close_ended_capture()?;
             // No hook announces captures on this route: a stream the
-            // release would wait on or free memory of may be capturing. One
-            // that is gets followed, and the cache is left as it is during
-            // any capture (an event recorded or waited for there, or a
-            // release, would break the capture).
-            for s in self.known_streams() {
-                self.follow_stream(s)?;
+            // release would record an event on may be capturing, or a
+            // global capture elsewhere may forbid what the release does.
+            // The cache is then left as it is, as during any capture, and
+            // a capture on a stream of ours is followed.
+            for s in self.capture_probe_streams() {
+                match self.backend.stream_capture(s).ok().flatten() {
+                    None => {}
+                    // The legacy stream answers for a global capture on
+                    // another stream, without its id: nothing to follow.
+                    Some(0) => return Ok(()),
+                    Some(_) => {
+                        self.follow_stream(s)?;
+                        break;
+                    }
+                }
             }
         }
         if self.private.capturing() {
@@ -41,11 +50,15 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(())
     }
 
-    /// Every stream this device has memory, pending frees or fences on.
-    fn known_streams(&self) -> Vec<StreamId> {
+    /// The streams `empty_cache` asks about before releasing on the route
+    /// without pool hooks: the legacy stream (always valid; it reports a
+    /// global capture anywhere) and the streams of this device's segments
+    /// (those a release records fences on). Not the streams of pending
+    /// frees or fences alone: they may be gone, and only their events are
+    /// used.
+    fn capture_probe_streams(&self) -> Vec<StreamId> {
         let mut v: Vec<StreamId> = self.heap.segments.iter().map(|(_, s)| s.stream).collect();
-        v.extend(self.pending.streams());
-        v.extend(self.fences.fenced_streams());
+        v.push(0);
         v.sort_unstable();
         v.dedup();
         v

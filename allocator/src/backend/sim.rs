@@ -376,9 +376,24 @@ impl SimBackend {
         id
     }
 
+    /// Starts a global-mode capture on `stream`, as another thread's
+    /// `cudaStreamBeginCapture` does: the legacy stream (0) reports it too,
+    /// without an id (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`). Ends with
+    /// [`end_stream_capture`](Self::end_stream_capture).
+    pub fn begin_global_capture(&mut self, stream: StreamId) -> u64 {
+        let id = self.begin_stream_capture(&[stream]);
+        self.stream_captures.insert(0, 0);
+        id
+    }
+
     /// Ends capture `id` on every stream that took part.
     pub fn end_stream_capture(&mut self, id: u64) {
         self.stream_captures.retain(|_, c| *c != id);
+        // The legacy stream's answer for a global capture goes with the
+        // last capture.
+        if self.stream_captures.values().all(|&c| c == 0) {
+            self.stream_captures.clear();
+        }
     }
 
     /// Submits one work item on `stream` (a kernel); returns its sequence number.

@@ -347,3 +347,24 @@ fn empty_cache_during_an_unfollowed_capture_records_nothing_in_it() {
         assert_eq!(c.reserved(), 0, "{config}");
     }
 }
+
+/// The same with the capture on a stream this device never used, in
+/// global mode: only the legacy stream tells of it, without an id. Nothing
+/// is followed and nothing is released until it ends.
+#[test]
+fn empty_cache_during_a_global_capture_elsewhere_releases_nothing() {
+    for config in ["", "policy:pytorch"] {
+        let mut c = Checked::with(1 << 30, config);
+        let p = c.alloc_following(64 * MIB, CAP);
+        c.release(p);
+        let reserved = c.reserved();
+        let id = c.sim_mut().begin_global_capture(THIRD + 100);
+        c.dev.empty_cache().unwrap();
+        assert!(!c.in_capture_scope(), "{config}: nothing to follow");
+        assert_eq!(c.reserved(), reserved, "{config}: nothing released");
+        c.sim_mut().end_stream_capture(id);
+        c.complete_all();
+        c.empty_cache();
+        assert_eq!(c.reserved(), 0, "{config}");
+    }
+}
