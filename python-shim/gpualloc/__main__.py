@@ -21,6 +21,7 @@ import os
 import runpy
 import shutil
 import sys
+from typing import Optional
 
 
 class _NotFound(Exception):
@@ -44,18 +45,14 @@ def _target(args):
     script = args.script
     if script is None:
         raise _NotFound("nothing to run: give a script, -m module or a console script")
-    if (os.path.isdir(script) or _is_zip(script)) and _has_main(script):
-        # `python app/` or `python app.pyz`: its __main__.py, with the folder
-        # or archive itself first on sys.path. (A folder without one may
-        # share a console script's name: `yolo` run in a folder `yolo/`.)
-        path = os.path.abspath(script)
-        _path_first(path)
-        return script, lambda: runpy.run_path(path, run_name="__main__")
-    if os.path.isfile(script):
+    archive = _is_zip(script)
+    if os.path.isfile(script) and not archive:
         path = os.path.abspath(script)  # __file__ is absolute, as under `python script.py`
         _path_first(os.path.dirname(os.path.realpath(script)))
         return script, lambda: runpy.run_path(path, run_name="__main__")
     if os.sep not in script:
+        # A bare name is a command first (`run mypy` in a checkout with a
+        # mypy/ folder means the installed mypy); `./mypy` is the folder.
         ep = _console_script(script)
         found = shutil.which(script)
         if ep is not None:
@@ -66,10 +63,16 @@ def _target(args):
             path = os.path.abspath(found)
             _path_first(os.path.dirname(os.path.realpath(found)))
             return found, lambda: runpy.run_path(path, run_name="__main__")
-        if found:
+        if found and not (os.path.isdir(script) or archive):
             raise _NotFound(f"{script}: {found} is not a Python program (no python in its #! line)")
-    if os.path.isdir(script) or _is_zip(script):
-        raise _NotFound(f"{script}: no __main__.py in it")
+    if os.path.isdir(script) or archive:
+        # `python app/` or `python app.pyz`: its __main__.py, with the folder
+        # or archive itself first on sys.path.
+        if _has_main(script) is False:
+            raise _NotFound(f"{script}: no __main__.py in it")
+        path = os.path.abspath(script)
+        _path_first(path)
+        return script, lambda: runpy.run_path(path, run_name="__main__")
     raise _NotFound(f"{script}: no such file, console script entry point or Python program on PATH")
 
 
@@ -79,9 +82,10 @@ def _is_zip(path: str) -> bool:
     return os.path.isfile(path) and zipfile.is_zipfile(path)
 
 
-def _has_main(path: str) -> bool:
+def _has_main(path: str) -> Optional[bool]:
     """Whether the folder or zip archive ``path`` holds a ``__main__.py``
-    (or its compiled form), as ``python path`` needs."""
+    (or its compiled form), as ``python path`` needs; ``None`` for an
+    archive that cannot be read (run as ``python`` would, to fail there)."""
     names = ("__main__.py", "__main__.pyc")
     if os.path.isdir(path):
         return any(os.path.isfile(os.path.join(path, n)) for n in names)
@@ -91,7 +95,7 @@ def _has_main(path: str) -> bool:
         with zipfile.ZipFile(path) as z:
             return any(n in z.namelist() for n in names)
     except (zipfile.BadZipFile, OSError):
-        return False
+        return None
 
 
 def _module_exists(name: str) -> bool:

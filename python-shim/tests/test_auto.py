@@ -762,12 +762,16 @@ class RunTargetsTest(unittest.TestCase):
             self.assertEqual(out.returncode, 3, out.stderr)
             self.assertIn("entry ['train', '--epochs', '2'] demo-train", out.stdout)
             self.assertIn("spec None", out.stdout)
-            # A folder of the same name (no __main__.py) in the working
-            # folder does not hide the console script.
-            os.makedirs(os.path.join(d, "demo-train"))
+            # A folder of the same name in the working folder, with or
+            # without a __main__.py, does not hide the console script; as a
+            # path (./demo-train) it is the folder.
+            self.write(os.path.join(d, "demo-train", "__main__.py"), "print('the folder ran')\n")
             out = run(["-m", "gpualloc", "run", "--no-bridge", "demo-train", "train"], env, cwd=d)
             self.assertEqual(out.returncode, 3, out.stderr)
             self.assertIn("entry ['train'] demo-train", out.stdout)
+            out = run(["-m", "gpualloc", "run", "--no-bridge", os.path.join(".", "demo-train")], env, cwd=d)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("the folder ran", out.stdout)
 
     def test_a_process_that_never_allocates_ends_quietly_with_a_trace_asked_for(self):
         # A launcher under run, a DataLoader worker: the trace, kept for a
@@ -851,9 +855,13 @@ class RunTargetsTest(unittest.TestCase):
                 self.assertIn(f"ran sibling ['x'] {first}", out.stdout)
             empty = os.path.join(d, "empty")
             os.makedirs(empty)
-            out = run(["-m", "gpualloc", "run", "--no-bridge", empty], cwd=d)
-            self.assertEqual(out.returncode, 2, out.stderr)
-            self.assertIn("no __main__.py in it", out.stderr)
+            bare = os.path.join(d, "bare.zip")
+            with zipfile.ZipFile(bare, "w") as z:
+                z.writestr("other.py", "print('not run')\n")
+            for target in (empty, bare):
+                out = run(["-m", "gpualloc", "run", "--no-bridge", target], cwd=d)
+                self.assertEqual(out.returncode, 2, out.stderr)
+                self.assertEqual(out.stderr.strip(), f"gpualloc: cannot run: {target}: no __main__.py in it")
 
     def test_a_script_sees_what_python_script_py_gives_it(self):
         # __file__ absolute; sys.path[0] the folder of the linked-to script,
