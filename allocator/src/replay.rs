@@ -98,9 +98,12 @@ pub struct DeviceReplay {
     /// Of those, the ones the CUDA backend would leave to its unmapping
     /// thread (Note [Unmapping off the allocating thread]).
     pub helper: DriverCalls,
-    /// Predicted milliseconds of the memory calls made to defragment and
-    /// stitch (what Note [Defragmentation budget] charges, at the H200's
-    /// price; the unmapping among them is the helper thread's too).
+    /// Predicted milliseconds of the memory calls of the requests that
+    /// defragmented or stitched: their moves and stitches, and the mapping
+    /// of their whole window, pages that growth would have mapped too
+    /// included (what Note [Defragmentation budget] charges, at the H200's
+    /// price; the unmapping among them is the helper thread's too). Not the
+    /// stitches torn down by `empty_cache` or the out-of-memory path.
     pub defragment_ms: f64,
     /// The first failed allocation.
     pub first_oom: Option<ReplayOom>,

@@ -205,7 +205,7 @@ fn render(
     row("  of it on the unmapping thread", &|_, r| {
         format!("{:.1} ms", r.helper_ms(&model))
     });
-    row("  of it defragmenting and stitching", &|_, r| {
+    row("  of it requests that defragmented", &|_, r| {
         format!("{:.1} ms", r.defragment_ms)
     });
     row("release-and-retry allocations", &|_, r| {
