@@ -32,7 +32,6 @@ use crate::units::{bytes, duration, percent};
 pub const NO_EVENTS: &str =
     "no events: the trace holds its header only (nothing was allocated while it recorded)";
 
-/// Renders the summary of an analysed trace.
 /// The memory limit of the recorded configuration, if it set one: what an
 /// OOM had left is under it, not the device's free bytes.
 fn memory_limit(a: &Analysis) -> Option<u64> {
@@ -41,6 +40,7 @@ fn memory_limit(a: &Analysis) -> Option<u64> {
         .and_then(|c| c.memory_limit)
 }
 
+/// Renders the summary of an analysed trace.
 pub fn render(a: &Analysis) -> String {
     let mut s = String::new();
     let h = &a.info.header;

@@ -513,37 +513,22 @@ pub fn export(path: &Path, out: &[PathBuf; 3], allow_truncated: bool) -> Result<
 
 /// [`export`] with the rank given (`Some`), or read from the file name.
 /// The three files are written beside their names and renamed once all are
-/// complete, so that a failure (a full disk) leaves no partial file nor
-/// destroys earlier ones.
+/// complete (`write_atomically`, one inside the other), so that a failure
+/// (a full disk) leaves no partial file nor destroys earlier ones.
 fn export_ranked(
     path: &Path,
     out: &[PathBuf; 3],
     allow_truncated: bool,
     rank: Option<Option<u32>>,
 ) -> Result<(), CliError> {
-    let partial = |p: &PathBuf| {
-        let mut name = p.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-        name.push(format!(".partial-{}", std::process::id()));
-        p.with_file_name(name)
-    };
-    let tmp = [partial(&out[0]), partial(&out[1]), partial(&out[2])];
-    let done = write_tables(path, &tmp, allow_truncated, rank).and_then(|()| {
-        tmp.iter().zip(out).try_for_each(|(t, o)| {
-            std::fs::rename(t, o)
-                .map_err(|e| CliError(format!("{}: cannot write: {e}", o.display())))
+    let [a, b, c] = out;
+    input::write_atomically(a, |ta| {
+        input::write_atomically(b, |tb| {
+            input::write_atomically(c, |tc| {
+                let tmp = [ta.to_path_buf(), tb.to_path_buf(), tc.to_path_buf()];
+                write_tables(path, &tmp, allow_truncated, rank)
+            })
         })
-    });
-    if done.is_err() {
-        for t in &tmp {
-            let _ = std::fs::remove_file(t);
-        }
-    }
-    // Messages name the outputs, not the files beside them.
-    done.map_err(|CliError(mut m)| {
-        for (t, o) in tmp.iter().zip(out) {
-            m = m.replace(&t.display().to_string(), &o.display().to_string());
-        }
-        CliError(m)
     })
 }
 
