@@ -61,12 +61,11 @@ This module imports without torch; torch is imported only by ``install()``.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from typing import Dict, List, Optional
 
 from . import _phases
-from ._lib import ERR_IO, ERR_UNAVAILABLE, GpuallocError, LibraryNotFound, _dev, lib, library_path
+from ._lib import ERR_IO, ERR_UNAVAILABLE, GpuallocError, LibraryNotFound, _dev, lib, library_path, missing_trace_folder
 
 __all__ = [
     "GpuallocError",
@@ -262,8 +261,8 @@ def trace_start(path: str) -> None:
     error at once."""
     L = lib()
     if not L.is_initialized():
-        folder = os.path.dirname(os.fsdecode(path)) or os.curdir
-        if "{" not in folder and not os.path.isdir(folder):
+        folder = missing_trace_folder(path)
+        if folder is not None:
             raise GpuallocError(f"gpualloc.trace_start({path!r}): the folder {folder!r} does not exist", ERR_IO)
     L.configure(None, path)  # now if the allocator runs, else from its start
 

@@ -46,6 +46,7 @@ def _target(args):
     if script is None:
         raise _NotFound("nothing to run: give a script, -m module or a console script")
     archive = _is_zip(script)
+    bundle = archive or os.path.isdir(script)  # `python app/`, `python app.pyz`
     if os.path.isfile(script) and not archive:
         path = os.path.abspath(script)  # __file__ is absolute, as under `python script.py`
         _path_first(os.path.dirname(os.path.realpath(script)))
@@ -63,9 +64,9 @@ def _target(args):
             path = os.path.abspath(found)
             _path_first(os.path.dirname(os.path.realpath(found)))
             return found, lambda: runpy.run_path(path, run_name="__main__")
-        if found and not (os.path.isdir(script) or archive):
+        if found and not bundle:
             raise _NotFound(f"{script}: {found} is not a Python program (no python in its #! line)")
-    if os.path.isdir(script) or archive:
+    if bundle:
         # `python app/` or `python app.pyz`: its __main__.py, with the folder
         # or archive itself first on sys.path.
         if _has_main(script) is False:
@@ -278,9 +279,11 @@ def main(argv=None) -> int:
         # Where run was started, not wherever each process is when it
         # starts recording (a program that changes folder, a child started
         # in another).
+        from gpualloc._lib import missing_trace_folder
+
         args.trace = os.path.abspath(args.trace)
-        folder = os.path.dirname(args.trace)
-        if "{" not in folder and not os.path.isdir(folder):
+        folder = missing_trace_folder(args.trace)
+        if folder is not None:
             p.error(f"--trace {args.trace}: the folder {folder} does not exist")
     return _run(args)
 

@@ -323,6 +323,14 @@ _SIGNATURES = {
 }
 
 
+def missing_trace_folder(path) -> Optional[str]:
+    """The folder of trace path ``path`` when it does not exist (a trace
+    could never be written there); None when it does, or when it holds a
+    placeholder (``{pid}``, ``{rank}``) filled in only at the start."""
+    folder = os.path.dirname(os.fsdecode(path)) or os.curdir
+    return None if "{" in folder or os.path.isdir(folder) else folder
+
+
 def library_path() -> str:
     """The path of libgpualloc.so this process uses (see the module docs)."""
     env = os.environ.get("GPUALLOC_LIBRARY")
