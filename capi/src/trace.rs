@@ -227,10 +227,10 @@ fn recording() -> Result<Option<&'static crate::global::Global>, Error> {
 pub unsafe extern "C" fn gpualloc_phase_push(name: *const c_char) -> c_int {
     status(|| {
         let name = str_arg(name, "name")?;
-        gpualloc::trace::format::check_name(name, "phase")?;
         match recording()? {
             Some(g) => Ok(g.alloc.phase_push(name)?),
-            None => Ok(()),
+            // Nothing to record it in; the name is still checked.
+            None => Ok(gpualloc::trace::format::check_name(name, "phase")?),
         }
     })
 }
@@ -254,10 +254,10 @@ pub extern "C" fn gpualloc_phase_pop() -> c_int {
 pub unsafe extern "C" fn gpualloc_mark(name: *const c_char) -> c_int {
     status(|| {
         let name = str_arg(name, "name")?;
-        gpualloc::trace::format::check_name(name, "mark")?;
         match recording()? {
             Some(g) => Ok(g.alloc.mark(name)?),
-            None => Ok(()),
+            // Nothing to record it in; the name is still checked.
+            None => Ok(gpualloc::trace::format::check_name(name, "mark")?),
         }
     })
 }
