@@ -227,25 +227,16 @@ impl Exporter {
             EventKind::SegmentAlloc { .. }
             | EventKind::SegmentMap { .. }
             | EventKind::Oom { .. } => true,
-            EventKind::PhasePush { name }
-            | EventKind::PhasePop { name }
-            | EventKind::Mark { name } => {
-                self.state.apply(e);
-                if self.annotations.len() < MAX_ANNOTATIONS {
-                    self.annotations.push(Annotation {
-                        device: e.device,
-                        name,
-                        start: match e.kind() {
-                            EventKind::PhasePush { .. } => Some(true),
-                            EventKind::PhasePop { .. } => Some(false),
-                            _ => None,
-                        },
-                        time_ns: self.start_ns.saturating_add(e.time_ns),
-                        position: self.written,
-                    });
-                } else {
-                    self.annotations_left_out += 1;
-                }
+            EventKind::PhasePush { name } => {
+                self.annotate(e, name, Some(true));
+                return Ok(());
+            }
+            EventKind::PhasePop { name } => {
+                self.annotate(e, name, Some(false));
+                return Ok(());
+            }
+            EventKind::Mark { name } => {
+                self.annotate(e, name, None);
                 return Ok(());
             }
             _ => return Ok(()),
@@ -277,6 +268,23 @@ impl Exporter {
             }
             _ => self.entry(p, e.action.name(), e, e.size),
         }
+    }
+
+    /// Keeps phase event or mark `e` for `external_annotations`, where
+    /// this device's entries stand now (see [`Annotation`]).
+    fn annotate(&mut self, e: &TraceEvent, name: u64, start: Option<bool>) {
+        self.state.apply(e);
+        if self.annotations.len() >= MAX_ANNOTATIONS {
+            self.annotations_left_out += 1;
+            return;
+        }
+        self.annotations.push(Annotation {
+            device: e.device,
+            name,
+            start,
+            time_ns: self.start_ns.saturating_add(e.time_ns),
+            position: self.written,
+        });
     }
 
     /// Releases the segment made up for a block once the block is gone.
