@@ -1,10 +1,10 @@
-"""``python -m gpualloc run [options] (script.py | -m module | console-script) args...``
+"""``python -m gpualloc run [options] (script.py | -m module | console-script | -) args...``
 
 Installs gpualloc into PyTorch, then runs the program as ``__main__`` with its
 own arguments, so training code needs no change. The program is a script
 path, a module (``-m pkg``, as ``python -m`` runs it) or an installed console
 script (``yolo train ...``: a ``console_scripts`` entry point, else a Python
-program found on PATH). Every optimizer step is marked and the backward pass,
+program found on PATH), or ``-``: a program read from standard input. Every optimizer step is marked and the backward pass,
 evaluation and ``torch.save`` are phases (``--no-auto-marks`` or
 ``GPUALLOC_AUTO_MARKS=0`` turns that off). Without PyTorch (a program that
 uses gpualloc through its C ABI or ctypes) the library is started with the
@@ -45,6 +45,12 @@ def _target(args):
     script = args.script
     if script is None:
         raise _NotFound("nothing to run: give a script, -m module or a console script")
+    if script == "-":
+        # `python -`: the program is read from standard input, whole, before
+        # it runs; sys.argv[0] is "-" and the working folder stays first on
+        # sys.path (this run's own -m put it there).
+        source = sys.stdin.read()
+        return "-", lambda: _run_source(source)
     archive = _is_zip(script)
     bundle = archive or os.path.isdir(script)  # `python app/`, `python app.pyz`
     if os.path.isfile(script) and not archive:
@@ -75,6 +81,24 @@ def _target(args):
         _path_first(path)
         return script, lambda: runpy.run_path(path, run_name="__main__")
     raise _NotFound(f"{script}: no such file, console script entry point or Python program on PATH")
+
+
+def _run_source(source: str) -> None:
+    """Runs ``source`` as ``__main__`` (a fresh module, as runpy gives a
+    script), named ``<stdin>`` in tracebacks as under ``python -``."""
+    import builtins
+    import types
+
+    code = compile(source, "<stdin>", "exec")
+    module = types.ModuleType("__main__")
+    module.__builtins__ = builtins
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
 
 
 def _is_zip(path: str) -> bool:
@@ -264,7 +288,7 @@ def main(argv=None) -> int:
     r.add_argument("--no-bridge", action="store_true", help="use the plain CUDAPluggableAllocator fallback")
     r.add_argument("--no-auto-marks", action="store_true", help="no automatic step marks and phases (as GPUALLOC_AUTO_MARKS=0)")
     r.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE", help="run a module with its arguments, as python -m does")
-    r.add_argument("script", nargs="?", help="a script path, a folder or zip archive with a __main__.py, or an installed console script (e.g. yolo)")
+    r.add_argument("script", nargs="?", help="a script path, a folder or zip archive with a __main__.py, an installed console script (e.g. yolo), or - for a program read from standard input")
     r.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("info", help="print the library path, version and backend")
     raw = list(sys.argv[1:] if argv is None else argv)

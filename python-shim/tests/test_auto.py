@@ -39,13 +39,15 @@ def done():
 """
 
 
-def run(args, env_extra=None, cwd=None, torch=True):
+def run(args, env_extra=None, cwd=None, torch=True, stdin=None):
     env = os.environ.copy()
     paths = ([FAKE_TORCH] if torch else []) + [SHIM, env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env.pop("GPUALLOC_AUTO_MARKS", None)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable] + args, capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+    return subprocess.run(
+        [sys.executable] + args, capture_output=True, text=True, env=env, cwd=cwd, timeout=120, input=stdin
+    )
 
 
 def annotations_of(out):
@@ -862,6 +864,34 @@ class RunTargetsTest(unittest.TestCase):
                 out = run(["-m", "gpualloc", "run", "--no-bridge", target], cwd=d)
                 self.assertEqual(out.returncode, 2, out.stderr)
                 self.assertEqual(out.stderr.strip(), f"gpualloc: cannot run: {target}: no __main__.py in it")
+
+    def test_a_program_from_standard_input_runs_as_under_python_dash(self):
+        program = textwrap.dedent(
+            """
+            import sys, torch
+            from gpualloc._lib import lib
+            lib().free(lib().malloc(1 << 20))  # device 0 exists: it records the mark
+            import onlyhere
+            print("ran", __name__, sys.argv, onlyhere.VALUE, "__file__" in globals())
+            torch.optim.SGD().step()
+            raise SystemExit(3)
+            """
+        )
+        from gpualloc.tracefile import annotations
+
+        with tempfile.TemporaryDirectory() as d:
+            self.write(os.path.join(d, "onlyhere.py"), "VALUE = 'the working folder'\n")
+            trace = os.path.join(d, "s.gtrace")
+            argv = ["-m", "gpualloc", "run", "--no-bridge", "--trace", trace, "-", "a", "--", "b"]
+            out = run(argv, cwd=d, stdin=program)
+            self.assertEqual(out.returncode, 3, out.stderr)
+            self.assertIn("ran __main__ ['-', 'a', '--', 'b'] the working folder False", out.stdout)
+            self.assertIn(("mark", "step"), [(a["kind"], a["name"]) for a in annotations(trace)])
+            # A traceback names <stdin>, as under `python -`.
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "-"], cwd=d, stdin="x = 1\nraise ValueError('boom')\n")
+            self.assertEqual(out.returncode, 1, out.stderr)
+            self.assertIn('File "<stdin>", line 2', out.stderr)
+            self.assertIn("ValueError: boom", out.stderr)
 
     def test_a_script_sees_what_python_script_py_gives_it(self):
         # __file__ absolute; sys.path[0] the folder of the linked-to script,
