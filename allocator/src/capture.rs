@@ -56,8 +56,14 @@
 //! - a free asks about the block's stream and every stream it was used on
 //!   before anything else, so that a capture whose first call is a free is
 //!   followed before an event could be recorded in it.
-//! - `empty_cache` asks about the legacy stream and the streams of the
-//!   device's segments, and leaves the cache alone when one captures.
+//! - `empty_cache`, and an allocation before its slow path, ask about the
+//!   legacy stream and the streams of the device's segments: a capture
+//!   found with an id is followed, and a global-mode capture the legacy
+//!   stream reports without one leaves the cache as it is and makes the
+//!   allocation one a capture allows (no event queried or waited for, no
+//!   page moved, nothing given back, driver allocations made as during a
+//!   capture); an allocation with frees pending asks the legacy stream
+//!   before it queries their events.
 //!
 //! Nothing tells that route when a graph is destroyed, so such a pool is
 //! never released: a graph captured this way keeps its memory for the life
@@ -66,8 +72,10 @@
 //! kept too. That is the price of replays that never write memory given to
 //! another tensor; the bridge has none of it. What stays unsafe: work of
 //! another stream while a capture has not been seen yet (no allocation or
-//! free on its streams since it began) can query or record an event on a
-//! capturing stream, which fails the capture or, later, the allocation.
+//! free on its streams since it began) and that neither the legacy stream
+//! nor a stream of the device's segments reports (a capture on a
+//! non-blocking stream nothing of ours has used) can query an event or
+//! make a driver call the capture forbids; only the hooks would tell.
 //!
 //! [`follow_driver_capture`]: DeviceAllocator::follow_driver_capture
 
@@ -236,6 +244,19 @@ impl<B: Backend> DeviceAllocator<B> {
         self.private.start_following();
         self.close_ended_capture()?;
         self.follow_stream(stream)
+    }
+
+    /// On the route without pool hooks, with no scope open: whether the
+    /// legacy stream reports a capture under way (a global-mode capture on
+    /// a stream no allocation or free of ours has touched yet), during which
+    /// an allocation must do only what a capture allows: no event queries,
+    /// no moved pages, no memory given back, driver allocations made as
+    /// during a capture. Nothing is followed: the driver gives no id. One
+    /// query; none on the bridge's route, whose hooks announce captures.
+    pub(crate) fn capture_unseen(&mut self) -> bool {
+        self.private.following()
+            && !self.private.capturing()
+            && self.backend.stream_capture(0).ok().flatten().is_some()
     }
 
     /// Closes the followed capture's scope when its first stream no longer

@@ -311,11 +311,16 @@ impl<B: Backend> DeviceAllocator<B> {
         if size > crate::size_class::MAX_REQUEST {
             return Err(self.out_of_memory(stream, size, size, None));
         }
-        let capturing = self.private.capturing();
-        if capturing {
-            // Event queries are illegal during capture.
-        } else if !self.pending.is_idle() {
-            self.process_events()?;
+        let mut capturing = self.private.capturing();
+        // On the route without pool hooks, a capture nobody announced may
+        // forbid what a capture does; asked only before the first call it
+        // would forbid (Note [Capture without a pool]): the legacy stream
+        // before event queries, every stream of ours before the slow path.
+        if !capturing && !self.pending.is_idle() {
+            capturing = self.capture_unseen();
+            if !capturing {
+                self.process_events()?;
+            }
         }
         let rounded = round_size(size, &self.config);
         let forced = into
@@ -327,7 +332,10 @@ impl<B: Backend> DeviceAllocator<B> {
         let pool = forced.unwrap_or_else(|| self.pool_for(rounded, stream));
         let block = match self.get_free_block(pool, stream, rounded) {
             Some(b) => b,
-            None => self.malloc_slow(pool, stream, size, rounded, capturing)?,
+            None => {
+                capturing = capturing || self.capture_elsewhere()?;
+                self.malloc_slow(pool, stream, size, rounded, capturing)?
+            }
         };
         // A stitch serves a large-pool request from the stitch pool.
         let pool = self.heap.blocks[block].pool;

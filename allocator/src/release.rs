@@ -17,27 +17,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// # Errors
     /// [`AllocError::Backend`] when the driver fails.
     pub fn empty_cache(&mut self) -> Result<(), AllocError> {
-        if self.private.following() {
-            self.close_ended_capture()?;
-            // No hook announces captures on this route: a stream the
-            // release would record an event on may be capturing, or a
-            // global capture elsewhere may forbid what the release does.
-            // The cache is then left as it is, as during any capture, and
-            // a capture on a stream of ours is followed.
-            for s in self.capture_probe_streams() {
-                match self.backend.stream_capture(s).ok().flatten() {
-                    None => {}
-                    // The legacy stream answers for a global capture on
-                    // another stream, without its id: nothing to follow.
-                    Some(0) => return Ok(()),
-                    Some(_) => {
-                        self.follow_stream(s)?;
-                        break;
-                    }
-                }
-            }
-        }
-        if self.private.capturing() {
+        if self.capture_elsewhere()? || self.private.capturing() {
             return Ok(());
         }
         let before = self.stats.reserved_bytes.all.current;
@@ -50,7 +30,34 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(())
     }
 
-    /// The streams `empty_cache` asks about before releasing on the route
+    /// On the route without pool hooks, whether a capture nobody announced
+    /// forbids what a capture forbids (`empty_cache`, an allocation's slow
+    /// path): a stream a release or a move would record or wait for an
+    /// event on may be capturing, or a global capture elsewhere may forbid
+    /// driver calls. A capture found on a stream of ours is followed (Note
+    /// [Capture without a pool]). Always false on the bridge's route, whose
+    /// hooks announce every capture (the caller checks `capturing()`).
+    pub(crate) fn capture_elsewhere(&mut self) -> Result<bool, AllocError> {
+        if !self.private.following() {
+            return Ok(false);
+        }
+        self.close_ended_capture()?;
+        for s in self.capture_probe_streams() {
+            match self.backend.stream_capture(s).ok().flatten() {
+                None => {}
+                // The legacy stream answers for a global capture on
+                // another stream, without its id: nothing to follow.
+                Some(0) => return Ok(true),
+                Some(_) => {
+                    self.follow_stream(s)?;
+                    break;
+                }
+            }
+        }
+        Ok(self.private.capturing())
+    }
+
+    /// The streams `capture_elsewhere` asks about before releasing on the route
     /// without pool hooks: the legacy stream (always valid; it reports a
     /// global capture anywhere) and the streams of this device's segments
     /// (those a release records fences on). Not the streams of pending

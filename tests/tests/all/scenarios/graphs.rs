@@ -368,3 +368,71 @@ fn empty_cache_during_a_global_capture_elsewhere_releases_nothing() {
         assert_eq!(c.reserved(), 0, "{config}");
     }
 }
+
+/// Without pool hooks, an allocation on a stream of ours while a global
+/// capture runs on a stream nothing of ours touched yet: the legacy stream
+/// reports it, so the allocation queries no event, moves no page and, when
+/// nothing fits, gives no cached memory back (each would fail the capture,
+/// and the simulator panics); plain segments report out of memory instead.
+/// Once the capture ends, the same request succeeds.
+#[test]
+fn an_allocation_during_a_global_capture_elsewhere_does_only_what_a_capture_allows() {
+    for config in ["", "policy:pytorch"] {
+        let mut c = Checked::with(1 << 30, config);
+        // Pending frees (events to query) and cached memory to give back.
+        let busy = c.alloc_following(8 * MIB, OTHER);
+        c.record_stream(busy, THIRD);
+        c.use_on(busy, THIRD);
+        let cached: Vec<_> = (0..6)
+            .map(|_| c.alloc_following(100 * MIB, OTHER))
+            .collect();
+        for p in cached {
+            c.release(p);
+        }
+        c.release(busy);
+        let id = c.sim_mut().begin_global_capture(THIRD + 100);
+        // Fits in what is cached and in what the device has left.
+        let small = c.alloc_following(MIB, OTHER);
+        assert!(!c.in_capture_scope(), "{config}: nothing to follow");
+        // Plain segments: fits only if the cache gives memory back.
+        // Expandable segments map it over the cached pages, moving none.
+        c.follow_driver_capture(OTHER);
+        match (c.malloc(900 * MIB, OTHER), config) {
+            (Err(AllocError::OutOfMemory(_)), "policy:pytorch") => {}
+            (Ok(p), "") => c.release(p),
+            (other, _) => panic!("{config}: {other:?}"),
+        }
+        c.sim_mut().end_stream_capture(id);
+        c.complete_all();
+        let big = c.alloc_following(900 * MIB, OTHER);
+        c.release(big);
+        c.release(small);
+    }
+}
+
+/// The same with a capture, not yet seen, on a stream that holds cached
+/// segments: the out-of-memory path asks that stream before it would wait
+/// on it or give memory back, follows the capture and reports out of
+/// memory.
+#[test]
+fn the_out_of_memory_path_follows_a_capture_on_a_stream_of_its_segments() {
+    let mut c = Checked::with(1 << 30, "policy:pytorch");
+    let cached: Vec<_> = (0..6).map(|_| c.alloc_following(100 * MIB, CAP)).collect();
+    for p in cached {
+        c.release(p);
+    }
+    let small = c.alloc_following(MIB, OTHER);
+    let id = c.sim_mut().begin_stream_capture(&[CAP]);
+    c.follow_driver_capture(OTHER);
+    match c.malloc(900 * MIB, OTHER) {
+        Err(AllocError::OutOfMemory(_)) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(c.in_capture_scope(), "the capture on CAP is followed");
+    c.sim_mut().end_stream_capture(id);
+    c.complete_all();
+    let big = c.alloc_following(900 * MIB, OTHER);
+    assert!(!c.in_capture_scope());
+    c.release(big);
+    c.release(small);
+}
