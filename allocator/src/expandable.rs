@@ -215,7 +215,7 @@ impl<B: Backend> DeviceAllocator<B> {
             if let Err(e) = self.retire_idle_drains() {
                 crate::log::drains_left(self.device, &e);
             }
-            self.fences.cover_all(&mut self.backend, streams)?;
+            self.fences.cover_all(&mut self.backend, streams);
             if let Some(w) = self.widen(pool, stream, rounded, &ranges, page)? {
                 ((seg, ws, ranges), bytes) = w;
             }
@@ -224,8 +224,14 @@ impl<B: Backend> DeviceAllocator<B> {
             if short > 0 && self.config.defragment && rounded >= self.config.stitch_min {
                 let stitched = self.stitch_for(stream, rounded);
                 self.charge_defragmentation(calls);
-                if let Some(b) = stitched? {
-                    return Ok(b);
+                // A stitch that fails (no address space left, a driver
+                // error) leaves a consistent cache: moving pages or growing
+                // may still serve the request, and the out-of-memory path
+                // drops the cached stitches before it retries.
+                match stitched {
+                    Ok(Some(b)) => return Ok(b),
+                    Ok(None) => {}
+                    Err(e) => crate::log::stitch_failed(self.device, rounded, &e),
                 }
             }
             if short > 0 && self.config.defragment {

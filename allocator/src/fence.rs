@@ -93,17 +93,18 @@ impl Fences {
 
     /// Records a fence on each of `streams` if anything was freed since the
     /// last one, so that by the time pages are needed their work is likely
-    /// known to be done (no host wait).
+    /// known to be done (no host wait). A stream that refuses the event (one
+    /// destroyed since its segment was made) gets no fence now: a wait for
+    /// it synchronizes the device instead ([`wait`](Self::wait)).
     pub fn cover_all<B: Backend>(
         &mut self,
         backend: &mut B,
         streams: impl IntoIterator<Item = StreamId>,
-    ) -> Result<(), BackendError> {
+    ) {
         let stamp = self.last_stamp;
         for s in streams {
-            self.cover(backend, s, stamp)?;
+            let _ = self.cover(backend, s, stamp);
         }
-        Ok(())
     }
 
     /// Whether a block of `stream` stamped `stamp` is known idle.
@@ -163,7 +164,20 @@ impl Fences {
         if self.is_idle(stream, stamp) {
             return Ok(());
         }
-        self.cover(backend, stream, stamp)?;
+        if self.cover(backend, stream, stamp).is_err() {
+            // The stream refuses events (destroyed, as an external stream
+            // can be, with its segments still cached): the device's
+            // synchronization covers whatever it ran, and every block freed
+            // so far on it is idle afterwards.
+            backend.synchronize()?;
+            let s = self.streams.entry(stream).or_default();
+            for (ev, _) in s.queued.drain(..) {
+                backend.destroy_event(ev);
+            }
+            s.done = self.epoch;
+            self.epoch += 1;
+            return Ok(());
+        }
         let s = self.streams.get_mut(&stream).expect("covered above");
         // The oldest fence that covers the stamp; the ones before it are done
         // once it is (a stream runs in order).
@@ -242,15 +256,15 @@ mod tests {
         assert_eq!(b.counters.wait_event, 1);
         assert_eq!(f.outstanding(), 0);
         assert_eq!(b.live_events(), 0);
-        f.cover_all(&mut b, [7]).unwrap();
+        f.cover_all(&mut b, [7]);
         assert_eq!(f.outstanding(), 0, "stream 7 is covered already");
-        f.cover_all(&mut b, [8]).unwrap();
-        f.cover_all(&mut b, [7, 8]).unwrap();
+        f.cover_all(&mut b, [8]);
+        f.cover_all(&mut b, [7, 8]);
         assert_eq!(f.outstanding(), 1, "nothing freed since the last call");
         b.complete(8);
         f.poll(&mut b).unwrap();
         f.stamp();
-        f.cover_all(&mut b, [7, 8]).unwrap();
+        f.cover_all(&mut b, [7, 8]);
         assert_eq!(f.outstanding(), 2);
     }
 }

@@ -201,6 +201,13 @@ pub(crate) fn stitched(device: u32, stream: u64, request: u64, reused: bool) {
     );
 }
 
+/// A stitch could not be built or repaired (`stitch.rs`; out of address
+/// space, say): the request moves pages or grows instead.
+#[inline]
+pub(crate) fn stitch_failed(device: u32, request: u64, error: &dyn std::fmt::Display) {
+    tracing::warn!(device, request, %error, "could not stitch free pages; moving or growing instead");
+}
+
 /// A cached stitch torn down (`stitch.rs`).
 #[inline]
 pub(crate) fn stitch_dropped(device: u32, stream: u64, bytes: u64) {

@@ -455,4 +455,25 @@ pub(crate) mod tests {
         assert_eq!(d.backend().used(), 0);
         assert_eq!(d.backend().mappings(), 0, "stitches are torn down too");
     }
+
+    #[test]
+    fn a_stitch_that_fails_leaves_the_request_to_moving_or_growing() {
+        use crate::backend::SimCall;
+        for call in [SimCall::Reserve, SimCall::Map] {
+            let (mut d, small) = fragmented();
+            // Out of address space (or a failed mapping) for the stitch
+            // only: the request is served all the same.
+            d.backend_mut().fail_call(call, 1);
+            let p = d.malloc(64 * MIB, 0).unwrap();
+            ok(&d);
+            assert_eq!(d.stats().num_stitch, 0, "{call:?}");
+            d.free(p).unwrap();
+            for s in small {
+                d.free(s).unwrap();
+            }
+            d.empty_cache().unwrap();
+            ok(&d);
+            assert_eq!(d.backend().used(), 0, "{call:?}");
+        }
+    }
 }

@@ -443,3 +443,35 @@ fn empty_cache_waits_for_a_graph_only_streams_fences_without_recording() {
     assert_eq!(c.sim().live_events(), 0, "every fence destroyed");
     assert_eq!(c.reserved(), 0);
 }
+
+/// A stream that made expandable segments and was then destroyed (an
+/// external stream; the simulator refuses its events): other streams'
+/// growth, which would record a fence on it, and pages taken from it,
+/// which would wait for one, synchronize the device instead, and
+/// `empty_cache` still gives its memory back.
+#[test]
+fn a_destroyed_stream_with_cached_pages_does_not_stop_growth_or_empty_cache() {
+    for conf in ["", "expandable_handle_mb:2,defragment_headroom:0"] {
+        let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::parse(conf).unwrap());
+        let keep = d.malloc(8 * MIB, 7).unwrap();
+        let gone = d.malloc(64 * MIB, 7).unwrap();
+        d.free(gone).unwrap();
+        d.free(keep).unwrap();
+        d.backend_mut().refuse_events_on(7);
+        let syncs = d.backend().calls(SimCall::Synchronize);
+        let p = d.malloc(64 * MIB, 0).unwrap();
+        d.check_invariants().unwrap();
+        let q = d.malloc(900 * MIB, 0).unwrap(); // needs stream 7's pages
+        d.check_invariants().unwrap();
+        assert!(
+            d.backend().calls(SimCall::Synchronize) > syncs,
+            "{conf}: the device, for the stream that refuses events"
+        );
+        d.free(p).unwrap();
+        d.free(q).unwrap();
+        d.empty_cache().unwrap();
+        d.check_invariants().unwrap();
+        assert_eq!(d.stats().reserved_bytes.all.current, 0, "{conf}");
+        assert_eq!(d.backend().live_events(), 0, "{conf}");
+    }
+}
