@@ -24,11 +24,13 @@ impl Limits {
         }
     }
 
-    /// Sets the cap as a fraction of device memory.
+    /// Sets the cap as a fraction of device memory, in `[0, 1]` as PyTorch
+    /// takes it (0: no new memory at all, so the next request that needs
+    /// some is out of memory, which tests use).
     pub fn set_fraction(&mut self, fraction: f64) -> Result<(), AllocError> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
+        if !(0.0..=1.0).contains(&fraction) {
             return Err(AllocError::Backend(BackendError::Unavailable(format!(
-                "memory fraction {fraction} is not in (0, 1]"
+                "memory fraction {fraction} is not in [0, 1]"
             ))));
         }
         self.fraction = Some(fraction);

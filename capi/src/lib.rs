@@ -455,9 +455,9 @@ pub extern "C" fn gpualloc_empty_cache() {
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_set_memory_fraction(fraction: c_double, device: c_int) {
     void_call(|| {
-        if !(fraction > 0.0 && fraction <= 1.0) {
+        if !(0.0..=1.0).contains(&fraction) {
             return Err(Error::invalid(format!(
-                "gpualloc: memory fraction {fraction} is not in (0, 1]"
+                "gpualloc: memory fraction {fraction} is not in [0, 1]"
             )));
         }
         Ok(global()?

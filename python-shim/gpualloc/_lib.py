@@ -232,7 +232,7 @@ def _fraction(value) -> float:
     except TypeError:
         raise TypeError(f"a memory fraction must be a number, not {type(value).__name__}") from None
     except OverflowError:
-        raise ValueError(f"memory fraction {value!r:.40} is not in (0, 1]") from None
+        raise ValueError(f"memory fraction {value!r:.40} is not in [0, 1]") from None
 
 
 def _pool(pool) -> Tuple[int, int]:

@@ -469,8 +469,12 @@ def _patch_python(torch, fallback: bool) -> None:
     mem = torch.cuda.memory
 
     def memory_snapshot(mempool_id=None, include_traces=True):
-        """gpualloc's segments and blocks (``torch.cuda.memory_snapshot`` shape; no stack frames)."""
+        """gpualloc's segments and blocks (``torch.cuda.memory_snapshot`` shape;
+        no stack frames); only those of private pool ``mempool_id`` when given."""
         segs = lib().snapshot(-1)["segments"]
+        if mempool_id is not None:
+            want = tuple(int(x) for x in mempool_id)
+            segs = [s for s in segs if tuple(s["segment_pool_id"]) == want]
         for s in segs:
             for b in s["blocks"]:
                 b.setdefault("frames", [])
@@ -478,7 +482,11 @@ def _patch_python(torch, fallback: bool) -> None:
         return segs
 
     def _snapshot(device=None, *args, **kwargs):
-        return {"segments": memory_snapshot(), "device_traces": [], "allocator_settings": {}, "external_annotations": []}
+        # No history on this route, but one (empty) trace per device, as
+        # PyTorch gives: MemoryViz indexes device_traces by device.
+        traces = [[] for _ in range(max(1, torch.cuda.device_count()))]
+        segments = memory_snapshot(kwargs.get("mempool_id"))
+        return {"segments": segments, "device_traces": traces, "allocator_settings": {}, "external_annotations": []}
 
     # With the bridge, torch's own snapshot path reads gpualloc (segments,
     # blocks, and the history torch records through it): nothing to patch.

@@ -893,6 +893,31 @@ class RunTargetsTest(unittest.TestCase):
             self.assertIn('File "<stdin>", line 2', out.stderr)
             self.assertIn("ValueError: boom", out.stderr)
 
+    def test_the_fallbacks_snapshot_has_a_trace_per_device_and_filters_by_pool(self):
+        # MemoryViz indexes device_traces by device; memory_snapshot(mempool_id)
+        # gives only that pool's segments.
+        program = textwrap.dedent(
+            """
+            import torch, gpualloc
+            from gpualloc._lib import lib
+            print("mode", gpualloc.install(bridge=False))
+            p = lib().malloc(1 << 20)
+            snap = torch.cuda.memory._snapshot()
+            print("traces", snap["device_traces"])
+            print("segments", len(snap["segments"]), [tuple(s["segment_pool_id"]) for s in snap["segments"]])
+            print("pool", len(torch.cuda.memory.memory_snapshot(mempool_id=(7, 7))))
+            print("default", len(torch.cuda.memory.memory_snapshot(mempool_id=(0, 0))))
+            lib().free(p)
+            """
+        )
+        out = run(["-c", program])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("mode fallback", out.stdout)
+        self.assertIn("traces [[], []]", out.stdout)
+        self.assertIn("segments 1 [(0, 0)]", out.stdout)
+        self.assertIn("pool 0", out.stdout)
+        self.assertIn("default 1", out.stdout)
+
     def test_a_script_sees_what_python_script_py_gives_it(self):
         # __file__ absolute; sys.path[0] the folder of the linked-to script,
         # and not the working folder, which `python script.py` leaves out.

@@ -35,6 +35,8 @@ cuda.memory = types.ModuleType("torch.cuda.memory")
 cuda.memory.CUDAPluggableAllocator = CUDAPluggableAllocator
 cuda.memory.change_current_allocator = lambda a: None
 cuda.memory.memory_stats = lambda device=None: {}
+cuda.memory._snapshot = lambda device=None: {}  # replaced by gpualloc's fallback
+cuda.device_count = lambda: 2
 
 # -- compiler -----------------------------------------------------------------
 COMPILING = [False]  # tests set it to act as torch.compile tracing the caller

@@ -64,6 +64,17 @@ fn fraction_limits_reserved_memory() {
     c.alloc(20 * MIB, 0); // 40 + 20 <= 64
     c.set_memory_fraction(1.0).unwrap();
     c.alloc(30 * MIB, 0);
+    // 0, as PyTorch takes it: no new memory, an out-of-memory error
+    // (never fits under this limit).
+    c.set_memory_fraction(0.0).unwrap();
+    assert!(matches!(
+        c.malloc(30 * MIB, 0),
+        Err(gpualloc::AllocError::TooLarge { .. })
+    ));
+    for bad in [-0.1, 1.5, f64::NAN] {
+        assert!(c.set_memory_fraction(bad).is_err(), "{bad}");
+    }
+    assert_eq!(c.dev.memory_fraction(), 0.0);
 }
 
 #[test]
@@ -80,7 +91,7 @@ fn fraction_from_the_config() {
 #[test]
 fn invalid_fractions_are_refused() {
     let mut c = Checked::with(100 * MIB, "policy:pytorch,cross_stream_reuse:true");
-    for f in [0.0, -0.5, 1.5, f64::NAN] {
+    for f in [-0.5, 1.5, f64::NAN, f64::INFINITY] {
         assert!(c.set_memory_fraction(f).is_err(), "{f}");
     }
     assert_eq!(c.dev.memory_fraction(), 1.0);
