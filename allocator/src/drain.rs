@@ -227,7 +227,8 @@ impl Drains {
                 fences.is_idle(d.stream, d.stamp),
                 "unmapping a range whose work may still run"
             );
-            say(SegmentAction::Unmap, d.stream, d.lo, d.size);
+            // Unlisted when it was left behind (`release_run`).
+            say(SegmentAction::UnmapUnlisted, d.stream, d.lo, d.size);
             match unmap_maybe_later(backend, d.lo, d.size, later) {
                 Ok(()) => {
                     unmapped.add(DriverCall::Unmap, d.handles.len() as u64, d.size, 0);
@@ -235,7 +236,7 @@ impl Drains {
                 }
                 Err(e) => {
                     // Still mapped: say so again.
-                    say(SegmentAction::Map, d.stream, d.lo, d.size);
+                    say(SegmentAction::MapUnlisted, d.stream, d.lo, d.size);
                     result = Err(e);
                     true
                 }

@@ -556,7 +556,9 @@ impl<B: Backend> DeviceAllocator<B> {
         );
         debug_assert!(self.heap.blocks[id].state == BlockState::Free && hi <= ptr + size);
         if let Some((s, stamp)) = later {
-            // Its `Unmap` event comes when it leaves (`drain.rs`).
+            // It leaves the snapshot now; its `UnmapUnlisted` event comes
+            // when it leaves its address (`drain.rs`).
+            self.notify(SegmentAction::Unlisted, stream, lo, hi - lo);
             let handles = self.pages.detach(lo, hi, kind);
             self.drains.push(lo, hi - lo, s, stamp, handles);
         } else {

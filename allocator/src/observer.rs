@@ -12,7 +12,8 @@
 //! after a range of an expandable segment (or a stitch, Note [Stitching]) is
 //! mapped, [`SegmentAction::Unmap`] before it is unmapped, with the range's
 //! address and size. A consumer that adds a range on `Alloc`/`Map` and
-//! removes it on `Free`/`Unmap` holds exactly the ranges backed by memory.
+//! removes it on `Free`/`Unmap` (and their unlisted forms, below) holds
+//! exactly the ranges backed by memory.
 //! If the driver refuses a release or an unmap announced before the call,
 //! the range is announced again (`Alloc`/`Map`): it is still there.
 //! An `Unmap` range always lies inside ranges announced by `Map`, but need
@@ -20,6 +21,23 @@
 //! pools are included. Pages held in the page pool (Note [Page pool]) are
 //! at no address and are not announced. Segment events are off the
 //! per-allocation hot path; without an observer each costs one branch.
+//!
+//! Two views, one stream of events. Memory history replays its events
+//! backwards from the snapshot's segments (MemoryViz), so it needs the
+//! ranges the snapshot lists, which are not always the ranges backed: a
+//! stitch's range aliases pages of its home segments, and the snapshot
+//! lists the stitch while it is in use and its home runs otherwise; the old
+//! range of moved pages leaves the snapshot at once and is unmapped when its
+//! work is done (Note [Unmapping behind the work]). So `Alloc`, `Free`,
+//! `Map` and `Unmap` change both views; [`SegmentAction::MapUnlisted`] and
+//! [`SegmentAction::UnmapUnlisted`] only the backed ranges (a stitch built,
+//! repaired or torn down, an old range unmapped at last); and
+//! [`SegmentAction::Listed`] and [`SegmentAction::Unlisted`] only the
+//! listed ones (a stitch taken from or given back to the cache, with its
+//! home runs the other way; an old range left behind). A consumer of
+//! backed ranges (NCCL registration) takes the first six, a consumer of
+//! listed ones (memory history) the four that change both and the last
+//! two; after every call, the listed ranges are the snapshot's segments.
 
 use std::sync::Arc;
 
@@ -36,6 +54,42 @@ pub enum SegmentAction {
     Map,
     /// A range of an expandable segment or a stitch is about to be unmapped.
     Unmap,
+    /// A range was mapped that the snapshot does not list (a stitch's
+    /// range, or its holes filled).
+    MapUnlisted,
+    /// A range the snapshot no longer lists is about to be unmapped (a
+    /// cached stitch's range or parts; the old range of moved pages).
+    UnmapUnlisted,
+    /// A mapped range enters the snapshot (a stitch taken from the cache,
+    /// or the home runs of one given back).
+    Listed,
+    /// A mapped range leaves the snapshot (the home runs a stitch takes, a
+    /// stitch given back to the cache, the old range of moved pages).
+    Unlisted,
+}
+
+impl SegmentAction {
+    /// Whether the range is backed by memory after the event; `None` when
+    /// the event does not change that.
+    pub fn backed(self) -> Option<bool> {
+        match self {
+            SegmentAction::Alloc | SegmentAction::Map | SegmentAction::MapUnlisted => Some(true),
+            SegmentAction::Free | SegmentAction::Unmap | SegmentAction::UnmapUnlisted => {
+                Some(false)
+            }
+            SegmentAction::Listed | SegmentAction::Unlisted => None,
+        }
+    }
+
+    /// Whether the snapshot lists the range after the event; `None` when
+    /// the event does not change that.
+    pub fn listed(self) -> Option<bool> {
+        match self {
+            SegmentAction::Alloc | SegmentAction::Map | SegmentAction::Listed => Some(true),
+            SegmentAction::Free | SegmentAction::Unmap | SegmentAction::Unlisted => Some(false),
+            SegmentAction::MapUnlisted | SegmentAction::UnmapUnlisted => None,
+        }
+    }
 }
 
 /// One segment event.

@@ -184,7 +184,8 @@ impl<B: Backend> DeviceAllocator<B> {
             return Err(e.into());
         }
         self.stats.num_stitch += 1;
-        self.notify(SegmentAction::Map, stream, va, total);
+        // Listed when claimed (Note [Segment events]).
+        self.notify(SegmentAction::MapUnlisted, stream, va, total);
         self.record(Action::SegmentMap, stream, va, total, STITCH_CODE);
         self.stitches.list.push(Stitch {
             va,
@@ -213,6 +214,9 @@ impl<B: Backend> DeviceAllocator<B> {
         s.slots = slots;
         s.used_at = self.stitches.uses;
         let (va, size, stream) = (s.va, s.size, s.stream);
+        // The snapshot lists the stitch instead of its home runs.
+        self.tell_homes(i, SegmentAction::Unlisted);
+        self.notify(SegmentAction::Listed, stream, va, size);
         let block =
             self.heap
                 .blocks
@@ -259,6 +263,12 @@ impl<B: Backend> DeviceAllocator<B> {
             .position(|s| s.in_use == Some(seg))
             .expect("a stitch block belongs to a stitch");
         self.heap.segments.remove(seg);
+        let (va, size, stream) = {
+            let s = &self.stitches.list[i];
+            (s.va, s.size, s.stream)
+        };
+        self.notify(SegmentAction::Unlisted, stream, va, size);
+        self.tell_homes(i, SegmentAction::Listed);
         if let Some(rest) = self.heap.blocks[id].next {
             self.heap.blocks.remove(rest);
         }
@@ -280,6 +290,29 @@ impl<B: Backend> DeviceAllocator<B> {
         let stream = s.stream;
         if !self.private.capturing() {
             let _ = self.fences.cover(&mut self.backend, stream, stamp);
+        }
+    }
+
+    /// Tells the observer `action` for the home runs of stitch `i`'s parts,
+    /// adjacent parts as one range.
+    fn tell_homes(&self, i: usize, action: SegmentAction) {
+        let s = &self.stitches.list[i];
+        let mut homes: Vec<(DevicePtr, u64)> = s.parts().map(|p| (p.addr, p.size)).collect();
+        homes.sort_unstable();
+        let mut run: Option<(DevicePtr, u64)> = None;
+        for (addr, size) in homes {
+            match run {
+                Some((lo, len)) if lo + len == addr => run = Some((lo, len + size)),
+                _ => {
+                    if let Some((lo, len)) = run {
+                        self.notify(action, s.stream, lo, len);
+                    }
+                    run = Some((addr, size));
+                }
+            }
+        }
+        if let Some((lo, len)) = run {
+            self.notify(action, s.stream, lo, len);
         }
     }
 

@@ -51,10 +51,11 @@ impl<B: Backend> DeviceAllocator<B> {
         let stream = self.stitches.list[i].stream;
         let runs = self.stitches.list[i].runs(|s| s.part().is_some() && pick(s));
         for (first, end, at, bytes) in runs {
-            self.notify(SegmentAction::Unmap, stream, at, bytes);
+            // A cached stitch: the snapshot does not list it.
+            self.notify(SegmentAction::UnmapUnlisted, stream, at, bytes);
             if let Err(e) = unmap_maybe_later(&mut self.backend, at, bytes, later) {
                 // Still mapped: say so again (Note [Segment events]).
-                self.notify(SegmentAction::Map, stream, at, bytes);
+                self.notify(SegmentAction::MapUnlisted, stream, at, bytes);
                 return Err(e.into());
             }
             for slot in &mut self.stitches.list[i].slots[first..end] {
@@ -165,7 +166,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 *slot = Slot::Mapped(p);
             }
             handles += list.len();
-            self.notify(SegmentAction::Map, stream, at, bytes);
+            self.notify(SegmentAction::MapUnlisted, stream, at, bytes);
         }
         self.stitches.list[i].repaired += replaced;
         crate::log::stitch_repaired(self.device, stream, self.stitches.list[i].size, handles);

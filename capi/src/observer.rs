@@ -21,6 +21,18 @@ pub const GPUALLOC_SEGMENT_FREE: c_int = 4;
 pub const GPUALLOC_SEGMENT_MAP: c_int = 5;
 /// A range of expandable memory is about to be unmapped (`TraceEntry::SEGMENT_UNMAP`).
 pub const GPUALLOC_SEGMENT_UNMAP: c_int = 6;
+/// A range was mapped that the snapshot does not list (a stitch): backed
+/// memory, not a segment (Note [Segment events]).
+pub const GPUALLOC_SEGMENT_MAP_UNLISTED: c_int = 10;
+/// A range the snapshot does not list is about to be unmapped (a cached
+/// stitch, the old range of moved pages).
+pub const GPUALLOC_SEGMENT_UNMAP_UNLISTED: c_int = 11;
+/// A mapped range enters the snapshot's segments (memory history's
+/// `SEGMENT_MAP`; nothing was mapped).
+pub const GPUALLOC_SEGMENT_LISTED: c_int = 12;
+/// A mapped range leaves the snapshot's segments (memory history's
+/// `SEGMENT_UNMAP`; nothing is unmapped).
+pub const GPUALLOC_SEGMENT_UNLISTED: c_int = 13;
 
 /// Receives segment events: `action` is one of `GPUALLOC_SEGMENT_*`,
 /// `stream` the `cudaStream_t` the memory was obtained for, as an integer.
@@ -55,6 +67,10 @@ impl CObserver {
             SegmentAction::Free => GPUALLOC_SEGMENT_FREE,
             SegmentAction::Map => GPUALLOC_SEGMENT_MAP,
             SegmentAction::Unmap => GPUALLOC_SEGMENT_UNMAP,
+            SegmentAction::MapUnlisted => GPUALLOC_SEGMENT_MAP_UNLISTED,
+            SegmentAction::UnmapUnlisted => GPUALLOC_SEGMENT_UNMAP_UNLISTED,
+            SegmentAction::Listed => GPUALLOC_SEGMENT_LISTED,
+            SegmentAction::Unlisted => GPUALLOC_SEGMENT_UNLISTED,
         };
         // SAFETY: `f` and `ctx` came together from the caller, who keeps them
         // valid while this observer is installed.
@@ -78,7 +94,16 @@ impl CObserver {
 /// (`GPUALLOC_SEGMENT_FREE`) of a plain segment, and for expandable memory
 /// after each range is mapped (`GPUALLOC_SEGMENT_MAP`) and before it is
 /// unmapped (`GPUALLOC_SEGMENT_UNMAP`), with the range's address and size;
-/// this includes private pools and stitched (aliased) ranges. An unmapped
+/// this includes private pools. Ranges the snapshot does not list as
+/// segments come as `GPUALLOC_SEGMENT_MAP_UNLISTED` and
+/// `GPUALLOC_SEGMENT_UNMAP_UNLISTED` (stitched, aliased ranges; the old
+/// range of moved pages, unmapped once its work is done), and mapped ranges
+/// entering or leaving the snapshot without a driver call as
+/// `GPUALLOC_SEGMENT_LISTED` and `GPUALLOC_SEGMENT_UNLISTED`: a consumer
+/// of backed memory (NCCL registration) takes ALLOC, MAP and MAP_UNLISTED
+/// against FREE, UNMAP and UNMAP_UNLISTED; one of the snapshot's segments
+/// (memory history) takes ALLOC, MAP and LISTED against FREE, UNMAP and
+/// UNLISTED (Note [Segment events]). An unmapped
 /// range lies inside mapped ones but may span or split them. When the driver
 /// refuses a release or an unmap, the range is announced again (ALLOC or MAP).
 /// Once this returns, the previous observer is no longer called. An

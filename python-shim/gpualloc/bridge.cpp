@@ -114,6 +114,8 @@ TraceEntry::Action segment_action(int action) {
     case GPUALLOC_SEGMENT_FREE:
       return TraceEntry::SEGMENT_FREE;
     case GPUALLOC_SEGMENT_MAP:
+    case GPUALLOC_SEGMENT_MAP_UNLISTED:
+    case GPUALLOC_SEGMENT_LISTED:
       return TraceEntry::SEGMENT_MAP;
     default:
       return TraceEntry::SEGMENT_UNMAP;
@@ -126,15 +128,20 @@ AnnouncedRanges& announced = *new AnnouncedRanges;
 // Called by gpualloc under its lock for every segment event: feeds the
 // memory history (PyTorch's actions) and torch's trace trackers
 // (ProcessGroupNCCL registers memory with NCCL there). Must not throw into
-// gpualloc.
+// gpualloc. Two views (Note [Segment events]): the history follows the
+// snapshot's segments, which MemoryViz replays it backwards from, so it
+// skips the unlisted ranges (stitches, old ranges of moved pages); the
+// trackers follow the memory backed, so they skip LISTED and UNLISTED.
 void on_segment(void*, int device, int action, uint64_t address, uint64_t size, uint64_t stream) {
   try {
     auto a = segment_action(action);
     auto s = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream));
-    if (history.enabled()) {
+    bool listing = action != GPUALLOC_SEGMENT_MAP_UNLISTED && action != GPUALLOC_SEGMENT_UNMAP_UNLISTED;
+    bool backing = action != GPUALLOC_SEGMENT_LISTED && action != GPUALLOC_SEGMENT_UNLISTED;
+    if (listing && history.enabled()) {
       history.on_event(a, static_cast<c10::DeviceIndex>(device), address, size, s);
     }
-    if (!has_trackers.load(std::memory_order_relaxed)) {
+    if (!backing || !has_trackers.load(std::memory_order_relaxed)) {
       return;
     }
     std::vector<AnnouncedRanges::Change> changes;

@@ -98,12 +98,17 @@ static void observer(void *ctx, int device, int action, uint64_t address, uint64
   switch (action) {
     case GPUALLOC_SEGMENT_ALLOC:
     case GPUALLOC_SEGMENT_MAP:
+    case GPUALLOC_SEGMENT_MAP_UNLISTED:
       reg_add(device, address, address + size);
       break;
     case GPUALLOC_SEGMENT_FREE:
     case GPUALLOC_SEGMENT_UNMAP:
+    case GPUALLOC_SEGMENT_UNMAP_UNLISTED:
       reg_remove(device, address, address + size);
       break;
+    case GPUALLOC_SEGMENT_LISTED:
+    case GPUALLOC_SEGMENT_UNLISTED:
+      break; /* the snapshot's view: backed memory does not change */
     default:
       fail("unknown action:", address, size);
   }

@@ -66,6 +66,22 @@ typedef struct CUstream_st *cudaStream_t;
 // A range of expandable memory is about to be unmapped (`TraceEntry::SEGMENT_UNMAP`).
 #define GPUALLOC_SEGMENT_UNMAP 6
 
+// A range was mapped that the snapshot does not list (a stitch): backed
+// memory, not a segment (Note [Segment events]).
+#define GPUALLOC_SEGMENT_MAP_UNLISTED 10
+
+// A range the snapshot does not list is about to be unmapped (a cached
+// stitch, the old range of moved pages).
+#define GPUALLOC_SEGMENT_UNMAP_UNLISTED 11
+
+// A mapped range enters the snapshot's segments (memory history's
+// `SEGMENT_MAP`; nothing was mapped).
+#define GPUALLOC_SEGMENT_LISTED 12
+
+// A mapped range leaves the snapshot's segments (memory history's
+// `SEGMENT_UNMAP`; nothing is unmapped).
+#define GPUALLOC_SEGMENT_UNLISTED 13
+
 // Version of [`GpuallocOomInfo`] this library writes.
 #define GPUALLOC_OOM_INFO_VERSION 1
 
@@ -597,7 +613,16 @@ int gpualloc_ipc_close(void *ptr);
 // (`GPUALLOC_SEGMENT_FREE`) of a plain segment, and for expandable memory
 // after each range is mapped (`GPUALLOC_SEGMENT_MAP`) and before it is
 // unmapped (`GPUALLOC_SEGMENT_UNMAP`), with the range's address and size;
-// this includes private pools and stitched (aliased) ranges. An unmapped
+// this includes private pools. Ranges the snapshot does not list as
+// segments come as `GPUALLOC_SEGMENT_MAP_UNLISTED` and
+// `GPUALLOC_SEGMENT_UNMAP_UNLISTED` (stitched, aliased ranges; the old
+// range of moved pages, unmapped once its work is done), and mapped ranges
+// entering or leaving the snapshot without a driver call as
+// `GPUALLOC_SEGMENT_LISTED` and `GPUALLOC_SEGMENT_UNLISTED`: a consumer
+// of backed memory (NCCL registration) takes ALLOC, MAP and MAP_UNLISTED
+// against FREE, UNMAP and UNMAP_UNLISTED; one of the snapshot's segments
+// (memory history) takes ALLOC, MAP and LISTED against FREE, UNMAP and
+// UNLISTED (Note [Segment events]). An unmapped
 // range lies inside mapped ones but may span or split them. When the driver
 // refuses a release or an unmap, the range is announced again (ALLOC or MAP).
 // Once this returns, the previous observer is no longer called. An

@@ -1,15 +1,17 @@
 //! Segment events (Note [Segment events] in `observer.rs`): a consumer that
-//! registers a range on `Alloc`/`Map` and deregisters it on `Free`/`Unmap`,
-//! as ProcessGroupNCCL does with NCCL, holds exactly the memory the device
-//! backs, after every operation.
+//! registers a range on `Alloc`/`Map` and deregisters it on `Free`/`Unmap`
+//! (and their unlisted forms), as ProcessGroupNCCL does with NCCL, holds
+//! exactly the memory the device backs, after every operation; one that
+//! keeps the listed ranges, as memory history does, holds exactly the
+//! snapshot's segments.
 //!
 //! Random sequences on a small simulated device drive growth, moving pages
 //! (defragmentation), stitching, the out-of-memory retries, `empty_cache`,
 //! work on several streams and graph pools captured and released. After
 //! each operation the registered ranges must equal the simulator's live
-//! allocations and mappings, byte for byte, and hold every segment of the
-//! snapshot; a `Map` must not overlap what is registered, an `Unmap` must lie
-//! inside it, a `Free` must match an `Alloc`.
+//! allocations and mappings, byte for byte, and the listed ones the
+//! snapshot's segments; a `Map` must not overlap what is registered, an
+//! `Unmap` must lie inside it, a `Free` must match an `Alloc`.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -22,11 +24,63 @@ use proptest::test_runner::{RngAlgorithm, TestRng};
 const CAPACITY: u64 = 512 * MIB;
 const STREAMS: [StreamId; 3] = [0, 7, 9];
 
-/// What a consumer of the events holds.
+/// Disjoint coalesced ranges (start -> end), as a consumer keeps them.
+#[derive(Default)]
+struct Ranges(BTreeMap<u64, u64>);
+
+impl Ranges {
+    fn add(&mut self, lo: u64, hi: u64, errors: &mut Vec<String>) {
+        let ranges = &mut self.0;
+        let before = ranges.range(..hi).next_back().map(|(&a, &b)| (a, b));
+        if let Some((a, b)) = before
+            && b > lo
+        {
+            errors.push(format!("{lo:#x}..{hi:#x} overlaps {a:#x}..{b:#x}"));
+            return;
+        }
+        let (mut lo, mut hi) = (lo, hi);
+        if let Some((a, b)) = before
+            && b == lo
+        {
+            ranges.remove(&a);
+            lo = a;
+        }
+        if let Some(b) = ranges.remove(&hi) {
+            hi = b;
+        }
+        ranges.insert(lo, hi);
+    }
+
+    fn remove(&mut self, lo: u64, hi: u64, errors: &mut Vec<String>) {
+        let ranges = &mut self.0;
+        let Some((a, b)) = ranges.range(..=lo).next_back().map(|(&a, &b)| (a, b)) else {
+            errors.push(format!("{lo:#x}..{hi:#x} was never added"));
+            return;
+        };
+        if hi > b {
+            errors.push(format!("{lo:#x}..{hi:#x} is not inside {a:#x}..{b:#x}"));
+            return;
+        }
+        ranges.remove(&a);
+        if a < lo {
+            ranges.insert(a, lo);
+        }
+        if hi < b {
+            ranges.insert(hi, b);
+        }
+    }
+}
+
+/// What the consumers of the events hold: NCCL's registrations (the
+/// backed ranges) and memory history's segments (the listed ones).
 #[derive(Default)]
 struct Registry {
-    /// Registered bytes, as disjoint coalesced ranges: start -> end.
-    ranges: BTreeMap<u64, u64>,
+    /// Registered bytes: what `Alloc`, `Map` and `MapUnlisted` add and
+    /// their opposites remove.
+    backed: Ranges,
+    /// What the snapshot lists: `Alloc`, `Map` and `Listed` add, their
+    /// opposites remove.
+    listed: Ranges,
     /// Plain segments announced by `Alloc`: start -> bytes.
     plain: BTreeMap<u64, u64>,
     /// Events seen, per action.
@@ -36,50 +90,6 @@ struct Registry {
 }
 
 impl Registry {
-    fn add(&mut self, lo: u64, hi: u64) {
-        let before = self.ranges.range(..hi).next_back().map(|(&a, &b)| (a, b));
-        if let Some((a, b)) = before
-            && b > lo
-        {
-            self.errors.push(format!(
-                "{lo:#x}..{hi:#x} overlaps registered {a:#x}..{b:#x}"
-            ));
-            return;
-        }
-        let (mut lo, mut hi) = (lo, hi);
-        if let Some((a, b)) = before
-            && b == lo
-        {
-            self.ranges.remove(&a);
-            lo = a;
-        }
-        if let Some(b) = self.ranges.remove(&hi) {
-            hi = b;
-        }
-        self.ranges.insert(lo, hi);
-    }
-
-    fn remove(&mut self, lo: u64, hi: u64) {
-        let Some((a, b)) = self.ranges.range(..=lo).next_back().map(|(&a, &b)| (a, b)) else {
-            self.errors
-                .push(format!("{lo:#x}..{hi:#x} was never registered"));
-            return;
-        };
-        if hi > b {
-            self.errors.push(format!(
-                "{lo:#x}..{hi:#x} is not inside registered {a:#x}..{b:#x}"
-            ));
-            return;
-        }
-        self.ranges.remove(&a);
-        if a < lo {
-            self.ranges.insert(a, lo);
-        }
-        if hi < b {
-            self.ranges.insert(hi, b);
-        }
-    }
-
     fn on(&mut self, e: &SegmentEvent) {
         let (lo, hi) = (e.address, e.address + e.size);
         let name = match e.action {
@@ -87,6 +97,10 @@ impl Registry {
             SegmentAction::Free => "free",
             SegmentAction::Map => "map",
             SegmentAction::Unmap => "unmap",
+            SegmentAction::MapUnlisted => "map_unlisted",
+            SegmentAction::UnmapUnlisted => "unmap_unlisted",
+            SegmentAction::Listed => "listed",
+            SegmentAction::Unlisted => "unlisted",
         };
         *self.counts.entry(name).or_default() += 1;
         if e.device != 0 || e.size == 0 {
@@ -95,17 +109,14 @@ impl Registry {
         match e.action {
             SegmentAction::Alloc => {
                 self.plain.insert(lo, e.size);
-                self.add(lo, hi);
             }
-            SegmentAction::Map => self.add(lo, hi),
             SegmentAction::Free => {
                 if self.plain.remove(&lo) != Some(e.size) {
                     self.errors
                         .push(format!("free of {lo:#x}+{} never allocated", e.size));
                 }
-                self.remove(lo, hi);
             }
-            SegmentAction::Unmap => {
+            SegmentAction::Unmap | SegmentAction::UnmapUnlisted => {
                 if self
                     .plain
                     .range(..hi)
@@ -115,8 +126,19 @@ impl Registry {
                     self.errors
                         .push(format!("unmap of {lo:#x}..{hi:#x} inside a plain segment"));
                 }
-                self.remove(lo, hi);
             }
+            _ => {}
+        }
+        let errors = &mut self.errors;
+        match e.action.backed() {
+            Some(true) => self.backed.add(lo, hi, errors),
+            Some(false) => self.backed.remove(lo, hi, errors),
+            None => {}
+        }
+        match e.action.listed() {
+            Some(true) => self.listed.add(lo, hi, errors),
+            Some(false) => self.listed.remove(lo, hi, errors),
+            None => {}
         }
     }
 }
@@ -147,23 +169,25 @@ fn check(c: &Checked, reg: &Mutex<Registry>, what: &str) {
     assert!(reg.errors.is_empty(), "after {what}: {:?}", reg.errors);
     let backed = coalesce(&c.sim().backed_ranges());
     assert!(
-        reg.ranges == backed,
+        reg.backed.0 == backed,
         "after {what}: registered {:x?}\nbut the device backs {:x?}",
-        reg.ranges,
+        reg.backed.0,
         backed
     );
-    for s in c.snapshot() {
-        let inside = reg
-            .ranges
-            .range(..=s.address)
-            .next_back()
-            .is_some_and(|(_, &end)| s.address + s.total_size <= end);
-        assert!(
-            inside,
-            "after {what}: snapshot segment {:#x}+{} is not registered",
-            s.address, s.total_size
-        );
-    }
+    // Memory history replays backwards from the snapshot: what its events
+    // list must be what the snapshot lists.
+    let snap: Vec<(u64, u64)> = c
+        .snapshot()
+        .iter()
+        .map(|s| (s.address, s.total_size))
+        .collect();
+    let listed = coalesce(&snap);
+    assert!(
+        reg.listed.0 == listed,
+        "after {what}: the events list {:x?}\nbut the snapshot {:x?}",
+        reg.listed.0,
+        listed
+    );
 }
 
 /// A number below `n`, from a reproducible sequence.
@@ -271,7 +295,11 @@ fn run(config: &str, streams: &[StreamId], seed: u64, steps: usize) -> BTreeMap<
     c.complete_all();
     c.empty_cache();
     check(&c, &reg, &format!("the end, {config:?} seed {seed}"));
-    assert!(reg.lock().unwrap().ranges.is_empty(), "all memory returned");
+    assert!(
+        reg.lock().unwrap().backed.0.is_empty(),
+        "all memory returned"
+    );
+    assert!(reg.lock().unwrap().listed.0.is_empty(), "nothing listed");
     let mut counts = reg.lock().unwrap().counts.clone();
     counts.insert("stitches", c.stats().num_stitch as u64);
     counts.insert("defragmentations", c.stats().num_defragment as u64);
@@ -300,7 +328,16 @@ fn registered_ranges_are_exactly_the_backed_memory() {
         }
     }
     eprintln!("expandable: {total:?}");
-    for k in ["map", "unmap", "stitches", "defragmentations"] {
+    for k in [
+        "map",
+        "unmap",
+        "stitches",
+        "defragmentations",
+        "map_unlisted",
+        "unmap_unlisted",
+        "listed",
+        "unlisted",
+    ] {
         assert!(total.get(k) >= Some(&10), "{k}: {total:?}");
     }
     for config in [
