@@ -6,7 +6,9 @@ feature PyTorch users touch). Run through checks.py like the others:
 
 compat: torch.compile(mode="reduce-overhead") for inference and for training
 whose batch size changes (cudagraph trees re-record and restore pool
-checkpoints), memory history read back by torch.cuda._memory_viz, MemPool
+checkpoints), memory history read back by torch.cuda._memory_viz and
+replayed backwards from the snapshot as MemoryViz does (through stitched
+memory under gpualloc), MemPool
 with use_mem_pool, the out-of-memory observer, the generic allocator
 registry, the raw caching_allocator_alloc/delete API, and settings changed
 mid-run with torch.cuda.memory._set_allocator_settings. ipc: a CUDA tensor sent to a child process through
@@ -42,6 +44,99 @@ class Subchecks:
 
     def result(self):
         return {"checks": self.checks, "passed": sum(v["ok"] for v in self.checks.values()), "total": len(self.checks)}
+
+
+def _replay_backwards(snap, device):
+    """MemoryViz's Allocator State History (simulate_memory in
+    torch/utils/viz/MemoryViz.js, ported step for step): from the
+    snapshot's segments and blocks, undo the device's trace entries newest
+    first. Where MemoryViz would throw, this raises AssertionError naming
+    the entry: a segment_map undone that no single segment holds, a
+    segment_alloc undone that starts no segment, a free_requested undone
+    for a block not live, or a live block whose start lies in no segment
+    (its draw reads block.segment). Returns the
+    number of entries undone."""
+    segs = []  # MemoryViz's l_segments, in its own order: dicts addr/size/stream
+    blocks = {}  # live blocks: addr -> size
+    for seg in snap["segments"]:
+        if seg["device"] != device:
+            continue
+        segs.append({"addr": seg["address"], "size": seg["total_size"], "stream": seg["stream"]})
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] in ("active_allocated", "active_pending_free"):
+                blocks[addr] = b["size"]
+            addr += b["size"]
+    segs.sort(key=lambda x: x["addr"])
+
+    def first_after(addr):
+        return next((i for i, e in enumerate(segs) if e["addr"] > addr), -1)
+
+    def map_segment(merge, seg):
+        idx = first_after(seg["addr"])
+        if not merge:
+            segs.insert(idx, seg)  # JavaScript's splice(-1, 0, x) also inserts before the last
+            return
+        if idx == -1:
+            idx = len(segs)
+        segs.insert(idx, seg)
+        if idx + 1 < len(segs):
+            nxt = segs[idx + 1]
+            if seg["addr"] + seg["size"] == nxt["addr"] and seg["stream"] == nxt["stream"]:
+                seg["size"] += nxt["size"]
+                del segs[idx + 1]
+        if idx > 0:
+            prev = segs[idx - 1]
+            if prev["addr"] + prev["size"] == seg["addr"] and prev["stream"] == seg["stream"]:
+                prev["size"] += seg["size"]
+                del segs[idx]
+
+    def unmap_segment(merge, seg, i):
+        if not merge:
+            at = next((k for k, x in enumerate(segs) if x["addr"] == seg["addr"]), None)
+            assert at is not None, f"entry {i}: undoing segment_alloc {seg['addr']:#x}, which starts no segment"
+            del segs[at]
+            return
+        end = seg["addr"] + seg["size"]
+        at = next((k for k, e in enumerate(segs) if e["addr"] <= seg["addr"] and end <= e["addr"] + e["size"]), None)
+        assert at is not None, f"entry {i}: undoing segment_map {seg['addr']:#x}+{seg['size']}, which no segment holds"
+        ex = segs[at]
+        ex_end = ex["addr"] + ex["size"]
+        if ex["addr"] == seg["addr"]:
+            ex["addr"] += seg["size"]
+            ex["size"] -= seg["size"]
+            if ex["size"] == 0:
+                del segs[at]
+        elif ex_end == end:
+            ex["size"] -= seg["size"]
+        else:
+            ex["size"] = seg["addr"] - ex["addr"]
+            segs.insert(at + 1, {"addr": end, "size": ex_end - end, "stream": ex["stream"]})
+
+    def check_blocks(i):
+        for addr in blocks:
+            assert any(x["addr"] <= addr < x["addr"] + x["size"] for x in segs), (
+                f"before entry {i}: live block {addr:#x} lies in no segment"
+            )
+
+    trace = snap["device_traces"][device]
+    check_blocks(len(trace))
+    for i in range(len(trace) - 1, -1, -1):
+        e = trace[i]
+        a = e["action"]
+        seg = {"addr": e["addr"], "size": e["size"], "stream": e.get("stream")}
+        if a in ("free", "free_completed"):
+            blocks[e["addr"]] = e["size"]
+        elif a == "free_requested":
+            assert e["addr"] in blocks, f"entry {i}: undoing free_requested of {e['addr']:#x}, which is not live"
+        elif a == "alloc":
+            blocks.pop(e["addr"], None)
+        elif a in ("segment_free", "segment_unmap"):
+            map_segment(a == "segment_unmap", seg)
+        elif a in ("segment_alloc", "segment_map"):
+            unmap_segment(a == "segment_map", seg, i)
+        check_blocks(i)
+    return len(trace)
 
 
 def _mlp(torch, width=256):
@@ -151,6 +246,43 @@ def check_compat(args) -> dict:
         text = _memory_viz.segsum(snap)
         del keep
         return {"trace_entries": len(traces), "actions": sorted(actions), "blocks": len(blocks), "segsum_chars": len(text)}
+
+    @sub("memory_viz_replays_history_through_stitches")
+    def _():
+        # MemoryViz's Allocator State History replays the trace backwards
+        # from the snapshot's segments: every block event must find its
+        # segment, which under gpualloc's defaults includes stitched ranges
+        # (a large request over scattered free pages) and moved pages.
+        before = torch.cuda.memory_stats().get("num_stitch")
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        try:
+            big = [torch.empty(512 * MiB, dtype=torch.uint8, device=dev) for _ in range(8)]
+            walls = []
+            for t in big:
+                walls.append(torch.empty(2 * MiB, dtype=torch.uint8, device=dev))
+                del t
+            del big  # eight 512 MiB holes between live 2 MiB blocks
+            for _ in range(3):
+                x = torch.empty(2048 * MiB, dtype=torch.uint8, device=dev)  # stitched, then reused
+                x.fill_(1)
+                del x
+            part = [torch.empty(300 * MiB, dtype=torch.uint8, device=dev) for _ in range(3)]  # takes home runs
+            y = torch.empty(1536 * MiB, dtype=torch.uint8, device=dev)
+            del part, y
+            torch.cuda.synchronize()
+            path = os.path.join(tempfile.mkdtemp(), "snapshot.pickle")
+            torch.cuda.memory._dump_snapshot(path)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        with open(path, "rb") as f:
+            snap = pickle.load(f)
+        undone = _replay_backwards(snap, dev.index or 0)
+        after = torch.cuda.memory_stats().get("num_stitch")
+        del walls
+        torch.cuda.empty_cache()
+        if before is not None:
+            assert after > before, f"no stitch was built ({before} -> {after}): the check did not reach stitched memory"
+        return {"entries_undone": undone, "stitches": None if before is None else after - before}
 
     @sub("mempool_use_mem_pool")
     def _():

@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench  # noqa: E402
 import checks  # noqa: E402
+import compat  # noqa: E402
 import driver  # noqa: E402
 import sweep  # noqa: E402
 from step_profiler import StepProfiler  # noqa: E402
@@ -19,6 +20,53 @@ def run(workload, variant, mean, median, outputs, reserved=101, allocated=100):
     return {"workload": workload, "variant": variant, "result": {
         "peak_reserved": reserved, "peak_allocated": allocated, "mean_s_all": mean, "median_s": median,
         "outputs": outputs, "counters": {"num_device_alloc": 7}}}
+
+
+def seg(addr, size, blocks, stream=0):
+    return {"device": 0, "address": addr, "total_size": size, "stream": stream, "blocks": blocks}
+
+
+def blk(size, state="inactive"):
+    return {"size": size, "state": state}
+
+
+def ev(action, addr, size, stream=0):
+    return {"action": action, "addr": addr, "size": size, "stream": stream}
+
+
+class MemoryVizReplay(unittest.TestCase):
+    """compat._replay_backwards, MemoryViz's simulate_memory: what it accepts
+    and where it would throw."""
+
+    MB = 1 << 20
+
+    def test_a_stitch_listed_in_place_of_its_home_runs_replays(self):
+        M = self.MB
+        # Home segment [0, 8M); a stitch at 100M over its 4M..8M, in use at the end.
+        snap = {"segments": [seg(0, 4 * M, [blk(4 * M, "active_allocated")]), seg(100 * M, 4 * M, [blk(4 * M, "active_allocated")])],
+                "device_traces": [[ev("segment_map", 0, 8 * M), ev("alloc", 0, 4 * M), ev("alloc", 4 * M, 2 * M),
+                                   ev("free_requested", 4 * M, 2 * M), ev("free_completed", 4 * M, 2 * M),
+                                   ev("segment_unmap", 4 * M, 4 * M), ev("segment_map", 100 * M, 4 * M),
+                                   ev("alloc", 100 * M, 4 * M)]]}
+        self.assertEqual(compat._replay_backwards(snap, 0), 8)
+
+    def test_a_stitch_mapped_in_the_history_but_not_listed_throws(self):
+        M = self.MB
+        # The old bug: the stitch's map is in the history, the cached stitch is not in the snapshot.
+        snap = {"segments": [seg(0, 8 * M, [blk(8 * M)])],
+                "device_traces": [[ev("segment_map", 0, 8 * M), ev("segment_map", 100 * M, 4 * M),
+                                   ev("alloc", 100 * M, 4 * M), ev("free_requested", 100 * M, 4 * M),
+                                   ev("free_completed", 100 * M, 4 * M)]]}
+        with self.assertRaisesRegex(AssertionError, "lies in no segment"):
+            compat._replay_backwards(snap, 0)
+
+    def test_a_map_no_single_segment_holds_throws(self):
+        M = self.MB
+        # Two adjacent segments of different streams do not merge in MemoryViz.
+        snap = {"segments": [seg(0, 4 * M, [blk(4 * M)], stream=1), seg(4 * M, 4 * M, [blk(4 * M)], stream=2)],
+                "device_traces": [[ev("segment_map", 0, 8 * M)]]}
+        with self.assertRaisesRegex(AssertionError, "no segment holds"):
+            compat._replay_backwards(snap, 0)
 
 
 class SweepSummary(unittest.TestCase):
