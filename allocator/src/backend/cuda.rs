@@ -714,7 +714,19 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), BackendError> {
-        let (_bound, _) = self.bind_stream(stream)?;
+        let (_bound, s) = self.bind_stream(stream)?;
+        if !s.is_null() {
+            // A stream handle of any device (a side stream of another GPU
+            // is keyed as its handle): the driver knows its context, which
+            // this device's synchronization would not cover.
+            // SAFETY: `s` is a stream handle the caller passed; one that was
+            // destroyed since is the caller's risk, as for any stream call
+            // (the driver reports an invalid handle).
+            let r = self.timed(DriverCall::CtxSync, (0, 0), || unsafe {
+                driver::cuStreamSynchronize(s)
+            });
+            return check("cuStreamSynchronize", r);
+        }
         // SAFETY: the stream's device's context is current; no arguments.
         let r = self.timed(DriverCall::CtxSync, (0, 0), || unsafe {
             driver::cuCtxSynchronize()

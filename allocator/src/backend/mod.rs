@@ -275,10 +275,11 @@ pub trait Backend: Send {
         ))
     }
 
-    /// Blocks until all work queued on the device `stream` belongs to is
-    /// done: this device's, or for another device's default stream (Note
-    /// [Streams of other devices]) that device's. Only for a block whose
-    /// event the driver refused twice.
+    /// Blocks until the work queued on `stream` is done: for a default
+    /// stream, its device's work (this device's, or another device's, Note
+    /// [Streams of other devices]); for a side stream, that stream's, on
+    /// whichever device it belongs to. Only for a block whose event the
+    /// driver refused twice.
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), BackendError> {
         let _ = stream;
         self.synchronize()

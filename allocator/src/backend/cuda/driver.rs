@@ -112,6 +112,7 @@ driver_fns! {
     cuEventQuery(event: sys::CUevent);
     cuEventSynchronize(event: sys::CUevent);
     cuCtxSynchronize();
+    cuStreamSynchronize(stream: sys::CUstream);
     cuStreamWaitEvent(stream: sys::CUstream, event: sys::CUevent, flags: c_uint);
     cuStreamGetCtx(stream: sys::CUstream, ctx: *mut sys::CUcontext);
     cuThreadExchangeStreamCaptureMode(mode: *mut u32);
