@@ -81,6 +81,21 @@ pub fn warn_once(key: &str, msg: &str) {
     }
 }
 
+/// Warns (once per file) that the recorder dropped `dropped` events of
+/// `path`: every figure drawn from the trace misses them (a block whose
+/// free was dropped looks alive). `summary` says it in its output too.
+pub fn warn_dropped(path: &Path, dropped: u64) {
+    if dropped > 0 {
+        warn_once(
+            &format!("{}: dropped", path.display()),
+            &format!(
+                "{}: {dropped} events were dropped (they could not be written while recording): the figures miss them",
+                path.display()
+            ),
+        );
+    }
+}
+
 /// Refuses to write `out` (given as `option`) when it is the same file as
 /// one of `inputs`: the same path, a link to it, or another path to it.
 pub fn refuse_overwrite(option: &str, out: &Path, inputs: &[&Path]) -> Result<(), CliError> {
@@ -150,11 +165,13 @@ pub fn write_atomically<T>(
 }
 
 /// Refuses two options that name one output file (the second would
-/// overwrite the first).
+/// overwrite the first): the same path, two paths to one folder and name
+/// (`x.json`, `./x.json`), or two links to one existing file.
 pub fn refuse_shared_outputs(outs: &[(&str, &Path)]) -> Result<(), CliError> {
     for (i, (a, pa)) in outs.iter().enumerate() {
         for (b, pb) in &outs[i + 1..] {
             let same = pa == pb
+                || matches!((output_place(pa), output_place(pb)), (Some(x), Some(y)) if x == y)
                 || matches!((std::fs::metadata(pa), std::fs::metadata(pb)), (Ok(x), Ok(y)) if same_file(&x, &y));
             if same {
                 return Err(CliError(format!(
@@ -165,6 +182,18 @@ pub fn refuse_shared_outputs(outs: &[(&str, &Path)]) -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+/// Where `out` will be written: its folder, resolved, and its name; `None`
+/// when the folder cannot be resolved (it does not exist, and the write
+/// will say so).
+fn output_place(out: &Path) -> Option<(std::path::PathBuf, std::ffi::OsString)> {
+    let name = out.file_name()?.to_os_string();
+    let folder = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    Some((folder.canonicalize().ok()?, name))
 }
 
 /// Opens a trace, explaining what is wrong with a file that is not one.
@@ -325,11 +354,15 @@ pub fn scan_until(
         warn_once(&format!("{}: no END block", path.display()), &msg);
         warning = Some(msg);
     }
+    let dropped = reader.dropped().values().sum();
+    if !stopped {
+        warn_dropped(path, dropped);
+    }
     Ok(ScanInfo {
         header: reader.header().clone(),
         strings: reader.strings().to_vec(),
         events,
-        dropped: reader.dropped().values().sum(),
+        dropped,
         end: reader.end().copied(),
         warning,
         file_bytes,

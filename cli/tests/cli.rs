@@ -283,14 +283,14 @@ fn exported_snapshot_reads_like_memory_viz_reads_it() {
     let pickle2 = dir.path().join("tail.pickle");
     ok(&["export", s(&imported), "--torch-snapshot", s(&pickle2)]);
     run(&pickle2);
-    // The trace recorded on a GPU with expandable segments (segment_map/unmap).
-    let example = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../examples/gpt2-varlen.gtrace"
-    );
-    let pickle3 = dir.path().join("gpt2.pickle");
-    ok(&["export", example, "--torch-snapshot", s(&pickle3)]);
-    run(&pickle3);
+    // Traces recorded on a GPU with expandable segments (segment_map/unmap),
+    // and with stitched ranges, whose blocks need a segment too.
+    for name in ["gpt2-varlen", "yolo-style-oom", "resnet50", "four-streams"] {
+        let example = format!("{}/../examples/{name}.gtrace", env!("CARGO_MANIFEST_DIR"));
+        let pickle3 = dir.path().join(format!("{name}.pickle"));
+        ok(&["export", &example, "--torch-snapshot", s(&pickle3)]);
+        run(&pickle3);
+    }
 }
 
 #[test]
@@ -744,8 +744,10 @@ fn several_traces_report_in_one_page() {
 fn stitches_are_not_exported_as_memory_pytorch_would_count_twice() {
     // The example was recorded with stitching (second mappings of pages
     // counted in their home segments). Through PyTorch's format and back,
-    // reserved memory must stay what it was: a stitch exported as a
-    // segment_map (or its blocks given made-up segments) would add it twice.
+    // reserved memory must stay what it was: a stitch exported as a plain
+    // segment_map (or its blocks given made-up segments) would add it twice;
+    // the export marks its range (`gpualloc_stitch`) and the import reads
+    // it back as a stitch.
     let example = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../examples/yolo-style-oom.gtrace"

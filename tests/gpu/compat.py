@@ -46,6 +46,18 @@ class Subchecks:
         return {"checks": self.checks, "passed": sum(v["ok"] for v in self.checks.values()), "total": len(self.checks)}
 
 
+def _stitches(dev):
+    """gpualloc's stitches built so far on `dev` (None under PyTorch's
+    allocator: torch's memory_stats has no such key)."""
+    try:
+        import gpualloc
+    except ImportError:
+        return None
+    if not gpualloc.installed():
+        return None
+    return gpualloc.stats(dev.index or 0).get("num_stitch")
+
+
 def _replay_backwards(snap, device):
     """MemoryViz's Allocator State History (simulate_memory in
     torch/utils/viz/MemoryViz.js, ported step for step): from the
@@ -253,7 +265,7 @@ def check_compat(args) -> dict:
         # from the snapshot's segments: every block event must find its
         # segment, which under gpualloc's defaults includes stitched ranges
         # (a large request over scattered free pages) and moved pages.
-        before = torch.cuda.memory_stats().get("num_stitch")
+        before = _stitches(dev)
         torch.cuda.memory._record_memory_history(max_entries=200_000)
         try:
             big = [torch.empty(512 * MiB, dtype=torch.uint8, device=dev) for _ in range(8)]
@@ -277,7 +289,7 @@ def check_compat(args) -> dict:
         with open(path, "rb") as f:
             snap = pickle.load(f)
         undone = _replay_backwards(snap, dev.index or 0)
-        after = torch.cuda.memory_stats().get("num_stitch")
+        after = _stitches(dev)
         del walls
         torch.cuda.empty_cache()
         if before is not None:

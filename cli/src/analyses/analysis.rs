@@ -69,6 +69,10 @@ pub struct DeviceAnalysis {
     pub peak_active: Peak,
     /// Allocated bytes when reserved peaked (after the call that raised it).
     pub allocated_at_peak_reserved: u64,
+    /// Events applied when the call that raised reserved to its peak had
+    /// finished (see [`DeviceAnalysis::settle_peak_reserved`]): where the
+    /// state "at peak reserved" is taken.
+    pub peak_reserved_settled: u64,
     peak_reserved_open: bool,
     /// Failed allocations.
     pub oom_count: u64,
@@ -102,6 +106,7 @@ impl DeviceAnalysis {
             peak_reserved: Peak::default(),
             peak_active: Peak::default(),
             allocated_at_peak_reserved: 0,
+            peak_reserved_settled: 0,
             peak_reserved_open: false,
             oom_count: 0,
             ooms: Vec::new(),
@@ -148,10 +153,11 @@ impl DeviceAnalysis {
         if let EventKind::PhasePush { name } = kind {
             self.phases.push(name, e.time_ns, &g);
         }
+        let events = self.events;
         let at = |value| Peak {
             value,
             time_ns: e.time_ns,
-            index: self.events,
+            index: events,
         };
         if g.allocated > self.peak_allocated.value {
             self.peak_allocated = at(g.allocated);
@@ -159,17 +165,11 @@ impl DeviceAnalysis {
         if g.active > self.peak_active.value {
             self.peak_active = at(g.active);
         }
-        if self.peak_reserved_open
-            && e.action == Action::Alloc
-            && g.reserved == self.peak_reserved.value
-        {
-            // The allocation that needed the new segment lands just after it.
-            self.allocated_at_peak_reserved = g.allocated;
-        }
-        self.peak_reserved_open = false;
+        self.settle_peak_reserved(e);
         if g.reserved > self.peak_reserved.value {
             self.peak_reserved = at(g.reserved);
             self.allocated_at_peak_reserved = g.allocated;
+            self.peak_reserved_settled = self.events;
             self.peak_reserved_open = true;
         }
         if self.phases.any_open()
@@ -180,6 +180,40 @@ impl DeviceAnalysis {
         {
             self.phases.observe(&g);
         }
+    }
+
+    /// Follows the call that raised reserved to its peak to its end, so
+    /// that the state "at peak reserved" includes the allocation that
+    /// needed the memory. A call records the memory it creates and moves
+    /// first (`segment_alloc`, or `pages_create` then `segment_map`, with
+    /// `segment_unmap`s when pages move) and its `alloc` (or `oom`) last.
+    /// A call reads the clock once, so its events share a time stamp; but
+    /// older traces, and snapshots, whose entries read the clock one by
+    /// one, stamp each event, so those steps count as the call's whatever
+    /// their time. The call is over at its `alloc` or `oom`, at any other
+    /// event with a new time stamp, or when reserved moves off the peak.
+    fn settle_peak_reserved(&mut self, e: &TraceEvent) {
+        if !self.peak_reserved_open {
+            return;
+        }
+        let g = self.state.g;
+        let ends = matches!(e.action, Action::Alloc | Action::Oom);
+        let step = ends
+            || matches!(
+                e.action,
+                Action::SegmentAlloc
+                    | Action::SegmentMap
+                    | Action::SegmentUnmap
+                    | Action::PagesCreate
+            );
+        let in_call = step || e.time_ns == self.peak_reserved.time_ns;
+        if !in_call || g.reserved != self.peak_reserved.value {
+            self.peak_reserved_open = false;
+            return;
+        }
+        self.allocated_at_peak_reserved = g.allocated;
+        self.peak_reserved_settled = self.events;
+        self.peak_reserved_open = !ends;
     }
 }
 
@@ -229,7 +263,8 @@ pub fn analyze(path: &Path, allow_truncated: bool) -> Result<Analysis, CliError>
 }
 
 /// Second pass: the state at each device's allocated peak, and its streams
-/// at the reserved peak (the file is read up to the last of them).
+/// at the reserved peak once the call that raised it had finished (the file
+/// is read up to the last of them).
 pub fn second_pass(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<(), CliError> {
     let mut states: BTreeMap<u32, (DeviceState, u64)> = a
         .devices
@@ -239,7 +274,7 @@ pub fn second_pass(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Resu
     let targets: BTreeMap<u32, (u64, u64)> = a
         .devices
         .iter()
-        .map(|(&d, x)| (d, (x.peak_allocated.index, x.peak_reserved.index)))
+        .map(|(&d, x)| (d, (x.peak_allocated.index, x.peak_reserved_settled)))
         .collect();
     let mut remaining: usize = targets
         .values()
@@ -287,5 +322,101 @@ pub fn snapshot_frag(t_ns: u64, s: &DeviceState) -> Frag {
         unallocated: state::unallocated_fraction(&s.g),
         largest_free,
         total_free,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpualloc::trace::Pool;
+
+    const MIB: u64 = 1 << 20;
+
+    fn ev(time_ns: u64, kind: EventKind) -> TraceEvent {
+        TraceEvent::from_kind(time_ns, 0, 0, 0, kind)
+    }
+
+    fn alloc(addr: u64, size: u64) -> EventKind {
+        EventKind::Alloc {
+            addr,
+            requested: size,
+            block_size: size,
+        }
+    }
+
+    fn run(events: &[TraceEvent]) -> DeviceAnalysis {
+        let mut d = DeviceAnalysis::new(0);
+        for e in events {
+            d.apply(e);
+        }
+        d
+    }
+
+    #[test]
+    fn peak_reserved_is_taken_after_the_allocation_of_a_page_pool_call() {
+        // gpualloc's page pool: one call creates pages, maps them, then
+        // allocates, all at one time stamp.
+        let map = EventKind::SegmentMap {
+            addr: 0x100_0000,
+            size: 20 * MIB,
+            pool: Pool::Code(1),
+        };
+        let d = run(&[
+            ev(10, EventKind::PagesCreate { bytes: 20 * MIB }),
+            ev(10, map),
+            ev(10, alloc(0x100_0000, 20 * MIB)),
+            // The next call, at the same time stamp: not part of the peak's.
+            ev(10, alloc(0x200_0000, 0)),
+            ev(
+                20,
+                EventKind::FreeRequested {
+                    addr: 0x100_0000,
+                    requested: 20 * MIB,
+                    block_size: 20 * MIB,
+                },
+            ),
+        ]);
+        assert_eq!(d.peak_reserved.value, 20 * MIB);
+        assert_eq!(d.peak_reserved.index, 1, "where reserved rose");
+        assert_eq!(d.allocated_at_peak_reserved, 20 * MIB);
+        assert_eq!(d.peak_reserved_settled, 3, "after the call's alloc");
+    }
+
+    #[test]
+    fn a_call_that_raised_reserved_ends_at_its_alloc_or_another_event() {
+        let seg = EventKind::SegmentAlloc {
+            addr: 0,
+            size: 20 * MIB,
+            pool: Pool::Code(1),
+        };
+        let free = EventKind::FreeRequested {
+            addr: 0x900_0000,
+            requested: 0,
+            block_size: 0,
+        };
+        let d = run(&[
+            ev(5, alloc(0x900_0000, 0)),
+            ev(10, seg),
+            ev(10, EventKind::Mark { name: 0 }),
+            // Another call: the peak's had no allocation.
+            ev(11, free),
+            ev(12, alloc(0, MIB)),
+        ]);
+        assert_eq!(d.allocated_at_peak_reserved, 0);
+        assert_eq!(d.peak_reserved_settled, 3);
+        // Each event stamped on its own (older traces, snapshots).
+        let map = EventKind::SegmentMap {
+            addr: 0,
+            size: 20 * MIB,
+            pool: Pool::Code(1),
+        };
+        let d = run(&[
+            ev(10_000, EventKind::PagesCreate { bytes: 20 * MIB }),
+            ev(11_000, map),
+            ev(12_000, alloc(0, MIB)),
+            ev(13_000, alloc(MIB, MIB)),
+        ]);
+        assert_eq!(d.allocated_at_peak_reserved, MIB);
+        assert_eq!(d.peak_reserved_settled, 3);
     }
 }

@@ -7,8 +7,9 @@
 //! most iterations since it first appeared grows per iteration: a leak
 //! candidate.
 //!
-//! `--json` prints one object with stable field names: `file` and
-//! `devices`, each with `device`, `iterations`, `alive_allocations`,
+//! `--json` prints one object with stable field names: `file`, `dropped`
+//! (events the recorder could not write, whose frees a survivor may miss;
+//! the text says so on stderr) and `devices`, each with `device`, `iterations`, `alive_allocations`,
 //! `alive_bytes`, `candidates`, `groups_total` and `groups` (at most
 //! `--limit`), each group with the fields of [`LeakGroup`] under the names
 //! `size`, `block`, `phase` (its name), `count`, `bytes`,
@@ -175,7 +176,8 @@ pub fn render_json(a: &Analysis, file: &Path, limit: usize) -> String {
             })
         })
         .collect();
-    let v = json!({"file": file.display().to_string(), "devices": devices});
+    let v =
+        json!({"file": file.display().to_string(), "dropped": a.info.dropped, "devices": devices});
     let mut out = serde_json::to_string_pretty(&v).expect("plain values serialize");
     out.push('\n');
     out

@@ -1,7 +1,8 @@
 //! The `diff` command: two traces' peaks and fragmentation side by side.
 //!
 //! `--json` prints one object with stable field names: `a` and `b` (each
-//! `file`, `events`, `duration_ns`, `config`) and `devices`, each with
+//! `file`, `events`, `dropped` (events the recorder could not write; the
+//! text says so on stderr), `duration_ns`, `config`) and `devices`, each with
 //! `device` and the figures of `a` and `b` (null where that trace has no
 //! such device): `peak_allocated`, `peak_reserved`, `peak_active`,
 //! `allocated_at_end` (bytes), `reserved_unallocated_at_peak`,
@@ -34,6 +35,7 @@ fn render_json(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
         json!({
             "file": p.display().to_string(),
             "events": t.info.events,
+            "dropped": t.info.dropped,
             "duration_ns": t.duration_ns,
             "config": t.info.header.config,
         })

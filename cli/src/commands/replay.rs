@@ -1,7 +1,9 @@
 //! The `replay` command: one pass of the trace per configuration, the
 //! results side by side, or as JSON (`--json`) for scripts and CI. Besides
 //! the peaks it reports the driver calls each configuration makes and the
-//! driver time they would take on an H200 ([`CostModel::h200`]).
+//! driver time they would take on an H200 ([`CostModel::h200`]). Events the
+//! recorder dropped are not replayed: a warning on stderr says how many,
+//! and each JSON object's `dropped`.
 
 use std::fmt::Write;
 use std::path::Path;
@@ -30,6 +32,7 @@ pub fn run(
     };
     let mut results = Vec::new();
     let mut strings = Vec::new();
+    let mut dropped = 0u64;
     for c in &configs {
         // The parser's message quotes the bad part; where it came from is named.
         let config = Config::parse(c).map_err(|e| {
@@ -54,17 +57,19 @@ pub fn run(
             input::warn_once(&msg, &format!("{msg}; the readable prefix was replayed"));
         }
         input::reader_warnings(path, &reader);
+        dropped = reader.dropped().values().sum();
+        input::warn_dropped(path, dropped);
         strings = reader.strings().to_vec();
         results.push(r);
     }
     if as_json {
-        return Ok(render_json(capacity, &configs, &results));
+        return Ok(render_json(capacity, &configs, &results, dropped));
     }
     Ok(render(path, capacity, &configs, &results, &strings))
 }
 
 /// One object per configuration: peaks, ratio, driver calls and time.
-fn render_json(capacity: u64, configs: &[String], rs: &[ReplayResult]) -> String {
+fn render_json(capacity: u64, configs: &[String], rs: &[ReplayResult], dropped: u64) -> String {
     let model = CostModel::h200();
     let rows: Vec<serde_json::Value> = configs
         .iter()
@@ -87,6 +92,7 @@ fn render_json(capacity: u64, configs: &[String], rs: &[ReplayResult]) -> String
                 "config": c,
                 "capacity": capacity,
                 "events": r.events,
+                "dropped": dropped,
                 "peak_reserved": r.peak_reserved,
                 "peak_allocated": r.peak_allocated,
                 "ratio": r.peak_reserved as f64 / r.peak_allocated.max(1) as f64,

@@ -9,6 +9,19 @@
 //! freed just after it. The final state is rebuilt from the kept events, and
 //! each segment's blocks tile it exactly, gaps marked `inactive`.
 //!
+//! A stitched range (Note [Stitching]) maps pages already counted in other
+//! segments. Its blocks still need a segment, so it is written as an
+//! expandable one: a `segment_map` / `segment_unmap` pair over its life and,
+//! while mapped, a segment in the final state, each with the extra key
+//! `gpualloc_stitch` (true), which MemoryViz ignores (it shows the pages
+//! twice) and the import reads back as a stitch (counted once).
+//!
+//! The trace's configuration and start go to the top-level keys
+//! `gpualloc_config` and `gpualloc_start_us` (µs since the Unix epoch),
+//! which MemoryViz ignores and the import reads back, so that a trace
+//! keeps its configuration (replays, the report's advice) and its time
+//! origin through a snapshot.
+//!
 //! Phases and marks go to `external_annotations`, where PyTorch puts
 //! `record_function`'s ranges: a phase as a `START` and an `END`, a mark as
 //! both at one time, with where each falls among the device's entries
@@ -26,6 +39,13 @@ use crate::formats::pickle::Pickler;
 use crate::input::{self, CliError};
 
 type P = Pickler<BufWriter<File>>;
+
+/// The key that marks a stitched range's entries and segments.
+pub const STITCH_KEY: &str = "gpualloc_stitch";
+/// The top-level key of the trace's configuration (gpualloc's syntax).
+pub const CONFIG_KEY: &str = "gpualloc_config";
+/// The top-level key of the trace's start (µs since the Unix epoch).
+pub const START_KEY: &str = "gpualloc_start_us";
 
 /// At most this many phase starts, phase ends and marks are written, so
 /// that a trace of millions of marks cannot exhaust memory; the note says
@@ -72,7 +92,7 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
         .max(u64::from(device_count.min(64))) as u32;
     let file = File::create(out).map_err(werr)?;
     let mut p = Pickler::new(BufWriter::with_capacity(1 << 20, file)).map_err(werr)?;
-    let mut finals: Vec<DeviceState> = Vec::new();
+    let mut finals: Vec<(DeviceState, BTreeMap<u64, u64>)> = Vec::new();
     let mut skipped = 0u64;
     p.dict().map_err(werr)?;
     p.str("device_traces").map_err(werr)?;
@@ -81,11 +101,12 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
         p.list().map_err(werr)?;
         if !seen.contains_key(&device) {
             p.end().map_err(werr)?;
-            finals.push(DeviceState::default());
+            finals.push((DeviceState::default(), BTreeMap::new()));
             continue;
         }
         let mut ex = Exporter {
             state: DeviceState::default(),
+            stitch_streams: BTreeMap::new(),
             start_ns,
             skipped: 0,
             err: None,
@@ -105,19 +126,21 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
         skipped += ex.skipped;
         annotations = ex.annotations;
         annotations_left_out += ex.annotations_left_out;
-        finals.push(ex.state);
+        finals.push((ex.state, ex.stitch_streams));
     }
     p.end().map_err(werr)?;
     p.str("segments").map_err(werr)?;
     p.list().map_err(werr)?;
-    for (device, s) in finals.iter().enumerate() {
-        segments(&mut p, device as u64, s).map_err(werr)?;
+    for (device, (s, stitches)) in finals.iter().enumerate() {
+        segments(&mut p, device as u64, s, stitches).map_err(werr)?;
     }
     p.end().map_err(werr)?;
     p.str("allocator_settings").map_err(werr)?;
     p.dict().map_err(werr)?;
     p.kv_str("PYTORCH_CUDA_ALLOC_CONF", &config).map_err(werr)?;
     p.end().map_err(werr)?;
+    p.kv_str(CONFIG_KEY, &config).map_err(werr)?;
+    p.kv_int(START_KEY, start_ns / 1000).map_err(werr)?;
     p.str("external_annotations").map_err(werr)?;
     p.list().map_err(werr)?;
     for a in &annotations {
@@ -150,6 +173,8 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
 
 struct Exporter {
     state: DeviceState,
+    /// Stream of each mapped stitch, by address.
+    stitch_streams: BTreeMap<u64, u64>,
     start_ns: u64,
     skipped: u64,
     err: Option<std::io::Error>,
@@ -180,16 +205,33 @@ impl Exporter {
         let keep = match e.kind() {
             // A stitch maps pages that are already mapped (and counted)
             // elsewhere a second time: PyTorch's format has no such thing,
-            // and a segment_map would count the pages twice. Its blocks are
-            // left without a segment (see `covered`).
+            // so its range is marked (see the module docs).
             EventKind::SegmentMap {
-                pool: Pool::Stitch, ..
-            }
-            | EventKind::SegmentUnmap {
-                pool: Pool::Stitch, ..
+                pool: Pool::Stitch,
+                addr,
+                size,
             } => {
                 self.state.apply(e);
-                return Ok(());
+                // The state refuses a range past the end of the address space.
+                if self.state.aliases.get(&addr) != Some(&size) {
+                    self.skipped += 1;
+                    return Ok(());
+                }
+                self.stitch_streams.insert(addr, e.stream);
+                return self.stitch_entry(p, "segment_map", e, size);
+            }
+            EventKind::SegmentUnmap {
+                pool: Pool::Stitch,
+                addr,
+                ..
+            } => {
+                let Some(size) = self.state.aliases.get(&addr).copied() else {
+                    self.skipped += 1;
+                    return Ok(());
+                };
+                self.state.apply(e);
+                self.stitch_streams.remove(&addr);
+                return self.stitch_entry(p, "segment_unmap", e, size);
             }
             // A range past the end of the address space (a corrupt file):
             // the state warns of it and leaves it out.
@@ -311,14 +353,39 @@ impl Exporter {
     }
 
     fn entry(&mut self, p: &mut P, action: &str, e: &TraceEvent, size: u64) -> std::io::Result<()> {
+        self.fields(p, action, e, size)?;
+        p.end()
+    }
+
+    /// An entry of a stitched range, marked as one.
+    fn stitch_entry(
+        &mut self,
+        p: &mut P,
+        action: &str,
+        e: &TraceEvent,
+        size: u64,
+    ) -> std::io::Result<()> {
+        self.fields(p, action, e, size)?;
+        p.str(STITCH_KEY)?;
+        p.bool(true)?;
+        p.end()
+    }
+
+    /// Opens an entry and writes its common fields.
+    fn fields(
+        &mut self,
+        p: &mut P,
+        action: &str,
+        e: &TraceEvent,
+        size: u64,
+    ) -> std::io::Result<()> {
         self.written += 1;
         p.dict()?;
         p.kv_str("action", action)?;
         p.kv_int("addr", e.addr)?;
         p.kv_int("size", size)?;
         p.kv_int("stream", e.stream)?;
-        p.kv_int("time_us", self.start_ns.saturating_add(e.time_ns) / 1000)?;
-        p.end()
+        p.kv_int("time_us", self.start_ns.saturating_add(e.time_ns) / 1000)
     }
 }
 
@@ -344,10 +411,29 @@ fn within(addr: u64, size: u64, start: u64, len: u64) -> bool {
     }
 }
 
-fn segments(p: &mut P, device: u64, s: &DeviceState) -> std::io::Result<()> {
+/// The final segments of `s`: its ranges, and its stitches (streams in
+/// `stitches`) as expandable segments of the default large pool.
+fn segments(
+    p: &mut P,
+    device: u64,
+    s: &DeviceState,
+    stitches: &BTreeMap<u64, u64>,
+) -> std::io::Result<()> {
+    let mut ranges: BTreeMap<u64, (Region, bool)> =
+        s.regions.iter().map(|(&a, &r)| (a, (r, false))).collect();
+    for (&addr, &size) in &s.aliases {
+        let r = Region {
+            size,
+            stream: stitches.get(&addr).copied().unwrap_or(0),
+            pool: 1,
+            expandable: true,
+            synthetic: false,
+        };
+        ranges.entry(addr).or_insert((r, true));
+    }
     let live = s.sorted_live();
     let mut i = 0;
-    for (&addr, r) in &s.regions {
+    for (&addr, (r, stitch)) in &ranges {
         while i < live.len() && live[i].0 < addr {
             i += 1;
         }
@@ -377,7 +463,15 @@ fn segments(p: &mut P, device: u64, s: &DeviceState) -> std::io::Result<()> {
         if cur < end {
             blocks.push((cur, end - cur, 0, "inactive"));
         }
-        segment(p, device, addr, r, &blocks, (allocated, active, requested))?;
+        segment(
+            p,
+            device,
+            addr,
+            r,
+            *stitch,
+            &blocks,
+            (allocated, active, requested),
+        )?;
     }
     Ok(())
 }
@@ -387,6 +481,7 @@ fn segment(
     device: u64,
     addr: u64,
     r: &Region,
+    stitch: bool,
     blocks: &[(u64, u64, u64, &str)],
     sums: (u64, u64, u64),
 ) -> std::io::Result<()> {
@@ -410,6 +505,10 @@ fn segment(
     p.int_pair(0, if r.pool >= 2 { (r.pool - 2) / 2 + 1 } else { 0 })?;
     p.str("is_expandable")?;
     p.bool(r.expandable)?;
+    if stitch {
+        p.str(STITCH_KEY)?;
+        p.bool(true)?;
+    }
     p.str("frames")?;
     p.list()?;
     p.end()?;

@@ -7,6 +7,11 @@
 //! (`torch_annotations.rs`). The snapshot's ring buffer may start mid-run:
 //! frees of blocks allocated before it are kept, and the analysis skips
 //! them.
+//!
+//! From a snapshot that gpualloc exported (`export_torch.rs`): ranges
+//! marked `gpualloc_stitch` come back as stitches, and `gpualloc_config`
+//! and `gpualloc_start_us` as the trace's configuration and start. Without
+//! them the configuration is empty and the start is the earliest entry.
 
 use std::fs::File;
 use std::io::BufWriter;
@@ -16,6 +21,7 @@ use gpualloc::Config;
 use gpualloc::size_class::round_size;
 use gpualloc::trace::{Action, EventKind, MAX_DEVICES, Pool, TraceEvent, TraceHeader, TraceWriter};
 
+use crate::formats::export_torch::{CONFIG_KEY, START_KEY, STITCH_KEY};
 use crate::formats::torch_annotations::{self, Annotation};
 use crate::formats::unpickle;
 use crate::input::CliError;
@@ -47,6 +53,7 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         .flat_map(|d| d.items())
         .filter_map(|e| e.get("time_us").and_then(|t| t.as_int()))
         .chain(torch_annotations::earliest_us(&root))
+        .chain(root.get(START_KEY).and_then(|t| t.as_int()))
         .min()
         .unwrap_or(0)
         .max(0) as u64;
@@ -54,11 +61,15 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         .get("allocator_settings")
         .and_then(|s| s.get("PYTORCH_CUDA_ALLOC_CONF"))
         .and_then(|s| s.as_str().map(String::from));
+    // gpualloc's own configuration, when gpualloc exported the snapshot.
+    let gpualloc_config = root
+        .get(CONFIG_KEY)
+        .and_then(|s| s.as_str().map(String::from));
     let header = TraceHeader {
         start_unix_ns: t0.saturating_mul(1000),
         device_count: devices.len() as u32,
         pid: 0,
-        config: String::new(),
+        config: gpualloc_config.unwrap_or_default(),
         producer: format!(
             "import pytorch-snapshot (PYTORCH_CUDA_ALLOC_CONF={})",
             conf.unwrap_or_default()
@@ -123,6 +134,13 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                 |a: Action| int("addr").ok_or_else(|| at(&format!("`{a:?}` without an `addr`")));
             // Segments of 2 MiB come from the small pool, others from the large.
             let pool = Pool::Code(u64::from(size != 2 << 20));
+            // Mapped ranges are the default large pool's, or stitches that
+            // gpualloc's export marked.
+            let mapped = if int(STITCH_KEY).is_some_and(|v| v != 0) {
+                Pool::Stitch
+            } else {
+                Pool::Code(1)
+            };
             let (requested, block_size) = (size, block);
             let kind = match action.as_str() {
                 "alloc" => EventKind::Alloc {
@@ -153,12 +171,12 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                 "segment_map" => EventKind::SegmentMap {
                     addr: addr(Action::SegmentMap)?,
                     size,
-                    pool: Pool::Code(1),
+                    pool: mapped,
                 },
                 "segment_unmap" => EventKind::SegmentUnmap {
                     addr: addr(Action::SegmentUnmap)?,
                     size,
-                    pool: Pool::Code(1),
+                    pool: mapped,
                 },
                 "oom" => EventKind::Oom {
                     requested,

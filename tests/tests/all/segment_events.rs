@@ -106,26 +106,22 @@ impl Registry {
         if e.device != 0 || e.size == 0 {
             self.errors.push(format!("bad event {e:?}"));
         }
+        let inside_plain = self
+            .plain
+            .range(..hi)
+            .next_back()
+            .is_some_and(|(&p, &s)| p + s > lo);
         match e.action {
             SegmentAction::Alloc => {
                 self.plain.insert(lo, e.size);
             }
-            SegmentAction::Free => {
-                if self.plain.remove(&lo) != Some(e.size) {
-                    self.errors
-                        .push(format!("free of {lo:#x}+{} never allocated", e.size));
-                }
+            SegmentAction::Free if self.plain.remove(&lo) != Some(e.size) => {
+                self.errors
+                    .push(format!("free of {lo:#x}+{} never allocated", e.size));
             }
-            SegmentAction::Unmap | SegmentAction::UnmapUnlisted => {
-                if self
-                    .plain
-                    .range(..hi)
-                    .next_back()
-                    .is_some_and(|(&p, &s)| p + s > lo)
-                {
-                    self.errors
-                        .push(format!("unmap of {lo:#x}..{hi:#x} inside a plain segment"));
-                }
+            SegmentAction::Unmap | SegmentAction::UnmapUnlisted if inside_plain => {
+                self.errors
+                    .push(format!("unmap of {lo:#x}..{hi:#x} inside a plain segment"));
             }
             _ => {}
         }

@@ -88,7 +88,8 @@ struct Collector {
     spans: Vec<Span>,
     open: Vec<(u64, usize)>,
     at_peak: Option<AtPeak>,
-    /// The event count at the reserved peak, and the streams' shares there.
+    /// The event count at the end of the call that raised reserved to its
+    /// peak, and the streams' shares there.
     reserved_at: u64,
     streams: Option<crate::analyses::streams::StreamShares>,
     windows: Vec<Window>,
@@ -347,7 +348,7 @@ pub fn collect(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<V
         // One layout per event: the allocated peak wins over the others.
         let mut targets = BTreeMap::new();
         targets.insert(d.events, "end");
-        targets.insert(d.peak_reserved.index, "peak reserved");
+        targets.insert(d.peak_reserved_settled, "peak reserved");
         targets.insert(d.peak_allocated.index, "peak allocated");
         // Per-iteration phases would only stripe the chart: a phase is rare
         // when opened in at most half the iterations (checkpoints always).
@@ -365,7 +366,7 @@ pub fn collect(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<V
         let span = a.duration_ns.saturating_sub(d.first_ns) + 1;
         let bounds = d.state.iterations().to_vec();
         let mut c = Collector::new(d.first_ns, span, bounds, rare, targets);
-        c.reserved_at = d.peak_reserved.index;
+        c.reserved_at = d.peak_reserved_settled;
         // Detail windows around the peaks and the first OOMs, apart.
         let moments = [d.peak_allocated.time_ns, d.peak_reserved.time_ns]
             .into_iter()

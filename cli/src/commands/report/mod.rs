@@ -195,13 +195,13 @@ fn device(
         "<section class=\"device\" data-device=\"{0}\"><h2>Device {0}</h2>",
         d.device
     );
+    // A trace without reserved memory (an RMM log) records no capacity:
+    // replaying on a device of 0 B would advise nothing true.
     let advice = match d.ooms.first() {
-        Some(first) => Some(crate::commands::report::oom::advise(
-            path,
-            &a.info.header.config,
-            first,
-        )?),
-        None => None,
+        Some(first) if d.state.reserves && oom::capacity(first) > 0 => {
+            Some(oom::advise(path, &a.info.header.config, first)?)
+        }
+        _ => None,
     };
     sec::findings(s, a, d, advice.as_ref());
     figures(s, d);
@@ -236,17 +236,23 @@ fn figures(s: &mut String, d: &DeviceAnalysis) {
         )
     };
     sec::row(s, "peak allocated", &at(&d.peak_allocated));
-    sec::row(s, "peak reserved", &at(&d.peak_reserved));
+    if d.state.reserves {
+        sec::row(s, "peak reserved", &at(&d.peak_reserved));
+    } else {
+        sec::row(s, "peak reserved", sec::NOT_RECORDED);
+    }
     sec::row(s, "peak active", &at(&d.peak_active));
-    sec::row(
-        s,
-        "peak reserved / peak allocated",
-        &format!(
-            "{:.3}",
-            d.peak_reserved.value as f64 / d.peak_allocated.value.max(1) as f64
-        ),
-    );
-    if let Some(p) = &d.at_peak {
+    if d.state.reserves {
+        sec::row(
+            s,
+            "peak reserved / peak allocated",
+            &format!(
+                "{:.3}",
+                d.peak_reserved.value as f64 / d.peak_allocated.value.max(1) as f64
+            ),
+        );
+    }
+    if let Some(p) = d.at_peak.as_ref().filter(|_| d.state.reserves) {
         sec::row(
             s,
             "external fragmentation at peak allocated",

@@ -192,10 +192,16 @@ impl Advice {
     }
 }
 
+/// The device capacity `first` implies: what was reserved plus what the
+/// device had left (0 when the trace records neither, as an RMM log).
+pub fn capacity(first: &Oom) -> u64 {
+    first.gauges.reserved.saturating_add(first.device_free)
+}
+
 /// Replays the trace under the recorded configuration and the candidates,
 /// on a device of the capacity implied by `first`.
 pub fn advise(path: &Path, recorded: &str, first: &Oom) -> Result<Advice, CliError> {
-    let capacity = first.gauges.reserved.saturating_add(first.device_free);
+    let capacity = capacity(first);
     let limits = limit_keys(recorded);
     let mut trials = Vec::new();
     let candidates = CANDIDATES.iter().map(|c| match limits.as_str() {

@@ -17,6 +17,9 @@ const PHASE_ROWS: usize = 50;
 /// Leak groups shown.
 const LEAK_ROWS: usize = 25;
 
+/// Reserved memory of a trace without segment events (an RMM log).
+pub const NOT_RECORDED: &str = "not recorded (the trace has no segment events)";
+
 /// A two-cell table row.
 pub fn row(s: &mut String, k: &str, v: &str) {
     let _ = write!(s, "<tr><td>{}</td><td>{}</td></tr>", esc(k), esc(v));
@@ -40,17 +43,25 @@ fn shown(n: usize, of: usize, what: &str) -> String {
 pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Advice>) {
     s.push_str("<ul class=\"findings\">");
     let (pa, pr) = (d.peak_allocated.value, d.peak_reserved.value);
+    let cache = if d.state.reserves {
+        format!(
+            "the cache held {} at its peak, {} more than the tensors needed ({} of it)",
+            bytes(pr),
+            bytes(pr.saturating_sub(pa)),
+            percent(if pr == 0 {
+                0.0
+            } else {
+                pr.saturating_sub(pa) as f64 / pr as f64
+            })
+        )
+    } else {
+        format!("what the cache held was {NOT_RECORDED}")
+    };
     let _ = write!(
         s,
-        "<li><b>Tensors or cache?</b> Tensors peaked at {}; the cache held {} at its peak, {} more than the tensors needed ({} of it).{}{}{}</li>",
+        "<li><b>Tensors or cache?</b> Tensors peaked at {}; {}.{}{}{}</li>",
         bytes(pa),
-        bytes(pr),
-        bytes(pr.saturating_sub(pa)),
-        percent(if pr == 0 {
-            0.0
-        } else {
-            pr.saturating_sub(pa) as f64 / pr as f64
-        }),
+        esc(&cache),
         d.empty_caches.describe().map_or(String::new(), |e| format!(
             " <code>empty_cache</code>: {}.",
             esc(&e)
@@ -84,7 +95,7 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
         }
         None => s.push_str("<li><b>Checkpoint spike?</b> No phase named like a checkpoint save (checkpoint, save, ckpt) was recorded.</li>"),
     }
-    if let Some(p) = &d.at_peak {
+    if let Some(p) = d.at_peak.as_ref().filter(|_| d.state.reserves) {
         let _ = write!(
             s,
             "<li><b>Fragmentation?</b> At the allocated peak, {} of reserved memory was free, in pieces of at most {} (external fragmentation {}).</li>",
@@ -110,6 +121,9 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
                         bytes(t.result.peak_reserved)
                     );
                 }
+                None if advice.is_none() => s.push_str(
+                    " Not replayed: the trace records no reserved memory, so the device's capacity is unknown.</li>",
+                ),
                 None => s.push_str(" No configuration tried avoids it in replay.</li>"),
             }
         }

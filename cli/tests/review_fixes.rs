@@ -1,0 +1,315 @@
+//! Fixes from the review of the CLI, each on a small trace written here or
+//! on a shipped example.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use gpualloc::trace::{EventKind, Pool, TraceEvent, TraceHeader, TraceWriter};
+
+const MIB: u64 = 1 << 20;
+
+fn gpualloc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+        .args(args)
+        .output()
+        .expect("run gpualloc")
+}
+
+/// Runs a command that must succeed; returns stdout and stderr.
+fn ok(args: &[&str]) -> (String, String) {
+    let out = gpualloc(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "gpualloc {args:?} failed: {err}");
+    (String::from_utf8(out.stdout).unwrap(), err)
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn example(name: &str) -> String {
+    format!("{}/../examples/{name}.gtrace", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn ev(time_ns: u64, kind: EventKind) -> TraceEvent {
+    TraceEvent::from_kind(time_ns, 0, 0, 0, kind)
+}
+
+fn segment(addr: u64, size: u64, alloc: bool) -> EventKind {
+    let pool = Pool::Code(1);
+    if alloc {
+        EventKind::SegmentAlloc { addr, size, pool }
+    } else {
+        EventKind::SegmentFree { addr, size, pool }
+    }
+}
+
+fn alloc(addr: u64, size: u64) -> EventKind {
+    EventKind::Alloc {
+        addr,
+        requested: size,
+        block_size: size,
+    }
+}
+
+fn free(addr: u64, size: u64) -> [EventKind; 2] {
+    [
+        EventKind::FreeRequested {
+            addr,
+            requested: size,
+            block_size: size,
+        },
+        EventKind::FreeCompleted {
+            addr,
+            requested: size,
+            block_size: size,
+        },
+    ]
+}
+
+/// Writes a one-device trace of `events`, with `dropped` events lost
+/// before the last of them when not 0.
+fn trace(dir: &Path, name: &str, config: &str, events: &[TraceEvent], dropped: u64) -> PathBuf {
+    let header = TraceHeader {
+        start_unix_ns: 1_700_000_000_000_000_000,
+        device_count: 1,
+        pid: 1,
+        config: config.into(),
+        producer: "test".into(),
+    };
+    let p = dir.join(name);
+    let mut w = TraceWriter::new(std::fs::File::create(&p).unwrap(), &header).unwrap();
+    let (head, tail) = events.split_at(events.len() - usize::from(dropped > 0));
+    w.write_events(0, head).unwrap();
+    if dropped > 0 {
+        w.write_dropped(0, dropped, tail[0].time_ns).unwrap();
+        w.write_events(0, tail).unwrap();
+    }
+    let end = events.last().map_or(0, |e| e.time_ns);
+    w.finish(Some(end)).unwrap();
+    p
+}
+
+/// The Chrome counter keeps the last state of each microsecond, and the
+/// state at the end of the trace.
+#[test]
+fn chrome_counter_keeps_each_microseconds_last_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let [fr, fc] = free(0, 20 * MIB);
+    let t = trace(
+        dir.path(),
+        "t.gtrace",
+        "",
+        &[
+            ev(1_000, segment(0, 20 * MIB, true)),
+            ev(1_000, alloc(0, 20 * MIB)),
+            ev(2_500, fr),
+            ev(2_500, fc),
+            ev(2_600, segment(0, 20 * MIB, false)),
+        ],
+        0,
+    );
+    let json = dir.path().join("t.json");
+    ok(&["export", s(&t), "--chrome", s(&json)]);
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let counter: Vec<(f64, u64, u64)> = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "C")
+        .map(|e| {
+            (
+                e["ts"].as_f64().unwrap(),
+                e["args"]["allocated"].as_u64().unwrap(),
+                e["args"]["reserved"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        counter,
+        vec![(1.0, 20 * MIB, 20 * MIB), (2.6, 0, 0)],
+        "the allocation shows, and the trace ends with nothing reserved"
+    );
+}
+
+fn summary_json(path: &str) -> serde_json::Value {
+    serde_json::from_str(&ok(&["summary", "--json", path]).0).unwrap()
+}
+
+/// In gpualloc's page pool one call creates pages, maps them and then
+/// allocates: "at peak reserved" is after that allocation.
+#[test]
+fn allocated_at_peak_reserved_counts_the_allocation_of_the_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let map = EventKind::SegmentMap {
+        addr: 0x1000_0000,
+        size: 20 * MIB,
+        pool: Pool::Code(1),
+    };
+    let t = trace(
+        dir.path(),
+        "pool.gtrace",
+        "",
+        &[
+            ev(10, EventKind::PagesCreate { bytes: 20 * MIB }),
+            ev(10, map),
+            ev(10, alloc(0x1000_0000, 20 * MIB)),
+        ],
+        0,
+    );
+    let d = &summary_json(s(&t))["devices"][0];
+    assert_eq!(d["allocated_at_peak_reserved"], 20 * MIB);
+    // The ResNet-50 example peaks in both at one call.
+    let d = &summary_json(&example("resnet50"))["devices"][0];
+    assert_eq!(d["peak_reserved_ns"], d["peak_allocated_ns"]);
+    assert_eq!(d["allocated_at_peak_reserved"], d["peak_allocated"]);
+    // The streams' shares are taken there too.
+    let d = &summary_json(&example("four-streams"))["devices"][0];
+    let x = &d["streams_at_peak_reserved"];
+    assert_eq!(x["unmapped"], 0, "the call's pages are mapped: {x}");
+}
+
+/// A trace exported to a snapshot and imported back keeps its
+/// configuration (the memory limit the OOM ran into) and its time origin.
+#[test]
+fn a_snapshot_round_trip_keeps_the_configuration_and_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let original = example("yolo-style-oom");
+    let pickle = dir.path().join("y.pickle");
+    ok(&["export", &original, "--torch-snapshot", s(&pickle)]);
+    let back = dir.path().join("y.gtrace");
+    ok(&["import", s(&pickle), "-o", s(&back)]);
+    let (a, b) = (summary_json(&original), summary_json(s(&back)));
+    assert_eq!(a["config"], "memory_limit:1700MiB");
+    assert_eq!(b["config"], a["config"]);
+    let (da, db) = (&a["devices"][0], &b["devices"][0]);
+    for key in ["peak_allocated_ns", "peak_active_ns"] {
+        let (x, y) = (da[key].as_u64().unwrap(), db[key].as_u64().unwrap());
+        assert!(x.abs_diff(y) < 1_000, "{key}: {x} became {y}");
+    }
+    let oom = |v: &serde_json::Value| v["oom_details"][0]["time_ns"].as_u64().unwrap();
+    assert!(
+        oom(da).abs_diff(oom(db)) < 1_000,
+        "{} became {}",
+        oom(da),
+        oom(db)
+    );
+    let text = ok(&["summary", s(&back)]).0;
+    assert!(text.contains("the memory limit left 14.00 MiB"), "{text}");
+}
+
+/// Every command says that the recorder dropped events: on stderr, and in
+/// a `dropped` field of the JSON.
+#[test]
+fn every_command_says_events_were_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = trace(
+        dir.path(),
+        "dropped.gtrace",
+        "",
+        &[
+            ev(1_000, segment(0, 40 * MIB, true)),
+            ev(1_000, alloc(0, 20 * MIB)),
+            ev(3_000, alloc(20 * MIB, MIB)),
+        ],
+        4096,
+    );
+    let t = s(&t);
+    let said = "4096 events were dropped";
+    let out = |name: &str| s(&dir.path().join(name)).to_string();
+    let text: [Vec<String>; 6] = [
+        vec!["leaks".into(), t.into()],
+        vec!["diff".into(), t.into(), t.into()],
+        vec![
+            "replay".into(),
+            "--capacity".into(),
+            "1GiB".into(),
+            t.into(),
+        ],
+        vec!["export".into(), t.into(), "--chrome".into(), out("x.json")],
+        vec![
+            "export".into(),
+            t.into(),
+            "--torch-snapshot".into(),
+            out("x.pickle"),
+        ],
+        vec!["export".into(), t.into(), "--csv".into(), out("x.csv")],
+    ];
+    for args in &text {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (_, err) = ok(&args);
+        assert!(err.contains(said), "{args:?}: {err}");
+    }
+    let json = |args: &[&str]| -> serde_json::Value { serde_json::from_str(&ok(args).0).unwrap() };
+    assert_eq!(json(&["leaks", "--json", t])["dropped"], 4096);
+    assert_eq!(json(&["diff", "--json", t, t])["a"]["dropped"], 4096);
+    assert_eq!(
+        json(&["replay", "--json", "--capacity", "1GiB", t])[0]["dropped"],
+        4096
+    );
+}
+
+/// Two output options that name one file through different paths are
+/// refused, naming both options, before anything is written.
+#[test]
+fn two_options_naming_one_output_file_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = trace(
+        dir.path(),
+        "t.gtrace",
+        "",
+        &[ev(0, segment(0, MIB, true)), ev(0, alloc(0, MIB))],
+        0,
+    );
+    // Relative to the working folder: `x.json` and `./x.json`.
+    let out = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+        .current_dir(dir.path())
+        .args(["export", s(&t), "--chrome", "x.json", "--csv", "./x.json"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let x = dir.path().join("x.json");
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--chrome") && err.contains("--csv") && err.contains("both name"),
+        "{err}"
+    );
+    assert!(!x.exists(), "nothing written");
+}
+
+/// A trace without segments (an RMM log) records no capacity: the report
+/// gives no advice replayed on a device of 0 B, and says reserved memory
+/// was not recorded, as the summary does.
+#[test]
+fn report_without_segments_gives_no_advice_from_a_0_byte_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = trace(
+        dir.path(),
+        "rmm.gtrace",
+        "",
+        &[
+            ev(1_000, alloc(0x7f00_0000_0000, MIB)),
+            ev(
+                1_000_000,
+                EventKind::Oom {
+                    requested: 1 << 36,
+                    device_free: 0,
+                },
+            ),
+        ],
+        0,
+    );
+    let html = dir.path().join("r.html");
+    ok(&["report", s(&t), "-o", s(&html)]);
+    let page = std::fs::read_to_string(&html).unwrap();
+    for wrong in [
+        "simulated device of 0 B",
+        "Reduce the batch",
+        "cache held 0 B",
+    ] {
+        assert!(!page.contains(wrong), "the page says {wrong:?}");
+    }
+    assert!(page.contains("not recorded (the trace has no segment events)"));
+    assert!(page.contains("Not replayed"));
+}
