@@ -394,8 +394,7 @@ impl<B: Backend> Allocator<B> {
         pool: PoolKey,
         filter: Option<StreamFilter>,
     ) -> Result<(), AllocError> {
-        self.lock(device)?.begin_allocate_to_pool(pool, filter);
-        Ok(())
+        self.lock(device)?.begin_allocate_to_pool(pool, filter)
     }
 
     /// [`DeviceAllocator::end_allocate_to_pool`] on a device.

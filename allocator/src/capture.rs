@@ -92,7 +92,20 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Opens an allocation scope: until [`end_allocate_to_pool`](Self::end_allocate_to_pool),
     /// allocations on streams that `filter` accepts (every stream when `None`)
     /// come from private pool `key`, created on first use.
-    pub fn begin_allocate_to_pool(&mut self, key: PoolKey, filter: Option<StreamFilter>) {
+    ///
+    /// # Errors
+    /// [`AllocError::PoolBusy`] when a scope of `key` is open already, as
+    /// PyTorch refuses it: the first `end` would close the other caller's
+    /// scope, and that caller's graph would take memory from the default
+    /// pools. Nothing is changed then.
+    pub fn begin_allocate_to_pool(
+        &mut self,
+        key: PoolKey,
+        filter: Option<StreamFilter>,
+    ) -> Result<(), AllocError> {
+        if self.private.scope_open(key) {
+            return Err(AllocError::PoolBusy { pool: key });
+        }
         // PyTorch opens the scope before the capture begins: the last time
         // old ranges of moved pages can be waited for and unmapped, so that
         // where the capture maps memory never depends on the GPU's progress
@@ -104,6 +117,7 @@ impl<B: Backend> DeviceAllocator<B> {
             crate::log::drains_left(self.device, &e);
         }
         self.open_scope(key, filter);
+        Ok(())
     }
 
     /// [`begin_allocate_to_pool`](Self::begin_allocate_to_pool) without

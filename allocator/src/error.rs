@@ -77,6 +77,13 @@ pub enum AllocError {
         /// The pool id.
         pool: (u64, u64),
     },
+    /// A scope of this private pool is open already (two captures into one
+    /// pool at once): PyTorch's `beginAllocateToPool: already recording to
+    /// mempool_id`. Nothing was changed.
+    PoolBusy {
+        /// The pool id.
+        pool: (u64, u64),
+    },
     /// A private pool cannot be put back to a checkpoint (a block outside
     /// the memory the pool maps, overlapping blocks, a block still used on
     /// other streams); nothing was changed.
@@ -203,6 +210,12 @@ impl fmt::Display for AllocError {
             AllocError::UnknownPool { pool } => {
                 write!(f, "gpualloc: unknown private pool ({}, {})", pool.0, pool.1)
             }
+            AllocError::PoolBusy { pool } => write!(
+                f,
+                "gpualloc: beginAllocateToPool: already recording to mempool_id ({}, {}): \
+                 one capture or use_mem_pool scope at a time per pool",
+                pool.0, pool.1
+            ),
             AllocError::BadCheckpoint {
                 pool,
                 device,

@@ -164,6 +164,11 @@ impl PrivatePools {
             .map(|p| (p.small, p.large, p.use_count))
     }
 
+    /// Whether a scope of pool `key` is open.
+    pub fn scope_open(&self, key: PoolKey) -> bool {
+        self.scopes.iter().any(|s| s.key == key)
+    }
+
     /// Closes the innermost scope of pool `key`.
     pub fn close(&mut self, key: PoolKey) -> Result<(), AllocError> {
         let pos = self

@@ -218,9 +218,8 @@ impl PoolRouting {
             PoolOp::BeginAllocate => {
                 let next = Arc::clone(&self.next);
                 let filter = Box::new(move |_| next.load(Ordering::Relaxed) == pool);
-                dev.begin_allocate_to_pool(key, Some(filter));
-                *self.open.entry(pool).or_default() += 1;
-                Ok(())
+                dev.begin_allocate_to_pool(key, Some(filter))
+                    .map(|()| *self.open.entry(pool).or_default() += 1)
             }
             PoolOp::EndAllocate => dev.end_allocate_to_pool(key).map(|()| {
                 self.open

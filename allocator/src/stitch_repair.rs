@@ -394,7 +394,8 @@ mod tests {
     fn a_stitch_freed_during_a_capture_records_no_fence() {
         let (mut d, live) = fragmented_with("expandable_handle_mb:2");
         let stitched = d.malloc(64 * MIB, 0).unwrap();
-        d.begin_allocate_to_pool((1, 1), Some(Box::new(|s| s == 9)));
+        d.begin_allocate_to_pool((1, 1), Some(Box::new(|s| s == 9)))
+            .unwrap();
         let events = d.backend.counters.record_event;
         d.free(stitched).unwrap();
         ok(&d);

@@ -12,8 +12,8 @@ use gpualloc::backend::cuda::imported::ImportedRange;
 use parking_lot::Mutex;
 
 use crate::boundary::{
-    Error, GPUALLOC_ERR_INVALID_POINTER, GPUALLOC_ERR_UNAVAILABLE, array_arg, copy_out, fits,
-    status, write_out,
+    Error, GPUALLOC_ERR_INVALID_POINTER, GPUALLOC_ERR_UNAVAILABLE, GPUALLOC_OK, array_arg,
+    copy_out, fits, status, write_out,
 };
 use crate::global::{BackendKind, global};
 use crate::{fd_passing, ipc_format};
@@ -184,6 +184,13 @@ pub unsafe extern "C" fn gpualloc_ipc_open(
 /// `GPUALLOC_ERR_INVALID_POINTER` for any other pointer.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_ipc_close(ptr: *mut c_void) -> c_int {
+    // A forked child (a DataLoader worker dropping a tensor it inherited)
+    // must not take a lock a parent thread may have held at the fork, nor
+    // unmap in a CUDA context it cannot use (Note [Freeing in a forked
+    // child]); the parent closes what it opened.
+    if crate::fork::in_forked_child() {
+        return GPUALLOC_OK;
+    }
     status(|| {
         let range = OPENED.lock().as_mut().and_then(|m| m.remove(&(ptr as u64)));
         match range {

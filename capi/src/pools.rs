@@ -10,7 +10,7 @@ use std::ffi::{c_int, c_void};
 use gpualloc::{AllocError, Allocator, StreamFilter};
 
 use crate::boundary::{
-    Error, GPUALLOC_ERR_UNKNOWN_POOL, array_arg, copy_out, fits, status, write_out,
+    Error, GPUALLOC_ERR_UNKNOWN_POOL, GPUALLOC_OK, array_arg, copy_out, fits, status, write_out,
 };
 use crate::cudaStream_t;
 use crate::global::{self, AnyBackend, existing, global};
@@ -64,9 +64,11 @@ impl CFilter {
 /// Opens an allocation scope on `device`: until the matching
 /// `gpualloc_end_allocate_to_pool`, allocations on streams that `filter`
 /// accepts (every stream when `filter` is NULL) come from private pool
-/// `(id_a, id_b)`, created on first use. Scopes nest; the innermost whose
+/// `(id_a, id_b)`, created on first use. Scopes of other pools nest; the innermost whose
 /// filter accepts a stream wins. While a scope is open the allocator behaves
 /// as during a CUDA graph capture (no event queries, no frees to the device).
+/// A second scope of a pool whose scope is open is refused, as PyTorch
+/// refuses it (`GPUALLOC_ERR_INVALID_ARGUMENT`, nothing changed).
 ///
 /// # Safety
 /// `filter(ctx, stream)` must be callable from any thread until
@@ -101,9 +103,14 @@ pub extern "C" fn gpualloc_end_allocate_to_pool(device: c_int, id_a: u64, id_b: 
 }
 
 /// Drops one hold on pool `(id_a, id_b)` (a graph or MemPool was destroyed);
-/// at zero its cached memory goes back to the device.
+/// at zero its cached memory goes back to the device. Nothing in a forked
+/// child (a DataLoader worker's garbage collector destroying an inherited
+/// graph or MemPool), as for frees (Note [Freeing in a forked child]).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_release_pool(device: c_int, id_a: u64, id_b: u64) -> c_int {
+    if crate::fork::in_forked_child() {
+        return GPUALLOC_OK;
+    }
     status(|| {
         let g = existing().ok_or_else(|| no_pool(device, (id_a, id_b)))?;
         Ok(g.alloc.release_pool(i64::from(device), (id_a, id_b))?)
@@ -148,9 +155,13 @@ pub unsafe extern "C" fn gpualloc_pool_use_count(
 /// PyTorch's `emptyCache(mempool_id)`: when pool `(id_a, id_b)` exists and
 /// nothing holds it (use count 0), its cached free memory goes back to the
 /// device, as `gpualloc_release_pool` does at zero. A held or unknown pool
-/// is left alone (`GPUALLOC_OK`); so is every pool while a capture is open.
+/// is left alone (`GPUALLOC_OK`); so is every pool while a capture is open,
+/// and everything in a forked child (as `gpualloc_release_pool`).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_empty_pool_cache(device: c_int, id_a: u64, id_b: u64) -> c_int {
+    if crate::fork::in_forked_child() {
+        return GPUALLOC_OK;
+    }
     status(|| match existing() {
         Some(g) => Ok(g.alloc.empty_pool_cache(i64::from(device), (id_a, id_b))?),
         None => global::idle(i64::from(device)).map(|_| ()),

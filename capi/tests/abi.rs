@@ -737,7 +737,8 @@ int main(void) {
 /// holds a device lock (here: a segment observer, which runs under it,
 /// waits until the fork happened) frees what it inherited without waiting
 /// for that lock, which no thread of the child will ever release; it frees
-/// nothing, the memory being its parent's.
+/// nothing, the memory being its parent's. So do the calls that drop an
+/// inherited graph's or MemPool's pool and an IPC tensor.
 #[test]
 fn a_forked_child_frees_without_the_locks_other_threads_held() {
     let (_out, exe) = build_inline(
@@ -783,6 +784,10 @@ int main(void) {
     uint64_t size = 1;
     int owner = 0;
     if (gpualloc_free_sized(p, &size, &owner) != GPUALLOC_OK || owner != -1 || size != 0) _exit(3);
+    /* An inherited graph, MemPool or IPC tensor dropped: nothing either. */
+    if (gpualloc_release_pool(0, 9, 9) != GPUALLOC_OK) _exit(4);
+    if (gpualloc_empty_pool_cache(0, 9, 9) != GPUALLOC_OK) _exit(5);
+    if (gpualloc_ipc_close(p) != GPUALLOC_OK) _exit(6);
     _exit(0);
   }
   pthread_mutex_lock(&m);
@@ -793,6 +798,7 @@ int main(void) {
   int status = 0;
   waitpid(pid, &status, 0);
   gpualloc_free(p, 4096, 0, 0);
+  if (WIFEXITED(status) && WEXITSTATUS(status) != 0) printf("child exit %d\n", WEXITSTATUS(status));
   printf("child %s\n", WIFEXITED(status) && WEXITSTATUS(status) == 0 ? "freed" : "stuck");
   return 0;
 }

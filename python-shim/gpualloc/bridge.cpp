@@ -690,21 +690,31 @@ class GpuallocAllocator final : public CUDAAllocator {
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t id, std::shared_ptr<CUDAAllocator> allocator) override {
     create_pool(device, id, allocator.get());
   }
-  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool use_on_oom) override {
-    TORCH_CHECK(!use_on_oom, kUseOnOom);
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id, bool use_on_oom) override {
+    if (use_on_oom) {
+      refuse_pool_option(device, id, kUseOnOom);
+    }
   }
 #else
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t id, CUDAAllocator* allocator) override {
     create_pool(device, id, allocator);
   }
-  void setUseOnOOM(c10::DeviceIndex, MempoolId_t) override { TORCH_CHECK(false, kUseOnOom); }
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id) override { refuse_pool_option(device, id, kUseOnOom); }
 #endif
 #if TORCH_VERSION_MINOR >= 10
-  void setNoSplit(c10::DeviceIndex, MempoolId_t) override {
-    TORCH_CHECK(false, "gpualloc: MemPool(no_split=True) is not supported: gpualloc splits blocks in every pool; "
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t id) override {
+    refuse_pool_option(device, id,
+                       "gpualloc: MemPool(no_split=True) is not supported: gpualloc splits blocks in every pool; "
                        "create the pool without no_split");
   }
 #endif
+  // MemPool's constructor asks for these options right after
+  // createOrIncrefPool; refusing throws out of the constructor, so its
+  // destructor never drops that hold: drop it here first.
+  void refuse_pool_option(c10::DeviceIndex device, MempoolId_t id, const char* why) {
+    api.release_pool(device, id.first, id.second);
+    TORCH_CHECK(false, why);
+  }
   void create_pool(c10::DeviceIndex device, MempoolId_t id, CUDAAllocator* allocator) {
     TORCH_CHECK(allocator == nullptr || allocator == this,
                 "gpualloc: torch.cuda.MemPool(allocator=", allocator != nullptr ? allocator->name() : std::string("?"),

@@ -543,7 +543,8 @@ impl Checked {
     /// is `None`) and turns the simulator's capture checks on.
     pub fn begin_pool(&mut self, key: PoolKey, stream: Option<StreamId>) {
         let filter: Option<gpualloc::StreamFilter> = stream.map(|s| Box::new(move |x| x == s) as _);
-        self.op(|d| d.begin_allocate_to_pool(key, filter));
+        self.op(|d| d.begin_allocate_to_pool(key, filter))
+            .unwrap_or_else(|e| panic!("begin_allocate_to_pool: {e}"));
         self.open_scopes.push(key);
         self.sim_mut().set_capturing(true);
         self.check();

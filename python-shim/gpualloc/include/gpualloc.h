@@ -651,9 +651,11 @@ void gpualloc_clear_error(void);
 // Opens an allocation scope on `device`: until the matching
 // `gpualloc_end_allocate_to_pool`, allocations on streams that `filter`
 // accepts (every stream when `filter` is NULL) come from private pool
-// `(id_a, id_b)`, created on first use. Scopes nest; the innermost whose
+// `(id_a, id_b)`, created on first use. Scopes of other pools nest; the innermost whose
 // filter accepts a stream wins. While a scope is open the allocator behaves
 // as during a CUDA graph capture (no event queries, no frees to the device).
+// A second scope of a pool whose scope is open is refused, as PyTorch
+// refuses it (`GPUALLOC_ERR_INVALID_ARGUMENT`, nothing changed).
 //
 // # Safety
 // `filter(ctx, stream)` must be callable from any thread until
@@ -668,7 +670,9 @@ int gpualloc_begin_allocate_to_pool(int device,
 int gpualloc_end_allocate_to_pool(int device, uint64_t id_a, uint64_t id_b);
 
 // Drops one hold on pool `(id_a, id_b)` (a graph or MemPool was destroyed);
-// at zero its cached memory goes back to the device.
+// at zero its cached memory goes back to the device. Nothing in a forked
+// child (a DataLoader worker's garbage collector destroying an inherited
+// graph or MemPool), as for frees (Note [Freeing in a forked child]).
 int gpualloc_release_pool(int device, uint64_t id_a, uint64_t id_b);
 
 // Creates private pool `(id_a, id_b)` on `device` if absent and takes one
@@ -688,7 +692,8 @@ int gpualloc_pool_use_count(int device, uint64_t id_a, uint64_t id_b, uint32_t *
 // PyTorch's `emptyCache(mempool_id)`: when pool `(id_a, id_b)` exists and
 // nothing holds it (use count 0), its cached free memory goes back to the
 // device, as `gpualloc_release_pool` does at zero. A held or unknown pool
-// is left alone (`GPUALLOC_OK`); so is every pool while a capture is open.
+// is left alone (`GPUALLOC_OK`); so is every pool while a capture is open,
+// and everything in a forked child (as `gpualloc_release_pool`).
 int gpualloc_empty_pool_cache(int device, uint64_t id_a, uint64_t id_b);
 
 // Writes the addresses of the blocks allocated in pool `(id_a, id_b)` of

@@ -436,3 +436,30 @@ fn the_out_of_memory_path_follows_a_capture_on_a_stream_of_its_segments() {
     c.release(big);
     c.release(small);
 }
+
+/// Two scopes of one pool at once (two threads capturing into one pool, or
+/// inside `use_mem_pool` together): the second is refused, as PyTorch
+/// refuses it, and nothing changes; otherwise the first `end` would close
+/// the other caller's scope and its graph would take default-pool memory.
+#[test]
+fn a_second_scope_of_an_open_pool_is_refused() {
+    let mut c = Checked::with(1 << 30, "");
+    c.begin_pool(G, Some(CAP));
+    let holds = c.dev.pool_use_count(G);
+    match c.dev.begin_allocate_to_pool(G, Some(Box::new(|s| s == OTHER))) {
+        Err(AllocError::PoolBusy { pool }) => assert_eq!(pool, G),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.dev.pool_use_count(G), holds, "no hold taken");
+    let p = c.alloc(4096, CAP);
+    assert_eq!(pool_of(&c, p), G, "the first scope is still open");
+    c.end_pool(G);
+    assert!(!c.in_capture_scope());
+    // Once closed, the pool can be recorded to again.
+    c.begin_pool(G, Some(OTHER));
+    let q = c.alloc(4096, OTHER);
+    assert_eq!(pool_of(&c, q), G);
+    c.end_pool(G);
+    c.release(p);
+    c.release(q);
+}
