@@ -46,6 +46,15 @@ class Subchecks:
         return {"checks": self.checks, "passed": sum(v["ok"] for v in self.checks.values()), "total": len(self.checks)}
 
 
+def _dumped_snapshot(torch):
+    """torch.cuda.memory._dump_snapshot written to a file and read back, as
+    MemoryViz gets it."""
+    path = os.path.join(tempfile.mkdtemp(), "snapshot.pickle")
+    torch.cuda.memory._dump_snapshot(path)
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
 def _stitches(dev):
     """gpualloc's stitches built so far on `dev` (None under PyTorch's
     allocator: torch's memory_stats has no such key)."""
@@ -228,12 +237,9 @@ def check_compat(args) -> dict:
             keep = [torch.empty(n * MiB, dtype=torch.uint8, device=dev) for n in (1, 3, 24)]
             tmp = torch.randn(512, 512, device=dev) @ torch.randn(512, 512, device=dev)
             del tmp
-            path = os.path.join(tempfile.mkdtemp(), "snapshot.pickle")
-            torch.cuda.memory._dump_snapshot(path)
+            snap = _dumped_snapshot(torch)
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
-        with open(path, "rb") as f:
-            snap = pickle.load(f)
         traces = snap["device_traces"][0]
         actions = {e["action"] for e in traces}
         assert "alloc" in actions and "free_completed" in actions, f"actions recorded: {sorted(actions)}"
@@ -282,12 +288,9 @@ def check_compat(args) -> dict:
             y = torch.empty(1536 * MiB, dtype=torch.uint8, device=dev)
             del part, y
             torch.cuda.synchronize()
-            path = os.path.join(tempfile.mkdtemp(), "snapshot.pickle")
-            torch.cuda.memory._dump_snapshot(path)
+            snap = _dumped_snapshot(torch)
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
-        with open(path, "rb") as f:
-            snap = pickle.load(f)
         undone = _replay_backwards(snap, dev.index or 0)
         after = _stitches(dev)
         del walls
