@@ -206,6 +206,14 @@ impl<B: Backend> DeviceAllocator<B> {
         if self.private.capturing() {
             return Ok(());
         }
+        // Blocks whose other streams are done by now (`record_stream`) come
+        // back first, without waiting, and segments split among streams
+        // are whole again (their release waits for the device anyway).
+        if !self.pending.is_idle() {
+            self.process_events()?;
+        }
+        self.fuse_free_segments(small);
+        self.fuse_free_segments(large);
         self.release_whole_segments(small)?;
         self.release_whole_segments(large)?;
         if self.expandable {

@@ -192,7 +192,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Merges the blocks of every plain segment of `pool` that is entirely
     /// free but split among several streams (Note [Cross-stream reuse]):
     /// releasing it waits for all work anyway, so the streams do not matter.
-    fn fuse_free_segments(&mut self, pool: PoolId) {
+    pub(crate) fn fuse_free_segments(&mut self, pool: PoolId) {
         let firsts: Vec<BlockId> = self
             .heap
             .segments

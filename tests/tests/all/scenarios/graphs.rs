@@ -446,7 +446,10 @@ fn a_second_scope_of_an_open_pool_is_refused() {
     let mut c = Checked::with(1 << 30, "");
     c.begin_pool(G, Some(CAP));
     let holds = c.dev.pool_use_count(G);
-    match c.dev.begin_allocate_to_pool(G, Some(Box::new(|s| s == OTHER))) {
+    match c
+        .dev
+        .begin_allocate_to_pool(G, Some(Box::new(|s| s == OTHER)))
+    {
         Err(AllocError::PoolBusy { pool }) => assert_eq!(pool, G),
         other => panic!("{other:?}"),
     }
@@ -462,4 +465,37 @@ fn a_second_scope_of_an_open_pool_is_refused() {
     c.end_pool(G);
     c.release(p);
     c.release(q);
+}
+
+/// A pool's last hold dropped after one of its blocks was freed with
+/// `record_stream` and that stream's work finished: the block comes back
+/// and the pool's memory goes to the device then, not at the next global
+/// `empty_cache`.
+#[test]
+fn releasing_a_pool_takes_back_blocks_whose_other_streams_are_done() {
+    for config in ["", "policy:pytorch"] {
+        let mut c = Checked::with(1 << 30, config);
+        c.begin_pool(G, Some(CAP)); // the scope's hold is the only one
+        let p = c.alloc(30 * MIB, CAP);
+        c.end_pool(G);
+        c.record_stream(p, OTHER);
+        c.use_on(p, OTHER);
+        c.release(p);
+        c.complete_all();
+        let reserved = c.reserved();
+        c.release_pool(G).unwrap();
+        assert!(
+            c.dev.private_pools().is_empty(),
+            "{config}: the pool is gone: {:?}",
+            c.dev.private_pools()
+        );
+        if config.is_empty() {
+            // Expandable: its pages go to the page pool, for any pool to map.
+            let q = c.alloc(30 * MIB, OTHER);
+            assert_eq!(c.reserved(), reserved, "{config}: reused, not grown");
+            c.release(q);
+        } else {
+            assert_eq!(c.reserved(), 0, "{config}: back to the device");
+        }
+    }
 }
