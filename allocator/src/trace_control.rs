@@ -11,7 +11,9 @@
 //! (and a later start would skip them as already attached). So every
 //! function here that reads or changes which recorder is running holds
 //! [`CONTROL`] throughout. It is taken before any device lock and never
-//! under one, and the allocation path never takes it.
+//! under one, and the allocation path never takes it. Forking holds it too
+//! (Note [Trace control across fork] in `trace/control_lock.rs`), so a
+//! forked child finds it free and no control call half done.
 //!
 //! Note [Traces across fork]: a child forked from a tracing process
 //! inherits the recorder but not its writer thread. Stopping or flushing
@@ -20,25 +22,23 @@
 //! plain `os.fork()`). So a recorder knows the process that started it:
 //! elsewhere `is_tracing` is false, stop and flush answer "not tracing"
 //! (a stop lets the copy go and detaches the child's devices), and a new
-//! trace may start, to a file of the child's own.
+//! trace may start, to a file of the child's own. A start lets the copy
+//! and its device buffers go before it creates the file: a start that
+//! failed there once left the buffers attached, so the next start skipped
+//! those devices (a trace of nothing) and its stop waited on the copy's
+//! channel, full and read by nobody.
 
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
-
 use crate::allocator::Allocator;
 use crate::backend::Backend;
 use crate::device::DeviceAllocator;
+use crate::trace::control_lock::CONTROL;
 use crate::trace::format::check_name;
 use crate::trace::recorder::{Recorder, TraceOptions, TraceSummary};
-use crate::trace::{Action, TRACE_ENV};
-
-/// Serializes trace start, stop, flush and annotations: Note [Trace control
-/// lock]. One for the process: these calls are rare, and allocators rarely
-/// more than one.
-static CONTROL: Mutex<()> = Mutex::new(());
+use crate::trace::{Action, trace_env};
 
 impl<B: Backend> Allocator<B> {
     /// Starts tracing to `path` with the default [`TraceOptions`].
@@ -57,14 +57,25 @@ impl<B: Backend> Allocator<B> {
     /// `AlreadyExists` when a trace is running; the file's creation error.
     pub fn trace_start_with(&self, path: &Path, opts: TraceOptions) -> io::Result<()> {
         let _control = CONTROL.lock();
-        let (rec, inherited) = {
+        // A fork's copy of its parent's trace (Note [Traces across fork]):
+        // let go of it and of its device buffers before anything can fail,
+        // so that a failed start leaves none attached for the next start
+        // to skip. The slot is emptied first: a device created meanwhile
+        // does not join the copy.
+        let inherited = {
             let mut slot = self.recorder.lock();
-            // A fork's copy of its parent's trace (Note [Traces across
-            // fork]): let go of it, and below of its device buffers.
-            let inherited = slot.as_ref().is_some_and(|r| !r.is_own());
-            if inherited {
-                *slot = None;
+            if slot.as_ref().is_some_and(|r| !r.is_own()) {
+                slot.take()
+            } else {
+                None
             }
+        };
+        if inherited.is_some() {
+            self.abandon_inherited();
+        }
+        drop(inherited);
+        let rec = {
+            let mut slot = self.recorder.lock();
             if let Some(r) = &*slot {
                 return Err(io::Error::new(
                     io::ErrorKind::AlreadyExists,
@@ -76,11 +87,8 @@ impl<B: Backend> Allocator<B> {
                     .map_err(|e| naming(path, e))?,
             );
             *slot = Some(rec.clone());
-            (rec, inherited)
+            rec
         };
-        if inherited {
-            self.abandon_inherited();
-        }
         self.each_device(|d| {
             if d.trace.is_none() {
                 let now = d.backend.now_ns();
@@ -92,13 +100,14 @@ impl<B: Backend> Allocator<B> {
         Ok(())
     }
 
-    /// Starts a trace when `GPUALLOC_TRACE` names a file; `Ok(false)` when unset.
+    /// Starts a trace when `GPUALLOC_TRACE` names a file; `Ok(false)` when
+    /// unset or blank ([`trace_env`]).
     ///
     /// # Errors
     /// As [`trace_start`](Self::trace_start).
     pub fn trace_from_env(&self) -> io::Result<bool> {
-        match std::env::var_os(TRACE_ENV) {
-            Some(v) if !v.is_empty() && !self.is_tracing() => {
+        match trace_env() {
+            Some(v) if !self.is_tracing() => {
                 self.trace_start(&with_pid(&v))?;
                 Ok(true)
             }
@@ -112,9 +121,10 @@ impl<B: Backend> Allocator<B> {
         self.own_recorder().is_some()
     }
 
-    /// The file being written, while tracing: the path asked for, or one
-    /// beside it when another process was writing that (Note [One writer
-    /// per trace file]).
+    /// The file being written, while tracing: the path asked for (made
+    /// absolute when it was relative, against the folder current at the
+    /// start), or one beside it when another process was writing that
+    /// (Note [One writer per trace file]).
     pub fn trace_path(&self) -> Option<std::path::PathBuf> {
         self.recorder
             .lock()
@@ -290,7 +300,7 @@ mod tests {
     use super::*;
     use crate::backend::SimBackend;
     use crate::config::Config;
-    use crate::trace::{EventKind, TraceEvent, TraceReader};
+    use crate::trace::{EventKind, TRACE_ENV, TraceEvent, TraceReader};
 
     fn temp_path(name: &str) -> PathBuf {
         crate::trace::control_tests_path(name)
@@ -464,6 +474,23 @@ mod tests {
             evs.windows(2)
                 .all(|w| w[0].device != w[1].device || w[0].time_ns <= w[1].time_ns)
         );
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    /// A relative path is the file in the folder current at the start, so
+    /// a later change of folder does not make it another (a flush or stop
+    /// then reported a whole file as lost).
+    #[test]
+    fn a_relative_path_is_made_absolute_at_the_start() {
+        let a = sim(1);
+        let name = format!("gpualloc-{}-relative.gtrace", std::process::id());
+        a.trace_start(Path::new(&name)).unwrap();
+        let path = a.trace_path().unwrap();
+        assert!(path.is_absolute(), "{}", path.display());
+        assert_eq!(path, std::env::current_dir().unwrap().join(&name));
+        a.free(0, a.malloc(0, 1000, 0).unwrap()).unwrap();
+        a.trace_flush().unwrap();
+        a.trace_stop().unwrap();
         std::fs::remove_file(&path).unwrap();
     }
 

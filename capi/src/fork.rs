@@ -17,6 +17,11 @@
 //! then leaves the pointer alone. The exit handler for the unmapping
 //! helpers, which are the parent's, returns at once. One relaxed load on
 //! the free path.
+//!
+//! The same registration holds the trace control lock across the fork
+//! (`prepare` takes it, `parent` and `child` release it), so a child never
+//! inherits it held by a thread it does not have (Note [Trace control
+//! across fork] in `allocator/src/trace/control_lock.rs`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -36,18 +41,28 @@ pub(crate) fn in_forked_child() -> bool {
     FORKED.load(Ordering::Relaxed)
 }
 
-/// Registers, once, the handler that marks forked children.
+/// Registers, once, the handlers that mark forked children and hold the
+/// trace control lock across a fork.
 pub(crate) fn watch() {
+    extern "C" fn prepare() {
+        gpualloc::trace::control_lock::before_fork();
+    }
+    extern "C" fn parent() {
+        gpualloc::trace::control_lock::after_fork();
+    }
     extern "C" fn child() {
         FORKED.store(true, Ordering::Relaxed);
+        gpualloc::trace::control_lock::after_fork();
     }
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        // SAFETY: `child` is a plain `extern "C"` function that lives as
-        // long as the library, cannot unwind and only stores an atomic
-        // (async-signal-safe, as a fork handler must be).
+        // SAFETY: the handlers are plain `extern "C"` functions that live
+        // as long as the library and cannot unwind (they neither allocate
+        // nor panic). `parent` and `child` only store atomics
+        // (async-signal-safe, as a fork handler must be); `prepare` runs
+        // before the fork, where waiting for a lock is allowed.
         unsafe {
-            pthread_atfork(None, None, Some(child));
+            pthread_atfork(Some(prepare), Some(parent), Some(child));
         }
     });
 }

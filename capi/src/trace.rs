@@ -23,7 +23,7 @@ fn not_tracing() -> Error {
 pub(crate) fn from_env<B: Backend>(alloc: &Allocator<B>) {
     match alloc.trace_from_env() {
         Ok(true) => {
-            if let Some(v) = std::env::var_os(gpualloc::trace::TRACE_ENV) {
+            if let Some(v) = gpualloc::trace::trace_env() {
                 announce(alloc, &gpualloc::trace_path::expand(&v), "GPUALLOC_TRACE");
             }
             stop_at_exit();
@@ -55,9 +55,11 @@ pub(crate) fn start_kept<B: Backend>(alloc: &Allocator<B>, path: &std::path::Pat
 /// not `asked` (another process was writing it: Note [One writer per
 /// trace file]).
 fn announce<B: Backend>(alloc: &Allocator<B>, asked: &std::path::Path, by: &str) {
+    // The trace's path is absolute (`Recorder::start`); so is this, to compare.
+    let asked = &std::path::absolute(asked).unwrap_or_else(|_| asked.to_path_buf());
     let path = alloc.trace_path().unwrap_or_else(|| asked.to_path_buf());
     tracing::info!(path = %path.display(), "trace started ({by})");
-    if path != asked {
+    if path != *asked {
         crate::boundary::say(format_args!(
             "gpualloc: {by}: {} is locked by another process (one writing it, or a child forked from the one that did); this one ({}) writes {}",
             asked.display(),

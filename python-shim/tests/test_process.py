@@ -80,6 +80,94 @@ class ProcessTest(unittest.TestCase):
         self.assertIn(f"child allocs [{3 << 20}]", out.stdout)
         self.assertNotIn("panicked", out.stderr)
 
+    def test_a_failed_start_in_a_forked_child_leaves_no_inherited_buffers(self):
+        # Note [Traces across fork]: a start that fails in the child lets go
+        # of the parent's buffers all the same, so the next start records
+        # the child's events, and its stop does not wait on the inherited
+        # channel (full here, and read by nothing in the child).
+        code = textwrap.dedent(
+            """
+            import os, signal, sys
+            from gpualloc import tracefile
+            from gpualloc._lib import lib, GpuallocError
+            path, child_path = sys.argv[1], sys.argv[2]
+            L = lib()
+            L.trace_start(path)
+            L.free(L.malloc(1 << 20, 0, 0), 0)
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(20)  # a hang ends the child (exit -14)
+                try:
+                    L.trace_start(os.path.join(os.path.dirname(path), "no-such-dir", "x.gtrace"))
+                    print("child: the start did not fail", flush=True)
+                except GpuallocError:
+                    pass
+                L.trace_start(child_path)
+                for _ in range(200_000):
+                    L.free(L.malloc(1 << 20, 0, 0), 0)
+                s = L.trace_stop()
+                allocs = sum(r["kind"] == "alloc" for r in tracefile.records(child_path))
+                print("child allocs", allocs, "dropped", s["dropped"], flush=True)
+                os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            print("child exit", os.waitstatus_to_exitcode(status))
+            L.trace_stop()
+            """
+        )
+        with tempfile.TemporaryDirectory() as d:
+            a, b = os.path.join(d, "parent.gtrace"), os.path.join(d, "child.gtrace")
+            out = run(["-c", code, a, b])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertNotIn("did not fail", out.stdout)
+        self.assertIn("child allocs 200000 dropped 0", out.stdout)
+        self.assertIn("child exit 0", out.stdout)
+
+    def test_a_child_forked_during_trace_calls_does_not_hang_in_its_own(self):
+        # Note [Trace control across fork]: threads flush and open phases in
+        # a loop (holding the library's control lock and the Python phase
+        # lock most of the time) while the main thread forks; each child
+        # marks and opens a phase at once, and must not wait for a lock
+        # held by a thread it does not have.
+        code = textwrap.dedent(
+            """
+            import os, signal, sys, threading, time
+            import gpualloc
+            from gpualloc._lib import lib
+            L = lib()
+            L.trace_start(sys.argv[1])
+            stop = False
+            def flush():
+                while not stop:
+                    L.trace_flush()
+            def phases():
+                while not stop:
+                    with gpualloc.phase("background"):
+                        pass
+            for f in (flush, phases):
+                threading.Thread(target=f, daemon=True).start()
+            time.sleep(0.1)
+            pids = []
+            for _ in range(40):
+                pid = os.fork()
+                if pid == 0:
+                    signal.alarm(5)  # a hang ends the child (exit -14)
+                    L.mark("in child")
+                    with gpualloc.phase("eval"):
+                        pass
+                    os._exit(0)
+                pids.append(pid)
+                time.sleep(0.002)
+            codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
+            stop = True
+            print("hung", sum(c != 0 for c in codes), "of", len(codes))
+            L.trace_stop()
+            """
+        )
+        with tempfile.TemporaryDirectory() as d:
+            out = run(["-c", code, os.path.join(d, "t.gtrace")])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("hung 0 of 40", out.stdout)
+
     def test_info_names_a_bad_configuration_not_a_missing_backend(self):
         out = run(["-m", "gpualloc", "info"], {"GPUALLOC_CONF": "bogus:1"})
         self.assertEqual(out.returncode, 1, out.stderr)

@@ -4,6 +4,8 @@ import os
 import tempfile
 import unittest
 
+from gpualloc import tracefile
+
 from . import __name__ as _env  # noqa: F401
 from .test_process import run
 
@@ -34,6 +36,33 @@ class TracePathTest(unittest.TestCase):
     def test_without_a_launcher_the_ranks_are_zero(self):
         self.check(True, {}, "run-0-0-{pid}.gtrace")
         self.check(False, {}, "run-0-0-{pid}.gtrace")
+
+    def test_a_relative_path_survives_a_change_of_folder(self):
+        # The path is made absolute at the start: a flush or stop after a
+        # chdir (Hydra's default) checks the file written, not another.
+        code = (
+            "import os\nfrom gpualloc._lib import lib\nL = lib()\nL.trace_start('rel.gtrace')\n"
+            "L.free(L.malloc(4096))\nos.chdir('..')\nL.trace_flush()\nprint('stop', L.trace_stop())\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            sub = os.path.join(d, "a")
+            os.mkdir(sub)
+            out = run(["-c", code], cwd=sub)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("'dropped': 0", out.stdout)
+            self.assertEqual(os.listdir(sub), ["rel.gtrace"])
+            recs = tracefile.records(os.path.join(sub, "rel.gtrace"))
+            self.assertEqual([r["kind"] for r in recs if r["kind"] == "alloc"], ["alloc"])
+            self.assertEqual(out.stderr, "")
+
+    def test_a_blank_environment_trace_is_no_trace(self):
+        # GPUALLOC_TRACE of spaces only is unset, before the start and at it.
+        code = "from gpualloc._lib import lib\nL = lib()\nprint('before', L.is_tracing())\nL.init(None)\nprint('after', L.is_tracing())\n"
+        with tempfile.TemporaryDirectory() as d:
+            out = run(["-c", code], {"GPUALLOC_TRACE": " "}, cwd=d)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertEqual(out.stdout, "before False\nafter False\n")
+            self.assertEqual(os.listdir(d), [])
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 //! readable up to its last block and let the reader stream with memory
 //! bounded by one block; deltas keep an event near 10 bytes on disk.
 
+pub mod control_lock;
 mod event;
 pub mod format;
 pub mod frame;
@@ -17,6 +18,12 @@ pub mod writer;
 /// (`trace_control.rs`); `{pid}`, `{rank}` and `{local_rank}` in its value
 /// are replaced by the process id and torchrun's ranks (`trace_path.rs`).
 pub const TRACE_ENV: &str = "GPUALLOC_TRACE";
+
+/// [`TRACE_ENV`]'s value; `None` when unset or blank (white space only),
+/// which asks for no trace, here as in the C ABI and the Python package.
+pub fn trace_env() -> Option<std::ffi::OsString> {
+    std::env::var_os(TRACE_ENV).filter(|v| !v.to_string_lossy().trim().is_empty())
+}
 
 pub use event::{Action, EventKind, Pool, PoolOp, STITCH_CODE, StringId, TraceEvent, pool_code};
 pub use format::{MAX_DEVICES, TraceEnd, TraceError, TraceErrorKind, TraceHeader};

@@ -231,16 +231,22 @@ impl DeviceTrace {
         }
     }
 
-    /// The buffered events and the pending drop count as a message (flush, stop).
+    /// The buffered events and the pending drop count as a message (flush,
+    /// stop). The buffer that replaces them has the full capacity, so that
+    /// recording after a flush does not grow it again, reallocating under
+    /// the device lock.
     pub(crate) fn take_batch(&mut self) -> Option<Msg> {
         if self.buf.is_empty() && self.dropped_pending == 0 {
             return None;
         }
-        let fresh = self
-            .sink
-            .as_ref()
-            .and_then(|s| s.spare.try_recv().ok())
-            .unwrap_or_default();
+        let fresh = match &self.sink {
+            Some(s) => s
+                .spare
+                .try_recv()
+                .unwrap_or_else(|_| Vec::with_capacity(self.cap)),
+            // In memory (`cap` unbounded): grows as it records.
+            None => Vec::new(),
+        };
         let events = std::mem::replace(&mut self.buf, fresh);
         let dropped = std::mem::take(&mut self.dropped_pending);
         Some(Msg::Events {
@@ -319,6 +325,11 @@ pub struct Recorder {
 
 impl Recorder {
     /// Creates the file, writes the header, and starts the writer thread.
+    /// A relative `path` is made absolute first, against the current
+    /// folder: the writer checks the path it writes against the file
+    /// (`check_path`), and a relative one would name another file once the
+    /// program changes folder (a flush or stop then said the events were
+    /// lost, of a file that was whole).
     pub fn start(
         path: &Path,
         config: &str,
@@ -342,9 +353,10 @@ impl Recorder {
         // A header a reader would refuse (a configuration string above the
         // limit) is refused before the file is created.
         TraceWriter::new(io::sink(), &header)?;
+        let path = std::path::absolute(path)?;
         // One writer per path (Note [One writer per trace file]): the path
         // written may be another, beside it.
-        let (file, path) = crate::trace::trace_file::create(path)?;
+        let (file, path) = crate::trace::trace_file::create(&path)?;
         let path = path.as_path();
         let writer = TraceWriter::new(file, &header)?;
         let start_ns = crate::clock::now_ns();
@@ -395,7 +407,7 @@ impl Recorder {
         ))
     }
 
-    /// The file being written.
+    /// The file being written (an absolute path).
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -651,4 +663,32 @@ fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
 #[cfg(not(unix))]
 fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
     a.len() == b.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A flush takes the buffer's events and leaves a buffer of full
+    /// capacity, not an empty `Vec` that regrows over the next events.
+    #[test]
+    fn a_taken_batch_leaves_a_buffer_of_full_capacity() {
+        let path = crate::trace::control_tests_path("batch-capacity");
+        let opts = TraceOptions {
+            buffer_events: 64,
+            ..TraceOptions::default()
+        };
+        let rec = Recorder::start(&path, "", 1, opts).unwrap();
+        let mut t = rec.device_trace(0, rec.start_ns);
+        for i in 0..10 {
+            t.record(rec.start_ns + i, Action::Mark, 0, 0, 0, 0);
+        }
+        let batch = t.take_batch().expect("ten events");
+        assert!(t.buf.is_empty());
+        assert!(t.buf.capacity() >= 64, "{}", t.buf.capacity());
+        rec.send(batch);
+        t.finish();
+        assert_eq!(rec.stop().unwrap().events, 10);
+        std::fs::remove_file(rec.path()).unwrap();
+    }
 }
