@@ -274,11 +274,10 @@ def check_compat(args) -> dict:
         before = _stitches(dev)
         torch.cuda.memory._record_memory_history(max_entries=200_000)
         try:
-            big = [torch.empty(512 * MiB, dtype=torch.uint8, device=dev) for _ in range(8)]
-            walls = []
-            for t in big:
+            big, walls = [], []
+            for _ in range(8):  # 512 MiB, then a live 2 MiB wall after it
+                big.append(torch.empty(512 * MiB, dtype=torch.uint8, device=dev))
                 walls.append(torch.empty(2 * MiB, dtype=torch.uint8, device=dev))
-                del t
             del big  # eight 512 MiB holes between live 2 MiB blocks
             for _ in range(3):
                 x = torch.empty(2048 * MiB, dtype=torch.uint8, device=dev)  # stitched, then reused
