@@ -6,10 +6,15 @@
 //! | `{pid}` | the process id |
 //! | `{rank}` | `RANK` (set by `torchrun` and `torch.distributed.launch`), else `0` |
 //! | `{local_rank}` | `LOCAL_RANK` (the rank within the node), else `0` |
+//! | `{restart}` | `TORCHELASTIC_RESTART_COUNT` (how often `torchrun` restarted the job's workers), else `0` |
 //!
 //! A process started without a launcher is rank 0 of a job of one, hence the
 //! `0`. A launcher that sets neither variable (plain `mpirun`, `srun`) gives
 //! every process rank 0: add `{pid}` there. A set value is used as it is.
+//! A worker `torchrun` restarts after a failure has the same rank, so
+//! `run-{rank}.gtrace` would be written again from the start, losing the
+//! failed attempt's trace, usually the one wanted: `run-{rank}-{restart}`
+//! keeps one file per attempt.
 //! Anything else between braces is kept, and so is every byte that is not a
 //! placeholder, UTF-8 or not.
 
@@ -20,6 +25,8 @@ use std::path::PathBuf;
 pub const RANK_ENV: &str = "RANK";
 /// The variable `{local_rank}` reads.
 pub const LOCAL_RANK_ENV: &str = "LOCAL_RANK";
+/// The variable `{restart}` reads.
+pub const RESTART_ENV: &str = "TORCHELASTIC_RESTART_COUNT";
 
 /// What the placeholders become.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,6 +37,8 @@ pub struct PathVars {
     pub rank: Option<OsString>,
     /// `LOCAL_RANK`'s value; None when unset.
     pub local_rank: Option<OsString>,
+    /// `TORCHELASTIC_RESTART_COUNT`'s value; None when unset.
+    pub restart: Option<OsString>,
 }
 
 impl PathVars {
@@ -39,6 +48,7 @@ impl PathVars {
             pid: std::process::id(),
             rank: std::env::var_os(RANK_ENV).filter(|v| !v.is_empty()),
             local_rank: std::env::var_os(LOCAL_RANK_ENV).filter(|v| !v.is_empty()),
+            restart: std::env::var_os(RESTART_ENV).filter(|v| !v.is_empty()),
         }
     }
 }
@@ -53,7 +63,7 @@ pub fn expand(path: &OsStr) -> PathBuf {
 pub fn expand_with(path: &OsStr, vars: &PathVars) -> PathBuf {
     use std::os::unix::ffi::{OsStrExt, OsStringExt};
     let pid = vars.pid.to_string();
-    let subs: [(&[u8], &[u8]); 3] = [
+    let subs: [(&[u8], &[u8]); 4] = [
         (b"{pid}", pid.as_bytes()),
         (
             b"{rank}",
@@ -62,6 +72,10 @@ pub fn expand_with(path: &OsStr, vars: &PathVars) -> PathBuf {
         (
             b"{local_rank}",
             vars.local_rank.as_deref().map_or(b"0", OsStr::as_bytes),
+        ),
+        (
+            b"{restart}",
+            vars.restart.as_deref().map_or(b"0", OsStr::as_bytes),
         ),
     ];
     let b = path.as_bytes();
@@ -91,6 +105,7 @@ pub fn expand_with(path: &OsStr, vars: &PathVars) -> PathBuf {
         .replace("{pid}", &vars.pid.to_string())
         .replace("{rank}", &value(&vars.rank))
         .replace("{local_rank}", &value(&vars.local_rank))
+        .replace("{restart}", &value(&vars.restart))
         .into()
 }
 
@@ -103,6 +118,7 @@ mod tests {
             pid: 4242,
             rank: rank.map(OsString::from),
             local_rank: local.map(OsString::from),
+            restart: None,
         }
     }
 
@@ -117,6 +133,14 @@ mod tests {
             ex("/t/{rank}/run-{rank}-{local_rank}-{pid}.gtrace", &v),
             "/t/17/run-17-1-4242.gtrace"
         );
+    }
+
+    #[test]
+    fn each_restart_of_a_worker_gets_its_own_file() {
+        let mut v = vars(Some("3"), None);
+        assert_eq!(ex("run-{rank}-{restart}", &v), "run-3-0");
+        v.restart = Some(OsString::from("2"));
+        assert_eq!(ex("run-{rank}-{restart}", &v), "run-3-2");
     }
 
     #[test]

@@ -107,7 +107,7 @@ def install(
 
     ``config``: gpualloc's configuration (``GPUALLOC_CONF`` syntax; default:
     that variable). ``trace``: start recording a trace to this path
-    (``{pid}``, ``{rank}`` and ``{local_rank}`` are filled in, as in
+    (``{pid}``, ``{rank}``, ``{local_rank}`` and ``{restart}`` are filled in, as in
     ``GPUALLOC_TRACE``). ``bridge``: compile the C++ bridge (see the module
     docs); False forces the fallback. ``auto_marks``: mark every optimizer
     step and open the phases ``backward``, ``optimizer``, ``eval`` and

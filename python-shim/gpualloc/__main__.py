@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a Python script, module or console script with gpualloc as PyTorch's allocator")
     r.add_argument("--config", default=None, help="gpualloc configuration (default: GPUALLOC_CONF)")
-    r.add_argument("--trace", default=None, help="record an allocation trace to this file ({pid}, {rank}, {local_rank} are filled in)")
+    r.add_argument("--trace", default=None, help="record an allocation trace to this file ({pid}, {rank}, {local_rank}, {restart} are filled in)")
     r.add_argument("--no-bridge", action="store_true", help="use the plain CUDAPluggableAllocator fallback")
     r.add_argument("--no-auto-marks", action="store_true", help="no automatic step marks and phases (as GPUALLOC_AUTO_MARKS=0)")
     r.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE", help="run a module with its arguments, as python -m does")

@@ -1,4 +1,4 @@
-"""`{pid}`, `{rank}` and `{local_rank}` in trace paths, from `trace=` and GPUALLOC_TRACE."""
+"""`{pid}`, `{rank}`, `{local_rank}` and `{restart}` in trace paths, from `trace=` and GPUALLOC_TRACE."""
 
 import os
 import tempfile
@@ -15,12 +15,12 @@ CODE = "import sys\nfrom gpualloc._lib import lib\nL = lib()\n{start}L.free(L.ma
 class TracePathTest(unittest.TestCase):
     def check(self, start_by_env, env_rank, want):
         with tempfile.TemporaryDirectory() as d:
-            pattern = os.path.join(d, "run-{rank}-{local_rank}-{pid}.gtrace")
+            pattern = os.path.join(d, "run-{rank}-{local_rank}-{restart}-{pid}.gtrace")
             if start_by_env:
                 code, env = CODE.format(start="", stop=""), {"GPUALLOC_TRACE": pattern}
             else:
                 code, env = CODE.format(start=f"L.trace_start({pattern!r})\n", stop="L.trace_stop()\n"), {}
-            drop = [k for k in ("RANK", "LOCAL_RANK") if k not in env_rank]
+            drop = [k for k in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT") if k not in env_rank]
             out = run(["-c", code], {**env, **env_rank}, drop=drop)
             self.assertEqual(out.returncode, 0, out.stderr)
             pid = out.stdout.split("pid ")[1].strip()
@@ -28,14 +28,19 @@ class TracePathTest(unittest.TestCase):
             self.assertGreater(os.path.getsize(os.path.join(d, want.format(pid=pid))), 0)
 
     def test_trace_start_fills_in_the_launcher_ranks(self):
-        self.check(False, {"RANK": "3", "LOCAL_RANK": "1"}, "run-3-1-{pid}.gtrace")
+        self.check(False, {"RANK": "3", "LOCAL_RANK": "1"}, "run-3-1-0-{pid}.gtrace")
 
     def test_environment_trace_fills_in_the_launcher_ranks(self):
-        self.check(True, {"RANK": "12", "LOCAL_RANK": "4"}, "run-12-4-{pid}.gtrace")
+        self.check(True, {"RANK": "12", "LOCAL_RANK": "4"}, "run-12-4-0-{pid}.gtrace")
+
+    def test_a_restarted_worker_gets_a_file_of_its_own(self):
+        # torchrun restarts failed workers with the same rank: {restart}
+        # keeps the failed attempt's trace.
+        self.check(True, {"RANK": "1", "LOCAL_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2"}, "run-1-1-2-{pid}.gtrace")
 
     def test_without_a_launcher_the_ranks_are_zero(self):
-        self.check(True, {}, "run-0-0-{pid}.gtrace")
-        self.check(False, {}, "run-0-0-{pid}.gtrace")
+        self.check(True, {}, "run-0-0-0-{pid}.gtrace")
+        self.check(False, {}, "run-0-0-0-{pid}.gtrace")
 
     def test_a_relative_path_survives_a_change_of_folder(self):
         # The path is made absolute at the start: a flush or stop after a
