@@ -270,6 +270,40 @@ class ProcessTest(unittest.TestCase):
             self.assertEqual(kinds[-1], 4, f"the last block is END (kinds {kinds})")
             self.assertIn(1, kinds, "events were written")
 
+    def test_devices_created_during_phases_record_them_balanced(self):
+        # Note [Phases of a device that joins]: a device created while
+        # another thread pushes and pops a phase records each push and pop
+        # once (it used to record a push twice, or a pop of nothing).
+        code = textwrap.dedent(
+            """
+            import sys, threading
+            from gpualloc._lib import lib
+            from gpualloc import tracefile
+            L = lib(); L.init(None)
+            L.trace_start(sys.argv[1])
+            done = False
+            def phases():
+                while not done:
+                    L.phase_push("p"); L.phase_pop()
+            t = threading.Thread(target=phases); t.start()
+            for d in range(L.device_count()):
+                L.free(L.malloc(4096, d), d)
+            done = True; t.join()
+            L.trace_stop()
+            bal = {}
+            for a in tracefile.annotations(sys.argv[1]):
+                step = {"phase_push": 1, "phase_pop": -1}.get(a["kind"], 0)
+                bal[a["device"]] = bal.get(a["device"], 0) + step
+            print("unbalanced", {d: b for d, b in bal.items() if b})
+            """
+        )
+        with tempfile.TemporaryDirectory() as d:
+            for i in range(3):
+                trace = os.path.join(d, f"join-{i}.gtrace")
+                out = run(["-c", code, trace], env_extra={"GPUALLOC_SIM_DEVICES": "64"})
+                self.assertEqual(out.returncode, 0, out.stderr)
+                self.assertIn("unbalanced {}", out.stdout)
+
 
 if __name__ == "__main__":
     unittest.main()

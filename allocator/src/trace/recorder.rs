@@ -115,6 +115,9 @@ pub struct DeviceTrace {
     dropped_synced: u64,
     /// Events of each device the writer received but could not write.
     lost: Option<Lost>,
+    /// The count of phase pushes and pops when this device joined (Note
+    /// [Phases of a device that joins]).
+    joined_phase_op: u64,
 }
 
 /// Per device, events the writer thread received but could not write (an
@@ -134,7 +137,15 @@ impl DeviceTrace {
             dropped_total: 0,
             dropped_synced: 0,
             lost: None,
+            joined_phase_op: 0,
         }
+    }
+
+    /// Whether this device joined after phase push or pop number `op`, so
+    /// that the phases it replayed when it joined include it (Note [Phases
+    /// of a device that joins]).
+    pub(crate) fn joined_after(&self, op: u64) -> bool {
+        self.joined_phase_op >= op
     }
 
     /// Appends one event at clock reading `time` (nanoseconds, the clock of
@@ -312,7 +323,9 @@ pub struct Recorder {
     tx: Sender<Msg>,
     spare: Receiver<Vec<TraceEvent>>,
     strings: Arc<Mutex<Strings>>,
-    phases: Mutex<Vec<u64>>,
+    /// The open phases, innermost last, and how many pushes and pops there
+    /// have been (Note [Phases of a device that joins]).
+    phases: Mutex<(Vec<u64>, u64)>,
     /// Marks made while no device was recording: the first device to
     /// join records them (at the time it joins, before its first event).
     early_marks: Mutex<Vec<u64>>,
@@ -383,7 +396,7 @@ impl Recorder {
             tx,
             spare,
             strings,
-            phases: Mutex::new(Vec::new()),
+            phases: Mutex::new((Vec::new(), 0)),
             early_marks: Mutex::new(Vec::new()),
             writer: Mutex::new(Some(handle)),
             path: path.to_path_buf(),
@@ -430,10 +443,14 @@ impl Recorder {
             dropped_total: 0,
             dropped_synced: 0,
             lost: Some(self.lost.clone()),
+            joined_phase_op: 0,
         };
-        for &id in self.phases.lock().iter() {
+        let phases = self.phases.lock();
+        for &id in phases.0.iter() {
             t.record(now, Action::PhasePush, 0, 0, 0, id);
         }
+        t.joined_phase_op = phases.1;
+        drop(phases);
         for id in std::mem::take(&mut *self.early_marks.lock()) {
             t.record(now, Action::Mark, 0, 0, 0, id);
         }
@@ -483,15 +500,22 @@ impl Recorder {
     }
 
     /// Opens a phase; returns its string id.
-    pub(crate) fn push_phase(&self, name: &str) -> u64 {
+    /// Returns its id and the push's number among pushes and pops.
+    pub(crate) fn push_phase(&self, name: &str) -> (u64, u64) {
         let id = self.intern(name);
-        self.phases.lock().push(id);
-        id
+        let mut phases = self.phases.lock();
+        phases.0.push(id);
+        phases.1 += 1;
+        (id, phases.1)
     }
 
-    /// Closes the innermost phase; its id, or `None` when none is open.
-    pub(crate) fn pop_phase(&self) -> Option<u64> {
-        self.phases.lock().pop()
+    /// Closes the innermost phase; its id and the pop's number among pushes
+    /// and pops, or `None` when none is open.
+    pub(crate) fn pop_phase(&self) -> Option<(u64, u64)> {
+        let mut phases = self.phases.lock();
+        let id = phases.0.pop()?;
+        phases.1 += 1;
+        Some((id, phases.1))
     }
 
     /// Sends a message, waiting for room (control paths only).
@@ -689,6 +713,44 @@ mod tests {
         rec.send(batch);
         t.finish();
         assert_eq!(rec.stop().unwrap().events, 10);
+        std::fs::remove_file(rec.path()).unwrap();
+    }
+
+    /// Note [Phases of a device that joins]: a device that joins between a
+    /// push (or pop) and its visit of the devices replayed it already; one
+    /// that joined before did not.
+    #[test]
+    fn a_device_that_joins_after_a_phase_operation_is_passed_over_by_it() {
+        let path = crate::trace::control_tests_path("phase-join");
+        let rec = Recorder::start(&path, "", 2, TraceOptions::default()).unwrap();
+        let early = rec.device_trace(0, rec.start_ns);
+        let (id, push) = rec.push_phase("p");
+        let late = rec.device_trace(1, rec.start_ns);
+        assert!(
+            !early.joined_after(push),
+            "joined before: it records the push"
+        );
+        assert!(late.joined_after(push), "joined after: its replay had it");
+        let replayed = late
+            .buf
+            .iter()
+            .filter(|e| e.action == Action::PhasePush)
+            .count();
+        assert_eq!(replayed, 1);
+        let (popped, pop) = rec.pop_phase().unwrap();
+        assert_eq!(popped, id);
+        assert!(pop > push);
+        let later = rec.device_trace(1, rec.start_ns);
+        assert!(late.joined_after(push) && !late.joined_after(pop));
+        assert!(
+            later.joined_after(pop),
+            "joined after the pop: nothing to close"
+        );
+        assert!(later.buf.is_empty(), "no phase open when it joined");
+        for t in [early, late, later] {
+            t.finish();
+        }
+        rec.stop().unwrap();
         std::fs::remove_file(rec.path()).unwrap();
     }
 }
