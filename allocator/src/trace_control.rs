@@ -188,7 +188,7 @@ impl<B: Backend> Allocator<B> {
         let rec = self.own_recorder();
         if let Some(rec) = rec {
             let (id, op) = rec.push_phase(name);
-            let _ = self.record_everywhere(Action::PhasePush, id, Some(op));
+            self.record_everywhere(Action::PhasePush, id, Some(op));
         }
         Ok(())
     }
@@ -200,7 +200,7 @@ impl<B: Backend> Allocator<B> {
         if let Some(rec) = rec
             && let Some((id, op)) = rec.pop_phase()
         {
-            let _ = self.record_everywhere(Action::PhasePop, id, Some(op));
+            self.record_everywhere(Action::PhasePop, id, Some(op));
         }
     }
 
@@ -216,15 +216,16 @@ impl<B: Backend> Allocator<B> {
         let rec = self.own_recorder();
         if let Some(rec) = rec {
             let id = rec.intern(name);
-            if self.record_everywhere(Action::Mark, id, None) == 0 {
-                // No device yet: the first one to start records it.
-                rec.hold_mark(id);
+            // No device yet: the first one to join records it (decided
+            // under the lock it joins under, so none joins in between).
+            if !rec.hold_mark_if_alone(id) {
+                self.record_everywhere(Action::Mark, id, None);
             }
         }
         Ok(())
     }
 
-    /// Records on every device that traces; returns how many did. For phase
+    /// Records on every device that traces. For phase
     /// push or pop number `phase_op`, not on a device that joined after it:
     /// the phases it replayed when it joined include it.
     ///
@@ -239,9 +240,10 @@ impl<B: Backend> Allocator<B> {
     /// the rest of the trace (a review found 9 runs of 40 with 8 devices).
     /// So the open phases carry a count of pushes and pops, a device keeps
     /// the count it joined at, and the visit passes over devices that
-    /// joined at or after the operation's number.
-    fn record_everywhere(&self, action: Action, id: u64, phase_op: Option<u64>) -> usize {
-        let mut n = 0;
+    /// joined at or after the operation's number. A mark made before any
+    /// device joined is kept for the first, decided under the same lock,
+    /// so that a device joining meanwhile cannot miss it.
+    fn record_everywhere(&self, action: Action, id: u64, phase_op: Option<u64>) {
         self.each_device(|d| {
             let Some(t) = &d.trace else {
                 return;
@@ -250,9 +252,7 @@ impl<B: Backend> Allocator<B> {
                 return;
             }
             d.record(action, 0, 0, 0, id);
-            n += 1;
         });
-        n
     }
 
     fn current_recorder(&self) -> io::Result<Arc<Recorder>> {

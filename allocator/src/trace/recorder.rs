@@ -315,6 +315,22 @@ struct Strings {
     table: Vec<String>,
 }
 
+/// What a device that joins a running trace replays, and what orders its
+/// joining against phase operations and marks (Note [Phases of a device
+/// that joins] in `trace_control.rs`).
+#[derive(Default)]
+struct Joining {
+    /// The open phases, innermost last.
+    phases: Vec<u64>,
+    /// Phase pushes and pops so far.
+    ops: u64,
+    /// Device traces made so far.
+    devices: usize,
+    /// Marks made before any device joined: the first to join records them
+    /// (at the time it joins, before its first event).
+    early_marks: Vec<u64>,
+}
+
 /// Process-wide state of a running trace.
 pub struct Recorder {
     opts: TraceOptions,
@@ -323,12 +339,9 @@ pub struct Recorder {
     tx: Sender<Msg>,
     spare: Receiver<Vec<TraceEvent>>,
     strings: Arc<Mutex<Strings>>,
-    /// The open phases, innermost last, and how many pushes and pops there
-    /// have been (Note [Phases of a device that joins]).
-    phases: Mutex<(Vec<u64>, u64)>,
-    /// Marks made while no device was recording: the first device to
-    /// join records them (at the time it joins, before its first event).
-    early_marks: Mutex<Vec<u64>>,
+    /// What a device that joins replays (Note [Phases of a device that
+    /// joins] in `trace_control.rs`).
+    joining: Mutex<Joining>,
     writer: Mutex<Option<JoinHandle<io::Result<TraceSummary>>>>,
     path: std::path::PathBuf,
     lost: Lost,
@@ -396,8 +409,7 @@ impl Recorder {
             tx,
             spare,
             strings,
-            phases: Mutex::new((Vec::new(), 0)),
-            early_marks: Mutex::new(Vec::new()),
+            joining: Mutex::new(Joining::default()),
             writer: Mutex::new(Some(handle)),
             path: path.to_path_buf(),
             lost,
@@ -445,21 +457,29 @@ impl Recorder {
             lost: Some(self.lost.clone()),
             joined_phase_op: 0,
         };
-        let phases = self.phases.lock();
-        for &id in phases.0.iter() {
+        let mut j = self.joining.lock();
+        for &id in &j.phases {
             t.record(now, Action::PhasePush, 0, 0, 0, id);
         }
-        t.joined_phase_op = phases.1;
-        drop(phases);
-        for id in std::mem::take(&mut *self.early_marks.lock()) {
+        t.joined_phase_op = j.ops;
+        j.devices += 1;
+        for id in std::mem::take(&mut j.early_marks) {
             t.record(now, Action::Mark, 0, 0, 0, id);
         }
         t
     }
 
-    /// Keeps a mark made while no device records, for the first that will.
-    pub(crate) fn hold_mark(&self, id: u64) {
-        self.early_marks.lock().push(id);
+    /// Keeps mark `id` for the first device to join, when none has joined
+    /// yet; false otherwise (the caller records it on the devices). Decided
+    /// under the lock a device joins under, so no device joins in between
+    /// and misses it.
+    pub(crate) fn hold_mark_if_alone(&self, id: u64) -> bool {
+        let mut j = self.joining.lock();
+        if j.devices > 0 {
+            return false;
+        }
+        j.early_marks.push(id);
+        true
     }
 
     /// Events of `device` the writer could not write and no device trace
@@ -503,19 +523,19 @@ impl Recorder {
     /// Returns its id and the push's number among pushes and pops.
     pub(crate) fn push_phase(&self, name: &str) -> (u64, u64) {
         let id = self.intern(name);
-        let mut phases = self.phases.lock();
-        phases.0.push(id);
-        phases.1 += 1;
-        (id, phases.1)
+        let mut j = self.joining.lock();
+        j.phases.push(id);
+        j.ops += 1;
+        (id, j.ops)
     }
 
     /// Closes the innermost phase; its id and the pop's number among pushes
     /// and pops, or `None` when none is open.
     pub(crate) fn pop_phase(&self) -> Option<(u64, u64)> {
-        let mut phases = self.phases.lock();
-        let id = phases.0.pop()?;
-        phases.1 += 1;
-        Some((id, phases.1))
+        let mut j = self.joining.lock();
+        let id = j.phases.pop()?;
+        j.ops += 1;
+        Some((id, j.ops))
     }
 
     /// Sends a message, waiting for room (control paths only).
@@ -750,6 +770,26 @@ mod tests {
         for t in [early, late, later] {
             t.finish();
         }
+        rec.stop().unwrap();
+        std::fs::remove_file(rec.path()).unwrap();
+    }
+
+    /// A mark made before any device joined goes to the first that joins;
+    /// once one has, marks are the caller's to record on the devices.
+    #[test]
+    fn a_mark_before_any_device_is_kept_for_the_first_to_join() {
+        let path = crate::trace::control_tests_path("early-mark");
+        let rec = Recorder::start(&path, "", 2, TraceOptions::default()).unwrap();
+        let id = rec.intern("start");
+        assert!(rec.hold_mark_if_alone(id));
+        let first = rec.device_trace(0, rec.start_ns);
+        let marks = |t: &DeviceTrace| t.buf.iter().filter(|e| e.action == Action::Mark).count();
+        assert_eq!(marks(&first), 1);
+        assert!(!rec.hold_mark_if_alone(id), "a device has joined");
+        let second = rec.device_trace(1, rec.start_ns);
+        assert_eq!(marks(&second), 0, "held marks go to the first only");
+        first.finish();
+        second.finish();
         rec.stop().unwrap();
         std::fs::remove_file(rec.path()).unwrap();
     }
