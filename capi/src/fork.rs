@@ -48,11 +48,11 @@ pub(crate) fn watch() {
         gpualloc::trace::control_lock::before_fork();
     }
     extern "C" fn parent() {
-        gpualloc::trace::control_lock::after_fork();
+        gpualloc::trace::control_lock::after_fork_in_parent();
     }
     extern "C" fn child() {
         FORKED.store(true, Ordering::Relaxed);
-        gpualloc::trace::control_lock::after_fork();
+        gpualloc::trace::control_lock::after_fork_in_child();
     }
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {

@@ -17,7 +17,6 @@ import glob
 import json
 import operator
 import os
-import signal
 import sys
 import threading
 from typing import Dict, Optional, Tuple
@@ -371,8 +370,6 @@ class Library:
         # A trace started by install(trace=...) or GPUALLOC_TRACE ends with
         # the process: write its last buffers and its end block then.
         atexit.register(self._stop_trace_at_exit)
-        if trace_env() is not None:
-            complete_trace_on_sigterm()
 
     def stop_started_trace(self) -> Optional[Dict[str, int]]:
         """Completes the trace when the allocator started and records one;
@@ -422,8 +419,6 @@ class Library:
                 None if trace is None else _cstr(os.fsencode(trace), "trace path"),
             )
         )
-        if trace:
-            complete_trace_on_sigterm()
 
     def is_initialized(self) -> bool:
         return bool(self.dll.gpualloc_is_initialized())
@@ -592,7 +587,6 @@ class Library:
 
     def trace_start(self, path: str) -> None:
         self.check(self.dll.gpualloc_trace_start(_cstr(os.fsencode(path), "trace path")))
-        complete_trace_on_sigterm()
 
     def trace_stop(self) -> Dict[str, int]:
         s = TraceSummary()
@@ -613,56 +607,6 @@ class Library:
 
     def mark(self, name: str) -> None:
         self.check(self.dll.gpualloc_mark(_cstr(name, "mark name")))
-
-
-def trace_env() -> Optional[str]:
-    """``GPUALLOC_TRACE``'s value; None when unset or blank (only spaces),
-    as the library reads it: no trace is recorded then."""
-    v = os.environ.get("GPUALLOC_TRACE", "")
-    return v if v.strip() else None
-
-
-# Note [Completing a trace on SIGTERM]
-# Rationale: SIGTERM's default action ends the process with no exit
-# handler, so the trace lost its last buffer (up to 4096 events a device)
-# and its END block. Launchers stop the other ranks of a job with SIGTERM
-# when one fails (torchrun, Slurm at the time limit), which is when the
-# trace matters most.
-# Approach: when a trace is started from Python (install(trace=...),
-# trace_start, GPUALLOC_TRACE, `run --trace`) and SIGTERM still has its
-# default action, a handler is installed that completes the trace
-# (stop_started_trace), then restores the default action and sends
-# SIGTERM again: the process ends as it would have, its exit status
-# -SIGTERM. A handler the program or a framework installed is left alone
-# (completing the trace is then up to it), and so is one installed later
-# in its place. Limitations: Python runs the handler in the main thread
-# between bytecodes, so a SIGTERM that arrives while the main thread waits
-# in C code (a CUDA synchronize) takes effect when the call returns; it is
-# installed only from the main thread (Python's rule). SIGKILL, or a
-# SIGTERM to a process without Python's handler, still loses the buffers
-# not yet handed to the writer. A forked child inherits the handler: there
-# it completes a trace of the child's own, if any, and ends the same way.
-
-
-def complete_trace_on_sigterm() -> None:
-    """Installs the SIGTERM handler of Note [Completing a trace on SIGTERM]
-    when SIGTERM still has its default action and this is the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    try:
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _complete_trace_and_terminate)
-    except (ValueError, OSError):  # not the main interpreter, or no SIGTERM here
-        pass
-
-
-def _complete_trace_and_terminate(signum, _frame) -> None:
-    """Completes the trace, then ends the process by ``signum`` with the
-    default action (Note [Completing a trace on SIGTERM])."""
-    if _LIB is not None:
-        _LIB.stop_started_trace()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
 
 
 _LIB: Optional[Library] = None

@@ -472,7 +472,8 @@ def _patch_python(torch, fallback: bool) -> None:
         """gpualloc's segments and blocks (``torch.cuda.memory_snapshot`` shape;
         no stack frames); only those of private pool ``mempool_id`` when given."""
         segs = lib().snapshot(-1)["segments"]
-        if mempool_id is not None:
+        if mempool_id is not None and tuple(int(x) for x in mempool_id) != (0, 0):
+            # (0, 0) means every pool, as in PyTorch's snapshot.
             want = tuple(int(x) for x in mempool_id)
             segs = [s for s in segs if tuple(s["segment_pool_id"]) == want]
         for s in segs:

@@ -916,7 +916,7 @@ class RunTargetsTest(unittest.TestCase):
         self.assertIn("traces [[], []]", out.stdout)
         self.assertIn("segments 1 [(0, 0)]", out.stdout)
         self.assertIn("pool 0", out.stdout)
-        self.assertIn("default 1", out.stdout)
+        self.assertIn("default 1", out.stdout)  # (0, 0): every pool, as PyTorch reads it
 
     def test_a_script_sees_what_python_script_py_gives_it(self):
         # __file__ absolute; sys.path[0] the folder of the linked-to script,

@@ -20,12 +20,23 @@
 //! lock (`parking_lot`'s) may hand itself on release to a waiter, which in
 //! the child is a thread that does not exist. Waiters back off to short
 //! sleeps; control calls are rare and short.
-//! Limitations: a thread that forks while it holds the lock itself waits
-//! for ever in `prepare` (nothing here forks). A program that forks without
-//! the handlers (the core crate used without `capi`) has the old risk.
+//! `prepare` waits at most [`FORK_WAIT`]: a flush stuck on storage that
+//! hangs must not hang the program's forks (DataLoader workers). Then the
+//! fork goes ahead without the lock, the parent leaves it to its holder,
+//! and the child frees it (nothing of its parent's call runs there; the
+//! trace state may be half changed, which a child only reads as its
+//! parent's trace, not its own). So does a thread that forks while it holds
+//! the lock itself (nothing here forks). A program that forks without the
+//! handlers (the core crate used without `capi`) has the old risk.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// The longest a fork waits for the trace control call in progress.
+pub(crate) const FORK_WAIT: Duration = Duration::from_secs(2);
+
+/// Whether the `prepare` handler took the lock (Note [Trace control across fork]).
+static TAKEN_FOR_FORK: AtomicBool = AtomicBool::new(false);
 
 /// A lock with no queue of waiters, released by a plain store (see the Note).
 pub(crate) struct ControlLock {
@@ -57,10 +68,19 @@ impl ControlLock {
     }
 
     fn acquire(&self) {
+        self.acquire_until(None);
+    }
+
+    /// Takes the lock, waiting at most until `deadline`; whether it did.
+    fn acquire_until(&self, deadline: Option<Instant>) -> bool {
         let mut sleep = Duration::from_micros(20);
-        for spins in 0u32.. {
+        let mut spins = 0u32;
+        loop {
             if !self.held.load(Ordering::Relaxed) && self.try_acquire() {
-                return;
+                return true;
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return false;
             }
             if spins < 64 {
                 std::hint::spin_loop();
@@ -70,6 +90,7 @@ impl ControlLock {
                 std::thread::sleep(sleep);
                 sleep = (sleep * 2).min(Duration::from_millis(1));
             }
+            spins = spins.saturating_add(1);
         }
     }
 
@@ -89,16 +110,26 @@ impl Drop for ControlGuard<'_> {
 /// and allocators rarely more than one.
 pub(crate) static CONTROL: ControlLock = ControlLock::new();
 
-/// The `pthread_atfork` `prepare` handler: waits for the trace control call
-/// in progress and keeps any other from starting until [`after_fork`]
-/// (Note [Trace control across fork]).
+/// The `pthread_atfork` `prepare` handler: waits (at most [`FORK_WAIT`])
+/// for the trace control call in progress and keeps any other from
+/// starting until the fork is done (Note [Trace control across fork]).
 pub fn before_fork() {
-    CONTROL.acquire();
+    let taken = CONTROL.acquire_until(Some(Instant::now() + FORK_WAIT));
+    TAKEN_FOR_FORK.store(taken, Ordering::Relaxed);
 }
 
-/// The `pthread_atfork` `parent` and `child` handler: releases what
-/// [`before_fork`] took. One atomic store, async-signal-safe.
-pub fn after_fork() {
+/// The `pthread_atfork` `parent` handler: releases what [`before_fork`]
+/// took, if it took it. Atomics only, async-signal-safe.
+pub fn after_fork_in_parent() {
+    if TAKEN_FOR_FORK.swap(false, Ordering::Relaxed) {
+        CONTROL.release();
+    }
+}
+
+/// The `pthread_atfork` `child` handler: the child starts with the lock
+/// free, whoever held it in the parent. Atomics only, async-signal-safe.
+pub fn after_fork_in_child() {
+    TAKEN_FOR_FORK.store(false, Ordering::Relaxed);
     CONTROL.release();
 }
 
@@ -129,5 +160,26 @@ mod tests {
             t.join().unwrap();
         }
         assert!(lock.try_acquire(), "free once every guard is dropped");
+    }
+
+    /// A fork waits at most `FORK_WAIT` for a control call that does not
+    /// end (a flush on storage that hangs), then goes ahead without the
+    /// lock: the parent leaves it to its holder, the child starts it free.
+    #[test]
+    fn a_fork_gives_up_waiting_for_a_stuck_holder() {
+        let _held = CONTROL.lock(); // the stuck control call
+        let start = Instant::now();
+        before_fork();
+        let waited = start.elapsed();
+        assert!(waited >= FORK_WAIT, "{waited:?}");
+        assert!(!TAKEN_FOR_FORK.load(Ordering::Relaxed));
+        after_fork_in_parent();
+        assert!(CONTROL.held.load(Ordering::Relaxed), "still its holder's");
+        // Without a holder it is taken, and the parent gives it back.
+        drop(_held);
+        before_fork();
+        assert!(TAKEN_FOR_FORK.load(Ordering::Relaxed));
+        after_fork_in_parent();
+        assert!(!CONTROL.held.load(Ordering::Relaxed));
     }
 }
