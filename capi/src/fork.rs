@@ -53,6 +53,7 @@ pub(crate) fn watch() {
     extern "C" fn child() {
         FORKED.store(true, Ordering::Relaxed);
         gpualloc::trace::control_lock::after_fork_in_child();
+        crate::sigterm::reset_in_child();
     }
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {

@@ -27,6 +27,7 @@ mod observer;
 mod oom;
 mod pending;
 mod pools;
+mod sigterm;
 mod snapshot;
 mod stats;
 mod trace;

@@ -27,6 +27,7 @@ pub(crate) fn from_env<B: Backend>(alloc: &Allocator<B>) {
                 announce(alloc, &gpualloc::trace_path::expand(&v), "GPUALLOC_TRACE");
             }
             stop_at_exit();
+            complete_on_sigterm();
         }
         Ok(false) => {}
         Err(e) => crate::boundary::say(format_args!(
@@ -43,7 +44,10 @@ pub(crate) fn start_kept<B: Backend>(alloc: &Allocator<B>, path: &std::path::Pat
     // Placeholders are this process's: it may be a child forked since.
     let path = &gpualloc::trace_path::expand(path.as_os_str());
     match alloc.trace_start(path) {
-        Ok(()) => announce(alloc, path, "the trace asked for at install"),
+        Ok(()) => {
+            announce(alloc, path, "the trace asked for at install");
+            complete_on_sigterm();
+        }
         Err(e) => crate::boundary::say(format_args!(
             "gpualloc: could not start tracing to {}: {e}",
             path.display()
@@ -79,21 +83,7 @@ unsafe extern "C" {
 /// block written.
 fn stop_at_exit() {
     extern "C" fn stop() {
-        // Never unwind out of an exit handler; nothing to report to.
-        let _ = std::panic::catch_unwind(|| {
-            if let Some(g) = existing()
-                && g.alloc.is_tracing()
-            {
-                let s = g.alloc.trace_stop();
-                log_stop(&s, "at exit");
-                if let Err(e) = s {
-                    // The only place left to say that the trace is incomplete.
-                    crate::boundary::say(format_args!(
-                        "gpualloc: GPUALLOC_TRACE: the trace is incomplete: {e}"
-                    ));
-                }
-            }
-        });
+        complete_at_end("at exit");
     }
     // SAFETY: `stop` is a plain `extern "C"` function with no arguments that
     // lives as long as the library (which is never unloaded while PyTorch
@@ -101,6 +91,32 @@ fn stop_at_exit() {
     unsafe {
         atexit(stop);
     }
+}
+
+/// Completes the running trace as the process ends (`when`: at exit, on
+/// SIGTERM), saying on stderr when the file could not be completed. Never
+/// unwinds.
+fn complete_at_end(when: &str) {
+    let _ = std::panic::catch_unwind(|| {
+        if let Some(g) = existing()
+            && g.alloc.is_tracing()
+        {
+            let s = g.alloc.trace_stop();
+            log_stop(&s, when);
+            if let Err(e) = s {
+                // The only place left to say that the trace is incomplete.
+                crate::boundary::say(format_args!(
+                    "gpualloc: the trace is incomplete ({when}): {e}"
+                ));
+            }
+        }
+    });
+}
+
+/// After a trace started: complete it on SIGTERM too (Note [Completing a
+/// trace on SIGTERM] in `sigterm.rs`).
+fn complete_on_sigterm() {
+    crate::sigterm::complete_trace_on_sigterm(|| complete_at_end("on SIGTERM"));
 }
 
 /// Starts recording every allocator event of the process to `path`
@@ -118,6 +134,7 @@ pub unsafe extern "C" fn gpualloc_trace_start(path: *const c_char) -> c_int {
         let g = global()?;
         g.alloc.trace_start(&path)?;
         announce(&g.alloc, &path, "gpualloc_trace_start");
+        complete_on_sigterm();
         Ok(())
     })
 }

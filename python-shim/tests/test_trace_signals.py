@@ -1,0 +1,114 @@
+"""A trace survives SIGTERM (Note [Completing a trace on SIGTERM] in
+``capi/src/sigterm.rs``), each case in a process of its own."""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+
+from gpualloc import tracefile
+
+from . import __name__ as _env  # noqa: F401
+
+SHIM = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+END = 4  # the END block's kind (docs/trace-format.md)
+
+PRELUDE = """
+import os, signal, sys, time
+from gpualloc._lib import lib
+L = lib()
+"""
+
+
+def run(code, *args):
+    env = os.environ.copy()
+    env["PYTHONPATH"] = SHIM + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def block_kinds(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    kinds, pos = [], data.find(b"BK")
+    while 0 <= pos < len(data):
+        kinds.append(data[pos + 2])
+        pos += 16 + int.from_bytes(data[pos + 8 : pos + 12], "little")
+    return kinds
+
+
+class SigtermTest(unittest.TestCase):
+    def test_sigterm_completes_the_trace_and_still_ends_the_process(self):
+        # The main thread waits in C (a sleep, as a hung collective would):
+        # the library's own thread completes the trace and ends the process.
+        with tempfile.TemporaryDirectory() as d:
+            trace = os.path.join(d, "t.gtrace")
+            out = run(
+                """
+                L.trace_start(sys.argv[1])
+                for _ in range(1000):
+                    L.free(L.malloc(4096))
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(60)
+                print("not ended")
+                """,
+                trace,
+            )
+            self.assertEqual(out.returncode, -signal.SIGTERM, out.stdout + out.stderr)
+            self.assertNotIn("not ended", out.stdout)
+            self.assertEqual(block_kinds(trace)[-1], END, "the trace ends with its END block")
+            allocs = [r for r in tracefile.records(trace) if r["kind"] == "alloc"]
+            self.assertEqual(len(allocs), 1000)
+
+    def test_a_forked_child_ends_on_sigterm_and_leaves_its_parent_alone(self):
+        # The child has not the library's thread: the default action is back.
+        with tempfile.TemporaryDirectory() as d:
+            out = run(
+                """
+                L.trace_start(sys.argv[1])
+                L.free(L.malloc(4096))
+                pid = os.fork()
+                if pid == 0:
+                    time.sleep(60)
+                    os._exit(0)
+                t = time.time()
+                os.kill(pid, signal.SIGTERM)
+                _, status = os.waitpid(pid, 0)
+                print("child", os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, time.time() - t < 10)
+                time.sleep(0.5)
+                print("parent alive")
+                """,
+                os.path.join(d, "t.gtrace"),
+            )
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("child True True", out.stdout)
+            self.assertIn("parent alive", out.stdout)
+
+    def test_a_handler_the_program_installed_first_is_kept(self):
+        with tempfile.TemporaryDirectory() as d:
+            out = run(
+                """
+                signal.signal(signal.SIGTERM, lambda *_: print("own handler", flush=True))
+                L.trace_start(sys.argv[1])
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.5)
+                print("went on", L.trace_stop()["events"] >= 0)
+                """,
+                os.path.join(d, "t.gtrace"),
+            )
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("own handler", out.stdout)
+            self.assertIn("went on True", out.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()
