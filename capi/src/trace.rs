@@ -83,7 +83,7 @@ unsafe extern "C" {
 /// block written.
 fn stop_at_exit() {
     extern "C" fn stop() {
-        complete_at_end("at exit");
+        complete_at_end("at exit", "GPUALLOC_TRACE: the trace is incomplete");
     }
     // SAFETY: `stop` is a plain `extern "C"` function with no arguments that
     // lives as long as the library (which is never unloaded while PyTorch
@@ -94,9 +94,9 @@ fn stop_at_exit() {
 }
 
 /// Completes the running trace as the process ends (`when`: at exit, on
-/// SIGTERM), saying on stderr when the file could not be completed. Never
-/// unwinds.
-fn complete_at_end(when: &str) {
+/// SIGTERM), saying `failed` on stderr when the file could not be
+/// completed. Never unwinds.
+fn complete_at_end(when: &str, failed: &str) {
     let _ = std::panic::catch_unwind(|| {
         if let Some(g) = existing()
             && g.alloc.is_tracing()
@@ -105,9 +105,7 @@ fn complete_at_end(when: &str) {
             log_stop(&s, when);
             if let Err(e) = s {
                 // The only place left to say that the trace is incomplete.
-                crate::boundary::say(format_args!(
-                    "gpualloc: the trace is incomplete ({when}): {e}"
-                ));
+                crate::boundary::say(format_args!("gpualloc: {failed}: {e}"));
             }
         }
     });
@@ -116,7 +114,9 @@ fn complete_at_end(when: &str) {
 /// After a trace started: complete it on SIGTERM too (Note [Completing a
 /// trace on SIGTERM] in `sigterm.rs`).
 fn complete_on_sigterm() {
-    crate::sigterm::complete_trace_on_sigterm(|| complete_at_end("on SIGTERM"));
+    crate::sigterm::complete_trace_on_sigterm(|| {
+        complete_at_end("on SIGTERM", "the trace is incomplete (on SIGTERM)");
+    });
 }
 
 /// Starts recording every allocator event of the process to `path`
