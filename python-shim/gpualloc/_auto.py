@@ -30,31 +30,18 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import threading
 import warnings
 import weakref
 from typing import Callable, List, Optional
 
 from . import _phases
-from ._lib import lib
+from ._lib import ForkSafeLock, lib
 
 ENV = "GPUALLOC_AUTO_MARKS"
 STEP_MARK = "step"
 
-_LOCK = threading.RLock()
-
-
-def _new_lock_in_child() -> None:
-    """A forked child has only the thread that forked: a lock another
-    thread held at that moment would stay held for good (Note [Trace
-    control across fork] in ``allocator/src/trace/control_lock.rs``)."""
-    global _LOCK
-    _LOCK = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_in_child)
+_LOCK = ForkSafeLock(threading.RLock)
 
 _TL = threading.local()
 _UNDO: List[Callable[[], None]] = []  # restores torch, newest last

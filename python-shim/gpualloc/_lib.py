@@ -609,19 +609,31 @@ class Library:
         self.check(self.dll.gpualloc_mark(_cstr(name, "mark name")))
 
 
+class ForkSafeLock:
+    """A module's lock that a forked child gets anew: the child has only the
+    thread that forked, so a lock another thread held at that moment would
+    stay held for good (Note [Trace control across fork] in
+    ``allocator/src/trace/control_lock.rs``). For locks that live as long
+    as the process (the fork handler keeps it)."""
+
+    def __init__(self, factory=threading.Lock):
+        self._factory = factory
+        self._lock = factory()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._renew)
+
+    def _renew(self) -> None:
+        self._lock = self._factory()
+
+    def __enter__(self):
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self._lock.__exit__(*exc)
+
+
 _LIB: Optional[Library] = None
-_LOCK = threading.Lock()
-
-
-def _new_lock_in_child() -> None:
-    """A forked child has only the thread that forked: a lock another
-    thread held at that moment (loading the library) would stay held."""
-    global _LOCK
-    _LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_in_child)
+_LOCK = ForkSafeLock()
 
 
 def lib() -> Library:

@@ -12,11 +12,10 @@ and not the loose one.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import List
 
-from ._lib import lib
+from ._lib import ForkSafeLock, lib
 
 
 class Entry:
@@ -31,19 +30,7 @@ class Entry:
 
 
 _STACK: List[Entry] = []
-_LOCK = threading.RLock()
-
-
-def _new_lock_in_child() -> None:
-    """A forked child has only the thread that forked: a lock another
-    thread held at that moment would stay held for good (Note [Trace
-    control across fork] in ``allocator/src/trace/control_lock.rs``)."""
-    global _LOCK
-    _LOCK = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_in_child)
+_LOCK = ForkSafeLock(threading.RLock)
 
 
 def started() -> bool:
