@@ -30,47 +30,6 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(())
     }
 
-    /// On the route without pool hooks, whether a capture nobody announced
-    /// forbids what a capture forbids (`empty_cache`, an allocation's slow
-    /// path): a stream a release or a move would record or wait for an
-    /// event on may be capturing, or a global capture elsewhere may forbid
-    /// driver calls. A capture found on a stream of ours is followed (Note
-    /// [Capture without a pool]). Always false on the bridge's route, whose
-    /// hooks announce every capture (the caller checks `capturing()`).
-    pub(crate) fn capture_elsewhere(&mut self) -> Result<bool, AllocError> {
-        if !self.private.following() {
-            return Ok(false);
-        }
-        self.close_ended_capture()?;
-        for s in self.capture_probe_streams() {
-            match self.backend.stream_capture(s).ok().flatten() {
-                None => {}
-                // The legacy stream answers for a global capture on
-                // another stream, without its id: nothing to follow.
-                Some(0) => return Ok(true),
-                Some(_) => {
-                    self.follow_stream(s)?;
-                    break;
-                }
-            }
-        }
-        Ok(self.private.capturing())
-    }
-
-    /// The streams `capture_elsewhere` asks about before releasing on the route
-    /// without pool hooks: the legacy stream (always valid; it reports a
-    /// global capture anywhere) and the streams of this device's segments
-    /// (those a release records fences on). Not the streams of pending
-    /// frees or fences alone: they may be gone, and only their events are
-    /// used.
-    fn capture_probe_streams(&self) -> Vec<StreamId> {
-        let mut v: Vec<StreamId> = self.heap.segments.iter().map(|(_, s)| s.stream).collect();
-        v.push(0);
-        v.sort_unstable();
-        v.dedup();
-        v
-    }
-
     /// `release_cached_blocks`: wait for events, then release every unsplit
     /// cached segment of the default pools and of private pools no longer in use.
     pub(crate) fn release_cached_blocks(&mut self) -> Result<(), AllocError> {

@@ -296,6 +296,9 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Tells the observer `action` for the home runs of stitch `i`'s parts,
     /// adjacent parts as one range.
     fn tell_homes(&self, i: usize, action: SegmentAction) {
+        if self.observer.is_none() {
+            return; // nothing to tell: no list to build on the request's path
+        }
         let s = &self.stitches.list[i];
         let mut homes: Vec<(DevicePtr, u64)> = s.parts().map(|p| (p.addr, p.size)).collect();
         homes.sort_unstable();
