@@ -59,6 +59,7 @@ pub mod config;
 pub mod cost;
 mod device;
 mod drain;
+pub mod env_vars;
 pub mod error;
 mod expandable;
 mod fence;

@@ -16,7 +16,10 @@
 //! failed attempt's trace, usually the one wanted: `run-{rank}-{restart}`
 //! keeps one file per attempt.
 //! Anything else between braces is kept, and so is every byte that is not a
-//! placeholder, UTF-8 or not.
+//! placeholder, UTF-8 or not; a word between braces that is not a
+//! placeholder (`{RANK}`, `{rnak}`) is said on stderr when the trace
+//! starts, since it is most likely a typo that would give every process
+//! the same file.
 
 use std::ffi::{OsStr, OsString};
 use std::path::PathBuf;
@@ -53,9 +56,55 @@ impl PathVars {
     }
 }
 
-/// `path` with its placeholders replaced from this process's environment.
+/// The placeholders, as written in a path.
+pub const PLACEHOLDERS: [&str; 4] = ["{pid}", "{rank}", "{local_rank}", "{restart}"];
+
+/// `path` with its placeholders replaced from this process's environment;
+/// a word between braces that is no placeholder is said on stderr
+/// ([`unknown_placeholders`]).
 pub fn expand(path: &OsStr) -> PathBuf {
+    for word in unknown_placeholders(path) {
+        let lower = word.to_ascii_lowercase();
+        let hint = PLACEHOLDERS
+            .iter()
+            .find(|p| **p == lower)
+            .map_or(String::new(), |p| format!(" (did you mean {p}?)"));
+        eprintln!(
+            "gpualloc: {word} in the trace path {} is not a placeholder and is kept as written{hint}; \
+             the placeholders are {}",
+            path.to_string_lossy(),
+            PLACEHOLDERS.join(", ")
+        );
+    }
     expand_with(path, &PathVars::from_env())
+}
+
+/// The words between braces in `path` (letters, digits, `_` and `-`, at
+/// least one) that are not [`PLACEHOLDERS`], each once, in order.
+pub fn unknown_placeholders(path: &OsStr) -> Vec<String> {
+    let text = path.to_string_lossy();
+    let mut out: Vec<String> = Vec::new();
+    let mut rest = &*text;
+    while let Some(open) = rest.find('{') {
+        rest = &rest[open..];
+        let Some(close) = rest.find('}') else { break };
+        let word = &rest[..=close];
+        let inner = &word[1..word.len() - 1];
+        let wordlike = !inner.is_empty()
+            && inner
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if wordlike && !PLACEHOLDERS.contains(&word) && !out.iter().any(|w| w == word) {
+            out.push(word.to_string());
+        }
+        // A `{` inside (`{{rank}`) starts the next candidate.
+        rest = if wordlike {
+            &rest[close + 1..]
+        } else {
+            &rest[1..]
+        };
+    }
+    out
 }
 
 /// `path` with its placeholders replaced from `vars`.
@@ -124,6 +173,23 @@ mod tests {
 
     fn ex(p: &str, v: &PathVars) -> String {
         expand_with(OsStr::new(p), v).to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn words_between_braces_that_are_no_placeholder_are_found() {
+        let u = |p: &str| unknown_placeholders(OsStr::new(p));
+        assert_eq!(
+            u("/t/run-{RANK}-{rnak}-{RANK}.gtrace"),
+            ["{RANK}", "{rnak}"]
+        );
+        assert!(u("/t/{rank}/{local_rank}-{pid}-{restart}.gtrace").is_empty());
+        assert!(u("/t/{}/{a b}/{.gtrace").is_empty(), "not words");
+        assert_eq!(u("/t/{{rank}/{x}"), ["{x}"]);
+        // Kept as written all the same.
+        assert_eq!(
+            ex("/t/{RANK}.gtrace", &vars(Some("3"), None)),
+            "/t/{RANK}.gtrace"
+        );
     }
 
     #[test]

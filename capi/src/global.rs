@@ -180,6 +180,7 @@ pub(crate) fn existing() -> Option<&'static Global> {
 /// with the configuration in force is fine; another one is an error.
 pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
     gpualloc::log::install_from_env();
+    gpualloc::env_vars::warn_unknown_once();
     let _serial = INIT.lock();
     if let Some(g) = GLOBAL.get() {
         return match config {
@@ -277,6 +278,7 @@ pub(crate) fn configure(
     trace: Option<&std::path::Path>,
 ) -> Result<(), Error> {
     gpualloc::log::install_from_env();
+    gpualloc::env_vars::warn_unknown_once();
     {
         let _serial = INIT.lock();
         if GLOBAL.get().is_none() {
@@ -285,8 +287,7 @@ pub(crate) fn configure(
     }
     let g = init(config)?;
     if let Some(path) = trace {
-        g.alloc
-            .trace_start(&gpualloc::trace_path::expand(path.as_os_str()))?;
+        crate::trace::start_now(&g.alloc, path, "trace_start")?;
     }
     Ok(())
 }

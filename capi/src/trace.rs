@@ -36,6 +36,22 @@ pub(crate) fn from_env<B: Backend>(alloc: &Allocator<B>) {
     }
 }
 
+/// Starts a trace on a running allocator, as asked by `by`: placeholders
+/// filled in, the start announced (and a path taken by another process
+/// said on stderr), completed on SIGTERM like a trace started with the
+/// allocator.
+pub(crate) fn start_now<B: Backend>(
+    alloc: &Allocator<B>,
+    path: &std::path::Path,
+    by: &str,
+) -> Result<(), Error> {
+    let path = gpualloc::trace_path::expand(path.as_os_str());
+    alloc.trace_start(&path)?;
+    announce(alloc, &path, by);
+    complete_on_sigterm();
+    Ok(())
+}
+
 /// Starts the trace `gpualloc_configure` kept for the allocator's start
 /// (Note [Starting on first use] in `pending.rs`). As for `GPUALLOC_TRACE`,
 /// a trace that cannot start is reported on stderr and the allocator runs
@@ -129,13 +145,8 @@ fn complete_on_sigterm() {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_trace_start(path: *const c_char) -> c_int {
     status(|| {
-        let path =
-            gpualloc::trace_path::expand(crate::boundary::path_arg(path, "path")?.as_os_str());
-        let g = global()?;
-        g.alloc.trace_start(&path)?;
-        announce(&g.alloc, &path, "gpualloc_trace_start");
-        complete_on_sigterm();
-        Ok(())
+        let path = crate::boundary::path_arg(path, "path")?;
+        start_now(&global()?.alloc, &path, "gpualloc_trace_start")
     })
 }
 

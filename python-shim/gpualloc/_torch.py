@@ -30,6 +30,10 @@ _KEEP = []  # objects that must live as long as the process (allocator, librarie
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+# PyTorch's variables for its own allocator (PYTORCH_ALLOC_CONF is the newer
+# name of the first): set under gpualloc, they do nothing, which install() says.
+TORCH_ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING")
+
 
 def _import_torch():
     try:
@@ -84,14 +88,15 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
         # choose its GPUs (CUDA_VISIBLE_DEVICES) after install(), and
         # processes that never use the GPU never start the driver (Note
         # [Starting on first use] in capi/src/pending.rs).
-        if os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").strip():
-            warnings.warn(
-                f"gpualloc: PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']!r} configures PyTorch's own "
-                "allocator and has no effect on gpualloc; gpualloc takes its configuration from install(config=...) or "
-                "GPUALLOC_CONF (same syntax for the keys both have: docs/configuration.md)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        for name in TORCH_ALLOCATOR_VARIABLES:
+            if os.environ.get(name, "").strip():
+                warnings.warn(
+                    f"gpualloc: {name}={os.environ[name]!r} configures PyTorch's own "
+                    "allocator and has no effect on gpualloc; gpualloc takes its configuration from install(config=...) or "
+                    "GPUALLOC_CONF (same syntax for the keys both have: docs/configuration.md)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         L = lib()  # raises LibraryNotFound with instructions
         # A bad configuration raises here, before torch is touched. None is
         # GPUALLOC_CONF's, kept as such: a later install(config=...) with

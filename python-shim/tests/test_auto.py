@@ -443,6 +443,24 @@ class InstallTest(unittest.TestCase):
             self.assertIn("no effect on gpualloc", out.stderr)
             out = run([s], {"PYTORCH_CUDA_ALLOC_CONF": ""})
             self.assertNotIn("PYTORCH_CUDA_ALLOC_CONF", out.stderr)
+            out = run([s], {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("PYTORCH_ALLOC_CONF='expandable_segments:True'", out.stderr)
+            self.assertIn("PYTORCH_NO_CUDA_MEMORY_CACHING='1'", out.stderr)
+
+    def test_a_misspelled_gpualloc_variable_is_named_with_what_was_meant(self):
+        with tempfile.TemporaryDirectory() as d:
+            s = self.script(
+                d,
+                "import gpualloc, torch\ngpualloc.install(bridge=False)\n"
+                "from gpualloc._lib import lib\nL = lib()\nL.free(L.malloc(4096))\nprint('went on')\n",
+            )
+            out = run([s], {"GPUALLOC_CONFIG": "policy:pytorch", "GPUALLOC_TRACE": os.path.join(d, "run-{RANK}.gtrace")})
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("went on", out.stdout)
+            self.assertIn("GPUALLOC_CONFIG is not one gpualloc reads (did you mean GPUALLOC_CONF?)", out.stderr)
+            self.assertIn("{RANK} in the trace path", out.stderr)
+            self.assertIn("did you mean {rank}?", out.stderr)
 
     def test_no_configuration_given_is_the_environments_and_holds(self):
         with tempfile.TemporaryDirectory() as d:

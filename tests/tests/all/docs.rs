@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use gpualloc::Config;
 use gpualloc::config::KEYS;
+use gpualloc::env_vars;
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -152,5 +153,26 @@ fn configuration_doc_lists_every_environment_variable() {
         "### Used by the test scripts",
         &first_cells(&table(&doc, "### Used by the test scripts")),
         &scripts,
+    );
+    // The names the library knows, to warn about any other
+    // (`allocator/src/env_vars.rs`), are the documented ones.
+    let known: BTreeSet<String> = env_vars::LIBRARY
+        .iter()
+        .chain(env_vars::PACKAGE)
+        .map(|s| s.to_string())
+        .collect();
+    compare(
+        "## Environment variables (env_vars::LIBRARY and PACKAGE)",
+        &first_cells(&table(&doc, "## Environment variables")),
+        &known,
+    );
+    let known: BTreeSet<String> = env_vars::SCRIPTS
+        .iter()
+        .map(|s| format!("GPUALLOC_{s}"))
+        .collect();
+    compare(
+        "### Used by the test scripts (env_vars::SCRIPTS)",
+        &first_cells(&table(&doc, "### Used by the test scripts")),
+        &known,
     );
 }
