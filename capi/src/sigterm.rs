@@ -19,7 +19,9 @@
 //! later. A handler installed before is left alone; one installed later
 //! (Python's `signal.signal`, Lightning's signal connector) replaces this
 //! one. A forked child (a DataLoader worker) has not the thread: the fork
-//! handler gives it the default action back (`fork.rs`).
+//! handler gives it the default action back (`fork.rs`), and a SIGTERM that
+//! reaches it earlier, while it still has the handler, ends it without
+//! waking the parent's thread (the handler compares the process id).
 //! Limitations: SIGKILL still loses what was not handed to the writer.
 
 use std::ffi::{c_int, c_void};
@@ -33,8 +35,19 @@ const COMPLETE_WAIT: Duration = Duration::from_secs(5);
 /// The pipe's write end, once installed (-1 before).
 static WAKE: AtomicI32 = AtomicI32::new(-1);
 
-/// The handler: one byte into the pipe (async-signal-safe).
+/// The process that installed the handler (0 before).
+static OWNER: AtomicI32 = AtomicI32::new(0);
+
+/// The handler: one byte into the pipe (async-signal-safe). In a forked
+/// child that received SIGTERM before the fork's child handler gave it the
+/// default action back, it does not wake the parent's thread through the
+/// shared pipe: the child ends by SIGTERM, as it would have.
 extern "C" fn on_sigterm(_signal: c_int) {
+    // SAFETY: `getpid` is async-signal-safe and has no arguments.
+    if unsafe { libc::getpid() } != OWNER.load(Ordering::Relaxed) {
+        end_by_sigterm();
+        return;
+    }
     let fd = WAKE.load(Ordering::Relaxed);
     if fd >= 0 {
         let byte = 1u8;
@@ -80,6 +93,8 @@ fn install(complete: fn()) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("gpualloc-sigterm".into())
         .spawn(move || wait_and_end(read_end, complete))?;
+    // SAFETY: `getpid` has no arguments and cannot fail.
+    OWNER.store(unsafe { libc::getpid() }, Ordering::Relaxed);
     WAKE.store(fds[1], Ordering::Relaxed);
     // SAFETY: as above.
     let mut act: libc::sigaction = unsafe { std::mem::zeroed() };
@@ -120,9 +135,21 @@ fn wait_and_end(read_end: c_int, complete: fn()) {
             let _ = done.send(());
         });
     let _ = finished.recv_timeout(COMPLETE_WAIT);
-    // The handler was one-shot: SIGTERM has its default action again.
-    // SAFETY: plain system calls with valid arguments.
+    end_by_sigterm();
+}
+
+/// Gives SIGTERM its default action (the handler was one-shot, but a
+/// program may have installed this process's handler again) and sends it
+/// to the process, which ends with SIGTERM's status (from a handler: as
+/// soon as it returns). Only async-signal-safe calls.
+fn end_by_sigterm() {
+    // SAFETY: a zeroed `sigaction` with `SIG_DFL` is a valid disposition;
+    // `sigaction`, `getpid` and `kill` are async-signal-safe system calls
+    // with valid arguments.
     unsafe {
+        let mut dfl: libc::sigaction = std::mem::zeroed();
+        dfl.sa_sigaction = libc::SIG_DFL;
+        libc::sigaction(libc::SIGTERM, &raw const dfl, std::ptr::null_mut());
         libc::kill(libc::getpid(), libc::SIGTERM);
     }
 }

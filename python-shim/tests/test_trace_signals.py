@@ -76,22 +76,50 @@ class SigtermTest(unittest.TestCase):
                 """
                 L.trace_start(sys.argv[1])
                 L.free(L.malloc(4096))
-                pid = os.fork()
-                if pid == 0:
-                    time.sleep(60)
-                    os._exit(0)
+                ended = []
                 t = time.time()
-                os.kill(pid, signal.SIGTERM)
-                _, status = os.waitpid(pid, 0)
-                print("child", os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, time.time() - t < 10)
+                # SIGTERM at once, often before the fork's child handler ran:
+                # the inherited handler must not wake the parent's thread.
+                for _ in range(8):
+                    pid = os.fork()
+                    if pid == 0:
+                        time.sleep(60)
+                        os._exit(0)
+                    os.kill(pid, signal.SIGTERM)
+                    _, status = os.waitpid(pid, 0)
+                    ended.append(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM)
+                print("children", all(ended), time.time() - t < 30)
                 time.sleep(0.5)
-                print("parent alive")
+                L.free(L.malloc(4096))
+                print("parent alive, tracing", L.is_tracing())
                 """,
                 os.path.join(d, "t.gtrace"),
             )
             self.assertEqual(out.returncode, 0, out.stderr)
-            self.assertIn("child True True", out.stdout)
-            self.assertIn("parent alive", out.stdout)
+            self.assertIn("children True True", out.stdout)
+            self.assertIn("parent alive, tracing True", out.stdout)
+
+    def test_a_trace_started_on_a_running_allocator_is_completed_too(self):
+        # configure() with a path once the allocator runs (what
+        # gpualloc.trace_start and a second install(trace=...) call).
+        with tempfile.TemporaryDirectory() as d:
+            trace = os.path.join(d, "t.gtrace")
+            out = run(
+                """
+                L.free(L.malloc(4096))
+                L.configure(None, sys.argv[1])
+                for _ in range(100):
+                    L.free(L.malloc(4096))
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(60)
+                print("not ended")
+                """,
+                trace,
+            )
+            self.assertEqual(out.returncode, -signal.SIGTERM, out.stdout + out.stderr)
+            self.assertEqual(block_kinds(trace)[-1], END, "the trace ends with its END block")
+            allocs = [r for r in tracefile.records(trace) if r["kind"] == "alloc"]
+            self.assertEqual(len(allocs), 100)
 
     def test_a_handler_the_program_installed_first_is_kept(self):
         with tempfile.TemporaryDirectory() as d:
