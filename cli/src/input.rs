@@ -347,12 +347,7 @@ pub fn scan_until(
         warn_once(&format!("{}: {e}", path.display()), &msg);
         warning = Some(msg);
     } else if reader.end().is_none() && !stopped {
-        let msg = format!(
-            "{}: no END block: the recording process stopped without trace_stop; the {events} events written before it are used",
-            path.display()
-        );
-        warn_once(&format!("{}: no END block", path.display()), &msg);
-        warning = Some(msg);
+        warning = Some(warn_no_end(path, events));
     }
     let dropped = reader.dropped().values().sum();
     if !stopped {
@@ -367,6 +362,17 @@ pub fn scan_until(
         warning,
         file_bytes,
     })
+}
+
+/// Warns (once per file) that `path` has no END block, after `events`
+/// events; returns the message.
+pub fn warn_no_end(path: &Path, events: u64) -> String {
+    let msg = format!(
+        "{}: no END block: the recording process stopped without trace_stop; the {events} events written before it are used",
+        path.display()
+    );
+    warn_once(&format!("{}: no END block", path.display()), &msg);
+    msg
 }
 
 /// Prints the reader's warnings (damage that did not stop it) once each;

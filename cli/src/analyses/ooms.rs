@@ -18,11 +18,14 @@ pub struct Oom {
     pub stream: u64,
     /// Bytes requested.
     pub requested: u64,
-    /// Free bytes the device reported; within the recorded memory limit
-    /// once the report applied it (`limited`).
+    /// Free bytes the device reported.
     pub device_free: u64,
-    /// Whether `device_free` was cut to what the memory limit left.
-    pub limited: bool,
+    /// What the recorded cap on reserved memory left, when it set one
+    /// (`report::oom::apply_limit`).
+    pub limit_left: Option<u64>,
+    /// Whether the trace records reserved memory (segments): without, the
+    /// free figures below are unknown, not 0.
+    pub reserves: bool,
     /// Gauges at the failure.
     pub gauges: Gauges,
     /// Largest free piece of reserved memory.
@@ -35,6 +38,20 @@ pub struct Oom {
     pub largest_live: Vec<(u64, u64, u64, u64, u64)>,
     /// Live bytes by the phase that allocated them (string id).
     pub by_phase: Vec<(u64, u64)>,
+}
+
+impl Oom {
+    /// Free bytes the request could have had from the device: what it
+    /// reported, within what the cap left.
+    pub fn free(&self) -> u64 {
+        self.limit_left
+            .map_or(self.device_free, |l| l.min(self.device_free))
+    }
+
+    /// Whether the cap, not the device, left less.
+    pub fn limited(&self) -> bool {
+        self.limit_left.is_some_and(|l| l < self.device_free)
+    }
 }
 
 /// Examines the state at an `oom` event `e`, whose
@@ -69,7 +86,8 @@ pub fn examine(e: &TraceEvent, requested: u64, device_free: u64, s: &DeviceState
         stream: e.stream,
         requested,
         device_free,
-        limited: false,
+        limit_left: None,
+        reserves: s.reserves,
         gauges: s.g,
         largest_free,
         cached_free,

@@ -7,7 +7,9 @@
 //! such device): `peak_allocated`, `peak_reserved`, `peak_active`,
 //! `allocated_at_end` (bytes), `reserved_unallocated_at_peak`,
 //! `external_fragmentation_at_peak` (0 to 1), `reserved_per_allocated` and
-//! `ooms`.
+//! `ooms`. A trace without segment events (an RMM log) records no reserved
+//! memory: its `peak_reserved` and the three figures drawn from it are
+//! null, and the text says "not recorded".
 
 use std::fmt::Write;
 use std::path::Path;
@@ -43,11 +45,11 @@ fn render_json(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
     let figures = |d: &DeviceAnalysis| {
         json!({
             "peak_allocated": d.peak_allocated.value,
-            "peak_reserved": d.peak_reserved.value,
+            "peak_reserved": peak_reserved(d),
             "peak_active": d.peak_active.value,
             "allocated_at_end": d.state.g.allocated,
             "reserved_unallocated_at_peak": unallocated_at_peak(d),
-            "external_fragmentation_at_peak": d.at_peak.as_ref().map_or(0.0, |p| p.frag.external),
+            "external_fragmentation_at_peak": external(d),
             "reserved_per_allocated": ratio(d),
             "ooms": d.oom_count,
         })
@@ -70,15 +72,29 @@ fn render_json(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
     out
 }
 
+/// Peak reserved bytes; `None` when the trace records no reserved memory
+/// (an RMM log: no segment events), as for the figures below.
+fn peak_reserved(d: &DeviceAnalysis) -> Option<u64> {
+    d.state.reserves.then_some(d.peak_reserved.value)
+}
+
 /// Share of reserved memory not allocated when reserved peaked.
-fn unallocated_at_peak(d: &DeviceAnalysis) -> f64 {
-    crate::analyses::state::unallocated(d.allocated_at_peak_reserved, d.peak_reserved.value)
+fn unallocated_at_peak(d: &DeviceAnalysis) -> Option<f64> {
+    peak_reserved(d).map(|r| crate::analyses::state::unallocated(d.allocated_at_peak_reserved, r))
+}
+
+/// External fragmentation at the allocated peak.
+fn external(d: &DeviceAnalysis) -> Option<f64> {
+    peak_reserved(d).map(|_| d.at_peak.as_ref().map_or(0.0, |p| p.frag.external))
 }
 
 /// Peak reserved over peak allocated.
-fn ratio(d: &DeviceAnalysis) -> f64 {
-    d.peak_reserved.value as f64 / d.peak_allocated.value.max(1) as f64
+fn ratio(d: &DeviceAnalysis) -> Option<f64> {
+    peak_reserved(d).map(|r| r as f64 / d.peak_allocated.value.max(1) as f64)
 }
+
+/// What the text prints for a figure a trace does not record.
+const NOT_RECORDED: &str = "not recorded";
 
 fn render(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
     let mut s = String::new();
@@ -117,42 +133,57 @@ fn render(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
         let (x, y) = (a.devices.get(&d), b.devices.get(&d));
         let _ = writeln!(s, "device {d}");
         let mut s2 = String::new();
-        let mut bytes_row = |name: &str, f: &dyn Fn(&DeviceAnalysis) -> u64| {
-            let (vx, vy) = (x.map_or(0, f), y.map_or(0, f));
+        // A figure of each trace, `None` where it is not recorded (or the
+        // trace has no such device: 0, as before).
+        let pair = |f: &dyn Fn(&DeviceAnalysis) -> Option<u64>| {
+            (x.map_or(Some(0), f), y.map_or(Some(0), f))
+        };
+        let show = |v: Option<u64>| v.map_or(NOT_RECORDED.into(), bytes);
+        let mut bytes_row = |name: &str, f: &dyn Fn(&DeviceAnalysis) -> Option<u64>| {
+            let (vx, vy) = pair(f);
+            let change = match (vx, vy) {
+                (Some(a), Some(b)) => delta(a, b),
+                _ => String::new(),
+            };
             let _ = writeln!(
                 s2,
-                "  {name:<30} {:>22} {:>22} {:>14}",
-                bytes(vx),
-                bytes(vy),
-                delta(vx, vy)
+                "  {name:<30} {:>22} {:>22} {change:>14}",
+                show(vx),
+                show(vy),
             );
         };
-        bytes_row("peak allocated", &|d| d.peak_allocated.value);
-        bytes_row("peak reserved", &|d| d.peak_reserved.value);
-        bytes_row("peak active", &|d| d.peak_active.value);
-        bytes_row("allocated at the end", &|d| d.state.g.allocated);
-        let mut frac_row = |name: &str, f: &dyn Fn(&DeviceAnalysis) -> f64| {
-            let (vx, vy) = (x.map_or(0.0, f), y.map_or(0.0, f));
+        bytes_row("peak allocated", &|d| Some(d.peak_allocated.value));
+        bytes_row("peak reserved", &peak_reserved);
+        bytes_row("peak active", &|d| Some(d.peak_active.value));
+        bytes_row("allocated at the end", &|d| Some(d.state.g.allocated));
+        let fpair = |f: &dyn Fn(&DeviceAnalysis) -> Option<f64>| {
+            (x.map_or(Some(0.0), f), y.map_or(Some(0.0), f))
+        };
+        let mut frac_row = |name: &str, (vx, vy): (Option<f64>, Option<f64>), pct: bool| {
+            let show = |v: Option<f64>| match v {
+                None => NOT_RECORDED.to_string(),
+                Some(v) if pct => percent(v),
+                Some(v) => format!("{v:.3}"),
+            };
+            let change = match (vx, vy) {
+                (Some(a), Some(b)) if pct => format!("{:>+13.1}pt", (b - a) * 100.0),
+                (Some(a), Some(b)) => format!("{:>+14.3}", b - a),
+                _ => String::new(),
+            };
             let _ = writeln!(
                 s2,
-                "  {name:<30} {:>22} {:>22} {:>+13.1}pt",
-                percent(vx),
-                percent(vy),
-                (vy - vx) * 100.0
+                "  {name:<30} {:>22} {:>22} {change:>14}",
+                show(vx),
+                show(vy)
             );
         };
-        frac_row("reserved unallocated at peak", &unallocated_at_peak);
-        frac_row("external frag. at peak alloc", &|d| {
-            d.at_peak.as_ref().map_or(0.0, |p| p.frag.external)
-        });
-        let _ = writeln!(
-            s2,
-            "  {:<30} {:>22.3} {:>22.3} {:>+14.3}",
-            "peak reserved / peak allocated",
-            x.map_or(0.0, ratio),
-            y.map_or(0.0, ratio),
-            y.map_or(0.0, ratio) - x.map_or(0.0, ratio)
+        frac_row(
+            "reserved unallocated at peak",
+            fpair(&unallocated_at_peak),
+            true,
         );
+        frac_row("external frag. at peak alloc", fpair(&external), true);
+        frac_row("peak reserved / peak allocated", fpair(&ratio), false);
         let _ = writeln!(
             s2,
             "  {:<30} {:>22} {:>22}",

@@ -55,6 +55,9 @@ pub fn run(
                 )));
             }
             input::warn_once(&msg, &format!("{msg}; the readable prefix was replayed"));
+        } else if reader.end().is_none() {
+            // As every command that reads the trace says it.
+            input::warn_no_end(path, r.events);
         }
         input::reader_warnings(path, &reader);
         dropped = reader.dropped().values().sum();

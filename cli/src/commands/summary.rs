@@ -15,7 +15,9 @@
 //! scopes opened, `pools`, `releases`, `restores`: checkpoint restores,
 //! `peak_held`: the most bytes mapped for private pools at once), `ooms`
 //! (a count), `oom_details` (the first
-//! [`MAX_DETAILED`](crate::analyses::ooms::MAX_DETAILED) failures),
+//! [`MAX_DETAILED`](crate::analyses::ooms::MAX_DETAILED) failures; their
+//! `device_free`, `largest_free` and `reserved` are null in a trace without
+//! segment events),
 //! `unknown_frees`, `phases`, `most_frequent_sizes` and `largest_sizes`.
 //! Bytes are integers, times are nanoseconds since the trace began,
 //! fractions are between 0 and 1.
@@ -26,19 +28,12 @@ use std::path::Path;
 use serde_json::{Value, json};
 
 use crate::analyses::analysis::{Analysis, DeviceAnalysis};
+use crate::commands::report::oom;
 use crate::units::{bytes, duration, percent};
 
 /// What the text commands say of a trace without events.
 pub const NO_EVENTS: &str =
     "no events: the trace holds its header only (nothing was allocated while it recorded)";
-
-/// The memory limit of the recorded configuration, if it set one: what an
-/// OOM had left is under it, not the device's free bytes.
-fn memory_limit(a: &Analysis) -> Option<u64> {
-    gpualloc::Config::parse(&a.info.header.config)
-        .ok()
-        .and_then(|c| c.memory_limit)
-}
 
 /// Renders the summary of an analysed trace.
 pub fn render(a: &Analysis) -> String {
@@ -147,18 +142,32 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         let _ = writeln!(s, "  private pools   {g}");
     }
     let _ = writeln!(s, "  OOMs            {}", d.oom_count);
-    let limit = memory_limit(a);
+    let config = gpualloc::Config::parse(&a.info.header.config).ok();
     for o in d.ooms.iter().take(3) {
-        let _ = writeln!(
+        let _ = write!(
             s,
-            "    at {}: requested {} in {}, device free {}{}, largest free block {} (allocated {}, reserved {})",
+            "    at {}: requested {} in {}, ",
             duration(o.time_ns),
             bytes(o.requested),
             a.info.name(o.phase),
+        );
+        if !o.reserves {
+            let _ = writeln!(
+                s,
+                "allocated {}; free and reserved memory unknown (the trace has no segment events)",
+                bytes(o.gauges.allocated)
+            );
+            continue;
+        }
+        // What an OOM had left is under the recorded cap, if any.
+        let cap = config.as_ref().and_then(|c| oom::cap(c, o));
+        let _ = writeln!(
+            s,
+            "device free {}{}, largest free block {} (allocated {}, reserved {})",
             bytes(o.device_free),
-            limit.map_or(String::new(), |l| format!(
+            cap.map_or(String::new(), |c| format!(
                 " (the memory limit left {})",
-                bytes(l.saturating_sub(o.gauges.reserved))
+                bytes(c.saturating_sub(o.gauges.reserved))
             )),
             bytes(o.largest_free),
             bytes(o.gauges.allocated),
@@ -291,10 +300,10 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
             "time_ns": o.time_ns,
             "requested": o.requested,
             "phase": a.info.name(o.phase),
-            "device_free": o.device_free,
-            "largest_free": o.largest_free,
+            "device_free": o.reserves.then_some(o.device_free),
+            "largest_free": o.reserves.then_some(o.largest_free),
             "allocated": o.gauges.allocated,
-            "reserved": o.gauges.reserved,
+            "reserved": o.reserves.then_some(o.gauges.reserved),
         })).collect::<Vec<_>>(),
         "unknown_frees": d.state.unknown,
         "phases": phases.iter().map(|(id, p)| json!({

@@ -2,16 +2,20 @@
 //!
 //! Uses `device_traces` (recorded with `_record_memory_history`): each entry
 //! becomes one event of its device, times from `time_us`. Block sizes are
-//! PyTorch's rounding of the request (512 B steps); `annotate` entries
-//! become marks, and `external_annotations` phases and marks
-//! (`torch_annotations.rs`). The snapshot's ring buffer may start mid-run:
-//! frees of blocks allocated before it are kept, and the analysis skips
-//! them.
+//! PyTorch's rounding of the request (512 B steps, and
+//! `roundup_power2_divisions` when set); `annotate` entries become marks,
+//! and `external_annotations` phases and marks (`torch_annotations.rs`).
+//! Recording usually starts once the model is loaded, or keeps only the
+//! last entries: the memory in use before the first entry is rebuilt from
+//! the final `segments` (`torch_start.rs`) and written as segment and
+//! alloc events at the trace's start, so that every command counts it.
 //!
-//! From a snapshot that gpualloc exported (`export_torch.rs`): ranges
-//! marked `gpualloc_stitch` come back as stitches, and `gpualloc_config`
-//! and `gpualloc_start_us` as the trace's configuration and start. Without
-//! them the configuration is empty and the start is the earliest entry.
+//! The trace's configuration is the allocator that recorded it:
+//! `policy:pytorch` with the snapshot's `PYTORCH_CUDA_ALLOC_CONF` settings
+//! translated (`torch_config.rs`). From a snapshot that gpualloc exported
+//! (`export_torch.rs`): ranges marked `gpualloc_stitch` come back as
+//! stitches, and `gpualloc_config` and `gpualloc_start_us` as the trace's
+//! configuration and start. Without a start the earliest entry is.
 
 use std::fs::File;
 use std::io::BufWriter;
@@ -23,7 +27,8 @@ use gpualloc::trace::{Action, EventKind, MAX_DEVICES, Pool, TraceEvent, TraceHea
 
 use crate::formats::export_torch::{CONFIG_KEY, START_KEY, STITCH_KEY};
 use crate::formats::torch_annotations::{self, Annotation};
-use crate::formats::unpickle;
+use crate::formats::torch_start::{self, Start};
+use crate::formats::{torch_config, unpickle};
 use crate::input::CliError;
 
 /// Converts `path` into `out`; returns the number of events written.
@@ -38,7 +43,24 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             path.display()
         ))
     })?;
-    let devices = traces.items();
+    // The final state, from which each device's start is rebuilt; a device
+    // with segments and no trace gets an empty one.
+    let finals = root.get("segments").map(|s| s.items());
+    let mut rebuilt = Rebuilt::default();
+    let mut devices = traces.items();
+    for seg in finals.iter().flatten() {
+        match seg.get("device").and_then(|d| d.as_int()).unwrap_or(0) {
+            d if (0..i64::from(MAX_DEVICES)).contains(&d) => {
+                devices.resize_with(devices.len().max(d as usize + 1), || {
+                    unpickle::Value::List(Default::default())
+                });
+            }
+            _ => {
+                let size = torch_start::total_size(seg);
+                rebuilt.left_out = rebuilt.left_out.saturating_add(size);
+            }
+        }
+    }
     if devices.len() > MAX_DEVICES as usize {
         return Err(CliError(format!(
             "{}: `device_traces` lists {} devices, more than the limit of {MAX_DEVICES}",
@@ -61,15 +83,36 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         .get("allocator_settings")
         .and_then(|s| s.get("PYTORCH_CUDA_ALLOC_CONF"))
         .and_then(|s| s.as_str().map(String::from));
-    // gpualloc's own configuration, when gpualloc exported the snapshot.
-    let gpualloc_config = root
+    // gpualloc's own configuration when gpualloc exported the snapshot,
+    // else PyTorch's allocator with the recorded settings.
+    let config_text = match root
         .get(CONFIG_KEY)
-        .and_then(|s| s.as_str().map(String::from));
+        .and_then(|s| s.as_str().map(String::from))
+    {
+        Some(c) => c,
+        None => {
+            let t = torch_config::translate(conf.as_deref());
+            if !t.left_out.is_empty() {
+                crate::input::warn_once(
+                    "import settings",
+                    &format!(
+                        "{}: PyTorch allocator settings without a gpualloc equivalent were left out of the trace's configuration `{}`: {}",
+                        path.display(),
+                        t.config,
+                        t.left_out.join(", ")
+                    ),
+                );
+            }
+            t.config
+        }
+    };
+    // Sizes are rounded as the recording allocator rounded them.
+    let config = Config::parse(&config_text).unwrap_or_else(|_| Config::pytorch());
     let header = TraceHeader {
         start_unix_ns: t0.saturating_mul(1000),
         device_count: devices.len() as u32,
         pid: 0,
-        config: gpualloc_config.unwrap_or_default(),
+        config: config_text,
         producer: format!(
             "import pytorch-snapshot (PYTORCH_CUDA_ALLOC_CONF={})",
             conf.unwrap_or_default()
@@ -80,19 +123,26 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
     let mut w = TraceWriter::new(BufWriter::new(file), &header).map_err(werr)?;
     // Annotation names, each written once (the string table is bounded).
     let mut strings: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
-    let config = Config::default();
     // What could not be carried over as it was, said at the end.
     let mut unknown: std::collections::BTreeMap<String, u64> = Default::default();
     let (mut negative, mut untimed) = (0u64, 0u64);
     let mut annotations_left_out = torch_annotations::outside(&root, devices.len());
     let mut names_left_out = 0u64;
     for (d, list) in devices.iter().enumerate() {
-        let mut events = Vec::new();
+        let entries = list.items();
+        let start = torch_start::rebuild(
+            &entries,
+            finals.as_deref().unwrap_or_default(),
+            d as i64,
+            &config,
+        );
+        rebuilt.add(&start);
+        let mut events = start.events(d as u32);
         // This device's phases and marks, placed among its entries below.
         let (anns, left_out) = torch_annotations::for_device(&root, d as i64);
         annotations_left_out += left_out;
         let mut anns = anns.into_iter().peekable();
-        for (i, entry) in list.items().iter().enumerate() {
+        for (i, entry) in entries.iter().enumerate() {
             let entry_us = entry.get("time_us").and_then(|t| t.as_int());
             while let Some(a) = anns.next_if(|(place, a)| place.before(a, i as u64, entry_us)) {
                 match annotation(&mut w, &mut strings, a, d as u32, t0).map_err(werr)? {
@@ -215,6 +265,8 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
     let n = w.events();
     w.finish(None).map_err(werr)?;
     let name = path.display();
+    let recorded = devices.iter().any(|d| !d.items().is_empty());
+    rebuilt.say(&name.to_string(), finals.is_some() || !recorded);
     if !unknown.is_empty() {
         let list: Vec<String> = unknown.iter().map(|(a, n)| format!("`{a}` x{n}")).collect();
         crate::input::warn_once(
@@ -296,4 +348,77 @@ fn annotation(
         .saturating_sub(t0)
         .saturating_mul(1000);
     Ok(intern(w, strings, name)?.map(|id| TraceEvent::from_kind(at_ns, device, 0, 0, kind(id))))
+}
+
+/// The start states rebuilt, over the devices.
+#[derive(Default)]
+struct Rebuilt {
+    blocks: u64,
+    block_bytes: u64,
+    reserved: u64,
+    uncovered: u64,
+    disagree: u64,
+    /// Bytes of final segments of devices out of range.
+    left_out: u64,
+}
+
+impl Rebuilt {
+    fn add(&mut self, s: &Start) {
+        let (n, b) = s.live();
+        let add = |x: &mut u64, y: u64| *x = x.saturating_add(y);
+        add(&mut self.blocks, n);
+        add(&mut self.block_bytes, b);
+        add(&mut self.reserved, s.reserved());
+        add(&mut self.uncovered, s.uncovered());
+        add(&mut self.disagree, s.disagree);
+    }
+
+    /// Says what was rebuilt, and warns of what could not be.
+    fn say(&self, name: &str, has_segments: bool) {
+        use crate::units::bytes;
+        if self.blocks > 0 || self.reserved > 0 {
+            eprintln!(
+                "{name}: memory in use before recording began, rebuilt from the final `segments`, written at the trace's start: {} blocks ({}), {} reserved",
+                self.blocks,
+                bytes(self.block_bytes),
+                bytes(self.reserved)
+            );
+        }
+        if !has_segments {
+            crate::input::warn_once(
+                "import no segments",
+                &format!(
+                    "{name}: no `segments` in the snapshot: memory allocated before recording began is not accounted for, except blocks and segments the trace frees (an unknown number of bytes)"
+                ),
+            );
+        }
+        if self.uncovered > 0 {
+            crate::input::warn_once(
+                "import uncovered",
+                &format!(
+                    "{name}: {} of blocks in use before recording began lie in no segment the snapshot shows: the reserved memory under them is not accounted for",
+                    bytes(self.uncovered)
+                ),
+            );
+        }
+        if self.left_out > 0 {
+            crate::input::warn_once(
+                "import devices",
+                &format!(
+                    "{name}: {} of final segments on devices out of range (not 0 to {}) were left out: not accounted for",
+                    bytes(self.left_out),
+                    MAX_DEVICES - 1
+                ),
+            );
+        }
+        if self.disagree > 0 && has_segments {
+            crate::input::warn_once(
+                "import disagree",
+                &format!(
+                    "{name}: the trace leaves {} live or reserved at the end that the final `segments` do not show: those bytes are not accounted for in the rebuilt start (the figures follow the trace)",
+                    bytes(self.disagree)
+                ),
+            );
+        }
+    }
 }

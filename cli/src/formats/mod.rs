@@ -12,4 +12,6 @@ pub(crate) mod import_torch;
 pub(crate) mod parquet_table;
 pub(crate) mod pickle;
 pub(crate) mod torch_annotations;
+pub(crate) mod torch_config;
+pub(crate) mod torch_start;
 pub(crate) mod unpickle;

@@ -30,9 +30,17 @@ use crate::analyses::ooms::Oom;
 use crate::input::{self, CliError};
 use crate::units::bytes;
 
-/// Configurations tried against an OOM, besides the recorded one.
+/// Configurations tried against an OOM, besides the recorded one:
+/// PyTorch's expandable segments (gpualloc's without defragmentation or
+/// stitching,
+/// [`PYTORCH_EXPANDABLE`](crate::formats::torch_config::PYTORCH_EXPANDABLE)),
+/// PyTorch's fragmentation knobs, and
+/// gpualloc's policy.
 pub const CANDIDATES: [&str; 3] = [
-    "policy:pytorch,expandable_segments:true",
+    concat!(
+        "policy:pytorch,",
+        "expandable_segments:true,defragment:false,stitch_min_mb:0,expandable_page_mb:20"
+    ),
     "policy:pytorch,max_split_size_mb:64,garbage_collection_threshold:0.8",
     "policy:gpualloc",
 ];
@@ -49,15 +57,20 @@ pub enum Cause {
     Cache,
     /// Live allocations leave too little.
     Tensors,
+    /// The trace records no reserved memory (an RMM log): what was free
+    /// in the cache and on the device is unknown.
+    Unknown,
 }
 
 /// The cause of `o`.
 pub fn cause(o: &Oom) -> Cause {
-    if o.cached_free >= o.requested && o.largest_free < o.requested {
+    if !o.reserves {
+        Cause::Unknown
+    } else if o.cached_free >= o.requested && o.largest_free < o.requested {
         Cause::Fragmentation
     } else if o.largest_free >= o.requested {
         Cause::Unusable
-    } else if o.cached_free.saturating_add(o.device_free) >= o.requested {
+    } else if o.cached_free.saturating_add(o.free()) >= o.requested {
         Cause::Cache
     } else {
         Cause::Tensors
@@ -93,7 +106,7 @@ pub fn explain(o: &Oom) -> String {
             bytes(o.requested),
             bytes(o.gauges.allocated),
             what_left(o),
-            bytes(o.device_free),
+            bytes(o.free()),
         ),
         Cause::Fragmentation => format!(
             "{} cached but the largest free range is {}, for a request of {}: fragmentation.",
@@ -104,7 +117,7 @@ pub fn explain(o: &Oom) -> String {
         Cause::Cache => format!(
             "{} free in the cache and {} {}: together enough for {}, but neither alone; the cache held memory it could have given back.",
             bytes(o.cached_free),
-            bytes(o.device_free),
+            bytes(o.free()),
             where_free(o),
             bytes(o.requested)
         ),
@@ -112,8 +125,13 @@ pub fn explain(o: &Oom) -> String {
             "live tensors hold {} and {} left {} (plus {} cached) for a request of {}: the tensors themselves, not the cache.",
             bytes(o.gauges.allocated),
             what_left(o),
-            bytes(o.device_free),
+            bytes(o.free()),
             bytes(o.cached_free),
+            bytes(o.requested)
+        ),
+        Cause::Unknown => format!(
+            "live tensors hold {} when the request of {} failed; the trace records no reserved memory (no segment events), so what was free in the cache and on the device is unknown.",
+            bytes(o.gauges.allocated),
             bytes(o.requested)
         ),
     }
@@ -121,7 +139,7 @@ pub fn explain(o: &Oom) -> String {
 
 /// What had the bytes `device_free` counts: the limit or the device.
 fn what_left(o: &Oom) -> &'static str {
-    if o.limited {
+    if o.limited() {
         "the memory limit"
     } else {
         "the device"
@@ -129,7 +147,7 @@ fn what_left(o: &Oom) -> &'static str {
 }
 
 fn where_free(o: &Oom) -> &'static str {
-    if o.limited {
+    if o.limited() {
         "left under the memory limit"
     } else {
         "on the device"
@@ -149,19 +167,32 @@ fn limit_keys(recorded: &str) -> String {
         .join(",")
 }
 
-/// Cuts each OOM's free device bytes to what the recorded memory limit
-/// left (`memory_limit` in the trace's configuration), so that the causes
-/// name the limit rather than a device that had room.
+/// Sets each OOM's `limit_left`: what the cap on reserved memory in the
+/// recorded configuration `recorded` left, so that the causes name the
+/// limit rather than a device that had room.
 pub fn apply_limit(ooms: &mut [Oom], recorded: &str) {
-    let Some(limit) = Config::parse(recorded).ok().and_then(|c| c.memory_limit) else {
+    let Ok(config) = Config::parse(recorded) else {
         return;
     };
     for o in ooms {
-        let left = limit.saturating_sub(o.gauges.reserved);
-        if left < o.device_free {
-            o.device_free = left;
-            o.limited = true;
-        }
+        o.limit_left = cap(&config, o).map(|c| c.saturating_sub(o.gauges.reserved));
+    }
+}
+
+/// The cap on reserved memory that `config` set at `o`, as the allocator
+/// computes it (`allocator/src/limits.rs`): `memory_limit`, and
+/// `per_process_memory_fraction` (below 1) of the device's memory as the
+/// trace knows it, reserved plus the device's free bytes at the OOM; the
+/// smaller when both are set.
+pub fn cap(config: &Config, o: &Oom) -> Option<u64> {
+    let total = o.gauges.reserved.saturating_add(o.device_free);
+    let by_fraction = config
+        .memory_fraction
+        .filter(|&f| f < 1.0)
+        .map(|f| (total as f64 * f) as u64);
+    match (by_fraction, config.memory_limit) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 
@@ -177,7 +208,8 @@ pub struct Trial {
 pub struct Advice {
     /// Simulated capacity.
     pub capacity: u64,
-    /// The recorded configuration first, then [`CANDIDATES`].
+    /// The recorded configuration first, then the [`CANDIDATES`] that
+    /// differ from it.
     pub trials: Vec<Trial>,
 }
 
@@ -193,7 +225,8 @@ impl Advice {
 }
 
 /// The device capacity `first` implies: what was reserved plus what the
-/// device had left (0 when the trace records neither, as an RMM log).
+/// device had left (0 when the trace records neither, as an RMM log). A
+/// recorded cap is not taken off: every replay keeps the keys that set it.
 pub fn capacity(first: &Oom) -> u64 {
     first.gauges.reserved.saturating_add(first.device_free)
 }
@@ -204,10 +237,15 @@ pub fn advise(path: &Path, recorded: &str, first: &Oom) -> Result<Advice, CliErr
     let capacity = capacity(first);
     let limits = limit_keys(recorded);
     let mut trials = Vec::new();
-    let candidates = CANDIDATES.iter().map(|c| match limits.as_str() {
-        "" => c.to_string(),
-        l => format!("{c},{l}"),
-    });
+    // A candidate that is the recorded configuration (an imported
+    // snapshot's expandable segments) is not replayed twice.
+    let candidates = CANDIDATES
+        .iter()
+        .map(|c| match limits.as_str() {
+            "" => c.to_string(),
+            l => format!("{c},{l}"),
+        })
+        .filter(|c| c != recorded);
     for c in std::iter::once(recorded.to_string()).chain(candidates) {
         let Ok(config) = Config::parse(&c) else {
             continue;
@@ -230,7 +268,8 @@ mod tests {
             stream: 0,
             requested,
             device_free,
-            limited: false,
+            limit_left: None,
+            reserves: true,
             gauges: Gauges::default(),
             largest_free,
             cached_free,
@@ -262,18 +301,71 @@ mod tests {
         o.gauges.reserved = 1600 << 20;
         let mut ooms = vec![o];
         apply_limit(&mut ooms, "memory_limit:1700MiB");
-        assert_eq!(ooms[0].device_free, 100 << 20);
+        assert_eq!(ooms[0].free(), 100 << 20);
         assert!(
             explain(&ooms[0]).contains("left under the memory limit"),
             "{}",
             explain(&ooms[0])
         );
         apply_limit(&mut ooms, "");
-        assert_eq!(ooms[0].device_free, 100 << 20);
+        assert_eq!(ooms[0].free(), 100 << 30, "no limit recorded");
         assert_eq!(
             limit_keys("policy:pytorch,memory_limit:1700MiB"),
             "memory_limit:1700MiB"
         );
         assert_eq!(limit_keys("expandable_segments:true"), "");
+    }
+
+    /// `per_process_memory_fraction` caps reserved memory at that share of
+    /// the device (reserved plus free at the OOM), the smaller cap winning.
+    #[test]
+    fn a_recorded_memory_fraction_bounds_the_free_bytes_too() {
+        // 6 GiB reserved, 2 GiB free: an 8 GiB device, half of it 4 GiB.
+        let mut o = oom(1 << 30, 0, 0, 2 << 30);
+        o.gauges.reserved = 6 << 30;
+        o.gauges.allocated = 6 << 30;
+        assert_eq!(cause(&o), Cause::Cache, "the device alone had room");
+        let mut ooms = vec![o.clone()];
+        apply_limit(&mut ooms, "per_process_memory_fraction:0.8");
+        let four_fifths = ((8u64 << 30) as f64 * 0.8) as u64;
+        assert_eq!(ooms[0].limit_left, Some(four_fifths - (6 << 30)));
+        assert!(ooms[0].limited());
+        assert_eq!(cause(&ooms[0]), Cause::Tensors);
+        assert!(explain(&ooms[0]).contains("the memory limit left"));
+        let both = Config::parse("per_process_memory_fraction:0.9,memory_limit:7GiB").unwrap();
+        assert_eq!(cap(&both, &o), Some(7 << 30), "the smaller cap");
+        let both = Config::parse("per_process_memory_fraction:0.5,memory_limit:7GiB").unwrap();
+        assert_eq!(cap(&both, &o), Some(4 << 30));
+        // A cap below what is reserved leaves nothing.
+        let mut ooms = vec![o];
+        apply_limit(&mut ooms, "per_process_memory_fraction:0.5");
+        assert_eq!(ooms[0].free(), 0);
+    }
+
+    /// A trace without reserved memory (an RMM log) gives no cause built
+    /// on zeros.
+    #[test]
+    fn without_reserved_memory_the_cause_is_unknown() {
+        let mut o = oom(100 << 20, 0, 0, 0);
+        o.reserves = false;
+        o.gauges.allocated = 1 << 30;
+        assert_eq!(cause(&o), Cause::Unknown);
+        let text = explain(&o);
+        assert!(text.contains("is unknown"), "{text}");
+        assert!(!text.contains("0 B"), "{text}");
+    }
+
+    #[test]
+    fn the_expandable_candidate_is_pytorchs_expandable_segments() {
+        let c = Config::parse(CANDIDATES[0]).unwrap();
+        assert!(c.expandable_segments && !c.defragment && !c.cross_stream_reuse);
+        assert_eq!(c.stitch_min, u64::MAX, "no stitching");
+        assert_eq!(
+            CANDIDATES[0],
+            format!(
+                "policy:pytorch,{}",
+                crate::formats::torch_config::PYTORCH_EXPANDABLE
+            )
+        );
     }
 }

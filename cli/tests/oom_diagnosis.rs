@@ -1,0 +1,225 @@
+//! What the CLI says about an OOM: its cause under a memory fraction and
+//! without reserved memory, the report's candidates and times, and `replay`
+//! on a trace without an END block.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use gpualloc::trace::{EventKind, Pool, TraceEvent, TraceHeader, TraceWriter};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn gpualloc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+        .args(args)
+        .output()
+        .expect("run gpualloc")
+}
+
+/// Runs a command that must succeed; returns stdout and stderr.
+fn ok(args: &[&str]) -> (String, String) {
+    let out = gpualloc(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "gpualloc {args:?} failed: {err}");
+    (String::from_utf8(out.stdout).unwrap(), err)
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn ev(time_ns: u64, kind: EventKind) -> TraceEvent {
+    TraceEvent::from_kind(time_ns, 0, 0, 0, kind)
+}
+
+fn alloc(addr: u64, size: u64) -> EventKind {
+    EventKind::Alloc {
+        addr,
+        requested: size,
+        block_size: size,
+    }
+}
+
+fn segment(addr: u64, size: u64) -> EventKind {
+    EventKind::SegmentAlloc {
+        addr,
+        size,
+        pool: Pool::Code(1),
+    }
+}
+
+fn oom(requested: u64, device_free: u64) -> EventKind {
+    EventKind::Oom {
+        requested,
+        device_free,
+    }
+}
+
+/// Writes a one-device trace of `events`, with an END block when `end`.
+fn trace(dir: &Path, name: &str, config: &str, events: &[TraceEvent], end: bool) -> PathBuf {
+    let header = TraceHeader {
+        start_unix_ns: 1_700_000_000_000_000_000,
+        device_count: 1,
+        pid: 1,
+        config: config.into(),
+        producer: "test".into(),
+    };
+    let p = dir.join(name);
+    let mut w = TraceWriter::new(std::fs::File::create(&p).unwrap(), &header).unwrap();
+    w.write_events(0, events).unwrap();
+    if end {
+        w.finish(None).unwrap();
+    } else {
+        w.flush().unwrap();
+    }
+    p
+}
+
+fn report(t: &Path) -> String {
+    let html = t.with_extension("html");
+    ok(&["report", s(t), "-o", s(&html)]);
+    std::fs::read_to_string(&html).unwrap()
+}
+
+/// 6 GiB allocated and reserved, 2 GiB free on the device (an 8 GiB
+/// device), a request of 1 GiB under `per_process_memory_fraction:0.8`: the
+/// cap (6.4 GiB) left 409.6 MiB, not the device's 2 GiB.
+#[test]
+fn a_memory_fraction_caps_what_an_oom_had_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = trace(
+        dir.path(),
+        "frac.gtrace",
+        "per_process_memory_fraction:0.8",
+        &[
+            ev(1_000, segment(0x7f00_0000_0000, 6 * GIB)),
+            ev(1_000, alloc(0x7f00_0000_0000, 6 * GIB)),
+            ev(2_000, oom(GIB, 2 * GIB)),
+        ],
+        true,
+    );
+    let (text, _) = ok(&["summary", s(&t)]);
+    assert!(
+        text.contains("device free 2.00 GiB (the memory limit left 409.60 MiB)"),
+        "{text}"
+    );
+    let page = report(&t);
+    assert!(
+        page.contains("live tensors hold 6.00 GiB and the memory limit left 409.60 MiB"),
+        "the cause does not name the cap"
+    );
+    assert!(!page.contains("neither alone"), "called a split cache");
+    // Replayed on the whole device, the cap applied once, in every row.
+    assert!(page.contains("simulated device of 8.00 GiB"));
+    assert!(page.contains("policy:gpualloc,per_process_memory_fraction:0.8"));
+}
+
+/// A trace without segment events (an RMM log): free and reserved memory
+/// are unknown, never 0 B, in the summary, the report and `diff`.
+#[test]
+fn a_trace_without_reserved_memory_says_what_is_unknown() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = trace(
+        dir.path(),
+        "rmm.gtrace",
+        "",
+        &[
+            ev(1_000, alloc(0x7f00_0000_0000, MIB)),
+            ev(2_000, oom(GIB, 0)),
+        ],
+        true,
+    );
+    let (text, _) = ok(&["summary", s(&t)]);
+    assert!(
+        text.contains("allocated 1.00 MiB; free and reserved memory unknown"),
+        "{text}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&ok(&["summary", "--json", s(&t)]).0).unwrap();
+    let o = &v["devices"][0]["oom_details"][0];
+    assert!(o["device_free"].is_null() && o["reserved"].is_null(), "{o}");
+    let page = report(&t);
+    assert!(page.contains("what was free in the cache and on the device is unknown"));
+    assert!(!page.contains("the device left 0 B"));
+    let (diff, _) = ok(&["diff", s(&t), s(&t)]);
+    for row in [
+        "peak reserved",
+        "reserved unallocated",
+        "peak reserved / peak",
+    ] {
+        let line = diff
+            .lines()
+            .find(|l| l.trim_start().starts_with(row))
+            .unwrap();
+        assert!(line.contains("not recorded"), "{line}");
+        assert!(!line.contains("0 B") && !line.contains("0.000"), "{line}");
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["diff", "--json", s(&t), s(&t)]).0).unwrap();
+    let a = &v["devices"][0]["a"];
+    for key in [
+        "peak_reserved",
+        "reserved_unallocated_at_peak",
+        "external_fragmentation_at_peak",
+        "reserved_per_allocated",
+    ] {
+        assert!(a[key].is_null(), "{key}: {a}");
+    }
+    assert_eq!(a["peak_allocated"], MIB);
+}
+
+/// `replay` warns of a missing END block, as every other command does.
+#[test]
+fn replay_warns_of_a_missing_end_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let events = [
+        ev(100, segment(0x100_0000, 20 * MIB)),
+        ev(110, alloc(0x100_0000, 10 * MIB)),
+    ];
+    let t = trace(dir.path(), "noend.gtrace", "", &events, false);
+    let (_, err) = ok(&["replay", "--capacity", "1GiB", s(&t)]);
+    assert!(
+        err.contains("no END block: the recording process stopped without trace_stop; the 2 events written before it are used"),
+        "{err}"
+    );
+    let t = trace(dir.path(), "end.gtrace", "", &events, true);
+    let (_, err) = ok(&["replay", "--capacity", "1GiB", s(&t)]);
+    assert!(!err.contains("no END block"), "{err}");
+}
+
+/// The report places an OOM where `summary` and `replay` do: on the trace's
+/// time, not the device's first event (here 500 ms later).
+#[test]
+fn the_report_times_an_oom_from_the_trace_start_as_summary_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = trace(
+        dir.path(),
+        "late.gtrace",
+        "",
+        &[
+            ev(500_000_000, segment(0x7f00_0000_0000, 40 * MIB)),
+            ev(500_000_000, alloc(0x7f00_0000_0000, 30 * MIB)),
+            ev(1_250_000_000, oom(20 * MIB, 0)),
+        ],
+        true,
+    );
+    let (text, _) = ok(&["summary", s(&t)]);
+    let at = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("at ")?.split_once(": requested"))
+        .map(|(at, _)| at)
+        .unwrap()
+        .to_string();
+    assert_eq!(at, "1.250 s", "{text}");
+    let page = report(&t);
+    assert!(
+        page.contains(&format!("<b>At {at}</b>")),
+        "report lacks At {at}"
+    );
+    assert!(page.contains("peak allocated</td><td>30.00 MiB at 500.0 ms"));
+    let (replayed, _) = ok(&["replay", "--capacity", "40MiB", s(&t)]);
+    assert!(
+        replayed.contains(&format!("20.00 MiB at {at}")),
+        "{replayed}"
+    );
+}

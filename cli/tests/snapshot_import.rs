@@ -1,0 +1,224 @@
+//! Importing a PyTorch snapshot: the memory in use before recording began
+//! is rebuilt from the final `segments`, and the trace's configuration is
+//! PyTorch's allocator with the recorded settings.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn gpualloc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+        .args(args)
+        .output()
+        .expect("run gpualloc")
+}
+
+/// Runs a command that must succeed; returns stdout and stderr.
+fn ok(args: &[&str]) -> (String, String) {
+    let out = gpualloc(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "gpualloc {args:?} failed: {err}");
+    (String::from_utf8(out.stdout).unwrap(), err)
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Writes the snapshot that `body` (Python, defining `snap`) builds to
+/// `dir/name.pickle`, imports it; returns the trace and import's stderr.
+fn import(dir: &Path, name: &str, body: &str) -> (String, String) {
+    let pickle = dir.join(format!("{name}.pickle"));
+    let script = format!(
+        "import pickle, sys\nM = 1 << 20\nT = 1_700_000_000_000_000\n{body}\npickle.dump(snap, open(sys.argv[1], 'wb'), protocol=4)\n"
+    );
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(&script)
+        .arg(&pickle)
+        .output()
+        .expect("python3 is required");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let g = dir.join(format!("{name}.gtrace"));
+    let (_, err) = ok(&["import", s(&pickle), "-o", s(&g)]);
+    (g.to_str().unwrap().to_string(), err)
+}
+
+fn summary(g: &str) -> serde_json::Value {
+    serde_json::from_str(&ok(&["summary", "--json", g]).0).unwrap()
+}
+
+/// 4 GiB of weights allocated before `_record_memory_history` (only in the
+/// final `segments`), a 64 MiB block and its 80 MiB segment freed in the
+/// trace without their allocations, 200 MiB of traced activity, then an
+/// OOM of 2 GiB with 1 GiB free on the device.
+const WEIGHTS: &str = r#"
+W, B, O = 0x7f0000000000, 0x7f1000000000, 0x7f2000000000
+tr = []
+def ev(a, addr, size, **k):
+    d = {'action': a, 'addr': addr, 'size': size, 'stream': 0, 'time_us': T + 10 * len(tr), 'frames': []}
+    d.update(k); tr.append(d)
+ev('free_requested', O, 64 * M); ev('free_completed', O, 64 * M)
+ev('segment_free', O, 80 * M)
+ev('segment_alloc', B, 200 * M)
+for i in range(5):
+    ev('alloc', B, 100 * M); ev('alloc', B + 100 * M, 100 * M)
+    for a in (B, B + 100 * M):
+        ev('free_requested', a, 100 * M); ev('free_completed', a, 100 * M)
+ev('oom', 0, 2048 * M, device_free=1024 * M)
+seg = lambda addr, size, blocks: {'device': 0, 'address': addr, 'total_size': size, 'stream': 0,
+    'segment_type': 'large', 'segment_pool_id': (0, 0), 'is_expandable': False, 'frames': [], 'blocks': blocks}
+blk = lambda addr, size, state: {'address': addr, 'size': size, 'requested_size': size, 'state': state, 'frames': []}
+snap = {'segments': [seg(W, 4096 * M, [blk(W, 4096 * M, 'active_allocated')]),
+                     seg(B, 200 * M, [blk(B, 200 * M, 'inactive')])],
+        'device_traces': [tr], 'allocator_settings': {'PYTORCH_CUDA_ALLOC_CONF': ''}}
+"#;
+
+/// Memory allocated before recording began counts in every command.
+#[test]
+fn memory_in_use_before_recording_began_is_rebuilt_from_the_final_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let (g, err) = import(dir.path(), "weights", WEIGHTS);
+    assert!(
+        err.contains("written at the trace's start: 2 blocks (4.06 GiB), 4.08 GiB reserved"),
+        "{err}"
+    );
+    assert!(!err.contains("warning"), "{err}");
+    let d = &summary(&g)["devices"][0];
+    // 4 GiB and 64 MiB at the start; then the 64 MiB go, 200 MiB come.
+    assert_eq!(d["peak_allocated"], 4 * GIB + 200 * MIB, "{d}");
+    assert_eq!(d["peak_reserved"], 4 * GIB + 200 * MIB);
+    assert_eq!(d["end_allocated"], 4 * GIB);
+    assert_eq!(d["end_reserved"], 4 * GIB + 200 * MIB);
+    assert_eq!(d["unknown_frees"], 0);
+    assert_eq!(d["oom_details"][0]["allocated"], 4 * GIB);
+    // The report's cause counts the weights.
+    let html = dir.path().join("w.html");
+    ok(&["report", &g, "-o", s(&html)]);
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(page.contains("live tensors hold 4.00 GiB"), "no cause");
+    assert!(!page.contains("live tensors hold 0 B"));
+    // The replay allocates them too.
+    let r: serde_json::Value =
+        serde_json::from_str(&ok(&["replay", "--json", "--capacity", "8GiB", &g]).0).unwrap();
+    assert!(r[0]["peak_allocated"].as_u64().unwrap() >= 4 * GIB, "{r}");
+}
+
+/// Expandable segments: mapped ranges undone from the final state, and
+/// what the final state and the trace disagree on named in a warning.
+#[test]
+fn mapped_ranges_are_undone_and_disagreements_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = r#"
+E = 0x7f3000000000
+tr = [
+  {'action': 'segment_map', 'addr': E + 40 * M, 'size': 20 * M, 'stream': 0, 'time_us': T},
+  {'action': 'alloc', 'addr': E + 40 * M, 'size': 20 * M, 'stream': 0, 'time_us': T + 1},
+  {'action': 'segment_unmap', 'addr': E + 60 * M, 'size': 20 * M, 'stream': 0, 'time_us': T + 2},
+  {'action': 'alloc', 'addr': 0x1000, 'size': 3 * M, 'stream': 0, 'time_us': T + 3},
+]
+blocks = [{'address': E, 'size': 10 * M, 'requested_size': 10 * M, 'state': 'active_allocated'},
+          {'address': E + 10 * M, 'size': 30 * M, 'requested_size': 0, 'state': 'inactive'},
+          {'address': E + 40 * M, 'size': 20 * M, 'requested_size': 20 * M, 'state': 'active_allocated'}]
+snap = {'segments': [{'device': 0, 'address': E, 'total_size': 60 * M, 'stream': 0, 'segment_type': 'large',
+                      'is_expandable': True, 'blocks': blocks}],
+        'device_traces': [tr]}
+"#;
+    let (g, err) = import(dir.path(), "expandable", body);
+    // At the start: 40 MiB mapped below the trace's map, 20 MiB above it
+    // that the trace unmaps; the 10 MiB block.
+    assert!(
+        err.contains("1 blocks (10.00 MiB), 60.00 MiB reserved"),
+        "{err}"
+    );
+    assert!(
+        err.contains("the trace leaves 3.00 MiB live or reserved at the end that the final `segments` do not show"),
+        "{err}"
+    );
+    let d = &summary(&g)["devices"][0];
+    assert_eq!(d["peak_reserved"], 80 * MIB);
+    assert_eq!(d["end_reserved"], 60 * MIB);
+    assert_eq!(d["end_allocated"], 33 * MIB);
+    // A snapshot without history: its segments are the whole state, on
+    // every device they name.
+    let (g, _) = import(
+        dir.path(),
+        "still",
+        "seg = lambda d: {'device': d, 'address': 1 << 40, 'total_size': 20 * M, 'stream': 0, 'blocks': [\n\
+           {'address': 1 << 40, 'size': 20 * M, 'requested_size': 20 * M, 'state': 'active_allocated'}]}\n\
+         snap = {'segments': [seg(0), seg(1)], 'device_traces': [[]]}",
+    );
+    let v = summary(&g);
+    for d in 0..2 {
+        assert_eq!(v["devices"][d]["device"], d, "{v}");
+        assert_eq!(v["devices"][d]["end_allocated"], 20 * MIB, "{v}");
+    }
+    // Without `segments`, what the trace never frees cannot be known.
+    let (_, err) = import(
+        dir.path(),
+        "bare",
+        "snap = {'device_traces': [[{'action': 'alloc', 'addr': 4096, 'size': 512, 'stream': 0, 'time_us': T}]]}",
+    );
+    assert!(
+        err.contains("no `segments` in the snapshot: memory allocated before recording began is not accounted for"),
+        "{err}"
+    );
+}
+
+/// The trace's configuration is PyTorch's allocator with the recorded
+/// settings, and sizes are rounded under them.
+#[test]
+fn an_imported_snapshot_keeps_pytorchs_allocator_and_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let settings = |conf: &str| {
+        format!(
+            r#"
+tr = [{{'action': 'segment_alloc', 'addr': 0x7f0000000000, 'size': 1280 * M, 'stream': 0, 'time_us': T}},
+      {{'action': 'alloc', 'addr': 0x7f0000000000, 'size': 1100 * M, 'stream': 0, 'time_us': T + 1}},
+      {{'action': 'oom', 'addr': 0, 'size': 8192 * M, 'stream': 0, 'time_us': T + 2, 'device_free': M}}]
+snap = {{'segments': [], 'device_traces': [tr], 'allocator_settings': {{'PYTORCH_CUDA_ALLOC_CONF': '{conf}'}}}}
+"#
+        )
+    };
+    let (g, err) = import(
+        dir.path(),
+        "conf",
+        &settings("expandable_segments:True,roundup_power2_divisions:4,future_key:1"),
+    );
+    assert!(
+        err.contains("left out of the trace's configuration") && err.contains("`future_key:1`"),
+        "{err}"
+    );
+    let v = summary(&g);
+    assert_eq!(
+        v["config"],
+        "policy:pytorch,expandable_segments:true,defragment:false,stitch_min_mb:0,expandable_page_mb:20,roundup_power2_divisions:4"
+    );
+    // 1100 MiB in quarters of [1 GiB, 2 GiB): a 1280 MiB block.
+    assert_eq!(v["devices"][0]["peak_allocated"], 1280 * MIB);
+    let (g, _) = import(dir.path(), "plain", &settings(""));
+    let v = summary(&g);
+    assert_eq!(v["config"], "policy:pytorch");
+    assert_eq!(v["devices"][0]["peak_allocated"], 1100 * MIB);
+    let (text, _) = ok(&["replay", "--capacity", "8GiB", &g]);
+    assert!(text.contains("policy:pytorch"), "{text}");
+    // The report replays PyTorch's expandable segments once, as the
+    // trace's configuration.
+    let (g, _) = import(
+        dir.path(),
+        "expandable",
+        &settings("expandable_segments:True"),
+    );
+    let html = dir.path().join("e.html");
+    ok(&["report", &g, "-o", s(&html)]);
+    let page = std::fs::read_to_string(&html).unwrap();
+    let row = "<td><code>policy:pytorch,expandable_segments:true,defragment:false,stitch_min_mb:0,expandable_page_mb:20";
+    assert_eq!(page.matches(row).count(), 1, "one row");
+    assert!(page.contains("expandable_page_mb:20 (the trace's configuration)</code>"));
+}
