@@ -43,6 +43,11 @@ struct StreamFences {
 const LARGE_FREE: u64 = 2 << 20;
 /// A fence every this many large frees.
 const FREES_PER_FENCE: u32 = 16;
+/// Fences a stream may have queued, not yet known complete, before a free
+/// looks at the oldest instead of recording another: in steady state the
+/// slow path, which polls them all, may never run again, and the queue
+/// (one CUDA event each) must not grow for the whole run.
+const MAX_QUEUED: usize = 4;
 
 /// See Note [Event-ordered unmapping].
 pub(crate) struct Fences {
@@ -87,8 +92,44 @@ impl Fences {
         self.large_frees += 1;
         if self.large_frees >= FREES_PER_FENCE {
             self.large_frees = 0;
+            if self
+                .streams
+                .get(&stream)
+                .is_some_and(|s| s.queued.len() >= MAX_QUEUED)
+            {
+                // Learns which are done (without blocking); a driver error
+                // only means none is known done now.
+                let _ = self.poll_stream(backend, stream);
+                if self.streams[&stream].queued.len() >= MAX_QUEUED {
+                    return;
+                }
+            }
             let _ = self.cover(backend, stream, self.last_stamp);
         }
+    }
+
+    /// [`poll`](Self::poll) for one stream.
+    fn poll_stream<B: Backend>(
+        &mut self,
+        backend: &mut B,
+        stream: StreamId,
+    ) -> Result<(), BackendError> {
+        let Some(s) = self.streams.get_mut(&stream) else {
+            return Ok(());
+        };
+        Self::poll_queue(backend, s)
+    }
+
+    fn poll_queue<B: Backend>(backend: &mut B, s: &mut StreamFences) -> Result<(), BackendError> {
+        while let Some(&(ev, epoch)) = s.queued.front() {
+            if !backend.event_done(ev)? {
+                break;
+            }
+            s.queued.pop_front();
+            backend.destroy_event(ev);
+            s.done = s.done.max(epoch);
+        }
+        Ok(())
     }
 
     /// Records a fence on each of `streams` if anything was freed since the
@@ -122,14 +163,7 @@ impl Fences {
     /// Learns which fences completed, without blocking.
     pub fn poll<B: Backend>(&mut self, backend: &mut B) -> Result<(), BackendError> {
         for s in self.streams.values_mut() {
-            while let Some(&(ev, epoch)) = s.queued.front() {
-                if !backend.event_done(ev)? {
-                    break;
-                }
-                s.queued.pop_front();
-                backend.destroy_event(ev);
-                s.done = s.done.max(epoch);
-            }
+            Self::poll_queue(backend, s)?;
         }
         Ok(())
     }
@@ -266,5 +300,35 @@ mod tests {
         f.stamp();
         f.cover_all(&mut b, [7, 8]);
         assert_eq!(f.outstanding(), 2);
+    }
+
+    #[test]
+    fn frees_alone_never_queue_more_than_a_few_fences() {
+        // Steady state: every request served from the cache, no slow path
+        // polls; the frees' fences must not pile up (one CUDA event each).
+        let mut b = SimBackend::new(1 << 30);
+        let mut f = Fences::default();
+        let first = f.stamp();
+        for i in 0..20_000 {
+            f.stamp();
+            f.after_free(&mut b, 7, 4 << 20);
+            assert!(
+                f.outstanding() <= MAX_QUEUED,
+                "free {i}: {}",
+                f.outstanding()
+            );
+            assert!(b.live_events() <= MAX_QUEUED);
+            if i % 1000 == 999 {
+                // The GPU catches up: the next fence learns it, so blocks
+                // freed before it are known idle without a slow path.
+                b.complete(7);
+            }
+        }
+        b.complete(7);
+        for _ in 0..FREES_PER_FENCE {
+            f.after_free(&mut b, 7, 4 << 20);
+        }
+        assert!(f.outstanding() <= 1, "the done ones were let go");
+        assert!(f.is_idle(7, first), "known without a slow path");
     }
 }
