@@ -221,7 +221,13 @@ impl<B: Backend> DeviceAllocator<B> {
             }
             let short = bytes - self.pages.usable_in(&ranges, page);
             let calls = (short > 0 && self.config.defragment).then(|| self.defrag_meter());
-            if short > 0 && self.config.defragment && rounded >= self.config.stitch_min {
+            // Stitches serve the large pool only (a small request of 1 MiB
+            // under `stitch_min_mb:1` would be counted in the large pool).
+            if short > 0
+                && self.config.defragment
+                && pool == LARGE
+                && rounded >= self.config.stitch_min
+            {
                 let stitched = self.stitch_for(stream, rounded);
                 self.charge_defragmentation(calls);
                 // A stitch that fails (no address space left, a driver
@@ -1043,6 +1049,28 @@ mod tests {
             s.allocated_bytes.all.peak,
             s.requested_bytes.all.peak,
         )
+    }
+
+    #[test]
+    fn a_small_request_is_never_stitched_whatever_stitch_min() {
+        let mut d = dev("expandable_handle_mb:2,stitch_min_mb:1");
+        let mut big = Vec::new();
+        for _ in 0..4 {
+            big.push(d.malloc(4 << 20, 0).unwrap());
+            d.malloc(2 << 20, 0).unwrap();
+        }
+        for p in big {
+            d.free(p).unwrap();
+        }
+        ok(&d);
+        let p = d.malloc(1 << 20, 0).unwrap();
+        ok(&d);
+        let s = d.stats();
+        assert_eq!(s.num_stitch, 0, "1 MiB is a small-pool request");
+        assert_eq!(s.allocated_bytes.small_pool.current, 1 << 20);
+        assert_eq!(s.allocated_bytes.large_pool.current, 4 * (2 << 20));
+        d.free(p).unwrap();
+        ok(&d);
     }
 
     #[test]
