@@ -212,10 +212,8 @@ impl<B: Backend> DeviceAllocator<B> {
         if !self.pending.is_idle() {
             self.process_events()?;
         }
-        self.fuse_free_segments(small);
-        self.fuse_free_segments(large);
-        self.release_whole_segments(small)?;
-        self.release_whole_segments(large)?;
+        self.fuse_and_release(small)?;
+        self.fuse_and_release(large)?;
         if self.expandable {
             self.unmap_released_pools(&[small, large])?;
         }

@@ -43,11 +43,23 @@ impl<B: Backend> DeviceAllocator<B> {
         let mut pools = vec![SMALL, LARGE];
         pools.extend(self.private.freeable_pools());
         for pool in pools {
-            self.fuse_free_segments(pool);
-            self.release_whole_segments(pool)?;
+            self.fuse_and_release(pool)?;
         }
         self.private.erase_empty();
         Ok(())
+    }
+
+    /// Fuses `pool`'s free plain segments split among streams and releases
+    /// every whole one. The fusing is safe because a release waits for the
+    /// whole device; when one fails, the blocks fused and not released
+    /// would be cached under one stream with other streams' work perhaps
+    /// still queued on them, so the device is synchronized before the error
+    /// is returned (a failure there too leaves nothing better to do).
+    pub(crate) fn fuse_and_release(&mut self, pool: PoolId) -> Result<(), AllocError> {
+        self.fuse_free_segments(pool);
+        self.release_whole_segments(pool).inspect_err(|_| {
+            let _ = self.backend.synchronize();
+        })
     }
 
     /// Releases every cached block of `pool` that spans a whole plain segment.

@@ -63,3 +63,27 @@ fn out_of_memory_path_can_release_a_segment_shared_by_two_streams() {
     let r = c.malloc(19 * MIB, A);
     assert!(r.is_ok(), "nothing allocated, yet: {}", r.unwrap_err());
 }
+
+/// Regression: `empty_cache` fuses a free segment split among streams
+/// before releasing it (the release waits for the device). When the release
+/// failed, the fused block stayed cached under the first stream while the
+/// other stream's work on it might still run; the harness then saw it
+/// handed to the first stream unordered. Now a failed release synchronizes
+/// the device first.
+#[test]
+fn a_segment_fused_for_a_release_that_fails_is_not_handed_over_unordered() {
+    use gpualloc::backend::SimCall;
+    let mut c = Checked::with(1 << 30, "policy:pytorch,cross_stream_reuse:true");
+    let a = c.alloc(4 * MIB, A); // a 20 MiB segment: a, then 16 MiB free of A
+    let b = c.alloc(16 * MIB, B); // B takes A's remainder
+    c.use_on(b, B); // B's work on it still queued
+    c.release(b);
+    c.release(a);
+    c.sim_mut().fail_call(SimCall::Release, 1);
+    assert!(c.dev.empty_cache().is_err(), "cuMemFree failed once");
+    c.check();
+    // The whole segment for A: only once B's work is known done.
+    let p = c.alloc(20 * MIB, A);
+    c.release(p);
+    c.check();
+}
