@@ -2,44 +2,12 @@
 //! without reserved memory, the report's candidates and times, and `replay`
 //! on a trace without an END block.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-use gpualloc::trace::{EventKind, Pool, TraceEvent, TraceHeader, TraceWriter};
-
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
-
-fn gpualloc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpualloc"))
-        .args(args)
-        .output()
-        .expect("run gpualloc")
-}
-
-/// Runs a command that must succeed; returns stdout and stderr.
-fn ok(args: &[&str]) -> (String, String) {
-    let out = gpualloc(args);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "gpualloc {args:?} failed: {err}");
-    (String::from_utf8(out.stdout).unwrap(), err)
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn ev(time_ns: u64, kind: EventKind) -> TraceEvent {
-    TraceEvent::from_kind(time_ns, 0, 0, 0, kind)
-}
-
-fn alloc(addr: u64, size: u64) -> EventKind {
-    EventKind::Alloc {
-        addr,
-        requested: size,
-        block_size: size,
-    }
-}
+use common::{GIB, MIB, alloc, ev, ok, s, write_trace};
+use gpualloc::trace::{EventKind, Pool, TraceEvent};
 
 fn segment(addr: u64, size: u64) -> EventKind {
     EventKind::SegmentAlloc {
@@ -58,22 +26,7 @@ fn oom(requested: u64, device_free: u64) -> EventKind {
 
 /// Writes a one-device trace of `events`, with an END block when `end`.
 fn trace(dir: &Path, name: &str, config: &str, events: &[TraceEvent], end: bool) -> PathBuf {
-    let header = TraceHeader {
-        start_unix_ns: 1_700_000_000_000_000_000,
-        device_count: 1,
-        pid: 1,
-        config: config.into(),
-        producer: "test".into(),
-    };
-    let p = dir.join(name);
-    let mut w = TraceWriter::new(std::fs::File::create(&p).unwrap(), &header).unwrap();
-    w.write_events(0, events).unwrap();
-    if end {
-        w.finish(None).unwrap();
-    } else {
-        w.flush().unwrap();
-    }
-    p
+    write_trace(dir, name, config, events, 0, end)
 }
 
 fn report(t: &Path) -> String {

@@ -1,38 +1,16 @@
 //! Fixes from the review of the CLI, each on a small trace written here or
 //! on a shipped example.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-use gpualloc::trace::{EventKind, Pool, TraceEvent, TraceHeader, TraceWriter};
-
-const MIB: u64 = 1 << 20;
-
-fn gpualloc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpualloc"))
-        .args(args)
-        .output()
-        .expect("run gpualloc")
-}
-
-/// Runs a command that must succeed; returns stdout and stderr.
-fn ok(args: &[&str]) -> (String, String) {
-    let out = gpualloc(args);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "gpualloc {args:?} failed: {err}");
-    (String::from_utf8(out.stdout).unwrap(), err)
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
+use common::{MIB, alloc, ev, ok, s, write_trace};
+use gpualloc::trace::{EventKind, Pool, TraceEvent};
 
 fn example(name: &str) -> String {
     format!("{}/../examples/{name}.gtrace", env!("CARGO_MANIFEST_DIR"))
-}
-
-fn ev(time_ns: u64, kind: EventKind) -> TraceEvent {
-    TraceEvent::from_kind(time_ns, 0, 0, 0, kind)
 }
 
 fn segment(addr: u64, size: u64, alloc: bool) -> EventKind {
@@ -41,14 +19,6 @@ fn segment(addr: u64, size: u64, alloc: bool) -> EventKind {
         EventKind::SegmentAlloc { addr, size, pool }
     } else {
         EventKind::SegmentFree { addr, size, pool }
-    }
-}
-
-fn alloc(addr: u64, size: u64) -> EventKind {
-    EventKind::Alloc {
-        addr,
-        requested: size,
-        block_size: size,
     }
 }
 
@@ -70,24 +40,7 @@ fn free(addr: u64, size: u64) -> [EventKind; 2] {
 /// Writes a one-device trace of `events`, with `dropped` events lost
 /// before the last of them when not 0.
 fn trace(dir: &Path, name: &str, config: &str, events: &[TraceEvent], dropped: u64) -> PathBuf {
-    let header = TraceHeader {
-        start_unix_ns: 1_700_000_000_000_000_000,
-        device_count: 1,
-        pid: 1,
-        config: config.into(),
-        producer: "test".into(),
-    };
-    let p = dir.join(name);
-    let mut w = TraceWriter::new(std::fs::File::create(&p).unwrap(), &header).unwrap();
-    let (head, tail) = events.split_at(events.len() - usize::from(dropped > 0));
-    w.write_events(0, head).unwrap();
-    if dropped > 0 {
-        w.write_dropped(0, dropped, tail[0].time_ns).unwrap();
-        w.write_events(0, tail).unwrap();
-    }
-    let end = events.last().map_or(0, |e| e.time_ns);
-    w.finish(Some(end)).unwrap();
-    p
+    write_trace(dir, name, config, events, dropped, true)
 }
 
 /// The Chrome counter keeps the last state of each microsecond, and the

@@ -2,30 +2,11 @@
 //! is rebuilt from the final `segments`, and the trace's configuration is
 //! PyTorch's allocator with the recorded settings.
 
+mod common;
+
+use common::{GIB, MIB, ok, s};
 use std::path::Path;
-use std::process::{Command, Output};
-
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
-
-fn gpualloc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpualloc"))
-        .args(args)
-        .output()
-        .expect("run gpualloc")
-}
-
-/// Runs a command that must succeed; returns stdout and stderr.
-fn ok(args: &[&str]) -> (String, String) {
-    let out = gpualloc(args);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "gpualloc {args:?} failed: {err}");
-    (String::from_utf8(out.stdout).unwrap(), err)
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
+use std::process::Command;
 
 /// Writes the snapshot that `body` (Python, defining `snap`) builds to
 /// `dir/name.pickle`, imports it; returns the trace and import's stderr.
