@@ -1,6 +1,6 @@
 //! What the CLI says about an OOM: its cause under a memory fraction and
-//! without reserved memory, the report's candidates and times, and `replay`
-//! on a trace without an END block.
+//! without reserved memory, the report's candidates, and `replay` on a
+//! trace without an END block.
 
 mod common;
 
@@ -138,41 +138,4 @@ fn replay_warns_of_a_missing_end_block() {
     let t = trace(dir.path(), "end.gtrace", "", &events, true);
     let (_, err) = ok(&["replay", "--capacity", "1GiB", s(&t)]);
     assert!(!err.contains("no END block"), "{err}");
-}
-
-/// The report places an OOM where `summary` and `replay` do: on the trace's
-/// time, not the device's first event (here 500 ms later).
-#[test]
-fn the_report_times_an_oom_from_the_trace_start_as_summary_does() {
-    let dir = tempfile::tempdir().unwrap();
-    let t = trace(
-        dir.path(),
-        "late.gtrace",
-        "",
-        &[
-            ev(500_000_000, segment(0x7f00_0000_0000, 40 * MIB)),
-            ev(500_000_000, alloc(0x7f00_0000_0000, 30 * MIB)),
-            ev(1_250_000_000, oom(20 * MIB, 0)),
-        ],
-        true,
-    );
-    let (text, _) = ok(&["summary", s(&t)]);
-    let at = text
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("at ")?.split_once(": requested"))
-        .map(|(at, _)| at)
-        .unwrap()
-        .to_string();
-    assert_eq!(at, "1.250 s", "{text}");
-    let page = report(&t);
-    assert!(
-        page.contains(&format!("<b>At {at}</b>")),
-        "report lacks At {at}"
-    );
-    assert!(page.contains("peak allocated</td><td>30.00 MiB at 500.0 ms"));
-    let (replayed, _) = ok(&["replay", "--capacity", "40MiB", s(&t)]);
-    assert!(
-        replayed.contains(&format!("20.00 MiB at {at}")),
-        "{replayed}"
-    );
 }

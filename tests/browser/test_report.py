@@ -162,7 +162,7 @@ def main() -> None:
     traces.append((recorded, {
         "steps_chart_drawn": True,
         "step_click_zooms": True,
-        "_text": ["fragmentation.", "Checkpoint save", "GPUALLOC_CONF=policy:pytorch,expandable_segments:true", "live blocks, largest first."],
+        "_text": ["fragmentation.", "Checkpoint save", "GPUALLOC_CONF=policy:gpualloc", "live blocks, largest first."],
     }))
     ranks = [t for t, _ in traces]
     traces.append((ranks, {

@@ -4,8 +4,8 @@
 //! One streaming pass per report (after [`analysis::analyze`], whose
 //! duration, peaks and iteration boundaries it needs) collects, per device:
 //!
-//! - the gauges in [`BUCKETS`] equal buckets from the trace's start (the
-//!   origin of every command's times) to the last event, each with the minimum and maximum of allocated, active and
+//! - the gauges in [`BUCKETS`] equal buckets from the first event to the
+//!   last, each with the minimum and maximum of allocated, active and
 //!   reserved bytes. A bucket's minimum includes the value carried into it,
 //!   so a stretch without events draws as the flat line it was, not a ramp;
 //! - the same at a finer resolution in short windows around the peaks and
@@ -363,17 +363,16 @@ pub fn collect(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<V
             })
             .map(|(&id, _)| id)
             .collect();
-        // Times from the trace's start, as `summary` and `replay` give them.
-        let span = a.duration_ns + 1;
+        let span = a.duration_ns.saturating_sub(d.first_ns) + 1;
         let bounds = d.state.iterations().to_vec();
-        let mut c = Collector::new(0, span, bounds, rare, targets);
+        let mut c = Collector::new(d.first_ns, span, bounds, rare, targets);
         c.reserved_at = d.peak_reserved_settled;
         // Detail windows around the peaks and the first OOMs, apart.
         let moments = [d.peak_allocated.time_ns, d.peak_reserved.time_ns]
             .into_iter()
             .chain(d.ooms.iter().take(MAX_OOM_SNAPSHOTS).map(|o| o.time_ns));
         let mut centres: Vec<u64> = Vec::new();
-        for m in moments {
+        for m in moments.map(|m| m.saturating_sub(d.first_ns)) {
             if centres
                 .iter()
                 .all(|&c| c.abs_diff(m) > span / WINDOW_FRACTION / 2)

@@ -229,7 +229,11 @@ fn device(
 fn figures(s: &mut String, d: &DeviceAnalysis) {
     s.push_str("<table class=\"kv\">");
     let at = |p: &crate::analyses::analysis::Peak| {
-        format!("{} at {}", bytes(p.value), duration(p.time_ns))
+        format!(
+            "{} at {}",
+            bytes(p.value),
+            duration(p.time_ns.saturating_sub(d.first_ns))
+        )
     };
     sec::row(s, "peak allocated", &at(&d.peak_allocated));
     if d.state.reserves {
@@ -266,7 +270,7 @@ fn figures(s: &mut String, d: &DeviceAnalysis) {
         s,
         "time axis",
         &format!(
-            "from the trace's start, as in summary and replay; the device's first event at {}",
+            "from the device's first event, {} after the trace began",
             duration(d.first_ns)
         ),
     );

@@ -6,7 +6,7 @@
 // per bucket, phase spans shaded, OOMs and layout moments marked), the
 // fragmentation chart on the same time axis, the layout at a clicked moment
 // and the per-step peaks. Wheel or the buttons zoom, dragging pans, a
-// double click resets. Times are counted from the trace's start and
+// double click resets. Times are counted from the device's first event and
 // every label of one axis uses one unit.
 //
 // With #selftest in the address, the page drives itself (zoom, pan, hover,
@@ -583,7 +583,7 @@
     el.textContent = (ok ? 'SELFTEST PASS ' : 'SELFTEST FAIL ') + JSON.stringify(out);
     document.title = ok ? 'SELFTEST PASS' : 'SELFTEST FAIL';
   }
-  // #view=START-END (ns from the trace's start) opens every chart zoomed there.
+  // #view=START-END (ns from the first event) opens every chart zoomed there.
   const m = /^#view=(\d+)-(\d+)$/.exec(location.hash);
   if (m) for (const dv of devices) if (dv.memory) dv.setView(Number(m[1]), Number(m[2]));
   if (location.hash === '#selftest') {

@@ -1,7 +1,7 @@
 //! The report's HTML sections that need no script: the answers first, then
 //! per-phase peaks with the checkpoint call-out, leak candidates, OOM
 //! forensics with the replayed advice, and request sizes. Times are counted
-//! from the trace's start, as on the charts and in `summary` and `replay`.
+//! from the device's first event, as on the charts.
 
 use std::fmt::Write;
 
@@ -240,7 +240,7 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
         let _ = write!(
             s,
             "<div class=\"oom\"><p><b>At {}</b> in phase <b>{}</b>: requested {} on stream {:#x} (allocated {}, reserved {}).</p><p class=\"callout\">{}</p>",
-            duration(o.time_ns),
+            duration(o.time_ns.saturating_sub(d.first_ns)),
             esc(&a.info.name(o.phase)),
             bytes(o.requested),
             o.stream,
@@ -306,7 +306,7 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
             r.first_oom.as_ref().map_or("none".into(), |o| format!(
                 "{} at {}",
                 bytes(o.requested),
-                duration(o.time_ns)
+                duration(o.time_ns.saturating_sub(d.first_ns))
             ))
         );
     }

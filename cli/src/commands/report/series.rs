@@ -34,7 +34,7 @@ fn fold(lo: &mut Gauges, hi: &mut Gauges, g: &Gauges) {
 }
 
 impl Window {
-    /// A window centred on `at` (ns from the collector's origin) for a
+    /// A window centred on `at` (ns from the device's first event) for a
     /// device whose events span `span` ns.
     pub fn around(at: u64, span: u64) -> Window {
         let len = (span / WINDOW_FRACTION).max(WINDOW_BUCKETS as u64);
@@ -60,7 +60,7 @@ impl Window {
         }
     }
 
-    /// The gauges `g` after an event at `t` (ns from the collector's origin).
+    /// The gauges `g` after an event at `t` (ns from the first event).
     #[inline]
     pub fn observe(&mut self, t: u64, g: &Gauges) {
         if t >= self.start {
