@@ -92,32 +92,18 @@ impl Fences {
         self.large_frees += 1;
         if self.large_frees >= FREES_PER_FENCE {
             self.large_frees = 0;
-            if self
-                .streams
-                .get(&stream)
-                .is_some_and(|s| s.queued.len() >= MAX_QUEUED)
+            if let Some(s) = self.streams.get_mut(&stream)
+                && s.queued.len() >= MAX_QUEUED
             {
                 // Learns which are done (without blocking); a driver error
                 // only means none is known done now.
-                let _ = self.poll_stream(backend, stream);
-                if self.streams[&stream].queued.len() >= MAX_QUEUED {
+                let _ = Self::poll_queue(backend, s);
+                if s.queued.len() >= MAX_QUEUED {
                     return;
                 }
             }
             let _ = self.cover(backend, stream, self.last_stamp);
         }
-    }
-
-    /// [`poll`](Self::poll) for one stream.
-    fn poll_stream<B: Backend>(
-        &mut self,
-        backend: &mut B,
-        stream: StreamId,
-    ) -> Result<(), BackendError> {
-        let Some(s) = self.streams.get_mut(&stream) else {
-            return Ok(());
-        };
-        Self::poll_queue(backend, s)
     }
 
     fn poll_queue<B: Backend>(backend: &mut B, s: &mut StreamFences) -> Result<(), BackendError> {
