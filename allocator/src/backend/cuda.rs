@@ -157,6 +157,9 @@ pub struct CudaBackend {
     no_unmapper: bool,
     /// Whether the allocator holds the helper's jobs back (`hold_later_work`).
     held: bool,
+    /// Whether a release has warned that unmapping given up earlier failed
+    /// again (once: `empty_cache` releases many handles, each would).
+    redo_warned: bool,
     /// Driver calls the helper thread made, with their time.
     helper_calls: Arc<parking_lot::Mutex<DriverCalls>>,
 }
@@ -212,6 +215,7 @@ impl CudaBackend {
             unmapper: None,
             no_unmapper: false,
             held: false,
+            redo_warned: false,
             helper_calls: Arc::default(),
         })
     }
@@ -296,6 +300,35 @@ impl CudaBackend {
             self.mappings.remove(&a);
         }
         Ok(())
+    }
+
+    /// Unmaps what a failed `map_handles` mapped, `[ptr, ptr + size)`. The
+    /// caller takes the range for unmapped (its handles go back to the pool
+    /// or the driver), so should the unmap fail too, the range is listed
+    /// for the helper's redo: the next map over it, the release of a handle
+    /// and the free of its reservation wait for it (and try it again)
+    /// first, instead of finding it still mapped.
+    fn undo_map(&mut self, ptr: DevicePtr, size: u64) {
+        let Err(e) = self.unmap_run(ptr, size) else {
+            return;
+        };
+        let handles = self.mappings.range(ptr..ptr + size).count() as u64;
+        let Some(u) = self.unmapper() else {
+            tracing::warn!(
+                "gpualloc: device {}: unmapping a failed mapping failed: {e}",
+                self.ordinal
+            );
+            return;
+        };
+        u.add_failed(&[Job::Unmap { ptr, size, handles }]);
+        let inside: Vec<DevicePtr> = self
+            .mappings
+            .range(ptr..ptr + size)
+            .map(|(&a, _)| a)
+            .collect();
+        for a in inside {
+            self.mappings.remove(&a);
+        }
     }
 
     /// Records an event on `stream` in the stream's own context when that
@@ -858,9 +891,12 @@ impl Backend for CudaBackend {
         // The handle may still be mapped where the helper has yet to unmap.
         // Releasing a mapped handle is allowed (its memory goes once the
         // last mapping does), so a failure there fails no release.
-        if let Err(e) = self.wait_later(None) {
+        if let Err(e) = self.wait_later(None)
+            && !std::mem::replace(&mut self.redo_warned, true)
+        {
             tracing::warn!(
-                "gpualloc: device {}: unmapping given up earlier failed again: {e}",
+                "gpualloc: device {}: unmapping given up earlier failed again: {e} \
+                 (its handles' memory returns once it succeeds; not reported again)",
                 self.ordinal
             );
         }
@@ -905,7 +941,7 @@ impl Backend for CudaBackend {
             });
             if let Err(e) = check("cuMemMap", r) {
                 if at > ptr {
-                    let _ = self.unmap_run(ptr, at - ptr);
+                    self.undo_map(ptr, at - ptr);
                 }
                 return Err(e);
             }
@@ -922,7 +958,7 @@ impl Backend for CudaBackend {
             || unsafe { driver::cuMemSetAccess(ptr, total as usize, desc.as_ptr(), desc.len()) },
         );
         if let Err(e) = check("cuMemSetAccess", r) {
-            let _ = self.unmap_run(ptr, total);
+            self.undo_map(ptr, total);
             return Err(e);
         }
         Ok(())
@@ -1044,18 +1080,25 @@ impl Backend for CudaBackend {
             Job::Unmap { ptr, size, .. } => (ptr, size),
             Job::Free { .. } => unreachable!("only unmaps here"),
         };
+        if queued == 0 {
+            // A forked child (no helper), or a helper stopped for the exit
+            // (Note [Helpers at exit]): all of it now, in one call, which
+            // unmaps the range or leaves it mapped, whole either way.
+            return self.unmap(ptr, size);
+        }
         if queued < jobs.len() {
-            // A forked child (no helper: nothing was queued), or the process
-            // exiting (Note [Helpers at exit]): the jobs queued are the
-            // helper's (or listed for a redo); the rest now, on this thread.
-            for j in &jobs[..queued] {
+            // The exit stopped the helper part-way: the jobs queued are its
+            // (or listed for a redo). The rest are listed as failed too, for
+            // the next wait over them to do here, rather than done now: a
+            // failure among them must not leave the caller holding a range
+            // whose other part the helper will still unmap.
+            if let Some(u) = &self.unmapper {
+                u.add_failed(&jobs[queued..]);
+            }
+            for j in &jobs {
                 let (p, s) = range(j);
                 self.calls.add(DriverCall::Unmap, 1, s, 0);
                 self.mappings.remove(&p);
-            }
-            for j in &jobs[queued..] {
-                let (p, s) = range(j);
-                self.unmap(p, s)?;
             }
             return Ok(());
         }

@@ -205,6 +205,15 @@ impl Unmapper {
         std::process::id() == self.pid
     }
 
+    /// Lists `jobs` as failed, for the caller's next wait over them to do,
+    /// as [`quiesce`](Self::quiesce) lists the jobs not started: what a
+    /// range given up part-way through an exit leaves (`unmap_later`).
+    pub fn add_failed(&self, jobs: &[Job]) {
+        if self.here() {
+            self.shared.state.lock().failed.extend_from_slice(jobs);
+        }
+    }
+
     /// Queues `job`, after every job queued before. `false` (nothing
     /// queued) in a forked child, which has no helper.
     #[must_use]
@@ -380,8 +389,10 @@ pub fn blocked(failed: &[Job], job: &Job) -> bool {
 
 /// Does failed `jobs` again (oldest first) with `run`: those over
 /// `[lo, hi)` and, before a Free among them, the Unmaps inside its
-/// reservation (all jobs with `None`), in order, stopping at the first
-/// that fails again. Returns that error and the jobs done.
+/// reservation (all jobs with `None`), in order. A job that fails again
+/// does not hold back the others, except a Free over it, which waits with
+/// it (as on the helper: [`blocked`]). Returns the first error and the
+/// jobs done.
 pub fn redo(
     jobs: &[Job],
     range: Option<(DevicePtr, DevicePtr)>,
@@ -401,16 +412,23 @@ pub fn redo(
         }
     }
     let mut done = Vec::new();
+    let mut again: Vec<Job> = Vec::new();
+    let mut first = Ok(());
     for (i, &job) in jobs.iter().enumerate() {
-        if !pick[i] {
+        if !pick[i] || blocked(&again, &job) {
             continue;
         }
-        if let Err(e) = run(job) {
-            return (Err(e), done);
+        match run(job) {
+            Ok(()) => done.push(job),
+            Err(e) => {
+                again.push(job);
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
         }
-        done.push(job);
     }
-    (Ok(()), done)
+    (first, done)
 }
 
 impl Drop for Unmapper {
@@ -574,6 +592,29 @@ mod tests {
     }
 
     #[test]
+    fn jobs_listed_as_failed_wait_for_the_caller_and_hold_back_their_free() {
+        // What a range given up part-way through an exit leaves: jobs the
+        // helper never got, listed for the caller's next wait.
+        let (u, rx) = recording(Duration::ZERO);
+        let left = unmap(0x2000, 512);
+        u.add_failed(&[left]);
+        assert!(!u.is_idle(), "the caller still has a job to do");
+        let free = Job::Free {
+            ptr: 0x2000,
+            size: 0x1000,
+        };
+        assert!(u.push(free));
+        u.wait_all();
+        assert!(
+            rx.try_recv().is_err(),
+            "the Free waits for the listed unmap"
+        );
+        assert_eq!(u.failed(), vec![left, free]);
+        u.forget(&[left, free]);
+        assert!(u.is_idle());
+    }
+
+    #[test]
     fn a_failed_job_is_kept_for_the_caller_and_the_queue_goes_on() {
         let (u, rx) = recording(Duration::ZERO);
         assert!(u.push(unmap(0xbad, 512)));
@@ -677,9 +718,17 @@ mod tests {
         });
         assert!(r.is_ok());
         assert_eq!(ran, vec![b, c, free]);
-        // A failure stops the rest.
+        // A failure holds back only the Free of its reservation: the jobs
+        // after it, and another reservation's Unmap and Free, still run.
+        let (d, other) = (
+            unmap(0x8000, 512),
+            Job::Free {
+                ptr: 0x8000,
+                size: 0x1000,
+            },
+        );
         let mut ran = Vec::new();
-        let (r, done) = redo(&[a, b, free, c], None, |j| {
+        let (r, done) = redo(&[a, b, free, c, d, other], None, |j| {
             ran.push(j);
             if j == b {
                 Err(BackendError::Unavailable("again".into()))
@@ -687,8 +736,9 @@ mod tests {
                 Ok(())
             }
         });
-        assert!(r.is_err());
-        assert_eq!((ran, done), (vec![a, b], vec![a]));
+        assert!(r.is_err(), "the failure is reported");
+        assert_eq!(ran, vec![a, b, c, d, other]);
+        assert_eq!(done, vec![a, c, d, other]);
     }
 
     #[test]
