@@ -618,6 +618,7 @@ impl<B: Backend> DeviceAllocator<B> {
         // `empty_cache`: waited for as they are, none recorded.
         self.fences.wait_queued(&mut self.backend)?;
         self.finish_drains()?;
+        self.trim_stitch_tails()?;
         self.unmap_pools(&[SMALL, LARGE], false)?;
         let released = self.private.freeable_pools();
         self.unmap_released_pools(&released)?;

@@ -172,7 +172,8 @@ impl<B: Backend> DeviceAllocator<B> {
             .list
             .iter()
             .filter(|s| s.in_use.is_some())
-            .map(|s| s.size)
+            .flat_map(|s| s.parts())
+            .map(|p| p.size)
             .sum();
         if lent != claimed_bytes {
             return Err(format!(
@@ -246,8 +247,8 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(())
     }
 
-    /// Every stitch's slots tile its range; one in use has no holes, a
-    /// cached one maps at least one part; every part aliases the handle
+    /// Every stitch's slots tile its range; one in use has holes only past
+    /// its block, a cached one maps at least one part; every part aliases the handle
     /// still mapped at its home, and no two parts of a stitch the same one.
     fn check_stitches(&self) -> Result<(), String> {
         for (k, s) in self.stitches.list.iter().enumerate() {
@@ -259,11 +260,18 @@ impl<B: Backend> DeviceAllocator<B> {
                     s.size
                 ));
             }
-            let holes = s.holes();
-            if s.in_use.is_some() && holes > 0 {
-                return Err(format!(
-                    "stitch {k} at {va:#x} is in use with {holes} holes"
-                ));
+            if let Some(seg) = s.in_use {
+                // Holes only past its block's end (Note [Stitch tails]).
+                let b = &self.heap.blocks[self.heap.segments.get(seg).first];
+                let mut at = va;
+                for slot in &s.slots {
+                    if slot.part().is_none() && at < b.ptr + b.size {
+                        return Err(format!(
+                            "stitch {k} at {va:#x} is in use with a hole at {at:#x}, inside its block"
+                        ));
+                    }
+                    at += slot.size();
+                }
             }
             if s.parts().next().is_none() {
                 return Err(format!("cached stitch {k} at {va:#x} maps nothing"));

@@ -87,6 +87,7 @@ pub mod stats;
 mod stitch;
 mod stitch_cache;
 mod stitch_repair;
+mod stitch_trim;
 pub mod trace;
 mod trace_control;
 pub mod trace_path;

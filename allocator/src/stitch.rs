@@ -38,7 +38,9 @@
 //! A stitch whose holes cannot be filled is torn down and a new one built,
 //! as before. A cached stitch is torn down whole (after its last work) on
 //! `empty_cache` and on the out-of-memory path, when the cache is full, or
-//! when its handles are replaced for sharing (`ipc.rs`). The trace records
+//! when its handles are replaced for sharing (`ipc.rs`); a stitch in use
+//! gives back there the handles past its block (Note [Stitch tails] in
+//! `stitch_trim.rs`). The trace records
 //! a stitch's life (its range mapped when built, unmapped when torn down),
 //! not its holes; segment observers see every part unmapped and every hole
 //! mapped (Note [Segment events]). Stitched ranges alias memory already
@@ -263,14 +265,17 @@ impl<B: Backend> DeviceAllocator<B> {
             .position(|s| s.in_use == Some(seg))
             .expect("a stitch block belongs to a stitch");
         self.heap.segments.remove(seg);
-        let (va, size, stream) = {
-            let s = &self.stitches.list[i];
-            (s.va, s.size, s.stream)
-        };
-        self.notify(SegmentAction::Unlisted, stream, va, size);
+        let stream = self.stitches.list[i].stream;
+        // What is mapped of it: a tail trimmed while it was in use
+        // (`stitch_trim.rs`) left the snapshot then.
+        for (_, _, at, bytes) in self.stitches.list[i].runs(|s| s.part().is_some()) {
+            self.notify(SegmentAction::Unlisted, stream, at, bytes);
+        }
         self.tell_homes(i, SegmentAction::Listed);
-        if let Some(rest) = self.heap.blocks[id].next {
-            self.heap.blocks.remove(rest);
+        let mut rest = self.heap.blocks[id].next;
+        while let Some(r) = rest {
+            rest = self.heap.blocks[r].next;
+            self.heap.blocks.remove(r);
         }
         self.heap.blocks.remove(id);
         let slots = std::mem::take(&mut self.stitches.list[i].slots);
@@ -300,7 +305,21 @@ impl<B: Backend> DeviceAllocator<B> {
             return; // nothing to tell: no list to build on the request's path
         }
         let s = &self.stitches.list[i];
-        let mut homes: Vec<(DevicePtr, u64)> = s.parts().map(|p| (p.addr, p.size)).collect();
+        self.tell_home_parts(s.stream, s.parts(), action);
+    }
+
+    /// Tells the observer `action` for the home runs of `parts`, adjacent
+    /// parts as one range.
+    pub(crate) fn tell_home_parts<'a>(
+        &self,
+        stream: StreamId,
+        parts: impl Iterator<Item = &'a Part>,
+        action: SegmentAction,
+    ) {
+        if self.observer.is_none() {
+            return;
+        }
+        let mut homes: Vec<(DevicePtr, u64)> = parts.map(|p| (p.addr, p.size)).collect();
         homes.sort_unstable();
         let mut run: Option<(DevicePtr, u64)> = None;
         for (addr, size) in homes {
@@ -308,20 +327,20 @@ impl<B: Backend> DeviceAllocator<B> {
                 Some((lo, len)) if lo + len == addr => run = Some((lo, len + size)),
                 _ => {
                     if let Some((lo, len)) = run {
-                        self.notify(action, s.stream, lo, len);
+                        self.notify(action, stream, lo, len);
                     }
                     run = Some((addr, size));
                 }
             }
         }
         if let Some((lo, len)) = run {
-            self.notify(action, s.stream, lo, len);
+            self.notify(action, stream, lo, len);
         }
     }
 
     /// Marks the home range of a part claimed (from free) or free (from
     /// claimed), merging free blocks as `free_block` does.
-    fn set_home(&mut self, p: &Part, state: BlockState) {
+    pub(crate) fn set_home(&mut self, p: &Part, state: BlockState) {
         let id = self
             .heap
             .find_block(p.seg, p.addr)

@@ -18,7 +18,8 @@ pub(crate) struct Part {
 
 /// One handle's place in a stitch: mapped from its home, or a hole of that
 /// many bytes, unmapped when defragmentation took the handle (Note
-/// [Stitching]); only a cached stitch has holes.
+/// [Stitching]); a stitch in use has holes only past its block, where the
+/// out-of-memory path gave its tail back (Note [Stitch tails]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Slot {
     Mapped(Part),

@@ -50,12 +50,17 @@ impl<B: Backend> DeviceAllocator<B> {
     ) -> Result<(), AllocError> {
         let stream = self.stitches.list[i].stream;
         let runs = self.stitches.list[i].runs(|s| s.part().is_some() && pick(s));
+        // The snapshot lists a stitch in use, not a cached one.
+        let (unmap, again) = if self.stitches.list[i].in_use.is_some() {
+            (SegmentAction::Unmap, SegmentAction::Map)
+        } else {
+            (SegmentAction::UnmapUnlisted, SegmentAction::MapUnlisted)
+        };
         for (first, end, at, bytes) in runs {
-            // A cached stitch: the snapshot does not list it.
-            self.notify(SegmentAction::UnmapUnlisted, stream, at, bytes);
+            self.notify(unmap, stream, at, bytes);
             if let Err(e) = unmap_maybe_later(&mut self.backend, at, bytes, later) {
                 // Still mapped: say so again (Note [Segment events]).
-                self.notify(SegmentAction::MapUnlisted, stream, at, bytes);
+                self.notify(again, stream, at, bytes);
                 return Err(e.into());
             }
             for slot in &mut self.stitches.list[i].slots[first..end] {

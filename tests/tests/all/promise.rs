@@ -128,3 +128,57 @@ proptest! {
         run("", 16 * MIB, &ops)?;
     }
 }
+
+/// A cached stitch serves a request a little smaller than itself whole;
+/// the handles past the block's end hold no live byte, so a request that
+/// fits with them gets them back (Note [Stitch tails]).
+#[test]
+fn a_stitch_reused_for_a_smaller_request_gives_its_tail_back_when_memory_runs_out() {
+    for config in ["expandable_handle_mb:2", ""] {
+        let mut c = Checked::with(512 * MIB, config);
+        let mut runs = Vec::new();
+        for _ in 0..15 {
+            runs.push(c.alloc(30 * MIB, 0));
+            c.alloc(2 * MIB, 0); // 15 x 2 MiB stay live between the runs
+        }
+        for p in runs {
+            c.release(p);
+        }
+        let s = c.alloc(300 * MIB, 0); // stitched over ten free runs
+        assert_eq!(c.stats().num_stitch, 1, "{config}");
+        c.release(s); // cached
+        let t = c.alloc(290 * MIB, 0); // takes the cached stitch whole
+        assert_eq!(c.stats().num_stitch, 1, "{config}: reused, not built");
+        // Live: 30 + 290 MiB in whole pages; 190 MiB more fit in 512.
+        let u = c.malloc(190 * MIB, 0);
+        assert!(u.is_ok(), "{config}: {}", u.unwrap_err());
+        // The stitch, freed with holes at its end, serves again.
+        c.release(t);
+        c.release(u.unwrap());
+        let again = c.alloc(290 * MIB, 0);
+        c.release(again);
+        c.empty_cache();
+        assert!(c.sim().used() <= 30 * MIB, "{config}: {}", c.sim().used());
+    }
+}
+
+/// The same at its smallest (a case the property test found): one page
+/// of tail, and a one-byte request.
+#[test]
+fn the_last_page_of_a_stitch_tail_serves_a_request() {
+    let mut c = Checked::with(512 * MIB, "expandable_handle_mb:2");
+    let p = c.alloc(510 * MIB, 0);
+    c.release(p); // 510 MiB mapped and free on stream 0
+    let q = c.alloc(4 * MIB + 1, 0);
+    for size in [1, 1, 1, 1, 34817, 34817, 1048065, 34817, 1, 1, 1048065] {
+        c.alloc(size, 7); // stream 7's two small pages; the second moves a handle
+    }
+    c.release(q);
+    let r = c.alloc(508 * MIB, 0); // stitched
+    assert_eq!(c.stats().num_stitch, 1);
+    c.release(r); // cached
+    let _t = c.alloc(506 * MIB, 0); // the cached stitch, whole
+    // Pages of live blocks: 4 MiB (stream 7) + 506 MiB: one page is free.
+    let u = c.malloc(1, 0);
+    assert!(u.is_ok(), "{}", u.unwrap_err());
+}

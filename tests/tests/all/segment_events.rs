@@ -350,3 +350,38 @@ fn registered_ranges_are_exactly_the_backed_memory() {
         }
     }
 }
+
+/// A stitch in use whose tail the out-of-memory path gives back (Note
+/// [Stitch tails]): the tail leaves both views, its home runs enter the
+/// snapshot, and the stitch freed with holes leaves the snapshot by what
+/// is still mapped of it.
+#[test]
+fn a_trimmed_stitch_tail_leaves_both_views() {
+    let mut c = Checked::with(CAPACITY, "expandable_handle_mb:2");
+    let reg = Arc::new(Mutex::new(Registry::default()));
+    let r = Arc::clone(&reg);
+    c.dev
+        .set_segment_observer(Some(Arc::new(move |e| r.lock().unwrap().on(e))));
+    let mut runs = Vec::new();
+    for _ in 0..15 {
+        runs.push(c.alloc(30 * MIB, 0));
+        c.alloc(2 * MIB, 0);
+    }
+    for p in runs {
+        c.release(p);
+    }
+    let s = c.alloc(300 * MIB, 0);
+    c.release(s);
+    let t = c.alloc(290 * MIB, 0);
+    check(&c, &reg, "the cached stitch taken for a smaller request");
+    let u = c.malloc(190 * MIB, 0).expect("the tail comes back");
+    check(&c, &reg, "the tail trimmed on the out-of-memory path");
+    c.release(t);
+    check(&c, &reg, "the trimmed stitch freed");
+    c.release(u);
+    let again = c.alloc(290 * MIB, 0);
+    check(&c, &reg, "the trimmed stitch repaired and taken again");
+    c.release(again);
+    c.empty_cache();
+    check(&c, &reg, "empty_cache");
+}
