@@ -337,7 +337,9 @@ impl CudaBackend {
     fn record_foreign(&mut self, stream: StreamId) -> Result<EventId, BackendError> {
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: `stream` is a stream handle PyTorch passed; `ctx` is a
-        // valid out-pointer. A destroyed stream makes the call fail.
+        // valid out-pointer. On a stream destroyed since, CUDA leaves the
+        // call undefined and the driver reports an invalid handle; PyTorch's
+        // own allocator records events on such streams as well.
         check("cuStreamGetCtx", unsafe {
             driver::cuStreamGetCtx(stream_of(stream), &mut ctx)
         })?;
@@ -752,9 +754,13 @@ impl Backend for CudaBackend {
             // A stream handle of any device (a side stream of another GPU
             // is keyed as its handle): the driver knows its context, which
             // this device's synchronization would not cover.
-            // SAFETY: `s` is a stream handle the caller passed; one that was
-            // destroyed since is the caller's risk, as for any stream call
-            // (the driver reports an invalid handle).
+            // SAFETY: `s` is a stream handle the caller passed. CUDA leaves a
+            // call on a stream destroyed since undefined; the allocator makes
+            // it only for a stream an event record refused (a side stream
+            // such as `torch.cuda.ExternalStream` destroyed while its blocks
+            // were cached), where PyTorch's own allocator has already made
+            // the same kind of call (`cudaEventRecord`), and the driver
+            // reports an invalid handle.
             let r = self.timed(DriverCall::CtxSync, (0, 0), || unsafe {
                 driver::cuStreamSynchronize(s)
             });
