@@ -2,7 +2,8 @@
  * check.h - what the CUDA benchmarks in this folder share: every driver
  * (DRV) and runtime (RT) call is checked, on error the call and its error
  * are printed and the program exits with status 1; device0() starts
- * device 0's primary context for both APIs.
+ * device 0's primary context for both APIs; device0_prop() and
+ * device0_access() describe pinned memory on device 0, read-write there.
  */
 #pragma once
 #include <cuda.h>
@@ -39,4 +40,21 @@ inline cudaDeviceProp device0() {
   cudaDeviceProp p;
   RT(cudaGetDeviceProperties(&p, 0));
   return p;
+}
+
+// Pinned physical memory on device 0 (`cuMemCreate`).
+inline CUmemAllocationProp device0_prop() {
+  CUmemAllocationProp p = {};
+  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  p.location.id = 0;
+  return p;
+}
+
+// Read-write access from device 0 (`cuMemSetAccess`).
+inline CUmemAccessDesc device0_access() {
+  CUmemAccessDesc a = {};
+  a.location = device0_prop().location;
+  a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return a;
 }

@@ -67,21 +67,6 @@ enum Kind { NONE, SET_ACCESS, MAP_UNMAP, REMAP, CREATE_RELEASE, NKIND };
 static const char* KIND[NKIND] = {"none", "set access", "map + unmap", "map + access + unmap",
                                   "create + release"};
 
-static CUmemAllocationProp prop() {
-  CUmemAllocationProp p = {};
-  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  p.location.id = 0;
-  return p;
-}
-
-static CUmemAccessDesc access() {
-  CUmemAccessDesc a = {};
-  a.location = prop().location;
-  a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  return a;
-}
-
 // Memory the host moves: POOL handles, a reservation to map them into, and
 // one handle kept mapped for the access-only calls.
 struct Moves {
@@ -91,8 +76,8 @@ struct Moves {
   size_t next = 0;
 
   Moves() : h(POOL) {
-    CUmemAllocationProp p = prop();
-    CUmemAccessDesc a = access();
+    CUmemAllocationProp p = device0_prop();
+    CUmemAccessDesc a = device0_access();
     DRV(cuMemAddressReserve(&base, POOL * H, H, 0, 0));
     DRV(cuMemAddressReserve(&fixed, H, H, 0, 0));
     for (auto& x : h) DRV(cuMemCreate(&x, H, &p, 0));
@@ -109,8 +94,8 @@ struct Moves {
   }
 
   void one(Kind k) {
-    static const CUmemAccessDesc a = access();
-    static const CUmemAllocationProp p = prop();
+    static const CUmemAccessDesc a = device0_access();
+    static const CUmemAllocationProp p = device0_prop();
     size_t j = next++ % POOL;
     CUdeviceptr at = base + j * H;
     switch (k) {
@@ -147,8 +132,8 @@ struct Work {
     if (!mapped) {
       RT(cudaMalloc(&p, WORK));
     } else {
-      CUmemAllocationProp pr = prop();
-      CUmemAccessDesc a = access();
+      CUmemAllocationProp pr = device0_prop();
+      CUmemAccessDesc a = device0_access();
       DRV(cuMemAddressReserve(&base, WORK, H, 0, 0));
       h.resize(WORK / H);
       for (size_t i = 0; i < h.size(); ++i) {

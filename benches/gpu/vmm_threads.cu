@@ -78,21 +78,6 @@ __global__ void spin(volatile int* stop) {
 }
 __global__ void empty_kernel() {}
 
-static CUmemAllocationProp prop() {
-  CUmemAllocationProp p = {};
-  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  p.location.id = 0;
-  return p;
-}
-
-static CUmemAccessDesc access() {
-  CUmemAccessDesc a = {};
-  a.location = prop().location;
-  a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  return a;
-}
-
 static double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
@@ -106,8 +91,8 @@ static void round(CUcontext ctx, CUdeviceptr base, int threads, double out[4]) {
     pool.emplace_back([&, t] {
       DRV(cuCtxSetCurrent(ctx));
       size_t lo = N * t / threads, hi = N * (t + 1) / threads;
-      CUmemAllocationProp p = prop();
-      CUmemAccessDesc a = access();
+      CUmemAllocationProp p = device0_prop();
+      CUmemAccessDesc a = device0_access();
       for (int phase = 0; phase < 4; ++phase) {
         sync.arrive_and_wait();
         for (size_t i = lo; i < hi; ++i) {
@@ -145,8 +130,8 @@ static double launches_us(CUcontext ctx, CUdeviceptr base, cudaStream_t s, bool 
   if (helper) {
     th = std::thread([&] {
       DRV(cuCtxSetCurrent(ctx));
-      CUmemAllocationProp p = prop();
-      CUmemAccessDesc a = access();
+      CUmemAllocationProp p = device0_prop();
+      CUmemAccessDesc a = device0_access();
       size_t i = 0;
       while (!stop.load()) {
         CUdeviceptr at = base + (i++ % N) * H;

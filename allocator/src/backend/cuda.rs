@@ -291,6 +291,12 @@ impl CudaBackend {
             driver::cuMemUnmap(ptr, size as usize)
         });
         check("cuMemUnmap", r)?;
+        self.forget_mappings(ptr, size);
+        Ok(())
+    }
+
+    /// Drops the record of the mappings in `[ptr, ptr + size)`.
+    fn forget_mappings(&mut self, ptr: DevicePtr, size: u64) {
         let inside: Vec<DevicePtr> = self
             .mappings
             .range(ptr..ptr + size)
@@ -299,7 +305,6 @@ impl CudaBackend {
         for a in inside {
             self.mappings.remove(&a);
         }
-        Ok(())
     }
 
     /// Unmaps what a failed `map_handles` mapped, `[ptr, ptr + size)`. The
@@ -321,14 +326,7 @@ impl CudaBackend {
             return;
         };
         u.add_failed(&[Job::Unmap { ptr, size, handles }]);
-        let inside: Vec<DevicePtr> = self
-            .mappings
-            .range(ptr..ptr + size)
-            .map(|(&a, _)| a)
-            .collect();
-        for a in inside {
-            self.mappings.remove(&a);
-        }
+        self.forget_mappings(ptr, size);
     }
 
     /// Records an event on `stream` in the stream's own context when that
@@ -1102,18 +1100,15 @@ impl Backend for CudaBackend {
                 u.add_failed(&jobs[queued..]);
             }
             for j in &jobs {
-                let (p, s) = range(j);
-                self.calls.add(DriverCall::Unmap, 1, s, 0);
-                self.mappings.remove(&p);
+                self.calls.add(DriverCall::Unmap, 1, range(j).1, 0);
             }
+            self.forget_mappings(ptr, size);
             return Ok(());
         }
         // Counted now, as one call made at once would be (the
         // defragmentation budget reads the counts); its time is the helper's.
         self.calls.add(DriverCall::Unmap, handles, size, 0);
-        for (a, _) in inside {
-            self.mappings.remove(&a);
-        }
+        self.forget_mappings(ptr, size);
         Ok(())
     }
 
