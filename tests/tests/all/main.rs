@@ -20,6 +20,7 @@ mod fuzz_config;
 mod gpu_recorded;
 mod graph_replay;
 mod promise;
+mod promise_adversarial;
 mod properties;
 mod replay_fuzz;
 mod scenarios;
