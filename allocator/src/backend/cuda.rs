@@ -318,15 +318,17 @@ impl CudaBackend {
             return;
         };
         let handles = self.mappings.range(ptr..ptr + size).count() as u64;
-        let Some(u) = self.unmapper() else {
+        let job = Job::Unmap { ptr, size, handles };
+        if self.unmapper().is_some_and(|u| u.add_failed(&[job])) {
+            self.forget_mappings(ptr, size);
+        } else {
+            // No helper (a forked child): the range stays recorded as
+            // mapped, so a map over it fails instead of faulting.
             tracing::warn!(
                 "gpualloc: device {}: unmapping a failed mapping failed: {e}",
                 self.ordinal
             );
-            return;
-        };
-        u.add_failed(&[Job::Unmap { ptr, size, handles }]);
-        self.forget_mappings(ptr, size);
+        }
     }
 
     /// Records an event on `stream` in the stream's own context when that
@@ -1096,9 +1098,11 @@ impl Backend for CudaBackend {
             // the next wait over them to do here, rather than done now: a
             // failure among them must not leave the caller holding a range
             // whose other part the helper will still unmap.
-            if let Some(u) = &self.unmapper {
-                u.add_failed(&jobs[queued..]);
-            }
+            let listed = self
+                .unmapper
+                .as_ref()
+                .is_some_and(|u| u.add_failed(&jobs[queued..]));
+            debug_assert!(listed, "a helper that took jobs lists the rest");
             for j in &jobs {
                 self.calls.add(DriverCall::Unmap, 1, range(j).1, 0);
             }

@@ -208,10 +208,14 @@ impl Unmapper {
     /// Lists `jobs` as failed, for the caller's next wait over them to do,
     /// as [`quiesce`](Self::quiesce) lists the jobs not started: what a
     /// range given up part-way through an exit leaves (`unmap_later`).
-    pub fn add_failed(&self, jobs: &[Job]) {
-        if self.here() {
-            self.shared.state.lock().failed.extend_from_slice(jobs);
+    /// `false` (nothing listed) in a forked child, which has no helper.
+    #[must_use]
+    pub fn add_failed(&self, jobs: &[Job]) -> bool {
+        if !self.here() {
+            return false;
         }
+        self.shared.state.lock().failed.extend_from_slice(jobs);
+        true
     }
 
     /// Queues `job`, after every job queued before. `false` (nothing
@@ -597,7 +601,7 @@ mod tests {
         // helper never got, listed for the caller's next wait.
         let (u, rx) = recording(Duration::ZERO);
         let left = unmap(0x2000, 512);
-        u.add_failed(&[left]);
+        assert!(u.add_failed(&[left]));
         assert!(!u.is_idle(), "the caller still has a job to do");
         let free = Job::Free {
             ptr: 0x2000,
