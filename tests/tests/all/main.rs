@@ -18,6 +18,7 @@ mod examples;
 mod follow_properties;
 mod fuzz_config;
 mod gpu_recorded;
+mod graph_isolation;
 mod graph_replay;
 mod promise;
 mod promise_adversarial;
