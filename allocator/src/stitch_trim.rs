@@ -67,6 +67,8 @@ impl<B: Backend> DeviceAllocator<B> {
         self.fences.wait(&mut self.backend, stream, freed)?;
         let cut = at;
         // Parts of a stitch alias distinct handles: their homes name them.
+        // A stitch in use has no hole before this, so the tail is one run:
+        // one call, which unmaps all of it or nothing.
         let homes: Vec<_> = tail.iter().map(|p| p.addr).collect();
         self.unmap_slots(
             i,
@@ -82,13 +84,10 @@ impl<B: Backend> DeviceAllocator<B> {
         let rest = self.heap.blocks[block]
             .next
             .expect("a stitch larger than its block has a rest block");
-        let rest = if cut > used_end && self.heap.blocks[rest].ptr < cut {
-            let claimed = cut - self.heap.blocks[rest].ptr;
+        let claimed = cut - self.heap.blocks[rest].ptr;
+        if claimed > 0 {
             self.heap.carve_front(rest, claimed, BlockState::Claimed);
-            rest
-        } else {
-            rest
-        };
+        }
         self.heap.blocks[rest].state = BlockState::Unmapped;
         if let Some(n) = self.heap.blocks[rest].next {
             debug_assert_eq!(self.heap.blocks[n].state, BlockState::Unmapped);
