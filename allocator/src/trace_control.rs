@@ -26,7 +26,10 @@
 //! and its device buffers go before it creates the file: a start that
 //! failed there once left the buffers attached, so the next start skipped
 //! those devices (a trace of nothing) and its stop waited on the copy's
-//! channel, full and read by nobody.
+//! channel, full and read by nobody. Until then the child's device buffers
+//! never send on that channel: a send could spin forever on a lock of the
+//! channel that the parent's writer thread held at the fork (a rare hang of
+//! the Python package's fork test in CI); what they record is dropped.
 
 use std::io;
 use std::path::Path;

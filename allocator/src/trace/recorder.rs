@@ -99,6 +99,8 @@ struct Sink {
     tx: Sender<Msg>,
     spare: Receiver<Vec<TraceEvent>>,
     lossless: bool,
+    /// The process whose writer thread reads `tx`.
+    pid: u32,
 }
 
 /// One device's trace buffer.
@@ -210,7 +212,25 @@ impl DeviceTrace {
 
     #[cold]
     fn hand_off(&mut self) {
-        let Some(sink) = &self.sink else { return };
+        if self
+            .sink
+            .as_ref()
+            .is_some_and(|s| s.pid != std::process::id())
+        {
+            // A forked child's copy (Note [Traces across fork]): nothing
+            // reads the channel here, and a send could spin forever on a
+            // lock of the channel that the parent's writer thread held at
+            // the fork. The child lets go of the channel and drops what it
+            // records until a trace of its own starts.
+            self.sink = None;
+        }
+        let Some(sink) = &self.sink else {
+            let n = crate::trace::reader::event_count(&self.buf);
+            self.dropped_pending += n;
+            self.dropped_total += n;
+            self.buf.clear();
+            return;
+        };
         let fresh = sink
             .spare
             .try_recv()
@@ -450,6 +470,7 @@ impl Recorder {
                 tx: self.tx.clone(),
                 spare: self.spare.clone(),
                 lossless: self.opts.lossless,
+                pid: self.pid,
             }),
             dropped_pending: 0,
             dropped_total: 0,
@@ -733,6 +754,32 @@ mod tests {
         rec.send(batch);
         t.finish();
         assert_eq!(rec.stop().unwrap().events, 10);
+        std::fs::remove_file(rec.path()).unwrap();
+    }
+
+    /// Note [Traces across fork]: a forked child's copy of a device buffer
+    /// never sends on the parent's channel (a send could spin on a lock
+    /// the parent's writer thread held at the fork); what it records is
+    /// counted as dropped, in bounded memory.
+    #[test]
+    fn a_forked_childs_buffer_lets_the_channel_go_and_drops_its_events() {
+        let path = crate::trace::control_tests_path("forked-buffer");
+        let opts = TraceOptions {
+            buffer_events: 64,
+            ..TraceOptions::default()
+        };
+        let rec = Recorder::start(&path, "", 1, opts).unwrap();
+        let mut t = rec.device_trace(0, rec.start_ns);
+        // As in a child: the channel's reader is another process's thread.
+        t.sink.as_mut().unwrap().pid = std::process::id().wrapping_add(1);
+        for i in 0..1000 {
+            t.record(rec.start_ns + i, Action::Mark, 0, 0, 0, 0);
+            assert!(t.buf.len() <= 64, "bounded: {}", t.buf.len());
+        }
+        assert!(t.sink.is_none(), "the channel is let go of");
+        assert_eq!(t.dropped(), 1000 / 64 * 64);
+        t.abandon();
+        assert_eq!(rec.stop().unwrap().events, 0, "nothing reached the writer");
         std::fs::remove_file(rec.path()).unwrap();
     }
 
