@@ -12,7 +12,8 @@ timed, with the allocator's counters), churn, churn_cpp and trace_cpp
 memory placed after a fragmenting warm-up), auto_marks (the step marks
 and phases install() records by itself), launcher (`python -m gpualloc
 run` on an unchanged program with DataLoader workers and a spawned
-process) and max_batch (the largest
+process), promise (requests the bound says fit, under a fixed budget,
+after fragmenting sequences: promise.py) and max_batch (the largest
 batch of a workload under a memory budget):
 
     python3 tests/gpu/checks.py max_batch --alloc native --workload backbone --budget-gib 12
@@ -39,6 +40,7 @@ import churn_cpp  # noqa: E402 - needs HERE on the path
 import compat  # noqa: E402
 import kernel_speed  # noqa: E402
 import launcher  # noqa: E402
+import promise  # noqa: E402
 
 MiB = 1 << 20
 
@@ -1076,6 +1078,7 @@ CHECKS = {
     "trace_cpp": churn_cpp.check_trace_cpp,
     "kernel_speed": kernel_speed.check_kernel_speed,
     "launcher": launcher.check_launcher,
+    "promise": promise.check_promise,
 }
 
 

@@ -19,6 +19,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from promise import compare_promise  # noqa: E402 - needs HERE on the path
 
 # (check, timeout seconds, steps) in the order they run: correctness first.
 PLAN = [
@@ -35,6 +38,7 @@ PLAN = [
     ("launcher", 300, 0),
     ("compat", 300, 0),
     ("ipc", 150, 0),
+    ("promise", 240, 0),
     ("train_resnet", 150, 200),
     ("train_gpt2", 150, 200),
     ("train_detector", 150, 200),
@@ -68,6 +72,7 @@ CHECK_VARIANTS = {
     "ipc": ["native", "native[expandable_segments:True]", "gpualloc", "gpualloc[expandable_segments:false]"],
     "kernel_speed": ["native", "native[expandable_segments:True]", "gpualloc"],
     "launcher": ["gpualloc"],
+    "promise": ["native", "native[expandable_segments:True]", "gpualloc", "gpualloc[expandable_handle_mb:2]"],
 }
 TRAIN_VARIANTS = ["native", "native-expandable", "gpualloc", "gpualloc-expandable", "gpualloc-expandable-traced"]
 
@@ -323,6 +328,10 @@ def main():
                     "ratio_gpualloc_over_native": g["result"][key] / n["result"][key],
                 }
                 print(f"  {check}: {json.dumps(summary['compare'][check])}", flush=True)
+        if check == "promise":
+            summary["compare"][check] = compare_promise(summary["runs"], variants)
+            for v, c in summary["compare"][check].items():
+                print(f"  promise {v}: {json.dumps(c)}", flush=True)
         if check == "kernel_speed":
             summary["compare"][check] = compare_kernel_speed(summary["runs"], variants)
             print(f"  {check}: {json.dumps(summary['compare'][check])}", flush=True)

@@ -12,6 +12,7 @@ import bench  # noqa: E402
 import checks  # noqa: E402
 import compat  # noqa: E402
 import driver  # noqa: E402
+import promise  # noqa: E402
 import sweep  # noqa: E402
 from step_profiler import StepProfiler  # noqa: E402
 
@@ -275,6 +276,52 @@ class BenchTargets(unittest.TestCase):
         b["training"] = {"w": bench.summarize_training(b["runs"], "w", ["native", "gpualloc"])}
         b["churn"] = {}
         self.assertEqual(bench.targets(b), [("w", "all", "–", "not run")])
+
+
+class PromiseBounds(unittest.TestCase):
+    """promise.py's bounds, sequences and summary."""
+
+    MB = 1 << 20
+
+    def test_pages_count_each_page_a_byte_of_a_live_block_lies_on_once(self):
+        P = 2 * self.MB
+        # One block across a page boundary, two small blocks on one page.
+        blocks = [(P - 512, 1024), (5 * P, 512), (5 * P + 512, 512)]
+        self.assertEqual(promise.pages_held(blocks), 3 * P)
+        self.assertEqual(promise.pages_held([(0, 0)]), 0)
+        self.assertEqual(promise.pages_held([(0, P)]), P, "a block ending on a boundary holds one page")
+
+    def test_handles_count_each_block_with_a_handle_on_either_side(self):
+        self.assertEqual(promise.handles_held([(0, 100), (7, 5)], 16 * self.MB), 105 + 64 * self.MB)
+
+    def test_a_probe_is_whole_pages_and_never_negative(self):
+        P = 2 * self.MB
+        self.assertEqual(promise.probe_size(10 * P + self.MB, 3 * P), 7 * P)
+        self.assertEqual(promise.probe_size(P, 3 * P), 0)
+
+    def test_handle_size_from_the_configuration(self):
+        self.assertEqual(promise.handle_mb(""), 16)
+        self.assertEqual(promise.handle_mb("defragment:true,expandable_handle_mb:2"), 2)
+        self.assertEqual(promise.handle_mb("expandable_handle_mb: 64"), 64)
+        self.assertEqual(promise.handle_mb("max_expandable_handle_mb:2"), 16, "only the key itself")
+
+    def test_sequences_are_seeded_and_probe_at_a_fixed_rhythm(self):
+        a, b = promise.sequence(1, 100), promise.sequence(1, 100)
+        self.assertEqual(a, b)
+        self.assertNotEqual(a, promise.sequence(2, 100))
+        self.assertEqual(sum(op[0] == "probe" for op in a), 100 // promise.PROBE_EVERY)
+        sizes = [op[1] for op in a if op[0] == "alloc"]
+        self.assertTrue(all(512 <= s <= 512 * self.MB for s in sizes), sizes)
+
+    def test_the_summary_reads_every_variant_and_names_what_did_not_run(self):
+        r = {"page_probes": 4, "page_served": 3, "handle_probes": 1, "handle_served": 1, "over_probes": 5,
+             "over_raised": 5, "corrupt": [], "failures": [], "ok": True}
+        runs = {"promise/gpualloc": {"result": r}, "promise/native": {"error": "TimeoutExpired"}}
+        t = promise.compare_promise(runs, ["native", "gpualloc", "gpualloc[expandable_handle_mb:2]"])
+        self.assertEqual(t["gpualloc"]["page_served"], "3/4")
+        self.assertEqual(t["gpualloc"]["page_share"], 0.75)
+        self.assertEqual(t["native"], {"error": "TimeoutExpired"})
+        self.assertEqual(t["gpualloc[expandable_handle_mb:2]"], {"error": "did not run"})
 
 
 if __name__ == "__main__":
