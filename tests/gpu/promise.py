@@ -129,8 +129,12 @@ def check_promise(args) -> dict:
                     if on_side:
                         with torch.cuda.stream(side):
                             t = torch.empty(size, dtype=torch.uint8, device=dev).fill_(byte)
+                        # Used on the default stream too, after the fill (without the
+                        # wait, its add_ could write back what the memory held
+                        # before); its free then waits for both streams.
+                        torch.cuda.current_stream().wait_stream(side)
                         t.record_stream(torch.cuda.current_stream())
-                        t.add_(0)  # used on the default stream too: its free waits for both
+                        t.add_(0)
                     else:
                         t = torch.empty(size, dtype=torch.uint8, device=dev).fill_(byte)
                 except torch.OutOfMemoryError:
