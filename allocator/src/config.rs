@@ -33,6 +33,7 @@
 //! | `unmap_thread` | `true`/`false` | true | with expandable segments: ranges given up (old places of moved pages, stitches torn down) are unmapped by a helper thread (held back while a request maps memory) rather than on the allocating thread (Note [Unmapping off the allocating thread]) |
 //! | `defer_unmap` | `true`/`false` | true | with `defragment`: pages taken from a free block whose work may still run are mapped where the request fits at once and unmapped from the old place once that work is done, when the request is on the same stream (Note [Unmapping behind the work]); `false`: the host waits for that work first |
 //! | `stitch_min_mb` | integer, 0–1048576 | 32 | with `defragment`: requests of at least this many MiB may be served by stitching free pages into a fresh range (0: never) |
+//! | `stitch_budget` | 0 ≤ x ≤ 1 | 0.05 | with `defragment`: the share of elapsed time that defragmenting and stitching may spend in driver calls before stitches are built or repaired only for requests that could not grow instead (1: no limit; Note [Stitch budget]) |
 //!
 //! A key may appear once. Numbers are plain decimal; a value outside its
 //! range is an error, never clamped or wrapped, so no accepted value can
@@ -121,6 +122,10 @@ pub const KEYS: &[(&str, &str)] = &[
         "share of elapsed time defragmenting may spend in driver calls before it stops taking pages that cached stitches alias (0 to 1; 1: no limit)",
     ),
     (
+        "stitch_budget",
+        "share of elapsed time defragmenting may spend in driver calls before stitches are built only for requests that cannot grow instead (0 to 1; 1: no limit)",
+    ),
+    (
         "expandable_segments",
         "grow one virtual address range per pool and stream by mapping pages (true/false)",
     ),
@@ -173,6 +178,9 @@ pub struct Config {
     pub defragment_headroom: f64,
     /// The share of elapsed time defragmenting may spend in driver calls.
     pub defragment_budget: f64,
+    /// The share of elapsed time defragmenting may spend in driver calls
+    /// before stitches are built only where growing cannot serve.
+    pub stitch_budget: f64,
     /// Requests of at least this many bytes may be stitched (`u64::MAX`: never).
     pub stitch_min: u64,
     /// Mapping granularity of large-pool expandable segments.
@@ -201,6 +209,7 @@ impl Default for Config {
             unmap_thread: true,
             defragment_headroom: 0.005,
             defragment_budget: 0.03,
+            stitch_budget: 0.05,
             stitch_min: 32 * MIB,
             expandable_page: 2 * MIB,
             expandable_handle: 16 * MIB,
@@ -401,6 +410,13 @@ impl Config {
                     return Err(err(key, format!("{x} is not in [0, 1]")));
                 }
                 self.defragment_budget = x;
+            }
+            "stitch_budget" => {
+                let x = parse_f64(key, v)?;
+                if !(0.0..=1.0).contains(&x) {
+                    return Err(err(key, format!("{x} is not in [0, 1]")));
+                }
+                self.stitch_budget = x;
             }
             _ => {
                 let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
@@ -645,6 +661,8 @@ mod tests {
             ("expandable_handle_mb:6", "expandable_handle_mb"),
             ("expandable_handle_mb:2048", "expandable_handle_mb"),
             ("defragment_headroom:1.5", "defragment_headroom"),
+            ("stitch_budget:1.5", "stitch_budget"),
+            ("stitch_budget:-0.1", "stitch_budget"),
         ] {
             assert_eq!(Config::parse(s).unwrap_err().key, key, "{s}");
         }

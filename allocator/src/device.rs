@@ -84,6 +84,9 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) stitches: Stitches,
     /// Driver time defragmentation may still spend (Note [Defragmentation budget]).
     pub(crate) defrag_budget: DefragBudget,
+    /// Driver time building and repairing stitches may still spend (Note
+    /// [Stitch budget]); charged with the same calls.
+    pub(crate) stitch_budget: DefragBudget,
     /// Driver calls counted before the last `reset_accumulated_stats`.
     driver_baseline: DriverCalls,
     /// The helper thread's calls at the last reset of accumulated stats.
@@ -122,6 +125,7 @@ impl<B: Backend> DeviceAllocator<B> {
             drains: Drains::default(),
             stitches: Stitches::default(),
             defrag_budget: DefragBudget::default(),
+            stitch_budget: DefragBudget::default(),
             driver_baseline: DriverCalls::default(),
             helper_baseline: DriverCalls::default(),
             allocated_high_before_reset: 0,

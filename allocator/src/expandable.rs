@@ -228,7 +228,8 @@ impl<B: Backend> DeviceAllocator<B> {
                 && pool == LARGE
                 && rounded >= self.config.stitch_min
             {
-                let stitched = self.stitch_for(stream, rounded);
+                let spend = self.stitch_may_spend(short)?;
+                let stitched = self.stitch_for(stream, rounded, spend);
                 self.charge_defragmentation(calls);
                 // A stitch that fails (no address space left, a driver
                 // error) leaves a consistent cache: moving pages or growing
@@ -321,6 +322,21 @@ impl<B: Backend> DeviceAllocator<B> {
         let spent = self.defrag_meter().since(&before).without_events();
         let ns = CostModel::h200().predict_ms(&spent) * 1e6;
         self.defrag_budget.charge(ns);
+        self.stitch_budget.charge(ns);
+    }
+
+    /// Whether serving a request from a stitch may make driver calls (build
+    /// or repair one) when it is `short` bytes short of its window: always
+    /// when growing by that much would pass the capacity (the promise holds
+    /// whatever the budget), else while the stitch budget has credit (Note
+    /// [Stitch budget] in `budget.rs`).
+    fn stitch_may_spend(&mut self, short: u64) -> Result<bool, AllocError> {
+        let held = self.stats.reserved_bytes.all.current as u64;
+        if held + short > self.capacity()? {
+            return Ok(true);
+        }
+        let now = self.call_time();
+        Ok(self.stitch_budget.allows(now, self.config.stitch_budget))
     }
 
     /// Where `rounded` bytes go in `(pool, stream)`'s expandable segments:

@@ -59,12 +59,16 @@ use crate::trace::{Action, STITCH_CODE};
 
 impl<B: Backend> DeviceAllocator<B> {
     /// Serves `rounded` bytes for `stream` from a stitch: a cached one whose
-    /// runs are free again, or a new one over free runs of the stream's
-    /// expandable segments. `None` when the free runs do not suffice.
+    /// runs are free again, or, when `spend` allows driver calls (Note
+    /// [Stitch budget] in `budget.rs`), a cached one repaired or a new one
+    /// over free runs of the stream's expandable segments. `None` when the
+    /// free runs do not suffice, or only calls would serve and `spend` is
+    /// false.
     pub(crate) fn stitch_for(
         &mut self,
         stream: StreamId,
         rounded: u64,
+        spend: bool,
     ) -> Result<Option<BlockId>, AllocError> {
         let slack = (rounded / 16).max(2 << 20);
         // A whole stitch whose parts are all free is taken first (no driver
@@ -100,6 +104,9 @@ impl<B: Backend> DeviceAllocator<B> {
             {
                 repairable = Some((i, change, busy));
             }
+        }
+        if best.is_none() && !spend {
+            return Ok(None);
         }
         let mut built = None;
         if best.is_none()
@@ -464,6 +471,35 @@ pub(crate) mod tests {
         }
         ok(&d);
         (d, small)
+    }
+
+    #[test]
+    fn without_stitch_budget_only_a_request_that_cannot_grow_builds_a_stitch() {
+        // Credit spent (share 0): the 64 MiB request is served as without
+        // stitching, by moving free pages.
+        let (mut d, _small) = fragmented_with("expandable_handle_mb:2,stitch_budget:0");
+        let p = d.malloc(64 * MIB, 0).unwrap();
+        ok(&d);
+        assert_eq!(d.stats().num_stitch, 0);
+        d.free(p).unwrap();
+        // Growing by the shortfall would pass the limit: it stitches
+        // whatever the budget (the promise), holding no more.
+        let (mut d, _small) = fragmented_with("expandable_handle_mb:2,stitch_budget:0");
+        let reserved = d.stats().reserved_bytes.all.current as u64;
+        d.set_memory_limit(Some(reserved + 32 * MIB));
+        let p = d.malloc(64 * MIB, 0).unwrap();
+        ok(&d);
+        assert_eq!(d.stats().num_stitch, 1);
+        assert_eq!(d.stats().reserved_bytes.all.current as u64, reserved);
+        // Claiming the cached stitch again makes no call: never refused.
+        d.free(p).unwrap();
+        d.set_memory_limit(None);
+        let calls = d.driver_calls();
+        let p2 = d.malloc(64 * MIB, 0).unwrap();
+        ok(&d);
+        assert_eq!(p2, p);
+        assert_eq!(d.stats().num_stitch, 1);
+        assert_eq!(d.driver_calls().since(&calls).memory_calls(), 0);
     }
 
     #[test]

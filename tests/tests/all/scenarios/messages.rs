@@ -99,6 +99,7 @@ fn config_errors_name_the_key() {
         ("policy:fast", "policy"),
         ("expandable_handle_mb:6", "expandable_handle_mb"),
         ("defragment_headroom:1.5", "defragment_headroom"),
+        ("stitch_budget:2", "stitch_budget"),
         ("max_split_size_mb:64,no_such_key:1", "no_such_key"),
     ] {
         let e = Config::parse(s).unwrap_err();
