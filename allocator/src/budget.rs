@@ -62,7 +62,10 @@
 //! the request is served as without stitching (free pages moved, or
 //! growth), unless growing by its shortfall would pass the capacity: then
 //! it stitches whatever the budget, so a request still fails only where
-//! the promise allows (`tests/tests/all/promise.rs`).
+//! the promise allows (`tests/tests/all/promise_adversarial.rs`, with the
+//! budget at 0 so that every stitch that could be refused is). Moving
+//! unaliased pages is charged here too, and never refused: a loop that
+//! keeps moving pages keeps this budget spent.
 //! Judged with `placement_bench --seeds 4 --churn-ops 200000` over eight
 //! recorded traces (52 workloads): no training trace moves except the
 //! four-stream CNN's, which reserves less (1.0198 → 1.0072, its

@@ -24,6 +24,13 @@
 //! replay leaves them to its own identical path instead. A trace recorded by
 //! gpualloc on the simulator therefore reproduces its peak reserved exactly
 //! under the same configuration and capacity.
+//!
+//! A memory limit or fraction set while the program ran
+//! (`set_per_process_memory_fraction`) is not in the trace; only one in the
+//! recorded configuration is. Decisions that read the limit (out-of-memory
+//! retries, and stitches built because growing would pass it, Note [Stitch
+//! budget]) may then differ: replay such a trace with the limit in
+//! `--config`.
 
 use std::collections::BTreeMap;
 
@@ -704,6 +711,53 @@ mod tests {
         assert!(
             time_mattered > 0,
             "the advancing clock changes some decisions (else this test proves nothing)"
+        );
+    }
+
+    /// Stitches refused by a small stitch budget (Note [Stitch budget]):
+    /// the budget reads the clock the trace stamps, so the replay refuses
+    /// the same ones.
+    #[test]
+    fn a_recording_whose_stitches_the_budget_refuses_replays_exactly() {
+        let mut budget_mattered = 0;
+        for seed in 1..=6u64 {
+            for (capacity, conf) in [
+                (300u64 << 20, "expandable_segments:true,stitch_budget:0.002"),
+                (
+                    2 << 30,
+                    "expandable_segments:true,stitch_budget:0.002,stitch_min_mb:2",
+                ),
+                (
+                    400 << 20,
+                    "expandable_segments:true,stitch_budget:0.001,stitch_min_mb:4,expandable_handle_mb:2",
+                ),
+            ] {
+                let (evs, pr, pa, ooms) = record_ticking(seed, capacity, conf, 3000, 50_000_000);
+                let r = replay(evs.into_iter(), capacity, &Config::parse(conf).unwrap());
+                assert_eq!(
+                    (r.peak_reserved, r.peak_allocated, r.ooms),
+                    (pr, pa, ooms),
+                    "seed {seed}, {capacity} bytes, {conf}: replay against recording"
+                );
+                let unlimited = conf
+                    .split(',')
+                    .map(|kv| {
+                        if kv.starts_with("stitch_budget:") {
+                            "stitch_budget:1"
+                        } else {
+                            kv
+                        }
+                    })
+                    .collect::<Vec<_>>()
+                    .join(",");
+                let (_, u_pr, _, u_ooms) =
+                    record_ticking(seed, capacity, &unlimited, 3000, 50_000_000);
+                budget_mattered += usize::from((u_pr, u_ooms) != (pr, ooms));
+            }
+        }
+        assert!(
+            budget_mattered > 0,
+            "the stitch budget changes some recordings (else this test proves nothing)"
         );
     }
 

@@ -488,6 +488,16 @@ proptest! {
     }
 
     #[test]
+    fn pages_without_stitch_budget(capacity in capacity(), ops in ops()) {
+        run("expandable_handle_mb:2,stitch_min_mb:2,stitch_budget:0", PAGE, capacity, &ops)?;
+    }
+
+    #[test]
+    fn default_handles_without_stitch_budget(capacity in capacity(), ops in ops()) {
+        run("stitch_budget:0,stitch_min_mb:2", 16 * MIB, capacity, &ops)?;
+    }
+
+    #[test]
     fn default_handles(capacity in capacity(), ops in ops()) {
         run("", 16 * MIB, capacity, &ops)?;
     }
