@@ -32,8 +32,15 @@
 //! `expandable_segments:true,stitch_min_mb:0,defer_unmap:false,unmap_thread:false`
 //! first differs at its event 2,277, just after an `empty_cache`: a 23.8 MB
 //! request on stream 2 maps 22 MiB in the recording and 20 MiB in the
-//! replay. Without those completions all 480 replay exactly, and so do the
-//! traces recorded on the GPU (`tests/tests/all/gpu_recorded.rs`).
+//! replay. The layouts first differ at its 536th allocation (event 2,027):
+//! a block of stream 2 freed after `record_stream` onto stream 0 is still
+//! pending in the recording but already free in the replay, right after
+//! the replay completed, with `wait_event`, the events of two blocks whose
+//! `free_completed` the recording stamped there. A simulated wait
+//! completes its stream up to the event, so a pending free the recording
+//! had not seen complete can complete in the replay too. Without those
+//! completions all 480 replay exactly, and so do the traces recorded on the
+//! GPU (`tests/tests/all/gpu_recorded.rs`).
 //!
 //! A memory limit or fraction set while the program ran
 //! (`set_per_process_memory_fraction`) is not in the trace; only one in the
