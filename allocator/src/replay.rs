@@ -23,24 +23,13 @@
 //! same call), the
 //! replay leaves them to its own identical path instead. A trace recorded by
 //! gpualloc on the simulator therefore reproduces its peak reserved exactly
-//! under the same configuration and capacity, with one known exception,
-//! not yet explained: when the simulator completes a stream's events at
-//! arbitrary points (as the tests' recordings do with
-//! `SimBackend::complete`), 7 of 480 recordings with defragmentation (40
-//! seeds of `record_ticking` on a still clock, four capacities, three
-//! configurations) replay to another peak. Seed 24 at 2 GiB under
-//! `expandable_segments:true,stitch_min_mb:0,defer_unmap:false,unmap_thread:false`
-//! first differs at its event 2,277, just after an `empty_cache`: a 23.8 MB
-//! request on stream 2 maps 22 MiB in the recording and 20 MiB in the
-//! replay. The layouts first differ at its 536th allocation (event 2,027):
-//! a block of stream 2 freed after `record_stream` onto stream 0 is still
-//! pending in the recording but already free in the replay, right after
-//! the replay completed, with `wait_event`, the events of two blocks whose
-//! `free_completed` the recording stamped there. A simulated wait
-//! completes its stream up to the event, so a pending free the recording
-//! had not seen complete can complete in the replay too. Without those
-//! completions all 480 replay exactly, and so do the traces recorded on the
-//! GPU (`tests/tests/all/gpu_recorded.rs`).
+//! under the same configuration and capacity. For that the simulator's
+//! waits complete only the event waited for
+//! ([`SimBackend::set_waits_complete_one`]): a replay may wait for a fence
+//! the recording had already seen done, and a wait that completed its
+//! stream up to it also completed pending frees recorded before it, which
+//! then became reusable earlier than in the recording (7 of 480 recordings
+//! with defragmentation replayed to another peak before this).
 //!
 //! A memory limit or fraction set while the program ran
 //! (`set_per_process_memory_fraction`) is not in the trace; only one in the
@@ -252,6 +241,7 @@ fn replay_with(
         let run = runs.entry(e.device).or_insert_with(|| {
             let mut run = DeviceRun::new(e.device, capacity, config);
             run.dev.backend.defer_later_work(defer);
+            run.dev.backend.set_waits_complete_one(true);
             run
         });
         run.event(i as u64, e, &mut r);
@@ -776,6 +766,32 @@ mod tests {
             budget_mattered > 0,
             "the stitch budget changes some recordings (else this test proves nothing)"
         );
+    }
+
+    /// Recordings whose streams the simulator completes at arbitrary points
+    /// while blocks wait on them (`record_stream`), among them the four
+    /// that replayed to another peak while a replay's own fence waits
+    /// completed pending frees early.
+    #[test]
+    fn a_recording_whose_events_complete_at_arbitrary_points_replays_exactly() {
+        for (seed, capacity, conf) in [
+            (7u64, 400u64 << 20, "expandable_segments:true"),
+            (21, 2 << 30, "expandable_segments:true"),
+            (
+                24,
+                2 << 30,
+                "expandable_segments:true,stitch_min_mb:0,defer_unmap:false,unmap_thread:false",
+            ),
+            (32, 2 << 30, "expandable_segments:true"),
+        ] {
+            let (evs, pr, pa, ooms) = record(seed, capacity, conf, 3000);
+            let r = replay(evs.into_iter(), capacity, &Config::parse(conf).unwrap());
+            assert_eq!(
+                (r.peak_reserved, r.peak_allocated, r.ooms),
+                (pr, pa, ooms),
+                "seed {seed}, {capacity} bytes, {conf}: replay against recording"
+            );
+        }
     }
 
     #[test]

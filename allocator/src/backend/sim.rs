@@ -10,6 +10,13 @@
 //! [`SimBackend::is_ordered_after`] answers; tests use it to prove that no
 //! block reached a second stream before the first one was done with it.
 //!
+//! Waiting for an event completes its stream up to it, as a real wait
+//! observes. A replay wants less ([`SimBackend::set_waits_complete_one`]):
+//! there a wait completes only the event waited for, so that what the
+//! allocator waits for (a fence the recording had already seen done) does
+//! not complete other events early, such as a block's pending free, which
+//! the replay completes where the recording says (`replay.rs`).
+//!
 //! The simulator panics on any contract violation: releasing an unknown
 //! pointer or with the wrong size, using a destroyed event, unmapping what is
 //! not mapped or part of a mapping, releasing a mapped handle, or (while [`SimBackend::set_capturing`] is on) any call that a
@@ -17,7 +24,7 @@
 
 use std::collections::BTreeMap;
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::{Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId};
 use crate::cost::{DriverCall, DriverCalls};
@@ -142,6 +149,10 @@ pub struct SimCounters {
 struct SimStream {
     submitted: u64,
     completed: u64,
+    /// Completed by [`SimBackend::complete`] or a synchronization, not by
+    /// waiting for one event: what events are done by when waits complete
+    /// only the event waited for.
+    settled: u64,
     /// For each other stream: the sequence number this stream's future work waits for.
     waits: FxHashMap<StreamId, u64>,
 }
@@ -157,6 +168,9 @@ pub const SIM_FD_BASE: u64 = 1 << 20;
 
 /// The simulated device. See the module docs.
 pub struct SimBackend {
+    /// With [`set_waits_complete_one`](Self::set_waits_complete_one): the
+    /// events waited for (each done, whatever its stream).
+    waited: Option<FxHashSet<EventId>>,
     capacity: u64,
     alignment: u64,
     page: u64,
@@ -252,6 +266,7 @@ impl SimBackend {
             peers: Vec::new(),
             synchronized_streams: Vec::new(),
             later: later::LaterWork::default(),
+            waited: None,
         }
     }
 
@@ -407,13 +422,21 @@ impl SimBackend {
     pub fn complete(&mut self, stream: StreamId) {
         let s = self.streams.entry(stream).or_default();
         s.completed = s.submitted;
+        s.settled = s.submitted;
     }
 
     /// Completes all work on every stream.
     pub fn complete_all(&mut self) {
         for s in self.streams.values_mut() {
             s.completed = s.submitted;
+            s.settled = s.submitted;
         }
+    }
+
+    /// With `true`, waiting for an event completes that event alone, not
+    /// its stream up to it (see the module docs; a replay's setting).
+    pub fn set_waits_complete_one(&mut self, on: bool) {
+        self.waited = on.then(FxHashSet::default);
     }
 
     /// Whether work submitted on `earlier` up to `seq` is complete, or is
@@ -717,7 +740,11 @@ impl Backend for SimBackend {
         let (stream, seq) = self.event(event);
         self.counters.event_query += 1;
         self.driver.add(DriverCall::EventQuery, 0, 0, 0);
-        Ok(self.streams[&stream].completed >= seq)
+        let s = &self.streams[&stream];
+        Ok(match &self.waited {
+            Some(waited) => s.settled >= seq || waited.contains(&event),
+            None => s.completed >= seq,
+        })
     }
 
     fn wait_event(&mut self, event: EventId) -> Result<(), BackendError> {
@@ -729,6 +756,9 @@ impl Backend for SimBackend {
             .get_mut(&stream)
             .expect("stream of a recorded event");
         s.completed = s.completed.max(seq);
+        if let Some(waited) = &mut self.waited {
+            waited.insert(event);
+        }
         self.counters.wait_event += 1;
         self.driver.add(DriverCall::EventSync, 0, 0, 0);
         Ok(())
@@ -755,6 +785,9 @@ impl Backend for SimBackend {
             self.events.remove(&event).is_some(),
             "SimBackend: destroy of unknown event {event}"
         );
+        if let Some(waited) = &mut self.waited {
+            waited.remove(&event);
+        }
         self.counters.destroy_event += 1;
     }
 
