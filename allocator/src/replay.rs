@@ -567,6 +567,24 @@ mod tests {
         record_ticking(seed, capacity, conf, steps, 0)
     }
 
+    /// Replays a recording of [`record_ticking`] under `conf` on `capacity`
+    /// bytes and asserts that it reaches the recording's peaks and failed
+    /// requests; returns the recording's peak reserved and failures.
+    fn replays_exactly(
+        (evs, pr, pa, ooms): (Vec<TraceEvent>, u64, u64, u64),
+        capacity: u64,
+        conf: &str,
+        seed: u64,
+    ) -> (u64, u64) {
+        let r = replay(evs.into_iter(), capacity, &Config::parse(conf).unwrap());
+        assert_eq!(
+            (r.peak_reserved, r.peak_allocated, r.ooms),
+            (pr, pa, ooms),
+            "seed {seed}, {capacity} bytes, {conf}: replay against recording"
+        );
+        (pr, ooms)
+    }
+
     /// [`record`] on a virtual clock that advances before every step by up
     /// to 20 µs, or (one step in 50) by up to `max_gap_ns`; 0 keeps it still.
     fn record_ticking(
@@ -704,13 +722,7 @@ mod tests {
                 (200 << 20, "expandable_segments:true,max_split_size_mb:40"),
             ] {
                 let recorded = record_ticking(seed, capacity, conf, 3000, 50_000_000);
-                let (evs, pr, pa, ooms) = recorded;
-                let r = replay(evs.into_iter(), capacity, &Config::parse(conf).unwrap());
-                assert_eq!(
-                    (r.peak_reserved, r.peak_allocated, r.ooms),
-                    (pr, pa, ooms),
-                    "seed {seed}, {capacity} bytes, {conf}: replay against recording"
-                );
+                let (pr, ooms) = replays_exactly(recorded, capacity, conf, seed);
                 let (_, still_pr, _, still_ooms) = record(seed, capacity, conf, 3000);
                 time_mattered += usize::from((still_pr, still_ooms) != (pr, ooms));
             }
@@ -728,35 +740,19 @@ mod tests {
     fn a_recording_whose_stitches_the_budget_refuses_replays_exactly() {
         let mut budget_mattered = 0;
         for seed in 1..=6u64 {
-            for (capacity, conf) in [
-                (300u64 << 20, "expandable_segments:true,stitch_budget:0.002"),
-                (
-                    2 << 30,
-                    "expandable_segments:true,stitch_budget:0.002,stitch_min_mb:2",
-                ),
+            for (capacity, base, budget) in [
+                (300u64 << 20, "expandable_segments:true", 0.002),
+                (2 << 30, "expandable_segments:true,stitch_min_mb:2", 0.002),
                 (
                     400 << 20,
-                    "expandable_segments:true,stitch_budget:0.001,stitch_min_mb:4,expandable_handle_mb:2",
+                    "expandable_segments:true,stitch_min_mb:4,expandable_handle_mb:2",
+                    0.001,
                 ),
             ] {
-                let (evs, pr, pa, ooms) = record_ticking(seed, capacity, conf, 3000, 50_000_000);
-                let r = replay(evs.into_iter(), capacity, &Config::parse(conf).unwrap());
-                assert_eq!(
-                    (r.peak_reserved, r.peak_allocated, r.ooms),
-                    (pr, pa, ooms),
-                    "seed {seed}, {capacity} bytes, {conf}: replay against recording"
-                );
-                let unlimited = conf
-                    .split(',')
-                    .map(|kv| {
-                        if kv.starts_with("stitch_budget:") {
-                            "stitch_budget:1"
-                        } else {
-                            kv
-                        }
-                    })
-                    .collect::<Vec<_>>()
-                    .join(",");
+                let conf = format!("{base},stitch_budget:{budget}");
+                let recorded = record_ticking(seed, capacity, &conf, 3000, 50_000_000);
+                let (pr, ooms) = replays_exactly(recorded, capacity, &conf, seed);
+                let unlimited = format!("{base},stitch_budget:1");
                 let (_, u_pr, _, u_ooms) =
                     record_ticking(seed, capacity, &unlimited, 3000, 50_000_000);
                 budget_mattered += usize::from((u_pr, u_ooms) != (pr, ooms));
@@ -784,13 +780,7 @@ mod tests {
             ),
             (32, 2 << 30, "expandable_segments:true"),
         ] {
-            let (evs, pr, pa, ooms) = record(seed, capacity, conf, 3000);
-            let r = replay(evs.into_iter(), capacity, &Config::parse(conf).unwrap());
-            assert_eq!(
-                (r.peak_reserved, r.peak_allocated, r.ooms),
-                (pr, pa, ooms),
-                "seed {seed}, {capacity} bytes, {conf}: replay against recording"
-            );
+            replays_exactly(record(seed, capacity, conf, 3000), capacity, conf, seed);
         }
     }
 

@@ -225,10 +225,8 @@ impl DeviceTrace {
             self.sink = None;
         }
         let Some(sink) = &self.sink else {
-            let n = crate::trace::reader::event_count(&self.buf);
-            self.dropped_pending += n;
-            self.dropped_total += n;
-            self.buf.clear();
+            let full = std::mem::take(&mut self.buf);
+            self.drop_events(full);
             return;
         };
         let fresh = sink
@@ -251,15 +249,19 @@ impl DeviceTrace {
         };
         match refused {
             None => self.dropped_pending = 0,
-            Some(Msg::Events { mut events, .. }) => {
-                let n = crate::trace::reader::event_count(&events);
-                self.dropped_pending += n;
-                self.dropped_total += n;
-                events.clear();
-                self.buf = events;
-            }
+            Some(Msg::Events { events, .. }) => self.drop_events(events),
             Some(_) => unreachable!("only events are sent here"),
         }
+    }
+
+    /// Counts `events` as dropped and makes their emptied buffer the one
+    /// recorded into (its capacity kept).
+    fn drop_events(&mut self, mut events: Vec<TraceEvent>) {
+        let n = crate::trace::reader::event_count(&events);
+        self.dropped_pending += n;
+        self.dropped_total += n;
+        events.clear();
+        self.buf = events;
     }
 
     /// The buffered events and the pending drop count as a message (flush,
