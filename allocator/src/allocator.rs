@@ -71,7 +71,7 @@ impl<B: Backend> Allocator<B> {
             let mut dev = DeviceAllocator::new(device as u32, backend, self.config.clone());
             if let Some(r) = &*self.recorder.lock() {
                 let now = dev.backend.now_ns();
-                dev.trace = Some(r.device_trace(device as u32, now));
+                dev.start_trace(r.device_trace(device as u32, now));
             }
             dev.observer = self.observer.lock().clone();
             *guard = Some(dev);

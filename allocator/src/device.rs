@@ -47,7 +47,7 @@ use crate::private_pool::PrivatePools;
 use crate::size_class::{PoolKind, allocation_size, round_size};
 use crate::stats::DeviceStats;
 use crate::stitch_cache::Stitches;
-use crate::trace::{Action, DeviceTrace, pool_code};
+use crate::trace::{Action, DeviceTrace, EventKind, MemoryCap, pool_code};
 
 /// One device's caching allocator.
 pub struct DeviceAllocator<B: Backend> {
@@ -136,7 +136,9 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Sets the memory limit as a fraction of device memory
     /// (`set_per_process_memory_fraction`).
     pub fn set_memory_fraction(&mut self, fraction: f64) -> Result<(), AllocError> {
-        self.limits.set_fraction(fraction)
+        self.limits.set_fraction(fraction)?;
+        self.record_cap(self.limits.fraction_cap());
+        Ok(())
     }
 
     /// The fraction set by [`set_memory_fraction`](Self::set_memory_fraction), 1.0 when none.
@@ -147,6 +149,23 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Sets (or clears) a memory limit in bytes.
     pub fn set_memory_limit(&mut self, bytes: Option<u64>) {
         self.limits.set_bytes(bytes);
+        self.record_cap(self.limits.bytes_cap());
+    }
+
+    /// Records a cap set, so that a replay sets it at the same point (caps
+    /// set at run time are not in the configuration the trace's header holds).
+    fn record_cap(&mut self, cap: MemoryCap) {
+        let (action, addr, size, aux) = EventKind::MemoryLimit { cap }.fields();
+        self.record(action, 0, addr, size, aux);
+    }
+
+    /// Starts recording into `trace`; caps set at run time before it are
+    /// recorded first.
+    pub(crate) fn start_trace(&mut self, trace: DeviceTrace) {
+        self.trace = Some(trace);
+        for cap in self.limits.set_at_run_time(&self.config) {
+            self.record_cap(cap);
+        }
     }
 
     /// The memory limit in force, if any (`limits.rs`).

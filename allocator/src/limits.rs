@@ -4,6 +4,7 @@
 use crate::backend::{Backend, BackendError};
 use crate::config::Config;
 use crate::error::AllocError;
+use crate::trace::MemoryCap;
 
 /// Device capacity and the caps on reserved memory.
 pub(crate) struct Limits {
@@ -45,6 +46,29 @@ impl Limits {
     /// Sets (or clears) the cap in bytes.
     pub fn set_bytes(&mut self, bytes: Option<u64>) {
         self.bytes = bytes;
+    }
+
+    /// The fraction cap as a trace records it.
+    pub fn fraction_cap(&self) -> MemoryCap {
+        MemoryCap::fraction(self.fraction())
+    }
+
+    /// The byte cap as a trace records it.
+    pub fn bytes_cap(&self) -> MemoryCap {
+        MemoryCap::Bytes(self.bytes)
+    }
+
+    /// The caps that differ in effect from those `config` sets (a fraction
+    /// of 1.0 is none): those a trace started now must record.
+    pub fn set_at_run_time(&self, config: &Config) -> Vec<MemoryCap> {
+        let mut caps = Vec::new();
+        if self.fraction() != config.memory_fraction.unwrap_or(1.0) {
+            caps.push(self.fraction_cap());
+        }
+        if self.bytes != config.memory_limit {
+            caps.push(self.bytes_cap());
+        }
+        caps
     }
 
     /// The limit in force, if any: the smaller of the byte limit and the

@@ -5,7 +5,7 @@
 //!
 //! Only the caller's actions are replayed: `alloc` (with the requested size),
 //! `free_requested`, `record_stream`, `empty_cache`, calls on private (CUDA
-//! graph) pools, each allocation going to the pool that served it in the
+//! graph) pools, caps set on reserved memory, each allocation going to the pool that served it in the
 //! recording (`replay_pools.rs`), and requests that failed
 //! (`oom`: tried again, and given back at once if they fit now). Segments, splits and
 //! reuse are decided afresh by the replayed policy. Each recorded address is
@@ -31,12 +31,15 @@
 //! then became reusable earlier than in the recording (7 of 480 recordings
 //! with defragmentation replayed to another peak before this).
 //!
-//! A memory limit or fraction set while the program ran
-//! (`set_per_process_memory_fraction`) is not in the trace; only one in the
-//! recorded configuration is. Decisions that read the limit (out-of-memory
-//! retries, and stitches built because growing would pass it, Note [Stitch
-//! budget]) may then differ: replay such a trace with the limit in
-//! `--config`.
+//! Caps on reserved memory set while the program ran
+//! (`set_per_process_memory_fraction`, a byte limit) are in the trace
+//! (`memory_limit` records, format minor 3), and the replay sets each at
+//! the same point, so decisions that read the limit (out-of-memory
+//! retries, stitches built because growing would pass it, Note [Stitch
+//! budget]) are made as in the recording. A fraction is taken of the
+//! replay's capacity. A cap the program never set stays as `--config` says,
+//! which is how to ask what a cap would have done. Traces of older builds
+//! hold no such records: replay them with the cap in `--config`.
 
 use std::collections::BTreeMap;
 
@@ -48,7 +51,7 @@ use crate::cost::{CostModel, DriverCalls};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::replay_pools::PoolRouting;
-use crate::trace::{Action, EventKind, PoolOp, TraceEvent};
+use crate::trace::{Action, EventKind, MemoryCap, PoolOp, TraceEvent};
 
 /// The first allocation that failed in a replay.
 #[derive(Clone, Debug, PartialEq)]
@@ -302,6 +305,7 @@ fn is_call(a: Action) -> bool {
             | Action::PhasePop
             | Action::Mark
             | Action::PrivatePool
+            | Action::MemoryLimit
     )
 }
 
@@ -444,6 +448,15 @@ impl DeviceRun {
                     self.pools
                         .call(&mut self.dev, op, pool, checkpoint, &recorded_of)
                 }
+                // The program's caps (not in the recorded configuration); a
+                // fraction the simulator refuses (a damaged file) is skipped.
+                EventKind::MemoryLimit { cap } => match cap {
+                    MemoryCap::Fraction(bits) => {
+                        let _ = self.dev.set_memory_fraction(f64::from_bits(bits));
+                    }
+                    MemoryCap::Bytes(bytes) => self.dev.set_memory_limit(bytes),
+                    MemoryCap::Other(..) => {}
+                },
                 _ => {}
             },
         }
@@ -594,6 +607,19 @@ mod tests {
         steps: usize,
         max_gap_ns: u64,
     ) -> (Vec<TraceEvent>, u64, u64, u64) {
+        record_driven(seed, capacity, conf, steps, max_gap_ns, false)
+    }
+
+    /// [`record_ticking`], and with `caps` the program sets a cap on
+    /// reserved memory every 250 steps (a fraction, a byte cap, or none).
+    fn record_driven(
+        seed: u64,
+        capacity: u64,
+        conf: &str,
+        steps: usize,
+        max_gap_ns: u64,
+        caps: bool,
+    ) -> (Vec<TraceEvent>, u64, u64, u64) {
         let config = Config::parse(conf).unwrap();
         // The simulator's virtual clock, set before each step (or standing
         // still): the budget's decisions depend on the calls and these
@@ -619,6 +645,18 @@ mod tests {
             }
             if step % 97 == 0 {
                 a.phase_push("step").unwrap();
+            }
+            if caps && step % 250 == 125 {
+                match rng.below(3) {
+                    0 => a
+                        .set_memory_fraction(0, 0.2 + rng.below(80) as f64 / 100.0)
+                        .unwrap(),
+                    1 => {
+                        let cap = capacity / 5 + rng.below(capacity);
+                        a.lock(0).unwrap().set_memory_limit(Some(cap));
+                    }
+                    _ => a.lock(0).unwrap().set_memory_limit(None),
+                }
             }
             match rng.below(100) {
                 0..=47 => {
@@ -762,6 +800,76 @@ mod tests {
             budget_mattered > 0,
             "the stitch budget changes some recordings (else this test proves nothing)"
         );
+    }
+
+    /// Caps set while the program runs are in the trace, and a replay sets
+    /// them at the same points: it reaches the recording's peaks and fails
+    /// the same requests. Without them (a trace of older builds) some
+    /// replays differ, which shows what the records carry.
+    #[test]
+    fn a_recording_whose_caps_change_at_run_time_replays_exactly() {
+        let mut caps_mattered = 0;
+        for seed in 1..=6u64 {
+            for (capacity, conf) in [
+                (600u64 << 20, ""),
+                (1 << 30, "expandable_segments:true"),
+                (400 << 20, "expandable_segments:true,expandable_handle_mb:2"),
+            ] {
+                let (evs, pr, pa, ooms) = record_driven(seed, capacity, conf, 3000, 0, true);
+                assert!(evs.iter().any(|e| e.action == Action::MemoryLimit));
+                let without: Vec<TraceEvent> = evs
+                    .iter()
+                    .filter(|e| e.action != Action::MemoryLimit)
+                    .copied()
+                    .collect();
+                replays_exactly((evs, pr, pa, ooms), capacity, conf, seed);
+                let r = replay(without.into_iter(), capacity, &Config::parse(conf).unwrap());
+                caps_mattered += usize::from((r.peak_reserved, r.ooms) != (pr, ooms));
+            }
+        }
+        assert!(
+            caps_mattered > 0,
+            "the recorded caps change some replays (else this test proves nothing)"
+        );
+    }
+
+    /// A cap set before the trace started is recorded first (it is not in
+    /// the header's configuration); a replay configured with another cap of
+    /// the other kind keeps it (the program set only the byte cap).
+    #[test]
+    fn caps_set_before_the_trace_starts_are_recorded_first() {
+        let capacity = 1u64 << 30;
+        let a = Allocator::new(
+            Config::default(),
+            1,
+            Box::new(move |_| Ok(SimBackend::new(capacity))),
+        );
+        a.lock(0).unwrap().set_memory_limit(Some(300 << 20));
+        let path = crate::trace::control_tests_path("replay-caps-first");
+        a.trace_start(&path).unwrap();
+        let mut ooms = 0;
+        for _ in 0..8 {
+            ooms += u64::from(a.malloc(0, 60 << 20, 0).is_err());
+        }
+        a.trace_stop().unwrap();
+        let evs: Vec<TraceEvent> = TraceReader::open(&path).unwrap().events().collect();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(
+            evs.first().map(|e| e.kind()),
+            Some(EventKind::MemoryLimit {
+                cap: MemoryCap::Bytes(Some(300 << 20))
+            })
+        );
+        let count = |a: Action| evs.iter().filter(|e| e.action == a).count() as u64;
+        assert_eq!((count(Action::Alloc), count(Action::Oom)), (8 - ooms, ooms));
+        assert_eq!(ooms, 3, "five 60 MiB requests fit under 300 MiB");
+        let r = replay(evs.clone().into_iter(), capacity, &Config::default());
+        assert_eq!((r.ooms, r.peak_reserved), (3, 300 << 20));
+        let uncapped = replay(evs[1..].iter().copied(), capacity, &Config::default());
+        assert_eq!(uncapped.ooms, 0, "without the record nothing fails");
+        // A what-if fraction of a quarter (256 MiB) fails one more request.
+        let quarter = Config::parse("per_process_memory_fraction:0.25").unwrap();
+        assert_eq!(replay(evs.into_iter(), capacity, &quarter).ooms, 4);
     }
 
     /// Recordings whose streams the simulator completes at arbitrary points

@@ -95,7 +95,7 @@ impl<B: Backend> Allocator<B> {
         self.each_device(|d| {
             if d.trace.is_none() {
                 let now = d.backend.now_ns();
-                d.trace = Some(rec.device_trace(d.device, now));
+                d.start_trace(rec.device_trace(d.device, now));
                 // Checkpoints taken before this trace are unknown to it.
                 d.private.forget_checkpoint_numbers();
             }

@@ -7,7 +7,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{GIB, MIB, alloc, ev, ok, s, write_trace};
-use gpualloc::trace::{EventKind, Pool, TraceEvent};
+use gpualloc::trace::{EventKind, MemoryCap, Pool, TraceEvent};
 
 fn segment(addr: u64, size: u64) -> EventKind {
     EventKind::SegmentAlloc {
@@ -35,6 +35,16 @@ fn report(t: &Path) -> String {
     std::fs::read_to_string(&html).unwrap()
 }
 
+/// 6 GiB allocated and reserved, then a request of 1 GiB fails with 2 GiB
+/// free on the device.
+fn six_gib_live_then_an_oom() -> Vec<TraceEvent> {
+    vec![
+        ev(1_000, segment(0x7f00_0000_0000, 6 * GIB)),
+        ev(1_000, alloc(0x7f00_0000_0000, 6 * GIB)),
+        ev(2_000, oom(GIB, 2 * GIB)),
+    ]
+}
+
 /// 6 GiB allocated and reserved, 2 GiB free on the device (an 8 GiB
 /// device), a request of 1 GiB under `per_process_memory_fraction:0.8`: the
 /// cap (6.4 GiB) left 409.6 MiB, not the device's 2 GiB.
@@ -45,11 +55,7 @@ fn a_memory_fraction_caps_what_an_oom_had_left() {
         dir.path(),
         "frac.gtrace",
         "per_process_memory_fraction:0.8",
-        &[
-            ev(1_000, segment(0x7f00_0000_0000, 6 * GIB)),
-            ev(1_000, alloc(0x7f00_0000_0000, 6 * GIB)),
-            ev(2_000, oom(GIB, 2 * GIB)),
-        ],
+        &six_gib_live_then_an_oom(),
         true,
     );
     let (text, _) = ok(&["summary", s(&t)]);
@@ -66,6 +72,40 @@ fn a_memory_fraction_caps_what_an_oom_had_left() {
     // Replayed on the whole device, the cap applied once, in every row.
     assert!(page.contains("simulated device of 8.00 GiB"));
     assert!(page.contains("policy:gpualloc,per_process_memory_fraction:0.8"));
+}
+
+/// The same OOM with the fraction set while the program ran (a
+/// `memory_limit` record; the configuration has none): the summary names
+/// the cap and what it left, and the report's cause names it too.
+#[test]
+fn a_fraction_set_while_running_caps_what_an_oom_had_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let cap = EventKind::MemoryLimit {
+        cap: MemoryCap::fraction(0.8),
+    };
+    let t = trace(
+        dir.path(),
+        "frac-run.gtrace",
+        "",
+        &[vec![ev(500, cap)], six_gib_live_then_an_oom()].concat(),
+        true,
+    );
+    let (text, _) = ok(&["summary", s(&t)]);
+    assert!(
+        text.contains("caps set        fraction 0.800 of the device"),
+        "{text}"
+    );
+    assert!(
+        text.contains("device free 2.00 GiB (the memory limit left 409.60 MiB)"),
+        "{text}"
+    );
+    let (json, _) = ok(&["summary", "--json", s(&t)]);
+    assert!(json.contains("\"caps_set\""), "{json}");
+    let page = report(&t);
+    assert!(
+        page.contains("live tensors hold 6.00 GiB and the memory limit left 409.60 MiB"),
+        "the cause does not name the cap"
+    );
 }
 
 /// A trace without segment events (an RMM log): free and reserved memory

@@ -23,7 +23,7 @@ ACTIONS = (
     "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
     "segment_map", "segment_unmap", "oom", "empty_cache", "phase_push", "phase_pop",
     "mark", "record_stream", "stream_reuse", "sync_all_streams", "free",
-    "pages_create", "pages_release", "private_pool",
+    "pages_create", "pages_release", "private_pool", "memory_limit",
 )
 # The calls a ``private_pool`` record names (its ``size``; ``PoolOp`` in event.rs).
 POOL_OPS = ("begin_allocate_to_pool", "end_allocate_to_pool", "create_or_incref_pool", "release_pool",
@@ -49,7 +49,9 @@ def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
     (sync_all_streams); ``bytes`` (pages_create, pages_release); ``op`` (the
     call's name, ``"#<code>"`` for an unknown one), ``pool`` (the pool's
     index on the device) and ``checkpoint`` (a checkpoint's number, for
-    the checkpoint calls) (private_pool). An unknown code gives ``kind``
+    the checkpoint calls) (private_pool); ``fraction`` (of device memory,
+    1.0 for none) or ``bytes`` (None for none), the cap set (memory_limit).
+    An unknown code, or a cap this reader does not know, gives ``kind``
     ``"#<code>"`` and the raw fields.
     """
     kind = ACTIONS[action] if action < len(ACTIONS) else f"#{action}"
@@ -74,6 +76,10 @@ def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
     if action == 18:
         op = POOL_OPS[size] if size < len(POOL_OPS) else f"#{size}"
         return {"kind": kind, "op": op, "pool": aux, "checkpoint": addr}
+    if action == 19 and size == 0:
+        return {"kind": kind, "fraction": struct.unpack("<d", struct.pack("<Q", aux & U64))[0]}
+    if action == 19 and size == 1:
+        return {"kind": kind, "bytes": None if aux == U64 else aux}
     return {"kind": kind, "stream": stream, "addr": addr, "size": size, "aux": aux}
 
 

@@ -3,6 +3,7 @@
 example as the ``gpualloc`` command does."""
 
 import os
+import struct
 import unittest
 
 from . import __name__ as _env  # noqa: F401  (sets the simulated environment first)
@@ -35,6 +36,7 @@ class DecodeTest(unittest.TestCase):
             "pages_create": {"bytes": size},
             "pages_release": {"bytes": size},
             "private_pool": {"op": f"#{size}", "pool": aux, "checkpoint": a},
+            "memory_limit": {"stream": s, "addr": a, "size": size, "aux": aux},  # a cap code this reader does not know
         }
         self.assertEqual(list(want), list(ACTIONS))
         for code, name in enumerate(ACTIONS):
@@ -46,6 +48,12 @@ class DecodeTest(unittest.TestCase):
         self.assertEqual(decode(18, 0, 0, 3, 0)["op"], "release_pool")
         self.assertEqual(decode(18, 0, 9, 6, 1)["op"], "set_checkpoint_pool_state")
         self.assertEqual(decode(18, 0, 9, 6, 1)["checkpoint"], 9)
+
+    def test_a_memory_limit_names_the_cap_it_sets(self):
+        half = struct.unpack("<Q", struct.pack("<d", 0.5))[0]
+        self.assertEqual(decode(19, 0, 0, 0, half), {"kind": "memory_limit", "fraction": 0.5})
+        self.assertEqual(decode(19, 0, 0, 1, 6 << 30), {"kind": "memory_limit", "bytes": 6 << 30})
+        self.assertEqual(decode(19, 0, 0, 1, 2**64 - 1), {"kind": "memory_limit", "bytes": None})
 
     def test_the_stitch_code_is_a_stitch_not_a_pool(self):
         self.assertEqual(decode(5, 0, 1 << 30, 2 << 20, STITCH_CODE)["pool"], "stitch")

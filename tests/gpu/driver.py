@@ -72,7 +72,8 @@ CHECK_VARIANTS = {
     "ipc": ["native", "native[expandable_segments:True]", "gpualloc", "gpualloc[expandable_segments:false]"],
     "kernel_speed": ["native", "native[expandable_segments:True]", "gpualloc"],
     "launcher": ["gpualloc"],
-    "promise": ["native", "native[expandable_segments:True]", "gpualloc", "gpualloc[expandable_handle_mb:2]"],
+    "promise": ["native", "native[expandable_segments:True]", "gpualloc", "gpualloc[expandable_handle_mb:2]",
+                "gpualloc-traced"],
 }
 TRAIN_VARIANTS = ["native", "native-expandable", "gpualloc", "gpualloc-expandable", "gpualloc-expandable-traced"]
 

@@ -22,16 +22,25 @@ A request over the budget must raise torch.OutOfMemoryError, and the
 process goes on. PyTorch's allocators run the same sequences; how many
 page-bound probes each serves is the comparison.
 
-The pure parts (the bounds, the sequences) need no GPU and are tested in
-test_scripts.py.
+Under a -traced variant the check also replays its own trace with
+`gpualloc replay --json` on a device of the GPU's size: the fraction it
+set while it ran is in the trace (a `memory_limit` record), so the replay
+must fail the same requests and reach the same peaks to the byte.
+
+The pure parts (the bounds, the sequences, the replay's verdict) need no
+GPU and are tested in test_scripts.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import subprocess
 import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 MiB = 1 << 20
 PAGE = 2 * MiB
@@ -158,7 +167,46 @@ def check_promise(args) -> dict:
     # empty for them): the check reads how many probes they serve, and
     # that nothing is corrupt.
     out["ok"] = not out["corrupt"] and not out["failures"] and out["over_raised"] == out["over_probes"]
+    trace = os.environ.get("GPUALLOC_TEST_TRACE")
+    if args.alloc == "gpualloc" and trace:
+        out["replay"] = _replay(torch, trace, total)
+        out["ok"] = out["ok"] and out["replay"].get("agrees") is True
     return out
+
+
+def _replay(torch, trace: str, total: int) -> dict:
+    """Stops the trace and replays it on a simulated device of `total`
+    bytes under the recorded configuration; compares with the run's own
+    counters ([`replay_verdict`])."""
+    import gpualloc
+    from gpualloc.tracefile import records
+
+    gpualloc.trace_stop()
+    s = torch.cuda.memory_stats()
+    recorded = {"peak_reserved": s["reserved_bytes.all.peak"], "peak_allocated": s["allocated_bytes.all.peak"],
+                "ooms": s["num_ooms"]}
+    caps = [r for r in records(trace) if r["kind"] == "memory_limit"]
+    cli = os.environ.get("GPUALLOC_CLI") or os.path.join(HERE, "..", "..", "target", "release", "gpualloc")
+    try:
+        p = subprocess.run([cli, "replay", "--json", "--capacity", str(total), trace],
+                           capture_output=True, text=True, timeout=300)
+        replayed = json.loads(p.stdout)[0]["devices"][0]
+    except (OSError, subprocess.SubprocessError, ValueError, LookupError) as e:
+        return {"error": f"{type(e).__name__}: {e}"[:500], "recorded": recorded}
+    return replay_verdict(recorded, replayed, caps)
+
+
+def replay_verdict(recorded: dict, replayed: dict, caps: list) -> dict:
+    """Whether a replay agrees with its recording: the same peaks of
+    reserved and allocated memory and the same failed requests, from a
+    trace that holds the fraction the check set (a `memory_limit` record
+    with a fraction below 1)."""
+    keys = ("peak_reserved", "peak_allocated", "ooms")
+    got = {k: replayed.get(k) for k in keys}
+    fractions = [c["fraction"] for c in caps if "fraction" in c]
+    return {"recorded": recorded, "replayed": got, "memory_limit_records": len(caps),
+            "fraction_recorded": fractions[-1] if fractions else None,
+            "agrees": bool(fractions) and fractions[-1] < 1 and all(recorded[k] == got[k] for k in keys)}
 
 
 def _probe(torch, dev, out, live, seed, n, handle):
@@ -236,5 +284,6 @@ def compare_promise(runs: dict, variants) -> dict:
             "over_refused": f"{r['over_raised']}/{r['over_probes']}",
             "corrupt": len(r["corrupt"]),
             "failures": len(r["failures"]),
+            **({"replay_agrees": r["replay"].get("agrees", r["replay"].get("error"))} if "replay" in r else {}),
         }
     return table

@@ -323,6 +323,27 @@ class PromiseBounds(unittest.TestCase):
         self.assertEqual(t["native"], {"error": "TimeoutExpired"})
         self.assertEqual(t["gpualloc[expandable_handle_mb:2]"], {"error": "did not run"})
 
+    def test_a_replay_agrees_only_with_the_same_peaks_and_failures_and_a_recorded_fraction(self):
+        rec = {"peak_reserved": 6 << 30, "peak_allocated": 5 << 30, "ooms": 87}
+        caps = [{"kind": "memory_limit", "fraction": 0.043}]
+        self.assertTrue(promise.replay_verdict(rec, {**rec, "device": 0}, caps)["agrees"])
+        self.assertFalse(promise.replay_verdict(rec, {**rec, "ooms": 86}, caps)["agrees"])
+        self.assertFalse(promise.replay_verdict(rec, {**rec, "peak_reserved": (6 << 30) + 1}, caps)["agrees"])
+        self.assertFalse(promise.replay_verdict(rec, rec, [])["agrees"], "no fraction in the trace")
+        uncapped = [{"kind": "memory_limit", "fraction": 1.0}]
+        self.assertFalse(promise.replay_verdict(rec, rec, uncapped)["agrees"])
+        v = promise.replay_verdict(rec, {}, caps)
+        self.assertEqual((v["agrees"], v["replayed"]["ooms"]), (False, None))
+
+    def test_the_summary_shows_a_replays_verdict(self):
+        r = {"page_probes": 4, "page_served": 4, "handle_probes": 0, "handle_served": 0, "over_probes": 5,
+             "over_raised": 5, "corrupt": [], "failures": [], "ok": True, "replay": {"agrees": True}}
+        t = promise.compare_promise({"promise/gpualloc-traced": {"result": r}}, ["gpualloc-traced"])
+        self.assertIs(t["gpualloc-traced"]["replay_agrees"], True)
+        r["replay"] = {"error": "FileNotFoundError: gpualloc"}
+        t = promise.compare_promise({"promise/gpualloc-traced": {"result": r}}, ["gpualloc-traced"])
+        self.assertEqual(t["gpualloc-traced"]["replay_agrees"], "FileNotFoundError: gpualloc")
+
 
 if __name__ == "__main__":
     unittest.main()

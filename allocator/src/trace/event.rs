@@ -57,11 +57,19 @@ pub enum Action {
     /// order, as in [`pool_code`]); `addr`: a checkpoint's number, for the
     /// checkpoint calls.
     PrivatePool = 18,
+    /// A cap on reserved memory was set while the program ran
+    /// (`set_per_process_memory_fraction`, `gpualloc_set_memory_limit`), or
+    /// differed from the configuration when the trace started. `size`:
+    /// which cap ([`MemoryCap`]: 0 the fraction of device memory, 1 the
+    /// byte cap); `aux`: its value (the fraction as the bits of an `f64`,
+    /// 1.0 for none; bytes, `u64::MAX` for none). A replay sets the same
+    /// cap at the same point, a fraction taken of its own device's capacity.
+    MemoryLimit = 19,
 }
 
 impl Action {
     /// Every action, in code order.
-    pub const ALL: [Action; 19] = [
+    pub const ALL: [Action; 20] = [
         Action::Alloc,
         Action::FreeRequested,
         Action::FreeCompleted,
@@ -81,6 +89,7 @@ impl Action {
         Action::PagesCreate,
         Action::PagesRelease,
         Action::PrivatePool,
+        Action::MemoryLimit,
     ];
 
     /// The action for a code, if valid.
@@ -110,6 +119,7 @@ impl Action {
             Action::PagesCreate => "pages_create",
             Action::PagesRelease => "pages_release",
             Action::PrivatePool => "private_pool",
+            Action::MemoryLimit => "memory_limit",
         }
     }
 }
@@ -195,6 +205,44 @@ impl PoolOp {
             PoolOp::Checkpoint => "get_checkpoint_state",
             PoolOp::Restore => "set_checkpoint_pool_state",
             PoolOp::Other(_) => "unknown",
+        }
+    }
+}
+
+/// A cap on reserved memory, as a [`Action::MemoryLimit`] record sets it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryCap {
+    /// A fraction of device memory, stored as the bits of an `f64` so that
+    /// events stay `Eq` (1.0: no cap by fraction). Any bits decode: a
+    /// damaged file may hold a NaN, which a replay refuses as a fraction.
+    Fraction(u64),
+    /// Bytes (`None`: no byte cap).
+    Bytes(Option<u64>),
+    /// A code this reader does not know (a later version's cap), with its value.
+    Other(u64, u64),
+}
+
+impl MemoryCap {
+    /// The cap of a fraction.
+    pub fn fraction(fraction: f64) -> MemoryCap {
+        MemoryCap::Fraction(fraction.to_bits())
+    }
+
+    /// `(which, value)` as a record stores them (its `size` and `aux`).
+    pub fn fields(self) -> (u64, u64) {
+        match self {
+            MemoryCap::Fraction(bits) => (0, bits),
+            MemoryCap::Bytes(b) => (1, b.unwrap_or(u64::MAX)),
+            MemoryCap::Other(which, value) => (which, value),
+        }
+    }
+
+    /// The cap a record's `size` and `aux` store (never fails).
+    pub fn from_fields(which: u64, value: u64) -> MemoryCap {
+        match which {
+            0 => MemoryCap::Fraction(value),
+            1 => MemoryCap::Bytes((value != u64::MAX).then_some(value)),
+            _ => MemoryCap::Other(which, value),
         }
     }
 }
@@ -408,6 +456,11 @@ pub enum EventKind {
         /// [`PoolOp::Checkpoint`] and [`PoolOp::Restore`] (0 otherwise).
         checkpoint: u64,
     },
+    /// [`Action::MemoryLimit`]: a cap on reserved memory, from now on.
+    MemoryLimit {
+        /// The cap and its value.
+        cap: MemoryCap,
+    },
 }
 
 impl EventKind {
@@ -469,6 +522,10 @@ impl EventKind {
                 pool,
                 checkpoint,
             } => (Action::PrivatePool, checkpoint, op.code(), pool),
+            K::MemoryLimit { cap } => {
+                let (which, value) = cap.fields();
+                (Action::MemoryLimit, 0, which, value)
+            }
         }
     }
 }
@@ -601,6 +658,9 @@ impl TraceEvent {
                 op: PoolOp::from_code(size),
                 pool: aux,
                 checkpoint: addr,
+            },
+            Action::MemoryLimit => K::MemoryLimit {
+                cap: MemoryCap::from_fields(size, aux),
             },
         }
     }

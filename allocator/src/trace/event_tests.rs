@@ -2,7 +2,9 @@
 //! and decodes to what was recorded (Note [Typed trace events]).
 
 use super::format::TraceHeader;
-use super::{Action, DeviceTrace, EventKind, Pool, PoolOp, STITCH_CODE, TraceEvent, TraceReader};
+use super::{
+    Action, DeviceTrace, EventKind, MemoryCap, Pool, PoolOp, STITCH_CODE, TraceEvent, TraceReader,
+};
 use super::{TraceWriter, pool_code};
 
 /// One kind of every action, with operands that exercise the encoding: a
@@ -76,6 +78,9 @@ fn every_kind() -> Vec<EventKind> {
             op: PoolOp::Restore,
             pool: 3,
             checkpoint: 12,
+        },
+        K::MemoryLimit {
+            cap: MemoryCap::fraction(0.35),
         },
     ]
 }
@@ -252,4 +257,24 @@ fn pool_calls_keep_their_codes_and_unknown_ones_decode() {
         },
     );
     assert_eq!((e.size, e.aux, e.addr), (77, 2, 5));
+}
+
+#[test]
+fn memory_caps_keep_their_values_and_unknown_ones_decode() {
+    let half = MemoryCap::fraction(0.5);
+    assert_eq!(half.fields(), (0, 0.5f64.to_bits()));
+    assert_eq!(MemoryCap::from_fields(0, 0.5f64.to_bits()), half);
+    assert_eq!(MemoryCap::Bytes(None).fields(), (1, u64::MAX));
+    assert_eq!(
+        MemoryCap::from_fields(1, 4096),
+        MemoryCap::Bytes(Some(4096))
+    );
+    assert_eq!(MemoryCap::from_fields(7, 3), MemoryCap::Other(7, 3));
+    let e = TraceEvent::from_kind(1, 0, 0, 1, EventKind::MemoryLimit { cap: half });
+    assert_eq!((e.action.name(), e.size, e.addr), ("memory_limit", 0, 0));
+    assert_eq!(e.kind(), EventKind::MemoryLimit { cap: half });
+    for cap in [MemoryCap::Bytes(Some(5 << 40)), MemoryCap::Bytes(None)] {
+        let k = EventKind::MemoryLimit { cap };
+        assert_eq!(TraceEvent::from_kind(1, 0, 0, 1, k).kind(), k);
+    }
 }

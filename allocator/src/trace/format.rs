@@ -18,7 +18,10 @@ pub const VERSION: u16 = 1;
 /// ignore both, and this reader still reads minor 0 files. Minor 2 adds the
 /// `private_pool` action (code 18), written only by programs that use
 /// private pools; a reader of minor 1 stops at the first block holding one.
-pub const MINOR_VERSION: u64 = 2;
+/// Minor 3 adds the `memory_limit` action (code 19), written only when a
+/// program changes the caps on reserved memory while it runs; a reader of
+/// minor 2 stops at the first block holding one.
+pub const MINOR_VERSION: u64 = 3;
 /// Two bytes that open every block.
 pub const BLOCK_MAGIC: [u8; 2] = *b"BK";
 /// Bytes of a block header: magic, kind, flags, device, length, crc32.

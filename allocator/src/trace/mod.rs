@@ -25,7 +25,9 @@ pub fn trace_env() -> Option<std::ffi::OsString> {
     std::env::var_os(TRACE_ENV).filter(|v| !v.to_string_lossy().trim().is_empty())
 }
 
-pub use event::{Action, EventKind, Pool, PoolOp, STITCH_CODE, StringId, TraceEvent, pool_code};
+pub use event::{
+    Action, EventKind, MemoryCap, Pool, PoolOp, STITCH_CODE, StringId, TraceEvent, pool_code,
+};
 pub use format::{MAX_DEVICES, TraceEnd, TraceError, TraceErrorKind, TraceHeader};
 pub use reader::TraceReader;
 pub use recorder::{DeviceTrace, Recorder, TraceOptions, TraceSummary, thread_id};

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use gpualloc::trace::TraceEvent;
 
-use crate::analyses::state::{DeviceState, Gauges, NO_PHASE};
+use crate::analyses::state::{DeviceState, Gauges, NO_PHASE, SetCaps};
 
 /// OOMs examined in detail per device (later ones are only counted).
 pub const MAX_DETAILED: usize = 20;
@@ -23,6 +23,9 @@ pub struct Oom {
     /// What the recorded cap on reserved memory left, when it set one
     /// (`report::oom::apply_limit`).
     pub limit_left: Option<u64>,
+    /// Caps on reserved memory the program had set by then, over the
+    /// recorded configuration's (`report::oom::cap`).
+    pub caps: SetCaps,
     /// Whether the trace records reserved memory (segments): without, the
     /// free figures below are unknown, not 0.
     pub reserves: bool,
@@ -87,6 +90,7 @@ pub fn examine(e: &TraceEvent, requested: u64, device_free: u64, s: &DeviceState
         requested,
         device_free,
         limit_left: None,
+        caps: s.caps,
         reserves: s.reserves,
         gauges: s.g,
         largest_free,

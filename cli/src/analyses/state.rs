@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 
-use gpualloc::trace::{Action, EventKind, Pool, TraceEvent};
+use gpualloc::trace::{Action, EventKind, MemoryCap, Pool, TraceEvent};
 use rustc_hash::FxHashMap;
 
 /// Iteration boundaries kept per kind (marks, each top-level phase).
@@ -101,6 +101,19 @@ pub struct DeviceState {
     /// Events that contradict the state (overflowing ranges, gauges that
     /// would go negative, allocated above reserved); the first is warned of.
     pub inconsistent: u64,
+    /// Caps on reserved memory the program set while it ran.
+    pub caps: SetCaps,
+}
+
+/// Caps on reserved memory set while the program ran (`memory_limit`
+/// records), over those of the recorded configuration; `None` where the
+/// program set none.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SetCaps {
+    /// The fraction of device memory last set.
+    pub fraction: Option<f64>,
+    /// The byte cap last set (`Some(None)`: cleared).
+    pub bytes: Option<Option<u64>>,
 }
 
 /// The end of the range `[addr, addr + size)`; `None` when it passes the
@@ -249,6 +262,11 @@ impl DeviceState {
                 }
             }
             K::Mark { .. } if self.marks.len() < MAX_BOUNDARIES => self.marks.push(e.time_ns),
+            K::MemoryLimit { cap } => match cap {
+                MemoryCap::Fraction(bits) => self.caps.fraction = Some(f64::from_bits(bits)),
+                MemoryCap::Bytes(b) => self.caps.bytes = Some(b),
+                MemoryCap::Other(..) => {}
+            },
             _ => {}
         }
     }

@@ -28,6 +28,7 @@ use std::path::Path;
 use serde_json::{Value, json};
 
 use crate::analyses::analysis::{Analysis, DeviceAnalysis};
+use crate::analyses::state::SetCaps;
 use crate::commands::report::oom;
 use crate::units::{bytes, duration, percent};
 
@@ -140,6 +141,9 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
     }
     if let Some(g) = d.graph_pools.describe() {
         let _ = writeln!(s, "  private pools   {g}");
+    }
+    if let Some(c) = describe_caps(&d.state.caps) {
+        let _ = writeln!(s, "  caps set        {c} (while running; the last of each)");
     }
     let _ = writeln!(s, "  OOMs            {}", d.oom_count);
     let config = gpualloc::Config::parse(&a.info.header.config).ok();
@@ -295,6 +299,10 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
             "released": d.empty_caches.released,
             "recreated": d.empty_caches.recreated,
         }),
+        "caps_set": json!({
+            "fraction": d.state.caps.fraction,
+            "memory_limit": d.state.caps.bytes.map(|b| b.map_or(json!("cleared"), |b| json!(b))),
+        }),
         "ooms": d.oom_count,
         "oom_details": d.ooms.iter().map(|o| json!({
             "time_ns": o.time_ns,
@@ -317,4 +325,15 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
         "most_frequent_sizes": sizes(d.sizes.most_frequent(6)),
         "largest_sizes": sizes(d.sizes.largest()),
     })
+}
+
+/// The caps on reserved memory the program set while it ran, if any.
+fn describe_caps(c: &SetCaps) -> Option<String> {
+    let fraction = c.fraction.map(|f| format!("fraction {f:.3} of the device"));
+    let limit = c.bytes.map(|b| match b {
+        Some(b) => format!("memory limit {}", bytes(b)),
+        None => "memory limit cleared".into(),
+    });
+    let parts: Vec<String> = fraction.into_iter().chain(limit).collect();
+    (!parts.is_empty()).then(|| parts.join(", "))
 }

@@ -179,18 +179,21 @@ pub fn apply_limit(ooms: &mut [Oom], recorded: &str) {
     }
 }
 
-/// The cap on reserved memory that `config` set at `o`, as the allocator
-/// computes it (`allocator/src/limits.rs`): `memory_limit`, and
+/// The cap on reserved memory in force at `o`, as the allocator computes
+/// it (`allocator/src/limits.rs`): `memory_limit`, and
 /// `per_process_memory_fraction` (below 1) of the device's memory as the
 /// trace knows it, reserved plus the device's free bytes at the OOM; the
-/// smaller when both are set.
+/// smaller when both are set. Each is the one the program last set while
+/// it ran, if any (`memory_limit` records), else `config`'s.
 pub fn cap(config: &Config, o: &Oom) -> Option<u64> {
     let total = o.gauges.reserved.saturating_add(o.device_free);
-    let by_fraction = config
-        .memory_fraction
+    let by_fraction = o
+        .caps
+        .fraction
+        .or(config.memory_fraction)
         .filter(|&f| f < 1.0)
         .map(|f| (total as f64 * f) as u64);
-    match (by_fraction, config.memory_limit) {
+    match (by_fraction, o.caps.bytes.unwrap_or(config.memory_limit)) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }
@@ -269,6 +272,7 @@ mod tests {
             requested,
             device_free,
             limit_left: None,
+            caps: Default::default(),
             reserves: true,
             gauges: Gauges::default(),
             largest_free,
@@ -340,6 +344,29 @@ mod tests {
         let mut ooms = vec![o];
         apply_limit(&mut ooms, "per_process_memory_fraction:0.5");
         assert_eq!(ooms[0].free(), 0);
+    }
+
+    /// Caps the program set while it ran (`memory_limit` records) stand
+    /// over the recorded configuration's, each kind on its own.
+    #[test]
+    fn caps_set_at_run_time_stand_over_the_configurations() {
+        let mut o = oom(1 << 30, 0, 0, 2 << 30);
+        o.gauges.reserved = 6 << 30;
+        let conf = Config::parse("per_process_memory_fraction:0.9,memory_limit:7GiB").unwrap();
+        o.caps.fraction = Some(0.5);
+        assert_eq!(
+            cap(&conf, &o),
+            Some(4 << 30),
+            "the fraction set wins over 0.9"
+        );
+        o.caps.fraction = Some(1.0);
+        assert_eq!(cap(&conf, &o), Some(7 << 30), "a fraction of 1 is none");
+        o.caps.bytes = Some(None);
+        assert_eq!(cap(&conf, &o), None, "the byte cap was cleared");
+        o.caps.bytes = Some(Some(5 << 30));
+        let mut ooms = vec![o];
+        apply_limit(&mut ooms, "");
+        assert_eq!(ooms[0].limit_left, Some(0), "5 GiB cap, 6 GiB reserved");
     }
 
     /// A trace without reserved memory (an RMM log) gives no cause built
