@@ -295,6 +295,32 @@ fn multi_stream_traces_replay_to_the_gpus_peaks() {
     }
 }
 
+/// `examples/promise-budget.gtrace`: the GPU check of the promise (`bash
+/// tests/gpu/run.sh --only promise`, variant `gpualloc-traced`, library of
+/// 6e9720f: `docs/results/h200-round28/run-sh-6e9720f.json`). The check
+/// caps the process at 6 GiB with `set_per_process_memory_fraction` after
+/// the trace started, fragments it on two streams and asks for what the
+/// bounds say is free, and for more: 87 requests failed on the GPU. The
+/// cap is in the trace (a `memory_limit` record), so a replay on a device
+/// of the H200's size (`total_memory`, 150,109,880,320 B, whose share the
+/// check asked for) fails the same 87 and reaches the GPU's peaks to the
+/// byte; without the record nothing fails.
+#[test]
+fn a_cap_set_while_running_replays_to_the_gpus_failures() {
+    const TOTAL: u64 = 150_109_880_320;
+    let (recorded, events) = example("promise-budget.gtrace");
+    let config = Config::parse(&recorded).unwrap();
+    let out = replay(events.iter().cloned(), TOTAL, &config);
+    assert_eq!(
+        (out.peak_reserved, out.peak_allocated, out.ooms),
+        (6_442_450_944, 6_441_107_968, 87)
+    );
+    let uncapped = events
+        .into_iter()
+        .filter(|e| e.action != gpualloc::trace::Action::MemoryLimit);
+    assert_eq!(replay(uncapped, TOTAL, &config).ooms, 0);
+}
+
 /// `examples/moe-varlen.gtrace`: a mixture-of-experts language model whose
 /// eight experts each take the rows routed to them, so activations of new
 /// sizes come and go in every layer of every step; recorded by `bash
