@@ -21,8 +21,14 @@ use gpualloc::replay::{ReplayResult, replay};
 use gpualloc::trace::TraceEvent;
 use gpualloc::trace::reader::TraceReader;
 
-/// H200 memory as `cudaMemGetInfo` reports it (143771 MiB).
+/// H200 memory as `nvidia-smi` reports it (143771 MiB). The driver's own
+/// total (`cudaMemGetInfo`, `total_memory`), which a fraction is taken of,
+/// is [`H200_TOTAL`]; no trace but the capped one comes near either.
 const H200: u64 = 143_771 << 20;
+/// H200 memory as `torch.cuda.get_device_properties(0).total_memory` read
+/// it in round 28, and as gpualloc's driver backend read it in the same run
+/// (a replay on this capacity fails the recorded requests of a fraction).
+const H200_TOTAL: u64 = 150_109_880_320;
 
 /// The recorded configuration and the events of `examples/NAME`, read whole.
 fn example(name: &str) -> (String, Vec<TraceEvent>) {
@@ -302,15 +308,14 @@ fn multi_stream_traces_replay_to_the_gpus_peaks() {
 /// the trace started, fragments it on two streams and asks for what the
 /// bounds say is free, and for more: 87 requests failed on the GPU. The
 /// cap is in the trace (a `memory_limit` record), so a replay on a device
-/// of the H200's size (`total_memory`, 150,109,880,320 B, whose share the
-/// check asked for) fails the same 87 and reaches the GPU's peaks to the
+/// of the driver's total ([`H200_TOTAL`], whose share the check asked
+/// for; on `nvidia-smi`'s larger figure 52 fail) fails the same 87 and reaches the GPU's peaks to the
 /// byte; without the record nothing fails.
 #[test]
 fn a_cap_set_while_running_replays_to_the_gpus_failures() {
-    const TOTAL: u64 = 150_109_880_320;
     let (recorded, events) = example("promise-budget.gtrace");
     let config = Config::parse(&recorded).unwrap();
-    let out = replay(events.iter().cloned(), TOTAL, &config);
+    let out = replay(events.iter().cloned(), H200_TOTAL, &config);
     assert_eq!(
         (out.peak_reserved, out.peak_allocated, out.ooms),
         (6_442_450_944, 6_441_107_968, 87)
@@ -318,7 +323,7 @@ fn a_cap_set_while_running_replays_to_the_gpus_failures() {
     let uncapped = events
         .into_iter()
         .filter(|e| e.action != gpualloc::trace::Action::MemoryLimit);
-    assert_eq!(replay(uncapped, TOTAL, &config).ooms, 0);
+    assert_eq!(replay(uncapped, H200_TOTAL, &config).ooms, 0);
 }
 
 /// `examples/moe-varlen.gtrace`: a mixture-of-experts language model whose
