@@ -1,0 +1,465 @@
+//! Tests of `expandable.rs` (a sibling file: the module's own file stays short).
+
+use crate::{Backend, Config, DeviceAllocator, SimBackend};
+
+fn dev(conf: &str) -> DeviceAllocator<SimBackend> {
+    DeviceAllocator::new(0, SimBackend::new(8 << 30), Config::parse(conf).unwrap())
+}
+
+fn ok(d: &DeviceAllocator<SimBackend>) {
+    d.check_invariants()
+        .unwrap_or_else(|e| panic!("invariant broken: {e}"));
+}
+
+#[test]
+fn grows_by_pages_and_reuses_contiguous_space() {
+    let mut d = dev("expandable_segments:true,defragment:false,expandable_page_mb:20");
+    let a = d.malloc(30 << 20, 0).unwrap();
+    ok(&d);
+    assert_eq!(
+        d.stats().reserved_bytes.all.current,
+        40 << 20,
+        "two 20 MiB pages"
+    );
+    assert_eq!(
+        d.stats().segment.all.current,
+        0,
+        "expandable segments are not counted as segments"
+    );
+    let b = d.malloc(5 << 20, 0).unwrap();
+    ok(&d);
+    assert_eq!(b, a + (30 << 20), "carved from the mapped tail");
+    d.free(a).unwrap();
+    ok(&d);
+    // 40 MiB wanted: the free 30 MiB at the front cannot grow (b follows),
+    // so pages are mapped after b; b's tail and new pages join.
+    let c = d.malloc(40 << 20, 0).unwrap();
+    ok(&d);
+    assert_eq!(c, b + (5 << 20));
+    d.free(b).unwrap();
+    d.free(c).unwrap();
+    ok(&d);
+    // Everything free is one block: a 75 MiB request fits without growing.
+    let before = d.stats().reserved_bytes.all.current;
+    let e = d.malloc(75 << 20, 0).unwrap();
+    assert_eq!(e, a);
+    assert_eq!(d.stats().reserved_bytes.all.current, before);
+    d.free(e).unwrap();
+    d.empty_cache().unwrap();
+    ok(&d);
+    assert_eq!(d.stats().reserved_bytes.all.current, 0);
+    assert_eq!(d.backend().used(), 0);
+    assert_eq!(d.backend().mappings(), 0);
+}
+
+#[test]
+fn empty_cache_unmaps_only_whole_free_pages() {
+    let mut d = dev("expandable_segments:true,expandable_page_mb:20");
+    let a = d.malloc(10 << 20, 0).unwrap();
+    let b = d.malloc(25 << 20, 0).unwrap();
+    let c = d.malloc(2 << 20, 0).unwrap();
+    ok(&d);
+    d.free(b).unwrap();
+    d.empty_cache().unwrap();
+    ok(&d);
+    // a: [0,10) c: [35,37) with 20 MiB pages [0,20) [20,40): both pages hold live memory.
+    assert_eq!(d.stats().reserved_bytes.all.current, 40 << 20);
+    d.free(c).unwrap();
+    d.empty_cache().unwrap();
+    ok(&d);
+    assert_eq!(d.stats().reserved_bytes.all.current, 20 << 20);
+    d.free(a).unwrap();
+    d.empty_cache().unwrap();
+    ok(&d);
+    assert_eq!(d.backend().used(), 0);
+}
+
+/// Handles created (count, bytes) while running `f`.
+fn creates(
+    d: &mut DeviceAllocator<SimBackend>,
+    f: impl FnOnce(&mut DeviceAllocator<SimBackend>),
+) -> (u64, u64) {
+    use crate::cost::DriverCall::Create;
+    let before = d.backend().driver_calls();
+    f(d);
+    let c = d.backend().driver_calls().since(&before);
+    (c.handles(Create), c.bytes(Create))
+}
+
+#[test]
+fn memory_empty_cache_gave_back_is_created_again_in_coarse_handles() {
+    let mut d = dev("");
+    let mut a = 0;
+    // 128 MiB from nothing: handles of 128/8 = 16 MiB.
+    assert_eq!(
+        creates(&mut d, |d| a = d.malloc(128 << 20, 0).unwrap()),
+        (8, 128 << 20)
+    );
+    d.free(a).unwrap();
+    d.empty_cache().unwrap();
+    // A second call gives nothing back and keeps the credit.
+    d.empty_cache().unwrap();
+    ok(&d);
+    assert_eq!(d.stats().reserved_bytes.all.current, 0);
+    // The same again: handles of twice the largest, 32 MiB.
+    assert_eq!(
+        creates(&mut d, |d| a = d.malloc(128 << 20, 0).unwrap()),
+        (4, 128 << 20)
+    );
+    ok(&d);
+    // The 128 MiB given back are spent: new memory follows the rule again.
+    let mut b = 0;
+    assert_eq!(
+        creates(&mut d, |d| b = d.malloc(64 << 20, 0).unwrap()),
+        (8, 64 << 20)
+    );
+    ok(&d);
+    // A range larger than what is owed is not coarse at all.
+    d.free(a).unwrap();
+    d.free(b).unwrap();
+    d.empty_cache().unwrap();
+    assert_eq!(
+        creates(&mut d, |d| a = d.malloc(256 << 20, 0).unwrap()),
+        (16, 256 << 20)
+    );
+    ok(&d);
+}
+
+#[test]
+fn the_out_of_memory_path_ends_regrowth() {
+    // Two 300 MiB holes between live blocks; a 320 MiB request fits in
+    // neither, and growing for it passes the limit: the out-of-memory
+    // path releases the holes and creates 320 MiB afresh.
+    let mut d = dev("defragment:false,memory_limit:640MiB");
+    let a = d.malloc(300 << 20, 0).unwrap();
+    d.malloc(4 << 20, 0).unwrap();
+    let c = d.malloc(300 << 20, 0).unwrap();
+    d.malloc(4 << 20, 0).unwrap();
+    d.free(a).unwrap();
+    d.free(c).unwrap();
+    // Credit left over from an earlier `empty_cache`.
+    d.pages.set_regrowth(1 << 30);
+    let made = creates(&mut d, |d| {
+        d.malloc(320 << 20, 0).unwrap();
+    });
+    ok(&d);
+    assert_eq!(d.stats().num_alloc_retries, 1, "the out-of-memory path ran");
+    assert_eq!(made, (20, 320 << 20), "handles of 320/8 -> 16 MiB, not 32");
+}
+
+/// Reserved memory and memory calls after a request that fits in the
+/// defragmentation headroom of the all-time peak, but not in that of
+/// the peak since `reset_peak_memory_stats`.
+fn after_headroom_request(reset_peaks: bool) -> (i64, u64) {
+    let mut d = dev("defragment_headroom:0.2,stitch_min_mb:0");
+    let a = d.malloc(100 << 20, 0).unwrap();
+    let _b = d.malloc(100 << 20, 0).unwrap();
+    let c = d.malloc(100 << 20, 0).unwrap();
+    d.free(a).unwrap();
+    d.free(c).unwrap();
+    if reset_peaks {
+        d.reset_peak_stats();
+    }
+    d.malloc(150 << 20, 0).unwrap();
+    ok(&d);
+    let calls = d.backend().driver_calls().memory_calls();
+    (d.stats().reserved_bytes.all.current, calls)
+}
+
+#[test]
+fn resetting_peak_stats_changes_no_decision() {
+    let (reserved, calls) = after_headroom_request(false);
+    // 150 MiB go where c was, 50 MiB of them mapped: 350 MiB is within
+    // 1.2 x the 300 MiB peak, not within 1.2 x the 250 MiB since the reset.
+    assert_eq!(reserved, 350 << 20);
+    assert_eq!(after_headroom_request(true), (reserved, calls));
+}
+
+#[test]
+fn falls_back_to_plain_segments_without_virtual_memory() {
+    struct NoVmm(SimBackend);
+    impl Backend for NoVmm {
+        fn alignment(&self) -> u64 {
+            self.0.alignment()
+        }
+        fn mem_info(&mut self) -> Result<crate::MemInfo, crate::BackendError> {
+            self.0.mem_info()
+        }
+        fn allocate(&mut self, size: u64, c: bool) -> Result<u64, crate::BackendError> {
+            self.0.allocate(size, c)
+        }
+        fn release(&mut self, ptr: u64, size: u64) -> Result<(), crate::BackendError> {
+            self.0.release(ptr, size)
+        }
+        fn record_event(&mut self, s: u64) -> Result<u64, crate::BackendError> {
+            self.0.record_event(s)
+        }
+        fn event_done(&mut self, e: u64) -> Result<bool, crate::BackendError> {
+            self.0.event_done(e)
+        }
+        fn wait_event(&mut self, e: u64) -> Result<(), crate::BackendError> {
+            self.0.wait_event(e)
+        }
+        fn stream_wait_event(&mut self, s: u64, e: u64) -> Result<(), crate::BackendError> {
+            self.0.stream_wait_event(s, e)
+        }
+        fn destroy_event(&mut self, e: u64) {
+            self.0.destroy_event(e)
+        }
+    }
+    let mut d = DeviceAllocator::new(
+        0,
+        NoVmm(SimBackend::new(1 << 30)),
+        Config::parse("expandable_segments:true").unwrap(),
+    );
+    d.malloc(30 << 20, 0).unwrap();
+    assert_eq!(d.stats().segment.all.current, 1);
+    d.check_invariants().unwrap();
+}
+
+const MIB: u64 = 1 << 20;
+
+/// Frees `ptrs` and empties the cache: nothing is left with the driver.
+fn drained(mut d: DeviceAllocator<SimBackend>, ptrs: impl IntoIterator<Item = u64>) {
+    for p in ptrs {
+        d.free(p).unwrap();
+    }
+    d.empty_cache().unwrap();
+    ok(&d);
+    assert_eq!(d.backend().used(), 0);
+}
+
+/// An allocator whose only free memory is eight 16 MiB handles on
+/// stream 0 (128 MiB allocated and freed), with its reserved bytes and
+/// handle creations so far.
+fn freed_16_mib_handles() -> (DeviceAllocator<SimBackend>, i64, u64) {
+    let mut d = dev("");
+    let big = d.malloc(128 * MIB, 0).unwrap();
+    d.free(big).unwrap();
+    ok(&d);
+    let reserved = d.stats().reserved_bytes.all.current;
+    let creates = d.backend().counters.create;
+    (d, reserved, creates)
+}
+
+#[test]
+fn a_small_page_takes_a_pooled_large_handle_instead_of_creating_one() {
+    let (mut d, reserved, creates) = freed_16_mib_handles();
+    // Holding a new 2 MiB small page would pass the bound: one 16 MiB
+    // handle is unmapped, and the small pool maps it whole.
+    let small = d.malloc(MIB, 0).unwrap();
+    ok(&d);
+    assert_eq!(d.stats().reserved_bytes.all.current, reserved, "no growth");
+    assert_eq!(d.backend().counters.create, creates, "no handle created");
+    assert_eq!(d.pooled_bytes(), 0, "no handle left unused in the pool");
+    // The other 15 MiB of that handle serve small requests too.
+    let more: Vec<u64> = (0..14).map(|_| d.malloc(MIB, 0).unwrap()).collect();
+    ok(&d);
+    assert_eq!(d.stats().reserved_bytes.all.current, reserved);
+    drained(d, more.into_iter().chain([small]));
+}
+
+#[test]
+fn another_streams_mapping_uses_whole_pooled_handles_instead_of_creating() {
+    let (mut d, reserved, creates) = freed_16_mib_handles();
+    // 27 MiB on stream 1 needs a 28 MiB window, over the bound: two
+    // 16 MiB handles move, and the window widens to 32 MiB to map both
+    // rather than creating 12 MiB beside the first.
+    let p = d.malloc(27 * MIB, 1).unwrap();
+    ok(&d);
+    assert_eq!(d.stats().reserved_bytes.all.current, reserved, "no growth");
+    assert_eq!(d.backend().counters.create, creates, "no handle created");
+    assert_eq!(d.pooled_bytes(), 0, "no moved handle left unused");
+    // The widened window's last 5 MiB serve the stream's next request.
+    let q = d.malloc(4 * MIB, 1).unwrap();
+    ok(&d);
+    assert_eq!(q, p + 27 * MIB);
+    assert_eq!(d.stats().reserved_bytes.all.current, reserved);
+    drained(d, [p, q]);
+}
+
+/// A handle is mapped whole: pooled handles that fit the sum of a
+/// window's ranges but no single range must count as created, or the
+/// limit check lets the mapping pass the limit.
+#[test]
+fn pooled_handles_count_range_by_range_against_the_limit() {
+    let mut d = dev("memory_limit:145MiB");
+    // Stream 1: 8, 4, 8 and 2 MiB; the 8s freed and given back, so its
+    // window for 18 MiB is two 8 MiB holes around the 4 MiB block.
+    let held: Vec<u64> = [8, 4, 8, 2]
+        .iter()
+        .map(|&m| d.malloc(m * MIB, 1).unwrap())
+        .collect();
+    d.free(held[0]).unwrap();
+    d.free(held[2]).unwrap();
+    d.empty_cache().unwrap();
+    // Stream 0's 128 MiB, freed: eight 16 MiB handles to move.
+    let big = d.malloc(128 * MIB, 0).unwrap();
+    d.free(big).unwrap();
+    d.free(held[1]).unwrap();
+    ok(&d);
+    let limit = 145 * MIB as i64;
+    let r = d.malloc(18 * MIB, 1);
+    ok(&d);
+    assert!(
+        d.stats().reserved_bytes.all.current <= limit,
+        "reserved {} over the limit {limit} ({r:?})",
+        d.stats().reserved_bytes.all.current
+    );
+    assert!(d.backend().used() as i64 <= limit);
+}
+
+#[test]
+fn defragmentation_takes_pages_a_cached_stitch_pins_rather_than_growing() {
+    for budget in ["1", "0.05", "0"] {
+        let conf = format!("expandable_handle_mb:2,defragment_budget:{budget}");
+        let grew = stitch_pinned_growth(&conf);
+        // Without budget, the stitch is kept and the pool grows.
+        assert_eq!(grew, budget == "0", "{conf}: grew {grew}");
+    }
+}
+
+/// Whether a request whose only free pages are pinned by a cached stitch
+/// grows the pool.
+fn stitch_pinned_growth(conf: &str) -> bool {
+    let (mut d, small) = crate::stitch::tests::fragmented_with(conf);
+    // A 64 MiB stitch over four pieces; the other four hold 16 MiB blocks.
+    let stitched = d.malloc(64 * MIB, 0).unwrap();
+    assert_eq!(d.stats().num_stitch, 1);
+    let held: Vec<u64> = (0..4).map(|_| d.malloc(16 * MIB, 0).unwrap()).collect();
+    d.free(stitched).unwrap();
+    ok(&d);
+    let reserved = d.stats().reserved_bytes.all.current;
+    // 24 MiB fits in no piece; the only free pages are those the cached
+    // stitch aliases. They are moved (and unmapped from the stitch,
+    // leaving holes) rather than the pool growing past the bound.
+    let p = d.malloc(24 * MIB, 0).unwrap();
+    ok(&d);
+    let grew = d.stats().reserved_bytes.all.current > reserved;
+    assert_eq!(d.stats().num_stitch, 1);
+    for q in held.into_iter().chain(small).chain([p]) {
+        d.free(q).unwrap();
+    }
+    d.empty_cache().unwrap();
+    ok(&d);
+    assert_eq!(d.backend().used(), 0);
+    assert_eq!(d.backend().mappings(), 0);
+    grew
+}
+
+/// Multi-scale pattern: each step allocates a batch of activations whose
+/// sizes depend on a random input scale, then frees them.
+fn multiscale_peak(conf: &str) -> (i64, i64, i64) {
+    let mut d = dev(conf);
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut keep = Vec::new();
+    for _ in 0..200 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let scale = 320 + (x % 10) * 32;
+        let mut step = Vec::new();
+        for layer in 0..12u64 {
+            let bytes = scale * scale * (16 << (layer % 4)) + (x % 4096);
+            step.push(d.malloc(bytes, 0).unwrap());
+        }
+        if x.is_multiple_of(7) {
+            keep.push(d.malloc(scale * 4096, 0).unwrap());
+        }
+        for p in step {
+            d.free(p).unwrap();
+        }
+    }
+    d.check_invariants().unwrap();
+    let s = d.stats();
+    (
+        s.reserved_bytes.all.peak,
+        s.allocated_bytes.all.peak,
+        s.requested_bytes.all.peak,
+    )
+}
+
+#[test]
+fn a_small_request_is_never_stitched_whatever_stitch_min() {
+    let mut d = dev("expandable_handle_mb:2,stitch_min_mb:1");
+    let mut big = Vec::new();
+    for _ in 0..4 {
+        big.push(d.malloc(4 << 20, 0).unwrap());
+        d.malloc(2 << 20, 0).unwrap();
+    }
+    for p in big {
+        d.free(p).unwrap();
+    }
+    ok(&d);
+    let p = d.malloc(1 << 20, 0).unwrap();
+    ok(&d);
+    let s = d.stats();
+    assert_eq!(s.num_stitch, 0, "1 MiB is a small-pool request");
+    assert_eq!(s.allocated_bytes.small_pool.current, 1 << 20);
+    assert_eq!(s.allocated_bytes.large_pool.current, 4 * (2 << 20));
+    d.free(p).unwrap();
+    ok(&d);
+}
+
+#[test]
+fn expandable_segments_cut_fragmentation_on_multiscale_shapes() {
+    let ratio = |conf: &str| {
+        let (r, a, q) = multiscale_peak(conf);
+        (r as f64 / a as f64, q)
+    };
+    let (plain, plain_q) = ratio("policy:pytorch");
+    let (default, default_q) = ratio("");
+    let (fine, _) = ratio("expandable_handle_mb:2");
+    let (pytorch_like, _) = ratio("defragment:false,expandable_page_mb:20");
+    assert_eq!(plain_q, default_q, "the same requests");
+    for (name, r) in [("default", default), ("2 MiB handles", fine)] {
+        assert!(r < plain, "{name} {r:.3} vs plain {plain:.3}");
+        assert!(
+            r < pytorch_like,
+            "{name} {r:.3} vs PyTorch-like expandable {pytorch_like:.3}"
+        );
+    }
+    // Long-lived small blocks among transient large ones pin the pages
+    // under them; the finer the handles, the less they pin.
+    assert!(fine < 1.08, "2 MiB handles: reserved/allocated {fine:.3}");
+    assert!(fine <= default, "{fine:.3} vs {default:.3}");
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    #[test]
+    fn random_ops_keep_invariants(
+        ops in proptest::collection::vec((0u8..10, 1u64..(48 << 20), 0u64..3), 1..120),
+        defrag in proptest::bool::ANY,
+    ) {
+        let conf = format!("expandable_segments:true,defragment:{defrag}");
+        let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::parse(&conf).unwrap());
+        let mut live: Vec<(u64, u64)> = Vec::new();
+        for (op, size, stream) in ops {
+            match op {
+                0..=5 => {
+                    if let Ok(p) = d.malloc(size, stream) {
+                        for &(q, qs) in &live {
+                            proptest::prop_assert!(p + size <= q || q + qs <= p, "overlap");
+                        }
+                        live.push((p, size));
+                    }
+                }
+                6..=8 if !live.is_empty() => {
+                    let (p, _) = live.swap_remove((size as usize) % live.len());
+                    d.free(p).unwrap();
+                }
+                _ => d.empty_cache().unwrap(),
+            }
+            ok(&d);
+            proptest::prop_assert_eq!(d.stats().reserved_bytes.all.current as u64, d.backend().used());
+        }
+        for (p, _) in live {
+            d.free(p).unwrap();
+        }
+        d.empty_cache().unwrap();
+        ok(&d);
+        proptest::prop_assert_eq!(d.backend().used(), 0);
+        proptest::prop_assert_eq!(d.backend().mappings(), 0);
+    }
+}

@@ -1,0 +1,368 @@
+//! Tests of `replay.rs` (a sibling file: the module's own file stays short).
+
+use super::*;
+use crate::allocator::Allocator;
+use crate::trace::TraceReader;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Drives an allocator on the simulator with tracing on: mixed sizes,
+/// three streams, `record_stream` with completions at random points,
+/// `empty_cache`, and a capacity small enough to hit the release paths.
+fn record(seed: u64, capacity: u64, conf: &str, steps: usize) -> (Vec<TraceEvent>, u64, u64, u64) {
+    record_ticking(seed, capacity, conf, steps, 0)
+}
+
+/// Replays a recording of [`record_ticking`] under `conf` on `capacity`
+/// bytes and asserts that it reaches the recording's peaks and failed
+/// requests; returns the recording's peak reserved and failures.
+fn replays_exactly(
+    (evs, pr, pa, ooms): (Vec<TraceEvent>, u64, u64, u64),
+    capacity: u64,
+    conf: &str,
+    seed: u64,
+) -> (u64, u64) {
+    let r = replay(evs.into_iter(), capacity, &Config::parse(conf).unwrap());
+    assert_eq!(
+        (r.peak_reserved, r.peak_allocated, r.ooms),
+        (pr, pa, ooms),
+        "seed {seed}, {capacity} bytes, {conf}: replay against recording"
+    );
+    (pr, ooms)
+}
+
+/// [`record`] on a virtual clock that advances before every step by up
+/// to 20 µs, or (one step in 50) by up to `max_gap_ns`; 0 keeps it still.
+fn record_ticking(
+    seed: u64,
+    capacity: u64,
+    conf: &str,
+    steps: usize,
+    max_gap_ns: u64,
+) -> (Vec<TraceEvent>, u64, u64, u64) {
+    record_driven(seed, capacity, conf, steps, max_gap_ns, false)
+}
+
+/// [`record_ticking`], and with `caps` the program sets a cap on
+/// reserved memory every 250 steps (a fraction, a byte cap, or none).
+fn record_driven(
+    seed: u64,
+    capacity: u64,
+    conf: &str,
+    steps: usize,
+    max_gap_ns: u64,
+    caps: bool,
+) -> (Vec<TraceEvent>, u64, u64, u64) {
+    let config = Config::parse(conf).unwrap();
+    // The simulator's virtual clock, set before each step (or standing
+    // still): the budget's decisions depend on the calls and these
+    // readings alone, and the stamps carry the clock the decisions read
+    // (Note [One clock for decisions and traces], which also records
+    // how recordings on real time under load were checked).
+    let a = Allocator::new(config, 1, Box::new(move |_| Ok(SimBackend::new(capacity))));
+    let path = crate::trace::control_tests_path(&format!("replay-{seed}"));
+    a.trace_start(&path).unwrap();
+    let mut rng = Rng(2 * seed + 1);
+    let mut live: Vec<(u64, u64)> = Vec::new();
+    let mut clock = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut now = crate::clock::now_ns() + 1_000_000_000;
+    for step in 0..steps {
+        if max_gap_ns > 0 {
+            // Mostly microseconds between calls, now and then a pause.
+            now += if clock.below(50) == 0 {
+                clock.below(max_gap_ns)
+            } else {
+                clock.below(20_000)
+            };
+            a.lock(0).unwrap().backend_mut().set_clock(now);
+        }
+        if step % 97 == 0 {
+            a.phase_push("step").unwrap();
+        }
+        if caps && step % 250 == 125 {
+            match rng.below(3) {
+                0 => a
+                    .set_memory_fraction(0, 0.2 + rng.below(80) as f64 / 100.0)
+                    .unwrap(),
+                1 => {
+                    let cap = capacity / 5 + rng.below(capacity);
+                    a.lock(0).unwrap().set_memory_limit(Some(cap));
+                }
+                _ => a.lock(0).unwrap().set_memory_limit(None),
+            }
+        }
+        match rng.below(100) {
+            0..=47 => {
+                let size = match rng.below(4) {
+                    0 => 1 + rng.below(4096),
+                    1 => 1 + rng.below(1 << 20),
+                    2 => (1 << 20) + rng.below(9 << 20),
+                    _ => (10 << 20) + rng.below(60 << 20),
+                };
+                let stream = rng.below(3);
+                if let Ok(p) = a.malloc(0, size, stream) {
+                    live.push((p, stream));
+                    if rng.below(5) == 0 {
+                        a.record_stream(0, p, (stream + 1) % 3).unwrap();
+                    }
+                }
+            }
+            48..=92 if !live.is_empty() => {
+                let (p, _) = live.swap_remove(rng.below(live.len() as u64) as usize);
+                a.free(0, p).unwrap();
+            }
+            93..=97 => a.lock(0).unwrap().backend_mut().complete(rng.below(3)),
+            98 => a.empty_cache().unwrap(),
+            _ => a.mark("tick").unwrap(),
+        }
+        if step % 97 == 96 {
+            a.phase_pop();
+        }
+    }
+    a.trace_stop().unwrap();
+    let s = a.stats(0).unwrap();
+    let mut r = TraceReader::open(&path).unwrap();
+    let evs: Vec<TraceEvent> = r.events().collect();
+    assert!(r.error().is_none());
+    std::fs::remove_file(&path).unwrap();
+    (
+        evs,
+        s.reserved_bytes.all.peak as u64,
+        s.allocated_bytes.all.peak as u64,
+        s.num_ooms as u64,
+    )
+}
+
+#[test]
+fn a_recorded_trace_reproduces_its_peaks_exactly() {
+    let mut recorded_ooms = 0;
+    for (seed, capacity, conf) in [
+        (1, 4u64 << 30, ""),
+        (2, 600 << 20, ""),
+        (3, 400 << 20, "max_split_size_mb:40"),
+        (
+            4,
+            300 << 20,
+            "roundup_power2_divisions:4,cross_stream_reuse:false",
+        ),
+        (
+            5,
+            250 << 20,
+            "garbage_collection_threshold:0.5,memory_limit:200MiB",
+        ),
+        (6, 300 << 20, "expandable_segments:true"),
+        (7, 2 << 30, "expandable_segments:true"),
+        (
+            8,
+            200 << 20,
+            "expandable_segments:true,max_split_size_mb:40",
+        ),
+    ] {
+        let (evs, peak_reserved, peak_allocated, ooms) = record(seed, capacity, conf, 4000);
+        assert!(evs.iter().any(|e| e.action == Action::RecordStream));
+        let r = replay(evs.into_iter(), capacity, &Config::parse(conf).unwrap());
+        assert_eq!(
+            r.peak_reserved, peak_reserved,
+            "seed {seed} ({conf}): peak reserved"
+        );
+        assert_eq!(
+            r.peak_allocated, peak_allocated,
+            "seed {seed}: peak allocated"
+        );
+        assert_eq!(r.ooms, ooms, "seed {seed}: out-of-memory count");
+        assert_eq!(r.unknown_frees, 0);
+        recorded_ooms += ooms;
+    }
+    assert!(
+        recorded_ooms > 0,
+        "the small capacities exercise the out-of-memory paths"
+    );
+}
+
+/// The budget's decisions by time, replayed: recordings on a virtual
+/// clock that advances between calls (mostly by microseconds, one call
+/// in 50 after a pause of up to 50 ms, so that the budget earns and
+/// spends) replay to the same peaks and out-of-memory count.
+#[test]
+fn a_recording_on_an_advancing_clock_replays_exactly() {
+    let mut time_mattered = 0;
+    for seed in 1..=12u64 {
+        for (capacity, conf) in [
+            (300u64 << 20, "expandable_segments:true"),
+            (2 << 30, "expandable_segments:true"),
+            (200 << 20, "expandable_segments:true,max_split_size_mb:40"),
+        ] {
+            let recorded = record_ticking(seed, capacity, conf, 3000, 50_000_000);
+            let (pr, ooms) = replays_exactly(recorded, capacity, conf, seed);
+            let (_, still_pr, _, still_ooms) = record(seed, capacity, conf, 3000);
+            time_mattered += usize::from((still_pr, still_ooms) != (pr, ooms));
+        }
+    }
+    assert!(
+        time_mattered > 0,
+        "the advancing clock changes some decisions (else this test proves nothing)"
+    );
+}
+
+/// Stitches refused by a small stitch budget (Note [Stitch budget]):
+/// the budget reads the clock the trace stamps, so the replay refuses
+/// the same ones.
+#[test]
+fn a_recording_whose_stitches_the_budget_refuses_replays_exactly() {
+    let mut budget_mattered = 0;
+    for seed in 1..=6u64 {
+        for (capacity, base, budget) in [
+            (300u64 << 20, "expandable_segments:true", 0.002),
+            (2 << 30, "expandable_segments:true,stitch_min_mb:2", 0.002),
+            (
+                400 << 20,
+                "expandable_segments:true,stitch_min_mb:4,expandable_handle_mb:2",
+                0.001,
+            ),
+        ] {
+            let conf = format!("{base},stitch_budget:{budget}");
+            let recorded = record_ticking(seed, capacity, &conf, 3000, 50_000_000);
+            let (pr, ooms) = replays_exactly(recorded, capacity, &conf, seed);
+            let unlimited = format!("{base},stitch_budget:1");
+            let (_, u_pr, _, u_ooms) = record_ticking(seed, capacity, &unlimited, 3000, 50_000_000);
+            budget_mattered += usize::from((u_pr, u_ooms) != (pr, ooms));
+        }
+    }
+    assert!(
+        budget_mattered > 0,
+        "the stitch budget changes some recordings (else this test proves nothing)"
+    );
+}
+
+/// Caps set while the program runs are in the trace, and a replay sets
+/// them at the same points: it reaches the recording's peaks and fails
+/// the same requests. Without them (a trace of older builds) some
+/// replays differ, which shows what the records carry.
+#[test]
+fn a_recording_whose_caps_change_at_run_time_replays_exactly() {
+    let mut caps_mattered = 0;
+    for seed in 1..=6u64 {
+        for (capacity, conf) in [
+            (600u64 << 20, ""),
+            (1 << 30, "expandable_segments:true"),
+            (400 << 20, "expandable_segments:true,expandable_handle_mb:2"),
+        ] {
+            let (evs, pr, pa, ooms) = record_driven(seed, capacity, conf, 3000, 0, true);
+            assert!(evs.iter().any(|e| e.action == Action::MemoryLimit));
+            let without: Vec<TraceEvent> = evs
+                .iter()
+                .filter(|e| e.action != Action::MemoryLimit)
+                .copied()
+                .collect();
+            replays_exactly((evs, pr, pa, ooms), capacity, conf, seed);
+            let r = replay(without.into_iter(), capacity, &Config::parse(conf).unwrap());
+            caps_mattered += usize::from((r.peak_reserved, r.ooms) != (pr, ooms));
+        }
+    }
+    assert!(
+        caps_mattered > 0,
+        "the recorded caps change some replays (else this test proves nothing)"
+    );
+}
+
+/// A cap set before the trace started is recorded first (it is not in
+/// the header's configuration); a replay configured with another cap of
+/// the other kind keeps it (the program set only the byte cap).
+#[test]
+fn caps_set_before_the_trace_starts_are_recorded_first() {
+    let capacity = 1u64 << 30;
+    let a = Allocator::new(
+        Config::default(),
+        1,
+        Box::new(move |_| Ok(SimBackend::new(capacity))),
+    );
+    a.lock(0).unwrap().set_memory_limit(Some(300 << 20));
+    let path = crate::trace::control_tests_path("replay-caps-first");
+    a.trace_start(&path).unwrap();
+    let mut ooms = 0;
+    for _ in 0..8 {
+        ooms += u64::from(a.malloc(0, 60 << 20, 0).is_err());
+    }
+    a.trace_stop().unwrap();
+    let evs: Vec<TraceEvent> = TraceReader::open(&path).unwrap().events().collect();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(
+        evs.first().map(|e| e.kind()),
+        Some(EventKind::MemoryLimit {
+            cap: MemoryCap::Bytes(Some(300 << 20))
+        })
+    );
+    let count = |a: Action| evs.iter().filter(|e| e.action == a).count() as u64;
+    assert_eq!((count(Action::Alloc), count(Action::Oom)), (8 - ooms, ooms));
+    assert_eq!(ooms, 3, "five 60 MiB requests fit under 300 MiB");
+    let r = replay(evs.clone().into_iter(), capacity, &Config::default());
+    assert_eq!((r.ooms, r.peak_reserved), (3, 300 << 20));
+    let uncapped = replay(evs[1..].iter().copied(), capacity, &Config::default());
+    assert_eq!(uncapped.ooms, 0, "without the record nothing fails");
+    // A what-if fraction of a quarter (256 MiB) fails one more request.
+    let quarter = Config::parse("per_process_memory_fraction:0.25").unwrap();
+    assert_eq!(replay(evs.into_iter(), capacity, &quarter).ooms, 4);
+}
+
+/// Recordings whose streams the simulator completes at arbitrary points
+/// while blocks wait on them (`record_stream`), among them the four
+/// that replayed to another peak while a replay's own fence waits
+/// completed pending frees early.
+#[test]
+fn a_recording_whose_events_complete_at_arbitrary_points_replays_exactly() {
+    for (seed, capacity, conf) in [
+        (7u64, 400u64 << 20, "expandable_segments:true"),
+        (21, 2 << 30, "expandable_segments:true"),
+        (
+            24,
+            2 << 30,
+            "expandable_segments:true,stitch_min_mb:0,defer_unmap:false,unmap_thread:false",
+        ),
+        (32, 2 << 30, "expandable_segments:true"),
+    ] {
+        replays_exactly(record(seed, capacity, conf, 3000), capacity, conf, seed);
+    }
+}
+
+#[test]
+fn replay_is_deterministic_and_capacity_matters() {
+    let (evs, ..) = record(9, 4 << 30, "", 3000);
+    let c = Config::default();
+    let a = replay(evs.iter().copied(), 4 << 30, &c);
+    let b = replay(evs.iter().copied(), 4 << 30, &c);
+    assert_eq!(a, b);
+    assert!(a.first_oom.is_none());
+    let small = replay(evs.iter().copied(), a.peak_allocated / 2, &c);
+    let oom = small.first_oom.expect("half the peak cannot fit");
+    assert!(small.ooms > 0 && oom.requested > 0 && oom.message.contains("out of memory"));
+    assert!(
+        small.peak_reserved <= a.peak_allocated / 2,
+        "{} > {}",
+        small.peak_reserved,
+        a.peak_allocated / 2
+    );
+}
+
+#[test]
+fn a_trace_that_starts_mid_run_skips_unknown_frees() {
+    let (evs, ..) = record(11, 1 << 30, "", 2000);
+    let first_free = evs
+        .iter()
+        .position(|e| e.action == Action::FreeRequested)
+        .unwrap();
+    let tail: Vec<TraceEvent> = evs[first_free..].to_vec();
+    let r = replay(tail.into_iter(), 1 << 30, &Config::default());
+    assert!(r.unknown_frees > 0);
+    assert!(r.devices[0].allocs > 0);
+}
