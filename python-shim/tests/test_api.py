@@ -208,6 +208,27 @@ class ApiTest(unittest.TestCase):
             gpualloc.set_memory_limit(None, 1)
         lib().free(lib().malloc(40 * MiB, 1), 1)
 
+    def test_caps_set_while_tracing_are_in_the_trace(self):
+        from gpualloc.tracefile import records
+
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "caps.gtrace")
+            gpualloc.trace_start(path)
+            try:
+                gpualloc.set_memory_fraction(0.5, 1)
+                gpualloc.set_memory_limit(32 * MiB, 1)
+                with self.assertRaisesRegex(GpuallocError, "out of memory"):
+                    lib().malloc(40 * MiB, 1)
+            finally:
+                gpualloc.set_memory_limit(None, 1)
+                gpualloc.set_memory_fraction(1.0, 1)
+                gpualloc.trace_stop()
+            on_1 = [r for r in records(path) if r["device"] == 1]
+        caps = [{k: v for k, v in r.items() if k in ("fraction", "bytes")} for r in on_1 if r["kind"] == "memory_limit"]
+        self.assertEqual(caps, [{"fraction": 0.5}, {"bytes": 32 * MiB}, {"bytes": None}, {"fraction": 1.0}])
+        kinds = [r["kind"] for r in on_1]
+        self.assertLess(kinds.index("memory_limit"), kinds.index("oom"), "the cap comes before the failure it caused")
+
     def test_phases_marks_and_trace_file(self):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "t.gtrace")
