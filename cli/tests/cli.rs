@@ -563,6 +563,33 @@ fn parquet_export_names_the_calls_on_private_pools() {
     );
 }
 
+/// `memory_limit` rows carry the cap they set: its byte count in `size`
+/// and the cap in the configuration's syntax in `name` (the record's own
+/// `size` is only which cap it is, 0 for a fraction).
+#[test]
+fn parquet_export_names_the_caps_set_while_running() {
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/promise-budget.gtrace"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("caps");
+    ok(&["export", example, "--parquet", s(&prefix)]);
+    let events = parquet_rows(&dir.path().join("caps.events.parquet"));
+    let caps: Vec<_> = events
+        .iter()
+        .filter(|r| field(r, "action").to_string() == "\"memory_limit\"")
+        .collect();
+    assert_eq!(caps.len(), 1);
+    // The check asked for 6 GiB and half a page of the H200's total.
+    let fraction = ((6u64 << 30) + (1 << 20)) as f64 / 150_109_880_320_f64;
+    assert_eq!(
+        field(caps[0], "name").to_string(),
+        format!("\"per_process_memory_fraction:{fraction}\"")
+    );
+    assert_eq!(ulong(caps[0], "size"), 0);
+}
+
 #[test]
 fn several_traces_export_to_one_parquet_folder() {
     let dir = tempfile::tempdir().unwrap();

@@ -108,6 +108,45 @@ fn a_fraction_set_while_running_caps_what_an_oom_had_left() {
     );
 }
 
+/// A trace recorded with a configuration key this build does not know
+/// (another version's): the caps still count, the one the program set
+/// while it ran and the recorded configuration's own.
+#[test]
+fn caps_count_when_the_recorded_configuration_does_not_parse_here() {
+    let dir = tempfile::tempdir().unwrap();
+    let cap = EventKind::MemoryLimit {
+        cap: MemoryCap::fraction(0.8),
+    };
+    let t = trace(
+        dir.path(),
+        "later-key.gtrace",
+        "a_key_of_a_later_version:1",
+        &[vec![ev(500, cap)], six_gib_live_then_an_oom()].concat(),
+        true,
+    );
+    let (text, _) = ok(&["summary", s(&t)]);
+    assert!(
+        text.contains("device free 2.00 GiB (the memory limit left 409.60 MiB)"),
+        "{text}"
+    );
+    let t = trace(
+        dir.path(),
+        "later-key-conf.gtrace",
+        "a_key_of_a_later_version:1,per_process_memory_fraction:0.8",
+        &six_gib_live_then_an_oom(),
+        true,
+    );
+    let (text, _) = ok(&["summary", s(&t)]);
+    assert!(
+        text.contains("(the memory limit left 409.60 MiB)"),
+        "{text}"
+    );
+    assert!(
+        report(&t).contains("live tensors hold 6.00 GiB and the memory limit left 409.60 MiB"),
+        "the report's cause does not name the cap"
+    );
+}
+
 /// A trace without segment events (an RMM log): free and reserved memory
 /// are unknown, never 0 B, in the summary, the report and `diff`.
 #[test]

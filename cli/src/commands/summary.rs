@@ -146,7 +146,7 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         let _ = writeln!(s, "  caps set        {c} (while running; the last of each)");
     }
     let _ = writeln!(s, "  OOMs            {}", d.oom_count);
-    let config = gpualloc::Config::parse(&a.info.header.config).ok();
+    let config = oom::recorded_caps(&a.info.header.config);
     for o in d.ooms.iter().take(3) {
         let _ = write!(
             s,
@@ -163,8 +163,8 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
             );
             continue;
         }
-        // What an OOM had left is under the recorded cap, if any.
-        let cap = config.as_ref().and_then(|c| oom::cap(c, o));
+        // What an OOM had left is under the cap in force, if any.
+        let cap = oom::cap(&config, o);
         let _ = writeln!(
             s,
             "device free {}{}, largest free block {} (allocated {}, reserved {})",

@@ -17,8 +17,11 @@
 //! the event, the mark itself included), `phase` (innermost open phase
 //! after the event), `name` (the string of `phase_push`, `phase_pop` and
 //! `mark`; the call's name, `begin_allocate_to_pool`, ..., for
-//! `private_pool`), `allocated` and `reserved` (the device's gauges after
-//! the event, as `summary` counts them).
+//! `private_pool`; for `memory_limit`, the cap set in the configuration's
+//! syntax, `per_process_memory_fraction:0.5`, `memory_limit:<bytes>` or
+//! `memory_limit:none`, its `size` the byte cap, else 0), `allocated` and
+//! `reserved` (the device's gauges after the event, as `summary` counts
+//! them).
 //!
 //! Segments (one row per reserved range's lifetime): `rank`, `pid`,
 //! `device`, `kind` (`segment` for `segment_alloc`, `mapped` for the pages
@@ -43,7 +46,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use gpualloc::trace::{Action, EventKind, Pool, TraceEvent, pool_code};
+use gpualloc::trace::{Action, EventKind, MemoryCap, Pool, TraceEvent, pool_code};
 use parquet::data_type::ByteArray;
 
 use crate::analyses::state::{self, DeviceState, Gauges};
@@ -414,6 +417,7 @@ impl Writer {
                 let k = u32::try_from(pool).ok();
                 (0, None, k.map(|k| pool_code(Some(k), false)), None)
             }
+            K::MemoryLimit { cap } => (cap_row(cap).0, None, None, None),
             _ => (e.size, None, None, None),
         };
         let phase = d.s.phases.last().copied().unwrap_or(state::NO_PHASE);
@@ -435,6 +439,7 @@ impl Writer {
             match (e.name_id(), e.kind()) {
                 (Some(id), _) => V::Str(self.name(id)),
                 (None, K::PrivatePool { op, .. }) => V::Str(ByteArray::from(op.name())),
+                (None, K::MemoryLimit { cap }) => V::Str(ByteArray::from(cap_row(cap).1.as_str())),
                 (None, _) => V::Null,
             },
             V::u(g.allocated),
@@ -582,9 +587,41 @@ fn write_tables(
     w.finish(devs)
 }
 
+/// A `memory_limit` row's `size` (the byte cap, 0 for none and for a
+/// fraction) and `name` (the cap in the configuration's syntax; the
+/// fraction printed so that it reads back to the same bits).
+fn cap_row(cap: MemoryCap) -> (u64, String) {
+    match cap {
+        MemoryCap::Fraction(bits) => (
+            0,
+            format!("per_process_memory_fraction:{}", f64::from_bits(bits)),
+        ),
+        MemoryCap::Bytes(Some(b)) => (b, format!("memory_limit:{b}")),
+        MemoryCap::Bytes(None) => (0, "memory_limit:none".into()),
+        MemoryCap::Other(which, value) => (0, format!("#{which}:{value}")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cap_row_says_which_cap_and_its_value() {
+        assert_eq!(
+            cap_row(MemoryCap::fraction(0.25)),
+            (0, "per_process_memory_fraction:0.25".into())
+        );
+        assert_eq!(
+            cap_row(MemoryCap::Bytes(Some(6 << 30))),
+            (6 << 30, "memory_limit:6442450944".into())
+        );
+        assert_eq!(
+            cap_row(MemoryCap::Bytes(None)),
+            (0, "memory_limit:none".into())
+        );
+        assert_eq!(cap_row(MemoryCap::Other(7, 3)), (0, "#7:3".into()));
+    }
 
     fn h(size: u64, start: u64) -> Held {
         Held {

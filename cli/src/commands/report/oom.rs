@@ -167,16 +167,23 @@ fn limit_keys(recorded: &str) -> String {
         .join(",")
 }
 
-/// Sets each OOM's `limit_left`: what the cap on reserved memory in the
-/// recorded configuration `recorded` left, so that the causes name the
-/// limit rather than a device that had room.
+/// Sets each OOM's `limit_left`: what the cap on reserved memory in force
+/// ([`cap`], under the recorded configuration `recorded`) left, so that
+/// the causes name the limit rather than a device that had room.
 pub fn apply_limit(ooms: &mut [Oom], recorded: &str) {
-    let Ok(config) = Config::parse(recorded) else {
-        return;
-    };
+    let config = recorded_caps(recorded);
     for o in ooms {
         o.limit_left = cap(&config, o).map(|c| c.saturating_sub(o.gauges.reserved));
     }
+}
+
+/// The caps of the recorded configuration `recorded`, read from its cap
+/// keys alone: a configuration this build does not read (a key of another
+/// version) still gives them, and the caps the program set while it ran
+/// (`memory_limit` records) count over them. None when even those keys do
+/// not parse.
+pub fn recorded_caps(recorded: &str) -> Config {
+    Config::parse(&limit_keys(recorded)).unwrap_or_default()
 }
 
 /// The cap on reserved memory in force at `o`, as the allocator computes
@@ -367,6 +374,25 @@ mod tests {
         let mut ooms = vec![o];
         apply_limit(&mut ooms, "");
         assert_eq!(ooms[0].limit_left, Some(0), "5 GiB cap, 6 GiB reserved");
+    }
+
+    /// A recorded configuration with a key this build does not know still
+    /// gives its caps, and those the program set while it ran count.
+    #[test]
+    fn caps_count_when_the_recorded_configuration_has_unknown_keys() {
+        let mut o = oom(1 << 30, 0, 0, 2 << 30);
+        o.gauges.reserved = 6 << 30;
+        let mut ooms = vec![o.clone()];
+        apply_limit(&mut ooms, "a_later_key:1,memory_limit:7GiB");
+        assert_eq!(ooms[0].limit_left, Some(1 << 30));
+        o.caps.bytes = Some(Some(6656 << 20));
+        let mut ooms = vec![o];
+        apply_limit(&mut ooms, "a_later_key:1");
+        assert_eq!(
+            ooms[0].limit_left,
+            Some(512 << 20),
+            "the cap set while running"
+        );
     }
 
     /// A trace without reserved memory (an RMM log) gives no cause built
