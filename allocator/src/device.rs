@@ -154,8 +154,15 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// Records a cap set, so that a replay sets it at the same point (caps
     /// set at run time are not in the configuration the trace's header holds).
+    /// The record carries the device's memory that a fraction is taken of
+    /// (read once from the driver, 0 if it refuses), so that readers
+    /// compute the cap as this allocator does.
     fn record_cap(&mut self, cap: MemoryCap) {
-        let (action, addr, size, aux) = EventKind::MemoryLimit { cap }.fields();
+        if self.trace.is_none() {
+            return;
+        }
+        let device_total = self.device_total().unwrap_or(0);
+        let (action, addr, size, aux) = EventKind::MemoryLimit { cap, device_total }.fields();
         self.record(action, 0, addr, size, aux);
     }
 

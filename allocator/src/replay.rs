@@ -450,7 +450,7 @@ impl DeviceRun {
                 }
                 // The program's caps (not in the recorded configuration); a
                 // fraction the simulator refuses (a damaged file) is skipped.
-                EventKind::MemoryLimit { cap } => match cap {
+                EventKind::MemoryLimit { cap, .. } => match cap {
                     MemoryCap::Fraction(bits) => {
                         let _ = self.dev.set_memory_fraction(f64::from_bits(bits));
                     }

@@ -82,6 +82,7 @@ fn a_fraction_set_while_running_caps_what_an_oom_had_left() {
     let dir = tempfile::tempdir().unwrap();
     let cap = EventKind::MemoryLimit {
         cap: MemoryCap::fraction(0.8),
+        device_total: 0,
     };
     let t = trace(
         dir.path(),
@@ -108,6 +109,32 @@ fn a_fraction_set_while_running_caps_what_an_oom_had_left() {
     );
 }
 
+/// A record that carries the device's memory as the allocator read it
+/// (8.5 GiB: more than reserved plus free, 8 GiB, as when the CUDA
+/// context holds some): the fraction is taken of it, as the allocator took
+/// it, and the report replays on a device of that size.
+#[test]
+fn a_recorded_device_total_is_what_a_fraction_is_taken_of() {
+    let dir = tempfile::tempdir().unwrap();
+    let cap = EventKind::MemoryLimit {
+        cap: MemoryCap::fraction(0.8),
+        device_total: 8 * GIB + GIB / 2,
+    };
+    let t = trace(
+        dir.path(),
+        "frac-total.gtrace",
+        "",
+        &[vec![ev(500, cap)], six_gib_live_then_an_oom()].concat(),
+        true,
+    );
+    let (text, _) = ok(&["summary", s(&t)]);
+    assert!(
+        text.contains("device free 2.00 GiB (the memory limit left 819.20 MiB)"),
+        "{text}"
+    );
+    assert!(report(&t).contains("simulated device of 8.50 GiB"));
+}
+
 /// A trace recorded with a configuration key this build does not know
 /// (another version's): the caps still count, the one the program set
 /// while it ran and the recorded configuration's own.
@@ -116,6 +143,7 @@ fn caps_count_when_the_recorded_configuration_does_not_parse_here() {
     let dir = tempfile::tempdir().unwrap();
     let cap = EventKind::MemoryLimit {
         cap: MemoryCap::fraction(0.8),
+        device_total: 0,
     };
     let t = trace(
         dir.path(),

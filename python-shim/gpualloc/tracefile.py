@@ -50,9 +50,11 @@ def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
     call's name, ``"#<code>"`` for an unknown one), ``pool`` (the pool's
     index on the device) and ``checkpoint`` (a checkpoint's number, for
     the checkpoint calls) (private_pool); ``fraction`` (of device memory,
-    1.0 for none) or ``bytes`` (None for none), the cap set (memory_limit).
-    An unknown code, or a cap this reader does not know, gives ``kind``
-    ``"#<code>"`` and the raw fields.
+    1.0 for none) or ``bytes`` (None for none), the cap set, and
+    ``device_total`` (the device's memory as the allocator read it, 0 if
+    not known) (memory_limit). An unknown code gives ``kind``
+    ``"#<code>"`` and the raw fields; a cap this reader does not know gives
+    ``memory_limit`` and the raw fields.
     """
     kind = ACTIONS[action] if action < len(ACTIONS) else f"#{action}"
     if action <= 2 or action == FREE:
@@ -77,9 +79,10 @@ def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
         op = POOL_OPS[size] if size < len(POOL_OPS) else f"#{size}"
         return {"kind": kind, "op": op, "pool": aux, "checkpoint": addr}
     if action == 19 and size == 0:
-        return {"kind": kind, "fraction": struct.unpack("<d", struct.pack("<Q", aux & U64))[0]}
+        fraction = struct.unpack("<d", struct.pack("<Q", aux & U64))[0]
+        return {"kind": kind, "fraction": fraction, "device_total": addr}
     if action == 19 and size == 1:
-        return {"kind": kind, "bytes": None if aux == U64 else aux}
+        return {"kind": kind, "bytes": None if aux == U64 else aux, "device_total": addr}
     return {"kind": kind, "stream": stream, "addr": addr, "size": size, "aux": aux}
 
 

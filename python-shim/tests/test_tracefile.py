@@ -51,9 +51,9 @@ class DecodeTest(unittest.TestCase):
 
     def test_a_memory_limit_names_the_cap_it_sets(self):
         half = struct.unpack("<Q", struct.pack("<d", 0.5))[0]
-        self.assertEqual(decode(19, 0, 0, 0, half), {"kind": "memory_limit", "fraction": 0.5})
-        self.assertEqual(decode(19, 0, 0, 1, 6 << 30), {"kind": "memory_limit", "bytes": 6 << 30})
-        self.assertEqual(decode(19, 0, 0, 1, 2**64 - 1), {"kind": "memory_limit", "bytes": None})
+        self.assertEqual(decode(19, 0, 80 << 30, 0, half), {"kind": "memory_limit", "fraction": 0.5, "device_total": 80 << 30})
+        self.assertEqual(decode(19, 0, 0, 1, 6 << 30), {"kind": "memory_limit", "bytes": 6 << 30, "device_total": 0})
+        self.assertEqual(decode(19, 0, 0, 1, 2**64 - 1)["bytes"], None)
 
     def test_the_stitch_code_is_a_stitch_not_a_pool(self):
         self.assertEqual(decode(5, 0, 1 << 30, 2 << 20, STITCH_CODE)["pool"], "stitch")

@@ -300,7 +300,8 @@ fn caps_set_before_the_trace_starts_are_recorded_first() {
     assert_eq!(
         evs.first().map(|e| e.kind()),
         Some(EventKind::MemoryLimit {
-            cap: MemoryCap::Bytes(Some(300 << 20))
+            cap: MemoryCap::Bytes(Some(300 << 20)),
+            device_total: capacity,
         })
     );
     let count = |a: Action| evs.iter().filter(|e| e.action == a).count() as u64;

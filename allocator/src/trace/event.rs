@@ -62,8 +62,10 @@ pub enum Action {
     /// differed from the configuration when the trace started. `size`:
     /// which cap ([`MemoryCap`]: 0 the fraction of device memory, 1 the
     /// byte cap); `aux`: its value (the fraction as the bits of an `f64`,
-    /// 1.0 for none; bytes, `u64::MAX` for none). A replay sets the same
-    /// cap at the same point, a fraction taken of its own device's capacity.
+    /// 1.0 for none; bytes, `u64::MAX` for none); `addr`: the device's
+    /// memory as the allocator read it, which a fraction is taken of (0:
+    /// not known). A replay sets the same cap at the same point, a fraction
+    /// taken of its own device's capacity.
     MemoryLimit = 19,
 }
 
@@ -460,6 +462,9 @@ pub enum EventKind {
     MemoryLimit {
         /// The cap and its value.
         cap: MemoryCap,
+        /// The device's memory as the allocator read it (the driver's
+        /// total), which a fraction is taken of; 0 when not known.
+        device_total: u64,
     },
 }
 
@@ -522,9 +527,9 @@ impl EventKind {
                 pool,
                 checkpoint,
             } => (Action::PrivatePool, checkpoint, op.code(), pool),
-            K::MemoryLimit { cap } => {
+            K::MemoryLimit { cap, device_total } => {
                 let (which, value) = cap.fields();
-                (Action::MemoryLimit, 0, which, value)
+                (Action::MemoryLimit, device_total, which, value)
             }
         }
     }
@@ -661,6 +666,7 @@ impl TraceEvent {
             },
             Action::MemoryLimit => K::MemoryLimit {
                 cap: MemoryCap::from_fields(size, aux),
+                device_total: addr,
             },
         }
     }

@@ -81,6 +81,7 @@ fn every_kind() -> Vec<EventKind> {
         },
         K::MemoryLimit {
             cap: MemoryCap::fraction(0.35),
+            device_total: 80 << 30,
         },
     ]
 }
@@ -270,11 +271,21 @@ fn memory_caps_keep_their_values_and_unknown_ones_decode() {
         MemoryCap::Bytes(Some(4096))
     );
     assert_eq!(MemoryCap::from_fields(7, 3), MemoryCap::Other(7, 3));
-    let e = TraceEvent::from_kind(1, 0, 0, 1, EventKind::MemoryLimit { cap: half });
-    assert_eq!((e.action.name(), e.size, e.addr), ("memory_limit", 0, 0));
-    assert_eq!(e.kind(), EventKind::MemoryLimit { cap: half });
+    let k = EventKind::MemoryLimit {
+        cap: half,
+        device_total: 7 << 30,
+    };
+    let e = TraceEvent::from_kind(1, 0, 0, 1, k);
+    assert_eq!(
+        (e.action.name(), e.size, e.addr),
+        ("memory_limit", 0, 7 << 30)
+    );
+    assert_eq!(e.kind(), k);
     for cap in [MemoryCap::Bytes(Some(5 << 40)), MemoryCap::Bytes(None)] {
-        let k = EventKind::MemoryLimit { cap };
+        let k = EventKind::MemoryLimit {
+            cap,
+            device_total: 0,
+        };
         assert_eq!(TraceEvent::from_kind(1, 0, 0, 1, k).kind(), k);
     }
 }

@@ -114,6 +114,9 @@ pub struct SetCaps {
     pub fraction: Option<f64>,
     /// The byte cap last set (`Some(None)`: cleared).
     pub bytes: Option<Option<u64>>,
+    /// The device's memory as the allocator read it (a fraction is taken
+    /// of it), from the records that carry it.
+    pub device_total: Option<u64>,
 }
 
 /// The end of the range `[addr, addr + size)`; `None` when it passes the
@@ -262,11 +265,20 @@ impl DeviceState {
                 }
             }
             K::Mark { .. } if self.marks.len() < MAX_BOUNDARIES => self.marks.push(e.time_ns),
-            K::MemoryLimit { cap } => match cap {
-                MemoryCap::Fraction(bits) => self.caps.fraction = Some(f64::from_bits(bits)),
-                MemoryCap::Bytes(b) => self.caps.bytes = Some(b),
-                MemoryCap::Other(..) => {}
-            },
+            K::MemoryLimit { cap, device_total } => {
+                match cap {
+                    // As the allocator, which refuses a fraction outside
+                    // [0, 1] (a damaged file's NaN included).
+                    MemoryCap::Fraction(bits) if (0.0..=1.0).contains(&f64::from_bits(bits)) => {
+                        self.caps.fraction = Some(f64::from_bits(bits))
+                    }
+                    MemoryCap::Bytes(b) => self.caps.bytes = Some(b),
+                    _ => {}
+                }
+                if device_total > 0 {
+                    self.caps.device_total = Some(device_total);
+                }
+            }
             _ => {}
         }
     }
@@ -568,5 +580,25 @@ mod tests {
         assert_eq!(s.regions.len(), 1);
         s.apply(&ev(Action::PagesRelease, 0, 4096, 0));
         assert_eq!(s.g.reserved, 4096);
+    }
+
+    /// Caps as the allocator takes them: a fraction it would refuse (NaN,
+    /// above 1, from a damaged file) changes nothing; the device's memory
+    /// is kept from the records that carry it.
+    #[test]
+    fn caps_follow_the_records_the_allocator_would_accept() {
+        let mut s = DeviceState::default();
+        s.apply(&ev(Action::MemoryLimit, 8 << 30, 0, 0.5f64.to_bits()));
+        s.apply(&ev(Action::MemoryLimit, 0, 0, f64::NAN.to_bits()));
+        s.apply(&ev(Action::MemoryLimit, 0, 0, 1.5f64.to_bits()));
+        s.apply(&ev(Action::MemoryLimit, 0, 1, 3 << 30));
+        let want = SetCaps {
+            fraction: Some(0.5),
+            bytes: Some(Some(3 << 30)),
+            device_total: Some(8 << 30),
+        };
+        assert_eq!(s.caps, want);
+        s.apply(&ev(Action::MemoryLimit, 0, 1, u64::MAX));
+        assert_eq!(s.caps.bytes, Some(None), "cleared");
     }
 }

@@ -417,7 +417,7 @@ impl Writer {
                 let k = u32::try_from(pool).ok();
                 (0, None, k.map(|k| pool_code(Some(k), false)), None)
             }
-            K::MemoryLimit { cap } => (cap_row(cap).0, None, None, None),
+            K::MemoryLimit { cap, .. } => (cap_row(cap).0, None, None, None),
             _ => (e.size, None, None, None),
         };
         let phase = d.s.phases.last().copied().unwrap_or(state::NO_PHASE);
@@ -439,7 +439,9 @@ impl Writer {
             match (e.name_id(), e.kind()) {
                 (Some(id), _) => V::Str(self.name(id)),
                 (None, K::PrivatePool { op, .. }) => V::Str(ByteArray::from(op.name())),
-                (None, K::MemoryLimit { cap }) => V::Str(ByteArray::from(cap_row(cap).1.as_str())),
+                (None, K::MemoryLimit { cap, .. }) => {
+                    V::Str(ByteArray::from(cap_row(cap).1.as_str()))
+                }
                 (None, _) => V::Null,
             },
             V::u(g.allocated),

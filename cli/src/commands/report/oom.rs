@@ -188,12 +188,11 @@ pub fn recorded_caps(recorded: &str) -> Config {
 
 /// The cap on reserved memory in force at `o`, as the allocator computes
 /// it (`allocator/src/limits.rs`): `memory_limit`, and
-/// `per_process_memory_fraction` (below 1) of the device's memory as the
-/// trace knows it, reserved plus the device's free bytes at the OOM; the
-/// smaller when both are set. Each is the one the program last set while
-/// it ran, if any (`memory_limit` records), else `config`'s.
+/// `per_process_memory_fraction` (below 1) of the device's memory ([`capacity`]);
+/// the smaller when both are set. Each is the one the program last set
+/// while it ran, if any (`memory_limit` records), else `config`'s.
 pub fn cap(config: &Config, o: &Oom) -> Option<u64> {
-    let total = o.gauges.reserved.saturating_add(o.device_free);
+    let total = capacity(o);
     let by_fraction = o
         .caps
         .fraction
@@ -234,11 +233,17 @@ impl Advice {
     }
 }
 
-/// The device capacity `first` implies: what was reserved plus what the
-/// device had left (0 when the trace records neither, as an RMM log). A
-/// recorded cap is not taken off: every replay keeps the keys that set it.
+/// The device's memory at `first`: as the allocator read it, when a
+/// `memory_limit` record carries it (the driver's total, which fractions
+/// are taken of); else what was reserved plus what the device had left,
+/// which leaves out what others held (the CUDA context, other processes),
+/// and is 0 when the trace records neither, as an RMM log. A recorded cap
+/// is not taken off: every replay keeps the keys and records that set it.
 pub fn capacity(first: &Oom) -> u64 {
-    first.gauges.reserved.saturating_add(first.device_free)
+    first
+        .caps
+        .device_total
+        .unwrap_or_else(|| first.gauges.reserved.saturating_add(first.device_free))
 }
 
 /// Replays the trace under the recorded configuration and the candidates,
