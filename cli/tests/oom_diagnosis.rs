@@ -132,6 +132,10 @@ fn a_recorded_device_total_is_what_a_fraction_is_taken_of() {
         text.contains("device free 2.00 GiB (the memory limit left 819.20 MiB)"),
         "{text}"
     );
+    assert!(
+        text.contains("caps set        fraction 0.800 of the device (6.80 GiB of 8.50 GiB)"),
+        "{text}"
+    );
     assert!(report(&t).contains("simulated device of 8.50 GiB"));
 }
 

@@ -302,6 +302,7 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
         "caps_set": json!({
             "fraction": d.state.caps.fraction,
             "memory_limit": d.state.caps.bytes.map(|b| b.map_or(json!("cleared"), |b| json!(b))),
+            "device_total": d.state.caps.device_total,
         }),
         "ooms": d.oom_count,
         "oom_details": d.ooms.iter().map(|o| json!({
@@ -329,7 +330,15 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
 
 /// The caps on reserved memory the program set while it ran, if any.
 fn describe_caps(c: &SetCaps) -> Option<String> {
-    let fraction = c.fraction.map(|f| format!("fraction {f:.3} of the device"));
+    let fraction = c.fraction.map(|f| match c.device_total {
+        // As the allocator computes it (`allocator/src/limits.rs`).
+        Some(total) if f < 1.0 => format!(
+            "fraction {f:.3} of the device ({} of {})",
+            bytes((total as f64 * f) as u64),
+            bytes(total)
+        ),
+        _ => format!("fraction {f:.3} of the device"),
+    });
     let limit = c.bytes.map(|b| match b {
         Some(b) => format!("memory limit {}", bytes(b)),
         None => "memory limit cleared".into(),
