@@ -3,12 +3,13 @@
 //!
 //! # The key decision: mirror the recording's stream progress, not its layout
 //!
-//! Only the caller's actions are replayed: `alloc` (with the requested size),
-//! `free_requested`, `record_stream`, `empty_cache`, calls on private (CUDA
-//! graph) pools, caps set on reserved memory, each allocation going to the pool that served it in the
-//! recording (`replay_pools.rs`), and requests that failed
-//! (`oom`: tried again, and given back at once if they fit now). Segments, splits and
-//! reuse are decided afresh by the replayed policy. Each recorded address is
+//! Only the caller's actions are replayed: `alloc` (with the requested
+//! size), `free_requested`, `record_stream`, `empty_cache`, calls on
+//! private (CUDA graph) pools, caps set on reserved memory, each
+//! allocation going to the pool that served it in the recording
+//! (`replay_pools.rs`), and requests that failed (`oom`: tried again, and
+//! given back at once if they fit now). Segments, splits and reuse are
+//! decided afresh by the replayed policy. Each recorded address is
 //! mapped to the address the replay handed out; frees go through that map, and
 //! frees of addresses the trace never allocated (a trace started mid-run, or
 //! an allocation that failed in the replay) are skipped and counted.
