@@ -9,7 +9,7 @@
 //! Approach: one observer per device, called under the device's lock:
 //! [`SegmentAction::Alloc`] after a plain segment is obtained,
 //! [`SegmentAction::Free`] before it is released; [`SegmentAction::Map`]
-//! after a range of an expandable segment (or a stitch, Note [Stitching]) is
+//! after a range of an expandable segment (or a stitch, Note \[Stitching\]) is
 //! mapped, [`SegmentAction::Unmap`] before it is unmapped, with the range's
 //! address and size. A consumer that adds a range on `Alloc`/`Map` and
 //! removes it on `Free`/`Unmap` (and their unlisted forms, below) holds

@@ -81,7 +81,7 @@ impl Builder {
 
 /// The churn loop of `tests/gpu/checks.py` (`check_churn_wide`, the issue's
 /// loop): sizes log-uniform from 512 B to 64 MiB, so that no two large
-/// sizes repeat exactly (see [`window_loop`]).
+/// sizes repeat exactly (see `window_loop`).
 pub fn churn_wide(seed: u64, ops: usize) -> Vec<TraceEvent> {
     let (lo, hi) = ((512f64).ln(), ((64u64 << 20) as f64).ln());
     let sizes: Vec<u64> = (0..4096u64)
@@ -93,7 +93,7 @@ pub fn churn_wide(seed: u64, ops: usize) -> Vec<TraceEvent> {
 /// The other churn loop of `tests/gpu/checks.py` (`check_churn`): sizes
 /// drawn from six, 256 B to 24 MiB, so that the same few sizes come back
 /// in a fixed order and no request reaches `stitch_min_mb`; what it costs
-/// is defragmentation alone (see [`window_loop`]).
+/// is defragmentation alone (see `window_loop`).
 pub fn churn(seed: u64, ops: usize) -> Vec<TraceEvent> {
     const SIZES: [u64; 6] = [256, 4096, 65536, 1 << 20, 5 << 20, 24 << 20];
     let sizes: Vec<u64> = (0..4096u64)

@@ -20,7 +20,7 @@
 //! lock (`parking_lot`'s) may hand itself on release to a waiter, which in
 //! the child is a thread that does not exist. Waiters back off to short
 //! sleeps; control calls are rare and short.
-//! `prepare` waits at most [`FORK_WAIT`]: a flush stuck on storage that
+//! `prepare` waits at most `FORK_WAIT`: a flush stuck on storage that
 //! hangs must not hang the program's forks (DataLoader workers). Then the
 //! fork goes ahead without the lock, the parent leaves it to its holder,
 //! and the child frees it (nothing of its parent's call runs there; the
@@ -110,7 +110,7 @@ impl Drop for ControlGuard<'_> {
 /// and allocators rarely more than one.
 pub(crate) static CONTROL: ControlLock = ControlLock::new();
 
-/// The `pthread_atfork` `prepare` handler: waits (at most [`FORK_WAIT`])
+/// The `pthread_atfork` `prepare` handler: waits (at most `FORK_WAIT`)
 /// for the trace control call in progress and keeps any other from
 /// starting until the fork is done (Note [Trace control across fork]).
 pub fn before_fork() {

@@ -126,7 +126,7 @@ impl Action {
     }
 }
 
-/// `aux` of `segment_map` / `segment_unmap` for a stitch (Note [Stitching]):
+/// `aux` of `segment_map` / `segment_unmap` for a stitch (Note \[Stitching\]):
 /// a second mapping of pages already mapped, and counted, at home. Readers
 /// count it neither as reserved memory nor as free space.
 pub const STITCH_CODE: u64 = u64::MAX;
