@@ -5,7 +5,7 @@
 //! other processes or to look smaller in `nvidia-smi`; it never lowers the
 //! peak. A loop that calls it every step gives back its whole working set
 //! and has the driver create it again in the next step, which costs about
-//! 90 µs a physical handle (`docs/driver-costs.md`, Note [Regrowth]). The
+//! 90 µs a physical handle (`docs/driver-costs.md`, Note \[Regrowth\]). The
 //! summary reports the calls, the bytes they gave back, and how many of
 //! those bytes came back afterwards, so that a costly habit shows. The
 //! habit is not always the program's own: with

@@ -9,7 +9,7 @@
 //! freed just after it. The final state is rebuilt from the kept events, and
 //! each segment's blocks tile it exactly, gaps marked `inactive`.
 //!
-//! A stitched range (Note [Stitching]) maps pages already counted in other
+//! A stitched range (Note \[Stitching\]) maps pages already counted in other
 //! segments. Its blocks still need a segment, so it is written as an
 //! expandable one: a `segment_map` / `segment_unmap` pair over its life and,
 //! while mapped, a segment in the final state, each with the extra key
