@@ -188,11 +188,13 @@ pub fn recorded_caps(recorded: &str) -> Config {
 
 /// The cap on reserved memory in force at `o`, as the allocator computes
 /// it (`allocator/src/limits.rs`): `memory_limit`, and
-/// `per_process_memory_fraction` (below 1) of the device's memory ([`capacity`]);
-/// the smaller when both are set. Each is the one the program last set
-/// while it ran, if any (`memory_limit` records), else `config`'s.
+/// `per_process_memory_fraction` (below 1) of the device's memory (the
+/// driver's total when a `memory_limit` record carries it, else reserved
+/// plus free at the OOM); the smaller when both are set. Each is the one
+/// the program last set while it ran, if any (`memory_limit` records),
+/// else `config`'s.
 pub fn cap(config: &Config, o: &Oom) -> Option<u64> {
-    let total = capacity(o);
+    let total = o.caps.device_total.unwrap_or_else(|| available(o));
     let by_fraction = o
         .caps
         .fraction
@@ -203,6 +205,13 @@ pub fn cap(config: &Config, o: &Oom) -> Option<u64> {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }
+}
+
+/// What the process could have reserved at `o`: reserved plus what the
+/// device had left. It leaves out what others held (the CUDA context,
+/// other processes), which the process could not have had either.
+fn available(o: &Oom) -> u64 {
+    o.gauges.reserved.saturating_add(o.device_free)
 }
 
 /// A configuration replayed.
@@ -233,17 +242,17 @@ impl Advice {
     }
 }
 
-/// The device's memory at `first`: as the allocator read it, when a
-/// `memory_limit` record carries it (the driver's total, which fractions
-/// are taken of); else what was reserved plus what the device had left,
-/// which leaves out what others held (the CUDA context, other processes),
-/// and is 0 when the trace records neither, as an RMM log. A recorded cap
-/// is not taken off: every replay keeps the keys and records that set it.
+/// The device to replay `first` on: what the process could have reserved
+/// ([`available`]; 0 when the trace records neither, as an RMM log), but
+/// the driver's total when the program had set a fraction below 1 and a
+/// `memory_limit` record carries that total, so that the replay's
+/// fraction is the cap the allocator had. A recorded cap is not taken off:
+/// every replay keeps the keys and records that set it.
 pub fn capacity(first: &Oom) -> u64 {
-    first
-        .caps
-        .device_total
-        .unwrap_or_else(|| first.gauges.reserved.saturating_add(first.device_free))
+    match (first.caps.fraction, first.caps.device_total) {
+        (Some(f), Some(total)) if f < 1.0 => total,
+        _ => available(first),
+    }
 }
 
 /// Replays the trace under the recorded configuration and the candidates,
@@ -397,6 +406,28 @@ mod tests {
             ooms[0].limit_left,
             Some(512 << 20),
             "the cap set while running"
+        );
+    }
+
+    /// An OOM replays on what the process could have had, unless a
+    /// fraction set while running is taken of the driver's total, which
+    /// then is the device replayed.
+    #[test]
+    fn the_device_replayed_is_the_driver_total_only_under_a_fraction() {
+        let mut o = oom(1 << 30, 0, 0, 2 << 30);
+        o.gauges.reserved = 6 << 30;
+        assert_eq!(capacity(&o), 8 << 30);
+        o.caps.device_total = Some(9 << 30);
+        o.caps.bytes = Some(Some(7 << 30));
+        assert_eq!(capacity(&o), 8 << 30, "a byte cap needs no total");
+        o.caps.fraction = Some(1.0);
+        assert_eq!(capacity(&o), 8 << 30, "a fraction of 1 is none");
+        o.caps.fraction = Some(0.5);
+        assert_eq!(capacity(&o), 9 << 30);
+        assert_eq!(
+            cap(&Config::default(), &o),
+            Some(4608 << 20),
+            "half of 9 GiB"
         );
     }
 
