@@ -137,6 +137,14 @@ fn a_recorded_device_total_is_what_a_fraction_is_taken_of() {
         "{text}"
     );
     assert!(report(&t).contains("simulated device of 8.50 GiB"));
+    // A replay on another device says that the fraction caps other bytes.
+    let (_, err) = ok(&["replay", "--capacity", "8GiB", s(&t)]);
+    assert!(
+        err.contains("the program set a fraction of a device of 9126805504 bytes; this replay takes it of 8589934592"),
+        "{err}"
+    );
+    let (_, err) = ok(&["replay", "--capacity", "9126805504", s(&t)]);
+    assert!(!err.contains("fraction of a device"), "{err}");
 }
 
 /// A trace recorded with a configuration key this build does not know

@@ -9,6 +9,7 @@ use std::fmt::Write;
 use std::path::Path;
 
 use gpualloc::replay::{ReplayResult, replay};
+use gpualloc::trace::{EventKind, MemoryCap};
 use gpualloc::{Config, CostModel};
 use serde_json::json;
 
@@ -30,6 +31,7 @@ pub fn run(
     } else {
         configs.to_vec()
     };
+    warn_other_device(path, capacity)?;
     let mut results = Vec::new();
     let mut strings = Vec::new();
     let mut dropped = 0u64;
@@ -69,6 +71,30 @@ pub fn run(
         return Ok(render_json(capacity, &configs, &results, dropped));
     }
     Ok(render(path, capacity, &configs, &results, &strings))
+}
+
+/// Warns when the program set a fraction of a device of another size than
+/// `capacity`: the replay takes the fraction of its own device, so it caps
+/// reserved memory at other bytes than the recording did.
+fn warn_other_device(path: &Path, capacity: u64) -> Result<(), CliError> {
+    let mut reader = input::open(path)?;
+    let recorded = reader.events().find_map(|e| match e.kind() {
+        EventKind::MemoryLimit {
+            cap: MemoryCap::Fraction(bits),
+            device_total,
+        } if device_total > 0 && f64::from_bits(bits) < 1.0 => Some(device_total),
+        _ => None,
+    });
+    if let Some(total) = recorded.filter(|&t| t != capacity) {
+        input::warn_once(
+            &format!("{}: fraction of another device", path.display()),
+            &format!(
+                "{}: the program set a fraction of a device of {total} bytes; this replay takes it of {capacity} (--capacity {total} reproduces the recording's cap)",
+                path.display()
+            ),
+        );
+    }
+    Ok(())
 }
 
 /// One object per configuration: peaks, ratio, driver calls and time.
