@@ -74,23 +74,25 @@ fn a_memory_fraction_caps_what_an_oom_had_left() {
     assert!(page.contains("policy:gpualloc,per_process_memory_fraction:0.8"));
 }
 
+/// A trace of [`six_gib_live_then_an_oom`] under `config`, after the
+/// program set a fraction of 0.8 (a `memory_limit` record carrying
+/// `device_total`, 0 for not known).
+fn fraction_set_while_running(dir: &Path, name: &str, config: &str, device_total: u64) -> PathBuf {
+    let cap = EventKind::MemoryLimit {
+        cap: MemoryCap::fraction(0.8),
+        device_total,
+    };
+    let events = [vec![ev(500, cap)], six_gib_live_then_an_oom()].concat();
+    trace(dir, name, config, &events, true)
+}
+
 /// The same OOM with the fraction set while the program ran (a
 /// `memory_limit` record; the configuration has none): the summary names
 /// the cap and what it left, and the report's cause names it too.
 #[test]
 fn a_fraction_set_while_running_caps_what_an_oom_had_left() {
     let dir = tempfile::tempdir().unwrap();
-    let cap = EventKind::MemoryLimit {
-        cap: MemoryCap::fraction(0.8),
-        device_total: 0,
-    };
-    let t = trace(
-        dir.path(),
-        "frac-run.gtrace",
-        "",
-        &[vec![ev(500, cap)], six_gib_live_then_an_oom()].concat(),
-        true,
-    );
+    let t = fraction_set_while_running(dir.path(), "frac-run.gtrace", "", 0);
     let (text, _) = ok(&["summary", s(&t)]);
     assert!(
         text.contains("caps set        fraction 0.800 of the device"),
@@ -116,17 +118,7 @@ fn a_fraction_set_while_running_caps_what_an_oom_had_left() {
 #[test]
 fn a_recorded_device_total_is_what_a_fraction_is_taken_of() {
     let dir = tempfile::tempdir().unwrap();
-    let cap = EventKind::MemoryLimit {
-        cap: MemoryCap::fraction(0.8),
-        device_total: 8 * GIB + GIB / 2,
-    };
-    let t = trace(
-        dir.path(),
-        "frac-total.gtrace",
-        "",
-        &[vec![ev(500, cap)], six_gib_live_then_an_oom()].concat(),
-        true,
-    );
+    let t = fraction_set_while_running(dir.path(), "frac-total.gtrace", "", 8 * GIB + GIB / 2);
     let (text, _) = ok(&["summary", s(&t)]);
     assert!(
         text.contains("device free 2.00 GiB (the memory limit left 819.20 MiB)"),
@@ -153,16 +145,11 @@ fn a_recorded_device_total_is_what_a_fraction_is_taken_of() {
 #[test]
 fn caps_count_when_the_recorded_configuration_does_not_parse_here() {
     let dir = tempfile::tempdir().unwrap();
-    let cap = EventKind::MemoryLimit {
-        cap: MemoryCap::fraction(0.8),
-        device_total: 0,
-    };
-    let t = trace(
+    let t = fraction_set_while_running(
         dir.path(),
         "later-key.gtrace",
         "a_key_of_a_later_version:1",
-        &[vec![ev(500, cap)], six_gib_live_then_an_oom()].concat(),
-        true,
+        0,
     );
     let (text, _) = ok(&["summary", s(&t)]);
     assert!(
