@@ -122,6 +122,11 @@ pub struct DeviceReplay {
     /// price; the unmapping among them is the helper thread's too). Not the
     /// stitches torn down by `empty_cache` or the out-of-memory path.
     pub defragment_ms: f64,
+    /// The device's memory that a fraction the program set while it ran
+    /// was taken of in the recording (the first `memory_limit` record of a
+    /// fraction below 1 that carries it): a replay on another capacity caps
+    /// at other bytes.
+    pub recorded_device_total: Option<u64>,
     /// The first failed allocation.
     pub first_oom: Option<ReplayOom>,
 }
@@ -451,9 +456,13 @@ impl DeviceRun {
                 }
                 // The program's caps (not in the recorded configuration); a
                 // fraction the simulator refuses (a damaged file) is skipped.
-                EventKind::MemoryLimit { cap, .. } => match cap {
+                EventKind::MemoryLimit { cap, device_total } => match cap {
                     MemoryCap::Fraction(bits) => {
-                        let _ = self.dev.set_memory_fraction(f64::from_bits(bits));
+                        let fraction = f64::from_bits(bits);
+                        if fraction < 1.0 && device_total > 0 {
+                            self.out.recorded_device_total.get_or_insert(device_total);
+                        }
+                        let _ = self.dev.set_memory_fraction(fraction);
                     }
                     MemoryCap::Bytes(bytes) => self.dev.set_memory_limit(bytes),
                     MemoryCap::Other(..) => {}

@@ -9,7 +9,6 @@ use std::fmt::Write;
 use std::path::Path;
 
 use gpualloc::replay::{ReplayResult, replay};
-use gpualloc::trace::{EventKind, MemoryCap};
 use gpualloc::{Config, CostModel};
 use serde_json::json;
 
@@ -31,7 +30,6 @@ pub fn run(
     } else {
         configs.to_vec()
     };
-    warn_other_device(path, capacity)?;
     let mut results = Vec::new();
     let mut strings = Vec::new();
     let mut dropped = 0u64;
@@ -65,6 +63,7 @@ pub fn run(
         dropped = reader.dropped().values().sum();
         input::warn_dropped(path, dropped);
         strings = reader.strings().to_vec();
+        warn_other_device(path, capacity, &r);
         results.push(r);
     }
     if as_json {
@@ -74,17 +73,11 @@ pub fn run(
 }
 
 /// Warns when the program set a fraction of a device of another size than
-/// `capacity`: the replay takes the fraction of its own device, so it caps
-/// reserved memory at other bytes than the recording did.
-fn warn_other_device(path: &Path, capacity: u64) -> Result<(), CliError> {
-    let mut reader = input::open(path)?;
-    let recorded = reader.events().find_map(|e| match e.kind() {
-        EventKind::MemoryLimit {
-            cap: MemoryCap::Fraction(bits),
-            device_total,
-        } if device_total > 0 && f64::from_bits(bits) < 1.0 => Some(device_total),
-        _ => None,
-    });
+/// `capacity` (as the replay `r` read it from the trace): the replay takes
+/// the fraction of its own device, so it caps reserved memory at other
+/// bytes than the recording did.
+fn warn_other_device(path: &Path, capacity: u64, r: &ReplayResult) {
+    let recorded = r.devices.iter().find_map(|d| d.recorded_device_total);
     if let Some(total) = recorded.filter(|&t| t != capacity) {
         input::warn_once(
             &format!("{}: fraction of another device", path.display()),
@@ -94,7 +87,6 @@ fn warn_other_device(path: &Path, capacity: u64) -> Result<(), CliError> {
             ),
         );
     }
-    Ok(())
 }
 
 /// One object per configuration: peaks, ratio, driver calls and time.
