@@ -157,6 +157,14 @@ struct SimStream {
     waits: FxHashMap<StreamId, u64>,
 }
 
+impl SimStream {
+    /// Completes (and settles) everything submitted so far.
+    fn finish(&mut self) {
+        self.completed = self.submitted;
+        self.settled = self.submitted;
+    }
+}
+
 struct Reservation {
     size: u64,
     /// Mappings by offset within the reservation: `(handle, bytes)`.
@@ -420,17 +428,12 @@ impl SimBackend {
 
     /// Completes everything submitted on `stream` so far.
     pub fn complete(&mut self, stream: StreamId) {
-        let s = self.streams.entry(stream).or_default();
-        s.completed = s.submitted;
-        s.settled = s.submitted;
+        self.streams.entry(stream).or_default().finish();
     }
 
     /// Completes all work on every stream.
     pub fn complete_all(&mut self) {
-        for s in self.streams.values_mut() {
-            s.completed = s.submitted;
-            s.settled = s.submitted;
-        }
+        self.streams.values_mut().for_each(SimStream::finish);
     }
 
     /// With `true`, waiting for an event completes that event alone, not

@@ -331,10 +331,9 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
 /// The caps on reserved memory the program set while it ran, if any.
 fn describe_caps(c: &SetCaps) -> Option<String> {
     let fraction = c.fraction.map(|f| match c.device_total {
-        // As the allocator computes it (`allocator/src/limits.rs`).
         Some(total) if f < 1.0 => format!(
             "fraction {f:.3} of the device ({} of {})",
-            bytes((total as f64 * f) as u64),
+            bytes(oom::fraction_of(total, f)),
             bytes(total)
         ),
         _ => format!("fraction {f:.3} of the device"),

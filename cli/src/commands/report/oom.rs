@@ -200,11 +200,17 @@ pub fn cap(config: &Config, o: &Oom) -> Option<u64> {
         .fraction
         .or(config.memory_fraction)
         .filter(|&f| f < 1.0)
-        .map(|f| (total as f64 * f) as u64);
+        .map(|f| fraction_of(total, f));
     match (by_fraction, o.caps.bytes.unwrap_or(config.memory_limit)) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }
+}
+
+/// The bytes `fraction` of `total` caps reserved memory at, rounded as
+/// the allocator rounds them (`Limits::limit` in `allocator/src/limits.rs`).
+pub fn fraction_of(total: u64, fraction: f64) -> u64 {
+    (total as f64 * fraction) as u64
 }
 
 /// What the process could have reserved at `o`: reserved plus what the
