@@ -103,6 +103,7 @@ pub use cost::{CostModel, DriverCall, DriverCalls};
 pub use device::DeviceAllocator;
 pub use error::{ANY_DEVICE, AllocError, OomReport};
 pub use ipc::Sharing;
+pub use limits::is_memory_fraction;
 pub use observer::{SegmentAction, SegmentEvent, SegmentObserver};
 pub use pool::PoolKey;
 pub use private_pool::StreamFilter;

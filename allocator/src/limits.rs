@@ -6,6 +6,14 @@ use crate::config::Config;
 use crate::error::AllocError;
 use crate::trace::MemoryCap;
 
+/// Whether `x` is a fraction of device memory as PyTorch's
+/// `set_per_process_memory_fraction` takes it: in `[0, 1]`, where 0 lets
+/// no new memory be reserved (NaN is not). The allocator, the C API and the
+/// CLI's reading of recorded caps refuse the same values.
+pub fn is_memory_fraction(x: f64) -> bool {
+    (0.0..=1.0).contains(&x)
+}
+
 /// Device capacity and the caps on reserved memory.
 pub(crate) struct Limits {
     /// Device capacity, read once from the backend when needed.
@@ -29,7 +37,7 @@ impl Limits {
     /// takes it (0: no new memory at all, so the next request that needs
     /// some is out of memory, which tests use).
     pub fn set_fraction(&mut self, fraction: f64) -> Result<(), AllocError> {
-        if !(0.0..=1.0).contains(&fraction) {
+        if !is_memory_fraction(fraction) {
             return Err(AllocError::Backend(BackendError::Unavailable(format!(
                 "memory fraction {fraction} is not in [0, 1]"
             ))));

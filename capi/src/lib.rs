@@ -456,7 +456,7 @@ pub extern "C" fn gpualloc_empty_cache() {
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_set_memory_fraction(fraction: c_double, device: c_int) {
     void_call(|| {
-        if !(0.0..=1.0).contains(&fraction) {
+        if !gpualloc::is_memory_fraction(fraction) {
             return Err(Error::invalid(format!(
                 "gpualloc: memory fraction {fraction} is not in [0, 1]"
             )));

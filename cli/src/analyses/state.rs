@@ -267,9 +267,11 @@ impl DeviceState {
             K::Mark { .. } if self.marks.len() < MAX_BOUNDARIES => self.marks.push(e.time_ns),
             K::MemoryLimit { cap, device_total } => {
                 match cap {
-                    // As the allocator, which refuses a fraction outside
-                    // [0, 1] (a damaged file's NaN included).
-                    MemoryCap::Fraction(bits) if (0.0..=1.0).contains(&f64::from_bits(bits)) => {
+                    // As the allocator, which refuses what is no fraction
+                    // (a damaged file's NaN included).
+                    MemoryCap::Fraction(bits)
+                        if gpualloc::is_memory_fraction(f64::from_bits(bits)) =>
+                    {
                         self.caps.fraction = Some(f64::from_bits(bits))
                     }
                     MemoryCap::Bytes(b) => self.caps.bytes = Some(b),
