@@ -80,6 +80,7 @@ mod private_pool;
 mod release;
 pub mod replay;
 mod replay_pools;
+mod rng;
 mod segment;
 pub mod size_class;
 mod snapshot;

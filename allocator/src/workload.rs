@@ -9,9 +9,14 @@
 //! for [`replay`](crate::replay::replay) directly.
 //! `allocator/examples/placement_bench.rs` runs them all under several
 //! configurations.
+//!
+//! [`Rng`] draws the inputs of tests, benchmarks and `gpualloc generate`
+//! from a seed (`rng.rs`).
 
 use crate::backend::DevicePtr;
 use crate::trace::{Action, TraceEvent};
+
+pub use crate::rng::Rng;
 
 /// SplitMix64: a well-mixed 64-bit value from any input.
 fn mix(mut x: u64) -> u64 {

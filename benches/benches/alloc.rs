@@ -14,6 +14,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use gpualloc::workload::Rng;
 use gpualloc::{Allocator, Config, DeviceAllocator, SimBackend};
 
 const CAPACITY: u64 = 1 << 40;
@@ -26,18 +27,20 @@ fn device_with(config: Config) -> DeviceAllocator<SimBackend> {
     DeviceAllocator::new(0, SimBackend::new(CAPACITY), config)
 }
 
-/// A deterministic generator of mixed tensor sizes (xorshift).
-struct Sizes(u64);
+/// Mixed tensor sizes drawn from an xorshift64 [`Rng`].
+struct Sizes(Rng);
 
 impl Sizes {
+    fn new(seed: u64) -> Sizes {
+        Sizes(Rng::xorshift64(seed))
+    }
+
     fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        match self.0 % 10 {
-            0..=5 => 512 + self.0 % (256 << 10),     // small activations
-            6..=8 => (1 << 20) + self.0 % (8 << 20), // medium
-            _ => (10 << 20) + self.0 % (64 << 20),   // large
+        let x = self.0.next_u64();
+        match x % 10 {
+            0..=5 => 512 + x % (256 << 10),     // small activations
+            6..=8 => (1 << 20) + x % (8 << 20), // medium
+            _ => (10 << 20) + x % (64 << 20),   // large
         }
     }
 }
@@ -56,7 +59,7 @@ fn pairs(c: &mut Criterion, group: &str, config: Config) {
     g.throughput(Throughput::Elements(1));
     for live in [0usize, 1_000, 10_000, 100_000] {
         let mut d = device_with(config.clone());
-        let mut sizes = Sizes(0x9e3779b97f4a7c15);
+        let mut sizes = Sizes::new(0x9e3779b97f4a7c15);
         let held: Vec<u64> = (0..live)
             .map(|_| d.malloc(sizes.next() % (512 << 10) + 1, 0).unwrap())
             .collect();
@@ -76,7 +79,7 @@ fn pairs(c: &mut Criterion, group: &str, config: Config) {
 
 fn churn(c: &mut Criterion) {
     let mut d = device();
-    let mut sizes = Sizes(42);
+    let mut sizes = Sizes::new(42);
     let mut window: std::collections::VecDeque<u64> = (0..256)
         .map(|_| d.malloc(sizes.next(), 0).unwrap())
         .collect();

@@ -16,6 +16,7 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gpualloc::trace::{
     Action, Recorder, TraceEvent, TraceHeader, TraceOptions, TraceReader, TraceWriter,
 };
+use gpualloc::workload::Rng;
 use gpualloc::{Allocator, Config, SimBackend};
 
 const LIVE: usize = 10_000;
@@ -27,14 +28,9 @@ fn allocator() -> (Allocator<SimBackend>, Vec<u64>) {
         // The process clock, as on a GPU: tracing reads it once per call.
         Box::new(|_| Ok(SimBackend::new(1 << 40).with_wall_clock())),
     );
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rng = Rng::xorshift64(0x9e37_79b9_7f4a_7c15);
     let held = (0..LIVE)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            a.malloc(0, 512 + x % (512 << 10), 0).unwrap()
-        })
+        .map(|_| a.malloc(0, 512 + rng.below(512 << 10), 0).unwrap())
         .collect();
     let p = a.malloc(0, 4096, 0).unwrap();
     a.free(0, p).unwrap();

@@ -57,6 +57,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpualloc::trace::frame;
+use gpualloc::workload::Rng;
 
 /// The limit under test: 256 MB of resident memory.
 const RSS_LIMIT_BYTES: u64 = 256_000_000;
@@ -166,13 +167,9 @@ fn generate(path: &Path, events: u64) {
 /// `n` random bytes (xorshift64*) to `out`, for the garbage input.
 fn garbage(out: &Path, n: usize) {
     let mut w = BufWriter::new(File::create(out).unwrap());
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut rng = Rng::xorshift64_star(0x9e37_79b9_7f4a_7c15);
     for _ in 0..n / 8 {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        w.write_all(&x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes())
-            .unwrap();
+        w.write_all(&rng.next_u64().to_le_bytes()).unwrap();
     }
     w.flush().unwrap();
 }

@@ -20,6 +20,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpualloc::trace::{TraceEvent, TraceReader, TraceWriter, frame};
+use gpualloc::workload::Rng;
 
 /// Cases when `GPUALLOC_FUZZ_CASES` is unset (about 20 s in a debug build).
 const CI_CASES: u64 = 40;
@@ -28,35 +29,15 @@ const TIME_LIMIT: Duration = Duration::from_secs(60);
 /// Virtual memory limit of each command, KiB (`ulimit -v`).
 const MEMORY_LIMIT_KIB: u64 = 4 << 20;
 
-/// xorshift64*: reproducible from the seed alone.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        if n == 0 {
-            0
-        } else {
-            (self.next() % n as u64) as usize
-        }
-    }
-
-    /// A number from a mix of small, boundary and random values.
-    fn number(&mut self) -> u64 {
-        match self.below(6) {
-            0 => self.next() % 16,
-            1 => u64::MAX - self.next() % 16,
-            2 => 1 << self.below(64),
-            3 => u64::from(u32::MAX) - self.next() % 4,
-            4 => 1023 + self.next() % 3,
-            _ => self.next(),
-        }
+/// A number from a mix of small, boundary and random values.
+fn number(rng: &mut Rng) -> u64 {
+    match rng.index(6) {
+        0 => rng.next_u64() % 16,
+        1 => u64::MAX - rng.next_u64() % 16,
+        2 => 1 << rng.index(64),
+        3 => u64::from(u32::MAX) - rng.next_u64() % 4,
+        4 => 1023 + rng.next_u64() % 3,
+        _ => rng.next_u64(),
     }
 }
 
@@ -148,14 +129,14 @@ fn mutate(rng: &mut Rng, file: &[u8], other: &[u8]) -> Vec<u8> {
         return file.to_vec();
     };
     let n = blocks.len();
-    let pick = |rng: &mut Rng| rng.below(n);
-    match rng.below(12) {
+    let pick = |rng: &mut Rng| rng.index(n);
+    match rng.index(12) {
         0 if n > 0 => {
             blocks.remove(pick(rng));
         }
         1 if n > 0 => {
             let b = blocks[pick(rng)].clone();
-            blocks.insert(rng.below(n + 1), b);
+            blocks.insert(rng.index(n + 1), b);
         }
         2 if n > 1 => {
             let (i, j) = (pick(rng), pick(rng));
@@ -163,9 +144,9 @@ fn mutate(rng: &mut Rng, file: &[u8], other: &[u8]) -> Vec<u8> {
         }
         3 => {
             // Splice: the blocks of another trace after some of these.
-            let mut out = frame::join(file, &h, &blocks[..rng.below(n + 1)]);
+            let mut out = frame::join(file, &h, &blocks[..rng.index(n + 1)]);
             if let Some((_, ob)) = frame::split(other) {
-                let from = rng.below(ob.len() + 1);
+                let from = rng.index(ob.len() + 1);
                 for b in &ob[from..] {
                     out.extend_from_slice(&other[b.clone()]);
                 }
@@ -174,7 +155,7 @@ fn mutate(rng: &mut Rng, file: &[u8], other: &[u8]) -> Vec<u8> {
         }
         4 => {
             let mut out = file.to_vec();
-            out.truncate(rng.below(file.len() + 1));
+            out.truncate(rng.index(file.len() + 1));
             return out;
         }
         5 => return reheader(rng, file, &h, &blocks),
@@ -193,19 +174,19 @@ fn reheader(
     blocks: &[std::ops::Range<usize>],
 ) -> Vec<u8> {
     let mut head = file[h.clone()].to_vec();
-    match rng.below(3) {
+    match rng.index(3) {
         0 if head.len() >= 30 => {
-            let v = rng.number() as u32;
+            let v = number(rng) as u32;
             head[22..26].copy_from_slice(&v.to_le_bytes());
         }
         1 if head.len() > 18 => {
-            let at = 14 + rng.below(head.len() - 18);
-            head[at] = rng.next() as u8;
+            let at = 14 + rng.index(head.len() - 18);
+            head[at] = rng.next_u64() as u8;
         }
         _ => {
             let body_end = head.len() - 4;
             let mut extra = Vec::new();
-            gpualloc::trace::format::put_varint(&mut extra, rng.number());
+            gpualloc::trace::format::put_varint(&mut extra, number(rng));
             head.splice(body_end..body_end, extra);
         }
     }
@@ -224,26 +205,26 @@ fn reseal_one(
     h: &std::ops::Range<usize>,
     blocks: &[std::ops::Range<usize>],
 ) -> Vec<u8> {
-    let i = rng.below(blocks.len());
+    let i = rng.index(blocks.len());
     let mut block = file[blocks[i].clone()].to_vec();
     let mut reseal = true;
-    match rng.below(7) {
+    match rng.index(7) {
         0 => {
-            let d = rng.number() as u32;
+            let d = number(rng) as u32;
             block[4..8].copy_from_slice(&d.to_le_bytes());
         }
-        1 => block[2] = rng.below(8) as u8,
-        2 => block[3] = rng.next() as u8,
+        1 => block[2] = rng.index(8) as u8,
+        2 => block[3] = rng.next_u64() as u8,
         3 => {
             // A huge length, left as it is (the checksum cannot be forged).
-            let len = rng.number() as u32;
+            let len = number(rng) as u32;
             block[8..12].copy_from_slice(&len.to_le_bytes());
             reseal = false;
         }
         4 => {
             // The payload's first varint (event or string count, totals).
             let mut v = Vec::new();
-            gpualloc::trace::format::put_varint(&mut v, rng.number());
+            gpualloc::trace::format::put_varint(&mut v, number(rng));
             let mut pos = 16;
             let _ = gpualloc::trace::format::get_varint(&block, &mut pos);
             block.splice(16..pos.min(block.len()), v);
@@ -251,17 +232,17 @@ fn reseal_one(
         5 => {
             // A varint somewhere in the payload replaced by a boundary value.
             if block.len() > 16 {
-                let at = 16 + rng.below(block.len() - 16);
+                let at = 16 + rng.index(block.len() - 16);
                 let mut v = Vec::new();
-                gpualloc::trace::format::put_varint(&mut v, rng.number());
+                gpualloc::trace::format::put_varint(&mut v, number(rng));
                 let end = (at + v.len()).min(block.len());
                 block.splice(at..end, v);
             }
         }
         _ => {
             if block.len() > 16 {
-                let at = 16 + rng.below(block.len() - 16);
-                block[at] ^= 1 << rng.below(8);
+                let at = 16 + rng.index(block.len() - 16);
+                block[at] ^= 1 << rng.index(8);
             }
         }
     }
@@ -310,7 +291,7 @@ fn commands(rng: &mut Rng, dir: &Path, t: &Path, seed: &Path) -> Vec<Vec<String>
         vec!["diff".into(), p(seed), t.clone(), "--json".into()],
     ];
     // Half the time, also use whatever prefix is readable.
-    if rng.below(2) == 0 {
+    if rng.index(2) == 0 {
         for c in &mut all {
             c.push("--allow-truncated".into());
         }
@@ -321,20 +302,20 @@ fn commands(rng: &mut Rng, dir: &Path, t: &Path, seed: &Path) -> Vec<Vec<String>
 /// A damaged copy of an exported CSV or snapshot, for `import`.
 fn damaged(rng: &mut Rng, data: &[u8]) -> Vec<u8> {
     let mut d = data.to_vec();
-    for _ in 0..1 + rng.below(4) {
+    for _ in 0..1 + rng.index(4) {
         if d.is_empty() {
             break;
         }
-        let at = rng.below(d.len());
-        match rng.below(4) {
+        let at = rng.index(d.len());
+        match rng.index(4) {
             0 => d.truncate(at),
-            1 => d[at] = rng.next() as u8,
+            1 => d[at] = rng.next_u64() as u8,
             2 => {
-                let digits = rng.number().to_string();
+                let digits = number(rng).to_string();
                 d.splice(at..at, digits.into_bytes());
             }
             _ => {
-                let (a, b) = (rng.below(d.len()), rng.below(d.len()));
+                let (a, b) = (rng.index(d.len()), rng.index(d.len()));
                 let (a, b) = (a.min(b), a.max(b));
                 let chunk = d[a..b].to_vec();
                 d.splice(at..at, chunk);
@@ -377,17 +358,17 @@ fn every_command_survives_structurally_damaged_traces() {
     ];
     let started = Instant::now();
     for case in 0..cases {
-        let mut rng = Rng((seed0 ^ case.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1);
-        let base = &seeds[rng.below(seeds.len())];
-        let other = &seeds[rng.below(seeds.len())];
+        let mut rng = Rng::xorshift64_star((seed0 ^ case.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1);
+        let base = &seeds[rng.index(seeds.len())];
+        let other = &seeds[rng.index(seeds.len())];
         let mut t = base.clone();
-        for _ in 0..1 + rng.below(3) {
+        for _ in 0..1 + rng.index(3) {
             t = mutate(&mut rng, &t, other);
         }
         let input = dir.join("case.gtrace");
         std::fs::write(&input, &t).unwrap();
         let imported = dir.join("case-import");
-        let which = rng.below(exports.len());
+        let which = rng.index(exports.len());
         std::fs::write(&imported, damaged(&mut rng, &exports[which])).unwrap();
         let mut runs = commands(&mut rng, dir, &input, &seed_path);
         let p = |x: &Path| x.to_str().unwrap().to_string();

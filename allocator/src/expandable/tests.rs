@@ -1,5 +1,6 @@
 //! Tests of `expandable.rs` (a sibling file: the module's own file stays short).
 
+use crate::rng::Rng;
 use crate::{Backend, Config, DeviceAllocator, SimBackend};
 
 fn dev(conf: &str) -> DeviceAllocator<SimBackend> {
@@ -351,12 +352,10 @@ fn stitch_pinned_growth(conf: &str) -> bool {
 /// sizes depend on a random input scale, then frees them.
 fn multiscale_peak(conf: &str) -> (i64, i64, i64) {
     let mut d = dev(conf);
-    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut rng = Rng::xorshift64(0x2545_f491_4f6c_dd1d);
     let mut keep = Vec::new();
     for _ in 0..200 {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = rng.next_u64();
         let scale = 320 + (x % 10) * 32;
         let mut step = Vec::new();
         for layer in 0..12u64 {

@@ -2,20 +2,8 @@
 
 use super::*;
 use crate::allocator::Allocator;
+use crate::rng::Rng;
 use crate::trace::TraceReader;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 /// Drives an allocator on the simulator with tracing on: mixed sizes,
 /// three streams, `record_stream` with completions at random points,
@@ -73,9 +61,9 @@ fn record_driven(
     let a = Allocator::new(config, 1, Box::new(move |_| Ok(SimBackend::new(capacity))));
     let path = crate::trace::control_tests_path(&format!("replay-{seed}"));
     a.trace_start(&path).unwrap();
-    let mut rng = Rng(2 * seed + 1);
+    let mut rng = Rng::xorshift64(2 * seed + 1);
     let mut live: Vec<(u64, u64)> = Vec::new();
-    let mut clock = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut clock = Rng::xorshift64(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let mut now = crate::clock::now_ns() + 1_000_000_000;
     for step in 0..steps {
         if max_gap_ns > 0 {

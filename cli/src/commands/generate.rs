@@ -8,24 +8,10 @@
 use std::path::Path;
 
 use gpualloc::trace::{TraceOptions, TraceSummary};
+use gpualloc::workload::Rng;
 use gpualloc::{Allocator, Config, SimBackend};
 
 use crate::input::CliError;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 /// Writes about `events` events to `out`.
 pub fn generate(out: &Path, events: u64, seed: u64) -> Result<TraceSummary, CliError> {
@@ -43,7 +29,7 @@ pub fn generate(out: &Path, events: u64, seed: u64) -> Result<TraceSummary, CliE
         },
     )
     .map_err(werr)?;
-    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut rng = Rng::xorshift64(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let mut kept = Vec::new();
     let per_step_events = 3 * (64 + 64 + 8) + 10;
     let steps = events.div_ceil(per_step_events);

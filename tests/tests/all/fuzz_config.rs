@@ -9,29 +9,11 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use gpualloc::Config;
 use gpualloc::config::KEYS;
+use gpualloc::workload::Rng;
 use gpualloc_tests::Checked;
 
 /// Cases when `GPUALLOC_FUZZ_CASES` is unset.
 const CI_CASES: u64 = 10_000;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
-        xs[self.below(xs.len())]
-    }
-}
 
 fn value(rng: &mut Rng) -> String {
     let tokens = [
@@ -81,9 +63,9 @@ fn value(rng: &mut Rng) -> String {
         "1,2",
         "a:b",
     ];
-    match rng.below(4) {
-        0 => rng.next().to_string(),
-        1 => format!("{}", (rng.next() % 100_000) as f64 / 1000.0),
+    match rng.index(4) {
+        0 => rng.next_u64().to_string(),
+        1 => format!("{}", (rng.next_u64() % 100_000) as f64 / 1000.0),
         _ => rng.pick(&tokens).to_string(),
     }
 }
@@ -91,16 +73,16 @@ fn value(rng: &mut Rng) -> String {
 fn config_string(rng: &mut Rng) -> String {
     let keys: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
     let mut parts = Vec::new();
-    for _ in 0..rng.below(5) {
-        let key = match rng.below(10) {
+    for _ in 0..rng.index(5) {
+        let key = match rng.index(10) {
             0 => "policy",
-            1 => rng.pick(&["", " ", "unknown_key", "MAX_SPLIT_SIZE_MB", ":", "["]),
-            _ => rng.pick(&keys),
+            1 => *rng.pick(&["", " ", "unknown_key", "MAX_SPLIT_SIZE_MB", ":", "["]),
+            _ => *rng.pick(&keys),
         };
-        let sep = rng.pick(&[":", ":", ":", " : ", "", "::"]);
+        let sep = *rng.pick(&[":", ":", ":", " : ", "", "::"]);
         parts.push(format!("{key}{sep}{}", value(rng)));
     }
-    let join = rng.pick(&[",", ",", ", ", ",,", ";"]);
+    let join = *rng.pick(&[",", ",", ", ", ",,", ";"]);
     parts.join(join)
 }
 
@@ -116,7 +98,7 @@ fn any_configuration_string_parses_or_fails_cleanly_and_runs() {
         .unwrap_or(0);
     let mut accepted = 0;
     for case in 0..cases {
-        let mut rng = Rng((seed ^ case.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1);
+        let mut rng = Rng::xorshift64_star((seed ^ case.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1);
         let s = config_string(&mut rng);
         let parsed = catch_unwind(|| Config::parse(&s)).unwrap_or_else(|_| {
             panic!("case {case} (GPUALLOC_FUZZ_SEED={seed}): Config::parse({s:?}) panicked")
@@ -127,18 +109,18 @@ fn any_configuration_string_parses_or_fails_cleanly_and_runs() {
         if accepted % 10 != 1 {
             continue;
         }
-        let capacity = 1 << (20 + rng.below(16));
+        let capacity = 1 << (20 + rng.index(16));
         let run = catch_unwind(AssertUnwindSafe(|| {
             let mut c = Checked::new(capacity, config);
             let mut live = Vec::new();
             for _ in 0..40 {
-                if live.is_empty() || rng.below(3) != 0 {
-                    let size = 1 + rng.next() % (1 << (4 + rng.below(24)));
-                    if let Ok(p) = c.malloc(size, rng.below(3) as u64) {
+                if live.is_empty() || rng.index(3) != 0 {
+                    let size = 1 + rng.next_u64() % (1 << (4 + rng.index(24)));
+                    if let Ok(p) = c.malloc(size, rng.index(3) as u64) {
                         live.push(p);
                     }
                 } else {
-                    let p = live.swap_remove(rng.below(live.len()));
+                    let p = live.swap_remove(rng.index(live.len()));
                     c.free(p).expect("free of a live block");
                 }
             }

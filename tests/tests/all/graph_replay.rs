@@ -5,6 +5,7 @@
 
 use gpualloc::replay::replay;
 use gpualloc::trace::{Action, PoolOp, TraceEvent, TraceReader};
+use gpualloc::workload::Rng;
 use gpualloc::{AllocError, Allocator, Config, SimBackend};
 
 const CAPACITY: u64 = 4 << 30;
@@ -37,13 +38,8 @@ fn record(
 }
 
 fn rng(seed: u64) -> impl FnMut(u64) -> u64 {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    move |n| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % n
-    }
+    let mut rng = Rng::xorshift64(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    move |n| rng.below(n)
 }
 
 /// `n` allocations of 1 MiB plus up to `spread` bytes on the default

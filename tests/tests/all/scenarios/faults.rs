@@ -6,6 +6,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use gpualloc::backend::SimCall;
+use gpualloc::workload::Rng;
 use gpualloc::{DeviceAllocator, SimBackend};
 use gpualloc_tests::cfg;
 
@@ -42,13 +43,8 @@ fn workload(label: &str, fault: Option<(SimCall, u64)>) -> Result<[u64; 13], Str
     }
     let mut d = DeviceAllocator::new(0, sim, cfg(config));
     let mut live = Vec::new();
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    let mut rnd = |n: u64| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % n
-    };
+    let mut rng = Rng::xorshift64(0x9e37_79b9_7f4a_7c15);
+    let mut rnd = |n: u64| rng.below(n);
     for step in 0..300 {
         let stream = rnd(3);
         match rnd(10) {
