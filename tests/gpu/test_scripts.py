@@ -14,6 +14,7 @@ import compat  # noqa: E402
 import driver  # noqa: E402
 import promise  # noqa: E402
 import sweep  # noqa: E402
+import yolo  # noqa: E402
 from step_profiler import StepProfiler  # noqa: E402
 
 
@@ -276,6 +277,56 @@ class BenchTargets(unittest.TestCase):
         b["training"] = {"w": bench.summarize_training(b["runs"], "w", ["native", "gpualloc"])}
         b["churn"] = {}
         self.assertEqual(bench.targets(b), [("w", "all", "–", "not run")])
+
+
+def yolo_run(variant, rep, epochs, allocs=(5, 0, 1), driver=None):
+    eps = [{"epoch_s": t, "train_s": t - 0.1, "device_allocs": a, "driver_ms": d}
+           for t, a, d in zip(epochs, allocs, driver or [None] * len(epochs))]
+    return {"variant": variant, "repeat": rep, "rc": 0, "wall_s": 30.0, "result": {
+        "epochs": eps, "total_s": sum(epochs) + 1.0, "peak_reserved_over_allocated": 1.02,
+        "final_losses": {"box": 1.5}, "counters": {}}}
+
+
+class YoloSummary(unittest.TestCase):
+    VARIANTS = ["native", "native-expandable", "gpualloc"]
+
+    def runs(self, ours):
+        out = []
+        for rep, epochs in enumerate(ours):
+            out.append(yolo_run("native", rep, [7.0, 1.6, 1.6]))
+            out.append(yolo_run("native-expandable", rep, [6.0, 1.5, 1.7]))
+            out.append(yolo_run("gpualloc", rep, epochs, driver=[80.0, 2.5, 0.5]))
+        return out
+
+    def test_each_epoch_against_the_faster_pytorch_mode_of_its_repeat(self):
+        r = yolo.time_ratios(self.runs([[5.0, 1.65, 1.5], [5.5, 1.80, 1.55]]))
+        self.assertEqual(list(r), ["epoch 1", "epoch 2", "epoch 3", "total"])
+        self.assertEqual([round(x, 4) for x in r["epoch 1"]], [0.8333, 0.9167], "against 6.0, the faster")
+        self.assertEqual([round(x, 4) for x in r["epoch 2"]], [1.1, 1.2], "against 1.5")
+        self.assertEqual([round(x, 4) for x in r["epoch 3"]], [0.9375, 0.9688], "against native's 1.6")
+        self.assertEqual([round(x, 4) for x in r["total"]], [round(9.15 / 10.2, 4), round(9.85 / 10.2, 4)])
+
+    def test_verdicts_per_epoch_and_the_table(self):
+        md = yolo.table(self.runs([[5.0, 1.65, 1.5], [5.1, 1.70, 1.55], [5.05, 1.68, 1.52]]), self.VARIANTS)
+        rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
+        self.assertIn("| met |", rows["epoch 1"])
+        self.assertIn("| missed |", rows["epoch 2"])
+        self.assertIn("| met |", rows["total"])
+        self.assertIn("| 5.05 / 1.68 / 1.52 |", rows["gpualloc"])
+        self.assertIn("| 5 / 0 / 1 | 80.0 / 2.5 / 0.5 |", rows["gpualloc"])
+        self.assertIn("| 5 / 0 / 1 | – / – / – |", rows["native"], "PyTorch counts no driver time")
+
+    def test_one_repeat_a_failed_run_and_no_pytorch_mode(self):
+        runs = self.runs([[5.0, 1.4, 1.5]])
+        md = yolo.table(runs, self.VARIANTS)
+        self.assertIn("met (one repeat)", md)
+        runs[0] = {"variant": "native", "repeat": 0, "rc": 1, "wall_s": 1.0, "error": "boom"}
+        md = yolo.table(runs, self.VARIANTS)
+        self.assertIn("| native | 0 | failed rc=1 |", md)
+        self.assertIn("met (one repeat)", md, "against native-expandable alone")
+        self.assertEqual(yolo.ratio_table(runs, ["gpualloc"]), [])
+        only_ours = [r for r in runs if r["variant"] == "gpualloc"]
+        self.assertIn("no repeat where both ran", yolo.table(only_ours, self.VARIANTS))
 
 
 class PromiseBounds(unittest.TestCase):

@@ -13,7 +13,11 @@ time (YOLO_OFFLINE, a local font, a model built from its YAML, plots off).
 On a machine without network, install the wheels first (see
 tests/gpu/yolo.sh). Writes DIR/yolo.json and DIR/yolo.md: per variant, the
 time of each epoch (training and validation), peak reserved over peak
-allocated, the final losses, and gpualloc's driver counters.
+allocated, the final losses, and each epoch's device allocations and
+(gpualloc's) driver time; then gpualloc's time of each epoch and of the
+whole run over the faster PyTorch mode's, per repeat, with the 95%
+interval over repeats and whether "epoch times <= PyTorch expandable's"
+is met (two repeats or more; the order of the variants turns each repeat).
 """
 
 from __future__ import annotations
@@ -29,9 +33,25 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import bench  # noqa: E402
 import driver  # noqa: E402
 
 CHILD_TIMEOUT_S = 600
+COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_driver_calls", "driver_time_ns",
+            "num_defragment", "num_stitch")
+OURS = "gpualloc"
+
+
+def epoch_counters(before, after):
+    """What one epoch added to the counters: device allocations (PyTorch's
+    and gpualloc's), and driver time in ms (gpualloc's only; None under
+    PyTorch, which does not count it)."""
+    def added(key):
+        a, b = after.get(key), before.get(key)
+        return None if a is None or b is None else a - b
+
+    ns = added("driver_time_ns")
+    return {"device_allocs": added("num_device_alloc"), "driver_ms": None if ns is None else ns / 1e6}
 
 
 def make_dataset(root, images, size=320, seed=0):
@@ -91,18 +111,28 @@ def child(args):
         elif hasattr(t, "reshape"):
             train_losses.append({str(i): round(float(x), 5) for i, x in enumerate(t.reshape(-1).tolist())})
 
+    def counters():
+        stats = torch.cuda.memory_stats()
+        if args.alloc == "gpualloc":
+            stats.update(gpualloc.stats())  # the driver counters are gpualloc's own
+        return {k: stats.get(k) for k in COUNTERS}
+
+    at_fit_end = []
     model = YOLO(args.model)
     for event in ("on_train_epoch_start", "on_train_epoch_end", "on_fit_epoch_end"):
         model.add_callback(event, on(event))
+    model.add_callback("on_fit_epoch_end", lambda trainer: at_fit_end.append(counters()))
     model.add_callback("on_train_epoch_end", epoch_losses)
     t0 = time.perf_counter()
+    before = counters()
     model.train(data=args.data, epochs=args.epochs, batch=args.batch, imgsz=args.imgsz, multi_scale=0.5,
                 workers=4, device=0, seed=0, deterministic=True, plots=False, amp=True, val=True,
                 project=args.project, name=args.name, exist_ok=True, verbose=False, close_mosaic=0)
     total = time.perf_counter() - t0
     starts, ends, fits = (marks.get(k, []) for k in ("on_train_epoch_start", "on_train_epoch_end", "on_fit_epoch_end"))
-    for s, e, f in zip(starts, ends, fits):
-        epochs.append({"train_s": e - s, "epoch_s": f - s})
+    for s, e, f, c in zip(starts, ends, fits, at_fit_end):
+        epochs.append({"train_s": e - s, "epoch_s": f - s, **epoch_counters(before, c)})
+        before = c
     losses = train_losses[-1] if train_losses else None
     out = {
         "epochs": epochs,
@@ -113,11 +143,7 @@ def child(args):
         "train_losses": train_losses,
     }
     out["peak_reserved_over_allocated"] = out["peak_reserved"] / max(1, out["peak_allocated"])
-    stats = torch.cuda.memory_stats()
-    if args.alloc == "gpualloc":
-        stats.update(gpualloc.stats())  # the driver counters are gpualloc's own
-    out["counters"] = {k: stats.get(k) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
-                                                 "num_driver_calls", "driver_time_ns", "num_defragment", "num_stitch")}
+    out["counters"] = counters()
     print("GPUALLOC_RESULT " + json.dumps(out), flush=True)
 
 
@@ -140,25 +166,77 @@ def run_variant(name, args, data, out, rep):
     return res
 
 
+def per_epoch(rs, key, spec):
+    """The median over runs `rs` of `key` in each epoch all of them reached,
+    formatted with `spec`, as "a / b / c" ("-" where no run counted it)."""
+    cells = []
+    for i in range(min(len(r["epochs"]) for r in rs)):
+        xs = [r["epochs"][i].get(key) for r in rs]
+        cells.append(bench.fmt(bench.median(xs), spec))
+    return " / ".join(cells)
+
+
 def table(runs, variants):
-    rows = ["| variant | runs | R/A | epoch times, s (train + val) | total s | final losses | driver calls |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| variant | runs | R/A | epoch times, s (train + val) | total s | device allocations | driver ms "
+            "| final losses |",
+            "|---|---|---|---|---|---|---|---|"]
     for v in variants:
         rs = [r["result"] for r in runs if r["variant"] == v and "result" in r]
         if not rs:
             err = next((r for r in runs if r["variant"] == v), {})
-            rows.append(f"| {v} | 0 | failed rc={err.get('rc')} | | | | |")
+            rows.append(f"| {v} | 0 | failed rc={err.get('rc')} | | | | | |")
             continue
-        n = min(len(r["epochs"]) for r in rs)
-        ep = [statistics.median(r["epochs"][i]["epoch_s"] for r in rs) for i in range(n)]
         ra = statistics.median(r["peak_reserved_over_allocated"] for r in rs)
         tot = statistics.median(r["total_s"] for r in rs)
         loss = rs[0]["final_losses"]
-        calls = rs[0]["counters"].get("num_driver_calls")
         loss_text = " ".join(f"{k} {x:.4f}" for k, x in loss.items()) if loss else "-"
-        rows.append(f"| {v} | {len(rs)} | {ra:.4f} | {' / '.join(f'{x:.2f}' for x in ep)} | {tot:.1f} | "
-                    f"{loss_text} | {calls if calls is not None else '-'} |")
-    return "\n".join(rows)
+        rows.append(f"| {v} | {len(rs)} | {ra:.4f} | {per_epoch(rs, 'epoch_s', '.2f')} | {tot:.1f} | "
+                    f"{per_epoch(rs, 'device_allocs', '.0f')} | {per_epoch(rs, 'driver_ms', '.1f')} | {loss_text} |")
+    rows.append("")
+    rows.append("Device allocations and driver time are per epoch; driver time is gpualloc's own count.")
+    ratios = ratio_table(runs, variants)
+    return "\n".join(rows + ([""] + ratios if ratios else []))
+
+
+def time_ratios(runs, ours=OURS):
+    """Per repeat, `ours`'s time of each epoch and of the whole run over the
+    faster PyTorch mode's in that repeat: {"epoch 1": [r0, r1, ...], ...,
+    "total": [...]}, only for repeats where both ran."""
+    by = {}
+    for r in runs:
+        if "result" in r:
+            by.setdefault(r["repeat"], {})[r["variant"]] = r["result"]
+    out = {}
+    for rep in sorted(by):
+        mine = by[rep].get(ours)
+        natives = [by[rep][v] for v in bench.NATIVE if v in by[rep]]
+        if not mine or not natives:
+            continue
+        n = min(len(x["epochs"]) for x in [mine] + natives)
+        for i in range(n):
+            base = min(x["epochs"][i]["epoch_s"] for x in natives)
+            out.setdefault(f"epoch {i + 1}", []).append(mine["epochs"][i]["epoch_s"] / base)
+        out.setdefault("total", []).append(mine["total_s"] / min(x["total_s"] for x in natives))
+    return out
+
+
+def ratio_table(runs, variants, ours=OURS):
+    """The target "epoch times <= PyTorch expandable's" (here: the faster
+    PyTorch mode of each repeat), per epoch and for the whole run, with the
+    95% interval over repeats and its verdict; [] when `ours` and no PyTorch
+    mode ran."""
+    if ours not in variants or not any(v in variants for v in bench.NATIVE):
+        return []
+    ratios = time_ratios(runs, ours)
+    if not ratios:
+        return [f"{ours} against PyTorch: no repeat where both ran."]
+    rows = [f"{ours}'s time against the faster PyTorch mode of each repeat:", "",
+            "| | runs | median ratio | 95% interval | <= 1.00x |", "|---|---|---|---|---|"]
+    for k, rs in ratios.items():
+        rows.append(f"| {k} | {len(rs)} | {statistics.median(rs):.3f} | {bench.fmt_interval(bench.ratio_interval(rs))} "
+                    f"| {bench.verdict_ratio(rs, 1.0)} |")
+    rows += ["", bench.INTERVAL_NOTE]
+    return rows
 
 
 def main():
