@@ -14,6 +14,7 @@ import compat  # noqa: E402
 import driver  # noqa: E402
 import promise  # noqa: E402
 import sweep  # noqa: E402
+import trainers  # noqa: E402
 import yolo  # noqa: E402
 from step_profiler import StepProfiler  # noqa: E402
 
@@ -327,6 +328,28 @@ class YoloSummary(unittest.TestCase):
         self.assertEqual(yolo.ratio_table(runs, ["gpualloc"]), [])
         only_ours = [r for r in runs if r["variant"] == "gpualloc"]
         self.assertIn("no repeat where both ran", yolo.table(only_ours, self.VARIANTS))
+
+
+class TrainersSummary(unittest.TestCase):
+    def run_(self, variant, rep, mean_ms):
+        return {"library": "hf", "variant": variant, "repeat": rep, "rc": 0, "wall_s": 9.0, "result": {
+            "mean_step_ms": mean_ms, "median_step_ms": mean_ms, "total_s": 8.0, "final_loss": 2.5,
+            "peak_reserved_over_allocated": 1.005, "counters": {"num_device_alloc": 3}}}
+
+    def rows(self, ours):
+        runs = []
+        for rep, ms in enumerate(ours):
+            runs += [self.run_("native", rep, 200.0), self.run_("native-expandable", rep, 190.0),
+                     self.run_("gpualloc", rep, ms)]
+        md = trainers.table(runs, ["hf"], ["native", "native-expandable", "gpualloc"])
+        return {line.split("|")[2].strip(): line for line in md.splitlines() if line.startswith("| hf ")}
+
+    def test_the_mean_step_ratio_has_an_interval_and_a_verdict(self):
+        self.assertIn("| 0.947 | 0.934–0.961 | met |", self.rows([180.0, 181.0, 179.0])["gpualloc"])
+        self.assertIn("| missed |", self.rows([200.0, 201.0, 199.0])["gpualloc"])
+        self.assertIn("| cannot tell (", self.rows([180.0, 200.0])["gpualloc"])
+        self.assertIn("| met (one repeat) |", self.rows([185.0])["gpualloc"])
+        self.assertIn("| 1.000 | 1.000–1.000 | – |", self.rows([180.0, 181.0])["native-expandable"])
 
 
 class PromiseBounds(unittest.TestCase):

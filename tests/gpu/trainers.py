@@ -13,8 +13,9 @@ Both libraries ship with torch on most GPU machines; nothing is downloaded
 (the GPT-2 is built from its config, the batches are random). Writes
 DIR/trainers.json and DIR/trainers.md: per library and variant, the wall
 time of training, mean and median step time, the mean step over the faster
-of the two PyTorch modes (within each repeat), peak reserved over peak
-allocated, the last loss and gpualloc's driver counters.
+of the two PyTorch modes (within each repeat; with two repeats or more, the
+95% interval over repeats and whether it is at most 1.00x), peak reserved
+over peak allocated, the last loss and gpualloc's driver counters.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import bench  # noqa: E402
 import driver  # noqa: E402
 from step_profiler import StepProfiler, parse_window  # noqa: E402
 
@@ -200,8 +202,8 @@ def table(runs, libraries, variants):
     """Medians over repeats; the mean-step ratio is taken within each repeat
     against the faster PyTorch mode of that repeat, then its median."""
     rows = ["| library | variant | runs | R/A | total s | mean step ms | median step ms | mean step vs faster PyTorch "
-            "| last loss | device allocs | driver calls | driver ms |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| 95% interval | <= 1.00x | last loss | device allocs | driver calls | driver ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for lib in libraries:
         ok = [r for r in runs if r["library"] == lib and "result" in r]
         base = {}
@@ -213,7 +215,7 @@ def table(runs, libraries, variants):
             rs = [r for r in ok if r["variant"] == v]
             if not rs:
                 err = next((r for r in runs if r["library"] == lib and r["variant"] == v), {})
-                rows.append(f"| {lib} | {v} | 0 | failed rc={err.get('rc')} | | | | | | | | |")
+                rows.append(f"| {lib} | {v} | 0 | failed rc={err.get('rc')} | | | | | | | | | | |")
                 continue
 
             def med(key, rs=rs):
@@ -224,10 +226,12 @@ def table(runs, libraries, variants):
             ns = c.get("driver_time_ns")
             rows.append(f"| {lib} | {v} | {len(rs)} | {med('peak_reserved_over_allocated'):.4f} | {med('total_s'):.1f} "
                         f"| {med('mean_step_ms'):.1f} | {med('median_step_ms'):.1f} "
-                        f"| {statistics.median(ratios) if ratios else float('nan'):.3f} | {med('final_loss'):.4f} "
+                        f"| {statistics.median(ratios) if ratios else float('nan'):.3f} "
+                        f"| {bench.fmt_interval(bench.ratio_interval(ratios))} "
+                        f"| {bench.verdict_ratio(ratios, 1.0) if v not in NATIVE else '–'} | {med('final_loss'):.4f} "
                         f"| {c.get('num_device_alloc')} | {c.get('num_driver_calls') if c.get('num_driver_calls') is not None else '-'} "
                         f"| {ns / 1e6 if ns is not None else float('nan'):.1f} |")
-    return "\n".join(rows)
+    return "\n".join(rows + ["", bench.INTERVAL_NOTE])
 
 
 def main():
