@@ -317,6 +317,13 @@ class YoloSummary(unittest.TestCase):
         self.assertIn("| 5 / 0 / 1 | 80.0 / 2.5 / 0.5 |", rows["gpualloc"])
         self.assertIn("| 5 / 0 / 1 | – / – / – |", rows["native"], "PyTorch counts no driver time")
 
+    def test_an_epochs_counters_and_pytorchs_missing_ones(self):
+        self.assertEqual(yolo.epoch_counters({"num_device_alloc": 2, "driver_time_ns": 1_000_000},
+                                             {"num_device_alloc": 5, "driver_time_ns": 3_500_000}),
+                         {"device_allocs": 3, "driver_ms": 2.5})
+        self.assertEqual(yolo.epoch_counters({}, {"num_device_alloc": 5}), {"device_allocs": 5, "driver_ms": None},
+                         "PyTorch lists no counter before its first allocation, and never driver time")
+
     def test_one_repeat_a_failed_run_and_no_pytorch_mode(self):
         runs = self.runs([[5.0, 1.4, 1.5]])
         md = yolo.table(runs, self.VARIANTS)

@@ -45,10 +45,11 @@ OURS = "gpualloc"
 def epoch_counters(before, after):
     """What one epoch added to the counters: device allocations (PyTorch's
     and gpualloc's), and driver time in ms (gpualloc's only; None under
-    PyTorch, which does not count it)."""
+    PyTorch, which does not count it). A counter missing before and present
+    after started at zero (PyTorch lists none before its first allocation)."""
     def added(key):
-        a, b = after.get(key), before.get(key)
-        return None if a is None or b is None else a - b
+        a = after.get(key)
+        return None if a is None else a - (before.get(key) or 0)
 
     ns = added("driver_time_ns")
     return {"device_allocs": added("num_device_alloc"), "driver_ms": None if ns is None else ns / 1e6}
