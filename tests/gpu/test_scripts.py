@@ -272,6 +272,23 @@ class BenchTargets(unittest.TestCase):
         v = self.verdicts(self.bench([0.099]))
         self.assertEqual(v[("w", "mean")], "met (one repeat)")
 
+    def test_the_churn_floor_tells_whether_the_speed_target_is_within_reach(self):
+        def floor_rows(floors):
+            b = self.bench([0.1, 0.1])
+            for r in b["runs"]:
+                if r["workload"] == "churn":
+                    f = floors[r["repeat"]]
+                    r["result"]["floor_us_per_call"] = f and f + (0.1 if r["variant"] == "gpualloc" else 0)
+            b["churn"] = {"churn": bench.summarize_churn(b["runs"], ["native", "native-expandable", "gpualloc"], "churn")}
+            return {t.split()[0]: (v, x) for w, t, v, x in bench.targets(b) if w == "churn"}
+
+        self.assertEqual(bench.floor_ratios(self.bench([0.1])["runs"], "churn"), [], "no floor measured")
+        self.assertNotIn("floor:", floor_rows([None, None]))
+        self.assertEqual(floor_rows([3.4, 3.5])["floor:"], ("0.863", "out of reach of any allocator"),
+                         "3.4 and 3.5 µs (the lowest variant's) against PyTorch's 4.0")
+        self.assertEqual(floor_rows([1.2, 1.3])["floor:"], ("0.312", "within reach"))
+        self.assertTrue(floor_rows([2.0, 3.2])["floor:"][1].startswith("cannot tell ("))
+
     def test_a_variant_that_did_not_run_is_named(self):
         b = self.bench([0.1, 0.1])
         b["runs"] = [r for r in b["runs"] if r["variant"] != "gpualloc"]
