@@ -287,6 +287,8 @@ class BenchTargets(unittest.TestCase):
         self.assertEqual(floor_rows([3.4, 3.5])["floor:"], ("0.863", "out of reach of any allocator"),
                          "3.4 and 3.5 µs (the lowest variant's) against PyTorch's 4.0")
         self.assertEqual(floor_rows([1.2, 1.3])["floor:"], ("0.312", "within reach"))
+        self.assertEqual(floor_rows([3.4, 2.5])["floor,"], ("0.625", "within reach"), "2.5 against 4.0")
+        self.assertEqual(floor_rows([3.4, 3.0])["floor,"], ("0.750", "out of reach of any allocator"))
         self.assertTrue(floor_rows([2.0, 3.2])["floor:"][1].startswith("cannot tell ("))
 
     def test_a_variant_that_did_not_run_is_named(self):
