@@ -34,6 +34,15 @@ pub fn cfg(s: &str) -> Config {
     Config::parse(s).unwrap_or_else(|e| panic!("config {s:?}: {e}"))
 }
 
+/// Cases per property: `PROPTEST_CASES` when set (for longer runs), else
+/// `default`.
+pub fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 /// A live allocation as the test sees it.
 #[derive(Clone, Debug)]
 pub struct Live {
@@ -306,6 +315,27 @@ impl Checked {
         r
     }
 
+    /// Allocates; any error is tolerated (fault injection), but the
+    /// checks run as after every operation.
+    pub fn try_malloc(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
+        self.streams.insert(stream);
+        let r = self.op(|d| d.malloc(size, stream));
+        if let Ok(p) = &r
+            && *p != 0
+        {
+            self.register(*p, size, stream);
+        }
+        self.check();
+        r
+    }
+
+    /// `empty_cache`, any error tolerated.
+    pub fn try_empty_cache(&mut self) -> Result<(), AllocError> {
+        let r = self.op(|d| d.empty_cache());
+        self.check();
+        r
+    }
+
     /// Allocates, panicking on failure.
     #[track_caller]
     pub fn alloc(&mut self, size: u64, stream: StreamId) -> DevicePtr {
@@ -421,10 +451,12 @@ impl Checked {
         })
     }
 
-    /// Frees a live allocation (or 0).
+    /// Frees a live allocation (or 0). A free that returns an error but
+    /// took the block anyway (an event record failed after the block was
+    /// queued behind its streams' work) forgets it too.
     pub fn free(&mut self, p: DevicePtr) -> Result<(), AllocError> {
         let r = self.op(|d| d.free(p));
-        if r.is_ok() {
+        if r.is_ok() || self.dev.allocation_size(p).is_none() {
             self.forget(p);
         }
         self.check();

@@ -15,6 +15,7 @@
 
 mod docs;
 mod examples;
+mod fault_properties;
 mod follow_properties;
 mod fuzz_config;
 mod gpu_recorded;

@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use gpualloc::size_class::{PoolKind, round_size};
 use gpualloc::{AllocError, PoolKey, StreamId};
-use gpualloc_tests::{Checked, MIB};
+use gpualloc_tests::{Checked, MIB, cases};
 use proptest::prelude::*;
 use proptest::sample::Index;
 
@@ -418,15 +418,6 @@ fn run(config: &str, granule: u64, capacity: u64, ops: &[Op]) -> Result<(), Test
         run.step(op)?;
     }
     run.finish()
-}
-
-/// Cases per configuration: `PROPTEST_CASES` when set (for longer runs),
-/// else `default`.
-fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
 }
 
 /// Device sizes: half a page-aligned device, one not a whole number of
