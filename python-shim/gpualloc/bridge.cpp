@@ -122,6 +122,17 @@ TraceEntry::Action segment_action(int action) {
   }
 }
 
+// A trace tracker threw on a segment change: said on stderr the first time.
+void tracker_refused(const char* what) {
+  static std::atomic<bool> said{false};
+  if (!said.exchange(true)) {
+    std::fprintf(stderr,
+                 "gpualloc: a memory trace tracker refused a segment change (said once; expected when NCCL "
+                 "communicators started at different times hold the same memory in other pieces): %s\n",
+                 what);
+  }
+}
+
 // Ranges announced to the trackers (bridge/registration.h); under observers_mutex.
 AnnouncedRanges& announced = *new AnnouncedRanges;
 
@@ -156,15 +167,17 @@ void on_segment(void*, int device, int action, uint64_t address, uint64_t size, 
       TraceEntry e = make_entry(c.alloc ? TraceEntry::SEGMENT_ALLOC : TraceEntry::SEGMENT_FREE,
                                 static_cast<c10::DeviceIndex>(c.device), c.addr, c.size, s);
       for (const auto& t : ts) {
-        // One tracker's failure (NCCL refusing to deregister a range it
-        // does not know) neither keeps the others nor the next changes
-        // from being told.
+        // One tracker's failure neither keeps the others nor the next
+        // changes from being told. A communicator refusing to withdraw a
+        // start it never registered, or to register one it holds, is
+        // expected once communicators started at different times (Note
+        // [Communicators that register the snapshot]): said once.
         try {
           t(e);
         } catch (const std::exception& x) {
-          std::fprintf(stderr, "gpualloc: a memory trace tracker failed: %s\n", x.what());
+          tracker_refused(x.what());
         } catch (...) {
-          std::fprintf(stderr, "gpualloc: a memory trace tracker failed\n");
+          tracker_refused("unknown exception");
         }
       }
     }
@@ -225,14 +238,23 @@ void profile_alloc(void* p, size_t size, c10::DeviceIndex device) {
   report_to_profiler(p, static_cast<int64_t>(block), device);
 }
 
-// The process that loaded the bridge: a forked child has another id.
-const pid_t history_pid = getpid();
+// The process whose PyTorch started CUDA through this allocator (init());
+// 0 before that. A child forked after it cannot use CUDA and only frees
+// what it inherited; one forked before it (`ddp_fork`, a `fork` start
+// method, a worker pool made before the first CUDA call) starts CUDA
+// itself and records its own frees. Taking the pid when the bridge was
+// loaded instead left such children's memory history and profiler with
+// allocations that were never freed.
+std::atomic<pid_t> cuda_pid{0};
 
 // Not a forked child (a DataLoader worker freeing what it inherited): the
 // locks of history and of the devices may be held there for good by a
 // thread the fork left behind (Note [Freeing in a forked child] in
 // capi/src/fork.rs). A system call: asked only on the rare paths.
-bool in_parent() { return getpid() == history_pid; }
+bool in_parent() {
+  pid_t owner = cuda_pid.load(std::memory_order_relaxed);
+  return owner == 0 || getpid() == owner;
+}
 
 void delete_fn(void* ptr) {
   if (ptr == nullptr) {
@@ -553,6 +575,7 @@ class GpuallocAllocator final : public CUDAAllocator {
   // initialization error.
   void init(int device_count) override {
     check(api.init(nullptr), "could not start");
+    cuda_pid.store(getpid(), std::memory_order_relaxed);
     device_count_ = device_count;
     initialized_.store(true);
   }
@@ -613,6 +636,15 @@ class GpuallocAllocator final : public CUDAAllocator {
     cca::SnapshotInfo out;
     bool only = id.first != 0 || id.second != 0;
     Segments all = read_segments(-1, only ? &id : nullptr);
+    if (!only && has_trackers.load(std::memory_order_relaxed)) {
+      // A communicator starting now registers these segments by itself
+      // (Note [Communicators that register the snapshot] in
+      // bridge/registration.h).
+      std::lock_guard<std::mutex> g(observers_mutex);
+      for (const auto& s : all.segs) {
+        announced.registered_from_snapshot(s.device, s.address, s.total_size);
+      }
+    }
     for (const auto& s : all.segs) {
       out.segments.push_back(segment_info(s, all.blocks));
     }

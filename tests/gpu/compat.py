@@ -10,8 +10,9 @@ checkpoints), memory history read back by torch.cuda._memory_viz and
 replayed backwards from the snapshot as MemoryViz does (through stitched
 memory under gpualloc), MemPool
 with use_mem_pool, the out-of-memory observer, the generic allocator
-registry, the raw caching_allocator_alloc/delete API, and settings changed
-mid-run with torch.cuda.memory._set_allocator_settings. ipc: a CUDA tensor sent to a child process through
+registry, the raw caching_allocator_alloc/delete API, settings changed
+mid-run with torch.cuda.memory._set_allocator_settings, and memory history
+in a child forked before the first CUDA call. ipc: a CUDA tensor sent to a child process through
 torch.multiprocessing, the child under PyTorch's allocator and under
 gpualloc. Each sub-check passes or fails on its own.
 """
@@ -429,7 +430,69 @@ def check_compat(args) -> dict:
             setter(f"expandable_segments:{was}")
         return {"allocated_after": torch.cuda.memory_allocated()}
 
+    @sub("memory_history_in_a_child_forked_before_cuda")
+    def _():
+        # A process that installs the allocator and forks before its first
+        # CUDA call (Lightning's `ddp_fork`, a `fork` start method): each
+        # child starts CUDA itself, and its memory history must see its
+        # frees as well as its allocations.
+        import json
+        import subprocess
+        import sys
+
+        p = subprocess.run([sys.executable, "-c", FORK_BEFORE_CUDA, args.alloc], capture_output=True, text=True,
+                           timeout=180)
+        lines = [x for x in p.stdout.splitlines() if x.startswith("FORK_RESULT ")]
+        assert p.returncode == 0 and lines, f"rc={p.returncode}: {p.stderr[-600:]}"
+        seen = json.loads(lines[-1][len("FORK_RESULT "):])
+        assert "error" not in seen, seen["error"]
+        want = "gpualloc" if args.alloc == "gpualloc" else "native"
+        assert seen["backend"] == want, f"the child allocated through {seen['backend']}, not {want}"
+        assert seen["actions"] == ["alloc", "free_requested", "free_completed"], \
+            f"the child's history of its tensor: {seen['actions']}"
+        return seen
+
     return sub.result()
+
+
+# The program of memory_history_in_a_child_forked_before_cuda: argv[1] is
+# the allocator; prints FORK_RESULT and the child's findings as JSON.
+FORK_BEFORE_CUDA = r"""
+import json, os, sys
+import torch
+if sys.argv[1] == "gpualloc":
+    import gpualloc
+    gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None)
+assert not torch.cuda.is_initialized()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(r)
+    try:
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        x = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+        addr = x.data_ptr()
+        del x
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        actions = [e["action"] for e in snap["device_traces"][0] if e["addr"] == addr and not e["action"].startswith("segment")]
+        out = {"actions": actions, "backend": torch.cuda.get_allocator_backend()}
+    except Exception as e:
+        out = {"error": repr(e)}
+    os.write(w, json.dumps(out).encode())
+    os._exit(0)
+os.close(w)
+data = b""
+while True:
+    chunk = os.read(r, 65536)
+    if not chunk:
+        break
+    data += chunk
+_, status = os.waitpid(pid, 0)
+print("FORK_RESULT " + data.decode(), flush=True)
+sys.exit(0 if status == 0 else 1)
+"""
 
 
 # ---------------------------------------------------------------------------

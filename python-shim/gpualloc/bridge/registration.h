@@ -9,8 +9,22 @@
 // every map/unmap into ALLOC/FREE of whole announced ranges: a tracker that
 // registers on ALLOC and deregisters on FREE always has exactly the mapped
 // memory registered, each range once, and never a range that was unmapped.
+//
+// Note [Communicators that register the snapshot]
+// A communicator that starts after memory was mapped registers the
+// snapshot's segments by itself: whole mapped runs, where one started
+// earlier holds the same memory in the pieces it was announced in. Each
+// snapshot taken while trackers listen is therefore remembered too
+// (`registered_from_snapshot`), so the announced ranges may overlap: every
+// start any communicator registered is one of them. An unmap withdraws
+// every announced range over the hole and, transitively, every range over
+// one of those (by start address: each communicator drops the one it holds
+// there; one that holds none refuses, which the bridge tolerates), then
+// announces once what of their union stays mapped. Every communicator then
+// holds exactly the mapped memory again, each page once.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <utility>
@@ -34,52 +48,122 @@ class AnnouncedRanges {
       return out;
     }
     // A range announced already (a seeded segment) is not announced twice.
-    auto& m = ranges_[device];
-    auto it = m.upper_bound(addr);
-    if (it != m.begin() && std::prev(it)->first + std::prev(it)->second >= addr + size) {
+    auto& d = devices_[device];
+    if (d.covers(addr, addr + size)) {
       return out;
     }
-    m[addr] = size;
+    d.put(addr, size);
     out.push_back({true, device, addr, size});
     return out;
   }
 
   // Memory [addr, addr + size) is about to go: withdraw every announced
-  // range it touches and announce again what of them stays.
+  // range over it, and every range over one of those, then announce their
+  // union less the hole (Note [Communicators that register the snapshot]).
   std::vector<Change> unmapped(int device, uint64_t addr, uint64_t size) {
     std::vector<Change> out;
-    auto& m = ranges_[device];
+    if (size == 0) {
+      return out;
+    }
+    auto& d = devices_[device];
     uint64_t end = addr + size;
-    auto it = m.upper_bound(addr);
-    if (it != m.begin() && std::prev(it)->first + std::prev(it)->second > addr) {
-      --it;
-    }
-    std::vector<std::pair<uint64_t, uint64_t>> keep;
-    while (it != m.end() && it->first < end) {
-      uint64_t s = it->first;
-      uint64_t e = s + it->second;
-      out.push_back({false, device, s, it->second});
-      if (s < addr) {
-        keep.emplace_back(s, addr - s);
+    std::vector<std::pair<uint64_t, uint64_t>> taken;  // [start, end)
+    std::vector<std::pair<uint64_t, uint64_t>> frontier{{addr, end}};
+    while (!frontier.empty()) {
+      auto [lo, hi] = frontier.back();
+      frontier.pop_back();
+      for (auto [s, n] : d.over(lo, hi)) {
+        d.ranges.erase(s);
+        out.push_back({false, device, s, n});
+        taken.emplace_back(s, s + n);
+        frontier.emplace_back(s, s + n);
       }
-      if (e > end) {
-        keep.emplace_back(end, e - end);
-      }
-      it = m.erase(it);
     }
-    for (const auto& [s, n] : keep) {
-      m[s] = n;
-      out.push_back({true, device, s, n});
+    // What of the withdrawn ranges stays mapped: their union less the hole.
+    std::sort(taken.begin(), taken.end());
+    std::vector<std::pair<uint64_t, uint64_t>> runs;
+    for (auto [s, e] : taken) {
+      if (!runs.empty() && s <= runs.back().second) {
+        runs.back().second = std::max(runs.back().second, e);
+      } else {
+        runs.emplace_back(s, e);
+      }
+    }
+    for (auto [s, e] : runs) {
+      for (auto [a, b] : {std::make_pair(s, std::min(e, addr)), std::make_pair(std::max(s, end), e)}) {
+        if (a < b) {
+          d.put(a, b - a);
+          out.push_back({true, device, a, b - a});
+        }
+      }
     }
     return out;
   }
 
-  // Ranges a consumer registered by itself (ProcessGroupNCCL registers the
-  // snapshot's segments when a communicator starts).
-  void seed(int device, uint64_t addr, uint64_t size) { ranges_[device][addr] = size; }
+  // Ranges a consumer registered by itself when trackers were attached:
+  // what was mapped then.
+  void seed(int device, uint64_t addr, uint64_t size) {
+    if (size != 0) {
+      devices_[device].put(addr, size);
+    }
+  }
+
+  // A snapshot's segment [addr, addr + size), which a communicator starting
+  // now registers by itself. Remembered as far as announced memory runs on
+  // without a gap from its start (the rest went since the snapshot was
+  // read); not at all when its start went (nothing could withdraw it).
+  void registered_from_snapshot(int device, uint64_t addr, uint64_t size) {
+    auto& d = devices_[device];
+    uint64_t stop = std::min(d.covered_from(addr), addr + size);
+    if (stop > addr) {
+      d.put(addr, stop - addr);
+    }
+  }
 
  private:
-  std::map<int, std::map<uint64_t, uint64_t>> ranges_;
+  struct Device {
+    std::map<uint64_t, uint64_t> ranges;  // start -> size; overlapping ranges allowed
+    uint64_t longest = 0;
+
+    // One range a start: the longer is kept (a FREE names only the start).
+    void put(uint64_t s, uint64_t n) {
+      uint64_t& have = ranges[s];
+      have = std::max(have, n);
+      longest = std::max(longest, n);
+    }
+
+    // The ranges overlapping [lo, hi), as (start, size).
+    std::vector<std::pair<uint64_t, uint64_t>> over(uint64_t lo, uint64_t hi) const {
+      std::vector<std::pair<uint64_t, uint64_t>> out;
+      auto it = ranges.lower_bound(lo > longest ? lo - longest : 0);
+      for (; it != ranges.end() && it->first < hi; ++it) {
+        if (it->first + it->second > lo) {
+          out.emplace_back(it->first, it->second);
+        }
+      }
+      return out;
+    }
+
+    // The end of the announced memory that runs without a gap from `at`
+    // (`at` itself when `at` is not announced).
+    uint64_t covered_from(uint64_t at) const {
+      uint64_t reach = at;
+      for (bool grew = true; grew;) {
+        grew = false;
+        for (auto [s, n] : over(reach, reach + 1)) {
+          if (s + n > reach) {
+            reach = s + n;
+            grew = true;
+          }
+        }
+      }
+      return reach;
+    }
+
+    bool covers(uint64_t lo, uint64_t hi) const { return covered_from(lo) >= hi; }
+  };
+
+  std::map<int, Device> devices_;
 };
 
 }  // namespace gpualloc_bridge
