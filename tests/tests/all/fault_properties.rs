@@ -9,12 +9,11 @@
 //! an error (out of memory or not), never a panic or a block in use
 //! handed out again.
 
-use gpualloc::StreamId;
 use gpualloc::backend::SimCall;
 use gpualloc_tests::{Checked, MIB, cases};
 use proptest::prelude::*;
 
-const STREAMS: [StreamId; 3] = [0, 7, 9];
+use crate::properties::{STREAMS, size};
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -30,15 +29,6 @@ enum Op {
     End,
     ReleasePool(usize),
     OtherDevice(usize, usize),
-}
-
-fn size() -> impl Strategy<Value = u64> {
-    prop_oneof![
-        2 => 1u64..=MIB,
-        3 => (MIB + 1)..(10 * MIB),
-        3 => (10 * MIB)..(40 * MIB),
-        2 => (40 * MIB)..(130 * MIB),
-    ]
 }
 
 fn op() -> impl Strategy<Value = Op> {

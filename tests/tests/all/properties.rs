@@ -6,7 +6,7 @@ use gpualloc_tests::{Checked, MIB};
 use proptest::prelude::*;
 
 /// Streams the operations pick from (0 is the legacy default stream).
-const STREAMS: [StreamId; 3] = [0, 7, 9];
+pub(crate) const STREAMS: [StreamId; 3] = [0, 7, 9];
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -30,7 +30,8 @@ enum Op {
     ReleasePool(usize),
 }
 
-fn size() -> impl Strategy<Value = u64> {
+/// Request sizes, from 0 B to 130 MiB, both pools and every handle size.
+pub(crate) fn size() -> impl Strategy<Value = u64> {
     prop_oneof![
         4 => 0u64..=4096,
         4 => 4097u64..=MIB,
