@@ -6,12 +6,17 @@
   them marks: the first to step, or, once it stops stepping, the next that
   steps twice in a row without it. The step itself is the phase ``optimizer``.
 - ``torch.autograd.backward`` (which ``Tensor.backward`` calls) runs in the
-  phase ``backward``; ``torch.save`` in the phase ``checkpoint``.
+  phase ``backward``; ``torch.save`` in the phase ``checkpoint``. An
+  ``optimizer`` phase a raising step left open closes at the next backward.
 - ``eval`` opens when a module in training mode is switched to evaluation
   (``model.eval()``, ``model.train(False)``) and closes at the next
-  ``model.train()``; not when the module is a part of the model last
-  switched to training, which still trains (``model.train();
-  model.bn.eval()`` freezes a part). An outermost ``torch.inference_mode``
+  ``model.train()``, or at the next backward pass or optimizer step once
+  that module trains again however its flag was set (Lightning restores
+  modes by assigning ``module.training``). Not when the module is a part
+  of the model last switched to training and something beside it still
+  trains (``model.train(); model.bn.eval()`` freezes a part); a wrapper
+  whose whole content is switched (``DDP(model).train()``, then
+  ``model.eval()``) is an evaluation. An outermost ``torch.inference_mode``
   region is an ``eval`` phase too when none is open. ``torch.no_grad`` is
   not: optimizers, gradient clipping and EMA updates use it inside training
   steps.
@@ -21,9 +26,10 @@
   and never unwind. Step marks come from any thread.
 
 Each hook is guarded: a failure inside one is reported once as a warning and
-never reaches the training code. ``GPUALLOC_AUTO_MARKS=0`` or
-``install(auto_marks=False)`` turns all of them off. Outside a trace, the
-hooks cost one call into the library each, which returns at once.
+never reaches the training code (not even with warnings turned into
+errors). ``GPUALLOC_AUTO_MARKS=0`` or ``install(auto_marks=False)`` turns
+all of them off. Outside a trace, the hooks cost one call into the library
+each, which returns at once.
 """
 
 from __future__ import annotations
@@ -100,7 +106,10 @@ def _warn(what: str, key: str = "") -> None:
     """One warning for each hook (``key``) that fails, however often."""
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(f"gpualloc: automatic marks: {what}; the program goes on", RuntimeWarning, stacklevel=3)
+        try:
+            warnings.warn(f"gpualloc: automatic marks: {what}; the program goes on", RuntimeWarning, stacklevel=3)
+        except Exception:  # noqa: BLE001 - warnings turned into errors (-W error) must not reach the program
+            pass
 
 
 def _guard(fn, *args):
@@ -146,8 +155,9 @@ class _State:
 
     optimizer: Optional[_phases.Entry] = None
     eval_switch: Optional[_phases.Entry] = None
+    eval_module: Optional[object] = None  # the module whose switch opened eval_switch, as _weak keeps it
     training: Optional["weakref.ref"] = None  # the module last switched to training
-    inside: Optional[dict] = None  # the modules inside it by id (weakly), found when first asked
+    inside: Optional[dict] = None  # the modules inside it and their parents by id (weakly), found when first asked
     leader: Optional[int] = None
     others: set = set()
 
@@ -156,7 +166,7 @@ class _State:
         for e in (cls.optimizer, cls.eval_switch):
             if e is not None:
                 _guard(_phases.pop, e)
-        cls.optimizer = cls.eval_switch = cls.leader = cls.training = cls.inside = None
+        cls.optimizer = cls.eval_switch = cls.eval_module = cls.leader = cls.training = cls.inside = None
         cls.others = set()
 
 
@@ -252,6 +262,7 @@ def _outside_the_step(closure):
 def _step_begins() -> None:
     with _LOCK:
         _close(_State.optimizer)  # a step that raised left it open
+        _eval_over_if_training()
         _State.optimizer = _open("optimizer", loose=True)
 
 
@@ -297,8 +308,45 @@ def _in_phase(name: str):
     return make
 
 
+def _training_resumed() -> None:
+    """Before a backward pass on the owner's thread: an ``optimizer`` phase
+    still open is one whose step raised (a closure's backward runs with it
+    paused), and an ``eval`` phase whose module is back in training mode set
+    without ``train()`` (Lightning's ``_ModuleMode.restore`` assigns
+    ``module.training``) is over."""
+    if _OWNER is not threading.current_thread():
+        return
+    with _LOCK:
+        if _State.optimizer is not None:
+            _close(_State.optimizer)
+            _State.optimizer = None
+        _eval_over_if_training()
+
+
+def _eval_over_if_training() -> None:
+    e = _State.eval_switch
+    if e is None or e.closed:
+        return
+    m = _deref(_State.eval_module)
+    if m is None or getattr(m, "training", False) is True:
+        _close(e)
+        _State.eval_switch = _State.eval_module = None
+
+
 def _hook_backward(torch) -> bool:
-    return _patch(torch.autograd, "backward", _in_phase("backward"))
+    inner = _in_phase("backward")
+
+    def make(orig):
+        wrapped = inner(orig)
+
+        def backward(*args, **kwargs):
+            if not _compiling():
+                _guard(_training_resumed)
+            return wrapped(*args, **kwargs)
+
+        return backward
+
+    return _patch(torch.autograd, "backward", make)
 
 
 def _hook_save(torch) -> bool:
@@ -344,6 +392,7 @@ def _switched(module, was, mode) -> None:
                 _State.eval_switch = None
         elif was is True and (e is None or e.closed) and not _frozen_inside_training(module):
             _State.eval_switch = _open("eval", loose=True)
+            _State.eval_module = _weak(module)
 
 
 def _frozen_inside_training(module) -> bool:
@@ -360,28 +409,53 @@ def _frozen_inside_training(module) -> bool:
     # Found again when the module is not among them (one added since).
     # A module found there by its id is checked to be that module: an id is
     # reused once a module removed from the model is freed.
-    if _State.inside is None or not _is(_State.inside.get(id(module)), module):
+    entry = _State.inside.get(id(module)) if _State.inside is not None else None
+    if entry is None or not _is(entry[0], module):
         _State.inside = _inside(top)
-    return _is(_State.inside.get(id(module)), module)
+        entry = _State.inside.get(id(module))
+    if entry is None or not _is(entry[0], module):
+        return False
+    # A part is frozen while something beside it still trains; a wrapper
+    # (DDP, a compiled module) whose only content is switched to eval is
+    # an evaluation, though the wrapper's own flag stays True.
+    child = module
+    while child is not top:
+        entry = _State.inside.get(id(child))
+        parent = _deref(entry[1]) if entry is not None else None
+        if parent is None:
+            return True
+        if any(c is not child and getattr(c, "training", False) is True for c in _children(parent)):
+            return True
+        child = parent
+    return False
 
 
 def _is(ref, module) -> bool:
-    return ref is not None and (ref() if isinstance(ref, weakref.ref) else ref) is module
+    return ref is not None and _deref(ref) is module
+
+
+def _weak(obj):
+    """A weak reference to ``obj``, or ``obj`` itself when it takes none."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return obj
+
+
+def _deref(ref):
+    return ref() if isinstance(ref, weakref.ref) else ref
 
 
 def _inside(top) -> dict:
-    """The modules inside ``top``, by id: weak references (the module itself
-    for one that takes none)."""
+    """The modules inside ``top``, by id: (the module, its parent), each as
+    ``_weak`` keeps it."""
     found = {}
-    todo = list(_children(top))
+    todo = [(c, top) for c in _children(top)]
     while todo:
-        m = todo.pop()
+        m, parent = todo.pop()
         if id(m) not in found:
-            try:
-                found[id(m)] = weakref.ref(m)
-            except TypeError:
-                found[id(m)] = m
-            todo.extend(_children(m))
+            found[id(m)] = (_weak(m), _weak(parent))
+            todo.extend((c, m) for c in _children(m))
     return found
 
 

@@ -172,9 +172,11 @@ class AutoMarksTest(unittest.TestCase):
             """
         )
         self.assertEqual(seq, [])
-        # A step: one walk of the model (101 modules) and eval()'s own visit of
-        # each part (50); not a walk for each of the 50 parts (5,100).
-        self.assertEqual(out.stdout.count("walk 151"), 3, out.stdout)
+        # A step: one walk of the model (101 modules), eval()'s own visit of
+        # each part (50), and for each part the children of its parent and
+        # grandparent, looked at for one still training beside it (100); not
+        # a walk for each of the 50 parts (5,100).
+        self.assertEqual(out.stdout.count("walk 251"), 3, out.stdout)
 
     def test_a_module_taken_out_of_the_model_is_not_inside_it_any_more(self):
         # The modules inside are cached by id; a new module may get a freed
@@ -190,7 +192,7 @@ class AutoMarksTest(unittest.TestCase):
             model._children.remove(part)
             other = torch.nn.Module()
             # As if `other` had been given the id of a part freed since:
-            auto._State.inside[id(other)] = weakref.ref(part)
+            auto._State.inside[id(other)] = (weakref.ref(part), weakref.ref(model))
             other.eval()  # a module of its own, switched to evaluation
             """
         )
@@ -328,6 +330,111 @@ class AutoMarksTest(unittest.TestCase):
         self.assertEqual(out.stderr.count("gpualloc: automatic marks:"), 1, out.stderr)
         self.assertIn("library gone", out.stderr)
         self.assertEqual(seq, [push("backward"), pop("backward"), push("optimizer"), pop("optimizer")] * 2)
+
+
+class AutoMarksWithLibrariesTest(unittest.TestCase):
+    """How training libraries and loops switch modes and recover."""
+
+    traced = AutoMarksTest.traced
+
+    def test_modes_restored_by_attribute_close_eval(self):
+        # Lightning >= 2.2: on_validation_model_eval calls trainer.model.eval(),
+        # then _ModuleMode.restore sets `mod.training` on every submodule
+        # directly (no train() call), and the fit loop never calls train()
+        # again. The training steps after it are not inside "eval".
+        _, seq = self.traced(
+            """
+            model = torch.nn.Module(torch.nn.Module())
+            opt = torch.optim.SGD()
+            def named(m):
+                yield m
+                for c in m.children():
+                    yield from named(c)
+            modes = {id(m): m.training for m in named(model)}  # the sanity check's validation
+            model.eval()
+            with torch.inference_mode():
+                pass
+            for m in named(model):
+                m.training = modes[id(m)]  # _ModuleMode.restore
+            for _ in range(2):  # a training epoch
+                torch.Tensor().backward()
+                opt.step()
+            """
+        )
+        step = [push("backward"), pop("backward"), push("optimizer"), pop("optimizer"), STEP]
+        self.assertEqual(seq, [push("eval"), pop("eval")] + step * 2)
+
+    def test_evaluating_the_model_inside_a_wrapper_is_an_eval_phase(self):
+        # ddp = DDP(model); ddp.train() each epoch, and the evaluation on the
+        # inner model (the Hugging Face Trainer evaluates self.model, not
+        # model_wrapped): the wrapper's own flag stays True.
+        _, seq = self.traced(
+            """
+            model = torch.nn.Module(torch.nn.Module(), torch.nn.Module())
+            ddp = torch.nn.Module(model)
+            ddp.train()
+            model.eval()
+            model.train()
+            """
+        )
+        self.assertEqual(seq, [push("eval"), pop("eval")])
+
+    def test_a_frozen_part_beside_a_training_one_is_still_no_eval(self):
+        _, seq = self.traced(
+            """
+            backbone, head = torch.nn.Module(torch.nn.Module()), torch.nn.Module()
+            ddp = torch.nn.Module(torch.nn.Module(backbone, head))
+            ddp.train()
+            backbone.eval()  # frozen for fine-tuning: the head trains beside it
+            list(backbone.children())[0].eval()
+            torch.Tensor().backward()
+            """
+        )
+        self.assertEqual(seq, [push("backward"), pop("backward")])
+
+    def test_a_step_that_raised_leaves_no_optimizer_phase_over_the_next_iteration(self):
+        # A loop that skips a batch whose step ran out of memory (or whose
+        # closure raised) goes on; its next backward is not part of a step.
+        _, seq = self.traced(
+            """
+            import torch.optim.optimizer as oo
+            real = oo.Optimizer._step
+            def failing(self, closure=None):
+                raise RuntimeError("CUDA out of memory")
+            opt = torch.optim.SGD()
+            oo.Optimizer._step = failing
+            try:
+                opt.step()
+            except RuntimeError:
+                pass
+            oo.Optimizer._step = real
+            torch.Tensor().backward()
+            opt.step()
+            """
+        )
+        self.assertEqual(
+            seq,
+            [push("optimizer"), pop("optimizer"), push("backward"), pop("backward"), push("optimizer"),
+             pop("optimizer"), STEP],
+        )
+
+    def test_a_failing_hook_under_warnings_as_errors_does_not_raise_into_training(self):
+        body = """
+            import gpualloc._auto as auto
+            def broken():
+                raise RuntimeError("library gone")
+            auto.lib = broken
+            opt = torch.optim.SGD()
+            try:
+                opt.step()
+                print("went on")
+            except BaseException as e:
+                print("RAISED", type(e).__name__, e)
+            """
+        with tempfile.TemporaryDirectory() as d:
+            out = run(["-W", "error::RuntimeWarning", "-c", PRELUDE + textwrap.dedent(body) + "\ndone()\n",
+                       os.path.join(d, "t.gtrace")])
+        self.assertIn("went on", out.stdout, out.stdout + out.stderr)
 
 
 class InstallTest(unittest.TestCase):
