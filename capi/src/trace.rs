@@ -48,6 +48,7 @@ pub(crate) fn start_now<B: Backend>(
     let path = gpualloc::trace_path::expand(path.as_os_str());
     alloc.trace_start(&path)?;
     announce(alloc, &path, by);
+    stop_at_exit();
     complete_on_sigterm();
     Ok(())
 }
@@ -62,6 +63,7 @@ pub(crate) fn start_kept<B: Backend>(alloc: &Allocator<B>, path: &std::path::Pat
     match alloc.trace_start(path) {
         Ok(()) => {
             announce(alloc, path, "the trace asked for at install");
+            stop_at_exit();
             complete_on_sigterm();
         }
         Err(e) => crate::boundary::say(format_args!(
@@ -99,14 +101,17 @@ unsafe extern "C" {
 /// block written.
 fn stop_at_exit() {
     extern "C" fn stop() {
-        complete_at_end("at exit", "GPUALLOC_TRACE: the trace is incomplete");
+        complete_at_end("at exit", "the trace is incomplete (at exit)");
     }
-    // SAFETY: `stop` is a plain `extern "C"` function with no arguments that
-    // lives as long as the library (which is never unloaded while PyTorch
-    // holds its function pointers), and it cannot unwind.
-    unsafe {
-        atexit(stop);
-    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: `stop` is a plain `extern "C"` function with no arguments
+        // that lives as long as the library (which is never unloaded while
+        // PyTorch holds its function pointers), and it cannot unwind.
+        unsafe {
+            atexit(stop);
+        }
+    });
 }
 
 /// Completes the running trace as the process ends (`when`: at exit, on

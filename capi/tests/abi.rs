@@ -236,9 +236,18 @@ int main(void) {
         "{}",
         String::from_utf8_lossy(&run.stderr)
     );
-    // Walk the blocks (16-byte headers: `BK`, kind, flags, device, length, crc).
-    let data = std::fs::read(&trace).unwrap();
-    let mut pos = data.windows(2).position(|w| w == b"BK").expect("a block");
+    let kinds = block_kinds(&std::fs::read(&trace).unwrap());
+    assert_eq!(kinds.last(), Some(&4), "the last block is END: {kinds:?}");
+    assert!(kinds.contains(&1), "events were written: {kinds:?}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// The kinds of the blocks of a trace file, in order (16-byte block
+/// headers: `BK`, kind, flags, device, length, crc).
+fn block_kinds(data: &[u8]) -> Vec<u8> {
+    // The file header: 14 bytes, its body, its crc32.
+    let body = u32::from_le_bytes(data[10..14].try_into().unwrap()) as usize;
+    let mut pos = 14 + body + 4;
     let mut kinds = Vec::new();
     while pos + 16 <= data.len() {
         assert_eq!(&data[pos..pos + 2], b"BK");
@@ -246,9 +255,53 @@ int main(void) {
         let len = u32::from_le_bytes(data[pos + 8..pos + 12].try_into().unwrap()) as usize;
         pos += 16 + len;
     }
-    assert_eq!(kinds.last(), Some(&4), "the last block is END: {kinds:?}");
-    assert!(kinds.contains(&1), "events were written: {kinds:?}");
-    let _ = std::fs::remove_dir_all(&out);
+    kinds
+}
+
+/// A C program that starts its trace with `gpualloc_trace_start` (or
+/// keeps one with `gpualloc_configure`) and exits normally without
+/// stopping it: the library completes it at exit, as it does a trace
+/// started by `GPUALLOC_TRACE` (docs/trace-format.md: "a normal exit
+/// completes the trace"), and as it already does for the same trace on
+/// SIGTERM.
+#[test]
+fn a_trace_started_by_the_api_is_completed_at_exit() {
+    for (name, start) in [
+        ("exit_api_start", "gpualloc_trace_start(argv[1])"),
+        ("exit_api_configure", "gpualloc_configure(NULL, argv[1])"),
+    ] {
+        let (out, exe) = build_inline(
+            name,
+            &format!(
+                r#"#include "gpualloc.h"
+int main(int argc, char **argv) {{
+  (void)argc;
+  if ({start} != 0) return 2;
+  for (int i = 0; i < 100; i++) {{
+    void *p = gpualloc_malloc(4096, 0, 0);
+    gpualloc_free(p, 4096, 0, 0);
+  }}
+  return 0;
+}}
+"#
+            ),
+        );
+        let trace = out.join("exit.gtrace");
+        let run = run_sim_with(&exe, &[trace.as_path()], &[]);
+        assert!(
+            run.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let kinds = block_kinds(&std::fs::read(&trace).unwrap());
+        let _ = std::fs::remove_dir_all(&out);
+        assert!(kinds.contains(&1), "{name}: events were written: {kinds:?}");
+        assert_eq!(
+            kinds.last(),
+            Some(&4),
+            "{name}: the last block is END: {kinds:?}"
+        );
+    }
 }
 
 /// A trace started through `GPUALLOC_TRACE` whose writes fail (the file
@@ -288,7 +341,7 @@ int main(void) {
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "{stderr}");
     assert!(
-        stderr.contains("GPUALLOC_TRACE: the trace is incomplete")
+        stderr.contains("the trace is incomplete (at exit)")
             && stderr.contains("full.gtrace")
             && stderr.contains("could not be written"),
         "{stderr}"

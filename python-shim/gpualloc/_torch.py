@@ -136,9 +136,16 @@ def _complete_trace_in_workers(L) -> None:
     import multiprocessing
     import multiprocessing.util
 
+    def finalize_in_worker(L) -> None:
+        multiprocessing.util.Finalize(None, L.stop_started_trace, exitpriority=0)
+
     if multiprocessing.parent_process() is None:
+        # A worker forked from here (the fork start method: Lightning's
+        # ddp_fork, mp.Process) runs none of this again, and its bootstrap
+        # clears the finalizers it inherits: register it there anew.
+        multiprocessing.util.register_after_fork(L, finalize_in_worker)
         return
-    multiprocessing.util.Finalize(None, L.stop_started_trace, exitpriority=0)
+    finalize_in_worker(L)
 
 
 def _install_into(torch, L, bridge: bool, verbose: bool) -> str:

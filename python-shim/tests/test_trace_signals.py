@@ -138,5 +138,35 @@ class SigtermTest(unittest.TestCase):
             self.assertIn("went on True", out.stdout)
 
 
+class ForkedWorkerTest(unittest.TestCase):
+    def test_a_fork_started_workers_trace_is_completed_when_it_ends(self):
+        # As under Lightning's ddp_fork/ddp_notebook or mp.Process with the
+        # fork start method: install() ran in the parent (no CUDA yet), each
+        # worker starts the allocator and its own trace ({pid}), returns, and
+        # multiprocessing ends it with os._exit, past every exit handler.
+        with tempfile.TemporaryDirectory() as d:
+            out = run(
+                """
+                import multiprocessing as mp
+                from gpualloc import _torch
+                L.configure(None, os.path.join(sys.argv[1], "run-{pid}.gtrace"))
+                _torch._complete_trace_in_workers(L)  # what install() does
+                def worker():
+                    for _ in range(100):
+                        L.free(L.malloc(4096))
+                if __name__ == "__main__":
+                    p = mp.get_context("fork").Process(target=worker)
+                    p.start()
+                    p.join()
+                    print("exit", p.exitcode)
+                """,
+                d,
+            )
+            self.assertIn("exit 0", out.stdout, out.stdout + out.stderr)
+            (name,) = os.listdir(d)
+            kinds = block_kinds(os.path.join(d, name))
+            self.assertEqual(kinds[-1:], [END], f"the worker's trace ends with its END block: {kinds}")
+
+
 if __name__ == "__main__":
     unittest.main()
