@@ -1,13 +1,14 @@
 //! What the CLI says about an OOM: its cause under a memory fraction and
-//! without reserved memory, the report's candidates, and `replay` on a
-//! trace without an END block.
+//! without reserved memory, the report's candidates (replayed on the device
+//! that failed alone), and `replay` on a trace without an END block.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 
 use common::{GIB, MIB, alloc, ev, ok, s, write_trace};
-use gpualloc::trace::{EventKind, MemoryCap, Pool, TraceEvent};
+use gpualloc::trace::{EventKind, MemoryCap, Pool, TraceEvent, TraceOptions};
+use gpualloc::{Allocator, Config, SimBackend};
 
 fn segment(addr: u64, size: u64) -> EventKind {
     EventKind::SegmentAlloc {
@@ -244,4 +245,89 @@ fn replay_warns_of_a_missing_end_block() {
     let t = trace(dir.path(), "end.gtrace", "", &events, true);
     let (_, err) = ok(&["replay", "--capacity", "1GiB", s(&t)]);
     assert!(!err.contains("no END block"), "{err}");
+}
+
+/// Records, with the simulated allocator under `policy:pytorch`, a run on
+/// two devices: device 0 (2010 MiB, shared with another tenant) fragments
+/// and fails a 16 MiB request with 800 MiB live; device 1 (8 GiB) holds
+/// 3 GiB of tensors and never fails.
+fn two_devices(dir: &Path) -> PathBuf {
+    let out = dir.join("two.gtrace");
+    let config = Config::parse("policy:pytorch").unwrap();
+    let a = Allocator::new(
+        config,
+        2,
+        Box::new(|d| {
+            Ok(SimBackend::new(if d == 0 { 2010 * MIB } else { 8192 * MIB }).with_wall_clock())
+        }),
+    );
+    a.trace_start_with(
+        &out,
+        TraceOptions {
+            lossless: true,
+            ..TraceOptions::default()
+        },
+    )
+    .unwrap();
+    // Device 1: 3 GiB of tensors, kept.
+    let mut keep1 = Vec::new();
+    for _ in 0..30 {
+        keep1.push(a.malloc(1, 100 * MIB, 0).unwrap());
+    }
+    // Device 0: two 8 MiB blocks per 20 MiB segment until the device is
+    // full, then the second of each pair freed: 12 MiB free per segment.
+    let mut pairs = Vec::new();
+    for _ in 0..100 {
+        let x = a.malloc(0, 8 * MIB, 0).unwrap();
+        let y = a.malloc(0, 8 * MIB, 0).unwrap();
+        pairs.push((x, y));
+    }
+    for (_, y) in &pairs {
+        a.free(0, *y).unwrap();
+    }
+    let failed = a.malloc(0, 16 * MIB, 0);
+    assert!(failed.is_err(), "the request fails on device 0");
+    a.trace_stop().unwrap();
+    drop(keep1);
+    out
+}
+
+/// The report's advice for an OOM replays the device that failed: under
+/// `policy:gpualloc` (and PyTorch's expandable segments) device 0 no longer
+/// fails, as `replay --json` shows per device; device 1's tensors, which
+/// never failed on their own 8 GiB device, must not be replayed on device
+/// 0's 1.96 GiB and counted against every candidate.
+#[test]
+fn report_advice_replays_only_the_device_that_failed() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = two_devices(dir.path());
+    // Device 0 alone fits under policy:gpualloc in replay.
+    let (json, _) = ok(&[
+        "replay",
+        s(&t),
+        "--capacity",
+        "2010MiB",
+        "--json",
+        "--config",
+        "policy:gpualloc",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v[0]["devices"][0]["device"], 0);
+    assert_eq!(
+        v[0]["devices"][0]["ooms"], 0,
+        "device 0 fits under policy:gpualloc"
+    );
+    let html = dir.path().join("r.html");
+    ok(&["report", s(&t), "-o", s(&html)]);
+    let page = std::fs::read_to_string(&html).unwrap();
+    let dev0 =
+        &page[page.find("data-device=\"0\"").unwrap()..page.find("data-device=\"1\"").unwrap()];
+    assert!(
+        !dev0.contains("No configuration tried avoids"),
+        "device 0's advice counts device 1's replayed OOMs"
+    );
+    assert!(
+        dev0.contains("the run fits"),
+        "no remedy named for device 0"
+    );
 }

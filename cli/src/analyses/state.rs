@@ -392,9 +392,12 @@ impl DeviceState {
         if self.marks.len() >= 3 {
             return &self.marks;
         }
+        // Ties (the automatic `backward` and `optimizer`, opened once a
+        // step each) go to the phase opened first, so that the answer does
+        // not depend on the map's order.
         self.top_pushes
             .values()
-            .max_by_key(|v| v.len())
+            .max_by_key(|v| (v.len(), std::cmp::Reverse(v.first().copied())))
             .map_or(&[], |v| v.as_slice())
     }
 
@@ -490,6 +493,24 @@ mod tests {
             aux,
             thread: 0,
         }
+    }
+
+    #[test]
+    fn iterations_of_phases_opened_equally_often_start_at_the_first_opened() {
+        let mut s = DeviceState::default();
+        // Either phase opened first: the map's order must not decide.
+        for (first, second) in [(7u64, 9u64), (9, 7)] {
+            s.top_pushes.clear();
+            s.top_pushes.insert(first, vec![10, 20, 30]);
+            s.top_pushes.insert(second, vec![12, 22, 32]);
+            assert_eq!(s.iterations(), &[10, 20, 30], "phase {first} opened first");
+        }
+        s.top_pushes.insert(5, vec![1, 2, 3, 4]);
+        assert_eq!(
+            s.iterations(),
+            &[1, 2, 3, 4],
+            "the most frequent still wins"
+        );
     }
 
     #[test]

@@ -199,7 +199,7 @@ fn device(
     // replaying on a device of 0 B would advise nothing true.
     let advice = match d.ooms.first() {
         Some(first) if d.state.reserves && oom::capacity(first) > 0 => {
-            Some(oom::advise(path, &a.info.header.config, first)?)
+            Some(oom::advise(path, &a.info.header.config, d.device, first)?)
         }
         _ => None,
     };

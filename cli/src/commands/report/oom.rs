@@ -261,9 +261,10 @@ pub fn capacity(first: &Oom) -> u64 {
     }
 }
 
-/// Replays the trace under the recorded configuration and the candidates,
-/// on a device of the capacity implied by `first`.
-pub fn advise(path: &Path, recorded: &str, first: &Oom) -> Result<Advice, CliError> {
+/// Replays the events of `device` under the recorded configuration and the
+/// candidates, on a device of the capacity implied by `first` (an OOM of
+/// that device): other devices had capacities of their own.
+pub fn advise(path: &Path, recorded: &str, device: u32, first: &Oom) -> Result<Advice, CliError> {
     let capacity = capacity(first);
     let limits = limit_keys(recorded);
     let mut trials = Vec::new();
@@ -281,7 +282,11 @@ pub fn advise(path: &Path, recorded: &str, first: &Oom) -> Result<Advice, CliErr
             continue;
         };
         let mut reader = input::open(path)?;
-        let result = replay(reader.events(), capacity, &config);
+        let result = replay(
+            reader.events().filter(|e| e.device == device),
+            capacity,
+            &config,
+        );
         trials.push(Trial { config: c, result });
     }
     Ok(Advice { capacity, trials })
