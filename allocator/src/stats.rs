@@ -259,9 +259,12 @@ stats_table! {
     num_ooms: Counter, peak: false, accumulated: true, torch: Yes, c: 1;
     /// Times every outstanding event was waited for.
     num_sync_all_streams: Counter, peak: false, accumulated: true, torch: Yes, c: 1;
-    /// Backend allocations.
+    /// Backend allocations: creations of physical memory (a batch of
+    /// handles counts one; pages mapped again from the pool count none,
+    /// where PyTorch counts every map of expandable segments).
     num_device_alloc: Counter, peak: false, accumulated: true, torch: Yes, c: 1;
-    /// Backend releases.
+    /// Backend releases: physical memory handed back (one `empty_cache`
+    /// counts one, however many ranges it unmaps).
     num_device_free: Counter, peak: false, accumulated: true, torch: Yes, c: 1;
     /// Requests rejected before any driver call (PyTorch's
     /// `throw_on_cudamalloc_oom`; gpualloc never rejects, so always 0).

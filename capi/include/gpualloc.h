@@ -277,9 +277,12 @@ typedef struct GpuallocStats {
   int64_t num_ooms;
   // Times every outstanding event was waited for.
   int64_t num_sync_all_streams;
-  // Backend allocations.
+  // Backend allocations: creations of physical memory (a batch of
+  // handles counts one; pages mapped again from the pool count none,
+  // where PyTorch counts every map of expandable segments).
   int64_t num_device_alloc;
-  // Backend releases.
+  // Backend releases: physical memory handed back (one `empty_cache`
+  // counts one, however many ranges it unmaps).
   int64_t num_device_free;
   // Blocks taken from another stream's cache (gpualloc's addition).
   int64_t num_cross_stream_reuse;

@@ -88,9 +88,12 @@ pub struct GpuallocStats {
     pub num_ooms: i64,
     /// Times every outstanding event was waited for.
     pub num_sync_all_streams: i64,
-    /// Backend allocations.
+    /// Backend allocations: creations of physical memory (a batch of
+    /// handles counts one; pages mapped again from the pool count none,
+    /// where PyTorch counts every map of expandable segments).
     pub num_device_alloc: i64,
-    /// Backend releases.
+    /// Backend releases: physical memory handed back (one `empty_cache`
+    /// counts one, however many ranges it unmaps).
     pub num_device_free: i64,
     /// Blocks taken from another stream's cache (gpualloc's addition).
     pub num_cross_stream_reuse: i64,
