@@ -315,6 +315,16 @@ impl Checked {
         r
     }
 
+    /// Launches work on `p` on its own stream or one it was recorded on:
+    /// the `k`-th of them, counting round.
+    pub fn use_on_kth(&mut self, p: DevicePtr, k: usize) {
+        let l = &self.live[&p];
+        let mut streams = vec![l.stream];
+        streams.extend(l.recorded.iter().copied());
+        let s = streams[k % streams.len()];
+        self.use_on(p, s);
+    }
+
     /// Allocates; any error is tolerated (fault injection), but the
     /// checks run as after every operation.
     pub fn try_malloc(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {

@@ -90,11 +90,7 @@ fn run(config: &str, capacity: u64, ops: Vec<Op>) {
             }
             Op::Use(i, k) => {
                 if let Some(p) = pick(i) {
-                    let l = &c.live[&p];
-                    let mut streams = vec![l.stream];
-                    streams.extend(l.recorded.iter().copied());
-                    let s = streams[k % streams.len()];
-                    c.use_on(p, s);
+                    c.use_on_kth(p, k);
                 }
             }
             Op::Complete(s) => c.complete(STREAMS[s]),
