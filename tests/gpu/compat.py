@@ -12,7 +12,8 @@ memory under gpualloc), MemPool
 with use_mem_pool, the out-of-memory observer, the generic allocator
 registry, the raw caching_allocator_alloc/delete API, settings changed
 mid-run with torch.cuda.memory._set_allocator_settings, and memory history
-in a child forked before the first CUDA call. ipc: a CUDA tensor sent to a child process through
+in a child forked before the first CUDA call, and (gpualloc only) the trace
+of a multiprocessing worker forked before CUDA, complete at its os._exit. ipc: a CUDA tensor sent to a child process through
 torch.multiprocessing, the child under PyTorch's allocator and under
 gpualloc. Each sub-check passes or fails on its own.
 """
@@ -452,7 +453,77 @@ def check_compat(args) -> dict:
             f"the child's history of its tensor: {seen['actions']}"
         return seen
 
+    if args.alloc == "gpualloc":
+
+        @sub("trace_of_a_worker_forked_before_cuda_is_complete")
+        def _():
+            # install(trace="...{pid}...") in a process that forks before its
+            # first CUDA call (Lightning's ddp_fork, mp.Process with fork):
+            # multiprocessing ends each worker with os._exit, past every exit
+            # handler, and the worker's trace must still end with its END
+            # block and hold its allocations and frees.
+            import json
+            import subprocess
+            import sys
+
+            with tempfile.TemporaryDirectory() as d:
+                p = subprocess.run([sys.executable, "-c", WORKER_TRACE, d], capture_output=True, text=True, timeout=180)
+                lines = [x for x in p.stdout.splitlines() if x.startswith("WORKER_RESULT ")]
+                assert p.returncode == 0 and lines, f"rc={p.returncode}: {p.stderr[-600:]}"
+                seen = json.loads(lines[-1][len("WORKER_RESULT "):])
+                assert seen["exitcode"] == 0, f"the worker's exit code: {seen['exitcode']}"
+                path = next((os.path.join(d, n) for n in os.listdir(d) if str(seen["pid"]) in n), None)
+                assert path, f"no trace named after the worker's pid {seen['pid']}: {os.listdir(d)}"
+                kinds = _block_kinds(path)
+                assert kinds[-1:] == [END_BLOCK], f"the worker's trace ends with blocks {kinds[-3:]}, not END"
+                from gpualloc import tracefile
+
+                recs = tracefile.records(path)
+                allocs = sum(r["kind"] == "alloc" for r in recs)
+                frees = sum(r["kind"] in ("free", "free_completed") for r in recs)
+                assert allocs >= 8 and frees >= 8, f"{allocs} allocs and {frees} frees in the worker's trace"
+                return {"blocks": len(kinds), "allocs": allocs, "frees": frees}
+
     return sub.result()
+
+
+END_BLOCK = 4  # the END block's kind (docs/trace-format.md)
+
+
+def _block_kinds(path):
+    """The kinds of a trace file's blocks, in order (docs/trace-format.md)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    kinds, pos = [], data.find(b"BK")
+    while 0 <= pos < len(data):
+        kinds.append(data[pos + 2])
+        pos += 16 + int.from_bytes(data[pos + 8 : pos + 12], "little")
+    return kinds
+
+
+# The program of trace_of_a_worker_forked_before_cuda_is_complete: argv[1]
+# is the folder of the traces; prints WORKER_RESULT with the worker's pid
+# and exit code.
+WORKER_TRACE = r"""
+import json, os, sys
+import multiprocessing as mp
+import torch
+import gpualloc
+
+def worker():
+    for i in range(8):
+        x = torch.empty((i + 1) << 20, dtype=torch.uint8, device="cuda")
+        del x
+    torch.cuda.synchronize()
+
+if __name__ == "__main__":
+    gpualloc.install(trace=os.path.join(sys.argv[1], "run-{pid}.gtrace"))
+    assert not torch.cuda.is_initialized()
+    p = mp.get_context("fork").Process(target=worker)
+    p.start()
+    p.join()
+    print("WORKER_RESULT " + json.dumps({"pid": p.pid, "exitcode": p.exitcode}), flush=True)
+"""
 
 
 # The program of memory_history_in_a_child_forked_before_cuda: argv[1] is
