@@ -209,7 +209,10 @@ def _start(args) -> int:
             print("gpualloc: PyTorch not found: the allocator is loaded but not installed into torch", file=sys.stderr)
             lib().init(args.config)
             lib().backend()  # starts the backend: a missing driver is reported now
-            if args.trace:
+            if args.trace and lib().is_tracing():
+                # GPUALLOC_TRACE started one: it wins, as under install().
+                print(f"gpualloc: --trace {args.trace} ignored: a trace is already being recorded (GPUALLOC_TRACE)", file=sys.stderr)
+            elif args.trace:
                 lib().trace_start(args.trace)
     except (gpualloc.GpuallocError, ValueError) as e:
         print(f"gpualloc: cannot start: {_unprefixed(e)}", file=sys.stderr)

@@ -251,6 +251,22 @@ class ProcessTest(unittest.TestCase):
             self.assertTrue(os.path.isfile(trace) and os.path.getsize(trace) > 0)
             self.assertIn("trace written", out.stderr)
 
+    def test_the_environments_trace_wins_over_run_trace_without_torch(self):
+        # README: GPUALLOC_TRACE, when set, wins over --trace (with a
+        # warning); without torch too, the program runs and the
+        # environment's trace is written, not --trace's.
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(d, "s.py")
+            with open(script, "w") as f:
+                f.write("from gpualloc._lib import lib\nlib().free(lib().malloc(1 << 20))\nprint('script ran')\n")
+            a, b = os.path.join(d, "a.gtrace"), os.path.join(d, "b.gtrace")
+            out = run(["-m", "gpualloc", "run", "--trace", b, script], env_extra={"GPUALLOC_TRACE": a})
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("script ran", out.stdout)
+            self.assertIn("ignored", out.stderr)
+            self.assertTrue(os.path.isfile(a) and os.path.getsize(a) > 0, out.stderr)
+            self.assertFalse(os.path.exists(b), out.stderr)
+
     def test_a_trace_started_by_the_environment_is_closed_at_exit(self):
         with tempfile.TemporaryDirectory() as d:
             trace = os.path.join(d, "env.gtrace")
