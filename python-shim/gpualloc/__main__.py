@@ -206,6 +206,7 @@ def _start(args) -> int:
             # [Installing in child processes] in _children.py).
             _children.pass_on(args.config, args.trace, bridge=not args.no_bridge)
         else:
+            lib()  # a library that cannot be loaded is the error to report, not a note that it was
             print("gpualloc: PyTorch not found: the allocator is loaded but not installed into torch", file=sys.stderr)
             lib().init(args.config)
             lib().backend()  # starts the backend: a missing driver is reported now

@@ -222,6 +222,20 @@ class ProcessTest(unittest.TestCase):
         self.assertIn("LibraryNotFound", out.stderr)
         self.assertIn("/nonexistent/libgpualloc.so", out.stderr)
 
+    def test_run_without_a_library_says_so_only(self):
+        # Without torch, run must not claim the allocator is loaded when the
+        # library could not be.
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(d, "s.py")
+            with open(script, "w") as f:
+                f.write("print('script ran')\n")
+            out = run(["-m", "gpualloc", "run", script], {"GPUALLOC_LIBRARY": "/nonexistent/libgpualloc.so"})
+        self.assertEqual(out.returncode, 1, out.stderr)
+        self.assertNotIn("script ran", out.stdout)
+        self.assertNotIn("Traceback", out.stderr)
+        self.assertIn("gpualloc: cannot start: GPUALLOC_LIBRARY='/nonexistent/libgpualloc.so'", out.stderr)
+        self.assertNotIn("is loaded", out.stderr)
+
     def test_info(self):
         out = run(["-m", "gpualloc", "info"])
         self.assertEqual(out.returncode, 0, out.stderr)
