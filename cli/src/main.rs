@@ -82,7 +82,8 @@ enum Command {
         /// A .gtrace file.
         file: PathBuf,
         /// Groups to list per device (at least 1).
-        #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, default_value_t = 30, allow_negative_numbers = true,
+              value_parser = clap::value_parser!(u64).range(1..))]
         limit: u64,
         /// Print one JSON object (stable field names) instead of the table.
         #[arg(long)]
@@ -96,7 +97,9 @@ enum Command {
         /// A .gtrace file.
         file: PathBuf,
         /// Simulated device capacity (e.g. 24GiB, 80G, 1073741824).
-        #[arg(long)]
+        // A leading `-` is a value (`-1GiB`), refused by the parser with
+        // its name, not taken for flags.
+        #[arg(long, allow_hyphen_values = true)]
         capacity: String,
         /// Allocator configuration (GPUALLOC_CONF syntax); repeat to compare
         /// several. Default: the configuration the trace was recorded with.
@@ -167,11 +170,11 @@ enum Command {
         #[arg(short, long)]
         output: PathBuf,
         /// Approximate number of events (0, a header only, to 10^10).
-        #[arg(long, default_value_t = 1_000_000,
+        #[arg(long, default_value_t = 1_000_000, allow_negative_numbers = true,
               value_parser = clap::value_parser!(u64).range(0..=10_000_000_000))]
         events: u64,
         /// Random seed.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
         seed: u64,
     },
 }
@@ -283,6 +286,12 @@ fn run(cmd: Command) -> Result<(), CliError> {
             json,
             allow_truncated,
         } => {
+            if capacity.starts_with("--") {
+                // Taken as the value since `-1GiB` must be one.
+                return Err(CliError(format!(
+                    "--capacity needs a size (such as 80GiB), not the option {capacity}"
+                )));
+            }
             let cap = units::parse_bytes(&capacity)
                 .map_err(|e| CliError(format!("--capacity {capacity}: {e}")))?;
             let (min, max) = CAPACITY_RANGE;

@@ -175,6 +175,31 @@ fn numeric_options_are_range_checked() {
     succeeds(&["replay", s(&t), "--capacity", "1MiB"]);
 }
 
+/// A negative value is a bad value of its option, not an unknown flag:
+/// clap took `-1GiB` for the flags `-1...` and suggested `-- -1`, which
+/// does not work either.
+#[test]
+fn negative_values_are_named_as_bad_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path());
+    let g = dir.path().join("g");
+    for (args, named) in [
+        (vec!["replay", s(&t), "--capacity", "-1GiB"], "-1GiB"),
+        (vec!["replay", s(&t), "--capacity", "-5G"], "-5G"),
+        (vec!["leaks", s(&t), "--limit", "-1"], "--limit"),
+        (vec!["generate", "-o", s(&g), "--events", "-1"], "--events"),
+        (vec!["generate", "-o", s(&g), "--seed", "-1"], "--seed"),
+    ] {
+        let err = fails(&args);
+        assert!(!err.contains("unexpected argument"), "{args:?}: {err}");
+        let first = err.lines().next().unwrap_or("");
+        assert!(first.contains(named), "{args:?}: {err}");
+    }
+    // An option where the size should be is still called that.
+    let err = fails(&["replay", s(&t), "--capacity", "--json"]);
+    assert!(err.contains("--capacity needs a size"), "{err}");
+}
+
 #[test]
 fn device_numbers_from_files_are_bounded() {
     let dir = tempfile::tempdir().unwrap();
