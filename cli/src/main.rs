@@ -455,9 +455,16 @@ fn report_written(out: &Path, note: &Option<String>) {
 fn sniff(path: &Path) -> Result<From, CliError> {
     use std::io::Read;
     let mut head = [0u8; 8];
-    let n = std::fs::File::open(path)
-        .and_then(|mut f| f.read(&mut head))
-        .map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
+    let open_err = |e| CliError(format!("{}: cannot open: {e}", path.display()));
+    let mut f = std::fs::File::open(path).map_err(open_err)?;
+    // A pipe's first bytes, once looked at, are gone for the importer.
+    if !f.metadata().is_ok_and(|m| m.is_file() || m.is_dir()) {
+        return Err(CliError(format!(
+            "{}: not a regular file (a pipe or a device): name its format with --from torch or --from rmm, which read it once",
+            path.display()
+        )));
+    }
+    let n = f.read(&mut head).map_err(open_err)?;
     match &head[..n] {
         [0x80, ..] => Ok(From::Torch),
         h if h.iter().all(|b| b.is_ascii()) && n > 0 => Ok(From::Rmm),

@@ -313,6 +313,51 @@ fn a_trace_on_a_pipe_is_read_once_or_refused_with_the_reason() {
     assert!(!err.contains("empty file"), "{err}");
 }
 
+/// `import` from a pipe: `--from auto` looked at the first bytes and the
+/// importer then read on from the ninth, so a good snapshot or CSV log was
+/// refused as a bad one (`opcode 0x76`, `no Thread column`). It says to
+/// name the format instead, and with the format named it reads the pipe.
+#[test]
+fn import_from_a_pipe_names_what_to_do() {
+    use std::io::Write;
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("r.csv");
+    std::fs::write(
+        &csv,
+        "Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000001,allocate,0x10,100,0\n",
+    )
+    .unwrap();
+    let bytes = std::fs::read(&csv).unwrap();
+    let piped = |from: &[&str], out: &Path| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+            .args(["import", "/dev/stdin", "-o", s(out)])
+            .args(from)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run gpualloc");
+        let mut stdin = child.stdin.take().unwrap();
+        let data = bytes.clone();
+        let feeder = std::thread::spawn(move || {
+            let _ = stdin.write_all(&data); // a refusing command may stop reading
+        });
+        let out = child.wait_with_output().unwrap();
+        feeder.join().unwrap();
+        out
+    };
+    let out = piped(&[], &dir.path().join("a.gtrace"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("--from"), "{err}");
+    assert!(!err.contains("column"), "{err}");
+    let out = piped(&["--from", "rmm"], &dir.path().join("b.gtrace"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("(1 events)"), "{err}");
+}
+
 /// Outputs are whole or absent: a bad input line leaves no half-written
 /// trace, two options naming one file are refused before anything is
 /// written, and so is a `--parquet` folder that does not exist.
