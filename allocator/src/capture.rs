@@ -171,9 +171,11 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// Drops one hold on pool `key` (a graph was destroyed). At zero holds its
-    /// cached segments go back to the backend (now when no capture is open,
-    /// else at the next `empty_cache`), and blocks still allocated return
-    /// there when freed.
+    /// cached segments are given up (now when no capture is open, else at
+    /// the next `empty_cache`), and blocks still allocated follow when
+    /// freed. Plain segments go back to the backend; expandable ones' pages
+    /// go to the page pool, still reserved and reused by the next mapping,
+    /// until `empty_cache` or the out-of-memory path releases them.
     ///
     /// # Errors
     /// [`AllocError::UnknownPool`] for a pool that does not exist.
@@ -188,8 +190,9 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// PyTorch's `emptyCache(mempool_id)`: when private pool `key` exists
-    /// and nothing holds it, its cached memory goes back to the backend (as
-    /// [`release_pool`](Self::release_pool) does at zero holds). A held or
+    /// and nothing holds it, its cached memory is given up as
+    /// [`release_pool`](Self::release_pool) does at zero holds (pages of
+    /// expandable segments to the page pool). A held or
     /// unknown pool is left alone; so is everything while a capture is open.
     pub fn empty_pool_cache(&mut self, key: PoolKey) -> Result<(), AllocError> {
         self.record_pool_call(PoolOp::EmptyCache, key);
