@@ -11,23 +11,26 @@
 //! ```
 //!
 //! `--churn-ops N` sets the two churn loops' length (default 30,000 events; the
-//! GPU check runs 200,000), `--quiet` prints only the summary.
+//! GPU check runs 200,000), `--long N` adds, per trace with steps and per
+//! seed, a run of N steps drawn from its own (`gpualloc::workload::longer`),
+//! `--quiet` prints only the summary.
 
 use gpualloc::replay::replay;
 use gpualloc::trace::{TraceEvent, TraceReader};
-use gpualloc::workload::{churn, churn_wide, multiscale, perturbed};
+use gpualloc::workload::{churn, churn_wide, longer, multiscale, perturbed};
 use gpualloc::{Config, CostModel};
 
 fn main() {
     let mut args = std::env::args().skip(1);
     let (mut seeds, mut traces, mut configs, mut quiet) = (4u64, Vec::new(), Vec::new(), false);
-    let mut churn_ops = 30_000;
+    let (mut churn_ops, mut long) = (30_000, 0usize);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--seeds" => seeds = args.next().and_then(|s| s.parse().ok()).expect("--seeds N"),
             "--trace" => traces.push(args.next().expect("--trace FILE")),
             "--config" => configs.push(args.next().expect("--config CONF")),
             "--quiet" => quiet = true,
+            "--long" => long = args.next().and_then(|s| s.parse().ok()).expect("--long N"),
             "--churn-ops" => {
                 churn_ops = args
                     .next()
@@ -52,6 +55,11 @@ fn main() {
                 format!("{name}/{s}"),
                 perturbed(evs.iter().copied(), s).collect(),
             ));
+        }
+        for s in (1..=seeds.max(1)).filter(|_| long > 0) {
+            if let Some(l) = longer(&evs, long, s) {
+                work.push((format!("{name}/long{s}"), l));
+            }
         }
     }
     for s in 1..=seeds {

@@ -6,7 +6,8 @@
 //! per trace (0.8–1.2) times a jitter drawn per distinct size (±5%), so a
 //! fixed-shape workload stays fixed-shape (equal sizes stay equal) while its
 //! layout changes. [`churn`], [`churn_wide`] and [`multiscale`] build event sequences
-//! for [`replay`](crate::replay::replay) directly.
+//! for [`replay`](crate::replay::replay) directly. [`longer`] draws a long
+//! run from a recorded one's steps (Note [Longer runs]).
 //! `allocator/examples/placement_bench.rs` runs them all under several
 //! configurations.
 //!
@@ -17,6 +18,9 @@ use crate::backend::DevicePtr;
 use crate::trace::{Action, TraceEvent};
 
 pub use crate::rng::Rng;
+pub use longer::longer;
+
+mod longer;
 
 /// SplitMix64: a well-mixed 64-bit value from any input.
 fn mix(mut x: u64) -> u64 {
@@ -212,13 +216,14 @@ mod tests {
 }
 
 #[cfg(test)]
-mod later_tests {
+pub(crate) mod later_tests {
     use super::{churn_wide, multiscale};
     use crate::Config;
     use crate::replay::{replay, replay_deferring};
     use crate::trace::{TraceEvent, TraceReader};
 
-    fn example(name: &str) -> Vec<TraceEvent> {
+    /// The events of `examples/NAME.gtrace`.
+    pub(crate) fn example(name: &str) -> Vec<TraceEvent> {
         let path = format!("{}/../examples/{name}.gtrace", env!("CARGO_MANIFEST_DIR"));
         TraceReader::open(std::path::Path::new(&path))
             .expect("a readable example")

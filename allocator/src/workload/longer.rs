@@ -1,0 +1,274 @@
+//! Long runs from short recordings.
+//!
+//! Note [Longer runs]
+//! Rationale: a trace of 60 training steps replays to the GPU's peaks, but
+//! users train for thousands, and the multi-scale detector reserved 1.030x
+//! its peak allocated over 60 steps and 1.044–1.074x over 200 on the H200
+//! (`docs/policy-experiments.md`, seventeenth and twenty-second studies): a
+//! policy judged on short traces alone misses the creep users watch.
+//! Approach: [`longer`] keeps a recording's warm-up (its first sixth of
+//! steps) as recorded, then appends steps drawn with replacement from the
+//! rest. A step runs from one opening of the trace's last phase (the
+//! optimizer's, with automatic phases) to the next. Each drawn step gets
+//! addresses of its own. A block a step frees without having allocated it
+//! (the previous step's loss, its gradients) stands for a leftover of the
+//! step before, so it frees the previous drawn step's leftover of the
+//! nearest size, on its stream if one is left there, else on its device;
+//! leftovers no step claims are freed as
+//! the following step ends, so nothing leaks that the recording did not
+//! leak. The clock advances as recorded within a step, so time budgets see
+//! the recorded pace.
+
+use std::collections::HashMap;
+
+use super::Rng;
+use crate::trace::{Action, EventKind, TraceEvent};
+
+/// `events` (one recorded run) with its steps after the warm-up replaced
+/// by `steps` steps drawn from them with `seed`; `None` when the trace has
+/// fewer than six steps (no phases, or too short to draw from).
+pub fn longer(events: &[TraceEvent], steps: usize, seed: u64) -> Option<Vec<TraceEvent>> {
+    let phase = |e: &TraceEvent| match e.kind() {
+        EventKind::PhasePush { name } => Some(name),
+        _ => None,
+    };
+    let last = events.iter().rev().find_map(phase)?;
+    let starts: Vec<usize> = (0..events.len())
+        .filter(|&i| phase(&events[i]) == Some(last))
+        .collect();
+    if starts.len() < 7 {
+        return None;
+    }
+    let warm = starts.len() / 6;
+    let drawn: Vec<(usize, usize)> = starts[warm..].windows(2).map(|w| (w[0], w[1])).collect();
+    let mut out = events[..starts[warm]].to_vec();
+    let mut left = leftovers(&out, starts[warm - 1]);
+    let mut rng = Rng::xorshift64_star(seed.wrapping_mul(0x9e37_79b9).wrapping_add(1));
+    let mut now = out.last().map_or(0, |e| e.time_ns);
+    for instance in 1..=steps as u64 {
+        let (a, b) = *rng.pick(&drawn);
+        let step = Step::new(instance, std::mem::take(&mut left));
+        let (events_of_step, mine, unclaimed) = step.run(&events[a..b], now);
+        out.extend(events_of_step);
+        now = out.last().map_or(now, |e| e.time_ns) + 1_000;
+        for l in unclaimed {
+            for action in [Action::FreeRequested, Action::FreeCompleted] {
+                out.push(TraceEvent {
+                    action,
+                    time_ns: now,
+                    ..l
+                });
+            }
+        }
+        left = mine;
+    }
+    Some(out)
+}
+
+/// The blocks allocated at or after event `from` of `events` and still
+/// live at its end.
+fn leftovers(events: &[TraceEvent], from: usize) -> Vec<TraceEvent> {
+    let mut live: HashMap<(u32, u64), (usize, TraceEvent)> = HashMap::new();
+    for (i, e) in events.iter().enumerate() {
+        match e.action {
+            Action::Alloc => {
+                live.insert((e.device, e.addr), (i, *e));
+            }
+            Action::FreeCompleted | Action::Free => {
+                live.remove(&(e.device, e.addr));
+            }
+            _ => {}
+        }
+    }
+    let mut left: Vec<(usize, TraceEvent)> = live.into_values().filter(|v| v.0 >= from).collect();
+    left.sort_unstable_by_key(|v| v.0);
+    left.into_iter().map(|v| v.1).collect()
+}
+
+/// One drawn step: its own addresses, and the previous step's leftovers
+/// it may free.
+struct Step {
+    instance: u64,
+    left: Vec<TraceEvent>,
+    /// Blocks this step allocated and has not freed, by recorded address.
+    mine: HashMap<(u32, u64), TraceEvent>,
+    /// Recorded addresses of blocks from before the step, and the leftover
+    /// each stands for.
+    claimed: HashMap<(u32, u64), TraceEvent>,
+    /// This step's addresses of blocks whose free was requested and not
+    /// yet completed.
+    requested: std::collections::HashSet<u64>,
+}
+
+impl Step {
+    fn new(instance: u64, left: Vec<TraceEvent>) -> Step {
+        Step {
+            instance,
+            left,
+            mine: HashMap::new(),
+            claimed: HashMap::new(),
+            requested: Default::default(),
+        }
+    }
+
+    /// The step's events from `now` on, the blocks it leaves live, and the
+    /// previous step's leftovers it did not free.
+    fn run(
+        mut self,
+        recorded: &[TraceEvent],
+        now: u64,
+    ) -> (Vec<TraceEvent>, Vec<TraceEvent>, Vec<TraceEvent>) {
+        let t0 = recorded.first().map_or(0, |e| e.time_ns);
+        let mut out = Vec::with_capacity(recorded.len());
+        for e in recorded {
+            let mut e = *e;
+            e.time_ns = now + e.time_ns.saturating_sub(t0);
+            let keep = match e.action {
+                Action::Alloc
+                | Action::FreeRequested
+                | Action::FreeCompleted
+                | Action::Free
+                | Action::RecordStream
+                | Action::StreamReuse => self.block_event(&mut e),
+                Action::PhasePush | Action::PhasePop | Action::Mark => true,
+                // What the recording allocator did (segments, pages, its
+                // syncs) is the replaying allocator's to decide.
+                _ => false,
+            };
+            if keep {
+                out.push(e);
+            }
+        }
+        // A free requested here whose completion the recording made in the
+        // next step (another stream's work) completes as this step ends.
+        let end = out.last().map_or(now, |e| e.time_ns);
+        let mut requested: Vec<TraceEvent> = self
+            .claimed
+            .into_values()
+            .chain(
+                self.mine
+                    .values()
+                    .filter(|m| self.requested.contains(&m.addr))
+                    .copied(),
+            )
+            .collect();
+        requested.sort_unstable_by_key(|e| (e.time_ns, e.addr));
+        for r in requested {
+            out.push(TraceEvent {
+                action: Action::FreeCompleted,
+                time_ns: end,
+                ..r
+            });
+        }
+        // In allocation order, so that one seed makes one run.
+        let mut mine: Vec<TraceEvent> = self
+            .mine
+            .into_values()
+            .filter(|m| !self.requested.contains(&m.addr))
+            .collect();
+        mine.sort_unstable_by_key(|e| (e.time_ns, e.addr));
+        (out, mine, self.left)
+    }
+
+    /// Gives a block event this step's address; false when it names a
+    /// block this step cannot stand for (then it is left out).
+    fn block_event(&mut self, e: &mut TraceEvent) -> bool {
+        let key = (e.device, e.addr);
+        let done = matches!(e.action, Action::FreeCompleted | Action::Free);
+        if e.action == Action::Alloc {
+            e.addr ^= self.instance << 48;
+            self.mine.insert(key, *e);
+            return true;
+        }
+        if let Some(m) = self.mine.get(&key) {
+            e.addr = m.addr;
+            if done {
+                self.requested.remove(&m.addr);
+                self.mine.remove(&key);
+            } else if e.action == Action::FreeRequested {
+                self.requested.insert(m.addr);
+            }
+            return true;
+        }
+        if let Some(c) = self.claimed.get(&key).copied() {
+            let stream = if e.action == Action::RecordStream {
+                e.stream
+            } else {
+                c.stream
+            };
+            *e = TraceEvent {
+                action: e.action,
+                time_ns: e.time_ns,
+                stream,
+                ..c
+            };
+            if done {
+                self.claimed.remove(&key);
+            }
+            return true;
+        }
+        if !matches!(e.action, Action::FreeRequested | Action::Free) {
+            return false;
+        }
+        // The nearest size on the block's own stream, else on its device.
+        let nearest = |same_stream: bool| {
+            (0..self.left.len())
+                .filter(|&k| {
+                    let l = &self.left[k];
+                    l.device == e.device && (!same_stream || l.stream == e.stream)
+                })
+                .min_by_key(|&k| self.left[k].size.abs_diff(e.size))
+        };
+        let nearest = nearest(true).or_else(|| nearest(false));
+        let Some(k) = nearest else { return false };
+        let l = self.left.swap_remove(k);
+        *e = TraceEvent {
+            action: e.action,
+            time_ns: e.time_ns,
+            ..l
+        };
+        if !done {
+            self.claimed.insert(key, l);
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Config;
+    use crate::replay::replay;
+    use crate::workload::later_tests::example;
+
+    #[test]
+    fn a_longer_run_frees_what_it_allocates_and_peaks_as_its_steps() {
+        for name in ["detector-multiscale", "four-streams"] {
+            let evs = example(name);
+            let base = replay(evs.iter().copied(), 140 << 30, &Config::default());
+            let long = longer(&evs, 120, 1).expect("the trace has steps");
+            assert!(long == longer(&evs, 120, 1).unwrap(), "one seed, one run");
+            assert!(long != longer(&evs, 120, 2).unwrap());
+            let r = replay(long.iter().copied(), 140 << 30, &Config::default());
+            assert_eq!((r.unknown_frees, r.ooms), (0, 0), "{name}");
+            // Steps are drawn from the recording: no live high above its
+            // own, and nothing piles up over 120 steps.
+            let (a, b) = (r.peak_allocated, base.peak_allocated);
+            assert!(a <= b && a * 10 >= b * 9, "{name}: {a} against {b}");
+            let allocs = long.iter().filter(|e| e.action == Action::Alloc).count();
+            assert!(
+                allocs > 120 * 200,
+                "{name}: {allocs} allocations in 120 steps"
+            );
+            assert!(
+                long.windows(2).all(|w| w[0].time_ns <= w[1].time_ns),
+                "{name}: time runs forward"
+            );
+        }
+    }
+
+    #[test]
+    fn a_trace_without_steps_has_no_longer_run() {
+        assert_eq!(longer(&super::super::churn(1, 2000), 10, 1), None);
+    }
+}
