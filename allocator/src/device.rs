@@ -96,6 +96,8 @@ pub struct DeviceAllocator<B: Backend> {
     /// resetting a statistic (which traces do not record) changes no
     /// decision (see [`allocated_high`](Self::allocated_high)).
     allocated_high_before_reset: u64,
+    /// The same for reserved memory ([`reserved_high`](Self::reserved_high)).
+    pub(crate) reserved_high_before_reset: u64,
     /// Set when a panic unwound while this device was locked: its state may
     /// be half-updated, so `Allocator` refuses to use it again.
     pub(crate) poisoned: bool,
@@ -129,6 +131,7 @@ impl<B: Backend> DeviceAllocator<B> {
             driver_baseline: DriverCalls::default(),
             helper_baseline: DriverCalls::default(),
             allocated_high_before_reset: 0,
+            reserved_high_before_reset: 0,
             poisoned: false,
         }
     }
@@ -239,6 +242,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// `reset_peak_memory_stats`.
     pub fn reset_peak_stats(&mut self) {
         self.allocated_high_before_reset = self.allocated_high();
+        self.reserved_high_before_reset = self.reserved_high();
         self.stats.reset_peak();
     }
 
@@ -247,6 +251,13 @@ impl<B: Backend> DeviceAllocator<B> {
     /// measures reserved memory against (Note [Defragmentation]).
     pub(crate) fn allocated_high(&self) -> u64 {
         (self.stats.allocated_bytes.all.peak as u64).max(self.allocated_high_before_reset)
+    }
+
+    /// The most bytes ever reserved at once on this device, whatever
+    /// `reset_peak_stats` did to the statistics: the defragmentation budget
+    /// never lets it rise (Note [Defragmentation budget]).
+    pub(crate) fn reserved_high(&self) -> u64 {
+        (self.stats.reserved_bytes.all.peak as u64).max(self.reserved_high_before_reset)
     }
 
     /// `reset_accumulated_memory_stats`.

@@ -252,10 +252,15 @@ impl<B: Backend> DeviceAllocator<B> {
                 let excess = (held + short).saturating_sub(bound);
                 if excess > 0 {
                     crate::log::defragment(self.device, rounded, short, excess);
+                    // Pages cached stitches alias are taken within the
+                    // budget, or whenever growing instead would raise the
+                    // peak of reserved memory (Note [Defragmentation budget]).
                     let now = self.call_time();
-                    let pinned = self
+                    let within = self
                         .defrag_budget
                         .allows(now, self.config.defragment_budget);
+                    let share = self.config.defragment_budget;
+                    let pinned = within || (share > 0.0 && held + short > self.reserved_high());
                     let calls = Some(self.defrag_meter());
                     // The window, widened or not, is not taken apart.
                     let end = ranges.iter().map(|r| r.1).fold(ws + rounded, u64::max);

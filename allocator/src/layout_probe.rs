@@ -193,7 +193,8 @@ impl<B: Backend> DeviceAllocator<B> {
 /// The events of a trace file, or of a synthetic workload named
 /// `churn:SEED`, `churn_wide:SEED` or `multiscale:SEED` (`workload.rs`;
 /// `LAYOUT_PROBE_OPS` sets the churn loops' length); `FILE@SEED` is
-/// the trace perturbed with that seed.
+/// the trace perturbed with that seed; `long:STEPS:SEED:FILE` a run of
+/// STEPS steps drawn from FILE's (`workload::longer`).
 fn load(path: &std::path::Path) -> Vec<crate::trace::TraceEvent> {
     let name = path.to_string_lossy();
     let seed = |s: &str| s.parse::<u64>().expect("a seed");
@@ -212,6 +213,13 @@ fn load(path: &std::path::Path) -> Vec<crate::trace::TraceEvent> {
     }
     if let Some(s) = name.strip_prefix("multiscale:") {
         return crate::workload::multiscale(seed(s), 60);
+    }
+    if let Some(rest) = name.strip_prefix("long:") {
+        let (steps, rest) = rest.split_once(':').expect("long:STEPS:SEED:FILE");
+        let (s, file) = rest.split_once(':').expect("long:STEPS:SEED:FILE");
+        let evs = load(std::path::Path::new(file));
+        let steps = steps.parse().expect("a number of steps");
+        return crate::workload::longer(&evs, steps, seed(s)).expect("a trace with steps");
     }
     if let Some((file, s)) = name.rsplit_once('@') {
         let evs = load(std::path::Path::new(file));

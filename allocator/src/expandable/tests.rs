@@ -320,9 +320,39 @@ fn defragmentation_takes_pages_a_cached_stitch_pins_rather_than_growing() {
     }
 }
 
+#[test]
+fn a_spent_budget_takes_pinned_pages_only_rather_than_raise_the_reserved_peak() {
+    // Out of credit, pages a cached stitch pins are left alone while the
+    // pool can grow within the most it ever reserved; past that they are
+    // taken (Note [Defragmentation budget]). A share of 0 never takes them.
+    for (budget, high, grows) in [
+        ("0.01", false, false),
+        ("0.01", true, true),
+        ("0", false, true),
+    ] {
+        let conf = format!("expandable_handle_mb:2,defragment_budget:{budget}");
+        let grew = stitch_pinned_growth_after(&conf, |d| {
+            d.defrag_budget.charge(1e15);
+            if high {
+                d.reserved_high_before_reset = 1 << 40;
+            }
+        });
+        assert_eq!(grew, grows, "{conf}, high water raised: {high}");
+    }
+}
+
 /// Whether a request whose only free pages are pinned by a cached stitch
 /// grows the pool.
 fn stitch_pinned_growth(conf: &str) -> bool {
+    stitch_pinned_growth_after(conf, |_| {})
+}
+
+/// [`stitch_pinned_growth`], with `prepare` run on the device just before
+/// the request.
+fn stitch_pinned_growth_after(
+    conf: &str,
+    prepare: impl FnOnce(&mut DeviceAllocator<SimBackend>),
+) -> bool {
     let (mut d, small) = crate::stitch::tests::fragmented_with(conf);
     // A 64 MiB stitch over four pieces; the other four hold 16 MiB blocks.
     let stitched = d.malloc(64 * MIB, 0).unwrap();
@@ -331,6 +361,7 @@ fn stitch_pinned_growth(conf: &str) -> bool {
     d.free(stitched).unwrap();
     ok(&d);
     let reserved = d.stats().reserved_bytes.all.current;
+    prepare(&mut d);
     // 24 MiB fits in no piece; the only free pages are those the cached
     // stitch aliases. They are moved (and unmapped from the stitch,
     // leaving holes) rather than the pool growing past the bound.

@@ -272,7 +272,12 @@ fn a_capacity_beyond_any_device_replays_as_one_pebibyte() {
 /// replays to the GPU's peaks and its 5,222 memory calls. The four streams
 /// again with the library of round 27 that limits stitch builds (Note
 /// [Stitch budget]; `docs/results/h200-round27/sweep-multistream.json`):
-/// they replay to the GPU's peaks and to all 8,723 of its memory calls.
+/// they replayed to the GPU's peaks (20,206,059,520 reserved) and to all
+/// 8,723 of its memory calls. Since the defragmentation budget no longer
+/// lets the peak of reserved memory rise (round 31, Note [Defragmentation
+/// budget]) its replay decides differently: 4 MiB more at the peak
+/// (1.0063x against 1.0061x) and 8,752 memory calls; pinned here until a
+/// GPU run records it again.
 /// The library before Note [Widening to pooled handles] and Note [Reclaim
 /// order] reserved 1.089x and 1.049x their peak allocated on the GPU;
 /// f6e80e5 1.013x and 1.020x; with the stitch budget the four streams
@@ -287,8 +292,8 @@ fn multi_stream_traces_replay_to_the_gpus_peaks() {
         ),
         (
             "four-streams.gtrace",
-            (20_206_059_520, 20_083_987_968, 0),
-            8_723,
+            (20_210_253_824, 20_083_987_968, 0),
+            8_752,
         ),
     ] {
         let out = replayed(name, None);
