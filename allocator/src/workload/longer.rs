@@ -137,7 +137,13 @@ impl Step {
                 | Action::Free
                 | Action::RecordStream
                 | Action::StreamReuse => self.block_event(&mut e),
-                Action::PhasePush | Action::PhasePop | Action::Mark => true,
+                // The program's own calls: a loop that empties the cache
+                // or caps memory every step does so in every drawn step.
+                Action::PhasePush
+                | Action::PhasePop
+                | Action::Mark
+                | Action::EmptyCache
+                | Action::MemoryLimit => true,
                 // What the recording allocator did (segments, pages, its
                 // syncs) is the replaying allocator's to decide.
                 _ => false,
@@ -354,6 +360,17 @@ mod tests {
         evs.iter()
             .filter(|e| e.action == action && e.device == device)
             .count()
+    }
+
+    #[test]
+    fn a_loop_that_empties_the_cache_every_step_still_does() {
+        let mut t = Trace::default();
+        for i in 0..12 {
+            t.step(0, i);
+            t.push(0, 0, EventKind::EmptyCache { released: 8 * MIB });
+        }
+        let long = longer(&t.evs, 20, 1).unwrap();
+        assert!(count(&long, Action::EmptyCache, 0) >= 20, "{long:?}");
     }
 
     #[test]
