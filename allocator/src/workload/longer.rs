@@ -8,8 +8,9 @@
 //! policy judged on short traces alone misses the creep users watch.
 //! Approach: [`longer`] keeps a recording's warm-up (its first sixth of
 //! steps) as recorded, then appends steps drawn with replacement from the
-//! rest. A step runs from one opening of the trace's last phase (the
-//! optimizer's, with automatic phases) to the next. Each drawn step gets
+//! rest. A step runs from one opening of the last phase opened at
+//! top level at least seven times (the optimizer's, with automatic phases,
+//! whatever evaluation or checkpoint ends the run) to the next. Each drawn step gets
 //! addresses of its own. A block a step frees without having allocated it
 //! (the previous step's loss, its gradients) stands for a leftover of the
 //! step before, so it frees the previous drawn step's leftover of the
@@ -33,17 +34,7 @@ pub fn longer(events: &[TraceEvent], steps: usize, seed: u64) -> Option<Vec<Trac
     if events.iter().any(|e| e.action == Action::PrivatePool) {
         return None;
     }
-    let phase = |e: &TraceEvent| match e.kind() {
-        EventKind::PhasePush { name } => Some(name),
-        _ => None,
-    };
-    let last = events.iter().rev().find_map(phase)?;
-    let starts: Vec<usize> = (0..events.len())
-        .filter(|&i| phase(&events[i]) == Some(last))
-        .collect();
-    if starts.len() < 7 {
-        return None;
-    }
+    let starts = step_starts(events)?;
     let warm = starts.len() / 6;
     let drawn: Vec<(usize, usize)> = starts[warm..].windows(2).map(|w| (w[0], w[1])).collect();
     let mut out = events[..starts[warm]].to_vec();
@@ -70,6 +61,32 @@ pub fn longer(events: &[TraceEvent], steps: usize, seed: u64) -> Option<Vec<Trac
         left = mine;
     }
     Some(out)
+}
+
+/// Where steps begin: the openings of the last phase opened at top level
+/// (no other phase open on its device) at least seven times, so that an
+/// evaluation or checkpoint ending the run, or a phase opened inside
+/// another (a layer), is no step; `None` when no phase opens so often.
+fn step_starts(events: &[TraceEvent]) -> Option<Vec<usize>> {
+    let mut depth: HashMap<u32, usize> = HashMap::new();
+    let mut top: Vec<(usize, u64)> = Vec::new();
+    let mut opened: HashMap<u64, usize> = HashMap::new();
+    for (i, e) in events.iter().enumerate() {
+        let d = depth.entry(e.device).or_default();
+        match e.kind() {
+            EventKind::PhasePush { name } => {
+                if *d == 0 {
+                    top.push((i, name));
+                    *opened.entry(name).or_default() += 1;
+                }
+                *d += 1;
+            }
+            EventKind::PhasePop { .. } => *d = d.saturating_sub(1),
+            _ => {}
+        }
+    }
+    let &(_, step) = top.iter().rev().find(|t| opened[&t.1] >= 7)?;
+    Some(top.iter().filter(|t| t.1 == step).map(|t| t.0).collect())
 }
 
 /// The blocks allocated at or after event `from` of `events` and still
@@ -381,6 +398,29 @@ mod tests {
         }
         // The seed whose generator state would be 0.
         assert!(longer(&t.evs, 5, 1_702_666_872_793_809_783).is_some());
+    }
+
+
+    #[test]
+    fn steps_are_found_when_the_run_ends_with_an_evaluation_or_a_nested_phase() {
+        // The recorded YOLO run ends with an evaluation, checkpoints and an
+        // evaluation nested in one; its 30 optimizer steps are still steps.
+        let evs = example("ultralytics-yolo");
+        let long = longer(&evs, 40, 1).expect("the trace has steps");
+        let r = replay(long.iter().copied(), 140 << 30, &Config::default());
+        assert_eq!((r.unknown_frees, r.ooms), (0, 0));
+        // A phase opened inside the step's last opening (a layer) is no step.
+        let mut t = Trace::default();
+        for i in 0..12 {
+            t.step(0, i);
+        }
+        t.open(0, 1);
+        for _ in 0..8 {
+            t.open(0, 2);
+            t.close(0, 2);
+        }
+        let long = longer(&t.evs, 30, 1).expect("twelve steps");
+        assert_eq!(count(&long, Action::Alloc, 0), 30 + 2, "{long:?}");
     }
 
 }
