@@ -38,7 +38,15 @@ pub fn longer(events: &[TraceEvent], steps: usize, seed: u64) -> Option<Vec<Trac
     let warm = starts.len() / 6;
     let drawn: Vec<(usize, usize)> = starts[warm..].windows(2).map(|w| (w[0], w[1])).collect();
     let mut out = events[..starts[warm]].to_vec();
-    let mut left = leftovers(&out, starts[warm - 1]);
+    let end = *starts.last()?;
+    let (mut left, pending) = leftovers(events, starts[warm - 1], starts[warm], end);
+    // Frees the recording completed after the warm-up complete as it ends.
+    let t = out.last().map_or(0, |e| e.time_ns);
+    out.extend(pending.into_iter().map(|p| TraceEvent {
+        action: Action::FreeCompleted,
+        time_ns: t,
+        ..p
+    }));
     // One seed's state is 0, which xorshift refuses: it runs as seed 0.
     let state = seed.wrapping_mul(0x9e37_79b9).wrapping_add(1);
     let mut rng = Rng::xorshift64_star(state.max(1));
@@ -89,24 +97,49 @@ fn step_starts(events: &[TraceEvent]) -> Option<Vec<usize>> {
     Some(top.iter().filter(|t| t.1 == step).map(|t| t.0).collect())
 }
 
-/// The blocks allocated at or after event `from` of `events` and still
-/// live at its end.
-fn leftovers(events: &[TraceEvent], from: usize) -> Vec<TraceEvent> {
-    let mut live: HashMap<(u32, u64), (usize, TraceEvent)> = HashMap::new();
-    for (i, e) in events.iter().enumerate() {
+/// The warm-up's leftovers: the blocks allocated at or after event `from`,
+/// live at event `to` and freed by the recording before event `end` (not
+/// those it keeps for good, such as an optimizer's state created in the
+/// first step); then the blocks whose free was requested before `to` and
+/// completed after it. Both in allocation order.
+fn leftovers(
+    events: &[TraceEvent],
+    from: usize,
+    to: usize,
+    end: usize,
+) -> (Vec<TraceEvent>, Vec<TraceEvent>) {
+    // Block, where it was allocated, whether its free was requested.
+    let mut live: HashMap<(u32, u64), (usize, TraceEvent, bool)> = HashMap::new();
+    for (i, e) in events[..to].iter().enumerate() {
+        let key = (e.device, e.addr);
         match e.action {
             Action::Alloc => {
-                live.insert((e.device, e.addr), (i, *e));
+                live.insert(key, (i, *e, false));
+            }
+            Action::FreeRequested => {
+                if let Some(l) = live.get_mut(&key) {
+                    l.2 = true;
+                }
             }
             Action::FreeCompleted | Action::Free => {
-                live.remove(&(e.device, e.addr));
+                live.remove(&key);
             }
             _ => {}
         }
     }
-    let mut left: Vec<(usize, TraceEvent)> = live.into_values().filter(|v| v.0 >= from).collect();
-    left.sort_unstable_by_key(|v| v.0);
-    left.into_iter().map(|v| v.1).collect()
+    let freed_later: std::collections::HashSet<(u32, u64)> = events[to..end]
+        .iter()
+        .filter(|e| matches!(e.action, Action::FreeRequested | Action::Free))
+        .map(|e| (e.device, e.addr))
+        .collect();
+    let mut live: Vec<(usize, TraceEvent, bool)> = live.into_values().collect();
+    live.sort_unstable_by_key(|v| v.0);
+    let (pending, kept): (Vec<_>, Vec<_>) = live.into_iter().partition(|v| v.2);
+    let left = kept
+        .into_iter()
+        .filter(|v| v.0 >= from && freed_later.contains(&(v.1.device, v.1.addr)))
+        .map(|v| v.1);
+    (left.collect(), pending.into_iter().map(|v| v.1).collect())
 }
 
 /// One drawn step: its own addresses, and the previous step's leftovers
@@ -421,6 +454,58 @@ mod tests {
         }
         let long = longer(&t.evs, 30, 1).expect("twelve steps");
         assert_eq!(count(&long, Action::Alloc, 0), 30 + 2, "{long:?}");
+    }
+
+
+    #[test]
+    fn a_free_pending_as_the_warm_up_ends_is_not_freed_again() {
+        // Each step's activation is used on another stream: its free
+        // completes as the next step begins, after the step's phase opens.
+        let mut t = Trace::default();
+        for i in 0..12u64 {
+            t.open(0, 1);
+            let addr = 0x7f00_0000_0000 + (i % 2) * (1 << 30);
+            if i > 0 {
+                t.complete(0, addr ^ (1 << 30), 8 * MIB);
+            }
+            t.alloc(0, addr, 8 * MIB);
+            t.push(
+                0,
+                0,
+                EventKind::RecordStream {
+                    addr,
+                    other_stream: 7,
+                },
+            );
+            t.free(0, addr, 8 * MIB, false);
+            t.close(0, 1);
+        }
+        let long = longer(&t.evs, 20, 1).unwrap();
+        let r = replay(long.iter().copied(), 140 << 30, &Config::default());
+        assert_eq!(r.unknown_frees, 0, "{long:?}");
+    }
+
+
+    #[test]
+    fn what_the_warm_ups_last_step_keeps_for_good_is_never_freed() {
+        // Eight steps: a warm-up of one, whose optimizer allocates its
+        // state (kept for the whole run) as the first step does.
+        let mut t = Trace::default();
+        let state = 0x7e00_0000_0000;
+        for i in 0..8 {
+            t.step(0, i);
+            if i == 0 {
+                t.alloc(0, state, 64 * MIB);
+            }
+        }
+        let long = longer(&t.evs, 20, 1).unwrap();
+        let freed = long
+            .iter()
+            .any(|e| e.action == Action::FreeRequested && e.addr == state);
+        assert!(!freed, "{long:?}");
+        let r = replay(long.iter().copied(), 140 << 30, &Config::default());
+        let base = replay(t.evs.iter().copied(), 140 << 30, &Config::default());
+        assert_eq!(r.devices[0].final_allocated, base.devices[0].final_allocated);
     }
 
 }
