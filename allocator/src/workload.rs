@@ -18,7 +18,7 @@ use crate::backend::DevicePtr;
 use crate::trace::{Action, TraceEvent};
 
 pub use crate::rng::Rng;
-pub use longer::longer;
+pub use longer::{MAX_STEPS, longer};
 
 mod longer;
 

@@ -25,6 +25,9 @@ use std::collections::HashMap;
 use super::Rng;
 use crate::trace::{Action, EventKind, TraceEvent};
 
+/// The most steps [`longer`] draws, plus one.
+pub const MAX_STEPS: usize = 1 << 16;
+
 /// `events` (one recorded run) with its steps after the warm-up replaced
 /// by `steps` steps drawn from them with `seed`; `None` when the trace has
 /// fewer than seven steps (no phases, or too short to draw from), uses
@@ -32,8 +35,12 @@ use crate::trace::{Action, EventKind, TraceEvent};
 /// allocated; drawn out of order, they would not), or holds several
 /// devices (each records every phase, and their blocks of events
 /// interleave in the file: windows between openings would cut steps
-/// apart and run each device in half of them).
+/// apart and run each device in half of them), or when `steps` reaches
+/// [`MAX_STEPS`] (each drawn step's addresses carry its number above bit 48).
 pub fn longer(events: &[TraceEvent], steps: usize, seed: u64) -> Option<Vec<TraceEvent>> {
+    if steps >= MAX_STEPS {
+        return None;
+    }
     let device = events.first().map(|e| e.device);
     if events
         .iter()
@@ -340,6 +347,12 @@ mod tests {
     #[test]
     fn a_trace_without_steps_or_with_graphs_has_no_longer_run() {
         assert_eq!(longer(&super::super::churn(1, 2000), 10, 1), None);
+        let detector = example("detector-multiscale");
+        assert_eq!(
+            longer(&detector, MAX_STEPS, 1),
+            None,
+            "addresses would repeat"
+        );
         assert_eq!(longer(&example("reduce-overhead-graphs"), 10, 1), None);
     }
 
