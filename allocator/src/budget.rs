@@ -25,9 +25,9 @@
 //! may take pages that cached stitches alias only while it has credit (never with a share of
 //! 0), or when growing instead would raise the most memory the device ever
 //! reserved: the budget trades driver time for memory within the footprint
-//! already paid for, never the peak users see (round 31: over 91 workloads,
-//! long runs drawn from the recorded ones among them, mean R/A 1.0362 →
-//! 1.0316 for 272.5 → 283.9 ms; the 512 B–64 MiB churn loop 1.17–1.18 →
+//! already paid for, never the peak users see (round 31: over 104 workloads,
+//! long runs drawn from the recorded ones among them, mean R/A 1.0366 →
+//! 1.0326 for 253.8 → 263.8 ms; the 512 B–64 MiB churn loop 1.17–1.18 →
 //! 1.055–1.063 for 2–3.5x its driver time; the four-stream CNN's long runs
 //! 1.028–1.035 → 1.008–1.010; twenty-second study). What is unspent is banked up to [`BURST_NS`], also the credit at
 //! start, so the first steps (where the peak usually forms) are never held
