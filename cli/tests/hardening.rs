@@ -278,28 +278,10 @@ fn messages_quoting_input_are_bounded() {
 /// input twice says so instead of calling the second reading an empty file.
 #[test]
 fn a_trace_on_a_pipe_is_read_once_or_refused_with_the_reason() {
-    use std::io::Write;
-    use std::process::Stdio;
     let dir = tempfile::tempdir().unwrap();
     let t = generated(dir.path());
     let bytes = std::fs::read(&t).unwrap();
-    let piped = |cmd: &str| {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
-            .args([cmd, "/dev/stdin"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run gpualloc");
-        let mut stdin = child.stdin.take().unwrap();
-        let data = bytes.clone();
-        let feeder = std::thread::spawn(move || {
-            let _ = stdin.write_all(&data); // a refusing command may stop reading
-        });
-        let out = child.wait_with_output().unwrap();
-        feeder.join().unwrap();
-        out
-    };
+    let piped = |cmd: &str| on_stdin(&[cmd, "/dev/stdin"], &bytes);
     let leaks = piped("leaks");
     assert!(
         leaks.status.success(),
@@ -319,8 +301,6 @@ fn a_trace_on_a_pipe_is_read_once_or_refused_with_the_reason() {
 /// name the format instead, and with the format named it reads the pipe.
 #[test]
 fn import_from_a_pipe_names_what_to_do() {
-    use std::io::Write;
-    use std::process::Stdio;
     let dir = tempfile::tempdir().unwrap();
     let csv = dir.path().join("r.csv");
     std::fs::write(
@@ -330,22 +310,11 @@ fn import_from_a_pipe_names_what_to_do() {
     .unwrap();
     let bytes = std::fs::read(&csv).unwrap();
     let piped = |from: &[&str], out: &Path| {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
-            .args(["import", "/dev/stdin", "-o", s(out)])
-            .args(from)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run gpualloc");
-        let mut stdin = child.stdin.take().unwrap();
-        let data = bytes.clone();
-        let feeder = std::thread::spawn(move || {
-            let _ = stdin.write_all(&data); // a refusing command may stop reading
-        });
-        let out = child.wait_with_output().unwrap();
-        feeder.join().unwrap();
-        out
+        let args: Vec<&str> = ["import", "/dev/stdin", "-o", s(out)]
+            .into_iter()
+            .chain(from.iter().copied())
+            .collect();
+        on_stdin(&args, &bytes)
     };
     let out = piped(&[], &dir.path().join("a.gtrace"));
     let err = String::from_utf8_lossy(&out.stderr);
@@ -427,4 +396,25 @@ fn replay_names_the_recorded_configuration_when_it_does_not_parse() {
     assert!(err.contains("recorded with"), "{err}");
     assert!(!err.starts_with("gpualloc: --config"), "{err}");
     succeeds(&["replay", "--capacity", "1GiB", "--config", "", s(&odd)]);
+}
+
+/// Runs `gpualloc ARGS` with `bytes` on its standard input (a pipe).
+fn on_stdin(args: &[&str], bytes: &[u8]) -> std::process::Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run gpualloc");
+    let mut stdin = child.stdin.take().unwrap();
+    let data = bytes.to_vec();
+    let feeder = std::thread::spawn(move || {
+        let _ = stdin.write_all(&data); // a refusing command may stop reading
+    });
+    let out = child.wait_with_output().unwrap();
+    feeder.join().unwrap();
+    out
 }

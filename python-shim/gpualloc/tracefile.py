@@ -17,7 +17,7 @@ import zlib
 from typing import Dict, List, Tuple
 
 MAGIC = b"\x89GATRACE"
-EVENTS, STRINGS = 1, 2
+EVENTS, STRINGS, END = 1, 2, 4  # block kinds (docs/trace-format.md)
 # Action codes in order, with PyTorch's names (``Action`` in allocator/src/trace/event.rs).
 ACTIONS = (
     "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
@@ -110,6 +110,18 @@ def annotations(path: str) -> List[Dict]:
         {"device": r["device"], "time_ns": r["time_ns"], "kind": r["kind"], "name": strings.get(r["name"], f"#{r['name']}")}
         for r in recs
     ]
+
+
+def block_kinds(path: str) -> List[int]:
+    """The kinds of the file's blocks in order, read from their headers
+    alone (no checksum): a completed trace's last is ``END``."""
+    with open(path, "rb") as f:
+        data = f.read()
+    kinds, pos = [], data.find(b"BK")
+    while 0 <= pos and pos + 12 <= len(data):
+        kinds.append(data[pos + 2])
+        pos += 16 + int.from_bytes(data[pos + 8 : pos + 12], "little")
+    return kinds
 
 
 def records(path: str) -> List[Dict]:

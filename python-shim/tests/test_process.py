@@ -7,6 +7,8 @@ import tempfile
 import textwrap
 import unittest
 
+from gpualloc import tracefile
+
 from . import __name__ as _env  # noqa: F401
 
 SHIM = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,18 +289,10 @@ class ProcessTest(unittest.TestCase):
             code = "from gpualloc._lib import lib\nL = lib()\nL.free(L.malloc(4096))\n"
             out = run(["-c", code], env_extra={"GPUALLOC_TRACE": trace})
             self.assertEqual(out.returncode, 0, out.stderr)
-            kinds = []
-            with open(trace, "rb") as f:
-                data = f.read()
-            # Walk the blocks after the header: `BK`, kind, flags, device, length, crc.
-            pos = data.find(b"BK")
-            while 0 <= pos < len(data):
-                self.assertEqual(data[pos : pos + 2], b"BK")
-                kinds.append(data[pos + 2])
-                length = int.from_bytes(data[pos + 8 : pos + 12], "little")
-                pos += 16 + length
-            self.assertEqual(kinds[-1], 4, f"the last block is END (kinds {kinds})")
-            self.assertIn(1, kinds, "events were written")
+            tracefile.records(trace)  # every block reads back
+            kinds = tracefile.block_kinds(trace)
+            self.assertEqual(kinds[-1], tracefile.END, f"the last block is END (kinds {kinds})")
+            self.assertIn(tracefile.EVENTS, kinds, "events were written")
 
     def test_devices_created_during_phases_record_them_balanced(self):
         # Note [Phases of a device that joins]: a device created while

@@ -15,7 +15,8 @@ from . import __name__ as _env  # noqa: F401
 
 SHIM = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-END = 4  # the END block's kind (docs/trace-format.md)
+END = tracefile.END
+block_kinds = tracefile.block_kinds
 
 PRELUDE = """
 import os, signal, sys, time
@@ -34,16 +35,6 @@ def run(code, *args):
         env=env,
         timeout=120,
     )
-
-
-def block_kinds(path):
-    with open(path, "rb") as f:
-        data = f.read()
-    kinds, pos = [], data.find(b"BK")
-    while 0 <= pos < len(data):
-        kinds.append(data[pos + 2])
-        pos += 16 + int.from_bytes(data[pos + 8 : pos + 12], "little")
-    return kinds
 
 
 class SigtermTest(unittest.TestCase):

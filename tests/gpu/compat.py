@@ -474,9 +474,10 @@ def check_compat(args) -> dict:
                 assert seen["exitcode"] == 0, f"the worker's exit code: {seen['exitcode']}"
                 path = next((os.path.join(d, n) for n in os.listdir(d) if str(seen["pid"]) in n), None)
                 assert path, f"no trace named after the worker's pid {seen['pid']}: {os.listdir(d)}"
-                kinds = _block_kinds(path)
-                assert kinds[-1:] == [END_BLOCK], f"the worker's trace ends with blocks {kinds[-3:]}, not END"
                 from gpualloc import tracefile
+
+                kinds = tracefile.block_kinds(path)
+                assert kinds[-1:] == [tracefile.END], f"the worker's trace ends with blocks {kinds[-3:]}, not END"
 
                 recs = tracefile.records(path)
                 allocs = sum(r["kind"] == "alloc" for r in recs)
@@ -485,20 +486,6 @@ def check_compat(args) -> dict:
                 return {"blocks": len(kinds), "allocs": allocs, "frees": frees}
 
     return sub.result()
-
-
-END_BLOCK = 4  # the END block's kind (docs/trace-format.md)
-
-
-def _block_kinds(path):
-    """The kinds of a trace file's blocks, in order (docs/trace-format.md)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    kinds, pos = [], data.find(b"BK")
-    while 0 <= pos < len(data):
-        kinds.append(data[pos + 2])
-        pos += 16 + int.from_bytes(data[pos + 8 : pos + 12], "little")
-    return kinds
 
 
 # The program of trace_of_a_worker_forked_before_cuda_is_complete: argv[1]
