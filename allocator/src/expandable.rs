@@ -279,6 +279,27 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         let new_bytes = bytes - self.pages.usable_in(&ranges, page);
         let reserved = self.stats.reserved_bytes.all.current as u64;
+        // Pooled handles this mapping cannot use (moved pages that do not
+        // tile its holes) go back before creating would raise the most
+        // memory ever reserved (Note [Spare handles at the high-water mark]).
+        if !capturing && pool <= LARGE && new_bytes > 0 && self.config.defragment {
+            let over = (reserved + new_bytes).saturating_sub(self.reserved_high());
+            if over > 0 {
+                let busy: std::collections::HashSet<u64> = self
+                    .drains
+                    .mappings()
+                    .flat_map(|(_, hs)| hs.iter().map(|h| h.0))
+                    .collect();
+                let (r, deltas) =
+                    self.pages
+                        .release_spare(&mut self.backend, &ranges, page, over, |h| {
+                            busy.contains(&h)
+                        });
+                self.apply_deltas(deltas, deltas[0] + deltas[1]);
+                r.map_err(|e| GrowError::Failed(e.into()))?;
+            }
+        }
+        let reserved = self.stats.reserved_bytes.all.current as u64;
         // Never create what cannot fit: the limit, or the device itself.
         let cap = self.capacity()?;
         if new_bytes > 0 && reserved + new_bytes > cap {
