@@ -104,6 +104,12 @@ impl PagePool {
     /// each time, range by range, as [`map`](Self::map) fills them. A handle
     /// is mapped whole, so it never spans two ranges.
     pub fn usable_in(&self, ranges: &[(DevicePtr, DevicePtr)], page: u64) -> u64 {
+        self.fit(ranges, page).0
+    }
+
+    /// [`usable_in`](Self::usable_in)'s bytes, and per usable size (largest
+    /// first) how many pooled handles of it the mapping would leave.
+    fn fit(&self, ranges: &[(DevicePtr, DevicePtr)], page: u64) -> (u64, Vec<(u64, usize)>) {
         let mut left: Vec<(u64, usize)> = self
             .free
             .iter()
@@ -121,7 +127,7 @@ impl PagePool {
                 used += k * *s;
             }
         }
-        used
+        (used, left)
     }
 
     /// Note [Spare handles at the high-water mark]
@@ -153,22 +159,7 @@ impl PagePool {
         want: u64,
         busy: impl Fn(HandleId) -> bool,
     ) -> (Result<(), BackendError>, KindDeltas) {
-        let mut left: Vec<(u64, usize)> = self
-            .free
-            .iter()
-            .rev()
-            .filter(|(s, _)| *s % page == 0)
-            .map(|(&s, hs)| (s, hs.len()))
-            .collect();
-        for &(lo, hi) in ranges {
-            let mut room = hi - lo;
-            for (s, n) in left.iter_mut() {
-                let k = (room / *s).min(*n as u64);
-                room -= k * *s;
-                *n -= k as usize;
-            }
-        }
-        let spare: BTreeMap<u64, usize> = left.into_iter().collect();
+        let spare: BTreeMap<u64, usize> = self.fit(ranges, page).1.into_iter().collect();
         let mut deltas = [0i64; 2];
         let mut released = 0u64;
         let sizes: Vec<u64> = self.free.keys().rev().copied().collect();
