@@ -161,6 +161,14 @@ pub(crate) fn drains_left(device: u32, error: &dyn std::fmt::Display) {
     tracing::warn!(device, %error, "could not unmap old ranges of moved pages; tried again later");
 }
 
+/// Pooled handles a mapping could not use could not go back to the driver
+/// (Note [Spare handles at the high-water mark]): they stay pooled and the
+/// mapping creates memory as it would have.
+#[inline]
+pub(crate) fn spare_release_failed(device: u32, error: &dyn std::fmt::Display) {
+    tracing::warn!(device, %error, "could not release spare pooled handles; creating anyway");
+}
+
 /// A job of the unmapping helper thread failed (`backend/unmapper.rs`):
 /// its range stays mapped.
 #[inline]

@@ -152,3 +152,39 @@ property!(
     "defragment_headroom:0,expandable_handle_mb:64,stitch_min_mb:8",
     256
 );
+
+/// Pooled handles a mapping cannot use go back to the driver only as a
+/// saving (Note [Spare handles at the high-water mark]): a driver that
+/// refuses that release must not fail a request that fits without it.
+#[test]
+fn a_refused_release_of_spare_handles_fails_no_request() {
+    let mut c = Checked::with(
+        8 << 30,
+        "defragment_headroom:0,expandable_handle_mb:16,stitch_min_mb:1024",
+    );
+    c.sim_mut().fail_calls(SimCall::ReleaseHandle, 1, u64::MAX);
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut rnd = |m: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % m
+    };
+    let mut live: Vec<u64> = Vec::new();
+    for step in 0..4000 {
+        if live.len() > 3 && (rnd(10) < 4 || live.len() > 40) {
+            let p = live.swap_remove(rnd(live.len() as u64) as usize);
+            c.free(p).unwrap();
+        } else {
+            let size = (1 + rnd(48)) * MIB + rnd(MIB);
+            let stream = STREAMS[rnd(2) as usize];
+            match c.try_malloc(size, stream) {
+                Ok(p) => live.push(p),
+                Err(e) => panic!("step {step}: {size} bytes refused: {e}"),
+            }
+        }
+        if rnd(8) == 0 {
+            c.complete_all();
+        }
+    }
+}
