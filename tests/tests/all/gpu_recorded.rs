@@ -266,22 +266,16 @@ fn a_capacity_beyond_any_device_replays_as_one_pebibyte() {
 /// `examples/fsdp2-gpt2.gtrace` and `examples/four-streams.gtrace`: FSDP2
 /// (`fully_shard`, one process) training GPT-2 small on random lengths, and
 /// a CNN whose four branches run on four streams, recorded by `bash
-/// tests/gpu/sweep.sh --only fsdp,multi_stream --variants gpualloc-traced`.
-/// FSDP2 with the library of f6e80e5
-/// (`docs/results/h200-round14/sweep-fsdp-multistream-final.json`): it
-/// replayed to the GPU's peaks (4,192,206,848 reserved) and its 5,222
-/// memory calls. The four streams again with the library of round 27 that
-/// limits stitch builds (Note [Stitch budget];
-/// `docs/results/h200-round27/sweep-multistream.json`): they replayed to
-/// the GPU's peaks (20,206,059,520 reserved) and to all 8,723 of its
-/// memory calls. Round 31 changed two decisions neither recording could
-/// make: the defragmentation budget no longer lets the peak of reserved
-/// memory rise (Note [Defragmentation budget]), and pooled handles a
-/// mapping cannot use go back before creating would raise it (Note [Spare
-/// handles at the high-water mark]). Their replays now reserve 2 MiB less
-/// (FSDP2, 1.0128x against 1.0133x, 4,724 memory calls) and 4 MiB less
-/// (four streams, 1.0059x against 1.0061x, 8,754 calls) than the GPU did;
-/// pinned here until GPU runs record them again.
+/// tests/gpu/sweep.sh --only fsdp,multi_stream --variants gpualloc-traced`
+/// with the library of 5d1dd67
+/// (`docs/results/h200-round32/sweep-fsdp-multistream-recorded-5d1dd67.json`):
+/// they replay to the GPU's peaks (1.0128x and 1.0059x) and to all of its
+/// memory calls. The recordings before (f6e80e5 and round 27) were made
+/// before the defragmentation budget stopped letting the peak of reserved
+/// memory rise (Note [Defragmentation budget]) and before pooled handles a
+/// mapping cannot use went back first (Note [Spare handles at the
+/// high-water mark]); their replays predicted 2 and 4 MiB less than those
+/// GPUs reserved, and the GPU runs of 5d1dd67 reserved exactly that.
 /// The library before Note [Widening to pooled handles] and Note [Reclaim
 /// order] reserved 1.089x and 1.049x their peak allocated on the GPU;
 /// f6e80e5 1.013x and 1.020x; with the stitch budget the four streams
