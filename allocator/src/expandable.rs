@@ -53,7 +53,7 @@
 //! `inactive_split`, and the `segment` stat counts only plain segments, as
 //! in PyTorch.
 
-use crate::backend::{Backend, BackendError, StreamId};
+use crate::backend::{Backend, BackendError, DevicePtr, StreamId};
 use crate::block::{BlockId, BlockState, PoolId, SegmentId};
 use crate::cost::{CostModel, DriverCalls};
 use crate::device::DeviceAllocator;
@@ -285,22 +285,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if !capturing && pool <= LARGE && new_bytes > 0 && self.config.defragment {
             let over = (reserved + new_bytes).saturating_sub(self.reserved_high());
             if over > 0 {
-                let busy: std::collections::HashSet<u64> = self
-                    .drains
-                    .mappings()
-                    .flat_map(|(_, hs)| hs.iter().map(|h| h.0))
-                    .collect();
-                let (r, deltas) =
-                    self.pages
-                        .release_spare(&mut self.backend, &ranges, page, over, |h| {
-                            busy.contains(&h)
-                        });
-                self.apply_deltas(deltas, deltas[0] + deltas[1]);
-                // Only a saving: a handle the driver keeps stays pooled,
-                // counted, and the mapping creates what it would have.
-                if let Err(e) = r {
-                    crate::log::spare_release_failed(self.device, &e);
-                }
+                self.release_spare(&ranges, page, over);
             }
         }
         let reserved = self.stats.reserved_bytes.all.current as u64;
@@ -329,6 +314,51 @@ impl<B: Backend> DeviceAllocator<B> {
         );
         self.heap.unindex(block);
         Ok(block)
+    }
+
+    /// Returns to the driver up to `over` bytes of pooled handles a mapping
+    /// of `ranges` cannot use (Note [Spare handles at the high-water
+    /// mark]). Spare handles still mapped at their old place are waited for
+    /// first when the others fall short: the request waits for them right
+    /// after mapping anyway. Only a saving: a handle the driver keeps, or
+    /// old work that cannot be waited for, is logged and the mapping
+    /// creates what it would have.
+    fn release_spare(&mut self, ranges: &[(DevicePtr, DevicePtr)], page: u64, over: u64) {
+        let mut left = over;
+        for wait in [false, true] {
+            if wait {
+                let spare = self.pages.spare_sizes(ranges, page);
+                let pages = &self.pages;
+                let say = teller(&self.observer, self.device);
+                let finished = self.drains.finish_pooled(
+                    &mut self.fences,
+                    &mut self.backend,
+                    |h, size| spare.contains(&size) && pages.is_pooled(h, size),
+                    &say,
+                );
+                if let Err(e) = finished {
+                    crate::log::spare_release_failed(self.device, &e);
+                    return;
+                }
+            }
+            let busy: std::collections::HashSet<u64> = self
+                .drains
+                .mappings()
+                .flat_map(|(_, hs)| hs.iter().map(|h| h.0))
+                .collect();
+            let (r, deltas) =
+                self.pages
+                    .release_spare(&mut self.backend, ranges, page, left, |h| busy.contains(&h));
+            self.apply_deltas(deltas, deltas[0] + deltas[1]);
+            left = left.saturating_sub((-(deltas[0] + deltas[1])) as u64);
+            if let Err(e) = r {
+                crate::log::spare_release_failed(self.device, &e);
+                return;
+            }
+            if left == 0 || busy.is_empty() {
+                return;
+            }
+        }
     }
 
     /// The driver calls made, with the unmapping of old ranges of pages that

@@ -130,6 +130,19 @@ impl PagePool {
         (used, left)
     }
 
+    /// The sizes of which a mapping of `ranges` would leave pooled handles
+    /// unused (what [`release_spare`](Self::release_spare) may release).
+    pub fn spare_sizes(&self, ranges: &[(DevicePtr, DevicePtr)], page: u64) -> Vec<u64> {
+        let usable = self.fit(ranges, page).1;
+        let mut sizes: Vec<u64> = usable
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(s, _)| *s)
+            .collect();
+        sizes.extend(self.free.keys().filter(|s| *s % page != 0));
+        sizes
+    }
+
     /// Note [Spare handles at the high-water mark]
     /// Rationale: defragmentation moves whole handles (up to 16 MiB) to
     /// where a request is mapped, but the holes of its window need not be
@@ -142,10 +155,16 @@ impl PagePool {
     /// are released first, as much as it would pass the mark by. Which
     /// handles it uses is what `usable_in` counts (per size, the handles
     /// beyond that count are spare); a handle still mapped at its old place
-    /// (Note [Unmapping behind the work]) is kept. Over 104 simulated
-    /// workloads: 13 better, none worse, mean R/A 1.0326 → 1.0319 for
-    /// 263.8 → 269.7 ms of driver time; FSDP2's long runs 1.029–1.042 →
-    /// 1.019–1.031.
+    /// (Note [Unmapping behind the work]) is released only once that
+    /// place's work is waited for and unmapped, which happens when the
+    /// others fall short: the request would wait for it right after
+    /// mapping anyway. Over 104 simulated workloads: 13 better, none worse,
+    /// mean R/A 1.0326 → 1.0319 for 263.8 → 269.7 ms of driver time;
+    /// FSDP2's long runs 1.029–1.042 → 1.019–1.031. Waiting for spare
+    /// handles still mapped (round 32): 6 better, 2 worse, mean 1.0319 →
+    /// 1.0317 for 270.1 ms; the 512 B–64 MiB churn loop 1.0505 / 1.0547 /
+    /// 1.0591 → 1.0480 / 1.0488 / 1.0530 (seeds 1, 2, 4), 1.0397 → 1.0422
+    /// (seed 3).
     ///
     /// Returns pooled handles a mapping of `ranges` would leave unused to
     /// the driver (per size, those beyond what [`usable_in`](Self::usable_in)

@@ -493,3 +493,41 @@ proptest::proptest! {
         proptest::prop_assert_eq!(d.backend().mappings(), 0);
     }
 }
+
+/// Note [Spare handles at the high-water mark]: pooled handles a mapping
+/// cannot use that still back their old place, where queued work reads
+/// them, are waited for and then given back, rather than kept pooled
+/// while the mapping creates memory past the high-water mark.
+#[test]
+fn spare_handles_still_mapped_at_their_old_place_are_waited_for_and_released() {
+    let mut d = dev("defragment_headroom:0,stitch_min_mb:0");
+    let a = d.malloc(128 * MIB, 0).unwrap();
+    let b = d.malloc(2 * MIB, 0).unwrap();
+    d.backend_mut().launch(0);
+    d.free(a).unwrap();
+    // Defragmentation moves a's eight 16 MiB handles without waiting.
+    let seg = d.heap.pools[crate::heap::LARGE as usize].expandable[0].1;
+    assert_eq!(
+        d.reclaim(128 * MIB, 0, (seg, 0, 0), false).unwrap(),
+        128 * MIB
+    );
+    ok(&d);
+    assert!(!d.drains.is_empty(), "old range still mapped");
+    let (reserved, waits) = (
+        d.stats().reserved_bytes.all.current,
+        d.backend().counters.wait_event,
+    );
+    // A mapping of 10 MiB can use none of them: one goes back, after its
+    // old range's work is waited for.
+    let hole = 1 << 40;
+    d.release_spare(&[(hole, hole + 10 * MIB)], 2 * MIB, 10 * MIB);
+    ok(&d);
+    assert_eq!(d.backend().counters.wait_event, waits + 1);
+    assert_eq!(
+        d.stats().reserved_bytes.all.current,
+        reserved - 16 * (MIB as i64)
+    );
+    assert_eq!(d.pooled_bytes(), 112 * MIB);
+    assert!(d.drains.is_empty(), "waited for and unmapped");
+    drained(d, [b]);
+}
