@@ -235,7 +235,19 @@ def run_child(cmd, name, timeout, logdir, label, trace=None):
     return payload
 
 
+def budget_cut(r, cut, budget):
+    """A run's result, or, when its timeout was cut to what was left of the
+    time budget (`cut`) and it timed out, a skip that says so: the budget
+    stopped it, not a failure of the check."""
+    if not cut or r.get("rc") != "timeout":
+        return r
+    return {"skipped": f"stopped after {r.get('wall_s')} s: the time budget of {budget:.0f} s ran out",
+            "rc": r.get("rc"), "wall_s": r.get("wall_s")}
+
+
 def compare_training(native, ours):
+    if "skipped" in native or "skipped" in ours:
+        return {"skipped": native.get("skipped") or ours.get("skipped")}
     if "result" not in native or "result" not in ours:
         return {"error": "a run failed", "native": native.get("error"), "gpualloc": ours.get("error")}
     a, b = native["result"], ours["result"]
@@ -309,9 +321,10 @@ def main():
                 print(f"{key}: skipped (budget)", flush=True)
                 continue
             r = run_one(check, alloc, min(timeout, left), steps, os.path.join(args.out, "logs"))
+            r = budget_cut(r, left < timeout, args.budget)
             summary["runs"][key] = r
             res = r.get("result", {})
-            brief = r.get("error") or (f"{res.get('passed')}/{res.get('total')} passed" if "passed" in res else "done")
+            brief = r.get("error") or r.get("skipped") or (f"{res.get('passed')}/{res.get('total')} passed" if "passed" in res else "done")
             print(f"{key}: {brief} ({r['wall_s']} s)", flush=True)
         if check.startswith("train_"):
             n = summary["runs"].get(f"{check}/native", {})

@@ -445,5 +445,24 @@ class PromiseBounds(unittest.TestCase):
         self.assertEqual(t["gpualloc-traced"]["replay_agrees"], "FileNotFoundError: gpualloc")
 
 
+class BudgetCut(unittest.TestCase):
+    """driver.budget_cut: a run the time budget stopped is a skip, not a failure."""
+
+    def test_a_run_stopped_by_the_budget_is_skipped_and_the_comparison_says_so(self):
+        timed_out = {"error": "no result (rc=timeout)", "rc": "timeout", "wall_s": 25.0}
+        cut = driver.budget_cut(dict(timed_out), True, 330)
+        self.assertIn("time budget of 330 s", cut["skipped"])
+        self.assertNotIn("error", cut)
+        done = {"result": {"losses": [1.0], "median_step_s": 1.0}, "rc": 0, "wall_s": 30}
+        self.assertEqual(driver.compare_training(cut, done), {"skipped": cut["skipped"]})
+
+    def test_a_run_that_timed_out_on_its_own_timeout_or_failed_stays_a_failure(self):
+        timed_out = {"error": "no result (rc=timeout)", "rc": "timeout", "wall_s": 150.0}
+        self.assertEqual(driver.budget_cut(dict(timed_out), False, 330), timed_out)
+        failed = {"error": "no result (rc=1)", "rc": 1, "wall_s": 3.0}
+        self.assertEqual(driver.budget_cut(dict(failed), True, 330), failed)
+        self.assertEqual(driver.compare_training(failed, {"result": {}})["error"], "a run failed")
+
+
 if __name__ == "__main__":
     unittest.main()
