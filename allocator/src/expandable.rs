@@ -316,48 +316,34 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(block)
     }
 
-    /// Returns to the driver up to `over` bytes of pooled handles a mapping
-    /// of `ranges` cannot use (Note [Spare handles at the high-water
-    /// mark]). Spare handles still mapped at their old place are waited for
-    /// first when the others fall short: the request waits for them right
-    /// after mapping anyway. Only a saving: a handle the driver keeps, or
-    /// old work that cannot be waited for, is logged and the mapping
-    /// creates what it would have.
+    /// Returns to the driver at least `over` bytes of pooled handles a
+    /// mapping of `ranges` cannot use, or all it cannot use (Note [Spare
+    /// handles at the high-water mark]); those still mapped at their old
+    /// place are waited for and unmapped there first. Only a saving: a
+    /// handle the driver keeps, or old work that cannot be waited for, is
+    /// logged and the mapping creates what it would have.
     fn release_spare(&mut self, ranges: &[(DevicePtr, DevicePtr)], page: u64, over: u64) {
-        let mut left = over;
-        for wait in [false, true] {
-            if wait {
-                let spare = self.pages.spare_sizes(ranges, page);
-                let pages = &self.pages;
-                let say = teller(&self.observer, self.device);
-                let finished = self.drains.finish_pooled(
-                    &mut self.fences,
-                    &mut self.backend,
-                    |h, size| spare.contains(&size) && pages.is_pooled(h, size),
-                    &say,
-                );
-                if let Err(e) = finished {
-                    crate::log::spare_release_failed(self.device, &e);
-                    return;
-                }
-            }
-            let busy: std::collections::HashSet<u64> = self
-                .drains
-                .mappings()
-                .flat_map(|(_, hs)| hs.iter().map(|h| h.0))
-                .collect();
-            let (r, deltas) =
-                self.pages
-                    .release_spare(&mut self.backend, ranges, page, left, |h| busy.contains(&h));
-            self.apply_deltas(deltas, deltas[0] + deltas[1]);
-            left = left.saturating_sub((-(deltas[0] + deltas[1])) as u64);
-            if let Err(e) = r {
-                crate::log::spare_release_failed(self.device, &e);
-                return;
-            }
-            if left == 0 || busy.is_empty() {
-                return;
-            }
+        let chosen = self.pages.spare(ranges, page, over);
+        if chosen.is_empty() {
+            return;
+        }
+        let finished = {
+            let say = teller(&self.observer, self.device);
+            self.drains.finish_pooled(
+                &mut self.fences,
+                &mut self.backend,
+                |h, _| chosen.iter().any(|c| c.0 == h),
+                &say,
+            )
+        };
+        if let Err(e) = finished {
+            crate::log::spare_release_failed(self.device, &e);
+            return;
+        }
+        let (r, deltas) = self.pages.release_these(&mut self.backend, &chosen);
+        self.apply_deltas(deltas, deltas[0] + deltas[1]);
+        if let Err(e) = r {
+            crate::log::spare_release_failed(self.device, &e);
         }
     }
 
