@@ -148,8 +148,8 @@ impl PagePool {
     /// replay releases the same. Over 104 simulated workloads: 13 better, none worse,
     /// mean R/A 1.0326 → 1.0319 for 263.8 → 269.7 ms of driver time;
     /// FSDP2's long runs 1.029–1.042 → 1.019–1.031. Waiting for spare
-    /// handles still mapped (round 32): 6 better, 2 worse, mean 1.0319 →
-    /// 1.0317 for 270.1 ms; the 512 B–64 MiB churn loop 1.0505 / 1.0547 /
+    /// handles still mapped (round 32): 8 better, 2 worse, mean 1.0319 →
+    /// 1.0317 for 269.4 → 269.8 ms; the 512 B–64 MiB churn loop 1.0505 / 1.0547 /
     /// 1.0591 → 1.0480 / 1.0488 / 1.0530 (seeds 1, 2, 4), 1.0397 → 1.0422
     /// (seed 3).
     ///
