@@ -203,11 +203,16 @@ impl PagePool {
             if list.is_empty() {
                 self.free.remove(&s);
             }
-            self.free_bytes[slot(k)] -= s;
-            self.exported.remove(&h);
-            deltas[slot(k)] -= s as i64;
+            self.forget(h, s, k, &mut deltas);
         }
         (Ok(()), deltas)
+    }
+
+    /// Takes a handle the driver released off the pool's counts.
+    fn forget(&mut self, handle: HandleId, size: u64, kind: PoolKind, deltas: &mut KindDeltas) {
+        self.free_bytes[slot(kind)] -= size;
+        self.exported.remove(&handle);
+        deltas[slot(kind)] -= size as i64;
     }
 
     /// Bytes still to be created again in coarse handles (Note [Regrowth]).
@@ -480,9 +485,7 @@ impl PagePool {
                 self.free.entry(s).or_default().push((h, k));
                 return (Err(e), deltas);
             }
-            self.free_bytes[slot(k)] -= s;
-            self.exported.remove(&h);
-            deltas[slot(k)] -= s as i64;
+            self.forget(h, s, k, &mut deltas);
             released += s;
         }
         (Ok(()), deltas)
