@@ -6,9 +6,10 @@
 #     bash benches/gpu/cu_bench.sh handle_bandwidth   # writes ${OUT:-./handle_bandwidth}/handle_bandwidth.md
 #     bash benches/gpu/cu_bench.sh vmm_threads        # writes ${OUT:-./vmm_threads}/vmm_threads.md
 #     bash benches/gpu/cu_bench.sh vmm_stall          # writes ${OUT:-./vmm_stall}/vmm_stall.md
+#     bash benches/gpu/cu_bench.sh capture_probe      # writes ${OUT:-./capture_probe}/capture_probe.md
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-name=${1:?usage: cu_bench.sh NAME (host_latency, handle_bandwidth, vmm_threads or vmm_stall)}
+name=${1:?usage: cu_bench.sh NAME (host_latency, handle_bandwidth, vmm_threads, vmm_stall or capture_probe)}
 src="$here/$name.cu"
 [[ -f $src ]] || { echo "cu_bench.sh: no $src" >&2; exit 2; }
 out=${OUT:-./$name}

@@ -1,25 +1,25 @@
-// Which virtual-memory and event calls may run while a CUDA graph is being
-// captured, and does the capture survive them? (docs/policy-experiments.md,
-// twenty-fourth study). One command on a machine with a GPU and nvcc:
-//
-//   bash tests/gpu/capture_probe.sh        # builds this file, writes capture-probe.txt
-//
-// For every call, in a fresh capture of a stream in each capture mode: the
-// call's result, the capture's end, instantiation and launch, and whether the
-// captured work wrote what it should. The call is made on the capturing
-// thread or on another thread, each with the thread's own mode left as it is
-// or exchanged to relaxed (as gpualloc's CUDA backend does for its calls
-// while a capture is open). The memory the call touches is never used by the
-// captured work, and the work last queued on it completed before the
-// capture began (the case of a default pool's free pages).
-#include <cuda.h>
-
-#include <cstdio>
+/*
+ * capture_probe.cu - which virtual-memory and event calls may run while a
+ * CUDA graph is being captured, and does the capture survive them?
+ * (docs/policy-experiments.md, twenty-fourth study)
+ *
+ *     bash benches/gpu/cu_bench.sh capture_probe   # writes ${OUT:-./capture_probe}/capture_probe.md
+ *
+ * For every call, in a fresh capture of a stream in each capture mode: the
+ * call's result, the capture's end, instantiation and launch, and whether
+ * the captured work wrote what it should. The call is made on the capturing
+ * thread or on another thread, each with the thread's own mode left as it
+ * is or exchanged to relaxed (as gpualloc's CUDA backend does for its calls
+ * while a capture is open). The memory the call touches is never used by
+ * the captured work, and the work last queued on it completed before the
+ * capture began (the case of a default pool's free pages).
+ */
 #include <cstring>
 #include <functional>
-#include <string>
 #include <thread>
 #include <vector>
+
+#include "check.h"
 
 static const char* name_of(CUresult r) {
   const char* s = nullptr;
@@ -27,43 +27,25 @@ static const char* name_of(CUresult r) {
   return s;
 }
 
-#define CHECK(call)                                                          \
-  do {                                                                       \
-    CUresult r_ = (call);                                                    \
-    if (r_ != CUDA_SUCCESS) {                                                \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call,      \
-                   name_of(r_));                                             \
-      std::exit(1);                                                          \
-    }                                                                        \
-  } while (0)
-
 struct Vmm {
-  CUdevice dev;
   size_t gran = 0;
-  CUmemAllocationProp prop{};
-  CUmemAccessDesc access{};
+  CUmemAllocationProp prop = device0_prop();
+  CUmemAccessDesc access = device0_access();
 
-  explicit Vmm(CUdevice d) : dev(d) {
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = d;
-    CHECK(cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-    access.location = prop.location;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  }
+  Vmm() { DRV(cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)); }
   CUdeviceptr reserve(size_t n) {
     CUdeviceptr p = 0;
-    CHECK(cuMemAddressReserve(&p, n, 0, 0, 0));
+    DRV(cuMemAddressReserve(&p, n, 0, 0, 0));
     return p;
   }
   CUmemGenericAllocationHandle create() {
     CUmemGenericAllocationHandle h = 0;
-    CHECK(cuMemCreate(&h, gran, &prop, 0));
+    DRV(cuMemCreate(&h, gran, &prop, 0));
     return h;
   }
   void map(CUdeviceptr p, CUmemGenericAllocationHandle h) {
-    CHECK(cuMemMap(p, gran, 0, h, 0));
-    CHECK(cuMemSetAccess(p, gran, &access, 1));
+    DRV(cuMemMap(p, gran, 0, h, 0));
+    DRV(cuMemSetAccess(p, gran, &access, 1));
   }
 };
 
@@ -94,16 +76,13 @@ static CUresult with_mode(bool relaxed, const std::function<CUresult()>& f) {
 }
 
 int main() {
-  CHECK(cuInit(0));
-  CUdevice dev;
-  CHECK(cuDeviceGet(&dev, 0));
+  device0();
   CUcontext ctx;
-  CHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
-  CHECK(cuCtxSetCurrent(ctx));
-  Vmm vmm(dev);
+  DRV(cuCtxGetCurrent(&ctx));
+  Vmm vmm;
   CUstream capture_stream, other_stream;
-  CHECK(cuStreamCreate(&capture_stream, CU_STREAM_NON_BLOCKING));
-  CHECK(cuStreamCreate(&other_stream, CU_STREAM_NON_BLOCKING));
+  DRV(cuStreamCreate(&capture_stream, CU_STREAM_NON_BLOCKING));
+  DRV(cuStreamCreate(&other_stream, CU_STREAM_NON_BLOCKING));
   // The graph's own memory, mapped before every capture.
   CUdeviceptr graph_mem = vmm.reserve(vmm.gran);
   vmm.map(graph_mem, vmm.create());
@@ -154,14 +133,14 @@ int main() {
           Scene s{&vmm, vmm.reserve(vmm.gran), vmm.create(), vmm.reserve(vmm.gran), nullptr};
           bool released = false;
           vmm.map(s.old_place, s.old_handle);
-          CHECK(cuMemsetD32Async(s.old_place, 1, vmm.gran / 4, other_stream));
-          CHECK(cuEventCreate(&s.done_before, CU_EVENT_DISABLE_TIMING));
-          CHECK(cuEventRecord(s.done_before, other_stream));
-          CHECK(cuStreamSynchronize(other_stream));
-          CHECK(cuMemsetD32Async(graph_mem, 0, vmm.gran / 4, capture_stream));
-          CHECK(cuStreamSynchronize(capture_stream));
+          DRV(cuMemsetD32Async(s.old_place, 1, vmm.gran / 4, other_stream));
+          DRV(cuEventCreate(&s.done_before, CU_EVENT_DISABLE_TIMING));
+          DRV(cuEventRecord(s.done_before, other_stream));
+          DRV(cuStreamSynchronize(other_stream));
+          DRV(cuMemsetD32Async(graph_mem, 0, vmm.gran / 4, capture_stream));
+          DRV(cuStreamSynchronize(capture_stream));
 
-          CHECK(cuStreamBeginCapture(capture_stream, modes[mi]));
+          DRV(cuStreamBeginCapture(capture_stream, modes[mi]));
           CUresult before = cuMemsetD32Async(graph_mem, 7, 1024, capture_stream);
           CUresult result = CUDA_SUCCESS;
           auto call = [&] { result = with_mode(relaxed, [&] { return probe.call(s); }); };
@@ -202,7 +181,7 @@ int main() {
                       name_of(end), name_of(inst), name_of(launch), writes_ok ? "yes" : "no");
           std::fflush(stdout);
           // Clean up whatever state the call left.
-          CHECK(cuCtxSynchronize());
+          DRV(cuCtxSynchronize());
           bool old_unmapped = probe.unmaps_old && result == CUDA_SUCCESS;
           if (!old_unmapped) cuMemUnmap(s.old_place, vmm.gran);
           if (probe.maps_new && result == CUDA_SUCCESS) cuMemUnmap(s.new_place, vmm.gran);
