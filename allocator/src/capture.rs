@@ -9,9 +9,13 @@
 //! stream decides the pool.
 //!
 //! While any scope is open the allocator is "capturing": it queries no event
-//! (illegal during capture), releases nothing to the backend, and asks the
-//! backend for new segments only with the `capturing` flag (relaxed capture
-//! mode on CUDA). Frees of blocks used on other streams are deferred until the
+//! (the driver refuses `cuEventQuery` and `cuEventSynchronize` during a
+//! global capture, and invalidates the capture, unless the calling thread
+//! is in relaxed mode), releases and unmaps nothing (the driver allows
+//! every virtual-memory call during a capture, `benches/gpu/capture_probe.cu`,
+//! but without an event no page is known idle), and asks the backend for
+//! new segments only with the `capturing` flag (relaxed capture mode on
+//! CUDA). Frees of blocks used on other streams are deferred until the
 //! capture ends.
 //!
 //! Note [Private pools]

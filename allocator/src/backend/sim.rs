@@ -20,7 +20,9 @@
 //! The simulator panics on any contract violation: releasing an unknown
 //! pointer or with the wrong size, using a destroyed event, unmapping what is
 //! not mapped or part of a mapping, releasing a mapped handle, or (while [`SimBackend::set_capturing`] is on) any call that a
-//! CUDA graph capture forbids.
+//! CUDA graph capture forbids or that the allocator holds back during one
+//! (unmapping and releasing handles, which the driver allows:
+//! `benches/gpu/capture_probe.cu`).
 
 use std::collections::BTreeMap;
 
