@@ -65,7 +65,7 @@ import threading
 from typing import Dict, List, Optional
 
 from . import _phases
-from ._lib import ERR_IO, ERR_UNAVAILABLE, GpuallocError, LibraryNotFound, _dev, lib, library_path, missing_trace_folder
+from ._lib import ERR_IO, ERR_UNAVAILABLE, GpuallocError, LibraryNotFound, _dev, lib, library_path, trace_path_problem
 
 __all__ = [
     "GpuallocError",
@@ -108,7 +108,8 @@ def install(
     ``config``: gpualloc's configuration (``GPUALLOC_CONF`` syntax; default:
     that variable). ``trace``: start recording a trace to this path
     (``{pid}``, ``{rank}``, ``{local_rank}`` and ``{restart}`` are filled in, as in
-    ``GPUALLOC_TRACE``). ``bridge``: compile the C++ bridge (see the module
+    ``GPUALLOC_TRACE``; a path that can never be written, in a folder that
+    does not exist or a folder itself, is an error here). ``bridge``: compile the C++ bridge (see the module
     docs); False forces the fallback. ``auto_marks``: mark every optimizer
     step and open the phases ``backward``, ``optimizer``, ``eval`` and
     ``checkpoint`` through torch's hooks (see ``_auto.py``); default:
@@ -257,13 +258,13 @@ def trace_start(path: str) -> None:
     filled in). Before the allocator's first use, recording is kept for
     its start, as ``install(trace=...)`` keeps it, so that no GPU is touched
     now (a spawned DataLoader worker that runs the script's first lines
-    again never starts CUDA); a folder that does not exist is still an
-    error at once."""
+    again never starts CUDA); a folder that does not exist, an existing
+    folder as the path or an empty path is still an error at once."""
     L = lib()
     if not L.is_initialized():
-        folder = missing_trace_folder(path)
-        if folder is not None:
-            raise GpuallocError(f"gpualloc.trace_start({path!r}): the folder {folder!r} does not exist", ERR_IO)
+        problem = trace_path_problem(path)
+        if problem is not None:
+            raise GpuallocError(f"gpualloc.trace_start({path!r}): {problem}", ERR_IO)
     L.configure(None, path)  # now if the allocator runs, else from its start
 
 

@@ -307,12 +307,12 @@ def main(argv=None) -> int:
         # Where run was started, not wherever each process is when it
         # starts recording (a program that changes folder, a child started
         # in another).
-        from gpualloc._lib import missing_trace_folder
+        from gpualloc._lib import trace_path_problem
 
         args.trace = os.path.abspath(args.trace)
-        folder = missing_trace_folder(args.trace)
-        if folder is not None:
-            p.error(f"--trace {args.trace}: the folder {folder} does not exist")
+        problem = trace_path_problem(args.trace)
+        if problem is not None:
+            p.error(f"--trace {args.trace}: {problem}")
     return _run(args)
 
 

@@ -331,6 +331,22 @@ def missing_trace_folder(path) -> Optional[str]:
     return None if "{" in folder or os.path.isdir(folder) else folder
 
 
+def trace_path_problem(path) -> Optional[str]:
+    """Why a trace could never be written at ``path`` (an empty path, one
+    whose folder does not exist, an existing folder), or None. Before the
+    allocator starts, a trace is kept for its start, where a failure is only
+    a line on stderr: callers that keep one check this first."""
+    text = os.fsdecode(path)
+    if not text.strip():
+        return "the path is empty"
+    folder = missing_trace_folder(path)
+    if folder is not None:
+        return f"the folder {folder!r} does not exist"
+    if "{" not in text and os.path.isdir(text):
+        return f"{text!r} is a folder: give the path of a file in it"
+    return None
+
+
 def library_path() -> str:
     """The path of libgpualloc.so this process uses (see the module docs)."""
     env = os.environ.get("GPUALLOC_LIBRARY")

@@ -19,7 +19,7 @@ import time
 import warnings
 from typing import Optional
 
-from ._lib import GpuallocError, lib
+from ._lib import ERR_IO, GpuallocError, lib, trace_path_problem
 
 MODE: Optional[str] = None  # "bridge" or "fallback" once installed
 # Set by `python -m gpualloc run` before it installs: the script's own
@@ -50,6 +50,12 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
     # processes]), on this thread, and finds the lock free; this call then
     # finds gpualloc installed.
     torch = _import_torch()
+    if trace and not lib().is_initialized() and not lib().is_tracing():
+        # Kept for the allocator's start, where a failure is only a line on
+        # stderr: a path that can never be written is refused now.
+        problem = trace_path_problem(trace)
+        if problem is not None:
+            raise GpuallocError(f"gpualloc.install(trace={trace!r}): {problem}", ERR_IO)
     with _LOCK:
         if MODE is not None:
             if config is not None:

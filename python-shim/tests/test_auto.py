@@ -540,6 +540,46 @@ class InstallTest(unittest.TestCase):
             self.assertIn("started True tracing True", out.stdout)
             self.assertIn(f"sizes [{1 << 20}]", out.stdout)
 
+    def test_a_trace_path_that_can_never_be_written_is_refused_at_once(self):
+        # Before the allocator starts, a trace is kept for its start, where a
+        # failure is only a line on stderr: a missing folder, a folder given
+        # as the path or an empty path is refused when asked for instead, by
+        # trace_start(), install(trace=...) and `run --trace` alike.
+        with tempfile.TemporaryDirectory() as d:
+            missing = os.path.join(d, "missing", "x.gtrace")
+            s = self.script(
+                d,
+                f"""
+                import sys, gpualloc, torch
+                from gpualloc._lib import lib
+                for path in ({missing!r}, {d!r}, ""):
+                    try:
+                        gpualloc.trace_start(path)
+                        print("trace_start accepted", repr(path))
+                    except gpualloc.GpuallocError as e:
+                        print("trace_start refused", repr(path), e)
+                    try:
+                        gpualloc.install(trace=path or {d!r} + "/", bridge=False)
+                        print("install accepted", repr(path))
+                    except gpualloc.GpuallocError as e:
+                        print("install refused", repr(path), e)
+                print("started", lib().is_initialized(), "tracing", gpualloc.is_tracing())
+                """,
+            )
+            out = run([s])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertNotIn("accepted", out.stdout)
+            self.assertIn(f"trace_start refused {missing!r} gpualloc.trace_start({missing!r}): the folder", out.stdout)
+            self.assertIn(f"trace_start refused {d!r} gpualloc.trace_start({d!r}): {d!r} is a folder", out.stdout)
+            self.assertIn("trace_start refused '' gpualloc.trace_start(''): the path is empty", out.stdout)
+            self.assertIn(f"install refused {missing!r} gpualloc.install(trace={missing!r}): the folder", out.stdout)
+            self.assertIn(f"install refused {d!r} gpualloc.install(trace={d!r}): {d!r} is a folder", out.stdout)
+            self.assertIn("started False tracing False", out.stdout)
+            # `run --trace FOLDER` with torch: an error, not a run whose trace is lost.
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "--trace", d, s])
+            self.assertEqual(out.returncode, 2, out.stderr)
+            self.assertIn(f"--trace {d}: {d!r} is a folder", out.stderr)
+
     def test_pytorchs_own_configuration_is_named_not_ignored_silently(self):
         with tempfile.TemporaryDirectory() as d:
             s = self.script(d, "import gpualloc, torch\ngpualloc.install(bridge=False)\nprint('went on')\n")
