@@ -718,8 +718,10 @@ int gpualloc_pool_live_allocations(int device,
 // Writes a JSON snapshot of `device` (every created device when negative)
 // into `buf` (NUL-terminated) and its length plus one into `*needed`. When
 // `cap` is too small (e.g. `buf == NULL, cap == 0` to ask) nothing is
-// written to `buf` and the result is `GPUALLOC_ERR_BUFFER_TOO_SMALL`. The
-// state may change between two calls: retry with a larger buffer.
+// written to `buf` and the result is `GPUALLOC_ERR_BUFFER_TOO_SMALL`; a
+// NULL `buf` with a non-zero `cap` is `GPUALLOC_ERR_INVALID_ARGUMENT`
+// (`*needed` is still set). The state may change between two calls: retry
+// with a larger buffer.
 //
 // # Safety
 // `buf` is NULL or points to `cap` writable bytes; `needed` is NULL or
@@ -733,8 +735,9 @@ int gpualloc_snapshot_json(int device, char *buf, size_t cap, size_t *needed);
 // as [`gpualloc_snapshot_json`]. `*n_segs` and `*n_blocks` are always set
 // to the counts; when `seg_cap` or `block_cap` is too small nothing is
 // written to the arrays and the result is `GPUALLOC_ERR_BUFFER_TOO_SMALL`
-// (`segs`/`blocks` may be NULL with cap 0 to ask). The state may change
-// between two calls: retry with larger arrays.
+// (`segs`/`blocks` may be NULL with cap 0 to ask; NULL with a non-zero
+// cap is `GPUALLOC_ERR_INVALID_ARGUMENT`). The state may change between
+// two calls: retry with larger arrays.
 //
 // # Safety
 // `segs` is NULL or points to `seg_cap` writable `GpuallocSegmentInfo`;

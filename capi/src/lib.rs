@@ -286,7 +286,7 @@ pub extern "C" fn gpualloc_free(
                 // Nothing was allocated: report a configuration that cannot
                 // start first, without starting the allocator.
                 global::idle_count()?;
-                return Err(not_ours(ptr));
+                return Err(not_ours("free", ptr));
             };
             Ok(g.alloc.free(i64::from(device), ptr as usize as u64)?)
         },
@@ -316,9 +316,9 @@ pub unsafe extern "C" fn gpualloc_free_sized(
             fork::free(ptr as usize as u64);
             (-1, 0)
         } else {
-            let g = existing().ok_or_else(|| not_ours(ptr))?;
+            let g = existing().ok_or_else(|| not_ours("free_sized", ptr))?;
             if ptr.is_null() {
-                return Err(not_ours(ptr));
+                return Err(not_ours("free_sized", ptr));
             }
             let (d, s) = g.alloc.free_sized(ptr as usize as u64)?;
             (d as c_int, s)
@@ -343,20 +343,20 @@ pub unsafe extern "C" fn gpualloc_free_sized(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_allocation_size(ptr: *mut c_void, size: *mut u64) -> c_int {
     status(|| {
-        let g = existing().ok_or_else(|| not_ours(ptr))?;
+        let g = existing().ok_or_else(|| not_ours("allocation_size", ptr))?;
         let s = g
             .alloc
             .allocation_size(ptr as usize as u64)
-            .ok_or_else(|| not_ours(ptr))?;
+            .ok_or_else(|| not_ours("allocation_size", ptr))?;
         boundary::write_out(size, s, "size")
     })
 }
 
-/// The error for a pointer gpualloc never allocated.
-fn not_ours(ptr: *mut c_void) -> Error {
+/// The error of call `what` for a pointer gpualloc never allocated.
+fn not_ours(what: &str, ptr: *mut c_void) -> Error {
     Error::new(
         GPUALLOC_ERR_INVALID_POINTER,
-        format!("gpualloc: free: pointer {ptr:p} was not allocated by gpualloc"),
+        format!("gpualloc: {what}: pointer {ptr:p} was not allocated by gpualloc"),
     )
 }
 

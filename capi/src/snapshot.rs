@@ -98,8 +98,10 @@ fn snapshot_json(device: c_int) -> Result<String, Error> {
 /// Writes a JSON snapshot of `device` (every created device when negative)
 /// into `buf` (NUL-terminated) and its length plus one into `*needed`. When
 /// `cap` is too small (e.g. `buf == NULL, cap == 0` to ask) nothing is
-/// written to `buf` and the result is `GPUALLOC_ERR_BUFFER_TOO_SMALL`. The
-/// state may change between two calls: retry with a larger buffer.
+/// written to `buf` and the result is `GPUALLOC_ERR_BUFFER_TOO_SMALL`; a
+/// NULL `buf` with a non-zero `cap` is `GPUALLOC_ERR_INVALID_ARGUMENT`
+/// (`*needed` is still set). The state may change between two calls: retry
+/// with a larger buffer.
 ///
 /// # Safety
 /// `buf` is NULL or points to `cap` writable bytes; `needed` is NULL or
@@ -117,6 +119,11 @@ pub unsafe extern "C" fn gpualloc_snapshot_json(
         if !needed.is_null() {
             // SAFETY: non-NULL; the caller promises a writable size_t.
             unsafe { needed.write(n) };
+        }
+        if buf.is_null() && cap > 0 {
+            return Err(Error::invalid(format!(
+                "gpualloc: the snapshot buffer is NULL with room for {cap} bytes (NULL goes with a cap of 0, to ask for the size)"
+            )));
         }
         if buf.is_null() || cap < n {
             return Err(Error::new(
@@ -216,8 +223,9 @@ fn c_state(state: BlockState) -> u8 {
 /// as [`gpualloc_snapshot_json`]. `*n_segs` and `*n_blocks` are always set
 /// to the counts; when `seg_cap` or `block_cap` is too small nothing is
 /// written to the arrays and the result is `GPUALLOC_ERR_BUFFER_TOO_SMALL`
-/// (`segs`/`blocks` may be NULL with cap 0 to ask). The state may change
-/// between two calls: retry with larger arrays.
+/// (`segs`/`blocks` may be NULL with cap 0 to ask; NULL with a non-zero
+/// cap is `GPUALLOC_ERR_INVALID_ARGUMENT`). The state may change between
+/// two calls: retry with larger arrays.
 ///
 /// # Safety
 /// `segs` is NULL or points to `seg_cap` writable `GpuallocSegmentInfo`;
@@ -251,6 +259,16 @@ pub unsafe extern "C" fn gpualloc_snapshot_segments(
             }
             if !n_blocks.is_null() {
                 n_blocks.write(nb);
+            }
+        }
+        for (null, cap, what) in [
+            (segs.is_null(), seg_cap, "segments"),
+            (blocks.is_null(), block_cap, "blocks"),
+        ] {
+            if null && cap > 0 {
+                return Err(Error::invalid(format!(
+                    "gpualloc: the array for the {what} is NULL with room for {cap} (NULL goes with a cap of 0, to ask for the counts)"
+                )));
             }
         }
         let fits = |p: bool, cap: usize, n: usize| n == 0 || (!p && cap >= n);

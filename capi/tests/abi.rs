@@ -943,3 +943,48 @@ int main(int argc, char **argv) {
     );
     assert_eq!(String::from_utf8_lossy(&run.stdout), "done\n");
 }
+
+/// An error names the call and what was wrong: `gpualloc_allocation_size`
+/// of an unknown pointer is not reported as a free, and a NULL array with
+/// room claimed for entries is named as such, not as an array too small
+/// ("needs 16 bytes, 100 given").
+#[test]
+fn errors_name_the_call_and_the_null_array() {
+    let (_out, exe) = build_inline(
+        "error_names",
+        r#"#include "gpualloc.h"
+#include <stdio.h>
+#include <string.h>
+#define CHECK(c) do { if (!(c)) { fprintf(stderr, "line %d: %s (last error: %s)\n", __LINE__, #c, gpualloc_last_error() ? gpualloc_last_error() : "none"); return 1; } } while (0)
+#define SAYS(s) (gpualloc_last_error() != NULL && strstr(gpualloc_last_error(), s) != NULL)
+int main(void) {
+  uint64_t size = 0;
+  void *p = gpualloc_malloc(1000, 0, 0);
+  CHECK(p != NULL);
+  CHECK(gpualloc_allocation_size((char *)p + 8, &size) == GPUALLOC_ERR_INVALID_POINTER);
+  CHECK(SAYS("allocation_size") && !SAYS("free"));
+  size_t needed = 0;
+  CHECK(gpualloc_snapshot_json(0, NULL, 100000, &needed) == GPUALLOC_ERR_INVALID_ARGUMENT);
+  CHECK(SAYS("NULL") && SAYS("100000"));
+  CHECK(needed > 0);
+  CHECK(gpualloc_snapshot_json(0, NULL, 0, &needed) == GPUALLOC_ERR_BUFFER_TOO_SMALL);
+  size_t ns = 0, nb = 0;
+  GpuallocBlockInfo blocks[16];
+  CHECK(gpualloc_snapshot_segments(0, 0, 0, 0, NULL, 16, &ns, blocks, 16, &nb) == GPUALLOC_ERR_INVALID_ARGUMENT);
+  CHECK(SAYS("segments") && SAYS("NULL"));
+  CHECK(ns == 1 && nb >= 1);
+  GpuallocSegmentInfo segs[16];
+  CHECK(gpualloc_snapshot_segments(0, 0, 0, 0, segs, 16, &ns, NULL, 16, &nb) == GPUALLOC_ERR_INVALID_ARGUMENT);
+  CHECK(SAYS("blocks") && SAYS("NULL"));
+  CHECK(gpualloc_snapshot_segments(0, 0, 0, 0, segs, 16, &ns, blocks, 16, &nb) == GPUALLOC_OK);
+  gpualloc_free(p, 0, 0, 0);
+  printf("done\n");
+  return 0;
+}
+"#,
+    );
+    let out = run_sim(&exe, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}: {err}", out.status);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "done\n");
+}
