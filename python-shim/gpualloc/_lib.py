@@ -351,6 +351,11 @@ def library_path() -> str:
     """The path of libgpualloc.so this process uses (see the module docs)."""
     env = os.environ.get("GPUALLOC_LIBRARY")
     if env:
+        if os.path.isdir(env):
+            raise LibraryNotFound(
+                f"GPUALLOC_LIBRARY={env!r} is a folder: give the path of the library file "
+                "(GPUALLOC_LIBRARY=target/release/libgpualloc.so)"
+            )
         if not os.path.isfile(env):
             raise LibraryNotFound(f"GPUALLOC_LIBRARY={env!r}: no such file (build it with `cargo build --release -p gpualloc-capi`)")
         return os.path.realpath(env)

@@ -224,6 +224,15 @@ class ProcessTest(unittest.TestCase):
         self.assertIn("LibraryNotFound", out.stderr)
         self.assertIn("/nonexistent/libgpualloc.so", out.stderr)
 
+    def test_a_folder_as_the_library_is_named_a_folder(self):
+        # "no such file" for a folder that exists sends the user looking for
+        # a path that is there; the folder itself is what is wrong.
+        with tempfile.TemporaryDirectory() as d:
+            out = run(["-c", "import gpualloc; gpualloc.stats()"], {"GPUALLOC_LIBRARY": d})
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn(f"GPUALLOC_LIBRARY={d!r} is a folder", out.stderr)
+        self.assertNotIn("no such file", out.stderr)
+
     def test_run_without_a_library_says_so_only(self):
         # Without torch, run must not claim the allocator is loaded when the
         # library could not be.
