@@ -642,7 +642,9 @@ int gpualloc_set_segment_observer(GpuallocSegmentObserver observer, void *ctx);
 // The calling thread's last out-of-memory report: filled by a
 // `gpualloc_malloc` that returned NULL for lack of memory, kept until the
 // next one. Returns `GPUALLOC_ERR_NOT_FOUND` when this thread never had one.
-// `gpualloc_last_error()` holds the same diagnosis as a sentence.
+// `gpualloc_last_error()` holds the same diagnosis as a sentence; this
+// call keeps it there, and clears any other last error (one of its own
+// failures, say), as every fallible call does.
 //
 // # Safety
 // `out` is NULL or points to a `GpuallocOomInfo` whose `size` is set.

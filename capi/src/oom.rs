@@ -5,7 +5,10 @@ use std::ffi::c_int;
 
 use gpualloc::AllocError;
 
-use crate::boundary::{Error, GPUALLOC_ERR_NOT_FOUND, clear_last_error, ffi_boundary, last_oom};
+use crate::boundary::{
+    Error, GPUALLOC_ERR_NOT_FOUND, GPUALLOC_ERR_OUT_OF_MEMORY, clear_last_error, ffi_boundary,
+    last_error_code, last_oom,
+};
 
 /// Version of [`GpuallocOomInfo`] this library writes.
 pub const GPUALLOC_OOM_INFO_VERSION: u32 = 1;
@@ -124,13 +127,18 @@ pub(crate) fn write_versioned<T: Copy>(out: *mut T, value: &T) -> Result<(), Err
 /// The calling thread's last out-of-memory report: filled by a
 /// `gpualloc_malloc` that returned NULL for lack of memory, kept until the
 /// next one. Returns `GPUALLOC_ERR_NOT_FOUND` when this thread never had one.
-/// `gpualloc_last_error()` holds the same diagnosis as a sentence.
+/// `gpualloc_last_error()` holds the same diagnosis as a sentence; this
+/// call keeps it there, and clears any other last error (one of its own
+/// failures, say), as every fallible call does.
 ///
 /// # Safety
 /// `out` is NULL or points to a `GpuallocOomInfo` whose `size` is set.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_last_oom(out: *mut GpuallocOomInfo) -> c_int {
     // Not `status()`: that would clear the last error this report goes with.
+    if last_error_code() != GPUALLOC_ERR_OUT_OF_MEMORY {
+        clear_last_error();
+    }
     ffi_boundary(
         |code| code,
         || {

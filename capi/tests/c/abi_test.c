@@ -343,6 +343,14 @@ static void test_limits_and_oom(void) {
   memset(&info, 0, sizeof info);
   info.size = (uint32_t)sizeof info;
   CHECK(gpualloc_last_oom(&info) == GPUALLOC_OK && info.kind == GPUALLOC_OOM_NEVER);
+  CHECK(contains(gpualloc_last_error(), "out of memory")); /* the report keeps its sentence */
+  /* its own failure replaces the sentence; its next success clears that */
+  info.size = 4;
+  CHECK(gpualloc_last_oom(&info) == GPUALLOC_ERR_INVALID_ARGUMENT);
+  CHECK(contains(gpualloc_last_error(), "size"));
+  info.size = (uint32_t)sizeof info;
+  CHECK(gpualloc_last_oom(&info) == GPUALLOC_OK && info.kind == GPUALLOC_OOM_NEVER);
+  CHECK(gpualloc_last_error() == NULL);
   gpualloc_free(a, 40 * MiB, 0, stream(0));
   gpualloc_free(b, 40 * MiB, 0, stream(0));
   gpualloc_empty_cache();
