@@ -479,7 +479,13 @@ fn parse_f64(key: &str, v: &str) -> Result<f64, ConfigError> {
         && v.bytes().filter(|&b| b == b'.').count() <= 1;
     match v.parse::<f64>() {
         Ok(x) if plain => Ok(x),
-        _ => Err(err(key, format!("`{}` is not a number", show(v)))),
+        _ => Err(err(
+            key,
+            format!(
+                "`{}` is not a plain decimal number (digits with at most one point, such as 0.005: no sign or exponent)",
+                show(v)
+            ),
+        )),
     }
 }
 
@@ -665,6 +671,11 @@ mod tests {
             ("stitch_budget:-0.1", "stitch_budget"),
         ] {
             assert_eq!(Config::parse(s).unwrap_err().key, key, "{s}");
+        }
+        // A number the rule refuses says what the rule is.
+        for v in ["-0", "1e-3", "+0.5", ".", "0.1.2"] {
+            let e = Config::parse(&format!("defragment_headroom:{v}")).unwrap_err();
+            assert!(e.to_string().contains("plain decimal"), "{v}: {e}");
         }
     }
 
