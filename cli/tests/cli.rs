@@ -393,6 +393,37 @@ pickle.dump({"segments": [], "device_traces": [t]}, open(sys.argv[1], "wb"))
     }
 }
 
+/// A snapshot whose `device_traces` (or `segments`) is not a list of lists
+/// is refused with the field's name, not imported as an empty trace.
+#[test]
+fn a_snapshot_of_the_wrong_shape_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = r#"
+import pickle, sys
+e = {"action": "alloc", "addr": 4096, "size": 512, "stream": 0, "time_us": 1}
+shapes = {
+  "dict": {"device_traces": {0: [e]}},
+  "flat": {"device_traces": [e]},
+  "str": {"device_traces": "abc"},
+  "segments": {"device_traces": [[e]], "segments": 5},
+}
+pickle.dump(shapes[sys.argv[2]], open(sys.argv[1], "wb"))
+"#;
+    for (shape, want) in [
+        ("dict", "`device_traces` is a Python dict, not a list"),
+        ("flat", "`device_traces[0]` is a Python dict, not a list"),
+        ("str", "`device_traces` is a Python str, not a list"),
+        ("segments", "`segments` is a Python int, not a list"),
+    ] {
+        let pickle = dir.path().join(format!("{shape}.pickle"));
+        python(script, &[s(&pickle), shape]);
+        let g = dir.path().join(format!("{shape}.gtrace"));
+        let err = fails(&["import", s(&pickle), "-o", s(&g)]);
+        assert!(err.contains(want), "{want:?} not in {err}");
+        assert!(!g.exists(), "{shape}: no trace is written");
+    }
+}
+
 #[test]
 fn imports_a_pytorch_snapshot() {
     let dir = tempfile::tempdir().unwrap();

@@ -43,9 +43,38 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             path.display()
         ))
     })?;
+    // A list of lists: anything else would read as no entries at all, and
+    // the trace would lose them in silence.
+    let not_list = |what: String, v: &unpickle::Value| {
+        CliError(format!(
+            "{}: {what} is a Python {}, not a list{}",
+            path.display(),
+            v.type_name(),
+            if what == "`device_traces`" {
+                " (one list of entries per device)"
+            } else {
+                ""
+            }
+        ))
+    };
+    if !matches!(traces, unpickle::Value::List(_)) {
+        return Err(not_list("`device_traces`".into(), &traces));
+    }
+    if let Some((d, v)) = traces
+        .items()
+        .iter()
+        .enumerate()
+        .find(|(_, v)| !matches!(v, unpickle::Value::List(_)))
+    {
+        return Err(not_list(format!("`device_traces[{d}]`"), v));
+    }
     // The final state, from which each device's start is rebuilt; a device
     // with segments and no trace gets an empty one.
-    let finals = root.get("segments").map(|s| s.items());
+    let finals = match root.get("segments") {
+        Some(s @ unpickle::Value::List(_)) => Some(s.items()),
+        Some(s) => return Err(not_list("`segments`".into(), &s)),
+        None => None,
+    };
     let mut rebuilt = Rebuilt::default();
     let mut devices = traces.items();
     for seg in finals.iter().flatten() {

@@ -70,6 +70,20 @@ impl Value {
         }
     }
 
+    /// Python's name for the value's type, for messages.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Value::None => "None",
+            Value::Bool(_) => "bool",
+            Value::Int(_) => "int",
+            Value::Float(_) => "float",
+            Value::Str(_) => "str",
+            Value::Bytes => "bytes",
+            Value::List(_) => "list",
+            Value::Dict(_) => "dict",
+        }
+    }
+
     fn list(v: Vec<Value>) -> Value {
         Value::List(Rc::new(RefCell::new(v)))
     }
