@@ -147,20 +147,26 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
     Ok(n)
 }
 
+/// Microseconds since midnight of `HH:MM:SS[.ffffff]`; `None` (reported by
+/// the caller as a bad time with the line number) for anything else: a
+/// sign, a field out of range (`25:99:99`), a fourth field.
 fn parse_time(s: &str) -> Option<u64> {
+    let digits_only = |x: &str| !x.is_empty() && x.bytes().all(|b| b.is_ascii_digit());
     let (hms, frac) = s.split_once('.').unwrap_or((s, "0"));
-    let mut it = hms.split(':').map(|x| x.parse::<u64>().ok());
-    let (h, m, sec) = (it.next()??, it.next()??, it.next()??);
+    let mut it = hms.split(':');
+    let mut field = |limit: u64| {
+        it.next()
+            .filter(|x| digits_only(x) && x.len() <= 2)
+            .and_then(|x| x.parse::<u64>().ok())
+            .filter(|&v| v < limit)
+    };
+    let (h, m, sec) = (field(24)?, field(60)?, field(60)?);
+    if it.next().is_some() || !digits_only(frac) {
+        return None;
+    }
     let digits = frac.len().min(6);
     let f: u64 = frac.get(..digits)?.parse().ok()?;
-    // Checked: a damaged log's hours must not wrap (the caller reports
-    // `None` as a bad time with the line number).
-    h.checked_mul(60)?
-        .checked_add(m)?
-        .checked_mul(60)?
-        .checked_add(sec)?
-        .checked_mul(1_000_000)?
-        .checked_add(f * 10u64.pow(6 - digits as u32))
+    Some(((h * 60 + m) * 60 + sec) * 1_000_000 + f * 10u64.pow(6 - digits as u32))
 }
 
 fn parse_hex(s: &str) -> Option<u64> {
@@ -181,6 +187,20 @@ mod tests {
         assert_eq!(parse_time("1:2"), None);
         assert_eq!(parse_time("99999999999999999:00:00.0"), None, "no wrap");
         assert_eq!(parse_time("0:0:18446744073709.551616"), None);
+        assert_eq!(parse_time("23:59:59.999999"), Some(86_399_999_999));
+        assert_eq!(parse_time("10:00:00.1234567"), Some(36_000_123_456));
+        for bad in [
+            "25:00:00.000001",
+            "10:99:00.000001",
+            "10:00:99.000001",
+            "+10:00:00.000001",
+            "10:00:00.+5",
+            "10:00:00.",
+            "10:00:00:00.000001",
+            "10::00.000001",
+        ] {
+            assert_eq!(parse_time(bad), None, "{bad}");
+        }
         assert_eq!(parse_hex("(nil)"), Some(0));
         assert_eq!(parse_hex("0x7f00"), Some(0x7f00));
         assert_eq!(parse_hex("zz"), None);
