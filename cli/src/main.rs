@@ -465,9 +465,17 @@ fn sniff(path: &Path) -> Result<From, CliError> {
         )));
     }
     let n = f.read(&mut head).map_err(open_err)?;
+    // A CSV log is text (after a UTF-8 byte order mark, if any); pickles of
+    // protocols 0 and 1 start with a mark or an empty dict or list, and
+    // protocol 1 has binary bytes after it.
+    let text = |h: &[u8]| {
+        let h = h.strip_prefix(b"\xef\xbb\xbf").unwrap_or(h);
+        h.iter()
+            .all(|&b| b.is_ascii_graphic() || matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
+    };
     match &head[..n] {
-        [0x80, ..] => Ok(From::Torch),
-        h if h.iter().all(|b| b.is_ascii()) && n > 0 => Ok(From::Rmm),
+        [0x80, ..] | [b'(' | b'}' | b']', ..] => Ok(From::Torch),
+        h if n > 0 && text(h) => Ok(From::Rmm),
         _ => Err(CliError(format!(
             "{}: neither a pickle (first byte 0x80) nor a CSV log; name the format with --from",
             path.display()

@@ -424,6 +424,33 @@ pickle.dump(shapes[sys.argv[2]], open(sys.argv[1], "wb"))
     }
 }
 
+/// `import` without `--from` tells a protocol 1 pickle (its first bytes
+/// are ASCII: `}q\0(`) from a CSV log, and reads a CSV log that starts with
+/// a UTF-8 byte order mark.
+#[test]
+fn import_detects_protocol_1_pickles_and_csv_with_a_byte_order_mark() {
+    let dir = tempfile::tempdir().unwrap();
+    let pickle = dir.path().join("p1.pickle");
+    let script = r#"
+import pickle, sys
+e = {"action": "alloc", "addr": 4096, "size": 512, "stream": 0, "time_us": 1}
+pickle.dump({"segments": [], "device_traces": [[e]]}, open(sys.argv[1], "wb"), protocol=1)
+"#;
+    python(script, &[s(&pickle)]);
+    let g = dir.path().join("p1.gtrace");
+    ok(&["import", s(&pickle), "-o", s(&g)]);
+    assert!(ok(&["summary", s(&g)]).contains("1 allocations"));
+    let csv = dir.path().join("bom.csv");
+    std::fs::write(
+        &csv,
+        "\u{feff}Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000001,allocate,0x1000,100,0x0\n",
+    )
+    .unwrap();
+    let g = dir.path().join("bom.gtrace");
+    ok(&["import", s(&csv), "-o", s(&g)]);
+    assert!(ok(&["summary", s(&g)]).contains("1 allocations"));
+}
+
 #[test]
 fn imports_a_pytorch_snapshot() {
     let dir = tempfile::tempdir().unwrap();

@@ -30,6 +30,8 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             ))
         })?
         .map_err(|e| CliError(format!("{}: {e}", path.display())))?;
+    // Tools that write UTF-8 with a byte order mark put it before `Thread`.
+    let head = head.strip_prefix('\u{feff}').unwrap_or(&head);
     let cols: Vec<&str> = head.split(',').map(str::trim).collect();
     let col = |name: &str| cols.iter().position(|c| c.eq_ignore_ascii_case(name));
     let need = |name: &str| {
