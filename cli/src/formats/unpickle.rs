@@ -308,6 +308,35 @@ pub fn loads(b: &[u8]) -> Result<Value, String> {
                     }
                 }
             }
+            // Protocol 0: PUT and GET with a decimal index, UNICODE in
+            // raw-unicode-escape; each ends at a newline.
+            b'p' | b'g' | b'V' => {
+                let end = b[pos..]
+                    .iter()
+                    .position(|&c| c == b'\n')
+                    .ok_or_else(|| format!("byte {at}: unterminated line"))?;
+                let text = &b[pos..pos + end];
+                pos += end + 1;
+                if op == b'V' {
+                    Value::Str(
+                        raw_unicode_escape(text)
+                            .ok_or_else(|| format!("byte {at}: bad escaped string"))?
+                            .into(),
+                    )
+                } else {
+                    let idx = std::str::from_utf8(text)
+                        .ok()
+                        .and_then(|t| t.parse::<usize>().ok())
+                        .ok_or_else(|| format!("byte {at}: bad memo index"))?;
+                    if op == b'p' {
+                        put(&mut memo, &stack, idx)?;
+                        continue;
+                    }
+                    memo.get(&idx)
+                        .cloned()
+                        .ok_or_else(|| format!("byte {at}: memo entry {idx} is empty"))?
+                }
+            }
             0x94 => {
                 let n = memo.len();
                 put(&mut memo, &stack, n)?;
@@ -355,6 +384,28 @@ pub fn loads(b: &[u8]) -> Result<Value, String> {
     }
 }
 
+/// Python's `raw-unicode-escape`: bytes are Latin-1 characters, except
+/// `\uXXXX` and `\UXXXXXXXX`.
+fn raw_unicode_escape(b: &[u8]) -> Option<String> {
+    let mut out = String::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let n = match (b[i], b.get(i + 1)) {
+            (b'\\', Some(b'u')) => 4,
+            (b'\\', Some(b'U')) => 8,
+            (c, _) => {
+                out.push(char::from(c));
+                i += 1;
+                continue;
+            }
+        };
+        let hex = std::str::from_utf8(b.get(i + 2..i + 2 + n)?).ok()?;
+        out.push(char::from_u32(u32::from_str_radix(hex, 16).ok()?)?);
+        i += 2 + n;
+    }
+    Some(out)
+}
+
 fn pairs(items: Vec<Value>) -> Vec<(Value, Value)> {
     let mut it = items.into_iter();
     let mut out = Vec::new();
@@ -392,6 +443,25 @@ mod tests {
         let v = loads(&b).unwrap();
         assert_eq!(v.items().len(), 1);
         drop(v);
+    }
+
+    /// Protocol 0, as Python 3 writes it: `pickle.dumps({"k": [1, "é\\"],
+    /// "n": None, "t": True, "f": 1.5, "u": "\u20ac"}, 0)`, with the list
+    /// shared through the memo (GET).
+    #[test]
+    fn reads_protocol_0() {
+        let v = loads(
+            b"(dp0\nVk\np1\n(lp2\nI1\naV\xe9\\u005c\np3\nasVn\np4\nNsVt\np5\nI01\nsVf\np6\nF1.5\nsVu\np7\nV\\u20ac\np8\nsVk2\np9\ng2\ns.",
+        )
+        .unwrap();
+        let k = v.get("k").unwrap().items();
+        assert_eq!(k[0].as_int(), Some(1));
+        assert_eq!(k[1].as_str(), Some("\u{e9}\\"));
+        assert_eq!(v.get("u").unwrap().as_str(), Some("\u{20ac}"));
+        assert_eq!(v.get("t").unwrap().as_int(), Some(1));
+        assert_eq!(v.get("k2").unwrap().items().len(), 2);
+        assert!(loads(b"(dp0\nVk\np1\ng9\ns.").is_err(), "GET of nothing");
+        assert!(loads(b"(dp0\nV\\u12\np1\nI1\ns.").is_err(), "short escape");
     }
 
     #[test]
