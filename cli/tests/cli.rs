@@ -376,6 +376,7 @@ t = [
   {"action": "alloc", "addr": A, "size": 4096, "stream": 0, "time_us": 1001},
   {"action": "teleport", "addr": A, "size": 4096, "stream": 0, "time_us": 1002},
   {"action": "alloc", "addr": A + 4096, "size": -5, "stream": 0, "time_us": "late"},
+  {"action": "alloc", "addr": A + 8192, "size": "12", "stream": 0, "time_us": 1003},
 ]
 pickle.dump({"segments": [], "device_traces": [t]}, open(sys.argv[1], "wb"))
 "#;
@@ -387,6 +388,7 @@ pickle.dump({"segments": [], "device_traces": [t]}, open(sys.argv[1], "wb"))
     for want in [
         "skipped: `teleport` x1",
         "1 entries with a negative `size` were taken as 0 bytes",
+        "1 entries whose `size` is not an integer were taken as 0 bytes",
         "1 entries without a numeric `time_us` were timed by their position",
     ] {
         assert!(err.contains(want), "{want:?} not in {err}");

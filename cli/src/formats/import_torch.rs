@@ -154,7 +154,7 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
     let mut strings: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
     // What could not be carried over as it was, said at the end.
     let mut unknown: std::collections::BTreeMap<String, u64> = Default::default();
-    let (mut negative, mut untimed) = (0u64, 0u64);
+    let (mut negative, mut untimed, mut not_int) = (0u64, 0u64, 0u64);
     let mut annotations_left_out = torch_annotations::outside(&root, devices.len());
     let mut names_left_out = 0u64;
     for (d, list) in devices.iter().enumerate() {
@@ -198,6 +198,9 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             let raw = |k: &str| entry.get(k).and_then(|v| v.as_int());
             if raw("size").is_some_and(|v| v < 0) {
                 negative += 1;
+            }
+            if entry.get("size").is_some() && raw("size").is_none() {
+                not_int += 1;
             }
             if raw("time_us").is_none() {
                 untimed += 1;
@@ -310,6 +313,14 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         crate::input::warn_once(
             "import negative sizes",
             &format!("{name}: {negative} entries with a negative `size` were taken as 0 bytes"),
+        );
+    }
+    if not_int > 0 {
+        crate::input::warn_once(
+            "import non-integer sizes",
+            &format!(
+                "{name}: {not_int} entries whose `size` is not an integer were taken as 0 bytes"
+            ),
         );
     }
     if untimed > 0 {
