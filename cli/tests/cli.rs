@@ -128,6 +128,18 @@ fn bad_inputs_fail_with_a_message() {
     assert!(err.contains("bogus"), "{err}");
 }
 
+/// A trace without events has no size per event: the header's bytes are
+/// not divided by one event that does not exist.
+#[test]
+fn summary_of_an_empty_trace_gives_no_bytes_per_event() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path(), 0);
+    let out = ok(&["summary", s(&t)]);
+    let first = out.lines().next().unwrap();
+    assert!(first.starts_with("trace      0 events over "), "{first}");
+    assert!(!first.contains("bytes/event"), "{first}");
+}
+
 #[test]
 fn report_is_one_self_contained_page() {
     let dir = tempfile::tempdir().unwrap();

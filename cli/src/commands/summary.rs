@@ -40,13 +40,17 @@ pub const NO_EVENTS: &str =
 pub fn render(a: &Analysis) -> String {
     let mut s = String::new();
     let h = &a.info.header;
+    // Without events there is no size per event (the header is not one).
+    let per_event = match a.info.events {
+        0 => String::new(),
+        n => format!(", {:.1} bytes/event", a.info.file_bytes as f64 / n as f64),
+    };
     let _ = writeln!(
         s,
-        "trace      {} events over {} ({}, {:.1} bytes/event)",
+        "trace      {} events over {} ({}{per_event})",
         a.info.events,
         duration(a.duration_ns),
         bytes(a.info.file_bytes),
-        a.info.file_bytes as f64 / a.info.events.max(1) as f64
     );
     let _ = writeln!(
         s,
