@@ -354,6 +354,15 @@ fn run_sim(exe: &Path, vars: &[(&str, &std::ffi::OsStr)]) -> std::process::Outpu
     run_sim_with(exe, &[], vars)
 }
 
+/// Checks that a program that ends by printing `done` exited 0 having
+/// printed only that; returns its stderr.
+fn ran_to_done(out: &std::process::Output) -> String {
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{}: {err}", out.status);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "done\n");
+    err
+}
+
 /// [`run_sim`] with arguments for the program.
 fn run_sim_with(
     exe: &Path,
@@ -895,10 +904,7 @@ int main(void) {
 }
 "#,
     );
-    let out = run_sim(&exe, &[]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{}: {err}", out.status);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "done\n");
+    let err = ran_to_done(&run_sim(&exe, &[]));
     assert!(err.is_empty(), "nothing is printed: {err}");
 }
 
@@ -983,8 +989,5 @@ int main(void) {
 }
 "#,
     );
-    let out = run_sim(&exe, &[]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{}: {err}", out.status);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "done\n");
+    ran_to_done(&run_sim(&exe, &[]));
 }
