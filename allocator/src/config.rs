@@ -22,7 +22,7 @@
 //! | `roundup_power2_divisions` | d, or `[256:1,512:2,>:8]` | 0 | round sizes to one of d steps per power-of-two interval (sizes in MB, increasing, each once, `>` last; d a power of two up to 1024, or 0) |
 //! | `large_segment_size_mb` | even integer, 2–1024 | 20 | segment size for requests of 1–10 MiB |
 //! | `per_process_memory_fraction` | 0 < x ≤ 1 | 1 | cap reserved memory at x × device memory |
-//! | `memory_limit` | bytes, with K/M/G/T(iB) suffix, 1 B–1 PiB | none | cap reserved memory at this many bytes (omit the key for no limit; 0 is refused, as ambiguous) |
+//! | `memory_limit` | bytes, with K/M/G/T/P(iB) suffix, 1 B–1 PiB | none | cap reserved memory at this many bytes (omit the key for no limit; 0 is refused, as ambiguous) |
 //! | `cross_stream_reuse` | `true`/`false` | true | let a stream take another stream's cached block (ordered by an event) instead of growing |
 //! | `expandable_segments` | `true`/`false` | true | map pages into growing address ranges per (pool, stream) instead of separate segments |
 //! | `expandable_page_mb` | even integer, 2–1024 | 2 | mapping granularity of large-pool expandable segments (PyTorch uses the 20 MiB segment size) |
@@ -497,7 +497,7 @@ fn parse_bool(key: &str, v: &str) -> Result<bool, ConfigError> {
     }
 }
 
-/// Parses a byte count such as `40000000`, `24GiB`, `512M` or `1.5G`: a
+/// Parses a byte count such as `40000000`, `24GiB`, `512M`, `1.5G` or `1PiB`: a
 /// whole number of bytes up to [`MAX_BYTES`]. A fraction of a byte, a sign
 /// or a larger count is an error naming `key`.
 pub fn parse_bytes(key: &str, v: &str) -> Result<u64, ConfigError> {
@@ -510,6 +510,8 @@ pub fn parse_bytes(key: &str, v: &str) -> Result<u64, ConfigError> {
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
         "t" | "tb" | "tib" => 1 << 40,
+        // The largest count, named as its messages name it.
+        "p" | "pb" | "pib" => 1 << 50,
         other => {
             return Err(err(
                 key,
@@ -760,7 +762,9 @@ mod tests {
             Config::parse("memory_limit:1.5G").unwrap().memory_limit,
             Some(3 << 29)
         );
-        assert_eq!(parse_bytes("k", "1PiB").unwrap_err().key, "k");
+        assert_eq!(parse_bytes("k", "1PiB").unwrap(), MAX_BYTES);
+        assert_eq!(parse_bytes("k", "2PiB").unwrap_err().key, "k");
+        assert_eq!(parse_bytes("k", "1EiB").unwrap_err().key, "k");
         assert_eq!(parse_bytes("k", "1TiB").unwrap(), 1 << 40);
     }
 

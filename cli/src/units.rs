@@ -49,5 +49,8 @@ mod tests {
         assert_eq!(duration(1_500_000_000), "1.500 s");
         assert_eq!(parse_bytes("24GiB").unwrap(), 24 << 30);
         assert!(parse_bytes("lots").is_err());
+        // The largest count, as the messages name it, and nothing above.
+        assert_eq!(parse_bytes("1PiB").unwrap(), 1 << 50);
+        assert!(parse_bytes("1.5PiB").is_err());
     }
 }
