@@ -356,6 +356,18 @@ fn csv_and_chrome_exports_round_trip() {
         diff.contains("peak allocated") && diff.contains("gen-20000.gtrace"),
         "{diff}"
     );
+    // The log's clock survives the round trip: exported again, every row
+    // has the time it had.
+    let again = dir.path().join("again.csv");
+    ok(&["export", s(&back), "--csv", s(&again)]);
+    let times = |text: &str| -> Vec<String> {
+        text.lines()
+            .skip(1)
+            .map(|l| l.split(',').nth(1).unwrap().to_string())
+            .collect()
+    };
+    let again = std::fs::read_to_string(&again).unwrap();
+    assert_eq!(times(&again), times(&text));
 }
 
 /// Runs a Python script that must succeed.

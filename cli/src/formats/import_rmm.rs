@@ -4,7 +4,9 @@
 //! `allocate` becomes an allocation (block size = size: RMM does not round),
 //! `free` a free requested and completed at once, `allocate failure` an OOM.
 //! Times are wall-clock `HH:MM:SS.us` without a date: a time that goes back
-//! by more than an hour is taken as the next day. OS thread ids become small
+//! by more than an hour is taken as the next day, and the first row's time
+//! of day is the trace's start (on 1970-01-01), so an export writes the
+//! same clock again. OS thread ids become small
 //! integers in order of appearance.
 
 use std::fs::File;
@@ -52,9 +54,18 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
     );
     let (cstream, cdev) = (col("Stream"), col("Device"));
     let werr = |e: std::io::Error| CliError(format!("{}: cannot write: {e}", out.display()));
+    // The first row's time of day starts the trace (the date is unknown),
+    // so that an export writes the log's own clock again; a bad first time
+    // is reported with its line below.
+    let mut lines = lines.peekable();
+    let first_tod = match lines.peek() {
+        Some(Ok(l)) => l.split(',').nth(ctime).and_then(|t| parse_time(t.trim())),
+        _ => None,
+    };
     let header = TraceHeader {
         producer: "import rmm-csv".into(),
         device_count: 1,
+        start_unix_ns: first_tod.unwrap_or(0).saturating_mul(1000),
         ..TraceHeader::default()
     };
     let mut w = TraceWriter::new(BufWriter::new(File::create(out).map_err(werr)?), &header)
