@@ -826,6 +826,12 @@ fn several_traces_summarise_side_by_side() {
         s(&y.join("run.gtrace")),
     ]);
     assert!(same.contains("== rank #1 ("), "{same}");
+    // Equal peaks: the first rank is named, not the last.
+    assert!(
+        same.contains("highest peak allocated: rank #0,")
+            && same.contains("highest peak reserved: rank #0\n"),
+        "{same}"
+    );
     let named = ok(&["summary", s(&x.join("run.gtrace")), s(&r[1])]);
     assert!(named.contains("== rank run.gtrace ("), "{named}");
 }

@@ -182,12 +182,14 @@ fn ooms(a: &Analysis) -> u64 {
     a.devices.values().map(|d| d.oom_count).sum()
 }
 
-/// The label of the rank with the highest `f`.
+/// The rank with the highest `f`, the first of those that tie.
+fn first_max(ranks: &[Rank], f: impl Fn(&Analysis) -> u64) -> Option<&Rank> {
+    ranks.iter().rev().max_by_key(|r| f(&r.a))
+}
+
+/// The label of [`first_max`].
 fn argmax(ranks: &[Rank], f: impl Fn(&Analysis) -> u64) -> Option<&str> {
-    ranks
-        .iter()
-        .max_by_key(|r| f(&r.a))
-        .map(|r| r.label.as_str())
+    first_max(ranks, f).map(|r| r.label.as_str())
 }
 
 /// Ranks that ran out of memory, the first to fail first (by wall clock:
@@ -244,10 +246,7 @@ pub const COLUMNS: [&str; 6] = [
 /// Sentences under the table: the highest peaks, who ran out of memory.
 pub fn highlights(ranks: &[Rank]) -> Vec<String> {
     let mut v = Vec::new();
-    if let Some(r) = ranks
-        .iter()
-        .max_by_key(|r| highest(&r.a, |d| d.peak_allocated).value)
-    {
+    if let Some(r) = first_max(ranks, |a| highest(a, |d| d.peak_allocated).value) {
         let p = highest(&r.a, |d| d.peak_allocated);
         v.push(format!(
             "highest peak allocated: rank {}, {} at {}",
