@@ -24,7 +24,11 @@ pub(crate) fn from_env<B: Backend>(alloc: &Allocator<B>) {
     match alloc.trace_from_env() {
         Ok(true) => {
             if let Some(v) = gpualloc::trace::trace_env() {
-                announce(alloc, &gpualloc::trace_path::expand(&v), "GPUALLOC_TRACE");
+                // The path the allocator opened, which already said what
+                // in it is no placeholder (said once, not again here).
+                let vars = gpualloc::trace_path::PathVars::from_env();
+                let path = gpualloc::trace_path::expand_with(&v, &vars);
+                announce(alloc, &path, "GPUALLOC_TRACE");
             }
             stop_at_exit();
             complete_on_sigterm();

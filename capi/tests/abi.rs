@@ -239,6 +239,14 @@ int main(void) {
     let kinds = block_kinds(&std::fs::read(&trace).unwrap());
     assert_eq!(kinds.last(), Some(&4), "the last block is END: {kinds:?}");
     assert!(kinds.contains(&1), "events were written: {kinds:?}");
+    // A word in braces that is no placeholder is said once, and kept.
+    let odd = out.join("{RANK}.gtrace");
+    let run = run_sim(&exe, &[("GPUALLOC_TRACE", odd.as_os_str())]);
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{err}");
+    assert_eq!(err.matches("is not a placeholder").count(), 1, "{err}");
+    assert!(err.contains("did you mean {rank}?"), "{err}");
+    assert!(odd.exists(), "the path is kept as written");
     let _ = std::fs::remove_dir_all(&out);
 }
 
