@@ -475,6 +475,23 @@ pickle.dump({"segments": [], "device_traces": [[e]]}, open(sys.argv[1], "wb"), p
     let g = dir.path().join("bom.gtrace");
     ok(&["import", s(&csv), "-o", s(&g)]);
     assert!(ok(&["summary", s(&g)]).contains("1 allocations"));
+    // The header counts the devices the Device column names.
+    let csv = dir.path().join("devices.csv");
+    std::fs::write(
+        &csv,
+        "Thread,Time,Action,Pointer,Size,Stream,Device
+         1,10:00:00.000001,allocate,0x1000,100,0x0,0
+         1,10:00:00.000002,allocate,0x2000,100,0x0,3
+",
+    )
+    .unwrap();
+    let g = dir.path().join("devices.gtrace");
+    ok(&["import", s(&csv), "-o", s(&g)]);
+    let out = ok(&["summary", s(&g)]);
+    assert!(
+        out.contains(", 4 device(s),") && out.contains("device 3:"),
+        "{out}"
+    );
 }
 
 #[test]

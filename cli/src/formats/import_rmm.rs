@@ -6,8 +6,8 @@
 //! Times are wall-clock `HH:MM:SS.us` without a date: a time that goes back
 //! by more than an hour is taken as the next day, and the first row's time
 //! of day is the trace's start (on 1970-01-01), so an export writes the
-//! same clock again. OS thread ids become small
-//! integers in order of appearance.
+//! same clock again. OS thread ids become small integers in order of
+//! appearance; the header counts the devices the Device column names.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter};
@@ -62,9 +62,26 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         Some(Ok(l)) => l.split(',').nth(ctime).and_then(|t| parse_time(t.trim())),
         _ => None,
     };
+    // The devices the log names (a first pass over the Device column; a
+    // bad value is reported with its line below).
+    let device_count = match cdev {
+        Some(c) => {
+            let f = File::open(path)
+                .map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
+            BufReader::new(f)
+                .lines()
+                .skip(1)
+                .map_while(Result::ok)
+                .filter_map(|l| l.split(',').nth(c)?.trim().parse::<u32>().ok())
+                .filter(|&d| d < MAX_DEVICES)
+                .max()
+                .map_or(1, |d| d + 1)
+        }
+        None => 1,
+    };
     let header = TraceHeader {
         producer: "import rmm-csv".into(),
-        device_count: 1,
+        device_count,
         start_unix_ns: first_tod.unwrap_or(0).saturating_mul(1000),
         ..TraceHeader::default()
     };
