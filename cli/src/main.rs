@@ -169,7 +169,7 @@ enum Command {
         /// Output .gtrace file.
         #[arg(short, long)]
         output: PathBuf,
-        /// Approximate number of events (0, a header only, to 10^10).
+        /// Approximate number of events, in whole training steps of a few hundred events each (0, a header only, to 10^10).
         #[arg(long, default_value_t = 1_000_000, allow_negative_numbers = true,
               value_parser = clap::value_parser!(u64).range(0..=10_000_000_000))]
         events: u64,
