@@ -87,12 +87,17 @@ def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
 
 
 def _varint(buf: bytes, i: int) -> Tuple[int, int]:
-    v, shift = 0, 0
+    """An unsigned LEB128 of at most 64 bits (10 bytes), as ``get_varint`` in
+    format.rs: a longer one is an error, not a big integer built bit by bit
+    (quadratic in its length)."""
+    v, shift, start = 0, 0, i
     while True:
         if i >= len(buf):
-            raise ValueError("a varint runs past the end of its block")
+            raise ValueError(f"a varint at byte {start} of the payload runs past its end")
         b = buf[i]
         i += 1
+        if shift == 63 and b > 1:
+            raise ValueError(f"the varint at byte {start} of the payload exceeds 64 bits")
         v |= (b & 0x7F) << shift
         if not b & 0x80:
             return v, i
@@ -187,7 +192,7 @@ def _records(p: bytes, actions=None):
         i += 1
         action = tag & 0x1F
         dt, i = _zigzag(p, i)
-        t += dt
+        t = (t + dt) & U64  # wraps as the Rust reader's u64 does
         if not tag & 0x20:
             stream, i = _varint(p, i)
         if not tag & 0x40:

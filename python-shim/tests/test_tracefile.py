@@ -13,6 +13,46 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 YOLO = os.path.join(ROOT, "examples", "yolo-style-oom.gtrace")
 
 
+def _varint(v):
+    out = bytearray()
+    while True:
+        b, v = v & 0x7F, v >> 7
+        out.append(b | (0x80 if v else 0))
+        if not v:
+            return bytes(out)
+
+
+def _header(minor=3, pid=0, producer=b"test", device_count=1):
+    """A trace's header (docs/trace-format.md), sealed."""
+    import zlib
+
+    body = struct.pack("<QII", 0, device_count, pid) + _varint(0) + _varint(len(producer)) + producer
+    if minor is not None:
+        body += _varint(minor)
+    return b"\x89GATRACE" + struct.pack("<HI", 1, len(body)) + body + struct.pack("<I", zlib.crc32(body))
+
+
+def _block(kind, payload, device=0, seq=0):
+    """A block with a valid checksum."""
+    import zlib
+
+    head = b"BK" + bytes([kind, seq & 0xFF]) + struct.pack("<II", device, len(payload))
+    return head + struct.pack("<I", zlib.crc32(payload, zlib.crc32(head))) + payload
+
+
+def _read(data, fn=None):
+    """``fn`` (``records``) of a file holding ``data``."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".gtrace", delete=False) as f:
+        f.write(data)
+    try:
+        return (fn or records)(f.name)
+    finally:
+        os.unlink(f.name)
+
+
+
 class DecodeTest(unittest.TestCase):
     def test_every_action_has_its_named_fields(self):
         s, a, size, aux = 7, 0x7F00_0000, 1000, 1024
@@ -111,6 +151,38 @@ class DamageTest(unittest.TestCase):
         head = data[at : at + 8] + struct.pack("<I", len(payload))
         block = head + struct.pack("<I", zlib.crc32(payload, zlib.crc32(head))) + payload
         self.assertIn(f"block at byte {at} passes its checksum", self.damaged(data[:at] + block))
+
+
+class VarintTest(unittest.TestCase):
+    """Varints are at most 64 bits, as the Rust reader's (format.rs)."""
+
+    def test_an_overlong_varint_is_an_error_not_a_slow_big_integer(self):
+        import time
+
+        # One alloc record whose time delta is a varint of 200,000 bytes: it
+        # was decoded bit by bit into a huge integer, quadratic (seconds here,
+        # hours for a 64 MiB block), and returned as a time.
+        rec = bytes([0]) + b"\x81" * 200_000 + b"\x01" + _varint(0) + _varint(1) + b"\x00\x00\x00"
+        data = _header() + _block(1, _varint(1) + _varint(0) + rec)
+        t = time.monotonic()
+        with self.assertRaises(ValueError) as cm:
+            _read(data)
+        self.assertLess(time.monotonic() - t, 1.0)
+        self.assertIn("exceeds 64 bits", str(cm.exception))
+        self.assertIn("block at byte", str(cm.exception))
+
+    def test_eleven_bytes_are_refused_and_ten_read(self):
+        top = b"\xff" * 9 + b"\x01"  # 2**64 - 1, the longest valid varint
+        ok = _header() + _block(1, _varint(1) + _varint(0) + bytes([7]) + _varint(0) + _varint(0) + _varint(0) + _varint(0) + top + _varint(0))
+        self.assertEqual(_read(ok)[0]["requested"], 2**64 - 1)
+        bad = _header() + _block(1, _varint(1) + _varint(0) + bytes([7]) + _varint(0) + _varint(0) + _varint(0) + _varint(0) + b"\x80" * 9 + b"\x02" + _varint(0))
+        with self.assertRaises(ValueError):
+            _read(bad)
+
+    def test_time_wraps_at_64_bits_as_the_rust_reader(self):
+        # The first record 1 ns before the block's base time 0.
+        data = _header() + _block(1, _varint(1) + _varint(0) + bytes([11]) + _varint(1) + _varint(0) + _varint(0) + _varint(0) + _varint(0) + _varint(0))
+        self.assertEqual(_read(data)[0]["time_ns"], 2**64 - 1)
 
 
 if __name__ == "__main__":
