@@ -122,8 +122,12 @@ def block_kinds(path: str) -> List[int]:
     alone (no checksum): a completed trace's last is ``END``."""
     with open(path, "rb") as f:
         data = f.read()
-    kinds, pos = [], data.find(b"BK")
-    while 0 <= pos and pos + 12 <= len(data):
+    if data[:8] != MAGIC or len(data) < 14:
+        raise ValueError(f"{path}: not a gpualloc trace (magic {data[:8]!r}, expected {MAGIC!r})")
+    # The first block follows the header; the header's bytes (start time,
+    # pid, strings, checksum) may hold "BK" too.
+    kinds, pos = [], 14 + struct.unpack_from("<I", data, 10)[0] + 4
+    while pos + 12 <= len(data):
         kinds.append(data[pos + 2])
         pos += 16 + int.from_bytes(data[pos + 8 : pos + 12], "little")
     return kinds

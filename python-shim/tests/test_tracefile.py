@@ -7,7 +7,7 @@ import struct
 import unittest
 
 from . import __name__ as _env  # noqa: F401  (sets the simulated environment first)
-from gpualloc.tracefile import ACTIONS, STITCH_CODE, annotations, decode, records
+from gpualloc.tracefile import ACTIONS, END, STITCH_CODE, annotations, block_kinds, decode, records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 YOLO = os.path.join(ROOT, "examples", "yolo-style-oom.gtrace")
@@ -183,6 +183,15 @@ class VarintTest(unittest.TestCase):
         # The first record 1 ns before the block's base time 0.
         data = _header() + _block(1, _varint(1) + _varint(0) + bytes([11]) + _varint(1) + _varint(0) + _varint(0) + _varint(0) + _varint(0) + _varint(0))
         self.assertEqual(_read(data)[0]["time_ns"], 2**64 - 1)
+
+
+class BlockKindsTest(unittest.TestCase):
+    def test_the_header_is_not_searched_for_blocks(self):
+        end = _block(END, _varint(0) + _varint(0) + _varint(5) + _varint(0))
+        # pid 19266 is the bytes 42 4b ("BK"): the scan started there, inside the header.
+        self.assertEqual(_read(_header(pid=19266) + end, block_kinds), [END])
+        self.assertEqual(_read(_header(producer=b"import (BKP)") + end, block_kinds), [END])
+        self.assertEqual(_read(_header() + end, block_kinds), [END])
 
 
 if __name__ == "__main__":
