@@ -146,27 +146,35 @@ def _read(path: str, actions) -> Tuple[Dict[int, str], List[Dict]]:
     (every record when ``None``)."""
     with open(path, "rb") as f:
         data = f.read()
+    if len(data) < 8 and data and MAGIC.startswith(data):
+        raise ValueError(f"{path}: truncated inside the magic ({len(data)} of its 8 bytes)")
     if data[:8] != MAGIC:
         raise ValueError(f"{path}: not a gpualloc trace (magic {data[:8]!r}, expected {MAGIC!r})")
     if len(data) < 14:
-        raise ValueError(f"{path}: truncated inside the header ({len(data)} bytes)")
+        raise ValueError(f"{path}: truncated inside the header ({len(data)} of its first 14 bytes)")
     (version, body_len) = struct.unpack_from("<HI", data, 8)
     if version != 1:
         raise ValueError(f"{path}: trace format version {version}; this reader knows version 1")
     pos = 14 + body_len + 4
     if pos > len(data):
         raise ValueError(f"{path}: truncated inside the header ({len(data)} of its {pos} bytes)")
-    if zlib.crc32(data[14 : 14 + body_len]) != struct.unpack_from("<I", data, 14 + body_len)[0]:
-        raise ValueError(f"{path}: the header fails its checksum")
+    stored, computed = struct.unpack_from("<I", data, 14 + body_len)[0], zlib.crc32(data[14 : 14 + body_len])
+    if stored != computed:
+        raise ValueError(f"{path}: the header fails its checksum (its body, bytes 14 to {14 + body_len}): stored crc32 {stored:#010x}, computed {computed:#010x}")
     strings: Dict[int, str] = {}
     recs: List[Dict] = []
     while pos < len(data):
-        if pos + 16 > len(data) or data[pos : pos + 2] != b"BK":
-            raise ValueError(f"{path}: no block header at byte {pos}")
+        if pos + 16 > len(data):
+            raise ValueError(f"{path}: truncated inside the block header at byte {pos} ({len(data) - pos} of its 16 bytes)")
+        if data[pos : pos + 2] != b"BK":
+            raise ValueError(f"{path}: no block header at byte {pos} (found {data[pos : pos + 2]!r}, expected b'BK')")
         kind, device, plen, crc = data[pos + 2], *struct.unpack_from("<III", data, pos + 4)
         payload = data[pos + 16 : pos + 16 + plen]
-        if len(payload) != plen or zlib.crc32(payload, zlib.crc32(data[pos : pos + 12])) != crc:
-            raise ValueError(f"{path}: the block at byte {pos} is truncated or fails its checksum")
+        if len(payload) != plen:
+            raise ValueError(f"{path}: the block at byte {pos} is truncated: its payload is {plen} bytes, the file holds {len(payload)}")
+        computed = zlib.crc32(payload, zlib.crc32(data[pos : pos + 12]))
+        if computed != crc:
+            raise ValueError(f"{path}: the block at byte {pos} fails its checksum: stored crc32 {crc:#010x}, computed {computed:#010x}")
         try:
             if kind == STRINGS:
                 n, i = _varint(payload, 0)

@@ -194,5 +194,36 @@ class BlockKindsTest(unittest.TestCase):
         self.assertEqual(_read(_header() + end, block_kinds), [END])
 
 
+class MessageTest(unittest.TestCase):
+    """An error says what was wrong and where, as the Rust reader's does."""
+
+    def error(self, data):
+        with self.assertRaises(ValueError) as cm:
+            _read(data)
+        return str(cm.exception)
+
+    def test_a_truncated_block_is_not_called_a_checksum_failure(self):
+        with open(YOLO, "rb") as f:
+            data = f.read()
+        first = 14 + struct.unpack_from("<I", data, 10)[0] + 4
+        plen = struct.unpack_from("<I", data, first + 8)[0]
+        e = self.error(data[: first + 20])
+        self.assertIn(f"block at byte {first} is truncated: its payload is {plen} bytes, the file holds 4", e)
+        self.assertNotIn("checksum", e)
+        bad = bytearray(data)
+        bad[first + 17] ^= 1
+        e = self.error(bytes(bad))
+        self.assertIn(f"block at byte {first} fails its checksum: stored crc32 0x", e)
+        self.assertNotIn("truncated", e)
+        e = self.error(data[: first + 5])
+        self.assertIn(f"truncated inside the block header at byte {first} (5 of its 16 bytes)", e)
+        e = self.error(data[:first] + b"XX" + data[first + 2 :])
+        self.assertIn(f"no block header at byte {first} (found b'XX', expected b'BK')", e)
+        self.assertIn("truncated inside the magic (3 of its 8 bytes)", self.error(data[:3]))
+        bad = bytearray(data)
+        bad[20] ^= 1
+        self.assertIn("header fails its checksum (its body, bytes 14 to", self.error(bytes(bad)))
+
+
 if __name__ == "__main__":
     unittest.main()
