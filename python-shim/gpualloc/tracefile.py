@@ -6,7 +6,11 @@
 fields are delta-encoded), but keeps only these three kinds; ``records(path)``
 keeps them all. ``decode`` names a record's fields by action, the one place
 that reads them by position; the byte layout is docs/trace-format.md's. A damaged or truncated file is a ``ValueError``
-naming the offset. Pure Python: about 200k events a second, for tests and
+naming the offset and what was expected: a block cut short or failing its
+checksum, and, as the Rust reader (allocator/src/trace/reader.rs) checks,
+blocks deleted, duplicated or reordered (sequence numbers, the END block's
+totals), malformed records (unknown action codes, overlong varints, stray
+bytes) and the format's limits. Pure Python: about 200k events a second, for tests and
 short runs; the ``gpualloc`` command reads long traces.
 """
 
@@ -17,7 +21,10 @@ import zlib
 from typing import Dict, List, Tuple
 
 MAGIC = b"\x89GATRACE"
-EVENTS, STRINGS, END = 1, 2, 4  # block kinds (docs/trace-format.md)
+EVENTS, STRINGS, DROPPED, END = 1, 2, 3, 4  # block kinds (docs/trace-format.md)
+# Limits of allocator/src/trace/format.rs, which the Rust reader enforces.
+MAX_HEADER_LEN, MAX_BLOCK_LEN, MAX_BLOCK_EVENTS = 1 << 20, 64 << 20, 1 << 16
+MAX_STRINGS, MAX_DEVICES = 1 << 20, 1024
 # Action codes in order, with PyTorch's names (``Action`` in allocator/src/trace/event.rs).
 ACTIONS = (
     "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
@@ -155,14 +162,20 @@ def _read(path: str, actions) -> Tuple[Dict[int, str], List[Dict]]:
     (version, body_len) = struct.unpack_from("<HI", data, 8)
     if version != 1:
         raise ValueError(f"{path}: trace format version {version}; this reader knows version 1")
+    if body_len > MAX_HEADER_LEN:
+        raise ValueError(f"{path}: at byte 10: header length {body_len} exceeds the limit {MAX_HEADER_LEN}")
     pos = 14 + body_len + 4
     if pos > len(data):
         raise ValueError(f"{path}: truncated inside the header ({len(data)} of its {pos} bytes)")
     stored, computed = struct.unpack_from("<I", data, 14 + body_len)[0], zlib.crc32(data[14 : 14 + body_len])
     if stored != computed:
         raise ValueError(f"{path}: the header fails its checksum (its body, bytes 14 to {14 + body_len}): stored crc32 {stored:#010x}, computed {computed:#010x}")
+    minor = _minor(path, data[14 : 14 + body_len])
     strings: Dict[int, str] = {}
     recs: List[Dict] = []
+    # What the END block's totals are checked against (docs/trace-format.md, Reading).
+    blocks = events = dropped = 0
+    ended = False
     while pos < len(data):
         if pos + 16 > len(data):
             raise ValueError(f"{path}: truncated inside the block header at byte {pos} ({len(data) - pos} of its 16 bytes)")
@@ -176,39 +189,108 @@ def _read(path: str, actions) -> Tuple[Dict[int, str], List[Dict]]:
         if computed != crc:
             raise ValueError(f"{path}: the block at byte {pos} fails its checksum: stored crc32 {crc:#010x}, computed {computed:#010x}")
         try:
+            if plen > MAX_BLOCK_LEN:
+                raise ValueError(f"its length {plen} exceeds the limit {MAX_BLOCK_LEN}")
+            if device >= MAX_DEVICES:
+                raise ValueError(f"its device {device} is not below the limit of {MAX_DEVICES} devices")
+            if ended:
+                raise ValueError("it follows the END block: blocks were duplicated or appended")
+            if minor >= 1 and data[pos + 3] != blocks & 0xFF:
+                raise ValueError(
+                    f"block {blocks} carries sequence number {data[pos + 3]}, expected {blocks & 0xFF} "
+                    "(the index modulo 256): blocks were deleted, duplicated or reordered"
+                )
             if kind == STRINGS:
                 n, i = _varint(payload, 0)
+                if len(strings) + n > MAX_STRINGS:
+                    raise ValueError(f"{n} more strings after {len(strings)} are above the limit of {MAX_STRINGS} in a trace")
                 for _ in range(n):
                     sid, i = _varint(payload, i)
+                    if sid != len(strings):
+                        raise ValueError(f"string id {sid} out of order (expected {len(strings)})")
                     ln, i = _varint(payload, i)
                     if i + ln > len(payload):
-                        raise IndexError("a string runs past the block")
-                    strings[sid] = payload[i : i + ln].decode("utf-8", "replace")
+                        raise ValueError(f"string {sid} runs past the block")
+                    try:
+                        strings[sid] = payload[i : i + ln].decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise ValueError(f"string {sid} is not UTF-8") from None
                     i += ln
             elif kind == EVENTS:
-                recs.extend({"device": device, "time_ns": t, **ev} for t, ev in _records(payload, actions))
+                events += _records(payload, actions, device, recs)
+            elif kind == DROPPED:
+                n, _ = _varint(payload, 0)
+                dropped += n
+            elif kind == END:
+                want = ("events", events), ("dropped events", dropped), ("end time", None)
+                i = 0
+                for what, have in want + ((("blocks before it", blocks),) if minor >= 1 else ()):
+                    v, i = _varint(payload, i)
+                    if have is not None and v != have:
+                        raise ValueError(f"the END block counts {v} {what}, the file before it holds {have}: blocks were deleted or duplicated")
+                ended = True
+            # Other kinds are skipped: later minor versions may add some.
         except (IndexError, ValueError, struct.error) as e:
-            raise ValueError(f"{path}: the block at byte {pos} passes its checksum but its records end early ({e})") from None
+            raise ValueError(f"{path}: the block at byte {pos} passes its checksum but is malformed (a block of kind {kind}): {e}") from None
+        blocks += 1
         pos += 16 + plen
     return strings, recs
 
 
-def _records(p: bytes, actions=None):
-    """``(time, decode(...))`` of the records of an EVENTS payload whose action
-    code is in ``actions`` (every record when ``None``)."""
+def _minor(path: str, body: bytes) -> int:
+    """The header body's minor version (0 when absent), its fields checked
+    as ``parse_header`` in reader.rs checks them."""
+    try:
+        if len(body) < 16:
+            raise ValueError(f"{len(body)} bytes, fewer than the 16 of its fixed fields")
+        device_count = struct.unpack_from("<I", body, 8)[0]
+        i = 16
+        for what in ("configuration", "producer"):
+            ln, i = _varint(body, i)
+            if i + ln > len(body):
+                raise ValueError(f"the {what} string runs past the header")
+            try:
+                body[i : i + ln].decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"the {what} string is not UTF-8") from None
+            i += ln
+        minor = _varint(body, i)[0] if i < len(body) else 0
+    except ValueError as e:
+        raise ValueError(f"{path}: at byte 14: the header's fields do not parse: {e}") from None
+    if device_count > MAX_DEVICES:
+        raise ValueError(f"{path}: at byte 14: the header's device count {device_count} is above the limit of {MAX_DEVICES}")
+    return minor
+
+
+def _records(p: bytes, actions, device: int, out: List) -> int:
+    """Appends the records (``decode``'s dict with ``device`` and ``time_ns``) of an EVENTS payload
+    whose action code is in ``actions`` (every record when ``None``) to
+    ``out``; returns the payload's events as the Rust reader counts them (a
+    ``free`` record is two). Malformed records are a ValueError, as in
+    ``decode_events`` (reader.rs)."""
     n, i = _varint(p, 0)
+    if n > MAX_BLOCK_EVENTS:
+        raise ValueError(f"event count {n} is above the limit of {MAX_BLOCK_EVENTS} records per block")
     t, i = _varint(p, i)
     stream = addr = size = aux = 0
-    for _ in range(n):
+    events = n
+    for k in range(n):
+        if i >= len(p):
+            raise ValueError(f"record {k} of {n} missing")
         tag = p[i]
         i += 1
         action = tag & 0x1F
+        if action >= len(ACTIONS):
+            raise ValueError(f"record {k}: unknown action code {action}")
+        events += action == FREE
         dt, i = _zigzag(p, i)
         t = (t + dt) & U64  # wraps as the Rust reader's u64 does
         if not tag & 0x20:
             stream, i = _varint(p, i)
         if not tag & 0x40:
-            _, i = _varint(p, i)  # thread
+            thread, i = _varint(p, i)
+            if thread >= 1 << 32:
+                raise ValueError(f"record {k}: thread id {thread} too large")
         if not tag & 0x80:
             da, i = _zigzag(p, i)
             addr = (addr + da) & U64
@@ -219,4 +301,7 @@ def _records(p: bytes, actions=None):
             else:
                 aux, i = _varint(p, i)
         if actions is None or action in actions:
-            yield t, decode(action, stream, addr, size, aux)
+            out.append({"device": device, "time_ns": t, **decode(action, stream, addr, size, aux)})
+    if i != len(p):
+        raise ValueError(f"{len(p) - i} stray bytes after {n} records")
+    return events

@@ -225,5 +225,75 @@ class MessageTest(unittest.TestCase):
         self.assertIn("header fails its checksum (its body, bytes 14 to", self.error(bytes(bad)))
 
 
+def _blocks(data):
+    """The offsets of the blocks of a trace's bytes."""
+    pos, offs = 14 + struct.unpack_from("<I", data, 10)[0] + 4, []
+    while pos < len(data):
+        offs.append(pos)
+        pos += 16 + struct.unpack_from("<I", data, pos + 8)[0]
+    return offs
+
+
+class IntegrityTest(unittest.TestCase):
+    """Whole blocks deleted, duplicated or reordered, and records the Rust
+    reader refuses, are errors at the block's offset (docs/trace-format.md,
+    Reading); they were read as if intact, giving other counts than the
+    ``gpualloc`` command, which refuses the file."""
+
+    def error(self, data):
+        with self.assertRaises(ValueError) as cm:
+            _read(data)
+        return str(cm.exception)
+
+    def setUp(self):
+        with open(YOLO, "rb") as f:
+            self.data = f.read()
+        self.offs = _blocks(self.data)
+
+    def block(self, k):
+        return self.data[self.offs[k] : self.offs[k + 1]]
+
+    def test_a_deleted_or_duplicated_block(self):
+        d, offs = self.data, self.offs
+        e = self.error(d[: offs[5]] + d[offs[6] :])
+        self.assertIn(f"block at byte {offs[5]} passes its checksum", e)
+        self.assertIn("carries sequence number 6, expected 5", e)
+        e = self.error(d[: offs[6]] + self.block(5) + d[offs[6] :])
+        self.assertIn(f"block at byte {offs[6]} passes", e)
+        # 256 blocks deleted keep the sequence numbers: the END block's totals tell.
+        alloc = bytes([0]) + _varint(0) * 4 + _varint(8) + _varint(0)
+        evs = [_block(1, _varint(1) + _varint(k) + alloc, seq=k) for k in range(300)]
+        end = _block(4, _varint(300) + _varint(0) + _varint(300) + _varint(300), seq=300)
+        self.assertEqual(len(_read(_header() + b"".join(evs) + end)), 300)
+        kept = evs[:5] + evs[5 + 256 :]
+        e = self.error(_header() + b"".join(kept) + end)
+        self.assertIn("the END block counts 300 events, the file before it holds 44", e)
+        self.assertIn(f"block at byte {len(_header()) + len(b''.join(kept))}", e)
+        # Minor 0 files have no sequence numbers: the END block's totals tell too.
+        end0 = _block(4, _varint(3) + _varint(0) + _varint(3))
+        evs0 = [_block(1, _varint(1) + _varint(k) + alloc) for k in range(3)]
+        self.assertEqual(len(_read(_header(minor=None) + b"".join(evs0) + end0)), 3)
+        self.assertIn("the END block counts 3 events", self.error(_header(minor=None) + b"".join(evs0[1:]) + end0))
+        e = self.error(d + self.block(len(offs) - 2))
+        self.assertIn("follows the END block", e)
+
+    def test_records_the_rust_reader_refuses(self):
+        h = _header()
+        alloc = bytes([0]) + _varint(0) * 4 + _varint(8) + _varint(0)
+        self.assertEqual(len(_read(h + _block(1, _varint(1) + _varint(0) + alloc))), 1)
+        e = self.error(h + _block(1, _varint(1) + _varint(0) + alloc + b"\x00"))
+        self.assertIn("1 stray bytes after 1 records", e)
+        e = self.error(h + _block(1, _varint(1) + _varint(0) + bytes([20]) + alloc[1:]))
+        self.assertIn("unknown action code 20", e)
+        e = self.error(h + _block(1, _varint(1) + _varint(0) + alloc, device=1024))
+        self.assertIn("device 1024", e)
+        e = self.error(h + _block(2, _varint(1) + _varint(1) + _varint(1) + b"a"))
+        self.assertIn("string id 1 out of order (expected 0)", e)
+        e = self.error(h + _block(2, _varint(1) + _varint(0) + _varint(1) + b"\xff"))
+        self.assertIn("string 0 is not UTF-8", e)
+        e = self.error(_header(device_count=1025) + _block(1, _varint(1) + _varint(0) + alloc))
+        self.assertIn("device count 1025", e)
+
+
 if __name__ == "__main__":
     unittest.main()
