@@ -466,32 +466,26 @@ pickle.dump({"segments": [], "device_traces": [[e]]}, open(sys.argv[1], "wb"), p
     let g = dir.path().join("p1.gtrace");
     ok(&["import", s(&pickle), "-o", s(&g)]);
     assert!(ok(&["summary", s(&g)]).contains("1 allocations"));
-    let csv = dir.path().join("bom.csv");
-    std::fs::write(
-        &csv,
-        "\u{feff}Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000001,allocate,0x1000,100,0x0\n",
-    )
-    .unwrap();
-    let g = dir.path().join("bom.gtrace");
-    ok(&["import", s(&csv), "-o", s(&g)]);
-    assert!(ok(&["summary", s(&g)]).contains("1 allocations"));
+    let bom = "\u{feff}Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000001,allocate,0x1000,100,0x0\n";
+    assert!(imported_csv(dir.path(), "bom", bom).contains("1 allocations"));
     // The header counts the devices the Device column names.
-    let csv = dir.path().join("devices.csv");
-    std::fs::write(
-        &csv,
-        "Thread,Time,Action,Pointer,Size,Stream,Device
-         1,10:00:00.000001,allocate,0x1000,100,0x0,0
-         1,10:00:00.000002,allocate,0x2000,100,0x0,3
-",
-    )
-    .unwrap();
-    let g = dir.path().join("devices.gtrace");
-    ok(&["import", s(&csv), "-o", s(&g)]);
-    let out = ok(&["summary", s(&g)]);
+    let devices = "Thread,Time,Action,Pointer,Size,Stream,Device\n\
+                   1,10:00:00.000001,allocate,0x1000,100,0x0,0\n\
+                   1,10:00:00.000002,allocate,0x2000,100,0x0,3\n";
+    let out = imported_csv(dir.path(), "devices", devices);
     assert!(
         out.contains(", 4 device(s),") && out.contains("device 3:"),
         "{out}"
     );
+}
+
+/// `summary` of an RMM CSV log of this text, imported in `dir` as NAME.
+fn imported_csv(dir: &Path, name: &str, text: &str) -> String {
+    let csv = dir.join(format!("{name}.csv"));
+    std::fs::write(&csv, text).unwrap();
+    let g = dir.join(format!("{name}.gtrace"));
+    ok(&["import", s(&csv), "-o", s(&g)]);
+    ok(&["summary", s(&g)])
 }
 
 #[test]

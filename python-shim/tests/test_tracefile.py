@@ -194,13 +194,17 @@ class BlockKindsTest(unittest.TestCase):
         self.assertEqual(_read(_header() + end, block_kinds), [END])
 
 
-class MessageTest(unittest.TestCase):
-    """An error says what was wrong and where, as the Rust reader's does."""
+class _Refusing(unittest.TestCase):
+    """Tests that read damaged bytes: ``error`` is the reader's message."""
 
     def error(self, data):
         with self.assertRaises(ValueError) as cm:
             _read(data)
         return str(cm.exception)
+
+
+class MessageTest(_Refusing):
+    """An error says what was wrong and where, as the Rust reader's does."""
 
     def test_a_truncated_block_is_not_called_a_checksum_failure(self):
         with open(YOLO, "rb") as f:
@@ -234,16 +238,11 @@ def _blocks(data):
     return offs
 
 
-class IntegrityTest(unittest.TestCase):
+class IntegrityTest(_Refusing):
     """Whole blocks deleted, duplicated or reordered, and records the Rust
     reader refuses, are errors at the block's offset (docs/trace-format.md,
     Reading); they were read as if intact, giving other counts than the
     ``gpualloc`` command, which refuses the file."""
-
-    def error(self, data):
-        with self.assertRaises(ValueError) as cm:
-            _read(data)
-        return str(cm.exception)
 
     def setUp(self):
         with open(YOLO, "rb") as f:

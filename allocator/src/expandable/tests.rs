@@ -7,6 +7,13 @@ fn dev(conf: &str) -> DeviceAllocator<SimBackend> {
     DeviceAllocator::new(0, SimBackend::new(8 << 30), Config::parse(conf).unwrap())
 }
 
+/// Allocates blocks of these many MiB on `stream`, in order.
+fn mallocs(d: &mut DeviceAllocator<SimBackend>, mib: &[u64], stream: u64) -> Vec<u64> {
+    mib.iter()
+        .map(|&m| d.malloc(m * MIB, stream).unwrap())
+        .collect()
+}
+
 fn ok(d: &DeviceAllocator<SimBackend>) {
     d.check_invariants()
         .unwrap_or_else(|e| panic!("invariant broken: {e}"));
@@ -287,10 +294,7 @@ fn pooled_handles_count_range_by_range_against_the_limit() {
     let mut d = dev("memory_limit:145MiB");
     // Stream 1: 8, 4, 8 and 2 MiB; the 8s freed and given back, so its
     // window for 18 MiB is two 8 MiB holes around the 4 MiB block.
-    let held: Vec<u64> = [8, 4, 8, 2]
-        .iter()
-        .map(|&m| d.malloc(m * MIB, 1).unwrap())
-        .collect();
+    let held = mallocs(&mut d, &[8, 4, 8, 2], 1);
     d.free(held[0]).unwrap();
     d.free(held[2]).unwrap();
     d.empty_cache().unwrap();
@@ -585,10 +589,7 @@ fn spare_handles_released_are_alike_however_far_the_gpu_got() {
 /// allocator, the hole's address and the later fence's stamp.
 fn two_drains() -> (DeviceAllocator<SimBackend>, u64, u64) {
     let mut d = dev("defragment_headroom:0,stitch_min_mb:0");
-    let w: Vec<u64> = [2, 16, 2, 2, 2, 2]
-        .iter()
-        .map(|&m| d.malloc(m * MIB, 0).unwrap())
-        .collect();
+    let w = mallocs(&mut d, &[2, 16, 2, 2, 2, 2], 0);
     d.free(w[1]).unwrap();
     d.free(w[3]).unwrap();
     d.empty_cache().unwrap();
