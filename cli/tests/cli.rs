@@ -479,6 +479,59 @@ pickle.dump({"segments": [], "device_traces": [[e]]}, open(sys.argv[1], "wb"), p
     );
 }
 
+/// `import --from rmm` reads a pipe once: a log with a Device column, which
+/// needs two passes, given on stdin imports every row, as from a file
+/// (the second pass over the pipe used to take the rows the first had not
+/// read yet, and the import failed in the middle of a line).
+#[test]
+fn import_reads_an_rmm_log_from_a_pipe_once() {
+    use std::io::Write;
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let mut text = String::from("Thread,Time,Action,Pointer,Size,Stream,Device\n");
+    for i in 0..3000u64 {
+        let (p, d) = (0x7f00_0000_0000 + i * 4096, i % 2);
+        text += &format!(
+            "7,10:00:{:02}.{:06},allocate,{p:#x},4096,0x0,{d}\n",
+            i / 1000,
+            i % 1000 * 1000
+        );
+        text += &format!(
+            "7,10:00:{:02}.{:06},free,{p:#x},4096,0x0,{d}\n",
+            i / 1000,
+            i % 1000 * 1000 + 500
+        );
+    }
+    let from_file = imported_csv(dir.path(), "file", &text);
+    let g = dir.path().join("pipe.gtrace");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+        .args(["import", "--from", "rmm", "/dev/stdin", "-o", s(&g)])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run gpualloc");
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || stdin.write_all(text.as_bytes()));
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("(9000 events)"), "{err}");
+    assert_eq!(
+        ok(&["summary", s(&g)]).replace("pipe.gtrace", "file.gtrace"),
+        from_file
+    );
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        left.len(),
+        3,
+        "only the CSV and the two traces are left: {left:?}"
+    );
+}
+
 /// `summary` of an RMM CSV log of this text, imported in `dir` as NAME.
 fn imported_csv(dir: &Path, name: &str, text: &str) -> String {
     let csv = dir.join(format!("{name}.csv"));

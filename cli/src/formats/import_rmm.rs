@@ -19,9 +19,43 @@ use rustc_hash::FxHashMap;
 use crate::input::{self, CliError};
 
 /// Converts `path` into `out`; returns the number of events written.
+///
+/// A log with a Device column is read twice (the header, written first,
+/// counts the devices). A pipe can be read only once, so one is first
+/// copied to a file beside `out`, removed when done; messages still name
+/// `path`.
 pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
+    if std::fs::metadata(path).is_ok_and(|m| m.is_file() || m.is_dir()) {
+        return import_named(path, path, out);
+    }
+    let mut name = out
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_default();
+    name.push(".input");
+    let spool = out.with_file_name(name);
+    let copied = File::open(path)
+        .map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))
+        .and_then(|mut r| {
+            let mut w = File::create(&spool).map_err(|e| {
+                CliError(format!(
+                    "{}: cannot write a copy of {}: {e}",
+                    spool.display(),
+                    path.display()
+                ))
+            })?;
+            std::io::copy(&mut r, &mut w)
+                .map_err(|e| CliError(format!("{}: cannot copy: {e}", path.display())))
+        });
+    let done = copied.and_then(|_| import_named(&spool, path, out));
+    let _ = std::fs::remove_file(&spool);
+    done
+}
+
+/// [`import`] of the file `file`, whose messages name `path`.
+fn import_named(file: &Path, path: &Path, out: &Path) -> Result<u64, CliError> {
     let f =
-        File::open(path).map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
+        File::open(file).map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
     let mut lines = BufReader::new(f).lines();
     let head = lines
         .next()
@@ -66,7 +100,7 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
     // bad value is reported with its line below).
     let device_count = match cdev {
         Some(c) => {
-            let f = File::open(path)
+            let f = File::open(file)
                 .map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
             BufReader::new(f)
                 .lines()
