@@ -47,6 +47,7 @@
 #include "bridge/history.h"
 #include "bridge/ipc.h"
 #include "bridge/registration.h"
+#include "bridge/uncached.h"
 
 #if TORCH_VERSION_MAJOR != 2 || TORCH_VERSION_MINOR < 9
 #error "gpualloc's torch bridge supports torch 2.9 and later"
@@ -283,6 +284,23 @@ void delete_fn(void* ptr) {
   api.free_fn(ptr, 0, device >= 0 ? device : -1, nullptr);  // never throws: runs in deleters
 }
 
+// The deleter of memory the switched-off allocator took from cudaMalloc
+// (Note [The caching allocator switched off] in bridge/uncached.h); a
+// pointer gpualloc owns goes to gpualloc. Never throws: runs in deleters.
+void uncached_delete(void* ptr) {
+  if (ptr == nullptr || !in_parent()) {
+    return;
+  }
+  uint64_t size = 0;
+  if (api.allocation_size(ptr, &size) == GPUALLOC_OK) {
+    delete_fn(ptr);
+    return;
+  }
+  api.clear_error();
+  sanitizer_free(ptr);
+  C10_CUDA_CHECK_WARN(cudaFree(ptr));
+}
+
 [[noreturn]] void raise_alloc_failure(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
   std::string msg = last_error("allocation failed");
   bool oom = api.last_error_code() == GPUALLOC_ERR_OUT_OF_MEMORY || msg.find("out of memory") != std::string::npos;
@@ -506,10 +524,16 @@ class GpuallocAllocator final : public CUDAAllocator {
   // c10::Allocator
   c10::DataPtr allocate(size_t n) override {
     c10::DeviceIndex device = current_device();
+    if (C10_UNLIKELY(!caching_on.load(std::memory_order_relaxed))) {
+      void* p = uncached_allocate(n, device);
+      return {p, p, &uncached_delete, c10::Device(c10::DeviceType::CUDA, device)};
+    }
     void* p = alloc_on(n, device, c10::cuda::getCurrentCUDAStream(device).stream());
     return {p, p, &delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
   }
-  c10::DeleterFnPtr raw_deleter() const override { return &delete_fn; }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return caching_on.load(std::memory_order_relaxed) ? &delete_fn : &uncached_delete;
+  }
   void copy_data(void* dest, const void* src, std::size_t count) const final {
     C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
   }
@@ -563,12 +587,18 @@ class GpuallocAllocator final : public CUDAAllocator {
   // CUDAAllocator
   void* raw_alloc(size_t nbytes) override {
     c10::DeviceIndex device = current_device();
-    return alloc_on(nbytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
+    return raw_alloc_on(nbytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
   }
   void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
-    return alloc_on(nbytes, current_device(), stream);
+    return raw_alloc_on(nbytes, current_device(), stream);
   }
-  void raw_delete(void* ptr) override { delete_fn(ptr); }
+  void raw_delete(void* ptr) override {
+    if (C10_UNLIKELY(uncached_raw.take(ptr))) {
+      uncached_delete(ptr);
+      return;
+    }
+    delete_fn(ptr);
+  }
   // Called by PyTorch's lazy CUDA initialization: the allocator starts here,
   // with what install() configured (Note [Starting on first use] in
   // capi/src/pending.rs), so that a failure to start is torch's CUDA
@@ -601,11 +631,14 @@ class GpuallocAllocator final : public CUDAAllocator {
     return out;
   }
 #endif
+  // Note [The caching allocator switched off] in bridge/uncached.h.
   void enable(bool value) override {
-    TORCH_CHECK(value, "gpualloc: the caching allocator cannot be disabled (gpualloc has no uncached mode); "
-                       "use empty_cache() to return cached memory, or run without gpualloc");
+    if (caching_on.exchange(value) != value) {
+      api.mark(value ? "caching_allocator_enable(True)" : "caching_allocator_enable(False)");
+      api.clear_error();
+    }
   }
-  bool isEnabled() const override { return true; }
+  bool isEnabled() const override { return caching_on.load(std::memory_order_relaxed); }
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
     check(api.cache_info(static_cast<int>(device), largestBlock), "cacheInfo");
   }
@@ -927,6 +960,20 @@ class GpuallocAllocator final : public CUDAAllocator {
   std::string name() override { return "gpualloc"; }
 
  private:
+  // raw_alloc's allocation: from cudaMalloc while the caching allocator is
+  // switched off, remembered for raw_delete (bridge/uncached.h).
+  static void* raw_alloc_on(size_t nbytes, c10::DeviceIndex device, cudaStream_t stream) {
+    if (C10_UNLIKELY(!caching_on.load(std::memory_order_relaxed))) {
+      if (nbytes == 0) {
+        return nullptr;
+      }
+      void* p = uncached_allocate(nbytes, device);
+      uncached_raw.add(p);
+      return p;
+    }
+    return alloc_on(nbytes, device, stream);
+  }
+
   CUDAAllocator* native_;
   std::once_flag native_init_;
   ipc::Opened opened_;

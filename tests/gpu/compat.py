@@ -409,6 +409,49 @@ def check_compat(args) -> dict:
         assert torch.cuda.memory_allocated() == before, "raw blocks were not freed"
         return {"grown": grown}
 
+    @sub("caching_allocator_switched_off")
+    def _():
+        # Programs switch the caching allocator off for a while (loading a
+        # model, compute-sanitizer runs): torch.cuda.memory.caching_allocator_enable(False).
+        # Allocations then come from cudaMalloc, outside the allocator's
+        # stats, under PyTorch's allocator as under gpualloc; what was made
+        # while off is freed after switching back on and the reverse, raw
+        # blocks (cuDNN workspaces) too, and a cuDNN convolution runs.
+        enable = torch.cuda.memory.caching_allocator_enable
+        is_enabled = torch._C._cuda_cudaCachingAllocator_is_enabled
+        torch.cuda.synchronize()
+        kept = torch.full((4 * MiB,), 5, dtype=torch.uint8, device=dev)
+        conv = torch.nn.Conv2d(3, 8, 3).to(dev)
+        before = torch.cuda.memory_allocated()
+        enable(False)
+        try:
+            assert is_enabled() is False, "isEnabled() after caching_allocator_enable(False)"
+            off = torch.full((12 * MiB + 7,), 7, dtype=torch.uint8, device=dev)
+            raw = torch.cuda.caching_allocator_alloc(2 * MiB)
+            y = conv(torch.randn(2, 3, 64, 64, device=dev))
+            torch.cuda.caching_allocator_delete(raw)
+            grown_off = torch.cuda.memory_allocated() - before
+            assert grown_off == 0, f"memory_allocated grew by {grown_off} while the caching allocator was off"
+            del kept  # made while on, freed while off
+            off2 = off.clone()
+        finally:
+            enable(True)
+        assert is_enabled() is True, "isEnabled() after caching_allocator_enable(True)"
+        assert int(off[-1]) == 7 and int(off2[0]) == 7 and bool(torch.isfinite(y).all())
+        del off, off2, y  # made while off, freed while on
+        torch.cuda.synchronize()
+        on = torch.empty(8 * MiB, dtype=torch.uint8, device=dev)
+        grown_on = torch.cuda.memory_allocated() - before
+        assert grown_on >= 8 * MiB - 4 * MiB, f"memory_allocated grew by {grown_on} with the allocator on again"
+        del on
+        switched = getattr(torch.cuda.memory, "caching_allocator_disabled", None)
+        if switched is not None:
+            with switched():
+                assert is_enabled() is False
+                z = torch.ones(1 << 20, device=dev).sum()
+            assert is_enabled() is True and float(z) == float(1 << 20)
+        return {"grown_while_off": grown_off, "context_manager": switched is not None}
+
     @sub("allocator_settings_at_runtime")
     def _():
         # Libraries switch settings mid-run (torch.cuda.memory._set_allocator_settings,
@@ -454,6 +497,45 @@ def check_compat(args) -> dict:
         return seen
 
     if args.alloc == "gpualloc":
+
+        @sub("caching_allocator_switched_off_takes_back_the_cache")
+        def _():
+            # Switched off, a cudaMalloc that fits only without gpualloc's
+            # cached memory gets it back and succeeds (PyTorch's allocator
+            # keeps its cache and raises a CUDA error).
+            enable = torch.cuda.memory.caching_allocator_enable
+            torch.cuda.synchronize()
+            free, _ = torch.cuda.mem_get_info()
+            cached = int(free * 0.6) // MiB * MiB
+            torch.empty(cached, dtype=torch.uint8, device=dev)
+            torch.cuda.synchronize()
+            reserved = torch.cuda.memory_reserved()
+            assert reserved >= cached, f"{reserved} bytes reserved after freeing {cached}"
+            free_now, _ = torch.cuda.mem_get_info()
+            want = free_now + cached // 2
+            import gpualloc
+            from gpualloc.tracefile import annotations
+
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "switch.gtrace")
+                gpualloc.trace_start(path)
+                try:
+                    enable(False)
+                    try:
+                        y = torch.empty(want, dtype=torch.uint8, device=dev)
+                        y[-1] = 9
+                        last = int(y[-1])
+                        del y
+                    finally:
+                        enable(True)
+                finally:
+                    gpualloc.trace_stop()
+                marks = [a["name"] for a in annotations(path)
+                         if a["kind"] == "mark" and a["name"].startswith("caching_allocator_enable")]
+            assert last == 9
+            # The trace says where allocations went missing.
+            assert marks == ["caching_allocator_enable(False)", "caching_allocator_enable(True)"], marks
+            return {"cached": cached, "allocated_switched_off": want, "reserved_after": torch.cuda.memory_reserved()}
 
         @sub("trace_of_a_worker_forked_before_cuda_is_complete")
         def _():

@@ -24,6 +24,7 @@ struct Api {
   decltype(&gpualloc_allocation_size) allocation_size = nullptr;
   decltype(&gpualloc_last_error) last_error = nullptr;
   decltype(&gpualloc_last_error_code) last_error_code = nullptr;
+  decltype(&gpualloc_clear_error) clear_error = nullptr;
   decltype(&gpualloc_record_stream_on) record_stream_on = nullptr;
   decltype(&gpualloc_add_peer_access) add_peer_access = nullptr;
   decltype(&gpualloc_empty_cache) empty_cache = nullptr;
@@ -60,6 +61,7 @@ struct Api {
     resolve(handle, "gpualloc_allocation_size", allocation_size);
     resolve(handle, "gpualloc_last_error", last_error);
     resolve(handle, "gpualloc_last_error_code", last_error_code);
+    resolve(handle, "gpualloc_clear_error", clear_error);
     resolve(handle, "gpualloc_record_stream_on", record_stream_on);
     resolve(handle, "gpualloc_add_peer_access", add_peer_access);
     resolve(handle, "gpualloc_empty_cache", empty_cache);

@@ -1,0 +1,108 @@
+// The caching allocator switched off: torch.cuda.memory.caching_allocator_enable(False).
+//
+// Note [The caching allocator switched off]
+// Rationale: programs switch PyTorch's allocator off, for a while or for
+// good, so that out-of-bounds accesses fault under compute-sanitizer, so
+// that a tool hooked on cudaMalloc sees every tensor, or to keep loading a
+// model from caching anything. PyTorch then hands each allocation to
+// cudaMalloc and each free to cudaFree (`uncached_allocate`,
+// `uncached_delete`). Raising instead, as gpualloc did, ended such programs.
+// Approach: the same as PyTorch. While the switch is off, `allocate` and
+// `raw_alloc` call cudaMalloc; the DataPtr's deleter is `uncached_delete`
+// and `raw_deleter()` returns it, as PyTorch's does; the memory is outside
+// gpualloc as it is outside PyTorch's allocator (not in the stats, the
+// history or gpualloc's trace, which gets a mark each time the switch
+// flips, so a trace says where allocations went missing). Where PyTorch
+// fails, gpualloc does not:
+// - cudaMalloc out of memory gives gpualloc's cached memory back to the
+//   driver and tries once more, then raises torch.cuda.OutOfMemoryError
+//   (PyTorch raises a plain CUDA error and keeps its cache);
+// - a pointer is freed by who allocated it, not by the switch's state at
+//   the free: `raw_delete` looks the pointer up among cudaMalloc's raw
+//   allocations (a set, asked only while it is not empty), and
+//   `uncached_delete` hands a pointer gpualloc owns to gpualloc (PyTorch
+//   cudaFree's a cached pointer raw_delete'd after switching off);
+// - a forked child (a DataLoader worker freeing what it inherited) leaves
+//   the memory to the parent instead of calling cudaFree where CUDA cannot
+//   run, as gpualloc's own deleter does.
+#pragma once
+
+#include <c10/core/impl/GPUTrace.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <unordered_set>
+
+#include "api.h"
+
+namespace gpualloc_bridge {
+
+// Whether the caching allocator is on (`enable`, `isEnabled`).
+inline std::atomic<bool> caching_on{true};
+
+// cudaMalloc of `size` bytes on the current device, `device`, for the
+// switched-off allocator; once more after gpualloc's cache went back to the
+// driver, then OutOfMemoryError. NULL for 0 bytes, as cudaMalloc gives.
+inline void* uncached_allocate(size_t size, c10::DeviceIndex device) {
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, size);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    api.empty_cache();
+    err = cudaMalloc(&p, size);
+  }
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    size_t free_bytes = 0;
+    size_t total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+      (void)cudaGetLastError();
+    }
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory: cudaMalloc of ", size, " bytes on device ",
+                     static_cast<int>(device), " failed with the caching allocator switched off ",
+                     "(torch.cuda.memory.caching_allocator_enable(False)); ", free_bytes, " of ", total_bytes,
+                     " bytes free after gpualloc gave its cached memory back");
+  }
+  C10_CUDA_CHECK(err);
+  if (const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace(); C10_UNLIKELY(interp)) {
+    (*interp)->trace_gpu_memory_allocation(c10::kCUDA, reinterpret_cast<uintptr_t>(p));
+  }
+  return p;
+}
+
+// The pointers `raw_alloc` got from cudaMalloc and `raw_delete` has not
+// freed yet: raw_delete frees by who allocated.
+class UncachedRaw {
+ public:
+  void add(void* p) {
+    if (p == nullptr) {
+      return;
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    ptrs_.insert(p);
+    any_.store(true, std::memory_order_relaxed);
+  }
+  // Whether `p` is one of them (and no longer, after this).
+  bool take(void* p) {
+    if (!any_.load(std::memory_order_relaxed)) {
+      return false;
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    bool found = ptrs_.erase(p) != 0;
+    any_.store(!ptrs_.empty(), std::memory_order_relaxed);
+    return found;
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_set<void*> ptrs_;
+  std::atomic<bool> any_{false};
+};
+
+inline UncachedRaw uncached_raw;
+
+}  // namespace gpualloc_bridge
