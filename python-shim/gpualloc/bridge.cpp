@@ -964,9 +964,6 @@ class GpuallocAllocator final : public CUDAAllocator {
   // switched off, remembered for raw_delete (bridge/uncached.h).
   static void* raw_alloc_on(size_t nbytes, c10::DeviceIndex device, cudaStream_t stream) {
     if (C10_UNLIKELY(!caching_on.load(std::memory_order_relaxed))) {
-      if (nbytes == 0) {
-        return nullptr;
-      }
       void* p = uncached_allocate(nbytes, device);
       uncached_raw.add(p);
       return p;

@@ -46,9 +46,13 @@ inline std::atomic<bool> caching_on{true};
 
 // cudaMalloc of `size` bytes on the current device, `device`, for the
 // switched-off allocator; once more after gpualloc's cache went back to the
-// driver, then OutOfMemoryError. NULL for 0 bytes, as cudaMalloc gives.
+// driver, then OutOfMemoryError. NULL for 0 bytes (an empty tensor), with
+// no call.
 inline void* uncached_allocate(size_t size, c10::DeviceIndex device) {
   void* p = nullptr;
+  if (size == 0) {
+    return p;
+  }
   cudaError_t err = cudaMalloc(&p, size);
   if (err == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
