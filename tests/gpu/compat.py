@@ -11,9 +11,12 @@ replayed backwards from the snapshot as MemoryViz does (through stitched
 memory under gpualloc), MemPool
 with use_mem_pool, the out-of-memory observer, the generic allocator
 registry, the raw caching_allocator_alloc/delete API, settings changed
-mid-run with torch.cuda.memory._set_allocator_settings, and memory history
-in a child forked before the first CUDA call, and (gpualloc only) the trace
-of a multiprocessing worker forked before CUDA, complete at its os._exit. ipc: a CUDA tensor sent to a child process through
+mid-run with torch.cuda.memory._set_allocator_settings, the caching
+allocator switched off and on (torch.cuda.memory.caching_allocator_enable),
+memory history in a child forked before the first CUDA call, and (gpualloc
+only) a cudaMalloc made while switched off that fits only once gpualloc's
+cache is given back, and the trace of a multiprocessing worker forked
+before CUDA, complete at its os._exit. ipc: a CUDA tensor sent to a child process through
 torch.multiprocessing, the child under PyTorch's allocator and under
 gpualloc. Each sub-check passes or fails on its own.
 """
