@@ -2,7 +2,7 @@
 //! [`Checked`] (invariants, exact accounting, no overlap, stream safety).
 
 use gpualloc::{AllocError, PoolKey, StreamId};
-use gpualloc_tests::{Checked, MIB};
+use gpualloc_tests::{Checked, MIB, cases};
 use proptest::prelude::*;
 
 /// Streams the operations pick from (0 is the legacy default stream).
@@ -151,7 +151,7 @@ macro_rules! property {
     ($name:ident, $config:expr, $cases:expr) => {
         proptest! {
             #![proptest_config(ProptestConfig {
-                cases: $cases,
+                cases: cases($cases),
                 failure_persistence: None,
                 ..ProptestConfig::default()
             })]
