@@ -953,7 +953,14 @@ impl<B: Backend> DeviceAllocator<B> {
         // An event recorded during a capture belongs to the graph: it would
         // never tell when this work is done.
         if self.expandable && !self.private.capturing() {
-            self.fences.after_free(&mut self.backend, stream, size);
+            // On the route without pool hooks, a global capture no call of
+            // ours has seen yet forbids the event queries of a full queue
+            // (Note [Capture without a pool]): the legacy stream says.
+            let following = self.private.following();
+            self.fences
+                .after_free(&mut self.backend, stream, size, |b| {
+                    !following || b.stream_capture(0).ok().flatten().is_none()
+                });
         }
         let b = &mut self.heap.blocks[id];
         b.state = BlockState::Free;

@@ -82,10 +82,18 @@ impl Fences {
     /// Called after a free of `size` bytes on `stream` was stamped: every
     /// [`FREES_PER_FENCE`]th free of at least [`LARGE_FREE`] bytes records a
     /// fence, so that most freed memory is known idle before it is needed,
-    /// at a cost of one `cuEventRecord` per many frees. A driver error only
-    /// means no fence now.
+    /// at a cost of one `cuEventRecord` per many frees. When the stream's
+    /// queue is full, its fences are queried first, only if `may_query`
+    /// says a capture allows it (asked then only: it may ask the driver).
+    /// A driver error only means no fence now.
     #[inline]
-    pub fn after_free<B: Backend>(&mut self, backend: &mut B, stream: StreamId, size: u64) {
+    pub fn after_free<B: Backend>(
+        &mut self,
+        backend: &mut B,
+        stream: StreamId,
+        size: u64,
+        may_query: impl FnOnce(&mut B) -> bool,
+    ) {
         if size < LARGE_FREE {
             return;
         }
@@ -97,7 +105,9 @@ impl Fences {
             {
                 // Learns which are done (without blocking); a driver error
                 // only means none is known done now.
-                let _ = Self::poll_queue(backend, s);
+                if may_query(backend) {
+                    let _ = Self::poll_queue(backend, s);
+                }
                 if s.queued.len() >= MAX_QUEUED {
                     return;
                 }
@@ -297,7 +307,7 @@ mod tests {
         let first = f.stamp();
         for i in 0..20_000 {
             f.stamp();
-            f.after_free(&mut b, 7, 4 << 20);
+            f.after_free(&mut b, 7, 4 << 20, |_| true);
             assert!(
                 f.outstanding() <= MAX_QUEUED,
                 "free {i}: {}",
@@ -312,7 +322,7 @@ mod tests {
         }
         b.complete(7);
         for _ in 0..FREES_PER_FENCE {
-            f.after_free(&mut b, 7, 4 << 20);
+            f.after_free(&mut b, 7, 4 << 20, |_| true);
         }
         assert!(f.outstanding() <= 1, "the done ones were let go");
         assert!(f.is_idle(7, first), "known without a slow path");
