@@ -116,7 +116,7 @@ fn run(config: &str, granule: u64, ops: &[Op]) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: gpualloc_tests::cases(48), ..ProptestConfig::default() })]
 
     #[test]
     fn fragmentation_never_fails_a_request_with_pages(ops in prop::collection::vec(op(), 1..160)) {

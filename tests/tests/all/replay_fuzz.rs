@@ -34,7 +34,7 @@ fn record() -> impl Strategy<Value = TraceEvent> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: gpualloc_tests::cases(256), ..ProptestConfig::default() })]
 
     #[test]
     fn any_records_replay_without_panicking(

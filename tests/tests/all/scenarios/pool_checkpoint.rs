@@ -479,7 +479,7 @@ mod random {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(48))]
+        #![proptest_config(ProptestConfig::with_cases(gpualloc_tests::cases(48)))]
 
         #[test]
         fn restores_bring_back_their_checkpoints(
