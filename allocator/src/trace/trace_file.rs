@@ -15,7 +15,10 @@
 //! to the open file, which a forked child inherits: while such a child
 //! lives, even after its parent stopped the trace, the path stays locked
 //! and a new trace there goes beside it too (nothing is lost; the message
-//! says the path is locked, not that it is being written).
+//! says the path is locked, not that it is being written). Only a regular
+//! file is locked and emptied: `/dev/null` (measuring what tracing costs)
+//! and a named pipe (a compressor reading the trace as it comes) cannot be
+//! emptied, and a second writer has no file to go beside.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
@@ -53,6 +56,9 @@ fn create_locked(path: &Path) -> io::Result<Option<File>> {
         .create(true)
         .truncate(false)
         .open(path)?;
+    if !f.metadata()?.is_file() {
+        return Ok(Some(f));
+    }
     match f.try_lock() {
         Ok(()) => {}
         Err(TryLockError::WouldBlock) => return Ok(None),
@@ -81,6 +87,19 @@ fn beside(path: &Path, pid: u32) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dev_null_is_written_neither_locked_nor_emptied() {
+        // ftruncate on a device is EINVAL: tracing to /dev/null failed.
+        let null = Path::new("/dev/null");
+        let (_a, pa) = create(null).unwrap();
+        let (_b, pb) = create(null).unwrap();
+        assert_eq!(
+            (pa.as_path(), pb.as_path()),
+            (null, null),
+            "no second writer goes beside it"
+        );
+    }
 
     #[test]
     fn a_path_being_written_sends_the_next_writer_beside_it() {
