@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 
 cargo build --release -p gpualloc-capi
 cargo test --workspace
+# Every criterion benchmark once, as a test (a benchmark that panics, as
+# tracing to /dev/null did for a while, fails here rather than when timed).
+cargo test -p gpualloc-benches --benches
 
 if [ -d python-shim/tests ]; then
   GPUALLOC_LIBRARY="$PWD/target/release/libgpualloc.so" PYTHONPATH="$PWD/python-shim" \
