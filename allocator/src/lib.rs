@@ -113,3 +113,13 @@ pub use stats::{
     DeviceStats, InTorch, STAT_FIELDS, STAT_POOLS, STATS, Stat, StatArray, StatDef, StatKind,
     StatMut, StatValue,
 };
+
+/// Cases of a property test: `PROPTEST_CASES` when set, else `default`
+/// (what CI runs; long runs set it: README, Fuzzing).
+#[cfg(test)]
+pub(crate) fn proptest_cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}

@@ -460,7 +460,7 @@ mod tests {
     }
 
     proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(crate::proptest_cases(64)))]
         /// Random large and small requests under unlimited tear-down: holes
         /// are punched and filled (with handles of several sizes), and
         /// every stitch's range maps exactly its parts after every call.

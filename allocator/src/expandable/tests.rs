@@ -460,7 +460,7 @@ fn expandable_segments_cut_fragmentation_on_multiscale_shapes() {
 }
 
 proptest::proptest! {
-    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(crate::proptest_cases(64)))]
     #[test]
     fn random_ops_keep_invariants(
         ops in proptest::collection::vec((0u8..10, 1u64..(48 << 20), 0u64..3), 1..120),
