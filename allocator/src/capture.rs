@@ -286,7 +286,7 @@ impl<B: Backend> DeviceAllocator<B> {
     pub(crate) fn capture_unseen(&mut self) -> bool {
         self.private.following()
             && !self.private.capturing()
-            && self.backend.stream_capture(0).ok().flatten().is_some()
+            && crate::backend::legacy_reports_capture(&mut self.backend)
     }
 
     /// On the route without pool hooks, whether a capture nobody announced

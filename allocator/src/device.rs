@@ -959,7 +959,7 @@ impl<B: Backend> DeviceAllocator<B> {
             let following = self.private.following();
             self.fences
                 .after_free(&mut self.backend, stream, size, |b| {
-                    !following || b.stream_capture(0).ok().flatten().is_none()
+                    !following || !crate::backend::legacy_reports_capture(b)
                 });
         }
         let b = &mut self.heap.blocks[id];

@@ -327,3 +327,11 @@ pub(crate) fn unmap_maybe_later<B: Backend>(
         backend.unmap(ptr, size)
     }
 }
+
+/// Whether the legacy stream reports a capture under way: a global-mode
+/// capture anywhere in the process, seen by an allocator that follows
+/// captures through the driver (Note [Capture without a pool] in `capture.rs`). A query
+/// the driver refuses counts as none.
+pub(crate) fn legacy_reports_capture<B: Backend>(backend: &mut B) -> bool {
+    backend.stream_capture(0).ok().flatten().is_some()
+}
