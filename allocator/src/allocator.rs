@@ -16,6 +16,7 @@ use crate::error::AllocError;
 use crate::observer::SegmentObserver;
 use crate::pool::PoolKey;
 use crate::private_pool::StreamFilter;
+use crate::segment_source::SegmentSource;
 use crate::snapshot::SegmentSnapshot;
 use crate::stats::DeviceStats;
 use crate::trace::recorder::Recorder;
@@ -410,6 +411,17 @@ impl<B: Backend> Allocator<B> {
     /// [`DeviceAllocator::create_or_incref_pool`] on a device.
     pub fn create_or_incref_pool(&self, device: i64, pool: PoolKey) -> Result<(), AllocError> {
         self.lock(device)?.create_or_incref_pool(pool);
+        Ok(())
+    }
+
+    /// [`DeviceAllocator::create_or_incref_pool_from`] on a device.
+    pub fn create_or_incref_pool_from(
+        &self,
+        device: i64,
+        pool: PoolKey,
+        source: Box<dyn SegmentSource>,
+    ) -> Result<(), AllocError> {
+        self.lock(device)?.create_or_incref_pool_from(pool, source);
         Ok(())
     }
 

@@ -91,7 +91,8 @@ use crate::block::{BlockId, PoolId};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::pool::{Pool, PoolKey};
-use crate::private_pool::StreamFilter;
+use crate::private_pool::{Serving, StreamFilter};
+use crate::segment_source::SegmentSource;
 use crate::size_class::PoolKind;
 use crate::trace::{EventKind, PoolOp};
 
@@ -133,7 +134,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// followed, so there are none).
     fn open_scope(&mut self, key: PoolKey, filter: Option<StreamFilter>) {
         self.private.push_scope(key, filter);
-        self.incref_pool(key);
+        self.incref_pool(key, Serving::Own);
         self.record_pool_call(PoolOp::BeginAllocate, key);
     }
 
@@ -143,13 +144,31 @@ impl<B: Backend> DeviceAllocator<B> {
     /// [`release_pool`](Self::release_pool); a scope opened by
     /// [`begin_allocate_to_pool`](Self::begin_allocate_to_pool) takes one too.
     pub fn create_or_incref_pool(&mut self, key: PoolKey) {
-        self.incref_pool(key);
+        self.incref_pool(key, Serving::Own);
         self.record_pool_call(PoolOp::Incref, key);
     }
 
-    fn incref_pool(&mut self, key: PoolKey) {
+    /// [`create_or_incref_pool`](Self::create_or_incref_pool) for a pool
+    /// whose segments come from another allocator (`torch.cuda.MemPool(
+    /// allocator=...)`; Note [Pools served by another allocator] in
+    /// `segment_source.rs`). `source` serves a new pool; a pool that exists
+    /// already keeps how it is served, as PyTorch gives the allocator only
+    /// to a new pool, and `source` is dropped.
+    pub fn create_or_incref_pool_from(&mut self, key: PoolKey, source: Box<dyn SegmentSource>) {
+        self.incref_pool(key, Serving::From(source));
+        self.record_pool_call(PoolOp::IncrefServed, key);
+    }
+
+    /// A replay's [`create_or_incref_pool_from`](Self::create_or_incref_pool_from):
+    /// the pool grows by plain segments of the backend.
+    pub(crate) fn create_or_incref_plain_pool(&mut self, key: PoolKey) {
+        self.incref_pool(key, Serving::Plain);
+        self.record_pool_call(PoolOp::IncrefServed, key);
+    }
+
+    fn incref_pool(&mut self, key: PoolKey, serving: Serving) {
         let pools = &mut self.heap.pools;
-        let ids = self.private.incref(key, |vacant| {
+        let ids = self.private.incref(key, serving, |vacant| {
             vacant.unwrap_or_else(|| {
                 pools.push(Pool::new(PoolKind::Small, None));
                 (pools.len() - 1) as PoolId

@@ -309,7 +309,11 @@ impl<B: Backend> DeviceAllocator<B> {
             self.heap.coalesce_segment(seg);
         }
         let after = self.split_tally(&segs);
-        if !self.expandable {
+        let plain = self
+            .private
+            .find(key)
+            .is_some_and(|(small, _, _)| self.plain_pool(small));
+        if plain {
             for (i, kind) in [PoolKind::Small, PoolKind::Large].into_iter().enumerate() {
                 let s = &mut self.stats;
                 s.inactive_split.update(kind, after[i].0 - before[i].0);

@@ -397,7 +397,7 @@ impl<B: Backend> DeviceAllocator<B> {
         // them instead (Note [Defragmentation]).
         if !capturing
             && self.config.cross_stream_reuse
-            && !self.expandable
+            && self.plain_pool(pool)
             && let Some(b) = self.take_from_other_stream(pool, stream, rounded)?
         {
             return Ok(b);
@@ -413,7 +413,7 @@ impl<B: Backend> DeviceAllocator<B> {
         // A request larger than the device (or the limit) can never fit:
         // report it without flushing the cache for nothing. Expandable
         // segments need only its pages, not a plain segment's size.
-        let needed = if self.expandable {
+        let needed = if !self.plain_pool(pool) {
             let page = self.page_size(self.heap.pools[pool as usize].kind);
             rounded.div_ceil(page).saturating_mul(page)
         } else {
@@ -527,7 +527,7 @@ impl<B: Backend> DeviceAllocator<B> {
         stream: StreamId,
         capturing: bool,
     ) -> Result<BlockId, GrowError> {
-        if self.expandable {
+        if !self.plain_pool(pool) {
             self.map_expandable(pool, stream, rounded, capturing)
         } else {
             self.alloc_block(pool, alloc_size, stream, capturing)
@@ -549,15 +549,16 @@ impl<B: Backend> DeviceAllocator<B> {
         {
             return Err(GrowError::Full(None));
         }
-        let ptr = self
-            .backend
-            .allocate(size, capturing)
-            .map_err(|e| match e {
-                BackendError::OutOfMemory { .. } => {
-                    GrowError::Full(Some(BackendError::OutOfMemory { requested: size }))
-                }
-                e => GrowError::Failed(e.into()),
-            })?;
+        let ptr = match self.private.source_mut(pool) {
+            Some(source) => source.allocate(size, stream),
+            None => self.backend.allocate(size, capturing),
+        }
+        .map_err(|e| match e {
+            BackendError::OutOfMemory { .. } => {
+                GrowError::Full(Some(BackendError::OutOfMemory { requested: size }))
+            }
+            e => GrowError::Failed(e.into()),
+        })?;
         let kind = self.heap.pools[pool as usize].kind;
         let (_, block) = self.heap.new_segment(ptr, size, pool, stream, false);
         self.notify(SegmentAction::Alloc, stream, ptr, size);
@@ -574,6 +575,14 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(block)
     }
 
+    /// Whether `pool` grows by plain segments: the device's mode, or a
+    /// pool served by another allocator (Note [Pools served by another
+    /// allocator] in `segment_source.rs`).
+    #[inline]
+    pub(crate) fn plain_pool(&self, pool: PoolId) -> bool {
+        !self.expandable || self.private.plain(pool)
+    }
+
     /// PyTorch's `should_split`.
     #[inline]
     fn should_split(&self, pool: PoolId, kind: PoolKind, block_size: u64, rounded: u64) -> bool {
@@ -581,7 +590,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if pool == STITCH {
             return false;
         }
-        if self.expandable {
+        if !self.plain_pool(pool) {
             return remaining >= crate::size_class::MIN_BLOCK_SIZE;
         }
         match kind {
@@ -604,7 +613,7 @@ impl<B: Backend> DeviceAllocator<B> {
     ) -> DevicePtr {
         let kind = self.heap.pools[pool as usize].kind;
         // Expandable blocks are never counted as inactive splits (PyTorch).
-        let counted = !self.expandable;
+        let counted = self.plain_pool(pool);
         let already_split = counted && self.heap.blocks[id].is_split();
         let block_size = self.heap.blocks[id].size;
         if self.should_split(pool, kind, block_size, rounded) {
@@ -977,7 +986,7 @@ impl<B: Backend> DeviceAllocator<B> {
         } else {
             self.heap.pools[pool as usize].insert(key);
         }
-        if !self.expandable {
+        if self.plain_pool(pool) {
             self.stats.inactive_split.update(kind, net_blocks);
             self.stats.inactive_split_bytes.update(kind, net_bytes);
         }

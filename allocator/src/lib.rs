@@ -82,6 +82,7 @@ pub mod replay;
 mod replay_pools;
 mod rng;
 mod segment;
+mod segment_source;
 pub mod size_class;
 mod snapshot;
 pub mod stats;
@@ -108,6 +109,7 @@ pub use limits::is_memory_fraction;
 pub use observer::{SegmentAction, SegmentEvent, SegmentObserver};
 pub use pool::PoolKey;
 pub use private_pool::StreamFilter;
+pub use segment_source::SegmentSource;
 pub use snapshot::{BlockSnapshot, SegmentSnapshot};
 pub use stats::{
     DeviceStats, InTorch, STAT_FIELDS, STAT_POOLS, STATS, Stat, StatArray, StatDef, StatKind,

@@ -7,6 +7,7 @@ use crate::block::PoolId;
 use crate::error::AllocError;
 use crate::heap::STITCH;
 use crate::pool::PoolKey;
+use crate::segment_source::SegmentSource;
 use crate::size_class::PoolKind;
 
 /// Decides whether an allocation on a stream belongs to a scope's pool.
@@ -22,6 +23,22 @@ struct PrivatePool {
     use_count: u32,
     segments: usize,
     allocated: usize,
+    /// Grows by plain segments whatever the device's mode (Note [Pools
+    /// served by another allocator] in `segment_source.rs`).
+    plain: bool,
+    /// Where those segments come from; `None`: the backend (a replay).
+    source: Option<Box<dyn SegmentSource>>,
+}
+
+/// How a new private pool gets its segments.
+pub enum Serving {
+    /// As the device's mode says.
+    Own,
+    /// Plain segments from the backend (a replay of a pool served by
+    /// another allocator).
+    Plain,
+    /// Plain segments from another allocator.
+    From(Box<dyn SegmentSource>),
 }
 
 struct Scope {
@@ -132,15 +149,23 @@ impl PrivatePools {
     /// Takes a hold on pool `key`, creating it if absent; a new pool gets its
     /// `(small, large)` ids from `ids` (called only then). Returns the new
     /// pool's ids, or `None` when the pool existed.
+    /// `serving` says how a new pool gets its segments; an existing pool
+    /// keeps its own (the caller refuses another allocator for it first).
     pub fn incref(
         &mut self,
         key: PoolKey,
+        serving: Serving,
         mut ids: impl FnMut(Option<PoolId>) -> PoolId,
     ) -> Option<(PoolId, PoolId)> {
         if let Some(p) = self.pools.iter_mut().find(|p| p.key == key) {
             p.use_count += 1;
             return None;
         }
+        let (plain, source) = match serving {
+            Serving::Own => (false, None),
+            Serving::Plain => (true, None),
+            Serving::From(s) => (true, Some(s)),
+        };
         let small = ids(self.vacant_ids.pop());
         let large = ids(self.vacant_ids.pop());
         self.pools.push(PrivatePool {
@@ -151,6 +176,8 @@ impl PrivatePools {
             use_count: 1,
             segments: 0,
             allocated: 0,
+            plain,
+            source,
         });
         self.next_index += 1;
         Some((small, large))
@@ -162,6 +189,17 @@ impl PrivatePools {
             .iter()
             .find(|p| p.key == key)
             .map(|p| (p.small, p.large, p.use_count))
+    }
+
+    /// Whether `pool` grows by plain segments whatever the device's mode.
+    #[inline]
+    pub fn plain(&self, pool: PoolId) -> bool {
+        pool > STITCH && self.owner(pool).is_some_and(|p| p.plain)
+    }
+
+    /// The other allocator serving `pool`, if one does.
+    pub fn source_mut(&mut self, pool: PoolId) -> Option<&mut (dyn SegmentSource + 'static)> {
+        self.owner_mut(pool)?.source.as_deref_mut()
     }
 
     /// Whether a scope of pool `key` is open.
@@ -226,14 +264,19 @@ impl PrivatePools {
             .find(|p| p.small == pool || p.large == pool)
     }
 
-    pub fn index_of(&self, pool: PoolId) -> Option<u32> {
+    /// The private pool that owns `pool` (never a default pool).
+    #[inline]
+    fn owner(&self, pool: PoolId) -> Option<&PrivatePool> {
         if pool <= STITCH {
             return None;
         }
         self.pools
             .iter()
             .find(|p| p.small == pool || p.large == pool)
-            .map(|p| p.index)
+    }
+
+    pub fn index_of(&self, pool: PoolId) -> Option<u32> {
+        self.owner(pool).map(|p| p.index)
     }
 
     #[inline]

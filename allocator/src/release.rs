@@ -1,7 +1,7 @@
 //! Giving memory back: `empty_cache`, the out-of-memory retries and
 //! garbage collection.
 
-use crate::backend::{Backend, StreamId};
+use crate::backend::{Backend, BackendError, StreamId};
 use crate::block::{BlockId, BlockState, PoolId};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
@@ -212,6 +212,26 @@ impl<B: Backend> DeviceAllocator<B> {
         !b.is_split() && !self.heap.segments.get(b.segment).expandable
     }
 
+    /// Gives a plain segment of `pool` back to where it came from: the
+    /// backend, or the other allocator serving the pool after the device
+    /// finished its work (Note [Pools served by another allocator]).
+    fn give_back(
+        &mut self,
+        pool: PoolId,
+        ptr: u64,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<(), BackendError> {
+        if self.private.source_mut(pool).is_none() {
+            return self.backend.release(ptr, size);
+        }
+        self.backend.synchronize()?;
+        match self.private.source_mut(pool) {
+            Some(source) => source.release(ptr, size, stream),
+            None => Ok(()),
+        }
+    }
+
     /// Returns a cached block that spans its whole segment to the backend.
     pub(crate) fn release_segment(&mut self, id: BlockId) -> Result<(), AllocError> {
         let b = &self.heap.blocks[id];
@@ -219,7 +239,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let (ptr, size, stream, pool, seg) = (b.ptr, b.size, b.stream, b.pool, b.segment);
         let seg_stream = self.heap.segments.get(seg).stream;
         self.notify(SegmentAction::Free, seg_stream, ptr, size);
-        if let Err(e) = self.backend.release(ptr, size) {
+        if let Err(e) = self.give_back(pool, ptr, size, seg_stream) {
             // Still there: say so again (Note [Segment events]).
             self.notify(SegmentAction::Alloc, seg_stream, ptr, size);
             return Err(e.into());

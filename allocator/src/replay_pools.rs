@@ -230,6 +230,10 @@ impl PoolRouting {
                 dev.create_or_incref_pool(key);
                 Ok(())
             }
+            PoolOp::IncrefServed => {
+                dev.create_or_incref_plain_pool(key);
+                Ok(())
+            }
             PoolOp::Release => dev.release_pool(key),
             PoolOp::EmptyCache => dev.empty_pool_cache(key),
             PoolOp::Other(_) => Ok(()),

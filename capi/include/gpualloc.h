@@ -174,6 +174,27 @@ typedef struct GpuallocOomInfo {
 // Called under the allocator's lock: it must not call gpualloc.
 typedef int (*GpuallocStreamFilter)(void *ctx, cudaStream_t stream);
 
+// Another allocator that serves a private pool's segments
+// (`torch.cuda.MemPool(allocator=...)`; Note [Pools served by another
+// allocator]). Its functions are called under the allocator's lock, from
+// any thread: they must not call gpualloc.
+typedef struct GpuallocSegmentSource {
+  // Passed back to each function.
+  void *ctx;
+  // A segment of `size` bytes on `device` for work on `stream`; NULL
+  // when the other allocator has no room (gpualloc then gives its own
+  // cache back and asks again, then reports out of memory).
+  void *(*alloc)(void *ctx, size_t size, int device, cudaStream_t stream);
+  // Gives back a segment `alloc` returned; called only once the device
+  // has finished all work queued before.
+  void (*free)(void *ctx, void *ptr, size_t size, int device, cudaStream_t stream);
+  // Called once when gpualloc no longer needs the source (the pool is
+  // gone, or it was not taken); may be NULL.
+  void (*drop)(void *ctx);
+  // The other allocator's name, for messages (copied); may be NULL.
+  const char *name;
+} GpuallocSegmentSource;
+
 // One segment of [`gpualloc_snapshot_segments`]: a plain segment, one
 // mapped run of an expandable segment, or a stitch in use.
 typedef struct GpuallocSegmentInfo {
@@ -685,6 +706,26 @@ int gpualloc_release_pool(int device, uint64_t id_a, uint64_t id_b);
 // Each hold is dropped by one `gpualloc_release_pool`;
 // `gpualloc_begin_allocate_to_pool` takes a hold too.
 int gpualloc_create_or_incref_pool(int device, uint64_t id_a, uint64_t id_b);
+
+// `gpualloc_create_or_incref_pool` for a pool whose segments come from
+// another allocator, `*source` (PyTorch's `createOrIncrefPool` with an
+// allocator, from `torch.cuda.MemPool(allocator=...)`): the pool grows by
+// plain segments of PyTorch's sizes from `source->alloc`, whatever the
+// configuration, caches, splits and merges them as PyTorch does, and gives
+// them back through `source->free` where a plain segment would go back to
+// the device. A pool that exists already keeps how it is served. In every
+// case `source->drop` is called exactly once, when gpualloc no longer
+// needs the source (at once when it is not taken, or on an error).
+// `GPUALLOC_ERR_INVALID_ARGUMENT` for a NULL `source`, `alloc` or `free`.
+//
+// # Safety
+// `source` is NULL or points to a readable `GpuallocSegmentSource` whose
+// `name` is NULL or a NUL-terminated string; its functions may be called
+// with its `ctx`, from any thread, until its `drop` is called.
+int gpualloc_create_or_incref_pool_from(int device,
+                                        uint64_t id_a,
+                                        uint64_t id_b,
+                                        const struct GpuallocSegmentSource *source);
 
 // Writes the holds on pool `(id_a, id_b)` of `device` to `*out`: 0 for an
 // unknown pool (not an error), or one released to zero that still has

@@ -5,9 +5,9 @@
 //! ABI takes the pair as two integers and the filter as a function pointer
 //! plus a context pointer (the torch bridge wraps the `std::function`).
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{CStr, c_char, c_int, c_void};
 
-use gpualloc::{AllocError, Allocator, StreamFilter};
+use gpualloc::{AllocError, Allocator, BackendError, SegmentSource, StreamFilter};
 
 use crate::boundary::{
     Error, GPUALLOC_ERR_UNKNOWN_POOL, GPUALLOC_OK, array_arg, copy_out, fits, status, write_out,
@@ -127,6 +127,166 @@ pub extern "C" fn gpualloc_create_or_incref_pool(device: c_int, id_a: u64, id_b:
         Ok(global()?
             .alloc
             .create_or_incref_pool(i64::from(device), (id_a, id_b))?)
+    })
+}
+
+/// Another allocator that serves a private pool's segments
+/// (`torch.cuda.MemPool(allocator=...)`; Note [Pools served by another
+/// allocator]). Its functions are called under the allocator's lock, from
+/// any thread: they must not call gpualloc.
+#[repr(C)]
+pub struct GpuallocSegmentSource {
+    /// Passed back to each function.
+    pub ctx: *mut c_void,
+    /// A segment of `size` bytes on `device` for work on `stream`; NULL
+    /// when the other allocator has no room (gpualloc then gives its own
+    /// cache back and asks again, then reports out of memory).
+    pub alloc: Option<
+        unsafe extern "C" fn(
+            ctx: *mut c_void,
+            size: usize,
+            device: c_int,
+            stream: cudaStream_t,
+        ) -> *mut c_void,
+    >,
+    /// Gives back a segment `alloc` returned; called only once the device
+    /// has finished all work queued before.
+    pub free: Option<
+        unsafe extern "C" fn(
+            ctx: *mut c_void,
+            ptr: *mut c_void,
+            size: usize,
+            device: c_int,
+            stream: cudaStream_t,
+        ),
+    >,
+    /// Called once when gpualloc no longer needs the source (the pool is
+    /// gone, or it was not taken); may be NULL.
+    pub drop: Option<unsafe extern "C" fn(ctx: *mut c_void)>,
+    /// The other allocator's name, for messages (copied); may be NULL.
+    pub name: *const c_char,
+}
+
+/// A [`GpuallocSegmentSource`] as the allocator holds it.
+struct CSource {
+    ctx: *mut c_void,
+    alloc: unsafe extern "C" fn(*mut c_void, usize, c_int, cudaStream_t) -> *mut c_void,
+    free: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int, cudaStream_t),
+    drop: Option<unsafe extern "C" fn(*mut c_void)>,
+    name: String,
+    device: c_int,
+}
+
+// SAFETY: the contract of gpualloc_create_or_incref_pool_from requires that
+// the source's functions may be called with `ctx` from any thread until
+// its `drop` is called.
+unsafe impl Send for CSource {}
+
+impl SegmentSource for CSource {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn allocate(&mut self, size: u64, stream: u64) -> Result<u64, BackendError> {
+        let bytes =
+            usize::try_from(size).map_err(|_| BackendError::OutOfMemory { requested: size })?;
+        // SAFETY: `alloc` and `ctx` came together from the caller, valid
+        // until `drop` (see the contract above).
+        let p = unsafe {
+            (self.alloc)(
+                self.ctx,
+                bytes,
+                self.device,
+                stream as usize as cudaStream_t,
+            )
+        };
+        if p.is_null() {
+            return Err(BackendError::OutOfMemory { requested: size });
+        }
+        Ok(p as usize as u64)
+    }
+
+    fn release(&mut self, ptr: u64, size: u64, stream: u64) -> Result<(), BackendError> {
+        // SAFETY: as in `allocate`; `ptr` and `size` are a segment `alloc`
+        // returned and that was not given back before.
+        unsafe {
+            (self.free)(
+                self.ctx,
+                ptr as usize as *mut c_void,
+                size as usize,
+                self.device,
+                stream as usize as cudaStream_t,
+            )
+        };
+        Ok(())
+    }
+}
+
+impl Drop for CSource {
+    fn drop(&mut self) {
+        if let Some(d) = self.drop {
+            // SAFETY: called once, last; the caller may free `ctx` in it.
+            unsafe { d(self.ctx) };
+        }
+    }
+}
+
+/// `gpualloc_create_or_incref_pool` for a pool whose segments come from
+/// another allocator, `*source` (PyTorch's `createOrIncrefPool` with an
+/// allocator, from `torch.cuda.MemPool(allocator=...)`): the pool grows by
+/// plain segments of PyTorch's sizes from `source->alloc`, whatever the
+/// configuration, caches, splits and merges them as PyTorch does, and gives
+/// them back through `source->free` where a plain segment would go back to
+/// the device. A pool that exists already keeps how it is served. In every
+/// case `source->drop` is called exactly once, when gpualloc no longer
+/// needs the source (at once when it is not taken, or on an error).
+/// `GPUALLOC_ERR_INVALID_ARGUMENT` for a NULL `source`, `alloc` or `free`.
+///
+/// # Safety
+/// `source` is NULL or points to a readable `GpuallocSegmentSource` whose
+/// `name` is NULL or a NUL-terminated string; its functions may be called
+/// with its `ctx`, from any thread, until its `drop` is called.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_create_or_incref_pool_from(
+    device: c_int,
+    id_a: u64,
+    id_b: u64,
+    source: *const GpuallocSegmentSource,
+) -> c_int {
+    status(|| {
+        if source.is_null() {
+            return Err(Error::invalid("source is NULL"));
+        }
+        // SAFETY: non-null, readable per the contract.
+        let s = unsafe { &*source };
+        let name = if s.name.is_null() {
+            "another allocator".to_string()
+        } else {
+            // SAFETY: NUL-terminated per the contract.
+            unsafe { CStr::from_ptr(s.name) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        let (Some(alloc), Some(free)) = (s.alloc, s.free) else {
+            if let Some(d) = s.drop {
+                // SAFETY: the source is not taken: dropped at once, per the contract.
+                unsafe { d(s.ctx) };
+            }
+            return Err(Error::invalid(
+                "source->alloc and source->free must not be NULL",
+            ));
+        };
+        let source = Box::new(CSource {
+            ctx: s.ctx,
+            alloc,
+            free,
+            drop: s.drop,
+            name,
+            device,
+        });
+        Ok(global()?
+            .alloc
+            .create_or_incref_pool_from(i64::from(device), (id_a, id_b), source)?)
     })
 }
 

@@ -485,7 +485,8 @@ fn read_only_calls_and_errors() {
 
 /// The private-pool calls beyond capture scopes (`tests/c/pools_test.c`):
 /// holds, use counts, `emptyCache(mempool_id)`, live allocations,
-/// checkpoints and restores, with their buffer and validation errors.
+/// checkpoints and restores, with their buffer and validation errors, and
+/// a pool served by another allocator.
 #[test]
 fn pool_holds_checkpoints_and_restores() {
     let (out, exe) = build_c("pools_test");
@@ -493,7 +494,12 @@ fn pool_holds_checkpoints_and_restores() {
     let stdout = String::from_utf8_lossy(&run.stdout);
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "{}\n{stdout}\n{stderr}", run.status);
-    for section in ["holds", "live_allocations", "checkpoint_restore"] {
+    for section in [
+        "holds",
+        "served pool",
+        "live_allocations",
+        "checkpoint_restore",
+    ] {
         assert!(
             stdout.lines().any(|l| l == format!("ok {section}")),
             "section {section} did not pass:\n{stdout}"

@@ -13,6 +13,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+pub mod foreign;
+use foreign::Foreign;
+
 use gpualloc::{
     AllocError, BlockState, CheckpointBlock, Config, DeviceAllocator, DevicePtr, PoolKey,
     RestoreDelta, SegmentSnapshot, SimBackend, StreamId,
@@ -103,6 +106,9 @@ pub struct Checked {
     open_scopes: Vec<PoolKey>,
     byte_limit: Option<u64>,
     fraction: Option<f64>,
+    /// Other allocators serving private pools: their bytes are reserved
+    /// but not the simulator's.
+    foreign: Vec<Foreign>,
 }
 
 impl Checked {
@@ -123,6 +129,7 @@ impl Checked {
             open_scopes: Vec::new(),
             byte_limit,
             fraction,
+            foreign: Vec::new(),
         };
         c.check();
         c
@@ -197,20 +204,23 @@ impl Checked {
         let waited = self.sim().counters.stream_wait_event;
         let allocated = self.sim().counters.allocate;
         let created = self.sim().counters.create;
+        let lent: Vec<BTreeMap<DevicePtr, (u64, StreamId)>> = self
+            .foreign
+            .iter()
+            .map(|f| f.ledger().live.clone())
+            .collect();
         let r = f(&mut self.dev);
-        for (lo, size) in self.sim_mut().take_unmaps() {
-            let hi = lo + size;
-            for f in self.freed.iter().filter(|f| f.start < hi && lo < f.end) {
-                for &(u, seq) in &f.users {
-                    assert!(
-                        self.sim().is_completed(u, seq),
-                        "{lo:#x}+{size} unmapped while work {seq} of stream {u} on {:#x}..{:#x} may still run",
-                        f.start,
-                        f.end
-                    );
-                }
+        // Another allocator's free may not wait for queued work: nothing
+        // may still run on a segment given back to it.
+        for (f, before) in self.foreign.iter().zip(&lent) {
+            let now = f.ledger().live.clone();
+            for (&lo, &(size, _)) in before.iter().filter(|(p, _)| !now.contains_key(p)) {
+                self.assert_done(lo, size, "given back to the other allocator");
             }
-            self.freed.retain(|f| f.end <= lo || hi <= f.start);
+        }
+        for (lo, size) in self.sim_mut().take_unmaps() {
+            self.assert_done(lo, size, "unmapped");
+            self.freed.retain(|f| f.end <= lo || lo + size <= f.start);
         }
         if self.sim().counters.release > released {
             // cudaFree synchronizes the device: all earlier work is done.
@@ -229,6 +239,22 @@ impl Checked {
             );
         }
         r
+    }
+
+    /// Panics unless every work that used freed bytes in `lo..lo + size`
+    /// is done (`what` happened to the range).
+    fn assert_done(&self, lo: DevicePtr, size: u64, what: &str) {
+        let hi = lo + size;
+        for f in self.freed.iter().filter(|f| f.start < hi && lo < f.end) {
+            for &(u, seq) in &f.users {
+                assert!(
+                    self.sim().is_completed(u, seq),
+                    "{lo:#x}+{size} {what} while work {seq} of stream {u} on {:#x}..{:#x} may still run",
+                    f.start,
+                    f.end
+                );
+            }
+        }
     }
 
     /// The largest `seq` with `is_ordered_after(later, earlier, seq)`.
@@ -621,6 +647,21 @@ impl Checked {
         self.check();
     }
 
+    /// `create_or_incref_pool` with another allocator serving the pool.
+    pub fn create_or_incref_pool_from(&mut self, key: PoolKey, other: &Foreign) {
+        self.foreign.push(other.clone());
+        self.op(|d| d.create_or_incref_pool_from(key, other.source()));
+        self.check();
+    }
+
+    /// Bytes and segments the other allocators have handed out.
+    fn foreign_out(&self) -> (u64, usize) {
+        self.foreign.iter().fold((0, 0), |(b, n), f| {
+            let l = f.ledger();
+            (b + l.bytes(), n + l.live.len())
+        })
+    }
+
     /// `follow_driver_capture`.
     pub fn follow_driver_capture(&mut self, stream: StreamId) {
         self.op(|d| d.follow_driver_capture(stream)).unwrap();
@@ -759,10 +800,11 @@ impl Checked {
             bytes + pending_bytes,
             "active_bytes.all.current"
         );
+        let (foreign_bytes, foreign_segments) = self.foreign_out();
         assert_eq!(
             s.reserved_bytes.all.current as u64,
-            self.sim().used(),
-            "reserved_bytes vs sim.used()"
+            self.sim().used() + foreign_bytes,
+            "reserved_bytes vs sim.used() and the other allocators' bytes"
         );
         // The segment stat counts plain segments only, as PyTorch's does;
         // an expandable segment shows as one snapshot entry per mapped run.
@@ -772,15 +814,15 @@ impl Checked {
             "segment.all.current vs snapshot"
         );
         assert_eq!(
-            self.sim().live_allocations(),
+            self.sim().live_allocations() + foreign_segments,
             plain,
-            "backend allocations vs segments"
+            "backend and other allocators' allocations vs segments"
         );
         let mapped: u64 = snap.iter().map(|x| x.total_size).sum();
         assert_eq!(
             mapped + self.dev.pooled_bytes(),
-            self.sim().used(),
-            "snapshot plus page pool vs sim.used()"
+            self.sim().used() + foreign_bytes,
+            "snapshot plus page pool vs sim.used() and the other allocators' bytes"
         );
         for st in [
             &s.allocated_bytes,

@@ -163,6 +163,11 @@ pub enum PoolOp {
     /// number `checkpoint` (`u64::MAX`: one taken before the trace began);
     /// the frees and allocs it made follow in the same call.
     Restore,
+    /// `create_or_incref_pool` with another allocator
+    /// (`torch.cuda.MemPool(allocator=...)`): a hold taken without a
+    /// scope; a pool it creates takes its segments from that allocator
+    /// (Note [Pools served by another allocator]).
+    IncrefServed,
     /// A code this reader does not know (a later version's call).
     Other(u64),
 }
@@ -178,6 +183,7 @@ impl PoolOp {
             PoolOp::EmptyCache => 4,
             PoolOp::Checkpoint => 5,
             PoolOp::Restore => 6,
+            PoolOp::IncrefServed => 7,
             PoolOp::Other(c) => c,
         }
     }
@@ -192,6 +198,7 @@ impl PoolOp {
             4 => PoolOp::EmptyCache,
             5 => PoolOp::Checkpoint,
             6 => PoolOp::Restore,
+            7 => PoolOp::IncrefServed,
             c => PoolOp::Other(c),
         }
     }
@@ -206,6 +213,7 @@ impl PoolOp {
             PoolOp::EmptyCache => "empty_pool_cache",
             PoolOp::Checkpoint => "get_checkpoint_state",
             PoolOp::Restore => "set_checkpoint_pool_state",
+            PoolOp::IncrefServed => "create_or_incref_pool_with_allocator",
             PoolOp::Other(_) => "unknown",
         }
     }

@@ -245,6 +245,10 @@ fn pool_calls_keep_their_codes_and_unknown_ones_decode() {
     }
     assert_eq!(PoolOp::from_code(0).name(), "begin_allocate_to_pool");
     assert_eq!(PoolOp::from_code(4).name(), "empty_pool_cache");
+    assert_eq!(
+        PoolOp::from_code(7).name(),
+        "create_or_incref_pool_with_allocator"
+    );
     assert_eq!(PoolOp::from_code(9), PoolOp::Other(9));
     let e = TraceEvent::from_kind(
         1,

@@ -236,8 +236,74 @@ static void test_checkpoint_restore(void) {
   SECTION_OK("checkpoint_restore");
 }
 
+/* Another allocator serving a pool (torch.cuda.MemPool(allocator=...)):
+ * hands out addresses of its own from a static arena (the simulated device
+ * never touches them), counts its calls, and is dropped exactly once. */
+struct other {
+  uintptr_t next;
+  int allocs, frees, drops;
+  size_t out;
+};
+
+static void *other_alloc(void *ctx, size_t size, int device, cudaStream_t stream) {
+  struct other *o = ctx;
+  (void)device;
+  (void)stream;
+  if (o->out + size > 64 * MiB) {
+    return NULL;
+  }
+  void *p = (void *)o->next;
+  o->next += size;
+  o->out += size;
+  o->allocs++;
+  return p;
+}
+
+static void other_free(void *ctx, void *ptr, size_t size, int device, cudaStream_t stream) {
+  struct other *o = ctx;
+  (void)ptr;
+  (void)device;
+  (void)stream;
+  o->out -= size;
+  o->frees++;
+}
+
+static void other_drop(void *ctx) { ((struct other *)ctx)->drops++; }
+
+static void test_served_pool(void) {
+  struct other o = {(uintptr_t)0x5f0000000000ull, 0, 0, 0, 0};
+  GpuallocSegmentSource src = {&o, other_alloc, other_free, other_drop, "test allocator"};
+  const uint64_t a = 77, b = 0;
+  OK(gpualloc_create_or_incref_pool_from(0, a, b, &src));
+  OK(gpualloc_begin_allocate_to_pool(0, a, b, NULL, NULL));
+  void *p = gpualloc_malloc(5 * MiB, 0, CAP);
+  void *q = gpualloc_malloc(1000, 0, CAP);
+  CHECK(p != NULL && q != NULL);
+  CHECK(o.allocs == 2 && o.out == 22 * MiB); /* 20 MiB and 2 MiB, PyTorch's sizes */
+  CHECK((uintptr_t)p >= 0x5f0000000000ull && (uintptr_t)p < o.next);
+  /* The other allocator full: out of memory, not a crash. */
+  CHECK(gpualloc_malloc(50 * MiB, 0, CAP) == NULL);
+  CHECK(gpualloc_last_error_code() == GPUALLOC_ERR_OUT_OF_MEMORY);
+  OK(gpualloc_end_allocate_to_pool(0, a, b));
+  OK(gpualloc_release_pool(0, a, b));
+  OK(gpualloc_check_invariants(0));
+  gpualloc_free(p, 5 * MiB, 0, CAP);
+  gpualloc_free(q, 1000, 0, CAP);
+  OK(gpualloc_release_pool(0, a, b));
+  CHECK(o.frees == 2 && o.out == 0 && o.drops == 1);
+  OK(gpualloc_check_invariants(0));
+  /* Refused sources are dropped too. */
+  GpuallocSegmentSource bad = {&o, NULL, other_free, other_drop, NULL};
+  CHECK(gpualloc_create_or_incref_pool_from(0, 78, 0, &bad) == GPUALLOC_ERR_INVALID_ARGUMENT);
+  CHECK(contains(gpualloc_last_error(), "source->alloc"));
+  CHECK(o.drops == 2);
+  CHECK(gpualloc_create_or_incref_pool_from(0, 78, 0, NULL) == GPUALLOC_ERR_INVALID_ARGUMENT);
+  printf("ok served pool\n");
+}
+
 int main(void) {
   test_holds();
+  test_served_pool();
   test_live_allocations();
   test_checkpoint_restore();
   printf("ALL OK\n");

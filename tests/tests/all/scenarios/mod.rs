@@ -51,6 +51,7 @@ mod pools;
 mod record_stream;
 mod robustness;
 mod rounding;
+mod served_pools;
 mod sharing;
 mod split;
 mod stats;

@@ -1,0 +1,48 @@
+//! Segments from another allocator, for one private pool.
+//!
+//! Note [Pools served by another allocator]
+//! Rationale: `torch.cuda.MemPool(allocator=...)` asks for a pool whose
+//! memory comes from another allocator: NCCL's `ncclMemAlloc` (user buffers
+//! that NCCL registers for zero-copy collectives), symmetric memory's pool,
+//! a program's own `CUDAPluggableAllocator`. PyTorch keeps caching such a
+//! pool itself and only takes its segments from that allocator
+//! (`raw_alloc` / `raw_delete` instead of `cudaMalloc` / `cudaFree`); the
+//! other allocator's memory is what the caller needs (registered, shareable
+//! across processes), so gpualloc's own pages cannot stand in for it.
+//! Approach: such a pool gets a [`SegmentSource`] when it is created. It
+//! grows by plain segments of PyTorch's sizes (2 MiB small, 20 MiB below
+//! 10 MiB, else the request rounded to 2 MiB) from the source, whatever
+//! the device's mode, so its blocks never move, never alias a stitch and
+//! never give a page to defragmentation; it splits and merges as a plain
+//! pool does, counts in the stats and the snapshot as PyTorch's does, and
+//! gives a segment back to the source where a plain segment goes back to
+//! the driver (`empty_cache`, the out-of-memory retries, the pool's last
+//! hold dropped), after waiting for the device, as `cudaFree` would: the
+//! other allocator's free may not wait for queued work. The trace records
+//! that the pool is served so (call 7 of `private_pool`), and a replay
+//! serves it from plain segments of the simulated device, of the same
+//! sizes. The source goes when the pool goes (no hold and no segment left).
+
+use crate::backend::{BackendError, DevicePtr, StreamId};
+
+/// Where a private pool served by another allocator gets its segments.
+pub trait SegmentSource: Send {
+    /// The other allocator's name, for messages.
+    fn name(&self) -> &str;
+
+    /// A segment of `size` bytes for work on `stream`.
+    ///
+    /// # Errors
+    /// [`BackendError::OutOfMemory`] when the other allocator has no room
+    /// (gpualloc then gives its own cache back and asks again), another
+    /// [`BackendError`] when it failed otherwise.
+    fn allocate(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, BackendError>;
+
+    /// Gives back a segment [`allocate`](Self::allocate) returned, with no
+    /// work queued on it any more.
+    ///
+    /// # Errors
+    /// A [`BackendError`] when the other allocator failed; the segment is
+    /// then kept.
+    fn release(&mut self, ptr: DevicePtr, size: u64, stream: StreamId) -> Result<(), BackendError>;
+}
