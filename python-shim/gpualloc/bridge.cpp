@@ -47,6 +47,7 @@
 #include "bridge/history.h"
 #include "bridge/ipc.h"
 #include "bridge/registration.h"
+#include "bridge/served_pool.h"
 #include "bridge/uncached.h"
 
 #if TORCH_VERSION_MAJOR != 2 || TORCH_VERSION_MINOR < 9
@@ -753,7 +754,8 @@ class GpuallocAllocator final : public CUDAAllocator {
   }
 #if TORCH_VERSION_MINOR >= 11
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t id, std::shared_ptr<CUDAAllocator> allocator) override {
-    create_pool(device, id, allocator.get());
+    CUDAAllocator* other = allocator.get();
+    create_pool(device, id, other, std::move(allocator));
   }
   void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id, bool use_on_oom) override {
     if (use_on_oom) {
@@ -762,7 +764,7 @@ class GpuallocAllocator final : public CUDAAllocator {
   }
 #else
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t id, CUDAAllocator* allocator) override {
-    create_pool(device, id, allocator);
+    create_pool(device, id, allocator, nullptr);
   }
   void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id) override { refuse_pool_option(device, id, kUseOnOom); }
 #endif
@@ -780,12 +782,17 @@ class GpuallocAllocator final : public CUDAAllocator {
     api.release_pool(device, id.first, id.second);
     TORCH_CHECK(false, why);
   }
-  void create_pool(c10::DeviceIndex device, MempoolId_t id, CUDAAllocator* allocator) {
-    TORCH_CHECK(allocator == nullptr || allocator == this,
-                "gpualloc: torch.cuda.MemPool(allocator=", allocator != nullptr ? allocator->name() : std::string("?"),
-                ") asks for a pool whose memory comes from another allocator; gpualloc serves every pool itself. "
-                "Create the MemPool without an allocator, or run this program without gpualloc");
-    check(api.create_or_incref_pool(device, id.first, id.second), "createOrIncrefPool");
+  // A pool with another allocator takes its segments from it (Note
+  // [MemPool with another allocator] in bridge/served_pool.h); `keep` owns
+  // it where torch passes a shared pointer.
+  void create_pool(c10::DeviceIndex device, MempoolId_t id, CUDAAllocator* allocator,
+                   std::shared_ptr<CUDAAllocator> keep) {
+    if (allocator == nullptr || allocator == this) {
+      check(api.create_or_incref_pool(device, id.first, id.second), "createOrIncrefPool");
+      return;
+    }
+    GpuallocSegmentSource source = serve_from(allocator, std::move(keep));
+    check(api.create_or_incref_pool_from(device, id.first, id.second, &source), "createOrIncrefPool");
   }
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t id,
                                 const std::unordered_set<void*>& expected) override {

@@ -327,6 +327,67 @@ def check_compat(args) -> dict:
         assert torch.cuda.memory_allocated() == base, f"allocated {torch.cuda.memory_allocated()} != base {base}"
         return {"use_count_inside": inner}
 
+    @sub("mempool_with_another_allocator")
+    def _():
+        # torch.cuda.MemPool(allocator=...): the pool's segments come from
+        # that allocator (here a CUDAPluggableAllocator built from
+        # other_allocator.cu), cached and given back by the caching allocator.
+        import ctypes
+
+        lib, so = _other_allocator()
+        other = torch.cuda.memory.CUDAPluggableAllocator(so, "other_malloc", "other_free")
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        pool = torch.cuda.MemPool(other.allocator())
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.full((MiB,), 3.0, device=dev)
+            b = torch.full((10,), 2.0, device=dev)
+            c = torch.full((3 * MiB,), 1.0, device=dev)
+            a2 = torch.full((MiB // 2,), 1.0, device=dev)
+        d = torch.ones(MiB, device=dev)
+        made = lib.other_allocs()
+        assert made >= 2, f"the other allocator made {made} allocations"
+        for name, t in (("a", a), ("b", b), ("c", c), ("a2", a2)):
+            assert lib.other_owns(ctypes.c_uint64(t.data_ptr())), \
+                f"tensor {name}, made in the pool, is not in the other allocator's memory"
+        assert not lib.other_owns(ctypes.c_uint64(d.data_ptr())), \
+            "a tensor made outside the pool is in the other allocator's memory"
+        assert made < 4, f"{made} allocations for 4 tensors: the pool does not cache its segments"
+        segs = torch.cuda.memory.memory_snapshot(mempool_id=pool.id)
+        seg_bytes = sum(s["total_size"] for s in segs)
+        assert segs and seg_bytes == lib.other_live_bytes(), \
+            f"the pool's segments ({seg_bytes} bytes) are not the other allocator's ({lib.other_live_bytes()})"
+        assert all(tuple(s["segment_pool_id"]) == tuple(pool.id) for s in segs), [s["segment_pool_id"] for s in segs]
+        total = float(a.sum() + b.sum() + c.sum() + a2.sum())
+        assert total == 3.0 * MiB + 20 + 3 * MiB + MiB // 2, total
+        grown = torch.cuda.memory_allocated() - base
+        assert grown >= a.nbytes + c.nbytes + d.nbytes, f"memory_allocated grew by {grown}"
+        del a, b, c, d, a2
+        del pool
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        left, freed = lib.other_live_bytes(), lib.other_frees()
+        assert left == 0 and freed == made, f"{made} made, {freed} given back, {left} bytes left"
+        assert torch.cuda.memory_allocated() == base, f"allocated {torch.cuda.memory_allocated()} != base {base}"
+        return {"segments": made, "segment_bytes": seg_bytes}
+
+    @sub("mempool_with_ncclmemalloc_and_registration")
+    def _():
+        # NCCL's user buffers: MemPool(backend.mem_allocator) gives
+        # ncclMemAlloc memory, registered with the communicator; an
+        # all_reduce runs on it. One rank, in a child process.
+        import json
+        import subprocess
+        import sys
+
+        p = subprocess.run([sys.executable, "-c", NCCL_MEMPOOL, args.alloc], capture_output=True, text=True,
+                           timeout=180)
+        lines = [x for x in p.stdout.splitlines() if x.startswith("NCCL_RESULT ")]
+        assert p.returncode == 0 and lines, f"rc={p.returncode}: {p.stderr[-800:]}"
+        seen = json.loads(lines[-1][len("NCCL_RESULT "):])
+        assert "error" not in seen, seen["error"]
+        return seen
+
     @sub("out_of_memory_observer")
     def _():
         seen = []
@@ -599,6 +660,72 @@ if __name__ == "__main__":
     p.start()
     p.join()
     print("WORKER_RESULT " + json.dumps({"pid": p.pid, "exitcode": p.exitcode}), flush=True)
+"""
+
+
+def _other_allocator():
+    """other_allocator.cu built with nvcc into a temporary folder, loaded:
+    (the ctypes library, its path)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    nvcc = shutil.which("nvcc") or (CUDA_HOME and os.path.join(CUDA_HOME, "bin", "nvcc"))
+    assert nvcc and os.path.exists(nvcc), "no nvcc to build the other allocator"
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "other_allocator.cu")
+    so = os.path.join(tempfile.mkdtemp(prefix="gpualloc-other-"), "libother_allocator.so")
+    p = subprocess.run([nvcc, "-shared", "-Xcompiler", "-fPIC", "-o", so, src], capture_output=True, text=True,
+                       timeout=180)
+    assert p.returncode == 0, f"nvcc: {p.stderr[-600:]}"
+    lib = ctypes.CDLL(so)
+    lib.other_owns.argtypes = [ctypes.c_uint64]
+    for f in ("other_allocs", "other_frees", "other_live_bytes"):
+        getattr(lib, f).restype = ctypes.c_long
+    return lib, so
+
+
+# The program of mempool_with_ncclmemalloc_and_registration: argv[1] is the
+# allocator; prints NCCL_RESULT and what it saw as JSON.
+NCCL_MEMPOOL = r"""
+import json, os, sys, tempfile
+import torch
+if sys.argv[1] == "gpualloc":
+    import gpualloc
+    gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None)
+import torch.distributed as dist
+out = {}
+try:
+    torch.cuda.set_device(0)
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    backend = dist.group.WORLD._get_backend(torch.device("cuda:0"))
+    pool = torch.cuda.MemPool(backend.mem_allocator)
+    with torch.cuda.use_mem_pool(pool):
+        t = torch.arange(1 << 22, dtype=torch.float32, device="cuda")
+        s = torch.ones(100, device="cuda")
+    segs = torch.cuda.memory.memory_snapshot(mempool_id=pool.id)
+    backend.register_mem_pool(pool)
+    dist.all_reduce(t)
+    dist.all_reduce(s)
+    torch.cuda.synchronize()
+    ok = bool((t == torch.arange(1 << 22, dtype=torch.float32, device="cuda")).all()) and float(s.sum()) == 100.0
+    backend.deregister_mem_pool(pool)
+    out = {"segments": len(segs), "segment_bytes": sum(x["total_size"] for x in segs), "all_reduce_ok": ok,
+           "backend": torch.cuda.get_allocator_backend()}
+    if not ok:
+        out["error"] = "all_reduce on the pool's memory gave wrong values"
+    elif not segs:
+        out["error"] = "the pool has no segments"
+    del t, s, pool
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    out["reserved_after"] = torch.cuda.memory_reserved()
+    dist.destroy_process_group()
+except Exception as e:
+    out["error"] = repr(e)[:600]
+print("NCCL_RESULT " + json.dumps(out), flush=True)
 """
 
 

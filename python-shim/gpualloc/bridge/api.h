@@ -39,6 +39,7 @@ struct Api {
   decltype(&gpualloc_end_allocate_to_pool) end_pool = nullptr;
   decltype(&gpualloc_release_pool) release_pool = nullptr;
   decltype(&gpualloc_create_or_incref_pool) create_or_incref_pool = nullptr;
+  decltype(&gpualloc_create_or_incref_pool_from) create_or_incref_pool_from = nullptr;
   decltype(&gpualloc_pool_use_count) pool_use_count = nullptr;
   decltype(&gpualloc_empty_pool_cache) empty_pool_cache = nullptr;
   decltype(&gpualloc_pool_live_allocations) pool_live_allocations = nullptr;
@@ -76,6 +77,7 @@ struct Api {
     resolve(handle, "gpualloc_end_allocate_to_pool", end_pool);
     resolve(handle, "gpualloc_release_pool", release_pool);
     resolve(handle, "gpualloc_create_or_incref_pool", create_or_incref_pool);
+    resolve(handle, "gpualloc_create_or_incref_pool_from", create_or_incref_pool_from);
     resolve(handle, "gpualloc_pool_use_count", pool_use_count);
     resolve(handle, "gpualloc_empty_pool_cache", empty_pool_cache);
     resolve(handle, "gpualloc_pool_live_allocations", pool_live_allocations);
