@@ -347,8 +347,8 @@ def check_compat(args) -> dict:
         d = torch.ones(MiB, device=dev)
         made = lib.other_allocs()
         assert made >= 2, f"the other allocator made {made} allocations"
-        for name, t in (("a", a), ("b", b), ("c", c), ("a2", a2)):
-            assert lib.other_owns(ctypes.c_uint64(t.data_ptr())), \
+        for name, ptr in (("a", a.data_ptr()), ("b", b.data_ptr()), ("c", c.data_ptr()), ("a2", a2.data_ptr())):
+            assert lib.other_owns(ctypes.c_uint64(ptr)), \
                 f"tensor {name}, made in the pool, is not in the other allocator's memory"
         assert not lib.other_owns(ctypes.c_uint64(d.data_ptr())), \
             "a tensor made outside the pool is in the other allocator's memory"
@@ -368,25 +368,25 @@ def check_compat(args) -> dict:
         torch.cuda.empty_cache()
         left, freed = lib.other_live_bytes(), lib.other_frees()
         assert left == 0 and freed == made, f"{made} made, {freed} given back, {left} bytes left"
+        # A tensor outlives its MemPool and the allocator's Python object:
+        # the pool keeps the allocator until its segments go back.
+        import gc
+
+        other2 = torch.cuda.memory.CUDAPluggableAllocator(so, "other_malloc", "other_free")
+        pool2 = torch.cuda.MemPool(other2.allocator())
+        with torch.cuda.use_mem_pool(pool2):
+            x = torch.full((MiB,), 5.0, device=dev)
+        del pool2, other2
+        gc.collect()
+        assert float(x.sum()) == 5.0 * MiB and lib.other_owns(ctypes.c_uint64(x.data_ptr()))
+        made = lib.other_allocs()
+        del x
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        left, freed = lib.other_live_bytes(), lib.other_frees()
+        assert left == 0 and freed == made, f"after the pool went: {made} made, {freed} given back, {left} bytes left"
         assert torch.cuda.memory_allocated() == base, f"allocated {torch.cuda.memory_allocated()} != base {base}"
         return {"segments": made, "segment_bytes": seg_bytes}
-
-    @sub("mempool_with_ncclmemalloc_and_registration")
-    def _():
-        # NCCL's user buffers: MemPool(backend.mem_allocator) gives
-        # ncclMemAlloc memory, registered with the communicator; an
-        # all_reduce runs on it. One rank, in a child process.
-        import json
-        import subprocess
-        import sys
-
-        p = subprocess.run([sys.executable, "-c", NCCL_MEMPOOL, args.alloc], capture_output=True, text=True,
-                           timeout=180)
-        lines = [x for x in p.stdout.splitlines() if x.startswith("NCCL_RESULT ")]
-        assert p.returncode == 0 and lines, f"rc={p.returncode}: {p.stderr[-800:]}"
-        seen = json.loads(lines[-1][len("NCCL_RESULT "):])
-        assert "error" not in seen, seen["error"]
-        return seen
 
     @sub("out_of_memory_observer")
     def _():
@@ -684,49 +684,6 @@ def _other_allocator():
     for f in ("other_allocs", "other_frees", "other_live_bytes"):
         getattr(lib, f).restype = ctypes.c_long
     return lib, so
-
-
-# The program of mempool_with_ncclmemalloc_and_registration: argv[1] is the
-# allocator; prints NCCL_RESULT and what it saw as JSON.
-NCCL_MEMPOOL = r"""
-import json, os, sys, tempfile
-import torch
-if sys.argv[1] == "gpualloc":
-    import gpualloc
-    gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None)
-import torch.distributed as dist
-out = {}
-try:
-    torch.cuda.set_device(0)
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda:0"))
-    backend = dist.group.WORLD._get_backend(torch.device("cuda:0"))
-    pool = torch.cuda.MemPool(backend.mem_allocator)
-    with torch.cuda.use_mem_pool(pool):
-        t = torch.arange(1 << 22, dtype=torch.float32, device="cuda")
-        s = torch.ones(100, device="cuda")
-    segs = torch.cuda.memory.memory_snapshot(mempool_id=pool.id)
-    backend.register_mem_pool(pool)
-    dist.all_reduce(t)
-    dist.all_reduce(s)
-    torch.cuda.synchronize()
-    ok = bool((t == torch.arange(1 << 22, dtype=torch.float32, device="cuda")).all()) and float(s.sum()) == 100.0
-    backend.deregister_mem_pool(pool)
-    out = {"segments": len(segs), "segment_bytes": sum(x["total_size"] for x in segs), "all_reduce_ok": ok,
-           "backend": torch.cuda.get_allocator_backend()}
-    if not ok:
-        out["error"] = "all_reduce on the pool's memory gave wrong values"
-    elif not segs:
-        out["error"] = "the pool has no segments"
-    del t, s, pool
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    out["reserved_after"] = torch.cuda.memory_reserved()
-    dist.destroy_process_group()
-except Exception as e:
-    out["error"] = repr(e)[:600]
-print("NCCL_RESULT " + json.dumps(out), flush=True)
-"""
 
 
 # The program of memory_history_in_a_child_forked_before_cuda: argv[1] is
