@@ -550,7 +550,16 @@ impl<B: Backend> DeviceAllocator<B> {
             return Err(GrowError::Full(None));
         }
         let ptr = match self.private.source_mut(pool) {
-            Some(source) => source.allocate(size, stream),
+            // As PyTorch calls `raw_alloc`: as `cudaMalloc`, in relaxed
+            // capture mode during a capture.
+            Some(source) => {
+                let mut got = Err(BackendError::OutOfMemory { requested: size });
+                self.backend
+                    .call_other_allocator(capturing, &mut || {
+                        got = source.allocate(size, stream);
+                    })
+                    .and(got)
+            }
             None => self.backend.allocate(size, capturing),
         }
         .map_err(|e| match e {

@@ -65,6 +65,13 @@ impl Backend for AnyBackend {
     fn release(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
         dispatch!(self, b => b.release(ptr, size))
     }
+    fn call_other_allocator(
+        &mut self,
+        capturing: bool,
+        call: &mut dyn FnMut(),
+    ) -> Result<(), BackendError> {
+        dispatch!(self, b => b.call_other_allocator(capturing, call))
+    }
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, BackendError> {
         dispatch!(self, b => b.record_event(stream))
     }

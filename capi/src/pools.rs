@@ -140,7 +140,8 @@ pub struct GpuallocSegmentSource {
     pub ctx: *mut c_void,
     /// A segment of `size` bytes on `device` for work on `stream`; NULL
     /// when the other allocator has no room (gpualloc then gives its own
-    /// cache back and asks again, then reports out of memory).
+    /// cache back and asks again, then reports out of memory). During a
+    /// capture it runs in relaxed capture mode, as PyTorch calls raw_alloc.
     pub alloc: Option<
         unsafe extern "C" fn(
             ctx: *mut c_void,

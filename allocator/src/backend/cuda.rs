@@ -656,6 +656,20 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn call_other_allocator(
+        &mut self,
+        capturing: bool,
+        call: &mut dyn FnMut(),
+    ) -> Result<(), BackendError> {
+        let _relaxed = if capturing {
+            Some(RelaxedCaptureMode::enter()?)
+        } else {
+            None
+        };
+        call();
+        Ok(())
+    }
+
     fn allocate(&mut self, size: u64, capturing: bool) -> Result<DevicePtr, BackendError> {
         let _bound = self.bind()?;
         let bytes =

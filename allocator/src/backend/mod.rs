@@ -102,6 +102,26 @@ pub trait Backend: Send {
     /// [`BackendError::OutOfMemory`] when the device is full now.
     fn allocate(&mut self, size: u64, capturing: bool) -> Result<DevicePtr, BackendError>;
 
+    /// Runs `call`, another allocator's allocation for a pool it serves
+    /// (Note [Pools served by another allocator]), as [`allocate`](Self::allocate)
+    /// makes its own: while `capturing`, the CUDA backend switches the
+    /// thread to relaxed capture mode around it, as PyTorch does around
+    /// `raw_alloc` (`cudaMallocMaybeCapturing`), so that an allocator that
+    /// calls `cudaMalloc` does not invalidate a capture.
+    ///
+    /// # Errors
+    /// [`BackendError`] when the capture mode cannot be switched (`call`
+    /// is not run then).
+    fn call_other_allocator(
+        &mut self,
+        capturing: bool,
+        call: &mut dyn FnMut(),
+    ) -> Result<(), BackendError> {
+        let _ = capturing;
+        call();
+        Ok(())
+    }
+
     /// Returns a segment. Work still queued on any stream that used it is
     /// waited for by the backend (cudaFree synchronizes the device).
     fn release(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError>;

@@ -125,6 +125,9 @@ pub struct SimCounters {
     pub allocate_failed: u64,
     /// `allocate` calls made with `capturing = true`.
     pub allocate_capturing: u64,
+    /// Calls of another allocator serving a pool made with `capturing = true`
+    /// (`call_other_allocator`).
+    pub other_allocator_capturing: u64,
     /// `release` calls.
     pub release: u64,
     /// Physical handles created.
@@ -669,6 +672,19 @@ impl Backend for SimBackend {
             free: self.capacity - self.used,
             total: self.capacity,
         })
+    }
+
+    fn call_other_allocator(
+        &mut self,
+        capturing: bool,
+        call: &mut dyn FnMut(),
+    ) -> Result<(), BackendError> {
+        if !capturing {
+            self.forbid_in_capture("another allocator's call without the capturing flag");
+        }
+        self.counters.other_allocator_capturing += u64::from(capturing);
+        call();
+        Ok(())
     }
 
     fn allocate(&mut self, size: u64, capturing: bool) -> Result<DevicePtr, BackendError> {

@@ -183,7 +183,8 @@ typedef struct GpuallocSegmentSource {
   void *ctx;
   // A segment of `size` bytes on `device` for work on `stream`; NULL
   // when the other allocator has no room (gpualloc then gives its own
-  // cache back and asks again, then reports out of memory).
+  // cache back and asks again, then reports out of memory). During a
+  // capture it runs in relaxed capture mode, as PyTorch calls raw_alloc.
   void *(*alloc)(void *ctx, size_t size, int device, cudaStream_t stream);
   // Gives back a segment `alloc` returned; called only once the device
   // has finished all work queued before.

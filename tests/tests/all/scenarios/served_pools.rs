@@ -215,3 +215,21 @@ fn a_replay_serves_the_pool_from_plain_segments_to_the_recorded_peak() {
         peak
     );
 }
+
+/// PyTorch calls the other allocator's `raw_alloc` as it calls `cudaMalloc`
+/// (`cudaMallocMaybeCapturing`): in relaxed capture mode while a graph is
+/// captured, so that an allocator that calls `cudaMalloc` (a
+/// `CUDAPluggableAllocator`, `ncclMemAlloc`) does not invalidate a capture
+/// in the default global mode. The simulator counts the calls made so.
+#[test]
+fn the_other_allocator_is_called_in_relaxed_capture_mode_during_a_capture() {
+    for policy in ["policy:pytorch", "policy:gpualloc"] {
+        let (mut c, other) = served(policy, GIB);
+        enter(&mut c);
+        let p = c.alloc(3 * MIB, 0);
+        leave(&mut c);
+        assert_eq!(other.ledger().allocated, 1);
+        assert_eq!(c.sim().counters.other_allocator_capturing, 1, "{policy}");
+        c.free(p).unwrap();
+    }
+}
