@@ -87,6 +87,11 @@ impl<B: Backend> Allocator<B> {
     }
 
     fn slot(&self, device: i64) -> Result<&Mutex<Option<DeviceAllocator<B>>>, AllocError> {
+        // Its lock may be held by this very thread (Note [Pools served by
+        // another allocator]).
+        if crate::segment_source::in_source_call() {
+            return Err(AllocError::CalledBack { device });
+        }
         usize::try_from(device)
             .ok()
             .and_then(|d| self.devices.get(d))
@@ -128,6 +133,9 @@ impl<B: Backend> Allocator<B> {
         &self,
         mut f: impl FnMut(&mut DeviceAllocator<B>) -> Result<(), AllocError>,
     ) -> Result<(), AllocError> {
+        if crate::segment_source::in_source_call() {
+            return Err(AllocError::CalledBack { device: -1 });
+        }
         for slot in &self.devices {
             if let Ok(d) = MutexGuard::try_map(slot.lock(), |d| d.as_mut()) {
                 let mut d = DeviceGuard::new(d);
@@ -239,6 +247,9 @@ impl<B: Backend> Allocator<B> {
         wait: bool,
         f: impl FnOnce(&mut DeviceAllocator<B>) -> Result<R, AllocError>,
     ) -> Option<Result<R, AllocError>> {
+        if crate::segment_source::in_source_call() {
+            return Some(Err(AllocError::CalledBack { device: -1 }));
+        }
         let mut busy = Vec::new();
         let mut owner = None;
         for slot in &self.devices {

@@ -556,7 +556,8 @@ impl<B: Backend> DeviceAllocator<B> {
                 let mut got = Err(BackendError::OutOfMemory { requested: size });
                 self.backend
                     .call_other_allocator(capturing, &mut || {
-                        got = source.allocate(size, stream);
+                        got =
+                            crate::segment_source::calling_source(|| source.allocate(size, stream));
                     })
                     .and(got)
             }

@@ -104,6 +104,14 @@ pub enum AllocError {
         /// The device.
         device: u32,
     },
+    /// Another allocator serving a private pool called gpualloc from its
+    /// own allocation, free or drop, which gpualloc runs holding the lock
+    /// (Note [Pools served by another allocator]); nothing was done.
+    CalledBack {
+        /// The device called (-1: any, a call that looks for the owner of
+        /// a pointer, or goes over every device).
+        device: i64,
+    },
 }
 
 impl AllocError {
@@ -229,6 +237,15 @@ impl fmt::Display for AllocError {
             AllocError::Poisoned { device } => write!(
                 f,
                 "gpualloc: device {device} is unusable: an internal error interrupted an operation on it and its state may be inconsistent; restart the process"
+            ),
+            AllocError::CalledBack { device } => write!(
+                f,
+                "gpualloc: called ({}) from another allocator's allocation, free or drop for a MemPool it serves, which gpualloc runs holding its lock; that allocator must not allocate through PyTorch's allocator",
+                if *device < 0 {
+                    "any device".to_string()
+                } else {
+                    format!("device {device}")
+                }
             ),
         }
     }

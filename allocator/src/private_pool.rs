@@ -317,14 +317,18 @@ impl PrivatePools {
     }
 
     /// Forgets released private pools that hold no segment.
+    /// A source goes with its pool (its drop may call the other allocator).
     pub fn erase_empty(&mut self) {
         let vacant = &mut self.vacant_ids;
-        self.pools.retain(|p| {
-            let keep = p.use_count > 0 || p.segments > 0;
-            if !keep {
-                vacant.extend([p.small, p.large]);
-            }
-            keep
+        let pools = &mut self.pools;
+        crate::segment_source::calling_source(|| {
+            pools.retain(|p| {
+                let keep = p.use_count > 0 || p.segments > 0;
+                if !keep {
+                    vacant.extend([p.small, p.large]);
+                }
+                keep
+            });
         });
     }
 

@@ -227,7 +227,9 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         self.backend.synchronize()?;
         match self.private.source_mut(pool) {
-            Some(source) => source.release(ptr, size, stream),
+            Some(source) => {
+                crate::segment_source::calling_source(|| source.release(ptr, size, stream))
+            }
             None => Ok(()),
         }
     }

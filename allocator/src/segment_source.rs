@@ -22,8 +22,38 @@
 //! that the pool is served so (call 7 of `private_pool`), and a replay
 //! serves it from plain segments of the simulated device, of the same
 //! sizes. The source goes when the pool goes (no hold and no segment left).
+//! A source is called with the device's lock held, which is not
+//! re-entrant (PyTorch's is): a source that calls gpualloc back, on any
+//! device, gets [`AllocError::CalledBack`](crate::AllocError::CalledBack)
+//! instead of a deadlock.
+
+use std::cell::Cell;
 
 use crate::backend::{BackendError, DevicePtr, StreamId};
+
+thread_local! {
+    /// Whether this thread is inside a source's call.
+    static IN_SOURCE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f`, which calls a source (or drops one), marking the thread as
+/// inside it until `f` returns or unwinds.
+pub(crate) fn calling_source<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            IN_SOURCE.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(IN_SOURCE.with(|c| c.replace(true)));
+    f()
+}
+
+/// Whether this thread is inside a source's call.
+#[inline]
+pub(crate) fn in_source_call() -> bool {
+    IN_SOURCE.with(Cell::get)
+}
 
 /// Where a private pool served by another allocator gets its segments.
 pub trait SegmentSource: Send {

@@ -83,9 +83,9 @@ impl From<AllocError> for Error {
             AllocError::InvalidPointer { .. } => GPUALLOC_ERR_INVALID_POINTER,
             AllocError::InvalidDevice { .. } => GPUALLOC_ERR_INVALID_DEVICE,
             AllocError::UnknownPool { .. } => GPUALLOC_ERR_UNKNOWN_POOL,
-            AllocError::BadCheckpoint { .. } | AllocError::PoolBusy { .. } => {
-                GPUALLOC_ERR_INVALID_ARGUMENT
-            }
+            AllocError::BadCheckpoint { .. }
+            | AllocError::PoolBusy { .. }
+            | AllocError::CalledBack { .. } => GPUALLOC_ERR_INVALID_ARGUMENT,
             AllocError::Backend(b) => return b.clone().into(),
             AllocError::Poisoned { .. } => GPUALLOC_ERR_PANIC,
             _ => GPUALLOC_ERR_BACKEND,

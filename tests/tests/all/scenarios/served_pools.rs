@@ -233,3 +233,84 @@ fn the_other_allocator_is_called_in_relaxed_capture_mode_during_a_capture() {
         c.free(p).unwrap();
     }
 }
+
+/// An allocator that allocates through gpualloc from its own callbacks
+/// (PyTorch's lock is re-entrant, gpualloc's is not) gets an error, not a
+/// deadlock; the call that called it goes on.
+#[test]
+fn a_source_calling_back_gets_an_error_not_a_deadlock() {
+    use gpualloc::{
+        Allocator, BackendError, Config, DevicePtr, SegmentSource, SimBackend, StreamId,
+    };
+    use std::sync::{Arc, Mutex, Weak};
+
+    type Seen = Arc<Mutex<Vec<String>>>;
+    struct CallsBack {
+        alloc: Weak<Allocator<SimBackend>>,
+        seen: Seen,
+        next: DevicePtr,
+    }
+    impl CallsBack {
+        fn call_back(&self, what: &str) {
+            let a = self.alloc.upgrade().expect("alive");
+            let e = a
+                .malloc(0, 4096, 0)
+                .expect_err("a call back cannot be served");
+            assert!(matches!(e, AllocError::CalledBack { device: 0 }), "{e:?}");
+            assert!(a.empty_cache().is_err());
+            assert!(matches!(
+                a.with_owner(0x1234, |_| Ok(())),
+                Some(Err(AllocError::CalledBack { device: -1 }))
+            ));
+            self.seen.lock().unwrap().push(format!("{what}: {e}"));
+        }
+    }
+    impl SegmentSource for CallsBack {
+        fn name(&self) -> &str {
+            "calls back"
+        }
+        fn allocate(&mut self, size: u64, _: StreamId) -> Result<DevicePtr, BackendError> {
+            self.call_back("allocate");
+            let p = self.next;
+            self.next += size.next_multiple_of(2 * MIB);
+            Ok(p)
+        }
+        fn release(&mut self, _: DevicePtr, _: u64, _: StreamId) -> Result<(), BackendError> {
+            self.call_back("release");
+            Ok(())
+        }
+    }
+    impl Drop for CallsBack {
+        fn drop(&mut self) {
+            self.call_back("drop");
+        }
+    }
+
+    let a = Arc::new(Allocator::new(
+        Config::default(),
+        1,
+        Box::new(|_| Ok(SimBackend::new(GIB))),
+    ));
+    let seen: Seen = Arc::default();
+    let source = CallsBack {
+        alloc: Arc::downgrade(&a),
+        seen: Arc::clone(&seen),
+        next: 0x5f00_0000_0000,
+    };
+    a.create_or_incref_pool_from(0, POOL, Box::new(source))
+        .unwrap();
+    a.begin_allocate_to_pool(0, POOL, None).unwrap();
+    let p = a.malloc(0, 3 * MIB, 0).unwrap();
+    a.end_allocate_to_pool(0, POOL).unwrap();
+    a.release_pool(0, POOL).unwrap();
+    a.free(0, p).unwrap();
+    a.release_pool(0, POOL).unwrap();
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert!(seen[0].starts_with("allocate: gpualloc: called (device 0) from another allocator"));
+    assert!(seen[1].starts_with("release:") && seen[2].starts_with("drop:"));
+    // Outside the callbacks, the allocator serves as before.
+    let q = a.malloc(0, 4096, 0).unwrap();
+    a.free(0, q).unwrap();
+    a.lock(0).unwrap().check_invariants().unwrap();
+}
