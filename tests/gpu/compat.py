@@ -388,6 +388,41 @@ def check_compat(args) -> dict:
         assert torch.cuda.memory_allocated() == base, f"allocated {torch.cuda.memory_allocated()} != base {base}"
         return {"segments": made, "segment_bytes": seg_bytes}
 
+    @sub("graph_capture_into_a_pool_of_another_allocator")
+    def _():
+        # A CUDA graph captured into such a pool: the other allocator's
+        # cudaMalloc runs during the capture (in relaxed capture mode, as
+        # PyTorch calls raw_alloc), and the graph replays on its memory.
+        import ctypes
+
+        lib, so = _other_allocator()
+        other = torch.cuda.memory.CUDAPluggableAllocator(so, "other_malloc", "other_free")
+        pool = torch.cuda.MemPool(other.allocator())
+        x = torch.arange(3 * MiB, dtype=torch.float32, device=dev)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                (x * 2 + 1).sum()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool.id):
+            y = x * 2 + 1
+        made = lib.other_allocs()
+        assert made >= 1 and lib.other_owns(ctypes.c_uint64(y.data_ptr())), \
+            f"the captured output is not in the other allocator's memory ({made} allocations)"
+        x.add_(1)
+        g.replay()
+        torch.cuda.synchronize()
+        want = (torch.arange(3 * MiB, dtype=torch.float32, device=dev) + 1) * 2 + 1
+        assert torch.equal(y, want), "the replayed graph computed something else"
+        del y, g, pool
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        left = lib.other_live_bytes()
+        assert left == 0, f"{left} bytes of the other allocator left after the graph and pool went"
+        return {"segments": made}
+
     @sub("out_of_memory_observer")
     def _():
         seen = []
