@@ -436,6 +436,21 @@ impl<B: Backend> Allocator<B> {
         Ok(())
     }
 
+    /// [`DeviceAllocator::set_pool_use_on_oom`] on a device.
+    pub fn set_pool_use_on_oom(
+        &self,
+        device: i64,
+        pool: PoolKey,
+        on: bool,
+    ) -> Result<(), AllocError> {
+        self.lock(device)?.set_pool_use_on_oom(pool, on)
+    }
+
+    /// [`DeviceAllocator::set_pool_no_split`] on a device.
+    pub fn set_pool_no_split(&self, device: i64, pool: PoolKey) -> Result<(), AllocError> {
+        self.lock(device)?.set_pool_no_split(pool)
+    }
+
     /// [`DeviceAllocator::pool_use_count`] on a device; 0 on a device not
     /// created yet (which this does not create).
     pub fn pool_use_count(&self, device: i64, pool: PoolKey) -> Result<u32, AllocError> {

@@ -166,6 +166,29 @@ impl<B: Backend> DeviceAllocator<B> {
         self.record_pool_call(PoolOp::IncrefServed, key);
     }
 
+    /// PyTorch's `setUseOnOOM`: while held, pool `key`'s free blocks serve
+    /// a request outside any pool that would otherwise fail (Note [MemPool
+    /// options] in `device.rs`).
+    ///
+    /// # Errors
+    /// [`AllocError::UnknownPool`] for a pool that does not exist.
+    pub fn set_pool_use_on_oom(&mut self, key: PoolKey, on: bool) -> Result<(), AllocError> {
+        self.private.set_use_on_oom(key, on)?;
+        self.record_pool_checkpoint_call(PoolOp::UseOnOom, key, u64::from(on));
+        Ok(())
+    }
+
+    /// PyTorch's `setNoSplit`: pool `key`'s blocks are never split; a pool
+    /// with no segment yet grows by plain segments from now on.
+    ///
+    /// # Errors
+    /// [`AllocError::UnknownPool`] for a pool that does not exist.
+    pub fn set_pool_no_split(&mut self, key: PoolKey) -> Result<(), AllocError> {
+        self.private.set_no_split(key)?;
+        self.record_pool_call(PoolOp::NoSplit, key);
+        Ok(())
+    }
+
     fn incref_pool(&mut self, key: PoolKey, serving: Serving) {
         let pools = &mut self.heap.pools;
         let ids = self.private.incref(key, serving, |vacant| {

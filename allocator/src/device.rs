@@ -443,7 +443,41 @@ impl<B: Backend> DeviceAllocator<B> {
                 Err(GrowError::Failed(e)) => return Err(e),
             }
         }
+        if let Some(b) = self.borrow_from_use_on_oom_pools(pool, stream, rounded) {
+            return Ok(b);
+        }
         Err(self.out_of_memory(stream, size, needed, cause))
+    }
+
+    /// Note [MemPool options]
+    /// Rationale: `torch.cuda.MemPool(use_on_oom=True)` lends a pool's free
+    /// blocks to requests outside any pool that would fail otherwise
+    /// (libraries keep a pool of scratch or KV memory and let the rest of
+    /// the program borrow it under pressure); `MemPool(no_split=True)`
+    /// hands out whole blocks (a segment per allocation, for memory that is
+    /// registered or exported per allocation). Programs that ask for
+    /// either stopped with an error under gpualloc.
+    /// Approach: PyTorch's rules. After every retry of the out-of-memory
+    /// path, a request of a default pool takes a fitting free block of its
+    /// stream from the held `use_on_oom` pools, in creation order (no pool
+    /// grows for it); the block stays its pool's. A `no_split` pool never
+    /// splits a block and, created so as `MemPool` creates it, grows by
+    /// plain segments of PyTorch's sizes whatever the device's mode, as a
+    /// pool served by another allocator does.
+    fn borrow_from_use_on_oom_pools(
+        &mut self,
+        pool: PoolId,
+        stream: StreamId,
+        rounded: u64,
+    ) -> Option<BlockId> {
+        if pool > LARGE {
+            return None;
+        }
+        let kind = self.heap.pools[pool as usize].kind;
+        self.private
+            .use_on_oom(kind)
+            .into_iter()
+            .find_map(|p| self.get_free_block(p, stream, rounded))
     }
 
     /// PyTorch's `get_pool`: the innermost private-pool scope whose filter
@@ -597,7 +631,7 @@ impl<B: Backend> DeviceAllocator<B> {
     #[inline]
     fn should_split(&self, pool: PoolId, kind: PoolKind, block_size: u64, rounded: u64) -> bool {
         let remaining = block_size - rounded;
-        if pool == STITCH {
+        if pool == STITCH || self.private.no_split(pool) {
             return false;
         }
         if !self.plain_pool(pool) {

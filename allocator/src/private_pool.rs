@@ -28,6 +28,11 @@ struct PrivatePool {
     plain: bool,
     /// Where those segments come from; `None`: the backend (a replay).
     source: Option<Box<dyn SegmentSource>>,
+    /// `MemPool(use_on_oom=True)`: its free blocks serve a default-pool
+    /// request that would fail otherwise (Note [MemPool options]).
+    use_on_oom: bool,
+    /// `MemPool(no_split=True)`: its blocks are never split.
+    no_split: bool,
 }
 
 /// How a new private pool gets its segments.
@@ -178,6 +183,8 @@ impl PrivatePools {
             allocated: 0,
             plain,
             source,
+            use_on_oom: false,
+            no_split: false,
         });
         self.next_index += 1;
         Some((small, large))
@@ -195,6 +202,48 @@ impl PrivatePools {
     #[inline]
     pub fn plain(&self, pool: PoolId) -> bool {
         pool > STITCH && self.owner(pool).is_some_and(|p| p.plain)
+    }
+
+    /// Sets `MemPool(use_on_oom=...)` of pool `key`.
+    pub fn set_use_on_oom(&mut self, key: PoolKey, on: bool) -> Result<(), AllocError> {
+        let p = self.find_mut(key)?;
+        p.use_on_oom = on;
+        Ok(())
+    }
+
+    /// Sets `MemPool(no_split=True)` of pool `key`; one with no segment yet
+    /// grows by plain segments from now on, whose blocks are whole.
+    pub fn set_no_split(&mut self, key: PoolKey) -> Result<(), AllocError> {
+        let p = self.find_mut(key)?;
+        p.no_split = true;
+        p.plain |= p.segments == 0;
+        Ok(())
+    }
+
+    fn find_mut(&mut self, key: PoolKey) -> Result<&mut PrivatePool, AllocError> {
+        self.pools
+            .iter_mut()
+            .find(|p| p.key == key)
+            .ok_or(AllocError::UnknownPool { pool: key })
+    }
+
+    /// Whether `pool`'s blocks are never split.
+    #[inline]
+    pub fn no_split(&self, pool: PoolId) -> bool {
+        pool > STITCH && self.owner(pool).is_some_and(|p| p.no_split)
+    }
+
+    /// The held pools of `MemPool(use_on_oom=True)`, in creation order: the
+    /// ids of their sub-pools of `kind`.
+    pub fn use_on_oom(&self, kind: PoolKind) -> Vec<PoolId> {
+        self.pools
+            .iter()
+            .filter(|p| p.use_on_oom && p.use_count > 0)
+            .map(|p| match kind {
+                PoolKind::Small => p.small,
+                PoolKind::Large => p.large,
+            })
+            .collect()
     }
 
     /// The other allocator serving `pool`, if one does.

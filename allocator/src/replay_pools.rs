@@ -234,6 +234,8 @@ impl PoolRouting {
                 dev.create_or_incref_plain_pool(key);
                 Ok(())
             }
+            PoolOp::UseOnOom => dev.set_pool_use_on_oom(key, checkpoint != 0),
+            PoolOp::NoSplit => dev.set_pool_no_split(key),
             PoolOp::Release => dev.release_pool(key),
             PoolOp::EmptyCache => dev.empty_pool_cache(key),
             PoolOp::Other(_) => Ok(()),

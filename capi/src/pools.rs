@@ -291,6 +291,39 @@ pub unsafe extern "C" fn gpualloc_create_or_incref_pool_from(
     })
 }
 
+/// PyTorch's `setUseOnOOM` (`torch.cuda.MemPool(use_on_oom=True)`): while
+/// held, pool `(id_a, id_b)`'s free blocks serve a request outside any
+/// pool that would fail otherwise (`on` non-zero; 0 turns it off).
+/// `GPUALLOC_ERR_UNKNOWN_POOL` for an unknown pool.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_set_pool_use_on_oom(
+    device: c_int,
+    id_a: u64,
+    id_b: u64,
+    on: c_int,
+) -> c_int {
+    status(|| {
+        let g = existing().ok_or_else(|| no_pool(device, (id_a, id_b)))?;
+        g.alloc
+            .set_pool_use_on_oom(i64::from(device), (id_a, id_b), on != 0)
+            .map_err(|e| pool_error(device, e))
+    })
+}
+
+/// PyTorch's `setNoSplit` (`torch.cuda.MemPool(no_split=True)`): pool
+/// `(id_a, id_b)`'s blocks are never split; a pool with no segment yet
+/// grows by plain segments from then on. `GPUALLOC_ERR_UNKNOWN_POOL` for an
+/// unknown pool.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_set_pool_no_split(device: c_int, id_a: u64, id_b: u64) -> c_int {
+    status(|| {
+        let g = existing().ok_or_else(|| no_pool(device, (id_a, id_b)))?;
+        g.alloc
+            .set_pool_no_split(i64::from(device), (id_a, id_b))
+            .map_err(|e| pool_error(device, e))
+    })
+}
+
 /// Writes the holds on pool `(id_a, id_b)` of `device` to `*out`: 0 for an
 /// unknown pool (not an error), or one released to zero that still has
 /// live blocks.

@@ -61,10 +61,6 @@ using cca::CUDAAllocator;
 using c10::MempoolId_t;
 using StreamFilterFn = std::function<bool(cudaStream_t)>;
 
-constexpr const char* kUseOnOom =
-    "gpualloc: MemPool(use_on_oom=True) is not supported: gpualloc never serves the default pools from a "
-    "MemPool's memory (it defragments and stitches its own pages instead); create the pool without use_on_oom";
-
 constexpr const char* kExpandableBase =
     "gpualloc: this tensor lives in expandable memory (gpualloc's default), which has no fixed base allocation; "
     "share it with another process through torch.multiprocessing (shareIpcHandle), or run with "
@@ -758,29 +754,29 @@ class GpuallocAllocator final : public CUDAAllocator {
     create_pool(device, id, other, std::move(allocator));
   }
   void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id, bool use_on_oom) override {
-    if (use_on_oom) {
-      refuse_pool_option(device, id, kUseOnOom);
-    }
+    set_use_on_oom(device, id, use_on_oom);
   }
 #else
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t id, CUDAAllocator* allocator) override {
     create_pool(device, id, allocator, nullptr);
   }
-  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id) override { refuse_pool_option(device, id, kUseOnOom); }
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id) override { set_use_on_oom(device, id, true); }
 #endif
 #if TORCH_VERSION_MINOR >= 10
   void setNoSplit(c10::DeviceIndex device, MempoolId_t id) override {
-    refuse_pool_option(device, id,
-                       "gpualloc: MemPool(no_split=True) is not supported: gpualloc splits blocks in every pool; "
-                       "create the pool without no_split");
+    check(api.set_pool_no_split(device, id.first, id.second), "setNoSplit");
   }
 #endif
-  // MemPool's constructor asks for these options right after
-  // createOrIncrefPool; refusing throws out of the constructor, so its
-  // destructor never drops that hold: drop it here first.
-  void refuse_pool_option(c10::DeviceIndex device, MempoolId_t id, const char* why) {
-    api.release_pool(device, id.first, id.second);
-    TORCH_CHECK(false, why);
+  // MemPool(use_on_oom=...): Note [MemPool options] in allocator/src/device.rs.
+  // Turning it off never throws: MemPool's destructor does it, perhaps
+  // after the pool is gone.
+  void set_use_on_oom(c10::DeviceIndex device, MempoolId_t id, bool on) {
+    int rc = api.set_pool_use_on_oom(device, id.first, id.second, on ? 1 : 0);
+    if (on) {
+      check(rc, "setUseOnOOM");
+    } else if (rc != GPUALLOC_OK && rc != GPUALLOC_ERR_UNKNOWN_POOL) {
+      std::fprintf(stderr, "gpualloc setUseOnOOM: %s\n", last_error("unknown error").c_str());
+    }
   }
   // A pool with another allocator takes its segments from it (Note
   // [MemPool with another allocator] in bridge/served_pool.h); `keep` owns

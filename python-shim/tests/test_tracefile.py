@@ -88,6 +88,8 @@ class DecodeTest(unittest.TestCase):
         self.assertEqual(decode(18, 0, 0, 3, 0)["op"], "release_pool")
         self.assertEqual(decode(18, 0, 9, 6, 1)["op"], "set_checkpoint_pool_state")
         self.assertEqual(decode(18, 0, 9, 7, 1)["op"], "create_or_incref_pool_with_allocator")
+        self.assertEqual(decode(18, 0, 9, 8, 1)["op"], "set_use_on_oom")
+        self.assertEqual(decode(18, 0, 9, 9, 1)["op"], "set_no_split")
         self.assertEqual(decode(18, 0, 9, 6, 1)["checkpoint"], 9)
 
     def test_a_memory_limit_names_the_cap_it_sets(self):

@@ -461,19 +461,44 @@ def check_compat(args) -> dict:
 
     @sub("mempool_options")
     def _():
-        # PyTorch honours use_on_oom and no_split; gpualloc refuses them with
-        # an error that names itself and the reason (never a silent no-op).
-        ours = torch.cuda.get_allocator_backend() == "gpualloc"
+        # MemPool(no_split=True): a segment per allocation, each one block.
+        # MemPool(use_on_oom=True): under a memory fraction that leaves no
+        # room to grow, a request outside the pool takes its free block.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         out = {}
-        for kw in ({"use_on_oom": True}, {"no_split": True}):
-            try:
-                p = torch.cuda.MemPool(**kw)
-                del p
-                out[next(iter(kw))] = "accepted"
-                assert not ours, f"gpualloc accepted MemPool({kw})"
-            except RuntimeError as e:
-                assert ours and "gpualloc" in str(e), f"MemPool({kw}): {e}"
-                out[next(iter(kw))] = "refused with gpualloc's reason"
+        pool = torch.cuda.MemPool(no_split=True)
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.ones(256, dtype=torch.uint8, device=dev)
+            b = torch.ones(256, dtype=torch.uint8, device=dev)
+        segs = torch.cuda.memory.memory_snapshot(mempool_id=pool.id)
+        blocks = sorted(len(s["blocks"]) for s in segs)
+        assert len(segs) == 2 and blocks == [1, 1], f"no_split: {len(segs)} segments, blocks {blocks}"
+        out["no_split_segments"] = len(segs)
+        del a, b, pool
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        lend = torch.cuda.MemPool(use_on_oom=True)
+        with torch.cuda.use_mem_pool(lend):
+            x = torch.empty(256 * MiB, dtype=torch.uint8, device=dev)
+        del x
+        torch.cuda.synchronize()
+        _, total = torch.cuda.mem_get_info()
+        room = torch.cuda.memory_reserved() + 64 * MiB
+        torch.cuda.set_per_process_memory_fraction(room / total)
+        try:
+            y = torch.empty(256 * MiB, dtype=torch.uint8, device=dev)
+            segs = torch.cuda.memory.memory_snapshot(mempool_id=lend.id)
+            out["use_on_oom_lent"] = any(s["address"] <= y.data_ptr() < s["address"] + s["total_size"] for s in segs)
+            assert out["use_on_oom_lent"], "the request that fits only in the pool's free block did not get it"
+            y.fill_(1)
+            assert int(y.sum()) == 256 * MiB
+            del y
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        del lend
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         return out
 
     @sub("generic_allocator_registry")

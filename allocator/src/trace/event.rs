@@ -168,6 +168,11 @@ pub enum PoolOp {
     /// scope; a pool it creates takes its segments from that allocator
     /// (Note [Pools served by another allocator]).
     IncrefServed,
+    /// `setUseOnOOM` (`MemPool(use_on_oom=...)`): `checkpoint` is 1 for
+    /// on, 0 for off.
+    UseOnOom,
+    /// `setNoSplit` (`MemPool(no_split=True)`).
+    NoSplit,
     /// A code this reader does not know (a later version's call).
     Other(u64),
 }
@@ -184,6 +189,8 @@ impl PoolOp {
             PoolOp::Checkpoint => 5,
             PoolOp::Restore => 6,
             PoolOp::IncrefServed => 7,
+            PoolOp::UseOnOom => 8,
+            PoolOp::NoSplit => 9,
             PoolOp::Other(c) => c,
         }
     }
@@ -199,6 +206,8 @@ impl PoolOp {
             5 => PoolOp::Checkpoint,
             6 => PoolOp::Restore,
             7 => PoolOp::IncrefServed,
+            8 => PoolOp::UseOnOom,
+            9 => PoolOp::NoSplit,
             c => PoolOp::Other(c),
         }
     }
@@ -214,6 +223,8 @@ impl PoolOp {
             PoolOp::Checkpoint => "get_checkpoint_state",
             PoolOp::Restore => "set_checkpoint_pool_state",
             PoolOp::IncrefServed => "create_or_incref_pool_with_allocator",
+            PoolOp::UseOnOom => "set_use_on_oom",
+            PoolOp::NoSplit => "set_no_split",
             PoolOp::Other(_) => "unknown",
         }
     }

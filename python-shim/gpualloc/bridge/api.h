@@ -41,6 +41,8 @@ struct Api {
   decltype(&gpualloc_create_or_incref_pool) create_or_incref_pool = nullptr;
   decltype(&gpualloc_create_or_incref_pool_from) create_or_incref_pool_from = nullptr;
   decltype(&gpualloc_pool_use_count) pool_use_count = nullptr;
+  decltype(&gpualloc_set_pool_use_on_oom) set_pool_use_on_oom = nullptr;
+  decltype(&gpualloc_set_pool_no_split) set_pool_no_split = nullptr;
   decltype(&gpualloc_empty_pool_cache) empty_pool_cache = nullptr;
   decltype(&gpualloc_pool_live_allocations) pool_live_allocations = nullptr;
   decltype(&gpualloc_pool_checkpoint) pool_checkpoint = nullptr;
@@ -79,6 +81,8 @@ struct Api {
     resolve(handle, "gpualloc_create_or_incref_pool", create_or_incref_pool);
     resolve(handle, "gpualloc_create_or_incref_pool_from", create_or_incref_pool_from);
     resolve(handle, "gpualloc_pool_use_count", pool_use_count);
+    resolve(handle, "gpualloc_set_pool_use_on_oom", set_pool_use_on_oom);
+    resolve(handle, "gpualloc_set_pool_no_split", set_pool_no_split);
     resolve(handle, "gpualloc_empty_pool_cache", empty_pool_cache);
     resolve(handle, "gpualloc_pool_live_allocations", pool_live_allocations);
     resolve(handle, "gpualloc_pool_checkpoint", pool_checkpoint);

@@ -728,6 +728,18 @@ int gpualloc_create_or_incref_pool_from(int device,
                                         uint64_t id_b,
                                         const struct GpuallocSegmentSource *source);
 
+// PyTorch's `setUseOnOOM` (`torch.cuda.MemPool(use_on_oom=True)`): while
+// held, pool `(id_a, id_b)`'s free blocks serve a request outside any
+// pool that would fail otherwise (`on` non-zero; 0 turns it off).
+// `GPUALLOC_ERR_UNKNOWN_POOL` for an unknown pool.
+int gpualloc_set_pool_use_on_oom(int device, uint64_t id_a, uint64_t id_b, int on);
+
+// PyTorch's `setNoSplit` (`torch.cuda.MemPool(no_split=True)`): pool
+// `(id_a, id_b)`'s blocks are never split; a pool with no segment yet
+// grows by plain segments from then on. `GPUALLOC_ERR_UNKNOWN_POOL` for an
+// unknown pool.
+int gpualloc_set_pool_no_split(int device, uint64_t id_a, uint64_t id_b);
+
 // Writes the holds on pool `(id_a, id_b)` of `device` to `*out`: 0 for an
 // unknown pool (not an error), or one released to zero that still has
 // live blocks.

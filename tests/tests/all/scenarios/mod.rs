@@ -47,6 +47,7 @@ mod messages;
 mod oom;
 mod oversize;
 mod pool_checkpoint;
+mod pool_options;
 mod pools;
 mod record_stream;
 mod robustness;

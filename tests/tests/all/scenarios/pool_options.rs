@@ -1,0 +1,108 @@
+//! `torch.cuda.MemPool(use_on_oom=True)` and `MemPool(no_split=True)`
+//! (Note [MemPool options] in `device.rs`), under either policy.
+
+use gpualloc::{AllocError, DeviceAllocator, PoolKey, SimBackend};
+use gpualloc_tests::{Checked, GIB, KIB, MIB, cfg};
+
+const POOL: PoolKey = (0, 7);
+
+/// A 64 MiB device whose pool `POOL` holds a free 40 MiB block; `lend`:
+/// with `use_on_oom`.
+fn pool_with_a_free_block(policy: &str, lend: bool) -> Checked {
+    let mut c = Checked::with(64 * MIB, policy);
+    c.create_or_incref_pool(POOL);
+    if lend {
+        c.dev.set_pool_use_on_oom(POOL, true).unwrap();
+    }
+    c.begin_pool(POOL, None);
+    let p = c.alloc(40 * MIB, 0);
+    c.end_pool(POOL);
+    c.release_pool(POOL).unwrap();
+    c.free(p).unwrap();
+    c
+}
+
+fn a_use_on_oom_pool_lends_its_free_block_instead_of_failing(policy: &str) {
+    let mut c = pool_with_a_free_block(policy, false);
+    match c.try_malloc(40 * MIB, 0) {
+        Err(AllocError::OutOfMemory(_)) => {}
+        other => panic!("without use_on_oom: {other:?}"),
+    }
+    let mut c = pool_with_a_free_block(policy, true);
+    let p = c.alloc(40 * MIB, 0);
+    let in_pool = c
+        .snapshot()
+        .iter()
+        .any(|s| s.pool_id == POOL && s.address <= p && p < s.address + s.total_size);
+    assert!(in_pool, "served from the pool's free block");
+    c.free(p).unwrap();
+    // Off again, or no longer held: nothing is lent.
+    c.dev.set_pool_use_on_oom(POOL, false).unwrap();
+    assert!(c.try_malloc(40 * MIB, 0).is_err());
+    c.dev.set_pool_use_on_oom(POOL, true).unwrap();
+    c.release_pool(POOL).unwrap();
+    let q = c.alloc(40 * MIB, 0);
+    assert!(
+        !c.snapshot().iter().any(|s| s.pool_id == POOL),
+        "the released pool's memory went back first"
+    );
+    c.free(q).unwrap();
+}
+
+fn a_no_split_pool_hands_out_whole_blocks(policy: &str) {
+    let mut d = DeviceAllocator::new(0, SimBackend::new(GIB), cfg(policy));
+    d.create_or_incref_pool(POOL);
+    d.set_pool_no_split(POOL).unwrap();
+    d.begin_allocate_to_pool(POOL, None).unwrap();
+    let a = d.malloc(KIB, 0).unwrap();
+    let b = d.malloc(KIB, 0).unwrap();
+    let big = d.malloc(5 * MIB, 0).unwrap();
+    d.end_allocate_to_pool(POOL).unwrap();
+    d.release_pool(POOL).unwrap();
+    d.check_invariants().unwrap();
+    let segs: Vec<_> = d
+        .snapshot()
+        .into_iter()
+        .filter(|s| s.pool_id == POOL)
+        .collect();
+    assert_eq!(segs.len(), 3, "a segment each");
+    assert!(segs.iter().all(|s| !s.expandable && s.blocks.len() == 1));
+    let sizes: Vec<u64> = segs.iter().map(|s| s.total_size).collect();
+    assert_eq!(sizes.iter().filter(|&&s| s == 2 * MIB).count(), 2);
+    assert!(sizes.contains(&(20 * MIB)));
+    for p in [a, b, big] {
+        d.free(p).unwrap();
+    }
+    // A freed whole block serves again, whole.
+    d.begin_allocate_to_pool(POOL, None).unwrap();
+    let c = d.malloc(3 * MIB, 0).unwrap();
+    d.end_allocate_to_pool(POOL).unwrap();
+    d.release_pool(POOL).unwrap();
+    assert_eq!(c, big);
+    d.check_invariants().unwrap();
+    assert_eq!(d.stats().inactive_split.all.current, 0);
+    d.free(c).unwrap();
+    d.release_pool(POOL).unwrap();
+    d.empty_cache().unwrap();
+    d.check_invariants().unwrap();
+    assert!(d.snapshot().iter().all(|s| s.pool_id != POOL));
+}
+
+under_both_policies!(
+    a_use_on_oom_pool_lends_its_free_block_instead_of_failing,
+    a_no_split_pool_hands_out_whole_blocks,
+);
+
+#[test]
+fn options_of_an_unknown_pool_are_refused() {
+    let mut c = Checked::with(GIB, "policy:gpualloc");
+    assert!(matches!(
+        c.dev.set_pool_use_on_oom((9, 9), true),
+        Err(AllocError::UnknownPool { .. })
+    ));
+    assert!(matches!(
+        c.dev.set_pool_no_split((9, 9)),
+        Err(AllocError::UnknownPool { .. })
+    ));
+    c.check();
+}
