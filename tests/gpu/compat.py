@@ -488,15 +488,15 @@ def check_compat(args) -> dict:
         torch.cuda.set_per_process_memory_fraction(room / total)
         try:
             y = torch.empty(256 * MiB, dtype=torch.uint8, device=dev)
-            segs = torch.cuda.memory.memory_snapshot(mempool_id=lend.id)
-            out["use_on_oom_lent"] = any(s["address"] <= y.data_ptr() < s["address"] + s["total_size"] for s in segs)
-            assert out["use_on_oom_lent"], "the request that fits only in the pool's free block did not get it"
             y.fill_(1)
-            assert int(y.sum()) == 256 * MiB
-            del y
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
-        del lend
+        segs = torch.cuda.memory.memory_snapshot(mempool_id=lend.id)
+        out["use_on_oom_lent"] = any(s["address"] <= y.data_ptr() < s["address"] + s["total_size"] for s in segs)
+        assert out["use_on_oom_lent"], "the request that fits only in the pool's free block did not get it"
+        # Checked with the fraction lifted (a sum of uint8 makes an int64 copy).
+        assert int(y.sum()) == 256 * MiB
+        del y, lend
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         return out
