@@ -25,7 +25,14 @@
 //! replay does not have (taken before the trace began) allocates its
 //! blocks from their pool wherever the pool's free memory fits them. A
 //! request that failed (`oom`) has no address and is retried in the
-//! default pools.
+//! default pools. An allocation in a pool lending its free blocks
+//! (`MemPool(use_on_oom=True)`, Note [MemPool options]) outside any scope
+//! of it was a default-pool request that borrowed: the replay makes it in
+//! the default pools, where its own out-of-memory path borrows, or not,
+//! as the replayed device decides (a restore of a checkpoint the replay
+//! did not take into such a pool is made so too; one of a scope's
+//! allocations while a scope of the pool is open is not told apart from
+//! a borrow and goes to the pool).
 //! Traces without `private_pool` records (older ones, or programs without
 //! CUDA graphs) replay as before: every allocation in the default pools.
 
@@ -63,6 +70,8 @@ pub(crate) struct PoolRouting {
     /// The restore under way: what it freed and allocated, matched with
     /// the recorded frees and allocs of its call.
     restoring: Option<Restoring>,
+    /// Pools lending their free blocks (`set_use_on_oom` on), by index.
+    lending: HashSet<u64>,
 }
 
 /// A checkpoint the replay took: its blocks, and the recorded address of
@@ -89,6 +98,7 @@ impl Default for PoolRouting {
             open: HashMap::new(),
             checkpoints: HashMap::new(),
             restoring: None,
+            lending: HashSet::new(),
         }
     }
 }
@@ -123,16 +133,20 @@ impl PoolRouting {
     /// Sends the next allocation to the pool that served recorded address
     /// `addr`, if a private one did: through that pool's open scope, or,
     /// when none is open (a checkpoint restore), by returning the pool to
-    /// allocate from directly.
+    /// allocate from directly. Outside any scope of a lending pool, to the
+    /// default pools (a borrow; see the module documentation).
     pub fn route(&self, addr: DevicePtr) -> Option<PoolKey> {
-        let pool = self
+        let mut pool = self
             .ranges
             .range(..=addr)
             .next_back()
             .filter(|(_, (end, _))| addr < *end)
             .map_or(NO_POOL, |(_, &(_, k))| k);
-        self.next.store(pool, Ordering::Relaxed);
         let scoped = self.open.get(&pool).is_some_and(|&n| n > 0);
+        if !scoped && self.lending.contains(&pool) {
+            pool = NO_POOL;
+        }
+        self.next.store(pool, Ordering::Relaxed);
         (pool != NO_POOL && !scoped).then_some((REPLAY_KEY, pool))
     }
 
@@ -234,7 +248,13 @@ impl PoolRouting {
                 dev.create_or_incref_plain_pool(key);
                 Ok(())
             }
-            PoolOp::UseOnOom => dev.set_pool_use_on_oom(key, checkpoint != 0),
+            PoolOp::UseOnOom => dev.set_pool_use_on_oom(key, checkpoint != 0).map(|()| {
+                if checkpoint != 0 {
+                    self.lending.insert(pool);
+                } else {
+                    self.lending.remove(&pool);
+                }
+            }),
             PoolOp::NoSplit => dev.set_pool_no_split(key),
             PoolOp::Release => dev.release_pool(key),
             PoolOp::EmptyCache => dev.empty_pool_cache(key),

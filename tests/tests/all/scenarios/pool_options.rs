@@ -91,6 +91,8 @@ fn a_no_split_pool_hands_out_whole_blocks(policy: &str) {
 under_both_policies!(
     a_use_on_oom_pool_lends_its_free_block_instead_of_failing,
     a_no_split_pool_hands_out_whole_blocks,
+    a_borrowed_block_returns_to_its_pool,
+    a_replay_of_a_borrow_requests_from_the_default_pools,
 );
 
 #[test]
@@ -105,4 +107,89 @@ fn options_of_an_unknown_pool_are_refused() {
         Err(AllocError::UnknownPool { .. })
     ));
     c.check();
+}
+
+/// A borrowed block, split, used on another stream and freed after its
+/// pool's last hold went: it goes back to its pool, whose memory the next
+/// `empty_cache` gives back.
+fn a_borrowed_block_returns_to_its_pool(policy: &str) {
+    let mut c = pool_with_a_free_block(policy, true);
+    let p = c.alloc(30 * MIB, 0);
+    c.record_stream(p, 5);
+    c.use_on(p, 5);
+    let q = c.alloc(6 * MIB, 0);
+    c.release_pool(POOL).unwrap();
+    c.free(p).unwrap();
+    c.free(q).unwrap();
+    c.complete_all();
+    c.empty_cache();
+    assert_eq!(c.reserved(), 0, "{:?}", c.snapshot());
+    assert!(c.dev.private_pools().is_empty());
+}
+
+/// A run that borrowed from a `use_on_oom` pool: the borrowed request is
+/// one of the default pools, so a replay makes it as such (through the
+/// out-of-memory path, to the borrow), and on a device where it fits it
+/// comes from the default pools as in a run on that device.
+fn a_replay_of_a_borrow_requests_from_the_default_pools(policy: &str) {
+    use gpualloc::replay::replay;
+    use gpualloc::trace::{TraceEvent, TraceReader};
+    use gpualloc::{Allocator, Config};
+    const CAPACITY: u64 = 64 * MIB;
+    let conf = Config::parse(policy).unwrap();
+    let run = |capacity: u64, path: Option<&std::path::Path>| {
+        let a = Allocator::new(
+            conf.clone(),
+            1,
+            Box::new(move |_| Ok(SimBackend::new(capacity))),
+        );
+        if let Some(path) = path {
+            a.trace_start(path).unwrap();
+        }
+        a.create_or_incref_pool(0, POOL).unwrap();
+        a.set_pool_use_on_oom(0, POOL, true).unwrap();
+        a.begin_allocate_to_pool(0, POOL, None).unwrap();
+        let p = a.malloc(0, 40 * MIB, 0).unwrap();
+        a.end_allocate_to_pool(0, POOL).unwrap();
+        a.release_pool(0, POOL).unwrap();
+        a.free(0, p).unwrap();
+        let d = a.malloc(0, 12 * MIB, 0).unwrap();
+        a.free(0, d).unwrap();
+        let b = a.malloc(0, 40 * MIB, 0).unwrap();
+        a.free(0, b).unwrap();
+        let c = a.malloc(0, 10 * MIB, 0).unwrap();
+        a.free(0, c).unwrap();
+        a.release_pool(0, POOL).unwrap();
+        a.empty_cache().unwrap();
+        if path.is_some() {
+            a.trace_stop().unwrap();
+        }
+        a.stats(0).unwrap()
+    };
+    let path = std::env::temp_dir().join(format!(
+        "gpualloc-use-on-oom-{}-{}.gtrace",
+        std::process::id(),
+        policy.len()
+    ));
+    let recorded = run(CAPACITY, Some(&path));
+    let evs: Vec<TraceEvent> = TraceReader::open(&path).unwrap().events().collect();
+    std::fs::remove_file(&path).unwrap();
+    assert!(recorded.num_alloc_retries > 0, "the run borrowed");
+    let r = replay(evs.iter().copied(), CAPACITY, &conf);
+    assert_eq!(r.ooms, 0);
+    assert_eq!(
+        (r.devices[0].alloc_retries, r.peak_reserved),
+        (
+            recorded.num_alloc_retries as u64,
+            recorded.reserved_bytes.all.peak as u64
+        ),
+        "replay on the recorded device"
+    );
+    let big = run(GIB, None);
+    assert_eq!(big.num_alloc_retries, 0);
+    let r = replay(evs.iter().copied(), GIB, &conf);
+    assert_eq!(
+        r.peak_reserved, big.reserved_bytes.all.peak as u64,
+        "replay on a device where nothing runs out"
+    );
 }
