@@ -421,6 +421,11 @@ impl<B: Backend> DeviceAllocator<B> {
         };
         let max = self.capacity()?;
         if needed > max {
+            // A pool's free block grows nothing: it may fit what a cap
+            // lowered since the pool filled never would.
+            if let Some(b) = self.borrow_from_use_on_oom_pools(pool, stream, rounded) {
+                return Ok(b);
+            }
             return Err(self.out_of_memory(stream, size, needed, cause));
         }
         if !capturing {

@@ -93,6 +93,7 @@ under_both_policies!(
     a_no_split_pool_hands_out_whole_blocks,
     a_borrowed_block_returns_to_its_pool,
     a_replay_of_a_borrow_requests_from_the_default_pools,
+    a_request_above_the_cap_borrows_a_block_that_fits,
 );
 
 #[test]
@@ -192,4 +193,20 @@ fn a_replay_of_a_borrow_requests_from_the_default_pools(policy: &str) {
         r.peak_reserved, big.reserved_bytes.all.peak as u64,
         "replay on a device where nothing runs out"
     );
+}
+
+/// Under a cap lowered after the pool filled, a request larger than the
+/// cap still fits the pool's free block: PyTorch lends it (the borrow
+/// does not grow anything), so gpualloc must not report it as one that
+/// can never fit.
+fn a_request_above_the_cap_borrows_a_block_that_fits(policy: &str) {
+    let mut c = pool_with_a_free_block(policy, true);
+    c.set_memory_fraction(0.5).unwrap();
+    let p = c.alloc(36 * MIB, 0);
+    assert!(
+        c.snapshot()
+            .iter()
+            .any(|s| s.pool_id == POOL && s.address <= p && p < s.address + s.total_size)
+    );
+    c.free(p).unwrap();
 }
