@@ -764,7 +764,7 @@ class GpuallocAllocator final : public CUDAAllocator {
 #endif
 #if TORCH_VERSION_MINOR >= 10
   void setNoSplit(c10::DeviceIndex device, MempoolId_t id) override {
-    check(api.set_pool_no_split(device, id.first, id.second), "setNoSplit");
+    pool_option(device, id, api.set_pool_no_split(device, id.first, id.second), "setNoSplit");
   }
 #endif
   // MemPool(use_on_oom=...): Note [MemPool options] in allocator/src/device.rs.
@@ -773,9 +773,19 @@ class GpuallocAllocator final : public CUDAAllocator {
   void set_use_on_oom(c10::DeviceIndex device, MempoolId_t id, bool on) {
     int rc = api.set_pool_use_on_oom(device, id.first, id.second, on ? 1 : 0);
     if (on) {
-      check(rc, "setUseOnOOM");
+      pool_option(device, id, rc, "setUseOnOOM");
     } else if (rc != GPUALLOC_OK && rc != GPUALLOC_ERR_UNKNOWN_POOL) {
       std::fprintf(stderr, "gpualloc setUseOnOOM: %s\n", last_error("unknown error").c_str());
+    }
+  }
+  // MemPool's constructor sets its options right after createOrIncrefPool;
+  // an error thrown out of the constructor means its destructor never drops
+  // that hold: drop it here first.
+  void pool_option(c10::DeviceIndex device, MempoolId_t id, int rc, const char* what) {
+    if (rc != GPUALLOC_OK) {
+      std::string why = last_error("unknown error");
+      api.release_pool(device, id.first, id.second);
+      TORCH_CHECK(false, "gpualloc ", what, ": ", why);
     }
   }
   // A pool with another allocator takes its segments from it (Note
