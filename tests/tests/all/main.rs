@@ -11,6 +11,8 @@
 //!   environment variables, with the code's defaults;
 //! - `examples`: the C example builds and runs on the simulated device;
 //! - `graph_replay`: a program with CUDA graph captures replays exactly;
+//! - `pool_option_properties`: random programs with a pool served by another
+//!   allocator and a pool that lends on out-of-memory;
 //! - `replay_fuzz`: the replay takes any sequence of records without panicking.
 
 mod docs;
@@ -21,6 +23,7 @@ mod fuzz_config;
 mod gpu_recorded;
 mod graph_isolation;
 mod graph_replay;
+mod pool_option_properties;
 mod promise;
 mod promise_adversarial;
 mod properties;
