@@ -8,7 +8,9 @@
 //! makes such pools without the program asking: the summary says how many
 //! captures and pools a trace saw (`private_pool` records, format minor 2)
 //! and the most memory mapped for private pools at once (their segment
-//! events, in every trace).
+//! events, in every trace), and which pools took their memory from another
+//! allocator (`MemPool(allocator=...)`) or lent it on out-of-memory
+//! (`MemPool(use_on_oom=True)`).
 
 use std::collections::BTreeSet;
 
@@ -33,6 +35,11 @@ pub struct GraphPools {
     /// Pool indexes the calls named (at most [`MAX_POOLS`]: a damaged
     /// trace's indexes do not grow it without bound).
     seen: BTreeSet<u64>,
+    /// Pools served by another allocator (`MemPool(allocator=...)`).
+    served: BTreeSet<u64>,
+    /// Pools that lent their free blocks on out-of-memory at some point
+    /// (`MemPool(use_on_oom=True)`).
+    lending: BTreeSet<u64>,
 }
 
 /// Distinct private pools counted at most.
@@ -48,15 +55,25 @@ impl GraphPools {
     #[inline]
     pub fn apply(&mut self, kind: &EventKind) {
         match *kind {
-            EventKind::PrivatePool { op, pool, .. } => {
+            EventKind::PrivatePool {
+                op,
+                pool,
+                checkpoint,
+            } => {
+                if self.seen.len() < MAX_POOLS {
+                    self.seen.insert(pool);
+                }
                 match op {
                     PoolOp::BeginAllocate => self.captures += 1,
                     PoolOp::Release => self.releases += 1,
                     PoolOp::Restore => self.restores += 1,
+                    PoolOp::IncrefServed if self.served.len() < MAX_POOLS => {
+                        self.served.insert(pool);
+                    }
+                    PoolOp::UseOnOom if checkpoint != 0 && self.lending.len() < MAX_POOLS => {
+                        self.lending.insert(pool);
+                    }
                     _ => {}
-                }
-                if self.seen.len() < MAX_POOLS {
-                    self.seen.insert(pool);
                 }
             }
             EventKind::SegmentAlloc { size, pool, .. }
@@ -81,6 +98,16 @@ impl GraphPools {
         self.seen.len() as u64
     }
 
+    /// Pools served by another allocator.
+    pub fn served(&self) -> u64 {
+        self.served.len() as u64
+    }
+
+    /// Pools that lent on out-of-memory.
+    pub fn lending(&self) -> u64 {
+        self.lending.len() as u64
+    }
+
     /// "N captures into M private pools (K releases); up to X mapped for
     /// them at once", or `None` when the trace shows no private pool.
     pub fn describe(&self) -> Option<String> {
@@ -103,8 +130,20 @@ impl GraphPools {
         } else {
             String::new()
         };
+        let mut kinds = Vec::new();
+        if !self.served.is_empty() {
+            kinds.push(format!("{} served by another allocator", self.served()));
+        }
+        if !self.lending.is_empty() {
+            kinds.push(format!("{} lending on out-of-memory", self.lending()));
+        }
+        let kinds = if kinds.is_empty() {
+            String::new()
+        } else {
+            format!(" (of the pools: {})", kinds.join(", "))
+        };
         Some(format!(
-            "{calls}up to {} mapped for private pools at once (memory of CUDA graphs and MemPools, apart from the cache)",
+            "{calls}up to {} mapped for private pools at once (memory of CUDA graphs and MemPools, apart from the cache){kinds}",
             bytes(self.peak_held)
         ))
     }
@@ -154,6 +193,29 @@ mod tests {
         assert!(
             text.starts_with(
                 "2 captures into 2 private pools (1 release, 1 checkpoint restore); up to 130 B"
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn names_pools_of_another_allocator_and_lending_pools() {
+        let mut g = GraphPools::default();
+        let call = |op, pool, checkpoint| EventKind::PrivatePool {
+            op,
+            pool,
+            checkpoint,
+        };
+        g.apply(&call(PoolOp::IncrefServed, 0, 0));
+        g.apply(&call(PoolOp::Incref, 1, 0));
+        g.apply(&call(PoolOp::UseOnOom, 1, 1));
+        g.apply(&call(PoolOp::UseOnOom, 2, 0));
+        g.apply(&map(1 << 20, 2));
+        assert_eq!((g.pools(), g.served(), g.lending()), (3, 1, 1));
+        let text = g.describe().unwrap();
+        assert!(
+            text.ends_with(
+                "(of the pools: 1 served by another allocator, 1 lending on out-of-memory)"
             ),
             "{text}"
         );

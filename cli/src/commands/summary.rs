@@ -297,6 +297,8 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
             "releases": d.graph_pools.releases,
             "restores": d.graph_pools.restores,
             "peak_held": d.graph_pools.peak_held,
+            "served_by_another_allocator": d.graph_pools.served(),
+            "lending_on_oom": d.graph_pools.lending(),
         }),
         "empty_cache": json!({
             "calls": d.empty_caches.calls,
