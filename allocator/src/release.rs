@@ -222,15 +222,14 @@ impl<B: Backend> DeviceAllocator<B> {
         size: u64,
         stream: StreamId,
     ) -> Result<(), BackendError> {
-        if self.private.source_mut(pool).is_none() {
-            return self.backend.release(ptr, size);
+        if self.private.source_mut(pool).is_some() {
+            self.backend.synchronize()?;
         }
-        self.backend.synchronize()?;
         match self.private.source_mut(pool) {
             Some(source) => {
                 crate::segment_source::calling_source(|| source.release(ptr, size, stream))
             }
-            None => Ok(()),
+            None => self.backend.release(ptr, size),
         }
     }
 
