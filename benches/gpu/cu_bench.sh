@@ -7,9 +7,10 @@
 #     bash benches/gpu/cu_bench.sh vmm_threads        # writes ${OUT:-./vmm_threads}/vmm_threads.md
 #     bash benches/gpu/cu_bench.sh vmm_stall          # writes ${OUT:-./vmm_stall}/vmm_stall.md
 #     bash benches/gpu/cu_bench.sh capture_probe      # writes ${OUT:-./capture_probe}/capture_probe.md
+#     bash benches/gpu/cu_bench.sh access_costs       # writes ${OUT:-./access_costs}/access_costs.md
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-name=${1:?usage: cu_bench.sh NAME (host_latency, handle_bandwidth, vmm_threads, vmm_stall or capture_probe)}
+name=${1:?usage: cu_bench.sh NAME (host_latency, handle_bandwidth, vmm_threads, vmm_stall, capture_probe or access_costs)}
 src="$here/$name.cu"
 [[ -f $src ]] || { echo "cu_bench.sh: no $src" >&2; exit 2; }
 out=${OUT:-./$name}
