@@ -6,13 +6,14 @@ run, and what a host-fed training step costs, under one allocator.
 
 runs each variant (driver.py's names) in its own process, the order
 turned each repeat, and writes DIR/transfer.json and a table. One run
-(`--child --alloc native|gpualloc`) prints one GPUALLOC_RESULT line: for 4 MiB, 55 MiB (a batch of 96 images
-of 224x224 in float32) and 512 MiB, the median milliseconds of 20 copies
-host to device and back, from pageable and from pinned memory, into a
-tensor allocated once (`into`) and with the tensor allocated by the copy
-(`to`, what `batch.to("cuda")` does); the same after a warm-up that
-allocates and frees 400 tensors of random sizes from 1 to 64 MiB (the
-layout a training run leaves); and the median step of timm's
+(`--child --alloc native|gpualloc`) prints one GPUALLOC_RESULT line: for
+4 MiB, 55 MiB (a batch of 96 images of 224x224 in float32) and 512 MiB,
+the median milliseconds of 20 copies (7 of 512 MiB) host to device and
+back, from pageable and from pinned memory, into a tensor allocated once
+(`into`) and with the tensor allocated by the copy (`to`, what
+`batch.to("cuda")` does), and of a device-to-device clone; the same after
+a warm-up that allocates and frees 400 tensors of random sizes from 1 to
+64 MiB (the layout a training run leaves); and the median step of timm's
 vit_small_patch16_224 (fp16 autocast, AdamW, batch 96) fed from host
 memory as a training loop feeds it, and fed from tensors already on the
 GPU."""
