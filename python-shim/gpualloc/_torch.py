@@ -30,9 +30,14 @@ _KEEP = []  # objects that must live as long as the process (allocator, librarie
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# PyTorch's variables for its own allocator (PYTORCH_ALLOC_CONF is the newer
-# name of the first): set under gpualloc, they do nothing, which install() says.
-TORCH_ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING")
+# PyTorch's variables for its own allocator's settings (PYTORCH_ALLOC_CONF is
+# the newer name of the first): set under gpualloc, they do nothing, which
+# install() says.
+TORCH_ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# PyTorch's switch that sends every allocation to cudaMalloc (set to anything):
+# the bridge honours it as PyTorch does (Note [The caching allocator switched
+# off] in bridge/uncached.h), the fallback cannot; install() says which.
+NO_CACHING_VARIABLE = "PYTORCH_NO_CUDA_MEMORY_CACHING"
 
 
 def _import_torch():
@@ -127,9 +132,28 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
                     pass  # the install's own error is the one to report
             raise
         MODE = mode
+        _say_no_caching(mode)
         _set_auto_marks(torch, auto_marks)
         _complete_trace_in_workers(L)
         return mode
+
+
+def _say_no_caching(mode: str) -> None:
+    """Warns, under PYTORCH_NO_CUDA_MEMORY_CACHING, what it does to this
+    install: scripts set it to debug a crash or "to save memory" and would
+    otherwise wonder why gpualloc's stats and trace stay empty, or, on the
+    fallback, why memory stays cached."""
+    if NO_CACHING_VARIABLE not in os.environ:
+        return
+    value = os.environ[NO_CACHING_VARIABLE]
+    if mode == "bridge":
+        what = ("as under PyTorch's own allocator, every CUDA allocation goes to cudaMalloc and back to cudaFree: "
+                "gpualloc caches nothing, and its stats, memory history and trace see none of those allocations "
+                "(unset it to use gpualloc)")
+    else:
+        what = ("gpualloc honours it only through its C++ bridge; without the bridge (a plain CUDAPluggableAllocator) "
+                "allocations stay cached by gpualloc")
+    warnings.warn(f"gpualloc: {NO_CACHING_VARIABLE}={value!r} is set: {what}", RuntimeWarning, stacklevel=4)
 
 
 def _complete_trace_in_workers(L) -> None:

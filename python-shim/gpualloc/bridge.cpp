@@ -521,7 +521,7 @@ class GpuallocAllocator final : public CUDAAllocator {
   // c10::Allocator
   c10::DataPtr allocate(size_t n) override {
     c10::DeviceIndex device = current_device();
-    if (C10_UNLIKELY(!caching_on.load(std::memory_order_relaxed))) {
+    if (C10_UNLIKELY(!caching_now())) {
       void* p = uncached_allocate(n, device);
       return {p, p, &uncached_delete, c10::Device(c10::DeviceType::CUDA, device)};
     }
@@ -529,7 +529,7 @@ class GpuallocAllocator final : public CUDAAllocator {
     return {p, p, &delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
   }
   c10::DeleterFnPtr raw_deleter() const override {
-    return caching_on.load(std::memory_order_relaxed) ? &delete_fn : &uncached_delete;
+    return caching_now() ? &delete_fn : &uncached_delete;
   }
   void copy_data(void* dest, const void* src, std::size_t count) const final {
     C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
@@ -602,6 +602,10 @@ class GpuallocAllocator final : public CUDAAllocator {
   // initialization error.
   void init(int device_count) override {
     check(api.init(nullptr), "could not start");
+    // Note [The caching allocator switched off] in bridge/uncached.h.
+    if (std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING") != nullptr && !forced_off.exchange(true)) {
+      api.mark("PYTORCH_NO_CUDA_MEMORY_CACHING: caching allocator off");
+    }
     cuda_pid.store(getpid(), std::memory_order_relaxed);
     device_count_ = device_count;
     initialized_.store(true);
@@ -976,7 +980,7 @@ class GpuallocAllocator final : public CUDAAllocator {
   // raw_alloc's allocation: from cudaMalloc while the caching allocator is
   // switched off, remembered for raw_delete (bridge/uncached.h).
   static void* raw_alloc_on(size_t nbytes, c10::DeviceIndex device, cudaStream_t stream) {
-    if (C10_UNLIKELY(!caching_on.load(std::memory_order_relaxed))) {
+    if (C10_UNLIKELY(!caching_now())) {
       void* p = uncached_allocate(nbytes, device);
       uncached_raw.add(p);
       return p;

@@ -593,7 +593,13 @@ class InstallTest(unittest.TestCase):
             out = run([s], {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertIn("PYTORCH_ALLOC_CONF='expandable_segments:True'", out.stderr)
-            self.assertIn("PYTORCH_NO_CUDA_MEMORY_CACHING='1'", out.stderr)
+            self.assertIn("PYTORCH_NO_CUDA_MEMORY_CACHING='1' is set: gpualloc honours it only through its C++ bridge",
+                          out.stderr)
+            # PyTorch takes the variable set to anything, empty included.
+            out = run([s], {"PYTORCH_NO_CUDA_MEMORY_CACHING": ""})
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("PYTORCH_NO_CUDA_MEMORY_CACHING='' is set", out.stderr)
+            self.assertNotIn("no effect on gpualloc", out.stderr)
 
     def test_a_misspelled_gpualloc_variable_is_named_with_what_was_meant(self):
         with tempfile.TemporaryDirectory() as d:

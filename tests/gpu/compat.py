@@ -13,7 +13,8 @@ with use_mem_pool, the out-of-memory observer, the generic allocator
 registry, the raw caching_allocator_alloc/delete API, settings changed
 mid-run with torch.cuda.memory._set_allocator_settings, the caching
 allocator switched off and on (torch.cuda.memory.caching_allocator_enable),
-memory history in a child forked before the first CUDA call, and (gpualloc
+memory history in a child forked before the first CUDA call,
+PYTORCH_NO_CUDA_MEMORY_CACHING in a child process, and (gpualloc
 only) a cudaMalloc made while switched off that fits only once gpualloc's
 cache is given back, and the trace of a multiprocessing worker forked
 before CUDA, complete at its os._exit. ipc: a CUDA tensor sent to a child process through
@@ -624,6 +625,31 @@ def check_compat(args) -> dict:
             f"the child's history of its tensor: {seen['actions']}"
         return seen
 
+    @sub("no_cuda_memory_caching_variable")
+    def _():
+        # PYTORCH_NO_CUDA_MEMORY_CACHING=1 (compute-sanitizer runs, crash
+        # debugging): every allocation goes to cudaMalloc and its free to
+        # cudaFree, outside the allocator's stats, for the whole process;
+        # caching_allocator_enable(True) does not turn caching back on.
+        import json
+        import subprocess
+        import sys
+
+        env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+        p = subprocess.run([sys.executable, "-W", "ignore", "-c", NO_CACHING, args.alloc], capture_output=True,
+                           text=True, timeout=180, env=env)
+        lines = [x for x in p.stdout.splitlines() if x.startswith("NO_CACHING_RESULT ")]
+        assert p.returncode == 0 and lines, f"rc={p.returncode}: {p.stderr[-600:]}"
+        seen = json.loads(lines[-1][len("NO_CACHING_RESULT "):])
+        want = "gpualloc" if args.alloc == "gpualloc" else "native"
+        assert seen["backend"] == want, f"the child allocated through {seen['backend']}, not {want}"
+        assert seen["allocated"] == 0 and seen["reserved"] == 0, f"counted by the allocator: {seen}"
+        assert seen["value"] == 7 * (64 << 20) and seen["conv_finite"], f"wrong results: {seen}"
+        # Freed memory goes back to the driver at once (cudaFree): what the
+        # tensor took comes back, give or take the driver's own rounding.
+        assert seen["taken"] >= 64 << 20 and abs(seen["returned"] - seen["taken"]) <= 8 << 20, seen
+        return seen
+
     if args.alloc == "gpualloc":
 
         @sub("caching_allocator_switched_off_takes_back_the_cache")
@@ -783,6 +809,31 @@ while True:
 _, status = os.waitpid(pid, 0)
 print("FORK_RESULT " + data.decode(), flush=True)
 sys.exit(0 if status == 0 else 1)
+"""
+
+
+NO_CACHING = r"""
+import json, os, sys
+import torch
+if sys.argv[1] == "gpualloc":
+    import gpualloc
+    gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None)
+torch.cuda.init()
+torch.cuda.memory.caching_allocator_enable(True)  # no effect under the variable
+torch.cuda.synchronize()
+free0, _ = torch.cuda.mem_get_info()
+x = torch.full((64 << 20,), 7, dtype=torch.uint8, device="cuda")
+torch.cuda.synchronize()
+free1, _ = torch.cuda.mem_get_info()
+value = int(x.sum())
+y = torch.nn.Conv2d(3, 8, 3).cuda()(torch.randn(2, 3, 32, 32, device="cuda"))
+out = {"backend": torch.cuda.get_allocator_backend(), "allocated": torch.cuda.memory_allocated(),
+       "reserved": torch.cuda.memory_reserved(), "value": value, "conv_finite": bool(torch.isfinite(y).all())}
+del x
+torch.cuda.synchronize()
+free2, _ = torch.cuda.mem_get_info()
+out.update(taken=free0 - free1, returned=free2 - free1)
+print("NO_CACHING_RESULT " + json.dumps(out), flush=True)
 """
 
 

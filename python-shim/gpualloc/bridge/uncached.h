@@ -25,6 +25,13 @@
 // - a forked child (a DataLoader worker freeing what it inherited) leaves
 //   the memory to the parent instead of calling cudaFree where CUDA cannot
 //   run, as gpualloc's own deleter does.
+// PYTORCH_NO_CUDA_MEMORY_CACHING (set to anything, as PyTorch reads it) is
+// PyTorch's other way in: its allocator checks `forceUncachedAllocator() ||
+// !isEnabled()` on every path, so the variable keeps the switch off for
+// the whole process whatever `enable` says, and `isEnabled` still answers
+// the switch alone. Programs set it for compute-sanitizer runs and to debug
+// crashes; gpualloc honours it the same way (`forced_off`, read once when
+// CUDA starts, before the first allocation; a trace mark says so).
 #pragma once
 
 #include <c10/core/impl/GPUTrace.h>
@@ -43,6 +50,15 @@ namespace gpualloc_bridge {
 
 // Whether the caching allocator is on (`enable`, `isEnabled`).
 inline std::atomic<bool> caching_on{true};
+
+// PYTORCH_NO_CUDA_MEMORY_CACHING was set when CUDA started: off for good.
+inline std::atomic<bool> forced_off{false};
+
+// Whether allocations go to gpualloc now: the switch is on and the
+// variable did not turn it off for good.
+inline bool caching_now() {
+  return caching_on.load(std::memory_order_relaxed) && !forced_off.load(std::memory_order_relaxed);
+}
 
 // cudaMalloc of `size` bytes on the current device, `device`, for the
 // switched-off allocator; once more after gpualloc's cache went back to the
