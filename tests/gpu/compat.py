@@ -820,13 +820,16 @@ if sys.argv[1] == "gpualloc":
     gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None)
 torch.cuda.init()
 torch.cuda.memory.caching_allocator_enable(True)  # no effect under the variable
+# Kernels and cuDNN load lazily and take device memory when first used:
+# first use them, then count what a tensor takes and gives back.
+y = torch.nn.Conv2d(3, 8, 3).cuda()(torch.randn(2, 3, 32, 32, device="cuda"))
+int(torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda").sum())
 torch.cuda.synchronize()
 free0, _ = torch.cuda.mem_get_info()
 x = torch.full((64 << 20,), 7, dtype=torch.uint8, device="cuda")
+value = int(x.sum())
 torch.cuda.synchronize()
 free1, _ = torch.cuda.mem_get_info()
-value = int(x.sum())
-y = torch.nn.Conv2d(3, 8, 3).cuda()(torch.randn(2, 3, 32, 32, device="cuda"))
 out = {"backend": torch.cuda.get_allocator_backend(), "allocated": torch.cuda.memory_allocated(),
        "reserved": torch.cuda.memory_reserved(), "value": value, "conv_finite": bool(torch.isfinite(y).all())}
 del x
