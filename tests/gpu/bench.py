@@ -73,6 +73,11 @@ def summarize_training(runs, workload, variants):
         res = [r["result"] for _, r in mine]
         agree = [driver.compare_training(by[("native", rep)], r)["losses_agree"] for rep, r in mine if ("native", rep) in by]
         ratios = [r["result"]["mean_step_s_all"] / base[rep] for rep, r in mine if base[rep]]
+        # Within each repeat, against PyTorch expandable step by step
+        # (driver.paired_steps): what the driver calls cost apart from noise.
+        pairs = [driver.paired_steps(by[("native-expandable", rep)]["result"], r["result"])
+                 for rep, r in mine if ("native-expandable", rep) in by]
+        pairs = [x for x in pairs if x]
         rows.append({
             "variant": v,
             "runs": len(res),
@@ -85,6 +90,12 @@ def summarize_training(runs, workload, variants):
             "ratio_mean_all_interval95": ratio_interval(ratios),
             "losses_agree_with_native": all(agree) if agree else None,
             "peak_reserved_gib": median([x["peak_reserved"] / 2**30 for x in res]),
+            "gap_to_native_expandable_ms": {
+                "after_warmup": median([x["mean_gap_ms"] for x in pairs]),
+                "steps_without_memory_calls": median([x["without_memory_calls"]["mean_gap_ms"] for x in pairs]),
+                "steps_with_memory_calls": median([x["with_memory_calls"]["mean_gap_ms"] for x in pairs]),
+                "their_driver_ms": median([x["with_memory_calls"]["mean_driver_ms"] for x in pairs]),
+            } if pairs else None,
         })
     return rows
 

@@ -118,6 +118,34 @@ class Variants(unittest.TestCase):
                 os.environ["GPUALLOC_LIBRARY"] = old
 
 
+class PairedSteps(unittest.TestCase):
+    def test_steps_with_and_without_memory_calls_apart(self):
+        ref = {"step_ms": [50.0, 10.0, 10.0, 10.0, 10.0]}
+        ours = {"step_ms": [60.0, 10.0, 13.0, 10.5, 10.0], "step_driver_ms": [9.0, 0.0, 3.0, 0.06, 0.1],
+                "warmup_steps": 1}
+        got = driver.paired_steps(ref, ours)
+        self.assertEqual(got["steps"], 4)
+        self.assertEqual(got["mean_gap_ms"], 0.875)
+        self.assertEqual(got["without_memory_calls"], {"steps": 3, "mean_gap_ms": 0.167})
+        self.assertEqual(got["with_memory_calls"], {"steps": 1, "mean_gap_ms": 3.0, "mean_driver_ms": 3.0})
+        self.assertIsNone(driver.paired_steps(ref, {"step_ms": [1.0]}))
+
+    def test_training_comparisons_pair_with_both_pytorch_modes(self):
+        def run(ms, driver_ms=None):
+            r = {"losses": [1.0, 0.5], "median_step_s": 0.01, "peak_reserved_over_allocated": 1.0,
+                 "peak_reserved": 1 << 30, "peak_allocated": 1 << 30, "step_ms": ms, "warmup_steps": 0}
+            if driver_ms is not None:
+                r["step_driver_ms"] = driver_ms
+            return {"result": r}
+
+        native, expandable = run([10.0, 12.0]), run([9.0, 11.0])
+        c = driver.compare_training(native, run([10.0, 14.0], [0.0, 2.0]), expandable)
+        self.assertEqual(c["paired_steps"]["native"]["with_memory_calls"]["mean_gap_ms"], 2.0)
+        self.assertEqual(c["paired_steps"]["native-expandable"]["without_memory_calls"]["mean_gap_ms"], 1.0)
+        self.assertEqual(driver.compare_training(native, expandable, expandable)["paired_steps"],
+                         {"native": None, "native-expandable": None})
+
+
 class KernelSpeed(unittest.TestCase):
     def test_ratios_to_native_leave_failed_runs_out(self):
         runs = {"kernel_speed/native": {"result": {"median_ms": {"copy": 2.0, "mm": 1.0}, "host_us": {"item": 10.0}}},
@@ -194,6 +222,22 @@ class BenchInterval(unittest.TestCase):
         runs += [bench_run("w", "gpualloc", rep, t) for rep, t in enumerate([0.0980, 0.0981, 0.0979])]
         ours = bench.summarize_training(runs, "w", ["gpualloc"])[0]
         self.assertLess(ours["ratio_mean_all_interval95"][2], 1.0, "three repeats 2% faster, closely: met")
+
+
+class BenchPairedGap(unittest.TestCase):
+    def test_the_median_over_repeats_of_each_repeats_pairing(self):
+        runs = []
+        for rep, (extra, driver_ms) in enumerate([(1.0, 0.0), (3.0, 2.0), (2.0, 0.0)]):
+            e = bench_run("w", "native-expandable", rep, 0.01)
+            e["result"].update(step_ms=[10.0, 10.0], warmup_steps=0)
+            g = bench_run("w", "gpualloc", rep, 0.01)
+            g["result"].update(step_ms=[10.0, 10.0 + extra], step_driver_ms=[0.0, driver_ms], warmup_steps=0)
+            runs += [e, g]
+        ours = bench.summarize_training(runs, "w", ["native-expandable", "gpualloc"])[1]
+        self.assertEqual(ours["gap_to_native_expandable_ms"], {
+            "after_warmup": 1.0, "steps_without_memory_calls": 0.5, "steps_with_memory_calls": 3.0,
+            "their_driver_ms": 2.0})
+        self.assertIsNone(bench.summarize_training(runs, "w", ["native-expandable"])[0]["gap_to_native_expandable_ms"])
 
 
 class BenchDriverTime(unittest.TestCase):
