@@ -34,10 +34,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # the newer name of the first): set under gpualloc, they do nothing, which
 # install() says.
 TORCH_ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-# PyTorch's switch that sends every allocation to cudaMalloc (set to anything):
-# the bridge honours it as PyTorch does (Note [The caching allocator switched
-# off] in bridge/uncached.h), the fallback cannot; install() says which.
-NO_CACHING_VARIABLE = "PYTORCH_NO_CUDA_MEMORY_CACHING"
+# PyTorch's switches that send every allocation to cudaMalloc, on when set to
+# "1" (torch >= 2.7 reads them with c10::utils::check_env: "0" keeps caching,
+# another value is ignored; the HIP name counts on CUDA too): the bridge
+# honours them as PyTorch does (Note [The caching allocator switched off] in
+# bridge/uncached.h), the fallback cannot; install() says which.
+NO_CACHING_VARIABLES = ("PYTORCH_NO_CUDA_MEMORY_CACHING", "PYTORCH_NO_HIP_MEMORY_CACHING")
 
 
 def _import_torch():
@@ -139,13 +141,13 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
 
 
 def _say_no_caching(mode: str) -> None:
-    """Warns, under PYTORCH_NO_CUDA_MEMORY_CACHING, what it does to this
+    """Warns, under PYTORCH_NO_CUDA_MEMORY_CACHING=1, what it does to this
     install: scripts set it to debug a crash or "to save memory" and would
     otherwise wonder why gpualloc's stats and trace stay empty, or, on the
     fallback, why memory stays cached."""
-    if NO_CACHING_VARIABLE not in os.environ:
+    names = [name for name in NO_CACHING_VARIABLES if os.environ.get(name) == "1"]
+    if not names:
         return
-    value = os.environ[NO_CACHING_VARIABLE]
     if mode == "bridge":
         what = ("as under PyTorch's own allocator, every CUDA allocation goes to cudaMalloc and back to cudaFree: "
                 "gpualloc caches nothing, and its stats, memory history and trace see none of those allocations "
@@ -153,7 +155,7 @@ def _say_no_caching(mode: str) -> None:
     else:
         what = ("gpualloc honours it only through its C++ bridge; without the bridge (a plain CUDAPluggableAllocator) "
                 "allocations stay cached by gpualloc")
-    warnings.warn(f"gpualloc: {NO_CACHING_VARIABLE}={value!r} is set: {what}", RuntimeWarning, stacklevel=4)
+    warnings.warn(f"gpualloc: {names[0]}='1' is set: {what}", RuntimeWarning, stacklevel=4)
 
 
 def _complete_trace_in_workers(L) -> None:

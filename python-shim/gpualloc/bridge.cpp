@@ -603,7 +603,7 @@ class GpuallocAllocator final : public CUDAAllocator {
   void init(int device_count) override {
     check(api.init(nullptr), "could not start");
     // Note [The caching allocator switched off] in bridge/uncached.h.
-    if (std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING") != nullptr && !forced_off.exchange(true)) {
+    if (no_caching_asked() && !forced_off.exchange(true)) {
       api.mark("PYTORCH_NO_CUDA_MEMORY_CACHING: caching allocator off");
     }
     cuda_pid.store(getpid(), std::memory_order_relaxed);

@@ -595,10 +595,16 @@ class InstallTest(unittest.TestCase):
             self.assertIn("PYTORCH_ALLOC_CONF='expandable_segments:True'", out.stderr)
             self.assertIn("PYTORCH_NO_CUDA_MEMORY_CACHING='1' is set: gpualloc honours it only through its C++ bridge",
                           out.stderr)
-            # PyTorch takes the variable set to anything, empty included.
-            out = run([s], {"PYTORCH_NO_CUDA_MEMORY_CACHING": ""})
+            # PyTorch (since 2.7) turns caching off for "1" only: "0", which
+            # launch scripts set to keep caching, and other values leave it on.
+            for value in ("0", "", "true"):
+                out = run([s], {"PYTORCH_NO_CUDA_MEMORY_CACHING": value})
+                self.assertEqual(out.returncode, 0, out.stderr)
+                self.assertNotIn("PYTORCH_NO_CUDA_MEMORY_CACHING", out.stderr)
+            # Its HIP name counts on CUDA builds too.
+            out = run([s], {"PYTORCH_NO_HIP_MEMORY_CACHING": "1"})
             self.assertEqual(out.returncode, 0, out.stderr)
-            self.assertIn("PYTORCH_NO_CUDA_MEMORY_CACHING='' is set", out.stderr)
+            self.assertIn("PYTORCH_NO_HIP_MEMORY_CACHING='1' is set", out.stderr)
             self.assertNotIn("no effect on gpualloc", out.stderr)
 
     def test_a_misspelled_gpualloc_variable_is_named_with_what_was_meant(self):

@@ -25,18 +25,25 @@
 // - a forked child (a DataLoader worker freeing what it inherited) leaves
 //   the memory to the parent instead of calling cudaFree where CUDA cannot
 //   run, as gpualloc's own deleter does.
-// PYTORCH_NO_CUDA_MEMORY_CACHING (set to anything, as PyTorch reads it) is
-// PyTorch's other way in: its allocator checks `forceUncachedAllocator() ||
-// !isEnabled()` on every path, so the variable keeps the switch off for
-// the whole process whatever `enable` says, and `isEnabled` still answers
-// the switch alone. Programs set it for compute-sanitizer runs and to debug
-// crashes; gpualloc honours it the same way (`forced_off`, read once when
-// CUDA starts, before the first allocation; a trace mark says so).
+// PYTORCH_NO_CUDA_MEMORY_CACHING=1 is PyTorch's other way in: its allocator
+// checks `forceUncachedAllocator() || !isEnabled()` on every path, so the
+// variable keeps the switch off for the whole process whatever `enable`
+// says, and `isEnabled` still answers the switch alone. Programs set it for
+// compute-sanitizer runs and to debug crashes; gpualloc honours it the same
+// way (`forced_off`, read once when CUDA starts, before the first
+// allocation; a trace mark says so), and reads it as PyTorch does since
+// torch 2.7 (`no_caching_asked`): c10::utils::check_env, so only "1" turns
+// caching off; "0" (which launch scripts set to say "keep caching") and any
+// other value leave it on. PYTORCH_NO_HIP_MEMORY_CACHING=1 counts too, on
+// CUDA builds as well. Taking the variable set to anything as the request,
+// as torch before 2.7 did, sent every allocation of a process run with it
+// at 0 to cudaMalloc, where PyTorch's allocator caches.
 #pragma once
 
 #include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
+#include <c10/util/env.h>
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -51,8 +58,15 @@ namespace gpualloc_bridge {
 // Whether the caching allocator is on (`enable`, `isEnabled`).
 inline std::atomic<bool> caching_on{true};
 
-// PYTORCH_NO_CUDA_MEMORY_CACHING was set when CUDA started: off for good.
+// PYTORCH_NO_CUDA_MEMORY_CACHING=1 when CUDA started: off for good.
 inline std::atomic<bool> forced_off{false};
+
+// Whether the environment turns the caching allocator off for good, as
+// PyTorch's forceUncachedAllocator() reads it (see the Note above).
+inline bool no_caching_asked() {
+  return c10::utils::check_env("PYTORCH_NO_CUDA_MEMORY_CACHING") == true ||
+         c10::utils::check_env("PYTORCH_NO_HIP_MEMORY_CACHING") == true;
+}
 
 // Whether allocations go to gpualloc now: the switch is on and the
 // variable did not turn it off for good.
