@@ -137,6 +137,9 @@ class UncachedRaw {
   std::atomic<bool> any_{false};
 };
 
-inline UncachedRaw uncached_raw;
+// Never destroyed (as `history`): a raw_delete during torch's static
+// destruction (the bridge, loaded after libtorch, has its globals destroyed
+// first) would otherwise erase from a freed set.
+inline UncachedRaw& uncached_raw = *new UncachedRaw;
 
 }  // namespace gpualloc_bridge
