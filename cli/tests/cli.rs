@@ -1236,3 +1236,73 @@ fn phases_within_one_microsecond_keep_their_allocations_through_a_snapshot() {
     assert_eq!(before[0]["allocations"], 250, "{before}");
     assert_eq!(phases(&back), before);
 }
+
+/// The marks the torch bridge records when the caching allocator is
+/// switched off and on (bridge.cpp, `enable` and `init`): the summary says
+/// when allocations bypassed the trace.
+#[test]
+fn summary_says_when_the_caching_allocator_was_switched_off() {
+    use gpualloc::{Allocator, Config, SimBackend};
+    let dir = tempfile::tempdir().unwrap();
+    let record = |name: &str, marks: &[&str]| {
+        let path = dir.path().join(name);
+        let a = Allocator::new(
+            Config::default(),
+            1,
+            Box::new(|_| Ok(SimBackend::new(1 << 30))),
+        );
+        a.trace_start(&path).unwrap();
+        let p = a.malloc(0, 4 << 20, 0).unwrap();
+        for m in marks {
+            a.mark(m).unwrap();
+        }
+        a.free(0, p).unwrap();
+        a.trace_stop().unwrap();
+        path
+    };
+    let line = |path: &Path| {
+        ok(&["summary", s(path)])
+            .lines()
+            .find(|l| l.trim_start().starts_with("caching off"))
+            .map(str::to_string)
+    };
+    let t = record(
+        "switched.gtrace",
+        &[
+            "step",
+            "caching_allocator_enable(False)",
+            "caching_allocator_enable(True)",
+            "caching_allocator_enable(False)",
+        ],
+    );
+    let l = line(&t).expect("a caching off line");
+    assert!(
+        l.contains("2 time(s) by caching_allocator_enable(False)")
+            && l.contains("outside gpualloc and this trace"),
+        "{l}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&ok(&["summary", s(&t), "--json"])).unwrap();
+    assert_eq!(v["devices"][0]["caching_off"]["switched_off"], 2);
+    assert!(v["devices"][0]["caching_off"]["forced_at_ns"].is_null());
+    let t = record(
+        "forced.gtrace",
+        &["PYTORCH_NO_CUDA_MEMORY_CACHING: caching allocator off"],
+    );
+    let l = line(&t).expect("a caching off line");
+    assert!(
+        l.contains("to the end (PYTORCH_NO_CUDA_MEMORY_CACHING was set)"),
+        "{l}"
+    );
+    // The report's first answer says it too.
+    let html = dir.path().join("forced.html");
+    ok(&["report", s(&t), "-o", s(&html)]);
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(
+        page.contains("The caching allocator was off from "),
+        "the report does not say it"
+    );
+    let t = record("plain.gtrace", &["step"]);
+    assert_eq!(line(&t), None);
+    let v: serde_json::Value = serde_json::from_str(&ok(&["summary", s(&t), "--json"])).unwrap();
+    assert!(v["devices"][0]["caching_off"].is_null());
+}

@@ -8,6 +8,7 @@ use std::path::Path;
 
 use gpualloc::trace::{Action, EventKind, TraceEvent};
 
+use crate::analyses::caching_off::MarkTimes;
 use crate::analyses::empty_cache::EmptyCaches;
 use crate::analyses::graph_pools::GraphPools;
 use crate::analyses::ooms::{self, Oom};
@@ -86,6 +87,8 @@ pub struct DeviceAnalysis {
     pub empty_caches: EmptyCaches,
     /// Private (CUDA graph) pools: captures and the memory held for them.
     pub graph_pools: GraphPools,
+    /// Marks by name, for the switches of the caching allocator.
+    pub marks: MarkTimes,
     /// The state after the last event.
     pub state: DeviceState,
     /// The state at the peak (second pass).
@@ -114,6 +117,7 @@ impl DeviceAnalysis {
             sizes: Sizes::default(),
             empty_caches: EmptyCaches::default(),
             graph_pools: GraphPools::default(),
+            marks: MarkTimes::default(),
             state: DeviceState::default(),
             at_peak: None,
             streams_at_peak_reserved: None,
@@ -146,6 +150,7 @@ impl DeviceAnalysis {
                 }
             }
             EventKind::PhasePop { name } => self.phases.pop(name, e.time_ns),
+            EventKind::Mark { name } => self.marks.add(name, e.time_ns),
             _ => {}
         }
         self.state.apply(e);

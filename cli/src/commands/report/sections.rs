@@ -59,9 +59,15 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
     };
     let _ = write!(
         s,
-        "<li><b>Tensors or cache?</b> Tensors peaked at {}; {}.{}{}{}</li>",
+        "<li><b>Tensors or cache?</b> Tensors peaked at {}; {}.{}{}{}{}</li>",
         bytes(pa),
         esc(&cache),
+        d.marks
+            .caching_off(&a.info, a.duration_ns)
+            .map_or(String::new(), |c| format!(
+                " The caching allocator was off {}.",
+                esc(&c.describe())
+            )),
         d.empty_caches.describe().map_or(String::new(), |e| format!(
             " <code>empty_cache</code>: {}.",
             esc(&e)

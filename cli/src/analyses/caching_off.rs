@@ -1,0 +1,210 @@
+//! When the caching allocator was switched off, so that allocations went
+//! to `cudaMalloc` and are missing from the trace.
+//!
+//! Programs switch PyTorch's caching allocator off for a while
+//! (`torch.cuda.memory.caching_allocator_enable(False)`, or the
+//! `caching_allocator_disabled()` context) or for the whole process
+//! (`PYTORCH_NO_CUDA_MEMORY_CACHING`, for compute-sanitizer runs). gpualloc
+//! then hands every allocation to `cudaMalloc`, as PyTorch does, outside
+//! its cache, its stats and its trace; its torch bridge records a mark at
+//! each switch (Note [The caching allocator switched off] in
+//! `python-shim/gpualloc/bridge/uncached.h`). Without this analysis a
+//! trace recorded that way would look as if the program allocated less, or
+//! nothing. The marks are told apart by name after the scan, so the scan
+//! keeps the first times of every mark name, a few per name.
+
+use std::collections::BTreeMap;
+
+use crate::input::ScanInfo;
+
+/// The mark of `caching_allocator_enable(False)`.
+pub const SWITCHED_OFF: &str = "caching_allocator_enable(False)";
+/// The mark of `caching_allocator_enable(True)`.
+pub const SWITCHED_ON: &str = "caching_allocator_enable(True)";
+/// The mark made when CUDA starts with `PYTORCH_NO_CUDA_MEMORY_CACHING` set.
+pub const FORCED_OFF: &str = "PYTORCH_NO_CUDA_MEMORY_CACHING: caching allocator off";
+
+/// Times kept per mark name; a program that switches more often than this
+/// gets a count instead of the time spent switched off.
+const TIMES_PER_NAME: usize = 64;
+/// Distinct mark names followed (names made per step or per epoch are
+/// many; the switches' are made first or early).
+const NAMES: usize = 1 << 16;
+
+/// The marks of one device: for each name, how often and the first times.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MarkTimes {
+    by_name: BTreeMap<u64, (u64, Vec<u64>)>,
+}
+
+impl MarkTimes {
+    /// Counts a mark of string `name` at `time_ns`.
+    #[inline]
+    pub fn add(&mut self, name: u64, time_ns: u64) {
+        if self.by_name.len() >= NAMES && !self.by_name.contains_key(&name) {
+            return;
+        }
+        let (count, times) = self.by_name.entry(name).or_default();
+        *count += 1;
+        if times.len() < TIMES_PER_NAME {
+            times.push(time_ns);
+        }
+    }
+
+    /// What the switch marks say, once the strings are known; `None` when
+    /// the caching allocator was never switched off.
+    pub fn caching_off(&self, info: &ScanInfo, end_ns: u64) -> Option<CachingOff> {
+        let find = |wanted: &str| {
+            self.by_name
+                .iter()
+                .find(|(id, _)| info.strings.get(**id as usize).is_some_and(|s| s == wanted))
+                .map(|(_, v)| v)
+        };
+        let forced_at_ns = find(FORCED_OFF).and_then(|(_, t)| t.first().copied());
+        let (offs, off_times) = find(SWITCHED_OFF).map_or((0, &[][..]), |(n, t)| (*n, &t[..]));
+        let (ons, on_times) = find(SWITCHED_ON).map_or((0, &[][..]), |(n, t)| (*n, &t[..]));
+        if forced_at_ns.is_none() && offs == 0 {
+            return None;
+        }
+        let complete = offs as usize == off_times.len() && ons as usize == on_times.len();
+        Some(CachingOff {
+            forced_at_ns,
+            switched_off: offs,
+            off_ns: complete.then(|| time_off(off_times, on_times, end_ns)),
+        })
+    }
+}
+
+/// Nanoseconds between each switch off and the next switch on (or
+/// `end_ns`); a switch off while off, or on while on, changes nothing.
+fn time_off(offs: &[u64], ons: &[u64], end_ns: u64) -> u64 {
+    let mut switches: Vec<(u64, bool)> = offs
+        .iter()
+        .map(|&t| (t, false))
+        .chain(ons.iter().map(|&t| (t, true)))
+        .collect();
+    switches.sort_unstable();
+    let (mut total, mut since) = (0u64, None);
+    for (t, on) in switches {
+        match (on, since) {
+            (false, None) => since = Some(t),
+            (true, Some(s)) => {
+                total += t.saturating_sub(s);
+                since = None;
+            }
+            _ => {}
+        }
+    }
+    total + since.map_or(0, |s| end_ns.saturating_sub(s))
+}
+
+/// When allocations bypassed the cache (and the trace).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachingOff {
+    /// `PYTORCH_NO_CUDA_MEMORY_CACHING` switched it off for good at this time.
+    pub forced_at_ns: Option<u64>,
+    /// `caching_allocator_enable(False)` calls.
+    pub switched_off: u64,
+    /// Time spent switched off by those calls, up to the trace's end;
+    /// `None` when there were too many switches to follow.
+    pub off_ns: Option<u64>,
+}
+
+impl CachingOff {
+    /// One line for the summary.
+    pub fn describe(&self) -> String {
+        let outside = "allocations went to cudaMalloc, outside gpualloc and this trace";
+        if let Some(t) = self.forced_at_ns {
+            return format!(
+                "from {} to the end (PYTORCH_NO_CUDA_MEMORY_CACHING was set): {outside}",
+                crate::units::duration(t)
+            );
+        }
+        let spent = self.off_ns.map_or(String::new(), |ns| {
+            format!(", {} in all", crate::units::duration(ns))
+        });
+        format!(
+            "{} time(s) by caching_allocator_enable(False){spent}: meanwhile {outside}",
+            self.switched_off
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpualloc::trace::TraceHeader;
+
+    fn info(strings: &[&str]) -> ScanInfo {
+        ScanInfo {
+            header: TraceHeader::default(),
+            strings: strings.iter().map(|s| s.to_string()).collect(),
+            events: 0,
+            dropped: 0,
+            end: None,
+            warning: None,
+            file_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn spans_between_the_switches_up_to_the_end() {
+        let i = info(&["step", SWITCHED_OFF, SWITCHED_ON]);
+        let mut m = MarkTimes::default();
+        assert_eq!(m.caching_off(&i, 100), None, "no marks: never off");
+        m.add(0, 5);
+        assert_eq!(m.caching_off(&i, 100), None, "other marks: never off");
+        for (name, t) in [(1, 10), (1, 12), (2, 20), (2, 25), (1, 90)] {
+            m.add(name, t);
+        }
+        let c = m.caching_off(&i, 100).expect("switched off");
+        assert_eq!(
+            c,
+            CachingOff {
+                forced_at_ns: None,
+                switched_off: 3,
+                off_ns: Some(10 + 10)
+            }
+        );
+        assert!(
+            c.describe()
+                .starts_with("3 time(s) by caching_allocator_enable(False), 20 ns in all:")
+        );
+    }
+
+    #[test]
+    fn the_variable_is_off_for_good_and_too_many_switches_are_only_counted() {
+        let i = info(&[FORCED_OFF, SWITCHED_OFF, SWITCHED_ON]);
+        let mut m = MarkTimes::default();
+        m.add(0, 7);
+        let c = m.caching_off(&i, 100).expect("forced off");
+        assert_eq!(c.forced_at_ns, Some(7));
+        assert!(
+            c.describe()
+                .contains("from 7 ns to the end (PYTORCH_NO_CUDA_MEMORY_CACHING was set)")
+        );
+        let mut m = MarkTimes::default();
+        for t in 0..(TIMES_PER_NAME as u64 + 1) {
+            m.add(1, 2 * t);
+            m.add(2, 2 * t + 1);
+        }
+        let c = m.caching_off(&i, 1000).expect("switched off");
+        assert_eq!(
+            (c.switched_off, c.off_ns),
+            (TIMES_PER_NAME as u64 + 1, None)
+        );
+    }
+
+    #[test]
+    fn the_names_are_the_ones_the_bridge_marks() {
+        let bridge = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../python-shim/gpualloc/bridge.cpp");
+        let text = std::fs::read_to_string(&bridge).expect("the torch bridge's source");
+        for name in [SWITCHED_OFF, SWITCHED_ON, FORCED_OFF] {
+            assert!(
+                text.contains(&format!("\"{name}\"")),
+                "bridge.cpp no longer marks {name:?}"
+            );
+        }
+    }
+}
