@@ -590,7 +590,11 @@ class GpuallocAllocator final : public CUDAAllocator {
     return raw_alloc_on(nbytes, current_device(), stream);
   }
   void raw_delete(void* ptr) override {
-    if (C10_UNLIKELY(uncached_raw.take(ptr))) {
+    // cudaMalloc's pointers from raw_alloc while switched off; and, while
+    // off, any pointer gpualloc does not own, which PyTorch's allocator
+    // hands to cudaFree then too (uncached_delete gives gpualloc's own back
+    // to gpualloc).
+    if (C10_UNLIKELY(uncached_raw.take(ptr) || !caching_now())) {
       uncached_delete(ptr);
       return;
     }

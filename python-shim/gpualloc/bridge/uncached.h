@@ -21,7 +21,9 @@
 //   the free: `raw_delete` looks the pointer up among cudaMalloc's raw
 //   allocations (a set, asked only while it is not empty), and
 //   `uncached_delete` hands a pointer gpualloc owns to gpualloc (PyTorch
-//   cudaFree's a cached pointer raw_delete'd after switching off);
+//   cudaFree's a cached pointer raw_delete'd after switching off); while
+//   off, `raw_delete` of a pointer neither holds goes to cudaFree, as
+//   PyTorch's does (a tensor made while off, freed by its data pointer);
 // - a forked child (a DataLoader worker freeing what it inherited) leaves
 //   the memory to the parent instead of calling cudaFree where CUDA cannot
 //   run, as gpualloc's own deleter does.
@@ -98,7 +100,8 @@ inline void* uncached_allocate(size_t size, c10::DeviceIndex device) {
     }
     TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory: cudaMalloc of ", size, " bytes on device ",
                      static_cast<int>(device), " failed with the caching allocator switched off ",
-                     "(torch.cuda.memory.caching_allocator_enable(False)); ", free_bytes, " of ", total_bytes,
+                     "(torch.cuda.memory.caching_allocator_enable(False) or PYTORCH_NO_CUDA_MEMORY_CACHING=1); ",
+                     free_bytes, " of ", total_bytes,
                      " bytes free after gpualloc gave its cached memory back");
   }
   C10_CUDA_CHECK(err);
