@@ -171,6 +171,7 @@ impl<B: Backend> Allocator<B> {
         for t in traces {
             t.finish();
         }
+        rec.record_held_marks();
         let result = rec.stop().map_err(|e| naming(rec.path(), e));
         // What the writer failed to write after the devices detached.
         self.each_device(|d| d.stats.num_trace_dropped += rec.take_lost(d.device) as i64);
@@ -221,7 +222,7 @@ impl<B: Backend> Allocator<B> {
             let id = rec.intern(name);
             // No device yet: the first one to join records it (decided
             // under the lock it joins under, so none joins in between).
-            if !rec.hold_mark_if_alone(id) {
+            if !rec.hold_mark_if_alone(id, crate::clock::now_ns()) {
                 self.record_everywhere(Action::Mark, id, None);
             }
         }
@@ -419,6 +420,48 @@ mod tests {
         let evs: Vec<TraceEvent> = r.events().collect();
         assert!(r.error().is_none(), "{:?}", r.error());
         (r, evs)
+    }
+
+    /// A trace no device joined (every allocation bypassed the allocator,
+    /// as under `PYTORCH_NO_CUDA_MEMORY_CACHING=1`) still holds its marks,
+    /// on device 0 at the times they were made; a device that joins takes
+    /// them instead.
+    #[test]
+    fn marks_of_a_trace_no_device_joined_are_kept() {
+        let a = sim(2);
+        let path = temp_path("held-marks");
+        a.trace_start(&path).unwrap();
+        a.mark("caching off").unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        a.mark("later").unwrap();
+        let summary = a.trace_stop().unwrap();
+        let (r, evs) = read(&path);
+        assert_eq!(summary.events, 2);
+        let marks: Vec<(u32, String)> = evs
+            .iter()
+            .map(|e| {
+                (
+                    e.device,
+                    r.string(e.name_id().expect("a mark")).unwrap().to_string(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            marks,
+            [(0, "caching off".to_string()), (0, "later".to_string())]
+        );
+        assert!(evs[1].time_ns > evs[0].time_ns, "each at its own time");
+        std::fs::remove_file(&path).unwrap();
+        // With a device, nothing is added at the stop.
+        a.trace_start(&path).unwrap();
+        a.mark("early").unwrap();
+        let p = a.malloc(1, 1000, 0).unwrap();
+        a.free(1, p).unwrap();
+        a.trace_stop().unwrap();
+        let (_, evs) = read(&path);
+        assert_eq!(evs.iter().filter(|e| e.action == Action::Mark).count(), 1);
+        assert!(evs.iter().all(|e| e.device == 1));
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

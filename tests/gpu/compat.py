@@ -671,6 +671,9 @@ def check_compat(args) -> dict:
         import sys
 
         env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+        trace = os.path.join(tempfile.mkdtemp(), "no-caching.gtrace")
+        if args.alloc == "gpualloc":
+            env["GPUALLOC_TRACE"] = trace
         p = subprocess.run([sys.executable, "-W", "ignore", "-c", NO_CACHING, args.alloc], capture_output=True,
                            text=True, timeout=180, env=env)
         lines = [x for x in p.stdout.splitlines() if x.startswith("NO_CACHING_RESULT ")]
@@ -683,6 +686,15 @@ def check_compat(args) -> dict:
         # Freed memory goes back to the driver at once (cudaFree): what the
         # tensor took comes back, give or take the driver's own rounding.
         assert seen["taken"] >= 64 << 20 and abs(seen["returned"] - seen["taken"]) <= 8 << 20, seen
+        cli = os.environ.get("GPUALLOC_CLI") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                                             "target", "release", "gpualloc")
+        if args.alloc == "gpualloc" and os.path.isfile(cli):
+            # The trace holds no allocation, and `gpualloc summary` says why.
+            q = subprocess.run([cli, "summary", "--json", trace], capture_output=True, text=True, timeout=60)
+            assert q.returncode == 0, q.stderr[-600:]
+            dev = json.loads(q.stdout)["devices"][0]
+            assert dev["allocations"] == 0 and dev["caching_off"]["forced_at_ns"] is not None, dev
+            seen["summary_caching_off"] = dev["caching_off"]
         return seen
 
     if args.alloc == "gpualloc":

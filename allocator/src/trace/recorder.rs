@@ -348,9 +348,10 @@ struct Joining {
     ops: u64,
     /// Device traces made so far.
     devices: usize,
-    /// Marks made before any device joined: the first to join records them
-    /// (at the time it joins, before its first event).
-    early_marks: Vec<u64>,
+    /// Marks made before any device joined, with the time each was made:
+    /// the first to join records them (at the time it joins, before its
+    /// first event); at the stop, device 0 does if none joined.
+    early_marks: Vec<(u64, u64)>,
 }
 
 /// Process-wide state of a running trace.
@@ -486,22 +487,46 @@ impl Recorder {
         }
         t.joined_phase_op = j.ops;
         j.devices += 1;
-        for id in std::mem::take(&mut j.early_marks) {
+        for (id, _) in std::mem::take(&mut j.early_marks) {
             t.record(now, Action::Mark, 0, 0, 0, id);
         }
         t
+    }
+
+    /// Records on device 0, each at the time it was made, the marks no
+    /// device took because none ever joined: a process whose allocations
+    /// all bypassed the allocator (PyTorch's caching allocator switched off
+    /// for good with `PYTORCH_NO_CUDA_MEMORY_CACHING=1`, whose mark says
+    /// so) would otherwise leave a trace that says nothing. For the stop,
+    /// after the devices have detached.
+    pub(crate) fn record_held_marks(&self) {
+        let held = {
+            let mut j = self.joining.lock();
+            if j.devices > 0 {
+                return;
+            }
+            std::mem::take(&mut j.early_marks)
+        };
+        let Some(&(_, first)) = held.first() else {
+            return;
+        };
+        let mut t = self.device_trace(0, first);
+        for (id, time) in held {
+            t.record(time, Action::Mark, 0, 0, 0, id);
+        }
+        t.finish();
     }
 
     /// Keeps mark `id` for the first device to join, when none has joined
     /// yet; false otherwise (the caller records it on the devices). Decided
     /// under the lock a device joins under, so no device joins in between
     /// and misses it.
-    pub(crate) fn hold_mark_if_alone(&self, id: u64) -> bool {
+    pub(crate) fn hold_mark_if_alone(&self, id: u64, now: u64) -> bool {
         let mut j = self.joining.lock();
         if j.devices > 0 {
             return false;
         }
-        j.early_marks.push(id);
+        j.early_marks.push((id, now));
         true
     }
 
@@ -830,11 +855,14 @@ mod tests {
         let path = crate::trace::control_tests_path("early-mark");
         let rec = Recorder::start(&path, "", 2, TraceOptions::default()).unwrap();
         let id = rec.intern("start");
-        assert!(rec.hold_mark_if_alone(id));
+        assert!(rec.hold_mark_if_alone(id, rec.start_ns));
         let first = rec.device_trace(0, rec.start_ns);
         let marks = |t: &DeviceTrace| t.buf.iter().filter(|e| e.action == Action::Mark).count();
         assert_eq!(marks(&first), 1);
-        assert!(!rec.hold_mark_if_alone(id), "a device has joined");
+        assert!(
+            !rec.hold_mark_if_alone(id, rec.start_ns),
+            "a device has joined"
+        );
         let second = rec.device_trace(1, rec.start_ns);
         assert_eq!(marks(&second), 0, "held marks go to the first only");
         first.finish();
