@@ -87,8 +87,6 @@ pub struct DeviceAnalysis {
     pub empty_caches: EmptyCaches,
     /// Private (CUDA graph) pools: captures and the memory held for them.
     pub graph_pools: GraphPools,
-    /// Marks by name, for the switches of the caching allocator.
-    pub marks: MarkTimes,
     /// The state after the last event.
     pub state: DeviceState,
     /// The state at the peak (second pass).
@@ -117,7 +115,6 @@ impl DeviceAnalysis {
             sizes: Sizes::default(),
             empty_caches: EmptyCaches::default(),
             graph_pools: GraphPools::default(),
-            marks: MarkTimes::default(),
             state: DeviceState::default(),
             at_peak: None,
             streams_at_peak_reserved: None,
@@ -150,7 +147,6 @@ impl DeviceAnalysis {
                 }
             }
             EventKind::PhasePop { name } => self.phases.pop(name, e.time_ns),
-            EventKind::Mark { name } => self.marks.add(name, e.time_ns),
             _ => {}
         }
         self.state.apply(e);
@@ -230,6 +226,8 @@ pub struct Analysis {
     pub duration_ns: u64,
     /// Per device.
     pub devices: BTreeMap<u32, DeviceAnalysis>,
+    /// Marks by device and name, for the switches of the caching allocator.
+    pub marks: MarkTimes,
 }
 
 /// First pass over `path`.
@@ -237,8 +235,12 @@ pub fn analyze(path: &Path, allow_truncated: bool) -> Result<Analysis, CliError>
     let mut devices: BTreeMap<u32, DeviceAnalysis> = BTreeMap::new();
     let mut last: Option<(u32, DeviceAnalysis)> = None;
     let mut duration_ns = 0u64;
+    let mut marks = MarkTimes::default();
     let info = input::scan(path, allow_truncated, |e| {
         duration_ns = duration_ns.max(e.time_ns);
+        if e.action == Action::Mark {
+            marks.add(e.device, e.aux, e.time_ns);
+        }
         // Events come in per-device blocks: keep the current device at hand.
         if last.as_ref().is_none_or(|(d, _)| *d != e.device) {
             if let Some((d, a)) = last.take() {
@@ -264,6 +266,7 @@ pub fn analyze(path: &Path, allow_truncated: bool) -> Result<Analysis, CliError>
         info,
         duration_ns,
         devices,
+        marks,
     })
 }
 

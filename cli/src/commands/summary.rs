@@ -14,7 +14,7 @@
 //! trace: `forced_at_ns`, when `PYTORCH_NO_CUDA_MEMORY_CACHING` switched it
 //! off for good, or null; `switched_off`, calls of
 //! `caching_allocator_enable(False)`; `off_ns`, the time they kept it off,
-//! null when they were too many to follow),
+//! null when they, or the trace's mark names, were too many to follow),
 //! `empty_cache` (`calls`, `released`: bytes given back, `recreated`: bytes
 //! of them created again afterwards), `private_pools` (`captures`:
 //! scopes opened, `pools`, `releases`, `restores`: checkpoint restores,
@@ -145,7 +145,7 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         },
         d.state.live.len()
     );
-    if let Some(off) = d.marks.caching_off(&a.info, a.duration_ns) {
+    if let Some(off) = a.marks.caching_off(d.device, &a.info, a.duration_ns) {
         let _ = writeln!(s, "  caching off     {}", off.describe());
     }
     if let Some(e) = d.empty_caches.describe() {
@@ -308,7 +308,7 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
             "served_by_another_allocator": d.graph_pools.served(),
             "lending_on_oom": d.graph_pools.lending(),
         }),
-        "caching_off": d.marks.caching_off(&a.info, a.duration_ns).map(|c| json!({
+        "caching_off": a.marks.caching_off(d.device, &a.info, a.duration_ns).map(|c| json!({
             "forced_at_ns": c.forced_at_ns,
             "switched_off": c.switched_off,
             "off_ns": c.off_ns,

@@ -62,8 +62,8 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
         "<li><b>Tensors or cache?</b> Tensors peaked at {}; {}.{}{}{}{}</li>",
         bytes(pa),
         esc(&cache),
-        d.marks
-            .caching_off(&a.info, a.duration_ns)
+        a.marks
+            .caching_off(d.device, &a.info, a.duration_ns)
             .map_or(String::new(), |c| format!(
                 " The caching allocator was off {}.",
                 esc(&c.describe())
