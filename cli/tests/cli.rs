@@ -1284,6 +1284,10 @@ fn summary_says_when_the_caching_allocator_was_switched_off() {
     let v: serde_json::Value = serde_json::from_str(&ok(&["summary", s(&t), "--json"])).unwrap();
     assert_eq!(v["devices"][0]["caching_off"]["switched_off"], 2);
     assert!(v["devices"][0]["caching_off"]["forced_at_ns"].is_null());
+    // The simulator's clock stands still: every mark is at 0, and the
+    // second switch off lasts to the end.
+    assert!(v["duration_ns"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(v["devices"][0]["caching_off"]["off_ns"], v["duration_ns"]);
     let t = record(
         "forced.gtrace",
         &["PYTORCH_NO_CUDA_MEMORY_CACHING: caching allocator off"],

@@ -35,11 +35,16 @@ const TIMES_PER_NAME: usize = 64;
 /// crafted trace of 108 MiB (256 devices, 65,536 names each, marked once).
 const NAMES: usize = 1 << 16;
 
+/// A mark's time and its place among the trace's marks.
+type Stamp = (u64, u64);
+
 /// The marks of a trace: for each device and name, how often and the first
-/// times.
+/// times, each with the mark's place in the file.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MarkTimes {
-    by_name: BTreeMap<(u32, u64), (u64, Vec<u64>)>,
+    by_name: BTreeMap<(u32, u64), (u64, Vec<Stamp>)>,
+    /// Marks counted so far: the place of the next.
+    seen: u64,
     /// Devices with marks of names left out (past [`NAMES`]): a switch on
     /// among them would be missing, and the time off longer than it was.
     left_out: BTreeSet<u32>,
@@ -57,8 +62,9 @@ impl MarkTimes {
         let (count, times) = self.by_name.entry(key).or_default();
         *count += 1;
         if times.len() < TIMES_PER_NAME {
-            times.push(time_ns);
+            times.push((time_ns, self.seen));
         }
+        self.seen += 1;
     }
 
     /// What the switch marks of `device` say, once the strings are known;
@@ -70,7 +76,7 @@ impl MarkTimes {
                 .find(|((_, id), _)| info.strings.get(*id as usize).is_some_and(|s| s == wanted))
                 .map(|(_, v)| v)
         };
-        let forced_at_ns = find(FORCED_OFF).and_then(|(_, t)| t.first().copied());
+        let forced_at_ns = find(FORCED_OFF).and_then(|(_, t)| t.first().map(|&(t, _)| t));
         let (offs, off_times) = find(SWITCHED_OFF).map_or((0, &[][..]), |(n, t)| (*n, &t[..]));
         let (ons, on_times) = find(SWITCHED_ON).map_or((0, &[][..]), |(n, t)| (*n, &t[..]));
         if forced_at_ns.is_none() && offs == 0 {
@@ -89,15 +95,19 @@ impl MarkTimes {
 
 /// Nanoseconds between each switch off and the next switch on (or
 /// `end_ns`); a switch off while off, or on while on, changes nothing.
-fn time_off(offs: &[u64], ons: &[u64], end_ns: u64) -> u64 {
-    let mut switches: Vec<(u64, bool)> = offs
+/// Switches at one time stamp (a simulated device's clock, which stands
+/// still until driven; marks held for a device that joins) are taken in
+/// the order they were recorded: by time alone, an off, on, off at one
+/// stamp sorted as off, off, on, and the time off to the end was lost.
+fn time_off(offs: &[Stamp], ons: &[Stamp], end_ns: u64) -> u64 {
+    let mut switches: Vec<(u64, u64, bool)> = offs
         .iter()
-        .map(|&t| (t, false))
-        .chain(ons.iter().map(|&t| (t, true)))
+        .map(|&(t, at)| (t, at, false))
+        .chain(ons.iter().map(|&(t, at)| (t, at, true)))
         .collect();
     switches.sort_unstable();
     let (mut total, mut since) = (0u64, None);
-    for (t, on) in switches {
+    for (t, _, on) in switches {
         match (on, since) {
             (false, None) => since = Some(t),
             (true, Some(s)) => {
@@ -183,6 +193,24 @@ mod tests {
             c.describe()
                 .starts_with("3 time(s) by caching_allocator_enable(False), 20 ns in all:")
         );
+    }
+
+    /// Switches at one time stamp count in the order they were recorded.
+    #[test]
+    fn switches_at_one_stamp_keep_their_order() {
+        let i = info(&["step", SWITCHED_OFF, SWITCHED_ON]);
+        let mut m = MarkTimes::default();
+        // Off at 10; on, then off again, at 20: off from 20 to the end.
+        for (name, t) in [(1, 10), (2, 20), (1, 20)] {
+            m.add(0, name, t);
+        }
+        // Off, then on, at 50: no time off.
+        for (name, t) in [(1, 50), (2, 50)] {
+            m.add(1, name, t);
+        }
+        let off = |d| m.caching_off(d, &i, 100).and_then(|c| c.off_ns);
+        assert_eq!(off(0), Some(10 + 80));
+        assert_eq!(off(1), Some(0));
     }
 
     #[test]
