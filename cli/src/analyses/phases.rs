@@ -6,6 +6,12 @@ use rustc_hash::FxHashMap;
 
 use crate::analyses::state::Gauges;
 
+/// Open phases followed at once. Programs nest a few; only a trace whose
+/// pushes are never popped (damaged, or crafted) goes deeper, and every
+/// allocation would then visit every open phase (a 60 MB file of unpopped
+/// pushes ran for minutes). Deeper pushes are counted, not followed.
+const MAX_OPEN: usize = 256;
+
 /// Figures of one phase name (all its occurrences together).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PhaseStats {
@@ -48,8 +54,10 @@ impl Phases {
             self.stats.len() - 1
         });
         self.stats[slot].count += 1;
-        self.open.push((slot, t_ns, g.allocated));
-        self.observe(g);
+        if self.open.len() < MAX_OPEN {
+            self.open.push((slot, t_ns, g.allocated));
+            self.observe(g);
+        }
     }
 
     /// The phase `id` closed at `t_ns` (and any opened inside it).
@@ -134,5 +142,24 @@ mod tests {
         assert_eq!(p.by_id[&2].allocs, 1);
         assert_eq!((p.by_id[&1].time_ns, p.by_id[&2].time_ns), (20, 5));
         assert_eq!(p.by_id[&3].time_ns, 70, "open until the end");
+    }
+
+    #[test]
+    fn pushes_never_popped_are_counted_but_followed_only_so_deep() {
+        let g = Gauges {
+            allocated: 10,
+            active: 10,
+            reserved: 20,
+            requested: 0,
+        };
+        let mut p = Phases::default();
+        for i in 0..100_000u64 {
+            p.push(i % 3, i, &g);
+            p.alloc(1);
+        }
+        assert_eq!(p.open.len(), MAX_OPEN);
+        p.finish(200_000);
+        assert_eq!(p.by_id.values().map(|s| s.count).sum::<u64>(), 100_000);
+        assert_eq!(p.by_id[&0].peak_allocated, 10);
     }
 }
