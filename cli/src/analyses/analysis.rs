@@ -238,8 +238,8 @@ pub fn analyze(path: &Path, allow_truncated: bool) -> Result<Analysis, CliError>
     let mut marks = MarkTimes::default();
     let info = input::scan(path, allow_truncated, |e| {
         duration_ns = duration_ns.max(e.time_ns);
-        if e.action == Action::Mark {
-            marks.add(e.device, e.aux, e.time_ns);
+        if let EventKind::Mark { name } = e.kind() {
+            marks.add(e.device, name, e.time_ns);
         }
         // Events come in per-device blocks: keep the current device at hand.
         if last.as_ref().is_none_or(|(d, _)| *d != e.device) {
