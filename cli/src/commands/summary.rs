@@ -18,7 +18,12 @@
 //! `empty_cache` (`calls`, `released`: bytes given back, `recreated`: bytes
 //! of them created again afterwards), `private_pools` (`captures`:
 //! scopes opened, `pools`, `releases`, `restores`: checkpoint restores,
-//! `peak_held`: the most bytes mapped for private pools at once), `ooms`
+//! `peak_held`: the most bytes mapped for private pools at once,
+//! `served_by_another_allocator` and `lending_on_oom`: how many pools
+//! another allocator served and how many lent on out-of-memory),
+//! `caps_set` (the caps on reserved memory the program set while it
+//! ran, the last of each: `fraction`, `memory_limit`, bytes or
+//! `"cleared"`, and `device_total`; null where none was set), `ooms`
 //! (a count), `oom_details` (the first
 //! [`MAX_DETAILED`](crate::analyses::ooms::MAX_DETAILED) failures; their
 //! `device_free`, `largest_free` and `reserved` are null in a trace without
