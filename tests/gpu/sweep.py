@@ -185,19 +185,21 @@ def checkpoint_amp(rounds):
     return _timed(rounds, body), "transformers BERT-base MLM, gradient checkpointing, bf16 autocast, AdamW, batch 16, lengths 32..512"
 
 
-def vit_amp(rounds):
+def vit_training(dev):
+    """timm's vit_small_patch16_224 (100 classes) with AdamW and an fp16
+    GradScaler on `dev`, and four host batches of 96 images (seed 13):
+    (step, batches), where step(x, y) trains on one batch and returns its
+    loss. Also used by transfer_probe.py."""
     import timm
     import torch
 
-    dev = torch.device("cuda:0")
     model = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=100).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cuda")
     g = torch.Generator().manual_seed(13)
     data = [(torch.randn(96, 3, 224, 224, generator=g), torch.randint(0, 100, (96,), generator=g)) for _ in range(4)]
 
-    def body(i):
-        x, y = (t.to(dev) for t in data[i % len(data)])
+    def step(x, y):
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.float16):
             loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -205,6 +207,19 @@ def vit_amp(rounds):
         scaler.step(opt)
         scaler.update()
         return float(loss.detach())
+
+    return step, data
+
+
+def vit_amp(rounds):
+    import timm
+    import torch
+
+    dev = torch.device("cuda:0")
+    step, data = vit_training(dev)
+
+    def body(i):
+        return step(*(t.to(dev) for t in data[i % len(data)]))
 
     return _timed(rounds, body), f"timm {timm.__version__} vit_small_patch16_224, fp16 autocast + GradScaler, AdamW, batch 96"
 

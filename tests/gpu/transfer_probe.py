@@ -82,25 +82,12 @@ def fragment(torch):
 
 
 def vit(torch, rounds):
-    import timm
+    from sweep import vit_training
 
     dev = torch.device("cuda:0")
     torch.manual_seed(13)
-    model = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=100).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cuda")
-    g = torch.Generator().manual_seed(13)
-    host = [(torch.randn(96, 3, 224, 224, generator=g), torch.randint(0, 100, (96,), generator=g)) for _ in range(4)]
+    step, host = vit_training(dev)
     on_gpu = [(x.to(dev), y.to(dev)) for x, y in host]
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        return float(loss.detach())
 
     out = {}
     for name, feed in (("from_host", lambda i: [t.to(dev) for t in host[i % 4]]), ("on_gpu", lambda i: on_gpu[i % 4])):
