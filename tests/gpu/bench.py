@@ -90,6 +90,7 @@ def summarize_training(runs, workload, variants):
             "ratio_mean_all_interval95": ratio_interval(ratios),
             "losses_agree_with_native": all(agree) if agree else None,
             "peak_reserved_gib": median([x["peak_reserved"] / 2**30 for x in res]),
+            "host_floor_us": median([driver.host_floor(x) for x in res]),
             "gap_to_native_expandable_ms": {
                 "after_warmup": median([x["mean_gap_ms"] for x in pairs]),
                 "steps_without_memory_calls": median([x["without_memory_calls"]["mean_gap_ms"] for x in pairs]),

@@ -612,7 +612,8 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
     the driver calls by kind (gpualloc.driver_calls()) made before the loop
     (driver_calls_setup: building the model), in step 0 and in all steps
     (driver_calls_step0, driver_calls), and those the unmapping thread made
-    in the whole run, setup included (helper_driver_calls).
+    in the whole run, setup included (helper_driver_calls). host_floor_us
+    is the process's host speed before and after the loop (_host_floor_us).
     """
     import torch
 
@@ -624,6 +625,7 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
     per_step = gpualloc is not None and gpualloc.installed()
     torch.cuda.reset_peak_memory_stats()
     setup = _driver_calls(gpualloc) if per_step else None
+    floor0 = _host_floor_us(torch)
     loop0 = time.perf_counter()
     for step in range(steps):
         if step == warmup:
@@ -647,6 +649,7 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
         losses.append(float(loss.detach()))
         del batch, loss
     wall = time.perf_counter() - loop0
+    floor = [floor0, _host_floor_us(torch)]
     after = _counters()
     calls = (_device_calls(before), _device_calls(after))
     warm = times[min(10, len(times) // 5):]
@@ -665,11 +668,29 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
         "device_allocs_after_warmup": None if None in calls else calls[1] - calls[0],
         "warmup_steps": warmup,
         "step_ms": [round(t * 1e3, 2) for t in times],
+        "host_floor_us": floor,
         **({"step_driver_ms": driver, "step_device_calls": device} if per_step else {}),
         **({"driver_calls_setup": setup, "driver_calls_step0": by_kind0,
             "driver_calls": _driver_calls_since(gpualloc, setup),
             "helper_driver_calls": _driver_calls(gpualloc, helper=True)} if per_step else {}),
     }
+
+
+def _host_floor_us(torch, n=5000):
+    """How fast this process's host runs, in µs per `torch.empty(0)` on the
+    GPU (no allocator serves 0 bytes: Python, the dispatcher and the tensor
+    only), the best of three loops of `n`. On the H200's virtual machine one
+    process reads about 1.4 µs and the next 2.8 µs, whichever CPU it is
+    pinned to (`tests/gpu/host_probe.py`, round 37); host-bound steps follow
+    it, so runs compared step by step should have read alike."""
+    dev = torch.device("cuda:0")
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            torch.empty(0, device=dev)
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    return round(best, 3)
 
 
 def _driver_calls(gpualloc, helper=False):

@@ -279,6 +279,29 @@ def paired_steps(ref, ours):
                                   "mean_driver_ms": mean([d for _, d in busy])}}
 
 
+# Two processes whose host speeds (checks._host_floor_us) differ by more
+# than this factor cannot rank allocators on host-bound steps.
+HOST_SPEED_TOLERANCE = 1.25
+
+
+def host_floor(result):
+    """A training run's host speed: the mean of its floors before and after
+    the loop, µs per call (None for runs that did not measure it)."""
+    xs = result.get("host_floor_us") or []
+    return round(sum(xs) / len(xs), 3) if xs else None
+
+
+def host_speeds(refs, ours):
+    """{"host_floor_us": {name: floor}, "host_speeds_differ": [names]}: the
+    host speed of each run, and the references (`refs`, name -> result)
+    whose speed differs from `ours` by more than HOST_SPEED_TOLERANCE."""
+    mine = host_floor(ours)
+    floors = {name: host_floor(r) for name, r in refs.items()}
+    differ = [name for name, f in floors.items()
+              if f and mine and max(f, mine) / min(f, mine) > HOST_SPEED_TOLERANCE]
+    return {"host_floor_us": {**floors, "gpualloc": mine}, "host_speeds_differ": differ}
+
+
 def compare_training(native, ours, expandable=None):
     if "skipped" in native or "skipped" in ours:
         return {"skipped": native.get("skipped") or ours.get("skipped")}
@@ -288,6 +311,8 @@ def compare_training(native, ours, expandable=None):
     if "skipped" in a or "skipped" in b:
         return {"skipped": a.get("skipped") or b.get("skipped")}
     la, lb = a["losses"], b["losses"]
+    refs = {name: ref["result"] for name, ref in (("native", native), ("native-expandable", expandable))
+            if ref and "result" in ref}
     diffs = [abs(x - y) / max(1e-12, abs(x)) for x, y in zip(la, lb)]
     return {
         "model": a.get("model"),
@@ -301,8 +326,8 @@ def compare_training(native, ours, expandable=None):
         "peak_reserved_over_allocated": {"native": a["peak_reserved_over_allocated"], "gpualloc": b["peak_reserved_over_allocated"]},
         "peak_reserved_gib": {"native": a["peak_reserved"] / 2**30, "gpualloc": b["peak_reserved"] / 2**30},
         "peak_allocated_gib": {"native": a["peak_allocated"] / 2**30, "gpualloc": b["peak_allocated"] / 2**30},
-        "paired_steps": {name: paired_steps(ref["result"], b) for name, ref in (("native", native), ("native-expandable", expandable))
-                         if ref and "result" in ref},
+        "paired_steps": {name: paired_steps(ref, b) for name, ref in refs.items()},
+        **host_speeds(refs, b),
     }
 
 

@@ -145,6 +145,22 @@ class PairedSteps(unittest.TestCase):
         self.assertEqual(driver.compare_training(native, expandable, expandable)["paired_steps"],
                          {"native": None, "native-expandable": None})
 
+    def test_runs_of_unlike_host_speed_are_named(self):
+        def run(floor):
+            r = {"losses": [1.0], "median_step_s": 0.01, "peak_reserved_over_allocated": 1.0,
+                 "peak_reserved": 1 << 30, "peak_allocated": 1 << 30}
+            if floor is not None:
+                r["host_floor_us"] = floor
+            return {"result": r}
+
+        c = driver.compare_training(run([1.4, 1.5]), run([2.8, 2.9]), run([2.6, 2.8]))
+        self.assertEqual(c["host_floor_us"], {"native": 1.45, "native-expandable": 2.7, "gpualloc": 2.85})
+        self.assertEqual(c["host_speeds_differ"], ["native"])
+        # Runs from before the floor was measured compare as before.
+        c = driver.compare_training(run(None), run([2.8, 2.9]))
+        self.assertEqual(c["host_floor_us"], {"native": None, "gpualloc": 2.85})
+        self.assertEqual(c["host_speeds_differ"], [])
+
 
 class KernelSpeed(unittest.TestCase):
     def test_ratios_to_native_leave_failed_runs_out(self):
