@@ -173,6 +173,34 @@ def _mlp(torch, width=256):
     ).cuda()
 
 
+def _train_beside_eager(torch, eager, compiled_loss, batches, mark_step=False):
+    """Trains `eager` (cross entropy, SGD) and a copy of it through
+    `compiled_loss(model, x, t)` side by side on `batches` of (x, t),
+    asserting each step that the two losses agree; with `mark_step`, each
+    step begins with `torch.compiler.cudagraph_mark_step_begin()`. Returns
+    the trained copy and the (eager, compiled) loss of each step."""
+    import copy
+
+    comp = copy.deepcopy(eager)
+    runs = [(m, torch.optim.SGD(m.parameters(), lr=0.01), fn)
+            for m, fn in ((eager, lambda m, x, t: torch.nn.functional.cross_entropy(m(x), t)), (comp, compiled_loss))]
+    losses = []
+    for i, (x, t) in enumerate(batches):
+        got = []
+        for m, opt, fn in runs:
+            opt.zero_grad(set_to_none=True)
+            if mark_step:
+                torch.compiler.cudagraph_mark_step_begin()
+            loss = fn(m, x, t)
+            loss.backward()
+            opt.step()
+            got.append(float(loss))
+        assert abs(got[0] - got[1]) <= 1e-3 * max(1.0, abs(got[0])), \
+            f"step {i} (batch {len(x)}): eager {got[0]} against compiled {got[1]}"
+        losses.append(tuple(got))
+    return comp, losses
+
+
 def check_compat(args) -> dict:
     import torch
 
@@ -196,62 +224,28 @@ def check_compat(args) -> dict:
         # mode="max-autotune": inductor benchmarks candidate kernels on
         # buffers of its own (each timing flushes the L2 cache with a 256 MB
         # tensor) and runs the result as CUDA graphs from a private pool.
-        import copy
         import time
 
         # One layer: each matrix product is tuned separately, and an MLP's
         # eight took 148 s on a cold cache.
         torch.manual_seed(0)
         eager = torch.nn.Linear(64, 10).cuda()
-        comp = copy.deepcopy(eager)
-        opt_e = torch.optim.SGD(eager.parameters(), lr=0.01)
-        opt_c = torch.optim.SGD(comp.parameters(), lr=0.01)
-        step = torch.compile(lambda x, y: torch.nn.functional.cross_entropy(comp(x), y), mode="max-autotune")
+        step = torch.compile(lambda m, x, t: torch.nn.functional.cross_entropy(m(x), t), mode="max-autotune")
         t0 = time.time()
-        for i in range(4):
-            x, y = torch.randn(128, 64, device=dev), torch.randint(0, 10, (128,), device=dev)
-            for model, opt, loss_of in ((eager, opt_e, lambda: torch.nn.functional.cross_entropy(eager(x), y)),
-                                        (comp, opt_c, lambda: step(x, y))):
-                opt.zero_grad(set_to_none=True)
-                loss = loss_of()
-                loss.backward()
-                opt.step()
-                if model is eager:
-                    ref = float(loss)
-                else:
-                    got = float(loss)
-            assert abs(got - ref) <= 1e-3 * max(1.0, abs(ref)), f"step {i}: compiled loss {got} against eager {ref}"
+        batches = ((torch.randn(128, 64, device=dev), torch.randint(0, 10, (128,), device=dev)) for _ in range(4))
+        comp, _ = _train_beside_eager(torch, eager, step, batches)
         for a, b in zip(eager.parameters(), comp.parameters()):
             assert torch.allclose(a, b, atol=1e-3, rtol=1e-3), "parameters differ after 4 steps"
         return {"compile_and_steps_s": round(time.time() - t0, 1)}
 
     @sub("compile_reduce_overhead_training_changing_batch")
     def _():
-        import copy
-
         torch.manual_seed(0)
-        eager = _mlp(torch)
-        comp = copy.deepcopy(eager)
-        opt_e = torch.optim.SGD(eager.parameters(), lr=0.01)
-        opt_c = torch.optim.SGD(comp.parameters(), lr=0.01)
         step = torch.compile(lambda m, x, t: torch.nn.functional.cross_entropy(m(x), t), mode="reduce-overhead")
-        losses = []
         gen = torch.Generator(device=dev).manual_seed(1)
-        for i, b in enumerate([16, 16, 16, 32, 32, 16, 48, 16, 32, 48, 16, 16]):
-            x = torch.randn(b, 64, device=dev, generator=gen)
-            t = torch.randint(0, 10, (b,), device=dev, generator=gen)
-            for m, opt, fn in ((eager, opt_e, lambda m, x, t: torch.nn.functional.cross_entropy(m(x), t)), (comp, opt_c, step)):
-                opt.zero_grad(set_to_none=True)
-                torch.compiler.cudagraph_mark_step_begin()
-                loss = fn(m, x, t)
-                loss.backward()
-                opt.step()
-                if m is eager:
-                    le = float(loss)
-                else:
-                    lc = float(loss)
-            losses.append((le, lc))
-            assert abs(le - lc) <= 1e-3 * max(1.0, abs(le)), f"step {i} (batch {b}): eager {le} vs compiled {lc}"
+        batches = ((torch.randn(b, 64, device=dev, generator=gen), torch.randint(0, 10, (b,), device=dev, generator=gen))
+                   for b in [16, 16, 16, 32, 32, 16, 48, 16, 32, 48, 16, 16])
+        _, losses = _train_beside_eager(torch, _mlp(torch), step, batches, mark_step=True)
         return {"steps": len(losses), "last": losses[-1]}
 
     @sub("profiler_sees_cuda_memory")
