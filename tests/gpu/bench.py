@@ -296,6 +296,11 @@ def fmt(x, spec):
     return "–" if x is None else format(x, spec)
 
 
+HOST_NOTE = ("host µs: the median over runs of each process's host speed, µs per `torch.empty(0)` "
+             "(checks._host_floor_us); processes of one machine differ by up to 2x in it, and host-bound "
+             "steps with them (tests/gpu/host_probe.py).")
+
+
 def markdown(bench):
     """The tables (and what failed or did not run), as Markdown."""
     a = bench["args"]
@@ -303,16 +308,17 @@ def markdown(bench):
     if a["repeats"] and bench["training"]:
         sec = [f"## Training, {a['steps']} steps, medians over {a['repeats']} repeat(s)", "",
                "| workload | variant | runs | R/A | mean, all steps (ms) | median (ms) | device allocs after warm-up "
-               "| mean / faster native | 95% interval | losses agree |",
-               "|---|---|---|---|---|---|---|---|---|---|"]
+               "| mean / faster native | 95% interval | losses agree | host µs |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
         for w, rows in bench["training"].items():
             for r in rows:
                 agree = {True: "yes", False: "**no**", None: "–"}[r["losses_agree_with_native"]]
                 sec.append(f"| {w} | {r['variant']} | {r['runs']} | {fmt(r['peak_reserved_over_allocated'], '.3f')} "
                            f"| {fmt(r['mean_step_ms_all'], '.1f')} | {fmt(r['median_step_ms'], '.1f')} "
                            f"| {fmt(r['device_allocs_after_warmup'], '.0f')} | {fmt(r['ratio_mean_all_vs_faster_native'], '.3f')} "
-                           f"| {fmt_interval(r.get('ratio_mean_all_interval95'))} | {agree} |")
-        sec += ["", INTERVAL_NOTE]
+                           f"| {fmt_interval(r.get('ratio_mean_all_interval95'))} | {agree} "
+                           f"| {fmt(r.get('host_floor_us'), '.2f')} |")
+        sec += ["", INTERVAL_NOTE, "", HOST_NOTE]
         sections.append(sec)
     if a["repeats"] and any(bench.get("driver", {}).values()):
         sec = ["## Driver time measured by gpualloc (ms, medians over repeats; calls in parentheses)", "",

@@ -206,7 +206,8 @@ def bench_run(workload, variant, repeat, mean_s):
     return {"workload": workload, "variant": variant, "repeat": repeat, "result": {
         "mean_step_s_all": mean_s, "mean_step_s": mean_s, "median_step_s": mean_s, "peak_reserved": 2**30,
         "peak_allocated": 2**30,
-        "peak_reserved_over_allocated": 1.01, "losses": [1.0], "device_allocs_after_warmup": 0}}
+        "peak_reserved_over_allocated": 1.01, "losses": [1.0], "device_allocs_after_warmup": 0,
+        "host_floor_us": [1.4 + repeat / 10, 1.5 + repeat / 10]}}
 
 
 class BenchInterval(unittest.TestCase):
@@ -232,7 +233,7 @@ class BenchInterval(unittest.TestCase):
         args = {"repeats": 3, "steps": 60}
         text = bench.markdown({"args": args, "variants": ["native", "gpualloc"], "training": {"w": rows},
                                "runs": runs, "skipped": []})
-        self.assertIn("| 0.980 | 0.955–1.005 |", text)
+        self.assertIn("| 0.980 | 0.955–1.005 | yes | 1.55 |", text)  # host µs: the median of 1.45, 1.55, 1.65
         self.assertIn("95% confidence interval", text)
         runs = [r for r in runs if r["variant"] == "native"]
         runs += [bench_run("w", "gpualloc", rep, t) for rep, t in enumerate([0.0980, 0.0981, 0.0979])]
