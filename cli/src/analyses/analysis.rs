@@ -8,6 +8,7 @@ use std::path::Path;
 
 use gpualloc::trace::{Action, EventKind, TraceEvent};
 
+use crate::analyses::budget::Budget;
 use crate::analyses::caching_off::MarkTimes;
 use crate::analyses::empty_cache::EmptyCaches;
 use crate::analyses::graph_pools::GraphPools;
@@ -122,7 +123,7 @@ impl DeviceAnalysis {
     }
 
     #[inline]
-    fn apply(&mut self, e: &TraceEvent) {
+    fn apply(&mut self, e: &TraceEvent, budget: &mut Budget) {
         if self.events == 0 {
             self.first_ns = e.time_ns;
         }
@@ -149,7 +150,7 @@ impl DeviceAnalysis {
             EventKind::PhasePop { name } => self.phases.pop(name, e.time_ns),
             _ => {}
         }
-        self.state.apply(e);
+        self.state.apply(e, budget);
         let g = self.state.g;
         if let EventKind::PhasePush { name } = kind {
             self.phases.push(name, e.time_ns, &g);
@@ -236,6 +237,7 @@ pub fn analyze(path: &Path, allow_truncated: bool) -> Result<Analysis, CliError>
     let mut last: Option<(u32, DeviceAnalysis)> = None;
     let mut duration_ns = 0u64;
     let mut marks = MarkTimes::default();
+    let mut budget = Budget::default();
     let info = input::scan(path, allow_truncated, |e| {
         duration_ns = duration_ns.max(e.time_ns);
         if let EventKind::Mark { name } = e.kind() {
@@ -251,7 +253,7 @@ pub fn analyze(path: &Path, allow_truncated: bool) -> Result<Analysis, CliError>
                 .unwrap_or_else(|| DeviceAnalysis::new(e.device));
             last = Some((e.device, a));
         }
-        last.as_mut().expect("set above").1.apply(e);
+        last.as_mut().expect("set above").1.apply(e, &mut budget);
     })?;
     if let Some((d, a)) = last {
         devices.insert(d, a);
@@ -279,6 +281,7 @@ pub fn second_pass(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Resu
         .keys()
         .map(|&d| (d, (DeviceState::default(), 0u64)))
         .collect();
+    let mut budget = Budget::default();
     let targets: BTreeMap<u32, (u64, u64)> = a
         .devices
         .iter()
@@ -294,7 +297,7 @@ pub fn second_pass(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Resu
         let Some((s, n)) = states.get_mut(&e.device) else {
             return true;
         };
-        s.apply(e);
+        s.apply(e, &mut budget);
         *n += 1;
         let (peak, reserved) = targets[&e.device];
         if *n == peak {
@@ -354,8 +357,9 @@ mod tests {
 
     fn run(events: &[TraceEvent]) -> DeviceAnalysis {
         let mut d = DeviceAnalysis::new(0);
+        let mut budget = Budget::default();
         for e in events {
-            d.apply(e);
+            d.apply(e, &mut budget);
         }
         d
     }

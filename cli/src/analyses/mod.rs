@@ -1,11 +1,13 @@
 //! Analyses: each answers one question about a trace (per-phase peaks,
 //! request sizes, leak candidates, out-of-memory forensics, where each
 //! stream held memory, what `empty_cache` cost, what CUDA graphs held, when
-//! the caching allocator was switched off, how ranks differ) from the allocator state that `state` rebuilds event by
-//! event. `analysis` runs them together in one streaming pass; the
-//! commands only format what they found.
+//! the caching allocator was switched off, how ranks differ) from the
+//! allocator state that `state` rebuilds event by event, within the bounds
+//! `budget` sets for a whole trace. `analysis` runs them together in one
+//! streaming pass; the commands only format what they found.
 
 pub(crate) mod analysis;
+pub(crate) mod budget;
 pub(crate) mod caching_off;
 pub(crate) mod empty_cache;
 pub(crate) mod graph_pools;

@@ -12,19 +12,16 @@
 //! `pages_create`/`pages_release` (gpualloc's page pool): there physical
 //! memory is created and released by those, and mapping or unmapping only
 //! moves it, so `segment_map`/`segment_unmap` leave reserved as it is.
+//!
+//! What the states of a trace's devices hold is bounded for all of them
+//! together, by the [`Budget`] of the pass that applies the events.
 
 use std::collections::BTreeMap;
 
-use gpualloc::trace::{Action, EventKind, MemoryCap, Pool, TraceEvent};
+use gpualloc::trace::{EventKind, MemoryCap, Pool, TraceEvent};
 use rustc_hash::FxHashMap;
 
-/// Iteration boundaries kept per kind (marks, each top-level phase).
-const MAX_BOUNDARIES: usize = 1 << 22;
-
-/// Live blocks and reserved ranges tracked per device: far above any real
-/// program's, and a bound on memory when a crafted file allocates at
-/// millions of addresses (about 100 MB each).
-pub const MAX_TRACKED: usize = 1 << 21;
+use crate::analyses::budget::Budget;
 
 /// No phase open.
 pub const NO_PHASE: u64 = u64::MAX;
@@ -126,11 +123,27 @@ pub fn range_end(addr: u64, size: u64) -> Option<u64> {
 }
 
 impl DeviceState {
-    /// Applies one event. An event that contradicts the state is applied
-    /// as far as it makes sense, counted in `inconsistent`, and the first
-    /// one is warned of: a corrupt file never panics or wraps a gauge.
+    /// Applies one event, charging what the state grows by to `budget`
+    /// (shared by all the devices of the trace). An event that contradicts
+    /// the state, or whose block or range the budget has no room for, is
+    /// applied as far as it makes sense, counted in `inconsistent`, and the
+    /// first one is warned of: a corrupt file never panics or wraps a gauge.
+    /// Marks and phases past the budget are not kept.
     #[inline]
-    pub fn apply(&mut self, e: &TraceEvent) {
+    pub fn apply(&mut self, e: &TraceEvent, budget: &mut Budget) {
+        let held = (self.live.len(), self.ranges());
+        self.apply_within(e, budget);
+        budget.live.moved(held.0, self.live.len());
+        budget.ranges.moved(held.1, self.ranges());
+    }
+
+    /// Reserved and stitched ranges held.
+    fn ranges(&self) -> usize {
+        self.regions.len() + self.aliases.len()
+    }
+
+    #[inline]
+    fn apply_within(&mut self, e: &TraceEvent, budget: &mut Budget) {
         use EventKind as K;
         let kind = e.kind();
         let span = match kind {
@@ -143,12 +156,21 @@ impl DeviceState {
         if range_end(e.addr, span).is_none() {
             return self.contradiction(e, "a range past the end of the address space");
         }
-        let full = |n: usize| n >= MAX_TRACKED;
-        if (e.action == Action::Alloc && full(self.live.len()) && !self.live.contains_key(&e.addr))
-            || (matches!(e.action, Action::SegmentAlloc | Action::SegmentMap)
-                && full(self.regions.len()))
-        {
-            return self.contradiction(e, "more live blocks or ranges than are tracked");
+        let full = match kind {
+            K::Alloc { addr, .. } => !budget.live.room() && !self.live.contains_key(&addr),
+            K::SegmentAlloc { .. } | K::SegmentMap { .. } => !budget.ranges.room(),
+            // An unmap inside a range splits it in two.
+            K::SegmentUnmap { pool, .. } => pool != Pool::Stitch && !budget.ranges.room(),
+            _ => false,
+        };
+        if full {
+            let max = budget.live.max();
+            return self.contradiction(
+                e,
+                format_args!(
+                    "more live blocks or ranges than are tracked ({max} each, all devices)"
+                ),
+            );
         }
         match kind {
             K::Alloc {
@@ -249,22 +271,20 @@ impl DeviceState {
                 self.sub(e, |g| &mut g.reserved, bytes);
             }
             K::PhasePush { name } => {
-                if self.phases.is_empty() {
-                    let v = self.top_pushes.entry(name).or_default();
-                    if v.len() < MAX_BOUNDARIES {
-                        v.push(e.time_ns);
-                    }
+                if self.phases.is_empty() && budget.boundaries.take() {
+                    self.top_pushes.entry(name).or_default().push(e.time_ns);
                 }
-                if self.phases.len() < MAX_BOUNDARIES {
+                if budget.open.take() {
                     self.phases.push(name);
                 }
             }
             K::PhasePop { name } => {
                 if let Some(i) = self.phases.iter().rposition(|&p| p == name) {
+                    budget.open.moved(self.phases.len(), i);
                     self.phases.truncate(i);
                 }
             }
-            K::Mark { .. } if self.marks.len() < MAX_BOUNDARIES => self.marks.push(e.time_ns),
+            K::Mark { .. } if budget.boundaries.take() => self.marks.push(e.time_ns),
             K::MemoryLimit { cap, device_total } => {
                 match cap {
                     // As the allocator, which refuses what is no fraction
@@ -308,7 +328,7 @@ impl DeviceState {
     }
 
     #[cold]
-    fn contradiction(&mut self, e: &TraceEvent, what: &str) {
+    fn contradiction(&mut self, e: &TraceEvent, what: impl std::fmt::Display) {
         self.inconsistent += 1;
         if self.inconsistent == 1 {
             let msg = format!(
@@ -478,7 +498,7 @@ pub fn unallocated(allocated: u64, reserved: u64) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use gpualloc::trace::STITCH_CODE;
+    use gpualloc::trace::{Action, STITCH_CODE};
 
     use super::*;
 
@@ -516,11 +536,14 @@ mod tests {
     #[test]
     fn a_stitch_is_neither_reserved_nor_free_and_its_block_claims_home_pages() {
         const M: u64 = 1 << 20;
-        let mut s = DeviceState::default();
-        s.apply(&ev(Action::PagesCreate, 0, 64 * M, 0));
-        s.apply(&ev(Action::SegmentMap, 0x1000_0000, 64 * M, 1));
+        let (mut s, mut b) = (DeviceState::default(), Budget::default());
+        s.apply(&ev(Action::PagesCreate, 0, 64 * M, 0), &mut b);
+        s.apply(&ev(Action::SegmentMap, 0x1000_0000, 64 * M, 1), &mut b);
         assert_eq!(s.free_space(), (64 * M, 64 * M));
-        s.apply(&ev(Action::SegmentMap, 0x9000_0000, 32 * M, STITCH_CODE));
+        s.apply(
+            &ev(Action::SegmentMap, 0x9000_0000, 32 * M, STITCH_CODE),
+            &mut b,
+        );
         assert_eq!(s.g.reserved, 64 * M, "a stitch adds no reserved memory");
         assert_eq!(
             s.free_space(),
@@ -528,14 +551,20 @@ mod tests {
             "an unused stitch claims nothing"
         );
         // A block in the stitch (Alloc: size = requested, aux = block size).
-        s.apply(&ev(Action::Alloc, 0x9000_0000, 30 * M, 32 * M));
+        s.apply(&ev(Action::Alloc, 0x9000_0000, 30 * M, 32 * M), &mut b);
         assert_eq!(
             s.free_space().1,
             32 * M,
             "its 32 MiB of home pages are in use"
         );
-        s.apply(&ev(Action::FreeCompleted, 0x9000_0000, 30 * M, 32 * M));
-        s.apply(&ev(Action::SegmentUnmap, 0x9000_0000, 32 * M, STITCH_CODE));
+        s.apply(
+            &ev(Action::FreeCompleted, 0x9000_0000, 30 * M, 32 * M),
+            &mut b,
+        );
+        s.apply(
+            &ev(Action::SegmentUnmap, 0x9000_0000, 32 * M, STITCH_CODE),
+            &mut b,
+        );
         assert!(s.aliases.is_empty());
         assert_eq!(s.free_space(), (64 * M, 64 * M));
         assert_eq!(s.inconsistent, 0);
@@ -543,10 +572,10 @@ mod tests {
 
     #[test]
     fn gauges_and_free_space_follow_the_events() {
-        let mut s = DeviceState::default();
-        s.apply(&ev(Action::SegmentAlloc, 0, 1000, 1));
-        s.apply(&ev(Action::Alloc, 100, 90, 100));
-        s.apply(&ev(Action::Alloc, 500, 90, 100));
+        let (mut s, mut b) = (DeviceState::default(), Budget::default());
+        s.apply(&ev(Action::SegmentAlloc, 0, 1000, 1), &mut b);
+        s.apply(&ev(Action::Alloc, 100, 90, 100), &mut b);
+        s.apply(&ev(Action::Alloc, 500, 90, 100), &mut b);
         assert_eq!(
             s.g,
             Gauges {
@@ -557,51 +586,159 @@ mod tests {
             }
         );
         assert_eq!(s.free_space(), (400, 800));
-        s.apply(&ev(Action::FreeRequested, 100, 90, 100));
+        s.apply(&ev(Action::FreeRequested, 100, 90, 100), &mut b);
         assert_eq!(
             (s.g.allocated, s.g.active),
             (100, 200),
             "pending: active, not allocated"
         );
-        s.apply(&ev(Action::FreeCompleted, 100, 90, 100));
+        s.apply(&ev(Action::FreeCompleted, 100, 90, 100), &mut b);
         assert_eq!(s.free_space(), (500, 900));
-        s.apply(&ev(Action::FreeRequested, 77, 1, 1));
+        s.apply(&ev(Action::FreeRequested, 77, 1, 1), &mut b);
         assert_eq!(s.unknown, 1);
-        s.apply(&ev(Action::SegmentMap, 4096, 2048, 1));
-        s.apply(&ev(Action::SegmentMap, 6144, 2048, 1));
+        s.apply(&ev(Action::SegmentMap, 4096, 2048, 1), &mut b);
+        s.apply(&ev(Action::SegmentMap, 6144, 2048, 1), &mut b);
         assert_eq!(s.regions.len(), 2, "adjacent mapped pages merge");
-        s.apply(&ev(Action::SegmentUnmap, 5000, 100, 1));
+        s.apply(&ev(Action::SegmentUnmap, 5000, 100, 1), &mut b);
         assert_eq!(s.regions.len(), 3, "an unmap in the middle splits");
         assert_eq!(s.g.reserved, 1000 + 4096 - 100);
     }
 
-    /// A file allocating at millions of addresses is tracked up to the
-    /// bound, and the rest is counted as inconsistent, not stored.
-    #[test]
-    fn tracked_blocks_and_ranges_are_bounded() {
-        let mut s = DeviceState::default();
-        for i in 0..MAX_TRACKED as u64 + 10 {
-            s.apply(&ev(Action::Alloc, i * 512, 512, 512));
+    /// The states of a trace's devices, each event applied to its own
+    /// device's state, with one budget for them all.
+    fn states(b: &mut Budget, devices: usize, events: &[TraceEvent]) -> Vec<DeviceState> {
+        let mut v: Vec<DeviceState> = (0..devices).map(|_| DeviceState::default()).collect();
+        for e in events {
+            v[e.device as usize].apply(e, b);
         }
-        assert_eq!(s.live.len(), MAX_TRACKED);
-        assert_eq!(s.inconsistent, 10);
-        s.apply(&ev(Action::Alloc, 0, 512, 512));
+        v
+    }
+
+    fn total(states: &[DeviceState], f: fn(&DeviceState) -> usize) -> usize {
+        states.iter().map(f).sum()
+    }
+
+    /// A file allocating at millions of addresses, on one device or spread
+    /// over many, is tracked up to one bound for all the devices together,
+    /// and the rest is counted as inconsistent, not stored.
+    #[test]
+    fn live_blocks_are_tracked_up_to_a_bound_for_all_devices_together() {
+        let alloc = |t: u64, d: u32, addr: u64| {
+            let block = EventKind::Alloc {
+                addr,
+                requested: 512,
+                block_size: 512,
+            };
+            TraceEvent::from_kind(t, d, 0, 0, block)
+        };
+        let events: Vec<TraceEvent> = (0..10u64)
+            .flat_map(|i| (0..16).map(move |d| alloc(i, d, (i + 1) * 512)))
+            .collect();
+        let mut b = Budget::new(100, 100);
+        let mut s = states(&mut b, 16, &events);
+        assert_eq!(total(&s, |s| s.live.len()), 100);
+        assert_eq!(total(&s, |s| s.inconsistent as usize), 60);
+        assert_eq!((s[0].live.len(), s[15].live.len()), (7, 6));
+        s[15].apply(&alloc(20, 15, 512), &mut b);
         assert_eq!(
-            s.inconsistent, 11,
+            s[15].inconsistent, 5,
             "an address already live is a double allocation"
         );
+        // A block freed makes room, on any device.
+        let free = EventKind::FreeCompleted {
+            addr: 512,
+            requested: 512,
+            block_size: 512,
+        };
+        s[0].apply(&TraceEvent::from_kind(30, 0, 0, 0, free), &mut b);
+        s[15].apply(&alloc(31, 15, 1 << 20), &mut b);
+        assert_eq!((s[0].live.len(), s[15].live.len()), (6, 7));
+        assert_eq!(total(&s, |s| s.inconsistent as usize), 61);
+    }
+
+    /// Reserved ranges, stitched ranges and the pieces an unmap leaves
+    /// count against one bound for all the devices together.
+    #[test]
+    fn ranges_are_tracked_up_to_a_bound_for_all_devices_together() {
+        let range = |d: u32, addr: u64, pool: Pool| {
+            let kind = match pool {
+                Pool::Code(1) => EventKind::SegmentAlloc {
+                    addr,
+                    size: 1 << 20,
+                    pool,
+                },
+                _ => EventKind::SegmentMap {
+                    addr,
+                    size: 1 << 20,
+                    pool,
+                },
+            };
+            TraceEvent::from_kind(0, d, 0, 0, kind)
+        };
+        let unmap = |d: u32, addr: u64| {
+            let kind = EventKind::SegmentUnmap {
+                addr,
+                size: 4096,
+                pool: Pool::Code(2),
+            };
+            TraceEvent::from_kind(0, d, 0, 0, kind)
+        };
+        let mut b = Budget::new(4, 4);
+        let events = [
+            range(0, 1 << 30, Pool::Code(1)),
+            range(1, 1 << 30, Pool::Stitch),
+            range(2, 1 << 30, Pool::Code(2)),
+            // Splits the mapped range in two.
+            unmap(2, (1 << 30) + 8192),
+            // No room left for these.
+            range(3, 1 << 30, Pool::Code(1)),
+            range(3, 1 << 31, Pool::Stitch),
+            unmap(2, (1 << 30) + 65536),
+        ];
+        let s = states(&mut b, 4, &events);
+        assert_eq!(total(&s, DeviceState::ranges), 4);
+        assert_eq!(s[1].aliases.len(), 1);
+        assert_eq!(s[2].regions.len(), 2);
+        assert_eq!(total(&s, |s| s.inconsistent as usize), 3);
+    }
+
+    /// Marks and top-level phase openings are kept as iteration boundaries
+    /// up to one bound for all the devices together, and so are the phases
+    /// followed open.
+    #[test]
+    fn boundaries_and_open_phases_are_bounded_for_all_devices_together() {
+        let at = |t: u64, d: u32, kind| TraceEvent::from_kind(t, d, 0, 0, kind);
+        let mut events: Vec<TraceEvent> = (0..10u64)
+            .flat_map(|t| (0..16).map(move |d| at(t, d, EventKind::Mark { name: 0 })))
+            .collect();
+        for d in 0..4 {
+            events.extend((0..3).map(|n| at(20, d, EventKind::PhasePush { name: n })));
+        }
+        let mut b = Budget::new(100, 50);
+        let mut s = states(&mut b, 16, &events);
+        assert_eq!(total(&s, |s| s.marks.len()), 50);
+        assert_eq!((s[0].iterations().len(), s[2].iterations().len()), (4, 3));
+        assert!(s[..4].iter().all(|s| s.top_pushes.is_empty()), "no room");
+        assert_eq!(total(&s, |s| s.phases.len()), 12);
+        // Closing phases makes room to follow others.
+        let mut b = Budget::new(100, 5);
+        s = states(&mut b, 4, &events[160..]);
+        assert_eq!(total(&s, |s| s.phases.len()), 5);
+        s[0].apply(&at(30, 0, EventKind::PhasePop { name: 0 }), &mut b);
+        s[3].apply(&at(31, 3, EventKind::PhasePush { name: 9 }), &mut b);
+        assert_eq!((s[0].phases.len(), s[3].phases.len()), (0, 1));
     }
 
     #[test]
     fn page_pool_traces_count_physical_memory() {
-        let mut s = DeviceState::default();
-        s.apply(&ev(Action::PagesCreate, 0, 8192, 0));
-        s.apply(&ev(Action::SegmentMap, 4096, 8192, 1));
+        let (mut s, mut b) = (DeviceState::default(), Budget::default());
+        s.apply(&ev(Action::PagesCreate, 0, 8192, 0), &mut b);
+        s.apply(&ev(Action::SegmentMap, 4096, 8192, 1), &mut b);
         assert_eq!(s.g.reserved, 8192, "mapping created pages adds nothing");
-        s.apply(&ev(Action::SegmentUnmap, 4096, 4096, 1));
+        s.apply(&ev(Action::SegmentUnmap, 4096, 4096, 1), &mut b);
         assert_eq!(s.g.reserved, 8192, "unmapped pages stay in the pool");
         assert_eq!(s.regions.len(), 1);
-        s.apply(&ev(Action::PagesRelease, 0, 4096, 0));
+        s.apply(&ev(Action::PagesRelease, 0, 4096, 0), &mut b);
         assert_eq!(s.g.reserved, 4096);
     }
 
@@ -610,18 +747,21 @@ mod tests {
     /// is kept from the records that carry it.
     #[test]
     fn caps_follow_the_records_the_allocator_would_accept() {
-        let mut s = DeviceState::default();
-        s.apply(&ev(Action::MemoryLimit, 8 << 30, 0, 0.5f64.to_bits()));
-        s.apply(&ev(Action::MemoryLimit, 0, 0, f64::NAN.to_bits()));
-        s.apply(&ev(Action::MemoryLimit, 0, 0, 1.5f64.to_bits()));
-        s.apply(&ev(Action::MemoryLimit, 0, 1, 3 << 30));
+        let (mut s, mut b) = (DeviceState::default(), Budget::default());
+        s.apply(
+            &ev(Action::MemoryLimit, 8 << 30, 0, 0.5f64.to_bits()),
+            &mut b,
+        );
+        s.apply(&ev(Action::MemoryLimit, 0, 0, f64::NAN.to_bits()), &mut b);
+        s.apply(&ev(Action::MemoryLimit, 0, 0, 1.5f64.to_bits()), &mut b);
+        s.apply(&ev(Action::MemoryLimit, 0, 1, 3 << 30), &mut b);
         let want = SetCaps {
             fraction: Some(0.5),
             bytes: Some(Some(3 << 30)),
             device_total: Some(8 << 30),
         };
         assert_eq!(s.caps, want);
-        s.apply(&ev(Action::MemoryLimit, 0, 1, u64::MAX));
+        s.apply(&ev(Action::MemoryLimit, 0, 1, u64::MAX), &mut b);
         assert_eq!(s.caps.bytes, Some(None), "cleared");
     }
 }

@@ -15,6 +15,7 @@ use std::path::Path;
 use gpualloc::trace::{Action, EventKind, TraceEvent};
 use serde_json::json;
 
+use crate::analyses::budget::Budget;
 use crate::analyses::state::{DeviceState, Gauges};
 use crate::input::{self, CliError};
 
@@ -36,13 +37,14 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<(), CliE
     // Sparse: device numbers come from the file. Each device's counter
     // sample waits until its microsecond is over.
     let mut states: BTreeMap<u32, (DeviceState, Option<Sample>)> = BTreeMap::new();
+    let mut budget = Budget::default();
     let mut first = true;
     let mut err = None;
     let info = input::scan(path, allow_truncated, |e| {
         let (s, pending) = states
             .entry(e.device)
             .or_insert_with(|| (DeviceState::default(), None));
-        s.apply(e);
+        s.apply(e, &mut budget);
         let ts = e.time_ns as f64 / 1000.0;
         let mut lines: Vec<serde_json::Value> = Vec::new();
         let sample = Sample {

@@ -49,6 +49,7 @@ use std::path::{Path, PathBuf};
 use gpualloc::trace::{Action, EventKind, MemoryCap, Pool, TraceEvent, pool_code};
 use parquet::data_type::ByteArray;
 
+use crate::analyses::budget::{self, Budget};
 use crate::analyses::state::{self, DeviceState, Gauges};
 use crate::formats::parquet_table::{ColumnSpec, Table, Ty, V};
 use crate::input::{self, CliError};
@@ -216,6 +217,8 @@ struct Dev {
     step: u64,
     current: Option<Span>,
     open: Vec<Span>,
+    /// Ranges held, up to `budget::MAX_TRACKED` in each map: a bound per
+    /// device, unlike the state's, which holds for the whole trace.
     segments: BTreeMap<u64, Held>,
     mapped: BTreeMap<u64, Held>,
     stitched: BTreeMap<u64, Held>,
@@ -241,6 +244,8 @@ impl Who {
 
 struct Writer {
     who: Who,
+    /// What the states of all the devices hold.
+    budget: Budget,
     events: Table,
     segments: Table,
     phases: Table,
@@ -314,7 +319,7 @@ impl Writer {
                 id: None,
             });
         }
-        d.s.apply(e);
+        d.s.apply(e, &mut self.budget);
         d.last_ns = e.time_ns;
         let g = d.s.g;
         use EventKind as K;
@@ -349,7 +354,7 @@ impl Writer {
                     }
                 }
             }
-            K::SegmentAlloc { addr, size, pool } if d.segments.len() < state::MAX_TRACKED => {
+            K::SegmentAlloc { addr, size, pool } if d.segments.len() < budget::MAX_TRACKED => {
                 d.segments.insert(addr, held(e, size, pool));
             }
             K::SegmentFree { addr, .. } => {
@@ -363,7 +368,7 @@ impl Writer {
                 } else {
                     &mut d.mapped
                 };
-                if m.len() < state::MAX_TRACKED {
+                if m.len() < budget::MAX_TRACKED {
                     m.insert(addr, held(e, size, pool));
                 }
             }
@@ -561,6 +566,7 @@ fn write_tables(
     };
     let mut w = Writer {
         who,
+        budget: Budget::default(),
         events: Table::create(&out[0], "events", EVENTS, &meta)?,
         segments: Table::create(&out[1], "segments", SEGMENTS, &meta)?,
         phases: Table::create(&out[2], "phases", PHASES, &meta)?,

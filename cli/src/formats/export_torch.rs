@@ -34,6 +34,7 @@ use std::path::Path;
 
 use gpualloc::trace::{EventKind, Pool, TraceEvent};
 
+use crate::analyses::budget::Budget;
 use crate::analyses::state::{DeviceState, Region, range_end};
 use crate::formats::pickle::Pickler;
 use crate::input::{self, CliError};
@@ -94,6 +95,8 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
     let mut p = Pickler::new(BufWriter::with_capacity(1 << 20, file)).map_err(werr)?;
     let mut finals: Vec<(DeviceState, BTreeMap<u64, u64>)> = Vec::new();
     let mut skipped = 0u64;
+    // Final states are kept for every device: one budget for them all.
+    let mut budget = Budget::default();
     p.dict().map_err(werr)?;
     p.str("device_traces").map_err(werr)?;
     p.list().map_err(werr)?;
@@ -106,6 +109,7 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
         }
         let mut ex = Exporter {
             state: DeviceState::default(),
+            budget,
             stitch_streams: BTreeMap::new(),
             start_ns,
             skipped: 0,
@@ -125,6 +129,7 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
         p.end().map_err(werr)?;
         skipped += ex.skipped;
         annotations = ex.annotations;
+        budget = ex.budget;
         annotations_left_out += ex.annotations_left_out;
         finals.push((ex.state, ex.stitch_streams));
     }
@@ -173,6 +178,8 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
 
 struct Exporter {
     state: DeviceState,
+    /// What the states of the devices exported so far hold.
+    budget: Budget,
     /// Stream of each mapped stitch, by address.
     stitch_streams: BTreeMap<u64, u64>,
     start_ns: u64,
@@ -211,7 +218,7 @@ impl Exporter {
                 addr,
                 size,
             } => {
-                self.state.apply(e);
+                self.state.apply(e, &mut self.budget);
                 // The state refuses a range past the end of the address space.
                 if self.state.aliases.get(&addr) != Some(&size) {
                     self.skipped += 1;
@@ -229,7 +236,7 @@ impl Exporter {
                     self.skipped += 1;
                     return Ok(());
                 };
-                self.state.apply(e);
+                self.state.apply(e, &mut self.budget);
                 self.stitch_streams.remove(&addr);
                 return self.stitch_entry(p, "segment_unmap", e, size);
             }
@@ -247,7 +254,7 @@ impl Exporter {
                         size: block_size.max(1),
                         pool: Pool::Code(1),
                     });
-                    self.state.apply(&synth);
+                    self.state.apply(&synth, &mut self.budget);
                     if let Some(r) = self.state.regions.get_mut(&addr) {
                         r.synthetic = true;
                     }
@@ -288,7 +295,7 @@ impl Exporter {
             return Ok(());
         }
         let requested = self.state.live.get(&e.addr).map_or(e.size, |l| l.requested);
-        self.state.apply(e);
+        self.state.apply(e, &mut self.budget);
         match e.kind() {
             EventKind::Oom {
                 requested,
@@ -315,7 +322,7 @@ impl Exporter {
     /// Keeps phase event or mark `e` for `external_annotations`, where
     /// this device's entries stand now (see [`Annotation`]).
     fn annotate(&mut self, e: &TraceEvent, name: u64, start: Option<bool>) {
-        self.state.apply(e);
+        self.state.apply(e, &mut self.budget);
         if self.annotations.len() >= MAX_ANNOTATIONS {
             self.annotations_left_out += 1;
             return;
@@ -346,7 +353,7 @@ impl Exporter {
                     pool: Pool::from_code(r.pool),
                 })
             };
-            self.state.apply(&synth);
+            self.state.apply(&synth, &mut self.budget);
             self.entry(p, "segment_free", &synth, r.size)?;
         }
         Ok(())

@@ -31,6 +31,7 @@ use gpualloc::trace::{Action, EventKind, TraceEvent};
 use serde_json::{Value, json};
 
 use crate::analyses::analysis::{self, Analysis, AtPeak};
+use crate::analyses::budget::Budget;
 use crate::analyses::state::{self, DeviceState, Gauges, NO_PHASE};
 use crate::commands::report::series::{WINDOW_FRACTION, Window};
 use crate::input::{self, CliError};
@@ -148,7 +149,7 @@ impl Collector {
         t.saturating_sub(self.t0)
     }
 
-    fn apply(&mut self, e: &TraceEvent) {
+    fn apply(&mut self, e: &TraceEvent, budget: &mut Budget) {
         let t = self.at(e.time_ns);
         // Fragmentation and even layouts describe the state before `e`,
         // which held until `e`.
@@ -173,7 +174,7 @@ impl Collector {
         if let EventKind::PhasePop { name } = e.kind() {
             self.close_spans(name, t);
         }
-        self.s.apply(e);
+        self.s.apply(e, budget);
         self.n += 1;
         let g = self.s.g;
         for w in &mut self.windows {
@@ -383,9 +384,10 @@ pub fn collect(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<V
         }
         cs.insert(dev, c);
     }
+    let mut budget = Budget::default();
     input::scan_until(path, allow_truncated, |e| {
         if let Some(c) = cs.get_mut(&e.device) {
-            c.apply(e);
+            c.apply(e, &mut budget);
         }
         true
     })?;
@@ -479,10 +481,11 @@ mod tests {
         let mut targets = BTreeMap::new();
         targets.insert(2, "peak allocated");
         let mut c = Collector::new(t0, end - t0 + 1, vec![], vec![], targets);
-        c.apply(&ev(t0, Action::SegmentAlloc, 0, 1 << 20, 1));
-        c.apply(&ev(t0 + 5, Action::Alloc, 0, 1000, 1024));
-        c.apply(&ev(end, Action::FreeRequested, 0, 1000, 1024));
-        c.apply(&ev(end, Action::FreeCompleted, 0, 1000, 1024));
+        let mut b = Budget::default();
+        c.apply(&ev(t0, Action::SegmentAlloc, 0, 1 << 20, 1), &mut b);
+        c.apply(&ev(t0 + 5, Action::Alloc, 0, 1000, 1024), &mut b);
+        c.apply(&ev(end, Action::FreeRequested, 0, 1000, 1024), &mut b);
+        c.apply(&ev(end, Action::FreeCompleted, 0, 1000, 1024), &mut b);
         c.sample_frag(end - t0);
         device_json(0, c, end - t0)
     }
@@ -532,9 +535,10 @@ mod tests {
         let n = MAX_BLOCKS as u64 + 10;
         targets.insert(n + 1, "peak allocated");
         let mut c = Collector::new(0, 1000, vec![], vec![], targets);
-        c.apply(&ev(0, Action::SegmentAlloc, 0, 1 << 30, 1));
+        let mut b = Budget::default();
+        c.apply(&ev(0, Action::SegmentAlloc, 0, 1 << 30, 1), &mut b);
         for k in 0..n {
-            c.apply(&ev(1, Action::Alloc, k * 4096, 4000, 512 + k));
+            c.apply(&ev(1, Action::Alloc, k * 4096, 4000, 512 + k), &mut b);
         }
         let d = device_json(0, c, 1000);
         let snaps = d["snapshots"].as_array().unwrap();
@@ -560,15 +564,16 @@ mod tests {
     #[test]
     fn steps_and_rare_phase_spans_keep_their_peaks() {
         let mut c = Collector::new(0, 100, vec![10, 20], vec![7], BTreeMap::new());
-        c.apply(&ev(0, Action::SegmentAlloc, 0, 1 << 20, 1));
-        c.apply(&ev(5, Action::Alloc, 0, 100, 512));
-        c.apply(&ev(10, Action::Mark, 0, 0, 0));
-        c.apply(&ev(12, Action::PhasePush, 0, 0, 7));
-        c.apply(&ev(13, Action::Alloc, 512, 100, 2048));
-        c.apply(&ev(14, Action::FreeRequested, 512, 100, 2048));
-        c.apply(&ev(14, Action::FreeCompleted, 512, 100, 2048));
-        c.apply(&ev(15, Action::PhasePop, 0, 0, 7));
-        c.apply(&ev(20, Action::Mark, 0, 0, 0));
+        let mut b = Budget::default();
+        c.apply(&ev(0, Action::SegmentAlloc, 0, 1 << 20, 1), &mut b);
+        c.apply(&ev(5, Action::Alloc, 0, 100, 512), &mut b);
+        c.apply(&ev(10, Action::Mark, 0, 0, 0), &mut b);
+        c.apply(&ev(12, Action::PhasePush, 0, 0, 7), &mut b);
+        c.apply(&ev(13, Action::Alloc, 512, 100, 2048), &mut b);
+        c.apply(&ev(14, Action::FreeRequested, 512, 100, 2048), &mut b);
+        c.apply(&ev(14, Action::FreeCompleted, 512, 100, 2048), &mut b);
+        c.apply(&ev(15, Action::PhasePop, 0, 0, 7), &mut b);
+        c.apply(&ev(20, Action::Mark, 0, 0, 0), &mut b);
         let d = device_json(0, c, 100);
         let steps: Vec<u64> = d["steps"]
             .as_array()
