@@ -258,6 +258,7 @@ pub fn analyze(path: &Path, allow_truncated: bool) -> Result<Analysis, CliError>
     if let Some((d, a)) = last {
         devices.insert(d, a);
     }
+    budget.warn_refused(path);
     if let Some(end) = &info.end {
         duration_ns = duration_ns.max(end.end_ns);
     }

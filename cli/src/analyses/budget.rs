@@ -9,10 +9,15 @@
 //! allocations on each of 16 devices (504 MB). So one [`Budget`] serves
 //! all the devices of a pass over a trace, and a state charges it where it
 //! grows, as `caching_off` bounds the mark names it follows for the whole
-//! trace. Blocks and ranges a bound refuses are counted as contradictions
-//! of the state (warned of).
+//! trace. What a bound refuses is counted: blocks and ranges as
+//! contradictions of the state (warned of), iteration boundaries and open
+//! phases in [`Bound::refused`] (warned of by [`Budget::warn_refused`]).
 //!
 //! [`DeviceState`]: crate::analyses::state::DeviceState
+
+use std::path::Path;
+
+use crate::input::warn_once;
 
 /// Iteration boundaries kept (the times of marks and of top-level phase
 /// openings), and phases followed open, each for all devices together.
@@ -24,16 +29,22 @@ pub const MAX_BOUNDARIES: usize = 1 << 22;
 /// blocks in a pass).
 pub const MAX_TRACKED: usize = 1 << 21;
 
-/// One bound: the items held against it.
+/// One bound: the items held against it, and those it refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Bound {
     held: usize,
     max: usize,
+    /// Items [`take`](Self::take) refused.
+    pub refused: u64,
 }
 
 impl Bound {
     fn new(max: usize) -> Bound {
-        Bound { held: 0, max }
+        Bound {
+            held: 0,
+            max,
+            refused: 0,
+        }
     }
 
     /// Whether one more item fits.
@@ -42,11 +53,15 @@ impl Bound {
         self.held < self.max
     }
 
-    /// Takes room for one item, if there is any.
+    /// Takes room for one item, or counts it refused when there is none.
     #[inline]
     pub fn take(&mut self) -> bool {
         let room = self.room();
-        self.held += usize::from(room);
+        if room {
+            self.held += 1;
+        } else {
+            self.refused += 1;
+        }
         room
     }
 
@@ -84,6 +99,35 @@ impl Budget {
             ranges: Bound::new(tracked),
             boundaries: Bound::new(boundaries),
             open: Bound::new(boundaries),
+        }
+    }
+
+    /// Warns, once per file, of what was refused in a pass over `path`
+    /// (blocks and ranges are warned of by the states).
+    pub fn warn_refused(&self, path: &Path) {
+        let file = path.display();
+        let (b, o) = (self.boundaries, self.open);
+        for (refused, key, msg) in [
+            (
+                b.refused,
+                "boundaries",
+                format!(
+                    "{} marks and top-level phase openings past the first {} (all devices together) were not kept as iteration boundaries: the last iteration kept runs on to the end",
+                    b.refused, b.max
+                ),
+            ),
+            (
+                o.refused,
+                "open phases",
+                format!(
+                    "{} phases opened while {} were open (all devices together) were not followed: what was allocated in them counts in the phase around them",
+                    o.refused, o.max
+                ),
+            ),
+        ] {
+            if refused > 0 {
+                warn_once(&format!("{file}: {key}"), &format!("{file}: {msg}"));
+            }
         }
     }
 }

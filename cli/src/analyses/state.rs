@@ -128,7 +128,7 @@ impl DeviceState {
     /// the state, or whose block or range the budget has no room for, is
     /// applied as far as it makes sense, counted in `inconsistent`, and the
     /// first one is warned of: a corrupt file never panics or wraps a gauge.
-    /// Marks and phases past the budget are not kept.
+    /// Marks and phases past the budget are not kept; the budget counts them.
     #[inline]
     pub fn apply(&mut self, e: &TraceEvent, budget: &mut Budget) {
         let held = (self.live.len(), self.ranges());
@@ -704,7 +704,7 @@ mod tests {
 
     /// Marks and top-level phase openings are kept as iteration boundaries
     /// up to one bound for all the devices together, and so are the phases
-    /// followed open.
+    /// followed open; what the bounds refused is counted.
     #[test]
     fn boundaries_and_open_phases_are_bounded_for_all_devices_together() {
         let at = |t: u64, d: u32, kind| TraceEvent::from_kind(t, d, 0, 0, kind);
@@ -719,14 +719,17 @@ mod tests {
         assert_eq!(total(&s, |s| s.marks.len()), 50);
         assert_eq!((s[0].iterations().len(), s[2].iterations().len()), (4, 3));
         assert!(s[..4].iter().all(|s| s.top_pushes.is_empty()), "no room");
+        assert_eq!(b.boundaries.refused, 110 + 4, "the top-level openings too");
         assert_eq!(total(&s, |s| s.phases.len()), 12);
         // Closing phases makes room to follow others.
         let mut b = Budget::new(100, 5);
         s = states(&mut b, 4, &events[160..]);
         assert_eq!(total(&s, |s| s.phases.len()), 5);
+        assert_eq!(b.open.refused, 7);
         s[0].apply(&at(30, 0, EventKind::PhasePop { name: 0 }), &mut b);
         s[3].apply(&at(31, 3, EventKind::PhasePush { name: 9 }), &mut b);
         assert_eq!((s[0].phases.len(), s[3].phases.len()), (0, 1));
+        assert_eq!(b.open.refused, 7, "followed, not refused");
     }
 
     #[test]

@@ -79,3 +79,31 @@ pub fn write_trace(
     }
     p
 }
+
+/// Writes a trace of `devices` devices, its string table `strings` and its
+/// EVENTS blocks `blocks` in order (each on the device of its first
+/// event), as `dir/name`, with an END block.
+pub fn write_blocks(
+    dir: &Path,
+    name: &str,
+    devices: u32,
+    strings: &[&str],
+    blocks: impl IntoIterator<Item = Vec<TraceEvent>>,
+) -> PathBuf {
+    let header = TraceHeader {
+        start_unix_ns: 1_700_000_000_000_000_000,
+        device_count: devices,
+        pid: 1,
+        config: String::new(),
+        producer: "test".into(),
+    };
+    let p = dir.join(name);
+    let file = std::io::BufWriter::new(std::fs::File::create(&p).unwrap());
+    let mut w = TraceWriter::new(file, &header).unwrap();
+    w.write_strings(strings).unwrap();
+    for b in blocks.into_iter().filter(|b| !b.is_empty()) {
+        w.write_events(b[0].device, &b).unwrap();
+    }
+    w.finish(None).unwrap();
+    p
+}
