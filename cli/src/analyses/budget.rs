@@ -12,6 +12,9 @@
 //! trace. What a bound refuses is counted: blocks and ranges as
 //! contradictions of the state (warned of), iteration boundaries and open
 //! phases in [`Bound::refused`] (warned of by [`Budget::warn_refused`]).
+//! `export --parquet` follows ranges of its own, to write a row for each
+//! when it ends: they count against [`Budget::held`], and the export warns
+//! of what it refused.
 //!
 //! [`DeviceState`]: crate::analyses::state::DeviceState
 
@@ -39,7 +42,8 @@ pub struct Bound {
 }
 
 impl Bound {
-    fn new(max: usize) -> Bound {
+    /// Room for `max` items.
+    pub fn new(max: usize) -> Bound {
         Bound {
             held: 0,
             max,
@@ -75,6 +79,16 @@ impl Bound {
     pub fn max(&self) -> usize {
         self.max
     }
+
+    /// Warns, once per file and `key`, of the items refused in a pass over
+    /// `path`, if any: `what(refused, max)` says what they were.
+    pub fn warn_refused(&self, path: &Path, key: &str, what: impl Fn(u64, usize) -> String) {
+        if self.refused > 0 {
+            let file = path.display();
+            let msg = what(self.refused, self.max);
+            warn_once(&format!("{file}: {key}"), &format!("{file}: {msg}"));
+        }
+    }
 }
 
 /// What the device states of one pass over a trace may hold together.
@@ -88,15 +102,19 @@ pub struct Budget {
     pub boundaries: Bound,
     /// Open phases.
     pub open: Bound,
+    /// Ranges followed to their end for a row each (`export --parquet`:
+    /// segments, mapped pages and stitched ranges, not merged).
+    pub held: Bound,
 }
 
 impl Budget {
-    /// `tracked` live blocks and as many ranges; `boundaries` iteration
-    /// boundaries and as many open phases.
+    /// `tracked` live blocks and as many ranges of each kind; `boundaries`
+    /// iteration boundaries and as many open phases.
     pub fn new(tracked: usize, boundaries: usize) -> Budget {
         Budget {
             live: Bound::new(tracked),
             ranges: Bound::new(tracked),
+            held: Bound::new(tracked),
             boundaries: Bound::new(boundaries),
             open: Bound::new(boundaries),
         }
@@ -105,30 +123,16 @@ impl Budget {
     /// Warns, once per file, of what was refused in a pass over `path`
     /// (blocks and ranges are warned of by the states).
     pub fn warn_refused(&self, path: &Path) {
-        let file = path.display();
-        let (b, o) = (self.boundaries, self.open);
-        for (refused, key, msg) in [
-            (
-                b.refused,
-                "boundaries",
-                format!(
-                    "{} marks and top-level phase openings past the first {} (all devices together) were not kept as iteration boundaries: the last iteration kept runs on to the end",
-                    b.refused, b.max
-                ),
-            ),
-            (
-                o.refused,
-                "open phases",
-                format!(
-                    "{} phases opened while {} were open (all devices together) were not followed: what was allocated in them counts in the phase around them",
-                    o.refused, o.max
-                ),
-            ),
-        ] {
-            if refused > 0 {
-                warn_once(&format!("{file}: {key}"), &format!("{file}: {msg}"));
-            }
-        }
+        self.boundaries.warn_refused(path, "boundaries", |n, max| {
+            format!(
+                "{n} marks and top-level phase openings past the first {max} (all devices together) were not kept as iteration boundaries: the last iteration kept runs on to the end"
+            )
+        });
+        self.open.warn_refused(path, "open phases", |n, max| {
+            format!(
+                "{n} phases opened while {max} were open (all devices together) were not followed: what was allocated in them counts in the phase around them"
+            )
+        });
     }
 }
 

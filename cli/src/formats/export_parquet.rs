@@ -42,6 +42,12 @@
 //! trace of 3 million events (24 MiB) exports in 3.4 s with a release
 //! build, in 42 MB resident (35 MB for 140 thousand events); its events
 //! file takes about 16 bytes per event.
+//!
+//! What is held between rows is bounded for all the trace's devices
+//! together, by the [`Budget`] of the pass: the state's bounds, ranges
+//! held ([`MAX_TRACKED`](crate::analyses::budget::MAX_TRACKED)) and phases followed open
+//! ([`MAX_OPEN`]). A range or phase past them has no row, and the export
+//! warns once of how many it left out.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -49,8 +55,9 @@ use std::path::{Path, PathBuf};
 use gpualloc::trace::{Action, EventKind, MemoryCap, Pool, TraceEvent, pool_code};
 use parquet::data_type::ByteArray;
 
-use crate::analyses::budget::{self, Budget};
+use crate::analyses::budget::{Bound, Budget};
 use crate::analyses::state::{self, DeviceState, Gauges};
+use crate::formats::parquet_ranges::{Held, Kind, Ranges};
 use crate::formats::parquet_table::{ColumnSpec, Table, Ty, V};
 use crate::input::{self, CliError};
 
@@ -101,8 +108,18 @@ const PHASES: &[ColumnSpec] = &[
     ("peak_reserved", Ty::U64, false),
 ];
 
-/// Phase openings tracked per device: deeper ones are left out.
-const MAX_OPEN: usize = 1 << 16;
+/// Phases followed open, for all devices together (the state's phases
+/// too, in an export): fewer than the analyses', as a phase opening holds
+/// a row under way, and each event updates every open phase of its device.
+pub const MAX_OPEN: usize = 1 << 16;
+
+/// What one export of a trace holds, for all its devices together.
+fn export_budget() -> Budget {
+    Budget {
+        open: Bound::new(MAX_OPEN),
+        ..Budget::default()
+    }
+}
 
 /// The three files written for `--parquet ARG` and trace `trace`: ARG is a
 /// prefix, or, when it is a folder (or ends with `/`), the folder where
@@ -184,15 +201,6 @@ pub fn export_all(
     })
 }
 
-/// A range held, not yet released.
-#[derive(Clone, Copy)]
-struct Held {
-    size: u64,
-    pool: u64,
-    stream: u64,
-    start: u64,
-}
-
 /// A phase opening or a step under way.
 struct Span {
     name: Option<ByteArray>,
@@ -216,12 +224,9 @@ struct Dev {
     s: DeviceState,
     step: u64,
     current: Option<Span>,
+    /// The phases the state follows open, outermost first.
     open: Vec<Span>,
-    /// Ranges held, up to `budget::MAX_TRACKED` in each map: a bound per
-    /// device, unlike the state's, which holds for the whole trace.
-    segments: BTreeMap<u64, Held>,
-    mapped: BTreeMap<u64, Held>,
-    stitched: BTreeMap<u64, Held>,
+    ranges: Ranges,
     last_ns: u64,
 }
 
@@ -274,14 +279,14 @@ impl Writer {
 
     fn held(
         &mut self,
-        kind: usize,
+        kind: Kind,
         dev: u32,
         addr: u64,
         h: Held,
         end: Option<u64>,
     ) -> Result<(), CliError> {
         let row = self.who.cols(dev).into_iter().chain([
-            V::Str(self.kinds[kind].clone()),
+            V::Str(self.kinds[kind as usize].clone()),
             V::u(addr),
             V::u(h.size),
             V::u(h.pool),
@@ -339,7 +344,9 @@ impl Writer {
                     self.span(dev, done, Some(e.time_ns))?;
                 }
             }
-            K::PhasePush { name } if d.open.len() < MAX_OPEN => d.open.push(Span {
+            // A phase has a row when the state, bounded by the budget,
+            // follows it: the two stacks stay alike.
+            K::PhasePush { name } if d.s.phases.len() > d.open.len() => d.open.push(Span {
                 name: Some(self.name(name)),
                 step: d.step,
                 depth: Some(d.open.len() as u64),
@@ -347,38 +354,28 @@ impl Writer {
                 peak: g,
                 id: Some(name),
             }),
-            K::PhasePop { name } => {
-                if let Some(i) = d.open.iter().rposition(|o| o.id == Some(name)) {
-                    for sp in d.open.drain(i..).rev().collect::<Vec<_>>() {
-                        self.span(dev, sp, Some(e.time_ns))?;
-                    }
+            K::PhasePop { .. } => {
+                while d.open.len() > d.s.phases.len() {
+                    let sp = d.open.pop().expect("longer than the state's");
+                    self.span(dev, sp, Some(e.time_ns))?;
                 }
             }
-            K::SegmentAlloc { addr, size, pool } if d.segments.len() < budget::MAX_TRACKED => {
-                d.segments.insert(addr, held(e, size, pool));
+            K::SegmentAlloc { addr, size, pool } => {
+                let h = held(e, size, pool);
+                d.ranges.hold(Kind::Segment, addr, h, &mut self.budget.held);
             }
             K::SegmentFree { addr, .. } => {
-                if let Some(h) = d.segments.remove(&addr) {
-                    self.held(0, dev, addr, h, Some(e.time_ns))?;
+                if let Some(h) = d.ranges.free(addr, &mut self.budget.held) {
+                    self.held(Kind::Segment, dev, addr, h, Some(e.time_ns))?;
                 }
             }
             K::SegmentMap { addr, size, pool } => {
-                let m = if pool == Pool::Stitch {
-                    &mut d.stitched
-                } else {
-                    &mut d.mapped
-                };
-                if m.len() < budget::MAX_TRACKED {
-                    m.insert(addr, held(e, size, pool));
-                }
+                let h = held(e, size, pool);
+                d.ranges.hold(mapping(pool), addr, h, &mut self.budget.held);
             }
             K::SegmentUnmap { addr, size, pool } => {
-                let (kind, m) = if pool == Pool::Stitch {
-                    (2, &mut d.stitched)
-                } else {
-                    (1, &mut d.mapped)
-                };
-                for (addr, h) in unmap(m, addr, size) {
+                let kind = mapping(pool);
+                for (addr, h) in d.ranges.unmap(kind, addr, size, &mut self.budget.held) {
                     self.held(kind, dev, addr, h, Some(e.time_ns))?;
                 }
             }
@@ -464,10 +461,8 @@ impl Writer {
             if let Some(sp) = d.current.take() {
                 self.span(dev, sp, Some(d.last_ns))?;
             }
-            for (kind, m) in [(0, &d.segments), (1, &d.mapped), (2, &d.stitched)] {
-                for (&addr, &h) in m {
-                    self.held(kind, dev, addr, h, None)?;
-                }
+            for (kind, addr, h) in d.ranges.held() {
+                self.held(kind, dev, addr, h, None)?;
             }
         }
         self.events.finish()?;
@@ -485,36 +480,13 @@ fn held(e: &TraceEvent, size: u64, pool: Pool) -> Held {
     }
 }
 
-/// Removes `[addr, addr + size)` from the ranges `m`; returns the parts
-/// removed (the rest of a range partly covered stays, with its start time).
-fn unmap(m: &mut BTreeMap<u64, Held>, addr: u64, size: u64) -> Vec<(u64, Held)> {
-    let end = addr.saturating_add(size);
-    let hit: Vec<(u64, Held)> = m
-        .range(..end)
-        .rev()
-        .take_while(|&(&a, h)| a.saturating_add(h.size) > addr)
-        .map(|(&a, &h)| (a, h))
-        .collect();
-    let mut gone = Vec::with_capacity(hit.len());
-    for (a, h) in hit.into_iter().rev() {
-        m.remove(&a);
-        let h_end = a.saturating_add(h.size);
-        let (lo, hi) = (a.max(addr), h_end.min(end));
-        if a < lo {
-            m.insert(a, Held { size: lo - a, ..h });
-        }
-        if hi < h_end {
-            m.insert(
-                hi,
-                Held {
-                    size: h_end - hi,
-                    ..h
-                },
-            );
-        }
-        gone.push((lo, Held { size: hi - lo, ..h }));
+/// The kind of the ranges a mapping event holds.
+fn mapping(pool: Pool) -> Kind {
+    if pool == Pool::Stitch {
+        Kind::Stitch
+    } else {
+        Kind::Mapped
     }
-    gone
 }
 
 /// Writes the three files of `out` (see [`outputs`]), the rank read from
@@ -538,19 +510,22 @@ fn export_ranked(
         input::write_atomically(b, |tb| {
             input::write_atomically(c, |tc| {
                 let tmp = [ta.to_path_buf(), tb.to_path_buf(), tc.to_path_buf()];
-                write_tables(path, &tmp, allow_truncated, rank)
+                write_tables(path, &tmp, allow_truncated, rank, export_budget())?;
+                Ok(())
             })
         })
     })
 }
 
-/// The three tables of `path`, written to `out`.
+/// The three tables of `path`, written to `out`, holding what `budget`
+/// allows between rows; returns the budget, with what it refused.
 fn write_tables(
     path: &Path,
     out: &[PathBuf; 3],
     allow_truncated: bool,
     rank: Option<Option<u32>>,
-) -> Result<(), CliError> {
+    budget: Budget,
+) -> Result<Budget, CliError> {
     // The string table streams in with the events: read it first.
     let first = input::scan(path, allow_truncated, |_| {})?;
     let h = &first.header;
@@ -566,7 +541,7 @@ fn write_tables(
     };
     let mut w = Writer {
         who,
-        budget: Budget::default(),
+        budget,
         events: Table::create(&out[0], "events", EVENTS, &meta)?,
         segments: Table::create(&out[1], "segments", SEGMENTS, &meta)?,
         phases: Table::create(&out[2], "phases", PHASES, &meta)?,
@@ -592,7 +567,25 @@ fn write_tables(
     if let Some(e) = err {
         return Err(e);
     }
-    w.finish(devs)
+    let budget = w.budget;
+    warn_refused(path, &budget);
+    w.finish(devs)?;
+    Ok(budget)
+}
+
+/// Warns, once per file, of the ranges and phases an export of `path` left
+/// out (the state's blocks and ranges are warned of by the states).
+fn warn_refused(path: &Path, budget: &Budget) {
+    budget.held.warn_refused(path, "parquet ranges", |n, max| {
+        format!(
+            "{n} ranges reserved or mapped, or parts of ranges left by an unmap, past the first {max} held at once (all devices together) have no row in the segments table"
+        )
+    });
+    budget.open.warn_refused(path, "parquet phases", |n, max| {
+        format!(
+            "{n} phases opened while {max} were open (all devices together) have no row in the phases table: the events in them name the phase around them"
+        )
+    });
 }
 
 /// A `memory_limit` row's `size` (the byte cap, 0 for none and for a
@@ -631,26 +624,113 @@ mod tests {
         assert_eq!(cap_row(MemoryCap::Other(7, 3)), (0, "#7:3".into()));
     }
 
-    fn h(size: u64, start: u64) -> Held {
-        Held {
-            size,
-            pool: 1,
-            stream: 0,
-            start,
+    /// Writes a trace of `devices` devices, each doing `each(device)`.
+    fn trace(dir: &Path, devices: u32, each: impl Fn(u32) -> Vec<EventKind>) -> PathBuf {
+        use gpualloc::trace::{TraceHeader, TraceWriter};
+        let header = TraceHeader {
+            start_unix_ns: 0,
+            device_count: devices,
+            pid: 1,
+            config: String::new(),
+            producer: "test".into(),
+        };
+        let p = dir.join("t.gtrace");
+        let mut w = TraceWriter::new(std::fs::File::create(&p).unwrap(), &header).unwrap();
+        w.write_strings(&["a", "b", "c"]).unwrap();
+        for d in 0..devices {
+            let at = |(t, k)| TraceEvent::from_kind(t as u64, d, 0, 0, k);
+            let events: Vec<TraceEvent> = each(d).into_iter().enumerate().map(at).collect();
+            w.write_events(d, &events).unwrap();
         }
+        w.finish(None).unwrap();
+        p
     }
 
+    /// Exports `t` under small bounds of `held` ranges and `open` phases;
+    /// returns the budget and the `kind` column of the segments and phases
+    /// tables.
+    fn export_within(t: &Path, held: usize, open: usize) -> (Budget, Vec<String>) {
+        use parquet::file::reader::{FileReader, SerializedFileReader};
+        let out = outputs(t.parent().unwrap(), t);
+        let (held, open) = (Bound::new(held), Bound::new(open));
+        let b = Budget {
+            held,
+            open,
+            ..Budget::default()
+        };
+        let b = write_tables(t, &out, false, None, b).unwrap();
+        let mut kinds = Vec::new();
+        for f in &out[1..] {
+            let r = SerializedFileReader::new(std::fs::File::open(f).unwrap()).unwrap();
+            for row in r.get_row_iter(None).unwrap() {
+                let row = row.unwrap();
+                let (_, kind) = row.get_column_iter().find(|(k, _)| *k == "kind").unwrap();
+                kinds.push(kind.to_string().trim_matches('"').to_string());
+            }
+        }
+        (b, kinds)
+    }
+
+    fn count(kinds: &[String], kind: &str) -> usize {
+        kinds.iter().filter(|k| *k == kind).count()
+    }
+
+    /// Segments, mappings and the parts an unmap leaves, spread over four
+    /// devices, are held up to one bound for all of them: the rest have no
+    /// row, and are counted.
     #[test]
-    fn a_partial_unmap_ends_the_part_and_keeps_the_rest() {
-        let mut m = BTreeMap::new();
-        m.insert(0, h(100, 5));
-        m.insert(100, h(50, 7));
-        let gone = unmap(&mut m, 80, 40);
-        let sizes: Vec<_> = gone.iter().map(|(a, h)| (*a, h.size, h.start)).collect();
-        assert_eq!(sizes, [(80, 20, 5), (100, 20, 7)]);
-        let left: Vec<_> = m.iter().map(|(a, h)| (*a, h.size, h.start)).collect();
-        assert_eq!(left, [(0, 80, 5), (120, 30, 7)]);
-        assert!(unmap(&mut m, 200, 10).is_empty());
+    fn ranges_are_held_up_to_one_bound_for_all_devices() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, pool) = (1u64 << 20, Pool::Code(1));
+        let t = trace(dir.path(), 4, |d| {
+            let a = u64::from(d + 1) << 32;
+            vec![
+                EventKind::SegmentAlloc {
+                    addr: a,
+                    size: m,
+                    pool,
+                },
+                EventKind::SegmentMap {
+                    addr: a + 8 * m,
+                    size: 4 * m,
+                    pool,
+                },
+                // Splits the mapping in two.
+                EventKind::SegmentUnmap {
+                    addr: a + 9 * m,
+                    size: m,
+                    pool,
+                },
+                EventKind::SegmentFree {
+                    addr: a,
+                    size: m,
+                    pool,
+                },
+            ]
+        });
+        let (b, kinds) = export_within(&t, 4, 100);
+        // Device 0 keeps its two pieces of mapping, device 1 the lower
+        // one (no room for the upper), devices 2 and 3 no mapping.
+        assert_eq!(b.held.refused, 1 + 2, "{kinds:?}");
+        assert_eq!(count(&kinds, "segment"), 4, "every segment freed");
+        assert_eq!(count(&kinds, "mapped"), 2 + 2 + 1, "{kinds:?}");
+    }
+
+    /// Phases nested on four devices are followed up to one bound for all
+    /// of them; the rest have no row, and are counted.
+    #[test]
+    fn phases_are_followed_up_to_one_bound_for_all_devices() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = trace(dir.path(), 4, |_| {
+            let push = |name| EventKind::PhasePush { name };
+            vec![push(0), push(1), push(2), EventKind::PhasePop { name: 1 }]
+        });
+        let (b, kinds) = export_within(&t, 100, 4);
+        // Devices 0 and 1 follow their three phases, and keep one open;
+        // device 2 the first two, device 3 the first.
+        assert_eq!(b.open.refused, 1 + 2, "{kinds:?}");
+        assert_eq!(count(&kinds, "phase"), 4 * 3 - b.open.refused as usize);
+        assert_eq!(count(&kinds, "step"), 4);
     }
 
     #[test]
