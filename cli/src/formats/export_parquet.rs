@@ -357,6 +357,9 @@ impl Writer {
             K::PhasePop { .. } => {
                 while d.open.len() > d.s.phases.len() {
                     let sp = d.open.pop().expect("longer than the state's");
+                    if let Some(outer) = d.open.last_mut() {
+                        outer.observe(&sp.peak);
+                    }
                     self.span(dev, sp, Some(e.time_ns))?;
                 }
             }
@@ -381,7 +384,10 @@ impl Writer {
             }
             _ => {}
         }
-        for sp in d.open.iter_mut().chain(d.current.as_mut()) {
+        // Only the innermost open phase sees the event; a phase's peak
+        // folds into the phase around it when it closes (and at the end),
+        // so an event costs one update however many phases are open.
+        for sp in d.open.last_mut().into_iter().chain(d.current.as_mut()) {
             sp.observe(&g);
         }
         // The size column: block bytes for block events, the event's bytes
@@ -455,6 +461,10 @@ impl Writer {
     /// Rows for what is still open at the end.
     fn finish(mut self, devs: BTreeMap<u32, Dev>) -> Result<(), CliError> {
         for (dev, mut d) in devs {
+            for i in (1..d.open.len()).rev() {
+                let inner = d.open[i].peak;
+                d.open[i - 1].observe(&inner);
+            }
             for sp in std::mem::take(&mut d.open) {
                 self.span(dev, sp, None)?;
             }
@@ -731,6 +741,58 @@ mod tests {
         assert_eq!(b.open.refused, 1 + 2, "{kinds:?}");
         assert_eq!(count(&kinds, "phase"), 4 * 3 - b.open.refused as usize);
         assert_eq!(count(&kinds, "step"), 4);
+    }
+
+    /// A phase's peak counts the phases inside it, closed before it or
+    /// still open at the end (events update only the innermost phase).
+    #[test]
+    fn an_outer_phase_peaks_with_the_phases_inside_it() {
+        use parquet::file::reader::{FileReader, SerializedFileReader};
+        let dir = tempfile::tempdir().unwrap();
+        let m = 1u64 << 20;
+        let alloc = |addr, size| EventKind::Alloc {
+            addr,
+            requested: size,
+            block_size: size,
+        };
+        let t = trace(dir.path(), 1, |_| {
+            let push = |name| EventKind::PhasePush { name };
+            vec![
+                push(0),
+                alloc(0x1000_0000, 4 * m),
+                push(1),
+                alloc(0x2000_0000, 8 * m),
+                EventKind::Free {
+                    addr: 0x2000_0000,
+                    requested: 8 * m,
+                    block_size: 8 * m,
+                },
+                EventKind::PhasePop { name: 1 },
+                push(2),
+                alloc(0x3000_0000, 16 * m),
+            ]
+        });
+        let out = outputs(dir.path(), &t);
+        write_tables(&t, &out, false, None, Budget::default()).unwrap();
+        let r = SerializedFileReader::new(std::fs::File::open(&out[2]).unwrap()).unwrap();
+        let mut peaks = BTreeMap::new();
+        for row in r.get_row_iter(None).unwrap() {
+            let row = row.unwrap();
+            let col = |k: &str| {
+                row.get_column_iter()
+                    .find(|(c, _)| *c == k)
+                    .unwrap()
+                    .1
+                    .to_string()
+            };
+            if col("kind") == "\"phase\"" {
+                peaks.insert(col("name"), col("peak_allocated"));
+            }
+        }
+        let mib = |n: u64| (n * m).to_string();
+        assert_eq!(peaks["\"b\""], mib(12), "{peaks:?}");
+        assert_eq!(peaks["\"c\""], mib(20), "{peaks:?}");
+        assert_eq!(peaks["\"a\""], mib(20), "the open c inside it: {peaks:?}");
     }
 
     #[test]
