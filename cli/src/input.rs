@@ -1,11 +1,12 @@
 //! Reading a trace for a command: clear errors, a progress bar on long
 //! inputs, and decoding on a second thread so analysis runs beside it.
 
+use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::fmt;
 use std::fs::File;
 use std::io::{BufReader, IsTerminal};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use gpualloc::trace::format::MAGIC;
@@ -78,6 +79,42 @@ pub fn warn_once(key: &str, msg: &str) {
         shown.insert(key.to_string());
         shown.insert(msg.to_string());
         eprintln!("gpualloc: warning: {msg}");
+    }
+}
+
+thread_local! {
+    /// The file whose events [`scan_until`] is handing to its callback on
+    /// this thread, for [`warn_once_in_file`].
+    static READING: RefCell<Option<PathBuf>> = const { RefCell::new(None) };
+}
+
+/// Sets [`READING`] for one scan and puts the previous value back when
+/// dropped (also when the callback panics).
+struct Reading(Option<PathBuf>);
+
+impl Reading {
+    fn start(path: &Path) -> Reading {
+        Reading(READING.with(|r| r.replace(Some(path.to_path_buf()))))
+    }
+}
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        READING.with(|r| *r.borrow_mut() = self.0.take());
+    }
+}
+
+/// [`warn_once`] for a problem found in the events of the file being
+/// scanned: the message names that file, and each file warns once per
+/// `key` (a command given several ranks' traces warns of each that has
+/// the problem). Outside a scan, as [`warn_once`].
+pub fn warn_once_in_file(key: &str, msg: &str) {
+    match READING.with(|r| r.borrow().clone()) {
+        Some(p) => {
+            let file = p.display();
+            warn_once(&format!("{file}: {key}"), &format!("{file}: {msg}"));
+        }
+        None => warn_once(key, msg),
     }
 }
 
@@ -285,6 +322,7 @@ pub fn scan_until(
     mut f: impl FnMut(&TraceEvent) -> bool,
 ) -> Result<ScanInfo, CliError> {
     let mut reader = open(path)?;
+    let _reading = Reading::start(path);
     let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     let bar = progress(file_bytes);
     let (tx, rx) = crossbeam_channel::bounded::<Vec<TraceEvent>>(4);

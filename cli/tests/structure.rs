@@ -134,6 +134,28 @@ fn allocated_above_reserved_is_warned_of() {
 }
 
 #[test]
+fn each_inconsistent_trace_of_several_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let over = [
+        (Action::SegmentAlloc, 1 << 30, 4096, 1),
+        (Action::Alloc, 1 << 30, 8192, 8192),
+    ];
+    let a = write(dir.path(), "rank-0.gtrace", &over);
+    let b = write(dir.path(), "rank-1.gtrace", &over);
+    let o = gpualloc(&["summary", s(&a), s(&b)]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    for t in [&a, &b] {
+        let lines: Vec<_> = err
+            .lines()
+            .filter(|l| l.contains(s(t)) && l.contains("inconsistent"))
+            .collect();
+        // Once per file, though `summary` reads each file twice.
+        assert_eq!(lines.len(), 1, "{}: {err}", t.display());
+    }
+}
+
+#[test]
 fn blocks_deleted_or_duplicated_are_rejected_by_every_command() {
     let dir = tempfile::tempdir().unwrap();
     let evs: Vec<_> = (0..6)

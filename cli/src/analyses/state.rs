@@ -159,8 +159,11 @@ impl DeviceState {
         let full = match kind {
             K::Alloc { addr, .. } => !budget.live.room() && !self.live.contains_key(&addr),
             K::SegmentAlloc { .. } | K::SegmentMap { .. } => !budget.ranges.room(),
-            // An unmap inside a range splits it in two.
-            K::SegmentUnmap { pool, .. } => pool != Pool::Stitch && !budget.ranges.room(),
+            // An unmap inside a range splits it in two; one at either end
+            // only shortens it.
+            K::SegmentUnmap { pool, size, .. } => {
+                pool != Pool::Stitch && !budget.ranges.room() && self.splits(e.addr, size)
+            }
             _ => false,
         };
         if full {
@@ -339,7 +342,7 @@ impl DeviceState {
                 e.addr,
                 e.size
             );
-            crate::input::warn_once(&format!("inconsistent device {}", e.device), &msg);
+            crate::input::warn_once_in_file(&format!("inconsistent device {}", e.device), &msg);
         }
     }
 
@@ -372,6 +375,20 @@ impl DeviceState {
                 synthetic: false,
             },
         );
+    }
+
+    /// Whether unmapping `size` bytes at `addr` would leave two pieces of
+    /// a reserved range (mapped space on both sides of it).
+    fn splits(&self, addr: u64, size: u64) -> bool {
+        self.regions
+            .range(..addr)
+            .next_back()
+            .is_some_and(
+                |(&s, r)| match (range_end(addr, size), range_end(s, r.size)) {
+                    (Some(end), Some(r_end)) => addr < r_end && end < r_end,
+                    _ => false,
+                },
+            )
     }
 
     fn unmap(&mut self, addr: u64, size: u64) -> bool {
@@ -695,10 +712,18 @@ mod tests {
             range(3, 1 << 31, Pool::Stitch),
             unmap(2, (1 << 30) + 65536),
         ];
-        let s = states(&mut b, 4, &events);
+        let mut s = states(&mut b, 4, &events);
         assert_eq!(total(&s, DeviceState::ranges), 4);
         assert_eq!(s[1].aliases.len(), 1);
         assert_eq!(s[2].regions.len(), 2);
+        assert_eq!(total(&s, |s| s.inconsistent as usize), 3);
+        // Unmaps at either end of a range only shorten it: applied at the
+        // bound too.
+        let reserved = s[2].g.reserved;
+        s[2].apply(&unmap(2, 1 << 30), &mut b);
+        s[2].apply(&unmap(2, (1 << 30) + (1 << 20) - 4096), &mut b);
+        assert_eq!(s[2].regions.len(), 2);
+        assert_eq!(s[2].g.reserved, reserved - 2 * 4096);
         assert_eq!(total(&s, |s| s.inconsistent as usize), 3);
     }
 

@@ -110,13 +110,17 @@ const PHASES: &[ColumnSpec] = &[
 
 /// Phases followed open, for all devices together (the state's phases
 /// too, in an export): fewer than the analyses', as a phase opening holds
-/// a row under way, and each event updates every open phase of its device.
+/// a row under way.
 pub const MAX_OPEN: usize = 1 << 16;
 
-/// What one export of a trace holds, for all its devices together.
+/// What one export of a trace holds, for all its devices together. No
+/// iteration boundaries: the export numbers steps itself and never asks
+/// the states for their iterations, whose mark times would otherwise be
+/// kept for nothing (up to 32 MiB of them).
 fn export_budget() -> Budget {
     Budget {
         open: Bound::new(MAX_OPEN),
+        boundaries: Bound::new(0),
         ..Budget::default()
     }
 }
