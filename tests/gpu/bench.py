@@ -7,6 +7,8 @@ gpualloc's configurations.
         [--variants native,native-expandable,gpualloc,'gpualloc[expandable_segments:true]']
         [--max-batch [--max-batch-gib 12]]
 
+    python3 tests/gpu/bench.py --out DIR --pool A/bench.json B/bench.json ...
+
 (tests/gpu/bench.sh sets up the environment and calls this.) Repeat r runs
 every workload under every variant, each in its own process through
 driver.run_one; the order of the variants turns by one each repeat so that
@@ -18,6 +20,12 @@ repeats, each time ratio with its 95% interval), then the targets of
 gpualloc's default configuration, each met, missed or beyond what the
 repeats can tell (`targets`), and writes them to DIR/bench.md, everything
 to DIR/bench.json and one log a run to DIR/bench-logs/.
+
+--pool runs nothing: it reads the runs of earlier bench.json files of the
+same steps (several device calls of one build, since one call holds only a
+few repeats) as the repeats of one bench, and writes the same tables from
+all of them: on the host-bound trainings, where the host's speed moves
+single runs by up to 20%, the interval narrows only with repeats.
 """
 
 from __future__ import annotations
@@ -365,15 +373,57 @@ def markdown(bench):
                "| workload | target | value | verdict |", "|---|---|---|---|"]
         sec += [f"| {w} | {t} | {v} | {x} |" for w, t, v, x in rows]
         sections.append(sec)
-    if a["repeats"] and (note := driver.order_note(list(bench["variants"]), a["repeats"])):
+    if a["repeats"] and (note := driver.order_note(list(bench["variants"]), a["repeats"], bench.get("first_variants"))):
         sections.append([note])
+    if a.get("pool"):
+        sections.append([f"Pooled from {len(a['pool'])} benches (repeats numbered in this order): "
+                         + ", ".join(f"`{x}`" for x in a["pool"])])
     failed = [f"- {r['workload']} {r['variant']} repeat {r['repeat']}: {r.get('error') or r['result'].get('skipped')}"
               for r in bench["runs"] if not ok(r)]
     if failed:
         sections.append(["Failed, or skipped by the check:", ""] + failed)
     if bench["skipped"]:
-        sections.append([f"Not run (time budget of {a['budget']:.0f} s):", ""] + [f"- {x}" for x in bench["skipped"]])
+        budget = "each bench's time budget" if a.get("pool") else f"time budget of {a['budget']:.0f} s"
+        sections.append([f"Not run ({budget}):", ""] + [f"- {x}" for x in bench["skipped"]])
     return "\n\n".join("\n".join(sec) for sec in sections) + "\n"
+
+
+def pooled(benches):
+    """One bench of the runs of `benches` (bench.json contents, `(name,
+    bench)` pairs), their repeats numbered one bench after the other; a
+    ValueError when they ran different steps. Keeps which variant each
+    repeat ran first, for the order note."""
+    steps = {b["args"]["steps"] for _, b in benches}
+    if len(steps) != 1:
+        raise ValueError(f"the benches ran different steps ({', '.join(map(str, sorted(steps)))}): pool like with like")
+    variants, runs, skipped, first = [], [], [], []
+    for name, b in benches:
+        for v in b["variants"]:
+            if v not in variants:
+                variants.append(v)
+        offset = len(first)
+        repeats = b["args"]["repeats"]
+        runs += [{**r, "repeat": r["repeat"] + offset, "pooled_from": name} for r in b["runs"]]
+        skipped += [f"{name}: {x}" for x in b["skipped"]]
+        first += [driver.run_order(list(b["variants"]), rep)[0] for rep in range(repeats)]
+    args = {**benches[0][1]["args"], "repeats": len(first), "pool": [name for name, _ in benches]}
+    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in runs)]
+    return {"started": [b.get("started") for _, b in benches], "args": args, "variants": variants,
+            "runs": runs, "skipped": skipped, "first_variants": first,
+            "training": {w: summarize_training(runs, w, variants) for w in workloads if w.startswith("train_")},
+            "driver": {w: summarize_driver(runs, w, variants) for w in workloads if w.startswith("train_")},
+            "churn": {w: summarize_churn(runs, variants, w) for w in workloads if w.startswith("churn")}}
+
+
+def write(bench, out):
+    """bench.md and bench.json in `out`; prints the tables."""
+    table = markdown(bench)
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(bench, f, indent=2, default=str)
+    print("\n" + table)
+    print(f"bench: {os.path.join(out, 'bench.json')} ({bench.get('total_s', 0)} s)")
 
 
 def main():
@@ -386,7 +436,25 @@ def main():
     p.add_argument("--budget", type=float, default=540, help="seconds for everything, the bridge build included")
     p.add_argument("--max-batch", action="store_true", help="also find each training workload's largest batch per variant")
     p.add_argument("--max-batch-gib", type=float, default=12.0, help="the memory budget of --max-batch")
+    p.add_argument("--pool", nargs="+", metavar="BENCH_JSON", help="run nothing: the tables of these benches' runs together")
     args = p.parse_args()
+    if args.pool:
+        benches = []
+        for path in args.pool:
+            try:
+                with open(path) as f:
+                    benches.append((path, json.load(f)))
+            except (OSError, ValueError) as e:
+                p.error(f"--pool: cannot read {path}: {e}")
+        try:
+            bench = pooled(benches)
+        except ValueError as e:
+            p.error(f"--pool: {e}")
+        except (KeyError, TypeError, AttributeError) as e:
+            p.error(f"--pool: one of the files is not a bench.json of this script ({e!r})")
+        os.makedirs(args.out, exist_ok=True)
+        write(bench, args.out)
+        return
     try:
         variants = driver.parse_variants(args.variants)
     except ValueError as e:
@@ -459,13 +527,7 @@ def main():
     bench["driver"] = {w: summarize_driver(bench["runs"], w, variants) for w in workloads if w.startswith("train_")}
     bench["churn"] = {w: summarize_churn(bench["runs"], variants, w) for w in workloads if w.startswith("churn")}
     bench["total_s"] = round(time.time() - start, 1)
-    table = markdown(bench)
-    with open(os.path.join(args.out, "bench.md"), "w") as f:
-        f.write(table)
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(bench, f, indent=2, default=str)
-    print("\n" + table)
-    print(f"bench: {os.path.join(args.out, 'bench.json')} ({bench['total_s']} s)")
+    write(bench, args.out)
 
 
 if __name__ == "__main__":

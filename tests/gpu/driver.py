@@ -132,14 +132,17 @@ def run_order(variants, rep):
     return variants[k:] + variants[:k]
 
 
-def order_note(variants, repeats):
+def order_note(variants, repeats, first=None):
     """A warning for the Markdown when the repeats do not balance the order:
     on the H200 the second of two back-to-back GPT-2 runs was 7-11% slower
     whichever allocator it used (docs/results/h200-round16), so a ratio over
-    unbalanced repeats carries that order. Empty when balanced."""
-    if len(variants) < 2 or repeats % len(variants) == 0:
+    unbalanced repeats carries that order. Empty when balanced. `first`:
+    the variant each repeat ran first, when the repeats were not
+    run_order's 0..repeats-1 (repeats pooled from several runs)."""
+    if first is None:
+        first = [run_order(variants, r)[0] for r in range(repeats)]
+    if len(variants) < 2 or all(first.count(v) == first.count(variants[0]) for v in variants):
         return ""
-    first = [run_order(variants, r)[0] for r in range(repeats)]
     counts = ", ".join(f"{v} {first.count(v)}" for v in variants)
     return (f"Order not balanced: {repeats} repeat(s) of {len(variants)} variants ran first {counts} time(s); "
             f"a run right after another can be slower whatever its allocator: use a multiple of {len(variants)} repeats.")

@@ -241,6 +241,41 @@ class BenchInterval(unittest.TestCase):
         self.assertLess(ours["ratio_mean_all_interval95"][2], 1.0, "three repeats 2% faster, closely: met")
 
 
+class BenchPool(unittest.TestCase):
+    def bench(self, ratios, steps=100, skipped=()):
+        runs = [bench_run("w", "native-expandable", rep, 0.100) for rep in range(len(ratios))]
+        runs += [bench_run("w", "gpualloc", rep, 0.100 * x) for rep, x in enumerate(ratios)]
+        for r in runs:
+            r["workload"] = "train_gpt2"
+        return {"args": {"steps": steps, "repeats": len(ratios), "budget": 500}, "started": "then",
+                "variants": {"native-expandable": None, "gpualloc": None}, "runs": runs, "skipped": list(skipped)}
+
+    def test_repeats_of_several_benches_make_one_interval(self):
+        a, b = self.bench([1.02, 0.99]), self.bench([1.01, 1.00, 0.98, 1.03], skipped=["x-r4: needs 20 s"])
+        out = bench.pooled([("a.json", a), ("b.json", b)])
+        self.assertEqual(sorted({r["repeat"] for r in out["runs"]}), list(range(6)))
+        self.assertEqual(out["args"]["repeats"], 6)
+        row = next(r for r in out["training"]["train_gpt2"] if r["variant"] == "gpualloc")
+        self.assertEqual(row["runs"], 6)
+        want = bench.ratio_interval([1.02, 0.99, 1.01, 1.00, 0.98, 1.03])
+        self.assertEqual([round(x, 9) for x in row["ratio_mean_all_interval95"]], [round(x, 9) for x in want])
+        self.assertEqual(out["skipped"], ["b.json: x-r4: needs 20 s"])
+        # Each bench's repeats began with run_order's variant of their own number.
+        self.assertEqual(out["first_variants"], ["native-expandable", "gpualloc"] * 3)
+        text = bench.markdown(out)
+        self.assertIn("medians over 6 repeat(s)", text)
+        self.assertIn("Pooled from 2 benches", text)
+        self.assertNotIn("Order not balanced", text)
+        self.assertIn("each bench's time budget", text)
+
+    def test_an_unbalanced_pool_is_named_and_different_steps_are_refused(self):
+        out = bench.pooled([("a.json", self.bench([1.0])), ("b.json", self.bench([1.0]))])
+        self.assertEqual(out["first_variants"], ["native-expandable", "native-expandable"])
+        self.assertIn("Order not balanced", bench.markdown(out))
+        with self.assertRaisesRegex(ValueError, "different steps"):
+            bench.pooled([("a.json", self.bench([1.0])), ("b.json", self.bench([1.0], steps=60))])
+
+
 class BenchPairedGap(unittest.TestCase):
     def test_the_median_over_repeats_of_each_repeats_pairing(self):
         runs = []
