@@ -625,13 +625,24 @@ class GpuallocAllocator final : public CUDAAllocator {
     raise_if_failed("set_per_process_memory_fraction");
   }
 #if TORCH_VERSION_MINOR >= 10
+  // As PyTorch's (which callers read to map as much again ahead of time):
+  // one entry per expandable segment, that is per pool (private pools
+  // included), stream and pool kind, with the bytes mapped in it. The
+  // snapshot lists each mapped run, and a stitch in use in place of the
+  // runs it claims, so their sum is the bytes mapped, each once. PyTorch
+  // leaves out the default stream's segments (its stream handle is null),
+  // and so does this; a segment with nothing mapped has no entry here.
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex device) override {
-    std::vector<cca::StreamSegmentSize> out;
+    std::map<std::tuple<uint64_t, uint64_t, uint64_t, bool>, size_t> mapped;
     for (const auto& s : read_segments(device, nullptr).segs) {
-      if (s.is_expandable != 0 && s.pool_a == 0 && s.pool_b == 0) {
-        out.emplace_back(reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(s.stream)), s.is_large == 0,
-                         s.total_size);
+      if (s.is_expandable != 0 && s.stream != 0) {
+        mapped[{s.pool_a, s.pool_b, s.stream, s.is_large == 0}] += s.total_size;
       }
+    }
+    std::vector<cca::StreamSegmentSize> out;
+    for (const auto& [key, bytes] : mapped) {
+      out.emplace_back(reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(std::get<2>(key))), std::get<3>(key),
+                       bytes);
     }
     return out;
   }

@@ -14,6 +14,7 @@ with use_mem_pool, the out-of-memory observer, the generic allocator
 registry, the raw caching_allocator_alloc/delete API, settings changed
 mid-run with torch.cuda.memory._set_allocator_settings, the caching
 allocator switched off and on (torch.cuda.memory.caching_allocator_enable),
+CUDAAllocator::getExpandableSegmentSizes asked from a C++ extension,
 memory history in a child forked before the first CUDA call,
 PYTORCH_NO_CUDA_MEMORY_CACHING in a child process, and (gpualloc
 only) a cudaMalloc made while switched off that fits only once gpualloc's
@@ -165,6 +166,32 @@ def _replay_backwards(snap, device):
             unmap_segment(a == "segment_map", seg, i)
         check_blocks(i)
     return len(trace)
+
+
+SEGMENT_SIZES = r"""
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/extension.h>
+
+// (stream, is_small_pool, total_size) of each entry.
+std::vector<std::tuple<int64_t, bool, int64_t>> sizes(int64_t device) {
+  std::vector<std::tuple<int64_t, bool, int64_t>> out;
+  auto* allocator = c10::cuda::CUDACachingAllocator::get();
+  for (const auto& s : allocator->getExpandableSegmentSizes(static_cast<c10::DeviceIndex>(device))) {
+    out.emplace_back(reinterpret_cast<int64_t>(s.stream), s.is_small_pool, static_cast<int64_t>(s.total_size));
+  }
+  return out;
+}
+"""
+
+
+def _segment_sizes_module():
+    """SEGMENT_SIZES, built once per build directory."""
+    from torch.utils.cpp_extension import load_inline
+
+    build = os.path.join(os.environ.get("GPUALLOC_BUILD_DIR") or "/tmp", "segment_sizes")
+    os.makedirs(build, exist_ok=True)
+    return load_inline("gpualloc_segment_sizes", cpp_sources=[SEGMENT_SIZES], functions=["sizes"],
+                       build_directory=build, extra_cflags=["-O1"], with_cuda=True)
 
 
 def _mlp(torch, width=256):
@@ -631,6 +658,49 @@ def check_compat(args) -> dict:
         finally:
             setter(f"expandable_segments:{was}")
         return {"allocated_after": torch.cuda.memory_allocated()}
+
+    @sub("expandable_segment_sizes")
+    def _():
+        # CUDAAllocator::getExpandableSegmentSizes (C++ only, torch >= 2.10),
+        # which serving code reads after a warm-up to map as much again
+        # ahead of time: one entry per expandable segment with the bytes
+        # mapped in it, the default stream's left out. Asked of whichever
+        # allocator torch has, from a C++ extension; PyTorch's needs
+        # expandable segments switched on, gpualloc's has them by default.
+        if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 10):
+            return {"skipped": f"torch {torch.__version__} has no getExpandableSegmentSizes"}
+        sizes = _segment_sizes_module().sizes
+        setter = torch.cuda.memory._set_allocator_settings
+        native = args.alloc != "gpualloc"
+        was = "True" if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") else "False"
+        if native:
+            setter("expandable_segments:True")
+        try:
+            # Nothing cached that the side stream could take instead of
+            # growing its own segment (gpualloc's cross_stream_reuse).
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                big = torch.empty(64 * MiB, dtype=torch.uint8, device=dev)
+                small = torch.empty(4096, dtype=torch.uint8, device=dev)
+            on_default = torch.empty(8 * MiB, dtype=torch.uint8, device=dev)
+            got = sizes(0)
+            mine = [(small_pool, n) for stream, small_pool, n in got if stream == side.cuda_stream]
+            assert all(stream != 0 for stream, _, _ in got), f"the default stream's segments listed: {got}"
+            large = [n for small_pool, n in mine if not small_pool]
+            small_ = [n for small_pool, n in mine if small_pool]
+            assert len(large) == 1 and large[0] >= 64 * MiB, f"the side stream's large segment: {mine}"
+            # gpualloc may serve a small request from a free block of a page
+            # another stream's live blocks keep mapped; PyTorch never does.
+            assert len(small_) <= 1 and (small_ or not native), f"the side stream's small segments: {mine}"
+            assert all(n >= 2 * MiB for n in small_), f"the side stream's small segment: {mine}"
+            del big, small, on_default
+            side.synchronize()
+        finally:
+            if native:
+                setter(f"expandable_segments:{was}")
+        return {"side_stream": mine, "entries": len(got)}
 
     @sub("memory_history_in_a_child_forked_before_cuda")
     def _():
