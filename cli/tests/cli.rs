@@ -671,6 +671,16 @@ fn parquet_export_reads_back_with_the_summarys_numbers() {
     }
     let segments = parquet_rows(&dir.path().join("out.segments.parquet"));
     assert!(segments.iter().any(|r| ulong(r, "size") > 0));
+    // A step row for every mark and one for what came before the first:
+    // the export numbers steps itself (its budget keeps no iteration
+    // boundaries of the states).
+    let marks = events.iter().filter(|r| action(r) == "\"mark\"").count();
+    let steps = phases
+        .iter()
+        .filter(|r| field(r, "kind").to_string() == "\"step\"")
+        .count();
+    assert!(marks > 1, "the generated trace has steps");
+    assert_eq!(steps, marks + 1);
 }
 
 /// `private_pool` rows name the call and carry the pool's code.

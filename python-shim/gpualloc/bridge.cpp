@@ -626,12 +626,14 @@ class GpuallocAllocator final : public CUDAAllocator {
   }
 #if TORCH_VERSION_MINOR >= 10
   // As PyTorch's (which callers read to map as much again ahead of time):
-  // one entry per expandable segment, that is per pool (private pools
-  // included), stream and pool kind, with the bytes mapped in it. The
-  // snapshot lists each mapped run, and a stitch in use in place of the
-  // runs it claims, so their sum is the bytes mapped, each once. PyTorch
-  // leaves out the default stream's segments (its stream handle is null),
-  // and so does this; a segment with nothing mapped has no entry here.
+  // one entry per expandable segment with the bytes mapped in it. PyTorch
+  // has one segment per pool (private pools included), stream and pool
+  // kind; gpualloc may reserve more than one range for them, whose bytes
+  // are summed into that one entry. The snapshot lists each mapped run,
+  // and a stitch in use in place of the runs it claims, so the sum counts
+  // each mapped byte once. PyTorch leaves out the default stream's
+  // segments (its stream handle is null), and so does this; a segment
+  // with nothing mapped has no entry here.
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex device) override {
     std::map<std::tuple<uint64_t, uint64_t, uint64_t, bool>, size_t> mapped;
     for (const auto& s : read_segments(device, nullptr).segs) {

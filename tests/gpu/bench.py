@@ -373,8 +373,11 @@ def markdown(bench):
                "| workload | target | value | verdict |", "|---|---|---|---|"]
         sec += [f"| {w} | {t} | {v} | {x} |" for w, t, v, x in rows]
         sections.append(sec)
-    if a["repeats"] and (note := driver.order_note(list(bench["variants"]), a["repeats"], bench.get("first_variants"))):
-        sections.append([note])
+    variants = list(bench["variants"])
+    for w in [*(bench.get("training") or {}), *(bench.get("churn") or {})] if a["repeats"] else ():
+        first = first_variants(bench["runs"], w, variants)
+        if note := driver.order_note(variants, len(first), first):
+            sections.append([f"{w}: {note}"])
     if a.get("pool"):
         sections.append([f"Pooled from {len(a['pool'])} benches (repeats numbered in this order): "
                          + ", ".join(f"`{x}`" for x in a["pool"])])
@@ -389,30 +392,46 @@ def markdown(bench):
 
 
 def pooled(benches):
-    """One bench of the runs of `benches` (bench.json contents, `(name,
-    bench)` pairs), their repeats numbered one bench after the other; a
-    ValueError when they ran different steps. Keeps which variant each
-    repeat ran first, for the order note."""
+    """One bench of the runs of `benches` (`(name, bench.json contents)`
+    pairs), their repeats numbered one bench after the other, in the order
+    given. A ValueError when they are not like with like: other steps,
+    other variants, or one bench twice (the same start time)."""
     steps = {b["args"]["steps"] for _, b in benches}
     if len(steps) != 1:
         raise ValueError(f"the benches ran different steps ({', '.join(map(str, sorted(steps)))}): pool like with like")
-    variants, runs, skipped, first = [], [], [], []
+    kinds = {tuple(sorted(b["variants"])) for _, b in benches}
+    if len(kinds) != 1:
+        raise ValueError(f"the benches ran different variants ({' against '.join(map(','.join, sorted(kinds)))}): "
+                         "each repeat's ratio must have the same baseline")
+    started = [str(b.get("started")) for _, b in benches]
+    if len(set(started)) != len(started):
+        raise ValueError("one bench given twice (two files started at the same time): its repeats would count twice")
+    runs, skipped, offset = [], [], 0
     for name, b in benches:
-        for v in b["variants"]:
-            if v not in variants:
-                variants.append(v)
-        offset = len(first)
-        repeats = b["args"]["repeats"]
-        runs += [{**r, "repeat": r["repeat"] + offset, "pooled_from": name} for r in b["runs"]]
-        skipped += [f"{name}: {x}" for x in b["skipped"]]
-        first += [driver.run_order(list(b["variants"]), rep)[0] for rep in range(repeats)]
-    args = {**benches[0][1]["args"], "repeats": len(first), "pool": [name for name, _ in benches]}
+        runs += [{**r, "repeat": r["repeat"] + offset, "pooled_from": r.get("pooled_from", name)} for r in b["runs"]]
+        skipped += [x if "pool" in b["args"] else f"{name}: {x}" for x in b["skipped"]]
+        offset += max([b["args"]["repeats"]] + [r["repeat"] + 1 for r in b["runs"]])
+    variants = list(benches[0][1]["variants"])
+    args = {**benches[0][1]["args"], "repeats": offset,
+            "pool": [x for name, b in benches for x in b["args"].get("pool", [name])]}
     workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in runs)]
-    return {"started": [b.get("started") for _, b in benches], "args": args, "variants": variants,
-            "runs": runs, "skipped": skipped, "first_variants": first,
+    return {"started": started, "args": args, "variants": variants, "runs": runs, "skipped": skipped,
             "training": {w: summarize_training(runs, w, variants) for w in workloads if w.startswith("train_")},
             "driver": {w: summarize_driver(runs, w, variants) for w in workloads if w.startswith("train_")},
             "churn": {w: summarize_churn(runs, variants, w) for w in workloads if w.startswith("churn")}}
+
+
+def first_variants(runs, workload, variants):
+    """The variant that ran `workload` first in each repeat in which every
+    one of `variants` ran it to a result (the repeats the ratios come
+    from), in repeat order: `runs` are in the order they ran."""
+    first, done = {}, {}
+    for r in runs:
+        if r["workload"] == workload:
+            first.setdefault(r["repeat"], r["variant"])
+            if ok(r):
+                done.setdefault(r["repeat"], set()).add(r["variant"])
+    return [first[rep] for rep in sorted(first) if done.get(rep, set()) >= set(variants)]
 
 
 def write(bench, out):
@@ -423,7 +442,8 @@ def write(bench, out):
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump(bench, f, indent=2, default=str)
     print("\n" + table)
-    print(f"bench: {os.path.join(out, 'bench.json')} ({bench.get('total_s', 0)} s)")
+    took = f" ({bench['total_s']} s)" if "total_s" in bench else ""
+    print(f"bench: {os.path.join(out, 'bench.json')}{took}")
 
 
 def main():
@@ -446,6 +466,9 @@ def main():
                     benches.append((path, json.load(f)))
             except (OSError, ValueError) as e:
                 p.error(f"--pool: cannot read {path}: {e}")
+        if any(b.get("max_batch") for _, b in benches):
+            print("bench: --pool leaves out the --max-batch results (one search a variant, nothing to pool)",
+                  file=sys.stderr)
         try:
             bench = pooled(benches)
         except ValueError as e:

@@ -145,7 +145,8 @@ def order_note(variants, repeats, first=None):
         return ""
     counts = ", ".join(f"{v} {first.count(v)}" for v in variants)
     return (f"Order not balanced: {repeats} repeat(s) of {len(variants)} variants ran first {counts} time(s); "
-            f"a run right after another can be slower whatever its allocator: use a multiple of {len(variants)} repeats.")
+            f"a run right after another can be slower whatever its allocator: use a multiple of {len(variants)} repeats, "
+            f"each run to its end.")
 
 
 def require_library(variants):

@@ -242,16 +242,23 @@ class BenchInterval(unittest.TestCase):
 
 
 class BenchPool(unittest.TestCase):
-    def bench(self, ratios, steps=100, skipped=()):
-        runs = [bench_run("w", "native-expandable", rep, 0.100) for rep in range(len(ratios))]
-        runs += [bench_run("w", "gpualloc", rep, 0.100 * x) for rep, x in enumerate(ratios)]
-        for r in runs:
-            r["workload"] = "train_gpt2"
-        return {"args": {"steps": steps, "repeats": len(ratios), "budget": 500}, "started": "then",
-                "variants": {"native-expandable": None, "gpualloc": None}, "runs": runs, "skipped": list(skipped)}
+    VARIANTS = ["native-expandable", "gpualloc"]
+
+    def bench(self, ratios, steps=100, skipped=(), started="then", missing=()):
+        """A bench.json's contents: repeat r ran both variants in run_order,
+        gpualloc at `ratios[r]` of PyTorch expandable's time, except the
+        (variant, repeat) runs in `missing` (skipped for time)."""
+        runs = []
+        for rep, x in enumerate(ratios):
+            for v in driver.run_order(self.VARIANTS, rep):
+                if (v, rep) not in missing:
+                    runs.append(bench_run("train_gpt2", v, rep, 0.100 * (x if v == "gpualloc" else 1.0)))
+        return {"args": {"steps": steps, "repeats": len(ratios), "budget": 500}, "started": started,
+                "variants": {v: None for v in self.VARIANTS}, "runs": runs, "skipped": list(skipped)}
 
     def test_repeats_of_several_benches_make_one_interval(self):
-        a, b = self.bench([1.02, 0.99]), self.bench([1.01, 1.00, 0.98, 1.03], skipped=["x-r4: needs 20 s"])
+        a = self.bench([1.02, 0.99], started="a")
+        b = self.bench([1.01, 1.00, 0.98, 1.03], skipped=["x-r4: needs 20 s"], started="b")
         out = bench.pooled([("a.json", a), ("b.json", b)])
         self.assertEqual(sorted({r["repeat"] for r in out["runs"]}), list(range(6)))
         self.assertEqual(out["args"]["repeats"], 6)
@@ -261,19 +268,44 @@ class BenchPool(unittest.TestCase):
         self.assertEqual([round(x, 9) for x in row["ratio_mean_all_interval95"]], [round(x, 9) for x in want])
         self.assertEqual(out["skipped"], ["b.json: x-r4: needs 20 s"])
         # Each bench's repeats began with run_order's variant of their own number.
-        self.assertEqual(out["first_variants"], ["native-expandable", "gpualloc"] * 3)
+        self.assertEqual(bench.first_variants(out["runs"], "train_gpt2", self.VARIANTS), self.VARIANTS * 3)
         text = bench.markdown(out)
         self.assertIn("medians over 6 repeat(s)", text)
         self.assertIn("Pooled from 2 benches", text)
         self.assertNotIn("Order not balanced", text)
         self.assertIn("each bench's time budget", text)
 
-    def test_an_unbalanced_pool_is_named_and_different_steps_are_refused(self):
-        out = bench.pooled([("a.json", self.bench([1.0])), ("b.json", self.bench([1.0]))])
-        self.assertEqual(out["first_variants"], ["native-expandable", "native-expandable"])
-        self.assertIn("Order not balanced", bench.markdown(out))
+    def test_the_order_is_judged_on_the_repeats_that_ran_both(self):
+        # Two repeats each, balanced as planned; the second bench's last
+        # repeat lost its PyTorch run to the budget, so of the three
+        # repeats with a ratio PyTorch expandable ran first twice.
+        a = self.bench([1.0, 1.0], started="a")
+        b = self.bench([1.0, 1.0], started="b", missing={("native-expandable", 1)})
+        out = bench.pooled([("a.json", a), ("b.json", b)])
+        self.assertEqual(bench.first_variants(out["runs"], "train_gpt2", self.VARIANTS),
+                         ["native-expandable", "gpualloc", "native-expandable"])
+        self.assertIn("train_gpt2: Order not balanced", bench.markdown(out))
+        single = {**b, "training": {"train_gpt2": bench.summarize_training(b["runs"], "train_gpt2", self.VARIANTS)}}
+        self.assertIn("Order not balanced", bench.markdown(single), "a single bench is judged the same way")
+        # Pooled again, with a third bench: the runs keep their order and their files.
+        c = self.bench([1.0], started="c")
+        again = bench.pooled([("ab.json", out), ("c.json", c)])
+        self.assertEqual(bench.first_variants(again["runs"], "train_gpt2", self.VARIANTS),
+                         ["native-expandable", "gpualloc", "native-expandable", "native-expandable"])
+        self.assertEqual(again["args"]["pool"], ["a.json", "b.json", "c.json"])
+        self.assertEqual({r["pooled_from"] for r in again["runs"]}, {"a.json", "b.json", "c.json"})
+
+    def test_unlike_benches_are_refused(self):
         with self.assertRaisesRegex(ValueError, "different steps"):
-            bench.pooled([("a.json", self.bench([1.0])), ("b.json", self.bench([1.0], steps=60))])
+            bench.pooled([("a.json", self.bench([1.0], started="a")),
+                          ("b.json", self.bench([1.0], steps=60, started="b"))])
+        with self.assertRaisesRegex(ValueError, "given twice"):
+            a = self.bench([1.0])
+            bench.pooled([("a.json", a), ("a2.json", a)])
+        other = self.bench([1.0], started="b")
+        other["variants"] = {"native": None, "gpualloc": None}
+        with self.assertRaisesRegex(ValueError, "different variants"):
+            bench.pooled([("a.json", self.bench([1.0], started="a")), ("b.json", other)])
 
 
 class BenchPairedGap(unittest.TestCase):

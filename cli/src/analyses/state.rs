@@ -383,12 +383,14 @@ impl DeviceState {
         self.regions
             .range(..addr)
             .next_back()
-            .is_some_and(
-                |(&s, r)| match (range_end(addr, size), range_end(s, r.size)) {
-                    (Some(end), Some(r_end)) => addr < r_end && end < r_end,
-                    _ => false,
-                },
-            )
+            .is_some_and(|(&s, r)| {
+                // `unmap` leaves plain segments alone.
+                r.expandable
+                    && match (range_end(addr, size), range_end(s, r.size)) {
+                        (Some(end), Some(r_end)) => addr < r_end && end < r_end,
+                        _ => false,
+                    }
+            })
     }
 
     fn unmap(&mut self, addr: u64, size: u64) -> bool {
