@@ -373,11 +373,9 @@ def markdown(bench):
                "| workload | target | value | verdict |", "|---|---|---|---|"]
         sec += [f"| {w} | {t} | {v} | {x} |" for w, t, v, x in rows]
         sections.append(sec)
-    variants = list(bench["variants"])
-    for w in [*(bench.get("training") or {}), *(bench.get("churn") or {})] if a["repeats"] else ():
-        first = first_variants(bench["runs"], w, variants)
-        if note := driver.order_note(variants, len(first), first):
-            sections.append([f"{w}: {note}"])
+    if a["repeats"]:
+        workloads = [*(bench.get("training") or {}), *(bench.get("churn") or {})]
+        sections += [[note] for note in driver.order_notes(bench["runs"], workloads, list(bench["variants"]), ok)]
     if a.get("pool"):
         sections.append([f"Pooled from {len(a['pool'])} benches (repeats numbered in this order): "
                          + ", ".join(f"`{x}`" for x in a["pool"])])
@@ -419,19 +417,6 @@ def pooled(benches):
             "training": {w: summarize_training(runs, w, variants) for w in workloads if w.startswith("train_")},
             "driver": {w: summarize_driver(runs, w, variants) for w in workloads if w.startswith("train_")},
             "churn": {w: summarize_churn(runs, variants, w) for w in workloads if w.startswith("churn")}}
-
-
-def first_variants(runs, workload, variants):
-    """The variant that ran `workload` first in each repeat in which every
-    one of `variants` ran it to a result (the repeats the ratios come
-    from), in repeat order: `runs` are in the order they ran."""
-    first, done = {}, {}
-    for r in runs:
-        if r["workload"] == workload:
-            first.setdefault(r["repeat"], r["variant"])
-            if ok(r):
-                done.setdefault(r["repeat"], set()).add(r["variant"])
-    return [first[rep] for rep in sorted(first) if done.get(rep, set()) >= set(variants)]
 
 
 def write(bench, out):

@@ -149,6 +149,31 @@ def order_note(variants, repeats, first=None):
             f"each run to its end.")
 
 
+def first_variants(runs, workload, variants, done):
+    """The variant that ran `workload` first in each repeat in which every
+    one of `variants` ran it to a result (`done(run)`; the repeats a ratio
+    comes from), in repeat order: `runs` are in the order they ran."""
+    first, finished = {}, {}
+    for r in runs:
+        if r["workload"] == workload:
+            first.setdefault(r["repeat"], r["variant"])
+            if done(r):
+                finished.setdefault(r["repeat"], set()).add(r["variant"])
+    return [first[rep] for rep in sorted(first) if finished.get(rep, set()) >= set(variants)]
+
+
+def order_notes(runs, workloads, variants, done):
+    """order_note for each workload, over the repeats that ran all
+    `variants` (a repeat the budget cut short gives no ratio), each note
+    naming its workload."""
+    notes = []
+    for w in workloads:
+        first = first_variants(runs, w, variants, done)
+        if note := order_note(variants, len(first), first):
+            notes.append(f"{w}: {note}")
+    return notes
+
+
 def require_library(variants):
     """Whether any of `variants` runs gpualloc; exits with a message when
     one does and GPUALLOC_LIBRARY names no built library."""

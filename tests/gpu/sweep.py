@@ -740,7 +740,7 @@ def main():
                 status = "ok" if "result" in r else r.get("error", "failed")
                 print(f"{w} {v} repeat {rep}: {status} ({r['wall_s']} s)", flush=True)
     md = "## Sweep\n\n" + summarize(runs, workloads, variants)
-    if note := driver.order_note(variants, args.repeats):
+    for note in driver.order_notes(runs, workloads, variants, lambda r: "result" in r):
         md += "\n\n" + note
     if skipped:
         md += "\n\nSkipped (budget): " + ", ".join(skipped)

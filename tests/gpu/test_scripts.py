@@ -268,7 +268,7 @@ class BenchPool(unittest.TestCase):
         self.assertEqual([round(x, 9) for x in row["ratio_mean_all_interval95"]], [round(x, 9) for x in want])
         self.assertEqual(out["skipped"], ["b.json: x-r4: needs 20 s"])
         # Each bench's repeats began with run_order's variant of their own number.
-        self.assertEqual(bench.first_variants(out["runs"], "train_gpt2", self.VARIANTS), self.VARIANTS * 3)
+        self.assertEqual(driver.first_variants(out["runs"], "train_gpt2", self.VARIANTS, bench.ok), self.VARIANTS * 3)
         text = bench.markdown(out)
         self.assertIn("medians over 6 repeat(s)", text)
         self.assertIn("Pooled from 2 benches", text)
@@ -282,7 +282,7 @@ class BenchPool(unittest.TestCase):
         a = self.bench([1.0, 1.0], started="a")
         b = self.bench([1.0, 1.0], started="b", missing={("native-expandable", 1)})
         out = bench.pooled([("a.json", a), ("b.json", b)])
-        self.assertEqual(bench.first_variants(out["runs"], "train_gpt2", self.VARIANTS),
+        self.assertEqual(driver.first_variants(out["runs"], "train_gpt2", self.VARIANTS, bench.ok),
                          ["native-expandable", "gpualloc", "native-expandable"])
         self.assertIn("train_gpt2: Order not balanced", bench.markdown(out))
         single = {**b, "training": {"train_gpt2": bench.summarize_training(b["runs"], "train_gpt2", self.VARIANTS)}}
@@ -290,7 +290,7 @@ class BenchPool(unittest.TestCase):
         # Pooled again, with a third bench: the runs keep their order and their files.
         c = self.bench([1.0], started="c")
         again = bench.pooled([("ab.json", out), ("c.json", c)])
-        self.assertEqual(bench.first_variants(again["runs"], "train_gpt2", self.VARIANTS),
+        self.assertEqual(driver.first_variants(again["runs"], "train_gpt2", self.VARIANTS, bench.ok),
                          ["native-expandable", "gpualloc", "native-expandable", "native-expandable"])
         self.assertEqual(again["args"]["pool"], ["a.json", "b.json", "c.json"])
         self.assertEqual({r["pooled_from"] for r in again["runs"]}, {"a.json", "b.json", "c.json"})
