@@ -332,10 +332,13 @@ def summary(device=None, abbreviated: bool = False) -> str:
     d = _device(device)
     s = stats(d)
     f = fragmentation(d)
+    # backend() would start the allocator (and the CUDA driver), which
+    # stats() and fragmentation() leave to the first use.
+    where = f"{backend()} backend" if lib().is_initialized() else "not started"
     width = 77
     lines = [
         "=" * width,
-        f" gpualloc memory summary, device {d:<3d} ({backend()} backend)".ljust(width),
+        f" gpualloc memory summary, device {d:<3d} ({where})".ljust(width),
         "-" * width,
         f"{'Metric':<32}|{'Cur Usage':>11}|{'Peak Usage':>11}|{'Tot Alloc':>10}|{'Tot Freed':>10}",
         "-" * width,

@@ -139,8 +139,10 @@ def _path_first(folder: str) -> None:
     """``sys.path[0]`` as ``python script.py`` sets it: the script's folder
     (links resolved) in place of the working folder this run's own ``-m``
     put there, which a script run directly does not have."""
-    # Under -P (safe_path) sys.path[0] is the user's first PYTHONPATH entry.
-    if sys.path and sys.path[0] in ("", os.getcwd()) and not sys.flags.safe_path:
+    # Under -P (safe_path, Python 3.11 on) sys.path[0] is the user's first
+    # PYTHONPATH entry.
+    safe_path = getattr(sys.flags, "safe_path", False)
+    if sys.path and sys.path[0] in ("", os.getcwd()) and not safe_path:
         sys.path[0] = folder
     else:
         sys.path.insert(0, folder)

@@ -86,7 +86,8 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
                 )
             elif trace:
                 lib().configure(None, trace)  # now if the allocator runs, else from its start
-            _set_auto_marks(torch, auto_marks)
+            if auto_marks is not None:  # None leaves the first install's choice, as config=None does
+                _set_auto_marks(torch, auto_marks)
             return MODE
         if torch.cuda.is_initialized():
             raise GpuallocError(

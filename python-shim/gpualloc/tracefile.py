@@ -128,8 +128,7 @@ def annotations(path: str) -> List[Dict]:
 def block_kinds(path: str) -> List[int]:
     """The kinds of the file's blocks in order, read from their headers
     alone (no checksum): a completed trace's last is ``END``."""
-    with open(path, "rb") as f:
-        data = f.read()
+    data = _contents(path)
     if data[:8] != MAGIC or len(data) < 14:
         raise ValueError(f"{path}: not a gpualloc trace (magic {data[:8]!r}, expected {MAGIC!r})")
     # The first block follows the header; the header's bytes (start time,
@@ -139,6 +138,14 @@ def block_kinds(path: str) -> List[int]:
         kinds.append(data[pos + 2])
         pos += 16 + int.from_bytes(data[pos + 8 : pos + 12], "little")
     return kinds
+
+
+def _contents(path: str) -> bytes:
+    """The file's bytes; only its first 8 when they are not the magic, so
+    that another file (a checkpoint, ``/dev/zero``) is not read whole."""
+    with open(path, "rb") as f:
+        data = f.read(8)
+        return data + f.read() if data == MAGIC else data
 
 
 def records(path: str) -> List[Dict]:
@@ -152,8 +159,7 @@ def records(path: str) -> List[Dict]:
 def _read(path: str, actions) -> Tuple[Dict[int, str], List[Dict]]:
     """The string table and the records whose action code is in ``actions``
     (every record when ``None``)."""
-    with open(path, "rb") as f:
-        data = f.read()
+    data = _contents(path)
     if len(data) < 8 and data and MAGIC.startswith(data):
         raise ValueError(f"{path}: truncated inside the magic ({len(data)} of its 8 bytes)")
     if data[:8] != MAGIC:

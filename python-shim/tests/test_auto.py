@@ -279,6 +279,17 @@ class AutoMarksTest(unittest.TestCase):
         )
         self.assertEqual(seq, [])
 
+    def test_a_later_install_keeps_the_hooks_switched_off(self):
+        _, seq = self.traced(
+            """
+            gpualloc.install(auto_marks=False)
+            gpualloc.install()  # a library's own call: the program's choice holds
+            print("hooks", gpualloc.auto_marks())
+            torch.optim.SGD().step()
+            """
+        )
+        self.assertEqual(seq, [])
+
     def test_a_closure_given_to_the_step_runs_outside_its_phase(self):
         # Lightning's automatic optimization: forward and backward run in
         # the closure, inside optimizer.step.
@@ -888,6 +899,19 @@ class CliReadsAutoMarksTest(unittest.TestCase):
 
 
 class RunTargetsTest(unittest.TestCase):
+    def test_the_scripts_folder_goes_first_on_a_python_without_safe_path(self):
+        # Python 3.9 and 3.10 have no sys.flags.safe_path (pyproject.toml
+        # allows them): `run script.py` failed there with an AttributeError.
+        import types
+        from unittest import mock
+
+        import gpualloc.__main__ as m
+
+        fake = types.SimpleNamespace(path=["", "/lib"], flags=types.SimpleNamespace())
+        with mock.patch.object(m, "sys", fake):
+            m._path_first("/scripts")
+        self.assertEqual(fake.path, ["/scripts", "/lib"])
+
     """`python -m gpualloc run` on a module, a console script and a PATH program."""
 
     def write(self, path, text):
@@ -989,6 +1013,8 @@ class RunTargetsTest(unittest.TestCase):
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertIn("installed first True", out.stdout)
             self.assertIn("module ran", out.stdout)
+            if sys.version_info < (3, 11):
+                return  # -P (safe_path) is Python 3.11's
             self.write(os.path.join(d, "lib", "helper.py"), "VALUE = 'helper'\n")
             self.write(os.path.join(d, "scripts", "use.py"), "import helper\nprint('found', helper.VALUE)\n")
             env = {"PYTHONPATH": os.pathsep.join([os.path.join(d, "lib"), FAKE_TORCH, SHIM])}

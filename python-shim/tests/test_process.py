@@ -24,6 +24,21 @@ def run(args, env_extra=None, drop=(), cwd=None):
 
 
 class ProcessTest(unittest.TestCase):
+    def test_summary_starts_nothing(self):
+        # As stats(): a summary before the first use starts neither the
+        # allocator nor the driver (Note [Starting on first use]).
+        code = textwrap.dedent(
+            """
+            import gpualloc
+            from gpualloc._lib import lib
+            text = gpualloc.summary(0)
+            print("started", lib().is_initialized(), "not started" in text)
+            """
+        )
+        out = run(["-c", code])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("started False True", out.stdout)
+
     def test_bad_config_names_the_key(self):
         code = textwrap.dedent(
             """
