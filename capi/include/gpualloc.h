@@ -381,6 +381,18 @@ int gpualloc_init(const char *config);
 // `config` and `trace_path` are NULL or NUL-terminated strings.
 int gpualloc_configure(const char *config, const char *trace_path);
 
+// Before the allocator starts: forgets the configuration
+// `gpualloc_configure` kept, when it is `config`, so that a caller whose
+// own set-up failed after keeping it (an installer interrupted while it
+// built its bridge) leaves the choice to a later call. 1 when it was
+// forgotten, 0 when none or another was kept; once the allocator runs,
+// `GPUALLOC_ERR_ALREADY_INITIALIZED` (its configuration holds for the
+// process). The trace kept with it is called off by `gpualloc_trace_stop`.
+//
+// # Safety
+// `config` is a NUL-terminated string.
+int gpualloc_forget_config(const char *config);
+
 // 1 when the allocator has been created, else 0. Creates nothing.
 int gpualloc_is_initialized(void);
 

@@ -299,6 +299,22 @@ pub(crate) fn configure(
     Ok(())
 }
 
+/// Before the start: forgets the kept configuration when it is `config`;
+/// whether it did. Refused once the allocator runs.
+pub(crate) fn forget_config(config: &str) -> Result<bool, Error> {
+    let _serial = INIT.lock();
+    if let Some(g) = GLOBAL.get() {
+        return Err(Error::new(
+            GPUALLOC_ERR_ALREADY_INITIALIZED,
+            format!(
+                "gpualloc: the allocator runs with configuration `{}`; it cannot be forgotten",
+                clip(&g.alloc.config().source)
+            ),
+        ));
+    }
+    Ok(pending::forget(config))
+}
+
 /// Before the allocator exists: the configuration it would start with, once
 /// `device` is checked against the device count it would have. Creates
 /// nothing (the CUDA driver may be initialized to count devices).

@@ -111,6 +111,28 @@ pub unsafe extern "C" fn gpualloc_configure(
     })
 }
 
+/// Before the allocator starts: forgets the configuration
+/// `gpualloc_configure` kept, when it is `config`, so that a caller whose
+/// own set-up failed after keeping it (an installer interrupted while it
+/// built its bridge) leaves the choice to a later call. 1 when it was
+/// forgotten, 0 when none or another was kept; once the allocator runs,
+/// `GPUALLOC_ERR_ALREADY_INITIALIZED` (its configuration holds for the
+/// process). The trace kept with it is called off by `gpualloc_trace_stop`.
+///
+/// # Safety
+/// `config` is a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_forget_config(config: *const c_char) -> c_int {
+    boundary::clear_last_error();
+    ffi_boundary(
+        |code| code,
+        || {
+            let config = str_arg(config, "config")?;
+            global::forget_config(config).map(c_int::from)
+        },
+    )
+}
+
 /// 1 when the allocator has been created, else 0. Creates nothing.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_is_initialized() -> c_int {

@@ -112,6 +112,18 @@ pub(crate) fn keep(config: Option<&str>, trace: Option<&Path>) -> Result<(), Err
     Ok(())
 }
 
+/// Forgets the kept configuration when it is `config`; whether it did.
+/// The caller holds the start lock and has seen that the allocator has
+/// not started.
+pub(crate) fn forget(config: &str) -> bool {
+    let mut p = PENDING.lock();
+    let same = p.config.as_deref() == Some(config);
+    if same {
+        p.config = None;
+    }
+    same
+}
+
 /// Calls off the trace that would be recorded from the start (kept, or
 /// `GPUALLOC_TRACE`'s); whether there was one. The caller holds the start
 /// lock and has seen that the allocator has not started.

@@ -618,6 +618,13 @@ int main(int argc, char **argv) {
   CHECK(gpualloc_is_initialized() == 0);
   CHECK(gpualloc_configure("max_split_size_mb:128", NULL) == GPUALLOC_OK);
   CHECK(gpualloc_configure("max_split_size_mb:256", NULL) == GPUALLOC_ERR_ALREADY_INITIALIZED);
+  /* An installer whose set-up failed forgets what it kept: another may follow. */
+  CHECK(gpualloc_forget_config("max_split_size_mb:256") == 0);
+  CHECK(gpualloc_forget_config("max_split_size_mb:128") == 1);
+  CHECK(gpualloc_forget_config("max_split_size_mb:128") == 0);
+  CHECK(gpualloc_configure("max_split_size_mb:256", NULL) == GPUALLOC_OK);
+  CHECK(gpualloc_forget_config("max_split_size_mb:256") == 1);
+  CHECK(gpualloc_configure("max_split_size_mb:128", NULL) == GPUALLOC_OK);
   CHECK(gpualloc_init("max_split_size_mb:256") == GPUALLOC_ERR_ALREADY_INITIALIZED);
   CHECK(gpualloc_configure(NULL, argv[2]) == GPUALLOC_ERR_IO);
   CHECK(gpualloc_is_initialized() == 0);
@@ -632,6 +639,7 @@ int main(int argc, char **argv) {
   CHECK(p != NULL);
   CHECK(gpualloc_is_initialized() == 1);
   CHECK(strcmp(gpualloc_config_string(), "max_split_size_mb:128") == 0);
+  CHECK(gpualloc_forget_config("max_split_size_mb:128") == GPUALLOC_ERR_ALREADY_INITIALIZED);
   CHECK(gpualloc_init("max_split_size_mb:256") == GPUALLOC_ERR_ALREADY_INITIALIZED);
   CHECK(gpualloc_init("max_split_size_mb:128") == GPUALLOC_OK);
   gpualloc_free(p, 4096, 0, 0);

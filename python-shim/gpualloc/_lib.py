@@ -248,6 +248,7 @@ _SIGNATURES = {
     "gpualloc_init": (c_int, [c_char_p]),
     "gpualloc_is_initialized": (c_int, []),
     "gpualloc_configure": (c_int, [c_char_p, c_char_p]),
+    "gpualloc_forget_config": (c_int, [c_char_p]),
     "gpualloc_backend_name": (c_char_p, []),
     "gpualloc_version": (c_char_p, []),
     "gpualloc_device_count": (c_int, []),
@@ -440,6 +441,11 @@ class Library:
                 None if trace is None else _cstr(os.fsencode(trace), "trace path"),
             )
         )
+
+    def forget_config(self, config: str) -> bool:
+        """Before the start, forgets the configuration ``configure`` kept
+        when it is ``config``; whether it did."""
+        return bool(self.check(self.dll.gpualloc_forget_config(_cstr(config, "config"))))
 
     def is_initialized(self) -> bool:
         return bool(self.dll.gpualloc_is_initialized())

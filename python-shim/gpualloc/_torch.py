@@ -115,7 +115,8 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
         # A bad configuration raises here, before torch is touched. None is
         # GPUALLOC_CONF's, kept as such: a later install(config=...) with
         # another is refused, as once the allocator runs.
-        L.configure(config if config is not None else os.environ.get("GPUALLOC_CONF", ""))
+        kept = config if config is not None else os.environ.get("GPUALLOC_CONF", "")
+        L.configure(kept)
         started = bool(trace) and not L.is_tracing()
         if started:
             L.configure(None, trace)
@@ -128,11 +129,15 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
         try:
             mode = _install_into(torch, L, bridge, verbose)
         except BaseException:
-            if started:  # nothing was installed: a retry may start it again
-                try:
+            # Nothing was installed: a retry may start the trace again, and
+            # take another configuration.
+            try:
+                if started:
                     L.trace_stop()
-                except GpuallocError:
-                    pass  # the install's own error is the one to report
+                if not L.is_initialized():
+                    L.forget_config(kept)
+            except GpuallocError:
+                pass  # the install's own error is the one to report
             raise
         MODE = mode
         _say_no_caching(mode)

@@ -479,6 +479,43 @@ class InstallTest(unittest.TestCase):
             out = run([s])
             self.assertIn("refused True", out.stdout, out.stderr)
 
+    def test_an_install_that_failed_keeps_no_configuration(self):
+        # Interrupted while it set up (Ctrl-C during the bridge build, torch
+        # refusing the allocator): a retry, with another configuration or
+        # none, installs; the failed call's trace was called off too.
+        with tempfile.TemporaryDirectory() as d:
+            a = os.path.join(d, "a.gtrace")
+            s = self.script(
+                d,
+                f"""
+                import gpualloc, torch
+                from gpualloc._lib import lib
+                swap = torch.cuda.memory.change_current_allocator
+                def refuse(a):
+                    raise RuntimeError("refused once")
+                torch.cuda.memory.change_current_allocator = refuse
+                try:
+                    gpualloc.install(config="max_split_size_mb:128", trace={a!r}, bridge=False)
+                except RuntimeError as e:
+                    print("failed", e)
+                torch.cuda.memory.change_current_allocator = swap
+                print("installed", gpualloc.install(config="max_split_size_mb:256", bridge=False))
+                print("tracing", lib().is_tracing())
+                p = lib().malloc(1 << 20, 0, 0)
+                import ctypes
+                config_string = lib().dll.gpualloc_config_string
+                config_string.restype = ctypes.c_char_p
+                print("config", config_string().decode())
+                lib().free(p, 0)
+                """,
+            )
+            out = run([s])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("failed refused once", out.stdout)
+            self.assertIn("installed fallback", out.stdout)
+            self.assertIn("tracing False", out.stdout)
+            self.assertIn("config max_split_size_mb:256", out.stdout)
+
     def test_install_starts_nothing_until_the_first_use(self):
         # Note [Starting on first use]: install() initializes no driver, so
         # the program may still choose its GPUs; the hooks do not start the
