@@ -104,16 +104,10 @@ double baseline(int64_t n) {
 
 
 def _module():
-    """The C++ functions above, built once per build directory."""
-    from torch.utils.cpp_extension import load_inline
+    """The C++ functions above."""
+    import inline_cpp
 
-    import torch
-
-    # One build a torch: a build of another one's headers would load.
-    build = os.path.join(os.environ.get("GPUALLOC_BUILD_DIR") or "/tmp", f"churn_cpp-{torch.__version__}")
-    os.makedirs(build, exist_ok=True)
-    return load_inline("gpualloc_churn_cpp", cpp_sources=[SOURCE], functions=["churn", "replay", "baseline"],
-                       build_directory=build, extra_cflags=["-O2"], with_cuda=True)
+    return inline_cpp.build("gpualloc_churn_cpp", SOURCE, ["churn", "replay", "baseline"])
 
 
 def trace_ops(path) -> list:

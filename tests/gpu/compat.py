@@ -184,19 +184,6 @@ std::vector<std::tuple<int64_t, bool, int64_t>> sizes(int64_t device) {
 """
 
 
-def _segment_sizes_module():
-    """SEGMENT_SIZES, built once per build directory."""
-    from torch.utils.cpp_extension import load_inline
-
-    import torch
-
-    # One build a torch: a build of another one's headers would load.
-    build = os.path.join(os.environ.get("GPUALLOC_BUILD_DIR") or "/tmp", f"segment_sizes-{torch.__version__}")
-    os.makedirs(build, exist_ok=True)
-    return load_inline("gpualloc_segment_sizes", cpp_sources=[SEGMENT_SIZES], functions=["sizes"],
-                       build_directory=build, extra_cflags=["-O1"], with_cuda=True)
-
-
 def _mlp(torch, width=256):
     return torch.nn.Sequential(
         torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 10)
@@ -672,7 +659,9 @@ def check_compat(args) -> dict:
         # expandable segments switched on, gpualloc's has them by default.
         if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 10):
             return {"skipped": f"torch {torch.__version__} has no getExpandableSegmentSizes"}
-        sizes = _segment_sizes_module().sizes
+        import inline_cpp
+
+        sizes = inline_cpp.build("gpualloc_segment_sizes", SEGMENT_SIZES, ["sizes"], opt="-O1").sizes
         setter = torch.cuda.memory._set_allocator_settings
         native = args.alloc != "gpualloc"
         was = "True" if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") else "False"
