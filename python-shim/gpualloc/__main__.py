@@ -190,6 +190,14 @@ def _start(args) -> int:
     from gpualloc._lib import lib
 
     _children.leave_alone()  # a run inside a run: its own options
+    trace = args.trace
+    if trace and os.environ.get(_children.ENV) == "1":
+        # The enclosing run passed its trace on in GPUALLOC_TRACE, which
+        # would win over --trace as a user's own does: this run's --trace
+        # takes its place, for this process (the library reads it when it
+        # starts) and for the processes it starts.
+        os.environ["GPUALLOC_TRACE"] = trace
+        trace = None
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -203,7 +211,7 @@ def _start(args) -> int:
 
             _torch.BY_RUN = True  # the script's own install(config=...) warns instead of failing
             auto = False if args.no_auto_marks else None
-            gpualloc.install(config=args.config, trace=args.trace, bridge=not args.no_bridge, auto_marks=auto)
+            gpualloc.install(config=args.config, trace=trace, bridge=not args.no_bridge, auto_marks=auto)
             # And in the Python processes the program starts (Note
             # [Installing in child processes] in _children.py).
             _children.pass_on(args.config, args.trace, bridge=not args.no_bridge)
@@ -212,11 +220,11 @@ def _start(args) -> int:
             print("gpualloc: PyTorch not found: the allocator is loaded but not installed into torch", file=sys.stderr)
             lib().init(args.config)
             lib().backend()  # starts the backend: a missing driver is reported now
-            if args.trace and lib().is_tracing():
+            if trace and lib().is_tracing():
                 # GPUALLOC_TRACE started one: it wins, as under install().
-                print(f"gpualloc: --trace {args.trace} ignored: a trace is already being recorded (GPUALLOC_TRACE)", file=sys.stderr)
-            elif args.trace:
-                lib().trace_start(args.trace)
+                print(f"gpualloc: --trace {trace} ignored: a trace is already being recorded (GPUALLOC_TRACE)", file=sys.stderr)
+            elif trace:
+                lib().trace_start(trace)
     except (gpualloc.GpuallocError, ValueError) as e:
         print(f"gpualloc: cannot start: {_unprefixed(e)}", file=sys.stderr)
         return 1
@@ -305,6 +313,10 @@ def main(argv=None) -> int:
         args.module = _module_args(raw, args.module)
     elif args.script is not None:
         args.args = _script_args(raw, args.script, args.args)
+    if args.trace is not None and not args.trace.strip():
+        # As a blank GPUALLOC_TRACE, it would record nothing: a mistake
+        # (an unset shell variable), not a choice.
+        p.error("--trace: the path is empty")
     if args.trace:
         # Where run was started, not wherever each process is when it
         # starts recording (a program that changes folder, a child started

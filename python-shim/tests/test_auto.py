@@ -839,6 +839,54 @@ class InstallTest(unittest.TestCase):
             self.assertIn("inner config max_split_size_mb:128", out.stdout)
             self.assertNotIn("ignored", out.stderr)
 
+    def test_a_run_inside_a_run_records_its_own_trace(self):
+        # The enclosing run's trace comes in GPUALLOC_TRACE; the nested
+        # run's --trace takes its place, for it and for its children.
+        with tempfile.TemporaryDirectory() as d:
+            a, b = os.path.join(d, "outer.gtrace"), os.path.join(d, "inner.gtrace")
+            child = "import torch; from gpualloc._lib import lib; lib().free(lib().malloc(3 << 20, 0, 0), 0)"
+            inner = self.script(
+                d,
+                f"""
+                import subprocess, sys, torch
+                from gpualloc._lib import lib
+                lib().free(lib().malloc(1 << 20, 0, 0), 0)
+                subprocess.run([sys.executable, '-c', {child!r}], check=True)
+                """,
+            )
+            outer = os.path.join(d, "outer.py")
+            with open(outer, "w") as f:
+                f.write(
+                    "import subprocess, sys, torch\n"
+                    "from gpualloc._lib import lib\n"
+                    "lib().free(lib().malloc(2 << 20, 0, 0), 0)\n"
+                    f"subprocess.run([sys.executable, '-m', 'gpualloc', 'run', '--no-bridge', '--trace', {b!r}, {inner!r}], check=True)\n"
+                )
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "--trace", a, outer])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertNotIn("ignored", out.stderr)
+            from gpualloc.tracefile import records
+
+            def sizes(path):
+                return sorted(r["requested"] for r in records(path) if r["kind"] == "alloc")
+
+            self.assertEqual(sizes(a), [2 << 20])
+            # The inner run's process and its child: one file each (Note
+            # [One writer per trace file]), both named after --trace's.
+            inner_files = sorted(n for n in os.listdir(d) if n.startswith("inner") and n.endswith(".gtrace"))
+            self.assertEqual(len(inner_files), 2, inner_files)
+            got = sorted(s for n in inner_files for s in sizes(os.path.join(d, n)))
+            self.assertEqual(got, [1 << 20, 3 << 20])
+
+    def test_an_empty_trace_path_is_refused(self):
+        with tempfile.TemporaryDirectory() as d:
+            s = self.script(d, "print('ran')\n")
+            for blank in ("", "  "):
+                out = run(["-m", "gpualloc", "run", "--no-bridge", "--trace", blank, s])
+                self.assertEqual(out.returncode, 2, out.stderr)
+                self.assertIn("--trace: the path is empty", out.stderr)
+                self.assertNotIn("ran", out.stdout)
+
     def test_a_launcher_is_named_with_what_to_do(self):
         with tempfile.TemporaryDirectory() as d:
             out = run(["-m", "gpualloc", "run", "--no-bridge", "-m", "torch.distributed.run", "--help"], cwd=d)
