@@ -71,7 +71,13 @@ inline bool no_caching_asked() {
 }
 
 // Whether allocations go to gpualloc now: the switch is on and the
-// variable did not turn it off for good.
+// variable did not turn it off for good. Relaxed loads are enough: no other
+// memory is published through these flags (each allocation takes its
+// deleter from the same reading, and a pointer's owner is told by
+// `uncached_raw` or by gpualloc itself, not by the flag), and a thread
+// always sees its own switch; another thread's switch is seen at its next
+// allocation or soon after, as under PyTorch's allocator, which reads a
+// plain flag.
 inline bool caching_now() {
   return caching_on.load(std::memory_order_relaxed) && !forced_off.load(std::memory_order_relaxed);
 }
