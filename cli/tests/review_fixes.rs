@@ -266,3 +266,53 @@ fn report_without_segments_gives_no_advice_from_a_0_byte_device() {
     assert!(page.contains("not recorded (the trace has no segment events)"));
     assert!(page.contains("Not replayed"));
 }
+
+/// Each device's events reach the file in blocks of their own, so a CSV
+/// export of several devices goes back in time where one device's block
+/// follows another's (a quiet device's block is written at the end). The
+/// import reads each device's clock on its own: a step back between
+/// devices is not a new day (the trace lasted 26 hours instead of 2), and
+/// a device whose first row is earlier than the file's first row keeps
+/// its time (it was moved to the trace's start).
+#[test]
+fn a_csv_of_several_devices_imports_with_its_own_times() {
+    let dir = tempfile::tempdir().unwrap();
+    let hour = 3_600_000_000_000;
+    let on = |device, t, kind| TraceEvent::from_kind(t, device, 0, 1, kind);
+    let [r0, c0] = free(0x1000, MIB);
+    let [r1, c1] = free(0x9000_0000, MIB);
+    let t = common::write_blocks(
+        dir.path(),
+        "two.gtrace",
+        2,
+        &[],
+        [
+            vec![
+                on(0, 60_000_000_000, alloc(0x1000, MIB)),
+                on(0, 2 * hour, r0),
+                on(0, 2 * hour, c0),
+            ],
+            vec![
+                on(1, 1_000_000_000, alloc(0x9000_0000, MIB)),
+                on(1, 2 * hour + 1_000_000_000, r1),
+                on(1, 2 * hour + 1_000_000_000, c1),
+            ],
+        ],
+    );
+    let csv = dir.path().join("two.csv");
+    ok(&["export", s(&t), "--csv", s(&csv)]);
+    let back = dir.path().join("back.gtrace");
+    ok(&["import", s(&csv), "-o", s(&back)]);
+    let summary = |p: &Path| -> serde_json::Value {
+        serde_json::from_str(&ok(&["summary", "--json", s(p)]).0).unwrap()
+    };
+    let (a, b) = (summary(&t), summary(&back));
+    assert_eq!(b["duration_ns"], serde_json::json!(2 * hour));
+    for d in 0..2 {
+        assert_eq!(
+            b["devices"][d]["peak_allocated_ns"].as_u64().unwrap(),
+            a["devices"][d]["peak_allocated_ns"].as_u64().unwrap() - 1_000_000_000,
+            "device {d}"
+        );
+    }
+}

@@ -4,10 +4,14 @@
 //! `allocate` becomes an allocation (block size = size: RMM does not round),
 //! `free` a free requested and completed at once, `allocate failure` an OOM.
 //! Times are wall-clock `HH:MM:SS.us` without a date: a time that goes back
-//! by more than an hour is taken as the next day, and the first row's time
-//! of day is the trace's start (on 1970-01-01), so an export writes the
-//! same clock again. OS thread ids become small integers in order of
-//! appearance; the header counts the devices the Device column names.
+//! by more than an hour from the previous row of its device (or, for a
+//! device's first row, from the log's first row) is taken as the next day,
+//! and the earliest time of day is the trace's start (on 1970-01-01), so an
+//! export writes the same clock again. Each device has a clock of its own
+//! because a trace's export of several devices goes back in time between
+//! them: a trace stores each device's events in blocks of its own. OS
+//! thread ids become small integers in order of appearance; the header
+//! counts the devices the Device column names.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter};
@@ -96,34 +100,49 @@ fn import_named(file: &Path, path: &Path, out: &Path) -> Result<u64, CliError> {
         Some(Ok(l)) => l.split(',').nth(ctime).and_then(|t| parse_time(t.trim())),
         _ => None,
     };
-    // The devices the log names (a first pass over the Device column; a
-    // bad value is reported with its line below).
-    let device_count = match cdev {
+    // The devices the log names, and the earliest first time of a device
+    // (a first pass over the Device column; a bad value is reported with
+    // its line below).
+    let (device_count, earliest) = match cdev {
         Some(c) => {
             let f = File::open(file)
                 .map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
-            BufReader::new(f)
-                .lines()
-                .skip(1)
-                .map_while(Result::ok)
-                .filter_map(|l| l.split(',').nth(c)?.trim().parse::<u32>().ok())
-                .filter(|&d| d < MAX_DEVICES)
-                .max()
-                .map_or(1, |d| d + 1)
+            let mut firsts: FxHashMap<u32, Option<u64>> = FxHashMap::default();
+            for l in BufReader::new(f).lines().skip(1).map_while(Result::ok) {
+                let f: Vec<&str> = l.split(',').collect();
+                let Some(d) = f.get(c).and_then(|d| d.trim().parse::<u32>().ok()) else {
+                    continue;
+                };
+                if d < MAX_DEVICES {
+                    firsts
+                        .entry(d)
+                        .or_insert_with(|| f.get(ctime).and_then(|t| parse_time(t.trim())));
+                }
+            }
+            let earliest = first_tod.and_then(|r| {
+                firsts
+                    .values()
+                    .flatten()
+                    .map(|&t| if t + HOUR_US < r { t + DAY_US } else { t })
+                    .min()
+            });
+            (firsts.keys().max().map_or(1, |d| d + 1), earliest)
         }
-        None => 1,
+        None => (1, first_tod),
     };
     let header = TraceHeader {
         producer: "import rmm-csv".into(),
         device_count,
-        start_unix_ns: first_tod.unwrap_or(0).saturating_mul(1000),
+        start_unix_ns: earliest.unwrap_or(0).saturating_mul(1000),
         ..TraceHeader::default()
     };
     let mut w = TraceWriter::new(BufWriter::new(File::create(out).map_err(werr)?), &header)
         .map_err(werr)?;
     let mut threads: FxHashMap<String, u32> = FxHashMap::default();
     let mut batches: std::collections::BTreeMap<u32, Vec<TraceEvent>> = Default::default();
-    let (mut first_us, mut day, mut last_us) = (None::<u64>, 0u64, 0u64);
+    let mut first_us = earliest;
+    // Per device: the day, and the time of its previous row.
+    let mut clocks: FxHashMap<u32, (u64, u64)> = FxHashMap::default();
     for (n, line) in lines.enumerate() {
         let lineno = n + 2;
         let line = line.map_err(|e| CliError(format!("{}: line {lineno}: {e}", path.display())))?;
@@ -142,11 +161,22 @@ fn import_named(file: &Path, path: &Path, out: &Path) -> Result<u64, CliError> {
         let field = |c: usize| f.get(c).copied().ok_or_else(|| bad(c, "missing field"));
         let tod = parse_time(field(ctime)?)
             .ok_or_else(|| bad(ctime, "expected HH:MM:SS.microseconds"))?;
-        if tod.saturating_add(3_600_000_000) < last_us % 86_400_000_000 {
-            day += 1;
+        let device = match cdev {
+            Some(c) => field(c)?
+                .parse()
+                .ok()
+                .filter(|&d| d < MAX_DEVICES)
+                .ok_or_else(|| bad(c, &format!("expected a device index below {MAX_DEVICES}")))?,
+            None => 0,
+        };
+        let (day, last_us) = clocks
+            .entry(device)
+            .or_insert((0, first_tod.unwrap_or(tod)));
+        if tod.saturating_add(HOUR_US) < *last_us % DAY_US {
+            *day += 1;
         }
-        let us = day.saturating_mul(86_400_000_000).saturating_add(tod);
-        last_us = us;
+        let us = day.saturating_mul(DAY_US).saturating_add(tod);
+        *last_us = us;
         let t0 = *first_us.get_or_insert(us);
         let next = threads.len() as u32 + 1;
         let thread = *threads.entry(field(ct)?.to_string()).or_insert(next);
@@ -157,14 +187,6 @@ fn import_named(file: &Path, path: &Path, out: &Path) -> Result<u64, CliError> {
             .map_err(|_| bad(cs, "expected a byte count"))?;
         let stream = match cstream {
             Some(c) => parse_hex(field(c)?).ok_or_else(|| bad(c, "expected a stream like 0x0"))?,
-            None => 0,
-        };
-        let device = match cdev {
-            Some(c) => field(c)?
-                .parse()
-                .ok()
-                .filter(|&d| d < MAX_DEVICES)
-                .ok_or_else(|| bad(c, &format!("expected a device index below {MAX_DEVICES}")))?,
             None => 0,
         };
         // RMM logs no rounding: the block is the bytes requested.
@@ -210,6 +232,9 @@ fn import_named(file: &Path, path: &Path, out: &Path) -> Result<u64, CliError> {
     w.finish(None).map_err(werr)?;
     Ok(n)
 }
+
+const HOUR_US: u64 = 3_600_000_000;
+const DAY_US: u64 = 24 * HOUR_US;
 
 /// Microseconds since midnight of `HH:MM:SS[.ffffff]`; `None` (reported by
 /// the caller as a bad time with the line number) for anything else: a
