@@ -298,7 +298,9 @@ void uncached_delete(void* ptr) {
   C10_CUDA_CHECK_WARN(cudaFree(ptr));
 }
 
-[[noreturn]] void raise_alloc_failure(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+// `ctx`: the stack gathered for the request, for memory history's OOM entry.
+[[noreturn]] void raise_alloc_failure(size_t size, c10::DeviceIndex device, cudaStream_t stream,
+                                      Context ctx = nullptr) {
   std::string msg = last_error("allocation failed");
   bool oom = api.last_error_code() == GPUALLOC_ERR_OUT_OF_MEMORY || msg.find("out of memory") != std::string::npos;
   if (!oom) {
@@ -310,7 +312,7 @@ void uncached_delete(void* ptr) {
     free_bytes = total_bytes = 0;
   }
   if (history.enabled()) {
-    history.on_event(TraceEntry::OOM, device, free_bytes, size, stream);
+    history.on_event(TraceEntry::OOM, device, free_bytes, size, stream, std::move(ctx));
   }
   if (has_trackers.load(std::memory_order_relaxed)) {
     notify_trackers(make_entry(TraceEntry::OOM, device, free_bytes, size, stream));
@@ -373,7 +375,7 @@ void* alloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
   void* p = malloc_or_retry(size, device, stream);
   History::pending_context().reset();
   if (p == nullptr) {
-    raise_alloc_failure(size, device, stream);
+    raise_alloc_failure(size, device, stream, ctx);
   }
   note_device(device);
   history.on_alloc(p, size, device, stream, std::move(ctx));

@@ -108,12 +108,21 @@ class History {
     push(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, ctx);
   }
 
-  // Segment events and out-of-memory entries, with the stack of the request
-  // that caused them (the calling thread's pending context).
+  // Segment events, with the stack of the request that caused them (the
+  // calling thread's pending context).
   void on_event(TraceEntry::Action action, c10::DeviceIndex device, size_t addr, size_t size, cudaStream_t stream) {
+    on_event(action, device, addr, size, stream, pending_context());
+  }
+
+  // An entry with the stack `ctx` of the request it is about: an
+  // out-of-memory entry is recorded once the request has failed, after its
+  // pending context was reset, and carries the request's stack as PyTorch's
+  // does (its OOM TraceEntry gets the context gathered for the malloc).
+  void on_event(TraceEntry::Action action, c10::DeviceIndex device, size_t addr, size_t size, cudaStream_t stream,
+                Context ctx) {
     std::lock_guard<std::mutex> g(mutex_);
     push(action, device, reinterpret_cast<void*>(addr), size, stream,
-         when_ >= RecordContext::ALLOC ? pending_context() : nullptr);
+         when_ >= RecordContext::ALLOC ? std::move(ctx) : nullptr);
   }
 
   // The context of the allocation at `ptr`, for the snapshot's blocks.
