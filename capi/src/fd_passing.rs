@@ -153,11 +153,22 @@ fn answer(mut stream: UnixStream) -> std::io::Result<()> {
                     None,
                 )?;
             }
-            Err(fd) => {
+            Err((fd, None)) => {
                 return refuse(
                     &stream,
                     &format!(
                         "descriptor {fd} of process {} is not an exported gpualloc memory handle (freed already?)",
+                        std::process::id()
+                    ),
+                );
+            }
+            // The sender could not copy it: at its descriptor limit (each
+            // exported handle holds one open), say.
+            Err((fd, Some(e))) => {
+                return refuse(
+                    &stream,
+                    &format!(
+                        "process {} could not copy its descriptor {fd} of exported memory to send it ({e}; raise its open files limit, ulimit -n, if it is at it)",
                         std::process::id()
                     ),
                 );
@@ -354,6 +365,63 @@ mod tests {
         let err = fetch(me, &[a]).unwrap_err();
         assert!(err.contains("not an exported"), "{err}");
         exported::close(b);
+    }
+
+    /// A sender at its descriptor limit cannot copy the descriptors: the
+    /// refusal says so, not that they are not exported memory (which sent
+    /// the user after a use-after-free instead of `ulimit -n`). Runs in a
+    /// child process of its own, whose limit it lowers.
+    #[test]
+    fn a_sender_out_of_descriptors_says_so() {
+        const CHILD: &str = "GPUALLOC_FD_LIMIT_CHILD";
+        if std::env::var_os(CHILD).is_none() {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "fd_passing::tests::a_sender_out_of_descriptors_says_so",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(CHILD, "1")
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{text}");
+            assert!(text.contains("CHILD RAN"), "{text}");
+            return;
+        }
+        let a = listed("a page");
+        serve();
+        // Room for the connection's two sockets and a few more, not for
+        // a copy of each of the descriptors asked for.
+        let probe = File::open("/dev/null").unwrap();
+        let next = probe.as_raw_fd() as u64;
+        drop(probe);
+        let limit = libc::rlimit {
+            rlim_cur: next + 8,
+            rlim_max: libc::RLIM_INFINITY,
+        };
+        let mut old = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: valid pointers to rlimit structs for the calls.
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut old), 0);
+            let limit = libc::rlimit {
+                rlim_max: old.rlim_max,
+                ..limit
+            };
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &raw const limit), 0);
+        }
+        let err = fetch(std::process::id() as i32, &[a; 64]).unwrap_err();
+        // SAFETY: as above.
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raw const old) };
+        assert!(!err.contains("not an exported"), "{err}");
+        assert!(err.contains(&format!("descriptor {a}")), "{err}");
+        assert!(err.contains("open files"), "{err}");
+        println!("CHILD RAN");
     }
 
     #[test]

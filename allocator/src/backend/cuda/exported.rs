@@ -67,18 +67,20 @@ pub fn close(fd: i32) {
 /// Copies of the listed descriptors `fds`, for sending to another process.
 ///
 /// # Errors
-/// The first descriptor that is not an open exported handle.
-pub fn duplicate(fds: &[i32]) -> Result<Vec<OwnedFd>, i32> {
+/// The first descriptor that is not an open exported handle (with no
+/// I/O error), or that could not be copied (with the system's reason: this
+/// process at its descriptor limit, say).
+pub fn duplicate(fds: &[i32]) -> Result<Vec<OwnedFd>, (i32, Option<std::io::Error>)> {
     let open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
     let mut out = Vec::with_capacity(fds.len());
     for &fd in fds {
         if !open.contains(&fd) {
-            return Err(fd);
+            return Err((fd, None));
         }
         // SAFETY: `fd` is listed, so open, and stays open while the lock is
         // held (only `close` closes it, under the same lock).
         let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
-        out.push(borrowed.try_clone_to_owned().map_err(|_| fd)?);
+        out.push(borrowed.try_clone_to_owned().map_err(|e| (fd, Some(e)))?);
     }
     Ok(out)
 }
