@@ -485,6 +485,28 @@ def check_compat(args) -> dict:
         assert seen[0][0] == 0, f"observer device: {seen[0]}"
         return {"args": [int(v) for v in seen[0]]}
 
+    @sub("memory_history_oom_entry_has_stack")
+    def _():
+        # The history's out-of-memory entry carries the Python stack of the
+        # request that failed, as PyTorch records it (memory_viz shows it).
+        _, total = torch.cuda.mem_get_info()
+        torch.cuda.memory._record_memory_history(max_entries=10_000)
+        try:
+            try:
+                torch.empty(total * 2, dtype=torch.uint8, device=dev)
+            except torch.cuda.OutOfMemoryError:
+                pass
+            else:
+                raise AssertionError("no OutOfMemoryError")
+            snap = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        ooms = [e for e in snap["device_traces"][0] if e["action"] == "oom"]
+        assert ooms, "no oom entry in the history"
+        frames = ooms[-1].get("frames", [])
+        assert any("compat.py" in fr.get("filename", "") for fr in frames), f"the oom entry's frames: {frames[:3]}"
+        return {"frames": len(frames)}
+
     @sub("memory_metadata_and_annotations")
     def _():
         torch.cuda.memory._record_memory_history(max_entries=10_000, global_record_annotations=True)
