@@ -50,6 +50,29 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 /// How long one connection may last.
 const DEADLINE: Duration = Duration::from_secs(60);
 
+/// The longest wait between two failed `accept`s.
+const MAX_ACCEPT_WAIT: Duration = Duration::from_millis(100);
+
+/// Waits between failed `accept`s of the server. A connection that cannot
+/// be accepted (this process at its descriptor limit: each exported handle
+/// holds one open) stays queued, so retrying at once would spin a CPU until
+/// a descriptor frees up: the wait doubles from 1 ms to
+/// [`MAX_ACCEPT_WAIT`], and an accepted connection starts it again.
+#[derive(Default)]
+struct AcceptBackoff {
+    failures: u32,
+}
+
+impl AcceptBackoff {
+    /// The wait after one more failure, and whether it is the first of a
+    /// streak (the one to log).
+    fn next(&mut self) -> (Duration, bool) {
+        let wait = Duration::from_millis(1 << self.failures.min(7)).min(MAX_ACCEPT_WAIT);
+        self.failures = self.failures.saturating_add(1);
+        (wait, self.failures == 1)
+    }
+}
+
 /// The socket name of process `pid`'s server.
 fn socket_name(pid: i32) -> String {
     format!("gpualloc-ipc-{pid}")
@@ -81,7 +104,25 @@ pub(crate) fn serve() {
     let spawned = std::thread::Builder::new()
         .name("gpualloc-ipc".into())
         .spawn(move || {
-            for stream in listener.incoming().flatten() {
+            let mut backoff = AcceptBackoff::default();
+            for stream in listener.incoming() {
+                let stream = match stream {
+                    Ok(s) => {
+                        backoff = AcceptBackoff::default();
+                        s
+                    }
+                    Err(e) => {
+                        let (wait, first) = backoff.next();
+                        if first {
+                            tracing::warn!(
+                                "gpualloc: the descriptor server cannot accept a connection ({e}); it retries, waiting up to {} ms",
+                                MAX_ACCEPT_WAIT.as_millis()
+                            );
+                        }
+                        std::thread::sleep(wait);
+                        continue;
+                    }
+                };
                 if !same_user(&stream) {
                     continue; // dropped: closed at once
                 }
@@ -365,6 +406,23 @@ mod tests {
         let err = fetch(me, &[a]).unwrap_err();
         assert!(err.contains("not an exported"), "{err}");
         exported::close(b);
+    }
+
+    #[test]
+    fn failed_accepts_wait_longer_each_time_up_to_a_bound() {
+        let mut b = super::AcceptBackoff::default();
+        let waits: Vec<(u64, bool)> = (0..10)
+            .map(|_| {
+                let (w, first) = b.next();
+                (w.as_millis() as u64, first)
+            })
+            .collect();
+        let ms: Vec<u64> = waits.iter().map(|w| w.0).collect();
+        assert_eq!(ms, [1, 2, 4, 8, 16, 32, 64, 100, 100, 100]);
+        assert!(waits[0].1 && waits[1..].iter().all(|w| !w.1), "{waits:?}");
+        // Many failures later the wait stays at the bound (no overflow).
+        let mut b = super::AcceptBackoff { failures: u32::MAX };
+        assert_eq!(b.next(), (super::MAX_ACCEPT_WAIT, false));
     }
 
     /// A sender at its descriptor limit cannot copy the descriptors: the
