@@ -431,7 +431,7 @@ mod tests {
     /// child process of its own, whose limit it lowers.
     #[test]
     fn a_sender_out_of_descriptors_says_so() {
-        const CHILD: &str = "GPUALLOC_FD_LIMIT_CHILD";
+        const CHILD: &str = "FD_PASSING_LIMIT_TEST_CHILD";
         if std::env::var_os(CHILD).is_none() {
             let out = std::process::Command::new(std::env::current_exe().unwrap())
                 .args([
