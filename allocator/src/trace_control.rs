@@ -464,6 +464,44 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
     }
 
+    /// Marks and phases made before any device joined keep their order on
+    /// the first device to join: a mark made before a phase opened is not
+    /// recorded inside it, and one made inside it is.
+    #[test]
+    fn early_marks_keep_their_place_around_open_phases() {
+        let a = sim(1);
+        let path = temp_path("early-mark-phase");
+        a.trace_start(&path).unwrap();
+        a.mark("before").unwrap();
+        a.phase_push("outer").unwrap();
+        a.mark("inside").unwrap();
+        a.phase_push("inner").unwrap();
+        a.free(0, a.malloc(0, 1000, 0).unwrap()).unwrap();
+        a.phase_pop();
+        a.phase_pop();
+        a.trace_stop().unwrap();
+        let (r, evs) = read(&path);
+        let names: Vec<String> = evs
+            .iter()
+            .filter_map(|e| {
+                let id = e.name_id()?;
+                Some(format!("{}:{}", e.action.name(), r.string(id).unwrap()))
+            })
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "mark:before",
+                "phase_push:outer",
+                "mark:inside",
+                "phase_push:inner",
+                "phase_pop:inner",
+                "phase_pop:outer",
+            ]
+        );
+        std::fs::remove_file(&path).unwrap();
+    }
+
     #[test]
     fn records_calls_phases_and_marks_in_order() {
         let a = sim(2);

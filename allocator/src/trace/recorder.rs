@@ -342,16 +342,19 @@ struct Strings {
 /// that joins] in `trace_control.rs`).
 #[derive(Default)]
 struct Joining {
-    /// The open phases, innermost last.
-    phases: Vec<u64>,
+    /// The open phases, innermost last, each with its push's number among
+    /// pushes and pops.
+    phases: Vec<(u64, u64)>,
     /// Phase pushes and pops so far.
     ops: u64,
     /// Device traces made so far.
     devices: usize,
-    /// Marks made before any device joined, with the time each was made:
-    /// the first to join records them (at the time it joins, before its
-    /// first event); at the stop, device 0 does if none joined.
-    early_marks: Vec<(u64, u64)>,
+    /// Marks made before any device joined, with the time each was made
+    /// and the number of phase pushes and pops before it: the first to
+    /// join records them (at the time it joins, before its first event,
+    /// each in its place among the open phases it replays); at the stop,
+    /// device 0 does if none joined.
+    early_marks: Vec<(u64, u64, u64)>,
 }
 
 /// Process-wide state of a running trace.
@@ -464,6 +467,14 @@ impl Recorder {
     /// device that joins while phases are open starts with their
     /// `phase_push` events.
     pub fn device_trace(&self, device: u32, now: u64) -> DeviceTrace {
+        self.join(device, now, |_| now)
+    }
+
+    /// [`device_trace`](Self::device_trace), recording each held mark at
+    /// `mark_time` of the time it was made. A held mark goes before the
+    /// open phases pushed after it, so that it is not recorded inside a
+    /// phase it was made outside of.
+    fn join(&self, device: u32, now: u64, mark_time: impl Fn(u64) -> u64) -> DeviceTrace {
         let mut t = DeviceTrace {
             device,
             buf: Vec::with_capacity(self.opts.buffer_events),
@@ -482,14 +493,18 @@ impl Recorder {
             joined_phase_op: 0,
         };
         let mut j = self.joining.lock();
-        for &id in &j.phases {
+        let mut marks = std::mem::take(&mut j.early_marks).into_iter().peekable();
+        for &(id, pushed) in &j.phases {
+            while let Some((mark, at, _)) = marks.next_if(|&(_, _, ops)| ops < pushed) {
+                t.record(mark_time(at), Action::Mark, 0, 0, 0, mark);
+            }
             t.record(now, Action::PhasePush, 0, 0, 0, id);
+        }
+        for (mark, at, _) in marks {
+            t.record(mark_time(at), Action::Mark, 0, 0, 0, mark);
         }
         t.joined_phase_op = j.ops;
         j.devices += 1;
-        for (id, _) in std::mem::take(&mut j.early_marks) {
-            t.record(now, Action::Mark, 0, 0, 0, id);
-        }
         t
     }
 
@@ -500,21 +515,17 @@ impl Recorder {
     /// so) would otherwise leave a trace that says nothing. For the stop,
     /// after the devices have detached.
     pub(crate) fn record_held_marks(&self) {
-        let held = {
-            let mut j = self.joining.lock();
+        let first = {
+            let j = self.joining.lock();
             if j.devices > 0 {
                 return;
             }
-            std::mem::take(&mut j.early_marks)
+            let Some(&(_, first, _)) = j.early_marks.first() else {
+                return;
+            };
+            first
         };
-        let Some(&(_, first)) = held.first() else {
-            return;
-        };
-        let mut t = self.device_trace(0, first);
-        for (id, time) in held {
-            t.record(time, Action::Mark, 0, 0, 0, id);
-        }
-        t.finish();
+        self.join(0, first, |at| at).finish();
     }
 
     /// Keeps mark `id` for the first device to join, when none has joined
@@ -526,7 +537,8 @@ impl Recorder {
         if j.devices > 0 {
             return false;
         }
-        j.early_marks.push((id, now));
+        let ops = j.ops;
+        j.early_marks.push((id, now, ops));
         true
     }
 
@@ -572,16 +584,17 @@ impl Recorder {
     pub(crate) fn push_phase(&self, name: &str) -> (u64, u64) {
         let id = self.intern(name);
         let mut j = self.joining.lock();
-        j.phases.push(id);
         j.ops += 1;
-        (id, j.ops)
+        let op = j.ops;
+        j.phases.push((id, op));
+        (id, op)
     }
 
     /// Closes the innermost phase; its id and the pop's number among pushes
     /// and pops, or `None` when none is open.
     pub(crate) fn pop_phase(&self) -> Option<(u64, u64)> {
         let mut j = self.joining.lock();
-        let id = j.phases.pop()?;
+        let (id, _) = j.phases.pop()?;
         j.ops += 1;
         Some((id, j.ops))
     }
