@@ -124,9 +124,23 @@ impl AllocError {
     }
 }
 
-/// Formats bytes the way PyTorch's messages do (`1.50 GiB`, `512 bytes`).
+/// Formats bytes the way PyTorch's messages do (its `format_size`:
+/// `512 bytes`, `1.50 GiB`): a size stays in the smaller unit up to and
+/// including the next power of 1024 (`1024 bytes`, `1024.00 MiB` for
+/// 1 GiB), and nothing goes above GiB.
 pub fn format_bytes(b: u64) -> String {
-    format_bytes_as(b, "bytes")
+    const KIB: u64 = 1 << 10;
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+    if b <= KIB {
+        format!("{b} bytes")
+    } else if b <= MIB {
+        format!("{:.2} KiB", b as f64 / KIB as f64)
+    } else if b <= GIB {
+        format!("{:.2} MiB", b as f64 / MIB as f64)
+    } else {
+        format!("{:.2} GiB", b as f64 / GIB as f64)
+    }
 }
 
 /// Formats bytes in the largest binary unit up to TiB that leaves at least

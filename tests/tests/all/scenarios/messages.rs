@@ -123,3 +123,31 @@ fn valid_configs_parse() {
     assert_eq!(c.memory_limit, Some(3 << 29));
     assert_eq!(Config::parse("").unwrap(), Config::default());
 }
+
+/// PyTorch's `format_size` keeps a size in the smaller unit up to and
+/// including the next power of 1024 (`1024 bytes`, `1024.00 KiB`,
+/// `1024.00 MiB`) and has no unit above GiB.
+#[test]
+fn sizes_are_formatted_as_pytorchs_format_size() {
+    use gpualloc::error::format_bytes;
+    use gpualloc_tests::{GIB, KIB};
+    for (b, s) in [
+        (512, "512 bytes"),
+        (KIB, "1024 bytes"),
+        (KIB + 1, "1.00 KiB"),
+        (MIB, "1024.00 KiB"),
+        (22 * MIB, "22.00 MiB"),
+        (GIB, "1024.00 MiB"),
+        (3 * GIB / 2, "1.50 GiB"),
+        (2048 * GIB, "2048.00 GiB"),
+    ] {
+        assert_eq!(format_bytes(b), s, "{b}");
+    }
+    let mut c = Checked::with(4 * GIB, "policy:pytorch");
+    let _a = c.alloc(3 * GIB + GIB / 2, 0);
+    let msg = c.malloc(GIB, 0).unwrap_err().to_string();
+    assert!(
+        msg.starts_with("CUDA out of memory. Tried to allocate 1024.00 MiB. GPU 0 has a total capacity of 4.00 GiB"),
+        "{msg}"
+    );
+}
