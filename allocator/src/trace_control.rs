@@ -410,6 +410,14 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
     }
 
+    /// `action:name` for an event that names a phase or mark, else `action`.
+    fn label<R: std::io::Read>(r: &TraceReader<R>, e: &TraceEvent) -> String {
+        match e.name_id() {
+            Some(id) => format!("{}:{}", e.action.name(), r.string(id).unwrap()),
+            None => e.action.name().to_string(),
+        }
+    }
+
     fn read(
         path: &Path,
     ) -> (
@@ -483,10 +491,8 @@ mod tests {
         let (r, evs) = read(&path);
         let names: Vec<String> = evs
             .iter()
-            .filter_map(|e| {
-                let id = e.name_id()?;
-                Some(format!("{}:{}", e.action.name(), r.string(id).unwrap()))
-            })
+            .filter(|e| e.name_id().is_some())
+            .map(|e| label(&r, e))
             .collect();
         assert_eq!(
             names,
@@ -534,10 +540,7 @@ mod tests {
         let dev0: Vec<String> = evs
             .iter()
             .filter(|e| e.device == 0)
-            .map(|e| match e.name_id() {
-                Some(id) => format!("{}:{}", e.action.name(), r.string(id).unwrap()),
-                None => e.action.name().to_string(),
-            })
+            .map(|e| label(&r, e))
             .collect();
         assert_eq!(
             dev0,

@@ -218,6 +218,17 @@ def _train_beside_eager(torch, eager, compiled_loss, batches, mark_step=False):
     return comp, losses
 
 
+def _fail_twice_the_device(torch, dev):
+    """Asks for twice the device's memory: raises AssertionError unless it
+    fails with OutOfMemoryError."""
+    _, total = torch.cuda.mem_get_info()
+    try:
+        torch.empty(total * 2, dtype=torch.uint8, device=dev)
+    except torch.cuda.OutOfMemoryError:
+        return
+    raise AssertionError("no OutOfMemoryError")
+
+
 def check_compat(args) -> dict:
     import torch
 
@@ -474,13 +485,7 @@ def check_compat(args) -> dict:
     def _():
         seen = []
         torch._C._cuda_attach_out_of_memory_observer(lambda *a: seen.append(a))
-        _, total = torch.cuda.mem_get_info()
-        try:
-            torch.empty(total * 2, dtype=torch.uint8, device=dev)
-        except torch.cuda.OutOfMemoryError:
-            pass
-        else:
-            raise AssertionError("no OutOfMemoryError")
+        _fail_twice_the_device(torch, dev)
         assert seen, "the observer was not called"
         assert seen[0][0] == 0, f"observer device: {seen[0]}"
         return {"args": [int(v) for v in seen[0]]}
@@ -489,15 +494,9 @@ def check_compat(args) -> dict:
     def _():
         # The history's out-of-memory entry carries the Python stack of the
         # request that failed, as PyTorch records it (memory_viz shows it).
-        _, total = torch.cuda.mem_get_info()
         torch.cuda.memory._record_memory_history(max_entries=10_000)
         try:
-            try:
-                torch.empty(total * 2, dtype=torch.uint8, device=dev)
-            except torch.cuda.OutOfMemoryError:
-                pass
-            else:
-                raise AssertionError("no OutOfMemoryError")
+            _fail_twice_the_device(torch, dev)
             snap = torch.cuda.memory._snapshot()
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
