@@ -109,14 +109,14 @@ fn import_named(file: &Path, path: &Path, out: &Path) -> Result<u64, CliError> {
                 .map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
             let mut firsts: FxHashMap<u32, Option<u64>> = FxHashMap::default();
             for l in BufReader::new(f).lines().skip(1).map_while(Result::ok) {
-                let f: Vec<&str> = l.split(',').collect();
-                let Some(d) = f.get(c).and_then(|d| d.trim().parse::<u32>().ok()) else {
+                let cells: Vec<&str> = l.split(',').collect();
+                let Some(d) = cells.get(c).and_then(|d| d.trim().parse::<u32>().ok()) else {
                     continue;
                 };
                 if d < MAX_DEVICES {
                     firsts
                         .entry(d)
-                        .or_insert_with(|| f.get(ctime).and_then(|t| parse_time(t.trim())));
+                        .or_insert_with(|| cells.get(ctime).and_then(|t| parse_time(t.trim())));
                 }
             }
             let earliest = first_tod.and_then(|r| {
