@@ -407,11 +407,11 @@ def pooled(benches):
     runs, skipped, offset = [], [], 0
     for name, b in benches:
         runs += [{**r, "repeat": r["repeat"] + offset, "pooled_from": r.get("pooled_from", name)} for r in b["runs"]]
-        skipped += [x if "pool" in b["args"] else f"{name}: {x}" for x in b["skipped"]]
+        skipped += [x if b["args"].get("pool") else f"{name}: {x}" for x in b["skipped"]]
         offset += max([b["args"]["repeats"]] + [r["repeat"] + 1 for r in b["runs"]])
     variants = list(benches[0][1]["variants"])
     args = {**benches[0][1]["args"], "repeats": offset,
-            "pool": [x for name, b in benches for x in b["args"].get("pool", [name])]}
+            "pool": [x for name, b in benches for x in b["args"].get("pool") or [name]]}
     workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in runs)]
     return {"started": started, "args": args, "variants": variants, "runs": runs, "skipped": skipped,
             "training": {w: summarize_training(runs, w, variants) for w in workloads if w.startswith("train_")},

@@ -295,6 +295,14 @@ class BenchPool(unittest.TestCase):
         self.assertEqual(again["args"]["pool"], ["a.json", "b.json", "c.json"])
         self.assertEqual({r["pooled_from"] for r in again["runs"]}, {"a.json", "b.json", "c.json"})
 
+    def test_a_bench_that_ran_pools_as_one_that_names_no_pool(self):
+        # A bench that ran writes its arguments whole, `"pool": null` among them.
+        a = self.bench([1.0], started="a", skipped=["x-r1: needs 20 s"])
+        a["args"]["pool"] = None
+        out = bench.pooled([("a.json", a), ("b.json", self.bench([1.0], started="b"))])
+        self.assertEqual(out["args"]["pool"], ["a.json", "b.json"])
+        self.assertEqual(out["skipped"], ["a.json: x-r1: needs 20 s"])
+
     def test_unlike_benches_are_refused(self):
         with self.assertRaisesRegex(ValueError, "different steps"):
             bench.pooled([("a.json", self.bench([1.0], started="a")),
