@@ -24,8 +24,9 @@
 //! `reset_peak_memory_stats` leaves alone: a statistic reset for logging
 //! changes no decision, and traces, which do not record resets, replay to
 //! the same ones), whole free handles elsewhere are unmapped
-//! into the pool, smallest runs first (the fragments no large request can
-//! use) and only as many handles as needed, and mapped where the request
+//! into the pool, largest runs first (the fewest runs cut, and the small
+//! free runs between live blocks left for the small requests that fit
+//! there) and only as many handles as needed, and mapped where the request
 //! fits. Handles that a cached stitch aliases are taken last, only when the
 //! others fall short and only within a budget of driver time (each handle
 //! taken is unmapped from the stitch too, a hole filled when the stitch is

@@ -11,8 +11,9 @@
 //! of training (`sweep.py`'s `multi_stream`), requests of 300–400 MiB
 //! created new memory while 7.5 GB of unaliased free handles lay in such
 //! runs, and reserved memory rose from 1.003x to 1.05x peak allocated.
-//! Approach: three tiers, smallest runs first within each (the fragments no
-//! large request can use):
+//! Approach: three tiers, largest runs first within each (the fewest runs
+//! cut, and the handles that free runs between live blocks keep stay where
+//! the next small requests fit without a move):
 //! 0. whole runs no stitch aliases;
 //! 1. only when tier 0 falls short of the request: the handles of runs a
 //!    stitch aliases in part that it does not alias, in pieces;
@@ -24,6 +25,20 @@
 //! `docs/policy-experiments.md`); as a fallback, over 55 replayed
 //! workloads, mean R/A 1.0265 to 1.0254 for 2.3 ms more driver time, the
 //! four-stream runs 1.056 and 1.072 to 1.014 (twelfth study).
+//!
+//! Largest first replaced smallest first in round 40 (thirty-first study):
+//! over 95 replayed workloads (`placement_bench --seeds 4 --long 300
+//! --churn-ops 200000`, eleven recorded traces and the synthetic loops)
+//! mean R/A 1.0304 to 1.0292 and mean driver time 282.8 to 274.7 ms.
+//! Single-stream training gains (Ultralytics YOLO 1.0172 to 1.0083 as
+//! recorded and 1.021–1.033 to 1.010–1.015 over long runs, the MoE on all
+//! nine of its workloads, ResNet-50 1.0171 to 1.0151); the multi-stream
+//! traces lose a little (four streams 1.006–1.011 to 1.005–1.014, FSDP2
+//! 1.013–1.031 to 1.017–1.031), and the detector's nine workloads move both
+//! ways (mean 1.0389 to 1.0371). Taking runs of the requesting stream first
+//! does not win the multi-stream traces back (1.0293); the fewest handles
+//! per byte first costs the least driver time (261.6 ms) but ResNet-50
+//! reserves more (1.0185).
 
 use crate::backend::{Backend, StreamId};
 use crate::block::{BlockState, SegmentId};
@@ -104,7 +119,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 tiered.retain(|r| r.0 < 2);
             }
         }
-        tiered.sort_unstable_by_key(|&(tier, r)| (tier, r.0, r.1));
+        tiered.sort_unstable_by_key(|&(tier, r)| (tier, std::cmp::Reverse(r.0), r.1));
         tiered.into_iter().map(|r| r.1).collect()
     }
 
@@ -126,6 +141,40 @@ impl<B: Backend> DeviceAllocator<B> {
 #[cfg(test)]
 mod tests {
     const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn the_largest_runs_go_first() {
+        use crate::{Config, DeviceAllocator, SimBackend};
+        let conf = Config::parse("expandable_handle_mb:2").unwrap();
+        let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), conf);
+        let (mut free, mut live) = (Vec::new(), Vec::new());
+        for mib in [4, 16, 8] {
+            free.push(d.malloc(mib * MIB, 0).unwrap());
+            live.push(d.malloc(2 * MIB, 0).unwrap());
+        }
+        for p in free {
+            d.free(p).unwrap();
+        }
+        d.check_invariants().unwrap();
+        let keep = (d.free_runs(None)[0].2, 0, 0);
+        let order: Vec<u64> = d
+            .reclaim_candidates(keep, 6 * MIB, false)
+            .iter()
+            .map(|r| r.0 / MIB)
+            .collect();
+        assert_eq!(order, [16, 8, 4], "one run covers the request");
+        // A request of 20 MiB that no free block holds moves 20 MiB of
+        // pages: the whole 16 MiB run first, then 4 of the 8.
+        let big = d.malloc(20 * MIB, 0).unwrap();
+        d.check_invariants().unwrap();
+        let mut left: Vec<u64> = d.free_runs(None).iter().map(|r| r.0 / MIB).collect();
+        left.sort_unstable();
+        assert_eq!(left, [4, 4]);
+        for p in live.into_iter().chain([big]) {
+            d.free(p).unwrap();
+        }
+        d.check_invariants().unwrap();
+    }
 
     #[test]
     fn pieces_of_partly_aliased_runs_come_only_when_whole_runs_fall_short() {
