@@ -10,7 +10,9 @@ checkpoints), torch.compile(mode="max-autotune") training (kernels
 benchmarked on buffers of inductor's own, then CUDA graphs), memory history read back by torch.cuda._memory_viz and
 replayed backwards from the snapshot as MemoryViz does (through stitched
 memory under gpualloc), MemPool
-with use_mem_pool, the out-of-memory observer, the generic allocator
+with use_mem_pool, a MemPool whose allocator frees a tensor from inside
+its own call (a Python callback whose garbage collection frees CUDA
+memory), the out-of-memory observer, the generic allocator
 registry, the raw caching_allocator_alloc/delete API, settings changed
 mid-run with torch.cuda.memory._set_allocator_settings, the caching
 allocator switched off and on (torch.cuda.memory.caching_allocator_enable),
@@ -31,6 +33,8 @@ import pickle
 import tempfile
 
 MiB = 1 << 20
+# Objects that must outlive the checks (callbacks an allocator keeps calling).
+_KEEP = []
 
 
 class Subchecks:
@@ -480,6 +484,56 @@ def check_compat(args) -> dict:
         left = lib.other_live_bytes()
         assert left == 0, f"{left} bytes of the other allocator left after the graph and pool went"
         return {"segments": made}
+
+    @sub("mempool_allocator_callback_frees_a_tensor")
+    def _():
+        # A MemPool whose allocator runs Python from its C functions (vLLM's
+        # sleep-mode CuMemAllocator calls Python from its malloc and free):
+        # Python's garbage collector may run there and free CUDA tensors held
+        # in cycles, so the caching allocator is called back from inside its
+        # own call to the other allocator. PyTorch's lock is re-entrant and
+        # frees such a tensor at once; its memory must not stay allocated.
+        import ctypes
+
+        lib, _ = _other_allocator()
+        lib.other_malloc.restype = ctypes.c_void_p
+        lib.other_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.other_free.restype = None
+        lib.other_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        victims, calls = [], []
+
+        def py_malloc(size, device, stream):
+            calls.append(size)
+            if victims:
+                victims.pop()  # the tensor's last reference: freed inside this call
+            return lib.other_malloc(size, device, stream)
+
+        def py_free(ptr, size, device, stream):
+            lib.other_free(ptr, size, device, stream)
+
+        alloc_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+        free_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+        callbacks = (alloc_t(py_malloc), free_t(py_free))  # alive as long as the allocator
+        _KEEP.append(callbacks)
+        addr = [ctypes.cast(f, ctypes.c_void_p).value for f in callbacks]
+        # What CUDAPluggableAllocator(path, alloc, free) builds from a library's symbols.
+        other = torch._C._cuda_customAllocator(addr[0], addr[1])
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        victims.append(torch.ones(8 * MiB, dtype=torch.uint8, device=dev))
+        pool = torch.cuda.MemPool(other)
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.full((MiB,), 2.0, device=dev)  # 4 MiB: the pool takes a segment from py_malloc
+        assert calls and not victims, f"the other allocator was called {len(calls)} times; {len(victims)} tensors left"
+        grown = torch.cuda.memory_allocated() - base
+        assert grown < 8 * MiB, \
+            f"memory_allocated grew by {grown} bytes: the 8 MiB tensor freed inside the other allocator's call is still allocated"
+        assert float(x.sum()) == 2.0 * MiB
+        del x, pool
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_allocated() == base, f"allocated {torch.cuda.memory_allocated()} != base {base}"
+        return {"other_allocator_calls": len(calls), "grown": grown}
 
     @sub("out_of_memory_observer")
     def _():
