@@ -5,6 +5,7 @@
 //! device's `parking_lot::Mutex` once; nothing else is shared on the hot path.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
@@ -33,6 +34,12 @@ pub struct Allocator<B: Backend> {
     pub(crate) recorder: Mutex<Option<Arc<Recorder>>>,
     /// The segment observer; devices created later get it too.
     observer: Mutex<Option<SegmentObserver>>,
+    /// Frees called back from another allocator's call, run once no lock
+    /// is held (Note [Frees called back from a source] in
+    /// `segment_source.rs`).
+    deferred_frees: Mutex<Vec<DevicePtr>>,
+    /// Whether `deferred_frees` may hold any: the hot paths read only this.
+    has_deferred_frees: AtomicBool,
 }
 
 impl<B: Backend> Allocator<B> {
@@ -47,6 +54,8 @@ impl<B: Backend> Allocator<B> {
             factory,
             recorder: Mutex::new(None),
             observer: Mutex::new(None),
+            deferred_frees: Mutex::new(Vec::new()),
+            has_deferred_frees: AtomicBool::new(false),
         }
     }
 
@@ -155,7 +164,9 @@ impl<B: Backend> Allocator<B> {
         size: u64,
         stream: StreamId,
     ) -> Result<DevicePtr, AllocError> {
-        self.lock(device)?.malloc(size, stream)
+        let p = self.lock(device)?.malloc(size, stream);
+        self.run_deferred_frees();
+        p
     }
 
     /// [`DeviceAllocator::free`] on a device; a negative `device` means the
@@ -163,6 +174,17 @@ impl<B: Backend> Allocator<B> {
     /// callers such as a deleter that knows only the pointer).
     #[inline]
     pub fn free(&self, device: i64, ptr: DevicePtr) -> Result<(), AllocError> {
+        if crate::segment_source::in_source_call() {
+            self.defer_free(ptr);
+            return Ok(());
+        }
+        let r = self.free_now(device, ptr);
+        self.run_deferred_frees();
+        r
+    }
+
+    /// [`free`](Self::free), outside a source's call.
+    fn free_now(&self, device: i64, ptr: DevicePtr) -> Result<(), AllocError> {
         if device < 0 {
             return self.free_anywhere(ptr);
         }
@@ -198,15 +220,62 @@ impl<B: Backend> Allocator<B> {
     ///
     /// # Errors
     /// As [`free`](Self::free).
+    /// Called back from a source, the free is deferred (Note [Frees called
+    /// back from a source]) and reported as 0 bytes of device 0: its block
+    /// cannot be read meanwhile.
     pub fn free_sized(&self, ptr: DevicePtr) -> Result<(u32, u64), AllocError> {
-        self.with_owner(ptr, |d| {
-            let size = d.allocation_size(ptr).unwrap_or(0);
-            d.free(ptr).map(|()| (d.device, size))
-        })
-        .unwrap_or(Err(AllocError::InvalidPointer {
-            ptr,
-            device: crate::error::ANY_DEVICE,
-        }))
+        if crate::segment_source::in_source_call() {
+            self.defer_free(ptr);
+            return Ok((0, 0));
+        }
+        let r = self
+            .with_owner(ptr, |d| {
+                let size = d.allocation_size(ptr).unwrap_or(0);
+                d.free(ptr).map(|()| (d.device, size))
+            })
+            .unwrap_or(Err(AllocError::InvalidPointer {
+                ptr,
+                device: crate::error::ANY_DEVICE,
+            }));
+        self.run_deferred_frees();
+        r
+    }
+
+    /// Keeps a free called back from a source for later (Note [Frees
+    /// called back from a source]).
+    fn defer_free(&self, ptr: DevicePtr) {
+        self.deferred_frees.lock().push(ptr);
+        self.has_deferred_frees.store(true, Ordering::Release);
+    }
+
+    /// Runs the frees deferred while a source was called (Note [Frees
+    /// called back from a source]), unless this thread is inside a
+    /// source's call itself. Each entry point that may call a source runs
+    /// them once it let go of the device, and so does every later
+    /// `malloc` and `free`, of any thread. A failure (a pointer gpualloc
+    /// does not hold) is logged, as the deleter that asked could not be
+    /// told any more.
+    pub fn run_deferred_frees(&self) {
+        if !self.has_deferred_frees.load(Ordering::Acquire)
+            || crate::segment_source::in_source_call()
+        {
+            return;
+        }
+        loop {
+            let ptrs = {
+                let mut q = self.deferred_frees.lock();
+                self.has_deferred_frees.store(false, Ordering::Release);
+                std::mem::take(&mut *q)
+            };
+            if ptrs.is_empty() {
+                return;
+            }
+            for ptr in ptrs {
+                if let Err(e) = self.free_anywhere(ptr) {
+                    crate::log::deferred_free_failed(ptr, &e);
+                }
+            }
+        }
     }
 
     /// The block size of the live allocation at `ptr`, on whichever device
@@ -355,7 +424,9 @@ impl<B: Backend> Allocator<B> {
 
     /// `empty_cache` on every created device.
     pub fn empty_cache(&self) -> Result<(), AllocError> {
-        self.for_each_created(|d| d.empty_cache())
+        let r = self.for_each_created(|d| d.empty_cache());
+        self.run_deferred_frees();
+        r
     }
 
     /// A device's stats; all zero for a device not created yet (which this
@@ -416,7 +487,9 @@ impl<B: Backend> Allocator<B> {
 
     /// [`DeviceAllocator::release_pool`] on a device.
     pub fn release_pool(&self, device: i64, pool: PoolKey) -> Result<(), AllocError> {
-        self.lock(device)?.release_pool(pool)
+        let r = self.lock(device)?.release_pool(pool);
+        self.run_deferred_frees();
+        r
     }
 
     /// [`DeviceAllocator::create_or_incref_pool`] on a device.
@@ -460,11 +533,14 @@ impl<B: Backend> Allocator<B> {
     /// [`DeviceAllocator::empty_pool_cache`] on a device (nothing to do on
     /// one not created yet).
     pub fn empty_pool_cache(&self, device: i64, pool: PoolKey) -> Result<(), AllocError> {
-        self.with_pool(device, pool, |d| d.empty_pool_cache(pool))
+        let r = self
+            .with_pool(device, pool, |d| d.empty_pool_cache(pool))
             .or_else(|e| match e {
                 AllocError::UnknownPool { .. } => Ok(()),
                 e => Err(e),
-            })
+            });
+        self.run_deferred_frees();
+        r
     }
 
     /// Runs `f` on a created device (refusing a poisoned one, as

@@ -4,7 +4,7 @@
 //!
 //! | level | events |
 //! | --- | --- |
-//! | `warn` | out of memory after the retries (`oom.rs`); a freed block's event refused twice, its streams and the device synchronized instead, a stream that cannot be synchronized either passed over (`device.rs`) |
+//! | `warn` | out of memory after the retries (`oom.rs`); a freed block's event refused twice, its streams and the device synchronized instead, a stream that cannot be synchronized either passed over (`device.rs`); a free called back from another allocator's call that failed when run later (`allocator.rs`) |
 //! | `info` | out-of-memory retries: oversize blocks released, whole cache freed (`device.rs`); defragmentation passes (`expandable.rs`); `empty_cache` (`release.rs`); trace start and stop, allocator start (C library) |
 //! | `debug` | new segments (`device.rs`), expandable segments growing and defragmentation results (`expandable.rs`), stitches made and dropped (`stitch.rs`), garbage collection (`release.rs`) |
 //!
@@ -82,6 +82,16 @@ pub fn install_from_env() {
 #[inline]
 pub(crate) fn new_segment(device: u32, bytes: u64, pool: u32, reserved: u64) {
     tracing::debug!(device, bytes, pool, reserved, "new segment");
+}
+
+/// A free called back from another allocator's call and run later
+/// failed (`allocator.rs`, Note [Frees called back from a source]).
+#[inline]
+pub(crate) fn deferred_free_failed(ptr: u64, error: &dyn std::fmt::Display) {
+    tracing::warn!(
+        ptr,
+        "a free deferred while another allocator was called failed: {error}"
+    );
 }
 
 /// The driver refused, again, the event that guards a freed block on

@@ -25,7 +25,26 @@
 //! A source is called with the device's lock held, which is not
 //! re-entrant (PyTorch's is): a source that calls gpualloc back, on any
 //! device, gets [`AllocError::CalledBack`](crate::AllocError::CalledBack)
-//! instead of a deadlock.
+//! instead of a deadlock, except for frees (below).
+//!
+//! Note [Frees called back from a source]
+//! Rationale: a source written in Python (vLLM's sleep-mode `CuMemAllocator`
+//! and other `CUDAPluggableAllocator`s whose C functions call Python
+//! callbacks) runs Python code inside the call, and Python's garbage
+//! collector may run there and free CUDA tensors held in reference cycles:
+//! their deleters call gpualloc's free on the same thread. PyTorch's
+//! re-entrant lock frees them at once; a `CalledBack` error lost them (the
+//! deleter cannot raise), so their memory stayed allocated for good.
+//! Approach: a free called back from a source is kept in the allocator's
+//! list of deferred frees and done once the call that called the source
+//! has let go of the device (`Allocator::run_deferred_frees`: at the end
+//! of `malloc`, `free`, `empty_cache`, `release_pool` and
+//! `empty_pool_cache`, the entry points that call sources; and by any later
+//! `malloc` or `free`, each one atomic load otherwise). So by the time the
+//! caller that made the source run gets control back, the memory is freed,
+//! as under PyTorch. A free with the profiler's size (`free_sized`)
+//! reports 0 bytes for such a free: its block cannot be read meanwhile.
+//! Allocations and other calls made from a source still get `CalledBack`.
 
 use std::cell::Cell;
 

@@ -231,11 +231,18 @@ fn malloc_on(
         |_| std::ptr::null_mut(),
         || {
             let stream = stream as usize as u64;
-            let mut d = global()?.alloc.lock(i64::from(device))?;
-            if follow_captures && size > 0 {
-                d.follow_driver_capture(stream)?;
-            }
-            Ok(d.malloc(size as u64, stream)? as usize as *mut c_void)
+            let g = global()?;
+            let p = {
+                let mut d = g.alloc.lock(i64::from(device))?;
+                if follow_captures && size > 0 {
+                    d.follow_driver_capture(stream)?;
+                }
+                d.malloc(size as u64, stream)
+            };
+            // Frees another allocator's call made meanwhile (Note [Frees
+            // called back from a source]), now that the device is let go.
+            g.alloc.run_deferred_frees();
+            Ok(p? as usize as *mut c_void)
         },
     )
 }

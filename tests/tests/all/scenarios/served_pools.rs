@@ -314,3 +314,100 @@ fn a_source_calling_back_gets_an_error_not_a_deadlock() {
     a.free(0, q).unwrap();
     a.lock(0).unwrap().check_invariants().unwrap();
 }
+
+/// A source that frees a live allocation from its own calls (a Python
+/// `CUDAPluggableAllocator` whose callback runs the garbage collector,
+/// which frees a CUDA tensor held in a cycle): PyTorch's re-entrant lock
+/// frees it at once; gpualloc defers it until the call that called the
+/// source lets go of the device, so it is freed when that call returns
+/// (Note [Frees called back from a source]), not lost.
+#[test]
+fn a_free_called_back_from_a_source_is_done_when_the_call_returns() {
+    use gpualloc::{
+        Allocator, BackendError, Config, DevicePtr, SegmentSource, SimBackend, StreamId,
+    };
+    use std::sync::{Arc, Mutex, Weak};
+
+    type Victims = Arc<Mutex<Vec<DevicePtr>>>;
+    struct FreesBack {
+        alloc: Weak<Allocator<SimBackend>>,
+        victims: Victims,
+        next: DevicePtr,
+    }
+    impl FreesBack {
+        fn free_one(&self) {
+            let a = self.alloc.upgrade().expect("alive");
+            if let Some(p) = self.victims.lock().unwrap().pop() {
+                a.free(0, p).expect("a free called back is accepted");
+            }
+        }
+    }
+    impl SegmentSource for FreesBack {
+        fn name(&self) -> &str {
+            "frees back"
+        }
+        fn allocate(&mut self, size: u64, _: StreamId) -> Result<DevicePtr, BackendError> {
+            self.free_one();
+            let p = self.next;
+            self.next += size.next_multiple_of(2 * MIB);
+            Ok(p)
+        }
+        fn release(&mut self, _: DevicePtr, _: u64, _: StreamId) -> Result<(), BackendError> {
+            self.free_one();
+            Ok(())
+        }
+    }
+
+    for policy in ["policy:pytorch", ""] {
+        let a = Arc::new(Allocator::new(
+            Config::parse(policy).unwrap(),
+            1,
+            Box::new(|_| Ok(SimBackend::new(GIB))),
+        ));
+        let allocated = |a: &Allocator<SimBackend>| a.stats(0).unwrap().allocated_bytes.all.current;
+        let first = a.malloc(0, 8 * MIB, 0).unwrap();
+        let second = a.malloc(0, 6 * MIB, 0).unwrap();
+        let victims: Victims = Arc::new(Mutex::new(vec![second, first]));
+        let base = allocated(&a);
+        a.create_or_incref_pool_from(
+            0,
+            POOL,
+            Box::new(FreesBack {
+                alloc: Arc::downgrade(&a),
+                victims: Arc::clone(&victims),
+                next: 0x5f00_0000_0000,
+            }),
+        )
+        .unwrap();
+        // The pool grows: the source frees `first` from inside the call.
+        a.begin_allocate_to_pool(0, POOL, None).unwrap();
+        let p = a.malloc(0, 3 * MIB, 0).unwrap();
+        a.end_allocate_to_pool(0, POOL).unwrap();
+        assert_eq!(victims.lock().unwrap().len(), 1, "{policy}: the source ran");
+        assert!(
+            a.allocation_size(first).is_none(),
+            "{policy}: the free called back was lost"
+        );
+        let pool_block = a.allocation_size(p).unwrap() as i64;
+        assert_eq!(
+            allocated(&a),
+            base - 8 * MIB as i64 + pool_block,
+            "{policy}"
+        );
+        // The pool's segment goes back: the source frees `second`.
+        a.free(0, p).unwrap();
+        a.release_pool(0, POOL).unwrap();
+        a.release_pool(0, POOL).unwrap();
+        a.empty_cache().unwrap();
+        assert!(
+            victims.lock().unwrap().is_empty(),
+            "{policy}: the source's release ran"
+        );
+        assert!(
+            a.allocation_size(second).is_none(),
+            "{policy}: the free called back was lost"
+        );
+        assert_eq!(allocated(&a), 0, "{policy}");
+        a.lock(0).unwrap().check_invariants().unwrap();
+    }
+}
