@@ -12,7 +12,9 @@ replayed backwards from the snapshot as MemoryViz does (through stitched
 memory under gpualloc), MemPool
 with use_mem_pool, a MemPool whose allocator frees a tensor from inside
 its own call (a Python callback whose garbage collection frees CUDA
-memory), the out-of-memory observer, the generic allocator
+memory), memory capable of GPUDirect RDMA where the device supports it
+(what libraries registering tensors with network cards need), the
+out-of-memory observer, the generic allocator
 registry, the raw caching_allocator_alloc/delete API, settings changed
 mid-run with torch.cuda.memory._set_allocator_settings, the caching
 allocator switched off and on (torch.cuda.memory.caching_allocator_enable),
@@ -534,6 +536,50 @@ def check_compat(args) -> dict:
         torch.cuda.empty_cache()
         assert torch.cuda.memory_allocated() == base, f"allocated {torch.cuda.memory_allocated()} != base {base}"
         return {"other_allocator_calls": len(calls), "grown": grown}
+
+    @sub("tensors_are_gpudirect_rdma_capable")
+    def _():
+        # Libraries register tensors with network cards and storage for
+        # GPUDirect RDMA: KV-cache transfer between inference servers (NIXL,
+        # Mooncake), NCCL's user buffers over InfiniBand, GPUDirect Storage
+        # reads into torch.cuda.caching_allocator_alloc buffers
+        # (fastsafetensors). cudaMalloc's memory is RDMA capable where the
+        # device supports it, and so are PyTorch's expandable segments
+        # (gpuDirectRDMACapable where the device supports it with virtual
+        # memory). Asked of the driver for each pointer.
+        import ctypes
+
+        cu = ctypes.CDLL("libcuda.so.1")
+        cu.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+        handle = ctypes.c_int()
+        assert cu.cuDeviceGet(ctypes.byref(handle), dev.index or 0) == 0, "cuDeviceGet failed"
+
+        def device_attribute(code):
+            v = ctypes.c_int()
+            return v.value if cu.cuDeviceGetAttribute(ctypes.byref(v), code, handle) == 0 else None
+
+        # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED, ..._WITH_CUDA_VMM_SUPPORTED
+        rdma, rdma_vmm = device_attribute(116), device_attribute(110)
+        if not rdma or not rdma_vmm:
+            return {"skipped": f"the device reports GPUDirect RDMA {rdma}, with virtual memory {rdma_vmm}"}
+
+        def capable(ptr):
+            v = ctypes.c_int(-1)
+            rc = cu.cuPointerGetAttribute(ctypes.byref(v), 15, ptr)  # ..._IS_GPU_DIRECT_RDMA_CAPABLE
+            assert rc == 0, f"cuPointerGetAttribute failed ({rc}) for {ptr:#x}"
+            return v.value
+
+        tensors = [torch.empty(n, dtype=torch.uint8, device=dev) for n in (4096, 3 * MiB, 64 * MiB)]
+        raw = torch.cuda.caching_allocator_alloc(32 * MiB)
+        try:
+            seen = {f"tensor_{t.numel()}": capable(t.data_ptr()) for t in tensors}
+            seen["caching_allocator_alloc"] = capable(raw)
+        finally:
+            torch.cuda.caching_allocator_delete(raw)
+        del tensors
+        refused = [k for k, v in seen.items() if v != 1]
+        assert not refused, f"memory not capable of GPUDirect RDMA on a device that supports it: {seen}"
+        return seen
 
     @sub("out_of_memory_observer")
     def _():
