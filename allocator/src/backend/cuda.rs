@@ -31,7 +31,10 @@
 //!
 //! Sharing with other processes: handles are created exportable as POSIX
 //! file descriptors where the device allows; `exported.rs` lists the
-//! descriptors handed out, `imported.rs` maps another process's.
+//! descriptors handed out, `imported.rs` maps another process's. Handles
+//! are created capable of GPUDirect RDMA where the device allows, as
+//! PyTorch's expandable segments are (network cards and storage that
+//! libraries register tensors with read and write them directly).
 //!
 //! This module (with `driver.rs`, `exported.rs` and `imported.rs`) is the
 //! only one of the crate that may use `unsafe`.
@@ -122,6 +125,26 @@ fn posix_fd_supported(device: sys::CUdevice) -> bool {
     r == driver::SUCCESS && v != 0
 }
 
+/// Whether `device` can create virtual-memory handles that a network card
+/// or storage reads and writes directly (GPUDirect RDMA): PyTorch's
+/// expandable segments, NCCL's `ncclMemAlloc` and cudaMalloc's memory are
+/// such memory where the platform allows it, and libraries that register
+/// tensors for RDMA (KV-cache transfer between inference servers, NCCL's
+/// user buffers over InfiniBand, GPUDirect Storage) rely on it.
+fn vmm_rdma_supported(device: sys::CUdevice) -> bool {
+    let mut v: std::ffi::c_int = 0;
+    // SAFETY: the driver is initialized (a device handle exists); `v` is a
+    // valid out-pointer.
+    let r = unsafe {
+        driver::cuDeviceGetAttribute(
+            &mut v,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+            device,
+        )
+    };
+    r == driver::SUCCESS && v != 0
+}
+
 /// One device's driver backend. See the module docs.
 pub struct CudaBackend {
     ordinal: u32,
@@ -148,6 +171,10 @@ pub struct CudaBackend {
     /// Whether new handles may be exported as POSIX file descriptors
     /// (asked of the device once; dropped if a creation refuses it).
     exportable: bool,
+    /// Whether new handles are created capable of GPUDirect RDMA (asked of
+    /// the device once, as PyTorch's expandable segments ask; dropped if a
+    /// creation refuses it).
+    rdma: bool,
     /// Descriptors of exported handles, closed when the handle is released.
     exported: FxHashMap<HandleId, i32>,
     /// The helper thread for `unmap_later`, started on first use (`None`
@@ -211,6 +238,7 @@ impl CudaBackend {
             mappings: BTreeMap::new(),
             calls: DriverCalls::default(),
             exportable: posix_fd_supported(dev),
+            rdma: vmm_rdma_supported(dev),
             exported: FxHashMap::default(),
             unmapper: None,
             no_unmapper: false,
@@ -251,7 +279,9 @@ impl CudaBackend {
 
     /// Pinned device memory on this device, exportable as a POSIX file
     /// descriptor where the device supports it (as PyTorch's expandable
-    /// segments ask), so that it can be shared with another process.
+    /// segments ask), so that it can be shared with another process, and
+    /// capable of GPUDirect RDMA where the device supports that (as
+    /// PyTorch's expandable segments ask too).
     fn allocation_prop(&self) -> sys::CUmemAllocationProp {
         // SAFETY: CUmemAllocationProp is a plain C struct for which all-zero
         // bytes are valid (null pointers, zero flags); the fields that
@@ -263,6 +293,9 @@ impl CudaBackend {
         if self.exportable {
             prop.requestedHandleTypes =
                 sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        }
+        if self.rdma {
+            prop.allocFlags.gpuDirectRDMACapable = 1;
         }
         prop
     }
@@ -875,7 +908,16 @@ impl Backend for CudaBackend {
         };
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         let mut r = driver::NOT_FOUND;
-        for _ in 0..2 {
+        // A platform that refuses memory capable of GPUDirect RDMA, or
+        // exportable memory, still gets memory, only without what it
+        // refuses: each combination is tried in turn, keeping what it can.
+        let asked = (self.rdma, self.exportable);
+        let order = [asked, (false, asked.1), (asked.0, false), (false, false)];
+        for (i, &flags) in order.iter().enumerate() {
+            if order[..i].contains(&flags) {
+                continue;
+            }
+            (self.rdma, self.exportable) = flags;
             let prop = self.allocation_prop();
             // SAFETY: context bound; `prop` describes pinned memory on this
             // device; `h` is a valid out-pointer; `size` is a multiple of
@@ -883,17 +925,26 @@ impl Backend for CudaBackend {
             r = self.timed(DriverCall::Create, (1, size), || unsafe {
                 driver::cuMemCreate(&mut h, size as usize, &prop, 0)
             });
-            // A platform that refuses exportable memory still gets memory,
-            // only not shareable with other processes.
-            if !(self.exportable && driver::refuses_export(r)) {
+            if !driver::refuses_export(r) {
                 break;
             }
-            tracing::warn!(
-                "gpualloc: device {} refused exportable memory ({}); new memory cannot be shared with other processes",
-                self.ordinal,
-                driver::name(r)
-            );
-            self.exportable = false;
+        }
+        if !driver::refuses_export(r) {
+            if asked.0 && !self.rdma {
+                tracing::warn!(
+                    "gpualloc: device {} refused memory capable of GPUDirect RDMA; new memory is created without it",
+                    self.ordinal
+                );
+            }
+            if asked.1 && !self.exportable {
+                tracing::warn!(
+                    "gpualloc: device {} refused exportable memory; new memory cannot be shared with other processes",
+                    self.ordinal
+                );
+            }
+        } else {
+            // Refused whatever was asked: not for these flags.
+            (self.rdma, self.exportable) = asked;
         }
         match check("cuMemCreate", r) {
             Ok(()) => {
