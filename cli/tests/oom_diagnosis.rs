@@ -331,3 +331,47 @@ fn report_advice_replays_only_the_device_that_failed() {
         "no remedy named for device 0"
     );
 }
+
+/// A trace recorded with a configuration this build does not parse (a key
+/// of a later version) cannot be replayed under it: the report must not
+/// take the first candidate for the recorded configuration, neither in the
+/// table, nor in the cause ("Replayed under the recorded configuration"),
+/// nor by leaving that candidate out of the advice.
+#[test]
+fn report_advice_does_not_pass_a_candidate_off_as_an_unparsed_recorded_configuration() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = trace(
+        dir.path(),
+        "later-key-advice.gtrace",
+        "a_key_of_a_later_version:1",
+        &six_gib_live_then_an_oom(),
+        true,
+    );
+    let page = report(&t);
+    assert!(
+        !page.contains("(the trace&#39;s configuration)")
+            && !page.contains("(the trace's configuration)"),
+        "a candidate labelled as the recorded configuration"
+    );
+    assert!(
+        !page.contains("Replayed under the recorded configuration"),
+        "a candidate's replay told as the recorded configuration's"
+    );
+    assert!(
+        page.contains("does not parse in this build"),
+        "the page does not say why the recorded configuration was not replayed"
+    );
+    // Every candidate is in the table, none of them taken as the base.
+    for c in gpualloc_candidates() {
+        assert!(page.contains(&format!("<code>{c}</code>")), "{c} missing");
+    }
+}
+
+/// The candidates the report replays (`report::oom::CANDIDATES`).
+fn gpualloc_candidates() -> [&'static str; 3] {
+    [
+        "policy:pytorch,expandable_segments:true,defragment:false,stitch_min_mb:0,expandable_page_mb:20",
+        "policy:pytorch,max_split_size_mb:64,garbage_collection_threshold:0.8",
+        "policy:gpualloc",
+    ]
+}

@@ -82,7 +82,7 @@ pub fn cause(o: &Oom) -> Cause {
 pub fn explain_replayed(o: &Oom, advice: Option<&Advice>) -> String {
     let mut text = explain(o);
     let same = advice
-        .and_then(|a| a.trials.first())
+        .and_then(|a| a.recorded.as_ref())
         .and_then(|t| t.result.first_oom.as_ref())
         .filter(|r| r.time_ns == o.time_ns && r.requested == o.requested);
     if let Some(r) = same {
@@ -232,17 +232,19 @@ pub struct Trial {
 pub struct Advice {
     /// Simulated capacity.
     pub capacity: u64,
-    /// The recorded configuration first, then the [`CANDIDATES`] that
-    /// differ from it.
-    pub trials: Vec<Trial>,
+    /// The replay under the recorded configuration; `None` when that
+    /// configuration does not parse in this build (a key of another
+    /// version), so that no candidate is taken for it.
+    pub recorded: Option<Trial>,
+    /// The [`CANDIDATES`] that differ from the recorded configuration.
+    pub candidates: Vec<Trial>,
 }
 
 impl Advice {
-    /// The trial without OOMs and with the lowest peak reserved, if any.
+    /// The candidate without OOMs and with the lowest peak reserved, if any.
     pub fn best(&self) -> Option<&Trial> {
-        self.trials
+        self.candidates
             .iter()
-            .skip(1)
             .filter(|t| t.result.ooms == 0)
             .min_by_key(|t| t.result.peak_reserved)
     }
@@ -267,19 +269,9 @@ pub fn capacity(first: &Oom) -> u64 {
 pub fn advise(path: &Path, recorded: &str, device: u32, first: &Oom) -> Result<Advice, CliError> {
     let capacity = capacity(first);
     let limits = limit_keys(recorded);
-    let mut trials = Vec::new();
-    // A candidate that is the recorded configuration (an imported
-    // snapshot's expandable segments) is not replayed twice.
-    let candidates = CANDIDATES
-        .iter()
-        .map(|c| match limits.as_str() {
-            "" => c.to_string(),
-            l => format!("{c},{l}"),
-        })
-        .filter(|c| c != recorded);
-    for c in std::iter::once(recorded.to_string()).chain(candidates) {
+    let trial = |c: String| -> Result<Option<Trial>, CliError> {
         let Ok(config) = Config::parse(&c) else {
-            continue;
+            return Ok(None);
         };
         let mut reader = input::open(path)?;
         let result = replay(
@@ -287,9 +279,27 @@ pub fn advise(path: &Path, recorded: &str, device: u32, first: &Oom) -> Result<A
             capacity,
             &config,
         );
-        trials.push(Trial { config: c, result });
+        Ok(Some(Trial { config: c, result }))
+    };
+    let recorded_trial = trial(recorded.to_string())?;
+    // A candidate that is the recorded configuration (an imported
+    // snapshot's expandable segments) is not replayed twice.
+    let mut candidates = Vec::new();
+    for c in CANDIDATES
+        .iter()
+        .map(|c| match limits.as_str() {
+            "" => c.to_string(),
+            l => format!("{c},{l}"),
+        })
+        .filter(|c| c != recorded)
+    {
+        candidates.extend(trial(c)?);
     }
-    Ok(Advice { capacity, trials })
+    Ok(Advice {
+        capacity,
+        recorded: recorded_trial,
+        candidates,
+    })
 }
 
 #[cfg(test)]

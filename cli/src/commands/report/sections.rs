@@ -286,20 +286,29 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
         "<h4>Configurations replayed on a simulated device of {}</h4>",
         bytes(adv.capacity)
     );
-    let base = adv.trials.first().map_or(0, |t| t.result.peak_reserved);
+    if adv.recorded.is_none() {
+        let _ = write!(
+            s,
+            "<p class=\"warn\">The trace's configuration (<code>{}</code>) does not parse in this build (a key of another version), so it was not replayed: the candidates below are compared with one another only.</p>",
+            esc(&a.info.header.config)
+        );
+    }
+    let base = adv.recorded.as_ref().map(|t| t.result.peak_reserved);
+    let change = |peak: u64| base.map_or("n/a".to_string(), |b| delta(b, peak));
     s.push_str("<table><tr><th>configuration</th><th>OOMs in replay</th><th>peak reserved</th><th>vs the trace's configuration</th><th>peak allocated</th><th>first OOM</th></tr>");
     let best = adv.best().map(|t| t.config.clone());
-    for (k, t) in adv.trials.iter().enumerate() {
+    let rows = adv.recorded.iter().map(|t| (true, t));
+    for (recorded, t) in rows.chain(adv.candidates.iter().map(|t| (false, t))) {
         let r = &t.result;
-        let name = match (k, t.config.is_empty()) {
-            (0, true) => "(defaults: the trace's configuration)".to_string(),
-            (0, false) => format!("{} (the trace's configuration)", t.config),
+        let name = match (recorded, t.config.is_empty()) {
+            (true, true) => "(defaults: the trace's configuration)".to_string(),
+            (true, false) => format!("{} (the trace's configuration)", t.config),
             _ => t.config.clone(),
         };
         let _ = write!(
             s,
             "<tr{}><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-            if best.as_ref() == Some(&t.config) {
+            if !recorded && best.as_ref() == Some(&t.config) {
                 " class=\"good\""
             } else {
                 ""
@@ -307,7 +316,7 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
             esc(&name),
             r.ooms,
             bytes(r.peak_reserved),
-            delta(base, r.peak_reserved),
+            change(r.peak_reserved),
             bytes(r.peak_allocated),
             r.first_oom.as_ref().map_or("none".into(), |o| format!(
                 "{} at {}",
@@ -317,17 +326,20 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
         );
     }
     s.push_str("</table>");
-    if adv.trials.first().is_some_and(|t| t.result.ooms == 0) {
+    if adv.recorded.as_ref().is_some_and(|t| t.result.ooms == 0) {
         s.push_str("<p class=\"warn\">The replay under the recorded configuration does not reproduce the OOM: the device may have held memory the trace does not show (other processes, the CUDA context), so the advice below may fall short.</p>");
     }
     match adv.best() {
         Some(t) => {
             let _ = write!(
                 s,
-                "<p class=\"good\">Use <code>GPUALLOC_CONF={}</code>: the replay has no OOM and its reserved peak is {} ({} against the recorded configuration's replay).</p>",
+                "<p class=\"good\">Use <code>GPUALLOC_CONF={}</code>: the replay has no OOM and its reserved peak is {}{}.</p>",
                 esc(&t.config),
                 bytes(t.result.peak_reserved),
-                delta(base, t.result.peak_reserved)
+                base.map_or(String::new(), |b| format!(
+                    " ({} against the recorded configuration's replay)",
+                    delta(b, t.result.peak_reserved)
+                ))
             );
         }
         None => s.push_str("<p class=\"warn\">No configuration tried avoids the OOM in replay: none of them fits the live tensors, with the rounding and fragmentation each leaves, in what the device held. Reduce the batch or sequence length, or free tensors sooner.</p>"),
