@@ -375,3 +375,29 @@ fn gpualloc_candidates() -> [&'static str; 3] {
         "policy:gpualloc",
     ]
 }
+
+/// The device reported 2 GiB free, enough for the 1 GiB request on its
+/// own, and the cache nothing: the cause must not say that the cache and
+/// the device were "together enough, but neither alone", nor blame the
+/// cache for memory it did not hold.
+#[test]
+fn an_oom_with_room_on_the_device_is_not_blamed_on_a_split_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = trace(
+        dir.path(),
+        "device-room.gtrace",
+        "",
+        &six_gib_live_then_an_oom(),
+        true,
+    );
+    let page = report(&t);
+    assert!(!page.contains("neither alone"), "called a split cache");
+    assert!(
+        !page.contains("the cache held memory it could have given back"),
+        "the cache, empty, blamed"
+    );
+    assert!(
+        page.contains("2.00 GiB free on the device, at least the request of 1.00 GiB"),
+        "the cause does not say that the device had room"
+    );
+}

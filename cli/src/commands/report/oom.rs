@@ -1,7 +1,7 @@
 //! Why each OOM happened, and which configuration would have avoided it,
 //! backed by replaying the trace under that configuration.
 //!
-//! A failed request of `r` bytes is one of three kinds:
+//! A failed request of `r` bytes is one of these kinds:
 //! - *fragmentation*: the cache held at least `r` free bytes, but no free
 //!   range of `r` (the largest free range was smaller);
 //! - *unusable*: the trace shows a free range of `r` or more, yet the
@@ -10,6 +10,10 @@
 //!   the trace, which does not record which; blocks waiting for another
 //!   stream's work); the replay under the recorded configuration, when it
 //!   reproduces the failure, tells what the allocator found;
+//! - *device room*: the device (within the cap in force) had `r` free
+//!   bytes on its own, yet the request failed: the allocator asks the
+//!   driver for more than `r` (a whole segment or page), or the free
+//!   figure was more than the process could have;
 //! - *cache*: the cache's free bytes plus the device's free bytes would
 //!   have held `r`, but neither alone did (cached memory of the wrong size
 //!   or stream was not given back in time);
@@ -53,6 +57,8 @@ pub enum Cause {
     /// A free range large enough in the trace, which the allocator could
     /// not take.
     Unusable,
+    /// The device had the request's bytes free on its own.
+    DeviceRoom,
     /// Free bytes existed, split between the cache and the device.
     Cache,
     /// Live allocations leave too little.
@@ -70,6 +76,8 @@ pub fn cause(o: &Oom) -> Cause {
         Cause::Fragmentation
     } else if o.largest_free >= o.requested {
         Cause::Unusable
+    } else if o.free() >= o.requested {
+        Cause::DeviceRoom
     } else if o.cached_free.saturating_add(o.free()) >= o.requested {
         Cause::Cache
     } else {
@@ -113,6 +121,18 @@ pub fn explain(o: &Oom) -> String {
             bytes(o.cached_free),
             bytes(o.largest_free),
             bytes(o.requested)
+        ),
+        Cause::DeviceRoom => format!(
+            "{} {}, at least the request of {}, yet it failed: the allocator asks the driver for more than the request (a whole segment or page: 20 MiB segments for requests of 1 to 10 MiB under PyTorch's rules, 2 MiB pages or larger handles with expandable segments), or that memory was not the process's to take (the CUDA context, other processes); live tensors hold {} and the cache {} free.",
+            bytes(o.free()),
+            if o.limited() {
+                "left under the memory limit"
+            } else {
+                "free on the device"
+            },
+            bytes(o.requested),
+            bytes(o.gauges.allocated),
+            bytes(o.cached_free)
         ),
         Cause::Cache => format!(
             "{} free in the cache and {} {}: together enough for {}, but neither alone; the cache held memory it could have given back.",
@@ -370,7 +390,8 @@ mod tests {
         let mut o = oom(1 << 30, 0, 0, 2 << 30);
         o.gauges.reserved = 6 << 30;
         o.gauges.allocated = 6 << 30;
-        assert_eq!(cause(&o), Cause::Cache, "the device alone had room");
+        assert_eq!(cause(&o), Cause::DeviceRoom, "the device alone had room");
+        assert!(!explain(&o).contains("neither alone"), "{}", explain(&o));
         let mut ooms = vec![o.clone()];
         apply_limit(&mut ooms, "per_process_memory_fraction:0.8");
         let four_fifths = ((8u64 << 30) as f64 * 0.8) as u64;
