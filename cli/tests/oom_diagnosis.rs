@@ -401,3 +401,34 @@ fn an_oom_with_room_on_the_device_is_not_blamed_on_a_split_cache() {
         "the cause does not say that the device had room"
     );
 }
+
+/// When the replay under the recorded configuration does not fail, every
+/// candidate that does not fail either proves nothing: the report must not
+/// say that one of them makes the run fit, nor advise it, as if the
+/// recorded configuration had failed in the replay.
+#[test]
+fn no_configuration_is_advised_when_the_recorded_one_does_not_fail_in_replay() {
+    let dir = tempfile::tempdir().unwrap();
+    // 6 GiB live, 2 GiB free: the 1 GiB request fits on replay.
+    let t = trace(
+        dir.path(),
+        "not-reproduced.gtrace",
+        "",
+        &six_gib_live_then_an_oom(),
+        true,
+    );
+    let page = report(&t);
+    assert!(
+        page.contains("does not reproduce the OOM"),
+        "the replay's miss is not said"
+    );
+    assert!(!page.contains("the run fits"), "a candidate credited");
+    assert!(
+        !page.contains("Use <code>GPUALLOC_CONF="),
+        "a candidate advised"
+    );
+    assert!(
+        !page.contains("No configuration tried avoids the OOM in replay"),
+        "the recorded configuration does not fail in replay either"
+    );
+}

@@ -261,8 +261,19 @@ pub struct Advice {
 }
 
 impl Advice {
-    /// The candidate without OOMs and with the lowest peak reserved, if any.
+    /// Whether the replay under the recorded configuration fails too (or
+    /// that configuration could not be replayed): otherwise a candidate
+    /// that does not fail is no evidence that it avoids the OOM.
+    pub fn reproduced(&self) -> bool {
+        self.recorded.as_ref().is_none_or(|t| t.result.ooms > 0)
+    }
+
+    /// The candidate without OOMs and with the lowest peak reserved, if
+    /// any, when the replay [`reproduced`](Self::reproduced) the OOM.
     pub fn best(&self) -> Option<&Trial> {
+        if !self.reproduced() {
+            return None;
+        }
         self.candidates
             .iter()
             .filter(|t| t.result.ooms == 0)

@@ -130,6 +130,9 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
                 None if advice.is_none() => s.push_str(
                     " Not replayed: the trace records no reserved memory, so the device's capacity is unknown.</li>",
                 ),
+                None if advice.is_some_and(|a| !a.reproduced()) => s.push_str(
+                    " Replayed under the recorded configuration, the run does not fail, so the replays cannot tell which configuration would avoid it: the device may have held memory the trace does not show (other processes, the CUDA context).</li>",
+                ),
                 None => s.push_str(" No configuration tried avoids it in replay.</li>"),
             }
         }
@@ -326,8 +329,9 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
         );
     }
     s.push_str("</table>");
-    if adv.recorded.as_ref().is_some_and(|t| t.result.ooms == 0) {
-        s.push_str("<p class=\"warn\">The replay under the recorded configuration does not reproduce the OOM: the device may have held memory the trace does not show (other processes, the CUDA context), so the advice below may fall short.</p>");
+    if !adv.reproduced() {
+        s.push_str("<p class=\"warn\">The replay under the recorded configuration does not reproduce the OOM: the device may have held memory the trace does not show (other processes, the CUDA context), so a configuration that does not fail in replay either cannot be said to avoid it.</p>");
+        return;
     }
     match adv.best() {
         Some(t) => {
