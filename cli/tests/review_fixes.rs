@@ -316,3 +316,32 @@ fn a_csv_of_several_devices_imports_with_its_own_times() {
         );
     }
 }
+
+/// A device that reserved memory and never allocated (a trace cut short
+/// after its first segment) has no ratio of reserved to allocated: `diff`
+/// and the report must not divide by a made-up byte (20 MiB / 1 B).
+#[test]
+fn no_reserved_per_allocated_ratio_without_allocations() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = trace(
+        dir.path(),
+        "reserved-only.gtrace",
+        "",
+        &[ev(1_000, segment(0x1000_0000, 20 * MIB, true))],
+        0,
+    );
+    let (text, _) = ok(&["diff", s(&t), s(&t)]);
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("peak reserved / peak"))
+        .unwrap();
+    assert!(line.contains("no allocations"), "{line}");
+    assert!(!line.contains("20971520"), "{line}");
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["diff", "--json", s(&t), s(&t)]).0).unwrap();
+    assert!(v["devices"][0]["a"]["reserved_per_allocated"].is_null());
+    let html = dir.path().join("r.html");
+    ok(&["report", s(&t), "-o", s(&html)]);
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(!page.contains("20971520.000"), "the report's ratio");
+}

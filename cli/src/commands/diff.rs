@@ -9,7 +9,8 @@
 //! `external_fragmentation_at_peak` (0 to 1), `reserved_per_allocated` and
 //! `ooms`. A trace without segment events (an RMM log) records no reserved
 //! memory: its `peak_reserved` and the three figures drawn from it are
-//! null, and the text says "not recorded".
+//! null, and the text says "not recorded"; `reserved_per_allocated` is
+//! null too when nothing was allocated ("no allocations").
 
 use std::fmt::Write;
 use std::path::Path;
@@ -88,13 +89,25 @@ fn external(d: &DeviceAnalysis) -> Option<f64> {
     peak_reserved(d).map(|_| d.at_peak.as_ref().map_or(0.0, |p| p.frag.external))
 }
 
-/// Peak reserved over peak allocated.
+/// Peak reserved over peak allocated; `None` also when nothing was
+/// allocated (a device that only reserved, a trace cut short).
 fn ratio(d: &DeviceAnalysis) -> Option<f64> {
-    peak_reserved(d).map(|r| r as f64 / d.peak_allocated.value.max(1) as f64)
+    peak_reserved(d)
+        .filter(|_| d.peak_allocated.value > 0)
+        .map(|r| r as f64 / d.peak_allocated.value as f64)
 }
 
 /// What the text prints for a figure a trace does not record.
 const NOT_RECORDED: &str = "not recorded";
+
+/// What the text prints for a figure of `d` that is `None`: not recorded,
+/// or (reserved memory recorded) a ratio to nothing allocated.
+fn missing(d: Option<&DeviceAnalysis>) -> &'static str {
+    match d {
+        Some(d) if d.state.reserves => "no allocations",
+        _ => NOT_RECORDED,
+    }
+}
 
 fn render(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
     let mut s = String::new();
@@ -160,8 +173,8 @@ fn render(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
             (x.map_or(Some(0.0), f), y.map_or(Some(0.0), f))
         };
         let mut frac_row = |name: &str, (vx, vy): (Option<f64>, Option<f64>), pct: bool| {
-            let show = |v: Option<f64>| match v {
-                None => NOT_RECORDED.to_string(),
+            let show = |v: Option<f64>, d: Option<&DeviceAnalysis>| match v {
+                None => missing(d).to_string(),
                 Some(v) if pct => percent(v),
                 Some(v) => format!("{v:.3}"),
             };
@@ -173,8 +186,8 @@ fn render(pa: &Path, a: &Analysis, pb: &Path, b: &Analysis) -> String {
             let _ = writeln!(
                 s2,
                 "  {name:<30} {:>22} {:>22} {change:>14}",
-                show(vx),
-                show(vy)
+                show(vx, x),
+                show(vy, y)
             );
         };
         frac_row(

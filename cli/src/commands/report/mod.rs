@@ -242,13 +242,14 @@ fn figures(s: &mut String, d: &DeviceAnalysis) {
         sec::row(s, "peak reserved", sec::NOT_RECORDED);
     }
     sec::row(s, "peak active", &at(&d.peak_active));
-    if d.state.reserves {
+    // As the summary: no ratio to nothing allocated.
+    if d.state.reserves && d.peak_allocated.value > 0 {
         sec::row(
             s,
             "peak reserved / peak allocated",
             &format!(
                 "{:.3}",
-                d.peak_reserved.value as f64 / d.peak_allocated.value.max(1) as f64
+                d.peak_reserved.value as f64 / d.peak_allocated.value as f64
             ),
         );
     }
