@@ -345,3 +345,23 @@ fn no_reserved_per_allocated_ratio_without_allocations() {
     let page = std::fs::read_to_string(&html).unwrap();
     assert!(!page.contains("20971520.000"), "the report's ratio");
 }
+
+/// A trace of its header only: the report gives no size per event (61 B
+/// "per event" of none) and says, as the summary does, that it holds no
+/// events.
+#[test]
+fn the_report_of_a_trace_without_events_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = trace(dir.path(), "empty.gtrace", "", &[], 0);
+    let html = dir.path().join("e.html");
+    ok(&["report", s(&t), "-o", s(&html)]);
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(
+        !page.contains("bytes per event"),
+        "a size per event of none"
+    );
+    assert!(
+        page.contains("no events: the trace holds its header only"),
+        "the page does not say that the trace is empty"
+    );
+}

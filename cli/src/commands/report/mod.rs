@@ -161,16 +161,24 @@ fn header(s: &mut String, a: &Analysis) {
             a.devices.len()
         ),
     );
-    sec::row(
-        s,
-        "file",
-        &format!(
+    // Without events there is no size per event (the header is not one).
+    let file = match a.info.events {
+        0 => bytes(a.info.file_bytes),
+        n => format!(
             "{}, {:.1} bytes per event",
             bytes(a.info.file_bytes),
-            a.info.file_bytes as f64 / a.info.events.max(1) as f64
+            a.info.file_bytes as f64 / n as f64
         ),
-    );
+    };
+    sec::row(s, "file", &file);
     s.push_str("</table>");
+    if a.info.events == 0 {
+        let _ = write!(
+            s,
+            "<p class=\"warn\">{}.</p>",
+            esc(crate::commands::summary::NO_EVENTS)
+        );
+    }
     if a.info.dropped > 0 {
         let _ = write!(
             s,
