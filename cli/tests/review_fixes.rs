@@ -365,3 +365,35 @@ fn the_report_of_a_trace_without_events_says_so() {
         "the page does not say that the trace is empty"
     );
 }
+
+/// Very large figures (a damaged or crafted file) saturate, as the other
+/// byte counts do, rather than wrap: two `empty_cache` calls of 2^63 bytes
+/// each gave back at least 2^63, never 0, and two private-pool segments of
+/// 2^63 bytes held at least that much.
+#[test]
+fn empty_cache_and_private_pool_totals_saturate_instead_of_wrapping() {
+    let dir = tempfile::tempdir().unwrap();
+    let half = 1u64 << 63;
+    let private = |addr| EventKind::SegmentAlloc {
+        addr,
+        size: half,
+        pool: Pool::Code(2),
+    };
+    let t = trace(
+        dir.path(),
+        "huge.gtrace",
+        "",
+        &[
+            ev(1, EventKind::EmptyCache { released: half }),
+            ev(2, EventKind::EmptyCache { released: half }),
+            ev(3, private(0)),
+            ev(4, private(0)),
+        ],
+        0,
+    );
+    let v = summary_json(s(&t));
+    let d = &v["devices"][0];
+    assert_eq!(d["empty_cache"]["calls"], 2);
+    assert_eq!(d["empty_cache"]["released"], u64::MAX, "{d}");
+    assert_eq!(d["private_pools"]["peak_held"], u64::MAX, "{d}");
+}

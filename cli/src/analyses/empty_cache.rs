@@ -37,9 +37,10 @@ impl EmptyCaches {
     pub fn apply(&mut self, kind: &EventKind) {
         match *kind {
             EventKind::EmptyCache { released } => {
+                // Saturating: a damaged file's sizes must not wrap a total.
                 self.calls += 1;
-                self.released += released;
-                self.owed += released;
+                self.released = self.released.saturating_add(released);
+                self.owed = self.owed.saturating_add(released);
             }
             EventKind::PagesCreate { bytes } | EventKind::SegmentAlloc { size: bytes, .. } => {
                 let back = bytes.min(self.owed);

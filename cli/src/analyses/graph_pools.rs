@@ -80,7 +80,8 @@ impl GraphPools {
             | EventKind::SegmentMap { size, pool, .. }
                 if private(pool) =>
             {
-                self.held += size;
+                // Saturating: a damaged file's sizes must not wrap it.
+                self.held = self.held.saturating_add(size);
                 self.peak_held = self.peak_held.max(self.held);
             }
             EventKind::SegmentFree { size, pool, .. }
