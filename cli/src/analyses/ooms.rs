@@ -33,6 +33,8 @@ pub struct Oom {
     pub gauges: Gauges,
     /// Largest free piece of reserved memory.
     pub largest_free: u64,
+    /// Largest free piece of the memory reserved for the request's stream.
+    pub largest_free_on_stream: u64,
     /// Free reserved bytes in all.
     pub cached_free: u64,
     /// Innermost open phase (string id) or `NO_PHASE`.
@@ -94,6 +96,7 @@ pub fn examine(e: &TraceEvent, requested: u64, device_free: u64, s: &DeviceState
         reserves: s.reserves,
         gauges: s.g,
         largest_free,
+        largest_free_on_stream: s.largest_free_on_stream(e.stream),
         cached_free,
         phase: s.phases.last().copied().unwrap_or(NO_PHASE),
         largest_live: live,

@@ -465,6 +465,18 @@ impl DeviceState {
         let total = total.saturating_sub(claimed);
         (largest.min(total), total)
     }
+
+    /// The largest free piece of the memory reserved for `stream`.
+    pub fn largest_free_on_stream(&self, stream: u64) -> u64 {
+        let live = self.sorted_live();
+        let own: BTreeMap<u64, Region> = self
+            .regions
+            .iter()
+            .filter(|(_, r)| r.stream == stream)
+            .map(|(&a, r)| (a, *r))
+            .collect();
+        free_in_regions(&own, &live).0.min(self.free_space().0)
+    }
 }
 
 /// Free space inside `regions` around the `live` blocks (sorted by address).
@@ -587,6 +599,22 @@ mod tests {
         assert!(s.aliases.is_empty());
         assert_eq!(s.free_space(), (64 * M, 64 * M));
         assert_eq!(s.inconsistent, 0);
+    }
+
+    #[test]
+    fn the_largest_free_range_of_a_stream_counts_its_own_segments_only() {
+        let (mut s, mut b) = (DeviceState::default(), Budget::default());
+        s.apply(&ev(Action::SegmentAlloc, 0, 1000, 1), &mut b);
+        let other = TraceEvent {
+            stream: 7,
+            ..ev(Action::SegmentAlloc, 4096, 3000, 1)
+        };
+        s.apply(&other, &mut b);
+        s.apply(&ev(Action::Alloc, 100, 90, 100), &mut b);
+        assert_eq!(s.free_space().0, 3000);
+        assert_eq!(s.largest_free_on_stream(0), 800);
+        assert_eq!(s.largest_free_on_stream(7), 3000);
+        assert_eq!(s.largest_free_on_stream(9), 0, "no memory of its own");
     }
 
     #[test]

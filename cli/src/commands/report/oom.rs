@@ -5,7 +5,8 @@
 //! - *fragmentation*: the cache held at least `r` free bytes, but no free
 //!   range of `r` (the largest free range was smaller);
 //! - *unusable*: the trace shows a free range of `r` or more, yet the
-//!   request failed: that memory was not the allocator's to take (free
+//!   request failed: that memory was not the allocator's to take (a range
+//!   reserved for another stream, which PyTorch's rules never lend; free
 //!   pages that a stitched range maps a second time look free at home in
 //!   the trace, which does not record which; blocks waiting for another
 //!   stream's work); the replay under the recorded configuration, when it
@@ -107,6 +108,16 @@ pub fn explain_replayed(o: &Oom, advice: Option<&Advice>) -> String {
 /// One sentence saying why `o` failed.
 pub fn explain(o: &Oom) -> String {
     match cause(o) {
+        Cause::Unusable if o.largest_free_on_stream < o.requested => format!(
+            "{} free in the cache, in pieces of up to {}, yet the request of {} failed: the free ranges large enough were reserved for other streams, and this stream's own memory had no free range over {} (PyTorch's rules never lend one stream's cache to another; gpualloc's `cross_stream_reuse`, on by default and off under `policy:pytorch`, lets a stream take another stream's cached block, ordered after that stream's work); live tensors hold {} and {} left {}.",
+            bytes(o.cached_free),
+            bytes(o.largest_free),
+            bytes(o.requested),
+            bytes(o.largest_free_on_stream),
+            bytes(o.gauges.allocated),
+            what_left(o),
+            bytes(o.free()),
+        ),
         Cause::Unusable => format!(
             "{} free in the cache, in pieces of up to {}, yet the request of {} failed: that memory was not the allocator's to take (with expandable segments, free pages that a stitched range maps a second time look free at their home in the trace; blocks waiting for another stream's work); live tensors hold {} and {} left {}.",
             bytes(o.cached_free),
@@ -349,6 +360,7 @@ mod tests {
             reserves: true,
             gauges: Gauges::default(),
             largest_free,
+            largest_free_on_stream: largest_free,
             cached_free,
             phase: 0,
             largest_live: Vec::new(),
@@ -370,6 +382,19 @@ mod tests {
         let unusable = oom(30 << 20, 58 << 20, 39 << 20, 14 << 20);
         assert_eq!(cause(&unusable), Cause::Unusable);
         assert!(!explain(&unusable).contains("neither alone"));
+        assert!(!explain(&unusable).contains("other streams"));
+        // The range that fits is another stream's: said so, with this
+        // stream's own largest.
+        let elsewhere = Oom {
+            largest_free_on_stream: 6 << 20,
+            ..unusable
+        };
+        assert_eq!(cause(&elsewhere), Cause::Unusable);
+        assert!(
+            explain(&elsewhere).contains("reserved for other streams, and this stream's own memory had no free range over 6.00 MiB"),
+            "{}",
+            explain(&elsewhere)
+        );
     }
 
     #[test]
