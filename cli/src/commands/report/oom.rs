@@ -108,25 +108,25 @@ pub fn explain_replayed(o: &Oom, advice: Option<&Advice>) -> String {
 /// One sentence saying why `o` failed.
 pub fn explain(o: &Oom) -> String {
     match cause(o) {
-        Cause::Unusable if o.largest_free_on_stream < o.requested => format!(
-            "{} free in the cache, in pieces of up to {}, yet the request of {} failed: the free ranges large enough were reserved for other streams, and this stream's own memory had no free range over {} (PyTorch's rules never lend one stream's cache to another; gpualloc's `cross_stream_reuse`, on by default and off under `policy:pytorch`, lets a stream take another stream's cached block, ordered after that stream's work); live tensors hold {} and {} left {}.",
-            bytes(o.cached_free),
-            bytes(o.largest_free),
-            bytes(o.requested),
-            bytes(o.largest_free_on_stream),
-            bytes(o.gauges.allocated),
-            what_left(o),
-            bytes(o.free()),
-        ),
-        Cause::Unusable => format!(
-            "{} free in the cache, in pieces of up to {}, yet the request of {} failed: that memory was not the allocator's to take (with expandable segments, free pages that a stitched range maps a second time look free at their home in the trace; blocks waiting for another stream's work); live tensors hold {} and {} left {}.",
-            bytes(o.cached_free),
-            bytes(o.largest_free),
-            bytes(o.requested),
-            bytes(o.gauges.allocated),
-            what_left(o),
-            bytes(o.free()),
-        ),
+        Cause::Unusable => {
+            let why = if o.largest_free_on_stream < o.requested {
+                format!(
+                    "the free ranges large enough were reserved for other streams, and this stream's own memory had no free range over {} (PyTorch's rules never lend one stream's cache to another; gpualloc's `cross_stream_reuse`, on by default and off under `policy:pytorch`, lets a stream take another stream's cached block, ordered after that stream's work)",
+                    bytes(o.largest_free_on_stream)
+                )
+            } else {
+                "that memory was not the allocator's to take (with expandable segments, free pages that a stitched range maps a second time look free at their home in the trace; blocks waiting for another stream's work)".to_string()
+            };
+            format!(
+                "{} free in the cache, in pieces of up to {}, yet the request of {} failed: {why}; live tensors hold {} and {} left {}.",
+                bytes(o.cached_free),
+                bytes(o.largest_free),
+                bytes(o.requested),
+                bytes(o.gauges.allocated),
+                what_left(o),
+                bytes(o.free()),
+            )
+        }
         Cause::Fragmentation => format!(
             "{} cached but the largest free range is {}, for a request of {}: fragmentation.",
             bytes(o.cached_free),
