@@ -96,7 +96,7 @@ pub fn examine(e: &TraceEvent, requested: u64, device_free: u64, s: &DeviceState
         reserves: s.reserves,
         gauges: s.g,
         largest_free,
-        largest_free_on_stream: s.largest_free_on_stream(e.stream),
+        largest_free_on_stream: s.largest_free_on_stream(e.stream).min(largest_free),
         cached_free,
         phase: s.phases.last().copied().unwrap_or(NO_PHASE),
         largest_live: live,

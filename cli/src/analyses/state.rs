@@ -466,16 +466,17 @@ impl DeviceState {
         (largest.min(total), total)
     }
 
-    /// The largest free piece of the memory reserved for `stream`.
+    /// The largest free piece of the memory reserved for `stream` (pages a
+    /// stitch in use claims are not told apart: bound it by
+    /// [`free_space`](Self::free_space)'s).
     pub fn largest_free_on_stream(&self, stream: u64) -> u64 {
-        let live = self.sorted_live();
         let own: BTreeMap<u64, Region> = self
             .regions
             .iter()
             .filter(|(_, r)| r.stream == stream)
             .map(|(&a, r)| (a, *r))
             .collect();
-        free_in_regions(&own, &live).0.min(self.free_space().0)
+        free_in_regions(&own, &self.sorted_live()).0
     }
 }
 
