@@ -174,16 +174,21 @@ impl<B: Backend> Allocator<B> {
     /// callers such as a deleter that knows only the pointer).
     #[inline]
     pub fn free(&self, device: i64, ptr: DevicePtr) -> Result<(), AllocError> {
-        if crate::segment_source::in_source_call() {
-            self.defer_free(ptr);
-            return Ok(());
+        match self.free_now(device, ptr) {
+            // Called back from a source: nothing was read or changed.
+            Err(AllocError::CalledBack { .. }) => {
+                self.defer_free(ptr);
+                Ok(())
+            }
+            r => {
+                self.run_deferred_frees();
+                r
+            }
         }
-        let r = self.free_now(device, ptr);
-        self.run_deferred_frees();
-        r
     }
 
-    /// [`free`](Self::free), outside a source's call.
+    /// [`free`](Self::free) now; [`AllocError::CalledBack`] from a source's
+    /// call, before anything is read.
     fn free_now(&self, device: i64, ptr: DevicePtr) -> Result<(), AllocError> {
         if device < 0 {
             return self.free_anywhere(ptr);

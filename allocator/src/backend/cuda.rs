@@ -110,38 +110,13 @@ pub fn device_count() -> Result<usize, BackendError> {
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
-/// Whether `device` can export memory handles as POSIX file descriptors.
-fn posix_fd_supported(device: sys::CUdevice) -> bool {
+/// Whether `device` says yes to the boolean `attribute`; no when the driver
+/// cannot answer.
+fn device_flag(device: sys::CUdevice, attribute: sys::CUdevice_attribute) -> bool {
     let mut v: std::ffi::c_int = 0;
     // SAFETY: the driver is initialized (a device handle exists); `v` is a
     // valid out-pointer.
-    let r = unsafe {
-        driver::cuDeviceGetAttribute(
-            &mut v,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-            device,
-        )
-    };
-    r == driver::SUCCESS && v != 0
-}
-
-/// Whether `device` can create virtual-memory handles that a network card
-/// or storage reads and writes directly (GPUDirect RDMA): PyTorch's
-/// expandable segments, NCCL's `ncclMemAlloc` and cudaMalloc's memory are
-/// such memory where the platform allows it, and libraries that register
-/// tensors for RDMA (KV-cache transfer between inference servers, NCCL's
-/// user buffers over InfiniBand, GPUDirect Storage) rely on it.
-fn vmm_rdma_supported(device: sys::CUdevice) -> bool {
-    let mut v: std::ffi::c_int = 0;
-    // SAFETY: the driver is initialized (a device handle exists); `v` is a
-    // valid out-pointer.
-    let r = unsafe {
-        driver::cuDeviceGetAttribute(
-            &mut v,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
-            device,
-        )
-    };
+    let r = unsafe { driver::cuDeviceGetAttribute(&mut v, attribute, device) };
     r == driver::SUCCESS && v != 0
 }
 
@@ -237,8 +212,22 @@ impl CudaBackend {
             handles: FxHashSet::default(),
             mappings: BTreeMap::new(),
             calls: DriverCalls::default(),
-            exportable: posix_fd_supported(dev),
-            rdma: vmm_rdma_supported(dev),
+            // Memory handles exported as POSIX file descriptors (IPC).
+            exportable: device_flag(
+                dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            ),
+            // Virtual-memory handles that a network card or storage reads
+            // and writes directly (GPUDirect RDMA): PyTorch's expandable
+            // segments, NCCL's `ncclMemAlloc` and cudaMalloc's memory are
+            // such memory where the platform allows it, and libraries that
+            // register tensors for RDMA (KV-cache transfer between inference
+            // servers, NCCL's user buffers over InfiniBand, GPUDirect
+            // Storage) rely on it.
+            rdma: device_flag(
+                dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+            ),
             exported: FxHashMap::default(),
             unmapper: None,
             no_unmapper: false,
