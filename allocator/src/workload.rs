@@ -19,8 +19,10 @@ use crate::trace::{Action, TraceEvent};
 
 pub use crate::rng::Rng;
 pub use longer::{MAX_STEPS, longer};
+pub use python_random::PythonRandom;
 
 mod longer;
+mod python_random;
 
 /// SplitMix64: a well-mixed 64-bit value from any input.
 fn mix(mut x: u64) -> u64 {
@@ -90,43 +92,48 @@ impl Builder {
 
 /// The churn loop of `tests/gpu/checks.py` (`check_churn_wide`, the issue's
 /// loop): sizes log-uniform from 512 B to 64 MiB, so that no two large
-/// sizes repeat exactly (see `window_loop`).
-pub fn churn_wide(seed: u64, ops: usize) -> Vec<TraceEvent> {
+/// sizes repeat exactly (see `window_loop`), drawn by Python's
+/// `random.Random(seed)`: seed 5 is the check's own loop.
+pub fn churn_wide(seed: u32, ops: usize) -> Vec<TraceEvent> {
+    let mut r = PythonRandom::new(seed);
     let (lo, hi) = ((512f64).ln(), ((64u64 << 20) as f64).ln());
-    let sizes: Vec<u64> = (0..4096u64)
-        .map(|i| (lo + (hi - lo) * unit(mix(seed) ^ i)).exp() as u64)
-        .collect();
+    let sizes: Vec<u64> = (0..4096).map(|_| r.uniform(lo, hi).exp() as u64).collect();
     window_loop(&sizes, ops)
 }
 
 /// The other churn loop of `tests/gpu/checks.py` (`check_churn`): sizes
 /// drawn from six, 256 B to 24 MiB, so that the same few sizes come back
 /// in a fixed order and no request reaches `stitch_min_mb`; what it costs
-/// is defragmentation alone (see `window_loop`).
-pub fn churn(seed: u64, ops: usize) -> Vec<TraceEvent> {
+/// is defragmentation alone (see `window_loop`). Drawn by Python's
+/// `random.Random(seed)`: seed 4 is the check's own loop.
+pub fn churn(seed: u32, ops: usize) -> Vec<TraceEvent> {
     const SIZES: [u64; 6] = [256, 4096, 65536, 1 << 20, 5 << 20, 24 << 20];
-    let sizes: Vec<u64> = (0..4096u64)
-        .map(|i| SIZES[(mix(mix(seed) ^ i) % 6) as usize])
-        .collect();
+    let mut r = PythonRandom::new(seed);
+    let sizes: Vec<u64> = (0..4096).map(|_| r.choice(&SIZES)).collect();
     window_loop(&sizes, ops)
 }
 
 /// A window of 64 live tensors; each new tensor (cycling through `sizes`)
-/// replaces the oldest after it is allocated, as `window[i % 64] =
-/// torch.empty(...)` does. 2000 warm-up operations, then `ops`, at the
-/// H200's pace under PyTorch (about 2.5 µs per iteration).
+/// replaces the one in its slot after it is allocated, as `window[i % 64]
+/// = torch.empty(...)` does: 2000 warm-up operations, then `ops` that
+/// start again from the first size and the first slot, as the check's
+/// timed loop does. Events at the H200's pace under PyTorch (about 2.5 µs
+/// per iteration).
 fn window_loop(sizes: &[u64], ops: usize) -> Vec<TraceEvent> {
     let mut b = Builder {
         ns_per_event: 1_250,
         ..Builder::default()
     };
     let mut window = [0; 64];
-    for i in 0..2000 + ops {
+    for i in (0..2000).chain(0..ops) {
         let p = b.alloc(sizes[i % sizes.len()]);
         if window[i % 64] != 0 {
             b.free(window[i % 64]);
         }
         window[i % 64] = p;
+    }
+    for p in window.into_iter().filter(|&p| p != 0) {
+        b.free(p);
     }
     b.events
 }
