@@ -109,6 +109,20 @@ impl DefragBudget {
         earned > self.spent
     }
 
+    /// Whether there is credit at clock `now` with `share` of elapsed time
+    /// to spend, as [`allows`](Self::allows) answers, without recording
+    /// the question (the burst's cap is applied only when asked).
+    pub(crate) fn has_credit(&self, now: u64, share: f64) -> bool {
+        if share >= 1.0 {
+            return true;
+        }
+        if share <= 0.0 {
+            return false;
+        }
+        let start = self.start.unwrap_or(now);
+        BURST_NS + share * now.saturating_sub(start) as f64 > self.spent
+    }
+
     /// Nanoseconds charged so far (raised as the burst caps the credit).
     #[cfg(test)]
     pub(crate) fn spent_ns(&self) -> f64 {
@@ -151,6 +165,24 @@ mod tests {
             2.0 * BURST_NS + 20e6,
             "every charge, whatever was banked"
         );
+    }
+
+    #[test]
+    fn asking_for_credit_records_nothing() {
+        let (mut a, mut b) = (DefragBudget::default(), DefragBudget::default());
+        assert!(a.allows(0, 0.02) && b.allows(0, 0.02));
+        a.charge(BURST_NS + 1e6);
+        b.charge(BURST_NS + 1e6);
+        assert!(!a.has_credit(1_000, 0.02), "the burst is spent");
+        // Three seconds' credit, asked about and not: the same answer.
+        assert!(a.has_credit(3_000_000_000, 0.02));
+        assert!(b.allows(3_000_000_000, 0.02));
+        // Credit banked past the burst is capped only when asked.
+        assert!(a.has_credit(u64::MAX / 2, 0.02));
+        assert!(b.allows(u64::MAX / 2, 0.02));
+        assert_eq!(a.spent_ns(), BURST_NS + 1e6);
+        assert!(b.spent_ns() > BURST_NS + 1e6, "asked, b capped it");
+        assert!(!a.has_credit(0, 0.0) && a.has_credit(0, 1.0));
     }
 
     #[test]

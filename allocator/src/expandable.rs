@@ -59,6 +59,7 @@ use crate::block::{BlockId, BlockState, PoolId, SegmentId};
 use crate::cost::{CostModel, DriverCalls};
 use crate::device::DeviceAllocator;
 use crate::error::{AllocError, GrowError};
+use crate::free_runs::RunOrder;
 use crate::heap::{LARGE, SMALL, STITCH, Window};
 use crate::observer::{SegmentAction, teller};
 use crate::page_pool::KindDeltas;
@@ -262,10 +263,21 @@ impl<B: Backend> DeviceAllocator<B> {
                         .allows(now, self.config.defragment_budget);
                     let share = self.config.defragment_budget;
                     let pinned = within || (share > 0.0 && held + short > self.reserved_high());
+                    // A device out of stitch credit keeps moving pages
+                    // (Note [Reclaim order] in `free_runs.rs`).
+                    let order = if self
+                        .stitch_budget
+                        .has_credit(now, self.config.stitch_budget)
+                    {
+                        RunOrder::LargestFirst
+                    } else {
+                        RunOrder::SmallestFirst
+                    };
                     let calls = Some(self.defrag_meter());
                     // The window, widened or not, is not taken apart.
                     let end = ranges.iter().map(|r| r.1).fold(ws + rounded, u64::max);
-                    let moved = self.reclaim(excess.min(short), stream, (seg, ws, end), pinned);
+                    let moved =
+                        self.reclaim(excess.min(short), stream, (seg, ws, end), pinned, order);
                     if !matches!(moved, Ok(m) if m > 0) {
                         self.charge_defragmentation(calls);
                     }
@@ -556,8 +568,9 @@ impl<B: Backend> DeviceAllocator<B> {
         stream: StreamId,
         keep: (SegmentId, u64, u64),
         pinned: bool,
+        order: RunOrder,
     ) -> Result<u64, AllocError> {
-        let runs = self.reclaim_candidates(keep, want, pinned);
+        let runs = self.reclaim_candidates(keep, want, pinned, order);
         let mut took = 0;
         let mut chosen = Vec::new();
         // The last run taken gives only the handles still wanted.

@@ -13,7 +13,8 @@
 //! runs, and reserved memory rose from 1.003x to 1.05x peak allocated.
 //! Approach: three tiers, largest runs first within each (the fewest runs
 //! cut, and the handles that free runs between live blocks keep stay where
-//! the next small requests fit without a move):
+//! the next small requests fit without a move), smallest first while the
+//! stitch budget has no credit (below):
 //! 0. whole runs no stitch aliases;
 //! 1. only when tier 0 falls short of the request: the handles of runs a
 //!    stitch aliases in part that it does not alias, in pieces;
@@ -39,10 +40,37 @@
 //! does not win the multi-stream traces back (1.0293); the fewest handles
 //! per byte first costs the least driver time (261.6 ms) but ResNet-50
 //! reserves more (1.0185).
+//!
+//! Smallest first again while the stitch budget has no credit (round 41,
+//! thirty-second study): a device that spends more than `stitch_budget` of
+//! its time moving and stitching pages (Note [Stitch budget] in
+//! `budget.rs`) is an allocation loop that reshapes its memory every few
+//! microseconds, and there the small runs a large move leaves behind cannot
+//! hold its next large requests, which move pages again. On the H200 the
+//! C++ churn loop made 6,729 moves and spent 1,155–1,187 ms in the driver
+//! over 2,000,000 operations with largest first always, 5,068–5,154 and
+//! 831–914 ms with this rule (1,231–1,261 → 981–1,128 ns an alloc+free),
+//! at the same R/A (1.034); the Python loops 714 → 614–645 moves (256 B–24
+//! MiB, R/A 1.022 → 1.026–1.030). Training traces keep credit and are
+//! served as before; over 95 replayed workloads mean R/A 1.0300 → 1.0298
+//! and driver time 274.2 → 272.1 ms, only the four-stream CNN (mixed,
+//! 1.0049 → 1.0063 as recorded) and the churn loops changing.
 
 use crate::backend::{Backend, StreamId};
 use crate::block::{BlockState, SegmentId};
 use crate::device::DeviceAllocator;
+
+/// Which whole free runs defragmentation takes first within a tier (Note
+/// [Reclaim order]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RunOrder {
+    /// The largest first: fewest runs cut, the small ones left where small
+    /// requests fit.
+    LargestFirst,
+    /// The smallest first: the fragments between live blocks are used up,
+    /// the large runs left for the next large requests.
+    SmallestFirst,
+}
 
 /// A run of whole free handles: `(bytes, start, segment, stream, freed stamp)`.
 pub(crate) type FreeRun = (u64, u64, SegmentId, StreamId, u64);
@@ -96,6 +124,7 @@ impl<B: Backend> DeviceAllocator<B> {
         keep: (SegmentId, u64, u64),
         want: u64,
         pinned: bool,
+        order: RunOrder,
     ) -> Vec<FreeRun> {
         let runs = self.free_runs(Some(keep));
         let mut tiered: Vec<(u8, FreeRun)> = Vec::with_capacity(runs.len());
@@ -119,7 +148,12 @@ impl<B: Backend> DeviceAllocator<B> {
                 tiered.retain(|r| r.0 < 2);
             }
         }
-        tiered.sort_unstable_by_key(|&(tier, r)| (tier, std::cmp::Reverse(r.0), r.1));
+        match order {
+            RunOrder::LargestFirst => {
+                tiered.sort_unstable_by_key(|&(tier, r)| (tier, std::cmp::Reverse(r.0), r.1));
+            }
+            RunOrder::SmallestFirst => tiered.sort_unstable_by_key(|&(tier, r)| (tier, r.0, r.1)),
+        }
         tiered.into_iter().map(|r| r.1).collect()
     }
 
@@ -142,10 +176,11 @@ impl<B: Backend> DeviceAllocator<B> {
 mod tests {
     const MIB: u64 = 1 << 20;
 
-    #[test]
-    fn the_largest_runs_go_first() {
+    /// Free runs of 4, 16 and 8 MiB between live 2 MiB blocks, under
+    /// `conf` (2 MiB handles); returns the allocator and the live blocks.
+    fn three_runs(conf: &str) -> (crate::DeviceAllocator<crate::SimBackend>, Vec<u64>) {
         use crate::{Config, DeviceAllocator, SimBackend};
-        let conf = Config::parse("expandable_handle_mb:2").unwrap();
+        let conf = Config::parse(&format!("expandable_handle_mb:2,{conf}")).unwrap();
         let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), conf);
         let (mut free, mut live) = (Vec::new(), Vec::new());
         for mib in [4, 16, 8] {
@@ -156,24 +191,48 @@ mod tests {
             d.free(p).unwrap();
         }
         d.check_invariants().unwrap();
-        let keep = (d.free_runs(None)[0].2, 0, 0);
-        let order: Vec<u64> = d
-            .reclaim_candidates(keep, 6 * MIB, false)
-            .iter()
-            .map(|r| r.0 / MIB)
-            .collect();
-        assert_eq!(order, [16, 8, 4], "one run covers the request");
-        // A request of 20 MiB that no free block holds moves 20 MiB of
-        // pages: the whole 16 MiB run first, then 4 of the 8.
+        (d, live)
+    }
+
+    /// The free runs left after a request of 20 MiB that no free block
+    /// holds, which moves 20 MiB of pages, sorted by size in MiB.
+    fn left_after_a_move(conf: &str) -> Vec<u64> {
+        let (mut d, live) = three_runs(conf);
         let big = d.malloc(20 * MIB, 0).unwrap();
         d.check_invariants().unwrap();
         let mut left: Vec<u64> = d.free_runs(None).iter().map(|r| r.0 / MIB).collect();
         left.sort_unstable();
-        assert_eq!(left, [4, 4]);
         for p in live.into_iter().chain([big]) {
             d.free(p).unwrap();
         }
         d.check_invariants().unwrap();
+        left
+    }
+
+    #[test]
+    fn the_largest_runs_go_first() {
+        let (d, _) = three_runs("");
+        let keep = (d.free_runs(None)[0].2, 0, 0);
+        for (order, want) in [
+            (super::RunOrder::LargestFirst, [16, 8, 4]),
+            (super::RunOrder::SmallestFirst, [4, 8, 16]),
+        ] {
+            let got: Vec<u64> = d
+                .reclaim_candidates(keep, 6 * MIB, false, order)
+                .iter()
+                .map(|r| r.0 / MIB)
+                .collect();
+            assert_eq!(got, want, "{order:?}: one run covers the request");
+        }
+        // With stitch credit (the burst, at start): the whole 16 MiB run
+        // first, then 4 of the 8.
+        assert_eq!(left_after_a_move(""), [4, 4]);
+    }
+
+    #[test]
+    fn without_stitch_credit_the_smallest_runs_go_first() {
+        // No credit ever: the 4 MiB run, the 8, then 8 of the 16.
+        assert_eq!(left_after_a_move("stitch_budget:0"), [8]);
     }
 
     #[test]
@@ -194,16 +253,16 @@ mod tests {
         let keep = (partly.2, 0, 0);
         let bytes = |c: &[super::FreeRun]| c.iter().map(|r| r.0).sum::<u64>();
         // Enough in whole unaliased runs: only those.
-        let c = d.reclaim_candidates(keep, 80 * MIB, false);
+        let c = d.reclaim_candidates(keep, 80 * MIB, false, super::RunOrder::LargestFirst);
         assert_eq!((c.len(), bytes(&c)), (5, 80 * MIB));
         assert!(c.iter().all(|r| !d.aliased(r.1, r.1 + r.0)));
         // Short of them: the unaliased half of the partly aliased run comes
         // after them, and nothing aliased without the budget.
-        let c = d.reclaim_candidates(keep, 88 * MIB, false);
+        let c = d.reclaim_candidates(keep, 88 * MIB, false, super::RunOrder::LargestFirst);
         assert_eq!(bytes(&c), 88 * MIB);
         assert_eq!((c[5].0, c[5].1), free_half);
         // With the budget, the aliased handles come last.
-        let c = d.reclaim_candidates(keep, 128 * MIB, true);
+        let c = d.reclaim_candidates(keep, 128 * MIB, true, super::RunOrder::LargestFirst);
         assert_eq!(bytes(&c), 128 * MIB);
         assert_eq!((c[5].0, c[5].1), free_half);
         assert!(c[6..].iter().all(|r| d.aliased(r.1, r.1 + r.0)));

@@ -1,5 +1,6 @@
 //! Tests of `expandable.rs` (a sibling file: the module's own file stays short).
 
+use crate::free_runs::RunOrder;
 use crate::rng::Rng;
 use crate::{Backend, Config, DeviceAllocator, SimBackend};
 
@@ -512,7 +513,8 @@ fn spare_handles_still_mapped_at_their_old_place_are_waited_for_and_released() {
     // Defragmentation moves a's eight 16 MiB handles without waiting.
     let seg = d.heap.pools[crate::heap::LARGE as usize].expandable[0].1;
     assert_eq!(
-        d.reclaim(128 * MIB, 0, (seg, 0, 0), false).unwrap(),
+        d.reclaim(128 * MIB, 0, (seg, 0, 0), false, RunOrder::LargestFirst)
+            .unwrap(),
         128 * MIB
     );
     ok(&d);
@@ -557,7 +559,8 @@ fn spare_release_after(done: bool) -> i64 {
     d.empty_cache().unwrap();
     let seg = d.heap.pools[crate::heap::LARGE as usize].expandable[0].1;
     d.free(c).unwrap(); // c's eight 4 MiB handles pooled, idle
-    d.reclaim(32 * MIB, 0, (seg, 0, 0), false).unwrap();
+    d.reclaim(32 * MIB, 0, (seg, 0, 0), false, RunOrder::LargestFirst)
+        .unwrap();
     d.finish_drains().unwrap();
     d.backend_mut().launch(0);
     d.free(x).unwrap();
