@@ -110,16 +110,18 @@ impl DefragBudget {
     }
 
     /// Whether there is credit at clock `now` with `share` of elapsed time
-    /// to spend, as [`allows`](Self::allows) answers, without recording
-    /// the question (the burst's cap is applied only when asked).
-    pub(crate) fn has_credit(&self, now: u64, share: f64) -> bool {
+    /// to spend, as [`allows`](Self::allows) answers, without applying the
+    /// burst's cap (which only [`allows`](Self::allows) does). The first
+    /// reading starts the clock, as the first question does: a budget
+    /// charged but never asked earns from then on.
+    pub(crate) fn has_credit(&mut self, now: u64, share: f64) -> bool {
         if share >= 1.0 {
             return true;
         }
         if share <= 0.0 {
             return false;
         }
-        let start = self.start.unwrap_or(now);
+        let start = *self.start.get_or_insert(now);
         BURST_NS + share * now.saturating_sub(start) as f64 > self.spent
     }
 
@@ -168,15 +170,16 @@ mod tests {
     }
 
     #[test]
-    fn asking_for_credit_records_nothing() {
+    fn reading_the_credit_starts_the_clock_and_caps_nothing() {
         let (mut a, mut b) = (DefragBudget::default(), DefragBudget::default());
-        assert!(a.allows(0, 0.02) && b.allows(0, 0.02));
+        // Read first at 5 s: the clock starts there, not at 0.
+        assert!(a.has_credit(5_000_000_000, 0.02) && b.allows(5_000_000_000, 0.02));
         a.charge(BURST_NS + 1e6);
         b.charge(BURST_NS + 1e6);
-        assert!(!a.has_credit(1_000, 0.02), "the burst is spent");
-        // Three seconds' credit, asked about and not: the same answer.
-        assert!(a.has_credit(3_000_000_000, 0.02));
-        assert!(b.allows(3_000_000_000, 0.02));
+        assert!(!a.has_credit(5_000_001_000, 0.02), "the burst is spent");
+        // Three seconds later, read or asked: 60 ms earned, the same answer.
+        assert!(a.has_credit(8_000_000_000, 0.02));
+        assert!(b.allows(8_000_000_000, 0.02));
         // Credit banked past the burst is capped only when asked.
         assert!(a.has_credit(u64::MAX / 2, 0.02));
         assert!(b.allows(u64::MAX / 2, 0.02));

@@ -52,9 +52,12 @@
 //! 831–914 ms with this rule (1,231–1,261 → 981–1,128 ns an alloc+free),
 //! at the same R/A (1.034); the Python loops 714 → 614–645 moves (256 B–24
 //! MiB, R/A 1.022 → 1.026–1.030). Training traces keep credit and are
-//! served as before; over 95 replayed workloads mean R/A 1.0300 → 1.0298
-//! and driver time 274.2 → 272.1 ms, only the four-stream CNN (mixed,
-//! 1.0049 → 1.0063 as recorded) and the churn loops changing.
+//! served as before; over 95 replayed workloads mean R/A 1.0300 → 1.0297
+//! and driver time 274.2 → 272.2 ms, only the four-stream CNN (mixed,
+//! 1.0049 → 1.0063 as recorded) and the churn loops changing. The credit
+//! is read without the burst's cap (`DefragBudget::has_credit`), and the
+//! reading starts the budget's clock: a loop whose requests never ask
+//! about a stitch still earns its share of the time from its first move.
 
 use crate::backend::{Backend, StreamId};
 use crate::block::{BlockState, SegmentId};
