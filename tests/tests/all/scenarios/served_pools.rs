@@ -234,69 +234,82 @@ fn the_other_allocator_is_called_in_relaxed_capture_mode_during_a_capture() {
     }
 }
 
+/// A source that hands out addresses of its own and runs `hook` inside
+/// each of its calls (`"allocate"`, `"release"`, and `"drop"` when it is
+/// dropped): an allocator whose callbacks call back into gpualloc.
+struct Reentrant<F: FnMut(&str) + Send> {
+    hook: F,
+    next: gpualloc::DevicePtr,
+}
+
+impl<F: FnMut(&str) + Send> Reentrant<F> {
+    fn new(hook: F) -> Reentrant<F> {
+        Reentrant {
+            hook,
+            next: 0x5f00_0000_0000,
+        }
+    }
+}
+
+impl<F: FnMut(&str) + Send> gpualloc::SegmentSource for Reentrant<F> {
+    fn name(&self) -> &str {
+        "re-entrant"
+    }
+    fn allocate(
+        &mut self,
+        size: u64,
+        _: gpualloc::StreamId,
+    ) -> Result<gpualloc::DevicePtr, gpualloc::BackendError> {
+        (self.hook)("allocate");
+        let p = self.next;
+        self.next += size.next_multiple_of(2 * MIB);
+        Ok(p)
+    }
+    fn release(
+        &mut self,
+        _: gpualloc::DevicePtr,
+        _: u64,
+        _: gpualloc::StreamId,
+    ) -> Result<(), gpualloc::BackendError> {
+        (self.hook)("release");
+        Ok(())
+    }
+}
+
+impl<F: FnMut(&str) + Send> Drop for Reentrant<F> {
+    fn drop(&mut self) {
+        (self.hook)("drop");
+    }
+}
+
 /// An allocator that allocates through gpualloc from its own callbacks
 /// (PyTorch's lock is re-entrant, gpualloc's is not) gets an error, not a
 /// deadlock; the call that called it goes on.
 #[test]
 fn a_source_calling_back_gets_an_error_not_a_deadlock() {
-    use gpualloc::{
-        Allocator, BackendError, Config, DevicePtr, SegmentSource, SimBackend, StreamId,
-    };
-    use std::sync::{Arc, Mutex, Weak};
-
-    type Seen = Arc<Mutex<Vec<String>>>;
-    struct CallsBack {
-        alloc: Weak<Allocator<SimBackend>>,
-        seen: Seen,
-        next: DevicePtr,
-    }
-    impl CallsBack {
-        fn call_back(&self, what: &str) {
-            let a = self.alloc.upgrade().expect("alive");
-            let e = a
-                .malloc(0, 4096, 0)
-                .expect_err("a call back cannot be served");
-            assert!(matches!(e, AllocError::CalledBack { device: 0 }), "{e:?}");
-            assert!(a.empty_cache().is_err());
-            assert!(matches!(
-                a.with_owner(0x1234, |_| Ok(())),
-                Some(Err(AllocError::CalledBack { device: -1 }))
-            ));
-            self.seen.lock().unwrap().push(format!("{what}: {e}"));
-        }
-    }
-    impl SegmentSource for CallsBack {
-        fn name(&self) -> &str {
-            "calls back"
-        }
-        fn allocate(&mut self, size: u64, _: StreamId) -> Result<DevicePtr, BackendError> {
-            self.call_back("allocate");
-            let p = self.next;
-            self.next += size.next_multiple_of(2 * MIB);
-            Ok(p)
-        }
-        fn release(&mut self, _: DevicePtr, _: u64, _: StreamId) -> Result<(), BackendError> {
-            self.call_back("release");
-            Ok(())
-        }
-    }
-    impl Drop for CallsBack {
-        fn drop(&mut self) {
-            self.call_back("drop");
-        }
-    }
+    use gpualloc::{Allocator, Config, SimBackend};
+    use std::sync::{Arc, Mutex};
 
     let a = Arc::new(Allocator::new(
         Config::default(),
         1,
         Box::new(|_| Ok(SimBackend::new(GIB))),
     ));
-    let seen: Seen = Arc::default();
-    let source = CallsBack {
-        alloc: Arc::downgrade(&a),
-        seen: Arc::clone(&seen),
-        next: 0x5f00_0000_0000,
-    };
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let (alloc, log) = (Arc::downgrade(&a), Arc::clone(&seen));
+    let source = Reentrant::new(move |what: &str| {
+        let a = alloc.upgrade().expect("alive");
+        let e = a
+            .malloc(0, 4096, 0)
+            .expect_err("a call back cannot be served");
+        assert!(matches!(e, AllocError::CalledBack { device: 0 }), "{e:?}");
+        assert!(a.empty_cache().is_err());
+        assert!(matches!(
+            a.with_owner(0x1234, |_| Ok(())),
+            Some(Err(AllocError::CalledBack { device: -1 }))
+        ));
+        log.lock().unwrap().push(format!("{what}: {e}"));
+    });
     a.create_or_incref_pool_from(0, POOL, Box::new(source))
         .unwrap();
     a.begin_allocate_to_pool(0, POOL, None).unwrap();
@@ -323,40 +336,8 @@ fn a_source_calling_back_gets_an_error_not_a_deadlock() {
 /// (Note [Frees called back from a source]), not lost.
 #[test]
 fn a_free_called_back_from_a_source_is_done_when_the_call_returns() {
-    use gpualloc::{
-        Allocator, BackendError, Config, DevicePtr, SegmentSource, SimBackend, StreamId,
-    };
-    use std::sync::{Arc, Mutex, Weak};
-
-    type Victims = Arc<Mutex<Vec<DevicePtr>>>;
-    struct FreesBack {
-        alloc: Weak<Allocator<SimBackend>>,
-        victims: Victims,
-        next: DevicePtr,
-    }
-    impl FreesBack {
-        fn free_one(&self) {
-            let a = self.alloc.upgrade().expect("alive");
-            if let Some(p) = self.victims.lock().unwrap().pop() {
-                a.free(0, p).expect("a free called back is accepted");
-            }
-        }
-    }
-    impl SegmentSource for FreesBack {
-        fn name(&self) -> &str {
-            "frees back"
-        }
-        fn allocate(&mut self, size: u64, _: StreamId) -> Result<DevicePtr, BackendError> {
-            self.free_one();
-            let p = self.next;
-            self.next += size.next_multiple_of(2 * MIB);
-            Ok(p)
-        }
-        fn release(&mut self, _: DevicePtr, _: u64, _: StreamId) -> Result<(), BackendError> {
-            self.free_one();
-            Ok(())
-        }
-    }
+    use gpualloc::{Allocator, Config, DevicePtr, SimBackend};
+    use std::sync::{Arc, Mutex};
 
     for policy in ["policy:pytorch", ""] {
         let a = Arc::new(Allocator::new(
@@ -367,18 +348,22 @@ fn a_free_called_back_from_a_source_is_done_when_the_call_returns() {
         let allocated = |a: &Allocator<SimBackend>| a.stats(0).unwrap().allocated_bytes.all.current;
         let first = a.malloc(0, 8 * MIB, 0).unwrap();
         let second = a.malloc(0, 6 * MIB, 0).unwrap();
-        let victims: Victims = Arc::new(Mutex::new(vec![second, first]));
+        let victims: Arc<Mutex<Vec<DevicePtr>>> = Arc::new(Mutex::new(vec![second, first]));
         let base = allocated(&a);
-        a.create_or_incref_pool_from(
-            0,
-            POOL,
-            Box::new(FreesBack {
-                alloc: Arc::downgrade(&a),
-                victims: Arc::clone(&victims),
-                next: 0x5f00_0000_0000,
-            }),
-        )
-        .unwrap();
+        let (alloc, queue) = (Arc::downgrade(&a), Arc::clone(&victims));
+        // Frees one victim inside each allocate and release.
+        let source = Reentrant::new(move |what: &str| {
+            if what == "drop" {
+                return;
+            }
+            let a = alloc.upgrade().expect("alive");
+            let victim = queue.lock().unwrap().pop();
+            if let Some(p) = victim {
+                a.free(0, p).expect("a free called back is accepted");
+            }
+        });
+        a.create_or_incref_pool_from(0, POOL, Box::new(source))
+            .unwrap();
         // The pool grows: the source frees `first` from inside the call.
         a.begin_allocate_to_pool(0, POOL, None).unwrap();
         let p = a.malloc(0, 3 * MIB, 0).unwrap();
