@@ -1,53 +1,25 @@
 //! The `gpualloc` command end to end, on traces it generates itself.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-fn gpualloc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpualloc"))
-        .args(args)
-        .output()
-        .expect("run gpualloc")
-}
+mod common;
+use common::{gpualloc, s};
 
+/// Runs a command that must succeed; returns its stdout.
 fn ok(args: &[&str]) -> String {
-    let out = gpualloc(args);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "gpualloc {args:?} failed: {err}");
-    assert!(!err.contains("panicked"), "{err}");
-    String::from_utf8(out.stdout).unwrap()
+    common::ok(args).0
 }
 
 /// Runs a failing command; returns stderr after checking it failed cleanly.
 fn fails(args: &[&str]) -> String {
-    let out = gpualloc(args);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "gpualloc {args:?} should fail with status 1: {err}"
-    );
-    assert!(!err.contains("panicked"), "{err}");
+    let err = common::fails(args);
     assert!(err.starts_with("gpualloc: "), "{err}");
     err
 }
 
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
 fn generated(dir: &Path, events: u64) -> PathBuf {
-    let p = dir.join(format!("gen-{events}.gtrace"));
-    ok(&[
-        "generate",
-        "-o",
-        s(&p),
-        "--events",
-        &events.to_string(),
-        "--seed",
-        "3",
-    ]);
-    p
+    common::generated(dir, events, 3)
 }
 
 #[test]

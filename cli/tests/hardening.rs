@@ -3,16 +3,12 @@
 //! whenever it uses a damaged file's readable prefix.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 use gpualloc::trace::{Action, TraceEvent, TraceHeader, TraceWriter, frame};
 
-fn gpualloc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpualloc"))
-        .args(args)
-        .output()
-        .expect("run gpualloc")
-}
+mod common;
+use common::{gpualloc, s};
 
 /// Runs a command that must fail cleanly; returns its stderr.
 fn fails(args: &[&str]) -> String {
@@ -33,10 +29,6 @@ fn succeeds(args: &[&str]) -> String {
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "gpualloc {args:?} failed: {err}");
     err
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 fn generated(dir: &Path) -> PathBuf {

@@ -4,30 +4,16 @@
 //! and files that are not traces.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 use serde_json::Value;
 
-fn gpualloc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpualloc"))
-        .args(args)
-        .output()
-        .expect("run gpualloc")
-}
+mod common;
+use common::{fails, s};
 
+/// Runs a command that must succeed; returns its stdout.
 fn ok(args: &[&str]) -> String {
-    let out = gpualloc(args);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "gpualloc {args:?} failed: {err}");
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn fails(args: &[&str]) -> String {
-    let out = gpualloc(args);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(1), "gpualloc {args:?}: {err}");
-    assert!(!err.contains("panicked"), "{err}");
-    err
+    common::ok(args).0
 }
 
 fn json(args: &[&str]) -> Value {
@@ -35,15 +21,8 @@ fn json(args: &[&str]) -> Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
 
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
 fn generated(dir: &Path, events: u64) -> PathBuf {
-    let p = dir.join(format!("gen-{events}.gtrace"));
-    let n = events.to_string();
-    ok(&["generate", "-o", s(&p), "--events", &n, "--seed", "5"]);
-    p
+    common::generated(dir, events, 5)
 }
 
 const EXAMPLE: &str = concat!(

@@ -4,20 +4,11 @@
 //! warns, and never panics or wraps.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use gpualloc::trace::{Action, TraceEvent, TraceHeader, TraceWriter, frame};
 
-fn gpualloc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpualloc"))
-        .args(args)
-        .output()
-        .expect("run gpualloc")
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
+mod common;
+use common::{gpualloc, s};
 
 /// A trace of one device whose events are `(action, addr, size, aux)`.
 fn write(dir: &Path, name: &str, events: &[(Action, u64, u64, u64)]) -> PathBuf {

@@ -23,7 +23,27 @@ pub fn ok(args: &[&str]) -> (String, String) {
     let out = gpualloc(args);
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "gpualloc {args:?} failed: {err}");
+    assert!(!err.contains("panicked"), "{err}");
     (String::from_utf8(out.stdout).unwrap(), err)
+}
+
+/// Runs a command that must fail with status 1 (gpualloc's own errors,
+/// not the argument parser's) and no panic; returns its stderr.
+pub fn fails(args: &[&str]) -> String {
+    let out = gpualloc(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "gpualloc {args:?}: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+/// `gpualloc generate` of `events` events drawn from `seed`, written as
+/// `dir/gen-EVENTS.gtrace`.
+pub fn generated(dir: &Path, events: u64, seed: u64) -> PathBuf {
+    let p = dir.join(format!("gen-{events}.gtrace"));
+    let (n, seed) = (events.to_string(), seed.to_string());
+    ok(&["generate", "-o", s(&p), "--events", &n, "--seed", &seed]);
+    p
 }
 
 /// A path as the command's argument.
