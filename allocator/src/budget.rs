@@ -79,13 +79,14 @@
 //! to 64 MiB spends 2–9x less driver time (172 → 91 ms, 802 → 112 ms) and
 //! reserves 1.17–1.18x its peak allocated instead of 1.09–1.11x.
 
-/// The credit at start and the most that can be banked (50 ms).
+/// The credit at start and the most that can be banked (50 ms) once
+/// asked ([`DefragBudget::has_credit`] reads the credit uncapped).
 pub(crate) const BURST_NS: f64 = 50e6;
 
 /// Driver time earned and spent by defragmentation on one device.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct DefragBudget {
-    /// Clock reading at the first question.
+    /// Clock reading at the first question or reading of the credit.
     start: Option<u64>,
     /// Nanoseconds spent, raised so that the credit never exceeds the burst.
     spent: f64,

@@ -33,7 +33,7 @@
 //! | `unmap_thread` | `true`/`false` | true | with expandable segments: ranges given up (old places of moved pages, stitches torn down) are unmapped by a helper thread (held back while a request maps memory) rather than on the allocating thread (Note [Unmapping off the allocating thread]) |
 //! | `defer_unmap` | `true`/`false` | true | with `defragment`: pages taken from a free block whose work may still run are mapped where the request fits at once and unmapped from the old place once that work is done, when the request is on the same stream (Note [Unmapping behind the work]); `false`: the host waits for that work first |
 //! | `stitch_min_mb` | integer, 0–1048576 | 32 | with `defragment`: requests of at least this many MiB may be served by stitching free pages into a fresh range (0: never) |
-//! | `stitch_budget` | 0 ≤ x ≤ 1 | 0.05 | with `defragment`: the share of elapsed time that defragmenting and stitching may spend in driver calls before stitches are built or repaired only for requests that could not grow instead, and defragmentation takes the smallest free runs first instead of the largest (1: no limit; Note [Stitch budget], Note [Reclaim order]) |
+//! | `stitch_budget` | 0 ≤ x ≤ 1 | 0.05 | with `defragment`: the share of elapsed time that defragmenting and stitching may spend in driver calls before stitches are built or repaired only for requests that could not grow instead (1: no limit; Note [Stitch budget]); while it has no credit, defragmentation takes the smallest free runs first (0: always; Note [Reclaim order]) |
 //!
 //! A key may appear once. Numbers are plain decimal; a value outside its
 //! range is an error, never clamped or wrapped, so no accepted value can
@@ -179,8 +179,7 @@ pub struct Config {
     /// The share of elapsed time defragmenting may spend in driver calls.
     pub defragment_budget: f64,
     /// The share of elapsed time defragmenting may spend in driver calls
-    /// before stitches are built only where growing cannot serve and the
-    /// smallest free runs are moved first.
+    /// before stitches are built only where growing cannot serve.
     pub stitch_budget: f64,
     /// Requests of at least this many bytes may be stitched (`u64::MAX`: never).
     pub stitch_min: u64,

@@ -26,7 +26,8 @@
 //! the same ones), whole free handles elsewhere are unmapped
 //! into the pool, largest runs first (the fewest runs cut, and the small
 //! free runs between live blocks left for the small requests that fit
-//! there) and only as many handles as needed, and mapped where the request
+//! there; smallest first while the stitch budget has no credit) and only
+//! as many handles as needed, and mapped where the request
 //! fits. Handles that a cached stitch aliases are taken last, only when the
 //! others fall short and only within a budget of driver time (each handle
 //! taken is unmapped from the stitch too, a hole filled when the stitch is
