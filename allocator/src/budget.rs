@@ -79,14 +79,13 @@
 //! to 64 MiB spends 2–9x less driver time (172 → 91 ms, 802 → 112 ms) and
 //! reserves 1.17–1.18x its peak allocated instead of 1.09–1.11x.
 
-/// The credit at start and the most that can be banked (50 ms) once
-/// asked ([`DefragBudget::has_credit`] reads the credit uncapped).
+/// The credit at start and the most that can be banked (50 ms).
 pub(crate) const BURST_NS: f64 = 50e6;
 
 /// Driver time earned and spent by defragmentation on one device.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct DefragBudget {
-    /// Clock reading at the first question or reading of the credit.
+    /// Clock reading at the first question.
     start: Option<u64>,
     /// Nanoseconds spent, raised so that the credit never exceeds the burst.
     spent: f64,
@@ -108,22 +107,6 @@ impl DefragBudget {
         let earned = BURST_NS + share * now.saturating_sub(start) as f64;
         self.spent = self.spent.max(earned - BURST_NS);
         earned > self.spent
-    }
-
-    /// Whether there is credit at clock `now` with `share` of elapsed time
-    /// to spend, as [`allows`](Self::allows) answers, without applying the
-    /// burst's cap (which only [`allows`](Self::allows) does). The first
-    /// reading starts the clock, as the first question does: a budget
-    /// charged but never asked earns from then on.
-    pub(crate) fn has_credit(&mut self, now: u64, share: f64) -> bool {
-        if share >= 1.0 {
-            return true;
-        }
-        if share <= 0.0 {
-            return false;
-        }
-        let start = *self.start.get_or_insert(now);
-        BURST_NS + share * now.saturating_sub(start) as f64 > self.spent
     }
 
     /// Nanoseconds charged so far (raised as the burst caps the credit).
@@ -168,25 +151,6 @@ mod tests {
             2.0 * BURST_NS + 20e6,
             "every charge, whatever was banked"
         );
-    }
-
-    #[test]
-    fn reading_the_credit_starts_the_clock_and_caps_nothing() {
-        let (mut a, mut b) = (DefragBudget::default(), DefragBudget::default());
-        // Read first at 5 s: the clock starts there, not at 0.
-        assert!(a.has_credit(5_000_000_000, 0.02) && b.allows(5_000_000_000, 0.02));
-        a.charge(BURST_NS + 1e6);
-        b.charge(BURST_NS + 1e6);
-        assert!(!a.has_credit(5_000_001_000, 0.02), "the burst is spent");
-        // Three seconds later, read or asked: 60 ms earned, the same answer.
-        assert!(a.has_credit(8_000_000_000, 0.02));
-        assert!(b.allows(8_000_000_000, 0.02));
-        // Credit banked past the burst is capped only when asked.
-        assert!(a.has_credit(u64::MAX / 2, 0.02));
-        assert!(b.allows(u64::MAX / 2, 0.02));
-        assert_eq!(a.spent_ns(), BURST_NS + 1e6);
-        assert!(b.spent_ns() > BURST_NS + 1e6, "asked, b capped it");
-        assert!(!a.has_credit(0, 0.0) && a.has_credit(0, 1.0));
     }
 
     #[test]

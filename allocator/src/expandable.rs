@@ -266,10 +266,7 @@ impl<B: Backend> DeviceAllocator<B> {
                     let pinned = within || (share > 0.0 && held + short > self.reserved_high());
                     // A device out of stitch credit keeps moving pages
                     // (Note [Reclaim order] in `free_runs.rs`).
-                    let order = if self
-                        .stitch_budget
-                        .has_credit(now, self.config.stitch_budget)
-                    {
+                    let order = if self.stitch_budget.allows(now, self.config.stitch_budget) {
                         RunOrder::LargestFirst
                     } else {
                         RunOrder::SmallestFirst

@@ -52,12 +52,15 @@
 //! 831–914 ms with this rule (1,231–1,261 → 981–1,128 ns an alloc+free),
 //! at the same R/A (1.034); the Python loops 714 → 614–645 moves (256 B–24
 //! MiB, R/A 1.022 → 1.026–1.030). Training traces keep credit and are
-//! served as before; over 95 replayed workloads mean R/A 1.0300 → 1.0297
+//! served as before; over 95 replayed workloads mean R/A 1.0300 → 1.0298
 //! and driver time 274.2 → 272.2 ms, only the four-stream CNN (mixed,
-//! 1.0049 → 1.0063 as recorded) and the churn loops changing. The credit
-//! is read without the burst's cap (`DefragBudget::has_credit`), and the
-//! reading starts the budget's clock: a loop whose requests never ask
-//! about a stitch still earns its share of the time from its first move.
+//! 1.0049 → 1.0063 as recorded) and the churn loops changing. The budget
+//! is asked as a stitch asks it (`DefragBudget::allows`): the first
+//! question starts its clock, so a loop whose requests never ask about a
+//! stitch still earns its share of the time from its first move, and
+//! credit banked past the burst is forgotten, so a device that was quiet
+//! for an hour does not move pages largest first for minutes afterwards.
+//! With `stitch_budget:0` the smallest runs always go first, with 1 never.
 
 use crate::backend::{Backend, StreamId};
 use crate::block::{BlockState, SegmentId};
@@ -200,7 +203,15 @@ mod tests {
     /// The free runs left after a request of 20 MiB that no free block
     /// holds, which moves 20 MiB of pages, sorted by size in MiB.
     fn left_after_a_move(conf: &str) -> Vec<u64> {
-        let (mut d, live) = three_runs(conf);
+        let (d, live) = three_runs(conf);
+        left_after_a_move_in(d, live)
+    }
+
+    /// [`left_after_a_move`] on `d`, whose live blocks are `live`.
+    fn left_after_a_move_in(
+        mut d: crate::DeviceAllocator<crate::SimBackend>,
+        live: Vec<u64>,
+    ) -> Vec<u64> {
         let big = d.malloc(20 * MIB, 0).unwrap();
         d.check_invariants().unwrap();
         let mut left: Vec<u64> = d.free_runs(None).iter().map(|r| r.0 / MIB).collect();
@@ -236,6 +247,17 @@ mod tests {
     fn without_stitch_credit_the_smallest_runs_go_first() {
         // No credit ever: the 4 MiB run, the 8, then 8 of the 16.
         assert_eq!(left_after_a_move("stitch_budget:0"), [8]);
+        // The burst spent on moves at 0 s (the first question starts the
+        // clock): smallest first at 1 ms; at 10 s, 5% of it (500 ms) is
+        // earned again and the largest go first.
+        for (at, left) in [(1_000_000, vec![8]), (10_000_000_000, vec![4, 4])] {
+            let (mut d, live) = three_runs("");
+            d.backend.set_clock(0);
+            assert!(d.stitch_budget.allows(0, d.config.stitch_budget));
+            d.stitch_budget.charge(crate::budget::BURST_NS + 1e6);
+            d.backend.set_clock(at);
+            assert_eq!(left_after_a_move_in(d, live), left, "at {at} ns");
+        }
     }
 
     #[test]
