@@ -123,7 +123,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ),
     (
         "stitch_budget",
-        "share of elapsed time defragmenting may spend in driver calls before stitches are built or repaired only for requests that cannot grow instead (0 to 1; 1: no limit)",
+        "share of elapsed time defragmenting may spend in driver calls before stitches are built or repaired only for requests that cannot grow instead and the smallest free runs are moved first (0 to 1; 1: no limit)",
     ),
     (
         "expandable_segments",
