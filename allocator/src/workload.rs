@@ -212,6 +212,29 @@ mod tests {
         assert_ne!(p, evs);
     }
 
+    /// The sizes of the checks' loops: the values CPython 3.11 gives for
+    /// the expressions of `tests/gpu/checks.py`, the warm-up's first and
+    /// then the timed loop's, again from the first size.
+    #[test]
+    fn the_churn_loops_are_the_checks_loops() {
+        let sizes = |evs: Vec<TraceEvent>| -> Vec<u64> {
+            evs.iter()
+                .filter(|e| e.action == Action::Alloc)
+                .map(|e| e.size)
+                .collect()
+        };
+        let wide = sizes(churn_wide(5, 4096));
+        assert_eq!(wide.len(), 2000 + 4096);
+        assert_eq!(wide[..2], [788_815, 3_201_638]);
+        assert_eq!(wide[1999], 5562);
+        assert_eq!(wide[2000..2002], wide[..2], "the timed loop starts again");
+        assert_eq!(wide[2000 + 4095], 17_395_846);
+        let narrow = sizes(churn(4, 4096));
+        assert_eq!(narrow[..3], [4096, 65536, 256]);
+        assert_eq!(narrow[1999], 65536);
+        assert_eq!(narrow[2000 + 4095], 5 << 20);
+    }
+
     #[test]
     fn synthetic_workloads_replay_without_unknown_frees() {
         for evs in [churn(3, 2000), churn_wide(3, 2000), multiscale(3, 5)] {
