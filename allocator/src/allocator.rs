@@ -165,8 +165,7 @@ impl<B: Backend> Allocator<B> {
         stream: StreamId,
     ) -> Result<DevicePtr, AllocError> {
         let p = self.lock(device)?.malloc(size, stream);
-        self.run_deferred_frees();
-        p
+        self.after_deferred_frees(p)
     }
 
     /// [`DeviceAllocator::free`] on a device; a negative `device` means the
@@ -180,10 +179,7 @@ impl<B: Backend> Allocator<B> {
                 self.defer_free(ptr);
                 Ok(())
             }
-            r => {
-                self.run_deferred_frees();
-                r
-            }
+            r => self.after_deferred_frees(r),
         }
     }
 
@@ -229,19 +225,28 @@ impl<B: Backend> Allocator<B> {
     /// back from a source]) and reported as 0 bytes of device 0: its block
     /// cannot be read meanwhile.
     pub fn free_sized(&self, ptr: DevicePtr) -> Result<(u32, u64), AllocError> {
-        if crate::segment_source::in_source_call() {
-            self.defer_free(ptr);
-            return Ok((0, 0));
-        }
-        let r = self
-            .with_owner(ptr, |d| {
-                let size = d.allocation_size(ptr).unwrap_or(0);
-                d.free(ptr).map(|()| (d.device, size))
-            })
-            .unwrap_or(Err(AllocError::InvalidPointer {
+        let r = self.with_owner(ptr, |d| {
+            let size = d.allocation_size(ptr).unwrap_or(0);
+            d.free(ptr).map(|()| (d.device, size))
+        });
+        match r {
+            // Called back from a source: nothing was read or changed.
+            Some(Err(AllocError::CalledBack { .. })) => {
+                self.defer_free(ptr);
+                Ok((0, 0))
+            }
+            r => self.after_deferred_frees(r.unwrap_or(Err(AllocError::InvalidPointer {
                 ptr,
                 device: crate::error::ANY_DEVICE,
-            }));
+            }))),
+        }
+    }
+
+    /// `r`, once the frees deferred meanwhile have run: the end of every
+    /// entry point that may call a source (Note [Frees called back from a
+    /// source]).
+    #[inline]
+    fn after_deferred_frees<T>(&self, r: T) -> T {
         self.run_deferred_frees();
         r
     }
@@ -430,8 +435,7 @@ impl<B: Backend> Allocator<B> {
     /// `empty_cache` on every created device.
     pub fn empty_cache(&self) -> Result<(), AllocError> {
         let r = self.for_each_created(|d| d.empty_cache());
-        self.run_deferred_frees();
-        r
+        self.after_deferred_frees(r)
     }
 
     /// A device's stats; all zero for a device not created yet (which this
@@ -493,8 +497,7 @@ impl<B: Backend> Allocator<B> {
     /// [`DeviceAllocator::release_pool`] on a device.
     pub fn release_pool(&self, device: i64, pool: PoolKey) -> Result<(), AllocError> {
         let r = self.lock(device)?.release_pool(pool);
-        self.run_deferred_frees();
-        r
+        self.after_deferred_frees(r)
     }
 
     /// [`DeviceAllocator::create_or_incref_pool`] on a device.
@@ -544,8 +547,7 @@ impl<B: Backend> Allocator<B> {
                 AllocError::UnknownPool { .. } => Ok(()),
                 e => Err(e),
             });
-        self.run_deferred_frees();
-        r
+        self.after_deferred_frees(r)
     }
 
     /// Runs `f` on a created device (refusing a poisoned one, as

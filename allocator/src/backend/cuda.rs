@@ -146,9 +146,14 @@ pub struct CudaBackend {
     /// Whether new handles may be exported as POSIX file descriptors
     /// (asked of the device once; dropped if a creation refuses it).
     exportable: bool,
-    /// Whether new handles are created capable of GPUDirect RDMA (asked of
-    /// the device once, as PyTorch's expandable segments ask; dropped if a
-    /// creation refuses it).
+    /// Whether new handles are created capable of GPUDirect RDMA, which a
+    /// network card or storage reads and writes directly (asked of the
+    /// device once, as PyTorch's expandable segments ask; dropped if a
+    /// creation refuses it). PyTorch's expandable segments, NCCL's
+    /// `ncclMemAlloc` and cudaMalloc's memory are such memory where the
+    /// platform allows it, and libraries that register tensors for RDMA
+    /// (KV-cache transfer between inference servers, NCCL's user buffers
+    /// over InfiniBand, GPUDirect Storage) rely on it.
     rdma: bool,
     /// Descriptors of exported handles, closed when the handle is released.
     exported: FxHashMap<HandleId, i32>,
@@ -212,18 +217,10 @@ impl CudaBackend {
             handles: FxHashSet::default(),
             mappings: BTreeMap::new(),
             calls: DriverCalls::default(),
-            // Memory handles exported as POSIX file descriptors (IPC).
             exportable: device_flag(
                 dev,
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
             ),
-            // Virtual-memory handles that a network card or storage reads
-            // and writes directly (GPUDirect RDMA): PyTorch's expandable
-            // segments, NCCL's `ncclMemAlloc` and cudaMalloc's memory are
-            // such memory where the platform allows it, and libraries that
-            // register tensors for RDMA (KV-cache transfer between inference
-            // servers, NCCL's user buffers over InfiniBand, GPUDirect
-            // Storage) rely on it.
             rdma: device_flag(
                 dev,
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
