@@ -116,9 +116,7 @@ fn summary_of_an_empty_trace_gives_no_bytes_per_event() {
 fn report_is_one_self_contained_page() {
     let dir = tempfile::tempdir().unwrap();
     let t = generated(dir.path(), 50_000);
-    let html = dir.path().join("r.html");
-    ok(&["report", s(&t), "-o", s(&html)]);
-    let page = std::fs::read_to_string(&html).unwrap();
+    let page = common::report(&t);
     assert!(page.starts_with("<!DOCTYPE html>") && page.trim_end().ends_with("</html>"));
     for banned in [
         "http://",
@@ -1031,9 +1029,7 @@ fn summary_shows_what_empty_cache_made_the_driver_create_again() {
     assert!(recreated >= 4 * 6 * (64 << 20), "{e}");
     assert!(recreated < released, "{e}");
     // The report says it among its answers.
-    let html = dir.path().join("empty.html");
-    ok(&["report", s(&t), "-o", s(&html)]);
-    let page = std::fs::read_to_string(&html).unwrap();
+    let page = common::report(&t);
     assert!(
         page.contains("<code>empty_cache</code>: 5 calls gave back"),
         "no empty_cache answer"
@@ -1280,9 +1276,7 @@ fn summary_says_when_the_caching_allocator_was_switched_off() {
         "{l}"
     );
     // The report's first answer says it too.
-    let html = dir.path().join("forced.html");
-    ok(&["report", s(&t), "-o", s(&html)]);
-    let page = std::fs::read_to_string(&html).unwrap();
+    let page = common::report(&t);
     assert!(
         page.contains("The caching allocator was off from "),
         "the report does not say it"

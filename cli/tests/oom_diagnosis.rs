@@ -6,7 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{GIB, MIB, alloc, ev, ok, s, write_trace};
+use common::{GIB, MIB, alloc, ev, ok, report, s, write_trace};
 use gpualloc::trace::{EventKind, MemoryCap, Pool, TraceEvent, TraceOptions};
 use gpualloc::{Allocator, Config, SimBackend};
 
@@ -28,12 +28,6 @@ fn oom(requested: u64, device_free: u64) -> EventKind {
 /// Writes a one-device trace of `events`, with an END block when `end`.
 fn trace(dir: &Path, name: &str, config: &str, events: &[TraceEvent], end: bool) -> PathBuf {
     write_trace(dir, name, config, events, 0, end)
-}
-
-fn report(t: &Path) -> String {
-    let html = t.with_extension("html");
-    ok(&["report", s(t), "-o", s(&html)]);
-    std::fs::read_to_string(&html).unwrap()
 }
 
 /// 6 GiB allocated and reserved, then a request of 1 GiB fails with 2 GiB
@@ -317,9 +311,7 @@ fn report_advice_replays_only_the_device_that_failed() {
         v[0]["devices"][0]["ooms"], 0,
         "device 0 fits under policy:gpualloc"
     );
-    let html = dir.path().join("r.html");
-    ok(&["report", s(&t), "-o", s(&html)]);
-    let page = std::fs::read_to_string(&html).unwrap();
+    let page = report(&t);
     let dev0 =
         &page[page.find("data-device=\"0\"").unwrap()..page.find("data-device=\"1\"").unwrap()];
     assert!(

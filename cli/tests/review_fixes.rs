@@ -6,7 +6,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{MIB, alloc, ev, ok, s, write_trace};
+use common::{MIB, alloc, ev, ok, report, s, write_trace};
 use gpualloc::trace::{EventKind, Pool, TraceEvent};
 
 fn example(name: &str) -> String {
@@ -253,9 +253,7 @@ fn report_without_segments_gives_no_advice_from_a_0_byte_device() {
         ],
         0,
     );
-    let html = dir.path().join("r.html");
-    ok(&["report", s(&t), "-o", s(&html)]);
-    let page = std::fs::read_to_string(&html).unwrap();
+    let page = report(&t);
     for wrong in [
         "simulated device of 0 B",
         "Reduce the batch",
@@ -340,9 +338,7 @@ fn no_reserved_per_allocated_ratio_without_allocations() {
     let v: serde_json::Value =
         serde_json::from_str(&ok(&["diff", "--json", s(&t), s(&t)]).0).unwrap();
     assert!(v["devices"][0]["a"]["reserved_per_allocated"].is_null());
-    let html = dir.path().join("r.html");
-    ok(&["report", s(&t), "-o", s(&html)]);
-    let page = std::fs::read_to_string(&html).unwrap();
+    let page = report(&t);
     assert!(!page.contains("20971520.000"), "the report's ratio");
 }
 
@@ -353,9 +349,7 @@ fn no_reserved_per_allocated_ratio_without_allocations() {
 fn the_report_of_a_trace_without_events_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let t = trace(dir.path(), "empty.gtrace", "", &[], 0);
-    let html = dir.path().join("e.html");
-    ok(&["report", s(&t), "-o", s(&html)]);
-    let page = std::fs::read_to_string(&html).unwrap();
+    let page = report(&t);
     assert!(
         !page.contains("bytes per event"),
         "a size per event of none"

@@ -37,6 +37,14 @@ pub fn fails(args: &[&str]) -> String {
     err
 }
 
+/// The HTML page `gpualloc report` writes for the trace `t` (beside it,
+/// as `t` with the extension `html`).
+pub fn report(t: &Path) -> String {
+    let html = t.with_extension("html");
+    ok(&["report", s(t), "-o", s(&html)]);
+    std::fs::read_to_string(&html).unwrap()
+}
+
 /// `gpualloc generate` of `events` events drawn from `seed`, written as
 /// `dir/gen-EVENTS.gtrace`.
 pub fn generated(dir: &Path, events: u64, seed: u64) -> PathBuf {
