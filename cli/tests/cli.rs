@@ -718,6 +718,34 @@ fn parquet_export_names_the_caps_set_while_running() {
     assert_eq!(ulong(caps[0], "size"), 0);
 }
 
+/// The promise check's trace names the device's total with the cap it set:
+/// replayed on a round capacity it warns with the `--capacity` that
+/// reproduces the GPU's 87 refused requests, and does so on that capacity.
+#[test]
+fn a_capped_example_tells_the_capacity_that_reproduces_it() {
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/promise-budget.gtrace"
+    );
+    let (out, err) = common::ok(&["replay", "--capacity", "140GiB", "--json", example]);
+    assert!(
+        err.contains("--capacity 150109880320 reproduces the recording's cap"),
+        "{err}"
+    );
+    let replayed: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(replayed[0]["ooms"], 72, "{out}");
+    let (out, err) = common::ok(&[
+        "replay",
+        "--capacity",
+        "150109880320",
+        "--json",
+        example,
+    ]);
+    assert!(!err.contains("fraction of a device"), "{err}");
+    let replayed: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(replayed[0]["ooms"], 87, "{out}");
+}
+
 #[test]
 fn several_traces_export_to_one_parquet_folder() {
     let dir = tempfile::tempdir().unwrap();

@@ -328,14 +328,17 @@ fn multi_stream_traces_replay_to_the_gpus_peaks() {
 
 /// `examples/promise-budget.gtrace`: the GPU check of the promise (`bash
 /// tests/gpu/run.sh --only promise`, variant `gpualloc-traced`, library of
-/// 6e9720f: `docs/results/h200-round28/run-sh-6e9720f.json`). The check
+/// f6d54e1: `docs/results/h200-round42/`; first recorded with 6e9720f in
+/// round 28, before traces carried the device's total). The check
 /// caps the process at 6 GiB with `set_per_process_memory_fraction` after
 /// the trace started, fragments it on two streams and asks for what the
 /// bounds say is free, and for more: 87 requests failed on the GPU. The
 /// cap is in the trace (a `memory_limit` record), so a replay on a device
 /// of the driver's total ([`H200_TOTAL`], whose share the check asked
 /// for; on `nvidia-smi`'s larger figure 52 fail) fails the same 87 and reaches the GPU's peaks to the
-/// byte; without the record nothing fails.
+/// byte; without the record nothing fails. The trace names that total, so
+/// `gpualloc replay` on another capacity warns with the `--capacity` that
+/// reproduces the cap.
 #[test]
 fn a_cap_set_while_running_replays_to_the_gpus_failures() {
     let (recorded, events) = example("promise-budget.gtrace");
