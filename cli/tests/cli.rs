@@ -734,13 +734,7 @@ fn a_capped_example_tells_the_capacity_that_reproduces_it() {
     );
     let replayed: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(replayed[0]["ooms"], 72, "{out}");
-    let (out, err) = common::ok(&[
-        "replay",
-        "--capacity",
-        "150109880320",
-        "--json",
-        example,
-    ]);
+    let (out, err) = common::ok(&["replay", "--capacity", "150109880320", "--json", example]);
     assert!(!err.contains("fraction of a device"), "{err}");
     let replayed: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(replayed[0]["ooms"], 87, "{out}");
