@@ -30,6 +30,10 @@
 //! never send on that channel: a send could spin forever on a lock of the
 //! channel that the parent's writer thread held at the fork (a rare hang of
 //! the Python package's fork test in CI); what they record is dropped.
+//! Nor does the child drop its copies of the channel's ends: dropping the
+//! last one disconnects the channel, which takes the same kind of lock (a
+//! waker's, which the writer takes as it waits for a message), so the
+//! copies are leaked (`recorder.rs`, `leak_channel`).
 
 use std::io;
 use std::path::Path;

@@ -103,6 +103,25 @@ struct Sink {
     pid: u32,
 }
 
+impl Drop for Sink {
+    fn drop(&mut self) {
+        if self.pid != std::process::id() {
+            leak_channel(&mut self.tx, &mut self.spare);
+        }
+    }
+}
+
+/// Note [Traces across fork]: a forked child never lets go of its copy of
+/// the parent's channel ends. Dropping the last of them would disconnect
+/// the channel, which takes a lock of the channel that the parent's writer
+/// thread may have held at the fork: the child would wait forever (the
+/// Python package's fork test hung so, about one run in fifteen). The
+/// copy is leaked instead, in place of ends of a channel of its own.
+fn leak_channel(tx: &mut Sender<Msg>, spare: &mut Receiver<Vec<TraceEvent>>) {
+    std::mem::forget(std::mem::replace(tx, crossbeam_channel::bounded(0).0));
+    std::mem::forget(std::mem::replace(spare, crossbeam_channel::never()));
+}
+
 /// One device's trace buffer.
 pub struct DeviceTrace {
     device: u32,
@@ -638,6 +657,9 @@ impl Recorder {
 impl Drop for Recorder {
     fn drop(&mut self) {
         let _ = self.stop();
+        if !self.is_own() {
+            leak_channel(&mut self.tx, &mut self.spare);
+        }
     }
 }
 
@@ -821,6 +843,39 @@ mod tests {
         t.abandon();
         assert_eq!(rec.stop().unwrap().events, 0, "nothing reached the writer");
         std::fs::remove_file(rec.path()).unwrap();
+    }
+
+    /// Note [Traces across fork]: a forked child's copy of a device's
+    /// channel ends is leaked, never dropped: dropping the last of them
+    /// would disconnect the parent's channel, under a lock its writer
+    /// thread may have held at the fork. Its own process's ends disconnect
+    /// as usual.
+    #[test]
+    fn a_forked_childs_channel_ends_are_leaked_not_dropped() {
+        use crossbeam_channel::{TryRecvError, TrySendError};
+        for (pid, leaked) in [
+            (std::process::id().wrapping_add(1), true),
+            (std::process::id(), false),
+        ] {
+            let (tx, rx) = crossbeam_channel::bounded::<Msg>(1);
+            let (spare_tx, spare) = crossbeam_channel::bounded(1);
+            drop(Sink {
+                tx,
+                spare,
+                lossless: false,
+                pid,
+            });
+            if leaked {
+                assert!(matches!(rx.try_recv(), Err(TryRecvError::Empty)));
+                assert!(spare_tx.try_send(Vec::new()).is_ok());
+            } else {
+                assert!(matches!(rx.try_recv(), Err(TryRecvError::Disconnected)));
+                assert!(matches!(
+                    spare_tx.try_send(Vec::new()),
+                    Err(TrySendError::Disconnected(_))
+                ));
+            }
+        }
     }
 
     /// Note [Phases of a device that joins]: a device that joins between a
