@@ -104,7 +104,7 @@ class ProcessTest(unittest.TestCase):
         # channel (full here, and read by nothing in the child).
         code = textwrap.dedent(
             """
-            import os, signal, sys
+            import faulthandler, os, signal, sys
             from gpualloc import tracefile
             from gpualloc._lib import lib, GpuallocError
             path, child_path = sys.argv[1], sys.argv[2]
@@ -113,7 +113,10 @@ class ProcessTest(unittest.TestCase):
             L.free(L.malloc(1 << 20, 0, 0), 0)
             pid = os.fork()
             if pid == 0:
-                signal.alarm(20)  # a hang ends the child (exit -14)
+                # A hang shows where the child waits (the call, on stderr),
+                # then the alarm ends it (exit -14).
+                faulthandler.dump_traceback_later(15)
+                signal.alarm(20)
                 try:
                     L.trace_start(os.path.join(os.path.dirname(path), "no-such-dir", "x.gtrace"))
                     print("child: the start did not fail", flush=True)
@@ -136,8 +139,8 @@ class ProcessTest(unittest.TestCase):
             out = run(["-c", code, a, b])
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertNotIn("did not fail", out.stdout)
-        self.assertIn("child allocs 200000 dropped 0", out.stdout)
-        self.assertIn("child exit 0", out.stdout)
+        self.assertIn("child allocs 200000 dropped 0", out.stdout, out.stderr)
+        self.assertIn("child exit 0", out.stdout, out.stderr)
 
     def test_a_child_forked_during_trace_calls_does_not_hang_in_its_own(self):
         # Note [Trace control across fork]: threads flush and open phases in
