@@ -33,7 +33,7 @@
 //! Nor does the child drop its copies of the channel's ends: dropping the
 //! last one disconnects the channel, which takes the same kind of lock (a
 //! waker's, which the writer takes as it waits for a message), so the
-//! copies are leaked (`recorder.rs`, `leak_channel`).
+//! copies are leaked (`Ends` in `recorder.rs`).
 
 use std::io;
 use std::path::Path;

@@ -95,31 +95,50 @@ pub fn thread_id() -> u32 {
         .unwrap_or(0)
 }
 
-struct Sink {
+/// One process's ends of the writer's channels: events go out on `tx`,
+/// emptied buffers come back on `spare`.
+#[derive(Clone)]
+struct Ends {
     tx: Sender<Msg>,
     spare: Receiver<Vec<TraceEvent>>,
-    lossless: bool,
-    /// The process whose writer thread reads `tx`.
+    /// The process that started the trace, whose writer thread reads `tx`.
     pid: u32,
 }
 
-impl Drop for Sink {
+impl Ends {
+    /// Whether this process writes the trace: not a child forked from the
+    /// one that started it (Note [Traces across fork]).
+    fn is_own(&self) -> bool {
+        self.pid == std::process::id()
+    }
+}
+
+impl Drop for Ends {
+    /// Note [Traces across fork]: a forked child never lets go of its copy
+    /// of the parent's ends. Dropping the last of them would disconnect the
+    /// channel, which takes a lock that the parent's writer thread may have
+    /// held at the fork (crossbeam's waker mutex, taken as the writer
+    /// starts or stops waiting): the child would wait forever, the likeliest
+    /// cause of a hang of the Python package's fork test (3 runs in 40,
+    /// once). The copy is leaked instead, in place of ends of a channel of
+    /// its own.
     fn drop(&mut self) {
-        if self.pid != std::process::id() {
-            leak_channel(&mut self.tx, &mut self.spare);
+        if !self.is_own() {
+            std::mem::forget(std::mem::replace(
+                &mut self.tx,
+                crossbeam_channel::bounded(0).0,
+            ));
+            std::mem::forget(std::mem::replace(
+                &mut self.spare,
+                crossbeam_channel::never(),
+            ));
         }
     }
 }
 
-/// Note [Traces across fork]: a forked child never lets go of its copy of
-/// the parent's channel ends. Dropping the last of them would disconnect
-/// the channel, which takes a lock of the channel that the parent's writer
-/// thread may have held at the fork: the child would wait forever (the
-/// Python package's fork test hung so, about one run in fifteen). The
-/// copy is leaked instead, in place of ends of a channel of its own.
-fn leak_channel(tx: &mut Sender<Msg>, spare: &mut Receiver<Vec<TraceEvent>>) {
-    std::mem::forget(std::mem::replace(tx, crossbeam_channel::bounded(0).0));
-    std::mem::forget(std::mem::replace(spare, crossbeam_channel::never()));
+struct Sink {
+    ends: Ends,
+    lossless: bool,
 }
 
 /// One device's trace buffer.
@@ -231,11 +250,7 @@ impl DeviceTrace {
 
     #[cold]
     fn hand_off(&mut self) {
-        if self
-            .sink
-            .as_ref()
-            .is_some_and(|s| s.pid != std::process::id())
-        {
+        if self.sink.as_ref().is_some_and(|s| !s.ends.is_own()) {
             // A forked child's copy (Note [Traces across fork]): nothing
             // reads the channel here, and a send could spin forever on a
             // lock of the channel that the parent's writer thread held at
@@ -249,6 +264,7 @@ impl DeviceTrace {
             return;
         };
         let fresh = sink
+            .ends
             .spare
             .try_recv()
             .unwrap_or_else(|_| Vec::with_capacity(self.cap));
@@ -259,9 +275,9 @@ impl DeviceTrace {
             dropped: self.dropped_pending,
         };
         let refused = if sink.lossless {
-            sink.tx.send(msg).err().map(|e| e.0)
+            sink.ends.tx.send(msg).err().map(|e| e.0)
         } else {
-            match sink.tx.try_send(msg) {
+            match sink.ends.tx.try_send(msg) {
                 Ok(()) => None,
                 Err(TrySendError::Full(m) | TrySendError::Disconnected(m)) => Some(m),
             }
@@ -293,6 +309,7 @@ impl DeviceTrace {
         }
         let fresh = match &self.sink {
             Some(s) => s
+                .ends
                 .spare
                 .try_recv()
                 .unwrap_or_else(|_| Vec::with_capacity(self.cap)),
@@ -320,7 +337,7 @@ impl DeviceTrace {
     }
 
     fn send_rest(&mut self) {
-        let Some(tx) = self.sink.as_ref().map(|s| s.tx.clone()) else {
+        let Some(tx) = self.sink.as_ref().map(|s| s.ends.tx.clone()) else {
             return;
         };
         if let Some(Msg::Events {
@@ -381,8 +398,7 @@ pub struct Recorder {
     opts: TraceOptions,
     /// [`clock::now_ns`](crate::clock::now_ns) at the start.
     start_ns: u64,
-    tx: Sender<Msg>,
-    spare: Receiver<Vec<TraceEvent>>,
+    ends: Ends,
     strings: Arc<Mutex<Strings>>,
     /// What a device that joins replays (Note [Phases of a device that
     /// joins] in `trace_control.rs`).
@@ -390,8 +406,6 @@ pub struct Recorder {
     writer: Mutex<Option<JoinHandle<io::Result<TraceSummary>>>>,
     path: std::path::PathBuf,
     lost: Lost,
-    /// The process that started the trace, whose thread writes it.
-    pid: u32,
 }
 
 impl Recorder {
@@ -451,14 +465,16 @@ impl Recorder {
         Ok(Recorder {
             opts,
             start_ns,
-            tx,
-            spare,
+            ends: Ends {
+                tx,
+                spare,
+                pid: std::process::id(),
+            },
             strings,
             joining: Mutex::new(Joining::default()),
             writer: Mutex::new(Some(handle)),
             path: path.to_path_buf(),
             lost,
-            pid: std::process::id(),
         })
     }
 
@@ -466,14 +482,14 @@ impl Recorder {
     /// the process that started it, which has no writer thread (Note
     /// [Traces across fork]).
     pub fn is_own(&self) -> bool {
-        self.pid == std::process::id()
+        self.ends.is_own()
     }
 
     fn foreign(&self) -> io::Error {
         io::Error::other(format!(
             "the trace {} is written by process {}, which this process was forked from",
             self.path.display(),
-            self.pid
+            self.ends.pid
         ))
     }
 
@@ -500,10 +516,8 @@ impl Recorder {
             cap: self.opts.buffer_events,
             start_ns: self.start_ns,
             sink: Some(Sink {
-                tx: self.tx.clone(),
-                spare: self.spare.clone(),
+                ends: self.ends.clone(),
                 lossless: self.opts.lossless,
-                pid: self.pid,
             }),
             dropped_pending: 0,
             dropped_total: 0,
@@ -620,7 +634,7 @@ impl Recorder {
 
     /// Sends a message, waiting for room (control paths only).
     pub(crate) fn send(&self, msg: Msg) {
-        let _ = self.tx.send(msg);
+        let _ = self.ends.tx.send(msg);
     }
 
     /// Waits until everything sent so far is written and flushed.
@@ -629,7 +643,8 @@ impl Recorder {
             return Err(self.foreign()); // no writer would ever answer
         }
         let (ack_tx, ack) = crossbeam_channel::bounded(1);
-        self.tx
+        self.ends
+            .tx
             .send(Msg::Flush(ack_tx))
             .map_err(|_| io::Error::other("gpualloc trace writer has stopped"))?;
         ack.recv()
@@ -647,7 +662,7 @@ impl Recorder {
             std::mem::forget(handle);
             return Err(self.foreign());
         }
-        let _ = self.tx.send(Msg::Stop);
+        let _ = self.ends.tx.send(Msg::Stop);
         handle
             .join()
             .map_err(|_| io::Error::other("gpualloc trace writer panicked"))?
@@ -657,9 +672,6 @@ impl Recorder {
 impl Drop for Recorder {
     fn drop(&mut self) {
         let _ = self.stop();
-        if !self.is_own() {
-            leak_channel(&mut self.tx, &mut self.spare);
-        }
     }
 }
 
@@ -833,7 +845,7 @@ mod tests {
         let rec = Recorder::start(&path, "", 1, opts).unwrap();
         let mut t = rec.device_trace(0, rec.start_ns);
         // As in a child: the channel's reader is another process's thread.
-        t.sink.as_mut().unwrap().pid = std::process::id().wrapping_add(1);
+        t.sink.as_mut().unwrap().ends.pid = std::process::id().wrapping_add(1);
         for i in 0..1000 {
             t.record(rec.start_ns + i, Action::Mark, 0, 0, 0, 0);
             assert!(t.buf.len() <= 64, "bounded: {}", t.buf.len());
@@ -845,11 +857,10 @@ mod tests {
         std::fs::remove_file(rec.path()).unwrap();
     }
 
-    /// Note [Traces across fork]: a forked child's copy of a device's
-    /// channel ends is leaked, never dropped: dropping the last of them
-    /// would disconnect the parent's channel, under a lock its writer
-    /// thread may have held at the fork. Its own process's ends disconnect
-    /// as usual.
+    /// Note [Traces across fork]: a forked child's copy of the channel
+    /// ends is leaked, never dropped: dropping the last of them would
+    /// disconnect the parent's channel, under a lock its writer thread may
+    /// have held at the fork. Its own process's ends disconnect as usual.
     #[test]
     fn a_forked_childs_channel_ends_are_leaked_not_dropped() {
         use crossbeam_channel::{TryRecvError, TrySendError};
@@ -859,12 +870,7 @@ mod tests {
         ] {
             let (tx, rx) = crossbeam_channel::bounded::<Msg>(1);
             let (spare_tx, spare) = crossbeam_channel::bounded(1);
-            drop(Sink {
-                tx,
-                spare,
-                lossless: false,
-                pid,
-            });
+            drop(Ends { tx, spare, pid });
             if leaked {
                 assert!(matches!(rx.try_recv(), Err(TryRecvError::Empty)));
                 assert!(spare_tx.try_send(Vec::new()).is_ok());
