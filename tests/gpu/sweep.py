@@ -14,9 +14,15 @@ step or one generate call, between two synchronizations), its outputs
 R/A, the mean over all rounds (round 0 included: the compile of
 compile_dynamic) and the median from the fifth of the rounds on, each
 against the faster PyTorch variant's, num_device_alloc (cudaMalloc calls
-under PyTorch; mappings that created memory under gpualloc), and
+under PyTorch; mappings that created memory under gpualloc),
 how far the outputs are from PyTorch's (bf16 and fp16 kernels may round
-differently at other addresses: native-expandable differs too). Variant
+differently at other addresses: native-expandable differs too), the
+rounds after the first fifth against the faster PyTorch variant's in the same
+repeat (the rounds draw the same shapes, so they pair), and the
+process's host speed before and after its rounds (`host_floor_us`, as the
+trainings measure it); repeats whose processes ran at host speeds more
+than 1.25x apart are named, since their host-bound rounds cannot rank the
+allocators. Variant
 gpualloc-traced records DIR/traces/WORKLOAD.gtrace. Writes DIR/sweep.md
 and DIR/sweep.json.
 
@@ -642,9 +648,12 @@ def child(name, alloc):
         PROFILER = StepProfiler(os.environ.get("GPUALLOC_SWEEP_PROFILE_ROUNDS"))
         payload["setup"] = checks.setup(alloc)
         checks._deterministic()
+        import torch
+
+        floor = [checks._host_floor_us(torch)]
         fn, rounds = WORKLOADS[name]
         (times, outs), what = fn(rounds)
-        import torch
+        floor.append(checks._host_floor_us(torch))
 
         warm = times[max(1, rounds // 5):]
         payload["result"] = {
@@ -656,6 +665,7 @@ def child(name, alloc):
             "peak_allocated": torch.cuda.max_memory_allocated(),
             "peak_reserved": torch.cuda.max_memory_reserved(),
             "counters": checks._counters(),
+            "host_floor_us": floor,
         }
         payload["result"].update(PROFILER.report())
     except Exception as e:  # noqa: BLE001
@@ -666,10 +676,50 @@ def child(name, alloc):
     checks.result(payload)
 
 
+def paired_ratio(runs, workload, variant, ref):
+    """The median over repeats of `variant`'s time over `ref`'s in the same
+    repeat, summed over the rounds both ran after the first fifth: the
+    workloads draw the same shapes round by round, so rounds pair, and a
+    repeat pairs two processes run one after the other. None without a
+    reference or a repeat where both finished."""
+    if ref is None or ref == variant:
+        return None
+
+    def rounds(v, rep):
+        return next((r["result"]["round_ms"] for r in runs if r["workload"] == workload and r["variant"] == v
+                     and r.get("repeat", 0) == rep and "round_ms" in r.get("result", {})), None)
+
+    ratios = []
+    for rep in sorted({r.get("repeat", 0) for r in runs if r["workload"] == workload}):
+        a, b = rounds(variant, rep), rounds(ref, rep)
+        if a and b:
+            n = min(len(a), len(b))
+            start = max(1, n // 5)
+            if sum(b[start:n]) > 0:
+                ratios.append(sum(a[start:n]) / sum(b[start:n]))
+    return statistics.median(ratios) if ratios else None
+
+
+def host_notes(runs, workloads):
+    """A note for each repeat whose processes of one workload ran at host
+    speeds (`host_floor_us`) more than driver.HOST_SPEED_TOLERANCE apart:
+    their host-bound rounds cannot rank the allocators."""
+    notes = []
+    for w in workloads:
+        for rep in sorted({r.get("repeat", 0) for r in runs if r["workload"] == w}):
+            floors = {r["variant"]: driver.host_floor(r["result"]) for r in runs
+                      if r["workload"] == w and r.get("repeat", 0) == rep and "result" in r}
+            floors = {v: f for v, f in floors.items() if f}
+            if len(floors) > 1 and max(floors.values()) / min(floors.values()) > driver.HOST_SPEED_TOLERANCE:
+                each = ", ".join(f"{v} {f:.2f} µs" for v, f in floors.items())
+                notes.append(f"{w}, repeat {rep}: host speeds differ ({each}); its host-bound rounds cannot rank the allocators")
+    return notes
+
+
 def summarize(runs, workloads, variants):
     rows = ["| workload | variant | runs | R/A | mean, all rounds (ms) | median (ms) | mean / faster native | median / faster native "
-            "| outputs vs native (max rel. diff) | num_device_alloc |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| outputs vs native (max rel. diff) | num_device_alloc | rounds / faster native, paired | host µs |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w in workloads:
         ok = {v: [r["result"] for r in runs if r["workload"] == w and r["variant"] == v and "result" in r] for v in variants}
         means = {v: statistics.median(x["mean_s_all"] for x in ok[v]) for v in variants if ok[v]}
@@ -686,7 +736,7 @@ def summarize(runs, workloads, variants):
             failed = [r for r in runs if r["workload"] == w and r["variant"] == v and "result" not in r]
             if not ok[v]:
                 err = failed[0].get("error", "?") if failed else "not run"
-                rows.append(f"| {w} | {v} | 0 | failed: {str(err)[:80]} | | | | | | |")
+                rows.append(f"| {w} | {v} | 0 | failed: {str(err)[:80]} | | | | | | | | |")
                 continue
             ra = statistics.median(x["peak_reserved"] / max(1, x["peak_allocated"]) for x in ok[v])
             med = medians[v] * 1e3
@@ -694,8 +744,13 @@ def summarize(runs, workloads, variants):
             rel_median = f"{medians[v] / base_median:.3f}" if base_median else "–"
             same = "–" if ref is None else f"{max(diff(x['outputs']) for x in ok[v]):.1e}"
             dev = ok[v][0]["counters"].get("num_device_alloc")
+            faster = min((n for n in NATIVE if n in means), key=means.get, default=None)
+            paired = paired_ratio(runs, w, v, faster)
+            floors = [f for f in (driver.host_floor(x) for x in ok[v]) if f]
+            host = f"{statistics.median(floors):.2f}" if floors else "–"
             rows.append(f"| {w} | {v} | {len(ok[v])}{f' ({len(failed)} failed)' if failed else ''} | {ra:.3f} | "
-                        f"{means[v] * 1e3:.1f} | {med:.1f} | {rel} | {rel_median} | {same} | {dev} |")
+                        f"{means[v] * 1e3:.1f} | {med:.1f} | {rel} | {rel_median} | {same} | {dev} | "
+                        f"{'–' if paired is None else f'{paired:.3f}'} | {host} |")
     return "\n".join(rows)
 
 
@@ -740,7 +795,7 @@ def main():
                 status = "ok" if "result" in r else r.get("error", "failed")
                 print(f"{w} {v} repeat {rep}: {status} ({r['wall_s']} s)", flush=True)
     md = "## Sweep\n\n" + summarize(runs, workloads, variants)
-    for note in driver.order_notes(runs, workloads, variants, lambda r: "result" in r):
+    for note in driver.order_notes(runs, workloads, variants, lambda r: "result" in r) + host_notes(runs, workloads):
         md += "\n\n" + note
     if skipped:
         md += "\n\nSkipped (budget): " + ", ".join(skipped)

@@ -91,6 +91,30 @@ class SweepSummary(unittest.TestCase):
         ours = next(r for r in text.splitlines() if "| w | gpualloc |" in r).split("|")
         self.assertEqual(ours[7].strip(), "–", "no PyTorch run to compare with")
 
+    def test_rounds_pair_within_a_repeat_against_the_faster_pytorch_mode(self):
+        def timed(variant, rep, rounds, floor):
+            r = run("w", variant, sum(rounds) / 1e3, 0.1, [1.0])
+            r["repeat"], r["result"]["round_ms"], r["result"]["host_floor_us"] = rep, rounds, floor
+            return r
+        warm = [100.0] * 5  # the first fifth is left out of the pairing
+        runs = [timed("native", 0, warm + [30.0] * 20, [1.4, 1.5]),
+                timed("native-expandable", 0, warm + [10.0] * 20, [1.4, 1.6]),
+                timed("gpualloc", 0, [1.0] * 5 + [12.0] * 20, [1.5, 1.5]),
+                timed("native", 1, warm + [30.0] * 20, [1.4, 1.4]),
+                timed("native-expandable", 1, warm + [20.0] * 20, [2.8, 2.8]),
+                timed("gpualloc", 1, warm + [20.0] * 19, [1.4, 1.4])]
+        rows = sweep.summarize(runs, ["w"], ["native", "native-expandable", "gpualloc"]).splitlines()
+        ours = next(r for r in rows if "| gpualloc |" in r).split("|")
+        # repeat 0: 240 / 200 ms; repeat 1 (24 rounds paired, after the first fifth of them): 480 / 480
+        self.assertEqual(ours[11].strip(), "1.100")
+        self.assertEqual(ours[12].strip(), "1.45")
+        ref = next(r for r in rows if "| native-expandable |" in r).split("|")
+        self.assertEqual(ref[11].strip(), "–", "the reference is not paired with itself")
+        notes = sweep.host_notes(runs, ["w"])
+        self.assertEqual(len(notes), 1, notes)
+        self.assertIn("w, repeat 1: host speeds differ", notes[0])
+        self.assertIn("native-expandable 2.80 µs", notes[0])
+
     def test_outputs_of_another_length_differ_infinitely(self):
         runs = [run("w", "native", 0.1, 0.1, [1.0, 2.0]), run("w", "gpualloc", 0.1, 0.1, [1.0])]
         self.assertIn("inf", sweep.summarize(runs, ["w"], ["native", "gpualloc"]))
