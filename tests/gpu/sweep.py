@@ -724,7 +724,8 @@ def summarize(runs, workloads, variants):
         ok = {v: [r["result"] for r in runs if r["workload"] == w and r["variant"] == v and "result" in r] for v in variants}
         means = {v: statistics.median(x["mean_s_all"] for x in ok[v]) for v in variants if ok[v]}
         medians = {v: statistics.median(x["median_s"] for x in ok[v]) for v in variants if ok[v]}
-        base = min((means[v] for v in NATIVE if v in means), default=None)
+        faster = min((n for n in NATIVE if n in means), key=means.get, default=None)
+        base = means.get(faster)
         base_median = min((medians[v] for v in NATIVE if v in medians), default=None)
         ref = next((ok[v][0]["outputs"] for v in NATIVE if ok.get(v)), None)
 
@@ -744,7 +745,6 @@ def summarize(runs, workloads, variants):
             rel_median = f"{medians[v] / base_median:.3f}" if base_median else "–"
             same = "–" if ref is None else f"{max(diff(x['outputs']) for x in ok[v]):.1e}"
             dev = ok[v][0]["counters"].get("num_device_alloc")
-            faster = min((n for n in NATIVE if n in means), key=means.get, default=None)
             paired = paired_ratio(runs, w, v, faster)
             floors = [f for f in (driver.host_floor(x) for x in ok[v]) if f]
             host = f"{statistics.median(floors):.2f}" if floors else "–"
