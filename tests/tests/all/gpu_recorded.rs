@@ -426,3 +426,23 @@ fn three_sweep_traces_replay_to_the_gpus_peaks_and_memory_calls() {
         assert_eq!(out.driver.memory_calls(), calls, "{name}");
     }
 }
+
+/// `examples/cudnn-benchmark.gtrace`: the sweep's ResNet-50 with
+/// `torch.backends.cudnn.benchmark` on (bf16, channels-last, six input
+/// sizes drawn at random), recorded by `bash tests/gpu/sweep.sh --only
+/// cudnn_benchmark --variants native-expandable,gpualloc-traced,gpualloc`
+/// with the library of b1ddfe7 (`docs/results/h200-round44/`). cuDNN
+/// empties the cache after timing each new convolution shape: 408
+/// `empty_cache` calls give back 30.6 GiB, nearly all created again
+/// (Note [Regrowth]). It replays to the GPU's peaks to the byte (R/A
+/// 1.0097; PyTorch expandable's 1.019) and to the 13,843 memory calls the
+/// CUDA backend counted.
+#[test]
+fn a_cudnn_benchmark_trace_replays_to_the_gpus_peaks_and_memory_calls() {
+    let out = replayed("cudnn-benchmark.gtrace", None);
+    assert_eq!(
+        (out.peak_reserved, out.peak_allocated, out.ooms),
+        (4_791_992_320, 4_745_740_288, 0)
+    );
+    assert_eq!(out.driver.memory_calls(), 13_843);
+}
