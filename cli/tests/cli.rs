@@ -1308,3 +1308,61 @@ fn summary_says_when_the_caching_allocator_was_switched_off() {
     let v: serde_json::Value = serde_json::from_str(&ok(&["summary", s(&t), "--json"])).unwrap();
     assert!(v["devices"][0]["caching_off"].is_null());
 }
+
+#[test]
+fn summary_shows_each_pools_share_at_peak_reserved() {
+    let example = |name: &str| format!("{}/../examples/{name}", env!("CARGO_MANIFEST_DIR"));
+    // BERT's small pool holds 20 MiB for under 4 MiB of live blocks at the
+    // peak: pages a few long-lived small blocks keep (thirty-fifth study).
+    let bert = example("bert-checkpoint-amp.gtrace");
+    let out = ok(&["summary", &bert]);
+    let line = out
+        .lines()
+        .find(|l| l.contains("pools at peak reserved"))
+        .unwrap_or_else(|| panic!("no pools line:\n{out}"));
+    assert!(
+        line.trim_start()
+            .starts_with("pools at peak reserved: small 20.00 MiB (3.98 MiB allocated), large "),
+        "{line}"
+    );
+    assert!(!line.contains("private"), "{line}");
+    // Every reserved byte is some pool's or unmapped, and every allocated
+    // byte is in some pool, in a trace with private pools too.
+    for name in [
+        "bert-checkpoint-amp.gtrace",
+        "reduce-overhead-graphs.gtrace",
+    ] {
+        let path = example(name);
+        let v: serde_json::Value =
+            serde_json::from_str(&ok(&["summary", &path, "--json"])).unwrap();
+        let d = &v["devices"][0];
+        let x = &d["pools_at_peak_reserved"];
+        let sum = |k: &str| {
+            ["small", "large", "private"]
+                .iter()
+                .map(|p| x[p][k].as_u64().unwrap())
+                .sum::<u64>()
+        };
+        assert_eq!(
+            sum("reserved") + x["unmapped"].as_u64().unwrap(),
+            d["peak_reserved"].as_u64().unwrap(),
+            "{name}"
+        );
+        assert_eq!(
+            sum("allocated"),
+            d["allocated_at_peak_reserved"].as_u64().unwrap(),
+            "{name}"
+        );
+        let private = x["private"]["reserved"].as_u64().unwrap();
+        assert_eq!(private > 0, name.starts_with("reduce"), "{name}: {x}");
+    }
+    // The report's first answer says it too.
+    let dir = tempfile::tempdir().unwrap();
+    let html = dir.path().join("pools.html");
+    ok(&["report", &bert, "-o", s(&html)]);
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(
+        page.contains("pools at peak reserved: small 20.00 MiB"),
+        "in the report"
+    );
+}

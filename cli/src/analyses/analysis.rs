@@ -14,6 +14,7 @@ use crate::analyses::empty_cache::EmptyCaches;
 use crate::analyses::graph_pools::GraphPools;
 use crate::analyses::ooms::{self, Oom};
 use crate::analyses::phases::Phases;
+use crate::analyses::pools::{self, PoolShares};
 use crate::analyses::sizes::Sizes;
 use crate::analyses::state::{self, DeviceState};
 use crate::analyses::streams::{self, StreamShares};
@@ -95,6 +96,9 @@ pub struct DeviceAnalysis {
     /// Each stream's reserved and allocated bytes at the peak of reserved
     /// memory (second pass).
     pub streams_at_peak_reserved: Option<StreamShares>,
+    /// Each pool's reserved and allocated bytes at the peak of reserved
+    /// memory (second pass).
+    pub pools_at_peak_reserved: Option<PoolShares>,
 }
 
 impl DeviceAnalysis {
@@ -119,6 +123,7 @@ impl DeviceAnalysis {
             state: DeviceState::default(),
             at_peak: None,
             streams_at_peak_reserved: None,
+            pools_at_peak_reserved: None,
         }
     }
 
@@ -293,7 +298,7 @@ pub fn second_pass(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Resu
         .map(|&(p, r)| usize::from(p > 0) + usize::from(r > 0))
         .sum();
     let mut at_peak: BTreeMap<u32, AtPeak> = BTreeMap::new();
-    let mut at_reserved: BTreeMap<u32, StreamShares> = BTreeMap::new();
+    let mut at_reserved: BTreeMap<u32, (StreamShares, PoolShares)> = BTreeMap::new();
     input::scan_until(path, allow_truncated, |e| {
         let Some((s, n)) = states.get_mut(&e.device) else {
             return true;
@@ -312,7 +317,7 @@ pub fn second_pass(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Resu
             remaining -= 1;
         }
         if *n == reserved {
-            at_reserved.insert(e.device, streams::shares(s));
+            at_reserved.insert(e.device, (streams::shares(s), pools::shares(s)));
             remaining -= 1;
         }
         remaining > 0
@@ -320,7 +325,9 @@ pub fn second_pass(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Resu
     for d in states.keys() {
         let dev = a.devices.get_mut(d).expect("same keys");
         dev.at_peak = at_peak.remove(d);
-        dev.streams_at_peak_reserved = at_reserved.remove(d);
+        let (streams, pools) = at_reserved.remove(d).unzip();
+        dev.streams_at_peak_reserved = streams;
+        dev.pools_at_peak_reserved = pools;
     }
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! Analyses: each answers one question about a trace (per-phase peaks,
 //! request sizes, leak candidates, out-of-memory forensics, where each
-//! stream held memory, what `empty_cache` cost, what CUDA graphs held, when
+//! stream and each pool held memory, what `empty_cache` cost, what CUDA graphs held, when
 //! the caching allocator was switched off, how ranks differ) from the
 //! allocator state that `state` rebuilds event by event, within the bounds
 //! `budget` sets for a whole trace. `analysis` runs them together in one
@@ -14,6 +14,7 @@ pub(crate) mod graph_pools;
 pub(crate) mod leaks;
 pub(crate) mod ooms;
 pub(crate) mod phases;
+pub(crate) mod pools;
 pub(crate) mod ranks;
 pub(crate) mod sizes;
 pub(crate) mod state;

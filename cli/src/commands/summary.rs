@@ -9,7 +9,10 @@
 //! `unallocated`, `largest_free`, `total_free`, `reserved`; null without
 //! allocations), `streams_at_peak_reserved` (`streams`: `stream`,
 //! `reserved`, `allocated` for each stream, most reserved first;
-//! `unmapped`: reserved bytes no range holds), `end_allocated`, `end_reserved`, `end_live_blocks`,
+//! `unmapped`: reserved bytes no range holds), `pools_at_peak_reserved`
+//! (`small`, `large`, `private`: `reserved`, `allocated` for the default
+//! small and large pools and every private pool together; `unmapped`),
+//! `end_allocated`, `end_reserved`, `end_live_blocks`,
 //! `caching_off` (null, or when allocations bypassed the cache and this
 //! trace: `forced_at_ns`, when `PYTORCH_NO_CUDA_MEMORY_CACHING` switched it
 //! off for good, or null; `switched_off`, calls of
@@ -137,6 +140,13 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         .and_then(|x| x.describe())
     {
         let _ = writeln!(s, "  {line}");
+    }
+    if let Some(p) = d
+        .pools_at_peak_reserved
+        .as_ref()
+        .filter(|_| d.state.reserves)
+    {
+        let _ = writeln!(s, "  {}", p.describe());
     }
     let g = d.state.g;
     let _ = writeln!(
@@ -301,6 +311,18 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
             })).collect::<Vec<_>>(),
             "unmapped": x.unmapped,
         })),
+        "pools_at_peak_reserved": d.pools_at_peak_reserved.as_ref().map(|x| {
+            let share = |p: &crate::analyses::pools::PoolShare| json!({
+                "reserved": p.reserved,
+                "allocated": p.allocated,
+            });
+            json!({
+                "small": share(&x.small),
+                "large": share(&x.large),
+                "private": share(&x.private),
+                "unmapped": x.unmapped,
+            })
+        }),
         "end_allocated": d.state.g.allocated,
         "end_reserved": d.state.g.reserved,
         "end_live_blocks": d.state.live.len(),

@@ -93,6 +93,8 @@ struct Collector {
     /// peak, and the streams' shares there.
     reserved_at: u64,
     streams: Option<crate::analyses::streams::StreamShares>,
+    /// The pools' shares at the peak of reserved memory.
+    pools: Option<crate::analyses::pools::PoolShares>,
     windows: Vec<Window>,
 }
 
@@ -140,6 +142,7 @@ impl Collector {
             open: Vec::new(),
             reserved_at: 0,
             streams: None,
+            pools: None,
             at_peak: None,
             windows: Vec::new(),
         }
@@ -210,6 +213,7 @@ impl Collector {
         }
         if self.n == self.reserved_at {
             self.streams = Some(crate::analyses::streams::shares(&self.s));
+            self.pools = Some(crate::analyses::pools::shares(&self.s));
         }
         if let Some(kind) = self.targets.get(&self.n).copied() {
             if kind == "peak allocated" {
@@ -398,6 +402,7 @@ pub fn collect(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<V
         if let Some(d) = a.devices.get_mut(&dev) {
             d.at_peak = c.at_peak.take();
             d.streams_at_peak_reserved = c.streams.take();
+            d.pools_at_peak_reserved = c.pools.take();
         }
         devices.push(device_json(dev, c, end));
     }

@@ -59,7 +59,7 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
     };
     let _ = write!(
         s,
-        "<li><b>Tensors or cache?</b> Tensors peaked at {}; {}.{}{}{}{}</li>",
+        "<li><b>Tensors or cache?</b> Tensors peaked at {}; {}.{}{}{}{}{}</li>",
         bytes(pa),
         esc(&cache),
         a.marks
@@ -78,7 +78,11 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
         d.streams_at_peak_reserved
             .as_ref()
             .and_then(|x| x.describe())
-            .map_or(String::new(), |x| format!(" {}.", esc(&x)))
+            .map_or(String::new(), |x| format!(" {}.", esc(&x))),
+        d.pools_at_peak_reserved
+            .as_ref()
+            .filter(|_| d.state.reserves)
+            .map_or(String::new(), |x| format!(" {}.", esc(&x.describe())))
     );
     let mut rare: Vec<(&u64, &PhaseStats)> = d
         .phases
