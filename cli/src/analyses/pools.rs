@@ -7,7 +7,7 @@
 //! blocks (optimizer state of biases and norms, a step counter) can keep
 //! the pages an earlier high of small requests mapped: at the peak of
 //! reserved memory the small pool then holds several times its live bytes,
-//! a cost no setting of the large pool's policy reaches
+//! which defragmentation, moving only whole free pages, cannot take back
 //! (`docs/policy-experiments.md`, thirty-fifth study). The summary shows,
 //! at the peak of reserved memory, each pool's reserved bytes (the ranges
 //! reserved or mapped for it) and the bytes allocated in it, and the
