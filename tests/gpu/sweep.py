@@ -55,7 +55,10 @@ and DIR/sweep.json.
 - cudnn_benchmark: ResNet-50 training on six random input sizes with
   torch.backends.cudnn.benchmark on: cuDNN times each new convolution
   shape and then calls empty_cache (PyTorch's default), so the cache is
-  emptied again and again while shapes are new.
+  emptied again and again while shapes are new (408 calls in 40 rounds).
+  Each process picks its own algorithms by timing them, so its outputs
+  drift from any other process's, PyTorch's two modes' included (up to
+  100% after 40 rounds), and rounds can differ by the algorithms picked.
 - fsdp: FSDP2 (`fully_shard`, one process, NCCL) over a transformers
   GPT-2 small with bf16 mixed precision and activation checkpointing on
   random lengths 64..512: FSDP's all-gather and reduce-scatter streams
