@@ -12,6 +12,13 @@
 //! at the peak of reserved memory, each pool's reserved bytes (the ranges
 //! reserved or mapped for it) and the bytes allocated in it, and the
 //! physical memory held unmapped (gpualloc's page pool).
+//!
+//! Limits: a trace imported from a PyTorch snapshot records every page
+//! mapped during it in the large pool (the snapshot's events name no
+//! pool), so small pages mapped then count there; and where the ranges
+//! add up to more than the reserved gauge (events dropped, or a trace
+//! begun while memory was already mapped), `unmapped` is 0 and the pools
+//! add up to more than reserved memory.
 
 use crate::analyses::state::DeviceState;
 use crate::units::bytes;
@@ -55,8 +62,10 @@ fn slot(shares: &mut PoolShares, code: u64) -> &mut PoolShare {
 }
 
 /// The shares of `s`. A live block counts in the pool of the range that
-/// holds it (a stitched range's blocks in the large pool); blocks freed
-/// but waiting on events count as free, as in the allocated gauge.
+/// holds it (a stitched range's blocks in the large pool, as stitches
+/// serve only it), or, in no range the trace showed, in the pool its size
+/// goes to; blocks freed but waiting on events count as free, as in the
+/// allocated gauge.
 pub fn shares(s: &DeviceState) -> PoolShares {
     let mut out = PoolShares::default();
     let mut in_ranges = 0u64;
@@ -102,5 +111,85 @@ impl PoolShares {
             parts.push(format!("unmapped {}", bytes(self.unmapped)));
         }
         format!("pools at peak reserved: {}", parts.join(", "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analyses::state::{Live, Region};
+
+    const MIB: u64 = 1 << 20;
+
+    fn live(size: u64, pending: bool) -> Live {
+        Live {
+            size,
+            requested: size,
+            stream: 0,
+            phase: 0,
+            time_ns: 0,
+            pending,
+        }
+    }
+
+    fn region(size: u64, pool: u64) -> Region {
+        Region {
+            size,
+            stream: 0,
+            pool,
+            expandable: true,
+            synthetic: false,
+        }
+    }
+
+    /// Each block counts in the pool of the range holding it, a stitched
+    /// range's in the large pool, one outside every range by its size; a
+    /// pending free counts nowhere; pooled bytes are what no range holds.
+    #[test]
+    fn blocks_count_in_the_pool_of_their_range() {
+        let mut s = DeviceState::default();
+        let (small, large, private, stitch) = (1 << 30, 2 << 30, 3 << 30, 4 << 30);
+        s.regions.insert(small, region(4 * MIB, 0));
+        s.regions.insert(large, region(64 * MIB, 1));
+        s.regions.insert(private, region(8 * MIB, 3));
+        s.aliases.insert(stitch, 32 * MIB);
+        s.g.reserved = 80 * MIB;
+        for (addr, size, pending) in [
+            (small, 512 << 10, false),
+            (small + MIB, 512 << 10, true),
+            // A large block in a small range counts in the small pool.
+            (small + 2 * MIB, 2 * MIB, false),
+            (large, 16 * MIB, false),
+            (private, 4 * MIB, false),
+            (stitch + MIB, 24 * MIB, false),
+            // Outside every range: by size.
+            (5 << 30, 256 << 10, false),
+            (6 << 30, 3 * MIB, false),
+            // Just past the small range's end: by size too.
+            (small + 4 * MIB, 2 * MIB, false),
+        ] {
+            s.live.insert(addr, live(size, pending));
+        }
+        let x = shares(&s);
+        let share = |reserved, allocated| PoolShare {
+            reserved,
+            allocated,
+        };
+        assert_eq!(x.small, share(4 * MIB, (512 << 10) + 2 * MIB + (256 << 10)));
+        assert_eq!(
+            x.large,
+            share(64 * MIB, 16 * MIB + 24 * MIB + 3 * MIB + 2 * MIB)
+        );
+        assert_eq!(x.private, share(8 * MIB, 4 * MIB));
+        assert_eq!(x.unmapped, 4 * MIB);
+        assert_eq!(
+            x.describe(),
+            "pools at peak reserved: small 4.00 MiB (2.75 MiB allocated), \
+             large 64.00 MiB (45.00 MiB allocated), private 8.00 MiB (4.00 MiB allocated), \
+             unmapped 4.00 MiB"
+        );
+        // Ranges over the gauge: nothing unmapped.
+        s.g.reserved = 60 * MIB;
+        assert_eq!(shares(&s).unmapped, 0);
     }
 }

@@ -352,7 +352,6 @@ impl DeviceState {
             && r.expandable
             && range_end(s, r.size) == Some(addr)
             && r.stream == stream
-            && r.pool == pool
         {
             start = s;
             len += r.size;
@@ -361,7 +360,6 @@ impl DeviceState {
         if let Some(r) = self.regions.get(&end).copied()
             && r.expandable
             && r.stream == stream
-            && r.pool == pool
             && range_end(start, len.saturating_add(r.size)).is_some()
         {
             self.regions.remove(&end);
@@ -824,39 +822,5 @@ mod tests {
         assert_eq!(s.caps, want);
         s.apply(&ev(Action::MemoryLimit, 0, 1, u64::MAX), &mut b);
         assert_eq!(s.caps.bytes, Some(None), "cleared");
-    }
-
-    /// Mapped ranges that touch merge into one region only within one
-    /// stream and one pool: reservations of the small and the large pool
-    /// may lie side by side in the address space.
-    #[test]
-    fn touching_mapped_ranges_merge_only_within_one_pool() {
-        let map = |addr: u64, pool: u64| {
-            let kind = EventKind::SegmentMap {
-                addr,
-                size: 2 << 20,
-                pool: Pool::Code(pool),
-            };
-            TraceEvent::from_kind(0, 0, 0, 0, kind)
-        };
-        let (mut s, mut b) = (DeviceState::default(), Budget::default());
-        let base = 1u64 << 30;
-        for (addr, pool) in [(base, 0), (base + (2 << 20), 0), (base + (4 << 20), 1)] {
-            s.apply(&map(addr, pool), &mut b);
-        }
-        let regions: Vec<(u64, u64, u64)> = s
-            .regions
-            .iter()
-            .map(|(&a, r)| (a, r.size, r.pool))
-            .collect();
-        assert_eq!(
-            regions,
-            [(base, 4 << 20, 0), (base + (4 << 20), 2 << 20, 1)]
-        );
-        // The large range grows at its end and stays one region.
-        s.apply(&map(base + (6 << 20), 1), &mut b);
-        assert_eq!(s.regions.len(), 2);
-        assert_eq!(s.regions[&(base + (4 << 20))].size, 4 << 20);
-        assert_eq!(s.g.reserved, 8 << 20);
     }
 }

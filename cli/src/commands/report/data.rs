@@ -345,8 +345,9 @@ fn layout(s: &DeviceState, t: u64, t0: u64, kind: &str) -> Value {
 }
 
 /// The JSON object the page's script draws from (see the module docs).
-/// Also sets each device's state at the allocated peak and its streams at
-/// the reserved peak, so that reports need no `analysis::second_pass`.
+/// Also sets each device's state at the allocated peak and its streams and
+/// pools at the reserved peak, so that reports need no
+/// `analysis::second_pass`.
 pub fn collect(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Result<Value, CliError> {
     let mut cs: BTreeMap<u32, Collector> = BTreeMap::new();
     for (&dev, d) in &a.devices {
