@@ -97,7 +97,7 @@ pub struct DeviceAnalysis {
     /// memory (second pass).
     pub streams_at_peak_reserved: Option<StreamShares>,
     /// Each pool's reserved and allocated bytes at the peak of reserved
-    /// memory (second pass).
+    /// memory (second pass; none in a trace without reserved memory).
     pub pools_at_peak_reserved: Option<PoolShares>,
 }
 
@@ -298,7 +298,7 @@ pub fn second_pass(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Resu
         .map(|&(p, r)| usize::from(p > 0) + usize::from(r > 0))
         .sum();
     let mut at_peak: BTreeMap<u32, AtPeak> = BTreeMap::new();
-    let mut at_reserved: BTreeMap<u32, (StreamShares, PoolShares)> = BTreeMap::new();
+    let mut at_reserved: BTreeMap<u32, (StreamShares, Option<PoolShares>)> = BTreeMap::new();
     input::scan_until(path, allow_truncated, |e| {
         let Some((s, n)) = states.get_mut(&e.device) else {
             return true;
@@ -327,7 +327,7 @@ pub fn second_pass(path: &Path, allow_truncated: bool, a: &mut Analysis) -> Resu
         dev.at_peak = at_peak.remove(d);
         let (streams, pools) = at_reserved.remove(d).unzip();
         dev.streams_at_peak_reserved = streams;
-        dev.pools_at_peak_reserved = pools;
+        dev.pools_at_peak_reserved = pools.flatten();
     }
     Ok(())
 }

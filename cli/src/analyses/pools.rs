@@ -65,13 +65,15 @@ fn slot(shares: &mut PoolShares, code: u64) -> &mut PoolShare {
 /// holds it (a stitched range's blocks in the large pool, as stitches
 /// serve only it), or, in no range the trace showed, in the pool its size
 /// goes to; blocks freed but waiting on events count as free, as in the
-/// allocated gauge.
-pub fn shares(s: &DeviceState) -> PoolShares {
+/// allocated gauge. `None` for a trace without reserved memory (an RMM
+/// log), where no pool holds anything that could be told.
+pub fn shares(s: &DeviceState) -> Option<PoolShares> {
+    if !s.reserves {
+        return None;
+    }
     let mut out = PoolShares::default();
-    let mut in_ranges = 0u64;
     for r in s.regions.values() {
         slot(&mut out, r.pool).reserved += r.size;
-        in_ranges = in_ranges.saturating_add(r.size);
     }
     for (&addr, l) in s.live.iter().filter(|(_, l)| !l.pending) {
         let code = if let Some((&start, r)) = s.regions.range(..=addr).next_back()
@@ -89,8 +91,8 @@ pub fn shares(s: &DeviceState) -> PoolShares {
         };
         slot(&mut out, code).allocated += l.size;
     }
-    out.unmapped = s.g.reserved.saturating_sub(in_ranges);
-    out
+    out.unmapped = s.outside_ranges();
+    Some(out)
 }
 
 impl PoolShares {
@@ -154,6 +156,7 @@ mod tests {
         s.regions.insert(private, region(8 * MIB, 3));
         s.aliases.insert(stitch, 32 * MIB);
         s.g.reserved = 80 * MIB;
+        s.reserves = true;
         for (addr, size, pending) in [
             (small, 512 << 10, false),
             (small + MIB, 512 << 10, true),
@@ -170,7 +173,7 @@ mod tests {
         ] {
             s.live.insert(addr, live(size, pending));
         }
-        let x = shares(&s);
+        let x = shares(&s).expect("reserved memory");
         let share = |reserved, allocated| PoolShare {
             reserved,
             allocated,
@@ -190,6 +193,9 @@ mod tests {
         );
         // Ranges over the gauge: nothing unmapped.
         s.g.reserved = 60 * MIB;
-        assert_eq!(shares(&s).unmapped, 0);
+        assert_eq!(shares(&s).unwrap().unmapped, 0);
+        // No reserved memory in the trace: no shares.
+        s.reserves = false;
+        assert_eq!(shares(&s), None);
     }
 }

@@ -123,6 +123,16 @@ pub fn range_end(addr: u64, size: u64) -> Option<u64> {
 }
 
 impl DeviceState {
+    /// Reserved bytes no range holds: physical memory held unmapped
+    /// (gpualloc's page pool), or 0 where the ranges add up to more.
+    pub fn outside_ranges(&self) -> u64 {
+        let in_ranges = self
+            .regions
+            .values()
+            .fold(0u64, |t, r| t.saturating_add(r.size));
+        self.g.reserved.saturating_sub(in_ranges)
+    }
+
     /// Applies one event, charging what the state grows by to `budget`
     /// (shared by all the devices of the trace). An event that contradicts
     /// the state, or whose block or range the budget has no room for, is

@@ -41,10 +41,8 @@ pub struct StreamShares {
 /// free.
 pub fn shares(s: &DeviceState) -> StreamShares {
     let mut by: std::collections::BTreeMap<u64, (u64, u64)> = Default::default();
-    let mut in_ranges = 0u64;
     for r in s.regions.values() {
         by.entry(r.stream).or_default().0 += r.size;
-        in_ranges = in_ranges.saturating_add(r.size);
     }
     for l in s.live.values().filter(|l| !l.pending) {
         by.entry(l.stream).or_default().1 += l.size;
@@ -60,7 +58,7 @@ pub fn shares(s: &DeviceState) -> StreamShares {
     streams.sort_by_key(|x| (std::cmp::Reverse(x.reserved), x.stream));
     StreamShares {
         streams,
-        unmapped: s.g.reserved.saturating_sub(in_ranges),
+        unmapped: s.outside_ranges(),
     }
 }
 

@@ -11,7 +11,8 @@
 //! `reserved`, `allocated` for each stream, most reserved first;
 //! `unmapped`: reserved bytes no range holds), `pools_at_peak_reserved`
 //! (`small`, `large`, `private`: `reserved`, `allocated` for the default
-//! small and large pools and every private pool together; `unmapped`),
+//! small and large pools and every private pool together; `unmapped` as
+//! for the streams; null in a trace without reserved memory),
 //! `end_allocated`, `end_reserved`, `end_live_blocks`,
 //! `caching_off` (null, or when allocations bypassed the cache and this
 //! trace: `forced_at_ns`, when `PYTORCH_NO_CUDA_MEMORY_CACHING` switched it
@@ -141,11 +142,7 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
     {
         let _ = writeln!(s, "  {line}");
     }
-    if let Some(p) = d
-        .pools_at_peak_reserved
-        .as_ref()
-        .filter(|_| d.state.reserves)
-    {
+    if let Some(p) = &d.pools_at_peak_reserved {
         let _ = writeln!(s, "  {}", p.describe());
     }
     let g = d.state.g;

@@ -213,7 +213,7 @@ impl Collector {
         }
         if self.n == self.reserved_at {
             self.streams = Some(crate::analyses::streams::shares(&self.s));
-            self.pools = Some(crate::analyses::pools::shares(&self.s));
+            self.pools = crate::analyses::pools::shares(&self.s);
         }
         if let Some(kind) = self.targets.get(&self.n).copied() {
             if kind == "peak allocated" {

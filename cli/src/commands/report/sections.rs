@@ -81,7 +81,6 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
             .map_or(String::new(), |x| format!(" {}.", esc(&x))),
         d.pools_at_peak_reserved
             .as_ref()
-            .filter(|_| d.state.reserves)
             .map_or(String::new(), |x| format!(" {}.", esc(&x.describe())))
     );
     let mut rare: Vec<(&u64, &PhaseStats)> = d
