@@ -402,8 +402,18 @@ fn a_hugging_face_trainer_trace_replays_to_the_gpus_peaks() {
 /// moving no peak (as the generation trace's 860 against 867; the cause
 /// is not known). The last gives its memory back at every step and
 /// creates it again (Note [Regrowth]).
+///
+/// And `examples/cudnn-benchmark.gtrace`: the sweep's ResNet-50 with
+/// `torch.backends.cudnn.benchmark` on (bf16, channels-last, six input
+/// sizes drawn at random), recorded by `bash tests/gpu/sweep.sh --only
+/// cudnn_benchmark --variants native-expandable,gpualloc-traced,gpualloc`
+/// with the library of b1ddfe7 (`docs/results/h200-round44/`). cuDNN
+/// empties the cache after timing each new convolution shape: 408
+/// `empty_cache` calls give back 30.6 GiB, nearly all created again. It
+/// replays to the GPU's peaks (R/A 1.0097; PyTorch expandable's 1.019) and
+/// to the 13,843 memory calls the CUDA backend counted.
 #[test]
-fn three_sweep_traces_replay_to_the_gpus_peaks_and_memory_calls() {
+fn sweep_traces_replay_to_the_gpus_peaks_and_memory_calls() {
     for (name, peaks, calls) in [
         (
             "bert-checkpoint-amp.gtrace",
@@ -416,6 +426,11 @@ fn three_sweep_traces_replay_to_the_gpus_peaks_and_memory_calls() {
             (3_208_642_560, 3_140_111_872),
             24_851,
         ),
+        (
+            "cudnn-benchmark.gtrace",
+            (4_791_992_320, 4_745_740_288),
+            13_843,
+        ),
     ] {
         let out = replayed(name, None);
         assert_eq!(
@@ -425,24 +440,4 @@ fn three_sweep_traces_replay_to_the_gpus_peaks_and_memory_calls() {
         );
         assert_eq!(out.driver.memory_calls(), calls, "{name}");
     }
-}
-
-/// `examples/cudnn-benchmark.gtrace`: the sweep's ResNet-50 with
-/// `torch.backends.cudnn.benchmark` on (bf16, channels-last, six input
-/// sizes drawn at random), recorded by `bash tests/gpu/sweep.sh --only
-/// cudnn_benchmark --variants native-expandable,gpualloc-traced,gpualloc`
-/// with the library of b1ddfe7 (`docs/results/h200-round44/`). cuDNN
-/// empties the cache after timing each new convolution shape: 408
-/// `empty_cache` calls give back 30.6 GiB, nearly all created again
-/// (Note [Regrowth]). It replays to the GPU's peaks to the byte (R/A
-/// 1.0097; PyTorch expandable's 1.019) and to the 13,843 memory calls the
-/// CUDA backend counted.
-#[test]
-fn a_cudnn_benchmark_trace_replays_to_the_gpus_peaks_and_memory_calls() {
-    let out = replayed("cudnn-benchmark.gtrace", None);
-    assert_eq!(
-        (out.peak_reserved, out.peak_allocated, out.ooms),
-        (4_791_992_320, 4_745_740_288, 0)
-    );
-    assert_eq!(out.driver.memory_calls(), 13_843);
 }
