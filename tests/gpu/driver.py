@@ -324,14 +324,21 @@ def host_floor(result):
     return round(sum(xs) / len(xs), 3) if xs else None
 
 
+def speeds_apart(floors):
+    """Whether host floors (µs, None where not measured) are more than
+    HOST_SPEED_TOLERANCE apart: host-bound steps of such runs cannot rank
+    the allocators."""
+    xs = [f for f in floors if f]
+    return len(xs) > 1 and max(xs) / min(xs) > HOST_SPEED_TOLERANCE
+
+
 def host_speeds(refs, ours):
     """{"host_floor_us": {name: floor}, "host_speeds_differ": [names]}: the
     host speed of each run, and the references (`refs`, name -> result)
     whose speed differs from `ours` by more than HOST_SPEED_TOLERANCE."""
     mine = host_floor(ours)
     floors = {name: host_floor(r) for name, r in refs.items()}
-    differ = [name for name, f in floors.items()
-              if f and mine and max(f, mine) / min(f, mine) > HOST_SPEED_TOLERANCE]
+    differ = [name for name, f in floors.items() if speeds_apart([f, mine])]
     return {"host_floor_us": {**floors, "gpualloc": mine}, "host_speeds_differ": differ}
 
 

@@ -705,7 +705,8 @@ def paired_ratio(runs, workload, variant, ref):
 
 def host_notes(runs, workloads):
     """A note for each repeat whose processes of one workload ran at host
-    speeds (`host_floor_us`) more than driver.HOST_SPEED_TOLERANCE apart:
+    speeds (`host_floor_us`) more than driver.HOST_SPEED_TOLERANCE apart
+    (driver.speeds_apart):
     their host-bound rounds cannot rank the allocators."""
     notes = []
     for w in workloads:
@@ -713,7 +714,7 @@ def host_notes(runs, workloads):
             floors = {r["variant"]: driver.host_floor(r["result"]) for r in runs
                       if r["workload"] == w and r.get("repeat", 0) == rep and "result" in r}
             floors = {v: f for v, f in floors.items() if f}
-            if len(floors) > 1 and max(floors.values()) / min(floors.values()) > driver.HOST_SPEED_TOLERANCE:
+            if driver.speeds_apart(floors.values()):
                 each = ", ".join(f"{v} {f:.2f} µs" for v, f in floors.items())
                 notes.append(f"{w}, repeat {rep}: host speeds differ ({each}); its host-bound rounds cannot rank the allocators")
     return notes
