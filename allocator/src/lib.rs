@@ -65,6 +65,7 @@ mod expandable;
 mod fence;
 mod free_runs;
 mod heap;
+mod held;
 mod invariants;
 mod ipc;
 #[cfg(test)]
@@ -104,6 +105,7 @@ pub use config::{Config, ConfigError};
 pub use cost::{CostModel, DriverCall, DriverCalls};
 pub use device::DeviceAllocator;
 pub use error::{ANY_DEVICE, AllocError, OomReport};
+pub use held::Held;
 pub use ipc::Sharing;
 pub use limits::is_memory_fraction;
 pub use observer::{SegmentAction, SegmentEvent, SegmentObserver};

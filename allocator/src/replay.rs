@@ -51,6 +51,7 @@ use crate::config::Config;
 use crate::cost::{CostModel, DriverCalls};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
+use crate::held::Held;
 use crate::replay_pools::PoolRouting;
 use crate::trace::{Action, EventKind, MemoryCap, PoolOp, TraceEvent};
 
@@ -92,6 +93,9 @@ pub struct DeviceReplay {
     pub allocated_at_peak_reserved: u64,
     /// `1 - largest free block / cached free bytes` when reserved peaked.
     pub external_fragmentation_at_peak: f64,
+    /// What reserved memory was made of when it peaked (Note [Held memory
+    /// by unit] in `held.rs`).
+    pub held_at_peak_reserved: Held,
     /// `1 - allocated / reserved` when reserved peaked.
     pub unallocated_fraction_at_peak: f64,
     /// Mean of `1 - allocated / reserved` after each allocation.
@@ -555,6 +559,7 @@ impl DeviceRun {
             self.out.allocated_at_peak_reserved = allocated;
             self.out.unallocated_fraction_at_peak = self.dev.unallocated_fraction();
             self.out.external_fragmentation_at_peak = self.dev.external_fragmentation();
+            self.out.held_at_peak_reserved = self.dev.held();
         }
     }
 }

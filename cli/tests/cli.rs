@@ -740,6 +740,65 @@ fn a_capped_example_tells_the_capacity_that_reproduces_it() {
     assert_eq!(replayed[0]["ooms"], 87, "{out}");
 }
 
+/// `replay` says where reserved memory that no allocation holds lay at
+/// the peak (Note [Held memory by unit]): in the text, beside live blocks,
+/// in free units, in private pools' free units and pooled; in the JSON, the
+/// parts, which add up to the peak, for each configuration and each device.
+#[test]
+fn replay_says_what_reserved_memory_was_made_of_at_its_peak() {
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/graph-branches-restores.gtrace"
+    );
+    let args = ["replay", "--capacity", "140GiB", "--config", "", "--config"];
+    let text = ok(&[&args[..], &["policy:pytorch", example]].concat());
+    let row = |name: &str| -> Vec<String> {
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .unwrap_or_else(|| panic!("no row {name:?} in {text}"));
+        let cells = line.trim_start()[name.len()..].split_whitespace();
+        let cells: Vec<&str> = cells.collect();
+        // Two values with their units, one per configuration.
+        cells.chunks(2).map(|c| c.join(" ")).collect()
+    };
+    assert_eq!(
+        row("beside live blocks in their units"),
+        ["4.32 MiB", "3.57 MiB"]
+    );
+    assert_eq!(row("in free units (cache)"), ["0 B", "128.00 MiB"]);
+    assert_eq!(
+        row("in free units of private pools"),
+        ["540.00 MiB", "640.00 MiB"]
+    );
+    assert_eq!(row("in pooled handles (unmapped)"), ["0 B", "0 B"]);
+    let (out, _) = common::ok(&[&args[..], &["policy:pytorch", "--json", example]].concat());
+    let replayed: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for r in replayed.as_array().unwrap() {
+        let parts = |h: &serde_json::Value| -> u64 {
+            ["used_units", "free_units", "free_private_units", "pooled"]
+                .iter()
+                .map(|k| h[k].as_u64().unwrap())
+                .sum()
+        };
+        assert_eq!(
+            parts(&r["held_at_peak_reserved"]),
+            r["peak_reserved"],
+            "{r}"
+        );
+        let d = &r["devices"][0];
+        assert_eq!(
+            parts(&d["held_at_peak_reserved"]),
+            d["peak_reserved"],
+            "{r}"
+        );
+    }
+    assert_eq!(
+        replayed[0]["held_at_peak_reserved"]["free_private_units"], 566_231_040,
+        "{out}"
+    );
+}
+
 #[test]
 fn several_traces_export_to_one_parquet_folder() {
     let dir = tempfile::tempdir().unwrap();

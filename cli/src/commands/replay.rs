@@ -1,15 +1,29 @@
 //! The `replay` command: one pass of the trace per configuration, the
 //! results side by side, or as JSON (`--json`) for scripts and CI. Besides
 //! the peaks it reports the driver calls each configuration makes and the
-//! driver time they would take on an H200 ([`CostModel::h200`]). Events the
-//! recorder dropped are not replayed: a warning on stderr says how many,
-//! and each JSON object's `dropped`.
+//! driver time they would take on an H200 ([`CostModel::h200`]), and what
+//! reserved memory was made of at its peak (Note [Held memory by unit] in
+//! `allocator/src/held.rs`): which part of it only freeing tensors gives
+//! back, which is cache, which private pools keep. Events the recorder
+//! dropped are not replayed: a warning on stderr says how many, and each
+//! JSON object's `dropped`.
+//!
+//! JSON, one object per configuration: `config`, `capacity`, `events`,
+//! `dropped`, `peak_reserved`, `peak_allocated`, `ratio`, `ooms`,
+//! `driver_calls`, `driver_memory_calls`, `driver_ms`,
+//! `driver_calls_by_kind` (per kind: `calls`, `handles`, `bytes`, `ms`),
+//! `helper_driver_ms`, `defragment_driver_ms`, `cost_model`,
+//! `held_at_peak_reserved` (`used_units`, `used_units_unallocated`,
+//! `free_units`, `free_private_units`, `pooled`: bytes at each device's
+//! peak, summed; the parts but `used_units_unallocated` add up to
+//! `peak_reserved`), and `devices` (per device: `device`, `peak_reserved`,
+//! `peak_allocated`, `ooms`, `held_at_peak_reserved`).
 
 use std::fmt::Write;
 use std::path::Path;
 
 use gpualloc::replay::{ReplayResult, replay};
-use gpualloc::{Config, CostModel};
+use gpualloc::{Config, CostModel, Held};
 use serde_json::json;
 
 use crate::input::{self, CliError};
@@ -126,11 +140,17 @@ fn render_json(capacity: u64, configs: &[String], rs: &[ReplayResult], dropped: 
                 "defragment_driver_ms": r.defragment_ms,
                 "cost_model": model.source,
                 // The peaks above add up the devices' own.
+                "held_at_peak_reserved": held_json(r.devices.iter().map(|d| {
+                    (d.held_at_peak_reserved, d.allocated_at_peak_reserved)
+                })),
                 "devices": r.devices.iter().map(|d| json!({
                     "device": d.device,
                     "peak_reserved": d.peak_reserved,
                     "peak_allocated": d.peak_allocated,
                     "ooms": d.ooms,
+                    "held_at_peak_reserved": held_json(std::iter::once(
+                        (d.held_at_peak_reserved, d.allocated_at_peak_reserved),
+                    )),
                 })).collect::<Vec<_>>(),
             })
         })
@@ -138,6 +158,28 @@ fn render_json(capacity: u64, configs: &[String], rs: &[ReplayResult], dropped: 
     let mut out = serde_json::to_string_pretty(&rows).expect("plain values serialize");
     out.push('\n');
     out
+}
+
+/// Reserved memory at each device's peak by unit (Note [Held memory by
+/// unit]), summed over `devices` (`(held, allocated then)`): the used
+/// units, what of them no allocation holds, the free units of the default
+/// pools and of private pools, and the pool of unmapped handles.
+fn held_json(devices: impl Iterator<Item = (Held, u64)>) -> serde_json::Value {
+    let (mut used, mut beside, mut free, mut private, mut pooled) = (0, 0, 0, 0, 0);
+    for (h, allocated) in devices {
+        used += h.used_units;
+        beside += h.used_units.saturating_sub(allocated);
+        free += h.free_units;
+        private += h.free_private_units;
+        pooled += h.pooled;
+    }
+    json!({
+        "used_units": used,
+        "used_units_unallocated": beside,
+        "free_units": free,
+        "free_private_units": private,
+        "pooled": pooled,
+    })
 }
 
 fn render(
@@ -208,6 +250,28 @@ fn render(
     });
     row("unallocated at peak reserved", &|_, r| {
         percent(dev(r, &|d| d.unallocated_fraction_at_peak))
+    });
+    // Note [Held memory by unit]: where the reserved bytes that no
+    // allocation holds lie, summed over devices.
+    let held = |r: &ReplayResult, f: &dyn Fn(Held, u64) -> u64| {
+        bytes(
+            r.devices
+                .iter()
+                .map(|d| f(d.held_at_peak_reserved, d.allocated_at_peak_reserved))
+                .sum(),
+        )
+    };
+    row("  beside live blocks in their units", &|_, r| {
+        held(r, &|h, a| h.used_units.saturating_sub(a))
+    });
+    row("  in free units (cache)", &|_, r| {
+        held(r, &|h, _| h.free_units)
+    });
+    row("  in free units of private pools", &|_, r| {
+        held(r, &|h, _| h.free_private_units)
+    });
+    row("  in pooled handles (unmapped)", &|_, r| {
+        held(r, &|h, _| h.pooled)
     });
     row("external frag. at peak reserved", &|_, r| {
         percent(dev(r, &|d| d.external_fragmentation_at_peak))

@@ -441,3 +441,49 @@ fn sweep_traces_replay_to_the_gpus_peaks_and_memory_calls() {
         assert_eq!(out.driver.memory_calls(), calls, "{name}");
     }
 }
+
+/// What reserved memory is made of at its peak (Note [Held memory by
+/// unit]). Under gpualloc's default, ResNet-50 and the detector hold no
+/// free handle and nothing pooled there: every byte over allocated memory
+/// lies beside a live block, in a handle that block keeps. Under PyTorch's
+/// rules most of it is whole free segments, the cache. The graph-branch
+/// trace's free memory at its peak is its graphs' private pool.
+#[test]
+fn what_reserved_memory_is_made_of_at_its_peak() {
+    for (name, config, (used, beside, free, private)) in [
+        ("resnet50.gtrace", None, (6_239_027_200, 92_647_424, 0, 0)),
+        (
+            "resnet50.gtrace",
+            Some("policy:pytorch"),
+            (1_417_674_752, 1_081_876_480, 6_983_516_160, 0),
+        ),
+        (
+            "detector-multiscale.gtrace",
+            None,
+            (2_717_908_992, 93_460_992, 0, 0),
+        ),
+        (
+            "graph-branches-restores.gtrace",
+            None,
+            (564_133_888, 4_526_080, 0, 566_231_040),
+        ),
+    ] {
+        let out = replayed(name, config);
+        let [d] = &out.devices[..] else {
+            panic!("{name}: one device")
+        };
+        let h = d.held_at_peak_reserved;
+        assert_eq!(h.total(), d.peak_reserved, "{name} {config:?}: {h:?}");
+        assert_eq!(
+            (
+                h.used_units,
+                h.used_units - d.allocated_at_peak_reserved,
+                h.free_units,
+                h.free_private_units,
+                h.pooled
+            ),
+            (used, beside, free, private, 0),
+            "{name} {config:?}"
+        );
+    }
+}
