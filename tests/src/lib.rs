@@ -9,7 +9,8 @@
 //! - nothing is handed to a stream before every earlier user of its bytes is
 //!   ordered before that stream (see [`Checked::ordered`]);
 //! - no range is unmapped while work that used it may still run (unmapping
-//!   does not synchronize: Note [Event-ordered unmapping]).
+//!   does not synchronize: Note [Event-ordered unmapping]);
+//! - `held()` splits reserved memory exactly (Note [Held memory by unit]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -817,6 +818,18 @@ impl Checked {
             self.sim().live_allocations() + foreign_segments,
             plain,
             "backend and other allocators' allocations vs segments"
+        );
+        // Note [Held memory by unit]: the units and the pool make up
+        // reserved memory, and the used units hold every allocated byte.
+        let held = self.dev.held();
+        assert_eq!(
+            held.total(),
+            s.reserved_bytes.all.current as u64,
+            "held() vs reserved_bytes: {held:?}"
+        );
+        assert!(
+            held.used_units >= bytes as u64,
+            "held() used units under allocated bytes {bytes}: {held:?}"
         );
         let mapped: u64 = snap.iter().map(|x| x.total_size).sum();
         assert_eq!(
