@@ -9,18 +9,20 @@
 //! reserved until that block is freed, under any policy: these are the
 //! handles' tails of `docs/policy-experiments.md` (seventh and
 //! thirty-sixth studies), which only smaller units shrink. A unit that
-//! backs no live byte is different. In the default pools it is cache that
-//! `empty_cache` gives back and that defragmentation may move. In a
-//! private pool (a CUDA graph's, a `MemPool`) it stays until the pool is
-//! released: a graph's intermediates live there between replays. Pooled
-//! handles are physical memory that is no longer mapped and is kept for
-//! reuse.
+//! backs no byte in use is different. In the default pools, and in a
+//! private pool already released, it is cache that `empty_cache` gives
+//! back and that defragmentation may move. In a private pool still held (a
+//! CUDA graph's, a `MemPool`) it stays until the pool is released: a
+//! graph's intermediates live there between replays. Pooled handles are
+//! physical memory that is no longer mapped and is kept for reuse.
 //! Approach: every segment but the stitches (which map handles already
 //! counted at their home address) is walked once: expandable segments
 //! handle by handle, plain segments whole. A unit is *used* when any
 //! block over it is allocated, waiting for events, or lent to a stitch.
-//! The four parts add up to reserved memory, and the used units less
-//! allocated memory is what only freeing tensors gives back.
+//! The four parts add up to reserved memory. The used units less allocated
+//! memory is free bytes beside live blocks, plus the blocks that wait for
+//! events and the claimed rest of stitches in use (given back when the
+//! events complete and when the stitch is trimmed or freed).
 
 use crate::backend::Backend;
 use crate::block::BlockState;
@@ -32,10 +34,11 @@ use crate::heap::STITCH;
 pub struct Held {
     /// Units (handles, plain segments) that back at least one byte in use.
     pub used_units: u64,
-    /// Mapped units of the default pools that back no byte in use: cache.
+    /// Mapped units of the default pools (and of private pools already
+    /// released) that back no byte in use: cache.
     pub free_units: u64,
-    /// Mapped units of private pools that back no byte in use: held for
-    /// their graphs (or `MemPool`) until the pool is released.
+    /// Mapped units of private pools still held that back no byte in use:
+    /// kept for their graphs (or `MemPool`) until the pool is released.
     pub free_private_units: u64,
     /// Pooled handles: physical memory kept unmapped for reuse.
     pub pooled: u64,
@@ -55,6 +58,7 @@ impl<B: Backend> DeviceAllocator<B> {
             pooled: self.pooled_bytes(),
             ..Held::default()
         };
+        let released = self.private.freeable_pools();
         for (_, seg) in self.heap.segments.iter() {
             if seg.pool == STITCH {
                 continue;
@@ -86,7 +90,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 let used = blocks[k..].iter().take_while(|b| b.0 < a + n).any(|b| b.2);
                 if used {
                     held.used_units += n;
-                } else if seg.pool > STITCH {
+                } else if seg.pool > STITCH && !released.contains(&seg.pool) {
                     held.free_private_units += n;
                 } else {
                     held.free_units += n;
@@ -163,6 +167,36 @@ mod tests {
     }
 
     #[test]
+    fn a_released_private_pools_free_segments_are_cache() {
+        let mut d = dev("policy:pytorch");
+        let key = (1, 1);
+        d.begin_allocate_to_pool(key, None).unwrap();
+        let a = d.malloc(30 * MIB, 0).unwrap();
+        let b = d.malloc(30 * MIB, 0).unwrap();
+        d.end_allocate_to_pool(key).unwrap();
+        d.free(a).unwrap();
+        let h = held(&d);
+        assert_eq!((h.free_units, h.free_private_units), (0, 30 * MIB));
+        // Released: its free segment goes back to the device at once. The
+        // other, freed later, is cache that `empty_cache` gives back, no
+        // longer the pool's.
+        d.release_pool(key).unwrap();
+        let h = held(&d);
+        assert_eq!(
+            (h.used_units, h.free_units, h.free_private_units),
+            (30 * MIB, 0, 0)
+        );
+        d.free(b).unwrap();
+        let h = held(&d);
+        assert_eq!(
+            (h.used_units, h.free_units, h.free_private_units),
+            (0, 30 * MIB, 0)
+        );
+        d.empty_cache().unwrap();
+        assert_eq!(held(&d), Held::default());
+    }
+
+    #[test]
     fn a_private_pools_free_units_are_its_own() {
         let mut d = dev("");
         let key = (1, 1);
@@ -178,5 +212,21 @@ mod tests {
         // The cache of the default pools is given back; the pool's stays.
         d.empty_cache().unwrap();
         assert_eq!(held(&d).free_private_units, h.free_private_units);
+        // Released, once for each scope that used it, while a block of it
+        // lives on.
+        d.begin_allocate_to_pool(key, None).unwrap();
+        let b = d.malloc(MIB, 0).unwrap();
+        d.end_allocate_to_pool(key).unwrap();
+        d.release_pool(key).unwrap();
+        assert_eq!(held(&d).free_private_units, h.free_private_units);
+        d.release_pool(key).unwrap();
+        // Its free units went to the page pool at once; none is counted as
+        // the pool's any more.
+        let h = held(&d);
+        assert_eq!(h.free_private_units, 0, "{h:?}");
+        assert!(h.pooled >= 64 * MIB, "{h:?}");
+        d.free(b).unwrap();
+        d.empty_cache().unwrap();
+        assert_eq!(held(&d), Held::default());
     }
 }

@@ -3,10 +3,11 @@
 //! the peaks it reports the driver calls each configuration makes and the
 //! driver time they would take on an H200 ([`CostModel::h200`]), and what
 //! reserved memory was made of at its peak (Note [Held memory by unit] in
-//! `allocator/src/held.rs`): which part of it only freeing tensors gives
-//! back, which is cache, which private pools keep. Events the recorder
-//! dropped are not replayed: a warning on stderr says how many, and each
-//! JSON object's `dropped`.
+//! `allocator/src/held.rs`): which part lies beside live blocks in the
+//! handles or segments they keep (given back only as those blocks are
+//! freed, or by smaller units), which is cache, which private pools keep.
+//! Events the recorder dropped are not replayed: a warning on stderr says
+//! how many, and each JSON object's `dropped`.
 //!
 //! JSON, one object per configuration: `config`, `capacity`, `events`,
 //! `dropped`, `peak_reserved`, `peak_allocated`, `ratio`, `ooms`,
@@ -139,10 +140,10 @@ fn render_json(capacity: u64, configs: &[String], rs: &[ReplayResult], dropped: 
                 "helper_driver_ms": r.helper_ms(&model),
                 "defragment_driver_ms": r.defragment_ms,
                 "cost_model": model.source,
-                // The peaks above add up the devices' own.
                 "held_at_peak_reserved": held_json(r.devices.iter().map(|d| {
                     (d.held_at_peak_reserved, d.allocated_at_peak_reserved)
                 })),
+                // The peaks and parts above add up the devices' own.
                 "devices": r.devices.iter().map(|d| json!({
                     "device": d.device,
                     "peak_reserved": d.peak_reserved,
@@ -261,6 +262,8 @@ fn render(
                 .sum(),
         )
     };
+    // Beside live blocks: with blocks that wait for events and the claimed
+    // rest of stitches in use (Note [Held memory by unit]).
     row("  beside live blocks in their units", &|_, r| {
         held(r, &|h, a| h.used_units.saturating_sub(a))
     });
