@@ -21,6 +21,7 @@ mod driver_calls;
 mod fd_passing;
 mod fork;
 mod global;
+mod held;
 mod ipc;
 mod ipc_format;
 mod observer;

@@ -83,6 +83,7 @@ __all__ = [
     "set_memory_limit",
     "fragmentation",
     "driver_calls",
+    "held",
     "last_oom",
     "phase",
     "mark",
@@ -199,6 +200,27 @@ def driver_calls(device=None, helper=False) -> Dict[str, dict]:
     it. ``helper=True`` gives the calls that thread made, with their time
     (on the simulated backend, the calls it would have made, 0 ms)."""
     return lib().driver_calls(_device(device), helper)
+
+
+def held(device=None) -> Dict[str, int]:
+    """Reserved memory now, by the unit it can be given back in: is it the
+    tensors or the cache? Bytes:
+
+    - ``used_units``: physical handles (or plain segments) that back at
+      least one byte in use;
+    - ``used_units_unallocated``: of those, what no allocation holds, free
+      bytes beside live blocks that only freeing those blocks gives back
+      (with blocks waiting for events and the rest of stitches in use);
+    - ``free_units``: mapped units that back nothing in use, the cache
+      ``empty_cache()`` gives back;
+    - ``free_private_units``: the same in private pools still held (CUDA
+      graphs, ``MemPool``), kept until the pool is released;
+    - ``pooled``: physical handles unmapped and kept for reuse.
+
+    ``used_units + free_units + free_private_units + pooled`` is
+    ``reserved_bytes.all.current``. ``gpualloc replay`` gives the same
+    split at a trace's peak of reserved memory."""
+    return lib().held(_device(device))
 
 
 def snapshot(device=None) -> List[dict]:

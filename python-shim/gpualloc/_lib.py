@@ -156,6 +156,18 @@ class DriverCallRow(ctypes.Structure):
     ]
 
 
+class Held(ctypes.Structure):
+    """Reserved memory by unit (``GpuallocHeld``)."""
+
+    _fields_ = [
+        ("used_units", c_uint64),
+        ("used_units_unallocated", c_uint64),
+        ("free_units", c_uint64),
+        ("free_private_units", c_uint64),
+        ("pooled", c_uint64),
+    ]
+
+
 class BlockState(ctypes.Structure):
     """One block of a private pool's checkpoint (``GpuallocBlockState``)."""
 
@@ -280,6 +292,7 @@ _SIGNATURES = {
         c_int,
         [c_int, ctypes.POINTER(DriverCallRow), c_size_t, ctypes.POINTER(c_size_t)],
     ),
+    "gpualloc_held": (c_int, [c_int, ctypes.POINTER(Held)]),
     "gpualloc_reset_peak_stats": (c_int, [c_int]),
     "gpualloc_reset_accumulated_stats": (c_int, [c_int]),
     "gpualloc_cache_info": (c_int, [c_int, ctypes.POINTER(c_size_t)]),
@@ -557,6 +570,12 @@ class Library:
             for r in rows
             if r.calls
         }
+
+    def held(self, device: int = 0) -> Dict[str, int]:
+        """Reserved memory by the unit it can be given back in (``GpuallocHeld``)."""
+        h = Held()
+        self.check(self.dll.gpualloc_held(_dev(device), ctypes.byref(h)))
+        return {name: getattr(h, name) for name, _ in Held._fields_}
 
     def reset_peak_stats(self, device: int = 0) -> None:
         self.check(self.dll.gpualloc_reset_peak_stats(_dev(device)))

@@ -261,11 +261,13 @@ class Case:
             return what
         if op == 16:
             dev = public_devices(r)
-            fn = r.choice([gpualloc.stats, gpualloc.fragmentation, gpualloc.reset_peak_stats, gpualloc.reset_accumulated_stats, gpualloc.snapshot])
+            fn = r.choice([gpualloc.stats, gpualloc.fragmentation, gpualloc.held, gpualloc.reset_peak_stats, gpualloc.reset_accumulated_stats, gpualloc.snapshot])
             what = f"gpualloc.{fn.__name__}({dev!r})"
             ok, v = self.call(what, fn, dev)
             if ok and fn is gpualloc.stats:
                 self.expect(all(isinstance(x, int) for x in v.values()), f"{what}: non-int stats")
+            if ok and fn is gpualloc.held:
+                self.expect(all(isinstance(x, int) and x >= 0 for x in v.values()), f"{what} returned {v!r}")
             return what
         if op == 17:
             dev = public_devices(r)

@@ -55,6 +55,24 @@ class ApiTest(unittest.TestCase):
         with self.assertRaises(gpualloc.GpuallocError):
             gpualloc.driver_calls(42, helper=True)
 
+    def test_held_splits_reserved_memory_by_unit(self):
+        p = lib().malloc(3 * MiB, 0, 0)
+        try:
+            h, s = gpualloc.held(0), gpualloc.stats(0)
+            self.assertEqual(set(h), {"used_units", "used_units_unallocated", "free_units", "free_private_units", "pooled"})
+            parts = h["used_units"] + h["free_units"] + h["free_private_units"] + h["pooled"]
+            self.assertEqual(parts, s["reserved_bytes.all.current"])
+            self.assertGreaterEqual(h["used_units"], 3 * MiB)
+            self.assertEqual(h["used_units_unallocated"], h["used_units"] - s["allocated_bytes.all.current"])
+        finally:
+            lib().free(p, 0)
+        gpualloc.empty_cache()
+        h = gpualloc.held(0)
+        self.assertEqual(h["free_units"], 0, h)
+        self.assertEqual(gpualloc.held("cuda:0"), h)
+        with self.assertRaises(gpualloc.GpuallocError):
+            gpualloc.held(42)
+
     def test_private_pool_holds_and_live_allocations(self):
         pool = (41, 42)
         L = lib()

@@ -214,7 +214,20 @@ fn render_docs() -> String {
          thread's: unmapping handed to the helper thread (`unmap_thread`) counts\n\
          once, when given, with only the time spent waiting for it.\n\
          `gpualloc.driver_calls(helper=True)` (C: `gpualloc_helper_driver_calls`)\n\
-         gives what that thread did, with its time, a call a handle.\n",
+         gives what that thread did, with its time, a call a handle.\n\
+         \n\
+         `gpualloc.held()` (C: `gpualloc_held`) splits reserved memory by the unit\n\
+         it can be given back in (Note [Held memory by unit] in\n\
+         `allocator/src/held.rs`):\n\
+         \n\
+         - physical handles or plain segments that back a byte in use, and how\n  \
+         much of those no allocation holds;\n\
+         - free units of the default pools, the cache;\n\
+         - free units of private pools still held;\n\
+         - pooled handles.\n\
+         \n\
+         The four parts add up to `reserved_bytes.all.current`. `gpualloc replay`\n\
+         gives the same split at the peak of a trace's reserved memory.\n",
     );
     out
 }

@@ -188,6 +188,18 @@ static void test_stats(void) {
     for (size_t i = 0; i < rows; i++) CHECK(d[i].name != NULL && d[i].calls == 0 && d[i].nanos == 0);
     free(d);
   }
+  /* reserved memory by unit: the parts add up to it, the used units hold
+     the live 3 MiB block */
+  {
+    GpuallocHeld h;
+    CHECK(gpualloc_held(0, &h) == GPUALLOC_OK);
+    CHECK(h.used_units + h.free_units + h.free_private_units + h.pooled ==
+          (uint64_t)s.reserved_bytes.all.current);
+    CHECK(h.used_units >= 3 * MiB);
+    CHECK(h.used_units_unallocated == h.used_units - (uint64_t)s.allocated_bytes.all.current);
+    CHECK(gpualloc_held(42, &h) == GPUALLOC_ERR_INVALID_DEVICE);
+    CHECK(gpualloc_held(0, NULL) == GPUALLOC_ERR_INVALID_ARGUMENT);
+  }
   /* an older caller's smaller struct gets only what it knows */
   GpuallocStats old;
   memset(&old, 0x5a, sizeof old);

@@ -125,6 +125,25 @@ typedef struct GpuallocDriverCall {
   uint64_t nanos;
 } GpuallocDriverCall;
 
+// Reserved bytes by unit: the four parts add up to reserved memory.
+typedef struct GpuallocHeld {
+  // Physical handles (expandable segments) or plain segments that back
+  // at least one byte in use.
+  uint64_t used_units;
+  // Of `used_units`, the bytes no allocation holds: free bytes beside
+  // live blocks, given back only as those blocks are freed (with blocks
+  // waiting for events and the rest of stitches in use).
+  uint64_t used_units_unallocated;
+  // Mapped units of the default pools (and of released private pools)
+  // that back no byte in use: cache, which `empty_cache` gives back.
+  uint64_t free_units;
+  // Mapped units of private pools still held (CUDA graphs, `MemPool`)
+  // that back no byte in use: kept until the pool is released.
+  uint64_t free_private_units;
+  // Physical handles unmapped and kept for reuse.
+  uint64_t pooled;
+} GpuallocHeld;
+
 // Receives segment events: `action` is one of `GPUALLOC_SEGMENT_*`,
 // `stream` the `cudaStream_t` the memory was obtained for, as an integer.
 // Called under the allocator's lock: it must not call gpualloc.
@@ -599,6 +618,13 @@ int gpualloc_helper_driver_calls(int device,
                                  size_t *needed);
 
 extern int pthread_atfork(void (*prepare)(void), void (*parent)(void), void (*child)(void));
+
+// Fills `*out` with `device`'s reserved memory by unit. A device not used
+// yet reports zeros and is not started.
+//
+// # Safety
+// `out` is NULL or points to a writable `GpuallocHeld`.
+int gpualloc_held(int device, struct GpuallocHeld *out);
 
 // Describes how to share the allocation that starts at `ptr` on `device`
 // with another process.
