@@ -354,6 +354,7 @@ def summary(device=None, abbreviated: bool = False) -> str:
     d = _device(device)
     s = stats(d)
     f = fragmentation(d)
+    h = held(d)
     # backend() would start the allocator (and the CUDA driver), which
     # stats() and fragmentation() leave to the first use.
     where = f"{backend()} backend" if lib().is_initialized() else "not started"
@@ -394,6 +395,11 @@ def summary(device=None, abbreviated: bool = False) -> str:
     lines.append(
         f" largest cached block: {_fmt_bytes(f['largest_free_block']).strip()}, cached free: {_fmt_bytes(f['cached_free_bytes']).strip()}, "
         f"external fragmentation: {f['external_fragmentation'] * 100:.1f}%, unallocated: {f['unallocated_fraction'] * 100:.1f}%"
+    )
+    b = {k: _fmt_bytes(v).strip() for k, v in h.items()}
+    lines.append(
+        f" reserved by unit: used {b['used_units']} ({b['used_units_unallocated']} of it beside live blocks), "
+        f"cache {b['free_units']}, private pools {b['free_private_units']}, pooled {b['pooled']}"
     )
     lines.append("=" * width)
     return "\n".join(lines) + "\n"
