@@ -94,6 +94,7 @@ def summarize_training(runs, workload, variants):
             "median_step_ms": median([x["median_step_s"] * 1e3 for x in res]),
             "mean_step_ms": median([x["mean_step_s"] * 1e3 for x in res]),
             "device_allocs_after_warmup": median([x.get("device_allocs_after_warmup") for x in res]),
+            "memory_calls_per_100_after_warmup": median([memory_calls_per_100(x, v) for x in res]),
             "ratio_mean_all_vs_faster_native": median(ratios),
             "ratio_mean_all_interval95": ratio_interval(ratios),
             "losses_agree_with_native": all(agree) if agree else None,
@@ -107,6 +108,30 @@ def summarize_training(runs, workload, variants):
             } if pairs else None,
         })
     return rows
+
+
+# The driver calls that obtain, map, give access to, unmap or return device
+# memory: what a run after warm-up should not need more of than PyTorch
+# expandable.
+MEMORY_KINDS = ("cuMemAlloc", "cuMemFree", "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemSetAccess", "cuMemUnmap")
+
+
+def memory_calls_per_100(result, variant):
+    """Memory calls per 100 steps after warm-up. A run that measured its
+    driver calls (gpualloc's, checks._train's driver_calls_after_warmup):
+    the calls of MEMORY_KINDS, both threads. PyTorch expandable: its maps
+    and unmaps of ranges (num_device_alloc + num_device_free, which count
+    them there), each one driver call or more, so a lower bound of its
+    calls. None for other runs, or where the run lacks what it takes."""
+    after = result.get("steps", 0) - result.get("warmup_steps", 0)
+    calls = result.get("driver_calls_after_warmup")
+    if calls is not None:
+        n = sum(d["calls"] for kind, d in calls.items() if kind in MEMORY_KINDS)
+    elif variant == "native-expandable":
+        n = result.get("device_allocs_after_warmup")
+    else:
+        return None
+    return None if n is None or after <= 0 else 100 * n / after
 
 
 # The driver calls the table shows a column of; the rest add up to "other".
@@ -220,6 +245,20 @@ def ratio_interval(ratios):
     return [math.exp(m), math.exp(m - half), math.exp(m + half)]
 
 
+def memory_calls_verdict(mine, theirs):
+    """Whether a run's memory calls after warm-up (per 100 steps) are no
+    more than PyTorch expandable's. Its figure counts ranges, each one call
+    or more: at or under it is met, over it a miss only where PyTorch
+    expandable made none."""
+    if mine is None or theirs is None:
+        return "not run"
+    if mine <= theirs:
+        return "met"
+    if theirs == 0:
+        return "missed"
+    return "cannot tell (PyTorch expandable's figure is a lower bound of its calls)"
+
+
 def verdict_ratio(ratios, limit):
     """Whether per-repeat ratios meet `ratio <= limit`: by the 95% interval
     with two repeats or more, by the one ratio otherwise."""
@@ -276,6 +315,11 @@ def targets(bench, ours="gpualloc"):
         verdict = "not run" if mine is None or theirs is None else ("met" if mine <= theirs else "missed")
         rows.append((w, "device allocations after warm-up <= PyTorch expandable's",
                      f"{fmt(mine, '.0f')} vs {fmt(theirs, '.0f')}", verdict))
+        mine = by[ours].get("memory_calls_per_100_after_warmup")
+        theirs = by.get("native-expandable", {}).get("memory_calls_per_100_after_warmup")
+        rows.append((w, "memory calls per 100 steps after warm-up <= PyTorch expandable's (its maps and unmaps, "
+                        "each one call or more)", f"{fmt(mine, '.1f')} vs {fmt(theirs, '.1f')}",
+                     memory_calls_verdict(mine, theirs)))
     for w, by, ra in ran("churn"):
         if w == "churn":
             rows.append(ra_row(w, ra, 1.05))
@@ -316,14 +360,17 @@ def markdown(bench):
     if a["repeats"] and bench["training"]:
         sec = [f"## Training, {a['steps']} steps, medians over {a['repeats']} repeat(s)", "",
                "| workload | variant | runs | R/A | mean, all steps (ms) | median (ms) | device allocs after warm-up "
-               "| mean / faster native | 95% interval | losses agree | host µs |",
-               "|---|---|---|---|---|---|---|---|---|---|---|"]
+               "| memory calls per 100 steps after warm-up | mean / faster native | 95% interval | losses agree "
+               "| host µs |",
+               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for w, rows in bench["training"].items():
             for r in rows:
                 agree = {True: "yes", False: "**no**", None: "–"}[r["losses_agree_with_native"]]
                 sec.append(f"| {w} | {r['variant']} | {r['runs']} | {fmt(r['peak_reserved_over_allocated'], '.3f')} "
                            f"| {fmt(r['mean_step_ms_all'], '.1f')} | {fmt(r['median_step_ms'], '.1f')} "
-                           f"| {fmt(r['device_allocs_after_warmup'], '.0f')} | {fmt(r['ratio_mean_all_vs_faster_native'], '.3f')} "
+                           f"| {fmt(r['device_allocs_after_warmup'], '.0f')} "
+                           f"| {fmt(r.get('memory_calls_per_100_after_warmup'), '.1f')} "
+                           f"| {fmt(r['ratio_mean_all_vs_faster_native'], '.3f')} "
                            f"| {fmt_interval(r.get('ratio_mean_all_interval95'))} | {agree} "
                            f"| {fmt(r.get('host_floor_us'), '.2f')} |")
         sec += ["", INTERVAL_NOTE, "", HOST_NOTE]

@@ -612,7 +612,9 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
     the driver calls by kind (gpualloc.driver_calls()) made before the loop
     (driver_calls_setup: building the model), in step 0 and in all steps
     (driver_calls_step0, driver_calls), and those the unmapping thread made
-    in the whole run, setup included (helper_driver_calls). host_floor_us
+    in the whole run, setup included (helper_driver_calls), and those of
+    both threads in the steps after the first 20%
+    (driver_calls_after_warmup). host_floor_us
     is the process's host speed before and after the loop (_host_floor_us).
     """
     import torch
@@ -623,6 +625,7 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
     warmup = steps // 5
     gpualloc = sys.modules.get("gpualloc")
     per_step = gpualloc is not None and gpualloc.installed()
+    warm_calls = (None, None)
     torch.cuda.reset_peak_memory_stats()
     setup = _driver_calls(gpualloc) if per_step else None
     floor0 = _host_floor_us(torch)
@@ -630,6 +633,8 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
     for step in range(steps):
         if step == warmup:
             before = _counters()
+            if per_step:
+                warm_calls = (_driver_calls(gpualloc), _driver_calls(gpualloc, helper=True))
         batch = make_batch(step)
         torch.cuda.synchronize()
         c0 = gpualloc.stats() if per_step else None
@@ -672,7 +677,8 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
         **({"step_driver_ms": driver, "step_device_calls": device} if per_step else {}),
         **({"driver_calls_setup": setup, "driver_calls_step0": by_kind0,
             "driver_calls": _driver_calls_since(gpualloc, setup),
-            "helper_driver_calls": _driver_calls(gpualloc, helper=True)} if per_step else {}),
+            "helper_driver_calls": _driver_calls(gpualloc, helper=True),
+            "driver_calls_after_warmup": _calls_after_warmup(gpualloc, warm_calls)} if per_step else {}),
     }
 
 
@@ -708,10 +714,11 @@ def _driver_calls(gpualloc, helper=False):
         return None
 
 
-def _driver_calls_since(gpualloc, before):
+def _driver_calls_since(gpualloc, before, helper=False):
     """The driver calls by kind made since the reading ``before`` (kinds
-    with no new call left out), or None where either reading is missing."""
-    now = _driver_calls(gpualloc)
+    with no new call left out; with ``helper``, the unmapping thread's), or
+    None where either reading is missing."""
+    now = _driver_calls(gpualloc, helper)
     if now is None or before is None:
         return None
     out = {}
@@ -721,6 +728,22 @@ def _driver_calls_since(gpualloc, before):
         if d["calls"]:
             out[kind] = d
     return out
+
+
+def _calls_after_warmup(gpualloc, warm):
+    """The driver calls by kind that the steps after warm-up made, on the
+    allocating thread and the unmapping thread together (``warm``: both
+    readings at the first step after warm-up), or None where a reading is
+    missing. bench.py compares its memory calls with PyTorch expandable's
+    maps and unmaps after warm-up."""
+    mine, helper = _driver_calls_since(gpualloc, warm[0]), _driver_calls_since(gpualloc, warm[1], helper=True)
+    if mine is None:
+        return None
+    for kind, d in (helper or {}).items():
+        into = mine.setdefault(kind, dict.fromkeys(d, 0))
+        for k, v in d.items():
+            into[k] += v
+    return mine
 
 
 class Workload(NamedTuple):

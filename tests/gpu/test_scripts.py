@@ -399,6 +399,75 @@ class BenchDriverTime(unittest.TestCase):
         self.assertIsNone(checks._driver_calls_since(object(), before))
 
 
+class BenchMemoryCalls(unittest.TestCase):
+    """Memory calls after warm-up: gpualloc's driver calls against PyTorch
+    expandable's maps and unmaps, per 100 steps."""
+
+    def runs(self, ours_calls, theirs_events):
+        runs = []
+        for rep, (calls, events) in enumerate(zip(ours_calls, theirs_events)):
+            e = bench_run("w", "native-expandable", rep, 0.1)
+            e["result"].update(steps=60, warmup_steps=10, device_allocs_after_warmup=events)
+            g = bench_run("w", "gpualloc", rep, 0.1)
+            g["result"].update(steps=60, warmup_steps=10, driver_calls_after_warmup={
+                "cuMemMap": {"calls": calls, "handles": calls, "bytes": 1, "ms": 0.1},
+                "cuMemSetAccess": {"calls": min(calls, 1), "handles": calls, "bytes": 1, "ms": 0.1},
+                # neither is a memory call
+                "cuEventQuery": {"calls": 500, "handles": 0, "bytes": 0, "ms": 1.0},
+                "cuMemAddressReserve": {"calls": 7, "handles": 0, "bytes": 1, "ms": 0.0}})
+            runs += [e, bench_run("w", "native", rep, 0.1), g]
+        return runs
+
+    def verdict(self, ours_calls, theirs_events):
+        runs = self.runs(ours_calls, theirs_events)
+        vs = ["native", "native-expandable", "gpualloc"]
+        b = {"runs": runs, "training": {"w": bench.summarize_training(runs, "w", vs)}, "churn": {}}
+        return next((v, x) for w, t, v, x in bench.targets(b) if t.startswith("memory calls"))
+
+    def test_per_100_steps_after_warm_up_and_medians(self):
+        runs = self.runs([4, 9, 19], [0, 1, 0])
+        rows = {r["variant"]: r for r in bench.summarize_training(runs, "w", ["native", "native-expandable", "gpualloc"])}
+        self.assertEqual(rows["gpualloc"]["memory_calls_per_100_after_warmup"], 20.0, "(9 + 1) calls in 50 steps")
+        self.assertEqual(rows["native-expandable"]["memory_calls_per_100_after_warmup"], 0.0)
+        self.assertIsNone(rows["native"]["memory_calls_per_100_after_warmup"], "PyTorch's counters count no calls")
+        text = bench.markdown({"args": {"repeats": 3, "steps": 60}, "variants": ["gpualloc"],
+                               "training": {"w": list(rows.values())}, "runs": runs, "skipped": []})
+        self.assertIn("| w | gpualloc | 3 | 1.010 | 100.0 | 100.0 | 0 | 20.0 | 1.000 |", text)
+
+    def test_met_missed_and_cannot_tell(self):
+        self.assertEqual(self.verdict([0, 0], [0, 0]), ("0.0 vs 0.0", "met"))
+        self.assertEqual(self.verdict([1, 1], [3, 3]), ("4.0 vs 6.0", "met"))
+        self.assertEqual(self.verdict([2, 2], [0, 0]), ("6.0 vs 0.0", "missed"))
+        value, verdict = self.verdict([9, 9], [1, 1])
+        self.assertEqual(value, "20.0 vs 2.0")
+        self.assertTrue(verdict.startswith("cannot tell ("), verdict)
+
+    def test_a_run_that_did_not_count_its_calls_is_not_judged(self):
+        runs = self.runs([1], [0])
+        del runs[-1]["result"]["driver_calls_after_warmup"]
+        vs = ["native-expandable", "gpualloc"]
+        b = {"runs": runs, "training": {"w": bench.summarize_training(runs, "w", vs)}, "churn": {}}
+        self.assertIn(("w", "not run"), [(w, x) for w, t, v, x in bench.targets(b) if t.startswith("memory calls")])
+
+    def test_both_threads_calls_after_warm_up(self):
+        class Fake:
+            calls = {"cuMemUnmap": {"calls": 5, "handles": 5, "bytes": 10, "ms": 2.0},
+                     "cuMemMap": {"calls": 3, "handles": 3, "bytes": 6, "ms": 1.0}}
+            helper = {"cuMemUnmap": {"calls": 7, "handles": 7, "bytes": 14, "ms": 3.0},
+                      "cuMemAddressFree": {"calls": 1, "handles": 0, "bytes": 2, "ms": 0.5}}
+
+            def driver_calls(self, helper=False):
+                return self.helper if helper else self.calls
+
+        warm = ({"cuMemUnmap": {"calls": 4, "handles": 4, "bytes": 8, "ms": 1.0}},
+                {"cuMemUnmap": {"calls": 2, "handles": 2, "bytes": 4, "ms": 1.0}})
+        self.assertEqual(checks._calls_after_warmup(Fake(), warm), {
+            "cuMemUnmap": {"calls": 6, "handles": 6, "bytes": 12, "ms": 3.0},
+            "cuMemMap": {"calls": 3, "handles": 3, "bytes": 6, "ms": 1.0},
+            "cuMemAddressFree": {"calls": 1, "handles": 0, "bytes": 2, "ms": 0.5}})
+        self.assertIsNone(checks._calls_after_warmup(Fake(), (None, None)))
+
+
 class BenchTargets(unittest.TestCase):
     def bench(self, ours_times, ra=1.008, allocs=(2, 3)):
         runs = [bench_run("w", "native", rep, 0.100) for rep in range(len(ours_times))]
