@@ -133,6 +133,10 @@ pub struct DeviceReplay {
     pub recorded_device_total: Option<u64>,
     /// The first failed allocation.
     pub first_oom: Option<ReplayOom>,
+    /// The driver calls made from the device's split time on, where
+    /// [`replay_split`] was given one (the steps after warm-up): `driver`
+    /// less what the events before it made.
+    pub driver_from_split: Option<DriverCalls>,
 }
 
 /// What a replay measured: per device, and totals over devices.
@@ -197,6 +201,8 @@ struct DeviceRun {
     unalloc_sum: f64,
     /// Which private pool each allocation goes to (`replay_pools.rs`).
     pools: PoolRouting,
+    /// The driver calls when the split time passed ([`replay_split`]).
+    at_split: Option<DriverCalls>,
 }
 
 /// Replays `events` on simulated devices of `capacity` bytes with `config`.
@@ -210,18 +216,33 @@ pub fn replay(
     capacity: u64,
     config: &Config,
 ) -> ReplayResult {
-    replay_observed(events, capacity, config, &mut |_, _| {})
+    replay_split(events, capacity, config, &BTreeMap::new())
+}
+
+/// [`replay`], also counting the driver calls each device in `split` makes
+/// from its time there on (ns since the trace began, as events carry it),
+/// in [`DeviceReplay::driver_from_split`]: what the steps after warm-up
+/// cost, for the `replay` command. A device whose events end before its
+/// time made none then.
+pub fn replay_split(
+    events: impl Iterator<Item = TraceEvent>,
+    capacity: u64,
+    config: &Config,
+    split: &BTreeMap<u32, u64>,
+) -> ReplayResult {
+    replay_with(events, capacity, config, false, split, &mut |_, _| {})
 }
 
 /// [`replay`], calling `observe` with the event index and the device after
 /// every event the replay applies (layout probes look at the heap there).
+#[cfg(test)]
 pub(crate) fn replay_observed(
     events: impl Iterator<Item = TraceEvent>,
     capacity: u64,
     config: &Config,
     observe: &mut dyn FnMut(u64, &DeviceAllocator<SimBackend>),
 ) -> ReplayResult {
-    replay_with(events, capacity, config, false, observe)
+    replay_with(events, capacity, config, false, &BTreeMap::new(), observe)
 }
 
 /// [`replay`] with the simulator holding back the unmapping given to the
@@ -233,7 +254,14 @@ pub(crate) fn replay_deferring(
     capacity: u64,
     config: &Config,
 ) -> ReplayResult {
-    replay_with(events, capacity, config, true, &mut |_, _| {})
+    replay_with(
+        events,
+        capacity,
+        config,
+        true,
+        &BTreeMap::new(),
+        &mut |_, _| {},
+    )
 }
 
 fn replay_with(
@@ -241,6 +269,7 @@ fn replay_with(
     capacity: u64,
     config: &Config,
     defer: bool,
+    split: &BTreeMap<u32, u64>,
     observe: &mut dyn FnMut(u64, &DeviceAllocator<SimBackend>),
 ) -> ReplayResult {
     let capacity = capacity.min(crate::config::MAX_BYTES);
@@ -257,6 +286,9 @@ fn replay_with(
             run.dev.backend.set_waits_complete_one(true);
             run
         });
+        if run.at_split.is_none() && split.get(&e.device).is_some_and(|&t| e.time_ns >= t) {
+            run.at_split = Some(run.dev.driver_calls());
+        }
         run.event(i as u64, e, &mut r);
         observe(i as u64, &run.dev);
     }
@@ -279,6 +311,9 @@ fn replay_with(
         o.alloc_retries = s.num_alloc_retries as u64;
         o.driver = run.dev.driver_calls();
         r.driver.merge(&o.driver);
+        if split.contains_key(&o.device) {
+            o.driver_from_split = Some(o.driver.since(run.at_split.as_ref().unwrap_or(&o.driver)));
+        }
         o.helper = run.dev.helper_driver_calls();
         r.helper.merge(&o.helper);
         o.defragment_ms = run.dev.defrag_budget.charged_ns() / 1e6;
@@ -333,6 +368,7 @@ impl DeviceRun {
             phases: Vec::new(),
             unalloc_sum: 0.0,
             pools: PoolRouting::default(),
+            at_split: None,
         }
     }
 

@@ -799,6 +799,69 @@ fn replay_says_what_reserved_memory_was_made_of_at_its_peak() {
     );
 }
 
+/// The memory calls of the steps after warm-up (the first fifth of the
+/// steps left out): none where the layout repeats, many where pages move
+/// to follow a changing one, few when they never move; none to count in a
+/// trace without steps.
+#[test]
+fn replay_counts_the_memory_calls_after_warm_up() {
+    fn line<'a>(text: &'a str, name: &str) -> &'a str {
+        let found = text.lines().find(|l| l.starts_with(name));
+        found.unwrap_or_else(|| panic!("no row {name:?} in {text}"))
+    }
+    let trace = |name: &str| format!("{}/../examples/{name}.gtrace", env!("CARGO_MANIFEST_DIR"));
+    let replayed = |name: &str| -> serde_json::Value {
+        let args = ["replay", "--capacity", "140GiB", "--json", "--config", ""];
+        let (out, _) =
+            common::ok(&[&args[..], &["--config", "defragment:false", &trace(name)]].concat());
+        serde_json::from_str(&out).unwrap()
+    };
+    let later = |r: &serde_json::Value| -> (u64, u64) {
+        let a = &r["after_warmup"];
+        assert_eq!(a, &r["devices"][0]["after_warmup"], "one device: {r}");
+        (
+            a["steps"].as_u64().unwrap(),
+            a["driver_memory_calls"].as_u64().unwrap(),
+        )
+    };
+    let resnet = replayed("resnet50");
+    assert_eq!(later(&resnet[0]), (48, 0));
+    let detector = replayed("detector-multiscale");
+    assert_eq!(later(&detector[0]), (48, 2780));
+    assert_eq!(later(&detector[1]), (48, 60));
+    let d = &detector[0]["after_warmup"];
+    assert_eq!(
+        d["memory_calls_per_100_steps"].as_f64().unwrap(),
+        2780.0 * 100.0 / 48.0
+    );
+    assert!(d["driver_memory_calls"].as_u64() < detector[0]["driver_memory_calls"].as_u64());
+    let varlen = replayed("gpt2-varlen");
+    assert!(
+        varlen[0]["after_warmup"].is_null(),
+        "no steps recorded: {}",
+        varlen[0]
+    );
+    // The text: the rate, and over how many steps.
+    for (name, rate, steps) in [
+        ("detector-multiscale", "5791.7", "48"),
+        ("gpt2-varlen", "-", "none"),
+    ] {
+        let args = ["replay", "--capacity", "140GiB", "--config", ""];
+        let text = ok(&[&args[..], &[&trace(name)]].concat());
+        let rows = [
+            ("memory calls per 100 later steps", rate),
+            ("  over the steps after the first 1/5", steps),
+        ];
+        for (row, value) in rows {
+            let found = line(&text, row);
+            assert!(
+                found.ends_with(&format!(" {value}")),
+                "{name}, {row}: {text}"
+            );
+        }
+    }
+}
+
 #[test]
 fn several_traces_export_to_one_parquet_folder() {
     let dir = tempfile::tempdir().unwrap();

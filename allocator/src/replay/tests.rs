@@ -355,3 +355,41 @@ fn a_trace_that_starts_mid_run_skips_unknown_frees() {
     assert!(r.unknown_frees > 0);
     assert!(r.devices[0].allocs > 0);
 }
+
+#[test]
+fn the_calls_after_a_split_are_those_its_later_events_make() {
+    let (evs, ..) = record_ticking(12, 1 << 30, "", 3000, 2_000_000);
+    let c = Config::default();
+    let plain = replay(evs.iter().copied(), 1 << 30, &c);
+    assert_eq!(plain.devices[0].driver_from_split, None, "no split asked");
+    let at = |t: u64| replay_split(evs.iter().copied(), 1 << 30, &c, &BTreeMap::from([(0, t)]));
+    let all = at(0);
+    assert_eq!(
+        all.devices[0].driver_from_split,
+        Some(all.devices[0].driver)
+    );
+    let end = evs.last().unwrap().time_ns;
+    assert_eq!(
+        at(end + 1).devices[0].driver_from_split,
+        Some(DriverCalls::default())
+    );
+    let mid = evs[evs.len() / 2].time_ns;
+    let half = at(mid);
+    // The same replay otherwise.
+    let mut same = half.clone();
+    same.devices[0].driver_from_split = None;
+    assert_eq!(same, plain);
+    // What the events before `mid` made, observed as they were applied.
+    let mut before = None;
+    replay_observed(evs.iter().copied(), 1 << 30, &c, &mut |i, d| {
+        if evs.get(i as usize + 1).is_some_and(|e| e.time_ns >= mid) && before.is_none() {
+            before = Some(d.driver_calls());
+        }
+    });
+    let later = half.devices[0].driver_from_split.unwrap();
+    assert_eq!(later, plain.devices[0].driver.since(&before.unwrap()));
+    assert!(later.memory_calls() > 0 && later.memory_calls() < plain.driver.memory_calls());
+    // A device the split does not name gets none.
+    let other = replay_split(evs.iter().copied(), 1 << 30, &c, &BTreeMap::from([(1, 0)]));
+    assert_eq!(other.devices[0].driver_from_split, None);
+}

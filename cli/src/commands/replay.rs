@@ -1,7 +1,9 @@
 //! The `replay` command: one pass of the trace per configuration, the
 //! results side by side, or as JSON (`--json`) for scripts and CI. Besides
 //! the peaks it reports the driver calls each configuration makes and the
-//! driver time they would take on an H200 ([`CostModel::h200`]), and what
+//! driver time they would take on an H200 ([`CostModel::h200`]), in all
+//! and in the steps after warm-up (whether a configuration keeps moving
+//! memory once the program runs steadily), and what
 //! reserved memory was made of at its peak (Note [Held memory by unit] in
 //! `allocator/src/held.rs`): which part lies beside live blocks in the
 //! handles or segments they keep (given back only as those blocks are
@@ -14,21 +16,48 @@
 //! `driver_calls`, `driver_memory_calls`, `driver_ms`,
 //! `driver_calls_by_kind` (per kind: `calls`, `handles`, `bytes`, `ms`),
 //! `helper_driver_ms`, `defragment_driver_ms`, `cost_model`,
+//! `after_warmup` (the steps after the first fifth of the trace's steps,
+//! as `summary` counts steps, or null under 5 steps: `steps`,
+//! `driver_calls`, `driver_memory_calls`, `memory_calls_per_100_steps`,
+//! `driver_ms`),
 //! `held_at_peak_reserved` (`used_units`, `used_units_unallocated`,
 //! `free_units`, `free_private_units`, `pooled`: bytes at each device's
 //! peak, summed; the parts but `used_units_unallocated` add up to
 //! `peak_reserved`), and `devices` (per device: `device`, `peak_reserved`,
-//! `peak_allocated`, `ooms`, `held_at_peak_reserved`).
+//! `peak_allocated`, `ooms`, `held_at_peak_reserved`, `after_warmup`).
 
 use std::fmt::Write;
 use std::path::Path;
 
-use gpualloc::replay::{ReplayResult, replay};
-use gpualloc::{Config, CostModel, Held};
+use std::collections::BTreeMap;
+
+use gpualloc::replay::{DeviceReplay, ReplayResult, replay_split};
+use gpualloc::{Config, CostModel, DriverCalls, Held};
 use serde_json::json;
 
+use crate::analyses::analysis::analyze;
 use crate::input::{self, CliError};
 use crate::units::{bytes, duration, percent};
+
+/// Fewer steps than this, and a trace has no warm-up to leave out.
+const MIN_STEPS: usize = 5;
+
+/// Where each device's steps after warm-up begin: `(time, steps from
+/// there)`, its first fifth left out (as `tests/gpu/bench.py` counts them).
+/// Steps are what `summary` counts: the marks, else the pushes of the most
+/// pushed top-level phase (`install()` records both at each optimizer
+/// step). Devices with fewer than [`MIN_STEPS`] steps have none.
+fn warmup_ends(path: &Path, allow_truncated: bool) -> Result<BTreeMap<u32, (u64, u64)>, CliError> {
+    let a = analyze(path, allow_truncated)?;
+    Ok(a.devices
+        .iter()
+        .filter_map(|(&d, x)| {
+            let b = x.state.iterations();
+            let w = b.len() / 5;
+            (b.len() >= MIN_STEPS).then(|| (d, (b[w], (b.len() - w) as u64)))
+        })
+        .collect())
+}
 
 /// Replays `path` under each configuration (the trace's own when none).
 pub fn run(
@@ -45,6 +74,8 @@ pub fn run(
     } else {
         configs.to_vec()
     };
+    let warm = warmup_ends(path, allow_truncated)?;
+    let split: BTreeMap<u32, u64> = warm.iter().map(|(&d, &(t, _))| (d, t)).collect();
     let mut results = Vec::new();
     let mut strings = Vec::new();
     let mut dropped = 0u64;
@@ -61,7 +92,7 @@ pub fn run(
             })
         })?;
         let mut reader = input::open(path)?;
-        let r = replay(reader.events(), capacity, &config);
+        let r = replay_split(reader.events(), capacity, &config, &split);
         if let Some(e) = reader.take_error() {
             let msg = format!("{}: {e} (after {} events)", path.display(), r.events);
             if !allow_truncated {
@@ -69,7 +100,12 @@ pub fn run(
                     "{msg}; pass --allow-truncated to replay the readable prefix"
                 )));
             }
-            input::warn_once(&msg, &format!("{msg}; the readable prefix was replayed"));
+            // Under the key of the first pass's warning (`warmup_ends`),
+            // which said it already.
+            input::warn_once(
+                &format!("{}: {e}", path.display()),
+                &format!("{msg}; the readable prefix was replayed"),
+            );
         } else if reader.end().is_none() {
             // As every command that reads the trace says it.
             input::warn_no_end(path, r.events);
@@ -82,9 +118,53 @@ pub fn run(
         results.push(r);
     }
     if as_json {
-        return Ok(render_json(capacity, &configs, &results, dropped));
+        return Ok(render_json(capacity, &configs, &results, dropped, &warm));
     }
-    Ok(render(path, capacity, &configs, &results, &strings))
+    Ok(render(path, capacity, &configs, &results, &strings, &warm))
+}
+
+/// The driver calls of the steps after warm-up, summed over the devices
+/// that have them, with memory calls per 100 steps (each device's over its
+/// own steps, summed); `None` when no device has steps enough.
+fn after_warmup(
+    devices: &[DeviceReplay],
+    warm: &BTreeMap<u32, (u64, u64)>,
+) -> Option<(DriverCalls, f64)> {
+    let mut calls = DriverCalls::default();
+    let mut per_100 = 0.0;
+    let mut any = false;
+    for d in devices {
+        if let (Some(c), Some(&(_, steps))) = (&d.driver_from_split, warm.get(&d.device)) {
+            calls.merge(c);
+            per_100 += c.memory_calls() as f64 * 100.0 / steps as f64;
+            any = true;
+        }
+    }
+    any.then_some((calls, per_100))
+}
+
+/// The `after_warmup` JSON object of one device's replay, or null.
+fn after_warmup_json(
+    devices: &[DeviceReplay],
+    warm: &BTreeMap<u32, (u64, u64)>,
+    model: &CostModel,
+) -> serde_json::Value {
+    let steps: u64 = devices
+        .iter()
+        .filter_map(|d| warm.get(&d.device))
+        .map(|w| w.1)
+        .max()
+        .unwrap_or(0);
+    match after_warmup(devices, warm) {
+        None => serde_json::Value::Null,
+        Some((calls, per_100)) => json!({
+            "steps": steps,
+            "driver_calls": calls.total_calls(),
+            "driver_memory_calls": calls.memory_calls(),
+            "memory_calls_per_100_steps": per_100,
+            "driver_ms": model.predict_ms(&calls),
+        }),
+    }
 }
 
 /// Warns when the program set a fraction of a device of another size than
@@ -105,7 +185,13 @@ fn warn_other_device(path: &Path, capacity: u64, r: &ReplayResult) {
 }
 
 /// One object per configuration: peaks, ratio, driver calls and time.
-fn render_json(capacity: u64, configs: &[String], rs: &[ReplayResult], dropped: u64) -> String {
+fn render_json(
+    capacity: u64,
+    configs: &[String],
+    rs: &[ReplayResult],
+    dropped: u64,
+    warm: &BTreeMap<u32, (u64, u64)>,
+) -> String {
     let model = CostModel::h200();
     let rows: Vec<serde_json::Value> = configs
         .iter()
@@ -143,6 +229,7 @@ fn render_json(capacity: u64, configs: &[String], rs: &[ReplayResult], dropped: 
                 "held_at_peak_reserved": held_json(r.devices.iter().map(|d| {
                     (d.held_at_peak_reserved, d.allocated_at_peak_reserved)
                 })),
+                "after_warmup": after_warmup_json(&r.devices, warm, &model),
                 // The peaks and parts above add up the devices' own.
                 "devices": r.devices.iter().map(|d| json!({
                     "device": d.device,
@@ -152,6 +239,7 @@ fn render_json(capacity: u64, configs: &[String], rs: &[ReplayResult], dropped: 
                     "held_at_peak_reserved": held_json(std::iter::once(
                         (d.held_at_peak_reserved, d.allocated_at_peak_reserved),
                     )),
+                    "after_warmup": after_warmup_json(std::slice::from_ref(d), warm, &model),
                 })).collect::<Vec<_>>(),
             })
         })
@@ -189,6 +277,7 @@ fn render(
     configs: &[String],
     rs: &[ReplayResult],
     strings: &[String],
+    warm: &BTreeMap<u32, (u64, u64)>,
 ) -> String {
     let mut s = String::new();
     let events = rs.first().map_or(0, |r| r.events);
@@ -301,6 +390,17 @@ fn render(
     });
     row("  of it requests that defragmented", &|_, r| {
         format!("{:.1} ms", r.defragment_ms)
+    });
+    // The steps after the first fifth (`warmup_ends`); none in a trace of
+    // fewer than five.
+    row("memory calls per 100 later steps", &|_, r| {
+        after_warmup(&r.devices, warm).map_or("-".into(), |(_, per_100)| format!("{per_100:.1}"))
+    });
+    row("  over the steps after the first 1/5", &|_, _| {
+        warm.values()
+            .map(|w| w.1)
+            .max()
+            .map_or("none".into(), |n| n.to_string())
     });
     row("release-and-retry allocations", &|_, r| {
         r.devices
