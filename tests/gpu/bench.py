@@ -94,7 +94,7 @@ def summarize_training(runs, workload, variants):
             "median_step_ms": median([x["median_step_s"] * 1e3 for x in res]),
             "mean_step_ms": median([x["mean_step_s"] * 1e3 for x in res]),
             "device_allocs_after_warmup": median([x.get("device_allocs_after_warmup") for x in res]),
-            "memory_calls_per_100_after_warmup": median([memory_calls_per_100(x, v) for x in res]),
+            "memory_calls_per_100_after_warmup": median([driver.memory_calls_per_100(x, v) for x in res]),
             "ratio_mean_all_vs_faster_native": median(ratios),
             "ratio_mean_all_interval95": ratio_interval(ratios),
             "losses_agree_with_native": all(agree) if agree else None,
@@ -108,30 +108,6 @@ def summarize_training(runs, workload, variants):
             } if pairs else None,
         })
     return rows
-
-
-# The driver calls that obtain, map, give access to, unmap or return device
-# memory: what a run after warm-up should not need more of than PyTorch
-# expandable.
-MEMORY_KINDS = ("cuMemAlloc", "cuMemFree", "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemSetAccess", "cuMemUnmap")
-
-
-def memory_calls_per_100(result, variant):
-    """Memory calls per 100 steps after warm-up. A run that measured its
-    driver calls (gpualloc's, checks._train's driver_calls_after_warmup):
-    the calls of MEMORY_KINDS, both threads. PyTorch expandable: its maps
-    and unmaps of ranges (num_device_alloc + num_device_free, which count
-    them there), each one driver call or more, so a lower bound of its
-    calls. None for other runs, or where the run lacks what it takes."""
-    after = result.get("steps", 0) - result.get("warmup_steps", 0)
-    calls = result.get("driver_calls_after_warmup")
-    if calls is not None:
-        n = sum(d["calls"] for kind, d in calls.items() if kind in MEMORY_KINDS)
-    elif variant == "native-expandable":
-        n = result.get("device_allocs_after_warmup")
-    else:
-        return None
-    return None if n is None or after <= 0 else 100 * n / after
 
 
 # The driver calls the table shows a column of; the rest add up to "other".

@@ -342,6 +342,31 @@ def host_speeds(refs, ours):
     return {"host_floor_us": {**floors, "gpualloc": mine}, "host_speeds_differ": differ}
 
 
+# The driver calls that obtain, map, give access to, unmap or return device
+# memory: what a run after warm-up should not need more of than PyTorch
+# expandable.
+MEMORY_KINDS = ("cuMemAlloc", "cuMemFree", "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemSetAccess", "cuMemUnmap")
+
+
+def memory_calls_per_100(result, variant):
+    """Memory calls per 100 steps after warm-up. A run that measured its
+    driver calls (gpualloc's, checks._train's driver_calls_after_warmup):
+    the calls of MEMORY_KINDS, both threads. PyTorch expandable: its maps
+    and unmaps of ranges (num_device_alloc + num_device_free, which count
+    them there), each one driver call or more, so a lower bound of its
+    calls. None for other runs, or where the run lacks what it takes."""
+    after = result.get("steps", 0) - result.get("warmup_steps", 0)
+    calls = result.get("driver_calls_after_warmup")
+    if calls is not None:
+        n = sum(d["calls"] for kind, d in calls.items() if kind in MEMORY_KINDS)
+    elif variant == "native-expandable":
+        n = result.get("device_allocs_after_warmup")
+    else:
+        return None
+    return None if n is None or after <= 0 else 100 * n / after
+
+
+
 def compare_training(native, ours, expandable=None):
     if "skipped" in native or "skipped" in ours:
         return {"skipped": native.get("skipped") or ours.get("skipped")}
@@ -367,6 +392,10 @@ def compare_training(native, ours, expandable=None):
         "peak_reserved_gib": {"native": a["peak_reserved"] / 2**30, "gpualloc": b["peak_reserved"] / 2**30},
         "peak_allocated_gib": {"native": a["peak_allocated"] / 2**30, "gpualloc": b["peak_allocated"] / 2**30},
         "paired_steps": {name: paired_steps(ref, b) for name, ref in refs.items()},
+        "memory_calls_per_100_after_warmup": {
+            "native-expandable": memory_calls_per_100(refs["native-expandable"], "native-expandable")
+            if "native-expandable" in refs else None,
+            "gpualloc": memory_calls_per_100(b, "gpualloc")},
         **host_speeds(refs, b),
     }
 

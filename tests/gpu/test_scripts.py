@@ -169,6 +169,19 @@ class PairedSteps(unittest.TestCase):
         self.assertEqual(driver.compare_training(native, expandable, expandable)["paired_steps"],
                          {"native": None, "native-expandable": None})
 
+    def test_training_comparisons_count_memory_calls_after_warm_up(self):
+        def run(**extra):
+            r = {"losses": [1.0], "median_step_s": 0.01, "peak_reserved_over_allocated": 1.0,
+                 "peak_reserved": 1 << 30, "peak_allocated": 1 << 30, "steps": 30, "warmup_steps": 10, **extra}
+            return {"result": r}
+
+        ours = run(driver_calls_after_warmup={"cuMemMap": {"calls": 6, "handles": 6, "bytes": 1, "ms": 0.1},
+                                              "cuEventRecord": {"calls": 40, "handles": 0, "bytes": 0, "ms": 0.1}})
+        c = driver.compare_training(run(), ours, run(device_allocs_after_warmup=1))
+        self.assertEqual(c["memory_calls_per_100_after_warmup"], {"native-expandable": 5.0, "gpualloc": 30.0})
+        c = driver.compare_training(run(), run())
+        self.assertEqual(c["memory_calls_per_100_after_warmup"], {"native-expandable": None, "gpualloc": None})
+
     def test_runs_of_unlike_host_speed_are_named(self):
         def run(floor):
             r = {"losses": [1.0], "median_step_s": 0.01, "peak_reserved_over_allocated": 1.0,
