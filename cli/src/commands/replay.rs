@@ -26,10 +26,9 @@
 //! `peak_reserved`), and `devices` (per device: `device`, `peak_reserved`,
 //! `peak_allocated`, `ooms`, `held_at_peak_reserved`, `after_warmup`).
 
+use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::path::Path;
-
-use std::collections::BTreeMap;
 
 use gpualloc::replay::{DeviceReplay, ReplayResult, replay_split};
 use gpualloc::{Config, CostModel, DriverCalls, Held};
@@ -74,25 +73,31 @@ pub fn run(
     } else {
         configs.to_vec()
     };
+    // The parser's message quotes the bad part; where it came from is named.
+    // All are checked before the trace is read.
+    let parsed = configs
+        .iter()
+        .map(|c| {
+            Config::parse(c).map_err(|e| {
+                CliError(if own {
+                    format!(
+                        "{}: the configuration it was recorded with does not parse here ({e}); replay it under another with --config (--config \"\" for the defaults)",
+                        path.display()
+                    )
+                } else {
+                    format!("--config: {e}")
+                })
+            })
+        })
+        .collect::<Result<Vec<Config>, CliError>>()?;
     let warm = warmup_ends(path, allow_truncated)?;
     let split: BTreeMap<u32, u64> = warm.iter().map(|(&d, &(t, _))| (d, t)).collect();
     let mut results = Vec::new();
     let mut strings = Vec::new();
     let mut dropped = 0u64;
-    for c in &configs {
-        // The parser's message quotes the bad part; where it came from is named.
-        let config = Config::parse(c).map_err(|e| {
-            CliError(if own {
-                format!(
-                    "{}: the configuration it was recorded with does not parse here ({e}); replay it under another with --config (--config \"\" for the defaults)",
-                    path.display()
-                )
-            } else {
-                format!("--config: {e}")
-            })
-        })?;
+    for config in &parsed {
         let mut reader = input::open(path)?;
-        let r = replay_split(reader.events(), capacity, &config, &split);
+        let r = replay_split(reader.events(), capacity, config, &split);
         if let Some(e) = reader.take_error() {
             let msg = format!("{}: {e} (after {} events)", path.display(), r.events);
             if !allow_truncated {
