@@ -223,11 +223,11 @@ def ratio_interval(ratios):
 
 def memory_calls_verdict(mine, theirs):
     """Whether a run's memory calls after warm-up (per 100 steps) are no
-    more than PyTorch expandable's. Its figure counts ranges, each one call
-    or more: at or under it is met, over it a miss only where PyTorch
-    expandable made none."""
+    more than PyTorch expandable's. PyTorch expandable's figure counts
+    ranges, each one call or more: at or under it is met, over it a miss
+    only where PyTorch expandable made none."""
     if mine is None or theirs is None:
-        return "not run"
+        return "not measured"
     if mine <= theirs:
         return "met"
     if theirs == 0:

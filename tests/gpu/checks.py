@@ -613,8 +613,9 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
     (driver_calls_setup: building the model), in step 0 and in all steps
     (driver_calls_step0, driver_calls), and those the unmapping thread made
     in the whole run, setup included (helper_driver_calls), and those of
-    both threads in the steps after the first 20%
-    (driver_calls_after_warmup). host_floor_us
+    the steps after the first 20% (driver_calls_after_warmup; the
+    unmapping thread's calls count in every reading but helper_driver_calls,
+    as gpualloc.driver_calls() counts them). host_floor_us
     is the process's host speed before and after the loop (_host_floor_us).
     """
     import torch
@@ -625,7 +626,7 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
     warmup = steps // 5
     gpualloc = sys.modules.get("gpualloc")
     per_step = gpualloc is not None and gpualloc.installed()
-    warm_calls = (None, None)
+    warm_calls = None
     torch.cuda.reset_peak_memory_stats()
     setup = _driver_calls(gpualloc) if per_step else None
     floor0 = _host_floor_us(torch)
@@ -634,7 +635,7 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
         if step == warmup:
             before = _counters()
             if per_step:
-                warm_calls = (_driver_calls(gpualloc), _driver_calls(gpualloc, helper=True))
+                warm_calls = _driver_calls(gpualloc)
         batch = make_batch(step)
         torch.cuda.synchronize()
         c0 = gpualloc.stats() if per_step else None
@@ -678,7 +679,7 @@ def _train(model, make_batch, loss_fn, steps, lr=0.01):
         **({"driver_calls_setup": setup, "driver_calls_step0": by_kind0,
             "driver_calls": _driver_calls_since(gpualloc, setup),
             "helper_driver_calls": _driver_calls(gpualloc, helper=True),
-            "driver_calls_after_warmup": _calls_after_warmup(gpualloc, warm_calls)} if per_step else {}),
+            "driver_calls_after_warmup": _driver_calls_since(gpualloc, warm_calls)} if per_step else {}),
     }
 
 
@@ -714,11 +715,10 @@ def _driver_calls(gpualloc, helper=False):
         return None
 
 
-def _driver_calls_since(gpualloc, before, helper=False):
+def _driver_calls_since(gpualloc, before):
     """The driver calls by kind made since the reading ``before`` (kinds
-    with no new call left out; with ``helper``, the unmapping thread's), or
-    None where either reading is missing."""
-    now = _driver_calls(gpualloc, helper)
+    with no new call left out), or None where either reading is missing."""
+    now = _driver_calls(gpualloc)
     if now is None or before is None:
         return None
     out = {}
@@ -728,22 +728,6 @@ def _driver_calls_since(gpualloc, before, helper=False):
         if d["calls"]:
             out[kind] = d
     return out
-
-
-def _calls_after_warmup(gpualloc, warm):
-    """The driver calls by kind that the steps after warm-up made, on the
-    allocating thread and the unmapping thread together (``warm``: both
-    readings at the first step after warm-up), or None where a reading is
-    missing. bench.py compares its memory calls with PyTorch expandable's
-    maps and unmaps after warm-up."""
-    mine, helper = _driver_calls_since(gpualloc, warm[0]), _driver_calls_since(gpualloc, warm[1], helper=True)
-    if mine is None:
-        return None
-    for kind, d in (helper or {}).items():
-        into = mine.setdefault(kind, dict.fromkeys(d, 0))
-        for k, v in d.items():
-            into[k] += v
-    return mine
 
 
 class Workload(NamedTuple):

@@ -342,19 +342,20 @@ def host_speeds(refs, ours):
     return {"host_floor_us": {**floors, "gpualloc": mine}, "host_speeds_differ": differ}
 
 
-# The driver calls that obtain, map, give access to, unmap or return device
-# memory: what a run after warm-up should not need more of than PyTorch
-# expandable.
-MEMORY_KINDS = ("cuMemAlloc", "cuMemFree", "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemSetAccess", "cuMemUnmap")
+# The driver calls that obtain, map, unmap or return device memory, as
+# `gpualloc replay` counts them (`DriverCalls::memory_calls`): what a run
+# after warm-up should not need more of than PyTorch expandable.
+MEMORY_KINDS = ("cuMemAlloc", "cuMemFree", "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap")
 
 
 def memory_calls_per_100(result, variant):
     """Memory calls per 100 steps after warm-up. A run that measured its
-    driver calls (gpualloc's, checks._train's driver_calls_after_warmup):
-    the calls of MEMORY_KINDS, both threads. PyTorch expandable: its maps
-    and unmaps of ranges (num_device_alloc + num_device_free, which count
-    them there), each one driver call or more, so a lower bound of its
-    calls. None for other runs, or where the run lacks what it takes."""
+    driver calls (gpualloc's, checks._train's driver_calls_after_warmup,
+    the unmapping thread's included): the calls of MEMORY_KINDS. PyTorch
+    expandable: its maps and unmaps of ranges (num_device_alloc +
+    num_device_free, which count them there), each one driver call or
+    more, so a lower bound of its calls. None for other runs, or where the
+    run lacks what it takes."""
     after = result.get("steps", 0) - result.get("warmup_steps", 0)
     calls = result.get("driver_calls_after_warmup")
     if calls is not None:
@@ -364,7 +365,6 @@ def memory_calls_per_100(result, variant):
     else:
         return None
     return None if n is None or after <= 0 else 100 * n / after
-
 
 
 def compare_training(native, ours, expandable=None):

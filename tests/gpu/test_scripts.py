@@ -424,8 +424,9 @@ class BenchMemoryCalls(unittest.TestCase):
             g = bench_run("w", "gpualloc", rep, 0.1)
             g["result"].update(steps=60, warmup_steps=10, driver_calls_after_warmup={
                 "cuMemMap": {"calls": calls, "handles": calls, "bytes": 1, "ms": 0.1},
-                "cuMemSetAccess": {"calls": min(calls, 1), "handles": calls, "bytes": 1, "ms": 0.1},
-                # neither is a memory call
+                "cuMemUnmap": {"calls": min(calls, 1), "handles": calls, "bytes": 1, "ms": 0.1},
+                # none of these is a memory call
+                "cuMemSetAccess": {"calls": 5, "handles": calls, "bytes": 1, "ms": 0.1},
                 "cuEventQuery": {"calls": 500, "handles": 0, "bytes": 0, "ms": 1.0},
                 "cuMemAddressReserve": {"calls": 7, "handles": 0, "bytes": 1, "ms": 0.0}})
             runs += [e, bench_run("w", "native", rep, 0.1), g]
@@ -460,25 +461,7 @@ class BenchMemoryCalls(unittest.TestCase):
         del runs[-1]["result"]["driver_calls_after_warmup"]
         vs = ["native-expandable", "gpualloc"]
         b = {"runs": runs, "training": {"w": bench.summarize_training(runs, "w", vs)}, "churn": {}}
-        self.assertIn(("w", "not run"), [(w, x) for w, t, v, x in bench.targets(b) if t.startswith("memory calls")])
-
-    def test_both_threads_calls_after_warm_up(self):
-        class Fake:
-            calls = {"cuMemUnmap": {"calls": 5, "handles": 5, "bytes": 10, "ms": 2.0},
-                     "cuMemMap": {"calls": 3, "handles": 3, "bytes": 6, "ms": 1.0}}
-            helper = {"cuMemUnmap": {"calls": 7, "handles": 7, "bytes": 14, "ms": 3.0},
-                      "cuMemAddressFree": {"calls": 1, "handles": 0, "bytes": 2, "ms": 0.5}}
-
-            def driver_calls(self, helper=False):
-                return self.helper if helper else self.calls
-
-        warm = ({"cuMemUnmap": {"calls": 4, "handles": 4, "bytes": 8, "ms": 1.0}},
-                {"cuMemUnmap": {"calls": 2, "handles": 2, "bytes": 4, "ms": 1.0}})
-        self.assertEqual(checks._calls_after_warmup(Fake(), warm), {
-            "cuMemUnmap": {"calls": 6, "handles": 6, "bytes": 12, "ms": 3.0},
-            "cuMemMap": {"calls": 3, "handles": 3, "bytes": 6, "ms": 1.0},
-            "cuMemAddressFree": {"calls": 1, "handles": 0, "bytes": 2, "ms": 0.5}})
-        self.assertIsNone(checks._calls_after_warmup(Fake(), (None, None)))
+        self.assertIn(("w", "not measured"), [(w, x) for w, t, v, x in bench.targets(b) if t.startswith("memory calls")])
 
 
 class BenchTargets(unittest.TestCase):

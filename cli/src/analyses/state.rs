@@ -435,6 +435,13 @@ impl DeviceState {
         true
     }
 
+    /// Whether [`Self::iterations`] are the ends of steps (marks, which
+    /// `install()` records as each optimizer step ends) rather than their
+    /// starts (the openings of a top-level phase).
+    pub fn iterations_end_steps(&self) -> bool {
+        self.marks.len() >= 3
+    }
+
     /// Iteration boundaries: the marks when there are at least three, else
     /// the openings of the most frequent top-level phase.
     pub fn iterations(&self) -> &[u64] {

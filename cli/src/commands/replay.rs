@@ -17,9 +17,11 @@
 //! `driver_calls_by_kind` (per kind: `calls`, `handles`, `bytes`, `ms`),
 //! `helper_driver_ms`, `defragment_driver_ms`, `cost_model`,
 //! `after_warmup` (the steps after the first fifth of the trace's steps,
-//! as `summary` counts steps, or null under 5 steps: `steps`,
-//! `driver_calls`, `driver_memory_calls`, `memory_calls_per_100_steps`,
-//! `driver_ms`),
+//! told by its step marks or else its most often opened top-level phase,
+//! or null under 5 steps: `steps`, `driver_calls`, `driver_memory_calls`,
+//! `memory_calls_per_100_steps`, `driver_ms`; over several devices the
+//! calls are summed, `steps` is the most any device has, and the rate is
+//! the sum of each device's own),
 //! `held_at_peak_reserved` (`used_units`, `used_units_unallocated`,
 //! `free_units`, `free_private_units`, `pooled`: bytes at each device's
 //! peak, summed; the parts but `used_units_unallocated` add up to
@@ -42,18 +44,30 @@ use crate::units::{bytes, duration, percent};
 const MIN_STEPS: usize = 5;
 
 /// Where each device's steps after warm-up begin: `(time, steps from
-/// there)`, its first fifth left out (as `tests/gpu/bench.py` counts them).
-/// Steps are what `summary` counts: the marks, else the pushes of the most
-/// pushed top-level phase (`install()` records both at each optimizer
-/// step). Devices with fewer than [`MIN_STEPS`] steps have none.
+/// there)`, the first fifth of its steps left out, as `tests/gpu/bench.py`
+/// leaves them out. A step is what lies between the boundaries that
+/// `summary` finds (its analysis's first pass): the step marks, which
+/// `install()` records as each optimizer step ends, else the openings of
+/// the most often opened top-level phase. Devices with fewer than
+/// [`MIN_STEPS`] boundaries have none.
 fn warmup_ends(path: &Path, allow_truncated: bool) -> Result<BTreeMap<u32, (u64, u64)>, CliError> {
     let a = analyze(path, allow_truncated)?;
     Ok(a.devices
         .iter()
         .filter_map(|(&d, x)| {
             let b = x.state.iterations();
+            if b.len() < MIN_STEPS {
+                return None;
+            }
+            // Step `w` (`w` ≥ 1) begins where step `w - 1` ended, or where
+            // it opens its phase.
             let w = b.len() / 5;
-            (b.len() >= MIN_STEPS).then(|| (d, (b[w], (b.len() - w) as u64)))
+            let start = if x.state.iterations_end_steps() {
+                b[w - 1]
+            } else {
+                b[w]
+            };
+            Some((d, (start, (b.len() - w) as u64)))
         })
         .collect())
 }
