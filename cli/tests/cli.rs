@@ -862,6 +862,80 @@ fn replay_counts_the_memory_calls_after_warm_up() {
     }
 }
 
+/// The steps after warm-up begin with step `n / 5`, whether marks end the
+/// steps or a phase opens each: a request that grows reserved memory in
+/// step 2 of 10 counts, one in step 1 does not.
+#[test]
+fn replay_leaves_out_the_first_fifth_of_the_steps() {
+    use gpualloc::trace::EventKind;
+    let dir = tempfile::tempdir().unwrap();
+    let calls_after = |grows_in: u64, marks: bool| -> (u64, u64) {
+        let mut events = Vec::new();
+        for step in 0..10u64 {
+            let (t, addr) = (1_000 * (step + 1), 0x7f00_0000_0000 + (step << 30));
+            let size: u64 = if step == grows_in {
+                128 << 20
+            } else {
+                64 << 20
+            };
+            let (requested, block_size) = (size, size);
+            events.push(common::ev(t, EventKind::PhasePush { name: 0 }));
+            let alloc = EventKind::Alloc {
+                addr,
+                requested,
+                block_size,
+            };
+            events.push(common::ev(t + 1, alloc));
+            let freed = EventKind::FreeRequested {
+                addr,
+                requested,
+                block_size,
+            };
+            events.push(common::ev(t + 2, freed));
+            let done = EventKind::FreeCompleted {
+                addr,
+                requested,
+                block_size,
+            };
+            events.push(common::ev(t + 2, done));
+            events.push(common::ev(t + 3, EventKind::PhasePop { name: 0 }));
+            if marks {
+                events.push(common::ev(t + 4, EventKind::Mark { name: 1 }));
+            }
+        }
+        let name = format!("t-{grows_in}-{marks}.gtrace");
+        let t = common::write_blocks(dir.path(), &name, 1, &["step", "end"], [events]);
+        let (out, _) = common::ok(&[
+            "replay",
+            "--capacity",
+            "8GiB",
+            "--json",
+            "--config",
+            "",
+            s(&t),
+        ]);
+        let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let a = &r[0]["after_warmup"];
+        (
+            a["steps"].as_u64().unwrap(),
+            a["driver_memory_calls"].as_u64().unwrap(),
+        )
+    };
+    for marks in [true, false] {
+        let (steps, grown) = calls_after(2, marks);
+        assert_eq!(steps, 8, "marks: {marks}");
+        assert!(
+            grown > 0,
+            "marks: {marks}: the growth of step 2 is after warm-up"
+        );
+        assert_eq!(
+            calls_after(1, marks),
+            (8, 0),
+            "marks: {marks}: step 1 is warm-up"
+        );
+    }
+}
+
 #[test]
 fn several_traces_export_to_one_parquet_folder() {
     let dir = tempfile::tempdir().unwrap();
