@@ -49,6 +49,13 @@ impl Held {
     pub fn total(&self) -> u64 {
         self.used_units + self.free_units + self.free_private_units + self.pooled
     }
+
+    /// Of the used units, what no allocation holds when `allocated` bytes
+    /// are: free bytes beside live blocks, with the blocks that wait for
+    /// events and the claimed rest of stitches in use.
+    pub fn used_unallocated(&self, allocated: u64) -> u64 {
+        self.used_units.saturating_sub(allocated)
+    }
 }
 
 impl<B: Backend> DeviceAllocator<B> {

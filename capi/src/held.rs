@@ -49,7 +49,7 @@ pub unsafe extern "C" fn gpualloc_held(device: c_int, out: *mut GpuallocHeld) ->
                     let allocated = d.stats().allocated_bytes.all.current as u64;
                     GpuallocHeld {
                         used_units: h.used_units,
-                        used_units_unallocated: h.used_units.saturating_sub(allocated),
+                        used_units_unallocated: h.used_unallocated(allocated),
                         free_units: h.free_units,
                         free_private_units: h.free_private_units,
                         pooled: h.pooled,

@@ -276,7 +276,7 @@ fn held_json(devices: impl Iterator<Item = (Held, u64)>) -> serde_json::Value {
     let (mut used, mut beside, mut free, mut private, mut pooled) = (0, 0, 0, 0, 0);
     for (h, allocated) in devices {
         used += h.used_units;
-        beside += h.used_units.saturating_sub(allocated);
+        beside += h.used_unallocated(allocated);
         free += h.free_units;
         private += h.free_private_units;
         pooled += h.pooled;
@@ -373,7 +373,7 @@ fn render(
     // Beside live blocks: with blocks that wait for events and the claimed
     // rest of stitches in use (Note [Held memory by unit]).
     row("  beside live blocks in their units", &|_, r| {
-        held(r, &|h, a| h.used_units.saturating_sub(a))
+        held(r, &|h, a| h.used_unallocated(a))
     });
     row("  in free units (cache)", &|_, r| {
         held(r, &|h, _| h.free_units)
