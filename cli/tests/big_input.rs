@@ -17,7 +17,7 @@
 //! Each runs `summary` (and `--json`), `leaks`, `replay --capacity 80GiB`,
 //! `report`, `export` in every format (`--chrome`, `--torch-snapshot`,
 //! `--csv`, `--parquet`), `diff` and a two-file `summary` against a small
-//! trace; damaged inputs also with `--allow-truncated`. It takes about 12
+//! trace; damaged inputs also with `--allow-truncated`. It takes about 10
 //! minutes on two cores, so it is ignored by default:
 //!
 //! ```sh
@@ -25,28 +25,30 @@
 //! GPUALLOC_BIG_INPUTS=valid,garbage cargo test ...   # some inputs only
 //! ```
 //!
-//! Measured peak RSS in MiB (release build, 2 shared cores, 11 minutes in
-//! all; `*`: exit status 1, a clean refusal). The worst is `report` on the
-//! valid input, 112.5 MiB (118 MB), under half the limit. A child's figure
-//! cannot fall below the high-water mark this test process had when it
-//! started the child (the kernel carries it across the exec), hence the
-//! 10.4 MiB floor here; alone, `import` of the garbage peaked at 4.0 MiB.
+//! Measured peak RSS in MiB (release build, 2 shared cores, 9 minutes in
+//! all; `*`: exit status 1, a clean refusal; round 47, after `replay`
+//! gained its first pass over the trace to find the steps after warm-up).
+//! The worst is `report` on the truncated input, 110.7 MiB (116 MB), under
+//! half the limit. A child's figure cannot fall below the high-water mark
+//! this test process had when it started the child (the kernel carries it
+//! across the exec), hence the 10.5 MiB floor here; alone, `import` of the
+//! garbage peaked at 4.0 MiB.
 //!
 //! | command | valid | repeated | truncated | resealed | huge-length | garbage |
 //! | --- | ---: | ---: | ---: | ---: | ---: | ---: |
-//! | `summary` | 87.9 | 24.8 | 87.7 | 87.7 | 72.9 | 10.4* |
-//! | `summary --json` | 87.9 | 24.5 | 87.6 | 87.3 | 73.0 | 10.4* |
-//! | `leaks` | 62.5 | 20.7 | 62.4 | 62.3 | 62.2 | 10.4* |
-//! | `replay --capacity 80GiB` | 21.7 | 18.7 | 21.3 | 21.4 | 14.0 | 10.4* |
-//! | `report -o r.html` | 112.5 | 49.2 | 110.3 | 110.1 | 98.5 | 10.4* |
-//! | `export --chrome c.json` | 21.4 | 13.0 | 21.5 | 21.3 | 16.0 | 10.4* |
-//! | `export --torch-snapshot s.pickle` | 29.3 | 13.1 | 28.7 | 28.3 | 18.0 | 10.4* |
-//! | `export --csv c.csv` | 8.6 | 10.4 | 10.4 | 10.4 | 10.4 | 10.4* |
-//! | `export --parquet pq` | 70.1 | 60.4 | 69.9 | 68.6 | 58.6 | 10.4* |
-//! | `diff small.gtrace` | 70.4 | 36.2 | 70.6 | 70.4 | 64.9 | 10.4* |
-//! | `summary small.gtrace --json` | 88.1 | 40.7 | 88.0 | 87.8 | 81.1 | 21.6* |
-//! | `summary (refused without --allow-truncated)` |  |  | 62.5* | 62.6* | 62.6* |  |
-//! | `import -o i.gtrace` |  |  |  |  |  | 10.4* |
+//! | `summary` | 88.3 | 27.1 | 88.2 | 87.8 | 73.3 | 10.5* |
+//! | `summary --json` | 88.1 | 27.2 | 88.4 | 87.6 | 73.5 | 10.5* |
+//! | `leaks` | 62.3 | 21.1 | 62.3 | 62.3 | 62.4 | 10.5* |
+//! | `replay --capacity 80GiB` | 62.5 | 30.7 | 62.6 | 62.5 | 62.5 | 10.5* |
+//! | `report -o r.html` | 110.2 | 46.1 | 110.7 | 109.7 | 98.8 | 10.5* |
+//! | `export --chrome c.json` | 21.8 | 12.7 | 21.5 | 21.7 | 16.2 | 10.5* |
+//! | `export --torch-snapshot s.pickle` | 44.6 | 28.5 | 43.4 | 42.5 | 26.3 | 10.5* |
+//! | `export --csv c.csv` | 9.0 | 10.5 | 10.5 | 10.5 | 10.5 | 10.5* |
+//! | `export --parquet pq` | 68.5 | 58.7 | 68.5 | 68.5 | 58.8 | 10.5* |
+//! | `diff small.gtrace` | 70.8 | 36.7 | 70.6 | 70.8 | 65.0 | 10.5* |
+//! | `summary small.gtrace --json` | 88.4 | 41.1 | 88.4 | 88.3 | 81.4 | 21.9* |
+//! | `summary (refused without --allow-truncated)` |  |  | 62.4* | 62.6* | 62.3* |  |
+//! | `import -o i.gtrace` |  |  |  |  |  | 10.5* |
 #![cfg(target_os = "linux")]
 
 use std::fs::File;
