@@ -8,8 +8,9 @@
 //! cache (`stitch_cache.rs`), the frees waiting for other streams
 //! (`pending.rs`); plus stats. It is used
 //! under one lock (see `Allocator`). This file holds the hot path
-//! (`malloc`, `free`, event processing); the operations that span pieces
-//! live by topic: `expandable.rs` (mapping pages), `stitch.rs`,
+//! (`malloc`, `free`); the operations that span pieces live by topic:
+//! `stream_events.rs` (events on the streams that used a block, before
+//! it is reused), `expandable.rs` (mapping pages), `stitch.rs`,
 //! `release.rs` (OOM retries, `empty_cache`, GC), `capture.rs` (graph
 //! capture) and `oom.rs` (the out-of-memory report, built only when an
 //! error is returned). A test (`tests/tests/all/structure.rs`) keeps the
@@ -29,7 +30,7 @@
 use rustc_hash::FxHashMap;
 
 use crate::backend::BackendError;
-use crate::backend::{Backend, DevicePtr, EventId, StreamId};
+use crate::backend::{Backend, DevicePtr, StreamId};
 use crate::block::{Block, BlockId, BlockState, PoolId};
 use crate::budget::DefragBudget;
 use crate::config::Config;
@@ -789,195 +790,12 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(())
     }
 
-    /// Records one event on each stream that used the block, and frees it
-    /// once none is left to record and none is outstanding. If the driver
-    /// refuses, the streams not yet covered stay on the block: the caller
-    /// defers it (it is never reused unprotected).
-    fn insert_events(&mut self, id: BlockId) -> Result<(), BackendError> {
-        while let Some(&s) = self.heap.blocks[id].stream_uses.last() {
-            let ev = self.backend.record_event(s)?;
-            self.heap.blocks[id].stream_uses.pop();
-            self.heap.blocks[id].event_count += 1;
-            self.pending.push(s, ev, id);
-        }
-        if self.heap.blocks[id].event_count == 0 {
-            self.free_block(id);
-        }
-        Ok(())
-    }
-
-    /// Records the events of blocks whose free was deferred (by a capture or
-    /// a driver error). One whose event the driver refuses again (a stream
-    /// of another device, or one destroyed since its `record_stream`) must
-    /// not make every later allocation fail: each stream the block is still
-    /// recorded on is synchronized instead, in its own device's context
-    /// (`sync_refused_stream`), then this device, after which none of those
-    /// streams uses the block, and the block is freed (PyTorch would fail
-    /// the free itself).
-    /// Only when that fails too, or during a capture, do the rest stay
-    /// deferred.
-    fn flush_deferred(&mut self) -> Result<(), AllocError> {
-        let ids = self.pending.take_deferred();
-        for (k, &id) in ids.iter().enumerate() {
-            let Err(e) = self.insert_events(id) else {
-                continue;
-            };
-            let stream = self.heap.blocks[id]
-                .stream_uses
-                .last()
-                .copied()
-                .unwrap_or(0);
-            let failed = if self.private.capturing() {
-                Some(e)
-            } else {
-                let uses = self.heap.blocks[id].stream_uses.clone();
-                let synced = uses
-                    .into_iter()
-                    .try_for_each(|s| self.sync_refused_stream(s))
-                    .and_then(|()| self.backend.synchronize());
-                match synced {
-                    Ok(()) => {
-                        crate::log::event_refused(self.device, stream, &e);
-                        None
-                    }
-                    Err(sync) => Some(sync),
-                }
-            };
-            if let Some(e) = failed {
-                for &rest in &ids[k..] {
-                    self.pending.defer(rest);
-                }
-                return Err(e.into());
-            }
-            self.heap.blocks[id].stream_uses.clear();
-            if self.heap.blocks[id].event_count == 0 {
-                self.free_block(id);
-            }
-        }
-        Ok(())
-    }
-
-    /// Waits for the work on a stream whose event the driver refused
-    /// twice, in the context of the stream's device: a side stream of
-    /// another GPU is not covered by this device's synchronization. A side
-    /// stream that cannot be synchronized either (destroyed since its
-    /// `record_stream`: its handle is no longer valid) is passed over, as
-    /// nothing can wait for it any more; another GPU's default stream must
-    /// be (its device's error is returned).
-    fn sync_refused_stream(&mut self, stream: StreamId) -> Result<(), BackendError> {
-        match self.backend.synchronize_stream(stream) {
-            Err(e) if crate::backend::other_device_stream(stream).is_none() => {
-                crate::log::stream_gone(self.device, stream, &e);
-                Ok(())
-            }
-            r => r,
-        }
-    }
-
     /// The block size of the live allocation at `ptr` (what freeing it
     /// gives back to the cache); None for a pointer not allocated here.
     pub fn allocation_size(&self, ptr: DevicePtr) -> Option<u64> {
         let &id = self.live.get(&ptr)?;
         let b = &self.heap.blocks[id];
         (b.state == BlockState::Allocated).then_some(b.size)
-    }
-
-    /// Marks a block as also used on `stream` (`Tensor.record_stream`).
-    ///
-    /// # Errors
-    /// [`AllocError::InvalidPointer`] for a pointer not allocated here.
-    pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
-        let Some(&id) = self.live.get(&ptr) else {
-            return Err(AllocError::InvalidPointer {
-                ptr,
-                device: self.device,
-            });
-        };
-        let b = &mut self.heap.blocks[id];
-        if b.state == BlockState::Allocated
-            && b.stream != stream
-            && !b.stream_uses.contains(&stream)
-        {
-            b.stream_uses.push(stream);
-            self.record(Action::RecordStream, stream, ptr, 0, 0);
-        }
-        Ok(())
-    }
-
-    /// [`record_stream`](Self::record_stream) with a stream of device
-    /// `stream_device`, which may be another than this one: its shared
-    /// handles (the default streams) are then keyed apart from this
-    /// device's (Note [Streams of other devices] in `backend/stream.rs`).
-    ///
-    /// # Errors
-    /// As [`record_stream`](Self::record_stream).
-    pub fn record_stream_of_device(
-        &mut self,
-        ptr: DevicePtr,
-        stream: StreamId,
-        stream_device: u32,
-    ) -> Result<(), AllocError> {
-        let key = crate::backend::stream_on_device(stream, stream_device, self.device);
-        self.record_stream(ptr, key)
-    }
-
-    /// Polls each stream's events in order up to the first one not done and
-    /// frees the blocks whose last event completed. Also finishes blocks
-    /// whose free was deferred by a capture.
-    pub(crate) fn process_events(&mut self) -> Result<(), AllocError> {
-        self.flush_deferred()?;
-        if self.pending.count() == 0 {
-            return Ok(());
-        }
-        for s in self.pending.streams() {
-            while let Some((ev, id)) = self.next_completed(s, false)? {
-                self.complete_event(ev, id);
-            }
-        }
-        Ok(())
-    }
-
-    /// Dequeues `stream`'s oldest event if it has completed; with `wait`,
-    /// once it has (the host blocks).
-    fn next_completed(
-        &mut self,
-        stream: StreamId,
-        wait: bool,
-    ) -> Result<Option<(EventId, BlockId)>, BackendError> {
-        let backend = &mut self.backend;
-        self.pending.pop_if(stream, |ev| {
-            if wait {
-                backend.wait_event(ev).map(|()| true)
-            } else {
-                backend.event_done(ev)
-            }
-        })
-    }
-
-    /// A dequeued event has completed: the block is freed with its last.
-    fn complete_event(&mut self, ev: EventId, id: BlockId) {
-        self.backend.destroy_event(ev);
-        let b = &mut self.heap.blocks[id];
-        b.event_count -= 1;
-        if b.event_count == 0 {
-            self.free_block(id);
-        }
-    }
-
-    /// Waits for every outstanding event and frees the blocks
-    /// (`synchronize_and_free_events`).
-    pub(crate) fn synchronize_and_free_events(&mut self) -> Result<(), AllocError> {
-        self.flush_deferred()?;
-        self.stats.num_sync_all_streams += 1;
-        self.record(Action::SyncAllStreams, 0, 0, self.pending.count() as u64, 0);
-        // In stream order, so a trace and its replay list completions alike.
-        for s in self.pending.streams() {
-            // On a driver error the event stays queued for a later wait.
-            while let Some((ev, id)) = self.next_completed(s, true)? {
-                self.complete_event(ev, id);
-            }
-        }
-        Ok(())
     }
 
     /// Returns a block to its pool, merging it with free neighbours of the

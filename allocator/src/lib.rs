@@ -91,6 +91,7 @@ mod stitch;
 mod stitch_cache;
 mod stitch_repair;
 mod stitch_trim;
+mod stream_events;
 pub mod trace;
 mod trace_control;
 pub mod trace_path;

@@ -4,7 +4,7 @@
 //!
 //! | level | events |
 //! | --- | --- |
-//! | `warn` | out of memory after the retries (`oom.rs`); a freed block's event refused twice, its streams and the device synchronized instead, a stream that cannot be synchronized either passed over (`device.rs`); a free called back from another allocator's call that failed when run later (`allocator.rs`) |
+//! | `warn` | out of memory after the retries (`oom.rs`); a freed block's event refused twice, its streams and the device synchronized instead, a stream that cannot be synchronized either passed over (`stream_events.rs`); a free called back from another allocator's call that failed when run later (`allocator.rs`) |
 //! | `info` | out-of-memory retries: oversize blocks released, whole cache freed (`device.rs`); defragmentation passes (`expandable.rs`); `empty_cache` (`release.rs`); trace start and stop, allocator start (C library) |
 //! | `debug` | new segments (`device.rs`), expandable segments growing and defragmentation results (`expandable.rs`), stitches made and dropped (`stitch.rs`), garbage collection (`release.rs`) |
 //!
@@ -96,7 +96,7 @@ pub(crate) fn deferred_free_failed(ptr: u64, error: &dyn std::fmt::Display) {
 
 /// The driver refused, again, the event that guards a freed block on
 /// `stream` (a stream of another device, or one destroyed since its
-/// `record_stream`); the device was synchronized instead (`device.rs`).
+/// `record_stream`); the device was synchronized instead (`stream_events.rs`).
 #[inline]
 pub(crate) fn event_refused(device: u32, stream: u64, error: &dyn std::fmt::Display) {
     tracing::warn!(
@@ -107,7 +107,7 @@ pub(crate) fn event_refused(device: u32, stream: u64, error: &dyn std::fmt::Disp
 }
 
 /// A stream whose event was refused could not be synchronized either
-/// (destroyed since its `record_stream`): passed over (`device.rs`).
+/// (destroyed since its `record_stream`): passed over (`stream_events.rs`).
 #[inline]
 pub(crate) fn stream_gone(device: u32, stream: u64, error: &dyn std::fmt::Display) {
     tracing::warn!(

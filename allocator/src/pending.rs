@@ -8,8 +8,8 @@
 //! from the front up to the first event not yet done. While a capture runs,
 //! or when recording an event failed, the block waits in the deferred list
 //! and its events are recorded at the next chance (`flush_deferred` in
-//! `device.rs`). The device keeps the policy (what a completed event frees);
-//! this file keeps the queues and their count consistent.
+//! `stream_events.rs`). The device keeps the policy (what a completed
+//! event frees); this file keeps the queues and their count consistent.
 
 use std::collections::VecDeque;
 
