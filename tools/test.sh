@@ -7,13 +7,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 cargo build --release -p gpualloc-capi
-cargo test --workspace
-# Every criterion benchmark once, as a test (a benchmark that panics, as
-# tracing to /dev/null did for a while, fails here rather than when timed).
-cargo test -p gpualloc-benches --benches
+lib="${CARGO_TARGET_DIR:-$PWD/target}/release/libgpualloc.so"
+# Every target, criterion's benchmarks included, each run once as a test (a
+# benchmark that panics, as tracing to /dev/null did for a while, fails
+# here rather than when timed); then the doc tests, which --all-targets
+# leaves out. The C programs of the tests link to the library just built
+# rather than build a debug one.
+GPUALLOC_TEST_LIBRARY="$lib" cargo test --workspace --all-targets
+cargo test --workspace --doc
 
 if [ -d python-shim/tests ]; then
-  GPUALLOC_LIBRARY="$PWD/target/release/libgpualloc.so" PYTHONPATH="$PWD/python-shim" \
+  GPUALLOC_LIBRARY="$lib" PYTHONPATH="$PWD/python-shim" \
     python3 -m unittest discover -s python-shim/tests -t python-shim -v
 fi
 
@@ -27,7 +31,7 @@ for py in python3.9 "$(pyenv root 2>/dev/null)"/versions/3.9*/bin/python3; do
   fi
 done
 if [ -n "$oldest" ] && [ -d python-shim/tests ]; then
-  GPUALLOC_LIBRARY="$PWD/target/release/libgpualloc.so" PYTHONPATH="$PWD/python-shim" \
+  GPUALLOC_LIBRARY="$lib" PYTHONPATH="$PWD/python-shim" \
     "$oldest" -m unittest discover -s python-shim/tests -t python-shim
 else
   echo "SKIPPED: the package on Python 3.9 (none found)"
@@ -38,5 +42,5 @@ python3 -m unittest discover -s tests/gpu -p 'test_*.py'
 
 # The HTML report in headless Chromium; prints SKIPPED when there is none.
 GPUALLOC_CLI="${CARGO_TARGET_DIR:-$PWD/target}/debug/gpualloc" \
-  GPUALLOC_LIBRARY="${CARGO_TARGET_DIR:-$PWD/target}/release/libgpualloc.so" \
+  GPUALLOC_LIBRARY="$lib" \
   python3 tests/browser/test_report.py

@@ -1,6 +1,6 @@
 //! Compiles `tests/c/abi_test.c` with `gcc -Wall -Wextra -Werror` against the
-//! generated header, links it to the libgpualloc.so cargo built for this
-//! test run, and runs it on the simulated backend. The C program exercises
+//! generated header, links it to libgpualloc.so (built for this test run,
+//! or `GPUALLOC_TEST_LIBRARY`), and runs it on the simulated backend. The C program exercises
 //! the whole ABI and prints `ALL OK` when every check passed.
 
 use std::path::{Path, PathBuf};
@@ -16,9 +16,6 @@ fn artifact_dir() -> PathBuf {
         .to_path_buf()
 }
 
-/// Builds libgpualloc.so with the profile of this test run (`cargo test`
-/// compiles the crate only as a test harness, not as the cdylib) and
-/// returns its path.
 /// Compiles one C file against the header and links it with libgpualloc.
 fn compile(src: &Path, exe: &Path) {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -49,10 +46,23 @@ fn compile(src: &Path, exe: &Path) {
     );
 }
 
+/// The libgpualloc.so under test: `GPUALLOC_TEST_LIBRARY` when set (the
+/// release build `tools/test.sh` has just made), else one built with the
+/// profile of this test run (`cargo test` compiles the crate only as a
+/// test harness, not as the cdylib).
 fn library() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
+            if let Some(lib) = std::env::var_os("GPUALLOC_TEST_LIBRARY") {
+                let lib = PathBuf::from(lib);
+                assert!(
+                    lib.is_file() && lib.file_name().is_some_and(|n| n == "libgpualloc.so"),
+                    "GPUALLOC_TEST_LIBRARY={} is not a libgpualloc.so",
+                    lib.display()
+                );
+                return lib;
+            }
             let dir = artifact_dir();
             let target_dir = dir.parent().expect("target dir");
             let mut cmd = Command::new(env!("CARGO"));

@@ -12,9 +12,20 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// Builds libgpualloc.so with this test run's profile and returns its
-/// folder (`target/debug` or `target/release`).
+/// The folder of the libgpualloc.so under test: that of
+/// `GPUALLOC_TEST_LIBRARY` when set (the release build `tools/test.sh` has
+/// just made), else `target/debug` or `target/release` after building it
+/// with this test run's profile.
 fn library_dir() -> PathBuf {
+    if let Some(lib) = std::env::var_os("GPUALLOC_TEST_LIBRARY") {
+        let lib = PathBuf::from(lib);
+        assert!(
+            lib.is_file() && lib.file_name().is_some_and(|n| n == "libgpualloc.so"),
+            "GPUALLOC_TEST_LIBRARY={} is not a libgpualloc.so",
+            lib.display()
+        );
+        return lib.parent().unwrap().to_path_buf();
+    }
     // target/<profile>/deps/all-<hash>
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
