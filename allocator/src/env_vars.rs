@@ -39,6 +39,7 @@ pub const SCRIPTS: &[&str] = &[
     "ABI_TRACE",
     "TEST_CONF",
     "TEST_TRACE",
+    "TEST_LIBRARY",
     "LIBRARY_B",
     "TRACE_CPP",
     "SWEEP_PROFILE_ROUNDS",
