@@ -4,8 +4,8 @@
 //! A block freed while other streams used it is not reusable at once: one
 //! event is recorded on each of those streams (`insert_events`), and the
 //! block goes back to its pool when the last has completed, found by
-//! polling each stream's queue in order (`process_events`, before a
-//! request takes the slow path) or by waiting for all of them
+//! polling each stream's queue in order (`process_events`, on every
+//! allocation while events are pending) or by waiting for all of them
 //! (`synchronize_and_free_events`, on the out-of-memory path and
 //! `empty_cache`). The queue itself, and the frees a capture or a driver
 //! error deferred, are `pending.rs`'s; this file holds the operations that

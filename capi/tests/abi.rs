@@ -1,7 +1,8 @@
-//! Compiles `tests/c/abi_test.c` with `gcc -Wall -Wextra -Werror` against the
-//! generated header, links it to libgpualloc.so (built for this test run,
-//! or `GPUALLOC_TEST_LIBRARY`), and runs it on the simulated backend. The C program exercises
-//! the whole ABI and prints `ALL OK` when every check passed.
+//! Compiles `tests/c/abi_test.c` with `gcc -Wall -Wextra -Werror` against
+//! the generated header, links it to libgpualloc.so (built for this test
+//! run, or `GPUALLOC_TEST_LIBRARY`), and runs it on the simulated
+//! backend. The C program exercises the whole ABI and prints `ALL OK` when
+//! every check passed.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -58,7 +59,8 @@ fn library() -> PathBuf {
                 let lib = PathBuf::from(lib);
                 assert!(
                     lib.is_file() && lib.file_name().is_some_and(|n| n == "libgpualloc.so"),
-                    "GPUALLOC_TEST_LIBRARY={} is not a libgpualloc.so",
+                    "GPUALLOC_TEST_LIBRARY={}: no such libgpualloc.so (an absolute path is needed: \
+                     the tests run in their package's folder)",
                     lib.display()
                 );
                 return lib;

@@ -31,8 +31,9 @@
 //! The worst is `report` on the truncated input, 110.7 MiB (116 MB), under
 //! half the limit. A child's figure cannot fall below the high-water mark
 //! this test process had when it started the child (the kernel carries it
-//! across the exec), hence the 10.5 MiB floor here; alone, `import` of the
-//! garbage peaked at 4.0 MiB.
+//! across the exec), hence the many figures of about 10.5 MiB, where that
+//! mark stood for most of the run; alone, `import` of the garbage peaked
+//! at 4.0 MiB.
 //!
 //! | command | valid | repeated | truncated | resealed | huge-length | garbage |
 //! | --- | ---: | ---: | ---: | ---: | ---: | ---: |

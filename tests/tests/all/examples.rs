@@ -1,6 +1,6 @@
 //! `examples/c/basic.c` compiles with the system C compiler (`cc`, or `$CC`)
 //! against `capi/include/gpualloc.h`, links to the libgpualloc.so of this
-//! build, and runs on the simulated device; its trace reads back. Skipped,
+//! build (or `GPUALLOC_TEST_LIBRARY`), and runs on the simulated device; its trace reads back. Skipped,
 //! with a message, only where no C compiler exists.
 
 use std::path::{Path, PathBuf};
@@ -21,7 +21,8 @@ fn library_dir() -> PathBuf {
         let lib = PathBuf::from(lib);
         assert!(
             lib.is_file() && lib.file_name().is_some_and(|n| n == "libgpualloc.so"),
-            "GPUALLOC_TEST_LIBRARY={} is not a libgpualloc.so",
+            "GPUALLOC_TEST_LIBRARY={}: no such libgpualloc.so (an absolute path is needed: \
+             the tests run in their package's folder)",
             lib.display()
         );
         return lib.parent().unwrap().to_path_buf();
