@@ -149,6 +149,26 @@ def check_dropin(args) -> dict:
         assert "Allocated memory" in s
         return len(s)
 
+    if args.alloc == "gpualloc":
+
+        @sub("held_adds_up_to_reserved")
+        def _():
+            # gpualloc.held(): reserved memory by the unit it can be given
+            # back in, read from the running allocator (round 45's C ABI).
+            import gpualloc
+
+            xs = [torch.empty(n * MiB + 4096, dtype=torch.uint8, device=dev) for n in (1, 3, 40, 200)]
+            del xs[1]
+            torch.cuda.synchronize()
+            h = gpualloc.held()
+            parts = h["used_units"] + h["free_units"] + h["free_private_units"] + h["pooled"]
+            assert parts == torch.cuda.memory_reserved(), f"{h} add up to {parts}, reserved {torch.cuda.memory_reserved()}"
+            assert h["used_units"] >= torch.cuda.memory_allocated(), f"{h}, allocated {torch.cuda.memory_allocated()}"
+            assert h["used_units_unallocated"] == h["used_units"] - torch.cuda.memory_allocated(), f"{h}, allocated {torch.cuda.memory_allocated()}"
+            assert "reserved by unit: used" in gpualloc.summary()
+            del xs
+            return h
+
     @sub("reset_peak_memory_stats")
     def _():
         x = torch.empty(64 * MiB, dtype=torch.uint8, device=dev)
