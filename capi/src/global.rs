@@ -188,6 +188,7 @@ pub(crate) fn existing() -> Option<&'static Global> {
 pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
     gpualloc::log::install_from_env();
     gpualloc::env_vars::warn_unknown_once();
+    crate::crash_report::install_from_env();
     let _serial = INIT.lock();
     if let Some(g) = GLOBAL.get() {
         return match config {

@@ -17,6 +17,7 @@
 
 mod boundary;
 mod checkpoint;
+mod crash_report;
 mod driver_calls;
 mod fd_passing;
 mod fork;

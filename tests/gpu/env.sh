@@ -9,6 +9,12 @@ export PYTHONPATH=$ROOT/python-shim${PYTHONPATH:+:$PYTHONPATH}
 export GPUALLOC_BUILD_DIR=${GPUALLOC_BUILD_DIR:-${TMPDIR:-/tmp}/gpualloc-bridge}
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 export PYTHONUNBUFFERED=1
+# A process that dies of a signal (SIGSEGV, SIGABRT, SIGBUS) prints every
+# thread's Python stack to stderr, which the logs keep.
+export PYTHONFAULTHANDLER=1
+# ... and, before that, the library's report: the crashing thread's name
+# and native stack (Note [Crash reports] in capi/src/crash_report.rs).
+export GPUALLOC_CRASH_REPORT=${GPUALLOC_CRASH_REPORT:-1}
 unset GPUALLOC_BACKEND GPUALLOC_CONF GPUALLOC_TRACE
 RESULTS=${OUT:-$ROOT/gpu-results}
 mkdir -p "$RESULTS"

@@ -5,7 +5,8 @@
 #
 # Runs every check of tests/gpu/checks.py under PyTorch's allocator and under
 # gpualloc, each in its own subprocess with a timeout, and writes
-# summary.json plus one log per run to $OUT (or ./gpu-results).
+# summary.json plus one log per run (packed as logs.tar.gz) to $OUT (or
+# ./gpu-results).
 # GPUALLOC_LIBRARY overrides the library; GPUALLOC_GPU_BUDGET_S (default 480)
 # caps the total time; extra arguments go to driver.py (e.g. --only dropin,streams).
 set -u
@@ -18,3 +19,9 @@ environment
 # docs/torch-compat.md against this torch's allocator interface.
 python3 -m unittest python-shim/tests/test_torch_compat.py -v 2>&1 | tee "$RESULTS/torch-compat.log"
 python3 tests/gpu/driver.py --out "$RESULTS" "$@" 2>&1 | tee "$RESULTS/driver.log"
+rc=${PIPESTATUS[0]}
+# One file for the runs' logs (a device run brings back only so many files).
+if [ -d "$RESULTS/logs" ]; then
+  tar czf "$RESULTS/logs.tar.gz" -C "$RESULTS" logs && rm -rf "$RESULTS/logs"
+fi
+exit "$rc"
