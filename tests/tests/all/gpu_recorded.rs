@@ -442,6 +442,29 @@ fn sweep_traces_replay_to_the_gpus_peaks_and_memory_calls() {
     }
 }
 
+/// `examples/compile-dynamic.gtrace`: the sweep's `torch.compile(model,
+/// dynamic=True)` of a six-layer GPT on random lengths 64–512 (the compile
+/// is round 0), recorded by `bash tests/gpu/sweep.sh --only compile_dynamic
+/// --variants gpualloc-traced` with the library of 5c97f93
+/// (`docs/results/h200-round48/`): R/A 1.031 on the GPU, whose peaks it
+/// replays to the byte. The run's own count of memory calls did not come
+/// back from the GPU machine, so only the replay's stands here (1,323).
+/// Under PyTorch's rules the same calls reserve 5,530,189,824 bytes for
+/// 3,187,291,136 allocated (R/A 1.735; its rounding allocates more).
+#[test]
+fn compile_dynamic_trace_replays_to_the_gpus_peaks() {
+    assert_eq!(
+        replay_example("compile-dynamic.gtrace", None),
+        (3_277_848_576, 3_178_181_632, 0)
+    );
+    let out = replayed("compile-dynamic.gtrace", None);
+    assert_eq!(out.driver.memory_calls(), 1_323);
+    assert_eq!(
+        replay_example("compile-dynamic.gtrace", Some("policy:pytorch")),
+        (5_530_189_824, 3_187_291_136, 0)
+    );
+}
+
 /// What reserved memory is made of at its peak (Note [Held memory by
 /// unit]). Under gpualloc's default, ResNet-50 and the detector hold no
 /// free handle and nothing pooled there: every byte over allocated memory
