@@ -234,6 +234,16 @@ def write_results(out, name, md, runs):
         json.dump(runs, f, indent=1)
 
 
+def stderr_tail(err: str) -> str:
+    """What a child that printed no result leaves in the summary of its
+    stderr: from gpualloc's crash report on when there is one (the thread
+    and native stack, then Python's faulthandler: Note [Crash reports] in
+    capi/src/crash_report.rs), at most 12,000 characters; else the last
+    2,000."""
+    at = err.rfind("gpualloc: crash report: ")
+    return err[at:at + 12000] if at >= 0 else err[-2000:]
+
+
 def run_child(cmd, name, timeout, logdir, label, trace=None):
     """Runs `cmd` (which takes the allocator from its --alloc argument) under
     the environment of variant `name`, with a timeout; its log goes to
@@ -262,7 +272,7 @@ def run_child(cmd, name, timeout, logdir, label, trace=None):
         if line.startswith("GPUALLOC_RESULT "):
             payload = json.loads(line[len("GPUALLOC_RESULT "):])
     if payload is None:
-        payload = {"error": f"no result (rc={rc})", "stderr_tail": err[-2000:]}
+        payload = {"error": f"no result (rc={rc})", "stderr_tail": stderr_tail(err)}
     payload["rc"] = rc
     payload["wall_s"] = wall
     return payload
