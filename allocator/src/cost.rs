@@ -87,6 +87,23 @@ impl DriverCall {
             DriverCall::CtxSync => "cuCtxSynchronize",
         }
     }
+
+    /// Whether this is a call of the driver's virtual memory management
+    /// (reserve, create, map, set access, unmap, release, free an address
+    /// range): those the CUDA backend makes one at a time across its
+    /// threads (Note [One VMM call at a time] in `backend/unmapper.rs`).
+    pub fn is_vmm(self) -> bool {
+        matches!(
+            self,
+            DriverCall::Create
+                | DriverCall::Release
+                | DriverCall::Map
+                | DriverCall::SetAccess
+                | DriverCall::Unmap
+                | DriverCall::Reserve
+                | DriverCall::AddressFree
+        )
+    }
 }
 
 const KINDS: usize = DriverCall::ALL.len();
@@ -327,6 +344,27 @@ impl Default for CostModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vmm_calls_are_the_cumem_calls_of_virtual_memory() {
+        let vmm: Vec<&str> = DriverCall::ALL
+            .iter()
+            .filter(|c| c.is_vmm())
+            .map(|c| c.name())
+            .collect();
+        assert_eq!(
+            vmm,
+            [
+                "cuMemCreate",
+                "cuMemRelease",
+                "cuMemMap",
+                "cuMemSetAccess",
+                "cuMemUnmap",
+                "cuMemAddressReserve",
+                "cuMemAddressFree"
+            ]
+        );
+    }
 
     #[test]
     fn counts_and_predicts() {

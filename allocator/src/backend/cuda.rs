@@ -169,6 +169,9 @@ pub struct CudaBackend {
     redo_warned: bool,
     /// Driver calls the helper thread made, with their time.
     helper_calls: Arc<parking_lot::Mutex<DriverCalls>>,
+    /// Held for each VMM call, here and on the helper (Note [One VMM call
+    /// at a time] in `unmapper.rs`).
+    vmm: Arc<parking_lot::Mutex<()>>,
 }
 
 /// A context handle moved to the helper thread.
@@ -231,6 +234,7 @@ impl CudaBackend {
             held: false,
             redo_warned: false,
             helper_calls: Arc::default(),
+            vmm: Arc::default(),
         })
     }
 
@@ -286,7 +290,17 @@ impl CudaBackend {
         prop
     }
 
-    /// Runs one driver call, counting it and its time.
+    /// The lock of Note [One VMM call at a time], taken while the helper
+    /// runs in this process (none without it, or in a forked child).
+    fn vmm_turn(&self) -> Option<parking_lot::MutexGuard<'_, ()>> {
+        self.unmapper
+            .as_ref()
+            .filter(|u| u.here())
+            .map(|_| self.vmm.lock())
+    }
+
+    /// Runs one driver call, counting it and its time; a VMM call waits
+    /// for the helper's (Note [One VMM call at a time]).
     #[inline]
     fn timed(
         &mut self,
@@ -295,7 +309,9 @@ impl CudaBackend {
         f: impl FnOnce() -> CuResult,
     ) -> CuResult {
         let t = Instant::now();
+        let vmm = if call.is_vmm() { self.vmm_turn() } else { None };
         let r = f();
+        drop(vmm);
         self.calls
             .add(call, handles, bytes, t.elapsed().as_nanos() as u64);
         r
@@ -439,6 +455,7 @@ impl CudaBackend {
         if self.unmapper.is_none() && !self.no_unmapper {
             let ctx = SendContext(self.ctx);
             let calls = Arc::clone(&self.helper_calls);
+            let vmm = Arc::clone(&self.vmm);
             let mut bound = false;
             let work = Box::new(move |job: Job| {
                 let ctx = &ctx;
@@ -454,7 +471,10 @@ impl CudaBackend {
                     bound = true;
                 }
                 let t = Instant::now();
-                let r = run_job(job);
+                let r = {
+                    let _vmm = vmm.lock();
+                    run_job(job)
+                };
                 let (call, size, handles) = match job {
                     Job::Unmap { size, handles, .. } => (DriverCall::Unmap, size, handles),
                     Job::Free { size, .. } => (DriverCall::AddressFree, size, 0),
@@ -519,7 +539,11 @@ impl CudaBackend {
     ) -> Result<(), BackendError> {
         let _bound = self.bind()?;
         let _relaxed = RelaxedCaptureMode::enter().ok();
-        let (result, done) = unmapper::redo(jobs, range, run_job);
+        let vmm = Arc::clone(&self.vmm);
+        let (result, done) = unmapper::redo(jobs, range, |job| {
+            let _vmm = vmm.lock();
+            run_job(job)
+        });
         if let Some(u) = &self.unmapper {
             u.forget(&done);
         }
@@ -1213,7 +1237,10 @@ impl Backend for CudaBackend {
             ));
         }
         let _bound = self.bind()?;
-        let fd = exported::export(handle)?;
+        let fd = {
+            let _vmm = self.vmm_turn();
+            exported::export(handle)?
+        };
         self.exported.insert(handle, fd);
         Ok(fd)
     }

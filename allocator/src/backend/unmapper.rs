@@ -34,6 +34,27 @@
 //! as long as the helper might (`backend/sim/later.rs`), which the checked
 //! tests do. A child process after `fork` has no helper: it never waits for
 //! one (CUDA cannot be used there anyway).
+//!
+//! Note [One VMM call at a time]
+//! Rationale: the hold above keeps jobs from *starting* while a request
+//! maps, but a job the helper started meanwhile (during a wait for an event,
+//! between requests) still runs when the allocating thread makes its next
+//! call, so the two threads could be inside the driver's VMM functions
+//! together, on one physical handle even (its old address unmapped here, its
+//! new one mapped there). The driver documents these calls as thread-safe,
+//! but PyTorch, whose allocator makes them under one lock, never exercises
+//! that; and one H200 run of the `churn_wide` GPU check died of SIGSEGV in a
+//! way nothing else explained (round 48; once in eighteen runs). Since the
+//! driver serializes these calls anyway (`docs/driver-costs.md`, section 9:
+//! two to eight threads finish no sooner than one), taking turns costs
+//! nothing but an uncontended lock.
+//! Approach: the CUDA backend holds one lock for each VMM call
+//! (`DriverCall::is_vmm`: reserve, create, map, set access, unmap, release,
+//! free an address range; and exporting a handle), on the allocating thread
+//! and on the helper alike. The lock covers the single call only, never a
+//! wait, so neither thread can hold it while waiting for the other. It is
+//! taken only while the helper runs in this process: a child forked while
+//! the helper held it would wait forever on its copy.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -201,7 +222,7 @@ impl Unmapper {
     }
 
     /// Whether this process has the thread (not a child forked since).
-    fn here(&self) -> bool {
+    pub fn here(&self) -> bool {
         std::process::id() == self.pid
     }
 
