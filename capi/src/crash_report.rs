@@ -16,20 +16,25 @@
 //! action, which ends the process as it would have ended. Frames are
 //! written by glibc's `backtrace_symbols_fd` (no allocation) as a library
 //! and an offset; `addr2line -f -C -e libgpualloc.so OFFSET` names the
-//! library's own (its symbol table is kept). The report is made once:
-//! a second crash, on another thread, goes straight to the old handler.
+//! library's own (its symbol table is kept). A signal sent (`abort`,
+//! `kill`) names its sender instead of an address. The report is made
+//! once: a thread that crashes while another writes it waits for it (up to
+//! 2 s) and then gives its own signal on.
 //! Off by default, since a program's own crash handlers (a debugger, a
 //! crash collector) expect to be the first to see its signals; the GPU
 //! scripts turn it on (`tests/gpu/env.sh`).
 //! Limitations: a thread that overflowed its stack has none left to run a
 //! handler on, unless it set up an alternate stack (the handler asks for
 //! one, `SA_ONSTACK`): such a crash ends the process without a report, as
-//! before. Unwinding through the driver's frames may stop early.
+//! before. Unwinding through the driver's frames may stop early. glibc's
+//! unwinder takes the loader's lock: a crash inside the loader could make
+//! the report wait forever, so an alarm ends the process after
+//! [`REPORT_LIMIT_S`] (by SIGALRM, not the crash's signal).
 
 use std::ffi::{c_int, c_void};
 use std::fmt::Write as _;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// The variable that turns the reports on.
 pub(crate) const VARIABLE: &str = "GPUALLOC_CRASH_REPORT";
@@ -46,17 +51,26 @@ const SIGNALS: [(c_int, &str); 5] = [
 /// The most frames written.
 const FRAMES: usize = 64;
 
-unsafe extern "C" {
-    // glibc's <execinfo.h>.
-    fn backtrace(buffer: *mut *mut c_void, size: c_int) -> c_int;
-    fn backtrace_symbols_fd(buffer: *const *mut c_void, size: c_int, fd: c_int);
-}
-
-/// The handlers there before, by signal, once installed.
+/// The handlers there before, by signal, read before any is replaced.
 static OLD: OnceLock<Vec<(c_int, libc::sigaction)>> = OnceLock::new();
 
-/// Whether a report was made (or is being made).
-static REPORTED: AtomicBool = AtomicBool::new(false);
+/// No report yet.
+const NONE: u8 = 0;
+/// A thread is writing the report.
+const REPORTING: u8 = 1;
+/// The report is written.
+const DONE: u8 = 2;
+
+/// Where the one report stands: [`NONE`], [`REPORTING`] or [`DONE`].
+static STATE: AtomicU8 = AtomicU8::new(NONE);
+
+/// How long a thread that crashed while another reports waits for that
+/// report before it lets its own signal end the process, in steps of 10 ms.
+const WAIT_STEPS: u32 = 200;
+
+/// The longest a report may take (an unwinder stuck on a lock): then the
+/// alarm's default action ends the process.
+const REPORT_LIMIT_S: u32 = 10;
 
 /// What `GPUALLOC_CRASH_REPORT` asks: `Ok(true)` for on. A value that is
 /// neither on nor off is an error naming it.
@@ -97,41 +111,71 @@ fn install() -> std::io::Result<()> {
     // here, not in the handler.
     let mut frames = [std::ptr::null_mut::<c_void>(); 2];
     // SAFETY: `frames` has room for the 2 entries asked for.
-    unsafe { backtrace(frames.as_mut_ptr(), 2) };
+    unsafe { libc::backtrace(frames.as_mut_ptr(), 2) };
+    // Every old handler is read, and kept, before any is replaced, so that
+    // a crash in between finds the one to give its signal to.
     let mut old = Vec::with_capacity(SIGNALS.len());
     for (signal, _) in SIGNALS {
         // SAFETY: a zeroed `sigaction` is a valid value to be filled in.
-        let mut act: libc::sigaction = unsafe { std::mem::zeroed() };
-        act.sa_sigaction =
-            on_crash as extern "C" fn(c_int, *mut libc::siginfo_t, *mut c_void) as usize;
-        act.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
-        // SAFETY: as above.
         let mut before: libc::sigaction = unsafe { std::mem::zeroed() };
-        // SAFETY: `act` is initialized, its mask emptied before use; the
-        // handler is a plain function that lives as long as the library
-        // (never unloaded: the allocator is a static). `before` is a valid
-        // out-pointer.
-        let r = unsafe {
-            libc::sigemptyset(&raw mut act.sa_mask);
-            libc::sigaction(signal, &raw const act, &raw mut before)
-        };
-        if r != 0 {
+        // SAFETY: reads the disposition into `before`, a valid out-pointer.
+        if unsafe { libc::sigaction(signal, std::ptr::null(), &raw mut before) } != 0 {
             return Err(std::io::Error::last_os_error());
         }
         old.push((signal, before));
     }
-    // The handler reads OLD only after a signal, and none of these reaches
-    // it before this store: a crash in between finds no handler to give
-    // the signal to and takes the default action (`give_back`).
-    let _ = OLD.set(old);
+    let old = OLD.get_or_init(|| old);
+    // SAFETY: as above.
+    let mut act: libc::sigaction = unsafe { std::mem::zeroed() };
+    act.sa_sigaction = on_crash as extern "C" fn(c_int, *mut libc::siginfo_t, *mut c_void) as usize;
+    act.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+    // SAFETY: empties the mask of `act`, a valid sigaction.
+    unsafe { libc::sigemptyset(&raw mut act.sa_mask) };
+    for (n, (signal, _)) in SIGNALS.iter().enumerate() {
+        // SAFETY: `act` is initialized; the handler is a plain function
+        // that lives as long as the library (never unloaded: the allocator
+        // is a static).
+        if unsafe { libc::sigaction(*signal, &raw const act, std::ptr::null_mut()) } != 0 {
+            let e = std::io::Error::last_os_error();
+            // All or none: the ones installed get their old handler back.
+            for (signal, before) in &old[..n] {
+                // SAFETY: `before` is the disposition read above.
+                unsafe { libc::sigaction(*signal, before, std::ptr::null_mut()) };
+            }
+            return Err(e);
+        }
+    }
     Ok(())
 }
 
 /// The handler: the report (once), then the signal goes to the handler
 /// installed before.
 extern "C" fn on_crash(signal: c_int, info: *mut libc::siginfo_t, _context: *mut c_void) {
-    if !REPORTED.swap(true, Ordering::SeqCst) {
+    if STATE
+        .compare_exchange(NONE, REPORTING, Ordering::SeqCst, Ordering::SeqCst)
+        .is_ok()
+    {
+        // SAFETY: `alarm` is async-signal-safe; the process is ending, so
+        // an alarm of its own it may have set no longer matters.
+        unsafe { libc::alarm(REPORT_LIMIT_S) };
         report(signal, info);
+        // SAFETY: as above.
+        unsafe { libc::alarm(0) };
+        STATE.store(DONE, Ordering::SeqCst);
+    } else {
+        // Another thread is writing the report: ending the process now
+        // would cut it short.
+        let step = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 10_000_000,
+        };
+        for _ in 0..WAIT_STEPS {
+            if STATE.load(Ordering::SeqCst) == DONE {
+                break;
+            }
+            // SAFETY: `nanosleep` is async-signal-safe; `step` is valid.
+            unsafe { libc::nanosleep(&step, std::ptr::null_mut()) };
+        }
     }
     give_back(signal, info);
 }
@@ -142,12 +186,8 @@ fn report(signal: c_int, info: *mut libc::siginfo_t) {
         .iter()
         .find(|(s, _)| *s == signal)
         .map_or("signal", |(_, n)| n);
-    let address = if info.is_null() {
-        0
-    } else {
-        // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
-        unsafe { (*info).si_addr() as usize }
-    };
+    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
+    let info = (!info.is_null()).then(|| unsafe { &*info });
     // SAFETY: `gettid` has no arguments and cannot fail.
     let tid = unsafe { libc::syscall(libc::SYS_gettid) };
     let mut thread = [0u8; 17];
@@ -157,19 +197,33 @@ fn report(signal: c_int, info: *mut libc::siginfo_t) {
     let len = thread.iter().position(|&b| b == 0).unwrap_or(16);
     let thread = std::str::from_utf8(&thread[..len]).unwrap_or("?");
     let mut line = Line::default();
-    let _ = write!(
+    let _ = write!(line, "\ngpualloc: crash report: {name} (signal {signal}) ");
+    match info {
+        Some(i) if i.si_code <= 0 => {
+            // SAFETY: a signal sent (`kill`, `raise`, `abort`) carries the
+            // sender's process id.
+            let pid = unsafe { i.si_pid() };
+            let _ = write!(line, "sent by process {pid}");
+        }
+        Some(i) => {
+            // SAFETY: a fault carries the address.
+            let address = unsafe { i.si_addr() } as usize;
+            let _ = write!(line, "at address {address:#x}");
+        }
+        None => {}
+    }
+    let _ = writeln!(
         line,
-        "\ngpualloc: crash report: {name} (signal {signal}) at address {address:#x}, \
-         thread {tid} \"{thread}\"; native stack (library(+offset) [address]; \
-         addr2line -f -C -e LIBRARY OFFSET names a frame):\n"
+        ", thread {tid} \"{thread}\"; native stack (library(+offset) [address]; \
+         addr2line -f -C -e LIBRARY OFFSET names a frame):"
     );
     line.flush();
     let mut frames = [std::ptr::null_mut::<c_void>(); FRAMES];
     // SAFETY: `frames` has room for FRAMES entries; the unwinder was loaded
     // at installation.
-    let n = unsafe { backtrace(frames.as_mut_ptr(), FRAMES as c_int) };
+    let n = unsafe { libc::backtrace(frames.as_mut_ptr(), FRAMES as c_int) };
     // SAFETY: the first `n` entries were filled in; fd 2 is stderr.
-    unsafe { backtrace_symbols_fd(frames.as_ptr(), n, 2) };
+    unsafe { libc::backtrace_symbols_fd(frames.as_ptr(), n, 2) };
     let _ = write!(line, "gpualloc: end of crash report\n\n");
     line.flush();
 }

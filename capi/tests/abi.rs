@@ -395,7 +395,8 @@ fn run_sim_with(
         .env("LD_LIBRARY_PATH", lib.parent().unwrap())
         .env("GPUALLOC_BACKEND", "sim")
         .env_remove("GPUALLOC_CONF")
-        .env_remove("GPUALLOC_TRACE");
+        .env_remove("GPUALLOC_TRACE")
+        .env_remove("GPUALLOC_CRASH_REPORT");
     for (k, v) in vars {
         cmd.env(k, v);
     }
@@ -1050,13 +1051,20 @@ fn a_crash_is_reported_and_still_ends_the_process() {
         );
         stderr
     };
-    for (how, signal, name) in [("segv", 11, "SIGSEGV"), ("abort", 6, "SIGABRT")] {
+    for (how, signal, name, cause) in [
+        ("segv", 11, "SIGSEGV", "at address 0x0,"),
+        ("abort", 6, "SIGABRT", "sent by process "),
+    ] {
         let stderr = crash(how, signal, Some("1"));
         let report = stderr
             .split_once("gpualloc: crash report: ")
             .unwrap_or_else(|| panic!("{how}: no report:\n{stderr}"))
             .1;
         assert!(report.starts_with(name), "{how}: {report}");
+        assert!(
+            report.lines().next().unwrap().contains(cause),
+            "{how}: {report}"
+        );
         assert!(report.contains("\"crasher\""), "{how}: {report}");
         assert!(report.contains("libgpualloc.so("), "{how}: {report}");
         assert!(
@@ -1072,6 +1080,11 @@ fn a_crash_is_reported_and_still_ends_the_process() {
         let stderr = crash(how, signal, None);
         assert!(!stderr.contains("crash report"), "{how}: {stderr}");
     }
+    // Two threads at once: one report, written to its end, then the
+    // process ends by the signal.
+    let stderr = crash("two", 11, Some("1"));
+    assert_eq!(stderr.matches("crash report:").count(), 1, "{stderr}");
+    assert!(stderr.contains("gpualloc: end of crash report"), "{stderr}");
     let stderr = crash("segv", 11, Some("maybe"));
     assert!(
         stderr.contains("GPUALLOC_CRASH_REPORT=maybe is neither"),

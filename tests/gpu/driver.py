@@ -236,12 +236,15 @@ def write_results(out, name, md, runs):
 
 def stderr_tail(err: str) -> str:
     """What a child that printed no result leaves in the summary of its
-    stderr: from gpualloc's crash report on when there is one (the thread
-    and native stack, then Python's faulthandler: Note [Crash reports] in
-    capi/src/crash_report.rs), at most 12,000 characters; else the last
-    2,000."""
+    stderr: when it has gpualloc's crash report (the thread and native
+    stack, then Python's faulthandler: Note [Crash reports] in
+    capi/src/crash_report.rs), 16,000 characters from 1,000 before the
+    report; else the last 2,000."""
     at = err.rfind("gpualloc: crash report: ")
-    return err[at:at + 12000] if at >= 0 else err[-2000:]
+    if at < 0:
+        return err[-2000:]
+    start = max(0, at - 1000)
+    return err[start:start + 16000]
 
 
 def run_child(cmd, name, timeout, logdir, label, trace=None):

@@ -20,7 +20,10 @@ environment
 python3 -m unittest python-shim/tests/test_torch_compat.py -v 2>&1 | tee "$RESULTS/torch-compat.log"
 python3 tests/gpu/driver.py --out "$RESULTS" "$@" 2>&1 | tee "$RESULTS/driver.log"
 rc=${PIPESTATUS[0]}
-# One file for the runs' logs (a device run brings back only so many files).
+# One file for the runs' logs (a device run brings back only so many files;
+# a run.sh killed before this line leaves them in logs/). The status is
+# driver.py's: 0 when it finished, failed checks included (summary.json
+# says which).
 if [ -d "$RESULTS/logs" ]; then
   tar czf "$RESULTS/logs.tar.gz" -C "$RESULTS" logs && rm -rf "$RESULTS/logs"
 fi

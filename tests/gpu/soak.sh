@@ -29,17 +29,24 @@ for ((i = 1; i <= runs; i++)); do
     break
   fi
   t0=$SECONDS
-  out=$(timeout 600 python3 tests/gpu/checks.py "$check" --alloc "$alloc" 2>"$RESULTS/.soak-stderr")
+  log="$RESULTS/soak-$check-$i.log"
+  # A run that hangs ends with the budget (at least a minute, at most ten).
+  limit=$((budget - SECONDS))
+  limit=$((limit < 60 ? 60 : limit > 600 ? 600 : limit))
+  timeout "$limit" python3 tests/gpu/checks.py "$check" --alloc "$alloc" >"$log.out" 2>"$log.err"
   rc=$?
-  figures=$(grep -o '"\(us_per_alloc_free\|ns_per_alloc_free\|peak_reserved_over_allocated\|passed\|total\|error\)": [^,}]*' <<<"$out" | tr '\n' ' ')
-  result=$(grep -c '^GPUALLOC_RESULT ' <<<"$out")
-  echo "run $i: rc=$rc $((SECONDS - t0)) s $figures" | tee -a "$summary"
-  if [ "$rc" -ne 0 ] || [ "$result" -eq 0 ] || grep -q '"error"' <<<"$out"; then
+  figures=$(grep -o '"\(us_per_alloc_free\|ns_per_alloc_free\|peak_reserved_over_allocated\|passed\|total\)": [^,}]*' "$log.out" | tr '\n' ' ')
+  # The result's own error (not a sub-check's), or none.
+  error=$(python3 -c 'import json, sys
+lines = [l for l in open(sys.argv[1]) if l.startswith("GPUALLOC_RESULT ")]
+print("no result" if not lines else json.loads(lines[-1][len("GPUALLOC_RESULT "):]).get("error", ""))' "$log.out")
+  echo "run $i: rc=$rc $((SECONDS - t0)) s $figures${error:+error: $error}" | tee -a "$summary"
+  if [ "$rc" -ne 0 ] || [ -n "$error" ]; then
     failed=$((failed + 1))
-    { echo "--- stdout"; echo "$out"; echo "--- stderr"; cat "$RESULTS/.soak-stderr"; } >"$RESULTS/soak-$check-$i.log"
-    tail -60 "$RESULTS/.soak-stderr"
+    { echo "--- stdout"; cat "$log.out"; echo "--- stderr"; cat "$log.err"; } >"$log"
+    tail -60 "$log.err"
   fi
+  rm -f "$log.out" "$log.err"
 done
-rm -f "$RESULTS/.soak-stderr"
 echo "$check under $alloc: $failed failed of $((i - 1))" | tee -a "$summary"
 [ "$failed" -eq 0 ]

@@ -202,10 +202,10 @@ class PairedSteps(unittest.TestCase):
 class CrashTail(unittest.TestCase):
     def test_a_crash_report_is_kept_from_its_start_and_other_stderr_by_its_end(self):
         report = "gpualloc: crash report: SIGSEGV (signal 11) at address 0x0, thread 7 \"gpualloc-unmap-0\""
-        err = "x" * 5000 + "\n" + report + "\n" + "frame\n" * 3000
+        err = "x" * 5000 + "\n" + report + "\n" + "frame\n" * 4000
         tail = driver.stderr_tail(err)
-        self.assertTrue(tail.startswith(report), tail[:100])
-        self.assertEqual(len(tail), 12000)
+        self.assertTrue(tail.startswith("x" * 999 + "\n" + report), tail[:100])
+        self.assertEqual(len(tail), 16000)
         self.assertEqual(driver.stderr_tail("y" * 3000 + "end"), "y" * 1997 + "end")
 
 

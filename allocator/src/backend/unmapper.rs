@@ -52,7 +52,9 @@
 //! (`DriverCall::is_vmm`: reserve, create, map, set access, unmap, release,
 //! free an address range; and exporting a handle), on the allocating thread
 //! and on the helper alike. The lock covers the single call only, never a
-//! wait, so neither thread can hold it while waiting for the other. It is
+//! wait, so neither thread can hold it while waiting for the other. Like
+//! PyTorch's lock, it is one device's: the backends of other devices, and
+//! of ranges imported from other processes, have their own. It is
 //! taken only while the helper runs in this process: a child forked while
 //! the helper held it would wait forever on its copy.
 

@@ -446,8 +446,8 @@ fn sweep_traces_replay_to_the_gpus_peaks_and_memory_calls() {
 /// dynamic=True)` of a six-layer GPT on random lengths 64–512 (the compile
 /// is round 0), recorded by `bash tests/gpu/sweep.sh --only compile_dynamic
 /// --variants gpualloc-traced` with the library of 5c97f93
-/// (`docs/results/h200-round48/`): R/A 1.031 on the GPU, whose peaks it
-/// replays to the byte. The run's own count of memory calls did not come
+/// (`docs/results/h200-round48/`): R/A 1.031 on the GPU; it replays to the
+/// peaks it recorded there (`gpualloc summary` of the trace) to the byte. The run's own count of memory calls did not come
 /// back from the GPU machine, so only the replay's stands here (1,323).
 /// Under PyTorch's rules the same calls reserve 5,530,189,824 bytes for
 /// 3,187,291,136 allocated (R/A 1.735; its rounding allocates more).
