@@ -169,9 +169,6 @@ pub struct CudaBackend {
     redo_warned: bool,
     /// Driver calls the helper thread made, with their time.
     helper_calls: Arc<parking_lot::Mutex<DriverCalls>>,
-    /// Held for each VMM call, here and on the helper (Note [One VMM call
-    /// at a time] in `unmapper.rs`).
-    vmm: Arc<parking_lot::Mutex<()>>,
 }
 
 /// A context handle moved to the helper thread.
@@ -234,7 +231,6 @@ impl CudaBackend {
             held: false,
             redo_warned: false,
             helper_calls: Arc::default(),
-            vmm: Arc::default(),
         })
     }
 
@@ -293,10 +289,7 @@ impl CudaBackend {
     /// The lock of Note [One VMM call at a time], taken while the helper
     /// runs in this process (none without it, or in a forked child).
     fn vmm_turn(&self) -> Option<parking_lot::MutexGuard<'_, ()>> {
-        self.unmapper
-            .as_ref()
-            .filter(|u| u.here())
-            .map(|_| self.vmm.lock())
+        self.unmapper.as_ref().and_then(Unmapper::turn)
     }
 
     /// Runs one driver call, counting it and its time; a VMM call waits
@@ -455,7 +448,6 @@ impl CudaBackend {
         if self.unmapper.is_none() && !self.no_unmapper {
             let ctx = SendContext(self.ctx);
             let calls = Arc::clone(&self.helper_calls);
-            let vmm = Arc::clone(&self.vmm);
             let mut bound = false;
             let work = Box::new(move |job: Job| {
                 let ctx = &ctx;
@@ -471,10 +463,7 @@ impl CudaBackend {
                     bound = true;
                 }
                 let t = Instant::now();
-                let r = {
-                    let _vmm = vmm.lock();
-                    run_job(job)
-                };
+                let r = run_job(job);
                 let (call, size, handles) = match job {
                     Job::Unmap { size, handles, .. } => (DriverCall::Unmap, size, handles),
                     Job::Free { size, .. } => (DriverCall::AddressFree, size, 0),
@@ -539,9 +528,9 @@ impl CudaBackend {
     ) -> Result<(), BackendError> {
         let _bound = self.bind()?;
         let _relaxed = RelaxedCaptureMode::enter().ok();
-        let vmm = Arc::clone(&self.vmm);
+        let turn = self.unmapper.as_ref();
         let (result, done) = unmapper::redo(jobs, range, |job| {
-            let _vmm = vmm.lock();
+            let _turn = turn.and_then(Unmapper::turn);
             run_job(job)
         });
         if let Some(u) = &self.unmapper {

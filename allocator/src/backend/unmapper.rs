@@ -48,15 +48,17 @@
 //! driver serializes these calls anyway (`docs/driver-costs.md`, section 9:
 //! two to eight threads finish no sooner than one), taking turns costs
 //! nothing but an uncontended lock.
-//! Approach: the CUDA backend holds one lock for each VMM call
-//! (`DriverCall::is_vmm`: reserve, create, map, set access, unmap, release,
-//! free an address range; and exporting a handle), on the allocating thread
-//! and on the helper alike. The lock covers the single call only, never a
-//! wait, so neither thread can hold it while waiting for the other. Like
-//! PyTorch's lock, it is one device's: the backends of other devices, and
-//! of ranges imported from other processes, have their own. It is
-//! taken only while the helper runs in this process: a child forked while
-//! the helper held it would wait forever on its copy.
+//! Approach: the helper holds a lock for each job ([`Unmapper::turn`]
+//! gives it to the other side), and the CUDA backend takes it for each of
+//! its VMM calls (`DriverCall::is_vmm`: reserve, create, map, set access,
+//! unmap, release, free an address range; and exporting a handle), and
+//! for the failed jobs it does again itself. The lock covers a single call
+//! only, never a wait, so neither thread can hold it while waiting for the
+//! other. Like PyTorch's lock, it is one device's: the backends of other
+//! devices, and of ranges imported from other processes, have their own.
+//! It is taken only while the helper runs in this process (none before it
+//! starts, none in a forked child, which would wait forever on a copy the
+//! helper held at the fork).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -64,7 +66,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::{BackendError, DevicePtr};
 
@@ -124,6 +126,9 @@ struct State {
 struct Shared {
     state: Mutex<State>,
     changed: Condvar,
+    /// Held for each job, and by the allocating thread for each of its VMM
+    /// calls (`turn`; Note [One VMM call at a time]).
+    vmm: Mutex<()>,
 }
 
 /// The helper thread and its queue. See Note [Unmapping off the allocating
@@ -144,6 +149,7 @@ impl Unmapper {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
+            vmm: Mutex::new(()),
         });
         // Registered under the lock `quiesce_all` takes, so that no helper
         // starts unseen while the process exits.
@@ -185,12 +191,15 @@ impl Unmapper {
                 // A panic in a job fails that job, not the helper: a
                 // helper gone with a job marked running would hold every
                 // later wait over its range forever.
-                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(job)))
-                    .unwrap_or_else(|_| {
-                        Err(BackendError::Unavailable(
-                            "the unmapping helper panicked on this job".into(),
-                        ))
-                    });
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let _turn = s.vmm.lock();
+                    work(job)
+                }))
+                .unwrap_or_else(|_| {
+                    Err(BackendError::Unavailable(
+                        "the unmapping helper panicked on this job".into(),
+                    ))
+                });
                 {
                     let mut st = s.state.lock();
                     st.running = None;
@@ -223,8 +232,16 @@ impl Unmapper {
         }
     }
 
+    /// The allocating thread's turn for one VMM call: while the guard
+    /// lives, no job runs (Note [One VMM call at a time]). `None` in a
+    /// forked child, which has no helper and whose copy of the lock may
+    /// be held forever.
+    pub fn turn(&self) -> Option<MutexGuard<'_, ()>> {
+        self.here().then(|| self.shared.vmm.lock())
+    }
+
     /// Whether this process has the thread (not a child forked since).
-    pub fn here(&self) -> bool {
+    fn here(&self) -> bool {
         std::process::id() == self.pid
     }
 
@@ -533,6 +550,43 @@ mod tests {
         let left = u.failed();
         assert_eq!(done.len() + left.len(), 5, "{done:?} {left:?}");
         assert!(left.iter().all(|j| !done.contains(j)));
+    }
+
+    /// Note [One VMM call at a time]: while the allocating thread has its
+    /// turn, no job is inside its call; without it, jobs run meanwhile
+    /// (which shows the check can see one).
+    #[test]
+    fn no_job_runs_during_the_allocating_threads_turn() {
+        use std::sync::atomic::AtomicBool;
+        let inside = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&inside);
+        let u = Unmapper::start(
+            "test-unmapper".into(),
+            Box::new(move |_| {
+                flag.store(true, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_micros(200));
+                flag.store(false, Ordering::SeqCst);
+                Ok(())
+            }),
+        )
+        .unwrap();
+        for i in 0..400 {
+            assert!(u.push(unmap(i << 21, 2 << 20)));
+        }
+        let mut seen_without = false;
+        for _ in 0..200 {
+            {
+                let _turn = u.turn().expect("the helper runs here");
+                for _ in 0..5 {
+                    assert!(!inside.load(Ordering::SeqCst), "a job ran during the turn");
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+            std::thread::sleep(Duration::from_micros(300));
+            seen_without |= inside.load(Ordering::SeqCst);
+        }
+        assert!(seen_without, "no job was ever seen running between turns");
+        u.wait_all();
     }
 
     #[test]
