@@ -70,6 +70,14 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::{BackendError, DevicePtr};
 
+/// The helper's stack: a C thread's (glibc's default), not Rust's 2 MiB.
+/// The helper spends its life inside the driver, which is built and tested
+/// on C threads; and in a library loaded by Python no handler can report
+/// an overflow (the thread has no stack left to run one on), so the
+/// process would die of a bare SIGSEGV. Address space only: the pages a
+/// thread never touches cost nothing.
+const HELPER_STACK: usize = 8 << 20;
+
 /// One piece of work for the helper.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Job {
@@ -158,61 +166,64 @@ impl Unmapper {
             return Err(std::io::Error::other("the process is exiting"));
         }
         let s = Arc::clone(&shared);
-        let thread = std::thread::Builder::new().name(name).spawn(move || {
-            loop {
-                let (_, job) = {
-                    let mut st = s.state.lock();
-                    loop {
-                        if st.exiting {
-                            return;
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .stack_size(HELPER_STACK)
+            .spawn(move || {
+                loop {
+                    let (_, job) = {
+                        let mut st = s.state.lock();
+                        loop {
+                            if st.exiting {
+                                return;
+                            }
+                            if let Some(&(seq, _)) = st.queue.front()
+                                && (!st.held || seq < st.urgent_to || st.stop)
+                            {
+                                break;
+                            }
+                            if st.stop {
+                                return;
+                            }
+                            s.changed.wait(&mut st);
                         }
-                        if let Some(&(seq, _)) = st.queue.front()
-                            && (!st.held || seq < st.urgent_to || st.stop)
-                        {
-                            break;
+                        let next = st.queue.pop_front().expect("not empty");
+                        // Jobs run in order, so every Unmap inside a Free's
+                        // reservation has run: if one failed (and is not done
+                        // again yet), the Free waits behind it.
+                        if blocked(&st.failed, &next.1) {
+                            st.failed.push(next.1);
+                            s.changed.notify_all();
+                            continue;
                         }
-                        if st.stop {
-                            return;
+                        st.running = Some(next);
+                        next
+                    };
+                    // A panic in a job fails that job, not the helper: a
+                    // helper gone with a job marked running would hold every
+                    // later wait over its range forever.
+                    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        let _turn = s.vmm.lock();
+                        work(job)
+                    }))
+                    .unwrap_or_else(|_| {
+                        Err(BackendError::Unavailable(
+                            "the unmapping helper panicked on this job".into(),
+                        ))
+                    });
+                    {
+                        let mut st = s.state.lock();
+                        st.running = None;
+                        if result.is_err() {
+                            st.failed.push(job);
                         }
-                        s.changed.wait(&mut st);
-                    }
-                    let next = st.queue.pop_front().expect("not empty");
-                    // Jobs run in order, so every Unmap inside a Free's
-                    // reservation has run: if one failed (and is not done
-                    // again yet), the Free waits behind it.
-                    if blocked(&st.failed, &next.1) {
-                        st.failed.push(next.1);
                         s.changed.notify_all();
-                        continue;
                     }
-                    st.running = Some(next);
-                    next
-                };
-                // A panic in a job fails that job, not the helper: a
-                // helper gone with a job marked running would hold every
-                // later wait over its range forever.
-                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    let _turn = s.vmm.lock();
-                    work(job)
-                }))
-                .unwrap_or_else(|_| {
-                    Err(BackendError::Unavailable(
-                        "the unmapping helper panicked on this job".into(),
-                    ))
-                });
-                {
-                    let mut st = s.state.lock();
-                    st.running = None;
-                    if result.is_err() {
-                        st.failed.push(job);
+                    if let Err(e) = result {
+                        crate::log::unmap_failed(&job, &e);
                     }
-                    s.changed.notify_all();
                 }
-                if let Err(e) = result {
-                    crate::log::unmap_failed(&job, &e);
-                }
-            }
-        })?;
+            })?;
         helpers.push((std::process::id(), Arc::downgrade(&shared)));
         drop(helpers);
         Ok(Unmapper {
