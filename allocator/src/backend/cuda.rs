@@ -528,9 +528,8 @@ impl CudaBackend {
     ) -> Result<(), BackendError> {
         let _bound = self.bind()?;
         let _relaxed = RelaxedCaptureMode::enter().ok();
-        let turn = self.unmapper.as_ref();
         let (result, done) = unmapper::redo(jobs, range, |job| {
-            let _turn = turn.and_then(Unmapper::turn);
+            let _turn = self.vmm_turn();
             run_job(job)
         });
         if let Some(u) = &self.unmapper {
