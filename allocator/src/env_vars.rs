@@ -41,6 +41,7 @@ pub const SCRIPTS: &[&str] = &[
     "TEST_CONF",
     "TEST_TRACE",
     "TEST_LIBRARY",
+    "TEST_WRAPPER",
     "LIBRARY_B",
     "TRACE_CPP",
     "SWEEP_PROFILE_ROUNDS",
@@ -109,7 +110,7 @@ pub fn warn_unknown_once() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         for line in unknown(std::env::vars_os()) {
-            eprintln!("{line}");
+            crate::log::say(format_args!("{line}"));
         }
     });
 }

@@ -46,6 +46,8 @@
 //! methods computed from the blocks, never stored.
 
 #![deny(unsafe_code)]
+// Nothing in the library may panic on a closed stderr or stdout (`log::say`).
+#![cfg_attr(not(test), deny(clippy::print_stderr, clippy::print_stdout))]
 #![warn(missing_docs)]
 
 pub mod allocator;

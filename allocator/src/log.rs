@@ -55,6 +55,17 @@ pub fn level_from_env() -> Result<Option<Level>, String> {
     }
 }
 
+/// Writes one line to stderr, passing over a stderr that cannot be written
+/// (its reader gone: a training job piped through a `tee` that was killed,
+/// under Python, which ignores SIGPIPE). `eprintln!` would panic there, and
+/// the library says things from inside `Once`s and C calls: a panic would
+/// fail the allocation that set it off, and a poisoned `Once` every later
+/// one. The library's crates deny `clippy::print_stderr` for this.
+pub fn say(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 /// Installs a stderr logger once, when `GPUALLOC_LOG` asks for one (the C
 /// library at start, the `gpualloc` command for `replay` and `generate`). A
 /// bad value is reported on stderr and logging stays off: it must not stop
@@ -68,10 +79,12 @@ pub fn install_from_env() {
                 .with_max_level(level)
                 .with_ansi(false)
                 .with_target(false)
+                // Its own report of a failed write is an `eprintln!` ([`say`]).
+                .log_internal_errors(false)
                 .try_init();
         }
         Ok(None) => {}
-        Err(e) => eprintln!("gpualloc: {e}; logging stays off"),
+        Err(e) => say(format_args!("gpualloc: {e}; logging stays off")),
     });
 }
 

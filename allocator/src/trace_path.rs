@@ -69,12 +69,12 @@ pub fn expand(path: &OsStr) -> PathBuf {
             .iter()
             .find(|p| **p == lower)
             .map_or(String::new(), |p| format!(" (did you mean {p}?)"));
-        eprintln!(
+        crate::log::say(format_args!(
             "gpualloc: {word} in the trace path {} is not a placeholder and is kept as written{hint}; \
              the placeholders are {}",
             path.to_string_lossy(),
             PLACEHOLDERS.join(", ")
-        );
+        ));
     }
     expand_with(path, &PathVars::from_env())
 }

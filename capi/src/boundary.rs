@@ -179,14 +179,10 @@ pub(crate) fn last_oom() -> Option<GpuallocOomInfo> {
     LAST_OOM.try_with(|o| o.get()).ok().flatten()
 }
 
-/// Writes one line to stderr. A stderr that cannot be written (its reader
-/// gone: a training job piped through a `tee` that was killed) is passed
-/// over: `eprintln!` would panic, and a panic outside [`ffi_boundary`]'s
-/// guard (an error handler, an exit handler) aborts the process.
-pub(crate) fn say(line: std::fmt::Arguments<'_>) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "{line}");
-}
+/// Writes one line to stderr, passing over a stderr that cannot be
+/// written: a panic outside [`ffi_boundary`]'s guard (an error handler, an
+/// exit handler) would abort the process.
+pub(crate) use gpualloc::log::say;
 
 /// Runs `f` so that no panic escapes: an `Err` or a panic stores the last
 /// error and yields `on_error(code)`.

@@ -98,10 +98,10 @@ pub(crate) fn install_from_env() {
             Ok(false) => {}
             Ok(true) => {
                 if let Err(e) = install() {
-                    eprintln!("gpualloc: no crash reports: {e}");
+                    crate::boundary::say(format_args!("gpualloc: no crash reports: {e}"));
                 }
             }
-            Err(e) => eprintln!("{e}"),
+            Err(e) => crate::boundary::say(format_args!("{e}")),
         }
     });
 }

@@ -15,6 +15,9 @@
 //! Nothing unwinds across the boundary. The header `include/gpualloc.h` is
 //! generated from this crate by cbindgen.
 
+// Nothing here may panic on a closed stderr or stdout (`boundary::say`).
+#![cfg_attr(not(test), deny(clippy::print_stderr, clippy::print_stdout))]
+
 mod boundary;
 mod checkpoint;
 mod crash_report;

@@ -17,6 +17,24 @@ fn artifact_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// A command that runs one of the compiled C programs, under
+/// `GPUALLOC_TEST_WRAPPER` when set: a program and its arguments, split on
+/// spaces, such as `valgrind --error-exitcode=99 -q` (README, Memory
+/// errors). An error the wrapper finds then fails the test through the
+/// program's exit status.
+fn program(exe: &Path) -> Command {
+    let wrapper = std::env::var("GPUALLOC_TEST_WRAPPER").unwrap_or_default();
+    let mut words = wrapper.split_whitespace();
+    match words.next() {
+        Some(tool) => {
+            let mut cmd = Command::new(tool);
+            cmd.args(words).arg(exe);
+            cmd
+        }
+        None => Command::new(exe),
+    }
+}
+
 /// Compiles one C file against the header and links it with libgpualloc.
 fn compile(src: &Path, exe: &Path) {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -88,7 +106,7 @@ fn c_program_exercises_the_whole_abi() {
     let (out, exe) = build_c("abi_test");
 
     let trace = out.join("abi.gtrace");
-    let run = Command::new(&exe)
+    let run = program(&exe)
         .env("LD_LIBRARY_PATH", lib.parent().unwrap())
         .env("GPUALLOC_BACKEND", "sim")
         .env("GPUALLOC_SIM_DEVICES", "2")
@@ -167,7 +185,7 @@ int main(void) {
             "GPUALLOC_SIM_CAPACITY",
         ),
     ] {
-        let mut cmd = Command::new(&exe);
+        let mut cmd = program(&exe);
         cmd.env("LD_LIBRARY_PATH", lib.parent().unwrap())
             .env_remove("GPUALLOC_CONF");
         for (k, v) in &vars {
@@ -390,7 +408,7 @@ fn run_sim_with(
     vars: &[(&str, &std::ffi::OsStr)],
 ) -> std::process::Output {
     let lib = library();
-    let mut cmd = Command::new(exe);
+    let mut cmd = program(exe);
     cmd.args(args)
         .env("LD_LIBRARY_PATH", lib.parent().unwrap())
         .env("GPUALLOC_BACKEND", "sim")
@@ -540,7 +558,7 @@ fn random_call_sequences_never_crash() {
     let traces = out.join("traces");
     std::fs::create_dir_all(&traces).unwrap();
     for seed in seed0..seed0 + cases {
-        let run = Command::new(&exe)
+        let run = program(&exe)
             .args([&seed.to_string(), "3000"])
             .arg(&traces)
             .env("LD_LIBRARY_PATH", library().parent().unwrap())
@@ -780,13 +798,17 @@ int main(int argc, char **argv) {
     let _ = std::fs::remove_dir_all(&out);
 }
 
-/// A failed free reported on a stderr whose reader is gone (a job piped
+/// What the library says on a stderr whose reader is gone (a job piped
 /// through a `tee` that was killed; Python ignores SIGPIPE) goes unsaid,
-/// not as a panic in the error handler, which the C boundary would turn
-/// into an abort.
+/// not as a panic: a failed free (in the error handler, where the C
+/// boundary would turn it into an abort), and what is said when the
+/// allocator starts, from inside a `Once` that a panic would poison (the
+/// first allocation, and every later one, would fail): an unknown
+/// variable, a bad `GPUALLOC_LOG` and the logger's own lines, a trace path
+/// word that is no placeholder, a bad `GPUALLOC_CRASH_REPORT`.
 #[test]
-fn a_failure_reported_on_a_closed_stderr_does_not_abort() {
-    let (_out, exe) = build_inline(
+fn what_is_said_on_a_closed_stderr_fails_nothing() {
+    let (dir, exe) = build_inline(
         "closed_stderr",
         r#"#define _POSIX_C_SOURCE 200809L
 #include "gpualloc.h"
@@ -815,19 +837,39 @@ int main(void) {
 "#,
     );
     let lib = library();
-    let mut child = Command::new(&exe)
-        .env("LD_LIBRARY_PATH", lib.parent().unwrap())
-        .env("GPUALLOC_BACKEND", "sim")
-        .env_remove("GPUALLOC_CONF")
-        .env_remove("GPUALLOC_TRACE")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    drop(child.stderr.take());
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", out.status);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "went on\n");
+    let trace = dir.join("t-{nope}.gtrace");
+    for (key, value) in [
+        ("", "".as_ref()),
+        // Spelled so that `tests/tests/all/docs.rs` takes it for no variable.
+        (concat!("GPUALLOC", "_NO_SUCH_VARIABLE"), "1".as_ref()),
+        ("GPUALLOC_LOG", "debug".as_ref()),
+        ("GPUALLOC_LOG", "loud".as_ref()),
+        ("GPUALLOC_TRACE", trace.as_os_str()),
+        ("GPUALLOC_CRASH_REPORT", "maybe".as_ref()),
+    ] {
+        let mut cmd = program(&exe);
+        cmd.env("LD_LIBRARY_PATH", lib.parent().unwrap())
+            .env("GPUALLOC_BACKEND", "sim")
+            .env_remove("GPUALLOC_CONF")
+            .env_remove("GPUALLOC_TRACE")
+            .env_remove("GPUALLOC_LOG")
+            .env_remove("GPUALLOC_CRASH_REPORT")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        if !key.is_empty() {
+            cmd.env(key, value);
+        }
+        let mut child = cmd.spawn().unwrap();
+        drop(child.stderr.take());
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{key}={value:?}: {}", out.status);
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "went on\n",
+            "{key}={value:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Note [Freeing in a forked child]: a child forked while another thread

@@ -153,7 +153,9 @@ int main(int argc, char **argv) {
       size_t nrows = 0;
       gpualloc_driver_calls(device_value(), below(4) ? rows : NULL, (size_t)below(33), below(2) ? &nrows : NULL);
       gpualloc_helper_driver_calls(device_value(), below(4) ? rows : NULL, (size_t)below(33), below(2) ? &nrows : NULL);
-      size_t largest;
+      /* In and out, as PyTorch's cacheInfo: 0 asks for the driver's free
+       * memory as a floor, anything else is its own floor. */
+      size_t largest = below(2) ? 0 : (size_t)next();
       gpualloc_cache_info(device_value(), &largest);
       uint64_t fr, tot;
       gpualloc_mem_info(device_value(), &fr, &tot);
