@@ -281,6 +281,33 @@ def run_child(cmd, name, timeout, logdir, label, trace=None):
     return payload
 
 
+# Variants with documented limits (README, the drop-in table): their
+# sub-checks may fail, and say what the mode cannot do; a crash or an error
+# of theirs is still a failure.
+LIMITED = ("gpualloc-fallback", "gpualloc-raw")
+
+
+def failures(runs):
+    """{run key: why} for each run that failed: it printed no result (a
+    crash, a timeout the time budget did not cause) or its check raised, or,
+    outside LIMITED variants, not all of its sub-checks passed. A run the
+    budget skipped or stopped is no failure."""
+    out = {}
+    for key, r in runs.items():
+        if "skipped" in r:
+            continue
+        if r.get("error"):
+            out[key] = str(r["error"])[:300]
+            continue
+        res = r.get("result")
+        if key.split("/", 1)[-1] in LIMITED or not isinstance(res, dict):
+            continue
+        if "passed" in res and "total" in res and res["passed"] < res["total"]:
+            failed = [n for n, v in (res.get("checks") or {}).items() if not (isinstance(v, dict) and v.get("ok"))]
+            out[key] = f"{res['passed']}/{res['total']} passed" + (f"; failed: {', '.join(failed)}" if failed else "")
+    return out
+
+
 def budget_cut(r, cut, budget):
     """A run's result, or, when its timeout was cut to what was left of the
     time budget (`cut`) and it timed out, a skip that says so: the budget
@@ -502,10 +529,16 @@ def main():
             for name, v in table.items():
                 print(f"  {check}.{name}: " + " ".join(f"{a}={v.get(a)}" for a in variants), flush=True)
     summary["total_s"] = round(time.time() - start, 1)
+    summary["failures"] = failures(summary["runs"])
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
-    print(f"summary: {os.path.join(args.out, 'summary.json')} ({summary['total_s']} s)")
+    for key, why in summary["failures"].items():
+        print(f"FAILED {key}: {why}", flush=True)
+    print(f"summary: {os.path.join(args.out, 'summary.json')} ({summary['total_s']} s); "
+          f"{len(summary['failures'])} of {len(summary['runs'])} runs failed")
+    # The command's status says whether anything failed (run.sh passes it on).
+    return 1 if summary["failures"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

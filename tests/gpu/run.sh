@@ -22,8 +22,9 @@ python3 tests/gpu/driver.py --out "$RESULTS" "$@" 2>&1 | tee "$RESULTS/driver.lo
 rc=${PIPESTATUS[0]}
 # One file for the runs' logs (a device run brings back only so many files;
 # a run.sh killed before this line leaves them in logs/). The status is
-# driver.py's: 0 when it finished, failed checks included (summary.json
-# says which).
+# driver.py's: 1 when a run failed (it prints each, and summary.json's
+# "failures" lists them), 0 when none did; a run the time budget skipped is
+# no failure.
 if [ -d "$RESULTS/logs" ]; then
   tar czf "$RESULTS/logs.tar.gz" -C "$RESULTS" logs && rm -rf "$RESULTS/logs"
 fi

@@ -209,6 +209,26 @@ class CrashTail(unittest.TestCase):
         self.assertEqual(driver.stderr_tail("y" * 3000 + "end"), "y" * 1997 + "end")
 
 
+class Failures(unittest.TestCase):
+    def test_crashes_errors_and_failed_sub_checks_fail_but_limited_modes_and_skips_do_not(self):
+        ok = {"ok": True}
+        runs = {
+            "dropin/native": {"rc": 0, "result": {"passed": 2, "total": 2, "checks": {"a": ok, "b": ok}}},
+            "dropin/gpualloc": {"rc": 0, "result": {"passed": 1, "total": 2, "checks": {"a": ok, "b": {"ok": False}}}},
+            "dropin/gpualloc-raw": {"rc": 0, "result": {"passed": 0, "total": 2, "checks": {}}},
+            "churn_wide/gpualloc": {"rc": -11, "error": "no result (rc=-11)", "stderr_tail": ""},
+            "streams/gpualloc-fallback": {"rc": 1, "error": "RuntimeError: boom"},
+            "churn/gpualloc": {"rc": 0, "result": {"us_per_alloc_free": 5.0}},
+            "train_gpt2/gpualloc": {"skipped": "time budget of 480 s spent"},
+        }
+        self.assertEqual(driver.failures(runs), {
+            "dropin/gpualloc": "1/2 passed; failed: b",
+            "churn_wide/gpualloc": "no result (rc=-11)",
+            "streams/gpualloc-fallback": "RuntimeError: boom",
+        })
+        self.assertEqual(driver.failures({"churn/native": runs["churn/gpualloc"]}), {})
+
+
 class KernelSpeed(unittest.TestCase):
     def test_ratios_to_native_leave_failed_runs_out(self):
         runs = {"kernel_speed/native": {"result": {"median_ms": {"copy": 2.0, "mm": 1.0}, "host_us": {"item": 10.0}}},
