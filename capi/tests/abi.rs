@@ -37,6 +37,22 @@ fn program(exe: &Path) -> Command {
 
 /// Compiles one C file against the header and links it with libgpualloc.
 fn compile(src: &Path, exe: &Path) {
+    let lib = library();
+    gcc(
+        src,
+        exe,
+        &[
+            "-L".as_ref(),
+            lib.parent().unwrap().as_os_str(),
+            "-lgpualloc".as_ref(),
+            "-lm".as_ref(),
+        ],
+    );
+}
+
+/// Compiles one C file against the header into `out`, with `extra`
+/// arguments after the source (libraries, `-shared`).
+fn gcc(src: &Path, out: &Path, extra: &[&std::ffi::OsStr]) {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let gcc = Command::new("gcc")
         .args([
@@ -52,15 +68,14 @@ fn compile(src: &Path, exe: &Path) {
         .arg(manifest.join("include"))
         .arg(src)
         .arg("-o")
-        .arg(exe)
-        .arg("-L")
-        .arg(library().parent().unwrap())
-        .arg("-lgpualloc")
+        .arg(out)
+        .args(extra)
         .output()
         .expect("gcc is installed");
     assert!(
         gcc.status.success(),
-        "gcc failed:\n{}",
+        "gcc failed on {}:\n{}",
+        src.display(),
         String::from_utf8_lossy(&gcc.stderr)
     );
 }
@@ -464,6 +479,64 @@ fn thread_exit_and_atexit_calls_do_not_abort() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// The CUDA backend's own code, its unmapping helper thread included, on
+/// the checking stand-in driver of `tests/c/fake_cuda.c` (built here as a
+/// `libcuda.so` and found first through `LD_LIBRARY_PATH`): the churn loop
+/// of the GPU suite's `churn_wide`, threads on their own streams with
+/// blocks used on others, and `empty_cache`, under the default
+/// configuration and PyTorch's rules. The driver sees no misuse and no two
+/// memory-mapping calls at once (the second fails without Note [One VMM
+/// call at a time]: tried), and holds no memory at the end. First, the
+/// stand-in catches each misuse it looks for (`fake_cuda_selftest.c`).
+#[test]
+fn the_cuda_backend_on_a_checking_stand_in_driver() {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = fresh_dir("fake_cuda");
+    let fake = dir.join("libcuda.so");
+    gcc(
+        &manifest.join("tests/c/fake_cuda.c"),
+        &fake,
+        &["-shared".as_ref(), "-fPIC".as_ref()],
+    );
+    let selftest = dir.join("fake_cuda_selftest");
+    gcc(
+        &manifest.join("tests/c/fake_cuda_selftest.c"),
+        &selftest,
+        &["-L".as_ref(), dir.as_os_str(), "-lcuda".as_ref()],
+    );
+    let run = program(&selftest).env("LD_LIBRARY_PATH", &dir).output();
+    let stderr = all_ok(&run.unwrap(), "the stand-in's own test");
+    assert_eq!(stderr.matches("fake cuda: misuse:").count(), 14, "{stderr}");
+
+    let exe = dir.join("fake_cuda_test");
+    compile(&manifest.join("tests/c/fake_cuda_test.c"), &exe);
+    let path = std::env::join_paths([dir.as_path(), library().parent().unwrap()]).unwrap();
+    for (conf, mode) in [("", "vmm"), ("policy:pytorch", "plain")] {
+        let run = program(&exe)
+            .args(["20000", "4", mode])
+            .env("LD_LIBRARY_PATH", &path)
+            .env("GPUALLOC_CONF", conf)
+            .env_remove("GPUALLOC_BACKEND")
+            .env_remove("GPUALLOC_TRACE")
+            .output();
+        all_ok(&run.unwrap(), &format!("GPUALLOC_CONF={conf:?}"));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Asserts that a C test program ended well, its output last saying
+/// `ALL OK`; returns its stderr.
+fn all_ok(run: &std::process::Output, what: &str) -> String {
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr).into_owned();
+    assert!(
+        run.status.success() && stdout.trim_end().ends_with("ALL OK"),
+        "{what}: {}\n{stdout}\n{stderr}",
+        run.status
+    );
+    stderr
+}
+
 /// Read-only calls before the first allocation create nothing, so a later
 /// `gpualloc_init` still takes effect; a successful call clears the last
 /// error; a bad `GPUALLOC_CONF` is reported once, briefly; a non-UTF-8
@@ -591,14 +664,8 @@ fn run_under_both_policies(name: &str, vars: &[(&str, &std::ffi::OsStr)]) {
             vars.push(("GPUALLOC_CONF", c.as_ref()));
         }
         let run = run_sim(&exe, &vars);
-        let stdout = String::from_utf8_lossy(&run.stdout);
-        let stderr = String::from_utf8_lossy(&run.stderr);
-        assert!(
-            run.status.success() && stdout.trim_end().ends_with("ALL OK"),
-            "{name} {conf:?}: {}\n{stdout}\n{stderr}",
-            run.status
-        );
-        eprintln!("{name} {conf:?}: {stdout}");
+        all_ok(&run, &format!("{name} {conf:?}"));
+        eprintln!("{name} {conf:?}: {}", String::from_utf8_lossy(&run.stdout));
     }
     let _ = std::fs::remove_dir_all(&out);
 }

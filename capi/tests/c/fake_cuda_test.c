@@ -1,0 +1,127 @@
+/* gpualloc's CUDA backend on the stand-in driver of fake_cuda.c: the
+ * allocation loop of the GPU suite's churn_wide check (64 live blocks of
+ * sizes drawn log-uniformly from 512 B to 64 MiB), then threads allocating
+ * and freeing on their own streams with blocks used on others
+ * (record_stream), then empty_cache. The driver must see no misuse and no
+ * two memory-mapping calls at once, the invariants must hold, and after
+ * empty_cache, with nothing allocated, no physical memory may be held.
+ * Prints "ALL OK" at the end.
+ * Usage: fake_cuda_test OPS THREADS MODE, MODE `vmm` (expandable segments,
+ * the default configuration: memory-mapping calls, an unmapping helper) or
+ * `plain` (cuMemAlloc and cuMemFree only, as under policy:pytorch). */
+#define _GNU_SOURCE
+#include "gpualloc.h"
+#include "check.h"
+#include <dlfcn.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static long ops = 20000;
+
+static uint64_t next(uint64_t *s) {
+  *s ^= *s >> 12;
+  *s ^= *s << 25;
+  *s ^= *s >> 27;
+  return *s * 0x2545F4914F6CDD1DULL;
+}
+
+/* Log-uniform in [512 B, 64 MiB], as checks.py's churn_wide. */
+static size_t wide_size(uint64_t *s) {
+  double u = (double)(next(s) >> 11) / 9007199254740992.0;
+  double lo = log(512.0), hi = log((double)(64u << 20));
+  return (size_t)exp(lo + u * (hi - lo));
+}
+
+struct slot { void *p; size_t size; cudaStream_t stream; };
+
+static void churn(struct slot *window, int width, long n, uint64_t seed, cudaStream_t stream, int cross) {
+  uint64_t s = seed;
+  for (long i = 0; i < n; i++) {
+    struct slot *w = &window[i % width];
+    if (w->p) gpualloc_free(w->p, w->size, 0, w->stream);
+    w->size = wide_size(&s);
+    w->stream = stream;
+    w->p = gpualloc_malloc(w->size, 0, stream);
+    if (!w->p) {
+      fprintf(stderr, "malloc(%zu) failed: %s\n", w->size, gpualloc_last_error());
+      exit(3);
+    }
+    if (cross && next(&s) % 8 == 0) gpualloc_record_stream(w->p, (cudaStream_t)(uintptr_t)(1 + next(&s) % 4));
+  }
+}
+
+static void drain(struct slot *window, int width) {
+  for (int i = 0; i < width; i++) {
+    if (window[i].p) gpualloc_free(window[i].p, window[i].size, 0, window[i].stream);
+    window[i].p = NULL;
+  }
+}
+
+static void *worker(void *arg) {
+  uintptr_t k = (uintptr_t)arg;
+  struct slot window[16] = {{0}};
+  churn(window, 16, ops / 4, 1000 + k, (cudaStream_t)(uintptr_t)(k + 1), 1);
+  drain(window, 16);
+  return NULL;
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1) ops = atol(argv[1]);
+  int threads = argc > 2 ? atoi(argv[2]) : 4;
+  int vmm = argc <= 3 || strcmp(argv[3], "plain") != 0;
+
+  CHECK(gpualloc_device_count() >= 1);
+  /* Starts the allocator, so that the driver is loaded. */
+  void *first = gpualloc_malloc(1, 0, 0);
+  CHECK(first != NULL);
+  gpualloc_free(first, 1, 0, 0);
+  const char *backend = gpualloc_backend_name();
+  CHECK(backend && strcmp(backend, "cuda") == 0);
+  void *lib = dlopen("libcuda.so", RTLD_NOW | RTLD_NOLOAD);
+  CHECK(lib != NULL);
+  int (*summary)(unsigned long long *);
+  void *sym = dlsym(lib, "fake_cuda_summary");
+  CHECK(sym != NULL);
+  memcpy(&summary, &sym, sizeof summary); /* ISO C has no cast from data to function pointers */
+
+  struct slot window[64] = {{0}};
+  churn(window, 64, ops, 5, 0, 0);
+  CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
+  drain(window, 64);
+  printf("ok churn_wide\n");
+
+  pthread_t t[16];
+  if (threads > 16) threads = 16;
+  for (int k = 0; k < threads; k++) CHECK(pthread_create(&t[k], NULL, worker, (void *)(uintptr_t)k) == 0);
+  for (int k = 0; k < threads; k++) pthread_join(t[k], NULL);
+  CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
+  printf("ok threads\n");
+
+  gpualloc_empty_cache();
+  CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
+  unsigned long long s[8];
+  CHECK(summary(s) == 8);
+  printf("driver: misuses %llu, overlapping calls %llu, memory-mapping calls %llu, handles held %llu, "
+         "mapped bytes %llu, reservations %llu, allocations %llu, bytes in use %llu\n",
+         s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]);
+  CHECK(s[0] == 0);
+  CHECK(s[1] == 0);
+  CHECK(vmm ? s[2] > 0 : s[2] == 0);
+  CHECK(s[3] == 0 && s[4] == 0 && s[6] == 0 && s[7] == 0);
+  printf("ok empty_cache\n");
+
+  /* The unmapping helper thread took part: its calls could have overlapped. */
+  GpuallocDriverCall rows[32];
+  size_t n = 0;
+  CHECK(gpualloc_helper_driver_calls(0, rows, 32, &n) == GPUALLOC_OK);
+  unsigned long long helper = 0;
+  for (size_t i = 0; i < n; i++) helper += rows[i].calls;
+  printf("helper thread: %llu driver calls\n", helper);
+  CHECK(vmm ? helper > 0 : helper == 0);
+  printf("ALL OK\n");
+  return 0;
+}
