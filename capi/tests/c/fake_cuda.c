@@ -14,7 +14,8 @@
  * reused, so the use is seen rather than undefined), copying to memory
  * that is not accessible. It also counts two threads inside memory-mapping
  * calls at the same time, which gpualloc avoids (Note [One VMM call at a
- * time]). Events complete FAKE_CUDA_EVENT_US microseconds after they are
+ * time]), and any call after the driver's teardown, which cuInit registers
+ * as an exit handler (Note [Helpers at exit]). Events complete FAKE_CUDA_EVENT_US microseconds after they are
  * recorded (default 20), so that the backend sees work still running;
  * each memory-mapping call takes FAKE_CUDA_VMM_US (default 2), so that
  * overlaps have a window. FAKE_CUDA_CAPACITY is each device's memory in
@@ -79,7 +80,7 @@ static struct mapping *maps; static size_t n_maps, cap_maps;
 static struct handle *handles; static size_t n_handles, cap_handles;
 
 static atomic_ullong misuses, overlaps, vmm_calls;
-static atomic_int in_vmm;
+static atomic_int in_vmm, torn_down;
 
 #define PUSH(arr, n, cap, value) do { \
     if (n == cap) { cap = cap ? 2 * cap : 64; arr = realloc(arr, cap * sizeof *arr); if (!arr) abort(); } \
@@ -117,9 +118,21 @@ static uint64_t env_u64(const char *name, uint64_t fallback) {
   return v && *v ? strtoull(v, NULL, 10) : fallback;
 }
 
+/* The driver's teardown at exit, registered by cuInit as an exit handler:
+ * after it, every call is a misuse (a process that crashes at its end). */
+static void teardown(void) {
+  atomic_store(&torn_down, 1);
+  pause_ns(20 * 1000000ull); /* a teardown takes time: threads still calling are seen */
+}
+
+static void after_teardown(const char *call) {
+  if (atomic_load(&torn_down)) misuse(0, "%s after the driver's teardown at exit", call);
+}
+
 /* A memory-mapping call: counts it, and an overlap when another thread is
  * inside one too; `vmm_leave` ends it. */
 static void vmm_enter(void) {
+  after_teardown("a memory-mapping call");
   atomic_fetch_add(&vmm_calls, 1);
   if (atomic_fetch_add(&in_vmm, 1) > 0) atomic_fetch_add(&overlaps, 1);
   pause_ns(vmm_ns);
@@ -128,12 +141,14 @@ static void vmm_enter(void) {
 
 static CUresult vmm_leave(CUresult r) {
   pthread_mutex_unlock(&lock);
+  after_teardown("a memory-mapping call still running");
   atomic_fetch_sub(&in_vmm, 1);
   return r;
 }
 
 static struct event *live_event(void *e, const char *call) {
   struct event *ev = e;
+  after_teardown(call);
   if (!ev) { misuse(0, "%s: NULL event", call); return NULL; }
   if (ev->magic == DEAD_MAGIC) { misuse(0, "%s: event %p used after cuEventDestroy", call, e); return NULL; }
   if (ev->magic != EVENT_MAGIC) { misuse(0, "%s: %p is no event", call, e); return NULL; }
@@ -178,6 +193,7 @@ CUresult cuInit(unsigned flags) {
     vmm_ns = env_u64("FAKE_CUDA_VMM_US", 2) * 1000;
     abort_on_misuse = env_u64("FAKE_CUDA_ABORT", 0) != 0;
     for (int d = 0; d < MAX_DEVICES; d++) ctxs[d] = (struct ctx){CTX_MAGIC, d};
+    atexit(teardown);
     initialized = 1;
   }
   pthread_mutex_unlock(&lock);
@@ -213,12 +229,14 @@ CUresult cuCtxGetCurrent(void **ctx) { *ctx = current; return SUCCESS; }
 
 CUresult cuCtxSetCurrent(void *ctx) {
   struct ctx *c = ctx;
+  after_teardown("cuCtxSetCurrent");
   if (c && c->magic != CTX_MAGIC) return misuse(INVALID_CONTEXT, "cuCtxSetCurrent: %p is no context", ctx);
   current = c;
   return SUCCESS;
 }
 
 static CUresult need_context(const char *call) {
+  after_teardown(call);
   return current ? SUCCESS : misuse(INVALID_CONTEXT, "%s without a current context", call);
 }
 
@@ -257,6 +275,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
 }
 
 CUresult cuMemFree_v2(CUdeviceptr ptr) {
+  after_teardown("cuMemFree");
   pthread_mutex_lock(&lock);
   for (size_t i = 0; i < n_allocs; i++) {
     if (allocs[i].ptr == ptr) {

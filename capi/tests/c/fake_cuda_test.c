@@ -7,8 +7,10 @@
  * empty_cache, with nothing allocated, no physical memory may be held.
  * Prints "ALL OK" at the end.
  * Usage: fake_cuda_test OPS THREADS MODE, MODE `vmm` (expandable segments,
- * the default configuration: memory-mapping calls, an unmapping helper) or
- * `plain` (cuMemAlloc and cuMemFree only, as under policy:pytorch). */
+ * the default configuration: memory-mapping calls, an unmapping helper)
+ * or `plain` (cuMemAlloc and cuMemFree only, as under policy:pytorch).
+ * The stand-in says on stderr when a call comes after its teardown at
+ * exit. */
 #define _GNU_SOURCE
 #include "gpualloc.h"
 #include "check.h"
@@ -72,7 +74,8 @@ static void *worker(void *arg) {
 int main(int argc, char **argv) {
   if (argc > 1) ops = atol(argv[1]);
   int threads = argc > 2 ? atoi(argv[2]) : 4;
-  int vmm = argc <= 3 || strcmp(argv[3], "plain") != 0;
+  const char *mode = argc > 3 ? argv[3] : "vmm";
+  int vmm = strcmp(mode, "plain") != 0;
 
   CHECK(gpualloc_device_count() >= 1);
   /* Starts the allocator, so that the driver is loaded. */
