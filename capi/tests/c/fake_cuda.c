@@ -50,7 +50,13 @@ enum {
   NOT_FOUND = 500,
   NOT_READY = 600,
   NOT_SUPPORTED = 801,
+  STREAM_CAPTURE_UNSUPPORTED = 900,
+  STREAM_CAPTURE_IMPLICIT = 906,
+  CAPTURED_EVENT = 907,
 };
+
+/* CUstreamCaptureMode */
+enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
 
 #define GRANULARITY (2ull << 20)
 #define MAX_DEVICES 8
@@ -59,7 +65,9 @@ enum {
 #define CTX_MAGIC 0x43545854u
 
 struct ctx { unsigned magic; int device; };
-struct event { unsigned magic; int recorded; uint64_t done_at; };
+struct event { unsigned magic; int recorded; int captured; uint64_t done_at; };
+/* The one capture at a time a test may open (`fake_cuda_begin_capture`). */
+struct capture { void *stream; unsigned long long id; int mode; pthread_t thread; int active; int invalidated; };
 struct range { CUdeviceptr ptr; uint64_t size; };
 struct mapping { CUdeviceptr ptr; uint64_t size; CUhandle handle; int access; };
 struct handle { uint64_t size; int device; int mapped; int released; int gone; };
@@ -67,7 +75,9 @@ struct handle { uint64_t size; int device; int mapped; int released; int gone; }
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct ctx ctxs[MAX_DEVICES];
 static __thread struct ctx *current;
-static __thread unsigned capture_mode;
+static __thread unsigned capture_mode; /* this thread's, MODE_GLOBAL at first */
+static struct capture cap;
+static unsigned long long captures;
 static int devices = 1, initialized;
 static uint64_t capacity = 4096ull << 20, used[MAX_DEVICES];
 static uint64_t event_ns = 20000, vmm_ns = 2000;
@@ -153,6 +163,28 @@ static struct event *live_event(void *e, const char *call) {
   if (ev->magic == DEAD_MAGIC) { misuse(0, "%s: event %p used after cuEventDestroy", call, e); return NULL; }
   if (ev->magic != EVENT_MAGIC) { misuse(0, "%s: %p is no event", call, e); return NULL; }
   return ev;
+}
+
+/* Whether the open capture forbids `call` from this thread, as the driver
+ * does (docs/results/h200-round33/capture-probe.md): a global capture from
+ * any thread, a thread-local one from its own, unless the thread's mode
+ * is relaxed. A forbidden call fails and invalidates the capture. */
+static int capture_forbids(const char *call) {
+  pthread_mutex_lock(&lock);
+  int forbidden = cap.active && capture_mode != MODE_RELAXED && cap.mode != MODE_RELAXED &&
+                  (cap.mode == MODE_GLOBAL || pthread_equal(cap.thread, pthread_self()));
+  if (forbidden) cap.invalidated = 1;
+  int mode = cap.mode;
+  pthread_mutex_unlock(&lock);
+  if (forbidden) misuse(0, "%s during a capture (mode %d) from a thread in mode %u: the capture is invalidated", call, mode, capture_mode);
+  return forbidden;
+}
+
+static int capturing(void *stream) {
+  pthread_mutex_lock(&lock);
+  int yes = cap.active && cap.stream == stream;
+  pthread_mutex_unlock(&lock);
+  return yes;
 }
 
 static int covered(CUdeviceptr ptr, uint64_t size, int need_access) {
@@ -261,6 +293,7 @@ CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
 CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
   CUresult r = need_context("cuMemAlloc");
   if (r) return r;
+  if (capture_forbids("cuMemAlloc")) return STREAM_CAPTURE_UNSUPPORTED;
   if (bytes == 0) return INVALID_VALUE;
   pthread_mutex_lock(&lock);
   int d = current->device;
@@ -276,6 +309,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
 
 CUresult cuMemFree_v2(CUdeviceptr ptr) {
   after_teardown("cuMemFree");
+  if (capture_forbids("cuMemFree")) return STREAM_CAPTURE_UNSUPPORTED;
   pthread_mutex_lock(&lock);
   for (size_t i = 0; i < n_allocs; i++) {
     if (allocs[i].ptr == ptr) {
@@ -317,10 +351,10 @@ CUresult cuEventDestroy_v2(void *event) {
 }
 
 CUresult cuEventRecord(void *event, void *stream) {
-  (void)stream;
   struct event *e = live_event(event, "cuEventRecord");
   if (!e) return INVALID_HANDLE;
   e->recorded = 1;
+  e->captured = capturing(stream); /* a node of the graph, never done as such */
   e->done_at = now_ns() + event_ns;
   return SUCCESS;
 }
@@ -328,12 +362,16 @@ CUresult cuEventRecord(void *event, void *stream) {
 CUresult cuEventQuery(void *event) {
   struct event *e = live_event(event, "cuEventQuery");
   if (!e) return INVALID_HANDLE;
+  if (e->captured) return misuse(CAPTURED_EVENT, "cuEventQuery on an event recorded in a capture");
+  if (capture_forbids("cuEventQuery")) return STREAM_CAPTURE_UNSUPPORTED;
   return now_ns() >= e->done_at ? SUCCESS : NOT_READY;
 }
 
 CUresult cuEventSynchronize(void *event) {
   struct event *e = live_event(event, "cuEventSynchronize");
   if (!e) return INVALID_HANDLE;
+  if (e->captured) return misuse(CAPTURED_EVENT, "cuEventSynchronize on an event recorded in a capture");
+  if (capture_forbids("cuEventSynchronize")) return STREAM_CAPTURE_UNSUPPORTED;
   uint64_t t = now_ns();
   if (t < e->done_at) pause_ns(e->done_at - t);
   return SUCCESS;
@@ -347,12 +385,19 @@ CUresult cuStreamWaitEvent(void *stream, void *event, unsigned flags) {
 CUresult cuCtxSynchronize(void) {
   CUresult r = need_context("cuCtxSynchronize");
   if (r) return r;
+  if (capture_forbids("cuCtxSynchronize")) return STREAM_CAPTURE_UNSUPPORTED;
   pause_ns(event_ns); /* everything recorded so far is done */
   return SUCCESS;
 }
 
 CUresult cuStreamSynchronize(void *stream) {
-  (void)stream;
+  if (capturing(stream)) {
+    pthread_mutex_lock(&lock);
+    cap.invalidated = 1;
+    pthread_mutex_unlock(&lock);
+    return misuse(STREAM_CAPTURE_UNSUPPORTED, "cuStreamSynchronize on the capturing stream");
+  }
+  if (capture_forbids("cuStreamSynchronize")) return STREAM_CAPTURE_UNSUPPORTED;
   pause_ns(event_ns);
   return SUCCESS;
 }
@@ -364,15 +409,24 @@ CUresult cuThreadExchangeStreamCaptureMode(unsigned *mode) {
   return SUCCESS;
 }
 
-CUresult cuStreamIsCapturing(void *stream, unsigned *status) { (void)stream; *status = 0; return SUCCESS; }
-
 CUresult cuStreamGetCaptureInfo_v3(void *stream, unsigned *status, unsigned long long *id, void *graph,
                                    void *deps, void *edges, size_t *count) {
-  (void)stream; (void)graph; (void)deps; (void)edges;
-  *status = 0;
-  if (id) *id = 0;
+  (void)graph; (void)deps; (void)edges;
+  pthread_mutex_lock(&lock);
+  int active = cap.active && cap.stream == stream;
+  /* The legacy stream while another stream captures in global mode. */
+  int implicit = cap.active && !active && stream == NULL && cap.mode == MODE_GLOBAL;
+  unsigned long long capture_id = cap.id;
+  pthread_mutex_unlock(&lock);
+  if (implicit) return STREAM_CAPTURE_IMPLICIT;
+  *status = active ? 1 : 0; /* CU_STREAM_CAPTURE_STATUS_ACTIVE */
+  if (id) *id = active ? capture_id : 0;
   if (count) *count = 0;
   return SUCCESS;
+}
+
+CUresult cuStreamIsCapturing(void *stream, unsigned *status) {
+  return cuStreamGetCaptureInfo_v3(stream, status, NULL, NULL, NULL, NULL, NULL);
 }
 
 CUresult cuStreamGetCaptureInfo_v2(void *stream, unsigned *status, unsigned long long *id, void *graph,
@@ -510,6 +564,26 @@ CUresult cuMemImportFromShareableHandle(CUhandle *handle, void *os_handle, int k
 }
 
 /* ---- for tests ---- */
+
+/* Opens a capture on `stream` in `mode` (CUstreamCaptureMode) from the
+ * calling thread, as cuStreamBeginCapture would; returns its id. */
+unsigned long long fake_cuda_begin_capture(void *stream, int mode) {
+  pthread_mutex_lock(&lock);
+  if (cap.active) misuse(0, "fake_cuda_begin_capture: a capture is open already");
+  cap = (struct capture){stream, ++captures, mode, pthread_self(), 1, 0};
+  unsigned long long id = cap.id;
+  pthread_mutex_unlock(&lock);
+  return id;
+}
+
+/* Ends the capture; 0 when it is valid, 1 when a call invalidated it. */
+int fake_cuda_end_capture(void) {
+  pthread_mutex_lock(&lock);
+  int invalidated = cap.invalidated;
+  cap.active = 0;
+  pthread_mutex_unlock(&lock);
+  return invalidated;
+}
 
 /* out[0] misuses, [1] overlapping memory-mapping calls, [2] memory-mapping
  * calls, [3] handles not yet given back, [4] mapped bytes, [5] reservations,

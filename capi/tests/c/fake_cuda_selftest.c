@@ -20,7 +20,13 @@ int cuMemMap(u64, size_t, size_t, u64, u64);
 int cuMemSetAccess(u64, size_t, const void *, size_t);
 int cuMemUnmap(u64, size_t);
 int cuMemcpyDtoD_v2(u64, u64, size_t);
+int cuEventSynchronize(void *);
+int cuStreamSynchronize(void *);
+int cuThreadExchangeStreamCaptureMode(unsigned *);
+int cuStreamGetCaptureInfo_v3(void *, unsigned *, u64 *, void *, void *, void *, size_t *);
 int fake_cuda_summary(u64 out[8]);
+u64 fake_cuda_begin_capture(void *, int);
+int fake_cuda_end_capture(void);
 
 #define MIB (1ull << 20)
 
@@ -80,6 +86,39 @@ int main(void) {
   EXPECT(cuEventRecord(ev, NULL), 1, 0);
   EXPECT(cuEventDestroy_v2(ev), 1, 0);
   EXPECT(cuEventQuery(ev), 0, 1);                           /* destroyed */
+
+  /* Captures: what each forbids, and what invalidates them. */
+  void *s7 = (void *)7, *s1 = (void *)1;
+  unsigned status = 9, relaxed = 2;
+  u64 id = 0;
+  void *done;
+  EXPECT(cuEventCreate(&done, 0), 1, 0);
+  EXPECT(cuEventRecord(done, s1), 1, 0);
+  u64 first = fake_cuda_begin_capture(s7, 0); /* global */
+  EXPECT(cuStreamGetCaptureInfo_v3(s7, &status, &id, NULL, NULL, NULL, NULL), 1, 0);
+  if (status != 1 || id != first) { fprintf(stderr, "FAILED: capture info %u %llu\n", status, id); failures++; }
+  EXPECT(cuStreamGetCaptureInfo_v3(s1, &status, &id, NULL, NULL, NULL, NULL), 1, 0);
+  if (status != 0) { fprintf(stderr, "FAILED: stream 1 captures\n"); failures++; }
+  EXPECT(cuStreamGetCaptureInfo_v3(NULL, &status, &id, NULL, NULL, NULL, NULL), 0, 0); /* implicit */
+  if (fake_cuda_end_capture() != 0) { fprintf(stderr, "FAILED: a valid capture invalidated\n"); failures++; }
+  fake_cuda_begin_capture(s7, 0);
+  EXPECT(cuEventQuery(done), 0, 1);                         /* global capture, global thread */
+  if (fake_cuda_end_capture() != 1) { fprintf(stderr, "FAILED: not invalidated\n"); failures++; }
+  fake_cuda_begin_capture(s7, 0);
+  EXPECT(cuThreadExchangeStreamCaptureMode(&relaxed), 1, 0);
+  EXPECT(cuEventSynchronize(done), 1, 0);                   /* relaxed thread */
+  EXPECT(cuStreamSynchronize(s7), 0, 1);                    /* the capturing stream */
+  EXPECT(cuThreadExchangeStreamCaptureMode(&relaxed), 1, 0);
+  fake_cuda_end_capture();
+  fake_cuda_begin_capture(s7, 0);
+  void *node;
+  EXPECT(cuEventCreate(&node, 0), 1, 0);
+  EXPECT(cuEventRecord(node, s7), 1, 0);
+  EXPECT(cuEventQuery(node), 0, 1);                         /* recorded in the capture */
+  fake_cuda_end_capture();
+  fake_cuda_begin_capture(s7, 2);                           /* relaxed capture */
+  EXPECT(cuEventQuery(done), 1, 0);
+  if (fake_cuda_end_capture() != 0) { fprintf(stderr, "FAILED: relaxed capture invalidated\n"); failures++; }
   u64 s[8];
   fake_cuda_summary(s);
   if (s[3] != 0 || s[4] != 0 || s[5] != 0 || s[7] != 0) {

@@ -2,8 +2,10 @@
  * allocation loop of the GPU suite's churn_wide check (64 live blocks of
  * sizes drawn log-uniformly from 512 B to 64 MiB), then threads allocating
  * and freeing on their own streams with blocks used on others
- * (record_stream), then empty_cache. The driver must see no misuse and no
- * two memory-mapping calls at once, the invariants must hold, and after
+ * (record_stream), then CUDA graph captures with another thread
+ * allocating meanwhile, announced and not, in each capture mode, then
+ * empty_cache. The driver must see no misuse (a call a capture forbids
+ * included) and no two memory-mapping calls at once, the invariants must hold, and after
  * empty_cache, with nothing allocated, no physical memory may be held.
  * Prints "ALL OK" at the end.
  * Usage: fake_cuda_test OPS THREADS MODE, MODE `vmm` (expandable segments,
@@ -63,6 +65,56 @@ static void drain(struct slot *window, int width) {
   }
 }
 
+static unsigned long long (*begin_capture)(void *, int);
+static int (*end_capture)(void);
+
+static int accept7(void *ctx, cudaStream_t s) {
+  (void)ctx;
+  return s == (cudaStream_t)7;
+}
+
+/* Another thread of the process allocating and freeing on stream 1 while
+ * stream 7 captures. */
+static void *bystander(void *arg) {
+  struct slot window[16] = {{0}};
+  churn(window, 16, (long)(uintptr_t)arg, 77, (cudaStream_t)1, 0);
+  drain(window, 16);
+  return NULL;
+}
+
+/* A CUDA graph captured on stream 7 in `mode` (CUstreamCaptureMode), the
+ * way PyTorch's bridge announces it (`gpualloc_begin_allocate_to_pool`)
+ * or, `raw`, unannounced, as the plain CUDAPluggableAllocator leaves it
+ * (gpualloc follows the capture through the driver), with another thread
+ * allocating meanwhile. The graph's blocks stay allocated until the
+ * capture has ended, then are freed and the pool released. */
+static void capture(int mode, int raw, long n) {
+  if (!raw) CHECK(gpualloc_begin_allocate_to_pool(0, 1, 0, accept7, NULL) == GPUALLOC_OK);
+  begin_capture((void *)7, mode);
+  pthread_t other;
+  CHECK(pthread_create(&other, NULL, bystander, (void *)(uintptr_t)n) == 0);
+  struct slot window[16] = {{0}};
+  uint64_t s = 99;
+  for (long i = 0; i < n; i++) {
+    struct slot *w = &window[i % 16];
+    if (w->p) gpualloc_free(w->p, w->size, 0, w->stream);
+    w->size = wide_size(&s);
+    w->stream = (cudaStream_t)7;
+    w->p = raw ? gpualloc_malloc_or_abort(w->size, 0, w->stream) : gpualloc_malloc(w->size, 0, w->stream);
+    CHECK(w->p != NULL);
+  }
+  pthread_join(other, NULL);
+  CHECK(end_capture() == 0);
+  if (!raw) CHECK(gpualloc_end_allocate_to_pool(0, 1, 0) == GPUALLOC_OK);
+  drain(window, 16);
+  if (!raw) CHECK(gpualloc_release_pool(0, 1, 0) == GPUALLOC_OK);
+  /* The next allocation on stream 7 is no graph's. */
+  void *p = raw ? gpualloc_malloc_or_abort(4096, 0, (cudaStream_t)7) : gpualloc_malloc(4096, 0, (cudaStream_t)7);
+  CHECK(p != NULL);
+  gpualloc_free(p, 4096, 0, (cudaStream_t)7);
+  CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
+}
+
 static void *worker(void *arg) {
   uintptr_t k = (uintptr_t)arg;
   struct slot window[16] = {{0}};
@@ -90,6 +142,12 @@ int main(int argc, char **argv) {
   void *sym = dlsym(lib, "fake_cuda_summary");
   CHECK(sym != NULL);
   memcpy(&summary, &sym, sizeof summary); /* ISO C has no cast from data to function pointers */
+  sym = dlsym(lib, "fake_cuda_begin_capture");
+  CHECK(sym != NULL);
+  memcpy(&begin_capture, &sym, sizeof begin_capture);
+  sym = dlsym(lib, "fake_cuda_end_capture");
+  CHECK(sym != NULL);
+  memcpy(&end_capture, &sym, sizeof end_capture);
 
   struct slot window[64] = {{0}};
   churn(window, 64, ops, 5, 0, 0);
@@ -103,6 +161,10 @@ int main(int argc, char **argv) {
   for (int k = 0; k < threads; k++) pthread_join(t[k], NULL);
   CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
   printf("ok threads\n");
+
+  /* CU_STREAM_CAPTURE_MODE_GLOBAL, THREAD_LOCAL and RELAXED. */
+  for (int mode = 0; mode < 3; mode++) capture(mode, 0, ops / 10);
+  printf("ok captures\n");
 
   gpualloc_empty_cache();
   CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
@@ -125,6 +187,14 @@ int main(int argc, char **argv) {
   for (size_t i = 0; i < n; i++) helper += rows[i].calls;
   printf("helper thread: %llu driver calls\n", helper);
   CHECK(vmm ? helper > 0 : helper == 0);
+
+  /* Captures gpualloc follows through the driver keep their memory for the
+   * life of the process (nobody says when their graph is destroyed), so
+   * they come after the check of what empty_cache leaves. */
+  for (int mode = 0; mode < 3; mode++) capture(mode, 1, ops / 10);
+  CHECK(summary(s) == 8);
+  CHECK(s[0] == 0 && s[1] == 0);
+  printf("ok unannounced captures\n");
   printf("ALL OK\n");
   return 0;
 }
