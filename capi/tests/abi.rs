@@ -487,7 +487,9 @@ fn thread_exit_and_atexit_calls_do_not_abort() {
 /// another thread allocating meanwhile (announced through
 /// `gpualloc_begin_allocate_to_pool`, and followed through the driver for
 /// `gpualloc_malloc_or_abort`), and `empty_cache`, under the default
-/// configuration and PyTorch's rules. The driver sees no misuse and no two
+/// configuration and PyTorch's rules; and, on a device of 1 GiB, the
+/// churn loop with larger sizes, where every request refused must be
+/// beyond the promise's page bound. The driver sees no misuse and no two
 /// memory-mapping calls at once (the second fails without Note [One VMM
 /// call at a time]: tried), holds no memory at the end, and gets no call
 /// after its teardown at exit. First, the
@@ -515,11 +517,18 @@ fn the_cuda_backend_on_a_checking_stand_in_driver() {
     let exe = dir.join("fake_cuda_test");
     compile(&manifest.join("tests/c/fake_cuda_test.c"), &exe);
     let path = std::env::join_paths([dir.as_path(), library().parent().unwrap()]).unwrap();
-    for (conf, mode) in [("", "vmm"), ("policy:pytorch", "plain")] {
+    // `promise`: on a device of 1 GiB, every request refused is beyond the
+    // page bound of docs/configuration.md (exact with 2 MiB handles).
+    for (conf, mode, mib) in [
+        ("", "vmm", "4096"),
+        ("policy:pytorch", "plain", "4096"),
+        ("expandable_handle_mb:2", "promise", "1024"),
+    ] {
         let run = program(&exe)
             .args(["20000", "4", mode])
             .env("LD_LIBRARY_PATH", &path)
             .env("GPUALLOC_CONF", conf)
+            .env("FAKE_CUDA_CAPACITY", mib)
             .env_remove("GPUALLOC_BACKEND")
             .env_remove("GPUALLOC_TRACE")
             .output();

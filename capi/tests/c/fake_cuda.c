@@ -17,7 +17,7 @@
  * time]), and any call after the driver's teardown, which cuInit registers
  * as an exit handler (Note [Helpers at exit]). Events complete FAKE_CUDA_EVENT_US microseconds after they are
  * recorded (default 20), so that the backend sees work still running;
- * each memory-mapping call takes FAKE_CUDA_VMM_US (default 2), so that
+ * each memory-mapping call takes FAKE_CUDA_VMM_US (default 10), so that
  * overlaps have a window. FAKE_CUDA_CAPACITY is each device's memory in
  * MiB (default 4096), FAKE_CUDA_DEVICES their number (default 1, at most
  * 8). FAKE_CUDA_ABORT=1 aborts at the first misuse (for a debugger).
@@ -80,7 +80,7 @@ static struct capture cap;
 static unsigned long long captures;
 static int devices = 1, initialized;
 static uint64_t capacity = 4096ull << 20, used[MAX_DEVICES];
-static uint64_t event_ns = 20000, vmm_ns = 2000;
+static uint64_t event_ns = 20000, vmm_ns = 10000;
 static int abort_on_misuse;
 static CUdeviceptr next_va = 0x100000000000ull;
 
@@ -102,8 +102,16 @@ static uint64_t now_ns(void) {
   return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
 }
 
+/* Waits `ns`: spinning below 100 µs, where a sleep would last 50 µs more
+ * (the kernel's timer slack). */
 static void pause_ns(uint64_t ns) {
   if (!ns) return;
+  if (ns < 100000) {
+    uint64_t end = now_ns() + ns;
+    while (now_ns() < end) {
+    }
+    return;
+  }
   struct timespec t = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
   nanosleep(&t, NULL);
 }
@@ -222,7 +230,7 @@ CUresult cuInit(unsigned flags) {
     if (devices > MAX_DEVICES) devices = MAX_DEVICES;
     capacity = env_u64("FAKE_CUDA_CAPACITY", 4096) << 20;
     event_ns = env_u64("FAKE_CUDA_EVENT_US", 20) * 1000;
-    vmm_ns = env_u64("FAKE_CUDA_VMM_US", 2) * 1000;
+    vmm_ns = env_u64("FAKE_CUDA_VMM_US", 10) * 1000;
     abort_on_misuse = env_u64("FAKE_CUDA_ABORT", 0) != 0;
     for (int d = 0; d < MAX_DEVICES; d++) ctxs[d] = (struct ctx){CTX_MAGIC, d};
     atexit(teardown);

@@ -5,12 +5,15 @@
  * (record_stream), then CUDA graph captures with another thread
  * allocating meanwhile, announced and not, in each capture mode, then
  * empty_cache. The driver must see no misuse (a call a capture forbids
- * included) and no two memory-mapping calls at once, the invariants must hold, and after
- * empty_cache, with nothing allocated, no physical memory may be held.
+ * included) and no two memory-mapping calls at once, the invariants must
+ * hold, and after empty_cache, with nothing allocated, no physical memory
+ * may be held.
  * Prints "ALL OK" at the end.
  * Usage: fake_cuda_test OPS THREADS MODE, MODE `vmm` (expandable segments,
- * the default configuration: memory-mapping calls, an unmapping helper)
- * or `plain` (cuMemAlloc and cuMemFree only, as under policy:pytorch).
+ * the default configuration: memory-mapping calls, an unmapping helper),
+ * `plain` (cuMemAlloc and cuMemFree only, as under policy:pytorch) or
+ * `promise` (with expandable_handle_mb:2 and FAKE_CUDA_CAPACITY: the churn
+ * loop alone, requests refused only beyond the promise's page bound).
  * The stand-in says on stderr when a call comes after its teardown at
  * exit. */
 #define _GNU_SOURCE
@@ -63,6 +66,63 @@ static void drain(struct slot *window, int width) {
     if (window[i].p) gpualloc_free(window[i].p, window[i].size, 0, window[i].stream);
     window[i].p = NULL;
   }
+}
+
+#define PAGE (2ull << 20)
+
+/* The 2 MiB pages the live blocks of `window` touch, each once. */
+static uint64_t live_pages(const struct slot *window, int width) {
+  uint64_t lo[64], hi[64], n = 0, pages = 0, last = 0;
+  for (int i = 0; i < width; i++) {
+    if (!window[i].p) continue;
+    uint64_t a = (uint64_t)(uintptr_t)window[i].p;
+    lo[n] = a / PAGE;
+    hi[n] = (a + window[i].size - 1) / PAGE;
+    n++;
+  }
+  /* Sort by first page, then count the union of the page ranges. */
+  for (uint64_t i = 1; i < n; i++)
+    for (uint64_t j = i; j > 0 && lo[j - 1] > lo[j]; j--) {
+      uint64_t t = lo[j]; lo[j] = lo[j - 1]; lo[j - 1] = t;
+      t = hi[j]; hi[j] = hi[j - 1]; hi[j - 1] = t;
+    }
+  for (uint64_t i = 0; i < n; i++) {
+    uint64_t from = (i > 0 && lo[i] <= last) ? last + 1 : lo[i];
+    if (hi[i] >= from) pages += hi[i] - from + 1;
+    if (i == 0 || hi[i] > last) last = hi[i];
+  }
+  return pages;
+}
+
+/* The churn loop on a device of `capacity` bytes, where some requests
+ * cannot be served: each one refused must be out of memory, and must not
+ * fit by gpualloc's promise with 2 MiB handles (docs/configuration.md):
+ * the pages the live blocks touch plus those the request needs exceed the
+ * device. Returns the requests refused. */
+static long promise(long n, uint64_t capacity) {
+  struct slot window[64] = {{0}};
+  uint64_t s = 11;
+  long refused = 0;
+  for (long i = 0; i < n; i++) {
+    struct slot *w = &window[i % 64];
+    if (w->p) gpualloc_free(w->p, w->size, 0, w->stream);
+    w->p = NULL;
+    w->size = wide_size(&s) * 4; /* 2 KiB to 256 MiB: a device of 1 GiB runs short */
+    w->stream = 0;
+    uint64_t need = (w->size + PAGE - 1) / PAGE;
+    uint64_t before = live_pages(window, 64);
+    w->p = gpualloc_malloc(w->size, 0, 0);
+    if (!w->p) {
+      refused++;
+      CHECK(gpualloc_last_error_code() == GPUALLOC_ERR_OUT_OF_MEMORY);
+      if (before + need <= capacity / PAGE)
+        fprintf(stderr, "refused %zu B with %llu live pages of %llu\n", w->size, (unsigned long long)before,
+                (unsigned long long)(capacity / PAGE));
+      CHECK(before + need > capacity / PAGE);
+    }
+  }
+  drain(window, 64);
+  return refused;
 }
 
 static unsigned long long (*begin_capture)(void *, int);
@@ -148,6 +208,20 @@ int main(int argc, char **argv) {
   sym = dlsym(lib, "fake_cuda_end_capture");
   CHECK(sym != NULL);
   memcpy(&end_capture, &sym, sizeof end_capture);
+
+  if (strcmp(mode, "promise") == 0) {
+    const char *c = getenv("FAKE_CUDA_CAPACITY");
+    CHECK(c != NULL);
+    long refused = promise(ops, strtoull(c, NULL, 10) << 20);
+    printf("refused %ld of %ld requests, each beyond the promise\n", refused, ops);
+    CHECK(refused > 0 && refused < ops / 2);
+    gpualloc_empty_cache();
+    unsigned long long s[8];
+    CHECK(summary(s) == 8);
+    CHECK(s[0] == 0 && s[1] == 0 && s[3] == 0 && s[7] == 0);
+    printf("ALL OK\n");
+    return 0;
+  }
 
   struct slot window[64] = {{0}};
   churn(window, 64, ops, 5, 0, 0);
