@@ -482,18 +482,18 @@ fn thread_exit_and_atexit_calls_do_not_abort() {
 /// The CUDA backend's own code, its unmapping helper thread included, on
 /// the checking stand-in driver of `tests/c/fake_cuda.c` (built here as a
 /// `libcuda.so` and found first through `LD_LIBRARY_PATH`): the churn loop
-/// of the GPU suite's `churn_wide`, threads on their own streams with
-/// blocks used on others, CUDA graph captures in each capture mode with
+/// of the GPU suite's `churn_wide`, threads on their own streams of two
+/// devices with blocks used on others, CUDA graph captures in each capture mode with
 /// another thread allocating meanwhile (announced through
 /// `gpualloc_begin_allocate_to_pool`, and followed through the driver for
 /// `gpualloc_malloc_or_abort`), and `empty_cache`, under the default
 /// configuration and PyTorch's rules; and, on a device of 1 GiB, the
 /// churn loop with larger sizes, where every request refused must be
 /// beyond the promise's page bound. The driver sees no misuse and no two
-/// memory-mapping calls at once (the second fails without Note [One VMM
-/// call at a time]: tried), holds no memory at the end, and gets no call
-/// after its teardown at exit. First, the
-/// stand-in catches each misuse it looks for (`fake_cuda_selftest.c`).
+/// memory-mapping calls for one device at once (the second fails without
+/// Note [One VMM call at a time]: tried), holds no memory at the end, and
+/// gets no call after its teardown at exit. First, the stand-in catches
+/// each misuse it looks for (`fake_cuda_selftest.c`).
 #[test]
 fn the_cuda_backend_on_a_checking_stand_in_driver() {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -529,6 +529,7 @@ fn the_cuda_backend_on_a_checking_stand_in_driver() {
             .env("LD_LIBRARY_PATH", &path)
             .env("GPUALLOC_CONF", conf)
             .env("FAKE_CUDA_CAPACITY", mib)
+            .env("FAKE_CUDA_DEVICES", "2")
             .env_remove("GPUALLOC_BACKEND")
             .env_remove("GPUALLOC_TRACE")
             .output();

@@ -13,7 +13,7 @@
  * mappings, using an event after it was destroyed (its memory is never
  * reused, so the use is seen rather than undefined), copying to memory
  * that is not accessible. It also counts two threads inside memory-mapping
- * calls at the same time, which gpualloc avoids (Note [One VMM call at a
+ * calls for one device at the same time, which gpualloc avoids (Note [One VMM call at a
  * time]), and any call after the driver's teardown, which cuInit registers
  * as an exit handler (Note [Helpers at exit]). Events complete FAKE_CUDA_EVENT_US microseconds after they are
  * recorded (default 20), so that the backend sees work still running;
@@ -65,10 +65,10 @@ enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
 #define CTX_MAGIC 0x43545854u
 
 struct ctx { unsigned magic; int device; };
-struct event { unsigned magic; int recorded; int captured; uint64_t done_at; };
+struct event { unsigned magic; int recorded; int captured; uint64_t done_at; struct ctx *ctx; };
 /* The one capture at a time a test may open (`fake_cuda_begin_capture`). */
 struct capture { void *stream; unsigned long long id; int mode; pthread_t thread; int active; int invalidated; };
-struct range { CUdeviceptr ptr; uint64_t size; };
+struct range { CUdeviceptr ptr; uint64_t size; int device; };
 struct mapping { CUdeviceptr ptr; uint64_t size; CUhandle handle; int access; };
 struct handle { uint64_t size; int device; int mapped; int released; int gone; };
 
@@ -90,7 +90,7 @@ static struct mapping *maps; static size_t n_maps, cap_maps;
 static struct handle *handles; static size_t n_handles, cap_handles;
 
 static atomic_ullong misuses, overlaps, vmm_calls;
-static atomic_int in_vmm, torn_down;
+static atomic_int in_vmm[MAX_DEVICES], torn_down;
 
 #define PUSH(arr, n, cap, value) do { \
     if (n == cap) { cap = cap ? 2 * cap : 64; arr = realloc(arr, cap * sizeof *arr); if (!arr) abort(); } \
@@ -148,11 +148,15 @@ static void after_teardown(const char *call) {
 }
 
 /* A memory-mapping call: counts it, and an overlap when another thread is
- * inside one too; `vmm_leave` ends it. */
+ * inside one for the same device (that of the calling thread's context:
+ * gpualloc's lock is per device, as PyTorch's); `vmm_leave` ends it. */
+static __thread int vmm_device;
+
 static void vmm_enter(void) {
   after_teardown("a memory-mapping call");
   atomic_fetch_add(&vmm_calls, 1);
-  if (atomic_fetch_add(&in_vmm, 1) > 0) atomic_fetch_add(&overlaps, 1);
+  vmm_device = current ? current->device : 0;
+  if (atomic_fetch_add(&in_vmm[vmm_device], 1) > 0) atomic_fetch_add(&overlaps, 1);
   pause_ns(vmm_ns);
   pthread_mutex_lock(&lock);
 }
@@ -160,7 +164,7 @@ static void vmm_enter(void) {
 static CUresult vmm_leave(CUresult r) {
   pthread_mutex_unlock(&lock);
   after_teardown("a memory-mapping call still running");
-  atomic_fetch_sub(&in_vmm, 1);
+  atomic_fetch_sub(&in_vmm[vmm_device], 1);
   return r;
 }
 
@@ -310,7 +314,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
   uint64_t size = (bytes + GRANULARITY - 1) / GRANULARITY * GRANULARITY;
   *ptr = next_va;
   next_va += size + GRANULARITY;
-  PUSH(allocs, n_allocs, cap_allocs, ((struct range){*ptr, bytes}));
+  PUSH(allocs, n_allocs, cap_allocs, ((struct range){*ptr, bytes, d}));
   pthread_mutex_unlock(&lock);
   return SUCCESS;
 }
@@ -321,7 +325,7 @@ CUresult cuMemFree_v2(CUdeviceptr ptr) {
   pthread_mutex_lock(&lock);
   for (size_t i = 0; i < n_allocs; i++) {
     if (allocs[i].ptr == ptr) {
-      used[current ? current->device : 0] -= allocs[i].size;
+      used[allocs[i].device] -= allocs[i].size;
       allocs[i] = allocs[--n_allocs];
       pthread_mutex_unlock(&lock);
       return SUCCESS;
@@ -347,6 +351,7 @@ CUresult cuEventCreate(void **event, unsigned flags) {
   struct event *e = calloc(1, sizeof *e);
   if (!e) return OUT_OF_MEMORY;
   e->magic = EVENT_MAGIC;
+  e->ctx = current;
   *event = e;
   return SUCCESS;
 }
@@ -361,6 +366,10 @@ CUresult cuEventDestroy_v2(void *event) {
 CUresult cuEventRecord(void *event, void *stream) {
   struct event *e = live_event(event, "cuEventRecord");
   if (!e) return INVALID_HANDLE;
+  /* The legacy stream is the current context's; the event must be its. */
+  if (stream == NULL && e->ctx != current)
+    return misuse(INVALID_HANDLE, "cuEventRecord: an event of device %d on the legacy stream of device %d (-1: none)",
+                  e->ctx ? e->ctx->device : -1, current ? current->device : -1);
   e->recorded = 1;
   e->captured = capturing(stream); /* a node of the graph, never done as such */
   e->done_at = now_ns() + event_ns;
@@ -458,7 +467,7 @@ CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CU
   CUdeviceptr at = (next_va + align - 1) / align * align;
   next_va = at + size + GRANULARITY;
   *ptr = at;
-  PUSH(reservations, n_reservations, cap_reservations, ((struct range){at, size}));
+  PUSH(reservations, n_reservations, cap_reservations, ((struct range){at, size, 0}));
   return vmm_leave(SUCCESS);
 }
 
@@ -595,7 +604,7 @@ int fake_cuda_end_capture(void) {
 
 /* out[0] misuses, [1] overlapping memory-mapping calls, [2] memory-mapping
  * calls, [3] handles not yet given back, [4] mapped bytes, [5] reservations,
- * [6] plain allocations, [7] device 0's bytes in use. Returns 8. */
+ * [6] plain allocations, [7] bytes in use on all devices. Returns 8. */
 int fake_cuda_summary(unsigned long long out[8]) {
   pthread_mutex_lock(&lock);
   unsigned long long alive = 0, mapped = 0;
@@ -608,7 +617,8 @@ int fake_cuda_summary(unsigned long long out[8]) {
   out[4] = mapped;
   out[5] = n_reservations;
   out[6] = n_allocs;
-  out[7] = used[0];
+  out[7] = 0;
+  for (int d = 0; d < MAX_DEVICES; d++) out[7] += used[d];
   pthread_mutex_unlock(&lock);
   return 8;
 }

@@ -1,7 +1,8 @@
 /* gpualloc's CUDA backend on the stand-in driver of fake_cuda.c: the
  * allocation loop of the GPU suite's churn_wide check (64 live blocks of
  * sizes drawn log-uniformly from 512 B to 64 MiB), then threads allocating
- * and freeing on their own streams with blocks used on others
+ * and freeing on their own streams (and devices, under FAKE_CUDA_DEVICES)
+ * with blocks used on others
  * (record_stream), then CUDA graph captures with another thread
  * allocating meanwhile, announced and not, in each capture mode, then
  * empty_cache. The driver must see no misuse (a call a capture forbids
@@ -43,16 +44,17 @@ static size_t wide_size(uint64_t *s) {
   return (size_t)exp(lo + u * (hi - lo));
 }
 
-struct slot { void *p; size_t size; cudaStream_t stream; };
+struct slot { void *p; size_t size; cudaStream_t stream; int device; };
 
-static void churn(struct slot *window, int width, long n, uint64_t seed, cudaStream_t stream, int cross) {
+static void churn(struct slot *window, int width, long n, uint64_t seed, int device, cudaStream_t stream, int cross) {
   uint64_t s = seed;
   for (long i = 0; i < n; i++) {
     struct slot *w = &window[i % width];
-    if (w->p) gpualloc_free(w->p, w->size, 0, w->stream);
+    if (w->p) gpualloc_free(w->p, w->size, w->device, w->stream);
     w->size = wide_size(&s);
     w->stream = stream;
-    w->p = gpualloc_malloc(w->size, 0, stream);
+    w->device = device;
+    w->p = gpualloc_malloc(w->size, device, stream);
     if (!w->p) {
       fprintf(stderr, "malloc(%zu) failed: %s\n", w->size, gpualloc_last_error());
       exit(3);
@@ -63,7 +65,7 @@ static void churn(struct slot *window, int width, long n, uint64_t seed, cudaStr
 
 static void drain(struct slot *window, int width) {
   for (int i = 0; i < width; i++) {
-    if (window[i].p) gpualloc_free(window[i].p, window[i].size, 0, window[i].stream);
+    if (window[i].p) gpualloc_free(window[i].p, window[i].size, window[i].device, window[i].stream);
     window[i].p = NULL;
   }
 }
@@ -137,7 +139,7 @@ static int accept7(void *ctx, cudaStream_t s) {
  * stream 7 captures. */
 static void *bystander(void *arg) {
   struct slot window[16] = {{0}};
-  churn(window, 16, (long)(uintptr_t)arg, 77, (cudaStream_t)1, 0);
+  churn(window, 16, (long)(uintptr_t)arg, 77, 0, (cudaStream_t)1, 0);
   drain(window, 16);
   return NULL;
 }
@@ -175,10 +177,13 @@ static void capture(int mode, int raw, long n) {
   CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
 }
 
+static int devices = 1;
+
+/* Thread k churns on device k % devices, on stream k + 1. */
 static void *worker(void *arg) {
   uintptr_t k = (uintptr_t)arg;
   struct slot window[16] = {{0}};
-  churn(window, 16, ops / 4, 1000 + k, (cudaStream_t)(uintptr_t)(k + 1), 1);
+  churn(window, 16, ops / 4, 1000 + k, (int)(k % (uintptr_t)devices), (cudaStream_t)(uintptr_t)(k + 1), 1);
   drain(window, 16);
   return NULL;
 }
@@ -189,7 +194,8 @@ int main(int argc, char **argv) {
   const char *mode = argc > 3 ? argv[3] : "vmm";
   int vmm = strcmp(mode, "plain") != 0;
 
-  CHECK(gpualloc_device_count() >= 1);
+  devices = gpualloc_device_count();
+  CHECK(devices >= 1);
   /* Starts the allocator, so that the driver is loaded. */
   void *first = gpualloc_malloc(1, 0, 0);
   CHECK(first != NULL);
@@ -224,7 +230,7 @@ int main(int argc, char **argv) {
   }
 
   struct slot window[64] = {{0}};
-  churn(window, 64, ops, 5, 0, 0);
+  churn(window, 64, ops, 5, 0, 0, 0);
   CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
   drain(window, 64);
   printf("ok churn_wide\n");
@@ -233,7 +239,7 @@ int main(int argc, char **argv) {
   if (threads > 16) threads = 16;
   for (int k = 0; k < threads; k++) CHECK(pthread_create(&t[k], NULL, worker, (void *)(uintptr_t)k) == 0);
   for (int k = 0; k < threads; k++) pthread_join(t[k], NULL);
-  CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
+  for (int d = 0; d < devices; d++) CHECK(gpualloc_check_invariants(d) == GPUALLOC_OK);
   printf("ok threads\n");
 
   /* CU_STREAM_CAPTURE_MODE_GLOBAL, THREAD_LOCAL and RELAXED. */
