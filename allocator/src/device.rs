@@ -351,7 +351,7 @@ impl<B: Backend> DeviceAllocator<B> {
             return Ok(0);
         }
         if size > crate::size_class::MAX_REQUEST {
-            return Err(self.out_of_memory(stream, size, size, None));
+            return Err(self.out_of_memory(stream, None, size, size, None));
         }
         let mut capturing = self.private.capturing();
         // On the route without pool hooks, a capture nobody announced may
@@ -427,7 +427,7 @@ impl<B: Backend> DeviceAllocator<B> {
             if let Some(b) = self.borrow_from_use_on_oom_pools(pool, stream, rounded) {
                 return Ok(b);
             }
-            return Err(self.out_of_memory(stream, size, needed, cause));
+            return Err(self.out_of_memory(stream, Some(pool), size, needed, cause));
         }
         if !capturing {
             // PyTorch's order: release oversize cached blocks, retry; then
@@ -452,7 +452,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if let Some(b) = self.borrow_from_use_on_oom_pools(pool, stream, rounded) {
             return Ok(b);
         }
-        Err(self.out_of_memory(stream, size, needed, cause))
+        Err(self.out_of_memory(stream, Some(pool), size, needed, cause))
     }
 
     /// Note [MemPool options]

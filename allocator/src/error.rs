@@ -27,6 +27,13 @@ pub struct OomReport {
     pub limit: Option<u64>,
     /// The largest cached free block.
     pub largest_free_block: u64,
+    /// The largest cached free block the request could have used: of the
+    /// pool and stream it was made for (the largest overall when the
+    /// request had no pool yet).
+    pub largest_free_usable: u64,
+    /// A CUDA graph capture (or a pool scope) was underway: cached memory
+    /// could not go back to the device to make room.
+    pub capture_underway: bool,
     /// `1 - largest free block / total cached free bytes`.
     pub external_fragmentation: f64,
     /// `1 - allocated / reserved`.
@@ -194,7 +201,19 @@ impl fmt::Display for AllocError {
                     b(r.largest_free_block),
                     r.external_fragmentation * 100.0
                 )?;
-                if r.reserved > r.allocated && r.reserved - r.allocated >= r.needed {
+                if r.capture_underway && r.reserved > r.allocated {
+                    write!(
+                        f,
+                        " A CUDA graph was being captured, and cached memory cannot go back to the device during a capture."
+                    )?;
+                }
+                if r.largest_free_block >= r.needed && r.largest_free_usable < r.needed {
+                    write!(
+                        f,
+                        " The largest cached free block this request could use is {}: the larger ones are cached for other streams or in other pools (CUDA graphs, MemPool).",
+                        b(r.largest_free_usable)
+                    )?;
+                } else if r.reserved > r.allocated && r.reserved - r.allocated >= r.needed {
                     write!(
                         f,
                         " Enough memory is cached but fragmented: try max_split_size_mb, or replay the trace with `gpualloc replay` to compare configurations."

@@ -4,21 +4,24 @@
 
 use crate::backend::{Backend, BackendError, StreamId};
 use crate::block::BlockState;
+use crate::block::PoolId;
 use crate::device::DeviceAllocator;
 use crate::error::{AllocError, OomReport};
 use crate::heap::STITCH;
 use crate::trace::Action;
 
 impl<B: Backend> DeviceAllocator<B> {
-    /// Builds the out-of-memory error, counts it and traces it.
+    /// Builds the out-of-memory error, counts it and traces it. `pool`:
+    /// the pool the request was made for, when it had one.
     pub(crate) fn out_of_memory(
         &mut self,
         stream: StreamId,
+        pool: Option<PoolId>,
         requested: u64,
         needed: u64,
         cause: Option<BackendError>,
     ) -> AllocError {
-        let report = self.report(requested, needed, cause);
+        let report = self.report(stream, pool, requested, needed, cause);
         self.stats.num_ooms += 1;
         self.record(Action::Oom, stream, 0, requested, report.device_free);
         tracing::warn!(
@@ -47,10 +50,21 @@ impl<B: Backend> DeviceAllocator<B> {
     /// The figures of an out-of-memory report, as of now.
     pub(crate) fn report(
         &mut self,
+        stream: StreamId,
+        pool: Option<PoolId>,
         requested: u64,
         needed: u64,
         cause: Option<BackendError>,
     ) -> OomReport {
+        let largest_free_usable = match pool {
+            Some(p) => self.heap.pools[p as usize]
+                .iter()
+                .filter(|k| k.0 == stream)
+                .map(|k| k.1)
+                .max()
+                .unwrap_or(0),
+            None => self.largest_free_block(),
+        };
         let info = self.backend.mem_info().unwrap_or_default();
         let limit = self.limit().ok().flatten();
         OomReport {
@@ -64,6 +78,8 @@ impl<B: Backend> DeviceAllocator<B> {
             device_total: info.total,
             limit,
             largest_free_block: self.largest_free_block(),
+            largest_free_usable,
+            capture_underway: self.private.capturing(),
             external_fragmentation: self.external_fragmentation(),
             unallocated_fraction: self.unallocated_fraction(),
             cause,

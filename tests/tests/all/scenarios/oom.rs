@@ -193,3 +193,55 @@ fn injected_backend_failure_takes_the_retry_path() {
     );
     assert_eq!(c.sim().counters.allocate_failed, 1);
 }
+
+/// A request that a cached block of another stream would fit, where that
+/// block cannot be given back (its segment holds a live block): the report
+/// says the larger cached blocks are other streams' or other pools', not
+/// that the cache is fragmented.
+#[test]
+fn report_tells_cached_blocks_of_other_streams_from_fragmentation() {
+    let mut c = Checked::with(100 * MIB, "policy:pytorch");
+    let _a = c.alloc(4 * MIB, 1); // a 20 MiB segment on stream 1: [a 4][16 free]
+    let _b = c.alloc(70 * MIB, 2); // 10 MiB left on the device
+    let err = c.malloc(12 * MIB, 2).unwrap_err();
+    let AllocError::OutOfMemory(r) = &err else {
+        panic!("expected OutOfMemory, got {err:?}")
+    };
+    assert_eq!(r.largest_free_block, 16 * MIB);
+    assert_eq!(r.largest_free_usable, 0);
+    assert!(!r.capture_underway);
+    let msg = err.to_string();
+    assert!(
+        msg.contains(
+            "this request could use is 0 bytes: the larger ones are cached for other streams"
+        ),
+        "{msg}"
+    );
+    assert!(!msg.contains("fragmented"), "{msg}");
+    assert!(!msg.contains("captured"), "{msg}");
+
+    // The same request on stream 1 could use the 16 MiB block; 12 MiB fits.
+    assert!(c.malloc(12 * MIB, 1).is_ok());
+}
+
+/// During a capture nothing cached goes back to the device, and the report
+/// says so.
+#[test]
+fn report_tells_a_capture_kept_the_cache() {
+    let mut c = Checked::with(64 * MIB, "policy:pytorch");
+    let a = c.alloc(40 * MIB, 0);
+    c.release(a); // 40 MiB cached on stream 0
+    c.begin_pool((1, 1), Some(7));
+    let err = c.malloc(30 * MIB, 7).unwrap_err();
+    let AllocError::OutOfMemory(r) = &err else {
+        panic!("expected OutOfMemory, got {err:?}")
+    };
+    assert!(r.capture_underway);
+    assert_eq!(r.largest_free_block, 40 * MIB);
+    let msg = err.to_string();
+    assert!(msg.contains("A CUDA graph was being captured"), "{msg}");
+    assert!(msg.contains("could use is 0 bytes"), "{msg}");
+    c.end_pool((1, 1));
+    // After the capture the cached 40 MiB go back and 30 MiB fit.
+    assert!(c.malloc(30 * MIB, 7).is_ok());
+}
