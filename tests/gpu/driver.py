@@ -289,7 +289,8 @@ LIMITED = ("gpualloc-fallback", "gpualloc-raw")
 
 def failures(runs):
     """{run key: why} for each run that failed: it printed no result (a
-    crash, a timeout the time budget did not cause) or its check raised, or,
+    crash, a timeout the time budget did not cause) or its check raised, it
+    ended with a status other than 0 after its result (a crash at exit), or,
     outside LIMITED variants, not all of its sub-checks passed. A run the
     budget skipped or stopped is no failure."""
     out = {}
@@ -298,6 +299,10 @@ def failures(runs):
             continue
         if r.get("error"):
             out[key] = str(r["error"])[:300]
+            continue
+        if r.get("rc") not in (0, None):
+            # Its result printed, then the process died: a crash at exit.
+            out[key] = f"exit status {r['rc']} after its result"
             continue
         res = r.get("result")
         if key.split("/", 1)[-1] in LIMITED or not isinstance(res, dict):

@@ -219,12 +219,14 @@ class Failures(unittest.TestCase):
             "churn_wide/gpualloc": {"rc": -11, "error": "no result (rc=-11)", "stderr_tail": ""},
             "streams/gpualloc-fallback": {"rc": 1, "error": "RuntimeError: boom"},
             "churn/gpualloc": {"rc": 0, "result": {"us_per_alloc_free": 5.0}},
+            "churn/native": {"rc": -11, "result": {"us_per_alloc_free": 5.0}},
             "train_gpt2/gpualloc": {"skipped": "time budget of 480 s spent"},
         }
         self.assertEqual(driver.failures(runs), {
             "dropin/gpualloc": "1/2 passed; failed: b",
             "churn_wide/gpualloc": "no result (rc=-11)",
             "streams/gpualloc-fallback": "RuntimeError: boom",
+            "churn/native": "exit status -11 after its result",
         })
         self.assertEqual(driver.failures({"churn/native": runs["churn/gpualloc"]}), {})
 

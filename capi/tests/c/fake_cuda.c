@@ -5,19 +5,25 @@
  * device memory.
  *
  * It keeps the state a driver keeps (address reservations, physical
- * handles, mappings and their access, plain allocations, events, contexts)
- * and counts as a misuse every call a real driver would refuse or could
- * crash on: mapping over a mapping or outside a reservation, unmapping part
- * of a mapping or what is not mapped, setting access on unmapped memory,
- * releasing a handle twice, freeing a reservation that still holds
- * mappings, using an event after it was destroyed (its memory is never
- * reused, so the use is seen rather than undefined), copying to memory
- * that is not accessible. It also counts two threads inside memory-mapping
- * calls for one device at the same time, which gpualloc avoids (Note [One VMM call at a
- * time]), and any call after the driver's teardown, which cuInit registers
- * as an exit handler (Note [Helpers at exit]). Events complete FAKE_CUDA_EVENT_US microseconds after they are
- * recorded (default 20), so that the backend sees work still running;
- * each memory-mapping call takes FAKE_CUDA_VMM_US (default 10), so that
+ * handles, mappings and their access, plain allocations, events, contexts,
+ * one CUDA graph capture) and counts as a misuse every call a real driver
+ * would refuse or could crash on: mapping over a mapping, outside a
+ * reservation or at an offset, unmapping part of a mapping or what is not
+ * mapped, setting access on unmapped memory, releasing a handle twice,
+ * freeing a reservation that still holds mappings, using an event after it
+ * was destroyed (its memory is never reused, so the use is seen rather
+ * than undefined), copying to memory that is not accessible, a call a
+ * capture forbids (as docs/results/h200-round33/capture-probe.md measured,
+ * and the driver's documentation says of the legacy stream), any call
+ * before cuInit or after the driver's teardown, which cuInit registers as
+ * an exit handler (Note [Helpers at exit]). It also counts two threads
+ * inside memory-mapping calls for one device at the same time, which
+ * gpualloc avoids (Note [One VMM call at a time]). Stream handles 0 and 1
+ * are the legacy default stream, 2 the per-thread one.
+ *
+ * Events complete FAKE_CUDA_EVENT_US microseconds after they are recorded
+ * (default 20), so that the backend sees work still running; each
+ * memory-mapping call takes FAKE_CUDA_VMM_US (default 10), so that
  * overlaps have a window. FAKE_CUDA_CAPACITY is each device's memory in
  * MiB (default 4096), FAKE_CUDA_DEVICES their number (default 1, at most
  * 8). FAKE_CUDA_ABORT=1 aborts at the first misuse (for a debugger).
@@ -143,9 +149,19 @@ static void teardown(void) {
   pause_ns(20 * 1000000ull); /* a teardown takes time: threads still calling are seen */
 }
 
+static atomic_int initialized_flag;
+
+/* Every entry point's first check: a call before cuInit, or after the
+ * teardown at exit, is a misuse. */
 static void after_teardown(const char *call) {
+  if (!atomic_load(&initialized_flag)) misuse(0, "%s before cuInit", call);
   if (atomic_load(&torn_down)) misuse(0, "%s after the driver's teardown at exit", call);
 }
+
+/* The legacy default stream (NULL or CU_STREAM_LEGACY); CU_STREAM_PER_THREAD
+ * (2) is the calling thread's default stream of the current context. */
+static int legacy(void *stream) { return stream == NULL || stream == (void *)1; }
+static int default_stream(void *stream) { return legacy(stream) || stream == (void *)2; }
 
 /* A memory-mapping call: counts it, and an overlap when another thread is
  * inside one for the same device (that of the calling thread's context:
@@ -168,9 +184,10 @@ static CUresult vmm_leave(CUresult r) {
   return r;
 }
 
+/* The event behind `e`, or NULL after saying why it is none. Called with
+ * the lock held (an event's fields are read and written under it). */
 static struct event *live_event(void *e, const char *call) {
   struct event *ev = e;
-  after_teardown(call);
   if (!ev) { misuse(0, "%s: NULL event", call); return NULL; }
   if (ev->magic == DEAD_MAGIC) { misuse(0, "%s: event %p used after cuEventDestroy", call, e); return NULL; }
   if (ev->magic != EVENT_MAGIC) { misuse(0, "%s: %p is no event", call, e); return NULL; }
@@ -181,21 +198,32 @@ static struct event *live_event(void *e, const char *call) {
  * does (docs/results/h200-round33/capture-probe.md): a global capture from
  * any thread, a thread-local one from its own, unless the thread's mode
  * is relaxed. A forbidden call fails and invalidates the capture. */
-static int capture_forbids(const char *call) {
-  pthread_mutex_lock(&lock);
+static int capture_forbids_locked(const char *call) {
   int forbidden = cap.active && capture_mode != MODE_RELAXED && cap.mode != MODE_RELAXED &&
                   (cap.mode == MODE_GLOBAL || pthread_equal(cap.thread, pthread_self()));
-  if (forbidden) cap.invalidated = 1;
-  int mode = cap.mode;
-  pthread_mutex_unlock(&lock);
-  if (forbidden) misuse(0, "%s during a capture (mode %d) from a thread in mode %u: the capture is invalidated", call, mode, capture_mode);
+  if (forbidden) {
+    cap.invalidated = 1;
+    misuse(0, "%s during a capture (mode %d) from a thread in mode %u: the capture is invalidated", call, cap.mode,
+           capture_mode);
+  }
   return forbidden;
 }
 
-static int capturing(void *stream) {
+static int capture_forbids(const char *call) {
   pthread_mutex_lock(&lock);
-  int yes = cap.active && cap.stream == stream;
+  int forbidden = capture_forbids_locked(call);
   pthread_mutex_unlock(&lock);
+  return forbidden;
+}
+
+/* Synchronizing with the capturing stream (itself, or the whole context)
+ * is refused in every mode, and invalidates the capture. */
+static int syncs_capture(const char *call, void *stream) {
+  pthread_mutex_lock(&lock);
+  int yes = cap.active && (stream == NULL ? 1 : cap.stream == stream);
+  if (yes) cap.invalidated = 1;
+  pthread_mutex_unlock(&lock);
+  if (yes) misuse(0, "%s during a capture: it would wait for the capturing stream", call);
   return yes;
 }
 
@@ -239,20 +267,27 @@ CUresult cuInit(unsigned flags) {
     for (int d = 0; d < MAX_DEVICES; d++) ctxs[d] = (struct ctx){CTX_MAGIC, d};
     atexit(teardown);
     initialized = 1;
+    atomic_store(&initialized_flag, 1);
   }
   pthread_mutex_unlock(&lock);
   return SUCCESS;
 }
 
-CUresult cuDeviceGetCount(int *count) { *count = devices; return SUCCESS; }
+CUresult cuDeviceGetCount(int *count) {
+  after_teardown("cuDeviceGetCount");
+  *count = devices;
+  return SUCCESS;
+}
 
 CUresult cuDeviceGet(int *device, int ordinal) {
+  after_teardown("cuDeviceGet");
   if (ordinal < 0 || ordinal >= devices) return INVALID_DEVICE;
   *device = ordinal;
   return SUCCESS;
 }
 
 CUresult cuDeviceGetAttribute(int *value, int attribute, int device) {
+  after_teardown("cuDeviceGetAttribute");
   (void)attribute;
   if (device < 0 || device >= devices) return INVALID_DEVICE;
   *value = 1; /* every capability asked about: VMM, descriptor export, RDMA */
@@ -260,16 +295,22 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, int device) {
 }
 
 CUresult cuDevicePrimaryCtxRetain(void **ctx, int device) {
+  after_teardown("cuDevicePrimaryCtxRetain");
   if (device < 0 || device >= devices) return INVALID_DEVICE;
   *ctx = &ctxs[device];
   return SUCCESS;
 }
 
 CUresult cuDevicePrimaryCtxRelease_v2(int device) {
+  after_teardown("cuDevicePrimaryCtxRelease_v2");
   return device >= 0 && device < devices ? SUCCESS : INVALID_DEVICE;
 }
 
-CUresult cuCtxGetCurrent(void **ctx) { *ctx = current; return SUCCESS; }
+CUresult cuCtxGetCurrent(void **ctx) {
+  after_teardown("cuCtxGetCurrent");
+  *ctx = current;
+  return SUCCESS;
+}
 
 CUresult cuCtxSetCurrent(void *ctx) {
   struct ctx *c = ctx;
@@ -285,6 +326,7 @@ static CUresult need_context(const char *call) {
 }
 
 CUresult cuStreamGetCtx(void *stream, void **ctx) {
+  after_teardown("cuStreamGetCtx");
   (void)stream;
   *ctx = current ? current : &ctxs[0];
   return SUCCESS;
@@ -336,6 +378,7 @@ CUresult cuMemFree_v2(CUdeviceptr ptr) {
 }
 
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
+  after_teardown("cuMemcpyDtoD_v2");
   pthread_mutex_lock(&lock);
   int ok = covered(dst, bytes, 1) && covered(src, bytes, 1);
   pthread_mutex_unlock(&lock);
@@ -357,69 +400,91 @@ CUresult cuEventCreate(void **event, unsigned flags) {
 }
 
 CUresult cuEventDestroy_v2(void *event) {
+  after_teardown("cuEventDestroy");
+  pthread_mutex_lock(&lock);
   struct event *e = live_event(event, "cuEventDestroy");
-  if (!e) return INVALID_HANDLE;
-  e->magic = DEAD_MAGIC; /* never freed: a later use is seen */
-  return SUCCESS;
+  if (e) e->magic = DEAD_MAGIC; /* never freed: a later use is seen */
+  pthread_mutex_unlock(&lock);
+  return e ? SUCCESS : INVALID_HANDLE;
 }
 
 CUresult cuEventRecord(void *event, void *stream) {
+  after_teardown("cuEventRecord");
+  pthread_mutex_lock(&lock);
+  CUresult r = SUCCESS;
   struct event *e = live_event(event, "cuEventRecord");
-  if (!e) return INVALID_HANDLE;
-  /* The legacy stream is the current context's; the event must be its. */
-  if (stream == NULL && e->ctx != current)
-    return misuse(INVALID_HANDLE, "cuEventRecord: an event of device %d on the legacy stream of device %d (-1: none)",
-                  e->ctx ? e->ctx->device : -1, current ? current->device : -1);
-  e->recorded = 1;
-  e->captured = capturing(stream); /* a node of the graph, never done as such */
-  e->done_at = now_ns() + event_ns;
-  return SUCCESS;
+  if (!e) {
+    r = INVALID_HANDLE;
+  } else if (default_stream(stream) && e->ctx != current) {
+    /* A default stream is the current context's; the event must be its. */
+    r = misuse(INVALID_HANDLE, "cuEventRecord: an event of device %d on a default stream of device %d (-1: none)",
+               e->ctx ? e->ctx->device : -1, current ? current->device : -1);
+  } else {
+    e->recorded = 1;
+    e->captured = cap.active && cap.stream == stream; /* a node of the graph, never done as such */
+    e->done_at = now_ns() + event_ns;
+  }
+  pthread_mutex_unlock(&lock);
+  return r;
 }
 
 CUresult cuEventQuery(void *event) {
+  after_teardown("cuEventQuery");
+  pthread_mutex_lock(&lock);
+  CUresult r;
   struct event *e = live_event(event, "cuEventQuery");
-  if (!e) return INVALID_HANDLE;
-  if (e->captured) return misuse(CAPTURED_EVENT, "cuEventQuery on an event recorded in a capture");
-  if (capture_forbids("cuEventQuery")) return STREAM_CAPTURE_UNSUPPORTED;
-  return now_ns() >= e->done_at ? SUCCESS : NOT_READY;
+  if (!e) r = INVALID_HANDLE;
+  else if (e->captured) r = misuse(CAPTURED_EVENT, "cuEventQuery on an event recorded in a capture");
+  else if (capture_forbids_locked("cuEventQuery")) r = STREAM_CAPTURE_UNSUPPORTED;
+  else r = now_ns() >= e->done_at ? SUCCESS : NOT_READY;
+  pthread_mutex_unlock(&lock);
+  return r;
 }
 
 CUresult cuEventSynchronize(void *event) {
+  after_teardown("cuEventSynchronize");
+  pthread_mutex_lock(&lock);
+  CUresult r = SUCCESS;
+  uint64_t done_at = 0;
   struct event *e = live_event(event, "cuEventSynchronize");
-  if (!e) return INVALID_HANDLE;
-  if (e->captured) return misuse(CAPTURED_EVENT, "cuEventSynchronize on an event recorded in a capture");
-  if (capture_forbids("cuEventSynchronize")) return STREAM_CAPTURE_UNSUPPORTED;
+  if (!e) r = INVALID_HANDLE;
+  else if (e->captured) r = misuse(CAPTURED_EVENT, "cuEventSynchronize on an event recorded in a capture");
+  else if (capture_forbids_locked("cuEventSynchronize")) r = STREAM_CAPTURE_UNSUPPORTED;
+  else done_at = e->done_at;
+  pthread_mutex_unlock(&lock);
   uint64_t t = now_ns();
-  if (t < e->done_at) pause_ns(e->done_at - t);
-  return SUCCESS;
+  if (r == SUCCESS && t < done_at) pause_ns(done_at - t);
+  return r;
 }
 
 CUresult cuStreamWaitEvent(void *stream, void *event, unsigned flags) {
   (void)stream; (void)flags;
-  return live_event(event, "cuStreamWaitEvent") ? SUCCESS : INVALID_HANDLE;
+  after_teardown("cuStreamWaitEvent");
+  pthread_mutex_lock(&lock);
+  struct event *e = live_event(event, "cuStreamWaitEvent");
+  pthread_mutex_unlock(&lock);
+  return e ? SUCCESS : INVALID_HANDLE;
 }
 
 CUresult cuCtxSynchronize(void) {
   CUresult r = need_context("cuCtxSynchronize");
   if (r) return r;
-  if (capture_forbids("cuCtxSynchronize")) return STREAM_CAPTURE_UNSUPPORTED;
+  if (syncs_capture("cuCtxSynchronize", NULL)) return STREAM_CAPTURE_UNSUPPORTED;
   pause_ns(event_ns); /* everything recorded so far is done */
   return SUCCESS;
 }
 
 CUresult cuStreamSynchronize(void *stream) {
-  if (capturing(stream)) {
-    pthread_mutex_lock(&lock);
-    cap.invalidated = 1;
-    pthread_mutex_unlock(&lock);
-    return misuse(STREAM_CAPTURE_UNSUPPORTED, "cuStreamSynchronize on the capturing stream");
-  }
+  after_teardown("cuStreamSynchronize");
+  /* The legacy stream waits for every blocking stream, the capturing one too. */
+  if (syncs_capture("cuStreamSynchronize", legacy(stream) ? NULL : stream)) return STREAM_CAPTURE_UNSUPPORTED;
   if (capture_forbids("cuStreamSynchronize")) return STREAM_CAPTURE_UNSUPPORTED;
   pause_ns(event_ns);
   return SUCCESS;
 }
 
 CUresult cuThreadExchangeStreamCaptureMode(unsigned *mode) {
+  after_teardown("cuThreadExchangeStreamCaptureMode");
   unsigned old = capture_mode;
   capture_mode = *mode;
   *mode = old;
@@ -429,10 +494,12 @@ CUresult cuThreadExchangeStreamCaptureMode(unsigned *mode) {
 CUresult cuStreamGetCaptureInfo_v3(void *stream, unsigned *status, unsigned long long *id, void *graph,
                                    void *deps, void *edges, size_t *count) {
   (void)graph; (void)deps; (void)edges;
+  after_teardown("cuStreamGetCaptureInfo");
   pthread_mutex_lock(&lock);
   int active = cap.active && cap.stream == stream;
-  /* The legacy stream while another stream captures in global mode. */
-  int implicit = cap.active && !active && stream == NULL && cap.mode == MODE_GLOBAL;
+  /* The legacy stream while a (blocking) stream captures, in any mode, as
+   * the driver's documentation says. */
+  int implicit = cap.active && !active && legacy(stream);
   unsigned long long capture_id = cap.id;
   pthread_mutex_unlock(&lock);
   if (implicit) return STREAM_CAPTURE_IMPLICIT;
@@ -454,6 +521,7 @@ CUresult cuStreamGetCaptureInfo_v2(void *stream, unsigned *status, unsigned long
 /* ---- virtual memory ---- */
 
 CUresult cuMemGetAllocationGranularity(size_t *granularity, const void *prop, int option) {
+  after_teardown("cuMemGetAllocationGranularity");
   (void)prop; (void)option;
   *granularity = GRANULARITY;
   return SUCCESS;
@@ -518,7 +586,8 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUhandle handle, 
   if (handle == 0 || handle > n_handles || handles[handle - 1].released)
     return vmm_leave(misuse(INVALID_HANDLE, "cuMemMap(0x%llx): handle %llu is not live", ptr, handle));
   struct handle *h = &handles[handle - 1];
-  if (ptr % GRANULARITY || size % GRANULARITY || offset % GRANULARITY || size == 0 || offset + size > h->size)
+  if (offset != 0) return vmm_leave(misuse(INVALID_VALUE, "cuMemMap(0x%llx): offset %zu, which must be 0", ptr, offset));
+  if (ptr % GRANULARITY || size % GRANULARITY || size == 0 || size > h->size)
     return vmm_leave(misuse(INVALID_VALUE, "cuMemMap(0x%llx, %zu, offset %zu): bad range for a handle of %llu", ptr, size,
                             offset, (unsigned long long)h->size));
   int inside = 0;
@@ -564,6 +633,7 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 }
 
 CUresult cuMemExportToShareableHandle(void *shareable, CUhandle handle, int kind, unsigned long long flags) {
+  after_teardown("cuMemExportToShareableHandle");
   (void)kind; (void)flags;
   pthread_mutex_lock(&lock);
   int live = handle != 0 && handle <= n_handles && !handles[handle - 1].released;
@@ -576,6 +646,7 @@ CUresult cuMemExportToShareableHandle(void *shareable, CUhandle handle, int kind
 }
 
 CUresult cuMemImportFromShareableHandle(CUhandle *handle, void *os_handle, int kind) {
+  after_teardown("cuMemImportFromShareableHandle");
   (void)handle; (void)os_handle; (void)kind;
   return NOT_SUPPORTED;
 }
