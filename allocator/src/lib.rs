@@ -47,7 +47,10 @@
 
 #![deny(unsafe_code)]
 // Nothing in the library may panic on a closed stderr or stdout (`log::say`).
-#![cfg_attr(not(test), deny(clippy::print_stderr, clippy::print_stdout, clippy::dbg_macro))]
+#![cfg_attr(
+    not(test),
+    deny(clippy::print_stderr, clippy::print_stdout, clippy::dbg_macro)
+)]
 #![warn(missing_docs)]
 
 pub mod allocator;

@@ -16,7 +16,10 @@
 //! generated from this crate by cbindgen.
 
 // Nothing here may panic on a closed stderr or stdout (`boundary::say`).
-#![cfg_attr(not(test), deny(clippy::print_stderr, clippy::print_stdout, clippy::dbg_macro))]
+#![cfg_attr(
+    not(test),
+    deny(clippy::print_stderr, clippy::print_stdout, clippy::dbg_macro)
+)]
 
 mod boundary;
 mod checkpoint;
