@@ -441,7 +441,8 @@ int gpualloc_last_error_code(void);
 
 // Allocates `size` bytes on `device` for use on `stream` (PyTorch's
 // pluggable `alloc`). Returns NULL for size 0, and NULL with the last error
-// set (and `gpualloc_last_oom` filled when out of memory) on failure.
+// set (and `gpualloc_last_oom` filled when out of memory) on failure; in a
+// child forked after CUDA started, `GPUALLOC_ERR_UNAVAILABLE`.
 void *gpualloc_malloc(size_t size, int device, cudaStream_t stream);
 
 // `gpualloc_malloc` for a PyTorch that cannot receive an exception (the
@@ -508,7 +509,8 @@ void gpualloc_record_stream_on(void *ptr, cudaStream_t stream, int stream_device
 
 // Returns every cached, entirely free segment to the device
 // (`torch.cuda.empty_cache`; PyTorch's `reset` hook). Before the first
-// allocation there is nothing cached, and nothing is created.
+// allocation there is nothing cached, and nothing is created. Nothing in
+// a child forked after CUDA started (Note [Freeing in a forked child]).
 void gpualloc_empty_cache(void);
 
 // Caps reserved memory on `device` at `fraction` of its capacity

@@ -14,7 +14,10 @@
 //! the memory is the parent's, in a CUDA context the child cannot use. On
 //! the simulator, whose devices a child may go on using (tests of traces
 //! across fork do), it frees unless the owning device's lock is held, and
-//! then leaves the pointer alone. The exit handler for the unmapping
+//! then leaves the pointer alone. With CUDA, `empty_cache` there does
+//! nothing either, and an allocation fails with an error naming the cause
+//! (no driver call: CUDA does not survive fork, and the checking stand-in
+//! driver of `tests/c/fake_cuda.c` counts any call from a child). The exit handler for the unmapping
 //! helpers, which are the parent's, returns at once. One relaxed load on
 //! the free path.
 //!
@@ -66,6 +69,25 @@ pub(crate) fn watch() {
             pthread_atfork(Some(prepare), Some(parent), Some(child));
         }
     });
+}
+
+/// Whether this is a child forked after a CUDA allocator started: its
+/// CUDA context and memory are the parent's, and no call of the child may
+/// reach the driver (Note [Freeing in a forked child]). The simulator's
+/// children may go on using their devices.
+#[inline]
+pub(crate) fn cuda_in_forked_child() -> bool {
+    in_forked_child()
+        && crate::global::existing().is_some_and(|g| g.kind == crate::global::BackendKind::Cuda)
+}
+
+/// The error of an allocation in a child forked after a CUDA allocator
+/// started ([`cuda_in_forked_child`]).
+pub(crate) fn refused() -> crate::boundary::Error {
+    crate::boundary::Error::new(
+        crate::boundary::GPUALLOC_ERR_UNAVAILABLE,
+        "gpualloc: CUDA cannot be used in a process forked after the allocator started (the CUDA context and its memory are the parent's): start workers with the 'spawn' method",
+    )
 }
 
 /// A free in a forked child (Note [Freeing in a forked child]); never

@@ -219,7 +219,8 @@ pub extern "C" fn gpualloc_last_error_code() -> c_int {
 
 /// Allocates `size` bytes on `device` for use on `stream` (PyTorch's
 /// pluggable `alloc`). Returns NULL for size 0, and NULL with the last error
-/// set (and `gpualloc_last_oom` filled when out of memory) on failure.
+/// set (and `gpualloc_last_oom` filled when out of memory) on failure; in a
+/// child forked after CUDA started, `GPUALLOC_ERR_UNAVAILABLE`.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_malloc(size: usize, device: c_int, stream: cudaStream_t) -> *mut c_void {
     malloc_on(size, device, stream, false)
@@ -238,6 +239,9 @@ fn malloc_on(
     ffi_boundary(
         |_| std::ptr::null_mut(),
         || {
+            if fork::cuda_in_forked_child() && size > 0 {
+                return Err(fork::refused());
+            }
             let stream = stream as usize as u64;
             let g = global()?;
             let p = {
@@ -478,9 +482,13 @@ fn record_stream(
 
 /// Returns every cached, entirely free segment to the device
 /// (`torch.cuda.empty_cache`; PyTorch's `reset` hook). Before the first
-/// allocation there is nothing cached, and nothing is created.
+/// allocation there is nothing cached, and nothing is created. Nothing in
+/// a child forked after CUDA started (Note [Freeing in a forked child]).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_empty_cache() {
+    if fork::cuda_in_forked_child() {
+        return; // Note [Freeing in a forked child]
+    }
     void_call(|| match existing() {
         Some(g) => Ok(g.alloc.empty_cache()?),
         None => Ok(()),

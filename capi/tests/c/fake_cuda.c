@@ -15,8 +15,9 @@
  * than undefined), copying to memory that is not accessible, a call a
  * capture forbids (as docs/results/h200-round33/capture-probe.md measured,
  * and the driver's documentation says of the legacy stream), any call
- * before cuInit or after the driver's teardown, which cuInit registers as
- * an exit handler (Note [Helpers at exit]). It also counts two threads
+ * before cuInit, in a child forked after it (Note [Freeing in a forked
+ * child]) or after the driver's teardown, which cuInit registers as an
+ * exit handler (Note [Helpers at exit]). It also counts two threads
  * inside memory-mapping calls for one device at the same time, which
  * gpualloc avoids (Note [One VMM call at a time]). Stream handles 0 and 1
  * are the legacy default stream, 2 the per-thread one.
@@ -150,12 +151,15 @@ static void teardown(void) {
 }
 
 static atomic_int initialized_flag;
+static pid_t init_pid; /* the process that called cuInit */
 
 /* Every entry point's first check: a call before cuInit, or after the
  * teardown at exit, is a misuse. */
 static void after_teardown(const char *call) {
   if (!atomic_load(&initialized_flag)) misuse(0, "%s before cuInit", call);
   if (atomic_load(&torn_down)) misuse(0, "%s after the driver's teardown at exit", call);
+  /* CUDA does not survive fork: a child's call fails, or worse. */
+  if (atomic_load(&initialized_flag) && getpid() != init_pid) misuse(0, "%s in a forked child", call);
 }
 
 /* The legacy default stream (NULL or CU_STREAM_LEGACY); CU_STREAM_PER_THREAD
@@ -266,6 +270,7 @@ CUresult cuInit(unsigned flags) {
     abort_on_misuse = env_u64("FAKE_CUDA_ABORT", 0) != 0;
     for (int d = 0; d < MAX_DEVICES; d++) ctxs[d] = (struct ctx){CTX_MAGIC, d};
     atexit(teardown);
+    init_pid = getpid();
     initialized = 1;
     atomic_store(&initialized_flag, 1);
   }

@@ -4,8 +4,8 @@
  * and freeing on their own streams (and devices, under FAKE_CUDA_DEVICES)
  * with blocks used on others
  * (record_stream), then CUDA graph captures with another thread
- * allocating meanwhile, announced and not, in each capture mode, then
- * empty_cache. The driver must see no misuse (a call a capture forbids
+ * allocating meanwhile, announced and not, in each capture mode, a forked
+ * child freeing what it inherited, then empty_cache. The driver must see no misuse (a call a capture forbids
  * included) and no two memory-mapping calls at once, the invariants must
  * hold, and after empty_cache, with nothing allocated, no physical memory
  * may be held.
@@ -27,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static long ops = 20000;
@@ -194,6 +195,30 @@ static void capture(int mode, int raw, long n) {
   CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
 }
 
+/* A child forked with blocks live (a DataLoader worker) frees what it
+ * inherited, asks for the cache to be emptied and for memory: none of it
+ * may reach the driver, which does not survive fork, and the allocation
+ * fails with its reason. It ends through its exit handlers. */
+static void forked_child_frees(int (*summary)(unsigned long long *)) {
+  struct slot window[8] = {{0}};
+  churn(window, 8, 8, 3, 0, STREAM(1), 0, gpualloc_malloc);
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    drain(window, 8);
+    gpualloc_empty_cache();
+    /* Refused, with the reason, and no driver call. */
+    if (gpualloc_malloc(4096, 0, STREAM(1)) != NULL || gpualloc_last_error_code() != GPUALLOC_ERR_UNAVAILABLE) exit(5);
+    unsigned long long s[8];
+    summary(s);
+    exit(s[0] == 0 ? 0 : 4);
+  }
+  int status = 0;
+  CHECK(waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  drain(window, 8);
+}
+
 static int devices = 1;
 
 /* Thread k churns on device k % devices, on stream k + 1. */
@@ -262,6 +287,9 @@ int main(int argc, char **argv) {
   /* CU_STREAM_CAPTURE_MODE_GLOBAL, THREAD_LOCAL and RELAXED. */
   for (int mode = 0; mode < 3; mode++) capture(mode, 0, ops / 10);
   printf("ok captures\n");
+
+  forked_child_frees(summary);
+  printf("ok forked child\n");
 
   gpualloc_empty_cache();
   CHECK(gpualloc_check_invariants(0) == GPUALLOC_OK);
