@@ -3,8 +3,7 @@
 //! when an error is returned (`GrowError` carries just the driver's answer).
 
 use crate::backend::{Backend, BackendError, StreamId};
-use crate::block::BlockState;
-use crate::block::PoolId;
+use crate::block::{BlockState, PoolId};
 use crate::device::DeviceAllocator;
 use crate::error::{AllocError, OomReport};
 use crate::heap::STITCH;

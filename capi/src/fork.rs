@@ -17,9 +17,9 @@
 //! then leaves the pointer alone. With CUDA, `empty_cache` there does
 //! nothing either, and an allocation fails with an error naming the cause
 //! (no driver call: CUDA does not survive fork, and the checking stand-in
-//! driver of `tests/c/fake_cuda.c` counts any call from a child). The exit handler for the unmapping
-//! helpers, which are the parent's, returns at once. One relaxed load on
-//! the free path.
+//! driver of `tests/c/fake_cuda.c` counts any call from a child). The exit
+//! handler for the unmapping helpers, which are the parent's, returns at
+//! once. One relaxed load on the free path and on the allocation path.
 //!
 //! The same registration holds the trace control lock across the fork
 //! (`prepare` takes it, `parent` and `child` release it), so a child never
