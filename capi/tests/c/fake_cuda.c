@@ -85,7 +85,7 @@ static __thread struct ctx *current;
 static __thread unsigned capture_mode; /* this thread's, MODE_GLOBAL at first */
 static struct capture cap;
 static unsigned long long captures;
-static int devices = 1, initialized;
+static int devices = 1;
 static uint64_t capacity = 4096ull << 20, used[MAX_DEVICES];
 static uint64_t event_ns = 20000, vmm_ns = 10000;
 static int abort_on_misuse;
@@ -150,16 +150,16 @@ static void teardown(void) {
   pause_ns(20 * 1000000ull); /* a teardown takes time: threads still calling are seen */
 }
 
-static atomic_int initialized_flag;
+static atomic_int initialized; /* by cuInit, under the lock */
 static pid_t init_pid; /* the process that called cuInit */
 
-/* Every entry point's first check: a call before cuInit, or after the
- * teardown at exit, is a misuse. */
-static void after_teardown(const char *call) {
-  if (!atomic_load(&initialized_flag)) misuse(0, "%s before cuInit", call);
+/* Every entry point's first check: a call before cuInit, after the
+ * teardown at exit or in a child forked after cuInit is a misuse. */
+static void check_entry(const char *call) {
+  if (!atomic_load(&initialized)) misuse(0, "%s before cuInit", call);
   if (atomic_load(&torn_down)) misuse(0, "%s after the driver's teardown at exit", call);
   /* CUDA does not survive fork: a child's call fails, or worse. */
-  if (atomic_load(&initialized_flag) && getpid() != init_pid) misuse(0, "%s in a forked child", call);
+  if (atomic_load(&initialized) && getpid() != init_pid) misuse(0, "%s in a forked child", call);
 }
 
 /* The legacy default stream (NULL or CU_STREAM_LEGACY); CU_STREAM_PER_THREAD
@@ -173,7 +173,7 @@ static int default_stream(void *stream) { return legacy(stream) || stream == (vo
 static __thread int vmm_device;
 
 static void vmm_enter(void) {
-  after_teardown("a memory-mapping call");
+  check_entry("a memory-mapping call");
   atomic_fetch_add(&vmm_calls, 1);
   vmm_device = current ? current->device : 0;
   if (atomic_fetch_add(&in_vmm[vmm_device], 1) > 0) atomic_fetch_add(&overlaps, 1);
@@ -183,7 +183,7 @@ static void vmm_enter(void) {
 
 static CUresult vmm_leave(CUresult r) {
   pthread_mutex_unlock(&lock);
-  after_teardown("a memory-mapping call still running");
+  check_entry("a memory-mapping call still running");
   atomic_fetch_sub(&in_vmm[vmm_device], 1);
   return r;
 }
@@ -260,7 +260,7 @@ static void drop_handle_if_done(CUhandle h) {
 CUresult cuInit(unsigned flags) {
   (void)flags;
   pthread_mutex_lock(&lock);
-  if (!initialized) {
+  if (!atomic_load(&initialized)) {
     devices = (int)env_u64("FAKE_CUDA_DEVICES", 1);
     if (devices < 1) devices = 1;
     if (devices > MAX_DEVICES) devices = MAX_DEVICES;
@@ -271,28 +271,27 @@ CUresult cuInit(unsigned flags) {
     for (int d = 0; d < MAX_DEVICES; d++) ctxs[d] = (struct ctx){CTX_MAGIC, d};
     atexit(teardown);
     init_pid = getpid();
-    initialized = 1;
-    atomic_store(&initialized_flag, 1);
+    atomic_store(&initialized, 1);
   }
   pthread_mutex_unlock(&lock);
   return SUCCESS;
 }
 
 CUresult cuDeviceGetCount(int *count) {
-  after_teardown("cuDeviceGetCount");
+  check_entry("cuDeviceGetCount");
   *count = devices;
   return SUCCESS;
 }
 
 CUresult cuDeviceGet(int *device, int ordinal) {
-  after_teardown("cuDeviceGet");
+  check_entry("cuDeviceGet");
   if (ordinal < 0 || ordinal >= devices) return INVALID_DEVICE;
   *device = ordinal;
   return SUCCESS;
 }
 
 CUresult cuDeviceGetAttribute(int *value, int attribute, int device) {
-  after_teardown("cuDeviceGetAttribute");
+  check_entry("cuDeviceGetAttribute");
   (void)attribute;
   if (device < 0 || device >= devices) return INVALID_DEVICE;
   *value = 1; /* every capability asked about: VMM, descriptor export, RDMA */
@@ -300,38 +299,38 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, int device) {
 }
 
 CUresult cuDevicePrimaryCtxRetain(void **ctx, int device) {
-  after_teardown("cuDevicePrimaryCtxRetain");
+  check_entry("cuDevicePrimaryCtxRetain");
   if (device < 0 || device >= devices) return INVALID_DEVICE;
   *ctx = &ctxs[device];
   return SUCCESS;
 }
 
 CUresult cuDevicePrimaryCtxRelease_v2(int device) {
-  after_teardown("cuDevicePrimaryCtxRelease_v2");
+  check_entry("cuDevicePrimaryCtxRelease_v2");
   return device >= 0 && device < devices ? SUCCESS : INVALID_DEVICE;
 }
 
 CUresult cuCtxGetCurrent(void **ctx) {
-  after_teardown("cuCtxGetCurrent");
+  check_entry("cuCtxGetCurrent");
   *ctx = current;
   return SUCCESS;
 }
 
 CUresult cuCtxSetCurrent(void *ctx) {
   struct ctx *c = ctx;
-  after_teardown("cuCtxSetCurrent");
+  check_entry("cuCtxSetCurrent");
   if (c && c->magic != CTX_MAGIC) return misuse(INVALID_CONTEXT, "cuCtxSetCurrent: %p is no context", ctx);
   current = c;
   return SUCCESS;
 }
 
 static CUresult need_context(const char *call) {
-  after_teardown(call);
+  check_entry(call);
   return current ? SUCCESS : misuse(INVALID_CONTEXT, "%s without a current context", call);
 }
 
 CUresult cuStreamGetCtx(void *stream, void **ctx) {
-  after_teardown("cuStreamGetCtx");
+  check_entry("cuStreamGetCtx");
   (void)stream;
   *ctx = current ? current : &ctxs[0];
   return SUCCESS;
@@ -367,7 +366,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes) {
 }
 
 CUresult cuMemFree_v2(CUdeviceptr ptr) {
-  after_teardown("cuMemFree");
+  check_entry("cuMemFree");
   if (capture_forbids("cuMemFree")) return STREAM_CAPTURE_UNSUPPORTED;
   pthread_mutex_lock(&lock);
   for (size_t i = 0; i < n_allocs; i++) {
@@ -383,7 +382,7 @@ CUresult cuMemFree_v2(CUdeviceptr ptr) {
 }
 
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
-  after_teardown("cuMemcpyDtoD_v2");
+  check_entry("cuMemcpyDtoD_v2");
   pthread_mutex_lock(&lock);
   int ok = covered(dst, bytes, 1) && covered(src, bytes, 1);
   pthread_mutex_unlock(&lock);
@@ -405,7 +404,7 @@ CUresult cuEventCreate(void **event, unsigned flags) {
 }
 
 CUresult cuEventDestroy_v2(void *event) {
-  after_teardown("cuEventDestroy");
+  check_entry("cuEventDestroy");
   pthread_mutex_lock(&lock);
   struct event *e = live_event(event, "cuEventDestroy");
   if (e) e->magic = DEAD_MAGIC; /* never freed: a later use is seen */
@@ -414,7 +413,7 @@ CUresult cuEventDestroy_v2(void *event) {
 }
 
 CUresult cuEventRecord(void *event, void *stream) {
-  after_teardown("cuEventRecord");
+  check_entry("cuEventRecord");
   pthread_mutex_lock(&lock);
   CUresult r = SUCCESS;
   struct event *e = live_event(event, "cuEventRecord");
@@ -434,7 +433,7 @@ CUresult cuEventRecord(void *event, void *stream) {
 }
 
 CUresult cuEventQuery(void *event) {
-  after_teardown("cuEventQuery");
+  check_entry("cuEventQuery");
   pthread_mutex_lock(&lock);
   CUresult r;
   struct event *e = live_event(event, "cuEventQuery");
@@ -447,7 +446,7 @@ CUresult cuEventQuery(void *event) {
 }
 
 CUresult cuEventSynchronize(void *event) {
-  after_teardown("cuEventSynchronize");
+  check_entry("cuEventSynchronize");
   pthread_mutex_lock(&lock);
   CUresult r = SUCCESS;
   uint64_t done_at = 0;
@@ -464,7 +463,7 @@ CUresult cuEventSynchronize(void *event) {
 
 CUresult cuStreamWaitEvent(void *stream, void *event, unsigned flags) {
   (void)stream; (void)flags;
-  after_teardown("cuStreamWaitEvent");
+  check_entry("cuStreamWaitEvent");
   pthread_mutex_lock(&lock);
   struct event *e = live_event(event, "cuStreamWaitEvent");
   pthread_mutex_unlock(&lock);
@@ -480,7 +479,7 @@ CUresult cuCtxSynchronize(void) {
 }
 
 CUresult cuStreamSynchronize(void *stream) {
-  after_teardown("cuStreamSynchronize");
+  check_entry("cuStreamSynchronize");
   /* The legacy stream waits for every blocking stream, the capturing one too. */
   if (syncs_capture("cuStreamSynchronize", legacy(stream) ? NULL : stream)) return STREAM_CAPTURE_UNSUPPORTED;
   if (capture_forbids("cuStreamSynchronize")) return STREAM_CAPTURE_UNSUPPORTED;
@@ -489,7 +488,7 @@ CUresult cuStreamSynchronize(void *stream) {
 }
 
 CUresult cuThreadExchangeStreamCaptureMode(unsigned *mode) {
-  after_teardown("cuThreadExchangeStreamCaptureMode");
+  check_entry("cuThreadExchangeStreamCaptureMode");
   unsigned old = capture_mode;
   capture_mode = *mode;
   *mode = old;
@@ -499,7 +498,7 @@ CUresult cuThreadExchangeStreamCaptureMode(unsigned *mode) {
 CUresult cuStreamGetCaptureInfo_v3(void *stream, unsigned *status, unsigned long long *id, void *graph,
                                    void *deps, void *edges, size_t *count) {
   (void)graph; (void)deps; (void)edges;
-  after_teardown("cuStreamGetCaptureInfo");
+  check_entry("cuStreamGetCaptureInfo");
   pthread_mutex_lock(&lock);
   int active = cap.active && cap.stream == stream;
   /* The legacy stream while a (blocking) stream captures, in any mode, as
@@ -526,7 +525,7 @@ CUresult cuStreamGetCaptureInfo_v2(void *stream, unsigned *status, unsigned long
 /* ---- virtual memory ---- */
 
 CUresult cuMemGetAllocationGranularity(size_t *granularity, const void *prop, int option) {
-  after_teardown("cuMemGetAllocationGranularity");
+  check_entry("cuMemGetAllocationGranularity");
   (void)prop; (void)option;
   *granularity = GRANULARITY;
   return SUCCESS;
@@ -638,7 +637,7 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 }
 
 CUresult cuMemExportToShareableHandle(void *shareable, CUhandle handle, int kind, unsigned long long flags) {
-  after_teardown("cuMemExportToShareableHandle");
+  check_entry("cuMemExportToShareableHandle");
   (void)kind; (void)flags;
   pthread_mutex_lock(&lock);
   int live = handle != 0 && handle <= n_handles && !handles[handle - 1].released;
@@ -651,7 +650,7 @@ CUresult cuMemExportToShareableHandle(void *shareable, CUhandle handle, int kind
 }
 
 CUresult cuMemImportFromShareableHandle(CUhandle *handle, void *os_handle, int kind) {
-  after_teardown("cuMemImportFromShareableHandle");
+  check_entry("cuMemImportFromShareableHandle");
   (void)handle; (void)os_handle; (void)kind;
   return NOT_SUPPORTED;
 }
