@@ -50,7 +50,7 @@ PLAN = [
 # names, variant() takes ad-hoc ones: gpualloc[CONF] (CONF in GPUALLOC_CONF
 # syntax) and native[CONF] (CONF in PYTORCH_CUDA_ALLOC_CONF syntax).
 # Training runs TRAIN_VARIANTS (or --variants); the other checks run
-# "native" and "gpualloc", or their CHECK_VARIANTS (kernel_speed: those,
+# "native" and "gpualloc", or their CHECK_VARIANTS (the TIMED_CHECKS: those,
 # or "native" and --variants).
 VARIANTS = {
     "native": ("native", {}),
@@ -75,6 +75,10 @@ CHECK_VARIANTS = {
     "promise": ["native", "native[expandable_segments:True]", "gpualloc", "gpualloc[expandable_handle_mb:2]",
                 "gpualloc-traced"],
 }
+# Checks that time a loop, by the key of their result, and that --variants
+# reaches (with "native" first, to compare against).
+TIMED_CHECKS = {"churn": "us_per_alloc_free", "churn_cpp": "ns_per_alloc_free", "trace_cpp": "ns_per_op",
+                "kernel_speed": None}
 # gpualloc's defaults are its expandable segments, so "gpualloc" is what
 # "gpualloc-expandable" was; a second untraced run of the same settings only
 # cost the trainings a fifth of their time (the backbone did not fit in a
@@ -445,6 +449,22 @@ def compare_training(native, ours, expandable=None):
     }
 
 
+def compare_timed(check, runs, variants):
+    """A loop check's time under each variant that printed a result, and its
+    ratio to "native" (ratio_gpualloc_over_native for "gpualloc", as before
+    --variants reached these checks; ratio_over_native for each); None
+    without a native result."""
+    key = TIMED_CHECKS[check]
+    n = runs.get(f"{check}/native", {}).get("result")
+    if not n:
+        return None
+    times = {v: runs[f"{check}/{v}"]["result"][key] for v in variants if "result" in runs.get(f"{check}/{v}", {})}
+    out = {key: times, "ratio_over_native": {v: t / n[key] for v, t in times.items() if v != "native"}}
+    if "gpualloc" in times:
+        out["ratio_gpualloc_over_native"] = times["gpualloc"] / n[key]
+    return out
+
+
 def compare_kernel_speed(runs, variants):
     """Each kernel's median time (and each host-side wait's mean) under
     each variant over that under "native" ({kernel: {variant: ratio}}); a
@@ -466,7 +486,7 @@ def main():
     p.add_argument("--only", default="")
     p.add_argument("--budget", type=float, default=float(os.environ.get("GPUALLOC_GPU_BUDGET_S", 480)))
     p.add_argument("--steps", type=int, default=0, help="training steps (default: the plan's)")
-    p.add_argument("--variants", default="", help="variants of the training checks and kernel_speed (default: TRAIN_VARIANTS)")
+    p.add_argument("--variants", default="", help="variants of the training checks and the timed loops (TIMED_CHECKS; default: TRAIN_VARIANTS)")
     args = p.parse_args()
     try:
         train_variants = parse_variants(args.variants) if args.variants else TRAIN_VARIANTS
@@ -483,7 +503,7 @@ def main():
         if only and check not in only:
             continue
         variants = CHECK_VARIANTS.get(check, ["native", "gpualloc"])
-        if check == "kernel_speed" and args.variants:  # compared with "native", which runs first
+        if check in TIMED_CHECKS and args.variants:  # compared with "native", which runs first
             variants = ["native"] + [v for v in train_variants if v != "native"]
         if check.startswith("train_"):
             variants = train_variants
@@ -509,15 +529,10 @@ def main():
             }
             for v, c in summary["compare"][check].items():
                 print(f"  {check} {v}: {json.dumps(c)}", flush=True)
-        if check in ("churn", "churn_cpp", "trace_cpp"):
-            key = {"churn": "us_per_alloc_free", "churn_cpp": "ns_per_alloc_free", "trace_cpp": "ns_per_op"}[check]
-            n, g = summary["runs"].get(f"{check}/native", {}), summary["runs"].get(f"{check}/gpualloc", {})
-            if "result" in n and "result" in g:
-                summary["compare"][check] = {
-                    key: {"native": n["result"][key], "gpualloc": g["result"][key]},
-                    "ratio_gpualloc_over_native": g["result"][key] / n["result"][key],
-                }
-                print(f"  {check}: {json.dumps(summary['compare'][check])}", flush=True)
+        if check in TIMED_CHECKS and check != "kernel_speed":
+            if c := compare_timed(check, summary["runs"], variants):
+                summary["compare"][check] = c
+                print(f"  {check}: {json.dumps(c)}", flush=True)
         if check == "promise":
             summary["compare"][check] = compare_promise(summary["runs"], variants)
             for v, c in summary["compare"][check].items():

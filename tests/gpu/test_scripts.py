@@ -241,6 +241,20 @@ class KernelSpeed(unittest.TestCase):
         self.assertEqual(driver.compare_kernel_speed({}, ["native", "gpualloc"]), {})
 
 
+class TimedLoops(unittest.TestCase):
+    def test_each_variant_against_native_and_failed_runs_left_out(self):
+        runs = {"churn_cpp/native": {"result": {"ns_per_alloc_free": 1000.0}},
+                "churn_cpp/gpualloc": {"result": {"ns_per_alloc_free": 1250.0}},
+                "churn_cpp/gpualloc-b": {"result": {"ns_per_alloc_free": 900.0}},
+                "churn_cpp/gpualloc[defragment:false]": {"error": "boom"}}
+        got = driver.compare_timed("churn_cpp", runs, ["native", "gpualloc", "gpualloc-b", "gpualloc[defragment:false]"])
+        self.assertEqual(got["ns_per_alloc_free"], {"native": 1000.0, "gpualloc": 1250.0, "gpualloc-b": 900.0})
+        self.assertEqual(got["ratio_over_native"], {"gpualloc": 1.25, "gpualloc-b": 0.9})
+        self.assertEqual(got["ratio_gpualloc_over_native"], 1.25)
+        self.assertNotIn("ratio_gpualloc_over_native", driver.compare_timed("churn_cpp", runs, ["native", "gpualloc-b"]))
+        self.assertIsNone(driver.compare_timed("churn", runs, ["native", "gpualloc"]))
+
+
 class Profiler(unittest.TestCase):
     def test_off_without_a_window_and_clear_about_a_bad_one(self):
         p = StepProfiler("")
