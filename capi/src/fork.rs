@@ -17,7 +17,9 @@
 //! then leaves the pointer alone. With CUDA, `empty_cache` there does
 //! nothing either, and an allocation fails with an error naming the cause
 //! (no driver call: CUDA does not survive fork, and the checking stand-in
-//! driver of `tests/c/fake_cuda.c` counts any call from a child). The exit
+//! driver of `tests/c/fake_cuda.c` counts any call from a child). Any
+//! other path to the driver is answered by the backend itself (Note [No
+//! driver call after fork] in the core crate's `backend/cuda/driver.rs`). The exit
 //! handler for the unmapping helpers, which are the parent's, returns at
 //! once. One relaxed load on the free path and on the allocation path.
 //!

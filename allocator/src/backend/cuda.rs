@@ -77,7 +77,9 @@ fn driver() -> Result<(), BackendError> {
             // SAFETY: the library is present (checked above), so cudarc's lazy
             // symbol lookup succeeds; cuInit takes no pointers.
             check("cuInit", unsafe { driver::cuInit(0) })
-                .map_err(|e| BackendError::Unavailable(format!("cuInit failed: {e}")))
+                .map_err(|e| BackendError::Unavailable(format!("cuInit failed: {e}")))?;
+            driver::watch_forks();
+            Ok(())
         })
         .clone()
 }
@@ -87,6 +89,11 @@ fn check(call: &'static str, r: CuResult) -> Result<(), BackendError> {
     match r {
         driver::SUCCESS => Ok(()),
         driver::OUT_OF_MEMORY => Err(BackendError::OutOfMemory { requested: 0 }),
+        driver::FORKED_CHILD => Err(BackendError::Unavailable(format!(
+            "{call}: CUDA does not survive fork, and this is a child forked after CUDA \
+             started in its parent: make no CUDA call here, or start workers with the \
+             'spawn' start method"
+        ))),
         other => Err(BackendError::Driver {
             call,
             code: i64::from(other),

@@ -209,6 +209,20 @@ static void forked_child_frees(int (*summary)(unsigned long long *)) {
     gpualloc_empty_cache();
     /* Refused, with the reason, and no driver call. */
     if (gpualloc_malloc(4096, 0, STREAM(1)) != NULL || gpualloc_last_error_code() != GPUALLOC_ERR_UNAVAILABLE) exit(5);
+    /* What else a library in a worker may ask: answered or refused, never
+     * by the driver (the stand-in counts any call). */
+    uint64_t free_b = 0, total_b = 0;
+    if (gpualloc_mem_info(0, &free_b, &total_b) != GPUALLOC_ERR_UNAVAILABLE || !strstr(gpualloc_last_error(), "fork"))
+      exit(6);
+    (void)gpualloc_device_count();
+    size_t largest = 0;
+    (void)gpualloc_cache_info(0, &largest);
+    (void)gpualloc_add_peer_access(0, 1);
+    gpualloc_set_memory_fraction(0.5, 0);
+    struct GpuallocHeld held;
+    (void)gpualloc_held(0, &held);
+    size_t needed = 0;
+    (void)gpualloc_snapshot_json(0, NULL, 0, &needed);
     unsigned long long s[8];
     summary(s);
     exit(s[0] == 0 ? 0 : 4);

@@ -11,6 +11,7 @@
 
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::sys::{self, CUresult};
 
@@ -25,6 +26,58 @@ pub(super) const STREAM_CAPTURE_IMPLICIT: CuResult =
     CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT as u32;
 /// Returned when the library lacks a symbol (an old driver).
 pub(super) const NOT_FOUND: CuResult = CUresult::CUDA_ERROR_NOT_FOUND as u32;
+
+/// Returned, without a call, in a child forked after `cuInit`: not a
+/// driver code (those are below 1000). See Note [No driver call after fork].
+pub(super) const FORKED_CHILD: CuResult = 0xF0_0001;
+
+/// Note [No driver call after fork]
+/// Rationale: CUDA does not survive `fork`. A child forked after `cuInit`
+/// (a DataLoader worker under the `fork` start method) has the parent's
+/// driver state without its threads or its context, and what a driver call
+/// does there is undefined: the checking stand-in driver
+/// (`capi/tests/c/fake_cuda.c`) counts every one. The C ABI already
+/// refuses allocations and skips frees and `empty_cache` there (Note
+/// [Freeing in a forked child] in the C ABI crate), but any other path to
+/// the driver (`mem_info`, `cache_info`, peer access, a backend used from
+/// Rust) would still reach it.
+/// Approach: once `cuInit` succeeded, a `pthread_atfork` child handler sets
+/// a flag, and every function below returns [`FORKED_CHILD`] without
+/// calling the driver while it is set: the backend reports it as
+/// unavailable, naming the cause. One relaxed load per driver call.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+unsafe extern "C" {
+    fn pthread_atfork(
+        prepare: Option<extern "C" fn()>,
+        parent: Option<extern "C" fn()>,
+        child: Option<extern "C" fn()>,
+    ) -> c_int;
+}
+
+/// Registers, once, the fork handler of Note [No driver call after fork];
+/// called after `cuInit` succeeded.
+pub(super) fn watch_forks() {
+    extern "C" fn child() {
+        FORKED.store(true, Ordering::Relaxed);
+    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: `child` is a plain `extern "C"` function that lives as
+        // long as the library, cannot unwind, and only stores an atomic
+        // (async-signal-safe, as a fork handler must be).
+        unsafe {
+            pthread_atfork(None, None, Some(child));
+        }
+    });
+}
+
+/// Whether this is a child forked after `cuInit` (Note [No driver call
+/// after fork]).
+#[inline]
+pub(super) fn in_forked_child() -> bool {
+    FORKED.load(Ordering::Relaxed)
+}
 
 /// Whether `cuMemCreate` failed because exportable memory is refused
 /// (a platform without POSIX descriptor export, or a sandbox).
@@ -59,6 +112,9 @@ const KNOWN: &[CUresult] = &[
 /// The name of a driver code, e.g. `CUDA_ERROR_INVALID_VALUE`, without
 /// calling the driver; `CUDA error 1234` for codes not in the table.
 pub(super) fn name(code: CuResult) -> String {
+    if code == FORKED_CHILD {
+        return "no driver call in a child forked after CUDA started".to_string();
+    }
     KNOWN
         .iter()
         .find(|&&k| k as u32 == code)
@@ -86,6 +142,9 @@ macro_rules! driver_fns {
                 // (cudarc keeps it in a static), so the pointer stays valid.
                 unsafe { sys::culib().get::<F>(symbol).ok().map(|s| *s) }
             });
+            if in_forked_child() {
+                return FORKED_CHILD;
+            }
             match f {
                 // SAFETY: the caller upholds the driver's contract.
                 Some(f) => unsafe { f($($arg),*) },
