@@ -22,6 +22,48 @@ use crate::snapshot::SegmentSnapshot;
 use crate::stats::DeviceStats;
 use crate::trace::recorder::Recorder;
 
+/// Note [Locks held at a fork]
+/// Rationale: a child forked while another thread of its parent held a
+/// device's lock (a DataLoader worker forked while an autograd thread
+/// allocated) inherits the lock held, by a thread it does not have. Any
+/// call of the child that takes the lock (statistics, a snapshot, an
+/// allocation on the simulator) would wait forever: the worker hangs with
+/// no message. Frees there never wait (Note [Freeing in a forked child] in
+/// the C ABI crate).
+/// Approach: the C ABI's fork handler calls [`note_forked_child`]; from
+/// then on the device locks are taken with a timeout of
+/// [`LOCK_WAIT_AFTER_FORK`], which a lock a thread of the child holds
+/// outlasts only in a call far longer than any the allocator makes, and
+/// a lock held at the fork never ends: the call fails with
+/// [`AllocError::HeldAtFork`], naming the cause, instead of hanging. One
+/// relaxed load per lock taken.
+static FORKED_CHILD: AtomicBool = AtomicBool::new(false);
+
+/// How long a device lock is waited for in a forked child (Note [Locks
+/// held at a fork]).
+pub const LOCK_WAIT_AFTER_FORK: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Marks this process as a child forked from one whose allocator ran (Note
+/// [Locks held at a fork]). Only stores an atomic: a fork handler may call it.
+pub fn note_forked_child() {
+    FORKED_CHILD.store(true, Ordering::Relaxed);
+}
+
+/// The device of [`AllocError::HeldAtFork`] for a call that looks for the
+/// owner of a pointer.
+const ANY: i64 = -1;
+
+/// Locks `slot`, device `device`'s; in a forked child, with the timeout of
+/// Note [Locks held at a fork].
+#[inline]
+fn take<T>(slot: &Mutex<T>, device: i64) -> Result<MutexGuard<'_, T>, AllocError> {
+    if !FORKED_CHILD.load(Ordering::Relaxed) {
+        return Ok(slot.lock());
+    }
+    slot.try_lock_for(LOCK_WAIT_AFTER_FORK)
+        .ok_or(AllocError::HeldAtFork { device })
+}
+
 /// Creates the backend of a device on first use.
 pub type BackendFactory<B> = Box<dyn Fn(u32) -> Result<B, BackendError> + Send + Sync>;
 
@@ -75,7 +117,7 @@ impl<B: Backend> Allocator<B> {
     /// [`AllocError::InvalidDevice`], or the backend's failure to start.
     pub fn lock(&self, device: i64) -> Result<DeviceGuard<'_, B>, AllocError> {
         let slot = self.slot(device)?;
-        let mut guard = slot.lock();
+        let mut guard = take(slot, device)?;
         if guard.is_none() {
             let backend = (self.factory)(device as u32)?;
             let mut dev = DeviceAllocator::new(device as u32, backend, self.config.clone());
@@ -118,8 +160,12 @@ impl<B: Backend> Allocator<B> {
         // Each device reads the observer under its own lock (as `lock` does
         // when it creates one), so concurrent calls leave every device with
         // the last observer stored.
-        for slot in &self.devices {
-            if let Some(d) = slot.lock().as_mut() {
+        for (i, slot) in self.devices.iter().enumerate() {
+            // A device locked at a fork keeps its observer (its calls
+            // cannot run in this child).
+            if let Ok(mut g) = take(slot, i as i64)
+                && let Some(d) = g.as_mut()
+            {
                 d.observer = self.observer.lock().clone();
             }
         }
@@ -132,7 +178,7 @@ impl<B: Backend> Allocator<B> {
     /// [`AllocError::InvalidDevice`].
     pub fn peek(&self, device: i64) -> Result<Option<DeviceGuard<'_, B>>, AllocError> {
         let slot = self.slot(device)?;
-        Ok(MutexGuard::try_map(slot.lock(), |d| d.as_mut())
+        Ok(MutexGuard::try_map(take(slot, device)?, |d| d.as_mut())
             .ok()
             .map(DeviceGuard::new))
     }
@@ -145,8 +191,8 @@ impl<B: Backend> Allocator<B> {
         if crate::segment_source::in_source_call() {
             return Err(AllocError::CalledBack { device: -1 });
         }
-        for slot in &self.devices {
-            if let Ok(d) = MutexGuard::try_map(slot.lock(), |d| d.as_mut()) {
+        for (i, slot) in self.devices.iter().enumerate() {
+            if let Ok(d) = MutexGuard::try_map(take(slot, i as i64)?, |d| d.as_mut()) {
                 let mut d = DeviceGuard::new(d);
                 if !d.poisoned {
                     f(&mut d)?;
@@ -346,7 +392,10 @@ impl<B: Backend> Allocator<B> {
             if owner.is_some() || !wait {
                 break;
             }
-            owner = Self::owning(slot.lock(), ptr);
+            match take(slot, ANY) {
+                Ok(guard) => owner = Self::owning(guard, ptr),
+                Err(e) => return Some(Err(e)),
+            }
         }
         owner.map(|mut d| {
             if d.poisoned {

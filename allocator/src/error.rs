@@ -119,6 +119,13 @@ pub enum AllocError {
         /// a pointer, or goes over every device).
         device: i64,
     },
+    /// In a child forked while another thread of the parent held this
+    /// device's lock, which no thread of the child will ever release (Note
+    /// [Locks held at a fork] in `allocator.rs`); nothing was done.
+    HeldAtFork {
+        /// The device.
+        device: i64,
+    },
 }
 
 impl AllocError {
@@ -270,6 +277,15 @@ impl fmt::Display for AllocError {
             AllocError::Poisoned { device } => write!(
                 f,
                 "gpualloc: device {device} is unusable: an internal error interrupted an operation on it and its state may be inconsistent; restart the process"
+            ),
+            AllocError::HeldAtFork { device } => write!(
+                f,
+                "gpualloc: {} cannot be used in this process: it was forked while another thread of its parent held the device's lock, which no thread here will release (start worker processes with the 'spawn' start method, or fork before using the GPU)",
+                if *device < 0 {
+                    "a device".to_string()
+                } else {
+                    format!("device {device}")
+                }
             ),
             AllocError::CalledBack { device } => write!(
                 f,

@@ -88,6 +88,7 @@ impl From<AllocError> for Error {
             | AllocError::CalledBack { .. } => GPUALLOC_ERR_INVALID_ARGUMENT,
             AllocError::Backend(b) => return b.clone().into(),
             AllocError::Poisoned { .. } => GPUALLOC_ERR_PANIC,
+            AllocError::HeldAtFork { .. } => GPUALLOC_ERR_UNAVAILABLE,
             _ => GPUALLOC_ERR_BACKEND,
         };
         let oom = GpuallocOomInfo::from_error(&e).map(Box::new);

@@ -22,6 +22,9 @@
 //! driver call after fork] in the core crate's `backend/cuda/driver.rs`). The exit
 //! handler for the unmapping helpers, which are the parent's, returns at
 //! once. One relaxed load on the free path and on the allocation path.
+//! Every other call that needs a device's lock waits for it a bounded time
+//! in such a child and then fails, naming the cause (Note [Locks held at a
+//! fork] in the core crate's `allocator.rs`).
 //!
 //! The same registration holds the trace control lock across the fork
 //! (`prepare` takes it, `parent` and `child` release it), so a child never
@@ -57,6 +60,7 @@ pub(crate) fn watch() {
     }
     extern "C" fn child() {
         FORKED.store(true, Ordering::Relaxed);
+        gpualloc::allocator::note_forked_child();
         gpualloc::trace::control_lock::after_fork_in_child();
         crate::sigterm::reset_in_child();
     }

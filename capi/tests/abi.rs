@@ -962,7 +962,9 @@ int main(void) {
 /// waits until the fork happened) frees what it inherited without waiting
 /// for that lock, which no thread of the child will ever release; it frees
 /// nothing, the memory being its parent's. So do the calls that drop an
-/// inherited graph's or MemPool's pool and an IPC tensor.
+/// inherited graph's or MemPool's pool and an IPC tensor. The calls that
+/// need the lock fail, naming the cause, instead of waiting for good (Note
+/// [Locks held at a fork]).
 #[test]
 fn a_forked_child_frees_without_the_locks_other_threads_held() {
     let (_out, exe) = build_inline(
@@ -973,6 +975,7 @@ fn a_forked_child_frees_without_the_locks_other_threads_held() {
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
 static pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
@@ -1003,7 +1006,7 @@ int main(void) {
   pthread_mutex_unlock(&m);
   pid_t pid = fork();
   if (pid == 0) {
-    alarm(10);  /* a child stuck on the lock is killed, and the test fails */
+    alarm(30);  /* a child stuck on the lock is killed, and the test fails */
     gpualloc_free(p, 4096, 0, 0);
     uint64_t size = 1;
     int owner = 0;
@@ -1012,6 +1015,14 @@ int main(void) {
     if (gpualloc_release_pool(0, 9, 9) != GPUALLOC_OK) _exit(4);
     if (gpualloc_empty_pool_cache(0, 9, 9) != GPUALLOC_OK) _exit(5);
     if (gpualloc_ipc_close(p) != GPUALLOC_OK) _exit(6);
+    /* What waits for the device's lock fails, naming the cause, rather
+     * than wait for good (Note [Locks held at a fork]). */
+    struct GpuallocHeld held;
+    if (gpualloc_held(0, &held) != GPUALLOC_ERR_UNAVAILABLE || !strstr(gpualloc_last_error(), "forked")) _exit(7);
+    size_t needed = 0;
+    if (gpualloc_snapshot_json(0, NULL, 0, &needed) != GPUALLOC_ERR_UNAVAILABLE) _exit(8);
+    if (gpualloc_malloc(4096, 0, 0) != NULL || gpualloc_last_error_code() != GPUALLOC_ERR_UNAVAILABLE) _exit(9);
+    gpualloc_record_stream(p, (cudaStream_t)5);  /* returns */
     _exit(0);
   }
   pthread_mutex_lock(&m);
