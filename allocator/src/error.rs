@@ -281,22 +281,23 @@ impl fmt::Display for AllocError {
             AllocError::HeldAtFork { device } => write!(
                 f,
                 "gpualloc: {} cannot be used in this process: it was forked while another thread of its parent held the device's lock, which no thread here will release (start worker processes with the 'spawn' start method, or fork before using the GPU)",
-                if *device < 0 {
-                    "a device".to_string()
-                } else {
-                    format!("device {device}")
-                }
+                device_words(*device, "a device")
             ),
             AllocError::CalledBack { device } => write!(
                 f,
                 "gpualloc: called ({}) from another allocator's allocation, free or drop for a MemPool it serves, which gpualloc runs holding its lock; that allocator must not allocate through PyTorch's allocator",
-                if *device < 0 {
-                    "any device".to_string()
-                } else {
-                    format!("device {device}")
-                }
+                device_words(*device, "any device")
             ),
         }
+    }
+}
+
+/// "device N", or `none` for the -1 of a call that names no device.
+fn device_words(device: i64, none: &str) -> String {
+    if device < 0 {
+        none.to_string()
+    } else {
+        format!("device {device}")
     }
 }
 
