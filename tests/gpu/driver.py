@@ -228,6 +228,19 @@ def trace_path(logdir, check, name):
     return os.path.abspath(os.path.join(logdir, "..", "traces", f"{check}.gtrace"))
 
 
+def save_summary(out, summary, start, complete):
+    """Writes OUT/summary.json (through a temporary file and a rename, so a
+    kill leaves the last whole one) with the time so far, the failures so
+    far and whether every planned check has run ("complete")."""
+    summary["total_s"] = round(time.time() - start, 1)
+    summary["failures"] = failures(summary["runs"])
+    summary["complete"] = complete
+    path = os.path.join(out, "summary.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+    os.replace(path + ".tmp", path)
+
+
 def write_results(out, name, md, runs):
     """Prints the Markdown table `md` and writes it to OUT/NAME.md, and
     `runs` to OUT/NAME.json."""
@@ -548,10 +561,10 @@ def main():
             summary["compare"][check] = table
             for name, v in table.items():
                 print(f"  {check}.{name}: " + " ".join(f"{a}={v.get(a)}" for a in variants), flush=True)
-    summary["total_s"] = round(time.time() - start, 1)
-    summary["failures"] = failures(summary["runs"])
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2, default=str)
+        # What ran so far, in case this process is killed before its end
+        # (a device call's time limit): "complete" says which it is.
+        save_summary(args.out, summary, start, complete=False)
+    save_summary(args.out, summary, start, complete=True)
     for key, why in summary["failures"].items():
         print(f"FAILED {key}: {why}", flush=True)
     print(f"summary: {os.path.join(args.out, 'summary.json')} ({summary['total_s']} s); "

@@ -21,7 +21,8 @@ python3 -m unittest python-shim/tests/test_torch_compat.py -v 2>&1 | tee "$RESUL
 python3 tests/gpu/driver.py --out "$RESULTS" "$@" 2>&1 | tee "$RESULTS/driver.log"
 rc=${PIPESTATUS[0]}
 # One file for the runs' logs (a device run brings back only so many files;
-# a run.sh killed before this line leaves them in logs/). The status is
+# a run.sh killed before this line leaves them in logs/, and summary.json
+# with the checks that finished, marked "complete": false). The status is
 # driver.py's: 1 when a run failed (it prints each, and summary.json's
 # "failures" lists them), 0 when none did; a run the time budget skipped is
 # no failure.

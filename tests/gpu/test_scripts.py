@@ -255,6 +255,25 @@ class TimedLoops(unittest.TestCase):
         self.assertIsNone(driver.compare_timed("churn", runs, ["native", "gpualloc"]))
 
 
+class SummaryFile(unittest.TestCase):
+    def test_written_whole_after_each_check_and_marked_complete_at_the_end(self):
+        import json
+        import tempfile
+        import time
+        with tempfile.TemporaryDirectory() as out:
+            summary = {"runs": {"churn/native": {"result": {"us_per_alloc_free": 1.0}},
+                                "churn/gpualloc": {"error": "no result (rc -11)"}}}
+            driver.save_summary(out, summary, time.time(), complete=False)
+            with open(os.path.join(out, "summary.json")) as f:
+                got = json.load(f)
+            self.assertFalse(got["complete"])
+            self.assertIn("churn/gpualloc", got["failures"])
+            driver.save_summary(out, summary, time.time(), complete=True)
+            with open(os.path.join(out, "summary.json")) as f:
+                self.assertTrue(json.load(f)["complete"])
+            self.assertEqual(os.listdir(out), ["summary.json"])
+
+
 class Profiler(unittest.TestCase):
     def test_off_without_a_window_and_clear_about_a_bad_one(self):
         p = StepProfiler("")
