@@ -5,7 +5,7 @@
 //! device's `parking_lot::Mutex` once; nothing else is shared on the hot path.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 
@@ -35,8 +35,11 @@ use crate::trace::recorder::Recorder;
 /// [`LOCK_WAIT_AFTER_FORK`], which a lock a thread of the child holds
 /// outlasts only in a call far longer than any the allocator makes, and
 /// a lock held at the fork never ends: the call fails with
-/// [`AllocError::HeldAtFork`], naming the cause, instead of hanging. One
-/// relaxed load per lock taken.
+/// [`AllocError::HeldAtFork`], naming the likely cause, instead of hanging,
+/// and later calls on that device fail at once. The trace's calls over
+/// every device (stopping, flushing, marks, and the exit handler that
+/// completes the trace) pass over such a device. One relaxed load per lock
+/// taken.
 static FORKED_CHILD: AtomicBool = AtomicBool::new(false);
 
 /// How long a device lock is waited for in a forked child (Note [Locks
@@ -49,19 +52,33 @@ pub fn note_forked_child() {
     FORKED_CHILD.store(true, Ordering::Relaxed);
 }
 
-/// The device of [`AllocError::HeldAtFork`] for a call that looks for the
-/// owner of a pointer.
-const ANY: i64 = -1;
+/// Devices (by bit, the first 64) whose lock a forked child waited for in
+/// vain: later calls fail at once (Note [Locks held at a fork]).
+static HELD_AT_FORK: AtomicU64 = AtomicU64::new(0);
 
 /// Locks `slot`, device `device`'s; in a forked child, with the timeout of
-/// Note [Locks held at a fork].
+/// Note [Locks held at a fork], once per device.
 #[inline]
-fn take<T>(slot: &Mutex<T>, device: i64) -> Result<MutexGuard<'_, T>, AllocError> {
+pub(crate) fn take<T>(slot: &Mutex<T>, device: i64) -> Result<MutexGuard<'_, T>, AllocError> {
     if !FORKED_CHILD.load(Ordering::Relaxed) {
         return Ok(slot.lock());
     }
-    slot.try_lock_for(LOCK_WAIT_AFTER_FORK)
-        .ok_or(AllocError::HeldAtFork { device })
+    let bit = u32::try_from(device)
+        .ok()
+        .and_then(|d| 1u64.checked_shl(d))
+        .unwrap_or(0);
+    let wait = if HELD_AT_FORK.load(Ordering::Relaxed) & bit != 0 {
+        std::time::Duration::ZERO
+    } else {
+        LOCK_WAIT_AFTER_FORK
+    };
+    match slot.try_lock_for(wait) {
+        Some(g) => Ok(g),
+        None => {
+            HELD_AT_FORK.fetch_or(bit, Ordering::Relaxed);
+            Err(AllocError::HeldAtFork { device })
+        }
+    }
 }
 
 /// Creates the backend of a device on first use.
@@ -336,10 +353,14 @@ impl<B: Backend> Allocator<B> {
 
     /// The block size of the live allocation at `ptr`, on whichever device
     /// holds it; None for a pointer no device holds.
-    pub fn allocation_size(&self, ptr: DevicePtr) -> Option<u64> {
+    ///
+    /// # Errors
+    /// [`AllocError::Poisoned`] or [`AllocError::HeldAtFork`] from the
+    /// device that may hold it.
+    pub fn allocation_size(&self, ptr: DevicePtr) -> Result<Option<u64>, AllocError> {
         self.with_owner(ptr, |d| Ok(d.allocation_size(ptr)))
-            .and_then(Result::ok)
-            .flatten()
+            .transpose()
+            .map(Option::flatten)
     }
 
     fn free_anywhere(&self, ptr: DevicePtr) -> Result<(), AllocError> {
@@ -377,7 +398,7 @@ impl<B: Backend> Allocator<B> {
         }
         let mut busy = Vec::new();
         let mut owner = None;
-        for slot in &self.devices {
+        for (i, slot) in self.devices.iter().enumerate() {
             match slot.try_lock() {
                 Some(guard) => {
                     owner = Self::owning(guard, ptr);
@@ -385,14 +406,14 @@ impl<B: Backend> Allocator<B> {
                         break;
                     }
                 }
-                None => busy.push(slot),
+                None => busy.push((i, slot)),
             }
         }
-        for slot in busy {
+        for (i, slot) in busy {
             if owner.is_some() || !wait {
                 break;
             }
-            match take(slot, ANY) {
+            match take(slot, i as i64) {
                 Ok(guard) => owner = Self::owning(guard, ptr),
                 Err(e) => return Some(Err(e)),
             }

@@ -119,9 +119,11 @@ pub enum AllocError {
         /// a pointer, or goes over every device).
         device: i64,
     },
-    /// In a child forked while another thread of the parent held this
-    /// device's lock, which no thread of the child will ever release (Note
-    /// [Locks held at a fork] in `allocator.rs`); nothing was done.
+    /// In a child forked from a process whose allocator runs, this device's
+    /// lock was not released in time: most likely another thread of the
+    /// parent held it at the fork, and no thread of the child will ever
+    /// release it (Note [Locks held at a fork] in `allocator.rs`); nothing
+    /// was done.
     HeldAtFork {
         /// The device.
         device: i64,
@@ -280,7 +282,7 @@ impl fmt::Display for AllocError {
             ),
             AllocError::HeldAtFork { device } => write!(
                 f,
-                "gpualloc: {} cannot be used in this process: it was forked while another thread of its parent held the device's lock, which no thread here will release (start worker processes with the 'spawn' start method, or fork before using the GPU)",
+                "gpualloc: {} cannot be used in this process: this process was forked from one whose allocator runs, and the device's lock was not released within 2 s, most likely because another thread of the parent held it at the fork, which no thread here will release (start worker processes with the 'spawn' start method, or fork before using the GPU)",
                 device_words(*device, "a device")
             ),
             AllocError::CalledBack { device } => write!(

@@ -286,9 +286,13 @@ impl<B: Backend> Allocator<B> {
 
     /// Runs `f` on every created device, one lock at a time, then publishes
     /// the device's newly dropped trace events in its stats.
+    /// A device whose lock a forked child cannot take is passed over (Note
+    /// [Locks held at a fork] in `allocator.rs`).
     fn each_device(&self, mut f: impl FnMut(&mut DeviceAllocator<B>)) {
-        for slot in &self.devices {
-            if let Some(d) = slot.lock().as_mut() {
+        for (i, slot) in self.devices.iter().enumerate() {
+            if let Ok(mut g) = crate::allocator::take(slot, i as i64)
+                && let Some(d) = g.as_mut()
+            {
                 d.begin_call();
                 sync_drops(d);
                 f(d);

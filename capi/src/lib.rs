@@ -387,7 +387,7 @@ pub unsafe extern "C" fn gpualloc_allocation_size(ptr: *mut c_void, size: *mut u
         let g = existing().ok_or_else(|| not_ours("allocation_size", ptr))?;
         let s = g
             .alloc
-            .allocation_size(ptr as usize as u64)
+            .allocation_size(ptr as usize as u64)?
             .ok_or_else(|| not_ours("allocation_size", ptr))?;
         boundary::write_out(size, s, "size")
     })

@@ -963,8 +963,9 @@ int main(void) {
 /// for that lock, which no thread of the child will ever release; it frees
 /// nothing, the memory being its parent's. So do the calls that drop an
 /// inherited graph's or MemPool's pool and an IPC tensor. The calls that
-/// need the lock fail, naming the cause, instead of waiting for good (Note
-/// [Locks held at a fork]).
+/// need the lock fail, naming the cause, instead of waiting for good, and
+/// the inherited trace's mark, flush and exit handler pass over the device
+/// (Note [Locks held at a fork]).
 #[test]
 fn a_forked_child_frees_without_the_locks_other_threads_held() {
     let (_out, exe) = build_inline(
@@ -975,6 +976,7 @@ fn a_forked_child_frees_without_the_locks_other_threads_held() {
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -996,6 +998,9 @@ static void *grow(void *arg) {
   return NULL;
 }
 int main(void) {
+  char trace[64];
+  snprintf(trace, sizeof trace, "/tmp/gpualloc-fork-lock-%d.gtrace", (int)getpid());
+  if (gpualloc_trace_start(trace) != GPUALLOC_OK) return 3;
   void *p = gpualloc_malloc(4096, 0, 0);
   if (p == NULL) return 2;
   gpualloc_set_segment_observer(observer, NULL);
@@ -1023,7 +1028,12 @@ int main(void) {
     if (gpualloc_snapshot_json(0, NULL, 0, &needed) != GPUALLOC_ERR_UNAVAILABLE) _exit(8);
     if (gpualloc_malloc(4096, 0, 0) != NULL || gpualloc_last_error_code() != GPUALLOC_ERR_UNAVAILABLE) _exit(9);
     gpualloc_record_stream(p, (cudaStream_t)5);  /* returns */
-    _exit(0);
+    /* The parent's trace, inherited: a mark, a stop and the exit handler
+     * that completes a trace pass over the device. */
+    (void)gpualloc_mark("in the child");
+    (void)gpualloc_trace_flush();
+    (void)gpualloc_trace_stop(NULL);
+    exit(0);
   }
   pthread_mutex_lock(&m);
   forked = 1;
@@ -1033,6 +1043,8 @@ int main(void) {
   int status = 0;
   waitpid(pid, &status, 0);
   gpualloc_free(p, 4096, 0, 0);
+  gpualloc_trace_stop(NULL);
+  unlink(trace);
   if (WIFEXITED(status) && WEXITSTATUS(status) != 0) printf("child exit %d\n", WEXITSTATUS(status));
   printf("child %s\n", WIFEXITED(status) && WEXITSTATUS(status) == 0 ? "freed" : "stuck");
   return 0;

@@ -511,6 +511,7 @@ def main():
     summary = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": {}, "compare": {}}
 
     summary["bridge_build"] = build_bridge(os.path.join(args.out, "logs"))
+    save_summary(args.out, summary, start, complete=False)
 
     for check, timeout, steps in PLAN:
         if only and check not in only:
@@ -531,6 +532,7 @@ def main():
             r = run_one(check, alloc, min(timeout, left), steps, os.path.join(args.out, "logs"))
             r = budget_cut(r, left < timeout, args.budget)
             summary["runs"][key] = r
+            save_summary(args.out, summary, start, complete=False)
             res = r.get("result", {})
             brief = r.get("error") or r.get("skipped") or (f"{res.get('passed')}/{res.get('total')} passed" if "passed" in res else "done")
             print(f"{key}: {brief} ({r['wall_s']} s)", flush=True)
@@ -561,8 +563,9 @@ def main():
             summary["compare"][check] = table
             for name, v in table.items():
                 print(f"  {check}.{name}: " + " ".join(f"{a}={v.get(a)}" for a in variants), flush=True)
-        # What ran so far, in case this process is killed before its end
-        # (a device call's time limit): "complete" says which it is.
+        # What ran so far, with the comparisons, in case this process is
+        # killed before its end (a device call's time limit): "complete"
+        # says which it is.
         save_summary(args.out, summary, start, complete=False)
     save_summary(args.out, summary, start, complete=True)
     for key, why in summary["failures"].items():

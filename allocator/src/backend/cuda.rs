@@ -1373,6 +1373,10 @@ mod tests {
             Err(BackendError::OutOfMemory { requested: 0 })
         );
         assert_eq!(check("cuX", driver::SUCCESS), Ok(()));
+        // The answer in a forked child (Note [No driver call after fork]).
+        assert!(
+            matches!(check("cuMemGetInfo", driver::FORKED_CHILD), Err(BackendError::Unavailable(m)) if m.contains("fork") && m.contains("cuMemGetInfo"))
+        );
         // A code this build does not know is an error, not undefined behaviour.
         assert_eq!(
             check("cuX", 123_456).unwrap_err(),

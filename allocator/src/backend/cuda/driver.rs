@@ -41,7 +41,10 @@ pub(super) const FORKED_CHILD: CuResult = 0xF0_0001;
 /// [Freeing in a forked child] in the C ABI crate), but any other path to
 /// the driver (`mem_info`, `cache_info`, peer access, a backend used from
 /// Rust) would still reach it.
-/// Approach: once `cuInit` succeeded, a `pthread_atfork` child handler sets
+/// Approach: once gpualloc's own `cuInit` succeeded (a process that forks
+/// after PyTorch started CUDA but before gpualloc's first driver call is
+/// not covered; the C ABI's refusals above are), a `pthread_atfork` child
+/// handler sets
 /// a flag, and every function below returns [`FORKED_CHILD`] without
 /// calling the driver while it is set: the backend reports it as
 /// unavailable, naming the cause. One relaxed load per driver call.
@@ -134,6 +137,11 @@ macro_rules! driver_fns {
         pub(super) unsafe fn $fname($($arg: $ty),*) -> CuResult {
             type F = unsafe extern "C" fn($($ty),*) -> CuResult;
             static SYM: OnceLock<Option<F>> = OnceLock::new();
+            // First: a symbol first looked up in a forked child could wait
+            // on a lookup a parent thread had under way at the fork.
+            if in_forked_child() {
+                return FORKED_CHILD;
+            }
             let f = SYM.get_or_init(|| {
                 let symbol = concat!(stringify!($fname), "\0").as_bytes();
                 // SAFETY: the driver exports this symbol with this C
@@ -142,9 +150,6 @@ macro_rules! driver_fns {
                 // (cudarc keeps it in a static), so the pointer stays valid.
                 unsafe { sys::culib().get::<F>(symbol).ok().map(|s| *s) }
             });
-            if in_forked_child() {
-                return FORKED_CHILD;
-            }
             match f {
                 // SAFETY: the caller upholds the driver's contract.
                 Some(f) => unsafe { f($($arg),*) },

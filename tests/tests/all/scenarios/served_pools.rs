@@ -370,10 +370,10 @@ fn a_free_called_back_from_a_source_is_done_when_the_call_returns() {
         a.end_allocate_to_pool(0, POOL).unwrap();
         assert_eq!(victims.lock().unwrap().len(), 1, "{policy}: the source ran");
         assert!(
-            a.allocation_size(first).is_none(),
+            a.allocation_size(first).unwrap().is_none(),
             "{policy}: the free called back was lost"
         );
-        let pool_block = a.allocation_size(p).unwrap() as i64;
+        let pool_block = a.allocation_size(p).unwrap().unwrap() as i64;
         assert_eq!(
             allocated(&a),
             base - 8 * MIB as i64 + pool_block,
@@ -389,7 +389,7 @@ fn a_free_called_back_from_a_source_is_done_when_the_call_returns() {
             "{policy}: the source's release ran"
         );
         assert!(
-            a.allocation_size(second).is_none(),
+            a.allocation_size(second).unwrap().is_none(),
             "{policy}: the free called back was lost"
         );
         assert_eq!(allocated(&a), 0, "{policy}");
