@@ -36,8 +36,10 @@
 //! PyTorch's expandable segments are (network cards and storage that
 //! libraries register tensors with read and write them directly).
 //!
-//! This module (with `driver.rs`, `exported.rs` and `imported.rs`) is the
-//! only one of the crate that may use `unsafe`.
+//! Beside this file: `driver.rs` (the driver's symbols), `context.rs`
+//! (contexts bound for each call), `unmapping.rs` (the unmapping helper's
+//! side here), `exported.rs` and `imported.rs`. This module and those are
+//! the only ones of the crate that may use `unsafe`.
 
 use std::collections::BTreeMap;
 use std::mem::MaybeUninit;
@@ -48,15 +50,19 @@ use cudarc::driver::sys;
 use driver::CuResult;
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::unmapper::{self, Job, Unmapper};
+use super::unmapper::{Job, Unmapper};
 use super::{
     Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId, other_device_stream,
 };
 use crate::cost::{DriverCall, DriverCalls};
 
+mod context;
 mod driver;
 pub mod exported;
 pub mod imported;
+mod unmapping;
+
+use context::{Bound, RelaxedCaptureMode, bind_context, cu_device};
 
 /// Events kept for reuse after [`Backend::destroy_event`]; more are destroyed.
 const EVENT_POOL_MAX: usize = 1024;
@@ -178,14 +184,6 @@ pub struct CudaBackend {
     helper_calls: Arc<parking_lot::Mutex<DriverCalls>>,
 }
 
-/// A context handle moved to the helper thread.
-struct SendContext(sys::CUcontext);
-
-// SAFETY: a CUcontext is a process-wide driver handle, valid on any thread;
-// the helper only makes it current there. The backend that retained it
-// joins the helper before releasing it (`Drop`).
-unsafe impl Send for SendContext {}
-
 // SAFETY: a CUcontext and CUevents are process-wide driver handles, valid on
 // any thread (the driver serializes access to them). The backend is only
 // ever used by one thread at a time (it lives behind its device's lock), and
@@ -293,12 +291,6 @@ impl CudaBackend {
         prop
     }
 
-    /// The lock of Note [One VMM call at a time], taken while the helper
-    /// runs in this process (none without it, or in a forked child).
-    fn vmm_turn(&self) -> Option<parking_lot::MutexGuard<'_, ()>> {
-        self.unmapper.as_ref().and_then(Unmapper::turn)
-    }
-
     /// Runs one driver call, counting it and its time; a VMM call waits
     /// for the helper's (Note [One VMM call at a time]).
     #[inline]
@@ -366,210 +358,11 @@ impl CudaBackend {
         }
     }
 
-    /// Records an event on `stream` in the stream's own context when that
-    /// is not this device's (an error otherwise). Such events are kept out
-    /// of the pool and destroyed in their context (`destroy_event`).
-    fn record_foreign(&mut self, stream: StreamId) -> Result<EventId, BackendError> {
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: `stream` is a stream handle PyTorch passed; `ctx` is a
-        // valid out-pointer. On a stream destroyed since, CUDA leaves the
-        // call undefined and the driver reports an invalid handle; PyTorch's
-        // own allocator records events on such streams as well.
-        check("cuStreamGetCtx", unsafe {
-            driver::cuStreamGetCtx(stream_of(stream), &mut ctx)
-        })?;
-        if ctx.is_null() || ctx == self.ctx {
-            return Err(BackendError::Unavailable(
-                "the stream belongs to this device's context".into(),
-            ));
-        }
-        self.record_in(ctx, stream_of(stream))
-    }
-
-    /// Records an event on `stream`, a stream of context `ctx` (another
-    /// device's), as `record_foreign` does.
-    fn record_in(
-        &mut self,
-        ctx: sys::CUcontext,
-        stream: sys::CUstream,
-    ) -> Result<EventId, BackendError> {
-        let _bound = bind_context(ctx)?;
-        let ev = create_event()?;
-        // SAFETY: `ev` and `stream` both belong to `ctx`, which is current
-        // (a shared handle such as 0 names `ctx`'s own default stream).
-        let r = self.timed(DriverCall::EventRecord, (0, 0), || unsafe {
-            driver::cuEventRecord(ev, stream)
-        });
-        if let Err(e) = check("cuEventRecord", r) {
-            // SAFETY: `ev` was just created in the current context and is
-            // referred to nowhere else.
-            let _ = unsafe { driver::cuEventDestroy_v2(ev) };
-            return Err(e);
-        }
-        self.foreign_events.insert(ev as usize, ctx);
-        Ok(ev as usize as EventId)
-    }
-
-    /// The primary context of device `ordinal`, retained on first use and
-    /// released on drop (Note [Streams of other devices]).
-    fn context_of(&mut self, ordinal: u32) -> Result<sys::CUcontext, BackendError> {
-        if ordinal == self.ordinal {
-            return Ok(self.ctx);
-        }
-        if let Some(&ctx) = self.other_contexts.get(&ordinal) {
-            return Ok(ctx);
-        }
-        let dev = cu_device(ordinal)?;
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: `dev` came from cuDeviceGet; `ctx` is a valid out-pointer.
-        // The retain is balanced by the release in `Drop`.
-        check("cuDevicePrimaryCtxRetain", unsafe {
-            driver::cuDevicePrimaryCtxRetain(&mut ctx, dev)
-        })?;
-        self.other_contexts.insert(ordinal, ctx);
-        Ok(ctx)
-    }
-
-    /// Binds the context `stream` belongs to, with its driver handle: for a
-    /// shared handle of another device (Note [Streams of other devices])
-    /// that device's context and the plain handle, else this device's.
-    fn bind_stream(&mut self, stream: StreamId) -> Result<(Bound, sys::CUstream), BackendError> {
-        match other_device_stream(stream) {
-            Some((device, handle)) => {
-                let ctx = self.context_of(device)?;
-                Ok((bind_context(ctx)?, stream_of(handle)))
-            }
-            None => Ok((self.bind()?, stream_of(stream))),
-        }
-    }
-
-    /// Binds the context `event` was made in: this device's, or the
-    /// stream's for an event of `record_foreign`.
-    fn bind_for(&self, event: EventId) -> Result<Bound, BackendError> {
-        let ctx = self.foreign_events.get(&(event_of(event) as usize));
-        bind_context(ctx.copied().unwrap_or(self.ctx))
-    }
-
-    /// The helper thread, started on first use; `None` when it cannot start.
-    fn unmapper(&mut self) -> Option<&Unmapper> {
-        if self.unmapper.is_none() && !self.no_unmapper {
-            let ctx = SendContext(self.ctx);
-            let calls = Arc::clone(&self.helper_calls);
-            let mut bound = false;
-            let work = Box::new(move |job: Job| {
-                let ctx = &ctx;
-                if !bound {
-                    // The helper's own thread: the context stays current.
-                    // SAFETY: `ctx.0` is the primary context the backend
-                    // retains until it has joined this thread.
-                    check("cuCtxSetCurrent", unsafe { driver::cuCtxSetCurrent(ctx.0) })?;
-                    // A job may run while another thread captures a graph:
-                    // in relaxed mode its calls neither fail nor spoil that
-                    // capture (the range it unmaps is no captured work's).
-                    std::mem::forget(RelaxedCaptureMode::enter()?);
-                    bound = true;
-                }
-                let t = Instant::now();
-                let r = run_job(job);
-                let (call, size, handles) = match job {
-                    Job::Unmap { size, handles, .. } => (DriverCall::Unmap, size, handles),
-                    Job::Free { size, .. } => (DriverCall::AddressFree, size, 0),
-                };
-                calls
-                    .lock()
-                    .add(call, handles, size, t.elapsed().as_nanos() as u64);
-                r
-            });
-            match Unmapper::start(format!("gpualloc-unmap-{}", self.ordinal), work) {
-                Ok(u) => {
-                    u.hold(self.held);
-                    self.unmapper = Some(u);
-                }
-                Err(e) => {
-                    tracing::warn!(
-                        "gpualloc: device {}: no unmapping thread ({e}); unmapping on the allocating thread",
-                        self.ordinal
-                    );
-                    self.no_unmapper = true;
-                }
-            }
-        }
-        self.unmapper.as_ref()
-    }
-
-    /// Waits for the helper's jobs over `[lo, hi)` (all of them with
-    /// `None`) and does again, here, those that failed on the helper, up to
-    /// the last one over the range, counting the time as `cuMemUnmap`'s. An
-    /// error: one of those failed again (it and the rest are kept for the
-    /// next wait).
-    fn wait_later(&mut self, range: Option<(DevicePtr, DevicePtr)>) -> Result<(), BackendError> {
-        let Some(u) = &self.unmapper else {
-            return Ok(());
-        };
-        if u.is_idle() {
-            return Ok(());
-        }
-        let t = Instant::now();
-        match range {
-            Some((lo, hi)) => u.wait_range(lo, hi),
-            None => u.wait_all(),
-        }
-        let failed = u.failed();
-        let result = if failed.is_empty() {
-            Ok(())
-        } else {
-            self.redo(&failed, range)
-        };
-        self.calls
-            .add_time(DriverCall::Unmap, t.elapsed().as_nanos() as u64);
-        result
-    }
-
-    /// [`unmapper::redo`] with the driver on this thread, in relaxed
-    /// capture mode as on the helper (a map during a capture waits here);
-    /// the jobs done leave the helper's failed list, the others stay.
-    fn redo(
-        &mut self,
-        jobs: &[Job],
-        range: Option<(DevicePtr, DevicePtr)>,
-    ) -> Result<(), BackendError> {
-        let _bound = self.bind()?;
-        let _relaxed = RelaxedCaptureMode::enter().ok();
-        let (result, done) = unmapper::redo(jobs, range, |job| {
-            let _turn = self.vmm_turn();
-            run_job(job)
-        });
-        if let Some(u) = &self.unmapper {
-            u.forget(&done);
-        }
-        result
-    }
-
     fn take_event(&mut self) -> Result<sys::CUevent, BackendError> {
         match self.spare_events.pop() {
             Some(e) => Ok(e),
             None => create_event(),
         }
-    }
-}
-
-/// Does one of the helper's jobs on the calling thread, in the context the
-/// caller made current: on the helper, or on the allocating thread when a
-/// job that failed there is done again (`CudaBackend::redo`).
-fn run_job(job: Job) -> Result<(), BackendError> {
-    match job {
-        // SAFETY: the allocator gave the range up (`unmap_later`): a run of
-        // whole mappings no queued work touches, which the backend maps
-        // over only after this job is done.
-        Job::Unmap { ptr, size, .. } => check("cuMemUnmap", unsafe {
-            driver::cuMemUnmap(ptr, size as usize)
-        }),
-        // SAFETY: a reservation of this backend whose ranges were unmapped
-        // by the jobs before this one (a Free waits behind a failed Unmap
-        // inside it: `unmapper::blocked`, `unmapper::redo`).
-        Job::Free { ptr, size } => check("cuMemAddressFree", unsafe {
-            driver::cuMemAddressFree(ptr, size as usize)
-        }),
     }
 }
 
@@ -585,57 +378,6 @@ fn create_event() -> Result<sys::CUevent, BackendError> {
     Ok(ev)
 }
 
-/// The driver's handle of device `ordinal` (the driver is initialized).
-fn cu_device(ordinal: u32) -> Result<sys::CUdevice, BackendError> {
-    let o = std::ffi::c_int::try_from(ordinal)
-        .map_err(|_| BackendError::Unavailable(format!("no CUDA device {ordinal}")))?;
-    let mut dev: sys::CUdevice = 0;
-    // SAFETY: the driver is initialized (callers hold a backend or have
-    // counted devices); `dev` is a valid out-pointer.
-    check("cuDeviceGet", unsafe { driver::cuDeviceGet(&mut dev, o) })?;
-    Ok(dev)
-}
-
-/// Makes `ctx` current on this thread if it is not; the guard restores the
-/// previous one.
-fn bind_context(ctx: sys::CUcontext) -> Result<Bound, BackendError> {
-    let mut cur: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: the driver is initialized (a backend exists only after `new`
-    // succeeded); `cur` is a valid out-pointer.
-    check("cuCtxGetCurrent", unsafe {
-        driver::cuCtxGetCurrent(&mut cur)
-    })?;
-    if cur == ctx {
-        return Ok(Bound { previous: None });
-    }
-    // SAFETY: `ctx` is a live context: a primary context retained by a
-    // backend, or the context of a live stream.
-    check("cuCtxSetCurrent", unsafe { driver::cuCtxSetCurrent(ctx) })?;
-    Ok(Bound {
-        previous: Some(cur),
-    })
-}
-
-/// Puts the thread's previous context back when dropped (`bind_context`).
-#[must_use = "the context is current only while the guard lives"]
-struct Bound {
-    /// The context current before, when it was another one (null: none).
-    previous: Option<sys::CUcontext>,
-}
-
-impl Drop for Bound {
-    fn drop(&mut self) {
-        if let Some(prev) = self.previous {
-            // SAFETY: `prev` was current on this thread when the guard was
-            // made, within the same backend call, so it is still alive (or
-            // null, which makes no context current). A failure cannot be
-            // reported from `drop`; it leaves this device's context current,
-            // as before guards existed.
-            let _ = unsafe { driver::cuCtxSetCurrent(prev) };
-        }
-    }
-}
-
 /// An [`EventId`] is the `CUevent` handle's address.
 #[inline]
 fn event_of(id: EventId) -> sys::CUevent {
@@ -646,34 +388,6 @@ fn event_of(id: EventId) -> sys::CUevent {
 #[inline]
 fn stream_of(id: StreamId) -> sys::CUstream {
     id as usize as sys::CUstream
-}
-
-/// Restores the thread's previous stream-capture mode when dropped.
-struct RelaxedCaptureMode {
-    /// The previous `CUstreamCaptureMode`, as the driver's integer.
-    previous: u32,
-}
-
-impl RelaxedCaptureMode {
-    fn enter() -> Result<RelaxedCaptureMode, BackendError> {
-        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED as u32;
-        // SAFETY: `mode` is a valid in/out pointer; the call only swaps the
-        // calling thread's capture mode.
-        check("cuThreadExchangeStreamCaptureMode", unsafe {
-            driver::cuThreadExchangeStreamCaptureMode(&mut mode)
-        })?;
-        Ok(RelaxedCaptureMode { previous: mode })
-    }
-}
-
-impl Drop for RelaxedCaptureMode {
-    fn drop(&mut self) {
-        let mut mode = self.previous;
-        // SAFETY: as in `enter`; restores the mode saved there. A failure
-        // cannot be reported from `drop` and leaves the mode relaxed, which
-        // only makes later calls on this thread more permissive.
-        let _ = unsafe { driver::cuThreadExchangeStreamCaptureMode(&mut mode) };
-    }
 }
 
 impl Backend for CudaBackend {
@@ -1117,85 +831,11 @@ impl Backend for CudaBackend {
     }
 
     fn unmap_later(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
-        let inside: Vec<(DevicePtr, u64)> = self
-            .mappings
-            .range(ptr..ptr + size)
-            .map(|(&a, &s)| (a, s))
-            .collect();
-        if self.unmapper().is_none() {
-            return self.unmap(ptr, size);
-        }
-        // One job a handle (the driver's cost is per handle either way), so
-        // that a request starting meanwhile waits for one handle at most;
-        // one for the range if the record does not cover it exactly.
-        let handles = inside.len() as u64;
-        // Whole mappings, one after another from `ptr` to its end.
-        let mut at = ptr;
-        let whole = inside.iter().all(|&(a, s)| {
-            let next = a == at;
-            at = a + s;
-            next
-        }) && at == ptr + size;
-        let jobs: Vec<Job> = if whole {
-            inside
-                .iter()
-                .map(|&(a, s)| Job::Unmap {
-                    ptr: a,
-                    size: s,
-                    handles: 1,
-                })
-                .collect()
-        } else {
-            vec![Job::Unmap { ptr, size, handles }]
-        };
-        let queued = jobs
-            .iter()
-            .take_while(|&&job| self.unmapper.as_ref().is_some_and(|u| u.push(job)))
-            .count();
-        let range = |j: &Job| match *j {
-            Job::Unmap { ptr, size, .. } => (ptr, size),
-            Job::Free { .. } => unreachable!("only unmaps here"),
-        };
-        if queued == 0 {
-            // A forked child (no helper), or a helper stopped for the exit
-            // (Note [Helpers at exit]): all of it now, in one call, which
-            // unmaps the range or leaves it mapped, whole either way.
-            return self.unmap(ptr, size);
-        }
-        if queued < jobs.len() {
-            // The exit stopped the helper part-way: the jobs queued are its
-            // (or listed for a redo). The rest are listed as failed too, for
-            // the next wait over them to do here, rather than done now: a
-            // failure among them must not leave the caller holding a range
-            // whose other part the helper will still unmap.
-            let listed = self
-                .unmapper
-                .as_ref()
-                .is_some_and(|u| u.add_failed(&jobs[queued..]));
-            debug_assert!(listed, "a helper that took jobs lists the rest");
-            for j in &jobs {
-                self.calls.add(DriverCall::Unmap, 1, range(j).1, 0);
-            }
-            self.forget_mappings(ptr, size);
-            return Ok(());
-        }
-        // Counted now, as one call made at once would be (the
-        // defragmentation budget reads the counts); its time is the helper's.
-        self.calls.add(DriverCall::Unmap, handles, size, 0);
-        self.forget_mappings(ptr, size);
-        Ok(())
+        self.queue_unmap(ptr, size)
     }
 
     fn free_reservation_later(&mut self, ptr: DevicePtr, size: u64) -> Result<(), BackendError> {
-        let queued = self
-            .unmapper
-            .as_ref()
-            .is_some_and(|u| u.push(Job::Free { ptr, size }));
-        if !queued {
-            return self.free_reservation(ptr, size);
-        }
-        self.calls.add(DriverCall::AddressFree, 0, size, 0);
-        Ok(())
+        self.queue_free(ptr, size)
     }
 
     fn hold_later_work(&mut self, held: bool) {
