@@ -31,90 +31,18 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use super::{Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId};
 use crate::cost::{DriverCall, DriverCalls};
 
+mod faults;
 mod later;
+mod streams;
+
+use faults::Faults;
+pub use faults::SimCall;
+use streams::SimStream;
 
 /// Where simulated allocations start (looks like a CUDA address, never 0).
 const BASE: u64 = 0x7f00_0000_0000;
 /// Where simulated virtual reservations start, far from allocations.
 const VMM_BASE: u64 = 0x9f00_0000_0000;
-
-/// The driver calls [`SimBackend::fail_call`] can make fail.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum SimCall {
-    /// `allocate` (`cudaMalloc`).
-    Allocate,
-    /// `release` (`cudaFree`).
-    Release,
-    /// `record_event`.
-    RecordEvent,
-    /// `event_done` (event query).
-    EventDone,
-    /// `wait_event` (event synchronize).
-    WaitEvent,
-    /// `stream_wait_event`.
-    StreamWaitEvent,
-    /// `reserve` (virtual address range).
-    Reserve,
-    /// `free_reservation`.
-    FreeReservation,
-    /// `create_handle` (physical memory).
-    CreateHandle,
-    /// `release_handle`.
-    ReleaseHandle,
-    /// `map_handles`.
-    Map,
-    /// `unmap`.
-    Unmap,
-    /// `synchronize`.
-    Synchronize,
-}
-
-impl SimCall {
-    /// Every kind, in declaration order.
-    pub const ALL: [SimCall; 13] = [
-        SimCall::Allocate,
-        SimCall::Release,
-        SimCall::RecordEvent,
-        SimCall::EventDone,
-        SimCall::WaitEvent,
-        SimCall::StreamWaitEvent,
-        SimCall::Reserve,
-        SimCall::FreeReservation,
-        SimCall::CreateHandle,
-        SimCall::ReleaseHandle,
-        SimCall::Map,
-        SimCall::Unmap,
-        SimCall::Synchronize,
-    ];
-
-    /// The CUDA driver function the call stands for.
-    pub fn driver_name(self) -> &'static str {
-        match self {
-            SimCall::Allocate => "cuMemAlloc",
-            SimCall::Release => "cuMemFree",
-            SimCall::RecordEvent => "cuEventRecord",
-            SimCall::EventDone => "cuEventQuery",
-            SimCall::WaitEvent => "cuEventSynchronize",
-            SimCall::StreamWaitEvent => "cuStreamWaitEvent",
-            SimCall::Reserve => "cuMemAddressReserve",
-            SimCall::FreeReservation => "cuMemAddressFree",
-            SimCall::CreateHandle => "cuMemCreate",
-            SimCall::ReleaseHandle => "cuMemRelease",
-            SimCall::Map => "cuMemMap",
-            SimCall::Unmap => "cuMemUnmap",
-            SimCall::Synchronize => "cuCtxSynchronize",
-        }
-    }
-}
-
-/// Injected failures: per [`SimCall`], calls so far and the call to fail.
-#[derive(Clone, Debug, Default)]
-struct Faults {
-    calls: [u64; 13],
-    fail_at: [Option<u64>; 13],
-    /// Calls after the first that fail too (`fail_calls`).
-    more: [u64; 13],
-}
 
 /// How many times each backend entry point was called.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -148,26 +76,6 @@ pub struct SimCounters {
     pub stream_wait_event: u64,
     /// Events destroyed.
     pub destroy_event: u64,
-}
-
-#[derive(Default, Clone)]
-struct SimStream {
-    submitted: u64,
-    completed: u64,
-    /// Completed by [`SimBackend::complete`] or a synchronization, not by
-    /// waiting for one event: what events are done by when waits complete
-    /// only the event waited for.
-    settled: u64,
-    /// For each other stream: the sequence number this stream's future work waits for.
-    waits: FxHashMap<StreamId, u64>,
-}
-
-impl SimStream {
-    /// Completes (and settles) everything submitted so far.
-    fn finish(&mut self) {
-        self.completed = self.submitted;
-        self.settled = self.submitted;
-    }
 }
 
 struct Reservation {
@@ -322,166 +230,6 @@ impl SimBackend {
     /// Number of live allocations.
     pub fn live_allocations(&self) -> usize {
         self.live.len()
-    }
-
-    /// Makes the `n`th `allocate` call from now (1-based) fail with out-of-memory.
-    pub fn fail_allocate_at(&mut self, n: u64) {
-        self.fail_allocate_at = Some(self.allocate_calls + n);
-    }
-
-    /// Makes the `n`th handle creation from now (1-based) fail with out-of-memory.
-    pub fn fail_map_at(&mut self, n: u64) {
-        self.fail_map_at = Some(self.map_calls + n);
-    }
-
-    /// Makes the `n`th `record_event` call from now (1-based) fail with a driver error.
-    pub fn fail_event_at(&mut self, n: u64) {
-        self.fail_event_at = Some(self.counters.record_event + n);
-    }
-
-    /// Makes every later event record on `stream` fail, as the driver's
-    /// does for a stream of another device's context or a destroyed one.
-    pub fn refuse_events_on(&mut self, stream: StreamId) {
-        self.refused_streams.push(stream);
-    }
-
-    /// Makes the `n`-th call of `call` from now (1 = the next) fail with a
-    /// driver error (`CUDA_ERROR_UNKNOWN`), before it changes anything:
-    /// fault injection for every kind of driver call.
-    pub fn fail_call(&mut self, call: SimCall, n: u64) {
-        self.fail_calls(call, n, 1);
-    }
-
-    /// Makes `times` calls of `call` in a row fail, from the `n`-th from now.
-    pub fn fail_calls(&mut self, call: SimCall, n: u64, times: u64) {
-        let i = call as usize;
-        self.faults.fail_at[i] = Some(self.faults.calls[i] + n);
-        self.faults.more[i] = times.saturating_sub(1);
-    }
-
-    /// Calls of `call` so far (failed ones included).
-    pub fn calls(&self, call: SimCall) -> u64 {
-        self.faults.calls[call as usize]
-    }
-
-    /// Counts a call of `call`; the injected error when it is the one to fail.
-    fn fault(&mut self, call: SimCall) -> Result<(), BackendError> {
-        let i = call as usize;
-        self.faults.calls[i] += 1;
-        if self.faults.fail_at[i] == Some(self.faults.calls[i]) {
-            self.faults.fail_at[i] = None;
-            if self.faults.more[i] > 0 {
-                self.faults.more[i] -= 1;
-                self.faults.fail_at[i] = Some(self.faults.calls[i] + 1);
-            }
-            return Err(BackendError::Driver {
-                call: call.driver_name(),
-                code: 999,
-                name: "CUDA_ERROR_UNKNOWN".into(),
-            });
-        }
-        Ok(())
-    }
-
-    /// While on, any call a CUDA graph capture forbids panics: event queries
-    /// and waits, `release`, and `allocate` without the `capturing` flag.
-    pub fn set_capturing(&mut self, on: bool) {
-        self.capturing = on;
-    }
-
-    /// Starts a capture on `streams` that no hook announces (PyTorch's plain
-    /// `CUDAPluggableAllocator`): `stream_capture` reports it, and until
-    /// [`end_stream_capture`](Self::end_stream_capture) the calls a capture
-    /// forbids panic, as with [`set_capturing`](Self::set_capturing), and so
-    /// does recording an event on one of these streams (the event would
-    /// belong to the graph, and querying it later fails). Returns its id.
-    pub fn begin_stream_capture(&mut self, streams: &[StreamId]) -> u64 {
-        let id = self.next_capture;
-        self.next_capture += 1;
-        for &s in streams {
-            self.stream_captures.insert(s, id);
-        }
-        id
-    }
-
-    /// Starts a global-mode capture on `stream`, as another thread's
-    /// `cudaStreamBeginCapture` does: the legacy stream (0) reports it too,
-    /// without an id (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`). Ends with
-    /// [`end_stream_capture`](Self::end_stream_capture).
-    pub fn begin_global_capture(&mut self, stream: StreamId) -> u64 {
-        let id = self.begin_stream_capture(&[stream]);
-        self.stream_captures.insert(0, 0);
-        id
-    }
-
-    /// Ends capture `id` on every stream that took part.
-    pub fn end_stream_capture(&mut self, id: u64) {
-        self.stream_captures.retain(|_, c| *c != id);
-        // The legacy stream's answer for a global capture goes with the
-        // last capture.
-        if self.stream_captures.values().all(|&c| c == 0) {
-            self.stream_captures.clear();
-        }
-    }
-
-    /// Submits one work item on `stream` (a kernel); returns its sequence number.
-    pub fn launch(&mut self, stream: StreamId) -> u64 {
-        let s = self.streams.entry(stream).or_default();
-        s.submitted += 1;
-        s.submitted
-    }
-
-    /// Completes everything submitted on `stream` so far.
-    pub fn complete(&mut self, stream: StreamId) {
-        self.streams.entry(stream).or_default().finish();
-    }
-
-    /// Completes all work on every stream.
-    pub fn complete_all(&mut self) {
-        self.streams.values_mut().for_each(SimStream::finish);
-    }
-
-    /// With `true`, waiting for an event completes that event alone, not
-    /// its stream up to it (see the module docs; a replay's setting).
-    pub fn set_waits_complete_one(&mut self, on: bool) {
-        self.waited = on.then(FxHashSet::default);
-    }
-
-    /// Whether work submitted on `earlier` up to `seq` is complete, or is
-    /// ordered before all future work on `later` (same stream, or a
-    /// stream-wait-event on an event at or after `seq`).
-    pub fn is_ordered_after(&self, later: StreamId, earlier: StreamId, seq: u64) -> bool {
-        if later == earlier {
-            return true;
-        }
-        let Some(e) = self.streams.get(&earlier) else {
-            return true;
-        };
-        e.completed >= seq
-            || self
-                .streams
-                .get(&later)
-                .and_then(|l| l.waits.get(&earlier))
-                .is_some_and(|&w| w >= seq)
-    }
-
-    /// Events recorded and not yet destroyed.
-    pub fn live_events(&self) -> usize {
-        self.events.len()
-    }
-
-    fn forbid_in_capture(&self, what: &str) {
-        assert!(
-            !self.capturing && self.stream_captures.is_empty(),
-            "SimBackend: {what} called during CUDA graph capture"
-        );
-    }
-
-    fn event(&self, event: EventId) -> (StreamId, u64) {
-        *self
-            .events
-            .get(&event)
-            .unwrap_or_else(|| panic!("SimBackend: unknown or destroyed event {event}"))
     }
 
     fn take_address(&mut self, size: u64) -> u64 {
