@@ -8,9 +8,12 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use super::SimBackend;
 use crate::backend::{EventId, StreamId};
 
+/// One stream's progress.
 #[derive(Default, Clone)]
 pub(super) struct SimStream {
+    /// Work items submitted (kernels and recorded events).
     pub(super) submitted: u64,
+    /// Work items completed.
     pub(super) completed: u64,
     /// Completed by [`SimBackend::complete`] or a synchronization, not by
     /// waiting for one event: what events are done by when waits complete
