@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test that needs no GPU: the Rust workspace (unit, property,
 # scenario, C ABI and CLI tests), the Python package's tests on the
-# simulated backend, and the GPU scripts' summaries on made-up results.
+# simulated backend, the C++ bridge's compile check against torch's
+# headers, and the GPU scripts' summaries on made-up results.
 # This is the command README.md gives and .ci/run runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +45,10 @@ if [ -n "$oldest" ] && [ -d python-shim/tests ]; then
 else
   echo "SKIPPED: the package on Python 3.9 (none found)"
 fi
+
+# The C++ bridge to PyTorch compiled against torch's headers (fetched once
+# from the package registry; SKIPPED where it cannot be reached).
+bash tools/check_bridge.sh
 
 # The GPU scripts' summaries on made-up results (no torch needed).
 python3 -m unittest discover -s tests/gpu -p 'test_*.py'
