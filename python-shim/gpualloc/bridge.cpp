@@ -259,26 +259,40 @@ void delete_fn(void* ptr) {
     return;
   }
   int device = only_device.load(std::memory_order_relaxed);
-  if (history.enabled() && in_parent()) {
-    history.on_free(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
-  }
-  sanitizer_free(ptr);
-  if (c10::memoryProfilingEnabled() && in_parent()) {
-    uint64_t size = 0;
-    int owner = -1;
-    int rc = api.free_sized(ptr, &size, &owner);
-    if (rc == GPUALLOC_OK) {
-      report_to_profiler(ptr, -static_cast<int64_t>(size), owner);
-      return;
+  // A deleter must not throw (it runs in destructors: std::terminate), but
+  // the observers of a free may (memory history's stack recorder, the CUDA
+  // sanitizer's Python hook, the profiler): what they throw is said once,
+  // and the memory is freed all the same, exactly once (`freed`).
+  bool freed = false;
+  try {
+    if (history.enabled() && in_parent()) {
+      history.on_free(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
     }
-    if (rc != GPUALLOC_ERR_INVALID_POINTER) {
-      // Freed, or deferred: said as the plain free says it, not freed twice.
-      std::fprintf(stderr, "%s\n", last_error("gpualloc: free failed").c_str());
-      return;
+    sanitizer_free(ptr);
+    if (c10::memoryProfilingEnabled() && in_parent()) {
+      uint64_t size = 0;
+      int owner = -1;
+      int rc = api.free_sized(ptr, &size, &owner);
+      // Not gpualloc's (INVALID_POINTER): the plain free below reports it.
+      freed = rc != GPUALLOC_ERR_INVALID_POINTER;
+      if (rc == GPUALLOC_OK) {
+        report_to_profiler(ptr, -static_cast<int64_t>(size), owner);
+      } else if (freed) {
+        // Freed, or deferred: said as the plain free says it, not freed twice.
+        std::fprintf(stderr, "%s\n", last_error("gpualloc: free failed").c_str());
+      }
     }
-    // Not gpualloc's: the plain free below reports it.
+  } catch (...) {
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true)) {
+      std::fprintf(stderr,
+                   "gpualloc: an observer of a free (memory history, the CUDA sanitizer or the profiler) "
+                   "raised an exception; the memory is freed all the same (said once)\n");
+    }
   }
-  api.free_fn(ptr, 0, device >= 0 ? device : -1, nullptr);  // never throws: runs in deleters
+  if (!freed) {
+    api.free_fn(ptr, 0, device >= 0 ? device : -1, nullptr);  // never throws: runs in deleters
+  }
 }
 
 // The deleter of memory the switched-off allocator took from cudaMalloc
@@ -1014,7 +1028,12 @@ class GpuallocAllocator final : public CUDAAllocator {
   int device_count_ = 0;
 };
 
-std::shared_ptr<GpuallocAllocator> installed;
+// Never destroyed, as the other globals here: torch keeps raw pointers to
+// the allocator (the one it calls, c10's table of allocators) besides its
+// own shared pointer, which static destruction at exit frees; a free or a
+// query made after that (a later static destructor, a thread still
+// running) would call into freed memory.
+std::shared_ptr<GpuallocAllocator>* installed = nullptr;
 
 }  // namespace
 }  // namespace gpualloc_bridge
@@ -1030,7 +1049,7 @@ extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t er
     return 1;
   };
   try {
-    if (installed) {
+    if (installed != nullptr) {
       return 0;
     }
     void* h = dlopen(libpath, RTLD_NOW | RTLD_GLOBAL);  // never closed: blocks outlive everything
@@ -1051,7 +1070,7 @@ extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t er
     // must find gpualloc too; PyTorch registers its own at priority 0.
     c10::SetAllocator(c10::DeviceType::CUDA, a.get(), 1);
     check(api.set_segment_observer(&on_segment, nullptr), "set_segment_observer");
-    installed = a;
+    installed = new std::shared_ptr<GpuallocAllocator>(a);
     return 0;
   } catch (const c10::Error& e) {
     return fail(e.what_without_backtrace());

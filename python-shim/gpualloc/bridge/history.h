@@ -185,9 +185,12 @@ class History {
 
   // The context gathered for the request this thread is serving, so that
   // the segment events it causes carry the same stack.
+  // Never destroyed, nor is the compile stack below: a free made during
+  // static destruction at exit, after the main thread's thread_locals are
+  // gone, still reaches them (a few bytes a thread that allocates).
   static Context& pending_context() {
-    thread_local Context ctx;
-    return ctx;
+    thread_local Context* ctx = new Context();
+    return *ctx;
   }
 
  private:
@@ -203,8 +206,8 @@ class History {
   };
 
   static std::vector<std::string>& compile_stack() {
-    thread_local std::vector<std::string> s;
-    return s;
+    thread_local auto* s = new std::vector<std::string>();
+    return *s;
   }
 
   static int64_t now_us() {

@@ -42,7 +42,8 @@ inline void* other_alloc(void* ctx, size_t size, int device, cudaStream_t stream
   try {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     return o->allocator->raw_alloc_with_stream(size, stream);
-  } catch (const std::exception&) {
+  } catch (...) {
+    // Called from the library's C ABI: no exception may cross it.
     return nullptr;
   }
 }
@@ -54,6 +55,8 @@ inline void other_free(void* ctx, void* ptr, size_t /*size*/, int device, cudaSt
     o->allocator->raw_delete(ptr);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpualloc: %s failed to free %p of a MemPool: %s\n", o->name.c_str(), ptr, e.what());
+  } catch (...) {
+    std::fprintf(stderr, "gpualloc: %s failed to free %p of a MemPool\n", o->name.c_str(), ptr);
   }
 }
 
