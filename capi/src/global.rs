@@ -263,9 +263,12 @@ fn quiesce_helpers_at_exit() {
         if crate::fork::in_forked_child() {
             return;
         }
-        // Never unwind out of an exit handler.
+        // Never unwind out of an exit handler. The wait covers a job the
+        // driver makes wait for the GPU's last work (a process exiting
+        // while long kernels run); only a driver that never returns is
+        // left behind, after 10 s, rather than hold the exit forever.
         let _ = std::panic::catch_unwind(|| {
-            gpualloc::backend::unmapper::quiesce_all(std::time::Duration::from_millis(500));
+            gpualloc::backend::unmapper::quiesce_all(std::time::Duration::from_secs(10));
         });
     }
     static ONCE: std::sync::Once = std::sync::Once::new();
