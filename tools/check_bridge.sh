@@ -2,24 +2,30 @@
 # Compiles the C++ bridge to PyTorch (python-shim/gpualloc/bridge.cpp and
 # bridge/*.h) against torch's own headers, without a GPU, without CUDA and
 # without installing torch: a syntax and type check (g++ -fsyntax-only) of
-# what `gpualloc.install()` builds on a user's machine.
+# what `gpualloc.install()` builds on a user's machine; and checks that
+# docs/torch-compat.md lists every virtual member of each torch's
+# allocator interface (python-shim/tests/test_torch_compat.py).
 #
-#   bash tools/check_bridge.sh          # torch 2.11.0, the version the GPU tests run
-#   GPUALLOC_CHECK_TORCH=2.12.0 bash tools/check_bridge.sh
+#   bash tools/check_bridge.sh                                 # torch 2.11.0 and 2.15.0
+#   GPUALLOC_CHECK_TORCH="2.9.1 2.12.0" bash tools/check_bridge.sh
 #
 # Rationale: the bridge is compiled only where torch is installed, at
-# install() time; a mistake in it shows on a GPU machine, as the fallback
-# taking over ("bridge build failed"), rather than here. This fetches the
-# torch wheel and the CUDA runtime's and compiler's headers from the
-# package registry once (pip download, about 600 MB; kept in
-# $GPUALLOC_CHECK_CACHE, default ~/.cache/gpualloc-bridge-check), unpacks
-# their headers only, and compiles with the flags and defines
-# torch.utils.cpp_extension uses. Where the registry cannot be reached it
-# prints SKIPPED and passes, like the browser test; a compile error fails.
+# install() time; a mistake in it, or a member a newer torch made pure
+# virtual, shows on a user's machine as the fallback taking over ("bridge
+# build failed") rather than here. Torch 2.11 is the version the GPU tests
+# run; 2.15 the newest release when this was written (every release from
+# 2.12 on declares a pure virtual member that 2.11 lacks). For each
+# version this fetches the torch wheel, and once the CUDA runtime's and
+# compiler's headers, from the package registry (pip download, about 550
+# MB a torch version, 5 s here), keeps their headers only (about 70 MB, in
+# $GPUALLOC_CHECK_CACHE, default ~/.cache/gpualloc-bridge-check), and
+# compiles with the C++ standard, flags and defines that torch's
+# cpp_extension uses. Where the registry cannot be reached it prints
+# SKIPPED and passes, like the browser test; a compile error fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-version=${GPUALLOC_CHECK_TORCH:-2.11.0}
-cache=${GPUALLOC_CHECK_CACHE:-$HOME/.cache/gpualloc-bridge-check}/torch-$version
+versions=${GPUALLOC_CHECK_TORCH:-2.11.0 2.15.0}
+root=${GPUALLOC_CHECK_CACHE:-$HOME/.cache/gpualloc-bridge-check}
 cxx=${CXX:-g++}
 py=${PYTHON:-python3}
 
@@ -30,38 +36,58 @@ skip() {
 command -v "$cxx" >/dev/null 2>&1 || skip "no C++ compiler $cxx"
 pyinc=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 [ -f "$pyinc/Python.h" ] || skip "no Python.h in $pyinc"
+tag=$("$py" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
 
-if [ ! -f "$cache/ready" ]; then
-  rm -rf "$cache"
-  mkdir -p "$cache/wheels"
-  # torch's wheel for this Python and x86-64 Linux; the CUDA 12 runtime and
-  # compiler packages carry the headers torch's CUDA headers include (the
-  # interfaces the bridge uses are the same in CUDA 13).
-  tag=$("$py" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
-  pip_dl() { "$py" -m pip download -q --no-deps -d "$cache/wheels" "$@"; }
-  pip_dl "torch==$version" --only-binary=:all: --platform manylinux_2_28_x86_64 \
-    --python-version "$tag" >/dev/null 2>&1 || skip "could not download torch $version"
-  pip_dl nvidia-cuda-runtime-cu12 >/dev/null 2>&1 || skip "could not download nvidia-cuda-runtime-cu12"
-  pip_dl nvidia-cuda-nvcc-cu12 >/dev/null 2>&1 || skip "could not download nvidia-cuda-nvcc-cu12"
-  "$py" - "$cache" <<'EOF'
-import pathlib, sys, zipfile
+# Unpacks the headers of every wheel in $1/wheels into $1/headers (and
+# torch's C++ standard into $1/std), then drops the wheels.
+unpack() {
+  "$py" - "$1" <<'EOF'
+import pathlib, re, sys, zipfile
 cache = pathlib.Path(sys.argv[1])
 for wheel in (cache / "wheels").glob("*.whl"):
     with zipfile.ZipFile(wheel) as z:
         for name in z.namelist():
             if "/include/" in name and not name.endswith("/"):
                 z.extract(name, cache / "headers")
+            if name == "torch/utils/cpp_extension.py":
+                # The C++ standard torch's extension builds use.
+                m = re.search(r"common_cflags \+= \['-std=(c\+\+\d+)'", z.read(name).decode())
+                (cache / "std").write_text(m.group(1) if m else "c++17")
 EOF
-  rm -rf "$cache/wheels"
-  touch "$cache/ready"
+  rm -rf "$1/wheels"
+  touch "$1/ready"
+}
+fetch() {  # DIR, then pip's arguments
+  local dir=$1
+  shift
+  rm -rf "$dir"
+  mkdir -p "$dir/wheels"
+  "$py" -m pip download -q --no-deps -d "$dir/wheels" "$@" >/dev/null 2>&1
+}
+
+# The CUDA 12 runtime's and compiler's headers: what torch's CUDA headers
+# include (the interfaces the bridge uses are the same in CUDA 13).
+cuda=$root/cuda
+if [ ! -f "$cuda/ready" ]; then
+  fetch "$cuda" nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12 || skip "could not download the CUDA headers"
+  unpack "$cuda"
 fi
 
-h=$cache/headers
-"$cxx" -std=c++17 -fsyntax-only -Wall -Werror \
-  -D_GLIBCXX_USE_CXX11_ABI=1 -DTORCH_EXTENSION_NAME=gpualloc_bridge -DTORCH_API_INCLUDE_EXTENSION_H \
-  -I python-shim/gpualloc/include -I python-shim/gpualloc \
-  -I "$h/torch/include" -I "$h/torch/include/torch/csrc/api/include" \
-  -I "$h/nvidia/cuda_runtime/include" -I "$h/nvidia/cuda_nvcc/include" \
-  -I "$pyinc" \
-  python-shim/gpualloc/bridge.cpp
-echo "the bridge compiles against torch $version's headers"
+for version in $versions; do
+  cache=$root/torch-$version
+  if [ ! -f "$cache/ready" ]; then
+    fetch "$cache" "torch==$version" --only-binary=:all: --platform manylinux_2_28_x86_64 \
+      --python-version "$tag" || skip "could not download torch $version"
+    unpack "$cache"
+  fi
+  inc=$cache/headers/torch/include
+  "$cxx" -std="$(cat "$cache/std")" -fsyntax-only -Wall -Werror \
+    -D_GLIBCXX_USE_CXX11_ABI=1 -DTORCH_EXTENSION_NAME=gpualloc_bridge -DTORCH_API_INCLUDE_EXTENSION_H \
+    -I python-shim/gpualloc/include -I python-shim/gpualloc \
+    -I "$inc" -I "$inc/torch/csrc/api/include" \
+    -I "$cuda/headers/nvidia/cuda_runtime/include" -I "$cuda/headers/nvidia/cuda_nvcc/include" \
+    -I "$pyinc" \
+    python-shim/gpualloc/bridge.cpp
+  GPUALLOC_TORCH_INCLUDE=$inc "$py" -m unittest -q python-shim/tests/test_torch_compat.py
+  echo "the bridge compiles against torch $version's headers, and docs/torch-compat.md lists its allocator interface"
+done

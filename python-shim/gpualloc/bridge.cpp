@@ -91,6 +91,10 @@ inline void note_device(int device) {
 // statics, destroyed after the bridge's, may still free CUDA memory.
 std::mutex& observers_mutex = *new std::mutex;
 std::vector<cca::OutOfMemoryObserver>& oom_observers = *new std::vector<cca::OutOfMemoryObserver>;
+#if TORCH_VERSION_MINOR >= 12
+// Kept, never called: see attachOomRejectionObserver.
+std::vector<cca::OomRejectionObserver>& oom_rejection_observers = *new std::vector<cca::OomRejectionObserver>;
+#endif
 std::vector<cca::AllocatorTraceTracker>& trace_trackers = *new std::vector<cca::AllocatorTraceTracker>;
 std::atomic<bool> has_trackers{false};
 
@@ -972,6 +976,25 @@ class GpuallocAllocator final : public CUDAAllocator {
     std::lock_guard<std::mutex> g(observers_mutex);
     oom_observers.push_back(std::move(observer));
   }
+#if TORCH_VERSION_MINOR >= 12
+  // PyTorch's allocator calls these when its `throw_on_cudamalloc_oom`
+  // setting refuses a request before asking cudaMalloc. gpualloc has no
+  // such refusal (a request it cannot serve is an out-of-memory error,
+  // told to the observers above), so they are kept and never called.
+  void attachOomRejectionObserver(cca::OomRejectionObserver observer) override {
+    std::lock_guard<std::mutex> g(observers_mutex);
+    oom_rejection_observers.push_back(std::move(observer));
+  }
+  // The stack memory history recorded for the allocation that starts at
+  // `ptr`; nullptr when history is off or kept no stack for it.
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) override {
+    return history.context_of(const_cast<void*>(ptr));
+  }
+#endif
+#if TORCH_VERSION_MINOR >= 14
+  // setUserMetadata above keeps it, and every history entry carries it.
+  bool supportsUserMetadata() override { return true; }
+#endif
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
     bool first = !has_trackers.exchange(true);
     // What is mapped now is what a consumer registers from the snapshot
