@@ -46,6 +46,8 @@ pub const SCRIPTS: &[&str] = &[
     "TRACE_CPP",
     "SWEEP_PROFILE_ROUNDS",
     "GPU_BUDGET_S",
+    "CHECK_TORCH",
+    "CHECK_CACHE",
     "CLI",
     "FUZZ_CASES",
     "FUZZ_SEED",
