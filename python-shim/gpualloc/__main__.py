@@ -40,8 +40,8 @@ def _target(args):
             sys.path.insert(0, os.getcwd())  # as `python -m` does (this run's own -m put it there)
         if not _module_exists(name):
             raise _NotFound(f"No module named {name}")
-        # alter_sys sets sys.argv[0] to the module's file, as `python -m` does.
-        return name, lambda: runpy.run_module(name, run_name="__main__", alter_sys=True)
+        # As `python -m` runs it (which sets sys.argv[0] to the module's file).
+        return name, lambda: _run_as_main(lambda: runpy._run_module_as_main(name, alter_argv=True))
     script = args.script
     if script is None:
         raise _NotFound("nothing to run: give a script, -m module or a console script")
@@ -56,7 +56,7 @@ def _target(args):
     if os.path.isfile(script) and not archive:
         path = os.path.abspath(script)  # __file__ is absolute, as under `python script.py`
         _path_first(os.path.dirname(os.path.realpath(script)))
-        return script, lambda: runpy.run_path(path, run_name="__main__")
+        return script, lambda: _run_file(path)
     if os.sep not in script:
         # A bare name is a command first (`run mypy` in a checkout with a
         # mypy/ folder means the installed mypy); `./mypy` is the folder.
@@ -69,7 +69,7 @@ def _target(args):
         if found and _is_python(found):
             path = os.path.abspath(found)
             _path_first(os.path.dirname(os.path.realpath(found)))
-            return found, lambda: runpy.run_path(path, run_name="__main__")
+            return found, lambda: _run_file(path)
         if found and not bundle:
             raise _NotFound(f"{script}: {found} is not a Python program (no python in its #! line)")
     if bundle:
@@ -77,28 +77,72 @@ def _target(args):
         # or archive itself first on sys.path.
         if _has_main(script) is False:
             raise _NotFound(f"{script}: no __main__.py in it")
-        path = os.path.abspath(script)
-        _path_first(path)
-        return script, lambda: runpy.run_path(path, run_name="__main__")
+        _path_first(os.path.abspath(script))
+        # As `python app/` runs it: the __main__ module found on sys.path.
+        return script, lambda: _run_as_main(lambda: runpy._run_module_as_main("__main__", alter_argv=False))
     raise _NotFound(f"{script}: no such file, console script entry point or Python program on PATH")
 
 
-def _run_source(source: str) -> None:
-    """Runs ``source`` as ``__main__`` (a fresh module, as runpy gives a
-    script), named ``<stdin>`` in tracebacks as under ``python -``."""
+# Note [The program's __main__ stays]
+# Rationale: runpy.run_path and run_module run a program in a temporary
+# __main__ and put the caller's back when its body returns, but a program's
+# exit handlers, the threads it leaves running (a ThreadPoolExecutor left to
+# drain, the feeder thread of a multiprocessing Queue after a last put) and
+# the workers they spawn still pickle the classes it defined, by name, in
+# __main__: that failed under `run` ("attribute lookup Cfg on __main__
+# failed"), and a checkpoint saved at exit was never written.
+# Approach: as `python` does, the program runs in a fresh module that
+# becomes sys.modules["__main__"] for good: a script's code is executed in
+# it; a module (-m) or a folder or archive is run by
+# runpy._run_module_as_main, the function `python -m` itself calls, which
+# runs the code in whatever module is __main__ then. This module (the
+# launcher) stays referenced by its own functions, such as the exit handler
+# that completes the trace.
+
+
+def _run_as_main(body) -> None:
+    """Runs ``body`` with a fresh, empty module as ``__main__``, which stays
+    (Note [The program's __main__ stays])."""
     import builtins
     import types
 
-    code = compile(source, "<stdin>", "exec")
     module = types.ModuleType("__main__")
     module.__builtins__ = builtins
-    saved = sys.modules.get("__main__")
     sys.modules["__main__"] = module
-    try:
-        exec(code, module.__dict__)
-    finally:
-        if saved is not None:
-            sys.modules["__main__"] = saved
+    body()
+
+
+def _run_file(path: str) -> None:
+    """Runs the script (or compiled script) at ``path`` as ``python path``
+    does, in a ``__main__`` that stays; its globals as runpy.run_path sets
+    them."""
+    import importlib.util
+    import io
+    import marshal
+
+    with io.open_code(path) as f:
+        data = f.read()
+    if data[:4] == importlib.util.MAGIC_NUMBER:
+        code = marshal.loads(data[16:])  # a .pyc: its 16-byte header, then the code
+    else:
+        code = compile(data, path, "exec")
+    _run_globals(code, __file__=path)
+
+
+def _run_source(source: str) -> None:
+    """Runs ``source`` as ``__main__``, named ``<stdin>`` in tracebacks as
+    under ``python -``."""
+    _run_globals(compile(source, "<stdin>", "exec"))
+
+
+def _run_globals(code, **extra) -> None:
+    def body():
+        g = sys.modules["__main__"].__dict__
+        g.update(__name__="__main__", __doc__=None, __cached__=None, __loader__=None, __package__=None, __spec__=None)
+        g.update(extra)
+        exec(code, g)
+
+    _run_as_main(body)
 
 
 def _is_zip(path: str) -> bool:

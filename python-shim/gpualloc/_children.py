@@ -46,9 +46,10 @@ def pass_on(config: Optional[str], trace: Optional[str], bridge: bool) -> None:
     the Note). Called by ``run`` once it has installed gpualloc here."""
     os.environ[ENV] = "1"
     # Paths as this process reads them: a child may start in another folder.
-    lib_path = os.environ.get("GPUALLOC_LIBRARY", "")
-    if lib_path and not os.path.isabs(lib_path):
-        os.environ["GPUALLOC_LIBRARY"] = os.path.abspath(lib_path)
+    for name in ("GPUALLOC_LIBRARY", "GPUALLOC_BUILD_DIR"):
+        path = os.environ.get(name, "")
+        if path and not os.path.isabs(path):
+            os.environ[name] = os.path.abspath(path)
     if config is not None:
         os.environ["GPUALLOC_CONF"] = config
     if trace and not os.environ.get("GPUALLOC_TRACE", "").strip():

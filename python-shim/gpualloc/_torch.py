@@ -25,6 +25,11 @@ MODE: Optional[str] = None  # "bridge" or "fallback" once installed
 # Set by `python -m gpualloc run` before it installs: the script's own
 # install(config=...) then warns instead of failing (run's choice holds).
 BY_RUN = False
+# Set by the hook that installs gpualloc in a child process of ``run``
+# (_child/sitecustomize.py): the run process has said once what the
+# environment's PyTorch allocator settings do, and its children (every rank,
+# every spawned DataLoader worker) do not say it again.
+IN_RUN_CHILD = False
 _LOCK = threading.Lock()
 _KEEP = []  # objects that must live as long as the process (allocator, libraries)
 
@@ -103,7 +108,7 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
         # processes that never use the GPU never start the driver (Note
         # [Starting on first use] in capi/src/pending.rs).
         for name in TORCH_ALLOCATOR_VARIABLES:
-            if os.environ.get(name, "").strip():
+            if os.environ.get(name, "").strip() and not IN_RUN_CHILD:
                 warnings.warn(
                     f"gpualloc: {name}={os.environ[name]!r} configures PyTorch's own "
                     "allocator and has no effect on gpualloc; gpualloc takes its configuration from install(config=...) or "
@@ -152,7 +157,7 @@ def _say_no_caching(mode: str) -> None:
     otherwise wonder why gpualloc's stats and trace stay empty, or, on the
     fallback, why memory stays cached."""
     names = [name for name in NO_CACHING_VARIABLES if os.environ.get(name) == "1"]
-    if not names:
+    if not names or IN_RUN_CHILD:
         return
     if mode == "bridge":
         what = ("as under PyTorch's own allocator, every CUDA allocation goes to cudaMalloc and back to cudaFree: "

@@ -748,6 +748,32 @@ class InstallTest(unittest.TestCase):
             sizes = [r["requested"] for r in records(trace) if r["kind"] == "alloc"]
             self.assertIn(1 << 20, sizes)
 
+    def test_the_environments_pytorch_settings_are_said_once_not_in_every_child(self):
+        # PYTORCH_CUDA_ALLOC_CONF does nothing under gpualloc: run says so
+        # once, not again in each rank or worker it installs gpualloc in.
+        # The children's relative GPUALLOC_BUILD_DIR is made absolute, as
+        # the library's path is, so a child started elsewhere finds the
+        # bridge run built.
+        with tempfile.TemporaryDirectory() as d:
+            child = "import os, torch, gpualloc; print('child', gpualloc.installed(), os.environ['GPUALLOC_BUILD_DIR'])"
+            s = self.script(
+                d,
+                f"""
+                import subprocess, sys
+                if __name__ == "__main__":
+                    for _ in range(2):
+                        subprocess.run([sys.executable, "-c", {child!r}], check=True, cwd="/")
+                """,
+            )
+            env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "GPUALLOC_BUILD_DIR": "bridge-cache"}
+            out = run(["-m", "gpualloc", "run", "--no-bridge", s], env, cwd=d)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            dirs = [ln.split()[2] for ln in out.stdout.splitlines() if ln.startswith("child fallback ")]
+            self.assertEqual(len(dirs), 2, out.stdout)
+            for built in dirs:
+                self.assertEqual(os.path.realpath(built), os.path.join(os.path.realpath(d), "bridge-cache"))
+            self.assertEqual(out.stderr.count("PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True'"), 1, out.stderr)
+
     def test_a_child_that_installs_before_importing_torch_does_not_hang(self):
         # The README's first lines in a rank or a spawned worker: install()
         # imports torch, whose import installs gpualloc through run's
@@ -1003,6 +1029,49 @@ class RunTargetsTest(unittest.TestCase):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write(textwrap.dedent(text))
+
+    def test_the_programs_classes_pickle_after_its_body_returned(self):
+        # Note [The program's __main__ stays]: exit handlers and threads
+        # still running pickle the program's own classes by name in
+        # __main__; runpy put the launcher's __main__ back and that failed.
+        body = """
+            import atexit, pickle, sys, threading, time
+
+            class Cfg:
+                lr = 0.1
+
+            def at_exit():
+                print("atexit", pickle.loads(pickle.dumps(Cfg())).lr, sys.modules["__main__"].Cfg is Cfg, flush=True)
+
+            def later():
+                time.sleep(0.2)
+                print("thread", pickle.loads(pickle.dumps(Cfg())).lr, flush=True)
+
+            atexit.register(at_exit)
+            threading.Thread(target=later).start()
+            print("body", __name__, sys.argv[1:], __spec__ is None or __spec__.name, flush=True)
+            """
+        with tempfile.TemporaryDirectory() as d:
+            self.write(os.path.join(d, "prog.py"), body)
+            self.write(os.path.join(d, "progpkg", "__init__.py"), "")
+            self.write(os.path.join(d, "progpkg", "__main__.py"), body)
+            for target, stdin, spec in (
+                (["prog.py"], None, "True"),
+                (["-m", "progpkg"], None, "progpkg.__main__"),
+                (["-"], textwrap.dedent(body), "True"),
+            ):
+                out = run(["-m", "gpualloc", "run", "--no-bridge", *target, "a"], cwd=d, stdin=stdin)
+                self.assertEqual(out.returncode, 0, out.stderr)
+                self.assertIn(f"body __main__ ['a'] {spec}", out.stdout)
+                self.assertIn("thread 0.1", out.stdout, out.stderr)
+                self.assertIn("atexit 0.1 True", out.stdout, out.stderr)
+
+    def test_a_module_that_is_not_there_fails_as_python_m_does(self):
+        with tempfile.TemporaryDirectory() as d:
+            self.write(os.path.join(d, "nomain", "__init__.py"), "")
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "-m", "nomain"], cwd=d)
+            self.assertEqual(out.returncode, 1, out.stderr)
+            self.assertIn("'nomain' is a package and cannot be directly executed", out.stderr)
 
     def test_module(self):
         with tempfile.TemporaryDirectory() as d:
