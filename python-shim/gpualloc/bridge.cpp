@@ -565,7 +565,7 @@ class GpuallocAllocator final : public CUDAAllocator {
       // A MemPool may be destroyed from any device: ask every device
       // (gpualloc creates none to answer). `~MemPool` calls this: a
       // failure is said, not thrown out of a destructor.
-      for (int d = 0; d < device_count_; ++d) {
+      for (int d = 0; d < device_count_.load(); ++d) {
         if (api.empty_pool_cache(d, id.first, id.second) != GPUALLOC_OK) {
           TORCH_WARN("gpualloc: emptyCache(mempool_id) on device ", d, ": ", last_error("failed"));
         }
@@ -631,7 +631,7 @@ class GpuallocAllocator final : public CUDAAllocator {
       api.mark("PYTORCH_NO_CUDA_MEMORY_CACHING: caching allocator off");
     }
     cuda_pid.store(getpid(), std::memory_order_relaxed);
-    device_count_ = device_count;
+    device_count_.store(device_count);
     initialized_.store(true);
   }
   void mark_installed() { initialized_.store(true); }
@@ -720,10 +720,10 @@ class GpuallocAllocator final : public CUDAAllocator {
       out.segments.push_back(segment_info(s, all.blocks));
     }
     if (include_traces) {
-      out.device_traces = history.traces(static_cast<size_t>(device_count_));
+      out.device_traces = history.traces(static_cast<size_t>(device_count_.load()));
       out.external_annotations = history.annotations();
     } else {
-      out.device_traces.resize(static_cast<size_t>(device_count_));
+      out.device_traces.resize(static_cast<size_t>(device_count_.load()));
     }
     auto& md = out.config_metadata;
     md.garbage_collection_threshold = 0.0;
@@ -919,7 +919,8 @@ class GpuallocAllocator final : public CUDAAllocator {
     // Before PyTorch's CUDA initialization (an IPC handle opened without
     // `torch.cuda._lazy_init()`), `init` has not told the device count.
     std::call_once(native_init_, [&] {
-      native_->init(device_count_ > 0 ? device_count_ : static_cast<int>(c10::cuda::device_count()));
+      int n = device_count_.load();
+      native_->init(n > 0 ? n : static_cast<int>(c10::cuda::device_count()));
     });
     return native_->getIpcDevPtr(std::move(handle));
   }
@@ -1048,7 +1049,7 @@ class GpuallocAllocator final : public CUDAAllocator {
   std::once_flag native_init_;
   ipc::Opened opened_;
   std::atomic<bool> initialized_{false};
-  int device_count_ = 0;
+  std::atomic<int> device_count_{0};  // written by init(), read by other threads
 };
 
 // Never destroyed, as the other globals here: torch keeps raw pointers to
