@@ -3,6 +3,7 @@ and once with gpualloc, with a timeout each; writes summary.json.
 
     python3 tests/gpu/driver.py --out DIR [--only dropin,streams] [--budget 480]
         [--steps N] [--variants native,gpualloc-pytorch,'gpualloc[expandable_segments:true]']
+        [--check-variants gpualloc]
 
 Failures and timeouts are reported in the summary, never fatal. bench.py
 runs its benchmark through run_one and variant() from here.
@@ -17,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -493,6 +495,22 @@ def compare_kernel_speed(runs, variants):
     return {k: {a: round(m[k] / t, 3) for a, m in ms.items() if m and k in m} for k, t in base.items()}
 
 
+def variants_of(check: str, train_variants: list, variants_given: bool, kept: Optional[list]) -> list:
+    """The variants `check` runs under: a training check's are
+    `train_variants`; a timed loop's, "native" and `train_variants` when
+    --variants was given; another check's, its CHECK_VARIANTS (or "native"
+    and "gpualloc"). `kept` (--check-variants) keeps, of a check that is not
+    a training, only the variants it names."""
+    if check.startswith("train_"):
+        return list(train_variants)
+    variants = CHECK_VARIANTS.get(check, ["native", "gpualloc"])
+    if check in TIMED_CHECKS and variants_given:  # compared with "native", which runs first
+        variants = ["native"] + [v for v in train_variants if v != "native"]
+    if kept is not None:
+        variants = [v for v in variants if v in kept]
+    return variants
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -500,9 +518,13 @@ def main():
     p.add_argument("--budget", type=float, default=float(os.environ.get("GPUALLOC_GPU_BUDGET_S", 480)))
     p.add_argument("--steps", type=int, default=0, help="training steps (default: the plan's)")
     p.add_argument("--variants", default="", help="variants of the training checks and the timed loops (TIMED_CHECKS; default: TRAIN_VARIANTS)")
+    p.add_argument("--check-variants", default="",
+                   help="the other checks run only those of their variants named here (e.g. gpualloc: a quick "
+                        "check of a build in one short device call)")
     args = p.parse_args()
     try:
         train_variants = parse_variants(args.variants) if args.variants else TRAIN_VARIANTS
+        kept = parse_variants(args.check_variants) if args.check_variants else None
     except ValueError as e:
         p.error(str(e))
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
@@ -516,11 +538,8 @@ def main():
     for check, timeout, steps in PLAN:
         if only and check not in only:
             continue
-        variants = CHECK_VARIANTS.get(check, ["native", "gpualloc"])
-        if check in TIMED_CHECKS and args.variants:  # compared with "native", which runs first
-            variants = ["native"] + [v for v in train_variants if v != "native"]
+        variants = variants_of(check, train_variants, bool(args.variants), kept)
         if check.startswith("train_"):
-            variants = train_variants
             steps = args.steps or steps
         for alloc in variants:
             key = f"{check}/{alloc}"

@@ -2,6 +2,8 @@
 # GPU tests, one command (on a machine with a GPU, torch, g++ and ninja; no cargo needed):
 #
 #   bash tests/gpu/run.sh            # expects target/release/libgpualloc.so
+#   bash tests/gpu/run.sh --only dropin,streams,compat,threads --check-variants gpualloc
+#                                    # a build's quick check, gpualloc only (about 2 min)
 #
 # Runs every check of tests/gpu/checks.py under PyTorch's allocator and under
 # gpualloc, each in its own subprocess with a timeout, and writes

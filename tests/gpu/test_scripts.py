@@ -255,6 +255,19 @@ class TimedLoops(unittest.TestCase):
         self.assertIsNone(driver.compare_timed("churn", runs, ["native", "gpualloc"]))
 
 
+class CheckVariants(unittest.TestCase):
+    def test_check_variants_keep_only_the_named_ones_and_leave_trainings_alone(self):
+        train = ["native", "native-expandable", "gpualloc"]
+        self.assertEqual(driver.variants_of("dropin", train, False, None), driver.CHECK_VARIANTS["dropin"])
+        self.assertEqual(driver.variants_of("dropin", train, False, ["gpualloc"]), ["gpualloc"])
+        self.assertEqual(driver.variants_of("threads", train, False, ["gpualloc"]), ["gpualloc"])
+        self.assertEqual(driver.variants_of("churn", ["native", "gpualloc", "gpualloc-b"], True, None),
+                         ["native", "gpualloc", "gpualloc-b"])
+        self.assertEqual(driver.variants_of("churn", ["gpualloc-b"], True, ["gpualloc-b"]), ["gpualloc-b"])
+        self.assertEqual(driver.variants_of("train_gpt2", train, False, ["gpualloc"]), train)
+        self.assertEqual(driver.variants_of("launcher", train, False, ["native"]), [])
+
+
 class SummaryFile(unittest.TestCase):
     def test_written_whole_after_each_check_and_marked_complete_at_the_end(self):
         import json
