@@ -125,14 +125,16 @@ def _run_file(path: str) -> None:
     if data[:4] == importlib.util.MAGIC_NUMBER:
         code = marshal.loads(data[16:])  # a .pyc: its 16-byte header, then the code
     else:
-        code = compile(data, path, "exec")
+        # dont_inherit: not this module's `from __future__ import annotations`
+        # (the program's annotations would become strings).
+        code = compile(data, path, "exec", dont_inherit=True)
     _run_globals(code, __file__=path)
 
 
 def _run_source(source: str) -> None:
     """Runs ``source`` as ``__main__``, named ``<stdin>`` in tracebacks as
     under ``python -``."""
-    _run_globals(compile(source, "<stdin>", "exec"))
+    _run_globals(compile(source, "<stdin>", "exec", dont_inherit=True))
 
 
 def _run_globals(code, **extra) -> None:

@@ -1049,7 +1049,11 @@ class RunTargetsTest(unittest.TestCase):
 
             atexit.register(at_exit)
             threading.Thread(target=later).start()
+            def typed(x: int) -> int:
+                return x
+
             print("body", __name__, sys.argv[1:], __spec__ is None or __spec__.name, flush=True)
+            print("annotations", typed.__annotations__["x"] is int, flush=True)
             """
         with tempfile.TemporaryDirectory() as d:
             self.write(os.path.join(d, "prog.py"), body)
@@ -1063,6 +1067,8 @@ class RunTargetsTest(unittest.TestCase):
                 out = run(["-m", "gpualloc", "run", "--no-bridge", *target, "a"], cwd=d, stdin=stdin)
                 self.assertEqual(out.returncode, 0, out.stderr)
                 self.assertIn(f"body __main__ ['a'] {spec}", out.stdout)
+                # Not the launcher's `from __future__ import annotations`.
+                self.assertIn("annotations True", out.stdout)
                 self.assertIn("thread 0.1", out.stdout, out.stderr)
                 self.assertIn("atexit 0.1 True", out.stdout, out.stderr)
 
