@@ -51,25 +51,31 @@ for wheel in (cache / "wheels").glob("*.whl"):
                 z.extract(name, cache / "headers")
             if name == "torch/utils/cpp_extension.py":
                 # The C++ standard torch's extension builds use.
-                m = re.search(r"common_cflags \+= \['-std=(c\+\+\d+)'", z.read(name).decode())
-                (cache / "std").write_text(m.group(1) if m else "c++17")
+                m = re.search(r"""common_cflags \+= \[['"]-std=(c\+\+\d+)['"]""", z.read(name).decode())
+                if m is None:
+                    sys.exit(f"{wheel.name}: no -std=c++NN in torch/utils/cpp_extension.py's common_cflags")
+                (cache / "std").write_text(m.group(1))
 EOF
   rm -rf "$1/wheels"
   touch "$1/ready"
 }
-fetch() {  # DIR, then pip's arguments
+fetch() {  # DIR, then pip's arguments; on failure, pip's last line in $why
   local dir=$1
   shift
   rm -rf "$dir"
   mkdir -p "$dir/wheels"
-  "$py" -m pip download -q --no-deps -d "$dir/wheels" "$@" >/dev/null 2>&1
+  local log
+  log=$("$py" -m pip download -q --no-deps --no-cache-dir -d "$dir/wheels" "$@" 2>&1) && return 0
+  why=$(printf '%s\n' "$log" | grep -v '^\s*$' | tail -n 1)
+  return 1
 }
+why=""
 
 # The CUDA 12 runtime's and compiler's headers: what torch's CUDA headers
 # include (the interfaces the bridge uses are the same in CUDA 13).
 cuda=$root/cuda
 if [ ! -f "$cuda/ready" ]; then
-  fetch "$cuda" nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12 || skip "could not download the CUDA headers"
+  fetch "$cuda" nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12 || skip "could not download the CUDA headers: $why"
   unpack "$cuda"
 fi
 
@@ -77,16 +83,19 @@ for version in $versions; do
   cache=$root/torch-$version
   if [ ! -f "$cache/ready" ]; then
     fetch "$cache" "torch==$version" --only-binary=:all: --platform manylinux_2_28_x86_64 \
-      --python-version "$tag" || skip "could not download torch $version"
+      --python-version "$tag" || skip "could not download torch $version for Python $tag: $why"
     unpack "$cache"
   fi
   inc=$cache/headers/torch/include
+  # Warnings are errors in the bridge's own code; the other headers are
+  # system headers, as cpp_extension passes them (a newer compiler's
+  # warning inside torch's headers is not the bridge's).
   "$cxx" -std="$(cat "$cache/std")" -fsyntax-only -Wall -Werror \
     -D_GLIBCXX_USE_CXX11_ABI=1 -DTORCH_EXTENSION_NAME=gpualloc_bridge -DTORCH_API_INCLUDE_EXTENSION_H \
     -I python-shim/gpualloc/include -I python-shim/gpualloc \
-    -I "$inc" -I "$inc/torch/csrc/api/include" \
-    -I "$cuda/headers/nvidia/cuda_runtime/include" -I "$cuda/headers/nvidia/cuda_nvcc/include" \
-    -I "$pyinc" \
+    -isystem "$inc" -isystem "$inc/torch/csrc/api/include" \
+    -isystem "$cuda/headers/nvidia/cuda_runtime/include" -isystem "$cuda/headers/nvidia/cuda_nvcc/include" \
+    -isystem "$pyinc" \
     python-shim/gpualloc/bridge.cpp
   GPUALLOC_TORCH_INCLUDE=$inc "$py" -m unittest -q python-shim/tests/test_torch_compat.py
   echo "the bridge compiles against torch $version's headers, and docs/torch-compat.md lists its allocator interface"
