@@ -258,40 +258,59 @@ bool in_parent() {
   return owner == 0 || getpid() == owner;
 }
 
+// An exception an observer of a free threw (memory history's stack
+// recorder, the CUDA sanitizer's Python hook, the profiler), said once: a
+// deleter must not throw (it runs in destructors: std::terminate).
+void said_free_observer_failed(const char* who, const char* what) {
+  static std::atomic<bool> said{false};
+  if (!said.exchange(true)) {
+    std::fprintf(stderr,
+                 "gpualloc: an observer of a free (%s) raised an exception: %s; the memory is freed all the same, "
+                 "and the other observers are told (said once)\n",
+                 who, what);
+  }
+}
+
+// Runs `observe`, saying what it throws instead of throwing.
+template <typename F>
+void observe_free(const char* who, F&& observe) {
+  try {
+    observe();
+  } catch (const std::exception& e) {
+    said_free_observer_failed(who, e.what());
+  } catch (...) {
+    said_free_observer_failed(who, "not a std::exception");
+  }
+}
+
 void delete_fn(void* ptr) {
   if (ptr == nullptr) {
     return;
   }
   int device = only_device.load(std::memory_order_relaxed);
-  // A deleter must not throw (it runs in destructors: std::terminate), but
-  // the observers of a free may (memory history's stack recorder, the CUDA
-  // sanitizer's Python hook, the profiler): what they throw is said once,
-  // and the memory is freed all the same, exactly once (`freed`).
-  bool freed = false;
-  try {
-    if (history.enabled() && in_parent()) {
+  // Each observer on its own, so that one that throws keeps neither the
+  // others nor the free from happening; the memory is freed exactly once
+  // (`freed`).
+  if (history.enabled() && in_parent()) {
+    observe_free("memory history", [&] {
       history.on_free(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
-    }
-    sanitizer_free(ptr);
-    if (c10::memoryProfilingEnabled() && in_parent()) {
-      uint64_t size = 0;
-      int owner = -1;
-      int rc = api.free_sized(ptr, &size, &owner);
-      // Not gpualloc's (INVALID_POINTER): the plain free below reports it.
-      freed = rc != GPUALLOC_ERR_INVALID_POINTER;
-      if (rc == GPUALLOC_OK) {
-        report_to_profiler(ptr, -static_cast<int64_t>(size), owner);
-      } else if (freed) {
-        // Freed, or deferred: said as the plain free says it, not freed twice.
+    });
+  }
+  observe_free("the CUDA sanitizer", [&] { sanitizer_free(ptr); });
+  bool freed = false;
+  if (c10::memoryProfilingEnabled() && in_parent()) {
+    uint64_t size = 0;
+    int owner = -1;
+    int rc = api.free_sized(ptr, &size, &owner);  // a C function: never throws
+    // Not gpualloc's (INVALID_POINTER): the plain free below reports it.
+    freed = rc != GPUALLOC_ERR_INVALID_POINTER;
+    if (rc == GPUALLOC_OK) {
+      observe_free("the profiler", [&] { report_to_profiler(ptr, -static_cast<int64_t>(size), owner); });
+    } else if (freed) {
+      // Freed, or deferred: said as the plain free says it, not freed twice.
+      observe_free("the free's report", [&] {
         std::fprintf(stderr, "%s\n", last_error("gpualloc: free failed").c_str());
-      }
-    }
-  } catch (...) {
-    static std::atomic<bool> said{false};
-    if (!said.exchange(true)) {
-      std::fprintf(stderr,
-                   "gpualloc: an observer of a free (memory history, the CUDA sanitizer or the profiler) "
-                   "raised an exception; the memory is freed all the same (said once)\n");
+      });
     }
   }
   if (!freed) {
