@@ -260,7 +260,7 @@ def _start(args) -> int:
             gpualloc.install(config=args.config, trace=trace, bridge=not args.no_bridge, auto_marks=auto)
             # And in the Python processes the program starts (Note
             # [Installing in child processes] in _children.py).
-            _children.pass_on(args.config, args.trace, bridge=not args.no_bridge)
+            _children.pass_on(args.config, args.trace, bridge=not args.no_bridge, said=_torch.SAID)
         else:
             lib()  # a library that cannot be loaded is the error to report, not a note that it was
             print("gpualloc: PyTorch not found: the allocator is loaded but not installed into torch", file=sys.stderr)

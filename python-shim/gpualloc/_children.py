@@ -25,9 +25,10 @@ running ``run`` (a launcher) usually never allocates, so never writes it.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 ENV = "GPUALLOC_RUN_CHILDREN"
+SAID_ENV = "GPUALLOC_RUN_SAID"  # _torch.SAID_ENV
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD_DIR = os.path.join(HERE, "_child")
 
@@ -41,10 +42,12 @@ def leave_alone() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_TorchFinder"]
 
 
-def pass_on(config: Optional[str], trace: Optional[str], bridge: bool) -> None:
+def pass_on(config: Optional[str], trace: Optional[str], bridge: bool, said: Sequence[str] = ()) -> None:
     """Sets the environment the program's child processes inherit (see
     the Note). Called by ``run`` once it has installed gpualloc here."""
     os.environ[ENV] = "1"
+    # What run said of PyTorch's allocator settings, not said again there.
+    os.environ[SAID_ENV] = "\n".join(said)
     # Paths as this process reads them: a child may start in another folder.
     for name in ("GPUALLOC_LIBRARY", "GPUALLOC_BUILD_DIR"):
         path = os.environ.get(name, "")

@@ -26,10 +26,25 @@ MODE: Optional[str] = None  # "bridge" or "fallback" once installed
 # install(config=...) then warns instead of failing (run's choice holds).
 BY_RUN = False
 # Set by the hook that installs gpualloc in a child process of ``run``
-# (_child/sitecustomize.py): the run process has said once what the
-# environment's PyTorch allocator settings do, and its children (every rank,
-# every spawned DataLoader worker) do not say it again.
+# (_child/sitecustomize.py). What the environment's PyTorch allocator
+# settings do is said by the run process, once: its children (every rank,
+# every spawned DataLoader worker) say it again only of a setting the run
+# process did not say (one the program set for its children itself).
 IN_RUN_CHILD = False
+# The settings this process said of ("NAME=value"), which run passes on to
+# its children in SAID_ENV.
+SAID: list = []
+SAID_ENV = "GPUALLOC_RUN_SAID"
+
+
+def _say_setting(name: str) -> bool:
+    """Whether to say what ``name``'s value in the environment does: not in
+    a child of run that said that very setting. Records it as said."""
+    setting = f"{name}={os.environ.get(name, '')}"
+    if IN_RUN_CHILD and setting in os.environ.get(SAID_ENV, "").split("\n"):
+        return False
+    SAID.append(setting)
+    return True
 _LOCK = threading.Lock()
 _KEEP = []  # objects that must live as long as the process (allocator, libraries)
 
@@ -108,7 +123,7 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
         # processes that never use the GPU never start the driver (Note
         # [Starting on first use] in capi/src/pending.rs).
         for name in TORCH_ALLOCATOR_VARIABLES:
-            if os.environ.get(name, "").strip() and not IN_RUN_CHILD:
+            if os.environ.get(name, "").strip() and _say_setting(name):
                 warnings.warn(
                     f"gpualloc: {name}={os.environ[name]!r} configures PyTorch's own "
                     "allocator and has no effect on gpualloc; gpualloc takes its configuration from install(config=...) or "
@@ -157,7 +172,7 @@ def _say_no_caching(mode: str) -> None:
     otherwise wonder why gpualloc's stats and trace stay empty, or, on the
     fallback, why memory stays cached."""
     names = [name for name in NO_CACHING_VARIABLES if os.environ.get(name) == "1"]
-    if not names or IN_RUN_CHILD:
+    if not names or not _say_setting(names[0]):
         return
     if mode == "bridge":
         what = ("as under PyTorch's own allocator, every CUDA allocation goes to cudaMalloc and back to cudaFree: "

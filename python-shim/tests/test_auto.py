@@ -760,19 +760,24 @@ class InstallTest(unittest.TestCase):
                 d,
                 f"""
                 import subprocess, sys
+                import os
                 if __name__ == "__main__":
                     for _ in range(2):
                         subprocess.run([sys.executable, "-c", {child!r}], check=True, cwd="/")
+                    # A setting the program gives its child itself is said there.
+                    own = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="garbage_collection_threshold:0.6")
+                    subprocess.run([sys.executable, "-c", {child!r}], check=True, cwd="/", env=own)
                 """,
             )
             env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "GPUALLOC_BUILD_DIR": "bridge-cache"}
             out = run(["-m", "gpualloc", "run", "--no-bridge", s], env, cwd=d)
             self.assertEqual(out.returncode, 0, out.stderr)
             dirs = [ln.split()[2] for ln in out.stdout.splitlines() if ln.startswith("child fallback ")]
-            self.assertEqual(len(dirs), 2, out.stdout)
+            self.assertEqual(len(dirs), 3, out.stdout)
             for built in dirs:
                 self.assertEqual(os.path.realpath(built), os.path.join(os.path.realpath(d), "bridge-cache"))
             self.assertEqual(out.stderr.count("PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True'"), 1, out.stderr)
+            self.assertEqual(out.stderr.count("PYTORCH_CUDA_ALLOC_CONF='garbage_collection_threshold:0.6'"), 1, out.stderr)
 
     def test_a_child_that_installs_before_importing_torch_does_not_hang(self):
         # The README's first lines in a rank or a spawned worker: install()

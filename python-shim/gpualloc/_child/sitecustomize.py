@@ -51,7 +51,7 @@ def _install():
                 sys.path.remove(package_parent)
 
         _torch.BY_RUN = True  # the program's own install(config=...) warns, as under run
-        _torch.IN_RUN_CHILD = True  # run said what PYTORCH_CUDA_ALLOC_CONF & co. do, once
+        _torch.IN_RUN_CHILD = True  # run said what PYTORCH_CUDA_ALLOC_CONF & co. do, once (GPUALLOC_RUN_SAID)
         gpualloc.install()
     except Exception as e:  # noqa: BLE001 - never stop the child's own program
         print(f"gpualloc: not installed in process {os.getpid()} ({type(e).__name__}: {e})", file=sys.stderr)
