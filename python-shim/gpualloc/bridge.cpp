@@ -1012,8 +1012,15 @@ class GpuallocAllocator final : public CUDAAllocator {
   }
 #endif
 #if TORCH_VERSION_MINOR >= 14
-  // setUserMetadata above keeps it, and every history entry carries it.
+  // setUserMetadata above keeps it, and every history entry carries it;
+  // annotateMemory records its "annotate" entries.
   bool supportsUserMetadata() override { return true; }
+  void annotateMemory(const void* ptr, const std::string& metadata) override {
+    if (!history.annotate_memory(ptr, metadata)) {
+      TORCH_WARN_ONCE("gpualloc: torch.cuda.memory._annotate_memory: no live allocation starts at ", ptr,
+                      " (a tensor's base data pointer is needed); the annotation is not recorded");
+    }
+  }
 #endif
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
     bool first = !has_trackers.exchange(true);

@@ -125,6 +125,26 @@ class History {
          when_ >= RecordContext::ALLOC ? std::move(ctx) : nullptr);
   }
 
+#if TORCH_VERSION_MINOR >= 14
+  // torch >= 2.14's post-facto annotation of the live allocation that
+  // starts at `ptr`: an "annotate" entry carrying `metadata`, while
+  // history records (entries exist only then). False: no live allocation
+  // starts there.
+  bool annotate_memory(const void* ptr, const std::string& metadata) {
+    std::lock_guard<std::mutex> g(mutex_);
+    if (!enabled()) {
+      return true;
+    }
+    auto it = live_.find(const_cast<void*>(ptr));
+    if (it == live_.end()) {
+      return false;
+    }
+    const Live& l = it->second;
+    push(TraceEntry::ANNOTATE, l.device, it->first, l.size, l.stream, nullptr, &metadata);
+    return true;
+  }
+#endif
+
   // The context of the allocation at `ptr`, for the snapshot's blocks.
   Context context_of(void* ptr) const {
     std::lock_guard<std::mutex> g(mutex_);
@@ -218,14 +238,15 @@ class History {
         .count();
   }
 
+  // `metadata`: the entry's user metadata, if not the one set now.
   void push(TraceEntry::Action action, c10::DeviceIndex device, void* addr, size_t size, cudaStream_t stream,
-            Context ctx) {
+            Context ctx, const std::string* metadata = nullptr) {
     if (!enabled() || skip_.count(static_cast<int>(action)) != 0 || device < 0) {
       return;
     }
     const auto& cs = compile_stack();
     TraceEntry e = make_entry(action, device, reinterpret_cast<size_t>(addr), size, stream, std::move(ctx),
-                              cs.empty() ? "N/A" : cs.back(), user_metadata_);
+                              cs.empty() ? "N/A" : cs.back(), metadata != nullptr ? *metadata : user_metadata_);
     e.time_.t_ = now_us();
     if (rings_.size() <= static_cast<size_t>(device)) {
       rings_.resize(device + 1);
