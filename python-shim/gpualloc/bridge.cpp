@@ -227,9 +227,35 @@ void sanitizer_free(void* p) {
   }
 }
 
+// An exception an observer of allocations threw (memory history's stack
+// recorder, the CUDA sanitizer's Python hook, the profiler), said once: a
+// deleter must not throw (it runs in destructors: std::terminate), and an
+// allocation that was made must not be lost to an observer's failure.
+void said_observer_failed(const char* who, const char* what) {
+  static std::atomic<bool> said{false};
+  if (!said.exchange(true)) {
+    std::fprintf(stderr,
+                 "gpualloc: an observer of allocations (%s) raised an exception: %s; the allocation or free goes on, "
+                 "and the other observers are told (said once)\n",
+                 who, what);
+  }
+}
+
+// Runs `observer`, saying what it throws instead of throwing.
+template <typename F>
+void observe(const char* who, F&& observer) {
+  try {
+    observer();
+  } catch (const std::exception& e) {
+    said_observer_failed(who, e.what());
+  } catch (...) {
+    said_observer_failed(who, "not a std::exception");
+  }
+}
+
 // An allocation, to the profiler when it asks: the block's size, as PyTorch reports.
 void profile_alloc(void* p, size_t size, c10::DeviceIndex device) {
-  sanitizer_alloc(p);
+  observe("the CUDA sanitizer", [&] { sanitizer_alloc(p); });
   if (!c10::memoryProfilingEnabled()) {
     return;
   }
@@ -237,7 +263,7 @@ void profile_alloc(void* p, size_t size, c10::DeviceIndex device) {
   if (api.allocation_size(p, &block) != GPUALLOC_OK) {
     block = size;
   }
-  report_to_profiler(p, static_cast<int64_t>(block), device);
+  observe("the profiler", [&] { report_to_profiler(p, static_cast<int64_t>(block), device); });
 }
 
 // The process whose PyTorch started CUDA through this allocator (init());
@@ -258,31 +284,6 @@ bool in_parent() {
   return owner == 0 || getpid() == owner;
 }
 
-// An exception an observer of a free threw (memory history's stack
-// recorder, the CUDA sanitizer's Python hook, the profiler), said once: a
-// deleter must not throw (it runs in destructors: std::terminate).
-void said_free_observer_failed(const char* who, const char* what) {
-  static std::atomic<bool> said{false};
-  if (!said.exchange(true)) {
-    std::fprintf(stderr,
-                 "gpualloc: an observer of a free (%s) raised an exception: %s; the memory is freed all the same, "
-                 "and the other observers are told (said once)\n",
-                 who, what);
-  }
-}
-
-// Runs `observe`, saying what it throws instead of throwing.
-template <typename F>
-void observe_free(const char* who, F&& observe) {
-  try {
-    observe();
-  } catch (const std::exception& e) {
-    said_free_observer_failed(who, e.what());
-  } catch (...) {
-    said_free_observer_failed(who, "not a std::exception");
-  }
-}
-
 void delete_fn(void* ptr) {
   if (ptr == nullptr) {
     return;
@@ -292,11 +293,11 @@ void delete_fn(void* ptr) {
   // others nor the free from happening; the memory is freed exactly once
   // (`freed`).
   if (history.enabled() && in_parent()) {
-    observe_free("memory history", [&] {
+    observe("memory history", [&] {
       history.on_free(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
     });
   }
-  observe_free("the CUDA sanitizer", [&] { sanitizer_free(ptr); });
+  observe("the CUDA sanitizer", [&] { sanitizer_free(ptr); });
   bool freed = false;
   if (c10::memoryProfilingEnabled() && in_parent()) {
     uint64_t size = 0;
@@ -305,10 +306,10 @@ void delete_fn(void* ptr) {
     // Not gpualloc's (INVALID_POINTER): the plain free below reports it.
     freed = rc != GPUALLOC_ERR_INVALID_POINTER;
     if (rc == GPUALLOC_OK) {
-      observe_free("the profiler", [&] { report_to_profiler(ptr, -static_cast<int64_t>(size), owner); });
+      observe("the profiler", [&] { report_to_profiler(ptr, -static_cast<int64_t>(size), owner); });
     } else if (freed) {
       // Freed, or deferred: said as the plain free says it, not freed twice.
-      observe_free("the free's report", [&] {
+      observe("the free's report", [&] {
         std::fprintf(stderr, "%s\n", last_error("gpualloc: free failed").c_str());
       });
     }
@@ -331,7 +332,7 @@ void uncached_delete(void* ptr) {
     return;
   }
   api.clear_error();
-  sanitizer_free(ptr);
+  observe("the CUDA sanitizer", [&] { sanitizer_free(ptr); });
   C10_CUDA_CHECK_WARN(cudaFree(ptr));
 }
 

@@ -755,7 +755,12 @@ class InstallTest(unittest.TestCase):
         # the library's path is, so a child started elsewhere finds the
         # bridge run built.
         with tempfile.TemporaryDirectory() as d:
-            child = "import os, torch, gpualloc; print('child', gpualloc.installed(), os.environ['GPUALLOC_BUILD_DIR'])"
+            child = (
+                "import os, subprocess, sys, torch, gpualloc; "
+                "print('child', gpualloc.installed(), os.environ['GPUALLOC_BUILD_DIR'], flush=True); "
+                "os.environ.get('GRANDCHILD') and subprocess.run([sys.executable, '-c', 'import torch'], check=True, "
+                "env=dict(os.environ, GRANDCHILD=''))"
+            )
             s = self.script(
                 d,
                 f"""
@@ -765,7 +770,8 @@ class InstallTest(unittest.TestCase):
                     for _ in range(2):
                         subprocess.run([sys.executable, "-c", {child!r}], check=True, cwd="/")
                     # A setting the program gives its child itself is said there.
-                    own = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="garbage_collection_threshold:0.6")
+                    # ... and not again in that child's own children (a rank's workers).
+                    own = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="garbage_collection_threshold:0.6", GRANDCHILD="1")
                     subprocess.run([sys.executable, "-c", {child!r}], check=True, cwd="/", env=own)
                 """,
             )
