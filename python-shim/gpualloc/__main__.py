@@ -114,8 +114,8 @@ def _run_as_main(body) -> None:
 
 def _run_file(path: str) -> None:
     """Runs the script (or compiled script) at ``path`` as ``python path``
-    does, in a ``__main__`` that stays; its globals as runpy.run_path sets
-    them."""
+    does, in a ``__main__`` that stays, with the globals python gives it."""
+    import importlib.machinery
     import importlib.util
     import io
     import marshal
@@ -124,17 +124,22 @@ def _run_file(path: str) -> None:
         data = f.read()
     if data[:4] == importlib.util.MAGIC_NUMBER:
         code = marshal.loads(data[16:])  # a .pyc: its 16-byte header, then the code
+        loader = importlib.machinery.SourcelessFileLoader("__main__", path)
     else:
         # dont_inherit: not this module's `from __future__ import annotations`
         # (the program's annotations would become strings).
         code = compile(data, path, "exec", dont_inherit=True)
-    _run_globals(code, __file__=path)
+        loader = importlib.machinery.SourceFileLoader("__main__", path)
+    _run_globals(code, __file__=path, __loader__=loader)
 
 
 def _run_source(source: str) -> None:
     """Runs ``source`` as ``__main__``, named ``<stdin>`` in tracebacks as
     under ``python -``."""
-    _run_globals(compile(source, "<stdin>", "exec", dont_inherit=True))
+    import importlib.machinery
+
+    _run_globals(compile(source, "<stdin>", "exec", dont_inherit=True), __file__="<stdin>",
+                 __loader__=importlib.machinery.BuiltinImporter)
 
 
 def _run_globals(code, **extra) -> None:

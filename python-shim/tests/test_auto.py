@@ -1065,6 +1065,7 @@ class RunTargetsTest(unittest.TestCase):
 
             print("body", __name__, sys.argv[1:], __spec__ is None or __spec__.name, flush=True)
             print("annotations", typed.__annotations__["x"] is int, flush=True)
+            print("file", __file__ if __file__ == "<stdin>" else __file__ == __loader__.path, flush=True)
             """
         with tempfile.TemporaryDirectory() as d:
             self.write(os.path.join(d, "prog.py"), body)
@@ -1080,6 +1081,8 @@ class RunTargetsTest(unittest.TestCase):
                 self.assertIn(f"body __main__ ['a'] {spec}", out.stdout)
                 # Not the launcher's `from __future__ import annotations`.
                 self.assertIn("annotations True", out.stdout)
+                # __file__ and __loader__ as python gives them.
+                self.assertIn("file <stdin>" if target == ["-"] else "file True", out.stdout)
                 self.assertIn("thread 0.1", out.stdout, out.stderr)
                 self.assertIn("atexit 0.1 True", out.stdout, out.stderr)
 
@@ -1259,7 +1262,8 @@ class RunTargetsTest(unittest.TestCase):
             argv = ["-m", "gpualloc", "run", "--no-bridge", "--trace", trace, "-", "a", "--", "b"]
             out = run(argv, cwd=d, stdin=program)
             self.assertEqual(out.returncode, 3, out.stderr)
-            self.assertIn("ran __main__ ['-', 'a', '--', 'b'] the working folder False", out.stdout)
+            # __file__ is "<stdin>", as `python -` sets it.
+            self.assertIn("ran __main__ ['-', 'a', '--', 'b'] the working folder True", out.stdout)
             self.assertIn(("mark", "step"), [(a["kind"], a["name"]) for a in annotations(trace)])
             # A traceback names <stdin>, as under `python -`.
             out = run(["-m", "gpualloc", "run", "--no-bridge", "-"], cwd=d, stdin="x = 1\nraise ValueError('boom')\n")
