@@ -52,6 +52,12 @@ pub fn note_forked_child() {
     FORKED_CHILD.store(true, Ordering::Relaxed);
 }
 
+/// Whether [`note_forked_child`] was called in this process.
+#[inline]
+pub fn in_forked_child() -> bool {
+    FORKED_CHILD.load(Ordering::Relaxed)
+}
+
 /// Devices (by bit, the first 64) whose lock a forked child waited for in
 /// vain: later calls fail at once (Note [Locks held at a fork]).
 static HELD_AT_FORK: AtomicU64 = AtomicU64::new(0);
@@ -60,7 +66,7 @@ static HELD_AT_FORK: AtomicU64 = AtomicU64::new(0);
 /// Note [Locks held at a fork], once per device.
 #[inline]
 pub(crate) fn take<T>(slot: &Mutex<T>, device: i64) -> Result<MutexGuard<'_, T>, AllocError> {
-    if !FORKED_CHILD.load(Ordering::Relaxed) {
+    if !in_forked_child() {
         return Ok(slot.lock());
     }
     let bit = u32::try_from(device)

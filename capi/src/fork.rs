@@ -31,22 +31,10 @@
 //! inherits it held by a thread it does not have (Note [Trace control
 //! across fork] in `allocator/src/trace/control_lock.rs`).
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
-static FORKED: AtomicBool = AtomicBool::new(false);
-
-unsafe extern "C" {
-    fn pthread_atfork(
-        prepare: Option<extern "C" fn()>,
-        parent: Option<extern "C" fn()>,
-        child: Option<extern "C" fn()>,
-    ) -> std::ffi::c_int;
-}
-
 /// Whether this process is a child forked after the allocator started.
 #[inline]
 pub(crate) fn in_forked_child() -> bool {
-    FORKED.load(Ordering::Relaxed)
+    gpualloc::allocator::in_forked_child()
 }
 
 /// Registers, once, the handlers that mark forked children and hold the
@@ -59,7 +47,6 @@ pub(crate) fn watch() {
         gpualloc::trace::control_lock::after_fork_in_parent();
     }
     extern "C" fn child() {
-        FORKED.store(true, Ordering::Relaxed);
         gpualloc::allocator::note_forked_child();
         gpualloc::trace::control_lock::after_fork_in_child();
         crate::sigterm::reset_in_child();
@@ -72,7 +59,7 @@ pub(crate) fn watch() {
         // (async-signal-safe, as a fork handler must be); `prepare` runs
         // before the fork, where waiting for a lock is allowed.
         unsafe {
-            pthread_atfork(Some(prepare), Some(parent), Some(child));
+            libc::pthread_atfork(Some(prepare), Some(parent), Some(child));
         }
     });
 }

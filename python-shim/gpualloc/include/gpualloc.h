@@ -619,8 +619,6 @@ int gpualloc_helper_driver_calls(int device,
                                  size_t cap,
                                  size_t *needed);
 
-extern int pthread_atfork(void (*prepare)(void), void (*parent)(void), void (*child)(void));
-
 // Fills `*out` with `device`'s reserved memory by unit. A device not used
 // yet reports zeros and is not started.
 //

@@ -50,14 +50,6 @@ pub(super) const FORKED_CHILD: CuResult = 0xF0_0001;
 /// unavailable, naming the cause. One relaxed load per driver call.
 static FORKED: AtomicBool = AtomicBool::new(false);
 
-unsafe extern "C" {
-    fn pthread_atfork(
-        prepare: Option<extern "C" fn()>,
-        parent: Option<extern "C" fn()>,
-        child: Option<extern "C" fn()>,
-    ) -> c_int;
-}
-
 /// Registers, once, the fork handler of Note [No driver call after fork];
 /// called after `cuInit` succeeded.
 pub(super) fn watch_forks() {
@@ -70,7 +62,7 @@ pub(super) fn watch_forks() {
         // long as the library, cannot unwind, and only stores an atomic
         // (async-signal-safe, as a fork handler must be).
         unsafe {
-            pthread_atfork(None, None, Some(child));
+            libc::pthread_atfork(None, None, Some(child));
         }
     });
 }
