@@ -28,6 +28,8 @@ impl<B: Backend> DeviceAllocator<B> {
         let mut unmapped_blocks = 0usize;
         let mut claimed_blocks = 0usize;
         let mut claimed_bytes = 0u64;
+        // Claimed blocks at home, `(start, end)`.
+        let mut claimed: Vec<(u64, u64)> = Vec::new();
         // The gauges rebuilt from the blocks; every array stat of the table
         // must equal its recount, so a new one needs a recount here.
         let mut recount = DeviceStats::default();
@@ -100,6 +102,7 @@ impl<B: Backend> DeviceAllocator<B> {
                         }
                         if seg.pool != STITCH {
                             claimed_bytes += b.size;
+                            claimed.push((b.ptr, b.ptr + b.size));
                         }
                     }
                     BlockState::Unmapped => {
@@ -180,6 +183,8 @@ impl<B: Backend> DeviceAllocator<B> {
                 "stitches in use hold {lent} bytes, claimed blocks at home {claimed_bytes}"
             ));
         }
+        claimed.sort_unstable();
+        self.check_lent_parts(&claimed)?;
         self.check_stitches()?;
         for kind in [PoolKind::Small, PoolKind::Large] {
             recount
@@ -295,6 +300,40 @@ impl<B: Backend> DeviceAllocator<B> {
             }
         }
         self.check_drains()
+    }
+
+    /// Each part of a stitch in use lies in a claimed block at home, and no
+    /// two parts overlap: with the byte totals equal, the parts cover the
+    /// claimed blocks exactly, so no home page of a stitch in use can be
+    /// free (and handed out) while the stitch's block is live. `claimed`
+    /// lists the claimed blocks, sorted.
+    fn check_lent_parts(&self, claimed: &[(u64, u64)]) -> Result<(), String> {
+        let mut parts: Vec<(u64, u64)> = Vec::new();
+        for (k, s) in self.stitches.list.iter().enumerate() {
+            if s.in_use.is_none() {
+                continue;
+            }
+            for p in s.parts() {
+                let (lo, hi) = (p.addr, p.addr + p.size);
+                // The last claimed block starting at or before the part.
+                let at = claimed.partition_point(|&(start, _)| start <= lo);
+                if at == 0 || claimed[at - 1].1 < hi {
+                    return Err(format!(
+                        "stitch {k} at {:#x} is in use, but its part {lo:#x}..{hi:#x} at home is not in a claimed block",
+                        s.va
+                    ));
+                }
+                parts.push((lo, hi));
+            }
+        }
+        parts.sort_unstable();
+        if let Some(w) = parts.windows(2).find(|w| w[1].0 < w[0].1) {
+            return Err(format!(
+                "stitches in use lend {:#x}..{:#x} and {:#x}..{:#x}, which overlap",
+                w[0].0, w[0].1, w[1].0, w[1].1
+            ));
+        }
+        Ok(())
     }
 
     /// Every old range still to be unmapped lies in one unmapped block of an

@@ -528,6 +528,20 @@ impl PagePool {
                 self.free_bytes
             ));
         }
+        // Each handle is in one place once: mapped at one address, or pooled.
+        let mut ids: Vec<(HandleId, &str)> = self
+            .mapped
+            .values()
+            .map(|&(h, _)| (h, "mapped"))
+            .chain(self.free.values().flatten().map(|&(h, _)| (h, "pooled")))
+            .collect();
+        ids.sort_unstable();
+        if let Some(w) = ids.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(format!(
+                "handle {} is both {} and {}",
+                w[0].0, w[0].1, w[1].1
+            ));
+        }
         Ok(())
     }
 }

@@ -722,6 +722,35 @@ impl Checked {
         self.check_now();
     }
 
+    /// No two live allocations share physical memory, whatever addresses
+    /// map it (a stitch maps handles that stay mapped at home too).
+    fn check_no_shared_memory(&self) {
+        // Every mapping, in address order (reservations do not overlap).
+        let maps = self.sim().handles_over(0, u64::MAX);
+        let mut parts: Vec<(u64, u64, u64, DevicePtr)> = Vec::new();
+        for (&p, l) in &self.live {
+            let end = p + l.block;
+            let first = maps.partition_point(|&(at, _, bytes)| at + bytes <= p);
+            for &(at, h, bytes) in maps[first..].iter().take_while(|m| m.0 < end) {
+                parts.push((h, p.max(at) - at, end.min(at + bytes) - at, p));
+            }
+        }
+        parts.sort_unstable();
+        if let Some(w) = parts
+            .windows(2)
+            .find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
+        {
+            panic!(
+                "live {:#x} and live {:#x} share bytes {}..{} of handle {}",
+                w[0].3,
+                w[1].3,
+                w[1].1,
+                w[0].2.min(w[1].2),
+                w[0].0
+            );
+        }
+    }
+
     fn check_now(&self) {
         if let Err(e) = self.dev.check_invariants() {
             panic!("check_invariants: {e}");
@@ -729,6 +758,7 @@ impl Checked {
         if let Err(e) = self.dev.check_backend_mappings() {
             panic!("check_backend_mappings: {e}");
         }
+        self.check_no_shared_memory();
         let snap = self.snapshot();
         let s = self.stats();
         let mut allocated = BTreeMap::new();

@@ -13,7 +13,9 @@ use gpualloc::backend::SimCall;
 use gpualloc_tests::{Checked, MIB, cases};
 use proptest::prelude::*;
 
-use crate::properties::{STREAMS, size};
+use crate::properties::{
+    FRAGMENTING_CAPS_MIB, STITCH_EAGERLY, STREAMS, draw, fragmenting_size, size,
+};
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -31,10 +33,10 @@ enum Op {
     OtherDevice(usize, usize),
 }
 
-fn op() -> impl Strategy<Value = Op> {
+fn op<S: Strategy<Value = u64> + 'static>(size: S) -> impl Strategy<Value = Op> {
     let s = 0..STREAMS.len();
     prop_oneof![
-        10 => (size(), s.clone()).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        10 => (size, s.clone()).prop_map(|(size, stream)| Op::Alloc { size, stream }),
         7 => any::<prop::sample::Index>().prop_map(|i| Op::Free(i.index(usize::MAX))),
         2 => (any::<prop::sample::Index>(), s.clone()).prop_map(|(i, st)| Op::RecordStream(i.index(usize::MAX), st)),
         5 => (any::<prop::sample::Index>(), 0usize..4).prop_map(|(i, k)| Op::Use(i.index(usize::MAX), k)),
@@ -49,7 +51,8 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn run(config: &str, capacity: u64, mode: u8, ops: Vec<Op>) {
+/// Runs `ops`; returns the stitches built.
+fn run(config: &str, capacity: u64, mode: u8, ops: Vec<Op>) -> i64 {
     let mut c = Checked::with(capacity, config);
     match mode {
         0 => c.sim_mut().defer_later_work(true),
@@ -117,10 +120,14 @@ fn run(config: &str, capacity: u64, mode: u8, ops: Vec<Op>) {
             }
         }
     }
+    c.stats().num_stitch
 }
 
 macro_rules! property {
     ($name:ident, $config:expr, $cases:expr) => {
+        property!($name, $config, $cases, size(), 1..120, [256, 512]);
+    };
+    ($name:ident, $config:expr, $cases:expr, $size:expr, $len:expr, $caps_mib:expr) => {
         proptest! {
             #![proptest_config(ProptestConfig {
                 cases: cases($cases),
@@ -128,7 +135,7 @@ macro_rules! property {
                 ..ProptestConfig::default()
             })]
             #[test]
-            fn $name(cap in prop::sample::select(vec![256 * MIB, 512 * MIB]), mode in 0u8..3, ops in prop::collection::vec(op(), 1..120)) {
+            fn $name(cap in prop::sample::select($caps_mib.map(|m: u64| m * MIB).to_vec()), mode in 0u8..3, ops in prop::collection::vec(op($size), $len)) {
                 run($config, cap, mode, ops);
             }
         }
@@ -152,6 +159,44 @@ property!(
     "defragment_headroom:0,expandable_handle_mb:64,stitch_min_mb:8",
     256
 );
+// Programs that fragment the pages (`properties::fragmenting_size`), so
+// that faults also land in stitch builds, repairs and page moves.
+property!(
+    fault_fragmenting_default,
+    "",
+    64,
+    fragmenting_size(),
+    40..300,
+    FRAGMENTING_CAPS_MIB
+);
+property!(
+    fault_fragmenting_stitch_eagerly,
+    STITCH_EAGERLY,
+    96,
+    fragmenting_size(),
+    40..300,
+    FRAGMENTING_CAPS_MIB
+);
+
+/// The fragmenting programs with faults build stitches (over 16 drawn
+/// with a fixed seed), so faults land in stitch builds too.
+#[test]
+fn fragmenting_programs_with_faults_stitch() {
+    let programs = draw(prop::collection::vec(op(fragmenting_size()), 200..300), 16);
+    let stitches: i64 = programs
+        .into_iter()
+        .enumerate()
+        .map(|(k, ops)| {
+            run(
+                STITCH_EAGERLY,
+                FRAGMENTING_CAPS_MIB[k % 2] * MIB,
+                (k % 3) as u8,
+                ops,
+            )
+        })
+        .sum();
+    assert!(stitches > 0, "{stitches} stitches over 16 programs");
+}
 
 /// Pooled handles a mapping cannot use go back to the driver only as a
 /// saving (Note [Spare handles at the high-water mark]): a driver that

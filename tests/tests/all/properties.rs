@@ -41,6 +41,21 @@ pub(crate) fn size() -> impl Strategy<Value = u64> {
     ]
 }
 
+/// Request sizes of programs that fragment the pages (`fragmenting_op`): mostly large blocks
+/// of scattered sizes (whole and part pages), so that frees leave free
+/// pages between live blocks and large requests find no free run that fits
+/// them. Under a small `stitch_min_mb` and no headroom they are served by
+/// stitching and by moving pages, which [`size`]'s programs rarely reach.
+pub(crate) fn fragmenting_size() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        1 => 1u64..=MIB,
+        1 => prop::sample::select(vec![2 * MIB, 16 * MIB]),
+        2 => (1u64..=20, 0u64..4096).prop_map(|(m, b)| m * MIB + b),
+        2 => (34 * MIB)..(64 * MIB),
+        2 => (64 * MIB)..(104 * MIB),
+    ]
+}
+
 fn op() -> impl Strategy<Value = Op> {
     let s = 0..STREAMS.len();
     prop_oneof![
@@ -58,6 +73,26 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// Operations of programs that fragment the pages: as a training step
+/// does, they allocate and free much and wait for their work often, and
+/// neither empty the cache nor change the limits (both undo what
+/// fragmentation built up), with an occasional graph capture.
+fn fragmenting_op() -> impl Strategy<Value = Op> {
+    let s = 0..STREAMS.len();
+    prop_oneof![
+        // Most on one stream, where free runs add up.
+        10 => (fragmenting_size(), prop::sample::select(vec![0, 0, 0, 0, 1, 2])).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        7 => any::<prop::sample::Index>().prop_map(|i| Op::Free(i.index(usize::MAX))),
+        2 => (any::<prop::sample::Index>(), s.clone()).prop_map(|(i, st)| Op::RecordStream(i.index(usize::MAX), st)),
+        1 => (any::<prop::sample::Index>(), 0usize..4).prop_map(|(i, k)| Op::Use(i.index(usize::MAX), k)),
+        6 => s.clone().prop_map(Op::Complete),
+        1 => (s, any::<bool>()).prop_map(|(stream, all_streams)| Op::BeginCapture { stream, all_streams }),
+        // Captures short: they take what they allocate from private pools.
+        5 => Just(Op::EndCapture),
+        1 => (0usize..4).prop_map(Op::ReleasePool),
+    ]
+}
+
 /// Private pools of the run: open (in a scope) or held (ended, not released).
 #[derive(Default)]
 struct Graphs {
@@ -66,7 +101,8 @@ struct Graphs {
     held: Vec<PoolKey>,
 }
 
-fn run(config: &str, capacity: u64, ops: Vec<Op>) {
+/// Runs `ops`; returns the stitches and the defragmentation passes made.
+fn run(config: &str, capacity: u64, ops: Vec<Op>) -> (i64, i64) {
     let mut c = Checked::with(capacity, config);
     let mut g = Graphs::default();
     for op in ops {
@@ -122,6 +158,7 @@ fn run(config: &str, capacity: u64, ops: Vec<Op>) {
             }
         }
     }
+    let made = (c.stats().num_stitch, c.stats().num_defragment);
     // Wind down: end the capture, free everything, release the pools, empty the cache.
     if let Some(key) = g.open.take() {
         c.end_pool(key);
@@ -145,10 +182,14 @@ fn run(config: &str, capacity: u64, ops: Vec<Op>) {
         c.dev.private_pools().is_empty(),
         "released pools are erased"
     );
+    made
 }
 
 macro_rules! property {
     ($name:ident, $config:expr, $cases:expr) => {
+        property!($name, $config, $cases, op(), 1..80, [256, 1024]);
+    };
+    ($name:ident, $config:expr, $cases:expr, $op:expr, $len:expr, $caps_mib:expr) => {
         proptest! {
             #![proptest_config(ProptestConfig {
                 cases: cases($cases),
@@ -156,7 +197,7 @@ macro_rules! property {
                 ..ProptestConfig::default()
             })]
             #[test]
-            fn $name(cap in prop::sample::select(vec![256 * MIB, 1024 * MIB]), ops in prop::collection::vec(op(), 1..80)) {
+            fn $name(cap in prop::sample::select($caps_mib.map(|m: u64| m * MIB).to_vec()), ops in prop::collection::vec($op, $len)) {
                 run($config, cap, ops);
             }
         }
@@ -247,6 +288,77 @@ property!(
     "roundup_power2_divisions:[1:2,8:4,64:8,>:1]",
     64
 );
+// Programs that fragment the pages, under configurations that stitch and
+// move pages at every chance (`fragmenting_programs_stitch_and_move_pages`
+// shows they do).
+/// Room for many of their blocks.
+pub(crate) const FRAGMENTING_CAPS_MIB: [u64; 2] = [1024, 2048];
+pub(crate) const STITCH_EAGERLY: &str = "stitch_min_mb:4,defragment_headroom:0,stitch_budget:1,defragment_budget:1,expandable_handle_mb:2";
+const STITCH_EAGERLY_16: &str =
+    "stitch_min_mb:8,defragment_headroom:0,stitch_budget:1,defragment_budget:1";
+property!(
+    fragmenting_default,
+    "",
+    96,
+    fragmenting_op(),
+    40..300,
+    FRAGMENTING_CAPS_MIB
+);
+property!(
+    fragmenting_stitch_eagerly,
+    STITCH_EAGERLY,
+    96,
+    fragmenting_op(),
+    40..300,
+    FRAGMENTING_CAPS_MIB
+);
+property!(
+    fragmenting_stitch_eagerly_16,
+    STITCH_EAGERLY_16,
+    96,
+    fragmenting_op(),
+    40..300,
+    FRAGMENTING_CAPS_MIB
+);
+property!(
+    fragmenting_stitch_eagerly_on_the_calling_thread,
+    "stitch_min_mb:4,defragment_headroom:0,stitch_budget:1,defragment_budget:1,expandable_handle_mb:4,unmap_thread:false",
+    64,
+    fragmenting_op(),
+    40..300,
+    FRAGMENTING_CAPS_MIB
+);
+
+/// `n` values of `strategy`, drawn with a fixed seed.
+pub(crate) fn draw<S: Strategy>(strategy: S, n: usize) -> Vec<S::Value> {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::{Config, TestRng, TestRunner};
+    let rng = TestRng::deterministic_rng(Config::default().rng_algorithm);
+    let mut runner = TestRunner::new_with_rng(Config::default(), rng);
+    (0..n)
+        .map(|_| strategy.new_tree(&mut runner).expect("a value").current())
+        .collect()
+}
+
+/// The fragmenting programs reach what they are for: over 16 programs
+/// drawn with a fixed seed, stitches are built and pages moved under both
+/// eager configurations.
+#[test]
+fn fragmenting_programs_stitch_and_move_pages() {
+    for config in [STITCH_EAGERLY, STITCH_EAGERLY_16] {
+        let (mut stitches, mut moves) = (0, 0);
+        let programs = draw(prop::collection::vec(fragmenting_op(), 200..300), 16);
+        for (k, ops) in programs.into_iter().enumerate() {
+            let (s, m) = run(config, FRAGMENTING_CAPS_MIB[k % 2] * MIB, ops);
+            stitches += s;
+            moves += m;
+        }
+        assert!(
+            stitches > 0 && moves > 0,
+            "{config}: {stitches} stitches and {moves} defragmentation passes over 16 programs"
+        );
+    }
+}
 
 /// Found by a long run of `default_gc_split`: a stream whose only blocks
 /// were in a graph's pool got a fence (a large free), and `empty_cache`
