@@ -17,7 +17,9 @@
 //! new handles of one size (at most `expandable_handle_mb`) with the same
 //! contents: create, copy through a temporary mapping, map in place,
 //! release the old ones, after waiting for the device. Only when nothing
-//! else lives in the run (no other tensor's memory moves), none of its
+//! else lives in the run (no other tensor's memory moves; in a captured
+//! graph's private pool, no other block at all, since its replays write
+//! the blocks freed during the capture), none of its
 //! handles was exported already (a receiver maps them), no capture is
 //! open, and the copy fits under the memory limit and on the device;
 //! otherwise the share keeps the handles of several sizes, which only a
@@ -35,6 +37,7 @@ use crate::backend::{Backend, BackendError, DevicePtr, HandleId};
 use crate::block::{BlockId, BlockState};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
+use crate::heap::STITCH;
 use crate::observer::SegmentAction;
 use crate::size_class::PoolKind;
 
@@ -140,7 +143,7 @@ impl<B: Backend> DeviceAllocator<B> {
         };
         if self.private.capturing()
             || old.iter().any(|&(_, h, _)| self.pages.is_exported(h))
-            || !self.only_block_in(id, lo, hi)
+            || !self.only_block_in(id, lo, hi, pool > STITCH)
         {
             return Ok(false);
         }
@@ -218,14 +221,18 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// Whether block `id` is the only block in `[lo, hi)` that is not free:
     /// the memory of no other tensor moves (Note [Sharing expandable memory]).
-    fn only_block_in(&self, id: BlockId, lo: DevicePtr, hi: DevicePtr) -> bool {
+    /// In a private pool (`private`), the only block at all: a captured
+    /// graph's replays write the blocks that were freed during its capture,
+    /// and one replayed by another thread while the run moves would lose
+    /// its writes.
+    fn only_block_in(&self, id: BlockId, lo: DevicePtr, hi: DevicePtr, private: bool) -> bool {
         let mut b = Some(self.heap.block_at(self.heap.blocks[id].segment, lo));
         while let Some(x) = b {
             let blk = &self.heap.blocks[x];
             if blk.ptr >= hi {
                 break;
             }
-            if x != id && blk.state != BlockState::Free {
+            if x != id && (private || blk.state != BlockState::Free) {
                 return false;
             }
             b = blk.next;

@@ -187,3 +187,22 @@ fn handles_exported_already_keep_their_place() {
     assert!(mixed(&s), "{:?}", sizes(&s));
     assert_eq!(c.sim().copies(), 0);
 }
+
+#[test]
+fn a_graphs_free_memory_keeps_the_run_as_it_is() {
+    // The same layout in a captured graph's pool, the small block freed
+    // during the capture: the graph's replays write that memory, so the
+    // run keeps its handles.
+    let mut c = Checked::with(1 << 30, "policy:gpualloc");
+    c.begin_pool((1, 0), Some(0));
+    let (b, bs, d, _) = neighbours(&mut c);
+    c.release(d);
+    c.end_pool((1, 0));
+    let s = shares_exactly_its_handles(&mut c, b, bs);
+    assert!(mixed(&s), "{:?}", sizes(&s));
+    assert_eq!(c.sim().copies(), 0);
+    c.release(b);
+    c.release_pool((1, 0)).unwrap();
+    c.empty_cache();
+    assert_eq!(c.sim().used(), 0);
+}
