@@ -25,22 +25,24 @@ sys.path.insert(0, HERE)
 
 from promise import compare_promise  # noqa: E402 - needs HERE on the path
 
-# (check, timeout seconds, steps) in the order they run: correctness first.
+# (check, timeout seconds, steps) in the order they run: correctness first
+# (a run that the time budget cuts short still says whether PyTorch's
+# features work), then the timed loops, then the trainings.
 PLAN = [
     ("dropin", 180, 0),
     ("streams", 90, 0),
     ("threads", 90, 0),
     ("multi_device", 90, 0),
+    ("compat", 300, 0),
+    ("ipc", 150, 0),
+    ("launcher", 300, 0),
+    ("auto_marks", 120, 0),
+    ("promise", 240, 0),
     ("churn", 90, 200_000),
     ("churn_wide", 90, 200_000),
     ("churn_cpp", 150, 2_000_000),
     ("trace_cpp", 120, 0),
     ("kernel_speed", 120, 0),
-    ("auto_marks", 120, 0),
-    ("launcher", 300, 0),
-    ("compat", 300, 0),
-    ("ipc", 150, 0),
-    ("promise", 240, 0),
     ("train_resnet", 150, 200),
     ("train_gpt2", 150, 200),
     ("train_detector", 150, 200),
