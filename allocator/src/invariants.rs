@@ -6,7 +6,9 @@
 //! under their current keys; the address map holds exactly the allocated
 //! and pending blocks; pending events match their blocks; the page pool's
 //! mapped handles tile exactly the mapped blocks of expandable segments; and
-//! every stat gauge equals a recount (reserved = mapped + pooled); old
+//! every stat gauge equals a recount (reserved = mapped + pooled); each
+//! handle is mapped at one place or pooled, once; the parts of stitches in
+//! use cover exactly the claimed blocks at home, without overlap; old
 //! ranges still to be unmapped lie in unmapped blocks.
 
 use crate::backend::Backend;

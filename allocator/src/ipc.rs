@@ -17,9 +17,10 @@
 //! new handles of one size (at most `expandable_handle_mb`) with the same
 //! contents: create, copy through a temporary mapping, map in place,
 //! release the old ones, after waiting for the device. Only when nothing
-//! else lives in the run (no other tensor's memory moves; in a captured
-//! graph's private pool, no other block at all, since its replays write
-//! the blocks freed during the capture), none of its
+//! else lives in the run (no other tensor's memory moves; in a private
+//! pool, a graph's or a `MemPool`'s, no other block at all, since the
+//! replays of a graph captured into it write the blocks freed during the
+//! capture), none of its
 //! handles was exported already (a receiver maps them), no capture is
 //! open, and the copy fits under the memory limit and on the device;
 //! otherwise the share keeps the handles of several sizes, which only a
@@ -221,10 +222,10 @@ impl<B: Backend> DeviceAllocator<B> {
 
     /// Whether block `id` is the only block in `[lo, hi)` that is not free:
     /// the memory of no other tensor moves (Note [Sharing expandable memory]).
-    /// In a private pool (`private`), the only block at all: a captured
-    /// graph's replays write the blocks that were freed during its capture,
-    /// and one replayed by another thread while the run moves would lose
-    /// its writes.
+    /// In a private pool (`private`: a graph's or a `MemPool`'s), the only
+    /// block at all: the replays of a graph captured into it write the
+    /// blocks that were freed during the capture, and one replayed by
+    /// another thread while the run moves would lose its writes.
     fn only_block_in(&self, id: BlockId, lo: DevicePtr, hi: DevicePtr, private: bool) -> bool {
         let mut b = Some(self.heap.block_at(self.heap.blocks[id].segment, lo));
         while let Some(x) = b {

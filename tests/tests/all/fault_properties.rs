@@ -33,10 +33,10 @@ enum Op {
     OtherDevice(usize, usize),
 }
 
-fn op<S: Strategy<Value = u64> + 'static>(size: S) -> impl Strategy<Value = Op> {
+fn op() -> impl Strategy<Value = Op> {
     let s = 0..STREAMS.len();
     prop_oneof![
-        10 => (size, s.clone()).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        10 => (size(), s.clone()).prop_map(|(size, stream)| Op::Alloc { size, stream }),
         7 => any::<prop::sample::Index>().prop_map(|i| Op::Free(i.index(usize::MAX))),
         2 => (any::<prop::sample::Index>(), s.clone()).prop_map(|(i, st)| Op::RecordStream(i.index(usize::MAX), st)),
         5 => (any::<prop::sample::Index>(), 0usize..4).prop_map(|(i, k)| Op::Use(i.index(usize::MAX), k)),
@@ -51,8 +51,29 @@ fn op<S: Strategy<Value = u64> + 'static>(size: S) -> impl Strategy<Value = Op> 
     ]
 }
 
-/// Runs `ops`; returns the stitches built.
-fn run(config: &str, capacity: u64, mode: u8, ops: Vec<Op>) -> i64 {
+/// Operations of programs that fragment the pages, as
+/// `properties::fragmenting_op` has them (no `empty_cache`, short
+/// captures, most allocations on one stream, work waited for often), with
+/// faults: so that faults land in stitch builds and page moves.
+fn fragmenting_op() -> impl Strategy<Value = Op> {
+    let s = 0..STREAMS.len();
+    prop_oneof![
+        10 => (fragmenting_size(), prop::sample::select(vec![0, 0, 0, 0, 1, 2])).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        7 => any::<prop::sample::Index>().prop_map(|i| Op::Free(i.index(usize::MAX))),
+        2 => (any::<prop::sample::Index>(), s.clone()).prop_map(|(i, st)| Op::RecordStream(i.index(usize::MAX), st)),
+        1 => (any::<prop::sample::Index>(), 0usize..4).prop_map(|(i, k)| Op::Use(i.index(usize::MAX), k)),
+        6 => s.clone().prop_map(Op::Complete),
+        2 => (0usize..SimCall::ALL.len(), 1u64..4).prop_map(|(c, n)| Op::Fault(c, n)),
+        1 => Just(Op::FinishLater),
+        1 => (s, any::<bool>()).prop_map(|(s, a)| Op::Begin(s, a)),
+        5 => Just(Op::End),
+        1 => (0usize..4).prop_map(Op::ReleasePool),
+        1 => (any::<prop::sample::Index>(), 0usize..3).prop_map(|(i, st)| Op::OtherDevice(i.index(usize::MAX), st)),
+    ]
+}
+
+/// Runs `ops`; returns the stitches built and the defragmentation passes.
+fn run(config: &str, capacity: u64, mode: u8, ops: Vec<Op>) -> (i64, i64) {
     let mut c = Checked::with(capacity, config);
     match mode {
         0 => c.sim_mut().defer_later_work(true),
@@ -120,14 +141,14 @@ fn run(config: &str, capacity: u64, mode: u8, ops: Vec<Op>) -> i64 {
             }
         }
     }
-    c.stats().num_stitch
+    (c.stats().num_stitch, c.stats().num_defragment)
 }
 
 macro_rules! property {
     ($name:ident, $config:expr, $cases:expr) => {
-        property!($name, $config, $cases, size(), 1..120, [256, 512]);
+        property!($name, $config, $cases, op(), 1..120, [256, 512]);
     };
-    ($name:ident, $config:expr, $cases:expr, $size:expr, $len:expr, $caps_mib:expr) => {
+    ($name:ident, $config:expr, $cases:expr, $op:expr, $len:expr, $caps_mib:expr) => {
         proptest! {
             #![proptest_config(ProptestConfig {
                 cases: cases($cases),
@@ -135,7 +156,7 @@ macro_rules! property {
                 ..ProptestConfig::default()
             })]
             #[test]
-            fn $name(cap in prop::sample::select($caps_mib.map(|m: u64| m * MIB).to_vec()), mode in 0u8..3, ops in prop::collection::vec(op($size), $len)) {
+            fn $name(cap in prop::sample::select($caps_mib.map(|m: u64| m * MIB).to_vec()), mode in 0u8..3, ops in prop::collection::vec($op, $len)) {
                 run($config, cap, mode, ops);
             }
         }
@@ -159,13 +180,13 @@ property!(
     "defragment_headroom:0,expandable_handle_mb:64,stitch_min_mb:8",
     256
 );
-// Programs that fragment the pages (`properties::fragmenting_size`), so
+// Programs that fragment the pages (`fragmenting_op`), so
 // that faults also land in stitch builds, repairs and page moves.
 property!(
     fault_fragmenting_default,
     "",
     64,
-    fragmenting_size(),
+    fragmenting_op(),
     40..300,
     FRAGMENTING_CAPS_MIB
 );
@@ -173,17 +194,18 @@ property!(
     fault_fragmenting_stitch_eagerly,
     STITCH_EAGERLY,
     96,
-    fragmenting_size(),
+    fragmenting_op(),
     40..300,
     FRAGMENTING_CAPS_MIB
 );
 
-/// The fragmenting programs with faults build stitches (over 16 drawn
-/// with a fixed seed), so faults land in stitch builds too.
+/// The fragmenting programs with faults build stitches and move pages
+/// (over 16 drawn with a fixed seed: 8 stitches and 16 passes at least), so
+/// faults land there too.
 #[test]
-fn fragmenting_programs_with_faults_stitch() {
-    let programs = draw(prop::collection::vec(op(fragmenting_size()), 200..300), 16);
-    let stitches: i64 = programs
+fn fragmenting_programs_with_faults_stitch_and_move_pages() {
+    let programs = draw(prop::collection::vec(fragmenting_op(), 200..300), 16);
+    let (stitches, moves) = programs
         .into_iter()
         .enumerate()
         .map(|(k, ops)| {
@@ -194,8 +216,11 @@ fn fragmenting_programs_with_faults_stitch() {
                 ops,
             )
         })
-        .sum();
-    assert!(stitches > 0, "{stitches} stitches over 16 programs");
+        .fold((0, 0), |(s, m), (a, b)| (s + a, m + b));
+    assert!(
+        stitches >= 8 && moves >= 16,
+        "{stitches} stitches and {moves} defragmentation passes over 16 programs"
+    );
 }
 
 /// Pooled handles a mapping cannot use go back to the driver only as a

@@ -288,14 +288,14 @@ property!(
     "roundup_power2_divisions:[1:2,8:4,64:8,>:1]",
     64
 );
-// Programs that fragment the pages, under configurations that stitch and
-// move pages at every chance (`fragmenting_programs_stitch_and_move_pages`
-// shows they do).
+// Programs that fragment the pages, under the defaults, a configuration
+// that stitches and moves pages at every chance, and one without
+// cross-stream reuse (`fragmenting_programs_stitch_and_move_pages` shows
+// that each stitches and moves pages).
 /// Room for many of their blocks.
 pub(crate) const FRAGMENTING_CAPS_MIB: [u64; 2] = [1024, 2048];
 pub(crate) const STITCH_EAGERLY: &str = "stitch_min_mb:4,defragment_headroom:0,stitch_budget:1,defragment_budget:1,expandable_handle_mb:2";
-const STITCH_EAGERLY_16: &str =
-    "stitch_min_mb:8,defragment_headroom:0,stitch_budget:1,defragment_budget:1";
+const STITCH_PER_STREAM: &str = "cross_stream_reuse:false,stitch_min_mb:4,expandable_handle_mb:4";
 property!(
     fragmenting_default,
     "",
@@ -313,8 +313,8 @@ property!(
     FRAGMENTING_CAPS_MIB
 );
 property!(
-    fragmenting_stitch_eagerly_16,
-    STITCH_EAGERLY_16,
+    fragmenting_stitch_per_stream,
+    STITCH_PER_STREAM,
     96,
     fragmenting_op(),
     40..300,
@@ -341,23 +341,27 @@ pub(crate) fn draw<S: Strategy>(strategy: S, n: usize) -> Vec<S::Value> {
 }
 
 /// The fragmenting programs reach what they are for: over 16 programs
-/// drawn with a fixed seed, stitches are built and pages moved under both
-/// eager configurations.
+/// drawn with a fixed seed, at least 8 stitches are built and 16
+/// defragmentation passes made under each configuration of their
+/// properties.
 #[test]
 fn fragmenting_programs_stitch_and_move_pages() {
-    for config in [STITCH_EAGERLY, STITCH_EAGERLY_16] {
-        let (mut stitches, mut moves) = (0, 0);
-        let programs = draw(prop::collection::vec(fragmenting_op(), 200..300), 16);
-        for (k, ops) in programs.into_iter().enumerate() {
-            let (s, m) = run(config, FRAGMENTING_CAPS_MIB[k % 2] * MIB, ops);
-            stitches += s;
-            moves += m;
-        }
-        assert!(
-            stitches > 0 && moves > 0,
-            "{config}: {stitches} stitches and {moves} defragmentation passes over 16 programs"
-        );
-    }
+    let programs = draw(prop::collection::vec(fragmenting_op(), 200..300), 16);
+    let counts: Vec<(&str, i64, i64)> = ["", STITCH_EAGERLY, STITCH_PER_STREAM]
+        .into_iter()
+        .map(|config| {
+            let (s, m) = programs
+                .iter()
+                .enumerate()
+                .map(|(k, ops)| run(config, FRAGMENTING_CAPS_MIB[k % 2] * MIB, ops.clone()))
+                .fold((0, 0), |(s, m), (a, b)| (s + a, m + b));
+            (config, s, m)
+        })
+        .collect();
+    assert!(
+        counts.iter().all(|&(_, s, m)| s >= 8 && m >= 16),
+        "(configuration, stitches, defragmentation passes) over 16 programs: {counts:?}"
+    );
 }
 
 /// Found by a long run of `default_gc_split`: a stream whose only blocks
