@@ -17,9 +17,10 @@ use std::collections::{BTreeMap, BTreeSet};
 pub mod foreign;
 use foreign::Foreign;
 
+use gpualloc::backend::sim::SIM_FD_BASE;
 use gpualloc::{
     AllocError, BlockState, CheckpointBlock, Config, DeviceAllocator, DevicePtr, PoolKey,
-    RestoreDelta, SegmentSnapshot, SimBackend, StreamId,
+    RestoreDelta, SegmentSnapshot, Sharing, SimBackend, StreamId,
     size_class::{PoolKind, round_size},
 };
 
@@ -517,6 +518,36 @@ impl Checked {
     #[track_caller]
     pub fn release(&mut self, p: DevicePtr) {
         self.free(p).unwrap_or_else(|e| panic!("free({p:#x}): {e}"));
+    }
+
+    /// Shares live allocation `p` with another process (Note [Sharing
+    /// expandable memory]), panicking on failure. Expandable memory must
+    /// export exactly the handles the simulator has mapped under the
+    /// allocation, in address order, and sharing again the same
+    /// descriptors; then everything is checked.
+    #[track_caller]
+    pub fn share(&mut self, p: DevicePtr) -> Sharing {
+        let size = self.live[&p].size;
+        let sharing = self
+            .dev
+            .share(p)
+            .unwrap_or_else(|e| panic!("share({p:#x}): {e}"));
+        if let Sharing::Handles { offset, parts } = &sharing {
+            let backing = self.sim().handles_over(p, size.max(1));
+            assert_eq!(*offset, p - backing[0].0, "offset from the first handle");
+            // A stitched block's handles live elsewhere: compared by identity and size.
+            let exported: Vec<(u64, u64)> = parts
+                .iter()
+                .map(|&(fd, bytes)| (fd as u64 - SIM_FD_BASE, bytes))
+                .collect();
+            let mapped: Vec<(u64, u64)> = backing.iter().map(|&(_, h, b)| (h, b)).collect();
+            assert_eq!(exported, mapped, "the handles under {p:#x}+{size}");
+            assert!(parts.iter().map(|x| x.1).sum::<u64>() >= offset + size);
+        }
+        // Exported once: sharing again gives the same descriptors.
+        assert_eq!(self.dev.share(p).expect("share again"), sharing);
+        self.check();
+        sharing
     }
 
     /// `record_stream`.

@@ -28,6 +28,8 @@ enum Op {
     },
     EndCapture,
     ReleasePool(usize),
+    /// Share with another process (`Checked::share`).
+    Share(usize),
 }
 
 /// Request sizes, from 0 B to 130 MiB, both pools and every handle size.
@@ -76,7 +78,9 @@ fn op() -> impl Strategy<Value = Op> {
 /// Operations of programs that fragment the pages: as a training step
 /// does, they allocate and free much and wait for their work often, and
 /// neither empty the cache nor change the limits (both undo what
-/// fragmentation built up), with an occasional graph capture.
+/// fragmentation built up), with an occasional graph capture and an
+/// occasional share with another process (which may copy a run of pages
+/// into handles of one size).
 fn fragmenting_op() -> impl Strategy<Value = Op> {
     let s = 0..STREAMS.len();
     prop_oneof![
@@ -90,6 +94,7 @@ fn fragmenting_op() -> impl Strategy<Value = Op> {
         // Captures short: they take what they allocate from private pools.
         5 => Just(Op::EndCapture),
         1 => (0usize..4).prop_map(Op::ReleasePool),
+        1 => any::<prop::sample::Index>().prop_map(|i| Op::Share(i.index(usize::MAX))),
     ]
 }
 
@@ -101,8 +106,9 @@ struct Graphs {
     held: Vec<PoolKey>,
 }
 
-/// Runs `ops`; returns the stitches and the defragmentation passes made.
-fn run(config: &str, capacity: u64, ops: Vec<Op>) -> (i64, i64) {
+/// Runs `ops`; returns the stitches and the defragmentation passes made,
+/// and the runs of pages copied for a share.
+fn run(config: &str, capacity: u64, ops: Vec<Op>) -> (i64, i64, u64) {
     let mut c = Checked::with(capacity, config);
     let mut g = Graphs::default();
     for op in ops {
@@ -150,6 +156,11 @@ fn run(config: &str, capacity: u64, ops: Vec<Op>) -> (i64, i64) {
                     g.held.push(key);
                 }
             }
+            Op::Share(i) => {
+                if let Some(p) = pick(i) {
+                    c.share(p);
+                }
+            }
             Op::ReleasePool(i) => {
                 if !g.held.is_empty() {
                     let key = g.held.remove(i % g.held.len());
@@ -158,7 +169,11 @@ fn run(config: &str, capacity: u64, ops: Vec<Op>) -> (i64, i64) {
             }
         }
     }
-    let made = (c.stats().num_stitch, c.stats().num_defragment);
+    let made = (
+        c.stats().num_stitch,
+        c.stats().num_defragment,
+        c.sim().copies(),
+    );
     // Wind down: end the capture, free everything, release the pools, empty the cache.
     if let Some(key) = g.open.take() {
         c.end_pool(key);
@@ -343,24 +358,26 @@ pub(crate) fn draw<S: Strategy>(strategy: S, n: usize) -> Vec<S::Value> {
 /// The fragmenting programs reach what they are for: over 16 programs
 /// drawn with a fixed seed, at least 8 stitches are built and 16
 /// defragmentation passes made under each configuration of their
-/// properties.
+/// properties, and some share copies a run of pages (not with 2 MiB
+/// handles only, where every run is of one size already).
 #[test]
 fn fragmenting_programs_stitch_and_move_pages() {
     let programs = draw(prop::collection::vec(fragmenting_op(), 200..300), 16);
-    let counts: Vec<(&str, i64, i64)> = ["", STITCH_EAGERLY, STITCH_PER_STREAM]
+    let counts: Vec<(&str, (i64, i64, u64))> = ["", STITCH_EAGERLY, STITCH_PER_STREAM]
         .into_iter()
         .map(|config| {
-            let (s, m) = programs
+            let sum = programs
                 .iter()
                 .enumerate()
                 .map(|(k, ops)| run(config, FRAGMENTING_CAPS_MIB[k % 2] * MIB, ops.clone()))
-                .fold((0, 0), |(s, m), (a, b)| (s + a, m + b));
-            (config, s, m)
+                .fold((0, 0, 0), |t, r| (t.0 + r.0, t.1 + r.1, t.2 + r.2));
+            (config, sum)
         })
         .collect();
     assert!(
-        counts.iter().all(|&(_, s, m)| s >= 8 && m >= 16),
-        "(configuration, stitches, defragmentation passes) over 16 programs: {counts:?}"
+        counts.iter().all(|&(_, (s, m, _))| s >= 8 && m >= 16)
+            && counts.iter().any(|&(_, (_, _, c))| c > 0),
+        "(configuration, (stitches, defragmentation passes, copies)) over 16 programs: {counts:?}"
     );
 }
 
