@@ -5,6 +5,15 @@
 #   bash tests/gpu/run.sh --only dropin,streams,compat,threads --check-variants gpualloc
 #                                    # a build's quick check, gpualloc only (about 2 min)
 #
+# Everything takes longer than one 10-minute device call (round 52: the
+# checks before compat alone took 370 s on an H100): split it, the
+# correctness checks first (the order they run in), then the timed loops,
+# then the trainings:
+#
+#   bash tests/gpu/run.sh --only dropin,streams,threads,multi_device,compat,ipc,launcher,auto_marks,promise
+#   bash tests/gpu/run.sh --only churn,churn_wide,churn_cpp,trace_cpp,kernel_speed
+#   bash tests/gpu/run.sh --only train_resnet,train_gpt2,train_detector,train_backbone
+#
 # Runs every check of tests/gpu/checks.py under PyTorch's allocator and under
 # gpualloc, each in its own subprocess with a timeout, and writes
 # summary.json plus one log per run (packed as logs.tar.gz) to $OUT (or
