@@ -523,11 +523,11 @@ impl Checked {
     /// Shares live allocation `p` with another process (Note [Sharing
     /// expandable memory]), panicking on failure. Expandable memory must
     /// export exactly the handles the simulator has mapped under the
-    /// allocation, in address order, and sharing again the same
+    /// allocation's block, in address order, and sharing again the same
     /// descriptors; then everything is checked.
     #[track_caller]
     pub fn share(&mut self, p: DevicePtr) -> Sharing {
-        let size = self.live[&p].size;
+        let size = self.live[&p].block;
         let sharing = self
             .dev
             .share(p)
