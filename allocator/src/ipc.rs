@@ -11,7 +11,8 @@
 //! Expandable memory shares the physical handles behind the block, in
 //! address order, each exported once by the backend and kept open until
 //! the handle is released ([`Sharing::Handles`]); a stitched block shares
-//! the handles its range aliases, in the stitch's order. PyTorch's
+//! the handles its range aliases, in the stitch's order, those under the
+//! block only (a stitch taken by a shorter request keeps a tail past it). PyTorch's
 //! receiver maps handles of one size only, so before the first share of a
 //! block whose handles differ in size, the run of handles under it gets
 //! new handles of one size (at most `expandable_handle_mb`) with the same
@@ -87,12 +88,17 @@ impl<B: Backend> DeviceAllocator<B> {
         let seg = self.heap.segments.get(seg_id);
         let stitch = self.stitches.list.iter().find(|s| s.in_use == Some(seg_id));
         let mut handles: Vec<(DevicePtr, u64, u64)> = if let Some(st) = stitch {
+            // Only the parts under the block: those past its end (a tail
+            // not yet given back, Note [Stitch tails]) go home to other
+            // blocks once trimmed.
             let mut at = st.va;
-            st.parts()
-                .map(|p| {
-                    at += p.size;
-                    (at - p.size, p.handle, p.size)
+            st.slots
+                .iter()
+                .filter_map(|slot| {
+                    at += slot.size();
+                    slot.part().map(|p| (at - p.size, p.handle, p.size))
                 })
+                .filter(|&(lo, _, s)| lo < ptr + size && lo + s > ptr)
                 .collect()
         } else if seg.expandable {
             self.pages.covering(ptr, ptr + size)

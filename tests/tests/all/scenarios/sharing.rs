@@ -77,6 +77,32 @@ fn a_stitched_block_shares_the_handles_it_aliases() {
 }
 
 #[test]
+fn a_block_shorter_than_its_stitch_shares_only_the_handles_under_it() {
+    // A cached stitch of 40 MiB taken again by a 38 MiB request: the
+    // handles past the block (its stitch's tail) are not shared.
+    let mut c = Checked::with(128 * MIB, "policy:gpualloc");
+    let blocks: Vec<u64> = (0..8).map(|_| c.alloc(16 * MIB, 0)).collect();
+    for &p in blocks.iter().skip(1).step_by(2) {
+        c.release(p);
+    }
+    c.complete_all();
+    let big = c.alloc(40 * MIB, 0);
+    c.release(big);
+    c.complete_all();
+    let shorter = c.alloc(38 * MIB, 0);
+    assert_eq!(c.stat("num_stitch"), 1, "the cached stitch was taken again");
+    let sharing = shares_exactly_its_handles(&mut c, shorter, 38 * MIB);
+    let Sharing::Handles { offset, parts } = sharing else {
+        unreachable!()
+    };
+    let shared: u64 = parts.iter().map(|p| p.1).sum();
+    assert!(
+        shared - offset < 40 * MIB,
+        "{shared} bytes shared from offset {offset}: the stitch's tail went too"
+    );
+}
+
+#[test]
 fn only_allocated_block_starts_can_be_shared() {
     let mut c = Checked::with(1 << 30, "policy:gpualloc");
     let p = c.alloc(4 * MIB, 0);
