@@ -12,18 +12,17 @@
 //! address order, each exported once by the backend and kept open until
 //! the handle is released ([`Sharing::Handles`]); a stitched block shares
 //! the handles its range aliases, in the stitch's order, those under the
-//! block only (a stitch taken by a shorter request keeps a tail past it). PyTorch's
-//! receiver maps handles of one size only, so before the first share of a
-//! block whose handles differ in size, the run of handles under it gets
-//! new handles of one size (at most `expandable_handle_mb`) with the same
-//! contents: create, copy through a temporary mapping, map in place,
-//! release the old ones, after waiting for the device. Only when nothing
-//! else lives in the run (no other tensor's memory moves; in a private
-//! pool, a graph's or a `MemPool`'s, no other block at all, since the
-//! replays of a graph captured into it write the blocks freed during the
-//! capture), none of its
-//! handles was exported already (a receiver maps them), no capture is
-//! open, and the copy fits under the memory limit and on the device;
+//! block only (a stitch taken by a shorter request keeps a tail past it).
+//! PyTorch's receiver maps handles of one size only, so before the first
+//! share of a block whose handles differ in size, the run of handles under
+//! it gets new handles of one size (at most `expandable_handle_mb`) with
+//! the same contents: create, copy through a temporary mapping, map in
+//! place, release the old ones, after waiting for the device. Only when
+//! nothing else lives in the run (no other tensor's memory moves; in a
+//! private pool, a graph's or a `MemPool`'s, no other block at all, since
+//! the replays of a graph captured into it write the blocks freed during
+//! the capture), none of its handles was exported already (a receiver
+//! maps them), no capture is open, and the copy fits under the memory limit and on the device;
 //! otherwise the share keeps the handles of several sizes, which only a
 //! receiver under gpualloc opens. While the run is remapped the block
 //! itself is briefly unmapped: a kernel that another thread launches on

@@ -57,10 +57,9 @@ fn expandable_blocks_share_the_handles_under_them() {
     shares_exactly_its_handles(&mut c, q, 7 * MIB);
 }
 
-#[test]
-fn a_stitched_block_shares_the_handles_it_aliases() {
-    // A full device whose free pages are scattered: a large request is
-    // stitched from them, and shares the handles of the runs it aliases.
+/// A full device whose free pages are scattered (every other 16 MiB block
+/// freed), and a 40 MiB block stitched from them.
+fn stitched_40_mib() -> (Checked, u64) {
     let mut c = Checked::with(128 * MIB, "policy:gpualloc");
     let blocks: Vec<u64> = (0..8).map(|_| c.alloc(16 * MIB, 0)).collect();
     for &p in blocks.iter().skip(1).step_by(2) {
@@ -68,6 +67,14 @@ fn a_stitched_block_shares_the_handles_it_aliases() {
     }
     c.complete_all();
     let big = c.alloc(40 * MIB, 0);
+    (c, big)
+}
+
+#[test]
+fn a_stitched_block_shares_the_handles_it_aliases() {
+    // A full device whose free pages are scattered: a large request is
+    // stitched from them, and shares the handles of the runs it aliases.
+    let (mut c, big) = stitched_40_mib();
     let sharing = shares_exactly_its_handles(&mut c, big, 40 * MIB);
     assert_eq!(c.stat("num_stitch"), 1, "the request was stitched");
     let Sharing::Handles { parts, .. } = sharing else {
@@ -80,13 +87,7 @@ fn a_stitched_block_shares_the_handles_it_aliases() {
 fn a_block_shorter_than_its_stitch_shares_only_the_handles_under_it() {
     // A cached stitch of 40 MiB taken again by a 38 MiB request: the
     // handles past the block (its stitch's tail) are not shared.
-    let mut c = Checked::with(128 * MIB, "policy:gpualloc");
-    let blocks: Vec<u64> = (0..8).map(|_| c.alloc(16 * MIB, 0)).collect();
-    for &p in blocks.iter().skip(1).step_by(2) {
-        c.release(p);
-    }
-    c.complete_all();
-    let big = c.alloc(40 * MIB, 0);
+    let (mut c, big) = stitched_40_mib();
     c.release(big);
     c.complete_all();
     let shorter = c.alloc(38 * MIB, 0);
