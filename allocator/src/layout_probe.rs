@@ -194,7 +194,8 @@ impl<B: Backend> DeviceAllocator<B> {
 /// `churn:SEED`, `churn_wide:SEED` or `multiscale:SEED` (`workload.rs`;
 /// `LAYOUT_PROBE_OPS` sets the churn loops' length); `FILE@SEED` is
 /// the trace perturbed with that seed; `long:STEPS:SEED:FILE` a run of
-/// STEPS steps drawn from FILE's (`workload::longer`).
+/// STEPS steps drawn from FILE's (`workload::longer`); `scaled:K:FILE`
+/// the trace with every request K times smaller (a smaller model).
 fn load(path: &std::path::Path) -> Vec<crate::trace::TraceEvent> {
     let name = path.to_string_lossy();
     let seed = |s: &str| s.parse::<u64>().expect("a seed");
@@ -220,6 +221,19 @@ fn load(path: &std::path::Path) -> Vec<crate::trace::TraceEvent> {
         let evs = load(std::path::Path::new(file));
         let steps = steps.parse().expect("a number of steps");
         return crate::workload::longer(&evs, steps, seed(s)).expect("a trace with steps");
+    }
+    if let Some((k, file)) = name.strip_prefix("scaled:").and_then(|r| r.split_once(':')) {
+        // Every request `k` times smaller: the same program on a smaller model.
+        let k: u64 = k.parse().expect("a divisor");
+        return load(std::path::Path::new(file))
+            .into_iter()
+            .map(|mut e| {
+                if matches!(e.action, crate::trace::Action::Alloc) {
+                    e.size = (e.size / k).max(1);
+                }
+                e
+            })
+            .collect();
     }
     if let Some((file, s)) = name.rsplit_once('@') {
         let evs = load(std::path::Path::new(file));

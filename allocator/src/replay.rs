@@ -46,7 +46,7 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 
-use crate::backend::{Backend, DevicePtr, SimBackend, StreamId};
+use crate::backend::{DevicePtr, SimBackend, StreamId};
 use crate::config::Config;
 use crate::cost::{CostModel, DriverCalls};
 use crate::device::DeviceAllocator;
@@ -417,13 +417,16 @@ impl DeviceRun {
         }
     }
 
-    /// Makes every event the block at `ptr` waits on complete in the simulator.
+    /// Makes every event the block at `ptr` waits on complete in the
+    /// simulator. The recorded allocator learned this by polling, not by
+    /// waiting: no driver call is counted here, and its own poll
+    /// (`process_events`) counts the queries.
     fn complete_events_of(&mut self, ptr: DevicePtr) {
         let Some(&id) = self.dev.live.get(&ptr) else {
             return;
         };
         for ev in self.dev.pending.events_of(id) {
-            let _ = self.dev.backend.wait_event(ev);
+            self.dev.backend.complete_event(ev);
         }
     }
 

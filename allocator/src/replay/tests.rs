@@ -393,3 +393,50 @@ fn the_calls_after_a_split_are_those_its_later_events_make() {
     let other = replay_split(evs.iter().copied(), 1 << 30, &c, &BTreeMap::from([(1, 0)]));
     assert_eq!(other.devices[0].driver_from_split, None);
 }
+
+/// Blocks used on another stream complete when the device gets there; the
+/// recorded allocator learned that by polling their events, so the replay
+/// counts the polls and no host wait (it had counted a wait per event).
+#[test]
+fn completions_the_recording_polled_are_no_waits_in_the_replay() {
+    use crate::backend::Backend;
+    use crate::cost::DriverCall;
+    let a = Allocator::new(
+        Config::default(),
+        1,
+        Box::new(|_| Ok(SimBackend::new(1 << 30))),
+    );
+    let path = crate::trace::control_tests_path("replay-polled");
+    a.trace_start(&path).unwrap();
+    for _ in 0..8 {
+        let p = a.malloc(0, 4 << 20, 0).unwrap();
+        a.record_stream(0, p, 1).unwrap();
+        a.free(0, p).unwrap();
+        a.lock(0).unwrap().backend_mut().complete(1);
+        // Polls the events: the block above becomes free here, and
+        // serves this request.
+        let q = a.malloc(0, 4 << 20, 0).unwrap();
+        a.free(0, q).unwrap();
+    }
+    a.trace_stop().unwrap();
+    let recorded = a.lock(0).unwrap().backend().driver_calls();
+    let mut r = TraceReader::open(&path).unwrap();
+    let evs: Vec<TraceEvent> = r.events().collect();
+    std::fs::remove_file(&path).unwrap();
+    // Each plain free completes at once; the 8 shared blocks' later.
+    assert_eq!(
+        evs.iter()
+            .filter(|e| e.action == Action::FreeCompleted)
+            .count(),
+        16
+    );
+    let replayed = replay(evs.into_iter(), 1 << 30, &Config::default()).driver;
+    assert_eq!(recorded.calls(DriverCall::EventSync), 0);
+    for call in [
+        DriverCall::EventSync,
+        DriverCall::EventQuery,
+        DriverCall::EventRecord,
+    ] {
+        assert_eq!(replayed.calls(call), recorded.calls(call), "{call:?}");
+    }
+}
