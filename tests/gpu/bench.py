@@ -44,6 +44,9 @@ sys.path.insert(0, HERE)
 import driver  # noqa: E402
 
 WORKLOADS = ["churn", "churn_wide", "train_gpt2", "train_detector", "train_resnet", "train_backbone"]
+# The same programs on small footprints (checks.WORKLOADS): run only when
+# --only names them, and not among the targets.
+SMALL = ["train_resnet_small", "train_detector_small"]
 DEFAULT_VARIANTS = "native,native-expandable,gpualloc,gpualloc-expandable,gpualloc-pytorch"
 NATIVE = ("native", "native-expandable")
 CHURN_OPS = 200_000
@@ -284,6 +287,8 @@ def targets(bench, ours="gpualloc"):
         return (w, f"R/A <= {limit}", fmt(ra, ".3f"), "met" if ra is not None and ra <= limit else "missed")
 
     for w, by, ra in ran("training"):
+        if w in SMALL:
+            continue
         rows.append(ra_row(w, ra, 1.01))
         rs = ratios(w, "mean_step_s_all")
         rows.append((w, "mean step <= 1.00x the faster PyTorch mode", fmt(median(rs), ".3f"), verdict_ratio(rs, 1.0)))
@@ -459,7 +464,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=60, help="training steps a run")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every workload under every variant (0: none)")
-    p.add_argument("--only", default="", help=f"workloads, of {','.join(WORKLOADS)} (default: all)")
+    p.add_argument("--only", default="", help=f"workloads, of {','.join(WORKLOADS + SMALL)} (default: all but the small ones)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="variant names (driver.VARIANTS), gpualloc[CONF] or native[CONF]")
     p.add_argument("--budget", type=float, default=540, help="seconds for everything, the bridge build included")
     p.add_argument("--max-batch", action="store_true", help="also find each training workload's largest batch per variant")
@@ -490,10 +495,10 @@ def main():
         variants = driver.parse_variants(args.variants)
     except ValueError as e:
         p.error(str(e))
-    workloads = [w for w in WORKLOADS if not args.only or w in args.only.split(",")]
-    unknown = set(filter(None, args.only.split(","))) - set(WORKLOADS)
+    workloads = [w for w in WORKLOADS + SMALL if w in args.only.split(",") or (not args.only and w in WORKLOADS)]
+    unknown = set(filter(None, args.only.split(","))) - set(WORKLOADS + SMALL)
     if unknown or not workloads:
-        p.error(f"--only takes {','.join(WORKLOADS)} (got {args.only!r})")
+        p.error(f"--only takes {','.join(WORKLOADS + SMALL)} (got {args.only!r})")
     uses_gpualloc = driver.require_library(variants)
 
     logdir = os.path.join(args.out, "bench-logs")

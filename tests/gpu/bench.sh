@@ -6,7 +6,9 @@
 #       [--budget 540] [--max-batch [--max-batch-gib 12]]
 #
 # Trains GPT-2, the multi-scale detector, resnet50 and a multi-scale backbone
-# and runs churn under PyTorch's allocator (native, native-expandable) and
+# and runs churn (`--only train_resnet_small,train_detector_small`: the
+# ResNet-50 and the detector on small footprints, batch 4 and 1, only when
+# named) under PyTorch's allocator (native, native-expandable) and
 # gpualloc's variants (default: gpualloc, gpualloc-expandable,
 # gpualloc-pytorch; gpualloc[CONF] for any configuration: quote it, the shell
 # globs brackets), interleaved per repeat, each run in its own process.

@@ -895,12 +895,18 @@ def _backbone(batch, steps) -> Workload:
                     name + f" + 1x1 heads on the last 3 levels, bf16 autocast, batch {batch}, sizes 320..960")
 
 
-# name -> (builder, batch size of train_<name>)
+# name -> (builder, batch size of train_<name>). The two small ones are the
+# same programs on footprints of a few hundred MiB, where the default's
+# headroom (0.5% of the peak) is less than one 2 MiB page (forty-first study
+# in docs/policy-experiments.md): launch-bound steps, where a host wait
+# costs the overlap of host and GPU.
 WORKLOADS = {
     "resnet": (_resnet, 128),
     "gpt2": (_gpt2, 8),
     "detector": (_detector, 8),
     "backbone": (_backbone, 32),
+    "resnet_small": (_resnet, 4),
+    "detector_small": (_detector, 1),
 }
 
 
@@ -930,6 +936,14 @@ def check_train_detector(args) -> dict:
 
 def check_train_backbone(args) -> dict:
     return _train_workload("backbone", args.steps or 200)
+
+
+def check_train_resnet_small(args) -> dict:
+    return _train_workload("resnet_small", args.steps or 200)
+
+
+def check_train_detector_small(args) -> dict:
+    return _train_workload("detector_small", args.steps or 200)
 
 
 # ---------------------------------------------------------------------------
@@ -1125,6 +1139,8 @@ CHECKS = {
     "train_gpt2": check_train_gpt2,
     "train_detector": check_train_detector,
     "train_backbone": check_train_backbone,
+    "train_resnet_small": check_train_resnet_small,
+    "train_detector_small": check_train_detector_small,
     "max_batch": check_max_batch,
     "churn": check_churn,
     "churn_wide": check_churn_wide,
