@@ -224,7 +224,11 @@ fn load(path: &std::path::Path) -> Vec<crate::trace::TraceEvent> {
     }
     if let Some((k, file)) = name.strip_prefix("scaled:").and_then(|r| r.split_once(':')) {
         // Every request `k` times smaller: the same program on a smaller model.
-        let k: u64 = k.parse().expect("a divisor");
+        let k: u64 = k
+            .parse()
+            .ok()
+            .filter(|&k| k > 0)
+            .expect("a divisor above 0");
         return load(std::path::Path::new(file))
             .into_iter()
             .map(|mut e| {

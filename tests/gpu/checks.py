@@ -7,7 +7,8 @@ every check once per allocator in its own subprocess. Each prints one line
 Checks: dropin (what training code expects of the allocator), streams (data
 integrity across streams and record_stream), threads, multi_device,
 train_resnet, train_gpt2, train_detector, train_backbone (training steps
-timed, with the allocator's counters), churn, churn_cpp and trace_cpp
+timed, with the allocator's counters; train_resnet_small and
+train_detector_small the first and third on small footprints), churn, churn_cpp and trace_cpp
 (allocator calls from C++: a loop, and a recorded trace's), kernel_speed (kernels on
 memory placed after a fragmenting warm-up), auto_marks (the step marks
 and phases install() records by itself), launcher (`python -m gpualloc
@@ -896,10 +897,10 @@ def _backbone(batch, steps) -> Workload:
 
 
 # name -> (builder, batch size of train_<name>). The two small ones are the
-# same programs on footprints of a few hundred MiB, where the default's
-# headroom (0.5% of the peak) is less than one 2 MiB page (forty-first study
-# in docs/policy-experiments.md): launch-bound steps, where a host wait
-# costs the overlap of host and GPU.
+# same programs on footprints of a few hundred MiB (476 and 356 MiB), where
+# the default's headroom (0.5% of the peak) is about one 2 MiB page or less
+# (forty-first study in docs/policy-experiments.md): short steps, where the
+# driver's time weighs more.
 WORKLOADS = {
     "resnet": (_resnet, 128),
     "gpt2": (_gpt2, 8),

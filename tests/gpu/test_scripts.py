@@ -410,6 +410,16 @@ class BenchPool(unittest.TestCase):
         self.assertEqual(again["args"]["pool"], ["a.json", "b.json", "c.json"])
         self.assertEqual({r["pooled_from"] for r in again["runs"]}, {"a.json", "b.json", "c.json"})
 
+    def test_small_workloads_pool_and_stay_out_of_the_targets(self):
+        a = self.bench([1.0, 1.0], started="a")
+        for r in a["runs"]:
+            r["workload"] = "train_detector_small"
+        out = bench.pooled([("a.json", a), ("b.json", self.bench([1.0], started="b"))])
+        self.assertEqual(set(out["training"]), {"train_gpt2", "train_detector_small"})
+        named = {row[0] for row in bench.targets(out)}
+        self.assertIn("train_gpt2", named)
+        self.assertNotIn("train_detector_small", named)
+
     def test_a_bench_that_ran_pools_as_one_that_names_no_pool(self):
         # A bench that ran writes its arguments whole, `"pool": null` among them.
         a = self.bench([1.0], started="a", skipped=["x-r1: needs 20 s"])

@@ -344,22 +344,6 @@ impl SimBackend {
             .unwrap_or_default()
     }
 
-    /// Completes `event` as a wait for it would (the stream up to it, or
-    /// the event alone under [`set_waits_complete_one`](Self::set_waits_complete_one)),
-    /// without a driver call: the device got there on its own. A replay
-    /// does this where the recording found an event done by polling it.
-    pub fn complete_event(&mut self, event: EventId) {
-        let (stream, seq) = self.event(event);
-        let s = self
-            .streams
-            .get_mut(&stream)
-            .expect("stream of a recorded event");
-        s.completed = s.completed.max(seq);
-        if let Some(waited) = &mut self.waited {
-            waited.insert(event);
-        }
-    }
-
     /// Whether all work submitted on `stream` up to `seq` has completed.
     pub fn is_completed(&self, stream: StreamId, seq: u64) -> bool {
         self.streams.get(&stream).is_none_or(|s| s.completed >= seq)

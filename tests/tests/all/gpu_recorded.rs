@@ -511,7 +511,7 @@ fn what_reserved_memory_is_made_of_at_its_peak() {
 /// `examples/resnet50-batch4.gtrace` and `examples/detector-batch1.gtrace`:
 /// the benchmark's ResNet-50 and multi-scale detector on small footprints
 /// (batch 4 and batch 1: 476 and 356 MiB at their peaks, where the
-/// default's headroom is less than one 2 MiB page), recorded on an H100
+/// default's headroom is about one 2 MiB page or less), recorded on an H100
 /// by `bash tests/gpu/bench.sh --only
 /// train_resnet_small,train_detector_small --variants
 /// native-expandable,gpualloc,gpualloc-traced,native` with the library of
