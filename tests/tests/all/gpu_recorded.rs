@@ -402,9 +402,13 @@ fn a_hugging_face_trainer_trace_replays_to_the_gpus_peaks() {
 /// (`docs/results/h200-round43/sweep-traced-b1ddfe7.json`). Each replays to
 /// the GPU's peaks to the byte and to the memory calls the CUDA backend
 /// counted (2,548 and 24,851), but for the LSTM's: two more than its 977,
-/// moving no peak (as the generation trace's 860 against 867; the cause
-/// is not known). The last gives its memory back at every step and
-/// creates it again (Note [Regrowth]).
+/// moving no peak. No decision differs there: after every call the replay
+/// has mapped the same bytes as the recording (forty-first study), so the
+/// two are in how the calls were counted, not in memory. (The generation
+/// trace's 860 against 867 do come from decisions: it was recorded before
+/// round 40's reclaim order, whose largest runs first it now follows.)
+/// The last gives its memory back at every step and creates it again
+/// (Note [Regrowth]).
 ///
 /// And `examples/cudnn-benchmark.gtrace`: the sweep's ResNet-50 with
 /// `torch.backends.cudnn.benchmark` on (bf16, channels-last, six input
