@@ -477,8 +477,8 @@ fn first_mapping_divergence(name: &str) -> Option<(usize, u64, u64)> {
 /// the same bytes as the recording after every allocation, not only at
 /// the peaks (`tests/tests/all/gpu_recorded.rs` checks the peaks and the
 /// memory calls). Most older traces were recorded before round 40's
-/// reclaim order and differ from their recordings somewhere on the way,
-/// though they reach the peaks the GPU read (forty-first study).
+/// reclaim order and differ from their recordings somewhere on the way
+/// (forty-first study).
 #[test]
 fn recordings_of_todays_policy_map_what_the_gpu_mapped_after_every_call() {
     for name in [
