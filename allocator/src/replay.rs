@@ -48,7 +48,7 @@ use rustc_hash::FxHashMap;
 
 use crate::backend::{DevicePtr, SimBackend, StreamId};
 use crate::config::Config;
-use crate::cost::{CostModel, DriverCalls};
+use crate::cost::{CostModel, DriverCall, DriverCalls};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::held::Held;
@@ -76,6 +76,25 @@ pub struct ReplayOom {
     pub phase: Option<u64>,
     /// The allocator's error message.
     pub message: String,
+}
+
+/// The first allocation after which a replay had obtained other device
+/// memory than its recording (bytes mapped into expandable segments and
+/// stitches, and plain segments, as the recording's `segment_map` and
+/// `segment_alloc` events count them). Under the recorded configuration a
+/// replay that never departs made the recording's choices all along, not
+/// only at its peaks; under another, it says where that one first chose
+/// otherwise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Departure {
+    /// Index of the `alloc` event in the trace (0-based, over all devices).
+    pub event_index: u64,
+    /// Its time, nanoseconds since the trace start.
+    pub time_ns: u64,
+    /// Bytes the replay had obtained by then.
+    pub replayed: u64,
+    /// Bytes the recording had obtained by then.
+    pub recorded: u64,
 }
 
 /// Figures of one device's replay.
@@ -133,6 +152,8 @@ pub struct DeviceReplay {
     pub recorded_device_total: Option<u64>,
     /// The first failed allocation.
     pub first_oom: Option<ReplayOom>,
+    /// Where the replay first obtained other memory than the recording.
+    pub departure: Option<Departure>,
     /// The driver calls made from the device's split time on, where
     /// [`replay_split`] was given one (the steps after warm-up): `driver`
     /// less what the events before it made.
@@ -154,6 +175,8 @@ pub struct ReplayResult {
     pub ooms: u64,
     /// The earliest failed allocation over all devices.
     pub first_oom: Option<ReplayOom>,
+    /// The earliest departure from the recording over all devices.
+    pub departure: Option<Departure>,
     /// Frees (and `record_stream`s) of addresses the trace never allocated:
     /// the trace started after they were allocated.
     pub unknown_frees: u64,
@@ -203,6 +226,8 @@ struct DeviceRun {
     pools: PoolRouting,
     /// The driver calls when the split time passed ([`replay_split`]).
     at_split: Option<DriverCalls>,
+    /// Device memory the recording had obtained so far ([`Departure`]).
+    recorded_obtained: u64,
 }
 
 /// Replays `events` on simulated devices of `capacity` bytes with `config`.
@@ -333,6 +358,11 @@ fn replay_with(
         {
             r.first_oom = Some(f.clone());
         }
+        if let Some(f) = o.departure
+            && r.departure.is_none_or(|g| f.event_index < g.event_index)
+        {
+            r.departure = Some(f);
+        }
         r.devices.push(run.out);
     }
     r
@@ -369,12 +399,17 @@ impl DeviceRun {
             unalloc_sum: 0.0,
             pools: PoolRouting::default(),
             at_split: None,
+            recorded_obtained: 0,
         }
     }
 
     fn event(&mut self, i: u64, e: TraceEvent, r: &mut ReplayResult) {
         // Time budgets follow the recorded run (Note [Defragmentation budget]).
         self.dev.backend.set_clock(e.time_ns);
+        // A call's own segment events come before its record.
+        if matches!(e.action, Action::SegmentMap | Action::SegmentAlloc) {
+            self.recorded_obtained += e.size;
+        }
         if !self.window.is_empty() {
             if is_call(e.action) || e.action == Action::Oom {
                 self.close_window(r);
@@ -529,6 +564,18 @@ impl DeviceRun {
         let into = self.pools.route(e.addr);
         let result = self.dev.malloc_into(e.size, e.stream as StreamId, into);
         self.pools.clear();
+        if result.is_ok() && self.out.departure.is_none() {
+            let d = crate::Backend::driver_calls(&self.dev.backend);
+            let replayed = d.bytes(DriverCall::Map) + d.bytes(DriverCall::MemAlloc);
+            if replayed != self.recorded_obtained {
+                self.out.departure = Some(Departure {
+                    event_index: i,
+                    time_ns: e.time_ns,
+                    replayed,
+                    recorded: self.recorded_obtained,
+                });
+            }
+        }
         let ptr = match result {
             Ok(p) => {
                 self.out.allocs += 1;

@@ -26,13 +26,19 @@
 //! `free_units`, `free_private_units`, `pooled`: bytes at each device's
 //! peak, summed; the parts but `used_units_unallocated` add up to
 //! `peak_reserved`), and `devices` (per device: `device`, `peak_reserved`,
-//! `peak_allocated`, `ooms`, `held_at_peak_reserved`, `after_warmup`).
+//! `peak_allocated`, `ooms`, `held_at_peak_reserved`, `after_warmup`,
+//! `departure`), and `departure`: the first allocation after which the
+//! replay had obtained other device memory than the recording (mapped
+//! into expandable segments and stitches, or plain segments; null when
+//! never): `event_index`, `time_ns`, `replayed_bytes`, `recorded_bytes`.
+//! Under the recorded configuration, null says the replay made the
+//! recording's choices all along, not only at its peaks.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::path::Path;
 
-use gpualloc::replay::{DeviceReplay, ReplayResult, replay_split};
+use gpualloc::replay::{Departure, DeviceReplay, ReplayResult, replay_split};
 use gpualloc::{Config, CostModel, DriverCalls, Held};
 use serde_json::json;
 
@@ -249,6 +255,7 @@ fn render_json(
                     (d.held_at_peak_reserved, d.allocated_at_peak_reserved)
                 })),
                 "after_warmup": after_warmup_json(&r.devices, warm, &model),
+                "departure": departure_json(r.departure),
                 // The peaks and parts above add up the devices' own.
                 "devices": r.devices.iter().map(|d| json!({
                     "device": d.device,
@@ -259,6 +266,7 @@ fn render_json(
                         (d.held_at_peak_reserved, d.allocated_at_peak_reserved),
                     )),
                     "after_warmup": after_warmup_json(std::slice::from_ref(d), warm, &model),
+                    "departure": departure_json(d.departure),
                 })).collect::<Vec<_>>(),
             })
         })
@@ -266,6 +274,19 @@ fn render_json(
     let mut out = serde_json::to_string_pretty(&rows).expect("plain values serialize");
     out.push('\n');
     out
+}
+
+/// The first allocation after which the replay had obtained other device
+/// memory than the recording, or null.
+fn departure_json(d: Option<Departure>) -> serde_json::Value {
+    d.map_or(serde_json::Value::Null, |d| {
+        json!({
+            "event_index": d.event_index,
+            "time_ns": d.time_ns,
+            "replayed_bytes": d.replayed,
+            "recorded_bytes": d.recorded,
+        })
+    })
 }
 
 /// Reserved memory at each device's peak by unit (Note [Held memory by
@@ -454,6 +475,13 @@ fn render(
     });
     row("frees of unknown blocks (skipped)", &|_, r| {
         r.unknown_frees.to_string()
+    });
+    // Under the recorded configuration: whether the replay made the
+    // recording's choices all along; under another, where it first chose
+    // otherwise (`Departure`).
+    row("memory obtained as recorded", &|_, r| match r.departure {
+        None => "to the end".into(),
+        Some(d) => format!("until {}", duration(d.time_ns)),
     });
     s
 }
