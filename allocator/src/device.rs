@@ -102,6 +102,10 @@ pub struct DeviceAllocator<B: Backend> {
     /// Set when a panic unwound while this device was locked: its state may
     /// be half-updated, so `Allocator` refuses to use it again.
     pub(crate) poisoned: bool,
+    /// Bytes of the `segment_alloc` and `segment_map` records made, whether
+    /// or not a trace is on: device memory obtained as a trace counts it
+    /// (a replay compares its own with the recording's, `Departure`).
+    pub(crate) obtained_as_traced: u64,
 }
 
 impl<B: Backend> DeviceAllocator<B> {
@@ -134,6 +138,7 @@ impl<B: Backend> DeviceAllocator<B> {
             allocated_high_before_reset: 0,
             reserved_high_before_reset: 0,
             poisoned: false,
+            obtained_as_traced: 0,
         }
     }
 
@@ -273,6 +278,13 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     #[inline]
+    /// Counts `size` bytes of a `segment_alloc` or `segment_map` record as
+    /// obtained ([`obtained_as_traced`](Self::obtained_as_traced)), made
+    /// just before the record.
+    pub(crate) fn count_obtained(&mut self, size: u64) {
+        self.obtained_as_traced = self.obtained_as_traced.saturating_add(size);
+    }
+
     pub(crate) fn record(
         &mut self,
         action: Action,
@@ -620,6 +632,7 @@ impl<B: Backend> DeviceAllocator<B> {
             self.stats.oversize_segments.update(1);
         }
         let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
+        self.count_obtained(size);
         self.record(Action::SegmentAlloc, stream, ptr, size, code);
         crate::log::new_segment(self.device, size, pool, reserved + size);
         Ok(block)

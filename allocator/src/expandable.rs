@@ -524,6 +524,7 @@ impl<B: Backend> DeviceAllocator<B> {
         };
         self.heap.segments.get_mut(seg).mapped += hi - lo;
         let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
+        self.count_obtained(hi - lo);
         self.record(Action::SegmentMap, stream, lo, hi - lo, code);
         Ok(())
     }

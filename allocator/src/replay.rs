@@ -48,7 +48,7 @@ use rustc_hash::FxHashMap;
 
 use crate::backend::{DevicePtr, SimBackend, StreamId};
 use crate::config::Config;
-use crate::cost::{CostModel, DriverCall, DriverCalls};
+use crate::cost::{CostModel, DriverCalls};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::held::Held;
@@ -79,9 +79,9 @@ pub struct ReplayOom {
 }
 
 /// The first allocation after which a replay had obtained other device
-/// memory than its recording (bytes mapped into expandable segments and
-/// stitches, and plain segments, as the recording's `segment_map` and
-/// `segment_alloc` events count them). Under the recorded configuration a
+/// memory than its recording, as the two traces would count it (bytes of
+/// `segment_map` and `segment_alloc` records: expandable segments and
+/// stitches built, plain segments; a stitch's repairs are not recorded). Under the recorded configuration a
 /// replay that never departs made the recording's choices all along, not
 /// only at its peaks; under another, it says where that one first chose
 /// otherwise.
@@ -408,7 +408,7 @@ impl DeviceRun {
         self.dev.backend.set_clock(e.time_ns);
         // A call's own segment events come before its record.
         if matches!(e.action, Action::SegmentMap | Action::SegmentAlloc) {
-            self.recorded_obtained += e.size;
+            self.recorded_obtained = self.recorded_obtained.saturating_add(e.size);
         }
         if !self.window.is_empty() {
             if is_call(e.action) || e.action == Action::Oom {
@@ -565,8 +565,7 @@ impl DeviceRun {
         let result = self.dev.malloc_into(e.size, e.stream as StreamId, into);
         self.pools.clear();
         if result.is_ok() && self.out.departure.is_none() {
-            let d = crate::Backend::driver_calls(&self.dev.backend);
-            let replayed = d.bytes(DriverCall::Map) + d.bytes(DriverCall::MemAlloc);
+            let replayed = self.dev.obtained_as_traced;
             if replayed != self.recorded_obtained {
                 self.out.departure = Some(Departure {
                     event_index: i,

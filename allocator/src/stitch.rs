@@ -195,6 +195,7 @@ impl<B: Backend> DeviceAllocator<B> {
         self.stats.num_stitch += 1;
         // Listed when claimed (Note [Segment events]).
         self.notify(SegmentAction::MapUnlisted, stream, va, total);
+        self.count_obtained(total);
         self.record(Action::SegmentMap, stream, va, total, STITCH_CODE);
         self.stitches.list.push(Stitch {
             va,

@@ -27,6 +27,10 @@ fn replays_exactly(
         (pr, pa, ooms),
         "seed {seed}, {capacity} bytes, {conf}: replay against recording"
     );
+    assert_eq!(
+        r.departure, None,
+        "seed {seed}, {capacity} bytes, {conf}: memory obtained after every allocation"
+    );
 
     (pr, ooms)
 }
