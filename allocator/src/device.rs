@@ -277,7 +277,6 @@ impl<B: Backend> DeviceAllocator<B> {
         self.helper_baseline = self.backend.helper_calls();
     }
 
-    #[inline]
     /// Counts `size` bytes of a `segment_alloc` or `segment_map` record as
     /// obtained ([`obtained_as_traced`](Self::obtained_as_traced)), made
     /// just before the record.
@@ -285,6 +284,7 @@ impl<B: Backend> DeviceAllocator<B> {
         self.obtained_as_traced = self.obtained_as_traced.saturating_add(size);
     }
 
+    #[inline]
     pub(crate) fn record(
         &mut self,
         action: Action,

@@ -78,13 +78,17 @@ pub struct ReplayOom {
     pub message: String,
 }
 
-/// The first allocation after which a replay had obtained other device
-/// memory than its recording, as the two traces would count it (bytes of
-/// `segment_map` and `segment_alloc` records: expandable segments and
-/// stitches built, plain segments; a stitch's repairs are not recorded). Under the recorded configuration a
-/// replay that never departs made the recording's choices all along, not
-/// only at its peaks; under another, it says where that one first chose
-/// otherwise.
+/// The first allocation the recording served after which the replay had
+/// obtained other device memory than the recording, as the two traces
+/// count it (bytes of `segment_map` and `segment_alloc` records:
+/// expandable segments and stitches built, plain segments; a stitch's
+/// repairs make none), or which the replay failed. None under the
+/// recorded configuration is a necessary sign that the replay made the
+/// recording's choices, not proof: placement, streams, releases and
+/// repairs are not compared. Under another configuration it says where
+/// that one first obtains otherwise. A trace started mid-run, or one
+/// whose recorder dropped events, departs where it lacks what happened
+/// before or in between.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Departure {
     /// Index of the `alloc` event in the trace (0-based, over all devices).
@@ -564,9 +568,9 @@ impl DeviceRun {
         let into = self.pools.route(e.addr);
         let result = self.dev.malloc_into(e.size, e.stream as StreamId, into);
         self.pools.clear();
-        if result.is_ok() && self.out.departure.is_none() {
+        if self.out.departure.is_none() {
             let replayed = self.dev.obtained_as_traced;
-            if replayed != self.recorded_obtained {
+            if result.is_err() || replayed != self.recorded_obtained {
                 self.out.departure = Some(Departure {
                     event_index: i,
                     time_ns: e.time_ns,

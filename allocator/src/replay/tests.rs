@@ -175,6 +175,7 @@ fn a_recorded_trace_reproduces_its_peaks_exactly() {
         );
         assert_eq!(r.ooms, ooms, "seed {seed}: out-of-memory count");
         assert_eq!(r.unknown_frees, 0);
+        assert_eq!(r.departure, None, "seed {seed} ({conf}): memory obtained");
         recorded_ooms += ooms;
     }
     assert!(
@@ -455,6 +456,17 @@ fn replay_example(name: &str) -> ReplayResult {
     let events: Vec<TraceEvent> = r.events().collect();
     let config = Config::parse(&r.header().config).unwrap();
     replay(events.into_iter(), 150 << 30, &config)
+}
+
+/// A replay that fails an allocation the recording served has departed,
+/// whatever it had obtained by then.
+#[test]
+fn a_replay_that_fails_what_the_recording_served_departs() {
+    let (evs, ..) = record(1, 4 << 30, "", 1000);
+    let r = replay(evs.iter().copied(), 1 << 20, &Config::default());
+    assert!(r.ooms > 0);
+    let d = r.departure.expect("the first failed allocation departs");
+    assert!(d.event_index <= r.first_oom.as_ref().unwrap().event_index);
 }
 
 /// Traces recorded on the GPU by the policy of today (since round 43,

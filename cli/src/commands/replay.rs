@@ -27,12 +27,15 @@
 //! peak, summed; the parts but `used_units_unallocated` add up to
 //! `peak_reserved`), and `devices` (per device: `device`, `peak_reserved`,
 //! `peak_allocated`, `ooms`, `held_at_peak_reserved`, `after_warmup`,
-//! `departure`), and `departure`: the first allocation after which the
-//! replay had obtained other device memory than the recording (mapped
-//! into expandable segments and stitches, or plain segments; null when
-//! never): `event_index`, `time_ns`, `replayed_bytes`, `recorded_bytes`.
-//! Under the recorded configuration, null says the replay made the
-//! recording's choices all along, not only at its peaks.
+//! `departure`), and `departure`: the first allocation the recording
+//! served after which the replay had obtained other device memory than
+//! the recording, as both traces count it (bytes of `segment_map` and
+//! `segment_alloc` records), or which the replay failed; null when none:
+//! `event_index`, `time_ns`, `replayed_bytes`, `recorded_bytes`. Under
+//! the recorded configuration, null is a necessary sign that the replay
+//! made the recording's choices, not proof (placement, streams, releases
+//! and a stitch's repairs are not compared); a trace started mid-run or
+//! with dropped events departs where it lacks what came before or between.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -481,7 +484,7 @@ fn render(
     // otherwise (`Departure`).
     row("memory obtained as recorded", &|_, r| match r.departure {
         None => "to the end".into(),
-        Some(d) => format!("until {}", duration(d.time_ns)),
+        Some(d) => format!("until event {} ({})", d.event_index, duration(d.time_ns)),
     });
     s
 }
