@@ -87,6 +87,8 @@ fn report_explains_an_oom_and_replays_the_remedy() {
         "Use <code>GPUALLOC_CONF=",
         "the replay has no OOM",
         "Replayed under the recorded configuration, the same request fails with",
+        // Recorded by today's allocator: the replay keeps to it.
+        "Until then it obtained the memory the recording did, allocation by allocation.",
         "Checkpoint save <code>checkpoint_save</code>: opened 4 time(s); allocated memory grew by up to 16.00 MiB",
     ] {
         assert!(page.contains(want), "report lacks {want:?}");
@@ -139,4 +141,20 @@ fn an_oom_beside_a_free_range_that_fits_is_not_called_a_split_cache() {
     ] {
         assert!(page.contains(want), "report lacks {want:?}");
     }
+}
+
+/// The README's trace was recorded by an older version: its replay reaches
+/// the same failed request by another path, and the report says from when.
+#[test]
+fn report_says_where_the_replay_left_the_recordings_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = std::path::PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/yolo-style-oom.gtrace"
+    ));
+    let page = report(&trace, &dir.path().join("r.html"));
+    assert!(
+        page.contains("The replay obtained the memory the recording did until 7.047 s"),
+        "report lacks the departure"
+    );
 }

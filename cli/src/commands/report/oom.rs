@@ -33,7 +33,7 @@ use gpualloc::replay::{ReplayResult, replay};
 
 use crate::analyses::ooms::Oom;
 use crate::input::{self, CliError};
-use crate::units::bytes;
+use crate::units::{bytes, duration};
 
 /// Configurations tried against an OOM, besides the recorded one:
 /// PyTorch's expandable segments (gpualloc's without defragmentation or
@@ -90,8 +90,8 @@ pub fn cause(o: &Oom) -> Cause {
 /// found when it failed at the same request (`advice`'s first trial).
 pub fn explain_replayed(o: &Oom, advice: Option<&Advice>) -> String {
     let mut text = explain(o);
-    let same = advice
-        .and_then(|a| a.recorded.as_ref())
+    let recorded = advice.and_then(|a| a.recorded.as_ref());
+    let same = recorded
         .and_then(|t| t.result.first_oom.as_ref())
         .filter(|r| r.time_ns == o.time_ns && r.requested == o.requested);
     if let Some(r) = same {
@@ -101,6 +101,16 @@ pub fn explain_replayed(o: &Oom, advice: Option<&Advice>) -> String {
             bytes(r.reserved),
             bytes(r.largest_free_block)
         ));
+        // Whether the replay got there the recording's way (`Departure`).
+        match recorded.and_then(|t| t.result.departure) {
+            Some(d) if d.time_ns < o.time_ns => text.push_str(&format!(
+                " The replay obtained the memory the recording did until {}, and today's policy chose otherwise from there (a trace recorded by another version, started mid-run or with events dropped).",
+                duration(d.time_ns)
+            )),
+            _ => text.push_str(
+                " Until then it obtained the memory the recording did, allocation by allocation.",
+            ),
+        }
     }
     text
 }
