@@ -47,6 +47,7 @@ WORKLOADS = ["churn", "churn_wide", "train_gpt2", "train_detector", "train_resne
 # The same programs on small footprints (checks.WORKLOADS): run only when
 # --only names them, and not among the issue's targets.
 SMALL = ["train_resnet_small", "train_detector_small"]
+ALL = WORKLOADS + SMALL
 DEFAULT_VARIANTS = "native,native-expandable,gpualloc,gpualloc-expandable,gpualloc-pytorch"
 NATIVE = ("native", "native-expandable")
 CHURN_OPS = 200_000
@@ -440,7 +441,7 @@ def pooled(benches):
     variants = list(benches[0][1]["variants"])
     args = {**benches[0][1]["args"], "repeats": offset,
             "pool": [x for name, b in benches for x in b["args"].get("pool") or [name]]}
-    workloads = [w for w in WORKLOADS + SMALL if any(r["workload"] == w for r in runs)]
+    workloads = [w for w in ALL if any(r["workload"] == w for r in runs)]
     return {"started": started, "args": args, "variants": variants, "runs": runs, "skipped": skipped,
             "training": {w: summarize_training(runs, w, variants) for w in workloads if w.startswith("train_")},
             "driver": {w: summarize_driver(runs, w, variants) for w in workloads if w.startswith("train_")},
@@ -464,7 +465,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=60, help="training steps a run")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every workload under every variant (0: none)")
-    p.add_argument("--only", default="", help=f"workloads, of {','.join(WORKLOADS + SMALL)} (default: all but the small ones)")
+    p.add_argument("--only", default="", help=f"workloads, of {','.join(ALL)} (default: all but the small ones)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="variant names (driver.VARIANTS), gpualloc[CONF] or native[CONF]")
     p.add_argument("--budget", type=float, default=540, help="seconds for everything, the bridge build included")
     p.add_argument("--max-batch", action="store_true", help="also find each training workload's largest batch per variant")
@@ -495,10 +496,10 @@ def main():
         variants = driver.parse_variants(args.variants)
     except ValueError as e:
         p.error(str(e))
-    workloads = [w for w in WORKLOADS + SMALL if w in args.only.split(",") or (not args.only and w in WORKLOADS)]
-    unknown = set(filter(None, args.only.split(","))) - set(WORKLOADS + SMALL)
+    workloads = [w for w in ALL if w in args.only.split(",") or (not args.only and w in WORKLOADS)]
+    unknown = set(filter(None, args.only.split(","))) - set(ALL)
     if unknown or not workloads:
-        p.error(f"--only takes {','.join(WORKLOADS + SMALL)} (got {args.only!r})")
+        p.error(f"--only takes {','.join(ALL)} (got {args.only!r})")
     uses_gpualloc = driver.require_library(variants)
 
     logdir = os.path.join(args.out, "bench-logs")

@@ -31,7 +31,6 @@ fn replays_exactly(
         r.departure, None,
         "seed {seed}, {capacity} bytes, {conf}: memory obtained after every allocation"
     );
-
     (pr, ooms)
 }
 
@@ -447,17 +446,6 @@ fn completions_the_recording_polled_are_no_waits_in_the_replay() {
     }
 }
 
-/// The replay of `examples/NAME` under its recorded configuration.
-fn replay_example(name: &str) -> ReplayResult {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples")
-        .join(name);
-    let mut r = TraceReader::open(&path).unwrap();
-    let events: Vec<TraceEvent> = r.events().collect();
-    let config = Config::parse(&r.header().config).unwrap();
-    replay(events.into_iter(), 150 << 30, &config)
-}
-
 /// A replay that fails an allocation the recording served has departed,
 /// whatever it had obtained by then.
 #[test]
@@ -467,36 +455,4 @@ fn a_replay_that_fails_what_the_recording_served_departs() {
     assert!(r.ooms > 0);
     let d = r.departure.expect("the first failed allocation departs");
     assert!(d.event_index <= r.first_oom.as_ref().unwrap().event_index);
-}
-
-/// Traces recorded on the GPU by the policy of today (since round 43,
-/// `examples/`): replayed under their recorded configuration, each maps
-/// the same bytes as the recording after every allocation, not only at
-/// the peaks (`tests/tests/all/gpu_recorded.rs` checks the peaks and the
-/// memory calls): no [`Departure`]. Most older traces were recorded before
-/// round 40's reclaim order and depart from their recordings somewhere on
-/// the way (forty-first study).
-#[test]
-fn recordings_of_todays_policy_map_what_the_gpu_mapped_after_every_call() {
-    for name in [
-        "bert-checkpoint-amp.gtrace",
-        "lstm-varlen.gtrace",
-        "resnet50-empty-cache.gtrace",
-        "cudnn-benchmark.gtrace",
-        "compile-dynamic.gtrace",
-        "resnet50-batch4.gtrace",
-        "detector-batch1.gtrace",
-    ] {
-        assert_eq!(replay_example(name).departure, None, "{name}");
-    }
-    // The detector's trace, recorded before round 40's reclaim order: the
-    // replay first maps other pages 2,567 events in, 12 MiB more than the
-    // recording had by then.
-    let d = replay_example("detector-multiscale.gtrace")
-        .departure
-        .unwrap();
-    assert_eq!(
-        (d.event_index, d.replayed, d.recorded),
-        (2567, 931_135_488, 918_552_576)
-    );
 }

@@ -549,3 +549,34 @@ fn small_footprint_traces_replay_to_the_gpus_peaks_and_memory_calls() {
         );
     }
 }
+
+/// Traces recorded on the GPU by the policy of today (since round 43):
+/// replayed under their recorded configuration, each obtains the memory
+/// its recording did after every allocation, not only at the peaks
+/// (no `Departure`). Most older traces were recorded before round 40's
+/// reclaim order and depart from their recordings somewhere on the way
+/// (forty-first study in `docs/policy-experiments.md`).
+#[test]
+fn recordings_of_todays_policy_obtain_what_the_gpu_did_after_every_call() {
+    for name in [
+        "bert-checkpoint-amp.gtrace",
+        "lstm-varlen.gtrace",
+        "resnet50-empty-cache.gtrace",
+        "cudnn-benchmark.gtrace",
+        "compile-dynamic.gtrace",
+        "resnet50-batch4.gtrace",
+        "detector-batch1.gtrace",
+    ] {
+        assert_eq!(replayed(name, None).departure, None, "{name}");
+    }
+    // The detector's trace, recorded before round 40's reclaim order: the
+    // replay first maps other pages 2,567 events in, 12 MiB more than the
+    // recording had by then.
+    let d = replayed("detector-multiscale.gtrace", None)
+        .departure
+        .expect("the older trace departs");
+    assert_eq!(
+        (d.event_index, d.replayed, d.recorded),
+        (2567, 931_135_488, 918_552_576)
+    );
+}

@@ -90,11 +90,11 @@ pub fn cause(o: &Oom) -> Cause {
 /// found when it failed at the same request (`advice`'s first trial).
 pub fn explain_replayed(o: &Oom, advice: Option<&Advice>) -> String {
     let mut text = explain(o);
-    let recorded = advice.and_then(|a| a.recorded.as_ref());
-    let same = recorded
-        .and_then(|t| t.result.first_oom.as_ref())
-        .filter(|r| r.time_ns == o.time_ns && r.requested == o.requested);
-    if let Some(r) = same {
+    let Some(t) = advice.and_then(|a| a.recorded.as_ref()) else {
+        return text;
+    };
+    let same = t.result.first_oom.as_ref();
+    if let Some(r) = same.filter(|r| r.time_ns == o.time_ns && r.requested == o.requested) {
         text.push_str(&format!(
             " Replayed under the recorded configuration, the same request fails with {} allocated and {} reserved, the largest free range {} once the cache gave back what it could.",
             bytes(r.allocated),
@@ -102,7 +102,7 @@ pub fn explain_replayed(o: &Oom, advice: Option<&Advice>) -> String {
             bytes(r.largest_free_block)
         ));
         // Whether the replay got there the recording's way (`Departure`).
-        match recorded.and_then(|t| t.result.departure) {
+        match t.result.departure {
             Some(d) if d.time_ns < o.time_ns => text.push_str(&format!(
                 " The replay obtained the memory the recording did until {}, and today's policy chose otherwise from there (a trace recorded by another version, started mid-run or with events dropped).",
                 duration(d.time_ns)
