@@ -72,6 +72,18 @@ and DIR/sweep.json.
   and bf16 autocast on random lengths 64..1024: how many rows each expert
   gets changes in every layer of every step, so activations of ever new
   sizes come and go.
+- gnn: torch_geometric's SAGEConv and GCNConv (three layers, Adam) on a
+  new random graph every step (20k..200k nodes, 5..20 edges a node):
+  message passing gathers and scatters edge-sized tensors whose sizes
+  never repeat.
+- lora: peft LoRA (rank 16 on the attention and MLP projections) over a
+  frozen bf16 transformers Llama (8 layers, width 1024, random weights)
+  with gradient checkpointing, on batches of 8 padded to their own
+  longest sequence (64..1024 tokens): the common fine-tuning recipe.
+- accelerate: Hugging Face accelerate's `Accelerator` (bf16, gradient
+  accumulation over 4 micro-batches, gradient clipping) training timm's
+  convnext_tiny on a random resolution each micro-batch (160..288 px,
+  batch 32).
 """
 
 from __future__ import annotations
@@ -622,6 +634,113 @@ def moe(rounds):
     return _timed(rounds, body), "mixture of experts (6 layers, 8 experts, top-2), AdamW, bf16 autocast, batch 8, lengths 64..1024"
 
 
+def gnn(rounds):
+    import torch
+    import torch.nn.functional as F
+    from torch_geometric.nn import GCNConv, SAGEConv
+
+    dev = torch.device("cuda:0")
+
+    class Net(torch.nn.Module):
+        def __init__(self, features=128, hidden=256, classes=40):
+            super().__init__()
+            self.convs = torch.nn.ModuleList(
+                [SAGEConv(features, hidden), SAGEConv(hidden, hidden), GCNConv(hidden, hidden)])
+            self.out = torch.nn.Linear(hidden, classes)
+
+        def forward(self, x, edge_index):
+            for conv in self.convs:
+                x = F.relu(conv(x, edge_index))
+            return self.out(x)
+
+    torch.manual_seed(53)
+    model = Net().to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rng = random.Random(53)
+    g = torch.Generator().manual_seed(53)
+
+    def body(i):
+        n = rng.randrange(20_000, 200_001)
+        e = n * rng.randrange(5, 21)
+        x = torch.randn(n, 128, generator=g).to(dev)
+        edges = torch.randint(0, n, (2, e), generator=g).to(dev)
+        y = torch.randint(0, 40, (n,), generator=g).to(dev)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x, edges), y)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return _timed(rounds, body), "torch_geometric SAGE+GCN (3 layers), Adam, a random graph a step: 20k..200k nodes, 5..20 edges a node"
+
+
+def lora(rounds):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dev = torch.device("cuda:0")
+    torch.manual_seed(59)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=1024)
+    base = LlamaForCausalLM(cfg).to(dev, dtype=torch.bfloat16)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
+    rng = random.Random(59)
+    g = torch.Generator().manual_seed(59)
+
+    def body(i):
+        lengths = [rng.randrange(64, 1025) for _ in range(8)]
+        width = max(lengths)
+        ids = torch.randint(0, cfg.vocab_size, (8, width), generator=g)
+        mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev)).loss
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return _timed(rounds, body), ("peft LoRA r=16 over a frozen bf16 Llama (8 layers, width 1024), gradient "
+                                  "checkpointing, AdamW, batch 8 padded to its longest of 64..1024 tokens")
+
+
+def accelerate_amp(rounds):
+    import timm
+    import torch
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=4)
+    torch.manual_seed(61)
+    model = timm.create_model("convnext_tiny", num_classes=100)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = accelerator.prepare(model, opt)
+    rng = random.Random(61)
+    g = torch.Generator().manual_seed(61)
+
+    def body(i):
+        losses = []
+        for _ in range(4):
+            size = rng.choice(range(160, 289, 32))
+            x = torch.randn(32, 3, size, size, generator=g).to(accelerator.device)
+            y = torch.randint(0, 100, (32,), generator=g).to(accelerator.device)
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+        return sum(losses) / len(losses)
+
+    return _timed(rounds, body), ("accelerate (bf16, 4 accumulated micro-batches, clipping) timm convnext_tiny, "
+                                  "batch 32, a random size of 160..288 px each micro-batch")
+
+
 # name -> (function, rounds)
 WORKLOADS = {
     "generate": (generate, 8),
@@ -639,6 +758,9 @@ WORKLOADS = {
     "fsdp": (fsdp, 30),
     "multi_stream": (multi_stream, 40),
     "moe": (moe, 40),
+    "gnn": (gnn, 40),
+    "lora": (lora, 40),
+    "accelerate": (accelerate_amp, 30),
 }
 
 

@@ -9,7 +9,8 @@
 # checkpointing with bf16, a ViT with fp16 and a GradScaler, torch.compile
 # with dynamic shapes and with CUDA graphs (reduce-overhead), Faster R-CNN,
 # a side-stream prefetch, a cuDNN LSTM, fp16 serving of random batches,
-# cudagraph-tree branches, cudnn.benchmark, FSDP2 and four-stream training
+# cudagraph-tree branches, cudnn.benchmark, FSDP2, four-stream training, a
+# mixture of experts, a torch_geometric GNN, peft LoRA and accelerate
 # under PyTorch's allocator and gpualloc, each in its own process (the
 # default budget covers about a third: pick with --only). Writes sweep.md, sweep.json, environment.txt and
 # sweep-logs.tar.gz to $OUT (or ./gpu-results). See tests/gpu/sweep.py.
