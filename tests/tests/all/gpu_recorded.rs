@@ -586,7 +586,7 @@ fn recordings_of_todays_policy_obtain_what_the_gpu_did_after_every_call() {
 /// benchmark never tuned for, recorded on an H100 by `bash
 /// tests/gpu/sweep.sh --only gnn,lora,accelerate --variants
 /// native,native-expandable,gpualloc,gpualloc-traced` with the library of
-/// 5a762be (`docs/results/h100-round54/sweep/sweep.json`): torch_geometric
+/// 2dc484d (`docs/results/h100-round54/sweep/`): torch_geometric
 /// message passing on a new random graph every step, peft LoRA over a
 /// frozen bf16 Llama with gradient checkpointing and dynamic padding, and
 /// accelerate's bf16 gradient accumulation over random image sizes. Each
