@@ -262,7 +262,13 @@ impl<B: Backend> Allocator<B> {
         // for the error; a pointer of another device is freed there, as a
         // free that knows only the pointer would.
         let elsewhere = |e| self.with_owner(ptr, |d| d.free(ptr)).unwrap_or(Err(e));
-        match self.peek(device)? {
+        let here = match self.peek(device) {
+            // No such device: the pointer is found where it lives, as for a
+            // negative device, rather than left allocated for good.
+            Err(e @ AllocError::InvalidDevice { .. }) => return elsewhere(e),
+            r => r?,
+        };
+        match here {
             // A poisoned device is not read; the pointer may be another's.
             Some(d) if d.poisoned => {
                 drop(d);
@@ -765,6 +771,22 @@ mod tests {
             Err(AllocError::InvalidPointer { .. })
         ));
         a.lock(0).unwrap().check_invariants().unwrap();
+        a.lock(1).unwrap().check_invariants().unwrap();
+    }
+
+    /// A free that names a device that does not exist finds the pointer
+    /// where it lives, as one that names none does, instead of leaving it
+    /// allocated; a pointer no device owns still fails on the device.
+    #[test]
+    fn a_free_naming_no_such_device_frees_where_the_pointer_lives() {
+        let a = two_devices();
+        let p = a.malloc(1, 3 << 20, 0).unwrap();
+        a.free(7, p).unwrap();
+        assert_eq!(a.stats(1).unwrap().allocated_bytes.all.current, 0);
+        assert!(matches!(
+            a.free(7, p),
+            Err(AllocError::InvalidDevice { device: 7, .. })
+        ));
         a.lock(1).unwrap().check_invariants().unwrap();
     }
 }

@@ -546,7 +546,8 @@ pub extern "C" fn gpualloc_set_memory_limit(device: c_int, bytes: u64) -> c_int 
     })
 }
 
-/// Free and total bytes of `device`, as the driver reports them.
+/// Free and total bytes of `device`, as the driver reports them;
+/// `GPUALLOC_ERR_INVALID_ARGUMENT` when either pointer is NULL.
 ///
 /// # Safety
 /// `free_bytes` and `total_bytes` are NULL or point to writable uint64_t.

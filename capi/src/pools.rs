@@ -93,8 +93,12 @@ pub unsafe extern "C" fn gpualloc_begin_allocate_to_pool(
 }
 
 /// Closes the innermost open scope of pool `(id_a, id_b)` on `device`.
+/// Nothing in a forked child, as for `gpualloc_release_pool`.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_end_allocate_to_pool(device: c_int, id_a: u64, id_b: u64) -> c_int {
+    if crate::fork::in_forked_child() {
+        return GPUALLOC_OK;
+    }
     status(|| {
         let g = existing().ok_or_else(|| no_pool(device, (id_a, id_b)))?;
         Ok(g.alloc
@@ -294,7 +298,9 @@ pub unsafe extern "C" fn gpualloc_create_or_incref_pool_from(
 /// PyTorch's `setUseOnOOM` (`torch.cuda.MemPool(use_on_oom=True)`): while
 /// held, pool `(id_a, id_b)`'s free blocks serve a request outside any
 /// pool that would fail otherwise (`on` non-zero; 0 turns it off).
-/// `GPUALLOC_ERR_UNKNOWN_POOL` for an unknown pool.
+/// `GPUALLOC_ERR_UNKNOWN_POOL` for an unknown pool. Nothing in a forked
+/// child (an inherited MemPool's destructor turns it off there), as for
+/// `gpualloc_release_pool`.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_set_pool_use_on_oom(
     device: c_int,
@@ -302,6 +308,9 @@ pub extern "C" fn gpualloc_set_pool_use_on_oom(
     id_b: u64,
     on: c_int,
 ) -> c_int {
+    if crate::fork::in_forked_child() {
+        return GPUALLOC_OK;
+    }
     status(|| {
         let g = existing().ok_or_else(|| no_pool(device, (id_a, id_b)))?;
         g.alloc
@@ -313,9 +322,12 @@ pub extern "C" fn gpualloc_set_pool_use_on_oom(
 /// PyTorch's `setNoSplit` (`torch.cuda.MemPool(no_split=True)`): pool
 /// `(id_a, id_b)`'s blocks are never split; a pool with no segment yet
 /// grows by plain segments from then on. `GPUALLOC_ERR_UNKNOWN_POOL` for an
-/// unknown pool.
+/// unknown pool. Nothing in a forked child, as for `gpualloc_release_pool`.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_set_pool_no_split(device: c_int, id_a: u64, id_b: u64) -> c_int {
+    if crate::fork::in_forked_child() {
+        return GPUALLOC_OK;
+    }
     status(|| {
         let g = existing().ok_or_else(|| no_pool(device, (id_a, id_b)))?;
         g.alloc

@@ -1020,6 +1020,10 @@ int main(void) {
     if (gpualloc_release_pool(0, 9, 9) != GPUALLOC_OK) _exit(4);
     if (gpualloc_empty_pool_cache(0, 9, 9) != GPUALLOC_OK) _exit(5);
     if (gpualloc_ipc_close(p) != GPUALLOC_OK) _exit(6);
+    /* An inherited MemPool's destructor and a scope left open. */
+    if (gpualloc_set_pool_use_on_oom(0, 9, 9, 0) != GPUALLOC_OK) _exit(10);
+    if (gpualloc_end_allocate_to_pool(0, 9, 9) != GPUALLOC_OK) _exit(11);
+    if (gpualloc_set_pool_no_split(0, 9, 9) != GPUALLOC_OK) _exit(12);
     /* What waits for the device's lock fails, naming the cause, rather
      * than wait for good (Note [Locks held at a fork]). */
     struct GpuallocHeld held;

@@ -633,8 +633,10 @@ class GpuallocAllocator final : public CUDAAllocator {
     // cudaMalloc's pointers from raw_alloc while switched off; and, while
     // off, any pointer gpualloc does not own, which PyTorch's allocator
     // hands to cudaFree then too (uncached_delete gives gpualloc's own back
-    // to gpualloc).
-    if (C10_UNLIKELY(uncached_raw.take(ptr) || !caching_now())) {
+    // to gpualloc). A forked child never takes the set's lock, which a
+    // thread the fork left behind may hold for good; what it inherited
+    // stays its parent's (Note [Freeing in a forked child]).
+    if (C10_UNLIKELY((uncached_raw.any() && in_parent() && uncached_raw.take(ptr)) || !caching_now())) {
       uncached_delete(ptr);
       return;
     }

@@ -84,6 +84,14 @@ and DIR/sweep.json.
   accumulation over 4 micro-batches, gradient clipping) training timm's
   convnext_tiny on a random resolution each micro-batch (160..288 px,
   batch 32).
+- speech_ctc: transformers Wav2Vec2ForCTC (base size, random weights) on
+  raw audio of a random length each step (1..12 s at 16 kHz, batch 8)
+  with CTC targets of random lengths and bf16 autocast: the convolutional
+  feature extractor's activations scale with the audio.
+- t5_adafactor: transformers T5 (small size, random weights) trained with
+  transformers' Adafactor (factored second moments, relative steps) on
+  random source and target lengths (64..512 and 8..128 tokens, batch 16):
+  an encoder-decoder whose two lengths change independently.
 """
 
 from __future__ import annotations
@@ -131,6 +139,19 @@ def _timed(rounds, body):
         outs.append(out)
     PROFILER.finish()
     return times, outs
+
+
+def _train_step(opt, loss_fn, dtype=None):
+    """One optimizer step on loss_fn()'s loss (its forward under autocast to
+    `dtype` when given); returns the loss."""
+    import torch
+
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+        loss = loss_fn()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
 
 
 def generate(rounds):
@@ -665,11 +686,7 @@ def gnn(rounds):
         x = torch.randn(n, 128, generator=g).to(dev)
         edges = torch.randint(0, n, (2, e), generator=g).to(dev)
         y = torch.randint(0, 40, (n,), generator=g).to(dev)
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x, edges), y)
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
+        return _train_step(opt, lambda: F.cross_entropy(model(x, edges), y))
 
     return _timed(rounds, body), "torch_geometric SAGE+GCN (3 layers), Adam, a random graph a step: 20k..200k nodes, 5..20 edges a node"
 
@@ -698,11 +715,8 @@ def lora(rounds):
         ids = torch.randint(0, cfg.vocab_size, (8, width), generator=g)
         mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
         labels = ids.masked_fill(mask == 0, -100)
-        opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev)).loss
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
+        return _train_step(opt, lambda: model(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                                              labels=labels.to(dev)).loss)
 
     return _timed(rounds, body), ("peft LoRA r=16 over a frozen bf16 Llama (8 layers, width 1024), gradient "
                                   "checkpointing, AdamW, batch 8 padded to its longest of 64..1024 tokens")
@@ -741,6 +755,58 @@ def accelerate_amp(rounds):
                                   "batch 32, a random size of 160..288 px each micro-batch")
 
 
+def speech_ctc(rounds):
+    import torch
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    dev = torch.device("cuda:0")
+    torch.manual_seed(67)
+    cfg = Wav2Vec2Config(vocab_size=32, pad_token_id=0, layerdrop=0.0, mask_time_prob=0.0,
+                         ctc_loss_reduction="mean", ctc_zero_infinity=True)
+    model = Wav2Vec2ForCTC(cfg).to(dev)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = random.Random(67)
+    g = torch.Generator().manual_seed(67)
+
+    def body(i):
+        samples = rng.randrange(16_000, 192_001)
+        audio = torch.randn(8, samples, generator=g)
+        lengths = [rng.randrange(5, 1 + min(60, samples // 640)) for _ in range(8)]
+        labels = torch.full((8, max(lengths)), -100, dtype=torch.long)
+        for row, n in enumerate(lengths):
+            labels[row, :n] = torch.randint(1, cfg.vocab_size, (n,), generator=g)
+        return _train_step(opt, lambda: model(input_values=audio.to(dev), labels=labels.to(dev)).loss,
+                           torch.bfloat16)
+
+    return _timed(rounds, body), ("transformers Wav2Vec2ForCTC (base), AdamW, bf16 autocast, batch 8, "
+                                  "raw audio of 1..12 s, CTC targets of 5..60 labels")
+
+
+def t5_adafactor(rounds):
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+    from transformers.optimization import Adafactor
+
+    dev = torch.device("cuda:0")
+    torch.manual_seed(71)
+    cfg = T5Config(vocab_size=32128, d_model=512, d_ff=2048, num_layers=6, num_heads=8,
+                   decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+    model = T5ForConditionalGeneration(cfg).to(dev)
+    model.train()
+    opt = Adafactor(model.parameters(), lr=None, scale_parameter=True, relative_step=True, warmup_init=True)
+    rng = random.Random(71)
+    g = torch.Generator().manual_seed(71)
+
+    def body(i):
+        src = torch.randint(1, cfg.vocab_size, (16, rng.randrange(64, 513)), generator=g)
+        tgt = torch.randint(1, cfg.vocab_size, (16, rng.randrange(8, 129)), generator=g)
+        return _train_step(opt, lambda: model(input_ids=src.to(dev), labels=tgt.to(dev)).loss, torch.bfloat16)
+
+    return _timed(rounds, body), ("transformers T5 (small), Adafactor with relative steps, bf16 autocast, batch 16, "
+                                  "sources of 64..512 and targets of 8..128 tokens")
+
+
 # name -> (function, rounds)
 WORKLOADS = {
     "generate": (generate, 8),
@@ -761,6 +827,8 @@ WORKLOADS = {
     "gnn": (gnn, 40),
     "lora": (lora, 40),
     "accelerate": (accelerate_amp, 30),
+    "speech_ctc": (speech_ctc, 40),
+    "t5_adafactor": (t5_adafactor, 40),
 }
 
 

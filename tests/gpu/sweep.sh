@@ -10,7 +10,8 @@
 # with dynamic shapes and with CUDA graphs (reduce-overhead), Faster R-CNN,
 # a side-stream prefetch, a cuDNN LSTM, fp16 serving of random batches,
 # cudagraph-tree branches, cudnn.benchmark, FSDP2, four-stream training, a
-# mixture of experts, a torch_geometric GNN, peft LoRA and accelerate
+# mixture of experts, a torch_geometric GNN, peft LoRA, accelerate, a
+# wav2vec2 CTC model on raw audio and T5 with Adafactor
 # under PyTorch's allocator and gpualloc, each in its own process (the
 # default budget covers about a third: pick with --only). Writes sweep.md, sweep.json, environment.txt and
 # sweep-logs.tar.gz to $OUT (or ./gpu-results). See tests/gpu/sweep.py.

@@ -129,6 +129,8 @@ class UncachedRaw {
     ptrs_.insert(p);
     any_.store(true, std::memory_order_relaxed);
   }
+  // Whether any is outstanding (no lock taken).
+  bool any() const { return any_.load(std::memory_order_relaxed); }
   // Whether `p` is one of them (and no longer, after this).
   bool take(void* p) {
     if (!any_.load(std::memory_order_relaxed)) {

@@ -530,7 +530,8 @@ int gpualloc_get_memory_fraction(int device, double *out);
 // would forbid every allocation).
 int gpualloc_set_memory_limit(int device, uint64_t bytes);
 
-// Free and total bytes of `device`, as the driver reports them.
+// Free and total bytes of `device`, as the driver reports them;
+// `GPUALLOC_ERR_INVALID_ARGUMENT` when either pointer is NULL.
 //
 // # Safety
 // `free_bytes` and `total_bytes` are NULL or point to writable uint64_t.
@@ -732,6 +733,7 @@ int gpualloc_begin_allocate_to_pool(int device,
                                     void *ctx);
 
 // Closes the innermost open scope of pool `(id_a, id_b)` on `device`.
+// Nothing in a forked child, as for `gpualloc_release_pool`.
 int gpualloc_end_allocate_to_pool(int device, uint64_t id_a, uint64_t id_b);
 
 // Drops one hold on pool `(id_a, id_b)` (a graph or MemPool was destroyed);
@@ -769,13 +771,15 @@ int gpualloc_create_or_incref_pool_from(int device,
 // PyTorch's `setUseOnOOM` (`torch.cuda.MemPool(use_on_oom=True)`): while
 // held, pool `(id_a, id_b)`'s free blocks serve a request outside any
 // pool that would fail otherwise (`on` non-zero; 0 turns it off).
-// `GPUALLOC_ERR_UNKNOWN_POOL` for an unknown pool.
+// `GPUALLOC_ERR_UNKNOWN_POOL` for an unknown pool. Nothing in a forked
+// child (an inherited MemPool's destructor turns it off there), as for
+// `gpualloc_release_pool`.
 int gpualloc_set_pool_use_on_oom(int device, uint64_t id_a, uint64_t id_b, int on);
 
 // PyTorch's `setNoSplit` (`torch.cuda.MemPool(no_split=True)`): pool
 // `(id_a, id_b)`'s blocks are never split; a pool with no segment yet
 // grows by plain segments from then on. `GPUALLOC_ERR_UNKNOWN_POOL` for an
-// unknown pool.
+// unknown pool. Nothing in a forked child, as for `gpualloc_release_pool`.
 int gpualloc_set_pool_no_split(int device, uint64_t id_a, uint64_t id_b);
 
 // Writes the holds on pool `(id_a, id_b)` of `device` to `*out`: 0 for an
