@@ -781,6 +781,12 @@ class GpuallocAllocator final : public CUDAAllocator {
     filters[key].push_back(std::move(owned));
   }
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t id) override {
+    // A forked child: the filters' lock may be held for good by a thread
+    // the fork left behind (one in beginAllocateToPool), and the scope is
+    // its parent's (Note [Freeing in a forked child]).
+    if (!in_parent()) {
+      return;
+    }
     PoolKey key{device, id.first, id.second};
     int rc = GPUALLOC_OK;
     {

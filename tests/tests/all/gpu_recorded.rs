@@ -581,25 +581,28 @@ fn recordings_of_todays_policy_obtain_what_the_gpu_did_after_every_call() {
     );
 }
 
-/// Five third-party libraries the benchmark never tuned for, recorded on
-/// an H100 by `bash tests/gpu/sweep.sh --only
-/// gnn,lora,accelerate,speech_ctc,t5_adafactor --variants
-/// native,native-expandable,gpualloc,gpualloc-traced` with the library of
-/// 2dc484d (`docs/results/h100-round54/sweep/` and `sweep2/`):
+/// Five workloads the benchmark never tuned for, three of them from
+/// libraries new to the project, recorded on an H100 by `bash
+/// tests/gpu/sweep.sh --only gnn,lora,accelerate,speech_ctc,t5_adafactor
+/// --variants native,native-expandable,gpualloc,gpualloc-traced` with the
+/// library of 2dc484d (`docs/results/h100-round54/sweep/` and `sweep2/`):
 /// torch_geometric message passing on a new random graph every step
 /// (`examples/gnn-random-graphs.gtrace`), peft LoRA over a frozen bf16
 /// Llama with gradient checkpointing and dynamic padding
 /// (`lora-llama.gtrace`), accelerate's bf16 gradient accumulation over
-/// random image sizes (`accelerate-convnext.gtrace`), wav2vec2 CTC on raw
-/// audio of random lengths (`speech-ctc.gtrace`) and T5 with Adafactor on
-/// random source and target lengths (`t5-adafactor.gtrace`). Each replays
-/// to its GPU run's peaks and to the memory calls the CUDA backend counted,
-/// and never departs from what the recording obtained. Under PyTorch's
-/// rules the same calls reserve, to the byte, what PyTorch's own allocator
-/// reserved in the same sweep (3.02x the live peak on the graphs), except
-/// for wav2vec2, whose PyTorch run made other calls (its peak allocated
-/// was 5,802,906,112 B, not 5,754,539,520: cuDNN's convolution workspaces
-/// are chosen per process).
+/// random image sizes (`accelerate-convnext.gtrace`), and from
+/// transformers wav2vec2 CTC on raw audio of random lengths
+/// (`speech-ctc.gtrace`) and T5 with Adafactor on random source and target
+/// lengths (`t5-adafactor.gtrace`). Each replays to its traced GPU run's
+/// peaks and to the memory calls the CUDA backend counted, and never
+/// departs from what the recording obtained. Under PyTorch's rules the
+/// same calls reserve, to the byte, what PyTorch's own allocator reserved
+/// in the same sweep (3.02x the live peak on the graphs), but for two:
+/// wav2vec2's replay reserves 10,741,612,544 B, 2 MiB more than PyTorch's
+/// run (10,739,515,392), and peaks at 5,798,040,064 B allocated against its
+/// 5,802,906,112, so that run made other calls (cause not established; the
+/// test holds the replay's own figure). Accelerate's replay reserves
+/// PyTorch's figure but peaks 229,376 B below its allocated one.
 #[test]
 fn third_party_library_traces_replay_to_the_gpus_peaks_and_memory_calls() {
     for (name, peaks, calls, pytorch_reserved) in [
@@ -607,38 +610,36 @@ fn third_party_library_traces_replay_to_the_gpus_peaks_and_memory_calls() {
             "gnn-random-graphs.gtrace",
             (9_577_693_184, 9_525_497_856),
             2646,
-            Some(28_795_994_112),
+            28_795_994_112,
         ),
         (
             "lora-llama.gtrace",
             (3_781_165_056, 3_723_684_864),
             1965,
-            Some(4_680_843_264),
+            4_680_843_264,
         ),
         (
             "accelerate-convnext.gtrace",
             (3_927_965_696, 3_895_440_896),
             3119,
-            Some(4_768_923_648),
+            4_768_923_648,
         ),
         (
             "speech-ctc.gtrace",
             (5_792_333_824, 5_754_539_520),
             12_740,
-            None,
+            10_741_612_544,
         ),
         (
             "t5-adafactor.gtrace",
             (3_586_129_920, 3_467_462_656),
             2977,
-            Some(4_355_784_704),
+            4_355_784_704,
         ),
     ] {
         replays_to_the_gpus(name, peaks, calls);
         assert_eq!(replayed(name, None).departure, None, "{name}");
-        if let Some(pytorch_reserved) = pytorch_reserved {
-            let (reserved, _, ooms) = replay_example(name, Some("policy:pytorch"));
-            assert_eq!((reserved, ooms), (pytorch_reserved, 0), "{name}");
-        }
+        let (reserved, _, ooms) = replay_example(name, Some("policy:pytorch"));
+        assert_eq!((reserved, ooms), (pytorch_reserved, 0), "{name}");
     }
 }
