@@ -37,6 +37,10 @@ struct StreamFences {
     queued: VecDeque<(EventId, u64)>,
     /// The epoch of the newest fence known complete (0: none).
     done: u64,
+    /// The driver's answer when it refused an event on this stream: no
+    /// event is asked for again until the stream allocates (Note [Streams
+    /// that refuse events]).
+    refused: Option<BackendError>,
 }
 
 /// Frees of at least this many bytes count towards a fence ([`Fences::after_free`]).
@@ -166,6 +170,23 @@ impl Fences {
 
     /// Makes sure a fence covering blocks of `stream` stamped up to `stamp`
     /// is recorded (records one unless one is queued or done already).
+    /// A stream that refused an event is not asked again until it
+    /// allocates ([`revive`](Self::revive)).
+    ///
+    /// Note [Streams that refuse events]
+    /// Rationale: a segment outlives the stream it was made on when that
+    /// stream is one the program destroys (`torch.cuda.ExternalStream` over
+    /// a CuPy or TensorRT stream), and the driver then refuses events on
+    /// its handle, if it answers at all: a destroyed handle is undefined
+    /// behaviour. Growth covers every segment's stream ([`cover_all`](Self::cover_all)),
+    /// so such a handle would be handed to the driver at every growth for
+    /// the rest of the run, where PyTorch's allocator touches it only in
+    /// `empty_cache`.
+    /// Approach: the first refusal is remembered; later covers fail at once
+    /// with it, so [`wait`](Self::wait) synchronizes the device as for the
+    /// refusal itself. A stream that allocates again is alive (a new
+    /// stream may get a destroyed one's handle), and its next cover asks
+    /// the driver again.
     pub fn cover<B: Backend>(
         &mut self,
         backend: &mut B,
@@ -177,10 +198,26 @@ impl Fences {
         if stamp == 0 || newest >= stamp {
             return Ok(());
         }
-        let ev = backend.record_event(stream)?;
+        if let Some(e) = &s.refused {
+            return Err(e.clone());
+        }
+        let ev = backend.record_event(stream).inspect_err(|e| {
+            if names_a_dead_stream(e) {
+                s.refused = Some(e.clone());
+            }
+        })?;
         s.queued.push_back((ev, self.epoch));
         self.epoch += 1;
         Ok(())
+    }
+
+    /// `stream` allocates: it is alive, and events on it are asked for
+    /// again (Note [Streams that refuse events]).
+    #[inline]
+    pub fn revive(&mut self, stream: StreamId) {
+        if let Some(s) = self.streams.get_mut(&stream) {
+            s.refused = None;
+        }
     }
 
     /// Blocks until blocks of `stream` stamped up to `stamp` are idle:
@@ -257,6 +294,21 @@ impl Fences {
     }
 }
 
+/// Whether the driver's answer to an event record says the stream's handle
+/// is not one of a live stream of this context (destroyed, or of another
+/// context): `CUDA_ERROR_INVALID_CONTEXT`, `CUDA_ERROR_INVALID_HANDLE`,
+/// `CUDA_ERROR_CONTEXT_IS_DESTROYED`. Other errors (out of memory, a
+/// capture's) may pass; those streams are asked again.
+fn names_a_dead_stream(e: &BackendError) -> bool {
+    matches!(
+        e,
+        BackendError::Driver {
+            code: 201 | 400 | 709,
+            ..
+        }
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -296,6 +348,42 @@ mod tests {
         f.stamp();
         f.cover_all(&mut b, [7, 8]);
         assert_eq!(f.outstanding(), 2);
+    }
+
+    /// Note [Streams that refuse events]: a stream whose handle the driver
+    /// refused is not handed to it again at every cover, its waits
+    /// synchronize the device, and once it allocates again it is asked
+    /// again. A refusal for another cause is not remembered.
+    #[test]
+    fn a_stream_that_refused_an_event_is_not_asked_again_until_it_allocates() {
+        use crate::backend::SimCall;
+        let mut b = SimBackend::new(1 << 30);
+        let mut f = Fences::default();
+        b.refuse_events_on(9);
+        for _ in 0..10 {
+            f.stamp();
+            f.cover_all(&mut b, [0, 9]);
+        }
+        assert_eq!(
+            b.calls(SimCall::RecordEvent),
+            10 + 1,
+            "stream 0 every time, the refusing stream once"
+        );
+        let stamp = f.stamp();
+        let syncs = b.calls(SimCall::Synchronize);
+        f.wait(&mut b, 9, stamp).unwrap();
+        assert_eq!(b.calls(SimCall::Synchronize), syncs + 1);
+        assert!(f.is_idle(9, stamp));
+        b.accept_events_on(9);
+        f.revive(9);
+        let (stamp, before) = (f.stamp(), f.outstanding());
+        f.cover(&mut b, 9, stamp).unwrap();
+        assert_eq!(f.outstanding(), before + 1, "a fence on stream 9 again");
+        // Another error (here CUDA_ERROR_UNKNOWN) is not remembered.
+        b.fail_call(SimCall::RecordEvent, 1);
+        let stamp = f.stamp();
+        assert!(f.cover(&mut b, 0, stamp).is_err());
+        f.cover(&mut b, 0, stamp).unwrap();
     }
 
     #[test]

@@ -105,6 +105,12 @@ impl SimBackend {
         self.refused_streams.push(stream);
     }
 
+    /// Takes events on `stream` again, as a new stream that got a
+    /// destroyed one's handle does.
+    pub fn accept_events_on(&mut self, stream: StreamId) {
+        self.refused_streams.retain(|&s| s != stream);
+    }
+
     /// Makes the `n`-th call of `call` from now (1 = the next) fail with a
     /// driver error (`CUDA_ERROR_UNKNOWN`), before it changes anything:
     /// fault injection for every kind of driver call.
