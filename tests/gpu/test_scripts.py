@@ -115,6 +115,14 @@ class SweepSummary(unittest.TestCase):
         self.assertIn("w, repeat 1: host speeds differ", notes[0])
         self.assertIn("native-expandable 2.80 µs", notes[0])
 
+    def test_every_workload_is_documented_and_named_in_the_shell_script(self):
+        # The module's docstring says what each workload measures; a new one
+        # without its paragraph (or an old paragraph left behind) fails here.
+        documented = {line[2:].split(":")[0] for line in sweep.__doc__.splitlines() if line.startswith("- ")}
+        self.assertEqual(documented, set(sweep.WORKLOADS))
+        for name, (fn, rounds) in sweep.WORKLOADS.items():
+            self.assertTrue(callable(fn) and rounds > 0, name)
+
     def test_outputs_of_another_length_differ_infinitely(self):
         runs = [run("w", "native", 0.1, 0.1, [1.0, 2.0]), run("w", "gpualloc", 0.1, 0.1, [1.0])]
         self.assertIn("inf", sweep.summarize(runs, ["w"], ["native", "gpualloc"]))
