@@ -20,6 +20,11 @@ use crate::heap::{LARGE, SMALL};
 pub(crate) struct Breakdown {
     /// Live bytes (allocated, pending free, or claimed by a stitch).
     pub live: [u64; 2],
+    /// Of `live`, the bytes claimed by a stitch (its pages, lent whole).
+    pub claimed: [u64; 2],
+    /// Bytes of stitches in use past the end of their blocks (Note
+    /// [Stitch tails]): claimed, holding no live byte.
+    pub stitch_tails: u64,
     /// Free bytes inside handles that also back live bytes.
     pub tails: [u64; 2],
     /// Wholly free handles no cached stitch aliases.
@@ -47,8 +52,9 @@ impl Breakdown {
         let mut s = String::new();
         for (i, name) in ["small", "large"].iter().enumerate() {
             s += &format!(
-                "  {name}: live {:.1} MiB in handles of {:.1} MiB; tails {:.1}, whole free {:.1}, stitch-pinned {:.1}\n",
+                "  {name}: live {:.1} MiB ({:.1} claimed by stitches) in handles of {:.1} MiB; tails {:.1}, whole free {:.1}, stitch-pinned {:.1}\n",
                 mib(self.live[i]),
+                mib(self.claimed[i]),
                 mib(self.touched[i]),
                 mib(self.tails[i]),
                 mib(self.whole[i]),
@@ -56,9 +62,10 @@ impl Breakdown {
             );
         }
         s += &format!(
-            "  pooled {:.1} MiB; free runs skipped for a stitch {:.1} MiB\n",
+            "  pooled {:.1} MiB; free runs skipped for a stitch {:.1} MiB; stitch tails in use {:.1} MiB\n",
             mib(self.pooled),
-            mib(self.run_pinned)
+            mib(self.run_pinned),
+            mib(self.stitch_tails)
         );
         let mut hist = [0u64; 5];
         for &(_, free, _) in &self.pieces {
@@ -130,9 +137,20 @@ impl<B: Backend> DeviceAllocator<B> {
             .filter(|r| self.aliased(r.1, r.1 + r.0))
             .map(|r| r.0)
             .sum();
+        let stitch_tails = self
+            .stitches
+            .list
+            .iter()
+            .filter_map(|st| {
+                let seg = st.in_use?;
+                let b = &self.heap.blocks[self.heap.segments.get(seg).first];
+                Some(st.size - b.size)
+            })
+            .sum();
         let mut out = Breakdown {
             pooled: self.pooled_bytes(),
             run_pinned,
+            stitch_tails,
             ..Breakdown::default()
         };
         for (slot, pool) in [(0usize, SMALL), (1, LARGE)] {
@@ -159,8 +177,11 @@ impl<B: Backend> DeviceAllocator<B> {
                         match st {
                             BlockState::Free => free += n,
                             BlockState::Unmapped => unreachable!("a handle over unmapped space"),
-                            _ => {
+                            st => {
                                 live += n;
+                                if st == BlockState::Claimed {
+                                    out.claimed[slot] += n;
+                                }
                                 let r = (lo.max(a) - a, hi.min(a + s) - a);
                                 match ranges.last_mut() {
                                     Some(last) if last.1 == r.0 => last.1 = r.1,
