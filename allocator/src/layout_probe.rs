@@ -87,6 +87,17 @@ impl Breakdown {
             mib(hist[4]),
             self.pieces.len()
         );
+        // By the size of the handle each tail lies in: what finer handles
+        // could give back (a 2 MiB handle's tail is the page floor).
+        let mut by_handle = std::collections::BTreeMap::<u64, u64>::new();
+        for &(_, free, handle) in &self.pieces {
+            *by_handle.entry(handle >> 20).or_default() += free;
+        }
+        s += "  tail bytes by handle size:";
+        for (h, b) in &by_handle {
+            s += &format!(" {h} MiB: {:.1};", mib(*b));
+        }
+        s += "\n";
         let (pairs, saved) = self.shareable();
         s += &format!(
             "  handles with tails whose live bytes do not overlap: {pairs} pairs, {:.1} MiB if each pair shared one handle\n",
