@@ -365,6 +365,8 @@ impl<B: Backend> DeviceAllocator<B> {
         if size > crate::size_class::MAX_REQUEST {
             return Err(self.out_of_memory(stream, None, size, size, None));
         }
+        // A stream that allocates is alive (Note [Streams that refuse events]).
+        self.fences.revive(stream);
         let mut capturing = self.private.capturing();
         // On the route without pool hooks, a capture nobody announced may
         // forbid what a capture does; asked only before the first call it

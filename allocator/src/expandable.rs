@@ -213,7 +213,6 @@ impl<B: Backend> DeviceAllocator<B> {
         // requests come during captures, when events cannot be queried.
         if !capturing && pool <= LARGE {
             let streams = self.expandable_streams();
-            self.fences.revive(stream);
             self.fences.poll(&mut self.backend)?;
             // Tidying only: an error leaves the ranges for the next call.
             if let Err(e) = self.retire_idle_drains() {

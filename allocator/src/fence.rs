@@ -61,6 +61,9 @@ pub(crate) struct Fences {
     /// Large frees since a fence was last recorded on a free.
     large_frees: u32,
     streams: FxHashMap<StreamId, StreamFences>,
+    /// Streams whose `refused` is set: allocations look them up only
+    /// while there are any ([`revive`](Self::revive)).
+    refused: usize,
 }
 
 impl Default for Fences {
@@ -70,6 +73,7 @@ impl Default for Fences {
             last_stamp: 0,
             large_frees: 0,
             streams: FxHashMap::default(),
+            refused: 0,
         }
     }
 }
@@ -182,11 +186,15 @@ impl Fences {
     /// so such a handle would be handed to the driver at every growth for
     /// the rest of the run, where PyTorch's allocator touches it only in
     /// `empty_cache`.
-    /// Approach: the first refusal is remembered; later covers fail at once
-    /// with it, so [`wait`](Self::wait) synchronizes the device as for the
-    /// refusal itself. A stream that allocates again is alive (a new
-    /// stream may get a destroyed one's handle), and its next cover asks
-    /// the driver again.
+    /// Approach: the first refusal that names a dead handle is remembered;
+    /// later covers fail at once with it, so [`wait`](Self::wait)
+    /// synchronizes the device as for the refusal itself. A stream that
+    /// allocates again is alive (a new stream may get a destroyed one's
+    /// handle), and its next cover asks the driver again: every allocation
+    /// looks, one branch while no stream is refused. (An event on the new
+    /// stream then stands for blocks the old one freed; it does not order
+    /// the old stream's queued work, as it did not before this note: work
+    /// left on a stream the program destroyed is the program's to finish.)
     pub fn cover<B: Backend>(
         &mut self,
         backend: &mut B,
@@ -201,9 +209,11 @@ impl Fences {
         if let Some(e) = &s.refused {
             return Err(e.clone());
         }
+        let refused = &mut self.refused;
         let ev = backend.record_event(stream).inspect_err(|e| {
             if names_a_dead_stream(e) {
                 s.refused = Some(e.clone());
+                *refused += 1;
             }
         })?;
         s.queued.push_back((ev, self.epoch));
@@ -215,8 +225,11 @@ impl Fences {
     /// again (Note [Streams that refuse events]).
     #[inline]
     pub fn revive(&mut self, stream: StreamId) {
-        if let Some(s) = self.streams.get_mut(&stream) {
-            s.refused = None;
+        if self.refused > 0
+            && let Some(s) = self.streams.get_mut(&stream)
+            && s.refused.take().is_some()
+        {
+            self.refused -= 1;
         }
     }
 

@@ -473,7 +473,19 @@ impl Backend for CudaBackend {
             // A stream of another device (`t.record_stream(s)` with `s` on
             // another GPU): an event must be recorded in the stream's own
             // context, as PyTorch records it on the stream's device.
-            return self.record_foreign(stream).map_err(|_| e);
+            // Where the stream's context could not be read (a handle
+            // destroyed since) or is this one, this first answer stands;
+            // a live stream of another context answers for itself, so that
+            // a passing failure there is not taken for a dead stream (Note
+            // [Streams that refuse events] in `fence.rs`).
+            return self.record_foreign(stream).map_err(|f| match f {
+                BackendError::Unavailable(_)
+                | BackendError::Driver {
+                    call: "cuStreamGetCtx",
+                    ..
+                } => e,
+                f => f,
+            });
         }
         Ok(ev as usize as EventId)
     }

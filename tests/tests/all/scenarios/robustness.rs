@@ -114,43 +114,57 @@ fn a_stream_whose_events_are_always_refused_does_not_stop_allocation() {
 /// external stream the program destroyed). Growth covers every segment's
 /// stream, but the dead handle is handed to the driver once, not at every
 /// growth; the allocator goes on, and once a stream with that handle
-/// allocates again, events on it are recorded again.
+/// allocates again, from the cache or not, events on it are recorded
+/// again. Without defragmentation the dead stream's segment stays, and the
+/// new stream's request is served from it without a growth.
 #[test]
 fn a_destroyed_streams_handle_is_not_handed_to_the_driver_at_every_growth() {
-    let mut d = DeviceAllocator::new(0, SimBackend::new(8 << 30), Config::default());
-    let p = d.malloc(64 * MIB, 0xdead).unwrap();
-    d.free(p).unwrap();
-    d.backend_mut().refuse_events_on(0xdead);
-    let refused = |d: &DeviceAllocator<SimBackend>| {
-        d.backend().calls(SimCall::RecordEvent) - d.backend().counters.record_event
-    };
-    let mut kept = Vec::new();
-    for _ in 0..20 {
+    for conf in ["", "defragment:false"] {
+        let mut d = DeviceAllocator::new(0, SimBackend::new(8 << 30), Config::parse(conf).unwrap());
+        let p = d.malloc(64 * MIB, 0xdead).unwrap();
+        d.free(p).unwrap();
+        d.backend_mut().refuse_events_on(0xdead);
+        let refused = |d: &DeviceAllocator<SimBackend>| {
+            d.backend().calls(SimCall::RecordEvent) - d.backend().counters.record_event
+        };
+        let mut kept = Vec::new();
+        for _ in 0..20 {
+            let r = d.malloc(3 * MIB, 0).unwrap();
+            d.free(r).unwrap();
+            kept.push(d.malloc(32 * MIB, 0).unwrap());
+            d.check_invariants().unwrap();
+        }
+        assert_eq!(refused(&d), 1, "{conf}: asked once, at the first growth");
+        // A new stream gets the handle and allocates.
+        d.backend_mut().accept_events_on(0xdead);
+        let (reserved, recorded) = (
+            d.stats().reserved_bytes.all.current,
+            d.backend().counters.record_event,
+        );
+        let q = d.malloc(8 * MIB, 0xdead).unwrap();
+        if conf == "defragment:false" {
+            assert_eq!(
+                d.stats().reserved_bytes.all.current,
+                reserved,
+                "from the cache"
+            );
+        }
+        d.free(q).unwrap();
         let r = d.malloc(3 * MIB, 0).unwrap();
         d.free(r).unwrap();
         kept.push(d.malloc(32 * MIB, 0).unwrap());
+        assert_eq!(refused(&d), 1, "{conf}");
+        assert!(d.backend().counters.record_event > recorded, "{conf}");
+        // Its pages leave after an event on it, not a device synchronization.
+        let syncs = d.backend().calls(SimCall::Synchronize);
+        d.empty_cache().unwrap();
+        assert_eq!(d.backend().calls(SimCall::Synchronize), syncs, "{conf}");
+        for k in kept {
+            d.free(k).unwrap();
+        }
         d.check_invariants().unwrap();
+        assert_eq!(d.stats().allocated_bytes.all.current, 0, "{conf}");
     }
-    assert_eq!(refused(&d), 1, "asked once, at the first growth");
-    // A new stream gets the handle: its own growth makes it asked again.
-    d.backend_mut().accept_events_on(0xdead);
-    let q = d.malloc(512 * MIB, 0xdead).unwrap();
-    let recorded = d.backend().counters.record_event;
-    d.free(q).unwrap();
-    let r = d.malloc(3 * MIB, 0).unwrap();
-    d.free(r).unwrap();
-    kept.push(d.malloc(32 * MIB, 0).unwrap());
-    assert_eq!(refused(&d), 1);
-    assert!(d.backend().counters.record_event > recorded);
-    // Its pages leave after an event on it, not a device synchronization.
-    let syncs = d.backend().calls(SimCall::Synchronize);
-    d.empty_cache().unwrap();
-    assert_eq!(d.backend().calls(SimCall::Synchronize), syncs);
-    for k in kept {
-        d.free(k).unwrap();
-    }
-    d.check_invariants().unwrap();
-    assert_eq!(d.stats().allocated_bytes.all.current, 0);
 }
 
 /// The same for another GPU's default stream (Note [Streams of other
