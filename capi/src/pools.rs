@@ -15,6 +15,18 @@ use crate::boundary::{
 use crate::cudaStream_t;
 use crate::global::{self, AnyBackend, existing, global};
 
+/// [`status`] in the process whose pools these are; `GPUALLOC_OK` at once
+/// in a forked child, which inherited them (a graph or MemPool destroyed,
+/// a scope closed there) but cannot use them, and whose device locks a
+/// thread the fork left behind may hold for good (Note [Freeing in a
+/// forked child]).
+fn status_in_parent(f: impl FnOnce() -> Result<(), Error>) -> c_int {
+    if crate::fork::in_forked_child() {
+        return GPUALLOC_OK;
+    }
+    status(f)
+}
+
 /// Before the first allocation no pool exists (and none is created to say so).
 pub(crate) fn no_pool(device: c_int, pool: (u64, u64)) -> Error {
     match global::idle(i64::from(device)) {
@@ -96,10 +108,7 @@ pub unsafe extern "C" fn gpualloc_begin_allocate_to_pool(
 /// Nothing in a forked child, as for `gpualloc_release_pool`.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_end_allocate_to_pool(device: c_int, id_a: u64, id_b: u64) -> c_int {
-    if crate::fork::in_forked_child() {
-        return GPUALLOC_OK;
-    }
-    status(|| {
+    status_in_parent(|| {
         let g = existing().ok_or_else(|| no_pool(device, (id_a, id_b)))?;
         Ok(g.alloc
             .end_allocate_to_pool(i64::from(device), (id_a, id_b))?)
@@ -112,10 +121,7 @@ pub extern "C" fn gpualloc_end_allocate_to_pool(device: c_int, id_a: u64, id_b: 
 /// graph or MemPool), as for frees (Note [Freeing in a forked child]).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_release_pool(device: c_int, id_a: u64, id_b: u64) -> c_int {
-    if crate::fork::in_forked_child() {
-        return GPUALLOC_OK;
-    }
-    status(|| {
+    status_in_parent(|| {
         let g = existing().ok_or_else(|| no_pool(device, (id_a, id_b)))?;
         Ok(g.alloc.release_pool(i64::from(device), (id_a, id_b))?)
     })
@@ -308,10 +314,7 @@ pub extern "C" fn gpualloc_set_pool_use_on_oom(
     id_b: u64,
     on: c_int,
 ) -> c_int {
-    if crate::fork::in_forked_child() {
-        return GPUALLOC_OK;
-    }
-    status(|| {
+    status_in_parent(|| {
         let g = existing().ok_or_else(|| no_pool(device, (id_a, id_b)))?;
         g.alloc
             .set_pool_use_on_oom(i64::from(device), (id_a, id_b), on != 0)
@@ -325,10 +328,7 @@ pub extern "C" fn gpualloc_set_pool_use_on_oom(
 /// unknown pool. Nothing in a forked child, as for `gpualloc_release_pool`.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_set_pool_no_split(device: c_int, id_a: u64, id_b: u64) -> c_int {
-    if crate::fork::in_forked_child() {
-        return GPUALLOC_OK;
-    }
-    status(|| {
+    status_in_parent(|| {
         let g = existing().ok_or_else(|| no_pool(device, (id_a, id_b)))?;
         g.alloc
             .set_pool_no_split(i64::from(device), (id_a, id_b))
@@ -365,10 +365,7 @@ pub unsafe extern "C" fn gpualloc_pool_use_count(
 /// and everything in a forked child (as `gpualloc_release_pool`).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_empty_pool_cache(device: c_int, id_a: u64, id_b: u64) -> c_int {
-    if crate::fork::in_forked_child() {
-        return GPUALLOC_OK;
-    }
-    status(|| match existing() {
+    status_in_parent(|| match existing() {
         Some(g) => Ok(g.alloc.empty_pool_cache(i64::from(device), (id_a, id_b))?),
         None => global::idle(i64::from(device)).map(|_| ()),
     })
