@@ -141,6 +141,15 @@ def _timed(rounds, body):
     return times, outs
 
 
+def _draws(seed):
+    """The host's draws of a workload, both seeded with `seed`: Python's
+    (shapes, sizes) and a CPU torch generator (data); neither touches
+    torch's global seed, so models initialise alike in every variant."""
+    import torch
+
+    return random.Random(seed), torch.Generator().manual_seed(seed)
+
+
 def _train_step(opt, loss_fn, dtype=None):
     """One optimizer step on loss_fn()'s loss (its forward under autocast to
     `dtype` when given); returns the loss."""
@@ -161,8 +170,7 @@ def generate(rounds):
     dev = torch.device("cuda:0")
     cfg = GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12)
     model = GPT2LMHeadModel(cfg).to(dev, torch.bfloat16).eval()
-    rng = random.Random(7)
-    g = torch.Generator().manual_seed(7)
+    rng, g = _draws(7)
 
     def body(i):
         batch, length = rng.choice([4, 8, 16, 32]), rng.randrange(16, 385)
@@ -212,8 +220,7 @@ def checkpoint_amp(rounds):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    rng = random.Random(11)
-    g = torch.Generator().manual_seed(11)
+    rng, g = _draws(11)
 
     def body(i):
         ids = torch.randint(0, cfg.vocab_size, (16, rng.randrange(32, 513)), generator=g).to(dev)
@@ -276,8 +283,7 @@ def compile_dynamic(rounds):
     model = TinyGPT(vocab=vocab, dim=512, layers=6, heads=8).to(dev)
     step = torch.compile(model, dynamic=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    rng = random.Random(17)
-    g = torch.Generator().manual_seed(17)
+    rng, g = _draws(17)
 
     def body(i):
         tokens = torch.randint(0, vocab, (16, rng.randrange(64, 513)), generator=g).to(dev)
@@ -299,8 +305,7 @@ def faster_rcnn(rounds):
     model = torchvision.models.detection.fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None,
                                                                  num_classes=21).to(dev).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.005, momentum=0.9)
-    rng = random.Random(19)
-    g = torch.Generator().manual_seed(19)
+    rng, g = _draws(19)
 
     def sample():
         h, w = rng.randrange(320, 961, 32), rng.randrange(320, 961, 32)
@@ -368,8 +373,7 @@ def lstm_varlen(rounds):
     model = torch.nn.LSTM(input_size=256, hidden_size=1024, num_layers=3, batch_first=True).to(dev)
     head = torch.nn.Linear(1024, 256).to(dev)
     opt = torch.optim.Adam(list(model.parameters()) + list(head.parameters()), lr=1e-3)
-    rng = random.Random(29)
-    g = torch.Generator().manual_seed(29)
+    rng, g = _draws(29)
 
     def body(i):
         batch, length = rng.choice([32, 48, 64]), rng.randrange(20, 401)
@@ -399,8 +403,7 @@ def reduce_overhead(rounds):
         logits = model(tokens)
         return next_token_loss(logits, tokens)
 
-    rng = random.Random(31)
-    g = torch.Generator().manual_seed(31)
+    rng, g = _draws(31)
 
     def body(i):  # three sequence buckets: three CUDA graphs in private pools
         tokens = torch.randint(0, vocab, (16, rng.choice([128, 256, 512])), generator=g).to(dev)
@@ -420,8 +423,7 @@ def serve_varbatch(rounds):
 
     dev = torch.device("cuda:0")
     model = torchvision.models.resnet50(num_classes=1000).to(dev, torch.float16).eval()
-    rng = random.Random(37)
-    g = torch.Generator().manual_seed(37)
+    rng, g = _draws(37)
 
     def body(i):  # one round: 16 requests of random batch sizes and resolutions
         total = 0.0
@@ -443,8 +445,7 @@ def cudnn_benchmark(rounds):
     torch.backends.cudnn.benchmark = True  # each new shape is timed, and cuDNN empties the cache after
     model = torchvision.models.resnet50(num_classes=100).to(dev, memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    rng = random.Random(41)
-    g = torch.Generator().manual_seed(41)
+    rng, g = _draws(41)
 
     def body(i):
         s = rng.choice([160, 192, 224, 256, 288, 320])
@@ -473,8 +474,7 @@ def graph_branches(rounds):
     opt = torch.optim.AdamW(list(body_model.parameters()) + list(head.parameters()), lr=1e-4)
     encode = torch.compile(body_model, mode="reduce-overhead")
     refine = torch.compile(head, mode="reduce-overhead", dynamic=False)
-    rng = random.Random(43)
-    g = torch.Generator().manual_seed(43)
+    rng, g = _draws(43)
 
     def body(i):  # a fixed-shape graph, then one of three: new branches of one tree
         tokens = torch.randint(0, vocab, (8, 256), generator=g).to(dev)
@@ -511,8 +511,7 @@ def fsdp(rounds):
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    rng = random.Random(41)
-    g = torch.Generator().manual_seed(41)
+    rng, g = _draws(41)
 
     def body(i):
         ids = torch.randint(0, cfg.vocab_size, (8, rng.randrange(64, 513)), generator=g).to(dev)
@@ -563,8 +562,7 @@ def multi_stream(rounds):
 
     model = Branches().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    rng = random.Random(43)
-    g = torch.Generator().manual_seed(43)
+    rng, g = _draws(43)
 
     def body(i):
         size = rng.choice([160, 192, 224, 256, 288, 320])
@@ -639,8 +637,7 @@ def moe(rounds):
     torch.manual_seed(47)
     model = Model().to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    rng = random.Random(47)
-    g = torch.Generator().manual_seed(47)
+    rng, g = _draws(47)
 
     def body(i):
         tokens = torch.randint(0, vocab, (8, rng.randrange(64, 1025)), generator=g).to(dev)
@@ -677,8 +674,7 @@ def gnn(rounds):
     torch.manual_seed(53)
     model = Net().to(dev)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    rng = random.Random(53)
-    g = torch.Generator().manual_seed(53)
+    rng, g = _draws(53)
 
     def body(i):
         n = rng.randrange(20_000, 200_001)
@@ -706,8 +702,7 @@ def lora(rounds):
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
-    rng = random.Random(59)
-    g = torch.Generator().manual_seed(59)
+    rng, g = _draws(59)
 
     def body(i):
         lengths = [rng.randrange(64, 1025) for _ in range(8)]
@@ -732,8 +727,7 @@ def accelerate_amp(rounds):
     model = timm.create_model("convnext_tiny", num_classes=100)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = accelerator.prepare(model, opt)
-    rng = random.Random(61)
-    g = torch.Generator().manual_seed(61)
+    rng, g = _draws(61)
 
     def body(i):
         losses = []
@@ -766,8 +760,7 @@ def speech_ctc(rounds):
     model = Wav2Vec2ForCTC(cfg).to(dev)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    rng = random.Random(67)
-    g = torch.Generator().manual_seed(67)
+    rng, g = _draws(67)
 
     def body(i):
         samples = rng.randrange(16_000, 192_001)
@@ -795,8 +788,7 @@ def t5_adafactor(rounds):
     model = T5ForConditionalGeneration(cfg).to(dev)
     model.train()
     opt = Adafactor(model.parameters(), lr=None, scale_parameter=True, relative_step=True, warmup_init=True)
-    rng = random.Random(71)
-    g = torch.Generator().manual_seed(71)
+    rng, g = _draws(71)
 
     def body(i):
         src = torch.randint(1, cfg.vocab_size, (16, rng.randrange(64, 513)), generator=g)
