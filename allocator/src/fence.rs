@@ -188,7 +188,9 @@ impl Fences {
     /// `empty_cache`.
     /// Approach: the first refusal that names a dead handle is remembered;
     /// later covers fail at once with it, so [`wait`](Self::wait)
-    /// synchronizes the device as for the refusal itself. A stream that
+    /// synchronizes the device as for the refusal itself, which also marks
+    /// every other refusing stream idle (`empty_cache` with several
+    /// destroyed streams synchronizes once). A stream that
     /// allocates again is alive (a new stream may get a destroyed one's
     /// handle), and its next cover asks the driver again: every allocation
     /// looks, one branch while no stream is refused. (An event on the new
@@ -248,13 +250,19 @@ impl Fences {
             // The stream refuses events (destroyed, as an external stream
             // can be, with its segments still cached): the device's
             // synchronization covers whatever it ran, and every block freed
-            // so far on it is idle afterwards.
+            // so far on it is idle afterwards. So is every other stream
+            // that refused, whose own wait would be this same
+            // synchronization: several destroyed together cost one.
             backend.synchronize()?;
-            let s = self.streams.entry(stream).or_default();
-            for (ev, _) in s.queued.drain(..) {
-                backend.destroy_event(ev);
+            self.streams.entry(stream).or_default();
+            for (&id, s) in &mut self.streams {
+                if id == stream || s.refused.is_some() {
+                    for (ev, _) in s.queued.drain(..) {
+                        backend.destroy_event(ev);
+                    }
+                    s.done = self.epoch;
+                }
             }
-            s.done = self.epoch;
             self.epoch += 1;
             return Ok(());
         }
@@ -293,13 +301,22 @@ impl Fences {
         Ok(())
     }
 
-    /// Blocks until every block freed so far is idle, on every stream in `streams`.
+    /// Blocks until every block freed so far is idle, on every stream in
+    /// `streams`. Every stream is asked for its fence before any is waited
+    /// for, so that the streams that refuse share one device
+    /// synchronization ([`wait`](Self::wait)).
     pub fn wait_all<B: Backend>(
         &mut self,
         backend: &mut B,
         streams: impl IntoIterator<Item = StreamId>,
     ) -> Result<(), BackendError> {
         let stamp = self.epoch;
+        let streams: Vec<StreamId> = streams.into_iter().collect();
+        for &s in &streams {
+            if !self.is_idle(s, stamp) {
+                let _ = self.cover(backend, s, stamp);
+            }
+        }
         for s in streams {
             self.wait(backend, s, stamp)?;
         }

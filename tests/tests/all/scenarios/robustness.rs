@@ -167,6 +167,45 @@ fn a_destroyed_streams_handle_is_not_handed_to_the_driver_at_every_growth() {
     }
 }
 
+/// Several streams destroyed with their segments cached: `empty_cache`
+/// synchronizes the device once for all of them, not once for each, since
+/// each one's wait is that same synchronization (Note [Streams that refuse
+/// events]).
+#[test]
+fn streams_destroyed_together_cost_one_device_synchronization() {
+    let dead = [0xd1, 0xd2, 0xd3];
+    let mut d = DeviceAllocator::new(0, SimBackend::new(8 << 30), Config::default());
+    let kept: Vec<_> = dead
+        .iter()
+        .map(|&s| {
+            let p = d.malloc(64 * MIB, s).unwrap();
+            let q = d.malloc(32 * MIB, s).unwrap();
+            d.free(p).unwrap();
+            q
+        })
+        .collect();
+    for &s in &dead {
+        d.backend_mut().refuse_events_on(s);
+    }
+    let syncs = d.backend().calls(SimCall::Synchronize);
+    d.empty_cache().unwrap();
+    assert_eq!(d.backend().calls(SimCall::Synchronize), syncs + 1);
+    assert_eq!(
+        d.stats().reserved_bytes.all.current,
+        3 * 32 * MIB as i64,
+        "every dead stream's free pages went back"
+    );
+    d.check_invariants().unwrap();
+    // Blocks freed after that synchronization need one of their own.
+    for k in kept {
+        d.free(k).unwrap();
+    }
+    d.empty_cache().unwrap();
+    assert_eq!(d.backend().calls(SimCall::Synchronize), syncs + 2);
+    assert_eq!(d.stats().reserved_bytes.all.current, 0);
+    d.check_invariants().unwrap();
+}
+
 /// The same for another GPU's default stream (Note [Streams of other
 /// devices]): that GPU is synchronized too before the block is freed.
 #[test]
