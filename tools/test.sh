@@ -28,6 +28,9 @@ cargo test --workspace --doc
 if [ -d python-shim/tests ]; then
   GPUALLOC_LIBRARY="$lib" PYTHONPATH="$PWD/python-shim" \
     python3 -m unittest discover -s python-shim/tests -t python-shim -v
+  if [ -z "${GPUALLOC_TEST_TORCH_PYTHON:-}" ]; then
+    echo "test_auto_torch.py skipped: GPUALLOC_TEST_TORCH_PYTHON names no Python with torch (a CPU build is enough)"
+  fi
 fi
 
 # The package on the oldest Python pyproject.toml allows, when this machine

@@ -43,6 +43,7 @@ pub const SCRIPTS: &[&str] = &[
     "TEST_TRACE",
     "TEST_LIBRARY",
     "TEST_WRAPPER",
+    "TEST_TORCH_PYTHON",
     "LIBRARY_B",
     "TRACE_CPP",
     "SWEEP_PROFILE_ROUNDS",

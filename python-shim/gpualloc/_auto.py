@@ -4,10 +4,17 @@
   optimizer-step hooks), the iteration boundary that ``gpualloc leaks`` and
   the per-step figures read. With several optimizers (a GAN), only one of
   them marks: the first to step, or, once it stops stepping, the next that
-  steps twice in a row without it. The step itself is the phase ``optimizer``.
+  steps twice in a row without it (at once when it was freed: a
+  learning-rate finder's optimizer, a finished trial's). The step itself is
+  the phase ``optimizer``; a step inside another step (a subclass calling
+  ``super().step()``, an optimizer that steps another) is the outer one's.
 - ``torch.autograd.backward`` (which ``Tensor.backward`` calls) runs in the
-  phase ``backward``; ``torch.save`` in the phase ``checkpoint``. An
-  ``optimizer`` phase a raising step left open closes at the next backward.
+  phase ``backward``; ``torch.save`` in the phase ``checkpoint`` (not when a
+  tensor's storage pickles itself through it). An ``optimizer`` phase a
+  raising step left open closes at the next backward.
+- Under ``torch.compile`` the hooks add no graph break; a step compiled
+  into a graph is marked after the graph, without a phase of its own (Note
+  [Hooks under torch.compile]).
 - ``eval`` opens when a module in training mode is switched to evaluation
   (``model.eval()``, ``model.train(False)``) and closes at the next
   ``model.train()``, or at the next backward pass or optimizer step once
@@ -16,10 +23,12 @@
   of the model last switched to training and something beside it still
   trains (``model.train(); model.bn.eval()`` freezes a part); a wrapper
   whose whole content is switched (``DDP(model).train()``, then
-  ``model.eval()``) is an evaluation. An outermost ``torch.inference_mode``
-  region is an ``eval`` phase too when none is open. ``torch.no_grad`` is
-  not: optimizers, gradient clipping and EMA updates use it inside training
-  steps.
+  ``model.eval()``) is an evaluation; so is not a module that an optimizer
+  steps beside without updating it (an EMA or teacher copy made with
+  ``copy.deepcopy(model).eval()``): its phase closes at that step. An
+  outermost ``torch.inference_mode`` region is an ``eval`` phase too when
+  none is open. ``torch.no_grad`` is not: optimizers, gradient clipping and
+  EMA updates use it inside training steps.
 - Phases come from one thread: the first to open one (the training loop),
   until it ends. The library keeps one stack of phases; the regions of a
   server's request threads or a checkpoint thread would interleave with it
@@ -34,8 +43,11 @@ each, which returns at once.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
+import io
+import sys
 import threading
 import warnings
 import weakref
@@ -66,7 +78,7 @@ def wanted(auto_marks: Optional[bool]) -> bool:
 
 
 def enabled() -> List[str]:
-    """The hooks in place: ``optimizer``, ``backward``, ``checkpoint``, ``eval``, ``inference``."""
+    """The hooks in place: ``optimizer``, ``backward``, ``checkpoint``, ``eval``, ``inference``, ``compile``."""
     return list(_ENABLED)
 
 
@@ -78,12 +90,15 @@ def enable(torch) -> List[str]:
         if _ENABLED:
             return list(_ENABLED)
         _IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+        atexit.register(settle)
+        _UNDO.append(functools.partial(atexit.unregister, settle))
         for name, fn in (
             ("optimizer", _hook_optimizer),
             ("backward", _hook_backward),
             ("checkpoint", _hook_save),
             ("eval", _hook_train_switch),
             ("inference", _hook_inference_mode),
+            ("compile", _hook_compile),
         ):
             try:
                 if fn(torch):
@@ -158,7 +173,8 @@ class _State:
     eval_module: Optional[object] = None  # the module whose switch opened eval_switch, as _weak keeps it
     training: Optional["weakref.ref"] = None  # the module last switched to training
     inside: Optional[dict] = None  # the modules inside it and their parents by id (weakly), found when first asked
-    leader: Optional[int] = None
+    leader: Optional[object] = None  # the optimizer that marks steps, as _weak keeps it
+    eval_asked: Optional[tuple] = None  # (eval phase, {optimizer id: updates its module}): _updates_part_of
     others: set = set()
 
     @classmethod
@@ -167,6 +183,7 @@ class _State:
             if e is not None:
                 _guard(_phases.pop, e)
         cls.optimizer = cls.eval_switch = cls.eval_module = cls.leader = cls.training = cls.inside = None
+        cls.eval_asked = None
         cls.others = set()
 
 
@@ -193,6 +210,8 @@ def _open(name: str, loose: bool = False) -> Optional[_phases.Entry]:
     # on first use] in capi/src/pending.rs); there is no memory to name yet.
     if not _guard(_started) or not _owns():
         return None
+    if _COMPILED_STEPS:
+        _guard(_marks_of_compiled_steps)
     return _guard(_phases.push, name, loose)
 
 
@@ -220,7 +239,7 @@ def _optimizer_module(torch):
 def _hook_optimizer(torch) -> bool:
     opt = _optimizer_module(torch)
     pre = opt.register_optimizer_step_pre_hook(_step_pre_hook)
-    post = opt.register_optimizer_step_post_hook(lambda o, args, kwargs: None if _compiling() else _guard(_step_ends, o))
+    post = opt.register_optimizer_step_post_hook(_step_post_hook)
     _UNDO.append(pre.remove)
     _UNDO.append(post.remove)
     return True
@@ -232,37 +251,85 @@ def _step_pre_hook(optimizer, args, kwargs):
     inside ``step``: the closure is wrapped so that the phase is closed
     while it runs (returned as the step's new arguments, which torch's
     pre-hooks may do)."""
-    if _compiling():
+    if _compiling() or _nested_step(sys._getframe(1)):
         return None
     # torch passes the step's own arguments, the optimizer first.
     at = 1 if args and args[0] is optimizer else 0
     if "closure" in kwargs and callable(kwargs["closure"]):
-        new = args, {**kwargs, "closure": _outside_the_step(kwargs["closure"])}
+        new = args, {**kwargs, "closure": _outside_the_step(kwargs["closure"], optimizer)}
     elif len(args) > at and callable(args[at]):
-        new = tuple(args[:at]) + (_outside_the_step(args[at]),) + tuple(args[at + 1 :]), kwargs
+        new = tuple(args[:at]) + (_outside_the_step(args[at], optimizer),) + tuple(args[at + 1 :]), kwargs
     else:
-        _guard(_step_begins)
+        _guard(_step_begins, optimizer)
         return None
     _guard(_step_pauses)  # a step that raised may have left it open
     return new
 
 
-def _outside_the_step(closure):
+def _step_post_hook(optimizer, args, kwargs):
+    """Closes the phase ``optimizer`` and marks the step."""
+    if _compiling():
+        # Traced into a graph, which cannot call the library: torch.compile
+        # replays this append after the graph, and the next hook that runs
+        # as Python (or the exit) marks the step (Note [Hooks under torch.compile]).
+        _COMPILED_STEPS.append(1)
+        return
+    if _nested_step(sys._getframe(1)):
+        return
+    _guard(_step_ends, optimizer)
+
+
+_COMPILED_STEPS: List[int] = []  # steps compiled graphs ended, not yet marked
+
+
+def _marks_of_compiled_steps() -> None:
+    """Marks the steps compiled graphs ended since a hook last ran as
+    Python (one stand-in optimizer for all of them)."""
+    while _COMPILED_STEPS:
+        _COMPILED_STEPS.pop()
+        _step_ends(_COMPILED_STEPS)
+
+
+def settle() -> None:
+    """Marks what compiled steps left to mark: before the trace stops, and
+    at exit."""
+    if _COMPILED_STEPS:
+        _guard(_marks_of_compiled_steps)
+
+
+def _nested_step(caller) -> bool:
+    """Whether the step whose hook ``caller`` (torch's step wrapper) runs
+    is inside another step's wrapper, whose hooks alone count: torch wraps
+    the ``step`` of each optimizer class it makes, so a subclass whose
+    ``step`` calls ``super().step()`` runs the hooks twice, and so does an
+    optimizer that steps another (ZeroRedundancyOptimizer). Found on the
+    stack, so that a step that raised between its hooks leaves nothing
+    behind."""
+    code = caller.f_code
+    f = caller.f_back
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
+def _outside_the_step(closure, optimizer):
     @functools.wraps(closure)
     def run(*a, **k):
         _guard(_step_pauses)
         try:
             return closure(*a, **k)
         finally:
-            _guard(_step_begins)
+            _guard(_step_begins, optimizer)
 
     return run
 
 
-def _step_begins() -> None:
+def _step_begins(optimizer) -> None:
     with _LOCK:
         _close(_State.optimizer)  # a step that raised left it open
-        _eval_over_if_training()
+        _eval_over_if_training(optimizer)
         _State.optimizer = _open("optimizer", loose=True)
 
 
@@ -277,11 +344,14 @@ def _step_ends(optimizer) -> None:
         _close(_State.optimizer)
         _State.optimizer = None
         me = id(optimizer)
-        if _State.leader is not None and me != _State.leader:
+        # A leader that was freed (a learning-rate finder's optimizer, a
+        # finished trial's) gives way at once.
+        leader = _deref(_State.leader)
+        if leader is not None and leader is not optimizer:
             if me not in _State.others:
                 _State.others.add(me)
                 return
-        _State.leader = me  # the leader, or one that stepped twice without it
+        _State.leader = _weak(optimizer)  # the leader, or one that stepped twice without it
         _State.others = set()
     if _started():  # as in _open
         lib().mark(STEP_MARK)
@@ -323,14 +393,39 @@ def _training_resumed() -> None:
         _eval_over_if_training()
 
 
-def _eval_over_if_training() -> None:
+def _eval_over_if_training(optimizer=None) -> None:
+    """Closes an ``eval`` phase whose module trains again; at an optimizer
+    step, also one whose module the stepping optimizer does not update."""
     e = _State.eval_switch
     if e is None or e.closed:
         return
     m = _deref(_State.eval_module)
-    if m is None or getattr(m, "training", False) is True:
+    if (
+        m is None
+        or getattr(m, "training", False) is True
+        or (optimizer is not None and not _updates_part_of(optimizer, m, e))
+    ):
         _close(e)
         _State.eval_switch = _State.eval_module = None
+
+
+def _updates_part_of(optimizer, module, entry) -> bool:
+    """Whether ``optimizer`` updates a parameter of ``module``. An
+    optimizer stepping while only another module is in evaluation trains:
+    an EMA, teacher or reference copy made with ``copy.deepcopy(model).eval()``
+    is no evaluation of the model. Asked once per optimizer while ``entry``
+    (the eval phase) is open; one that cannot be asked counts as updating."""
+    asked = _State.eval_asked
+    if asked is None or asked[0] is not entry:
+        asked = _State.eval_asked = (entry, {})
+    key = id(optimizer)
+    if key not in asked[1]:
+        try:
+            mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            asked[1][key] = any(id(p) in mine for p in module.parameters())
+        except Exception:  # noqa: BLE001 - not a torch optimizer or module after all
+            asked[1][key] = True
+    return asked[1][key]
 
 
 def _hook_backward(torch) -> bool:
@@ -346,13 +441,57 @@ def _hook_backward(torch) -> bool:
 
         return backward
 
-    return _patch(torch.autograd, "backward", make)
+    if not _patch(torch.autograd, "backward", make):
+        return False
+    _guard(_script_as_backward, torch, torch.autograd.backward)
+    return True
+
+
+def _script_as_backward(torch, new) -> None:
+    """TorchScript compiles a call of ``torch.autograd.backward`` as the
+    operator ``aten::backward``, which it finds by the function object it
+    listed when torch was imported: the wrapper is listed too, or
+    ``torch.jit.script`` would try to compile the wrapper itself, and fail."""
+    b = getattr(getattr(torch, "jit", None), "_builtins", None)
+    if b is None or not hasattr(b, "_builtin_ops"):
+        return
+    entry = (new, "aten::backward")
+    if getattr(b, "_builtin_table", None) is None:  # built on first use, from the list
+        b._builtin_ops.append(entry)
+    else:
+        b._register_builtin(new, "aten::backward")
+    _UNDO.append(functools.partial(_unlist, b, entry))
+
+
+def _unlist(b, entry) -> None:
+    """Takes the wrapper out of TorchScript's builtins again (its id may
+    be another object's once it is freed)."""
+    if entry in b._builtin_ops:
+        b._builtin_ops.remove(entry)
+    table = getattr(b, "_builtin_table", None)
+    if table is not None and table.get(id(entry[0])) == entry[1]:
+        del table[id(entry[0])]
 
 
 def _hook_save(torch) -> bool:
     ser = getattr(torch, "serialization", None)
     same = ser is not None and getattr(ser, "save", None) is torch.save
-    return _patch(torch, "save", _in_phase("checkpoint"), also=(ser,) if same else ())
+    inner = _in_phase("checkpoint")
+
+    def make(orig):
+        wrapped = inner(orig)
+
+        def save(obj, f, *args, **kwargs):
+            # A storage pickling itself (``TypedStorage.__reduce__``, for
+            # ``pickle.dumps``, multiprocessing queues, broadcast_object_list)
+            # saves into a BytesIO in the legacy format: no checkpoint.
+            if kwargs.get("_use_new_zipfile_serialization") is False and isinstance(f, io.BytesIO):
+                return orig(obj, f, *args, **kwargs)
+            return wrapped(obj, f, *args, **kwargs)
+
+        return save
+
+    return _patch(torch, "save", make, also=(ser,) if same else ())
 
 
 # -- evaluation --------------------------------------------------------------
@@ -464,6 +603,84 @@ def _children(m):
         return list(m.children())
     except Exception:  # noqa: BLE001 - not a torch module after all
         return []
+
+
+# -- torch.compile -------------------------------------------------------------
+
+# Note [Hooks under torch.compile]
+# Rationale: while torch.compile traces a function, the hooks step aside
+# (``_compiling``), so that they add no graph break and ``fullgraph=True``
+# still compiles; what they would do is folded away with them. A graph
+# break (``loss.backward()`` inside a compiled training step) runs the
+# unsupported call eagerly, but torch.compile still compiles each new
+# Python frame that call enters, this package's wrappers included, with
+# ``_compiling()`` fixed to true in the result: such a training step lost
+# every phase and mark.
+# The optimizer step that follows the break is traced into a graph, and so
+# is a step compiled on its own (``torch.compile(opt.step)``): the step
+# hooks are inlined there, where they cannot call the library.
+# Approach: once torch.compile has been called (it imports dynamo), every
+# code object of this package is marked for dynamo to run as Python runs
+# it when entered as a frame (``skip_code``, which leaves inlining into a
+# traced function as it was). The end-of-step hook, traced, appends to a
+# list (``_COMPILED_STEPS``), a side effect dynamo replays after each run of
+# the graph, and the next hook that runs as Python, the trace's stop or the
+# exit marks those steps (``settle``); the compiled step has no phase.
+# (Calling a function after the graph, ``reorderable_logging_functions``,
+# fails in torch 2.5 when the call is made from an inlined function.)
+
+_DYNAMO_READY = False
+
+
+def _hook_compile(torch) -> bool:
+    if not callable(getattr(torch, "compile", None)):
+        return False
+
+    def make(orig):
+        def compile_(*args, **kwargs):
+            r = orig(*args, **kwargs)
+            _guard(_ready_for_dynamo)
+            return r
+
+        return compile_
+
+    _guard(_ready_for_dynamo)  # dynamo imported before install()
+    return _patch(torch, "compile", make)
+
+
+def _ready_for_dynamo() -> None:
+    """Note [Hooks under torch.compile], once dynamo is imported."""
+    global _DYNAMO_READY
+    if _DYNAMO_READY or "torch._dynamo" not in sys.modules:
+        return
+    _DYNAMO_READY = True
+    skip = getattr(importlib.import_module("torch._dynamo.eval_frame"), "skip_code", None)
+    if skip is not None:
+        for code in _own_code():
+            skip(code)
+
+
+def _own_code():
+    """Every code object of this package's modules, nested ones included."""
+    seen = set()
+    todo = []
+    for name, mod in list(sys.modules.items()):
+        if name != __package__ and not name.startswith(__package__ + "."):
+            continue
+        for v in list(vars(mod).values()):
+            members = list(vars(v).values()) if isinstance(v, type) else [v]
+            for m in members:
+                f = getattr(m, "__func__", m)  # classmethod, staticmethod
+                code = getattr(f, "__code__", None)
+                if code is not None and getattr(f, "__module__", None) == name:
+                    todo.append(code)
+    while todo:
+        code = todo.pop()
+        if id(code) in seen:
+            continue
+        seen.add(id(code))
+        yield code
+        todo.extend(c for c in code.co_consts if hasattr(c, "co_consts"))
 
 
 def _hook_inference_mode(torch) -> bool:

@@ -321,7 +321,9 @@ class AutoMarksTest(unittest.TestCase):
             torch.Tensor().backward()
             """
         )
-        self.assertEqual(seq, [push("backward"), pop("backward")])
+        # The step a graph ran is marked by the next hook that runs as
+        # Python (Note [Hooks under torch.compile]); nothing else is recorded.
+        self.assertEqual(seq, [STEP, push("backward"), pop("backward")])
 
     def test_a_failing_hook_warns_once_and_the_program_goes_on(self):
         out, seq = self.traced(
@@ -446,6 +448,97 @@ class AutoMarksWithLibrariesTest(unittest.TestCase):
             out = run(["-W", "error::RuntimeWarning", "-c", PRELUDE + textwrap.dedent(body) + "\ndone()\n",
                        os.path.join(d, "t.gtrace")])
         self.assertIn("went on", out.stdout, out.stdout + out.stderr)
+
+
+class AutoMarksOptimizersTest(unittest.TestCase):
+    """Optimizers that wrap or follow one another, copies in evaluation, and
+    storages pickled through torch.save (the same cases under a real torch:
+    test_auto_torch.py)."""
+
+    traced = AutoMarksTest.traced
+
+    def test_a_subclass_whose_step_calls_super_marks_once_per_step(self):
+        _, seq = self.traced(
+            """
+            class Mine(torch.optim.SGD):
+                def step(self, closure=None):
+                    return super().step(closure)
+            torch.optim.SGD()  # its class's step is wrapped too
+            opt = Mine()
+            for _ in range(2):
+                opt.step()
+            """
+        )
+        self.assertEqual(seq, [push("optimizer"), pop("optimizer"), STEP] * 2)
+
+    def test_a_step_that_raised_inside_another_leaves_no_nesting_behind(self):
+        _, seq = self.traced(
+            """
+            class Mine(torch.optim.SGD):
+                def step(self, closure=None):
+                    return super().step(closure)
+            torch.optim.SGD()
+            opt = Mine()
+            real = torch.optim.SGD._step
+            def failing(self, closure=None):
+                raise RuntimeError("out of memory")
+            torch.optim.SGD._step = failing
+            try:
+                opt.step()
+            except RuntimeError:
+                pass
+            torch.optim.SGD._step = real
+            opt.step()
+            """
+        )
+        self.assertEqual(seq, [push("optimizer"), pop("optimizer"), push("optimizer"), pop("optimizer"), STEP])
+
+    def test_a_new_optimizer_leads_at_once_when_the_last_was_freed(self):
+        _, seq = self.traced(
+            """
+            last = torch.optim.SGD()
+            last.step()
+            last.step()
+            for trial in range(2):
+                opt = torch.optim.SGD()  # made while the last one lives: another id
+                del last
+                opt.step()
+                opt.step()
+                last = opt
+            """
+        )
+        self.assertEqual([x for x in seq if x[0] == "mark"], [STEP] * 6)
+
+    def test_a_copy_in_evaluation_is_over_at_the_models_step(self):
+        _, seq = self.traced(
+            """
+            import copy
+            model = torch.nn.Module(torch.nn.Module())
+            ema = copy.deepcopy(model).eval()
+            opt = torch.optim.SGD(model.parameters())
+            for _ in range(2):
+                torch.Tensor().backward()
+                opt.step()
+            model.eval()  # the model's own evaluation, then a step of its optimizer
+            opt.step()
+            """
+        )
+        self.assertEqual(
+            seq,
+            [push("eval"), push("backward"), pop("backward"), pop("eval"), push("optimizer"), pop("optimizer"), STEP,
+             push("backward"), pop("backward"), push("optimizer"), pop("optimizer"), STEP,
+             push("eval"), push("optimizer"), pop("optimizer"), STEP],
+        )
+
+    def test_a_storage_pickling_itself_is_no_checkpoint(self):
+        _, seq = self.traced(
+            """
+            import io, pickle
+            pickle.dumps([torch.UntypedStorage() for _ in range(3)])
+            torch.save({}, io.BytesIO())
+            """
+        )
+        self.assertEqual(seq, [push("checkpoint"), pop("checkpoint")])
 
 
 class InstallTest(unittest.TestCase):

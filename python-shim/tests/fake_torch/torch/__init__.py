@@ -4,6 +4,7 @@ hooks, autograd.backward, Tensor.backward, torch.save, nn.Module.train and
 inference_mode. Tests put its directory first on sys.path (never installed).
 """
 
+import functools
 import pickle
 import sys
 import types
@@ -61,28 +62,45 @@ def _register(table, hook):
     return _Handle(table, key)
 
 
-class Optimizer:
-    def __init__(self, params=()):
-        self.params = list(params)
-        self.steps = 0
-
-    def _step(self, closure=None):
-        if closure is not None:
-            closure()
-        self.steps += 1
-
-    def step(self, *args, **kwargs):
-        # As torch's Optimizer.profile_hook_step: the hooks get the
-        # optimizer and the step's arguments, the optimizer first among
-        # them; a pre-hook may return new (args, kwargs).
-        args = (self,) + args
+def _profile_hook_step(func):
+    # As torch's Optimizer.profile_hook_step: the hooks get the optimizer and
+    # the step's arguments, the optimizer first among them; a pre-hook may
+    # return new (args, kwargs).
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        self = args[0]
         for h in list(_pre_hooks.values()):
             r = h(self, args, kwargs)
             if r is not None:
                 args, kwargs = r
-        Optimizer._step(*args, **kwargs)
+        out = func(*args, **kwargs)
         for h in list(_post_hooks.values()):
             h(self, args, kwargs)
+        return out
+
+    return wrapper
+
+
+class Optimizer:
+    def __init__(self, params=()):
+        self.params = list(params)
+        self.param_groups = [{"params": self.params}]
+        self.steps = 0
+        # As torch's Optimizer.__init__ (_patch_step_function): the step of
+        # each class an optimizer is made of is wrapped once, so a subclass
+        # whose step calls super().step() runs the hooks twice.
+        cls = type(self)
+        if not getattr(cls.step, "hooked", False):
+            cls.step = _profile_hook_step(cls.step)
+            cls.step.hooked = True
+
+    def step(self, closure=None):
+        return Optimizer._step(self, closure)
+
+    def _step(self, closure=None):  # tests replace it to make a step raise
+        if closure is not None:
+            closure()
+        self.steps += 1
 
 
 optim = types.ModuleType("torch.optim")
@@ -126,9 +144,15 @@ class Module:
     def __init__(self, *children):
         self.training = True
         self._children = list(children)
+        self._weight = object()  # its one parameter
 
     def children(self):
         return iter(self._children)
+
+    def parameters(self):
+        yield self._weight
+        for m in self._children:
+            yield from m.parameters()
 
     def train(self, mode=True):
         if not isinstance(mode, bool):
@@ -147,9 +171,22 @@ nn.Module = Module
 
 
 # -- save ---------------------------------------------------------------------
-def save(obj, f):
+def save(obj, f, pickle_module=pickle, pickle_protocol=2, _use_new_zipfile_serialization=True):
+    if hasattr(f, "write"):  # a storage pickling itself saves into a BytesIO, the legacy format
+        pickle.dump(obj, f)
+        return
     with open(f, "wb") as fh:
         pickle.dump(obj, fh)
+
+
+class UntypedStorage:
+    # As torch's: a storage pickles itself through torch.save.
+    def __reduce__(self):
+        import io
+
+        b = io.BytesIO()
+        save(b"its bytes", b, _use_new_zipfile_serialization=False)
+        return (UntypedStorage, ())
 
 
 serialization = types.ModuleType("torch.serialization")
