@@ -1247,3 +1247,112 @@ fn a_crash_is_reported_and_still_ends_the_process() {
     assert!(!stderr.contains("crash report:"), "{stderr}");
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// gpualloc drives the driver the process already loaded (`libcuda.so.1`,
+/// the SONAME the CUDA runtime opens), not the first file named
+/// `libcuda.so` on the search path: a toolkit stub there (CUDA's
+/// `lib64/stubs/libcuda.so`, every call CUDA_ERROR_STUB_LIBRARY) left
+/// PyTorch working and gpualloc without a driver (Note [The process's
+/// driver]).
+#[test]
+fn the_driver_is_the_one_the_process_loaded() {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = fresh_dir("driver_load_order");
+    let (real, stub) = (dir.join("real"), dir.join("stub"));
+    std::fs::create_dir_all(&real).unwrap();
+    std::fs::create_dir_all(&stub).unwrap();
+    gcc(
+        &manifest.join("tests/c/fake_cuda.c"),
+        &real.join("libcuda.so.1"),
+        &[
+            "-shared".as_ref(),
+            "-fPIC".as_ref(),
+            "-Wl,-soname,libcuda.so.1".as_ref(),
+        ],
+    );
+    let stub_src = dir.join("stub.c");
+    std::fs::write(
+        &stub_src,
+        "int cuInit(unsigned f);\nint cuInit(unsigned f) { (void)f; return 34; }\n",
+    )
+    .unwrap();
+    gcc(
+        &stub_src,
+        &stub.join("libcuda.so"),
+        &["-shared".as_ref(), "-fPIC".as_ref()],
+    );
+    let (_out, exe) = build_inline(
+        "driver_load_order",
+        r#"
+#include <dlfcn.h>
+#include <stdio.h>
+#include "gpualloc.h"
+int main(void) {
+  void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+  if (!drv) { printf("no libcuda.so.1\n"); return 2; }
+  int (*init)(unsigned);
+  *(void **)&init = dlsym(drv, "cuInit");
+  if (init(0) != 0) { printf("the process's driver refused cuInit\n"); return 2; }
+  void *p = gpualloc_malloc(1 << 20, 0, 0);
+  printf("gpualloc_malloc -> %p (%s)\n", p, p ? "ok" : gpualloc_last_error());
+  if (!p) return 1;
+  gpualloc_free(p, 1 << 20, 0, 0);
+  printf("ALL OK\n");
+  return 0;
+}
+"#,
+    );
+    let path = std::env::join_paths([stub.as_path(), real.as_path(), library().parent().unwrap()])
+        .unwrap();
+    let run = program(&exe)
+        .env("LD_LIBRARY_PATH", &path)
+        .env_remove("GPUALLOC_BACKEND")
+        .env_remove("GPUALLOC_CONF")
+        .output()
+        .unwrap();
+    all_ok(
+        &run,
+        "a stub libcuda.so on the path before the process's libcuda.so.1",
+    );
+}
+
+/// A device that says no to virtual memory management
+/// (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0) gets plain
+/// segments under the default configuration, as it does under
+/// `expandable_segments:false`, even where the granularity query answers.
+#[test]
+fn a_device_without_vmm_gets_plain_segments() {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = fresh_dir("device_without_vmm");
+    gcc(
+        &manifest.join("tests/c/fake_cuda.c"),
+        &dir.join("libcuda.so"),
+        &["-shared".as_ref(), "-fPIC".as_ref()],
+    );
+    let (_out, exe) = build_inline(
+        "device_without_vmm",
+        r#"
+#include <stdio.h>
+#include "gpualloc.h"
+int main(void) {
+  void *p = gpualloc_malloc(1 << 20, 0, 0);
+  printf("gpualloc_malloc -> %p (%s)\n", p, p ? "ok" : gpualloc_last_error());
+  if (!p) return 1;
+  gpualloc_free(p, 1 << 20, 0, 0);
+  printf("ALL OK\n");
+  return 0;
+}
+"#,
+    );
+    let path = std::env::join_paths([dir.as_path(), library().parent().unwrap()]).unwrap();
+    for conf in ["expandable_segments:false", ""] {
+        let run = program(&exe)
+            .env("LD_LIBRARY_PATH", &path)
+            .env("FAKE_CUDA_NO_VMM", "1")
+            .env("GPUALLOC_CONF", conf)
+            .env_remove("GPUALLOC_BACKEND")
+            .output()
+            .unwrap();
+        all_ok(&run, &format!("no VMM, GPUALLOC_CONF={conf:?}"));
+    }
+}

@@ -74,7 +74,8 @@ fn driver() -> Result<(), BackendError> {
         .get_or_init(|| {
             // SAFETY: `is_culib_present` only tries to dlopen the library
             // candidates and drops the handles; it calls no driver function.
-            let present = unsafe { sys::is_culib_present() };
+            // The process's driver comes first (Note [The process's driver]).
+            let present = !driver::process_driver().is_null() || unsafe { sys::is_culib_present() };
             if !present {
                 return Err(BackendError::Unavailable(
                     "the CUDA driver library (libcuda.so) could not be loaded".to_string(),
@@ -83,7 +84,7 @@ fn driver() -> Result<(), BackendError> {
             // SAFETY: the library is present (checked above), so cudarc's lazy
             // symbol lookup succeeds; cuInit takes no pointers.
             check("cuInit", unsafe { driver::cuInit(0) })
-                .map_err(|e| BackendError::Unavailable(format!("cuInit failed: {e}")))?;
+                .map_err(|e| BackendError::Unavailable(e.to_string()))?;
             driver::watch_forks();
             Ok(())
         })
@@ -588,7 +589,13 @@ impl Backend for CudaBackend {
             return (g > 0).then_some(g);
         }
         let bound = self.bind().ok();
-        let g = bound.as_ref().and_then(|_| {
+        // A device without virtual memory management gets plain segments;
+        // the granularity query may answer there all the same.
+        let vmm = device_flag(
+            self.device,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+        );
+        let g = bound.as_ref().filter(|_| vmm).and_then(|_| {
             let prop = self.allocation_prop();
             let mut g = 0usize;
             // SAFETY: context bound; `prop` and `g` are valid for the call.

@@ -28,6 +28,7 @@
  * overlaps have a window. FAKE_CUDA_CAPACITY is each device's memory in
  * MiB (default 4096), FAKE_CUDA_DEVICES their number (default 1, at most
  * 8). FAKE_CUDA_ABORT=1 aborts at the first misuse (for a debugger).
+ * FAKE_CUDA_NO_VMM=1 makes devices without virtual memory management.
  *
  * `fake_cuda_summary` gives the counts to a test (found with dlopen's
  * RTLD_NOLOAD, as gpualloc loads this library itself). */
@@ -294,7 +295,11 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, int device) {
   check_entry("cuDeviceGetAttribute");
   (void)attribute;
   if (device < 0 || device >= devices) return INVALID_DEVICE;
-  *value = 1; /* every capability asked about: VMM, descriptor export, RDMA */
+  /* every capability asked about: VMM, descriptor export, RDMA; under
+   * FAKE_CUDA_NO_VMM=1 the device says no to virtual memory management
+   * (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, 102) and
+   * refuses cuMemCreate, while the granularity query still answers. */
+  *value = attribute == 102 && env_u64("FAKE_CUDA_NO_VMM", 0) ? 0 : 1;
   return SUCCESS;
 }
 
@@ -565,6 +570,7 @@ CUresult cuMemCreate(CUhandle *handle, size_t size, const void *prop, unsigned l
   int device = 0;
   memcpy(&device, (const char *)prop + 12, sizeof device); /* location.id */
   vmm_enter();
+  if (env_u64("FAKE_CUDA_NO_VMM", 0)) return vmm_leave(NOT_SUPPORTED);
   if (device < 0 || device >= devices) return vmm_leave(misuse(INVALID_DEVICE, "cuMemCreate: device %d", device));
   if (size == 0 || size % GRANULARITY) return vmm_leave(misuse(INVALID_VALUE, "cuMemCreate(%zu): not a multiple of the granularity", size));
   if (used[device] + size > capacity) return vmm_leave(OUT_OF_MEMORY);

@@ -88,6 +88,7 @@ const KNOWN: &[CUresult] = &[
     CUresult::CUDA_ERROR_NOT_INITIALIZED,
     CUresult::CUDA_ERROR_DEINITIALIZED,
     CUresult::CUDA_ERROR_NO_DEVICE,
+    CUresult::CUDA_ERROR_STUB_LIBRARY,
     CUresult::CUDA_ERROR_INVALID_DEVICE,
     CUresult::CUDA_ERROR_INVALID_CONTEXT,
     CUresult::CUDA_ERROR_INVALID_HANDLE,
@@ -116,8 +117,35 @@ pub(super) fn name(code: CuResult) -> String {
         .map_or_else(|| format!("CUDA error {code}"), |k| format!("{k:?}"))
 }
 
+/// Note [The process's driver]
+/// Rationale: PyTorch's CUDA runtime opens the driver by its SONAME,
+/// `libcuda.so.1`; cudarc tries `libcuda.so` first. Where another file of
+/// that name comes first on the search path (the toolkit's stub,
+/// `lib64/stubs/libcuda.so`, is often on `LD_LIBRARY_PATH` in build
+/// images), the process would hold two drivers: PyTorch's working, and
+/// gpualloc's answering every call with CUDA_ERROR_STUB_LIBRARY (or, were
+/// it another real driver, holding none of PyTorch's streams).
+/// Approach: every driver function is looked up in `libcuda.so.1` as the
+/// process has it loaded (`RTLD_NOLOAD`), or as the runtime would load it;
+/// only where neither opens, in the library cudarc found.
+pub(super) fn process_driver() -> *mut c_void {
+    static HANDLE: OnceLock<usize> = OnceLock::new();
+    *HANDLE.get_or_init(|| {
+        let name = c"libcuda.so.1";
+        // SAFETY: `dlopen` with a NUL-terminated name; the handle is kept for
+        // the life of the process (never closed), as cudarc keeps its own.
+        let mut h = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        if h.is_null() {
+            // SAFETY: as above.
+            h = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW) };
+        }
+        h as usize
+    }) as *mut c_void
+}
+
 /// Declares `pub(super) unsafe fn name(args) -> CuResult` for each driver
-/// function, resolved once from the library cudarc loaded.
+/// function, resolved once from the process's driver (Note [The process's
+/// driver]), else from the library cudarc loaded.
 macro_rules! driver_fns {
     ($($fname:ident($($arg:ident: $ty:ty),* $(,)?);)*) => {$(
         /// The driver function of the same name, its result an integer.
@@ -136,6 +164,17 @@ macro_rules! driver_fns {
             }
             let f = SYM.get_or_init(|| {
                 let symbol = concat!(stringify!($fname), "\0").as_bytes();
+                let own = process_driver();
+                if !own.is_null() {
+                    // SAFETY: `own` is a live handle of the driver library
+                    // (never closed); the symbol name is NUL-terminated.
+                    let p = unsafe { libc::dlsym(own, symbol.as_ptr().cast()) };
+                    // SAFETY: the driver exports this symbol with this C
+                    // signature (its `CUresult` read as the u32 it is), so a
+                    // non-null address is a function of type `F`, valid for
+                    // the life of the process.
+                    return (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, F>(p) });
+                }
                 // SAFETY: the driver exports this symbol with this C
                 // signature, except that its `CUresult` is read as the u32
                 // it is represented by. The library is never unloaded
