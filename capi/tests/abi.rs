@@ -499,11 +499,7 @@ fn the_cuda_backend_on_a_checking_stand_in_driver() {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dir = fresh_dir("fake_cuda");
     let fake = dir.join("libcuda.so");
-    gcc(
-        &manifest.join("tests/c/fake_cuda.c"),
-        &fake,
-        &["-shared".as_ref(), "-fPIC".as_ref()],
-    );
+    stand_in_driver(&fake, None);
     let selftest = dir.join("fake_cuda_selftest");
     gcc(
         &manifest.join("tests/c/fake_cuda_selftest.c"),
@@ -1248,6 +1244,39 @@ fn a_crash_is_reported_and_still_ends_the_process() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// The stand-in driver of `tests/c/fake_cuda.c`, built as `out` (with
+/// `-soname` when given).
+fn stand_in_driver(out: &Path, soname: Option<&str>) {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let flag = soname.map(|n| format!("-Wl,-soname,{n}"));
+    let mut args: Vec<&std::ffi::OsStr> = vec!["-shared".as_ref(), "-fPIC".as_ref()];
+    args.extend(flag.as_deref().map(std::ffi::OsStr::new));
+    gcc(&manifest.join("tests/c/fake_cuda.c"), out, &args);
+}
+
+/// A C program whose `main` runs `first` (statements; returning 2 for a
+/// setup that failed), then allocates and frees one MiB through gpualloc
+/// and prints `ALL OK`.
+fn one_allocation(name: &str, includes: &str, first: &str) -> PathBuf {
+    let source = format!(
+        r#"
+#include <stdio.h>
+{includes}
+#include "gpualloc.h"
+int main(void) {{
+  {first}
+  void *p = gpualloc_malloc(1 << 20, 0, 0);
+  printf("gpualloc_malloc -> %p (%s)\n", p, p ? "ok" : gpualloc_last_error());
+  if (!p) return 1;
+  gpualloc_free(p, 1 << 20, 0, 0);
+  printf("ALL OK\n");
+  return 0;
+}}
+"#
+    );
+    build_inline(name, &source).1
+}
+
 /// gpualloc drives the driver the process already loaded (`libcuda.so.1`,
 /// the SONAME the CUDA runtime opens), not the first file named
 /// `libcuda.so` on the search path: a toolkit stub there (CUDA's
@@ -1256,20 +1285,11 @@ fn a_crash_is_reported_and_still_ends_the_process() {
 /// driver]).
 #[test]
 fn the_driver_is_the_one_the_process_loaded() {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dir = fresh_dir("driver_load_order");
     let (real, stub) = (dir.join("real"), dir.join("stub"));
     std::fs::create_dir_all(&real).unwrap();
     std::fs::create_dir_all(&stub).unwrap();
-    gcc(
-        &manifest.join("tests/c/fake_cuda.c"),
-        &real.join("libcuda.so.1"),
-        &[
-            "-shared".as_ref(),
-            "-fPIC".as_ref(),
-            "-Wl,-soname,libcuda.so.1".as_ref(),
-        ],
-    );
+    stand_in_driver(&real.join("libcuda.so.1"), Some("libcuda.so.1"));
     let stub_src = dir.join("stub.c");
     std::fs::write(
         &stub_src,
@@ -1281,26 +1301,15 @@ fn the_driver_is_the_one_the_process_loaded() {
         &stub.join("libcuda.so"),
         &["-shared".as_ref(), "-fPIC".as_ref()],
     );
-    let (_out, exe) = build_inline(
+    // As the CUDA runtime does before gpualloc's first call.
+    let exe = one_allocation(
         "driver_load_order",
-        r#"
-#include <dlfcn.h>
-#include <stdio.h>
-#include "gpualloc.h"
-int main(void) {
-  void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+        "#include <dlfcn.h>",
+        r#"void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
   if (!drv) { printf("no libcuda.so.1\n"); return 2; }
   int (*init)(unsigned);
   *(void **)&init = dlsym(drv, "cuInit");
-  if (init(0) != 0) { printf("the process's driver refused cuInit\n"); return 2; }
-  void *p = gpualloc_malloc(1 << 20, 0, 0);
-  printf("gpualloc_malloc -> %p (%s)\n", p, p ? "ok" : gpualloc_last_error());
-  if (!p) return 1;
-  gpualloc_free(p, 1 << 20, 0, 0);
-  printf("ALL OK\n");
-  return 0;
-}
-"#,
+  if (init(0) != 0) { printf("the process's driver refused cuInit\n"); return 2; }"#,
     );
     let path = std::env::join_paths([stub.as_path(), real.as_path(), library().parent().unwrap()])
         .unwrap();
@@ -1322,28 +1331,9 @@ int main(void) {
 /// `expandable_segments:false`, even where the granularity query answers.
 #[test]
 fn a_device_without_vmm_gets_plain_segments() {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dir = fresh_dir("device_without_vmm");
-    gcc(
-        &manifest.join("tests/c/fake_cuda.c"),
-        &dir.join("libcuda.so"),
-        &["-shared".as_ref(), "-fPIC".as_ref()],
-    );
-    let (_out, exe) = build_inline(
-        "device_without_vmm",
-        r#"
-#include <stdio.h>
-#include "gpualloc.h"
-int main(void) {
-  void *p = gpualloc_malloc(1 << 20, 0, 0);
-  printf("gpualloc_malloc -> %p (%s)\n", p, p ? "ok" : gpualloc_last_error());
-  if (!p) return 1;
-  gpualloc_free(p, 1 << 20, 0, 0);
-  printf("ALL OK\n");
-  return 0;
-}
-"#,
-    );
+    stand_in_driver(&dir.join("libcuda.so"), None);
+    let exe = one_allocation("device_without_vmm", "", "");
     let path = std::env::join_paths([dir.as_path(), library().parent().unwrap()]).unwrap();
     for conf in ["expandable_segments:false", ""] {
         let run = program(&exe)
