@@ -275,6 +275,29 @@ fn exported_snapshot_reads_like_memory_viz_reads_it() {
     }
 }
 
+/// A snapshot gpualloc exported imports back with the pool of each
+/// segment (PyTorch's trace entries name none: every mapped range read as
+/// the large pool's, and a CUDA graph's private pool vanished).
+#[test]
+fn an_exported_snapshot_imports_back_with_its_pools() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["reduce-overhead-graphs", "yolo-style-oom"] {
+        let example = format!("{}/../examples/{name}.gtrace", env!("CARGO_MANIFEST_DIR"));
+        let pickle = dir.path().join(format!("{name}.pickle"));
+        let back = dir.path().join(format!("{name}.gtrace"));
+        ok(&["export", &example, "--torch-snapshot", s(&pickle)]);
+        ok(&["import", s(&pickle), "-o", s(&back)]);
+        let pools = |t: &str| {
+            let v: serde_json::Value =
+                serde_json::from_str(&ok(&["summary", t, "--json"])).unwrap();
+            v["devices"][0]["pools_at_peak_reserved"].clone()
+        };
+        let (before, after) = (pools(&example), pools(s(&back)));
+        assert_eq!(before, after, "{name}");
+        assert_ne!(before["small"]["reserved"], 0, "{name}");
+    }
+}
+
 #[test]
 fn the_shipped_gpu_trace_summarises_and_reports() {
     let example = concat!(
@@ -1067,6 +1090,14 @@ fn several_traces_summarise_side_by_side() {
         assert_eq!(x["peak_allocated"], alone["devices"][0]["peak_allocated"]);
     }
     assert!(ranks[2]["steps"].as_u64().unwrap() > 0 && ranks[2]["step_median_ns"].is_u64());
+    // The timed steps lie between boundaries; `leaks` counts the stretches
+    // before the first and after the last as iterations too.
+    let leaks: serde_json::Value =
+        serde_json::from_str(&ok(&["leaks", s(&r[2]), "--json"])).unwrap();
+    assert_eq!(
+        ranks[2]["steps"].as_u64().unwrap() + 2,
+        leaks["devices"][0]["iterations"].as_u64().unwrap()
+    );
     assert_eq!(ranks[2]["first_oom"]["requested"], 31_719_424);
     // A bad file among them is named.
     let bad = dir.path().join("trace-3.gtrace");

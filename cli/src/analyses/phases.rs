@@ -66,7 +66,18 @@ impl Phases {
             return;
         };
         if let Some(i) = self.open.iter().rposition(|o| o.0 == slot) {
-            for (s, start, _) in self.open.drain(i..) {
+            self.close_from(i, t_ns);
+        }
+    }
+
+    /// Closes the open phases from the `i`-th outermost on at `t_ns`. A
+    /// phase open inside itself (a recursive name) is timed once, by its
+    /// outermost occurrence.
+    fn close_from(&mut self, i: usize, t_ns: u64) {
+        let closed: Vec<_> = self.open.drain(i..).collect();
+        for (k, &(s, start, _)) in closed.iter().enumerate() {
+            let outer = self.open.iter().chain(&closed[..k]).any(|o| o.0 == s);
+            if !outer {
                 self.stats[s].time_ns += t_ns.saturating_sub(start);
             }
         }
@@ -102,9 +113,7 @@ impl Phases {
     /// Publishes the figures in [`by_id`](Self::by_id); a phase still open
     /// at the trace's end (`end_ns`) counts as open until then.
     pub fn finish(&mut self, end_ns: u64) {
-        for (s, start, _) in self.open.drain(..) {
-            self.stats[s].time_ns += end_ns.saturating_sub(start);
-        }
+        self.close_from(0, end_ns);
         self.by_id = self
             .ids
             .iter()
@@ -142,6 +151,28 @@ mod tests {
         assert_eq!(p.by_id[&2].allocs, 1);
         assert_eq!((p.by_id[&1].time_ns, p.by_id[&2].time_ns), (20, 5));
         assert_eq!(p.by_id[&3].time_ns, 70, "open until the end");
+    }
+
+    #[test]
+    fn a_phase_open_inside_itself_is_timed_once() {
+        let g = Gauges::default();
+        let mut p = Phases::default();
+        p.push(1, 0, &g);
+        p.push(2, 1, &g);
+        p.push(1, 2, &g); // 1 inside 2 inside 1
+        p.pop(1, 4); // the inner one
+        p.pop(2, 6);
+        p.pop(1, 10);
+        p.push(3, 10, &g);
+        p.push(4, 11, &g);
+        p.push(4, 12, &g);
+        p.pop(3, 20); // closes both 4s inside it
+        p.push(5, 20, &g);
+        p.push(5, 25, &g);
+        p.finish(30);
+        let t = |id| p.by_id[&id].time_ns;
+        assert_eq!((t(1), t(2), t(3), t(4), t(5)), (10, 5, 10, 9, 10));
+        assert_eq!(p.by_id[&1].count, 2);
     }
 
     #[test]

@@ -14,8 +14,11 @@
 //! (null when the label is not a number), `file`, `device` (the device of
 //! the highest peak), `peak_allocated`, `peak_reserved` (bytes, the
 //! highest over the trace's devices), `peak_allocated_ns`,
-//! `peak_reserved_ns`, `steps` (iterations, as `leaks` counts them),
-//! `step_median_ns`, `step_max_ns` (null without steps), `ooms`,
+//! `peak_reserved_ns`, `steps` (the timed steps: the stretches between two
+//! iteration boundaries, so one fewer than the boundaries, where `leaks`
+//! also counts the stretch before the first and after the last as
+//! iterations: two more), `step_median_ns`, `step_max_ns` (over those
+//! steps; null without any), `ooms`,
 //! `first_oom` (null, or `time_ns`, `device`, `requested`, `allocated`,
 //! `reserved`) and `summary` (the object `summary --json` prints for that
 //! trace alone); then `highest_peak_allocated`, `highest_peak_reserved`

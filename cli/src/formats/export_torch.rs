@@ -43,6 +43,9 @@ type P = Pickler<BufWriter<File>>;
 
 /// The key that marks a stitched range's entries and segments.
 pub const STITCH_KEY: &str = "gpualloc_stitch";
+/// The key of a segment entry's pool (gpualloc's pool code: 0 small, 1
+/// large, then each private pool's two), which PyTorch's entries lack.
+pub const POOL_KEY: &str = "gpualloc_pool";
 /// The top-level key of the trace's configuration (gpualloc's syntax).
 pub const CONFIG_KEY: &str = "gpualloc_config";
 /// The top-level key of the trace's start (µs since the Unix epoch).
@@ -361,6 +364,13 @@ impl Exporter {
 
     fn entry(&mut self, p: &mut P, action: &str, e: &TraceEvent, size: u64) -> std::io::Result<()> {
         self.fields(p, action, e, size)?;
+        if let EventKind::SegmentAlloc { pool, .. }
+        | EventKind::SegmentFree { pool, .. }
+        | EventKind::SegmentMap { pool, .. }
+        | EventKind::SegmentUnmap { pool, .. } = e.kind()
+        {
+            p.kv_int(POOL_KEY, pool.code())?;
+        }
         p.end()
     }
 

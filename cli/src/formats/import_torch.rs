@@ -25,7 +25,7 @@ use gpualloc::Config;
 use gpualloc::size_class::round_size;
 use gpualloc::trace::{Action, EventKind, MAX_DEVICES, Pool, TraceEvent, TraceHeader, TraceWriter};
 
-use crate::formats::export_torch::{CONFIG_KEY, START_KEY, STITCH_KEY};
+use crate::formats::export_torch::{CONFIG_KEY, POOL_KEY, START_KEY, STITCH_KEY};
 use crate::formats::torch_annotations::{self, Annotation};
 use crate::formats::torch_start::{self, Start};
 use crate::formats::{torch_config, unpickle};
@@ -214,14 +214,15 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             };
             let addr =
                 |a: Action| int("addr").ok_or_else(|| at(&format!("`{a:?}` without an `addr`")));
-            // Segments of 2 MiB come from the small pool, others from the large.
-            let pool = Pool::Code(u64::from(size != 2 << 20));
-            // Mapped ranges are the default large pool's, or stitches that
-            // gpualloc's export marked.
+            // The pool gpualloc's export wrote; else segments of 2 MiB come
+            // from the small pool, others from the large, and mapped ranges
+            // are the default large pool's, or stitches the export marked.
+            let written = int(POOL_KEY).map(Pool::from_code);
+            let pool = written.unwrap_or(Pool::Code(u64::from(size != 2 << 20)));
             let mapped = if int(STITCH_KEY).is_some_and(|v| v != 0) {
                 Pool::Stitch
             } else {
-                Pool::Code(1)
+                written.unwrap_or(Pool::Code(1))
             };
             let (requested, block_size) = (size, block);
             let kind = match action.as_str() {

@@ -88,7 +88,8 @@ pub fn cause(o: &Oom) -> Cause {
 
 /// Why `o` failed, with what the replay under the recorded configuration
 /// found when it failed at the same request (`advice`'s first trial).
-pub fn explain_replayed(o: &Oom, advice: Option<&Advice>) -> String {
+/// Times are given from `first_ns`, where the page's time axis starts.
+pub fn explain_replayed(o: &Oom, advice: Option<&Advice>, first_ns: u64) -> String {
     let mut text = explain(o);
     let Some(t) = advice.and_then(|a| a.recorded.as_ref()) else {
         return text;
@@ -105,7 +106,7 @@ pub fn explain_replayed(o: &Oom, advice: Option<&Advice>) -> String {
         match t.result.departure {
             Some(d) if d.time_ns < o.time_ns => text.push_str(&format!(
                 " The replay obtained the memory the recording did until {}, and today's policy chose otherwise from there (a trace recorded by another version, started mid-run or with events dropped).",
-                duration(d.time_ns)
+                duration(d.time_ns.saturating_sub(first_ns))
             )),
             _ => text.push_str(
                 " Until then it obtained the memory the recording did, allocation by allocation.",
