@@ -61,7 +61,6 @@ This module imports without torch; torch is imported only by ``install()``.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from typing import Dict, List, Optional
 
@@ -293,11 +292,6 @@ def trace_start(path: str) -> None:
 
 def trace_stop() -> Dict[str, int]:
     """Stops tracing; returns ``{"events", "dropped", "bytes"}``."""
-    # Steps compiled graphs ended are marked first (the module may be half
-    # imported by another thread: then it has hooked nothing yet).
-    settle = getattr(sys.modules.get(__name__ + "._auto"), "settle", None)
-    if settle is not None:
-        settle()
     return lib().trace_stop()
 
 

@@ -12,9 +12,9 @@
   phase ``backward``; ``torch.save`` in the phase ``checkpoint`` (not when a
   tensor's storage pickles itself through it). An ``optimizer`` phase a
   raising step left open closes at the next backward.
-- Under ``torch.compile`` the hooks add no graph break; a step compiled
-  into a graph is marked after the graph, without a phase of its own (Note
-  [Hooks under torch.compile]).
+- Under ``torch.compile`` the hooks add no graph break; an optimizer step
+  compiled into a graph has no mark and no phase (Note [Hooks under
+  torch.compile]).
 - ``eval`` opens when a module in training mode is switched to evaluation
   (``model.eval()``, ``model.train(False)``) and closes at the next
   ``model.train()``, or at the next backward pass or optimizer step once
@@ -43,7 +43,6 @@ each, which returns at once.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib
 import io
@@ -90,8 +89,6 @@ def enable(torch) -> List[str]:
         if _ENABLED:
             return list(_ENABLED)
         _IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-        atexit.register(settle)
-        _UNDO.append(functools.partial(atexit.unregister, settle))
         for name, fn in (
             ("optimizer", _hook_optimizer),
             ("backward", _hook_backward),
@@ -210,8 +207,6 @@ def _open(name: str, loose: bool = False) -> Optional[_phases.Entry]:
     # on first use] in capi/src/pending.rs); there is no memory to name yet.
     if not _guard(_started) or not _owns():
         return None
-    if _COMPILED_STEPS:
-        _guard(_marks_of_compiled_steps)
     return _guard(_phases.push, name, loose)
 
 
@@ -268,33 +263,9 @@ def _step_pre_hook(optimizer, args, kwargs):
 
 def _step_post_hook(optimizer, args, kwargs):
     """Closes the phase ``optimizer`` and marks the step."""
-    if _compiling():
-        # Traced into a graph, which cannot call the library: torch.compile
-        # replays this append after the graph, and the next hook that runs
-        # as Python (or the exit) marks the step (Note [Hooks under torch.compile]).
-        _COMPILED_STEPS.append(1)
-        return
-    if _nested_step(sys._getframe(1)):
+    if _compiling() or _nested_step(sys._getframe(1)):
         return
     _guard(_step_ends, optimizer)
-
-
-_COMPILED_STEPS: List[int] = []  # steps compiled graphs ended, not yet marked
-
-
-def _marks_of_compiled_steps() -> None:
-    """Marks the steps compiled graphs ended since a hook last ran as
-    Python (one stand-in optimizer for all of them)."""
-    while _COMPILED_STEPS:
-        _COMPILED_STEPS.pop()
-        _step_ends(_COMPILED_STEPS)
-
-
-def settle() -> None:
-    """Marks what compiled steps left to mark: before the trace stops, and
-    at exit."""
-    if _COMPILED_STEPS:
-        _guard(_marks_of_compiled_steps)
 
 
 def _nested_step(caller) -> bool:
@@ -616,18 +587,20 @@ def _children(m):
 # Python frame that call enters, this package's wrappers included, with
 # ``_compiling()`` fixed to true in the result: such a training step lost
 # every phase and mark.
-# The optimizer step that follows the break is traced into a graph, and so
-# is a step compiled on its own (``torch.compile(opt.step)``): the step
-# hooks are inlined there, where they cannot call the library.
 # Approach: once torch.compile has been called (it imports dynamo), every
 # code object of this package is marked for dynamo to run as Python runs
 # it when entered as a frame (``skip_code``, which leaves inlining into a
-# traced function as it was). The end-of-step hook, traced, appends to a
-# list (``_COMPILED_STEPS``), a side effect dynamo replays after each run of
-# the graph, and the next hook that runs as Python, the trace's stop or the
-# exit marks those steps (``settle``); the compiled step has no phase.
-# (Calling a function after the graph, ``reorderable_logging_functions``,
-# fails in torch 2.5 when the call is made from an inlined function.)
+# traced function as it was).
+# Not covered: an optimizer step traced into a graph (the step after the
+# break, or ``torch.compile(opt.step)``) has no mark and no phase. The
+# hooks are inlined there, where they cannot call the library. Tried and
+# dropped: a traced append to a list, which dynamo replays after the graph,
+# made dynamo guard on the list's length, so a loop where nothing emptied
+# it in between recompiled at every step until it ran the step uncompiled;
+# and ``reorderable_logging_functions`` (a call made after the graph) fails
+# in torch 2.5 when the call comes from an inlined function. A compile
+# reached other than through ``torch.compile`` after ``install()``
+# (``torch._dynamo.optimize``, a ``compile`` imported before) skips nothing.
 
 _DYNAMO_READY = False
 

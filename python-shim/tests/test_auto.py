@@ -321,9 +321,7 @@ class AutoMarksTest(unittest.TestCase):
             torch.Tensor().backward()
             """
         )
-        # The step a graph ran is marked by the next hook that runs as
-        # Python (Note [Hooks under torch.compile]); nothing else is recorded.
-        self.assertEqual(seq, [STEP, push("backward"), pop("backward")])
+        self.assertEqual(seq, [push("backward"), pop("backward")])
 
     def test_a_failing_hook_warns_once_and_the_program_goes_on(self):
         out, seq = self.traced(

@@ -79,9 +79,9 @@ class AutoMarksUnderTorch(unittest.TestCase):
                 return [tuple(x) for x in json.loads(line[len("ANNOTATIONS ") :])]
         raise AssertionError(out.stderr[-3000:])
 
-    def test_a_compiled_training_step_records_its_phases_and_steps(self):
+    def test_a_compiled_training_step_records_its_backward_passes(self):
         # The backward pass breaks the graph; torch.compile compiled the
-        # wrappers' frames with the hooks folded away.
+        # wrappers' frames with the hooks folded away (no phase at all).
         seq = self.traced("""
             m = torch.nn.Linear(4, 4)
             opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -91,14 +91,14 @@ class AutoMarksUnderTorch(unittest.TestCase):
             for i in range(3):
                 train_step(torch.randn(2, 4))
         """)
-        # The step, traced into the graph, has no phase of its own; its mark
-        # comes at the next hook that runs as Python, or when the trace stops.
-        self.assertEqual(seq, [push("backward"), pop("backward"), STEP] * 3)
+        # The step after the break is traced into a graph: no mark, no phase
+        # (Note [Hooks under torch.compile]).
+        self.assertEqual(seq, [push("backward"), pop("backward")] * 3)
 
-    def test_a_compiled_optimizer_step_compiles_and_trains(self):
+    def test_a_compiled_optimizer_step_compiles_once_and_trains(self):
         # PyTorch's recipe for compiling the optimizer: the step hooks are
-        # traced into the graph, where they step aside; the mark is made
-        # after it (Note [Hooks under torch.compile]).
+        # traced into the graph, where they step aside (no mark), and add
+        # no guard that recompiles the step.
         seq = self.traced("""
             m = torch.nn.Linear(4, 4)
             opt = torch.optim.Adam(m.parameters(), lr=0.1)
@@ -106,11 +106,24 @@ class AutoMarksUnderTorch(unittest.TestCase):
             def step():
                 opt.step()
             w = m.weight.detach().clone()
+            import torch._dynamo.utils as u
+            def grad_step():
+                # autograd.grad: no hook of the package runs between steps
+                loss = m(torch.randn(2, 4)).sum()
+                for p, g in zip(m.parameters(), torch.autograd.grad(loss, list(m.parameters()))):
+                    p.grad = g
+                step(); opt.zero_grad()
+            for i in range(3):
+                grad_step()
+            compiled = dict(u.counters["frames"])
+            for i in range(9):
+                grad_step()
+            assert dict(u.counters["frames"]) == compiled, (compiled, dict(u.counters["frames"]))
             for i in range(3):
                 m(torch.randn(2, 4)).sum().backward(); step(); opt.zero_grad()
             assert not torch.equal(w, m.weight)
         """)
-        self.assertEqual(seq, [push("backward"), pop("backward"), STEP] * 3)
+        self.assertEqual(seq, [push("backward"), pop("backward")] * 3)
 
     def test_switching_modes_inside_a_fullgraph_compile_still_compiles(self):
         seq = self.traced("""

@@ -29,10 +29,6 @@ fi
 environment
 # docs/torch-compat.md against this torch's allocator interface.
 python3 -m unittest python-shim/tests/test_torch_compat.py -v 2>&1 | tee "$RESULTS/torch-compat.log"
-# The automatic marks under this torch's compile, TorchScript and optimizers
-# (on the simulated device: no GPU time).
-GPUALLOC_TEST_TORCH_PYTHON=python3 PYTHONPATH=python-shim \
-  python3 -m unittest python-shim/tests/test_auto_torch.py -v 2>&1 | tee "$RESULTS/auto-torch.log"
 python3 tests/gpu/driver.py --out "$RESULTS" "$@" 2>&1 | tee "$RESULTS/driver.log"
 rc=${PIPESTATUS[0]}
 # One file for the runs' logs (a device run brings back only so many files;

@@ -44,7 +44,8 @@ type P = Pickler<BufWriter<File>>;
 /// The key that marks a stitched range's entries and segments.
 pub const STITCH_KEY: &str = "gpualloc_stitch";
 /// The key of a segment entry's pool (gpualloc's pool code: 0 small, 1
-/// large, then each private pool's two), which PyTorch's entries lack.
+/// large, then each private pool's two), which PyTorch's entries lack; a
+/// stitch's entries carry [`STITCH_KEY`] instead.
 pub const POOL_KEY: &str = "gpualloc_pool";
 /// The top-level key of the trace's configuration (gpualloc's syntax).
 pub const CONFIG_KEY: &str = "gpualloc_config";
@@ -364,12 +365,24 @@ impl Exporter {
 
     fn entry(&mut self, p: &mut P, action: &str, e: &TraceEvent, size: u64) -> std::io::Result<()> {
         self.fields(p, action, e, size)?;
-        if let EventKind::SegmentAlloc { pool, .. }
-        | EventKind::SegmentFree { pool, .. }
-        | EventKind::SegmentMap { pool, .. }
-        | EventKind::SegmentUnmap { pool, .. } = e.kind()
+        if let EventKind::SegmentAlloc {
+            pool: Pool::Code(c),
+            ..
+        }
+        | EventKind::SegmentFree {
+            pool: Pool::Code(c),
+            ..
+        }
+        | EventKind::SegmentMap {
+            pool: Pool::Code(c),
+            ..
+        }
+        | EventKind::SegmentUnmap {
+            pool: Pool::Code(c),
+            ..
+        } = e.kind()
         {
-            p.kv_int(POOL_KEY, pool.code())?;
+            p.kv_int(POOL_KEY, c)?;
         }
         p.end()
     }
