@@ -72,10 +72,7 @@ fn driver() -> Result<(), BackendError> {
     static STATE: OnceLock<Result<(), BackendError>> = OnceLock::new();
     STATE
         .get_or_init(|| {
-            // SAFETY: `is_culib_present` only tries to dlopen the library
-            // candidates and drops the handles; it calls no driver function.
-            // The process's driver comes first (Note [The process's driver]).
-            let present = !driver::process_driver().is_null() || unsafe { sys::is_culib_present() };
+            let present = driver::present();
             if !present {
                 return Err(BackendError::Unavailable(
                     "the CUDA driver library (libcuda.so) could not be loaded".to_string(),
@@ -957,8 +954,7 @@ mod tests {
     /// with one (a GPU machine) the basic round trips work.
     #[test]
     fn works_or_reports_unavailable() {
-        // SAFETY: only probes whether the library can be dlopened.
-        let present = unsafe { sys::is_culib_present() };
+        let present = driver::present();
         match CudaBackend::new(0) {
             Err(BackendError::Unavailable(why)) if !present => {
                 assert!(why.contains("libcuda"), "{why}");

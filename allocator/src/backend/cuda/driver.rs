@@ -143,6 +143,14 @@ pub(super) fn process_driver() -> *mut c_void {
     }) as *mut c_void
 }
 
+/// Whether a driver library can be loaded: the process's (Note [The
+/// process's driver]) or one of cudarc's candidates.
+pub(super) fn present() -> bool {
+    // SAFETY: `is_culib_present` only tries to dlopen the library
+    // candidates and drops the handles; it calls no driver function.
+    !process_driver().is_null() || unsafe { sys::is_culib_present() }
+}
+
 /// Declares `pub(super) unsafe fn name(args) -> CuResult` for each driver
 /// function, resolved once from the process's driver (Note [The process's
 /// driver]), else from the library cudarc loaded.
@@ -152,7 +160,7 @@ macro_rules! driver_fns {
         ///
         /// # Safety
         /// As the driver documents for the function; the library must be
-        /// present (`sys::is_culib_present`), or cudarc panics.
+        /// present ([`present`]), or cudarc panics.
         #[allow(non_snake_case)]
         pub(super) unsafe fn $fname($($arg: $ty),*) -> CuResult {
             type F = unsafe extern "C" fn($($ty),*) -> CuResult;
