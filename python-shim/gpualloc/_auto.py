@@ -587,10 +587,12 @@ def _children(m):
 # Python frame that call enters, this package's wrappers included, with
 # ``_compiling()`` fixed to true in the result: such a training step lost
 # every phase and mark.
-# Approach: once torch.compile has been called (it imports dynamo), every
-# code object of this package is marked for dynamo to run as Python runs
-# it when entered as a frame (``skip_code``, which leaves inlining into a
-# traced function as it was).
+# Approach: once dynamo is imported (by ``torch.compile``,
+# ``torch._dynamo.optimize`` or anything else, before ``install()`` or
+# after: an import finder hears of it), every code object of this package
+# is marked for dynamo to run as Python runs it when entered as a frame
+# (``skip_code``, which leaves inlining into a traced function as it was).
+# Nothing is imported for it: dynamo's import takes most of a second.
 # Not covered: an optimizer step traced into a graph (the step after the
 # break, or ``torch.compile(opt.step)``) has no mark and no phase. The
 # hooks are inlined there, where they cannot call the library. Tried and
@@ -598,39 +600,78 @@ def _children(m):
 # made dynamo guard on the list's length, so a loop where nothing emptied
 # it in between recompiled at every step until it ran the step uncompiled;
 # and ``reorderable_logging_functions`` (a call made after the graph) fails
-# in torch 2.5 when the call comes from an inlined function. A compile
-# reached other than through ``torch.compile`` after ``install()``
-# (``torch._dynamo.optimize``, a ``compile`` imported before) skips nothing.
+# in torch 2.5 when the call comes from an inlined function.
 
+_DYNAMO = "torch._dynamo"
 _DYNAMO_READY = False
 
 
 def _hook_compile(torch) -> bool:
     if not callable(getattr(torch, "compile", None)):
         return False
-
-    def make(orig):
-        def compile_(*args, **kwargs):
-            r = orig(*args, **kwargs)
-            _guard(_ready_for_dynamo)
-            return r
-
-        return compile_
-
-    _guard(_ready_for_dynamo)  # dynamo imported before install()
-    return _patch(torch, "compile", make)
+    if _DYNAMO in sys.modules:
+        _guard(_ready_for_dynamo)
+    elif not any(isinstance(f, _DynamoImport) for f in sys.meta_path):
+        finder = _DynamoImport()
+        sys.meta_path.insert(0, finder)
+        _UNDO.append(finder.leave)
+    return True
 
 
 def _ready_for_dynamo() -> None:
     """Note [Hooks under torch.compile], once dynamo is imported."""
     global _DYNAMO_READY
-    if _DYNAMO_READY or "torch._dynamo" not in sys.modules:
+    if _DYNAMO_READY or _DYNAMO not in sys.modules:
         return
     _DYNAMO_READY = True
-    skip = getattr(importlib.import_module("torch._dynamo.eval_frame"), "skip_code", None)
+    for finder in [f for f in sys.meta_path if isinstance(f, _DynamoImport)]:
+        finder.leave()
+    skip = getattr(importlib.import_module(_DYNAMO + ".eval_frame"), "skip_code", None)
     if skip is not None:
         for code in _own_code():
             skip(code)
+
+
+class _DynamoImport:
+    """An import finder that finds nothing itself: it hands dynamo's import
+    to the finders after it, and has the package readied for dynamo once
+    the import has run (Note [Hooks under torch.compile])."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _DYNAMO or _DYNAMO_READY:
+            return None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if getattr(spec.loader, "exec_module", None) is not None:
+            spec.loader = _ReadyAfter(spec.loader)
+        return spec
+
+    def leave(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+class _ReadyAfter:
+    """A module loader that runs ``loader``, then readies the package for
+    dynamo; anything else it asks of ``loader``."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _guard(_ready_for_dynamo)
 
 
 def _own_code():

@@ -98,7 +98,7 @@ class AutoMarksTest(unittest.TestCase):
         step = [push("backward"), pop("backward"), push("optimizer"), pop("optimizer"), STEP]
         expected = step * 3 + [push("eval"), pop("eval"), push("eval"), pop("eval")] + [push("checkpoint"), pop("checkpoint")] * 2
         self.assertEqual(seq, expected)
-        self.assertIn("hooks ['optimizer', 'backward', 'checkpoint', 'eval', 'inference'] 3", out.stdout)
+        self.assertIn("hooks ['optimizer', 'backward', 'checkpoint', 'eval', 'inference', 'compile'] 3", out.stdout)
 
     def test_a_user_phase_closing_first_closes_the_eval_opened_inside_it(self):
         _, seq = self.traced(
@@ -266,7 +266,7 @@ class AutoMarksTest(unittest.TestCase):
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertIn("hooks []", out.stdout)
             out = run(["-m", "gpualloc", "run", "--no-bridge", script])
-            self.assertIn("hooks ['optimizer', 'backward', 'checkpoint', 'eval', 'inference']", out.stdout)
+            self.assertIn("hooks ['optimizer', 'backward', 'checkpoint', 'eval', 'inference', 'compile']", out.stdout)
 
     def test_install_auto_marks_false_takes_the_hooks_out(self):
         _, seq = self.traced(
@@ -305,6 +305,26 @@ class AutoMarksTest(unittest.TestCase):
         )
         step = [push("backward"), pop("backward"), push("optimizer"), pop("optimizer"), ("mark", "step")]
         self.assertEqual(seq, step * 2)
+
+    def test_dynamo_imported_after_install_runs_the_package_uncompiled(self):
+        # However dynamo comes to be imported (here neither through
+        # torch.compile nor before install()), the package's code is
+        # skipped by it (Note [Hooks under torch.compile]); asking whether
+        # dynamo is there imports nothing.
+        out, _ = self.traced(
+            """
+            import importlib.util
+            import gpualloc._auto as auto
+            assert importlib.util.find_spec("torch._dynamo") is not None
+            assert "torch._dynamo" not in sys.modules
+            import torch._dynamo.eval_frame as ef
+            skipped = set(ef.SKIPPED)
+            codes = (auto._step_pre_hook.__code__, auto._DynamoImport.find_spec.__code__)
+            watching = any(isinstance(f, auto._DynamoImport) for f in sys.meta_path)
+            print("skipped", all(c in skipped for c in codes), "watching", watching)
+            """
+        )
+        self.assertIn("skipped True watching False", out.stdout)
 
     def test_hooks_step_aside_while_torch_compile_traces(self):
         _, seq = self.traced(

@@ -61,14 +61,14 @@ def open_at(seq, i):
 
 @unittest.skipUnless(PY, "GPUALLOC_TEST_TORCH_PYTHON names no Python with torch")
 class AutoMarksUnderTorch(unittest.TestCase):
-    def traced(self, body):
+    def traced(self, body, before=""):
         env = dict(os.environ, GPUALLOC_BACKEND="sim", GPUALLOC_SIM_CAPACITY="2GiB", PYTHONPATH=SHIM)
         for k in ("GPUALLOC_AUTO_MARKS", "GPUALLOC_TRACE", "GPUALLOC_CONF"):
             env.pop(k, None)
         with tempfile.TemporaryDirectory() as d:
             prog = os.path.join(d, "prog.py")
             with open(prog, "w") as f:
-                f.write(PRELUDE + textwrap.dedent(body) + "\ndone()\n")
+                f.write(before + "\n" + PRELUDE + textwrap.dedent(body) + "\ndone()\n")
             out = subprocess.run(
                 [PY, prog, os.path.join(d, "t.gtrace")], capture_output=True, text=True, env=env, timeout=300
             )
@@ -94,6 +94,30 @@ class AutoMarksUnderTorch(unittest.TestCase):
         # The step after the break is traced into a graph: no mark, no phase
         # (Note [Hooks under torch.compile]).
         self.assertEqual(seq, [push("backward"), pop("backward")] * 3)
+
+    def test_every_way_into_dynamo_keeps_the_backward_passes(self):
+        # Only torch.compile called after install() used to ready the
+        # package for dynamo: a compile imported before install(), or
+        # torch._dynamo.optimize, lost every phase of a broken graph.
+        # Asking whether dynamo is there (find_spec) imports nothing.
+        for how in ("opt = torch._dynamo.optimize('eager')", "opt = lambda f: compile_(f, backend='eager')"):
+            with self.subTest(how=how):
+                seq = self.traced(
+                    """
+            import importlib.util
+            assert importlib.util.find_spec("torch._dynamo") is not None
+            assert "torch._dynamo" not in sys.modules
+            HOW
+            m = torch.nn.Linear(4, 4)
+            def train_step(x):
+                loss = m(x).sum(); loss.backward()
+            train_step = opt(train_step)
+            for i in range(3):
+                train_step(torch.randn(2, 4))
+        """.replace("HOW", how),
+                    before="from torch import compile as compile_",
+                )
+                self.assertEqual(seq, [push("backward"), pop("backward")] * 3)
 
     def test_a_compiled_optimizer_step_compiles_once_and_trains(self):
         # PyTorch's recipe for compiling the optimizer: the step hooks are
@@ -216,12 +240,13 @@ class AutoMarksUnderTorch(unittest.TestCase):
     def test_the_hooks_come_out_whole(self):
         seq = self.traced("""
             import torch.jit._builtins as b
+            import gpualloc._auto as auto
             wrapped = torch.autograd.backward
-            torch.compile(torch.nn.Linear(2, 2))
+            assert any(isinstance(f, auto._DynamoImport) for f in sys.meta_path)
             gpualloc.install(auto_marks=False)
             assert torch.autograd.backward is not wrapped
             assert b._find_builtin(wrapped) is None
-            assert not getattr(torch.compile, "_gpualloc_auto", False)
+            assert not any(isinstance(f, auto._DynamoImport) for f in sys.meta_path)
             @torch.jit.script
             def f(x: torch.Tensor):
                 torch.autograd.backward([x.sum()])

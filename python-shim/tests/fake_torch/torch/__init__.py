@@ -44,6 +44,12 @@ COMPILING = [False]  # tests set it to act as torch.compile tracing the caller
 compiler = types.ModuleType("torch.compiler")
 compiler.is_compiling = lambda: COMPILING[0]
 
+
+def compile(model=None, **kwargs):  # noqa: A001 - torch's name; imports dynamo, as torch.compile does
+    import torch._dynamo  # noqa: F401
+
+    return model
+
 # -- optim --------------------------------------------------------------------
 _pre_hooks, _post_hooks = OrderedDict(), OrderedDict()
 
