@@ -280,6 +280,7 @@ pub extern "C" fn gpualloc_malloc_or_abort(
         crate::boundary::say(format_args!(
             "{msg}\ngpualloc: aborting: PyTorch was given gpualloc without its bridge and cannot receive an error from it (see the gpualloc package docs)"
         ));
+        crate::trace::complete_before_abort();
         std::process::abort();
     }
     p

@@ -12,8 +12,9 @@
 //! a C-level handler is installed, one-shot (`SA_RESETHAND`: a second
 //! SIGTERM ends the process at once). It only writes a byte to a pipe
 //! (async-signal-safe). A thread of the library, waiting on that pipe,
-//! completes the trace, giving it at most [`COMPLETE_WAIT`] (a device lock
-//! held by a thread stuck in the driver, storage that hangs), then sends
+//! completes the trace, giving it at most a few seconds (a device lock
+//! held by a thread stuck in the driver, storage that hangs:
+//! `trace::complete_at_end`), then sends
 //! SIGTERM to the process again, which the default action now takes: the
 //! process ends as it would have (status -15), at most a few seconds
 //! later. A handler installed before is left alone; one installed later
@@ -27,10 +28,6 @@
 use std::ffi::{c_int, c_void};
 use std::sync::Once;
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::time::Duration;
-
-/// The longest the trace may take to complete before the process ends.
-const COMPLETE_WAIT: Duration = Duration::from_secs(5);
 
 /// The pipe's write end, once installed (-1 before).
 static WAKE: AtomicI32 = AtomicI32::new(-1);
@@ -111,8 +108,8 @@ fn install(complete: fn()) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The thread: waits for SIGTERM's byte, completes the trace (within
-/// [`COMPLETE_WAIT`]) and ends the process by SIGTERM.
+/// The thread: waits for SIGTERM's byte, completes the trace (`complete`
+/// gives it a bounded time) and ends the process by SIGTERM.
 fn wait_and_end(read_end: c_int, complete: fn()) {
     let mut byte = 0u8;
     loop {
@@ -127,14 +124,7 @@ fn wait_and_end(read_end: c_int, complete: fn()) {
         }
         return; // the pipe is gone: nothing will wake this thread
     }
-    let (done, finished) = std::sync::mpsc::channel();
-    let _ = std::thread::Builder::new()
-        .name("gpualloc-sigterm-stop".into())
-        .spawn(move || {
-            complete();
-            let _ = done.send(());
-        });
-    let _ = finished.recv_timeout(COMPLETE_WAIT);
+    complete();
     end_by_sigterm();
 }
 

@@ -100,6 +100,12 @@ unsafe extern "C" {
     pub(crate) fn atexit(callback: extern "C" fn()) -> c_int;
 }
 
+/// The longest a trace may take to complete as the process ends (at exit,
+/// on SIGTERM, before an abort): a device lock held by a thread stuck in
+/// the driver (behind a hung kernel), or storage that hangs, must not keep
+/// the process from ending.
+const COMPLETE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Stops the trace when the process exits normally, so that a program that
 /// never calls `gpualloc_trace_stop` still gets its last events and the END
 /// block written.
@@ -119,9 +125,53 @@ fn stop_at_exit() {
 }
 
 /// Completes the running trace as the process ends (`when`: at exit, on
-/// SIGTERM), saying `failed` on stderr when the file could not be
-/// completed. Never unwinds.
-fn complete_at_end(when: &str, failed: &str) {
+/// SIGTERM, before an abort), giving it at most [`COMPLETE_WAIT`] on a
+/// thread of its own (here when no thread can start), and saying `failed`
+/// on stderr when the file could not be completed. Never unwinds.
+fn complete_at_end(when: &'static str, failed: &'static str) {
+    if within(move || complete_now(when, failed)).is_none() {
+        crate::boundary::say(format_args!("gpualloc: {failed}: {}", too_long()));
+    }
+}
+
+/// Runs `f` on a thread of its own (here when no thread can start) and
+/// gives it at most [`COMPLETE_WAIT`]: its result, or None when it has not
+/// returned by then (it goes on, on its thread, while the process ends).
+fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (done, finished) = std::sync::mpsc::channel();
+    let f = std::sync::Arc::new(std::sync::Mutex::new(Some(f)));
+    let g = f.clone();
+    let spawned = std::thread::Builder::new()
+        .name("gpualloc-trace-end".into())
+        .spawn(move || {
+            let f = g.lock().ok().and_then(|mut f| f.take());
+            if let Some(f) = f {
+                let _ = done.send(f());
+            }
+        });
+    if spawned.is_err() {
+        let f = f.lock().ok().and_then(|mut f| f.take())?;
+        return Some(f());
+    }
+    finished.recv_timeout(COMPLETE_WAIT).ok()
+}
+
+fn too_long() -> String {
+    format!(
+        "not completed within {} s (another thread holds the allocator)",
+        COMPLETE_WAIT.as_secs()
+    )
+}
+
+/// Completes the running trace before the process aborts (an allocation
+/// PyTorch cannot be told of failed): the out-of-memory event is what
+/// the trace is for.
+pub(crate) fn complete_before_abort() {
+    complete_at_end("before abort", "the trace is incomplete (before abort)");
+}
+
+/// [`complete_at_end`]'s work, on the calling thread.
+fn complete_now(when: &str, failed: &str) {
     let _ = std::panic::catch_unwind(|| {
         if let Some(g) = existing()
             && g.alloc.is_tracing()
@@ -178,28 +228,53 @@ pub struct GpuallocTraceSummary {
 /// `summary` is NULL or points to a writable `GpuallocTraceSummary`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_trace_stop(summary: *mut GpuallocTraceSummary) -> c_int {
+    status(|| write_summary(summary, stop("on request")?))
+}
+
+/// As `gpualloc_trace_stop`, for the end of a process (an exit handler):
+/// the trace gets at most 5 s to complete, so that a thread stuck in the
+/// driver while it holds the allocator (behind a hung kernel) cannot keep
+/// the process from ending; `GPUALLOC_ERR_IO` when it was not done by then.
+///
+/// # Safety
+/// `summary` is NULL or points to a writable `GpuallocTraceSummary`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_trace_stop_at_end(summary: *mut GpuallocTraceSummary) -> c_int {
     status(|| {
-        // Before the start the trace it would record is called off: it
-        // recorded nothing (Note [Starting on first use]).
-        let s = match crate::global::stop_trace_before_start() {
-            Some(false) => return Err(not_tracing()),
-            Some(true) => gpualloc::trace::TraceSummary::default(),
-            None => {
-                let s = existing().ok_or_else(not_tracing)?.alloc.trace_stop();
-                log_stop(&s, "on request");
-                s?
-            }
-        };
-        if !summary.is_null() {
-            let c = GpuallocTraceSummary {
-                events: s.events,
-                dropped: s.dropped,
-                bytes: s.bytes,
-            };
-            crate::boundary::write_out(summary, c, "summary")?;
-        }
-        Ok(())
+        let s = within(|| stop("at the end"))
+            .unwrap_or_else(|| Err(Error::new(crate::boundary::GPUALLOC_ERR_IO, too_long())))?;
+        write_summary(summary, s)
     })
+}
+
+/// Stops the trace (`when`, for the log).
+fn stop(when: &str) -> Result<gpualloc::trace::TraceSummary, Error> {
+    // Before the start the trace it would record is called off: it
+    // recorded nothing (Note [Starting on first use]).
+    Ok(match crate::global::stop_trace_before_start() {
+        Some(false) => return Err(not_tracing()),
+        Some(true) => gpualloc::trace::TraceSummary::default(),
+        None => {
+            let s = existing().ok_or_else(not_tracing)?.alloc.trace_stop();
+            log_stop(&s, when);
+            s?
+        }
+    })
+}
+
+fn write_summary(
+    summary: *mut GpuallocTraceSummary,
+    s: gpualloc::trace::TraceSummary,
+) -> Result<(), Error> {
+    if !summary.is_null() {
+        let c = GpuallocTraceSummary {
+            events: s.events,
+            dropped: s.dropped,
+            bytes: s.bytes,
+        };
+        crate::boundary::write_out(summary, c, "summary")?;
+    }
+    Ok(())
 }
 
 /// A trace stop, at info level (at warn when the file could not be completed).

@@ -1346,3 +1346,135 @@ fn a_device_without_vmm_gets_plain_segments() {
         all_ok(&run, &format!("no VMM, GPUALLOC_CONF={conf:?}"));
     }
 }
+
+/// A process whose trace cannot complete (a thread holds the allocator,
+/// stuck in a driver call behind a hung kernel) still ends: the stop for
+/// a process's end and the exit handler each give the trace at most 5 s,
+/// and say so.
+#[test]
+fn a_trace_stuck_behind_a_hung_driver_call_does_not_keep_the_process() {
+    let dir = fresh_dir("hung_driver_at_exit");
+    stand_in_driver(&dir.join("libcuda.so"), None);
+    let (out, exe) = build_inline(
+        "hung_driver_at_exit",
+        r#"#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+#include "gpualloc.h"
+static void *stuck(void *a) {
+  (void)a;
+  gpualloc_malloc((size_t)64 << 20, 0, 0); /* a new handle: 60 s in the driver */
+  return NULL;
+}
+int main(int argc, char **argv) {
+  (void)argv;
+  void *p = gpualloc_malloc(1 << 20, 0, 0);
+  if (!p) return 1;
+  setenv("FAKE_CUDA_HANG", "1", 1);
+  pthread_t t;
+  pthread_create(&t, NULL, stuck, NULL);
+  usleep(300 * 1000);
+  if (argc > 1) { /* as the Python package's exit handler */
+    struct GpuallocTraceSummary s;
+    printf("stop_at_end %d\n", gpualloc_trace_stop_at_end(&s));
+  }
+  printf("end\n");
+  fflush(stdout);
+  return 0; /* else the library's exit handler completes the trace */
+}
+"#,
+    );
+    let path = std::env::join_paths([dir.as_path(), library().parent().unwrap()]).unwrap();
+    for (args, said) in [
+        (vec![], "end\n"),
+        (vec!["stop"], "stop_at_end -11\nend\n"), // GPUALLOC_ERR_IO
+    ] {
+        let started = std::time::Instant::now();
+        let run = program(&exe)
+            .args(&args)
+            .env("LD_LIBRARY_PATH", &path)
+            .env("GPUALLOC_TRACE", out.join("t.gtrace"))
+            .env_remove("GPUALLOC_BACKEND")
+            .env_remove("GPUALLOC_CONF")
+            .output()
+            .unwrap();
+        let took = started.elapsed();
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        // 60 s when the trace waits for the stuck thread; about 5 s when not.
+        assert!(
+            took < std::time::Duration::from_secs(40),
+            "{args:?}: ended after {took:?}\n{stdout}\n{stderr}"
+        );
+        assert!(run.status.success(), "{args:?}: {run:?}");
+        assert_eq!(stdout, said, "{args:?}: {stderr}");
+        if args.is_empty() {
+            assert!(
+                stderr.contains("the trace is incomplete (at exit): not completed within 5 s"),
+                "{stderr}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// The fallback entry point aborts on out of memory; the trace recorded up
+/// to then, the out-of-memory event included (what the trace is for), is
+/// completed first.
+#[test]
+fn malloc_or_abort_completes_the_trace_before_aborting() {
+    let (out, exe) = build_inline(
+        "abort_trace",
+        r#"#include "gpualloc.h"
+int main(void) {
+  for (int i = 0; i < 100; i++) {
+    void *p = gpualloc_malloc_or_abort(4096, 0, 0);
+    gpualloc_free(p, 4096, 0, 0);
+  }
+  gpualloc_mark("before the oom");
+  gpualloc_malloc_or_abort((size_t)1 << 40, 0, 0);
+  return 3;
+}
+"#,
+    );
+    let trace = out.join("abort.gtrace");
+    let run = run_sim(
+        &exe,
+        &[
+            ("GPUALLOC_SIM_CAPACITY", "1GiB".as_ref()),
+            ("GPUALLOC_TRACE", trace.as_os_str()),
+        ],
+    );
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(run.status.signal(), Some(6), "aborts as before: {run:?}");
+    let kinds = block_kinds(&std::fs::read(&trace).unwrap());
+    let _ = std::fs::remove_dir_all(&out);
+    assert_eq!(kinds.last(), Some(&4), "the trace is complete: {kinds:?}");
+}
+
+/// A phase or mark name too long for a trace is a bad argument
+/// (`GPUALLOC_ERR_INVALID_ARGUMENT`), not an I/O error, tracing or not.
+#[test]
+fn an_overlong_phase_or_mark_name_is_an_invalid_argument() {
+    let (out, exe) = build_inline(
+        "long_name",
+        r#"#include "gpualloc.h"
+#include <stdio.h>
+#include <string.h>
+int main(void) {
+  static char name[5001];
+  memset(name, 'x', 5000);
+  printf("%d %d\n", gpualloc_mark(name), gpualloc_phase_push(name));
+  return 0;
+}
+"#,
+    );
+    let trace = out.join("t.gtrace");
+    for vars in [vec![], vec![("GPUALLOC_TRACE", trace.as_os_str())]] {
+        let run = run_sim(&exe, &vars);
+        assert_eq!(String::from_utf8_lossy(&run.stdout), "-2 -2\n", "{run:?}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -329,6 +329,7 @@ _SIGNATURES = {
     ),
     "gpualloc_trace_start": (c_int, [c_char_p]),
     "gpualloc_trace_stop": (c_int, [ctypes.POINTER(TraceSummary)]),
+    "gpualloc_trace_stop_at_end": (c_int, [ctypes.POINTER(TraceSummary)]),
     "gpualloc_trace_flush": (c_int, []),
     "gpualloc_is_tracing": (c_int, []),
     "gpualloc_phase_push": (c_int, [c_char_p]),
@@ -411,10 +412,13 @@ class Library:
         its summary, or None. Only a trace of an allocator that started was
         written (one kept for a start that never came, or in GPUALLOC_TRACE,
         was not). For the ends of a process: a failure is said on stderr,
-        the last place to say that the file is incomplete, never raised."""
+        the last place to say that the file is incomplete, never raised.
+        The trace gets a few seconds (``gpualloc_trace_stop_at_end``): a
+        thread stuck in the driver while it holds the allocator cannot keep
+        the process from ending."""
         try:
             if self.dll.gpualloc_is_initialized() and self.dll.gpualloc_is_tracing() > 0:
-                return self.trace_stop()
+                return self.trace_stop(at_end=True)
         except Exception as e:  # noqa: BLE001 - never fail the process's end
             print(f"gpualloc: the trace could not be completed: {e}", file=sys.stderr)
         return None
@@ -634,9 +638,10 @@ class Library:
     def trace_start(self, path: str) -> None:
         self.check(self.dll.gpualloc_trace_start(_cstr(os.fsencode(path), "trace path")))
 
-    def trace_stop(self) -> Dict[str, int]:
+    def trace_stop(self, at_end: bool = False) -> Dict[str, int]:
         s = TraceSummary()
-        self.check(self.dll.gpualloc_trace_stop(ctypes.byref(s)))
+        stop = self.dll.gpualloc_trace_stop_at_end if at_end else self.dll.gpualloc_trace_stop
+        self.check(stop(ctypes.byref(s)))
         return {"events": s.events, "dropped": s.dropped, "bytes": s.bytes}
 
     def trace_flush(self) -> None:

@@ -29,6 +29,9 @@
  * MiB (default 4096), FAKE_CUDA_DEVICES their number (default 1, at most
  * 8). FAKE_CUDA_ABORT=1 aborts at the first misuse (for a debugger).
  * FAKE_CUDA_NO_VMM=1 makes devices without virtual memory management.
+ * FAKE_CUDA_HANG=1, read at each call (a program may set it once it
+ * started), makes cuMemCreate take 60 s, as a call stuck behind a hung
+ * kernel does.
  *
  * `fake_cuda_summary` gives the counts to a test (found with dlopen's
  * RTLD_NOLOAD, as gpualloc loads this library itself). */
@@ -569,6 +572,7 @@ CUresult cuMemCreate(CUhandle *handle, size_t size, const void *prop, unsigned l
   (void)flags;
   int device = 0;
   memcpy(&device, (const char *)prop + 12, sizeof device); /* location.id */
+  if (env_u64("FAKE_CUDA_HANG", 0)) sleep(60);
   vmm_enter();
   if (env_u64("FAKE_CUDA_NO_VMM", 0)) return vmm_leave(NOT_SUPPORTED);
   if (device < 0 || device >= devices) return vmm_leave(misuse(INVALID_DEVICE, "cuMemCreate: device %d", device));

@@ -905,6 +905,15 @@ int gpualloc_trace_start(const char *path);
 // `summary` is NULL or points to a writable `GpuallocTraceSummary`.
 int gpualloc_trace_stop(struct GpuallocTraceSummary *summary);
 
+// As `gpualloc_trace_stop`, for the end of a process (an exit handler):
+// the trace gets at most 5 s to complete, so that a thread stuck in the
+// driver while it holds the allocator (behind a hung kernel) cannot keep
+// the process from ending; `GPUALLOC_ERR_IO` when it was not done by then.
+//
+// # Safety
+// `summary` is NULL or points to a writable `GpuallocTraceSummary`.
+int gpualloc_trace_stop_at_end(struct GpuallocTraceSummary *summary);
+
 // Writes everything recorded so far to the trace file. Before the
 // allocator starts with a trace to record (`gpualloc_is_tracing` says 1),
 // nothing is recorded yet: nothing to write.
