@@ -22,11 +22,12 @@
 //! one. A forked child (a DataLoader worker) has not the thread: the fork
 //! handler gives it the default action back (`fork.rs`), and a SIGTERM that
 //! reaches it earlier, while it still has the handler, ends it without
-//! waking the parent's thread (the handler compares the process id).
+//! waking the parent's thread (the handler compares the process id). A
+//! child that starts a trace of its own gets a handler, a pipe and a thread
+//! of its own.
 //! Limitations: SIGKILL still loses what was not handed to the writer.
 
 use std::ffi::{c_int, c_void};
-use std::sync::Once;
 use std::sync::atomic::{AtomicI32, Ordering};
 
 /// The pipe's write end, once installed (-1 before).
@@ -56,19 +57,31 @@ extern "C" fn on_sigterm(_signal: c_int) {
     }
 }
 
+/// The process that last tried to install the handler (0 before): a
+/// forked child that starts a trace of its own tries again, with a pipe and
+/// a thread of its own (the fork handler gave it the default action back).
+static TRIED: AtomicI32 = AtomicI32::new(0);
+
 /// Installs the handler of Note [Completing a trace on SIGTERM], once per
 /// process, when SIGTERM has its default action; `complete` finishes the
 /// trace.
 pub(crate) fn complete_trace_on_sigterm(complete: fn()) {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        // A child must not inherit the handler: its SIGTERM would wake the
-        // parent's thread through the shared pipe.
-        crate::fork::watch();
-        if let Err(e) = install(complete) {
-            tracing::debug!(%e, "no SIGTERM handler for the trace");
-        }
-    });
+    // SAFETY: `getpid` has no arguments and cannot fail.
+    let pid = unsafe { libc::getpid() };
+    let seen = TRIED.load(Ordering::Acquire);
+    if seen == pid
+        || TRIED
+            .compare_exchange(seen, pid, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+    {
+        return; // tried in this process already, or being tried now
+    }
+    // A child must not inherit the handler: its SIGTERM would wake the
+    // parent's thread through the shared pipe.
+    crate::fork::watch();
+    if let Err(e) = install(complete) {
+        tracing::debug!(%e, "no SIGTERM handler for the trace");
+    }
 }
 
 fn install(complete: fn()) -> std::io::Result<()> {

@@ -1478,3 +1478,50 @@ int main(void) {
     }
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// A child forked from a tracing process may start a trace of its own
+/// (Note [Traces across fork]); a SIGTERM then completes that trace, as
+/// it does the parent's (Note [Completing a trace on SIGTERM]): the child
+/// gets a handler and a thread of its own.
+#[test]
+fn a_forked_childs_own_trace_is_completed_on_sigterm() {
+    let (out, exe) = build_inline(
+        "child_sigterm",
+        r#"#include "gpualloc.h"
+#include <signal.h>
+#include <stdio.h>
+#include <sys/wait.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+  (void)argc;
+  if (gpualloc_trace_start(argv[1]) != 0) return 2;
+  void *p = gpualloc_malloc(4096, 0, 0);
+  gpualloc_free(p, 4096, 0, 0);
+  pid_t c = fork();
+  if (c == 0) {
+    if (gpualloc_trace_start(argv[2]) != 0) _exit(5);
+    for (int i = 0; i < 100; i++) {
+      void *q = gpualloc_malloc(4096, 0, 0);
+      gpualloc_free(q, 4096, 0, 0);
+    }
+    kill(getpid(), SIGTERM);
+    for (;;) pause();
+  }
+  int st = 0;
+  waitpid(c, &st, 0);
+  printf("%d\n", WIFSIGNALED(st) ? WTERMSIG(st) : -1);
+  return 0;
+}
+"#,
+    );
+    let (parent, child) = (out.join("parent.gtrace"), out.join("child.gtrace"));
+    let run = run_sim_with(&exe, &[parent.as_path(), child.as_path()], &[]);
+    assert_eq!(String::from_utf8_lossy(&run.stdout), "15\n", "{run:?}");
+    let kinds = block_kinds(&std::fs::read(&child).unwrap());
+    let _ = std::fs::remove_dir_all(&out);
+    assert_eq!(
+        kinds.last(),
+        Some(&4),
+        "the child's trace is complete: {kinds:?}"
+    );
+}
