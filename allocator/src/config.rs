@@ -15,7 +15,7 @@
 //!
 //! | key | value | default | meaning |
 //! | --- | --- | --- | --- |
-//! | `policy` | `gpualloc` / `pytorch` | gpualloc | the set of defaults below (pytorch: expandable segments and cross-stream reuse off) |
+//! | `policy` | `gpualloc` / `pytorch` | gpualloc | the set of defaults below (pytorch: expandable segments, cross-stream reuse, defragmentation and stitching off, 20 MiB expandable pages) |
 //! | `max_split_size_mb` | integer, 20–16777216 | unlimited | blocks at least this large are never split ("oversize") |
 //! | `max_non_split_rounding_mb` | integer, 0–16777216 | 20 | how much larger than an oversize request a cached oversize block may be |
 //! | `garbage_collection_threshold` | 0 < x < 1 | off | with a memory limit set, free old cached plain segments (not expandable ones, as PyTorch) once reserved passes x × limit |
@@ -264,11 +264,18 @@ impl Config {
         }
     }
 
-    /// PyTorch's caching allocator, rule for rule (`policy:pytorch`).
+    /// PyTorch's caching allocator, rule for rule (`policy:pytorch`). With
+    /// `expandable_segments:true` as well, PyTorch's expandable segments as
+    /// closely as gpualloc's keys allow: large-pool pages of its 20 MiB
+    /// segment size, and neither defragmentation nor stitching, which
+    /// PyTorch does not do (keys inert without expandable segments).
     pub fn pytorch() -> Config {
         Config {
             cross_stream_reuse: false,
             expandable_segments: false,
+            defragment: false,
+            stitch_min: u64::MAX,
+            expandable_page: 20 * MIB,
             ..Config::default()
         }
     }
@@ -793,6 +800,9 @@ mod tests {
         let q = Config::parse("expandable_segments:true,policy:pytorch").unwrap();
         assert!(q.expandable_segments, "keys override the policy's defaults");
         assert!(!q.cross_stream_reuse);
+        // PyTorch's expandable segments: no moves, no stitches, 20 MiB pages.
+        assert!(!q.defragment && q.stitch_min == u64::MAX);
+        assert_eq!(q.expandable_page, 20 * MIB);
         assert_eq!(q.source, "expandable_segments:true,policy:pytorch");
         let g = Config::parse("policy:gpualloc").unwrap();
         assert_eq!(
