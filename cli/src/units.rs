@@ -5,6 +5,22 @@ pub fn bytes(b: u64) -> String {
     gpualloc::error::format_bytes_as(b, "B")
 }
 
+/// As [`bytes`] with four decimals (`2.2796 GiB`), for sizes that
+/// [`bytes`] would print alike.
+pub fn precise_bytes(b: u64) -> String {
+    let short = bytes(b);
+    match short.split_once(' ') {
+        Some((_, unit)) if b >= 1024 => {
+            let exp = ["KiB", "MiB", "GiB", "TiB"]
+                .iter()
+                .position(|u| *u == unit)
+                .map_or(1, |i| i as i32 + 1);
+            format!("{:.4} {unit}", b as f64 / 1024f64.powi(exp))
+        }
+        _ => short,
+    }
+}
+
 /// Signed byte difference: `+1.00 MiB`, `-512 B`.
 pub fn delta(a: u64, b: u64) -> String {
     if b >= a {
@@ -46,6 +62,10 @@ mod tests {
         assert_eq!(bytes(1 << 50), "1024.00 TiB", "TiB is the largest unit");
         assert_eq!(bytes(3 << 29), "1.50 GiB");
         assert_eq!(delta(3, 1), "-2 B");
+        assert_eq!(precise_bytes(2_447_716_928), "2.2796 GiB");
+        assert_eq!(precise_bytes(2_444_500_480), "2.2766 GiB");
+        assert_eq!(precise_bytes(1 << 50), "1024.0000 TiB");
+        assert_eq!(precise_bytes(700), "700 B");
         assert_eq!(duration(1_500_000_000), "1.500 s");
         assert_eq!(parse_bytes("24GiB").unwrap(), 24 << 30);
         assert!(parse_bytes("lots").is_err());

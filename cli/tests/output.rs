@@ -99,6 +99,17 @@ fn summary_tables_print_sizes_for_people() {
     );
     let largest = line(&text, "largest");
     assert!(largest.starts_with("780.66 MiB x4"), "{text}");
+    // Sizes that two decimals would print alike get four.
+    let trainer = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/hf-trainer-gpt2.gtrace"
+    );
+    let largest = line(&ok(&["summary", trainer]), "largest").to_string();
+    assert!(
+        largest
+            .starts_with("2.30 GiB x5, 2.29 GiB x5, 2.2796 GiB x10, 2.2766 GiB x5, 2.27 GiB x15"),
+        "{largest}"
+    );
     for l in text.lines() {
         let raw = l
             .split(|c: char| !c.is_ascii_digit())
@@ -414,6 +425,14 @@ fn an_oom_under_a_memory_limit_says_what_the_limit_left() {
     );
     let text = ok(&["summary", yolo]);
     assert!(text.contains("(the memory limit left 14.00 MiB)"), "{text}");
+    // The free block of 38.88 MiB beside the failed 30.25 MiB is explained,
+    // as the report explains it.
+    assert!(
+        text.contains(
+            "yet the request of 30.25 MiB failed: that memory was not the allocator's to take"
+        ),
+        "{text}"
+    );
 }
 
 /// An allocation log without segments (RMM's CSV): summary says reserved

@@ -44,7 +44,7 @@ use serde_json::{Value, json};
 use crate::analyses::analysis::{Analysis, DeviceAnalysis};
 use crate::analyses::state::SetCaps;
 use crate::commands::report::oom;
-use crate::units::{bytes, duration, percent};
+use crate::units::{bytes, duration, percent, precise_bytes};
 
 /// What the text commands say of a trace without events.
 pub const NO_EVENTS: &str =
@@ -201,6 +201,11 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
             bytes(o.gauges.allocated),
             bytes(o.gauges.reserved)
         );
+        // Why, as the report says it (a free block larger than the request
+        // is no contradiction: the sentence says whose it was).
+        let mut capped = o.clone();
+        capped.limit_left = cap.map(|c| c.saturating_sub(o.gauges.reserved));
+        let _ = writeln!(s, "      {}", oom::explain(&capped));
     }
     if d.state.unknown > 0 {
         let _ = writeln!(
@@ -230,9 +235,18 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
             );
         }
     }
+    // Sizes whose rounded labels would read alike are given in bytes.
     let list = |v: Vec<(u64, u64)>| {
+        let labels: Vec<String> = v.iter().map(|(sz, _)| bytes(*sz)).collect();
         v.iter()
-            .map(|(sz, c)| format!("{} x{c}", bytes(*sz)))
+            .zip(&labels)
+            .map(|((sz, c), l)| {
+                if labels.iter().filter(|m| *m == l).count() > 1 {
+                    format!("{} x{c}", precise_bytes(*sz))
+                } else {
+                    format!("{l} x{c}")
+                }
+            })
             .collect::<Vec<_>>()
             .join(", ")
     };
