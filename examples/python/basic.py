@@ -64,7 +64,7 @@ def main(argv):
         lib().malloc(64 << 30)
     except gpualloc.GpuallocError as e:
         oom = gpualloc.last_oom()
-        print(f"out of memory: {oom['requested']} B requested, the device has {oom['device_total']} B")
+        print(f"out of memory: {oom['requested']} B requested, never fits: the most it can get is {oom['device_total']} B")
         print(f"  {e}")
 
     if trace:  # stopped before the kept blocks are freed: they leak in the trace
