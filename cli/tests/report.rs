@@ -160,4 +160,13 @@ fn report_says_where_the_replay_left_the_recordings_path() {
         page.contains("The replay obtained the memory the recording did until 6.586 s"),
         "report lacks the departure, or gives it on another clock than the OOM's"
     );
+    // The trace names the build that recorded it (no commit then); so
+    // does this one, when built from a git checkout.
+    let this = gpualloc::trace::producer();
+    let cause = if this == "gpualloc 0.1.0" {
+        "a trace recorded by another version".to_string()
+    } else {
+        format!("the trace was recorded by gpualloc 0.1.0, this is {this}")
+    };
+    assert!(page.contains(&cause), "report lacks {cause:?}");
 }

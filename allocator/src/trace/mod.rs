@@ -19,6 +19,16 @@ pub mod writer;
 /// are replaced by the process id and torchrun's ranks (`trace_path.rs`).
 pub const TRACE_ENV: &str = "GPUALLOC_TRACE";
 
+/// What this build writes as a trace's producer: `gpualloc`, the version,
+/// and the commit it was built from when known (`gpualloc 0.1.0+1efb512c4a3d`,
+/// semver build metadata).
+pub fn producer() -> String {
+    match env!("GPUALLOC_COMMIT") {
+        "" => format!("gpualloc {}", env!("CARGO_PKG_VERSION")),
+        commit => format!("gpualloc {}+{commit}", env!("CARGO_PKG_VERSION")),
+    }
+}
+
 /// [`TRACE_ENV`]'s value; `None` when unset or blank (white space only),
 /// which asks for no trace, here as in the C ABI and the Python package.
 pub fn trace_env() -> Option<std::ffi::OsString> {
@@ -44,4 +54,24 @@ pub(crate) fn control_tests_path(name: &str) -> std::path::PathBuf {
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     std::env::temp_dir().join(format!("gpualloc-{}-{n}-{name}.gtrace", std::process::id()))
+}
+
+#[cfg(test)]
+mod producer_tests {
+    /// The producer names the version and, built from a checkout, the
+    /// commit as semver build metadata.
+    #[test]
+    fn the_producer_names_the_build() {
+        let p = super::producer();
+        let rest = p
+            .strip_prefix(concat!("gpualloc ", env!("CARGO_PKG_VERSION")))
+            .unwrap_or_else(|| panic!("{p}"));
+        let commit = env!("GPUALLOC_COMMIT");
+        if commit.is_empty() {
+            assert_eq!(rest, "");
+        } else {
+            assert_eq!(rest, format!("+{commit}"));
+            assert!(commit.len() >= 7 && commit.chars().all(|c| c.is_ascii_hexdigit()));
+        }
+    }
 }

@@ -433,7 +433,7 @@ impl Recorder {
             device_count,
             pid: std::process::id(),
             config: config.to_string(),
-            producer: concat!("gpualloc ", env!("CARGO_PKG_VERSION")).to_string(),
+            producer: crate::trace::producer(),
         };
         // A header a reader would refuse (a configuration string above the
         // limit) is refused before the file is created.

@@ -50,6 +50,18 @@ pub const CANDIDATES: [&str; 3] = [
     "policy:gpualloc",
 ];
 
+/// Why a replay may obtain other memory than its recording: another build
+/// recorded it (when the trace names one), or else the trace started
+/// mid-run or dropped events.
+fn departure_cause(recorded_by: &str) -> String {
+    let this = gpualloc::trace::producer();
+    if recorded_by.starts_with("gpualloc ") && recorded_by != this {
+        format!("the trace was recorded by {recorded_by}, this is {this}")
+    } else {
+        "a trace recorded by another version, started mid-run or with events dropped".to_string()
+    }
+}
+
 /// What made an OOM fail.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cause {
@@ -88,8 +100,14 @@ pub fn cause(o: &Oom) -> Cause {
 
 /// Why `o` failed, with what the replay under the recorded configuration
 /// found when it failed at the same request (`advice`'s first trial).
-/// Times are given from `first_ns`, where the page's time axis starts.
-pub fn explain_replayed(o: &Oom, advice: Option<&Advice>, first_ns: u64) -> String {
+/// Times are given from `first_ns`, where the page's time axis starts;
+/// `recorded_by` is the trace's producer.
+pub fn explain_replayed(
+    o: &Oom,
+    advice: Option<&Advice>,
+    first_ns: u64,
+    recorded_by: &str,
+) -> String {
     let mut text = explain(o);
     let Some(t) = advice.and_then(|a| a.recorded.as_ref()) else {
         return text;
@@ -105,8 +123,9 @@ pub fn explain_replayed(o: &Oom, advice: Option<&Advice>, first_ns: u64) -> Stri
         // Whether the replay got there the recording's way (`Departure`).
         match t.result.departure {
             Some(d) if d.time_ns < o.time_ns => text.push_str(&format!(
-                " The replay obtained the memory the recording did until {}, and today's policy chose otherwise from there (a trace recorded by another version, started mid-run or with events dropped).",
-                duration(d.time_ns.saturating_sub(first_ns))
+                " The replay obtained the memory the recording did until {}, and this build's policy chose otherwise from there ({}).",
+                duration(d.time_ns.saturating_sub(first_ns)),
+                departure_cause(recorded_by)
             )),
             _ => text.push_str(
                 " Until then it obtained the memory the recording did, allocation by allocation.",

@@ -119,7 +119,12 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
             let _ = write!(
                 s,
                 "<li><b>Why the OOM?</b> {}",
-                esc(&oom::explain_replayed(o, advice, d.first_ns))
+                esc(&oom::explain_replayed(
+                    o,
+                    advice,
+                    d.first_ns,
+                    &a.info.header.producer
+                ))
             );
             match best {
                 Some(t) => {
@@ -262,7 +267,12 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
             } else {
                 "not recorded".into()
             },
-            esc(&oom::explain_replayed(o, advice, d.first_ns))
+            esc(&oom::explain_replayed(
+                o,
+                advice,
+                d.first_ns,
+                &a.info.header.producer
+            ))
         );
         s.push_str("<table><tr><th>held by phase</th><th>bytes</th></tr>");
         for (ph, b) in o.by_phase.iter().take(8) {
