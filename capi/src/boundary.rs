@@ -118,15 +118,8 @@ impl From<ConfigError> for Error {
 }
 
 impl From<std::io::Error> for Error {
-    /// An I/O error, unless the input was refused before any I/O (a phase
-    /// or mark name too long for a trace): that is a bad argument.
     fn from(e: std::io::Error) -> Error {
-        let code = if e.kind() == std::io::ErrorKind::InvalidInput {
-            GPUALLOC_ERR_INVALID_ARGUMENT
-        } else {
-            GPUALLOC_ERR_IO
-        };
-        Error::new(code, format!("gpualloc: {e}"))
+        Error::new(GPUALLOC_ERR_IO, format!("gpualloc: {e}"))
     }
 }
 

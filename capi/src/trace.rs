@@ -129,38 +129,100 @@ fn stop_at_exit() {
 /// thread of its own (here when no thread can start), and saying `failed`
 /// on stderr when the file could not be completed. Never unwinds.
 fn complete_at_end(when: &'static str, failed: &'static str) {
-    if within(move || complete_now(when, failed)).is_none() {
-        crate::boundary::say(format_args!("gpualloc: {failed}: {}", too_long()));
+    if let Err(u) = within(move || complete_now(when, failed)) {
+        crate::boundary::say(format_args!("gpualloc: {failed}: {}", u.say()));
     }
 }
 
+/// Why [`within`] has no result.
+enum Unfinished {
+    /// The end's time ran out (the work goes on, on its thread).
+    TimedOut,
+    /// The work panicked.
+    Panicked,
+}
+
+/// The threads of [`within`] still running after their caller stopped
+/// waiting (an attempt to complete the trace as the process ends, an exit
+/// handler, `gpualloc_trace_stop_at_end`, SIGTERM or an abort, that ran
+/// out of time, stuck behind a thread that holds the allocator). A later
+/// attempt would only wait behind them, so it gives up at once: two
+/// attempts in turn cannot make the wait twice as long.
+static STUCK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// Runs `f` on a thread of its own (here when no thread can start) and
-/// gives it at most [`COMPLETE_WAIT`]: its result, or None when it has not
-/// returned by then (it goes on, on its thread, while the process ends).
-fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+/// gives it at most [`COMPLETE_WAIT`]: its result, or why there is none.
+fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Unfinished> {
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    use std::sync::atomic::Ordering;
+    if STUCK.load(Ordering::Acquire) > 0 {
+        return Err(Unfinished::TimedOut);
+    }
     let (done, finished) = std::sync::mpsc::channel();
+    // Whether the caller stopped waiting: then this thread counts in
+    // [`STUCK`] until it ends.
+    let given_up = std::sync::Arc::new(std::sync::Mutex::new(false));
     let f = std::sync::Arc::new(std::sync::Mutex::new(Some(f)));
-    let g = f.clone();
+    let (g, gave_up) = (f.clone(), given_up.clone());
     let spawned = std::thread::Builder::new()
         .name("gpualloc-trace-end".into())
         .spawn(move || {
             let f = g.lock().ok().and_then(|mut f| f.take());
             if let Some(f) = f {
-                let _ = done.send(f());
+                let _ = done.send(catch_unwind(AssertUnwindSafe(f)));
+            }
+            if *gave_up.lock().unwrap_or_else(|e| e.into_inner()) {
+                STUCK.fetch_sub(1, Ordering::AcqRel);
             }
         });
-    if spawned.is_err() {
-        let f = f.lock().ok().and_then(|mut f| f.take())?;
-        return Some(f());
+    let result = if spawned.is_err() {
+        let f = f.lock().ok().and_then(|mut f| f.take());
+        f.map(|f| catch_unwind(AssertUnwindSafe(f)))
+    } else {
+        use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
+        match finished.recv_timeout(COMPLETE_WAIT) {
+            Ok(r) => Some(r),
+            Err(RecvTimeoutError::Disconnected) => None,
+            Err(RecvTimeoutError::Timeout) => {
+                let mut g = given_up.lock().unwrap_or_else(|e| e.into_inner());
+                // It sends before it looks at `given_up`: either it has
+                // sent by now, or it counts in STUCK until it ends.
+                match finished.try_recv() {
+                    Ok(r) => Some(r),
+                    Err(TryRecvError::Disconnected) => None,
+                    Err(TryRecvError::Empty) => {
+                        *g = true;
+                        STUCK.fetch_add(1, Ordering::AcqRel);
+                        return Err(Unfinished::TimedOut);
+                    }
+                }
+            }
+        }
+    };
+    match result {
+        Some(Ok(t)) => Ok(t),
+        _ => Err(Unfinished::Panicked),
     }
-    finished.recv_timeout(COMPLETE_WAIT).ok()
 }
 
-fn too_long() -> String {
-    format!(
-        "not completed within {} s (another thread holds the allocator)",
-        COMPLETE_WAIT.as_secs()
-    )
+impl Unfinished {
+    fn say(&self) -> String {
+        match self {
+            Unfinished::TimedOut => format!(
+                "not completed within {} s (another thread holds the allocator)",
+                COMPLETE_WAIT.as_secs()
+            ),
+            Unfinished::Panicked => "a panic inside gpualloc (a bug)".to_string(),
+        }
+    }
+
+    fn error(&self) -> Error {
+        let code = match self {
+            Unfinished::TimedOut => crate::boundary::GPUALLOC_ERR_IO,
+            Unfinished::Panicked => crate::boundary::GPUALLOC_ERR_PANIC,
+        };
+        Error::new(code, format!("gpualloc: the trace stop: {}", self.say()))
+    }
 }
 
 /// Completes the running trace before the process aborts (an allocation
@@ -241,8 +303,7 @@ pub unsafe extern "C" fn gpualloc_trace_stop(summary: *mut GpuallocTraceSummary)
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_trace_stop_at_end(summary: *mut GpuallocTraceSummary) -> c_int {
     status(|| {
-        let s = within(|| stop("at the end"))
-            .unwrap_or_else(|| Err(Error::new(crate::boundary::GPUALLOC_ERR_IO, too_long())))?;
+        let s = within(|| stop("at the end")).map_err(|u| u.error())??;
         write_summary(summary, s)
     })
 }
@@ -342,11 +403,24 @@ pub unsafe extern "C" fn gpualloc_phase_push(name: *const c_char) -> c_int {
     status(|| {
         let name = str_arg(name, "name")?;
         match recording()? {
-            Some(g) => Ok(g.alloc.phase_push(name)?),
+            Some(g) => g.alloc.phase_push(name).map_err(name_error),
             // Nothing to record it in; the name is still checked.
-            None => Ok(gpualloc::trace::format::check_name(name, "phase")?),
+            None => gpualloc::trace::format::check_name(name, "phase").map_err(name_error),
         }
     })
+}
+
+/// A phase's or mark's error: a name refused (too long for a trace) is a
+/// bad argument, anything else an I/O error.
+fn name_error(e: std::io::Error) -> Error {
+    if e.kind() == std::io::ErrorKind::InvalidInput {
+        Error::new(
+            crate::boundary::GPUALLOC_ERR_INVALID_ARGUMENT,
+            format!("gpualloc: {e}"),
+        )
+    } else {
+        e.into()
+    }
 }
 
 /// Leaves the innermost phase.
@@ -369,9 +443,9 @@ pub unsafe extern "C" fn gpualloc_mark(name: *const c_char) -> c_int {
     status(|| {
         let name = str_arg(name, "name")?;
         match recording()? {
-            Some(g) => Ok(g.alloc.mark(name)?),
+            Some(g) => g.alloc.mark(name).map_err(name_error),
             // Nothing to record it in; the name is still checked.
-            None => Ok(gpualloc::trace::format::check_name(name, "mark")?),
+            None => gpualloc::trace::format::check_name(name, "mark").map_err(name_error),
         }
     })
 }

@@ -611,7 +611,7 @@ def _hook_compile(torch) -> bool:
         return False
     if _DYNAMO in sys.modules:
         _guard(_ready_for_dynamo)
-    elif not any(isinstance(f, _DynamoImport) for f in sys.meta_path):
+    elif not any(getattr(f, "_gpualloc_dynamo_import", False) for f in sys.meta_path):
         finder = _DynamoImport()
         sys.meta_path.insert(0, finder)
         _UNDO.append(finder.leave)
@@ -619,13 +619,13 @@ def _hook_compile(torch) -> bool:
 
 
 def _ready_for_dynamo() -> None:
-    """Note [Hooks under torch.compile], once dynamo is imported."""
+    """Note [Hooks under torch.compile], once dynamo is imported. The
+    finder stays where it is, finding nothing from then on: another
+    thread may be walking ``sys.meta_path`` (``disable()`` takes it out)."""
     global _DYNAMO_READY
     if _DYNAMO_READY or _DYNAMO not in sys.modules:
         return
     _DYNAMO_READY = True
-    for finder in [f for f in sys.meta_path if isinstance(f, _DynamoImport)]:
-        finder.leave()
     skip = getattr(importlib.import_module(_DYNAMO + ".eval_frame"), "skip_code", None)
     if skip is not None:
         for code in _own_code():
@@ -635,42 +635,64 @@ def _ready_for_dynamo() -> None:
 class _DynamoImport:
     """An import finder that finds nothing itself: it hands dynamo's import
     to the finders after it, and has the package readied for dynamo once
-    the import has run (Note [Hooks under torch.compile])."""
+    the import has run (Note [Hooks under torch.compile]). Asked again
+    while it asks the others (another finder that asks the rest of
+    ``sys.meta_path``), it finds nothing."""
+
+    _gpualloc_dynamo_import = True  # known by this, whichever copy of the module made it
+    _asking = threading.local()
 
     def find_spec(self, name, path=None, target=None):
-        if name != _DYNAMO or _DYNAMO_READY:
+        if name != _DYNAMO or _DYNAMO_READY or getattr(self._asking, "on", False):
             return None
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None) if finder is not self else None
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                break
-        else:
-            return None
+        self._asking.on = True
+        try:
+            for finder in list(sys.meta_path):
+                if getattr(finder, "_gpualloc_dynamo_import", False):
+                    continue
+                find = getattr(finder, "find_spec", None)
+                spec = find(name, path, target) if find is not None else None
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._asking.on = False
         if getattr(spec.loader, "exec_module", None) is not None:
             spec.loader = _ReadyAfter(spec.loader)
         return spec
 
     def leave(self) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
+        # A new list: an import walking the old one in another thread
+        # still sees every finder it had.
+        sys.meta_path = [f for f in sys.meta_path if f is not self]
 
 
 class _ReadyAfter:
-    """A module loader that runs ``loader``, then readies the package for
-    dynamo; anything else it asks of ``loader``."""
+    """A module loader that runs ``loader``, puts it back in the module's
+    place, then readies the package for dynamo; anything else it asks of
+    ``loader``."""
 
     def __init__(self, loader):
         self._loader = loader
 
     def __getattr__(self, name):
+        if name == "_loader" or name.startswith("__"):  # copy, pickle: not set up yet
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
-        self._loader.exec_module(module)
+        try:
+            self._loader.exec_module(module)
+        finally:
+            spec = getattr(module, "__spec__", None)
+            if spec is not None and spec.loader is self:
+                spec.loader = self._loader
+            if getattr(module, "__loader__", None) is self:
+                module.__loader__ = self._loader
         _guard(_ready_for_dynamo)
 
 

@@ -313,18 +313,30 @@ class AutoMarksTest(unittest.TestCase):
         # dynamo is there imports nothing.
         out, _ = self.traced(
             """
-            import importlib.util
+            import copy, importlib.util
             import gpualloc._auto as auto
             assert importlib.util.find_spec("torch._dynamo") is not None
             assert "torch._dynamo" not in sys.modules
+
+            class AskTheOthers:  # another library's finder that asks the rest
+                def find_spec(self, name, path=None, target=None):
+                    for f in list(sys.meta_path):
+                        spec = f.find_spec(name, path, target) if f is not self and hasattr(f, "find_spec") else None
+                        if spec is not None:
+                            return spec
+
+            sys.meta_path.insert(0, AskTheOthers())
+            auto._hook_compile(torch)  # again (a reloaded module): no second finder
             import torch._dynamo.eval_frame as ef
             skipped = set(ef.SKIPPED)
             codes = (auto._step_pre_hook.__code__, auto._DynamoImport.find_spec.__code__)
-            watching = any(isinstance(f, auto._DynamoImport) for f in sys.meta_path)
-            print("skipped", all(c in skipped for c in codes), "watching", watching)
+            finders = sum(isinstance(f, auto._DynamoImport) for f in sys.meta_path)
+            copy.deepcopy(torch._dynamo.__spec__)
+            loader = type(torch._dynamo.__loader__).__name__
+            print("skipped", all(c in skipped for c in codes), "finders", finders, "loader", loader)
             """
         )
-        self.assertIn("skipped True watching False", out.stdout)
+        self.assertIn("skipped True finders 1 loader SourceFileLoader", out.stdout)
 
     def test_hooks_step_aside_while_torch_compile_traces(self):
         _, seq = self.traced(
