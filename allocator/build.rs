@@ -1,4 +1,4 @@
-//! Names the commit the library is built from (`GPUALLOC_COMMIT`, empty
+//! Names the commit the library is built from (`BUILD_GIT_COMMIT`, empty
 //! outside a git checkout), so that a trace says which build recorded it
 //! (`gpualloc 0.1.0+1efb512c4a3d`): a replay that departs from its
 //! recording is then told apart from a policy that changed since.
@@ -18,7 +18,7 @@ fn git(args: &[&str]) -> Option<String> {
 
 fn main() {
     let commit = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_default();
-    println!("cargo:rustc-env=GPUALLOC_COMMIT={commit}");
+    println!("cargo:rustc-env=BUILD_GIT_COMMIT={commit}");
     println!("cargo:rerun-if-changed=build.rs");
     // Built again when HEAD moves: HEAD itself, the branch it names, and
     // packed refs; only files that exist (a missing one would rebuild

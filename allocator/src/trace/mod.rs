@@ -23,7 +23,7 @@ pub const TRACE_ENV: &str = "GPUALLOC_TRACE";
 /// and the commit it was built from when known (`gpualloc 0.1.0+1efb512c4a3d`,
 /// semver build metadata).
 pub fn producer() -> String {
-    match env!("GPUALLOC_COMMIT") {
+    match env!("BUILD_GIT_COMMIT") {
         "" => format!("gpualloc {}", env!("CARGO_PKG_VERSION")),
         commit => format!("gpualloc {}+{commit}", env!("CARGO_PKG_VERSION")),
     }
@@ -66,7 +66,7 @@ mod producer_tests {
         let rest = p
             .strip_prefix(concat!("gpualloc ", env!("CARGO_PKG_VERSION")))
             .unwrap_or_else(|| panic!("{p}"));
-        let commit = env!("GPUALLOC_COMMIT");
+        let commit = env!("BUILD_GIT_COMMIT");
         if commit.is_empty() {
             assert_eq!(rest, "");
         } else {
