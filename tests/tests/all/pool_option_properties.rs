@@ -139,6 +139,7 @@ fn pools_of_another_allocator_and_lending_pools_keep_every_invariant() {
         "expandable_handle_mb:2,defragment_headroom:0",
         "policy:pytorch",
         "policy:pytorch,expandable_segments:true",
+        "cross_stream_reuse:false",
     ] {
         let borrowed: usize = (1..=u64::from(cases(6))).map(|s| run(config, s)).sum();
         assert!(

@@ -13,10 +13,13 @@ use gpualloc_tests::cfg;
 /// Largest k swept per kind.
 const MAX_K: u64 = 25;
 
-const CONFIGS: [&str; 5] = [
+const CONFIGS: [&str; 6] = [
     "policy:pytorch",
+    // PyTorch's expandable segments (no moves, no stitches, 20 MiB pages).
     "policy:pytorch,expandable_segments:true",
     "policy:gpualloc",
+    // Moves and stitches with no stream taking another's cached blocks.
+    "policy:gpualloc,cross_stream_reuse:false",
     // The same, with the unmapping given up left to the helper thread as
     // long as it may be, or done by it at once, so that faults strike
     // those jobs when they run rather than the calls that gave them.
