@@ -154,11 +154,15 @@ fn report_says_where_the_replay_left_the_recordings_path() {
     ));
     let page = report(&trace, &dir.path().join("r.html"));
     assert!(
-        // On the page's time axis, which starts at the device's first
-        // event, 460.7 ms into the trace (`replay` says 7.047 s, the
-        // trace's own clock).
-        page.contains("The replay obtained the memory the recording did until 6.586 s"),
+        // On the trace's clock, as `replay` and `summary` give it (and the
+        // OOM beside it: 13.103 s), not from the device's first event,
+        // 460.7 ms later (6.586 s, 12.642 s).
+        page.contains("The replay obtained the memory the recording did until 7.047 s"),
         "report lacks the departure, or gives it on another clock than the OOM's"
+    );
+    assert!(
+        page.contains("<b>At 13.103 s</b>"),
+        "the OOM on the trace's clock"
     );
     // The trace names the build that recorded it (no commit then); so
     // does this one, when built from a git checkout.

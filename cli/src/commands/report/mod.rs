@@ -237,11 +237,7 @@ fn device(
 fn figures(s: &mut String, d: &DeviceAnalysis) {
     s.push_str("<table class=\"kv\">");
     let at = |p: &crate::analyses::analysis::Peak| {
-        format!(
-            "{} at {}",
-            bytes(p.value),
-            duration(p.time_ns.saturating_sub(d.first_ns))
-        )
+        format!("{} at {}", bytes(p.value), duration(p.time_ns))
     };
     sec::row(s, "peak allocated", &at(&d.peak_allocated));
     if d.state.reserves {
@@ -279,7 +275,7 @@ fn figures(s: &mut String, d: &DeviceAnalysis) {
         s,
         "time axis",
         &format!(
-            "from the device's first event, {} after the trace began",
+            "the trace's clock, as `gpualloc summary` and `replay` count (the device's first event at {})",
             duration(d.first_ns)
         ),
     );

@@ -100,14 +100,8 @@ pub fn cause(o: &Oom) -> Cause {
 
 /// Why `o` failed, with what the replay under the recorded configuration
 /// found when it failed at the same request (`advice`'s first trial).
-/// Times are given from `first_ns`, where the page's time axis starts;
-/// `recorded_by` is the trace's producer.
-pub fn explain_replayed(
-    o: &Oom,
-    advice: Option<&Advice>,
-    first_ns: u64,
-    recorded_by: &str,
-) -> String {
+/// Times are on the trace's clock; `recorded_by` is the trace's producer.
+pub fn explain_replayed(o: &Oom, advice: Option<&Advice>, recorded_by: &str) -> String {
     let mut text = explain(o);
     let Some(t) = advice.and_then(|a| a.recorded.as_ref()) else {
         return text;
@@ -124,7 +118,7 @@ pub fn explain_replayed(
         match t.result.departure {
             Some(d) if d.time_ns < o.time_ns => text.push_str(&format!(
                 " The replay obtained the memory the recording did until {}, and this build's policy chose otherwise from there ({}).",
-                duration(d.time_ns.saturating_sub(first_ns)),
+                duration(d.time_ns),
                 departure_cause(recorded_by)
             )),
             _ => text.push_str(

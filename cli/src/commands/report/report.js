@@ -6,12 +6,14 @@
 // per bucket, phase spans shaded, OOMs and layout moments marked), the
 // fragmentation chart on the same time axis, the layout at a clicked moment
 // and the per-step peaks. Wheel or the buttons zoom, dragging pans, a
-// double click resets. Times are counted from the device's first event and
-// every label of one axis uses one unit.
+// double click resets. The data's times are counted from the device's first
+// event (its `t0`, ns after the trace began); every time shown is on the
+// trace's clock, as the command line's (`summary`, `replay`), and every label
+// of one axis uses one unit.
 //
 // With #selftest in the address, the page drives itself (zoom, pan, hover,
-// click) and writes the outcome into #selftest-result; #view=START-END (ns)
-// opens it zoomed.
+// click) and writes the outcome into #selftest-result; #view=START-END (ns
+// on the trace's clock) opens it zoomed.
 'use strict';
 (function () {
   const errors = [];
@@ -140,13 +142,14 @@
     };
 
     // x axis (time) shared by the time charts.
-    function timeAxis(ctx, w, h, v) {
+    // Ticks at round times of the trace's clock, `t0` after the data's.
+    function timeAxis(ctx, w, h, v, t0) {
       const span = v.x1 - v.x0, unit = timeUnit(span), step = niceStep(span / 7);
       const sx = (t) => M.l + (t - v.x0) / span * (w - M.l - M.r);
       ctx.fillStyle = '#444'; ctx.font = '11px sans-serif'; ctx.textAlign = 'center';
       ctx.strokeStyle = '#eee';
-      for (let t = Math.ceil(v.x0 / step) * step; t <= v.x1; t += step) {
-        const x = sx(t);
+      for (let t = Math.ceil((v.x0 + t0) / step) * step; t <= v.x1 + t0; t += step) {
+        const x = sx(t - t0);
         ctx.beginPath(); ctx.moveTo(x, M.t); ctx.lineTo(x, h - M.b); ctx.stroke();
         ctx.fillText(fmtTime(t, unit, step), x, h - 8);
       }
@@ -227,7 +230,7 @@
           for (let i = b0; i <= b1; i++) ymax = Math.max(ymax, s.res_max[i], s.active_max[i]);
           ymax *= 1.05;
           const sy = yAxis(ctx, w, h, ymax, fmtBytes, byteStep);
-          const sx = timeAxis(ctx, w, h, v);
+          const sx = timeAxis(ctx, w, h, v, d.t0);
           ctx.save(); ctx.beginPath(); ctx.rect(M.l, M.t, w - M.l - M.r, h - M.t - M.b); ctx.clip();
           for (const sp of d.spans) {
             if (sp[2] < v.x0 || sp[1] > v.x1) continue;
@@ -273,13 +276,13 @@
           }
           ctx.restore();
           const span = v.x1 - v.x0, u = timeUnit(span), st = niceStep(span / 7);
-          viewLabel.textContent = '  showing ' + fmtTime(v.x0, u, st / 10) + ' to ' + fmtTime(v.x1, u, st / 10) +
+          viewLabel.textContent = '  showing ' + fmtTime(v.x0 + d.t0, u, st / 10) + ' to ' + fmtTime(v.x1 + d.t0, u, st / 10) +
             ', ' + fmtTimeAuto(W) + ' per bucket' + (src === dv.main ? '' : ' (detail window)');
         },
         hover(t) {
           const src = dv.source(), s = src.series, i = dv.bucketAt(t, src);
           const r = (lo, hi) => lo[i] === hi[i] ? fmtBytes(hi[i]) : fmtBytes(lo[i]) + ' to ' + fmtBytes(hi[i]);
-          let html = '<b>' + fmtTimeAuto(src.start + i * src.width) + ' to ' + fmtTimeAuto(src.start + (i + 1) * src.width) + '</b>' +
+          let html = '<b>' + fmtTimeAuto(d.t0 + src.start + i * src.width) + ' to ' + fmtTimeAuto(d.t0 + src.start + (i + 1) * src.width) + '</b>' +
             '<br><span style="color:' + C.reserved + '">reserved</span> ' + r(s.res_min, s.res_max) +
             '<br><span style="color:' + C.allocated + '">allocated</span> ' + r(s.alloc_min, s.alloc_max) +
             '<br><span style="color:' + C.active + '">active</span> ' + r(s.active_min, s.active_max);
@@ -316,7 +319,7 @@
           const { ctx, w, h } = cv, v = dv.view;
           ctx.clearRect(0, 0, w, h);
           const sy = yAxis(ctx, w, h, 1, pct, () => 0.25);
-          const sx = timeAxis(ctx, w, h, v);
+          const sx = timeAxis(ctx, w, h, v, d.t0);
           ctx.save(); ctx.beginPath(); ctx.rect(M.l, M.t, w - M.l - M.r, h - M.t - M.b); ctx.clip();
           for (const [fn, color] of [[ext, C.ext], [unal, C.unal]]) {
             ctx.beginPath(); ctx.strokeStyle = color; ctx.lineWidth = 1.6;
@@ -330,7 +333,7 @@
         },
         hover(t) {
           const x = f[at(t)];
-          return '<b>from ' + fmtTimeAuto(x[0]) + '</b><br>external ' + pct(ext(x)) + ' (largest free ' + fmtBytes(x[1]) + ' of ' + fmtBytes(x[2]) + ' free)' +
+          return '<b>from ' + fmtTimeAuto(d.t0 + x[0]) + '</b><br>external ' + pct(ext(x)) + ' (largest free ' + fmtBytes(x[1]) + ' of ' + fmtBytes(x[2]) + ' free)' +
             '<br>unallocated ' + pct(unal(x)) + ' (' + fmtBytes(x[3]) + ' allocated of ' + fmtBytes(x[4]) + ' reserved)';
         },
       };
@@ -384,7 +387,7 @@
         },
         hover(k) {
           const x = st[k], last = x[0] + x[1] - 1;
-          return '<b>' + (x[1] > 1 ? 'iterations ' + x[0] + ' to ' + last : 'iteration ' + x[0]) + '</b> from ' + fmtTimeAuto(x[2]) +
+          return '<b>' + (x[1] > 1 ? 'iterations ' + x[0] + ' to ' + last : 'iteration ' + x[0]) + '</b> from ' + fmtTimeAuto(dv.d.t0 + x[2]) +
             '<br>peak reserved ' + fmtBytes(x[4]) + '<br>peak allocated ' + fmtBytes(x[3]);
         },
         zoomTo(k) {
@@ -467,7 +470,7 @@
       const leg = [...phases.entries()].sort((a, b) => b[1] - a[1]).slice(0, 12)
         .map(([p, bytes]) => '<span><i style="background:' + phaseColor(p) + '"></i>' + esc(phaseName(p)) + ' (' + fmtBytes(bytes) + ' drawn)</span>').join('') +
         '<span><i style="background:#f1f1f1;border:1px solid #999"></i>free</span><span><i style="background:#4e79a7;opacity:.35"></i>freed, awaiting stream events</span>';
-      const head = '<p><b>At ' + fmtTimeAuto(sn.t) + '</b> (' + esc(sn.kind) + (Math.abs(sn.t - asked) > dv.d.width ? '; the recorded layout nearest to ' + fmtTimeAuto(asked) : '') + '): ' +
+      const head = '<p><b>At ' + fmtTimeAuto(dv.d.t0 + sn.t) + '</b> (' + esc(sn.kind) + (Math.abs(sn.t - asked) > dv.d.width ? '; the recorded layout nearest to ' + fmtTimeAuto(dv.d.t0 + asked) : '') + '): ' +
         'allocated ' + fmtBytes(sn.allocated) + ', active ' + fmtBytes(sn.active) + ', reserved ' + fmtBytes(sn.reserved) +
         ', free ' + fmtBytes(sn.free) + ' in pieces of at most ' + fmtBytes(sn.largest_free) + '.</p>' +
         '<p class="note">' + shownRows.length + ' of ' + sn.segments_total + ' segments (largest first when not all), ' + blocks.length + ' of ' + sn.blocks_total +
@@ -583,9 +586,9 @@
     el.textContent = (ok ? 'SELFTEST PASS ' : 'SELFTEST FAIL ') + JSON.stringify(out);
     document.title = ok ? 'SELFTEST PASS' : 'SELFTEST FAIL';
   }
-  // #view=START-END (ns from the first event) opens every chart zoomed there.
+  // #view=START-END (ns on the trace's clock) opens every chart zoomed there.
   const m = /^#view=(\d+)-(\d+)$/.exec(location.hash);
-  if (m) for (const dv of devices) if (dv.memory) dv.setView(Number(m[1]), Number(m[2]));
+  if (m) for (const dv of devices) if (dv.memory) dv.setView(Number(m[1]) - dv.d.t0, Number(m[2]) - dv.d.t0);
   if (location.hash === '#selftest') {
     try { selftest(); } catch (e) { showError('selftest: ' + e.stack); const el = document.getElementById('selftest-result'); el.hidden = false; el.textContent = 'SELFTEST FAIL ' + e; }
   }

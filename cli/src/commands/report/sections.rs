@@ -1,7 +1,7 @@
 //! The report's HTML sections that need no script: the answers first, then
 //! per-phase peaks with the checkpoint call-out, leak candidates, OOM
-//! forensics with the replayed advice, and request sizes. Times are counted
-//! from the device's first event, as on the charts.
+//! forensics with the replayed advice, and request sizes. Times are on the
+//! trace's clock, as on the charts and in `gpualloc summary`.
 
 use std::fmt::Write;
 
@@ -119,12 +119,7 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
             let _ = write!(
                 s,
                 "<li><b>Why the OOM?</b> {}",
-                esc(&oom::explain_replayed(
-                    o,
-                    advice,
-                    d.first_ns,
-                    &a.info.header.producer
-                ))
+                esc(&oom::explain_replayed(o, advice, &a.info.header.producer))
             );
             match best {
                 Some(t) => {
@@ -257,7 +252,7 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
         let _ = write!(
             s,
             "<div class=\"oom\"><p><b>At {}</b> in phase <b>{}</b>: requested {} on stream {:#x} (allocated {}, reserved {}).</p><p class=\"callout\">{}</p>",
-            duration(o.time_ns.saturating_sub(d.first_ns)),
+            duration(o.time_ns),
             esc(&a.info.name(o.phase)),
             bytes(o.requested),
             o.stream,
@@ -267,12 +262,7 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
             } else {
                 "not recorded".into()
             },
-            esc(&oom::explain_replayed(
-                o,
-                advice,
-                d.first_ns,
-                &a.info.header.producer
-            ))
+            esc(&oom::explain_replayed(o, advice, &a.info.header.producer))
         );
         s.push_str("<table><tr><th>held by phase</th><th>bytes</th></tr>");
         for (ph, b) in o.by_phase.iter().take(8) {
@@ -337,7 +327,7 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
             r.first_oom.as_ref().map_or("none".into(), |o| format!(
                 "{} at {}",
                 bytes(o.requested),
-                duration(o.time_ns.saturating_sub(d.first_ns))
+                duration(o.time_ns)
             ))
         );
     }
