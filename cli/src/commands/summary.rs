@@ -170,8 +170,11 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         let _ = writeln!(s, "  caps set        {c} (while running; the last of each)");
     }
     let _ = writeln!(s, "  OOMs            {}", d.oom_count);
-    let config = oom::recorded_caps(&a.info.header.config);
-    for o in d.ooms.iter().take(3) {
+    // What each OOM had left is under the cap in force, if any, as the
+    // report reads it.
+    let mut ooms: Vec<_> = d.ooms.iter().take(3).cloned().collect();
+    oom::apply_limit(&mut ooms, &a.info.header.config);
+    for o in &ooms {
         let _ = write!(
             s,
             "    at {}: requested {} in {}, ",
@@ -187,15 +190,13 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
             );
             continue;
         }
-        // What an OOM had left is under the cap in force, if any.
-        let cap = oom::cap(&config, o);
         let _ = writeln!(
             s,
             "device free {}{}, largest free block {} (allocated {}, reserved {})",
             bytes(o.device_free),
-            cap.map_or(String::new(), |c| format!(
+            o.limit_left.map_or(String::new(), |l| format!(
                 " (the memory limit left {})",
-                bytes(c.saturating_sub(o.gauges.reserved))
+                bytes(l)
             )),
             bytes(o.largest_free),
             bytes(o.gauges.allocated),
@@ -203,9 +204,7 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         );
         // Why, as the report says it (a free block larger than the request
         // is no contradiction: the sentence says whose it was).
-        let mut capped = o.clone();
-        capped.limit_left = cap.map(|c| c.saturating_sub(o.gauges.reserved));
-        let _ = writeln!(s, "      {}", oom::explain(&capped));
+        let _ = writeln!(s, "      {}", oom::explain(o));
     }
     if d.state.unknown > 0 {
         let _ = writeln!(
