@@ -153,13 +153,38 @@ def _patch(owner, attr: str, make: Callable, also=()) -> bool:
     name, ``torch.serialization.save``); undone by disable()."""
     orig = getattr(owner, attr)
     if getattr(orig, "_gpualloc_auto", False):
+        # Ours, or another library's wrapper of ours that copied its
+        # attributes (functools.wraps): one left in place by disable() lives again.
+        live = getattr(orig, "_gpualloc_live", None)
+        if live is not None and not live[0]:
+            live[0] = True
+            _UNDO.append(functools.partial(live.__setitem__, 0, False))
         return True
-    new = functools.wraps(orig)(make(orig))
+    inner = make(orig)
+    live = [True]
+
+    @functools.wraps(orig)
+    def new(*args, **kwargs):
+        if live[0]:
+            return inner(*args, **kwargs)
+        return orig(*args, **kwargs)
+
     new._gpualloc_auto = True
+    new._gpualloc_live = live
     for o in (owner, *also):
         setattr(o, attr, new)
-        _UNDO.append(functools.partial(setattr, o, attr, orig))
+        _UNDO.append(functools.partial(_unpatch, o, attr, orig, new, live))
     return True
+
+
+def _unpatch(owner, attr: str, orig, new, live: list) -> None:
+    """Puts ``orig`` back where ``new`` still stands. Where another library
+    patched over it since (its wrapper calls ``new``), the attribute stays
+    theirs, and ``new`` only calls ``orig`` from now on: putting ``orig``
+    back would take their patch out too."""
+    live[0] = False
+    if getattr(owner, attr, None) is new:
+        setattr(owner, attr, orig)
 
 
 class _State:
@@ -297,8 +322,17 @@ def _outside_the_step(closure, optimizer):
     return run
 
 
+def _another_owns() -> bool:
+    """Whether another thread, still running, owns the automatic phases
+    (``_owns``): its open phases are not this thread's to close."""
+    o = _OWNER
+    return o is not None and o is not threading.current_thread() and o.is_alive()
+
+
 def _step_begins(optimizer) -> None:
     with _LOCK:
+        if _another_owns():
+            return
         _close(_State.optimizer)  # a step that raised left it open
         _eval_over_if_training(optimizer)
         _State.optimizer = _open("optimizer", loose=True)
@@ -306,14 +340,17 @@ def _step_begins(optimizer) -> None:
 
 def _step_pauses() -> None:
     with _LOCK:
+        if _another_owns():
+            return
         _close(_State.optimizer)
         _State.optimizer = None
 
 
 def _step_ends(optimizer) -> None:
     with _LOCK:
-        _close(_State.optimizer)
-        _State.optimizer = None
+        if not _another_owns():
+            _close(_State.optimizer)
+            _State.optimizer = None
         me = id(optimizer)
         # A leader that was freed (a learning-rate finder's optimizer, a
         # finished trial's) gives way at once.

@@ -279,6 +279,66 @@ class AutoMarksTest(unittest.TestCase):
         )
         self.assertEqual(seq, [])
 
+    def test_another_threads_step_leaves_the_owners_optimizer_phase_open(self):
+        # The training loop's step is under way when another thread's
+        # optimizer steps (an EMA or a second learner): the owner's phase
+        # stays open until its own step ends.
+        _, seq = self.traced(
+            """
+            import threading
+            started, go = threading.Event(), threading.Event()
+            class Slow(torch.optim.SGD):
+                def step(self, closure=None):
+                    started.set()
+                    go.wait(10)
+                    return super().step(closure)
+            a, b = Slow(), torch.optim.SGD()
+            def other():
+                started.wait(10)
+                b.step()
+                go.set()
+            t = threading.Thread(target=other)
+            t.start()
+            torch.Tensor().backward()
+            a.step()
+            t.join()
+            """
+        )
+        self.assertEqual(seq, [push("backward"), pop("backward"), push("optimizer"), STEP, pop("optimizer")])
+
+    def test_switching_off_keeps_a_later_patch_of_another_library(self):
+        # A library that wraps torch.autograd.backward after install(), one
+        # with functools.wraps and one without: switching the marks off
+        # leaves its wrapper in place, and ours inside it marks nothing;
+        # switched on again, each backward pass is one phase, not two.
+        for wraps in (True, False):
+            with self.subTest(wraps=wraps):
+                _, seq = self.traced(
+                    f"""
+                    import functools
+                    ours = torch.autograd.backward
+                    calls = []
+                    def theirs(*a, **k):
+                        calls.append(1)
+                        return ours(*a, **k)
+                    if {wraps}:
+                        theirs = functools.wraps(ours)(theirs)
+                    torch.autograd.backward = theirs
+                    gpualloc.install(auto_marks=False)
+                    assert torch.autograd.backward is theirs
+                    torch.Tensor().backward()
+                    gpualloc.mark("off")
+                    gpualloc.install(auto_marks=True)
+                    torch.Tensor().backward()
+                    assert len(calls) == 2, calls
+                    """
+                )
+                marks = [e for e in seq if e[0] == "mark"]
+                self.assertEqual(len(marks), 1, seq)
+                after = seq[seq.index(marks[0]) + 1 :]
+                self.assertEqual(seq[: seq.index(marks[0])], [])
+                self.assertEqual(after, [push("backward"), pop("backward")])
+
     def test_a_later_install_keeps_the_hooks_switched_off(self):
         _, seq = self.traced(
             """
