@@ -292,7 +292,7 @@ void delete_fn(void* ptr) {
   // Each observer on its own, so that one that throws keeps neither the
   // others nor the free from happening; the memory is freed exactly once
   // (`freed`).
-  if (history.enabled() && in_parent()) {
+  if (history.tracking() && in_parent()) {
     observe("memory history", [&] {
       history.on_free(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
     });
@@ -344,6 +344,13 @@ void uncached_delete(void* ptr) {
   if (!oom) {
     TORCH_CHECK(false, "gpualloc failed to allocate ", size, " bytes on device ", static_cast<int>(device), ": ", msg);
   }
+  // What PyTorch's observers are told: the size needed from the device
+  // and the memory allowed (the limit in force, else the device's total).
+  GpuallocOomInfo info{};
+  info.size = sizeof(info);
+  if (api.last_oom(&info) != GPUALLOC_OK) {
+    info = GpuallocOomInfo{};
+  }
   uint64_t free_bytes = 0;
   uint64_t total_bytes = 0;
   if (api.mem_info(device, &free_bytes, &total_bytes) != GPUALLOC_OK) {
@@ -368,8 +375,10 @@ void uncached_delete(void* ptr) {
     std::lock_guard<std::mutex> g(observers_mutex);
     obs = oom_observers;
   }
+  const size_t needed = info.needed != 0 ? info.needed : size;
+  const size_t allowed = info.limit != 0 ? info.limit : total_bytes;
   for (const auto& o : obs) {
-    o(device, size, total_bytes, free_bytes);
+    o(device, needed, allowed, free_bytes);
   }
   TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
 }
@@ -914,7 +923,7 @@ class GpuallocAllocator final : public CUDAAllocator {
     for (size_t i = 0; i < n_freed; ++i) {
       void* p = reinterpret_cast<void*>(freed[i]);
       d.ptrs_freed.push_back(p);
-      if (history.enabled()) {
+      if (history.tracking()) {
         history.on_free(p, device, nullptr);
       }
     }

@@ -334,6 +334,35 @@ def check_compat(args) -> dict:
         del keep
         return {"trace_entries": len(traces), "actions": sorted(actions), "blocks": len(blocks), "segsum_chars": len(text)}
 
+    @sub("memory_history_stacks_outlive_recording")
+    def _():
+        # A block allocated while history records keeps its stack in later
+        # snapshots, after recording stops (PyTorch's blocks keep
+        # context_when_allocated); a block allocated after it has none,
+        # even at the address of a freed block that had one.
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        try:
+            kept = torch.empty(5 * MiB, dtype=torch.uint8, device=dev)
+            gone = torch.empty(7 * MiB, dtype=torch.uint8, device=dev)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        addr = gone.data_ptr()
+        del gone
+        later = torch.empty(7 * MiB, dtype=torch.uint8, device=dev)
+        has_frames = {}
+        for s in torch.cuda.memory._snapshot()["segments"]:
+            a = s["address"]
+            for b in s["blocks"]:
+                if b["state"] == "active_allocated":
+                    has_frames[a] = bool(b.get("frames"))
+                a += b["size"]
+        same = later.data_ptr() == addr
+        assert has_frames.get(kept.data_ptr()) is True, "the block allocated while recording lost its stack once recording stopped"
+        assert has_frames.get(later.data_ptr()) is False, (
+            "a block allocated after recording stopped has a stack" + (" (a freed block's, at its address)" if same else ""))
+        del kept, later
+        return {"later_at_the_freed_address": same}
+
     @sub("memory_viz_replays_history_through_stitches")
     def _():
         # MemoryViz's Allocator State History replays the trace backwards
@@ -588,7 +617,22 @@ def check_compat(args) -> dict:
         _fail_twice_the_device(torch, dev)
         assert seen, "the observer was not called"
         assert seen[0][0] == 0, f"observer device: {seen[0]}"
-        return {"args": [int(v) for v in seen[0]]}
+        # Under a memory fraction PyTorch tells the memory allowed
+        # (allowed_memory_maximum) and the size it needed from the device.
+        _, total = torch.cuda.mem_get_info()
+        ask = int(total * 0.75)
+        torch.cuda.set_per_process_memory_fraction(0.5)
+        try:
+            torch.empty(ask, dtype=torch.uint8, device=dev)
+            raise AssertionError("no OutOfMemoryError for 3/4 of the device under a fraction of 0.5")
+        except torch.cuda.OutOfMemoryError:
+            pass
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        last = [int(v) for v in seen[-1]]
+        assert abs(last[2] - int(0.5 * total)) <= 2 * MiB, f"the observer's memory allowed {last[2]}, under a fraction of 0.5 of {total}"
+        assert last[1] >= ask, f"the observer's size {last[1]} < the {ask} bytes asked"
+        return {"args": [int(v) for v in seen[0]], "under_a_fraction": last}
 
     @sub("memory_history_oom_entry_has_stack")
     def _():

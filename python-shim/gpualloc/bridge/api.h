@@ -53,6 +53,7 @@ struct Api {
   decltype(&gpualloc_ipc_share) ipc_share = nullptr;
   decltype(&gpualloc_ipc_open) ipc_open = nullptr;
   decltype(&gpualloc_ipc_close) ipc_close = nullptr;
+  decltype(&gpualloc_last_oom) last_oom = nullptr;
 
   // Resolves every symbol from the library at `handle`.
   void resolve_all(void* handle) {
@@ -93,6 +94,7 @@ struct Api {
     resolve(handle, "gpualloc_ipc_share", ipc_share);
     resolve(handle, "gpualloc_ipc_open", ipc_open);
     resolve(handle, "gpualloc_ipc_close", ipc_close);
+    resolve(handle, "gpualloc_last_oom", last_oom);
   }
 
  private:

@@ -53,6 +53,10 @@ inline TraceEntry make_entry(TraceEntry::Action action, c10::DeviceIndex device,
 class History {
  public:
   bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
+  // Whether frees must be told: while history records, and after it stops
+  // while blocks allocated during it live (their stacks stay in the
+  // snapshot, as PyTorch's blocks keep `context_when_allocated`).
+  bool tracking() const { return tracking_.load(std::memory_order_relaxed); }
 
   // PyTorch's recordHistory; `skip` holds TraceEntry actions not to record.
   void configure(bool enabled, cca::CreateContextFn recorder, size_t max_entries, RecordContext when,
@@ -67,10 +71,8 @@ class History {
     if (!enabled || clear) {
       rings_.clear();
     }
-    if (!enabled) {
-      live_.clear();
-    }
     enabled_.store(enabled, std::memory_order_relaxed);
+    tracking_.store(enabled || !live_.empty(), std::memory_order_relaxed);
   }
 
   // The stack of the calling thread, if stacks are recorded at level `needed`.
@@ -103,6 +105,9 @@ class History {
     Live l = it != live_.end() ? it->second : Live{nullptr, 0, fallback_device, nullptr};
     if (it != live_.end()) {
       live_.erase(it);
+    }
+    if (!enabled() && live_.empty()) {
+      tracking_.store(false, std::memory_order_relaxed);
     }
     push(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, ctx);
     push(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, ctx);
@@ -261,6 +266,7 @@ class History {
   }
 
   std::atomic<bool> enabled_{false};
+  std::atomic<bool> tracking_{false};
   mutable std::mutex mutex_;
   cca::CreateContextFn recorder_ = nullptr;
   RecordContext when_ = RecordContext::NEVER;
