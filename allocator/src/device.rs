@@ -108,6 +108,14 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) obtained_as_traced: u64,
 }
 
+/// What [`DeviceAllocator::cached_block`] found.
+struct Cached {
+    pool: PoolId,
+    rounded: u64,
+    capturing: bool,
+    block: Option<BlockId>,
+}
+
 impl<B: Backend> DeviceAllocator<B> {
     /// A device allocator over `backend`.
     pub fn new(device: u32, mut backend: B, config: Config) -> Self {
@@ -365,6 +373,55 @@ impl<B: Backend> DeviceAllocator<B> {
         if size > crate::size_class::MAX_REQUEST {
             return Err(self.out_of_memory(stream, None, size, size, None));
         }
+        let cached = self.cached_block(size, stream, into)?;
+        let block = match cached.block {
+            Some(b) => b,
+            None => {
+                let capturing = cached.capturing || self.capture_elsewhere()?;
+                self.malloc_slow(cached.pool, stream, size, cached.rounded, capturing)?
+            }
+        };
+        // A stitch serves a large-pool request from the stitch pool.
+        let pool = self.heap.blocks[block].pool;
+        Ok(self.alloc_found_block(block, pool, stream, size, cached.rounded))
+    }
+
+    /// [`malloc`](Self::malloc) from the stream's cached free blocks only:
+    /// `None` where `malloc` would take its slow path (grow, map pooled
+    /// pages, stitch, or fail), having changed nothing a later `malloc`
+    /// depends on. The C ABI's miss callback runs between the two (Note
+    /// [Free-memory callbacks] in `capi/src/lib.rs`).
+    ///
+    /// # Errors
+    /// [`AllocError::Backend`] when the driver fails while events are read.
+    pub fn malloc_cached(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<Option<DevicePtr>, AllocError> {
+        if size == 0 {
+            return Ok(Some(0));
+        }
+        if size > crate::size_class::MAX_REQUEST {
+            return Ok(None); // `malloc` says why
+        }
+        let cached = self.cached_block(size, stream, None)?;
+        Ok(cached.block.map(|block| {
+            let pool = self.heap.blocks[block].pool;
+            self.alloc_found_block(block, pool, stream, size, cached.rounded)
+        }))
+    }
+
+    /// The fast path of an allocation: the pool, the rounded size, whether
+    /// a capture is known to be under way, and a fitting cached free block
+    /// of the stream (taken out of the free index), if one exists.
+    #[inline]
+    fn cached_block(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+        into: Option<PoolKey>,
+    ) -> Result<Cached, AllocError> {
         // A stream that allocates is alive (Note [Streams that refuse events]).
         self.fences.revive(stream);
         let mut capturing = self.private.capturing();
@@ -386,16 +443,13 @@ impl<B: Backend> DeviceAllocator<B> {
                 PoolKind::Large => large,
             });
         let pool = forced.unwrap_or_else(|| self.pool_for(rounded, stream));
-        let block = match self.get_free_block(pool, stream, rounded) {
-            Some(b) => b,
-            None => {
-                capturing = capturing || self.capture_elsewhere()?;
-                self.malloc_slow(pool, stream, size, rounded, capturing)?
-            }
-        };
-        // A stitch serves a large-pool request from the stitch pool.
-        let pool = self.heap.blocks[block].pool;
-        Ok(self.alloc_found_block(block, pool, stream, size, rounded))
+        let block = self.get_free_block(pool, stream, rounded);
+        Ok(Cached {
+            pool,
+            rounded,
+            capturing,
+            block,
+        })
     }
 
     /// The allocation path when the stream's own cache has no fit.

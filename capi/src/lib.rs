@@ -31,6 +31,7 @@ mod global;
 mod held;
 mod ipc;
 mod ipc_format;
+mod miss;
 mod observer;
 mod oom;
 mod pending;
@@ -50,6 +51,7 @@ pub use boundary::*;
 pub use checkpoint::*;
 pub use driver_calls::*;
 pub use ipc::*;
+pub use miss::*;
 pub use observer::*;
 pub use oom::*;
 pub use pools::*;
@@ -244,13 +246,32 @@ fn malloc_on(
             }
             let stream = stream as usize as u64;
             let g = global()?;
-            let p = {
+            let size = size as u64;
+            let on_device = |cached: bool| -> Result<Option<u64>, gpualloc::AllocError> {
                 let mut d = g.alloc.lock(i64::from(device))?;
                 if follow_captures && size > 0 {
                     d.follow_driver_capture(stream)?;
                 }
-                d.malloc(size as u64, stream)
+                if cached {
+                    d.malloc_cached(size, stream)
+                } else {
+                    d.malloc(size, stream).map(Some)
+                }
             };
+            // Note [Free-memory callbacks]: a miss runs the callback with
+            // the device let go.
+            let p = if size > 0 && miss::wanted() {
+                match on_device(true) {
+                    Ok(None) => {
+                        miss::run(device);
+                        on_device(false)
+                    }
+                    r => r,
+                }
+            } else {
+                on_device(false)
+            }
+            .map(|p| p.unwrap_or(0));
             // Frees another allocator's call made meanwhile (Note [Frees
             // called back from a source]), now that the device is let go.
             g.alloc.run_deferred_frees();

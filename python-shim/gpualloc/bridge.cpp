@@ -383,9 +383,8 @@ void uncached_delete(void* ptr) {
   TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
 }
 
-// PyTorch's allocator runs torch's free-memory callbacks before it gives
-// up (`cuda_ipc_collect`: tensors sent to other processes that they have
-// let go of); whether one freed memory.
+// torch's free-memory callbacks (`cuda_ipc_collect`: tensors sent to other
+// processes that they have let go of); whether one freed memory.
 bool free_memory_callbacks_freed() {
   bool freed = false;
   for (const auto& name : c10::FreeCudaMemoryCallbacksRegistry()->Keys()) {
@@ -394,8 +393,21 @@ bool free_memory_callbacks_freed() {
   return freed;
 }
 
+// PyTorch's allocator runs them whenever a request finds no cached block,
+// before it grows: gpualloc calls this then, with no lock of its own held
+// (Note [Free-memory callbacks] in capi/src/miss.rs). Nothing may unwind
+// into gpualloc; a callback that throws frees nothing.
+int on_miss(void* /*ctx*/, int /*device*/) noexcept {
+  try {
+    return free_memory_callbacks_freed() ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
 // gpualloc's malloc; out of memory, once more after torch's free-memory
-// callbacks freed some.
+// callbacks freed some (PyTorch's allocator runs them on a miss, and then
+// releases its cache: memory let go of since is still worth a retry).
 void* malloc_or_retry(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
   void* p = api.malloc_fn(size, device, stream);
   if (p == nullptr && api.last_error_code() == GPUALLOC_ERR_OUT_OF_MEMORY && free_memory_callbacks_freed()) {
@@ -1138,6 +1150,7 @@ extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t er
     // must find gpualloc too; PyTorch registers its own at priority 0.
     c10::SetAllocator(c10::DeviceType::CUDA, a.get(), 1);
     check(api.set_segment_observer(&on_segment, nullptr), "set_segment_observer");
+    check(api.set_miss_callback(&on_miss, nullptr), "set_miss_callback");
     installed = new std::shared_ptr<GpuallocAllocator>(a);
     return 0;
   } catch (const c10::Error& e) {

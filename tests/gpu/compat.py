@@ -1150,6 +1150,21 @@ def _ipc_child(q, done, receiver):
         done.put((f"{type(e).__name__}: {e}"[:800], None))
 
 
+def _ipc_release_child(q, done):
+    import torch
+
+    try:
+        t = q.get(timeout=60)[0]
+        done.put(("got", int(t[0])))
+        q.get(timeout=60)  # "release"
+        del t
+        torch.cuda.synchronize()
+        done.put(("released", None))
+        q.get(timeout=60)  # "done"
+    except Exception as e:  # noqa: BLE001
+        done.put((f"{type(e).__name__}: {e}"[:800], None))
+
+
 def check_ipc(args) -> dict:
     import torch
     import torch.multiprocessing as mp
@@ -1185,5 +1200,37 @@ def check_ipc(args) -> dict:
                 p.join(60)
                 if p.is_alive():
                     p.kill()
+
+    @sub("a_tensor_let_go_of_is_collected_on_a_miss")
+    def _():
+        # A tensor freed here while the receiver still holds it waits in
+        # torch's limbo; once the receiver lets go, PyTorch's allocator
+        # collects it (torch's free-memory callbacks) on the next request
+        # that finds no cached block, instead of growing.
+        torch.cuda.empty_cache()
+        q, done = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=_ipc_release_child, args=(q, done))
+        p.start()
+        try:
+            x = torch.ones(64 * MiB, dtype=torch.uint8, device="cuda")
+            q.put([x])
+            status, _ = done.get(timeout=120)
+            assert status == "got", f"child: {status}"
+            del x  # the child holds it still
+            q.put("release")
+            status, _ = done.get(timeout=120)
+            assert status == "released", f"child: {status}"
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_reserved()
+            y = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+            grew = torch.cuda.memory_reserved() - before
+            del y
+            q.put("done")
+            assert grew == 0, f"reserved memory grew by {grew} bytes: the tensor let go of was not collected on the miss"
+            return {"reserved_before": before}
+        finally:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
 
     return sub.result()

@@ -315,6 +315,35 @@ impl Checked {
             || self.clock.get(&(later, earlier)).is_some_and(|&s| s >= seq)
     }
 
+    /// [`DeviceAllocator::malloc_cached`]: a hit is registered and checked
+    /// as an allocation; a miss must leave the device as it was.
+    pub fn malloc_cached(&mut self, size: u64, stream: StreamId) -> Option<DevicePtr> {
+        self.streams.insert(stream);
+        let before = format!(
+            "{:?}",
+            (self.stats(), self.reserved(), &self.sim().counters)
+        );
+        let r = self
+            .op(|d| d.malloc_cached(size, stream))
+            .unwrap_or_else(|e| panic!("malloc_cached({size}) failed with {e:?}"));
+        match r {
+            Some(0) => assert_eq!(size, 0, "null pointer for {size} bytes"),
+            Some(p) => self.register(p, size, stream),
+            None => {
+                let after = format!(
+                    "{:?}",
+                    (self.stats(), self.reserved(), &self.sim().counters)
+                );
+                assert_eq!(
+                    before, after,
+                    "a miss of malloc_cached({size}) changed the device"
+                );
+            }
+        }
+        self.check();
+        r
+    }
+
     /// Allocates; on success registers and checks the new allocation.
     pub fn malloc(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
         self.streams.insert(stream);

@@ -54,6 +54,7 @@ struct Api {
   decltype(&gpualloc_ipc_open) ipc_open = nullptr;
   decltype(&gpualloc_ipc_close) ipc_close = nullptr;
   decltype(&gpualloc_last_oom) last_oom = nullptr;
+  decltype(&gpualloc_set_miss_callback) set_miss_callback = nullptr;
 
   // Resolves every symbol from the library at `handle`.
   void resolve_all(void* handle) {
@@ -95,6 +96,7 @@ struct Api {
     resolve(handle, "gpualloc_ipc_open", ipc_open);
     resolve(handle, "gpualloc_ipc_close", ipc_close);
     resolve(handle, "gpualloc_last_oom", last_oom);
+    resolve(handle, "gpualloc_set_miss_callback", set_miss_callback);
   }
 
  private:

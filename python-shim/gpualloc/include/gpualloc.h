@@ -144,6 +144,12 @@ typedef struct GpuallocHeld {
   uint64_t pooled;
 } GpuallocHeld;
 
+// Called when an allocation on `device` finds no cached free block, before
+// the allocator maps or creates memory for it, with no lock of gpualloc
+// held: it may free memory through gpualloc. Returns non-zero when it
+// freed some (not used today).
+typedef int (*GpuallocMissCallback)(void *ctx, int device);
+
 // Receives segment events: `action` is one of `GPUALLOC_SEGMENT_*`,
 // `stream` the `cudaStream_t` the memory was obtained for, as an integer.
 // Called under the allocator's lock: it must not call gpualloc.
@@ -669,6 +675,17 @@ int gpualloc_ipc_open(const char *handle, size_t len, int device, void **out);
 // work (the memory lives on in the sender).
 // `GPUALLOC_ERR_INVALID_POINTER` for any other pointer.
 int gpualloc_ipc_close(void *ptr);
+
+// Sets the callback that an allocation runs when it finds no cached free
+// block (Note [Free-memory callbacks]), replacing any earlier one; NULL
+// takes it away. Returns `GPUALLOC_OK`.
+//
+// # Safety
+// `callback(ctx, device)` must be callable from any thread until another
+// callback is set, and must not unwind. It runs with no lock of gpualloc
+// held, so it may free memory through gpualloc (an allocation it makes
+// does not run it again).
+int gpualloc_set_miss_callback(GpuallocMissCallback callback, void *ctx);
 
 // Installs the one segment observer (NULL removes it), on every device,
 // now or when the allocator starts. It is called synchronously, under the

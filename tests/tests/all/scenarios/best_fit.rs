@@ -113,3 +113,37 @@ fn own_stream_block_is_preferred_to_a_better_fitting_one_of_another_stream() {
     );
     assert_eq!(c.sim().counters.stream_wait_event, 0);
 }
+
+/// The cache-only lookup the C ABI makes before running a miss callback
+/// (Note [Free-memory callbacks] in `capi/src/miss.rs`): it serves what
+/// `malloc` would serve from the stream's own cached blocks, and on a miss
+/// changes nothing (no growth, no mapping, no stitch, no other stream's
+/// block, no out-of-memory error), so that `malloc` then runs as it would have.
+fn cached_lookup_serves_hits_and_leaves_misses_to_malloc(policy: &str) {
+    let mut c = Checked::with(1 << 30, policy);
+    assert_eq!(c.malloc_cached(0, A), Some(0));
+    assert_eq!(c.malloc_cached(8 * MIB, A), None, "an empty cache misses");
+    let p = c.alloc(8 * MIB, A);
+    c.release(p);
+    assert_eq!(
+        c.malloc_cached(8 * MIB, B),
+        None,
+        "another stream's block is malloc's to take"
+    );
+    let q = c
+        .malloc_cached(8 * MIB, A)
+        .expect("the stream's own cached block");
+    assert_eq!(q, p);
+    assert_eq!(c.malloc_cached(64 * MIB, A), None);
+    assert_eq!(
+        c.malloc_cached(2 << 30, A),
+        None,
+        "a request over the device is malloc's to refuse"
+    );
+    assert!(c.malloc(2 << 30, A).is_err());
+    let r = c.alloc(64 * MIB, A);
+    c.release(r);
+    c.release(q);
+}
+
+under_both_policies!(cached_lookup_serves_hits_and_leaves_misses_to_malloc);
