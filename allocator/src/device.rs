@@ -850,6 +850,7 @@ impl<B: Backend> DeviceAllocator<B> {
             return Ok(());
         }
         self.record(Action::FreeRequested, stream, ptr, requested, size);
+        self.notify(SegmentAction::BlockFreeDeferred, stream, ptr, size);
         if self.private.capturing() {
             self.pending.defer(id);
         } else if let Err(e) = self.insert_events(id) {
@@ -870,7 +871,10 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Returns a block to its pool, merging it with free neighbours of the
     /// same stream. PyTorch's `free_block`.
     pub(crate) fn free_block(&mut self, id: BlockId) {
+        let b = &self.heap.blocks[id];
+        let (stream, ptr, size) = (b.stream, b.ptr, b.size);
         self.free_block_as(id, Action::FreeCompleted);
+        self.notify(SegmentAction::BlockFreeCompleted, stream, ptr, size);
     }
 
     /// [`free_block`](Self::free_block), traced as `action`.

@@ -38,6 +38,13 @@
 //! backed ranges (NCCL registration) takes the first six, a consumer of
 //! listed ones (memory history) the four that change both and the last
 //! two; after every call, the listed ranges are the snapshot's segments.
+//!
+//! Memory history also wants to know when a free completes, which is
+//! later than the free for a block used on other streams
+//! (`record_stream`): [`SegmentAction::BlockFreeDeferred`] during such a
+//! free and [`SegmentAction::BlockFreeCompleted`] once the block is free,
+//! with the block's address and size. Any other free completes at once and
+//! is told nothing (it is the hot path).
 
 use std::sync::Arc;
 
@@ -66,6 +73,14 @@ pub enum SegmentAction {
     /// A mapped range leaves the snapshot (the home runs a stitch takes, a
     /// stitch given back to the cache, the old range of moved pages).
     Unlisted,
+    /// Not a range's change: the block at the address, freed with uses on
+    /// other streams (`record_stream`), waits for their work before it is
+    /// free (PyTorch's `TraceEntry::FREE_REQUESTED` without its
+    /// `FREE_COMPLETED`). Told during the free, on the freeing thread.
+    BlockFreeDeferred,
+    /// Not a range's change: the block of a [`SegmentAction::BlockFreeDeferred`]
+    /// is free now (PyTorch's `TraceEntry::FREE_COMPLETED`).
+    BlockFreeCompleted,
 }
 
 impl SegmentAction {
@@ -77,7 +92,10 @@ impl SegmentAction {
             SegmentAction::Free | SegmentAction::Unmap | SegmentAction::UnmapUnlisted => {
                 Some(false)
             }
-            SegmentAction::Listed | SegmentAction::Unlisted => None,
+            SegmentAction::Listed
+            | SegmentAction::Unlisted
+            | SegmentAction::BlockFreeDeferred
+            | SegmentAction::BlockFreeCompleted => None,
         }
     }
 
@@ -87,7 +105,10 @@ impl SegmentAction {
         match self {
             SegmentAction::Alloc | SegmentAction::Map | SegmentAction::Listed => Some(true),
             SegmentAction::Free | SegmentAction::Unmap | SegmentAction::Unlisted => Some(false),
-            SegmentAction::MapUnlisted | SegmentAction::UnmapUnlisted => None,
+            SegmentAction::MapUnlisted
+            | SegmentAction::UnmapUnlisted
+            | SegmentAction::BlockFreeDeferred
+            | SegmentAction::BlockFreeCompleted => None,
         }
     }
 }

@@ -82,6 +82,17 @@ typedef struct CUstream_st *cudaStream_t;
 // `SEGMENT_UNMAP`; nothing is unmapped).
 #define GPUALLOC_SEGMENT_UNLISTED 13
 
+// Not a range's change: the block at the address, freed with uses on other
+// streams (`record_stream`), waits for their work before it is free
+// (memory history's `FREE_REQUESTED` without its `FREE_COMPLETED`); told
+// during the free, on the freeing thread.
+#define GPUALLOC_BLOCK_FREE_DEFERRED 14
+
+// Not a range's change: the block of a `GPUALLOC_BLOCK_FREE_DEFERRED` is
+// free now (memory history's `FREE_COMPLETED`). Every other free completes
+// at once and is told nothing.
+#define GPUALLOC_BLOCK_FREE_COMPLETED 15
+
 // Version of [`GpuallocOomInfo`] this library writes.
 #define GPUALLOC_OOM_INFO_VERSION 1
 
@@ -703,7 +714,10 @@ int gpualloc_set_miss_callback(GpuallocMissCallback callback, void *ctx);
 // of backed memory (NCCL registration) takes ALLOC, MAP and MAP_UNLISTED
 // against FREE, UNMAP and UNMAP_UNLISTED; one of the snapshot's segments
 // (memory history) takes ALLOC, MAP and LISTED against FREE, UNMAP and
-// UNLISTED (Note [Segment events]). An unmapped
+// UNLISTED (Note [Segment events]). `GPUALLOC_BLOCK_FREE_DEFERRED` and
+// `GPUALLOC_BLOCK_FREE_COMPLETED` change no range: they tell of a block's
+// free that waits for other streams' work (`record_stream`), and of its
+// completion, with the block's address and size. An unmapped
 // range lies inside mapped ones but may span or split them. When the driver
 // refuses a release or an unmap, the range is announced again (ALLOC or MAP).
 // Once this returns, the previous observer is no longer called. An

@@ -33,6 +33,15 @@ pub const GPUALLOC_SEGMENT_LISTED: c_int = 12;
 /// A mapped range leaves the snapshot's segments (memory history's
 /// `SEGMENT_UNMAP`; nothing is unmapped).
 pub const GPUALLOC_SEGMENT_UNLISTED: c_int = 13;
+/// Not a range's change: the block at the address, freed with uses on other
+/// streams (`record_stream`), waits for their work before it is free
+/// (memory history's `FREE_REQUESTED` without its `FREE_COMPLETED`); told
+/// during the free, on the freeing thread.
+pub const GPUALLOC_BLOCK_FREE_DEFERRED: c_int = 14;
+/// Not a range's change: the block of a `GPUALLOC_BLOCK_FREE_DEFERRED` is
+/// free now (memory history's `FREE_COMPLETED`). Every other free completes
+/// at once and is told nothing.
+pub const GPUALLOC_BLOCK_FREE_COMPLETED: c_int = 15;
 
 /// Receives segment events: `action` is one of `GPUALLOC_SEGMENT_*`,
 /// `stream` the `cudaStream_t` the memory was obtained for, as an integer.
@@ -71,6 +80,8 @@ impl CObserver {
             SegmentAction::UnmapUnlisted => GPUALLOC_SEGMENT_UNMAP_UNLISTED,
             SegmentAction::Listed => GPUALLOC_SEGMENT_LISTED,
             SegmentAction::Unlisted => GPUALLOC_SEGMENT_UNLISTED,
+            SegmentAction::BlockFreeDeferred => GPUALLOC_BLOCK_FREE_DEFERRED,
+            SegmentAction::BlockFreeCompleted => GPUALLOC_BLOCK_FREE_COMPLETED,
         };
         // SAFETY: `f` and `ctx` came together from the caller, who keeps them
         // valid while this observer is installed.
@@ -103,7 +114,10 @@ impl CObserver {
 /// of backed memory (NCCL registration) takes ALLOC, MAP and MAP_UNLISTED
 /// against FREE, UNMAP and UNMAP_UNLISTED; one of the snapshot's segments
 /// (memory history) takes ALLOC, MAP and LISTED against FREE, UNMAP and
-/// UNLISTED (Note [Segment events]). An unmapped
+/// UNLISTED (Note [Segment events]). `GPUALLOC_BLOCK_FREE_DEFERRED` and
+/// `GPUALLOC_BLOCK_FREE_COMPLETED` change no range: they tell of a block's
+/// free that waits for other streams' work (`record_stream`), and of its
+/// completion, with the block's address and size. An unmapped
 /// range lies inside mapped ones but may span or split them. When the driver
 /// refuses a release or an unmap, the range is announced again (ALLOC or MAP).
 /// Once this returns, the previous observer is no longer called. An

@@ -147,6 +147,14 @@ AnnouncedRanges& announced = *new AnnouncedRanges;
 // trackers follow the memory backed, so they skip LISTED and UNLISTED.
 void on_segment(void*, int device, int action, uint64_t address, uint64_t size, uint64_t stream) {
   try {
+    // A free's completion, not a segment's change.
+    if (action == GPUALLOC_BLOCK_FREE_DEFERRED || action == GPUALLOC_BLOCK_FREE_COMPLETED) {
+      if (history.tracking()) {
+        void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(address));
+        action == GPUALLOC_BLOCK_FREE_DEFERRED ? history.on_block_deferred(p) : history.on_block_freed(p);
+      }
+      return;
+    }
     auto a = segment_action(action);
     auto s = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream));
     bool listing = action != GPUALLOC_SEGMENT_MAP_UNLISTED && action != GPUALLOC_SEGMENT_UNMAP_UNLISTED;
@@ -292,11 +300,22 @@ void delete_fn(void* ptr) {
   // Each observer on its own, so that one that throws keeps neither the
   // others nor the free from happening; the memory is freed exactly once
   // (`freed`).
-  if (history.tracking() && in_parent()) {
+  const bool told = history.tracking() && in_parent();
+  if (told) {
     observe("memory history", [&] {
-      history.on_free(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
+      history.on_free_requested(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
     });
   }
+  // Whatever happens below: a free gpualloc did not defer is complete.
+  struct AfterFree {
+    bool told;
+    void* ptr;
+    ~AfterFree() {
+      if (told) {
+        observe("memory history", [&] { history.after_free(ptr); });
+      }
+    }
+  } after_free{told, ptr};
   observe("the CUDA sanitizer", [&] { sanitizer_free(ptr); });
   bool freed = false;
   if (c10::memoryProfilingEnabled() && in_parent()) {

@@ -363,6 +363,40 @@ def check_compat(args) -> dict:
         del kept, later
         return {"later_at_the_freed_address": same}
 
+    @sub("memory_history_free_completes_after_other_streams")
+    def _():
+        # A block used on another stream (record_stream) and freed: its
+        # free_requested comes at the free, its free_completed once that
+        # stream's work is done (seen by a later allocation), as PyTorch
+        # records them; a block used on its own stream completes at once.
+        side = torch.cuda.Stream()
+        torch.cuda.memory._record_memory_history(max_entries=10_000)
+        try:
+            x = torch.zeros(9 * MiB, dtype=torch.uint8, device=dev)
+            plain = torch.zeros(5 * MiB, dtype=torch.uint8, device=dev)
+            addr, plain_addr = x.data_ptr(), plain.data_ptr()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(200_000_000)  # about 0.1 s of the side stream
+                x.add_(1)
+            x.record_stream(side)
+            del x, plain
+            during = torch.cuda.memory._snapshot()["device_traces"][0]
+            side.synchronize()
+            later = torch.empty(1, device=dev)
+            after = torch.cuda.memory._snapshot()["device_traces"][0]
+            del later
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+        def frees(trace, a):
+            return [e["action"] for e in trace if e["addr"] == a and e["action"].startswith("free")]
+
+        assert frees(during, addr) == ["free_requested"], f"while the side stream runs: {frees(during, addr)}"
+        assert frees(after, addr) == ["free_requested", "free_completed"], f"after it: {frees(after, addr)}"
+        assert frees(during, plain_addr) == ["free_requested", "free_completed"], frees(during, plain_addr)
+        return "free_completed after the other stream's work"
+
     @sub("memory_viz_replays_history_through_stitches")
     def _():
         # MemoryViz's Allocator State History replays the trace backwards

@@ -109,6 +109,11 @@ static void observer(void *ctx, int device, int action, uint64_t address, uint64
     case GPUALLOC_SEGMENT_LISTED:
     case GPUALLOC_SEGMENT_UNLISTED:
       break; /* the snapshot's view: backed memory does not change */
+    case GPUALLOC_BLOCK_FREE_DEFERRED:
+    case GPUALLOC_BLOCK_FREE_COMPLETED:
+      /* a block's free, not a range's change: the block is backed memory */
+      if (!registered(device, address, address + size)) fail("a block freed outside backed memory:", address, size);
+      break;
     default:
       fail("unknown action:", address, size);
   }

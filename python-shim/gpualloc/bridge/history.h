@@ -72,7 +72,7 @@ class History {
       rings_.clear();
     }
     enabled_.store(enabled, std::memory_order_relaxed);
-    tracking_.store(enabled || !live_.empty(), std::memory_order_relaxed);
+    update_tracking();
   }
 
   // The stack of the calling thread, if stacks are recorded at level `needed`.
@@ -99,18 +99,52 @@ class History {
     live_[ptr] = Live{when_ >= RecordContext::STATE ? std::move(ctx) : nullptr, size, device, stream};
   }
 
+  // A free that completes at once (a pool's checkpoint restored).
   void on_free(void* ptr, c10::DeviceIndex fallback_device, Context ctx) {
     std::lock_guard<std::mutex> g(mutex_);
-    auto it = live_.find(ptr);
-    Live l = it != live_.end() ? it->second : Live{nullptr, 0, fallback_device, nullptr};
-    if (it != live_.end()) {
-      live_.erase(it);
-    }
-    if (!enabled() && live_.empty()) {
-      tracking_.store(false, std::memory_order_relaxed);
-    }
+    Live l = take_live(ptr, fallback_device);
     push(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, ctx);
     push(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, ctx);
+    update_tracking();
+  }
+
+  // A free asked for, before gpualloc frees: FREE_REQUESTED now;
+  // FREE_COMPLETED in `after_free`, or, for a block used on other streams
+  // (`record_stream`), once gpualloc says it is free (`on_block_freed`).
+  void on_free_requested(void* ptr, c10::DeviceIndex fallback_device, Context ctx) {
+    std::lock_guard<std::mutex> g(mutex_);
+    Live l = take_live(ptr, fallback_device);
+    push(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, ctx);
+    freeing_[ptr] = Freeing{std::move(l), std::move(ctx), false};
+    tracking_.store(true, std::memory_order_relaxed);
+  }
+
+  // Called by gpualloc (under its lock) during a free it defers: the
+  // block waits for other streams' work.
+  void on_block_deferred(void* ptr) {
+    std::lock_guard<std::mutex> g(mutex_);
+    auto it = freeing_.find(ptr);
+    if (it != freeing_.end()) {
+      it->second.deferred = true;
+    }
+  }
+
+  // After gpualloc's free returned: a free it did not defer is complete.
+  void after_free(void* ptr) {
+    std::lock_guard<std::mutex> g(mutex_);
+    auto it = freeing_.find(ptr);
+    if (it != freeing_.end() && !it->second.deferred) {
+      complete(it);
+    }
+  }
+
+  // Called by gpualloc (under its lock) when a deferred free completes.
+  void on_block_freed(void* ptr) {
+    std::lock_guard<std::mutex> g(mutex_);
+    auto it = freeing_.find(ptr);
+    if (it != freeing_.end()) {
+      complete(it);
+    }
   }
 
   // Segment events, with the stack of the request that caused them (the
@@ -231,6 +265,36 @@ class History {
     std::vector<TraceEntry> entries;
     size_t next = 0;  // oldest entry once full
   };
+  struct Freeing {
+    Live live;
+    Context ctx;       // the free's stack
+    bool deferred;     // gpualloc waits for other streams' work
+  };
+
+  // Under mutex_: the live allocation at `ptr`, taken out of live_.
+  Live take_live(void* ptr, c10::DeviceIndex fallback_device) {
+    auto it = live_.find(ptr);
+    if (it == live_.end()) {
+      return Live{nullptr, 0, fallback_device, nullptr};
+    }
+    Live l = std::move(it->second);
+    live_.erase(it);
+    return l;
+  }
+
+  // Under mutex_: FREE_COMPLETED for a free requested.
+  void complete(std::unordered_map<void*, Freeing>::iterator it) {
+    const Live& l = it->second.live;
+    push(TraceEntry::FREE_COMPLETED, l.device, it->first, l.size, l.stream, it->second.ctx);
+    freeing_.erase(it);
+    update_tracking();
+  }
+
+  // Under mutex_ (or before the first use): frees are told while history
+  // records, or while a block allocated during it lives or is being freed.
+  void update_tracking() {
+    tracking_.store(enabled() || !live_.empty() || !freeing_.empty(), std::memory_order_relaxed);
+  }
 
   static std::vector<std::string>& compile_stack() {
     thread_local auto* s = new std::vector<std::string>();
@@ -274,6 +338,7 @@ class History {
   std::unordered_set<int> skip_;
   std::vector<Ring> rings_;
   std::unordered_map<void*, Live> live_;
+  std::unordered_map<void*, Freeing> freeing_;
   std::deque<AnnotationEntry> annotations_;
   std::string user_metadata_;
 };

@@ -83,6 +83,9 @@ struct Registry {
     listed: Ranges,
     /// Plain segments announced by `Alloc`: start -> bytes.
     plain: BTreeMap<u64, u64>,
+    /// Blocks whose free waits for other streams: start -> bytes, from
+    /// `BlockFreeDeferred` to `BlockFreeCompleted`.
+    deferred: BTreeMap<u64, u64>,
     /// Events seen, per action.
     counts: BTreeMap<&'static str, u64>,
     /// Contract violations seen.
@@ -101,6 +104,8 @@ impl Registry {
             SegmentAction::UnmapUnlisted => "unmap_unlisted",
             SegmentAction::Listed => "listed",
             SegmentAction::Unlisted => "unlisted",
+            SegmentAction::BlockFreeDeferred => "block_free_deferred",
+            SegmentAction::BlockFreeCompleted => "block_free_completed",
         };
         *self.counts.entry(name).or_default() += 1;
         if e.device != 0 || e.size == 0 {
@@ -122,6 +127,13 @@ impl Registry {
             SegmentAction::Unmap | SegmentAction::UnmapUnlisted if inside_plain => {
                 self.errors
                     .push(format!("unmap of {lo:#x}..{hi:#x} inside a plain segment"));
+            }
+            SegmentAction::BlockFreeDeferred if self.deferred.insert(lo, e.size).is_some() => {
+                self.errors.push(format!("{lo:#x} deferred twice"));
+            }
+            SegmentAction::BlockFreeCompleted if self.deferred.remove(&lo) != Some(e.size) => {
+                self.errors
+                    .push(format!("{lo:#x}+{} completed, never deferred", e.size));
             }
             _ => {}
         }
@@ -296,6 +308,10 @@ fn run(config: &str, streams: &[StreamId], seed: u64, steps: usize) -> BTreeMap<
         "all memory returned"
     );
     assert!(reg.lock().unwrap().listed.0.is_empty(), "nothing listed");
+    assert!(
+        reg.lock().unwrap().deferred.is_empty(),
+        "every deferred free completed"
+    );
     let mut counts = reg.lock().unwrap().counts.clone();
     counts.insert("stitches", c.stats().num_stitch as u64);
     counts.insert("defragmentations", c.stats().num_defragment as u64);
@@ -333,6 +349,8 @@ fn registered_ranges_are_exactly_the_backed_memory() {
         "unmap_unlisted",
         "listed",
         "unlisted",
+        "block_free_deferred",
+        "block_free_completed",
     ] {
         assert!(total.get(k) >= Some(&10), "{k}: {total:?}");
     }
@@ -347,6 +365,11 @@ fn registered_ranges_are_exactly_the_backed_memory() {
             assert!(counts.get("alloc") > Some(&10), "{config}: {counts:?}");
             assert!(counts.get("free") > Some(&10), "{config}: {counts:?}");
             assert!(!counts.contains_key("map"), "{config}: {counts:?}");
+            assert_eq!(
+                counts.get("block_free_deferred"),
+                counts.get("block_free_completed"),
+                "{config}: {counts:?}"
+            );
         }
     }
 }
