@@ -406,10 +406,20 @@ impl<B: Backend> DeviceAllocator<B> {
             return Ok(None); // `malloc` says why
         }
         let cached = self.cached_block(size, stream, None)?;
-        Ok(cached.block.map(|block| {
-            let pool = self.heap.blocks[block].pool;
-            self.alloc_found_block(block, pool, stream, size, cached.rounded)
-        }))
+        let Some(block) = cached.block else {
+            // The lookup `malloc` makes next counts: the lookups are the
+            // clock that ages cached blocks for garbage collection.
+            self.heap.pools[cached.pool as usize].lookups -= 1;
+            return Ok(None);
+        };
+        let pool = self.heap.blocks[block].pool;
+        Ok(Some(self.alloc_found_block(
+            block,
+            pool,
+            stream,
+            size,
+            cached.rounded,
+        )))
     }
 
     /// The fast path of an allocation: the pool, the rounded size, whether

@@ -689,7 +689,9 @@ int gpualloc_ipc_close(void *ptr);
 
 // Sets the callback that an allocation runs when it finds no cached free
 // block (Note [Free-memory callbacks]), replacing any earlier one; NULL
-// takes it away. Returns `GPUALLOC_OK`.
+// takes it away. Unlike the segment observer's, a call of the earlier
+// callback already under way on another thread may still run after this
+// returns. Returns `GPUALLOC_OK`.
 //
 // # Safety
 // `callback(ctx, device)` must be callable from any thread until another
@@ -714,10 +716,7 @@ int gpualloc_set_miss_callback(GpuallocMissCallback callback, void *ctx);
 // of backed memory (NCCL registration) takes ALLOC, MAP and MAP_UNLISTED
 // against FREE, UNMAP and UNMAP_UNLISTED; one of the snapshot's segments
 // (memory history) takes ALLOC, MAP and LISTED against FREE, UNMAP and
-// UNLISTED (Note [Segment events]). `GPUALLOC_BLOCK_FREE_DEFERRED` and
-// `GPUALLOC_BLOCK_FREE_COMPLETED` change no range: they tell of a block's
-// free that waits for other streams' work (`record_stream`), and of its
-// completion, with the block's address and size. An unmapped
+// UNLISTED (Note [Segment events]). An unmapped
 // range lies inside mapped ones but may span or split them. When the driver
 // refuses a release or an unmap, the range is announced again (ALLOC or MAP).
 // Once this returns, the previous observer is no longer called. An
@@ -730,6 +729,16 @@ int gpualloc_set_miss_callback(GpuallocMissCallback callback, void *ctx);
 // `observer(ctx, ...)` must be callable from any thread until another
 // observer is installed, and must not call gpualloc.
 int gpualloc_set_segment_observer(GpuallocSegmentObserver observer, void *ctx);
+
+// Has the segment observer told of frees that wait for other streams'
+// work as well (`on` non-zero), or not (0, the default, so that an
+// observer written before these events never sees them):
+// `GPUALLOC_BLOCK_FREE_DEFERRED` during a free of a block used on other
+// streams (`record_stream`), and `GPUALLOC_BLOCK_FREE_COMPLETED` once the
+// block is free, with the block's address and size. They change no range.
+// Every other free completes at once and is told nothing. Returns
+// `GPUALLOC_OK`.
+int gpualloc_observe_block_frees(int on);
 
 // The calling thread's last out-of-memory report: filled by a
 // `gpualloc_malloc` that returned NULL for lack of memory, kept until the

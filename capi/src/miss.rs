@@ -70,7 +70,9 @@ pub(crate) fn run(device: c_int) {
 
 /// Sets the callback that an allocation runs when it finds no cached free
 /// block (Note [Free-memory callbacks]), replacing any earlier one; NULL
-/// takes it away. Returns `GPUALLOC_OK`.
+/// takes it away. Unlike the segment observer's, a call of the earlier
+/// callback already under way on another thread may still run after this
+/// returns. Returns `GPUALLOC_OK`.
 ///
 /// # Safety
 /// `callback(ctx, device)` must be callable from any thread until another

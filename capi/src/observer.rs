@@ -6,6 +6,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use gpualloc::{SegmentAction, SegmentEvent, SegmentObserver};
 
@@ -69,8 +70,19 @@ unsafe impl Send for CObserver {}
 // SAFETY: as above; the library never touches `ctx` itself.
 unsafe impl Sync for CObserver {}
 
+/// Whether the observer is told of deferred frees
+/// (`gpualloc_observe_block_frees`).
+static BLOCK_FREES: AtomicBool = AtomicBool::new(false);
+
 impl CObserver {
     fn call(&self, e: &SegmentEvent) {
+        let block = matches!(
+            e.action,
+            SegmentAction::BlockFreeDeferred | SegmentAction::BlockFreeCompleted
+        );
+        if block && !BLOCK_FREES.load(Ordering::Relaxed) {
+            return;
+        }
         let action = match e.action {
             SegmentAction::Alloc => GPUALLOC_SEGMENT_ALLOC,
             SegmentAction::Free => GPUALLOC_SEGMENT_FREE,
@@ -114,10 +126,7 @@ impl CObserver {
 /// of backed memory (NCCL registration) takes ALLOC, MAP and MAP_UNLISTED
 /// against FREE, UNMAP and UNMAP_UNLISTED; one of the snapshot's segments
 /// (memory history) takes ALLOC, MAP and LISTED against FREE, UNMAP and
-/// UNLISTED (Note [Segment events]). `GPUALLOC_BLOCK_FREE_DEFERRED` and
-/// `GPUALLOC_BLOCK_FREE_COMPLETED` change no range: they tell of a block's
-/// free that waits for other streams' work (`record_stream`), and of its
-/// completion, with the block's address and size. An unmapped
+/// UNLISTED (Note [Segment events]). An unmapped
 /// range lies inside mapped ones but may span or split them. When the driver
 /// refuses a release or an unmap, the range is announced again (ALLOC or MAP).
 /// Once this returns, the previous observer is no longer called. An
@@ -140,6 +149,22 @@ pub unsafe extern "C" fn gpualloc_set_segment_observer(
             Arc::new(move |e: &SegmentEvent| c.call(e)) as SegmentObserver
         });
         global::set_segment_observer(o);
+        Ok(())
+    })
+}
+
+/// Has the segment observer told of frees that wait for other streams'
+/// work as well (`on` non-zero), or not (0, the default, so that an
+/// observer written before these events never sees them):
+/// `GPUALLOC_BLOCK_FREE_DEFERRED` during a free of a block used on other
+/// streams (`record_stream`), and `GPUALLOC_BLOCK_FREE_COMPLETED` once the
+/// block is free, with the block's address and size. They change no range.
+/// Every other free completes at once and is told nothing. Returns
+/// `GPUALLOC_OK`.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_observe_block_frees(on: c_int) -> c_int {
+    status(|| {
+        BLOCK_FREES.store(on != 0, Ordering::Relaxed);
         Ok(())
     })
 }

@@ -1596,8 +1596,67 @@ int main(void) {
 }
 "#,
     );
+    done_quietly_under_both_policies(&exe);
+}
+
+/// A free that waits for other streams' work is told to the segment
+/// observer (deferred, then completed, with the block's address and size)
+/// only once asked for with `gpualloc_observe_block_frees`: an observer
+/// written before these events never sees an action it does not know.
+#[test]
+fn deferred_frees_are_told_only_when_asked_for() {
+    let (_out, exe) = build_inline(
+        "block_frees",
+        r#"#include "gpualloc.h"
+#include <stdio.h>
+#define CHECK(c) do { if (!(c)) { fprintf(stderr, "line %d: %s\n", __LINE__, #c); return 1; } } while (0)
+#define MiB (1024u * 1024u)
+static long seen[32];
+static uint64_t block_addr, block_size;
+static void observer(void *ctx, int device, int action, uint64_t address, uint64_t size, uint64_t stream) {
+  (void)ctx; (void)device; (void)stream;
+  if (action >= 0 && action < 32) seen[action]++;
+  if (action == GPUALLOC_BLOCK_FREE_DEFERRED || action == GPUALLOC_BLOCK_FREE_COMPLETED) {
+    block_addr = address;
+    block_size = size;
+  }
+}
+static int freed_on_another_stream(void) {
+  void *p = gpualloc_malloc(6 * MiB, 0, 0);
+  if (p == NULL) return 0;
+  gpualloc_record_stream(p, (cudaStream_t)7);
+  gpualloc_free(p, 6 * MiB, 0, 0);
+  gpualloc_empty_cache(); /* waits for the other stream */
+  return 1;
+}
+int main(void) {
+  CHECK(gpualloc_set_segment_observer(observer, NULL) == GPUALLOC_OK);
+  CHECK(freed_on_another_stream());
+  CHECK(seen[GPUALLOC_BLOCK_FREE_DEFERRED] == 0 && seen[GPUALLOC_BLOCK_FREE_COMPLETED] == 0);
+  CHECK(gpualloc_observe_block_frees(1) == GPUALLOC_OK);
+  CHECK(freed_on_another_stream());
+  CHECK(seen[GPUALLOC_BLOCK_FREE_DEFERRED] == 1 && seen[GPUALLOC_BLOCK_FREE_COMPLETED] == 1);
+  CHECK(block_addr != 0 && block_size == 6 * MiB);
+  void *q = gpualloc_malloc(6 * MiB, 0, 0); /* freed at once: told nothing */
+  CHECK(q != NULL);
+  gpualloc_free(q, 6 * MiB, 0, 0);
+  CHECK(seen[GPUALLOC_BLOCK_FREE_DEFERRED] == 1 && seen[GPUALLOC_BLOCK_FREE_COMPLETED] == 1);
+  CHECK(gpualloc_observe_block_frees(0) == GPUALLOC_OK);
+  CHECK(freed_on_another_stream());
+  CHECK(seen[GPUALLOC_BLOCK_FREE_DEFERRED] == 1);
+  printf("done\n");
+  return 0;
+}
+"#,
+    );
+    done_quietly_under_both_policies(&exe);
+}
+
+/// Runs `exe` under gpualloc's default policy and under `policy:pytorch`;
+/// each run must print only `done`.
+fn done_quietly_under_both_policies(exe: &Path) {
     for conf in ["", "policy:pytorch"] {
-        let err = ran_to_done(&run_sim(&exe, &[("GPUALLOC_CONF", conf.as_ref())]));
+        let err = ran_to_done(&run_sim(exe, &[("GPUALLOC_CONF", conf.as_ref())]));
         assert!(err.is_empty(), "{conf}: nothing is printed: {err}");
     }
 }

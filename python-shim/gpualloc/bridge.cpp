@@ -109,18 +109,28 @@ void notify_trackers(const TraceEntry& e) {
   }
 }
 
-TraceEntry::Action segment_action(int action) {
+// PyTorch's action for a segment event; false for an action this bridge
+// does not know (a newer library's), which it passes over.
+bool segment_action(int action, TraceEntry::Action& out) {
   switch (action) {
     case GPUALLOC_SEGMENT_ALLOC:
-      return TraceEntry::SEGMENT_ALLOC;
+      out = TraceEntry::SEGMENT_ALLOC;
+      return true;
     case GPUALLOC_SEGMENT_FREE:
-      return TraceEntry::SEGMENT_FREE;
+      out = TraceEntry::SEGMENT_FREE;
+      return true;
     case GPUALLOC_SEGMENT_MAP:
     case GPUALLOC_SEGMENT_MAP_UNLISTED:
     case GPUALLOC_SEGMENT_LISTED:
-      return TraceEntry::SEGMENT_MAP;
+      out = TraceEntry::SEGMENT_MAP;
+      return true;
+    case GPUALLOC_SEGMENT_UNMAP:
+    case GPUALLOC_SEGMENT_UNMAP_UNLISTED:
+    case GPUALLOC_SEGMENT_UNLISTED:
+      out = TraceEntry::SEGMENT_UNMAP;
+      return true;
     default:
-      return TraceEntry::SEGMENT_UNMAP;
+      return false;
   }
 }
 
@@ -155,7 +165,10 @@ void on_segment(void*, int device, int action, uint64_t address, uint64_t size, 
       }
       return;
     }
-    auto a = segment_action(action);
+    TraceEntry::Action a;
+    if (!segment_action(action, a)) {
+      return;
+    }
     auto s = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream));
     bool listing = action != GPUALLOC_SEGMENT_MAP_UNLISTED && action != GPUALLOC_SEGMENT_UNMAP_UNLISTED;
     bool backing = action != GPUALLOC_SEGMENT_LISTED && action != GPUALLOC_SEGMENT_UNLISTED;
@@ -300,22 +313,30 @@ void delete_fn(void* ptr) {
   // Each observer on its own, so that one that throws keeps neither the
   // others nor the free from happening; the memory is freed exactly once
   // (`freed`).
-  const bool told = history.tracking() && in_parent();
-  if (told) {
+  // While history records, FREE_REQUESTED now and FREE_COMPLETED once the
+  // free is complete; after it stopped, a block that kept its stack is
+  // only forgotten.
+  uint64_t seq = 0;
+  if (history.tracking() && in_parent()) {
     observe("memory history", [&] {
-      history.on_free_requested(ptr, static_cast<c10::DeviceIndex>(device), history.gather(RecordContext::ALL));
+      if (history.enabled()) {
+        seq = history.on_free_requested(ptr, static_cast<c10::DeviceIndex>(device),
+                                        history.gather(RecordContext::ALL));
+      } else {
+        history.forget(ptr);
+      }
     });
   }
   // Whatever happens below: a free gpualloc did not defer is complete.
   struct AfterFree {
-    bool told;
     void* ptr;
+    uint64_t seq;
     ~AfterFree() {
-      if (told) {
-        observe("memory history", [&] { history.after_free(ptr); });
+      if (seq != 0) {
+        observe("memory history", [&] { history.after_free(ptr, seq); });
       }
     }
-  } after_free{told, ptr};
+  } after_free{ptr, seq};
   observe("the CUDA sanitizer", [&] { sanitizer_free(ptr); });
   bool freed = false;
   if (c10::memoryProfilingEnabled() && in_parent()) {
@@ -359,7 +380,8 @@ void uncached_delete(void* ptr) {
 [[noreturn]] void raise_alloc_failure(size_t size, c10::DeviceIndex device, cudaStream_t stream,
                                       Context ctx = nullptr) {
   std::string msg = last_error("allocation failed");
-  bool oom = api.last_error_code() == GPUALLOC_ERR_OUT_OF_MEMORY || msg.find("out of memory") != std::string::npos;
+  const bool gpualloc_oom = api.last_error_code() == GPUALLOC_ERR_OUT_OF_MEMORY;
+  bool oom = gpualloc_oom || msg.find("out of memory") != std::string::npos;
   if (!oom) {
     TORCH_CHECK(false, "gpualloc failed to allocate ", size, " bytes on device ", static_cast<int>(device), ": ", msg);
   }
@@ -367,7 +389,9 @@ void uncached_delete(void* ptr) {
   // and the memory allowed (the limit in force, else the device's total).
   GpuallocOomInfo info{};
   info.size = sizeof(info);
-  if (api.last_oom(&info) != GPUALLOC_OK) {
+  // This request's report only (a driver's error has none; the thread's
+  // last one may be an earlier request's, on another device).
+  if (!gpualloc_oom || api.last_oom(&info) != GPUALLOC_OK || info.device != device) {
     info = GpuallocOomInfo{};
   }
   uint64_t free_bytes = 0;
@@ -1169,6 +1193,7 @@ extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t er
     // must find gpualloc too; PyTorch registers its own at priority 0.
     c10::SetAllocator(c10::DeviceType::CUDA, a.get(), 1);
     check(api.set_segment_observer(&on_segment, nullptr), "set_segment_observer");
+    check(api.observe_block_frees(1), "observe_block_frees");
     check(api.set_miss_callback(&on_miss, nullptr), "set_miss_callback");
     installed = new std::shared_ptr<GpuallocAllocator>(a);
     return 0;

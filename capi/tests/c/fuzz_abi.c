@@ -81,6 +81,7 @@ int main(int argc, char **argv) {
   static char snapshot[1 << 16];
   int64_t values[512];
   CHECK(gpualloc_set_segment_observer(observer, &reg) == GPUALLOC_OK);
+  CHECK(gpualloc_observe_block_frees(1) == GPUALLOC_OK);
   for (uint64_t i = 0; i < calls; i++) {
     const char *what = "";
     switch (below(28)) {
@@ -306,6 +307,17 @@ int main(int argc, char **argv) {
   check(calls, "the end");
   if (gpualloc_is_tracing() == 1) gpualloc_trace_stop(NULL);
   printf("pool restores applied: %llu\n", (unsigned long long)restores);
+  /* every free told as deferred completed, or is still pending (a scope
+     left open keeps empty_cache from waiting) */
+  long pending = 0;
+  for (int d = 0; d < 2; d++) {
+    static char json[1 << 22];
+    size_t needed = 0;
+    CHECK(gpualloc_snapshot_json(d, json, sizeof json, &needed) == GPUALLOC_OK);
+    for (const char *q = json; (q = strstr(q, "\"active_pending_free\"")) != NULL; q++) pending++;
+  }
+  CHECK(reg.events[GPUALLOC_BLOCK_FREE_DEFERRED] == reg.events[GPUALLOC_BLOCK_FREE_COMPLETED] + pending);
+  printf("deferred frees: %ld, %ld still pending\n", reg.events[GPUALLOC_BLOCK_FREE_DEFERRED], pending);
   printf("FUZZ OK\n");
   return 0;
 }

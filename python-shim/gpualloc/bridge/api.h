@@ -55,6 +55,7 @@ struct Api {
   decltype(&gpualloc_ipc_close) ipc_close = nullptr;
   decltype(&gpualloc_last_oom) last_oom = nullptr;
   decltype(&gpualloc_set_miss_callback) set_miss_callback = nullptr;
+  decltype(&gpualloc_observe_block_frees) observe_block_frees = nullptr;
 
   // Resolves every symbol from the library at `handle`.
   void resolve_all(void* handle) {
@@ -97,6 +98,7 @@ struct Api {
     resolve(handle, "gpualloc_ipc_close", ipc_close);
     resolve(handle, "gpualloc_last_oom", last_oom);
     resolve(handle, "gpualloc_set_miss_callback", set_miss_callback);
+    resolve(handle, "gpualloc_observe_block_frees", observe_block_frees);
   }
 
  private:

@@ -71,6 +71,13 @@ class History {
     if (!enabled || clear) {
       rings_.clear();
     }
+    if (!enabled) {
+      // Only stacks are worth keeping (the snapshot's frames): without
+      // one, an entry would keep every free on the tracked path for good.
+      for (auto it = live_.begin(); it != live_.end();) {
+        it = it->second.ctx == nullptr ? live_.erase(it) : std::next(it);
+      }
+    }
     enabled_.store(enabled, std::memory_order_relaxed);
     update_tracking();
   }
@@ -108,15 +115,32 @@ class History {
     update_tracking();
   }
 
-  // A free asked for, before gpualloc frees: FREE_REQUESTED now;
-  // FREE_COMPLETED in `after_free`, or, for a block used on other streams
-  // (`record_stream`), once gpualloc says it is free (`on_block_freed`).
-  void on_free_requested(void* ptr, c10::DeviceIndex fallback_device, Context ctx) {
+  // A free while history does not record (the stack of a block allocated
+  // while it did is let go).
+  void forget(void* ptr) {
     std::lock_guard<std::mutex> g(mutex_);
+    live_.erase(ptr);
+    update_tracking();
+  }
+
+  // A free asked for, before gpualloc frees: FREE_REQUESTED now;
+  // FREE_COMPLETED in `after_free` (given the number this returns), or,
+  // for a block used on other streams (`record_stream`), once gpualloc
+  // says it is free (`on_block_freed`).
+  uint64_t on_free_requested(void* ptr, c10::DeviceIndex fallback_device, Context ctx) {
+    std::lock_guard<std::mutex> g(mutex_);
+    auto earlier = freeing_.find(ptr);
+    if (earlier != freeing_.end()) {
+      // The block was freed at once and allocated again before that
+      // free's `after_free` ran (another thread): that free is complete.
+      complete(earlier);
+    }
     Live l = take_live(ptr, fallback_device);
     push(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, ctx);
-    freeing_[ptr] = Freeing{std::move(l), std::move(ctx), false};
+    uint64_t seq = ++freeing_seq_;
+    freeing_[ptr] = Freeing{std::move(l), std::move(ctx), false, seq};
     tracking_.store(true, std::memory_order_relaxed);
+    return seq;
   }
 
   // Called by gpualloc (under its lock) during a free it defers: the
@@ -129,11 +153,12 @@ class History {
     }
   }
 
-  // After gpualloc's free returned: a free it did not defer is complete.
-  void after_free(void* ptr) {
+  // After gpualloc's free returned: the free `seq` is complete, unless
+  // gpualloc deferred it.
+  void after_free(void* ptr, uint64_t seq) {
     std::lock_guard<std::mutex> g(mutex_);
     auto it = freeing_.find(ptr);
-    if (it != freeing_.end() && !it->second.deferred) {
+    if (it != freeing_.end() && it->second.seq == seq && !it->second.deferred) {
       complete(it);
     }
   }
@@ -267,8 +292,9 @@ class History {
   };
   struct Freeing {
     Live live;
-    Context ctx;       // the free's stack
-    bool deferred;     // gpualloc waits for other streams' work
+    Context ctx;    // the free's stack
+    bool deferred;  // gpualloc waits for other streams' work
+    uint64_t seq;   // which free of the address
   };
 
   // Under mutex_: the live allocation at `ptr`, taken out of live_.
@@ -282,10 +308,13 @@ class History {
     return l;
   }
 
-  // Under mutex_: FREE_COMPLETED for a free requested.
+  // Under mutex_: FREE_COMPLETED for a free requested, with the free's
+  // stack, or the allocation's where there is none or the completion
+  // came later (PyTorch's free_block, given no context by process_events).
   void complete(std::unordered_map<void*, Freeing>::iterator it) {
     const Live& l = it->second.live;
-    push(TraceEntry::FREE_COMPLETED, l.device, it->first, l.size, l.stream, it->second.ctx);
+    const Context& ctx = it->second.deferred || it->second.ctx == nullptr ? l.ctx : it->second.ctx;
+    push(TraceEntry::FREE_COMPLETED, l.device, it->first, l.size, l.stream, ctx);
     freeing_.erase(it);
     update_tracking();
   }
@@ -339,6 +368,7 @@ class History {
   std::vector<Ring> rings_;
   std::unordered_map<void*, Live> live_;
   std::unordered_map<void*, Freeing> freeing_;
+  uint64_t freeing_seq_ = 0;
   std::deque<AnnotationEntry> annotations_;
   std::string user_metadata_;
 };

@@ -115,3 +115,33 @@ fn the_average_age_leaves_split_pieces_out() {
     c.alloc(40 * MIB, 0);
     assert_eq!(c.reserved(), 92 * MIB, "B stays cached, as under PyTorch");
 }
+
+/// The cache-only lookup the C ABI makes before a miss callback (Note
+/// [Free-memory callbacks]) ages cached segments as one `malloc` does: a
+/// miss followed by `malloc` counts one lookup, so garbage collection
+/// releases what it would have (from review, with this test).
+#[test]
+fn the_miss_path_ages_cached_segments_as_one_malloc() {
+    fn run(miss_path: bool) -> i64 {
+        let mut c = Checked::with(200 * MIB, CONF);
+        let alloc = |c: &mut Checked, size: u64| -> u64 {
+            if miss_path && let Some(p) = c.malloc_cached(size, 0) {
+                return p;
+            }
+            c.alloc(size, 0)
+        };
+        let a1 = alloc(&mut c, 20 * MIB);
+        let a2 = alloc(&mut c, 12 * MIB);
+        let a3 = alloc(&mut c, 14 * MIB);
+        c.release(a1);
+        let m = alloc(&mut c, 22 * MIB); // a miss
+        c.release(a2);
+        c.release(m);
+        let _m = alloc(&mut c, 22 * MIB); // a hit
+        c.release(a3);
+        let f = c.stats().num_device_free;
+        alloc(&mut c, 30 * MIB); // a miss past the threshold: GC
+        c.stats().num_device_free - f
+    }
+    assert_eq!(run(true), run(false));
+}
