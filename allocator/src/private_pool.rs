@@ -212,7 +212,11 @@ impl PrivatePools {
     }
 
     /// Sets `MemPool(no_split=True)` of pool `key`; one with no segment yet
-    /// grows by plain segments from now on, whose blocks are whole.
+    /// grows by plain segments from now on, whose blocks are whole. One
+    /// that already holds expandable segments (torch sets the option as it
+    /// creates the pool, so only a direct caller of the C ABI gets here)
+    /// keeps them, and a request then takes a whole free run, all of it, as
+    /// PyTorch's `no_split` takes a whole segment.
     pub fn set_no_split(&mut self, key: PoolKey) -> Result<(), AllocError> {
         let p = self.find_mut(key)?;
         p.no_split = true;
