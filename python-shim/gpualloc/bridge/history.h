@@ -139,7 +139,7 @@ class History {
     push(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, ctx);
     uint64_t seq = ++freeing_seq_;
     freeing_[ptr] = Freeing{std::move(l), std::move(ctx), false, seq};
-    tracking_.store(true, std::memory_order_relaxed);
+    update_tracking();
     return seq;
   }
 
