@@ -334,16 +334,30 @@ impl<B: Backend> DeviceAllocator<B> {
         self.observer = observer;
     }
 
-    /// Tells the observer, if any, about a segment event.
+    /// Tells the observer, if any, about a segment event of a range in
+    /// `pool`.
     #[inline]
     pub(crate) fn notify(
         &self,
         action: SegmentAction,
+        pool: PoolId,
         stream: StreamId,
         address: DevicePtr,
         size: u64,
     ) {
-        crate::observer::teller(&self.observer, self.device)(action, stream, address, size);
+        if self.observer.is_some() {
+            let key = self.pool_key(pool);
+            crate::observer::teller(&self.observer, self.device)(
+                action, stream, address, size, key,
+            );
+        }
+    }
+
+    /// The private pool id of `pool`; `(0, 0)` for the default pools and
+    /// stitches.
+    #[inline]
+    pub(crate) fn pool_key(&self, pool: PoolId) -> PoolKey {
+        self.heap.pools[pool as usize].private.unwrap_or((0, 0))
     }
 
     /// Allocates `size` bytes for use on `stream`. Size 0 gives the null pointer.
@@ -689,7 +703,7 @@ impl<B: Backend> DeviceAllocator<B> {
         })?;
         let kind = self.heap.pools[pool as usize].kind;
         let (_, block) = self.heap.new_segment(ptr, size, pool, stream, false);
-        self.notify(SegmentAction::Alloc, stream, ptr, size);
+        self.notify(SegmentAction::Alloc, pool, stream, ptr, size);
         self.private.segment_added(pool);
         self.stats.segment.update(kind, 1);
         self.stats.reserved_bytes.update(kind, size as i64);
@@ -860,7 +874,7 @@ impl<B: Backend> DeviceAllocator<B> {
             return Ok(());
         }
         self.record(Action::FreeRequested, stream, ptr, requested, size);
-        self.notify(SegmentAction::BlockFreeDeferred, stream, ptr, size);
+        self.notify(SegmentAction::BlockFreeDeferred, pool, stream, ptr, size);
         if self.private.capturing() {
             self.pending.defer(id);
         } else if let Err(e) = self.insert_events(id) {
@@ -882,9 +896,9 @@ impl<B: Backend> DeviceAllocator<B> {
     /// same stream. PyTorch's `free_block`.
     pub(crate) fn free_block(&mut self, id: BlockId) {
         let b = &self.heap.blocks[id];
-        let (stream, ptr, size) = (b.stream, b.ptr, b.size);
+        let (stream, ptr, size, pool) = (b.stream, b.ptr, b.size, b.pool);
         self.free_block_as(id, Action::FreeCompleted);
-        self.notify(SegmentAction::BlockFreeCompleted, stream, ptr, size);
+        self.notify(SegmentAction::BlockFreeCompleted, pool, stream, ptr, size);
     }
 
     /// [`free_block`](Self::free_block), traced as `action`.

@@ -39,14 +39,16 @@ use crate::backend::{Backend, BackendError, DevicePtr, HandleId, StreamId, unmap
 use crate::cost::{DriverCall, DriverCalls};
 use crate::fence::Fences;
 use crate::observer::SegmentAction;
+use crate::pool::PoolKey;
 
-/// Says a segment event: `(action, stream, address, bytes)`. A range's
+/// Says a segment event: `(action, stream, address, bytes, pool)`. A range's
 /// `Unmap` comes when it leaves its address, not when its pages moved, so
 /// that segment events describe the memory mapped (Note [Segment events]).
-pub(crate) type Say<'a> = &'a dyn Fn(SegmentAction, StreamId, DevicePtr, u64);
+pub(crate) type Say<'a> = &'a dyn Fn(SegmentAction, StreamId, DevicePtr, u64, PoolKey);
 
 /// One old address range still mapped: `[lo, lo + size)`, freed on
-/// `stream` with `stamp`, over `handles` (with their sizes).
+/// `stream` with `stamp`, over `handles` (with their sizes), of private
+/// pool `pool` (`(0, 0)`: a default pool).
 #[derive(Clone, Debug)]
 struct Drain {
     lo: DevicePtr,
@@ -54,6 +56,7 @@ struct Drain {
     stream: StreamId,
     stamp: u64,
     handles: Vec<(HandleId, u64)>,
+    pool: PoolKey,
 }
 
 /// See Note [Unmapping behind the work].
@@ -68,7 +71,8 @@ pub(crate) struct Drains {
 
 impl Drains {
     /// Remembers that `[lo, lo + size)` (freed on `stream` with `stamp`,
-    /// over `handles`) is to be unmapped once its work is done.
+    /// over `handles`, of pool `pool`) is to be unmapped once its work is
+    /// done.
     pub fn push(
         &mut self,
         lo: DevicePtr,
@@ -76,6 +80,7 @@ impl Drains {
         stream: StreamId,
         stamp: u64,
         handles: Vec<(HandleId, u64)>,
+        pool: PoolKey,
     ) {
         self.moved
             .add(DriverCall::Unmap, handles.len() as u64, size, 0);
@@ -85,6 +90,7 @@ impl Drains {
             stream,
             stamp,
             handles,
+            pool,
         });
     }
 
@@ -228,7 +234,7 @@ impl Drains {
                 "unmapping a range whose work may still run"
             );
             // Unlisted when it was left behind (`release_run`).
-            say(SegmentAction::UnmapUnlisted, d.stream, d.lo, d.size);
+            say(SegmentAction::UnmapUnlisted, d.stream, d.lo, d.size, d.pool);
             match unmap_maybe_later(backend, d.lo, d.size, later) {
                 Ok(()) => {
                     unmapped.add(DriverCall::Unmap, d.handles.len() as u64, d.size, 0);
@@ -236,7 +242,7 @@ impl Drains {
                 }
                 Err(e) => {
                     // Still mapped: say so again.
-                    say(SegmentAction::MapUnlisted, d.stream, d.lo, d.size);
+                    say(SegmentAction::MapUnlisted, d.stream, d.lo, d.size, d.pool);
                     result = Err(e);
                     true
                 }

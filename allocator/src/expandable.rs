@@ -502,7 +502,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 .map(&mut self.backend, lo, hi - lo, kind, sizes, capturing);
         self.apply_deltas(deltas, created as i64);
         result?;
-        self.notify(SegmentAction::Map, stream, lo, hi - lo);
+        self.notify(SegmentAction::Map, pool, stream, lo, hi - lo);
         let u = self.heap.block_at(seg, lo);
         debug_assert_eq!(self.heap.blocks[u].state, BlockState::Unmapped);
         let u_start = self.heap.blocks[u].ptr;
@@ -628,7 +628,10 @@ impl<B: Backend> DeviceAllocator<B> {
         self.punch_stitches_over(lo, hi)?;
         // Punching may have waited for work that covers this run too.
         let later = later.filter(|&(s, stamp)| !self.fences.is_idle(s, stamp));
-        let kind = self.heap.segments.get(seg).kind;
+        let (kind, pool) = (
+            self.heap.segments.get(seg).kind,
+            self.heap.segments.get(seg).pool,
+        );
         let id = self.heap.block_at(seg, lo);
         let (ptr, size, stream) = (
             self.heap.blocks[id].ptr,
@@ -639,14 +642,15 @@ impl<B: Backend> DeviceAllocator<B> {
         if let Some((s, stamp)) = later {
             // It leaves the snapshot now; its `UnmapUnlisted` event comes
             // when it leaves its address (`drain.rs`).
-            self.notify(SegmentAction::Unlisted, stream, lo, hi - lo);
+            self.notify(SegmentAction::Unlisted, pool, stream, lo, hi - lo);
             let handles = self.pages.detach(lo, hi, kind);
-            self.drains.push(lo, hi - lo, s, stamp, handles);
+            self.drains
+                .push(lo, hi - lo, s, stamp, handles, self.pool_key(pool));
         } else {
-            self.notify(SegmentAction::Unmap, stream, lo, hi - lo);
+            self.notify(SegmentAction::Unmap, pool, stream, lo, hi - lo);
             if let Err(e) = self.pages.unmap(&mut self.backend, lo, hi, kind, helper) {
                 // Still mapped: say so again (Note [Segment events]).
-                self.notify(SegmentAction::Map, stream, lo, hi - lo);
+                self.notify(SegmentAction::Map, pool, stream, lo, hi - lo);
                 return Err(e.into());
             }
         }

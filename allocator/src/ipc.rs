@@ -191,16 +191,16 @@ impl<B: Backend> DeviceAllocator<B> {
             // Still mapped at the temporary range: leave them be.
             Err(CopyError::StillMapped(e)) => return Err(e.into()),
         }
-        self.notify(SegmentAction::Unmap, stream, lo, len);
+        self.notify(SegmentAction::Unmap, pool, stream, lo, len);
         if let Err(e) = self.backend.unmap(lo, len) {
-            self.notify(SegmentAction::Map, stream, lo, len);
+            self.notify(SegmentAction::Map, pool, stream, lo, len);
             self.release_quietly(&new);
             return Err(e.into());
         }
         if let Err(e) = self.backend.map_handles(lo, &new, false) {
             let back: Vec<(HandleId, u64)> = old.iter().map(|&(_, h, s)| (h, s)).collect();
             if self.backend.map_handles(lo, &back, false).is_ok() {
-                self.notify(SegmentAction::Map, stream, lo, len);
+                self.notify(SegmentAction::Map, pool, stream, lo, len);
                 self.release_quietly(&new);
             } else {
                 // The blocks' memory is gone from their addresses.
@@ -208,7 +208,7 @@ impl<B: Backend> DeviceAllocator<B> {
             }
             return Err(e.into());
         }
-        self.notify(SegmentAction::Map, stream, lo, len);
+        self.notify(SegmentAction::Map, pool, stream, lo, len);
         let slot = usize::from(kind == PoolKind::Large);
         let mut created = [0i64; 2];
         created[slot] = len as i64;

@@ -45,10 +45,16 @@
 //! free and [`SegmentAction::BlockFreeCompleted`] once the block is free,
 //! with the block's address and size. Any other free completes at once and
 //! is told nothing (it is the hot path).
+//!
+//! Every event names the private pool that holds the range (the id given
+//! to `begin_allocate_to_pool`: a CUDA graph's or a `MemPool`'s), `(0, 0)`
+//! for the default pools and stitches: ProcessGroupNCCL registers the new
+//! segments of a `MemPool` registered with it by that id.
 
 use std::sync::Arc;
 
 use crate::backend::{DevicePtr, StreamId};
+use crate::pool::PoolKey;
 
 /// What happened to a range of device memory (Note [Segment events]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -126,6 +132,9 @@ pub struct SegmentEvent {
     pub size: u64,
     /// The stream the segment or range was obtained for.
     pub stream: StreamId,
+    /// The private pool that holds the range; `(0, 0)` for the default
+    /// pools and stitches.
+    pub pool: PoolKey,
 }
 
 /// Called on every segment event, under the device's lock: it must not call
@@ -133,13 +142,13 @@ pub struct SegmentEvent {
 pub type SegmentObserver = Arc<dyn Fn(&SegmentEvent) + Send + Sync>;
 
 /// What tells `observer` (if any) about device `device`'s segment events:
-/// `(action, stream, address, bytes)`. It borrows only the observer, so
-/// the caller may change the rest of the device meanwhile (`drain.rs`).
+/// `(action, stream, address, bytes, pool)`. It borrows only the observer,
+/// so the caller may change the rest of the device meanwhile (`drain.rs`).
 pub(crate) fn teller(
     observer: &Option<SegmentObserver>,
     device: u32,
-) -> impl Fn(SegmentAction, StreamId, DevicePtr, u64) + '_ {
-    move |action, stream, address, size| {
+) -> impl Fn(SegmentAction, StreamId, DevicePtr, u64, PoolKey) + '_ {
+    move |action, stream, address, size, pool| {
         if let Some(o) = observer {
             o(&SegmentEvent {
                 device,
@@ -147,6 +156,7 @@ pub(crate) fn teller(
                 address,
                 size,
                 stream,
+                pool,
             });
         }
     }

@@ -239,10 +239,10 @@ impl<B: Backend> DeviceAllocator<B> {
         debug_assert!(b.state == BlockState::Free && !b.is_split());
         let (ptr, size, stream, pool, seg) = (b.ptr, b.size, b.stream, b.pool, b.segment);
         let seg_stream = self.heap.segments.get(seg).stream;
-        self.notify(SegmentAction::Free, seg_stream, ptr, size);
+        self.notify(SegmentAction::Free, pool, seg_stream, ptr, size);
         if let Err(e) = self.give_back(pool, ptr, size, seg_stream) {
             // Still there: say so again (Note [Segment events]).
-            self.notify(SegmentAction::Alloc, seg_stream, ptr, size);
+            self.notify(SegmentAction::Alloc, pool, seg_stream, ptr, size);
             return Err(e.into());
         }
         self.heap.pools[pool as usize].remove((stream, size, ptr, id));

@@ -194,7 +194,7 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         self.stats.num_stitch += 1;
         // Listed when claimed (Note [Segment events]).
-        self.notify(SegmentAction::MapUnlisted, stream, va, total);
+        self.notify(SegmentAction::MapUnlisted, STITCH, stream, va, total);
         self.count_obtained(total);
         self.record(Action::SegmentMap, stream, va, total, STITCH_CODE);
         self.stitches.list.push(Stitch {
@@ -226,7 +226,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let (va, size, stream) = (s.va, s.size, s.stream);
         // The snapshot lists the stitch instead of its home runs.
         self.tell_homes(i, SegmentAction::Unlisted);
-        self.notify(SegmentAction::Listed, stream, va, size);
+        self.notify(SegmentAction::Listed, STITCH, stream, va, size);
         let block =
             self.heap
                 .blocks
@@ -277,7 +277,7 @@ impl<B: Backend> DeviceAllocator<B> {
         // What is mapped of it: a tail trimmed while it was in use
         // (`stitch_trim.rs`) left the snapshot then.
         for (_, _, at, bytes) in self.stitches.list[i].runs(|s| s.part().is_some()) {
-            self.notify(SegmentAction::Unlisted, stream, at, bytes);
+            self.notify(SegmentAction::Unlisted, STITCH, stream, at, bytes);
         }
         self.tell_homes(i, SegmentAction::Listed);
         let mut rest = self.heap.blocks[id].next;
@@ -335,14 +335,14 @@ impl<B: Backend> DeviceAllocator<B> {
                 Some((lo, len)) if lo + len == addr => run = Some((lo, len + size)),
                 _ => {
                     if let Some((lo, len)) = run {
-                        self.notify(action, stream, lo, len);
+                        self.notify(action, LARGE, stream, lo, len);
                     }
                     run = Some((addr, size));
                 }
             }
         }
         if let Some((lo, len)) = run {
-            self.notify(action, stream, lo, len);
+            self.notify(action, LARGE, stream, lo, len);
         }
     }
 

@@ -5,7 +5,7 @@
 use crate::backend::{Backend, DevicePtr, HandleId, unmap_maybe_later};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
-use crate::heap::LARGE;
+use crate::heap::{LARGE, STITCH};
 use crate::observer::SegmentAction;
 use crate::stitch_cache::{Part, Slot};
 
@@ -57,10 +57,10 @@ impl<B: Backend> DeviceAllocator<B> {
             (SegmentAction::UnmapUnlisted, SegmentAction::MapUnlisted)
         };
         for (first, end, at, bytes) in runs {
-            self.notify(unmap, stream, at, bytes);
+            self.notify(unmap, STITCH, stream, at, bytes);
             if let Err(e) = unmap_maybe_later(&mut self.backend, at, bytes, later) {
                 // Still mapped: say so again (Note [Segment events]).
-                self.notify(again, stream, at, bytes);
+                self.notify(again, STITCH, stream, at, bytes);
                 return Err(e.into());
             }
             for slot in &mut self.stitches.list[i].slots[first..end] {
@@ -171,7 +171,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 *slot = Slot::Mapped(p);
             }
             handles += list.len();
-            self.notify(SegmentAction::MapUnlisted, stream, at, bytes);
+            self.notify(SegmentAction::MapUnlisted, STITCH, stream, at, bytes);
         }
         self.stitches.list[i].repaired += replaced;
         crate::log::stitch_repaired(self.device, stream, self.stitches.list[i].size, handles);

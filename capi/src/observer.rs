@@ -4,6 +4,7 @@
 //! and memory history. The core's observer (Note [Segment events] in
 //! `allocator/src/observer.rs`) adapted to a C function pointer.
 
+use std::cell::Cell;
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use gpualloc::{SegmentAction, SegmentEvent, SegmentObserver};
 
 use crate::boundary::status;
+use crate::boundary::{GPUALLOC_ERR_INVALID_ARGUMENT, GPUALLOC_ERR_NOT_FOUND, GPUALLOC_OK};
 use crate::global;
 
 /// A plain segment was obtained from the device (PyTorch's
@@ -46,7 +48,8 @@ pub const GPUALLOC_BLOCK_FREE_COMPLETED: c_int = 15;
 
 /// Receives segment events: `action` is one of `GPUALLOC_SEGMENT_*`,
 /// `stream` the `cudaStream_t` the memory was obtained for, as an integer.
-/// Called under the allocator's lock: it must not call gpualloc.
+/// Called under the allocator's lock: it must not call gpualloc, except
+/// `gpualloc_segment_event_pool`.
 pub type GpuallocSegmentObserver = Option<
     unsafe extern "C" fn(
         ctx: *mut c_void,
@@ -74,6 +77,12 @@ unsafe impl Sync for CObserver {}
 /// (`gpualloc_observe_block_frees`).
 static BLOCK_FREES: AtomicBool = AtomicBool::new(false);
 
+thread_local! {
+    /// The pool of the event this thread is telling the observer, while
+    /// the observer runs (`gpualloc_segment_event_pool`).
+    static TELLING: Cell<Option<(u64, u64)>> = const { Cell::new(None) };
+}
+
 impl CObserver {
     fn call(&self, e: &SegmentEvent) {
         let block = matches!(
@@ -95,6 +104,7 @@ impl CObserver {
             SegmentAction::BlockFreeDeferred => GPUALLOC_BLOCK_FREE_DEFERRED,
             SegmentAction::BlockFreeCompleted => GPUALLOC_BLOCK_FREE_COMPLETED,
         };
+        let outer = TELLING.replace(Some(e.pool));
         // SAFETY: `f` and `ctx` came together from the caller, who keeps them
         // valid while this observer is installed.
         unsafe {
@@ -107,6 +117,7 @@ impl CObserver {
                 e.stream,
             )
         }
+        TELLING.set(outer);
     }
 }
 
@@ -137,7 +148,8 @@ impl CObserver {
 ///
 /// # Safety
 /// `observer(ctx, ...)` must be callable from any thread until another
-/// observer is installed, and must not call gpualloc.
+/// observer is installed, and must not call gpualloc, except
+/// `gpualloc_segment_event_pool` (the event's pool).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_set_segment_observer(
     observer: GpuallocSegmentObserver,
@@ -167,4 +179,33 @@ pub extern "C" fn gpualloc_observe_block_frees(on: c_int) -> c_int {
         BLOCK_FREES.store(on != 0, Ordering::Relaxed);
         Ok(())
     })
+}
+
+/// From inside the segment observer: the private pool that holds the
+/// range of the event being told, `(id_a, id_b)` as given to
+/// `gpualloc_begin_allocate_to_pool` (a CUDA graph's or a `MemPool`'s),
+/// `(0, 0)` for the default pools and stitched ranges. ProcessGroupNCCL
+/// registers a `MemPool`'s new segments by it. The one call the observer
+/// may make: it takes no lock, and sets no error message (it runs inside
+/// another call). `GPUALLOC_ERR_NOT_FOUND` outside an observer's call,
+/// `GPUALLOC_ERR_INVALID_ARGUMENT` for a NULL pointer.
+///
+/// # Safety
+/// `id_a` and `id_b` are NULL or point to writable `uint64_t`s.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_segment_event_pool(id_a: *mut u64, id_b: *mut u64) -> c_int {
+    if id_a.is_null() || id_b.is_null() {
+        return GPUALLOC_ERR_INVALID_ARGUMENT;
+    }
+    match TELLING.get() {
+        Some((a, b)) => {
+            // SAFETY: both are non-null and writable (the caller's contract).
+            unsafe {
+                *id_a = a;
+                *id_b = b;
+            }
+            GPUALLOC_OK
+        }
+        None => GPUALLOC_ERR_NOT_FOUND,
+    }
 }

@@ -47,6 +47,7 @@
 #include "bridge/history.h"
 #include "bridge/ipc.h"
 #include "bridge/registration.h"
+#include "bridge/segment_order.h"
 #include "bridge/served_pool.h"
 #include "bridge/uncached.h"
 
@@ -147,6 +148,8 @@ void tracker_refused(const char* what) {
 
 // Ranges announced to the trackers (bridge/registration.h); under observers_mutex.
 AnnouncedRanges& announced = *new AnnouncedRanges;
+// The snapshot's segments in the order they came (Note [Registration order]).
+SegmentOrder& segment_order = *new SegmentOrder;
 
 // Called by gpualloc under its lock for every segment event: feeds the
 // memory history (PyTorch's actions) and torch's trace trackers
@@ -172,8 +175,16 @@ void on_segment(void*, int device, int action, uint64_t address, uint64_t size, 
     auto s = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(stream));
     bool listing = action != GPUALLOC_SEGMENT_MAP_UNLISTED && action != GPUALLOC_SEGMENT_UNMAP_UNLISTED;
     bool backing = action != GPUALLOC_SEGMENT_LISTED && action != GPUALLOC_SEGMENT_UNLISTED;
-    if (listing && history.enabled()) {
-      history.on_event(a, static_cast<c10::DeviceIndex>(device), address, size, s);
+    // The private pool of the range (a MemPool's, a graph's), which
+    // ProcessGroupNCCL's hook matches against the pools registered with it.
+    uint64_t pool_a = 0, pool_b = 0;
+    (void)api.segment_event_pool(&pool_a, &pool_b);
+    if (listing) {
+      bool enters = a == TraceEntry::SEGMENT_ALLOC || a == TraceEntry::SEGMENT_MAP;
+      enters ? segment_order.listed(device, address, size) : segment_order.unlisted(device, address, size);
+      if (history.enabled()) {
+        history.on_event(a, static_cast<c10::DeviceIndex>(device), address, size, s, {pool_a, pool_b});
+      }
     }
     if (!backing || !has_trackers.load(std::memory_order_relaxed)) {
       return;
@@ -183,12 +194,14 @@ void on_segment(void*, int device, int action, uint64_t address, uint64_t size, 
     {
       std::lock_guard<std::mutex> g(observers_mutex);
       bool grows = a == TraceEntry::SEGMENT_ALLOC || a == TraceEntry::SEGMENT_MAP;
-      changes = grows ? announced.mapped(device, address, size) : announced.unmapped(device, address, size);
+      changes = grows ? announced.mapped(device, address, size, {pool_a, pool_b})
+                      : announced.unmapped(device, address, size);
       ts = trace_trackers;
     }
     for (const auto& c : changes) {
       TraceEntry e = make_entry(c.alloc ? TraceEntry::SEGMENT_ALLOC : TraceEntry::SEGMENT_FREE,
-                                static_cast<c10::DeviceIndex>(c.device), c.addr, c.size, s);
+                                static_cast<c10::DeviceIndex>(c.device), c.addr, c.size, s,
+                                {c.pool.first, c.pool.second});
       for (const auto& t : ts) {
         // One tracker's failure neither keeps the others nor the next
         // changes from being told. A communicator refusing to withdraw a
@@ -555,6 +568,15 @@ GpuallocSegmentInfo segment_of(void* ptr) {
   TORCH_CHECK(false, "gpualloc: pointer ", ptr, " is not in memory gpualloc allocated");
 }
 
+// SegmentInfo's registration_counter (Note [Registration order]), where
+// this torch has it.
+template <class Info>
+auto set_registration_counter(Info& si, int32_t n, int) -> decltype(si.registration_counter = n, void()) {
+  si.registration_counter = n;
+}
+template <class Info>
+void set_registration_counter(Info&, int32_t, long) {}
+
 cca::SegmentInfo segment_info(const GpuallocSegmentInfo& s, const std::vector<GpuallocBlockInfo>& blocks) {
   cca::SegmentInfo si;
   si.device = static_cast<c10::DeviceIndex>(s.device);
@@ -564,6 +586,7 @@ cca::SegmentInfo segment_info(const GpuallocSegmentInfo& s, const std::vector<Gp
   si.is_large = s.is_large != 0;
   si.is_expandable = s.is_expandable != 0;
   si.owner_private_pool_id = {s.pool_a, s.pool_b};
+  set_registration_counter(si, segment_order.of(s.device, s.address, s.total_size), 0);
   for (uint64_t i = s.first_block; i < s.first_block + s.num_blocks && i < blocks.size(); ++i) {
     const auto& b = blocks[i];
     cca::BlockInfo bi;
@@ -799,7 +822,7 @@ class GpuallocAllocator final : public CUDAAllocator {
       // bridge/registration.h).
       std::lock_guard<std::mutex> g(observers_mutex);
       for (const auto& s : all.segs) {
-        announced.registered_from_snapshot(s.device, s.address, s.total_size);
+        announced.registered_from_snapshot(s.device, s.address, s.total_size, {s.pool_a, s.pool_b});
       }
     }
     for (const auto& s : all.segs) {
@@ -1103,7 +1126,7 @@ class GpuallocAllocator final : public CUDAAllocator {
     Segments now = first ? read_segments(-1, nullptr) : Segments{};
     std::lock_guard<std::mutex> g(observers_mutex);
     for (const auto& s : now.segs) {
-      announced.seed(s.device, s.address, s.total_size);
+      announced.seed(s.device, s.address, s.total_size, {s.pool_a, s.pool_b});
     }
     trace_trackers.push_back(std::move(tracker));
   }

@@ -955,6 +955,47 @@ def check_compat(args) -> dict:
             seen["summary_caching_off"] = dev["caching_off"]
         return seen
 
+    @sub("nccl_register_mem_pool")
+    def _():
+        # ProcessGroupNCCL.register_mem_pool (one rank): registers the pool's
+        # segments sorted by their registration order (torch 2.11 asserts
+        # every one is numbered), then each new segment of the pool through
+        # the allocator's trace hook, matched by the pool's id;
+        # deregister_mem_pool deregisters every segment of the pool and
+        # raises for one that NCCL never registered.
+        import socket
+
+        import torch.distributed as dist
+
+        if not dist.is_nccl_available():
+            return {"skipped": "no NCCL"}
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                device_id=dev)
+        try:
+            backend = dist.group.WORLD._get_backend(dev)
+            pool = torch.cuda.MemPool()
+            with torch.cuda.use_mem_pool(pool):
+                before = torch.ones(1024, device=dev)  # a small segment, there before registering
+            backend.register_mem_pool(pool)
+            with torch.cuda.use_mem_pool(pool):
+                after = torch.ones(16 * MiB, device=dev)  # a large segment, registered by the hook
+            segs = torch.cuda.memory.memory_snapshot(mempool_id=pool.id)
+            dist.all_reduce(before)
+            dist.all_reduce(after)
+            torch.cuda.synchronize()
+            assert float(before.sum()) == 1024 and float(after[-1]) == 1.0
+            backend.deregister_mem_pool(pool)
+            del before, after
+            torch.cuda.synchronize()
+            del pool
+        finally:
+            dist.destroy_process_group()
+        torch.cuda.empty_cache()
+        return {"pool_segments": len(segs)}
+
     if args.alloc == "gpualloc":
 
         @sub("caching_allocator_switched_off_takes_back_the_cache")

@@ -1,10 +1,13 @@
 /* A consumer of gpualloc's segment events and structured snapshots, shared
  * by segments_test.c and fuzz_abi.c: a registry of the ranges announced by
  * the observer (registered on SEGMENT_ALLOC and SEGMENT_MAP, deregistered on
- * SEGMENT_FREE and SEGMENT_UNMAP, as ProcessGroupNCCL does with NCCL), and
- * check_segments(), which fails the program unless every segment of
- * gpualloc_snapshot_segments is registered, its blocks tile it, and the
- * structs rendered as JSON equal gpualloc_snapshot_json byte for byte. */
+ * SEGMENT_FREE and SEGMENT_UNMAP, as ProcessGroupNCCL does with NCCL), each
+ * with the pool gpualloc_segment_event_pool names (ProcessGroupNCCL
+ * registers a MemPool's segments by it; a range must leave the pool it
+ * entered), and check_segments(), which fails the program unless every
+ * segment of gpualloc_snapshot_segments is registered in its own pool, its
+ * blocks tile it, and the structs rendered as JSON equal
+ * gpualloc_snapshot_json byte for byte. */
 #ifndef GPUALLOC_TEST_REGISTRY_H
 #define GPUALLOC_TEST_REGISTRY_H
 
@@ -29,11 +32,13 @@ _Static_assert(GPUALLOC_SEGMENT_UNMAP == 6, "TraceEntry::SEGMENT_UNMAP");
 #define MAX_RANGES 4096
 typedef struct {
   uint64_t lo, hi;
+  uint64_t pool_a, pool_b; /* the pool its event named */
 } Range;
 typedef struct {
   Range r[2][MAX_RANGES];
   size_t n[2];
   long events[16];
+  long private_events; /* events that named a private pool */
   int bad; /* a contract violation, reported by check() */
   char why[200];
 } Registry;
@@ -46,7 +51,7 @@ static void fail(const char *what, uint64_t lo, uint64_t hi) {
   reg.bad = 1;
 }
 
-static void reg_add(int d, uint64_t lo, uint64_t hi) {
+static void reg_add(int d, uint64_t lo, uint64_t hi, uint64_t pa, uint64_t pb) {
   Range *r = reg.r[d];
   size_t n = reg.n[d], i = 0;
   while (i < n && r[i].hi <= lo) i++;
@@ -55,10 +60,12 @@ static void reg_add(int d, uint64_t lo, uint64_t hi) {
   memmove(&r[i + 1], &r[i], (n - i) * sizeof *r);
   r[i].lo = lo;
   r[i].hi = hi;
+  r[i].pool_a = pa;
+  r[i].pool_b = pb;
   reg.n[d] = n + 1;
 }
 
-static void reg_remove(int d, uint64_t lo, uint64_t hi) {
+static void reg_remove(int d, uint64_t lo, uint64_t hi, uint64_t pa, uint64_t pb) {
   Range *r = reg.r[d];
   size_t n = reg.n[d];
   /* Ranges registered one after another may be removed as one. */
@@ -68,21 +75,33 @@ static void reg_remove(int d, uint64_t lo, uint64_t hi) {
   size_t j = i;
   while (j + 1 < n && r[j].hi < hi && r[j + 1].lo == r[j].hi) j++;
   if (r[j].hi < hi) { fail("not all registered:", lo, hi); return; }
-  Range head = {r[i].lo, lo}, tail = {hi, r[j].hi};
+  for (size_t k = i; k <= j; k++) {
+    if (r[k].pool_a != pa || r[k].pool_b != pb) { fail("removed from another pool:", lo, hi); return; }
+  }
+  Range head = r[i], tail = r[j];
+  head.hi = lo;
+  tail.lo = hi;
   memmove(&r[i], &r[j + 1], (n - j - 1) * sizeof *r);
   n -= j + 1 - i;
   reg.n[d] = n;
-  if (head.lo < head.hi) reg_add(d, head.lo, head.hi);
-  if (tail.lo < tail.hi) reg_add(d, tail.lo, tail.hi);
+  if (head.lo < head.hi) reg_add(d, head.lo, head.hi, head.pool_a, head.pool_b);
+  if (tail.lo < tail.hi) reg_add(d, tail.lo, tail.hi, tail.pool_a, tail.pool_b);
 }
 
-static int registered(int d, uint64_t lo, uint64_t hi) {
+/* Whether [lo, hi) is registered, all of it in pool (pa, pb). */
+static int registered(int d, uint64_t lo, uint64_t hi, uint64_t pa, uint64_t pb) {
   for (size_t i = 0; i < reg.n[d]; i++) {
     if (reg.r[d][i].lo <= lo) {
       uint64_t end = reg.r[d][i].hi;
       size_t j = i;
       while (end < hi && j + 1 < reg.n[d] && reg.r[d][j + 1].lo == end) end = reg.r[d][++j].hi;
-      if (lo < end) return hi <= end;
+      if (lo < end) {
+        for (size_t k = i; k <= j; k++) {
+          int overlaps = reg.r[d][k].hi > lo && reg.r[d][k].lo < hi;
+          if (overlaps && (reg.r[d][k].pool_a != pa || reg.r[d][k].pool_b != pb)) return 0;
+        }
+        return hi <= end;
+      }
     }
   }
   return 0;
@@ -95,16 +114,19 @@ static void observer(void *ctx, int device, int action, uint64_t address, uint64
     { fail("bad event:", address, size); return; }
   }
   reg.events[action]++;
+  uint64_t pa = 99, pb = 99;
+  if (gpualloc_segment_event_pool(&pa, &pb) != GPUALLOC_OK) { fail("no pool for the event:", address, size); return; }
+  reg.private_events += pa != 0 || pb != 0;
   switch (action) {
     case GPUALLOC_SEGMENT_ALLOC:
     case GPUALLOC_SEGMENT_MAP:
     case GPUALLOC_SEGMENT_MAP_UNLISTED:
-      reg_add(device, address, address + size);
+      reg_add(device, address, address + size, pa, pb);
       break;
     case GPUALLOC_SEGMENT_FREE:
     case GPUALLOC_SEGMENT_UNMAP:
     case GPUALLOC_SEGMENT_UNMAP_UNLISTED:
-      reg_remove(device, address, address + size);
+      reg_remove(device, address, address + size, pa, pb);
       break;
     case GPUALLOC_SEGMENT_LISTED:
     case GPUALLOC_SEGMENT_UNLISTED:
@@ -112,7 +134,7 @@ static void observer(void *ctx, int device, int action, uint64_t address, uint64
     case GPUALLOC_BLOCK_FREE_DEFERRED:
     case GPUALLOC_BLOCK_FREE_COMPLETED:
       /* a block's free, not a range's change: the block is backed memory */
-      if (!registered(device, address, address + size)) fail("a block freed outside backed memory:", address, size);
+      if (!registered(device, address, address + size, pa, pb)) fail("a block freed outside its pool's backed memory:", address, size);
       break;
     default:
       fail("unknown action:", address, size);
@@ -239,9 +261,10 @@ static void check_segments(const char *step, int device, int with_json) {
         at += s.blocks[k].size;
       }
       CHECK(at == g->address + g->total_size);
-      if (!registered(g->device, g->address, at)) {
-        fprintf(stderr, "FAILED after %s: segment %#llx+%llu is not registered\n", step,
-                (unsigned long long)g->address, (unsigned long long)g->total_size);
+      if (!registered(g->device, g->address, at, g->pool_a, g->pool_b)) {
+        fprintf(stderr, "FAILED after %s: segment %#llx+%llu of pool (%llu, %llu) is not registered in it\n", step,
+                (unsigned long long)g->address, (unsigned long long)g->total_size,
+                (unsigned long long)g->pool_a, (unsigned long long)g->pool_b);
         exit(1);
       }
     }

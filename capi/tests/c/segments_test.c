@@ -73,6 +73,11 @@ int main(void) {
   CHECK(g1 != NULL && g2 != NULL);
   CHECK(gpualloc_end_allocate_to_pool(0, 42, 7) == GPUALLOC_OK);
   check("capture");
+  /* Its growth named the pool; outside an observer's call there is no event. */
+  CHECK(reg.private_events > 0);
+  uint64_t pa = 5, pb = 5;
+  CHECK(gpualloc_segment_event_pool(&pa, &pb) == GPUALLOC_ERR_NOT_FOUND && pa == 5 && pb == 5);
+  CHECK(gpualloc_segment_event_pool(NULL, &pb) == GPUALLOC_ERR_INVALID_ARGUMENT);
   Snap pool = snap(0, 1, 42, 7), all = snap(0, 0, 0, 0);
   CHECK(pool.ns >= 2);
   size_t matched = 0;

@@ -56,6 +56,7 @@ struct Api {
   decltype(&gpualloc_last_oom) last_oom = nullptr;
   decltype(&gpualloc_set_miss_callback) set_miss_callback = nullptr;
   decltype(&gpualloc_observe_block_frees) observe_block_frees = nullptr;
+  decltype(&gpualloc_segment_event_pool) segment_event_pool = nullptr;
 
   // Resolves every symbol from the library at `handle`.
   void resolve_all(void* handle) {
@@ -99,6 +100,7 @@ struct Api {
     resolve(handle, "gpualloc_last_oom", last_oom);
     resolve(handle, "gpualloc_set_miss_callback", set_miss_callback);
     resolve(handle, "gpualloc_observe_block_frees", observe_block_frees);
+    resolve(handle, "gpualloc_segment_event_pool", segment_event_pool);
   }
 
  private:

@@ -35,17 +35,20 @@ using AnnotationEntry =
 using TraceStream = decltype(std::declval<TraceEntry>().stream_);
 
 inline TraceStream trace_stream(cudaStream_t s) { return reinterpret_cast<TraceStream>(s); }
+// A private pool's id as TraceEntry names it (`{0, 0}`: the default pools).
+using TracePool = decltype(std::declval<TraceEntry>().mempool_);
 
 // TraceEntry's constructor: user metadata came in torch 2.10.
 inline TraceEntry make_entry(TraceEntry::Action action, c10::DeviceIndex device, size_t addr, size_t size,
-                             cudaStream_t stream, std::shared_ptr<c10::GatheredContext> ctx = nullptr,
-                             std::string compile_context = "", std::string user_metadata = "") {
+                             cudaStream_t stream, TracePool pool = {0, 0},
+                             std::shared_ptr<c10::GatheredContext> ctx = nullptr, std::string compile_context = "",
+                             std::string user_metadata = "") {
 #if TORCH_VERSION_MINOR >= 10
-  return TraceEntry(action, device, addr, size, trace_stream(stream), {0, 0}, 0, std::move(ctx),
+  return TraceEntry(action, device, addr, size, trace_stream(stream), pool, 0, std::move(ctx),
                     std::move(compile_context), std::move(user_metadata));
 #else
   (void)user_metadata;
-  return TraceEntry(action, device, addr, size, trace_stream(stream), {0, 0}, 0, std::move(ctx),
+  return TraceEntry(action, device, addr, size, trace_stream(stream), pool, 0, std::move(ctx),
                     std::move(compile_context));
 #endif
 }
@@ -172,10 +175,13 @@ class History {
     }
   }
 
-  // Segment events, with the stack of the request that caused them (the
-  // calling thread's pending context).
-  void on_event(TraceEntry::Action action, c10::DeviceIndex device, size_t addr, size_t size, cudaStream_t stream) {
-    on_event(action, device, addr, size, stream, pending_context());
+  // Segment events of pool `pool`, with the stack of the request that
+  // caused them (the calling thread's pending context).
+  void on_event(TraceEntry::Action action, c10::DeviceIndex device, size_t addr, size_t size, cudaStream_t stream,
+                TracePool pool) {
+    std::lock_guard<std::mutex> g(mutex_);
+    push(action, device, reinterpret_cast<void*>(addr), size, stream,
+         when_ >= RecordContext::ALLOC ? pending_context() : nullptr, nullptr, pool);
   }
 
   // An entry with the stack `ctx` of the request it is about: an
@@ -336,14 +342,15 @@ class History {
         .count();
   }
 
-  // `metadata`: the entry's user metadata, if not the one set now.
+  // `metadata`: the entry's user metadata, if not the one set now; `pool`:
+  // a segment event's pool.
   void push(TraceEntry::Action action, c10::DeviceIndex device, void* addr, size_t size, cudaStream_t stream,
-            Context ctx, const std::string* metadata = nullptr) {
+            Context ctx, const std::string* metadata = nullptr, TracePool pool = {0, 0}) {
     if (!enabled() || skip_.count(static_cast<int>(action)) != 0 || device < 0) {
       return;
     }
     const auto& cs = compile_stack();
-    TraceEntry e = make_entry(action, device, reinterpret_cast<size_t>(addr), size, stream, std::move(ctx),
+    TraceEntry e = make_entry(action, device, reinterpret_cast<size_t>(addr), size, stream, pool, std::move(ctx),
                               cs.empty() ? "N/A" : cs.back(), metadata != nullptr ? *metadata : user_metadata_);
     e.time_.t_ = now_us();
     if (rings_.size() <= static_cast<size_t>(device)) {

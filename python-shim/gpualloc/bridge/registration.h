@@ -22,11 +22,18 @@
 // there; one that holds none refuses, which the bridge tolerates), then
 // announces once what of their union stays mapped. Every communicator then
 // holds exactly the mapped memory again, each page once.
+//
+// Every range keeps the private pool gpualloc named for it (`{0, 0}`: the
+// default pools): ProcessGroupNCCL registers the SEGMENT_ALLOC of a
+// MemPool registered with it (`register_mem_pool`) by `TraceEntry.mempool_`.
+// What stays of withdrawn ranges is announced again pool by pool, each
+// piece in the pool of the ranges it came from.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -34,15 +41,19 @@ namespace gpualloc_bridge {
 
 class AnnouncedRanges {
  public:
+  // A private pool's id; `{0, 0}` for the default pools.
+  using Pool = std::pair<uint64_t, uint64_t>;
+
   struct Change {
     bool alloc;  // true: announce [addr, addr + size); false: withdraw the range at addr
     int device;
     uint64_t addr;
     uint64_t size;
+    Pool pool;
   };
 
-  // Memory [addr, addr + size) became usable: announce it.
-  std::vector<Change> mapped(int device, uint64_t addr, uint64_t size) {
+  // Memory [addr, addr + size) of pool `pool` became usable: announce it.
+  std::vector<Change> mapped(int device, uint64_t addr, uint64_t size, Pool pool = {0, 0}) {
     std::vector<Change> out;
     if (size == 0) {
       return out;
@@ -52,8 +63,8 @@ class AnnouncedRanges {
     if (d.covers(addr, addr + size)) {
       return out;
     }
-    d.put(addr, size);
-    out.push_back({true, device, addr, size});
+    d.put(addr, size, pool);
+    out.push_back({true, device, addr, size, pool});
     return out;
   }
 
@@ -67,33 +78,34 @@ class AnnouncedRanges {
     }
     auto& d = devices_[device];
     uint64_t end = addr + size;
-    std::vector<std::pair<uint64_t, uint64_t>> taken;  // [start, end)
+    std::vector<std::tuple<Pool, uint64_t, uint64_t>> taken;  // pool, [start, end)
     std::vector<std::pair<uint64_t, uint64_t>> frontier{{addr, end}};
     while (!frontier.empty()) {
       auto [lo, hi] = frontier.back();
       frontier.pop_back();
-      for (auto [s, n] : d.over(lo, hi)) {
+      for (auto [s, r] : d.over(lo, hi)) {
         d.ranges.erase(s);
-        out.push_back({false, device, s, n});
-        taken.emplace_back(s, s + n);
-        frontier.emplace_back(s, s + n);
+        out.push_back({false, device, s, r.size, r.pool});
+        taken.emplace_back(r.pool, s, s + r.size);
+        frontier.emplace_back(s, s + r.size);
       }
     }
-    // What of the withdrawn ranges stays mapped: their union less the hole.
+    // What of the withdrawn ranges stays mapped: their union less the
+    // hole, pool by pool.
     std::sort(taken.begin(), taken.end());
-    std::vector<std::pair<uint64_t, uint64_t>> runs;
-    for (auto [s, e] : taken) {
-      if (!runs.empty() && s <= runs.back().second) {
-        runs.back().second = std::max(runs.back().second, e);
+    std::vector<std::tuple<Pool, uint64_t, uint64_t>> runs;
+    for (auto [p, s, e] : taken) {
+      if (!runs.empty() && std::get<0>(runs.back()) == p && s <= std::get<2>(runs.back())) {
+        std::get<2>(runs.back()) = std::max(std::get<2>(runs.back()), e);
       } else {
-        runs.emplace_back(s, e);
+        runs.emplace_back(p, s, e);
       }
     }
-    for (auto [s, e] : runs) {
+    for (auto [p, s, e] : runs) {
       for (auto [a, b] : {std::make_pair(s, std::min(e, addr)), std::make_pair(std::max(s, end), e)}) {
         if (a < b) {
-          d.put(a, b - a);
-          out.push_back({true, device, a, b - a});
+          d.put(a, b - a, p);
+          out.push_back({true, device, a, b - a, p});
         }
       }
     }
@@ -101,10 +113,10 @@ class AnnouncedRanges {
   }
 
   // Ranges a consumer registered by itself when trackers were attached:
-  // what was mapped then.
-  void seed(int device, uint64_t addr, uint64_t size) {
+  // what was mapped then (a segment of pool `pool`).
+  void seed(int device, uint64_t addr, uint64_t size, Pool pool = {0, 0}) {
     if (size != 0) {
-      devices_[device].put(addr, size);
+      devices_[device].put(addr, size, pool);
     }
   }
 
@@ -112,32 +124,39 @@ class AnnouncedRanges {
   // now registers by itself. Remembered as far as announced memory runs on
   // without a gap from its start (the rest went since the snapshot was
   // read); not at all when its start went (nothing could withdraw it).
-  void registered_from_snapshot(int device, uint64_t addr, uint64_t size) {
+  void registered_from_snapshot(int device, uint64_t addr, uint64_t size, Pool pool = {0, 0}) {
     auto& d = devices_[device];
     uint64_t stop = std::min(d.covered_from(addr), addr + size);
     if (stop > addr) {
-      d.put(addr, stop - addr);
+      d.put(addr, stop - addr, pool);
     }
   }
 
  private:
+  struct Range {
+    uint64_t size;
+    Pool pool;
+  };
+
   struct Device {
-    std::map<uint64_t, uint64_t> ranges;  // start -> size; overlapping ranges allowed
+    std::map<uint64_t, Range> ranges;  // start -> range; overlapping ranges allowed
     uint64_t longest = 0;
 
     // One range a start: the longer is kept (a FREE names only the start).
-    void put(uint64_t s, uint64_t n) {
-      uint64_t& have = ranges[s];
-      have = std::max(have, n);
+    void put(uint64_t s, uint64_t n, Pool pool) {
+      auto [it, fresh] = ranges.try_emplace(s, Range{n, pool});
+      if (!fresh && it->second.size < n) {
+        it->second = Range{n, pool};
+      }
       longest = std::max(longest, n);
     }
 
-    // The ranges overlapping [lo, hi), as (start, size).
-    std::vector<std::pair<uint64_t, uint64_t>> over(uint64_t lo, uint64_t hi) const {
-      std::vector<std::pair<uint64_t, uint64_t>> out;
+    // The ranges overlapping [lo, hi), as (start, range).
+    std::vector<std::pair<uint64_t, Range>> over(uint64_t lo, uint64_t hi) const {
+      std::vector<std::pair<uint64_t, Range>> out;
       auto it = ranges.lower_bound(lo > longest ? lo - longest : 0);
       for (; it != ranges.end() && it->first < hi; ++it) {
-        if (it->first + it->second > lo) {
+        if (it->first + it->second.size > lo) {
           out.emplace_back(it->first, it->second);
         }
       }
@@ -150,9 +169,9 @@ class AnnouncedRanges {
       uint64_t reach = at;
       for (bool grew = true; grew;) {
         grew = false;
-        for (auto [s, n] : over(reach, reach + 1)) {
-          if (s + n > reach) {
-            reach = s + n;
+        for (auto [s, r] : over(reach, reach + 1)) {
+          if (s + r.size > reach) {
+            reach = s + r.size;
             grew = true;
           }
         }

@@ -163,7 +163,8 @@ typedef int (*GpuallocMissCallback)(void *ctx, int device);
 
 // Receives segment events: `action` is one of `GPUALLOC_SEGMENT_*`,
 // `stream` the `cudaStream_t` the memory was obtained for, as an integer.
-// Called under the allocator's lock: it must not call gpualloc.
+// Called under the allocator's lock: it must not call gpualloc, except
+// `gpualloc_segment_event_pool`.
 typedef void (*GpuallocSegmentObserver)(void *ctx,
                                         int device,
                                         int action,
@@ -727,7 +728,8 @@ int gpualloc_set_miss_callback(GpuallocMissCallback callback, void *ctx);
 //
 // # Safety
 // `observer(ctx, ...)` must be callable from any thread until another
-// observer is installed, and must not call gpualloc.
+// observer is installed, and must not call gpualloc, except
+// `gpualloc_segment_event_pool` (the event's pool).
 int gpualloc_set_segment_observer(GpuallocSegmentObserver observer, void *ctx);
 
 // Has the segment observer told of frees that wait for other streams'
@@ -739,6 +741,19 @@ int gpualloc_set_segment_observer(GpuallocSegmentObserver observer, void *ctx);
 // Every other free completes at once and is told nothing. Returns
 // `GPUALLOC_OK`.
 int gpualloc_observe_block_frees(int on);
+
+// From inside the segment observer: the private pool that holds the
+// range of the event being told, `(id_a, id_b)` as given to
+// `gpualloc_begin_allocate_to_pool` (a CUDA graph's or a `MemPool`'s),
+// `(0, 0)` for the default pools and stitched ranges. ProcessGroupNCCL
+// registers a `MemPool`'s new segments by it. The one call the observer
+// may make: it takes no lock, and sets no error message (it runs inside
+// another call). `GPUALLOC_ERR_NOT_FOUND` outside an observer's call,
+// `GPUALLOC_ERR_INVALID_ARGUMENT` for a NULL pointer.
+//
+// # Safety
+// `id_a` and `id_b` are NULL or point to writable `uint64_t`s.
+int gpualloc_segment_event_pool(uint64_t *id_a, uint64_t *id_b);
 
 // The calling thread's last out-of-memory report: filled by a
 // `gpualloc_malloc` that returned NULL for lack of memory, kept until the

@@ -8,7 +8,9 @@
 // must hold exactly the mapped pages, each once. A consumer refuses an
 // ALLOC of a start it holds and a FREE of a start it does not (NCCL's
 // registration throws; the bridge tolerates it); with one consumer nothing
-// may be refused.
+// may be refused. Each map is of one of three pools, and every range a
+// consumer holds must be announced in the pool of all its pages (NCCL
+// registers a MemPool's segments by it).
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -20,20 +22,22 @@
 #include "bridge/registration.h"
 
 using gpualloc_bridge::AnnouncedRanges;
+using Pool = AnnouncedRanges::Pool;
 
 namespace {
 
 const uint64_t kPage = 2 << 20;
 const int kPages = 64;
+const Pool kPools[] = {{0, 0}, {1, 0}, {7, 42}};
 
 struct Consumer {
-  std::map<uint64_t, uint64_t> held;  // start -> size
+  std::map<uint64_t, std::pair<uint64_t, Pool>> held;  // start -> (size, pool)
   int refused = 0;
 
   void apply(const std::vector<AnnouncedRanges::Change>& cs) {
     for (const auto& c : cs) {
       if (c.alloc) {
-        if (!held.emplace(c.addr, c.size).second) {
+        if (!held.emplace(c.addr, std::make_pair(c.size, c.pool)).second) {
           ++refused;
         }
       } else if (held.erase(c.addr) != 1) {
@@ -42,14 +46,20 @@ struct Consumer {
     }
   }
 
-  // The pages held, or -1 in `twice` for the first page held twice.
-  std::set<int> pages(int* twice) const {
+  // The pages held, or -1 in `twice` for the first page held twice and in
+  // `elsewhere` for the first held in another pool than its own.
+  std::set<int> pages(const std::map<int, Pool>& pool_of, int* twice, int* elsewhere) const {
     std::set<int> out;
     *twice = -1;
-    for (const auto& [s, n] : held) {
-      for (uint64_t p = s / kPage; p < (s + n) / kPage; ++p) {
+    *elsewhere = -1;
+    for (const auto& [s, held_as] : held) {
+      for (uint64_t p = s / kPage; p < (s + held_as.first) / kPage; ++p) {
         if (!out.insert(static_cast<int>(p)).second && *twice < 0) {
           *twice = static_cast<int>(p);
+        }
+        auto it = pool_of.find(static_cast<int>(p));
+        if ((it == pool_of.end() || it->second != held_as.second) && *elsewhere < 0) {
+          *elsewhere = static_cast<int>(p);
         }
       }
     }
@@ -66,20 +76,22 @@ int main() {
   for (int round = 0; round < 400; ++round) {
     bool late_consumers = round % 2 == 1;
     AnnouncedRanges a;
-    std::set<int> mapped;  // page indices
+    std::set<int> mapped;        // page indices
+    std::map<int, Pool> pool_of;  // mapped page -> its pool
     std::vector<Consumer> consumers(1);
     for (int op = 0; op < 300; ++op) {
       if (late_consumers && consumers.size() < 4 && rng() % 40 == 0) {
         // A communicator starts: it registers the snapshot's segments.
         Consumer c;
         for (auto it = mapped.begin(); it != mapped.end();) {
+          // A segment is of one pool.
           int start = *it;
           int end = start;
-          while (mapped.count(end) != 0 && (end == start || rng() % 6 != 0)) {
+          while (mapped.count(end) != 0 && pool_of[end] == pool_of[start] && (end == start || rng() % 6 != 0)) {
             ++end;
           }
-          c.held[start * kPage] = (end - start) * kPage;
-          a.registered_from_snapshot(0, start * kPage, (end - start) * kPage);
+          c.held[start * kPage] = {(end - start) * kPage, pool_of[start]};
+          a.registered_from_snapshot(0, start * kPage, (end - start) * kPage, pool_of[start]);
           it = mapped.lower_bound(end);
         }
         consumers.push_back(c);
@@ -98,11 +110,18 @@ int main() {
       }
       std::vector<AnnouncedRanges::Change> cs;
       if (all_free) {
-        cs = a.mapped(0, start * kPage, len * kPage);
-        for (int p = start; p < start + len; ++p) mapped.insert(p);
+        Pool pool = kPools[rng() % 3];
+        cs = a.mapped(0, start * kPage, len * kPage, pool);
+        for (int p = start; p < start + len; ++p) {
+          mapped.insert(p);
+          pool_of[p] = pool;
+        }
       } else if (all_mapped) {
         cs = a.unmapped(0, start * kPage, len * kPage);
-        for (int p = start; p < start + len; ++p) mapped.erase(p);
+        for (int p = start; p < start + len; ++p) {
+          mapped.erase(p);
+          pool_of.erase(p);
+        }
       } else {
         continue;
       }
@@ -111,12 +130,17 @@ int main() {
       }
       for (size_t i = 0; i < consumers.size(); ++i) {
         int twice = -1;
-        if (consumers[i].pages(&twice) != mapped) {
+        int elsewhere = -1;
+        if (consumers[i].pages(pool_of, &twice, &elsewhere) != mapped) {
           std::printf("round %d op %d: consumer %zu holds other pages than the mapped ones\n", round, op, i);
           return 1;
         }
         if (twice >= 0) {
           std::printf("round %d op %d: consumer %zu holds page %d twice\n", round, op, i, twice);
+          return 1;
+        }
+        if (elsewhere >= 0) {
+          std::printf("round %d op %d: consumer %zu holds page %d in another pool\n", round, op, i, elsewhere);
           return 1;
         }
       }

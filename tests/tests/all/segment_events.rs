@@ -11,7 +11,9 @@
 //! each operation the registered ranges must equal the simulator's live
 //! allocations and mappings, byte for byte, and the listed ones the
 //! snapshot's segments; a `Map` must not overlap what is registered, an
-//! `Unmap` must lie inside it, a `Free` must match an `Alloc`.
+//! `Unmap` must lie inside it, a `Free` must match an `Alloc`. Each event
+//! names its pool: kept per pool, the listed ranges must be the snapshot's
+//! segments of that pool, and a range must leave the pool it entered.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -51,6 +53,15 @@ impl Ranges {
         ranges.insert(lo, hi);
     }
 
+    /// Adds (`Some(true)`) or removes (`Some(false)`) `lo..hi`, or nothing.
+    fn apply(&mut self, add: Option<bool>, lo: u64, hi: u64, errors: &mut Vec<String>) {
+        match add {
+            Some(true) => self.add(lo, hi, errors),
+            Some(false) => self.remove(lo, hi, errors),
+            None => {}
+        }
+    }
+
     fn remove(&mut self, lo: u64, hi: u64, errors: &mut Vec<String>) {
         let ranges = &mut self.0;
         let Some((a, b)) = ranges.range(..=lo).next_back().map(|(&a, &b)| (a, b)) else {
@@ -81,6 +92,9 @@ struct Registry {
     /// What the snapshot lists: `Alloc`, `Map` and `Listed` add, their
     /// opposites remove.
     listed: Ranges,
+    /// `backed` and `listed` per pool named by the events.
+    backed_by_pool: BTreeMap<(u64, u64), Ranges>,
+    listed_by_pool: BTreeMap<(u64, u64), Ranges>,
     /// Plain segments announced by `Alloc`: start -> bytes.
     plain: BTreeMap<u64, u64>,
     /// Blocks whose free waits for other streams: start -> bytes, from
@@ -138,15 +152,13 @@ impl Registry {
             _ => {}
         }
         let errors = &mut self.errors;
-        match e.action.backed() {
-            Some(true) => self.backed.add(lo, hi, errors),
-            Some(false) => self.backed.remove(lo, hi, errors),
-            None => {}
+        let backed_here = self.backed_by_pool.entry(e.pool).or_default();
+        for r in [&mut self.backed, backed_here] {
+            r.apply(e.action.backed(), lo, hi, errors);
         }
-        match e.action.listed() {
-            Some(true) => self.listed.add(lo, hi, errors),
-            Some(false) => self.listed.remove(lo, hi, errors),
-            None => {}
+        let listed_here = self.listed_by_pool.entry(e.pool).or_default();
+        for r in [&mut self.listed, listed_here] {
+            r.apply(e.action.listed(), lo, hi, errors);
         }
     }
 }
@@ -195,6 +207,29 @@ fn check(c: &Checked, reg: &Mutex<Registry>, what: &str) {
         "after {what}: the events list {:x?}\nbut the snapshot {:x?}",
         reg.listed.0,
         listed
+    );
+    // Each pool's segments, as the events name them.
+    let mut by_pool: BTreeMap<(u64, u64), Vec<(u64, u64)>> = BTreeMap::new();
+    for s in c.snapshot() {
+        by_pool
+            .entry(s.pool_id)
+            .or_default()
+            .push((s.address, s.total_size));
+    }
+    for (pool, ranges) in &reg.listed_by_pool {
+        let snap = by_pool
+            .remove(pool)
+            .map(|v| coalesce(&v))
+            .unwrap_or_default();
+        assert!(
+            ranges.0 == snap,
+            "after {what}: the events list {:x?} in pool {pool:?}\nbut the snapshot {snap:x?}",
+            ranges.0
+        );
+    }
+    assert!(
+        by_pool.is_empty(),
+        "after {what}: pools no event named: {by_pool:x?}"
     );
 }
 
