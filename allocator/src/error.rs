@@ -62,6 +62,10 @@ pub enum AllocError {
         needed: u64,
         /// The most any allocation can get: capacity or limit.
         max: u64,
+        /// The device.
+        device: u32,
+        /// The memory limit in force (a memory fraction), if any.
+        limit: Option<u64>,
     },
     /// The pointer was not handed out by this allocator on this device, or
     /// was freed already.
@@ -237,6 +241,7 @@ impl fmt::Display for AllocError {
                 requested,
                 needed,
                 max,
+                ..
             } => write!(
                 f,
                 "CUDA out of memory. Tried to allocate {}. gpualloc needed {} for it, which can never fit: the most this device can hold is {}.",

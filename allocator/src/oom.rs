@@ -41,6 +41,8 @@ impl<B: Backend> DeviceAllocator<B> {
                 requested,
                 needed,
                 max,
+                device: self.device,
+                limit: report.limit,
             };
         }
         AllocError::OutOfMemory(Box::new(report))

@@ -101,8 +101,8 @@ typedef struct CUstream_st *cudaStream_t;
 #define GPUALLOC_OOM_NOW 1
 
 // `GpuallocOomInfo.kind`: the request can never fit on this device (or
-// under the memory limit); only `requested`, `needed` and `device_total`
-// (the most any allocation can get) are filled.
+// under the memory limit); only `device`, `requested`, `needed`, `limit`
+// and `device_total` (the most any allocation can get) are filled.
 #define GPUALLOC_OOM_NEVER 2
 
 // Version of [`GpuallocStats`] this library writes.

@@ -17,8 +17,8 @@ pub const GPUALLOC_OOM_INFO_VERSION: u32 = 1;
 /// freeing tensors and retrying may succeed.
 pub const GPUALLOC_OOM_NOW: i32 = 1;
 /// `GpuallocOomInfo.kind`: the request can never fit on this device (or
-/// under the memory limit); only `requested`, `needed` and `device_total`
-/// (the most any allocation can get) are filled.
+/// under the memory limit); only `device`, `requested`, `needed`, `limit`
+/// and `device_total` (the most any allocation can get) are filled.
 pub const GPUALLOC_OOM_NEVER: i32 = 2;
 
 /// Everything the allocator knew when an allocation failed. Versioned like
@@ -83,14 +83,17 @@ impl GpuallocOomInfo {
                 requested,
                 needed,
                 max,
+                device,
+                limit,
             } => Some(GpuallocOomInfo {
                 size: full,
                 version: GPUALLOC_OOM_INFO_VERSION,
                 kind: GPUALLOC_OOM_NEVER,
-                device: -1,
+                device: *device as i32,
                 requested: *requested,
                 needed: *needed,
                 device_total: *max,
+                limit: limit.unwrap_or(0),
                 ..GpuallocOomInfo::default()
             }),
             _ => None,

@@ -328,6 +328,8 @@ static void test_limits_and_oom(void) {
   CHECK(info.version == GPUALLOC_OOM_INFO_VERSION && info.size == sizeof info);
   CHECK(info.kind == GPUALLOC_OOM_NEVER);
   CHECK(info.requested == 300 * MiB);
+  /* what PyTorch's out-of-memory observers are told as allowed */
+  CHECK(info.device == 0 && info.limit == GiB / 4 && info.device_total == GiB / 4);
   set_fraction(1.0, 0);
   /* a byte limit: the second 40 MiB does not fit now */
   CHECK(gpualloc_set_memory_limit(0, 64 * MiB) == GPUALLOC_OK);
@@ -355,6 +357,7 @@ static void test_limits_and_oom(void) {
   memset(&info, 0, sizeof info);
   info.size = (uint32_t)sizeof info;
   CHECK(gpualloc_last_oom(&info) == GPUALLOC_OK && info.kind == GPUALLOC_OOM_NEVER);
+  CHECK(info.device == 0 && info.limit == 0 && info.device_total == GiB);
   CHECK(contains(gpualloc_last_error(), "out of memory")); /* the report keeps its sentence */
   /* its own failure replaces the sentence; its next success clears that */
   info.size = 4;

@@ -256,6 +256,7 @@ impl Run {
                 requested,
                 needed,
                 max,
+                ..
             }) => {
                 prop_assert!(need > room, "{size} B ({need} B) fits {room} B: TooLarge");
                 prop_assert_eq!((requested, needed, max), (size, need, room));

@@ -38,8 +38,12 @@ fn request_over_the_limit_is_too_large() {
             requested,
             needed,
             max,
+            device,
+            limit,
         }) => {
             assert_eq!((requested, needed, max), (100 * MIB, 100 * MIB, 64 * MIB));
+            // What PyTorch's out-of-memory observers are told as allowed.
+            assert_eq!((device, limit), (0, Some(64 * MIB)));
         }
         other => panic!("expected TooLarge, got {other:?}"),
     }

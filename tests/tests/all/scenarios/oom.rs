@@ -151,6 +151,7 @@ fn request_larger_than_the_device_is_too_large() {
             requested,
             needed,
             max,
+            ..
         }) => {
             assert_eq!((requested, needed, max), (65 * MIB, 66 * MIB, 64 * MIB));
         }
