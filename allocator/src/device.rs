@@ -45,6 +45,7 @@ use crate::page_pool::PagePool;
 use crate::pending::PendingFrees;
 use crate::pool::PoolKey;
 use crate::private_pool::PrivatePools;
+use crate::shares::Shares;
 use crate::size_class::{PoolKind, allocation_size, round_size};
 use crate::stats::DeviceStats;
 use crate::stitch_cache::Stitches;
@@ -76,6 +77,8 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) expandable: bool,
     /// Physical handles of expandable segments (Note [Page pool]).
     pub(crate) pages: PagePool,
+    /// Live blocks shared with other processes (`shares.rs`).
+    pub(crate) shares: Shares,
     /// When freed pages may be unmapped (Note [Event-ordered unmapping]).
     pub(crate) fences: Fences,
     /// Old addresses of pages that moved before their work was done
@@ -136,6 +139,7 @@ impl<B: Backend> DeviceAllocator<B> {
             observer: None,
             expandable,
             pages: PagePool::default(),
+            shares: Shares::default(),
             fences: Fences::default(),
             drains: Drains::default(),
             stitches: Stitches::default(),
@@ -921,6 +925,7 @@ impl<B: Backend> DeviceAllocator<B> {
             }
         }
         self.live.remove(&ptr);
+        self.shares.freed(ptr);
         let lookups = self.heap.pools[pool as usize].lookups;
         let epoch = self.fences.stamp();
         // An event recorded during a capture belongs to the graph: it would

@@ -222,6 +222,9 @@ impl<B: Backend> DeviceAllocator<B> {
             .map(|&id| self.heap.blocks[id].event_count)
             .sum();
         self.pending.check(expected)?;
+        if let Some(p) = self.shares.blocks().find(|p| !self.live.contains_key(p)) {
+            return Err(format!("shared block {p:#x} is not live"));
+        }
         let s = &self.stats;
         for (i, def) in STATS.iter().enumerate() {
             let (Some(StatValue::Array(got)), Some(StatValue::Array(want))) =

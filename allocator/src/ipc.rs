@@ -21,8 +21,9 @@
 //! nothing else lives in the run (no other tensor's memory moves; in a
 //! private pool, a graph's or a `MemPool`'s, no other block at all, since
 //! the replays of a graph captured into it write the blocks freed during
-//! the capture), none of its handles was exported already (a receiver
-//! maps them), no capture is open, and the copy fits under the memory limit and on the device;
+//! the capture), none of its handles is under a live block shared already
+//! (a receiver uses it there; a handle exported for a block since freed
+//! may get new memory, `shares.rs`), no capture is open, and the copy fits under the memory limit and on the device;
 //! otherwise the share keeps the handles of several sizes, which only a
 //! receiver under gpualloc opens. While the run is remapped the block
 //! itself is briefly unmapped: a kernel that another thread launches on
@@ -121,10 +122,11 @@ impl<B: Backend> DeviceAllocator<B> {
             return Err(invalid);
         }
         let mut parts = Vec::with_capacity(handles.len());
-        for (_, h, s) in handles {
+        for &(_, h, s) in &handles {
             parts.push((self.backend.export_handle(h)?, s));
-            self.pages.mark_exported(h);
         }
+        self.shares
+            .shared(ptr, handles.iter().map(|&(_, h, _)| h).collect());
         Ok(Sharing::Handles {
             offset: ptr - start,
             parts,
@@ -148,7 +150,7 @@ impl<B: Backend> DeviceAllocator<B> {
             (seg.stream, seg.kind, seg.pool)
         };
         if self.private.capturing()
-            || old.iter().any(|&(_, h, _)| self.pages.is_exported(h))
+            || old.iter().any(|&(_, h, _)| self.shares.pins(h))
             || !self.only_block_in(id, lo, hi, pool > STITCH)
         {
             return Ok(false);

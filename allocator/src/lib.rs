@@ -89,6 +89,7 @@ mod replay_pools;
 mod rng;
 mod segment;
 mod segment_source;
+mod shares;
 pub mod size_class;
 mod snapshot;
 pub mod stats;

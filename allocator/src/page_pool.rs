@@ -46,7 +46,7 @@
 //! driver time; their ratio of reserved to allocated memory rises by 0.001
 //! to 0.010 (ResNet-50: 1.0096 to 1.0195, its ratio without `empty_cache`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use crate::backend::{Backend, BackendError, DevicePtr, HandleId, unmap_maybe_later};
 use crate::size_class::PoolKind;
@@ -78,8 +78,6 @@ pub(crate) struct PagePool {
     mapped: BTreeMap<DevicePtr, (HandleId, u64)>,
     /// Pooled bytes per kind, `[small, large]`.
     free_bytes: [u64; 2],
-    /// Handles exported to other processes (Note [Sharing expandable memory]).
-    exported: BTreeSet<HandleId>,
     /// Bytes `empty_cache` gave back to the driver and not yet created
     /// again (Note [Regrowth]).
     regrow: u64,
@@ -203,15 +201,15 @@ impl PagePool {
             if list.is_empty() {
                 self.free.remove(&s);
             }
-            self.forget(h, s, k, &mut deltas);
+            self.forget(s, k, &mut deltas);
         }
         (Ok(()), deltas)
     }
 
-    /// Takes a handle the driver released off the pool's counts.
-    fn forget(&mut self, handle: HandleId, size: u64, kind: PoolKind, deltas: &mut KindDeltas) {
+    /// Takes a handle of `size` bytes the driver released off the pool's
+    /// counts.
+    fn forget(&mut self, size: u64, kind: PoolKind, deltas: &mut KindDeltas) {
         self.free_bytes[slot(kind)] -= size;
-        self.exported.remove(&handle);
         deltas[slot(kind)] -= size as i64;
     }
 
@@ -381,26 +379,14 @@ impl PagePool {
         below.into_iter().chain(self.handles_in(lo, hi)).collect()
     }
 
-    /// Notes that `handle` was exported to another process: its memory must
-    /// stay the memory of the addresses it is mapped at.
-    pub fn mark_exported(&mut self, handle: HandleId) {
-        self.exported.insert(handle);
-    }
-
-    /// Whether `handle` was exported to another process.
-    pub fn is_exported(&self, handle: HandleId) -> bool {
-        self.exported.contains(&handle)
-    }
-
     /// Books `handles` (already mapped one after another from `lo` by the
     /// caller) in place of the handles mapped over the same bytes, which the
     /// caller unmapped; returns those, for the caller to release.
     pub fn swap_in(&mut self, lo: DevicePtr, handles: &[(HandleId, u64)]) -> Vec<(HandleId, u64)> {
         let len: u64 = handles.iter().map(|h| h.1).sum();
         let old: Vec<(DevicePtr, HandleId, u64)> = self.handles_in(lo, lo + len);
-        for (a, h, _) in &old {
+        for (a, _, _) in &old {
             self.mapped.remove(a);
-            self.exported.remove(h);
         }
         let mut at = lo;
         for &(h, s) in handles {
@@ -485,7 +471,7 @@ impl PagePool {
                 self.free.entry(s).or_default().push((h, k));
                 return (Err(e), deltas);
             }
-            self.forget(h, s, k, &mut deltas);
+            self.forget(s, k, &mut deltas);
             released += s;
         }
         (Ok(()), deltas)

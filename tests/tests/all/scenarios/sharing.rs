@@ -2,7 +2,8 @@
 //! memory] in `ipc.rs`): a plain segment shares whole with the block's
 //! offset; expandable memory shares exactly the physical handles the
 //! simulator has mapped under the block, in address order, exported once,
-//! and of one size unless a handle under it was exported already.
+//! and of one size unless the run under it holds another live block or was
+//! shared already for the block itself.
 
 use gpualloc::{AllocError, Sharing};
 use gpualloc_tests::{Checked, MIB};
@@ -189,16 +190,35 @@ fn a_live_neighbour_keeps_the_run_as_it_is() {
 }
 
 #[test]
-fn handles_exported_already_keep_their_place() {
+fn a_block_shared_already_keeps_its_handles() {
     let mut c = Checked::with(1 << 30, "policy:gpualloc");
-    let (b, bs, d, ds) = neighbours(&mut c);
-    shares_exactly_its_handles(&mut c, d, ds);
-    // That handle is in another process now: even with the small block
-    // freed, the large block keeps its handles of several sizes.
+    let (b, bs, d, _) = neighbours(&mut c);
+    // Shared while its neighbour lives: several sizes.
+    assert!(mixed(&shares_exactly_its_handles(&mut c, b, bs)));
+    // A receiver maps those handles now: with the neighbour freed, the
+    // next share of the block still names them.
     c.release(d);
     let s = shares_exactly_its_handles(&mut c, b, bs);
     assert!(mixed(&s), "{:?}", sizes(&s));
     assert_eq!(c.sim().copies(), 0);
+}
+
+#[test]
+fn the_handles_of_a_block_freed_since_its_share_get_new_memory() {
+    // The small block was shared and freed (its receivers let go of it
+    // first, as PyTorch keeps a shared storage alive until they do): the
+    // handle it was shared through no longer pins the large block's run,
+    // which a receiver under PyTorch's allocator opens only in one size.
+    let mut c = Checked::with(1 << 30, "policy:gpualloc");
+    let (b, bs, d, ds) = neighbours(&mut c);
+    shares_exactly_its_handles(&mut c, d, ds);
+    c.release(d);
+    let s = shares_exactly_its_handles(&mut c, b, bs);
+    assert!(!mixed(&s), "{:?}", sizes(&s));
+    assert_eq!(c.sim().copies(), 1);
+    c.release(b);
+    c.empty_cache();
+    assert_eq!(c.sim().used(), 0);
 }
 
 #[test]
