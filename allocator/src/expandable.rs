@@ -69,6 +69,19 @@ use crate::trace::{Action, pool_code};
 
 impl<B: Backend> DeviceAllocator<B> {
     /// The mapping granularity of a pool's expandable segments.
+    /// The address range past an expandable segment's end that it reserves
+    /// and never maps: the mapped runs of two segments never touch, even
+    /// where the driver places their reservations one after the other, so
+    /// a consumer of segment events that joins touching ranges of a pool
+    /// (the bridge, for NCCL's registration of a `MemPool`) joins only the
+    /// runs the snapshot lists as one segment.
+    fn guard(&mut self) -> u64 {
+        self.backend
+            .vmm_granularity()
+            .unwrap_or(SMALL_BUFFER)
+            .max(1)
+    }
+
     pub(crate) fn page_size(&mut self, kind: PoolKind) -> u64 {
         let want = match kind {
             PoolKind::Small => SMALL_BUFFER,
@@ -109,7 +122,8 @@ impl<B: Backend> DeviceAllocator<B> {
         let size = want.max(at_least).div_ceil(page) * page;
         // Address space running out is "not now": releasing cached (fully
         // unmapped) ranges and retrying may help, as for memory.
-        let ptr = self.backend.reserve(size).map_err(|e| match e {
+        let guard = self.guard();
+        let ptr = self.backend.reserve(size + guard).map_err(|e| match e {
             BackendError::OutOfMemory { .. } => {
                 GrowError::Full(Some(BackendError::OutOfMemory { requested: size }))
             }
@@ -743,7 +757,8 @@ impl<B: Backend> DeviceAllocator<B> {
                     .expandable
                     .retain(|e| e.1 != seg);
                 self.private.segment_removed(pool);
-                self.backend.free_reservation(s.ptr, s.size)?;
+                let guard = self.guard();
+                self.backend.free_reservation(s.ptr, s.size + guard)?;
             }
         }
         Ok(())

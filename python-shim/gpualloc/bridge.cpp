@@ -181,7 +181,8 @@ void on_segment(void*, int device, int action, uint64_t address, uint64_t size, 
     (void)api.segment_event_pool(&pool_a, &pool_b);
     if (listing) {
       bool enters = a == TraceEntry::SEGMENT_ALLOC || a == TraceEntry::SEGMENT_MAP;
-      enters ? segment_order.listed(device, address, size) : segment_order.unlisted(device, address, size);
+      enters ? segment_order.listed(device, address, size, pool_a != 0 || pool_b != 0)
+             : segment_order.unlisted(device, address, size);
       if (history.enabled()) {
         history.on_event(a, static_cast<c10::DeviceIndex>(device), address, size, s, {pool_a, pool_b});
       }
@@ -194,7 +195,9 @@ void on_segment(void*, int device, int action, uint64_t address, uint64_t size, 
     {
       std::lock_guard<std::mutex> g(observers_mutex);
       bool grows = a == TraceEntry::SEGMENT_ALLOC || a == TraceEntry::SEGMENT_MAP;
-      changes = grows ? announced.mapped(device, address, size, {pool_a, pool_b})
+      // Note [A pool's runs] in bridge/registration.h.
+      bool joins = action == GPUALLOC_SEGMENT_MAP && (pool_a != 0 || pool_b != 0);
+      changes = grows ? announced.mapped(device, address, size, {pool_a, pool_b}, joins)
                       : announced.unmapped(device, address, size);
       ts = trace_trackers;
     }
@@ -586,7 +589,8 @@ cca::SegmentInfo segment_info(const GpuallocSegmentInfo& s, const std::vector<Gp
   si.is_large = s.is_large != 0;
   si.is_expandable = s.is_expandable != 0;
   si.owner_private_pool_id = {s.pool_a, s.pool_b};
-  set_registration_counter(si, segment_order.of(s.device, s.address, s.total_size), 0);
+  set_registration_counter(
+      si, segment_order.of(s.device, s.address, s.total_size, s.pool_a != 0 || s.pool_b != 0), 0);
   for (uint64_t i = s.first_block; i < s.first_block + s.num_blocks && i < blocks.size(); ++i) {
     const auto& b = blocks[i];
     cca::BlockInfo bi;
@@ -816,10 +820,11 @@ class GpuallocAllocator final : public CUDAAllocator {
     cca::SnapshotInfo out;
     bool only = id.first != 0 || id.second != 0;
     Segments all = read_segments(-1, only ? &id : nullptr);
-    if (!only && has_trackers.load(std::memory_order_relaxed)) {
+    if (has_trackers.load(std::memory_order_relaxed)) {
       // A communicator starting now registers these segments by itself
       // (Note [Communicators that register the snapshot] in
-      // bridge/registration.h).
+      // bridge/registration.h), and ProcessGroupNCCL.register_mem_pool
+      // the segments of one pool's snapshot.
       std::lock_guard<std::mutex> g(observers_mutex);
       for (const auto& s : all.segs) {
         announced.registered_from_snapshot(s.device, s.address, s.total_size, {s.pool_a, s.pool_b});

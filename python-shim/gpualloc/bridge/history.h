@@ -142,6 +142,7 @@ class History {
     push(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, ctx);
     uint64_t seq = ++freeing_seq_;
     freeing_[ptr] = Freeing{std::move(l), std::move(ctx), false, seq};
+    this_threads_free() = {ptr, seq};
     update_tracking();
     return seq;
   }
@@ -160,6 +161,7 @@ class History {
   // gpualloc deferred it.
   void after_free(void* ptr, uint64_t seq) {
     std::lock_guard<std::mutex> g(mutex_);
+    this_threads_free() = {nullptr, 0};
     auto it = freeing_.find(ptr);
     if (it != freeing_.end() && it->second.seq == seq && !it->second.deferred) {
       complete(it);
@@ -180,6 +182,16 @@ class History {
   void on_event(TraceEntry::Action action, c10::DeviceIndex device, size_t addr, size_t size, cudaStream_t stream,
                 TracePool pool) {
     std::lock_guard<std::mutex> g(mutex_);
+    // A segment change during a free that gpualloc did not defer comes
+    // after the block is free (it gave back memory the block left): the
+    // free's FREE_COMPLETED goes first, where PyTorch records it, so that
+    // MemoryViz, undoing the entries newest first, finds the block's
+    // segment when it brings the block back.
+    auto [freeing, seq] = this_threads_free();
+    auto it = freeing != nullptr ? freeing_.find(freeing) : freeing_.end();
+    if (it != freeing_.end() && it->second.seq == seq && !it->second.deferred) {
+      complete(it);
+    }
     push(action, device, reinterpret_cast<void*>(addr), size, stream,
          when_ >= RecordContext::ALLOC ? pending_context() : nullptr, nullptr, pool);
   }
@@ -329,6 +341,13 @@ class History {
   // records, or while a block allocated during it lives or is being freed.
   void update_tracking() {
     tracking_.store(enabled() || !live_.empty() || !freeing_.empty(), std::memory_order_relaxed);
+  }
+
+  // The free this thread is in (between `on_free_requested` and
+  // `after_free`): its block and number.
+  static std::pair<void*, uint64_t>& this_threads_free() {
+    thread_local std::pair<void*, uint64_t> f{nullptr, 0};
+    return f;
   }
 
   static std::vector<std::string>& compile_stack() {

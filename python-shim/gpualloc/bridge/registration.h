@@ -28,6 +28,16 @@
 // MemPool registered with it (`register_mem_pool`) by `TraceEntry.mempool_`.
 // What stays of withdrawn ranges is announced again pool by pool, each
 // piece in the pool of the ranges it came from.
+//
+// Note [A pool's runs]
+// ProcessGroupNCCL.deregister_mem_pool deregisters the start of each
+// segment of the pool's snapshot, and gpualloc's snapshot lists a mapped
+// run of an expandable segment as one segment, however many mappings made
+// it. So a mapping of a private pool's expandable memory (`joins`) takes
+// the announced ranges of the pool it touches with it: they are withdrawn
+// and their union announced once, and every run is one announced range,
+// registered and deregistered at its start. Runs of two segments never
+// touch (gpualloc reserves an unmapped page past each segment's end).
 #pragma once
 
 #include <algorithm>
@@ -52,8 +62,10 @@ class AnnouncedRanges {
     Pool pool;
   };
 
-  // Memory [addr, addr + size) of pool `pool` became usable: announce it.
-  std::vector<Change> mapped(int device, uint64_t addr, uint64_t size, Pool pool = {0, 0}) {
+  // Memory [addr, addr + size) of pool `pool` became usable: announce it;
+  // with `joins`, together with the pool's announced ranges it touches
+  // (Note [A pool's runs]).
+  std::vector<Change> mapped(int device, uint64_t addr, uint64_t size, Pool pool = {0, 0}, bool joins = false) {
     std::vector<Change> out;
     if (size == 0) {
       return out;
@@ -63,8 +75,25 @@ class AnnouncedRanges {
     if (d.covers(addr, addr + size)) {
       return out;
     }
-    d.put(addr, size, pool);
-    out.push_back({true, device, addr, size, pool});
+    uint64_t lo = addr;
+    uint64_t hi = addr + size;
+    std::vector<std::pair<uint64_t, uint64_t>> frontier{{lo, hi}};
+    while (joins && !frontier.empty()) {
+      auto [a, b] = frontier.back();
+      frontier.pop_back();
+      // Touching [a, b) or overlapping it, in this pool.
+      for (auto [s, r] : d.over(a > 0 ? a - 1 : 0, b + 1)) {
+        if (r.pool == pool) {
+          d.ranges.erase(s);
+          out.push_back({false, device, s, r.size, r.pool});
+          lo = std::min(lo, s);
+          hi = std::max(hi, s + r.size);
+          frontier.emplace_back(s, s + r.size);
+        }
+      }
+    }
+    d.put(lo, hi - lo, pool);
+    out.push_back({true, device, lo, hi - lo, pool});
     return out;
   }
 

@@ -13,7 +13,10 @@
 // snapshot gets the smallest number among the ranges it holds: the order
 // its memory was first mapped in, the same on every rank that allocated
 // the same way. A segment the bridge never saw enter (a race with a
-// concurrent mapping) gets the next number.
+// concurrent mapping) gets the next number. The private pools' ranges
+// (graphs', MemPools') draw from a counter of their own: the default
+// pools' stitches enter and leave the snapshot at every use and would
+// soon run it past the 31 bits the field has.
 #pragma once
 
 #include <algorithm>
@@ -28,15 +31,16 @@ namespace gpualloc_bridge {
 
 class SegmentOrder {
  public:
-  // [addr, addr + size) entered the snapshot's segments.
-  void listed(int device, uint64_t addr, uint64_t size) {
+  // [addr, addr + size), of a private pool or not, entered the
+  // snapshot's segments.
+  void listed(int device, uint64_t addr, uint64_t size, bool private_pool) {
     if (size == 0) {
       return;
     }
     std::lock_guard<std::mutex> g(mutex_);
     auto& d = devices_[device];
     cut(d, addr, addr + size);  // nothing there, unless an event was missed
-    d[addr] = {size, next_++};
+    d[addr] = {size, next_[private_pool]++};
   }
 
   // [addr, addr + size) left them; what stays of a range keeps its number.
@@ -50,7 +54,7 @@ class SegmentOrder {
 
   // The number of the snapshot's segment [addr, addr + size): the smallest
   // of the ranges in it; a new one when none is known.
-  int32_t of(int device, uint64_t addr, uint64_t size) {
+  int32_t of(int device, uint64_t addr, uint64_t size, bool private_pool) {
     std::lock_guard<std::mutex> g(mutex_);
     auto& d = devices_[device];
     uint64_t end = addr + size;
@@ -62,7 +66,7 @@ class SegmentOrder {
     }
     if (best < 0) {
       cut(d, addr, end);
-      best = next_++;
+      best = next_[private_pool]++;
       d[addr] = {size, best};
     }
     return static_cast<int32_t>(std::min<int64_t>(best, std::numeric_limits<int32_t>::max()));
@@ -103,7 +107,7 @@ class SegmentOrder {
 
   std::mutex mutex_;
   std::map<int, Ranges> devices_;
-  int64_t next_ = 0;
+  int64_t next_[2] = {0, 0};  // the default pools', the private pools'
 };
 
 }  // namespace gpualloc_bridge

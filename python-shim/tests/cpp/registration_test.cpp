@@ -10,10 +10,13 @@
 // registration throws; the bridge tolerates it); with one consumer nothing
 // may be refused. Each map is of one of three pools, and every range a
 // consumer holds must be announced in the pool of all its pages (NCCL
-// registers a MemPool's segments by it).
+// registers a MemPool's segments by it). Maps of the two private pools
+// join the pool's touching ranges (Note [A pool's runs]): a consumer that
+// listens from the start holds each private pool's run as one range.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <map>
 #include <random>
 #include <set>
@@ -111,7 +114,7 @@ int main() {
       std::vector<AnnouncedRanges::Change> cs;
       if (all_free) {
         Pool pool = kPools[rng() % 3];
-        cs = a.mapped(0, start * kPage, len * kPage, pool);
+        cs = a.mapped(0, start * kPage, len * kPage, pool, pool != kPools[0]);
         for (int p = start; p < start + len; ++p) {
           mapped.insert(p);
           pool_of[p] = pool;
@@ -147,6 +150,19 @@ int main() {
       if (consumers.size() == 1 && consumers[0].refused != 0) {
         std::printf("round %d op %d: with one consumer, a change was refused\n", round, op);
         return 1;
+      }
+      if (!late_consumers) {
+        const auto& held = consumers[0].held;
+        for (auto it = held.begin(); it != held.end() && std::next(it) != held.end(); ++it) {
+          auto nx = std::next(it);
+          Pool p = it->second.second;
+          if (p != kPools[0] && nx->second.second == p && it->first + it->second.first == nx->first) {
+            std::printf("round %d op %d: a run of pool (%llu, %llu) is held in pieces at %llu\n", round, op,
+                        static_cast<unsigned long long>(p.first), static_cast<unsigned long long>(p.second),
+                        static_cast<unsigned long long>(nx->first / kPage));
+            return 1;
+          }
+        }
       }
     }
     for (const auto& c : consumers) {

@@ -36,7 +36,7 @@ int main() {
         all_listed = all_listed && number.count(p) != 0;
       }
       if (all_free) {
-        order.listed(0, start * kPage, len * kPage);
+        order.listed(0, start * kPage, len * kPage, true);
         for (int p = start; p < start + len; ++p) number[p] = next;
         ++next;
       } else if (all_listed) {
@@ -53,7 +53,7 @@ int main() {
           want = std::min(want, number[e]);
           ++e;
         }
-        int32_t got = order.of(0, s * kPage, (e - s) * kPage);
+        int32_t got = order.of(0, s * kPage, (e - s) * kPage, true);
         if (got < 0 || got != want) {
           std::printf("round %d op %d: pages %d..%d numbered %d, want %lld\n", round, op, s, e, got,
                       static_cast<long long>(want));
@@ -65,9 +65,19 @@ int main() {
     }
     // A segment never seen gets a new number, larger than any given.
     SegmentOrder fresh;
-    fresh.listed(1, 0, kPage);
-    if (fresh.of(1, 4 * kPage, kPage) != 1 || fresh.of(1, 0, kPage) != 0) {
+    fresh.listed(1, 0, kPage, true);
+    if (fresh.of(1, 4 * kPage, kPage, true) != 1 || fresh.of(1, 0, kPage, true) != 0) {
       std::printf("an unseen segment is not numbered after the seen ones\n");
+      return 1;
+    }
+    // The default pools count apart: their churn leaves the private
+    // pools' numbers as they are.
+    for (int i = 0; i < 5; ++i) {
+      fresh.listed(1, (8 + i) * kPage, kPage, false);
+    }
+    fresh.listed(1, 20 * kPage, kPage, true);
+    if (fresh.of(1, 20 * kPage, kPage, true) != 2 || fresh.of(1, 12 * kPage, kPage, false) != 4) {
+      std::printf("the default pools' ranges took the private pools' numbers\n");
       return 1;
     }
   }
