@@ -17,8 +17,10 @@
 //! share of a block whose handles differ in size, the run of handles under
 //! it gets new handles of one size (at most `expandable_handle_mb`) with
 //! the same contents: create, copy through a temporary mapping, map in
-//! place, release the old ones, after waiting for the device. Only when
-//! nothing else lives in the run (no other tensor's memory moves; in a
+//! place, release the old ones, after waiting for the device. A handle at
+//! either end of the run that holds another block's memory too (a
+//! neighbour's) stays where it is, and the handles between get its size.
+//! Only when nothing else lives in what moves (no other tensor's memory moves; in a
 //! private pool, a graph's or a `MemPool`'s, no other block at all, since
 //! the replays of a graph captured into it write the blocks freed during
 //! the capture), none of its handles is under a live block shared already
@@ -143,26 +145,48 @@ impl<B: Backend> DeviceAllocator<B> {
         lo: DevicePtr,
         hi: DevicePtr,
     ) -> Result<bool, AllocError> {
-        let old = self.pages.handles_in(lo, hi);
         let seg_id = self.heap.blocks[id].segment;
         let (stream, kind, pool) = {
             let seg = self.heap.segments.get(seg_id);
             (seg.stream, seg.kind, seg.pool)
         };
-        if self.private.capturing()
+        let private = pool > STITCH;
+        if self.private.capturing() {
+            return Ok(false);
+        }
+        // The handle at either end may hold another block's memory too, or
+        // be under a live shared block: it stays, and what lies between
+        // gets handles of its size (Note [Sharing expandable memory]).
+        let run = self.pages.handles_in(lo, hi);
+        let (Some(&first), Some(&last)) = (run.first(), run.last()) else {
+            return Ok(false);
+        };
+        let stays = |&(a, h, s): &(DevicePtr, HandleId, u64)| {
+            self.shares.pins(h) || !self.only_block_in(id, a, a + s, private)
+        };
+        let (lo, hi, forced) = match (stays(&first), run.len() > 1 && stays(&last)) {
+            (false, false) => (lo, hi, None),
+            (true, false) => (first.0 + first.2, hi, Some(first.2)),
+            (false, true) => (lo, last.0, Some(last.2)),
+            (true, true) if first.2 == last.2 => (first.0 + first.2, last.0, Some(first.2)),
+            (true, true) => return Ok(false),
+        };
+        let len = hi.saturating_sub(lo);
+        let old = self.pages.handles_in(lo, hi);
+        if len == 0
+            || forced.is_some_and(|s| !len.is_multiple_of(s))
             || old.iter().any(|&(_, h, _)| self.shares.pins(h))
-            || !self.only_block_in(id, lo, hi, pool > STITCH)
+            || !self.only_block_in(id, lo, hi, private)
         {
             return Ok(false);
         }
-        let len = hi - lo;
         if let Some(limit) = self.limit()?
             && self.stats.reserved_bytes.all.current as u64 + len > limit
         {
             return Ok(false);
         }
         let (page, max_handle) = self.handle_sizes(pool);
-        let size = uniform_size(len, page, max_handle);
+        let size = forced.unwrap_or_else(|| uniform_size(len, page, max_handle));
         self.drop_stitches_over(lo, hi)?;
         self.backend.synchronize()?;
         // The handles swapped out below go back to the driver: none may

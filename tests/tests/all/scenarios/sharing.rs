@@ -172,15 +172,24 @@ fn mixed(s: &Sharing) -> bool {
     sizes(s).windows(2).any(|w| w[0] != w[1])
 }
 
+/// The last handle under the large block of [`neighbours`]: `(address, handle, bytes)`.
+fn last_handle(c: &Checked, b: u64, bs: u64) -> (u64, u64, u64) {
+    *c.sim().handles_over(b, bs).last().unwrap()
+}
+
 #[test]
-fn a_live_neighbour_keeps_the_run_as_it_is() {
+fn a_live_neighbours_handle_stays_and_the_rest_takes_its_size() {
     let mut c = Checked::with(1 << 30, "policy:gpualloc");
     let (b, bs, _, _) = neighbours(&mut c);
-    // Another tensor lives in the run: its memory is never moved.
+    let shared_with_d = last_handle(&c, b, bs);
+    // Another tensor lives in the last handle: its memory never moves, and
+    // the handles before it get its size.
     let s = shares_exactly_its_handles(&mut c, b, bs);
-    assert!(mixed(&s));
-    assert_eq!(c.sim().copies(), 0);
-    // The same layout with the small block freed: the run moves.
+    assert!(!mixed(&s), "{:?}", sizes(&s));
+    assert_eq!(sizes(&s)[0], shared_with_d.2);
+    assert_eq!(last_handle(&c, b, bs), shared_with_d);
+    assert_eq!(c.sim().copies(), 1);
+    // The same layout with the small block freed: the whole run moves.
     let mut c = Checked::with(1 << 30, "policy:gpualloc");
     let (b, bs, d, _) = neighbours(&mut c);
     c.release(d);
@@ -193,14 +202,39 @@ fn a_live_neighbour_keeps_the_run_as_it_is() {
 fn a_block_shared_already_keeps_its_handles() {
     let mut c = Checked::with(1 << 30, "policy:gpualloc");
     let (b, bs, d, _) = neighbours(&mut c);
-    // Shared while its neighbour lives: several sizes.
-    assert!(mixed(&shares_exactly_its_handles(&mut c, b, bs)));
+    let first = sizes(&shares_exactly_its_handles(&mut c, b, bs));
     // A receiver maps those handles now: with the neighbour freed, the
-    // next share of the block still names them.
+    // next share of the block names them again and moves nothing.
     c.release(d);
     let s = shares_exactly_its_handles(&mut c, b, bs);
-    assert!(mixed(&s), "{:?}", sizes(&s));
-    assert_eq!(c.sim().copies(), 0);
+    assert_eq!(sizes(&s), first);
+    assert_eq!(c.sim().copies(), 1);
+}
+
+#[test]
+fn a_block_beside_blocks_still_shared_shares_in_one_size() {
+    // A sender's tensors wait in torch's limbo (shared, live) while the
+    // next one is made beside them and shared with a receiver under
+    // PyTorch's allocator, which opens one handle size only.
+    let mut c = Checked::with(80 << 30, "");
+    let mut limbo = Vec::new();
+    for _ in 0..2 {
+        for s in [4000, 4 * MIB, 100 * MIB, 12 * MIB + 49380] {
+            let p = c.alloc(s, 0);
+            c.share(p);
+            limbo.push(p);
+        }
+    }
+    c.empty_cache();
+    let x = c.alloc(64 * MIB, 0);
+    let s = shares_exactly_its_handles(&mut c, x, 64 * MIB);
+    assert!(!mixed(&s), "{:?}", sizes(&s));
+    for p in limbo {
+        c.release(p);
+    }
+    c.release(x);
+    c.empty_cache();
+    assert_eq!(c.sim().used(), 0);
 }
 
 #[test]
@@ -222,18 +256,19 @@ fn the_handles_of_a_block_freed_since_its_share_get_new_memory() {
 }
 
 #[test]
-fn a_graphs_free_memory_keeps_the_run_as_it_is() {
+fn a_graphs_free_memory_stays_where_it_is() {
     // The same layout in a captured graph's pool, the small block freed
-    // during the capture: the graph's replays write that memory, so the
-    // run keeps its handles.
+    // during the capture: the graph's replays write that memory, so its
+    // handle stays; the large block's other handles take its size.
     let mut c = Checked::with(1 << 30, "policy:gpualloc");
     c.begin_pool((1, 0), Some(0));
     let (b, bs, d, _) = neighbours(&mut c);
+    let shared_with_d = last_handle(&c, b, bs);
     c.release(d);
     c.end_pool((1, 0));
     let s = shares_exactly_its_handles(&mut c, b, bs);
-    assert!(mixed(&s), "{:?}", sizes(&s));
-    assert_eq!(c.sim().copies(), 0);
+    assert!(!mixed(&s), "{:?}", sizes(&s));
+    assert_eq!(last_handle(&c, b, bs), shared_with_d);
     c.release(b);
     c.release_pool((1, 0)).unwrap();
     c.empty_cache();
