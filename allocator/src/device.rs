@@ -901,8 +901,11 @@ impl<B: Backend> DeviceAllocator<B> {
     pub(crate) fn free_block(&mut self, id: BlockId) {
         let b = &self.heap.blocks[id];
         let (stream, ptr, size, pool) = (b.stream, b.ptr, b.size, b.pool);
-        self.free_block_as(id, Action::FreeCompleted);
+        // Told before the segment changes the free causes (a stitch given
+        // back), so that memory history records the completion first, as
+        // PyTorch does.
         self.notify(SegmentAction::BlockFreeCompleted, pool, stream, ptr, size);
+        self.free_block_as(id, Action::FreeCompleted);
     }
 
     /// [`free_block`](Self::free_block), traced as `action`.

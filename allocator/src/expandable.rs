@@ -68,7 +68,6 @@ use crate::size_class::{PoolKind, SMALL_BUFFER};
 use crate::trace::{Action, pool_code};
 
 impl<B: Backend> DeviceAllocator<B> {
-    /// The mapping granularity of a pool's expandable segments.
     /// The address range past an expandable segment's end that it reserves
     /// and never maps: the mapped runs of two segments never touch, even
     /// where the driver places their reservations one after the other, so
@@ -82,6 +81,7 @@ impl<B: Backend> DeviceAllocator<B> {
             .max(1)
     }
 
+    /// The mapping granularity of a pool's expandable segments.
     pub(crate) fn page_size(&mut self, kind: PoolKind) -> u64 {
         let want = match kind {
             PoolKind::Small => SMALL_BUFFER,

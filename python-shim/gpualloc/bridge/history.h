@@ -142,7 +142,7 @@ class History {
     push(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, ctx);
     uint64_t seq = ++freeing_seq_;
     freeing_[ptr] = Freeing{std::move(l), std::move(ctx), false, seq};
-    this_threads_free() = {ptr, seq};
+    this_threads_frees().emplace_back(ptr, seq);
     update_tracking();
     return seq;
   }
@@ -161,7 +161,8 @@ class History {
   // gpualloc deferred it.
   void after_free(void* ptr, uint64_t seq) {
     std::lock_guard<std::mutex> g(mutex_);
-    this_threads_free() = {nullptr, 0};
+    auto& mine = this_threads_frees();
+    mine.erase(std::remove(mine.begin(), mine.end(), std::make_pair(ptr, seq)), mine.end());
     auto it = freeing_.find(ptr);
     if (it != freeing_.end() && it->second.seq == seq && !it->second.deferred) {
       complete(it);
@@ -187,10 +188,13 @@ class History {
     // free's FREE_COMPLETED goes first, where PyTorch records it, so that
     // MemoryViz, undoing the entries newest first, finds the block's
     // segment when it brings the block back.
-    auto [freeing, seq] = this_threads_free();
-    auto it = freeing != nullptr ? freeing_.find(freeing) : freeing_.end();
-    if (it != freeing_.end() && it->second.seq == seq && !it->second.deferred) {
-      complete(it);
+    const auto& mine = this_threads_frees();
+    if (!mine.empty()) {
+      auto [freeing, seq] = mine.back();
+      auto it = freeing_.find(freeing);
+      if (it != freeing_.end() && it->second.seq == seq && !it->second.deferred) {
+        complete(it);
+      }
     }
     push(action, device, reinterpret_cast<void*>(addr), size, stream,
          when_ >= RecordContext::ALLOC ? pending_context() : nullptr, nullptr, pool);
@@ -343,11 +347,13 @@ class History {
     tracking_.store(enabled() || !live_.empty() || !freeing_.empty(), std::memory_order_relaxed);
   }
 
-  // The free this thread is in (between `on_free_requested` and
-  // `after_free`): its block and number.
-  static std::pair<void*, uint64_t>& this_threads_free() {
-    thread_local std::pair<void*, uint64_t> f{nullptr, 0};
-    return f;
+  // The frees this thread is in (between `on_free_requested` and
+  // `after_free`), innermost last: block and number. A free may run inside
+  // another's window (a garbage collection during a callback). Never
+  // destroyed, as the pending context.
+  static std::vector<std::pair<void*, uint64_t>>& this_threads_frees() {
+    thread_local auto* f = new std::vector<std::pair<void*, uint64_t>>();
+    return *f;
   }
 
   static std::vector<std::string>& compile_stack() {

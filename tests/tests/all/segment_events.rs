@@ -409,6 +409,19 @@ fn registered_ranges_are_exactly_the_backed_memory() {
     }
 }
 
+/// Fifteen free 30 MiB runs between live 2 MiB blocks: a 300 MiB request
+/// is stitched from them.
+fn scatter_free_pages(c: &mut Checked) {
+    let mut runs = Vec::new();
+    for _ in 0..15 {
+        runs.push(c.alloc(30 * MIB, 0));
+        c.alloc(2 * MIB, 0);
+    }
+    for p in runs {
+        c.release(p);
+    }
+}
+
 /// A stitch in use whose tail the out-of-memory path gives back (Note
 /// [Stitch tails]): the tail leaves both views, its home runs enter the
 /// snapshot, and the stitch freed with holes leaves the snapshot by what
@@ -420,14 +433,7 @@ fn a_trimmed_stitch_tail_leaves_both_views() {
     let r = Arc::clone(&reg);
     c.dev
         .set_segment_observer(Some(Arc::new(move |e| r.lock().unwrap().on(e))));
-    let mut runs = Vec::new();
-    for _ in 0..15 {
-        runs.push(c.alloc(30 * MIB, 0));
-        c.alloc(2 * MIB, 0);
-    }
-    for p in runs {
-        c.release(p);
-    }
+    scatter_free_pages(&mut c);
     let s = c.alloc(300 * MIB, 0);
     c.release(s);
     let t = c.alloc(290 * MIB, 0);
@@ -442,4 +448,35 @@ fn a_trimmed_stitch_tail_leaves_both_views() {
     c.release(again);
     c.empty_cache();
     check(&c, &reg, "empty_cache");
+}
+
+/// A stitched block freed with uses on another stream: when its free
+/// completes, the completion is told before the stitch leaves the
+/// snapshot, so that memory history records them in that order (MemoryViz
+/// undoes the completion with the stitch still there).
+#[test]
+fn a_deferred_free_completes_before_its_stitch_goes() {
+    let mut c = Checked::with(CAPACITY, "expandable_handle_mb:2");
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s = Arc::clone(&seen);
+    c.dev
+        .set_segment_observer(Some(Arc::new(move |e| s.lock().unwrap().push(*e))));
+    scatter_free_pages(&mut c);
+    let stitched = c.alloc(300 * MIB, 0);
+    assert!(c.stats().num_stitch > 0, "the request was not stitched");
+    c.record_stream(stitched, 7);
+    c.use_on(stitched, 7);
+    seen.lock().unwrap().clear();
+    c.free(stitched).unwrap();
+    c.complete(7);
+    c.malloc(4096, 0).unwrap(); // the events are polled on the next request
+    let seen = seen.lock().unwrap();
+    let at =
+        |a: SegmentAction, addr: u64| seen.iter().position(|e| e.action == a && e.address == addr);
+    let done = at(SegmentAction::BlockFreeCompleted, stitched).expect("the free completed");
+    let gone = at(SegmentAction::Unlisted, stitched).expect("the stitch left the snapshot");
+    assert!(
+        done < gone,
+        "completion at {done}, the stitch gone at {gone}: {seen:?}"
+    );
 }

@@ -2,8 +2,10 @@
 //! memory] in `ipc.rs`): a plain segment shares whole with the block's
 //! offset; expandable memory shares exactly the physical handles the
 //! simulator has mapped under the block, in address order, exported once,
-//! and of one size unless the run under it holds another live block or was
-//! shared already for the block itself.
+//! and of one size: a handle at either end that another block lives in
+//! stays and the handles between take its size; several sizes remain only
+//! when both end handles stay with different sizes, the moved length is no
+//! multiple of the kept size, or the block was shared already.
 
 use gpualloc::{AllocError, Sharing};
 use gpualloc_tests::{Checked, MIB};
