@@ -408,7 +408,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// `None` where `malloc` would take its slow path (grow, map pooled
     /// pages, stitch, or fail), having changed nothing a later `malloc`
     /// depends on. The C ABI's miss callback runs between the two (Note
-    /// [Free-memory callbacks] in `capi/src/lib.rs`).
+    /// [Free-memory callbacks] in `capi/src/miss.rs`).
     ///
     /// # Errors
     /// [`AllocError::Backend`] when the driver fails while events are read.

@@ -20,8 +20,8 @@
 //! place, release the old ones, after waiting for the device. A handle at
 //! either end of the run that holds another block's memory too (a
 //! neighbour's) stays where it is, and the handles between get its size.
-//! Only when nothing else lives in what moves (no other tensor's memory moves; in a
-//! private pool, a graph's or a `MemPool`'s, no other block at all, since
+//! Only when nothing else lives in what moves (no other tensor's memory
+//! moves; in a private pool, a graph's or a `MemPool`'s, no other block at all, since
 //! the replays of a graph captured into it write the blocks freed during
 //! the capture), none of its handles is under a live block shared already
 //! (a receiver uses it there; a handle exported for a block since freed
@@ -164,17 +164,21 @@ impl<B: Backend> DeviceAllocator<B> {
         let stays = |&(a, h, s): &(DevicePtr, HandleId, u64)| {
             self.shares.pins(h) || !self.only_block_in(id, a, a + s, private)
         };
-        let (lo, hi, forced) = match (stays(&first), run.len() > 1 && stays(&last)) {
-            (false, false) => (lo, hi, None),
-            (true, false) => (first.0 + first.2, hi, Some(first.2)),
-            (false, true) => (lo, last.0, Some(last.2)),
-            (true, true) if first.2 == last.2 => (first.0 + first.2, last.0, Some(first.2)),
+        let (front, back) = (stays(&first), run.len() > 1 && stays(&last));
+        let forced = match (front, back) {
+            (false, false) => None,
+            (true, false) => Some(first.2),
+            (false, true) => Some(last.2),
+            (true, true) if first.2 == last.2 => Some(first.2),
             (true, true) => return Ok(false),
         };
-        let len = hi.saturating_sub(lo);
-        let old = self.pages.handles_in(lo, hi);
-        if len == 0
-            || forced.is_some_and(|s| !len.is_multiple_of(s))
+        // What moves: the run less the handles that stay.
+        let old = &run[usize::from(front)..run.len() - usize::from(back)];
+        let (Some(&(lo, _, _)), Some(&(end, _, s))) = (old.first(), old.last()) else {
+            return Ok(false);
+        };
+        let (hi, len) = (end + s, end + s - lo);
+        if forced.is_some_and(|s| !len.is_multiple_of(s))
             || old.iter().any(|&(_, h, _)| self.shares.pins(h))
             || !self.only_block_in(id, lo, hi, private)
         {

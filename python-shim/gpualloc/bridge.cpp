@@ -179,10 +179,11 @@ void on_segment(void*, int device, int action, uint64_t address, uint64_t size, 
     // ProcessGroupNCCL's hook matches against the pools registered with it.
     uint64_t pool_a = 0, pool_b = 0;
     (void)api.segment_event_pool(&pool_a, &pool_b);
+    const bool private_pool = pool_a != 0 || pool_b != 0;
+    const bool grows = a == TraceEntry::SEGMENT_ALLOC || a == TraceEntry::SEGMENT_MAP;
     if (listing) {
-      bool enters = a == TraceEntry::SEGMENT_ALLOC || a == TraceEntry::SEGMENT_MAP;
-      enters ? segment_order.listed(device, address, size, pool_a != 0 || pool_b != 0)
-             : segment_order.unlisted(device, address, size);
+      grows ? segment_order.listed(device, address, size, private_pool)
+            : segment_order.unlisted(device, address, size);
       if (history.enabled()) {
         history.on_event(a, static_cast<c10::DeviceIndex>(device), address, size, s, {pool_a, pool_b});
       }
@@ -194,9 +195,8 @@ void on_segment(void*, int device, int action, uint64_t address, uint64_t size, 
     std::vector<cca::AllocatorTraceTracker> ts;
     {
       std::lock_guard<std::mutex> g(observers_mutex);
-      bool grows = a == TraceEntry::SEGMENT_ALLOC || a == TraceEntry::SEGMENT_MAP;
       // Note [A pool's runs] in bridge/registration.h.
-      bool joins = action == GPUALLOC_SEGMENT_MAP && (pool_a != 0 || pool_b != 0);
+      bool joins = action == GPUALLOC_SEGMENT_MAP && private_pool;
       changes = grows ? announced.mapped(device, address, size, {pool_a, pool_b}, joins)
                       : announced.unmapped(device, address, size);
       ts = trace_trackers;
