@@ -62,6 +62,9 @@ pub enum AllocError {
         needed: u64,
         /// The most any allocation can get: capacity or limit.
         max: u64,
+        /// The device's total memory as the driver reports it (0 when it
+        /// could not tell).
+        total: u64,
         /// The device.
         device: u32,
         /// The memory limit in force (a memory fraction), if any.
@@ -143,6 +146,10 @@ impl AllocError {
         )
     }
 }
+
+/// From this many bytes on PyTorch's message says "more than 1EB" rather
+/// than the size (its `one_exa_bytes`).
+const ONE_EB: u64 = 1 << 60;
 
 /// Formats bytes the way PyTorch's messages do (its `format_size`:
 /// `512 bytes`, `1.50 GiB`): a size stays in the smaller unit up to and
@@ -241,14 +248,42 @@ impl fmt::Display for AllocError {
                 requested,
                 needed,
                 max,
-                ..
-            } => write!(
-                f,
-                "CUDA out of memory. Tried to allocate {}. gpualloc needed {} for it, which can never fit: the most this device can hold is {}.",
-                format_bytes(*requested),
-                format_bytes(*needed),
-                format_bytes(*max)
-            ),
+                total,
+                device,
+                limit,
+            } => {
+                // PyTorch's first two sentences, which scripts and tests
+                // match (its own text from 1 EB on), then why it never fits.
+                if *requested >= ONE_EB {
+                    write!(
+                        f,
+                        "CUDA out of memory. Tried to allocate more than 1EB memory."
+                    )?;
+                } else {
+                    write!(
+                        f,
+                        "CUDA out of memory. Tried to allocate {}.",
+                        format_bytes(*requested)
+                    )?;
+                }
+                if *total > 0 {
+                    write!(
+                        f,
+                        " GPU {device} has a total capacity of {}.",
+                        format_bytes(*total)
+                    )?;
+                }
+                write!(
+                    f,
+                    " gpualloc needed {} for it, which can never fit: the most this device can hold is {}",
+                    format_bytes(*needed),
+                    format_bytes(*max)
+                )?;
+                if limit.is_some_and(|l| l == *max) {
+                    write!(f, " under the memory limit")?;
+                }
+                write!(f, ".")
+            }
             AllocError::InvalidPointer { ptr, device } if *device == ANY_DEVICE => write!(
                 f,
                 "gpualloc: pointer {ptr:#x} was not allocated by gpualloc on any device, or was freed already"

@@ -41,6 +41,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 requested,
                 needed,
                 max,
+                total: report.device_total,
                 device: self.device,
                 limit: report.limit,
             };

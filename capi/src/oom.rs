@@ -85,6 +85,7 @@ impl GpuallocOomInfo {
                 max,
                 device,
                 limit,
+                ..
             } => Some(GpuallocOomInfo {
                 size: full,
                 version: GPUALLOC_OOM_INFO_VERSION,

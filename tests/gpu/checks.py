@@ -192,6 +192,16 @@ def check_dropin(args) -> dict:
             msg = str(e)
         else:
             raise AssertionError("no exception for 4x the device memory")
+        # PyTorch's opening, which its own test_out_of_memory and scripts
+        # match, for a request that never fits; its text from 1 EB on.
+        opening = f"Tried to allocate {total * 4 / 2**30:.2f} GiB. GPU {dev.index or 0} has a total capacity of"
+        assert opening in msg, f"{opening!r} not in {msg!r}"
+        try:
+            torch.empty(8_000_000_000 << 30, dtype=torch.uint8, device=dev)  # as PyTorch's test_out_of_memory
+        except torch.cuda.OutOfMemoryError as e:
+            assert "Tried to allocate more than 1EB memory" in str(e), str(e)
+        else:
+            raise AssertionError("no exception for 8 EB")
         y = torch.ones(1024, device=dev)  # still usable afterwards
         assert float(y.sum()) == 1024.0
         return msg[:300]

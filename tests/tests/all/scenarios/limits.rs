@@ -40,6 +40,7 @@ fn request_over_the_limit_is_too_large() {
             max,
             device,
             limit,
+            ..
         }) => {
             assert_eq!((requested, needed, max), (100 * MIB, 100 * MIB, 64 * MIB));
             // What PyTorch's out-of-memory observers are told as allowed.

@@ -52,9 +52,34 @@ fn out_of_memory_message_names_the_limit_and_private_pools() {
 fn too_large_message_says_it_never_fits() {
     let mut c = Checked::with(64 * MIB, "policy:pytorch,cross_stream_reuse:true");
     let msg = c.malloc(100 * MIB, 0).unwrap_err().to_string();
-    assert!(msg.starts_with("CUDA out of memory. Tried to allocate 100.00 MiB."));
+    // PyTorch's opening word for word (its own tests match it), then why.
+    assert_eq!(
+        msg,
+        "CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has a total capacity of \
+         64.00 MiB. gpualloc needed 100.00 MiB for it, which can never fit: the most this \
+         device can hold is 64.00 MiB."
+    );
+    // From 1 EB on, PyTorch's text names no size.
+    let msg = c.malloc(1 << 62, 0).unwrap_err().to_string();
     assert!(
-        msg.contains("100.00 MiB") && msg.contains("64.00 MiB") && msg.contains("never"),
+        msg.starts_with("CUDA out of memory. Tried to allocate more than 1EB memory. GPU 0 has"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn too_large_message_under_a_limit_names_it() {
+    let mut c = Checked::with(
+        1 << 30,
+        "policy:pytorch,cross_stream_reuse:true,memory_limit:64MiB",
+    );
+    let msg = c.malloc(100 * MIB, 0).unwrap_err().to_string();
+    assert!(
+        msg.starts_with("CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has a total capacity of 1024.00 MiB."),
+        "{msg}"
+    );
+    assert!(
+        msg.ends_with("the most this device can hold is 64.00 MiB under the memory limit."),
         "{msg}"
     );
 }
