@@ -334,6 +334,31 @@ def check_compat(args) -> dict:
         del keep
         return {"trace_entries": len(traces), "actions": sorted(actions), "blocks": len(blocks), "segsum_chars": len(text)}
 
+    @sub("memory_history_state_context_keeps_live_stacks_only")
+    def _():
+        # context="state" (PyTorch's RecordContext::STATE): stacks for the
+        # blocks alive in the snapshot, none on trace entries, not even on
+        # a free's completion, which PyTorch's record_trace drops below
+        # "alloc" (its test_memory_plots_free_stack).
+        def state_probe_alloc():
+            return torch.rand(3, 4, device=dev)
+
+        torch.cuda.memory._record_memory_history(context="state")
+        try:
+            kept = state_probe_alloc()
+            gone = state_probe_alloc()
+            del gone
+            snap = _dumped_snapshot(torch)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        with_stack = [e["action"] for e in snap["device_traces"][0] if e.get("frames")]
+        assert not with_stack, f"trace entries with stacks under context='state': {with_stack}"
+        frames = [fr.get("name", "") for seg in snap["segments"] for b in seg["blocks"]
+                  if b["state"] == "active_allocated" for fr in b.get("frames", [])]
+        assert "state_probe_alloc" in frames, "the live block lost its stack"
+        del kept
+        return {"trace_entries": len(snap["device_traces"][0])}
+
     @sub("memory_history_stacks_outlive_recording")
     def _():
         # A block allocated while history records keeps its stack in later

@@ -374,6 +374,12 @@ class History {
     if (!enabled() || skip_.count(static_cast<int>(action)) != 0 || device < 0) {
       return;
     }
+    if (when_ < RecordContext::ALLOC) {
+      // PyTorch's record_trace: below "alloc" no entry has a stack, not
+      // even a free's completion that would carry its block's (kept for
+      // the snapshot's live blocks only, with context="state").
+      ctx = nullptr;
+    }
     const auto& cs = compile_stack();
     TraceEntry e = make_entry(action, device, reinterpret_cast<size_t>(addr), size, stream, pool, std::move(ctx),
                               cs.empty() ? "N/A" : cs.back(), metadata != nullptr ? *metadata : user_metadata_);
