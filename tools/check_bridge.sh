@@ -2,7 +2,9 @@
 # Compiles the C++ bridge to PyTorch (python-shim/gpualloc/bridge.cpp and
 # bridge/*.h) against torch's own headers, without a GPU, without CUDA and
 # without installing torch: a syntax and type check (g++ -fsyntax-only) of
-# what `gpualloc.install()` builds on a user's machine; and checks that
+# what `gpualloc.install()` builds on a user's machine; builds and runs
+# the memory history's test (python-shim/tests/cpp/history_test.cpp, linked
+# with the wheel's libc10, which needs no CUDA); and checks that
 # docs/torch-compat.md lists every virtual member of each torch's
 # allocator interface (python-shim/tests/test_torch_compat.py).
 #
@@ -49,6 +51,9 @@ for wheel in (cache / "wheels").glob("*.whl"):
         for name in z.namelist():
             if "/include/" in name and not name.endswith("/"):
                 z.extract(name, cache / "headers")
+            if name == "torch/lib/libc10.so":
+                # What the history test links with (no CUDA behind it).
+                z.extract(name, cache / "lib")
             if name == "torch/utils/cpp_extension.py":
                 # The C++ standard torch's extension builds use.
                 m = re.search(r"""common_cflags \+= \[['"]-std=(c\+\+\d+)['"]""", z.read(name).decode())
@@ -81,7 +86,7 @@ fi
 
 for version in $versions; do
   cache=$root/torch-$version
-  if [ ! -f "$cache/ready" ]; then
+  if [ ! -f "$cache/ready" ] || [ ! -f "$cache/lib/torch/lib/libc10.so" ]; then
     fetch "$cache" "torch==$version" --only-binary=:all: --platform manylinux_2_28_x86_64 \
       --python-version "$tag" || skip "could not download torch $version for Python $tag: $why"
     unpack "$cache"
@@ -97,6 +102,15 @@ for version in $versions; do
     -isystem "$cuda/headers/nvidia/cuda_runtime/include" -isystem "$cuda/headers/nvidia/cuda_nvcc/include" \
     -isystem "$pyinc" \
     python-shim/gpualloc/bridge.cpp
+  # The memory history's rules (which entry carries which stack), built
+  # and run against this torch's TraceEntry and its libc10.
+  lib=$cache/lib/torch/lib
+  "$cxx" -std="$(cat "$cache/std")" -O1 -Wall -Werror -D_GLIBCXX_USE_CXX11_ABI=1 \
+    -I python-shim/gpualloc/include -I python-shim/gpualloc \
+    -isystem "$inc" -isystem "$inc/torch/csrc/api/include" \
+    -isystem "$cuda/headers/nvidia/cuda_runtime/include" -isystem "$cuda/headers/nvidia/cuda_nvcc/include" \
+    python-shim/tests/cpp/history_test.cpp -o "$cache/history_test" -L"$lib" -lc10 -Wl,-rpath,"$lib"
+  "$cache/history_test"
   GPUALLOC_TORCH_INCLUDE=$inc "$py" -m unittest -q python-shim/tests/test_torch_compat.py
-  echo "the bridge compiles against torch $version's headers, and docs/torch-compat.md lists its allocator interface"
+  echo "the bridge compiles against torch $version's headers, its memory history keeps torch's rules, and docs/torch-compat.md lists its allocator interface"
 done

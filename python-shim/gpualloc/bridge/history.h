@@ -139,7 +139,8 @@ class History {
       complete(earlier);
     }
     Live l = take_live(ptr, fallback_device);
-    push(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, ctx);
+    // PyTorch's free: the free's stack, else its block's.
+    push(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, ctx != nullptr ? ctx : l.ctx);
     uint64_t seq = ++freeing_seq_;
     freeing_[ptr] = Freeing{std::move(l), std::move(ctx), false, seq};
     this_threads_frees().emplace_back(ptr, seq);
