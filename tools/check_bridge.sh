@@ -19,8 +19,9 @@
 # 2.12 on declares a pure virtual member that 2.11 lacks). For each
 # version this fetches the torch wheel, and once the CUDA runtime's and
 # compiler's headers, from the package registry (pip download, about 550
-# MB a torch version, 5 s here), keeps their headers only (about 70 MB, in
-# $GPUALLOC_CHECK_CACHE, default ~/.cache/gpualloc-bridge-check), and
+# MB a torch version, 5 s here), keeps their headers and torch's libc10
+# only (about 70 MB, in $GPUALLOC_CHECK_CACHE, default
+# ~/.cache/gpualloc-bridge-check; a failed download leaves it as it was), and
 # compiles with the C++ standard, flags and defines that torch's
 # cpp_extension uses. Where the registry cannot be reached it prints
 # SKIPPED and passes, like the browser test; a compile error fails.
@@ -60,12 +61,21 @@ for wheel in (cache / "wheels").glob("*.whl"):
                 if m is None:
                     sys.exit(f"{wheel.name}: no -std=c++NN in torch/utils/cpp_extension.py's common_cflags")
                 (cache / "std").write_text(m.group(1))
+        if wheel.name.startswith("torch-") and "torch/lib/libc10.so" not in z.namelist():
+            sys.exit(f"{wheel.name}: no torch/lib/libc10.so")
 EOF
   rm -rf "$1/wheels"
   touch "$1/ready"
 }
-fetch() {  # DIR, then pip's arguments; on failure, pip's last line in $why
-  local dir=$1
+# Unpacks what fetch DIR downloaded and only then puts it in DIR's place:
+# a cache that a failed download would have emptied stays as it was.
+install_fetched() {
+  unpack "$1.new"
+  rm -rf "$1"
+  mv "$1.new" "$1"
+}
+fetch() {  # DIR, then pip's arguments, into DIR.new; on failure, pip's last line in $why
+  local dir=$1.new
   shift
   rm -rf "$dir"
   mkdir -p "$dir/wheels"
@@ -81,7 +91,7 @@ why=""
 cuda=$root/cuda
 if [ ! -f "$cuda/ready" ]; then
   fetch "$cuda" nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12 || skip "could not download the CUDA headers: $why"
-  unpack "$cuda"
+  install_fetched "$cuda"
 fi
 
 for version in $versions; do
@@ -89,7 +99,7 @@ for version in $versions; do
   if [ ! -f "$cache/ready" ] || [ ! -f "$cache/lib/torch/lib/libc10.so" ]; then
     fetch "$cache" "torch==$version" --only-binary=:all: --platform manylinux_2_28_x86_64 \
       --python-version "$tag" || skip "could not download torch $version for Python $tag: $why"
-    unpack "$cache"
+    install_fetched "$cache"
   fi
   inc=$cache/headers/torch/include
   # Warnings are errors in the bridge's own code; the other headers are

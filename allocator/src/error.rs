@@ -275,11 +275,20 @@ impl fmt::Display for AllocError {
                 }
                 write!(
                     f,
-                    " gpualloc needed {} for it, which can never fit: the most this device can hold is {}",
-                    format_bytes(*needed),
-                    format_bytes(*max)
+                    " gpualloc needed {} for it, which can never fit: ",
+                    format_bytes(*needed)
                 )?;
-                if limit.is_some_and(|l| l == *max) {
+                if *total == 0 {
+                    // The driver told no capacity: only the per-request
+                    // maximum refuses.
+                    return write!(
+                        f,
+                        "gpualloc serves at most {} a request.",
+                        format_bytes_as(crate::size_class::MAX_REQUEST, "B")
+                    );
+                }
+                write!(f, "the most this device can hold is {}", format_bytes(*max))?;
+                if *limit == Some(*max) {
                     write!(f, " under the memory limit")?;
                 }
                 write!(f, ".")
@@ -375,5 +384,46 @@ impl From<BackendError> for GrowError {
             BackendError::OutOfMemory { .. } => GrowError::Full(Some(e)),
             e => GrowError::Failed(e.into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn too_large(requested: u64, total: u64, limit: Option<u64>) -> String {
+        AllocError::TooLarge {
+            requested,
+            needed: requested,
+            max: limit.unwrap_or(total),
+            total,
+            device: 1,
+            limit,
+        }
+        .to_string()
+    }
+
+    #[test]
+    fn too_large_names_pytorchs_sizes_up_to_one_exabyte() {
+        let gib = 1u64 << 30;
+        assert!(
+            too_large(ONE_EB - 1, 80 * gib, None)
+                .starts_with("CUDA out of memory. Tried to allocate 1073741824.00 GiB. GPU 1 has a total capacity of 80.00 GiB.")
+        );
+        assert!(
+            too_large(ONE_EB, 80 * gib, None).starts_with(
+                "CUDA out of memory. Tried to allocate more than 1EB memory. GPU 1 has a total capacity of 80.00 GiB."
+            )
+        );
+    }
+
+    #[test]
+    fn too_large_without_a_capacity_names_the_request_maximum() {
+        let msg = too_large(1 << 50, 0, None);
+        assert_eq!(
+            msg,
+            "CUDA out of memory. Tried to allocate 1048576.00 GiB. gpualloc needed 1048576.00 GiB for it, \
+             which can never fit: gpualloc serves at most 256.00 TiB a request."
+        );
     }
 }

@@ -651,6 +651,10 @@ class GpuallocAllocator final : public CUDAAllocator {
 
   // c10::Allocator
   c10::DataPtr allocate(size_t n) override {
+    // PyTorch's own first check, before any allocator is asked (no
+    // observer, no OOM entry), on the uncached path too.
+    constexpr size_t one_exa_bytes = size_t{1} << 60;
+    TORCH_CHECK_WITH(OutOfMemoryError, n < one_exa_bytes, "CUDA out of memory. Tried to allocate more than 1EB memory.");
     c10::DeviceIndex device = current_device();
     if (C10_UNLIKELY(!caching_now())) {
       void* p = uncached_allocate(n, device);
@@ -670,7 +674,11 @@ class GpuallocAllocator final : public CUDAAllocator {
   bool initialized() override { return initialized_.load(); }
   void emptyCache(MempoolId_t id) override {
     if (id.first == 0 && id.second == 0) {
+      // Frees it completes and segments it gives back are recorded with
+      // its stack, as PyTorch's emptyCache hands it down.
+      History::pending_context() = history.gather(RecordContext::ALL);
       api.empty_cache();
+      History::pending_context().reset();
       raise_if_failed("empty_cache");
     } else {
       // A MemPool may be destroyed from any device: ask every device
@@ -1003,11 +1011,15 @@ class GpuallocAllocator final : public CUDAAllocator {
     }
     check(rc, "setCheckpointPoolState");
     cca::CheckpointDelta d;
+    // The restore's stack, as PyTorch's setCheckpointPoolState frees and
+    // allocates with it: the frees' (gathered at "all"; else their blocks'),
+    // the blocks brought back (from "state" on).
+    Context freeing = history.gather(RecordContext::ALL);
     for (size_t i = 0; i < n_freed; ++i) {
       void* p = reinterpret_cast<void*>(freed[i]);
       d.ptrs_freed.push_back(p);
       if (history.tracking()) {
-        history.on_free(p, device, nullptr);
+        history.on_free(p, device, freeing);
       }
     }
     for (size_t i = 0; i < n_allocd; ++i) {
@@ -1015,10 +1027,11 @@ class GpuallocAllocator final : public CUDAAllocator {
       d.dataptrs_allocd.emplace_back(p, p, &delete_fn, c10::Device(c10::DeviceType::CUDA, device));
     }
     if (history.enabled()) {
+      Context restoring = history.gather(RecordContext::STATE);
       for (const auto& b : s->blocks) {
         if (b.allocated != 0) {
           history.on_alloc(reinterpret_cast<void*>(b.address), b.size, device,
-                           reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(b.stream)), nullptr);
+                           reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(b.stream)), restoring);
         }
       }
     }

@@ -113,8 +113,10 @@ class History {
   void on_free(void* ptr, c10::DeviceIndex fallback_device, Context ctx) {
     std::lock_guard<std::mutex> g(mutex_);
     Live l = take_live(ptr, fallback_device);
-    push(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, ctx);
-    push(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, ctx);
+    // As PyTorch's free: the free's stack, else the block's.
+    Context used = ctx != nullptr ? std::move(ctx) : l.ctx;
+    push(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, used);
+    push(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, used);
     update_tracking();
   }
 
@@ -332,11 +334,15 @@ class History {
   }
 
   // Under mutex_: FREE_COMPLETED for a free requested, with the free's
-  // stack, or the allocation's where there is none or the completion
-  // came later (PyTorch's free_block, given no context by process_events).
+  // stack, or the allocation's where it has none. A free completed later
+  // (deferred) gets the stack of the request that completes it on this
+  // thread (the pending context: a malloc's, or emptyCache's), else the
+  // allocation's: PyTorch's process_events and synchronize_and_free_events
+  // hand their caller's context to free_block.
   void complete(std::unordered_map<void*, Freeing>::iterator it) {
     const Live& l = it->second.live;
-    const Context& ctx = it->second.deferred || it->second.ctx == nullptr ? l.ctx : it->second.ctx;
+    const Context& by = it->second.deferred ? pending_context() : it->second.ctx;
+    const Context& ctx = by != nullptr ? by : l.ctx;
     push(TraceEntry::FREE_COMPLETED, l.device, it->first, l.size, l.stream, ctx);
     freeing_.erase(it);
     update_tracking();
