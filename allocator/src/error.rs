@@ -187,17 +187,42 @@ pub fn format_bytes_as(b: u64, unit: &str) -> String {
     format!("{v:.2} {}", UNITS[u])
 }
 
+/// PyTorch's opening of an out-of-memory message, which scripts and tests
+/// match: `CUDA out of memory. Tried to allocate 1.50 GiB.` (its own text
+/// from 1 EB on), then, when the capacity is known, ` GPU 0 has a total
+/// capacity of 79.18 GiB` for the caller to end.
+fn opening(f: &mut fmt::Formatter<'_>, requested: u64, device: u32, total: u64) -> fmt::Result {
+    if requested >= ONE_EB {
+        write!(
+            f,
+            "CUDA out of memory. Tried to allocate more than 1EB memory."
+        )?;
+    } else {
+        write!(
+            f,
+            "CUDA out of memory. Tried to allocate {}.",
+            format_bytes(requested)
+        )?;
+    }
+    if total > 0 {
+        write!(
+            f,
+            " GPU {device} has a total capacity of {}",
+            format_bytes(total)
+        )?;
+    }
+    Ok(())
+}
+
 impl fmt::Display for AllocError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             AllocError::OutOfMemory(r) => {
                 let b = format_bytes;
+                opening(f, r.requested, r.device, r.device_total)?;
                 write!(
                     f,
-                    "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. gpualloc needed {} for it.",
-                    b(r.requested),
-                    r.device,
-                    b(r.device_total),
+                    " of which {} is free. gpualloc needed {} for it.",
                     b(r.device_free),
                     b(r.needed)
                 )?;
@@ -252,26 +277,9 @@ impl fmt::Display for AllocError {
                 device,
                 limit,
             } => {
-                // PyTorch's first two sentences, which scripts and tests
-                // match (its own text from 1 EB on), then why it never fits.
-                if *requested >= ONE_EB {
-                    write!(
-                        f,
-                        "CUDA out of memory. Tried to allocate more than 1EB memory."
-                    )?;
-                } else {
-                    write!(
-                        f,
-                        "CUDA out of memory. Tried to allocate {}.",
-                        format_bytes(*requested)
-                    )?;
-                }
+                opening(f, *requested, *device, *total)?;
                 if *total > 0 {
-                    write!(
-                        f,
-                        " GPU {device} has a total capacity of {}.",
-                        format_bytes(*total)
-                    )?;
+                    write!(f, ".")?;
                 }
                 write!(
                     f,

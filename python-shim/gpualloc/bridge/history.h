@@ -105,7 +105,7 @@ class History {
 
   void on_alloc(void* ptr, size_t size, c10::DeviceIndex device, cudaStream_t stream, Context ctx) {
     std::lock_guard<std::mutex> g(mutex_);
-    push(TraceEntry::ALLOC, device, ptr, size, stream, when_ >= RecordContext::ALLOC ? ctx : nullptr);
+    push(TraceEntry::ALLOC, device, ptr, size, stream, ctx);
     live_[ptr] = Live{when_ >= RecordContext::STATE ? std::move(ctx) : nullptr, size, device, stream};
   }
 
@@ -199,8 +199,7 @@ class History {
         complete(it);
       }
     }
-    push(action, device, reinterpret_cast<void*>(addr), size, stream,
-         when_ >= RecordContext::ALLOC ? pending_context() : nullptr, nullptr, pool);
+    push(action, device, reinterpret_cast<void*>(addr), size, stream, pending_context(), nullptr, pool);
   }
 
   // An entry with the stack `ctx` of the request it is about: an
@@ -210,8 +209,7 @@ class History {
   void on_event(TraceEntry::Action action, c10::DeviceIndex device, size_t addr, size_t size, cudaStream_t stream,
                 Context ctx) {
     std::lock_guard<std::mutex> g(mutex_);
-    push(action, device, reinterpret_cast<void*>(addr), size, stream,
-         when_ >= RecordContext::ALLOC ? std::move(ctx) : nullptr);
+    push(action, device, reinterpret_cast<void*>(addr), size, stream, std::move(ctx));
   }
 
 #if TORCH_VERSION_MINOR >= 14
