@@ -105,21 +105,17 @@ for version in $versions; do
   # Warnings are errors in the bridge's own code; the other headers are
   # system headers, as cpp_extension passes them (a newer compiler's
   # warning inside torch's headers is not the bridge's).
-  "$cxx" -std="$(cat "$cache/std")" -fsyntax-only -Wall -Werror \
-    -D_GLIBCXX_USE_CXX11_ABI=1 -DTORCH_EXTENSION_NAME=gpualloc_bridge -DTORCH_API_INCLUDE_EXTENSION_H \
-    -I python-shim/gpualloc/include -I python-shim/gpualloc \
-    -isystem "$inc" -isystem "$inc/torch/csrc/api/include" \
-    -isystem "$cuda/headers/nvidia/cuda_runtime/include" -isystem "$cuda/headers/nvidia/cuda_nvcc/include" \
-    -isystem "$pyinc" \
-    python-shim/gpualloc/bridge.cpp
+  flags=(-std="$(cat "$cache/std")" -Wall -Werror -D_GLIBCXX_USE_CXX11_ABI=1
+    -I python-shim/gpualloc/include -I python-shim/gpualloc
+    -isystem "$inc" -isystem "$inc/torch/csrc/api/include"
+    -isystem "$cuda/headers/nvidia/cuda_runtime/include" -isystem "$cuda/headers/nvidia/cuda_nvcc/include")
+  "$cxx" "${flags[@]}" -fsyntax-only -DTORCH_EXTENSION_NAME=gpualloc_bridge -DTORCH_API_INCLUDE_EXTENSION_H \
+    -isystem "$pyinc" python-shim/gpualloc/bridge.cpp
   # The memory history's rules (which entry carries which stack), built
   # and run against this torch's TraceEntry and its libc10.
   lib=$cache/lib/torch/lib
-  "$cxx" -std="$(cat "$cache/std")" -O1 -Wall -Werror -D_GLIBCXX_USE_CXX11_ABI=1 \
-    -I python-shim/gpualloc/include -I python-shim/gpualloc \
-    -isystem "$inc" -isystem "$inc/torch/csrc/api/include" \
-    -isystem "$cuda/headers/nvidia/cuda_runtime/include" -isystem "$cuda/headers/nvidia/cuda_nvcc/include" \
-    python-shim/tests/cpp/history_test.cpp -o "$cache/history_test" -L"$lib" -lc10 -Wl,-rpath,"$lib"
+  "$cxx" "${flags[@]}" -O1 python-shim/tests/cpp/history_test.cpp -o "$cache/history_test" \
+    -L"$lib" -lc10 -Wl,-rpath,"$lib"
   "$cache/history_test"
   GPUALLOC_TORCH_INCLUDE=$inc "$py" -m unittest -q python-shim/tests/test_torch_compat.py
   echo "the bridge compiles against torch $version's headers, its memory history keeps torch's rules, and docs/torch-compat.md lists its allocator interface"
