@@ -561,6 +561,16 @@ impl<B: Backend> Allocator<B> {
             .unwrap_or_default())
     }
 
+    /// [`DeviceAllocator::set_graph_capture_record_stream_reuse`] on a device.
+    pub fn set_graph_capture_record_stream_reuse(
+        &self,
+        device: i64,
+        on: bool,
+    ) -> Result<(), AllocError> {
+        self.lock(device)?.set_graph_capture_record_stream_reuse(on);
+        Ok(())
+    }
+
     /// [`DeviceAllocator::begin_allocate_to_pool`] on a device.
     pub fn begin_allocate_to_pool(
         &self,

@@ -65,6 +65,13 @@ pub(crate) struct Block {
 }
 
 impl Block {
+    /// Its own stream, then every other stream that used it.
+    pub fn streams(&self) -> Vec<StreamId> {
+        std::iter::once(self.stream)
+            .chain(self.stream_uses.iter().copied())
+            .collect()
+    }
+
     /// A block in `state` with no neighbours, no stream uses and no events.
     pub fn new(
         ptr: DevicePtr,

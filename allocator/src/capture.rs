@@ -405,11 +405,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// them then (Note [Capture without a pool]).
     pub(crate) fn follow_before_free(&mut self, block: BlockId) -> Result<(), AllocError> {
         self.close_ended_capture()?;
-        let b = &self.heap.blocks[block];
-        let streams: Vec<StreamId> = std::iter::once(b.stream)
-            .chain(b.stream_uses.iter().copied())
-            .collect();
-        for s in streams {
+        for s in self.heap.blocks[block].streams() {
             self.follow_stream(s)?;
         }
         Ok(())

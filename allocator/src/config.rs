@@ -24,6 +24,7 @@
 //! | `per_process_memory_fraction` | 0 < x ≤ 1 | 1 | cap reserved memory at x × device memory |
 //! | `memory_limit` | bytes, with K/M/G/T/P(iB) suffix, 1 B–1 PiB | none | cap reserved memory at this many bytes (omit the key for no limit; 0 is refused, as ambiguous) |
 //! | `cross_stream_reuse` | `true`/`false` | true | let a stream take another stream's cached block (ordered by an event) instead of growing |
+//! | `graph_capture_record_stream_reuse` | `true`/`false` | false | during a CUDA graph capture, reuse a block freed while other streams used it once the graph orders every later use after its last ones, instead of at the capture's end (PyTorch's setting of the same name turns it on too; Note [Reuse inside a capture]) |
 //! | `expandable_segments` | `true`/`false` | true | map pages into growing address ranges per (pool, stream) instead of separate segments |
 //! | `expandable_page_mb` | even integer, 2–1024 | 2 | mapping granularity of large-pool expandable segments (PyTorch uses the 20 MiB segment size) |
 //! | `expandable_handle_mb` | power of two, 2–1024 | 16 | largest physical handle created at once; a mapping of n bytes uses handles of at most n/8 (fewer driver calls, coarser unmapping); re-creating what `empty_cache` gave back, up to twice this whatever n |
@@ -88,6 +89,10 @@ pub const KEYS: &[(&str, &str)] = &[
     (
         "cross_stream_reuse",
         "reuse another stream's cached blocks, ordered by an event, before growing (true/false)",
+    ),
+    (
+        "graph_capture_record_stream_reuse",
+        "during a CUDA graph capture, reuse a block freed while other streams used it once the graph orders later work after its last uses (true/false)",
     ),
     (
         "expandable_page_mb",
@@ -166,6 +171,9 @@ pub struct Config {
     pub cross_stream_reuse: bool,
     /// Whether the default pools use expandable segments.
     pub expandable_segments: bool,
+    /// Whether a capture reuses cross-stream blocks once its graph orders
+    /// them (Note [Reuse inside a capture]).
+    pub graph_capture_record_stream_reuse: bool,
     /// With expandable segments: remap free pages instead of growing past the headroom.
     pub defragment: bool,
     /// With defragmentation: move pages whose work may still run without
@@ -204,6 +212,7 @@ impl Default for Config {
             memory_limit: None,
             cross_stream_reuse: true,
             expandable_segments: true,
+            graph_capture_record_stream_reuse: false,
             defragment: true,
             defer_unmap: true,
             unmap_thread: true,
@@ -374,6 +383,9 @@ impl Config {
             }
             "cross_stream_reuse" => self.cross_stream_reuse = parse_bool(key, v)?,
             "expandable_segments" => self.expandable_segments = parse_bool(key, v)?,
+            "graph_capture_record_stream_reuse" => {
+                self.graph_capture_record_stream_reuse = parse_bool(key, v)?;
+            }
             "defragment" => self.defragment = parse_bool(key, v)?,
             "defer_unmap" => self.defer_unmap = parse_bool(key, v)?,
             "unmap_thread" => self.unmap_thread = parse_bool(key, v)?,
@@ -624,7 +636,7 @@ mod tests {
         let c = Config::parse(
             "max_split_size_mb:64, garbage_collection_threshold:0.6,roundup_power2_divisions:[256:1,512:2,1024:4,>:8],\
              large_segment_size_mb:32,per_process_memory_fraction:0.5,memory_limit:24GiB,cross_stream_reuse:false,\
-             max_non_split_rounding_mb:40,expandable_segments:false",
+             max_non_split_rounding_mb:40,expandable_segments:false,graph_capture_record_stream_reuse:true",
         )
         .unwrap();
         assert_eq!(c.max_split_size, 64 * MIB);
@@ -642,6 +654,7 @@ mod tests {
         assert_eq!(c.memory_fraction, Some(0.5));
         assert_eq!(c.memory_limit, Some(24 << 30));
         assert!(!c.cross_stream_reuse);
+        assert!(c.graph_capture_record_stream_reuse);
         assert_eq!(c.max_non_split_rounding, 40 * MIB);
     }
 

@@ -33,6 +33,7 @@ use crate::backend::BackendError;
 use crate::backend::{Backend, DevicePtr, StreamId};
 use crate::block::{Block, BlockId, BlockState, PoolId};
 use crate::budget::DefragBudget;
+use crate::capture_markers::CaptureMarkers;
 use crate::config::Config;
 use crate::cost::DriverCalls;
 use crate::drain::Drains;
@@ -62,6 +63,8 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) live: FxHashMap<DevicePtr, BlockId>,
     /// Frees waiting for other streams' work (`pending.rs`).
     pub(crate) pending: PendingFrees,
+    /// Free markers of blocks a capture deferred (Note [Reuse inside a capture]).
+    pub(crate) capture_reuse: CaptureMarkers,
     pub(crate) private: PrivatePools,
     pub(crate) stats: DeviceStats,
     /// Device capacity and the memory limits in force.
@@ -132,6 +135,7 @@ impl<B: Backend> DeviceAllocator<B> {
             heap: Heap::default(),
             live: FxHashMap::default(),
             pending: PendingFrees::default(),
+            capture_reuse: CaptureMarkers::default(),
             private: PrivatePools::default(),
             stats,
             trace: None,
@@ -453,6 +457,9 @@ impl<B: Backend> DeviceAllocator<B> {
         // A stream that allocates is alive (Note [Streams that refuse events]).
         self.fences.revive(stream);
         let mut capturing = self.private.capturing();
+        if capturing && !self.capture_reuse.is_empty() {
+            self.free_safe_blocks_in_capture(stream);
+        }
         // On the route without pool hooks, a capture nobody announced may
         // forbid what a capture does; asked only before the first call it
         // would forbid (Note [Capture without a pool]): the legacy stream
@@ -880,7 +887,7 @@ impl<B: Backend> DeviceAllocator<B> {
         self.record(Action::FreeRequested, stream, ptr, requested, size);
         self.notify(SegmentAction::BlockFreeDeferred, pool, stream, ptr, size);
         if self.private.capturing() {
-            self.pending.defer(id);
+            self.defer_in_capture(id);
         } else if let Err(e) = self.insert_events(id) {
             self.pending.defer(id);
             return Err(e.into());

@@ -58,6 +58,8 @@ pub mod backend;
 mod block;
 mod budget;
 mod capture;
+mod capture_markers;
+mod capture_reuse;
 mod checkpoint;
 pub mod clock;
 pub mod config;
@@ -105,7 +107,10 @@ mod widen;
 pub mod workload;
 
 pub use allocator::Allocator;
-pub use backend::{Backend, BackendError, DevicePtr, EventId, MemInfo, SimBackend, StreamId};
+pub use backend::{
+    Backend, BackendError, CaptureNodes, DevicePtr, EventId, GraphNode, MemInfo, SimBackend,
+    StreamId,
+};
 pub use block::BlockState;
 pub use checkpoint::{CheckpointBlock, RestoreDelta};
 pub use config::{Config, ConfigError};

@@ -119,6 +119,17 @@ pub(crate) fn event_refused(device: u32, stream: u64, error: &dyn std::fmt::Disp
     );
 }
 
+/// Walking a capture's graph for reuse inside it failed: the blocks it
+/// would have freed wait (`capture_reuse.rs`).
+#[inline]
+pub(crate) fn capture_walk_failed(device: u32, stream: u64, error: &dyn std::fmt::Display) {
+    tracing::warn!(
+        device,
+        stream,
+        "could not read the captured graph ({error}): freed blocks wait for the capture's end"
+    );
+}
+
 /// A stream whose event was refused could not be synchronized either
 /// (destroyed since its `record_stream`): passed over (`stream_events.rs`).
 #[inline]

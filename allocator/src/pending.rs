@@ -66,6 +66,22 @@ impl PendingFrees {
         self.deferred.contains(&block)
     }
 
+    /// Takes `block` out of the deferred list (reused inside a capture,
+    /// Note [Reuse inside a capture]); false when it was not there.
+    pub fn remove_deferred(&mut self, block: BlockId) -> bool {
+        let before = self.deferred.len();
+        self.deferred.retain(|&b| b != block);
+        self.deferred.len() != before
+    }
+
+    /// Where `block` stands in the deferred list (the order of the frees).
+    pub fn deferred_rank(&self, block: BlockId) -> usize {
+        self.deferred
+            .iter()
+            .position(|&b| b == block)
+            .unwrap_or(usize::MAX)
+    }
+
     /// The events `block` waits for, in every queue.
     pub fn events_of(&self, block: BlockId) -> Vec<EventId> {
         self.queues
@@ -149,7 +165,10 @@ mod tests {
         p.check(1).unwrap();
         assert!(p.check(2).is_err());
         p.defer(7);
+        p.defer(9);
         assert!(p.is_deferred(7) && !p.is_deferred(8));
+        assert_eq!((p.deferred_rank(9), p.deferred_rank(8)), (1, usize::MAX));
+        assert!(p.remove_deferred(9) && !p.remove_deferred(9));
         assert_eq!(p.take_deferred(), vec![7]);
         assert_eq!(p.pop_if(2, |_| Ok(true)).unwrap(), Some((20, 200)));
         assert!(p.is_idle());

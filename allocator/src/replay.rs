@@ -445,11 +445,16 @@ impl DeviceRun {
             .collect();
         if !polled.is_empty() {
             for addr in polled {
-                if let Some(ptr) = self.pending.remove(&addr) {
+                if let Some(ptr) = self.pending.remove(&addr)
+                    && !self.dev.reuse_deferred_in_capture(ptr)
+                {
                     self.complete_events_of(ptr);
                 }
             }
-            let _ = self.dev.process_events();
+            // During a capture no event is polled: those were reused inside it.
+            if !self.dev.in_capture_scope() {
+                let _ = self.dev.process_events();
+            }
         }
         for (i, e) in window {
             self.apply(i, e, r);

@@ -48,6 +48,11 @@ impl<B: Backend> DeviceAllocator<B> {
     /// deferred.
     fn flush_deferred(&mut self) -> Result<(), AllocError> {
         let ids = self.pending.take_deferred();
+        // Their markers go with them (a block deferred again waits for
+        // the capture's end), and the graphs' walks once no capture is open.
+        if !ids.is_empty() || !self.private.capturing() {
+            self.capture_reuse.forget();
+        }
         for (k, &id) in ids.iter().enumerate() {
             let Err(e) = self.insert_events(id) else {
                 continue;

@@ -791,6 +791,12 @@ int gpualloc_begin_allocate_to_pool(int device,
 // Nothing in a forked child, as for `gpualloc_release_pool`.
 int gpualloc_end_allocate_to_pool(int device, uint64_t id_a, uint64_t id_b);
 
+// PyTorch's `graph_capture_record_stream_reuse` on `device` (the bridge
+// passes its value when a capture's scope opens): nonzero turns reuse
+// inside a capture on, as the configuration key of the same name does;
+// 0 leaves only the key (Note [Reuse inside a capture] in the core).
+int gpualloc_set_graph_capture_record_stream_reuse(int device, int on);
+
 // Drops one hold on pool `(id_a, id_b)` (a graph or MemPool was destroyed);
 // at zero its cached memory goes back to the device. Nothing in a forked
 // child (a DataLoader worker's garbage collector destroying an inherited

@@ -14,7 +14,8 @@ use std::sync::OnceLock;
 
 use gpualloc::backend::cuda::{self, CudaBackend};
 use gpualloc::backend::{
-    Backend, BackendError, DevicePtr, DriverCalls, EventId, HandleId, MemInfo, StreamId,
+    Backend, BackendError, CaptureNodes, DevicePtr, DriverCalls, EventId, GraphNode, HandleId,
+    MemInfo, StreamId,
 };
 use gpualloc::{AllocError, Allocator, Config, SegmentObserver, SimBackend};
 use parking_lot::Mutex;
@@ -127,6 +128,15 @@ impl Backend for AnyBackend {
     }
     fn stream_capture(&mut self, stream: StreamId) -> Result<Option<u64>, BackendError> {
         dispatch!(self, b => b.stream_capture(stream))
+    }
+    fn capture_terminals(
+        &mut self,
+        stream: StreamId,
+    ) -> Result<Option<CaptureNodes>, BackendError> {
+        dispatch!(self, b => b.capture_terminals(stream))
+    }
+    fn node_dependencies(&mut self, node: GraphNode) -> Result<Vec<GraphNode>, BackendError> {
+        dispatch!(self, b => b.node_dependencies(node))
     }
     fn synchronize(&mut self) -> Result<(), BackendError> {
         dispatch!(self, b => b.synchronize())

@@ -115,6 +115,22 @@ pub extern "C" fn gpualloc_end_allocate_to_pool(device: c_int, id_a: u64, id_b: 
     })
 }
 
+/// PyTorch's `graph_capture_record_stream_reuse` on `device` (the bridge
+/// passes its value when a capture's scope opens): nonzero turns reuse
+/// inside a capture on, as the configuration key of the same name does;
+/// 0 leaves only the key (Note [Reuse inside a capture] in the core).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_set_graph_capture_record_stream_reuse(
+    device: c_int,
+    on: c_int,
+) -> c_int {
+    status(|| {
+        Ok(global()?
+            .alloc
+            .set_graph_capture_record_stream_reuse(i64::from(device), on != 0)?)
+    })
+}
+
 /// Drops one hold on pool `(id_a, id_b)` (a graph or MemPool was destroyed);
 /// at zero its cached memory goes back to the device. Nothing in a forked
 /// child (a DataLoader worker's garbage collector destroying an inherited

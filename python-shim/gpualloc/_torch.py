@@ -130,7 +130,8 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
             if os.environ.get(name, "").strip() and _say_setting(name):
                 warnings.warn(
                     f"gpualloc: {name}={os.environ[name]!r} configures PyTorch's own "
-                    "allocator and has no effect on gpualloc; gpualloc takes its configuration from install(config=...) or "
+                    "allocator and has no effect on gpualloc (but for graph_capture_record_stream_reuse, which the "
+                    "bridge honours); gpualloc takes its configuration from install(config=...) or "
                     "GPUALLOC_CONF (same syntax for the keys both have: docs/configuration.md)",
                     RuntimeWarning,
                     stacklevel=3,

@@ -18,6 +18,7 @@
 // docs/torch-compat.md lists every member and the test that covers it.
 
 #include <c10/core/impl/GPUTrace.h>
+#include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -857,7 +858,12 @@ class GpuallocAllocator final : public CUDAAllocator {
     }
     md.release_lock_on_malloc = false;
     md.pinned_use_host_register = false;
+#if TORCH_VERSION_MINOR >= 11
+    // PyTorch's setting, which gpualloc honours (its own key is in the string below).
+    md.graph_capture_record_stream_reuse = cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse();
+#else
     md.graph_capture_record_stream_reuse = false;
+#endif
     // The configuration in force, however it was given.
     const char* conf = api.config_string();
     md.last_allocator_settings = std::string("gpualloc:") + (conf != nullptr ? conf : "");
@@ -875,6 +881,13 @@ class GpuallocAllocator final : public CUDAAllocator {
     // in endAllocateToPool: two threads opening scopes on one pool push and
     // pop both stacks in the same order, so the filter freed is the one
     // whose scope closed. (The trampoline never takes this lock.)
+#if TORCH_VERSION_MINOR >= 11
+    // PyTorch's graph_capture_record_stream_reuse, from its
+    // PYTORCH_CUDA_ALLOC_CONF or _set_allocator_settings, read where a
+    // capture begins (Note [Reuse inside a capture] in the core).
+    check(api.set_capture_reuse(device, cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse() ? 1 : 0),
+          "graph_capture_record_stream_reuse");
+#endif
     std::lock_guard<std::mutex> g(filters_mutex);
     int rc = api.begin_pool(device, key.a, key.b, ctx != nullptr ? &filter_trampoline : nullptr, ctx);
     check(rc, "beginAllocateToPool");

@@ -455,6 +455,59 @@ def check_compat(args) -> dict:
             assert after > before, f"no stitch was built ({before} -> {after}): the check did not reach stitched memory"
         return {"entries_undone": undone, "stitches": None if before is None else after - before}
 
+    @sub("graph_capture_record_stream_reuse")
+    def _():
+        # PyTorch's test_graph_capture_reclaim_2_streams and _4_streams
+        # (torch 2.11's opt-in setting, which NVIDIA's Megatron recipes
+        # set): a block freed during a capture while other streams used it
+        # is reused once the graph joins those streams back, not before;
+        # with the setting off, only after the capture.
+        def reclaim(streams, on):
+            torch.cuda.memory._set_allocator_settings(f"graph_capture_record_stream_reuse:{on}")
+            try:
+                s = [torch.cuda.Stream() for _ in range(streams)]
+                g = torch.cuda.CUDAGraph(keep_graph=True)
+                torch.cuda.synchronize()
+                with torch.cuda.stream(s[0]):
+                    g.capture_begin()
+                    data1 = torch.ones(8, device=dev)
+                    data1_ptr = data1.data_ptr()
+                    sink = torch.zeros(8, device=dev)
+                    bufs = []
+                    for k, side in enumerate(s[1:], start=2):
+                        side.wait_stream(s[0])
+                        with torch.cuda.stream(side):
+                            bufs.append(torch.add(data1, float(k)))
+                            data1.record_stream(side)
+                    del data1
+                    # All but the last side stream joined: no reuse yet.
+                    for side in s[1:-1]:
+                        s[0].wait_stream(side)
+                    sink.add_(1.0)
+                    data2 = torch.empty(8, device=dev)
+                    s[0].wait_stream(s[-1])
+                    sink.add_(1.0)
+                    data3 = torch.empty(8, device=dev)
+                    g.capture_end()
+                torch.cuda.synchronize()
+                g.replay()
+                torch.cuda.synchronize()
+                got = [b[0].item() for b in bufs]
+                assert got == [float(1 + k) for k in range(2, streams + 1)], f"replayed sums {got}"
+                return data1_ptr, data2.data_ptr(), data3.data_ptr()
+            finally:
+                torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:False")
+
+        out = {}
+        for streams in (2, 4):
+            d1, d2, d3 = reclaim(streams, True)
+            assert d1 != d2, f"{streams} streams: data1's block reused before every stream that used it joined"
+            assert d1 == d3, f"{streams} streams: data1's block not reused once they all joined"
+            d1, d2, d3 = reclaim(streams, False)
+            assert d1 != d2 and d1 != d3, f"{streams} streams, setting off: data1's block reused inside the capture"
+            out[f"{streams}_streams"] = "reused after the join, not before; off: not reused"
+        return out
+
     @sub("mempool_use_mem_pool")
     def _():
         base = torch.cuda.memory_allocated()

@@ -52,13 +52,15 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::unmapper::{Job, Unmapper};
 use super::{
-    Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId, other_device_stream,
+    Backend, BackendError, CaptureNodes, DevicePtr, EventId, GraphNode, HandleId, MemInfo,
+    StreamId, other_device_stream,
 };
 use crate::cost::{DriverCall, DriverCalls};
 
 mod context;
 mod driver;
 pub mod exported;
+mod graph;
 pub mod imported;
 mod unmapping;
 
@@ -804,6 +806,17 @@ impl Backend for CudaBackend {
             driver::STREAM_CAPTURE_IMPLICIT => Ok(Some(0)),
             other => check("cuStreamGetCaptureInfo", other).map(|()| None),
         }
+    }
+
+    fn capture_terminals(
+        &mut self,
+        stream: StreamId,
+    ) -> Result<Option<CaptureNodes>, BackendError> {
+        self.graph_capture_terminals(stream)
+    }
+
+    fn node_dependencies(&mut self, node: GraphNode) -> Result<Vec<GraphNode>, BackendError> {
+        self.graph_node_dependencies(node)
     }
 
     fn add_peer(&mut self, peer: u32) -> Result<(), BackendError> {

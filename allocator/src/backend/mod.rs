@@ -27,6 +27,20 @@ pub type EventId = u64;
 /// A physical memory handle issued by a backend (`CUmemGenericAllocationHandle`).
 pub type HandleId = u64;
 
+/// A node of a graph under capture (`CUgraphNode`), opaque: only compared.
+pub type GraphNode = u64;
+
+/// What [`Backend::capture_terminals`] tells of a capturing stream.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CaptureNodes {
+    /// The capture's id, unique in the process.
+    pub capture: u64,
+    /// The graph being captured (`CUgraph`), opaque.
+    pub graph: u64,
+    /// The stream's terminal nodes: what its next work will depend on.
+    pub nodes: Vec<GraphNode>,
+}
+
 /// Free and total bytes of the device (`cudaMemGetInfo`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemInfo {
@@ -284,6 +298,29 @@ pub trait Backend: Send {
     fn stream_capture(&mut self, stream: StreamId) -> Result<Option<u64>, BackendError> {
         let _ = stream;
         Ok(None)
+    }
+
+    /// The capture `stream` takes part in and the graph nodes that work
+    /// queued on it next would depend on (`cuStreamGetCaptureInfo`'s
+    /// dependencies: the stream's terminal nodes); `None` when it captures
+    /// nothing, or the driver gives no graph (the legacy stream during
+    /// another stream's global capture). For reuse inside a capture (Note
+    /// [Reuse inside a capture] in `capture_reuse.rs`). Never capturing for
+    /// a backend without graphs.
+    fn capture_terminals(
+        &mut self,
+        stream: StreamId,
+    ) -> Result<Option<CaptureNodes>, BackendError> {
+        let _ = stream;
+        Ok(None)
+    }
+
+    /// The nodes `node` of a graph under capture depends on
+    /// (`cuGraphNodeGetDependencies`); a node of
+    /// [`capture_terminals`](Self::capture_terminals)'s, or one of these.
+    fn node_dependencies(&mut self, node: GraphNode) -> Result<Vec<GraphNode>, BackendError> {
+        let _ = node;
+        Ok(Vec::new())
     }
 
     /// Blocks until all work queued on the device is done

@@ -28,10 +28,13 @@ use std::collections::BTreeMap;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::{Backend, BackendError, DevicePtr, EventId, HandleId, MemInfo, StreamId};
+use super::{
+    Backend, BackendError, CaptureNodes, DevicePtr, EventId, GraphNode, HandleId, MemInfo, StreamId,
+};
 use crate::cost::{DriverCall, DriverCalls};
 
 mod faults;
+mod graph;
 mod later;
 mod streams;
 
@@ -131,6 +134,9 @@ pub struct SimBackend {
     /// their capture ([`begin_stream_capture`](Self::begin_stream_capture)).
     stream_captures: FxHashMap<StreamId, u64>,
     next_capture: u64,
+    /// The graphs of captures begun by [`begin_graph_capture`](Self::begin_graph_capture).
+    graphs: FxHashMap<u64, graph::SimGraph>,
+    next_node: GraphNode,
     /// Call counters.
     pub counters: SimCounters,
     /// Devices granted access to this one's memory (`add_peer`), in order.
@@ -183,6 +189,8 @@ impl SimBackend {
             capturing: false,
             stream_captures: FxHashMap::default(),
             next_capture: 1,
+            graphs: FxHashMap::default(),
+            next_node: 1,
             counters: SimCounters::default(),
             peers: Vec::new(),
             synchronized_streams: Vec::new(),
@@ -722,6 +730,17 @@ impl Backend for SimBackend {
 
     fn stream_capture(&mut self, stream: StreamId) -> Result<Option<u64>, BackendError> {
         Ok(self.stream_captures.get(&stream).copied())
+    }
+
+    fn capture_terminals(
+        &mut self,
+        stream: StreamId,
+    ) -> Result<Option<CaptureNodes>, BackendError> {
+        Ok(self.graph_terminals(stream))
+    }
+
+    fn node_dependencies(&mut self, node: GraphNode) -> Result<Vec<GraphNode>, BackendError> {
+        Ok(self.graph_node_deps(node))
     }
 
     fn synchronize(&mut self) -> Result<(), BackendError> {

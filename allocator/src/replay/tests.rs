@@ -456,3 +456,52 @@ fn a_replay_that_fails_what_the_recording_served_departs() {
     let d = r.departure.expect("the first failed allocation departs");
     assert!(d.event_index <= r.first_oom.as_ref().unwrap().event_index);
 }
+
+/// Records PyTorch's two-stream test of reuse inside a capture (Note
+/// [Reuse inside a capture]) with 8 MiB tensors through an
+/// [`Allocator`] with a trace, then replays the trace: the replay frees
+/// the block where the recording did, so it reaches the recording's peak
+/// (8 MiB more had the block waited for the capture's end), under either
+/// setting (the trace tells where).
+#[test]
+fn a_recording_replays_the_reuse_inside_the_capture() {
+    use crate::capture_reuse::tests::{device, two_streams_of};
+    let conf = Config::parse("graph_capture_record_stream_reuse:true").unwrap();
+    let a = Allocator::new(conf.clone(), 1, Box::new(|_| Ok(SimBackend::new(1 << 30))));
+    let path = crate::trace::control_tests_path("capture-reuse");
+    a.trace_start(&path).unwrap();
+    let (data1, _, data3) = two_streams_of(&mut a.lock(0).unwrap(), 8 << 20);
+    assert_eq!(data1, data3);
+    a.trace_stop().unwrap();
+    let s = a.stats(0).unwrap();
+    let mut r = TraceReader::open(&path).unwrap();
+    let evs: Vec<TraceEvent> = r.events().collect();
+    std::fs::remove_file(&path).unwrap();
+    let completed_before_data3 = evs
+        .iter()
+        .rposition(|e| e.action == Action::FreeCompleted && e.addr == data1)
+        .unwrap();
+    let data3_alloc = evs
+        .iter()
+        .rposition(|e| e.action == Action::Alloc && e.addr == data3)
+        .unwrap();
+    assert!(completed_before_data3 < data3_alloc);
+    let mut off = device("");
+    two_streams_of(&mut off, 8 << 20);
+    assert_eq!(
+        off.stats.reserved_bytes.all.peak,
+        s.reserved_bytes.all.peak + (8 << 20),
+        "without the reuse, the pool grows for data3"
+    );
+    for config in [conf, Config::default()] {
+        let r = replay(evs.clone().into_iter(), 1 << 30, &config);
+        assert_eq!(
+            (r.peak_reserved, r.peak_allocated),
+            (
+                s.reserved_bytes.all.peak as u64,
+                s.allocated_bytes.all.peak as u64
+            )
+        );
+        assert_eq!(r.departure, None);
+    }
+}

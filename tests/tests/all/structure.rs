@@ -104,6 +104,7 @@ fn state_pieces_do_not_depend_on_the_device_allocator() {
         "private_pool",
         "stitch_cache",
         "pending",
+        "capture_markers",
     ] {
         assert!(
             !graph[piece].contains("device"),

@@ -237,6 +237,13 @@ driver_fns! {
         dependencies: *mut c_void,
         count: *mut usize,
     );
+    cuGraphNodeGetDependencies_v2(
+        node: *mut c_void,
+        dependencies: *mut c_void,
+        edge_data: *mut c_void,
+        count: *mut usize,
+    );
+    cuGraphNodeGetDependencies(node: *mut c_void, dependencies: *mut c_void, count: *mut usize);
     cuMemGetAllocationGranularity(
         granularity: *mut usize,
         prop: *const sys::CUmemAllocationProp,

@@ -66,6 +66,7 @@ impl SimBackend {
     /// Ends capture `id` on every stream that took part.
     pub fn end_stream_capture(&mut self, id: u64) {
         self.stream_captures.retain(|_, c| *c != id);
+        self.graphs.remove(&id);
         // The legacy stream's answer for a global capture goes with the
         // last capture.
         if self.stream_captures.values().all(|&c| c == 0) {

@@ -1,0 +1,70 @@
+//! The free markers of the blocks a capture deferred, and what is known of
+//! the graph under capture: the state of reuse inside a capture (Note
+//! [Reuse inside a capture] in `capture_reuse.rs`, which holds the device's
+//! operations on it).
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::backend::{GraphNode, StreamId};
+use crate::block::BlockId;
+
+/// Free markers of the blocks a capture deferred, and the graph nodes
+/// known to precede each capturing stream's work.
+#[derive(Default)]
+pub(crate) struct CaptureMarkers {
+    /// PyTorch's `graph_capture_record_stream_reuse`, as the bridge read it.
+    torch_setting: bool,
+    /// Deferred blocks with markers: their capture's id and the markers.
+    pub(crate) markers: FxHashMap<BlockId, (u64, Vec<GraphNode>)>,
+    /// Per capture and stream, the nodes its terminals depend on (walked).
+    pub(crate) visited: FxHashMap<(u64, StreamId), FxHashSet<GraphNode>>,
+}
+
+impl CaptureMarkers {
+    /// PyTorch's setting, as the bridge last passed it.
+    pub fn torch_setting(&self) -> bool {
+        self.torch_setting
+    }
+
+    pub fn set_torch_setting(&mut self, on: bool) {
+        self.torch_setting = on;
+    }
+
+    /// Keeps `block`'s markers: `(capture id, nodes)`.
+    pub fn insert(&mut self, block: BlockId, marked: (u64, Vec<GraphNode>)) {
+        self.markers.insert(block, marked);
+    }
+
+    /// Whether no deferred block has markers (one branch on the allocation
+    /// path of a capture).
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.markers.is_empty()
+    }
+
+    /// A whole-structure check: every block with markers is a deferred
+    /// free (`deferred` says so) and has some.
+    pub fn check(&self, deferred: impl Fn(BlockId) -> bool) -> Result<(), String> {
+        match self
+            .markers
+            .iter()
+            .find(|&(&id, (_, m))| !deferred(id) || m.is_empty())
+        {
+            Some((id, _)) => Err(format!(
+                "block {id} has free markers but is no deferred free, or has none"
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Forgets everything: the deferred blocks were taken (they wait for
+    /// events now, or for the capture's end) and no capture is open.
+    pub fn forget(&mut self) {
+        if !self.markers.is_empty() {
+            self.markers.clear();
+        }
+        if !self.visited.is_empty() {
+            self.visited.clear();
+        }
+    }
+}
