@@ -215,6 +215,9 @@ impl<B: Backend> DeviceAllocator<B> {
     /// [`AllocError::UnknownPool`] when no scope of that pool is open.
     pub fn end_allocate_to_pool(&mut self, key: PoolKey) -> Result<(), AllocError> {
         self.private.close(key)?;
+        if !self.private.capturing() {
+            self.capture_reuse.end_captures();
+        }
         self.record_pool_call(PoolOp::EndAllocate, key);
         Ok(())
     }

@@ -42,6 +42,15 @@ impl CaptureMarkers {
         self.markers.is_empty()
     }
 
+    /// No capture is open any more: the walks of their graphs go (the
+    /// markers left never match another capture's, and go with their
+    /// blocks at the next flush).
+    pub fn end_captures(&mut self) {
+        if !self.visited.is_empty() {
+            self.visited.clear();
+        }
+    }
+
     /// A whole-structure check: every block with markers is a deferred
     /// free (`deferred` says so) and has some.
     pub fn check(&self, deferred: impl Fn(BlockId) -> bool) -> Result<(), String> {
@@ -57,8 +66,8 @@ impl CaptureMarkers {
         }
     }
 
-    /// Forgets everything: the deferred blocks were taken (they wait for
-    /// events now, or for the capture's end) and no capture is open.
+    /// Forgets the markers (the deferred blocks were taken: they wait for
+    /// events now, or for the capture's end) and the walks.
     pub fn forget(&mut self) {
         if !self.markers.is_empty() {
             self.markers.clear();

@@ -8,7 +8,7 @@
 //! be queried, so by default the block waits for the capture's end, and a
 //! capture that frees many cross-stream blocks holds them all: PyTorch's
 //! own behaviour, and what its `graph_capture_record_stream_reuse` setting
-//! (torch 2.11, opt-in; NVIDIA's Megatron recipes turn it on) improves.
+//! (torch 2.9 on, opt-in; NVIDIA's Megatron recipes turn it on) improves.
 //! Approach, PyTorch's: at the free, the terminal nodes of the block's
 //! stream and of every stream that used it (`capture_terminals`) are its
 //! "free markers": the last work on those streams when it was freed. At
@@ -19,7 +19,9 @@
 //! among them, everything the stream queues next runs after the block's
 //! last use on every stream: the block is free, without an event. A block
 //! whose streams were not all capturing at the free keeps no markers and
-//! waits for the capture's end as before. Markers carry their capture's
+//! waits for the capture's end as before. (The walks assume that what a
+//! stream's work depends on only grows during a capture, as PyTorch's do:
+//! `cudaStreamUpdateCaptureDependencies` setting fewer is not followed.) Markers carry their capture's
 //! id (unique in the process), so a marker of a graph since destroyed,
 //! whose node handle the driver may give again, is never compared with
 //! another capture's nodes.
@@ -114,8 +116,9 @@ impl<B: Backend> DeviceAllocator<B> {
             match self.backend.node_dependencies(v) {
                 Ok(deps) => stack.extend(deps),
                 Err(e) => {
-                    // Not walked: asked again at the next allocation.
-                    visited.remove(&v);
+                    // Walked again from the start at the next allocation:
+                    // a node kept here would hide the ones behind `v`.
+                    self.capture_reuse.visited.remove(&(c.capture, stream));
                     crate::log::capture_walk_failed(self.device, stream, &e);
                     return;
                 }

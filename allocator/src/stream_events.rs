@@ -49,8 +49,8 @@ impl<B: Backend> DeviceAllocator<B> {
     fn flush_deferred(&mut self) -> Result<(), AllocError> {
         let ids = self.pending.take_deferred();
         // Their markers go with them (a block deferred again waits for
-        // the capture's end), and the graphs' walks once no capture is open.
-        if !ids.is_empty() || !self.private.capturing() {
+        // the capture's end).
+        if !ids.is_empty() {
             self.capture_reuse.forget();
         }
         for (k, &id) in ids.iter().enumerate() {

@@ -858,12 +858,8 @@ class GpuallocAllocator final : public CUDAAllocator {
     }
     md.release_lock_on_malloc = false;
     md.pinned_use_host_register = false;
-#if TORCH_VERSION_MINOR >= 11
     // PyTorch's setting, which gpualloc honours (its own key is in the string below).
     md.graph_capture_record_stream_reuse = cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse();
-#else
-    md.graph_capture_record_stream_reuse = false;
-#endif
     // The configuration in force, however it was given.
     const char* conf = api.config_string();
     md.last_allocator_settings = std::string("gpualloc:") + (conf != nullptr ? conf : "");
@@ -881,13 +877,11 @@ class GpuallocAllocator final : public CUDAAllocator {
     // in endAllocateToPool: two threads opening scopes on one pool push and
     // pop both stacks in the same order, so the filter freed is the one
     // whose scope closed. (The trampoline never takes this lock.)
-#if TORCH_VERSION_MINOR >= 11
-    // PyTorch's graph_capture_record_stream_reuse, from its
+    // PyTorch's graph_capture_record_stream_reuse (torch >= 2.9), from its
     // PYTORCH_CUDA_ALLOC_CONF or _set_allocator_settings, read where a
     // capture begins (Note [Reuse inside a capture] in the core).
     check(api.set_capture_reuse(device, cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse() ? 1 : 0),
           "graph_capture_record_stream_reuse");
-#endif
     std::lock_guard<std::mutex> g(filters_mutex);
     int rc = api.begin_pool(device, key.a, key.b, ctx != nullptr ? &filter_trampoline : nullptr, ctx);
     check(rc, "beginAllocateToPool");

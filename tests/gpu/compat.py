@@ -458,7 +458,7 @@ def check_compat(args) -> dict:
     @sub("graph_capture_record_stream_reuse")
     def _():
         # PyTorch's test_graph_capture_reclaim_2_streams and _4_streams
-        # (torch 2.11's opt-in setting, which NVIDIA's Megatron recipes
+        # (torch's opt-in setting since 2.9, which NVIDIA's Megatron recipes
         # set): a block freed during a capture while other streams used it
         # is reused once the graph joins those streams back, not before;
         # with the setting off, only after the capture.

@@ -136,7 +136,8 @@ pub struct SimBackend {
     next_capture: u64,
     /// The graphs of captures begun by [`begin_graph_capture`](Self::begin_graph_capture).
     graphs: FxHashMap<u64, graph::SimGraph>,
-    next_node: GraphNode,
+    /// The capture whose graph node queries read (the last asked about).
+    walked_graph: u64,
     /// Call counters.
     pub counters: SimCounters,
     /// Devices granted access to this one's memory (`add_peer`), in order.
@@ -190,7 +191,7 @@ impl SimBackend {
             stream_captures: FxHashMap::default(),
             next_capture: 1,
             graphs: FxHashMap::default(),
-            next_node: 1,
+            walked_graph: 0,
             counters: SimCounters::default(),
             peers: Vec::new(),
             synchronized_streams: Vec::new(),

@@ -199,3 +199,35 @@ fn markers_of_an_ended_capture_are_never_compared_with_the_next() {
     d.end_allocate_to_pool(POOL).unwrap();
     d.check_invariants().unwrap();
 }
+
+#[test]
+fn the_walks_go_when_the_last_capture_ends() {
+    let mut d = device("graph_capture_record_stream_reuse:true");
+    for _ in 0..3 {
+        let (data1, _, data3) = two_streams(&mut d);
+        assert_eq!(data1, data3);
+        assert!(d.capture_reuse.visited.is_empty(), "kept after the capture");
+        let p = alloc(&mut d, S1);
+        d.free(p).unwrap();
+    }
+}
+
+#[test]
+fn an_allocation_on_the_stream_that_used_the_block_frees_nothing_of_another() {
+    let mut d = device("graph_capture_record_stream_reuse:true");
+    let capture = begin(&mut d);
+    let data1 = alloc(&mut d, S1);
+    d.backend_mut().capture_launch(S1);
+    d.backend_mut().capture_wait(S2, S1);
+    d.backend_mut().capture_launch(S2);
+    d.record_stream(data1, S2).unwrap();
+    d.free(data1).unwrap();
+    // S2's walk reaches every marker, but the block is S1's, and S1 has
+    // not joined S2.
+    d.backend_mut().capture_launch(S2);
+    let _on_s2 = alloc(&mut d, S2);
+    assert_ne!(alloc(&mut d, S1), data1, "S1 never joined S2");
+    d.backend_mut().end_stream_capture(capture);
+    d.end_allocate_to_pool(POOL).unwrap();
+    d.check_invariants().unwrap();
+}

@@ -16,6 +16,8 @@ pub(super) struct SimGraph {
     deps: FxHashMap<GraphNode, Vec<GraphNode>>,
     /// Each capturing stream's terminal nodes.
     terminals: FxHashMap<StreamId, Vec<GraphNode>>,
+    /// Nodes made so far.
+    made: GraphNode,
 }
 
 impl SimBackend {
@@ -38,9 +40,9 @@ impl SimBackend {
     /// # Panics
     /// When `stream` captures no graph.
     pub fn capture_launch(&mut self, stream: StreamId) -> GraphNode {
-        let node = self.next_node;
-        self.next_node += 1;
         let g = self.graph_of(stream);
+        g.made += 1;
+        let node = g.made;
         let deps = g.terminals.insert(stream, vec![node]).unwrap_or_default();
         g.deps.insert(node, deps);
         node
@@ -69,9 +71,10 @@ impl SimBackend {
         }
     }
 
-    pub(super) fn graph_terminals(&self, stream: StreamId) -> Option<CaptureNodes> {
+    pub(super) fn graph_terminals(&mut self, stream: StreamId) -> Option<CaptureNodes> {
         let &capture = self.stream_captures.get(&stream)?;
         let g = self.graphs.get(&capture)?;
+        self.walked_graph = capture;
         Some(CaptureNodes {
             capture,
             graph: capture,
@@ -81,10 +84,15 @@ impl SimBackend {
 
     pub(super) fn graph_node_deps(&self, node: GraphNode) -> Vec<GraphNode> {
         self.graphs
-            .values()
-            .find_map(|g| g.deps.get(&node))
+            .get(&self.walked_graph)
+            .and_then(|g| g.deps.get(&node))
             .cloned()
-            .unwrap_or_else(|| panic!("SimBackend: unknown graph node {node}"))
+            .unwrap_or_else(|| {
+                panic!(
+                    "SimBackend: no node {node} in graph {} (the last asked about)",
+                    self.walked_graph
+                )
+            })
     }
 
     fn graph_of(&mut self, stream: StreamId) -> &mut SimGraph {
