@@ -214,6 +214,9 @@ impl<B: Backend> DeviceAllocator<B> {
     /// # Errors
     /// [`AllocError::UnknownPool`] when no scope of that pool is open.
     pub fn end_allocate_to_pool(&mut self, key: PoolKey) -> Result<(), AllocError> {
+        if !self.capture_reuse.is_empty() && self.private.scope_open(key) {
+            self.free_deferred_at_capture_end(key);
+        }
         self.private.close(key)?;
         if !self.private.capturing() {
             self.capture_reuse.end_captures();

@@ -19,7 +19,11 @@
 //! among them, everything the stream queues next runs after the block's
 //! last use on every stream: the block is free, without an event. A block
 //! whose streams were not all capturing at the free keeps no markers and
-//! waits for the capture's end as before. (The walks assume that what a
+//! waits for the capture's end as before. One with markers that is still
+//! deferred when its capture's scope closes is freed then, without an
+//! event: the capture could end only once all its streams had joined
+//! again (PyTorch since pytorch#175817; a second capture into the same
+//! pool reuses it). (The walks assume that what a
 //! stream's work depends on only grows during a capture, as PyTorch's do:
 //! `cudaStreamUpdateCaptureDependencies` setting fewer is not followed.) Markers carry their capture's
 //! id (unique in the process), so a marker of a graph since destroyed,
@@ -29,15 +33,16 @@
 //! PyTorch's setting of the same name (its `PYTORCH_CUDA_ALLOC_CONF` or
 //! `_set_allocator_settings`), which the bridge reads when a capture's
 //! scope opens ([`set_graph_capture_record_stream_reuse`]).
-//! A trace records the completion of such a free before the allocation
-//! that made it, as any completion; a replay frees the block the same way
-//! there (`replay.rs`).
+//! A trace records the completion of such a free before the allocation,
+//! or the scope's end, that made it, as any completion; a replay frees the
+//! block the same way there (`replay.rs`).
 //!
 //! [`set_graph_capture_record_stream_reuse`]: DeviceAllocator::set_graph_capture_record_stream_reuse
 
 use crate::backend::{Backend, DevicePtr, GraphNode, StreamId};
 use crate::block::BlockId;
 use crate::device::DeviceAllocator;
+use crate::pool::PoolKey;
 
 impl<B: Backend> DeviceAllocator<B> {
     /// PyTorch's `graph_capture_record_stream_reuse` (the bridge passes
@@ -138,6 +143,40 @@ impl<B: Backend> DeviceAllocator<B> {
         // In the order they were freed, so a trace and its replay agree.
         safe.sort_unstable_by_key(|&id| self.pending.deferred_rank(id));
         for id in safe {
+            self.reuse_deferred(id);
+        }
+    }
+
+    /// When a scope of pool `key` closes: its deferred blocks with markers
+    /// whose capture has ended are freed without events. A capture ends
+    /// only once every stream that took part has joined the stream that
+    /// began it, so its graph orders all later work in the pool after
+    /// their last uses, as for a block freed without other streams during
+    /// the capture (PyTorch does so since pytorch#175817). A block whose
+    /// stream the driver still reports in that capture (a scope closed
+    /// inside a capture) keeps waiting; so does one the driver cannot tell of.
+    pub(crate) fn free_deferred_at_capture_end(&mut self, key: PoolKey) {
+        let Some((small, large, _)) = self.private.find(key) else {
+            return;
+        };
+        let blocks = &self.heap.blocks;
+        let candidates: Vec<(BlockId, u64)> = self
+            .capture_reuse
+            .markers
+            .iter()
+            .filter(|&(&id, _)| blocks[id].pool == small || blocks[id].pool == large)
+            .map(|(&id, &(capture, _))| (id, capture))
+            .collect();
+        let mut ended: Vec<BlockId> = Vec::new();
+        for (id, capture) in candidates {
+            match self.backend.capture_terminals(self.heap.blocks[id].stream) {
+                Ok(Some(c)) if c.capture == capture => {}
+                Ok(_) => ended.push(id),
+                Err(_) => {}
+            }
+        }
+        ended.sort_unstable_by_key(|&id| self.pending.deferred_rank(id));
+        for id in ended {
             self.reuse_deferred(id);
         }
     }

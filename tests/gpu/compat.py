@@ -498,7 +498,43 @@ def check_compat(args) -> dict:
             finally:
                 torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:False")
 
+        def shared_pool():
+            # PyTorch's test_graph_capture_reclaim_shared_pool (pytorch#175817,
+            # after torch 2.11): a block still waiting at its capture's end
+            # is freed then, and the next capture into the pool reuses it.
+            torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:True")
+            try:
+                s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+                g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                torch.cuda.synchronize()
+                with torch.cuda.stream(s1):
+                    g1.capture_begin()
+                    data1 = torch.ones(8, device=dev)
+                    ptr = data1.data_ptr()
+                    s2.wait_stream(s1)
+                    with torch.cuda.stream(s2):
+                        out2 = torch.add(data1, 2.0)
+                        data1.record_stream(s2)
+                    del data1
+                    s1.wait_stream(s2)
+                    g1.capture_end()
+                    g2.capture_begin(pool=g1.pool())
+                    data2 = torch.empty(8, device=dev)
+                    g2.capture_end()
+                torch.cuda.synchronize()
+                g1.replay()
+                g2.replay()
+                torch.cuda.synchronize()
+                assert out2[0].item() == 3.0, f"replayed sum {out2[0].item()}"
+                return ptr == data2.data_ptr()
+            finally:
+                torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:False")
+
         out = {}
+        reused = shared_pool()
+        if args.alloc == "gpualloc":
+            assert reused, "a block still waiting when its capture ended was not reused by the next capture into the pool"
+        out["shared_pool_reused"] = reused
         for streams in (2, 4):
             d1, d2, d3 = reclaim(streams, True)
             assert d1 != d2, f"{streams} streams: data1's block reused before every stream that used it joined"

@@ -181,8 +181,11 @@ fn markers_of_an_ended_capture_are_never_compared_with_the_next() {
     d.record_stream(data1, S2).unwrap();
     d.free(data1).unwrap();
     assert!(!d.capture_reuse.is_empty());
-    d.backend_mut().end_stream_capture(first);
+    // The scope closes while the driver still reports the capture (as a
+    // `use_mem_pool` scope inside one): the block keeps waiting.
     d.end_allocate_to_pool(POOL).unwrap();
+    d.backend_mut().end_stream_capture(first);
+    assert!(d.pending.is_deferred(d.live[&data1]));
     // The next capture starts before any allocation outside one: the
     // block still has the first capture's markers.
     let second = begin(&mut d);
@@ -230,4 +233,38 @@ fn an_allocation_on_the_stream_that_used_the_block_frees_nothing_of_another() {
     d.backend_mut().end_stream_capture(capture);
     d.end_allocate_to_pool(POOL).unwrap();
     d.check_invariants().unwrap();
+}
+
+/// PyTorch's `test_graph_capture_reclaim_shared_pool`: a block freed
+/// during a capture, used by a stream that joined back only at its end,
+/// is freed when the capture's scope closes, and a second capture into
+/// the same pool reuses it.
+pub(crate) fn shared_pool(d: &mut DeviceAllocator<SimBackend>, size: u64) -> (u64, u64) {
+    let first = begin(d);
+    let data1 = alloc_of(d, size, S1);
+    d.backend_mut().capture_launch(S1);
+    d.backend_mut().capture_wait(S2, S1);
+    d.backend_mut().capture_launch(S2);
+    d.record_stream(data1, S2).unwrap();
+    d.free(data1).unwrap();
+    d.backend_mut().capture_wait(S1, S2);
+    d.backend_mut().end_stream_capture(first);
+    d.end_allocate_to_pool(POOL).unwrap();
+    let second = begin(d);
+    let data2 = alloc_of(d, size, S1);
+    d.backend_mut().end_stream_capture(second);
+    d.end_allocate_to_pool(POOL).unwrap();
+    (data1, data2)
+}
+
+#[test]
+fn a_block_still_deferred_when_its_capture_ends_serves_the_next_capture_into_the_pool() {
+    let mut d = device("graph_capture_record_stream_reuse:true");
+    let (data1, data2) = shared_pool(&mut d, 32);
+    assert_eq!(data1, data2);
+    assert!(d.pending.is_idle() && d.capture_reuse.is_empty());
+    d.check_invariants().unwrap();
+    let mut off = device("");
+    let (data1, data2) = shared_pool(&mut off, 32);
+    assert_ne!(data1, data2, "off: it waits for an event after the capture");
 }

@@ -457,41 +457,45 @@ fn a_replay_that_fails_what_the_recording_served_departs() {
     assert!(d.event_index <= r.first_oom.as_ref().unwrap().event_index);
 }
 
-/// Records PyTorch's two-stream test of reuse inside a capture (Note
-/// [Reuse inside a capture]) with 8 MiB tensors through an
-/// [`Allocator`] with a trace, then replays the trace: the replay frees
-/// the block where the recording did, so it reaches the recording's peak
-/// (8 MiB more had the block waited for the capture's end), under either
-/// setting (the trace tells where).
-#[test]
-fn a_recording_replays_the_reuse_inside_the_capture() {
-    use crate::capture_reuse::tests::{device, two_streams_of};
+/// Runs `scenario` (one of `capture_reuse/tests.rs`'s, with 8 MiB
+/// tensors; it returns the block freed and the allocation that should
+/// reuse it) with reuse inside a capture on, through an [`Allocator`] that
+/// records a trace, and without it on a device of its own: asserts that
+/// the block was reused only with it on, saving 8 MiB of reserved memory,
+/// that the trace frees it before the reuse, and that the trace replays
+/// to the recording's peaks under either setting (the trace tells where
+/// the block was freed).
+fn replays_capture_reuse(
+    name: &str,
+    scenario: impl Fn(&mut crate::device::DeviceAllocator<SimBackend>) -> (u64, u64),
+) {
     let conf = Config::parse("graph_capture_record_stream_reuse:true").unwrap();
     let a = Allocator::new(conf.clone(), 1, Box::new(|_| Ok(SimBackend::new(1 << 30))));
-    let path = crate::trace::control_tests_path("capture-reuse");
+    let path = crate::trace::control_tests_path(name);
     a.trace_start(&path).unwrap();
-    let (data1, _, data3) = two_streams_of(&mut a.lock(0).unwrap(), 8 << 20);
-    assert_eq!(data1, data3);
+    let (freed, reuse) = scenario(&mut a.lock(0).unwrap());
+    assert_eq!(freed, reuse, "{name}: reused");
     a.trace_stop().unwrap();
     let s = a.stats(0).unwrap();
     let mut r = TraceReader::open(&path).unwrap();
     let evs: Vec<TraceEvent> = r.events().collect();
     std::fs::remove_file(&path).unwrap();
-    let completed_before_data3 = evs
+    let completed = evs
         .iter()
-        .rposition(|e| e.action == Action::FreeCompleted && e.addr == data1)
+        .rposition(|e| e.action == Action::FreeCompleted && e.addr == freed)
         .unwrap();
-    let data3_alloc = evs
+    let reused = evs
         .iter()
-        .rposition(|e| e.action == Action::Alloc && e.addr == data3)
+        .rposition(|e| e.action == Action::Alloc && e.addr == reuse)
         .unwrap();
-    assert!(completed_before_data3 < data3_alloc);
-    let mut off = device("");
-    two_streams_of(&mut off, 8 << 20);
+    assert!(completed < reused, "{name}: freed before the reuse");
+    let mut off = crate::capture_reuse::tests::device("");
+    let (freed, reuse) = scenario(&mut off);
+    assert_ne!(freed, reuse, "{name}: reused with the setting off");
     assert_eq!(
         off.stats.reserved_bytes.all.peak,
         s.reserved_bytes.all.peak + (8 << 20),
-        "without the reuse, the pool grows for data3"
+        "{name}: without the reuse, the pool grows by a block"
     );
     for config in [conf, Config::default()] {
         let r = replay(evs.clone().into_iter(), 1 << 30, &config);
@@ -500,8 +504,28 @@ fn a_recording_replays_the_reuse_inside_the_capture() {
             (
                 s.reserved_bytes.all.peak as u64,
                 s.allocated_bytes.all.peak as u64
-            )
+            ),
+            "{name}: replay against recording"
         );
         assert_eq!(r.departure, None);
     }
+}
+
+/// PyTorch's two-stream test of reuse inside a capture (Note [Reuse
+/// inside a capture]).
+#[test]
+fn a_recording_replays_the_reuse_inside_the_capture() {
+    use crate::capture_reuse::tests::two_streams_of;
+    replays_capture_reuse("capture-reuse", |d| {
+        let (data1, _, data3) = two_streams_of(d, 8 << 20);
+        (data1, data3)
+    });
+}
+
+/// A block freed when its capture's scope closes, and reused by the next
+/// capture into the same pool.
+#[test]
+fn a_recording_replays_the_free_at_a_captures_end() {
+    use crate::capture_reuse::tests::shared_pool;
+    replays_capture_reuse("capture-end-free", |d| shared_pool(d, 8 << 20));
 }
