@@ -18,6 +18,11 @@ pub(crate) struct CaptureMarkers {
     pub(crate) markers: FxHashMap<BlockId, (u64, Vec<GraphNode>)>,
     /// Per capture and stream, the nodes its terminals depend on (walked).
     pub(crate) visited: FxHashMap<(u64, StreamId), FxHashSet<GraphNode>>,
+    /// Live blocks whose every use on another stream was recorded during
+    /// one capture, while that stream took part in it: the capture's id.
+    /// A block with such uses and no entry was used outside a capture too
+    /// (or before reuse was on), and its markers would not order that work.
+    captured_uses: FxHashMap<BlockId, u64>,
 }
 
 impl CaptureMarkers {
@@ -33,6 +38,31 @@ impl CaptureMarkers {
     /// Keeps `block`'s markers: `(capture id, nodes)`.
     pub fn insert(&mut self, block: BlockId, marked: (u64, Vec<GraphNode>)) {
         self.markers.insert(block, marked);
+    }
+
+    /// A use of `block` on another stream was recorded: during capture
+    /// `capture` (`Some`), or outside any (`None`). `first` says whether
+    /// it is the block's first such use.
+    pub fn note_use(&mut self, block: BlockId, capture: Option<u64>, first: bool) {
+        match capture {
+            Some(c) if first || self.captured_uses.get(&block) == Some(&c) => {
+                self.captured_uses.insert(block, c);
+            }
+            _ => {
+                if !self.captured_uses.is_empty() {
+                    self.captured_uses.remove(&block);
+                }
+            }
+        }
+    }
+
+    /// Whether every use of `block` on another stream was recorded during
+    /// one capture; that capture. Forgets the block (it is being freed).
+    pub fn take_captured_uses(&mut self, block: BlockId) -> Option<u64> {
+        if self.captured_uses.is_empty() {
+            return None;
+        }
+        self.captured_uses.remove(&block)
     }
 
     /// Whether no deferred block has markers (one branch on the allocation
@@ -52,8 +82,18 @@ impl CaptureMarkers {
     }
 
     /// A whole-structure check: every block with markers is a deferred
-    /// free (`deferred` says so) and has some.
-    pub fn check(&self, deferred: impl Fn(BlockId) -> bool) -> Result<(), String> {
+    /// free (`deferred` says so) and has some; every block with captured
+    /// uses is allocated and used on other streams (`used_elsewhere`).
+    pub fn check(
+        &self,
+        deferred: impl Fn(BlockId) -> bool,
+        used_elsewhere: impl Fn(BlockId) -> bool,
+    ) -> Result<(), String> {
+        if let Some(id) = self.captured_uses.keys().find(|&&id| !used_elsewhere(id)) {
+            return Err(format!(
+                "block {id} has uses recorded in a capture but is no live block used on other streams"
+            ));
+        }
         match self
             .markers
             .iter()

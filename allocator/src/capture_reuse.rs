@@ -20,15 +20,30 @@
 //! last use on every stream: the block is free, without an event. A block
 //! whose streams were not all capturing at the free keeps no markers and
 //! waits for the capture's end as before. One with markers that is still
-//! deferred when its capture's scope closes is freed then, without an
-//! event: the capture could end only once all its streams had joined
-//! again (PyTorch since pytorch#175817; a second capture into the same
-//! pool reuses it). (The walks assume that what a
+//! deferred when a scope of its pool closes after its capture ended is
+//! freed then, without an event: the capture could end only once all its
+//! streams had joined again, so its uses are all in the graph, as those
+//! of a block freed during the capture without other streams (a second
+//! capture into the same pool reuses it; PyTorch frees every deferred
+//! block of the pool there since pytorch#175817, those without markers
+//! too, which gpualloc leaves to events). (The walks assume that what a
 //! stream's work depends on only grows during a capture, as PyTorch's do:
 //! `cudaStreamUpdateCaptureDependencies` setting fewer is not followed.) Markers carry their capture's
 //! id (unique in the process), so a marker of a graph since destroyed,
 //! whose node handle the driver may give again, is never compared with
 //! another capture's nodes.
+//! Note [Uses outside the capture]
+//! Markers order only captured work. A block used on another stream
+//! outside the capture (eager work queued before the capture began, or
+//! during it on a stream that was not capturing, or in an earlier capture)
+//! may still be read by that work when a graph's replay, or an eager
+//! allocation in the pool after the capture, reuses it. So a block gets
+//! markers only if every `record_stream` on another stream was made
+//! during the capture it is freed in, on a stream taking part in it
+//! (`captured_uses`, noted as they are recorded); any other waits for
+//! events after the capture. Stricter than PyTorch, which marks any block
+//! whose streams all capture when it is freed.
+//!
 //! On when gpualloc's key `graph_capture_record_stream_reuse` is, or
 //! PyTorch's setting of the same name (its `PYTORCH_CUDA_ALLOC_CONF` or
 //! `_set_allocator_settings`), which the bridge reads when a capture's
@@ -58,12 +73,32 @@ impl<B: Backend> DeviceAllocator<B> {
         self.config.graph_capture_record_stream_reuse || self.capture_reuse.torch_setting()
     }
 
+    /// Notes where a use of block `id` on `stream` is recorded: during a
+    /// capture that `stream` takes part in, or not (Note [Uses outside the
+    /// capture]). Asks the driver only while a scope is open and reuse
+    /// inside a capture is on.
+    pub(crate) fn note_stream_use(&mut self, id: BlockId, stream: StreamId) {
+        let capture = if self.private.capturing() && self.graph_capture_record_stream_reuse() {
+            match self.backend.stream_capture(stream) {
+                Ok(Some(c)) if c != 0 => Some(c),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        let first = self.heap.blocks[id].stream_uses.is_empty();
+        self.capture_reuse.note_use(id, capture, first);
+    }
+
     /// Defers the free of `id`, used on other streams, during a capture;
-    /// with reuse inside a capture on, with its free markers.
-    pub(crate) fn defer_in_capture(&mut self, id: BlockId) {
+    /// with reuse inside a capture on, with its free markers, if every use
+    /// on another stream was recorded in the capture it is freed in (Note
+    /// [Uses outside the capture]).
+    pub(crate) fn defer_in_capture(&mut self, id: BlockId, captured_uses: Option<u64>) {
         self.pending.defer(id);
         if self.graph_capture_record_stream_reuse()
             && let Some(marked) = self.free_markers(id)
+            && captured_uses == Some(marked.0)
         {
             self.capture_reuse.insert(id, marked);
         }
@@ -148,13 +183,16 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// When a scope of pool `key` closes: its deferred blocks with markers
-    /// whose capture has ended are freed without events. A capture ends
-    /// only once every stream that took part has joined the stream that
-    /// began it, so its graph orders all later work in the pool after
-    /// their last uses, as for a block freed without other streams during
-    /// the capture (PyTorch does so since pytorch#175817). A block whose
-    /// stream the driver still reports in that capture (a scope closed
-    /// inside a capture) keeps waiting; so does one the driver cannot tell of.
+    /// whose capture has ended (or was invalidated: no graph then) are
+    /// freed without events. A capture ends only once every stream that
+    /// took part has joined the stream that began it, and markers are
+    /// only given to blocks whose every use on another stream was made in
+    /// that capture (Note [Uses outside the capture]), so all their uses
+    /// are in the graph, as those of a block freed during the capture
+    /// without other streams (PyTorch frees the pool's deferred blocks
+    /// there since pytorch#175817). A block whose stream the driver still
+    /// reports in that capture (a scope closed inside a capture) keeps
+    /// waiting; so does one the driver cannot tell of.
     pub(crate) fn free_deferred_at_capture_end(&mut self, key: PoolKey) {
         let Some((small, large, _)) = self.private.find(key) else {
             return;

@@ -886,8 +886,9 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         self.record(Action::FreeRequested, stream, ptr, requested, size);
         self.notify(SegmentAction::BlockFreeDeferred, pool, stream, ptr, size);
+        let captured_uses = self.capture_reuse.take_captured_uses(id);
         if self.private.capturing() {
-            self.defer_in_capture(id);
+            self.defer_in_capture(id, captured_uses);
         } else if let Err(e) = self.insert_events(id) {
             self.pending.defer(id);
             return Err(e.into());

@@ -222,9 +222,16 @@ impl<B: Backend> DeviceAllocator<B> {
             .map(|&id| self.heap.blocks[id].event_count)
             .sum();
         self.pending.check(expected)?;
-        self.capture_reuse.check(|id| {
-            self.pending.is_deferred(id) && self.heap.blocks[id].state == BlockState::PendingFree
-        })?;
+        self.capture_reuse.check(
+            |id| {
+                self.pending.is_deferred(id)
+                    && self.heap.blocks[id].state == BlockState::PendingFree
+            },
+            |id| {
+                let b = &self.heap.blocks[id];
+                b.state == BlockState::Allocated && !b.stream_uses.is_empty()
+            },
+        )?;
         if let Some(p) = self.shares.blocks().find(|p| !self.live.contains_key(p)) {
             return Err(format!("shared block {p:#x} is not live"));
         }

@@ -120,11 +120,13 @@ impl<B: Backend> DeviceAllocator<B> {
                 device: self.device,
             });
         };
+        let b = &self.heap.blocks[id];
+        if b.state != BlockState::Allocated || b.stream == stream {
+            return Ok(());
+        }
+        self.note_stream_use(id, stream);
         let b = &mut self.heap.blocks[id];
-        if b.state == BlockState::Allocated
-            && b.stream != stream
-            && !b.stream_uses.contains(&stream)
-        {
+        if !b.stream_uses.contains(&stream) {
             b.stream_uses.push(stream);
             self.record(Action::RecordStream, stream, ptr, 0, 0);
         }

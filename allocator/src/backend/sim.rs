@@ -737,10 +737,12 @@ impl Backend for SimBackend {
         &mut self,
         stream: StreamId,
     ) -> Result<Option<CaptureNodes>, BackendError> {
+        self.fault(SimCall::CaptureTerminals)?;
         Ok(self.graph_terminals(stream))
     }
 
     fn node_dependencies(&mut self, node: GraphNode) -> Result<Vec<GraphNode>, BackendError> {
+        self.fault(SimCall::NodeDependencies)?;
         Ok(self.graph_node_deps(node))
     }
 

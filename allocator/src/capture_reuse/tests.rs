@@ -33,6 +33,20 @@ fn alloc_of(d: &mut DeviceAllocator<SimBackend>, size: u64, stream: StreamId) ->
     p
 }
 
+/// Begins a capture on S1, allocates a block on S1 and frees it after
+/// work on S1 and on S2 (joined to S1's capture) used it: the capture and
+/// the block.
+fn freed_after_s2_used_it(d: &mut DeviceAllocator<SimBackend>) -> (u64, u64) {
+    let capture = begin(d);
+    let data1 = alloc(d, S1);
+    d.backend_mut().capture_launch(S1);
+    d.backend_mut().capture_wait(S2, S1);
+    d.backend_mut().capture_launch(S2);
+    d.record_stream(data1, S2).unwrap();
+    d.free(data1).unwrap();
+    (capture, data1)
+}
+
 /// PyTorch's two-stream test: the ptrs of data1, data2 (allocated before
 /// the join) and data3 (after it).
 fn two_streams(d: &mut DeviceAllocator<SimBackend>) -> (u64, u64, u64) {
@@ -181,8 +195,9 @@ fn markers_of_an_ended_capture_are_never_compared_with_the_next() {
     d.record_stream(data1, S2).unwrap();
     d.free(data1).unwrap();
     assert!(!d.capture_reuse.is_empty());
-    // The scope closes while the driver still reports the capture (as a
-    // `use_mem_pool` scope inside one): the block keeps waiting.
+    // The scope closes while the driver still reports the capture (which
+    // PyTorch's hooks do for a `use_mem_pool` scope nested in a capture,
+    // not for the capture's own): the block keeps waiting.
     d.end_allocate_to_pool(POOL).unwrap();
     d.backend_mut().end_stream_capture(first);
     assert!(d.pending.is_deferred(d.live[&data1]));
@@ -218,13 +233,7 @@ fn the_walks_go_when_the_last_capture_ends() {
 #[test]
 fn an_allocation_on_the_stream_that_used_the_block_frees_nothing_of_another() {
     let mut d = device("graph_capture_record_stream_reuse:true");
-    let capture = begin(&mut d);
-    let data1 = alloc(&mut d, S1);
-    d.backend_mut().capture_launch(S1);
-    d.backend_mut().capture_wait(S2, S1);
-    d.backend_mut().capture_launch(S2);
-    d.record_stream(data1, S2).unwrap();
-    d.free(data1).unwrap();
+    let (capture, data1) = freed_after_s2_used_it(&mut d);
     // S2's walk reaches every marker, but the block is S1's, and S1 has
     // not joined S2.
     d.backend_mut().capture_launch(S2);
@@ -267,4 +276,101 @@ fn a_block_still_deferred_when_its_capture_ends_serves_the_next_capture_into_the
     let mut off = device("");
     let (data1, data2) = shared_pool(&mut off, 32);
     assert_ne!(data1, data2, "off: it waits for an event after the capture");
+}
+
+#[test]
+fn a_block_used_outside_the_capture_gets_no_markers() {
+    let mut d = device("graph_capture_record_stream_reuse:true");
+    // Used on S2 before the capture began: that work may still run.
+    let eager = alloc(&mut d, S1);
+    d.record_stream(eager, S2).unwrap();
+    let capture = begin(&mut d);
+    let early = alloc(&mut d, S1);
+    d.backend_mut().capture_launch(S1);
+    // Used on S2 while S2 takes no part in the capture yet.
+    d.record_stream(early, S2).unwrap();
+    d.backend_mut().capture_wait(S2, S1);
+    d.backend_mut().capture_launch(S2);
+    let mixed = alloc(&mut d, S1);
+    d.record_stream(mixed, S2).unwrap();
+    d.record_stream(eager, S2).unwrap();
+    let captured = alloc(&mut d, S1);
+    d.record_stream(captured, S2).unwrap();
+    d.record_stream(mixed, S3).unwrap(); // S3 takes no part
+    for p in [eager, early, mixed, captured] {
+        d.free(p).unwrap();
+        d.check_invariants().unwrap();
+    }
+    let marked: Vec<_> = d
+        .capture_reuse
+        .markers
+        .keys()
+        .map(|id| d.heap.blocks[*id].ptr)
+        .collect();
+    assert_eq!(
+        marked,
+        vec![captured],
+        "only the block used in this capture alone"
+    );
+    d.backend_mut().capture_wait(S1, S2);
+    d.backend_mut().capture_launch(S1);
+    assert_eq!(alloc(&mut d, S1), captured);
+    d.backend_mut().end_stream_capture(capture);
+    d.end_allocate_to_pool(POOL).unwrap();
+    d.check_invariants().unwrap();
+}
+
+#[test]
+fn a_block_used_in_an_earlier_capture_gets_no_markers_in_the_next() {
+    let mut d = device("graph_capture_record_stream_reuse:true");
+    let first = begin(&mut d);
+    d.backend_mut().capture_wait(S2, S1);
+    let data1 = alloc(&mut d, S1);
+    d.record_stream(data1, S2).unwrap();
+    d.backend_mut().capture_wait(S1, S2);
+    d.backend_mut().end_stream_capture(first);
+    d.end_allocate_to_pool(POOL).unwrap();
+    let second = begin(&mut d);
+    d.backend_mut().capture_wait(S2, S1);
+    d.backend_mut().capture_launch(S2);
+    d.free(data1).unwrap();
+    assert!(
+        d.capture_reuse.is_empty(),
+        "the first graph's use is not ordered by the second"
+    );
+    d.backend_mut().end_stream_capture(second);
+    d.end_allocate_to_pool(POOL).unwrap();
+    d.check_invariants().unwrap();
+}
+
+#[test]
+fn a_walk_the_driver_refuses_is_made_again_whole_at_the_next_allocation() {
+    use crate::backend::SimCall;
+    let mut d = device("graph_capture_record_stream_reuse:true");
+    let (capture, data1) = freed_after_s2_used_it(&mut d);
+    d.backend_mut().capture_wait(S1, S2);
+    d.backend_mut().capture_launch(S1);
+    // The walk from S1's terminal reaches its parent, then the driver
+    // refuses that parent's dependencies: nothing is freed, and what was
+    // walked is dropped (it would hide the nodes behind the parent).
+    d.backend_mut().fail_call(SimCall::NodeDependencies, 2);
+    assert_ne!(alloc(&mut d, S1), data1);
+    assert!(d.capture_reuse.visited.is_empty());
+    assert_eq!(alloc(&mut d, S1), data1, "walked whole again");
+    d.backend_mut().end_stream_capture(capture);
+    d.end_allocate_to_pool(POOL).unwrap();
+    d.check_invariants().unwrap();
+}
+
+#[test]
+fn a_block_the_driver_cannot_tell_of_at_the_captures_end_waits_for_events() {
+    use crate::backend::SimCall;
+    let mut d = device("graph_capture_record_stream_reuse:true");
+    let (capture, data1) = freed_after_s2_used_it(&mut d);
+    d.backend_mut().capture_wait(S1, S2);
+    d.backend_mut().end_stream_capture(capture);
+    d.backend_mut().fail_call(SimCall::CaptureTerminals, 1);
+    d.end_allocate_to_pool(POOL).unwrap();
+    assert!(d.pending.is_deferred(d.live[&data1]), "kept, not freed");
+    d.check_invariants().unwrap();
 }

@@ -34,11 +34,15 @@ pub enum SimCall {
     Unmap,
     /// `synchronize`.
     Synchronize,
+    /// `capture_terminals` (a capturing stream's terminal nodes).
+    CaptureTerminals,
+    /// `node_dependencies` (a captured node's dependencies).
+    NodeDependencies,
 }
 
 impl SimCall {
     /// Every kind, in declaration order.
-    pub const ALL: [SimCall; 13] = [
+    pub const ALL: [SimCall; 15] = [
         SimCall::Allocate,
         SimCall::Release,
         SimCall::RecordEvent,
@@ -52,6 +56,8 @@ impl SimCall {
         SimCall::Map,
         SimCall::Unmap,
         SimCall::Synchronize,
+        SimCall::CaptureTerminals,
+        SimCall::NodeDependencies,
     ];
 
     /// The CUDA driver function the call stands for.
@@ -70,6 +76,8 @@ impl SimCall {
             SimCall::Map => "cuMemMap",
             SimCall::Unmap => "cuMemUnmap",
             SimCall::Synchronize => "cuCtxSynchronize",
+            SimCall::CaptureTerminals => "cuStreamGetCaptureInfo",
+            SimCall::NodeDependencies => "cuGraphNodeGetDependencies",
         }
     }
 }
@@ -77,10 +85,10 @@ impl SimCall {
 /// Injected failures: per [`SimCall`], calls so far and the call to fail.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Faults {
-    pub(super) calls: [u64; 13],
-    pub(super) fail_at: [Option<u64>; 13],
+    pub(super) calls: [u64; 15],
+    pub(super) fail_at: [Option<u64>; 15],
     /// Calls after the first that fail too (`fail_calls`).
-    pub(super) more: [u64; 13],
+    pub(super) more: [u64; 15],
 }
 
 impl SimBackend {

@@ -31,7 +31,7 @@ const CONFIGS: [&str; 6] = [
 /// cross-stream uses, stream progress and cache releases; invariants
 /// checked after every call. Returns the calls made, per kind, or the
 /// first invariant that failed.
-fn workload(label: &str, fault: Option<(SimCall, u64)>) -> Result<[u64; 13], String> {
+fn workload(label: &str, fault: Option<(SimCall, u64)>) -> Result<[u64; 15], String> {
     let mut config = label;
     let mut sim = SimBackend::new(2 << 30);
     if let Some((call, k)) = fault {
