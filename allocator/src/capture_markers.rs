@@ -56,6 +56,11 @@ impl CaptureMarkers {
         }
     }
 
+    /// Whether `block`'s uses so far were all recorded during one capture.
+    pub fn has_captured_uses(&self, block: BlockId) -> bool {
+        !self.captured_uses.is_empty() && self.captured_uses.contains_key(&block)
+    }
+
     /// Whether every use of `block` on another stream was recorded during
     /// one capture; that capture. Forgets the block (it is being freed).
     pub fn take_captured_uses(&mut self, block: BlockId) -> Option<u64> {

@@ -42,7 +42,10 @@
 //! during the capture it is freed in, on a stream taking part in it
 //! (`captured_uses`, noted as they are recorded); any other waits for
 //! events after the capture. Stricter than PyTorch, which marks any block
-//! whose streams all capture when it is freed.
+//! whose streams all capture when it is freed. The moment of the
+//! `record_stream` call stands for that of the work: eager work queued on
+//! a stream before the capture, whose `record_stream` comes only during
+//! it, is not seen (nor is it by PyTorch).
 //!
 //! On when gpualloc's key `graph_capture_record_stream_reuse` is, or
 //! PyTorch's setting of the same name (its `PYTORCH_CUDA_ALLOC_CONF` or
@@ -78,15 +81,18 @@ impl<B: Backend> DeviceAllocator<B> {
     /// capture]). Asks the driver only while a scope is open and reuse
     /// inside a capture is on.
     pub(crate) fn note_stream_use(&mut self, id: BlockId, stream: StreamId) {
-        let capture = if self.private.capturing() && self.graph_capture_record_stream_reuse() {
-            match self.backend.stream_capture(stream) {
-                Ok(Some(c)) if c != 0 => Some(c),
-                _ => None,
-            }
-        } else {
-            None
-        };
         let first = self.heap.blocks[id].stream_uses.is_empty();
+        // A block already used outside a capture stays so: nothing to ask.
+        let open = first || self.capture_reuse.has_captured_uses(id);
+        let capture =
+            if open && self.private.capturing() && self.graph_capture_record_stream_reuse() {
+                match self.backend.stream_capture(stream) {
+                    Ok(Some(c)) if c != 0 => Some(c),
+                    _ => None,
+                }
+            } else {
+                None
+            };
         self.capture_reuse.note_use(id, capture, first);
     }
 

@@ -296,7 +296,10 @@ fn a_block_used_outside_the_capture_gets_no_markers() {
     d.record_stream(eager, S2).unwrap();
     let captured = alloc(&mut d, S1);
     d.record_stream(captured, S2).unwrap();
-    d.record_stream(mixed, S3).unwrap(); // S3 takes no part
+    // Used on S3 before S3 takes part; it joins before the free.
+    d.record_stream(mixed, S3).unwrap();
+    d.backend_mut().capture_wait(S3, S1);
+    d.backend_mut().capture_launch(S3);
     for p in [eager, early, mixed, captured] {
         d.free(p).unwrap();
         d.check_invariants().unwrap();
