@@ -58,7 +58,7 @@ impl CaptureMarkers {
 
     /// Whether `block`'s uses so far were all recorded during one capture.
     pub fn has_captured_uses(&self, block: BlockId) -> bool {
-        !self.captured_uses.is_empty() && self.captured_uses.contains_key(&block)
+        self.captured_uses.contains_key(&block)
     }
 
     /// Whether every use of `block` on another stream was recorded during

@@ -26,12 +26,13 @@
 //! of a block freed during the capture without other streams (a second
 //! capture into the same pool reuses it; PyTorch frees every deferred
 //! block of the pool there since pytorch#175817, those without markers
-//! too, which gpualloc leaves to events). (The walks assume that what a
-//! stream's work depends on only grows during a capture, as PyTorch's do:
-//! `cudaStreamUpdateCaptureDependencies` setting fewer is not followed.) Markers carry their capture's
+//! too, which gpualloc leaves to events). Markers carry their capture's
 //! id (unique in the process), so a marker of a graph since destroyed,
 //! whose node handle the driver may give again, is never compared with
-//! another capture's nodes.
+//! another capture's nodes. (The walks assume that what a stream's work
+//! depends on only grows during a capture, as PyTorch's do:
+//! `cudaStreamUpdateCaptureDependencies` setting fewer is not followed.)
+//!
 //! Note [Uses outside the capture]
 //! Markers order only captured work. A block used on another stream
 //! outside the capture (eager work queued before the capture began, or
@@ -170,7 +171,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 }
             }
         }
-        let mut safe: Vec<BlockId> = self
+        let safe: Vec<BlockId> = self
             .capture_reuse
             .markers
             .iter()
@@ -181,11 +182,7 @@ impl<B: Backend> DeviceAllocator<B> {
             })
             .map(|(&id, _)| id)
             .collect();
-        // In the order they were freed, so a trace and its replay agree.
-        safe.sort_unstable_by_key(|&id| self.pending.deferred_rank(id));
-        for id in safe {
-            self.reuse_deferred(id);
-        }
+        self.reuse_deferred_in_order(safe);
     }
 
     /// When a scope of pool `key` closes: its deferred blocks with markers
@@ -219,8 +216,14 @@ impl<B: Backend> DeviceAllocator<B> {
                 Err(_) => {}
             }
         }
-        ended.sort_unstable_by_key(|&id| self.pending.deferred_rank(id));
-        for id in ended {
+        self.reuse_deferred_in_order(ended);
+    }
+
+    /// [`reuse_deferred`](Self::reuse_deferred) for each of `ids`, in the
+    /// order they were freed, so a trace and its replay agree.
+    fn reuse_deferred_in_order(&mut self, mut ids: Vec<BlockId>) {
+        ids.sort_unstable_by_key(|&id| self.pending.deferred_rank(id));
+        for id in ids {
             self.reuse_deferred(id);
         }
     }
