@@ -961,6 +961,9 @@ impl<B: Backend> DeviceAllocator<B> {
             net_blocks += 1;
             net_bytes += b.size as i64;
         }
+        // Recorded before a stitch given back changes what is listed, as
+        // the observer is told (Note [Listed ranges]).
+        self.record(action, stream, ptr, requested, size);
         if pool == STITCH {
             self.unclaim_stitch(id, epoch);
         } else {
@@ -973,6 +976,5 @@ impl<B: Backend> DeviceAllocator<B> {
         self.stats.active.update(kind, -1);
         self.stats.active_bytes.update(kind, -(size as i64));
         self.stats.requested_bytes.update(kind, -(requested as i64));
-        self.record(action, stream, ptr, requested, size);
     }
 }

@@ -47,7 +47,7 @@
 //! counted as reserved, so they add nothing to it, holes or not.
 
 use crate::backend::{Backend, DevicePtr, HandleId, StreamId};
-use crate::block::{Block, BlockId, BlockState};
+use crate::block::{Block, BlockId, BlockState, PoolId};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
 use crate::heap::{LARGE, STITCH};
@@ -55,7 +55,7 @@ use crate::observer::SegmentAction;
 use crate::segment::Segment;
 use crate::size_class::PoolKind;
 use crate::stitch_cache::{MAX_CACHED, Part, Slot, Stitch};
-use crate::trace::{Action, STITCH_CODE};
+use crate::trace::{Action, STITCH_CODE, pool_code};
 
 impl<B: Backend> DeviceAllocator<B> {
     /// Serves `rounded` bytes for `stream` from a stitch: a cached one whose
@@ -225,8 +225,8 @@ impl<B: Backend> DeviceAllocator<B> {
         s.used_at = self.stitches.uses;
         let (va, size, stream) = (s.va, s.size, s.stream);
         // The snapshot lists the stitch instead of its home runs.
-        self.tell_homes(i, SegmentAction::Unlisted);
-        self.notify(SegmentAction::Listed, STITCH, stream, va, size);
+        self.tell_homes(i, false);
+        self.tell_listed(true, STITCH, stream, va, size);
         let block =
             self.heap
                 .blocks
@@ -277,9 +277,9 @@ impl<B: Backend> DeviceAllocator<B> {
         // What is mapped of it: a tail trimmed while it was in use
         // (`stitch_trim.rs`) left the snapshot then.
         for (_, _, at, bytes) in self.stitches.list[i].runs(|s| s.part().is_some()) {
-            self.notify(SegmentAction::Unlisted, STITCH, stream, at, bytes);
+            self.tell_listed(false, STITCH, stream, at, bytes);
         }
-        self.tell_homes(i, SegmentAction::Listed);
+        self.tell_homes(i, true);
         let mut rest = self.heap.blocks[id].next;
         while let Some(r) = rest {
             rest = self.heap.blocks[r].next;
@@ -306,28 +306,29 @@ impl<B: Backend> DeviceAllocator<B> {
         }
     }
 
-    /// Tells the observer `action` for the home runs of stitch `i`'s parts,
-    /// adjacent parts as one range.
-    fn tell_homes(&self, i: usize, action: SegmentAction) {
-        if self.observer.is_none() {
+    /// Tells the observer and the trace that the home runs of stitch `i`'s
+    /// parts left (`listed` false) or came back into (true) the snapshot's
+    /// view, adjacent parts as one range (Note [Listed ranges]).
+    fn tell_homes(&mut self, i: usize, listed: bool) {
+        if self.observer.is_none() && self.trace.is_none() {
             return; // nothing to tell: no list to build on the request's path
         }
         let s = &self.stitches.list[i];
-        self.tell_home_parts(s.stream, s.parts(), action);
+        let (stream, homes) = (s.stream, s.parts().map(|p| (p.addr, p.size)).collect());
+        self.tell_home_runs(stream, homes, listed);
     }
 
-    /// Tells the observer `action` for the home runs of `parts`, adjacent
-    /// parts as one range.
-    pub(crate) fn tell_home_parts<'a>(
-        &self,
+    /// [`tell_homes`](Self::tell_homes) for the homes (address, bytes) of
+    /// some parts.
+    pub(crate) fn tell_home_runs(
+        &mut self,
         stream: StreamId,
-        parts: impl Iterator<Item = &'a Part>,
-        action: SegmentAction,
+        mut homes: Vec<(DevicePtr, u64)>,
+        listed: bool,
     ) {
-        if self.observer.is_none() {
+        if self.observer.is_none() && self.trace.is_none() {
             return;
         }
-        let mut homes: Vec<(DevicePtr, u64)> = parts.map(|p| (p.addr, p.size)).collect();
         homes.sort_unstable();
         let mut run: Option<(DevicePtr, u64)> = None;
         for (addr, size) in homes {
@@ -335,14 +336,41 @@ impl<B: Backend> DeviceAllocator<B> {
                 Some((lo, len)) if lo + len == addr => run = Some((lo, len + size)),
                 _ => {
                     if let Some((lo, len)) = run {
-                        self.notify(action, LARGE, stream, lo, len);
+                        self.tell_listed(listed, LARGE, stream, lo, len);
                     }
                     run = Some((addr, size));
                 }
             }
         }
         if let Some((lo, len)) = run {
-            self.notify(action, LARGE, stream, lo, len);
+            self.tell_listed(listed, LARGE, stream, lo, len);
+        }
+    }
+
+    /// Tells the observer and the trace that `[addr, addr + size)` of
+    /// `pool` (a home run, or a stitch's range) came into (`listed`) or
+    /// left the snapshot's view (Note [Listed ranges]).
+    pub(crate) fn tell_listed(
+        &mut self,
+        listed: bool,
+        pool: PoolId,
+        stream: StreamId,
+        addr: DevicePtr,
+        size: u64,
+    ) {
+        let (action, record) = if listed {
+            (SegmentAction::Listed, Action::SegmentList)
+        } else {
+            (SegmentAction::Unlisted, Action::SegmentUnlist)
+        };
+        self.notify(action, pool, stream, addr, size);
+        if self.trace.is_some() {
+            let code = if pool == STITCH {
+                STITCH_CODE
+            } else {
+                pool_code(self.private.index_of(pool), true)
+            };
+            self.record(record, stream, addr, size, code);
         }
     }
 

@@ -8,6 +8,7 @@ use crate::error::AllocError;
 use crate::heap::{LARGE, STITCH};
 use crate::observer::SegmentAction;
 use crate::stitch_cache::{Part, Slot};
+use crate::trace::{Action, STITCH_CODE};
 
 impl<B: Backend> DeviceAllocator<B> {
     /// Unmaps from cached stitches the parts that alias a handle mapped in
@@ -51,7 +52,8 @@ impl<B: Backend> DeviceAllocator<B> {
         let stream = self.stitches.list[i].stream;
         let runs = self.stitches.list[i].runs(|s| s.part().is_some() && pick(s));
         // The snapshot lists a stitch in use, not a cached one.
-        let (unmap, again) = if self.stitches.list[i].in_use.is_some() {
+        let in_use = self.stitches.list[i].in_use.is_some();
+        let (unmap, again) = if in_use {
             (SegmentAction::Unmap, SegmentAction::Map)
         } else {
             (SegmentAction::UnmapUnlisted, SegmentAction::MapUnlisted)
@@ -62,6 +64,11 @@ impl<B: Backend> DeviceAllocator<B> {
                 // Still mapped: say so again (Note [Segment events]).
                 self.notify(again, STITCH, stream, at, bytes);
                 return Err(e.into());
+            }
+            if in_use {
+                // A stitch in use is listed; the trace shows only its life
+                // and its listing (Note [Listed ranges]).
+                self.record(Action::SegmentUnlist, stream, at, bytes, STITCH_CODE);
             }
             for slot in &mut self.stitches.list[i].slots[first..end] {
                 *slot = Slot::Hole(slot.size());

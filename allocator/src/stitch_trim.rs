@@ -22,7 +22,6 @@ use crate::backend::Backend;
 use crate::block::BlockState;
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
-use crate::observer::SegmentAction;
 use crate::stitch_cache::{Part, Slot};
 
 impl<B: Backend> DeviceAllocator<B> {
@@ -75,7 +74,8 @@ impl<B: Backend> DeviceAllocator<B> {
             |slot| slot.part().is_some_and(|p| homes.contains(&p.addr)),
             false,
         )?;
-        self.tell_home_parts(stream, tail.iter(), SegmentAction::Listed);
+        let homes = tail.iter().map(|p| (p.addr, p.size)).collect();
+        self.tell_home_runs(stream, homes, true);
         for p in &tail {
             self.set_home(p, BlockState::Free);
         }

@@ -98,6 +98,9 @@ def check_device(snap, dev, trace):
             addr += b["size"]
     # Forward: from nothing, the trace must lead exactly to the final state.
     fsegs, fblocks, mapped = {}, {}, []
+    # The most bytes MemoryViz shows as segments at once: with each page
+    # listed once, never more than the memory reserved.
+    most = 0
     for i, e in enumerate(trace):
         a = e["action"]
         if a == "alloc":
@@ -118,6 +121,8 @@ def check_device(snap, dev, trace):
             if "device_free" not in e:
                 fail(f"device {dev} event {i}: oom without device_free")
         elif a == "segment_map":
+            if any(lo < e["addr"] + e["size"] and e["addr"] < hi for lo, hi in mapped):
+                fail(f"device {dev} event {i}: segment_map of memory already mapped {e['addr']:#x}")
             mapped = add_range(mapped, e["addr"], e["addr"] + e["size"])
         elif a == "segment_unmap":
             if not any(lo <= e["addr"] and e["addr"] + e["size"] <= hi for lo, hi in mapped):
@@ -125,6 +130,8 @@ def check_device(snap, dev, trace):
             mapped = remove_range(mapped, e["addr"], e["addr"] + e["size"])
         else:
             fail(f"device {dev} event {i}: action {a} is not one memory_viz knows")
+        if a.startswith("segment_"):
+            most = max(most, sum(fsegs.values()) + sum(hi - lo for lo, hi in mapped))
         if a in ("alloc", "free_requested", "free_completed"):
             in_seg = any(s <= e["addr"] < s + n for s, n in fsegs.items())
             in_map = any(lo <= e["addr"] < hi for lo, hi in mapped)
@@ -158,6 +165,7 @@ def check_device(snap, dev, trace):
             live.pop(e["addr"], None)
     if live:
         fail(f"device {dev}: {len(live)} blocks exist before the first event")
+    print(f"device {dev}: at most {most} bytes in segments")
 
 
 if __name__ == "__main__":

@@ -203,3 +203,83 @@ snap = {{'segments': [], 'device_traces': [tr], 'allocator_settings': {{'PYTORCH
     assert_eq!(page.matches(row).count(), 1, "one row");
     assert!(page.contains("expandable_page_mb:20 (the trace's configuration)</code>"));
 }
+
+/// A trace of the simulated allocator in which a large request is served
+/// by a stitch twice (built, then taken from the cache): eight 16 MiB
+/// blocks between 2 MiB ones, the large ones freed, 64 MiB asked for.
+fn stitched_trace(dir: &Path) -> std::path::PathBuf {
+    use gpualloc::{Allocator, Config, SimBackend};
+    let path = dir.join("stitched.gtrace");
+    let a = Allocator::new(
+        Config::parse("expandable_handle_mb:2").unwrap(),
+        1,
+        Box::new(|_| Ok(SimBackend::new(1 << 30))),
+    );
+    a.trace_start(&path).unwrap();
+    let (mut large, mut small) = (Vec::new(), Vec::new());
+    for _ in 0..8 {
+        large.push(a.malloc(0, 16 * MIB, 0).unwrap());
+        small.push(a.malloc(0, 2 * MIB, 0).unwrap());
+    }
+    for p in large {
+        a.free(0, p).unwrap();
+    }
+    for _ in 0..2 {
+        let p = a.malloc(0, 64 * MIB, 0).unwrap();
+        let q = a.malloc(0, 16 * MIB, 0).unwrap();
+        a.free(0, q).unwrap();
+        a.free(0, p).unwrap();
+    }
+    assert_eq!(a.stats(0).unwrap().num_stitch, 1, "one stitch, used twice");
+    a.trace_stop().unwrap();
+    path
+}
+
+/// Each page once (Note [Listed ranges]): while a stitch is in use the
+/// snapshot shows it instead of the home pages it holds, so MemoryViz's
+/// segments never add up to more than the memory reserved (before, the
+/// stitch's 64 MiB were counted twice), and the import reads the listing
+/// back as such: the same peaks and fragmentation.
+#[test]
+fn a_stitch_in_use_is_a_segment_instead_of_its_home_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = stitched_trace(dir.path());
+    let before = summary(s(&t));
+    let dev = &before["devices"][0];
+    let peak = dev["peak_reserved"].as_u64().unwrap();
+    // 8 x 16 + 8 x 2 MiB; then the stitch holds four of the 16 MiB runs
+    // at home, and the 16 MiB request takes a fifth.
+    assert_eq!(peak, 144 * MIB, "{dev}");
+    let pickle = dir.path().join("s.pickle");
+    ok(&["export", s(&t), "--torch-snapshot", s(&pickle)]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/check_snapshot.py");
+    let out = Command::new("python3")
+        .args([script, s(&pickle)])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let most: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("device 0: at most "))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(most, peak, "each page once: {text}");
+    let back = dir.path().join("back.gtrace");
+    ok(&["import", s(&pickle), "-o", s(&back)]);
+    let after = summary(s(&back));
+    for key in [
+        "peak_allocated",
+        "peak_reserved",
+        "fragmentation_at_peak",
+        "pools_at_peak_reserved",
+        "end_reserved",
+    ] {
+        assert_eq!(before["devices"][0][key], after["devices"][0][key], "{key}");
+    }
+}

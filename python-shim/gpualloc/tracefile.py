@@ -30,7 +30,8 @@ ACTIONS = (
     "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
     "segment_map", "segment_unmap", "oom", "empty_cache", "phase_push", "phase_pop",
     "mark", "record_stream", "stream_reuse", "sync_all_streams", "free",
-    "pages_create", "pages_release", "private_pool", "memory_limit",
+    "pages_create", "pages_release", "private_pool", "memory_limit", "segment_unlist",
+    "segment_list",
 )
 # The calls a ``private_pool`` record names (its ``size``; ``PoolOp`` in event.rs).
 POOL_OPS = ("begin_allocate_to_pool", "end_allocate_to_pool", "create_or_incref_pool", "release_pool",
@@ -50,7 +51,8 @@ def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
     Returns a dict with ``kind`` (the action's name) and that action's fields:
     ``addr``, ``requested``, ``block_size`` (alloc, free_requested,
     free_completed, free); ``addr``, ``size``, ``pool`` (segment events: a pool
-    code, or ``"stitch"`` for ``STITCH_CODE``); ``requested``, ``device_free``
+    code, or ``"stitch"`` for ``STITCH_CODE``; segment_list and segment_unlist
+    too, Note [Listed ranges]); ``requested``, ``device_free``
     (oom); ``released`` (empty_cache); ``name`` (a string id: phase_push,
     phase_pop, mark); ``addr``, ``other_stream`` (record_stream); ``addr``,
     ``block_size``, ``from_stream`` (stream_reuse); ``outstanding``
@@ -67,7 +69,7 @@ def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
     kind = ACTIONS[action] if action < len(ACTIONS) else f"#{action}"
     if action <= 2 or action == FREE:
         return {"kind": kind, "addr": addr, "requested": size, "block_size": aux}
-    if 3 <= action <= 6:
+    if 3 <= action <= 6 or action in (20, 21):
         return {"kind": kind, "addr": addr, "size": size, "pool": "stitch" if aux == STITCH_CODE else aux}
     if action == 7:
         return {"kind": kind, "requested": size, "device_free": aux}

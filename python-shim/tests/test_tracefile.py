@@ -77,6 +77,8 @@ class DecodeTest(unittest.TestCase):
             "pages_release": {"bytes": size},
             "private_pool": {"op": f"#{size}", "pool": aux, "checkpoint": a},
             "memory_limit": {"stream": s, "addr": a, "size": size, "aux": aux},  # a cap code this reader does not know
+            "segment_unlist": {"addr": a, "size": size, "pool": aux},
+            "segment_list": {"addr": a, "size": size, "pool": aux},
         }
         self.assertEqual(list(want), list(ACTIONS))
         for code, name in enumerate(ACTIONS):
@@ -102,6 +104,8 @@ class DecodeTest(unittest.TestCase):
         self.assertEqual(decode(5, 0, 1 << 30, 2 << 20, STITCH_CODE)["pool"], "stitch")
         self.assertEqual(decode(6, 0, 1 << 30, 2 << 20, STITCH_CODE)["pool"], "stitch")
         self.assertEqual(decode(5, 0, 1 << 30, 2 << 20, 1)["pool"], 1)
+        self.assertEqual(decode(21, 0, 1 << 30, 2 << 20, STITCH_CODE)["pool"], "stitch")
+        self.assertEqual(decode(20, 0, 1 << 30, 2 << 20, 1)["pool"], 1)
 
     def test_the_recorded_example_reads_as_the_command_reads_it(self):
         recs = records(YOLO)
@@ -285,8 +289,8 @@ class IntegrityTest(_Refusing):
         self.assertEqual(len(_read(h + _block(1, _varint(1) + _varint(0) + alloc))), 1)
         e = self.error(h + _block(1, _varint(1) + _varint(0) + alloc + b"\x00"))
         self.assertIn("1 stray bytes after 1 records", e)
-        e = self.error(h + _block(1, _varint(1) + _varint(0) + bytes([20]) + alloc[1:]))
-        self.assertIn("unknown action code 20", e)
+        e = self.error(h + _block(1, _varint(1) + _varint(0) + bytes([22]) + alloc[1:]))
+        self.assertIn("unknown action code 22", e)
         e = self.error(h + _block(1, _varint(1) + _varint(0) + alloc, device=1024))
         self.assertIn("device 1024", e)
         e = self.error(h + _block(2, _varint(1) + _varint(1) + _varint(1) + b"a"))

@@ -67,11 +67,23 @@ pub enum Action {
     /// not known). A replay sets the same cap at the same point, a fraction
     /// taken of its own device's capacity.
     MemoryLimit = 19,
+    /// Mapped memory left the view that memory snapshots show (Note
+    /// [Listed ranges]): the home runs of a stitch taken into use, whose
+    /// pages are used through the stitch now, or (pool
+    /// [`STITCH_CODE`]) a stitch's range when it stops being used or part
+    /// of it is unmapped while in use. `size`: bytes; `aux`: pool.
+    /// Reserved memory and the mappings stay as they were.
+    SegmentUnlist = 20,
+    /// Mapped memory came back into that view: a stitch's home runs when it
+    /// stops being used (or a tail of it is trimmed), or (pool
+    /// [`STITCH_CODE`]) a stitch's range when it is taken into use. `size`:
+    /// bytes; `aux`: pool.
+    SegmentList = 21,
 }
 
 impl Action {
     /// Every action, in code order.
-    pub const ALL: [Action; 20] = [
+    pub const ALL: [Action; 22] = [
         Action::Alloc,
         Action::FreeRequested,
         Action::FreeCompleted,
@@ -92,6 +104,8 @@ impl Action {
         Action::PagesRelease,
         Action::PrivatePool,
         Action::MemoryLimit,
+        Action::SegmentUnlist,
+        Action::SegmentList,
     ];
 
     /// The action for a code, if valid.
@@ -122,9 +136,37 @@ impl Action {
             Action::PagesRelease => "pages_release",
             Action::PrivatePool => "private_pool",
             Action::MemoryLimit => "memory_limit",
+            Action::SegmentUnlist => "segment_unlist",
+            Action::SegmentList => "segment_list",
         }
     }
 }
+
+// Note [Listed ranges]
+// Rationale: a stitch (Note [Stitching]) maps pages a second time, so
+// the ranges backed by memory overlap in what they hold. A reader that
+// wants each byte once, as a memory snapshot shows it (MemoryViz's
+// segments, PyTorch's `segment_map` history), needs to know where those
+// pages are in use: through the stitch, or at home. The live snapshot
+// knows (Note [Segment events] in `observer.rs`); before minor version 4
+// the trace recorded only a stitch's life, and readers guessed which
+// pages at home a stitch in use held.
+// Approach: `segment_unlist` and `segment_list` record exactly the
+// observer's `Unlisted` and `Listed` of stitches: taken into use, a
+// stitch's home runs are unlisted and its range listed (pool
+// [`STITCH_CODE`]); given back, the reverse; a tail trimmed while in
+// use is unlisted from the stitch and its homes listed. The free of the
+// stitch's block is recorded before the listing it causes, as memory
+// history is told, so its block lies in a listed range at every record.
+// Neither changes reserved memory or any mapping. So a trace's listed ranges at any
+// point are the mapped ranges of the pools, less the unlisted home runs,
+// plus the listed stitch ranges: each byte once. `summary` counts pages a
+// stitch holds at home as neither free nor allocated, and `export
+// --torch-snapshot` writes the listed ranges as MemoryViz's segments.
+// Only stitches are recorded so: other ranges that leave the snapshot
+// early (pages moved whose old range waits for its work) are recorded as
+// unmapped then. The calls run only when a stitch is taken or given back,
+// off the hot path, and only while tracing or observed.
 
 /// `aux` of `segment_map` / `segment_unmap` for a stitch (Note \[Stitching\]):
 /// a second mapping of pages already mapped, and counted, at home. Readers
@@ -485,6 +527,24 @@ pub enum EventKind {
         /// total), which a fraction is taken of; 0 when not known.
         device_total: u64,
     },
+    /// [`Action::SegmentUnlist`]: mapped memory left the snapshot's view.
+    SegmentUnlist {
+        /// First byte of the range.
+        addr: DevicePtr,
+        /// Bytes of the range.
+        size: u64,
+        /// Pool the range belongs to, or [`Pool::Stitch`].
+        pool: Pool,
+    },
+    /// [`Action::SegmentList`]: mapped memory came back into it.
+    SegmentList {
+        /// First byte of the range.
+        addr: DevicePtr,
+        /// Bytes of the range.
+        size: u64,
+        /// Pool the range belongs to, or [`Pool::Stitch`].
+        pool: Pool,
+    },
 }
 
 impl EventKind {
@@ -550,6 +610,10 @@ impl EventKind {
                 let (which, value) = cap.fields();
                 (Action::MemoryLimit, device_total, which, value)
             }
+            K::SegmentUnlist { addr, size, pool } => {
+                (Action::SegmentUnlist, addr, size, pool.code())
+            }
+            K::SegmentList { addr, size, pool } => (Action::SegmentList, addr, size, pool.code()),
         }
     }
 }
@@ -686,6 +750,16 @@ impl TraceEvent {
             Action::MemoryLimit => K::MemoryLimit {
                 cap: MemoryCap::from_fields(size, aux),
                 device_total: addr,
+            },
+            Action::SegmentUnlist => K::SegmentUnlist {
+                addr,
+                size,
+                pool: Pool::from_code(aux),
+            },
+            Action::SegmentList => K::SegmentList {
+                addr,
+                size,
+                pool: Pool::from_code(aux),
             },
         }
     }

@@ -83,6 +83,16 @@ fn every_kind() -> Vec<EventKind> {
             cap: MemoryCap::fraction(0.35),
             device_total: 80 << 30,
         },
+        K::SegmentUnlist {
+            addr: 0x7f00_0040_0000,
+            size: 6 << 20,
+            pool: Pool::Code(pool_code(None, true)),
+        },
+        K::SegmentList {
+            addr: 0x7e00_0000_0000,
+            size: 64 << 20,
+            pool: Pool::Stitch,
+        },
     ]
 }
 

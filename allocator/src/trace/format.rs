@@ -20,8 +20,11 @@ pub const VERSION: u16 = 1;
 /// private pools; a reader of minor 1 stops at the first block holding one.
 /// Minor 3 adds the `memory_limit` action (code 19), written only when a
 /// program changes the caps on reserved memory while it runs; a reader of
-/// minor 2 stops at the first block holding one.
-pub const MINOR_VERSION: u64 = 3;
+/// minor 2 stops at the first block holding one. Minor 4 adds
+/// `segment_unlist` and `segment_list` (codes 20 and 21, Note [Listed
+/// ranges]), written when a stitch is taken into use or given back; a
+/// reader of minor 3 stops at the first block holding one.
+pub const MINOR_VERSION: u64 = 4;
 /// Two bytes that open every block.
 pub const BLOCK_MAGIC: [u8; 2] = *b"BK";
 /// Bytes of a block header: magic, kind, flags, device, length, crc32.

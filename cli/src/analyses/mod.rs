@@ -15,6 +15,7 @@ pub(crate) mod leaks;
 pub(crate) mod ooms;
 pub(crate) mod phases;
 pub(crate) mod pools;
+pub(crate) mod range_set;
 pub(crate) mod ranks;
 pub(crate) mod sizes;
 pub(crate) mod state;

@@ -22,6 +22,7 @@ use gpualloc::trace::{EventKind, MemoryCap, Pool, TraceEvent};
 use rustc_hash::FxHashMap;
 
 use crate::analyses::budget::Budget;
+use crate::analyses::range_set::RangeSet;
 
 /// No phase open.
 pub const NO_PHASE: u64 = u64::MAX;
@@ -81,6 +82,15 @@ pub struct DeviceState {
     /// Stitched ranges (`STITCH_CODE`): second mappings of pages counted in
     /// `regions`, by start address, with their size.
     pub aliases: BTreeMap<u64, u64>,
+    /// The trace records which ranges a memory snapshot lists
+    /// (`segment_list` / `segment_unlist`, trace minor 4, Note [Listed
+    /// ranges] in `allocator/src/trace/event.rs`): the pages a stitch in
+    /// use holds at home are known, not guessed.
+    pub listing: bool,
+    /// Home runs of stitches in use: reserved, neither free nor allocated.
+    pub held_home: RangeSet,
+    /// The listed parts of stitches in use.
+    pub listed_stitches: RangeSet,
     /// Current gauges.
     pub g: Gauges,
     /// Open phases, outermost first (string ids).
@@ -149,7 +159,7 @@ impl DeviceState {
 
     /// Reserved and stitched ranges held.
     fn ranges(&self) -> usize {
-        self.regions.len() + self.aliases.len()
+        self.regions.len() + self.aliases.len() + self.held_home.len() + self.listed_stitches.len()
     }
 
     #[inline]
@@ -160,7 +170,9 @@ impl DeviceState {
             K::Alloc { block_size, .. } | K::Free { block_size, .. } => block_size,
             K::SegmentAlloc { size, .. }
             | K::SegmentMap { size, .. }
-            | K::SegmentUnmap { size, .. } => size,
+            | K::SegmentUnmap { size, .. }
+            | K::SegmentList { size, .. }
+            | K::SegmentUnlist { size, .. } => size,
             _ => 0,
         };
         if range_end(e.addr, span).is_none() {
@@ -168,7 +180,10 @@ impl DeviceState {
         }
         let full = match kind {
             K::Alloc { addr, .. } => !budget.live.room() && !self.live.contains_key(&addr),
-            K::SegmentAlloc { .. } | K::SegmentMap { .. } => !budget.ranges.room(),
+            K::SegmentAlloc { .. }
+            | K::SegmentMap { .. }
+            | K::SegmentList { .. }
+            | K::SegmentUnlist { .. } => !budget.ranges.room(),
             // An unmap inside a range splits it in two; one at either end
             // only shortens it.
             K::SegmentUnmap { pool, size, .. } => {
@@ -262,7 +277,25 @@ impl DeviceState {
                 pool: Pool::Stitch,
                 ..
             } => {
-                self.aliases.remove(&addr);
+                if let Some(size) = self.aliases.remove(&addr) {
+                    self.listed_stitches.remove(addr, size);
+                }
+            }
+            K::SegmentUnlist { addr, size, pool } => {
+                self.listing = true;
+                if pool == Pool::Stitch {
+                    self.listed_stitches.remove(addr, size);
+                } else {
+                    self.held_home.insert(addr, size);
+                }
+            }
+            K::SegmentList { addr, size, pool } => {
+                self.listing = true;
+                if pool == Pool::Stitch {
+                    self.listed_stitches.insert(addr, size);
+                } else {
+                    self.held_home.remove(addr, size);
+                }
             }
             K::SegmentMap { addr, size, pool } => {
                 self.reserves = true;
@@ -467,9 +500,15 @@ impl DeviceState {
     /// `(largest free piece, total free)` of reserved memory.
     pub fn free_space(&self) -> (u64, u64) {
         let live = self.sorted_live();
-        let (largest, total) = free_in_regions(&self.regions, &live);
-        // A live block in a stitch holds home pages that look free above:
-        // the whole stitch's pages are claimed while it is in use.
+        if self.listing {
+            // Exact: the pages a stitch in use holds at home are taken.
+            return free_in_regions(&self.regions, &self.taken(&live));
+        }
+        let spans: Vec<(u64, u64)> = live.iter().map(|(a, l)| (*a, l.size)).collect();
+        let (largest, total) = free_in_regions(&self.regions, &spans);
+        // Traces before minor 4 do not say which home pages a stitch in
+        // use holds: a live block in a stitch holds as many as the stitch
+        // maps, which look free above.
         let claimed: u64 = self
             .aliases
             .iter()
@@ -483,9 +522,9 @@ impl DeviceState {
         (largest.min(total), total)
     }
 
-    /// The largest free piece of the memory reserved for `stream` (pages a
-    /// stitch in use claims are not told apart: bound it by
-    /// [`free_space`](Self::free_space)'s).
+    /// The largest free piece of the memory reserved for `stream` (in
+    /// traces before minor 4, pages a stitch in use claims are not told
+    /// apart: bound it by [`free_space`](Self::free_space)'s).
     pub fn largest_free_on_stream(&self, stream: u64) -> u64 {
         let own: BTreeMap<u64, Region> = self
             .regions
@@ -493,25 +532,37 @@ impl DeviceState {
             .filter(|(_, r)| r.stream == stream)
             .map(|(&a, r)| (a, *r))
             .collect();
-        free_in_regions(&own, &self.sorted_live()).0
+        free_in_regions(&own, &self.taken(&self.sorted_live())).0
+    }
+
+    /// What is not free in reserved memory, sorted by address: the live
+    /// blocks and the home runs stitches in use hold.
+    fn taken(&self, live: &[(u64, Live)]) -> Vec<(u64, u64)> {
+        let mut spans: Vec<(u64, u64)> = live.iter().map(|(a, l)| (*a, l.size)).collect();
+        if !self.held_home.is_empty() {
+            spans.extend(self.held_home.iter());
+            spans.sort_unstable();
+        }
+        spans
     }
 }
 
-/// Free space inside `regions` around the `live` blocks (sorted by address).
-fn free_in_regions(regions: &BTreeMap<u64, Region>, live: &[(u64, Live)]) -> (u64, u64) {
+/// Free space inside `regions` around the `taken` spans (address, bytes;
+/// sorted by address).
+fn free_in_regions(regions: &BTreeMap<u64, Region>, taken: &[(u64, u64)]) -> (u64, u64) {
     let mut i = 0;
     let (mut largest, mut total) = (0u64, 0u64);
     for (&start, r) in regions {
         let end = start.saturating_add(r.size);
-        while i < live.len() && live[i].0 < start {
+        while i < taken.len() && taken[i].0 < start {
             i += 1;
         }
         let mut cur = start;
-        while i < live.len() && live[i].0 < end {
-            let gap = live[i].0.saturating_sub(cur);
+        while i < taken.len() && taken[i].0 < end {
+            let gap = taken[i].0.saturating_sub(cur);
             largest = largest.max(gap);
             total += gap;
-            cur = cur.max(live[i].0.saturating_add(live[i].1.size));
+            cur = cur.max(taken[i].0.saturating_add(taken[i].1));
             i += 1;
         }
         let gap = end.saturating_sub(cur);
@@ -616,6 +667,62 @@ mod tests {
         );
         assert!(s.aliases.is_empty());
         assert_eq!(s.free_space(), (64 * M, 64 * M));
+        assert_eq!(s.inconsistent, 0);
+    }
+
+    /// Where the trace lists (minor 4, Note [Listed ranges]), the home
+    /// pages a stitch in use holds are known: the largest free piece is
+    /// never one of them, as it could be when they were guessed.
+    #[test]
+    fn listed_home_runs_of_a_stitch_in_use_are_not_free() {
+        const M: u64 = 1 << 20;
+        let (mut s, mut b) = (DeviceState::default(), Budget::default());
+        let home = 0x1000_0000;
+        s.apply(&ev(Action::PagesCreate, 0, 64 * M, 0), &mut b);
+        s.apply(&ev(Action::SegmentMap, home, 64 * M, 1), &mut b);
+        // Live: 2 MiB at 32 MiB and at 50 MiB; free: 32, 16 and 12 MiB.
+        s.apply(&ev(Action::Alloc, home + 32 * M, 2 * M, 2 * M), &mut b);
+        s.apply(&ev(Action::Alloc, home + 50 * M, 2 * M, 2 * M), &mut b);
+        assert_eq!(s.free_space(), (32 * M, 60 * M));
+        // A 48 MiB stitch over the 32 and the 16 MiB runs, taken into use.
+        let stitch = 0x9000_0000;
+        s.apply(&ev(Action::SegmentMap, stitch, 48 * M, STITCH_CODE), &mut b);
+        s.apply(&ev(Action::SegmentUnlist, home, 32 * M, 1), &mut b);
+        s.apply(&ev(Action::SegmentUnlist, home + 34 * M, 16 * M, 1), &mut b);
+        s.apply(
+            &ev(Action::SegmentList, stitch, 48 * M, STITCH_CODE),
+            &mut b,
+        );
+        s.apply(&ev(Action::Alloc, stitch, 40 * M, 40 * M), &mut b);
+        assert!(s.listing);
+        assert_eq!(
+            s.free_space(),
+            (12 * M, 12 * M),
+            "only the 12 MiB run is free"
+        );
+        assert_eq!(s.largest_free_on_stream(0), 12 * M);
+        assert_eq!(s.g.reserved, 64 * M);
+        // Its tail trimmed: 8 MiB of the second run come back home.
+        s.apply(
+            &ev(Action::SegmentUnlist, stitch + 40 * M, 8 * M, STITCH_CODE),
+            &mut b,
+        );
+        s.apply(&ev(Action::SegmentList, home + 42 * M, 8 * M, 1), &mut b);
+        assert_eq!(s.free_space(), (12 * M, 20 * M));
+        assert_eq!(
+            s.listed_stitches.iter().collect::<Vec<_>>(),
+            [(stitch, 40 * M)]
+        );
+        // Given back: all of it is free at home again.
+        s.apply(&ev(Action::FreeCompleted, stitch, 40 * M, 40 * M), &mut b);
+        s.apply(
+            &ev(Action::SegmentUnlist, stitch, 40 * M, STITCH_CODE),
+            &mut b,
+        );
+        s.apply(&ev(Action::SegmentList, home, 32 * M, 1), &mut b);
+        s.apply(&ev(Action::SegmentList, home + 34 * M, 8 * M, 1), &mut b);
+        assert_eq!(s.free_space(), (32 * M, 60 * M));
+        assert!(s.held_home.is_empty() && s.listed_stitches.is_empty());
         assert_eq!(s.inconsistent, 0);
     }
 

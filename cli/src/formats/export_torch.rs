@@ -11,10 +11,16 @@
 //!
 //! A stitched range (Note \[Stitching\]) maps pages already counted in other
 //! segments. Its blocks still need a segment, so it is written as an
-//! expandable one: a `segment_map` / `segment_unmap` pair over its life and,
-//! while mapped, a segment in the final state, each with the extra key
-//! `gpualloc_stitch` (true), which MemoryViz ignores (it shows the pages
-//! twice) and the import reads back as a stitch (counted once).
+//! expandable one, with the extra key `gpualloc_stitch` (true), which
+//! MemoryViz ignores and the import reads back as a stitch. Traces of
+//! minor version 4 and later say which pages at home a stitch in use holds
+//! (Note \[Listed ranges\]): they are written as the live snapshot lists
+//! them, each byte once. A stitch is a segment while it is in use and its
+//! home runs are unmapped from their segment meanwhile; these entries carry
+//! `gpualloc_listing` (true), which the import reads back as a change of
+//! what is listed, not of what is mapped. Older traces do not say, so a
+//! stitch is a segment over its whole life (`segment_map` /
+//! `segment_unmap`) and MemoryViz shows its pages twice.
 //!
 //! The trace's configuration and start go to the top-level keys
 //! `gpualloc_config` and `gpualloc_start_us` (µs since the Unix epoch),
@@ -32,7 +38,7 @@ use std::fs::File;
 use std::io::BufWriter;
 use std::path::Path;
 
-use gpualloc::trace::{EventKind, Pool, TraceEvent};
+use gpualloc::trace::{Action, EventKind, Pool, TraceEvent};
 
 use crate::analyses::budget::Budget;
 use crate::analyses::state::{DeviceState, Region, range_end};
@@ -43,6 +49,9 @@ type P = Pickler<BufWriter<File>>;
 
 /// The key that marks a stitched range's entries and segments.
 pub const STITCH_KEY: &str = "gpualloc_stitch";
+/// The key that marks an entry that changes only what a snapshot lists,
+/// not what is mapped (Note \[Listed ranges\]).
+pub const LISTING_KEY: &str = "gpualloc_listing";
 /// The key of a segment entry's pool (gpualloc's pool code: 0 small, 1
 /// large, then each private pool's two), which PyTorch's entries lack; a
 /// stitch's entries carry [`STITCH_KEY`] instead.
@@ -82,9 +91,11 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
     );
     drop(first);
     // Which devices have events (and how many device lists to write).
-    let mut seen: BTreeMap<u32, ()> = BTreeMap::new();
+    // And which of them record what a snapshot lists (Note [Listed ranges]).
+    let mut seen: BTreeMap<u32, bool> = BTreeMap::new();
     let info = input::scan(path, allow_truncated, |e| {
-        seen.insert(e.device, ());
+        let listing = matches!(e.action, Action::SegmentList | Action::SegmentUnlist);
+        *seen.entry(e.device).or_default() |= listing;
     })?;
     let mut annotations: Vec<Annotation> = Vec::new();
     let mut annotations_left_out = 0u64;
@@ -106,12 +117,13 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
     p.list().map_err(werr)?;
     for device in 0..n_devices {
         p.list().map_err(werr)?;
-        if !seen.contains_key(&device) {
+        let Some(&listing) = seen.get(&device) else {
             p.end().map_err(werr)?;
             finals.push((DeviceState::default(), BTreeMap::new()));
             continue;
-        }
+        };
         let mut ex = Exporter {
+            listing,
             state: DeviceState::default(),
             budget,
             stitch_streams: BTreeMap::new(),
@@ -181,6 +193,8 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
 }
 
 struct Exporter {
+    /// The trace says what a snapshot lists (Note [Listed ranges]).
+    listing: bool,
     state: DeviceState,
     /// What the states of the devices exported so far hold.
     budget: Budget,
@@ -229,6 +243,9 @@ impl Exporter {
                     return Ok(());
                 }
                 self.stitch_streams.insert(addr, e.stream);
+                if self.listing {
+                    return Ok(()); // listed while in use, below
+                }
                 return self.stitch_entry(p, "segment_map", e, size);
             }
             EventKind::SegmentUnmap {
@@ -240,9 +257,43 @@ impl Exporter {
                     self.skipped += 1;
                     return Ok(());
                 };
+                let listed: Vec<(u64, u64)> = self
+                    .state
+                    .listed_stitches
+                    .iter()
+                    .filter(|&(a, n)| within(a, n, addr, size))
+                    .collect();
                 self.state.apply(e, &mut self.budget);
                 self.stitch_streams.remove(&addr);
-                return self.stitch_entry(p, "segment_unmap", e, size);
+                if !self.listing {
+                    return self.stitch_entry(p, "segment_unmap", e, size);
+                }
+                // A stitch still listed (a damaged file) leaves the list now.
+                for (a, n) in listed {
+                    let unlist = e.with_kind(EventKind::SegmentUnlist {
+                        addr: a,
+                        size: n,
+                        pool: Pool::Stitch,
+                    });
+                    self.listing_entry(p, "segment_unmap", &unlist)?;
+                }
+                return Ok(());
+            }
+            EventKind::SegmentList { addr, size, pool } => {
+                if !self.listable(addr, size, pool, true) {
+                    self.skipped += 1;
+                    return Ok(());
+                }
+                self.state.apply(e, &mut self.budget);
+                return self.listing_entry(p, "segment_map", e);
+            }
+            EventKind::SegmentUnlist { addr, size, pool } => {
+                if !self.listable(addr, size, pool, false) {
+                    self.skipped += 1;
+                    return Ok(());
+                }
+                self.state.apply(e, &mut self.budget);
+                return self.listing_entry(p, "segment_unmap", e);
             }
             // A range past the end of the address space (a corrupt file):
             // the state warns of it and leaves it out.
@@ -387,6 +438,63 @@ impl Exporter {
         p.end()
     }
 
+    /// Whether listing (`list`) or unlisting `[addr, addr + size)` of
+    /// `pool` agrees with the state: a stitch's part inside a stitch,
+    /// listed once; a home run inside a mapped range, held once.
+    fn listable(&self, addr: u64, size: u64, pool: Pool, list: bool) -> bool {
+        let s = &self.state;
+        if size == 0 || range_end(addr, size).is_none() {
+            return false;
+        }
+        if pool == Pool::Stitch {
+            let in_stitch = s
+                .aliases
+                .range(..=addr)
+                .next_back()
+                .is_some_and(|(&a, &n)| within(addr, size, a, n));
+            let listed = &s.listed_stitches;
+            return in_stitch
+                && if list {
+                    !listed.overlaps(addr, size)
+                } else {
+                    listed.covers(addr, size)
+                };
+        }
+        let mapped = s
+            .regions
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&a, r)| r.expandable && within(addr, size, a, r.size));
+        mapped
+            && if list {
+                s.held_home.covers(addr, size)
+            } else {
+                !s.held_home.overlaps(addr, size)
+            }
+    }
+
+    /// An entry that changes only what is listed, marked as one.
+    fn listing_entry(&mut self, p: &mut P, action: &str, e: &TraceEvent) -> std::io::Result<()> {
+        self.fields(p, action, e, e.size)?;
+        p.str(LISTING_KEY)?;
+        p.bool(true)?;
+        match e.kind() {
+            EventKind::SegmentList {
+                pool: Pool::Code(c),
+                ..
+            }
+            | EventKind::SegmentUnlist {
+                pool: Pool::Code(c),
+                ..
+            } => p.kv_int(POOL_KEY, c)?,
+            _ => {
+                p.str(STITCH_KEY)?;
+                p.bool(true)?;
+            }
+        }
+        p.end()
+    }
+
     /// An entry of a stitched range, marked as one.
     fn stitch_entry(
         &mut self,
@@ -442,24 +550,48 @@ fn within(addr: u64, size: u64, start: u64, len: u64) -> bool {
 }
 
 /// The final segments of `s`: its ranges, and its stitches (streams in
-/// `stitches`) as expandable segments of the default large pool.
+/// `stitches`) as expandable segments of the default large pool; where the
+/// trace says what is listed, its listed ranges (Note [Listed ranges]).
 fn segments(
     p: &mut P,
     device: u64,
     s: &DeviceState,
     stitches: &BTreeMap<u64, u64>,
 ) -> std::io::Result<()> {
-    let mut ranges: BTreeMap<u64, (Region, bool)> =
-        s.regions.iter().map(|(&a, &r)| (a, (r, false))).collect();
-    for (&addr, &size) in &s.aliases {
-        let r = Region {
-            size,
-            stream: stitches.get(&addr).copied().unwrap_or(0),
-            pool: 1,
-            expandable: true,
-            synthetic: false,
-        };
-        ranges.entry(addr).or_insert((r, true));
+    let mut ranges: BTreeMap<u64, (Region, bool)> = BTreeMap::new();
+    for (&addr, &r) in &s.regions {
+        if !s.listing || !r.expandable {
+            ranges.insert(addr, (r, false));
+            continue;
+        }
+        for (a, size) in s.held_home.gaps(addr, r.size) {
+            ranges.insert(a, (Region { size, ..r }, false));
+        }
+    }
+    let stitch = |addr: u64, size: u64| Region {
+        size,
+        stream: stitches.get(&addr).copied().unwrap_or(0),
+        pool: 1,
+        expandable: true,
+        synthetic: false,
+    };
+    if s.listing {
+        for (addr, size) in s.listed_stitches.iter() {
+            let home = s
+                .aliases
+                .range(..=addr)
+                .next_back()
+                .map_or(addr, |(&a, _)| a);
+            let r = Region {
+                size,
+                ..stitch(home, size)
+            };
+            ranges.entry(addr).or_insert((r, true));
+        }
+    } else {
+        for (&addr, &size) in &s.aliases {
+            ranges.entry(addr).or_insert((stitch(addr, size), true));
+        }
     }
     let live = s.sorted_live();
     let mut i = 0;

@@ -17,6 +17,7 @@
 //! stitches, and `gpualloc_config` and `gpualloc_start_us` as the trace's
 //! configuration and start. Without a start the earliest entry is.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::Path;
@@ -25,7 +26,7 @@ use gpualloc::Config;
 use gpualloc::size_class::round_size;
 use gpualloc::trace::{Action, EventKind, MAX_DEVICES, Pool, TraceEvent, TraceHeader, TraceWriter};
 
-use crate::formats::export_torch::{CONFIG_KEY, POOL_KEY, START_KEY, STITCH_KEY};
+use crate::formats::export_torch::{CONFIG_KEY, LISTING_KEY, POOL_KEY, START_KEY, STITCH_KEY};
 use crate::formats::torch_annotations::{self, Annotation};
 use crate::formats::torch_start::{self, Start};
 use crate::formats::{torch_config, unpickle};
@@ -167,6 +168,9 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         );
         rebuilt.add(&start);
         let mut events = start.events(d as u32);
+        // Stitches listed now, by address: their bytes and the bytes of
+        // them still listed (Note [Listed ranges]).
+        let mut listed: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
         // This device's phases and marks, placed among its entries below.
         let (anns, left_out) = torch_annotations::for_device(&root, d as i64);
         annotations_left_out += left_out;
@@ -225,6 +229,58 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                 written.unwrap_or(Pool::Code(1))
             };
             let (requested, block_size) = (size, block);
+            let time_ns = time_us.saturating_mul(1000);
+            let ev = |kind| TraceEvent::from_kind(time_ns, d as u32, stream, 0, kind);
+            if int(LISTING_KEY).is_some_and(|v| v != 0) {
+                // A change of what is listed, not of what is mapped; a
+                // stitch lives while it is listed.
+                let addr = int("addr").ok_or_else(|| at("a listing entry without an `addr`"))?;
+                let (pool, stitch) = (mapped, mapped == Pool::Stitch);
+                match action.as_str() {
+                    "segment_map" => {
+                        if stitch
+                            && listed
+                                .range(..=addr)
+                                .next_back()
+                                .is_none_or(|(&a, &(n, _))| a.saturating_add(n) <= addr)
+                        {
+                            listed.insert(addr, (size, 0));
+                            events.push(ev(EventKind::SegmentMap { addr, size, pool }));
+                        }
+                        if let Some((_, (_, l))) =
+                            listed.range_mut(..=addr).next_back().filter(|_| stitch)
+                        {
+                            *l = l.saturating_add(size);
+                        }
+                        events.push(ev(EventKind::SegmentList { addr, size, pool }));
+                    }
+                    "segment_unmap" => {
+                        events.push(ev(EventKind::SegmentUnlist { addr, size, pool }));
+                        let open = listed
+                            .range_mut(..=addr)
+                            .next_back()
+                            .filter(|(a, (n, _))| stitch && a.saturating_add(*n) > addr);
+                        if let Some((&a, (n, l))) = open {
+                            *l = l.saturating_sub(size);
+                            if *l == 0 {
+                                let n = *n;
+                                listed.remove(&a);
+                                events.push(ev(EventKind::SegmentUnmap {
+                                    addr: a,
+                                    size: n,
+                                    pool,
+                                }));
+                            }
+                        }
+                    }
+                    other => {
+                        *unknown
+                            .entry(format!("{other} ({LISTING_KEY})"))
+                            .or_default() += 1
+                    }
+                }
+                continue;
+            }
             let kind = match action.as_str() {
                 "alloc" => EventKind::Alloc {
                     addr: addr(Action::Alloc)?,
@@ -284,8 +340,7 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
                     continue;
                 }
             };
-            let time_ns = time_us.saturating_mul(1000);
-            events.push(TraceEvent::from_kind(time_ns, d as u32, stream, 0, kind));
+            events.push(ev(kind));
         }
         for a in anns {
             match annotation(&mut w, &mut strings, a, d as u32, t0).map_err(werr)? {

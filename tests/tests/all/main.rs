@@ -6,6 +6,7 @@
 //! - `promise`: the default policy never fails a request for fragmentation;
 //! - `scenarios`: one file per rule of PyTorch's caching allocator;
 //! - `segment_events`: segment events announce exactly the backed memory;
+//! - `listed_trace`: a trace lists the snapshot's segments, each byte once;
 //! - `stitch_safety`: stitch repair waits for the stitch's queued work;
 //! - `docs`: `docs/configuration.md` lists exactly the code's keys and
 //!   environment variables, with the code's defaults;
@@ -23,6 +24,7 @@ mod fuzz_config;
 mod gpu_recorded;
 mod graph_isolation;
 mod graph_replay;
+mod listed_trace;
 mod pool_option_properties;
 mod promise;
 mod promise_adversarial;
