@@ -4,7 +4,10 @@
 #   1. a gpualloc trace recorded on a GPU, exported as a snapshot pickle,
 #      read by torch.cuda._memory_viz (stats = segsum, trace, trace_plot);
 #   2. a snapshot dumped by PyTorch's allocator imported into a gpualloc trace
-#      and summarised and replayed.
+#      and summarised and replayed;
+#   3. under gpualloc, a stitching detector traced with PyTorch's memory
+#      history on: the exported trace and PyTorch's dump list each byte once
+#      and end with the same segments (tests/gpu/listed_export.py).
 # Expects target/release/gpualloc; writes to $OUT (or ./gpu-results/interop).
 set -eu
 cd "$(dirname "$0")/../.."
@@ -41,5 +44,7 @@ PY
   "$G" replay "$TMP/native.gtrace" --capacity 80GiB --config "" --config expandable_segments:true > "$R/imported-replay.txt"
   head -n 12 "$R/imported-summary.txt"
   grep -E "peak reserved /" "$R/imported-replay.txt"
+  source tests/gpu/env.sh
+  GPUALLOC_CLI=$G python3 tests/gpu/listed_export.py --out "$TMP/listed" | tee "$R/listed-export.json"
 fi
 rm -rf "$TMP"

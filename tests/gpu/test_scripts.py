@@ -12,6 +12,7 @@ import bench  # noqa: E402
 import checks  # noqa: E402
 import compat  # noqa: E402
 import driver  # noqa: E402
+import listed_export  # noqa: E402
 import promise  # noqa: E402
 import sweep  # noqa: E402
 import trainers  # noqa: E402
@@ -697,6 +698,37 @@ class TrainersSummary(unittest.TestCase):
         self.assertIn("| cannot tell (", self.rows([180.0, 200.0])["gpualloc"])
         self.assertIn("| met (one repeat) |", self.rows([185.0])["gpualloc"])
         self.assertIn("| 1.000 | 1.000–1.000 | – |", self.rows([180.0, 181.0])["native-expandable"])
+
+
+class ListedExport(unittest.TestCase):
+    """listed_export.py's reading of snapshots: final segments coalesced,
+    and check_snapshot.py's verdict with the most bytes in segments."""
+
+    def test_final_segments_coalesce_and_other_devices_are_left_out(self):
+        snap = {"segments": [seg(40, 10, []), seg(10, 20, []), seg(30, 10, []),
+                             dict(seg(0, 5, []), device=1)]}
+        self.assertEqual(listed_export.coalesced(snap), [(10, 50)])
+
+    def test_a_snapshot_is_checked_as_memory_viz_reads_it(self):
+        import pickle
+        import tempfile
+
+        good = {"segments": [dict(seg(4096, 8192, [dict(blk(8192), address=4096)]), is_expandable=True,
+                                  allocated_size=0)],
+                "device_traces": [[ev("segment_map", 4096, 8192), ev("alloc", 4096, 4096),
+                                   ev("free_requested", 4096, 4096), ev("free_completed", 4096, 4096),
+                                   ev("segment_map", 65536, 4096), ev("segment_unmap", 65536, 4096)]]}
+        twice = {"segments": good["segments"],
+                 "device_traces": [[ev("segment_map", 4096, 8192), ev("segment_map", 8192, 4096)]]}
+        with tempfile.TemporaryDirectory() as d:
+            for name, snap in (("good", good), ("twice", twice)):
+                with open(os.path.join(d, name), "wb") as f:
+                    pickle.dump(snap, f, protocol=2)
+            ok = listed_export.checked(os.path.join(d, "good"))
+            self.assertEqual(ok, {"ok": True, "error": "", "most_in_segments": 8192 + 4096})
+            bad = listed_export.checked(os.path.join(d, "twice"))
+            self.assertFalse(bad["ok"])
+            self.assertIn("already mapped", bad["error"])
 
 
 class PromiseBounds(unittest.TestCase):
