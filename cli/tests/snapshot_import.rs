@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{GIB, MIB, ok, s};
+use common::{GIB, MIB, alloc, ev, ok, s, write_trace};
 use std::path::Path;
 use std::process::Command;
 
@@ -281,5 +281,227 @@ fn a_stitch_in_use_is_a_segment_instead_of_its_home_pages() {
         "end_reserved",
     ] {
         assert_eq!(before["devices"][0][key], after["devices"][0][key], "{key}");
+    }
+}
+
+/// A random program on the simulated allocator, traced: sizes that stitch,
+/// take cached stitches with a tail (sizes within a sixteenth) and, with
+/// `empty_cache`, trim tails (a stitch in use) and tear stitches down.
+fn random_stitched_trace(dir: &Path, seed: u64, empty_cache: bool) -> std::path::PathBuf {
+    use gpualloc::{Allocator, Config, SimBackend};
+    let path = dir.join(format!("random-{seed}-{empty_cache}.gtrace"));
+    let a = Allocator::new(
+        Config::parse("expandable_handle_mb:2,stitch_min_mb:4,defragment_headroom:0").unwrap(),
+        1,
+        Box::new(|_| Ok(SimBackend::new(512 * MIB))),
+    );
+    a.trace_start(&path).unwrap();
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut below = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let mut live: Vec<u64> = Vec::new();
+    for _ in 0..300 {
+        match below(100) {
+            0..=49 => {
+                let size = match below(4) {
+                    0 => 1 + below(MIB),
+                    1 => MIB + below(15 * MIB),
+                    2 => 16 * MIB + below(80 * MIB),
+                    _ => 60 * MIB - below(4) * MIB,
+                };
+                if let Ok(p) = a.malloc(0, size, 0) {
+                    live.push(p);
+                }
+            }
+            50..=93 if !live.is_empty() => {
+                let p = live.swap_remove(below(live.len() as u64) as usize);
+                a.free(0, p).unwrap();
+            }
+            _ if empty_cache => a.empty_cache().unwrap(),
+            _ => {}
+        }
+    }
+    a.trace_stop().unwrap();
+    path
+}
+
+/// Random programs that stitch: each export reads as MemoryViz reads it,
+/// lists each byte once, and imports back to the same figures; without
+/// `empty_cache` (which a snapshot does not record), to the same replay too
+/// (a stitch built once and taken again is built once in the imported
+/// trace: its life travels in `gpualloc_stitch_ranges`).
+#[test]
+fn random_stitching_programs_export_and_import_back_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/check_snapshot.py");
+    let replay = |t: &Path| -> serde_json::Value {
+        let (out, _) = ok(&["replay", s(t), "--capacity", "512MiB", "--json"]);
+        serde_json::from_str(&out).unwrap()
+    };
+    let mut stitches = 0;
+    for (seed, empty_cache) in (1..=8).flat_map(|seed| [(seed, true), (seed, false)]) {
+        let t = random_stitched_trace(dir.path(), seed, empty_cache);
+        let before = summary(s(&t));
+        let peak = before["devices"][0]["peak_reserved"].as_u64().unwrap();
+        let pickle = t.with_extension("pickle");
+        ok(&["export", s(&t), "--torch-snapshot", s(&pickle)]);
+        let out = Command::new("python3")
+            .args([script, s(&pickle)])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "seed {seed}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let most: u64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("device 0: at most "))
+            .and_then(|l| l.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap();
+        assert!(
+            most <= peak,
+            "seed {seed}: {most} bytes listed, {peak} reserved"
+        );
+        let back = t.with_extension("back.gtrace");
+        ok(&["import", s(&pickle), "-o", s(&back)]);
+        let after = summary(s(&back));
+        for key in [
+            "peak_allocated",
+            "peak_reserved",
+            "fragmentation_at_peak",
+            "pools_at_peak_reserved",
+            "end_reserved",
+            "end_allocated",
+        ] {
+            assert_eq!(
+                before["devices"][0][key], after["devices"][0][key],
+                "seed {seed}: {key}"
+            );
+        }
+        // Each stitch built and torn down as often, in the same order.
+        let lives = |t: &Path| {
+            let mut r = gpualloc::trace::TraceReader::open(t).unwrap();
+            let v: Vec<(bool, u64, u64)> = r
+                .events()
+                .filter_map(|e| match e.kind() {
+                    gpualloc::trace::EventKind::SegmentMap {
+                        addr,
+                        size,
+                        pool: gpualloc::trace::Pool::Stitch,
+                    } => Some((true, addr, size)),
+                    gpualloc::trace::EventKind::SegmentUnmap {
+                        addr,
+                        size,
+                        pool: gpualloc::trace::Pool::Stitch,
+                    } => Some((false, addr, size)),
+                    _ => None,
+                })
+                .collect();
+            v
+        };
+        assert_eq!(lives(&t), lives(&back), "seed {seed}: the stitches' lives");
+        if !empty_cache {
+            let (r0, r1) = (replay(&t), replay(&back));
+            for key in ["departure", "peak_reserved", "peak_allocated"] {
+                assert_eq!(r0[0][key], r1[0][key], "seed {seed}: replay's {key}");
+            }
+        }
+        let pickled = std::fs::read(&pickle).unwrap();
+        stitches += pickled
+            .windows(b"gpualloc_listing".len())
+            .filter(|w| *w == b"gpualloc_listing")
+            .count();
+    }
+    assert!(
+        stitches > 20,
+        "{stitches} listing entries: the programs stitched"
+    );
+}
+
+/// Traces that lost some listing records (a dropped batch, a damaged
+/// file) still export consistently: a block in a stitch that was never
+/// listed, or in one whose listing the export left out, gets a segment of
+/// its own, and the final segments agree with the entries.
+#[test]
+fn a_trace_missing_listing_records_still_exports_consistently() {
+    use gpualloc::trace::{EventKind as K, Pool};
+    let dir = tempfile::tempdir().unwrap();
+    let (home, stitch) = (0x1000_0000u64, 0x9000_0000u64);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/check_snapshot.py");
+    let home_map = K::SegmentMap {
+        addr: home,
+        size: 64 * MIB,
+        pool: Pool::Code(1),
+    };
+    let stitch_map = K::SegmentMap {
+        addr: stitch,
+        size: 32 * MIB,
+        pool: Pool::Stitch,
+    };
+    let unlist_home = K::SegmentUnlist {
+        addr: home,
+        size: 32 * MIB,
+        pool: Pool::Code(1),
+    };
+    let free = K::FreeCompleted {
+        addr: stitch,
+        requested: 32 * MIB,
+        block_size: 32 * MIB,
+    };
+    let cases: [(&str, Vec<K>); 3] = [
+        // The stitch's own listing lost: its block lies in nothing listed.
+        (
+            "stitch-unlisted",
+            vec![home_map, stitch_map, unlist_home, alloc(stitch, 32 * MIB)],
+        ),
+        // Every listing record lost but one that the export refuses (an
+        // unlist of memory never mapped): the device still lists, so its
+        // cached stitch is no segment.
+        (
+            "refused",
+            vec![
+                home_map,
+                stitch_map,
+                K::SegmentUnlist {
+                    addr: 0x5000_0000,
+                    size: 2 * MIB,
+                    pool: Pool::Code(1),
+                },
+            ],
+        ),
+        // The block freed, the stitch never given back.
+        (
+            "freed",
+            vec![
+                home_map,
+                stitch_map,
+                unlist_home,
+                alloc(stitch, 32 * MIB),
+                free,
+            ],
+        ),
+    ];
+    for (name, kinds) in cases {
+        let events: Vec<_> = kinds.into_iter().map(|k| ev(10, k)).collect();
+        let t = write_trace(dir.path(), &format!("{name}.gtrace"), "", &events, 0, true);
+        let pickle = t.with_extension("pickle");
+        ok(&["export", s(&t), "--torch-snapshot", s(&pickle)]);
+        let out = Command::new("python3")
+            .args([script, s(&pickle)])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{name}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }

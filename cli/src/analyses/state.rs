@@ -263,6 +263,7 @@ impl DeviceState {
                 self.add(e, |g| &mut g.reserved, size);
             }
             K::SegmentFree { addr, size, .. } if self.regions.remove(&addr).is_some() => {
+                self.held_home.remove(addr, size);
                 self.sub(e, |g| &mut g.reserved, size);
             }
             K::SegmentMap {
@@ -446,6 +447,8 @@ impl DeviceState {
         if !r.expandable || end > r_end {
             return false;
         }
+        // No stitch holds pages that are gone (a damaged trace may say so).
+        self.held_home.remove(addr, size);
         self.regions.remove(&s);
         if addr > s {
             self.regions.insert(

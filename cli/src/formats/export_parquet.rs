@@ -420,7 +420,9 @@ impl Writer {
             K::SegmentAlloc { size, pool, .. }
             | K::SegmentFree { size, pool, .. }
             | K::SegmentMap { size, pool, .. }
-            | K::SegmentUnmap { size, pool, .. } => (size, None, Some(pool.code()), None),
+            | K::SegmentUnmap { size, pool, .. }
+            | K::SegmentList { size, pool, .. }
+            | K::SegmentUnlist { size, pool, .. } => (size, None, Some(pool.code()), None),
             K::Oom {
                 requested,
                 device_free,

@@ -18,7 +18,8 @@
 //! them, each byte once. A stitch is a segment while it is in use and its
 //! home runs are unmapped from their segment meanwhile; these entries carry
 //! `gpualloc_listing` (true), which the import reads back as a change of
-//! what is listed, not of what is mapped. Older traces do not say, so a
+//! what is listed, not of what is mapped; its build and teardown go to a
+//! top-level key of their own (`torch_stitches.rs`). Older traces do not say, so a
 //! stitch is a segment over its whole life (`segment_map` /
 //! `segment_unmap`) and MemoryViz shows its pages twice.
 //!
@@ -43,6 +44,7 @@ use gpualloc::trace::{Action, EventKind, Pool, TraceEvent};
 use crate::analyses::budget::Budget;
 use crate::analyses::state::{DeviceState, Region, range_end};
 use crate::formats::pickle::Pickler;
+use crate::formats::torch_stitches::{self, StitchRange};
 use crate::input::{self, CliError};
 
 type P = Pickler<BufWriter<File>>;
@@ -99,6 +101,8 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
     })?;
     let mut annotations: Vec<Annotation> = Vec::new();
     let mut annotations_left_out = 0u64;
+    let mut stitch_ranges: Vec<StitchRange> = Vec::new();
+    let mut stitch_ranges_left_out = 0u64;
     // The reader bounds device numbers (below MAX_DEVICES), so this cannot
     // wrap; devices without events get an empty list without a pass.
     let n_devices = seen
@@ -108,7 +112,7 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
         .max(u64::from(device_count.min(64))) as u32;
     let file = File::create(out).map_err(werr)?;
     let mut p = Pickler::new(BufWriter::with_capacity(1 << 20, file)).map_err(werr)?;
-    let mut finals: Vec<(DeviceState, BTreeMap<u64, u64>)> = Vec::new();
+    let mut finals: Vec<(DeviceState, BTreeMap<u64, u64>, bool)> = Vec::new();
     let mut skipped = 0u64;
     // Final states are kept for every device: one budget for them all.
     let mut budget = Budget::default();
@@ -119,7 +123,7 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
         p.list().map_err(werr)?;
         let Some(&listing) = seen.get(&device) else {
             p.end().map_err(werr)?;
-            finals.push((DeviceState::default(), BTreeMap::new()));
+            finals.push((DeviceState::default(), BTreeMap::new(), false));
             continue;
         };
         let mut ex = Exporter {
@@ -133,6 +137,8 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
             written: 0,
             annotations: std::mem::take(&mut annotations),
             annotations_left_out: 0,
+            stitch_ranges: std::mem::take(&mut stitch_ranges),
+            stitch_ranges_left_out: 0,
         };
         input::scan(path, allow_truncated, |e| {
             if e.device == device && ex.err.is_none() {
@@ -145,15 +151,17 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
         p.end().map_err(werr)?;
         skipped += ex.skipped;
         annotations = ex.annotations;
+        stitch_ranges = ex.stitch_ranges;
+        stitch_ranges_left_out += ex.stitch_ranges_left_out;
         budget = ex.budget;
         annotations_left_out += ex.annotations_left_out;
-        finals.push((ex.state, ex.stitch_streams));
+        finals.push((ex.state, ex.stitch_streams, ex.listing));
     }
     p.end().map_err(werr)?;
     p.str("segments").map_err(werr)?;
     p.list().map_err(werr)?;
-    for (device, (s, stitches)) in finals.iter().enumerate() {
-        segments(&mut p, device as u64, s, stitches).map_err(werr)?;
+    for (device, (s, stitches, listing)) in finals.iter().enumerate() {
+        segments(&mut p, device as u64, s, stitches, *listing).map_err(werr)?;
     }
     p.end().map_err(werr)?;
     p.str("allocator_settings").map_err(werr)?;
@@ -176,12 +184,21 @@ pub fn export(path: &Path, out: &Path, allow_truncated: bool) -> Result<Option<S
         }
     }
     p.end().map_err(werr)?;
+    if seen.values().any(|&listing| listing) {
+        torch_stitches::write(&mut p, &stitch_ranges).map_err(werr)?;
+    }
     p.end().map_err(werr)?;
     p.finish().map_err(werr)?;
     let mut notes = Vec::new();
     if skipped > 0 {
         notes.push(format!(
             "{skipped} events about blocks or segments older than the trace were left out"
+        ));
+    }
+    if stitch_ranges_left_out > 0 {
+        notes.push(format!(
+            "{stitch_ranges_left_out} stitch builds and teardowns past the first {} were left out",
+            torch_stitches::MAX
         ));
     }
     if annotations_left_out > 0 {
@@ -208,6 +225,10 @@ struct Exporter {
     /// Phases and marks of every device so far.
     annotations: Vec<Annotation>,
     annotations_left_out: u64,
+    /// With `listing`, stitches built and torn down on every device so far
+    /// (`torch_stitches.rs`).
+    stitch_ranges: Vec<StitchRange>,
+    stitch_ranges_left_out: u64,
 }
 
 /// One `external_annotations` entry of `a`, with gpualloc's own keys.
@@ -244,7 +265,9 @@ impl Exporter {
                 }
                 self.stitch_streams.insert(addr, e.stream);
                 if self.listing {
-                    return Ok(()); // listed while in use, below
+                    // Listed while in use, below; its life goes apart.
+                    self.stitch_range(e, true, addr, size);
+                    return Ok(());
                 }
                 return self.stitch_entry(p, "segment_map", e, size);
             }
@@ -261,7 +284,7 @@ impl Exporter {
                     .state
                     .listed_stitches
                     .iter()
-                    .filter(|&(a, n)| within(a, n, addr, size))
+                    .filter(|&(a, n)| a >= addr && within(a, n, addr, size))
                     .collect();
                 self.state.apply(e, &mut self.budget);
                 self.stitch_streams.remove(&addr);
@@ -277,6 +300,7 @@ impl Exporter {
                     });
                     self.listing_entry(p, "segment_unmap", &unlist)?;
                 }
+                self.stitch_range(e, false, addr, size);
                 return Ok(());
             }
             EventKind::SegmentList { addr, size, pool } => {
@@ -303,7 +327,7 @@ impl Exporter {
             EventKind::Alloc {
                 addr, block_size, ..
             } => {
-                if !covered(&self.state, addr, block_size.max(1)) {
+                if !covered(&self.state, addr, block_size.max(1), self.listing) {
                     let synth = e.with_kind(EventKind::SegmentAlloc {
                         addr,
                         size: block_size.max(1),
@@ -438,6 +462,24 @@ impl Exporter {
         p.end()
     }
 
+    /// Keeps a stitch's build (`mapped`) or teardown for
+    /// `gpualloc_stitch_ranges`, after this device's entries so far.
+    fn stitch_range(&mut self, e: &TraceEvent, mapped: bool, addr: u64, size: u64) {
+        if self.stitch_ranges.len() >= torch_stitches::MAX {
+            self.stitch_ranges_left_out += 1;
+            return;
+        }
+        self.stitch_ranges.push(StitchRange {
+            device: e.device,
+            mapped,
+            addr,
+            size,
+            stream: e.stream,
+            time_us: self.start_ns.saturating_add(e.time_ns) / 1000,
+            position: self.written,
+        });
+    }
+
     /// Whether listing (`list`) or unlisting `[addr, addr + size)` of
     /// `pool` agrees with the state: a stitch's part inside a stitch,
     /// listed once; a home run inside a mapped range, held once.
@@ -528,16 +570,25 @@ impl Exporter {
 }
 
 /// Whether a block lies in a segment, or in a stitch (whose pages are
-/// counted in the segments they are mapped from).
-fn covered(s: &DeviceState, addr: u64, size: u64) -> bool {
-    s.regions
+/// counted in the segments they are mapped from); with `listing`, in what
+/// is listed: not in home pages a stitch holds, and only in the listed
+/// part of a stitch (Note [Listed ranges]).
+fn covered(s: &DeviceState, addr: u64, size: u64, listing: bool) -> bool {
+    let at_home = s
+        .regions
         .range(..=addr)
         .next_back()
         .is_some_and(|(&a, r)| within(addr, size, a, r.size))
-        || s.aliases
-            .range(..=addr)
-            .next_back()
-            .is_some_and(|(&a, &len)| within(addr, size, a, len))
+        && !(listing && s.held_home.overlaps(addr, size));
+    at_home
+        || if listing {
+            s.listed_stitches.covers(addr, size)
+        } else {
+            s.aliases
+                .range(..=addr)
+                .next_back()
+                .is_some_and(|(&a, &len)| within(addr, size, a, len))
+        }
 }
 
 /// Whether `[addr, addr + size)` lies inside `[start, start + len)`, both
@@ -550,17 +601,19 @@ fn within(addr: u64, size: u64, start: u64, len: u64) -> bool {
 }
 
 /// The final segments of `s`: its ranges, and its stitches (streams in
-/// `stitches`) as expandable segments of the default large pool; where the
-/// trace says what is listed, its listed ranges (Note [Listed ranges]).
+/// `stitches`) as expandable segments of the default large pool; with
+/// `listing` (the trace says what is listed), its listed ranges (Note
+/// [Listed ranges]).
 fn segments(
     p: &mut P,
     device: u64,
     s: &DeviceState,
     stitches: &BTreeMap<u64, u64>,
+    listing: bool,
 ) -> std::io::Result<()> {
     let mut ranges: BTreeMap<u64, (Region, bool)> = BTreeMap::new();
     for (&addr, &r) in &s.regions {
-        if !s.listing || !r.expandable {
+        if !listing || !r.expandable {
             ranges.insert(addr, (r, false));
             continue;
         }
@@ -575,7 +628,7 @@ fn segments(
         expandable: true,
         synthetic: false,
     };
-    if s.listing {
+    if listing {
         for (addr, size) in s.listed_stitches.iter() {
             let home = s
                 .aliases

@@ -29,6 +29,7 @@ use gpualloc::trace::{Action, EventKind, MAX_DEVICES, Pool, TraceEvent, TraceHea
 use crate::formats::export_torch::{CONFIG_KEY, LISTING_KEY, POOL_KEY, START_KEY, STITCH_KEY};
 use crate::formats::torch_annotations::{self, Annotation};
 use crate::formats::torch_start::{self, Start};
+use crate::formats::torch_stitches;
 use crate::formats::{torch_config, unpickle};
 use crate::input::CliError;
 
@@ -168,8 +169,13 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         );
         rebuilt.add(&start);
         let mut events = start.events(d as u32);
-        // Stitches listed now, by address: their bytes and the bytes of
-        // them still listed (Note [Listed ranges]).
+        // Stitches' builds and teardowns, where the export kept them
+        // (`torch_stitches.rs`); without them, a stitch is taken to live
+        // while it is listed: stitches listed now, by address, with their
+        // bytes and the bytes of them still listed (Note [Listed ranges]).
+        let lives = torch_stitches::for_device(&root, d as i64, t0);
+        let synthesize = lives.is_none();
+        let mut lives = lives.unwrap_or_default().into_iter().peekable();
         let mut listed: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
         // This device's phases and marks, placed among its entries below.
         let (anns, left_out) = torch_annotations::for_device(&root, d as i64);
@@ -177,6 +183,9 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         let mut anns = anns.into_iter().peekable();
         for (i, entry) in entries.iter().enumerate() {
             let entry_us = entry.get("time_us").and_then(|t| t.as_int());
+            while let Some((_, e)) = lives.next_if(|(position, _)| *position <= i as u64) {
+                events.push(e);
+            }
             while let Some(a) = anns.next_if(|(place, a)| place.before(a, i as u64, entry_us)) {
                 match annotation(&mut w, &mut strings, a, d as u32, t0).map_err(werr)? {
                     Some(e) => events.push(e),
@@ -232,10 +241,10 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             let time_ns = time_us.saturating_mul(1000);
             let ev = |kind| TraceEvent::from_kind(time_ns, d as u32, stream, 0, kind);
             if int(LISTING_KEY).is_some_and(|v| v != 0) {
-                // A change of what is listed, not of what is mapped; a
-                // stitch lives while it is listed.
+                // A change of what is listed, not of what is mapped.
                 let addr = int("addr").ok_or_else(|| at("a listing entry without an `addr`"))?;
-                let (pool, stitch) = (mapped, mapped == Pool::Stitch);
+                // Without the stitches' lives, one lives while it is listed.
+                let (pool, stitch) = (mapped, synthesize && mapped == Pool::Stitch);
                 match action.as_str() {
                     "segment_map" => {
                         if stitch
@@ -342,6 +351,7 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             };
             events.push(ev(kind));
         }
+        events.extend(lives.map(|(_, e)| e));
         for a in anns {
             match annotation(&mut w, &mut strings, a, d as u32, t0).map_err(werr)? {
                 Some(e) => events.push(e),

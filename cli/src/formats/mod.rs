@@ -15,4 +15,5 @@ pub(crate) mod pickle;
 pub(crate) mod torch_annotations;
 pub(crate) mod torch_config;
 pub(crate) mod torch_start;
+pub(crate) mod torch_stitches;
 pub(crate) mod unpickle;

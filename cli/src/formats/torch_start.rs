@@ -18,7 +18,7 @@ use gpualloc::Config;
 use gpualloc::size_class::round_size;
 use gpualloc::trace::{EventKind, Pool, TraceEvent};
 
-use crate::formats::export_torch::STITCH_KEY;
+use crate::formats::export_torch::{LISTING_KEY, STITCH_KEY};
 use crate::formats::unpickle::Value;
 
 /// A live block: block bytes, requested bytes, stream.
@@ -59,6 +59,9 @@ pub fn rebuild(entries: &[Value], segments: &[Value], device: i64, config: &Conf
         };
         let (size, stream) = (int("size").unwrap_or(0), int("stream").unwrap_or(0));
         let stitch = int(STITCH_KEY).is_some_and(|v| v != 0);
+        // A change of what a stitch lists (Note [Listed ranges]): its
+        // range whole when taken into use, less a tail trimmed later.
+        let listing = stitch && int(LISTING_KEY).is_some_and(|v| v != 0);
         // Bytes an undone allocation or mapping finds missing at the end.
         let missing = |found: bool, bytes: u64| if found { 0 } else { bytes };
         let missed = match action.as_str().unwrap_or("") {
@@ -71,6 +74,11 @@ pub fn rebuild(entries: &[Value], segments: &[Value], device: i64, config: &Conf
             "segment_free" => {
                 let pool = u64::from(size != 2 << 20);
                 s.segments.entry(addr).or_insert((size, stream, pool));
+                0
+            }
+            "segment_map" if listing => size - cut(&mut s.stitches, addr, size),
+            "segment_unmap" if listing => {
+                s.relist_stitch(addr, size, stream);
                 0
             }
             "segment_map" if stitch => missing(s.stitches.remove(&addr).is_some(), size),
@@ -93,6 +101,24 @@ pub fn rebuild(entries: &[Value], segments: &[Value], device: i64, config: &Conf
 }
 
 impl Start {
+    /// Undoes the unlisting of `size` bytes at `addr` of a stitch: a tail
+    /// trimmed from a stitch in use joins the part of it still listed,
+    /// which ends there, so that the stitch is one range.
+    fn relist_stitch(&mut self, addr: u64, size: u64, stream: u64) {
+        let before = self
+            .stitches
+            .range(..addr)
+            .next_back()
+            .filter(|(a, r)| a.saturating_add(r.0) == addr)
+            .map(|(&a, _)| a);
+        match before {
+            Some(a) => self.stitches.get_mut(&a).expect("found above").0 += size,
+            None => {
+                self.stitches.insert(addr, (size, stream, 1));
+            }
+        }
+    }
+
     /// Adds a final segment and its live blocks.
     fn final_segment(&mut self, seg: &Value) {
         let int = |v: &Value, k: &str| v.get(k).and_then(|x| x.as_int()).map(|x| x.max(0) as u64);

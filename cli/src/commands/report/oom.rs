@@ -139,7 +139,7 @@ pub fn explain(o: &Oom) -> String {
                     bytes(o.largest_free_on_stream)
                 )
             } else {
-                "that memory was not the allocator's to take (with expandable segments, free pages that a stitched range maps a second time look free at their home in the trace; blocks waiting for another stream's work)".to_string()
+                "that memory was not the allocator's to take (with expandable segments, in traces recorded before trace minor version 4, free pages that a stitched range maps a second time look free at their home; blocks waiting for another stream's work)".to_string()
             };
             format!(
                 "{} free in the cache, in pieces of up to {}, yet the request of {} failed: {why}; live tensors hold {} and {} left {}.",
