@@ -204,6 +204,29 @@ snap = {{'segments': [], 'device_traces': [tr], 'allocator_settings': {{'PYTORCH
     assert!(page.contains("expandable_page_mb:20 (the trace's configuration)</code>"));
 }
 
+/// Exports trace `t` as a snapshot beside it and checks it as MemoryViz
+/// reads it (`check_snapshot.py`): `Err` with the check's words, or the
+/// most bytes device 0 shows in segments at once.
+fn exported_and_checked(t: &Path) -> Result<u64, String> {
+    let pickle = t.with_extension("pickle");
+    ok(&["export", s(t), "--torch-snapshot", s(&pickle)]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/check_snapshot.py");
+    let out = Command::new("python3")
+        .args([script, s(&pickle)])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        return Err(format!("{text}{}", String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix("device 0: at most "))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{text}")))
+}
+
 /// A trace of the simulated allocator in which a large request is served
 /// by a stitch twice (built, then taken from the cache): eight 16 MiB
 /// blocks between 2 MiB ones, the large ones freed, 64 MiB asked for.
@@ -250,28 +273,10 @@ fn a_stitch_in_use_is_a_segment_instead_of_its_home_pages() {
     // 8 x 16 + 8 x 2 MiB; then the stitch holds four of the 16 MiB runs
     // at home, and the 16 MiB request takes a fifth.
     assert_eq!(peak, 144 * MIB, "{dev}");
-    let pickle = dir.path().join("s.pickle");
-    ok(&["export", s(&t), "--torch-snapshot", s(&pickle)]);
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/check_snapshot.py");
-    let out = Command::new("python3")
-        .args([script, s(&pickle)])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let most: u64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("device 0: at most "))
-        .and_then(|l| l.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("{text}"));
-    assert_eq!(most, peak, "each page once: {text}");
+    let most = exported_and_checked(&t).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(most, peak, "each page once");
     let back = dir.path().join("back.gtrace");
-    ok(&["import", s(&pickle), "-o", s(&back)]);
+    ok(&["import", s(&t.with_extension("pickle")), "-o", s(&back)]);
     let after = summary(s(&back));
     for key in [
         "peak_allocated",
@@ -337,7 +342,6 @@ fn random_stitched_trace(dir: &Path, seed: u64, empty_cache: bool) -> std::path:
 #[test]
 fn random_stitching_programs_export_and_import_back_unchanged() {
     let dir = tempfile::tempdir().unwrap();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/check_snapshot.py");
     let replay = |t: &Path| -> serde_json::Value {
         let (out, _) = ok(&["replay", s(t), "--capacity", "512MiB", "--json"]);
         serde_json::from_str(&out).unwrap()
@@ -348,23 +352,7 @@ fn random_stitching_programs_export_and_import_back_unchanged() {
         let before = summary(s(&t));
         let peak = before["devices"][0]["peak_reserved"].as_u64().unwrap();
         let pickle = t.with_extension("pickle");
-        ok(&["export", s(&t), "--torch-snapshot", s(&pickle)]);
-        let out = Command::new("python3")
-            .args([script, s(&pickle)])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(
-            out.status.success(),
-            "seed {seed}: {text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let most: u64 = text
-            .lines()
-            .find_map(|l| l.strip_prefix("device 0: at most "))
-            .and_then(|l| l.split(' ').next())
-            .and_then(|n| n.parse().ok())
-            .unwrap();
+        let most = exported_and_checked(&t).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
         assert!(
             most <= peak,
             "seed {seed}: {most} bytes listed, {peak} reserved"
@@ -434,7 +422,6 @@ fn a_trace_missing_listing_records_still_exports_consistently() {
     use gpualloc::trace::{EventKind as K, Pool};
     let dir = tempfile::tempdir().unwrap();
     let (home, stitch) = (0x1000_0000u64, 0x9000_0000u64);
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/check_snapshot.py");
     let home_map = K::SegmentMap {
         addr: home,
         size: 64 * MIB,
@@ -491,17 +478,8 @@ fn a_trace_missing_listing_records_still_exports_consistently() {
     for (name, kinds) in cases {
         let events: Vec<_> = kinds.into_iter().map(|k| ev(10, k)).collect();
         let t = write_trace(dir.path(), &format!("{name}.gtrace"), "", &events, 0, true);
-        let pickle = t.with_extension("pickle");
-        ok(&["export", s(&t), "--torch-snapshot", s(&pickle)]);
-        let out = Command::new("python3")
-            .args([script, s(&pickle)])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{name}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        if let Err(e) = exported_and_checked(&t) {
+            panic!("{name}: {e}");
+        }
     }
 }
