@@ -273,6 +273,8 @@ fn a_stitch_in_use_is_a_segment_instead_of_its_home_pages() {
     // 8 x 16 + 8 x 2 MiB; then the stitch holds four of the 16 MiB runs
     // at home, and the 16 MiB request takes a fifth.
     assert_eq!(peak, 144 * MIB, "{dev}");
+    // No stitch is in use at the peak.
+    assert_eq!(dev["fragmentation_at_peak"]["stitch_tails"], 0, "{dev}");
     let most = exported_and_checked(&t).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(most, peak, "each page once");
     let back = dir.path().join("back.gtrace");

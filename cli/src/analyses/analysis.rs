@@ -44,6 +44,9 @@ pub struct Frag {
     pub largest_free: u64,
     /// Free reserved bytes.
     pub total_free: u64,
+    /// Reserved bytes held by stitches in use past their blocks
+    /// ([`DeviceState::stitch_tails`]).
+    pub stitch_tails: u64,
 }
 
 /// The state at the peak of allocated bytes (second pass, or the report's).
@@ -341,6 +344,7 @@ pub fn snapshot_frag(t_ns: u64, s: &DeviceState) -> Frag {
         unallocated: state::unallocated_fraction(&s.g),
         largest_free,
         total_free,
+        stitch_tails: s.stitch_tails(),
     }
 }
 

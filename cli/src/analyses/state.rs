@@ -538,6 +538,26 @@ impl DeviceState {
         free_in_regions(&own, &self.taken(&self.sorted_live())).0
     }
 
+    /// Reserved bytes that stitches in use hold past their blocks (a
+    /// cached stitch taken by a smaller request holds all its pages at
+    /// home): neither free nor allocated. 0 where the trace does not list
+    /// (Note [Listed ranges]).
+    pub fn stitch_tails(&self) -> u64 {
+        if self.listed_stitches.is_empty() {
+            return 0;
+        }
+        let live = self.sorted_live();
+        self.listed_stitches.iter().fold(0u64, |t, (a, n)| {
+            let i = live.partition_point(|l| l.0 < a);
+            let used: u64 = live[i..]
+                .iter()
+                .take_while(|l| l.0 < a.saturating_add(n))
+                .map(|l| l.1.size)
+                .sum();
+            t.saturating_add(n.saturating_sub(used))
+        })
+    }
+
     /// What is not free in reserved memory, sorted by address: the live
     /// blocks and the home runs stitches in use hold.
     fn taken(&self, live: &[(u64, Live)]) -> Vec<(u64, u64)> {
@@ -705,6 +725,7 @@ mod tests {
         );
         assert_eq!(s.largest_free_on_stream(0), 12 * M);
         assert_eq!(s.g.reserved, 64 * M);
+        assert_eq!(s.stitch_tails(), 8 * M, "48 MiB held for a 40 MiB block");
         // Its tail trimmed: 8 MiB of the second run come back home.
         s.apply(
             &ev(Action::SegmentUnlist, stitch + 40 * M, 8 * M, STITCH_CODE),
@@ -712,6 +733,7 @@ mod tests {
         );
         s.apply(&ev(Action::SegmentList, home + 42 * M, 8 * M, 1), &mut b);
         assert_eq!(s.free_space(), (12 * M, 20 * M));
+        assert_eq!(s.stitch_tails(), 0);
         assert_eq!(
             s.listed_stitches.iter().collect::<Vec<_>>(),
             [(stitch, 40 * M)]

@@ -6,8 +6,9 @@
 //! `device`, `events`, `allocations`, `peak_allocated`, `peak_reserved`,
 //! `peak_active` (bytes) and their times `peak_allocated_ns`, ...,
 //! `allocated_at_peak_reserved`, `fragmentation_at_peak` (`external`,
-//! `unallocated`, `largest_free`, `total_free`, `reserved`; null without
-//! allocations), `streams_at_peak_reserved` (`streams`: `stream`,
+//! `unallocated`, `largest_free`, `total_free`, `stitch_tails`: reserved
+//! bytes stitches in use hold past their blocks, 0 in traces before minor
+//! 4, `reserved`; null without allocations), `streams_at_peak_reserved` (`streams`: `stream`,
 //! `reserved`, `allocated` for each stream, most reserved first;
 //! `unmapped`: reserved bytes no range holds), `pools_at_peak_reserved`
 //! (`small`, `large`, `private`: `reserved`, `allocated` for the default
@@ -125,9 +126,17 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         );
     }
     if let Some(p) = d.at_peak.as_ref().filter(|_| d.state.reserves) {
+        let tails = if p.frag.stitch_tails > 0 {
+            format!(
+                ", {} held by stitches past their blocks",
+                bytes(p.frag.stitch_tails)
+            )
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             s,
-            "  fragmentation at peak allocated: external {} (largest free {} of {} free), unallocated {} of {} reserved",
+            "  fragmentation at peak allocated: external {} (largest free {} of {} free{tails}), unallocated {} of {} reserved",
             percent(p.frag.external),
             bytes(p.frag.largest_free),
             bytes(p.frag.total_free),
@@ -311,6 +320,7 @@ fn device_json(a: &Analysis, d: &DeviceAnalysis) -> Value {
             "unallocated": p.frag.unallocated,
             "largest_free": p.frag.largest_free,
             "total_free": p.frag.total_free,
+            "stitch_tails": p.frag.stitch_tails,
             "reserved": p.reserved,
         })),
         "streams_at_peak_reserved": d.streams_at_peak_reserved.as_ref().map(|x| json!({
