@@ -444,7 +444,70 @@ fn a_trace_missing_listing_records_still_exports_consistently() {
         requested: 32 * MIB,
         block_size: 32 * MIB,
     };
-    let cases: [(&str, Vec<K>); 3] = [
+    let list_stitch = |addr, size| K::SegmentList {
+        addr,
+        size,
+        pool: Pool::Stitch,
+    };
+    let stitch_b = K::SegmentMap {
+        addr: stitch + 32 * MIB,
+        size: 16 * MIB,
+        pool: Pool::Stitch,
+    };
+    let unmap_b = K::SegmentUnmap {
+        addr: stitch + 32 * MIB,
+        size: 16 * MIB,
+        pool: Pool::Stitch,
+    };
+    let cases: [(&str, Vec<K>); 6] = [
+        // Two stitches side by side, both listed; one torn down while
+        // listed: only its own range leaves the list.
+        (
+            "adjacent",
+            vec![
+                home_map,
+                stitch_map,
+                stitch_b,
+                list_stitch(stitch, 32 * MIB),
+                list_stitch(stitch + 32 * MIB, 16 * MIB),
+                unmap_b,
+            ],
+        ),
+        // A stitch given back without its home runs listed again: a block
+        // allocated there, at the start of the mapped range, lists them.
+        (
+            "held-block",
+            vec![
+                home_map,
+                stitch_map,
+                unlist_home,
+                list_stitch(stitch, 32 * MIB),
+                K::SegmentUnlist {
+                    addr: stitch,
+                    size: 32 * MIB,
+                    pool: Pool::Stitch,
+                },
+                K::SegmentUnmap {
+                    addr: stitch,
+                    size: 32 * MIB,
+                    pool: Pool::Stitch,
+                },
+                alloc(home, 8 * MIB),
+            ],
+        ),
+        // Pages unmapped while a stitch holds them: listed first.
+        (
+            "held-unmap",
+            vec![
+                home_map,
+                unlist_home,
+                K::SegmentUnmap {
+                    addr: home,
+                    size: 64 * MIB,
+                    pool: Pool::Code(1),
+                },
+            ],
+        ),
         // The stitch's own listing lost: its block lies in nothing listed.
         (
             "stitch-unlisted",
@@ -484,4 +547,80 @@ fn a_trace_missing_listing_records_still_exports_consistently() {
             panic!("{name}: {e}");
         }
     }
+}
+
+/// Drops the first `k` entries of device 0's `device_traces` in the
+/// snapshot `pickle` (as PyTorch's `max_entries` drops the oldest), with
+/// the positions of gpualloc's keys shifted to match; writes `out`.
+fn trimmed(pickle: &Path, k: usize, out: &Path) {
+    let script = format!(
+        r#"
+import pickle, sys
+snap = pickle.load(open({src:?}, "rb"))
+snap["device_traces"][0] = snap["device_traces"][0][{k}:]
+for key in ("gpualloc_stitch_ranges", "external_annotations"):
+    kept = []
+    for e in snap.get(key, []):
+        if "gpualloc_position" in e:
+            if e["gpualloc_position"] < {k}:
+                continue
+            e["gpualloc_position"] -= {k}
+        kept.append(e)
+    if key in snap:
+        snap[key] = kept
+pickle.dump(snap, open({dst:?}, "wb"), protocol=4)
+"#,
+        src = s(pickle),
+        dst = s(out),
+    );
+    let run = Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
+/// A snapshot whose oldest entries were dropped imports back to the memory
+/// the trace ended with: the home pages stitches held at its start are
+/// mapped, held, and the stitches in use listed (Note [Listed ranges]).
+#[test]
+fn a_listing_snapshot_without_its_oldest_entries_imports_back_to_the_same_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut trims = 0;
+    for (seed, empty_cache) in (1..=4).flat_map(|seed| [(seed, true), (seed, false)]) {
+        let t = random_stitched_trace(dir.path(), seed, empty_cache);
+        exported_and_checked(&t).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        let pickle = t.with_extension("pickle");
+        let before = summary(s(&t));
+        let entries = {
+            let (out, _) = ok(&["summary", s(&t), "--json"]);
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+            v["devices"][0]["events"].as_u64().unwrap() as usize
+        };
+        for k in [entries / 5, entries / 3, entries / 2] {
+            let cut = dir
+                .path()
+                .join(format!("cut-{seed}-{empty_cache}-{k}.pickle"));
+            trimmed(&pickle, k, &cut);
+            let back = cut.with_extension("gtrace");
+            let (_, err) = ok(&["import", s(&cut), "-o", s(&back)]);
+            assert!(
+                !err.contains("above reserved"),
+                "seed {seed}, {k} dropped: {err}"
+            );
+            let after = summary(s(&back));
+            for key in ["end_reserved", "end_allocated", "end_live_blocks"] {
+                assert_eq!(
+                    before["devices"][0][key], after["devices"][0][key],
+                    "seed {seed}, {k} entries dropped: {key}"
+                );
+            }
+            trims += 1;
+        }
+    }
+    assert_eq!(trims, 24);
 }

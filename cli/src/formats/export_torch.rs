@@ -42,6 +42,7 @@ use std::path::Path;
 use gpualloc::trace::{Action, EventKind, Pool, TraceEvent};
 
 use crate::analyses::budget::Budget;
+use crate::analyses::range_set::RangeSet;
 use crate::analyses::state::{DeviceState, Region, range_end};
 use crate::formats::pickle::Pickler;
 use crate::formats::torch_stitches::{self, StitchRange};
@@ -280,12 +281,7 @@ impl Exporter {
                     self.skipped += 1;
                     return Ok(());
                 };
-                let listed: Vec<(u64, u64)> = self
-                    .state
-                    .listed_stitches
-                    .iter()
-                    .filter(|&(a, n)| a >= addr && within(a, n, addr, size))
-                    .collect();
+                let listed = overlap(&self.state.listed_stitches, addr, size);
                 self.state.apply(e, &mut self.budget);
                 self.stitch_streams.remove(&addr);
                 if !self.listing {
@@ -327,6 +323,9 @@ impl Exporter {
             EventKind::Alloc {
                 addr, block_size, ..
             } => {
+                // Pages a stitch held, with the record giving them back
+                // lost (a damaged trace): listed again for the block.
+                self.relist_held(p, e, addr, block_size.max(1))?;
                 if !covered(&self.state, addr, block_size.max(1), self.listing) {
                     let synth = e.with_kind(EventKind::SegmentAlloc {
                         addr,
@@ -346,12 +345,19 @@ impl Exporter {
             }
             EventKind::FreeCompleted { addr, .. } => self.state.live.contains_key(&addr),
             EventKind::SegmentFree { addr, .. } => self.state.regions.contains_key(&addr),
-            EventKind::SegmentUnmap { addr, size, .. } => self
-                .state
-                .regions
-                .range(..=addr)
-                .next_back()
-                .is_some_and(|(&a, r)| r.expandable && within(addr, size, a, r.size)),
+            EventKind::SegmentUnmap { addr, size, .. } => {
+                let inside = self
+                    .state
+                    .regions
+                    .range(..=addr)
+                    .next_back()
+                    .is_some_and(|(&a, r)| r.expandable && within(addr, size, a, r.size));
+                // What is unmapped must be listed (held pages: a damaged trace).
+                if inside {
+                    self.relist_held(p, e, addr, size)?;
+                }
+                inside
+            }
             EventKind::SegmentAlloc { .. }
             | EventKind::SegmentMap { .. }
             | EventKind::Oom { .. } => true,
@@ -460,6 +466,30 @@ impl Exporter {
             p.kv_int(POOL_KEY, c)?;
         }
         p.end()
+    }
+
+    /// Lists again, for MemoryViz and the state, the parts of
+    /// `[addr, addr + size)` that stitches hold at home.
+    fn relist_held(
+        &mut self,
+        p: &mut P,
+        e: &TraceEvent,
+        addr: u64,
+        size: u64,
+    ) -> std::io::Result<()> {
+        if !self.listing {
+            return Ok(());
+        }
+        for (a, n) in overlap(&self.state.held_home, addr, size) {
+            let relist = e.with_kind(EventKind::SegmentList {
+                addr: a,
+                size: n,
+                pool: Pool::Code(1),
+            });
+            self.state.apply(&relist, &mut self.budget);
+            self.listing_entry(p, "segment_map", &relist)?;
+        }
+        Ok(())
     }
 
     /// Keeps a stitch's build (`mapped`) or teardown for
@@ -589,6 +619,17 @@ fn covered(s: &DeviceState, addr: u64, size: u64, listing: bool) -> bool {
                 .next_back()
                 .is_some_and(|(&a, &len)| within(addr, size, a, len))
         }
+}
+
+/// The parts of `[addr, addr + size)` that `set` holds, in order.
+fn overlap(set: &RangeSet, addr: u64, size: u64) -> Vec<(u64, u64)> {
+    let end = addr.saturating_add(size);
+    set.iter()
+        .filter_map(|(a, n)| {
+            let (lo, hi) = (a.max(addr), a.saturating_add(n).min(end));
+            (lo < hi).then_some((lo, hi - lo))
+        })
+        .collect()
 }
 
 /// Whether `[addr, addr + size)` lies inside `[start, start + len)`, both

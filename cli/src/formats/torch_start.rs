@@ -36,6 +36,11 @@ pub struct Start {
     mapped: BTreeMap<u64, Range>,
     /// Stitched ranges (second mappings, not reserved memory).
     stitches: BTreeMap<u64, Range>,
+    /// Home runs that stitches in use held (mapped, not listed; Note
+    /// [Listed ranges]).
+    held: BTreeMap<u64, Range>,
+    /// The snapshot says what is listed: its stitches are listed ones.
+    listing: bool,
     /// Bytes the trace leaves live or reserved at the end that the final
     /// segments do not show.
     pub disagree: u64,
@@ -59,9 +64,12 @@ pub fn rebuild(entries: &[Value], segments: &[Value], device: i64, config: &Conf
         };
         let (size, stream) = (int("size").unwrap_or(0), int("stream").unwrap_or(0));
         let stitch = int(STITCH_KEY).is_some_and(|v| v != 0);
-        // A change of what a stitch lists (Note [Listed ranges]): its
-        // range whole when taken into use, less a tail trimmed later.
-        let listing = stitch && int(LISTING_KEY).is_some_and(|v| v != 0);
+        // A change of what is listed, not of what is mapped (Note [Listed
+        // ranges]): a stitch's range whole when taken into use, less a
+        // tail trimmed later; its home runs the other way.
+        let listed = int(LISTING_KEY).is_some_and(|v| v != 0);
+        s.listing |= listed;
+        let (listing, home) = (stitch && listed, !stitch && listed);
         // Bytes an undone allocation or mapping finds missing at the end.
         let missing = |found: bool, bytes: u64| if found { 0 } else { bytes };
         let missed = match action.as_str().unwrap_or("") {
@@ -76,6 +84,19 @@ pub fn rebuild(entries: &[Value], segments: &[Value], device: i64, config: &Conf
                 s.segments.entry(addr).or_insert((size, stream, pool));
                 0
             }
+            // Home runs are mapped before and after either change; before
+            // a listing they were held, before an unlisting listed.
+            "segment_map" if home => {
+                s.ensure_mapped(addr, size, stream);
+                cut(&mut s.held, addr, size);
+                s.held.insert(addr, (size, stream, 1));
+                0
+            }
+            "segment_unmap" if home => {
+                s.ensure_mapped(addr, size, stream);
+                cut(&mut s.held, addr, size);
+                0
+            }
             "segment_map" if listing => size - cut(&mut s.stitches, addr, size),
             "segment_unmap" if listing => {
                 s.relist_stitch(addr, size, stream);
@@ -88,8 +109,7 @@ pub fn rebuild(entries: &[Value], segments: &[Value], device: i64, config: &Conf
                 0
             }
             "segment_unmap" => {
-                cut(&mut s.mapped, addr, size);
-                s.mapped.insert(addr, (size, stream, 1));
+                s.ensure_mapped(addr, size, stream);
                 0
             }
             _ => 0,
@@ -97,10 +117,17 @@ pub fn rebuild(entries: &[Value], segments: &[Value], device: i64, config: &Conf
         s.disagree = s.disagree.saturating_add(missed);
     }
     s.mapped = merged(&s.mapped);
+    s.held = merged(&s.held);
     s
 }
 
 impl Start {
+    /// Marks `size` bytes at `addr` mapped (an unmap undone).
+    fn ensure_mapped(&mut self, addr: u64, size: u64, stream: u64) {
+        cut(&mut self.mapped, addr, size);
+        self.mapped.insert(addr, (size, stream, 1));
+    }
+
     /// Undoes the unlisting of `size` bytes at `addr` of a stitch: a tail
     /// trimmed from a stitch in use joins the part of it still listed,
     /// which ends there, so that the stitch is one range.
@@ -211,6 +238,13 @@ impl Start {
                 pool: Pool::Code(p),
             }
         }));
+        out.extend(ranges(&self.held, |addr, size, p| {
+            EventKind::SegmentUnlist {
+                addr,
+                size,
+                pool: Pool::Code(p),
+            }
+        }));
         out.extend(ranges(&self.stitches, |addr, size, _| {
             EventKind::SegmentMap {
                 addr,
@@ -218,6 +252,15 @@ impl Start {
                 pool: Pool::Stitch,
             }
         }));
+        if self.listing {
+            out.extend(ranges(&self.stitches, |addr, size, _| {
+                EventKind::SegmentList {
+                    addr,
+                    size,
+                    pool: Pool::Stitch,
+                }
+            }));
+        }
         out.extend(
             self.blocks
                 .iter()

@@ -268,6 +268,13 @@ fn figures(s: &mut String, d: &DeviceAnalysis) {
                 bytes(p.frag.total_free)
             ),
         );
+        if p.frag.stitch_tails > 0 {
+            sec::row(
+                s,
+                "held by stitches past their blocks at peak allocated",
+                &bytes(p.frag.stitch_tails),
+            );
+        }
     }
     sec::row(s, "allocations", &d.allocs.to_string());
     sec::row(s, "OOMs", &d.oom_count.to_string());
