@@ -627,7 +627,7 @@ fn overlap(set: &RangeSet, addr: u64, size: u64) -> Vec<(u64, u64)> {
     set.iter()
         .filter_map(|(a, n)| {
             let (lo, hi) = (a.max(addr), a.saturating_add(n).min(end));
-            (lo < hi).then_some((lo, hi - lo))
+            if lo < hi { Some((lo, hi - lo)) } else { None }
         })
         .collect()
 }
