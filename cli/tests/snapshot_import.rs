@@ -624,3 +624,38 @@ fn a_listing_snapshot_without_its_oldest_entries_imports_back_to_the_same_end() 
     }
     assert_eq!(trims, 24);
 }
+
+/// A trace that began mid-run: pages mapped before it began are unmapped
+/// together with pages it saw mapped, which are mapped again later. The
+/// export unmaps the part it knows (it was left out whole, and the second
+/// map then fell on memory MemoryViz still had mapped).
+#[test]
+fn an_unmap_reaching_back_before_the_trace_unmaps_the_part_it_saw() {
+    use gpualloc::trace::{EventKind as K, Pool};
+    let dir = tempfile::tempdir().unwrap();
+    let home = 0x1000_0000u64;
+    let map = K::SegmentMap {
+        addr: home + 32 * MIB,
+        size: 32 * MIB,
+        pool: Pool::Code(1),
+    };
+    let kinds = [
+        map,
+        alloc(home + 32 * MIB, 4 * MIB),
+        K::FreeCompleted {
+            addr: home + 32 * MIB,
+            requested: 4 * MIB,
+            block_size: 4 * MIB,
+        },
+        K::SegmentUnmap {
+            addr: home,
+            size: 64 * MIB,
+            pool: Pool::Code(1),
+        },
+        map,
+    ];
+    let events: Vec<_> = kinds.into_iter().map(|k| ev(10, k)).collect();
+    let t = write_trace(dir.path(), "mid-run.gtrace", "", &events, 0, true);
+    let most = exported_and_checked(&t).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(most, 32 * MIB);
+}

@@ -345,7 +345,7 @@ impl Exporter {
             }
             EventKind::FreeCompleted { addr, .. } => self.state.live.contains_key(&addr),
             EventKind::SegmentFree { addr, .. } => self.state.regions.contains_key(&addr),
-            EventKind::SegmentUnmap { addr, size, .. } => {
+            EventKind::SegmentUnmap { addr, size, pool } => {
                 let inside = self
                     .state
                     .regions
@@ -355,6 +355,19 @@ impl Exporter {
                 // What is unmapped must be listed (held pages: a damaged trace).
                 if inside {
                     self.relist_held(p, e, addr, size)?;
+                } else {
+                    // Pages mapped before the trace began unmapped with
+                    // pages it saw mapped: those leave, the rest is left out.
+                    for (a, n) in self.mapped_parts(addr, size) {
+                        self.relist_held(p, e, a, n)?;
+                        let part = e.with_kind(EventKind::SegmentUnmap {
+                            addr: a,
+                            size: n,
+                            pool,
+                        });
+                        self.state.apply(&part, &mut self.budget);
+                        self.entry(p, "segment_unmap", &part, n)?;
+                    }
                 }
                 inside
             }
@@ -466,6 +479,27 @@ impl Exporter {
             p.kv_int(POOL_KEY, c)?;
         }
         p.end()
+    }
+
+    /// The parts of `[addr, addr + size)` that mapped ranges (pages of
+    /// expandable segments) of the state hold, in order.
+    fn mapped_parts(&self, addr: u64, size: u64) -> Vec<(u64, u64)> {
+        let end = addr.saturating_add(size);
+        let first = self
+            .state
+            .regions
+            .range(..=addr)
+            .next_back()
+            .map_or(addr, |(&a, _)| a);
+        self.state
+            .regions
+            .range(first..end)
+            .filter(|(_, r)| r.expandable)
+            .filter_map(|(&a, r)| {
+                let (lo, hi) = (a.max(addr), a.saturating_add(r.size).min(end));
+                if lo < hi { Some((lo, hi - lo)) } else { None }
+            })
+            .collect()
     }
 
     /// Lists again, for MemoryViz and the state, the parts of
