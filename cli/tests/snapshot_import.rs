@@ -227,6 +227,29 @@ fn exported_and_checked(t: &Path) -> Result<u64, String> {
         .unwrap_or_else(|| panic!("{text}")))
 }
 
+/// Imports the snapshot exported beside trace `t` (`exported_and_checked`)
+/// as a trace beside it, whose summary must give `before`'s peaks,
+/// fragmentation and end state; returns its path.
+fn imported_back(t: &Path, before: &serde_json::Value, what: &str) -> std::path::PathBuf {
+    let back = t.with_extension("back.gtrace");
+    ok(&["import", s(&t.with_extension("pickle")), "-o", s(&back)]);
+    let after = summary(s(&back));
+    for key in [
+        "peak_allocated",
+        "peak_reserved",
+        "fragmentation_at_peak",
+        "pools_at_peak_reserved",
+        "end_reserved",
+        "end_allocated",
+    ] {
+        assert_eq!(
+            before["devices"][0][key], after["devices"][0][key],
+            "{what}: {key}"
+        );
+    }
+    back
+}
+
 /// A trace of the simulated allocator in which a large request is served
 /// by a stitch twice (built, then taken from the cache): eight 16 MiB
 /// blocks between 2 MiB ones, the large ones freed, 64 MiB asked for.
@@ -277,18 +300,7 @@ fn a_stitch_in_use_is_a_segment_instead_of_its_home_pages() {
     assert_eq!(dev["fragmentation_at_peak"]["stitch_tails"], 0, "{dev}");
     let most = exported_and_checked(&t).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(most, peak, "each page once");
-    let back = dir.path().join("back.gtrace");
-    ok(&["import", s(&t.with_extension("pickle")), "-o", s(&back)]);
-    let after = summary(s(&back));
-    for key in [
-        "peak_allocated",
-        "peak_reserved",
-        "fragmentation_at_peak",
-        "pools_at_peak_reserved",
-        "end_reserved",
-    ] {
-        assert_eq!(before["devices"][0][key], after["devices"][0][key], "{key}");
-    }
+    imported_back(&t, &before, "one stitch");
 }
 
 /// A random program on the simulated allocator, traced: sizes that stitch,
@@ -359,22 +371,7 @@ fn random_stitching_programs_export_and_import_back_unchanged() {
             most <= peak,
             "seed {seed}: {most} bytes listed, {peak} reserved"
         );
-        let back = t.with_extension("back.gtrace");
-        ok(&["import", s(&pickle), "-o", s(&back)]);
-        let after = summary(s(&back));
-        for key in [
-            "peak_allocated",
-            "peak_reserved",
-            "fragmentation_at_peak",
-            "pools_at_peak_reserved",
-            "end_reserved",
-            "end_allocated",
-        ] {
-            assert_eq!(
-                before["devices"][0][key], after["devices"][0][key],
-                "seed {seed}: {key}"
-            );
-        }
+        let back = imported_back(&t, &before, &format!("seed {seed}"));
         // Each stitch built and torn down as often, in the same order.
         let lives = |t: &Path| {
             let mut r = gpualloc::trace::TraceReader::open(t).unwrap();

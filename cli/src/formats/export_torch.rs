@@ -346,12 +346,7 @@ impl Exporter {
             EventKind::FreeCompleted { addr, .. } => self.state.live.contains_key(&addr),
             EventKind::SegmentFree { addr, .. } => self.state.regions.contains_key(&addr),
             EventKind::SegmentUnmap { addr, size, pool } => {
-                let inside = self
-                    .state
-                    .regions
-                    .range(..=addr)
-                    .next_back()
-                    .is_some_and(|(&a, r)| r.expandable && within(addr, size, a, r.size));
+                let inside = in_mapped(&self.state, addr, size);
                 // What is unmapped must be listed (held pages: a damaged trace).
                 if inside {
                     self.relist_held(p, e, addr, size)?;
@@ -566,12 +561,7 @@ impl Exporter {
                     listed.covers(addr, size)
                 };
         }
-        let mapped = s
-            .regions
-            .range(..=addr)
-            .next_back()
-            .is_some_and(|(&a, r)| r.expandable && within(addr, size, a, r.size));
-        mapped
+        in_mapped(s, addr, size)
             && if list {
                 s.held_home.covers(addr, size)
             } else {
@@ -653,6 +643,15 @@ fn covered(s: &DeviceState, addr: u64, size: u64, listing: bool) -> bool {
                 .next_back()
                 .is_some_and(|(&a, &len)| within(addr, size, a, len))
         }
+}
+
+/// Whether `[addr, addr + size)` lies inside one mapped range of `s`
+/// (pages of an expandable segment).
+fn in_mapped(s: &DeviceState, addr: u64, size: u64) -> bool {
+    s.regions
+        .range(..=addr)
+        .next_back()
+        .is_some_and(|(&a, r)| r.expandable && within(addr, size, a, r.size))
 }
 
 /// The parts of `[addr, addr + size)` that `set` holds, in order.

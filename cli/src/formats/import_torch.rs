@@ -17,7 +17,6 @@
 //! stitches, and `gpualloc_config` and `gpualloc_start_us` as the trace's
 //! configuration and start. Without a start the earliest entry is.
 
-use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::Path;
@@ -170,13 +169,12 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         rebuilt.add(&start);
         let mut events = start.events(d as u32);
         // Stitches' builds and teardowns, where the export kept them
-        // (`torch_stitches.rs`); without them, a stitch is taken to live
-        // while it is listed: stitches listed now, by address, with their
-        // bytes and the bytes of them still listed (Note [Listed ranges]).
-        let lives = torch_stitches::for_device(&root, d as i64, t0);
-        let synthesize = lives.is_none();
-        let mut lives = lives.unwrap_or_default().into_iter().peekable();
-        let mut listed: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
+        // (`torch_stitches.rs`): their listing entries change only what
+        // is listed (Note [Listed ranges]).
+        let mut lives = torch_stitches::for_device(&root, d as i64, t0)
+            .unwrap_or_default()
+            .into_iter()
+            .peekable();
         // This device's phases and marks, placed among its entries below.
         let (anns, left_out) = torch_annotations::for_device(&root, d as i64);
         annotations_left_out += left_out;
@@ -243,44 +241,11 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
             if int(LISTING_KEY).is_some_and(|v| v != 0) {
                 // A change of what is listed, not of what is mapped.
                 let addr = int("addr").ok_or_else(|| at("a listing entry without an `addr`"))?;
-                // Without the stitches' lives, one lives while it is listed.
-                let (pool, stitch) = (mapped, synthesize && mapped == Pool::Stitch);
+                let pool = mapped;
                 match action.as_str() {
-                    "segment_map" => {
-                        if stitch
-                            && listed
-                                .range(..=addr)
-                                .next_back()
-                                .is_none_or(|(&a, &(n, _))| a.saturating_add(n) <= addr)
-                        {
-                            listed.insert(addr, (size, 0));
-                            events.push(ev(EventKind::SegmentMap { addr, size, pool }));
-                        }
-                        if let Some((_, (_, l))) =
-                            listed.range_mut(..=addr).next_back().filter(|_| stitch)
-                        {
-                            *l = l.saturating_add(size);
-                        }
-                        events.push(ev(EventKind::SegmentList { addr, size, pool }));
-                    }
+                    "segment_map" => events.push(ev(EventKind::SegmentList { addr, size, pool })),
                     "segment_unmap" => {
-                        events.push(ev(EventKind::SegmentUnlist { addr, size, pool }));
-                        let open = listed
-                            .range_mut(..=addr)
-                            .next_back()
-                            .filter(|(a, (n, _))| stitch && a.saturating_add(*n) > addr);
-                        if let Some((&a, (n, l))) = open {
-                            *l = l.saturating_sub(size);
-                            if *l == 0 {
-                                let n = *n;
-                                listed.remove(&a);
-                                events.push(ev(EventKind::SegmentUnmap {
-                                    addr: a,
-                                    size: n,
-                                    pool,
-                                }));
-                            }
-                        }
+                        events.push(ev(EventKind::SegmentUnlist { addr, size, pool }))
                     }
                     other => {
                         *unknown
