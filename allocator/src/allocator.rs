@@ -105,6 +105,9 @@ pub struct Allocator<B: Backend> {
     deferred_frees: Mutex<Vec<DevicePtr>>,
     /// Whether `deferred_frees` may hold any: the hot paths read only this.
     has_deferred_frees: AtomicBool,
+    /// The cap each device starts with, as a fraction of its memory, beside
+    /// the configuration's (Note [PyTorch's settings under gpualloc]).
+    start_fraction: Option<f64>,
 }
 
 impl<B: Backend> Allocator<B> {
@@ -121,7 +124,34 @@ impl<B: Backend> Allocator<B> {
             observer: Mutex::new(None),
             deferred_frees: Mutex::new(Vec::new()),
             has_deferred_frees: AtomicBool::new(false),
+            start_fraction: None,
         }
+    }
+
+    /// Each device starts capped at `fraction` of its memory, as if
+    /// `set_per_process_memory_fraction` had been called before its first
+    /// use (a trace records the cap when the device starts; Note
+    /// [PyTorch's settings under gpualloc]). `None`: the configuration's cap.
+    ///
+    /// # Errors
+    /// A fraction outside `[0, 1]`.
+    pub fn with_start_fraction(mut self, fraction: Option<f64>) -> Result<Self, AllocError> {
+        if let Some(f) = fraction
+            && !crate::is_memory_fraction(f)
+        {
+            return Err(AllocError::Backend(crate::BackendError::Unavailable(
+                format!("memory fraction {f} is not in [0, 1]"),
+            )));
+        }
+        self.start_fraction = fraction;
+        Ok(self)
+    }
+
+    /// The fraction a device not yet started would be capped at (1.0: none).
+    pub fn start_fraction(&self) -> f64 {
+        self.start_fraction
+            .or(self.config.memory_fraction)
+            .unwrap_or(1.0)
     }
 
     /// The configuration every device starts with.
@@ -144,6 +174,11 @@ impl<B: Backend> Allocator<B> {
         if guard.is_none() {
             let backend = (self.factory)(device as u32)?;
             let mut dev = DeviceAllocator::new(device as u32, backend, self.config.clone());
+            if let Some(f) = self.start_fraction {
+                // Checked in `with_start_fraction`; recorded by `start_trace`
+                // below, as a cap differing from the configuration's.
+                dev.set_memory_fraction(f)?;
+            }
             if let Some(r) = &*self.recorder.lock() {
                 let now = dev.backend.now_ns();
                 dev.start_trace(r.device_trace(device as u32, now));

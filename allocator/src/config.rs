@@ -454,8 +454,9 @@ impl Config {
     }
 }
 
-/// Splits on commas that are not inside brackets.
-fn split_top_level(s: &str) -> Result<Vec<&str>, ConfigError> {
+/// Splits on commas that are not inside brackets (also PyTorch's strings,
+/// `torch_settings.rs`).
+pub(crate) fn split_top_level(s: &str) -> Result<Vec<&str>, ConfigError> {
     let (mut depth, mut start, mut out) = (0i32, 0usize, Vec::new());
     for (i, ch) in s.char_indices() {
         match ch {

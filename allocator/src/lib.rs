@@ -100,6 +100,7 @@ mod stitch_cache;
 mod stitch_repair;
 mod stitch_trim;
 mod stream_events;
+pub mod torch_settings;
 pub mod trace;
 mod trace_control;
 pub mod trace_path;

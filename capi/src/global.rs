@@ -351,6 +351,16 @@ pub(crate) fn idle_count() -> Result<(Config, usize), Error> {
     Ok((config, count))
 }
 
+/// The cap each device starts with beside `config`'s: PyTorch's
+/// `per_process_memory_fraction` from its settings variable, unless
+/// `config` has its own fraction (Note [PyTorch's settings under gpualloc]).
+pub(crate) fn start_fraction(config: &Config) -> Result<Option<f64>, Error> {
+    if config.memory_fraction.is_some() {
+        return Ok(None);
+    }
+    Ok(gpualloc::torch_settings::memory_fraction_from_env()?)
+}
+
 /// At most 200 characters of `s`, for messages.
 pub(crate) fn clip(s: &str) -> String {
     match s.char_indices().nth(200) {
@@ -428,6 +438,7 @@ fn sim_capacity() -> Result<u64, Error> {
 
 fn build(config: Config) -> Result<Global, Error> {
     let kind = backend_kind()?;
+    let fraction = start_fraction(&config)?;
     match kind {
         BackendKind::Sim => {
             let capacity = sim_capacity()?;
@@ -442,7 +453,8 @@ fn build(config: Config) -> Result<Global, Error> {
                             .with_wall_clock(),
                     )))
                 }),
-            );
+            )
+            .with_start_fraction(fraction)?;
             Ok(Global { alloc, kind })
         }
         BackendKind::Cuda => {
@@ -457,7 +469,8 @@ fn build(config: Config) -> Result<Global, Error> {
                 config,
                 devices,
                 Box::new(|d| CudaBackend::new(d).map(|b| AnyBackend::Cuda(Box::new(b)))),
-            );
+            )
+            .with_start_fraction(fraction)?;
             Ok(Global { alloc, kind })
         }
     }

@@ -542,12 +542,14 @@ pub extern "C" fn gpualloc_set_memory_fraction(fraction: c_double, device: c_int
 pub unsafe extern "C" fn gpualloc_get_memory_fraction(device: c_int, out: *mut c_double) -> c_int {
     status(|| {
         let Some(g) = existing() else {
-            let f = global::idle(i64::from(device))?.memory_fraction;
+            // The cap the device would start with (PyTorch's setting too).
+            let config = global::idle(i64::from(device))?;
+            let f = global::start_fraction(&config)?.or(config.memory_fraction);
             return write_out(out, f.unwrap_or(1.0), "out");
         };
         let f = match g.alloc.peek(i64::from(device))? {
             Some(d) => d.memory_fraction(),
-            None => g.alloc.config().memory_fraction.unwrap_or(1.0),
+            None => g.alloc.start_fraction(),
         };
         write_out(out, f, "out")
     })

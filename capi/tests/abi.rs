@@ -429,7 +429,9 @@ fn run_sim_with(
         .env("GPUALLOC_BACKEND", "sim")
         .env_remove("GPUALLOC_CONF")
         .env_remove("GPUALLOC_TRACE")
-        .env_remove("GPUALLOC_CRASH_REPORT");
+        .env_remove("GPUALLOC_CRASH_REPORT")
+        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+        .env_remove("PYTORCH_ALLOC_CONF");
     for (k, v) in vars {
         cmd.env(k, v);
     }
@@ -1133,6 +1135,105 @@ int main(int argc, char **argv) {
         String::from_utf8_lossy(&run.stderr)
     );
     assert_eq!(String::from_utf8_lossy(&run.stdout), "done\n");
+}
+
+/// PyTorch's `per_process_memory_fraction` (Note [PyTorch's settings
+/// under gpualloc]): read from the variable torch reads first, capping
+/// every device from its first request (also one not started yet), gpualloc's own key
+/// winning, `set_per_process_memory_fraction` replacing it; a value
+/// PyTorch refuses is an error naming the variable.
+#[test]
+fn pytorchs_memory_fraction_caps_each_device_from_the_start() {
+    let (out, exe) = build_inline(
+        "torch_fraction",
+        r#"#include "gpualloc.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#define MiB ((size_t)1 << 20)
+#define CHECK(c) do { if (!(c)) { fprintf(stderr, "line %d: %s (%s)\n", __LINE__, #c, gpualloc_last_error() ? gpualloc_last_error() : ""); return 1; } } while (0)
+int main(int argc, char **argv) {
+  (void)argc;
+  double want = atof(argv[1]), f = -1;
+  if (want < 0) { /* a refused value: every call says why */
+    CHECK(gpualloc_get_memory_fraction(0, &f) != GPUALLOC_OK);
+    fprintf(stderr, "%s\n", gpualloc_last_error());
+    CHECK(gpualloc_malloc(MiB, 0, NULL) == NULL);
+    fprintf(stderr, "%s\n", gpualloc_last_error());
+    printf("done\n");
+    return 0;
+  }
+  CHECK(gpualloc_get_memory_fraction(0, &f) == GPUALLOC_OK && f == want); /* before the start */
+  void *a = gpualloc_malloc(200 * MiB, 0, NULL);
+  CHECK(a != NULL);
+  CHECK(gpualloc_get_memory_fraction(0, &f) == GPUALLOC_OK && f == want);
+  CHECK(gpualloc_get_memory_fraction(1, &f) == GPUALLOC_OK && f == want); /* not started */
+  void *b = gpualloc_malloc(200 * MiB, 0, NULL);
+  CHECK((b == NULL) == (want < 0.375)); /* 400 MiB of 1 GiB */
+  gpualloc_set_memory_fraction(1.0, 0);
+  if (b == NULL) b = gpualloc_malloc(200 * MiB, 0, NULL);
+  CHECK(b != NULL);
+  void *c = gpualloc_malloc(300 * MiB, 1, NULL); /* device 1 starts capped */
+  CHECK((c == NULL) == (want < 0.3));
+  gpualloc_free(a, 200 * MiB, 0, NULL);
+  gpualloc_free(b, 200 * MiB, 0, NULL);
+  if (c != NULL) gpualloc_free(c, 300 * MiB, 1, NULL);
+  printf("done\n");
+  return 0;
+}
+"#,
+    );
+    let cuda = "PYTORCH_CUDA_ALLOC_CONF";
+    let generic = "PYTORCH_ALLOC_CONF";
+    let cases: &[(&[(&str, &str)], &str)] = &[
+        (&[], "1"),
+        (
+            &[(
+                cuda,
+                "expandable_segments:True, per_process_memory_fraction:0.25",
+            )],
+            "0.25",
+        ),
+        (&[(generic, "per_process_memory_fraction:0.25")], "0.25"),
+        // torch reads the first variable set, whole.
+        (
+            &[
+                (cuda, "max_split_size_mb:100"),
+                (generic, "per_process_memory_fraction:0.25"),
+            ],
+            "1",
+        ),
+        (
+            &[
+                (cuda, "per_process_memory_fraction:0.25"),
+                ("GPUALLOC_CONF", "per_process_memory_fraction:0.5"),
+            ],
+            "0.5",
+        ),
+        // gpualloc's byte cap leaves PyTorch's fraction in force beside it.
+        (
+            &[
+                (cuda, "per_process_memory_fraction:0.25"),
+                ("GPUALLOC_CONF", "memory_limit:900MiB"),
+            ],
+            "0.25",
+        ),
+        (&[(cuda, "per_process_memory_fraction:1.5")], "-1"),
+    ];
+    for (vars, want) in cases {
+        let mut env: Vec<(&str, &std::ffi::OsStr)> =
+            vars.iter().map(|(k, v)| (*k, v.as_ref())).collect();
+        env.push(("GPUALLOC_SIM_CAPACITY", "1GiB".as_ref()));
+        env.push(("GPUALLOC_SIM_DEVICES", "2".as_ref()));
+        let run = run_sim_with(&exe, &[Path::new(want)], &env);
+        let err = ran_to_done(&run);
+        if *want == "-1" {
+            let said = format!("{cuda}: per_process_memory_fraction");
+            assert_eq!(err.matches(&said).count(), 2, "{err}");
+            assert!(err.contains("`1.5` is not a number in [0, 1]"), "{err}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&out);
 }
 
 /// An error names the call and what was wrong: `gpualloc_allocation_size`

@@ -55,7 +55,8 @@ _KEEP = []  # objects that must live as long as the process (allocator, librarie
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # PyTorch's variables for its own allocator's settings (PYTORCH_ALLOC_CONF is
-# the newer name of the first): set under gpualloc, they do nothing, which
+# the newer name of the first): set under gpualloc, they do nothing but for
+# two keys (Note [PyTorch's settings under gpualloc] in the core), which
 # install() says.
 TORCH_ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # PyTorch's switches that send every allocation to cudaMalloc, on when set to
@@ -130,8 +131,9 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
             if os.environ.get(name, "").strip() and _say_setting(name):
                 warnings.warn(
                     f"gpualloc: {name}={os.environ[name]!r} configures PyTorch's own "
-                    "allocator and has no effect on gpualloc (but for graph_capture_record_stream_reuse, which the "
-                    "bridge honours); gpualloc takes its configuration from install(config=...) or "
+                    "allocator and has no effect on gpualloc (but for per_process_memory_fraction, which caps each "
+                    "device as under PyTorch, and graph_capture_record_stream_reuse, which the bridge honours); "
+                    "gpualloc takes its configuration from install(config=...) or "
                     "GPUALLOC_CONF (same syntax for the keys both have: docs/configuration.md)",
                     RuntimeWarning,
                     stacklevel=3,

@@ -1016,18 +1016,7 @@ def check_compat(args) -> dict:
         # CUDA call (Lightning's `ddp_fork`, a `fork` start method): each
         # child starts CUDA itself, and its memory history must see its
         # frees as well as its allocations.
-        import json
-        import subprocess
-        import sys
-
-        p = subprocess.run([sys.executable, "-c", FORK_BEFORE_CUDA, args.alloc], capture_output=True, text=True,
-                           timeout=180)
-        lines = [x for x in p.stdout.splitlines() if x.startswith("FORK_RESULT ")]
-        assert p.returncode == 0 and lines, f"rc={p.returncode}: {p.stderr[-600:]}"
-        seen = json.loads(lines[-1][len("FORK_RESULT "):])
-        assert "error" not in seen, seen["error"]
-        want = "gpualloc" if args.alloc == "gpualloc" else "native"
-        assert seen["backend"] == want, f"the child allocated through {seen['backend']}, not {want}"
+        seen = _child_result(FORK_BEFORE_CUDA, "FORK_RESULT", args.alloc)
         assert seen["actions"] == ["alloc", "free_requested", "free_completed"], \
             f"the child's history of its tensor: {seen['actions']}"
         return seen
@@ -1040,19 +1029,12 @@ def check_compat(args) -> dict:
         # caching_allocator_enable(True) does not turn caching back on.
         import json
         import subprocess
-        import sys
 
         env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
         trace = os.path.join(tempfile.mkdtemp(), "no-caching.gtrace")
         if args.alloc == "gpualloc":
             env["GPUALLOC_TRACE"] = trace
-        p = subprocess.run([sys.executable, "-W", "ignore", "-c", NO_CACHING, args.alloc], capture_output=True,
-                           text=True, timeout=180, env=env)
-        lines = [x for x in p.stdout.splitlines() if x.startswith("NO_CACHING_RESULT ")]
-        assert p.returncode == 0 and lines, f"rc={p.returncode}: {p.stderr[-600:]}"
-        seen = json.loads(lines[-1][len("NO_CACHING_RESULT "):])
-        want = "gpualloc" if args.alloc == "gpualloc" else "native"
-        assert seen["backend"] == want, f"the child allocated through {seen['backend']}, not {want}"
+        seen = _child_result(NO_CACHING, "NO_CACHING_RESULT", args.alloc, env)
         assert seen["allocated"] == 0 and seen["reserved"] == 0, f"counted by the allocator: {seen}"
         assert seen["value"] == 7 * (64 << 20) and seen["conv_finite"], f"wrong results: {seen}"
         # Freed memory goes back to the driver at once (cudaFree): what the
@@ -1067,6 +1049,21 @@ def check_compat(args) -> dict:
             dev = json.loads(q.stdout)["devices"][0]
             assert dev["allocations"] == 0 and dev["caching_off"]["forced_at_ns"] is not None, dev
             seen["summary_caching_off"] = dev["caching_off"]
+        return seen
+
+    @sub("memory_fraction_variable")
+    def _():
+        # PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:x (a process
+        # sharing its GPU): PyTorch caps each device at x of its memory from
+        # the start; gpualloc reads the same key (Note [PyTorch's settings
+        # under gpualloc]). Half the cap fits, more than the cap in all does
+        # not, and set_per_process_memory_fraction(1.0) lifts it.
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False,per_process_memory_fraction:0.05")
+        env.pop("PYTORCH_ALLOC_CONF", None)
+        seen = _child_result(FRACTION_VARIABLE, "FRACTION_RESULT", args.alloc, env)
+        assert seen["half_fits"], seen
+        assert seen["over_refused"], f"more than the cap was served: {seen}"
+        assert seen["lifted_fits"], seen
         return seen
 
     @sub("nccl_register_mem_pool")
@@ -1297,6 +1294,50 @@ torch.cuda.synchronize()
 free2, _ = torch.cuda.mem_get_info()
 out.update(taken=free0 - free1, returned=free2 - free1)
 print("NO_CACHING_RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def _child_result(code, marker, alloc, env=None):
+    """Runs `code` in a child process with the allocator's name `alloc` as
+    its argument and `env`; the JSON it printed after `marker`, once the
+    child is checked to have allocated through that allocator."""
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-W", "ignore", "-c", code, alloc], capture_output=True, text=True,
+                       timeout=180, env=env)
+    lines = [x for x in p.stdout.splitlines() if x.startswith(marker + " ")]
+    assert p.returncode == 0 and lines, f"rc={p.returncode}: {p.stderr[-600:]}"
+    seen = json.loads(lines[-1][len(marker) + 1:])
+    assert "error" not in seen, seen["error"]
+    want = "gpualloc" if alloc == "gpualloc" else "native"
+    assert seen["backend"] == want, f"the child allocated through {seen['backend']}, not {want}"
+    return seen
+
+
+FRACTION_VARIABLE = r"""
+import json, os, sys
+import torch
+if sys.argv[1] == "gpualloc":
+    import gpualloc
+    gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None)
+torch.cuda.init()
+cap = int(0.05 * torch.cuda.get_device_properties(0).total_memory)
+half = torch.empty(cap // 2, dtype=torch.uint8, device="cuda")
+out = {"backend": torch.cuda.get_allocator_backend(), "cap": cap, "half_fits": True}
+try:
+    more = torch.empty(cap * 7 // 10, dtype=torch.uint8, device="cuda")
+    out["over_refused"] = False
+    del more
+except torch.OutOfMemoryError as e:
+    out["over_refused"] = True
+    out["message"] = str(e)[:300]
+torch.cuda.set_per_process_memory_fraction(1.0)
+more = torch.empty(cap * 7 // 10, dtype=torch.uint8, device="cuda")
+out["lifted_fits"] = True
+out["reserved"] = torch.cuda.memory_reserved()
+print("FRACTION_RESULT " + json.dumps(out), flush=True)
 """
 
 

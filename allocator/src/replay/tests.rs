@@ -309,6 +309,70 @@ fn caps_set_before_the_trace_starts_are_recorded_first() {
     assert_eq!(replay(evs.into_iter(), capacity, &quarter).ooms, 4);
 }
 
+/// A device's start cap (PyTorch's `per_process_memory_fraction`, Note
+/// [PyTorch's settings under gpualloc]) binds from its first request and
+/// is recorded in the trace, whether the device starts before the trace
+/// or during it, so a replay under the header's configuration fails the
+/// same requests; `set_per_process_memory_fraction` replaces it.
+#[test]
+fn a_start_fraction_binds_from_the_first_request_and_is_recorded() {
+    let capacity = 1u64 << 30;
+    for device_first in [false, true] {
+        let a = Allocator::new(
+            Config::default(),
+            1,
+            Box::new(move |_| Ok(SimBackend::new(capacity))),
+        )
+        .with_start_fraction(Some(0.25))
+        .unwrap();
+        assert_eq!(a.start_fraction(), 0.25);
+        if device_first {
+            assert_eq!(a.lock(0).unwrap().memory_fraction(), 0.25);
+        }
+        let path = crate::trace::control_tests_path(&format!("start-fraction-{device_first}"));
+        a.trace_start(&path).unwrap();
+        let mut ooms = 0;
+        for _ in 0..6 {
+            ooms += u64::from(a.malloc(0, 60 << 20, 0).is_err());
+        }
+        assert_eq!(ooms, 2, "four 60 MiB requests fit under 256 MiB");
+        a.set_memory_fraction(0, 1.0).unwrap();
+        assert!(
+            a.malloc(0, 60 << 20, 0).is_ok(),
+            "the fraction set replaces it"
+        );
+        a.trace_stop().unwrap();
+        let evs: Vec<TraceEvent> = TraceReader::open(&path).unwrap().events().collect();
+        std::fs::remove_file(&path).unwrap();
+        let quarter = EventKind::MemoryLimit {
+            cap: MemoryCap::fraction(0.25),
+            device_total: capacity,
+        };
+        assert_eq!(
+            evs.iter()
+                .filter(|e| e.action == Action::MemoryLimit)
+                .count(),
+            2,
+            "the start cap and the one set"
+        );
+        assert_eq!(
+            evs.iter()
+                .find(|e| e.action == Action::MemoryLimit)
+                .map(|e| e.kind()),
+            Some(quarter)
+        );
+        let r = replay(evs.clone().into_iter(), capacity, &Config::default());
+        assert_eq!(r.ooms, 2, "device started first: {device_first}");
+    }
+    let bad = Allocator::new(
+        Config::default(),
+        1,
+        Box::new(move |_| Ok(SimBackend::new(capacity))),
+    )
+    .with_start_fraction(Some(1.5));
+    assert!(bad.is_err());
+}
+
 /// Recordings whose streams the simulator completes at arbitrary points
 /// while blocks wait on them (`record_stream`), among them the four
 /// that replayed to another peak while a replay's own fence waits
