@@ -176,7 +176,13 @@ fn device(s: &mut String, a: &Analysis, d: &DeviceAnalysis) {
         let _ = writeln!(s, "  private pools   {g}");
     }
     if let Some(c) = describe_caps(&d.state.caps) {
-        let _ = writeln!(s, "  caps set        {c} (while running; the last of each)");
+        // Set at run time, or when the device started (PyTorch's
+        // per_process_memory_fraction, Note [PyTorch's settings under
+        // gpualloc]); neither is in the configuration.
+        let _ = writeln!(
+            s,
+            "  caps set        {c} (outside the configuration: while running, or PyTorch's per_process_memory_fraction when the device started; the last of each)"
+        );
     }
     let _ = writeln!(s, "  OOMs            {}", d.oom_count);
     // What each OOM had left is under the cap in force, if any, as the
