@@ -128,6 +128,8 @@ fn c_program_exercises_the_whole_abi() {
         .env("GPUALLOC_SIM_CAPACITY", "1GiB")
         .env("GPUALLOC_ABI_TRACE", &trace)
         .env_remove("GPUALLOC_CONF")
+        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+        .env_remove("PYTORCH_ALLOC_CONF")
         .env_remove("GPUALLOC_TRACE")
         .output()
         .expect("run the C program");
@@ -202,7 +204,9 @@ int main(void) {
     ] {
         let mut cmd = program(&exe);
         cmd.env("LD_LIBRARY_PATH", lib.parent().unwrap())
-            .env_remove("GPUALLOC_CONF");
+            .env_remove("GPUALLOC_CONF")
+            .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+            .env_remove("PYTORCH_ALLOC_CONF");
         for (k, v) in &vars {
             cmd.env(k, v);
         }
@@ -389,6 +393,8 @@ int main(void) {
         .env("GPUALLOC_BACKEND", "sim")
         .env("GPUALLOC_TRACE", &trace)
         .env_remove("GPUALLOC_CONF")
+        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+        .env_remove("PYTORCH_ALLOC_CONF")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&run.stderr);
@@ -655,6 +661,8 @@ fn random_call_sequences_never_crash() {
             .env("GPUALLOC_SIM_DEVICES", "2")
             .env("GPUALLOC_SIM_CAPACITY", "8GiB")
             .env_remove("GPUALLOC_CONF")
+            .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+            .env_remove("PYTORCH_ALLOC_CONF")
             .env_remove("GPUALLOC_TRACE")
             .output()
             .unwrap();
@@ -934,6 +942,8 @@ int main(void) {
         cmd.env("LD_LIBRARY_PATH", lib.parent().unwrap())
             .env("GPUALLOC_BACKEND", "sim")
             .env_remove("GPUALLOC_CONF")
+            .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+            .env_remove("PYTORCH_ALLOC_CONF")
             .env_remove("GPUALLOC_TRACE")
             .env_remove("GPUALLOC_LOG")
             .env_remove("GPUALLOC_CRASH_REPORT")
@@ -1418,6 +1428,8 @@ fn the_driver_is_the_one_the_process_loaded() {
         .env("LD_LIBRARY_PATH", &path)
         .env_remove("GPUALLOC_BACKEND")
         .env_remove("GPUALLOC_CONF")
+        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+        .env_remove("PYTORCH_ALLOC_CONF")
         .output()
         .unwrap();
     all_ok(
@@ -1506,6 +1518,8 @@ int main(int argc, char **argv) {
             .env("GPUALLOC_TRACE", out.join("t.gtrace"))
             .env_remove("GPUALLOC_BACKEND")
             .env_remove("GPUALLOC_CONF")
+            .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+            .env_remove("PYTORCH_ALLOC_CONF")
             .output()
             .unwrap();
         let took = started.elapsed();

@@ -30,6 +30,9 @@ os.environ["GPUALLOC_BACKEND"] = "sim"
 os.environ["GPUALLOC_SIM_CAPACITY"] = "2GiB"
 os.environ["GPUALLOC_SIM_DEVICES"] = "2"
 os.environ.pop("GPUALLOC_CONF", None)
+# PyTorch's settings may cap devices too (Note [PyTorch's settings under gpualloc]).
+for _name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+    os.environ.pop(_name, None)
 os.environ.pop("GPUALLOC_TRACE", None)
 
 import gpualloc  # noqa: E402

@@ -76,6 +76,8 @@ fn c_example_compiles_and_runs_on_the_simulated_device() {
         .env("LD_LIBRARY_PATH", &lib)
         .env("GPUALLOC_BACKEND", "sim")
         .env_remove("GPUALLOC_CONF")
+        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+        .env_remove("PYTORCH_ALLOC_CONF")
         .env_remove("GPUALLOC_TRACE")
         .output()
         .unwrap();
