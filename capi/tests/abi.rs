@@ -539,6 +539,8 @@ fn the_cuda_backend_on_a_checking_stand_in_driver() {
             .env("FAKE_CUDA_DEVICES", "2")
             .env_remove("GPUALLOC_BACKEND")
             .env_remove("GPUALLOC_TRACE")
+            .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+            .env_remove("PYTORCH_ALLOC_CONF")
             .output();
         let stderr = all_ok(&run.unwrap(), &format!("{mode}, GPUALLOC_CONF={conf:?}"));
         assert!(!stderr.contains("misuse"), "{mode}: {stderr}");
