@@ -83,7 +83,9 @@ pub(crate) fn tracing() -> bool {
 pub(crate) fn keep(config: Option<&str>, trace: Option<&Path>) -> Result<(), Error> {
     let mut p = PENDING.lock();
     if let Some(c) = config {
-        Config::parse(c)?;
+        // PyTorch's fraction is checked now too, as the start will read it
+        // (Note [PyTorch's settings under gpualloc]).
+        crate::global::start_fraction(&Config::parse(c)?)?;
         if let Some(old) = p.config.as_deref().filter(|old| *old != c) {
             return Err(already_configured(old, c));
         }

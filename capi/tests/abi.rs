@@ -1167,7 +1167,9 @@ fn pytorchs_memory_fraction_caps_each_device_from_the_start() {
 int main(int argc, char **argv) {
   (void)argc;
   double want = atof(argv[1]), f = -1;
-  if (want < 0) { /* a refused value: every call says why */
+  if (want < 0) { /* a refused value: every call says why, an installer's first */
+    CHECK(gpualloc_configure("", NULL) == GPUALLOC_ERR_CONFIG);
+    fprintf(stderr, "%s\n", gpualloc_last_error());
     CHECK(gpualloc_get_memory_fraction(0, &f) != GPUALLOC_OK);
     fprintf(stderr, "%s\n", gpualloc_last_error());
     CHECK(gpualloc_malloc(MiB, 0, NULL) == NULL);
@@ -1231,17 +1233,42 @@ int main(int argc, char **argv) {
             "0.25",
         ),
         (&[(cuda, "per_process_memory_fraction:1.5")], "-1"),
+        // gpualloc's own key needs no word of PyTorch's.
+        (
+            &[
+                (cuda, "per_process_memory_fraction:1.5"),
+                ("GPUALLOC_CONF", "per_process_memory_fraction:0.5"),
+            ],
+            "0.5",
+        ),
+        // Bytes that are not UTF-8 elsewhere in the value, as torch reads bytes.
+        (
+            &[(cuda, "per_process_memory_fraction:0.25,x:\u{1}")],
+            "0.25",
+        ),
     ];
     for (vars, want) in cases {
-        let mut env: Vec<(&str, &std::ffi::OsStr)> =
-            vars.iter().map(|(k, v)| (*k, v.as_ref())).collect();
-        env.push(("GPUALLOC_SIM_CAPACITY", "1GiB".as_ref()));
-        env.push(("GPUALLOC_SIM_DEVICES", "2".as_ref()));
+        let mut env: Vec<(&str, std::ffi::OsString)> = vars
+            .iter()
+            .map(|(k, v)| {
+                // `\u{1}` stands for a byte that is not UTF-8.
+                let bytes: Vec<u8> = v.bytes().map(|b| if b == 1 { 0xff } else { b }).collect();
+                (*k, std::os::unix::ffi::OsStringExt::from_vec(bytes))
+            })
+            .collect();
+        env.push(("GPUALLOC_SIM_CAPACITY", "1GiB".into()));
+        env.push(("GPUALLOC_SIM_DEVICES", "2".into()));
+        let env: Vec<(&str, &std::ffi::OsStr)> =
+            env.iter().map(|(k, v)| (*k, v.as_os_str())).collect();
         let run = run_sim_with(&exe, &[Path::new(want)], &env);
         let err = ran_to_done(&run);
         if *want == "-1" {
             let said = format!("{cuda}: per_process_memory_fraction");
-            assert_eq!(err.matches(&said).count(), 2, "{err}");
+            assert_eq!(err.matches(&said).count(), 3, "{err}");
+            assert!(
+                err.contains("gpualloc's own per_process_memory_fraction"),
+                "{err}"
+            );
             assert!(err.contains("`1.5` is not a number in [0, 1]"), "{err}");
         }
     }

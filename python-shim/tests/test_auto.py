@@ -872,6 +872,34 @@ class InstallTest(unittest.TestCase):
             self.assertIn("took max_split_size_mb:64", out.stdout)
             self.assertIn("refused max_split_size_mb:128", out.stdout)
 
+    def test_pytorchs_memory_fraction_is_checked_at_install_and_named_as_taking_effect(self):
+        # Note [PyTorch's settings under gpualloc]: a fraction PyTorch
+        # refuses fails install() itself, naming the variable; a good one
+        # is said to take effect.
+        with tempfile.TemporaryDirectory() as d:
+            s = self.script(
+                d,
+                """
+                import gpualloc, torch
+                try:
+                    gpualloc.install(bridge=False)
+                    print("installed")
+                except gpualloc.GpuallocError as e:
+                    print("refused:", e)
+                """,
+            )
+            bad = "expandable_segments:True,per_process_memory_fraction:1.5"
+            out = run([s], {"PYTORCH_CUDA_ALLOC_CONF": bad, "GPUALLOC_BACKEND": "sim"})
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("refused:", out.stdout)
+            self.assertIn("PYTORCH_CUDA_ALLOC_CONF: per_process_memory_fraction", out.stdout)
+            self.assertIn("`1.5` is not a number in [0, 1]", out.stdout)
+            good = "per_process_memory_fraction:0.5"
+            out = run([s], {"PYTORCH_CUDA_ALLOC_CONF": good, "GPUALLOC_BACKEND": "sim"})
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("installed", out.stdout)
+            self.assertIn("but for per_process_memory_fraction", out.stderr)
+
     def test_run_installs_in_the_python_processes_the_program_starts(self):
         # Note [Installing in child processes]: a child that imports torch
         # gets gpualloc (here the fallback: --no-bridge, passed on), with

@@ -1016,7 +1016,7 @@ def check_compat(args) -> dict:
         # CUDA call (Lightning's `ddp_fork`, a `fork` start method): each
         # child starts CUDA itself, and its memory history must see its
         # frees as well as its allocations.
-        seen = _child_result(FORK_BEFORE_CUDA, "FORK_RESULT", args.alloc)
+        seen = _child_result(FORK_BEFORE_CUDA, "FORK_RESULT", args.alloc, warnings=True)
         assert seen["actions"] == ["alloc", "free_requested", "free_completed"], \
             f"the child's history of its tensor: {seen['actions']}"
         return seen
@@ -1297,16 +1297,18 @@ print("NO_CACHING_RESULT " + json.dumps(out), flush=True)
 """
 
 
-def _child_result(code, marker, alloc, env=None):
+def _child_result(code, marker, alloc, env=None, warnings=False):
     """Runs `code` in a child process with the allocator's name `alloc` as
-    its argument and `env`; the JSON it printed after `marker`, once the
-    child is checked to have allocated through that allocator."""
+    its argument and `env` (Python's warnings off unless `warnings`); the
+    JSON it printed after `marker`, once the child is checked to have
+    allocated through that allocator."""
     import json
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-W", "ignore", "-c", code, alloc], capture_output=True, text=True,
-                       timeout=180, env=env)
+    flags = [] if warnings else ["-W", "ignore"]
+    p = subprocess.run([sys.executable, *flags, "-c", code, alloc], capture_output=True, text=True, timeout=180,
+                       env=env)
     lines = [x for x in p.stdout.splitlines() if x.startswith(marker + " ")]
     assert p.returncode == 0 and lines, f"rc={p.returncode}: {p.stderr[-600:]}"
     seen = json.loads(lines[-1][len(marker) + 1:])
