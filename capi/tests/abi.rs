@@ -21,18 +21,28 @@ fn artifact_dir() -> PathBuf {
 /// `GPUALLOC_TEST_WRAPPER` when set: a program and its arguments, split on
 /// spaces, such as `valgrind --error-exitcode=99 -q` (README, Memory
 /// errors). An error the wrapper finds then fails the test through the
-/// program's exit status.
+/// program's exit status. The configuration variables of the test run's
+/// own environment are removed (a test sets those it wants): gpualloc's,
+/// and PyTorch's, whose fraction caps devices too.
 fn program(exe: &Path) -> Command {
     let wrapper = std::env::var("GPUALLOC_TEST_WRAPPER").unwrap_or_default();
     let mut words = wrapper.split_whitespace();
-    match words.next() {
+    let mut cmd = match words.next() {
         Some(tool) => {
             let mut cmd = Command::new(tool);
             cmd.args(words).arg(exe);
             cmd
         }
         None => Command::new(exe),
+    };
+    for name in [
+        "GPUALLOC_CONF",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "PYTORCH_ALLOC_CONF",
+    ] {
+        cmd.env_remove(name);
     }
+    cmd
 }
 
 /// Compiles one C file against the header and links it with libgpualloc.
@@ -127,9 +137,6 @@ fn c_program_exercises_the_whole_abi() {
         .env("GPUALLOC_SIM_DEVICES", "2")
         .env("GPUALLOC_SIM_CAPACITY", "1GiB")
         .env("GPUALLOC_ABI_TRACE", &trace)
-        .env_remove("GPUALLOC_CONF")
-        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
-        .env_remove("PYTORCH_ALLOC_CONF")
         .env_remove("GPUALLOC_TRACE")
         .output()
         .expect("run the C program");
@@ -203,10 +210,7 @@ int main(void) {
         ),
     ] {
         let mut cmd = program(&exe);
-        cmd.env("LD_LIBRARY_PATH", lib.parent().unwrap())
-            .env_remove("GPUALLOC_CONF")
-            .env_remove("PYTORCH_CUDA_ALLOC_CONF")
-            .env_remove("PYTORCH_ALLOC_CONF");
+        cmd.env("LD_LIBRARY_PATH", lib.parent().unwrap());
         for (k, v) in &vars {
             cmd.env(k, v);
         }
@@ -433,11 +437,8 @@ fn run_sim_with(
     cmd.args(args)
         .env("LD_LIBRARY_PATH", lib.parent().unwrap())
         .env("GPUALLOC_BACKEND", "sim")
-        .env_remove("GPUALLOC_CONF")
         .env_remove("GPUALLOC_TRACE")
-        .env_remove("GPUALLOC_CRASH_REPORT")
-        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
-        .env_remove("PYTORCH_ALLOC_CONF");
+        .env_remove("GPUALLOC_CRASH_REPORT");
     for (k, v) in vars {
         cmd.env(k, v);
     }
@@ -539,8 +540,6 @@ fn the_cuda_backend_on_a_checking_stand_in_driver() {
             .env("FAKE_CUDA_DEVICES", "2")
             .env_remove("GPUALLOC_BACKEND")
             .env_remove("GPUALLOC_TRACE")
-            .env_remove("PYTORCH_CUDA_ALLOC_CONF")
-            .env_remove("PYTORCH_ALLOC_CONF")
             .output();
         let stderr = all_ok(&run.unwrap(), &format!("{mode}, GPUALLOC_CONF={conf:?}"));
         assert!(!stderr.contains("misuse"), "{mode}: {stderr}");
@@ -662,9 +661,6 @@ fn random_call_sequences_never_crash() {
             .env("GPUALLOC_BACKEND", "sim")
             .env("GPUALLOC_SIM_DEVICES", "2")
             .env("GPUALLOC_SIM_CAPACITY", "8GiB")
-            .env_remove("GPUALLOC_CONF")
-            .env_remove("PYTORCH_CUDA_ALLOC_CONF")
-            .env_remove("PYTORCH_ALLOC_CONF")
             .env_remove("GPUALLOC_TRACE")
             .output()
             .unwrap();
@@ -943,9 +939,6 @@ int main(void) {
         let mut cmd = program(&exe);
         cmd.env("LD_LIBRARY_PATH", lib.parent().unwrap())
             .env("GPUALLOC_BACKEND", "sim")
-            .env_remove("GPUALLOC_CONF")
-            .env_remove("PYTORCH_CUDA_ALLOC_CONF")
-            .env_remove("PYTORCH_ALLOC_CONF")
             .env_remove("GPUALLOC_TRACE")
             .env_remove("GPUALLOC_LOG")
             .env_remove("GPUALLOC_CRASH_REPORT")
@@ -1456,9 +1449,6 @@ fn the_driver_is_the_one_the_process_loaded() {
     let run = program(&exe)
         .env("LD_LIBRARY_PATH", &path)
         .env_remove("GPUALLOC_BACKEND")
-        .env_remove("GPUALLOC_CONF")
-        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
-        .env_remove("PYTORCH_ALLOC_CONF")
         .output()
         .unwrap();
     all_ok(
@@ -1546,9 +1536,6 @@ int main(int argc, char **argv) {
             .env("LD_LIBRARY_PATH", &path)
             .env("GPUALLOC_TRACE", out.join("t.gtrace"))
             .env_remove("GPUALLOC_BACKEND")
-            .env_remove("GPUALLOC_CONF")
-            .env_remove("PYTORCH_CUDA_ALLOC_CONF")
-            .env_remove("PYTORCH_ALLOC_CONF")
             .output()
             .unwrap();
         let took = started.elapsed();
