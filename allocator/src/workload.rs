@@ -11,11 +11,15 @@
 //! `allocator/examples/placement_bench.rs` runs them all under several
 //! configurations.
 //!
+//! [`stitching_step`] drives a live allocator through a random program that
+//! stitches, for the tests of what traces and snapshots say about stitches.
+//!
 //! [`Rng`] draws the inputs of tests, benchmarks and `gpualloc generate`
 //! from a seed (`rng.rs`).
 
-use crate::backend::DevicePtr;
+use crate::backend::{Backend, DevicePtr};
 use crate::trace::{Action, TraceEvent};
+use crate::{AllocError, Allocator};
 
 pub use crate::rng::Rng;
 pub use longer::{MAX_STEPS, longer};
@@ -183,6 +187,46 @@ pub fn multiscale(seed: u64, steps: usize) -> Vec<TraceEvent> {
         }
     }
     b.events
+}
+
+/// One operation of a random program on device 0 that stitches (Note
+/// [Stitching]): half of them allocate (up to 96 MiB, a quarter within a
+/// sixteenth of 60 MiB, which take a cached stitch with a tail past their
+/// block), most others free one of `live`, the rest call `empty_cache`
+/// when `empty_cache` is set (trimming the tails of stitches in use and
+/// tearing cached ones down). A request that does not fit is skipped.
+/// `below(n)` draws a value in `0..n` (from an [`Rng`], or a test's own
+/// generator, whose programs stay as they were).
+///
+/// # Errors
+/// A free or `empty_cache` that fails.
+pub fn stitching_step<B: Backend>(
+    a: &Allocator<B>,
+    below: &mut impl FnMut(u64) -> u64,
+    live: &mut Vec<DevicePtr>,
+    empty_cache: bool,
+) -> Result<(), AllocError> {
+    const MIB: u64 = 1 << 20;
+    match below(100) {
+        0..=49 => {
+            let size = match below(4) {
+                0 => 1 + below(MIB),
+                1 => MIB + below(15 * MIB),
+                2 => 16 * MIB + below(80 * MIB),
+                _ => 60 * MIB - below(4) * MIB,
+            };
+            if let Ok(p) = a.malloc(0, size, 0) {
+                live.push(p);
+            }
+            Ok(())
+        }
+        50..=93 if !live.is_empty() => {
+            let p = live.swap_remove(below(live.len() as u64) as usize);
+            a.free(0, p)
+        }
+        _ if empty_cache => a.empty_cache(),
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]

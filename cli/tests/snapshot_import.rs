@@ -315,34 +315,11 @@ fn random_stitched_trace(dir: &Path, seed: u64, empty_cache: bool) -> std::path:
         Box::new(|_| Ok(SimBackend::new(512 * MIB))),
     );
     a.trace_start(&path).unwrap();
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut below = |n: u64| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % n
-    };
-    let mut live: Vec<u64> = Vec::new();
+    let mut rng = gpualloc::workload::Rng::xorshift64(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut below = |n| rng.below(n);
+    let mut live = Vec::new();
     for _ in 0..300 {
-        match below(100) {
-            0..=49 => {
-                let size = match below(4) {
-                    0 => 1 + below(MIB),
-                    1 => MIB + below(15 * MIB),
-                    2 => 16 * MIB + below(80 * MIB),
-                    _ => 60 * MIB - below(4) * MIB,
-                };
-                if let Ok(p) = a.malloc(0, size, 0) {
-                    live.push(p);
-                }
-            }
-            50..=93 if !live.is_empty() => {
-                let p = live.swap_remove(below(live.len() as u64) as usize);
-                a.free(0, p).unwrap();
-            }
-            _ if empty_cache => a.empty_cache().unwrap(),
-            _ => {}
-        }
+        gpualloc::workload::stitching_step(&a, &mut below, &mut live, empty_cache).unwrap();
     }
     a.trace_stop().unwrap();
     path

@@ -10,6 +10,7 @@
 use std::collections::BTreeMap;
 
 use gpualloc::trace::{EventKind, Pool, TraceReader};
+use gpualloc::workload::stitching_step;
 use gpualloc::{Allocator, Config, SimBackend};
 use gpualloc_tests::MIB;
 use proptest::prelude::RngCore;
@@ -77,29 +78,10 @@ fn run(
     a.trace_start(&path).unwrap();
     let mut rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[seed as u8; 32]);
     let mut below = |n: u64| rng.next_u64() % n;
-    let mut live: Vec<u64> = Vec::new();
+    let mut live = Vec::new();
     let mut snapshots = Vec::new();
     for _ in 0..steps {
-        match below(100) {
-            0..=49 => {
-                // Sizes within a sixteenth of each other take a cached
-                // stitch with a tail past their block.
-                let size = match below(4) {
-                    0 => 1 + below(MIB),
-                    1 => MIB + below(15 * MIB),
-                    2 => 16 * MIB + below(80 * MIB),
-                    _ => 60 * MIB - below(4) * MIB,
-                };
-                if let Ok(p) = a.malloc(0, size, 0) {
-                    live.push(p);
-                }
-            }
-            50..=93 if !live.is_empty() => {
-                let p = live.swap_remove(below(live.len() as u64) as usize);
-                a.free(0, p).unwrap();
-            }
-            _ => a.empty_cache().unwrap(),
-        }
+        stitching_step(&a, &mut below, &mut live, true).unwrap();
         let mut segs = Ranges::default();
         let mut snap: Vec<(u64, u64)> = a
             .snapshot(0)
