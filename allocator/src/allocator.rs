@@ -136,12 +136,8 @@ impl<B: Backend> Allocator<B> {
     /// # Errors
     /// A fraction outside `[0, 1]`.
     pub fn with_start_fraction(mut self, fraction: Option<f64>) -> Result<Self, AllocError> {
-        if let Some(f) = fraction
-            && !crate::is_memory_fraction(f)
-        {
-            return Err(AllocError::Backend(crate::BackendError::Unavailable(
-                format!("memory fraction {f} is not in [0, 1]"),
-            )));
+        if let Some(f) = fraction {
+            crate::limits::check_fraction(f)?;
         }
         self.start_fraction = fraction;
         Ok(self)

@@ -14,6 +14,17 @@ pub fn is_memory_fraction(x: f64) -> bool {
     (0.0..=1.0).contains(&x)
 }
 
+/// `fraction` if [`is_memory_fraction`], else the error that names it.
+pub(crate) fn check_fraction(fraction: f64) -> Result<(), AllocError> {
+    if is_memory_fraction(fraction) {
+        Ok(())
+    } else {
+        Err(AllocError::Backend(BackendError::Unavailable(format!(
+            "memory fraction {fraction} is not in [0, 1]"
+        ))))
+    }
+}
+
 /// Device capacity and the caps on reserved memory.
 pub(crate) struct Limits {
     /// Device capacity, read once from the backend when needed.
@@ -37,11 +48,7 @@ impl Limits {
     /// takes it (0: no new memory at all, so the next request that needs
     /// some is out of memory, which tests use).
     pub fn set_fraction(&mut self, fraction: f64) -> Result<(), AllocError> {
-        if !is_memory_fraction(fraction) {
-            return Err(AllocError::Backend(BackendError::Unavailable(format!(
-                "memory fraction {fraction} is not in [0, 1]"
-            ))));
-        }
+        check_fraction(fraction)?;
         self.fraction = Some(fraction);
         Ok(())
     }
