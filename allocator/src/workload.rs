@@ -190,7 +190,7 @@ pub fn multiscale(seed: u64, steps: usize) -> Vec<TraceEvent> {
 }
 
 /// One operation of a random program on device 0 that stitches (Note
-/// [Stitching]): half of them allocate (up to 96 MiB, a quarter within a
+/// \[Stitching\] in `stitch.rs`): half of them allocate (up to 96 MiB, a quarter within a
 /// sixteenth of 60 MiB, which take a cached stitch with a tail past their
 /// block), most others free one of `live`, the rest call `empty_cache`
 /// when `empty_cache` is set (trimming the tails of stitches in use and
