@@ -18,7 +18,9 @@
 //! replay) is the same as with the wait; only when the host waits and when
 //! `cuMemUnmap` runs differ; the defragmentation budget is charged for the
 //! unmapping when the pages move, not when it runs. A drain is finished
-//! early, waiting if need be, when its address range is mapped again; when
+//! early, waiting if need be, when its address range is mapped again (or,
+//! for a hole of a cached stitch, Note [Punching behind the work], when
+//! the stitch is repaired over it or freed); when
 //! one of its handles is left in the pool after the request, whether it
 //! succeeded or not (another stream could take it; if that wait fails,
 //! the next request waits before taking any page); when a pool scope

@@ -473,6 +473,15 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// Waits for and unmaps the old addresses of pages that moved without
+    /// waiting that lie in `[lo, hi)`, before something is mapped there or
+    /// the range is freed.
+    pub(crate) fn finish_drains_over(&mut self, lo: u64, hi: u64) -> Result<(), BackendError> {
+        let say = teller(&self.observer, self.device);
+        self.drains
+            .finish_overlapping(&mut self.fences, &mut self.backend, lo, hi, &say)
+    }
+
+    /// Waits for and unmaps the old addresses of pages that moved without
     /// waiting and are back in the pool, unmapped from their new place or
     /// never mapped there (Note [Unmapping behind the work]).
     fn finish_pooled_drains(&mut self) -> Result<(), BackendError> {
@@ -506,11 +515,7 @@ impl<B: Backend> DeviceAllocator<B> {
         let sizes = self.handle_sizes(pool);
         // The old mappings of pages that moved without waiting leave this
         // address range first (Note [Unmapping behind the work]).
-        {
-            let say = teller(&self.observer, self.device);
-            self.drains
-                .finish_overlapping(&mut self.fences, &mut self.backend, lo, hi, &say)?;
-        }
+        self.finish_drains_over(lo, hi)?;
         let (result, deltas, created) =
             self.pages
                 .map(&mut self.backend, lo, hi - lo, kind, sizes, capturing);
@@ -610,7 +615,14 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         let mut moved = 0;
         for ((bytes, lo, seg, _, _), later) in chosen.into_iter().zip(later) {
-            self.release_run(seg, lo, lo + bytes, later, self.config.unmap_thread)?;
+            self.release_run(
+                seg,
+                lo,
+                lo + bytes,
+                later,
+                Some(stream),
+                self.config.unmap_thread,
+            )?;
             moved += bytes;
         }
         self.stats.num_defragment += u64::from(moved > 0) as i64;
@@ -623,23 +635,26 @@ impl<B: Backend> DeviceAllocator<B> {
     /// its handles go back to the driver next, which would wait for the
     /// helper anyway).
     fn unmap_run(&mut self, seg: SegmentId, lo: u64, hi: u64) -> Result<(), AllocError> {
-        self.release_run(seg, lo, hi, None, false)
+        self.release_run(seg, lo, hi, None, None, false)
     }
 
     /// [`unmap_run`](Self::unmap_run), or, with `later` (the stream and
     /// stamp of the work that may still use the run), pools its handles at
     /// once and unmaps the run once that work is done (Note [Unmapping
-    /// behind the work]). With `helper`, an unmapping now is given to the
-    /// helper thread (Note [Unmapping off the allocating thread]).
+    /// behind the work]); `requester` is the stream of the request the
+    /// pages move for, if any (Note [Punching behind the work]). With
+    /// `helper`, an unmapping now is given to the helper thread (Note
+    /// [Unmapping off the allocating thread]).
     fn release_run(
         &mut self,
         seg: SegmentId,
         lo: u64,
         hi: u64,
         later: Option<(StreamId, u64)>,
+        requester: Option<StreamId>,
         helper: bool,
     ) -> Result<(), AllocError> {
-        self.punch_stitches_over(lo, hi)?;
+        self.punch_stitches_over(lo, hi, requester)?;
         // Punching may have waited for work that covers this run too.
         let later = later.filter(|&(s, stamp)| !self.fences.is_idle(s, stamp));
         let (kind, pool) = (

@@ -352,10 +352,30 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// Every old range still to be unmapped lies in one unmapped block of an
-    /// expandable segment: nothing was mapped there again before it left
-    /// (Note [Unmapping behind the work]).
+    /// expandable segment, or in holes of a stitch: nothing was mapped there
+    /// again before it left (Note [Unmapping behind the work], Note
+    /// [Punching behind the work]).
     fn check_drains(&self) -> Result<(), String> {
         for (lo, hi) in self.drains.ranges() {
+            // Or holes of a cached stitch (Note [Punching behind the work]).
+            if let Some(st) = self
+                .stitches
+                .list
+                .iter()
+                .find(|st| st.va <= lo && hi <= st.va + st.size)
+            {
+                let mut at = st.va;
+                for slot in &st.slots {
+                    if at < hi && lo < at + slot.size() && slot.part().is_some() {
+                        return Err(format!(
+                            "{lo:#x}..{hi:#x}, still to be unmapped, overlaps a part of the stitch at {:#x} mapped at {at:#x}",
+                            st.va
+                        ));
+                    }
+                    at += slot.size();
+                }
+                continue;
+            }
             let inside = self
                 .heap
                 .segments

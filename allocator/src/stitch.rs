@@ -20,7 +20,9 @@
 //! takes a handle a cached stitch aliases (only when the unaliased ones
 //! fall short, Note [Defragmentation]), only that part is unmapped from
 //! the stitch's range, after the stitch's last work (Note [Event-ordered
-//! unmapping]), leaving a hole; a stitch that loses every part is freed.
+//! unmapping]; without a wait when the request is on the stitch's stream,
+//! Note [Punching behind the work]), leaving a hole; a stitch that loses
+//! every part is freed.
 //! When no cached stitch of the size is whole with all its runs free, the
 //! one with the fewest handles to change (its holes and the parts whose
 //! home is in use), if that is at most a quarter of its handles, gets free
@@ -456,6 +458,10 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Frees the range of cached stitch `i`, which maps nothing any more
     /// (or, with `later`, will not once the helper thread is done).
     pub(crate) fn free_stitch(&mut self, i: usize, later: bool) -> Result<(), AllocError> {
+        let (va, size) = (self.stitches.list[i].va, self.stitches.list[i].size);
+        // Holes still mapped until the stitch's work is done leave first
+        // (Note [Punching behind the work]).
+        self.finish_drains_over(va, va + size)?;
         let s = self.stitches.list.swap_remove(i);
         crate::log::stitch_dropped(self.device, s.stream, s.size);
         if later {

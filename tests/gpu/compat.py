@@ -1137,6 +1137,15 @@ def check_compat(args) -> dict:
                         y[-1] = 9
                         last = int(y[-1])
                         del y
+                        # More than the device never fits: OutOfMemoryError
+                        # in PyTorch's words, which libraries that retry a
+                        # smaller batch look for ("CUDA out of memory.").
+                        try:
+                            torch.empty(2 * torch.cuda.mem_get_info()[1], dtype=torch.uint8, device=dev)
+                            raise AssertionError("twice the device fitted with the caching allocator off")
+                        except torch.cuda.OutOfMemoryError as e:
+                            oom = str(e)
+                        assert oom.startswith("CUDA out of memory. Tried to allocate "), oom[:200]
                     finally:
                         enable(True)
                 finally:
@@ -1146,7 +1155,8 @@ def check_compat(args) -> dict:
             assert last == 9
             # The trace says where allocations went missing.
             assert marks == ["caching_allocator_enable(False)", "caching_allocator_enable(True)"], marks
-            return {"cached": cached, "allocated_switched_off": want, "reserved_after": torch.cuda.memory_reserved()}
+            return {"cached": cached, "allocated_switched_off": want, "reserved_after": torch.cuda.memory_reserved(),
+                    "oom_switched_off": oom[:120]}
 
         @sub("trace_of_a_worker_forked_before_cuda_is_complete")
         def _():

@@ -104,8 +104,11 @@ inline void* uncached_allocate(size_t size, c10::DeviceIndex device) {
     if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
       (void)cudaGetLastError();
     }
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory: cudaMalloc of ", size, " bytes on device ",
-                     static_cast<int>(device), " failed with the caching allocator switched off ",
+    // PyTorch's first words, which libraries that retry smaller batches
+    // look for ("CUDA out of memory.").
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ", size,
+                     " bytes: cudaMalloc on device ", static_cast<int>(device),
+                     " failed with the caching allocator switched off ",
                      "(torch.cuda.memory.caching_allocator_enable(False) or PYTORCH_NO_CUDA_MEMORY_CACHING=1); ",
                      free_bytes, " of ", total_bytes,
                      " bytes free after gpualloc gave its cached memory back");
