@@ -400,7 +400,9 @@ void uncached_delete(void* ptr) {
   const bool gpualloc_oom = api.last_error_code() == GPUALLOC_ERR_OUT_OF_MEMORY;
   bool oom = gpualloc_oom || msg.find("out of memory") != std::string::npos;
   if (!oom) {
-    TORCH_CHECK(false, "gpualloc failed to allocate ", size, " bytes on device ", static_cast<int>(device), ": ", msg);
+    // One string, numbers by snprintf (Note [Numbers in the bridge's messages]).
+    TORCH_CHECK(false, "gpualloc failed to allocate " + num(static_cast<unsigned long long>(size)) +
+                           " bytes on device " + num(static_cast<long long>(device)) + ": " + msg);
   }
   // What PyTorch's observers are told: the size needed from the device
   // and the memory allowed (the limit in force, else the device's total).
@@ -554,7 +556,7 @@ Segments read_segments(int device, const MempoolId_t* pool) {
       out.blocks.resize(nb);
       return out;
     }
-    TORCH_CHECK(rc == GPUALLOC_ERR_BUFFER_TOO_SMALL, "gpualloc snapshot: ", last_error("unknown error"));
+    TORCH_CHECK(rc == GPUALLOC_ERR_BUFFER_TOO_SMALL, "gpualloc snapshot: " + last_error("unknown error"));
     out.segs.resize(ns + ns / 4 + 16);
     out.blocks.resize(nb + nb / 4 + 64);
   }
@@ -569,7 +571,7 @@ GpuallocSegmentInfo segment_of(void* ptr) {
       return s;
     }
   }
-  TORCH_CHECK(false, "gpualloc: pointer ", ptr, " is not in memory gpualloc allocated");
+  TORCH_CHECK(false, "gpualloc: pointer " + ptr_text(ptr) + " is not in memory gpualloc allocated");
 }
 
 // SegmentInfo's registration_counter (Note [Registration order]), where
@@ -687,7 +689,8 @@ class GpuallocAllocator final : public CUDAAllocator {
       // failure is said, not thrown out of a destructor.
       for (int d = 0; d < device_count_.load(); ++d) {
         if (api.empty_pool_cache(d, id.first, id.second) != GPUALLOC_OK) {
-          TORCH_WARN("gpualloc: emptyCache(mempool_id) on device ", d, ": ", last_error("failed"));
+          TORCH_WARN("gpualloc: emptyCache(mempool_id) on device " + num(static_cast<long long>(d)) + ": " +
+                     last_error("failed"));
         }
       }
     }
@@ -909,7 +912,7 @@ class GpuallocAllocator final : public CUDAAllocator {
       }
     }
     if (rc != GPUALLOC_OK) {
-      TORCH_WARN("gpualloc endAllocateToPool: ", last_error("unknown error"));
+      TORCH_WARN("gpualloc endAllocateToPool: " + last_error("unknown error"));
     }
   }
   void releasePool(c10::DeviceIndex device, MempoolId_t id) override {
@@ -961,7 +964,7 @@ class GpuallocAllocator final : public CUDAAllocator {
     if (rc != GPUALLOC_OK) {
       std::string why = last_error("unknown error");
       api.release_pool(device, id.first, id.second);
-      TORCH_CHECK(false, "gpualloc ", what, ": ", why);
+      TORCH_CHECK(false, "gpualloc " + text(what) + ": " + why);
     }
   }
   // A pool with another allocator takes its segments from it (Note
@@ -1001,8 +1004,9 @@ class GpuallocAllocator final : public CUDAAllocator {
   cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device, std::shared_ptr<cca::AllocatorState> as) override {
     auto s = std::dynamic_pointer_cast<PoolState>(as);
     TORCH_CHECK(s != nullptr, "gpualloc setCheckpointPoolState: the state was not made by gpualloc's getCheckpointState");
-    TORCH_CHECK(s->device == device, "gpualloc setCheckpointPoolState: a state of device ", static_cast<int>(s->device),
-                " given for device ", static_cast<int>(device));
+    TORCH_CHECK(s->device == device, "gpualloc setCheckpointPoolState: a state of device " +
+                                         num(static_cast<long long>(s->device)) + " given for device " +
+                                         num(static_cast<long long>(device)));
     std::vector<uint64_t> freed(live_in_pool(device, s->id).size() + 16);
     std::vector<uint64_t> allocd(s->blocks.size() + 1);
     size_t n_freed = 0;
@@ -1138,7 +1142,7 @@ class GpuallocAllocator final : public CUDAAllocator {
   bool supportsUserMetadata() override { return true; }
   void annotateMemory(const void* ptr, const std::string& metadata) override {
     if (!history.annotate_memory(ptr, metadata)) {
-      TORCH_WARN_ONCE("gpualloc: torch.cuda.memory._annotate_memory: no live allocation starts at ", ptr,
+      TORCH_WARN_ONCE("gpualloc: torch.cuda.memory._annotate_memory: no live allocation starts at " + ptr_text(ptr) +
                       " (a tensor's base data pointer is needed); the annotation is not recorded");
     }
   }

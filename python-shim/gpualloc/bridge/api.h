@@ -8,12 +8,43 @@
 
 #include <dlfcn.h>
 
+#include <cstdio>
+
 #include <string>
 #include <vector>
 
 #include "gpualloc.h"
 
 namespace gpualloc_bridge {
+
+// Note [Numbers in the bridge's messages]
+// Rationale: on the GPU machine (torch 2.11, the bridge built by
+// torch.utils.cpp_extension), a message that streamed a number through
+// c10::str (TORCH_CHECK(false, "...", size, ...)) died of SIGSEGV inside
+// std::ostream's number insertion, where an error was to be raised: the
+// first run of the out-of-memory path with the caching allocator switched
+// off ended the process. Messages made of strings alone are raised fine
+// (every other error path of the bridge).
+// Approach: numbers and pointers in messages are formatted with snprintf
+// (num, ptr_text) and each message is one std::string (text() for C
+// strings that may be null), which c10::str hands on as it is: no message
+// of the bridge goes through a stream (python-shim/tests/test_bridge_messages.py).
+inline std::string num(unsigned long long v) {
+  char b[24];
+  std::snprintf(b, sizeof b, "%llu", v);
+  return b;
+}
+inline std::string num(long long v) {
+  char b[24];
+  std::snprintf(b, sizeof b, "%lld", v);
+  return b;
+}
+inline std::string text(const char* s) { return s != nullptr ? std::string(s) : std::string(); }
+inline std::string ptr_text(const void* p) {
+  char b[24];
+  std::snprintf(b, sizeof b, "%p", p);
+  return b;
+}
 
 struct Api {
   decltype(&gpualloc_init) init = nullptr;
@@ -109,8 +140,9 @@ struct Api {
   template <class F>
   static void resolve(void* handle, const char* name, F& out) {
     out = reinterpret_cast<F>(dlsym(handle, name));
-    TORCH_CHECK(out != nullptr, "gpualloc bridge: symbol ", name,
-                " not found in libgpualloc (is the library older than the Python package?): ", dlerror());
+    TORCH_CHECK(out != nullptr, "gpualloc bridge: symbol " + text(name) +
+                                    " not found in libgpualloc (is the library older than the Python package?): " +
+                                    text(dlerror()));
   }
 };
 
@@ -125,11 +157,11 @@ inline std::string last_error(const char* fallback) {
 // through the thread's last error, which they clear at entry).
 inline void raise_if_failed(const char* what) {
   const char* e = api.last_error();
-  TORCH_CHECK(e == nullptr, "gpualloc ", what, ": ", e == nullptr ? "" : e);
+  TORCH_CHECK(e == nullptr, "gpualloc " + text(what) + ": " + text(e));
 }
 
 inline void check(int rc, const char* what) {
-  TORCH_CHECK(rc == GPUALLOC_OK, "gpualloc ", what, ": ", last_error("unknown error"));
+  TORCH_CHECK(rc == GPUALLOC_OK, "gpualloc " + text(what) + ": " + last_error("unknown error"));
 }
 
 // Calls `fill(buffer, cap, &count)` with a buffer that grows until it fits
@@ -144,10 +176,10 @@ std::vector<T> read_list(const char* what, Fill fill) {
       out.resize(n);
       return out;
     }
-    TORCH_CHECK(rc == GPUALLOC_ERR_BUFFER_TOO_SMALL, "gpualloc ", what, ": ", last_error("unknown error"));
+    TORCH_CHECK(rc == GPUALLOC_ERR_BUFFER_TOO_SMALL, "gpualloc " + text(what) + ": " + last_error("unknown error"));
     out.resize(n + n / 4 + 16);  // it may grow between the calls
   }
-  TORCH_CHECK(false, "gpualloc ", what, ": the list kept growing while being read");
+  TORCH_CHECK(false, "gpualloc " + text(what) + ": the list kept growing while being read");
 }
 
 }  // namespace gpualloc_bridge

@@ -105,13 +105,16 @@ inline void* uncached_allocate(size_t size, c10::DeviceIndex device) {
       (void)cudaGetLastError();
     }
     // PyTorch's first words, which libraries that retry smaller batches
-    // look for ("CUDA out of memory.").
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ", size,
-                     " bytes: cudaMalloc on device ", static_cast<int>(device),
-                     " failed with the caching allocator switched off ",
-                     "(torch.cuda.memory.caching_allocator_enable(False) or PYTORCH_NO_CUDA_MEMORY_CACHING=1); ",
-                     free_bytes, " of ", total_bytes,
-                     " bytes free after gpualloc gave its cached memory back");
+    // look for ("CUDA out of memory."); one string, numbers by snprintf
+    // (Note [Numbers in the bridge's messages] in api.h).
+    TORCH_CHECK_WITH(OutOfMemoryError, false,
+                     "CUDA out of memory. Tried to allocate " + num(static_cast<unsigned long long>(size)) +
+                         " bytes: cudaMalloc on device " + num(static_cast<long long>(device)) +
+                         " failed with the caching allocator switched off "
+                         "(torch.cuda.memory.caching_allocator_enable(False) or PYTORCH_NO_CUDA_MEMORY_CACHING=1); " +
+                         num(static_cast<unsigned long long>(free_bytes)) + " of " +
+                         num(static_cast<unsigned long long>(total_bytes)) +
+                         " bytes free after gpualloc gave its cached memory back");
   }
   C10_CUDA_CHECK(err);
   if (const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace(); C10_UNLIKELY(interp)) {
