@@ -364,6 +364,12 @@ impl<B: Backend> DeviceAllocator<B> {
                 .iter()
                 .find(|st| st.va <= lo && hi <= st.va + st.size)
             {
+                if st.in_use.is_some() {
+                    return Err(format!(
+                        "{lo:#x}..{hi:#x}, still to be unmapped, is in the stitch at {:#x}, which is in use",
+                        st.va
+                    ));
+                }
                 let mut at = st.va;
                 for slot in &st.slots {
                     if at < hi && lo < at + slot.size() && slot.part().is_some() {

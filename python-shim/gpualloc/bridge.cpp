@@ -390,7 +390,12 @@ void uncached_delete(void* ptr) {
   }
   api.clear_error();
   observe("the CUDA sanitizer", [&] { sanitizer_free(ptr); });
-  C10_CUDA_CHECK_WARN(cudaFree(ptr));
+  // C10_CUDA_CHECK_WARN, written out with one string (Note [Numbers in the
+  // bridge's messages]).
+  if (const cudaError_t e = cudaFree(ptr); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    TORCH_WARN(std::string("CUDA warning: ") + cudaGetErrorString(e));
+  }
 }
 
 // `ctx`: the stack gathered for the request, for memory history's OOM entry.

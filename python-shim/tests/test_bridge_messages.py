@@ -20,7 +20,15 @@ SOURCES = [os.path.join(ROOT, "python-shim", "gpualloc", "bridge.cpp")] + sorted
     glob.glob(os.path.join(ROOT, "python-shim", "gpualloc", "bridge", "*.h")))
 
 # Macro -> how many leading arguments are not the message.
-MACROS = {"TORCH_CHECK": 1, "TORCH_CHECK_WITH": 2, "TORCH_WARN": 0, "TORCH_WARN_ONCE": 0}
+MACROS = {
+    "TORCH_CHECK": 1, "TORCH_CHECK_WITH": 2, "TORCH_CHECK_VALUE": 1, "TORCH_CHECK_TYPE": 1,
+    "TORCH_CHECK_INDEX": 1, "TORCH_CHECK_NOT_IMPLEMENTED": 1, "TORCH_INTERNAL_ASSERT": 1,
+    "TORCH_WARN": 0, "TORCH_WARN_ONCE": 0, "TORCH_WARN_DEPRECATION": 0, "C10_THROW_ERROR": 1,
+    "AT_ERROR": 0,
+}
+# Calls that build a message from pieces out of sight (c10::str itself, and
+# C10_CUDA_CHECK_WARN's TORCH_WARN of two pieces): not in the bridge.
+FORBIDDEN = ("c10::str", "C10_CUDA_CHECK_WARN")
 
 
 def strip_comments(text: str) -> str:
@@ -79,7 +87,8 @@ def calls(path: str):
     """(macro, line, arguments) of every message macro in `path`."""
     with open(path, encoding="utf-8") as f:
         text = strip_comments(f.read())
-    for m in re.finditer(r"\b(TORCH_CHECK_WITH|TORCH_CHECK|TORCH_WARN_ONCE|TORCH_WARN)\s*\(", text):
+    names = "|".join(sorted(MACROS, key=len, reverse=True))
+    for m in re.finditer(rf"\b({names})\s*\(", text):
         line = text.count("\n", 0, m.start()) + 1
         yield m.group(1), line, arguments(text, m.end() - 1)
 
@@ -89,6 +98,15 @@ class BridgeMessages(unittest.TestCase):
         found = [c for p in SOURCES for c in calls(p)]
         self.assertGreater(len(found), 10)
         self.assertEqual(arguments('f(a, g(b, c), "x, y")', 1), ["a", "g(b, c)", '"x, y"'])
+
+    def test_no_message_is_built_out_of_sight(self):
+        for path in SOURCES:
+            with open(path, encoding="utf-8") as f:
+                text = strip_comments(f.read())
+            for name in FORBIDDEN:
+                with self.subTest(file=os.path.basename(path), call=name):
+                    self.assertNotIn(name + "(" if name == "c10::str" else name, text,
+                                     f"{os.path.basename(path)} uses {name}: build one std::string instead")
 
     def test_every_message_is_one_argument(self):
         for path in SOURCES:

@@ -38,13 +38,45 @@ fn repair_waits_for_the_stitchs_work() {
     assert_eq!(again, stitched, "repaired");
 }
 
-/// Defragmentation punches a part out of a cached stitch whose work is queued.
+/// Defragmentation punches a part out of a cached stitch whose work is
+/// queued, for a request on the stitch's stream: no host wait; the hole
+/// leaves its address only once the work is done (Note [Punching behind
+/// the work]), which the oracle checks, and then at the next slow path.
 #[test]
-fn punch_waits_for_the_stitchs_work() {
-    let (mut c, _, mut small, _held) = cached_stitch_with_queued_work(
-        "expandable_handle_mb:2,defragment_budget:1,defragment_headroom:0.0973",
-    );
+fn punch_for_the_stitchs_stream_leaves_after_its_work() {
+    let (mut c, _, mut small, _held) = cached_stitch_with_queued_work(PUNCH);
     let last = small.remove(7);
     c.release(last);
+    let waits = c.sim().counters.wait_event;
     let _p = c.malloc(18 * MIB, 0).unwrap();
+    assert_eq!(c.sim().counters.wait_event, waits, "no host wait");
+    c.complete(0);
+    c.empty_cache();
 }
+
+/// The same punch with `defer_unmap:false`, and for a request of another
+/// stream: the host waits for the stitch's work first.
+#[test]
+fn punch_for_another_stream_or_without_deferral_waits() {
+    let (mut c, _, mut small, _held) =
+        cached_stitch_with_queued_work(&format!("{PUNCH},defer_unmap:false"));
+    let last = small.remove(7);
+    c.release(last);
+    let waits = c.sim().counters.wait_event;
+    let _p = c.malloc(18 * MIB, 0).unwrap();
+    assert!(c.sim().counters.wait_event > waits, "the punch waits");
+
+    let (mut c, _, mut small, _held) = cached_stitch_with_queued_work(PUNCH);
+    let last = small.remove(7);
+    c.release(last);
+    let waits = c.sim().counters.wait_event;
+    let _p = c.malloc(18 * MIB, 1).unwrap();
+    assert!(
+        c.sim().counters.wait_event > waits,
+        "another stream's request waits"
+    );
+}
+
+/// Headroom that makes an 18 MiB request take one handle of the cached
+/// stitch (stitch_repair's `ONE_HANDLE`).
+const PUNCH: &str = "expandable_handle_mb:2,defragment_budget:1,defragment_headroom:0.0973";
