@@ -29,6 +29,13 @@ namespace gpualloc_bridge {
 // (num, ptr_text) and each message is one std::string (text() for C
 // strings that may be null), which c10::str hands on as it is: no message
 // of the bridge goes through a stream (python-shim/tests/test_bridge_messages.py).
+// Limitation: the crash report named the bridge's own copy of
+// std::ostream::_M_insert<unsigned long> (and of codecvt code), which a
+// GCC 12 build here does not contain: the device's build may carry its own
+// copy of libstdc++'s stream code, which inline code of torch's headers
+// compiled into the bridge could still reach on a failure path. Not yet
+// known (round 63 had no device time left): `nm -DC` of the device's
+// bridge and its link line would tell.
 inline std::string num(unsigned long long v) {
   char b[24];
   std::snprintf(b, sizeof b, "%llu", v);
