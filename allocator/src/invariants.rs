@@ -358,12 +358,7 @@ impl<B: Backend> DeviceAllocator<B> {
     fn check_drains(&self) -> Result<(), String> {
         for (lo, hi) in self.drains.ranges() {
             // Or holes of a cached stitch (Note [Punching behind the work]).
-            if let Some(st) = self
-                .stitches
-                .list
-                .iter()
-                .find(|st| st.va <= lo && hi <= st.va + st.size)
-            {
+            if let Some(st) = self.stitches.list.iter().find(|st| st.holds(lo, hi)) {
                 if st.in_use.is_some() {
                     return Err(format!(
                         "{lo:#x}..{hi:#x}, still to be unmapped, is in the stitch at {:#x}, which is in use",

@@ -66,6 +66,11 @@ impl Stitch {
         self.slots.iter().filter_map(Slot::part)
     }
 
+    /// Whether its range holds `[lo, hi)`.
+    pub fn holds(&self, lo: DevicePtr, hi: DevicePtr) -> bool {
+        self.va <= lo && hi <= self.va + self.size
+    }
+
     /// Its holes.
     pub fn holes(&self) -> usize {
         self.slots.iter().filter(|s| s.part().is_none()).count()

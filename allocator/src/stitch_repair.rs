@@ -52,15 +52,15 @@ impl<B: Backend> DeviceAllocator<B> {
         };
         while let Some(i) = self.stitches.cached_over(lo, hi) {
             let (stream, freed) = (self.stitches.list[i].stream, self.stitches.list[i].freed);
-            let keeps = self.stitches.list[i]
-                .slots
-                .iter()
-                .any(|s| s.part().is_some() && !over(s));
-            if keeps
-                && requester == Some(stream)
+            // The stitch keeps a part: a stitch left with none is freed now.
+            let keeps = |st: &crate::stitch_cache::Stitch| {
+                st.slots.iter().any(|s| s.part().is_some() && !over(s))
+            };
+            if requester == Some(stream)
                 && self.config.defer_unmap
                 && !self.private.following()
                 && !self.fences.is_idle(stream, freed)
+                && keeps(&self.stitches.list[i])
             {
                 self.leave_slots_later(i, over);
                 continue;
@@ -339,11 +339,10 @@ mod tests {
         let later = d.drains.unmaps().0.handles(DriverCall::Unmap) - pushed;
         assert_eq!(spent.calls(DriverCall::Unmap) + later, 2, "{spent}");
         assert_eq!(spent.handles(DriverCall::Unmap) + later, 2, "{spent}");
-        let (va, size) = (d.stitches.list[0].va, d.stitches.list[0].size);
         let in_stitch = d
             .drains
             .ranges()
-            .filter(|r| va <= r.0 && r.1 <= va + size)
+            .filter(|r| d.stitches.list[0].holds(r.0, r.1))
             .count() as u64;
         assert_eq!(d.stitches.list.len(), 1, "the stitch stays cached");
         assert_eq!(d.stitches.list[0].holes(), 1);
@@ -404,12 +403,7 @@ mod tests {
     fn draining_in_stitches(d: &DeviceAllocator<SimBackend>) -> usize {
         d.drains
             .ranges()
-            .filter(|r| {
-                d.stitches
-                    .list
-                    .iter()
-                    .any(|s| s.va <= r.0 && r.1 <= s.va + s.size)
-            })
+            .filter(|r| d.stitches.list.iter().any(|s| s.holds(r.0, r.1)))
             .count()
     }
 
