@@ -190,7 +190,10 @@ fn answer(mut stream: UnixStream) -> std::io::Result<()> {
                     stream.as_raw_fd(),
                     &[IoSlice::new(&reply)],
                     if raw.is_empty() { &[] } else { &cmsg },
-                    MsgFlags::empty(),
+                    // A receiver gone before the reply (killed, or past its
+                    // timeout) is an error here, not a SIGPIPE that a
+                    // program restoring the default action dies of.
+                    MsgFlags::MSG_NOSIGNAL,
                     None,
                 )?;
             }
@@ -479,6 +482,65 @@ mod tests {
         assert!(!err.contains("not an exported"), "{err}");
         assert!(err.contains(&format!("descriptor {a}")), "{err}");
         assert!(err.contains("open files"), "{err}");
+        println!("CHILD RAN");
+    }
+
+    /// A receiver that stops reading before its reply (killed, or past its
+    /// timeout) costs the sender an error, not its life, also in a program
+    /// that restored SIGPIPE's default action (`signal(SIGPIPE, SIG_DFL)`,
+    /// for output piped to `head`). Runs in a child process of its own.
+    #[test]
+    fn a_receiver_gone_before_the_reply_does_not_kill_the_sender() {
+        const CHILD: &str = "FD_PASSING_SIGPIPE_TEST_CHILD";
+        if std::env::var_os(CHILD).is_none() {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "fd_passing::tests::a_receiver_gone_before_the_reply_does_not_kill_the_sender",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(CHILD, "1")
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{:?}: {text}", out.status);
+            assert!(text.contains("CHILD RAN"), "{text}");
+            return;
+        }
+        // SAFETY: setting a signal's disposition to its default, before
+        // this process's server thread starts.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        let a = listed("a page for a receiver that left");
+        serve();
+        let addr =
+            SocketAddr::from_abstract_name(socket_name(std::process::id() as i32).as_bytes())
+                .unwrap();
+        let mut s = UnixStream::connect_addr(&addr).unwrap();
+        // Reading shut down first: the reply meets EPIPE whenever it comes.
+        s.shutdown(std::net::Shutdown::Read).unwrap();
+        let mut request = MAGIC.to_vec();
+        request.extend_from_slice(&1u32.to_le_bytes());
+        request.extend_from_slice(&a.to_le_bytes());
+        s.write_all(&request).unwrap();
+        // The server closes the connection once its reply has failed;
+        // until then more bytes go into the socket's buffer.
+        let start = std::time::Instant::now();
+        while s.write(b"?").is_ok() {
+            assert!(
+                start.elapsed() < TIMEOUT,
+                "the server kept the connection open"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        // Still serving others.
+        let got = fetch(std::process::id() as i32, &[a]).unwrap();
+        assert_eq!(
+            contents(got.into_iter().next().unwrap()),
+            "a page for a receiver that left"
+        );
+        exported::close(a);
         println!("CHILD RAN");
     }
 
