@@ -21,7 +21,6 @@
 #include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
@@ -45,6 +44,7 @@
 #include <vector>
 
 #include "bridge/api.h"
+#include "bridge/device_scope.h"
 #include "bridge/history.h"
 #include "bridge/ipc.h"
 #include "bridge/registration.h"
@@ -1080,7 +1080,7 @@ class GpuallocAllocator final : public CUDAAllocator {
                      bool clear_history, const std::vector<std::string>& skip_actions) override {
     std::vector<int> skip;
     for (const auto& a : skip_actions) {
-      skip.push_back(static_cast<int>(c10::CachingDeviceAllocator::parseTraceEntryAction(a)));
+      skip.push_back(static_cast<int>(skip_action(a)));
     }
     record_history(enabled, recorder, max_entries, when, clear_history, skip);
   }
@@ -1165,7 +1165,7 @@ class GpuallocAllocator final : public CUDAAllocator {
     trace_trackers.push_back(std::move(tracker));
   }
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
-    c10::cuda::CUDAGuard guard(dev);
+    DeviceScope scope(dev);
     cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
     if (err == cudaErrorPeerAccessAlreadyEnabled) {
       (void)cudaGetLastError();

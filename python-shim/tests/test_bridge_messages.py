@@ -26,9 +26,12 @@ MACROS = {
     "TORCH_WARN": 0, "TORCH_WARN_ONCE": 0, "TORCH_WARN_DEPRECATION": 0, "C10_THROW_ERROR": 1,
     "AT_ERROR": 0,
 }
-# Calls that build a message from pieces out of sight (c10::str itself, and
-# C10_CUDA_CHECK_WARN's TORCH_WARN of two pieces): not in the bridge.
-FORBIDDEN = ("c10::str", "C10_CUDA_CHECK_WARN")
+# Calls that build a message from pieces out of sight: not in the bridge.
+# c10::str itself; C10_CUDA_CHECK_WARN's TORCH_WARN of two pieces, which
+# CUDAGuard's destructor also reaches (bridge/device_scope.h instead); and
+# c10's parseTraceEntryAction, whose error streams the unknown name
+# (history.h's skip_action instead).
+FORBIDDEN = ("c10::str", "C10_CUDA_CHECK_WARN", "CUDAGuard", "parseTraceEntryAction")
 
 
 def strip_comments(text: str) -> str:

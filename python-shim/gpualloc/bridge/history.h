@@ -31,6 +31,29 @@ using cca::TraceEntry;
 using Context = std::shared_ptr<c10::GatheredContext>;
 using AnnotationEntry =
     std::remove_reference_t<decltype(std::declval<cca::SnapshotInfo>().external_annotations)>::value_type;
+// An action of `_record_memory_history(skip_actions=...)`, by PyTorch's
+// names (c10's parseTraceEntryAction); a name PyTorch does not know raises
+// its RuntimeError, with its message built as one string (Note [Numbers in
+// the bridge's messages]: c10's own parser streams the name into it).
+inline TraceEntry::Action skip_action(const std::string& name) {
+  static const std::pair<const char*, TraceEntry::Action> table[] = {
+      {"alloc", TraceEntry::ALLOC},
+      {"free_requested", TraceEntry::FREE_REQUESTED},
+      {"free_completed", TraceEntry::FREE_COMPLETED},
+      {"segment_alloc", TraceEntry::SEGMENT_ALLOC},
+      {"segment_free", TraceEntry::SEGMENT_FREE},
+      {"segment_map", TraceEntry::SEGMENT_MAP},
+      {"segment_unmap", TraceEntry::SEGMENT_UNMAP},
+      {"snapshot", TraceEntry::SNAPSHOT},
+      {"oom", TraceEntry::OOM},
+  };
+  for (const auto& [k, v] : table) {
+    if (name == k) {
+      return v;
+    }
+  }
+  TORCH_CHECK(false, std::string("Unknown TraceEntry action: ") + name);
+}
 // TraceEntry's stream is a cudaStream_t before torch 2.11 and a void* since.
 using TraceStream = decltype(std::declval<TraceEntry>().stream_);
 

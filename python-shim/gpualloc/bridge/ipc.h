@@ -14,7 +14,6 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
 #include <memory>
@@ -23,6 +22,7 @@
 #include <unordered_map>
 
 #include "api.h"
+#include "device_scope.h"
 
 namespace gpualloc_bridge {
 
@@ -43,7 +43,7 @@ inline cca::ShareableHandle share(int device, void* ptr) {
   check(rc, "shareIpcHandle");
   if (len == 0) {
     // A plain segment: its CUDA IPC handle, in PyTorch's format.
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    DeviceScope scope(device);
     void* base = static_cast<char*>(ptr) - offset;
     cudaIpcMemHandle_t h;
     C10_CUDA_CHECK(cudaIpcGetMemHandle(&h, base));

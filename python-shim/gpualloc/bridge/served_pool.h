@@ -19,7 +19,6 @@
 #pragma once
 
 #include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAGuard.h>
 
 #include <cstdio>
 #include <exception>
@@ -27,6 +26,7 @@
 #include <string>
 
 #include "api.h"
+#include "device_scope.h"
 
 namespace gpualloc_bridge {
 
@@ -40,7 +40,7 @@ struct OtherAllocator {
 inline void* other_alloc(void* ctx, size_t size, int device, cudaStream_t stream) {
   auto* o = static_cast<OtherAllocator*>(ctx);
   try {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    DeviceScope scope(device);
     return o->allocator->raw_alloc_with_stream(size, stream);
   } catch (...) {
     // Called from the library's C ABI: no exception may cross it.
@@ -51,7 +51,7 @@ inline void* other_alloc(void* ctx, size_t size, int device, cudaStream_t stream
 inline void other_free(void* ctx, void* ptr, size_t /*size*/, int device, cudaStream_t /*stream*/) {
   auto* o = static_cast<OtherAllocator*>(ctx);
   try {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    DeviceScope scope(device);
     o->allocator->raw_delete(ptr);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpualloc: %s failed to free %p of a MemPool: %s\n", o->name.c_str(), ptr, e.what());

@@ -165,6 +165,27 @@ int main() {
     h.on_alloc(reinterpret_cast<void*>(0x5000), 64, 0, nullptr, nullptr);
     check("stopped: nothing is recorded", entries(h), "");
   }
+  {
+    // skip_actions by PyTorch's names; an unknown one raises PyTorch's error.
+    using gpualloc_bridge::skip_action;
+    expect(skip_action("free_completed") == TraceEntry::FREE_COMPLETED, "skip_action(free_completed)");
+    expect(skip_action("segment_unmap") == TraceEntry::SEGMENT_UNMAP, "skip_action(segment_unmap)");
+    expect(skip_action("oom") == TraceEntry::OOM, "skip_action(oom)");
+    std::string err = "no error";
+    try {
+      skip_action("free");
+    } catch (const c10::Error& e) {
+      err = e.what_without_backtrace();
+    }
+    expect(err.find("Unknown TraceEntry action: free") != std::string::npos, "skip_action(free) raised: " + err);
+    // Recording with a skipped action leaves it out.
+    History h;
+    h.configure(true, &recorder, 1000, RecordContext::ALL, true, {static_cast<int>(skip_action("free_requested"))});
+    void* p = reinterpret_cast<void*>(0x6000);
+    h.on_alloc(p, 64, 0, nullptr, named("a"));
+    h.after_free(p, h.on_free_requested(p, 0, named("f")));
+    check("free_requested skipped", entries(h), "alloc:a free_completed:f");
+  }
   if (failures != 0) {
     std::printf("%d failed\n", failures);
     return 1;
