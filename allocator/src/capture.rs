@@ -43,8 +43,8 @@
 //! that a C function cannot receive. A graph captured through it would get
 //! memory from the default pools, and after the capture its intermediate
 //! blocks, freed, would be handed to other tensors while replays still
-//! write them. So that route's entry point (`gpualloc_malloc_or_abort`)
-//! follows captures itself ([`follow_driver_capture`]), and from its first
+//! write them. So that route's entry points (`gpualloc_malloc_or_raise`,
+//! `gpualloc_malloc_or_abort`) follow captures themselves ([`follow_driver_capture`]), and from its first
 //! call on the device's frees and `empty_cache` do too:
 //! - it asks the driver for the capture the allocating stream takes part
 //!   in (`cuStreamGetCaptureInfo`: the capture's id, unique in the process);

@@ -471,8 +471,19 @@ void *gpualloc_malloc(size_t size, int device, cudaStream_t stream);
 // CUDA graph captures either, so this asks the driver and keeps a graph's
 // memory apart itself, for the life of the process (Note [Capture without
 // a pool] in the core). Not for other callers: `gpualloc_malloc` itself
-// never aborts and follows no capture.
+// never aborts and follows no capture. `gpualloc_malloc_or_raise` raises
+// instead where it can.
 void *gpualloc_malloc_or_abort(size_t size, int device, cudaStream_t stream);
+
+// `gpualloc_malloc_or_abort`, except that a failure throws a C++
+// `std::runtime_error` with gpualloc's diagnosis (opening, for an
+// out-of-memory error, with PyTorch's "CUDA out of memory. Tried to
+// allocate"), which PyTorch raises in Python as `RuntimeError`, so that
+// the program can catch it (Note [An error PyTorch can catch without the
+// bridge] in `cxx_error.rs`). For callers in C++ only, such as PyTorch's
+// plain `CUDAPluggableAllocator`; where the process has no libstdc++ to
+// throw with, it aborts as `gpualloc_malloc_or_abort`.
+void *gpualloc_malloc_or_raise(size_t size, int device, cudaStream_t stream);
 
 // Frees a pointer from `gpualloc_malloc` (PyTorch's pluggable `free`).
 // `size` and `stream` are ignored: the allocator knows both; a negative

@@ -24,6 +24,7 @@
 mod boundary;
 mod checkpoint;
 mod crash_report;
+mod cxx_error;
 mod driver_calls;
 mod fd_passing;
 mod fork;
@@ -288,7 +289,8 @@ fn malloc_on(
 /// CUDA graph captures either, so this asks the driver and keeps a graph's
 /// memory apart itself, for the life of the process (Note [Capture without
 /// a pool] in the core). Not for other callers: `gpualloc_malloc` itself
-/// never aborts and follows no capture.
+/// never aborts and follows no capture. `gpualloc_malloc_or_raise` raises
+/// instead where it can.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_malloc_or_abort(
     size: usize,
@@ -297,14 +299,47 @@ pub extern "C" fn gpualloc_malloc_or_abort(
 ) -> *mut c_void {
     let p = malloc_on(size, device, stream, true);
     if p.is_null() && size > 0 {
-        let msg = last_error_string().unwrap_or_else(|| "gpualloc: allocation failed".to_string());
-        crate::boundary::say(format_args!(
-            "{msg}\ngpualloc: aborting: PyTorch was given gpualloc without its bridge and cannot receive an error from it (see the gpualloc package docs)"
-        ));
-        crate::trace::complete_before_abort();
-        std::process::abort();
+        abort_for_failure();
     }
     p
+}
+
+/// `gpualloc_malloc_or_abort`, except that a failure throws a C++
+/// `std::runtime_error` with gpualloc's diagnosis (opening, for an
+/// out-of-memory error, with PyTorch's "CUDA out of memory. Tried to
+/// allocate"), which PyTorch raises in Python as `RuntimeError`, so that
+/// the program can catch it (Note [An error PyTorch can catch without the
+/// bridge] in `cxx_error.rs`). For callers in C++ only, such as PyTorch's
+/// plain `CUDAPluggableAllocator`; where the process has no libstdc++ to
+/// throw with, it aborts as `gpualloc_malloc_or_abort`.
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn gpualloc_malloc_or_raise(
+    size: usize,
+    device: c_int,
+    stream: cudaStream_t,
+) -> *mut c_void {
+    let p = malloc_on(size, device, stream, true);
+    if p.is_null() && size > 0 {
+        if cxx_error::available() {
+            cxx_error::throw_runtime_error(&failure_message());
+        }
+        abort_for_failure();
+    }
+    p
+}
+
+/// The calling thread's last error, or a general one.
+fn failure_message() -> String {
+    last_error_string().unwrap_or_else(|| "gpualloc: allocation failed".to_string())
+}
+
+fn abort_for_failure() -> ! {
+    let msg = failure_message();
+    crate::boundary::say(format_args!(
+        "{msg}\ngpualloc: aborting: PyTorch was given gpualloc without its bridge and cannot receive an error from it (see the gpualloc package docs)"
+    ));
+    crate::trace::complete_before_abort();
+    std::process::abort();
 }
 
 /// Frees a pointer from `gpualloc_malloc` (PyTorch's pluggable `free`).

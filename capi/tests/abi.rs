@@ -472,6 +472,108 @@ fn build(name: &str, src: &Path) -> (PathBuf, PathBuf) {
     (out, exe)
 }
 
+/// The fallback's raising entry point throws a C++ `std::runtime_error`
+/// with the diagnosis to a C++ caller (PyTorch raises it in Python), which
+/// catches it and goes on allocating; in a program without libstdc++ it
+/// aborts as `gpualloc_malloc_or_abort`. Needs g++ (as the bridge does).
+#[test]
+fn malloc_or_raise_throws_to_a_cxx_caller() {
+    let out = fresh_dir("raise_test");
+    let src = out.join("raise_test.cpp");
+    std::fs::write(
+        &src,
+        r#"#include "gpualloc.h"
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+int main() {
+  void *p = gpualloc_malloc_or_raise(4096, 0, nullptr);
+  if (p == nullptr) return 2;
+  for (int i = 0; i < 3; ++i) {
+    try {
+      gpualloc_malloc_or_raise(size_t{1} << 40, 0, nullptr);
+      std::printf("not reached\n");
+      return 3;
+    } catch (const std::runtime_error &e) {
+      if (std::strncmp(e.what(), "CUDA out of memory. Tried to allocate ", 38) != 0) {
+        std::printf("message: %s\n", e.what());
+        return 4;
+      }
+    }
+  }
+  // The allocator is usable after the errors: nothing was left locked.
+  void *q = gpualloc_malloc_or_raise(1 << 20, 0, nullptr);
+  if (q == nullptr) return 5;
+  gpualloc_free(q, 1 << 20, 0, nullptr);
+  gpualloc_free(p, 4096, 0, nullptr);
+  std::printf("done\n");
+  return 0;
+}
+"#,
+    )
+    .unwrap();
+    let exe = out.join("raise_test");
+    let lib = library();
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let gxx = Command::new("g++")
+        .args([
+            "-std=c++17",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-O1",
+            "-pthread",
+            "-I",
+        ])
+        .arg(manifest.join("include"))
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(lib.parent().unwrap())
+        .arg("-lgpualloc")
+        .output()
+        .expect("g++ is installed");
+    assert!(
+        gxx.status.success(),
+        "g++ failed:\n{}",
+        String::from_utf8_lossy(&gxx.stderr)
+    );
+    ran_to_done(&run_sim(
+        &exe,
+        &[("GPUALLOC_SIM_CAPACITY", "1GiB".as_ref())],
+    ));
+
+    // A C program has no libstdc++ loaded: nothing to throw with, so it
+    // aborts with the diagnosis, as the other entry point.
+    let (cout, cexe) = build_inline(
+        "raise_without_cxx_test",
+        r#"#include "gpualloc.h"
+#include <stdio.h>
+int main(void) {
+  gpualloc_malloc_or_raise((size_t)1 << 40, 0, 0);
+  printf("not reached\n");
+  return 3;
+}
+"#,
+    );
+    let run = run_sim(&cexe, &[("GPUALLOC_SIM_CAPACITY", "1GiB".as_ref())]);
+    use std::os::unix::process::ExitStatusExt;
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(
+        run.status.signal(),
+        Some(6),
+        "expected SIGABRT: {}\n{stderr}",
+        run.status
+    );
+    assert!(
+        stderr.contains("CUDA out of memory") && stderr.contains("aborting"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_dir_all(&cout);
+}
+
 /// Calls from a pthread key destructor and an atexit handler, where the
 /// thread-local last error is already destroyed, return status codes and
 /// never abort.

@@ -43,10 +43,13 @@ plain ``CUDAPluggableAllocator`` with a warning: stats, summary, fractions,
 ``empty_cache`` and ``record_stream`` still work (``torch.cuda.memory_*`` are
 patched in Python to read gpualloc, ``torch.cuda.memory_snapshot`` returns
 gpualloc's segments), ``cudnn.benchmark`` convolutions do not (PyTorch's
-wrapper refuses ``cacheInfo``), and out of memory cannot become an
-exception, so the fallback registers ``gpualloc_malloc_or_abort``: it prints
-the diagnosis and aborts the process rather than hand PyTorch a NULL it
-would silently turn into a tensor. PyTorch announces CUDA graph captures
+wrapper refuses ``cacheInfo``), and out of memory cannot become
+``torch.cuda.OutOfMemoryError``: the fallback registers
+``gpualloc_malloc_or_raise``, which throws a C++ ``std::runtime_error`` with
+the diagnosis (a ``RuntimeError`` opening with "CUDA out of memory." in
+Python) rather than hand PyTorch a NULL it would silently turn into a
+tensor (``GPUALLOC_FALLBACK_OOM=abort`` aborts the process instead).
+PyTorch announces CUDA graph captures
 only through hooks a C library cannot receive, so that entry point asks the
 driver and gives a capture a pool of its own, kept until the process ends
 (nothing says when the graph is destroyed).

@@ -269,6 +269,7 @@ _SIGNATURES = {
     "gpualloc_clear_error": (None, []),
     "gpualloc_malloc": (c_void_p, [c_size_t, c_int, c_void_p]),
     "gpualloc_malloc_or_abort": (c_void_p, [c_size_t, c_int, c_void_p]),
+    "gpualloc_malloc_or_raise": (c_void_p, [c_size_t, c_int, c_void_p]),
     "gpualloc_free": (None, [c_void_p, c_size_t, c_int, c_void_p]),
     "gpualloc_record_stream": (None, [c_void_p, c_void_p]),
     "gpualloc_record_stream_on": (None, [c_void_p, c_void_p, c_int]),

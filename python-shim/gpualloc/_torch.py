@@ -223,8 +223,8 @@ def _install_into(torch, L, bridge: bool, verbose: bool) -> str:
         except _BridgeUnavailable as e:
             warnings.warn(
                 f"gpualloc: the C++ bridge could not be built ({e}); falling back to a plain CUDAPluggableAllocator: "
-                "stats keep working through Python patches, but an out-of-memory error aborts the process with "
-                "gpualloc's diagnosis instead of raising torch.cuda.OutOfMemoryError, cudnn.benchmark convolutions "
+                "stats keep working through Python patches, but an out-of-memory error raises RuntimeError "
+                "('CUDA out of memory. ...') instead of torch.cuda.OutOfMemoryError, cudnn.benchmark convolutions "
                 "fail, and a captured CUDA graph keeps its memory until the process ends.",
                 RuntimeWarning,
                 stacklevel=4,
@@ -511,11 +511,12 @@ def _install_bridge(torch, libpath: str, verbose: bool) -> None:
 
 def _install_fallback(torch, libpath: str) -> None:
     """A plain CUDAPluggableAllocator with every hook PyTorch lets C set."""
-    oom = os.environ.get("GPUALLOC_FALLBACK_OOM", "abort").strip().lower() or "abort"
-    if oom not in ("abort", "null"):
-        warnings.warn(f"gpualloc: GPUALLOC_FALLBACK_OOM={oom!r} is not 'abort' or 'null'; using 'abort'",
+    oom = os.environ.get("GPUALLOC_FALLBACK_OOM", "raise").strip().lower() or "raise"
+    if oom not in ("raise", "abort", "null"):
+        warnings.warn(f"gpualloc: GPUALLOC_FALLBACK_OOM={oom!r} is not 'raise', 'abort' or 'null'; using 'raise'",
                       RuntimeWarning, stacklevel=5)  # the caller of gpualloc.install
-    alloc_fn = "gpualloc_malloc" if oom == "null" else "gpualloc_malloc_or_abort"
+        oom = "raise"
+    alloc_fn = {"raise": "gpualloc_malloc_or_raise", "abort": "gpualloc_malloc_or_abort", "null": "gpualloc_malloc"}[oom]
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(libpath, alloc_fn, "gpualloc_free")
     raw = pluggable.allocator()
     dll = lib().dll
@@ -527,8 +528,9 @@ def _install_fallback(torch, libpath: str) -> None:
     raw.set_memory_fraction_fn(addr(dll.gpualloc_set_memory_fraction))
     raw.set_record_stream_fn(addr(dll.gpualloc_record_stream))
     # The graph-pool hooks pass C++ objects (MempoolId_t, std::function): a C
-    # function cannot take them, so they stay unset: gpualloc_malloc_or_abort
-    # follows captures through the driver instead (Note [Capture without a pool]).
+    # function cannot take them, so they stay unset: gpualloc_malloc_or_raise
+    # (and _or_abort) follow captures through the driver instead (Note
+    # [Capture without a pool]).
     torch.cuda.memory.change_current_allocator(pluggable)
     _KEEP.append(pluggable)
 

@@ -1482,6 +1482,28 @@ class RunTargetsTest(unittest.TestCase):
             self.assertIn('File "<stdin>", line 2', out.stderr)
             self.assertIn("ValueError: boom", out.stderr)
 
+    def test_the_fallback_raises_on_out_of_memory_unless_told_otherwise(self):
+        # PyTorch's plain wrapper gets the entry point that throws a C++
+        # exception (RuntimeError in Python) by default; abort and null on
+        # request; an unknown value warns and raises.
+        program = textwrap.dedent(
+            """
+            import warnings, torch, gpualloc
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                gpualloc.install(bridge=False)
+            print("fn", torch.cuda.memory.installed[-1].alloc_fn)
+            print("warned", any("GPUALLOC_FALLBACK_OOM" in str(x.message) for x in w))
+            """
+        )
+        for value, fn, warned in ((None, "gpualloc_malloc_or_raise", False), ("abort", "gpualloc_malloc_or_abort", False),
+                                  ("null", "gpualloc_malloc", False), ("crash", "gpualloc_malloc_or_raise", True)):
+            with self.subTest(value=value):
+                out = run(["-c", program], env_extra={"GPUALLOC_FALLBACK_OOM": value} if value else None)
+                self.assertEqual(out.returncode, 0, out.stderr)
+                self.assertIn(f"fn {fn}\n", out.stdout)
+                self.assertIn(f"warned {warned}", out.stdout)
+
     def test_the_fallbacks_snapshot_has_a_trace_per_device_and_filters_by_pool(self):
         # MemoryViz indexes device_traces by device; memory_snapshot(mempool_id)
         # gives only that pool's segments.

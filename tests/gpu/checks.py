@@ -77,7 +77,7 @@ def _install_raw() -> str:
     import torch
 
     path = os.environ["GPUALLOC_LIBRARY"]
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "gpualloc_malloc_or_abort", "gpualloc_free")
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "gpualloc_malloc_or_raise", "gpualloc_free")
     lib = ctypes.CDLL(path)
     for setter, fn in (("set_reset_fn", lib.gpualloc_empty_cache),
                        ("set_memory_fraction_fn", lib.gpualloc_set_memory_fraction),
@@ -86,6 +86,24 @@ def _install_raw() -> str:
     torch.cuda.memory.change_current_allocator(alloc)
     _RAW.append(alloc)
     return "raw"
+
+
+def _installing_child(alloc: str) -> str:
+    """The opening of a child process's program that installs the
+    allocator `alloc` as checks.py's runs do (`--alloc`)."""
+    import textwrap
+
+    return textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {HERE!r})
+        import checks
+        alloc = {alloc!r}
+        if alloc == "raw":
+            checks._install_raw()
+        elif alloc == "gpualloc":
+            import gpualloc
+            gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None)
+    """)
 
 
 _RAW = []  # the raw route's allocator object, alive for the whole run
@@ -104,15 +122,16 @@ def check_dropin(args) -> dict:
 
     out = {}
     # PyTorch's plain CUDAPluggableAllocator (gpualloc's fallback, or the
-    # library loaded without the Python package) cannot raise an exception
-    # from its allocation function: gpualloc_malloc_or_abort aborts the
-    # process on failure, so sub-checks that run out of memory are skipped.
+    # library loaded without the Python package) cannot raise
+    # torch.cuda.OutOfMemoryError: gpualloc_malloc_or_raise throws a C++
+    # std::runtime_error, a RuntimeError in Python (oom_is_catchable checks
+    # it), so the sub-checks that expect OutOfMemoryError are skipped.
     pluggable = torch.cuda.get_allocator_backend() == "pluggable"
 
     def sub(name, fails_allocation=False):
         def deco(fn):
             if fails_allocation and pluggable:
-                out[name] = {"ok": False, "error": "skipped: an allocation that fails aborts the process under a plain CUDAPluggableAllocator"}
+                out[name] = {"ok": False, "error": "skipped: under a plain CUDAPluggableAllocator a failed allocation raises RuntimeError, not OutOfMemoryError (oom_is_catchable)"}
                 return fn
             try:
                 v = fn()
@@ -363,22 +382,45 @@ def check_dropin(args) -> dict:
         import subprocess
         import textwrap
 
-        code = textwrap.dedent(f"""
-            import os, sys
-            sys.path.insert(0, {HERE!r})
-            import checks
-            alloc = {args.alloc!r}
-            if alloc == "raw":
-                checks._install_raw()
-            elif alloc == "gpualloc":
-                import gpualloc
-                gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None)
+        code = _installing_child(args.alloc) + textwrap.dedent("""
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
             import torch
             print("AVAILABLE", torch.cuda.is_available(), torch.cuda.device_count())
         """)
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
         assert "AVAILABLE False 0" in r.stdout, (r.stdout + r.stderr)[-600:]
+
+    @sub("oom_is_catchable")
+    def _():
+        # On every route a request that never fits raises an exception that
+        # opens with PyTorch's "CUDA out of memory." (what libraries that
+        # retry a smaller batch look for), and allocation goes on: through
+        # the bridge torch.cuda.OutOfMemoryError; without it (the fallback,
+        # the raw route) a RuntimeError thrown by gpualloc_malloc_or_raise
+        # (Note [An error PyTorch can catch without the bridge]). In a child
+        # process, so that a crash fails this sub-check alone.
+        import subprocess
+        import textwrap
+
+        code = _installing_child(args.alloc) + textwrap.dedent("""
+            import torch
+            x = torch.ones(1 << 20, device="cuda")
+            for _ in range(2):
+                try:
+                    torch.empty(4 * torch.cuda.mem_get_info()[1], dtype=torch.uint8, device="cuda")
+                    print("NO ERROR")
+                except RuntimeError as e:
+                    print("RAISED", type(e).__name__, str(e)[:120].replace(chr(10), " "))
+            y = torch.ones(1 << 20, device="cuda")
+            print("AFTER", float(x.sum() + y.sum()))
+        """)
+        r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=180)
+        text = (r.stdout + r.stderr)[-900:]
+        assert r.returncode == 0, f"rc={r.returncode}: {text}"
+        raised = [line for line in r.stdout.splitlines() if line.startswith("RAISED ")]
+        assert len(raised) == 2 and all(" CUDA out of memory." in line for line in raised), text
+        assert f"AFTER {float(2 << 20)}" in r.stdout, text
+        return raised[0][len("RAISED "):]
 
     passed = sum(1 for v in out.values() if v["ok"])
     return {"passed": passed, "total": len(out), "checks": out}

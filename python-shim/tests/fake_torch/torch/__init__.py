@@ -34,7 +34,8 @@ cuda.is_initialized = lambda: False
 cuda.is_available = lambda: True
 cuda.memory = types.ModuleType("torch.cuda.memory")
 cuda.memory.CUDAPluggableAllocator = CUDAPluggableAllocator
-cuda.memory.change_current_allocator = lambda a: None
+cuda.memory.installed = []  # what change_current_allocator was given
+cuda.memory.change_current_allocator = cuda.memory.installed.append
 cuda.memory.memory_stats = lambda device=None: {}
 cuda.memory._snapshot = lambda device=None: {}  # replaced by gpualloc's fallback
 cuda.device_count = lambda: 2
