@@ -107,14 +107,9 @@ fn find() -> Option<Thrower> {
     }
 }
 
-/// Whether [`throw_runtime_error`] can throw in this process.
-pub(crate) fn available() -> bool {
-    thrower().is_some()
-}
-
 /// Throws `std::runtime_error(message)` to the C++ code that called into
 /// the library; returns only when this process has no libstdc++ to throw
-/// with ([`available`]). A NUL inside `message` ends it there.
+/// with. A NUL inside `message` ends it there.
 ///
 /// Call it only from an `extern "C-unwind"` function whose caller is C++
 /// that can take an exception (PyTorch), holding no lock.

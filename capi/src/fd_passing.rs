@@ -428,28 +428,39 @@ mod tests {
         assert_eq!(b.next(), (super::MAX_ACCEPT_WAIT, false));
     }
 
+    /// For a test that changes its process (limits, signal actions): true
+    /// in a child process running only test `name`; in the test's own
+    /// process, runs that child, checks that it succeeded having printed
+    /// `CHILD RAN`, and returns false.
+    fn in_child(name: &str) -> bool {
+        const CHILD: &str = "FD_PASSING_TEST_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            return true;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                &format!("fd_passing::tests::{name}"),
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{:?}: {text}", out.status);
+        assert!(text.contains("CHILD RAN"), "{text}");
+        false
+    }
+
     /// A sender at its descriptor limit cannot copy the descriptors: the
     /// refusal says so, not that they are not exported memory (which sent
     /// the user after a use-after-free instead of `ulimit -n`). Runs in a
     /// child process of its own, whose limit it lowers.
     #[test]
     fn a_sender_out_of_descriptors_says_so() {
-        const CHILD: &str = "FD_PASSING_LIMIT_TEST_CHILD";
-        if std::env::var_os(CHILD).is_none() {
-            let out = std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "fd_passing::tests::a_sender_out_of_descriptors_says_so",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(CHILD, "1")
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout).into_owned()
-                + &String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "{text}");
-            assert!(text.contains("CHILD RAN"), "{text}");
+        if !in_child("a_sender_out_of_descriptors_says_so") {
             return;
         }
         let a = listed("a page");
@@ -491,22 +502,7 @@ mod tests {
     /// for output piped to `head`). Runs in a child process of its own.
     #[test]
     fn a_receiver_gone_before_the_reply_does_not_kill_the_sender() {
-        const CHILD: &str = "FD_PASSING_SIGPIPE_TEST_CHILD";
-        if std::env::var_os(CHILD).is_none() {
-            let out = std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "fd_passing::tests::a_receiver_gone_before_the_reply_does_not_kill_the_sender",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(CHILD, "1")
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout).into_owned()
-                + &String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "{:?}: {text}", out.status);
-            assert!(text.contains("CHILD RAN"), "{text}");
+        if !in_child("a_receiver_gone_before_the_reply_does_not_kill_the_sender") {
             return;
         }
         // SAFETY: setting a signal's disposition to its default, before

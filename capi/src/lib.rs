@@ -320,10 +320,8 @@ pub extern "C-unwind" fn gpualloc_malloc_or_raise(
 ) -> *mut c_void {
     let p = malloc_on(size, device, stream, true);
     if p.is_null() && size > 0 {
-        if cxx_error::available() {
-            cxx_error::throw_runtime_error(&failure_message());
-        }
-        abort_for_failure();
+        cxx_error::throw_runtime_error(&failure_message());
+        abort_for_failure(); // nothing to throw with
     }
     p
 }
