@@ -191,10 +191,15 @@ impl<B: Backend> DeviceAllocator<B> {
         self.record(action, 0, addr, size, aux);
     }
 
-    /// Starts recording into `trace`; caps set at run time before it are
-    /// recorded first.
+    /// Starts recording into `trace`; the device's memory and the caps set
+    /// at run time before it are recorded first.
     pub(crate) fn start_trace(&mut self, trace: DeviceTrace) {
         self.trace = Some(trace);
+        // The device's size, so that a replay runs on a device like this
+        // one without being told (none where the driver refuses to say).
+        if self.device_total().is_ok() {
+            self.record_cap(MemoryCap::DeviceSize);
+        }
         for cap in self.limits.set_at_run_time(&self.config) {
             self.record_cap(cap);
         }

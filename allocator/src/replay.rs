@@ -552,7 +552,7 @@ impl DeviceRun {
                         let _ = self.dev.set_memory_fraction(fraction);
                     }
                     MemoryCap::Bytes(bytes) => self.dev.set_memory_limit(bytes),
-                    MemoryCap::Other(..) => {}
+                    MemoryCap::DeviceSize | MemoryCap::Other(..) => {}
                 },
                 _ => {}
             },

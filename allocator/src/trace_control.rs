@@ -554,6 +554,7 @@ mod tests {
             dev0,
             [
                 "phase_push:forward",
+                "memory_limit",
                 "segment_alloc",
                 "alloc",
                 "mark:step 1",
@@ -583,6 +584,19 @@ mod tests {
             dev1.first(),
             Some(&Action::PhasePush),
             "a late device starts inside the open phase"
+        );
+        let sizes: Vec<EventKind> = evs
+            .iter()
+            .filter(|e| e.action == Action::MemoryLimit)
+            .map(|e| e.kind())
+            .collect();
+        let device_size = EventKind::MemoryLimit {
+            cap: crate::trace::MemoryCap::DeviceSize,
+            device_total: 1 << 30,
+        };
+        assert_eq!(
+            sizes, [device_size; 2],
+            "each device tells its memory once, as it starts"
         );
         assert!(
             evs.windows(2)
@@ -668,7 +682,7 @@ mod tests {
         assert_eq!(r.end().unwrap().dropped, dropped as u64);
         assert_eq!(
             evs.len() as u64 + dropped as u64,
-            50 * 3 + 1,
+            50 * 3 + 2,
             "written + dropped = recorded"
         );
         std::fs::remove_file(&path).unwrap();
@@ -690,7 +704,10 @@ mod tests {
         let p = a.malloc(0, 512, 0).unwrap();
         a.free(0, p).unwrap();
         let s = a.trace_stop().unwrap();
-        assert_eq!(s.events, 4);
+        assert_eq!(
+            s.events, 5,
+            "the device's size, then a segment, the alloc and its free"
+        );
         assert!(
             Path::new(
                 &want
@@ -735,7 +752,7 @@ mod tests {
             .collect();
         assert_eq!(files.len(), 1, "{{pid}} was replaced: {files:?}");
         let (_, evs) = read(&files[0]);
-        assert_eq!(evs.len(), 4);
+        assert_eq!(evs.len(), 5);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -96,11 +96,13 @@ enum Command {
     Replay {
         /// A .gtrace file.
         file: PathBuf,
-        /// Simulated device capacity (e.g. 24GiB, 80G, 1073741824).
+        /// Simulated device capacity (e.g. 24GiB, 80G, 1073741824). Default:
+        /// the memory of the device the trace was recorded on, where the
+        /// trace tells it.
         // A leading `-` is a value (`-1GiB`), refused by the parser with
         // its name, not taken for flags.
         #[arg(long, allow_hyphen_values = true)]
-        capacity: String,
+        capacity: Option<String>,
         /// Allocator configuration (GPUALLOC_CONF syntax); repeat to compare
         /// several. Default: the configuration the trace was recorded with.
         #[arg(long)]
@@ -213,6 +215,25 @@ fn warn(w: &Option<String>) {
 /// The smallest and largest `replay --capacity`.
 const CAPACITY_RANGE: (u64, u64) = (1 << 20, gpualloc::config::MAX_BYTES);
 
+/// `replay --capacity`'s value in bytes, or what is wrong with it.
+fn parse_capacity(capacity: &str) -> Result<u64, CliError> {
+    if capacity.starts_with("--") {
+        // Taken as the value since `-1GiB` must be one.
+        return Err(CliError(format!(
+            "--capacity needs a size (such as 80GiB), not the option {capacity}"
+        )));
+    }
+    let cap = units::parse_bytes(capacity)
+        .map_err(|e| CliError(format!("--capacity {capacity}: {e}")))?;
+    let (min, max) = CAPACITY_RANGE;
+    if !(min..=max).contains(&cap) {
+        return Err(CliError(format!(
+            "--capacity {capacity}: {cap} bytes is not in {min}..={max} (1 MiB to 1 PiB)"
+        )));
+    }
+    Ok(cap)
+}
+
 fn run(cmd: Command) -> Result<(), CliError> {
     match cmd {
         Command::Summary {
@@ -286,20 +307,7 @@ fn run(cmd: Command) -> Result<(), CliError> {
             json,
             allow_truncated,
         } => {
-            if capacity.starts_with("--") {
-                // Taken as the value since `-1GiB` must be one.
-                return Err(CliError(format!(
-                    "--capacity needs a size (such as 80GiB), not the option {capacity}"
-                )));
-            }
-            let cap = units::parse_bytes(&capacity)
-                .map_err(|e| CliError(format!("--capacity {capacity}: {e}")))?;
-            let (min, max) = CAPACITY_RANGE;
-            if !(min..=max).contains(&cap) {
-                return Err(CliError(format!(
-                    "--capacity {capacity}: {cap} bytes is not in {min}..={max} (1 MiB to 1 PiB)"
-                )));
-            }
+            let cap = capacity.as_deref().map(parse_capacity).transpose()?;
             emit(&commands::replay::run(
                 &file,
                 cap,

@@ -224,6 +224,47 @@ fn replay_compares_configurations_deterministically() {
     );
 }
 
+/// Without `--capacity`, a replay runs on a device of the memory the
+/// recording's device had (traces tell it from minor 5 on); a trace that
+/// does not tell it fails naming the option to pass.
+#[test]
+fn replay_takes_the_recorded_devices_memory_unless_told_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path(), 20_000);
+    let own = ok(&["replay", s(&t)]);
+    let first = own.lines().next().unwrap();
+    assert!(
+        first.ends_with("on a simulated device of 80.00 GiB (the recorded device's memory)"),
+        "{own}"
+    );
+    let told = ok(&["replay", s(&t), "--capacity", "80GiB"]);
+    assert!(
+        told.lines().next().unwrap().ends_with("of 80.00 GiB"),
+        "{told}"
+    );
+    assert_eq!(
+        own.lines().skip(1).collect::<Vec<_>>(),
+        told.lines().skip(1).collect::<Vec<_>>(),
+        "the same device, the same figures"
+    );
+    let json: serde_json::Value = serde_json::from_str(&ok(&["replay", s(&t), "--json"])).unwrap();
+    assert_eq!(json[0]["capacity"], 80u64 << 30);
+    let old = common::write_trace(
+        dir.path(),
+        "untold.gtrace",
+        "",
+        &[common::ev(0, common::alloc(1 << 21, 4096))],
+        0,
+        true,
+    );
+    let e = fails(&["replay", s(&old)]);
+    assert!(
+        e.contains("does not tell its device's memory") && e.contains("pass --capacity"),
+        "{e}"
+    );
+    assert!(ok(&["replay", s(&old), "--capacity", "1GiB"]).contains("of 1.00 GiB"));
+}
+
 #[test]
 fn exported_snapshot_reads_like_memory_viz_reads_it() {
     let python = Command::new("python3").arg("--version").output();

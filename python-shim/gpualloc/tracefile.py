@@ -60,9 +60,10 @@ def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
     call's name, ``"#<code>"`` for an unknown one), ``pool`` (the pool's
     index on the device) and ``checkpoint`` (a checkpoint's number, for
     the checkpoint calls) (private_pool); ``fraction`` (of device memory,
-    1.0 for none) or ``bytes`` (None for none), the cap set, and
-    ``device_total`` (the device's memory as the allocator read it, 0 if
-    not known) (memory_limit). An unknown code gives ``kind``
+    1.0 for none) or ``bytes`` (None for none), the cap set, or neither
+    (the record that tells the device's memory as a trace starts on it),
+    and ``device_total`` (the device's memory as the allocator read it, 0
+    if not known) (memory_limit). An unknown code gives ``kind``
     ``"#<code>"`` and the raw fields; a cap this reader does not know gives
     ``memory_limit`` and the raw fields.
     """
@@ -93,6 +94,8 @@ def decode(action: int, stream: int, addr: int, size: int, aux: int) -> Dict:
         return {"kind": kind, "fraction": fraction, "device_total": addr}
     if action == 19 and size == 1:
         return {"kind": kind, "bytes": None if aux == U64 else aux, "device_total": addr}
+    if action == 19 and size == 2:
+        return {"kind": kind, "device_total": addr}
     return {"kind": kind, "stream": stream, "addr": addr, "size": size, "aux": aux}
 
 

@@ -244,7 +244,9 @@ class ApiTest(unittest.TestCase):
             on_1 = [r for r in records(path) if r["device"] == 1]
         caps = [{k: v for k, v in r.items() if k in ("fraction", "bytes")} for r in on_1 if r["kind"] == "memory_limit"]
         self.assertTrue(all(r["device_total"] > 0 for r in on_1 if r["kind"] == "memory_limit"))
-        self.assertEqual(caps, [{"fraction": 0.5}, {"bytes": 32 * MiB}, {"bytes": None}, {"fraction": 1.0}])
+        # First the record that tells the device's memory (no cap), as the
+        # trace starts on the device.
+        self.assertEqual(caps, [{}, {"fraction": 0.5}, {"bytes": 32 * MiB}, {"bytes": None}, {"fraction": 1.0}])
         kinds = [r["kind"] for r in on_1]
         self.assertLess(kinds.index("memory_limit"), kinds.index("oom"), "the cap comes before the failure it caused")
 

@@ -59,9 +59,10 @@ pub enum Action {
     PrivatePool = 18,
     /// A cap on reserved memory was set while the program ran
     /// (`set_per_process_memory_fraction`, `gpualloc_set_memory_limit`), or
-    /// differed from the configuration when the trace started. `size`:
+    /// differed from the configuration when the trace started; and, with
+    /// no cap (2), the device's memory as a trace starts on it. `size`:
     /// which cap ([`MemoryCap`]: 0 the fraction of device memory, 1 the
-    /// byte cap); `aux`: its value (the fraction as the bits of an `f64`,
+    /// byte cap, 2 none); `aux`: its value (the fraction as the bits of an `f64`,
     /// 1.0 for none; bytes, `u64::MAX` for none); `addr`: the device's
     /// memory as the allocator read it, which a fraction is taken of (0:
     /// not known). A replay sets the same cap at the same point, a fraction
@@ -281,6 +282,10 @@ pub enum MemoryCap {
     Fraction(u64),
     /// Bytes (`None`: no byte cap).
     Bytes(Option<u64>),
+    /// No cap: the record only tells the device's memory (its `addr`),
+    /// written first thing on a device when a trace starts (minor 5), so
+    /// that a replay knows the size of the device the program ran on.
+    DeviceSize,
     /// A code this reader does not know (a later version's cap), with its value.
     Other(u64, u64),
 }
@@ -296,6 +301,7 @@ impl MemoryCap {
         match self {
             MemoryCap::Fraction(bits) => (0, bits),
             MemoryCap::Bytes(b) => (1, b.unwrap_or(u64::MAX)),
+            MemoryCap::DeviceSize => (2, 0),
             MemoryCap::Other(which, value) => (which, value),
         }
     }
@@ -305,6 +311,7 @@ impl MemoryCap {
         match which {
             0 => MemoryCap::Fraction(value),
             1 => MemoryCap::Bytes((value != u64::MAX).then_some(value)),
+            2 => MemoryCap::DeviceSize,
             _ => MemoryCap::Other(which, value),
         }
     }

@@ -23,8 +23,11 @@ pub const VERSION: u16 = 1;
 /// minor 2 stops at the first block holding one. Minor 4 adds
 /// `segment_unlist` and `segment_list` (codes 20 and 21, Note [Listed
 /// ranges]), written when a stitch is taken into use or given back; a
-/// reader of minor 3 stops at the first block holding one.
-pub const MINOR_VERSION: u64 = 4;
+/// reader of minor 3 stops at the first block holding one. Minor 5 writes
+/// a `memory_limit` record of no cap (which cap 2) first thing on each
+/// device, telling the device's memory; a reader of minor 3 or 4 sees a
+/// cap it does not know and skips it.
+pub const MINOR_VERSION: u64 = 5;
 /// Two bytes that open every block.
 pub const BLOCK_MAGIC: [u8; 2] = *b"BK";
 /// Bytes of a block header: magic, kind, flags, device, length, crc32.

@@ -45,7 +45,7 @@ use gpualloc::replay::{Departure, DeviceReplay, ReplayResult, replay_split};
 use gpualloc::{Config, CostModel, DriverCalls, Held};
 use serde_json::json;
 
-use crate::analyses::analysis::analyze;
+use crate::analyses::analysis::{Analysis, analyze};
 use crate::input::{self, CliError};
 use crate::units::{bytes, duration, percent};
 
@@ -59,9 +59,8 @@ const MIN_STEPS: usize = 5;
 /// `install()` records as each optimizer step ends, else the openings of
 /// the most often opened top-level phase. Devices with fewer than
 /// [`MIN_STEPS`] boundaries have none.
-fn warmup_ends(path: &Path, allow_truncated: bool) -> Result<BTreeMap<u32, (u64, u64)>, CliError> {
-    let a = analyze(path, allow_truncated)?;
-    Ok(a.devices
+fn warmup_ends(a: &Analysis) -> BTreeMap<u32, (u64, u64)> {
+    a.devices
         .iter()
         .filter_map(|(&d, x)| {
             let b = x.state.iterations();
@@ -78,13 +77,46 @@ fn warmup_ends(path: &Path, allow_truncated: bool) -> Result<BTreeMap<u32, (u64,
             };
             Some((d, (start, (b.len() - w) as u64)))
         })
-        .collect())
+        .collect()
+}
+
+/// The device memory to replay on: `capacity` when given, else the
+/// largest memory a device of the recording told (trace minor 5 records
+/// it as each device starts; older traces only with a cap).
+fn capacity_of(path: &Path, a: &Analysis, capacity: Option<u64>) -> Result<Capacity, CliError> {
+    if let Some(bytes) = capacity {
+        return Ok(Capacity {
+            bytes,
+            recorded: false,
+        });
+    }
+    a.devices
+        .values()
+        .filter_map(|d| d.state.caps.device_total)
+        .max()
+        .map(|bytes| Capacity {
+            bytes,
+            recorded: true,
+        })
+        .ok_or_else(|| {
+            CliError(format!(
+                "{}: the trace does not tell its device's memory (written before trace minor 5, or imported); pass --capacity, such as --capacity 80GiB",
+                path.display()
+            ))
+        })
+}
+
+/// The simulated device's memory, and whether it is the recording's.
+#[derive(Clone, Copy)]
+struct Capacity {
+    bytes: u64,
+    recorded: bool,
 }
 
 /// Replays `path` under each configuration (the trace's own when none).
 pub fn run(
     path: &Path,
-    capacity: u64,
+    capacity: Option<u64>,
     configs: &[String],
     as_json: bool,
     allow_truncated: bool,
@@ -113,7 +145,10 @@ pub fn run(
             })
         })
         .collect::<Result<Vec<Config>, CliError>>()?;
-    let warm = warmup_ends(path, allow_truncated)?;
+    let a = analyze(path, allow_truncated)?;
+    let warm = warmup_ends(&a);
+    let cap = capacity_of(path, &a, capacity)?;
+    let capacity = cap.bytes;
     let split: BTreeMap<u32, u64> = warm.iter().map(|(&d, &(t, _))| (d, t)).collect();
     let mut results = Vec::new();
     let mut strings = Vec::new();
@@ -148,7 +183,7 @@ pub fn run(
     if as_json {
         return Ok(render_json(capacity, &configs, &results, dropped, &warm));
     }
-    Ok(render(path, capacity, &configs, &results, &strings, &warm))
+    Ok(render(path, cap, &configs, &results, &strings, &warm))
 }
 
 /// The driver calls of the steps after warm-up, summed over the devices
@@ -316,7 +351,7 @@ fn held_json(devices: impl Iterator<Item = (Held, u64)>) -> serde_json::Value {
 
 fn render(
     path: &Path,
-    capacity: u64,
+    capacity: Capacity,
     configs: &[String],
     rs: &[ReplayResult],
     strings: &[String],
@@ -325,15 +360,20 @@ fn render(
     let mut s = String::new();
     let events = rs.first().map_or(0, |r| r.events);
     let devices = rs.first().map_or(0, |r| r.devices.len());
+    let mine = if capacity.recorded {
+        " (the recorded device's memory)"
+    } else {
+        ""
+    };
     let _ = writeln!(
         s,
         "replay of {} ({events} events) on {}",
         path.display(),
         match devices {
-            0 | 1 => format!("a simulated device of {}", bytes(capacity)),
+            0 | 1 => format!("a simulated device of {}{mine}", bytes(capacity.bytes)),
             n => format!(
-                "{n} simulated devices of {} each; peaks, calls and OOMs are their sums",
-                bytes(capacity)
+                "{n} simulated devices of {}{mine} each; peaks, calls and OOMs are their sums",
+                bytes(capacity.bytes)
             ),
         }
     );

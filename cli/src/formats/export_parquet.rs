@@ -606,7 +606,8 @@ fn warn_refused(path: &Path, budget: &Budget) {
 
 /// A `memory_limit` row's `size` (the byte cap, 0 for none and for a
 /// fraction) and `name` (the cap in the configuration's syntax; the
-/// fraction printed so that it reads back to the same bits).
+/// fraction printed so that it reads back to the same bits; `device_size`
+/// for the record of the device's memory alone, whose bytes are its `addr`).
 fn cap_row(cap: MemoryCap) -> (u64, String) {
     match cap {
         MemoryCap::Fraction(bits) => (
@@ -615,6 +616,7 @@ fn cap_row(cap: MemoryCap) -> (u64, String) {
         ),
         MemoryCap::Bytes(Some(b)) => (b, format!("memory_limit:{b}")),
         MemoryCap::Bytes(None) => (0, "memory_limit:none".into()),
+        MemoryCap::DeviceSize => (0, "device_size".into()),
         MemoryCap::Other(which, value) => (0, format!("#{which}:{value}")),
     }
 }

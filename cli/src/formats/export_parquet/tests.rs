@@ -17,6 +17,7 @@ fn a_cap_row_says_which_cap_and_its_value() {
         cap_row(MemoryCap::Bytes(None)),
         (0, "memory_limit:none".into())
     );
+    assert_eq!(cap_row(MemoryCap::DeviceSize), (0, "device_size".into()));
     assert_eq!(cap_row(MemoryCap::Other(7, 3)), (0, "#7:3".into()));
 }
 
