@@ -1062,6 +1062,56 @@ int main(void) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Note [A trace read through a pipe]: a program whose trace goes to a
+/// named pipe runs on when the reader leaves early, with SIGPIPE at its
+/// default action (a C program's, which killed it with status 141).
+#[test]
+fn a_trace_reader_that_leaves_does_not_kill_the_program() {
+    let (dir, exe) = build_inline(
+        "trace_pipe",
+        r#"#include "gpualloc.h"
+#include <signal.h>
+#include <stdio.h>
+int main(void) {
+  signal(SIGPIPE, SIG_DFL);
+  for (int i = 0; i < 200000; i++) {
+    void *p = gpualloc_malloc(4096, 0, 0);
+    if (p == NULL) return 2;
+    gpualloc_free(p, 4096, 0, 0);
+    if (i % 10000 == 0) gpualloc_trace_flush();
+  }
+  printf("done\n");
+  return 0;
+}
+"#,
+    );
+    let fifo = dir.join("trace.fifo");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    assert!(made.is_ok_and(|s| s.success()), "mkfifo {}", fifo.display());
+    // Reads the header's first bytes, then leaves.
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || {
+            let mut head = [0u8; 100];
+            std::io::Read::read_exact(&mut std::fs::File::open(&fifo).unwrap(), &mut head).unwrap();
+            head
+        })
+    };
+    let out = run_sim_with(&exe, &[], &[("GPUALLOC_TRACE", fifo.as_os_str())]);
+    let head = reader.join().unwrap();
+    assert_eq!(
+        &head[..8],
+        b"\x89GATRACE",
+        "the reader got the trace's header"
+    );
+    let err = ran_to_done(&out);
+    assert!(
+        err.contains(&fifo.display().to_string()),
+        "the failed trace is named: {err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Note [Freeing in a forked child]: a child forked while another thread
 /// holds a device lock (here: a segment observer, which runs under it,
 /// waits until the fork happened) frees what it inherited without waiting

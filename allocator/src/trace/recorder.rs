@@ -29,6 +29,26 @@ use crate::trace::format::{MAX_DEVICES, TraceHeader};
 use crate::trace::writer::TraceWriter;
 use crate::trace::{Action, TraceEvent};
 
+// Note [A trace read through a pipe]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// `GPUALLOC_TRACE` may name a named pipe, read by a compressor as the
+// trace comes (`trace_file.rs`). When the reader goes away first, a write
+// raises SIGPIPE, whose default action kills the process: every C or C++
+// program that loads the library, and a Python program that restored the
+// default. The writer thread blocks SIGPIPE for itself alone (signal masks
+// are per thread), so its write fails with EPIPE instead, which ends the
+// trace with an error as any failed write does; the program runs on.
+
+/// Blocks SIGPIPE on the calling thread (Note [A trace read through a pipe]).
+fn without_sigpipe() {
+    use nix::sys::signal::{SigSet, SigmaskHow, Signal, pthread_sigmask};
+    let mut pipe = SigSet::empty();
+    pipe.add(Signal::SIGPIPE);
+    // Fails only for an invalid `how`; without the mask a write may still
+    // raise SIGPIPE, as before.
+    let _ = pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(&pipe), None);
+}
+
 /// How a trace is recorded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TraceOptions {
@@ -461,7 +481,10 @@ impl Recorder {
         };
         let handle = std::thread::Builder::new()
             .name("gpualloc-trace".into())
-            .spawn(move || ctx.run(writer, rx))?;
+            .spawn(move || {
+                without_sigpipe();
+                ctx.run(writer, rx)
+            })?;
         Ok(Recorder {
             opts,
             start_ns,
