@@ -39,7 +39,15 @@ use crate::trace::recorder::Recorder;
 /// and later calls on that device fail at once. The trace's calls over
 /// every device (stopping, flushing, marks, and the exit handler that
 /// completes the trace) pass over such a device. One relaxed load per lock
-/// taken.
+/// taken. The child polls (`try_lock` and short sleeps) and never parks:
+/// `parking_lot`'s process-wide wait queues may still link the wait
+/// records of parent threads that were parked at the fork, which live in
+/// those threads' memory, and a thread the child creates may be given that
+/// memory; parking it linked its record twice and crashed the next park
+/// (a review found 5 of 150 children of a C program killed by SIGSEGV,
+/// their exit handler's `trace_stop` among them). The trace's recorder
+/// slot is taken the same way, so that a trace call of the child cannot
+/// hang on a slot a parent thread held at the fork.
 static FORKED_CHILD: AtomicBool = AtomicBool::new(false);
 
 /// How long a device lock is waited for in a forked child (Note [Locks
@@ -78,12 +86,29 @@ pub(crate) fn take<T>(slot: &Mutex<T>, device: i64) -> Result<MutexGuard<'_, T>,
     } else {
         LOCK_WAIT_AFTER_FORK
     };
-    match slot.try_lock_for(wait) {
+    match poll_lock(slot, wait) {
         Some(g) => Ok(g),
         None => {
             HELD_AT_FORK.fetch_or(bit, Ordering::Relaxed);
             Err(AllocError::HeldAtFork { device })
         }
+    }
+}
+
+/// Takes `m` within `wait` by polling, never parking (a forked child's
+/// way, Note [Locks held at a fork]); `None` when it stayed held.
+pub(crate) fn poll_lock<T>(m: &Mutex<T>, wait: std::time::Duration) -> Option<MutexGuard<'_, T>> {
+    let deadline = std::time::Instant::now() + wait;
+    let mut sleep = std::time::Duration::from_micros(20);
+    loop {
+        if let Some(g) = m.try_lock() {
+            return Some(g);
+        }
+        if std::time::Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(sleep);
+        sleep = (sleep * 2).min(std::time::Duration::from_millis(2));
     }
 }
 
@@ -175,7 +200,9 @@ impl<B: Backend> Allocator<B> {
                 // below, as a cap differing from the configuration's.
                 dev.set_memory_fraction(f)?;
             }
-            if let Some(r) = &*self.recorder.lock() {
+            // Not under the slot's lock: starting reads the device's size.
+            let recorder = self.recorder_slot().ok().and_then(|s| s.clone());
+            if let Some(r) = recorder {
                 let now = dev.backend.now_ns();
                 dev.start_trace(r.device_trace(device as u32, now));
             }

@@ -38,14 +38,22 @@
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
-use crate::allocator::Allocator;
+use parking_lot::MutexGuard;
+
+use crate::allocator::{Allocator, LOCK_WAIT_AFTER_FORK, in_forked_child, poll_lock};
 use crate::backend::Backend;
 use crate::device::DeviceAllocator;
 use crate::trace::control_lock::CONTROL;
 use crate::trace::format::check_name;
 use crate::trace::recorder::{Recorder, TraceOptions, TraceSummary};
 use crate::trace::{Action, trace_env};
+
+/// Whether a forked child waited in vain for the recorder's slot (Note
+/// [Locks held at a fork] in `allocator.rs`): later calls fail at once.
+static RECORDER_HELD_AT_FORK: AtomicBool = AtomicBool::new(false);
 
 impl<B: Backend> Allocator<B> {
     /// Starts tracing to `path` with the default [`TraceOptions`].
@@ -70,7 +78,7 @@ impl<B: Backend> Allocator<B> {
         // to skip. The slot is emptied first: a device created meanwhile
         // does not join the copy.
         let inherited = {
-            let mut slot = self.recorder.lock();
+            let mut slot = self.recorder_slot()?;
             if slot.as_ref().is_some_and(|r| !r.is_own()) {
                 slot.take()
             } else {
@@ -82,7 +90,7 @@ impl<B: Backend> Allocator<B> {
         }
         drop(inherited);
         let rec = {
-            let mut slot = self.recorder.lock();
+            let mut slot = self.recorder_slot()?;
             if let Some(r) = &*slot {
                 return Err(io::Error::new(
                     io::ErrorKind::AlreadyExists,
@@ -163,7 +171,7 @@ impl<B: Backend> Allocator<B> {
     /// `NotFound` when not tracing; the writer's I/O error.
     pub fn trace_stop(&self) -> io::Result<TraceSummary> {
         let _control = CONTROL.lock();
-        let rec = self.recorder.lock().take().ok_or_else(not_tracing)?;
+        let rec = self.recorder_slot()?.take().ok_or_else(not_tracing)?;
         if !rec.is_own() {
             // Note [Traces across fork]: the child lets go of the parent's
             // trace, whose events it must not write.
@@ -270,7 +278,29 @@ impl<B: Backend> Allocator<B> {
     /// The running recorder, unless it is a forked child's copy of its
     /// parent's (Note [Traces across fork]).
     fn own_recorder(&self) -> Option<Arc<Recorder>> {
-        self.recorder.lock().clone().filter(|r| r.is_own())
+        self.recorder_slot().ok()?.clone().filter(|r| r.is_own())
+    }
+
+    /// The recorder's slot, locked; in a forked child polled for at most
+    /// [`LOCK_WAIT_AFTER_FORK`] (once: later calls fail at once), so that a
+    /// slot a thread of the parent held at the fork fails the call instead
+    /// of hanging it (Note [Locks held at a fork] in `allocator.rs`).
+    pub(crate) fn recorder_slot(&self) -> io::Result<MutexGuard<'_, Option<Arc<Recorder>>>> {
+        if !in_forked_child() {
+            return Ok(self.recorder.lock());
+        }
+        let wait = if RECORDER_HELD_AT_FORK.load(Ordering::Relaxed) {
+            Duration::ZERO
+        } else {
+            LOCK_WAIT_AFTER_FORK
+        };
+        poll_lock(&self.recorder, wait).ok_or_else(|| {
+            RECORDER_HELD_AT_FORK.store(true, Ordering::Relaxed);
+            io::Error::new(
+                io::ErrorKind::WouldBlock,
+                "gpualloc cannot trace in this process: it was forked from one whose allocator runs while another thread of it held the trace's lock, which no thread here will release",
+            )
+        })
     }
 
     /// Detaches every device from a forked child's copy of its parent's
@@ -728,6 +758,71 @@ mod tests {
         let p = with_pid(v);
         let want = [&b"/tmp/r\xff-"[..], pid.as_bytes(), b".gtrace"].concat();
         assert_eq!(p.as_os_str().as_bytes(), &want[..]);
+    }
+
+    /// Note [Locks held at a fork]: in a forked child, a recorder slot
+    /// that a thread of the parent held at the fork (here: a thread that
+    /// holds it for good, in a process marked as forked) fails the trace
+    /// calls after a bounded wait, once, instead of hanging them.
+    #[test]
+    fn a_recorder_slot_held_at_a_fork_fails_trace_calls_instead_of_hanging() {
+        let mut out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "trace_control::tests::recorder_held_child",
+                "--ignored",
+                "--nocapture",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = std::time::Instant::now();
+        while out.try_wait().unwrap().is_none() {
+            if start.elapsed() > std::time::Duration::from_secs(60) {
+                let _ = out.kill();
+                panic!("the child hung on the recorder's slot");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let out = out.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains("CHILD RAN"), "{text}");
+    }
+
+    /// Run in a child process by the test above (it marks its process as
+    /// a forked child, which every later test there would see).
+    #[test]
+    #[ignore = "run in a child process by a_recorder_slot_held_at_a_fork_fails_trace_calls_instead_of_hanging"]
+    fn recorder_held_child() {
+        let a = Arc::new(sim(1));
+        let path = temp_path("held-at-fork");
+        a.trace_start(&path).unwrap();
+        crate::allocator::note_forked_child();
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let holder = a.clone();
+        std::thread::spawn(move || {
+            let _slot = holder.recorder.lock();
+            held_tx.send(()).unwrap();
+            std::thread::park(); // for good, as a thread the child lacks
+        });
+        held_rx.recv().unwrap();
+        let start = std::time::Instant::now();
+        assert!(!a.is_tracing(), "the slot could not be read");
+        assert!(start.elapsed() >= LOCK_WAIT_AFTER_FORK);
+        let again = std::time::Instant::now();
+        let e = a.trace_stop().unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        assert!(e.to_string().contains("forked"), "{e}");
+        assert!(a.trace_start(&path).is_err());
+        assert!(
+            again.elapsed() < LOCK_WAIT_AFTER_FORK,
+            "later calls fail at once"
+        );
+        let _ = std::fs::remove_file(&path);
+        println!("CHILD RAN");
     }
 
     #[test]

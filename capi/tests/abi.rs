@@ -1112,6 +1112,79 @@ int main(void) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Note [Locks held at a fork]: a child forked while one thread of its
+/// parent held device 0's lock and another was parked waiting for it
+/// asks for the device from a thread of its own, which glibc gives the
+/// parked thread's stack and thread-local memory. The call fails (the lock
+/// is held for good there) without parking, which crashed the child.
+#[test]
+fn a_forked_child_does_not_park_where_its_parents_threads_were_parked() {
+    let (_out, exe) = build_inline(
+        "fork_parked",
+        r#"#define _GNU_SOURCE
+#include "gpualloc.h"
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+static pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+static int inside = 0, forked = 0;
+static void observer(void *ctx, int d, int a, uint64_t x, uint64_t s, uint64_t st) {
+  (void)ctx; (void)d; (void)a; (void)x; (void)s; (void)st;
+  pthread_mutex_lock(&m); inside = 1; pthread_cond_broadcast(&c);
+  while (!forked) pthread_cond_wait(&c, &m);
+  pthread_mutex_unlock(&m);
+}
+static void *grow(void *arg) { (void)arg; void *q = gpualloc_malloc(64 << 20, 0, 0); gpualloc_free(q, 0, 0, 0); return NULL; }
+static void *waiter(void *arg) { (void)arg; void *q = gpualloc_malloc(4096, 0, 0); gpualloc_free(q, 0, 0, 0); return NULL; }
+static void *ask(void *arg) { (void)arg; struct GpuallocHeld h; for (int i = 0; i < 3; i++) (void)gpualloc_held(0, &h); return NULL; }
+static pthread_t spawn_sized(void *(*f)(void *), size_t sz) {
+  pthread_attr_t a; pthread_attr_init(&a); pthread_attr_setstacksize(&a, sz);
+  pthread_t t; pthread_create(&t, &a, f, NULL); pthread_attr_destroy(&a); return t;
+}
+static pthread_t spawn(void *(*f)(void *)) { return spawn_sized(f, 2 << 20); }
+int main(void) {
+  void *p = gpualloc_malloc(4096, 0, 0);
+  if (!p) return 2;
+  gpualloc_set_segment_observer(observer, NULL);
+  pthread_t t = spawn_sized(grow, 4 << 20);
+  pthread_mutex_lock(&m); while (!inside) pthread_cond_wait(&c, &m); pthread_mutex_unlock(&m);
+  pthread_t w[1];
+  for (int i = 0; i < 1; i++) w[i] = spawn(waiter);
+  struct timespec ts = {0, 200000000}; nanosleep(&ts, NULL);  /* they park */
+  pid_t pid = fork();
+  if (pid == 0) {
+    alarm(60);
+    pthread_t k = spawn(ask);  /* gets the parked thread's stack, and its TLS */
+    pthread_join(k, NULL);
+    _exit(0);
+  }
+  pthread_mutex_lock(&m); forked = 1; pthread_cond_broadcast(&c); pthread_mutex_unlock(&m);
+  pthread_join(t, NULL);
+  for (int i = 0; i < 1; i++) pthread_join(w[i], NULL);
+  int st = 0; waitpid(pid, &st, 0);
+  if (WIFSIGNALED(st)) printf("child killed by signal %d\n", WTERMSIG(st));
+  else printf("child exit %d\n", WEXITSTATUS(st));
+  return 0;
+}
+"#,
+    );
+    for _ in 0..2 {
+        let out = run_sim_with(&exe, &[], &[]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "child exit 0\n");
+    }
+}
+
 /// Note [Freeing in a forked child]: a child forked while another thread
 /// holds a device lock (here: a segment observer, which runs under it,
 /// waits until the fork happened) frees what it inherited without waiting
