@@ -51,6 +51,10 @@ use crate::trace::format::check_name;
 use crate::trace::recorder::{Recorder, TraceOptions, TraceSummary};
 use crate::trace::{Action, trace_env};
 
+/// Set to `1` by `python -m gpualloc run` for the processes it starts
+/// (Note [Installing in child processes] in the Python package).
+const RUN_CHILDREN: &str = "GPUALLOC_RUN_CHILDREN";
+
 /// Whether a forked child waited in vain for the recorder's slot (Note
 /// [Locks held at a fork] in `allocator.rs`): later calls fail at once.
 static RECORDER_HELD_AT_FORK: AtomicBool = AtomicBool::new(false);
@@ -123,7 +127,15 @@ impl<B: Backend> Allocator<B> {
     pub fn trace_from_env(&self) -> io::Result<bool> {
         match trace_env() {
             Some(v) if !self.is_tracing() => {
-                self.trace_start(&with_pid(&v))?;
+                let path = with_pid(&v);
+                // Note [One writer per trace file]: a run's processes keep
+                // each other's finished traces.
+                let path = if std::env::var_os(RUN_CHILDREN).is_some_and(|r| r == "1") {
+                    crate::trace::trace_file::past_finished(&path)
+                } else {
+                    path
+                };
+                self.trace_start(&path)?;
                 Ok(true)
             }
             _ => Ok(false),
@@ -141,8 +153,8 @@ impl<B: Backend> Allocator<B> {
     /// start), or one beside it when another process was writing that
     /// (Note [One writer per trace file]).
     pub fn trace_path(&self) -> Option<std::path::PathBuf> {
-        self.recorder
-            .lock()
+        self.recorder_slot()
+            .ok()?
             .as_ref()
             .map(|r| r.path().to_path_buf())
     }

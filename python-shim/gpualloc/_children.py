@@ -18,13 +18,17 @@ the bridge (built once, cached), and for nothing on the GPU until it uses
 CUDA, since installing starts nothing (Note [Starting on first use] in
 ``capi/src/pending.rs``). A trace path without ``{pid}`` or ``{rank}`` is
 shared: the first process that allocates writes it, later ones write
-``<name>-pid<N>.gtrace`` (Note [One writer per trace file]); the process
-running ``run`` (a launcher) usually never allocates, so never writes it.
+``<name>-pid<N>.gtrace`` (Note [One writer per trace file]), whether
+they run at once or one after another (the path is emptied as ``run``
+starts); the process running ``run`` (a launcher) usually never
+allocates, so never writes it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import stat
 from typing import Optional, Sequence
 
 ENV = "GPUALLOC_RUN_CHILDREN"
@@ -60,7 +64,33 @@ def pass_on(config: Optional[str], trace: Optional[str], bridge: bool, said: Seq
         os.environ["GPUALLOC_TRACE"] = trace
     if not bridge:
         os.environ["GPUALLOC_BRIDGE"] = "0"
+    _empty_unwritten(os.environ.get("GPUALLOC_TRACE", "").strip())
     # An empty entry is the current directory: kept (none when unset).
     given = os.environ.get("PYTHONPATH", "")
     paths = [p for p in given.split(os.pathsep) if p != CHILD_DIR] if given else []
     os.environ["PYTHONPATH"] = os.pathsep.join([CHILD_DIR] + paths)
+
+
+def _empty_unwritten(path: str) -> None:
+    """Empties the trace path this run's processes share when it is a
+    regular file that no process writes (an earlier run's trace): the
+    library sends a process of a run that finds a finished trace there
+    beside it, to keep the trace of an earlier process of the same run
+    (Note [One writer per trace file] in ``allocator/src/trace/trace_file.rs``),
+    and the run's first writer is to take the path itself. A path with a
+    placeholder (``{pid}``) names no one file; one being written is left
+    to its writer."""
+    if not path or "{" in path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # never created here; a pipe without reader fails
+    except OSError:
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+    except OSError:
+        pass  # being written (locked), or not ours to empty
+    finally:
+        os.close(fd)

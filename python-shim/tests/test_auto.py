@@ -1049,6 +1049,37 @@ class InstallTest(unittest.TestCase):
             sizes = sorted(r["requested"] for r in records(os.path.join(d, traces[0])) if r["kind"] == "alloc")
             self.assertEqual(sizes, [1 << 20, 2 << 20])
 
+    def test_processes_of_a_run_one_after_another_keep_each_others_traces(self):
+        # A sweep that runs its trials one after another, each tracing to
+        # the run's one path: the first writes it (an earlier run's trace
+        # there is emptied as run starts), later ones beside it, instead of
+        # each emptying the one before.
+        with tempfile.TemporaryDirectory() as d:
+            trace = os.path.join(d, "t.gtrace")
+            with open(trace, "wb") as f:
+                f.write(b"an earlier run's trace")
+            child = "import sys, torch; from gpualloc._lib import lib; lib().free(lib().malloc(int(sys.argv[1]) << 20, 0, 0), 0)"
+            s = self.script(
+                d,
+                f"""
+                import subprocess, sys
+                for n in (1, 2, 3):
+                    subprocess.run([sys.executable, "-c", {child!r}, str(n)], check=True)
+                """,
+            )
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "--trace", trace, s])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            from gpualloc.tracefile import records
+
+            traces = sorted(n for n in os.listdir(d) if n.endswith(".gtrace"))
+            self.assertEqual(len(traces), 3, traces)
+            sizes = sorted(
+                r["requested"] >> 20 for n in traces for r in records(os.path.join(d, n)) if r["kind"] == "alloc"
+            )
+            self.assertEqual(sizes, [1, 2, 3])
+            first = [r["requested"] >> 20 for r in records(trace) if r["kind"] == "alloc"]
+            self.assertEqual(first, [1], "the first trial took the path")
+
     def test_the_environments_trace_holds_for_run_and_its_children(self):
         # With GPUALLOC_TRACE set, install() ignores --trace (and says so):
         # the children are not told otherwise.

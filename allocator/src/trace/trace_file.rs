@@ -19,6 +19,14 @@
 //! file is locked and emptied: `/dev/null` (measuring what tracing costs)
 //! and a named pipe (a compressor reading the trace as it comes) cannot be
 //! emptied, and a second writer has no file to go beside.
+//! The lock lasts as long as its writer: a process that started after an
+//! earlier one had finished emptied its trace. Under `python -m gpualloc
+//! run`, whose processes share the path (a sweep running its trials one
+//! after another, a restarted rank), that lost all but the last trace, so
+//! there a trace started from `GPUALLOC_TRACE` goes beside a path that
+//! holds a finished trace ([`past_finished`]); `run` empties the path as
+//! it starts, so its first writer takes the path itself. Elsewhere the path
+//! is overwritten, as a program run again expects.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
@@ -45,6 +53,20 @@ pub fn create(path: &Path) -> io::Result<(File, PathBuf)> {
                 other.display()
             ),
         )),
+    }
+}
+
+/// `path`, or `<stem>-pid<N>.<ext>` beside it when `path` holds a trace
+/// that another process finished: a regular file, not empty, that no
+/// process writes (Note [One writer per trace file]).
+pub fn past_finished(path: &Path) -> PathBuf {
+    let finished = File::open(path).is_ok_and(|f| {
+        f.metadata().is_ok_and(|m| m.is_file() && m.len() > 0) && f.try_lock().is_ok()
+    });
+    if finished {
+        beside(path, std::process::id())
+    } else {
+        path.to_path_buf()
     }
 }
 
@@ -99,6 +121,29 @@ mod tests {
             (null, null),
             "no second writer goes beside it"
         );
+    }
+
+    #[test]
+    fn only_a_finished_trace_is_passed_by() {
+        let path = crate::trace::control_tests_path("finished");
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(past_finished(&path), path, "no file");
+        std::fs::write(&path, b"").unwrap();
+        assert_eq!(past_finished(&path), path, "an empty file");
+        let (mut writing, _) = create(&path).unwrap();
+        io::Write::write_all(&mut writing, b"events").unwrap();
+        assert_eq!(
+            past_finished(&path),
+            path,
+            "being written: create goes beside"
+        );
+        drop(writing);
+        assert_eq!(past_finished(&path), beside(&path, std::process::id()));
+        assert_eq!(
+            past_finished(Path::new("/dev/null")),
+            Path::new("/dev/null")
+        );
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]
