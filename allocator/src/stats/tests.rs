@@ -227,7 +227,24 @@ fn render_docs() -> String {
          - pooled handles.\n\
          \n\
          The four parts add up to `reserved_bytes.all.current`. `gpualloc replay`\n\
-         gives the same split at the peak of a trace's reserved memory.\n",
+         gives the same split at the peak of a trace's reserved memory.\n\
+         \n\
+         Pooled handles are device memory gpualloc holds unmapped (the page pool,\n\
+         Note [Page pool] in `allocator/src/page_pool.rs`: pages kept for reuse\n\
+         after defragmentation moved them, a private pool's pages after its graph\n\
+         was released, pages waiting for their kernels before they are\n\
+         unmapped). They count in `reserved_bytes` and `memory_reserved()`, since\n\
+         the device has them, but no segment of `memory_snapshot()` lists them,\n\
+         having no address: where PyTorch's reserved bytes always equal the sum\n\
+         of the snapshot's segment sizes, gpualloc's exceed it by the pooled\n\
+         bytes, which `held()` gives (`empty_cache` returns them to the driver).\n\
+         \n\
+         Two counters differ from PyTorch's for pages that change pools: a pooled\n\
+         handle mapped again for the other pool (small or large) counts as freed\n\
+         by the one and allocated by the other, in `all` too, so that `all` stays\n\
+         the sum of the two pools in every field; `reserved_bytes.all.allocated`\n\
+         then exceeds what was obtained from the driver, which\n\
+         `num_device_alloc` and the trace's `pages_create` records count.\n",
     );
     out
 }
