@@ -98,18 +98,7 @@ pub(crate) fn take<T>(slot: &Mutex<T>, device: i64) -> Result<MutexGuard<'_, T>,
 /// Takes `m` within `wait` by polling, never parking (a forked child's
 /// way, Note [Locks held at a fork]); `None` when it stayed held.
 pub(crate) fn poll_lock<T>(m: &Mutex<T>, wait: std::time::Duration) -> Option<MutexGuard<'_, T>> {
-    let deadline = std::time::Instant::now() + wait;
-    let mut sleep = std::time::Duration::from_micros(20);
-    loop {
-        if let Some(g) = m.try_lock() {
-            return Some(g);
-        }
-        if std::time::Instant::now() >= deadline {
-            return None;
-        }
-        std::thread::sleep(sleep);
-        sleep = (sleep * 2).min(std::time::Duration::from_millis(2));
-    }
+    crate::backoff::poll_until(Some(std::time::Instant::now() + wait), || m.try_lock())
 }
 
 /// Creates the backend of a device on first use.

@@ -55,6 +55,7 @@
 
 pub mod allocator;
 pub mod backend;
+mod backoff;
 mod block;
 mod budget;
 mod capture;

@@ -73,25 +73,10 @@ impl ControlLock {
 
     /// Takes the lock, waiting at most until `deadline`; whether it did.
     fn acquire_until(&self, deadline: Option<Instant>) -> bool {
-        let mut sleep = Duration::from_micros(20);
-        let mut spins = 0u32;
-        loop {
-            if !self.held.load(Ordering::Relaxed) && self.try_acquire() {
-                return true;
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return false;
-            }
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else if spins < 80 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(sleep);
-                sleep = (sleep * 2).min(Duration::from_millis(1));
-            }
-            spins = spins.saturating_add(1);
-        }
+        crate::backoff::poll_until(deadline, || {
+            (!self.held.load(Ordering::Relaxed) && self.try_acquire()).then_some(())
+        })
+        .is_some()
     }
 
     fn release(&self) {
