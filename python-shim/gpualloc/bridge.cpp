@@ -463,7 +463,9 @@ bool free_memory_callbacks_freed() {
 // PyTorch's allocator runs them whenever a request finds no cached block,
 // before it grows: gpualloc calls this then, with no lock of its own held
 // (Note [Free-memory callbacks] in capi/src/miss.rs). Nothing may unwind
-// into gpualloc; a callback that throws frees nothing.
+// into gpualloc; a callback that throws frees nothing. As in PyTorch they
+// run there only, not again once a request is out of memory: a retry then
+// would succeed after `num_ooms` and the trace's OOM record counted it.
 int on_miss(void* /*ctx*/, int /*device*/) noexcept {
   try {
     return free_memory_callbacks_freed() ? 1 : 0;
@@ -472,23 +474,12 @@ int on_miss(void* /*ctx*/, int /*device*/) noexcept {
   }
 }
 
-// gpualloc's malloc; out of memory, once more after torch's free-memory
-// callbacks freed some (PyTorch's allocator runs them on a miss, and then
-// releases its cache: memory let go of since is still worth a retry).
-void* malloc_or_retry(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
-  void* p = api.malloc_fn(size, device, stream);
-  if (p == nullptr && api.last_error_code() == GPUALLOC_ERR_OUT_OF_MEMORY && free_memory_callbacks_freed()) {
-    p = api.malloc_fn(size, device, stream);
-  }
-  return p;
-}
-
 void* alloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
   if (size == 0) {
     return nullptr;
   }
   if (!history.enabled()) {
-    void* p = malloc_or_retry(size, device, stream);
+    void* p = api.malloc_fn(size, device, stream);
     if (p == nullptr) {
       raise_alloc_failure(size, device, stream);
     }
@@ -498,7 +489,7 @@ void* alloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
   }
   Context ctx = history.gather(RecordContext::STATE);
   History::pending_context() = ctx;
-  void* p = malloc_or_retry(size, device, stream);
+  void* p = api.malloc_fn(size, device, stream);
   History::pending_context().reset();
   if (p == nullptr) {
     raise_alloc_failure(size, device, stream, ctx);
