@@ -122,6 +122,10 @@ pub struct Allocator<B: Backend> {
     /// The cap each device starts with, as a fraction of its memory, beside
     /// the configuration's (Note [PyTorch's settings under gpualloc]).
     start_fraction: Option<f64>,
+    /// PyTorch's `expandable_segments` says off (Note [PyTorch's
+    /// expandable_segments switch] in `plain_requests.rs`); devices created
+    /// later start so.
+    plain_requests: AtomicBool,
 }
 
 impl<B: Backend> Allocator<B> {
@@ -139,6 +143,7 @@ impl<B: Backend> Allocator<B> {
             deferred_frees: Mutex::new(Vec::new()),
             has_deferred_frees: AtomicBool::new(false),
             start_fraction: None,
+            plain_requests: AtomicBool::new(false),
         }
     }
 
@@ -196,6 +201,7 @@ impl<B: Backend> Allocator<B> {
                 dev.start_trace(r.device_trace(device as u32, now));
             }
             dev.observer = self.observer.lock().clone();
+            dev.set_plain_requests(self.plain_requests.load(Ordering::Relaxed));
             *guard = Some(dev);
         }
         let d = MutexGuard::map(guard, |d| d.as_mut().expect("created above"));
@@ -239,6 +245,21 @@ impl<B: Backend> Allocator<B> {
                 d.observer = self.observer.lock().clone();
             }
         }
+    }
+
+    /// PyTorch's `expandable_segments` says off (`true`) or on again, on
+    /// every device, created or not (Note [PyTorch's expandable_segments
+    /// switch] in `plain_requests.rs`).
+    ///
+    /// # Errors
+    /// As [`for_each_created`](Self::for_each_created): called back from
+    /// another allocator's call, or a device locked at a fork.
+    pub fn set_plain_requests(&self, on: bool) -> Result<(), AllocError> {
+        self.plain_requests.store(on, Ordering::Relaxed);
+        self.for_each_created(|d| {
+            d.set_plain_requests(on);
+            Ok(())
+        })
     }
 
     /// Locks device `device` if it has been created; `None` otherwise (read-only

@@ -190,6 +190,12 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     fn incref_pool(&mut self, key: PoolKey, serving: Serving) {
+        // Note [PyTorch's expandable_segments switch]: a pool created
+        // while it is off stays plain.
+        let serving = match serving {
+            Serving::Own if self.plain_requests => Serving::Plain,
+            s => s,
+        };
         let pools = &mut self.heap.pools;
         let ids = self.private.incref(key, serving, |vacant| {
             vacant.unwrap_or_else(|| {

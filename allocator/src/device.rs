@@ -78,6 +78,10 @@ pub struct DeviceAllocator<B: Backend> {
     /// Whether every pool (default and private) uses expandable segments:
     /// configured and supported by the backend (Note [Private pools]).
     pub(crate) expandable: bool,
+    /// PyTorch's `expandable_segments` says off: requests outside private
+    /// pools take plain segments (Note [PyTorch's expandable_segments
+    /// switch] in `plain_requests.rs`).
+    pub(crate) plain_requests: bool,
     /// Physical handles of expandable segments (Note [Page pool]).
     pub(crate) pages: PagePool,
     /// Live blocks shared with other processes (`shares.rs`).
@@ -142,6 +146,7 @@ impl<B: Backend> DeviceAllocator<B> {
             call_ns: None,
             observer: None,
             expandable,
+            plain_requests: false,
             pages: PagePool::default(),
             shares: Shares::default(),
             fences: Fences::default(),
@@ -202,6 +207,9 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         for cap in self.limits.set_at_run_time(&self.config) {
             self.record_cap(cap);
+        }
+        if self.plain_requests {
+            self.record_plain_requests();
         }
     }
 
@@ -482,7 +490,10 @@ impl<B: Backend> DeviceAllocator<B> {
                 PoolKind::Small => small,
                 PoolKind::Large => large,
             });
-        let pool = forced.unwrap_or_else(|| self.pool_for(rounded, stream));
+        let mut pool = forced.unwrap_or_else(|| self.pool_for(rounded, stream));
+        if self.plain_requests && self.expandable && pool <= LARGE {
+            pool = self.plain_request_pool(PoolKind::of(rounded));
+        }
         let block = self.get_free_block(pool, stream, rounded);
         Ok(Cached {
             pool,

@@ -84,6 +84,7 @@ pub mod observer;
 mod oom;
 mod page_pool;
 mod pending;
+mod plain_requests;
 mod pool;
 mod private_pool;
 mod release;

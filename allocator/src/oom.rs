@@ -6,7 +6,6 @@ use crate::backend::{Backend, BackendError, StreamId};
 use crate::block::{BlockState, PoolId};
 use crate::device::DeviceAllocator;
 use crate::error::{AllocError, OomReport};
-use crate::heap::STITCH;
 use crate::trace::Action;
 
 impl<B: Backend> DeviceAllocator<B> {
@@ -92,7 +91,10 @@ impl<B: Backend> DeviceAllocator<B> {
         self.live
             .values()
             .map(|&id| &self.heap.blocks[id])
-            .filter(|b| b.state == BlockState::Allocated && b.pool > STITCH)
+            .filter(|b| {
+                b.state == BlockState::Allocated
+                    && self.heap.pools[b.pool as usize].private.is_some()
+            })
             .map(|b| b.size)
             .sum()
     }

@@ -78,6 +78,12 @@ pub(crate) struct PrivatePools {
 /// driver; PyTorch's graph and MemPool ids never reach it.
 pub const FOLLOWED_POOL: u64 = u64::MAX;
 
+/// The key of the pool that serves requests outside private pools while
+/// PyTorch's `expandable_segments` is off (Note [PyTorch's
+/// expandable_segments switch] in `plain_requests.rs`); neither PyTorch's
+/// ids nor followed captures reach it.
+pub const PLAIN_REQUESTS_POOL: PoolKey = (u64::MAX - 1, u64::MAX - 1);
+
 /// A capture followed through the driver.
 struct Followed {
     key: PoolKey,
@@ -188,6 +194,35 @@ impl PrivatePools {
         });
         self.next_index += 1;
         Some((small, large))
+    }
+
+    /// The `(small, large)` ids of [`PLAIN_REQUESTS_POOL`], and whether it
+    /// was created now (unheld, plain, with no index: the trace and the
+    /// observer tell its segments as the default pools'; never erased); a
+    /// new pool gets its ids from `ids`.
+    pub fn plain_requests_pools(
+        &mut self,
+        mut ids: impl FnMut(Option<PoolId>) -> PoolId,
+    ) -> (PoolId, PoolId, bool) {
+        if let Some(p) = self.pools.iter().find(|p| p.key == PLAIN_REQUESTS_POOL) {
+            return (p.small, p.large, false);
+        }
+        let small = ids(self.vacant_ids.pop());
+        let large = ids(self.vacant_ids.pop());
+        self.pools.push(PrivatePool {
+            key: PLAIN_REQUESTS_POOL,
+            index: u32::MAX,
+            small,
+            large,
+            use_count: 0,
+            segments: 0,
+            allocated: 0,
+            plain: true,
+            source: None,
+            use_on_oom: false,
+            no_split: false,
+        });
+        (small, large, true)
     }
 
     /// Pool `key`'s `(small, large)` ids and use count, if it exists.
@@ -328,8 +363,12 @@ impl PrivatePools {
             .find(|p| p.small == pool || p.large == pool)
     }
 
+    /// The creation order of the private pool that owns `pool` (none for
+    /// the default pools and [`PLAIN_REQUESTS_POOL`]).
     pub fn index_of(&self, pool: PoolId) -> Option<u32> {
-        self.owner(pool).map(|p| p.index)
+        self.owner(pool)
+            .filter(|p| p.key != PLAIN_REQUESTS_POOL)
+            .map(|p| p.index)
     }
 
     #[inline]
@@ -376,7 +415,9 @@ impl PrivatePools {
         let pools = &mut self.pools;
         crate::segment_source::calling_source(|| {
             pools.retain(|p| {
-                let keep = p.use_count > 0 || p.segments > 0;
+                // The plain-request pool stays: a request that made the
+                // cache go may still grow it.
+                let keep = p.use_count > 0 || p.segments > 0 || p.key == PLAIN_REQUESTS_POOL;
                 if !keep {
                     vacant.extend([p.small, p.large]);
                 }
@@ -389,6 +430,7 @@ impl PrivatePools {
     pub fn list(&self) -> Vec<(PoolKey, u32, usize, usize)> {
         self.pools
             .iter()
+            .filter(|p| p.key != PLAIN_REQUESTS_POOL)
             .map(|p| (p.key, p.use_count, p.segments, p.allocated))
             .collect()
     }

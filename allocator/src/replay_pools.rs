@@ -256,6 +256,10 @@ impl PoolRouting {
                 }
             }),
             PoolOp::NoSplit => dev.set_pool_no_split(key),
+            PoolOp::PlainRequests => {
+                dev.set_plain_requests(checkpoint != 0);
+                Ok(())
+            }
             PoolOp::Release => dev.release_pool(key),
             PoolOp::EmptyCache => dev.empty_pool_cache(key),
             PoolOp::Other(_) => Ok(()),

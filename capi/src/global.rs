@@ -11,6 +11,7 @@
 //! later `gpualloc_init` still takes effect.
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use gpualloc::backend::cuda::{self, CudaBackend};
 use gpualloc::backend::{
@@ -223,6 +224,10 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
     let config = parse_or_env(config.or(kept.config.as_deref()))?;
     let g = build(config)?;
     g.alloc.set_segment_observer(OBSERVER.lock().clone());
+    // No device exists yet: this cannot fail.
+    let _ = g
+        .alloc
+        .set_plain_requests(PLAIN_REQUESTS.load(Ordering::Relaxed));
     let g = GLOBAL.get_or_init(|| g);
     quiesce_helpers_at_exit();
     crate::fork::watch();
@@ -242,6 +247,21 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
         None => {}
     }
     Ok(g)
+}
+
+/// PyTorch's `expandable_segments` says off, as told before or after the
+/// start (Note [PyTorch's expandable_segments switch] in the core).
+static PLAIN_REQUESTS: AtomicBool = AtomicBool::new(false);
+
+/// `gpualloc_set_plain_requests`: kept for the start, and told to every
+/// device once the allocator runs (telling it starts nothing).
+pub(crate) fn set_plain_requests(plain: bool) -> Result<(), Error> {
+    let _serial = INIT.lock();
+    PLAIN_REQUESTS.store(plain, Ordering::Relaxed);
+    if let Some(g) = GLOBAL.get() {
+        g.alloc.set_plain_requests(plain)?;
+    }
+    Ok(())
 }
 
 /// `config` parsed, or `GPUALLOC_CONF` when there is none.

@@ -714,8 +714,9 @@ fn read_only_calls_and_errors() {
 
 /// The private-pool calls beyond capture scopes (`tests/c/pools_test.c`):
 /// holds, use counts, `emptyCache(mempool_id)`, live allocations,
-/// checkpoints and restores, with their buffer and validation errors, and
-/// a pool served by another allocator.
+/// checkpoints and restores, with their buffer and validation errors, a
+/// pool served by another allocator, and PyTorch's `expandable_segments`
+/// switched off and on.
 #[test]
 fn pool_holds_checkpoints_and_restores() {
     let (out, exe) = build_c("pools_test");
@@ -724,6 +725,7 @@ fn pool_holds_checkpoints_and_restores() {
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "{}\n{stdout}\n{stderr}", run.status);
     for section in [
+        "plain requests",
         "holds",
         "served pool",
         "live_allocations",

@@ -216,6 +216,13 @@ pub enum PoolOp {
     UseOnOom,
     /// `setNoSplit` (`MemPool(no_split=True)`).
     NoSplit,
+    /// PyTorch's `expandable_segments` setting switched off (`checkpoint`
+    /// is 1) or on again (0), by its variable or at run time: requests
+    /// outside private pools take plain segments meanwhile, and a private
+    /// pool created meanwhile grows by plain segments (Note [PyTorch's
+    /// expandable_segments switch] in `plain_requests.rs`). The pool is
+    /// `(0, 0)`.
+    PlainRequests,
     /// A code this reader does not know (a later version's call).
     Other(u64),
 }
@@ -234,6 +241,7 @@ impl PoolOp {
             PoolOp::IncrefServed => 7,
             PoolOp::UseOnOom => 8,
             PoolOp::NoSplit => 9,
+            PoolOp::PlainRequests => 10,
             PoolOp::Other(c) => c,
         }
     }
@@ -251,6 +259,7 @@ impl PoolOp {
             7 => PoolOp::IncrefServed,
             8 => PoolOp::UseOnOom,
             9 => PoolOp::NoSplit,
+            10 => PoolOp::PlainRequests,
             c => PoolOp::Other(c),
         }
     }
@@ -268,6 +277,7 @@ impl PoolOp {
             PoolOp::IncrefServed => "create_or_incref_pool_with_allocator",
             PoolOp::UseOnOom => "set_use_on_oom",
             PoolOp::NoSplit => "set_no_split",
+            PoolOp::PlainRequests => "set_allocator_settings",
             PoolOp::Other(_) => "unknown",
         }
     }

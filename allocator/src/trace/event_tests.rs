@@ -250,7 +250,7 @@ fn every_kind_round_trips_through_recorder_writer_and_reader() {
 
 #[test]
 fn pool_calls_keep_their_codes_and_unknown_ones_decode() {
-    for code in 0..10 {
+    for code in 0..11 {
         assert_eq!(PoolOp::from_code(code).code(), code);
     }
     assert_eq!(PoolOp::from_code(0).name(), "begin_allocate_to_pool");
@@ -260,7 +260,8 @@ fn pool_calls_keep_their_codes_and_unknown_ones_decode() {
         "create_or_incref_pool_with_allocator"
     );
     assert_eq!(PoolOp::from_code(9).name(), "set_no_split");
-    assert_eq!(PoolOp::from_code(10), PoolOp::Other(10));
+    assert_eq!(PoolOp::from_code(10).name(), "set_allocator_settings");
+    assert_eq!(PoolOp::from_code(11), PoolOp::Other(11));
     let e = TraceEvent::from_kind(
         1,
         0,

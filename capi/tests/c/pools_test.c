@@ -301,11 +301,59 @@ static void test_served_pool(void) {
   printf("ok served pool\n");
 }
 
+/* Whether the segment holding p is expandable memory, and its pool. */
+static int expandable_at(void *p, uint64_t *pool_a) {
+  GpuallocSegmentInfo segs[64];
+  GpuallocBlockInfo blocks[256];
+  size_t n = 0;
+  OK(gpualloc_snapshot_segments(0, 0, 0, 0, segs, 64, &n, blocks, 256, NULL));
+  for (size_t i = 0; i < n; i++) {
+    if (segs[i].address <= (uintptr_t)p && (uintptr_t)p < segs[i].address + segs[i].total_size) {
+      *pool_a = segs[i].pool_a;
+      return segs[i].is_expandable;
+    }
+  }
+  CHECK(!"pointer in no segment");
+  return -1;
+}
+
+/* PyTorch's expandable_segments switched off: plain segments, reported in
+ * the default pools; a pool created meanwhile stays plain; on again,
+ * expandable memory. Told before the start, it is kept for it. */
+static void test_plain_requests(void) {
+  uint64_t pool = 99;
+  OK(gpualloc_set_plain_requests(1));
+  void *p = gpualloc_malloc(30 * MiB, 0, NULL);
+  CHECK(p != NULL);
+  CHECK(expandable_at(p, &pool) == 0 && pool == 0);
+  OK(gpualloc_create_or_incref_pool(0, 9, 0));
+  OK(gpualloc_set_plain_requests(0));
+  void *q = gpualloc_malloc(30 * MiB, 0, NULL);
+  CHECK(expandable_at(q, &pool) == 1 && pool == 0);
+  OK(gpualloc_begin_allocate_to_pool(0, 9, 0, NULL, NULL));
+  void *r = gpualloc_malloc(30 * MiB, 0, CAP);
+  OK(gpualloc_end_allocate_to_pool(0, 9, 0));
+  CHECK(expandable_at(r, &pool) == 0 && pool == 9);
+  OK(gpualloc_check_invariants(0));
+  gpualloc_free(p, 0, 0, NULL);
+  gpualloc_free(q, 0, 0, NULL);
+  gpualloc_free(r, 0, 0, CAP);
+  OK(gpualloc_release_pool(0, 9, 0));
+  gpualloc_empty_cache();
+  OK(gpualloc_check_invariants(0));
+  printf("ok plain requests\n");
+}
+
 int main(void) {
+  /* Told before the start: kept, and starts nothing. */
+  OK(gpualloc_set_plain_requests(1));
+  OK(gpualloc_set_plain_requests(0));
+  CHECK(gpualloc_is_initialized() == 0);
   test_holds();
   test_served_pool();
   test_live_allocations();
   test_checkpoint_restore();
+  test_plain_requests();
   printf("ALL OK\n");
   return 0;
 }

@@ -808,6 +808,17 @@ int gpualloc_end_allocate_to_pool(int device, uint64_t id_a, uint64_t id_b);
 // 0 leaves only the key (Note [Reuse inside a capture] in the core).
 int gpualloc_set_graph_capture_record_stream_reuse(int device, int on);
 
+// PyTorch's `expandable_segments` setting, on every device: nonzero
+// `plain` when it says off (its `PYTORCH_CUDA_ALLOC_CONF`, or
+// `torch.cuda.memory._set_allocator_settings` at run time), 0 when it says
+// on again. While off, requests outside private pools take plain segments
+// (shareable with `cudaIpcGetMemHandle`, as PyTorch's), and a private pool
+// created meanwhile grows by plain segments; nothing mapped moves (Note
+// [PyTorch's expandable_segments switch] in the core). No effect where
+// `expandable_segments:false` makes every segment plain already. Before
+// the allocator starts it is kept for the start, and starts nothing.
+int gpualloc_set_plain_requests(int plain);
+
 // Drops one hold on pool `(id_a, id_b)` (a graph or MemPool was destroyed);
 // at zero its cached memory goes back to the device. Nothing in a forked
 // child (a DataLoader worker's garbage collector destroying an inherited

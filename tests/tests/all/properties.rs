@@ -30,6 +30,8 @@ enum Op {
     ReleasePool(usize),
     /// Share with another process (`Checked::share`).
     Share(usize),
+    /// PyTorch's `expandable_segments` switched off (`true`) or on again.
+    PlainRequests(bool),
 }
 
 /// Request sizes, from 0 B to 130 MiB, both pools and every handle size.
@@ -72,6 +74,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (s, any::<bool>()).prop_map(|(stream, all_streams)| Op::BeginCapture { stream, all_streams }),
         1 => Just(Op::EndCapture),
         1 => (0usize..4).prop_map(Op::ReleasePool),
+        1 => any::<bool>().prop_map(Op::PlainRequests),
     ]
 }
 
@@ -161,6 +164,7 @@ fn run(config: &str, capacity: u64, ops: Vec<Op>) -> (i64, i64, u64) {
                     c.share(p);
                 }
             }
+            Op::PlainRequests(on) => c.dev.set_plain_requests(on),
             Op::ReleasePool(i) => {
                 if !g.held.is_empty() {
                     let key = g.held.remove(i % g.held.len());
