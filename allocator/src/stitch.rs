@@ -451,17 +451,30 @@ impl<B: Backend> DeviceAllocator<B> {
     pub(crate) fn drop_stitch(&mut self, i: usize, later: bool) -> Result<(), AllocError> {
         let (stream, freed) = (self.stitches.list[i].stream, self.stitches.list[i].freed);
         self.fences.wait(&mut self.backend, stream, freed)?;
+        self.finish_stitch_holes(i)?;
         self.unmap_slots(i, |s| s.part().is_some(), later)?;
         self.free_stitch(i, later)
     }
 
+    /// Unmaps the holes of cached stitch `i` still mapped until its work is
+    /// done (Note [Punching behind the work]). Called before the last of its
+    /// parts are unmapped to free it: should this fail, the stitch still
+    /// maps them, cached as it was, instead of mapping nothing (no claim,
+    /// repair or punch would touch it again) with its range not freed.
+    pub(crate) fn finish_stitch_holes(&mut self, i: usize) -> Result<(), AllocError> {
+        let (va, size) = (self.stitches.list[i].va, self.stitches.list[i].size);
+        Ok(self.finish_drains_over(va, va + size)?)
+    }
+
     /// Frees the range of cached stitch `i`, which maps nothing any more
-    /// (or, with `later`, will not once the helper thread is done).
+    /// (or, with `later`, will not once the helper thread is done) and has
+    /// no hole still mapped ([`finish_stitch_holes`](Self::finish_stitch_holes)).
     pub(crate) fn free_stitch(&mut self, i: usize, later: bool) -> Result<(), AllocError> {
         let (va, size) = (self.stitches.list[i].va, self.stitches.list[i].size);
-        // Holes still mapped until the stitch's work is done leave first
-        // (Note [Punching behind the work]).
-        self.finish_drains_over(va, va + size)?;
+        debug_assert!(
+            !self.drains.overlaps(va, va + size),
+            "a stitch freed with a hole still mapped"
+        );
         let s = self.stitches.list.swap_remove(i);
         crate::log::stitch_dropped(self.device, s.stream, s.size);
         if later {

@@ -258,3 +258,56 @@ fn a_refused_release_of_spare_handles_fails_no_request() {
         }
     }
 }
+
+/// The shortest program `fault_fragmenting_default` found that left a
+/// cached stitch mapping nothing: the last request moves every page the
+/// stitch still maps while one of its holes waits to be unmapped (Note
+/// [Punching behind the work]), and that unmapping (`Fault(11, 1)`) fails.
+#[test]
+fn a_failed_unmap_leaves_no_cached_stitch_mapping_nothing() {
+    use Op::*;
+    let a = |size| Alloc { size, stream: 0 };
+    let ops = vec![
+        a(69206017),
+        Free(0),
+        a(1),
+        a(1),
+        Free(0),
+        Free(0),
+        a(47395329),
+        a(1),
+        Alloc { size: 1, stream: 1 },
+        a(59687425),
+        a(59508737),
+        Fault(8, 2),
+        a(2098177),
+        End,
+        Free(6715709322208352440),
+        a(16777216),
+        a(2097152),
+        Free(6775815307827027996),
+        Free(9998212333208237700),
+        a(2097152),
+        Free(17415728934147182862),
+        Fault(8, 1),
+        Free(1022963167627904167),
+        a(2097152),
+        a(67108864),
+        Free(14370425589737682990),
+        a(35651584),
+        a(68285953),
+        a(35651584),
+        a(35651584),
+        Free(8822532959397732011),
+        Begin(0, false),
+        a(1),
+        End,
+        a(1),
+        Free(8928222056613334742),
+        a(35651584),
+        Fault(11, 1),
+        a(88080385),
+        a(1),
+    ];
+    run("", 1024 * MIB, 0, ops);
+}
