@@ -117,6 +117,10 @@ for version in $versions; do
   "$cxx" "${flags[@]}" -O1 python-shim/tests/cpp/history_test.cpp -o "$cache/history_test" \
     -L"$lib" -lc10 -Wl,-rpath,"$lib"
   "$cache/history_test"
+  # PyTorch's expandable_segments as the bridge reads it, from this torch's parser.
+  "$cxx" "${flags[@]}" -O1 python-shim/tests/cpp/expandable_switch_test.cpp -o "$cache/expandable_switch_test" \
+    -L"$lib" -lc10 -Wl,-rpath,"$lib"
+  "$cache/expandable_switch_test"
   GPUALLOC_TORCH_INCLUDE=$inc "$py" -m unittest -q python-shim/tests/test_torch_compat.py
   echo "the bridge compiles against torch $version's headers, its memory history keeps torch's rules, and docs/torch-compat.md lists its allocator interface"
 done

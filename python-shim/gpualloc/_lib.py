@@ -302,6 +302,7 @@ _SIGNATURES = {
     "gpualloc_end_allocate_to_pool": (c_int, [c_int, c_uint64, c_uint64]),
     "gpualloc_release_pool": (c_int, [c_int, c_uint64, c_uint64]),
     "gpualloc_create_or_incref_pool": (c_int, [c_int, c_uint64, c_uint64]),
+    "gpualloc_set_plain_requests": (c_int, [c_int]),
     "gpualloc_pool_use_count": (c_int, [c_int, c_uint64, c_uint64, ctypes.POINTER(ctypes.c_uint32)]),
     "gpualloc_empty_pool_cache": (c_int, [c_int, c_uint64, c_uint64]),
     "gpualloc_pool_live_allocations": (
@@ -602,6 +603,12 @@ class Library:
             self.check(rc)
             return json.loads(buf.value.decode())
         raise GpuallocError("snapshot kept growing", ERR_BUFFER_TOO_SMALL)
+
+    def set_plain_requests(self, plain: bool) -> None:
+        """PyTorch's ``expandable_segments`` says off (``True``) or on again:
+        requests outside private pools take plain segments meanwhile (the
+        torch bridge tells it; Note [PyTorch's expandable_segments switch])."""
+        self.check(self.dll.gpualloc_set_plain_requests(1 if plain else 0))
 
     # ---- private pools ----
 

@@ -132,7 +132,9 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
                 warnings.warn(
                     f"gpualloc: {name}={os.environ[name]!r} configures PyTorch's own "
                     "allocator and has no effect on gpualloc (but for per_process_memory_fraction, which caps each "
-                    "device as under PyTorch, and graph_capture_record_stream_reuse, which the bridge honours); "
+                    "device as under PyTorch, and, which the bridge honours, graph_capture_record_stream_reuse and "
+                    "expandable_segments:False: requests then take plain segments, as PyTorch's, for CUDA IPC, and "
+                    "reserved memory is no longer kept close to live memory); "
                     "gpualloc takes its configuration from install(config=...) or "
                     "GPUALLOC_CONF (same syntax for the keys both have: docs/configuration.md)",
                     RuntimeWarning,
@@ -507,6 +509,21 @@ def _install_bridge(torch, libpath: str, verbose: bool) -> None:
             raise GpuallocError(f"gpualloc.install(): {msg} (torch initialized CUDA before gpualloc.install())")
         raise _BridgeUnavailable(msg)
     _KEEP.append(bridge)
+    bridge.gpualloc_bridge_sync_settings.restype = ctypes.c_int
+    bridge.gpualloc_bridge_sync_settings.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+
+    def sync() -> None:
+        buf = ctypes.create_string_buffer(4096)
+        rc = bridge.gpualloc_bridge_sync_settings(buf, len(buf))
+        if rc < 0:
+            raise GpuallocError(f"gpualloc: {buf.value.decode(errors='replace')}")
+        if rc == 1:
+            warnings.warn(buf.value.decode(errors="replace"), RuntimeWarning, stacklevel=4)
+
+    from . import _settings
+
+    sync()  # PyTorch's variable, kept for the allocator's start
+    _settings.follow(torch._C, sync)
 
 
 def _install_fallback(torch, libpath: str) -> None:

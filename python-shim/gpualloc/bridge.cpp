@@ -45,6 +45,7 @@
 
 #include "bridge/api.h"
 #include "bridge/device_scope.h"
+#include "bridge/expandable_switch.h"
 #include "bridge/history.h"
 #include "bridge/ipc.h"
 #include "bridge/registration.h"
@@ -881,6 +882,8 @@ class GpuallocAllocator final : public CUDAAllocator {
     // capture begins (Note [Reuse inside a capture] in the core).
     check(api.set_capture_reuse(device, cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse() ? 1 : 0),
           "graph_capture_record_stream_reuse");
+    // And its expandable_segments, which the pool takes if created now.
+    expandable_switch.sync_and_warn();
     std::lock_guard<std::mutex> g(filters_mutex);
     int rc = api.begin_pool(device, key.a, key.b, ctx != nullptr ? &filter_trampoline : nullptr, ctx);
     check(rc, "beginAllocateToPool");
@@ -969,6 +972,7 @@ class GpuallocAllocator final : public CUDAAllocator {
   void create_pool(c10::DeviceIndex device, MempoolId_t id, CUDAAllocator* allocator,
                    std::shared_ptr<CUDAAllocator> keep) {
     if (allocator == nullptr || allocator == this) {
+      expandable_switch.sync_and_warn();  // a pool created while it says off stays plain
       check(api.create_or_incref_pool(device, id.first, id.second), "createOrIncrefPool");
       return;
     }
@@ -1208,6 +1212,26 @@ std::shared_ptr<GpuallocAllocator>* installed = nullptr;
 
 }  // namespace
 }  // namespace gpualloc_bridge
+
+// Reads PyTorch's expandable_segments setting again (the Python package
+// calls it once installed, for PyTorch's variable, and after each of
+// torch's setters). 0 when nothing is to be said; 1 with the warning to
+// give in `msg` when requests turned plain; -1 with an error in `msg`.
+extern "C" int gpualloc_bridge_sync_settings(char* msg, size_t msglen) {
+  auto say = [&](const char* text, int rc) {
+    if (msg != nullptr && msglen > 0) {
+      std::snprintf(msg, msglen, "%s", text);
+    }
+    return rc;
+  };
+  try {
+    return gpualloc_bridge::expandable_switch.sync() ? say(gpualloc_bridge::kPlainRequestsWarning, 1) : 0;
+  } catch (const c10::Error& e) {
+    return say(e.what_without_backtrace(), -1);
+  } catch (const std::exception& e) {
+    return say(e.what(), -1);
+  }
+}
 
 // Loads libgpualloc.so from `libpath`, builds the allocator and makes it
 // PyTorch's CUDA allocator. 0 on success; otherwise 1 with a message in `err`.

@@ -980,24 +980,45 @@ def check_compat(args) -> dict:
     @sub("allocator_settings_at_runtime")
     def _():
         # Libraries switch settings mid-run (torch.cuda.memory._set_allocator_settings,
-        # e.g. expandable segments off before sharing memory). gpualloc does
-        # not read them (its settings are GPUALLOC_CONF's); what is checked
-        # is that the call neither fails nor breaks allocation and freeing.
+        # e.g. expandable segments off before sharing memory). gpualloc
+        # honours expandable_segments as PyTorch does (Note [PyTorch's
+        # expandable_segments switch]): allocations made while it is off
+        # are in plain segments (cudaIpcGetMemHandle works on them), those
+        # made after it is on again in expandable memory, where the
+        # configuration has it; under PyTorch, likewise.
         setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
         if setter is None:
             return {"skipped": "no torch.cuda.memory._set_allocator_settings"}
-        was = "True" if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") else "False"
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        if args.alloc == "gpualloc":
+            was = "False" if "expandable_segments:False" in conf else "True"
+        else:
+            was = "True" if "expandable_segments:True" in conf else "False"
+
+        def expandable(t):
+            p = t.data_ptr()
+            return next(s["is_expandable"] for s in torch.cuda.memory_snapshot()
+                        if s["address"] <= p < s["address"] + s["total_size"])
+
         try:
-            setter("expandable_segments:False")
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                setter("expandable_segments:False")
             a = torch.empty(40 * MiB, dtype=torch.uint8, device=dev).fill_(3)
             setter("expandable_segments:True")
             b = torch.empty(40 * MiB, dtype=torch.uint8, device=dev).fill_(4)
             assert int(a[-1]) == 3 and int(b[-1]) == 4
+            kinds = {"off": expandable(a), "on": expandable(b)}
+            assert not kinds["off"], f"allocated while off, in expandable memory: {kinds}"
+            any_expandable = any(s["is_expandable"] for s in torch.cuda.memory_snapshot())
+            if args.alloc == "gpualloc" and any_expandable:
+                assert kinds["on"], f"allocated while on, in a plain segment: {kinds}"
+                assert any("plain segments" in str(w.message) for w in said), [str(w.message) for w in said]
             del a, b
             torch.cuda.empty_cache()
         finally:
             setter(f"expandable_segments:{was}")
-        return {"allocated_after": torch.cuda.memory_allocated()}
+        return {"allocated_after": torch.cuda.memory_allocated(), "expandable": kinds}
 
     @sub("expandable_segment_sizes")
     def _():

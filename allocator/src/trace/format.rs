@@ -26,8 +26,12 @@ pub const VERSION: u16 = 1;
 /// reader of minor 3 stops at the first block holding one. Minor 5 writes
 /// a `memory_limit` record of no cap (which cap 2) first thing on each
 /// device, telling the device's memory; a reader of minor 3 or 4 sees a
-/// cap it does not know and skips it.
-pub const MINOR_VERSION: u64 = 5;
+/// cap it does not know and skips it. Minor 6 adds call 10 of
+/// `private_pool` (PyTorch's `expandable_segments` switched off or on,
+/// Note [PyTorch's expandable_segments switch]), written only by programs
+/// that switch it; a reader of minor 2 to 5 sees a call it does not know
+/// and skips it.
+pub const MINOR_VERSION: u64 = 6;
 /// Two bytes that open every block.
 pub const BLOCK_MAGIC: [u8; 2] = *b"BK";
 /// Bytes of a block header: magic, kind, flags, device, length, crc32.

@@ -76,6 +76,7 @@ struct Api {
   decltype(&gpualloc_begin_allocate_to_pool) begin_pool = nullptr;
   decltype(&gpualloc_end_allocate_to_pool) end_pool = nullptr;
   decltype(&gpualloc_set_graph_capture_record_stream_reuse) set_capture_reuse = nullptr;
+  decltype(&gpualloc_set_plain_requests) set_plain_requests = nullptr;
   decltype(&gpualloc_release_pool) release_pool = nullptr;
   decltype(&gpualloc_create_or_incref_pool) create_or_incref_pool = nullptr;
   decltype(&gpualloc_create_or_incref_pool_from) create_or_incref_pool_from = nullptr;
@@ -121,6 +122,7 @@ struct Api {
     resolve(handle, "gpualloc_begin_allocate_to_pool", begin_pool);
     resolve(handle, "gpualloc_end_allocate_to_pool", end_pool);
     resolve(handle, "gpualloc_set_graph_capture_record_stream_reuse", set_capture_reuse);
+    resolve(handle, "gpualloc_set_plain_requests", set_plain_requests);
     resolve(handle, "gpualloc_release_pool", release_pool);
     resolve(handle, "gpualloc_create_or_incref_pool", create_or_incref_pool);
     resolve(handle, "gpualloc_create_or_incref_pool_from", create_or_incref_pool_from);
