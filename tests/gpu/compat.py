@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import warnings
 
 MiB = 1 << 20
 # Objects that must outlive the checks (callbacks an allocator keeps calling).
@@ -1019,6 +1020,68 @@ def check_compat(args) -> dict:
         finally:
             setter(f"expandable_segments:{was}")
         return {"allocated_after": torch.cuda.memory_allocated(), "expandable": kinds}
+
+    @sub("ipc_handle_while_expandable_off")
+    def _():
+        # What custom all-reduce kernels do (vLLM, SGLang): cudaIpcGetMemHandle
+        # on the base of a tensor's allocation and of a CUDA graph's output,
+        # with PyTorch's expandable_segments switched off around them. Both
+        # must work under either allocator; under gpualloc's expandable
+        # memory (switched on) it must fail, as under PyTorch's.
+        import ctypes
+
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        if setter is None:
+            return {"skipped": "no torch.cuda.memory._set_allocator_settings"}
+        try:
+            rt = ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+            drv = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            return {"skipped": f"no CUDA runtime to call: {e}"}
+
+        def ipc_handle(t):
+            base = ctypes.c_uint64(0)
+            # CU_POINTER_ATTRIBUTE_RANGE_START_ADDR
+            assert drv.cuPointerGetAttribute(ctypes.byref(base), 11, ctypes.c_uint64(t.data_ptr())) == 0
+            rc = rt.cudaIpcGetMemHandle(ctypes.create_string_buffer(64), ctypes.c_void_p(base.value))
+            rt.cudaGetLastError()  # not left for torch's next check
+            return rc
+
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        if args.alloc == "gpualloc":
+            was = "False" if "expandable_segments:False" in conf else "True"
+        else:
+            was = "True" if "expandable_segments:True" in conf else "False"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                setter("expandable_segments:False")
+            t = torch.empty(8 * MiB, dtype=torch.uint8, device=dev)
+            static = torch.ones(1 << 20, device=dev)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                static * 2
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = static * 2
+            g.replay()
+            torch.cuda.synchronize()
+            rcs = {"tensor": ipc_handle(t), "graph_output": ipc_handle(out)}
+            assert rcs == {"tensor": 0, "graph_output": 0}, rcs
+            assert float(out[-1]) == 2.0
+            setter("expandable_segments:True")
+            u = torch.empty(40 * MiB, dtype=torch.uint8, device=dev)
+            expandable = next(s["is_expandable"] for s in torch.cuda.memory_snapshot()
+                              if s["address"] <= u.data_ptr() < s["address"] + s["total_size"])
+            if expandable:
+                rcs["expandable"] = ipc_handle(u)
+                assert rcs["expandable"] != 0, rcs
+            del t, u, out, g
+        finally:
+            setter(f"expandable_segments:{was}")
+        return rcs
 
     @sub("expandable_segment_sizes")
     def _():
