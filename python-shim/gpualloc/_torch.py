@@ -140,6 +140,7 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
                     RuntimeWarning,
                     stacklevel=3,
                 )
+        _say_preloaded_hooks()
         L = lib()  # raises LibraryNotFound with instructions
         # A bad configuration raises here, before torch is touched. None is
         # GPUALLOC_CONF's, kept as such: a later install(config=...) with
@@ -173,6 +174,29 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
         _set_auto_marks(torch, auto_marks)
         _complete_trace_in_workers(L)
         return mode
+
+
+# Libraries that see and release PyTorch's memory by interposing on
+# cudaMalloc through LD_PRELOAD (torch_memory_saver's default "preload"
+# mode, which SGLang forces for its pauseable CUDA graphs).
+PRELOAD_HOOKS = ("torch_memory_saver",)
+
+
+def _say_preloaded_hooks() -> None:
+    """Warns of a preloaded cudaMalloc hook: gpualloc never calls cudaMalloc
+    (it maps memory through the driver), so such a hook sees none of its
+    memory and releases none of it."""
+    for path in os.environ.get("LD_PRELOAD", "").replace(":", " ").split():
+        if any(h in os.path.basename(path) for h in PRELOAD_HOOKS):
+            warnings.warn(
+                f"gpualloc: LD_PRELOAD has {path!r}, which hooks cudaMalloc to see and release PyTorch's memory; "
+                "gpualloc never calls cudaMalloc (it maps memory through the CUDA driver), so that library sees "
+                "none of it and releases none (torch_memory_saver's pause() would free nothing): use its "
+                "hook_mode='torch', whose MemPool gpualloc serves from that library's own allocator",
+                RuntimeWarning,
+                stacklevel=4,  # the caller of gpualloc.install
+            )
+            return
 
 
 def _say_no_caching(mode: str) -> None:

@@ -832,6 +832,14 @@ class InstallTest(unittest.TestCase):
                 out = run([s], {"PYTORCH_NO_CUDA_MEMORY_CACHING": value})
                 self.assertEqual(out.returncode, 0, out.stderr)
                 self.assertNotIn("PYTORCH_NO_CUDA_MEMORY_CACHING", out.stderr)
+            # A preloaded cudaMalloc hook sees none of gpualloc's memory: said.
+            out = run([s], {"LD_PRELOAD": "/nowhere/torch_memory_saver_hook_mode_preload.abi3.so"})
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("went on", out.stdout)
+            self.assertIn("torch_memory_saver_hook_mode_preload.abi3.so', which hooks cudaMalloc", out.stderr)
+            self.assertIn("hook_mode='torch'", out.stderr)
+            out = run([s], {"LD_PRELOAD": ""})
+            self.assertNotIn("hooks cudaMalloc", out.stderr)
             # Its HIP name counts on CUDA builds too.
             out = run([s], {"PYTORCH_NO_HIP_MEMORY_CACHING": "1"})
             self.assertEqual(out.returncode, 0, out.stderr)

@@ -55,7 +55,9 @@ inline cca::ShareableHandle share(int device, void* ptr) {
       TORCH_WARN_ONCE(
           "gpualloc: a tensor was shared in gpualloc's format (its memory spans physical pages of several "
           "sizes): a receiving process must run gpualloc too; PyTorch's allocator opens only shares of one page "
-          "size. Run the sender with GPUALLOC_CONF=expandable_segments:false if receivers use PyTorch's allocator.");
+          "size. If receivers use PyTorch's allocator, allocate what is shared while PyTorch's expandable_segments "
+          "is off (torch.cuda.memory._set_allocator_settings(\"expandable_segments:False\"), plain segments) or run "
+          "the sender with GPUALLOC_CONF=expandable_segments:false.");
     }
   }
   return cca::ShareableHandle{static_cast<ptrdiff_t>(offset), bytes};
