@@ -74,6 +74,7 @@ __all__ = [
     "GpuallocError",
     "LibraryNotFound",
     "install",
+    "config",
     "installed",
     "auto_marks",
     "stats",
@@ -276,6 +277,13 @@ def backend() -> str:
 
 def version() -> str:
     return lib().version()
+
+
+def config() -> Optional[str]:
+    """The configuration string the allocator runs with (``""`` for the
+    defaults), or None before it starts. (``torch.cuda.memory._snapshot()``
+    reports PyTorch's own settings string, which programs set back.)"""
+    return lib().config()
 
 
 def trace_start(path: str) -> None:

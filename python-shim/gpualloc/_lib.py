@@ -263,6 +263,7 @@ _SIGNATURES = {
     "gpualloc_forget_config": (c_int, [c_char_p]),
     "gpualloc_backend_name": (c_char_p, []),
     "gpualloc_version": (c_char_p, []),
+    "gpualloc_config_string": (c_char_p, []),
     "gpualloc_device_count": (c_int, []),
     "gpualloc_last_error": (c_char_p, []),
     "gpualloc_last_error_code": (c_int, []),
@@ -474,6 +475,11 @@ class Library:
         if not name:
             raise GpuallocError(self.last_error() or "gpualloc could not start", self.dll.gpualloc_last_error_code() or ERR_UNAVAILABLE)
         return name.decode()
+
+    def config(self) -> Optional[str]:
+        """The configuration string the allocator runs with, None before it starts."""
+        c = self.dll.gpualloc_config_string()
+        return None if c is None else c.decode()
 
     def version(self) -> str:
         return self.dll.gpualloc_version().decode()

@@ -852,17 +852,23 @@ class GpuallocAllocator final : public CUDAAllocator {
     md.garbage_collection_threshold = 0.0;
     md.max_split_size = 0;
     md.pinned_num_register_threads = 0;
+    // Whether new allocations land in expandable memory: some segment is,
+    // and PyTorch's expandable_segments has not switched requests plain
+    // (libraries that share memory read this to decide).
     md.expandable_segments = false;
     for (const auto& s : all.segs) {
       md.expandable_segments = md.expandable_segments || s.is_expandable != 0;
     }
+    md.expandable_segments = md.expandable_segments && !expandable_switch.plain();
     md.release_lock_on_malloc = false;
     md.pinned_use_host_register = false;
     // PyTorch's setting, which gpualloc honours (its own key is in the string below).
     md.graph_capture_record_stream_reuse = cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse();
-    // The configuration in force, however it was given.
-    const char* conf = api.config_string();
-    md.last_allocator_settings = std::string("gpualloc:") + (conf != nullptr ? conf : "");
+    // PyTorch's own settings string, as PyTorch reports it: programs save
+    // it and set it back (`_set_allocator_settings`), which a string of
+    // gpualloc's keys would make PyTorch refuse. gpualloc's configuration
+    // is gpualloc.config() and the trace's header.
+    md.last_allocator_settings = c10::CachingAllocator::getAllocatorSettings();
     return out;
   }
 

@@ -22,6 +22,8 @@ class ApiTest(unittest.TestCase):
         self.assertRegex(gpualloc.version(), r"^\d+\.\d+\.\d+")
         self.assertEqual(lib().device_count(), 2)
         self.assertEqual(lib().mem_info(0)[1], 2 << 30)
+        # Started by now (mem_info): the configuration in force.
+        self.assertEqual(gpualloc.config(), os.environ.get("GPUALLOC_CONF", ""))
 
     def test_stats_use_torch_names_and_follow_allocations(self):
         before = gpualloc.stats(0)

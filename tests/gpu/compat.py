@@ -1006,6 +1006,11 @@ def check_compat(args) -> dict:
                 warnings.simplefilter("always")
                 setter("expandable_segments:False")
             a = torch.empty(40 * MiB, dtype=torch.uint8, device=dev).fill_(3)
+            # The snapshot says so, and its settings string is PyTorch's,
+            # which programs save and set back.
+            settings = torch.cuda.memory._snapshot()["allocator_settings"]
+            assert settings["expandable_segments"] is False, settings
+            setter(settings["PYTORCH_CUDA_ALLOC_CONF"] or "expandable_segments:False")
             setter("expandable_segments:True")
             b = torch.empty(40 * MiB, dtype=torch.uint8, device=dev).fill_(4)
             assert int(a[-1]) == 3 and int(b[-1]) == 4

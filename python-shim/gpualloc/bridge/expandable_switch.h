@@ -72,6 +72,12 @@ class ExpandableSwitch {
     return plain != 0;
   }
 
+  // Whether gpualloc was last told that requests take plain segments.
+  bool plain() {
+    std::lock_guard<std::mutex> g(mutex_);
+    return told_ != 0;
+  }
+
   // sync() inside one of torch's calls: a warning torch raises in Python.
   void sync_and_warn() {
     if (sync()) {
