@@ -256,8 +256,10 @@ impl<B: Backend> Allocator<B> {
     /// another allocator's call, or a device locked at a fork.
     pub fn set_plain_requests(&self, on: bool) -> Result<(), AllocError> {
         self.plain_requests.store(on, Ordering::Relaxed);
+        // Read again under each device's lock (as `lock` does when it
+        // creates one): concurrent calls leave every device with the last.
         self.for_each_created(|d| {
-            d.set_plain_requests(on);
+            d.set_plain_requests(self.plain_requests.load(Ordering::Relaxed));
             Ok(())
         })
     }

@@ -595,12 +595,21 @@ impl<B: Backend> DeviceAllocator<B> {
         stream: StreamId,
         rounded: u64,
     ) -> Option<BlockId> {
-        if pool > LARGE {
+        // The default pools, or the pool serving them while PyTorch's
+        // expandable_segments is off (a private pool with no key), which
+        // borrows plain blocks only, as PyTorch skips expandable ones then.
+        let plain_only = pool > STITCH && self.heap.pools[pool as usize].private.is_none();
+        if pool > LARGE && !plain_only {
             return None;
         }
         let kind = self.heap.pools[pool as usize].kind;
-        self.private
+        let lenders: Vec<PoolId> = self
+            .private
             .use_on_oom(kind)
+            .into_iter()
+            .filter(|&p| !plain_only || self.plain_pool(p))
+            .collect();
+        lenders
             .into_iter()
             .find_map(|p| self.get_free_block(p, stream, rounded))
     }

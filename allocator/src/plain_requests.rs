@@ -24,8 +24,14 @@
 //! segment events and traces, as PyTorch's own plain segments are. Its
 //! cached blocks are the only ones such a request sees (PyTorch skips
 //! expandable blocks meanwhile), and its blocks go back to it when freed,
-//! whatever the switch says by then. A private pool created while off
-//! grows by plain segments for its life (a CUDA graph captured meanwhile).
+//! whatever the switch says by then. A private pool created while off,
+//! or first used while off (a MemPool or graph pool handle made earlier,
+//! with no segment yet), grows by plain segments for its life (a CUDA
+//! graph captured meanwhile). One that holds expandable segments already
+//! keeps growing them: unlike PyTorch, which checks the setting at every
+//! growth, a pool here is plain or expandable as a whole. Garbage
+//! collection and the `use_on_oom` pools' lending treat the plain-request
+//! pool as the default large pool (lending only plain blocks).
 //! Nothing already mapped moves. A trace records each change (a
 //! `private_pool` record, [`PoolOp::PlainRequests`]), and a replay makes
 //! it at the same point.
@@ -200,5 +206,105 @@ mod tests {
         assert_eq!(a, b, "one pool throughout");
         d.free(b).unwrap();
         d.check_invariants().unwrap();
+    }
+
+    fn dev_with(conf: &str) -> DeviceAllocator<SimBackend> {
+        DeviceAllocator::new(0, SimBackend::new(8 << 30), Config::parse(conf).unwrap())
+    }
+
+    /// Garbage collection frees old cached plain large segments once
+    /// reserved passes the threshold, as PyTorch's does with its
+    /// expandable_segments off: those of the plain-request pool too.
+    fn gc_run(conf: &str, switch: bool) -> i64 {
+        let mut d = dev_with(conf);
+        d.set_memory_fraction(0.125).unwrap(); // 1 GiB limit; GC above 512 MiB
+        d.set_plain_requests(switch);
+        let ps: Vec<_> = (0..20).map(|_| d.malloc(30 * MIB, 7).unwrap()).collect();
+        for p in ps {
+            d.free(p).unwrap();
+        }
+        // Lookups age the cached blocks.
+        for _ in 0..50 {
+            let p = d.malloc(30 * MIB, 7).unwrap();
+            d.free(p).unwrap();
+        }
+        let _q = d.malloc(50 * MIB, 7).unwrap(); // misses: GC runs
+        d.check_invariants().unwrap();
+        d.stats().reserved_bytes.all.current
+    }
+
+    #[test]
+    fn garbage_collection_reclaims_plain_segments_while_the_switch_is_off() {
+        let pytorch_plain = gc_run(
+            "expandable_segments:false,garbage_collection_threshold:0.5",
+            false,
+        );
+        let switched = gc_run("garbage_collection_threshold:0.5", true);
+        assert!(
+            pytorch_plain < (600 * MIB) as i64,
+            "plain device collects: {pytorch_plain}"
+        );
+        assert!(
+            switched < (600 * MIB) as i64,
+            "switch off: GC collected nothing, reserved {} MiB (plain device: {} MiB)",
+            switched >> 20,
+            pytorch_plain >> 20
+        );
+    }
+
+    /// `use_on_oom` pools lend their free blocks to a request outside any
+    /// pool that would fail, the switch off or on (off, plain blocks only).
+    fn borrow_run(switch: bool) -> bool {
+        let mut d = dev_with("");
+        let key = (0, 42);
+        // Switched off first: the pool is plain, as PyTorch's blocks made
+        // meanwhile are (PyTorch lends none of its expandable blocks then).
+        d.set_plain_requests(switch);
+        d.create_or_incref_pool(key);
+        d.set_pool_use_on_oom(key, true).unwrap();
+        d.begin_allocate_to_pool(key, None).unwrap();
+        let a = d.malloc(200 * MIB, 7).unwrap();
+        d.end_allocate_to_pool(key).unwrap();
+        d.free(a).unwrap();
+        let reserved = d.stats().reserved_bytes.all.current as u64;
+        d.set_memory_limit(Some(reserved + 50 * MIB));
+        d.set_plain_requests(switch);
+        let r = d.malloc(150 * MIB, 7);
+        d.check_invariants().unwrap();
+        r.is_ok()
+    }
+
+    #[test]
+    fn a_request_outside_pools_borrows_from_use_on_oom_pools_while_the_switch_is_off() {
+        assert!(borrow_run(false), "switch on: borrows");
+        assert!(
+            borrow_run(true),
+            "switch off: the plain request borrows too"
+        );
+    }
+
+    /// A pool held before the switch (a MemPool, a graph pool handle) but
+    /// with no segment yet, captured into while off, gets plain segments
+    /// (cudaIpcGetMemHandle on its outputs works); one that holds
+    /// expandable segments already keeps growing so (PyTorch would give
+    /// it plain segments too: the divergence the Note states).
+    #[test]
+    fn a_capture_while_off_into_a_pool_made_before_gets_plain_memory_until_it_has_segments() {
+        let mut d = dev_with("");
+        let (empty, used) = ((1, 0), (2, 0));
+        d.create_or_incref_pool(empty);
+        d.create_or_incref_pool(used);
+        d.begin_allocate_to_pool(used, None).unwrap();
+        let first = d.malloc(30 * MIB, 7).unwrap();
+        d.end_allocate_to_pool(used).unwrap();
+        d.set_plain_requests(true);
+        for (key, plain) in [(empty, true), (used, false)] {
+            d.begin_allocate_to_pool(key, None).unwrap();
+            let p = d.malloc(30 * MIB, 7).unwrap();
+            d.end_allocate_to_pool(key).unwrap();
+            assert_eq!(expandable_at(&d, p), !plain, "pool {key:?}");
+            d.check_invariants().unwrap();
+        }
+        assert!(expandable_at(&d, first));
     }
 }

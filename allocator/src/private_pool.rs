@@ -72,6 +72,9 @@ pub(crate) struct PrivatePools {
     /// Set once a caller that cannot announce captures allocated: frees
     /// and `empty_cache` then ask the driver too.
     following: bool,
+    /// The `(small, large)` ids of [`PLAIN_REQUESTS_POOL`] once created
+    /// (never erased): asked at every request while the switch is off.
+    plain_requests: Option<(PoolId, PoolId)>,
 }
 
 /// The first half of the pool keys of captures followed through the
@@ -161,7 +164,8 @@ impl PrivatePools {
     /// `(small, large)` ids from `ids` (called only then). Returns the new
     /// pool's ids, or `None` when the pool existed.
     /// `serving` says how a new pool gets its segments; an existing pool
-    /// keeps its own (the caller refuses another allocator for it first).
+    /// keeps its own (the caller refuses another allocator for it first),
+    /// but for one asked plain before it has a segment.
     pub fn incref(
         &mut self,
         key: PoolKey,
@@ -170,6 +174,11 @@ impl PrivatePools {
     ) -> Option<(PoolId, PoolId)> {
         if let Some(p) = self.pools.iter_mut().find(|p| p.key == key) {
             p.use_count += 1;
+            // Asked plain (PyTorch's expandable_segments off) before its
+            // first segment: plain from now on, as `set_no_split` makes it.
+            if matches!(serving, Serving::Plain) && p.segments == 0 {
+                p.plain = true;
+            }
             return None;
         }
         let (plain, source) = match serving {
@@ -204,8 +213,8 @@ impl PrivatePools {
         &mut self,
         mut ids: impl FnMut(Option<PoolId>) -> PoolId,
     ) -> (PoolId, PoolId, bool) {
-        if let Some(p) = self.pools.iter().find(|p| p.key == PLAIN_REQUESTS_POOL) {
-            return (p.small, p.large, false);
+        if let Some((small, large)) = self.plain_requests {
+            return (small, large, false);
         }
         let small = ids(self.vacant_ids.pop());
         let large = ids(self.vacant_ids.pop());
@@ -222,7 +231,13 @@ impl PrivatePools {
             use_on_oom: false,
             no_split: false,
         });
+        self.plain_requests = Some((small, large));
         (small, large, true)
+    }
+
+    /// The `(small, large)` ids of [`PLAIN_REQUESTS_POOL`], if created.
+    pub fn plain_requests_ids(&self) -> Option<(PoolId, PoolId)> {
+        self.plain_requests
     }
 
     /// Pool `key`'s `(small, large)` ids and use count, if it exists.

@@ -127,10 +127,16 @@ impl<B: Backend> DeviceAllocator<B> {
         // that are not split pieces (`!is_split()`); a pass frees every
         // whole segment at least that old, without stopping at the target
         // (so GC does not run again at once).
-        let now = self.heap.pools[LARGE as usize].lookups;
+        // The plain large segments of the default pools: those of the
+        // pool serving requests while PyTorch's expandable_segments is off.
+        let gc_pool = match self.private.plain_requests_ids() {
+            Some((_, large)) if self.expandable => large,
+            _ => LARGE,
+        };
+        let now = self.heap.pools[gc_pool as usize].lookups;
         let mut total_age = 0u64;
         let mut freeable = 0u64;
-        for k in self.heap.pools[LARGE as usize].iter() {
+        for k in self.heap.pools[gc_pool as usize].iter() {
             let b = &self.heap.blocks[k.3];
             if !b.is_split() && !self.heap.segments.get(b.segment).expandable {
                 total_age += now - b.gc_base;
@@ -142,7 +148,7 @@ impl<B: Backend> DeviceAllocator<B> {
         while reclaimed < target && freed_any && freeable > 0 {
             let threshold_age = total_age as f64 / freeable as f64;
             freed_any = false;
-            let old: Vec<(u64, u64, BlockId)> = self.heap.pools[LARGE as usize]
+            let old: Vec<(u64, u64, BlockId)> = self.heap.pools[gc_pool as usize]
                 .iter()
                 .filter(|k| self.is_whole_segment(k.3))
                 .map(|k| (now - self.heap.blocks[k.3].gc_base, k.1, k.3))

@@ -60,6 +60,10 @@ impl GraphPools {
                 pool,
                 checkpoint,
             } => {
+                // PyTorch's expandable_segments switch names no pool.
+                if op == PoolOp::PlainRequests {
+                    return;
+                }
                 if self.seen.len() < MAX_POOLS {
                     self.seen.insert(pool);
                 }
@@ -227,5 +231,21 @@ mod tests {
         let mut g = GraphPools::default();
         g.apply(&map(1 << 20, 2));
         assert!(g.describe().unwrap().starts_with("up to 1.00 MiB mapped"));
+    }
+
+    #[test]
+    fn the_expandable_segments_switch_is_no_private_pool() {
+        let mut g = GraphPools::default();
+        // What `DeviceAllocator::set_plain_requests` records: pool u64::MAX.
+        for on in [1, 0] {
+            g.apply(&EventKind::PrivatePool {
+                op: PoolOp::PlainRequests,
+                pool: u64::MAX,
+                checkpoint: on,
+            });
+        }
+        g.apply(&map(30 << 20, 1)); // its plain segments: default pool code
+        assert_eq!(g.pools(), 0, "{:?}", g.describe());
+        assert_eq!(g.describe(), None);
     }
 }
