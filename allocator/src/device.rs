@@ -494,7 +494,24 @@ impl<B: Backend> DeviceAllocator<B> {
         if self.plain_requests && self.expandable && pool <= LARGE {
             pool = self.plain_request_pool(PoolKind::of(rounded));
         }
-        let block = self.get_free_block(pool, stream, rounded);
+        let mut block = self.get_free_block(pool, stream, rounded);
+        if block.is_none()
+            && pool <= LARGE
+            && let Some(ids) = self.private.plain_requests_ids()
+        {
+            // Note [PyTorch's expandable_segments switch]: blocks cached
+            // while it was off serve requests after it, as PyTorch's one
+            // pool serves them.
+            let plain = match PoolKind::of(rounded) {
+                PoolKind::Small => ids.0,
+                PoolKind::Large => ids.1,
+            };
+            match self.get_free_block(plain, stream, rounded) {
+                Some(b) => (pool, block) = (plain, Some(b)),
+                // One lookup per request ages the cache (garbage collection).
+                None => self.heap.pools[plain as usize].lookups -= 1,
+            }
+        }
         Ok(Cached {
             pool,
             rounded,

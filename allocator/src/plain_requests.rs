@@ -24,7 +24,9 @@
 //! segment events and traces, as PyTorch's own plain segments are. Its
 //! cached blocks are the only ones such a request sees (PyTorch skips
 //! expandable blocks meanwhile), and its blocks go back to it when freed,
-//! whatever the switch says by then. A private pool created while off,
+//! whatever the switch says by then; after the switch is on again, its
+//! cached blocks serve a request the default pools' cache cannot, before
+//! anything grows, as PyTorch's one pool would. A private pool created while off,
 //! or first used while off (a MemPool or graph pool handle made earlier,
 //! with no segment yet), grows by plain segments for its life (a CUDA
 //! graph captured meanwhile). One that holds expandable segments already
@@ -164,6 +166,30 @@ mod tests {
         let c = d.malloc(MIB, 7).unwrap();
         assert!(!expandable_at(&d, c));
         d.free(c).unwrap();
+        d.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn blocks_cached_while_off_serve_requests_after_it_before_anything_grows() {
+        let mut d = dev();
+        d.set_plain_requests(true);
+        let a = d.malloc(30 * MIB, 7).unwrap();
+        let s = d.malloc(4096, 7).unwrap();
+        d.free(a).unwrap();
+        d.free(s).unwrap();
+        d.set_plain_requests(false);
+        let reserved = d.stats().reserved_bytes.all.current;
+        let b = d.malloc(30 * MIB, 7).unwrap();
+        let t = d.malloc(4096, 7).unwrap();
+        assert_eq!((b, t), (a, s), "the cached plain blocks are reused");
+        assert_eq!(d.stats().reserved_bytes.all.current, reserved);
+        d.check_invariants().unwrap();
+        // Another stream's request does not take them (no cross-stream reuse).
+        let c = d.malloc(30 * MIB, 8).unwrap();
+        assert!(expandable_at(&d, c));
+        for p in [b, t, c] {
+            d.free(p).unwrap();
+        }
         d.check_invariants().unwrap();
     }
 
