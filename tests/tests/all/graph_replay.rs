@@ -316,36 +316,22 @@ fn plain_switches(a: &Allocator<SimBackend>, seed: u64) {
 }
 
 /// Each switch is recorded, and the replay makes it at the same point: the
-/// recorded peak to the byte, which a replay without the switches misses.
-/// (Memory calls are compared within 2%: on this program the replay
-/// unmaps a few handles more than the recording, with or without the
-/// switches, e.g. 93 unmaps against 85 with none.)
+/// recorded peak and memory calls, which a replay without the switch
+/// records misses. (Without `defer_unmap:false` the replay makes a few
+/// unmaps more at its end: old places of moved pages that the recording
+/// still held when it stopped, 8 on the first seed, with or without the
+/// switch.)
 #[test]
-fn plain_request_switches_replay_to_the_recorded_peak() {
-    let conf = Config::default();
+fn plain_request_switches_replay_to_the_recorded_peak_and_memory_calls() {
+    let conf = "defer_unmap:false";
     for seed in 1..=4 {
-        let (evs, peak, calls) = record("", &format!("plain-{seed}"), |a| plain_switches(a, seed));
+        let (evs, peak, calls) =
+            record(conf, &format!("plain-{seed}"), |a| plain_switches(a, seed));
         let switches = evs
             .iter()
             .filter(|e| is_call(PoolOp::PlainRequests)(e))
             .count();
         assert_eq!(switches, 8, "seed {seed}");
-        let r = replay(evs.iter().copied(), CAPACITY, &conf);
-        assert_eq!((r.peak_reserved, r.ooms), (peak, 0), "seed {seed}");
-        let off = r.driver.memory_calls().abs_diff(calls) as f64 / calls as f64;
-        assert!(
-            off < 0.02,
-            "seed {seed}: {} against {calls}",
-            r.driver.memory_calls()
-        );
-        let without = evs
-            .iter()
-            .copied()
-            .filter(|e| !is_call(PoolOp::PlainRequests)(e));
-        assert_ne!(
-            replay(without, CAPACITY, &conf).peak_reserved,
-            peak,
-            "seed {seed}"
-        );
+        check(conf, &evs, peak, calls, &format!("seed {seed}"));
     }
 }
