@@ -90,10 +90,9 @@ use crate::backend::{Backend, StreamId};
 use crate::block::{BlockId, PoolId};
 use crate::device::DeviceAllocator;
 use crate::error::AllocError;
-use crate::pool::{Pool, PoolKey};
+use crate::pool::PoolKey;
 use crate::private_pool::{Serving, StreamFilter};
 use crate::segment_source::SegmentSource;
-use crate::size_class::PoolKind;
 use crate::trace::{EventKind, PoolOp};
 
 impl<B: Backend> DeviceAllocator<B> {
@@ -196,16 +195,9 @@ impl<B: Backend> DeviceAllocator<B> {
             Serving::Own if self.plain_requests => Serving::Plain,
             s => s,
         };
-        let pools = &mut self.heap.pools;
-        let ids = self.private.incref(key, serving, |vacant| {
-            vacant.unwrap_or_else(|| {
-                pools.push(Pool::new(PoolKind::Small, None));
-                (pools.len() - 1) as PoolId
-            })
-        });
-        if let Some((small, large)) = ids {
-            pools[small as usize] = Pool::new(PoolKind::Small, Some(key));
-            pools[large as usize] = Pool::new(PoolKind::Large, Some(key));
+        let heap = &mut self.heap;
+        if let Some(ids) = self.private.incref(key, serving, |v| heap.pool_slot(v)) {
+            heap.reset_pools(ids, Some(key));
         }
     }
 

@@ -6,7 +6,7 @@
 
 use crate::backend::{DevicePtr, StreamId};
 use crate::block::{Block, BlockArena, BlockId, BlockState, PoolId, SegmentId};
-use crate::pool::Pool;
+use crate::pool::{Pool, PoolKey};
 use crate::segment::{Segment, SegmentArena};
 use crate::size_class::PoolKind;
 
@@ -43,6 +43,22 @@ impl Default for Heap {
 }
 
 impl Heap {
+    /// A slot in the pool table for a new private pool: `vacant` (a slot
+    /// an erased pool left) or a new one.
+    pub(crate) fn pool_slot(&mut self, vacant: Option<PoolId>) -> PoolId {
+        vacant.unwrap_or_else(|| {
+            self.pools.push(Pool::new(PoolKind::Small, None));
+            (self.pools.len() - 1) as PoolId
+        })
+    }
+
+    /// Empties the slots of a new private pool's `(small, large)` pools,
+    /// which belong to `key` (`None`: reported as the default pools).
+    pub(crate) fn reset_pools(&mut self, (small, large): (PoolId, PoolId), key: Option<PoolKey>) {
+        self.pools[small as usize] = Pool::new(PoolKind::Small, key);
+        self.pools[large as usize] = Pool::new(PoolKind::Large, key);
+    }
+
     /// The best window over every expandable segment of `(pool, stream)`:
     /// fewest bytes to map, then the oldest segment, then the lowest address.
     pub(crate) fn find_window(

@@ -43,7 +43,6 @@
 use crate::backend::Backend;
 use crate::block::PoolId;
 use crate::device::DeviceAllocator;
-use crate::pool::Pool;
 use crate::size_class::PoolKind;
 use crate::trace::{EventKind, PoolOp};
 
@@ -58,11 +57,6 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         self.plain_requests = on;
         self.record_plain_requests();
-    }
-
-    /// Whether requests outside private pools take plain segments now.
-    pub fn plain_requests(&self) -> bool {
-        self.plain_requests
     }
 
     /// Records the switch's state (at each change, and as a trace starts
@@ -83,17 +77,11 @@ impl<B: Backend> DeviceAllocator<B> {
     /// The pool of `kind` that serves a request outside private pools while
     /// the switch is off; created (unheld, plain) on first use and kept.
     pub(crate) fn plain_request_pool(&mut self, kind: PoolKind) -> PoolId {
-        let pools = &mut self.heap.pools;
-        let (small, large, created) = self.private.plain_requests_pools(|vacant| {
-            vacant.unwrap_or_else(|| {
-                pools.push(Pool::new(PoolKind::Small, None));
-                (pools.len() - 1) as PoolId
-            })
-        });
+        let heap = &mut self.heap;
+        let (small, large, created) = self.private.plain_requests_pools(|v| heap.pool_slot(v));
         if created {
             // No private key: reported as the default pools are.
-            pools[small as usize] = Pool::new(PoolKind::Small, None);
-            pools[large as usize] = Pool::new(PoolKind::Large, None);
+            heap.reset_pools((small, large), None);
         }
         match kind {
             PoolKind::Small => small,

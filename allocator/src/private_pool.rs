@@ -170,7 +170,7 @@ impl PrivatePools {
         &mut self,
         key: PoolKey,
         serving: Serving,
-        mut ids: impl FnMut(Option<PoolId>) -> PoolId,
+        ids: impl FnMut(Option<PoolId>) -> PoolId,
     ) -> Option<(PoolId, PoolId)> {
         if let Some(p) = self.pools.iter_mut().find(|p| p.key == key) {
             p.use_count += 1;
@@ -186,14 +186,29 @@ impl PrivatePools {
             Serving::Plain => (true, None),
             Serving::From(s) => (true, Some(s)),
         };
+        let created = self.create(key, self.next_index, 1, plain, source, ids);
+        self.next_index += 1;
+        Some(created)
+    }
+
+    /// A new pool `key`, its `(small, large)` ids from `ids`.
+    fn create(
+        &mut self,
+        key: PoolKey,
+        index: u32,
+        use_count: u32,
+        plain: bool,
+        source: Option<Box<dyn SegmentSource>>,
+        mut ids: impl FnMut(Option<PoolId>) -> PoolId,
+    ) -> (PoolId, PoolId) {
         let small = ids(self.vacant_ids.pop());
         let large = ids(self.vacant_ids.pop());
         self.pools.push(PrivatePool {
             key,
-            index: self.next_index,
+            index,
             small,
             large,
-            use_count: 1,
+            use_count,
             segments: 0,
             allocated: 0,
             plain,
@@ -201,8 +216,7 @@ impl PrivatePools {
             use_on_oom: false,
             no_split: false,
         });
-        self.next_index += 1;
-        Some((small, large))
+        (small, large)
     }
 
     /// The `(small, large)` ids of [`PLAIN_REQUESTS_POOL`], and whether it
@@ -211,26 +225,12 @@ impl PrivatePools {
     /// new pool gets its ids from `ids`.
     pub fn plain_requests_pools(
         &mut self,
-        mut ids: impl FnMut(Option<PoolId>) -> PoolId,
+        ids: impl FnMut(Option<PoolId>) -> PoolId,
     ) -> (PoolId, PoolId, bool) {
         if let Some((small, large)) = self.plain_requests {
             return (small, large, false);
         }
-        let small = ids(self.vacant_ids.pop());
-        let large = ids(self.vacant_ids.pop());
-        self.pools.push(PrivatePool {
-            key: PLAIN_REQUESTS_POOL,
-            index: u32::MAX,
-            small,
-            large,
-            use_count: 0,
-            segments: 0,
-            allocated: 0,
-            plain: true,
-            source: None,
-            use_on_oom: false,
-            no_split: false,
-        });
+        let (small, large) = self.create(PLAIN_REQUESTS_POOL, u32::MAX, 0, true, None, ids);
         self.plain_requests = Some((small, large));
         (small, large, true)
     }
