@@ -9,11 +9,19 @@ see the change by itself: ``follow`` wraps torch's setters so that the
 bridge reads the setting again each time one returns. Code that kept a
 reference to a setter from before ``install()`` is caught later, where a
 CUDA graph or MemPool creates a pool (the bridge reads it there too).
+
+The other keys of such a string configure PyTorch's own CUDA allocator
+(``garbage_collection_threshold``, ``max_split_size_mb``, ...) and do
+nothing under gpualloc, or its host allocator (``pinned_*``), which stays
+PyTorch's: the wrapper says each of the first kind once, as ``install()``
+says them of ``PYTORCH_CUDA_ALLOC_CONF``, instead of leaving a program to
+believe its setting took.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import warnings
+from typing import Callable, Iterable, List
 
 # torch's C setters of the settings string: the first up to torch 2.9's
 # ``torch.cuda.memory._set_allocator_settings``, the second since (and
@@ -23,10 +31,67 @@ SETTERS = ("_cuda_cudaCachingAllocator_set_allocator_settings", "_accelerator_se
 _MARK = "_gpualloc_follows"
 
 
-def follow(torch_c, sync: Callable[[], None]) -> int:
+# Keys of PyTorch's settings string that hold under gpualloc when set at
+# run time: the switch and the capture setting, which the bridge reads from
+# PyTorch, and the pinned host allocator's, which stays PyTorch's. Every
+# other key configures PyTorch's CUDA allocator alone.
+BRIDGE_HONOURS = frozenset(("expandable_segments", "graph_capture_record_stream_reuse"))
+HOST_KEYS_PREFIX = "pinned_"
+
+_SAID: set = set()
+
+
+def keys_in(settings: str) -> List[str]:
+    """The keys of PyTorch's settings string, in order: its comma-separated
+    ``key:value`` entries, a bracketed value (``roundup_power2_divisions:
+    [256:1,512:2]``) counted as one; whitespace dropped, as torch drops it."""
+    keys, depth, entry = [], 0, []
+    for ch in settings + ",":
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth = max(0, depth - 1)
+        if ch == "," and depth == 0:
+            key = "".join(entry).split(":", 1)[0].strip()
+            if key:
+                keys.append(key)
+            entry = []
+        elif not ch.isspace():
+            entry.append(ch)
+    return keys
+
+
+def say_ignored(settings: str, honoured: Iterable[str], stacklevel: int = 2) -> List[str]:
+    """Warns once per process for each key of ``settings`` that gpualloc
+    does not follow (not in ``honoured``, nor the pinned host allocator's);
+    returns the keys warned of now."""
+    honoured = frozenset(honoured)
+    said = []
+    for key in keys_in(settings):
+        if key in honoured or key.startswith(HOST_KEYS_PREFIX) or key in _SAID:
+            continue
+        _SAID.add(key)
+        said.append(key)
+        if key == "per_process_memory_fraction":
+            hint = "torch.cuda.set_per_process_memory_fraction(), which gpualloc honours, caps a device at run time"
+        else:
+            hint = "gpualloc takes its configuration from install(config=...) or GPUALLOC_CONF (docs/configuration.md)"
+        warnings.warn(
+            f"gpualloc: PyTorch allocator setting {key!r} set at run time configures PyTorch's own CUDA allocator "
+            f"and has no effect on gpualloc; {hint}",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
+    return said
+
+
+def follow(torch_c, sync: Callable[[], None], honoured: Iterable[str] = BRIDGE_HONOURS) -> int:
     """Wraps each of torch's setters found on ``torch_c`` (``torch._C``) so
-    that ``sync()`` runs after it returns; a setter wrapped already is
-    left alone. Returns the number of setters wrapped now."""
+    that ``sync()`` runs after it returns, and keys of the string that
+    gpualloc does not follow (not in ``honoured``) are said once each
+    (``say_ignored``); a setter wrapped already is left alone. Returns the
+    number of setters wrapped now."""
+    honoured = frozenset(honoured)
     wrapped = 0
     for name in SETTERS:
         setter = getattr(torch_c, name, None)
@@ -35,10 +100,15 @@ def follow(torch_c, sync: Callable[[], None]) -> int:
 
         def following(env, _setter=setter):
             try:
-                return _setter(env)
+                result = _setter(env)
             finally:
                 # Keys before a refused one took effect in torch.
                 sync()
+            if isinstance(env, str):
+                # Said of a string torch took; the caller of
+                # torch.cuda.memory._set_allocator_settings is 3 frames up.
+                say_ignored(env, honoured, stacklevel=3)
+            return result
 
         following.__name__ = name
         following.__doc__ = getattr(setter, "__doc__", None)

@@ -4,6 +4,7 @@ setters wrapped (``gpualloc._settings``), and the switch they pass on
 
 import types
 import unittest
+import warnings
 
 from . import __name__ as _env  # noqa: F401
 from .test_process import run
@@ -43,6 +44,58 @@ class FollowTest(unittest.TestCase):
 
     def test_a_torch_without_the_setters_is_left_alone(self):
         self.assertEqual(_settings.follow(types.SimpleNamespace(), lambda: None), 0)
+
+
+class IgnoredKeysTest(unittest.TestCase):
+    def setUp(self):
+        _settings._SAID.clear()
+
+    def test_keys_are_read_as_torch_splits_the_string(self):
+        self.assertEqual(
+            _settings.keys_in(" max_split_size_mb : 128, roundup_power2_divisions:[256:1, 512:2,>:8],expandable_segments:False,"),
+            ["max_split_size_mb", "roundup_power2_divisions", "expandable_segments"],
+        )
+        self.assertEqual(_settings.keys_in(""), [])
+
+    def test_each_ignored_key_is_said_once_and_followed_ones_never(self):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            said = _settings.say_ignored(
+                "expandable_segments:False,garbage_collection_threshold:0.6,pinned_use_cuda_host_register:True,"
+                "per_process_memory_fraction:0.5,graph_capture_record_stream_reuse:True",
+                _settings.BRIDGE_HONOURS,
+            )
+            again = _settings.say_ignored("garbage_collection_threshold:0.8", _settings.BRIDGE_HONOURS)
+        self.assertEqual(said, ["garbage_collection_threshold", "per_process_memory_fraction"])
+        self.assertEqual(again, [])
+        texts = [str(w.message) for w in caught]
+        self.assertEqual(len(texts), 2)
+        self.assertIn("'garbage_collection_threshold'", texts[0])
+        self.assertIn("GPUALLOC_CONF", texts[0])
+        self.assertIn("set_per_process_memory_fraction", texts[1])
+        self.assertTrue(all(w.category is RuntimeWarning for w in caught))
+
+    def test_a_setter_says_what_gpualloc_ignores_after_torch_took_the_string(self):
+        torch_c = types.SimpleNamespace(_accelerator_setAllocatorSettings=lambda env: None)
+        _settings.follow(torch_c, lambda: None, honoured=())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch_c._accelerator_setAllocatorSettings("expandable_segments:False")
+        # Without the bridge (honoured empty) even the switch is said.
+        self.assertEqual(len(caught), 1)
+        self.assertIn("'expandable_segments'", str(caught[0].message))
+
+    def test_a_refused_string_says_nothing(self):
+        def refuse(env):
+            raise ValueError("Unrecognized key")
+
+        torch_c = types.SimpleNamespace(_accelerator_setAllocatorSettings=refuse)
+        _settings.follow(torch_c, lambda: None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with self.assertRaises(ValueError):
+                torch_c._accelerator_setAllocatorSettings("max_split_size_mb:64")
+        self.assertEqual(caught, [])
 
 
 # Told before the start, then switched off and on around allocations.
