@@ -574,6 +574,12 @@ def _install_fallback(torch, libpath: str) -> None:
     # [Capture without a pool]).
     torch.cuda.memory.change_current_allocator(pluggable)
     _KEEP.append(pluggable)
+    torch_c = getattr(torch, "_C", None)
+    if torch_c is not None:
+        from . import _settings
+
+        # Nothing reaches gpualloc on this route: every key is said.
+        _settings.follow(torch_c, lambda: None, honoured=())
 
 
 def _device_index(torch, device) -> int:
@@ -612,6 +618,27 @@ def _patch_python(torch, fallback: bool) -> None:
     # With the bridge, torch's own snapshot path reads gpualloc (segments,
     # blocks, and the history torch records through it): nothing to patch.
     patches = {}
+
+    def change_current_allocator(allocator):
+        """gpualloc is PyTorch's CUDA allocator and stays so: another one
+        asked for (RMM's, a CUDAPluggableAllocator) is refused with a
+        warning, as libraries that find an allocator plugged in already
+        skip the swap themselves. Under the bridge torch would raise
+        "Can't swap an already initialized allocator", which names neither
+        gpualloc nor a way out; on the fallback route it would silently
+        put the other allocator in gpualloc's place before CUDA starts."""
+        if any(allocator is kept for kept in _KEEP):
+            return  # gpualloc's own plain CUDAPluggableAllocator
+        warnings.warn(
+            f"gpualloc: torch.cuda.memory.change_current_allocator({type(allocator).__name__}) ignored: gpualloc "
+            "is installed as PyTorch's CUDA allocator and stays. To have that allocator serve some tensors, "
+            "create them under torch.cuda.use_mem_pool(torch.cuda.MemPool(<it>.allocator())): gpualloc takes such "
+            "a pool's segments from it; to use it for everything, do not install gpualloc",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    patches["change_current_allocator"] = change_current_allocator
 
     if fallback:
         patches.update(memory_snapshot=memory_snapshot, _snapshot=_snapshot)

@@ -740,6 +740,17 @@ class GpuallocAllocator final : public CUDAAllocator {
       uncached_delete(ptr);
       return;
     }
+    // Called by code (`torch.cuda.caching_allocator_delete`, C++
+    // extensions' `raw_delete`), not by a deleter: a pointer no allocation
+    // starts at (freed twice, or never allocated here) raises as PyTorch's
+    // `free` does, with its words, instead of a line on stderr.
+    uint64_t size = 0;
+    if (ptr != nullptr && in_parent() && api.allocation_size(ptr, &size) == GPUALLOC_ERR_INVALID_POINTER) {
+      api.clear_error();
+      TORCH_CHECK(false, "invalid device pointer: " + ptr_text(ptr) +
+                             " (gpualloc holds no allocation that starts there: freed already, or not "
+                             "allocated by PyTorch's CUDA allocator)");
+    }
     delete_fn(ptr);
   }
   // Called by PyTorch's lazy CUDA initialization: the allocator starts here,

@@ -895,6 +895,34 @@ def check_compat(args) -> dict:
         assert torch.cuda.memory_allocated() == before, "raw blocks were not freed"
         return {"grown": grown}
 
+    @sub("caching_allocator_delete_of_a_pointer_not_allocated_raises")
+    def _():
+        # Interop code (CuPy or Triton allocators over caching_allocator_alloc,
+        # DGL's raw_delete) that frees twice, or a pointer inside a block, is
+        # told so: PyTorch raises "invalid device pointer", and the block
+        # stays allocated and is freed once.
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        p = torch.cuda.caching_allocator_alloc(4 * MiB)
+        raised = {}
+        try:
+            torch.cuda.caching_allocator_delete(p + 512)
+        except RuntimeError as e:
+            raised["inside"] = str(e).splitlines()[0][:160]
+        assert torch.cuda.memory_allocated() - before >= 4 * MiB, "a wrong free freed the block"
+        torch.cuda.caching_allocator_delete(p)
+        assert torch.cuda.memory_allocated() == before, "the block was not freed"
+        try:
+            torch.cuda.caching_allocator_delete(p)
+        except RuntimeError as e:
+            raised["twice"] = str(e).splitlines()[0][:160]
+        assert set(raised) == {"inside", "twice"}, f"raised only for {sorted(raised)}: {raised}"
+        assert all("invalid device pointer" in m for m in raised.values()), raised
+        # The allocator still serves and frees afterwards.
+        x = torch.ones(MiB, device=dev)
+        assert float(x.sum()) == MiB
+        return raised
+
     @sub("caching_allocator_switched_off")
     def _():
         # Programs switch the caching allocator off for a while (loading a
@@ -1234,6 +1262,27 @@ def check_compat(args) -> dict:
         return {"pool_segments": len(segs)}
 
     if args.alloc == "gpualloc":
+
+        @sub("another_allocator_swapped_in_is_refused_with_a_warning")
+        def _():
+            # A library that hands PyTorch another allocator (NeMo-Curator's
+            # RMM set-up, in every Dask worker) is warned and carries on under
+            # gpualloc; torch itself would raise "Can't swap an already
+            # initialized allocator", naming neither gpualloc nor a way out.
+            import warnings
+
+            from gpualloc._lib import lib
+
+            other = torch.cuda.memory.CUDAPluggableAllocator(lib().path, "gpualloc_malloc", "gpualloc_free")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.memory.change_current_allocator(other)
+            said = [str(w.message) for w in caught if "change_current_allocator" in str(w.message)]
+            assert said, f"no warning: {[str(w.message) for w in caught]}"
+            assert torch.cuda.get_allocator_backend() == "gpualloc", torch.cuda.get_allocator_backend()
+            x = torch.ones(MiB, device=dev)
+            assert float(x.sum()) == MiB
+            return said[0][:120]
 
         @sub("caching_allocator_switched_off_takes_back_the_cache")
         def _():

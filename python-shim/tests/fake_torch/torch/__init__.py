@@ -36,6 +36,7 @@ cuda.memory = types.ModuleType("torch.cuda.memory")
 cuda.memory.CUDAPluggableAllocator = CUDAPluggableAllocator
 cuda.memory.installed = []  # what change_current_allocator was given
 cuda.memory.change_current_allocator = cuda.memory.installed.append
+cuda.change_current_allocator = cuda.memory.change_current_allocator  # torch.cuda's `from .memory import *`
 cuda.memory.memory_stats = lambda device=None: {}
 cuda.memory._snapshot = lambda device=None: {}  # replaced by gpualloc's fallback
 cuda.device_count = lambda: 2
