@@ -1080,6 +1080,17 @@ def check_compat(args) -> dict:
             rt.cudaGetLastError()  # not left for torch's next check
             return rc
 
+        def range_covers(t):
+            # What RDMA and storage libraries register a tensor by (UCX's
+            # whole-allocation registration, Mooncake's dma-buf, kvikio):
+            # cuMemGetAddressRange of its pointer. On memory mapped from
+            # several handles it gives one handle's range, so the tensor
+            # is covered only in plain memory (or within one handle).
+            base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+            rc = drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(t.data_ptr()))
+            assert rc == 0, f"cuMemGetAddressRange failed ({rc})"
+            return base.value <= t.data_ptr() and t.data_ptr() + t.nbytes <= base.value + size.value
+
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         if args.alloc == "gpualloc":
             was = "False" if "expandable_segments:False" in conf else "True"
@@ -1104,6 +1115,10 @@ def check_compat(args) -> dict:
             rcs = {"tensor": ipc_handle(t), "graph_output": ipc_handle(out)}
             assert rcs == {"tensor": 0, "graph_output": 0}, rcs
             assert float(out[-1]) == 2.0
+            big = torch.empty(64 * MiB, dtype=torch.uint8, device=dev)
+            rcs["range_covers_while_off"] = range_covers(big)
+            assert rcs["range_covers_while_off"], "cuMemGetAddressRange covers part of a tensor made while off"
+            del big
             setter("expandable_segments:True")
             u = torch.empty(40 * MiB, dtype=torch.uint8, device=dev)
             expandable = next(s["is_expandable"] for s in torch.cuda.memory_snapshot()
@@ -1111,6 +1126,7 @@ def check_compat(args) -> dict:
             if expandable:
                 rcs["expandable"] = ipc_handle(u)
                 assert rcs["expandable"] != 0, rcs
+                rcs["range_covers_expandable"] = range_covers(u)  # told, not asserted: depends on handle sizes
             del t, u, out, g
         finally:
             setter(f"expandable_segments:{was}")
