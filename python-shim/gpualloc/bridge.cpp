@@ -902,9 +902,13 @@ class GpuallocAllocator final : public CUDAAllocator {
     // And its expandable_segments, which the pool takes if created now.
     expandable_switch.sync_and_warn();
     std::lock_guard<std::mutex> g(filters_mutex);
+    // Room for the filter first: once gpualloc's scope holds `ctx`, keeping
+    // it must not throw (a bad_alloc would free a filter still called).
+    auto& kept = filters[key];
+    kept.reserve(kept.size() + 1);
     int rc = api.begin_pool(device, key.a, key.b, ctx != nullptr ? &filter_trampoline : nullptr, ctx);
     check(rc, "beginAllocateToPool");
-    filters[key].push_back(std::move(owned));
+    kept.push_back(std::move(owned));
   }
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t id) override {
     // A forked child: the filters' lock may be held for good by a thread
