@@ -34,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -861,8 +862,15 @@ class GpuallocAllocator final : public CUDAAllocator {
     }
     auto& md = out.config_metadata;
     md.garbage_collection_threshold = 0.0;
-    md.max_split_size = 0;
-    md.pinned_num_register_threads = 0;
+    // gpualloc's max_split_size (its configuration's, one for every device),
+    // SIZE_MAX when unlimited, as PyTorch reports its own.
+    md.max_split_size = std::numeric_limits<size_t>::max();
+    GpuallocStats config_stats;
+    if (get_stats(0, config_stats) == GPUALLOC_OK && config_stats.max_split_size >= 0) {
+      md.max_split_size = static_cast<size_t>(config_stats.max_split_size);
+    }
+    // PyTorch's pinned host allocator stays PyTorch's, with its settings.
+    md.pinned_num_register_threads = cca::CUDAAllocatorConfig::pinned_num_register_threads();
     // Whether new allocations land in expandable memory: some segment is,
     // and PyTorch's expandable_segments has not switched requests plain
     // (libraries that share memory read this to decide).
@@ -872,7 +880,7 @@ class GpuallocAllocator final : public CUDAAllocator {
     }
     md.expandable_segments = md.expandable_segments && !expandable_switch.plain();
     md.release_lock_on_malloc = false;
-    md.pinned_use_host_register = false;
+    md.pinned_use_host_register = cca::CUDAAllocatorConfig::pinned_use_cuda_host_register();
     // PyTorch's setting, which gpualloc honours (its own key is in the string below).
     md.graph_capture_record_stream_reuse = cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse();
     // PyTorch's own settings string, as PyTorch reports it: programs save
