@@ -620,15 +620,12 @@ impl<B: Backend> DeviceAllocator<B> {
             return None;
         }
         let kind = self.heap.pools[pool as usize].kind;
-        let lenders: Vec<PoolId> = self
-            .private
-            .use_on_oom(kind)
-            .into_iter()
-            .filter(|&p| !plain_only || self.plain_pool(p))
-            .collect();
-        lenders
-            .into_iter()
-            .find_map(|p| self.get_free_block(p, stream, rounded))
+        self.private.use_on_oom(kind).into_iter().find_map(|p| {
+            if plain_only && !self.plain_pool(p) {
+                return None;
+            }
+            self.get_free_block(p, stream, rounded)
+        })
     }
 
     /// PyTorch's `get_pool`: the innermost private-pool scope whose filter
