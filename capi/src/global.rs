@@ -372,13 +372,52 @@ pub(crate) fn idle_count() -> Result<(Config, usize), Error> {
 }
 
 /// The cap each device starts with beside `config`'s: PyTorch's
-/// `per_process_memory_fraction` from its settings variable, unless
-/// `config` has its own fraction (Note [PyTorch's settings under gpualloc]).
+/// `per_process_memory_fraction`, as set at run time before the start, else
+/// from its settings variable, unless `config` has its own fraction (Note
+/// [PyTorch's settings under gpualloc]).
 pub(crate) fn start_fraction(config: &Config) -> Result<Option<f64>, Error> {
     if config.memory_fraction.is_some() {
         return Ok(None);
     }
+    if let Some(x) = pending::torch_fraction() {
+        return Ok(Some(x).filter(|&x| x < 1.0));
+    }
     Ok(gpualloc::torch_settings::memory_fraction_from_env()?)
+}
+
+// Note [PyTorch's fraction set at run time]
+// Rationale: torch 2.10 and later read `per_process_memory_fraction` from a
+// settings string set at run time (`torch.cuda.memory._set_allocator_settings`,
+// `torch._C._accelerator_setAllocatorSettings`) as from its variable, and
+// its allocator applies it to each device when the allocator starts, at
+// CUDA's initialization; set later, it changes nothing there.
+// Approach: the Python package hands each string torch took to
+// `gpualloc_set_torch_settings`. Before gpualloc starts (which PyTorch's
+// CUDA initialization does), its fraction is kept and replaces the
+// variable's as the cap each device starts with; gpualloc's own key still
+// wins. Once gpualloc runs, it changes nothing, as under PyTorch, and the
+// caller says so.
+
+/// PyTorch's settings string `settings`, which torch took at run time: its
+/// `per_process_memory_fraction`, before the start, becomes the cap each
+/// device starts with (Note [PyTorch's fraction set at run time]). Whether
+/// it did: false when the string has none, the allocator runs already, or
+/// gpualloc's configuration gives its own fraction.
+pub(crate) fn set_torch_settings(settings: &str) -> Result<bool, Error> {
+    let Some(x) = gpualloc::torch_settings::memory_fraction_in("the settings string", settings)?
+    else {
+        return Ok(false);
+    };
+    let _serial = INIT.lock();
+    if GLOBAL.get().is_some() {
+        return Ok(false);
+    }
+    let config = parse_or_env(pending::get().config.as_deref())?;
+    if config.memory_fraction.is_some() {
+        return Ok(false);
+    }
+    pending::keep_torch_fraction(x);
+    Ok(true)
 }
 
 /// At most 200 characters of `s`, for messages.

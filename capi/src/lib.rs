@@ -567,6 +567,30 @@ pub extern "C" fn gpualloc_set_memory_fraction(fraction: c_double, device: c_int
     });
 }
 
+/// PyTorch's settings string `settings`, as torch took it at run time
+/// (`torch.cuda.memory._set_allocator_settings`): before the allocator
+/// starts, its `per_process_memory_fraction` becomes the cap each device
+/// starts with, as PyTorch's allocator applies it when CUDA starts (Note
+/// [PyTorch's fraction set at run time] in `global.rs`). 1 when it will; 0
+/// when it changes nothing: the string has no such key, the allocator runs
+/// already (as under PyTorch, where CUDA has started), or gpualloc's
+/// configuration gives its own fraction, which wins. `GPUALLOC_ERR_CONFIG`
+/// for a value PyTorch refuses too. Starts nothing.
+///
+/// # Safety
+/// `settings` is a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpualloc_set_torch_settings(settings: *const c_char) -> c_int {
+    boundary::clear_last_error();
+    ffi_boundary(
+        |code| code,
+        || {
+            let settings = str_arg(settings, "settings")?;
+            global::set_torch_settings(settings).map(c_int::from)
+        },
+    )
+}
+
 /// The fraction set for `device` (1.0 when none) into `*out`.
 ///
 /// # Safety

@@ -41,6 +41,10 @@ pub(crate) struct Pending {
     pub trace: Option<PathBuf>,
     /// A stop before the start also called off `GPUALLOC_TRACE`'s trace.
     pub env_trace_stopped: bool,
+    /// PyTorch's `per_process_memory_fraction` set at run time before the
+    /// start (Note [PyTorch's fraction set at run time] in `global.rs`);
+    /// 1 when it lifts the variable's cap.
+    pub torch_fraction: Option<f64>,
 }
 
 impl Pending {
@@ -55,6 +59,7 @@ static PENDING: Mutex<Pending> = Mutex::new(Pending {
     config: None,
     trace: None,
     env_trace_stopped: false,
+    torch_fraction: None,
 });
 
 /// What is kept for the start (a copy).
@@ -84,8 +89,11 @@ pub(crate) fn keep(config: Option<&str>, trace: Option<&Path>) -> Result<(), Err
     let mut p = PENDING.lock();
     if let Some(c) = config {
         // PyTorch's fraction is checked now too, as the start will read it
-        // (Note [PyTorch's settings under gpualloc]).
-        crate::global::start_fraction(&Config::parse(c)?)?;
+        // (Note [PyTorch's settings under gpualloc]); not under this lock,
+        // which `start_fraction` takes.
+        if Config::parse(c)?.memory_fraction.is_none() && p.torch_fraction.is_none() {
+            gpualloc::torch_settings::memory_fraction_from_env()?;
+        }
         if let Some(old) = p.config.as_deref().filter(|old| *old != c) {
             return Err(already_configured(old, c));
         }
@@ -112,6 +120,18 @@ pub(crate) fn keep(config: Option<&str>, trace: Option<&Path>) -> Result<(), Err
         p.trace = Some(t.to_path_buf());
     }
     Ok(())
+}
+
+/// PyTorch's fraction set at run time, if any ([`Pending::torch_fraction`]).
+pub(crate) fn torch_fraction() -> Option<f64> {
+    PENDING.lock().torch_fraction
+}
+
+/// Keeps PyTorch's fraction `x` (checked by the caller) for the start. The
+/// caller holds the start lock and has seen that the allocator has not
+/// started.
+pub(crate) fn keep_torch_fraction(x: f64) {
+    PENDING.lock().torch_fraction = Some(x);
 }
 
 /// Forgets the kept configuration when it is `config`; whether it did.

@@ -277,6 +277,7 @@ _SIGNATURES = {
     "gpualloc_add_peer_access": (c_int, [c_int, c_int]),
     "gpualloc_empty_cache": (None, []),
     "gpualloc_set_memory_fraction": (None, [c_double, c_int]),
+    "gpualloc_set_torch_settings": (c_int, [c_char_p]),
     "gpualloc_get_memory_fraction": (c_int, [c_int, ctypes.POINTER(c_double)]),
     "gpualloc_set_memory_limit": (c_int, [c_int, c_uint64]),
     "gpualloc_mem_info": (c_int, [c_int, ctypes.POINTER(c_uint64), ctypes.POINTER(c_uint64)]),
@@ -528,6 +529,14 @@ class Library:
         out = c_double()
         self.check(self.dll.gpualloc_get_memory_fraction(_dev(device), ctypes.byref(out)))
         return out.value
+
+    def set_torch_settings(self, settings: str) -> bool:
+        """PyTorch's settings string as torch took it at run time: before the
+        allocator starts, its ``per_process_memory_fraction`` caps each
+        device from its start, as PyTorch's allocator applies it when CUDA
+        starts. Whether it will (False: no such key, the allocator runs
+        already, or gpualloc's own fraction wins). Starts nothing."""
+        return bool(self.check(self.dll.gpualloc_set_torch_settings(_cstr(settings, "settings"))))
 
     def set_memory_limit(self, nbytes: Optional[int], device: int = 0) -> None:
         """Caps reserved memory at ``nbytes`` (at least 1); None removes the cap."""

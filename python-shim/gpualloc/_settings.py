@@ -10,6 +10,12 @@ bridge reads the setting again each time one returns. Code that kept a
 reference to a setter from before ``install()`` is caught later, where a
 CUDA graph or MemPool creates a pool (the bridge reads it there too).
 
+Its ``per_process_memory_fraction`` (torch 2.10 and later) caps each
+device from its start when the string comes before CUDA's initialization,
+as under PyTorch's allocator (Note [PyTorch's fraction set at run time] in
+``capi/src/global.rs``); ``follow`` hands each string torch took to the
+library for that. Later, it changes nothing under either allocator.
+
 The other keys of such a string configure PyTorch's own CUDA allocator
 (``garbage_collection_threshold``, ``max_split_size_mb``, ...) and do
 nothing under gpualloc, or its host allocator (``pinned_*``), which stays
@@ -21,7 +27,7 @@ believe its setting took.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Iterable, List
+from typing import Callable, Iterable, List, Optional
 
 # torch's C setters of the settings string: the first up to torch 2.9's
 # ``torch.cuda.memory._set_allocator_settings``, the second since (and
@@ -37,6 +43,7 @@ _MARK = "_gpualloc_follows"
 # other key configures PyTorch's CUDA allocator alone.
 BRIDGE_HONOURS = frozenset(("expandable_segments", "graph_capture_record_stream_reuse"))
 HOST_KEYS_PREFIX = "pinned_"
+FRACTION_KEY = "per_process_memory_fraction"
 
 _SAID: set = set()
 
@@ -72,8 +79,12 @@ def say_ignored(settings: str, honoured: Iterable[str], stacklevel: int = 2) -> 
             continue
         _SAID.add(key)
         said.append(key)
-        if key == "per_process_memory_fraction":
-            hint = "torch.cuda.set_per_process_memory_fraction(), which gpualloc honours, caps a device at run time"
+        if key == FRACTION_KEY:
+            hint = (
+                "it caps each device only when set before CUDA starts, as under PyTorch's allocator, and gpualloc's "
+                "own per_process_memory_fraction wins over it; torch.cuda.set_per_process_memory_fraction(), "
+                "which gpualloc honours, caps a device at run time"
+            )
         else:
             hint = "gpualloc takes its configuration from install(config=...) or GPUALLOC_CONF (docs/configuration.md)"
         warnings.warn(
@@ -85,10 +96,18 @@ def say_ignored(settings: str, honoured: Iterable[str], stacklevel: int = 2) -> 
     return said
 
 
-def follow(torch_c, sync: Callable[[], None], honoured: Iterable[str] = BRIDGE_HONOURS) -> int:
+def follow(
+    torch_c,
+    sync: Callable[[], None],
+    honoured: Iterable[str] = BRIDGE_HONOURS,
+    start_fraction: Optional[Callable[[str], bool]] = None,
+) -> int:
     """Wraps each of torch's setters found on ``torch_c`` (``torch._C``) so
-    that ``sync()`` runs after it returns, and keys of the string that
-    gpualloc does not follow (not in ``honoured``) are said once each
+    that ``sync()`` runs after it returns, a string torch took goes to
+    ``start_fraction`` when it names ``per_process_memory_fraction``
+    (whether that caps the devices from their start: the library's
+    ``set_torch_settings``), and keys of the string that gpualloc does not
+    follow (not in ``honoured``, nor a fraction taken) are said once each
     (``say_ignored``); a setter wrapped already is left alone. Returns the
     number of setters wrapped now."""
     honoured = frozenset(honoured)
@@ -105,9 +124,12 @@ def follow(torch_c, sync: Callable[[], None], honoured: Iterable[str] = BRIDGE_H
                 # Keys before a refused one took effect in torch.
                 sync()
             if isinstance(env, str):
+                taken = honoured
+                if start_fraction is not None and FRACTION_KEY in keys_in(env) and start_fraction(env):
+                    taken = honoured | {FRACTION_KEY}
                 # Said of a string torch took; the caller of
                 # torch.cuda.memory._set_allocator_settings is 3 frames up.
-                say_ignored(env, honoured, stacklevel=3)
+                say_ignored(env, taken, stacklevel=3)
             return result
 
         following.__name__ = name

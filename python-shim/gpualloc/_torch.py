@@ -547,7 +547,19 @@ def _install_bridge(torch, libpath: str, verbose: bool) -> None:
     from . import _settings
 
     sync()  # PyTorch's variable, kept for the allocator's start
-    _settings.follow(torch._C, sync)
+    _settings.follow(torch._C, sync, start_fraction=_start_fraction(torch))
+
+
+def _start_fraction(torch):
+    """For ``_settings.follow``: a string torch took before CUDA started
+    caps each device with its ``per_process_memory_fraction`` from the
+    device's start, as PyTorch's allocator does (Note [PyTorch's fraction
+    set at run time] in ``capi/src/global.rs``); whether it will."""
+
+    def start_fraction(settings: str) -> bool:
+        return not torch.cuda.is_initialized() and lib().set_torch_settings(settings)
+
+    return start_fraction
 
 
 def _install_fallback(torch, libpath: str) -> None:
@@ -578,8 +590,9 @@ def _install_fallback(torch, libpath: str) -> None:
     if torch_c is not None:
         from . import _settings
 
-        # Nothing reaches gpualloc on this route: every key is said.
-        _settings.follow(torch_c, lambda: None, honoured=())
+        # Nothing reaches gpualloc on this route but the fraction before
+        # the start: every other key is said.
+        _settings.follow(torch_c, lambda: None, honoured=(), start_fraction=_start_fraction(torch))
 
 
 def _device_index(torch, device) -> int:

@@ -85,6 +85,25 @@ class IgnoredKeysTest(unittest.TestCase):
         self.assertEqual(len(caught), 1)
         self.assertIn("'expandable_segments'", str(caught[0].message))
 
+    def test_a_fraction_the_library_takes_is_not_said(self):
+        # Before CUDA starts the library takes the fraction (the callable
+        # says so); after, it is said as every other ignored key.
+        seen, takes = [], [True]
+        torch_c = types.SimpleNamespace(_accelerator_setAllocatorSettings=lambda env: None)
+        _settings.follow(torch_c, lambda: None, start_fraction=lambda env: seen.append(env) or takes[0])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch_c._accelerator_setAllocatorSettings("expandable_segments:False")
+            torch_c._accelerator_setAllocatorSettings("per_process_memory_fraction:0.5, max_split_size_mb:64")
+            self.assertEqual([str(w.message).split("'")[1] for w in caught], ["max_split_size_mb"])
+            takes[0] = False
+            torch_c._accelerator_setAllocatorSettings("per_process_memory_fraction:0.25")
+        # Only strings naming the key reach the library.
+        self.assertEqual(seen, ["per_process_memory_fraction:0.5, max_split_size_mb:64", "per_process_memory_fraction:0.25"])
+        self.assertEqual(len(caught), 2)
+        self.assertIn("'per_process_memory_fraction'", str(caught[1].message))
+        self.assertIn("before CUDA starts", str(caught[1].message))
+
     def test_a_refused_string_says_nothing(self):
         def refuse(env):
             raise ValueError("Unrecognized key")
@@ -96,6 +115,50 @@ class IgnoredKeysTest(unittest.TestCase):
             with self.assertRaises(ValueError):
                 torch_c._accelerator_setAllocatorSettings("max_split_size_mb:64")
         self.assertEqual(caught, [])
+
+
+# PyTorch's fraction set at run time: before the start it caps each device
+# from its start (replacing the variable's); after, it changes nothing.
+FRACTION_CODE = """
+import sys
+from gpualloc import GpuallocError
+from gpualloc._lib import lib
+L = lib()
+print("none", L.set_torch_settings("expandable_segments:False"))
+try:
+    L.set_torch_settings("per_process_memory_fraction:2")
+except GpuallocError as e:
+    print("refused", "not a number in [0, 1]" in str(e))
+print("taken", L.set_torch_settings(sys.argv[1]), L.memory_fraction(0), L.memory_fraction(1), L.is_initialized())
+try:
+    L.malloc(300 << 20)
+    print("fits 300 MiB")
+except GpuallocError:
+    print("over the cap")
+print("later", L.set_torch_settings("per_process_memory_fraction:0.75"), L.memory_fraction(0), L.memory_fraction(1))
+L.check_invariants()
+"""
+
+
+class TorchFractionTest(unittest.TestCase):
+    def fraction(self, settings, env=None):
+        out = run(["-c", FRACTION_CODE, settings], dict({"GPUALLOC_SIM_CAPACITY": "1GiB"}, **(env or {})))
+        self.assertEqual(out.returncode, 0, out.stderr)
+        return out.stdout.splitlines()
+
+    def test_set_before_the_start_caps_each_device_from_its_start(self):
+        lines = self.fraction("expandable_segments:True, per_process_memory_fraction:0.5,per_process_memory_fraction:0.25")
+        self.assertEqual(lines[:2], ["none False", "refused True"])
+        self.assertEqual(lines[2], "taken True 0.25 0.25 False")
+        self.assertEqual(lines[3], "over the cap")
+        # Once running: no effect, as under PyTorch once CUDA started.
+        self.assertEqual(lines[4], "later False 0.25 0.25")
+
+    def test_it_replaces_the_variables_and_gpuallocs_own_wins(self):
+        env = {"PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:0.1"}
+        self.assertEqual(self.fraction("per_process_memory_fraction:1", env)[2:4], ["taken True 1.0 1.0 False", "fits 300 MiB"])
+        own = dict(env, GPUALLOC_CONF="per_process_memory_fraction:0.5")
+        self.assertEqual(self.fraction("per_process_memory_fraction:0.25", own)[2:4], ["taken False 0.5 0.5 False", "fits 300 MiB"])
 
 
 # Told before the start, then switched off and on around allocations.

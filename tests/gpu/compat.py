@@ -1234,11 +1234,21 @@ def check_compat(args) -> dict:
         # not, and set_per_process_memory_fraction(1.0) lifts it.
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False,per_process_memory_fraction:0.05")
         env.pop("PYTORCH_ALLOC_CONF", None)
-        seen = _child_result(FRACTION_VARIABLE, "FRACTION_RESULT", args.alloc, env)
-        assert seen["half_fits"], seen
-        assert seen["over_refused"], f"more than the cap was served: {seen}"
-        assert seen["lifted_fits"], seen
-        return seen
+        return _capped_from_the_start(args.alloc, env)
+
+    @sub("memory_fraction_set_at_run_time")
+    def _():
+        # torch.cuda.memory._set_allocator_settings("per_process_memory_fraction:x")
+        # before CUDA starts (torch 2.10 and later know the key): PyTorch's
+        # allocator caps each device from its start, and so does gpualloc
+        # (Note [PyTorch's fraction set at run time] in capi/src/global.rs);
+        # set again once CUDA runs, it changes nothing under either.
+        if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 10):
+            return {"skipped": f"torch {torch.__version__} has no per_process_memory_fraction key"}
+        env = dict(os.environ, FRACTION_AT_RUN_TIME="expandable_segments:True,per_process_memory_fraction:0.05")
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        env.pop("PYTORCH_ALLOC_CONF", None)
+        return _capped_from_the_start(args.alloc, env)
 
     @sub("nccl_register_mem_pool")
     def _():
@@ -1513,6 +1523,17 @@ def _child_result(code, marker, alloc, env=None, warnings=False):
     return seen
 
 
+def _capped_from_the_start(alloc, env):
+    """FRACTION_VARIABLE under `alloc` and `env`, which cap the device at
+    5% from its start: half the cap fits, more than the cap in all does
+    not, and set_per_process_memory_fraction(1.0) lifts it."""
+    seen = _child_result(FRACTION_VARIABLE, "FRACTION_RESULT", alloc, env)
+    assert seen["half_fits"], seen
+    assert seen["over_refused"], f"more than the cap was served: {seen}"
+    assert seen["lifted_fits"], seen
+    return seen
+
+
 SKIP_ACTIONS = r"""
 import json, sys
 import torch
@@ -1569,10 +1590,19 @@ import torch
 if sys.argv[1] == "gpualloc":
     import gpualloc
     gpualloc.install(config=os.environ.get("GPUALLOC_TEST_CONF") or None)
+if os.environ.get("FRACTION_AT_RUN_TIME"):
+    torch.cuda.memory._set_allocator_settings(os.environ["FRACTION_AT_RUN_TIME"])
 torch.cuda.init()
+get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+fraction_at_start = get_fraction() if get_fraction else None
+if os.environ.get("FRACTION_AT_RUN_TIME"):
+    # Set once CUDA runs: no effect under PyTorch's allocator, nor gpualloc.
+    torch.cuda.memory._set_allocator_settings("per_process_memory_fraction:0.5")
 cap = int(0.05 * torch.cuda.get_device_properties(0).total_memory)
 half = torch.empty(cap // 2, dtype=torch.uint8, device="cuda")
-out = {"backend": torch.cuda.get_allocator_backend(), "cap": cap, "half_fits": True}
+out = {"backend": torch.cuda.get_allocator_backend(), "cap": cap, "half_fits": True, "fraction_at_start": fraction_at_start}
+if get_fraction:
+    out["fraction_after_late_string"] = get_fraction()
 try:
     more = torch.empty(cap * 7 // 10, dtype=torch.uint8, device="cuda")
     out["over_refused"] = False
