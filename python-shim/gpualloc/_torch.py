@@ -141,6 +141,7 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
                     stacklevel=3,
                 )
         _say_preloaded_hooks()
+        _say_replaced_allocator(torch)
         L = lib()  # raises LibraryNotFound with instructions
         # A bad configuration raises here, before torch is touched. None is
         # GPUALLOC_CONF's, kept as such: a later install(config=...) with
@@ -197,6 +198,32 @@ def _say_preloaded_hooks() -> None:
                 stacklevel=4,  # the caller of gpualloc.install
             )
             return
+
+
+def _say_replaced_allocator(torch) -> None:
+    """Warns when the allocator install() replaces is not PyTorch's own: one
+    the program swapped in before (RMM's, through change_current_allocator)
+    or chose with PYTORCH_CUDA_ALLOC_CONF's ``backend:cudaMallocAsync``.
+    PyTorch lets a later swap replace it as silently, but a program that set
+    it up means it to serve torch (RMM's managed memory, a preallocated
+    pool), and gpualloc's torch bridge opens the CUDA IPC handles of other
+    processes' plain memory through it, which such allocators refuse."""
+    get = getattr(torch.cuda, "get_allocator_backend", None)
+    try:
+        name = get() if get is not None else "native"
+    except Exception:  # noqa: BLE001 - a torch whose query fails has nothing to say
+        return
+    if name == "native":
+        return
+    warnings.warn(
+        f"gpualloc: install() replaces the {name!r} allocator this process had chosen for torch "
+        "(change_current_allocator() before install(), or PYTORCH_CUDA_ALLOC_CONF's backend): gpualloc now serves "
+        "every CUDA allocation and that allocator none (its memory resource, pool and statistics go unused), and a "
+        "CUDA tensor another process shares from plain (not expandable) memory cannot be opened here; install "
+        "gpualloc first, or leave that allocator in place",
+        RuntimeWarning,
+        stacklevel=4,  # the caller of gpualloc.install
+    )
 
 
 def _say_no_caching(mode: str) -> None:

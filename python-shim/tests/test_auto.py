@@ -840,6 +840,12 @@ class InstallTest(unittest.TestCase):
             self.assertIn("hook_mode='torch'", out.stderr)
             out = run([s], {"LD_PRELOAD": ""})
             self.assertNotIn("hooks cudaMalloc", out.stderr)
+            # An allocator swapped in before install() is replaced: said.
+            out = run([s], {"FAKE_TORCH_ALLOCATOR_BACKEND": "pluggable"})
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("went on", out.stdout)
+            self.assertIn("install() replaces the 'pluggable' allocator", out.stderr)
+            self.assertNotIn("replaces the", run([s]).stderr)
             # Its HIP name counts on CUDA builds too.
             out = run([s], {"PYTORCH_NO_HIP_MEMORY_CACHING": "1"})
             self.assertEqual(out.returncode, 0, out.stderr)

@@ -1353,6 +1353,18 @@ def check_compat(args) -> dict:
             assert marks == ["caching_allocator_enable(False)", "caching_allocator_enable(True)"], marks
             return {"cached": cached, "allocated_switched_off": want, "reserved_after": torch.cuda.memory_reserved()}
 
+        @sub("install_after_another_backend_is_said")
+        def _():
+            # PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync chose another
+            # allocator for torch: install() replaces it, says so, and
+            # gpualloc serves the allocations.
+            env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+            env.pop("PYTORCH_ALLOC_CONF", None)
+            seen = _child_result(REPLACED_BACKEND, "REPLACED_RESULT", args.alloc, env, warnings=True)
+            assert seen["before"] == "cudaMallocAsync", seen
+            assert seen["said"], f"install() said nothing of the allocator it replaced: {seen}"
+            return seen
+
         @sub("trace_of_a_worker_forked_before_cuda_is_complete")
         def _():
             # install(trace="...{pid}...") in a process that forks before its
@@ -1384,6 +1396,22 @@ def check_compat(args) -> dict:
                 return {"blocks": len(kinds), "allocs": allocs, "frees": frees}
 
     return sub.result()
+
+
+# The program of install_after_another_backend_is_said (gpualloc only).
+REPLACED_BACKEND = r"""
+import json, warnings
+import torch
+import gpualloc
+before = torch.cuda.get_allocator_backend()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    gpualloc.install()
+x = torch.ones(1 << 20, device="cuda")
+said = [str(w.message)[:160] for w in caught if "replaces the" in str(w.message)]
+out = {"backend": torch.cuda.get_allocator_backend(), "before": before, "said": said, "sum": float(x.sum())}
+print("REPLACED_RESULT " + json.dumps(out), flush=True)
+"""
 
 
 # The program of trace_of_a_worker_forked_before_cuda_is_complete: argv[1]

@@ -40,6 +40,8 @@ cuda.change_current_allocator = cuda.memory.change_current_allocator  # torch.cu
 cuda.memory.memory_stats = lambda device=None: {}
 cuda.memory._snapshot = lambda device=None: {}  # replaced by gpualloc's fallback
 cuda.device_count = lambda: 2
+# The allocator torch would use: PyTorch's own unless a test says which.
+cuda.get_allocator_backend = lambda: __import__("os").environ.get("FAKE_TORCH_ALLOCATOR_BACKEND", "native")
 
 # -- compiler -----------------------------------------------------------------
 COMPILING = [False]  # tests set it to act as torch.compile tracing the caller
