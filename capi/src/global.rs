@@ -360,6 +360,15 @@ pub(crate) fn idle(device: i64) -> Result<Config, Error> {
     Ok(config)
 }
 
+/// The configuration in force once the allocator runs; before, the one
+/// kept for its start, else the environment's. Creates nothing.
+pub(crate) fn config_now() -> Result<Config, Error> {
+    match GLOBAL.get() {
+        Some(g) => Ok(g.alloc.config().clone()),
+        None => parse_or_env(pending::get().config.as_deref()),
+    }
+}
+
 /// Before the allocator exists: its configuration and device count.
 pub(crate) fn idle_count() -> Result<(Config, usize), Error> {
     // The configuration kept for the start, else the environment's.

@@ -184,6 +184,21 @@ pub extern "C" fn gpualloc_config_string() -> *const c_char {
     }
 }
 
+/// 1 when the configuration ([`global::config_now`]: in force, kept for
+/// the start, or `GPUALLOC_CONF`'s) maps memory through the driver's
+/// virtual memory management (`expandable_segments`, the default), 0 when
+/// it takes plain segments, or a negative `GPUALLOC_ERR_*` (a bad
+/// configuration). Creates nothing. A device whose driver lacks virtual
+/// memory management takes plain segments whatever this says.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_maps_memory() -> c_int {
+    boundary::clear_last_error();
+    ffi_boundary(
+        |code| code,
+        || Ok(c_int::from(global::config_now()?.expandable_segments)),
+    )
+}
+
 /// The library version, e.g. `"0.1.0"`.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_version() -> *const c_char {

@@ -264,6 +264,7 @@ _SIGNATURES = {
     "gpualloc_backend_name": (c_char_p, []),
     "gpualloc_version": (c_char_p, []),
     "gpualloc_config_string": (c_char_p, []),
+    "gpualloc_maps_memory": (c_int, []),
     "gpualloc_device_count": (c_int, []),
     "gpualloc_last_error": (c_char_p, []),
     "gpualloc_last_error_code": (c_int, []),
@@ -462,6 +463,12 @@ class Library:
                 None if trace is None else _cstr(os.fsencode(trace), "trace path"),
             )
         )
+
+    def maps_memory(self) -> bool:
+        """Whether the configuration (in force, kept for the start, or
+        GPUALLOC_CONF's) maps memory through the driver's virtual memory
+        management (expandable segments, the default). Starts nothing."""
+        return bool(self.check(self.dll.gpualloc_maps_memory()))
 
     def forget_config(self, config: str) -> bool:
         """Before the start, forgets the configuration ``configure`` kept

@@ -171,6 +171,7 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
                 pass  # the install's own error is the one to report
             raise
         MODE = mode
+        _nccl_graph_register(L)
         _say_no_caching(mode)
         _set_auto_marks(torch, auto_marks)
         _complete_trace_in_workers(L)
@@ -198,6 +199,54 @@ def _say_preloaded_hooks() -> None:
                 stacklevel=4,  # the caller of gpualloc.install
             )
             return
+
+
+# NCCL's registration of the buffers of collectives captured in CUDA graphs
+# (on unless NCCL_GRAPH_REGISTER=0).
+NCCL_GRAPH_REGISTER = "NCCL_GRAPH_REGISTER"
+
+
+def _nccl_graph_register(L) -> None:
+    """Turns NCCL's registration of buffers captured in CUDA graphs off
+    (NCCL_GRAPH_REGISTER=0, for this process and those it starts) when
+    gpualloc maps memory and the variable is unset; warns when it is set on.
+
+    Note [NCCL's graph registration]
+    Rationale: a collective captured in a CUDA graph registers its buffers
+    with NCCL when they are memory mapped through the driver (NCCL's
+    "qualified allocator"), taking the buffer to lie in one allocation, and
+    keeps the registration, by address, as long as the graph lives. Under
+    PyTorch's own expandable segments that is known to end in illegal memory
+    accesses or hangs (pytorch/pytorch#158029; Megatron-LM refuses CUDA
+    graphs on GPUs before Blackwell unless NCCL_GRAPH_REGISTER=0, and
+    torchtitan and Megatron-Bridge set it). gpualloc's memory is mapped the
+    same way, in handles of at most 16 MiB, and its defragmentation maps
+    other pages at a free address that a registration may still name.
+    Megatron's guard reads PYTORCH_CUDA_ALLOC_CONF only, so it never fires
+    under gpualloc.
+    Approach: install() sets NCCL_GRAPH_REGISTER=0 when gpualloc maps memory
+    (its default) and the variable is unset; NCCL reads it when its first
+    communicator starts, after install(), and processes started later
+    inherit it. Captured collectives then copy through NCCL's own buffers,
+    as with plain memory not from ncclMemAlloc. A value the program set is
+    left alone; one that turns registration on is warned of once."""
+    try:
+        maps = L.maps_memory()
+    except Exception:  # noqa: BLE001 - install() has reported a bad configuration already
+        return
+    if not maps:
+        return
+    value = os.environ.get(NCCL_GRAPH_REGISTER)
+    if value is None or not value.strip():
+        os.environ[NCCL_GRAPH_REGISTER] = "0"
+    elif value.strip() != "0" and _say_setting(NCCL_GRAPH_REGISTER):
+        warnings.warn(
+            f"gpualloc: {NCCL_GRAPH_REGISTER}={value!r} has NCCL register the buffers of collectives captured in CUDA "
+            "graphs, which is known to end in illegal memory accesses or hangs on memory mapped through the driver, as "
+            "gpualloc's expandable memory is (pytorch/pytorch#158029); gpualloc sets it to 0 when it is unset",
+            RuntimeWarning,
+            stacklevel=4,  # the caller of gpualloc.install
+        )
 
 
 def _say_replaced_allocator(torch) -> None:

@@ -852,6 +852,31 @@ class InstallTest(unittest.TestCase):
             self.assertIn("PYTORCH_NO_HIP_MEMORY_CACHING='1' is set", out.stderr)
             self.assertNotIn("no effect on gpualloc", out.stderr)
 
+    def test_nccls_graph_registration_is_turned_off_over_mapped_memory(self):
+        # Note [NCCL's graph registration]: unset, it becomes 0 for this
+        # process and those it starts; a value the program set stays, and
+        # one that turns registration on is said; plain memory leaves it.
+        with tempfile.TemporaryDirectory() as d:
+            s = self.script(
+                d,
+                "import os, sys, gpualloc, torch\n"
+                "gpualloc.install(bridge=False, config=sys.argv[1])\n"
+                "print('nccl', os.environ.get('NCCL_GRAPH_REGISTER'))\n",
+            )
+            out = run([s, ""], {"NCCL_GRAPH_REGISTER": " "})  # blank: unset
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("nccl 0", out.stdout)
+            self.assertNotIn("NCCL_GRAPH_REGISTER", out.stderr)
+            out = run([s, ""], {"NCCL_GRAPH_REGISTER": "1"})
+            self.assertIn("nccl 1", out.stdout)
+            self.assertIn("NCCL_GRAPH_REGISTER='1' has NCCL register", out.stderr)
+            out = run([s, ""], {"NCCL_GRAPH_REGISTER": "0"})
+            self.assertIn("nccl 0", out.stdout)
+            self.assertNotIn("NCCL_GRAPH_REGISTER", out.stderr)
+            out = run([s, "expandable_segments:false"], {"NCCL_GRAPH_REGISTER": " "})
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertEqual(out.stdout.splitlines()[-1], "nccl  ")
+
     def test_a_misspelled_gpualloc_variable_is_named_with_what_was_meant(self):
         with tempfile.TemporaryDirectory() as d:
             s = self.script(

@@ -59,6 +59,7 @@ def main():
     ref = flat.clone()
     dist.broadcast(ref, 0)
     in_sync = bool(torch.equal(flat, ref))
+    graph_allreduce = captured_all_reduce(torch, dist)
     torch.cuda.synchronize()
     result = {
         "rank": rank,
@@ -68,10 +69,38 @@ def main():
         "peak_allocated": torch.cuda.max_memory_allocated(),
         "peak_reserved": torch.cuda.max_memory_reserved(),
         "register_hook": os.environ.get("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", "0"),
+        "graph_allreduce_ok": graph_allreduce,
+        "nccl_graph_register": os.environ.get("NCCL_GRAPH_REGISTER"),
     }
     with open(f"{args.out}.rank{rank}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+
+
+def captured_all_reduce(torch, dist) -> bool:
+    """An all-reduce captured in a CUDA graph over a 48 MiB buffer (several
+    of gpualloc's handles), replayed with new inputs: NCCL's graph
+    registration of such buffers faults or hangs on mapped memory (Note
+    [NCCL's graph registration] in python-shim/gpualloc/_torch.py), which
+    install() turns off. Whether every replay summed right on this rank."""
+    n, world, ok = 12 << 20, dist.get_world_size(), True
+    buf = torch.zeros(n, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # NCCL's warm-up outside the capture
+        dist.all_reduce(buf)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.all_reduce(buf)
+    for k in range(3):
+        buf.fill_(float(dist.get_rank() + k))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = float(sum(r + k for r in range(world)))
+        ok = ok and bool(torch.all(buf == want))
+    del graph
+    return ok
 
 
 if __name__ == "__main__":

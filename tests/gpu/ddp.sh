@@ -54,6 +54,8 @@ for v, r in runs.items():
     same = None if isinstance(ref, dict) else r[0]["losses"] == ref[0]["losses"]  # None: no native run
     summary[v] = {"ranks": nproc, "backend": r[0]["backend"], "params_in_sync": all(x["params_in_sync"] for x in r),
                   "losses_equal_native": same, "last_losses": r[0]["losses"][-1],
+                  "graph_allreduce_ok": all(x.get("graph_allreduce_ok") for x in r),
+                  "nccl_graph_register": r[0].get("nccl_graph_register"),
                   "peak_reserved_over_allocated": [x["peak_reserved"] / max(1, x["peak_allocated"]) for x in r]}
 json.dump(summary, open(os.path.join(out, "ddp.json"), "w"), indent=2)
 print(json.dumps(summary, indent=2))
