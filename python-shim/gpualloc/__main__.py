@@ -296,17 +296,42 @@ def _unprefixed(e) -> str:
 LAUNCHERS = {"torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate", "deepspeed"}
 
 
+# deepspeed's arguments that send it through its multi-node runners, and the
+# hostfile it reads when none is given.
+DEEPSPEED_MULTI_NODE = ("--hostfile", "-H", "--include", "-i", "--exclude", "-e", "--force_multi", "--launcher")
+DEEPSPEED_HOSTFILE = "/job/hostfile"
+
+
+def _deepspeed_over_ssh(launcher_args) -> bool:
+    """Whether deepspeed's arguments (or its default hostfile) may start the
+    ranks through its multi-node runners (pdsh, mpirun, ...), this
+    machine's too, which forward only some variables."""
+    given = {a.split("=", 1)[0] for a in launcher_args}
+    if given & set(DEEPSPEED_MULTI_NODE):
+        return True
+    return "--no_ssh" not in given and os.path.isfile(DEEPSPEED_HOSTFILE)
+
+
 def _launcher_note(args):
     """What to know when the program is a launcher; None otherwise."""
     name = args.module[0] if args.module else os.path.basename(args.script or "")
     if name not in LAUNCHERS:
         return None
-    return (
+    note = (
         f"gpualloc: {name} starts the training processes itself: gpualloc is installed in those it starts on this "
         "machine, when they import torch (Note [Installing in child processes]); on other machines (ssh, pdsh), put "
         "`import gpualloc; gpualloc.install()` at the top of the training script. A trace path with {rank} or "
         "{pid} (--trace 'trace-{rank}.gtrace') gives each process its own file"
     )
+    launcher_args = args.module[1:] if args.module else args.args
+    if name == "deepspeed" and _deepspeed_over_ssh(launcher_args):
+        note += (
+            ". With a hostfile, deepspeed starts every rank, this machine's too, through its multi-node runner "
+            "(pdsh, mpirun, ...), which passes on only the variables it forwards (PYTHON*, NCCL*, ...) and those "
+            "listed in .deepspeed_env: add GPUALLOC_RUN_CHILDREN=1 there (and GPUALLOC_CONF, GPUALLOC_TRACE if "
+            "set), or call install() in the script, else no rank runs under gpualloc"
+        )
+    return note
 
 
 def _run(args) -> int:

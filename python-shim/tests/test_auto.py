@@ -1213,6 +1213,33 @@ class InstallTest(unittest.TestCase):
             s = self.script(d, "print('plain')\n")
             out = run(["-m", "gpualloc", "run", "--no-bridge", s])
             self.assertNotIn("launcher", out.stderr)
+            # deepspeed with a hostfile starts even this machine's ranks
+            # through ssh, which drops what .deepspeed_env does not list.
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "deepspeed", "--hostfile=hf", "train.py"], cwd=d)
+            self.assertIn("add GPUALLOC_RUN_CHILDREN=1 there", out.stderr)
+            out = run(["-m", "gpualloc", "run", "--no-bridge", "deepspeed", "--num_gpus", "2", "train.py"], cwd=d)
+            self.assertIn("installed in those it starts on this machine", out.stderr)
+            self.assertNotIn(".deepspeed_env", out.stderr)
+
+    def test_a_child_whose_launcher_dropped_the_switch_says_it_runs_without_gpualloc(self):
+        # PYTHONPATH still leads to run's sitecustomize, but the launcher
+        # between dropped GPUALLOC_RUN_CHILDREN: said once torch is imported.
+        with tempfile.TemporaryDirectory() as d:
+            child = os.path.join(d, "rank.py")
+            with open(child, "w") as f:
+                f.write("import os\nprint('child imports')\nimport torch\nprint('child has torch')\n")
+            s = self.script(
+                d,
+                "import os, subprocess, sys\n"
+                "env = {k: v for k, v in os.environ.items() if k != 'GPUALLOC_RUN_CHILDREN'}\n"
+                f"subprocess.run([sys.executable, {child!r}], env=env, check=True)\n"
+                f"subprocess.run([sys.executable, '-c', 'print(1)'], env=env, check=True)\n",
+            )
+            out = run(["-m", "gpualloc", "run", "--no-bridge", s])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("child has torch", out.stdout)
+            # Once, from the process that imported torch only.
+            self.assertEqual(out.stderr.count("lacks GPUALLOC_RUN_CHILDREN=1"), 1, out.stderr)
 
     def test_a_second_trace_path_is_named_not_dropped_silently(self):
         with tempfile.TemporaryDirectory() as d:

@@ -3,9 +3,12 @@
 ``gpualloc/_children.py``). ``run`` puts this directory first on the
 children's ``PYTHONPATH``; Python imports this module when it starts.
 
-Nothing happens unless ``GPUALLOC_RUN_CHILDREN=1``; then gpualloc is
-installed right after the process imports torch (a process that never
-imports torch is left alone). Another ``sitecustomize`` further on the path
+With ``GPUALLOC_RUN_CHILDREN=1``, gpualloc is installed right after the
+process imports torch (a process that never imports torch is left alone).
+Without the variable, which a launcher between ``run`` and this process
+dropped while keeping ``PYTHONPATH``, a process that imports torch is told
+on stderr that gpualloc is not installed there; another value does
+nothing. Another ``sitecustomize`` further on the path
 (a virtual environment's, a cluster's) still runs, after this one.
 """
 
@@ -58,11 +61,14 @@ def _install():
 
 
 class _TorchFinder:
-    """Finds ``torch`` as the rest of sys.meta_path would, and installs
-    gpualloc once the module has run (before the program can use CUDA). It
-    stays in place until then: a probe (``importlib.util.find_spec("torch")``,
-    as transformers and datasets do when imported) finds a spec that is
-    never run."""
+    """Finds ``torch`` as the rest of sys.meta_path would, and calls ``act``
+    (installs gpualloc) once the module has run (before the program can use
+    CUDA). It stays in place until then: a probe
+    (``importlib.util.find_spec("torch")``, as transformers and datasets do
+    when imported) finds a spec that is never run."""
+
+    def __init__(self, act):
+        self.act = act
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "torch" or _DONE:
@@ -84,19 +90,42 @@ class _TorchFinder:
                 sys.meta_path.remove(finder)
             except ValueError:
                 pass
-            _install()
+            finder.act()
 
         spec.loader.exec_module = exec_module
         return spec
 
 
+def _say_dropped():
+    """Said once a process that lost ``GPUALLOC_RUN_CHILDREN`` on its way
+    here (a launcher that passes on only some variables, as deepspeed's
+    multi-node runners do, while ``PYTHONPATH`` still leads here) imports
+    torch: without it gpualloc is not installed, and the run would
+    otherwise look like one under gpualloc."""
+    if _DONE:
+        return
+    _DONE.append(True)
+    print(
+        f"gpualloc: not installed in process {os.getpid()}, which imports torch: its environment has this "
+        "directory on PYTHONPATH but lacks GPUALLOC_RUN_CHILDREN=1, which `python -m gpualloc run` set for the "
+        "processes it starts; the launcher between them dropped it (deepspeed's multi-node runners pass on only "
+        "what .deepspeed_env lists): pass it on, or call gpualloc.install() in the script",
+        file=sys.stderr,
+    )
+
+
 def _start():
-    if os.environ.get("GPUALLOC_RUN_CHILDREN") != "1":
+    value = os.environ.get("GPUALLOC_RUN_CHILDREN")
+    if value is None:
+        act = _say_dropped
+    elif value == "1":
+        act = _install
+    else:
         return
     if "torch" in sys.modules:
-        _install()
+        act()
     else:
-        sys.meta_path.insert(0, _TorchFinder())
+        sys.meta_path.insert(0, _TorchFinder(act))
 
 
 _start()
