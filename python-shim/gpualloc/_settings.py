@@ -27,7 +27,7 @@ believe its setting took.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional, Tuple
 
 # torch's C setters of the settings string: the first up to torch 2.9's
 # ``torch.cuda.memory._set_allocator_settings``, the second since (and
@@ -48,24 +48,45 @@ FRACTION_KEY = "per_process_memory_fraction"
 _SAID: set = set()
 
 
-def keys_in(settings: str) -> List[str]:
-    """The keys of PyTorch's settings string, in order: its comma-separated
-    ``key:value`` entries, a bracketed value (``roundup_power2_divisions:
-    [256:1,512:2]``) counted as one; whitespace dropped, as torch drops it."""
-    keys, depth, entry = [], 0, []
+def entries_in(settings: str) -> List[Tuple[str, str]]:
+    """The ``(key, value)`` entries of PyTorch's settings string, in order:
+    its comma-separated ``key:value`` entries, a bracketed value
+    (``roundup_power2_divisions:[256:1,512:2]``) counted as one; whitespace
+    dropped, as torch drops it."""
+    entries, depth, entry = [], 0, []
     for ch in settings + ",":
         if ch == "[":
             depth += 1
         elif ch == "]":
             depth = max(0, depth - 1)
         if ch == "," and depth == 0:
-            key = "".join(entry).split(":", 1)[0].strip()
+            key, _, value = "".join(entry).partition(":")
             if key:
-                keys.append(key)
+                entries.append((key, value))
             entry = []
         elif not ch.isspace():
             entry.append(ch)
-    return keys
+    return entries
+
+
+def keys_in(settings: str) -> List[str]:
+    """The keys of PyTorch's settings string, in order (``entries_in``)."""
+    return [key for key, _ in entries_in(settings)]
+
+
+def holds_as_written(settings: str) -> bool:
+    """Whether every entry of PyTorch's settings string holds under gpualloc
+    as it does under PyTorch, leaving nothing to say: ``expandable_segments``
+    true (gpualloc's default; scripts and libraries such as torchtune set
+    it), ``per_process_memory_fraction`` (each device's cap from its
+    start), and the pinned host allocator's keys, which stay PyTorch's."""
+    for key, value in entries_in(settings):
+        if key == "expandable_segments" and value.lower() == "true":
+            continue
+        if key == FRACTION_KEY or key.startswith(HOST_KEYS_PREFIX):
+            continue
+        return False
+    return True
 
 
 def say_ignored(settings: str, honoured: Iterable[str], stacklevel: int = 2) -> List[str]:

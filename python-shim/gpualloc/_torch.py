@@ -127,8 +127,13 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
         # choose its GPUs (CUDA_VISIBLE_DEVICES) after install(), and
         # processes that never use the GPU never start the driver (Note
         # [Starting on first use] in capi/src/pending.rs).
+        from . import _settings
+
         for name in TORCH_ALLOCATOR_VARIABLES:
-            if os.environ.get(name, "").strip() and _say_setting(name):
+            value = os.environ.get(name, "")
+            # expandable_segments:True alone (torchtune sets it as it is
+            # imported) is what gpualloc does anyway: nothing to say.
+            if value.strip() and not _settings.holds_as_written(value) and _say_setting(name):
                 warnings.warn(
                     f"gpualloc: {name}={os.environ[name]!r} configures PyTorch's own "
                     "allocator and has no effect on gpualloc (but for per_process_memory_fraction, which caps each "

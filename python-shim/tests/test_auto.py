@@ -814,16 +814,19 @@ class InstallTest(unittest.TestCase):
     def test_pytorchs_own_configuration_is_named_not_ignored_silently(self):
         with tempfile.TemporaryDirectory() as d:
             s = self.script(d, "import gpualloc, torch\ngpualloc.install(bridge=False)\nprint('went on')\n")
-            out = run([s], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+            out = run([s], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128"})
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertIn("went on", out.stdout)
-            self.assertIn("PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True'", out.stderr)
+            self.assertIn("PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True,max_split_size_mb:128'", out.stderr)
             self.assertIn("no effect on gpualloc", out.stderr)
             out = run([s], {"PYTORCH_CUDA_ALLOC_CONF": ""})
             self.assertNotIn("PYTORCH_CUDA_ALLOC_CONF", out.stderr)
-            out = run([s], {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
+            # What gpualloc does anyway (torchtune sets it on import): unsaid.
+            out = run([s], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+            self.assertNotIn("PYTORCH_CUDA_ALLOC_CONF", out.stderr)
+            out = run([s], {"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.6", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
             self.assertEqual(out.returncode, 0, out.stderr)
-            self.assertIn("PYTORCH_ALLOC_CONF='expandable_segments:True'", out.stderr)
+            self.assertIn("PYTORCH_ALLOC_CONF='garbage_collection_threshold:0.6'", out.stderr)
             self.assertIn("PYTORCH_NO_CUDA_MEMORY_CACHING='1' is set: gpualloc honours it only through its C++ bridge",
                           out.stderr)
             # PyTorch (since 2.7) turns caching off for "1" only: "0", which
@@ -933,11 +936,15 @@ class InstallTest(unittest.TestCase):
             self.assertIn("refused:", out.stdout)
             self.assertIn("PYTORCH_CUDA_ALLOC_CONF: per_process_memory_fraction", out.stdout)
             self.assertIn("`1.5` is not a number in [0, 1]", out.stdout)
-            good = "per_process_memory_fraction:0.5"
+            good = "per_process_memory_fraction:0.5,max_split_size_mb:64"
             out = run([s], {"PYTORCH_CUDA_ALLOC_CONF": good, "GPUALLOC_BACKEND": "sim"})
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertIn("installed", out.stdout)
             self.assertIn("but for per_process_memory_fraction", out.stderr)
+            # The fraction alone holds as under PyTorch: nothing to say.
+            out = run([s], {"PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:0.5", "GPUALLOC_BACKEND": "sim"})
+            self.assertIn("installed", out.stdout)
+            self.assertNotIn("PYTORCH_CUDA_ALLOC_CONF", out.stderr)
 
     def test_run_installs_in_the_python_processes_the_program_starts(self):
         # Note [Installing in child processes]: a child that imports torch
@@ -1025,14 +1032,14 @@ class InstallTest(unittest.TestCase):
                     subprocess.run([sys.executable, "-c", {child!r}], check=True, cwd="/", env=own)
                 """,
             )
-            env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "GPUALLOC_BUILD_DIR": "bridge-cache"}
+            env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128", "GPUALLOC_BUILD_DIR": "bridge-cache"}
             out = run(["-m", "gpualloc", "run", "--no-bridge", s], env, cwd=d)
             self.assertEqual(out.returncode, 0, out.stderr)
             dirs = [ln.split()[2] for ln in out.stdout.splitlines() if ln.startswith("child fallback ")]
             self.assertEqual(len(dirs), 3, out.stdout)
             for built in dirs:
                 self.assertEqual(os.path.realpath(built), os.path.join(os.path.realpath(d), "bridge-cache"))
-            self.assertEqual(out.stderr.count("PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True'"), 1, out.stderr)
+            self.assertEqual(out.stderr.count("PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:128'"), 1, out.stderr)
             self.assertEqual(out.stderr.count("PYTORCH_CUDA_ALLOC_CONF='garbage_collection_threshold:0.6'"), 1, out.stderr)
 
     def test_a_child_that_installs_before_importing_torch_does_not_hang(self):

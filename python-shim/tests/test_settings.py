@@ -57,7 +57,16 @@ class IgnoredKeysTest(unittest.TestCase):
         )
         self.assertEqual(_settings.keys_in(""), [])
 
-    def test_each_ignored_key_is_said_once_and_followed_ones_never(self):
+    def test_strings_that_hold_as_written_under_gpualloc(self):
+        for settings in ("expandable_segments:True", " expandable_segments : true ,per_process_memory_fraction:0.5",
+                         "pinned_use_cuda_host_register:True,expandable_segments:True", ""):
+            self.assertTrue(_settings.holds_as_written(settings), settings)
+        for settings in ("expandable_segments:False", "expandable_segments:True,max_split_size_mb:128",
+                         "garbage_collection_threshold:0.6", "backend:cudaMallocAsync"):
+            self.assertFalse(_settings.holds_as_written(settings), settings)
+        self.assertEqual(_settings.entries_in("a:1, b:[256:1,>:2] ,c"), [("a", "1"), ("b", "[256:1,>:2]"), ("c", "")])
+
+
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             said = _settings.say_ignored(
