@@ -28,8 +28,10 @@
 //! program set (a trace cannot tell them apart, and both are outside the
 //! configuration), also under a `--config` with a fraction of its own,
 //! where a live run would have ignored PyTorch's key. And a fraction given
-//! only through `torch.cuda.memory._set_allocator_settings` before CUDA
-//! starts, which PyTorch's allocator also honours, is not read.
+//! through `torch.cuda.memory._set_allocator_settings` before CUDA starts
+//! is read only when the string comes after `install()`, whose wrapper of
+//! torch's setter hands it on (Note [PyTorch's fraction set at run time]
+//! in the C ABI crate).
 //!
 //! [`Allocator::with_start_fraction`]: crate::Allocator::with_start_fraction
 

@@ -400,12 +400,14 @@ pub(crate) fn start_fraction(config: &Config) -> Result<Option<f64>, Error> {
 // `torch._C._accelerator_setAllocatorSettings`) as from its variable, and
 // its allocator applies it to each device when the allocator starts, at
 // CUDA's initialization; set later, it changes nothing there.
-// Approach: the Python package hands each string torch took to
-// `gpualloc_set_torch_settings`. Before gpualloc starts (which PyTorch's
-// CUDA initialization does), its fraction is kept and replaces the
-// variable's as the cap each device starts with; gpualloc's own key still
-// wins. Once gpualloc runs, it changes nothing, as under PyTorch, and the
-// caller says so.
+// Approach: the Python package's wrapper of torch's setters (installed by
+// `install()`, so a string set before it is not seen) hands each string
+// torch took to `gpualloc_set_torch_settings`. Before gpualloc starts
+// (which PyTorch's CUDA initialization does, unless a call of gpualloc's
+// own, an allocation or a traced mark, came first), its fraction is kept
+// and replaces the variable's as the cap each device starts with;
+// gpualloc's own key still wins. Once gpualloc runs, it changes nothing,
+// as under PyTorch once CUDA has started, and the caller says so.
 
 /// PyTorch's settings string `settings`, which torch took at run time: its
 /// `per_process_memory_fraction`, before the start, becomes the cap each

@@ -184,8 +184,8 @@ pub extern "C" fn gpualloc_config_string() -> *const c_char {
     }
 }
 
-/// 1 when the configuration ([`global::config_now`]: in force, kept for
-/// the start, or `GPUALLOC_CONF`'s) maps memory through the driver's
+/// 1 when the configuration (in force, kept for the start, or
+/// `GPUALLOC_CONF`'s) maps memory through the driver's
 /// virtual memory management (`expandable_segments`, the default), 0 when
 /// it takes plain segments, or a negative `GPUALLOC_ERR_*` (a bad
 /// configuration). Creates nothing. A device whose driver lacks virtual

@@ -296,20 +296,63 @@ def _unprefixed(e) -> str:
 LAUNCHERS = {"torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate", "deepspeed"}
 
 
-# deepspeed's arguments that send it through its multi-node runners, and the
-# hostfile it reads when none is given.
-DEEPSPEED_MULTI_NODE = ("--hostfile", "-H", "--include", "-i", "--exclude", "-e", "--force_multi", "--launcher")
+# deepspeed's own options that take no value (every other option of its
+# takes one, unless given as --opt=value), and the hostfile it reads when
+# none is given.
+DEEPSPEED_FLAGS = {
+    "--force_multi", "--no_ssh", "--no_ssh_check", "--no_python", "--no_local_rank", "--module",
+    "--elastic_training", "--bind_cores_to_rank", "--save_pid", "--enable_each_rank_log", "-h", "--help",
+}
 DEEPSPEED_HOSTFILE = "/job/hostfile"
 
 
+def _deepspeed_options(launcher_args) -> dict:
+    """deepspeed's own options, up to the training script (its first
+    argument that is no option nor an option's value): name -> value
+    (True for a flag)."""
+    options, i = {}, 0
+    while i < len(launcher_args):
+        a = launcher_args[i]
+        if not a.startswith("-"):
+            break
+        name, eq, value = a.partition("=")
+        if eq or name in DEEPSPEED_FLAGS:
+            options[name] = value if eq else True
+        else:
+            options[name] = launcher_args[i + 1] if i + 1 < len(launcher_args) else ""
+            i += 1
+        i += 1
+    return options
+
+
+def _hosts_in(path: str) -> int:
+    """The hosts a deepspeed hostfile lists (``host slots=N`` lines); 0 when
+    it cannot be read."""
+    try:
+        with open(path) as f:
+            lines = [ln.split("#", 1)[0].split() for ln in f]
+    except OSError:
+        return 0
+    return len({ln[0] for ln in lines if ln})
+
+
 def _deepspeed_over_ssh(launcher_args) -> bool:
-    """Whether deepspeed's arguments (or its default hostfile) may start the
-    ranks through its multi-node runners (pdsh, mpirun, ...), this
-    machine's too, which forward only some variables."""
-    given = {a.split("=", 1)[0] for a in launcher_args}
-    if given & set(DEEPSPEED_MULTI_NODE):
+    """Whether deepspeed starts its ranks, this machine's too, through its
+    multi-node runners (pdsh, mpirun, ...), which forward only some
+    variables: as its runner decides (``--force_multi``, or more than one
+    host left of the hostfile, unless ``--no_ssh``)."""
+    o = _deepspeed_options(launcher_args)
+    if o.get("--no_ssh"):
+        return False
+    if o.get("--force_multi"):
         return True
-    return "--no_ssh" not in given and os.path.isfile(DEEPSPEED_HOSTFILE)
+    if o.get("--num_nodes") == "1":
+        return False
+    include = o.get("--include", o.get("-i"))
+    if isinstance(include, str) and include:
+        return len({h.split(":", 1)[0] for h in include.split("@") if h}) > 1
+    hostfile = o.get("--hostfile", o.get("-H", DEEPSPEED_HOSTFILE))
+    return isinstance(hostfile, str) and _hosts_in(hostfile) > 1
 
 
 def _launcher_note(args):
@@ -326,7 +369,7 @@ def _launcher_note(args):
     launcher_args = args.module[1:] if args.module else args.args
     if name == "deepspeed" and _deepspeed_over_ssh(launcher_args):
         note += (
-            ". With a hostfile, deepspeed starts every rank, this machine's too, through its multi-node runner "
+            ". With more than one host, deepspeed starts every rank, this machine's too, through its multi-node runner "
             "(pdsh, mpirun, ...), which passes on only the variables it forwards (PYTHON*, NCCL*, ...) and those "
             "listed in .deepspeed_env: add GPUALLOC_RUN_CHILDREN=1 there (and GPUALLOC_CONF, GPUALLOC_TRACE if "
             "set), or call install() in the script, else no rank runs under gpualloc"

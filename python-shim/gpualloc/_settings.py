@@ -26,6 +26,7 @@ believe its setting took.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Callable, Iterable, List, Optional, Tuple
 
@@ -74,26 +75,49 @@ def keys_in(settings: str) -> List[str]:
     return [key for key, _ in entries_in(settings)]
 
 
-def holds_as_written(settings: str) -> bool:
+def holds_as_written(settings: str, maps_memory: bool = True) -> bool:
     """Whether every entry of PyTorch's settings string holds under gpualloc
-    as it does under PyTorch, leaving nothing to say: ``expandable_segments``
-    true (gpualloc's default; scripts and libraries such as torchtune set
-    it), ``per_process_memory_fraction`` (each device's cap from its
-    start), and the pinned host allocator's keys, which stay PyTorch's."""
+    as it does under PyTorch, leaving nothing to say: ``expandable_segments:
+    True`` (gpualloc's default, when it ``maps_memory``; scripts and
+    libraries such as torchtune set it; torch 2.11 reads only ``True`` and
+    ``False``), and the pinned host allocator's keys, which stay PyTorch's.
+    (``per_process_memory_fraction`` is said: gpualloc's own key wins.)"""
     for key, value in entries_in(settings):
-        if key == "expandable_segments" and value.lower() == "true":
+        if key == "expandable_segments" and value == "True" and maps_memory:
             continue
-        if key == FRACTION_KEY or key.startswith(HOST_KEYS_PREFIX):
+        if key.startswith(HOST_KEYS_PREFIX):
             continue
         return False
     return True
 
 
-def say_ignored(settings: str, honoured: Iterable[str], stacklevel: int = 2) -> List[str]:
+# Modules whose frames a warning passes over to name the program's line:
+# gpualloc's wrappers, torch's setters and the deprecation wrapper torch
+# 2.10 puts around ``torch.cuda.memory._set_allocator_settings``.
+_PASSED_OVER = ("gpualloc", "torch", "typing_extensions")
+
+
+def _program_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by this function's
+    caller name the first frame outside ``_PASSED_OVER``: the program's call
+    of a setter, however many wrappers lie between."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.split(".", 1)[0] not in _PASSED_OVER:
+            return level
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def say_ignored(settings: str, honoured: Iterable[str], stacklevel: Optional[int] = None) -> List[str]:
     """Warns once per process for each key of ``settings`` that gpualloc
     does not follow (not in ``honoured``, nor the pinned host allocator's);
-    returns the keys warned of now."""
+    returns the keys warned of now. The warning names the first frame
+    outside gpualloc and torch unless ``stacklevel`` says otherwise."""
     honoured = frozenset(honoured)
+    if stacklevel is None:
+        stacklevel = _program_stacklevel() - 1  # counted from here, not from warnings.warn's caller
     said = []
     for key in keys_in(settings):
         if key in honoured or key.startswith(HOST_KEYS_PREFIX) or key in _SAID:
@@ -148,9 +172,8 @@ def follow(
                 taken = honoured
                 if start_fraction is not None and FRACTION_KEY in keys_in(env) and start_fraction(env):
                     taken = honoured | {FRACTION_KEY}
-                # Said of a string torch took; the caller of
-                # torch.cuda.memory._set_allocator_settings is 3 frames up.
-                say_ignored(env, taken, stacklevel=3)
+                # Said of a string torch took, at the program's call.
+                say_ignored(env, taken)
             return result
 
         following.__name__ = name

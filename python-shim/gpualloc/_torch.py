@@ -127,32 +127,15 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
         # choose its GPUs (CUDA_VISIBLE_DEVICES) after install(), and
         # processes that never use the GPU never start the driver (Note
         # [Starting on first use] in capi/src/pending.rs).
-        from . import _settings
-
-        for name in TORCH_ALLOCATOR_VARIABLES:
-            value = os.environ.get(name, "")
-            # expandable_segments:True alone (torchtune sets it as it is
-            # imported) is what gpualloc does anyway: nothing to say.
-            if value.strip() and not _settings.holds_as_written(value) and _say_setting(name):
-                warnings.warn(
-                    f"gpualloc: {name}={os.environ[name]!r} configures PyTorch's own "
-                    "allocator and has no effect on gpualloc (but for per_process_memory_fraction, which caps each "
-                    "device as under PyTorch, and, which the bridge honours, graph_capture_record_stream_reuse and "
-                    "expandable_segments:False: requests then take plain segments, as PyTorch's, for CUDA IPC, and "
-                    "reserved memory is no longer kept close to live memory); "
-                    "gpualloc takes its configuration from install(config=...) or "
-                    "GPUALLOC_CONF (same syntax for the keys both have: docs/configuration.md)",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
         _say_preloaded_hooks()
-        _say_replaced_allocator(torch)
+        replacing = _allocator_backend(torch)
         L = lib()  # raises LibraryNotFound with instructions
         # A bad configuration raises here, before torch is touched. None is
         # GPUALLOC_CONF's, kept as such: a later install(config=...) with
         # another is refused, as once the allocator runs.
         kept = config if config is not None else os.environ.get("GPUALLOC_CONF", "")
         L.configure(kept)
+        _say_torch_variables(L)
         started = bool(trace) and not L.is_tracing()
         if started:
             L.configure(None, trace)
@@ -176,11 +159,40 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
                 pass  # the install's own error is the one to report
             raise
         MODE = mode
+        _say_replaced_allocator(replacing)
         _nccl_graph_register(L)
         _say_no_caching(mode)
         _set_auto_marks(torch, auto_marks)
         _complete_trace_in_workers(L)
         return mode
+
+
+def _say_torch_variables(L) -> None:
+    """Says, once, that PyTorch's allocator variables configure PyTorch's
+    own allocator, unless each of their keys holds as written under gpualloc
+    (``_settings.holds_as_written``)."""
+    from . import _settings
+
+    try:
+        maps = L.maps_memory()
+    except GpuallocError:
+        maps = False
+    for name in TORCH_ALLOCATOR_VARIABLES:
+        value = os.environ.get(name, "")
+        # expandable_segments:True alone (torchtune sets it as it is
+        # imported) is what gpualloc does anyway: nothing to say.
+        if value.strip() and not _settings.holds_as_written(value, maps) and _say_setting(name):
+            warnings.warn(
+                f"gpualloc: {name}={os.environ[name]!r} configures PyTorch's own "
+                "allocator and has no effect on gpualloc (but for per_process_memory_fraction, which caps each "
+                "device as under PyTorch, and, which the bridge honours, graph_capture_record_stream_reuse and "
+                "expandable_segments:False: requests then take plain segments, as PyTorch's, for CUDA IPC, and "
+                "reserved memory is no longer kept close to live memory); "
+                "gpualloc takes its configuration from install(config=...) or "
+                "GPUALLOC_CONF (same syntax for the keys both have: docs/configuration.md)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
 
 # Libraries that see and release PyTorch's memory by interposing on
@@ -254,19 +266,26 @@ def _nccl_graph_register(L) -> None:
         )
 
 
-def _say_replaced_allocator(torch) -> None:
-    """Warns when the allocator install() replaces is not PyTorch's own: one
-    the program swapped in before (RMM's, through change_current_allocator)
-    or chose with PYTORCH_CUDA_ALLOC_CONF's ``backend:cudaMallocAsync``.
-    PyTorch lets a later swap replace it as silently, but a program that set
-    it up means it to serve torch (RMM's managed memory, a preallocated
-    pool), and gpualloc's torch bridge opens the CUDA IPC handles of other
-    processes' plain memory through it, which such allocators refuse."""
+def _allocator_backend(torch) -> str:
+    """The allocator torch would use now (before install(): PyTorch's own,
+    "native", unless the program chose another); "native" when this torch
+    cannot say. Starts nothing."""
     get = getattr(torch.cuda, "get_allocator_backend", None)
     try:
-        name = get() if get is not None else "native"
+        return get() if get is not None else "native"
     except Exception:  # noqa: BLE001 - a torch whose query fails has nothing to say
-        return
+        return "native"
+
+
+def _say_replaced_allocator(name: str) -> None:
+    """Warns, once install() succeeded, when the allocator it replaced
+    (``name``, read before) is not PyTorch's own: one the program swapped in
+    before (RMM's, through change_current_allocator) or chose with
+    PYTORCH_CUDA_ALLOC_CONF's ``backend:cudaMallocAsync``. PyTorch lets a
+    later swap replace it as silently, but a program that set it up means it
+    to serve torch (RMM's managed memory, a preallocated pool), and
+    gpualloc's torch bridge opens the CUDA IPC handles of other processes'
+    plain memory through it, which such allocators refuse."""
     if name == "native":
         return
     warnings.warn(
@@ -638,7 +657,12 @@ def _start_fraction(torch):
     set at run time] in ``capi/src/global.rs``); whether it will."""
 
     def start_fraction(settings: str) -> bool:
-        return not torch.cuda.is_initialized() and lib().set_torch_settings(settings)
+        if torch.cuda.is_initialized():
+            return False
+        try:
+            return lib().set_torch_settings(settings)
+        except GpuallocError:  # torch took the string: said as not followed instead
+            return False
 
     return start_fraction
 

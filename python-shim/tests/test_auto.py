@@ -941,10 +941,10 @@ class InstallTest(unittest.TestCase):
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertIn("installed", out.stdout)
             self.assertIn("but for per_process_memory_fraction", out.stderr)
-            # The fraction alone holds as under PyTorch: nothing to say.
+            # Alone it is said too: gpualloc's own fraction would win over it.
             out = run([s], {"PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:0.5", "GPUALLOC_BACKEND": "sim"})
             self.assertIn("installed", out.stdout)
-            self.assertNotIn("PYTORCH_CUDA_ALLOC_CONF", out.stderr)
+            self.assertIn("but for per_process_memory_fraction", out.stderr)
 
     def test_run_installs_in_the_python_processes_the_program_starts(self):
         # Note [Installing in child processes]: a child that imports torch
@@ -1222,11 +1222,27 @@ class InstallTest(unittest.TestCase):
             self.assertNotIn("launcher", out.stderr)
             # deepspeed with a hostfile starts even this machine's ranks
             # through ssh, which drops what .deepspeed_env does not list.
-            out = run(["-m", "gpualloc", "run", "--no-bridge", "deepspeed", "--hostfile=hf", "train.py"], cwd=d)
-            self.assertIn("add GPUALLOC_RUN_CHILDREN=1 there", out.stderr)
-            out = run(["-m", "gpualloc", "run", "--no-bridge", "deepspeed", "--num_gpus", "2", "train.py"], cwd=d)
-            self.assertIn("installed in those it starts on this machine", out.stderr)
-            self.assertNotIn(".deepspeed_env", out.stderr)
+            with open(os.path.join(d, "hf"), "w") as f:
+                f.write("# two hosts\nworker-1 slots=8\nworker-2 slots=8 # the second\n")
+            with open(os.path.join(d, "one"), "w") as f:
+                f.write("localhost slots=2\n")
+            over_ssh = [
+                ["--hostfile=hf", "train.py"],
+                ["-H", "hf", "--num_gpus", "8", "train.py"],
+                ["--force_multi", "train.py"],
+                ["--include", "worker-1:0,1@worker-2:0", "train.py"],
+            ]
+            local = [
+                ["--num_gpus", "2", "train.py"],
+                ["--hostfile", "one", "train.py"],
+                ["--hostfile", "hf", "--no_ssh", "train.py"],
+                ["--hostfile", "hf", "--include", "localhost:0,1", "train.py"],
+                ["train.py", "--force_multi", "-H", "hf"],  # the script's own arguments
+            ]
+            for args in over_ssh + local:
+                out = run(["-m", "gpualloc", "run", "--no-bridge", "deepspeed", *args], cwd=d)
+                self.assertIn("installed in those it starts on this machine", out.stderr)
+                self.assertEqual("add GPUALLOC_RUN_CHILDREN=1 there" in out.stderr, args in over_ssh, args)
 
     def test_a_child_whose_launcher_dropped_the_switch_says_it_runs_without_gpualloc(self):
         # PYTHONPATH still leads to run's sitecustomize, but the launcher

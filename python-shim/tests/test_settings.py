@@ -58,15 +58,19 @@ class IgnoredKeysTest(unittest.TestCase):
         self.assertEqual(_settings.keys_in(""), [])
 
     def test_strings_that_hold_as_written_under_gpualloc(self):
-        for settings in ("expandable_segments:True", " expandable_segments : true ,per_process_memory_fraction:0.5",
-                         "pinned_use_cuda_host_register:True,expandable_segments:True", ""):
+        for settings in ("expandable_segments:True", " expandable_segments : True ,pinned_use_cuda_host_register:True", ""):
             self.assertTrue(_settings.holds_as_written(settings), settings)
+        # gpualloc's own fraction would win over PyTorch's: said.
         for settings in ("expandable_segments:False", "expandable_segments:True,max_split_size_mb:128",
-                         "garbage_collection_threshold:0.6", "backend:cudaMallocAsync"):
+                         "garbage_collection_threshold:0.6", "backend:cudaMallocAsync", "per_process_memory_fraction:0.5"):
             self.assertFalse(_settings.holds_as_written(settings), settings)
+        # torch 2.11 reads only True and False; gpualloc without mapped
+        # memory does not do what True asks.
+        self.assertFalse(_settings.holds_as_written("expandable_segments:true"))
+        self.assertFalse(_settings.holds_as_written("expandable_segments:True", maps_memory=False))
         self.assertEqual(_settings.entries_in("a:1, b:[256:1,>:2] ,c"), [("a", "1"), ("b", "[256:1,>:2]"), ("c", "")])
 
-
+    def test_each_ignored_key_is_said_once_and_followed_ones_never(self):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             said = _settings.say_ignored(
@@ -112,6 +116,21 @@ class IgnoredKeysTest(unittest.TestCase):
         self.assertEqual(len(caught), 2)
         self.assertIn("'per_process_memory_fraction'", str(caught[1].message))
         self.assertIn("before CUDA starts", str(caught[1].message))
+
+    def test_the_warning_names_the_programs_line_past_torchs_wrappers(self):
+        # torch >= 2.10 wraps _set_allocator_settings in a deprecation
+        # wrapper around torch._C's setter: the warning passes over both.
+        torch_c = types.SimpleNamespace(_accelerator_setAllocatorSettings=lambda env: None)
+        _settings.follow(torch_c, lambda: None, honoured=())
+        wrappers = {"__name__": "torch.cuda.memory", "torch_c": torch_c}
+        exec("def inner(s):\n    return torch_c._accelerator_setAllocatorSettings(s)\n"
+             "def _set_allocator_settings(s):\n    return inner(s)\n", wrappers)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrappers["_set_allocator_settings"]("max_split_size_mb:64")  # this line
+            torch_c._accelerator_setAllocatorSettings("roundup_power2_divisions:4")  # and this one
+        self.assertEqual([w.filename for w in caught], [__file__, __file__])
+        self.assertEqual(caught[1].lineno, caught[0].lineno + 1)
 
     def test_a_refused_string_says_nothing(self):
         def refuse(env):

@@ -1559,6 +1559,8 @@ def _capped_from_the_start(alloc, env):
     assert seen["half_fits"], seen
     assert seen["over_refused"], f"more than the cap was served: {seen}"
     assert seen["lifted_fits"], seen
+    if seen["fraction_at_start"] is not None:  # torch.cuda.get_per_process_memory_fraction, where torch has it
+        assert abs(seen["fraction_at_start"] - 0.05) < 1e-9, seen
     return seen
 
 
