@@ -29,9 +29,9 @@
 //! configuration), also under a `--config` with a fraction of its own,
 //! where a live run would have ignored PyTorch's key. And a fraction given
 //! through `torch.cuda.memory._set_allocator_settings` before CUDA starts
-//! is read only when the string comes after `install()`, whose wrapper of
-//! torch's setter hands it on (Note [PyTorch's fraction set at run time]
-//! in the C ABI crate).
+//! is read from the strings the Python package hands on (Note [PyTorch's
+//! fraction set at run time] in the C ABI crate): before `install()`, only
+//! the last one torch took counts.
 //!
 //! [`Allocator::with_start_fraction`]: crate::Allocator::with_start_fraction
 

@@ -401,8 +401,8 @@ pub(crate) fn start_fraction(config: &Config) -> Result<Option<f64>, Error> {
 // its allocator applies it to each device when the allocator starts, at
 // CUDA's initialization; set later, it changes nothing there.
 // Approach: the Python package's wrapper of torch's setters (installed by
-// `install()`, so a string set before it is not seen) hands each string
-// torch took to `gpualloc_set_torch_settings`. Before gpualloc starts
+// `install()`, which also hands on the last string torch took before it)
+// gives each string torch took to `gpualloc_set_torch_settings`. Before gpualloc starts
 // (which PyTorch's CUDA initialization does, unless a call of gpualloc's
 // own, an allocation or a traced mark, came first), its fraction is kept
 // and replaces the variable's as the cap each device starts with;

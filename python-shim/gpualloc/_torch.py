@@ -648,6 +648,7 @@ def _install_bridge(torch, libpath: str, verbose: bool) -> None:
 
     sync()  # PyTorch's variable, kept for the allocator's start
     _settings.follow(torch._C, sync, start_fraction=_start_fraction(torch))
+    _fraction_set_before(torch, _start_fraction(torch))
 
 
 def _start_fraction(torch):
@@ -665,6 +666,25 @@ def _start_fraction(torch):
             return False
 
     return start_fraction
+
+
+def _fraction_set_before(torch, start_fraction) -> None:
+    """A ``per_process_memory_fraction`` set at run time before install()
+    wrapped torch's setters: torch keeps the last string it took
+    (``_accelerator_getAllocatorSettings``, torch >= 2.10), which
+    ``start_fraction`` reads as the wrapper would have (the variable's own
+    string gives the variable's fraction again)."""
+    from . import _settings
+
+    get = getattr(getattr(torch, "_C", None), "_accelerator_getAllocatorSettings", None)
+    if get is None:
+        return
+    try:
+        settings = get()
+    except Exception:  # noqa: BLE001 - torch refuses its variable: it says so at CUDA's start
+        return
+    if isinstance(settings, str) and _settings.FRACTION_KEY in _settings.keys_in(settings):
+        start_fraction(settings)
 
 
 def _install_fallback(torch, libpath: str) -> None:
@@ -698,6 +718,7 @@ def _install_fallback(torch, libpath: str) -> None:
         # Nothing reaches gpualloc on this route but the fraction before
         # the start: every other key is said.
         _settings.follow(torch_c, lambda: None, honoured=(), start_fraction=_start_fraction(torch))
+        _fraction_set_before(torch, _start_fraction(torch))
 
 
 def _device_index(torch, device) -> int:

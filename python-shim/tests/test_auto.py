@@ -946,6 +946,29 @@ class InstallTest(unittest.TestCase):
             self.assertIn("installed", out.stdout)
             self.assertIn("but for per_process_memory_fraction", out.stderr)
 
+    def test_a_fraction_set_at_run_time_before_install_caps_from_the_start(self):
+        # Note [PyTorch's fraction set at run time]: torch keeps the last
+        # string it took; install() reads it, and later strings reach the
+        # library through the wrapped setter.
+        with tempfile.TemporaryDirectory() as d:
+            s = self.script(
+                d,
+                """
+                import gpualloc, torch
+                from gpualloc._lib import lib
+                gpualloc.install(bridge=False)
+                print("before", lib().memory_fraction(0))
+                torch._C._accelerator_setAllocatorSettings("per_process_memory_fraction:0.125")
+                print("after", lib().memory_fraction(0))
+                """,
+            )
+            env = {"GPUALLOC_BACKEND": "sim", "FAKE_TORCH_ALLOCATOR_SETTINGS": "per_process_memory_fraction:0.25"}
+            out = run([s], env)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("before 0.25", out.stdout)
+            self.assertIn("after 0.125", out.stdout)
+            self.assertNotIn("per_process_memory_fraction", out.stderr)
+
     def test_run_installs_in_the_python_processes_the_program_starts(self):
         # Note [Installing in child processes]: a child that imports torch
         # gets gpualloc (here the fallback: --no-bridge, passed on), with

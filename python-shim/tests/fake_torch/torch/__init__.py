@@ -43,6 +43,12 @@ cuda.device_count = lambda: 2
 # The allocator torch would use: PyTorch's own unless a test says which.
 cuda.get_allocator_backend = lambda: __import__("os").environ.get("FAKE_TORCH_ALLOCATOR_BACKEND", "native")
 
+# -- _C: the allocator settings string's setter and getter (torch >= 2.10) ------
+_C = types.ModuleType("torch._C")
+_C.allocator_settings = [__import__("os").environ.get("FAKE_TORCH_ALLOCATOR_SETTINGS", "")]
+_C._accelerator_setAllocatorSettings = lambda env: _C.allocator_settings.append(env)
+_C._accelerator_getAllocatorSettings = lambda: _C.allocator_settings[-1]
+
 # -- compiler -----------------------------------------------------------------
 COMPILING = [False]  # tests set it to act as torch.compile tracing the caller
 compiler = types.ModuleType("torch.compiler")
