@@ -246,12 +246,14 @@ def _nccl_graph_register(L) -> None:
     communicator starts, after install(), and processes started later
     inherit it. Captured collectives then copy through NCCL's own buffers,
     as with plain memory not from ncclMemAlloc. A value the program set is
-    left alone; one that turns registration on is warned of once."""
+    left alone; one that turns registration on is warned of once. Nothing
+    is set where PyTorch's variable says expandable_segments:False, which
+    keeps gpualloc's memory plain (but for a later switch back on)."""
     try:
         maps = L.maps_memory()
     except Exception:  # noqa: BLE001 - install() has reported a bad configuration already
         return
-    if not maps:
+    if not maps or _torch_says_plain():
         return
     value = os.environ.get(NCCL_GRAPH_REGISTER)
     if value is None or not value.strip():
@@ -264,6 +266,20 @@ def _nccl_graph_register(L) -> None:
             RuntimeWarning,
             stacklevel=4,  # the caller of gpualloc.install
         )
+
+
+def _torch_says_plain() -> bool:
+    """Whether PyTorch's variable (the first of TORCH_ALLOCATOR_VARIABLES
+    set, as torch reads them) says ``expandable_segments:False``, which the
+    bridge honours from the start: requests and pools take plain memory
+    (Note [PyTorch's expandable_segments switch])."""
+    from . import _settings
+
+    for name in TORCH_ALLOCATOR_VARIABLES:
+        if name in os.environ:
+            said = [v for k, v in _settings.entries_in(os.environ[name]) if k == "expandable_segments"]
+            return bool(said) and said[-1] == "False"
+    return False
 
 
 def _allocator_backend(torch) -> str:

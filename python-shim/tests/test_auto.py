@@ -879,6 +879,11 @@ class InstallTest(unittest.TestCase):
             out = run([s, "expandable_segments:false"], {"NCCL_GRAPH_REGISTER": " "})
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertEqual(out.stdout.splitlines()[-1], "nccl  ")
+            # PyTorch's own switch off from the start keeps memory plain too.
+            plain = {"NCCL_GRAPH_REGISTER": " ", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,expandable_segments:False"}
+            self.assertEqual(run([s, ""], plain).stdout.splitlines()[-1], "nccl  ")
+            plain["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+            self.assertEqual(run([s, ""], plain).stdout.splitlines()[-1], "nccl 0")
 
     def test_a_misspelled_gpualloc_variable_is_named_with_what_was_meant(self):
         with tempfile.TemporaryDirectory() as d:
