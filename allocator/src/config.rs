@@ -25,7 +25,7 @@
 //! | `memory_limit` | bytes, with K/M/G/T/P(iB) suffix, 1 B–1 PiB | none | cap reserved memory at this many bytes (omit the key for no limit; 0 is refused, as ambiguous) |
 //! | `cross_stream_reuse` | `true`/`false` | true | let a stream take another stream's cached block (ordered by an event) instead of growing |
 //! | `graph_capture_record_stream_reuse` | `true`/`false` | false | during a CUDA graph capture, reuse a block freed while other streams used it once the graph orders every later use after its last ones, instead of at the capture's end (PyTorch's setting of the same name turns it on too; Note [Reuse inside a capture]) |
-//! | `expandable_segments` | `true`/`false` | true | map pages into growing address ranges per (pool, stream) instead of separate segments |
+//! | `expandable_segments` | `true`/`false` | true (false under WSL: the C library's Note [Plain memory on WSL]) | map pages into growing address ranges per (pool, stream) instead of separate segments |
 //! | `expandable_page_mb` | even integer, 2–1024 | 2 | mapping granularity of large-pool expandable segments (PyTorch uses the 20 MiB segment size) |
 //! | `expandable_handle_mb` | power of two, 2–1024 | 16 | largest physical handle created at once; a mapping of n bytes uses handles of at most n/8 (fewer driver calls, coarser unmapping); re-creating what `empty_cache` gave back, up to twice this whatever n |
 //! | `defragment` | `true`/`false` | true | with expandable segments: rather than hold more than `1 + defragment_headroom` times peak allocated memory, unmap free pages and map them where the request fits |
@@ -287,6 +287,16 @@ impl Config {
             expandable_page: 20 * MIB,
             ..Config::default()
         }
+    }
+
+    /// Whether the string this configuration was parsed from gives `key`
+    /// itself (rather than leaving it to the defaults or a `policy`).
+    pub fn states(&self, key: &str) -> bool {
+        split_top_level(&self.source).is_ok_and(|entries| {
+            entries
+                .iter()
+                .any(|e| e.split_once(':').is_some_and(|(k, _)| k.trim() == key))
+        })
     }
 
     /// Parses `key:value,key:[a:b,>:c]`. Whitespace around tokens is ignored.
@@ -631,6 +641,17 @@ fn parse_divisions(key: &str, v: &str) -> Result<[u64; POWER2_INTERVALS], Config
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn states_only_keys_the_string_gives() {
+        let c = Config::parse(" expandable_segments : true ,roundup_power2_divisions:[256:1,>:2]")
+            .unwrap();
+        assert!(c.states("expandable_segments") && c.states("roundup_power2_divisions"));
+        assert!(!c.states("defragment") && !c.states("256") && !c.states(">"));
+        let p = Config::parse("policy:pytorch").unwrap();
+        assert!(!p.expandable_segments && !p.states("expandable_segments"));
+        assert!(!Config::parse("").unwrap().states("expandable_segments"));
+    }
 
     #[test]
     fn parses_every_key() {

@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 use crate::boundary::{
     Error, GPUALLOC_ERR_ALREADY_INITIALIZED, GPUALLOC_ERR_CONFIG, GPUALLOC_ERR_UNAVAILABLE,
 };
-use crate::pending;
+use crate::{pending, wsl};
 
 /// Default simulated capacity: an 80 GiB device.
 const DEFAULT_SIM_CAPACITY: u64 = 80 << 30;
@@ -163,6 +163,10 @@ impl Backend for AnyBackend {
 pub(crate) struct Global {
     pub alloc: Allocator<AnyBackend>,
     pub kind: BackendKind,
+    /// The configuration string as given (`alloc`'s may add what the
+    /// platform asks: Note [Plain memory on WSL]), which a later call's
+    /// must equal.
+    pub given: String,
 }
 
 static GLOBAL: OnceLock<Global> = OnceLock::new();
@@ -203,11 +207,11 @@ pub(crate) fn init(config: Option<&str>) -> Result<&'static Global, Error> {
     let _serial = INIT.lock();
     if let Some(g) = GLOBAL.get() {
         return match config {
-            Some(c) if c != g.alloc.config().source => Err(Error::new(
+            Some(c) if c != g.given => Err(Error::new(
                 GPUALLOC_ERR_ALREADY_INITIALIZED,
                 format!(
                     "gpualloc: already initialized with configuration `{}` (by gpualloc_init, or by the first call that needed the allocator: an allocation, a mark or phase, a trace start; or by `python -m gpualloc run`); `{}` can no longer take effect: configure that first call instead",
-                    clip(&g.alloc.config().source),
+                    clip(&g.given),
                     clip(c)
                 ),
             )),
@@ -365,7 +369,11 @@ pub(crate) fn idle(device: i64) -> Result<Config, Error> {
 pub(crate) fn config_now() -> Result<Config, Error> {
     match GLOBAL.get() {
         Some(g) => Ok(g.alloc.config().clone()),
-        None => parse_or_env(pending::get().config.as_deref()),
+        None => {
+            let config = parse_or_env(pending::get().config.as_deref())?;
+            let wsl = backend_kind()? == BackendKind::Cuda && wsl::detected();
+            Ok(wsl::effective(config, wsl)?.0)
+        }
     }
 }
 
@@ -509,6 +517,12 @@ fn sim_capacity() -> Result<u64, Error> {
 fn build(config: Config) -> Result<Global, Error> {
     let kind = backend_kind()?;
     let fraction = start_fraction(&config)?;
+    let given = config.source.clone();
+    // Note [Plain memory on WSL].
+    let (config, plain) = wsl::effective(config, kind == BackendKind::Cuda && wsl::detected())?;
+    if plain {
+        crate::boundary::say(format_args!("{}", wsl::SAID));
+    }
     match kind {
         BackendKind::Sim => {
             let capacity = sim_capacity()?;
@@ -525,7 +539,7 @@ fn build(config: Config) -> Result<Global, Error> {
                 }),
             )
             .with_start_fraction(fraction)?;
-            Ok(Global { alloc, kind })
+            Ok(Global { alloc, kind, given })
         }
         BackendKind::Cuda => {
             let devices = cuda::device_count()?;
@@ -541,7 +555,7 @@ fn build(config: Config) -> Result<Global, Error> {
                 Box::new(|d| CudaBackend::new(d).map(|b| AnyBackend::Cuda(Box::new(b)))),
             )
             .with_start_fraction(fraction)?;
-            Ok(Global { alloc, kind })
+            Ok(Global { alloc, kind, given })
         }
     }
 }

@@ -41,6 +41,7 @@ mod sigterm;
 mod snapshot;
 mod stats;
 mod trace;
+mod wsl;
 
 use std::ffi::{c_char, c_double, c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
