@@ -82,6 +82,30 @@ pub fn warn_once(key: &str, msg: &str) {
     }
 }
 
+/// The most device memory a trace is believed to tell (4 TiB, over ten
+/// times today's largest GPU). The simulated device keeps a record per
+/// page it maps, so a damaged or hand-made trace telling petabytes (and
+/// allocating them) would have a replay take gigabytes of host memory and
+/// minutes; `--capacity` replays on more where meant.
+pub const PLAUSIBLE_DEVICE_BYTES: u64 = 4 << 40;
+
+/// `bytes`, device memory that `path` tells, at most
+/// [`PLAUSIBLE_DEVICE_BYTES`]; says so once when it was more.
+pub fn plausible_device_bytes(path: &Path, bytes: u64) -> u64 {
+    if bytes <= PLAUSIBLE_DEVICE_BYTES {
+        return bytes;
+    }
+    warn_once(
+        "implausible device memory",
+        &format!(
+            "{}: the trace tells a device of {bytes} bytes, more than any GPU has: replayed on {} bytes (4 TiB); pass --capacity to replay on more",
+            path.display(),
+            PLAUSIBLE_DEVICE_BYTES
+        ),
+    );
+    PLAUSIBLE_DEVICE_BYTES
+}
+
 thread_local! {
     /// The file whose events [`scan_until`] is handing to its callback on
     /// this thread, for [`warn_once_in_file`].
@@ -387,7 +411,10 @@ pub fn scan_until(
     } else if reader.end().is_none() && !stopped {
         warning = Some(warn_no_end(path, events));
     }
-    let dropped = reader.dropped().values().sum();
+    let dropped = reader
+        .dropped()
+        .values()
+        .fold(0u64, |a, &n| a.saturating_add(n));
     if !stopped {
         warn_dropped(path, dropped);
     }

@@ -44,3 +44,37 @@ fn marks_spread_over_devices_keep_at_most_the_traces_boundaries() {
         "{err}"
     );
 }
+
+/// A trace that tells a device of a petabyte and allocates hundreds of
+/// terabytes on it (damaged, or made by hand): the replay takes a device
+/// of at most 4 TiB, says so, and ends at once, instead of keeping a
+/// record per simulated page of 250 TiB (gigabytes and minutes).
+#[test]
+fn a_trace_telling_an_implausible_device_is_replayed_on_a_plausible_one() {
+    use gpualloc::trace::MemoryCap;
+    let dir = tempfile::tempdir().unwrap();
+    let events = [
+        common::ev(
+            0,
+            EventKind::MemoryLimit {
+                cap: MemoryCap::DeviceSize,
+                device_total: 1 << 50,
+            },
+        ),
+        common::ev(1, common::alloc(1 << 40, 250 << 40)),
+    ];
+    let t = common::write_trace(dir.path(), "huge.gtrace", "", &events, 0, true);
+    let started = std::time::Instant::now();
+    let out = gpualloc(&["replay", s(&t), "--json"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("more than any GPU has: replayed on 4398046511104 bytes (4 TiB)"),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v.to_string().contains("4398046511104"), "{v}");
+    // Not a timed assertion of speed: a bound far above the fix's
+    // milliseconds and far below the seconds of the fault.
+    assert!(started.elapsed().as_secs() < 60);
+}

@@ -323,7 +323,9 @@ impl<R: Read> TraceReader<R> {
             kind::STRINGS => self.read_strings()?,
             kind::DROPPED => {
                 let n = format::get_varint(&self.payload, &mut p).ok_or("bad dropped count")?;
-                *self.dropped.entry(device).or_default() += n;
+                // A damaged count must not wrap around to look like few.
+                let d = self.dropped.entry(device).or_default();
+                *d = d.saturating_add(n);
             }
             kind::END => {
                 let mut next = || format::get_varint(&self.payload, &mut p).ok_or("bad totals");
@@ -372,7 +374,10 @@ impl<R: Read> TraceReader<R> {
 
     /// The END block's totals against what the blocks before it held.
     fn check_end(&self, end: &TraceEnd) -> Result<(), String> {
-        let dropped: u64 = self.dropped.values().sum();
+        let dropped = self
+            .dropped
+            .values()
+            .fold(0u64, |a, &n| a.saturating_add(n));
         let damage = "blocks were deleted or duplicated";
         if end.events != self.events_read {
             return Err(format!(

@@ -95,7 +95,7 @@ fn capacity_of(path: &Path, a: &Analysis, capacity: Option<u64>) -> Result<Capac
         .filter_map(|d| d.state.caps.device_total)
         .max()
         .map(|bytes| Capacity {
-            bytes,
+            bytes: input::plausible_device_bytes(path, bytes),
             recorded: true,
         })
         .ok_or_else(|| {

@@ -333,7 +333,7 @@ pub fn capacity(first: &Oom) -> u64 {
 /// candidates, on a device of the capacity implied by `first` (an OOM of
 /// that device): other devices had capacities of their own.
 pub fn advise(path: &Path, recorded: &str, device: u32, first: &Oom) -> Result<Advice, CliError> {
-    let capacity = capacity(first);
+    let capacity = crate::input::plausible_device_bytes(path, capacity(first));
     let limits = limit_keys(recorded);
     let trial = |c: String| -> Result<Option<Trial>, CliError> {
         let Ok(config) = Config::parse(&c) else {
