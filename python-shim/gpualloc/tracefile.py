@@ -36,7 +36,8 @@ ACTIONS = (
 # The calls a ``private_pool`` record names (its ``size``; ``PoolOp`` in event.rs).
 POOL_OPS = ("begin_allocate_to_pool", "end_allocate_to_pool", "create_or_incref_pool", "release_pool",
             "empty_pool_cache", "get_checkpoint_state", "set_checkpoint_pool_state",
-            "create_or_incref_pool_with_allocator", "set_use_on_oom", "set_no_split")
+            "create_or_incref_pool_with_allocator", "set_use_on_oom", "set_no_split",
+            "set_allocator_settings")
 KINDS = {9: "phase_push", 10: "phase_pop", 11: "mark"}
 FREE = 15  # alloc, free_requested, free_completed (0-2) and free store aux against size
 STITCH_CODE = 2**64 - 1  # the pool code of a stitched range (Note [Stitching])

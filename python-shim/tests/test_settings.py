@@ -213,7 +213,30 @@ L.check_invariants()
 """
 
 
+TRACED_SWITCH = """
+import sys
+from gpualloc import tracefile
+from gpualloc._lib import lib
+L = lib()
+L.trace_start(sys.argv[1])
+L.set_plain_requests(True)
+L.free(L.malloc(1 << 20))
+L.set_plain_requests(False)
+L.trace_stop()
+print([r["op"] for r in tracefile.records(sys.argv[1]) if r["kind"] == "private_pool"])
+"""
+
+
 class PlainRequestsTest(unittest.TestCase):
+    def test_the_trace_names_each_switch_as_the_library_does(self):
+        import tempfile, os
+
+        with tempfile.TemporaryDirectory() as d:
+            out = run(["-c", TRACED_SWITCH, os.path.join(d, "t.gtrace")], {"GPUALLOC_SIM_CAPACITY": "1GiB"})
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("'set_allocator_settings', 'set_allocator_settings'", out.stdout.strip())
+
+
     def test_requests_take_plain_segments_while_pytorchs_setting_says_off(self):
         out = run(["-c", CODE], {"GPUALLOC_SIM_CAPACITY": "1GiB"})
         self.assertEqual(out.returncode, 0, out.stderr)
