@@ -215,6 +215,17 @@ impl<R: Read> TraceReader<R> {
                 self.finished = true;
                 break;
             }
+            if got < BLOCK_HEADER_LEN && self.end.is_some() {
+                // A complete trace with bytes appended (`echo >> t.gtrace`):
+                // not a truncation.
+                self.finished = true;
+                return Err(TraceError::malformed(
+                    start,
+                    format!(
+                        "{got} stray bytes follow the END block: something was appended to a complete trace"
+                    ),
+                ));
+            }
             if got < BLOCK_HEADER_LEN {
                 self.finished = true;
                 return Err(TraceError::new(
@@ -747,6 +758,34 @@ mod tests {
         assert_eq!(r.end().unwrap().events, 10);
         assert_eq!(r.end().unwrap().dropped, 1);
         assert_eq!(r.offset(), bytes.len() as u64);
+    }
+
+    /// A complete trace with a few bytes appended (`echo >> t.gtrace`) is
+    /// named as such, not as a truncated one; every event still reads.
+    #[test]
+    fn bytes_appended_after_the_end_are_named_as_such() {
+        let e = |time_ns| TraceEvent {
+            time_ns,
+            action: Action::Alloc,
+            device: 0,
+            stream: 0,
+            addr: 512,
+            size: 100,
+            aux: 512,
+            thread: 1,
+        };
+        let (mut bytes, all) = write(&[vec![e(1), e(2)]]);
+        bytes.extend_from_slice(b"\n\n");
+        let (got, err, ended) = read_all(&bytes);
+        assert_eq!(got, all);
+        assert!(ended);
+        let err = err.expect("an error for the stray bytes");
+        assert!(!err.is_truncation(), "{err}");
+        assert!(
+            err.to_string()
+                .contains("2 stray bytes follow the END block"),
+            "{err}"
+        );
     }
 
     #[test]
