@@ -760,11 +760,9 @@ mod tests {
         assert_eq!(r.offset(), bytes.len() as u64);
     }
 
-    /// A complete trace with a few bytes appended (`echo >> t.gtrace`) is
-    /// named as such, not as a truncated one; every event still reads.
-    #[test]
-    fn bytes_appended_after_the_end_are_named_as_such() {
-        let e = |time_ns| TraceEvent {
+    /// A 100-byte allocation at 512 on device 0, at `time_ns`.
+    fn alloc_at(time_ns: u64) -> TraceEvent {
+        TraceEvent {
             time_ns,
             action: Action::Alloc,
             device: 0,
@@ -773,8 +771,14 @@ mod tests {
             size: 100,
             aux: 512,
             thread: 1,
-        };
-        let (mut bytes, all) = write(&[vec![e(1), e(2)]]);
+        }
+    }
+
+    /// A complete trace with a few bytes appended (`echo >> t.gtrace`) is
+    /// named as such, not as a truncated one; every event still reads.
+    #[test]
+    fn bytes_appended_after_the_end_are_named_as_such() {
+        let (mut bytes, all) = write(&[vec![alloc_at(1), alloc_at(2)]]);
         bytes.extend_from_slice(b"\n\n");
         let (got, err, ended) = read_all(&bytes);
         assert_eq!(got, all);
@@ -805,16 +809,7 @@ mod tests {
     /// (readers size per-device tables by it), never a huge loop.
     #[test]
     fn huge_device_numbers_are_rejected() {
-        let ev = TraceEvent {
-            time_ns: 5,
-            action: Action::Alloc,
-            device: 0,
-            stream: 0,
-            addr: 512,
-            size: 100,
-            aux: 512,
-            thread: 1,
-        };
+        let ev = alloc_at(5);
         // The writer refuses such numbers: the files are made by patching
         // a valid one and resealing its checksums.
         for device in [MAX_DEVICES, u32::MAX] {
