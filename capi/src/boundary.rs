@@ -222,6 +222,17 @@ pub(crate) fn status(f: impl FnOnce() -> Result<(), Error>) -> c_int {
     ffi_boundary(|code| code, || f().map(|()| GPUALLOC_OK))
 }
 
+/// A control call on one string argument that answers yes or no: 1 or 0,
+/// or the error code, with the last error set as [`status`] sets it.
+pub(crate) fn str_flag_call(
+    p: *const c_char,
+    what: &str,
+    f: impl FnOnce(&str) -> Result<bool, Error>,
+) -> c_int {
+    clear_last_error();
+    ffi_boundary(|code| code, || f(str_arg(p, what)?).map(c_int::from))
+}
+
 /// A void control call (a PyTorch hook): like [`status`], the outcome is in
 /// the last error only.
 #[inline]

@@ -135,14 +135,7 @@ pub unsafe extern "C" fn gpualloc_configure(
 /// `config` is a NUL-terminated string.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_forget_config(config: *const c_char) -> c_int {
-    boundary::clear_last_error();
-    ffi_boundary(
-        |code| code,
-        || {
-            let config = str_arg(config, "config")?;
-            global::forget_config(config).map(c_int::from)
-        },
-    )
+    boundary::str_flag_call(config, "config", global::forget_config)
 }
 
 /// 1 when the allocator has been created, else 0. Creates nothing.
@@ -597,14 +590,7 @@ pub extern "C" fn gpualloc_set_memory_fraction(fraction: c_double, device: c_int
 /// `settings` is a NUL-terminated string.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpualloc_set_torch_settings(settings: *const c_char) -> c_int {
-    boundary::clear_last_error();
-    ffi_boundary(
-        |code| code,
-        || {
-            let settings = str_arg(settings, "settings")?;
-            global::set_torch_settings(settings).map(c_int::from)
-        },
-    )
+    boundary::str_flag_call(settings, "settings", global::set_torch_settings)
 }
 
 /// The fraction set for `device` (1.0 when none) into `*out`.

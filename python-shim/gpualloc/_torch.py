@@ -663,8 +663,9 @@ def _install_bridge(torch, libpath: str, verbose: bool) -> None:
     from . import _settings
 
     sync()  # PyTorch's variable, kept for the allocator's start
-    _settings.follow(torch._C, sync, start_fraction=_start_fraction(torch))
-    _fraction_set_before(torch, _start_fraction(torch))
+    start_fraction = _start_fraction(torch)
+    _settings.follow(torch._C, sync, start_fraction=start_fraction)
+    _fraction_set_before(torch, start_fraction)
 
 
 def _start_fraction(torch):
@@ -733,8 +734,9 @@ def _install_fallback(torch, libpath: str) -> None:
 
         # Nothing reaches gpualloc on this route but the fraction before
         # the start: every other key is said.
-        _settings.follow(torch_c, lambda: None, honoured=(), start_fraction=_start_fraction(torch))
-        _fraction_set_before(torch, _start_fraction(torch))
+        start_fraction = _start_fraction(torch)
+        _settings.follow(torch_c, lambda: None, honoured=(), start_fraction=start_fraction)
+        _fraction_set_before(torch, start_fraction)
 
 
 def _device_index(torch, device) -> int:
