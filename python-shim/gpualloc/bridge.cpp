@@ -1282,6 +1282,16 @@ extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t er
       return fail(std::string("dlopen(") + libpath + ") failed: " + (e != nullptr ? e : "?"));
     }
     api.resolve_all(h);
+    // Note [PyTorch's settings read before the swap]: PyTorch parses its
+    // CUDA allocator settings (PYTORCH_CUDA_ALLOC_CONF) once, on first
+    // use, and asserts there that a `backend:` they name is the current
+    // allocator's name. Under `backend:cudaMallocAsync`, a first use after
+    // the swap (a snapshot, a capture, the pinned host allocator) would
+    // compare against "gpualloc" and raise an internal assert; parsed
+    // here, it compares against the allocator the variable chose, as
+    // PyTorch meant. (A settings string set later that names a backend
+    // fails as it would after any swap.)
+    (void)cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse();
     CUDAAllocator* native = cca::allocator.load();
     auto a = std::make_shared<GpuallocAllocator>(native);
     // Not started here: PyTorch calls init() when it initializes CUDA. But

@@ -1038,10 +1038,11 @@ def check_compat(args) -> dict:
             # which programs save and set back.
             settings = torch.cuda.memory._snapshot()["allocator_settings"]
             assert settings["expandable_segments"] is False, settings
-            # max_split_size as the allocator applies it (SIZE_MAX when
-            # unlimited; memory_stats gives the same as -1).
+            # max_split_size as the allocator applies it: -1 when unlimited
+            # (SIZE_MAX in C++, which PyTorch hands Python as -1), as in
+            # memory_stats (torch 2.11 on an H100, both allocators).
             limit = torch.cuda.memory_stats().get("max_split_size", -1)
-            assert settings.get("max_split_size") == (limit if limit >= 0 else 2**64 - 1), settings
+            assert settings.get("max_split_size") == limit, (limit, settings)
             setter(settings["PYTORCH_CUDA_ALLOC_CONF"] or "expandable_segments:False")
             setter("expandable_segments:True")
             b = torch.empty(40 * MiB, dtype=torch.uint8, device=dev).fill_(4)
