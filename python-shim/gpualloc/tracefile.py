@@ -132,17 +132,25 @@ def annotations(path: str) -> List[Dict]:
 
 
 def block_kinds(path: str) -> List[int]:
-    """The kinds of the file's blocks in order, read from their headers
-    alone (no checksum): a completed trace's last is ``END``."""
+    """The kinds of the file's whole blocks in order, read from their
+    headers alone (no checksum): a completed trace's last is ``END``. A
+    block cut short (a trace still being written, or truncated) is left
+    out, so an END block whose bytes are not all there is not counted;
+    bytes where a block header should start but does not are an error."""
     data = _contents(path)
     if data[:8] != MAGIC or len(data) < 14:
         raise ValueError(f"{path}: not a gpualloc trace (magic {data[:8]!r}, expected {MAGIC!r})")
     # The first block follows the header; the header's bytes (start time,
     # pid, strings, checksum) may hold "BK" too.
     kinds, pos = [], 14 + struct.unpack_from("<I", data, 10)[0] + 4
-    while pos + 12 <= len(data):
+    while pos + 16 <= len(data):
+        if data[pos : pos + 2] != b"BK":
+            raise ValueError(f"{path}: no block header at byte {pos} (found {data[pos : pos + 2]!r}, expected b'BK')")
+        end = pos + 16 + int.from_bytes(data[pos + 8 : pos + 12], "little")
+        if end > len(data):
+            break
         kinds.append(data[pos + 2])
-        pos += 16 + int.from_bytes(data[pos + 8 : pos + 12], "little")
+        pos = end
     return kinds
 
 

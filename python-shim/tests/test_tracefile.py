@@ -200,6 +200,22 @@ class BlockKindsTest(unittest.TestCase):
         self.assertEqual(_read(_header(producer=b"import (BKP)") + end, block_kinds), [END])
         self.assertEqual(_read(_header() + end, block_kinds), [END])
 
+    def test_a_block_cut_short_is_not_counted(self):
+        events = _block(1, _varint(0), seq=0)
+        end = _block(END, _varint(0) + _varint(0) + _varint(5) + _varint(1), seq=1)
+        whole = _header() + events + end
+        self.assertEqual(_read(whole, block_kinds), [1, END])
+        # The END block's header is there, its payload not all: the trace
+        # is not complete, whatever its last header says.
+        self.assertEqual(_read(whole[:-1], block_kinds), [1])
+        self.assertEqual(_read(whole[: len(whole) - len(end) + 10], block_kinds), [1])
+
+    def test_bytes_that_are_no_block_header_are_named(self):
+        data = _header() + _block(1, _varint(0)) + b"XX" + bytes(30)
+        with self.assertRaises(ValueError) as cm:
+            _read(data, block_kinds)
+        self.assertIn("no block header at byte", str(cm.exception))
+
 
 class _Refusing(unittest.TestCase):
     """Tests that read damaged bytes: ``error`` is the reader's message."""
