@@ -312,7 +312,19 @@ impl<B: Backend> Allocator<B> {
     /// callers such as a deleter that knows only the pointer).
     #[inline]
     pub fn free(&self, device: i64, ptr: DevicePtr) -> Result<(), AllocError> {
-        match self.free_now(device, ptr) {
+        self.free_from(device, ptr, None)
+    }
+
+    /// [`free`](Self::free) made where `current` is the current stream, if
+    /// known ([`DeviceAllocator::free_from`]).
+    #[inline]
+    pub fn free_from(
+        &self,
+        device: i64,
+        ptr: DevicePtr,
+        current: Option<StreamId>,
+    ) -> Result<(), AllocError> {
+        match self.free_now(device, ptr, current) {
             // Called back from a source: nothing was read or changed.
             Err(AllocError::CalledBack { .. }) => {
                 self.defer_free(ptr);
@@ -324,13 +336,19 @@ impl<B: Backend> Allocator<B> {
 
     /// [`free`](Self::free) now; [`AllocError::CalledBack`] from a source's
     /// call, before anything is read.
-    fn free_now(&self, device: i64, ptr: DevicePtr) -> Result<(), AllocError> {
+    fn free_now(
+        &self,
+        device: i64,
+        ptr: DevicePtr,
+        current: Option<StreamId>,
+    ) -> Result<(), AllocError> {
         if device < 0 {
             return self.free_anywhere(ptr);
         }
         // A device never used holds nothing to free, and is not started
         // for the error; a pointer of another device is freed there, as a
-        // free that knows only the pointer would.
+        // free that knows only the pointer would (where the current stream
+        // is another device's: not told).
         let elsewhere = |e| self.with_owner(ptr, |d| d.free(ptr)).unwrap_or(Err(e));
         let here = match self.peek(device) {
             // No such device: the pointer is found where it lives, as for a
@@ -346,7 +364,7 @@ impl<B: Backend> Allocator<B> {
                     device: device as u32,
                 })
             }
-            Some(mut d) => match d.free(ptr) {
+            Some(mut d) => match d.free_from(ptr, current) {
                 Err(e @ AllocError::InvalidPointer { .. }) => {
                     drop(d);
                     elsewhere(e)

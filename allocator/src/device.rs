@@ -36,6 +36,7 @@ use crate::budget::DefragBudget;
 use crate::capture_markers::CaptureMarkers;
 use crate::config::Config;
 use crate::cost::DriverCalls;
+use crate::cross_frees::CrossFrees;
 use crate::drain::Drains;
 use crate::error::{AllocError, GrowError};
 use crate::fence::Fences;
@@ -88,6 +89,9 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) shares: Shares,
     /// When freed pages may be unmapped (Note [Event-ordered unmapping]).
     pub(crate) fences: Fences,
+    /// Streams current where blocks of other streams were freed (Note
+    /// [Other streams' work on moved pages]).
+    pub(crate) cross_frees: CrossFrees,
     /// Old addresses of pages that moved before their work was done
     /// (Note [Unmapping behind the work]).
     pub(crate) drains: Drains,
@@ -150,6 +154,7 @@ impl<B: Backend> DeviceAllocator<B> {
             pages: PagePool::default(),
             shares: Shares::default(),
             fences: Fences::default(),
+            cross_frees: CrossFrees::default(),
             drains: Drains::default(),
             stitches: Stitches::default(),
             defrag_budget: DefragBudget::default(),
@@ -889,7 +894,22 @@ impl<B: Backend> DeviceAllocator<B> {
     ///
     /// # Errors
     /// [`AllocError::InvalidPointer`] for a pointer not allocated here.
+    #[inline]
     pub fn free(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
+        self.free_from(ptr, None)
+    }
+
+    /// [`free`](Self::free) made where `current` is the current stream, if
+    /// known: another stream than the block's may still have work on it
+    /// (Note [Other streams' work on moved pages]).
+    ///
+    /// # Errors
+    /// As [`free`](Self::free).
+    pub fn free_from(
+        &mut self,
+        ptr: DevicePtr,
+        current: Option<StreamId>,
+    ) -> Result<(), AllocError> {
         if ptr == 0 {
             return Ok(());
         }
@@ -911,6 +931,9 @@ impl<B: Backend> DeviceAllocator<B> {
         let b = &mut self.heap.blocks[id];
         b.state = BlockState::PendingFree;
         let (size, requested, stream, pool) = (b.size, b.requested, b.stream, b.pool);
+        if let Some(current) = current {
+            self.cross_frees.freed(stream, current);
+        }
         let kind = self.heap.pools[pool as usize].kind;
         self.stats.allocation.update(kind, -1);
         self.stats.allocated_bytes.update(kind, -(size as i64));

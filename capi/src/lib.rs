@@ -364,6 +364,26 @@ pub extern "C" fn gpualloc_free(
     stream: cudaStream_t,
 ) {
     let _ = (size, stream);
+    free_from(ptr, device, None);
+}
+
+/// `gpualloc_free` of `ptr`, made where `current` is the current stream of
+/// `device` (which must be the device that allocated `ptr`, or negative:
+/// then `current` is not used). Work queued on a stream other than the
+/// block's may still use it: its pages then leave their address only
+/// behind that stream's work (Note [Other streams' work on moved pages]
+/// in the core). What the torch bridge calls from its deleters.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpualloc_free_on(ptr: *mut c_void, device: c_int, current: cudaStream_t) {
+    free_from(
+        ptr,
+        device,
+        (device >= 0).then_some(current as usize as u64),
+    );
+}
+
+/// The body of `gpualloc_free` and `gpualloc_free_on`.
+fn free_from(ptr: *mut c_void, device: c_int, current: Option<u64>) {
     boundary::clear_last_error();
     if ptr.is_null() {
         return;
@@ -393,7 +413,8 @@ pub extern "C" fn gpualloc_free(
                 global::idle_count()?;
                 return Err(not_ours("free", ptr));
             };
-            Ok(g.alloc.free(i64::from(device), ptr as usize as u64)?)
+            Ok(g.alloc
+                .free_from(i64::from(device), ptr as usize as u64, current)?)
         },
     );
 }

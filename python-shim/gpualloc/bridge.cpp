@@ -27,6 +27,7 @@
 #include <torch/version.h>
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -324,6 +325,17 @@ bool in_parent() {
   return owner == 0 || getpid() == owner;
 }
 
+// Set in a child forked after CUDA started here (a handler registered at
+// install): the one check every free can afford, for what only the parent
+// may ask torch (its current stream).
+std::atomic<bool> forked_after_cuda{false};
+
+void mark_forked_child() {
+  if (cuda_pid.load(std::memory_order_relaxed) != 0) {
+    forked_after_cuda.store(true, std::memory_order_relaxed);
+  }
+}
+
 void delete_fn(void* ptr) {
   if (ptr == nullptr) {
     return;
@@ -374,7 +386,22 @@ void delete_fn(void* ptr) {
     }
   }
   if (!freed) {
-    api.free_fn(ptr, 0, device >= 0 ? device : -1, nullptr);  // never throws: runs in deleters
+    // With the stream current here: work queued on it may still read the
+    // block, if it is another than the block's (Note [Other streams' work
+    // on moved pages] in the core). Known for the one device only.
+    cudaStream_t current = nullptr;
+    bool known = false;
+    if (device >= 0 && !forked_after_cuda.load(std::memory_order_relaxed)) {
+      observe("the current stream", [&] {
+        current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+        known = true;
+      });
+    }
+    if (known) {
+      api.free_on(ptr, device, current);  // never throws: runs in deleters
+    } else {
+      api.free_fn(ptr, 0, device >= 0 ? device : -1, nullptr);
+    }
   }
 }
 
@@ -1306,6 +1333,7 @@ extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t er
     check(api.set_segment_observer(&on_segment, nullptr), "set_segment_observer");
     check(api.observe_block_frees(1), "observe_block_frees");
     check(api.set_miss_callback(&on_miss, nullptr), "set_miss_callback");
+    pthread_atfork(nullptr, nullptr, &mark_forked_child);
     installed = new std::shared_ptr<GpuallocAllocator>(a);
     return 0;
   } catch (const c10::Error& e) {

@@ -482,6 +482,40 @@ def check_streams(args) -> dict:
         y.fill_(rep + 0.5)
         bad += int((y != rep + 0.5).sum())
     res["same_stream_reuse"] = {"ok": bad == 0, "corrupted_elements": bad}
+
+    # 4. What ColossalAI's Gemini does with prefetched chunks: a block made
+    # on a side stream, read on another stream without record_stream and
+    # freed while that stream is current, then a request larger than the
+    # block (a new live high) on the reading stream or on the block's own.
+    # PyTorch never unmaps it; under gpualloc its pages move to the request
+    # (defragmentation), and the old address must stay mapped until the
+    # queued read is done (Note [Other streams' work on moved pages]): an
+    # early unmap faults the read (the process dies) or changes its sum.
+    n_big = 256 * MiB // 4
+    sums, wrong_fill = [], 0
+    for rep in range(4):
+        side, main = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            x = torch.full((n_big,), 1.0, device=dev)
+            z = torch.empty(MiB, dtype=torch.uint8, device=dev)  # keeps x's place from growing
+        main.wait_stream(side)
+        with torch.cuda.stream(main):
+            torch.cuda._sleep(cycles)
+            total = x.sum(dtype=torch.float64)  # runs late, on main
+            del x  # freed on the host now, main current, no record_stream
+        with torch.cuda.stream(main if rep % 2 == 0 else side):
+            y = torch.empty(n_big + 16 * MiB, device=dev)
+            y.fill_(2.0)
+        torch.cuda.synchronize()
+        sums.append(float(total))
+        wrong_fill += int((y != 2.0).sum())
+        del y, z, total
+        torch.cuda.empty_cache()
+    res["read_elsewhere_then_pages_move"] = {
+        "ok": all(v == float(n_big) for v in sums) and wrong_fill == 0,
+        "sums": sums,
+        "corrupted_elements": wrong_fill,
+    }
     return {"passed": sum(v["ok"] for v in res.values()), "total": len(res), "checks": res}
 
 

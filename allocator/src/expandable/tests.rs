@@ -658,3 +658,89 @@ fn faults_while_spare_handles_go_back_fail_no_request() {
         assert_eq!(d.pooled_bytes(), 0);
     }
 }
+
+/// A 128 MiB block of stream `alloc` that stream 7 reads (queued work) and
+/// that is freed with `current` as the current stream, then moved for a
+/// request on `request`. Returns the allocator, the block's address and
+/// the sequence number of stream 7's read. Unmapped ranges are logged.
+fn read_elsewhere_then_moved(
+    conf: &str,
+    alloc: u64,
+    current: Option<u64>,
+    request: u64,
+) -> (DeviceAllocator<SimBackend>, u64, u64) {
+    let mut d = dev(&format!("defragment_headroom:0,stitch_min_mb:0{conf}"));
+    let a = d.malloc(128 * MIB, alloc).unwrap();
+    d.malloc(2 * MIB, alloc).unwrap();
+    let read = d.backend_mut().launch(7);
+    d.free_from(a, current).unwrap();
+    d.backend_mut().log_unmaps(true);
+    let seg = d.heap.pools[crate::heap::LARGE as usize].expandable[0].1;
+    let moved = d.reclaim(
+        128 * MIB,
+        request,
+        (seg, 0, 0),
+        false,
+        RunOrder::LargestFirst,
+    );
+    assert_eq!(moved.unwrap(), 128 * MIB);
+    ok(&d);
+    (d, a, read)
+}
+
+fn unmapped_at(d: &mut DeviceAllocator<SimBackend>, a: u64) -> bool {
+    d.backend_mut().take_unmaps().iter().any(|&(p, _)| p == a)
+}
+
+/// Note [Other streams' work on moved pages]: a block freed while another
+/// stream was current (ColossalAI's prefetched chunks, read on the compute
+/// stream) leaves its address only behind that stream's queued work,
+/// whichever stream the request is on; a block freed on its own stream
+/// orders nothing.
+#[test]
+fn pages_read_by_the_stream_current_at_the_free_leave_behind_its_work() {
+    // The request on the block's own stream: ordered after stream 7's read.
+    let (mut d, a, read) = read_elsewhere_then_moved("", 0, Some(7), 0);
+    assert!(d.backend().is_ordered_after(0, 7, read));
+    assert!(
+        d.drains.ranges().any(|(lo, _)| lo == a),
+        "old range still mapped"
+    );
+    d.backend_mut().complete(7);
+    d.backend_mut().complete(0);
+    d.retire_drains().unwrap();
+    assert!(unmapped_at(&mut d, a) && d.drains.is_empty());
+    ok(&d);
+
+    // The request on stream 7 itself, the block of stream 5: stream 5's
+    // work is waited for as before, and the old address now waits for
+    // stream 7's read instead of leaving at once.
+    let (mut d, a, _) = read_elsewhere_then_moved("", 5, Some(7), 7);
+    assert!(!unmapped_at(&mut d, a), "unmapped under stream 7's read");
+    assert!(d.drains.ranges().any(|(lo, _)| lo == a));
+    d.backend_mut().complete(7);
+    d.retire_drains().unwrap();
+    assert!(unmapped_at(&mut d, a));
+    ok(&d);
+
+    // Freed on its own stream: nothing more than before.
+    let (mut d, a, read) = read_elsewhere_then_moved("", 5, Some(5), 7);
+    assert!(!d.backend().is_ordered_after(0, 7, read));
+    assert!(
+        unmapped_at(&mut d, a),
+        "left at once, its stream waited for"
+    );
+    assert_eq!(d.backend().counters.stream_wait_event, 0);
+    let (d, _, read) = read_elsewhere_then_moved("", 0, None, 0);
+    assert!(!d.backend().is_ordered_after(0, 7, read));
+}
+
+/// Where nothing may be deferred (`defer_unmap:false`), the host waits for
+/// the other stream's work before the pages leave.
+#[test]
+fn without_deferring_the_host_waits_for_the_stream_current_at_the_free() {
+    let (mut d, a, read) = read_elsewhere_then_moved(",defer_unmap:false", 0, Some(7), 0);
+    assert!(d.backend().is_completed(7, read));
+    assert!(unmapped_at(&mut d, a));
+    assert!(d.drains.is_empty());
+}

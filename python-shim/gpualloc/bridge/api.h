@@ -58,6 +58,7 @@ struct Api {
   decltype(&gpualloc_config_string) config_string = nullptr;
   decltype(&gpualloc_malloc) malloc_fn = nullptr;
   decltype(&gpualloc_free) free_fn = nullptr;
+  decltype(&gpualloc_free_on) free_on = nullptr;
   decltype(&gpualloc_free_sized) free_sized = nullptr;
   decltype(&gpualloc_allocation_size) allocation_size = nullptr;
   decltype(&gpualloc_last_error) last_error = nullptr;
@@ -104,6 +105,7 @@ struct Api {
     resolve(handle, "gpualloc_config_string", config_string);
     resolve(handle, "gpualloc_malloc", malloc_fn);
     resolve(handle, "gpualloc_free", free_fn);
+    resolve(handle, "gpualloc_free_on", free_on);
     resolve(handle, "gpualloc_free_sized", free_sized);
     resolve(handle, "gpualloc_allocation_size", allocation_size);
     resolve(handle, "gpualloc_last_error", last_error);
