@@ -9,7 +9,7 @@ use std::io::{BufReader, IsTerminal};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use gpualloc::trace::format::MAGIC;
+use gpualloc::trace::format::{MAGIC, MAX_NAME_LEN};
 use gpualloc::trace::{TraceEnd, TraceErrorKind, TraceEvent, TraceHeader, TraceReader};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -36,7 +36,7 @@ impl From<String> for CliError {
 pub struct ScanInfo {
     /// The header.
     pub header: TraceHeader,
-    /// The string table.
+    /// The string table, each name shortened ([`shorten_name`]).
     pub strings: Vec<String>,
     /// Events read.
     pub events: u64,
@@ -67,6 +67,27 @@ pub fn clip(s: &str) -> String {
         None => s.to_string(),
         Some((i, _)) => format!("{}... ({} bytes)", &s[..i], s.len()),
     }
+}
+
+/// A phase or mark name as the commands write it: at most
+/// [`MAX_NAME_LEN`] bytes (cut at a character's start) and then
+/// `…(N bytes)`, N its whole length. The allocator refuses longer names,
+/// but a hand-made or imported trace may hold one of megabytes, which
+/// every export and table would otherwise repeat in full.
+pub fn shorten_name(name: &str) -> String {
+    if name.len() <= MAX_NAME_LEN {
+        return name.to_string();
+    }
+    let cut = (0..=MAX_NAME_LEN)
+        .rev()
+        .find(|&i| name.is_char_boundary(i))
+        .unwrap_or(0);
+    format!("{}…({} bytes)", &name[..cut], name.len())
+}
+
+/// The string table `strings` with each name shortened ([`shorten_name`]).
+pub fn shortened_names(strings: &[String]) -> Vec<String> {
+    strings.iter().map(|s| shorten_name(s)).collect()
 }
 
 /// Prints `gpualloc: warning: {msg}` to stderr unless this message, or
@@ -420,7 +441,7 @@ pub fn scan_until(
     }
     Ok(ScanInfo {
         header: reader.header().clone(),
-        strings: reader.strings().to_vec(),
+        strings: shortened_names(reader.strings()),
         events,
         dropped,
         end: reader.end().copied(),
@@ -463,4 +484,16 @@ fn progress(len: u64) -> ProgressBar {
         }
     }
     bar
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_long_name_is_cut_at_a_characters_start() {
+        let euros = "€".repeat(1366); // 4,098 bytes, 3 a character
+        let short = super::shorten_name(&euros);
+        assert_eq!(short, format!("{}…(4098 bytes)", "€".repeat(1365)));
+        let limit = "x".repeat(super::MAX_NAME_LEN);
+        assert_eq!(super::shorten_name(&limit), limit);
+    }
 }

@@ -78,3 +78,59 @@ fn a_trace_telling_an_implausible_device_is_replayed_on_a_plausible_one() {
     // milliseconds and far below the seconds of the fault.
     assert!(started.elapsed().as_secs() < 60);
 }
+
+/// A phase and a mark named by 5,000 bytes (a hand-made or imported trace:
+/// the allocator refuses names above 4,096 bytes): every export writes the
+/// first 4,096 bytes and the name's length, never the whole name.
+#[test]
+fn exports_shorten_names_above_the_name_limit() {
+    use gpualloc::trace::format::MAX_NAME_LEN;
+    let dir = tempfile::tempdir().unwrap();
+    let long = format!("{}TAIL", "x".repeat(4996));
+    let short = format!("{}…(5000 bytes)", "x".repeat(MAX_NAME_LEN));
+    let events = vec![
+        common::ev(0, EventKind::PhasePush { name: 0 }),
+        common::ev(1, common::alloc(1 << 20, 512)),
+        common::ev(2, EventKind::Mark { name: 0 }),
+        common::ev(3, EventKind::PhasePop { name: 0 }),
+    ];
+    let t = write_blocks(dir.path(), "long.gtrace", 1, &[&long], [events]);
+    let (json, pickle) = (dir.path().join("c.json"), dir.path().join("t.pickle"));
+    let prefix = dir.path().join("p");
+    let args = ["export", s(&t), "--chrome", s(&json), "--torch-snapshot"];
+    common::ok(&[&args[..], &[s(&pickle), "--parquet", s(&prefix)]].concat());
+    let chrome: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let named = chrome["traceEvents"].as_array().unwrap().iter();
+    let named: Vec<&str> = named
+        .filter(|e| e["ph"] != "C")
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    let lens = |names: &[&str]| names.iter().map(|n| n.len()).collect::<Vec<_>>();
+    assert!(named == [short.as_str(); 3], "lengths {:?}", lens(&named));
+    let table = chrome["otherData"]["strings"]["0"].as_str().unwrap();
+    assert!(table == short, "{} bytes", table.len());
+    let pickle = std::fs::read(&pickle).unwrap();
+    let has = |b: &[u8], s: &str| b.windows(s.len()).any(|w| w == s.as_bytes());
+    assert!(has(&pickle, &short) && !has(&pickle, "TAIL"));
+    for table in ["events", "phases"] {
+        let names = parquet_names(&dir.path().join(format!("p.{table}.parquet")));
+        assert!(names.contains(&short), "{table}");
+        assert!(names.iter().all(|n| n.len() <= short.len()), "{table}");
+    }
+}
+
+/// The non-null values of a Parquet file's `name` column.
+fn parquet_names(path: &std::path::Path) -> Vec<String> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::record::Field;
+    let r = SerializedFileReader::new(std::fs::File::open(path).unwrap()).unwrap();
+    let rows = r.get_row_iter(None).unwrap().map(|row| row.unwrap());
+    let names = rows.flat_map(|row| {
+        let name = row.get_column_iter().find(|(k, _)| k.as_str() == "name");
+        match name.map(|(_, v)| v) {
+            Some(Field::Str(s)) => Some(s.clone()),
+            _ => None,
+        }
+    });
+    names.collect()
+}

@@ -176,7 +176,7 @@ pub fn run(
         input::reader_warnings(path, &reader);
         dropped = reader.dropped().values().sum();
         input::warn_dropped(path, dropped);
-        strings = reader.strings().to_vec();
+        strings = input::shortened_names(reader.strings());
         warn_other_device(path, capacity, &r);
         results.push(r);
     }
