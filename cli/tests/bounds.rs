@@ -2,6 +2,8 @@
 //! per device: a crafted trace that spreads its events over many devices
 //! (up to 1024) cannot multiply the memory a command takes. The bounds are
 //! tested small in `analyses::state`; here one is reached end to end.
+//! So are the bounds on what is read or written of one item of an input:
+//! a name, a line of an RMM log.
 
 mod common;
 
@@ -133,4 +135,64 @@ fn parquet_names(path: &std::path::Path) -> Vec<String> {
         }
     });
     names.collect()
+}
+
+/// An RMM log whose third line is 70,000 bytes (spaces after its last
+/// field): refused with the line's number and the limit, not read whole.
+#[test]
+fn an_rmm_line_above_64_kib_is_refused_with_its_number() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("log.csv");
+    let rows = [
+        "Thread,Time,Action,Pointer,Size,Stream,Device",
+        "7,10:00:00.000000,allocate,0x7f0000000000,512,0x0,0",
+        "7,10:00:00.000001,free,0x7f0000000000,512,0x0,0",
+    ];
+    std::fs::write(&csv, format!("{}{}\n", rows.join("\n"), " ".repeat(70_000))).unwrap();
+    let out = dir.path().join("log.gtrace");
+    let err = common::fails(&["import", "--from", "rmm", s(&csv), "-o", s(&out)]);
+    assert!(
+        err.contains("log.csv: line 3: longer than 65536 bytes, the limit of a line"),
+        "{err}"
+    );
+}
+
+/// An RMM log on a pipe whose second line never ends (64 MiB without a
+/// newline): the import stops reading at the limit of a line and says so,
+/// instead of copying it all and reading it into memory.
+#[test]
+fn an_rmm_log_on_a_pipe_is_read_no_further_than_the_limit_of_a_line() {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    const TOTAL: usize = 64 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("piped.gtrace");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+        .args(["import", "--from", "rmm", "/dev/stdin", "-o", s(&out)])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run gpualloc");
+    let mut stdin = child.stdin.take().unwrap();
+    let feeder = std::thread::spawn(move || {
+        let head = b"Thread,Time,Action,Pointer,Size\n";
+        stdin.write_all(head).unwrap();
+        let (chunk, mut sent) = (vec![b'x'; 1 << 20], head.len());
+        while sent < TOTAL {
+            match stdin.write(&chunk) {
+                Ok(n) => sent += n,
+                Err(_) => break, // the command stopped reading
+            }
+        }
+        sent
+    });
+    let done = child.wait_with_output().unwrap();
+    let sent = feeder.join().unwrap();
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert_eq!(done.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("/dev/stdin: line 2: longer than 65536 bytes"),
+        "{err}"
+    );
+    assert!(sent < TOTAL, "all {sent} bytes were read");
 }

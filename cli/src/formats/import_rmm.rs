@@ -11,23 +11,26 @@
 //! because a trace's export of several devices goes back in time between
 //! them: a trace stores each device's events in blocks of its own. OS
 //! thread ids become small integers in order of appearance; the header
-//! counts the devices the Device column names.
+//! counts the devices the Device column names. A line above 64 KiB
+//! ([`MAX_LINE`](crate::formats::lines::MAX_LINE)) is refused with its
+//! number, having read no more of it.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter};
+use std::io::{BufReader, BufWriter, Write};
 use std::path::Path;
 
 use gpualloc::trace::{EventKind, MAX_DEVICES, TraceEvent, TraceHeader, TraceWriter};
 use rustc_hash::FxHashMap;
 
+use crate::formats::lines::Lines;
 use crate::input::{self, CliError};
 
 /// Converts `path` into `out`; returns the number of events written.
 ///
 /// A log with a Device column is read twice (the header, written first,
 /// counts the devices). A pipe can be read only once, so one is first
-/// copied to a file beside `out`, removed when done; messages still name
-/// `path`.
+/// copied to a file beside `out`, removed when done, line by line so that
+/// a line above the limit stops the copy; messages still name `path`.
 pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
     if std::fs::metadata(path).is_ok_and(|m| m.is_file() || m.is_dir()) {
         return import_named(path, path, out);
@@ -38,40 +41,55 @@ pub fn import(path: &Path, out: &Path) -> Result<u64, CliError> {
         .unwrap_or_default();
     name.push(".input");
     let spool = out.with_file_name(name);
-    let copied = File::open(path)
-        .map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))
-        .and_then(|mut r| {
-            let mut w = File::create(&spool).map_err(|e| {
-                CliError(format!(
-                    "{}: cannot write a copy of {}: {e}",
-                    spool.display(),
-                    path.display()
-                ))
-            })?;
-            std::io::copy(&mut r, &mut w)
-                .map_err(|e| CliError(format!("{}: cannot copy: {e}", path.display())))
-        });
-    let done = copied.and_then(|_| import_named(&spool, path, out));
+    let done = copy_lines(path, &spool).and_then(|()| import_named(&spool, path, out));
     let _ = std::fs::remove_file(&spool);
     done
 }
 
-/// [`import`] of the file `file`, whose messages name `path`.
-fn import_named(file: &Path, path: &Path, out: &Path) -> Result<u64, CliError> {
+/// Copies the lines of `path` to `spool`, each ended by `\n`.
+fn copy_lines(path: &Path, spool: &Path) -> Result<(), CliError> {
+    let r =
+        File::open(path).map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
+    let werr = |e: std::io::Error| {
+        CliError(format!(
+            "{}: cannot write a copy of {}: {e}",
+            spool.display(),
+            path.display()
+        ))
+    };
+    let mut w = BufWriter::new(File::create(spool).map_err(werr)?);
+    let mut lines = Lines::new(BufReader::new(r));
+    while let Some(line) = lines.next_bytes() {
+        let (_, line) = line.map_err(|e| CliError(format!("{}: {e}", path.display())))?;
+        w.write_all(line)
+            .and_then(|()| w.write_all(b"\n"))
+            .map_err(werr)?;
+    }
+    w.flush().map_err(werr)
+}
+
+/// The lines of `file`, whose messages name `path`.
+fn lines_of(file: &Path, path: &Path) -> Result<Lines<BufReader<File>>, CliError> {
     let f =
         File::open(file).map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
-    let mut lines = BufReader::new(f).lines();
-    let head = lines
-        .next()
+    Ok(Lines::new(BufReader::new(f)))
+}
+
+/// [`import`] of the file `file`, whose messages name `path`.
+fn import_named(file: &Path, path: &Path, out: &Path) -> Result<u64, CliError> {
+    let named = |e: String| CliError(format!("{}: {e}", path.display()));
+    let mut lines = lines_of(file, path)?;
+    let (_, head) = lines
+        .next_str()
         .ok_or_else(|| {
             CliError(format!(
                 "{}: empty file: expected the header Thread,Time,Action,Pointer,Size,Stream",
                 path.display()
             ))
         })?
-        .map_err(|e| CliError(format!("{}: {e}", path.display())))?;
+        .map_err(named)?;
     // Tools that write UTF-8 with a byte order mark put it before `Thread`.
-    let head = head.strip_prefix('\u{feff}').unwrap_or(&head);
+    let head = head.strip_prefix('\u{feff}').unwrap_or(head).to_string();
     let cols: Vec<&str> = head.split(',').map(str::trim).collect();
     let col = |name: &str| cols.iter().position(|c| c.eq_ignore_ascii_case(name));
     let need = |name: &str| {
@@ -92,12 +110,17 @@ fn import_named(file: &Path, path: &Path, out: &Path) -> Result<u64, CliError> {
     );
     let (cstream, cdev) = (col("Stream"), col("Device"));
     let werr = |e: std::io::Error| CliError(format!("{}: cannot write: {e}", out.display()));
+    // The rows after the header, read again from the start.
+    let rows = || -> Result<Lines<BufReader<File>>, CliError> {
+        let mut rows = lines_of(file, path)?;
+        rows.next_bytes();
+        Ok(rows)
+    };
     // The first row's time of day starts the trace (the date is unknown),
     // so that an export writes the log's own clock again; a bad first time
     // is reported with its line below.
-    let mut lines = lines.peekable();
-    let first_tod = match lines.peek() {
-        Some(Ok(l)) => l.split(',').nth(ctime).and_then(|t| parse_time(t.trim())),
+    let first_tod = match rows()?.next_str() {
+        Some(Ok((_, l))) => l.split(',').nth(ctime).and_then(|t| parse_time(t.trim())),
         _ => None,
     };
     // The devices the log names, and the earliest first time of a device
@@ -105,10 +128,9 @@ fn import_named(file: &Path, path: &Path, out: &Path) -> Result<u64, CliError> {
     // its line below).
     let (device_count, earliest) = match cdev {
         Some(c) => {
-            let f = File::open(file)
-                .map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
             let mut firsts: FxHashMap<u32, Option<u64>> = FxHashMap::default();
-            for l in BufReader::new(f).lines().skip(1).map_while(Result::ok) {
+            let mut rows = rows()?;
+            while let Some(Ok((_, l))) = rows.next_str() {
                 let cells: Vec<&str> = l.split(',').collect();
                 let Some(d) = cells.get(c).and_then(|d| d.trim().parse::<u32>().ok()) else {
                     continue;
@@ -143,9 +165,8 @@ fn import_named(file: &Path, path: &Path, out: &Path) -> Result<u64, CliError> {
     let mut first_us = earliest;
     // Per device: the day, and the time of its previous row.
     let mut clocks: FxHashMap<u32, (u64, u64)> = FxHashMap::default();
-    for (n, line) in lines.enumerate() {
-        let lineno = n + 2;
-        let line = line.map_err(|e| CliError(format!("{}: line {lineno}: {e}", path.display())))?;
+    while let Some(line) = lines.next_str() {
+        let (lineno, line) = line.map_err(named)?;
         if line.trim().is_empty() {
             continue;
         }

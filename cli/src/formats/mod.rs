@@ -9,6 +9,7 @@ pub(crate) mod export_parquet;
 pub(crate) mod export_torch;
 pub(crate) mod import_rmm;
 pub(crate) mod import_torch;
+pub(crate) mod lines;
 pub(crate) mod parquet_ranges;
 pub(crate) mod parquet_table;
 pub(crate) mod pickle;
