@@ -5,13 +5,15 @@ use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::fmt;
 use std::fs::File;
-use std::io::{BufReader, IsTerminal};
+use std::io::{BufRead, BufReader, IsTerminal};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use gpualloc::trace::format::{MAGIC, MAX_NAME_LEN};
 use gpualloc::trace::{TraceEnd, TraceErrorKind, TraceEvent, TraceHeader, TraceReader};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+mod header;
 
 /// Inputs above this size get a progress bar (on a terminal).
 const PROGRESS_MIN_BYTES: u64 = 32 << 20;
@@ -278,17 +280,41 @@ fn output_place(out: &Path) -> Option<(std::path::PathBuf, std::ffi::OsString)> 
     Some((folder.canonicalize().ok()?, name))
 }
 
-/// Opens a trace, explaining what is wrong with a file that is not one.
+/// Opens a trace, explaining what is wrong with a file that is not one,
+/// or with a header field that does not parse.
 pub fn open(path: &Path) -> Result<TraceReader<BufReader<File>>, CliError> {
     let f =
         File::open(path).map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
     refuse_second_read_of_a_stream(path, &f)?;
-    TraceReader::new(BufReader::with_capacity(1 << 20, f)).map_err(|e| {
-        if let TraceErrorKind::NotATrace { found } = &e.kind {
-            return CliError(format!("{}: {}", path.display(), not_a_trace(found)));
-        }
-        CliError(format!("{}: {e}", path.display()))
+    let mut src = BufReader::with_capacity(1 << 20, f);
+    // The header's body as the buffer holds it (a pipe may give less), for
+    // a message on a field the reader finds malformed.
+    let body = src.fill_buf().ok().and_then(header_body);
+    TraceReader::new(src).map_err(|e| {
+        let explained = match &e.kind {
+            TraceErrorKind::NotATrace { found } => Some(not_a_trace(found)),
+            TraceErrorKind::Malformed(_) if e.offset == 14 => {
+                body.and_then(|b| header::explain(&b))
+            }
+            _ => None,
+        };
+        CliError(format!(
+            "{}: {}",
+            path.display(),
+            explained.unwrap_or_else(|| e.to_string())
+        ))
     })
+}
+
+/// The header's body within the first bytes of a trace, `start`; `None`
+/// when `start` does not hold all of it.
+fn header_body(start: &[u8]) -> Option<Vec<u8>> {
+    let len = u32::from_le_bytes(start.get(10..14)?.try_into().ok()?);
+    Some(
+        start
+            .get(14..14usize.saturating_add(len as usize))?
+            .to_vec(),
+    )
 }
 
 /// A pipe or device (`<(cat t.gtrace)`, `/dev/stdin`) can be read once;
