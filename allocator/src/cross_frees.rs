@@ -14,7 +14,7 @@
 //! unmapping]): the compute stream's reads, still queued, would then fault
 //! (`CUDA_ERROR_ILLEGAL_ADDRESS`), or read pages mapped there again.
 //! Approach: the bridge passes the stream current where a block is freed
-//! (`gpualloc_free`'s `stream`). A free made while another stream than the
+//! (`gpualloc_free_on`'s `current`). A free made while another stream than the
 //! block's was current names that stream here, for the rest of the device's
 //! life. While any is named, pages that move for a request order the
 //! request's stream after the work queued so far on each named stream

@@ -29,12 +29,32 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-from typing import Optional, Sequence
+import urllib.parse
+from typing import List, Optional, Sequence
 
 ENV = "GPUALLOC_RUN_CHILDREN"
 SAID_ENV = "GPUALLOC_RUN_SAID"  # _torch.SAID_ENV
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD_DIR = os.path.join(HERE, "_child")
+
+
+def said_value(said: Sequence[str]) -> str:
+    """``SAID_ENV``'s value for the settings ``said`` ("NAME=value" each):
+    each percent-encoded, joined by commas. A launcher that hands the
+    environment on through a shell (``colossalai run`` writes
+    ``export NAME="value"`` and drops any value holding a newline) keeps
+    it as it is: no quote, dollar, backslash or newline is left in it."""
+    return ",".join(urllib.parse.quote(s, safe="") for s in said)
+
+
+def said_settings(value: str) -> List[str]:
+    """The settings a ``SAID_ENV`` value names (``said_value``'s inverse);
+    one per line, as earlier versions wrote it, is read too."""
+    if not value:
+        return []
+    if "\n" in value:
+        return value.split("\n")
+    return [urllib.parse.unquote(s) for s in value.split(",")]
 
 
 def leave_alone() -> None:
@@ -51,7 +71,7 @@ def pass_on(config: Optional[str], trace: Optional[str], bridge: bool, said: Seq
     the Note). Called by ``run`` once it has installed gpualloc here."""
     os.environ[ENV] = "1"
     # What run said of PyTorch's allocator settings, not said again there.
-    os.environ[SAID_ENV] = "\n".join(said)
+    os.environ[SAID_ENV] = said_value(said)
     # Paths as this process reads them: a child may start in another folder.
     for name in ("GPUALLOC_LIBRARY", "GPUALLOC_BUILD_DIR"):
         path = os.environ.get(name, "")

@@ -40,14 +40,16 @@ SAID_ENV = "GPUALLOC_RUN_SAID"
 def _say_setting(name: str) -> bool:
     """Whether to say what ``name``'s value in the environment does: not in
     a child of run that said that very setting. Records it as said."""
+    from ._children import said_settings, said_value
+
     setting = f"{name}={os.environ.get(name, '')}"
-    said = os.environ.get(SAID_ENV, "")
-    if IN_RUN_CHILD and setting in said.split("\n"):
+    said = said_settings(os.environ.get(SAID_ENV, ""))
+    if IN_RUN_CHILD and setting in said:
         return False
     SAID.append(setting)
     if IN_RUN_CHILD:
         # This process's own children (a rank's workers) inherit it said.
-        os.environ[SAID_ENV] = f"{said}\n{setting}" if said else setting
+        os.environ[SAID_ENV] = said_value(said + [setting])
     return True
 _LOCK = threading.Lock()
 _KEEP = []  # objects that must live as long as the process (allocator, libraries)

@@ -1056,7 +1056,7 @@ class InstallTest(unittest.TestCase):
                         subprocess.run([sys.executable, "-c", {child!r}], check=True, cwd="/")
                     # A setting the program gives its child itself is said there.
                     # ... and not again in that child's own children (a rank's workers).
-                    own = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="garbage_collection_threshold:0.6", GRANDCHILD="1")
+                    own = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="garbage_collection_threshold:0.6,max_split_size_mb:64", GRANDCHILD="1")
                     subprocess.run([sys.executable, "-c", {child!r}], check=True, cwd="/", env=own)
                 """,
             )
@@ -1068,7 +1068,11 @@ class InstallTest(unittest.TestCase):
             for built in dirs:
                 self.assertEqual(os.path.realpath(built), os.path.join(os.path.realpath(d), "bridge-cache"))
             self.assertEqual(out.stderr.count("PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:128'"), 1, out.stderr)
-            self.assertEqual(out.stderr.count("PYTORCH_CUDA_ALLOC_CONF='garbage_collection_threshold:0.6'"), 1, out.stderr)
+            self.assertEqual(
+                out.stderr.count("PYTORCH_CUDA_ALLOC_CONF='garbage_collection_threshold:0.6,max_split_size_mb:64'"),
+                1,
+                out.stderr,
+            )
 
     def test_a_child_that_installs_before_importing_torch_does_not_hang(self):
         # The README's first lines in a rank or a spawned worker: install()
@@ -1377,6 +1381,31 @@ class CliReadsAutoMarksTest(unittest.TestCase):
             self.assertEqual(summary.returncode, 0, summary.stderr)
             phases = {p["name"]: p["count"] for p in json.loads(summary.stdout)["devices"][0]["phases"]}
             self.assertEqual(phases, {"backward": 10, "optimizer": 5, "eval": 1, "checkpoint": 1})
+
+
+class SaidSettingsTest(unittest.TestCase):
+    def test_what_run_said_survives_a_launcher_that_passes_the_environment_through_a_shell(self):
+        # colossalai run writes `export NAME="value"` for each variable and
+        # drops values that hold a newline: the list of settings run said
+        # must come through both, whatever the settings hold.
+        from gpualloc._children import said_settings, said_value
+
+        said = [
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,max_split_size_mb:128",
+            'PYTORCH_ALLOC_CONF=a "quoted" $HOME `x` \\ value',
+            "PYTORCH_NO_CUDA_MEMORY_CACHING=",
+            "CUDA_MODULE_LOADING=line\nbreak, comma%2C",
+        ]
+        value = said_value(said)
+        self.assertNotIn("\n", value)
+        out = subprocess.run(
+            ["bash", "-c", f'export SAID="{value}"; printf %s "$SAID"'], capture_output=True, text=True, check=True
+        )
+        self.assertEqual(said_settings(out.stdout), said)
+        self.assertEqual(said_settings(""), [])
+        self.assertEqual(said_settings(said_value([])), [])
+        # As earlier versions wrote it: one per line.
+        self.assertEqual(said_settings("A=1,2\nB=3"), ["A=1,2", "B=3"])
 
 
 class RunTargetsTest(unittest.TestCase):
