@@ -35,6 +35,9 @@ IN_RUN_CHILD = False
 # its children in SAID_ENV.
 SAID: list = []
 SAID_ENV = "GPUALLOC_RUN_SAID"
+# Libraries known to start CUDA when imported, named by install()'s error
+# when CUDA runs already.
+CUDA_AT_IMPORT = ("unsloth", "unsloth_zoo")
 
 
 def _say_setting(name: str) -> bool:
@@ -117,10 +120,13 @@ def install(config: Optional[str], trace: Optional[str], bridge: bool, verbose: 
                 _set_auto_marks(torch, auto_marks)
             return MODE
         if torch.cuda.is_initialized():
+            starters = [m for m in CUDA_AT_IMPORT if m in sys.modules]
+            which = f" ({', '.join(starters)} does so when imported)" if starters else ""
             raise GpuallocError(
                 "gpualloc.install() must run before CUDA is initialized, but torch has already initialized CUDA "
-                "(a torch.cuda call or a CUDA tensor came first, possibly inside an imported library). "
-                "Call gpualloc.install() at the very top of the program, or use `python -m gpualloc run script.py`."
+                f"(a torch.cuda call or a CUDA tensor came first, possibly inside an imported library{which}). "
+                "Call gpualloc.install() at the very top of the program, before importing such libraries, "
+                "or use `python -m gpualloc run script.py`, which installs gpualloc as torch is imported."
             )
         if getattr(getattr(torch, "version", None), "cuda", None) is None:
             raise GpuallocError(f"gpualloc.install(): this torch ({torch.__version__}) was built without CUDA")

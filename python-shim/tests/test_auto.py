@@ -640,6 +640,21 @@ class InstallTest(unittest.TestCase):
             f.write(textwrap.dedent(body))
         return path
 
+    def test_installing_after_cuda_started_names_an_imported_library_known_to_start_it(self):
+        body = (
+            "import sys, types, torch, gpualloc\n"
+            "torch.cuda.is_initialized = lambda: True\n"
+            "{extra}"
+            "try:\n    gpualloc.install(bridge=False)\nexcept gpualloc.GpuallocError as e:\n    print('ERROR', e)\n"
+        )
+        for extra, named in (("", False), ("sys.modules['unsloth'] = types.ModuleType('unsloth')\n", True)):
+            with tempfile.TemporaryDirectory() as d:
+                out = run([self.script(d, body.format(extra=extra))])
+                self.assertEqual(out.returncode, 0, out.stderr)
+                self.assertIn("ERROR gpualloc.install() must run before CUDA is initialized", out.stdout)
+                self.assertIn("python -m gpualloc run", out.stdout)
+                self.assertEqual("unsloth does so when imported" in out.stdout, named, out.stdout)
+
     def test_the_scripts_own_config_under_run_warns_and_goes_on(self):
         with tempfile.TemporaryDirectory() as d:
             s = self.script(d, "import gpualloc, torch\ngpualloc.install(config='max_split_size_mb:128')\nprint('went on')\n")
