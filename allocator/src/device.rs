@@ -36,7 +36,6 @@ use crate::budget::DefragBudget;
 use crate::capture_markers::CaptureMarkers;
 use crate::config::Config;
 use crate::cost::DriverCalls;
-use crate::cross_frees::CrossFrees;
 use crate::drain::Drains;
 use crate::error::{AllocError, GrowError};
 use crate::fence::Fences;
@@ -89,9 +88,6 @@ pub struct DeviceAllocator<B: Backend> {
     pub(crate) shares: Shares,
     /// When freed pages may be unmapped (Note [Event-ordered unmapping]).
     pub(crate) fences: Fences,
-    /// Streams current where blocks of other streams were freed (Note
-    /// [Other streams' work on moved pages]).
-    pub(crate) cross_frees: CrossFrees,
     /// Old addresses of pages that moved before their work was done
     /// (Note [Unmapping behind the work]).
     pub(crate) drains: Drains,
@@ -154,7 +150,6 @@ impl<B: Backend> DeviceAllocator<B> {
             pages: PagePool::default(),
             shares: Shares::default(),
             fences: Fences::default(),
-            cross_frees: CrossFrees::default(),
             drains: Drains::default(),
             stitches: Stitches::default(),
             defrag_budget: DefragBudget::default(),
@@ -900,8 +895,9 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// [`free`](Self::free) made where `current` is the current stream, if
-    /// known: another stream than the block's may still have work on it
-    /// (Note [Other streams' work on moved pages]).
+    /// known: a block freed while another stream than its own is current
+    /// counts as used on that stream (`record_stream`), whose queued work
+    /// may still read it (Note [Frees on another stream]).
     ///
     /// # Errors
     /// As [`free`](Self::free).
@@ -925,15 +921,15 @@ impl<B: Backend> DeviceAllocator<B> {
                 device: self.device,
             });
         }
+        if let Some(current) = current {
+            self.record_stream(ptr, current)?;
+        }
         if self.private.following() {
             self.follow_before_free(id)?;
         }
         let b = &mut self.heap.blocks[id];
         b.state = BlockState::PendingFree;
         let (size, requested, stream, pool) = (b.size, b.requested, b.stream, b.pool);
-        if let Some(current) = current {
-            self.cross_frees.freed(stream, current);
-        }
         let kind = self.heap.pools[pool as usize].kind;
         self.stats.allocation.update(kind, -1);
         self.stats.allocated_bytes.update(kind, -(size as i64));

@@ -579,9 +579,7 @@ impl<B: Backend> DeviceAllocator<B> {
     /// (`(segment, lo, hi)`). Pages whose work is not known to be done are
     /// waited for first, on their stream only, unless they were freed on
     /// `stream`, the request's: those go to the pool at once and leave
-    /// their address later (Note [Unmapping behind the work]). Where other
-    /// streams were current at frees, every old address leaves behind
-    /// their work too (Note [Other streams' work on moved pages]).
+    /// their address later (Note [Unmapping behind the work]).
     fn reclaim(
         &mut self,
         want: u64,
@@ -602,20 +600,18 @@ impl<B: Backend> DeviceAllocator<B> {
             took += end - lo;
             chosen.push((end - lo, lo, seg, stream, freed));
         }
-        // Not while captures are followed through the driver: one may
-        // begin at any moment, and then nothing may wait.
-        let may_defer = self.config.defer_unmap && !self.private.following();
-        let passed = self.behind_other_users(stream, !chosen.is_empty(), may_defer)?;
         let mut later = Vec::with_capacity(chosen.len());
         for &(_, _, _, s, freed) in &chosen {
-            // On the request's stream the new work queues behind the old;
-            // another stream's is waited for.
-            let behind = may_defer && s == stream;
-            let defer = behind && !self.fences.is_idle(s, freed);
-            if !behind || (passed.is_none() && !defer) {
+            // Not while captures are followed through the driver: one may
+            // begin at any moment, and then nothing may wait.
+            let defer = self.config.defer_unmap
+                && !self.private.following()
+                && s == stream
+                && !self.fences.is_idle(s, freed);
+            if !defer {
                 self.fences.wait(&mut self.backend, s, freed)?;
             }
-            later.push(passed.or(defer.then_some((s, freed))));
+            later.push(defer.then_some((s, freed)));
         }
         let mut moved = 0;
         for ((bytes, lo, seg, _, _), later) in chosen.into_iter().zip(later) {
@@ -632,35 +628,6 @@ impl<B: Backend> DeviceAllocator<B> {
         self.stats.num_defragment += u64::from(moved > 0) as i64;
         crate::log::defragmented(self.device, want, moved);
         Ok(moved)
-    }
-
-    /// Where blocks were freed while other streams were current, pages
-    /// moving for a request on `stream` (`moving`) leave their address only
-    /// behind those streams' work (Note [Other streams' work on moved
-    /// pages]): `stream` is ordered after it and the fence it gives is
-    /// returned, or, where nothing `may_defer`, it is waited for. None when
-    /// no such stream is known, or inside a capture (whose streams take no
-    /// events).
-    fn behind_other_users(
-        &mut self,
-        stream: StreamId,
-        moving: bool,
-        may_defer: bool,
-    ) -> Result<Option<(StreamId, u64)>, AllocError> {
-        if !moving || self.private.capturing() || !self.cross_frees.any() {
-            return Ok(None);
-        }
-        if !may_defer {
-            self.cross_frees
-                .wait(&mut self.fences, &mut self.backend, stream)?;
-            return Ok(None);
-        }
-        self.cross_frees.order_after(&mut self.backend, stream)?;
-        let now = self.fences.stamp();
-        // A stream that refuses the event gets the drain finished by a
-        // wait, which synchronizes the device then.
-        let _ = self.fences.cover(&mut self.backend, stream, now);
-        Ok(Some((stream, now)))
     }
 
     /// Unmaps `[lo, hi)`, a run of whole handles inside one free block of

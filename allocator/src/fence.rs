@@ -329,7 +329,7 @@ impl Fences {
 /// context): `CUDA_ERROR_INVALID_CONTEXT`, `CUDA_ERROR_INVALID_HANDLE`,
 /// `CUDA_ERROR_CONTEXT_IS_DESTROYED`. Other errors (out of memory, a
 /// capture's) may pass; those streams are asked again.
-pub(crate) fn names_a_dead_stream(e: &BackendError) -> bool {
+fn names_a_dead_stream(e: &BackendError) -> bool {
     matches!(
         e,
         BackendError::Driver {

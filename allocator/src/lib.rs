@@ -65,7 +65,6 @@ mod checkpoint;
 pub mod clock;
 pub mod config;
 pub mod cost;
-mod cross_frees;
 mod device;
 mod drain;
 pub mod env_vars;

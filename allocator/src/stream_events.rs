@@ -11,6 +11,32 @@
 //! error deferred, are `pending.rs`'s; this file holds the operations that
 //! also touch the blocks and the backend. PyTorch's `insert_events`,
 //! `process_events` and `synchronize_and_free_events`.
+//!
+//! Note [Frees on another stream]
+//! Rationale: PyTorch's rules let a program use a block on a stream other
+//! than its own without `record_stream`, as long as the program orders the
+//! block's reuse itself: ColossalAI's Gemini gathers chunks on a prefetch
+//! stream, reads them on the compute stream and frees them right after
+//! queuing the reads; the prefetch stream waits for the compute stream
+//! before it gathers again. Under PyTorch's allocator that is safe, since
+//! a freed block stays where it is and is reused only on its own stream.
+//! gpualloc also moves free pages (defragmentation, stitching), unmaps them
+//! once the block's own stream is past the free (Note [Event-ordered
+//! unmapping]), and may hand a free block to another stream
+//! (`cross_stream_reuse`): each of these could let the other stream's
+//! queued reads fault (`CUDA_ERROR_ILLEGAL_ADDRESS`) or read pages that now
+//! hold something else. Ordering only the moves was tried first; the
+//! stream-safety properties (`Checked::use_elsewhere`) found the unmaps of
+//! `empty_cache` and the reuse on a third stream unprotected.
+//! Approach: the bridge passes the stream current where a block is freed
+//! (`gpualloc_free_on`). A free made while another stream than the block's
+//! is current counts as `record_stream` on that stream first (traced as
+//! one, so a replay does the same): the block comes back once that
+//! stream's work queued so far is done, and every path that moves, unmaps
+//! or reuses pages sees it as any recorded block. The cost is PyTorch's
+//! for `record_stream`: an event per such free, and the block held until
+//! that work is done. Frees on the block's own stream, and frees where the
+//! current stream is unknown (the routes without the bridge), are as before.
 
 use crate::backend::{Backend, BackendError, DevicePtr, EventId, StreamId};
 use crate::block::{BlockId, BlockState};

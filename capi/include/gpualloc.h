@@ -505,9 +505,9 @@ void gpualloc_free(void *ptr, size_t size, int device, cudaStream_t stream);
 // `gpualloc_free` of `ptr`, made where `current` is the current stream of
 // `device` (which must be the device that allocated `ptr`, or negative:
 // then `current` is not used). Work queued on a stream other than the
-// block's may still use it: its pages then leave their address only
-// behind that stream's work (Note [Other streams' work on moved pages]
-// in the core). What the torch bridge calls from its deleters.
+// block's may still use it: the free then counts as `record_stream` on
+// that stream first (Note [Frees on another stream] in the core). What
+// the torch bridge calls from its deleters.
 void gpualloc_free_on(void *ptr, int device, cudaStream_t current);
 
 // `gpualloc_free` of `ptr` that finds its device and writes the block size

@@ -370,9 +370,9 @@ pub extern "C" fn gpualloc_free(
 /// `gpualloc_free` of `ptr`, made where `current` is the current stream of
 /// `device` (which must be the device that allocated `ptr`, or negative:
 /// then `current` is not used). Work queued on a stream other than the
-/// block's may still use it: its pages then leave their address only
-/// behind that stream's work (Note [Other streams' work on moved pages]
-/// in the core). What the torch bridge calls from its deleters.
+/// block's may still use it: the free then counts as `record_stream` on
+/// that stream first (Note [Frees on another stream] in the core). What
+/// the torch bridge calls from its deleters.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_free_on(ptr: *mut c_void, device: c_int, current: cudaStream_t) {
     free_from(

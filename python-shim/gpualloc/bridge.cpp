@@ -387,8 +387,8 @@ void delete_fn(void* ptr) {
   }
   if (!freed) {
     // With the stream current here: work queued on it may still read the
-    // block, if it is another than the block's (Note [Other streams' work
-    // on moved pages] in the core). Known for the one device only.
+    // block, if it is another than the block's (Note [Frees on another
+    // stream] in the core). Known for the one device only.
     cudaStream_t current = nullptr;
     bool known = false;
     if (device >= 0 && !forked_after_cuda.load(std::memory_order_relaxed)) {

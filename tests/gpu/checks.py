@@ -489,7 +489,7 @@ def check_streams(args) -> dict:
     # block (a new live high) on the reading stream or on the block's own.
     # PyTorch never unmaps it; under gpualloc its pages move to the request
     # (defragmentation), and the old address must stay mapped until the
-    # queued read is done (Note [Other streams' work on moved pages]): an
+    # queued read is done (Note [Frees on another stream]): an
     # early unmap faults the read (the process dies) or changes its sum.
     n_big = 256 * MiB // 4
     sums, wrong_fill = [], 0

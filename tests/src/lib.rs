@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, BTreeSet};
 pub mod foreign;
 use foreign::Foreign;
 
+use gpualloc::backend::Backend;
 use gpualloc::backend::sim::SIM_FD_BASE;
 use gpualloc::{
     AllocError, BlockState, CheckpointBlock, Config, DeviceAllocator, DevicePtr, PoolKey,
@@ -61,6 +62,10 @@ pub struct Live {
     pub recorded: BTreeSet<StreamId>,
     /// Per stream, the sequence number of the last work that used it.
     pub users: BTreeMap<StreamId, u64>,
+    /// A stream that used it without `record_stream` ([`Checked::use_elsewhere`]):
+    /// the program frees it while that stream is current, having ordered
+    /// the allocation stream after it (Note [Frees on another stream]).
+    pub elsewhere: Option<StreamId>,
     /// Small or large pool.
     pub kind: PoolKind,
 }
@@ -106,6 +111,10 @@ pub struct Checked {
     /// work item of `later` runs after `earlier`'s items up to `seq`.
     clock: BTreeMap<(StreamId, StreamId), u64>,
     open_scopes: Vec<PoolKey>,
+    /// `(own stream, other stream)` of blocks freed from another stream
+    /// ([`use_elsewhere`](Self::use_elsewhere)) before the program ordered
+    /// their own stream after the other's work ([`pay_owed`](Self::pay_owed)).
+    owed: Vec<(StreamId, StreamId)>,
     byte_limit: Option<u64>,
     fraction: Option<f64>,
     /// Other allocators serving private pools: their bytes are reserved
@@ -129,6 +138,7 @@ impl Checked {
             waits: BTreeMap::new(),
             clock: BTreeMap::new(),
             open_scopes: Vec::new(),
+            owed: Vec::new(),
             byte_limit,
             fraction,
             foreign: Vec::new(),
@@ -318,6 +328,7 @@ impl Checked {
     /// [`DeviceAllocator::malloc_cached`]: a hit is registered and checked
     /// as an allocation; a miss must leave the device as it was.
     pub fn malloc_cached(&mut self, size: u64, stream: StreamId) -> Option<DevicePtr> {
+        self.pay_owed(stream);
         self.streams.insert(stream);
         let before = format!(
             "{:?}",
@@ -346,6 +357,7 @@ impl Checked {
 
     /// Allocates; on success registers and checks the new allocation.
     pub fn malloc(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
+        self.pay_owed(stream);
         self.streams.insert(stream);
         let ooms = self.stats().num_ooms;
         let r = self.op(|d| d.malloc(size, stream));
@@ -385,6 +397,7 @@ impl Checked {
     /// Allocates; any error is tolerated (fault injection), but the
     /// checks run as after every operation.
     pub fn try_malloc(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
+        self.pay_owed(stream);
         self.streams.insert(stream);
         let r = self.op(|d| d.malloc(size, stream));
         if let Ok(p) = &r
@@ -502,6 +515,7 @@ impl Checked {
                 stream,
                 recorded: BTreeSet::new(),
                 users: BTreeMap::new(),
+                elsewhere: None,
                 kind,
             },
         );
@@ -522,7 +536,20 @@ impl Checked {
     /// took the block anyway (an event record failed after the block was
     /// queued behind its streams' work) forgets it too.
     pub fn free(&mut self, p: DevicePtr) -> Result<(), AllocError> {
-        let r = self.op(|d| d.free(p));
+        let elsewhere = self
+            .live
+            .get(&p)
+            .and_then(|l| l.elsewhere.map(|t| (l.stream, t)));
+        let r = match elsewhere {
+            Some((own, current)) => {
+                // The program's part, as PyTorch's rules ask: its next
+                // allocation on the block's own stream comes after the
+                // other stream's work (`pay_owed`), not before.
+                self.owed.push((own, current));
+                self.op(|d| d.free_from(p, Some(current)))
+            }
+            None => self.op(|d| d.free(p)),
+        };
         if r.is_ok() || self.dev.allocation_size(p).is_none() {
             self.forget(p);
         }
@@ -623,6 +650,47 @@ impl Checked {
         let l = self.live.get_mut(&p).expect("live");
         l.users.insert(stream, seq);
         seq
+    }
+
+    /// Launches work that uses allocation `p` on `stream`, another than its
+    /// own and not recorded with `record_stream` (ColossalAI's Gemini reads
+    /// chunks so); [`free`](Self::free) then frees it from that stream.
+    /// Returns the sequence number, or `None` where the block already has
+    /// such a stream (one per block here) or `stream` is its own or recorded.
+    pub fn use_elsewhere(&mut self, p: DevicePtr, stream: StreamId) -> Option<u64> {
+        let l = self.live.get(&p).expect("use of a live allocation");
+        if l.stream == stream
+            || l.recorded.contains(&stream)
+            || l.elsewhere.is_some_and(|t| t != stream)
+        {
+            return None;
+        }
+        let seq = self.launch(stream);
+        let l = self.live.get_mut(&p).expect("live");
+        l.users.insert(stream, seq);
+        l.elsewhere = Some(stream);
+        Some(seq)
+    }
+
+    /// The program's side of [`use_elsewhere`](Self::use_elsewhere): before
+    /// it allocates on a stream whose blocks it freed from another, it
+    /// orders that stream after the other's work (Gemini's prefetch stream
+    /// waits for the compute stream before it gathers again).
+    fn pay_owed(&mut self, stream: StreamId) {
+        let (due, kept) = std::mem::take(&mut self.owed)
+            .into_iter()
+            .partition(|&(own, _)| own == stream);
+        self.owed = kept;
+        let due: Vec<(StreamId, StreamId)> = due;
+        for (own, current) in due {
+            let sim = self.sim_mut();
+            let e = sim
+                .record_event(current)
+                .expect("event on the other stream");
+            sim.stream_wait_event(own, e).expect("wait");
+            sim.destroy_event(e);
+            self.update_clock();
+        }
     }
 
     /// Launches unrelated work on a stream.

@@ -537,13 +537,9 @@ impl Backend for SimBackend {
     fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
         self.fault(SimCall::StreamWaitEvent)?;
         let (from, seq) = self.event(event);
-        let w = self
-            .streams
-            .entry(stream)
-            .or_default()
-            .waits
-            .entry(from)
-            .or_insert(0);
+        let s = self.streams.entry(stream).or_default();
+        s.wait_log.push((s.submitted, from, seq));
+        let w = s.waits.entry(from).or_insert(0);
         *w = (*w).max(seq);
         self.counters.stream_wait_event += 1;
         self.driver.add(DriverCall::StreamWait, 0, 0, 0);

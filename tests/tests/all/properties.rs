@@ -18,6 +18,9 @@ enum Op {
     RecordStream(usize, usize),
     /// Launch work on the allocation's stream or one of its recorded streams.
     Use(usize, usize),
+    /// Launch work on another stream without `record_stream`; the block is
+    /// then freed from that stream (`Checked::use_elsewhere`).
+    UseElsewhere(usize, usize),
     Complete(usize),
     EmptyCache,
     Limit(Option<u64>),
@@ -67,6 +70,7 @@ fn op() -> impl Strategy<Value = Op> {
         7 => any::<prop::sample::Index>().prop_map(|i| Op::Free(i.index(usize::MAX))),
         2 => (any::<prop::sample::Index>(), s.clone()).prop_map(|(i, st)| Op::RecordStream(i.index(usize::MAX), st)),
         4 => (any::<prop::sample::Index>(), 0usize..4).prop_map(|(i, k)| Op::Use(i.index(usize::MAX), k)),
+        1 => (any::<prop::sample::Index>(), s.clone()).prop_map(|(i, st)| Op::UseElsewhere(i.index(usize::MAX), st)),
         3 => s.clone().prop_map(Op::Complete),
         1 => Just(Op::EmptyCache),
         1 => prop_oneof![Just(None), (100u64..400).prop_map(|m| Some(m * MIB))].prop_map(Op::Limit),
@@ -92,6 +96,7 @@ fn fragmenting_op() -> impl Strategy<Value = Op> {
         7 => any::<prop::sample::Index>().prop_map(|i| Op::Free(i.index(usize::MAX))),
         2 => (any::<prop::sample::Index>(), s.clone()).prop_map(|(i, st)| Op::RecordStream(i.index(usize::MAX), st)),
         1 => (any::<prop::sample::Index>(), 0usize..4).prop_map(|(i, k)| Op::Use(i.index(usize::MAX), k)),
+        1 => (any::<prop::sample::Index>(), s.clone()).prop_map(|(i, st)| Op::UseElsewhere(i.index(usize::MAX), st)),
         6 => s.clone().prop_map(Op::Complete),
         1 => (s, any::<bool>()).prop_map(|(stream, all_streams)| Op::BeginCapture { stream, all_streams }),
         // Captures short: they take what they allocate from private pools.
@@ -136,6 +141,11 @@ fn run(config: &str, capacity: u64, ops: Vec<Op>) -> (i64, i64, u64) {
             Op::Use(i, k) => {
                 if let Some(p) = pick(i) {
                     c.use_on_kth(p, k);
+                }
+            }
+            Op::UseElsewhere(i, s) => {
+                if let Some(p) = pick(i) {
+                    c.use_elsewhere(p, STREAMS[s]);
                 }
             }
             Op::Complete(s) => c.complete(STREAMS[s]),

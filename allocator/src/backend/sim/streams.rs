@@ -21,6 +21,10 @@ pub(super) struct SimStream {
     pub(super) settled: u64,
     /// For each other stream: the sequence number this stream's future work waits for.
     pub(super) waits: FxHashMap<StreamId, u64>,
+    /// Each wait as made: `(submitted here then, other stream, its sequence
+    /// number)`. Work here after the first cannot finish before the other
+    /// stream's work up to the last (what [`SimBackend::complete`] follows).
+    pub(super) wait_log: Vec<(u64, StreamId, u64)>,
 }
 
 impl SimStream {
@@ -28,6 +32,7 @@ impl SimStream {
     pub(super) fn finish(&mut self) {
         self.completed = self.submitted;
         self.settled = self.submitted;
+        self.wait_log.clear();
     }
 }
 
@@ -81,9 +86,36 @@ impl SimBackend {
         s.submitted
     }
 
-    /// Completes everything submitted on `stream` so far.
+    /// Completes everything submitted on `stream` so far, and first the
+    /// work on other streams that it waits for (`stream_wait_event`,
+    /// transitively), as the GPU would: a stream cannot pass a wait before
+    /// the work waited for is done.
     pub fn complete(&mut self, stream: StreamId) {
-        self.streams.entry(stream).or_default().finish();
+        let upto = self.streams.entry(stream).or_default().submitted;
+        self.complete_through(stream, upto);
+    }
+
+    /// Completes `stream` up to `upto` and the work it waits for there.
+    fn complete_through(&mut self, stream: StreamId, upto: u64) {
+        let mut todo = vec![(stream, upto)];
+        // Each push raises a stream's `settled`: this ends, cycles included.
+        while let Some((at, upto)) = todo.pop() {
+            let s = self.streams.entry(at).or_default();
+            s.completed = s.completed.max(upto);
+            s.settled = s.settled.max(upto);
+            let waited: Vec<(StreamId, u64)> = s
+                .wait_log
+                .iter()
+                .filter(|w| w.0 < upto)
+                .map(|w| (w.1, w.2))
+                .collect();
+            s.wait_log.retain(|w| w.0 >= upto);
+            for (other, seq) in waited {
+                if self.streams.entry(other).or_default().settled < seq {
+                    todo.push((other, seq));
+                }
+            }
+        }
     }
 
     /// Completes `event` as a wait for it would (the stream up to it, or
@@ -92,13 +124,16 @@ impl SimBackend {
     /// does this where the recording found an event done by polling it.
     pub fn complete_event(&mut self, event: EventId) {
         let (stream, seq) = self.event(event);
-        let s = self
-            .streams
-            .get_mut(&stream)
-            .expect("stream of a recorded event");
-        s.completed = s.completed.max(seq);
         if let Some(waited) = &mut self.waited {
+            // A replay's: the event alone, its stream's waits not followed.
+            let s = self
+                .streams
+                .get_mut(&stream)
+                .expect("stream of a recorded event");
+            s.completed = s.completed.max(seq);
             waited.insert(event);
+        } else {
+            self.complete_through(stream, seq);
         }
     }
 

@@ -143,7 +143,46 @@ fn another_devices_default_stream_is_not_this_ones(policy: &str) {
     assert_eq!(c.alloc(4 * MIB, 0), p);
 }
 
+/// Note [Frees on another stream]: a block read on another stream without
+/// `record_stream` and freed while that stream is current (ColossalAI's
+/// Gemini) waits for that stream's work as a recorded block does; freed
+/// on its own stream, it is reused at once.
+fn a_block_freed_while_another_stream_is_current_waits_for_its_work(policy: &str) {
+    let mut c = Checked::with(1 << 30, policy);
+    let p = c.alloc(4 * MIB, ALLOC);
+    c.use_elsewhere(p, SIDE).expect("a stream of its own");
+    c.release(p); // from SIDE, as `use_elsewhere` asks
+    assert_eq!(
+        c.sim().counters.record_event,
+        1,
+        "one event, on the current stream"
+    );
+    assert_eq!(
+        c.snapshot()[0].blocks[0].state,
+        gpualloc::BlockState::PendingFree
+    );
+    assert_ne!(c.alloc(4 * MIB, SIDE), p, "its read is queued: not reused");
+    c.complete(SIDE);
+    assert_eq!(c.alloc(4 * MIB, ALLOC), p, "the read done: reused");
+    assert_eq!(c.sim().live_events(), 0);
+
+    let q = c.alloc(4 * MIB, ALLOC);
+    let events = c.sim().counters.record_event;
+    c.dev
+        .free_from(q, Some(ALLOC))
+        .expect("free on its own stream");
+    c.live.remove(&q);
+    assert_eq!(
+        c.sim().counters.record_event,
+        events,
+        "no event on its own stream"
+    );
+    assert_eq!(c.alloc(4 * MIB, ALLOC), q, "reused at once");
+    c.check();
+}
+
 under_both_policies!(
+    a_block_freed_while_another_stream_is_current_waits_for_its_work,
     another_devices_default_stream_is_not_this_ones,
     block_waits_for_the_other_streams_event,
     each_streams_queue_is_polled_up_to_its_first_pending_event,
