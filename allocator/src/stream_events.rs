@@ -37,6 +37,12 @@
 //! for `record_stream`: an event per such free, and the block held until
 //! that work is done. Frees on the block's own stream, and frees where the
 //! current stream is unknown (the routes without the bridge), are as before.
+//! A program that orders the block's stream after the other *before* the
+//! free (FSDP2 holds its all-gather output until the all-gather stream has
+//! waited for the copy-out) was safe without this and now pays the hold
+//! too: up to what the host runs ahead of that stream. Keeping same-stream
+//! reuse immediate, with only moves, unmaps and reuse on other streams
+//! behind an event on the current stream, would spare it; not built.
 
 use crate::backend::{Backend, BackendError, DevicePtr, EventId, StreamId};
 use crate::block::{BlockId, BlockState};
