@@ -921,7 +921,13 @@ impl<B: Backend> DeviceAllocator<B> {
                 device: self.device,
             });
         }
-        if let Some(current) = current {
+        // Not in private pools (the pool of plain requests is none): their
+        // memory never moves and stays theirs (Note [Private pools]), and
+        // cudagraph trees free a graph's outputs on the default stream,
+        // then restore checkpoints that refuse blocks still pending.
+        if let Some(current) = current
+            && self.private.index_of(self.heap.blocks[id].pool).is_none()
+        {
             self.record_stream(ptr, current)?;
         }
         if self.private.following() {

@@ -35,8 +35,12 @@
 //! stream's work queued so far is done, and every path that moves, unmaps
 //! or reuses pages sees it as any recorded block. The cost is PyTorch's
 //! for `record_stream`: an event per such free, and the block held until
-//! that work is done. Frees on the block's own stream, and frees where the
-//! current stream is unknown (the routes without the bridge), are as before.
+//! that work is done. Frees on the block's own stream, frees of blocks of
+//! private pools (whose pages never move, and whose blocks cudagraph trees
+//! free on the default stream before restoring a checkpoint that refuses
+//! pending ones), and frees where the current stream is unknown (the routes
+//! without the bridge, frees reported to the profiler, frees deferred
+//! while a pool's other allocator calls back) are as before.
 //! A program that orders the block's stream after the other *before* the
 //! free (FSDP2 holds its all-gather output until the all-gather stream has
 //! waited for the copy-out) was safe without this and now pays the hold

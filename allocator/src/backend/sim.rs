@@ -537,8 +537,12 @@ impl Backend for SimBackend {
     fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<(), BackendError> {
         self.fault(SimCall::StreamWaitEvent)?;
         let (from, seq) = self.event(event);
+        let replaying = self.waited.is_some();
         let s = self.streams.entry(stream).or_default();
-        s.wait_log.push((s.submitted, from, seq));
+        if !replaying {
+            // A replay's completions never follow waits (`complete_event`).
+            s.wait_log.push((s.submitted, from, seq));
+        }
         let w = s.waits.entry(from).or_insert(0);
         *w = (*w).max(seq);
         self.counters.stream_wait_event += 1;

@@ -320,7 +320,28 @@ fn invalid_checkpoints_change_nothing(policy: &str) {
     assert_eq!((d.freed, d.allocated), (vec![p], vec![]));
 }
 
+/// cudagraph trees free a graph's outputs (made on the tree's stream) on
+/// the default stream, then restore a checkpoint, which refuses blocks
+/// still pending: such frees are not held as frees from another stream
+/// are in the default pools (Note [Frees on another stream]).
+fn outputs_freed_on_the_default_stream_leave_the_pool_restorable(policy: &str) {
+    let mut c = Checked::with(1 << 30, policy);
+    c.create_or_incref_pool(G);
+    let ps = captured(&mut c, &[4 * MIB, 8 * MIB]);
+    let ck = c.dev.pool_checkpoint(G).unwrap();
+    let events = c.sim().counters.record_event;
+    c.dev
+        .free_from(ps[0], Some(0))
+        .expect("free on the default stream");
+    c.live.remove(&ps[0]);
+    assert_eq!(c.sim().counters.record_event, events, "not held");
+    c.complete_all();
+    c.restore_pool(G, &ck).expect("restorable");
+    assert_eq!(c.dev.pool_checkpoint(G).unwrap(), ck);
+}
+
 under_both_policies!(
+    outputs_freed_on_the_default_stream_leave_the_pool_restorable,
     holds_are_counted_and_a_released_pool_empties_on_request,
     live_allocations_are_the_pools_allocated_blocks,
     a_checkpoint_lists_the_pools_blocks_as_the_snapshot_does,
