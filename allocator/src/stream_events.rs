@@ -39,8 +39,8 @@
 //! private pools (whose pages never move, and whose blocks cudagraph trees
 //! free on the default stream before restoring a checkpoint that refuses
 //! pending ones), and frees where the current stream is unknown (the routes
-//! without the bridge, frees reported to the profiler, frees deferred
-//! while a pool's other allocator calls back) are as before.
+//! without the bridge, frees deferred while a pool's other allocator
+//! calls back) are as before.
 //! A program that orders the block's stream after the other *before* the
 //! free (FSDP2 holds its all-gather output until the all-gather stream has
 //! waited for the copy-out) was safe without this and now pays the hold

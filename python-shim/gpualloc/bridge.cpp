@@ -369,11 +369,32 @@ void delete_fn(void* ptr) {
     }
   } after_free{ptr, seq};
   observe("the CUDA sanitizer", [&] { sanitizer_free(ptr); });
+  // The stream current here: work queued on it may still read the block,
+  // if it is another than the block's (Note [Frees on another stream] in
+  // the core). Known for the one device only.
+  cudaStream_t current = nullptr;
+  bool known = false;
+  if (device >= 0 && !forked_after_cuda.load(std::memory_order_relaxed)) {
+    observe("the current stream", [&] {
+      current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+      known = true;
+    });
+  }
   bool freed = false;
   if (c10::memoryProfilingEnabled() && in_parent()) {
     uint64_t size = 0;
     int owner = -1;
-    int rc = api.free_sized(ptr, &size, &owner);  // a C function: never throws
+    int rc = GPUALLOC_OK;
+    // The size first, then the free with its stream; anything else (not
+    // gpualloc's, a free while a pool's allocator calls back) as before.
+    // C functions: they never throw.
+    if (known && api.allocation_size(ptr, &size) == GPUALLOC_OK) {
+      owner = device;
+      api.free_on(ptr, device, current);
+    } else {
+      api.clear_error();
+      rc = api.free_sized(ptr, &size, &owner);
+    }
     // Not gpualloc's (INVALID_POINTER): the plain free below reports it.
     freed = rc != GPUALLOC_ERR_INVALID_POINTER;
     if (rc == GPUALLOC_OK) {
@@ -386,17 +407,6 @@ void delete_fn(void* ptr) {
     }
   }
   if (!freed) {
-    // With the stream current here: work queued on it may still read the
-    // block, if it is another than the block's (Note [Frees on another
-    // stream] in the core). Known for the one device only.
-    cudaStream_t current = nullptr;
-    bool known = false;
-    if (device >= 0 && !forked_after_cuda.load(std::memory_order_relaxed)) {
-      observe("the current stream", [&] {
-        current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-        known = true;
-      });
-    }
     if (known) {
       api.free_on(ptr, device, current);  // never throws: runs in deleters
     } else {
