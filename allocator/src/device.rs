@@ -926,9 +926,10 @@ impl<B: Backend> DeviceAllocator<B> {
         // cudagraph trees free a graph's outputs on the default stream,
         // then restore checkpoints that refuse blocks still pending.
         if let Some(current) = current
+            && current != self.heap.blocks[id].stream
             && self.private.index_of(self.heap.blocks[id].pool).is_none()
         {
-            self.record_stream(ptr, current)?;
+            self.add_stream_use(id, ptr, current);
         }
         if self.private.following() {
             self.follow_before_free(id)?;

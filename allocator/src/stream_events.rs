@@ -160,13 +160,19 @@ impl<B: Backend> DeviceAllocator<B> {
         if b.state != BlockState::Allocated || b.stream == stream {
             return Ok(());
         }
+        self.add_stream_use(id, ptr, stream);
+        Ok(())
+    }
+
+    /// [`record_stream`](Self::record_stream) of allocated block `id` (at
+    /// `ptr`) on `stream`, another than its own.
+    pub(crate) fn add_stream_use(&mut self, id: BlockId, ptr: DevicePtr, stream: StreamId) {
         self.note_stream_use(id, stream);
         let b = &mut self.heap.blocks[id];
         if !b.stream_uses.contains(&stream) {
             b.stream_uses.push(stream);
             self.record(Action::RecordStream, stream, ptr, 0, 0);
         }
-        Ok(())
     }
 
     /// [`record_stream`](Self::record_stream) with a stream of device

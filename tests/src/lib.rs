@@ -677,11 +677,10 @@ impl Checked {
     /// orders that stream after the other's work (Gemini's prefetch stream
     /// waits for the compute stream before it gathers again).
     fn pay_owed(&mut self, stream: StreamId) {
-        let (due, kept) = std::mem::take(&mut self.owed)
+        let (due, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.owed)
             .into_iter()
             .partition(|&(own, _)| own == stream);
         self.owed = kept;
-        let due: Vec<(StreamId, StreamId)> = due;
         for (own, current) in due {
             let sim = self.sim_mut();
             let e = sim
