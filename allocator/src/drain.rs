@@ -10,10 +10,15 @@
 //! 60 of 296 on the multi-scale detector, 26 of 108 on GPT-2
 //! (`gpualloc.driver_calls()`, `docs/results/h200-round19/`).
 //! Approach: a physical handle may be mapped at two addresses at once. When
-//! the request is on the stream that freed A (and `defer_unmap` is on), the
-//! handles are mapped at B at once and A is unmapped later, when a fence
-//! shows its work done: the new work at B is queued behind the old work on
-//! the same stream, so it cannot touch the memory first. The heap and the
+//! `defer_unmap` is on, the handles are mapped at B at once and A is
+//! unmapped later, when a fence shows its work done. The new work at B is
+//! queued behind the old work: on the same stream when the request is on
+//! the stream that freed A; otherwise the request's stream is first made
+//! to wait on the GPU for a fence on that stream (`Fences::order_after`,
+//! `cuStreamWaitEvent`), as a block taken from another stream's cache is
+//! (Note [Cross-stream reuse]), so the host no longer blocks there. (It
+//! used to: FSDP2's replayed trace counted 117 such host waits, its
+//! compute stream taking pages its all-gather stream freed.) The heap and the
 //! page pool treat A as unmapped from the start, so every decision (and a
 //! replay) is the same as with the wait; only when the host waits and when
 //! `cuMemUnmap` runs differ; the defragmentation budget is charged for the
@@ -31,11 +36,13 @@
 //! out-of-memory path, sharing memory with another process). Should the
 //! waits before a scope and after a request both fail, a capture refuses
 //! to map memory rather than take such pages. Pages of a
-//! drain mapped at B but not handed out carry the drain's stamp, so that
-//! another stream taking them waits. Requests of other streams wait as
-//! before, and so does every request once captures are followed through
-//! the driver (the plain `CUDAPluggableAllocator` route, Note [Capture
-//! without a pool]): a capture may then begin unannounced at any moment.
+//! drain mapped at B but not handed out carry the drain's stamp (or, for a
+//! drain of another stream than B's, a stamp of B's stream taken after it
+//! was made to wait), so that another stream taking them waits. The host
+//! still waits when the driver refuses the event or the stream wait, and
+//! for every request once captures are followed through the driver (the
+//! plain `CUDAPluggableAllocator` route, Note [Capture without a pool]): a
+//! capture may then begin unannounced at any moment.
 
 use crate::backend::{Backend, BackendError, DevicePtr, HandleId, StreamId, unmap_maybe_later};
 use crate::cost::{DriverCall, DriverCalls};
@@ -114,15 +121,27 @@ impl Drains {
     }
 
     /// The newest stamp of the ranges of `stream` over any of `handles`
-    /// (0 if none): work that may still use them elsewhere.
-    pub fn stamp_of(&self, stream: StreamId, handles: impl Iterator<Item = HandleId>) -> u64 {
+    /// (0 if none): work that may still use them elsewhere; and whether a
+    /// range of another stream lies over any of them (work that `stream`
+    /// was made to wait for).
+    pub fn stamp_of(
+        &self,
+        stream: StreamId,
+        handles: impl Iterator<Item = HandleId>,
+    ) -> (u64, bool) {
         let handles: Vec<HandleId> = handles.collect();
-        self.pending
-            .iter()
-            .filter(|d| d.stream == stream && d.handles.iter().any(|h| handles.contains(&h.0)))
-            .map(|d| d.stamp)
-            .max()
-            .unwrap_or(0)
+        let mut own = 0;
+        let mut other = false;
+        for d in &self.pending {
+            if d.handles.iter().any(|h| handles.contains(&h.0)) {
+                if d.stream == stream {
+                    own = own.max(d.stamp);
+                } else {
+                    other = true;
+                }
+            }
+        }
+        (own, other)
     }
 
     /// Whether a range waiting to be unmapped overlaps `[lo, hi)`.
@@ -311,6 +330,24 @@ mod tests {
         d.check_invariants().unwrap();
         d.free(r.unwrap()).unwrap();
         d.check_invariants().unwrap();
+    }
+
+    /// A range of the mapping's own stream gives its stamp; one of another
+    /// stream over the same handles says so instead (its work is ordered
+    /// before the mapping's stream, not stamped in its epochs).
+    #[test]
+    fn stamps_of_handles_name_their_own_streams_ranges_and_flag_others() {
+        use super::Drains;
+        let mut d = Drains::default();
+        let key = (0, 0);
+        d.push(0x1000, 4 * MIB, 0, 7, vec![(1, 2 * MIB), (2, 2 * MIB)], key);
+        d.push(0x9000, 2 * MIB, 0, 9, vec![(3, 2 * MIB)], key);
+        d.push(0xf000, 2 * MIB, 5, 11, vec![(4, 2 * MIB)], key);
+        assert_eq!(d.stamp_of(0, [2].into_iter()), (7, false));
+        assert_eq!(d.stamp_of(0, [2, 3].into_iter()), (9, false));
+        assert_eq!(d.stamp_of(0, [3, 4].into_iter()), (9, true));
+        assert_eq!(d.stamp_of(5, [1, 4].into_iter()), (11, true));
+        assert_eq!(d.stamp_of(0, [8].into_iter()), (0, false));
     }
 
     #[test]

@@ -535,11 +535,16 @@ impl<B: Backend> DeviceAllocator<B> {
         // Pages still mapped where work of this stream may run carry that
         // work's stamp, so another stream taking them waits for it (Note
         // [Unmapping behind the work]); new pages are untouched (0).
+        // Pages whose old work runs on another stream, which this one was
+        // made to wait for, carry this stream's stamp from now on.
         self.heap.blocks[mapped].freed = if self.drains.is_empty() {
             0
         } else {
             let handles = self.pages.handles_in(lo, hi);
-            self.drains.stamp_of(stream, handles.iter().map(|h| h.1))
+            match self.drains.stamp_of(stream, handles.iter().map(|h| h.1)) {
+                (own, false) => own,
+                (own, true) => own.max(self.fences.stamp()),
+            }
         };
         self.heap.segments.get_mut(seg).mapped += hi - lo;
         let code = pool_code(self.private.index_of(pool), kind == PoolKind::Large);
@@ -602,12 +607,7 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         let mut later = Vec::with_capacity(chosen.len());
         for &(_, _, _, s, freed) in &chosen {
-            // Not while captures are followed through the driver: one may
-            // begin at any moment, and then nothing may wait.
-            let defer = self.config.defer_unmap
-                && !self.private.following()
-                && s == stream
-                && !self.fences.is_idle(s, freed);
+            let defer = self.may_leave_later(stream, s, freed);
             if !defer {
                 self.fences.wait(&mut self.backend, s, freed)?;
             }
@@ -628,6 +628,30 @@ impl<B: Backend> DeviceAllocator<B> {
         self.stats.num_defragment += u64::from(moved > 0) as i64;
         crate::log::defragmented(self.device, want, moved);
         Ok(moved)
+    }
+
+    /// Whether pages freed on `owner` with stamp `freed`, moving for a
+    /// request on `requester`, may leave their old address later instead
+    /// of the host waiting for their work (Note [Unmapping behind the
+    /// work]): that work is not known done, and it is queued on the
+    /// requester's stream, or the requester's stream is made to wait for
+    /// it on the GPU (`Fences::order_after`; if the driver refuses, the
+    /// host waits as before). Not while captures are followed through the
+    /// driver: one may begin at any moment, and then nothing may wait.
+    pub(crate) fn may_leave_later(
+        &mut self,
+        requester: StreamId,
+        owner: StreamId,
+        freed: u64,
+    ) -> bool {
+        self.config.defer_unmap
+            && !self.private.following()
+            && !self.fences.is_idle(owner, freed)
+            && (owner == requester
+                || self
+                    .fences
+                    .order_after(&mut self.backend, requester, owner, freed)
+                    .is_ok())
     }
 
     /// Unmaps `[lo, hi)`, a run of whole handles inside one free block of

@@ -17,10 +17,11 @@
 //! are wanted one step later; a fence recorded only then would cover all
 //! the work queued since), never on the other frees; they are polled
 //! without blocking on the slow path, and waited for
-//! (`cuEventSynchronize`, one stream) only when pages that are not yet known
-//! idle are needed now by another stream, or their address is (for the
-//! request's own stream they move at once and leave their address later:
-//! Note [Unmapping behind the work] in `drain.rs`). Which pages are unmapped never depends on whether
+//! (`cuEventSynchronize`, one stream) only when the address of pages not
+//! yet known idle is needed now (pages themselves move at once and leave
+//! their address later, a request of another stream being made to wait for
+//! the fence on the GPU: Note [Unmapping behind the work] in `drain.rs`).
+//! Which pages are unmapped never depends on whether
 //! a fence happened to be complete: that decides only whether the host
 //! waits, so a replay on the simulator makes the same choices as the GPU.
 //! The out-of-memory path waits for everything, as before.
@@ -280,6 +281,32 @@ impl Fences {
             s.done = s.done.max(epoch);
         }
         Ok(())
+    }
+
+    /// Orders all later work of `waiter` after the blocks of `stream`
+    /// stamped up to `stamp` are idle, without blocking the host: records a
+    /// fence if needed and makes `waiter` wait for it on the GPU
+    /// (`cuStreamWaitEvent`). Never during a capture (the event was
+    /// recorded outside it). On an error nothing is ordered: the caller
+    /// waits instead ([`wait`](Self::wait)).
+    pub fn order_after<B: Backend>(
+        &mut self,
+        backend: &mut B,
+        waiter: StreamId,
+        stream: StreamId,
+        stamp: u64,
+    ) -> Result<(), BackendError> {
+        if waiter == stream || self.is_idle(stream, stamp) {
+            return Ok(());
+        }
+        self.cover(backend, stream, stamp)?;
+        let s = &self.streams[&stream];
+        let &(ev, _) = s
+            .queued
+            .iter()
+            .find(|f| f.1 >= stamp)
+            .expect("cover queued a fence at or after the stamp");
+        backend.stream_wait_event(waiter, ev)
     }
 
     /// Blocks until every fence queued so far is complete, and destroys

@@ -10,11 +10,12 @@
 //! is on the stitch's own stream, where a move of the pages themselves does
 //! not wait (Note [Unmapping behind the work] in `drain.rs`): 9 of the 38
 //! host waits of the multi-scale detector's replay were such punches.
-//! Approach: when the request is on the stitch's stream (and `defer_unmap`
-//! is on, and captures are not followed through the driver), the slots
-//! become holes at once and their ranges join the drains, unmapped once a
-//! fence shows the stitch's work done: the request's work at the handle's
-//! new address is queued behind the stitch's on the same stream. Every
+//! Approach: when `defer_unmap` is on and captures are not followed
+//! through the driver, the slots become holes at once and their ranges
+//! join the drains, unmapped once a fence shows the stitch's work done: the
+//! request's work at the handle's new address is queued behind the
+//! stitch's, on the same stream, or on the request's stream made to wait
+//! for a fence on the stitch's (`DeviceAllocator::may_leave_later`). Every
 //! decision, and so a replay, is the same as with the wait; only when the
 //! host waits and when `cuMemUnmap` runs differ. A hole still draining is
 //! finished (waiting if need be) before anything is mapped into it (a
@@ -39,9 +40,9 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Unmaps from cached stitches the parts that alias a handle mapped in
     /// `[lo, hi)`, after each stitch's last work, leaving holes; a stitch
     /// left with no part is freed. When the pages move for a request of
-    /// `requester`, the stitch's own stream, its parts leave their
-    /// addresses once that work is done instead (Note [Punching behind the
-    /// work]).
+    /// `requester`, its parts leave their addresses once that work is done
+    /// instead, the requester's stream ordered after it (Note [Punching
+    /// behind the work]).
     pub(crate) fn punch_stitches_over(
         &mut self,
         lo: DevicePtr,
@@ -58,11 +59,8 @@ impl<B: Backend> DeviceAllocator<B> {
             let keeps = |st: &crate::stitch_cache::Stitch| {
                 st.slots.iter().any(|s| s.part().is_some() && !over(s))
             };
-            if requester == Some(stream)
-                && self.config.defer_unmap
-                && !self.private.following()
-                && !self.fences.is_idle(stream, freed)
-                && keeps(&self.stitches.list[i])
+            if keeps(&self.stitches.list[i])
+                && requester.is_some_and(|r| self.may_leave_later(r, stream, freed))
             {
                 self.leave_slots_later(i, over);
                 continue;

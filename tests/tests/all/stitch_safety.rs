@@ -54,10 +54,11 @@ fn punch_for_the_stitchs_stream_leaves_after_its_work() {
     c.empty_cache();
 }
 
-/// The same punch with `defer_unmap:false`, and for a request of another
-/// stream: the host waits for the stitch's work first.
+/// The same punch with `defer_unmap:false`: the host waits for the
+/// stitch's work first. For a request of another stream, that stream waits
+/// for it on the GPU instead.
 #[test]
-fn punch_for_another_stream_or_without_deferral_waits() {
+fn punch_without_deferral_waits_and_another_stream_is_ordered() {
     let (mut c, _, mut small, _held) =
         cached_stitch_with_queued_work(&format!("{PUNCH},defer_unmap:false"));
     let last = small.remove(7);
@@ -70,11 +71,13 @@ fn punch_for_another_stream_or_without_deferral_waits() {
     let last = small.remove(7);
     c.release(last);
     let waits = c.sim().counters.wait_event;
+    let ordered = c.sim().counters.stream_wait_event;
     let _p = c.malloc(18 * MIB, 1).unwrap();
-    assert!(
-        c.sim().counters.wait_event > waits,
-        "another stream's request waits"
-    );
+    assert_eq!(c.sim().counters.wait_event, waits, "no host wait");
+    assert!(c.sim().counters.stream_wait_event > ordered);
+    assert!(c.ordered(1, 0, 1), "stream 1 after the stitch's work");
+    c.complete_all();
+    c.empty_cache();
 }
 
 /// Headroom that makes an 18 MiB request take one handle of the cached

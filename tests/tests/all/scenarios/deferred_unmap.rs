@@ -1,7 +1,8 @@
 //! Pages that defragmentation moves while work queued on their old address
 //! may still run (Note [Unmapping behind the work] in `allocator/src/drain.rs`):
-//! mapped at the new place at once for a request of the same stream, their
-//! old address unmapped once the work is done; other streams wait. The
+//! mapped at the new place at once, their old address unmapped once the
+//! work is done; a request of another stream is first made to wait for
+//! that work on the GPU (`cuStreamWaitEvent`), not on the host. The
 //! checker holds every step to the stream-safety rules, for the old address
 //! and for the memory wherever it is mapped.
 
@@ -34,14 +35,8 @@ fn move_busy_pages_past(conf: &str, stream: u64) -> ((Checked, u64, u64), u64) {
     let (mut c, a, b) = busy_free_block(conf);
     let waits = c.sim().counters.wait_event;
     let p = c.alloc(20 * MIB, stream);
-    assert_eq!(
-        c.reserved(),
-        22 * MIB + if stream == 0 { 0 } else { 2 * MIB },
-        "a's pages moved"
-    );
-    if stream == 0 {
-        assert_eq!(c.sim().counters.wait_event, waits, "no host wait");
-    }
+    assert_eq!(c.reserved(), 22 * MIB, "a's pages moved");
+    assert_eq!(c.sim().counters.wait_event, waits, "no host wait");
     ((c, a, p), b)
 }
 
@@ -82,9 +77,31 @@ fn without_defer_unmap_the_host_waits() {
     assert!(c.sim().handles_over(a, 16 * MIB).is_empty());
 }
 
+/// Another stream's request takes the busy pages too, without a host
+/// wait: the stream waits for their work on the GPU, and their old address
+/// is unmapped once it is done. The checker holds the new block (and the
+/// rest of its pages, which a third stream then takes) to the order.
 #[test]
-fn another_stream_waits_for_the_work() {
-    let (mut c, _, _b) = busy_free_block(CONF);
+fn another_stream_waits_for_the_work_on_the_gpu() {
+    let (mut c, a, p) = move_busy_pages(CONF, 1);
+    assert!(
+        !c.sim().handles_over(a, 16 * MIB).is_empty(),
+        "still mapped where the queued work reads it"
+    );
+    assert_eq!(c.sim().counters.stream_wait_event, 1, "stream 1 ordered");
+    assert!(c.ordered(1, 0, 1), "after the work on a");
+    c.use_on(p, 1);
+    c.release(p);
+    // A third stream taking those pages waits for both streams' work.
+    let _q = c.alloc(20 * MIB, 2);
+    c.complete_all();
+    c.empty_cache();
+    assert!(c.sim().handles_over(a, 16 * MIB).is_empty());
+}
+
+#[test]
+fn without_defer_unmap_another_stream_waits_on_the_host() {
+    let (mut c, _, _b) = busy_free_block(&format!("{CONF},defer_unmap:false"));
     let waits = c.sim().counters.wait_event;
     let _p = c.alloc(20 * MIB, 1);
     assert_eq!(c.sim().counters.wait_event, waits + 1, "stream 1 waited");
