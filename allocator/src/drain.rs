@@ -25,23 +25,26 @@
 //! unmapping when the pages move, not when it runs. A drain is finished
 //! early, waiting if need be, when its address range is mapped again (or,
 //! for a hole of a cached stitch, Note [Punching behind the work], when
-//! the stitch is repaired over it or freed); when
-//! one of its handles is left in the pool after the request, whether it
-//! succeeded or not (another stream could take it; if that wait fails,
-//! the next request waits before taking any page); when a pool scope
-//! opens (PyTorch opens it before a capture begins, and nothing may wait
-//! during one; a capture that would still map over a drain maps into a
-//! fresh reservation instead); and before handles go
-//! back to the driver or reservations are freed (`empty_cache`, the
-//! out-of-memory path, sharing memory with another process). Should the
-//! waits before a scope and after a request both fail, a capture refuses
-//! to map memory rather than take such pages. Pages of a
-//! drain mapped at B but not handed out carry the drain's stamp (or, for a
-//! drain of another stream than B's, a stamp of B's stream taken after it
-//! was made to wait), so that another stream taking them waits. The host
-//! still waits when the driver refuses the event or the stream wait, and
-//! for every request once captures are followed through the driver (the
-//! plain `CUDAPluggableAllocator` route, Note [Capture without a pool]): a
+//! the stitch is repaired over it or freed); when a pool scope opens
+//! (PyTorch opens it before a capture begins, and nothing may wait during
+//! one; a capture that would still map over a drain maps into a fresh
+//! reservation instead; while a scope is open, every request counts as
+//! captured and moves no page); and before handles go back to the driver
+//! or reservations are freed (`empty_cache`, the out-of-memory path,
+//! sharing memory with another process). Should the wait at a scope's
+//! opening fail, a capture refuses to map memory rather than take such
+//! pages. A handle left in the pool otherwise stays there with its old
+//! address mapped,
+//! most often until a poll finds its work done: a later request orders its
+//! stream after that work before it takes any page
+//! (`order_after_pooled_drains` in `expandable.rs`, the host waiting only
+//! where the driver refuses). Pages of a drain mapped at B but not handed
+//! out carry the drain's stamp (or, for a drain of another stream than
+//! B's, a stamp of B's stream taken after it was made to wait), so that
+//! another stream taking them waits. The host still waits when the driver
+//! refuses the event or the stream wait, and for every request once
+//! captures are followed through the driver (the plain
+//! `CUDAPluggableAllocator` route, Note [Capture without a pool]): a
 //! capture may then begin unannounced at any moment.
 
 use crate::backend::{Backend, BackendError, DevicePtr, HandleId, StreamId, unmap_maybe_later};
@@ -142,6 +145,17 @@ impl Drains {
             }
         }
         (own, other)
+    }
+
+    /// The stream and stamp of each range with a handle (of the size given)
+    /// for which `pooled` holds: work that may still use pages the pool
+    /// holds.
+    pub fn pooled_owners(&self, pooled: impl Fn(HandleId, u64) -> bool) -> Vec<(StreamId, u64)> {
+        self.pending
+            .iter()
+            .filter(|d| d.handles.iter().any(|&(h, s)| pooled(h, s)))
+            .map(|d| (d.stream, d.stamp))
+            .collect()
     }
 
     /// Whether a range waiting to be unmapped overlaps `[lo, hi)`.

@@ -188,20 +188,17 @@ impl<B: Backend> DeviceAllocator<B> {
         }
         // Pages that moved without waiting and are back in the pool must not
         // reach another stream before their work is done (Note [Unmapping
-        // behind the work]): finished before any page is taken, in case the
-        // last request could not, and after this one, whatever happened
-        // (an error there is logged; the next request tries again, and the
-        // request's own outcome, out of memory included, stands).
+        // behind the work]): this stream is ordered after that work before
+        // any page is taken. (No scope is open here: a request made while
+        // one is counts as captured and moves nothing, and opening one
+        // finishes every drain, so a capture never meets them.)
         // Ranges given up meanwhile are unmapped once the request is done
         // (Note [Unmapping off the allocating thread]).
         self.backend.hold_later_work(true);
         let mapped = self
-            .finish_pooled_drains()
+            .order_after_pooled_drains(stream)
             .map_err(GrowError::from)
             .and_then(|()| self.map_expandable_once(pool, stream, rounded, capturing));
-        if let Err(e) = self.finish_pooled_drains() {
-            crate::log::drains_left(self.device, &e);
-        }
         self.backend.hold_later_work(false);
         mapped
     }
@@ -496,6 +493,34 @@ impl<B: Backend> DeviceAllocator<B> {
             |h, size| pages.is_pooled(h, size),
             &say,
         )
+    }
+
+    /// Orders `stream` after the work that may still use, at their old
+    /// addresses, pages that moved without waiting and are back in the
+    /// pool, as a request of `stream` may take them: it waits for that work
+    /// on the GPU (`Fences::order_after`), and the pages it maps carry a
+    /// stamp of its own (`map_range`). Where the driver refuses, or while
+    /// captures are followed through the driver, the host waits for that
+    /// work and the old addresses are unmapped instead.
+    fn order_after_pooled_drains(&mut self, stream: StreamId) -> Result<(), BackendError> {
+        if self.drains.is_empty() {
+            return Ok(());
+        }
+        let pages = &self.pages;
+        let owners = self
+            .drains
+            .pooled_owners(|h, size| pages.is_pooled(h, size));
+        let ordered = !self.private.following()
+            && owners.into_iter().all(|(s, stamp)| {
+                self.fences
+                    .order_after(&mut self.backend, stream, s, stamp)
+                    .is_ok()
+            });
+        if ordered {
+            Ok(())
+        } else {
+            self.finish_pooled_drains()
+        }
     }
 
     /// Maps `[lo, hi)`, which lies inside one unmapped block of `seg`, and
