@@ -443,6 +443,43 @@ mod tests {
         f.cover(&mut b, 0, stamp).unwrap();
     }
 
+    /// Ordering another stream after freed blocks waits on the GPU for the
+    /// oldest fence that covers them (recording one if none does), never on
+    /// the host; nothing is asked for blocks known idle or of the waiter's
+    /// own stream; a stream that refuses events gives an error (the caller
+    /// waits on the host instead).
+    #[test]
+    fn order_after_makes_the_waiter_wait_on_the_gpu_for_the_covering_fence() {
+        let mut b = SimBackend::new(1 << 30);
+        let mut f = Fences::default();
+        let work = b.launch(7);
+        let freed = f.stamp();
+        f.order_after(&mut b, 3, 3, freed).unwrap();
+        assert_eq!(b.counters.stream_wait_event, 0, "own stream: nothing");
+        f.order_after(&mut b, 3, 7, freed).unwrap();
+        assert_eq!(f.outstanding(), 1, "a fence recorded on stream 7");
+        assert_eq!(b.counters.stream_wait_event, 1);
+        assert!(b.is_ordered_after(3, 7, work), "stream 3 after the work");
+        assert_eq!(b.counters.wait_event, 0, "the host never waited");
+        // Work queued later on 7 is not waited for by the covering fence.
+        let later = b.launch(7);
+        f.order_after(&mut b, 4, 7, freed).unwrap();
+        assert_eq!(f.outstanding(), 1, "the same fence serves stream 4");
+        assert!(b.is_ordered_after(4, 7, work));
+        assert!(!b.is_ordered_after(4, 7, later));
+        // Known idle: nothing asked.
+        b.complete(7);
+        f.poll(&mut b).unwrap();
+        f.order_after(&mut b, 5, 7, freed).unwrap();
+        assert_eq!(b.counters.stream_wait_event, 2);
+        // A stream that refuses events: an error, no wait made.
+        b.refuse_events_on(9);
+        b.launch(9);
+        let stamp = f.stamp();
+        assert!(f.order_after(&mut b, 3, 9, stamp).is_err());
+        assert_eq!(b.counters.stream_wait_event, 2);
+    }
+
     #[test]
     fn frees_alone_never_queue_more_than_a_few_fences() {
         // Steady state: every request served from the cache, no slow path
