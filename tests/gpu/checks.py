@@ -516,6 +516,31 @@ def check_streams(args) -> dict:
         "sums": sums,
         "corrupted_elements": wrong_fill,
     }
+
+    # 5. A block freed on its own stream while a late write to it is still
+    # queued there, then a request on another stream larger than any free
+    # block: under gpualloc the freed pages move to it (defragmentation),
+    # the new stream waiting for the old one on the GPU, not the host
+    # (Note [Unmapping behind the work]). The late write must land before
+    # the new owner's fill, never after it, and the old address must stay
+    # mapped until it ran (an early unmap faults it).
+    wrong_fill = 0
+    for rep in range(4):
+        old, new = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(old):
+            x = torch.empty(n_big, device=dev)
+            z = torch.empty(MiB, dtype=torch.uint8, device=dev)  # keeps x's place from growing
+            torch.cuda._sleep(cycles)
+            x.fill_(1.0)  # runs late, on the old stream
+            del x  # freed on its own stream, the write still queued
+        with torch.cuda.stream(new):
+            y = torch.empty(n_big + 16 * MiB, device=dev)
+            y.fill_(2.0)
+        torch.cuda.synchronize()
+        wrong_fill += int((y != 2.0).sum())
+        del y, z
+        torch.cuda.empty_cache()
+    res["late_write_then_pages_move_to_another_stream"] = {"ok": wrong_fill == 0, "corrupted_elements": wrong_fill}
     return {"passed": sum(v["ok"] for v in res.values()), "total": len(res), "checks": res}
 
 
