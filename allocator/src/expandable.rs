@@ -170,21 +170,21 @@ impl<B: Backend> DeviceAllocator<B> {
     ) -> Result<BlockId, GrowError> {
         if capturing {
             // Nothing may wait during a capture. Moved pages are finished
-            // before a scope opens and after every request; only when both
-            // failed can they still be pooled, and then the capture must
-            // not take them.
+            // when a scope opens; pooled ones still mapped at their old
+            // address (that wait failed, or captures began to be followed
+            // through the driver while some were pooled) are kept out of
+            // the capture's reach: it maps other pages, or new ones.
             let pages = &self.pages;
-            if self.drains.any_pooled(|h, size| pages.is_pooled(h, size)) {
-                return Err(GrowError::Failed(
-                    BackendError::Unavailable(
-                        "pages moved earlier could not be unmapped from their old address; \
-                         no memory is mapped during this capture until they are"
-                            .into(),
-                    )
-                    .into(),
-                ));
+            let drained = self
+                .drains
+                .pooled_handles(|h, size| pages.is_pooled(h, size));
+            if drained.is_empty() {
+                return self.map_expandable_once(pool, stream, rounded, capturing);
             }
-            return self.map_expandable_once(pool, stream, rounded, capturing);
+            let aside = self.pages.set_aside(&drained);
+            let mapped = self.map_expandable_once(pool, stream, rounded, capturing);
+            self.pages.put_back(aside);
+            return mapped;
         }
         // Pages that moved without waiting and are back in the pool must not
         // reach another stream before their work is done (Note [Unmapping
@@ -506,10 +506,23 @@ impl<B: Backend> DeviceAllocator<B> {
         if self.drains.is_empty() {
             return Ok(());
         }
+        // Those whose work a poll shows done leave first (tidying only: an
+        // error leaves them, ordered below like the others).
+        if let Err(e) = self.retire_drains() {
+            crate::log::drains_left(self.device, &e);
+        }
         let pages = &self.pages;
-        let owners = self
+        // One wait per stream, for the newest of its stamps.
+        let mut owners: Vec<(StreamId, u64)> = Vec::new();
+        for (s, stamp) in self
             .drains
-            .pooled_owners(|h, size| pages.is_pooled(h, size));
+            .pooled_owners(|h, size| pages.is_pooled(h, size))
+        {
+            match owners.iter_mut().find(|o| o.0 == s) {
+                Some(o) => o.1 = o.1.max(stamp),
+                None => owners.push((s, stamp)),
+            }
+        }
         let ordered = !self.private.following()
             && owners.into_iter().all(|(s, stamp)| {
                 self.fences
@@ -606,10 +619,11 @@ impl<B: Backend> DeviceAllocator<B> {
     /// Unmaps whole free handles into the page pool, in the order of
     /// [`reclaim_candidates`](Self::reclaim_candidates), until at least
     /// `want` bytes moved or none are left; never inside `keep`
-    /// (`(segment, lo, hi)`). Pages whose work is not known to be done are
-    /// waited for first, on their stream only, unless they were freed on
-    /// `stream`, the request's: those go to the pool at once and leave
-    /// their address later (Note [Unmapping behind the work]).
+    /// (`(segment, lo, hi)`). Pages whose work is not known to be done go
+    /// to the pool at once and leave their address later, the request's
+    /// stream ordered after that work if it ran on another
+    /// (`may_leave_later`); where that cannot be, they are waited for
+    /// first, on their stream only (Note [Unmapping behind the work]).
     fn reclaim(
         &mut self,
         want: u64,

@@ -17,10 +17,14 @@
 //! are wanted one step later; a fence recorded only then would cover all
 //! the work queued since), never on the other frees; they are polled
 //! without blocking on the slow path, and waited for
-//! (`cuEventSynchronize`, one stream) only when the address of pages not
-//! yet known idle is needed now (pages themselves move at once and leave
+//! (`cuEventSynchronize`, one stream) mostly when the address of pages not
+//! yet known idle is needed now: pages themselves move at once and leave
 //! their address later, a request of another stream being made to wait for
-//! the fence on the GPU: Note [Unmapping behind the work] in `drain.rs`).
+//! the fence on the GPU (Note [Unmapping behind the work] in `drain.rs`).
+//! The host still waits for moves where the driver refuses that, with
+//! `defer_unmap:false`, while captures are followed through the driver,
+//! and on some stitch paths (a punch that leaves a stitch no part, a
+//! repair of busy parts, spare handles given back).
 //! Which pages are unmapped never depends on whether
 //! a fence happened to be complete: that decides only whether the host
 //! waits, so a replay on the simulator makes the same choices as the GPU.

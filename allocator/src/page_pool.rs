@@ -334,6 +334,34 @@ impl PagePool {
         (Ok(()), deltas, created)
     }
 
+    /// Takes pooled `handles` (with their sizes) out of reach of
+    /// [`map`](Self::map) and [`usable_in`](Self::usable_in) until
+    /// [`put_back`](Self::put_back), still counted as pooled; those not
+    /// pooled are passed over.
+    pub fn set_aside(&mut self, handles: &[(HandleId, u64)]) -> Vec<(HandleId, u64, PoolKind)> {
+        let mut aside = Vec::new();
+        for &(h, size) in handles {
+            let Some(list) = self.free.get_mut(&size) else {
+                continue;
+            };
+            if let Some(i) = list.iter().position(|&(x, _)| x == h) {
+                let (_, k) = list.remove(i);
+                aside.push((h, size, k));
+                if list.is_empty() {
+                    self.free.remove(&size);
+                }
+            }
+        }
+        aside
+    }
+
+    /// Returns handles [`set_aside`](Self::set_aside) took to the pool.
+    pub fn put_back(&mut self, aside: Vec<(HandleId, u64, PoolKind)>) {
+        for (h, size, k) in aside {
+            self.free.entry(size).or_default().push((h, k));
+        }
+    }
+
     pub fn pool(&mut self, h: HandleId, size: u64, kind: PoolKind) {
         self.free.entry(size).or_default().push((h, kind));
         self.free_bytes[slot(kind)] += size;
