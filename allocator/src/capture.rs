@@ -117,7 +117,7 @@ impl<B: Backend> DeviceAllocator<B> {
         // old ranges of moved pages can be waited for and unmapped, so that
         // where the capture maps memory never depends on the GPU's progress
         // (Note [Unmapping behind the work]). An error leaves them: the
-        // capture maps around their ranges and refuses to take their pages.
+        // capture maps around their ranges and leaves their pages pooled.
         if !self.private.capturing()
             && let Err(e) = self.finish_drains()
         {

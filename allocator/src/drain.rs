@@ -32,11 +32,12 @@
 //! captured and moves no page); and before handles go back to the driver
 //! or reservations are freed (`empty_cache`, the out-of-memory path,
 //! sharing memory with another process). Should the wait at a scope's
-//! opening fail, a capture refuses to map memory rather than take such
-//! pages. A handle left in the pool otherwise stays there with its old
-//! address mapped,
-//! most often until a poll finds its work done: a later request orders its
-//! stream after that work before it takes any page
+//! opening fail (or captures begin to be followed through the driver
+//! while such pages are pooled), a capture maps new pages rather than
+//! take them. A handle left in the pool otherwise stays there with its old
+//! address mapped until a poll finds its work done (the next request that
+//! maps pages polls first); a request orders its stream after the rest
+//! before it takes any page
 //! (`order_after_pooled_drains` in `expandable.rs`, the host waiting only
 //! where the driver refuses). Pages of a drain mapped at B but not handed
 //! out carry the drain's stamp (or, for a drain of another stream than
