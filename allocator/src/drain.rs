@@ -148,15 +148,22 @@ impl Drains {
         (own, other)
     }
 
-    /// The stream and stamp of each range with a handle (of the size given)
-    /// for which `pooled` holds: work that may still use pages the pool
-    /// holds.
+    /// Per stream, the newest stamp of its ranges with a handle (of the
+    /// size given) for which `pooled` holds: the work that may still use
+    /// pages the pool holds, one stream wait each.
     pub fn pooled_owners(&self, pooled: impl Fn(HandleId, u64) -> bool) -> Vec<(StreamId, u64)> {
-        self.pending
+        let mut owners: Vec<(StreamId, u64)> = Vec::new();
+        for d in self
+            .pending
             .iter()
             .filter(|d| d.handles.iter().any(|&(h, s)| pooled(h, s)))
-            .map(|d| (d.stream, d.stamp))
-            .collect()
+        {
+            match owners.iter_mut().find(|o| o.0 == d.stream) {
+                Some(o) => o.1 = o.1.max(d.stamp),
+                None => owners.push((d.stream, d.stamp)),
+            }
+        }
+        owners
     }
 
     /// Whether a range waiting to be unmapped overlaps `[lo, hi)`.

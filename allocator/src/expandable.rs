@@ -512,17 +512,9 @@ impl<B: Backend> DeviceAllocator<B> {
             crate::log::drains_left(self.device, &e);
         }
         let pages = &self.pages;
-        // One wait per stream, for the newest of its stamps.
-        let mut owners: Vec<(StreamId, u64)> = Vec::new();
-        for (s, stamp) in self
+        let owners = self
             .drains
-            .pooled_owners(|h, size| pages.is_pooled(h, size))
-        {
-            match owners.iter_mut().find(|o| o.0 == s) {
-                Some(o) => o.1 = o.1.max(stamp),
-                None => owners.push((s, stamp)),
-            }
-        }
+            .pooled_owners(|h, size| pages.is_pooled(h, size));
         let ordered = !self.private.following()
             && owners.into_iter().all(|(s, stamp)| {
                 self.fences

@@ -271,14 +271,9 @@ impl Fences {
             self.epoch += 1;
             return Ok(());
         }
+        let at = self.covering(stream, stamp);
         let s = self.streams.get_mut(&stream).expect("covered above");
-        // The oldest fence that covers the stamp; the ones before it are done
-        // once it is (a stream runs in order).
-        let at = s
-            .queued
-            .iter()
-            .position(|f| f.1 >= stamp)
-            .expect("cover queued a fence at or after the stamp");
+        // The ones before it are done once it is (a stream runs in order).
         backend.wait_event(s.queued[at].0)?;
         for (ev, epoch) in s.queued.drain(..=at) {
             backend.destroy_event(ev);
@@ -304,13 +299,18 @@ impl Fences {
             return Ok(());
         }
         self.cover(backend, stream, stamp)?;
-        let s = &self.streams[&stream];
-        let &(ev, _) = s
+        let at = self.covering(stream, stamp);
+        backend.stream_wait_event(waiter, self.streams[&stream].queued[at].0)
+    }
+
+    /// Where in `stream`'s queue the oldest fence covering `stamp` stands,
+    /// once [`cover`](Self::cover) made sure one is queued.
+    fn covering(&self, stream: StreamId, stamp: u64) -> usize {
+        self.streams[&stream]
             .queued
             .iter()
-            .find(|f| f.1 >= stamp)
-            .expect("cover queued a fence at or after the stamp");
-        backend.stream_wait_event(waiter, ev)
+            .position(|f| f.1 >= stamp)
+            .expect("cover queued a fence at or after the stamp")
     }
 
     /// Blocks until every fence queued so far is complete, and destroys
