@@ -40,6 +40,7 @@ mod pools;
 mod sigterm;
 mod snapshot;
 mod stats;
+mod torch_stream;
 mod trace;
 mod wsl;
 
@@ -355,7 +356,11 @@ fn abort_for_failure() -> ! {
 /// (it creates nothing). A pointer gpualloc does not know is reported on
 /// stderr and in the last error; an allocator that cannot start (a bad
 /// `GPUALLOC_CONF`) is reported on stderr once. In a child forked after
-/// the allocator started, a no-op: the memory is the parent's.
+/// the allocator started, a no-op: the memory is the parent's. Where
+/// PyTorch is loaded, its current stream on `device` is read: a free made
+/// while another stream than the block's is current waits for that
+/// stream's queued work, as `gpualloc_free_on` (Note [The current stream
+/// without the bridge]).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_free(
     ptr: *mut c_void,
@@ -364,7 +369,9 @@ pub extern "C" fn gpualloc_free(
     stream: cudaStream_t,
 ) {
     let _ = (size, stream);
-    free_from(ptr, device, None);
+    // PyTorch's current stream, where it is in the process (Note [The
+    // current stream without the bridge] in `torch_stream.rs`).
+    free_from(ptr, device, || torch_stream::current(i64::from(device)));
 }
 
 /// `gpualloc_free` of `ptr`, made where `current` is the current stream of
@@ -375,15 +382,14 @@ pub extern "C" fn gpualloc_free(
 /// the torch bridge calls from its deleters.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpualloc_free_on(ptr: *mut c_void, device: c_int, current: cudaStream_t) {
-    free_from(
-        ptr,
-        device,
-        (device >= 0).then_some(current as usize as u64),
-    );
+    free_from(ptr, device, || {
+        (device >= 0).then_some(current as usize as u64)
+    });
 }
 
-/// The body of `gpualloc_free` and `gpualloc_free_on`.
-fn free_from(ptr: *mut c_void, device: c_int, current: Option<u64>) {
+/// The body of `gpualloc_free` and `gpualloc_free_on`; `current` is asked
+/// for the current stream only in the process that started the allocator.
+fn free_from(ptr: *mut c_void, device: c_int, current: impl FnOnce() -> Option<u64>) {
     boundary::clear_last_error();
     if ptr.is_null() {
         return;
@@ -414,7 +420,7 @@ fn free_from(ptr: *mut c_void, device: c_int, current: Option<u64>) {
                 return Err(not_ours("free", ptr));
             };
             Ok(g.alloc
-                .free_from(i64::from(device), ptr as usize as u64, current)?)
+                .free_from(i64::from(device), ptr as usize as u64, current())?)
         },
     );
 }

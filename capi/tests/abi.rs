@@ -45,6 +45,11 @@ fn program(exe: &Path) -> Command {
     cmd
 }
 
+/// [`gcc`] for C++ (C++17, as the bridge is built).
+fn gxx(src: &Path, out: &Path, extra: &[&std::ffi::OsStr]) {
+    compiler("g++", &["-std=c++17"], src, out, extra);
+}
+
 /// Compiles one C file against the header and links it with libgpualloc.
 fn compile(src: &Path, exe: &Path) {
     let lib = library();
@@ -63,30 +68,28 @@ fn compile(src: &Path, exe: &Path) {
 /// Compiles one C file against the header into `out`, with `extra`
 /// arguments after the source (libraries, `-shared`).
 fn gcc(src: &Path, out: &Path, extra: &[&std::ffi::OsStr]) {
+    compiler("gcc", &["-std=c11", "-pedantic"], src, out, extra);
+}
+
+/// Runs `tool` with `flags`, warnings as errors, on `src` against the
+/// header into `out`, with `extra` arguments after the source.
+fn compiler(tool: &str, flags: &[&str], src: &Path, out: &Path, extra: &[&std::ffi::OsStr]) {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let gcc = Command::new("gcc")
-        .args([
-            "-std=c11",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-pedantic",
-            "-O1",
-            "-pthread",
-            "-I",
-        ])
+    let run = Command::new(tool)
+        .args(flags)
+        .args(["-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-I"])
         .arg(manifest.join("include"))
         .arg(src)
         .arg("-o")
         .arg(out)
         .args(extra)
         .output()
-        .expect("gcc is installed");
+        .unwrap_or_else(|e| panic!("{tool} is installed: {e}"));
     assert!(
-        gcc.status.success(),
-        "gcc failed on {}:\n{}",
+        run.status.success(),
+        "{tool} failed on {}:\n{}",
         src.display(),
-        String::from_utf8_lossy(&gcc.stderr)
+        String::from_utf8_lossy(&run.stderr)
     );
 }
 
@@ -472,6 +475,47 @@ fn build(name: &str, src: &Path) -> (PathBuf, PathBuf) {
     (out, exe)
 }
 
+/// `gpualloc_free` reads PyTorch's current stream where libc10_cuda.so is
+/// loaded (a stand-in built with g++ from `tests/c/c10_stand_in.cpp`, so
+/// the compiler mangles the names and returns the values as c10 does): a
+/// block freed while another stream is current is not reused at once; the
+/// same program without the stand-in reuses it (Note [The current stream
+/// without the bridge]).
+#[test]
+fn free_reads_pytorchs_current_stream_where_c10_is_loaded() {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = fresh_dir("current_stream");
+    let c10 = dir.join("libc10_cuda.so");
+    gxx(
+        &manifest.join("tests/c/c10_stand_in.cpp"),
+        &c10,
+        &[
+            "-shared".as_ref(),
+            "-fPIC".as_ref(),
+            "-Wl,-soname,libc10_cuda.so".as_ref(),
+        ],
+    );
+    let lib = library();
+    let path = std::env::join_paths([dir.as_path(), lib.parent().unwrap()]).unwrap();
+    let src = manifest.join("tests/c/current_stream_test.c");
+    for with_c10 in [true, false] {
+        let exe = dir.join(format!("current_stream_test_{with_c10}"));
+        let mut args: Vec<&std::ffi::OsStr> = vec![
+            "-L".as_ref(),
+            lib.parent().unwrap().as_os_str(),
+            "-lgpualloc".as_ref(),
+        ];
+        if with_c10 {
+            args.extend(["-L".as_ref(), dir.as_os_str(), "-lc10_cuda".as_ref()]);
+        } else {
+            args.push("-DWITHOUT_C10".as_ref());
+        }
+        gcc(&src, &exe, &args);
+        ran_to_done(&run_sim(&exe, &[("LD_LIBRARY_PATH", path.as_os_str())]));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The fallback's raising entry point throws a C++ `std::runtime_error`
 /// with the diagnosis to a C++ caller (PyTorch raises it in Python), which
 /// catches it and goes on allocating; in a program without libstdc++ it
@@ -514,30 +558,14 @@ int main() {
     .unwrap();
     let exe = out.join("raise_test");
     let lib = library();
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let gxx = Command::new("g++")
-        .args([
-            "-std=c++17",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-O1",
-            "-pthread",
-            "-I",
-        ])
-        .arg(manifest.join("include"))
-        .arg(&src)
-        .arg("-o")
-        .arg(&exe)
-        .arg("-L")
-        .arg(lib.parent().unwrap())
-        .arg("-lgpualloc")
-        .output()
-        .expect("g++ is installed");
-    assert!(
-        gxx.status.success(),
-        "g++ failed:\n{}",
-        String::from_utf8_lossy(&gxx.stderr)
+    gxx(
+        &src,
+        &exe,
+        &[
+            "-L".as_ref(),
+            lib.parent().unwrap().as_os_str(),
+            "-lgpualloc".as_ref(),
+        ],
     );
     ran_to_done(&run_sim(
         &exe,
