@@ -38,9 +38,12 @@
 //! that work is done. Frees on the block's own stream, frees of blocks of
 //! private pools (whose pages never move, and whose blocks cudagraph trees
 //! free on the default stream before restoring a checkpoint that refuses
-//! pending ones), and frees where the current stream is unknown (the routes
-//! without the bridge, frees deferred while a pool's other allocator
-//! calls back) are as before.
+//! pending ones), and frees where the current stream is unknown (frees
+//! deferred while a pool's other allocator calls back, a process without
+//! PyTorch's libc10_cuda.so) are as before. Without the bridge, the C
+//! library reads PyTorch's current stream from c10 itself (Note [The
+//! current stream without the bridge] in the C library's
+//! `torch_stream.rs`).
 //! A program that orders the block's stream after the other *before* the
 //! free (FSDP2 holds its all-gather output until the all-gather stream has
 //! waited for the copy-out) was safe without this and now pays the hold

@@ -219,7 +219,7 @@ class CrashTail(unittest.TestCase):
 
 
 class Failures(unittest.TestCase):
-    def test_crashes_errors_and_failed_sub_checks_fail_but_limited_modes_and_skips_do_not(self):
+    def test_crashes_errors_and_failed_sub_checks_fail_but_limited_modes_outside_strict_checks_and_skips_do_not(self):
         ok = {"ok": True}
         runs = {
             "dropin/native": {"rc": 0, "result": {"passed": 2, "total": 2, "checks": {"a": ok, "b": ok}}},
@@ -230,9 +230,11 @@ class Failures(unittest.TestCase):
             "churn/gpualloc": {"rc": 0, "result": {"us_per_alloc_free": 5.0}},
             "churn/native": {"rc": -11, "result": {"us_per_alloc_free": 5.0}},
             "train_gpt2/gpualloc": {"skipped": "time budget of 480 s spent"},
+            "streams/gpualloc-raw": {"rc": 0, "result": {"passed": 1, "total": 2, "checks": {"a": ok, "b": {"ok": False}}}},
         }
         self.assertEqual(driver.failures(runs), {
             "dropin/gpualloc": "1/2 passed; failed: b",
+            "streams/gpualloc-raw": "1/2 passed; failed: b",
             "churn_wide/gpualloc": "no result (rc=-11)",
             "streams/gpualloc-fallback": "RuntimeError: boom",
             "churn/native": "exit status -11 after its result",

@@ -499,7 +499,11 @@ void *gpualloc_malloc_or_raise(size_t size, int device, cudaStream_t stream);
 // (it creates nothing). A pointer gpualloc does not know is reported on
 // stderr and in the last error; an allocator that cannot start (a bad
 // `GPUALLOC_CONF`) is reported on stderr once. In a child forked after
-// the allocator started, a no-op: the memory is the parent's.
+// the allocator started, a no-op: the memory is the parent's. Where
+// PyTorch is loaded, its current stream on `device` is read: a free made
+// while another stream than the block's is current waits for that
+// stream's queued work, as `gpualloc_free_on` (Note [The current stream
+// without the bridge]).
 void gpualloc_free(void *ptr, size_t size, int device, cudaStream_t stream);
 
 // `gpualloc_free` of `ptr`, made where `current` is the current stream of
