@@ -23,7 +23,7 @@
 //! and throws on a bad one, which must not cross a Rust frame: it is asked
 //! only for the device the block was allocated on, which c10 counts too.
 
-use std::ffi::{c_char, c_void};
+use std::ffi::{CStr, c_void};
 use std::sync::OnceLock;
 
 /// c10's `CUDAStream` as it is laid out: `c10::Stream` (a `Device` of two
@@ -41,10 +41,10 @@ type GetCurrent = unsafe extern "C" fn(i8) -> CudaStream;
 /// `c10::cuda::CUDAStream::stream() const`: `this` first.
 type Handle = unsafe extern "C" fn(*const CudaStream) -> *mut c_void;
 
-/// The library and the two names (NUL-terminated).
-const LIBRARY: &[u8] = b"libc10_cuda.so\0";
-const GET_CURRENT: &[u8] = b"_ZN3c104cuda20getCurrentCUDAStreamEa\0";
-const HANDLE: &[u8] = b"_ZNK3c104cuda10CUDAStream6streamEv\0";
+/// The library and the two names.
+const LIBRARY: &CStr = c"libc10_cuda.so";
+const GET_CURRENT: &CStr = c"_ZN3c104cuda20getCurrentCUDAStreamEa";
+const HANDLE: &CStr = c"_ZNK3c104cuda10CUDAStream6streamEv";
 
 /// The two functions, if c10 is in the process.
 fn functions() -> Option<(GetCurrent, Handle)> {
@@ -53,18 +53,13 @@ fn functions() -> Option<(GetCurrent, Handle)> {
         // SAFETY: a NUL-terminated name; RTLD_NOLOAD only finds a library
         // already loaded (it runs no initializer), and the handle is kept
         // for the process's life, as the library stays loaded with torch.
-        let lib = unsafe {
-            libc::dlopen(
-                LIBRARY.as_ptr().cast::<c_char>(),
-                libc::RTLD_NOLOAD | libc::RTLD_LAZY,
-            )
-        };
+        let lib = unsafe { libc::dlopen(LIBRARY.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
         if lib.is_null() {
             return None;
         }
-        let find = |name: &[u8]| {
+        let find = |name: &CStr| {
             // SAFETY: `lib` is a live handle and `name` is NUL-terminated.
-            let f = unsafe { libc::dlsym(lib, name.as_ptr().cast::<c_char>()) };
+            let f = unsafe { libc::dlsym(lib, name.as_ptr()) };
             (!f.is_null()).then_some(f)
         };
         let (get, handle) = (find(GET_CURRENT)?, find(HANDLE)?);
