@@ -21,7 +21,8 @@
 //! whose c10 names differ, frees as before: without a current stream. The
 //! lookup is made at the first free and kept. c10 checks the device index
 //! and throws on a bad one, which must not cross a Rust frame: it is asked
-//! only for the device the block was allocated on, which c10 counts too.
+//! only for a device that gpualloc counts (CUDA's devices, as c10 counts
+//! them).
 
 use std::ffi::{CStr, c_void};
 use std::sync::OnceLock;
@@ -77,13 +78,13 @@ fn functions() -> Option<(GetCurrent, Handle)> {
 }
 
 /// PyTorch's current stream of `device` on this thread, as gpualloc names
-/// streams (the handle's address); None without c10 or for a device c10
-/// cannot name.
+/// streams (the handle's address); None without c10. `device` must be one
+/// CUDA counts (c10 throws otherwise).
 pub(crate) fn current(device: i64) -> Option<u64> {
     let device = i8::try_from(device).ok().filter(|&d| d >= 0)?;
     let (get, handle) = functions()?;
-    // SAFETY: c10's functions (`functions`); `device` is the device a block
-    // was allocated on, so c10's device check passes and nothing throws.
+    // SAFETY: c10's functions (`functions`); the caller passes a device
+    // CUDA counts, so c10's device check passes and nothing throws.
     let stream = unsafe { get(device) };
     // SAFETY: `stream` is the value c10 returned, alive for the call.
     let ptr = unsafe { handle(&raw const stream) };

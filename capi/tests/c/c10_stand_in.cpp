@@ -4,6 +4,8 @@
 // that the compiler mangles their names and passes their values as c10's
 // do. A stream's handle is its id; the test sets the current one.
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 
 namespace c10 {
 using DeviceIndex = int8_t;
@@ -42,7 +44,13 @@ c10::cuda::Opaque *c10::cuda::CUDAStream::stream() const {
   return reinterpret_cast<Opaque *>(static_cast<uintptr_t>(stream_.id()));
 }
 
+// c10 throws for a device it does not count; the stand-in counts one
+// (GPUALLOC_SIM_DEVICES's default) and aborts for any other.
 c10::cuda::CUDAStream c10::cuda::getCurrentCUDAStream(DeviceIndex device_index) {
+  if (device_index != 0) {
+    std::fprintf(stderr, "stand-in c10: device %d asked for\n", device_index);
+    std::abort();
+  }
   Device device{DeviceType::CUDA, device_index};
   return CUDAStream(Stream(device, current_ids[device_index & 15]));
 }

@@ -42,6 +42,9 @@ int main(void) {
 #else
   CHECK(r == q, "without c10 the current stream is unknown: reused at once");
 #endif
+  /* A device the allocator does not count is never asked of c10 (which
+   * throws for it): the free is refused as before. */
+  gpualloc_free(r, size, 100, STREAM(1));
   gpualloc_free(r, size, 0, STREAM(1));
   printf("done\n");
   return 0;
