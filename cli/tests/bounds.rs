@@ -163,16 +163,10 @@ fn an_rmm_line_above_64_kib_is_refused_with_its_number() {
 #[test]
 fn an_rmm_log_on_a_pipe_is_read_no_further_than_the_limit_of_a_line() {
     use std::io::Write;
-    use std::process::{Command, Stdio};
     const TOTAL: usize = 64 << 20;
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("piped.gtrace");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
-        .args(["import", "--from", "rmm", "/dev/stdin", "-o", s(&out)])
-        .stdin(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run gpualloc");
+    let mut child = common::import_rmm_from_stdin(&out);
     let mut stdin = child.stdin.take().unwrap();
     let feeder = std::thread::spawn(move || {
         let head = b"Thread,Time,Action,Pointer,Size\n";

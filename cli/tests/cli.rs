@@ -520,7 +520,6 @@ pickle.dump({"segments": [], "device_traces": [[e]]}, open(sys.argv[1], "wb"), p
 #[test]
 fn import_reads_an_rmm_log_from_a_pipe_once() {
     use std::io::Write;
-    use std::process::Stdio;
     let dir = tempfile::tempdir().unwrap();
     let mut text = String::from("Thread,Time,Action,Pointer,Size,Stream,Device\n");
     for i in 0..3000u64 {
@@ -538,12 +537,7 @@ fn import_reads_an_rmm_log_from_a_pipe_once() {
     }
     let from_file = imported_csv(dir.path(), "file", &text);
     let g = dir.path().join("pipe.gtrace");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
-        .args(["import", "--from", "rmm", "/dev/stdin", "-o", s(&g)])
-        .stdin(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run gpualloc");
+    let mut child = common::import_rmm_from_stdin(&g);
     let mut stdin = child.stdin.take().unwrap();
     let writer = std::thread::spawn(move || stdin.write_all(text.as_bytes()));
     let out = child.wait_with_output().unwrap();

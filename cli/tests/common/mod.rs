@@ -18,6 +18,17 @@ pub fn gpualloc(args: &[&str]) -> Output {
         .expect("run gpualloc")
 }
 
+/// Starts `gpualloc import --from rmm /dev/stdin -o out`, its stdin and
+/// stderr piped: the caller feeds the log and waits for the output.
+pub fn import_rmm_from_stdin(out: &Path) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+        .args(["import", "--from", "rmm", "/dev/stdin", "-o", s(out)])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run gpualloc")
+}
+
 /// Runs a command that must succeed; returns stdout and stderr.
 pub fn ok(args: &[&str]) -> (String, String) {
     let out = gpualloc(args);
