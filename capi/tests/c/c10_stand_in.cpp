@@ -35,10 +35,15 @@ class CUDAStream {
   Stream stream_;
 };
 CUDAStream getCurrentCUDAStream(DeviceIndex device_index = -1);
+DeviceIndex device_count() noexcept;
 }  // namespace cuda
 }  // namespace c10
 
 static c10::StreamId current_ids[16];
+
+// One device, as GPUALLOC_SIM_DEVICES's default; a test may count more
+// on gpualloc's side (c10 is asked only for the devices it counts).
+c10::DeviceIndex c10::cuda::device_count() noexcept { return 1; }
 
 c10::cuda::Opaque *c10::cuda::CUDAStream::stream() const {
   return reinterpret_cast<Opaque *>(static_cast<uintptr_t>(stream_.id()));
