@@ -371,14 +371,7 @@ pub extern "C" fn gpualloc_free(
     let _ = (size, stream);
     // PyTorch's current stream, where it is in the process (Note [The
     // current stream without the bridge] in `torch_stream.rs`).
-    // c10 throws for a device it cannot name: only those gpualloc counts.
-    free_from(ptr, device, || {
-        let counted = existing()
-            .is_some_and(|g| usize::try_from(device).is_ok_and(|d| d < g.alloc.device_count()));
-        counted
-            .then(|| torch_stream::current(i64::from(device)))
-            .flatten()
-    });
+    free_from(ptr, device, || torch_stream::current(i64::from(device)));
 }
 
 /// `gpualloc_free` of `ptr`, made where `current` is the current stream of

@@ -20,21 +20,23 @@
 //! never loaded here (`RTLD_NOLOAD`), so a program without PyTorch, or one
 //! whose c10 names differ, frees as before: without a current stream. A
 //! lookup that found the names is kept; one that did not is tried again
-//! every `RETRY`th free (a program may use gpualloc before it imports
-//! torch), not at each, since `dlopen` takes the loader's lock. c10 throws
+//! at every `RETRY`th free of a thread (a program may use gpualloc before
+//! it imports torch), not at each, since `dlopen` takes the loader's lock;
+//! the count is the thread's own, so frees of several threads share no
+//! counter. c10 throws
 //! for a device it does not count (and its first stream setup fails where
 //! CUDA cannot start), which must not cross a Rust frame: the device is
 //! asked only when c10's own `device_count()` (`noexcept`, 0 without a
-//! driver) counts it, besides gpualloc. The stream c10 returns must name
+//! driver) counts it. The stream c10 returns must name
 //! a CUDA device, the one asked (a `c10::Stream` laid out otherwise would
 //! not), before its handle is read. Where the bridge's own call failed,
 //! its deleter frees through `gpualloc_free`, which asks c10 again: once
 //! c10's streams are set up (they are, where a tensor was made), that
 //! call makes no CUDA call and checks only the device index.
 
+use std::cell::Cell;
 use std::ffi::{CStr, c_void};
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU32, Ordering};
 
 /// c10's `CUDAStream` as it is laid out: `c10::Stream` (a `Device` of two
 /// `int8_t`, then the `int64_t` stream id).
@@ -62,7 +64,7 @@ const DEVICE_COUNT: &CStr = c"_ZN3c104cuda12device_countEv";
 const GET_CURRENT: &CStr = c"_ZN3c104cuda20getCurrentCUDAStreamEa";
 const HANDLE: &CStr = c"_ZNK3c104cuda10CUDAStream6streamEv";
 
-/// A failed lookup is tried again at every this many frees.
+/// A failed lookup is tried again at every this many frees of a thread.
 const RETRY: u32 = 4096;
 
 #[derive(Clone, Copy)]
@@ -75,11 +77,14 @@ struct C10 {
 /// c10's functions, if it is in the process.
 fn functions() -> Option<C10> {
     static FOUND: OnceLock<C10> = OnceLock::new();
-    static MISSES: AtomicU32 = AtomicU32::new(0);
+    thread_local! {
+        static MISSES: Cell<u32> = const { Cell::new(0) };
+    }
     if let Some(&f) = FOUND.get() {
         return Some(f);
     }
-    if !MISSES.fetch_add(1, Ordering::Relaxed).is_multiple_of(RETRY) {
+    let misses = MISSES.with(|m| m.replace(m.get().wrapping_add(1)));
+    if !misses.is_multiple_of(RETRY) {
         return None;
     }
     let found = look_up()?;
