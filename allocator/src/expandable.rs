@@ -179,10 +179,10 @@ impl<B: Backend> DeviceAllocator<B> {
                 .drains
                 .pooled_handles(|h, size| pages.is_pooled(h, size));
             if drained.is_empty() {
-                return self.map_expandable_once(pool, stream, rounded, capturing);
+                return self.map_expandable_once(pool, stream, rounded, capturing, false);
             }
             let aside = self.pages.set_aside(&drained);
-            let mapped = self.map_expandable_once(pool, stream, rounded, capturing);
+            let mapped = self.map_expandable_once(pool, stream, rounded, capturing, false);
             self.pages.put_back(aside);
             return mapped;
         }
@@ -198,17 +198,20 @@ impl<B: Backend> DeviceAllocator<B> {
         let mapped = self
             .order_after_pooled_drains(stream)
             .map_err(GrowError::from)
-            .and_then(|()| self.map_expandable_once(pool, stream, rounded, capturing));
+            .and_then(|polled| self.map_expandable_once(pool, stream, rounded, capturing, polled));
         self.backend.hold_later_work(false);
         mapped
     }
 
+    /// `polled`: the fences were polled just before (by
+    /// `order_after_pooled_drains`), so they are not asked again.
     fn map_expandable_once(
         &mut self,
         pool: PoolId,
         stream: StreamId,
         rounded: u64,
         capturing: bool,
+        polled: bool,
     ) -> Result<BlockId, GrowError> {
         let kind = self.heap.pools[pool as usize].kind;
         let page = self.page_size(kind);
@@ -224,7 +227,9 @@ impl<B: Backend> DeviceAllocator<B> {
         // requests come during captures, when events cannot be queried.
         if !capturing && pool <= LARGE {
             let streams = self.expandable_streams();
-            self.fences.poll(&mut self.backend)?;
+            if !polled {
+                self.fences.poll(&mut self.backend)?;
+            }
             // Tidying only: an error leaves the ranges for the next call.
             if let Err(e) = self.retire_idle_drains() {
                 crate::log::drains_left(self.device, &e);
@@ -501,16 +506,21 @@ impl<B: Backend> DeviceAllocator<B> {
     /// on the GPU (`Fences::order_after`), and the pages it maps carry a
     /// stamp of its own (`map_range`). Where the driver refuses, or while
     /// captures are followed through the driver, the host waits for that
-    /// work and the old addresses are unmapped instead.
-    fn order_after_pooled_drains(&mut self, stream: StreamId) -> Result<(), BackendError> {
+    /// work and the old addresses are unmapped instead. Returns whether it
+    /// polled the fences (without error).
+    fn order_after_pooled_drains(&mut self, stream: StreamId) -> Result<bool, BackendError> {
         if self.drains.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         // Those whose work a poll shows done leave first (tidying only: an
         // error leaves them, ordered below like the others).
-        if let Err(e) = self.retire_drains() {
-            crate::log::drains_left(self.device, &e);
-        }
+        let polled = match self.retire_drains() {
+            Ok(()) => true,
+            Err(e) => {
+                crate::log::drains_left(self.device, &e);
+                false
+            }
+        };
         let pages = &self.pages;
         let owners = self
             .drains
@@ -522,9 +532,9 @@ impl<B: Backend> DeviceAllocator<B> {
                     .is_ok()
             });
         if ordered {
-            Ok(())
+            Ok(polled)
         } else {
-            self.finish_pooled_drains()
+            self.finish_pooled_drains().map(|()| polled)
         }
     }
 
