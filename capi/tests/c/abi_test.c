@@ -1,6 +1,6 @@
 /* Exercises the whole C ABI of libgpualloc.so on the simulated backend.
  *
- * Run by capi/tests/abi.rs with GPUALLOC_BACKEND=sim, GPUALLOC_SIM_DEVICES=2,
+ * Run by capi/tests/abi/program.rs with GPUALLOC_BACKEND=sim, GPUALLOC_SIM_DEVICES=2,
  * GPUALLOC_SIM_CAPACITY=1GiB and GPUALLOC_ABI_TRACE=<path of a trace file>.
  * Prints "ok <section>" per section and "ALL OK" at the end; the first
  * failed check prints its line and exits with status 1. */

@@ -1,7 +1,7 @@
 /* gpualloc_ipc_share / _open / _close, as the torch bridge uses them, on
  * the simulated backend.
  *
- * Run by capi/tests/abi.rs with GPUALLOC_BACKEND=sim and GPUALLOC_CONF
+ * Run by capi/tests/abi/segments.rs with GPUALLOC_BACKEND=sim and GPUALLOC_CONF
  * unset (expandable segments: the share's bytes) or set to policy:pytorch
  * (plain segments: length 0 and the offset in the segment). Opening needs
  * the CUDA backend: here it must fail cleanly. Prints "ALL OK" at the end. */

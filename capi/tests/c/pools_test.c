@@ -2,7 +2,7 @@
  * scopes: holds without a scope, use counts, emptyCache(mempool_id), live
  * allocations, and checkpoints of cudagraph trees.
  *
- * Run by capi/tests/abi.rs on the simulated backend (one device) with the
+ * Run by capi/tests/abi/pools.rs on the simulated backend (one device) with the
  * default policy (expandable private pools). Prints "ok <section>" per
  * section and "ALL OK" at the end; the first failed check prints its line
  * and exits with status 1. Invariants are checked after every step. */

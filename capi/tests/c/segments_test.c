@@ -1,7 +1,7 @@
 /* gpualloc_snapshot_segments and gpualloc_set_segment_observer, as the torch
  * bridge uses them, on the simulated backend.
  *
- * Run by capi/tests/abi.rs with GPUALLOC_BACKEND=sim, GPUALLOC_SIM_DEVICES=2,
+ * Run by capi/tests/abi/segments.rs with GPUALLOC_BACKEND=sim, GPUALLOC_SIM_DEVICES=2,
  * GPUALLOC_SIM_CAPACITY=1GiB and GPUALLOC_CONF unset (expandable segments,
  * page moves, stitches) or set to policy:pytorch (plain segments). The
  * observer feeds a registry of ranges, as ProcessGroupNCCL registers memory
