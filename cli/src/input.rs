@@ -283,9 +283,9 @@ fn output_place(out: &Path) -> Option<(std::path::PathBuf, std::ffi::OsString)> 
 /// Opens a trace, explaining what is wrong with a file that is not one,
 /// or with a header field that does not parse.
 pub fn open(path: &Path) -> Result<TraceReader<BufReader<File>>, CliError> {
+    refuse_second_read_of_a_stream(path)?;
     let f =
         File::open(path).map_err(|e| CliError(format!("{}: cannot open: {e}", path.display())))?;
-    refuse_second_read_of_a_stream(path, &f)?;
     let mut src = BufReader::with_capacity(1 << 20, f);
     // The header's body as the buffer holds it (a pipe may give less), for
     // a message on a field the reader finds malformed.
@@ -319,11 +319,15 @@ fn header_body(start: &[u8]) -> Option<Vec<u8>> {
 
 /// A pipe or device (`<(cat t.gtrace)`, `/dev/stdin`) can be read once;
 /// commands that read a trace twice would find it empty the second time.
-/// The second opening is refused with what to do instead.
-fn refuse_second_read_of_a_stream(path: &Path, f: &File) -> Result<(), CliError> {
+/// The second opening is refused with what to do instead, before the file
+/// is opened: opening a named pipe whose writer has gone waits for another
+/// writer, for ever.
+fn refuse_second_read_of_a_stream(path: &Path) -> Result<(), CliError> {
     static STREAMS: std::sync::Mutex<Vec<std::path::PathBuf>> = std::sync::Mutex::new(Vec::new());
-    if f.metadata().is_ok_and(|m| m.is_file()) {
-        return Ok(());
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => {}
+        // A regular file, or a path the opening will say is missing.
+        _ => return Ok(()),
     }
     let mut seen = STREAMS.lock().unwrap_or_else(|e| e.into_inner());
     if seen.iter().any(|p| p == path) {

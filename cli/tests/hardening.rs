@@ -287,6 +287,70 @@ fn a_trace_on_a_pipe_is_read_once_or_refused_with_the_reason() {
     assert!(!err.contains("empty file"), "{err}");
 }
 
+/// A trace on a named pipe: a command that reads its input twice refuses
+/// the second reading before it opens the pipe again. That opening, the
+/// writer gone, used to wait for another writer for ever.
+#[test]
+fn a_trace_on_a_named_pipe_is_refused_not_waited_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = generated(dir.path());
+    let bytes = std::fs::read(&t).unwrap();
+    let fifo = dir.path().join("fifo.gtrace");
+    for args in [
+        vec!["summary"],
+        vec!["replay", "--capacity", "1GiB"],
+        vec!["diff", s(&t)],
+    ] {
+        mkfifo(&fifo);
+        // One writer: its opening waits for the command's first reading.
+        let (path, data) = (fifo.clone(), bytes.clone());
+        std::thread::spawn(move || {
+            let _ = std::fs::write(path, data);
+        });
+        let args: Vec<&str> = args.into_iter().chain([s(&fifo)]).collect();
+        let (code, err) = within_a_minute(&args);
+        assert_eq!(code, Some(1), "gpualloc {args:?}: {err}");
+        assert!(
+            err.contains("fifo.gtrace") && err.contains("not a regular file"),
+            "{err}"
+        );
+        std::fs::remove_file(&fifo).unwrap();
+    }
+}
+
+fn mkfifo(path: &Path) {
+    let made = Command::new("mkfifo").arg(path).status().unwrap();
+    assert!(made.success(), "mkfifo {}", path.display());
+}
+
+/// Runs `gpualloc args`, killed (and the test failed) after a minute;
+/// returns its exit status and stderr.
+fn within_a_minute(args: &[&str]) -> (Option<i32>, String) {
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpualloc"))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("gpualloc {args:?} still running after a minute");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    (status.code(), err)
+}
+
 /// `import` from a pipe: `--from auto` looked at the first bytes and the
 /// importer then read on from the ninth, so a good snapshot or CSV log was
 /// refused as a bad one (`opcode 0x76`, `no Thread column`). It says to
