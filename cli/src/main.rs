@@ -464,14 +464,15 @@ fn sniff(path: &Path) -> Result<From, CliError> {
     use std::io::Read;
     let mut head = [0u8; 8];
     let open_err = |e| CliError(format!("{}: cannot open: {e}", path.display()));
-    let mut f = std::fs::File::open(path).map_err(open_err)?;
-    // A pipe's first bytes, once looked at, are gone for the importer.
-    if !f.metadata().is_ok_and(|m| m.is_file() || m.is_dir()) {
+    // A pipe's first bytes, once looked at, are gone for the importer. Told
+    // before opening: opening a named pipe waits for a writer.
+    if std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir()) {
         return Err(CliError(format!(
             "{}: not a regular file (a pipe or a device): name its format with --from torch or --from rmm, which read it once",
             path.display()
         )));
     }
+    let mut f = std::fs::File::open(path).map_err(open_err)?;
     let n = f.read(&mut head).map_err(open_err)?;
     // A CSV log is text (after a UTF-8 byte order mark, if any); pickles of
     // protocols 0 and 1 start with a mark or an empty dict or list, and

@@ -318,6 +318,20 @@ fn a_trace_on_a_named_pipe_is_refused_not_waited_on() {
     }
 }
 
+/// `import` (format from the first bytes) of a named pipe that no program
+/// writes: refused at once, as any pipe is, where it used to wait for a
+/// writer before refusing.
+#[test]
+fn import_of_a_named_pipe_is_refused_not_waited_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("log.csv");
+    mkfifo(&fifo);
+    let out = dir.path().join("i.gtrace");
+    let (code, err) = within_a_minute(&["import", s(&fifo), "-o", s(&out)]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("log.csv") && err.contains("--from"), "{err}");
+}
+
 fn mkfifo(path: &Path) {
     let made = Command::new("mkfifo").arg(path).status().unwrap();
     assert!(made.success(), "mkfifo {}", path.display());
