@@ -324,10 +324,9 @@ fn header_body(start: &[u8]) -> Option<Vec<u8>> {
 /// writer, for ever.
 fn refuse_second_read_of_a_stream(path: &Path) -> Result<(), CliError> {
     static STREAMS: std::sync::Mutex<Vec<std::path::PathBuf>> = std::sync::Mutex::new(Vec::new());
-    match std::fs::metadata(path) {
-        Ok(m) if !m.is_file() => {}
-        // A regular file, or a path the opening will say is missing.
-        _ => return Ok(()),
+    // A regular file, or a path the opening will say is missing or a folder.
+    if !is_stream(path) {
+        return Ok(());
     }
     let mut seen = STREAMS.lock().unwrap_or_else(|e| e.into_inner());
     if seen.iter().any(|p| p == path) {
@@ -338,6 +337,13 @@ fn refuse_second_read_of_a_stream(path: &Path) -> Result<(), CliError> {
     }
     seen.push(path.to_path_buf());
     Ok(())
+}
+
+/// Whether `path` names a pipe or a device (neither a regular file nor a
+/// folder): told without opening it, since opening a named pipe waits for
+/// a writer.
+pub fn is_stream(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir())
 }
 
 /// Why a file whose first bytes are `found` is not a trace, with a hint at

@@ -464,9 +464,8 @@ fn sniff(path: &Path) -> Result<From, CliError> {
     use std::io::Read;
     let mut head = [0u8; 8];
     let open_err = |e| CliError(format!("{}: cannot open: {e}", path.display()));
-    // A pipe's first bytes, once looked at, are gone for the importer. Told
-    // before opening: opening a named pipe waits for a writer.
-    if std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir()) {
+    // A pipe's first bytes, once looked at, are gone for the importer.
+    if input::is_stream(path) {
         return Err(CliError(format!(
             "{}: not a regular file (a pipe or a device): name its format with --from torch or --from rmm, which read it once",
             path.display()
