@@ -178,11 +178,8 @@ impl<B: Backend> DeviceAllocator<B> {
             let drained = self
                 .drains
                 .pooled_handles(|h, size| pages.is_pooled(h, size));
-            if drained.is_empty() {
-                return self.map_expandable_once(pool, stream, rounded, capturing, false);
-            }
             let aside = self.pages.set_aside(&drained);
-            let mapped = self.map_expandable_once(pool, stream, rounded, capturing, false);
+            let mapped = self.map_expandable_once(pool, stream, rounded, true, false);
             self.pages.put_back(aside);
             return mapped;
         }
