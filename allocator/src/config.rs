@@ -35,6 +35,7 @@
 //! | `defer_unmap` | `true`/`false` | true | with `defragment`: pages taken from a free block whose work may still run are mapped where the request fits at once and unmapped from the old place once that work is done, when the request is on the same stream (Note [Unmapping behind the work]); `false`: the host waits for that work first |
 //! | `stitch_min_mb` | integer, 0–1048576 | 32 | with `defragment`: requests of at least this many MiB may be served by stitching free pages into a fresh range (0: never) |
 //! | `stitch_budget` | 0 ≤ x ≤ 1 | 0.05 | with `defragment`: the share of elapsed time that defragmenting and stitching may spend in driver calls before stitches are built or repaired only for requests that could not grow instead (1: no limit; Note [Stitch budget]); while it has no credit, defragmentation takes the smallest free runs first (0: always; Note [Reclaim order]) |
+//! | `stitch_short_share` | integer, 0–1024 | 0 | with stitching: a request that lacks less than 1/N of its size in its window builds or repairs a stitch only while cached stitches have been taken whole at least as often as built, after the first two (0: whatever it lacks; Note [When a stitch pays]) |
 //!
 //! A key may appear once. Numbers are plain decimal; a value outside its
 //! range is an error, never clamped or wrapped, so no accepted value can
@@ -131,6 +132,10 @@ pub const KEYS: &[(&str, &str)] = &[
         "share of elapsed time defragmenting may spend in driver calls before stitches are built or repaired only for requests that cannot grow instead and the smallest free runs are moved first (0 to 1; 1: no limit)",
     ),
     (
+        "stitch_short_share",
+        "with stitching, a request lacking less than 1/N of its size builds or repairs a stitch only while cached stitches are taken whole as often as built (0 to 1024; 0: off)",
+    ),
+    (
         "expandable_segments",
         "grow one virtual address range per pool and stream by mapping pages (true/false)",
     ),
@@ -191,6 +196,10 @@ pub struct Config {
     pub stitch_budget: f64,
     /// Requests of at least this many bytes may be stitched (`u64::MAX`: never).
     pub stitch_min: u64,
+    /// A request lacking less than 1/N of its size builds or repairs a
+    /// stitch only where stitches have paid (0: off; Note [When a stitch
+    /// pays] in `stitch_cache.rs`).
+    pub stitch_short_share: u64,
     /// Mapping granularity of large-pool expandable segments.
     pub expandable_page: u64,
     /// Largest physical handle created at once.
@@ -220,6 +229,7 @@ impl Default for Config {
             defragment_budget: 0.03,
             stitch_budget: 0.05,
             stitch_min: 32 * MIB,
+            stitch_short_share: 0,
             expandable_page: 2 * MIB,
             expandable_handle: 16 * MIB,
             source: String::new(),
@@ -425,6 +435,13 @@ impl Config {
                     return Err(err(key, format!("{mb} is above 1048576")));
                 }
                 self.stitch_min = if mb == 0 { u64::MAX } else { mb * MIB };
+            }
+            "stitch_short_share" => {
+                let n = parse_u64(key, v)?;
+                if n > 1024 {
+                    return Err(err(key, format!("{n} is above 1024")));
+                }
+                self.stitch_short_share = n;
             }
             "defragment_headroom" => {
                 let x = parse_f64(key, v)?;
@@ -711,6 +728,8 @@ mod tests {
             ("expandable_handle_mb:6", "expandable_handle_mb"),
             ("expandable_handle_mb:2048", "expandable_handle_mb"),
             ("defragment_headroom:1.5", "defragment_headroom"),
+            ("stitch_short_share:1025", "stitch_short_share"),
+            ("stitch_short_share:-1", "stitch_short_share"),
             ("stitch_budget:1.5", "stitch_budget"),
             ("stitch_budget:-0.1", "stitch_budget"),
         ] {

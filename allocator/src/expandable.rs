@@ -244,7 +244,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 && pool == LARGE
                 && rounded >= self.config.stitch_min
             {
-                let spend = self.stitch_may_spend(short)?;
+                let spend = self.stitch_may_spend(short, rounded)?;
                 let stitched = self.stitch_for(stream, rounded, spend);
                 self.charge_defragmentation(calls);
                 // A stitch that fails (no address space left, a driver
@@ -396,17 +396,22 @@ impl<B: Backend> DeviceAllocator<B> {
     }
 
     /// Whether serving a request from a stitch may make driver calls (build
-    /// or repair one) when it is `short` bytes short of its window: always
-    /// when growing by that much would pass the capacity (the promise holds
-    /// whatever the budget), else while the stitch budget has credit (Note
-    /// [Stitch budget] in `budget.rs`).
-    fn stitch_may_spend(&mut self, short: u64) -> Result<bool, AllocError> {
+    /// or repair one) when it is `short` of its `rounded` bytes short of its
+    /// window: always when growing by that much would pass the capacity (the
+    /// promise holds whatever the budget), else where a stitch pays (Note
+    /// [When a stitch pays] in `stitch_cache.rs`) and while the stitch
+    /// budget has credit (Note [Stitch budget] in `budget.rs`).
+    fn stitch_may_spend(&mut self, short: u64, rounded: u64) -> Result<bool, AllocError> {
         let held = self.stats.reserved_bytes.all.current as u64;
         if held + short > self.capacity()? {
             return Ok(true);
         }
+        // The budget's clock starts and its credit is capped whatever the
+        // request, so it is asked first.
         let now = self.call_time();
-        Ok(self.stitch_budget.allows(now, self.config.stitch_budget))
+        let credit = self.stitch_budget.allows(now, self.config.stitch_budget);
+        let share = self.config.stitch_short_share;
+        Ok(credit && self.stitches.worth_calls(short, rounded, share))
     }
 
     /// Where `rounded` bytes go in `(pool, stream)`'s expandable segments:

@@ -110,6 +110,7 @@ impl<B: Backend> DeviceAllocator<B> {
         if best.is_none() && !spend {
             return Ok(None);
         }
+        let whole = best.is_some();
         let mut built = None;
         if best.is_none()
             && let Some((r, _, busy)) = repairable
@@ -139,6 +140,11 @@ impl<B: Backend> DeviceAllocator<B> {
                 None => return Ok(None),
             },
         };
+        if whole {
+            self.stitches.taken_whole += 1;
+        } else if best.is_none() {
+            self.stitches.built += 1;
+        }
         crate::log::stitched(self.device, stream, rounded, best.is_some());
         Ok(Some(self.claim_stitch(i, rounded)))
     }
@@ -593,6 +599,86 @@ pub(crate) mod tests {
         ok(&d);
         assert_eq!(d.backend().used(), 0);
         assert_eq!(d.backend().mappings(), 0, "stitches are torn down too");
+    }
+
+    #[test]
+    fn a_stitch_pays_when_its_request_lacks_much_or_layouts_have_repeated() {
+        use crate::stitch_cache::{FREE_BUILDS, Stitches};
+        let mut s = Stitches::default();
+        let (short, rounded, share) = (MIB, 64 * MIB, 8);
+        // The first builds are free; then only while taken whole as often.
+        assert!(s.worth_calls(short, rounded, share));
+        s.built = FREE_BUILDS;
+        assert!(!s.worth_calls(short, rounded, share));
+        assert!(s.worth_calls(short, rounded, 0), "off");
+        assert!(s.worth_calls(rounded / share, rounded, share));
+        assert!(!s.worth_calls(rounded / share - 1, rounded, share));
+        s.taken_whole = FREE_BUILDS;
+        assert!(s.worth_calls(short, rounded, share));
+        s.built = u64::MAX;
+        assert!(s.worth_calls(u64::MAX, u64::MAX, 1024), "no overflow");
+    }
+
+    /// As `fragmented_with(conf)`, with 60 MiB more at the segment's end
+    /// freed too: a 64 MiB request there lacks only 4 MiB of its window.
+    fn fragmented_with_a_free_end(conf: &str) -> (DeviceAllocator<SimBackend>, Vec<u64>) {
+        let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::parse(conf).unwrap());
+        let (mut large, mut small) = (Vec::new(), Vec::new());
+        for _ in 0..8 {
+            large.push(d.malloc(16 * MIB, 0).unwrap());
+            small.push(d.malloc(2 * MIB, 0).unwrap());
+        }
+        large.push(d.malloc(60 * MIB, 0).unwrap());
+        for p in large {
+            d.free(p).unwrap();
+        }
+        ok(&d);
+        assert_eq!(d.stats().num_stitch, 0);
+        (d, small)
+    }
+
+    #[test]
+    fn a_request_that_lacks_little_builds_no_stitch_once_stitches_went_unused() {
+        use crate::stitch_cache::FREE_BUILDS;
+        let conf = "expandable_handle_mb:2,stitch_short_share:8";
+        // Stitches built and never taken whole: the request that lacks 4
+        // of its 64 MiB maps only what it lacks, and stays correct.
+        let (mut d, small) = fragmented_with_a_free_end(conf);
+        d.stitches.built = FREE_BUILDS;
+        let maps = d.driver_calls();
+        let p = d.malloc(64 * MIB, 0).unwrap();
+        ok(&d);
+        assert_eq!(d.stats().num_stitch, 0);
+        let mapped = d.driver_calls().since(&maps).handles(DriverCall::Map);
+        assert!(
+            mapped < 32,
+            "mapped {mapped} handles of 2 MiB for 4 MiB lacking"
+        );
+        d.free(p).unwrap();
+        // Stitches taken whole as often as built, or the key left out: the
+        // same request is stitched from the free runs (32 handles mapped).
+        let (mut d2, small2) = fragmented_with_a_free_end(conf);
+        d2.stitches.built = FREE_BUILDS;
+        d2.stitches.taken_whole = FREE_BUILDS;
+        let (mut d3, small3) = fragmented_with_a_free_end("expandable_handle_mb:2");
+        d3.stitches.built = FREE_BUILDS;
+        let mut done = vec![(d, small)];
+        for (mut e, live) in [(d2, small2), (d3, small3)] {
+            let p = e.malloc(64 * MIB, 0).unwrap();
+            ok(&e);
+            assert_eq!(e.stats().num_stitch, 1);
+            assert_eq!(e.stitches.built, FREE_BUILDS + 1);
+            e.free(p).unwrap();
+            done.push((e, live));
+        }
+        for (mut e, live) in done {
+            for q in live {
+                e.free(q).unwrap();
+            }
+            e.empty_cache().unwrap();
+            ok(&e);
+            assert_eq!(e.backend().used(), 0);
+        }
     }
 
     #[test]

@@ -103,9 +103,48 @@ pub(crate) struct Stitches {
     pub list: Vec<Stitch>,
     /// Claims so far (the clock of `used_at`).
     pub uses: u64,
+    /// Stitches built so far, and requests served by a cached stitch taken
+    /// whole (no driver call): whether layouts repeat (Note [When a stitch
+    /// pays]).
+    pub built: u64,
+    pub taken_whole: u64,
 }
 
+/// Note [When a stitch pays]
+/// A stitch maps every handle of its request (about 45 µs each on an H200,
+/// `cuMemSetAccess` being per handle), where moving pages maps only the
+/// shortfall, at about twice that per handle (unmap, map, set access). A
+/// request that lacks a small share of its size (a window at the end of a
+/// segment already mostly mapped) pays for a stitch many times what the
+/// move costs, and earns it back only when the stitch is taken whole again
+/// later, with no call, as happens when layouts repeat (ResNet-50's steps
+/// alternate between two). With `stitch_short_share:N`, a stitch is built
+/// or repaired for a request that lacks less than 1/N of its size only
+/// while cached stitches have been taken whole at least as often as
+/// stitches were built (the first `FREE_BUILDS` builds are free, so that
+/// the evidence can start). Replayed over the recorded traces and their
+/// perturbations (forty-seventh study in `docs/policy-experiments.md`),
+/// N = 8 lowers the mean predicted driver time by 6% at a slightly lower
+/// mean R/A; it is off by default until traces recorded under it on a GPU
+/// confirm the replays (every recorded trace replays to the GPU's peaks
+/// under the policy it was recorded with). The counts are the device's
+/// whole life: `empty_cache` drops the stitches, not what the workload
+/// showed of its layouts. Requests that would grow past the capacity
+/// stitch whatever the rule (the promise, `stitch_may_spend`).
+pub(crate) const FREE_BUILDS: u64 = 2;
+
 impl Stitches {
+    /// Whether a stitch may be built or repaired, with driver calls, for a
+    /// request of `rounded` bytes that lacks `short` of them in its window,
+    /// under `stitch_short_share:share` (Note [When a stitch pays]). A
+    /// cached stitch taken whole needs no call and is always allowed.
+    pub fn worth_calls(&self, short: u64, rounded: u64, share: u64) -> bool {
+        share == 0
+            || short.saturating_mul(share) >= rounded
+            || self.built < FREE_BUILDS
+            || self.taken_whole >= self.built
+    }
+
     /// Whether a cached stitch aliases a handle mapped in `[lo, hi)`.
     pub fn aliased(&self, lo: DevicePtr, hi: DevicePtr) -> bool {
         self.cached_over(lo, hi).is_some()

@@ -485,6 +485,16 @@ proptest! {
     }
 
     #[test]
+    fn pages_with_stitches_only_where_they_pay(capacity in capacity(), ops in ops()) {
+        run("expandable_handle_mb:2,stitch_min_mb:2,stitch_short_share:8", PAGE, capacity, &ops)?;
+    }
+
+    #[test]
+    fn default_handles_with_stitches_only_where_they_pay(capacity in capacity(), ops in ops()) {
+        run("stitch_min_mb:2,stitch_short_share:1024", 16 * MIB, capacity, &ops)?;
+    }
+
+    #[test]
     fn default_handles_without_stitch_budget(capacity in capacity(), ops in ops()) {
         run("stitch_budget:0,stitch_min_mb:2", 16 * MIB, capacity, &ops)?;
     }
