@@ -35,7 +35,7 @@
 //! | `defer_unmap` | `true`/`false` | true | with `defragment`: pages taken from a free block whose work may still run are mapped where the request fits at once and unmapped from the old place once that work is done, when the request is on the same stream (Note [Unmapping behind the work]); `false`: the host waits for that work first |
 //! | `stitch_min_mb` | integer, 0–1048576 | 32 | with `defragment`: requests of at least this many MiB may be served by stitching free pages into a fresh range (0: never) |
 //! | `stitch_budget` | 0 ≤ x ≤ 1 | 0.05 | with `defragment`: the share of elapsed time that defragmenting and stitching may spend in driver calls before stitches are built or repaired only for requests that could not grow instead (1: no limit; Note [Stitch budget]); while it has no credit, defragmentation takes the smallest free runs first (0: always; Note [Reclaim order]) |
-//! | `stitch_short_share` | integer, 0–1024 | 0 | with stitching: a request that lacks less than 1/N of its size in its window builds or repairs a stitch only while cached stitches have been taken whole at least as often as built, after the first two (0: whatever it lacks; Note [When a stitch pays]) |
+//! | `stitch_short_share` | integer, 0–1024 | 0 | with stitching: a request that lacks less than 1/N of its size in its window builds or repairs a stitch only while cached stitches have been taken whole at least as often as built, after the first two (0: off; Note [When a stitch pays]) |
 //!
 //! A key may appear once. Numbers are plain decimal; a value outside its
 //! range is an error, never clamped or wrapped, so no accepted value can

@@ -395,9 +395,9 @@ impl<B: Backend> DeviceAllocator<B> {
         self.stitch_budget.charge(ns);
     }
 
-    /// Whether serving a request from a stitch may make driver calls (build
-    /// or repair one) when it is `short` of its `rounded` bytes short of its
-    /// window: always when growing by that much would pass the capacity (the
+    /// Whether serving a request of `rounded` bytes from a stitch may make
+    /// driver calls (build or repair one) when its window lacks `short`
+    /// bytes: always when growing by that much would pass the capacity (the
     /// promise holds whatever the budget), else where a stitch pays (Note
     /// [When a stitch pays] in `stitch_cache.rs`) and while the stitch
     /// budget has credit (Note [Stitch budget] in `budget.rs`).

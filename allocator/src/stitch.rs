@@ -585,11 +585,13 @@ pub(crate) mod tests {
         d.free(p).unwrap();
         ok(&d);
         // The same request again: the cached stitch, no driver call.
+        assert_eq!((d.stitches.built, d.stitches.taken_whole), (1, 0));
         let calls = d.driver_calls();
         let p2 = d.malloc(64 * MIB, 0).unwrap();
         ok(&d);
         assert_eq!(p2, p);
         assert_eq!(d.stats().num_stitch, 1);
+        assert_eq!((d.stitches.built, d.stitches.taken_whole), (1, 1));
         assert_eq!(d.driver_calls().since(&calls).calls(DriverCall::Map), 0);
         d.free(p2).unwrap();
         for s in small {
@@ -671,6 +673,19 @@ pub(crate) mod tests {
             e.free(p).unwrap();
             done.push((e, live));
         }
+        // Growing by what it lacks would pass the limit: it stitches
+        // whatever the rule (the promise), holding no more.
+        let (mut e, live) = fragmented_with_a_free_end(conf);
+        e.stitches.built = FREE_BUILDS;
+        let reserved = e.stats().reserved_bytes.all.current as u64;
+        e.set_memory_limit(Some(reserved + 2 * MIB));
+        let p = e.malloc(64 * MIB, 0).unwrap();
+        ok(&e);
+        assert_eq!(e.stats().num_stitch, 1);
+        assert_eq!(e.stats().reserved_bytes.all.current as u64, reserved);
+        e.free(p).unwrap();
+        e.set_memory_limit(None);
+        done.push((e, live));
         for (mut e, live) in done {
             for q in live {
                 e.free(q).unwrap();

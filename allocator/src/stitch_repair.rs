@@ -359,6 +359,9 @@ mod tests {
         let spent = d.driver_calls().since(&calls);
         assert_eq!(again, stitched, "the same range, repaired");
         assert_eq!(d.stats().num_stitch, 1, "no stitch built");
+        // A repair is neither a build nor a whole take (Note [When a
+        // stitch pays]).
+        assert_eq!((d.stitches.built, d.stitches.taken_whole), (1, 0));
         assert_eq!(spent.calls(DriverCall::Map), 1, "{spent}");
         // Only the hole left to leave later, if it was, is unmapped now.
         assert_eq!(spent.calls(DriverCall::Unmap), in_stitch, "{spent}");
