@@ -110,7 +110,10 @@ impl<B: Backend> DeviceAllocator<B> {
         if best.is_none() && !spend {
             return Ok(None);
         }
-        let whole = best.is_some();
+        if best.is_some() {
+            // Claimed below, with no driver call (Note [When a stitch pays]).
+            self.stitches.taken_whole += 1;
+        }
         let mut built = None;
         if best.is_none()
             && let Some((r, _, busy)) = repairable
@@ -140,11 +143,6 @@ impl<B: Backend> DeviceAllocator<B> {
                 None => return Ok(None),
             },
         };
-        if whole {
-            self.stitches.taken_whole += 1;
-        } else if best.is_none() {
-            self.stitches.built += 1;
-        }
         crate::log::stitched(self.device, stream, rounded, best.is_some());
         Ok(Some(self.claim_stitch(i, rounded)))
     }
@@ -201,6 +199,7 @@ impl<B: Backend> DeviceAllocator<B> {
             return Err(e.into());
         }
         self.stats.num_stitch += 1;
+        self.stitches.built += 1;
         // Listed when claimed (Note [Segment events]).
         self.notify(SegmentAction::MapUnlisted, STITCH, stream, va, total);
         self.count_obtained(total);

@@ -105,7 +105,8 @@ pub(crate) struct Stitches {
     pub uses: u64,
     /// Stitches built so far, and requests served by a cached stitch taken
     /// whole (no driver call): whether layouts repeat (Note [When a stitch
-    /// pays]).
+    /// pays]). Not `num_stitch`, which `reset_accumulated_memory_stats`
+    /// clears: the policy does not follow the user's resets.
     pub built: u64,
     pub taken_whole: u64,
 }
