@@ -512,6 +512,12 @@ pub(crate) mod tests {
     /// `conf`; freeing the large ones leaves 128 MiB free in pieces, none
     /// of which holds 64 MiB. Returns the live blocks.
     pub(crate) fn fragmented_with(conf: &str) -> (DeviceAllocator<SimBackend>, Vec<u64>) {
+        fragmented_then_freed(conf, &[])
+    }
+
+    /// `fragmented_with(conf)`, with blocks of `tail` sizes allocated after
+    /// the pieces and freed with them.
+    fn fragmented_then_freed(conf: &str, tail: &[u64]) -> (DeviceAllocator<SimBackend>, Vec<u64>) {
         let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::parse(conf).unwrap());
         let mut large = Vec::new();
         let mut small = Vec::new();
@@ -519,6 +525,7 @@ pub(crate) mod tests {
             large.push(d.malloc(16 * MIB, 0).unwrap());
             small.push(d.malloc(2 * MIB, 0).unwrap());
         }
+        large.extend(tail.iter().map(|&size| d.malloc(size, 0).unwrap()));
         for p in large {
             d.free(p).unwrap();
         }
@@ -623,17 +630,7 @@ pub(crate) mod tests {
     /// As `fragmented_with(conf)`, with 60 MiB more at the segment's end
     /// freed too: a 64 MiB request there lacks only 4 MiB of its window.
     fn fragmented_with_a_free_end(conf: &str) -> (DeviceAllocator<SimBackend>, Vec<u64>) {
-        let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::parse(conf).unwrap());
-        let (mut large, mut small) = (Vec::new(), Vec::new());
-        for _ in 0..8 {
-            large.push(d.malloc(16 * MIB, 0).unwrap());
-            small.push(d.malloc(2 * MIB, 0).unwrap());
-        }
-        large.push(d.malloc(60 * MIB, 0).unwrap());
-        for p in large {
-            d.free(p).unwrap();
-        }
-        ok(&d);
+        let (d, small) = fragmented_then_freed(conf, &[60 * MIB]);
         assert_eq!(d.stats().num_stitch, 0);
         (d, small)
     }
