@@ -98,13 +98,15 @@ def variant(name):
     """(checks.py --alloc, extra environment) of a variant name; ValueError if unknown.
 
     "gpualloc-b" and "gpualloc-b[CONF]" run the library at GPUALLOC_LIBRARY_B
-    (a second build, for an A/B comparison in one interleaved run)."""
+    (a second build, for an A/B comparison in one interleaved run);
+    "gpualloc-traced[CONF]" records its trainings' traces under CONF."""
     if name in VARIANTS:
         return VARIANTS[name]
-    m = re.fullmatch(r"(gpualloc-b|gpualloc|native)(?:\[(.*)\])?", name)
+    m = re.fullmatch(r"(gpualloc-b|gpualloc-traced|gpualloc|native)(?:\[(.*)\])?", name)
     if not m or (m[2] is None and m[1] != "gpualloc-b"):
         raise ValueError(
-            f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, gpualloc[CONF], native[CONF] or gpualloc-b[CONF]"
+            f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, gpualloc[CONF], gpualloc-traced[CONF], "
+            "native[CONF] or gpualloc-b[CONF]"
         )
     env = {}
     if m[1] == "gpualloc-b":
@@ -225,8 +227,9 @@ def run_one(check, name, timeout, steps, logdir, extra_args=(), label=None):
 
 def trace_path(logdir, check, name):
     """Where a run of `check` under variant `name` records its trace: for
-    a -traced variant, traces/CHECK.gtrace beside logdir (created); else None."""
-    if not name.endswith("-traced"):
+    a -traced variant (with or without [CONF]; one such variant a run),
+    traces/CHECK.gtrace beside logdir (created); else None."""
+    if not name.split("[")[0].endswith("-traced"):
         return None
     os.makedirs(os.path.join(logdir, "..", "traces"), exist_ok=True)
     return os.path.abspath(os.path.join(logdir, "..", "traces", f"{check}.gtrace"))

@@ -4,6 +4,7 @@ skipped run is found before a device run is spent on it."""
 
 import os
 import sys
+import tempfile
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -133,9 +134,18 @@ class Variants(unittest.TestCase):
     def test_names_and_configurations(self):
         self.assertEqual(driver.parse_variants("native,gpualloc[a:1,b:2]"), ["native", "gpualloc[a:1,b:2]"])
         self.assertEqual(driver.variant("gpualloc[x:1]"), ("gpualloc", {"GPUALLOC_TEST_CONF": "x:1"}))
-        for bad in ("nope", "gpualloc[x", ""):
+        for bad in ("nope", "gpualloc[x", "", "native-traced[x:1]"):
             with self.assertRaises(ValueError):
                 driver.parse_variants(bad)
+
+    def test_a_traced_variant_may_carry_a_configuration(self):
+        self.assertEqual(driver.variant("gpualloc-traced[x:1]"), ("gpualloc", {"GPUALLOC_TEST_CONF": "x:1"}))
+        with tempfile.TemporaryDirectory() as d:
+            logdir = os.path.join(d, "logs")
+            self.assertIsNone(driver.trace_path(logdir, "train_gpt2", "gpualloc[x:1]"))
+            path = driver.trace_path(logdir, "train_gpt2", "gpualloc-traced[x:1]")
+            self.assertEqual(path, os.path.join(d, "traces", "train_gpt2.gtrace"))
+            self.assertTrue(os.path.isdir(os.path.join(d, "traces")))
 
     def test_the_routes_without_the_bridge_need_the_library_and_no_inherited_switch(self):
         self.assertEqual(driver.variant("gpualloc-raw"), ("raw", {}))
