@@ -6,6 +6,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ROOT=$PWD
 export GPUALLOC_LIBRARY=${GPUALLOC_LIBRARY:-$ROOT/target/release/libgpualloc.so}
 export PYTHONPATH=$ROOT/python-shim${PYTHONPATH:+:$PYTHONPATH}
+# The command-line tool the checks replay and read traces with: the one
+# beside the library when both were carried together (target/gpu/), else
+# the build's.
+if [ -z "${GPUALLOC_CLI:-}" ]; then
+  GPUALLOC_CLI=$(dirname "$GPUALLOC_LIBRARY")/gpualloc
+  [ -x "$GPUALLOC_CLI" ] || GPUALLOC_CLI=$ROOT/target/release/gpualloc
+fi
+export GPUALLOC_CLI
 export GPUALLOC_BUILD_DIR=${GPUALLOC_BUILD_DIR:-${TMPDIR:-/tmp}/gpualloc-bridge}
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 export PYTHONUNBUFFERED=1

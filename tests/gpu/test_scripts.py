@@ -3,6 +3,7 @@ run by tools/test.sh, so that a summary that crashes on a failed or
 skipped run is found before a device run is spent on it."""
 
 import os
+import subprocess
 import sys
 import tempfile
 import unittest
@@ -808,6 +809,32 @@ class PromiseBounds(unittest.TestCase):
         r["replay"] = {"error": "FileNotFoundError: gpualloc"}
         t = promise.compare_promise({"promise/gpualloc-traced": {"result": r}}, ["gpualloc-traced"])
         self.assertEqual(t["gpualloc-traced"]["replay_agrees"], "FileNotFoundError: gpualloc")
+
+
+class Environment(unittest.TestCase):
+    """tests/gpu/env.sh, sourced by every GPU script."""
+
+    def cli_of(self, library, cli=None):
+        env = {k: v for k, v in os.environ.items() if k not in ("GPUALLOC_CLI", "GPUALLOC_LIBRARY", "OUT")}
+        env.update(GPUALLOC_LIBRARY=library, OUT=os.path.join(os.path.dirname(library), "out"))
+        if cli is not None:
+            env["GPUALLOC_CLI"] = cli
+        script = f'source "{os.path.join(os.path.dirname(os.path.abspath(__file__)), "env.sh")}"; echo "$GPUALLOC_CLI"'
+        p = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        return p.stdout.strip()
+
+    def test_the_command_line_tool_beside_the_library_is_taken_when_there(self):
+        with tempfile.TemporaryDirectory() as d:
+            lib = os.path.join(d, "libgpualloc.so")
+            root = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+            self.assertEqual(self.cli_of(lib), os.path.join(root, "target", "release", "gpualloc"))
+            beside = os.path.join(d, "gpualloc")
+            with open(beside, "w") as f:
+                f.write("#!/bin/sh\n")
+            os.chmod(beside, 0o755)
+            self.assertEqual(self.cli_of(lib), beside)
+            self.assertEqual(self.cli_of(lib, "/elsewhere/gpualloc"), "/elsewhere/gpualloc")
 
 
 class BudgetCut(unittest.TestCase):
