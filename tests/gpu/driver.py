@@ -135,6 +135,10 @@ def parse_variants(text):
         raise ValueError(f"--variants {text!r}: unbalanced brackets or no variant")
     for n in names:
         variant(n)
+    traced = [n for n in names if n.split("[")[0].endswith("-traced")]
+    if len(traced) > 1:
+        # Each would record traces/CHECK.gtrace (`trace_path`), the last overwriting the others.
+        raise ValueError(f"--variants {text!r}: {', '.join(traced)} would record the same traces; keep one")
     return names
 
 

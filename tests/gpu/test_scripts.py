@@ -135,7 +135,7 @@ class Variants(unittest.TestCase):
     def test_names_and_configurations(self):
         self.assertEqual(driver.parse_variants("native,gpualloc[a:1,b:2]"), ["native", "gpualloc[a:1,b:2]"])
         self.assertEqual(driver.variant("gpualloc[x:1]"), ("gpualloc", {"GPUALLOC_TEST_CONF": "x:1"}))
-        for bad in ("nope", "gpualloc[x", "", "native-traced[x:1]"):
+        for bad in ("nope", "gpualloc[x", "", "native-traced[x:1]", "gpualloc-traced,gpualloc-traced[x:1]"):
             with self.assertRaises(ValueError):
                 driver.parse_variants(bad)
 
