@@ -920,6 +920,35 @@ fn replay_counts_the_memory_calls_after_warm_up() {
     }
 }
 
+/// The host waits a replay made, in the table: the JSON's
+/// `cuEventSynchronize` and `cuCtxSynchronize` calls (ResNet-50's repairs
+/// of busy stitch parts wait for the stitch's last work: forty-eighth
+/// study), and none where nothing waited.
+#[test]
+fn replay_counts_the_host_waits() {
+    let trace = |name: &str| format!("{}/../examples/{name}.gtrace", env!("CARGO_MANIFEST_DIR"));
+    let waits_of = |name: &str| -> (u64, String) {
+        let args = ["replay", "--capacity", "140GiB", "--config", ""];
+        let json: serde_json::Value =
+            serde_json::from_str(&common::ok(&[&args[..], &["--json", &trace(name)]].concat()).0)
+                .unwrap();
+        let kinds = &json[0]["driver_calls_by_kind"];
+        let n = |k: &str| kinds[k]["calls"].as_u64().unwrap_or(0);
+        let text = ok(&[&args[..], &[&trace(name)]].concat());
+        let row = text
+            .lines()
+            .find(|l| l.starts_with("host waits"))
+            .unwrap_or_else(|| panic!("no host waits row in {text}"))
+            .to_string();
+        (n("cuEventSynchronize") + n("cuCtxSynchronize"), row)
+    };
+    let (resnet, row) = waits_of("resnet50");
+    assert!(resnet > 0, "{row}");
+    assert!(row.ends_with(&format!(" {resnet}")), "{row}");
+    let (none, row) = waits_of("bert-checkpoint-amp");
+    assert!(row.ends_with(&format!(" {none}")), "{row}");
+}
+
 /// The steps after warm-up begin with step `n / 5`, whether marks end the
 /// steps or a phase opens each: a request that grows reserved memory in
 /// step 2 of 10 counts, one in step 1 does not.

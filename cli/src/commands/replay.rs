@@ -3,7 +3,9 @@
 //! the peaks it reports the driver calls each configuration makes and the
 //! driver time they would take on an H200 ([`CostModel::h200`]), in all
 //! and in the steps after warm-up (whether a configuration keeps moving
-//! memory once the program runs steadily), and what
+//! memory once the program runs steadily), the host waits among them
+//! (priced as on an idle device: on the GPU each blocks for the work
+//! queued before it, so the time is a lower bound there), and what
 //! reserved memory was made of at its peak (Note [Held memory by unit] in
 //! `allocator/src/held.rs`): which part lies beside live blocks in the
 //! handles or segments they keep (given back only as those blocks are
@@ -42,7 +44,7 @@ use std::fmt::Write;
 use std::path::Path;
 
 use gpualloc::replay::{Departure, DeviceReplay, ReplayResult, replay_split};
-use gpualloc::{Config, CostModel, DriverCalls, Held};
+use gpualloc::{Config, CostModel, DriverCall, DriverCalls, Held};
 use serde_json::json;
 
 use crate::analyses::analysis::{Analysis, analyze};
@@ -473,6 +475,11 @@ fn render(
     });
     row("  of it requests that defragmented", &|_, r| {
         format!("{:.1} ms", r.defragment_ms)
+    });
+    // Priced as on an idle device: on the GPU each blocks for the work
+    // queued before it, which no trace records (`docs/driver-costs.md`).
+    row("host waits (each priced idle)", &|_, r| {
+        (r.driver.calls(DriverCall::EventSync) + r.driver.calls(DriverCall::CtxSync)).to_string()
     });
     // The steps after the first fifth (`warmup_ends`); none in a trace of
     // fewer than five.
