@@ -533,6 +533,19 @@ pub(crate) mod tests {
         (d, small)
     }
 
+    /// Under a limit `room` above what `d` reserves, less than a 64 MiB
+    /// request lacks, the request is stitched (the promise), holding no
+    /// more memory. Returns its block (the limit stays).
+    fn stitched_under_a_limit(d: &mut DeviceAllocator<SimBackend>, room: u64) -> u64 {
+        let reserved = d.stats().reserved_bytes.all.current as u64;
+        d.set_memory_limit(Some(reserved + room));
+        let p = d.malloc(64 * MIB, 0).unwrap();
+        ok(d);
+        assert_eq!(d.stats().num_stitch, 1);
+        assert_eq!(d.stats().reserved_bytes.all.current as u64, reserved);
+        p
+    }
+
     #[test]
     fn without_stitch_budget_only_a_request_that_cannot_grow_builds_a_stitch() {
         // Credit spent (share 0): the 64 MiB request is served as without
@@ -545,12 +558,7 @@ pub(crate) mod tests {
         // Growing by the shortfall would pass the limit: it stitches
         // whatever the budget (the promise), holding no more.
         let (mut d, _small) = fragmented_with("expandable_handle_mb:2,stitch_budget:0");
-        let reserved = d.stats().reserved_bytes.all.current as u64;
-        d.set_memory_limit(Some(reserved + 32 * MIB));
-        let p = d.malloc(64 * MIB, 0).unwrap();
-        ok(&d);
-        assert_eq!(d.stats().num_stitch, 1);
-        assert_eq!(d.stats().reserved_bytes.all.current as u64, reserved);
+        let p = stitched_under_a_limit(&mut d, 32 * MIB);
         // Claiming the cached stitch again makes no call: never refused.
         d.free(p).unwrap();
         d.set_memory_limit(None);
@@ -673,12 +681,7 @@ pub(crate) mod tests {
         // whatever the rule (the promise), holding no more.
         let (mut e, live) = fragmented_with_a_free_end(conf);
         e.stitches.built = FREE_BUILDS;
-        let reserved = e.stats().reserved_bytes.all.current as u64;
-        e.set_memory_limit(Some(reserved + 2 * MIB));
-        let p = e.malloc(64 * MIB, 0).unwrap();
-        ok(&e);
-        assert_eq!(e.stats().num_stitch, 1);
-        assert_eq!(e.stats().reserved_bytes.all.current as u64, reserved);
+        let p = stitched_under_a_limit(&mut e, 2 * MIB);
         e.free(p).unwrap();
         e.set_memory_limit(None);
         done.push((e, live));

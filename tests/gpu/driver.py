@@ -119,6 +119,12 @@ def variant(name):
     return ("native" if m[1] == "native" else "gpualloc"), env
 
 
+def is_traced(name):
+    """Whether variant `name` records traces: a -traced variant, with or
+    without [CONF]."""
+    return name.split("[")[0].endswith("-traced")
+
+
 def parse_variants(text):
     """Splits a comma-separated variant list (commas inside [...] belong to the
     variant) and checks every name; ValueError on an unknown one."""
@@ -135,7 +141,7 @@ def parse_variants(text):
         raise ValueError(f"--variants {text!r}: unbalanced brackets or no variant")
     for n in names:
         variant(n)
-    traced = [n for n in names if n.split("[")[0].endswith("-traced")]
+    traced = [n for n in names if is_traced(n)]
     if len(traced) > 1:
         # Each would record traces/CHECK.gtrace (`trace_path`), the last overwriting the others.
         raise ValueError(f"--variants {text!r}: {', '.join(traced)} would record the same traces; keep one")
@@ -233,7 +239,7 @@ def trace_path(logdir, check, name):
     """Where a run of `check` under variant `name` records its trace: for
     a -traced variant (with or without [CONF]; one such variant a run),
     traces/CHECK.gtrace beside logdir (created); else None."""
-    if not name.split("[")[0].endswith("-traced"):
+    if not is_traced(name):
         return None
     os.makedirs(os.path.join(logdir, "..", "traces"), exist_ok=True)
     return os.path.abspath(os.path.join(logdir, "..", "traces", f"{check}.gtrace"))
