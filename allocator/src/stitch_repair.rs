@@ -236,6 +236,7 @@ impl<B: Backend> DeviceAllocator<B> {
         self.finish_drains_over(va, va + size)?;
         let runs = self.stitches.list[i].runs(|s| s.part().is_none());
         let mut handles = 0;
+        let mut fresh = Vec::new();
         for (first, end, at, bytes) in runs {
             let filled: Vec<Part> = plan[first..end]
                 .iter_mut()
@@ -245,12 +246,14 @@ impl<B: Backend> DeviceAllocator<B> {
             self.backend.map_handles(at, &list, false)?;
             let slots = &mut self.stitches.list[i].slots[first..end];
             for (slot, p) in slots.iter_mut().zip(filled) {
+                fresh.push(p.addr);
                 *slot = Slot::Mapped(p);
             }
             handles += list.len();
             self.notify(SegmentAction::MapUnlisted, STITCH, stream, at, bytes);
         }
         self.stitches.list[i].repaired += replaced;
+        self.stitches.list[i].fresh = fresh;
         crate::log::stitch_repaired(self.device, stream, self.stitches.list[i].size, handles);
         Ok(true)
     }
@@ -561,6 +564,54 @@ mod tests {
             d.stitches.list[0].repaired,
             d.stitches.list[0].slots.len() as u64
         );
+        teardown(d, live);
+    }
+
+    /// A repair that would replace a busy part the last repair put in
+    /// builds a stitch instead: the layouts alternate, and waiting for the
+    /// stitch's work to swap the part back every time buys nothing
+    /// (Note [Stitching]).
+    #[test]
+    fn a_busy_part_the_last_repair_put_in_gets_a_new_stitch_without_a_wait() {
+        let (mut d, mut live, stitched, mut held) = cached_stitch();
+        live.push(d.malloc(2 * MIB, 0).unwrap());
+        d.free(held.remove(0)).unwrap();
+        let again = d.malloc(64 * MIB, 0).unwrap();
+        assert_eq!(again, stitched, "repaired in place");
+        let fresh = d.stitches.list[0].fresh.clone();
+        assert_eq!(fresh.len(), 1, "one handle put in");
+        // The rest of the piece the repair took a handle from fills up, so
+        // that the handle, once the stitch is freed, is the smallest free
+        // block and the next block lands on it: its home is in use again.
+        let before = live.len();
+        for _ in 0..7 {
+            live.push(d.malloc(2 * MIB, 0).unwrap());
+        }
+        d.free(again).unwrap();
+        live.push(d.malloc(2 * MIB, 0).unwrap());
+        let busy: Vec<u64> = {
+            let s = &d.stitches.list[0];
+            s.parts()
+                .filter(|p| !d.part_free(p, 0))
+                .map(|p| p.addr)
+                .collect()
+        };
+        assert_eq!(busy, fresh, "{} blocks placed", live.len() - before);
+        // Still a stitch a repair would take (at most a quarter of its
+        // handles to change), and room for a new one.
+        let slots = d.stitches.list[0].slots.len();
+        assert!(busy.len() * 4 <= slots);
+        for p in held.drain(..) {
+            d.free(p).unwrap();
+        }
+        ok(&d);
+        let waits = d.backend.counters.wait_event;
+        let claim = d.malloc(64 * MIB, 0).unwrap();
+        ok(&d);
+        assert_ne!(claim, stitched, "a new stitch");
+        assert_eq!(d.stats().num_stitch, 2);
+        assert_eq!(d.backend.counters.wait_event, waits, "no host wait");
+        live.push(claim);
         teardown(d, live);
     }
 

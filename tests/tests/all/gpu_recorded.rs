@@ -97,10 +97,15 @@ fn detector_trace_replays_to_the_peaks_measured_on_the_gpu() {
     // Recorded with the library of f6e80e5 in
     // `docs/results/h200-round14/bench-resnet-detector.json`, which read
     // 2,707,423,232 B reserved (the library before it 2,724,200,448 B in
-    // round 9); round 40's reclaim order reads what this replay gives.
+    // round 9); round 40's reclaim order read 2,717,908,992 B, and so did
+    // three runs on an H100 in round 75 (`docs/results/h100-round75/`).
+    // Round 75's rule that builds a stitch rather than wait to repair a part
+    // the last repair put in (Note [Stitching]) gives this replay; the same
+    // workload read 2,705,326,080–2,709,520,384 B under it on the H100
+    // (untraced runs, whose budget decisions follow their own clocks).
     assert_eq!(
         replay_example("detector-multiscale.gtrace", None),
-        (2_717_908_992, 2_629_305_344, 0)
+        (2_703_228_928, 2_629_305_344, 0)
     );
     // PyTorch's own allocator on the GPU (round 6's run of the same
     // calls: every run of this workload allocates the same sizes in the
@@ -484,7 +489,7 @@ fn what_reserved_memory_is_made_of_at_its_peak() {
         (
             "detector-multiscale.gtrace",
             None,
-            (2_717_908_992, 93_460_992, 0, 0),
+            (2_703_228_928, 73_949_696, 0, 0),
         ),
         (
             "graph-branches-restores.gtrace",
@@ -593,9 +598,10 @@ fn recordings_of_todays_policy_obtain_what_the_gpu_did_after_every_call() {
 /// random image sizes (`accelerate-convnext.gtrace`), and from
 /// transformers wav2vec2 CTC on raw audio of random lengths
 /// (`speech-ctc.gtrace`) and T5 with Adafactor on random source and target
-/// lengths (`t5-adafactor.gtrace`). Each replays to its traced GPU run's
-/// peaks and to the memory calls the CUDA backend counted, and never
-/// departs from what the recording obtained. Under PyTorch's rules the
+/// lengths (`t5-adafactor.gtrace`). Each replayed to its traced GPU run's
+/// peaks and to the memory calls the CUDA backend counted, never
+/// departing from what the recording obtained; three still do (two
+/// changed in round 75, below). Under PyTorch's rules the
 /// same calls reserve, to the byte, what PyTorch's own allocator reserved
 /// in the same sweep (3.02x the live peak on the graphs), but for two:
 /// wav2vec2's replay reserves 10,741,612,544 B, 2 MiB more than PyTorch's
@@ -603,6 +609,13 @@ fn recordings_of_todays_policy_obtain_what_the_gpu_did_after_every_call() {
 /// 5,802,906,112, so that run made other calls (cause not established; the
 /// test holds the replay's own figure). Accelerate's replay reserves
 /// PyTorch's figure but peaks 229,376 B below its allocated one.
+/// Since round 75 a repair that would replace a busy part the last repair
+/// put in builds a stitch instead (Note [Stitching] in
+/// `allocator/src/stitch.rs`), which changes two of these replays: they
+/// depart from their recordings (LoRA at event 46,363, wav2vec2 at
+/// 55,032), LoRA making 2,078 memory calls for the same peaks (its run
+/// counted 1,965), wav2vec2 13,162 and 5,800,722,432 B reserved (its run
+/// 12,740 and 5,792,333,824: R/A 1.0080 against 1.0066).
 #[test]
 fn third_party_library_traces_replay_to_the_gpus_peaks_and_memory_calls() {
     for (name, peaks, calls, pytorch_reserved) in [
@@ -615,7 +628,7 @@ fn third_party_library_traces_replay_to_the_gpus_peaks_and_memory_calls() {
         (
             "lora-llama.gtrace",
             (3_781_165_056, 3_723_684_864),
-            1965,
+            2078,
             4_680_843_264,
         ),
         (
@@ -626,8 +639,8 @@ fn third_party_library_traces_replay_to_the_gpus_peaks_and_memory_calls() {
         ),
         (
             "speech-ctc.gtrace",
-            (5_792_333_824, 5_754_539_520),
-            12_740,
+            (5_800_722_432, 5_754_539_520),
+            13_162,
             10_741_612_544,
         ),
         (
@@ -638,7 +651,9 @@ fn third_party_library_traces_replay_to_the_gpus_peaks_and_memory_calls() {
         ),
     ] {
         replays_to_the_gpus(name, peaks, calls);
-        assert_eq!(replayed(name, None).departure, None, "{name}");
+        let departs = matches!(name, "lora-llama.gtrace" | "speech-ctc.gtrace");
+        let departure = replayed(name, None).departure;
+        assert_eq!(departure.is_some(), departs, "{name}: {departure:?}");
         let (reserved, _, ooms) = replay_example(name, Some("policy:pytorch"));
         assert_eq!((reserved, ooms), (pytorch_reserved, 0), "{name}");
     }
