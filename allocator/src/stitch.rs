@@ -38,9 +38,10 @@
 //! waiting for its work each time; so it ends with a stitch per layout and
 //! no driver call, at most twice what the best choice in hindsight costs.
 //! A repair that would replace a busy part which the last repair put in
-//! builds a new stitch too (when one can be built): the layouts alternate
-//! there, and each repair would wait for the stitch's work to swap the
-//! part back. Measured on an H100 (round 75): ResNet-50 went from 14 host
+//! (the stitch not taken whole since) builds a new stitch too, when the
+//! free runs can make one: the layouts swing between two there, and each
+//! repair would wait for the stitch's work to swap the part back. That
+//! gives up the bound of twice the best choice's calls for the waits. Measured on an H100 (round 75): ResNet-50 went from 14 host
 //! waits to 1 (206 to 26 ms of `cuEventSynchronize` a run, its mean step
 //! unchanged), the detector's R/A from 1.0337 to 1.0289 (median of three
 //! runs; 1.0289–1.0369 over four) for 14% more memory calls after warm-up;
@@ -98,11 +99,7 @@ impl<B: Backend> DeviceAllocator<B> {
             {
                 continue;
             }
-            let busy: Vec<DevicePtr> = s
-                .parts()
-                .filter(|p| !self.part_free(p, stream))
-                .map(|p| p.addr)
-                .collect();
+            let busy = self.busy_parts(s);
             let change = s.holes() + busy.len();
             if change == 0 {
                 if best.is_none_or(|b| s.size < list[b].size) {
@@ -119,19 +116,24 @@ impl<B: Backend> DeviceAllocator<B> {
         if best.is_none() && !spend {
             return Ok(None);
         }
-        if best.is_some() {
+        if let Some(b) = best {
             // Claimed below, with no driver call (Note [When a stitch pays]).
+            // Its layout came back whole: a part busy later is a new layout,
+            // not a swing back (Note [Stitching]).
             self.stitches.taken_whole += 1;
+            self.stitches.list[b].fresh.clear();
         }
         let mut built = None;
         if best.is_none()
             && let Some((r, _, busy)) = repairable
         {
             // Repairs that have replaced as many parts as the stitch has
-            // cost what a new stitch does: one is built for this layout
+            // cost what a new stitch does, and a busy part the last repair
+            // put in means the layouts swing: one is built for this layout
             // instead, and the old one kept for its own (Note [Stitching]).
-            // When none can be built (nothing has changed then), it is
-            // repaired after all.
+            // When the free runs cannot make one (nothing has changed
+            // then), it is repaired after all; a build that fails goes to
+            // the caller, which moves pages or grows instead.
             let s = &self.stitches.list[r];
             let bounce = busy.iter().any(|a| s.fresh.contains(a));
             if bounce || s.repaired >= s.slots.len() as u64 {
@@ -157,8 +159,17 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(Some(self.claim_stitch(i, rounded)))
     }
 
+    /// The home addresses of cached stitch `s`'s parts that no longer lie,
+    /// with the same handle, in a free block of its stream.
+    pub(crate) fn busy_parts(&self, s: &Stitch) -> Vec<DevicePtr> {
+        s.parts()
+            .filter(|p| !self.part_free(p, s.stream))
+            .map(|p| p.addr)
+            .collect()
+    }
+
     /// Whether a part lies, with the same handle, in a free block of `stream`.
-    pub(crate) fn part_free(&self, p: &Part, stream: StreamId) -> bool {
+    fn part_free(&self, p: &Part, stream: StreamId) -> bool {
         self.pages.handle_at(p.addr) == Some((p.handle, p.size))
             && self.heap.find_block(p.seg, p.addr).is_some_and(|b| {
                 let b = &self.heap.blocks[b];

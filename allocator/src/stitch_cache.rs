@@ -58,8 +58,9 @@ pub(crate) struct Stitch {
     /// Parts its repairs have replaced since it was built (a hole or busy
     /// part counts once, however many handles fill it).
     pub repaired: u64,
-    /// Home addresses of the parts its last repair mapped in (Note
-    /// [Stitching]: a repair that would wait on one builds instead).
+    /// Home addresses of the parts its last repair mapped in, until it is
+    /// next taken whole (Note [Stitching]: a repair that would replace one
+    /// builds a new stitch instead).
     pub fresh: Vec<DevicePtr>,
 }
 

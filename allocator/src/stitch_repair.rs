@@ -567,12 +567,15 @@ mod tests {
         teardown(d, live);
     }
 
-    /// A repair that would replace a busy part the last repair put in
-    /// builds a stitch instead: the layouts alternate, and waiting for the
-    /// stitch's work to swap the part back every time buys nothing
-    /// (Note [Stitching]).
-    #[test]
-    fn a_busy_part_the_last_repair_put_in_gets_a_new_stitch_without_a_wait() {
+    /// The cached stitch repaired once (one busy part, its handle replaced
+    /// by one of the first held piece's), then, with `whole_between`,
+    /// taken whole and freed again; then a block lands on the handle the
+    /// repair put in and the other held pieces are freed. Returns the
+    /// device, the live blocks, the stitch's address, the claim of its size
+    /// that follows, and the host waits and stitch builds that claim made.
+    fn claim_when_the_repaired_part_is_busy(
+        whole_between: bool,
+    ) -> (DeviceAllocator<SimBackend>, Vec<u64>, u64, u64, u64, i64) {
         let (mut d, mut live, stitched, mut held) = cached_stitch();
         live.push(d.malloc(2 * MIB, 0).unwrap());
         d.free(held.remove(0)).unwrap();
@@ -588,29 +591,53 @@ mod tests {
             live.push(d.malloc(2 * MIB, 0).unwrap());
         }
         d.free(again).unwrap();
+        if whole_between {
+            let whole = d.malloc(64 * MIB, 0).unwrap();
+            assert_eq!(whole, stitched, "taken whole");
+            assert!(d.stitches.list[0].fresh.is_empty());
+            d.free(whole).unwrap();
+        }
         live.push(d.malloc(2 * MIB, 0).unwrap());
-        let busy: Vec<u64> = {
-            let s = &d.stitches.list[0];
-            s.parts()
-                .filter(|p| !d.part_free(p, 0))
-                .map(|p| p.addr)
-                .collect()
-        };
+        let busy = d.busy_parts(&d.stitches.list[0]);
         assert_eq!(busy, fresh, "{} blocks placed", live.len() - before);
         // Still a stitch a repair would take (at most a quarter of its
         // handles to change), and room for a new one.
-        let slots = d.stitches.list[0].slots.len();
-        assert!(busy.len() * 4 <= slots);
+        assert!(busy.len() * 4 <= d.stitches.list[0].slots.len());
         for p in held.drain(..) {
             d.free(p).unwrap();
         }
         ok(&d);
-        let waits = d.backend.counters.wait_event;
+        let (waits, built) = (d.backend.counters.wait_event, d.stats().num_stitch);
         let claim = d.malloc(64 * MIB, 0).unwrap();
         ok(&d);
+        let waited = d.backend.counters.wait_event - waits;
+        let built = d.stats().num_stitch - built;
+        (d, live, stitched, claim, waited, built)
+    }
+
+    /// A repair that would replace a busy part the last repair put in
+    /// builds a stitch instead: the layouts swing between two, and waiting
+    /// for the stitch's work to swap the part back every time buys nothing
+    /// (Note [Stitching]).
+    #[test]
+    fn a_busy_part_the_last_repair_put_in_gets_a_new_stitch_without_a_wait() {
+        let (d, mut live, stitched, claim, waited, built) =
+            claim_when_the_repaired_part_is_busy(false);
         assert_ne!(claim, stitched, "a new stitch");
-        assert_eq!(d.stats().num_stitch, 2);
-        assert_eq!(d.backend.counters.wait_event, waits, "no host wait");
+        assert_eq!((waited, built), (0, 1), "no host wait, one stitch built");
+        live.push(claim);
+        teardown(d, live);
+    }
+
+    /// Once the stitch has been taken whole since that repair, the busy
+    /// part is a new layout's: the stitch is repaired in place (waiting for
+    /// its work, still queued on the simulated device).
+    #[test]
+    fn a_stitch_taken_whole_since_its_repair_is_repaired_again() {
+        let (d, mut live, stitched, claim, waited, built) =
+            claim_when_the_repaired_part_is_busy(true);
+        assert_eq!(claim, stitched, "repaired in place");
+        assert_eq!((waited, built), (1, 0), "one host wait, no stitch built");
         live.push(claim);
         teardown(d, live);
     }
