@@ -41,12 +41,15 @@
 //! (the stitch not taken whole since) builds a new stitch too, when the
 //! free runs can make one: the layouts swing between two there, and each
 //! repair would wait for the stitch's work to swap the part back. That
-//! gives up the bound of twice the best choice's calls for the waits. Measured on an H100 (round 75): ResNet-50 went from 14 host
-//! waits to 1 (206 to 26 ms of `cuEventSynchronize` a run, its mean step
-//! unchanged), the detector's R/A from 1.0337 to 1.0289 (median of three
-//! runs; 1.0289–1.0369 over four) for 14% more memory calls after warm-up;
-//! over 133 replayed workloads the mean R/A went from 1.0259 to 1.0258 for
-//! 5% more predicted driver time, which prices a wait as on an idle device.
+//! gives up the bound of twice the best choice's calls for the waits.
+//! Measured on an H100 (round 75, before a whole take reset the rule):
+//! ResNet-50 went from 14 host waits to 1 (206 to 26 ms of
+//! `cuEventSynchronize` a run, its mean step unchanged), the detector's
+//! R/A from 1.0337 to 1.0289 (median of three runs; 1.0289–1.0369 over
+//! four) for 14% more memory calls after warm-up. Over 133 replayed
+//! workloads, with the reset, the mean R/A goes from 1.0259 to 1.0256 for
+//! 3% more predicted driver time (a model that prices a wait as on an
+//! idle device); without it, 1.0258 for 5% more.
 //! A stitch whose holes cannot be filled is torn down and a new one built,
 //! as before. A cached stitch is torn down whole (after its last work) on
 //! `empty_cache` and on the out-of-memory path, when the cache is full, or
