@@ -13,6 +13,18 @@ fn fragmented() -> (DeviceAllocator<SimBackend>, Vec<u64>) {
     fragmented_with("expandable_handle_mb:2")
 }
 
+/// Frees `live`, empties the cache and checks that nothing is left: no
+/// memory, no mapping (stitches are torn down too).
+pub(crate) fn teardown(mut d: DeviceAllocator<SimBackend>, live: Vec<u64>) {
+    for p in live {
+        d.free(p).unwrap();
+    }
+    d.empty_cache().unwrap();
+    ok(&d);
+    assert_eq!(d.backend().used(), 0);
+    assert_eq!(d.backend().mappings(), 0, "stitches are torn down too");
+}
+
 /// Eight 16 MiB blocks with 2 MiB live blocks between them, under
 /// `conf`; freeing the large ones leaves 128 MiB free in pieces, none
 /// of which holds 64 MiB. Returns the live blocks.
@@ -113,13 +125,7 @@ fn a_large_request_is_stitched_from_free_pieces_and_the_stitch_is_reused() {
     assert_eq!((d.stitches.built, d.stitches.taken_whole), (1, 1));
     assert_eq!(d.driver_calls().since(&calls).calls(DriverCall::Map), 0);
     d.free(p2).unwrap();
-    for s in small {
-        d.free(s).unwrap();
-    }
-    d.empty_cache().unwrap();
-    ok(&d);
-    assert_eq!(d.backend().used(), 0);
-    assert_eq!(d.backend().mappings(), 0, "stitches are torn down too");
+    teardown(d, small);
 }
 
 #[test]

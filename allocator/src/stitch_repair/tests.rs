@@ -1,6 +1,6 @@
 //! Tests of `stitch_repair.rs` (a sibling file: the module's own file stays short).
 
-use crate::stitch::tests::fragmented_with;
+use crate::stitch::tests::{fragmented_with, teardown};
 use crate::stitch_cache::Slot;
 use crate::{DeviceAllocator, DriverCall, SimBackend};
 
@@ -53,16 +53,6 @@ fn one_part_short(conf: &str) -> (DeviceAllocator<SimBackend>, u64, Vec<u64>) {
     d.free(last).unwrap();
     ok(&d);
     (d, stitched, live)
-}
-
-fn teardown(mut d: DeviceAllocator<SimBackend>, live: Vec<u64>) {
-    for p in live {
-        d.free(p).unwrap();
-    }
-    d.empty_cache().unwrap();
-    ok(&d);
-    assert_eq!(d.backend().used(), 0);
-    assert_eq!(d.backend().mappings(), 0, "stitches are torn down too");
 }
 
 #[test]
@@ -308,12 +298,10 @@ fn a_stitch_repaired_less_than_its_parts_is_repaired_again() {
 /// The cached stitch repaired once (one busy part, its handle replaced
 /// by one of the first held piece's), then, with `whole_between`,
 /// taken whole and freed again; then a block lands on the handle the
-/// repair put in and the other held pieces are freed. Returns the
-/// device, the live blocks, the stitch's address, the claim of its size
-/// that follows, and the host waits and stitch builds that claim made.
-fn claim_when_the_repaired_part_is_busy(
-    whole_between: bool,
-) -> (DeviceAllocator<SimBackend>, Vec<u64>, u64, u64, u64, i64) {
+/// repair put in and the other held pieces are freed. Claims the
+/// stitch's size again and tears down; returns whether the claim got the
+/// stitch's own range, and the host waits and stitch builds it made.
+fn claim_when_the_repaired_part_is_busy(whole_between: bool) -> (bool, u64, i64) {
     let (mut d, mut live, stitched, mut held) = cached_stitch();
     live.push(d.malloc(2 * MIB, 0).unwrap());
     d.free(held.remove(0)).unwrap();
@@ -350,7 +338,9 @@ fn claim_when_the_repaired_part_is_busy(
     ok(&d);
     let waited = d.backend.counters.wait_event - waits;
     let built = d.stats().num_stitch - built;
-    (d, live, stitched, claim, waited, built)
+    live.push(claim);
+    teardown(d, live);
+    (claim == stitched, waited, built)
 }
 
 /// A repair that would replace a busy part the last repair put in
@@ -359,11 +349,9 @@ fn claim_when_the_repaired_part_is_busy(
 /// (Note [Stitching]).
 #[test]
 fn a_busy_part_the_last_repair_put_in_gets_a_new_stitch_without_a_wait() {
-    let (d, mut live, stitched, claim, waited, built) = claim_when_the_repaired_part_is_busy(false);
-    assert_ne!(claim, stitched, "a new stitch");
+    let (in_place, waited, built) = claim_when_the_repaired_part_is_busy(false);
+    assert!(!in_place, "a new stitch");
     assert_eq!((waited, built), (0, 1), "no host wait, one stitch built");
-    live.push(claim);
-    teardown(d, live);
 }
 
 /// Once the stitch has been taken whole since that repair, the busy
@@ -371,11 +359,9 @@ fn a_busy_part_the_last_repair_put_in_gets_a_new_stitch_without_a_wait() {
 /// its work, still queued on the simulated device).
 #[test]
 fn a_stitch_taken_whole_since_its_repair_is_repaired_again() {
-    let (d, mut live, stitched, claim, waited, built) = claim_when_the_repaired_part_is_busy(true);
-    assert_eq!(claim, stitched, "repaired in place");
+    let (in_place, waited, built) = claim_when_the_repaired_part_is_busy(true);
+    assert!(in_place, "repaired in place");
     assert_eq!((waited, built), (1, 0), "one host wait, no stitch built");
-    live.push(claim);
-    teardown(d, live);
 }
 
 /// A fence is recorded when a stitch is freed: once the device has
