@@ -487,8 +487,9 @@ mod tests {
     /// loop; row 0 is what comes before the first), their sum from the step
     /// a fifth of the way in, and the replay's ratio and driver time.
     /// `LAYOUT_PROBE=trace[,trace...] [LAYOUT_PROBE_ROWS=1]
-    /// [LAYOUT_PROBE_EMPTY=1]`: the last puts an `empty_cache` where each
-    /// step begins, as a loop that empties the cache every step.
+    /// [LAYOUT_PROBE_EMPTY=K]`: the last puts an `empty_cache` where every
+    /// K-th step begins (every step for K = 1), as a loop that empties the
+    /// cache that often.
     #[test]
     #[ignore = "a probe over recorded traces, run by hand"]
     fn step_calls() {
@@ -508,12 +509,18 @@ mod tests {
                 println!("{p}: no phases");
                 continue;
             };
-            // LAYOUT_PROBE_EMPTY: an `empty_cache` as each step begins.
-            let evs: Vec<_> = if std::env::var("LAYOUT_PROBE_EMPTY").is_ok() {
+            // LAYOUT_PROBE_EMPTY=K: an `empty_cache` as every K-th step begins.
+            let evs: Vec<_> = if let Ok(k) = std::env::var("LAYOUT_PROBE_EMPTY") {
+                let every: usize = k.parse().unwrap_or(1).max(1);
                 let empty = EventKind::EmptyCache { released: 0 };
+                let mut n = 0usize;
                 evs.iter()
                     .flat_map(|e| {
-                        let lead = (phase(e) == Some(last)).then(|| e.with_kind(empty));
+                        let at = phase(e) == Some(last) && {
+                            n += 1;
+                            n.is_multiple_of(every)
+                        };
+                        let lead = at.then(|| e.with_kind(empty));
                         lead.into_iter().chain([*e])
                     })
                     .collect()
