@@ -2,7 +2,7 @@
 
 use crate::stitch::tests::{fragmented_with, teardown};
 use crate::stitch_cache::Slot;
-use crate::{DeviceAllocator, DriverCall, SimBackend};
+use crate::{DeviceAllocator, DriverCall, DriverCalls, SimBackend};
 
 const MIB: u64 = 1 << 20;
 
@@ -33,6 +33,16 @@ fn ok(d: &DeviceAllocator<SimBackend>) {
         want.sort_unstable();
         assert_eq!(d.backend().handles_over(s.va, s.size), want);
     }
+}
+
+/// A checked request of `size` on stream 0: its address, the driver calls
+/// it made, and the bytes reserved before it.
+fn measured_malloc(d: &mut DeviceAllocator<SimBackend>, size: u64) -> (u64, DriverCalls, i64) {
+    let reserved = d.stats().reserved_bytes.all.current;
+    let calls = d.driver_calls();
+    let p = d.malloc(size, 0).unwrap();
+    ok(d);
+    (p, d.driver_calls().since(&calls), reserved)
 }
 
 /// Headroom that puts the bound 1.99 MiB under what an 18 MiB request
@@ -83,11 +93,7 @@ fn defragmentation_takes_one_part_and_the_next_claim_maps_one_handle() {
     assert_eq!(d.stitches.list.len(), 1, "the stitch stays cached");
     assert_eq!(d.stitches.list[0].holes(), 1);
     d.free(p).unwrap();
-    let reserved = d.stats().reserved_bytes.all.current;
-    let calls = d.driver_calls();
-    let again = d.malloc(64 * MIB, 0).unwrap();
-    ok(&d);
-    let spent = d.driver_calls().since(&calls);
+    let (again, spent, reserved) = measured_malloc(&mut d, 64 * MIB);
     assert_eq!(again, stitched, "the same range, repaired");
     assert_eq!(d.stats().num_stitch, 1, "no stitch built");
     // A repair is neither a build nor a whole take (Note [When a
@@ -122,11 +128,7 @@ fn a_part_whose_home_is_in_use_is_replaced_alone() {
     live.push(d.malloc(2 * MIB, 0).unwrap());
     d.free(held.remove(0)).unwrap();
     ok(&d);
-    let reserved = d.stats().reserved_bytes.all.current;
-    let calls = d.driver_calls();
-    let again = d.malloc(64 * MIB, 0).unwrap();
-    ok(&d);
-    let spent = d.driver_calls().since(&calls);
+    let (again, spent, reserved) = measured_malloc(&mut d, 64 * MIB);
     assert_eq!(again, stitched, "the same range, one part replaced");
     assert_eq!(d.stats().num_stitch, 1, "no stitch built");
     assert_eq!(spent.handles(DriverCall::Unmap), 1, "{spent}");
@@ -419,11 +421,8 @@ fn a_hole_that_cannot_be_filled_drops_the_stitch() {
     // stitch, the request grows the pool.
     live.push(d.malloc(18 * MIB, 0).unwrap());
     assert_eq!(d.stitches.list[0].holes(), 1);
-    let reserved = d.stats().reserved_bytes.all.current;
-    let calls = d.driver_calls();
-    live.push(d.malloc(64 * MIB, 0).unwrap());
-    ok(&d);
-    let spent = d.driver_calls().since(&calls);
+    let (p, spent, reserved) = measured_malloc(&mut d, 64 * MIB);
+    live.push(p);
     assert!(d.stitches.list.is_empty(), "the holey stitch is gone");
     assert_eq!(d.stats().num_stitch, 1, "none built");
     assert_eq!(spent.calls(DriverCall::AddressFree), 1, "{spent}");
@@ -437,11 +436,8 @@ fn a_stitch_that_loses_every_part_is_freed() {
     // and 66 MiB of pages, every handle of the stitch and 2 MiB new.
     let (mut d, _, mut live) =
         one_part_short("expandable_handle_mb:2,defragment_budget:1,defragment_headroom:0");
-    let reserved = d.stats().reserved_bytes.all.current;
-    let calls = d.driver_calls();
-    live.push(d.malloc(68 * MIB, 0).unwrap());
-    ok(&d);
-    let spent = d.driver_calls().since(&calls);
+    let (p, spent, reserved) = measured_malloc(&mut d, 68 * MIB);
+    live.push(p);
     assert!(d.stitches.list.is_empty());
     assert_eq!(
         d.stats().reserved_bytes.all.current,
