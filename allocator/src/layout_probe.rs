@@ -529,13 +529,13 @@ mod tests {
             };
             let mut step = 0usize;
             let model = crate::cost::CostModel::h200();
-            let mut rows = vec![[0u64; 6]];
+            let mut rows = vec![[0u64; 10]];
             // Each device's counts so far (each has its own backend).
-            let mut seen: rustc_hash::FxHashMap<u32, [u64; 6]> = Default::default();
+            let mut seen: rustc_hash::FxHashMap<u32, [u64; 10]> = Default::default();
             let r = super::replay_each(&evs, &conf, &mut |i, d| {
                 if phase(&evs[i as usize]) == Some(last) {
                     step += 1;
-                    rows.push([0; 6]);
+                    rows.push([0; 10]);
                 }
                 let c = crate::Backend::driver_calls(&d.backend);
                 let now = [
@@ -545,6 +545,10 @@ mod tests {
                     c.calls(C::Create),
                     c.handles(C::SetAccess),
                     (model.predict_ms(&c) * 1000.0) as u64,
+                    c.calls(C::Map),
+                    d.stats.num_defragment as u64,
+                    d.stitches.built,
+                    d.stitches.taken_whole,
                 ];
                 let seen = seen.entry(d.device).or_default();
                 for j in 0..now.len() {
@@ -555,9 +559,9 @@ mod tests {
             let warm = rows.len() / 5;
             let late = rows[warm..]
                 .iter()
-                .fold([0u64; 6], |a, r| std::array::from_fn(|j| a[j] + r[j]));
+                .fold([0u64; 10], |a, r| std::array::from_fn(|j| a[j] + r[j]));
             println!(
-                "{p} {conf:?}: {} steps, R/A {:.4}, {:.1} ms; from step {warm} on: memory calls, unmaps, waits, creates, handles made accessible, predicted µs {late:?}",
+                "{p} {conf:?}: {} steps, R/A {:.4}, {:.1} ms; from step {warm} on: memory calls, unmaps, waits, creates, handles made accessible, predicted µs, maps, moves, stitches built, stitches taken whole {late:?}",
                 rows.len() - 1,
                 r.peak_reserved as f64 / r.peak_allocated.max(1) as f64,
                 r.driver_ms(&model),
