@@ -322,38 +322,49 @@ pub(crate) fn probe(path: &std::path::Path, conf: &str) -> String {
 }
 
 /// Every growth of reserved memory past `1.005 ×` the peak of allocated
-/// memory so far: the request, and the breakdown just before it.
+/// memory so far: the request, and the breakdown just before it. Two
+/// replays: the first finds the growths, the second takes the breakdown
+/// only before them (taking it at every event is too slow for long runs).
 pub(crate) fn growth(path: &std::path::Path, conf: &str) -> String {
     let evs = load(path);
     let mut out = format!("{} ({conf:?}): growth past the bound\n", path.display());
-    let mut before: Option<(i64, i64, Breakdown)> = None;
-    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let mut grew = std::collections::BTreeMap::new();
+    let mut last = None;
     replay_each(&evs, conf, &mut |i, d: &DeviceAllocator<SimBackend>| {
         let s = d.stats();
         let (res, peak) = (s.reserved_bytes.all.current, s.allocated_bytes.all.peak);
-        if let Some((r0, p0, k)) = &before
-            && res > *r0
-            && res as f64 > *p0 as f64 * 1.005
+        if let Some(r0) = last
+            && res > r0
+            && res as f64 > peak as f64 * 1.005
         {
-            let e = evs[i as usize];
-            out += &format!(
-                "ev {i} {:?} {:.2} MiB: reserved {:.0} -> {:.0} (+{:.0}), peak alloc {:.0}; before: tails L{:.1}/S{:.1} whole L{:.0}/S{:.0} pinned {:.0} (runs {:.0}) pooled {:.0}\n",
-                e.action,
-                mib(e.size),
-                mib(*r0 as u64),
-                mib(res as u64),
-                mib((res - r0) as u64),
-                mib(peak as u64),
-                mib(k.tails[1]),
-                mib(k.tails[0]),
-                mib(k.whole[1]),
-                mib(k.whole[0]),
-                mib(k.pinned[1]),
-                mib(k.run_pinned),
-                mib(k.pooled),
-            );
+            grew.insert(i, (r0, res, peak));
         }
-        before = Some((res, peak, d.breakdown()));
+        last = Some(res);
+    });
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    replay_each(&evs, conf, &mut |i, d: &DeviceAllocator<SimBackend>| {
+        let Some(&(r0, res, peak)) = grew.get(&(i + 1)) else {
+            return;
+        };
+        let k = d.breakdown();
+        let e = evs[i as usize + 1];
+        out += &format!(
+            "ev {} {:?} {:.2} MiB: reserved {:.0} -> {:.0} (+{:.0}), peak alloc {:.0}; before: tails L{:.1}/S{:.1} whole L{:.0}/S{:.0} pinned {:.0} (runs {:.0}) pooled {:.0}\n",
+            i + 1,
+            e.action,
+            mib(e.size),
+            mib(r0 as u64),
+            mib(res as u64),
+            mib((res - r0) as u64),
+            mib(peak as u64),
+            mib(k.tails[1]),
+            mib(k.tails[0]),
+            mib(k.whole[1]),
+            mib(k.whole[0]),
+            mib(k.pinned[1]),
+            mib(k.run_pinned),
+            mib(k.pooled),
+        );
     });
     out
 }
@@ -487,9 +498,10 @@ mod tests {
     /// loop; row 0 is what comes before the first), their sum from the step
     /// a fifth of the way in, and the replay's ratio and driver time.
     /// `LAYOUT_PROBE=trace[,trace...] [LAYOUT_PROBE_ROWS=1]
-    /// [LAYOUT_PROBE_EMPTY=K]`: the last puts an `empty_cache` where every
-    /// K-th step begins (every step for K = 1), as a loop that empties the
-    /// cache that often.
+    /// [LAYOUT_PROBE_HIGHS=K] [LAYOUT_PROBE_EMPTY=K]`: the first prints
+    /// the highs of reserved and allocated memory every K steps, the last
+    /// puts an `empty_cache` where every K-th step begins (every step for
+    /// K = 1), as a loop that empties the cache that often.
     #[test]
     #[ignore = "a probe over recorded traces, run by hand"]
     fn step_calls() {
@@ -528,6 +540,10 @@ mod tests {
                 evs
             };
             let mut step = 0usize;
+            let highs = std::env::var("LAYOUT_PROBE_HIGHS")
+                .ok()
+                .and_then(|k| k.parse::<usize>().ok())
+                .filter(|&k| k > 0);
             let model = crate::cost::CostModel::h200();
             let mut rows = vec![[0u64; 10]];
             // Each device's counts so far (each has its own backend).
@@ -535,6 +551,19 @@ mod tests {
             let r = super::replay_each(&evs, &conf, &mut |i, d| {
                 if phase(&evs[i as usize]) == Some(last) {
                     step += 1;
+                    // LAYOUT_PROBE_HIGHS=K: the highs of reserved and
+                    // allocated memory (MiB) as every K-th step begins.
+                    if let Some(k) = highs
+                        && step.is_multiple_of(k)
+                    {
+                        let (r, a) = (d.reserved_high(), d.allocated_high().max(1));
+                        println!(
+                            "step {step}: highs {} / {} MiB, {:.4}",
+                            r >> 20,
+                            a >> 20,
+                            r as f64 / a as f64
+                        );
+                    }
                     rows.push([0; 10]);
                 }
                 let c = crate::Backend::driver_calls(&d.backend);
