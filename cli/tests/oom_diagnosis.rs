@@ -360,11 +360,12 @@ fn report_advice_does_not_pass_a_candidate_off_as_an_unparsed_recorded_configura
 }
 
 /// The candidates the report replays (`report::oom::CANDIDATES`).
-fn gpualloc_candidates() -> [&'static str; 3] {
+fn gpualloc_candidates() -> [&'static str; 4] {
     [
         "policy:pytorch,expandable_segments:true,defragment:false,stitch_min_mb:0,expandable_page_mb:20",
         "policy:pytorch,max_split_size_mb:64,garbage_collection_threshold:0.8",
         "policy:gpualloc",
+        "policy:gpualloc,defragment_headroom:0.05",
     ]
 }
 
