@@ -113,6 +113,11 @@ enum Command {
         /// Use the readable prefix of a truncated or damaged file.
         #[arg(long)]
         allow_truncated: bool,
+        /// Also find, for each configuration, the smallest memory limit
+        /// under which the replay has no OOM (replayed again about a dozen
+        /// times; the configuration's own caps are replaced).
+        #[arg(long)]
+        min_limit: bool,
     },
     /// Writes the trace in other tools' formats.
     ///
@@ -306,6 +311,7 @@ fn run(cmd: Command) -> Result<(), CliError> {
             config,
             json,
             allow_truncated,
+            min_limit,
         } => {
             let cap = capacity.as_deref().map(parse_capacity).transpose()?;
             emit(&commands::replay::run(
@@ -314,6 +320,7 @@ fn run(cmd: Command) -> Result<(), CliError> {
                 &config,
                 json,
                 allow_truncated,
+                min_limit,
             )?)?;
         }
         Command::Export {

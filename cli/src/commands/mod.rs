@@ -4,6 +4,7 @@
 
 pub(crate) mod diff;
 pub(crate) mod generate;
+pub(crate) mod min_limit;
 pub(crate) mod replay;
 pub(crate) mod report;
 pub(crate) mod summary;

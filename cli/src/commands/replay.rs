@@ -17,7 +17,10 @@
 //! `dropped`, `peak_reserved`, `peak_allocated`, `ratio`, `ooms`,
 //! `driver_calls`, `driver_memory_calls`, `driver_ms`,
 //! `driver_calls_by_kind` (per kind: `calls`, `handles`, `bytes`, `ms`),
-//! `helper_driver_ms`, `defragment_driver_ms`, `cost_model`,
+//! `helper_driver_ms`, `defragment_driver_ms`, `cost_model`, with
+//! `--min-limit` `min_limit` (the smallest memory limit per device under
+//! which the replay has no OOM, in bytes, or null when it fails even
+//! uncapped; `min_limit.rs`),
 //! `after_warmup` (the steps after the first fifth of the trace's steps,
 //! told by its step marks or else its most often opened top-level phase,
 //! or null under 5 steps: `steps`, `driver_calls`, `driver_memory_calls`,
@@ -48,6 +51,7 @@ use gpualloc::{Config, CostModel, DriverCall, DriverCalls, Held};
 use serde_json::json;
 
 use crate::analyses::analysis::{Analysis, analyze};
+use crate::commands::min_limit::{MinLimit, search};
 use crate::input::{self, CliError};
 use crate::units::{bytes, duration, percent};
 
@@ -122,6 +126,7 @@ pub fn run(
     configs: &[String],
     as_json: bool,
     allow_truncated: bool,
+    min_limit: bool,
 ) -> Result<String, CliError> {
     let recorded = input::open(path)?.header().config.clone();
     let own = configs.is_empty();
@@ -182,10 +187,24 @@ pub fn run(
         warn_other_device(path, capacity, &r);
         results.push(r);
     }
+    // `--min-limit`: the smallest cap under which each configuration's
+    // replay has no OOM (`min_limit.rs`).
+    let limits = if min_limit {
+        configs
+            .iter()
+            .map(|c| search(path, capacity, c).map(Some))
+            .collect::<Result<Vec<_>, _>>()?
+    } else {
+        vec![None; configs.len()]
+    };
     if as_json {
-        return Ok(render_json(capacity, &configs, &results, dropped, &warm));
+        return Ok(render_json(
+            capacity, &configs, &results, &limits, dropped, &warm,
+        ));
     }
-    Ok(render(path, cap, &configs, &results, &strings, &warm))
+    Ok(render(
+        path, cap, &configs, &results, &limits, &strings, &warm,
+    ))
 }
 
 /// The driver calls of the steps after warm-up, summed over the devices
@@ -254,6 +273,7 @@ fn render_json(
     capacity: u64,
     configs: &[String],
     rs: &[ReplayResult],
+    limits: &[Option<MinLimit>],
     dropped: u64,
     warm: &BTreeMap<u32, (u64, u64)>,
 ) -> String {
@@ -261,7 +281,8 @@ fn render_json(
     let rows: Vec<serde_json::Value> = configs
         .iter()
         .zip(rs)
-        .map(|(c, r)| {
+        .zip(limits)
+        .map(|((c, r), limit)| {
             let by_kind: serde_json::Map<String, serde_json::Value> = r
                 .driver
                 .rows()
@@ -275,7 +296,7 @@ fn render_json(
                     (k.name().to_string(), v)
                 })
                 .collect();
-            json!({
+            let mut row = json!({
                 "config": c,
                 "capacity": capacity,
                 "events": r.events,
@@ -308,7 +329,16 @@ fn render_json(
                     "after_warmup": after_warmup_json(std::slice::from_ref(d), warm, &model),
                     "departure": departure_json(d.departure),
                 })).collect::<Vec<_>>(),
-            })
+            });
+            // Only with `--min-limit`: bytes per device, null when the
+            // replay fails even uncapped.
+            if let Some(l) = limit {
+                row["min_limit"] = match l {
+                    MinLimit::Bytes { limit, .. } => json!(limit),
+                    MinLimit::FailsUnlimited => serde_json::Value::Null,
+                };
+            }
+            row
         })
         .collect();
     let mut out = serde_json::to_string_pretty(&rows).expect("plain values serialize");
@@ -356,6 +386,7 @@ fn render(
     capacity: Capacity,
     configs: &[String],
     rs: &[ReplayResult],
+    limits: &[Option<MinLimit>],
     strings: &[String],
     warm: &BTreeMap<u32, (u64, u64)>,
 ) -> String {
@@ -423,6 +454,21 @@ fn render(
             r.peak_reserved as f64 / r.peak_allocated.max(1) as f64
         )
     });
+    if limits.iter().any(Option::is_some) {
+        // Against the largest live peak of a device, uncapped: the limit
+        // is each device's.
+        row("smallest limit without an OOM", &|i, _| match limits[i] {
+            Some(MinLimit::Bytes { limit, live }) => {
+                format!(
+                    "{} ({:.3}x)",
+                    bytes(limit),
+                    limit as f64 / live.max(1) as f64
+                )
+            }
+            Some(MinLimit::FailsUnlimited) => "fails uncapped".into(),
+            None => "-".into(),
+        });
+    }
     row("unallocated at peak reserved", &|_, r| {
         percent(dev(r, &|d| d.unallocated_fraction_at_peak))
     });
