@@ -266,16 +266,24 @@ fn resnet_trace_replays_to_the_gpus_peaks_and_is_silent_after_warm_up() {
 /// `examples/yolo-style-oom.gtrace` (README's first command): recorded on
 /// the H200 by `tests/gpu/record_example.py` under `memory_limit:1700MiB`,
 /// with automatic steps and phases, ending in an out-of-memory error. The
-/// replay under the recorded configuration reaches the recorded peaks and
-/// fails the same request.
+/// replay under the recorded configuration with the policy it was
+/// recorded with (the headroom kept at 0.5% as the limit nears,
+/// `defragment_pressure:1`) reaches the recorded peaks and fails the same
+/// request; today's default fits the run under the same limit (Note
+/// [Headroom under pressure]).
 #[test]
 fn yolo_style_trace_replays_to_its_peaks_and_its_oom() {
     assert_eq!(
-        replay_example("yolo-style-oom.gtrace", None),
+        replay_example(
+            "yolo-style-oom.gtrace",
+            Some("memory_limit:1700MiB,defragment_pressure:1")
+        ),
         // 1,767,899,136 B reserved under the reclaim order it was recorded
         // with, the GPU's figure; the same request fails under both.
         (1_772_093_440, 1_705_659_392, 1)
     );
+    let (_, _, ooms) = replay_example("yolo-style-oom.gtrace", None);
+    assert_eq!(ooms, 0, "the default fails the run under its limit");
     let (config, events) = example("yolo-style-oom.gtrace");
     assert_eq!(config, "memory_limit:1700MiB");
     let count = |a: gpualloc::trace::Action| events.iter().filter(|e| e.action == a).count();

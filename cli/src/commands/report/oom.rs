@@ -29,7 +29,7 @@
 use std::path::Path;
 
 use gpualloc::Config;
-use gpualloc::replay::{ReplayResult, replay};
+use gpualloc::replay::{Departure, ReplayResult, replay};
 
 use crate::analyses::ooms::Oom;
 use crate::input::{self, CliError};
@@ -131,6 +131,12 @@ pub fn explain_replayed(o: &Oom, advice: Option<&Advice>, recorded_by: &str) -> 
                 " Until then it obtained the memory the recording did, allocation by allocation.",
             ),
         }
+    } else if let Some(d) = advice.and_then(|a| a.avoided_by_this_build(o.time_ns)) {
+        text.push_str(&format!(
+            " Replayed under the recorded configuration, the run does not fail: the replay obtained the memory the recording did until {}, and this build's policy chose otherwise from there ({}) and avoids the OOM.",
+            duration(d.time_ns),
+            departure_cause(recorded_by)
+        ));
     }
     text
 }
@@ -307,6 +313,18 @@ impl Advice {
     /// that does not fail is no evidence that it avoids the OOM.
     pub fn reproduced(&self) -> bool {
         self.recorded.as_ref().is_none_or(|t| t.result.ooms > 0)
+    }
+
+    /// Where the replay under the recorded configuration left the
+    /// recording's choices, when it did so before `time_ns` (the OOM's
+    /// time) and then failed nothing: this build's policy, not memory the
+    /// trace does not show, is why the OOM is not reproduced.
+    pub fn avoided_by_this_build(&self, time_ns: u64) -> Option<Departure> {
+        let t = self.recorded.as_ref()?;
+        if t.result.ooms > 0 {
+            return None;
+        }
+        t.result.departure.filter(|d| d.time_ns < time_ns)
     }
 
     /// The candidate without OOMs and with the lowest peak reserved, if

@@ -133,6 +133,9 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
                 None if advice.is_none() => s.push_str(
                     " Not replayed: the trace records no reserved memory, so the device's capacity is unknown.</li>",
                 ),
+                None if advice.is_some_and(|a| a.avoided_by_this_build(o.time_ns).is_some()) => {
+                    s.push_str(" No other configuration is needed.</li>")
+                }
                 None if advice.is_some_and(|a| !a.reproduced()) => s.push_str(
                     " Replayed under the recorded configuration, the run does not fail, so the replays cannot tell which configuration would avoid it: the device may have held memory the trace does not show (other processes, the CUDA context).</li>",
                 ),
@@ -332,6 +335,11 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
         );
     }
     s.push_str("</table>");
+    let first = d.ooms.first().map_or(u64::MAX, |o| o.time_ns);
+    if adv.avoided_by_this_build(first).is_some() {
+        s.push_str("<p class=\"good\">Under the recorded configuration this build's policy avoids the OOM in replay: it chose otherwise than the recording before the failed request, and no request fails.</p>");
+        return;
+    }
     if !adv.reproduced() {
         s.push_str("<p class=\"warn\">The replay under the recorded configuration does not reproduce the OOM: the device may have held memory the trace does not show (other processes, the CUDA context), so a configuration that does not fail in replay either cannot be said to avoid it.</p>");
         return;
