@@ -8,10 +8,11 @@
 //! chooses otherwise (it moves pages, flushes its cache and retries
 //! instead of growing), so a configuration that reserves more when memory
 //! is plentiful may need less when it is not: replayed, `examples/
-//! yolo-style-oom.gtrace` reserves 1.039x its live peak by default and
-//! 1.048x with `defragment_headroom:0.05`, yet needs a limit of 1.039x
-//! the live peak by default and 1.012x with the headroom (the fifty-first
-//! study of `docs/policy-experiments.md`).
+//! yolo-style-oom.gtrace` reserves 1.039x its live peak with the headroom
+//! held at 0.5% (`defragment_pressure:1`) and 1.048x with
+//! `defragment_headroom:0.05`, yet needs a limit of 1.039x the live peak
+//! under the first and 1.012x under the second (the fifty-first study of
+//! `docs/policy-experiments.md`, which led to `defragment_pressure`).
 //!
 //! The search runs between the live peak (no limit below it can serve
 //! the run) and the unlimited replay's peak reserved (a limit there
