@@ -69,6 +69,8 @@ fn errors_name_the_key() {
         ("expandable_handle_mb:6", "expandable_handle_mb"),
         ("expandable_handle_mb:2048", "expandable_handle_mb"),
         ("defragment_headroom:1.5", "defragment_headroom"),
+        ("defragment_pressure:1.5", "defragment_pressure"),
+        ("defragment_pressure:-0.1", "defragment_pressure"),
         ("stitch_short_share:1025", "stitch_short_share"),
         ("stitch_short_share:-1", "stitch_short_share"),
         ("stitch_budget:1.5", "stitch_budget"),

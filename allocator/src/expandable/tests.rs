@@ -658,3 +658,44 @@ fn faults_while_spare_handles_go_back_fail_no_request() {
         assert_eq!(d.pooled_bytes(), 0);
     }
 }
+
+/// Reserved memory after a 150 MiB request that fits neither of two free
+/// 100 MiB runs, beside 100 MiB live, the peak of allocated memory 300
+/// MiB, on a device of `capacity` bytes.
+fn after_request_near_the_cap(capacity: u64, conf: &str) -> i64 {
+    let mut d = DeviceAllocator::new(0, SimBackend::new(capacity), Config::parse(conf).unwrap());
+    let a = d.malloc(100 << 20, 0).unwrap();
+    let _b = d.malloc(100 << 20, 0).unwrap();
+    let c = d.malloc(100 << 20, 0).unwrap();
+    d.free(a).unwrap();
+    d.free(c).unwrap();
+    d.malloc(150 << 20, 0).unwrap();
+    ok(&d);
+    d.stats().reserved_bytes.all.current
+}
+
+/// Note [Headroom under pressure]: past half the device, the request grows
+/// by what 5% over the 300 MiB peak allows and moves only the rest; far
+/// from the cap, or with `defragment_pressure:1`, it moves all it lacks.
+#[test]
+fn near_the_cap_the_headroom_is_five_percent() {
+    let moved_all = 300 << 20;
+    assert_eq!(
+        after_request_near_the_cap(8 << 30, "stitch_min_mb:0"),
+        moved_all
+    );
+    assert_eq!(
+        after_request_near_the_cap(512 << 20, "stitch_min_mb:0,defragment_pressure:1"),
+        moved_all
+    );
+    // It lacks 50 MiB: 350 MiB would pass 1.05 x 300 by 35, which move
+    // in whole handles (40 MiB); the other 10 MiB grow.
+    let grew = after_request_near_the_cap(512 << 20, "stitch_min_mb:0");
+    assert_eq!(grew, 310 << 20);
+    // A limit is a cap as the device is; a share of 0 applies the 5% from
+    // the first request on.
+    for conf in ["memory_limit:512MiB", "defragment_pressure:0"] {
+        let on_8_gib = after_request_near_the_cap(8 << 30, &format!("stitch_min_mb:0,{conf}"));
+        assert_eq!(on_8_gib, grew, "{conf}");
+    }
+}
