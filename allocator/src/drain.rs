@@ -309,8 +309,10 @@ mod tests {
     /// asks for 20 MiB (its pages move); returns the defragmentation budget
     /// spent.
     fn spent(done: bool) -> f64 {
-        let conf =
-            Config::parse("expandable_handle_mb:2,defragment_headroom:0,stitch_min_mb:0").unwrap();
+        let conf = Config::parse(
+            "expandable_handle_mb:2,defragment_headroom:0,defragment_pressure:1,stitch_min_mb:0",
+        )
+        .unwrap();
         let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), conf);
         let a = d.malloc(16 * MIB, 0).unwrap();
         let _b = d.malloc(2 * MIB, 0).unwrap();

@@ -20,6 +20,7 @@
 //! a request of at least `stitch_min_mb` is first served by a stitch (Note
 //! [Stitching]), which maps free pages a second time and moves nothing;
 //! otherwise, if holding more would pass `(1 + defragment_headroom)` times
+//! (at least 1.05 times near the cap, Note [Headroom under pressure])
 //! the peak of allocated memory (the device's own high-water mark, which
 //! `reset_peak_memory_stats` leaves alone: a statistic reset for logging
 //! changes no decision, and traces, which do not record resets, replay to
@@ -293,7 +294,7 @@ impl<B: Backend> DeviceAllocator<B> {
                 let high = self
                     .allocated_high()
                     .max(self.stats.allocated_bytes.all.current as u64 + rounded);
-                let headroom = self.headroom()?;
+                let headroom = self.headroom(high)?;
                 let s = &self.stats;
                 let bound = (high as f64 * (1.0 + headroom)) as u64;
                 let held = s.reserved_bytes.all.current as u64;
@@ -372,18 +373,19 @@ impl<B: Backend> DeviceAllocator<B> {
         Ok(block)
     }
 
-    /// How far held memory may pass the peak of allocated memory before
-    /// pages move: `defragment_headroom`, and at least
-    /// [`PRESSURE_HEADROOM`] once that peak passes `defragment_pressure`
-    /// of the cap (Note [Headroom under pressure]).
-    fn headroom(&mut self) -> Result<f64, AllocError> {
+    /// How far held memory may pass `high` (the peak of allocated memory,
+    /// or what it will be with the request) before pages move:
+    /// `defragment_headroom`, and at least [`PRESSURE_HEADROOM`] once
+    /// `high` passes `defragment_pressure` of the cap (Note [Headroom
+    /// under pressure]).
+    fn headroom(&mut self, high: u64) -> Result<f64, AllocError> {
         let own = self.config.defragment_headroom;
         let share = self.config.defragment_pressure;
         if share >= 1.0 {
             return Ok(own);
         }
         let cap = self.capacity()?;
-        Ok(if self.allocated_high() as f64 > share * cap as f64 {
+        Ok(if high as f64 > share * cap as f64 {
             own.max(PRESSURE_HEADROOM)
         } else {
             own

@@ -505,7 +505,7 @@ proptest::proptest! {
 /// while the mapping creates memory past the high-water mark.
 #[test]
 fn spare_handles_still_mapped_at_their_old_place_are_waited_for_and_released() {
-    let mut d = dev("defragment_headroom:0,stitch_min_mb:0");
+    let mut d = dev("defragment_headroom:0,defragment_pressure:1,stitch_min_mb:0");
     let a = d.malloc(128 * MIB, 0).unwrap();
     let b = d.malloc(2 * MIB, 0).unwrap();
     d.backend_mut().launch(0);
@@ -542,7 +542,7 @@ fn spare_handles_still_mapped_at_their_old_place_are_waited_for_and_released() {
 /// stream 0 (its work done or not, `done`), and a 40 MiB request that
 /// passes the high-water mark by 4 MiB: the reserved bytes it leaves.
 fn spare_release_after(done: bool) -> i64 {
-    let mut d = dev("defragment_headroom:0,stitch_min_mb:0");
+    let mut d = dev("defragment_headroom:0,defragment_pressure:1,stitch_min_mb:0");
     let p: Vec<u64> = (0..21).map(|_| d.malloc(2 * MIB, 0).unwrap()).collect();
     p.iter()
         .skip(1)
@@ -591,7 +591,7 @@ fn spare_handles_released_are_alike_however_far_the_gpu_got() {
 /// 0, one spare for a 24 MiB request over holes of 16 and 2 MiB: the
 /// allocator, the hole's address and the later fence's stamp.
 fn two_drains() -> (DeviceAllocator<SimBackend>, u64, u64) {
-    let mut d = dev("defragment_headroom:0,stitch_min_mb:0");
+    let mut d = dev("defragment_headroom:0,defragment_pressure:1,stitch_min_mb:0");
     let w = mallocs(&mut d, &[2, 16, 2, 2, 2, 2], 0);
     d.free(w[1]).unwrap();
     d.free(w[3]).unwrap();

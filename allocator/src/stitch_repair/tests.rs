@@ -214,7 +214,7 @@ fn a_failed_unmap_while_freeing_a_stitch_with_a_hole_still_mapped() {
         (ONE_HANDLE, 64 * MIB),
         // Defragmentation takes every part it has left.
         (
-            "expandable_handle_mb:2,defragment_budget:1,defragment_headroom:0",
+            "expandable_handle_mb:2,defragment_budget:1,defragment_headroom:0,defragment_pressure:1",
             50 * MIB,
         ),
     ] {
@@ -434,8 +434,9 @@ fn a_hole_that_cannot_be_filled_drops_the_stitch() {
 fn a_stitch_that_loses_every_part_is_freed() {
     // 68 MiB, more than is free to stitch: the free 2 MiB at the end
     // and 66 MiB of pages, every handle of the stitch and 2 MiB new.
-    let (mut d, _, mut live) =
-        one_part_short("expandable_handle_mb:2,defragment_budget:1,defragment_headroom:0");
+    let (mut d, _, mut live) = one_part_short(
+        "expandable_handle_mb:2,defragment_budget:1,defragment_headroom:0,defragment_pressure:1",
+    );
     let (p, spent, reserved) = measured_malloc(&mut d, 68 * MIB);
     live.push(p);
     assert!(d.stitches.list.is_empty());
@@ -456,7 +457,7 @@ proptest::proptest! {
     fn random_ops_keep_stitches_exact(
         ops in proptest::collection::vec((0u8..10, 1u64..(96 << 20)), 1..160),
     ) {
-        let conf = crate::Config::parse("defragment_budget:1,defragment_headroom:0").unwrap();
+        let conf = crate::Config::parse("defragment_budget:1,defragment_headroom:0,defragment_pressure:1").unwrap();
         let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), conf);
         let mut live: Vec<u64> = Vec::new();
         for (op, size) in ops {

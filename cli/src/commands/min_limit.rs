@@ -15,19 +15,23 @@
 //! `docs/policy-experiments.md`, which led to `defragment_pressure`).
 //!
 //! The search runs between the live peak (no limit below it can serve
-//! the run) and the unlimited replay's peak reserved (a limit there
-//! changes nothing it did), in whole 2 MiB pages, about a dozen replays a
-//! configuration. OOMs need not be monotone in the limit (another limit,
-//! other moves), so the answer is a limit that was replayed without an
-//! OOM while one page less failed, not a proof that every larger limit
-//! passes. The limit applies to each device of the trace alike, as
-//! `memory_limit` does; a limit the program set while it ran
-//! (`memory_limit` records) still applies where it is lower.
+//! the run) and the uncapped replay's peak reserved (usually the first
+//! limit that passes; when a limit that close changes the run's choices,
+//! as the headroom under pressure does, the search widens upward), in
+//! whole 2 MiB pages, about a dozen replays a configuration. OOMs need not
+//! be monotone in the limit (another limit, other moves), so the answer
+//! is a limit that was replayed without an OOM while one page less
+//! failed, not a proof that every larger limit passes. The limit applies
+//! to each device of the trace alike, as `memory_limit` does. Byte caps
+//! the program set while it ran (`memory_limit` records) are left out of
+//! the search's replays, since each would replace the limit searched; a
+//! fraction it set still applies where it is lower.
 
 use std::path::Path;
 
 use gpualloc::Config;
 use gpualloc::replay::replay;
+use gpualloc::trace::{EventKind, MemoryCap};
 
 use crate::input::{self, CliError};
 
@@ -35,7 +39,7 @@ use crate::input::{self, CliError};
 const STEP: u64 = 2 << 20;
 
 /// The keys that cap reserved memory, which the search replaces.
-const CAP_KEYS: [&str; 2] = ["memory_limit:", "per_process_memory_fraction:"];
+const CAP_KEYS: [&str; 2] = ["memory_limit", "per_process_memory_fraction"];
 
 /// What the search found for one configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,14 +50,21 @@ pub enum MinLimit {
     /// The replay fails even without a limit (the simulated device is too
     /// small, or the trace fails a request no limit can serve).
     FailsUnlimited,
+    /// The replay passes uncapped, but fails under every whole-page limit
+    /// up to the device.
+    NoneBelowTheDevice,
 }
 
-/// `config` without its caps on reserved memory.
+/// `config` without its caps on reserved memory (keys compared as the
+/// parser reads them, spaces around them ignored).
 fn uncapped(config: &str) -> String {
     config
         .split(',')
         .map(str::trim)
-        .filter(|kv| !kv.is_empty() && !CAP_KEYS.iter().any(|k| kv.starts_with(k)))
+        .filter(|kv| {
+            let key = kv.split_once(':').map_or(*kv, |(k, _)| k).trim();
+            !kv.is_empty() && !CAP_KEYS.contains(&key)
+        })
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -74,7 +85,17 @@ fn trial(
     };
     let parsed = Config::parse(&text).map_err(|e| CliError(format!("--config: {e}")))?;
     let mut reader = input::open(path)?;
-    let r = replay(reader.events(), capacity, &parsed);
+    let own_caps = |e: &gpualloc::trace::TraceEvent| {
+        limit.is_some()
+            && matches!(
+                e.kind(),
+                EventKind::MemoryLimit {
+                    cap: MemoryCap::Bytes(_),
+                    ..
+                }
+            )
+    };
+    let r = replay(reader.events().filter(|e| !own_caps(e)), capacity, &parsed);
     let most =
         |f: fn(&gpualloc::replay::DeviceReplay) -> u64| r.devices.iter().map(f).max().unwrap_or(0);
     Ok((
@@ -92,23 +113,29 @@ pub fn search(path: &Path, capacity: u64, config: &str) -> Result<MinLimit, CliE
     if ooms > 0 {
         return Ok(MinLimit::FailsUnlimited);
     }
+    if allocated == 0 {
+        // Nothing allocated: no limit is needed (and 0 is no limit).
+        return Ok(MinLimit::Bytes { limit: 0, live: 0 });
+    }
     // In pages: `fail` pages are known to fail (a limit under the live
     // peak cannot serve it), `pass` pages to pass.
     let pages = |bytes: u64| bytes.div_ceil(STEP);
-    let top = capacity / STEP;
+    let top = pages(capacity);
+    // A limit of whole pages, or the device where it ends mid-page.
+    let bytes = |pages: u64| (pages * STEP).min(capacity);
     let mut fail = pages(allocated).saturating_sub(1);
     let mut pass = pages(reserved).min(top);
-    if trial(path, capacity, &base, Some(pass * STEP))?.0 > 0 {
+    if trial(path, capacity, &base, Some(bytes(pass)))?.0 > 0 {
         // Not monotone: a limit at the unlimited peak changed the run.
         // Widen by doubling steps, up to the device.
         let mut step = 1;
         loop {
             if pass >= top {
-                return Ok(MinLimit::FailsUnlimited);
+                return Ok(MinLimit::NoneBelowTheDevice);
             }
             fail = pass;
             pass = (pass + step).min(top);
-            if trial(path, capacity, &base, Some(pass * STEP))?.0 == 0 {
+            if trial(path, capacity, &base, Some(bytes(pass)))?.0 == 0 {
                 break;
             }
             step *= 2;
@@ -116,14 +143,14 @@ pub fn search(path: &Path, capacity: u64, config: &str) -> Result<MinLimit, CliE
     }
     while pass - fail > 1 {
         let mid = fail + (pass - fail) / 2;
-        if trial(path, capacity, &base, Some(mid * STEP))?.0 > 0 {
+        if trial(path, capacity, &base, Some(bytes(mid)))?.0 > 0 {
             fail = mid;
         } else {
             pass = mid;
         }
     }
     Ok(MinLimit::Bytes {
-        limit: pass * STEP,
+        limit: bytes(pass),
         live: allocated,
     })
 }
@@ -139,6 +166,11 @@ mod tests {
             "defragment_headroom:0.05"
         );
         assert_eq!(uncapped("per_process_memory_fraction:0.5"), "");
+        assert_eq!(
+            uncapped("memory_limit : 1700MiB,  stitch_min_mb:0"),
+            "stitch_min_mb:0",
+            "spaces around a key, as the parser allows"
+        );
         assert_eq!(uncapped(""), "");
         assert_eq!(
             uncapped("policy:pytorch,max_split_size_mb:64"),

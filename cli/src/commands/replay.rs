@@ -20,7 +20,7 @@
 //! `helper_driver_ms`, `defragment_driver_ms`, `cost_model`, with
 //! `--min-limit` `min_limit` (the smallest memory limit per device under
 //! which the replay has no OOM, in bytes, or null when it fails even
-//! uncapped; `min_limit.rs`),
+//! uncapped or under every limit up to the device; `min_limit.rs`),
 //! `after_warmup` (the steps after the first fifth of the trace's steps,
 //! told by its step marks or else its most often opened top-level phase,
 //! or null under 5 steps: `steps`, `driver_calls`, `driver_memory_calls`,
@@ -335,7 +335,9 @@ fn render_json(
             if let Some(l) = limit {
                 row["min_limit"] = match l {
                     MinLimit::Bytes { limit, .. } => json!(limit),
-                    MinLimit::FailsUnlimited => serde_json::Value::Null,
+                    MinLimit::FailsUnlimited | MinLimit::NoneBelowTheDevice => {
+                        serde_json::Value::Null
+                    }
                 };
             }
             row
@@ -466,6 +468,7 @@ fn render(
                 )
             }
             Some(MinLimit::FailsUnlimited) => "fails uncapped".into(),
+            Some(MinLimit::NoneBelowTheDevice) => "none below the device".into(),
             None => "-".into(),
         });
     }

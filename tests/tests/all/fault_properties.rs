@@ -167,17 +167,17 @@ macro_rules! property {
 property!(fault_default, "", 256);
 property!(
     fault_moves,
-    "defragment_headroom:0,expandable_handle_mb:2",
+    "defragment_headroom:0,defragment_pressure:1,expandable_handle_mb:2",
     256
 );
 property!(
     fault_moves_stitch,
-    "defragment_headroom:0,expandable_handle_mb:2,stitch_min_mb:4",
+    "defragment_headroom:0,defragment_pressure:1,expandable_handle_mb:2,stitch_min_mb:4",
     256
 );
 property!(
     fault_big_handles,
-    "defragment_headroom:0,expandable_handle_mb:64,stitch_min_mb:8",
+    "defragment_headroom:0,defragment_pressure:1,expandable_handle_mb:64,stitch_min_mb:8",
     256
 );
 // Programs that fragment the pages (`fragmenting_op`), so
@@ -230,7 +230,7 @@ fn fragmenting_programs_with_faults_stitch_and_move_pages() {
 fn a_refused_release_of_spare_handles_fails_no_request() {
     let mut c = Checked::with(
         8 << 30,
-        "defragment_headroom:0,expandable_handle_mb:16,stitch_min_mb:1024",
+        "defragment_headroom:0,defragment_pressure:1,expandable_handle_mb:16,stitch_min_mb:1024",
     );
     c.sim_mut().fail_calls(SimCall::ReleaseHandle, 1, u64::MAX);
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;

@@ -99,7 +99,7 @@ proptest! {
     })]
     #[test]
     fn followed_captures_never_wait_and_keep_streams_ordered(ops in prop::collection::vec(op(), 1..80)) {
-        run("expandable_handle_mb:2,defragment_headroom:0,stitch_min_mb:0", ops);
+        run("expandable_handle_mb:2,defragment_headroom:0,defragment_pressure:1,stitch_min_mb:0", ops);
     }
 
     #[test]
@@ -166,7 +166,7 @@ fn regression_a_free_during_an_unseen_capture_polls_no_event() {
         Free(2431538455019314235),
     ];
     run(
-        "expandable_handle_mb:2,defragment_headroom:0,stitch_min_mb:0",
+        "expandable_handle_mb:2,defragment_headroom:0,defragment_pressure:1,stitch_min_mb:0",
         ops,
     );
 }

@@ -137,8 +137,8 @@ fn run(config: &str, seed: u64) {
 fn a_held_graph_pool_keeps_its_memory_whatever_the_default_pools_do() {
     for config in [
         "",
-        "expandable_handle_mb:2,defragment_headroom:0",
-        "defragment_headroom:0,stitch_min_mb:0",
+        "expandable_handle_mb:2,defragment_headroom:0,defragment_pressure:1",
+        "defragment_headroom:0,defragment_pressure:1,stitch_min_mb:0",
         "policy:pytorch",
     ] {
         for seed in 1..=8 {

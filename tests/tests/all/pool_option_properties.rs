@@ -136,7 +136,7 @@ fn run(config: &str, seed: u64) -> usize {
 fn pools_of_another_allocator_and_lending_pools_keep_every_invariant() {
     for config in [
         "",
-        "expandable_handle_mb:2,defragment_headroom:0",
+        "expandable_handle_mb:2,defragment_headroom:0,defragment_pressure:1",
         "policy:pytorch",
         "policy:pytorch,expandable_segments:true",
         "cross_stream_reuse:false",

@@ -446,7 +446,7 @@ proptest! {
 
     #[test]
     fn pages_without_defragment_headroom(capacity in capacity(), ops in ops()) {
-        run("expandable_handle_mb:2,defragment_headroom:0", PAGE, capacity, &ops)?;
+        run("expandable_handle_mb:2,defragment_headroom:0,defragment_pressure:1", PAGE, capacity, &ops)?;
     }
 
     #[test]

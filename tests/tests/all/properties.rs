@@ -298,11 +298,15 @@ property!(
 // The default policy (`policy:gpualloc`): expandable segments, page pool,
 // defragmentation, cross-stream reuse.
 property!(default_config, "", 192);
-property!(defragment_every_growth, "defragment_headroom:0", 128);
+property!(
+    defragment_every_growth,
+    "defragment_headroom:0,defragment_pressure:1",
+    128
+);
 property!(multi_size_handles, "expandable_handle_mb:64", 128);
 property!(
     multi_size_handles_defragment_every_growth,
-    "expandable_handle_mb:64,defragment_headroom:0",
+    "expandable_handle_mb:64,defragment_headroom:0,defragment_pressure:1",
     96
 );
 property!(default_no_defrag, "defragment:false", 128);
@@ -323,7 +327,7 @@ property!(
 // that each stitches and moves pages).
 /// Room for many of their blocks.
 pub(crate) const FRAGMENTING_CAPS_MIB: [u64; 2] = [1024, 2048];
-pub(crate) const STITCH_EAGERLY: &str = "stitch_min_mb:4,defragment_headroom:0,stitch_budget:1,defragment_budget:1,expandable_handle_mb:2";
+pub(crate) const STITCH_EAGERLY: &str = "stitch_min_mb:4,defragment_headroom:0,defragment_pressure:1,stitch_budget:1,defragment_budget:1,expandable_handle_mb:2";
 const STITCH_PER_STREAM: &str = "cross_stream_reuse:false,stitch_min_mb:4,expandable_handle_mb:4";
 property!(
     fragmenting_default,
@@ -351,7 +355,7 @@ property!(
 );
 property!(
     fragmenting_stitch_eagerly_on_the_calling_thread,
-    "stitch_min_mb:4,defragment_headroom:0,stitch_budget:1,defragment_budget:1,expandable_handle_mb:4,unmap_thread:false",
+    "stitch_min_mb:4,defragment_headroom:0,defragment_pressure:1,stitch_budget:1,defragment_budget:1,expandable_handle_mb:4,unmap_thread:false",
     64,
     fragmenting_op(),
     40..300,

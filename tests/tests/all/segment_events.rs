@@ -360,7 +360,7 @@ fn registered_ranges_are_exactly_the_backed_memory() {
     for config in [
         "",
         "expandable_handle_mb:2",
-        "expandable_handle_mb:2,stitch_min_mb:4,defragment_headroom:0",
+        "expandable_handle_mb:2,stitch_min_mb:4,defragment_headroom:0,defragment_pressure:1",
     ] {
         for seed in 1..=6 {
             // One stream: its free pages are the ones a stitch may use.

@@ -131,7 +131,7 @@ pub fn explain_replayed(o: &Oom, advice: Option<&Advice>, recorded_by: &str) -> 
                 " Until then it obtained the memory the recording did, allocation by allocation.",
             ),
         }
-    } else if let Some(d) = advice.and_then(|a| a.avoided_by_this_build(o.time_ns)) {
+    } else if let Some(d) = advice.and_then(|a| a.avoided_by_this_build(o.time_ns, recorded_by)) {
         text.push_str(&format!(
             " Replayed under the recorded configuration, the run does not fail: the replay obtained the memory the recording did until {}, and this build's policy chose otherwise from there ({}) and avoids the OOM.",
             duration(d.time_ns),
@@ -317,11 +317,15 @@ impl Advice {
 
     /// Where the replay under the recorded configuration left the
     /// recording's choices, when it did so before `time_ns` (the OOM's
-    /// time) and then failed nothing: this build's policy, not memory the
-    /// trace does not show, is why the OOM is not reproduced.
-    pub fn avoided_by_this_build(&self, time_ns: u64) -> Option<Departure> {
+    /// time) and then failed nothing, on a trace another gpualloc build
+    /// recorded (`recorded_by`, the trace's producer) from its start (no
+    /// frees of blocks it never saw allocated): this build's policy, not
+    /// memory the trace does not show, is why the OOM is not reproduced.
+    pub fn avoided_by_this_build(&self, time_ns: u64, recorded_by: &str) -> Option<Departure> {
         let t = self.recorded.as_ref()?;
-        if t.result.ooms > 0 {
+        let other_build =
+            recorded_by.starts_with("gpualloc ") && recorded_by != gpualloc::trace::producer();
+        if t.result.ooms > 0 || t.result.unknown_frees > 0 || !other_build {
             return None;
         }
         t.result.departure.filter(|d| d.time_ns < time_ns)

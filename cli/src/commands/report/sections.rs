@@ -113,6 +113,7 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
             percent(p.frag.external)
         );
     }
+    let producer = &a.info.header.producer;
     match (d.ooms.first(), advice.and_then(Advice::best)) {
         (None, _) => s.push_str("<li><b>Out of memory?</b> No allocation failed.</li>"),
         (Some(o), best) => {
@@ -133,8 +134,11 @@ pub fn findings(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option
                 None if advice.is_none() => s.push_str(
                     " Not replayed: the trace records no reserved memory, so the device's capacity is unknown.</li>",
                 ),
-                None if advice.is_some_and(|a| a.avoided_by_this_build(o.time_ns).is_some()) => {
-                    s.push_str(" No other configuration is needed.</li>")
+                None if advice.is_some_and(|a| {
+                    a.avoided_by_this_build(o.time_ns, producer).is_some()
+                }) =>
+                {
+                    s.push_str(" Running this build may be enough.</li>")
                 }
                 None if advice.is_some_and(|a| !a.reproduced()) => s.push_str(
                     " Replayed under the recorded configuration, the run does not fail, so the replays cannot tell which configuration would avoid it: the device may have held memory the trace does not show (other processes, the CUDA context).</li>",
@@ -336,7 +340,10 @@ pub fn ooms(s: &mut String, a: &Analysis, d: &DeviceAnalysis, advice: Option<&Ad
     }
     s.push_str("</table>");
     let first = d.ooms.first().map_or(u64::MAX, |o| o.time_ns);
-    if adv.avoided_by_this_build(first).is_some() {
+    if adv
+        .avoided_by_this_build(first, &a.info.header.producer)
+        .is_some()
+    {
         s.push_str("<p class=\"good\">Under the recorded configuration this build's policy avoids the OOM in replay: it chose otherwise than the recording before the failed request, and no request fails.</p>");
         return;
     }

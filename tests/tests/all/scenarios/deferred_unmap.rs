@@ -10,7 +10,8 @@ use gpualloc_tests::{Checked, MIB};
 
 /// 2 MiB handles, no headroom, no stitching: a request that does not fit
 /// takes the pages of free blocks.
-const CONF: &str = "expandable_handle_mb:2,defragment_headroom:0,stitch_min_mb:0";
+const CONF: &str =
+    "expandable_handle_mb:2,defragment_headroom:0,defragment_pressure:1,stitch_min_mb:0";
 
 /// `[a 16 MiB, freed on stream 0 with its work queued][b 2 MiB live]`:
 /// the checker, a's and b's addresses.
@@ -134,7 +135,10 @@ fn a_request_that_fails_after_moving_pages_leaves_none_to_other_streams() {
 /// request does not use: another stream that takes it waits for its work.
 #[test]
 fn moved_pages_left_unused_carry_their_works_stamp() {
-    let mut c = Checked::with(1 << 30, "defragment_headroom:0,stitch_min_mb:0");
+    let mut c = Checked::with(
+        1 << 30,
+        "defragment_headroom:0,defragment_pressure:1,stitch_min_mb:0",
+    );
     let big = c.alloc(64 * MIB, 0);
     c.release(big); // 8 MiB handles
     let p: Vec<u64> = (0..8).map(|_| c.alloc(8 * MIB, 0)).collect();

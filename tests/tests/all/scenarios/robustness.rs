@@ -548,7 +548,10 @@ fn empty_cache_waits_for_a_graph_only_streams_fences_without_recording() {
 /// `empty_cache` still gives its memory back.
 #[test]
 fn a_destroyed_stream_with_cached_pages_does_not_stop_growth_or_empty_cache() {
-    for conf in ["", "expandable_handle_mb:2,defragment_headroom:0"] {
+    for conf in [
+        "",
+        "expandable_handle_mb:2,defragment_headroom:0,defragment_pressure:1",
+    ] {
         let mut d = DeviceAllocator::new(0, SimBackend::new(1 << 30), Config::parse(conf).unwrap());
         let keep = d.malloc(8 * MIB, 7).unwrap();
         let gone = d.malloc(64 * MIB, 7).unwrap();
