@@ -55,18 +55,24 @@ pub enum MinLimit {
     NoneBelowTheDevice,
 }
 
-/// `config` without its caps on reserved memory (keys compared as the
-/// parser reads them, spaces around them ignored).
-fn uncapped(config: &str) -> String {
+/// The entries of `config` that are caps on reserved memory (`caps`
+/// true) or all the others, joined again; keys are compared as the
+/// parser reads them, spaces around them ignored.
+pub(crate) fn cap_entries(config: &str, caps: bool) -> String {
     config
         .split(',')
         .map(str::trim)
         .filter(|kv| {
             let key = kv.split_once(':').map_or(*kv, |(k, _)| k).trim();
-            !kv.is_empty() && !CAP_KEYS.contains(&key)
+            !kv.is_empty() && CAP_KEYS.contains(&key) == caps
         })
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// `config` without its caps on reserved memory.
+fn uncapped(config: &str) -> String {
+    cap_entries(config, false)
 }
 
 /// Replays the events of `path` under `config` with every device capped at

@@ -330,8 +330,8 @@ fn render_json(
                     "departure": departure_json(d.departure),
                 })).collect::<Vec<_>>(),
             });
-            // Only with `--min-limit`: bytes per device, null when the
-            // replay fails even uncapped.
+            // Only with `--min-limit`: bytes per device, null when no
+            // limit serves the replay.
             if let Some(l) = limit {
                 row["min_limit"] = match l {
                     MinLimit::Bytes { limit, .. } => json!(limit),

@@ -61,11 +61,17 @@ pub const CANDIDATES: [&str; 4] = [
 /// mid-run or dropped events.
 fn departure_cause(recorded_by: &str) -> String {
     let this = gpualloc::trace::producer();
-    if recorded_by.starts_with("gpualloc ") && recorded_by != this {
+    if other_build(recorded_by) {
         format!("the trace was recorded by {recorded_by}, this is {this}")
     } else {
         "a trace recorded by another version, started mid-run or with events dropped".to_string()
     }
+}
+
+/// Whether `recorded_by` (a trace's producer) is a gpualloc build other
+/// than this one.
+fn other_build(recorded_by: &str) -> bool {
+    recorded_by.starts_with("gpualloc ") && recorded_by != gpualloc::trace::producer()
 }
 
 /// What made an OOM fail.
@@ -224,14 +230,7 @@ fn where_free(o: &Oom) -> &'static str {
 /// The configuration keys that set a limit, from the recorded configuration:
 /// they belong to the device the run had, so every candidate keeps them.
 fn limit_keys(recorded: &str) -> String {
-    recorded
-        .split(',')
-        .map(str::trim)
-        .filter(|kv| {
-            kv.starts_with("memory_limit:") || kv.starts_with("per_process_memory_fraction:")
-        })
-        .collect::<Vec<_>>()
-        .join(",")
+    crate::commands::min_limit::cap_entries(recorded, true)
 }
 
 /// Sets each OOM's `limit_left`: what the cap on reserved memory in force
@@ -323,9 +322,7 @@ impl Advice {
     /// memory the trace does not show, is why the OOM is not reproduced.
     pub fn avoided_by_this_build(&self, time_ns: u64, recorded_by: &str) -> Option<Departure> {
         let t = self.recorded.as_ref()?;
-        let other_build =
-            recorded_by.starts_with("gpualloc ") && recorded_by != gpualloc::trace::producer();
-        if t.result.ooms > 0 || t.result.unknown_frees > 0 || !other_build {
+        if t.result.ooms > 0 || t.result.unknown_frees > 0 || !other_build(recorded_by) {
             return None;
         }
         t.result.departure.filter(|d| d.time_ns < time_ns)
