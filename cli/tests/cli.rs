@@ -796,6 +796,17 @@ fn a_capped_example_tells_the_capacity_that_reproduces_it() {
     assert!(!err.contains("fraction of a device"), "{err}");
     let replayed: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(replayed[0]["ooms"], 87, "{out}");
+    // Each failure was retried after the cache was freed, and so were
+    // eight requests the retry served; the table says the same.
+    assert_eq!(replayed[0]["alloc_retries"], 95, "{out}");
+    assert_eq!(replayed[0]["devices"][0]["alloc_retries"], 95, "{out}");
+    let (table, _) = common::ok(&["replay", "--capacity", "150109880320", example]);
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("release-and-retry allocations") && l.ends_with(" 95")),
+        "{table}"
+    );
 }
 
 /// `replay` says where reserved memory that no allocation holds lay at

@@ -15,7 +15,8 @@
 //!
 //! JSON, one object per configuration: `config`, `capacity`, `events`,
 //! `dropped`, `peak_reserved`, `peak_allocated`, `ratio`, `ooms`,
-//! `driver_calls`, `driver_memory_calls`, `driver_ms`,
+//! `alloc_retries` (requests retried after the cache was freed, PyTorch's
+//! `num_alloc_retries`: how often a run met its cap), `driver_calls`, `driver_memory_calls`, `driver_ms`,
 //! `driver_calls_by_kind` (per kind: `calls`, `handles`, `bytes`, `ms`),
 //! `helper_driver_ms`, `defragment_driver_ms`, `cost_model`, with
 //! `--min-limit` `min_limit` (the smallest memory limit per device under
@@ -31,7 +32,7 @@
 //! `free_units`, `free_private_units`, `pooled`: bytes at each device's
 //! peak, summed; the parts but `used_units_unallocated` add up to
 //! `peak_reserved`), and `devices` (per device: `device`, `peak_reserved`,
-//! `peak_allocated`, `ooms`, `held_at_peak_reserved`, `after_warmup`,
+//! `peak_allocated`, `ooms`, `alloc_retries`, `held_at_peak_reserved`, `after_warmup`,
 //! `departure`), and `departure`: the first allocation the recording
 //! served after which the replay had obtained other device memory than
 //! the recording, as both traces count it (bytes of `segment_map` and
@@ -305,6 +306,7 @@ fn render_json(
                 "peak_allocated": r.peak_allocated,
                 "ratio": r.peak_reserved as f64 / r.peak_allocated.max(1) as f64,
                 "ooms": r.ooms,
+                "alloc_retries": r.devices.iter().map(|d| d.alloc_retries).sum::<u64>(),
                 "driver_calls": r.driver.total_calls(),
                 "driver_memory_calls": r.driver.memory_calls(),
                 "driver_ms": r.driver_ms(&model),
@@ -323,6 +325,7 @@ fn render_json(
                     "peak_reserved": d.peak_reserved,
                     "peak_allocated": d.peak_allocated,
                     "ooms": d.ooms,
+                    "alloc_retries": d.alloc_retries,
                     "held_at_peak_reserved": held_json(std::iter::once(
                         (d.held_at_peak_reserved, d.allocated_at_peak_reserved),
                     )),
