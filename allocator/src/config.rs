@@ -28,9 +28,9 @@
 //! | `expandable_segments` | `true`/`false` | true (false under WSL: the C library's Note [Plain memory on WSL]) | map pages into growing address ranges per (pool, stream) instead of separate segments |
 //! | `expandable_page_mb` | even integer, 2–1024 | 2 | mapping granularity of large-pool expandable segments (PyTorch uses the 20 MiB segment size) |
 //! | `expandable_handle_mb` | power of two, 2–1024 | 16 | largest physical handle created at once; a mapping of n bytes uses handles of at most n/8 (fewer driver calls, coarser unmapping); re-creating what `empty_cache` gave back, up to twice this whatever n |
-//! | `defragment` | `true`/`false` | true | with expandable segments: rather than hold more than `1 + defragment_headroom` times peak allocated memory (at least 1.05 times past `defragment_pressure`), unmap free pages and map them where the request fits |
+//! | `defragment` | `true`/`false` | true | with expandable segments: rather than hold more than `1 + defragment_headroom` times peak allocated memory (at least 1.05 times past `defragment_pressure` of a memory limit), unmap free pages and map them where the request fits |
 //! | `defragment_headroom` | 0 ≤ x ≤ 1 | 0.005 | how far held memory may exceed peak allocated memory before defragmenting |
-//! | `defragment_pressure` | 0 ≤ x ≤ 1 | 0.5 | once peak allocated memory passes x × what reserved memory may reach (the limit, or the device), the headroom is at least 5%: the run grows in place and the out-of-memory path packs it at the cap (1: never; Note [Headroom under pressure]) |
+//! | `defragment_pressure` | 0 ≤ x ≤ 1 | 0.5 | once peak allocated memory passes x × the memory limit in force (none: never; the device is not a limit), the headroom is at least 5%: the run grows in place and the out-of-memory path packs it at the limit (1: never; Note [Headroom under pressure]) |
 //! | `defragment_budget` | 0 ≤ x ≤ 1 | 0.03 | with `defragment`: the share of elapsed time that defragmenting and stitching may spend in driver calls before defragmentation stops taking the pages cached stitches alias, unless growing instead would raise the most memory ever reserved (0: never; 1: no limit; Note [Defragmentation budget]) |
 //! | `unmap_thread` | `true`/`false` | true | with expandable segments: ranges given up (old places of moved pages, stitches torn down) are unmapped by a helper thread (held back while a request maps memory) rather than on the allocating thread (Note [Unmapping off the allocating thread]) |
 //! | `defer_unmap` | `true`/`false` | true | with `defragment`: pages taken from a free block whose work may still run are mapped where the request fits at once and unmapped from the old place once that work is done, when the request is on the same stream (Note [Unmapping behind the work]); `false`: the host waits for that work first |
@@ -126,7 +126,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ),
     (
         "defragment_pressure",
-        "share of the limit (or device) that peak allocated memory passes before the headroom is at least 5% (0 to 1; 1: never)",
+        "share of the memory limit that peak allocated memory passes before the headroom is at least 5% (0 to 1; 1: never; no limit: never)",
     ),
     (
         "defragment_budget",
@@ -194,8 +194,9 @@ pub struct Config {
     pub unmap_thread: bool,
     /// How far held memory may exceed peak allocated memory before defragmenting.
     pub defragment_headroom: f64,
-    /// The share of the cap on reserved memory that peak allocated memory
-    /// passes before the headroom is at least 5% (Note [Headroom under
+    /// The share of the memory limit in force (`memory_limit`, the
+    /// fraction) that peak allocated memory passes before the headroom is
+    /// at least 5% (Note [Headroom under
     /// pressure] in `expandable.rs`; 1: never).
     pub defragment_pressure: f64,
     /// The share of elapsed time defragmenting may spend in driver calls.

@@ -674,27 +674,37 @@ fn after_request_near_the_cap(capacity: u64, conf: &str) -> i64 {
     d.stats().reserved_bytes.all.current
 }
 
-/// Note [Headroom under pressure]: past half the device, the request grows
-/// by what 5% over the 300 MiB peak allows and moves only the rest; far
-/// from the cap, or with `defragment_pressure:1`, it moves all it lacks.
+/// Note [Headroom under pressure]: past half a 512 MiB limit, the request
+/// grows by what 5% over the 300 MiB peak allows and moves only the rest;
+/// far from the limit, with `defragment_pressure:1`, or past half of a
+/// device without a limit, it moves all it lacks.
 #[test]
-fn near_the_cap_the_headroom_is_five_percent() {
+fn near_a_limit_the_headroom_is_five_percent() {
     let moved_all = 300 << 20;
-    assert_eq!(
-        after_request_near_the_cap(8 << 30, "stitch_min_mb:0"),
-        moved_all
-    );
-    assert_eq!(
-        after_request_near_the_cap(512 << 20, "stitch_min_mb:0,defragment_pressure:1"),
-        moved_all
-    );
+    for (capacity, conf) in [
+        (8 << 30, "stitch_min_mb:0,memory_limit:7GiB"),
+        (
+            8 << 30,
+            "stitch_min_mb:0,memory_limit:512MiB,defragment_pressure:1",
+        ),
+        (512 << 20, "stitch_min_mb:0"),
+    ] {
+        assert_eq!(
+            after_request_near_the_cap(capacity, conf),
+            moved_all,
+            "{conf}"
+        );
+    }
     // It lacks 50 MiB: 350 MiB would pass 1.05 x 300 by 35, which move
     // in whole handles (40 MiB); the other 10 MiB grow.
-    let grew = after_request_near_the_cap(512 << 20, "stitch_min_mb:0");
+    let grew = after_request_near_the_cap(8 << 30, "stitch_min_mb:0,memory_limit:512MiB");
     assert_eq!(grew, 310 << 20);
-    // A limit is a cap as the device is; a share of 0 applies the 5% from
-    // the first request on.
-    for conf in ["memory_limit:512MiB", "defragment_pressure:0"] {
+    // A fraction is a limit as bytes are; a share of 0 applies the 5%
+    // from the first request on under any limit.
+    for conf in [
+        "per_process_memory_fraction:0.0625",
+        "memory_limit:7GiB,defragment_pressure:0",
+    ] {
         let on_8_gib = after_request_near_the_cap(8 << 30, &format!("stitch_min_mb:0,{conf}"));
         assert_eq!(on_8_gib, grew, "{conf}");
     }
