@@ -32,10 +32,10 @@
 //! `free_units`, `free_private_units`, `pooled`: bytes at each device's
 //! peak, summed; the parts but `used_units_unallocated` add up to
 //! `peak_reserved`), and `devices` (per device: `device`, `peak_reserved`,
-//! `peak_allocated`, `ooms`, `alloc_retries`, `held_at_peak_reserved`, `after_warmup`,
-//! `departure`), and `departure`: the first allocation the recording
-//! served after which the replay had obtained other device memory than
-//! the recording, as both traces count it (bytes of `segment_map` and
+//! `peak_allocated`, `ooms`, `alloc_retries`, `held_at_peak_reserved`,
+//! `after_warmup`, `departure`), and `departure`: the first allocation the
+//! recording served after which the replay had obtained other device
+//! memory than the recording, as both traces count it (bytes of `segment_map` and
 //! `segment_alloc` records), or which the replay failed; null when none:
 //! `event_index`, `time_ns`, `replayed_bytes`, `recorded_bytes`. Under
 //! the recorded configuration, null is a necessary sign that the replay
