@@ -196,8 +196,8 @@ pub struct Config {
     pub defragment_headroom: f64,
     /// The share of the memory limit in force (`memory_limit`, the
     /// fraction) that peak allocated memory passes before the headroom is
-    /// at least 5% (Note [Headroom under
-    /// pressure] in `expandable.rs`; 1: never).
+    /// at least 5% (Note [Headroom under pressure] in `expandable.rs`; 1:
+    /// never).
     pub defragment_pressure: f64,
     /// The share of elapsed time defragmenting may spend in driver calls.
     pub defragment_budget: f64,

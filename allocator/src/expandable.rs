@@ -62,7 +62,8 @@
 //! 1.005x (fifty-first study of `docs/policy-experiments.md`).
 //! Approach: once the peak of allocated memory passes
 //! `defragment_pressure` (half by default) of a memory limit in force
-//! (`memory_limit`, or `set_per_process_memory_fraction` below 1), the
+//! (`memory_limit`, or a fraction below 1: `per_process_memory_fraction`,
+//! `set_per_process_memory_fraction`), the
 //! headroom is at least [`PRESSURE_HEADROOM`]. A program that sets a
 //! limit says that fitting under it is what counts; one that does not is
 //! kept within 0.5% of its live peak however large it is, as the default
@@ -396,10 +397,11 @@ impl<B: Backend> DeviceAllocator<B> {
         if share >= 1.0 {
             return Ok(own);
         }
-        let Some(limit) = self.limits.limit(&mut self.backend)? else {
+        // A limit above the device is still the program's word: the rule
+        // reads it as set, as the garbage collection's threshold does.
+        let Some(cap) = self.limit()? else {
             return Ok(own);
         };
-        let cap = limit.min(self.device_total()?);
         Ok(if high as f64 > share * cap as f64 {
             own.max(PRESSURE_HEADROOM)
         } else {

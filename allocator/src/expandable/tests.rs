@@ -663,7 +663,16 @@ fn faults_while_spare_handles_go_back_fail_no_request() {
 /// 100 MiB runs, beside 100 MiB live, the peak of allocated memory 300
 /// MiB, on a device of `capacity` bytes.
 fn after_request_near_the_cap(capacity: u64, conf: &str) -> i64 {
+    after_request_near_the_cap_with(capacity, conf, None)
+}
+
+/// The same, with `fraction` set at run time first, as PyTorch's
+/// `set_per_process_memory_fraction` sets it.
+fn after_request_near_the_cap_with(capacity: u64, conf: &str, fraction: Option<f64>) -> i64 {
     let mut d = DeviceAllocator::new(0, SimBackend::new(capacity), Config::parse(conf).unwrap());
+    if let Some(f) = fraction {
+        d.set_memory_fraction(f).unwrap();
+    }
     let a = d.malloc(100 << 20, 0).unwrap();
     let _b = d.malloc(100 << 20, 0).unwrap();
     let c = d.malloc(100 << 20, 0).unwrap();
@@ -677,7 +686,8 @@ fn after_request_near_the_cap(capacity: u64, conf: &str) -> i64 {
 /// Note [Headroom under pressure]: past half a 512 MiB limit, the request
 /// grows by what 5% over the 300 MiB peak allows and moves only the rest;
 /// far from the limit, with `defragment_pressure:1`, or past half of a
-/// device without a limit, it moves all it lacks.
+/// device without a limit (a fraction of 1 is none, and a limit above the
+/// device is read as set), it moves all it lacks.
 #[test]
 fn near_a_limit_the_headroom_is_five_percent() {
     let moved_all = 300 << 20;
@@ -688,6 +698,8 @@ fn near_a_limit_the_headroom_is_five_percent() {
             "stitch_min_mb:0,memory_limit:512MiB,defragment_pressure:1",
         ),
         (512 << 20, "stitch_min_mb:0"),
+        (512 << 20, "stitch_min_mb:0,per_process_memory_fraction:1"),
+        (512 << 20, "stitch_min_mb:0,memory_limit:1GiB"),
     ] {
         assert_eq!(
             after_request_near_the_cap(capacity, conf),
@@ -708,4 +720,6 @@ fn near_a_limit_the_headroom_is_five_percent() {
         let on_8_gib = after_request_near_the_cap(8 << 30, &format!("stitch_min_mb:0,{conf}"));
         assert_eq!(on_8_gib, grew, "{conf}");
     }
+    let set_at_run_time = after_request_near_the_cap_with(8 << 30, "stitch_min_mb:0", Some(0.0625));
+    assert_eq!(set_at_run_time, grew);
 }

@@ -16,7 +16,8 @@
 //! JSON, one object per configuration: `config`, `capacity`, `events`,
 //! `dropped`, `peak_reserved`, `peak_allocated`, `ratio`, `ooms`,
 //! `alloc_retries` (requests retried after the cache was freed, PyTorch's
-//! `num_alloc_retries`: how often a run met its cap), `driver_calls`, `driver_memory_calls`, `driver_ms`,
+//! `num_alloc_retries`: how often a run met its limit or the device),
+//! `driver_calls`, `driver_memory_calls`, `driver_ms`,
 //! `driver_calls_by_kind` (per kind: `calls`, `handles`, `bytes`, `ms`),
 //! `helper_driver_ms`, `defragment_driver_ms`, `cost_model`, with
 //! `--min-limit` `min_limit` (the smallest memory limit per device under
@@ -35,8 +36,9 @@
 //! `peak_allocated`, `ooms`, `alloc_retries`, `held_at_peak_reserved`,
 //! `after_warmup`, `departure`), and `departure`: the first allocation the
 //! recording served after which the replay had obtained other device
-//! memory than the recording, as both traces count it (bytes of `segment_map` and
-//! `segment_alloc` records), or which the replay failed; null when none:
+//! memory than the recording, as both traces count it (bytes of
+//! `segment_map` and `segment_alloc` records), or which the replay failed;
+//! null when none:
 //! `event_index`, `time_ns`, `replayed_bytes`, `recorded_bytes`. Under
 //! the recorded configuration, null is a necessary sign that the replay
 //! made the recording's choices, not proof (placement, streams, releases

@@ -165,6 +165,9 @@ macro_rules! property {
 
 // 6,000 cases of each ran clean in review (`PROPTEST_CASES=6000`).
 property!(fault_default, "", 256);
+// The default under a limit it passes half of, where the headroom is 5%
+// (Note [Headroom under pressure]): runs grow in place and meet the limit.
+property!(fault_under_a_limit, "per_process_memory_fraction:0.75", 256);
 property!(
     fault_moves,
     "defragment_headroom:0,defragment_pressure:1,expandable_handle_mb:2",

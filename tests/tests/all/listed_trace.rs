@@ -170,8 +170,8 @@ fn listed_at_marks(path: &std::path::Path) -> (Vec<Ranges>, u64, u64) {
 fn the_ranges_a_trace_lists_are_the_snapshots_segments() {
     let dir = tempfile::tempdir().unwrap();
     let (mut listings, mut tails) = (0, 0);
-    // On a 512 MiB device the runs pass half of it: the headroom stays as
-    // set (`defragment_pressure:1`), so that pages move and stitches form.
+    // The headroom stays as set (no limit; `defragment_pressure:1` would
+    // keep it so under one), so that pages move and stitches form.
     for config in [
         "expandable_handle_mb:2,defragment_pressure:1",
         "expandable_handle_mb:2,stitch_min_mb:4,defragment_headroom:0,defragment_pressure:1",

@@ -164,8 +164,9 @@ fn a_stitch_reused_for_a_smaller_request_gives_its_tail_back_when_memory_runs_ou
 
 /// The same at its smallest (a case the property test found): one page
 /// of tail, and a one-byte request. The headroom stays 0.5% as the device
-/// fills (`defragment_pressure:1`), so that pages move and the request is
-/// stitched as the case was found.
+/// fills (no limit is set, and `defragment_pressure:1` would keep it so
+/// under one), so that pages move and the request is stitched as the case
+/// was found.
 #[test]
 fn the_last_page_of_a_stitch_tail_serves_a_request() {
     let mut c = Checked::with(512 * MIB, "expandable_handle_mb:2,defragment_pressure:1");
