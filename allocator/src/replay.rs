@@ -208,6 +208,12 @@ impl ReplayResult {
     pub fn helper_ms(&self, model: &CostModel) -> f64 {
         model.predict_ms(&self.helper)
     }
+
+    /// Requests retried after the out-of-memory path freed the cache, over
+    /// every device (PyTorch's `num_alloc_retries`).
+    pub fn alloc_retries(&self) -> u64 {
+        self.devices.iter().map(|d| d.alloc_retries).sum()
+    }
 }
 
 struct Live {

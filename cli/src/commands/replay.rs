@@ -308,7 +308,7 @@ fn render_json(
                 "peak_allocated": r.peak_allocated,
                 "ratio": r.peak_reserved as f64 / r.peak_allocated.max(1) as f64,
                 "ooms": r.ooms,
-                "alloc_retries": r.devices.iter().map(|d| d.alloc_retries).sum::<u64>(),
+                "alloc_retries": r.alloc_retries(),
                 "driver_calls": r.driver.total_calls(),
                 "driver_memory_calls": r.driver.memory_calls(),
                 "driver_ms": r.driver_ms(&model),
@@ -547,11 +547,7 @@ fn render(
             .map_or("none".into(), |n| n.to_string())
     });
     row("release-and-retry allocations", &|_, r| {
-        r.devices
-            .iter()
-            .map(|d| d.alloc_retries)
-            .sum::<u64>()
-            .to_string()
+        r.alloc_retries().to_string()
     });
     row("failed allocations (OOM)", &|_, r| r.ooms.to_string());
     row("first OOM", &|_, r| match &r.first_oom {
