@@ -22,9 +22,11 @@ use crate::trace::{Action, TraceEvent};
 use crate::{AllocError, Allocator};
 
 pub use crate::rng::Rng;
+pub use fixed_shape::fixed_shape;
 pub use longer::{MAX_STEPS, longer};
 pub use python_random::PythonRandom;
 
+mod fixed_shape;
 mod longer;
 mod python_random;
 
