@@ -914,6 +914,15 @@ impl Backend for CudaBackend {
     }
 
     fn helper_calls(&self) -> DriverCalls {
+        // A child forked while the helper thread added to the count holds
+        // a copy of the lock that nothing will release (Note [No driver
+        // call after fork]): it reads what it can without waiting.
+        if driver::in_forked_child() {
+            return self
+                .helper_calls
+                .try_lock()
+                .map_or_else(DriverCalls::default, |c| *c);
+        }
         *self.helper_calls.lock()
     }
 }

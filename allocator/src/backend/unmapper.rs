@@ -443,11 +443,15 @@ pub fn blocked(failed: &[Job], job: &Job) -> bool {
 }
 
 /// Does failed `jobs` again (oldest first) with `run`: those over
-/// `[lo, hi)` and, before a Free among them, the Unmaps inside its
-/// reservation (all jobs with `None`), in order. A job that fails again
-/// does not hold back the others, except a Free over it, which waits with
-/// it (as on the helper: [`blocked`]). Returns the first error and the
-/// jobs done.
+/// `[lo, hi)` and, for a Free among them, the Unmaps inside its
+/// reservation (all jobs with `None`). Every Unmap runs before every Free:
+/// the list need not be in the order the jobs were queued (`quiesce` lists
+/// the queue as failed while a job still runs, and that job, if it fails,
+/// comes after a Free over it), and a Free while a range inside it is
+/// still mapped would free mapped addresses. A job that fails again does
+/// not hold back the others, except a Free over it, which waits with it
+/// (as on the helper: [`blocked`]). Returns the first error and the jobs
+/// done.
 pub fn redo(
     jobs: &[Job],
     range: Option<(DevicePtr, DevicePtr)>,
@@ -459,7 +463,7 @@ pub fn redo(
         .collect();
     for (i, j) in jobs.iter().enumerate() {
         if let (true, Job::Free { ptr, size }) = (pick[i], *j) {
-            for (k, u) in jobs[..i].iter().enumerate() {
+            for (k, u) in jobs.iter().enumerate() {
                 if matches!(u, Job::Unmap { .. }) && u.overlaps(ptr, ptr + size) {
                     pick[k] = true;
                 }
@@ -469,7 +473,15 @@ pub fn redo(
     let mut done = Vec::new();
     let mut again: Vec<Job> = Vec::new();
     let mut first = Ok(());
-    for (i, &job) in jobs.iter().enumerate() {
+    let unmaps = jobs
+        .iter()
+        .enumerate()
+        .filter(|(_, j)| matches!(j, Job::Unmap { .. }));
+    let frees = jobs
+        .iter()
+        .enumerate()
+        .filter(|(_, j)| matches!(j, Job::Free { .. }));
+    for (i, &job) in unmaps.chain(frees) {
         if !pick[i] || blocked(&again, &job) {
             continue;
         }

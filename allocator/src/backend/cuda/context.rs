@@ -124,7 +124,13 @@ pub(super) fn bind_context(ctx: sys::CUcontext) -> Result<Bound, BackendError> {
         return Ok(Bound { previous: None });
     }
     // SAFETY: `ctx` is a live context: a primary context retained by a
-    // backend, or the context of a live stream.
+    // backend, or the context an event of `record_foreign` was recorded
+    // in. That is another device's primary context for PyTorch's streams,
+    // which lives until the process ends. A context a library created
+    // itself is not retained here: it must outlive the events recorded in
+    // it until they are found done, which holds while the library keeps
+    // the stream whose blocks are pending (a limit, not checked; it is
+    // this function's one unchecked precondition).
     check("cuCtxSetCurrent", unsafe { driver::cuCtxSetCurrent(ctx) })?;
     Ok(Bound {
         previous: Some(cur),

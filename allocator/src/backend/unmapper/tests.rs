@@ -325,6 +325,29 @@ fn redo_takes_the_jobs_over_the_range_and_the_unmaps_a_free_needs() {
     assert!(r.is_err(), "the failure is reported");
     assert_eq!(ran, vec![a, b, c, d, other]);
     assert_eq!(done, vec![a, c, d, other]);
+    // An Unmap listed after the Free of its reservation (a job that was
+    // running when `quiesce` listed the queue, and failed) still runs
+    // first: the Free never comes while a range inside it is mapped.
+    let mut ran = Vec::new();
+    let (r, done) = redo(&[free, b, a], None, |j| {
+        ran.push(j);
+        Ok(())
+    });
+    assert!(r.is_ok());
+    assert_eq!(ran, vec![b, a, free]);
+    assert_eq!(done, vec![b, a, free]);
+    // And one that fails again holds that Free back.
+    let mut ran = Vec::new();
+    let (r, done) = redo(&[free, c], Some((0x2000, 0x2001)), |j| {
+        ran.push(j);
+        if j == c {
+            Err(BackendError::Unavailable("again".into()))
+        } else {
+            Ok(())
+        }
+    });
+    assert!(r.is_err());
+    assert_eq!((ran, done), (vec![c], vec![]));
 }
 
 #[test]
