@@ -284,6 +284,12 @@ impl<B: Backend> DeviceAllocator<B> {
     /// The most bytes ever allocated at once on this device, whatever
     /// `reset_peak_stats` did to the statistics: what defragmentation
     /// measures reserved memory against (Note [Defragmentation]).
+    /// The device's index (what [`Allocator`](crate::Allocator)'s calls
+    /// name it by).
+    pub fn ordinal(&self) -> u32 {
+        self.device
+    }
+
     pub(crate) fn allocated_high(&self) -> u64 {
         (self.stats.allocated_bytes.all.peak as u64).max(self.allocated_high_before_reset)
     }

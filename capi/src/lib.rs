@@ -419,8 +419,23 @@ fn free_from(ptr: *mut c_void, device: c_int, current: impl FnOnce() -> Option<u
                 global::idle_count()?;
                 return Err(not_ours("free", ptr));
             };
-            Ok(g.alloc
-                .free_from(i64::from(device), ptr as usize as u64, current())?)
+            let ptr = ptr as usize as u64;
+            if device >= 0 {
+                return Ok(g.alloc.free_from(i64::from(device), ptr, current())?);
+            }
+            // A deleter that cannot name the device (the bridge, once the
+            // process has allocated on several): the block's own device is
+            // found, and PyTorch's current stream there read, so that a
+            // free while another stream is current still waits for that
+            // stream's work (Note [The current stream without the bridge]).
+            match g.alloc.with_owner(ptr, |d| Ok(d.ordinal())) {
+                Some(Ok(owner)) => {
+                    let owner = i64::from(owner);
+                    Ok(g.alloc
+                        .free_from(owner, ptr, torch_stream::current(owner))?)
+                }
+                _ => Ok(g.alloc.free_from(-1, ptr, None)?),
+            }
         },
     );
 }
