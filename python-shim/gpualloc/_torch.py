@@ -651,6 +651,13 @@ def _install_bridge(torch, libpath: str, verbose: bool) -> None:
     bridge.gpualloc_bridge_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     err = ctypes.create_string_buffer(4096)
     rc = bridge.gpualloc_bridge_install(os.fsencode(libpath), err, len(err))
+    if rc == 2:
+        # PyTorch refuses its own settings (a key or value it does not know
+        # in PYTORCH_CUDA_ALLOC_CONF): the user's to mend, as it would be
+        # without gpualloc, not a reason to fall back.
+        msg = err.value.decode(errors="replace")
+        raise GpuallocError(f"gpualloc.install(): PyTorch refuses its allocator settings "
+                            f"(PYTORCH_CUDA_ALLOC_CONF): {msg}")
     if rc != 0:
         msg = err.value.decode(errors="replace")
         if "already initialized" in msg or "Can't swap" in msg:

@@ -1300,7 +1300,9 @@ extern "C" int gpualloc_bridge_sync_settings(char* msg, size_t msglen) {
 }
 
 // Loads libgpualloc.so from `libpath`, builds the allocator and makes it
-// PyTorch's CUDA allocator. 0 on success; otherwise 1 with a message in `err`.
+// PyTorch's CUDA allocator. 0 on success; otherwise 1 with a message in
+// `err`, or 2 when PyTorch refuses its own allocator settings (nothing is
+// swapped then: the user's setting is wrong, not the bridge).
 extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t errlen) {
   using namespace gpualloc_bridge;
   auto fail = [&](const std::string& msg) {
@@ -1328,7 +1330,15 @@ extern "C" int gpualloc_bridge_install(const char* libpath, char* err, size_t er
     // here, it compares against the allocator the variable chose, as
     // PyTorch meant. (A settings string set later that names a backend
     // fails as it would after any swap.)
-    (void)cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse();
+    try {
+      (void)cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse();
+    } catch (const c10::Error& e) {
+      fail(e.what_without_backtrace());
+      return 2;
+    } catch (const std::exception& e) {
+      fail(e.what());
+      return 2;
+    }
     CUDAAllocator* native = cca::allocator.load();
     auto a = std::make_shared<GpuallocAllocator>(native);
     // Not started here: PyTorch calls init() when it initializes CUDA. But
