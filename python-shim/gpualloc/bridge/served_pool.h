@@ -42,8 +42,18 @@ inline void* other_alloc(void* ctx, size_t size, int device, cudaStream_t stream
   try {
     DeviceScope scope(device);
     return o->allocator->raw_alloc_with_stream(size, stream);
+  } catch (const c10::OutOfMemoryError&) {
+    // Called from the library's C ABI: no exception may cross it. Out of
+    // memory is what the null pointer says.
+    return nullptr;
+  } catch (const std::exception& e) {
+    // Anything else still reaches PyTorch as out of memory (the C ABI has
+    // no other answer for a source), so its own message is shown here.
+    std::fprintf(stderr, "gpualloc: %s failed to allocate %zu bytes for a MemPool: %s\n", o->name.c_str(), size,
+                 e.what());
+    return nullptr;
   } catch (...) {
-    // Called from the library's C ABI: no exception may cross it.
+    std::fprintf(stderr, "gpualloc: %s failed to allocate %zu bytes for a MemPool\n", o->name.c_str(), size);
     return nullptr;
   }
 }
