@@ -281,15 +281,15 @@ impl<B: Backend> DeviceAllocator<B> {
         self.stats.reset_peak();
     }
 
-    /// The most bytes ever allocated at once on this device, whatever
-    /// `reset_peak_stats` did to the statistics: what defragmentation
-    /// measures reserved memory against (Note [Defragmentation]).
     /// The device's index (what [`Allocator`](crate::Allocator)'s calls
     /// name it by).
     pub fn ordinal(&self) -> u32 {
         self.device
     }
 
+    /// The most bytes ever allocated at once on this device, whatever
+    /// `reset_peak_stats` did to the statistics: what defragmentation
+    /// measures reserved memory against (Note [Defragmentation]).
     pub(crate) fn allocated_high(&self) -> u64 {
         (self.stats.allocated_bytes.all.peak as u64).max(self.allocated_high_before_reset)
     }
