@@ -116,8 +116,11 @@ fn release_all(backend: &mut CudaBackend, handles: &[(HandleId, u64)]) {
 
 impl Drop for ImportedRange {
     fn drop(&mut self) {
-        // Errors cannot be reported from here; the backend's own drop
-        // unmaps and releases whatever is left.
+        // Errors cannot be reported from here. If the unmap fails the
+        // range may still be mapped: its handles and its address
+        // reservation are then left as they are (leaked until the process
+        // ends) rather than freed under a mapping, which the backend's
+        // own drop does not track either.
         let _ = self.backend.synchronize();
         if self.backend.unmap(self.ptr, self.size).is_ok() {
             release_all(&mut self.backend, &self.handles);
