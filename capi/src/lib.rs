@@ -428,6 +428,8 @@ fn free_from(ptr: *mut c_void, device: c_int, current: impl FnOnce() -> Option<u
             // found, and PyTorch's current stream there read, so that a
             // free while another stream is current still waits for that
             // stream's work (Note [The current stream without the bridge]).
+            // Two lookups, not one with the stream read inside: c10 is not
+            // called while a device's lock is held.
             match g.alloc.with_owner(ptr, |d| Ok(d.ordinal())) {
                 Some(Ok(owner)) => {
                     let owner = i64::from(owner);

@@ -3,7 +3,7 @@
 //! models on packed sequences of one length do. An allocator should reach
 //! a layout that serves every later step without a memory call; one whose
 //! moves reproduce their own cause keeps moving pages at every step (a
-//! limit cycle, Note [Moves that repeat] in `move_cycle.rs`).
+//! limit cycle: the fifty-third study of `docs/policy-experiments.md`).
 
 use super::{Builder, mix, unit};
 use crate::trace::TraceEvent;
@@ -46,7 +46,10 @@ pub fn fixed_shape(seed: u64, steps: usize) -> Vec<TraceEvent> {
         })
         .collect();
     let adam = log_uniform(1.0, 1e9) % 2 == 0;
-    let mut kept: Vec<_> = weights.iter().map(|&w| b.alloc(w)).collect();
+    // Weights (and Adam's states below) are never freed.
+    for &w in &weights {
+        b.alloc(w);
+    }
     for step in 0..steps {
         let mut live = Vec::with_capacity(layers);
         for l in 0..layers {
@@ -69,8 +72,8 @@ pub fn fixed_shape(seed: u64, steps: usize) -> Vec<TraceEvent> {
         }
         if step == 0 && adam {
             for &w in &weights {
-                kept.push(b.alloc(w));
-                kept.push(b.alloc(w));
+                b.alloc(w);
+                b.alloc(w);
             }
         }
         for &w in &weights {
